@@ -1,0 +1,124 @@
+"""The contract of a federated algorithm.
+
+Following fedjax's ``FederatedAlgorithm`` (``init`` / ``apply``), but split so
+that the engine owns execution: an algorithm is three pure functions around
+the client update, and the engine composes them into one round
+
+    cohort = sampler(key)                                  # engine
+    shared, per_client = server_broadcast(state, cohort)   # algorithm, server
+    outputs = executor.run_work(client_work, ...)          # engine: vmap/blocks/loop
+    state, metrics = server_update(state, cohort, outputs)  # algorithm, server
+
+With a fused executor the whole round is one jit-compiled function. Per-client
+state lives in stacked arrays inside ``state`` (leading axis N); the
+broadcast gathers the cohort's rows, the server update scatters them back.
+"""
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Optional
+
+from flax import struct
+import jax
+import jax.numpy as jnp
+
+from fedjax_personal.data import LocalData
+from fedjax_personal.models import Model
+from fedjax_personal.sampling import Cohort
+from fedjax_personal.training import ClientWork, LossStats
+
+PyTree = Any
+
+
+@struct.dataclass
+class ClientModels:
+  """The model each client uses: client i uses ``params[index[i]]``.
+
+  A global model is M = 1 with index 0 everywhere; fully personal models are
+  M = N with index = arange(N); streams are M = k with the client-to-stream
+  index.
+
+  Attributes:
+    params: stacked parameters, leading axis M.
+    index: int32 [N].
+  """
+  params: PyTree
+  index: jax.Array
+
+  @staticmethod
+  def global_model(params, num_clients: int) -> 'ClientModels':
+    return ClientModels(jax.tree.map(lambda a: a[None], params),
+                        jnp.zeros(num_clients, jnp.int32))
+
+  @staticmethod
+  def personal(stacked, num_clients: int) -> 'ClientModels':
+    return ClientModels(stacked, jnp.arange(num_clients, dtype=jnp.int32))
+
+  @property
+  def num_models(self) -> int:
+    return jax.tree.leaves(self.params)[0].shape[0]
+
+  def for_client(self, i):
+    if self.num_models == 1:  # static: no per-client copy of a global model
+      return jax.tree.map(lambda a: a[0], self.params)
+    return jax.tree.map(lambda a: a[self.index[i]], self.params)
+
+
+class Communication(NamedTuple):
+  """Static sizes for communication accounting.
+
+  Attributes:
+    uplink_bytes_per_client: bytes an active client uploads in a round.
+    downlink_bytes_per_model: bytes of one downlink model.
+    num_downlink_models: distinct models sent down per round (1 for a global
+      broadcast, m_t for streams, the cohort size for unicast personal models,
+      0 when nothing is sent).
+  """
+  uplink_bytes_per_client: int
+  downlink_bytes_per_model: int
+  num_downlink_models: int
+
+
+FineTune = Callable[[PyTree, LocalData, jax.Array], PyTree]
+
+
+@dataclasses.dataclass(frozen=True)
+class FederatedAlgorithm:
+  """A federated algorithm as pure functions (see module docstring).
+
+  Attributes:
+    name: registry name.
+    model: the model whose parameters are trained.
+    init: ``key -> state``; state holds server state and stacked per-client state.
+    server_broadcast: ``(state, cohort) -> (shared, per_client)``; ``shared`` is
+      what every client of the round receives, ``per_client`` has leading axis C
+      (the cohort's rows of per-client state).
+    client_work: the client update as a ``training.ClientWork`` (init / step /
+      final over the client's own batches); the engine runs it for the cohort.
+    server_update: ``(state, cohort, outputs) -> (state, metrics)``.
+    client_models: ``state -> ClientModels`` used for evaluation.
+    communication: ``state -> Communication`` (static sizes).
+    finetune: optional ``(params, local_data, key) -> params`` applied before
+      evaluating a client (FedAvg + fine-tuning).
+  """
+  name: str
+  model: Model
+  init: Callable[[jax.Array], PyTree]
+  server_broadcast: Callable[[PyTree, Cohort], tuple]
+  client_work: ClientWork
+  server_update: Callable[[PyTree, Cohort, PyTree], tuple]
+  client_models: Callable[[PyTree], ClientModels]
+  communication: Callable[[PyTree], Communication]
+  finetune: Optional[FineTune] = None
+
+  def replace(self, **kw) -> 'FederatedAlgorithm':
+    return dataclasses.replace(self, **kw)
+
+
+def cohort_train_metrics(stats: LossStats, mask) -> dict:
+  """Mean local training loss/accuracy over the real examples of active clients."""
+  m = mask.astype(jnp.float32)
+  loss = jnp.sum(stats.loss_sum * m)
+  correct = jnp.sum(stats.correct * m)
+  count = jnp.maximum(jnp.sum(stats.count * m), 1.0)
+  return {'train_loss': loss / count, 'train_accuracy': correct / count,
+          'num_active': jnp.sum(mask.astype(jnp.int32))}

@@ -1,0 +1,31 @@
+"""FedProx (Li et al., MLSys 2020): FedAvg with a proximal local objective
+
+    L_i(theta) + mu/2 ||theta - theta_server||^2.
+"""
+
+import optax
+
+from fedjax_personal.algorithms.fedavg import fedavg
+from fedjax_personal.batching import Batching
+from fedjax_personal.models import Model
+from fedjax_personal.training import batch_loss
+from fedjax_personal.tree_util import tree_sq_norm, tree_sub
+
+
+def proximal_objective(model: Model, mu: float):
+  """``ctx -> objective`` with FedProx's proximal term around the broadcast."""
+  def objective_fn(ctx):
+    def objective(params, batch):
+      loss, stats = batch_loss(model, params, batch)
+      return loss + 0.5 * mu * tree_sq_norm(tree_sub(params, ctx.shared)), stats
+    return objective
+  return objective_fn
+
+
+def fedprox(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
+            batching: Batching, mu: float, **kw):
+  """Builds FedProx; ``kw`` as for ``fedavg`` (server optimizer, weighting)."""
+  if mu < 0:
+    raise ValueError(f'FedProx mu must be >= 0, got {mu}')
+  return fedavg(model, num_clients, client_optimizer, batching,
+                objective_fn=proximal_objective(model, mu), name='fedprox', **kw)

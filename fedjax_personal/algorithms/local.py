@@ -1,0 +1,51 @@
+"""Local training: every client trains alone, nothing is communicated.
+
+Personal models live in a stacked pytree [N, ...], all starting from the same
+initialization; each round the cohort trains its own rows.
+"""
+
+from flax import struct
+import jax
+import optax
+
+from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
+                                       cohort_train_metrics)
+from fedjax_personal.batching import Batching
+from fedjax_personal.models import Model
+from fedjax_personal.training import plain_objective, sgd_client_work
+from fedjax_personal.tree_util import tree_broadcast, tree_gather, tree_scatter
+
+
+@struct.dataclass
+class LocalState:
+  """Attributes:
+    personal_params: stacked [N, ...] models, one per client.
+  """
+  personal_params: optax.Params
+
+
+def local(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
+          batching: Batching, finetune=None) -> FederatedAlgorithm:
+  """Builds Local training."""
+  objective = plain_objective(model)
+
+  def init(key):
+    return LocalState(tree_broadcast(model.init(key), num_clients))
+
+  def server_broadcast(state, cohort):
+    return None, tree_gather(state.personal_params, cohort.idx)
+
+  work = sgd_client_work(lambda ctx: objective, client_optimizer, batching,
+                         final=lambda ctx, carry: (carry.params, carry.stats),
+                         start_fn=lambda ctx: ctx.state)
+
+  def server_update(state, cohort, out):
+    params, stats = out
+    return (LocalState(tree_scatter(state.personal_params, cohort.idx, params)),
+            cohort_train_metrics(stats, cohort.mask))
+
+  return FederatedAlgorithm(
+      name='local', model=model, init=init, server_broadcast=server_broadcast,
+      client_work=work, server_update=server_update,
+      client_models=lambda s: ClientModels.personal(s.personal_params, num_clients),
+      communication=lambda s: Communication(0, 0, 0), finetune=finetune)

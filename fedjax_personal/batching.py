@@ -1,0 +1,103 @@
+"""Local batches drawn inside the compiled round.
+
+Each client draws its own batches from its own padded examples with its own
+PRNG key. The result is a fixed-shape array of example indices [S, B] and a
+mask [S, B]; padded steps (a small client has fewer real steps than the
+largest one) are all-false rows and are skipped by the training loop.
+"""
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Batching:
+  """How a client walks through its local data in one round.
+
+  Exactly one of ``num_epochs`` and ``num_steps`` is set.
+
+  Attributes:
+    batch_size: examples per step; ``None`` means the full local data set
+      (full-batch gradient steps, as in FedSGD).
+    num_epochs: E shuffled passes over each client's own examples; client i
+      then takes E * ceil(n_i / B) steps (the last batch of an epoch may be
+      partial), so clients of different sizes get their own number of steps.
+    num_steps: K steps for every client, each on B examples drawn without
+      replacement (all of them when n_i < B).
+  """
+  batch_size: Optional[int] = 32
+  num_epochs: Optional[int] = 1
+  num_steps: Optional[int] = None
+
+  def __post_init__(self):
+    if (self.num_epochs is None) == (self.num_steps is None):
+      raise ValueError('Batching: set exactly one of num_epochs and num_steps')
+    if self.batch_size is not None and self.batch_size <= 0:
+      raise ValueError(f'Batching: batch_size must be positive, got {self.batch_size}')
+    if self.num_epochs is not None and self.num_epochs < 0:
+      raise ValueError(f'Batching: num_epochs must be >= 0, got {self.num_epochs}')
+    if self.num_steps is not None and self.num_steps < 0:
+      raise ValueError(f'Batching: num_steps must be >= 0, got {self.num_steps}')
+
+  def effective_batch_size(self, max_examples: int) -> int:
+    b = max_examples if self.batch_size is None else min(self.batch_size, max_examples)
+    return max(b, 1)
+
+  def num_padded_steps(self, max_examples: int) -> int:
+    """S, the static number of steps (the largest client's)."""
+    b = self.effective_batch_size(max_examples)
+    if self.num_steps is not None:
+      return self.num_steps
+    return self.num_epochs * math.ceil(max_examples / b) if max_examples else 0
+
+  def num_steps_for(self, num_examples: int, max_examples: int) -> int:
+    """The number of real steps of a client with ``num_examples`` examples."""
+    if num_examples == 0:
+      return 0
+    b = self.effective_batch_size(max_examples)
+    if self.num_steps is not None:
+      return self.num_steps
+    return self.num_epochs * math.ceil(num_examples / b)
+
+
+def _shuffled(key, num_examples, max_examples):
+  """A random order of the first num_examples positions, padding last."""
+  u = jax.random.uniform(key, (max_examples,))
+  u = jnp.where(jnp.arange(max_examples) < num_examples, u, 2.0)
+  return jnp.argsort(u)
+
+
+def batch_indices(key: jax.Array, num_examples: jax.Array, max_examples: int,
+                  batching: Batching):
+  """Example indices and masks of every local step of one client.
+
+  Args:
+    key: the client's PRNG key for this round.
+    num_examples: scalar int, the client's real example count n_i.
+    max_examples: static padded length.
+    batching: the Batching configuration.
+
+  Returns:
+    (idx, mask): int32 [S, B] indices into the client's examples and bool
+    [S, B] marking real examples; a row of mask is all false on padded steps.
+  """
+  b = batching.effective_batch_size(max_examples)
+  if batching.num_steps is not None:
+    keys = jax.random.split(key, batching.num_steps)
+    idx = jax.vmap(lambda k: _shuffled(k, num_examples, max_examples)[:b])(keys)
+    mask = jnp.broadcast_to(jnp.arange(b) < num_examples, idx.shape)
+    return idx.astype(jnp.int32), mask
+  nb = math.ceil(max_examples / b) if max_examples else 0
+  keys = jax.random.split(key, batching.num_epochs)
+  perms = jax.vmap(lambda k: _shuffled(k, num_examples, max_examples))(keys)
+  pad = nb * b - max_examples
+  perms = jnp.pad(perms, ((0, 0), (0, pad)))
+  pos = jnp.arange(nb * b)
+  mask = jnp.broadcast_to(pos < num_examples, perms.shape)
+  idx = perms.reshape(-1, b).astype(jnp.int32)
+  mask = mask.reshape(-1, b)
+  return idx, mask

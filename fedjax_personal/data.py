@@ -1,0 +1,176 @@
+"""Federated data as fixed-shape arrays.
+
+Every client's examples are padded to a common length ``max_examples`` and come
+with a count, so that a whole population is a handful of arrays with a leading
+client axis. This is what lets one compiled round serve every cohort.
+"""
+
+from typing import Optional, Sequence
+
+from flax import struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@struct.dataclass
+class ClientData:
+  """One split (train, validation or test) of all clients, padded.
+
+  Attributes:
+    x: inputs, shape [N, max_examples, ...]. Padded rows are zeros.
+    y: targets, shape [N, max_examples, ...] (int labels, or token sequences).
+    num_examples: int32 [N], how many leading rows of client i are real.
+  """
+  x: jax.Array
+  y: jax.Array
+  num_examples: jax.Array
+
+  @property
+  def num_clients(self) -> int:
+    return self.x.shape[0]
+
+  @property
+  def max_examples(self) -> int:
+    return self.x.shape[1]
+
+  def client(self, i) -> 'ClientData':
+    """Client i's data (x [max_examples, ...], y, num_examples scalar)."""
+    return jax.tree.map(lambda a: a[i], self)
+
+  def example_mask(self) -> jax.Array:
+    return jnp.arange(self.max_examples)[None, :] < self.num_examples[:, None]
+
+
+@struct.dataclass
+class FederatedData:
+  """A federated data set: per-client train / validation / test splits.
+
+  All three splits are drawn from each client's own distribution.
+
+  Attributes:
+    train: training split of every client.
+    val: validation split (may have max_examples 0 when unused).
+    test: test split of every client.
+    groups: int32 [N] known group of each client (rotation, permutation or
+      latent cluster), or -1 when there is no known group structure.
+    num_classes: number of output classes of the task (static).
+    name: a short description (static).
+  """
+  train: ClientData
+  val: ClientData
+  test: ClientData
+  groups: jax.Array
+  num_classes: int = struct.field(pytree_node=False)
+  name: str = struct.field(pytree_node=False, default='')
+
+  @property
+  def num_clients(self) -> int:
+    return self.train.num_clients
+
+  @property
+  def num_groups(self) -> int:
+    g = np.asarray(self.groups)
+    return int(g.max()) + 1 if g.size and g.max() >= 0 else 0
+
+  def describe(self) -> str:
+    n = np.asarray(self.train.num_examples)
+    return (f'{self.name}: {self.num_clients} clients, {self.num_classes} classes, '
+            f'train examples per client min {n.min()} median {int(np.median(n))} '
+            f'max {n.max()} (total {n.sum()}), test total '
+            f'{int(np.asarray(self.test.num_examples).sum())}')
+
+
+@struct.dataclass
+class LocalData:
+  """What a client may train on: its own train and validation splits."""
+  train: ClientData
+  val: ClientData
+
+
+def pad_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray],
+                x_shape, x_dtype, y_shape=(), y_dtype=np.int32,
+                max_examples: Optional[int] = None) -> ClientData:
+  """Stacks per-client arrays into one padded ClientData (host numpy)."""
+  n = np.array([len(x) for x in xs], dtype=np.int32)
+  m = int(n.max()) if max_examples is None else max_examples
+  m = max(m, 0)
+  xp = np.zeros((len(xs), m) + tuple(x_shape), dtype=x_dtype)
+  yp = np.zeros((len(xs), m) + tuple(y_shape), dtype=y_dtype)
+  for i, (x, y) in enumerate(zip(xs, ys)):
+    xp[i, :len(x)] = x
+    yp[i, :len(y)] = y
+  return ClientData(x=xp, y=yp, num_examples=n)
+
+
+def split_client_examples(num_examples: int, rng: np.random.Generator,
+                          test_fraction: float, val_fraction: float):
+  """Shuffles one client's examples and splits them into train/val/test.
+
+  Rounding keeps at least one training example when the client has any, and
+  gives a test example to every client with at least two examples (so that a
+  per-client test accuracy exists).
+  """
+  perm = rng.permutation(num_examples)
+  n_test = int(round(test_fraction * num_examples))
+  if test_fraction > 0 and num_examples >= 2:
+    n_test = max(n_test, 1)
+  n_val = int(round(val_fraction * num_examples))
+  if val_fraction > 0 and num_examples - n_test >= 2:
+    n_val = max(n_val, 1)
+  n_test = min(n_test, max(num_examples - 1, 0))
+  n_val = min(n_val, max(num_examples - n_test - 1, 0))
+  test = perm[:n_test]
+  val = perm[n_test:n_test + n_val]
+  train = perm[n_test + n_val:]
+  return train, val, test
+
+
+def build_federated_data(x: np.ndarray, y: np.ndarray,
+                         client_indices: Sequence[np.ndarray],
+                         num_classes: int,
+                         rng: np.random.Generator,
+                         test_fraction: float = 0.2,
+                         val_fraction: float = 0.0,
+                         groups: Optional[np.ndarray] = None,
+                         client_transform=None,
+                         name: str = '') -> FederatedData:
+  """Builds padded per-client splits from a pool of examples.
+
+  Args:
+    x, y: the pool of examples (numpy, leading axis = example).
+    client_indices: for each client, indices into the pool (each example
+      should appear at most once over all clients).
+    num_classes: output classes of the task.
+    rng: numpy Generator used to split each client's examples.
+    test_fraction, val_fraction: share of each client's examples held out.
+    groups: optional known group per client.
+    client_transform: optional ``f(i, x_i, y_i) -> (x_i, y_i)`` applied to client
+      i's examples (rotations, label permutations, class re-indexing).
+    name: description.
+
+  Returns:
+    FederatedData with numpy leaves (moved to device by ``jax.device_put``).
+  """
+  splits = {'train': ([], []), 'val': ([], []), 'test': ([], [])}
+  for i, idx in enumerate(client_indices):
+    idx = np.asarray(idx, dtype=np.int64)
+    xi, yi = x[idx], y[idx]
+    if client_transform is not None:
+      xi, yi = client_transform(i, xi, yi)
+    tr, va, te = split_client_examples(len(idx), rng, test_fraction, val_fraction)
+    for key, part in (('train', tr), ('val', va), ('test', te)):
+      splits[key][0].append(xi[part])
+      splits[key][1].append(yi[part])
+  x_shape, y_shape = x.shape[1:], y.shape[1:]
+  out = {k: pad_clients(v[0], v[1], x_shape, x.dtype, y_shape, np.int32)
+         for k, v in splits.items()}
+  if groups is None:
+    groups = -np.ones(len(client_indices), dtype=np.int32)
+  return FederatedData(train=out['train'], val=out['val'], test=out['test'],
+                       groups=np.asarray(groups, dtype=np.int32),
+                       num_classes=num_classes, name=name)
+
+
+def to_device(data: FederatedData) -> FederatedData:
+  return jax.tree.map(jnp.asarray, data)

@@ -1,0 +1,193 @@
+"""Offline loaders for the example pools (no download, ever).
+
+Files are looked up in, in order: an explicit ``data_dir``, the environment
+variable ``FEDJAX_PERSONAL_DATA``, the package's embedded data (MNIST 10k),
+``../shared/data`` next to the repository and next to the working directory.
+"""
+
+import gzip
+import io
+import os
+import pathlib
+import re
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+PACKAGE_DATA = pathlib.Path(__file__).parent / 'data'
+_REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def search_dirs(data_dir: Optional[str] = None) -> List[pathlib.Path]:
+  dirs = []
+  if data_dir:
+    dirs.append(pathlib.Path(data_dir).expanduser())
+  if os.environ.get('FEDJAX_PERSONAL_DATA'):
+    dirs.append(pathlib.Path(os.environ['FEDJAX_PERSONAL_DATA']).expanduser())
+  dirs += [PACKAGE_DATA, _REPO.parent / 'shared' / 'data', pathlib.Path.cwd().parent / 'shared' / 'data',
+           pathlib.Path.cwd() / 'shared' / 'data']
+  return dirs
+
+
+def find_file(relpath: str, data_dir: Optional[str] = None) -> pathlib.Path:
+  """Path of a data file, or FileNotFoundError naming where it was looked for."""
+  dirs = search_dirs(data_dir)
+  for d in dirs:
+    if (d / relpath).is_file():
+      return d / relpath
+  raise FileNotFoundError(f'data file {relpath!r} not found in any of: '
+                          + ', '.join(str(d) for d in dirs)
+                          + ' (set --data_dir or FEDJAX_PERSONAL_DATA)')
+
+
+def read_idx(path) -> np.ndarray:
+  """Reads an IDX file (optionally gzipped), the format of the MNIST release."""
+  opener = gzip.open if str(path).endswith('.gz') else open
+  with opener(path, 'rb') as f:
+    raw = f.read()
+  if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
+    raise ValueError(f'{path} is not an IDX file')
+  dtype = {0x08: np.uint8, 0x09: np.int8, 0x0B: '>i2', 0x0C: '>i4', 0x0D: '>f4', 0x0E: '>f8'}[raw[2]]
+  ndim = raw[3]
+  shape = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], 'big') for i in range(ndim))
+  data = np.frombuffer(raw, dtype=dtype, offset=4 + 4 * ndim)
+  if data.size != int(np.prod(shape)):
+    raise ValueError(f'{path}: expected {shape} values, found {data.size}')
+  return data.reshape(shape)
+
+
+def load_mnist(data_dir: Optional[str] = None) -> Tuple[np.ndarray, np.ndarray, int]:
+  """MNIST 10k test split (embedded in the package): uint8 [10000, 28, 28, 1]."""
+  x = read_idx(find_file('mnist_t10k/t10k-images-idx3-ubyte.gz', data_dir))
+  y = read_idx(find_file('mnist_t10k/t10k-labels-idx1-ubyte.gz', data_dir))
+  return x[..., None], y.astype(np.int32), 10
+
+
+def load_digits() -> Tuple[np.ndarray, np.ndarray, int]:
+  """scikit-learn's 1,797 8x8 digits, float32 in [0, 1], [N, 8, 8, 1]."""
+  from sklearn.datasets import load_digits as _ld
+  d = _ld()
+  return (d.images / 16.0).astype(np.float32)[..., None], d.target.astype(np.int32), 10
+
+
+def _cache_dir() -> pathlib.Path:
+  d = pathlib.Path(os.environ.get('FEDJAX_PERSONAL_CACHE', '~/.cache/fedjax_personal')).expanduser()
+  d.mkdir(parents=True, exist_ok=True)
+  return d
+
+
+def load_cifar10(data_dir: Optional[str] = None, split: str = 'all'):
+  """CIFAR-10 from the JPEG archive: uint8 [N, 32, 32, 3], decoded once and cached.
+
+  Args:
+    split: 'train' (50,000), 'test' (10,000) or 'all' (60,000, train first).
+  """
+  src = find_file('cifar10_jpeg.npz', data_dir)
+  cache = _cache_dir() / f'cifar10_decoded_{os.path.getsize(src)}.npz'
+  if not cache.exists():
+    from PIL import Image
+    arc = np.load(src)
+    out = {}
+    for part in ('train', 'test'):
+      jpeg, offs = arc[f'{part}_jpeg'], arc[f'{part}_offsets']
+      imgs = np.empty((len(offs) - 1, 32, 32, 3), np.uint8)
+      for i in range(len(offs) - 1):
+        imgs[i] = np.asarray(Image.open(io.BytesIO(jpeg[offs[i]:offs[i + 1]].tobytes())).convert('RGB'))
+      out[f'{part}_x'] = imgs
+      out[f'{part}_y'] = arc[f'{part}_labels'].astype(np.int32)
+    tmp = cache.with_suffix('.tmp.npz')
+    np.savez(tmp, **out)
+    os.replace(tmp, cache)
+  arc = np.load(cache)
+  if split == 'all':
+    return (np.concatenate([arc['train_x'], arc['test_x']]),
+            np.concatenate([arc['train_y'], arc['test_y']]), 10)
+  if split not in ('train', 'test'):
+    raise ValueError(f"cifar10 split must be 'train', 'test' or 'all', got {split!r}")
+  return arc[f'{split}_x'], arc[f'{split}_y'], 10
+
+
+def parse_shakespeare_roles(text: str) -> Dict[str, str]:
+  """Speeches grouped by speaking role.
+
+  The text is a sequence of blocks separated by blank lines; a block's first
+  line, ending in ':', names the role (verse lines may also end in ':', so
+  only a block's first line is read as a role).
+  """
+  roles: Dict[str, List[str]] = {}
+  for block in re.split(r'\n\s*\n', text):
+    lines = block.strip('\n').split('\n')
+    if len(lines) < 2 or not lines[0].endswith(':'):
+      continue
+    roles.setdefault(lines[0][:-1].strip(), []).append('\n'.join(lines[1:]))
+  return {r: '\n'.join(s) for r, s in roles.items()}
+
+
+def shakespeare_vocab(text: str) -> str:
+  return ''.join(sorted(set(text)))
+
+
+def load_shakespeare(num_clients: int, seq_len: int = 80, min_chars: int = 1000,
+                     max_sequences: Optional[int] = None, data_dir: Optional[str] = None,
+                     text: Optional[str] = None):
+  """Tiny Shakespeare split by speaking role (a natural federated text set).
+
+  Each role with at least ``min_chars`` characters of speech is a client
+  (the ``num_clients`` longest are kept); its speech is cut into consecutive
+  windows of ``seq_len + 1`` characters: x = window[:-1], y = window[1:]
+  (next-character prediction, as LEAF's Shakespeare).
+
+  Returns:
+    (client_x, client_y, vocab): per-client int32 arrays [n_i, seq_len].
+  """
+  if text is None:
+    text = find_file('tinyshakespeare.txt', data_dir).read_text()
+  vocab = shakespeare_vocab(text)
+  lookup = {ch: i for i, ch in enumerate(vocab)}
+  roles = parse_shakespeare_roles(text)
+  eligible = sorted((r for r, s in roles.items() if len(s) >= min_chars),
+                    key=lambda r: (-len(roles[r]), r))
+  if num_clients > len(eligible):
+    raise ValueError(f'shakespeare has {len(eligible)} roles with >= {min_chars} characters; '
+                     f'num_clients={num_clients} is too many')
+  xs, ys = [], []
+  for r in eligible[:num_clients]:
+    ids = np.array([lookup[ch] for ch in roles[r]], np.int32)
+    n = (len(ids) - 1) // seq_len
+    if max_sequences:
+      n = min(n, max_sequences)
+    w = ids[:n * seq_len + 1]
+    xs.append(np.stack([w[k * seq_len:(k + 1) * seq_len] for k in range(n)]))
+    ys.append(np.stack([w[k * seq_len + 1:(k + 1) * seq_len + 1] for k in range(n)]))
+  return xs, ys, vocab
+
+
+def synthetic(num_clients: int, alpha: float, beta: float, rng: np.random.Generator,
+              dim: int = 60, num_classes: int = 10, iid: bool = False):
+  """Synthetic(alpha, beta) of Li et al. (FedProx, MLSys 2020).
+
+  Client k: u_k ~ N(0, alpha), W_k ~ N(u_k, 1) [C x d], b_k ~ N(u_k, 1);
+  B_k ~ N(0, beta), v_k ~ N(B_k, 1) [d]; x ~ N(v_k, Sigma) with
+  Sigma_jj = j^-1.2; y = argmax(W_k x + b_k). Sizes n_k = lognormal(4, 2) + 50
+  (capped at 1000 here to bound padding). ``iid`` uses one shared W, b, v.
+
+  Returns:
+    (client_x float32 [n_k, d], client_y int32 [n_k]) lists.
+  """
+  if alpha < 0 or beta < 0:
+    raise ValueError(f'synthetic alpha and beta must be >= 0, got {alpha}, {beta}')
+  sizes = np.minimum(rng.lognormal(4, 2, num_clients).astype(int) + 50, 1000)
+  sigma = np.diag(np.arange(1, dim + 1, dtype=np.float64) ** -1.2)
+  w_glob, b_glob = rng.normal(0, 1, (num_classes, dim)), rng.normal(0, 1, num_classes)
+  xs, ys = [], []
+  for k in range(num_clients):
+    if iid:
+      w, b, v = w_glob, b_glob, np.zeros(dim)
+    else:
+      u = rng.normal(0, np.sqrt(alpha))
+      w, b = rng.normal(u, 1, (num_classes, dim)), rng.normal(u, 1, num_classes)
+      v = rng.normal(rng.normal(0, np.sqrt(beta)), 1, dim)
+    x = rng.multivariate_normal(v, sigma, sizes[k])
+    xs.append(x.astype(np.float32))
+    ys.append(np.argmax(x @ w.T + b, axis=1).astype(np.int32))
+  return xs, ys

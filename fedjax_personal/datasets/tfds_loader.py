@@ -1,0 +1,51 @@
+"""TFDS data sets for users who are online (or have prepared data locally).
+
+Reads through ``tfds.data_source`` (no TensorFlow needed at read time; data
+prepared with ``file_format='array_record'``). Preparing the data
+(``download_and_prepare``) needs the optional ``tfds`` extra (tensorflow-cpu).
+Tests use ``tfds.testing.mock_data``; nothing here downloads unless the user
+asks for it with ``download=True``.
+"""
+
+from typing import Optional
+
+import numpy as np
+
+# name on the command line -> (TFDS name, image key or text key, label key)
+TFDS_DATASETS = {
+    'mnist': ('mnist', 'image', 'label'),
+    'emnist': ('emnist/digits', 'image', 'label'),
+    'emnist_byclass': ('emnist/byclass', 'image', 'label'),
+    'cifar10': ('cifar10', 'image', 'label'),
+    'cifar100': ('cifar100', 'image', 'label'),
+    'tiny_shakespeare': ('tiny_shakespeare', 'text', None),
+}
+
+
+def load_tfds(name: str, split: str = 'train', data_dir: Optional[str] = None,
+              download: bool = False, max_examples: Optional[int] = None):
+  """Loads a TFDS data set into numpy arrays.
+
+  Returns:
+    (x, y, num_classes) for image sets (x uint8 [N, H, W, C]); for
+    'tiny_shakespeare', the text of the split as a str.
+  """
+  import tensorflow_datasets as tfds
+  if name not in TFDS_DATASETS:
+    raise ValueError(f'unknown tfds data set {name!r}; choose one of {sorted(TFDS_DATASETS)}')
+  tfds_name, x_key, y_key = TFDS_DATASETS[name]
+  if download:
+    tfds.builder(tfds_name, data_dir=data_dir).download_and_prepare(
+        file_format='array_record')
+  source = tfds.data_source(tfds_name, split=split, data_dir=data_dir)
+  n = len(source) if max_examples is None else min(len(source), max_examples)
+  if y_key is None:
+    parts = [source[i][x_key] for i in range(n)]
+    return ''.join(p.decode('utf-8') if isinstance(p, bytes) else str(p) for p in parts)
+  xs = np.stack([np.asarray(source[i][x_key]) for i in range(n)])
+  ys = np.array([int(source[i][y_key]) for i in range(n)], np.int32)
+  info = tfds.builder(tfds_name, data_dir=data_dir).info
+  num_classes = info.features[y_key].num_classes
+  if xs.ndim == 3:
+    xs = xs[..., None]
+  return xs.astype(np.uint8), ys, num_classes

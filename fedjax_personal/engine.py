@@ -1,0 +1,179 @@
+"""Composes an algorithm, data, a cohort sampler and an executor into rounds.
+
+``RoundRunner`` builds the round once per experiment. With a fused executor
+(``vmap``, ``blocked``) one round is one ``jax.jit``-compiled function of
+(state, key, data); with ``sequential`` it is a compiled server step, compiled
+client init / step / final dispatched per client, and a compiled aggregation.
+Every compiled piece compiles once per run (``trace_counts`` records traces).
+"""
+
+import collections
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_personal.algorithm import FederatedAlgorithm
+from fedjax_personal.data import FederatedData, LocalData
+from fedjax_personal.executors import Executor
+from fedjax_personal.sampling import CohortSampler
+from fedjax_personal.training import ClientContext, LossStats, evaluate_params
+
+PyTree = Any
+
+
+def _row(tree, i):
+  return jax.tree.map(lambda a: a.at[i].get(mode='clip'), tree)
+
+
+class RoundRunner:
+  """Runs rounds and evaluations of one algorithm on one data set.
+
+  Args:
+    algorithm: the FederatedAlgorithm.
+    data: FederatedData (device arrays).
+    sampler: CohortSampler.
+    executor: Executor for client work.
+  """
+
+  def __init__(self, algorithm: FederatedAlgorithm, data: FederatedData,
+               sampler: CohortSampler, executor: Executor):
+    if sampler.num_clients != data.num_clients:
+      raise ValueError(f'sampler has {sampler.num_clients} clients, data has {data.num_clients}')
+    self.algorithm = algorithm
+    self.data = data
+    self.sampler = sampler
+    self.executor = executor
+    self.trace_counts = collections.Counter()
+    work = algorithm.client_work
+    max_n = int(data.train.max_examples)
+    self._host_steps = np.array([work.batching.num_steps_for(int(n), max_n)
+                                 for n in np.asarray(data.train.num_examples)])
+    self._build()
+
+  def _build(self):
+    alg, sampler, ex = self.algorithm, self.sampler, self.executor
+    counts = self.trace_counts
+
+    def pre(state, key):
+      counts['pre'] += 1
+      k_cohort, k_clients = jax.random.split(key)
+      cohort = sampler(k_cohort)
+      shared, per_client = alg.server_broadcast(state, cohort)
+      keys = jax.vmap(lambda i: jax.random.fold_in(k_clients, i))(cohort.idx)
+      return cohort, shared, (cohort.idx, per_client, keys)
+
+    def make_ctx(shared_all, c):
+      counts['client'] += 1
+      shared, train, val = shared_all
+      idx, client_state, key = c
+      local = LocalData(train=_row(train, idx), val=_row(val, idx))
+      return ClientContext(shared=shared, state=client_state, data=local), key
+
+    def post(state, cohort, outputs):
+      counts['post'] += 1
+      return alg.server_update(state, cohort, outputs)
+
+    work = alg.client_work
+    if ex.fused:
+      def round_fn(state, key, train, val):
+        counts['round'] += 1
+        cohort, shared, per_client = pre(state, key)
+        outputs = ex.run_work(work, make_ctx, (shared, train, val), per_client,
+                              active=cohort.mask)
+        return post(state, cohort, outputs)
+      jitted = jax.jit(round_fn)
+      self._round = lambda state, key: jitted(state, key, self.data.train, self.data.val)
+    else:
+      pre_j, post_j = jax.jit(pre), jax.jit(post)
+
+      def round_py(state, key):
+        cohort, shared, per_client = pre_j(state, key)
+        idx, mask = jax.device_get((cohort.idx, cohort.mask))
+        steps = self._host_steps[np.minimum(idx, len(self._host_steps) - 1)]
+        outputs = ex.run_work(work, make_ctx, (shared, self.data.train, self.data.val),
+                              per_client, active=mask, num_steps=steps)
+        return post_j(state, cohort, outputs)
+      self._round = round_py
+
+    # -- evaluation -------------------------------------------------------------
+    model = alg.model
+
+    def make_eval_client(finetune: bool):
+      def eval_client(shared, c):
+        counts['eval_client'] += 1
+        models, train, val, test = shared
+        i, key = c
+        params = models.for_client(i)
+        if finetune:
+          params = alg.finetune(params, LocalData(train=_row(train, i), val=_row(val, i)), key)
+        return evaluate_params(model, params, _row(test, i))
+      return eval_client
+
+    eval_clients = {False: make_eval_client(False), True: make_eval_client(True)}
+
+    def eval_all(models, data, key, finetune):
+      n = data.num_clients
+      per_client = (jnp.arange(n, dtype=jnp.int32),
+                    jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n)))
+      return ex.map(eval_clients[finetune], (models, data.train, data.val, data.test),
+                    per_client)
+
+    models_j = jax.jit(alg.client_models)
+    if ex.fused:
+      eval_j = jax.jit(eval_all, static_argnums=3)
+      self._evaluate = lambda state, key, ft: eval_j(models_j(state), self.data, key, ft)
+    else:
+      self._evaluate = lambda state, key, ft: eval_all(models_j(state), self.data, key, ft)
+
+  def init(self, key):
+    """The algorithm's initial state."""
+    return jax.jit(self.algorithm.init)(key)
+
+  def round(self, state, key):
+    """One round: returns (new state, metrics dict of device scalars)."""
+    return self._round(state, key)
+
+  def evaluate(self, state, key, finetune: Optional[bool] = None) -> LossStats:
+    """Per-client LossStats ([N] arrays) of the model each client uses, on its
+    own test split; after the algorithm's fine-tuning when it has one (or when
+    ``finetune`` is True)."""
+    ft = self.algorithm.finetune is not None if finetune is None else finetune
+    if ft and self.algorithm.finetune is None:
+      raise ValueError(f'algorithm {self.algorithm.name} has no fine-tuning step')
+    return self._evaluate(state, key, bool(ft))
+
+
+def summarize(stats: LossStats) -> dict:
+  """Summary of per-client test metrics.
+
+  Returns the unweighted mean accuracy over clients with test data, the mean
+  weighted by test size, the worst and best client, quantiles
+  10/25/50/75/90, and the weighted mean loss.
+  """
+  correct = np.asarray(stats.correct, np.float64)
+  count = np.asarray(stats.count, np.float64)
+  loss = np.asarray(stats.loss_sum, np.float64)
+  has = count > 0
+  acc = correct[has] / count[has]
+  if acc.size == 0:
+    return {'accuracy_mean': float('nan')}
+  q = np.quantile(acc, [0.1, 0.25, 0.5, 0.75, 0.9])
+  return {
+      'accuracy_mean': float(acc.mean()),
+      'accuracy_weighted': float(correct.sum() / count.sum()),
+      'accuracy_worst': float(acc.min()),
+      'accuracy_best': float(acc.max()),
+      'accuracy_q10': float(q[0]), 'accuracy_q25': float(q[1]),
+      'accuracy_median': float(q[2]), 'accuracy_q75': float(q[3]),
+      'accuracy_q90': float(q[4]),
+      'loss_weighted': float(loss.sum() / count.sum()),
+      'num_eval_clients': int(has.sum()),
+  }
+
+
+def per_client_accuracy(stats: LossStats) -> np.ndarray:
+  """Accuracy of each client on its test split (NaN without test data)."""
+  count = np.asarray(stats.count, np.float64)
+  return np.where(count > 0, np.asarray(stats.correct) / np.maximum(count, 1), np.nan)

@@ -1,0 +1,107 @@
+"""Cohort sampling inside the compiled round, with a fixed shape."""
+
+import dataclasses
+import math
+from typing import Optional
+
+from flax import struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@struct.dataclass
+class Cohort:
+  """The clients of one round.
+
+  Attributes:
+    idx: int32 [C] client indices; padded slots hold N (one past the last
+      client), which gathers clip and scatters drop.
+    mask: bool [C], true for real (active) slots.
+  """
+  idx: jax.Array
+  mask: jax.Array
+
+  @property
+  def num_active(self):
+    return jnp.sum(self.mask)
+
+
+def _binomial_capacity(n: int, p: float, tail: float = 1e-9) -> int:
+  """Smallest c with P(Binomial(n, p) > c) < tail (exact pmf in log space)."""
+  if p >= 1.0:
+    return n
+  k = np.arange(n + 1)
+  logpmf = (np.array([math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) for i in k])
+            + k * math.log(p) + (n - k) * math.log1p(-p))
+  pmf = np.exp(logpmf - logpmf.max())
+  pmf /= pmf.sum()
+  tail_mass = np.cumsum(pmf[::-1])[::-1]  # P(X >= k)
+  above = np.nonzero(tail_mass < tail)[0]
+  return int(above[0]) if above.size else n
+
+
+@dataclasses.dataclass(frozen=True)
+class CohortSampler:
+  """Draws the round's cohort.
+
+  Exactly one of ``cohort_size`` (a fixed number of clients without
+  replacement, FedAvg's scheme) and ``participation`` (each client active
+  independently with probability p, FedDyn's scheme, redrawn while empty) is
+  set. With ``participation`` the cohort has a fixed capacity (the 1 - 1e-9
+  quantile of Binomial(N, p)) so that the round compiles once; in the
+  vanishingly rare event of more active clients, a uniformly random subset of
+  ``capacity`` of them is kept.
+  """
+  num_clients: int
+  cohort_size: Optional[int] = None
+  participation: Optional[float] = None
+
+  def __post_init__(self):
+    if self.num_clients < 1:
+      raise ValueError(f'num_clients must be >= 1, got {self.num_clients}')
+    if (self.cohort_size is None) == (self.participation is None):
+      raise ValueError('set exactly one of cohort_size and participation')
+    if self.cohort_size is not None and not 1 <= self.cohort_size <= self.num_clients:
+      raise ValueError(f'cohort_size must be in [1, num_clients={self.num_clients}], '
+                       f'got {self.cohort_size}')
+    if self.participation is not None and not 0 < self.participation <= 1:
+      raise ValueError(f'participation must be in (0, 1], got {self.participation}')
+
+  @property
+  def capacity(self) -> int:
+    if self.cohort_size is not None:
+      return self.cohort_size
+    return max(1, _binomial_capacity(self.num_clients, self.participation))
+
+  def __call__(self, key: jax.Array) -> Cohort:
+    n = self.num_clients
+    if self.cohort_size is not None:
+      if self.cohort_size == n:
+        idx = jnp.arange(n, dtype=jnp.int32)
+      else:
+        idx = jax.random.choice(key, n, (self.cohort_size,), replace=False).astype(jnp.int32)
+      return Cohort(idx=idx, mask=jnp.ones(self.cohort_size, bool))
+    cap = self.capacity
+
+    def draw(k):
+      return jax.random.uniform(k, (n,)) < self.participation
+
+    def cond(carry):
+      return ~jnp.any(carry[1])
+
+    def body(carry):
+      k, _ = carry
+      k, sub = jax.random.split(k)
+      return k, draw(sub)
+
+    key, sub = jax.random.split(key)
+    key, active = jax.lax.while_loop(cond, body, (key, draw(sub)))
+    priority = jnp.where(active, jax.random.uniform(key, (n,)), 2.0)
+    order = jnp.argsort(priority)[:cap]
+    count = jnp.minimum(jnp.sum(active), cap)
+    mask = jnp.arange(cap) < count
+    idx = jnp.where(mask, order, n).astype(jnp.int32)
+    # Keep client order ascending for readability (padding N sorts last).
+    perm = jnp.argsort(idx)
+    return Cohort(idx=idx[perm], mask=mask[perm])

@@ -1,0 +1,250 @@
+"""Losses, the client-work contract (init / step / final) and local SGD."""
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Callable, NamedTuple, Optional
+
+from flax import struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_personal import batching as batching_lib
+from fedjax_personal.data import ClientData, LocalData
+from fedjax_personal.models import Model
+from fedjax_personal.tree_util import tree_where
+
+PyTree = Any
+
+# Whether step loops traced now are unrolled. Executors set it while they trace
+# client work, so an algorithm never decides how its steps execute.
+_UNROLL_STEPS = contextvars.ContextVar('unroll_steps', default=False)
+
+
+@contextlib.contextmanager
+def unroll_steps(enabled: bool):
+  token = _UNROLL_STEPS.set(enabled)
+  try:
+    yield
+  finally:
+    _UNROLL_STEPS.reset(token)
+
+
+def scan_steps(f, init, xs):
+  """``lax.scan`` whose unrolling is chosen by the executor being traced."""
+  return jax.lax.scan(f, init, xs, unroll=True if _UNROLL_STEPS.get() else 1)
+
+
+class Batch(NamedTuple):
+  """One local batch: x [B, ...], y [B, ...], mask bool [B]."""
+  x: jax.Array
+  y: jax.Array
+  mask: jax.Array
+
+
+class LossStats(NamedTuple):
+  """Sums over a batch: loss, correct predictions and counted targets."""
+  loss_sum: jax.Array
+  correct: jax.Array
+  count: jax.Array
+
+
+def zero_stats() -> LossStats:
+  return LossStats(jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
+
+
+def per_example_stats(logits, y, mask) -> LossStats:
+  """Cross-entropy and correctness with padding masked.
+
+  ``logits`` is [B, ..., C] and ``y`` is [B, ...]: sequence targets (next
+  character) count every position; ``mask`` [B] masks whole examples.
+  """
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+  correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+  m = mask.reshape(mask.shape + (1,) * (y.ndim - mask.ndim)).astype(jnp.float32)
+  m = jnp.broadcast_to(m, y.shape)
+  return LossStats(jnp.sum(ce * m), jnp.sum(correct * m), jnp.sum(m))
+
+
+def batch_loss(model: Model, params, batch: Batch):
+  """Mean masked cross-entropy over real examples, and its LossStats."""
+  stats = per_example_stats(model.apply(params, batch.x), batch.y, batch.mask)
+  return stats.loss_sum / jnp.maximum(stats.count, 1.0), stats
+
+
+def plain_objective(model: Model):
+  """The empirical risk on a batch: ``(params, batch) -> (loss, stats)``."""
+  return lambda params, batch: batch_loss(model, params, batch)
+
+
+def get_batch(data: ClientData, idx, mask) -> Batch:
+  return Batch(x=data.x[idx], y=data.y[idx], mask=mask)
+
+
+def evaluate_params(model: Model, params, data: ClientData) -> LossStats:
+  """LossStats of ``params`` on all real examples of one client."""
+  mask = jnp.arange(data.x.shape[0]) < data.num_examples
+  return per_example_stats(model.apply(params, data.x), data.y, mask)
+
+
+# -- client work --------------------------------------------------------------
+
+@struct.dataclass
+class ClientContext:
+  """What a client's work may read, fixed for the whole round.
+
+  Attributes:
+    shared: what the server broadcast to every client of the round.
+    state: this client's row of the algorithm's per-client state.
+    data: this client's LocalData (train and validation splits).
+  """
+  shared: Any
+  state: Any
+  data: LocalData
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientWork:
+  """A client update split into init / step / final (as fedjax's
+  for_each_client), so that the engine owns the step loop.
+
+  The update is ``final(ctx, step(...step(init(ctx, key))...))`` over the
+  client's own batches: a pure function of (broadcast model, client state,
+  client batches, key). The engine draws the batches (``batching``), makes
+  padded steps leave the carry unchanged, and chooses how steps execute: a
+  scan inside one compiled round (vmap / blocked executors) or one dispatch
+  per real step (sequential executor, the fastest for convolutions on CPU).
+
+  Attributes:
+    init: ``(ctx, key) -> carry``.
+    step: ``(ctx, carry, batch, key) -> carry``; ``batch`` is a Batch with
+      leading [B] (or [k, B] when ``batches_per_step`` = k > 1).
+    final: ``(ctx, carry) -> output``.
+    batching: how batches are drawn (each client's number of steps follows).
+    batches_per_step: k independent batches per step (Per-FedAvg uses 3).
+  """
+  init: Callable
+  step: Callable
+  final: Callable
+  batching: batching_lib.Batching
+  batches_per_step: int = 1
+
+
+def work_batch_indices(work: ClientWork, key, num_examples, max_examples):
+  """Batch indices [S, B] (or [S, k, B]) and masks of one client's work."""
+  if work.batches_per_step == 1:
+    return batching_lib.batch_indices(key, num_examples, max_examples, work.batching)
+  keys = jax.random.split(key, work.batches_per_step)
+  idx, mask = jax.vmap(lambda k: batching_lib.batch_indices(
+      k, num_examples, max_examples, work.batching))(keys)
+  return jnp.swapaxes(idx, 0, 1), jnp.swapaxes(mask, 0, 1)
+
+
+def step_is_real(mask_s):
+  """A step is real when its (first) batch has a real example."""
+  return jnp.any(mask_s.reshape(-1, mask_s.shape[-1])[0])
+
+
+def work_init(work: ClientWork, ctx: ClientContext, key):
+  """Engine side of init: the algorithm's carry plus the client's batches."""
+  k_init, k_batch, k_steps = jax.random.split(key, 3)
+  train = ctx.data.train
+  idx, mask = work_batch_indices(work, k_batch, train.num_examples, train.x.shape[0])
+  return work.init(ctx, k_init), idx, mask, k_steps
+
+
+def work_step(work: ClientWork, ctx: ClientContext, carry, idx, mask, k_steps, s):
+  """Engine side of step ``s``: gather its batch, step, and keep the carry
+  unchanged when the step is padding."""
+  new = work.step(ctx, carry, get_batch(ctx.data.train, idx[s], mask[s]),
+                  jax.random.fold_in(k_steps, s))
+  return tree_where(step_is_real(mask[s]), new, carry)
+
+
+def run_work(work: ClientWork, ctx: ClientContext, key):
+  """The whole client update as one traced function (scan over steps)."""
+  carry, idx, mask, k_steps = work_init(work, ctx, key)
+
+  def body(c, s):
+    return work_step(work, ctx, c, idx, mask, k_steps, s), None
+
+  carry, _ = scan_steps(body, carry, jnp.arange(idx.shape[0]))
+  return work.final(ctx, carry)
+
+
+# -- local SGD ------------------------------------------------------------------
+
+@struct.dataclass
+class SGDCarry:
+  """Carry of local SGD.
+
+  Attributes:
+    params: current parameters.
+    opt_state: client optimizer state (re-initialized every round).
+    stats: LossStats summed over real steps.
+  """
+  params: Any
+  opt_state: Any
+  stats: LossStats
+
+
+def sgd_client_work(objective_fn: Callable, optimizer: optax.GradientTransformation,
+                    batching: batching_lib.Batching, final: Callable,
+                    start_fn: Optional[Callable] = None,
+                    grad_transform: Optional[Callable] = None) -> ClientWork:
+  """ClientWork for local SGD on a local objective (FedAvg, FedProx, Local...).
+
+  Args:
+    objective_fn: ``ctx -> objective``; objective is ``(params, batch) ->
+      (loss, LossStats)`` and may use the broadcast (FedProx, SCAFFOLD, FedDyn).
+    optimizer: client optax optimizer, re-initialized every round (the usual
+      FL convention: client optimizer state does not persist).
+    batching: local batching.
+    final: ``(ctx, SGDCarry) -> output``.
+    start_fn: ``ctx -> params`` to start from (default: ``ctx.shared``, the
+      broadcast global model).
+    grad_transform: optional ``(grads, params, ctx) -> grads`` before the
+      optimizer (e.g. clipping of the data term).
+  """
+  start_fn = start_fn or (lambda ctx: ctx.shared)
+
+  def init(ctx, key):
+    del key
+    p = start_fn(ctx)
+    return SGDCarry(params=p, opt_state=optimizer.init(p), stats=zero_stats())
+
+  def step(ctx, carry, batch, key):
+    del key
+    (_, stats), grads = jax.value_and_grad(objective_fn(ctx), has_aux=True)(carry.params, batch)
+    if grad_transform is not None:
+      grads = grad_transform(grads, carry.params, ctx)
+    updates, opt_state = optimizer.update(grads, carry.opt_state, carry.params)
+    return SGDCarry(params=optax.apply_updates(carry.params, updates), opt_state=opt_state,
+                    stats=jax.tree.map(jnp.add, carry.stats, stats))
+
+  return ClientWork(init=init, step=step, final=final, batching=batching)
+
+
+def local_sgd(params: PyTree, objective, optimizer: optax.GradientTransformation,
+              data: ClientData, key: jax.Array, batching: batching_lib.Batching):
+  """Local SGD from ``params`` on one client's data, as one traced function.
+
+  Returns:
+    (params, LossStats summed over the real steps).
+  """
+  work = sgd_client_work(lambda ctx: objective, optimizer, batching,
+                         final=lambda ctx, c: (c.params, c.stats))
+  return run_work(work, ClientContext(params, None, LocalData(train=data, val=data)), key)
+
+
+def sgd_finetune(model: Model, learning_rate: float, batching: batching_lib.Batching):
+  """Evaluation fine-tuning: local SGD on the client's *training* split
+  (never its test split) from the model it would use.
+
+  Returns ``(params, local_data, key) -> params``.
+  """
+  opt = optax.sgd(learning_rate)
+  objective = plain_objective(model)
+  return lambda params, local, key: local_sgd(params, objective, opt, local.train, key,
+                                              batching)[0]
