@@ -65,8 +65,13 @@ class Batching:
 
 
 def _shuffled(key, num_examples, max_examples):
-  """A random order of the first num_examples positions, padding last."""
-  u = jax.random.uniform(key, (max_examples,))
+  """A random order of the first num_examples positions, padding last.
+
+  Position j's sort key depends only on (key, j), not on the padded length,
+  so a client gets the same batches however much it is padded.
+  """
+  u = jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(key, j)))(
+      jnp.arange(max_examples))
   u = jnp.where(jnp.arange(max_examples) < num_examples, u, 2.0)
   return jnp.argsort(u)
 
@@ -83,7 +88,9 @@ def batch_indices(key: jax.Array, num_examples: jax.Array, max_examples: int,
 
   Returns:
     (idx, mask): int32 [S, B] indices into the client's examples and bool
-    [S, B] marking real examples; a row of mask is all false on padded steps.
+    [S, B] marking real examples. The client's real steps
+    (``batching.num_steps_for(n_i)``) come first; a padded step's mask row is
+    all false.
   """
   b = batching.effective_batch_size(max_examples)
   if batching.num_steps is not None:
@@ -92,12 +99,17 @@ def batch_indices(key: jax.Array, num_examples: jax.Array, max_examples: int,
     mask = jnp.broadcast_to(jnp.arange(b) < num_examples, idx.shape)
     return idx.astype(jnp.int32), mask
   nb = math.ceil(max_examples / b) if max_examples else 0
-  keys = jax.random.split(key, batching.num_epochs)
+  num_steps = batching.num_epochs * nb
+  keys = jax.random.split(key, max(batching.num_epochs, 1))
   perms = jax.vmap(lambda k: _shuffled(k, num_examples, max_examples))(keys)
-  pad = nb * b - max_examples
-  perms = jnp.pad(perms, ((0, 0), (0, pad)))
-  pos = jnp.arange(nb * b)
-  mask = jnp.broadcast_to(pos < num_examples, perms.shape)
-  idx = perms.reshape(-1, b).astype(jnp.int32)
-  mask = mask.reshape(-1, b)
-  return idx, mask
+  perms = jnp.pad(perms, ((0, 0), (0, nb * b - max_examples)))
+  # The client's own batches per epoch, ceil(n_i / B), laid out epoch after
+  # epoch so that its real steps are a prefix; the rest is padding.
+  nb_i = jnp.maximum((num_examples + b - 1) // b, 1)
+  s = jnp.arange(num_steps)
+  epoch = jnp.minimum(s // nb_i, max(batching.num_epochs - 1, 0))
+  pos = (s % nb_i)[:, None] * b + jnp.arange(b)[None, :]
+  idx = perms[epoch[:, None], pos]
+  real_step = s < batching.num_epochs * nb_i * (num_examples > 0)
+  mask = real_step[:, None] & (pos < num_examples)
+  return idx.astype(jnp.int32), mask

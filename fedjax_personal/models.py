@@ -110,12 +110,15 @@ class Model:
     name: registry name.
     init: PRNG key -> parameter pytree.
     apply: (params, inputs [B, ...]) -> logits [B, ..., C].
-    module: the Flax module (for inspection).
+    module: the Flax module (for inspection), or None.
+    loss: 'cross_entropy' (classification, integer targets) or 'squared'
+      (least squares, float targets).
   """
   name: str
   init: Callable[[jax.Array], Any]
   apply: Callable[[Any, jax.Array], jax.Array]
-  module: nn.Module
+  module: Any = None
+  loss: str = 'cross_entropy'
 
 
 def from_flax(name: str, module: nn.Module, sample_x) -> Model:

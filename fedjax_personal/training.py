@@ -54,12 +54,19 @@ def zero_stats() -> LossStats:
   return LossStats(jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
 
 
-def per_example_stats(logits, y, mask) -> LossStats:
-  """Cross-entropy and correctness with padding masked.
+def per_example_stats(logits, y, mask, loss: str = 'cross_entropy') -> LossStats:
+  """Summed loss and correctness with padding masked.
 
-  ``logits`` is [B, ..., C] and ``y`` is [B, ...]: sequence targets (next
-  character) count every position; ``mask`` [B] masks whole examples.
+  For 'cross_entropy', ``logits`` is [B, ..., C] and ``y`` integer [B, ...]:
+  sequence targets (next character) count every position. For 'squared'
+  (least squares), ``logits`` and ``y`` are [B, ...] and the loss of an
+  example is 0.5 * (prediction - y)^2 summed over its outputs (correct = 0).
+  ``mask`` [B] masks whole examples.
   """
+  if loss == 'squared':
+    err = 0.5 * jnp.square(logits - y).reshape(y.shape[0], -1).sum(-1)
+    m = mask.astype(jnp.float32)
+    return LossStats(jnp.sum(err * m), jnp.zeros(()), jnp.sum(m))
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
   correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
   m = mask.reshape(mask.shape + (1,) * (y.ndim - mask.ndim)).astype(jnp.float32)
@@ -69,7 +76,7 @@ def per_example_stats(logits, y, mask) -> LossStats:
 
 def batch_loss(model: Model, params, batch: Batch):
   """Mean masked cross-entropy over real examples, and its LossStats."""
-  stats = per_example_stats(model.apply(params, batch.x), batch.y, batch.mask)
+  stats = per_example_stats(model.apply(params, batch.x), batch.y, batch.mask, model.loss)
   return stats.loss_sum / jnp.maximum(stats.count, 1.0), stats
 
 
@@ -85,7 +92,7 @@ def get_batch(data: ClientData, idx, mask) -> Batch:
 def evaluate_params(model: Model, params, data: ClientData) -> LossStats:
   """LossStats of ``params`` on all real examples of one client."""
   mask = jnp.arange(data.x.shape[0]) < data.num_examples
-  return per_example_stats(model.apply(params, data.x), data.y, mask)
+  return per_example_stats(model.apply(params, data.x), data.y, mask, model.loss)
 
 
 # -- client work --------------------------------------------------------------

@@ -37,7 +37,13 @@ def load_tfds(name: str, split: str = 'train', data_dir: Optional[str] = None,
   if download:
     tfds.builder(tfds_name, data_dir=data_dir).download_and_prepare(
         file_format='array_record')
-  source = tfds.data_source(tfds_name, split=split, data_dir=data_dir)
+  try:
+    source = tfds.data_source(tfds_name, split=split, data_dir=data_dir)
+  except Exception as e:  # TFDS raises several types for missing data
+    raise FileNotFoundError(
+        f'TFDS data set {tfds_name!r} is not prepared in data_dir={data_dir or "~/tensorflow_datasets"} '
+        f'({type(e).__name__}); prepare it once online with '
+        f'load_tfds({name!r}, download=True) (needs the [tfds] extra)') from None
   n = len(source) if max_examples is None else min(len(source), max_examples)
   if y_key is None:
     parts = [source[i][x_key] for i in range(n)]

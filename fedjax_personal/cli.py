@@ -1,0 +1,196 @@
+"""Flags and the main job of ``scripts/run_experiment.py``.
+
+Kept in the package so that scripts stay thin and tests can drive it.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+from typing import Dict, List
+
+from absl import flags
+import jax
+import numpy as np
+
+from fedjax_personal import algorithms as algorithms_lib
+from fedjax_personal import datasets as datasets_lib
+from fedjax_personal import experiment, reporting
+from fedjax_personal.data import to_device
+from fedjax_personal.engine import RoundRunner
+from fedjax_personal.executors import EXECUTOR_NAMES, create_executor
+from fedjax_personal.models import MODELS, create_model
+from fedjax_personal.sampling import CohortSampler
+
+FLAGS = flags.FLAGS
+
+# Default job: FedAvg vs Local vs FedAvg + fine-tuning on real MNIST digits
+# (the 10k MNIST files embedded in the package), 20 clients, Dirichlet 0.4.
+flags.DEFINE_list('algorithm', ['fedavg', 'local', 'fedavg_ft'],
+                  'Algorithm(s) to run; several give a comparison table. One of: '
+                  + ', '.join(sorted(algorithms_lib.ALGORITHMS)))
+flags.DEFINE_string('model', 'lenet5', 'Model: ' + ', '.join(sorted(MODELS)))
+flags.DEFINE_string('dataset', 'mnist', 'Data set: ' + ', '.join(datasets_lib.DATASETS))
+flags.DEFINE_string('partition', 'dirichlet', 'Partition: ' + ', '.join(datasets_lib.PARTITIONS))
+flags.DEFINE_float('alpha', 0.4, 'Dirichlet concentration (label skew) / quantity-skew beta.')
+flags.DEFINE_integer('classes_per_client', 2, 'Classes per client (pathological, sparse_classes).')
+flags.DEFINE_integer('num_groups', 4, 'Groups (rotation, label_permutation, latent_clusters).')
+flags.DEFINE_string('group_base', 'iid', "Partition inside groups: 'iid' or 'dirichlet'.")
+flags.DEFINE_integer('examples_per_client', None, 'sparse_classes: examples per device.')
+flags.DEFINE_integer('max_examples', None, 'Use at most this many examples of the pool.')
+flags.DEFINE_float('test_fraction', 0.2, 'Per-client test share.')
+flags.DEFINE_float('val_fraction', 0.0, 'Per-client validation share.')
+flags.DEFINE_integer('num_clients', 20, 'Number of clients N.')
+flags.DEFINE_integer('cohort_size', None, 'Clients per round (default: all).')
+flags.DEFINE_float('participation', None, 'Instead of cohort_size: each client active with this '
+                   'probability per round (FedDyn scheme).')
+flags.DEFINE_integer('rounds', 30, 'Communication rounds.')
+flags.DEFINE_integer('local_epochs', 1, 'Local epochs per round (E).')
+flags.DEFINE_integer('local_steps', None, 'Local steps per round (K); overrides local_epochs.')
+flags.DEFINE_integer('batch_size', 32, 'Local batch size (0: full local batch).')
+flags.DEFINE_float('client_lr', 0.05, 'Client learning rate.')
+flags.DEFINE_float('client_momentum', 0.0, 'Client SGD momentum.')
+flags.DEFINE_string('server_optimizer', 'sgd', "Server optimizer: 'sgd' or 'adam'.")
+flags.DEFINE_float('server_lr', 1.0, 'Server learning rate.')
+flags.DEFINE_float('server_momentum', 0.0, 'Server momentum (FedAvgM).')
+flags.DEFINE_string('weighting', 'num_examples', "Aggregation weights: 'num_examples' or 'uniform'.")
+flags.DEFINE_float('prox_mu', 0.01, 'FedProx mu.')
+flags.DEFINE_integer('finetune_steps', 0, 'Evaluation fine-tuning steps (0: none; fedavg_ft: 5).')
+flags.DEFINE_float('finetune_lr', None, 'Fine-tuning learning rate (default: client_lr).')
+flags.DEFINE_integer('seed', 0, 'Seed of data partition, model init and training.')
+flags.DEFINE_integer('eval_every', 5, 'Evaluate every this many rounds (0: at the end only).')
+flags.DEFINE_string('output_dir', None, 'Where to write metrics (default runs/<job name>).')
+flags.DEFINE_enum('executor', 'auto', list(EXECUTOR_NAMES), 'How client work runs.')
+flags.DEFINE_integer('block_size', None, 'Clients per block for the blocked executor.')
+flags.DEFINE_string('data_dir', None, 'Directory with data files (default: embedded, ../shared/data).')
+flags.DEFINE_bool('progress', True, 'Show a progress bar.')
+
+
+class UsageError(ValueError):
+  """Bad flag value; the message names the flag."""
+
+
+def _check(cond, flag, msg):
+  if not cond:
+    raise UsageError(f'--{flag}: {msg}')
+
+
+def validate_flags():
+  """Checks flag values that can be checked before loading data."""
+  for a in FLAGS.algorithm:
+    _check(a in algorithms_lib.ALGORITHMS, 'algorithm',
+           f'unknown algorithm {a!r}; choose from {sorted(algorithms_lib.ALGORITHMS)}')
+  _check(FLAGS.algorithm, 'algorithm', 'give at least one algorithm')
+  _check(FLAGS.model in MODELS, 'model', f'unknown model {FLAGS.model!r}; choose from {sorted(MODELS)}')
+  _check(FLAGS.dataset in datasets_lib.DATASETS, 'dataset',
+         f'unknown dataset {FLAGS.dataset!r}; choose from {list(datasets_lib.DATASETS)}')
+  _check(FLAGS.partition in datasets_lib.PARTITIONS, 'partition',
+         f'unknown partition {FLAGS.partition!r}; choose from {list(datasets_lib.PARTITIONS)}')
+  _check(FLAGS.num_clients >= 1, 'num_clients', f'must be >= 1, got {FLAGS.num_clients}')
+  _check(FLAGS.alpha > 0, 'alpha', f'must be > 0, got {FLAGS.alpha}')
+  _check(FLAGS.rounds >= 1, 'rounds', f'must be >= 1, got {FLAGS.rounds}')
+  _check(FLAGS.batch_size >= 0, 'batch_size', f'must be >= 0, got {FLAGS.batch_size}')
+  _check(FLAGS.client_lr > 0, 'client_lr', f'must be > 0, got {FLAGS.client_lr}')
+  _check(FLAGS.local_epochs >= 0, 'local_epochs', f'must be >= 0, got {FLAGS.local_epochs}')
+  _check(FLAGS.local_steps is None or FLAGS.local_steps >= 0, 'local_steps',
+         f'must be >= 0, got {FLAGS.local_steps}')
+  _check(FLAGS.cohort_size is None or FLAGS.participation is None, 'participation',
+         'give either --cohort_size or --participation, not both')
+  if FLAGS.cohort_size is not None:
+    _check(1 <= FLAGS.cohort_size <= FLAGS.num_clients, 'cohort_size',
+           f'must be in [1, num_clients={FLAGS.num_clients}], got {FLAGS.cohort_size}')
+  if FLAGS.participation is not None:
+    _check(0 < FLAGS.participation <= 1, 'participation',
+           f'must be in (0, 1], got {FLAGS.participation}')
+  _check(FLAGS.eval_every >= 0, 'eval_every', f'must be >= 0, got {FLAGS.eval_every}')
+  _check(FLAGS.block_size is None or FLAGS.block_size >= 1, 'block_size',
+         f'must be >= 1, got {FLAGS.block_size}')
+  _check(0 <= FLAGS.test_fraction < 1, 'test_fraction', f'must be in [0, 1), got {FLAGS.test_fraction}')
+  _check(0 <= FLAGS.val_fraction < 1, 'val_fraction', f'must be in [0, 1), got {FLAGS.val_fraction}')
+  _check(FLAGS.server_optimizer in ('sgd', 'adam'), 'server_optimizer',
+         f"must be 'sgd' or 'adam', got {FLAGS.server_optimizer!r}")
+  _check(FLAGS.weighting in ('num_examples', 'uniform'), 'weighting',
+         f"must be 'num_examples' or 'uniform', got {FLAGS.weighting!r}")
+
+
+def data_config() -> datasets_lib.DataConfig:
+  return datasets_lib.DataConfig(
+      dataset=FLAGS.dataset, partition=FLAGS.partition, num_clients=FLAGS.num_clients,
+      seed=FLAGS.seed, alpha=FLAGS.alpha, classes_per_client=FLAGS.classes_per_client,
+      num_groups=FLAGS.num_groups, group_base=FLAGS.group_base,
+      examples_per_client=FLAGS.examples_per_client, test_fraction=FLAGS.test_fraction,
+      val_fraction=FLAGS.val_fraction, max_examples=FLAGS.max_examples, data_dir=FLAGS.data_dir)
+
+
+def hparams() -> algorithms_lib.HParams:
+  steps = FLAGS.local_steps
+  return algorithms_lib.HParams(
+      client_lr=FLAGS.client_lr, client_momentum=FLAGS.client_momentum,
+      server_optimizer=FLAGS.server_optimizer, server_lr=FLAGS.server_lr,
+      server_momentum=FLAGS.server_momentum, batch_size=FLAGS.batch_size or None,
+      local_epochs=None if steps is not None else FLAGS.local_epochs, local_steps=steps,
+      weighting=FLAGS.weighting, prox_mu=FLAGS.prox_mu, finetune_steps=FLAGS.finetune_steps,
+      finetune_lr=FLAGS.finetune_lr)
+
+
+def sampler_for(num_clients: int) -> CohortSampler:
+  if FLAGS.participation is not None:
+    return CohortSampler(num_clients, participation=FLAGS.participation)
+  return CohortSampler(num_clients, cohort_size=FLAGS.cohort_size or num_clients)
+
+
+def main_job() -> Dict[str, dict]:
+  """Runs every algorithm of --algorithm on the same data; writes outputs and
+  prints the comparison table. Returns {algorithm: final summary}."""
+  validate_flags()
+  data = datasets_lib.load_federated(data_config())
+  _check(int(np.asarray(data.train.num_examples).sum()) > 0, 'num_clients',
+         'no client has training data')
+  print(data.describe())
+  data = to_device(data)
+  sample_x = data.train.x[0, :1]
+  model = create_model(FLAGS.model, data.num_classes, sample_x)
+  executor = create_executor(FLAGS.executor, model, sample_x, FLAGS.block_size)
+  name = FLAGS.output_dir or os.path.join(
+      'runs', f'{FLAGS.dataset}_{FLAGS.partition}_{FLAGS.model}_n{FLAGS.num_clients}_seed{FLAGS.seed}')
+  print(f'executor: {executor.describe()} on {jax.default_backend()}; outputs in {name}')
+  hp = hparams()
+  histories, summaries = {}, {}
+  for alg_name in FLAGS.algorithm:
+    alg = algorithms_lib.build(alg_name, hp, model, data)
+    runner = RoundRunner(alg, data, sampler_for(data.num_clients), executor)
+    out_dir = os.path.join(name, alg_name)
+    callbacks = [reporting.MetricsWriter(out_dir)]
+    if FLAGS.progress:
+      callbacks.append(reporting.Progress(FLAGS.rounds, alg_name))
+    _, history = experiment.run(runner, FLAGS.rounds, seed=FLAGS.seed,
+                                eval_every=FLAGS.eval_every, callbacks=callbacks)
+    histories[alg_name] = history
+    summaries[alg_name] = reporting.final_summary(history)
+    reporting.write_summary(out_dir, {**summaries[alg_name], 'algorithm': alg_name,
+                                      'flags': FLAGS.flag_values_dict()})
+    s = summaries[alg_name]
+    print(f"{alg_name}: mean {s['accuracy_mean']:.4f} worst {s['accuracy_worst']:.4f} "
+          f"({s['train_seconds']:.1f} s of rounds)")
+  reporting.plot_runs(histories, name)
+  with open(os.path.join(name, 'comparison.json'), 'w') as f:
+    json.dump({k: {kk: v for kk, v in s.items() if kk != 'per_client_accuracy'}
+               for k, s in summaries.items()}, f, indent=1)
+  print()
+  print(f'{data.name}, {FLAGS.model}, {FLAGS.rounds} rounds: per-client test accuracy')
+  print(reporting.format_table(summaries))
+  return summaries
+
+
+def main(argv):
+  if len(argv) > 1:
+    print(f'error: unexpected arguments {argv[1:]}', file=sys.stderr)
+    sys.exit(2)
+  try:
+    main_job()
+  except (UsageError, ValueError, FileNotFoundError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+  except experiment.DivergenceError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(3)

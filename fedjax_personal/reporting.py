@@ -1,0 +1,118 @@
+"""Callbacks and outputs: metrics.jsonl, summary JSON, PNG plots, progress bar."""
+
+import json
+import os
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from fedjax_personal.experiment import Callback
+
+SUMMARY_KEYS = ('accuracy_mean', 'accuracy_weighted', 'accuracy_worst', 'accuracy_q10',
+                'accuracy_median', 'loss_weighted')
+
+
+class MetricsWriter(Callback):
+  """Appends one JSON line per evaluated round to ``<dir>/metrics.jsonl``."""
+
+  def __init__(self, directory: str):
+    self.directory = directory
+    os.makedirs(directory, exist_ok=True)
+    self.path = os.path.join(directory, 'metrics.jsonl')
+
+  def on_start(self, runner, state):
+    open(self.path, 'w').close()
+
+  def on_round_end(self, round_num, record, state):
+    if 'accuracy_mean' in record:
+      with open(self.path, 'a') as f:
+        f.write(json.dumps(record) + '\n')
+
+
+class Progress(Callback):
+  """A tqdm progress bar showing the current mean and worst-client accuracy."""
+
+  def __init__(self, total: int, desc: str = ''):
+    self.total, self.desc, self.bar = total, desc, None
+
+  def on_start(self, runner, state):
+    from tqdm.auto import tqdm
+    self.bar = tqdm(total=self.total, desc=self.desc, leave=False, dynamic_ncols=True)
+
+  def on_round_end(self, round_num, record, state):
+    if 'accuracy_mean' in record:
+      self.bar.set_postfix(mean=f"{record['accuracy_mean']:.3f}",
+                           worst=f"{record['accuracy_worst']:.3f}")
+    self.bar.update(1)
+
+  def on_end(self, history, state):
+    self.bar.close()
+
+
+def final_summary(history: List[dict]) -> dict:
+  """The last evaluation plus totals (rounds, bytes, seconds)."""
+  evals = [r for r in history if 'accuracy_mean' in r]
+  last = dict(evals[-1]) if evals else {}
+  last['total_bytes_up'] = float(sum(r.get('bytes_up', 0) for r in history))
+  last['total_bytes_down_broadcast'] = float(sum(r.get('bytes_down_broadcast', 0) for r in history))
+  last['train_seconds'] = float(sum(r.get('round_seconds', 0) for r in history))
+  return last
+
+
+def write_summary(directory: str, summary: dict) -> str:
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, 'summary.json')
+  with open(path, 'w') as f:
+    json.dump(summary, f, indent=1)
+  return path
+
+
+def plot_runs(histories: Dict[str, List[dict]], directory: str) -> List[str]:
+  """Writes accuracy.png (mean and worst-client accuracy per round, one line
+  per algorithm) and client_accuracy_hist.png (final per-client accuracy)."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  os.makedirs(directory, exist_ok=True)
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+  for name, hist in histories.items():
+    ev = [r for r in hist if 'accuracy_mean' in r]
+    rounds = [r['round'] for r in ev]
+    axes[0].plot(rounds, [r['accuracy_mean'] for r in ev], marker='o', ms=3, label=name)
+    axes[1].plot(rounds, [r['accuracy_worst'] for r in ev], marker='o', ms=3, label=name)
+  for ax, title in zip(axes, ('mean client accuracy', 'worst client accuracy')):
+    ax.set_title(title)
+    ax.set_xlabel('round')
+    ax.grid(alpha=0.3)
+  axes[0].set_ylabel('test accuracy')
+  axes[0].legend()
+  fig.tight_layout()
+  p1 = os.path.join(directory, 'accuracy.png')
+  fig.savefig(p1, dpi=100)
+  plt.close(fig)
+  fig, ax = plt.subplots(figsize=(6, 4))
+  bins = np.linspace(0, 1, 21)
+  for name, hist in histories.items():
+    ev = [r for r in hist if 'per_client_accuracy' in r]
+    if ev:
+      acc = np.array(ev[-1]['per_client_accuracy'], dtype=float)
+      ax.hist(acc[np.isfinite(acc)], bins=bins, alpha=0.5, label=name)
+  ax.set_xlabel('final test accuracy of a client')
+  ax.set_ylabel('clients')
+  ax.legend()
+  fig.tight_layout()
+  p2 = os.path.join(directory, 'client_accuracy_hist.png')
+  fig.savefig(p2, dpi=100)
+  plt.close(fig)
+  return [p1, p2]
+
+
+def format_table(rows: Dict[str, dict], keys=('accuracy_mean', 'accuracy_worst', 'accuracy_q10',
+                                                 'accuracy_weighted')) -> str:
+  """A plain-text table: one row per algorithm, accuracy columns in percent."""
+  header = f"{'algorithm':<14}" + ''.join(f'{k.replace("accuracy_", ""):>10}' for k in keys)
+  lines = [header, '-' * len(header)]
+  for name, s in rows.items():
+    lines.append(f'{name:<14}' + ''.join(
+        f'{100 * s[k]:>9.2f}%' if k in s else f'{"-":>10}' for k in keys))
+  return '\n'.join(lines)

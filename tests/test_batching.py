@@ -1,0 +1,53 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_personal.batching import Batching, batch_indices
+
+
+@pytest.mark.parametrize('n', [0, 1, 5, 8, 13])
+@pytest.mark.parametrize('batching', [Batching(4, num_epochs=2), Batching(4, num_epochs=1),
+                                      Batching(4, num_epochs=None, num_steps=3),
+                                      Batching(None, num_epochs=None, num_steps=1)])
+def test_batches_cover_epochs_and_real_steps_come_first(n, batching):
+  max_n = 13
+  idx, mask = batch_indices(jax.random.key(0), jnp.int32(n), max_n, batching)
+  idx, mask = np.asarray(idx), np.asarray(mask)
+  assert idx.shape == mask.shape == (batching.num_padded_steps(max_n), batching.effective_batch_size(max_n))
+  real = mask.any(axis=1)
+  k = batching.num_steps_for(n, max_n)
+  assert real.sum() == k and real[:k].all()  # a prefix
+  assert np.all(idx[mask] < n)
+  if batching.num_epochs is not None and n:
+    # Each epoch visits every real example exactly once.
+    per_epoch = k // batching.num_epochs
+    for e in range(batching.num_epochs):
+      seen = idx[e * per_epoch:(e + 1) * per_epoch][mask[e * per_epoch:(e + 1) * per_epoch]]
+      assert sorted(seen) == list(range(n))
+  if batching.num_steps is not None and n:
+    for s in range(k):  # without replacement within a batch
+      assert len(set(idx[s][mask[s]])) == mask[s].sum() == min(n, batching.effective_batch_size(max_n))
+
+
+def test_batches_do_not_depend_on_padding():
+  b = Batching(4, num_epochs=2)
+  a_idx, a_mask = batch_indices(jax.random.key(3), jnp.int32(5), 5, b)
+  p_idx, p_mask = batch_indices(jax.random.key(3), jnp.int32(5), 40, b)
+  k = b.num_steps_for(5, 5)
+  np.testing.assert_array_equal(np.asarray(a_idx)[:k][np.asarray(a_mask)[:k]],
+                                np.asarray(p_idx)[:k][np.asarray(p_mask)[:k]])
+
+
+def test_epochs_give_each_client_its_own_number_of_steps():
+  b = Batching(10, num_epochs=3)
+  assert b.num_steps_for(25, 100) == 9 and b.num_steps_for(100, 100) == 30
+  assert b.num_steps_for(0, 100) == 0
+  assert Batching(10, num_epochs=None, num_steps=7).num_steps_for(3, 100) == 7
+
+
+def test_bad_batching_is_rejected():
+  with pytest.raises(ValueError, match='exactly one'):
+    Batching(4, num_epochs=1, num_steps=2)
+  with pytest.raises(ValueError, match='batch_size'):
+    Batching(0, num_epochs=1)

@@ -1,0 +1,308 @@
+"""The round engine against plain per-client loops and hand-derived results."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fedjax_personal as fp
+from fedjax_personal import aggregation
+from fedjax_personal.algorithms.fedavg import fedavg
+from fedjax_personal.algorithms.fedprox import fedprox
+from fedjax_personal.algorithms.fedsgd import fedsgd
+from fedjax_personal.algorithms.local import local
+from fedjax_personal.algorithms.oracle import oracle
+from fedjax_personal.data import FederatedData, to_device
+from fedjax_personal.engine import RoundRunner
+from fedjax_personal.experiment import communication_metrics, run
+from fedjax_personal.tree_util import tree_bytes
+from helpers import digits_data, least_squares_data, linear_model, reference_sgd
+
+EXECUTORS = {
+    'vmap': lambda: fp.executors.VmapExecutor(),
+    'blocked': lambda: fp.executors.BlockedExecutor(block_size=3),
+    'sequential': lambda: fp.executors.SequentialExecutor(num_threads=2),
+}
+
+
+@pytest.fixture(scope='module')
+def digits():
+  return digits_data(num_clients=6)
+
+
+def small_mlp(data):
+  return fp.models.from_flax('mlp', fp.models.MLP(data.num_classes, hidden=(16,)),
+                             data.train.x[0, :1])
+
+
+def cohort_of(sampler, round_key):
+  k_cohort, k_clients = jax.random.split(round_key)
+  cohort = sampler(k_cohort)
+  return np.asarray(cohort.idx), np.asarray(cohort.mask), k_clients
+
+
+def reference_fedavg_round(model, params, data, idx, mask, k_clients, batching, lr, prox_mu=0.0):
+  """FedAvg by a plain loop: each cohort client alone, then the n_i-weighted mean."""
+  outs, weights = [], []
+  for i, m in zip(idx, mask):
+    if not m:
+      continue
+    n = int(data.train.num_examples[i])
+    p = reference_sgd(model, params, data.train.x[i], data.train.y[i], n,
+                      jax.random.fold_in(k_clients, int(i)), batching, lr, prox_mu=prox_mu)
+    outs.append(p)
+    weights.append(n)
+  w = np.array(weights, np.float64) / np.sum(weights)
+  return jax.tree.map(lambda *ps: sum(wi * pi for wi, pi in zip(w, ps)), *outs)
+
+
+@pytest.mark.parametrize('executor', sorted(EXECUTORS))
+@pytest.mark.parametrize('algorithm', ['fedavg', 'fedprox'])
+def test_round_matches_plain_per_client_loop(digits, executor, algorithm):
+  model = small_mlp(digits)
+  batching = fp.Batching(batch_size=16, num_epochs=1)
+  lr, mu = 0.1, 0.5
+  if algorithm == 'fedavg':
+    alg = fedavg(model, 6, optax.sgd(lr), batching)
+  else:
+    alg = fedprox(model, 6, optax.sgd(lr), batching, mu=mu)
+  sampler = fp.CohortSampler(6, cohort_size=4)
+  runner = RoundRunner(alg, digits, sampler, EXECUTORS[executor]())
+  state = runner.init(jax.random.key(0))
+  params = state.params
+  for t in range(2):
+    key = jax.random.key(100 + t)
+    idx, mask, k_clients = cohort_of(sampler, key)
+    expected = reference_fedavg_round(model, params, digits, idx, mask, k_clients, batching, lr,
+                                      prox_mu=mu if algorithm == 'fedprox' else 0.0)
+    state, metrics = runner.round(state, key)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), state.params, expected)
+    params = state.params
+    assert float(metrics['num_active']) == 4
+
+
+@pytest.mark.parametrize('executor', sorted(EXECUTORS))
+def test_round_compiles_once_per_run(digits, executor):
+  alg = fedavg(small_mlp(digits), 6, optax.sgd(0.1), fp.Batching(16, 1))
+  runner = RoundRunner(alg, digits, fp.CohortSampler(6, cohort_size=3), EXECUTORS[executor]())
+  state, history = run(runner, num_rounds=5, eval_every=2)
+  counts = dict(runner.trace_counts)
+  if EXECUTORS[executor]().fused:
+    assert counts['round'] == 1, counts
+  else:
+    # pre, post once; the client context once for each of init / step / final.
+    assert counts['pre'] == 1 and counts['post'] == 1 and counts['client'] == 3, counts
+  assert counts['eval_client'] == 1, counts
+  assert len([r for r in history if 'accuracy_mean' in r]) == 3
+
+
+def test_executors_agree_on_a_conv_model(digits):
+  model = fp.models.from_flax('cnn', fp.models.CNN(10, features=(4, 8), dense=(16,)),
+                              digits.train.x[0, :1])
+  results = {}
+  for name, make in EXECUTORS.items():
+    alg = fedavg(model, 6, optax.sgd(0.1, momentum=0.9), fp.Batching(16, num_epochs=None, num_steps=3))
+    runner = RoundRunner(alg, digits, fp.CohortSampler(6, cohort_size=5), make())
+    state = runner.init(jax.random.key(1))
+    for t in range(2):
+      state, _ = runner.round(state, jax.random.key(t))
+    results[name] = (state.params, runner.evaluate(state, jax.random.key(9)))
+  for name in ('blocked', 'sequential'):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5),
+                 results[name][0], results['vmap'][0])
+    np.testing.assert_allclose(results[name][1].correct, results['vmap'][1].correct)
+
+
+@pytest.mark.parametrize('executor', sorted(EXECUTORS))
+def test_padded_client_gets_what_it_gets_alone(executor):
+  data, xs, ys = least_squares_data(num_clients=4, sizes=(5, 9, 13, 7))
+  model = linear_model(3)
+  batching = fp.Batching(batch_size=4, num_epochs=2)
+  key = jax.random.key(3)
+
+  def personal_after_round(d):
+    alg = local(model, d.num_clients, optax.sgd(0.05, momentum=0.9), batching)
+    runner = RoundRunner(alg, to_device(d), fp.CohortSampler(d.num_clients, cohort_size=d.num_clients),
+                         EXECUTORS[executor]())
+    state = runner.init(jax.random.key(0))
+    state, _ = runner.round(state, key)
+    return jax.tree.map(lambda a: np.asarray(a[0]), state.personal_params)
+
+  alone, _, _ = least_squares_data(num_clients=1, sizes=(5,))
+  padded = personal_after_round(data)  # client 0 (5 examples) padded to 13
+  single = personal_after_round(alone)
+  assert data.train.max_examples == 13 and alone.train.max_examples == 5
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), padded, single)
+
+
+def test_fedsgd_is_full_batch_gradient_descent():
+  data, xs, ys = least_squares_data(num_clients=4)
+  model = linear_model(3)
+  lr = 0.02
+  alg = fedsgd(model, 4, lr)
+  runner = RoundRunner(alg, to_device(data), fp.CohortSampler(4, cohort_size=4),
+                       fp.executors.VmapExecutor())
+  state = runner.init(jax.random.key(0))
+  w = np.asarray(state.params['w'], np.float64)
+  b = np.asarray(state.params['b'], np.float64)
+  x = np.concatenate(xs).astype(np.float64)
+  y = np.concatenate(ys).astype(np.float64)
+  for t in range(5):
+    state, _ = runner.round(state, jax.random.key(t))
+    r = x @ w[:, 0] + b[0] - y  # gradient of mean 0.5 r^2 over all examples
+    w = w - lr * (x.T @ r / len(y))[:, None]
+    b = b - lr * np.array([r.mean()])
+    np.testing.assert_allclose(state.params['w'], w, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(state.params['b'], b, rtol=1e-4, atol=1e-5)
+
+
+def test_local_trains_each_client_alone(digits):
+  model = small_mlp(digits)
+  batching = fp.Batching(16, 1)
+  alg = local(model, 6, optax.sgd(0.1), batching)
+  sampler = fp.CohortSampler(6, cohort_size=6)
+  runner = RoundRunner(alg, digits, sampler, fp.executors.BlockedExecutor(4))
+  state = runner.init(jax.random.key(0))
+  start = jax.tree.map(lambda a: a[0], state.personal_params)
+  key = jax.random.key(5)
+  idx, _, k_clients = cohort_of(sampler, key)
+  state, _ = runner.round(state, key)
+  for i in range(6):
+    expected = reference_sgd(model, start, digits.train.x[i], digits.train.y[i],
+                             int(digits.train.num_examples[i]), jax.random.fold_in(k_clients, i),
+                             batching, 0.1)
+    got = jax.tree.map(lambda a: a[i], state.personal_params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), got, expected)
+  # Personal models differ between clients, and Local communicates nothing.
+  assert not np.allclose(state.personal_params['output']['kernel'][0],
+                         state.personal_params['output']['kernel'][1])
+  assert communication_metrics(runner, state, 6.0)['bytes_up'] == 0
+
+
+def test_oracle_is_fedavg_within_each_group():
+  data = digits_data(num_clients=8)
+  data = data.replace(groups=jnp.array([0, 1, 0, 1, 1, 0, 1, 0], jnp.int32))
+  model = small_mlp(data)
+  batching = fp.Batching(16, 1)
+  alg = oracle(model, data.groups, optax.sgd(0.1), batching)
+  sampler = fp.CohortSampler(8, cohort_size=8)
+  runner = RoundRunner(alg, data, sampler, fp.executors.VmapExecutor())
+  state = runner.init(jax.random.key(0))
+  start = jax.tree.map(lambda a: a[0], state.group_params)
+  key = jax.random.key(2)
+  idx, mask, k_clients = cohort_of(sampler, key)
+  state, _ = runner.round(state, key)
+  groups = np.asarray(data.groups)
+  for g in (0, 1):
+    sel = groups[idx] == g
+    expected = reference_fedavg_round(model, start, data, idx[sel], mask[sel], k_clients,
+                                      batching, 0.1)
+    got = jax.tree.map(lambda a: a[g], state.group_params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), got, expected)
+  models = alg.client_models(state)
+  np.testing.assert_array_equal(models.index, groups)
+
+
+def test_oracle_needs_groups(digits):
+  with pytest.raises(ValueError, match='known group'):
+    oracle(small_mlp(digits), digits.groups, optax.sgd(0.1), fp.Batching(16, 1))
+
+
+def test_server_momentum_and_uniform_weighting(digits):
+  """FedAvgM: the server applies SGD with momentum to the mean delta."""
+  model = small_mlp(digits)
+  server = optax.sgd(0.7, momentum=0.5)
+  alg = fedavg(model, 6, optax.sgd(0.1), fp.Batching(16, 1), server_optimizer=server,
+               weighting='uniform')
+  sampler = fp.CohortSampler(6, cohort_size=6)
+  runner = RoundRunner(alg, digits, sampler, fp.executors.VmapExecutor())
+  state = runner.init(jax.random.key(0))
+  params, opt_state = state.params, server.init(state.params)
+  for t in range(2):
+    key = jax.random.key(t)
+    _, _, k_clients = cohort_of(sampler, key)
+    deltas = []
+    for i in range(6):
+      p = reference_sgd(model, params, digits.train.x[i], digits.train.y[i],
+                        int(digits.train.num_examples[i]), jax.random.fold_in(k_clients, i),
+                        fp.Batching(16, 1), 0.1)
+      deltas.append(jax.tree.map(lambda a, b: a - b, params, p))
+    mean = jax.tree.map(lambda *d: sum(d) / 6, *deltas)
+    upd, opt_state = server.update(mean, opt_state, params)
+    params = optax.apply_updates(params, upd)
+    state, _ = runner.round(state, key)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), state.params, params)
+
+
+def test_participation_sampling_and_round(digits):
+  sampler = fp.CohortSampler(6, participation=0.3)
+  counts = []
+  for t in range(200):
+    c = sampler(jax.random.key(t))
+    idx, mask = np.asarray(c.idx), np.asarray(c.mask)
+    assert mask.sum() >= 1  # redrawn when empty
+    assert np.all(idx[~mask] == 6) and np.all(idx[mask] < 6)
+    assert len(set(idx[mask])) == mask.sum()
+    counts.append(mask.sum())
+  # E[count | count > 0] for Binomial(6, 0.3)
+  expected = 6 * 0.3 / (1 - 0.7 ** 6)
+  assert abs(np.mean(counts) - expected) < 0.25
+  alg = fedavg(small_mlp(digits), 6, optax.sgd(0.1), fp.Batching(16, 1))
+  for make in EXECUTORS.values():
+    runner = RoundRunner(alg, digits, sampler, make())
+    state = runner.init(jax.random.key(0))
+    state, metrics = runner.round(state, jax.random.key(4))
+    c = sampler(jax.random.split(jax.random.key(4))[0])
+    assert float(metrics['num_active']) == int(np.asarray(c.mask).sum())
+
+
+def test_communication_bytes(digits):
+  model = small_mlp(digits)
+  alg = fedavg(model, 6, optax.sgd(0.1), fp.Batching(16, 1))
+  runner = RoundRunner(alg, digits, fp.CohortSampler(6, cohort_size=4), fp.executors.VmapExecutor())
+  state = runner.init(jax.random.key(0))
+  b = tree_bytes(state.params)
+  assert b == 4 * (64 * 16 + 16 + 16 * 10 + 10)
+  m = communication_metrics(runner, state, 4.0)
+  assert m == {'bytes_up': 4.0 * b, 'bytes_down_broadcast': 1.0 * b, 'bytes_down_unicast': 4.0 * b}
+
+
+def test_summarize_hand_made():
+  stats = fp.training.LossStats(loss_sum=jnp.array([2.0, 1.0, 0.0, 3.0]),
+                                correct=jnp.array([1.0, 3.0, 0.0, 2.0]),
+                                count=jnp.array([2.0, 4.0, 0.0, 4.0]))
+  s = fp.summarize(stats)
+  assert s['num_eval_clients'] == 3  # the client without test data is left out
+  np.testing.assert_allclose(s['accuracy_mean'], (0.5 + 0.75 + 0.5) / 3)
+  np.testing.assert_allclose(s['accuracy_weighted'], 6 / 10)
+  assert s['accuracy_worst'] == 0.5 and s['accuracy_best'] == 0.75
+  np.testing.assert_allclose(s['loss_weighted'], 0.6)
+
+
+def test_aggregation_contractions():
+  stacked = {'w': jnp.arange(12.0).reshape(3, 4)}
+  np.testing.assert_allclose(aggregation.weighted_mean(stacked, jnp.array([1.0, 0.0, 3.0]))['w'],
+                             (stacked['w'][0] + 3 * stacked['w'][2]) / 4)
+  w = jnp.array([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]])
+  np.testing.assert_allclose(aggregation.mix(w, stacked)['w'],
+                             np.asarray(w) @ np.asarray(stacked['w']))
+  g = aggregation.group_means(stacked, jnp.array([1, 0, 1]), jnp.array([1.0, 1.0, 1.0]), 2)
+  np.testing.assert_allclose(g['w'], np.stack([stacked['w'][1], (stacked['w'][0] + stacked['w'][2]) / 2]))
+
+
+def test_finetune_evaluation_uses_training_data(digits):
+  model = small_mlp(digits)
+  ft = fp.training.sgd_finetune(model, 0.1, fp.Batching(16, num_epochs=None, num_steps=3))
+  alg = fedavg(model, 6, optax.sgd(0.1), fp.Batching(16, 1), finetune=ft)
+  runner = RoundRunner(alg, digits, fp.CohortSampler(6, cohort_size=6), fp.executors.VmapExecutor())
+  state = runner.init(jax.random.key(0))
+  plain = runner.evaluate(state, jax.random.key(1), finetune=False)
+  tuned = runner.evaluate(state, jax.random.key(1))
+  assert float(tuned.correct.sum()) != float(plain.correct.sum())
+  # Hand check for client 2: fine-tune on its train split, evaluate on test.
+  from fedjax_personal.training import evaluate_params
+  local_data = fp.data.LocalData(train=digits.train.client(2), val=digits.val.client(2))
+  p = ft(state.params, local_data, jax.random.fold_in(jax.random.key(1), 2))
+  expect = evaluate_params(model, p, digits.test.client(2))
+  np.testing.assert_allclose(tuned.correct[2], expect.correct)
