@@ -148,4 +148,12 @@ def create_model(name: str, num_classes: int, sample_x) -> Model:
   """
   if name not in MODELS:
     raise ValueError(f'unknown model {name!r}; choose one of {sorted(MODELS)}')
-  return from_flax(name, MODELS[name](num_classes), sample_x)
+  model = from_flax(name, MODELS[name](num_classes), sample_x)
+  x = jnp.asarray(sample_x)[:1]
+  try:
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    jax.eval_shape(model.apply, params, x)
+  except Exception as e:  # shape errors surface deep inside Flax/JAX
+    raise ValueError(f'model {name!r} does not fit inputs of shape {tuple(x.shape[1:])} '
+                     f'and dtype {x.dtype} ({type(e).__name__}: {e}); pick another --model') from None
+  return model

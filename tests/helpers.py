@@ -11,9 +11,11 @@ from fedjax_personal.models import Model, create_model
 from fedjax_personal.datasets import DataConfig, load_federated
 
 
-def digits_data(num_clients=6, alpha=0.5, seed=0):
+def digits_data(num_clients=6, alpha=0.5, seed=0, max_examples=600):
+  """Real 8x8 digits (scikit-learn, offline), Dirichlet label skew."""
   return to_device(load_federated(DataConfig(dataset='digits', num_clients=num_clients,
-                                             alpha=alpha, seed=seed)))
+                                             alpha=alpha, seed=seed,
+                                             max_examples=max_examples)))
 
 
 def linear_model(dim, loss='squared', out=1):
@@ -47,33 +49,44 @@ def least_squares_data(num_clients=4, dim=3, sizes=(5, 9, 13, 7), seed=0, shift=
                        name='least_squares'), xs, ys
 
 
-def reference_sgd(model, params, x, y, n, key, batching, lr, prox_mu=0.0, momentum=None):
-  """Plain local SGD on one client's (unpadded) data with the engine's batches.
+_GRADS = {}
 
-  Uses only the batch indices of the library; the training math is redone
-  here with explicit Python loops.
+
+def _loss_grad(model):
+  """jit(grad) of the plain mean loss (+ FedProx term), cached per model."""
+  if model not in _GRADS:
+    def loss_fn(p, start, xb, yb, prox_mu):
+      out = model.apply(p, xb)
+      if model.loss == 'squared':
+        l = 0.5 * jnp.square(out - yb)
+      else:
+        l = optax.softmax_cross_entropy_with_integer_labels(out, yb)
+      prox = sum(jnp.sum(jnp.square(a - b))
+                 for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(start)))
+      return jnp.mean(l) + 0.5 * prox_mu * prox
+    _GRADS[model] = jax.jit(jax.grad(loss_fn))
+  return _GRADS[model]
+
+
+def reference_sgd(model, params, x, y, n, key, batching, lr, prox_mu=0.0, momentum=None):
+  """Plain local SGD on one client's data with the engine's batches.
+
+  Uses only the batch indices of the library; the training loop, the loss
+  and the optimizer step are redone here with explicit Python loops.
   """
   k_init, k_batch, k_steps = jax.random.split(key, 3)
   idx, mask = batching_lib.batch_indices(k_batch, jnp.int32(n), x.shape[0], batching)
   idx, mask = np.asarray(idx), np.asarray(mask)
+  x, y = np.asarray(x), np.asarray(y)
   start = params
   opt = optax.sgd(lr, momentum=momentum)
   opt_state = opt.init(params)
-
-  def loss_fn(p, xb, yb):
-    out = model.apply(p, xb)
-    if model.loss == 'squared':
-      l = 0.5 * jnp.square(out - yb)
-    else:
-      l = optax.softmax_cross_entropy_with_integer_labels(out, yb)
-    prox = sum(jnp.sum(jnp.square(a - b)) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(start)))
-    return jnp.mean(l) + 0.5 * prox_mu * prox
-
+  grad = _loss_grad(model)
   for s in range(idx.shape[0]):
     real = idx[s][mask[s]]
     if real.size == 0:
       continue
-    g = jax.grad(loss_fn)(params, x[real], y[real])
+    g = grad(params, start, x[real], y[real], prox_mu)
     upd, opt_state = opt.update(g, opt_state, params)
     params = optax.apply_updates(params, upd)
   return params

@@ -237,9 +237,10 @@ def test_server_momentum_and_uniform_weighting(digits):
 
 def test_participation_sampling_and_round(digits):
   sampler = fp.CohortSampler(6, participation=0.3)
+  draw = jax.jit(sampler)
   counts = []
   for t in range(200):
-    c = sampler(jax.random.key(t))
+    c = draw(jax.random.key(t))
     idx, mask = np.asarray(c.idx), np.asarray(c.mask)
     assert mask.sum() >= 1  # redrawn when empty
     assert np.all(idx[~mask] == 6) and np.all(idx[mask] < 6)

@@ -1,0 +1,106 @@
+"""The run_experiment CLI: outputs of a small run, and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+from absl import flags
+import pytest
+
+from fedjax_personal import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, 'scripts', 'run_experiment.py')
+
+
+def parse(*args):
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(['run_experiment'] + list(args))
+
+
+@pytest.fixture(autouse=True)
+def _reset_flags():
+  yield
+  flags.FLAGS.unparse_flags()
+
+
+def test_small_comparison_writes_outputs(tmp_path, capsys):
+  parse('--algorithm=fedavg,local,fedavg_ft', '--dataset=digits', '--model=mlp',
+        '--num_clients=5', '--rounds=3', '--eval_every=2', '--progress=false',
+        '--max_examples=500', f'--output_dir={tmp_path}')
+  summaries = cli.main_job()
+  out = capsys.readouterr().out
+  assert 'fedavg_ft' in out and 'worst' in out and 'mean' in out
+  for alg in ('fedavg', 'local', 'fedavg_ft'):
+    lines = (tmp_path / alg / 'metrics.jsonl').read_text().splitlines()
+    assert [json.loads(l)['round'] for l in lines] == [2, 3]
+    rec = json.loads(lines[-1])
+    assert len(rec['per_client_accuracy']) == 5 and 'bytes_up' in rec
+    summary = json.loads((tmp_path / alg / 'summary.json').read_text())
+    assert summary['algorithm'] == alg and 0 <= summary['accuracy_worst'] <= summary['accuracy_mean']
+  assert summaries['local']['total_bytes_up'] == 0
+  assert (tmp_path / 'accuracy.png').stat().st_size > 1000
+  assert (tmp_path / 'client_accuracy_hist.png').stat().st_size > 1000
+
+
+def test_same_flags_and_seed_give_same_numbers(tmp_path):
+  args = ['--algorithm=fedavg', '--dataset=digits', '--model=logreg', '--num_clients=4',
+          '--rounds=2', '--progress=false', '--max_examples=300', '--cohort_size=2']
+  parse(*args, f'--output_dir={tmp_path}/a')
+  a = cli.main_job()
+  parse(*args, f'--output_dir={tmp_path}/b')
+  b = cli.main_job()
+  assert a['fedavg']['per_client_accuracy'] == b['fedavg']['per_client_accuracy']
+  assert a['fedavg']['loss_weighted'] == b['fedavg']['loss_weighted']
+
+
+@pytest.mark.parametrize('args,flag', [
+    (['--algorithm=fedbogus'], '--algorithm'),
+    (['--model=resnet1000'], '--model'),
+    (['--dataset=imagenet'], '--dataset'),
+    (['--partition=weird'], '--partition'),
+    (['--num_clients=5', '--cohort_size=6'], '--cohort_size'),
+    (['--alpha=0'], '--alpha'),
+    (['--alpha=-0.5'], '--alpha'),
+    (['--num_clients=0'], '--num_clients'),
+    (['--participation=1.5'], '--participation'),
+    (['--cohort_size=2', '--participation=0.5'], '--participation'),
+    (['--client_lr=-1'], '--client_lr'),
+])
+def test_bad_flags_name_the_flag(args, flag):
+  parse(*args, '--progress=false')
+  with pytest.raises(cli.UsageError, match=flag):
+    cli.main_job()
+
+
+def test_more_clients_than_examples():
+  parse('--dataset=digits', '--num_clients=5000', '--progress=false')
+  with pytest.raises(ValueError, match='num_clients'):
+    cli.main_job()
+
+
+def test_model_that_does_not_fit_the_data():
+  parse('--model=lenet5', '--dataset=digits', '--progress=false')
+  with pytest.raises(ValueError, match='model'):
+    cli.main_job()
+
+
+def test_oracle_without_groups():
+  parse('--algorithm=oracle', '--dataset=digits', '--model=mlp', '--progress=false')
+  with pytest.raises(ValueError, match='partition'):
+    cli.main_job()
+
+
+@pytest.mark.parametrize('args,needle', [
+    (['--algorithm=nope'], '--algorithm'),
+    (['--dataset=tfds:mnist', '--data_dir=/nonexistent/dir'], 'not prepared'),
+    (['--num_clients=20', '--cohort_size=30'], '--cohort_size'),
+])
+def test_script_exits_2_with_one_line(args, needle):
+  r = subprocess.run([sys.executable, SCRIPT, '--progress=false'] + args, capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 2, r.stderr
+  err = [l for l in r.stderr.splitlines() if l.startswith('error:')]
+  assert len(err) == 1 and needle in err[0], r.stderr
+  assert 'Traceback' not in r.stderr

@@ -1,0 +1,101 @@
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+from fedjax_personal.datasets import DataConfig, load_federated, loaders
+
+
+def test_mnist_embedded_idx():
+  x, y, c = loaders.load_mnist()
+  assert x.shape == (10000, 28, 28, 1) and x.dtype == np.uint8 and c == 10
+  assert np.bincount(y).min() > 800
+  path = loaders.find_file('mnist_t10k/t10k-images-idx3-ubyte.gz')
+  assert hashlib.md5(path.read_bytes()).hexdigest() == '9fb629c4189551a2d022fa330f9573f3'
+  assert str(loaders.PACKAGE_DATA) in str(path)  # shipped inside the package
+
+
+def test_read_idx_rejects_garbage(tmp_path):
+  f = tmp_path / 'bad'
+  f.write_bytes(b'\x01\x02\x03')
+  with pytest.raises(ValueError, match='IDX'):
+    loaders.read_idx(f)
+
+
+def test_digits():
+  x, y, c = loaders.load_digits()
+  assert x.shape == (1797, 8, 8, 1) and 0 <= x.min() and x.max() <= 1
+
+
+def test_missing_file_names_file_and_places():
+  with pytest.raises(FileNotFoundError, match='nope.npz.*not found'):
+    loaders.find_file('nope.npz', '/nonexistent')
+
+
+def _shared_has(name):
+  try:
+    loaders.find_file(name)
+    return True
+  except FileNotFoundError:
+    return False
+
+
+@pytest.mark.skipif(not _shared_has('cifar10_jpeg.npz'), reason='../shared/data not present')
+def test_cifar10_jpeg_archive(tmp_path, monkeypatch):
+  monkeypatch.setenv('FEDJAX_PERSONAL_CACHE', str(tmp_path))
+  x, y, c = loaders.load_cifar10(split='test')
+  assert x.shape == (10000, 32, 32, 3) and x.dtype == np.uint8 and c == 10
+  assert np.bincount(y).tolist() == [1000] * 10
+  assert list(tmp_path.iterdir())  # decoded once, cached
+  xa, ya, _ = loaders.load_cifar10(split='all')
+  assert len(ya) == 60000 and np.array_equal(xa[50000:], x)
+
+
+@pytest.mark.skipif(not _shared_has('tinyshakespeare.txt'), reason='../shared/data not present')
+def test_shakespeare_by_role():
+  xs, ys, vocab = loaders.load_shakespeare(num_clients=10, seq_len=20)
+  assert len(xs) == 10
+  for x, y in zip(xs, ys):
+    assert x.shape[1] == 20 and np.array_equal(x[:, 1:], y[:, :-1])  # next character
+    assert x.shape[0] >= 1000 // 21
+  d = load_federated(DataConfig(dataset='shakespeare', partition='natural', num_clients=5, seq_len=20))
+  assert d.num_classes == len(vocab) and d.train.y.shape[2] == 20
+
+
+def test_shakespeare_role_parsing():
+  text = 'First Citizen:\nBefore we proceed:\nhear me.\n\nAll:\nSpeak.\n\nFirst Citizen:\nYou are.\n'
+  roles = loaders.parse_shakespeare_roles(text)
+  assert roles == {'First Citizen': 'Before we proceed:\nhear me.\nYou are.', 'All': 'Speak.'}
+  with pytest.raises(ValueError, match='num_clients'):
+    loaders.load_shakespeare(num_clients=3, min_chars=1, text=text)
+
+
+def test_synthetic_alpha_beta():
+  rng = np.random.default_rng(0)
+  xs, ys = loaders.synthetic(30, 1.0, 1.0, rng)
+  assert len(xs) == 30 and all(x.shape[1] == 60 for x in xs)
+  assert all(len(x) >= 50 for x in xs)
+  # Heterogeneity: label distributions differ across clients.
+  dists = np.array([np.bincount(y, minlength=10) / len(y) for y in ys])
+  assert dists.std(axis=0).mean() > 0.05
+  d = load_federated(DataConfig(dataset='synthetic', partition='natural', num_clients=8))
+  assert d.num_clients == 8 and d.train.x.shape[2] == 60
+
+
+@pytest.mark.parametrize('name,shape', [('mnist', (28, 28, 1)), ('cifar10', (32, 32, 3))])
+def test_tfds_loader_with_mock_data(name, shape):
+  tfds = pytest.importorskip('tensorflow_datasets')
+  from fedjax_personal.datasets.tfds_loader import load_tfds
+  with tfds.testing.mock_data(num_examples=30):
+    x, y, c = load_tfds(name)
+    assert x.shape == (30,) + shape and c == 10 and y.max() < 10
+    d = load_federated(DataConfig(dataset=f'tfds:{name}', num_clients=3, alpha=1.0))
+    assert d.num_clients == 3
+
+
+def test_tfds_missing_data_is_a_clear_error(tmp_path):
+  pytest.importorskip('tensorflow_datasets')
+  from fedjax_personal.datasets.tfds_loader import load_tfds
+  with pytest.raises(FileNotFoundError, match='not prepared'):
+    load_tfds('mnist', data_dir=str(tmp_path))

@@ -1,0 +1,145 @@
+import time
+
+import numpy as np
+import pytest
+
+from fedjax_personal.datasets import DataConfig, load_federated, partition
+
+
+def labels(n=2000, c=10, seed=0):
+  return np.random.default_rng(seed).integers(0, c, n)
+
+
+def assert_disjoint_cover(p, n, exact=True):
+  allidx = np.concatenate(p.client_indices)
+  assert len(np.unique(allidx)) == len(allidx)  # nothing assigned twice
+  if exact:
+    assert sorted(allidx) == list(range(n))  # every example assigned once
+
+
+@pytest.mark.parametrize('alpha', [0.01, 0.4, 100.0])
+def test_dirichlet_assigns_every_example_once_and_skews_labels(alpha):
+  y = labels()
+  p = partition.dirichlet(y, 20, alpha, np.random.default_rng(0))
+  assert_disjoint_cover(p, len(y))
+  assert p.sizes().min() >= 1  # empty clients topped up
+  # Label skew grows as alpha shrinks: mean max-class share per client.
+  share = np.mean([np.bincount(y[i], minlength=10).max() / len(i) for i in p.client_indices])
+  if alpha == 0.01:
+    assert share > 0.8
+  if alpha == 100.0:
+    assert share < 0.3
+
+
+def test_dirichlet_is_deterministic_for_a_seed():
+  y = labels()
+  a = partition.dirichlet(y, 10, 0.3, np.random.default_rng(5))
+  b = partition.dirichlet(y, 10, 0.3, np.random.default_rng(5))
+  c = partition.dirichlet(y, 10, 0.3, np.random.default_rng(6))
+  assert all(np.array_equal(x, z) for x, z in zip(a.client_indices, b.client_indices))
+  assert not all(np.array_equal(x, z) for x, z in zip(a.client_indices, c.client_indices))
+
+
+def test_dirichlet_10000_clients_tiny_alpha_is_fast():
+  y = labels(60000)
+  start = time.perf_counter()
+  p = partition.dirichlet(y, 10000, 0.01, np.random.default_rng(0))
+  elapsed = time.perf_counter() - start
+  assert elapsed < 20, elapsed  # one pass, no resampling loop (about 1 s here)
+  assert_disjoint_cover(p, len(y))
+  assert p.sizes().min() >= 1
+
+
+def test_impossible_sizes_are_rejected():
+  with pytest.raises(ValueError, match='num_clients'):
+    partition.dirichlet(labels(50), 100, 0.5, np.random.default_rng(0))
+  with pytest.raises(ValueError, match='alpha'):
+    partition.dirichlet(labels(), 10, 0.0, np.random.default_rng(0))
+  with pytest.raises(ValueError, match='alpha'):
+    partition.dirichlet(labels(), 10, -1.0, np.random.default_rng(0))
+
+
+def test_pathological_gives_k_classes():
+  y = np.repeat(np.arange(10), 100)
+  p = partition.pathological(y, 20, 2, np.random.default_rng(0))
+  assert_disjoint_cover(p, len(y))
+  assert max(len(np.unique(y[i])) for i in p.client_indices) <= 2
+
+
+def test_quantity_skew_sizes_vary():
+  y = labels(5000)
+  p = partition.quantity_skew(y, 20, 0.5, np.random.default_rng(0))
+  assert_disjoint_cover(p, len(y))
+  assert p.sizes().max() > 3 * p.sizes().min()
+
+
+def test_rotation_groups_rotate_images():
+  x = np.random.default_rng(0).random((400, 6, 6, 1)).astype(np.float32)
+  y = labels(400)
+  p = partition.rotation_groups(y, 8, np.random.default_rng(0), num_groups=4)
+  assert list(p.groups) == [0, 0, 1, 1, 2, 2, 3, 3]
+  for i in range(8):
+    idx = p.client_indices[i]
+    xr, yr = p.client_transform(i, x[idx], y[idx])
+    np.testing.assert_array_equal(xr, np.rot90(x[idx], k=p.groups[i], axes=(1, 2)))
+    np.testing.assert_array_equal(yr, y[idx])
+  with pytest.raises(ValueError, match='num_groups'):
+    partition.rotation_groups(y, 8, np.random.default_rng(0), num_groups=3)
+
+
+def test_label_permutation_groups():
+  y = labels(400)
+  p = partition.label_permutation_groups(y, 8, 10, np.random.default_rng(0), num_groups=2)
+  maps = {}
+  for i in range(8):
+    idx = p.client_indices[i]
+    _, yp = p.client_transform(i, None, y[idx])
+    for a, b in zip(y[idx], yp):
+      assert maps.setdefault((p.groups[i], a), b) == b  # one permutation per group
+  assert all(maps[(0, c)] == c for c in range(10))  # group 0 keeps the labels
+  assert any(maps[(1, c)] != c for c in range(10))
+
+
+@pytest.mark.parametrize('permute', [False, True])
+def test_sparse_classes(permute):
+  y = np.repeat(np.arange(10), 100)
+  p = partition.sparse_classes(y, 10, 10, 5, np.random.default_rng(0), examples_per_client=100,
+                               permute=permute)
+  assert_disjoint_cover(p, len(y), exact=False)
+  for i, idx in enumerate(p.client_indices):
+    assert set(y[idx]) == {(i + j) % 10 for j in range(5)}
+    assert len(idx) == 100 and np.all(np.bincount(y[idx], minlength=10)[y[idx]] == 20)
+    if permute:
+      _, yp = p.client_transform(i, None, y[idx])
+      assert set(yp) == set(range(5))
+  if permute:
+    assert p.num_classes == 5
+    # Different devices map the same class to different indices.
+    maps = [dict(zip(y[p.client_indices[i]], p.client_transform(i, None, y[p.client_indices[i]])[1]))
+            for i in range(10)]
+    assert len({m[4] for m in maps if 4 in m}) > 1
+
+
+def test_latent_clusters_follow_kmeans():
+  rng = np.random.default_rng(0)
+  centers = np.array([[0, 0], [10, 10], [-10, 10]], np.float32)
+  x = np.concatenate([c + rng.normal(size=(60, 2)) for c in centers]).astype(np.float32)
+  p = partition.latent_clusters(x, 6, 3, np.random.default_rng(0))
+  assert_disjoint_cover(p, len(x))
+  for g in range(3):
+    members = np.nonzero(p.groups == g)[0]
+    pts = np.concatenate([x[p.client_indices[m]] for m in members])
+    assert np.linalg.norm(pts - pts.mean(0), axis=1).max() < 6  # one tight cluster
+
+
+def test_federated_splits_come_from_the_client_distribution():
+  d = load_federated(DataConfig(dataset='mnist', num_clients=10, alpha=0.1, seed=0))
+  for i in range(10):
+    ntr, nte = int(d.train.num_examples[i]), int(d.test.num_examples[i])
+    assert nte >= 1 and abs(nte - 0.2 * (ntr + nte)) <= 1
+    tr = set(d.train.y[i, :ntr].tolist())
+    te = set(d.test.y[i, :nte].tolist())
+    assert te <= tr | te and len(te - tr) <= 1  # same label skew
+  assert int(d.train.num_examples.sum() + d.test.num_examples.sum()) == 10000
+  again = load_federated(DataConfig(dataset='mnist', num_clients=10, alpha=0.1, seed=0))
+  np.testing.assert_array_equal(d.train.y, again.train.y)
