@@ -99,6 +99,9 @@ class FederatedAlgorithm:
     communication: ``state -> Communication`` (static sizes).
     finetune: optional ``(params, local_data, key) -> params`` applied before
       evaluating a client (FedAvg + fine-tuning).
+    evaluate_client: optional ``(params, local_data, test, key) -> LossStats``
+      replacing the plain test of ``params`` (e.g. prototype classifiers built
+      from the client's training data).
   """
   name: str
   model: Model
@@ -109,6 +112,7 @@ class FederatedAlgorithm:
   client_models: Callable[[PyTree], ClientModels]
   communication: Callable[[PyTree], Communication]
   finetune: Optional[FineTune] = None
+  evaluate_client: Optional[Callable] = None
 
   def replace(self, **kw) -> 'FederatedAlgorithm':
     return dataclasses.replace(self, **kw)

@@ -57,6 +57,18 @@ flags.DEFINE_string('weighting', 'num_examples', "Aggregation weights: 'num_exam
 flags.DEFINE_float('prox_mu', 0.01, 'FedProx mu.')
 flags.DEFINE_integer('finetune_steps', 0, 'Evaluation fine-tuning steps (0: none; fedavg_ft: 5).')
 flags.DEFINE_float('finetune_lr', None, 'Fine-tuning learning rate (default: client_lr).')
+flags.DEFINE_float('feddyn_alpha', None, 'FedDyn alpha (default 0.01; 0.1 for pfeddyn_proto).')
+flags.DEFINE_bool('adaptive_alpha', False, 'FedDyn: alpha_i = alpha * mean(n) / n_i (authors\' code).')
+flags.DEFINE_float('max_grad_norm', 0.0, 'FedDyn: clip the data-term gradient (0: no clipping; '
+                   'authors\' code: 10).')
+flags.DEFINE_float('lr_decay', 1.0, 'Client learning rate times this every round (FedDyn family).')
+flags.DEFINE_float('weight_decay', 0.0, 'Client weight decay (FedDyn family; authors: 1e-3).')
+flags.DEFINE_enum('feddyn_eval', 'server', ['server', 'active_mean', 'all_clients_mean'],
+                  'Which FedDyn model is evaluated.')
+flags.DEFINE_integer('maml_inner_steps', 5, 'pfeddyn_maml inner SGD steps.')
+flags.DEFINE_float('maml_inner_lr', 1e-2, 'pfeddyn_maml inner learning rate.')
+flags.DEFINE_float('target_accuracy', None, 'Report the first evaluated round whose mean '
+                   'accuracy reaches this (use --eval_every=1 for exact rounds).')
 flags.DEFINE_integer('seed', 0, 'Seed of data partition, model init and training.')
 flags.DEFINE_integer('eval_every', 5, 'Evaluate every this many rounds (0: at the end only).')
 flags.DEFINE_string('output_dir', None, 'Where to write metrics (default runs/<job name>).')
@@ -109,6 +121,10 @@ def validate_flags():
   _check(0 <= FLAGS.val_fraction < 1, 'val_fraction', f'must be in [0, 1), got {FLAGS.val_fraction}')
   _check(FLAGS.server_optimizer in ('sgd', 'adam'), 'server_optimizer',
          f"must be 'sgd' or 'adam', got {FLAGS.server_optimizer!r}")
+  _check(FLAGS.feddyn_alpha is None or FLAGS.feddyn_alpha > 0, 'feddyn_alpha',
+         f'must be > 0, got {FLAGS.feddyn_alpha}')
+  _check(FLAGS.max_grad_norm >= 0, 'max_grad_norm', f'must be >= 0, got {FLAGS.max_grad_norm}')
+  _check(0 < FLAGS.lr_decay <= 1, 'lr_decay', f'must be in (0, 1], got {FLAGS.lr_decay}')
   _check(FLAGS.weighting in ('num_examples', 'uniform'), 'weighting',
          f"must be 'num_examples' or 'uniform', got {FLAGS.weighting!r}")
 
@@ -130,7 +146,10 @@ def hparams() -> algorithms_lib.HParams:
       server_momentum=FLAGS.server_momentum, batch_size=FLAGS.batch_size or None,
       local_epochs=None if steps is not None else FLAGS.local_epochs, local_steps=steps,
       weighting=FLAGS.weighting, prox_mu=FLAGS.prox_mu, finetune_steps=FLAGS.finetune_steps,
-      finetune_lr=FLAGS.finetune_lr)
+      finetune_lr=FLAGS.finetune_lr, feddyn_alpha=FLAGS.feddyn_alpha,
+      adaptive_alpha=FLAGS.adaptive_alpha, max_grad_norm=FLAGS.max_grad_norm,
+      lr_decay=FLAGS.lr_decay, weight_decay=FLAGS.weight_decay, feddyn_eval=FLAGS.feddyn_eval,
+      maml_inner_steps=FLAGS.maml_inner_steps, maml_inner_lr=FLAGS.maml_inner_lr)
 
 
 def sampler_for(num_clients: int) -> CohortSampler:
@@ -169,6 +188,9 @@ def main_job() -> Dict[str, dict]:
     summaries[alg_name] = reporting.final_summary(history)
     reporting.write_summary(out_dir, {**summaries[alg_name], 'algorithm': alg_name,
                                       'flags': FLAGS.flag_values_dict()})
+    if FLAGS.target_accuracy is not None:
+      summaries[alg_name]['rounds_to_target'] = experiment.rounds_to_target(
+          history, FLAGS.target_accuracy)
     s = summaries[alg_name]
     print(f"{alg_name}: mean {s['accuracy_mean']:.4f} worst {s['accuracy_worst']:.4f} "
           f"({s['train_seconds']:.1f} s of rounds)")

@@ -106,8 +106,12 @@ class RoundRunner:
         models, train, val, test = shared
         i, key = c
         params = models.for_client(i)
+        local = LocalData(train=_row(train, i), val=_row(val, i))
+        k_ft, k_eval = jax.random.split(key)
         if finetune:
-          params = alg.finetune(params, LocalData(train=_row(train, i), val=_row(val, i)), key)
+          params = alg.finetune(params, local, k_ft)
+        if alg.evaluate_client is not None:
+          return alg.evaluate_client(params, local, _row(test, i), k_eval)
         return evaluate_params(model, params, _row(test, i))
       return eval_client
 

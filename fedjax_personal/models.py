@@ -22,10 +22,14 @@ class LogisticRegression(nn.Module):
   """Multinomial logistic regression on flattened inputs."""
   num_classes: int
 
-  @nn.compact
+  def setup(self):
+    self.output = nn.Dense(self.num_classes)
+
+  def features(self, x):
+    return _as_float(x).reshape((x.shape[0], -1))
+
   def __call__(self, x):
-    x = _as_float(x).reshape((x.shape[0], -1))
-    return nn.Dense(self.num_classes, name='output')(x)
+    return self.output(self.features(x))
 
 
 class MLP(nn.Module):
@@ -33,12 +37,19 @@ class MLP(nn.Module):
   num_classes: int
   hidden: Sequence[int] = (200, 200)
 
-  @nn.compact
-  def __call__(self, x):
+  def setup(self):
+    self.hidden_layers = [nn.Dense(h, name=f'hidden_{i}') for i, h in enumerate(self.hidden)]
+    self.output = nn.Dense(self.num_classes)
+
+  def features(self, x):
+    """The penultimate representation (input to the output layer)."""
     x = _as_float(x).reshape((x.shape[0], -1))
-    for i, h in enumerate(self.hidden):
-      x = nn.relu(nn.Dense(h, name=f'hidden_{i}')(x))
-    return nn.Dense(self.num_classes, name='output')(x)
+    for layer in self.hidden_layers:
+      x = nn.relu(layer(x))
+    return x
+
+  def __call__(self, x):
+    return self.output(self.features(x))
 
 
 class LeNet5(nn.Module):
@@ -49,39 +60,50 @@ class LeNet5(nn.Module):
   """
   num_classes: int
 
-  @nn.compact
-  def __call__(self, x):
-    x = _as_float(x)
-    x = nn.relu(nn.Conv(6, (5, 5), padding='SAME', name='conv_0')(x))
-    x = nn.max_pool(x, (2, 2), (2, 2))
-    x = nn.relu(nn.Conv(16, (5, 5), padding='VALID', name='conv_1')(x))
-    x = nn.max_pool(x, (2, 2), (2, 2))
+  def setup(self):
+    self.conv_0 = nn.Conv(6, (5, 5), padding='SAME')
+    self.conv_1 = nn.Conv(16, (5, 5), padding='VALID')
+    self.dense_0 = nn.Dense(120)
+    self.dense_1 = nn.Dense(84)
+    self.output = nn.Dense(self.num_classes)
+
+  def features(self, x):
+    x = nn.max_pool(nn.relu(self.conv_0(_as_float(x))), (2, 2), (2, 2))
+    x = nn.max_pool(nn.relu(self.conv_1(x)), (2, 2), (2, 2))
     x = x.reshape((x.shape[0], -1))
-    x = nn.relu(nn.Dense(120, name='dense_0')(x))
-    x = nn.relu(nn.Dense(84, name='dense_1')(x))
-    return nn.Dense(self.num_classes, name='output')(x)
+    return nn.relu(self.dense_1(nn.relu(self.dense_0(x))))
+
+  def __call__(self, x):
+    return self.output(self.features(x))
 
 
 class CNN(nn.Module):
   """The 2-conv-2-fc CNN of FedAvg (McMahan et al.) and FedDyn (Acar et al.).
 
-  FedAvg's MNIST CNN is features=(32, 64), dense=(512,); FedDyn's CIFAR-10 CNN
-  is features=(64, 64), dense=(384, 192).
+  FedAvg's MNIST CNN is conv_features=(32, 64), dense=(512,); FedDyn's CIFAR-10
+  CNN is conv_features=(64, 64), dense=(384, 192).
   """
   num_classes: int
-  features: Sequence[int] = (32, 64)
+  conv_features: Sequence[int] = (32, 64)
   dense: Sequence[int] = (512,)
 
-  @nn.compact
-  def __call__(self, x):
+  def setup(self):
+    self.convs = [nn.Conv(f, (5, 5), padding='SAME', name=f'conv_{i}')
+                  for i, f in enumerate(self.conv_features)]
+    self.denses = [nn.Dense(d, name=f'dense_{i}') for i, d in enumerate(self.dense)]
+    self.output = nn.Dense(self.num_classes)
+
+  def features(self, x):
     x = _as_float(x)
-    for i, f in enumerate(self.features):
-      x = nn.relu(nn.Conv(f, (5, 5), padding='SAME', name=f'conv_{i}')(x))
-      x = nn.max_pool(x, (2, 2), (2, 2))
+    for conv in self.convs:
+      x = nn.max_pool(nn.relu(conv(x)), (2, 2), (2, 2))
     x = x.reshape((x.shape[0], -1))
-    for i, d in enumerate(self.dense):
-      x = nn.relu(nn.Dense(d, name=f'dense_{i}')(x))
-    return nn.Dense(self.num_classes, name='output')(x)
+    for d in self.denses:
+      x = nn.relu(d(x))
+    return x
+
+  def __call__(self, x):
+    return self.output(self.features(x))
 
 
 class CharLSTM(nn.Module):
@@ -120,6 +142,10 @@ class Model:
   module: Any = None
   loss: str = 'cross_entropy'
 
+  def features(self, params, x):
+    """The penultimate representation (models with a ``features`` method)."""
+    return self.module.apply({'params': params}, x, method='features')
+
 
 def from_flax(name: str, module: nn.Module, sample_x) -> Model:
   """Wraps a Linen module into the pure (init, apply) pair."""
@@ -135,7 +161,7 @@ MODELS = {
     'mlp': lambda c: MLP(c),
     'lenet5': lambda c: LeNet5(c),
     'cnn': lambda c: CNN(c),
-    'cnn_cifar': lambda c: CNN(c, features=(64, 64), dense=(384, 192)),
+    'cnn_cifar': lambda c: CNN(c, conv_features=(64, 64), dense=(384, 192)),
     'char_lstm': lambda c: CharLSTM(c),
 }
 

@@ -190,10 +190,12 @@ class SGDCarry:
     params: current parameters.
     opt_state: client optimizer state (re-initialized every round).
     stats: LossStats summed over real steps.
+    num_steps: real local steps taken (padded steps do not count).
   """
   params: Any
   opt_state: Any
   stats: LossStats
+  num_steps: jax.Array
 
 
 def sgd_client_work(objective_fn: Callable, optimizer: optax.GradientTransformation,
@@ -206,7 +208,8 @@ def sgd_client_work(objective_fn: Callable, optimizer: optax.GradientTransformat
     objective_fn: ``ctx -> objective``; objective is ``(params, batch) ->
       (loss, LossStats)`` and may use the broadcast (FedProx, SCAFFOLD, FedDyn).
     optimizer: client optax optimizer, re-initialized every round (the usual
-      FL convention: client optimizer state does not persist).
+      FL convention: client optimizer state does not persist); or
+      ``ctx -> optimizer`` when it depends on the round (learning-rate decay).
     batching: local batching.
     final: ``(ctx, SGDCarry) -> output``.
     start_fn: ``ctx -> params`` to start from (default: ``ctx.shared``, the
@@ -215,20 +218,24 @@ def sgd_client_work(objective_fn: Callable, optimizer: optax.GradientTransformat
       optimizer (e.g. clipping of the data term).
   """
   start_fn = start_fn or (lambda ctx: ctx.shared)
+  opt_fn = ((lambda ctx: optimizer) if isinstance(optimizer, optax.GradientTransformation)
+            else optimizer)
 
   def init(ctx, key):
     del key
     p = start_fn(ctx)
-    return SGDCarry(params=p, opt_state=optimizer.init(p), stats=zero_stats())
+    return SGDCarry(params=p, opt_state=opt_fn(ctx).init(p), stats=zero_stats(),
+                    num_steps=jnp.zeros((), jnp.int32))
 
   def step(ctx, carry, batch, key):
     del key
     (_, stats), grads = jax.value_and_grad(objective_fn(ctx), has_aux=True)(carry.params, batch)
     if grad_transform is not None:
       grads = grad_transform(grads, carry.params, ctx)
-    updates, opt_state = optimizer.update(grads, carry.opt_state, carry.params)
+    updates, opt_state = opt_fn(ctx).update(grads, carry.opt_state, carry.params)
     return SGDCarry(params=optax.apply_updates(carry.params, updates), opt_state=opt_state,
-                    stats=jax.tree.map(jnp.add, carry.stats, stats))
+                    stats=jax.tree.map(jnp.add, carry.stats, stats),
+                    num_steps=carry.num_steps + 1)
 
   return ClientWork(init=init, step=step, final=final, batching=batching)
 

@@ -98,7 +98,7 @@ def test_round_compiles_once_per_run(digits, executor):
 
 
 def test_executors_agree_on_a_conv_model(digits):
-  model = fp.models.from_flax('cnn', fp.models.CNN(10, features=(4, 8), dense=(16,)),
+  model = fp.models.from_flax('cnn', fp.models.CNN(10, conv_features=(4, 8), dense=(16,)),
                               digits.train.x[0, :1])
   results = {}
   for name, make in EXECUTORS.items():

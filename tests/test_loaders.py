@@ -99,3 +99,11 @@ def test_tfds_missing_data_is_a_clear_error(tmp_path):
   from fedjax_personal.datasets.tfds_loader import load_tfds
   with pytest.raises(FileNotFoundError, match='not prepared'):
     load_tfds('mnist', data_dir=str(tmp_path))
+
+
+def test_tfds_tiny_shakespeare_text_with_mock_data():
+  tfds = pytest.importorskip('tensorflow_datasets')
+  from fedjax_personal.datasets.tfds_loader import load_tfds
+  with tfds.testing.mock_data(num_examples=3):
+    text = load_tfds('tiny_shakespeare')
+  assert isinstance(text, str) and len(text) > 0

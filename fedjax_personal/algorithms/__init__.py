@@ -33,6 +33,14 @@ class HParams:
     finetune_steps: evaluation fine-tuning steps (0: none; fedavg_ft uses 5
       when 0 is given).
     finetune_lr: fine-tuning lr (None: client_lr).
+    feddyn_alpha: FedDyn alpha (personalized prototypes: None -> 0.1).
+    adaptive_alpha: FedDyn alpha_i = alpha * mean(n) / n_i.
+    max_grad_norm: FedDyn data-term gradient clipping (0: none).
+    lr_decay: client learning rate multiplied by this every round (FedDyn).
+    weight_decay: client weight decay (FedDyn family).
+    feddyn_eval: which FedDyn model is evaluated ('server', 'active_mean',
+      'all_clients_mean').
+    maml_inner_steps, maml_inner_lr: MAML inner loop of pfeddyn_maml.
   """
   client_lr: float = 0.05
   client_momentum: float = 0.0
@@ -46,6 +54,19 @@ class HParams:
   prox_mu: float = 0.01
   finetune_steps: int = 0
   finetune_lr: Optional[float] = None
+  feddyn_alpha: Optional[float] = None
+  adaptive_alpha: bool = False
+  max_grad_norm: float = 0.0
+  lr_decay: float = 1.0
+  weight_decay: float = 0.0
+  feddyn_eval: str = 'server'
+  maml_inner_steps: int = 5
+  maml_inner_lr: float = 1e-2
+
+  def feddyn_options(self) -> dict:
+    return dict(adaptive_alpha=self.adaptive_alpha, max_grad_norm=self.max_grad_norm or None,
+                lr_decay=self.lr_decay, weight_decay=self.weight_decay,
+                eval_model=self.feddyn_eval)
 
   def batching(self) -> Batching:
     return Batching(batch_size=self.batch_size, num_epochs=self.local_epochs,
@@ -107,6 +128,29 @@ def _oracle(hp, model, data):
                 server_optimizer=hp.server_opt(), weighting=hp.weighting)
 
 
+def _scaffold(hp, model, data):
+  from fedjax_personal.algorithms.scaffold import scaffold
+  return scaffold(model, data.num_clients, hp.client_lr, hp.batching(),
+                  server_optimizer=hp.server_opt(), weighting='uniform')
+
+
+def _feddyn(hp, model, data):
+  from fedjax_personal.algorithms.feddyn import feddyn
+  return feddyn(model, data.num_clients, data.train.num_examples, hp.client_lr, hp.batching(),
+                alpha=hp.feddyn_alpha or 1e-2, **hp.feddyn_options())
+
+
+def _pfeddyn(head):
+  def build(hp, model, data):
+    from fedjax_personal.algorithms.pfeddyn import pfeddyn
+    return pfeddyn(model, data.num_clients, data.train.num_examples, data.num_classes,
+                   hp.client_lr, hp.batching(), head=head, alpha=hp.feddyn_alpha,
+                   inner_steps=hp.maml_inner_steps, inner_lr=hp.maml_inner_lr,
+                   finetune_lr=hp.finetune_lr or 0.1, finetune_steps=hp.finetune_steps or 1,
+                   **hp.feddyn_options())
+  return build
+
+
 ALGORITHMS: Dict[str, Callable[[HParams, Model, FederatedData], FederatedAlgorithm]] = {
     'fedavg': _fedavg,
     'fedavg_ft': _fedavg_ft,
@@ -114,6 +158,11 @@ ALGORITHMS: Dict[str, Callable[[HParams, Model, FederatedData], FederatedAlgorit
     'fedprox': _fedprox,
     'local': _local,
     'oracle': _oracle,
+    'scaffold': _scaffold,
+    'feddyn': _feddyn,
+    'pfeddyn_ft': _pfeddyn('finetune'),
+    'pfeddyn_maml': _pfeddyn('maml'),
+    'pfeddyn_proto': _pfeddyn('prototype'),
 }
 
 

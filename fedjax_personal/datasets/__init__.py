@@ -10,8 +10,8 @@ from fedjax_personal.datasets import loaders, partition
 from fedjax_personal.datasets.partition import PARTITIONS, Partition
 
 DATASETS = ('mnist', 'digits', 'cifar10', 'shakespeare', 'synthetic',
-            'tfds:mnist', 'tfds:emnist', 'tfds:cifar10', 'tfds:cifar100')
-NATURAL = ('shakespeare', 'synthetic')
+            'tfds:mnist', 'tfds:emnist', 'tfds:cifar10', 'tfds:cifar100', 'tfds:tiny_shakespeare')
+NATURAL = ('shakespeare', 'synthetic', 'tfds:tiny_shakespeare')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +121,13 @@ def load_federated(cfg: DataConfig) -> FederatedData:
   if cfg.dataset in NATURAL:
     if cfg.partition not in ('natural', 'dirichlet'):  # dirichlet is the flag default
       raise ValueError(f"dataset {cfg.dataset} has a natural partition; use --partition=natural")
-    if cfg.dataset == 'shakespeare':
-      xs, ys, vocab = loaders.load_shakespeare(cfg.num_clients, cfg.seq_len, data_dir=cfg.data_dir)
+    if cfg.dataset in ('shakespeare', 'tfds:tiny_shakespeare'):
+      text = None
+      if cfg.dataset.startswith('tfds:'):
+        from fedjax_personal.datasets.tfds_loader import load_tfds
+        text = load_tfds('tiny_shakespeare', data_dir=cfg.data_dir)
+      xs, ys, vocab = loaders.load_shakespeare(cfg.num_clients, cfg.seq_len, data_dir=cfg.data_dir,
+                                               text=text)
       num_classes = len(vocab)
     else:
       xs, ys = loaders.synthetic(cfg.num_clients, cfg.synthetic_alpha, cfg.synthetic_beta, rng)

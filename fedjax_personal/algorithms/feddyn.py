@@ -1,0 +1,200 @@
+"""FedDyn (Acar et al., ICLR 2021, "Federated learning based on dynamic
+regularization"; the seed slides call it DyDFL).
+
+Each client keeps a state g_i (its "local state (gradient)", zero at start) and
+minimizes the dynamically regularized objective
+
+    L_i(theta) - <g_i, theta> + alpha_i / 2 ||theta - theta_server||^2,
+
+then updates g_i <- g_i - alpha_i (theta_i - theta_server). The server keeps h
+(zero at start):
+
+    h <- h - (alpha / N) sum_{i in P_t} (theta_i - theta_server)
+    theta_server <- mean_{i in P_t} theta_i - h / alpha.
+
+Options of the authors' code: alpha_i = alpha mean(n) / n_i (``adaptive_alpha``),
+gradient clipping of the data term (``max_grad_norm``, 10 in their code), a
+per-round learning-rate decay, weight decay (1e-3 in their code). The model
+evaluated is a choice (``eval_model``): the server model, the mean of the last
+round's active models, or the mean of all clients' latest models.
+
+The data term L_i is pluggable (``data_objective``), which is how personalized
+FedDyn (``pfeddyn.py``) swaps in MAML and prototype objectives.
+"""
+
+from typing import Callable, Optional
+
+from flax import struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
+                                       cohort_train_metrics)
+from fedjax_personal.batching import Batching
+from fedjax_personal.models import Model
+from fedjax_personal.training import ClientWork, LossStats, plain_objective, sgd_client_work
+from fedjax_personal.tree_util import (tree_broadcast, tree_bytes, tree_gather, tree_scatter,
+                                       tree_sub, tree_zeros_like)
+
+EVAL_MODELS = ('server', 'active_mean', 'all_clients_mean')
+
+
+@struct.dataclass
+class FedDynState:
+  """Attributes:
+    params: the server model theta_server (what clients receive).
+    h: the server state h.
+    active_mean: mean of the last round's active client models.
+    grad_state: stacked [N, ...] client states g_i.
+    client_params: stacked [N, ...] latest model of every client (only kept
+      when ``eval_model='all_clients_mean'``, else None).
+    round: rounds done (drives the learning-rate decay).
+  """
+  params: optax.Params
+  h: optax.Params
+  active_mean: optax.Params
+  grad_state: optax.Params
+  client_params: Optional[optax.Params]
+  round: jax.Array
+
+
+@struct.dataclass
+class FedDynOutput:
+  """Attributes:
+    params: theta_i after local training (the upload).
+    grad_state: the client's new g_i.
+    stats: local training LossStats.
+  """
+  params: optax.Params
+  grad_state: optax.Params
+  stats: LossStats
+
+
+def clip_by_global_norm(grads, max_norm):
+  norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+  scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
+  return jax.tree.map(lambda g: g * scale, grads)
+
+
+def dynamic_regularizer_grad(grads, params, server_params, grad_state, alpha_i):
+  """Adds the gradient of -<g_i, theta> + alpha_i/2 ||theta - theta_server||^2."""
+  return jax.tree.map(lambda g, p, s, gi: g - gi + alpha_i * (p - s),
+                      grads, params, server_params, grad_state)
+
+
+def server_update_h(params, h, client_params, mask, alpha, num_clients):
+  """FedDyn's server step (the spec's equations).
+
+  Returns (new server params, new h, mean of active models).
+  """
+  m = mask.astype(jnp.float32)
+  count = jnp.maximum(jnp.sum(m), 1.0)
+  diff_sum = jax.tree.map(lambda c, s: jnp.tensordot(m, c - s[None], axes=1), client_params, params)
+  h = jax.tree.map(lambda hh, d: hh - alpha / num_clients * d, h, diff_sum)
+  active_mean = jax.tree.map(lambda s, d: s + d / count, params, diff_sum)
+  new_params = jax.tree.map(lambda a, hh: a - hh / alpha, active_mean, h)
+  return new_params, h, active_mean
+
+
+def feddyn(model: Model, num_clients: int, num_examples, learning_rate: float,
+           batching: Batching, alpha: float = 1e-2, adaptive_alpha: bool = False,
+           max_grad_norm: Optional[float] = None, lr_decay: float = 1.0,
+           weight_decay: float = 0.0, eval_model: str = 'server',
+           data_objective: Optional[Callable] = None, batches_per_step: int = 1,
+           finetune=None, evaluate_client=None, name: str = 'feddyn') -> FederatedAlgorithm:
+  """Builds FedDyn.
+
+  Args:
+    model: the model.
+    num_clients: N.
+    num_examples: int [N] training examples per client (for adaptive alpha).
+    learning_rate: client SGD learning rate at round 0.
+    batching: local batching (the authors: E = 5 epochs, B = 50).
+    alpha: the regularization coefficient (1e-2 default).
+    adaptive_alpha: alpha_i = alpha * mean(n) / n_i (authors' code).
+    max_grad_norm: clip the data-term gradient to this norm (None: no clip).
+    lr_decay: learning rate of round t is learning_rate * lr_decay**t.
+    weight_decay: L2 weight decay added by the client optimizer.
+    eval_model: 'server', 'active_mean' or 'all_clients_mean'.
+    data_objective: ``(params, batch) -> (loss, stats)``, the data term L_i
+      (default: the plain empirical risk on one batch).
+    batches_per_step: batches per local step (2 for MAML / prototypes).
+    finetune, evaluate_client: evaluation options (see FederatedAlgorithm).
+    name: registry name.
+  """
+  if alpha <= 0:
+    raise ValueError(f'FedDyn alpha must be > 0, got {alpha}')
+  if eval_model not in EVAL_MODELS:
+    raise ValueError(f'eval_model must be one of {EVAL_MODELS}, got {eval_model!r}')
+  n = np.asarray(num_examples, np.float64)
+  alphas = alpha * (n.mean() / np.maximum(n, 1) if adaptive_alpha else np.ones_like(n))
+  alphas = jnp.asarray(alphas, jnp.float32)
+  data_objective = data_objective or plain_objective(model)
+  keep_all = eval_model == 'all_clients_mean'
+
+  def init(key):
+    params = model.init(key)
+    zeros = tree_zeros_like(params)
+    return FedDynState(params=params, h=zeros, active_mean=params,
+                       grad_state=tree_broadcast(zeros, num_clients),
+                       client_params=tree_broadcast(params, num_clients) if keep_all else None,
+                       round=jnp.zeros((), jnp.int32))
+
+  def server_broadcast(state, cohort):
+    lr = learning_rate * jnp.power(lr_decay, state.round.astype(jnp.float32))
+    per_client = (tree_gather(state.grad_state, cohort.idx), alphas.at[cohort.idx].get(mode='clip'))
+    return (state.params, lr), per_client
+
+  def optimizer(ctx):
+    _, lr = ctx.shared
+    sgd = optax.sgd(lr)
+    return optax.chain(optax.add_decayed_weights(weight_decay), sgd) if weight_decay else sgd
+
+  def debiased(grads, params, ctx):
+    server_params, _ = ctx.shared
+    grad_state, alpha_i = ctx.state
+    if max_grad_norm:
+      grads = clip_by_global_norm(grads, max_grad_norm)
+    return dynamic_regularizer_grad(grads, params, server_params, grad_state, alpha_i)
+
+  def final(ctx, carry):
+    server_params, _ = ctx.shared
+    grad_state, alpha_i = ctx.state
+    new_g = jax.tree.map(lambda g, p, s: g - alpha_i * (p - s), grad_state, carry.params,
+                         server_params)
+    return FedDynOutput(params=carry.params, grad_state=new_g, stats=carry.stats)
+
+  work = sgd_client_work(lambda ctx: data_objective, optimizer, batching, final,
+                         start_fn=lambda ctx: ctx.shared[0], grad_transform=debiased)
+  work = ClientWork(init=work.init, step=work.step, final=work.final, batching=batching,
+                    batches_per_step=batches_per_step)
+
+  def server_update(state, cohort, out: FedDynOutput):
+    params, h, active_mean = server_update_h(state.params, state.h, out.params, cohort.mask,
+                                             alpha, num_clients)
+    client_params = (tree_scatter(state.client_params, cohort.idx, out.params)
+                     if keep_all else None)
+    new = FedDynState(params=params, h=h, active_mean=active_mean,
+                      grad_state=tree_scatter(state.grad_state, cohort.idx, out.grad_state),
+                      client_params=client_params, round=state.round + 1)
+    return new, cohort_train_metrics(out.stats, cohort.mask)
+
+  def client_models(state):
+    if eval_model == 'server':
+      p = state.params
+    elif eval_model == 'active_mean':
+      p = state.active_mean
+    else:
+      p = jax.tree.map(lambda a: a.mean(axis=0), state.client_params)
+    return ClientModels.global_model(p, num_clients)
+
+  def communication(state):
+    b = tree_bytes(state.params)
+    return Communication(b, b, 1)
+
+  return FederatedAlgorithm(
+      name=name, model=model, init=init, server_broadcast=server_broadcast, client_work=work,
+      server_update=server_update, client_models=client_models, communication=communication,
+      finetune=finetune, evaluate_client=evaluate_client)

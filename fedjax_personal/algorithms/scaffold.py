@@ -1,0 +1,126 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020), option II control variates.
+
+Client i corrects every local gradient by c - c_i (the local loss gains
+<theta, c - c_i>); after its K real local steps of SGD with learning rate lr,
+
+    c_i+ = c_i - c + (theta_server - theta_i) / (K lr)            (option II)
+
+The server averages the active models (a server optimizer on the mean delta;
+``optax.sgd(1.0)`` is the plain mean) and updates
+
+    c <- c + (1/N) sum_{i in P_t} (c_i+ - c_i).
+
+Control variates of all N clients persist across rounds as one stacked pytree.
+Uplink and downlink both carry a model and a control variate.
+"""
+
+from typing import Optional
+
+from flax import struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
+                                       cohort_train_metrics)
+from fedjax_personal.algorithms.fedavg import client_weights, server_step
+from fedjax_personal.batching import Batching
+from fedjax_personal.models import Model
+from fedjax_personal.training import LossStats, plain_objective, sgd_client_work
+from fedjax_personal.tree_util import (tree_broadcast, tree_bytes, tree_gather, tree_scatter,
+                                       tree_sub, tree_zeros_like)
+
+
+@struct.dataclass
+class ScaffoldState:
+  """Attributes:
+    params: server model theta.
+    opt_state: server optimizer state.
+    control: server control variate c.
+    client_controls: stacked [N, ...] control variates c_i.
+  """
+  params: optax.Params
+  opt_state: optax.OptState
+  control: optax.Params
+  client_controls: optax.Params
+
+
+@struct.dataclass
+class ScaffoldOutput:
+  """Attributes:
+    delta: theta_server - theta_i.
+    control: c_i+ (kept by the client; its change is uploaded).
+    control_delta: c_i+ - c_i.
+    num_examples: n_i.
+    stats: local training LossStats.
+  """
+  delta: optax.Params
+  control: optax.Params
+  control_delta: optax.Params
+  num_examples: jax.Array
+  stats: LossStats
+
+
+def option_ii_control(client_control, control, server_params, params, num_steps, learning_rate):
+  """c_i+ = c_i - c + (theta_server - theta_i) / (K lr); c_i when K = 0."""
+  scale = jnp.where(num_steps > 0, 1.0 / (jnp.maximum(num_steps, 1) * learning_rate), 0.0)
+  return jax.tree.map(
+      lambda ci, c, s, p: jnp.where(num_steps > 0, ci - c + (s - p) * scale, ci),
+      client_control, control, server_params, params)
+
+
+def scaffold(model: Model, num_clients: int, learning_rate: float, batching: Batching,
+             server_optimizer: Optional[optax.GradientTransformation] = None,
+             weighting: str = 'uniform', finetune=None) -> FederatedAlgorithm:
+  """Builds SCAFFOLD with local SGD at ``learning_rate``.
+
+  Args:
+    weighting: aggregation of the models, 'uniform' (the paper's mean over
+      the active clients) or 'num_examples'.
+  """
+  server_optimizer = server_optimizer or optax.sgd(1.0)
+  optimizer = optax.sgd(learning_rate)
+
+  def init(key):
+    params = model.init(key)
+    return ScaffoldState(params, server_optimizer.init(params), tree_zeros_like(params),
+                         tree_broadcast(tree_zeros_like(params), num_clients))
+
+  def server_broadcast(state, cohort):
+    return (state.params, state.control), tree_gather(state.client_controls, cohort.idx)
+
+  def corrected(grads, params, ctx):
+    _, control = ctx.shared
+    return jax.tree.map(lambda g, c, ci: g + c - ci, grads, control, ctx.state)
+
+  def final(ctx, carry):
+    server_params, control = ctx.shared
+    new_control = option_ii_control(ctx.state, control, server_params, carry.params,
+                                    carry.num_steps, learning_rate)
+    return ScaffoldOutput(delta=tree_sub(server_params, carry.params), control=new_control,
+                          control_delta=tree_sub(new_control, ctx.state),
+                          num_examples=ctx.data.train.num_examples, stats=carry.stats)
+
+  plain = plain_objective(model)
+  work = sgd_client_work(lambda ctx: plain, optimizer, batching, final,
+                         start_fn=lambda ctx: ctx.shared[0], grad_transform=corrected)
+
+  def server_update(state, cohort, out: ScaffoldOutput):
+    w = client_weights(cohort, out.num_examples, weighting)
+    params, opt_state = server_step(state.params, state.opt_state, out.delta, w, server_optimizer)
+    m = cohort.mask.astype(jnp.float32)
+    control = jax.tree.map(lambda c, d: c + jnp.tensordot(m, d, axes=1) / num_clients,
+                           state.control, out.control_delta)
+    client_controls = tree_scatter(state.client_controls, cohort.idx, out.control)
+    return (ScaffoldState(params, opt_state, control, client_controls),
+            cohort_train_metrics(out.stats, cohort.mask))
+
+  def communication(state):
+    b = tree_bytes(state.params)
+    return Communication(2 * b, 2 * b, 1)
+
+  return FederatedAlgorithm(
+      name='scaffold', model=model, init=init, server_broadcast=server_broadcast,
+      client_work=work, server_update=server_update,
+      client_models=lambda s: ClientModels.global_model(s.params, num_clients),
+      communication=communication, finetune=finetune)

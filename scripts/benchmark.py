@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""Speed of a FedAvg round per executor, against the one-client-at-a-time loop.
+
+For each model (MLP, LeNet-5) and population (10, 100, 1000 clients, each with
+a small local data set drawn from real MNIST digits), every client runs K local
+steps of batch B per round. Each executor of the engine (vmap, blocked,
+sequential, and what ``auto`` picks) is timed against the baseline that other
+FL libraries use: the same client code run one client at a time from a Python
+loop, one jitted step per local batch, batches sliced on the host.
+
+Every configuration runs in its own process, so compile time and peak memory
+(max RSS) are its own. Printed per configuration: steady time per round,
+compile time (first round minus a steady round), peak RSS, the achieved
+GFLOP/s of the round (XLA's cost analysis of a local step x the number of
+steps / time), and the speed-up over the baseline; the machine's float32
+matmul GFLOP/s is measured in the same run.
+
+  python scripts/benchmark.py                         # the full table (~15 min on 2 cores)
+  python scripts/benchmark.py --models=mlp --clients=10,100 --rounds=2
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+flags.DEFINE_list('models', ['mlp', 'lenet5'], 'Models to time.')
+flags.DEFINE_list('clients', ['10', '100', '1000'], 'Populations (all clients in every round).')
+flags.DEFINE_list('executors', ['baseline', 'sequential', 'blocked', 'vmap'],
+                  'Executors to time; baseline = one client, one jitted step at a time.')
+flags.DEFINE_integer('rounds', 3, 'Timed rounds after the compiling one.')
+flags.DEFINE_integer('local_steps', 5, 'K local steps per client per round.')
+flags.DEFINE_integer('timeout', 420, 'Seconds per configuration before it is reported as timeout.')
+flags.DEFINE_string('output', None, 'Write the results as JSON here.')
+flags.DEFINE_string('worker', None, 'Internal: run one configuration model:clients:executor.')
+FLAGS = flags.FLAGS
+
+BATCH = {'mlp': 10, 'lenet5': 32}      # as in the foundation issue's measurements
+EXAMPLES = {'mlp': 50, 'lenet5': 64}   # local data set size per client
+
+
+def matmul_gflops(n=2048, reps=10):
+  import jax
+  import jax.numpy as jnp
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+  f = jax.jit(lambda a: a @ a)
+  f(a).block_until_ready()
+  t = time.perf_counter()
+  for _ in range(reps):
+    out = f(a)
+  out.block_until_ready()
+  return 2 * n ** 3 * reps / (time.perf_counter() - t) / 1e9
+
+
+def build(model_name, num_clients):
+  import jax
+  import numpy as np
+  import optax
+  import fedjax_personal as fp
+  from fedjax_personal.data import FederatedData, pad_clients, to_device
+  from fedjax_personal.datasets import loaders
+  x, y, _ = loaders.load_mnist()
+  rng = np.random.default_rng(0)
+  n = EXAMPLES[model_name]
+  idx = [rng.choice(len(y), n, replace=False) for _ in range(num_clients)]
+  train = pad_clients([x[i] for i in idx], [y[i] for i in idx], x.shape[1:], x.dtype)
+  data = to_device(FederatedData(train=train, val=pad_clients([x[:0]] * num_clients, [y[:0]] * num_clients, x.shape[1:], x.dtype),
+                                 test=train, groups=-np.ones(num_clients, np.int32), num_classes=10))
+  model = fp.create_model(model_name, 10, x[:1])
+  batching = fp.Batching(BATCH[model_name], num_epochs=None, num_steps=FLAGS.local_steps)
+  return data, model, batching, optax.sgd(0.05)
+
+
+def step_flops(model, opt, batch_size):
+  """XLA's flop count of one local SGD step (forward, backward, update)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from fedjax_personal.training import Batch, batch_loss
+  params = model.init(jax.random.key(0))
+
+  def step(p, s, x, y):
+    g = jax.grad(lambda q: batch_loss(model, q, Batch(x, y, jnp.ones(x.shape[0], bool)))[0])(p)
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  x = jnp.zeros((batch_size, 28, 28, 1), jnp.uint8)
+  y = jnp.zeros((batch_size,), jnp.int32)
+  cost = jax.jit(step).lower(params, opt.init(params), x, y).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost.get('flops', 0.0)), step
+
+
+def baseline_runner(model, data, batching, opt):
+  """The usual loop: per client, per local batch, one jitted step; host batches."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from fedjax_personal import batching as batching_lib
+  _, step = step_flops(model, opt, BATCH[model.name])
+  step = jax.jit(step)
+  add = jax.jit(lambda acc, p, w: jax.tree.map(lambda a, b: a + w * b, acc, p))
+  x = np.asarray(data.train.x)
+  y = np.asarray(data.train.y)
+  n = np.asarray(data.train.num_examples)
+  idx_fn = jax.jit(lambda k, m: batching_lib.batch_indices(k, m, x.shape[1], batching))
+
+  def round_fn(params, key):
+    acc = jax.tree.map(jnp.zeros_like, params)
+    for i in range(len(n)):
+      idx, mask = jax.device_get(idx_fn(jax.random.fold_in(key, i), n[i]))
+      p, s = params, opt.init(params)
+      for t in range(idx.shape[0]):
+        sel = idx[t][mask[t]]
+        p, s = step(p, s, x[i][sel], y[i][sel])
+      acc = add(acc, p, np.float32(n[i] / n.sum()))
+    return acc
+  return round_fn
+
+
+def worker(spec):
+  import jax
+  import fedjax_personal as fp
+  from fedjax_personal.algorithms.fedavg import fedavg
+  model_name, num_clients, executor = spec.split(':')
+  num_clients = int(num_clients)
+  data, model, batching, opt = build(model_name, num_clients)
+  flops, _ = step_flops(model, opt, BATCH[model_name])
+  if executor == 'baseline':
+    round_fn = baseline_runner(model, data, batching, opt)
+    state = model.init(jax.random.key(0))
+    run = lambda s, k: round_fn(s, k)
+  else:
+    ex = fp.create_executor(executor, model, data.train.x[0, :1])
+    alg = fedavg(model, num_clients, opt, batching)
+    runner = fp.RoundRunner(alg, data, fp.CohortSampler(num_clients, cohort_size=num_clients), ex)
+    state = runner.init(jax.random.key(0))
+    run = lambda s, k: runner.round(s, k)[0]
+    executor = f'{executor}->{ex.describe()}' if executor == 'auto' else ex.describe()
+  times = []
+  for r in range(FLAGS.rounds + 1):
+    t = time.perf_counter()
+    state = jax.block_until_ready(run(state, jax.random.key(r)))
+    times.append(time.perf_counter() - t)
+  steady = sorted(times[1:])[len(times[1:]) // 2]
+  total_flops = flops * num_clients * FLAGS.local_steps
+  print(json.dumps({
+      'model': model_name, 'clients': num_clients, 'executor': executor,
+      'round_s': steady, 'compile_s': max(times[0] - steady, 0.0),
+      'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+      'gflops': total_flops / steady / 1e9, 'flops_per_round': total_flops}))
+
+
+def main(argv):
+  del argv
+  if FLAGS.worker:
+    worker(FLAGS.worker)
+    return
+  import jax
+  peak = matmul_gflops()
+  print(f'backend {jax.default_backend()}, {os.cpu_count()} cores; float32 matmul '
+        f'{peak:.1f} GFLOP/s (2048x2048, this run)')
+  print(f'FedAvg round, all clients active, K={FLAGS.local_steps} local steps; '
+        f'batch {BATCH}, examples per client {EXAMPLES}')
+  results = []
+  header = (f"{'model':<7}{'clients':>8}  {'executor':<28}{'round s':>9}{'compile s':>10}"
+            f"{'peak MB':>9}{'GFLOP/s':>9}{'% peak':>7}{'vs loop':>8}")
+  print(header)
+  print('-' * len(header))
+  for model_name in FLAGS.models:
+    for clients in FLAGS.clients:
+      base = None
+      for executor in FLAGS.executors:
+        spec = f'{model_name}:{clients}:{executor}'
+        cmd = [sys.executable, os.path.abspath(__file__), f'--worker={spec}',
+               f'--rounds={FLAGS.rounds}', f'--local_steps={FLAGS.local_steps}']
+        try:
+          out = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.timeout)
+          line = [l for l in out.stdout.splitlines() if l.startswith('{')]
+          if not line:
+            raise RuntimeError(out.stderr[-500:])
+          r = json.loads(line[-1])
+        except subprocess.TimeoutExpired:
+          r = {'model': model_name, 'clients': int(clients), 'executor': executor, 'timeout': True}
+          print(f'{model_name:<7}{clients:>8}  {executor:<28}  timeout after {FLAGS.timeout} s')
+          results.append(r)
+          continue
+        if executor == 'baseline':
+          base = r['round_s']
+        r['speedup_vs_loop'] = base / r['round_s'] if base else None
+        r['percent_of_matmul_peak'] = 100 * r['gflops'] / peak
+        results.append(r)
+        sp = f"{r['speedup_vs_loop']:.2f}x" if r['speedup_vs_loop'] else '-'
+        print(f"{model_name:<7}{clients:>8}  {r['executor']:<28}{r['round_s']:>9.3f}"
+              f"{r['compile_s']:>10.2f}{r['peak_rss_mb']:>9.0f}{r['gflops']:>9.2f}"
+              f"{r['percent_of_matmul_peak']:>6.1f}%{sp:>8}", flush=True)
+  if FLAGS.output:
+    with open(FLAGS.output, 'w') as f:
+      json.dump({'matmul_gflops': peak, 'backend': jax.default_backend(),
+                 'cores': os.cpu_count(), 'results': results}, f, indent=1)
+
+
+if __name__ == '__main__':
+  app.run(main)
