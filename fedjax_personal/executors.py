@@ -164,7 +164,11 @@ class SequentialExecutor(Executor):
           lambda sh, pc, i: fn(sh, jax.tree.map(lambda a: a[i], pc)))
     one = self._compiled[('map', fn)]
     c = _leading_dim(per_client)
-    todo, outs = self._run(lambda i: one(shared, per_client, np.int32(i)), c, active)
+
+    def call(i):
+      with training.unroll_steps(True):  # a step loop inside fn (fine-tuning) runs unrolled
+        return one(shared, per_client, np.int32(i))
+    todo, outs = self._run(call, c, active)
     return self._stack(c, todo, outs, outs[0] if outs else None)
 
   def _work_fns(self, work, make_ctx):
