@@ -113,3 +113,11 @@ def batch_indices(key: jax.Array, num_examples: jax.Array, max_examples: int,
   real_step = s < batching.num_epochs * nb_i * (num_examples > 0)
   mask = real_step[:, None] & (pos < num_examples)
   return idx.astype(jnp.int32), mask
+
+
+def traced_num_steps(batching: Batching, num_examples, max_examples: int):
+  """``num_steps_for`` on a traced example count (inside a compiled round)."""
+  if batching.num_steps is not None:
+    return jnp.where(num_examples > 0, batching.num_steps, 0)
+  b = batching.effective_batch_size(max_examples)
+  return batching.num_epochs * ((num_examples + b - 1) // b)

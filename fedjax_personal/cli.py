@@ -69,6 +69,23 @@ flags.DEFINE_integer('maml_inner_steps', 5, 'pfeddyn_maml inner SGD steps.')
 flags.DEFINE_float('maml_inner_lr', 1e-2, 'pfeddyn_maml inner learning rate.')
 flags.DEFINE_float('target_accuracy', None, 'Report the first evaluated round whose mean '
                    'accuracy reaches this (use --eval_every=1 for exact rounds).')
+flags.DEFINE_string('personal_part', 'output', "fedalt/fedsim personal parameters: input, output, "
+                    "adapter, all_but_output, all, or split:<regex>,...")
+flags.DEFINE_integer('adapter_dim', 0, 'Add residual adapters of this width to the model '
+                     '(for --personal_part=adapter).')
+flags.DEFINE_float('personal_lr', None, 'Learning rate of personal parameters (default client_lr).')
+flags.DEFINE_integer('personal_epochs', None, 'FedAlt/FedRep personal phase (epochs, or steps '
+                     'with --local_steps).')
+flags.DEFINE_integer('personal_finetune_epochs', 0, 'fedalt/fedsim: fine-tune the personal part '
+                     'for this many epochs before evaluation.')
+flags.DEFINE_float('perfedavg_alpha', 0.01, 'Per-FedAvg inner step alpha (beta = --client_lr).')
+flags.DEFINE_float('hf_delta', 1e-3, 'Per-FedAvg finite-difference delta (perfedavg_hf_fd).')
+flags.DEFINE_float('pfedme_lambda', 15.0, 'pFedMe lambda.')
+flags.DEFINE_float('pfedme_personal_lr', 0.01, 'pFedMe inner learning rate.')
+flags.DEFINE_integer('pfedme_inner_steps', 5, 'pFedMe inner steps K.')
+flags.DEFINE_float('pfedme_beta', 1.0, 'pFedMe server mixing beta.')
+flags.DEFINE_float('ditto_lambda', 0.1, 'Ditto lambda.')
+flags.DEFINE_float('apfl_alpha', 0.25, 'APFL mixing weight alpha.')
 flags.DEFINE_integer('seed', 0, 'Seed of data partition, model init and training.')
 flags.DEFINE_integer('eval_every', 5, 'Evaluate every this many rounds (0: at the end only).')
 flags.DEFINE_string('output_dir', None, 'Where to write metrics (default runs/<job name>).')
@@ -124,6 +141,7 @@ def validate_flags():
   _check(FLAGS.feddyn_alpha is None or FLAGS.feddyn_alpha > 0, 'feddyn_alpha',
          f'must be > 0, got {FLAGS.feddyn_alpha}')
   _check(FLAGS.max_grad_norm >= 0, 'max_grad_norm', f'must be >= 0, got {FLAGS.max_grad_norm}')
+  _check(0 <= FLAGS.apfl_alpha <= 1, 'apfl_alpha', f'must be in [0, 1], got {FLAGS.apfl_alpha}')
   _check(0 < FLAGS.lr_decay <= 1, 'lr_decay', f'must be in (0, 1], got {FLAGS.lr_decay}')
   _check(FLAGS.weighting in ('num_examples', 'uniform'), 'weighting',
          f"must be 'num_examples' or 'uniform', got {FLAGS.weighting!r}")
@@ -149,7 +167,14 @@ def hparams() -> algorithms_lib.HParams:
       finetune_lr=FLAGS.finetune_lr, feddyn_alpha=FLAGS.feddyn_alpha,
       adaptive_alpha=FLAGS.adaptive_alpha, max_grad_norm=FLAGS.max_grad_norm,
       lr_decay=FLAGS.lr_decay, weight_decay=FLAGS.weight_decay, feddyn_eval=FLAGS.feddyn_eval,
-      maml_inner_steps=FLAGS.maml_inner_steps, maml_inner_lr=FLAGS.maml_inner_lr)
+      maml_inner_steps=FLAGS.maml_inner_steps, maml_inner_lr=FLAGS.maml_inner_lr,
+      personal_part=FLAGS.personal_part, personal_lr=FLAGS.personal_lr,
+      personal_epochs=FLAGS.personal_epochs,
+      personal_finetune_epochs=FLAGS.personal_finetune_epochs,
+      perfedavg_alpha=FLAGS.perfedavg_alpha, hf_delta=FLAGS.hf_delta,
+      pfedme_lambda=FLAGS.pfedme_lambda, pfedme_personal_lr=FLAGS.pfedme_personal_lr,
+      pfedme_inner_steps=FLAGS.pfedme_inner_steps, pfedme_beta=FLAGS.pfedme_beta,
+      ditto_lambda=FLAGS.ditto_lambda, apfl_alpha=FLAGS.apfl_alpha)
 
 
 def sampler_for(num_clients: int) -> CohortSampler:
@@ -168,7 +193,8 @@ def main_job() -> Dict[str, dict]:
   print(data.describe())
   data = to_device(data)
   sample_x = data.train.x[0, :1]
-  model = create_model(FLAGS.model, data.num_classes, sample_x)
+  _check(FLAGS.adapter_dim >= 0, 'adapter_dim', f'must be >= 0, got {FLAGS.adapter_dim}')
+  model = create_model(FLAGS.model, data.num_classes, sample_x, FLAGS.adapter_dim)
   executor = create_executor(FLAGS.executor, model, sample_x, FLAGS.block_size)
   name = FLAGS.output_dir or os.path.join(
       'runs', f'{FLAGS.dataset}_{FLAGS.partition}_{FLAGS.model}_n{FLAGS.num_clients}_seed{FLAGS.seed}')

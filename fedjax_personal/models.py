@@ -18,6 +18,17 @@ def _as_float(x):
   return x.astype(jnp.float32)
 
 
+class Adapter(nn.Module):
+  """A residual adapter h + W2 relu(W1 h) (Houlsby et al. 2019), W2 zero at
+  init so that a model with adapters starts as the model without them."""
+  dim: int
+
+  @nn.compact
+  def __call__(self, h):
+    z = nn.relu(nn.Dense(self.dim, name='down')(h))
+    return h + nn.Dense(h.shape[-1], kernel_init=nn.initializers.zeros, name='up')(z)
+
+
 class LogisticRegression(nn.Module):
   """Multinomial logistic regression on flattened inputs."""
   num_classes: int
@@ -36,16 +47,21 @@ class MLP(nn.Module):
   """Fully connected ReLU network (FedAvg's 2NN with hidden=(200, 200))."""
   num_classes: int
   hidden: Sequence[int] = (200, 200)
+  adapter_dim: int = 0
 
   def setup(self):
     self.hidden_layers = [nn.Dense(h, name=f'hidden_{i}') for i, h in enumerate(self.hidden)]
+    if self.adapter_dim:
+      self.adapters = [Adapter(self.adapter_dim, name=f'adapter_{i}') for i in range(len(self.hidden))]
     self.output = nn.Dense(self.num_classes)
 
   def features(self, x):
     """The penultimate representation (input to the output layer)."""
     x = _as_float(x).reshape((x.shape[0], -1))
-    for layer in self.hidden_layers:
+    for i, layer in enumerate(self.hidden_layers):
       x = nn.relu(layer(x))
+      if self.adapter_dim:
+        x = self.adapters[i](x)
     return x
 
   def __call__(self, x):
@@ -59,19 +75,29 @@ class LeNet5(nn.Module):
   dense 120 - dense 84 - dense num_classes.
   """
   num_classes: int
+  adapter_dim: int = 0
 
   def setup(self):
     self.conv_0 = nn.Conv(6, (5, 5), padding='SAME')
     self.conv_1 = nn.Conv(16, (5, 5), padding='VALID')
     self.dense_0 = nn.Dense(120)
     self.dense_1 = nn.Dense(84)
+    if self.adapter_dim:
+      self.adapter_0 = Adapter(self.adapter_dim)
+      self.adapter_1 = Adapter(self.adapter_dim)
     self.output = nn.Dense(self.num_classes)
 
   def features(self, x):
     x = nn.max_pool(nn.relu(self.conv_0(_as_float(x))), (2, 2), (2, 2))
     x = nn.max_pool(nn.relu(self.conv_1(x)), (2, 2), (2, 2))
     x = x.reshape((x.shape[0], -1))
-    return nn.relu(self.dense_1(nn.relu(self.dense_0(x))))
+    x = nn.relu(self.dense_0(x))
+    if self.adapter_dim:
+      x = self.adapter_0(x)
+    x = nn.relu(self.dense_1(x))
+    if self.adapter_dim:
+      x = self.adapter_1(x)
+    return x
 
   def __call__(self, x):
     return self.output(self.features(x))
@@ -86,11 +112,14 @@ class CNN(nn.Module):
   num_classes: int
   conv_features: Sequence[int] = (32, 64)
   dense: Sequence[int] = (512,)
+  adapter_dim: int = 0
 
   def setup(self):
     self.convs = [nn.Conv(f, (5, 5), padding='SAME', name=f'conv_{i}')
                   for i, f in enumerate(self.conv_features)]
     self.denses = [nn.Dense(d, name=f'dense_{i}') for i, d in enumerate(self.dense)]
+    if self.adapter_dim:
+      self.adapters = [Adapter(self.adapter_dim, name=f'adapter_{i}') for i in range(len(self.dense))]
     self.output = nn.Dense(self.num_classes)
 
   def features(self, x):
@@ -98,8 +127,10 @@ class CNN(nn.Module):
     for conv in self.convs:
       x = nn.max_pool(nn.relu(conv(x)), (2, 2), (2, 2))
     x = x.reshape((x.shape[0], -1))
-    for d in self.denses:
+    for i, d in enumerate(self.denses):
       x = nn.relu(d(x))
+      if self.adapter_dim:
+        x = self.adapters[i](x)
     return x
 
   def __call__(self, x):
@@ -115,13 +146,26 @@ class CharLSTM(nn.Module):
   embed_dim: int = 8
   hidden: int = 128
   num_layers: int = 2
+  adapter_dim: int = 0
 
-  @nn.compact
+  def setup(self):
+    self.embed = nn.Embed(self.num_classes, self.embed_dim)
+    self.lstms = [nn.RNN(nn.OptimizedLSTMCell(self.hidden), name=f'lstm_{i}')
+                  for i in range(self.num_layers)]
+    if self.adapter_dim:
+      self.adapters = [Adapter(self.adapter_dim, name=f'adapter_{i}') for i in range(self.num_layers)]
+    self.output = nn.Dense(self.num_classes)
+
+  def features(self, x):
+    h = self.embed(x)
+    for i, lstm in enumerate(self.lstms):
+      h = lstm(h)
+      if self.adapter_dim:
+        h = self.adapters[i](h)
+    return h
+
   def __call__(self, x):
-    h = nn.Embed(self.num_classes, self.embed_dim, name='embed')(x)
-    for i in range(self.num_layers):
-      h = nn.RNN(nn.OptimizedLSTMCell(self.hidden), name=f'lstm_{i}')(h)
-    return nn.Dense(self.num_classes, name='output')(h)
+    return self.output(self.features(x))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,24 +201,30 @@ def from_flax(name: str, module: nn.Module, sample_x) -> Model:
 
 
 MODELS = {
-    'logreg': lambda c: LogisticRegression(c),
-    'mlp': lambda c: MLP(c),
-    'lenet5': lambda c: LeNet5(c),
-    'cnn': lambda c: CNN(c),
-    'cnn_cifar': lambda c: CNN(c, conv_features=(64, 64), dense=(384, 192)),
-    'char_lstm': lambda c: CharLSTM(c),
+    'logreg': lambda c, a: LogisticRegression(c),
+    'mlp': lambda c, a: MLP(c, adapter_dim=a),
+    'lenet5': lambda c, a: LeNet5(c, adapter_dim=a),
+    'cnn': lambda c, a: CNN(c, adapter_dim=a),
+    'cnn_cifar': lambda c, a: CNN(c, conv_features=(64, 64), dense=(384, 192), adapter_dim=a),
+    'char_lstm': lambda c, a: CharLSTM(c, adapter_dim=a),
 }
 
 
-def create_model(name: str, num_classes: int, sample_x) -> Model:
+def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0) -> Model:
   """Builds a registered model by name.
+
+  Args:
+    adapter_dim: when > 0, residual adapters of this width after the hidden
+      layers (for adapter-based partial personalization).
 
   Raises:
     ValueError: unknown name (the message lists the known ones).
   """
   if name not in MODELS:
     raise ValueError(f'unknown model {name!r}; choose one of {sorted(MODELS)}')
-  model = from_flax(name, MODELS[name](num_classes), sample_x)
+  if name == 'logreg' and adapter_dim:
+    raise ValueError('logreg has no hidden layer for adapters; pick another --model')
+  model = from_flax(name, MODELS[name](num_classes, adapter_dim), sample_x)
   x = jnp.asarray(sample_x)[:1]
   try:
     params = jax.eval_shape(model.init, jax.random.key(0))

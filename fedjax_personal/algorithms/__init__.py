@@ -41,6 +41,17 @@ class HParams:
     feddyn_eval: which FedDyn model is evaluated ('server', 'active_mean',
       'all_clients_mean').
     maml_inner_steps, maml_inner_lr: MAML inner loop of pfeddyn_maml.
+    personal_part: which parameters are personal for fedalt / fedsim ('input',
+      'output', 'adapter', 'all_but_output', 'all' or 'split:<regex>,...').
+    personal_lr: learning rate of personal parameters (None: client_lr).
+    personal_epochs: FedAlt's personal phase in epochs (None: as the shared
+      phase; FedRep: 5x when None).
+    personal_finetune_epochs: evaluation fine-tuning of the personal part.
+    perfedavg_alpha, hf_delta: Per-FedAvg's inner step and finite-difference
+      delta (beta is client_lr).
+    pfedme_lambda, pfedme_personal_lr, pfedme_inner_steps, pfedme_beta: pFedMe.
+    ditto_lambda: Ditto's proximal coefficient.
+    apfl_alpha: APFL's mixing weight.
   """
   client_lr: float = 0.05
   client_momentum: float = 0.0
@@ -62,6 +73,18 @@ class HParams:
   feddyn_eval: str = 'server'
   maml_inner_steps: int = 5
   maml_inner_lr: float = 1e-2
+  personal_part: str = 'output'
+  personal_lr: Optional[float] = None
+  personal_epochs: Optional[int] = None
+  personal_finetune_epochs: int = 0
+  perfedavg_alpha: float = 0.01
+  hf_delta: float = 1e-3
+  pfedme_lambda: float = 15.0
+  pfedme_personal_lr: float = 0.01
+  pfedme_inner_steps: int = 5
+  pfedme_beta: float = 1.0
+  ditto_lambda: float = 0.1
+  apfl_alpha: float = 0.25
 
   def feddyn_options(self) -> dict:
     return dict(adaptive_alpha=self.adaptive_alpha, max_grad_norm=self.max_grad_norm or None,
@@ -151,6 +174,63 @@ def _pfeddyn(head):
   return build
 
 
+def _perfedavg(variant):
+  def build(hp, model, data):
+    from fedjax_personal.algorithms.perfedavg import perfedavg
+    b = hp.batching()
+    if b.num_steps is None:
+      raise ValueError(f'perfedavg takes --local_steps (each step draws 3 batches), not epochs')
+    return perfedavg(model, data.num_clients, b, alpha=hp.perfedavg_alpha, beta=hp.client_lr,
+                     variant=variant, delta=hp.hf_delta, server_optimizer=hp.server_opt(),
+                     weighting=hp.weighting)
+  return build
+
+
+def _partial(mode, personal_part=None, head_ratio=1, name=None):
+  def build(hp, model, data):
+    import jax
+    from fedjax_personal.algorithms.partial import partial_personalization, personal_finetune
+    from fedjax_personal.personalization import make_split
+    split = make_split(personal_part or hp.personal_part,
+                       jax.eval_shape(model.init, jax.random.key(0)))
+    b = hp.batching()
+    personal_b = None
+    if mode == 'alt':
+      if b.num_epochs is not None:
+        personal_b = Batching(b.batch_size, num_epochs=hp.personal_epochs or head_ratio * b.num_epochs)
+      else:
+        personal_b = Batching(b.batch_size, num_epochs=None,
+                              num_steps=hp.personal_epochs or head_ratio * b.num_steps)
+    ft = None
+    if hp.personal_finetune_epochs:
+      ft = personal_finetune(model, split, hp.personal_lr or hp.client_lr,
+                             Batching(hp.batch_size, num_epochs=hp.personal_finetune_epochs))
+    return partial_personalization(model, data.num_clients, split, mode, hp.client_lr, b,
+                                   personal_batching=personal_b, personal_lr=hp.personal_lr,
+                                   server_optimizer=hp.server_opt(), weighting=hp.weighting,
+                                   finetune=ft, name=name)
+  return build
+
+
+def _pfedme(hp, model, data):
+  from fedjax_personal.algorithms.pfedme import pfedme
+  return pfedme(model, data.num_clients, hp.batching(), hp.client_lr, lam=hp.pfedme_lambda,
+                personal_lr=hp.pfedme_personal_lr, inner_steps=hp.pfedme_inner_steps,
+                beta=hp.pfedme_beta, weighting=hp.weighting)
+
+
+def _ditto(hp, model, data):
+  from fedjax_personal.algorithms.ditto import ditto
+  return ditto(model, data.num_clients, hp.batching(), hp.client_lr, lam=hp.ditto_lambda,
+               personal_lr=hp.personal_lr, server_optimizer=hp.server_opt(), weighting=hp.weighting)
+
+
+def _apfl(hp, model, data):
+  from fedjax_personal.algorithms.apfl import apfl
+  return apfl(model, data.num_clients, hp.batching(), hp.client_lr, alpha=hp.apfl_alpha,
+              server_optimizer=hp.server_opt(), weighting=hp.weighting)
+
+
 ALGORITHMS: Dict[str, Callable[[HParams, Model, FederatedData], FederatedAlgorithm]] = {
     'fedavg': _fedavg,
     'fedavg_ft': _fedavg_ft,
@@ -163,6 +243,17 @@ ALGORITHMS: Dict[str, Callable[[HParams, Model, FederatedData], FederatedAlgorit
     'pfeddyn_ft': _pfeddyn('finetune'),
     'pfeddyn_maml': _pfeddyn('maml'),
     'pfeddyn_proto': _pfeddyn('prototype'),
+    'perfedavg_fo': _perfedavg('fo'),
+    'perfedavg_hf': _perfedavg('hf'),
+    'perfedavg_hf_fd': _perfedavg('hf_fd'),
+    'fedalt': _partial('alt'),
+    'fedsim': _partial('sim'),
+    'fedrep': _partial('alt', 'output', head_ratio=5, name='fedrep'),
+    'fedper': _partial('sim', 'output', name='fedper'),
+    'lg_fedavg': _partial('sim', 'all_but_output', name='lg_fedavg'),
+    'pfedme': _pfedme,
+    'ditto': _ditto,
+    'apfl': _apfl,
 }
 
 

@@ -1,0 +1,83 @@
+"""Shared shape of the regularized personal baselines (pFedMe, Ditto, APFL):
+a global model trained FedAvg-style plus a personal model per client.
+
+The global model is aggregated by ``fedavg.server_step`` on the mean delta;
+the personal models are a stacked [N, ...] pytree gathered for the cohort and
+scattered back. Only the global model's delta is uploaded.
+"""
+
+from typing import Callable, Optional
+
+from flax import struct
+import jax
+import optax
+
+from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
+                                       cohort_train_metrics)
+from fedjax_personal.algorithms.fedavg import client_weights, server_step
+from fedjax_personal.models import Model
+from fedjax_personal.training import ClientWork, LossStats
+from fedjax_personal.tree_util import tree_broadcast, tree_bytes, tree_gather, tree_scatter
+
+
+@struct.dataclass
+class GlobalPersonalState:
+  """Attributes:
+    params: the global model.
+    opt_state: server optimizer state.
+    personal: stacked [N, ...] personal models.
+  """
+  params: optax.Params
+  opt_state: optax.OptState
+  personal: optax.Params
+
+
+@struct.dataclass
+class GlobalPersonalOutput:
+  """Attributes:
+    delta: global model minus the client's local global model (uploaded).
+    personal: the client's new personal model (kept).
+    num_examples: n_i.
+    stats: local training LossStats.
+  """
+  delta: optax.Params
+  personal: optax.Params
+  num_examples: jax.Array
+  stats: LossStats
+
+
+def global_personal_algorithm(name: str, model: Model, num_clients: int, work: ClientWork,
+                              server_optimizer: Optional[optax.GradientTransformation] = None,
+                              weighting: str = 'num_examples',
+                              eval_models: Optional[Callable] = None,
+                              finetune=None) -> FederatedAlgorithm:
+  """Wraps a client work whose ``final`` returns a GlobalPersonalOutput.
+
+  In the work, ``ctx.shared`` is the global model and ``ctx.state`` the
+  client's personal model. ``eval_models(state) -> ClientModels`` defaults to
+  each client's personal model.
+  """
+  server_optimizer = server_optimizer or optax.sgd(1.0)
+
+  def init(key):
+    params = model.init(key)
+    return GlobalPersonalState(params, server_optimizer.init(params),
+                               tree_broadcast(params, num_clients))
+
+  def server_update(state, cohort, out: GlobalPersonalOutput):
+    w = client_weights(cohort, out.num_examples, weighting)
+    params, opt_state = server_step(state.params, state.opt_state, out.delta, w, server_optimizer)
+    personal = tree_scatter(state.personal, cohort.idx, out.personal)
+    return (GlobalPersonalState(params, opt_state, personal),
+            cohort_train_metrics(out.stats, cohort.mask))
+
+  def communication(state):
+    b = tree_bytes(state.params)
+    return Communication(b, b, 1)
+
+  return FederatedAlgorithm(
+      name=name, model=model, init=init,
+      server_broadcast=lambda s, c: (s.params, tree_gather(s.personal, c.idx)),
+      client_work=work, server_update=server_update,
+      client_models=eval_models or (lambda s: ClientModels.personal(s.personal, num_clients)),
+      communication=communication, finetune=finetune)

@@ -1,0 +1,105 @@
+"""Which parameters are personal: splitting a model into (shared u, personal v).
+
+Partial personalization (Pillutla et al., ICML 2022): the model on client i is
+(u, v_i), u shared and averaged by the server, v_i personal and never uploaded.
+A ``ParamSplit`` names the personal leaves of a Flax parameter tree by a
+predicate over their '/'-joined paths (e.g. 'conv_0/kernel', 'output/bias').
+Presets:
+  * 'input': the model's input layer, the first of 'embed', 'conv_0',
+    'hidden_0', 'dense_0' present (personal input layer, Liang et al.);
+  * 'output': the 'output' module (FedRep / FedPer: personal head);
+  * 'adapter': every module whose name contains 'adapter' (residual adapters,
+    see ``models``' ``adapter_dim``);
+  * 'all_but_output': everything except the head (LG-FedAvg: local
+    representation, global head);
+  * 'all': the whole model (full personalization);
+  * 'split:<regex>[,<regex>...]': any subset, by regular expressions matched
+    against the paths.
+
+Parameters are split into two flat dicts {path: array} so that the shared
+part can be uploaded and averaged alone, and merged back for the forward pass.
+"""
+
+import dataclasses
+import re
+from typing import Callable, Dict, Tuple
+
+from flax import traverse_util
+
+PRESETS = ('input', 'output', 'adapter', 'all_but_output', 'all')
+INPUT_LAYERS = ('embed', 'conv_0', 'hidden_0', 'dense_0')  # names used by ``models``
+
+
+def flatten(params) -> Dict[str, object]:
+  return traverse_util.flatten_dict(params, sep='/')
+
+
+def unflatten(flat: Dict[str, object]):
+  return traverse_util.unflatten_dict(flat, sep='/')
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSplit:
+  """Attributes:
+    name: description (the preset or 'split:...').
+    is_personal: predicate over a leaf's path.
+  """
+  name: str
+  is_personal: Callable[[str], bool]
+
+  def split(self, params) -> Tuple[Dict[str, object], Dict[str, object]]:
+    """(shared, personal) flat dicts of a parameter tree."""
+    flat = flatten(params)
+    shared = {k: v for k, v in flat.items() if not self.is_personal(k)}
+    personal = {k: v for k, v in flat.items() if self.is_personal(k)}
+    return shared, personal
+
+  def merge(self, shared, personal):
+    """The full parameter tree from the two parts."""
+    return unflatten({**shared, **personal})
+
+  def check(self, params):
+    """Raises if the split leaves nothing personal or nothing shared."""
+    shared, personal = self.split(params)
+    paths = sorted(flatten(params))
+    if not personal:
+      raise ValueError(f'personal part {self.name!r} matches no parameter; paths are {paths}')
+    if not shared and self.name != 'all':
+      raise ValueError(f'personal part {self.name!r} matches every parameter; nothing is shared')
+
+
+def make_split(spec: str, params) -> ParamSplit:
+  """Builds a ParamSplit from a preset name or 'split:<regex>,...'.
+
+  Args:
+    spec: one of PRESETS or 'split:<regex>[,<regex>...]'.
+    params: an example parameter tree (to find the first / last modules).
+  """
+  top = list(params.keys())  # (pytree dict keys come sorted: order says nothing)
+  if spec == 'input':
+    first = next((n for n in INPUT_LAYERS if n in top), None)
+    if first is None:
+      raise ValueError(f"personal part 'input': no input layer among {top} "
+                       f"(expected one of {list(INPUT_LAYERS)})")
+    pred = lambda p: p.split('/')[0] == first
+  elif spec == 'output':
+    head = 'output' if 'output' in top else top[-1]
+    pred = lambda p: p.split('/')[0] == head
+  elif spec == 'all_but_output':
+    head = 'output' if 'output' in top else top[-1]
+    pred = lambda p: p.split('/')[0] != head
+  elif spec == 'adapter':
+    pred = lambda p: any('adapter' in part for part in p.split('/'))
+  elif spec == 'all':
+    pred = lambda p: True
+  elif spec.startswith('split:'):
+    patterns = [re.compile(r) for r in spec[len('split:'):].split(',') if r]
+    if not patterns:
+      raise ValueError("personal part 'split:' needs at least one regular expression")
+    pred = lambda p: any(r.search(p) for r in patterns)
+  else:
+    raise ValueError(f"unknown personal part {spec!r}; choose one of {list(PRESETS)} "
+                     "or 'split:<regex>,...'")
+  s = ParamSplit(spec, pred)
+  s.check(params)
+  return s
