@@ -102,6 +102,10 @@ class FederatedAlgorithm:
     evaluate_client: optional ``(params, local_data, test, key) -> LossStats``
       replacing the plain test of ``params`` (e.g. prototype classifiers built
       from the client's training data).
+    between_rounds: optional host-side ``(state, round, runner) -> (state,
+      info dict)`` called before each round, for phases that are not a
+      training round (the user-centric collaboration round computing the
+      mixing matrix, clustered FL's splits). ``info`` joins the round's record.
   """
   name: str
   model: Model
@@ -113,6 +117,7 @@ class FederatedAlgorithm:
   communication: Callable[[PyTree], Communication]
   finetune: Optional[FineTune] = None
   evaluate_client: Optional[Callable] = None
+  between_rounds: Optional[Callable] = None
 
   def replace(self, **kw) -> 'FederatedAlgorithm':
     return dataclasses.replace(self, **kw)

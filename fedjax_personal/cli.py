@@ -86,6 +86,13 @@ flags.DEFINE_integer('pfedme_inner_steps', 5, 'pFedMe inner steps K.')
 flags.DEFINE_float('pfedme_beta', 1.0, 'pFedMe server mixing beta.')
 flags.DEFINE_float('ditto_lambda', 0.1, 'Ditto lambda.')
 flags.DEFINE_float('apfl_alpha', 0.25, 'APFL mixing weight alpha.')
+flags.DEFINE_integer('num_streams', 0, 'usercentric: downlink streams m_t (0: silhouette choice; '
+                     '>= num_clients: one per client).')
+flags.DEFINE_integer('sigma_batches', 2, 'usercentric: K batches for sigma_i^2.')
+flags.DEFINE_integer('sigma_batch_size', 0, 'usercentric: size of those batches (0: K equal parts '
+                     'of the local data, the authors\' reading; ~32 mixes usefully under label shift).')
+flags.DEFINE_integer('uc_warmup_rounds', 0, 'usercentric: FedAvg rounds before W is computed.')
+flags.DEFINE_integer('uc_recompute_every', 0, 'usercentric: recompute W every this many rounds.')
 flags.DEFINE_integer('seed', 0, 'Seed of data partition, model init and training.')
 flags.DEFINE_integer('eval_every', 5, 'Evaluate every this many rounds (0: at the end only).')
 flags.DEFINE_string('output_dir', None, 'Where to write metrics (default runs/<job name>).')
@@ -141,6 +148,8 @@ def validate_flags():
   _check(FLAGS.feddyn_alpha is None or FLAGS.feddyn_alpha > 0, 'feddyn_alpha',
          f'must be > 0, got {FLAGS.feddyn_alpha}')
   _check(FLAGS.max_grad_norm >= 0, 'max_grad_norm', f'must be >= 0, got {FLAGS.max_grad_norm}')
+  _check(FLAGS.num_streams >= 0, 'num_streams', f'must be >= 0, got {FLAGS.num_streams}')
+  _check(FLAGS.sigma_batches >= 1, 'sigma_batches', f'must be >= 1, got {FLAGS.sigma_batches}')
   _check(0 <= FLAGS.apfl_alpha <= 1, 'apfl_alpha', f'must be in [0, 1], got {FLAGS.apfl_alpha}')
   _check(0 < FLAGS.lr_decay <= 1, 'lr_decay', f'must be in (0, 1], got {FLAGS.lr_decay}')
   _check(FLAGS.weighting in ('num_examples', 'uniform'), 'weighting',
@@ -174,7 +183,10 @@ def hparams() -> algorithms_lib.HParams:
       perfedavg_alpha=FLAGS.perfedavg_alpha, hf_delta=FLAGS.hf_delta,
       pfedme_lambda=FLAGS.pfedme_lambda, pfedme_personal_lr=FLAGS.pfedme_personal_lr,
       pfedme_inner_steps=FLAGS.pfedme_inner_steps, pfedme_beta=FLAGS.pfedme_beta,
-      ditto_lambda=FLAGS.ditto_lambda, apfl_alpha=FLAGS.apfl_alpha)
+      ditto_lambda=FLAGS.ditto_lambda, apfl_alpha=FLAGS.apfl_alpha,
+      num_streams=FLAGS.num_streams, sigma_batches=FLAGS.sigma_batches,
+      sigma_batch_size=FLAGS.sigma_batch_size, uc_warmup_rounds=FLAGS.uc_warmup_rounds,
+      uc_recompute_every=FLAGS.uc_recompute_every)
 
 
 def sampler_for(num_clients: int) -> CohortSampler:

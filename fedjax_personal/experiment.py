@@ -79,9 +79,12 @@ def run(runner: RoundRunner, num_rounds: int, seed: int = 0, eval_every: int = 5
     cb.on_start(runner, state)
   for t in range(start_round, num_rounds):
     start = time.perf_counter()
+    info = {}
+    if runner.algorithm.between_rounds is not None:
+      state, info = runner.algorithm.between_rounds(state, t, runner)
     state, metrics = runner.round(state, jax.random.fold_in(train_key, t))
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    record = {'round': t + 1, **metrics, 'round_seconds': time.perf_counter() - start}
+    record = {'round': t + 1, **metrics, **info, 'round_seconds': time.perf_counter() - start}
     loss = metrics.get('train_loss', 0.0)
     if not math.isfinite(loss):
       raise DivergenceError(f'training diverged at round {t + 1}: train loss {loss}; '

@@ -52,6 +52,11 @@ class HParams:
     pfedme_lambda, pfedme_personal_lr, pfedme_inner_steps, pfedme_beta: pFedMe.
     ditto_lambda: Ditto's proximal coefficient.
     apfl_alpha: APFL's mixing weight.
+    num_streams: user-centric m_t (0: silhouette choice; >= N: one stream
+      per client).
+    sigma_batches, sigma_batch_size: user-centric variance estimate (K
+      batches of this size; 0: K equal parts of the local data).
+    uc_warmup_rounds, uc_recompute_every: when W is computed.
   """
   client_lr: float = 0.05
   client_momentum: float = 0.0
@@ -85,6 +90,11 @@ class HParams:
   pfedme_beta: float = 1.0
   ditto_lambda: float = 0.1
   apfl_alpha: float = 0.25
+  num_streams: int = 0
+  sigma_batches: int = 2
+  sigma_batch_size: int = 0
+  uc_warmup_rounds: int = 0
+  uc_recompute_every: int = 0
 
   def feddyn_options(self) -> dict:
     return dict(adaptive_alpha=self.adaptive_alpha, max_grad_norm=self.max_grad_norm or None,
@@ -231,6 +241,15 @@ def _apfl(hp, model, data):
               server_optimizer=hp.server_opt(), weighting=hp.weighting)
 
 
+def _usercentric(hp, model, data):
+  from fedjax_personal.algorithms.usercentric import usercentric
+  return usercentric(model, data.num_clients, data.train.num_examples, hp.client_optimizer(),
+                     hp.batching(), num_streams=hp.num_streams or None,
+                     sigma_batches=hp.sigma_batches, sigma_batch_size=hp.sigma_batch_size or None,
+                     warmup_rounds=hp.uc_warmup_rounds, recompute_every=hp.uc_recompute_every,
+                     groups=data.groups)
+
+
 ALGORITHMS: Dict[str, Callable[[HParams, Model, FederatedData], FederatedAlgorithm]] = {
     'fedavg': _fedavg,
     'fedavg_ft': _fedavg_ft,
@@ -254,6 +273,7 @@ ALGORITHMS: Dict[str, Callable[[HParams, Model, FederatedData], FederatedAlgorit
     'pfedme': _pfedme,
     'ditto': _ditto,
     'apfl': _apfl,
+    'usercentric': _usercentric,
 }
 
 

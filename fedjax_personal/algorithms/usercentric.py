@@ -1,0 +1,245 @@
+"""User-centric federated learning (Mestoukirdi, Zecchin, Gesbert, Li and
+Gresset, 2023): personalized aggregation by a mixing matrix, with k-means
+downlink streams.
+
+Collaboration round (before training, at a common model theta_hat): each
+client computes its full-batch gradient delta_i and the variance estimate
+sigma_i^2 = (1/K) sum_k ||g_k - delta_i||^2 over K local batches (eq. 7). The
+server forms (eq. 6)
+
+    W_ij = (n_j / n_i) exp(-||delta_i - delta_j||^2 / (2 sigma_i sigma_j)) / Z_i.
+
+Training rounds: each active client trains locally from its own model; the
+server forms theta_i <- sum_j W_ij theta_j, one contraction over the stacked
+models. Streams: k-means with k = m_t on the rows of W; client i is served by
+its centroid's row, so only m_t distinct models go down. Here the stream
+matrix is kept padded to [N, N] (rows >= m_t unused) with a client-to-stream
+index, so the compiled round does not depend on m_t.
+
+Options beyond the paper (see ../shared/docs/algorithms.md for why): the batch
+size used for sigma (``sigma_batch_size``; None = K equal parts of the local
+data, the authors' reading), computing W after ``warmup_rounds`` of FedAvg
+instead of at the initial model, recomputing it every ``recompute_every``
+rounds, m_t chosen by the silhouette score. W's degeneracy is reported every
+time it is computed: effective neighbours per row 1 / sum_j W_ij^2 (1 means
+Local, N means uniform), and the adjusted Rand index of the streams against
+the known groups when there are any.
+"""
+
+from typing import Optional
+
+from flax import struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedjax_personal import aggregation
+from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
+                                       cohort_train_metrics)
+from fedjax_personal.batching import Batching
+from fedjax_personal.models import Model
+from fedjax_personal.training import Batch, batch_loss, plain_objective, sgd_client_work
+from fedjax_personal.tree_util import tree_broadcast, tree_bytes, tree_gather, tree_scatter
+
+
+@struct.dataclass
+class UserCentricState:
+  """Attributes:
+    personal: stacked [N, ...] models; client i's current (stream) model.
+    stream_matrix: [N, N]; row s < num_streams is stream s's mixing row
+      (a centroid of W's rows, or W's row itself when m_t = N).
+    assignment: int32 [N], the stream serving each client.
+    num_streams: m_t, distinct downlink models.
+  """
+  personal: optax.Params
+  stream_matrix: jax.Array
+  assignment: jax.Array
+  num_streams: jax.Array
+
+
+def fedavg_matrix(num_examples) -> np.ndarray:
+  """Every row n_j / sum(n): the mixing matrix of FedAvg (full participation)."""
+  n = np.asarray(num_examples, np.float64)
+  return np.tile(n / n.sum(), (len(n), 1))
+
+
+def mixing_matrix(grads, sigma2, num_examples):
+  """Eq. 6 from stacked flat gradients [N, P], sigma^2 [N] and n [N].
+
+  Computed in log space (a softmax over j of log n_j - Delta_ij / (2 s_i s_j)),
+  so that large exponents give the identity instead of NaN.
+  """
+  g = jnp.asarray(grads, jnp.float32)
+  sq = jnp.sum(g * g, axis=1)
+  delta = jnp.maximum(sq[:, None] + sq[None, :] - 2 * g @ g.T, 0.0)
+  delta = delta.at[jnp.diag_indices(g.shape[0])].set(0.0)
+  s = jnp.sqrt(jnp.maximum(jnp.asarray(sigma2, jnp.float32), 1e-30))
+  logits = jnp.log(jnp.asarray(num_examples, jnp.float32)[None, :]) - delta / (2 * s[:, None] * s[None, :])
+  return jax.nn.softmax(logits, axis=1)
+
+
+def effective_neighbours(w) -> np.ndarray:
+  """1 / sum_j W_ij^2 per row (1: only itself; N: uniform)."""
+  w = np.asarray(w, np.float64)
+  return 1.0 / np.sum(w ** 2, axis=1)
+
+
+def kmeans_streams(w, num_streams: Optional[int], seed: int = 0, max_streams: int = 10):
+  """Streams from the rows of W: (centroids [k, N], assignment [N], k).
+
+  ``num_streams`` None: k chosen by the silhouette score over 2..max_streams
+  (1 when every row is the same). k >= N returns W itself.
+  """
+  from sklearn.cluster import KMeans
+  from sklearn.metrics import silhouette_score
+  w = np.asarray(w, np.float64)
+  n = w.shape[0]
+  if num_streams is not None and num_streams >= n:
+    return w, np.arange(n), n
+  if num_streams is not None:
+    if num_streams == 1:
+      return w.mean(axis=0, keepdims=True), np.zeros(n, int), 1
+    km = KMeans(num_streams, n_init=10, random_state=seed).fit(w)
+    return km.cluster_centers_, km.labels_, num_streams
+  if np.allclose(w, w[:1]):
+    return w[:1], np.zeros(n, int), 1
+  best = None
+  for k in range(2, min(max_streams, n - 1) + 1):
+    km = KMeans(k, n_init=10, random_state=seed).fit(w)
+    if len(set(km.labels_)) < 2:
+      continue
+    score = silhouette_score(w, km.labels_)
+    if best is None or score > best[0]:
+      best = (score, km.cluster_centers_, km.labels_, k)
+  if best is None:
+    return w[:1], np.zeros(n, int), 1
+  return best[1], best[2], best[3]
+
+
+def gradient_statistics(model: Model, params, data, key, sigma_batches: int,
+                        sigma_batch_size: Optional[int]):
+  """One client's flat full-batch gradient delta_i and sigma_i^2 (eq. 7).
+
+  The K batches are disjoint: K equal parts of the shuffled local data when
+  ``sigma_batch_size`` is None, else K batches of that size (capped at n_i / K).
+  """
+  max_n = data.x.shape[0]
+  n = data.num_examples
+  flat = lambda t: jax.flatten_util.ravel_pytree(t)[0]
+  full = Batch(data.x, data.y, jnp.arange(max_n) < n)
+  delta = flat(jax.grad(lambda p: batch_loss(model, p, full)[0])(params))
+  u = jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(key, j)))(jnp.arange(max_n))
+  order = jnp.argsort(jnp.where(jnp.arange(max_n) < n, u, 2.0))
+  part = n // sigma_batches
+  size = part if sigma_batch_size is None else jnp.minimum(sigma_batch_size, part)
+  rank = jnp.empty(max_n, jnp.int32).at[order].set(jnp.arange(max_n, dtype=jnp.int32))
+
+  def batch_var(k):
+    mask = (rank >= k * part) & (rank < k * part + size)
+    g = flat(jax.grad(lambda p: batch_loss(model, p, Batch(data.x, data.y, mask))[0])(params))
+    return jnp.sum((g - delta) ** 2)
+
+  sigma2 = jnp.mean(jax.vmap(batch_var)(jnp.arange(sigma_batches)))
+  return delta, sigma2
+
+
+def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
+                batching: Batching, num_streams: Optional[int] = None,
+                sigma_batches: int = 2, sigma_batch_size: Optional[int] = None,
+                warmup_rounds: int = 0, recompute_every: int = 0, groups=None,
+                seed: int = 0) -> FederatedAlgorithm:
+  """Builds user-centric FL.
+
+  Args:
+    num_examples: int [N] training examples per client.
+    client_optimizer: local optimizer (the paper: SGD lr 0.1, momentum 0.9).
+    batching: local training (the paper: 1 epoch per round).
+    num_streams: m_t (None: silhouette choice; >= N: full personalization).
+    sigma_batches: K batches for sigma (paper: 2).
+    sigma_batch_size: size of those batches (None: K equal parts).
+    warmup_rounds: FedAvg rounds before W is computed (0: at the initial model).
+    recompute_every: recompute W every this many rounds (0: once).
+    groups: optional known groups [N] for the adjusted Rand index report.
+    seed: k-means seed.
+  """
+  n_np = np.asarray(num_examples)
+  groups_np = None if groups is None else np.asarray(groups)
+  plain = plain_objective(model)
+
+  def init(key):
+    params = model.init(key)
+    w = jnp.asarray(fedavg_matrix(n_np), jnp.float32)  # FedAvg until W is computed
+    return UserCentricState(tree_broadcast(params, num_clients), w,
+                            jnp.zeros(num_clients, jnp.int32), jnp.ones((), jnp.int32))
+
+  def server_broadcast(state, cohort):
+    return None, tree_gather(state.personal, cohort.idx)
+
+  work = sgd_client_work(lambda ctx: plain, client_optimizer, batching,
+                         final=lambda ctx, c: (c.params, c.stats), start_fn=lambda ctx: ctx.state)
+
+  def server_update(state, cohort, out):
+    params, stats = out
+    thetas = tree_scatter(state.personal, cohort.idx, params)
+    streams = aggregation.mix(state.stream_matrix, thetas)  # [N (padded streams), ...]
+    personal = tree_gather(streams, state.assignment)
+    metrics = cohort_train_metrics(stats, cohort.mask)
+    metrics['num_streams'] = state.num_streams
+    return state.replace(personal=personal), metrics
+
+  stats_fns = {}
+
+  def between_rounds(state, t, runner):
+    due = t == warmup_rounds or (recompute_every and t > warmup_rounds
+                                 and (t - warmup_rounds) % recompute_every == 0)
+    if not due:
+      return state, {}
+    # theta_hat: the n-weighted mean of the current models (the FedAvg model
+    # during warm-up, the initial model at round 0).
+    w_n = jnp.asarray(n_np / n_np.sum(), jnp.float32)
+    theta_hat = jax.tree.map(lambda a: jnp.tensordot(w_n, a, axes=1), state.personal)
+    if 'fn' not in stats_fns:
+      def fn(shared, c):
+        th, train = shared
+        i, key = c
+        return gradient_statistics(model, th, jax.tree.map(lambda a: a[i], train), key,
+                                   sigma_batches, sigma_batch_size)
+      stats_fns['fn'] = fn
+      stats_fns['jit'] = (jax.jit(lambda th, train, keys: runner.executor.map(
+          fn, (th, train), (jnp.arange(num_clients), keys))) if runner.executor.fused else None)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed + 7 * t), i))(
+        jnp.arange(num_clients))
+    if stats_fns['jit'] is not None:
+      grads, sigma2 = stats_fns['jit'](theta_hat, runner.data.train, keys)
+    else:
+      grads, sigma2 = runner.executor.map(stats_fns['fn'], (theta_hat, runner.data.train),
+                                          (jnp.arange(num_clients), keys))
+    w = np.asarray(mixing_matrix(grads, sigma2, n_np))
+    centroids, assignment, k = kmeans_streams(w, num_streams, seed)
+    padded = np.zeros((num_clients, num_clients), np.float32)
+    padded[:k] = centroids
+    eff = effective_neighbours(w)
+    info = {'w_effective_neighbours_mean': float(eff.mean()),
+            'w_effective_neighbours_min': float(eff.min()),
+            'w_diagonal_mean': float(np.mean(np.diag(w))), 'num_streams': int(k)}
+    if groups_np is not None and groups_np.min() >= 0:
+      from sklearn.metrics import adjusted_rand_score
+      info['streams_ari'] = float(adjusted_rand_score(groups_np, assignment))
+    new = state.replace(stream_matrix=jnp.asarray(padded), assignment=jnp.asarray(assignment, jnp.int32),
+                        num_streams=jnp.asarray(k, jnp.int32))
+    # Serve every client its stream model from now on.
+    new = new.replace(personal=tree_gather(aggregation.mix(new.stream_matrix, state.personal),
+                                           new.assignment))
+    between_rounds.last_w = w
+    return new, info
+
+  def communication(state):
+    b = tree_bytes(jax.tree.map(lambda a: a[0], state.personal))
+    return Communication(b, b, int(state.num_streams))
+
+  return FederatedAlgorithm(
+      name='usercentric', model=model, init=init, server_broadcast=server_broadcast,
+      client_work=work, server_update=server_update,
+      client_models=lambda s: ClientModels.personal(s.personal, num_clients),
+      communication=communication, between_rounds=between_rounds)

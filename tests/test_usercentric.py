@@ -1,0 +1,128 @@
+"""User-centric aggregation, streams and the time model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fedjax_personal as fp
+from fedjax_personal.algorithms.fedavg import fedavg
+from fedjax_personal.algorithms.local import local
+from fedjax_personal.algorithms import usercentric as uc
+from fedjax_personal.engine import RoundRunner
+from fedjax_personal.experiment import communication_metrics, run
+from fedjax_personal.timing import TimeModel, harmonic, simulated_times
+from fedjax_personal.tree_util import tree_bytes
+from helpers import digits_data
+
+
+@pytest.fixture(scope='module')
+def digits():
+  return digits_data(num_clients=5)
+
+
+def mlp(data):
+  return fp.models.from_flax('mlp', fp.models.MLP(10, hidden=(8,)), data.train.x[0, :1])
+
+
+def with_matrix(alg, w):
+  """The algorithm with a fixed stream matrix W (one stream per client)."""
+  n = w.shape[0]
+  base_init = alg.init
+
+  def init(key):
+    s = base_init(key)
+    return s.replace(stream_matrix=jnp.asarray(w, jnp.float32), assignment=jnp.arange(n, dtype=jnp.int32),
+                     num_streams=jnp.asarray(n, jnp.int32))
+  return alg.replace(init=init, between_rounds=None)
+
+
+def rounds(alg, data, t=2):
+  runner = RoundRunner(alg, data, fp.CohortSampler(data.num_clients, cohort_size=data.num_clients),
+                       fp.executors.VmapExecutor())
+  state = runner.init(jax.random.key(0))
+  for r in range(t):
+    state, _ = runner.round(state, jax.random.key(r))
+  return runner, state
+
+
+def max_diff(a, b):
+  return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_identity_mixing_is_local_and_fedavg_rows_are_fedavg(digits):
+  model = mlp(digits)
+  batching = fp.Batching(16, 1)
+  n = np.asarray(digits.train.num_examples)
+  alg = uc.usercentric(model, 5, n, optax.sgd(0.1), batching, num_streams=5)
+  _, s_id = rounds(with_matrix(alg, np.eye(5)), digits)
+  _, s_loc = rounds(local(model, 5, optax.sgd(0.1), batching), digits)
+  assert max_diff(s_id.personal, s_loc.personal_params) < 1e-5
+  _, s_avg = rounds(with_matrix(alg, uc.fedavg_matrix(n)), digits)
+  _, s_fedavg = rounds(fedavg(model, 5, optax.sgd(0.1), batching), digits)
+  for i in range(5):
+    assert max_diff(jax.tree.map(lambda a: a[i], s_avg.personal), s_fedavg.params) < 1e-5
+
+
+def test_mixing_weights_match_eq6_by_hand():
+  grads = np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 2.0]])
+  sigma2 = np.array([1.0, 4.0, 0.25])
+  n = np.array([10.0, 20.0, 5.0])
+  w = np.asarray(uc.mixing_matrix(grads, sigma2, n))
+  s = np.sqrt(sigma2)
+  expect = np.zeros((3, 3))
+  for i in range(3):
+    for j in range(3):
+      d = np.sum((grads[i] - grads[j]) ** 2)
+      expect[i, j] = n[j] / n[i] * np.exp(-d / (2 * s[i] * s[j]))
+    expect[i] /= expect[i].sum()
+  np.testing.assert_allclose(w, expect, rtol=1e-5)
+  # Far apart clients: W is the identity (log space: no NaN).
+  w = np.asarray(uc.mixing_matrix(np.array([[0.0], [1e3]]), np.array([1e-6, 1e-6]), np.array([1, 1])))
+  np.testing.assert_allclose(w, np.eye(2), atol=1e-6)
+  assert uc.effective_neighbours(np.eye(3)).tolist() == [1, 1, 1]
+  np.testing.assert_allclose(uc.effective_neighbours(np.full((4, 4), 0.25)), 4)
+
+
+def test_streams_m_equal_n_gives_w_and_one_gives_one_model():
+  rng = np.random.default_rng(0)
+  w = rng.random((6, 6))
+  w /= w.sum(1, keepdims=True)
+  c, a, k = uc.kmeans_streams(w, 6)
+  np.testing.assert_allclose(c[a], w)
+  c, a, k = uc.kmeans_streams(w, 1)
+  assert k == 1 and set(a) == {0} and np.allclose(c[0], w.mean(0))
+  # Two clear groups of rows: the silhouette picks 2 streams.
+  w2 = np.array([[0.5, 0.5, 0, 0]] * 2 + [[0, 0, 0.5, 0.5]] * 2) + rng.random((4, 4)) * 1e-3
+  c, a, k = uc.kmeans_streams(w2, None)
+  assert k == 2 and a[0] == a[1] != a[2] == a[3]
+
+
+def test_collaboration_round_and_streams_in_a_run(digits):
+  model = mlp(digits)
+  n = np.asarray(digits.train.num_examples)
+  alg = uc.usercentric(model, 5, n, optax.sgd(0.1), fp.Batching(16, 1), num_streams=2,
+                       sigma_batch_size=16, groups=np.array([0, 0, 1, 1, 1]))
+  runner = RoundRunner(alg, digits, fp.CohortSampler(5, cohort_size=5), fp.executors.VmapExecutor())
+  state, history = run(runner, 3, eval_every=3)
+  first = history[0]
+  assert first['num_streams'] == 2 and 'streams_ari' in first
+  assert 1 <= first['w_effective_neighbours_mean'] <= 5
+  models = {tuple(np.asarray(state.personal['output']['bias'][i]).round(6)) for i in range(5)}
+  assert len(models) == 2  # only m_t distinct models
+  comm = communication_metrics(runner, state, 5.0)
+  b = tree_bytes(jax.tree.map(lambda a: a[0], state.personal))
+  assert comm['bytes_down_broadcast'] == 2 * b and comm['bytes_down_unicast'] == 5 * b
+  fed = fedavg(model, 5, optax.sgd(0.1), fp.Batching(16, 1))
+  r2 = RoundRunner(fed, digits, fp.CohortSampler(5, cohort_size=5), fp.executors.VmapExecutor())
+  assert communication_metrics(r2, r2.init(jax.random.key(0)), 5.0)['bytes_down_broadcast'] == b
+
+
+def test_time_model():
+  assert harmonic(1) == 1 and abs(harmonic(3) - 11 / 6) < 1e-12
+  tm = TimeModel(rho=4, t_min=1, inv_mu=1)
+  assert tm.computing_time(3) == pytest.approx(1 + 11 / 6)
+  assert tm.round_time(3, 1) == pytest.approx(1 + 1 + 11 / 6 + 4)
+  hist = [{'num_active': 3, 'bytes_up': 1.0}] * 2
+  np.testing.assert_allclose(simulated_times(hist, TimeModel(2, 1, 0), 3), [6, 12])
