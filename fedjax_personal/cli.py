@@ -93,6 +93,15 @@ flags.DEFINE_integer('sigma_batch_size', 0, 'usercentric: size of those batches 
                      'of the local data, the authors\' reading; ~32 mixes usefully under label shift).')
 flags.DEFINE_integer('uc_warmup_rounds', 0, 'usercentric: FedAvg rounds before W is computed.')
 flags.DEFINE_integer('uc_recompute_every', 0, 'usercentric: recompute W every this many rounds.')
+flags.DEFINE_integer('fomo_candidates', 5, 'FedFomo: models downloaded per round (M).')
+flags.DEFINE_float('fomo_eps', 0.3, 'FedFomo: initial exploration probability.')
+flags.DEFINE_float('fomo_eps_decay', 0.05, 'FedFomo: eps decrease per round.')
+flags.DEFINE_bool('fomo_leave_one_out', False, 'FedFomo: score candidates through model averages.')
+flags.DEFINE_float('dp_clip_norm', 0.0, 'DP-SGD per-example clip norm (FedFomo; 0: no DP).')
+flags.DEFINE_float('dp_noise_multiplier', 0.0, 'DP-SGD noise multiplier.')
+flags.DEFINE_float('cfl_eps1', 0.4, 'CFL: split when the mean update norm is below this...')
+flags.DEFINE_float('cfl_eps2', 1.6, '...and the largest client update norm above this.')
+flags.DEFINE_integer('cfl_warmup_rounds', 5, 'CFL: no split before this round.')
 flags.DEFINE_integer('seed', 0, 'Seed of data partition, model init and training.')
 flags.DEFINE_integer('eval_every', 5, 'Evaluate every this many rounds (0: at the end only).')
 flags.DEFINE_string('output_dir', None, 'Where to write metrics (default runs/<job name>).')
@@ -186,7 +195,11 @@ def hparams() -> algorithms_lib.HParams:
       ditto_lambda=FLAGS.ditto_lambda, apfl_alpha=FLAGS.apfl_alpha,
       num_streams=FLAGS.num_streams, sigma_batches=FLAGS.sigma_batches,
       sigma_batch_size=FLAGS.sigma_batch_size, uc_warmup_rounds=FLAGS.uc_warmup_rounds,
-      uc_recompute_every=FLAGS.uc_recompute_every)
+      uc_recompute_every=FLAGS.uc_recompute_every, fomo_candidates=FLAGS.fomo_candidates,
+      fomo_eps=FLAGS.fomo_eps, fomo_eps_decay=FLAGS.fomo_eps_decay,
+      fomo_leave_one_out=FLAGS.fomo_leave_one_out, dp_clip_norm=FLAGS.dp_clip_norm,
+      dp_noise_multiplier=FLAGS.dp_noise_multiplier, cfl_eps1=FLAGS.cfl_eps1,
+      cfl_eps2=FLAGS.cfl_eps2, cfl_warmup_rounds=FLAGS.cfl_warmup_rounds)
 
 
 def sampler_for(num_clients: int) -> CohortSampler:

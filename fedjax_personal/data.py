@@ -174,3 +174,11 @@ def build_federated_data(x: np.ndarray, y: np.ndarray,
 
 def to_device(data: FederatedData) -> FederatedData:
   return jax.tree.map(jnp.asarray, data)
+
+
+def permute_eval_targets(data: FederatedData, perm) -> FederatedData:
+  """Client i's validation and test splits become client perm[i]'s, so that
+  targets differ from the local training distribution (FedFomo, Sec. 5)."""
+  perm = np.asarray(perm)
+  take = lambda d: jax.tree.map(lambda a: a[perm], d)
+  return data.replace(val=take(data.val), test=take(data.test))

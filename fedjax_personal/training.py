@@ -210,10 +210,34 @@ class SGDCarry:
   num_steps: jax.Array
 
 
+def dp_gradient(objective, params, batch: Batch, key, clip_norm: float, noise_multiplier: float):
+  """DP-SGD gradient (Abadi et al. 2016): per-example gradients (vmapped over
+  the batch) clipped to ``clip_norm``, summed over real examples, plus
+  N(0, (noise_multiplier * clip_norm)^2) noise, divided by the real count.
+
+  Returns (noisy mean gradient, LossStats of the batch).
+  """
+  def one(x, y):
+    ex = Batch(x[None], y[None], jnp.ones((1,), bool))
+    return jax.grad(lambda p: objective(p, ex)[0])(params)
+
+  grads = jax.vmap(one)(batch.x, batch.y)
+  norms = jnp.sqrt(sum(jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1)
+                       for g in jax.tree.leaves(grads)))
+  scale = jnp.minimum(1.0, clip_norm / jnp.maximum(norms, 1e-12)) * batch.mask
+  count = jnp.maximum(jnp.sum(batch.mask), 1.0)
+  leaves, treedef = jax.tree.flatten(grads)
+  keys = jax.random.split(key, len(leaves))
+  noisy = [(jnp.tensordot(scale, g, axes=1) + noise_multiplier * clip_norm
+            * jax.random.normal(k, g.shape[1:], g.dtype)) / count for g, k in zip(leaves, keys)]
+  return jax.tree.unflatten(treedef, noisy), objective(params, batch)[1]
+
+
 def sgd_client_work(objective_fn: Callable, optimizer: optax.GradientTransformation,
                     batching: batching_lib.Batching, final: Callable,
                     start_fn: Optional[Callable] = None,
-                    grad_transform: Optional[Callable] = None) -> ClientWork:
+                    grad_transform: Optional[Callable] = None,
+                    dp: Optional[tuple] = None) -> ClientWork:
   """ClientWork for local SGD on a local objective (FedAvg, FedProx, Local...).
 
   Args:
@@ -228,6 +252,7 @@ def sgd_client_work(objective_fn: Callable, optimizer: optax.GradientTransformat
       broadcast global model).
     grad_transform: optional ``(grads, params, ctx) -> grads`` before the
       optimizer (e.g. clipping of the data term).
+    dp: optional (clip_norm, noise_multiplier): DP-SGD local training.
   """
   start_fn = start_fn or (lambda ctx: ctx.shared)
   opt_fn = ((lambda ctx: optimizer) if isinstance(optimizer, optax.GradientTransformation)
@@ -240,8 +265,10 @@ def sgd_client_work(objective_fn: Callable, optimizer: optax.GradientTransformat
                     num_steps=jnp.zeros((), jnp.int32))
 
   def step(ctx, carry, batch, key):
-    del key
-    (_, stats), grads = jax.value_and_grad(objective_fn(ctx), has_aux=True)(carry.params, batch)
+    if dp is not None:
+      grads, stats = dp_gradient(objective_fn(ctx), carry.params, batch, key, *dp)
+    else:
+      (_, stats), grads = jax.value_and_grad(objective_fn(ctx), has_aux=True)(carry.params, batch)
     if grad_transform is not None:
       grads = grad_transform(grads, carry.params, ctx)
     updates, opt_state = opt_fn(ctx).update(grads, carry.opt_state, carry.params)

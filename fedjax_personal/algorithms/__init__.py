@@ -8,6 +8,7 @@ is usable on its own (``fedavg.fedavg(model, num_clients, ...)``).
 import dataclasses
 from typing import Callable, Dict, Optional
 
+import numpy as np
 import optax
 
 from fedjax_personal.algorithm import FederatedAlgorithm
@@ -57,6 +58,9 @@ class HParams:
     sigma_batches, sigma_batch_size: user-centric variance estimate (K
       batches of this size; 0: K equal parts of the local data).
     uc_warmup_rounds, uc_recompute_every: when W is computed.
+    fomo_candidates, fomo_eps, fomo_eps_decay, fomo_leave_one_out: FedFomo.
+    dp_clip_norm, dp_noise_multiplier: DP-SGD local training (FedFomo; 0: off).
+    cfl_eps1, cfl_eps2, cfl_warmup_rounds: clustered FL's split test.
   """
   client_lr: float = 0.05
   client_momentum: float = 0.0
@@ -95,6 +99,15 @@ class HParams:
   sigma_batch_size: int = 0
   uc_warmup_rounds: int = 0
   uc_recompute_every: int = 0
+  fomo_candidates: int = 5
+  fomo_eps: float = 0.3
+  fomo_eps_decay: float = 0.05
+  fomo_leave_one_out: bool = False
+  dp_clip_norm: float = 0.0
+  dp_noise_multiplier: float = 0.0
+  cfl_eps1: float = 0.4
+  cfl_eps2: float = 1.6
+  cfl_warmup_rounds: int = 5
 
   def feddyn_options(self) -> dict:
     return dict(adaptive_alpha=self.adaptive_alpha, max_grad_norm=self.max_grad_norm or None,
@@ -250,6 +263,23 @@ def _usercentric(hp, model, data):
                      groups=data.groups)
 
 
+def _fedfomo(hp, model, data):
+  from fedjax_personal.algorithms.fedfomo import fedfomo
+  if int(np.asarray(data.val.num_examples).min()) == 0:
+    raise ValueError('fedfomo needs a validation split on every client: set --val_fraction '
+                     '(0.2 in the paper)')
+  dp = (hp.dp_clip_norm, hp.dp_noise_multiplier) if hp.dp_clip_norm > 0 else None
+  return fedfomo(model, data.num_clients, hp.client_optimizer(), hp.batching(),
+                 num_candidates=min(hp.fomo_candidates, data.num_clients - 1), eps0=hp.fomo_eps,
+                 eps_decay=hp.fomo_eps_decay, leave_one_out=hp.fomo_leave_one_out, dp=dp)
+
+
+def _cfl(hp, model, data):
+  from fedjax_personal.algorithms.cfl import cfl
+  return cfl(model, data.num_clients, data.train.num_examples, hp.client_optimizer(),
+             hp.batching(), eps1=hp.cfl_eps1, eps2=hp.cfl_eps2, warmup_rounds=hp.cfl_warmup_rounds)
+
+
 ALGORITHMS: Dict[str, Callable[[HParams, Model, FederatedData], FederatedAlgorithm]] = {
     'fedavg': _fedavg,
     'fedavg_ft': _fedavg_ft,
@@ -274,6 +304,8 @@ ALGORITHMS: Dict[str, Callable[[HParams, Model, FederatedData], FederatedAlgorit
     'ditto': _ditto,
     'apfl': _apfl,
     'usercentric': _usercentric,
+    'fedfomo': _fedfomo,
+    'cfl': _cfl,
 }
 
 

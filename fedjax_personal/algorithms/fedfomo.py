@@ -1,0 +1,167 @@
+"""FedFomo (Zhang, Sapra, Fidler, Yeung and Alvarez, ICLR 2021): personalized
+federated learning with first-order model optimization.
+
+Each client splits its data into train and validation (``--val_fraction``,
+0.2 in the paper). Every round, each active client downloads M models of other
+clients, chosen by its affinity row P_i: the top-M, or with probability eps M
+random ones (eps starts at eps0 and decays linearly per round). With
+theta_base its own previous model it weighs each candidate by the validation
+loss improvement per unit of parameter distance,
+
+    w_n = (L_val(theta_base) - L_val(theta_n)) / ||theta_n - theta_base||,
+
+adds w_n to P_i,n, keeps the positive w_n normalized to sum 1 and moves to
+theta_base + sum_n w_n (theta_n - theta_base) (theta_base when none is
+positive), then trains E local epochs. The weights of all (client, candidate)
+pairs of the cohort are computed vectorized.
+
+Options of the paper: ``leave_one_out`` scores candidates through model
+averages (w_n from the average of the M candidates vs the average without
+n), so no individual model is evaluated; DP-SGD local training (``dp`` =
+(clip_norm, noise_multiplier)); targets that differ from the local training
+distribution (``data.permute_eval_targets`` shuffles validation/test pairs
+among clients).
+"""
+
+from typing import Optional
+
+from flax import struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
+                                       cohort_train_metrics)
+from fedjax_personal.batching import Batching
+from fedjax_personal.models import Model
+from fedjax_personal.training import (ClientWork, LossStats, evaluate_params, plain_objective,
+                                      sgd_client_work)
+from fedjax_personal.tree_util import tree_broadcast, tree_bytes, tree_gather, tree_scatter
+
+
+@struct.dataclass
+class FedFomoState:
+  """Attributes:
+    models: stacked [N, ...] latest model of every client (the server's pool).
+    affinity: [N, N] P, P_ij = client i's accumulated weight for client j.
+    key: PRNG key of the candidate choice.
+    round: rounds done (drives the eps decay).
+  """
+  models: optax.Params
+  affinity: jax.Array
+  key: jax.Array
+  round: jax.Array
+
+
+def choose_candidates(key, affinity_rows, clients, num_candidates: int, eps, num_clients: int):
+  """Candidates per cohort client: top-M of its affinity row (itself
+  excluded, ties broken at random), or with probability eps M random ones."""
+  k_explore, k_tie, k_rand = jax.random.split(key, 3)
+  c = clients.shape[0]
+  self_mask = jnp.arange(num_clients)[None, :] == clients[:, None]
+  tie = 1e-6 * jax.random.uniform(k_tie, (c, num_clients))
+  greedy = jnp.argsort(-jnp.where(self_mask, -jnp.inf, affinity_rows + tie), axis=1)[:, :num_candidates]
+  rand = jnp.argsort(jnp.where(self_mask, 2.0, jax.random.uniform(k_rand, (c, num_clients))),
+                     axis=1)[:, :num_candidates]
+  explore = jax.random.uniform(k_explore, (c,)) < eps
+  return jnp.where(explore[:, None], rand, greedy).astype(jnp.int32)
+
+
+def _flat_dist(a, b):
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x - y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+
+
+def fomo_weights(val_loss, base, candidates, base_loss, candidate_losses):
+  """w_n = (L(base) - L(theta_n)) / ||theta_n - base|| (0 at distance 0)."""
+  dists = jax.vmap(lambda c: _flat_dist(c, base))(candidates)
+  return jnp.where(dists > 0, (base_loss - candidate_losses) / jnp.maximum(dists, 1e-12), 0.0)
+
+
+def fomo_update(base, candidates, weights):
+  """theta_base + sum_n w_n+ (theta_n - theta_base), positive weights
+  normalized to 1; theta_base when none is positive."""
+  pos = jnp.maximum(weights, 0.0)
+  total = jnp.sum(pos)
+  norm = jnp.where(total > 0, pos / jnp.where(total > 0, total, 1.0), 0.0)
+  return jax.tree.map(lambda b, c: b + jnp.tensordot(norm, c - b[None], axes=1), base, candidates)
+
+
+def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching,
+            num_candidates: int = 5, eps0: float = 0.3, eps_decay: float = 0.05,
+            leave_one_out: bool = False, dp: Optional[tuple] = None,
+            seed: int = 0) -> FederatedAlgorithm:
+  """Builds FedFomo (M = ``num_candidates``)."""
+  if not 1 <= num_candidates < num_clients:
+    raise ValueError(f'FedFomo num_candidates must be in [1, num_clients - 1], got {num_candidates}')
+  objective = plain_objective(model)
+
+  def val_loss(params, val):
+    s = evaluate_params(model, params, val)
+    return s.loss_sum / jnp.maximum(s.count, 1.0)
+
+  def init(key):
+    params = model.init(key)
+    return FedFomoState(tree_broadcast(params, num_clients), jnp.zeros((num_clients, num_clients)),
+                        jax.random.key(seed), jnp.zeros((), jnp.int32))
+
+  def server_broadcast(state, cohort):
+    eps = jnp.maximum(eps0 - eps_decay * state.round.astype(jnp.float32), 0.0)
+    rows = state.affinity.at[cohort.idx].get(mode='clip')
+    cand = choose_candidates(jax.random.fold_in(state.key, state.round), rows, cohort.idx,
+                             num_candidates, eps, num_clients)
+    cand_models = jax.vmap(lambda c: tree_gather(state.models, c))(cand)
+    return None, (tree_gather(state.models, cohort.idx), cand, cand_models)
+
+  def start(ctx):
+    base, _, cand_models = ctx.state
+    val = ctx.data.val
+    base_loss = val_loss(base, val)
+    if leave_one_out:
+      m = num_candidates
+      mean = jax.tree.map(lambda c: c.mean(0), cand_models)
+      loo = jax.tree.map(lambda c, mu: (m * mu[None] - c) / max(m - 1, 1), cand_models, mean)
+      mean_loss = val_loss(mean, val)
+      loo_losses = jax.vmap(lambda p: val_loss(p, val))(loo)
+      dists = jax.vmap(lambda p: _flat_dist(p, mean))(loo)
+      w = jnp.where(dists > 0, (loo_losses - mean_loss) / jnp.maximum(dists, 1e-12), 0.0)
+    else:
+      losses = jax.vmap(lambda p: val_loss(p, val))(cand_models)
+      w = fomo_weights(val_loss, base, cand_models, base_loss, losses)
+    return fomo_update(base, cand_models, w), w
+
+  inner = sgd_client_work(lambda ctx: objective, client_optimizer, batching,
+                          final=lambda ctx, c: c, dp=dp)
+
+  def work_init(ctx, key):
+    params, w = start(ctx)
+    return inner.init(ctx.replace(shared=params), key), w
+
+  def work_step(ctx, carry, batch, key):
+    return inner.step(ctx, carry[0], batch, key), carry[1]
+
+  def work_final(ctx, carry):
+    c, w = carry
+    return c.params, ctx.state[1], w, c.stats
+
+  work = ClientWork(work_init, work_step, work_final, batching)
+
+  def server_update(state, cohort, out):
+    params, cand, w, stats = out
+    rows = jnp.where(cohort.mask[:, None], w, 0.0)
+    i = jnp.broadcast_to(cohort.idx[:, None], cand.shape)
+    affinity = state.affinity.at[i, cand].add(rows, mode='drop')  # P_i,n += w_n
+    new = FedFomoState(tree_scatter(state.models, cohort.idx, params), affinity, state.key,
+                       state.round + 1)
+    return new, cohort_train_metrics(stats, cohort.mask)
+
+  def communication(state):
+    # Each active client receives its own bundle of M models (unicast).
+    b = tree_bytes(jax.tree.map(lambda a: a[0], state.models))
+    return Communication(b, b * num_candidates, num_clients)
+
+  return FederatedAlgorithm(
+      name='fedfomo', model=model, init=init, server_broadcast=server_broadcast,
+      client_work=work, server_update=server_update,
+      client_models=lambda s: ClientModels.personal(s.models, num_clients),
+      communication=communication)
