@@ -102,6 +102,8 @@ flags.DEFINE_float('dp_noise_multiplier', 0.0, 'DP-SGD noise multiplier.')
 flags.DEFINE_float('cfl_eps1', 0.4, 'CFL: split when the mean update norm is below this...')
 flags.DEFINE_float('cfl_eps2', 1.6, '...and the largest client update norm above this.')
 flags.DEFINE_integer('cfl_warmup_rounds', 5, 'CFL: no split before this round.')
+flags.DEFINE_float('cfl_ratio', 0.0, 'CFL: if > 0, split when the mean update norm < ratio * the '
+                   'largest (scale-free; replaces cfl_eps1).')
 flags.DEFINE_integer('seed', 0, 'Seed of data partition, model init and training.')
 flags.DEFINE_integer('eval_every', 5, 'Evaluate every this many rounds (0: at the end only).')
 flags.DEFINE_string('output_dir', None, 'Where to write metrics (default runs/<job name>).')
@@ -199,7 +201,8 @@ def hparams() -> algorithms_lib.HParams:
       fomo_eps=FLAGS.fomo_eps, fomo_eps_decay=FLAGS.fomo_eps_decay,
       fomo_leave_one_out=FLAGS.fomo_leave_one_out, dp_clip_norm=FLAGS.dp_clip_norm,
       dp_noise_multiplier=FLAGS.dp_noise_multiplier, cfl_eps1=FLAGS.cfl_eps1,
-      cfl_eps2=FLAGS.cfl_eps2, cfl_warmup_rounds=FLAGS.cfl_warmup_rounds)
+      cfl_eps2=FLAGS.cfl_eps2, cfl_warmup_rounds=FLAGS.cfl_warmup_rounds,
+      cfl_ratio=FLAGS.cfl_ratio)
 
 
 def sampler_for(num_clients: int) -> CohortSampler:

@@ -93,6 +93,11 @@ def test_cfl_split_rule():
   same = v + 0.1 * rng.normal(size=(8, 20))  # one homogeneous group: mean update is large
   cluster, splits = cfl_lib.split_decisions(same, np.zeros(8, int), np.ones(8), eps1=1.0, eps2=2.0)
   assert not splits and set(cluster) == {0}
+  # The scale-free test: same decisions whatever the scale of the updates.
+  for scale in (1e-3, 1e3):
+    c1, s1 = cfl_lib.split_decisions(scale * opposed, np.zeros(8, int), np.ones(8), 0, 0, ratio=0.5)
+    c2, s2 = cfl_lib.split_decisions(scale * same, np.zeros(8, int), np.ones(8), 0, 0, ratio=0.5)
+    assert len(s1) == 1 and not s2
 
 
 @pytest.mark.parametrize('partition', ['label_permutation', 'iid'])

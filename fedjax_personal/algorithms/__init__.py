@@ -60,7 +60,8 @@ class HParams:
     uc_warmup_rounds, uc_recompute_every: when W is computed.
     fomo_candidates, fomo_eps, fomo_eps_decay, fomo_leave_one_out: FedFomo.
     dp_clip_norm, dp_noise_multiplier: DP-SGD local training (FedFomo; 0: off).
-    cfl_eps1, cfl_eps2, cfl_warmup_rounds: clustered FL's split test.
+    cfl_eps1, cfl_eps2, cfl_warmup_rounds: clustered FL's split test;
+      cfl_ratio > 0: the scale-free test mean < ratio * max instead of eps1.
   """
   client_lr: float = 0.05
   client_momentum: float = 0.0
@@ -108,6 +109,7 @@ class HParams:
   cfl_eps1: float = 0.4
   cfl_eps2: float = 1.6
   cfl_warmup_rounds: int = 5
+  cfl_ratio: float = 0.0
 
   def feddyn_options(self) -> dict:
     return dict(adaptive_alpha=self.adaptive_alpha, max_grad_norm=self.max_grad_norm or None,
@@ -277,7 +279,8 @@ def _fedfomo(hp, model, data):
 def _cfl(hp, model, data):
   from fedjax_personal.algorithms.cfl import cfl
   return cfl(model, data.num_clients, data.train.num_examples, hp.client_optimizer(),
-             hp.batching(), eps1=hp.cfl_eps1, eps2=hp.cfl_eps2, warmup_rounds=hp.cfl_warmup_rounds)
+             hp.batching(), eps1=hp.cfl_eps1, eps2=hp.cfl_eps2, warmup_rounds=hp.cfl_warmup_rounds,
+             ratio=hp.cfl_ratio)
 
 
 ALGORITHMS: Dict[str, Callable[[HParams, Model, FederatedData], FederatedAlgorithm]] = {

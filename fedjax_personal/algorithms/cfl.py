@@ -13,6 +13,10 @@ of its joint objective while its members still disagree:
 the bipartition is complete-linkage clustering on the cosine dissimilarity
 1 - cos(dtheta_i, dtheta_j) of the members' last updates. Clusters split
 recursively over rounds.
+
+The absolute thresholds depend on the model's update scale. ``ratio`` > 0
+replaces the first test by the scale-free || mean || < ratio * max || dtheta_i ||
+(an option of this library, not of the paper).
 """
 
 from typing import Optional
@@ -61,7 +65,7 @@ def bipartition(updates: np.ndarray):
 
 
 def split_decisions(updates: np.ndarray, cluster: np.ndarray, weights: np.ndarray,
-                    eps1: float, eps2: float):
+                    eps1: float, eps2: float, ratio: float = 0.0):
   """New cluster ids after the split test of every cluster (host side).
 
   Returns (new cluster ids, list of (cluster, mean norm, max norm) split).
@@ -77,7 +81,8 @@ def split_decisions(updates: np.ndarray, cluster: np.ndarray, weights: np.ndarra
     w = weights[members] / max(weights[members].sum(), 1e-12)
     mean_norm = float(np.linalg.norm(w @ u))
     max_norm = float(np.linalg.norm(u, axis=1).max())
-    if mean_norm < eps1 and max_norm > eps2:
+    stationary = mean_norm < ratio * max_norm if ratio > 0 else mean_norm < eps1
+    if stationary and max_norm > eps2:
       second = bipartition(u)
       cluster[members[second]] = nxt
       nxt += 1
@@ -86,9 +91,11 @@ def split_decisions(updates: np.ndarray, cluster: np.ndarray, weights: np.ndarra
 
 
 def cfl(model: Model, num_clients: int, num_examples, client_optimizer, batching: Batching,
-        eps1: float = 0.4, eps2: float = 1.6, warmup_rounds: int = 5) -> FederatedAlgorithm:
-  """Builds clustered FL (eps1, eps2 of the split test; no split before
-  ``warmup_rounds``). Meant for full participation (every client trains)."""
+        eps1: float = 0.4, eps2: float = 1.6, warmup_rounds: int = 5,
+        ratio: float = 0.0) -> FederatedAlgorithm:
+  """Builds clustered FL (eps1, eps2 of the split test, or the scale-free
+  ``ratio``; no split before ``warmup_rounds``). Meant for full participation
+  (every client trains)."""
   n_np = np.asarray(num_examples, np.float64)
   plain = plain_objective(model)
 
@@ -120,7 +127,7 @@ def cfl(model: Model, num_clients: int, num_examples, client_optimizer, batching
     if t < max(warmup_rounds, 1):
       return state, {}
     flat = np.asarray(jax.vmap(lambda u: jax.flatten_util.ravel_pytree(u)[0])(state.updates))
-    cluster, splits = split_decisions(flat, np.asarray(state.cluster), n_np, eps1, eps2)
+    cluster, splits = split_decisions(flat, np.asarray(state.cluster), n_np, eps1, eps2, ratio)
     if not splits:
       return state, {}
     new = state.replace(cluster=jnp.asarray(cluster, jnp.int32),
