@@ -15,7 +15,7 @@ import numpy as np
 
 from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import datasets as datasets_lib
-from fedjax_personal import experiment, reporting
+from fedjax_personal import checkpointing, experiment, reporting
 from fedjax_personal.data import to_device
 from fedjax_personal.engine import RoundRunner
 from fedjax_personal.executors import EXECUTOR_NAMES, create_executor
@@ -111,6 +111,9 @@ flags.DEFINE_enum('executor', 'auto', list(EXECUTOR_NAMES), 'How client work run
 flags.DEFINE_integer('block_size', None, 'Clients per block for the blocked executor.')
 flags.DEFINE_string('data_dir', None, 'Directory with data files (default: embedded, ../shared/data).')
 flags.DEFINE_bool('progress', True, 'Show a progress bar.')
+flags.DEFINE_integer('checkpoint_every', 0, 'Save an Orbax checkpoint of the full state every this '
+                     'many rounds (0: never) under <output_dir>/<algorithm>/checkpoints.')
+flags.DEFINE_bool('resume', False, 'Continue each algorithm from its latest checkpoint.')
 
 
 class UsageError(ValueError):
@@ -149,6 +152,8 @@ def validate_flags():
   if FLAGS.participation is not None:
     _check(0 < FLAGS.participation <= 1, 'participation',
            f'must be in (0, 1], got {FLAGS.participation}')
+  _check(FLAGS.checkpoint_every >= 0, 'checkpoint_every',
+         f'must be >= 0, got {FLAGS.checkpoint_every}')
   _check(FLAGS.eval_every >= 0, 'eval_every', f'must be >= 0, got {FLAGS.eval_every}')
   _check(FLAGS.block_size is None or FLAGS.block_size >= 1, 'block_size',
          f'must be >= 1, got {FLAGS.block_size}')
@@ -233,11 +238,21 @@ def main_job() -> Dict[str, dict]:
     alg = algorithms_lib.build(alg_name, hp, model, data)
     runner = RoundRunner(alg, data, sampler_for(data.num_clients), executor)
     out_dir = os.path.join(name, alg_name)
-    callbacks = [reporting.MetricsWriter(out_dir)]
+    ckpt_dir = os.path.join(out_dir, 'checkpoints')
+    state, start, history = None, 0, []
+    if FLAGS.resume:
+      restored = checkpointing.restore_latest(ckpt_dir, runner.init(jax.random.key(0)))
+      if restored is not None:
+        state, start, history = restored
+        print(f'{alg_name}: resuming after round {start} from {ckpt_dir}')
+    callbacks = [reporting.MetricsWriter(out_dir, history)]
+    if FLAGS.checkpoint_every or FLAGS.resume:
+      callbacks.append(checkpointing.Checkpointer(ckpt_dir, FLAGS.checkpoint_every, history))
     if FLAGS.progress:
-      callbacks.append(reporting.Progress(FLAGS.rounds, alg_name))
+      callbacks.append(reporting.Progress(FLAGS.rounds - start, alg_name))
     _, history = experiment.run(runner, FLAGS.rounds, seed=FLAGS.seed,
-                                eval_every=FLAGS.eval_every, callbacks=callbacks)
+                                eval_every=FLAGS.eval_every, callbacks=callbacks, state=state,
+                                start_round=start, history=history)
     histories[alg_name] = history
     summaries[alg_name] = reporting.final_summary(history)
     reporting.write_summary(out_dir, {**summaries[alg_name], 'algorithm': alg_name,

@@ -15,13 +15,17 @@ SUMMARY_KEYS = ('accuracy_mean', 'accuracy_weighted', 'accuracy_worst', 'accurac
 class MetricsWriter(Callback):
   """Appends one JSON line per evaluated round to ``<dir>/metrics.jsonl``."""
 
-  def __init__(self, directory: str):
+  def __init__(self, directory: str, history: Optional[List[dict]] = None):
     self.directory = directory
     os.makedirs(directory, exist_ok=True)
     self.path = os.path.join(directory, 'metrics.jsonl')
+    self.history = history or []  # a resumed run's records so far
 
   def on_start(self, runner, state):
-    open(self.path, 'w').close()
+    with open(self.path, 'w') as f:
+      for record in self.history:
+        if 'accuracy_mean' in record:
+          f.write(json.dumps(record) + '\n')
 
   def on_round_end(self, round_num, record, state):
     if 'accuracy_mean' in record:

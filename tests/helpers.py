@@ -90,3 +90,22 @@ def reference_sgd(model, params, x, y, n, key, batching, lr, prox_mu=0.0, moment
     upd, opt_state = opt.update(g, opt_state, params)
     params = optax.apply_updates(params, upd)
   return params
+
+
+def run_rounds(alg, data, rounds=2, sampler=None, executor=None):
+  """Runs ``rounds`` rounds (keys 0..rounds-1) from init key 0; all clients
+  active unless a sampler is given. Returns (runner, state)."""
+  from fedjax_personal.engine import RoundRunner
+  from fedjax_personal.executors import VmapExecutor
+  from fedjax_personal.sampling import CohortSampler
+  sampler = sampler or CohortSampler(data.num_clients, cohort_size=data.num_clients)
+  runner = RoundRunner(alg, data, sampler, executor or VmapExecutor())
+  state = runner.init(jax.random.key(0))
+  for t in range(rounds):
+    state, _ = runner.round(state, jax.random.key(t))
+  return runner, state
+
+
+def max_diff(a, b):
+  """Largest absolute difference between two pytrees."""
+  return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

@@ -16,7 +16,7 @@ from fedjax_personal.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.engine import RoundRunner
 from fedjax_personal.training import Batch
-from helpers import least_squares_data, linear_model
+from helpers import least_squares_data, linear_model, run_rounds
 
 
 def true_minimizer(xs, ys):
@@ -31,14 +31,6 @@ def true_minimizer(xs, ys):
 
 def distance(params, theta):
   return np.linalg.norm(np.concatenate([np.asarray(params['w'])[:, 0], np.asarray(params['b'])]) - theta)
-
-
-def run_rounds(alg, data, sampler, rounds):
-  runner = RoundRunner(alg, to_device(data), sampler, fp.executors.VmapExecutor())
-  state = runner.init(jax.random.key(0))
-  for t in range(rounds):
-    state, _ = runner.round(state, jax.random.key(t))
-  return state
 
 
 @pytest.fixture(scope='module')
@@ -62,11 +54,12 @@ def test_feddyn_and_scaffold_reach_the_minimizer_fedavg_does_not(heterogeneous, 
     sampler_sca = fp.CohortSampler(4, cohort_size=2)
     rounds = 400
   lr = 0.05
-  avg = run_rounds(fedavg(model, 4, optax.sgd(lr), LOCAL, weighting='uniform'), data,
-                   sampler_sca, rounds)
-  dyn = run_rounds(feddyn(model, 4, data.train.num_examples, lr, LOCAL, alpha=1.0), data,
-                   sampler_dyn, rounds)
-  sca = run_rounds(scaffold(model, 4, lr, LOCAL), data, sampler_sca, rounds)
+  data = to_device(data)
+  _, avg = run_rounds(fedavg(model, 4, optax.sgd(lr), LOCAL, weighting='uniform'), data,
+                      rounds, sampler_sca)
+  _, dyn = run_rounds(feddyn(model, 4, data.train.num_examples, lr, LOCAL, alpha=1.0), data,
+                      rounds, sampler_dyn)
+  _, sca = run_rounds(scaffold(model, 4, lr, LOCAL), data, rounds, sampler_sca)
   assert distance(avg.params, theta) > 1e-2  # FedAvg's client drift: a biased fixed point
   assert distance(dyn.params, theta) < 1e-4
   assert distance(sca.params, theta) < 1e-4

@@ -21,7 +21,7 @@ from fedjax_personal.experiment import communication_metrics
 from fedjax_personal.personalization import make_split
 from fedjax_personal.training import Batch, batch_loss
 from fedjax_personal.tree_util import tree_bytes
-from helpers import digits_data
+from helpers import digits_data, max_diff, run_rounds as run
 
 EXEC = fp.executors.VmapExecutor
 
@@ -71,7 +71,7 @@ def test_perfedavg_fo_and_hf_differ_and_coincide_at_alpha_zero(digits):
   fo, _ = perfedavg_update(model, params, b, 0.3, 0.1, 'fo')
   hf, _ = perfedavg_update(model, params, b, 0.3, 0.1, 'hf')
   fd, _ = perfedavg_update(model, params, b, 0.3, 0.1, 'hf_fd')
-  diff = lambda a, c: max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(c)))
+  diff = max_diff
   assert diff(fo, hf) > 1e-5
   assert diff(hf, fd) < 0.1 * diff(fo, hf)  # finite differences track the exact HVP
   fo0, _ = perfedavg_update(model, params, b, 0.0, 0.1, 'fo')
@@ -172,18 +172,6 @@ def test_bad_personal_part(digits):
     make_split('split:nothing_matches', params)
   with pytest.raises(ValueError, match='unknown personal part'):
     make_split('middle', params)
-
-
-def run(alg, data, rounds=2, cohort=6):
-  runner = RoundRunner(alg, data, fp.CohortSampler(6, cohort_size=cohort), EXEC())
-  state = runner.init(jax.random.key(0))
-  for t in range(rounds):
-    state, _ = runner.round(state, jax.random.key(t))
-  return runner, state
-
-
-def max_diff(a, b):
-  return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def test_ditto_large_lambda_gives_the_global_model(digits):

@@ -14,7 +14,7 @@ from fedjax_personal.engine import RoundRunner
 from fedjax_personal.experiment import communication_metrics, run
 from fedjax_personal.timing import TimeModel, harmonic, simulated_times
 from fedjax_personal.tree_util import tree_bytes
-from helpers import digits_data
+from helpers import digits_data, max_diff, run_rounds as rounds
 
 
 @pytest.fixture(scope='module')
@@ -36,19 +36,6 @@ def with_matrix(alg, w):
     return s.replace(stream_matrix=jnp.asarray(w, jnp.float32), assignment=jnp.arange(n, dtype=jnp.int32),
                      num_streams=jnp.asarray(n, jnp.int32))
   return alg.replace(init=init, between_rounds=None)
-
-
-def rounds(alg, data, t=2):
-  runner = RoundRunner(alg, data, fp.CohortSampler(data.num_clients, cohort_size=data.num_clients),
-                       fp.executors.VmapExecutor())
-  state = runner.init(jax.random.key(0))
-  for r in range(t):
-    state, _ = runner.round(state, jax.random.key(r))
-  return runner, state
-
-
-def max_diff(a, b):
-  return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def test_identity_mixing_is_local_and_fedavg_rows_are_fedavg(digits):

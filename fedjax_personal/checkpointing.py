@@ -1,0 +1,81 @@
+"""Orbax checkpoints of a run: the full algorithm state (server state, every
+client's state), the round number and the metrics so far.
+
+Randomness needs no saving: round t's key is ``fold_in(train_key, t)`` with
+``train_key`` derived from the seed (``experiment.run``), so a run resumed
+from the checkpoint of round t continues exactly as the uninterrupted run.
+Typed PRNG keys inside a state are stored as their key data. Saves are
+synchronous and atomic (Orbax writes to a temporary directory and renames).
+"""
+
+import os
+from typing import List, Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+from fedjax_personal.experiment import Callback
+
+
+def _is_key(x) -> bool:
+  return hasattr(x, 'dtype') and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def to_saveable(state):
+  return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
+
+
+def from_saveable(saved, template):
+  return jax.tree.map(lambda s, t: jax.random.wrap_key_data(s, impl=jax.random.key_impl(t))
+                      if _is_key(t) else s, saved, template)
+
+
+def manager(directory: str, max_to_keep: int = 2) -> ocp.CheckpointManager:
+  return ocp.CheckpointManager(
+      os.path.abspath(directory),
+      options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
+                                           enable_async_checkpointing=False))
+
+
+def save(mngr: ocp.CheckpointManager, round_num: int, state, history: List[dict]):
+  mngr.save(round_num, args=ocp.args.Composite(state=ocp.args.StandardSave(to_saveable(state)),
+                                               history=ocp.args.JsonSave(history)))
+  mngr.wait_until_finished()
+
+
+def restore_latest(directory: str, template_state):
+  """(state, round, history) of the latest checkpoint, or None when there is none.
+
+  Args:
+    template_state: a state of the same structure (e.g. ``runner.init(key)``).
+  """
+  if not os.path.isdir(directory):
+    return None
+  mngr = manager(directory)
+  step = mngr.latest_step()
+  if step is None:
+    return None
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, to_saveable(template_state))
+  out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                   history=ocp.args.JsonRestore()))
+  return from_saveable(out['state'], template_state), int(step), list(out['history'])
+
+
+class Checkpointer(Callback):
+  """Saves every ``every`` rounds and at the end of the run."""
+
+  def __init__(self, directory: str, every: int, history: Optional[List[dict]] = None,
+               max_to_keep: int = 2):
+    self.mngr = manager(directory, max_to_keep)
+    self.every = every
+    self.history = list(history or [])
+
+  def on_round_end(self, round_num, record, state):
+    self.history.append(record)
+    if self.every and round_num % self.every == 0:
+      save(self.mngr, round_num, state, self.history)
+
+  def on_end(self, history, state):
+    last = history[-1]['round'] if history else 0
+    if last and self.mngr.latest_step() != last:
+      save(self.mngr, last, state, history)
