@@ -28,7 +28,7 @@ import numpy as np
 
 from fedjax_personal import training
 
-EXECUTOR_NAMES = ('auto', 'vmap', 'blocked', 'sequential')
+EXECUTOR_NAMES = ('auto', 'vmap', 'blocked', 'sequential', 'sharded')
 
 # make_ctx(shared_all, client) -> (ClientContext, key): builds one client's
 # context from what is shared by the round and the client's stacked inputs.
@@ -205,6 +205,64 @@ class SequentialExecutor(Executor):
     return self._stack(c, todo, outs, outs[0] if outs else None)
 
 
+@dataclasses.dataclass
+class ShardedExecutor(Executor):
+  """The cohort's client axis sharded over all local devices (GPUs, TPU
+  cores, or CPU devices forced with
+  ``XLA_FLAGS=--xla_force_host_platform_device_count=8``), vectorized on
+  each device, inside the one compiled round.
+
+  The cohort is padded to a multiple of the device count by repeating
+  clients (padded outputs dropped); per-client inputs and outputs are
+  constrained to ``NamedSharding(mesh, P('clients'))`` and XLA's SPMD
+  partitioner splits the work. With ``block_size``, each device processes its
+  shard in blocks (bounded memory). Multi-host: call
+  ``jax.distributed.initialize()`` first; ``jax.devices()`` then spans all
+  hosts and the same mesh shards clients across them.
+  """
+  block_size: Optional[int] = None
+  name: str = 'sharded'
+  fused: bool = True
+
+  def __post_init__(self):
+    devices = np.array(jax.devices())
+    self.mesh = jax.sharding.Mesh(devices, ('clients',),
+                                  axis_types=(jax.sharding.AxisType.Auto,))
+    self.spec = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec('clients'))
+
+  def describe(self):
+    return f'sharded({self.mesh.devices.size} devices' + (
+        f', block_size={self.block_size})' if self.block_size else ')')
+
+  def map(self, fn, shared, per_client, active=None):
+    c = _leading_dim(per_client)
+    d = self.mesh.devices.size
+    padded = -(-c // d) * d
+    fill = np.arange(padded) % c
+    constrain = lambda a: jax.lax.with_sharding_constraint(a, self.spec)
+    pc = jax.tree.map(lambda a: constrain(a if padded == c else a[fill]), per_client)
+    if self.block_size:
+      per_device = padded // d
+      bs = min(self.block_size, per_device)
+      nb = -(-per_device // bs)
+      # [d * per_device] -> [d, nb, bs] blocks, each device looping over its own.
+      def blocked(a):
+        a = a.reshape((d, per_device) + a.shape[1:])
+        if nb * bs != per_device:
+          a = a[:, np.arange(nb * bs) % per_device]
+        return a.reshape((d, nb, bs) + a.shape[2:])
+      blocks = jax.tree.map(blocked, pc)
+      with training.unroll_steps(False):
+        out = jax.vmap(lambda dev: jax.lax.map(
+            lambda b: jax.vmap(fn, in_axes=(None, 0))(shared, b), dev))(blocks)
+      out = jax.tree.map(lambda o: o.reshape((d, nb * bs) + o.shape[3:])[:, :per_device]
+                         .reshape((padded,) + o.shape[3:]), out)
+    else:
+      with training.unroll_steps(False):
+        out = jax.vmap(fn, in_axes=(None, 0))(shared, pc)
+    return jax.tree.map(lambda o: constrain(o)[:c], out)
+
+
 def _has_conv(jaxpr) -> bool:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == 'conv_general_dilated':
@@ -228,7 +286,8 @@ def create_executor(name: str = 'auto', model=None, sample_x=None,
                     block_size: Optional[int] = None, num_threads: int = 0) -> Executor:
   """Builds an executor by name; ``auto`` picks the fastest for the platform.
 
-  ``auto``: on GPU/TPU, ``vmap`` (``blocked`` when ``block_size`` is given);
+  ``auto``: on GPU/TPU, ``sharded`` over all devices when there are several,
+  else ``vmap`` (``blocked`` when ``block_size`` is given);
   on CPU, ``sequential`` for models with convolutions and ``blocked`` (10
   clients a block) otherwise, as measured by scripts/benchmark.py (BUILD.md).
   """
@@ -236,13 +295,15 @@ def create_executor(name: str = 'auto', model=None, sample_x=None,
     raise ValueError(f'unknown executor {name!r}; choose one of {list(EXECUTOR_NAMES)}')
   if name == 'auto':
     if jax.default_backend() != 'cpu':
-      name = 'blocked' if block_size else 'vmap'
+      name = 'sharded' if jax.device_count() > 1 else ('blocked' if block_size else 'vmap')
     elif model is not None and sample_x is not None and model_has_conv(model, sample_x):
       name = 'sequential'
     else:
       name = 'blocked'
   if name == 'vmap':
     return VmapExecutor()
+  if name == 'sharded':
+    return ShardedExecutor(block_size)
   if name == 'blocked':
     return BlockedExecutor(block_size or 10)
   return SequentialExecutor(num_threads=num_threads)

@@ -1,0 +1,37 @@
+"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/test_sharding.py)."""
+
+import sys
+
+import jax
+import numpy as np
+import optax
+
+import fedjax_personal as fp
+from fedjax_personal.algorithms.fedavg import fedavg
+from fedjax_personal.algorithms.local import local
+from fedjax_personal.engine import RoundRunner
+from helpers import digits_data, max_diff
+
+assert jax.device_count() == 8, jax.devices()
+data = digits_data(num_clients=10)
+models = {'mlp': fp.models.from_flax('mlp', fp.models.MLP(10, hidden=(8,)), data.train.x[0, :1]),
+          'cnn': fp.models.from_flax('cnn', fp.models.CNN(10, conv_features=(4, 4), dense=(8,)),
+                                     data.train.x[0, :1])}
+for model_name, model in models.items():
+  for alg in (fedavg(model, 10, optax.sgd(0.1), fp.Batching(16, 1)),
+              local(model, 10, optax.sgd(0.1), fp.Batching(16, 1))):
+    for cohort in (10, 5):
+      results = {}
+      for name, ex in (('vmap', fp.executors.VmapExecutor()),
+                       ('sharded', fp.executors.ShardedExecutor()),
+                       ('sharded_blocks', fp.executors.ShardedExecutor(block_size=1))):
+        runner = RoundRunner(alg, data, fp.CohortSampler(10, cohort_size=cohort), ex)
+        state = runner.init(jax.random.key(0))
+        for t in range(2):
+          state, _ = runner.round(state, jax.random.key(t))
+        results[name] = (state, runner.evaluate(state, jax.random.key(1)))
+      for name in ('sharded', 'sharded_blocks'):
+        d = max_diff(results[name][0], results['vmap'][0])
+        assert d < 1e-5, (model_name, alg.name, cohort, name, d)
+        np.testing.assert_array_equal(results[name][1].correct, results['vmap'][1].correct)
+print('SHARDING OK', jax.device_count())
