@@ -114,6 +114,9 @@ flags.DEFINE_bool('progress', True, 'Show a progress bar.')
 flags.DEFINE_integer('checkpoint_every', 0, 'Save an Orbax checkpoint of the full state every this '
                      'many rounds (0: never) under <output_dir>/<algorithm>/checkpoints.')
 flags.DEFINE_bool('resume', False, 'Continue each algorithm from its latest checkpoint.')
+flags.DEFINE_integer('sweep_seeds', 0, 'Run seeds seed..seed+S-1 as one vmapped program (0: off).')
+flags.DEFINE_string('sweep', '', "Hyperparameters swept in the same program, e.g. "
+                    "'client_lr:0.01,0.03,0.1;prox_mu:0,0.1' (cross product with the seeds).")
 
 
 class UsageError(ValueError):
@@ -152,6 +155,17 @@ def validate_flags():
   if FLAGS.participation is not None:
     _check(0 < FLAGS.participation <= 1, 'participation',
            f'must be in (0, 1], got {FLAGS.participation}')
+  _check(FLAGS.sweep_seeds >= 0, 'sweep_seeds', f'must be >= 0, got {FLAGS.sweep_seeds}')
+  if FLAGS.sweep:
+    from fedjax_personal import sweep
+    try:
+      for k, vs in sweep.parse_sweep(FLAGS.sweep).items():
+        if k in ('client_lr',) and min(vs) <= 0:
+          raise UsageError(f'--sweep: {k} values must be > 0')
+    except UsageError:
+      raise
+    except ValueError as e:
+      raise UsageError(str(e)) from None
   _check(FLAGS.checkpoint_every >= 0, 'checkpoint_every',
          f'must be >= 0, got {FLAGS.checkpoint_every}')
   _check(FLAGS.eval_every >= 0, 'eval_every', f'must be >= 0, got {FLAGS.eval_every}')
@@ -233,6 +247,8 @@ def main_job() -> Dict[str, dict]:
       'runs', f'{FLAGS.dataset}_{FLAGS.partition}_{FLAGS.model}_n{FLAGS.num_clients}_seed{FLAGS.seed}')
   print(f'executor: {executor.describe()} on {jax.default_backend()}; outputs in {name}')
   hp = hparams()
+  if FLAGS.sweep_seeds or FLAGS.sweep:
+    return sweep_job(hp, model, data, sample_x, name)
   histories, summaries = {}, {}
   for alg_name in FLAGS.algorithm:
     alg = algorithms_lib.build(alg_name, hp, model, data)
@@ -271,6 +287,37 @@ def main_job() -> Dict[str, dict]:
   print(f'{data.name}, {FLAGS.model}, {FLAGS.rounds} rounds: per-client test accuracy')
   print(reporting.format_table(summaries))
   return summaries
+
+
+def sweep_job(hp, model, data, sample_x, name):
+  """Every algorithm of --algorithm over the sweep's configurations, each
+  sweep one compiled program; prints one row per configuration."""
+  from fedjax_personal import sweep
+  values = sweep.parse_sweep(FLAGS.sweep)
+  seeds = list(range(FLAGS.seed, FLAGS.seed + max(FLAGS.sweep_seeds, 1)))
+  cfgs = sweep.configs(seeds, values)
+  executor = create_executor(FLAGS.executor, model, sample_x, FLAGS.block_size)
+  if not executor.fused:
+    executor = create_executor('blocked', block_size=FLAGS.block_size)
+  print(f'sweep of {len(cfgs)} configurations per algorithm, executor {executor.describe()}')
+  results = {}
+  for alg_name in FLAGS.algorithm:
+    build = lambda hv: algorithms_lib.build(
+        alg_name, algorithms_lib.HParams(**{**hp.__dict__, **hv}), model, data)
+    runner = sweep.SweepRunner(build, cfgs, data, sampler_for(data.num_clients), executor)
+    histories = runner.run(FLAGS.rounds, FLAGS.eval_every)
+    for (seed, hv), hist in zip(cfgs, histories):
+      label = f'{alg_name} seed={seed}' + ''.join(f' {k}={v:g}' for k, v in hv.items())
+      results[label] = reporting.final_summary(hist)
+  os.makedirs(name, exist_ok=True)
+  with open(os.path.join(name, 'sweep.json'), 'w') as f:
+    json.dump({k: {kk: v for kk, v in s.items() if kk != 'per_client_accuracy'}
+               for k, s in results.items()}, f, indent=1)
+  width = max(len(k) for k in results) + 2
+  print(f"{'configuration':<{width}}{'mean':>9}{'worst':>9}")
+  for label, s in results.items():
+    print(f"{label:<{width}}{100 * s['accuracy_mean']:>8.2f}%{100 * s['accuracy_worst']:>8.2f}%")
+  return results
 
 
 def main(argv):

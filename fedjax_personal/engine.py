@@ -27,6 +27,76 @@ def _row(tree, i):
   return jax.tree.map(lambda a: a.at[i].get(mode='clip'), tree)
 
 
+def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executor, counts=None):
+  """The pieces of one round of ``alg``: (pre, make_ctx, post, fused_round).
+
+  ``fused_round(state, key, train, val) -> (state, metrics)`` is the whole
+  round as one traceable function (for fused executors); ``pre`` / ``post``
+  are the server steps around client work for the sequential executor.
+  """
+  counts = collections.Counter() if counts is None else counts
+
+  def pre(state, key):
+    counts['pre'] += 1
+    k_cohort, k_clients = jax.random.split(key)
+    cohort = sampler(k_cohort)
+    shared, per_client = alg.server_broadcast(state, cohort)
+    keys = jax.vmap(lambda i: jax.random.fold_in(k_clients, i))(cohort.idx)
+    return cohort, shared, (cohort.idx, per_client, keys)
+
+  def make_ctx(shared_all, c):
+    counts['client'] += 1
+    shared, train, val = shared_all
+    idx, client_state, key = c
+    local = LocalData(train=_row(train, idx), val=_row(val, idx))
+    return ClientContext(shared=shared, state=client_state, data=local), key
+
+  def post(state, cohort, outputs):
+    counts['post'] += 1
+    return alg.server_update(state, cohort, outputs)
+
+  def fused_round(state, key, train, val):
+    counts['round'] += 1
+    cohort, shared, per_client = pre(state, key)
+    outputs = ex.run_work(alg.client_work, make_ctx, (shared, train, val), per_client,
+                          active=cohort.mask)
+    return post(state, cohort, outputs)
+
+  return pre, make_ctx, post, fused_round
+
+
+def eval_function(alg: FederatedAlgorithm, ex: Executor, counts=None):
+  """``eval_all(client_models, data, key, finetune) -> LossStats [N]``: every
+  client's model (optionally fine-tuned on its training split) on its test split."""
+  counts = collections.Counter() if counts is None else counts
+  model = alg.model
+
+  def make_eval_client(finetune: bool):
+    def eval_client(shared, c):
+      counts['eval_client'] += 1
+      models, train, val, test = shared
+      i, key = c
+      params = models.for_client(i)
+      local = LocalData(train=_row(train, i), val=_row(val, i))
+      k_ft, k_eval = jax.random.split(key)
+      if finetune:
+        params = alg.finetune(params, local, k_ft)
+      if alg.evaluate_client is not None:
+        return alg.evaluate_client(params, local, _row(test, i), k_eval)
+      return evaluate_params(model, params, _row(test, i))
+    return eval_client
+
+  eval_clients = {False: make_eval_client(False), True: make_eval_client(True)}
+
+  def eval_all(models, data, key, finetune):
+    n = data.num_clients
+    per_client = (jnp.arange(n, dtype=jnp.int32),
+                  jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n)))
+    return ex.map(eval_clients[finetune], (models, data.train, data.val, data.test), per_client)
+
+  return eval_all
+
+
 class RoundRunner:
   """Runs rounds and evaluations of one algorithm on one data set.
 
@@ -53,37 +123,10 @@ class RoundRunner:
     self._build()
 
   def _build(self):
-    alg, sampler, ex = self.algorithm, self.sampler, self.executor
-    counts = self.trace_counts
-
-    def pre(state, key):
-      counts['pre'] += 1
-      k_cohort, k_clients = jax.random.split(key)
-      cohort = sampler(k_cohort)
-      shared, per_client = alg.server_broadcast(state, cohort)
-      keys = jax.vmap(lambda i: jax.random.fold_in(k_clients, i))(cohort.idx)
-      return cohort, shared, (cohort.idx, per_client, keys)
-
-    def make_ctx(shared_all, c):
-      counts['client'] += 1
-      shared, train, val = shared_all
-      idx, client_state, key = c
-      local = LocalData(train=_row(train, idx), val=_row(val, idx))
-      return ClientContext(shared=shared, state=client_state, data=local), key
-
-    def post(state, cohort, outputs):
-      counts['post'] += 1
-      return alg.server_update(state, cohort, outputs)
-
-    work = alg.client_work
+    alg, ex = self.algorithm, self.executor
+    pre, make_ctx, post, fused_round = round_functions(alg, self.sampler, ex, self.trace_counts)
     if ex.fused:
-      def round_fn(state, key, train, val):
-        counts['round'] += 1
-        cohort, shared, per_client = pre(state, key)
-        outputs = ex.run_work(work, make_ctx, (shared, train, val), per_client,
-                              active=cohort.mask)
-        return post(state, cohort, outputs)
-      jitted = jax.jit(round_fn)
+      jitted = jax.jit(fused_round)
       self._round = lambda state, key: jitted(state, key, self.data.train, self.data.val)
     else:
       pre_j, post_j = jax.jit(pre), jax.jit(post)
@@ -92,42 +135,17 @@ class RoundRunner:
         cohort, shared, per_client = pre_j(state, key)
         idx, mask = jax.device_get((cohort.idx, cohort.mask))
         steps = self._host_steps[np.minimum(idx, len(self._host_steps) - 1)]
-        outputs = ex.run_work(work, make_ctx, (shared, self.data.train, self.data.val),
+        outputs = ex.run_work(alg.client_work, make_ctx, (shared, self.data.train, self.data.val),
                               per_client, active=mask, num_steps=steps)
         return post_j(state, cohort, outputs)
       self._round = round_py
 
-    # -- evaluation -------------------------------------------------------------
-    model = alg.model
-
-    def make_eval_client(finetune: bool):
-      def eval_client(shared, c):
-        counts['eval_client'] += 1
-        models, train, val, test = shared
-        i, key = c
-        params = models.for_client(i)
-        local = LocalData(train=_row(train, i), val=_row(val, i))
-        k_ft, k_eval = jax.random.split(key)
-        if finetune:
-          params = alg.finetune(params, local, k_ft)
-        if alg.evaluate_client is not None:
-          return alg.evaluate_client(params, local, _row(test, i), k_eval)
-        return evaluate_params(model, params, _row(test, i))
-      return eval_client
-
-    eval_clients = {False: make_eval_client(False), True: make_eval_client(True)}
-
-    def eval_all(models, data, key, finetune):
-      n = data.num_clients
-      per_client = (jnp.arange(n, dtype=jnp.int32),
-                    jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n)))
-      return ex.map(eval_clients[finetune], (models, data.train, data.val, data.test),
-                    per_client)
-
+    eval_all = eval_function(alg, ex, self.trace_counts)
     models_j = jax.jit(alg.client_models)
     if ex.fused:
-      eval_j = jax.jit(eval_all, static_argnums=3)
-      self._evaluate = lambda state, key, ft: eval_j(models_j(state), self.data, key, ft)
+      eval_j = jax.jit(lambda s, d, k, ft: eval_all(alg.client_models(s), d, k, ft),
+                       static_argnums=3)
+      self._evaluate = lambda state, key, ft: eval_j(state, self.data, key, ft)
     else:
       self._evaluate = lambda state, key, ft: eval_all(models_j(state), self.data, key, ft)
 

@@ -9,6 +9,12 @@ import numpy as np
 PyTree = Any
 
 
+def is_concrete(x) -> bool:
+  """False for a traced value (a hyperparameter swept inside ``jax.vmap``):
+  argument checks skip those; the CLI validates sweep values beforehand."""
+  return not isinstance(x, jax.core.Tracer)
+
+
 def tree_where(cond, x: PyTree, y: PyTree) -> PyTree:
   """Selects `x` where the scalar `cond` holds, else `y`, leaf by leaf."""
   return jax.tree.map(lambda a, b: jnp.where(cond, a, b), x, y)

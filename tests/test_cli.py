@@ -104,3 +104,15 @@ def test_script_exits_2_with_one_line(args, needle):
   err = [l for l in r.stderr.splitlines() if l.startswith('error:')]
   assert len(err) == 1 and needle in err[0], r.stderr
   assert 'Traceback' not in r.stderr
+
+
+def test_sweep_flags(tmp_path, capsys):
+  parse('--algorithm=fedavg', '--dataset=digits', '--model=logreg', '--num_clients=4',
+        '--rounds=2', '--progress=false', '--max_examples=300', '--sweep_seeds=2',
+        '--sweep=client_lr:0.05,0.1', f'--output_dir={tmp_path}')
+  results = cli.main_job()
+  assert len(results) == 4 and 'fedavg seed=1 client_lr=0.1' in results
+  assert (tmp_path / 'sweep.json').exists()
+  parse('--sweep=batch_size:1,2', '--progress=false')
+  with pytest.raises(cli.UsageError, match='--sweep'):
+    cli.main_job()

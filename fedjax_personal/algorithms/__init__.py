@@ -16,6 +16,7 @@ from fedjax_personal.batching import Batching
 from fedjax_personal.data import FederatedData
 from fedjax_personal.models import Model
 from fedjax_personal.training import sgd_finetune
+from fedjax_personal.tree_util import is_concrete
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,7 @@ class HParams:
                     num_steps=self.local_steps)
 
   def client_optimizer(self) -> optax.GradientTransformation:
-    if self.client_lr <= 0:
+    if is_concrete(self.client_lr) and self.client_lr <= 0:
       raise ValueError(f'client_lr must be > 0, got {self.client_lr}')
     return optax.sgd(self.client_lr, momentum=self.client_momentum or None)
 

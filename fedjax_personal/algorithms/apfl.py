@@ -20,7 +20,7 @@ from fedjax_personal.algorithms.global_personal import (GlobalPersonalOutput,
 from fedjax_personal.batching import Batching
 from fedjax_personal.models import Model
 from fedjax_personal.training import ClientWork, batch_loss, zero_stats
-from fedjax_personal.tree_util import tree_broadcast, tree_sub
+from fedjax_personal.tree_util import is_concrete, tree_broadcast, tree_sub
 
 
 def mixture(alpha, personal, global_params):
@@ -31,7 +31,7 @@ def apfl(model: Model, num_clients: int, batching: Batching, learning_rate: floa
          alpha: float = 0.25, server_optimizer: Optional[optax.GradientTransformation] = None,
          weighting: str = 'num_examples'):
   """Builds APFL with a fixed mixing weight ``alpha`` in [0, 1]."""
-  if not 0 <= alpha <= 1:
+  if is_concrete(alpha) and not 0 <= alpha <= 1:
     raise ValueError(f'APFL alpha must be in [0, 1], got {alpha}')
 
   def step(ctx, carry, batch, key):

@@ -35,7 +35,7 @@ from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlg
 from fedjax_personal.batching import Batching
 from fedjax_personal.models import Model
 from fedjax_personal.training import ClientWork, LossStats, plain_objective, sgd_client_work
-from fedjax_personal.tree_util import (tree_broadcast, tree_bytes, tree_gather, tree_scatter,
+from fedjax_personal.tree_util import (is_concrete, tree_broadcast, tree_bytes, tree_gather, tree_scatter,
                                        tree_sub, tree_zeros_like)
 
 EVAL_MODELS = ('server', 'active_mean', 'all_clients_mean')
@@ -124,13 +124,13 @@ def feddyn(model: Model, num_clients: int, num_examples, learning_rate: float,
     finetune, evaluate_client: evaluation options (see FederatedAlgorithm).
     name: registry name.
   """
-  if alpha <= 0:
+  if is_concrete(alpha) and alpha <= 0:
     raise ValueError(f'FedDyn alpha must be > 0, got {alpha}')
   if eval_model not in EVAL_MODELS:
     raise ValueError(f'eval_model must be one of {EVAL_MODELS}, got {eval_model!r}')
   n = np.asarray(num_examples, np.float64)
-  alphas = alpha * (n.mean() / np.maximum(n, 1) if adaptive_alpha else np.ones_like(n))
-  alphas = jnp.asarray(alphas, jnp.float32)
+  alphas = alpha * jnp.asarray(n.mean() / np.maximum(n, 1) if adaptive_alpha else np.ones_like(n),
+                               jnp.float32)
   data_objective = data_objective or plain_objective(model)
   keep_all = eval_model == 'all_clients_mean'
 

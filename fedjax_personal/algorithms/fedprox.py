@@ -9,7 +9,7 @@ from fedjax_personal.algorithms.fedavg import fedavg
 from fedjax_personal.batching import Batching
 from fedjax_personal.models import Model
 from fedjax_personal.training import batch_loss
-from fedjax_personal.tree_util import tree_sq_norm, tree_sub
+from fedjax_personal.tree_util import is_concrete, tree_sq_norm, tree_sub
 
 
 def proximal_objective(model: Model, mu: float):
@@ -25,7 +25,7 @@ def proximal_objective(model: Model, mu: float):
 def fedprox(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
             batching: Batching, mu: float, **kw):
   """Builds FedProx; ``kw`` as for ``fedavg`` (server optimizer, weighting)."""
-  if mu < 0:
+  if is_concrete(mu) and mu < 0:
     raise ValueError(f'FedProx mu must be >= 0, got {mu}')
   return fedavg(model, num_clients, client_optimizer, batching,
                 objective_fn=proximal_objective(model, mu), name='fedprox', **kw)

@@ -1,0 +1,118 @@
+"""Many runs in one program: whole experiments vmapped over seeds and
+hyperparameters.
+
+A sweep of S configurations (seed, hyperparameter values) is one compiled
+round function: ``jax.vmap`` over a leading config axis of the algorithm
+states, the round keys and the swept values, with the algorithm rebuilt
+inside the trace from the (traced) values. Configuration s uses exactly the
+keys of ``experiment.run(seed=seed_s)``, so its results equal its own single
+run. Needs a fused executor (vmap, blocked, sharded).
+"""
+
+import itertools
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_personal.algorithm import FederatedAlgorithm
+from fedjax_personal.data import FederatedData
+from fedjax_personal.engine import eval_function, per_client_accuracy, round_functions, summarize
+from fedjax_personal.executors import Executor
+from fedjax_personal.sampling import CohortSampler
+from fedjax_personal.training import LossStats
+
+# HParams fields that may be swept (floats used arithmetically by the builders).
+SWEEPABLE = ('client_lr', 'server_lr', 'prox_mu', 'feddyn_alpha', 'ditto_lambda', 'apfl_alpha',
+             'perfedavg_alpha', 'personal_lr', 'pfedme_lambda', 'weight_decay', 'finetune_lr')
+
+Config = Tuple[int, Dict[str, float]]
+
+
+def parse_sweep(spec: str) -> Dict[str, List[float]]:
+  """'client_lr:0.01,0.03;prox_mu:0,0.1' -> {'client_lr': [...], 'prox_mu': [...]}."""
+  out = {}
+  for part in filter(None, spec.split(';')):
+    if ':' not in part:
+      raise ValueError(f"--sweep: expected name:v1,v2,... got {part!r}")
+    name, values = part.split(':', 1)
+    name = name.strip()
+    if name not in SWEEPABLE:
+      raise ValueError(f'--sweep: {name!r} cannot be swept; choose from {list(SWEEPABLE)}')
+    try:
+      out[name] = [float(v) for v in values.split(',') if v]
+    except ValueError:
+      raise ValueError(f'--sweep: values of {name} must be numbers, got {values!r}') from None
+    if not out[name]:
+      raise ValueError(f'--sweep: no values for {name}')
+  return out
+
+
+def configs(seeds: Sequence[int], values: Dict[str, List[float]]) -> List[Config]:
+  """The cross product of seeds and swept values."""
+  names = sorted(values)
+  return [(s, dict(zip(names, combo)))
+          for s in seeds for combo in itertools.product(*(values[n] for n in names))]
+
+
+class SweepRunner:
+  """Runs S configurations of one algorithm as one vmapped program.
+
+  Args:
+    build: ``{name: value} -> FederatedAlgorithm`` (values may be traced).
+    configs: list of (seed, {name: value}), all with the same names.
+    data, sampler, executor: as for RoundRunner (executor must be fused).
+  """
+
+  def __init__(self, build: Callable[[Dict], FederatedAlgorithm], configs: List[Config],
+               data: FederatedData, sampler: CohortSampler, executor: Executor):
+    if not executor.fused:
+      raise ValueError(f'a sweep needs a fused executor (vmap, blocked, sharded), '
+                       f'not {executor.name}')
+    self.configs, self.data = configs, data
+    names = sorted(configs[0][1])
+    self.values = {n: jnp.asarray([c[1][n] for c in configs], jnp.float32) for n in names}
+    keys = jax.vmap(lambda s: jnp.stack(jax.random.split(jax.random.key(s), 3)))(
+        jnp.asarray([c[0] for c in configs]))
+    self.init_keys, self.train_keys, self.eval_keys = keys[:, 0], keys[:, 1], keys[:, 2]
+    self.trace_counts = {}
+
+    def one_init(hv, key):
+      return build(hv).init(key)
+
+    def one_round(hv, state, key, train, val):
+      return round_functions(build(hv), sampler, executor)[3](state, key, train, val)
+
+    def one_eval(hv, state, key, data):
+      alg = build(hv)
+      return eval_function(alg, executor)(alg.client_models(state), data, key,
+                                          alg.finetune is not None)
+
+    self._init = jax.jit(jax.vmap(one_init))
+    self._round = jax.jit(jax.vmap(one_round, in_axes=(0, 0, 0, None, None)))
+    self._eval = jax.jit(jax.vmap(one_eval, in_axes=(0, 0, 0, None)))
+
+  def run(self, num_rounds: int, eval_every: int = 5) -> List[List[dict]]:
+    """One history per configuration (as ``experiment.run`` records)."""
+    state = self._init(self.values, self.init_keys)
+    histories = [[] for _ in self.configs]
+    for t in range(num_rounds):
+      keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(self.train_keys)
+      state, metrics = self._round(self.values, state, keys, self.data.train, self.data.val)
+      metrics = jax.device_get(metrics)
+      evaluated = (eval_every and (t + 1) % eval_every == 0) or t + 1 == num_rounds
+      if evaluated:
+        ekeys = jax.vmap(lambda k: jax.random.fold_in(k, t))(self.eval_keys)
+        stats = jax.device_get(self._eval(self.values, state, ekeys, self.data))
+      for s in range(len(self.configs)):
+        record = {'round': t + 1, **{k: float(v[s]) for k, v in metrics.items()}}
+        if not np.isfinite(record.get('train_loss', 0.0)):
+          record['diverged'] = True
+        if evaluated:
+          st = LossStats(*(np.asarray(a[s]) for a in stats))
+          record.update(summarize(st))
+          record['per_client_accuracy'] = per_client_accuracy(st).tolist()
+        histories[s].append(record)
+    self.state = state
+    return histories
