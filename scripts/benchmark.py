@@ -38,6 +38,13 @@ flags.DEFINE_integer('local_steps', 5, 'K local steps per client per round.')
 flags.DEFINE_integer('timeout', 420, 'Seconds per configuration before it is reported as timeout.')
 flags.DEFINE_string('output', None, 'Write the results as JSON here.')
 flags.DEFINE_string('worker', None, 'Internal: run one configuration model:clients:executor.')
+flags.DEFINE_enum('section', 'executors', ['executors', 'scale', 'sweep', 'all'],
+                  'executors: the executor table; scale: time per round from 10 to 10,000 '
+                  'clients for FedAvg and Ditto (auto executor vs the loop); sweep: S '
+                  'configurations in one program vs S separate runs.')
+flags.DEFINE_list('scale_clients', ['10', '100', '1000', '10000'], 'Populations of --section=scale.')
+flags.DEFINE_integer('sweep_size', 8, 'S of --section=sweep.')
+flags.DEFINE_bool('device', False, 'Also report the accelerator (runs on whatever jax.devices() is).')
 FLAGS = flags.FLAGS
 
 BATCH = {'mlp': 10, 'lenet5': 32}      # as in the foundation issue's measurements
@@ -126,7 +133,9 @@ def worker(spec):
   import jax
   import fedjax_personal as fp
   from fedjax_personal.algorithms.fedavg import fedavg
-  model_name, num_clients, executor = spec.split(':')
+  parts = spec.split(':')
+  model_name, num_clients, executor = parts[:3]
+  algorithm = parts[3] if len(parts) > 3 else 'fedavg'
   num_clients = int(num_clients)
   data, model, batching, opt = build(model_name, num_clients)
   flops, _ = step_flops(model, opt, BATCH[model_name])
@@ -136,7 +145,11 @@ def worker(spec):
     run = lambda s, k: round_fn(s, k)
   else:
     ex = fp.create_executor(executor, model, data.train.x[0, :1])
-    alg = fedavg(model, num_clients, opt, batching)
+    if algorithm == 'ditto':
+      from fedjax_personal.algorithms.ditto import ditto
+      alg = ditto(model, num_clients, batching, 0.05, lam=0.1)
+    else:
+      alg = fedavg(model, num_clients, opt, batching)
     runner = fp.RoundRunner(alg, data, fp.CohortSampler(num_clients, cohort_size=num_clients), ex)
     state = runner.init(jax.random.key(0))
     run = lambda s, k: runner.round(s, k)[0]
@@ -147,9 +160,9 @@ def worker(spec):
     state = jax.block_until_ready(run(state, jax.random.key(r)))
     times.append(time.perf_counter() - t)
   steady = sorted(times[1:])[len(times[1:]) // 2]
-  total_flops = flops * num_clients * FLAGS.local_steps
+  total_flops = flops * num_clients * FLAGS.local_steps * (2 if algorithm == 'ditto' else 1)
   print(json.dumps({
-      'model': model_name, 'clients': num_clients, 'executor': executor,
+      'model': model_name, 'clients': num_clients, 'executor': executor, 'algorithm': algorithm,
       'round_s': steady, 'compile_s': max(times[0] - steady, 0.0),
       'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
       'gflops': total_flops / steady / 1e9, 'flops_per_round': total_flops}))
@@ -167,6 +180,12 @@ def main(argv):
   print(f'FedAvg round, all clients active, K={FLAGS.local_steps} local steps; '
         f'batch {BATCH}, examples per client {EXAMPLES}')
   results = []
+  if FLAGS.section in ('scale', 'all'):
+    results += scale_section(peak)
+  if FLAGS.section in ('sweep', 'all'):
+    results += sweep_section()
+  if FLAGS.section in ('scale', 'sweep'):
+    return save(results, peak)
   header = (f"{'model':<7}{'clients':>8}  {'executor':<28}{'round s':>9}{'compile s':>10}"
             f"{'peak MB':>9}{'GFLOP/s':>9}{'% peak':>7}{'vs loop':>8}")
   print(header)
@@ -198,10 +217,86 @@ def main(argv):
         print(f"{model_name:<7}{clients:>8}  {r['executor']:<28}{r['round_s']:>9.3f}"
               f"{r['compile_s']:>10.2f}{r['peak_rss_mb']:>9.0f}{r['gflops']:>9.2f}"
               f"{r['percent_of_matmul_peak']:>6.1f}%{sp:>8}", flush=True)
+  save(results, peak)
+
+
+def save(results, peak):
+  import jax
   if FLAGS.output:
     with open(FLAGS.output, 'w') as f:
       json.dump({'matmul_gflops': peak, 'backend': jax.default_backend(),
+                 'devices': [str(d) for d in jax.devices()],
                  'cores': os.cpu_count(), 'results': results}, f, indent=1)
+
+
+def run_worker(spec):
+  cmd = [sys.executable, os.path.abspath(__file__), f'--worker={spec}',
+         f'--rounds={FLAGS.rounds}', f'--local_steps={FLAGS.local_steps}']
+  try:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.timeout)
+  except subprocess.TimeoutExpired:
+    return None
+  line = [l for l in out.stdout.splitlines() if l.startswith('{')]
+  if not line:
+    raise RuntimeError(out.stderr[-800:])
+  return json.loads(line[-1])
+
+
+def scale_section(peak):
+  """Time per round vs population, FedAvg and Ditto (MLP), auto vs the loop."""
+  print('\nScale: MLP, K=5 local steps, all clients active; auto executor vs the loop')
+  print(f"{'algorithm':<8}{'clients':>8}  {'auto executor':<24}{'round s':>9}{'loop s':>9}"
+        f"{'vs loop':>8}{'peak MB':>9}{'GFLOP/s':>9}")
+  rows = []
+  for alg in ('fedavg', 'ditto'):
+    for clients in FLAGS.scale_clients:
+      r = run_worker(f'mlp:{clients}:auto:{alg}')
+      base = run_worker(f'mlp:{clients}:baseline') if alg == 'fedavg' else None
+      if r is None:
+        print(f'{alg:<8}{clients:>8}  timeout')
+        continue
+      loop = base['round_s'] if base else None  # the loop baseline is FedAvg's
+      r['loop_round_s'] = loop
+      r['speedup_vs_loop'] = loop / r['round_s'] if loop else None
+      rows.append(r)
+      loop_s = f'{loop:.3f}' if loop else '-'
+      ratio = f"{r['speedup_vs_loop']:.2f}x" if loop else '-'
+      print(f"{alg:<8}{clients:>8}  {r['executor']:<24}{r['round_s']:>9.3f}{loop_s:>9}{ratio:>8}"
+            f"{r['peak_rss_mb']:>9.0f}{r['gflops']:>9.2f}", flush=True)
+  return rows
+
+
+def sweep_section():
+  """S configurations (seeds) of FedAvg in one vmapped program vs S runs."""
+  import jax
+  import fedjax_personal as fp
+  from fedjax_personal import algorithms, sweep
+  from fedjax_personal.engine import RoundRunner
+  data, model, batching, _ = build('mlp', 100)
+  hp = algorithms.HParams(batch_size=10, local_epochs=None, local_steps=FLAGS.local_steps)
+  mk = lambda hv: algorithms.build('fedavg', algorithms.HParams(**{**hp.__dict__, **hv}), model, data)
+  cfgs = sweep.configs(list(range(FLAGS.sweep_size)), {'client_lr': [0.05]})
+  sampler = fp.CohortSampler(100, cohort_size=100)
+  ex = fp.executors.BlockedExecutor(10)
+  runner = sweep.SweepRunner(mk, cfgs, data, sampler, ex)
+  t = time.perf_counter()
+  runner.run(1, eval_every=0)
+  first = time.perf_counter() - t
+  t = time.perf_counter()
+  runner.run(FLAGS.rounds + 1, eval_every=0)
+  together = (time.perf_counter() - t) / (FLAGS.rounds + 1)
+  single = RoundRunner(mk({'client_lr': 0.05}), data, sampler, ex)
+  state = single.init(jax.random.key(0))
+  state = jax.block_until_ready(single.round(state, jax.random.key(0))[0])
+  t = time.perf_counter()
+  for r in range(FLAGS.rounds):
+    state = jax.block_until_ready(single.round(state, jax.random.key(r))[0])
+  separate = (time.perf_counter() - t) / FLAGS.rounds * FLAGS.sweep_size
+  print(f'\nSweep: FedAvg, MLP, 100 clients, S = {FLAGS.sweep_size} seeds: one program '
+        f'{together:.3f} s per round of all S (first call incl. compile {first:.1f} s) vs S '
+        f'separate runs {separate:.3f} s: {separate / together:.2f}x')
+  return [{'section': 'sweep', 'S': FLAGS.sweep_size, 'one_program_round_s': together,
+           'separate_round_s': separate, 'speedup': separate / together}]
 
 
 if __name__ == '__main__':
