@@ -1,0 +1,26 @@
+"""notebooks/quickstart.ipynb executes top to bottom (its code cells, in order;
+shell lines such as '!pip install' are skipped)."""
+
+import json
+import os
+
+import matplotlib
+
+NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        'notebooks', 'quickstart.ipynb')
+
+
+def test_quickstart_notebook_runs():
+  matplotlib.use('Agg')
+  nb = json.load(open(NOTEBOOK))
+  namespace = {}
+  for cell in nb['cells']:
+    if cell['cell_type'] != 'code':
+      continue
+    src = ''.join(cell['source'])
+    src = '\n'.join(l for l in src.splitlines() if not l.lstrip().startswith(('!', '%')))
+    exec(compile(src, 'quickstart.ipynb', 'exec'), namespace)
+  summaries = namespace['summaries']
+  assert set(summaries) == {'fedavg', 'local', 'fedalt', 'ditto'}
+  for s in summaries.values():
+    assert 0 <= s['accuracy_worst'] <= s['accuracy_mean'] <= 1
