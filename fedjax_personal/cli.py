@@ -3,11 +3,10 @@
 Kept in the package so that scripts stay thin and tests can drive it.
 """
 
-import dataclasses
 import json
 import os
 import sys
-from typing import Dict, List
+from typing import Dict
 
 from absl import flags
 import jax

@@ -8,10 +8,9 @@ seed give the same numbers, whatever the executor.
 import dataclasses
 import math
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import jax
-import numpy as np
 
 from fedjax_personal.engine import RoundRunner, per_client_accuracy, summarize
 

@@ -65,7 +65,6 @@ def matmul_gflops(n=2048, reps=10):
 
 
 def build(model_name, num_clients):
-  import jax
   import numpy as np
   import optax
   import fedjax_personal as fp

@@ -31,7 +31,6 @@ import time
 
 from absl import app
 from absl import flags
-import numpy as np
 
 from fedjax_personal import algorithms, experiment
 from fedjax_personal.data import to_device

@@ -32,9 +32,8 @@ import json
 import os
 
 from absl import app
-import jax
 from absl import flags
-import numpy as np
+import jax
 
 from fedjax_personal import algorithms, experiment, timing
 from fedjax_personal.data import to_device

@@ -6,8 +6,8 @@ import numpy as np
 import optax
 
 from fedjax_personal import batching as batching_lib
-from fedjax_personal.data import build_federated_data, pad_clients, FederatedData, to_device
-from fedjax_personal.models import Model, create_model
+from fedjax_personal.data import pad_clients, FederatedData, to_device
+from fedjax_personal.models import Model
 from fedjax_personal.datasets import DataConfig, load_federated
 
 
@@ -39,9 +39,6 @@ def least_squares_data(num_clients=4, dim=3, sizes=(5, 9, 13, 7), seed=0, shift=
     w = rng.normal(size=dim) * (1 + i)
     xs.append(x)
     ys.append((x @ w + 0.1 * rng.normal(size=n)).astype(np.float32))
-  x = np.concatenate(xs)
-  y = np.concatenate(ys)
-  offs = np.cumsum([0] + [len(a) for a in xs])
   train = pad_clients(xs, ys, (dim,), np.float32, (), np.float32)
   empty = pad_clients([x[:0] for x in xs], [y[:0] for y in ys], (dim,), np.float32, (), np.float32)
   return FederatedData(train=train, val=empty, test=train,

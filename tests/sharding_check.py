@@ -1,7 +1,5 @@
 """Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/test_sharding.py)."""
 
-import sys
-
 import jax
 import numpy as np
 import optax

@@ -6,7 +6,6 @@ from absl import flags
 import jax
 import numpy as np
 import optax
-import pytest
 
 import fedjax_personal as fp
 from fedjax_personal import checkpointing, cli

@@ -13,7 +13,7 @@ from fedjax_personal.algorithms.fedprox import fedprox
 from fedjax_personal.algorithms.fedsgd import fedsgd
 from fedjax_personal.algorithms.local import local
 from fedjax_personal.algorithms.oracle import oracle
-from fedjax_personal.data import FederatedData, to_device
+from fedjax_personal.data import to_device
 from fedjax_personal.engine import RoundRunner
 from fedjax_personal.experiment import communication_metrics, run
 from fedjax_personal.tree_util import tree_bytes

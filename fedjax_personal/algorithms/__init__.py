@@ -205,7 +205,7 @@ def _perfedavg(variant):
     from fedjax_personal.algorithms.perfedavg import perfedavg
     b = hp.batching()
     if b.num_steps is None:
-      raise ValueError(f'perfedavg takes --local_steps (each step draws 3 batches), not epochs')
+      raise ValueError('perfedavg takes --local_steps (each step draws 3 batches), not epochs')
     return perfedavg(model, data.num_clients, b, alpha=hp.perfedavg_alpha, beta=hp.client_lr,
                      variant=variant, delta=hp.hf_delta, server_optimizer=hp.server_opt(),
                      weighting=hp.weighting)

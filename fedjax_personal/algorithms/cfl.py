@@ -19,8 +19,6 @@ replaces the first test by the scale-free || mean || < ratio * max || dtheta_i |
 (an option of this library, not of the paper).
 """
 
-from typing import Optional
-
 from flax import struct
 import jax
 import jax.numpy as jnp

@@ -36,7 +36,7 @@ from fedjax_personal.batching import Batching
 from fedjax_personal.models import Model
 from fedjax_personal.training import ClientWork, LossStats, plain_objective, sgd_client_work
 from fedjax_personal.tree_util import (is_concrete, tree_broadcast, tree_bytes, tree_gather, tree_scatter,
-                                       tree_sub, tree_zeros_like)
+                                       tree_zeros_like)
 
 EVAL_MODELS = ('server', 'active_mean', 'all_clients_mean')
 

@@ -28,15 +28,13 @@ from typing import Optional
 from flax import struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
                                        cohort_train_metrics)
 from fedjax_personal.batching import Batching
 from fedjax_personal.models import Model
-from fedjax_personal.training import (ClientWork, LossStats, evaluate_params, plain_objective,
-                                      sgd_client_work)
+from fedjax_personal.training import ClientWork, evaluate_params, plain_objective, sgd_client_work
 from fedjax_personal.tree_util import tree_broadcast, tree_bytes, tree_gather, tree_scatter
 
 

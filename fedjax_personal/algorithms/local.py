@@ -5,7 +5,6 @@ initialization; each round the cohort trains its own rows.
 """
 
 from flax import struct
-import jax
 import optax
 
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,

@@ -44,7 +44,6 @@ def oracle(model: Model, groups, client_optimizer: optax.GradientTransformation,
     raise ValueError('oracle needs a known group for every client; this partition has none '
                      '(use --partition=rotation, label_permutation, latent_clusters or sparse_classes)')
   num_groups = int(groups_np.max()) + 1
-  num_clients = len(groups_np)
   groups = jnp.asarray(groups_np, jnp.int32)
   server_optimizer = server_optimizer or optax.sgd(1.0)
 

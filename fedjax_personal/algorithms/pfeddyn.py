@@ -22,7 +22,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fedjax_personal.algorithms.feddyn import feddyn
 from fedjax_personal.batching import Batching
