@@ -263,6 +263,8 @@ def main_job() -> Dict[str, dict]:
     callbacks = [reporting.MetricsWriter(out_dir, history)]
     if FLAGS.checkpoint_every or FLAGS.resume:
       callbacks.append(checkpointing.Checkpointer(ckpt_dir, FLAGS.checkpoint_every, history))
+    if alg_name == 'fedfomo':
+      callbacks.append(reporting.AffinityRecorder(os.path.join(out_dir, 'affinity.png')))
     if FLAGS.progress:
       callbacks.append(reporting.Progress(FLAGS.rounds - start, alg_name))
     _, history = experiment.run(runner, FLAGS.rounds, seed=FLAGS.seed,

@@ -120,3 +120,35 @@ def format_table(rows: Dict[str, dict], keys=('accuracy_mean', 'accuracy_worst',
     lines.append(f'{name:<14}' + ''.join(
         f'{100 * s[k]:>9.2f}%' if k in s else f'{"-":>10}' for k in keys))
   return '\n'.join(lines)
+
+
+class AffinityRecorder(Callback):
+  """Keeps a matrix-valued part of the state (FedFomo's affinity P) at every
+  evaluated round and writes heat maps of it over rounds to a PNG."""
+
+  def __init__(self, path: str, get=lambda state: state.affinity, max_panels: int = 6):
+    self.path, self.get, self.max_panels = path, get, max_panels
+    self.matrices = {}
+
+  def on_round_end(self, round_num, record, state):
+    if 'accuracy_mean' in record:
+      self.matrices[round_num] = np.asarray(self.get(state))
+
+  def on_end(self, history, state):
+    if not self.matrices:
+      return
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    rounds = sorted(self.matrices)
+    pick = [rounds[int(i)] for i in np.linspace(0, len(rounds) - 1, min(self.max_panels, len(rounds)))]
+    fig, axes = plt.subplots(1, len(pick), figsize=(3.2 * len(pick), 3), squeeze=False)
+    vmax = max(np.abs(self.matrices[r]).max() for r in pick) or 1.0
+    for ax, r in zip(axes[0], pick):
+      im = ax.imshow(self.matrices[r], cmap='RdBu_r', vmin=-vmax, vmax=vmax)
+      ax.set_title(f'round {r}')
+      ax.set_xlabel('candidate client')
+    axes[0][0].set_ylabel('client')
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label='affinity')
+    fig.savefig(self.path, dpi=100)
+    plt.close(fig)

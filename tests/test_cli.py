@@ -116,3 +116,17 @@ def test_sweep_flags(tmp_path, capsys):
   parse('--sweep=batch_size:1,2', '--progress=false')
   with pytest.raises(cli.UsageError, match='--sweep'):
     cli.main_job()
+
+
+def test_fedfomo_writes_affinity_heat_maps(tmp_path):
+  parse('--algorithm=fedfomo', '--dataset=digits', '--model=logreg', '--num_clients=5',
+        '--rounds=3', '--eval_every=1', '--val_fraction=0.2', '--fomo_candidates=2',
+        '--progress=false', '--max_examples=300', f'--output_dir={tmp_path}')
+  cli.main_job()
+  assert (tmp_path / 'fedfomo' / 'affinity.png').stat().st_size > 1000
+
+
+def test_fedfomo_needs_a_validation_split():
+  parse('--algorithm=fedfomo', '--dataset=digits', '--model=logreg', '--progress=false')
+  with pytest.raises(ValueError, match='val_fraction'):
+    cli.main_job()
