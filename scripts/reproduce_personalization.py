@@ -41,6 +41,9 @@ flags.DEFINE_integer('mnist_clients', 50, 'Table A clients.')
 flags.DEFINE_integer('mnist_rounds', 60, 'Table A rounds.')
 flags.DEFINE_integer('shakespeare_clients', 10, 'Table B clients (speaking roles).')
 flags.DEFINE_integer('shakespeare_rounds', 15, 'Table B rounds.')
+flags.DEFINE_integer('shakespeare_local_steps', 5, 'Table B local steps per round.')
+flags.DEFINE_list('methods', [], 'Subset of tables B/C rows as method/part, e.g. '
+                  'fedavg/-,fedalt/output,local/all (default: all rows).')
 flags.DEFINE_integer('cifar_clients', 20, 'Table C clients.')
 flags.DEFINE_integer('cifar_rounds', 30, 'Table C rounds.')
 flags.DEFINE_list('tables', ['A', 'B', 'C'], 'Which tables to run.')
@@ -75,7 +78,11 @@ def print_table(title, rows):
 
 def partial_table(data, make_model, hp, rounds, cohort, eval_every):
   rows = {}
-  for name, part in PARTIAL:
+  wanted = PARTIAL
+  if FLAGS.methods:
+    keys = {tuple(m.split('/')) for m in FLAGS.methods}
+    wanted = [(n, p) for n, p in PARTIAL if (n, (p or '-').split(' ')[0]) in keys]
+  for name, part in wanted:
     adapter = part == 'adapter'
     model = make_model(8 if adapter else 0)
     h = algorithms.HParams(**{**hp.__dict__, 'personal_part': part or 'output'})
@@ -126,11 +133,13 @@ def table_b(results):
                                                         adapter_dim=a), sample)
   # No evaluation fine-tuning except fedavg_ft's own (5 steps): finetune_steps
   # would add it to every algorithm of the table.
-  hp = algorithms.HParams(client_lr=1.0, batch_size=16, local_epochs=None, local_steps=5)
+  hp = algorithms.HParams(client_lr=1.0, batch_size=16, local_epochs=None,
+                          local_steps=FLAGS.shakespeare_local_steps)
   rows = partial_table(shakes, make_lstm, hp, FLAGS.shakespeare_rounds,
                        FLAGS.shakespeare_clients, 5)
   print_table(f'Table B: Shakespeare, {FLAGS.shakespeare_clients} roles, '
-              f'{FLAGS.shakespeare_rounds} rounds, char LSTM (64): next-character accuracy', rows)
+              f'{FLAGS.shakespeare_rounds} rounds of {FLAGS.shakespeare_local_steps} steps, '
+              f'char LSTM (64): next-character accuracy', rows)
   results['shakespeare_partial'] = {f'{k[0]}/{k[1]}': v for k, v in rows.items()}
 
 
