@@ -236,8 +236,9 @@ def run_worker(spec):
   except subprocess.TimeoutExpired:
     return None
   line = [l for l in out.stdout.splitlines() if l.startswith('{')]
-  if not line:
-    raise RuntimeError(out.stderr[-800:])
+  if not line:  # e.g. killed for memory: report, do not stop the table
+    return {'failed': True, 'returncode': out.returncode,
+            'stderr': out.stderr.strip().splitlines()[-1:] if out.stderr else []}
   return json.loads(line[-1])
 
 
@@ -251,8 +252,11 @@ def scale_section(peak):
     for clients in FLAGS.scale_clients:
       r = run_worker(f'mlp:{clients}:auto:{alg}')
       base = run_worker(f'mlp:{clients}:baseline') if alg == 'fedavg' else None
-      if r is None:
-        print(f'{alg:<8}{clients:>8}  timeout')
+      base = None if base is None or base.get('failed') else base
+      if r is None or r.get('failed'):
+        why = 'timeout' if r is None else f"failed (exit {r['returncode']}; out of memory?)"
+        print(f'{alg:<8}{clients:>8}  {why}')
+        rows.append({'algorithm': alg, 'clients': int(clients), 'failed': why})
         continue
       loop = base['round_s'] if base else None  # the loop baseline is FedAvg's
       r['loop_round_s'] = loop
