@@ -16,7 +16,7 @@ Shakespeare split by speaking role (next-character prediction, char LSTM) and
 on CIFAR-10 (Dirichlet label skew, LeNet-5).
 
 Every table prints the mean and 10th-percentile client accuracy. Scaled to a
-2-core CPU (about 30 minutes: A 1 min, B 17 min, C 10 min): see the flags for
+2-core CPU (about 20 minutes: A 1 min, B 8 min, C 10 min): see the flags for
 sizes; the papers use hundreds of clients and rounds.
 
   python scripts/reproduce_personalization.py
