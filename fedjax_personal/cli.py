@@ -158,13 +158,10 @@ def validate_flags():
   if FLAGS.sweep:
     from fedjax_personal import sweep
     try:
-      for k, vs in sweep.parse_sweep(FLAGS.sweep).items():
-        if k in ('client_lr',) and min(vs) <= 0:
-          raise UsageError(f'--sweep: {k} values must be > 0')
-    except UsageError:
-      raise
+      swept = sweep.parse_sweep(FLAGS.sweep)
     except ValueError as e:
       raise UsageError(str(e)) from None
+    _check(min(swept.get('client_lr', [1.0])) > 0, 'sweep', 'client_lr values must be > 0')
   _check(FLAGS.checkpoint_every >= 0, 'checkpoint_every',
          f'must be >= 0, got {FLAGS.checkpoint_every}')
   _check(FLAGS.eval_every >= 0, 'eval_every', f'must be >= 0, got {FLAGS.eval_every}')

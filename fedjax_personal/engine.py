@@ -195,6 +195,12 @@ def summarize(stats: LossStats) -> dict:
   }
 
 
+def evaluation_record(stats: LossStats) -> dict:
+  """What an evaluated round adds to its record: the summary and the
+  per-client accuracies."""
+  return {**summarize(stats), 'per_client_accuracy': per_client_accuracy(stats).tolist()}
+
+
 def per_client_accuracy(stats: LossStats) -> np.ndarray:
   """Accuracy of each client on its test split (NaN without test data)."""
   count = np.asarray(stats.count, np.float64)

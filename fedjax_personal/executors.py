@@ -144,9 +144,10 @@ class SequentialExecutor(Executor):
     outs = list(self._pool.map(fn, todo)) if self._pool else [fn(i) for i in todo]
     return todo, outs
 
-  def _stack(self, c, todo, outs, zeros_like):
+  def _stack(self, c, todo, outs):
+    """Stacks the active clients' outputs, zeros in skipped slots."""
     if len(todo) < c:
-      zero = jax.tree.map(jnp.zeros_like, zeros_like)
+      zero = jax.tree.map(jnp.zeros_like, outs[0])
       full = [zero] * c
       for i, o in zip(todo, outs):
         full[i] = o
@@ -169,7 +170,7 @@ class SequentialExecutor(Executor):
       with training.unroll_steps(True):  # a step loop inside fn (fine-tuning) runs unrolled
         return one(shared, per_client, np.int32(i))
     todo, outs = self._run(call, c, active)
-    return self._stack(c, todo, outs, outs[0] if outs else None)
+    return self._stack(c, todo, outs)
 
   def _work_fns(self, work, make_ctx):
     key = ('work', work, make_ctx)
@@ -202,7 +203,7 @@ class SequentialExecutor(Executor):
       return final(shared, per_client, i32, carry)
 
     todo, outs = self._run(client, c, active)
-    return self._stack(c, todo, outs, outs[0] if outs else None)
+    return self._stack(c, todo, outs)
 
 
 @dataclasses.dataclass

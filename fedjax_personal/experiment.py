@@ -12,7 +12,7 @@ from typing import Any, List, Optional, Sequence
 
 import jax
 
-from fedjax_personal.engine import RoundRunner, per_client_accuracy, summarize
+from fedjax_personal.engine import RoundRunner, evaluation_record
 
 
 class DivergenceError(RuntimeError):
@@ -91,8 +91,7 @@ def run(runner: RoundRunner, num_rounds: int, seed: int = 0, eval_every: int = 5
     record.update(communication_metrics(runner, state, metrics.get('num_active', 0)))
     if (eval_every and (t + 1) % eval_every == 0) or t + 1 == num_rounds:
       stats = runner.evaluate(state, jax.random.fold_in(eval_key, t))
-      record.update(summarize(stats))
-      record['per_client_accuracy'] = per_client_accuracy(stats).tolist()
+      record.update(evaluation_record(stats))
     history.append(record)
     for cb in callbacks:
       cb.on_round_end(t + 1, record, state)

@@ -18,7 +18,7 @@ import numpy as np
 
 from fedjax_personal.algorithm import FederatedAlgorithm
 from fedjax_personal.data import FederatedData
-from fedjax_personal.engine import eval_function, per_client_accuracy, round_functions, summarize
+from fedjax_personal.engine import eval_function, evaluation_record, round_functions
 from fedjax_personal.executors import Executor
 from fedjax_personal.sampling import CohortSampler
 from fedjax_personal.training import LossStats
@@ -111,8 +111,7 @@ class SweepRunner:
           record['diverged'] = True
         if evaluated:
           st = LossStats(*(np.asarray(a[s]) for a in stats))
-          record.update(summarize(st))
-          record['per_client_accuracy'] = per_client_accuracy(st).tolist()
+          record.update(evaluation_record(st))
         histories[s].append(record)
     self.state = state
     return histories

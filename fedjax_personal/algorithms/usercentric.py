@@ -231,7 +231,6 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
     # Serve every client its stream model from now on.
     new = new.replace(personal=tree_gather(aggregation.mix(new.stream_matrix, state.personal),
                                            new.assignment))
-    between_rounds.last_w = w
     return new, info
 
   def communication(state):
