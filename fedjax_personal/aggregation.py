@@ -1,7 +1,75 @@
-"""Aggregation as tensor contractions over stacked per-client models."""
+"""Aggregation as tensor contractions over stacked per-client models.
 
+Two forms of the same weighted mean: ``weighted_mean`` contracts stacked
+per-client values [C, ...] with weights; a client output wrapped in ``Sum``
+is instead reduced by the executor as the cohort's clients finish (inside the
+block loop of the ``blocked`` and ``sharded`` executors), so that a round
+never holds all C uploads at once. ``weighted_upload`` / ``upload_mean`` are
+the client and server halves of a weighted mean in that form.
+"""
+
+from typing import Any
+
+from flax import struct
 import jax
 import jax.numpy as jnp
+
+PyTree = Any
+
+
+@struct.dataclass
+class Sum:
+  """A client output that the engine sums over the cohort's active clients.
+
+  The executor returns ``Sum(sum_i value_i)`` over active (unpadded) cohort
+  slots, without a client axis, accumulating block by block; an algorithm's
+  ``server_update`` receives that sum. Anything an algorithm only ever sums
+  or averages over clients should be uploaded this way.
+  """
+  value: PyTree
+
+
+def is_sum(x) -> bool:
+  return isinstance(x, Sum)
+
+
+def weighted_upload(value: PyTree, weight) -> Sum:
+  """One client's share of a weighted mean: ``Sum((weight * value, weight))``.
+
+  ``weight`` is a scalar, or has leading axes of ``value`` (e.g. [G] weights
+  of a [G, ...] value: one mean per group)."""
+  weight = jnp.asarray(weight, jnp.float32)
+  return Sum((jax.tree.map(lambda a: (a * _lead(weight, a)).astype(a.dtype), value), weight))
+
+
+def _lead(w, a):
+  """``w`` reshaped to broadcast over the leading axes of ``a``."""
+  return w.reshape(w.shape + (1,) * (a.ndim - w.ndim))
+
+
+def upload_mean(total: Sum):
+  """``(sum_i w_i value_i / sum_i w_i, sum_i w_i)`` of a summed ``weighted_upload``
+  (zeros when no weight is positive)."""
+  weighted, weight = total.value
+  safe = jnp.where(weight > 0, weight, 1.0)
+  mean = jax.tree.map(
+      lambda a: jnp.where(_lead(weight > 0, a), a / _lead(safe, a), 0.0).astype(a.dtype), weighted)
+  return mean, weight
+
+
+def sum_clients(out: PyTree, mask) -> PyTree:
+  """Reduces the ``Sum`` nodes of stacked outputs ([C, ...] values) over the
+  slots where ``mask`` [C] holds; other leaves are returned unchanged.
+
+  Padded slots are excluded with ``where`` (not a product), so a padded
+  slot's non-finite value cannot leak into the sum.
+  """
+  def reduce(node):
+    if not is_sum(node):
+      return node
+    return Sum(jax.tree.map(lambda a: jnp.sum(jnp.where(_lead(mask, a), a, 0), axis=0),
+                            node.value))
+  return jax.tree.map(reduce, out, is_leaf=is_sum)
 
 
 def normalize(weights):

@@ -126,12 +126,16 @@ class RoundRunner:
     alg, ex = self.algorithm, self.executor
     pre, make_ctx, post, fused_round = round_functions(alg, self.sampler, ex, self.trace_counts)
     if ex.fused:
-      jitted = jax.jit(fused_round)
-      self._round = lambda state, key: jitted(state, key, self.data.train, self.data.val)
+      # The donating form lets XLA update the state in place (scatters into
+      # per-client state included), so a round holds one copy of the state.
+      jitted = {False: jax.jit(fused_round), True: jax.jit(fused_round, donate_argnums=0)}
+      self._round = lambda state, key, donate: jitted[donate](state, key, self.data.train,
+                                                             self.data.val)
     else:
       pre_j, post_j = jax.jit(pre), jax.jit(post)
 
-      def round_py(state, key):
+      def round_py(state, key, donate):
+        del donate  # client work runs outside one compiled function
         cohort, shared, per_client = pre_j(state, key)
         idx, mask = jax.device_get((cohort.idx, cohort.mask))
         steps = self._host_steps[np.minimum(idx, len(self._host_steps) - 1)]
@@ -153,9 +157,14 @@ class RoundRunner:
     """The algorithm's initial state."""
     return jax.jit(self.algorithm.init)(key)
 
-  def round(self, state, key):
-    """One round: returns (new state, metrics dict of device scalars)."""
-    return self._round(state, key)
+  def round(self, state, key, donate: bool = False):
+    """One round: returns (new state, metrics dict of device scalars).
+
+    With ``donate`` the round consumes ``state`` (its buffers are reused for
+    the new state and must not be read afterwards): the round then needs no
+    second copy of the per-client state. ``experiment.run`` donates.
+    """
+    return self._round(state, key, donate)
 
   def evaluate(self, state, key, finetune: Optional[bool] = None) -> LossStats:
     """Per-client LossStats ([N] arrays) of the model each client uses, on its

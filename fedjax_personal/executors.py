@@ -23,10 +23,13 @@ import os
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_personal import aggregation
 from fedjax_personal import training
+from fedjax_personal import tree_util
 
 EXECUTOR_NAMES = ('auto', 'vmap', 'blocked', 'sequential', 'sharded')
 
@@ -35,8 +38,48 @@ EXECUTOR_NAMES = ('auto', 'vmap', 'blocked', 'sequential', 'sharded')
 MakeContext = Callable[[Any, Any], tuple]
 
 
-def _leading_dim(tree) -> int:
-  return jax.tree.leaves(tree)[0].shape[0]
+def _active_mask(active, c):
+  return jnp.ones(c, bool) if active is None else jnp.asarray(active, bool)
+
+
+def _client_fn(fn, shared, per_client):
+  """``pos -> fn(shared, client inputs at cohort position pos)``."""
+  return lambda pos: fn(shared, tree_util.client_slice(per_client, pos))
+
+
+def _map_stacked(f, out):
+  """Applies ``f`` to the stacked (non-``Sum``) leaves of executor outputs."""
+  return jax.tree.map(lambda n: n if aggregation.is_sum(n) else jax.tree.map(f, n), out,
+                      is_leaf=aggregation.is_sum)
+
+
+def _scan_blocks(block_fn, positions, valid):
+  """Runs ``block_fn`` over blocks of cohort positions ([nb, bs]) in a
+  ``lax.scan``: ``Sum`` outputs are reduced over each block's valid slots and
+  accumulated in the loop carry (nothing of them is stacked); other outputs
+  are stacked [nb, bs, ...].
+  """
+  def body(pos, ok):
+    return aggregation.sum_clients(block_fn(pos), ok)
+
+  # Traced once (the jaxpr gives the carry's shapes and is the loop body).
+  closed, shape = jax.make_jaxpr(body, return_shape=True)(positions[0], valid[0])
+  body_fn = jax.extend.core.jaxpr_as_fun(closed)
+  out_tree = jax.tree.structure(shape)
+  nodes, treedef = jax.tree.flatten(shape, is_leaf=aggregation.is_sum)
+  flags = [aggregation.is_sum(n) for n in nodes]
+  init = [jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), n.value)
+          for n, f in zip(nodes, flags) if f]
+
+  def step(acc, xs):
+    out = jax.tree.unflatten(out_tree, body_fn(*xs))
+    out = jax.tree.flatten(out, is_leaf=aggregation.is_sum)[0]
+    sums = [n.value for n, f in zip(out, flags) if f]
+    return jax.tree.map(jnp.add, acc, sums), [n for n, f in zip(out, flags) if not f]
+
+  acc, stacked = jax.lax.scan(step, init, (positions, valid))
+  acc, stacked = iter(acc), iter(stacked)
+  return treedef.unflatten([aggregation.Sum(next(acc)) if f else next(stacked) for f in flags])
 
 
 class Executor(abc.ABC):
@@ -52,8 +95,11 @@ class Executor(abc.ABC):
           active: Optional[Sequence[bool]] = None):
     """``fn(shared, client_i)`` stacked over the leading axis of ``per_client``.
 
-    ``active`` (bool [C]) lets an executor skip padded cohort slots, whose
-    outputs are then zeros; callers mask them.
+    ``per_client`` leaves are stacked [C, ...] arrays or ``tree_util.Rows``
+    (gathered where the client runs). ``active`` (bool [C]) marks the real
+    cohort slots: ``aggregation.Sum`` outputs are summed over them (without a
+    client axis); other outputs are stacked [C, ...], zeros or junk in
+    inactive slots, which callers mask.
     """
 
   def run_work(self, work: training.ClientWork, make_ctx: MakeContext, shared, per_client,
@@ -79,17 +125,21 @@ class VmapExecutor(Executor):
   fused: bool = True
 
   def map(self, fn, shared, per_client, active=None):
+    c = tree_util.cohort_size(per_client)
     with training.unroll_steps(False):
-      return jax.vmap(fn, in_axes=(None, 0))(shared, per_client)
+      out = jax.vmap(_client_fn(fn, shared, per_client))(jnp.arange(c))
+    return aggregation.sum_clients(out, _active_mask(active, c))
 
 
 @dataclasses.dataclass
 class BlockedExecutor(Executor):
   """Blocks of ``block_size`` clients vectorized, blocks looped by ``lax.map``.
 
-  Peak memory is that of one block whatever the cohort. The cohort is padded
-  to a multiple of the block size by repeating clients; padded outputs are
-  dropped.
+  Each block gathers its clients' inputs (``Rows`` of per-client state
+  included) inside the loop, and ``Sum`` outputs are accumulated across
+  blocks, so the round's extra memory is one block's work plus the stacked
+  outputs that are not sums. The cohort is padded to a multiple of the block
+  size by repeating clients; padded outputs are dropped (and not summed).
   """
   block_size: int = 10
   name: str = 'blocked'
@@ -103,18 +153,15 @@ class BlockedExecutor(Executor):
     return f'blocked(block_size={self.block_size})'
 
   def map(self, fn, shared, per_client, active=None):
-    c = _leading_dim(per_client)
+    c = tree_util.cohort_size(per_client)
     bs = min(self.block_size, c)
     nb = -(-c // bs)
-    fill = np.arange(nb * bs) % c  # pad by repeating clients
-
-    def to_blocks(a):
-      return (a if nb * bs == c else a[fill]).reshape((nb, bs) + a.shape[1:])
-
-    blocks = jax.tree.map(to_blocks, per_client)
+    slots = np.arange(nb * bs)
+    valid = (_active_mask(active, c)[slots % c] & (slots < c)).reshape(nb, bs)
+    client = _client_fn(fn, shared, per_client)
     with training.unroll_steps(False):
-      out = jax.lax.map(lambda b: jax.vmap(fn, in_axes=(None, 0))(shared, b), blocks)
-    return jax.tree.map(lambda o: o.reshape((nb * bs,) + o.shape[2:])[:c], out)
+      out = _scan_blocks(jax.vmap(client), jnp.asarray(slots % c).reshape(nb, bs), valid)
+    return _map_stacked(lambda o: o.reshape((nb * bs,) + o.shape[2:])[:c], out)
 
 
 @dataclasses.dataclass
@@ -145,26 +192,38 @@ class SequentialExecutor(Executor):
     return todo, outs
 
   def _stack(self, c, todo, outs):
-    """Stacks the active clients' outputs, zeros in skipped slots."""
-    if len(todo) < c:
-      zero = jax.tree.map(jnp.zeros_like, outs[0])
-      full = [zero] * c
-      for i, o in zip(todo, outs):
-        full[i] = o
-      outs = full
-    return self._stacker(outs)
+    """Stacks the active clients' outputs (zeros in skipped slots) and adds
+    up their ``Sum`` outputs one client at a time (never stacked)."""
+    nodes = [jax.tree.flatten(o, is_leaf=aggregation.is_sum)[0] for o in outs]
+    treedef = jax.tree.structure(outs[0], is_leaf=aggregation.is_sum)
+    flags = [aggregation.is_sum(n) for n in nodes[0]]
+    stacked = [[n for n, f in zip(ns, flags) if not f] for ns in nodes]
+    full = [jax.tree.map(jnp.zeros_like, stacked[0])] * c
+    for i, s in zip(todo, stacked):
+      full[i] = s
+    stacked = iter(self._stacker(full))
+    sums = [n.value for n, f in zip(nodes[0], flags) if f]
+    for ns in nodes[1:]:
+      sums = self._adder(sums, [n.value for n, f in zip(ns, flags) if f])
+    sums = iter(sums)
+    return treedef.unflatten([aggregation.Sum(next(sums)) if f else next(stacked) for f in flags])
 
   @staticmethod
   @jax.jit
   def _stacker(outs):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
 
+  @staticmethod
+  @jax.jit
+  def _adder(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
   def map(self, fn, shared, per_client, active=None):
     if ('map', fn) not in self._compiled:
       self._compiled[('map', fn)] = jax.jit(
-          lambda sh, pc, i: fn(sh, jax.tree.map(lambda a: a[i], pc)))
+          lambda sh, pc, i: fn(sh, tree_util.client_slice(pc, i)))
     one = self._compiled[('map', fn)]
-    c = _leading_dim(per_client)
+    c = tree_util.cohort_size(per_client)
 
     def call(i):
       with training.unroll_steps(True):  # a step loop inside fn (fine-tuning) runs unrolled
@@ -176,7 +235,7 @@ class SequentialExecutor(Executor):
     key = ('work', work, make_ctx)
     if key not in self._compiled:
       def ctx_of(sh, pc, i):
-        return make_ctx(sh, jax.tree.map(lambda a: a[i], pc))
+        return make_ctx(sh, tree_util.client_slice(pc, i))
 
       def init(sh, pc, i):
         ctx, k = ctx_of(sh, pc, i)
@@ -192,7 +251,7 @@ class SequentialExecutor(Executor):
 
   def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None):
     init, step, final = self._work_fns(work, make_ctx)
-    c = _leading_dim(per_client)
+    c = tree_util.cohort_size(per_client)
 
     def client(i):
       i32 = np.int32(i)
@@ -214,8 +273,8 @@ class ShardedExecutor(Executor):
   each device, inside the one compiled round.
 
   The cohort is padded to a multiple of the device count by repeating
-  clients (padded outputs dropped); per-client inputs and outputs are
-  constrained to ``NamedSharding(mesh, P('clients'))`` and XLA's SPMD
+  clients (padded outputs dropped, not summed); per-client inputs (``Rows``
+  gathered) and stacked outputs are constrained to ``NamedSharding(mesh, P('clients'))`` and XLA's SPMD
   partitioner splits the work. With ``block_size``, each device processes its
   shard in blocks (bounded memory). Multi-host: call
   ``jax.distributed.initialize()`` first; ``jax.devices()`` then spans all
@@ -236,32 +295,32 @@ class ShardedExecutor(Executor):
         f', block_size={self.block_size})' if self.block_size else ')')
 
   def map(self, fn, shared, per_client, active=None):
-    c = _leading_dim(per_client)
+    c = tree_util.cohort_size(per_client)
     d = self.mesh.devices.size
     padded = -(-c // d) * d
-    fill = np.arange(padded) % c
+    slots = np.arange(padded)
+    valid = _active_mask(active, c)[slots % c] & (slots < c)
     constrain = lambda a: jax.lax.with_sharding_constraint(a, self.spec)
-    pc = jax.tree.map(lambda a: constrain(a if padded == c else a[fill]), per_client)
-    if self.block_size:
-      per_device = padded // d
-      bs = min(self.block_size, per_device)
-      nb = -(-per_device // bs)
-      # [d * per_device] -> [d, nb, bs] blocks, each device looping over its own.
-      def blocked(a):
-        a = a.reshape((d, per_device) + a.shape[1:])
-        if nb * bs != per_device:
-          a = a[:, np.arange(nb * bs) % per_device]
-        return a.reshape((d, nb, bs) + a.shape[2:])
-      blocks = jax.tree.map(blocked, pc)
-      with training.unroll_steps(False):
-        out = jax.vmap(lambda dev: jax.lax.map(
-            lambda b: jax.vmap(fn, in_axes=(None, 0))(shared, b), dev))(blocks)
-      out = jax.tree.map(lambda o: o.reshape((d, nb * bs) + o.shape[3:])[:, :per_device]
-                         .reshape((padded,) + o.shape[3:]), out)
-    else:
-      with training.unroll_steps(False):
-        out = jax.vmap(fn, in_axes=(None, 0))(shared, pc)
-    return jax.tree.map(lambda o: constrain(o)[:c], out)
+    # The cohort's inputs, gathered and spread over the devices.
+    pc = jax.tree.map(constrain, tree_util.client_slice(per_client, slots % c))
+    client = _client_fn(fn, shared, pc)
+    with training.unroll_steps(False):
+      if self.block_size:
+        per_device = padded // d
+        bs = min(self.block_size, per_device)
+        nb = -(-per_device // bs)
+        # Each device loops over blocks of its own slots: [d, nb, bs].
+        local = np.arange(nb * bs) % per_device
+        pos = (np.arange(d)[:, None] * per_device + local[None]).reshape(d, nb, bs)
+        ok = valid[pos] & (np.arange(nb * bs) < per_device).reshape(1, nb, bs)
+        out = jax.vmap(lambda p, v: _scan_blocks(jax.vmap(client), p, v))(jnp.asarray(pos), ok)
+        out = jax.tree.map(lambda n: aggregation.Sum(jax.tree.map(lambda a: a.sum(0), n.value))
+                           if aggregation.is_sum(n) else n, out, is_leaf=aggregation.is_sum)
+        out = _map_stacked(lambda o: o.reshape((d, nb * bs) + o.shape[3:])[:, :per_device]
+                           .reshape((padded,) + o.shape[3:]), out)
+      else:
+        out = aggregation.sum_clients(jax.vmap(client)(jnp.arange(padded)), valid)
+    return _map_stacked(lambda o: constrain(o)[:c], out)
 
 
 def _has_conv(jaxpr) -> bool:

@@ -60,7 +60,8 @@ def run(runner: RoundRunner, num_rounds: int, seed: int = 0, eval_every: int = 5
     seed: experiment seed (model init and all randomness).
     eval_every: evaluation period in rounds (0: only at the end).
     callbacks: Callback instances.
-    state, start_round, history: to continue a run (resume).
+    state, start_round, history: to continue a run (resume); a given state is
+      consumed (rounds update it in place).
 
   Returns:
     (final state, history: one dict per round; evaluated rounds carry the
@@ -81,7 +82,7 @@ def run(runner: RoundRunner, num_rounds: int, seed: int = 0, eval_every: int = 5
     info = {}
     if runner.algorithm.between_rounds is not None:
       state, info = runner.algorithm.between_rounds(state, t, runner)
-    state, metrics = runner.round(state, jax.random.fold_in(train_key, t))
+    state, metrics = runner.round(state, jax.random.fold_in(train_key, t), donate=True)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     record = {'round': t + 1, **metrics, **info, 'round_seconds': time.perf_counter() - start}
     loss = metrics.get('train_loss', 0.0)

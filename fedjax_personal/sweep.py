@@ -90,7 +90,7 @@ class SweepRunner:
                                           alg.finetune is not None)
 
     self._init = jax.jit(jax.vmap(one_init))
-    self._round = jax.jit(jax.vmap(one_round, in_axes=(0, 0, 0, None, None)))
+    self._round = jax.jit(jax.vmap(one_round, in_axes=(0, 0, 0, None, None)), donate_argnums=1)
     self._eval = jax.jit(jax.vmap(one_eval, in_axes=(0, 0, 0, None)))
 
   def run(self, num_rounds: int, eval_every: int = 5) -> List[List[dict]]:

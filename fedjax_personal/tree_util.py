@@ -2,6 +2,7 @@
 
 from typing import Any
 
+from flax import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,13 +51,74 @@ def tree_gather(x: PyTree, idx) -> PyTree:
   return jax.tree.map(lambda a: a.at[idx].get(mode='clip'), x)
 
 
+@struct.dataclass
+class Rows:
+  """The rows ``idx`` of the stacked per-client pytree ``source``, gathered
+  where the client runs.
+
+  An algorithm's ``server_broadcast`` returns ``rows(state.personal,
+  cohort.idx)`` for the cohort's per-client state; the executor gathers
+  each block's (or each client's) rows inside its loop, so the round never
+  holds a gathered copy of the whole cohort's state. ``idx`` may have
+  trailing axes (e.g. [C, K] candidates per client).
+  """
+  source: PyTree
+  idx: jax.Array
+
+  def gather(self) -> PyTree:
+    return tree_gather(self.source, self.idx)
+
+
+def rows(x: PyTree, idx) -> Rows:
+  """Lazy ``tree_gather(x, idx)`` for a broadcast (see ``Rows``)."""
+  return Rows(x, jnp.asarray(idx))
+
+
+def is_rows(x) -> bool:
+  return isinstance(x, Rows)
+
+
+def client_slice(tree: PyTree, pos) -> PyTree:
+  """Position(s) ``pos`` of the cohort's per-client inputs: ``a[pos]`` for
+  plain stacked leaves, ``source[idx[pos]]`` for ``Rows``."""
+  return jax.tree.map(
+      lambda n: tree_gather(n.source, n.idx[pos]) if is_rows(n) else n[pos], tree,
+      is_leaf=is_rows)
+
+
+def cohort_size(tree: PyTree) -> int:
+  """The leading (client) dimension of per-client inputs that may hold ``Rows``."""
+  node = jax.tree.leaves(tree, is_leaf=is_rows)[0]
+  return (node.idx if is_rows(node) else node).shape[0]
+
+
+#: Rows written per step of ``tree_scatter``'s loop over a large cohort.
+SCATTER_CHUNK = 64
+
+
 def tree_scatter(x: PyTree, idx, values: PyTree) -> PyTree:
   """x.at[idx].set(values) on the leading axis; out-of-range idx are dropped.
 
   The engine pads cohorts with the index N (one past the last client), so
-  padded slots never overwrite a real client's state.
+  padded slots never overwrite a real client's state. A large cohort is
+  written ``SCATTER_CHUNK`` rows at a time in a loop, so that XLA updates
+  ``x`` in place without first copying all of ``values`` into the scatter's
+  layout (the round then holds no second copy of the cohort's outputs).
   """
-  return jax.tree.map(lambda a, v: a.at[idx].set(v, mode='drop'), x, values)
+  def scatter(x, i, v):
+    return jax.tree.map(lambda a, u: a.at[i].set(u, mode='drop'), x, v)
+
+  c = idx.shape[0]
+  full = c // SCATTER_CHUNK
+  if full < 2:
+    return scatter(x, idx, values)
+
+  def chunk(k, x):
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, k * SCATTER_CHUNK, SCATTER_CHUNK)
+    return scatter(x, take(idx), jax.tree.map(take, values))
+  x = jax.lax.fori_loop(0, full, chunk, x)
+  rest = slice(full * SCATTER_CHUNK, c)
+  return scatter(x, idx[rest], jax.tree.map(lambda a: a[rest], values)) if rest.start < c else x
 
 
 def tree_stack(trees) -> PyTree:

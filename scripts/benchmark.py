@@ -152,7 +152,7 @@ def worker(spec):
       alg = fedavg(model, num_clients, opt, batching)
     runner = fp.RoundRunner(alg, data, fp.CohortSampler(num_clients, cohort_size=num_clients), ex)
     state = runner.init(jax.random.key(0))
-    run = lambda s, k: runner.round(s, k)[0]
+    run = lambda s, k: runner.round(s, k, donate=True)[0]
     executor = f'{executor}->{ex.describe()}' if executor == 'auto' else ex.describe()
   times = []
   for r in range(FLAGS.rounds + 1):

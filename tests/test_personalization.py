@@ -132,9 +132,13 @@ def test_partial_shared_is_weighted_average_and_nothing_personal_is_uploaded(dig
     ctx = ClientContext(before.shared, jax.tree.map(lambda a: a[i], before.personal),
                         LocalData(digits.train.client(i), digits.val.client(i)))
     out = run_work(alg.client_work, ctx, jax.random.fold_in(k_clients, int(i)))
-    assert set(out.shared_delta) & set(out.personal) == set()  # uploaded part has no personal leaf
-    assert not any(split.is_personal(p) for p in out.shared_delta)
-    shared_parts.append(jax.tree.map(lambda s, d: s - d, before.shared, out.shared_delta))
+    # The upload is the client's share of the n_i-weighted mean: (n_i * delta, n_i).
+    weighted, n_i = out.shared_delta.value
+    assert float(n_i) == float(digits.train.num_examples[i])
+    delta = jax.tree.map(lambda a: a / n_i, weighted)
+    assert set(delta) & set(out.personal) == set()  # uploaded part has no personal leaf
+    assert not any(split.is_personal(p) for p in delta)
+    shared_parts.append(jax.tree.map(lambda s, d: s - d, before.shared, delta))
     weights.append(float(digits.train.num_examples[i]))
   w = np.array(weights) / sum(weights)
   expected = jax.tree.map(lambda *xs: sum(wi * x for wi, x in zip(w, xs)), *shared_parts)

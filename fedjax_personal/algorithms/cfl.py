@@ -32,7 +32,7 @@ from fedjax_personal.algorithms.fedavg import client_weights
 from fedjax_personal.batching import Batching
 from fedjax_personal.models import Model
 from fedjax_personal.training import plain_objective, sgd_client_work
-from fedjax_personal.tree_util import tree_broadcast, tree_bytes, tree_gather, tree_scatter, tree_sub
+from fedjax_personal.tree_util import tree_broadcast, tree_bytes, rows, tree_scatter, tree_sub
 
 
 @struct.dataclass
@@ -104,7 +104,7 @@ def cfl(model: Model, num_clients: int, num_examples, client_optimizer, batching
                     tree_broadcast(zeros, num_clients), jnp.ones((), jnp.int32))
 
   def server_broadcast(state, cohort):
-    return None, tree_gather(state.personal, cohort.idx)
+    return None, rows(state.personal, cohort.idx)
 
   work = sgd_client_work(
       lambda ctx: plain, client_optimizer, batching, start_fn=lambda ctx: ctx.state,

@@ -7,6 +7,7 @@ pseudo-gradient for an optax optimizer (Reddi et al., ICLR 2021). With
 with momentum it is FedAvgM.
 """
 
+import dataclasses
 from typing import Callable, Optional
 
 from flax import struct
@@ -38,7 +39,9 @@ class ServerState:
 @struct.dataclass
 class ClientOutput:
   """Attributes:
-    delta: theta_server - theta_i after local training (the upload).
+    delta: theta_server - theta_i after local training (the upload); after
+      ``summed_upload``, its weighted share of the mean (an
+      ``aggregation.Sum`` the engine reduces over the cohort).
     num_examples: n_i, the client's training examples.
     stats: local training LossStats.
   """
@@ -47,23 +50,51 @@ class ClientOutput:
   stats: LossStats
 
 
-def client_weights(cohort, num_examples, weighting: str):
-  """Aggregation weights: n_i (or 1) on active clients, 0 on padded slots."""
+def client_weight(num_examples, weighting: str):
+  """One client's aggregation weight: n_i, or 1 for 'uniform'."""
   if weighting not in WEIGHTINGS:
     raise ValueError(f'weighting must be one of {WEIGHTINGS}, got {weighting!r}')
-  w = num_examples.astype(jnp.float32) if weighting == 'num_examples' else jnp.ones_like(num_examples, jnp.float32)
-  return w * cohort.mask
+  n = jnp.asarray(num_examples)
+  return n.astype(jnp.float32) if weighting == 'num_examples' else jnp.ones_like(n, jnp.float32)
 
 
-def server_step(params, opt_state, deltas, weights, server_optimizer):
-  """Applies the server optimizer to the weighted mean delta.
+def client_weights(cohort, num_examples, weighting: str):
+  """Aggregation weights of a cohort: n_i (or 1) on active clients, 0 on padded slots."""
+  return client_weight(num_examples, weighting) * cohort.mask
+
+
+def summed_upload(work: ClientWork, weighting: str, field: str = 'delta',
+                  group_fn: Optional[Callable] = None) -> ClientWork:
+  """Makes ``work``'s upload a weighted-mean share the engine sums over the
+  cohort as clients finish (``aggregation.weighted_upload``), so a round never
+  stacks C uploads.
+
+  ``work.final`` must return a dataclass with ``field`` (the delta) and
+  ``num_examples``. With ``group_fn(ctx) -> (group, num_groups)`` the share is
+  placed in its group's row of a [G, ...] sum (one FedAvg per group).
+  """
+  def final(ctx, carry):
+    out = work.final(ctx, carry)
+    value, w = getattr(out, field), client_weight(out.num_examples, weighting)
+    if group_fn is not None:
+      g, num_groups = group_fn(ctx)
+      one_hot = jnp.arange(num_groups) == g
+      value = jax.tree.map(lambda a: jnp.where(one_hot.reshape((-1,) + (1,) * a.ndim), a, 0), value)
+      w = one_hot * w
+    return out.replace(**{field: aggregation.weighted_upload(value, w)})
+  return dataclasses.replace(work, final=final)
+
+
+def server_step(params, opt_state, upload: aggregation.Sum, server_optimizer):
+  """Applies the server optimizer to the weighted mean delta, the cohort's
+  summed ``summed_upload`` shares.
 
   Leaves params and optimizer state unchanged when no weight is positive.
   """
-  pseudo_grad = aggregation.weighted_mean(deltas, weights)
+  pseudo_grad, weight = aggregation.upload_mean(upload)
   updates, new_opt_state = server_optimizer.update(pseudo_grad, opt_state, params)
   new_params = optax.apply_updates(params, updates)
-  any_client = jnp.sum(weights) > 0
+  any_client = weight > 0
   return (tree_where(any_client, new_params, params),
           tree_where(any_client, new_opt_state, opt_state))
 
@@ -120,9 +151,7 @@ def fedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
     return state.params, cohort.mask
 
   def server_update(state, cohort, out: ClientOutput):
-    w = client_weights(cohort, out.num_examples, weighting)
-    params, opt_state = server_step(state.params, state.opt_state, out.delta, w,
-                                    server_optimizer)
+    params, opt_state = server_step(state.params, state.opt_state, out.delta, server_optimizer)
     return (ServerState(params=params, opt_state=opt_state),
             cohort_train_metrics(out.stats, cohort.mask))
 
@@ -132,7 +161,8 @@ def fedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
 
   return FederatedAlgorithm(
       name=name, model=model, init=init, server_broadcast=server_broadcast,
-      client_work=make_client_work(model, client_optimizer, batching, objective_fn),
+      client_work=summed_upload(make_client_work(model, client_optimizer, batching, objective_fn),
+                                weighting),
       server_update=server_update,
       client_models=lambda s: ClientModels.global_model(s.params, num_clients),
       communication=communication, finetune=finetune)

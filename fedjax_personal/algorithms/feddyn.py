@@ -35,7 +35,7 @@ from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlg
 from fedjax_personal.batching import Batching
 from fedjax_personal.models import Model
 from fedjax_personal.training import ClientWork, LossStats, plain_objective, sgd_client_work
-from fedjax_personal.tree_util import (is_concrete, tree_broadcast, tree_bytes, tree_gather, tree_scatter,
+from fedjax_personal.tree_util import (is_concrete, rows, tree_broadcast, tree_bytes, tree_scatter,
                                        tree_zeros_like)
 
 EVAL_MODELS = ('server', 'active_mean', 'all_clients_mean')
@@ -144,7 +144,7 @@ def feddyn(model: Model, num_clients: int, num_examples, learning_rate: float,
 
   def server_broadcast(state, cohort):
     lr = learning_rate * jnp.power(lr_decay, state.round.astype(jnp.float32))
-    per_client = (tree_gather(state.grad_state, cohort.idx), alphas.at[cohort.idx].get(mode='clip'))
+    per_client = (rows(state.grad_state, cohort.idx), alphas.at[cohort.idx].get(mode='clip'))
     return (state.params, lr), per_client
 
   def optimizer(ctx):

@@ -35,7 +35,7 @@ from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlg
 from fedjax_personal.batching import Batching
 from fedjax_personal.models import Model
 from fedjax_personal.training import ClientWork, evaluate_params, plain_objective, sgd_client_work
-from fedjax_personal.tree_util import tree_broadcast, tree_bytes, tree_gather, tree_scatter
+from fedjax_personal.tree_util import tree_broadcast, tree_bytes, rows, tree_scatter
 
 
 @struct.dataclass
@@ -105,11 +105,10 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
 
   def server_broadcast(state, cohort):
     eps = jnp.maximum(eps0 - eps_decay * state.round.astype(jnp.float32), 0.0)
-    rows = state.affinity.at[cohort.idx].get(mode='clip')
-    cand = choose_candidates(jax.random.fold_in(state.key, state.round), rows, cohort.idx,
+    affinity = state.affinity.at[cohort.idx].get(mode='clip')
+    cand = choose_candidates(jax.random.fold_in(state.key, state.round), affinity, cohort.idx,
                              num_candidates, eps, num_clients)
-    cand_models = jax.vmap(lambda c: tree_gather(state.models, c))(cand)
-    return None, (tree_gather(state.models, cohort.idx), cand, cand_models)
+    return None, (rows(state.models, cohort.idx), cand, rows(state.models, cand))
 
   def start(ctx):
     base, _, cand_models = ctx.state

@@ -1,8 +1,9 @@
 """Shared shape of the regularized personal baselines (pFedMe, Ditto, APFL):
 a global model trained FedAvg-style plus a personal model per client.
 
-The global model is aggregated by ``fedavg.server_step`` on the mean delta;
-the personal models are a stacked [N, ...] pytree gathered for the cohort and
+The global model is aggregated by ``fedavg.server_step`` on the mean delta
+(summed by the engine as clients finish); the personal models are a stacked
+[N, ...] pytree whose cohort rows are gathered where each client runs and
 scattered back. Only the global model's delta is uploaded.
 """
 
@@ -14,10 +15,10 @@ import optax
 
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
                                        cohort_train_metrics)
-from fedjax_personal.algorithms.fedavg import client_weights, server_step
+from fedjax_personal.algorithms.fedavg import server_step, summed_upload
 from fedjax_personal.models import Model
 from fedjax_personal.training import ClientWork, LossStats
-from fedjax_personal.tree_util import tree_broadcast, tree_bytes, tree_gather, tree_scatter
+from fedjax_personal.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter
 
 
 @struct.dataclass
@@ -65,8 +66,7 @@ def global_personal_algorithm(name: str, model: Model, num_clients: int, work: C
                                tree_broadcast(params, num_clients))
 
   def server_update(state, cohort, out: GlobalPersonalOutput):
-    w = client_weights(cohort, out.num_examples, weighting)
-    params, opt_state = server_step(state.params, state.opt_state, out.delta, w, server_optimizer)
+    params, opt_state = server_step(state.params, state.opt_state, out.delta, server_optimizer)
     personal = tree_scatter(state.personal, cohort.idx, out.personal)
     return (GlobalPersonalState(params, opt_state, personal),
             cohort_train_metrics(out.stats, cohort.mask))
@@ -77,7 +77,7 @@ def global_personal_algorithm(name: str, model: Model, num_clients: int, work: C
 
   return FederatedAlgorithm(
       name=name, model=model, init=init,
-      server_broadcast=lambda s, c: (s.params, tree_gather(s.personal, c.idx)),
-      client_work=work, server_update=server_update,
+      server_broadcast=lambda s, c: (s.params, rows(s.personal, c.idx)),
+      client_work=summed_upload(work, weighting), server_update=server_update,
       client_models=eval_models or (lambda s: ClientModels.personal(s.personal, num_clients)),
       communication=communication, finetune=finetune)

@@ -12,7 +12,7 @@ from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlg
 from fedjax_personal.batching import Batching
 from fedjax_personal.models import Model
 from fedjax_personal.training import plain_objective, sgd_client_work
-from fedjax_personal.tree_util import tree_broadcast, tree_gather, tree_scatter
+from fedjax_personal.tree_util import tree_broadcast, rows, tree_scatter
 
 
 @struct.dataclass
@@ -32,7 +32,7 @@ def local(model: Model, num_clients: int, client_optimizer: optax.GradientTransf
     return LocalState(tree_broadcast(model.init(key), num_clients))
 
   def server_broadcast(state, cohort):
-    return None, tree_gather(state.personal_params, cohort.idx)
+    return None, rows(state.personal_params, cohort.idx)
 
   work = sgd_client_work(lambda ctx: objective, client_optimizer, batching,
                          final=lambda ctx, carry: (carry.params, carry.stats),

@@ -3,8 +3,9 @@
 The upper reference of the user-centric paper's tables (Mestoukirdi et al.):
 the true groups (rotation, label permutation, latent cluster) are given, and
 each group trains its own FedAvg model. The G group models are one stacked
-pytree; aggregation is a [G, C] group-averaging matrix applied to the cohort's
-deltas, and the server optimizer is vmapped over groups.
+pytree; each client uploads its weighted delta into its group's row of a
+[G, ...] sum (``fedavg.summed_upload`` with groups), and the server optimizer
+is vmapped over groups.
 """
 
 from flax import struct
@@ -15,10 +16,10 @@ import optax
 
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
                                        cohort_train_metrics)
-from fedjax_personal.algorithms.fedavg import client_weights, make_client_work, server_step
+from fedjax_personal.algorithms.fedavg import make_client_work, server_step, summed_upload
 from fedjax_personal.batching import Batching
 from fedjax_personal.models import Model
-from fedjax_personal.tree_util import tree_broadcast, tree_bytes, tree_gather
+from fedjax_personal.tree_util import rows, tree_broadcast, tree_bytes
 
 
 @struct.dataclass
@@ -53,15 +54,11 @@ def oracle(model: Model, groups, client_optimizer: optax.GradientTransformation,
 
   def server_broadcast(state, cohort):
     g = groups.at[cohort.idx].get(mode='clip')
-    return None, tree_gather(state.group_params, g)
+    return None, (rows(state.group_params, g), g)
 
   def server_update(state, cohort, out):
-    w = client_weights(cohort, out.num_examples, weighting)
-    g = groups.at[cohort.idx].get(mode='clip')
-    # [G, C] rows: the cohort's clients of each group, unnormalized weights.
-    group_w = (g[None, :] == jnp.arange(num_groups)[:, None]) * w[None, :]
-    params, opt_state = jax.vmap(server_step, in_axes=(0, 0, None, 0, None))(
-        state.group_params, state.opt_state, out.delta, group_w, server_optimizer)
+    params, opt_state = jax.vmap(server_step, in_axes=(0, 0, 0, None))(
+        state.group_params, state.opt_state, out.delta, server_optimizer)
     return OracleState(params, opt_state), cohort_train_metrics(out.stats, cohort.mask)
 
   def communication(state):
@@ -70,8 +67,9 @@ def oracle(model: Model, groups, client_optimizer: optax.GradientTransformation,
 
   return FederatedAlgorithm(
       name='oracle', model=model, init=init, server_broadcast=server_broadcast,
-      client_work=make_client_work(model, client_optimizer, batching,
-                                   start_fn=lambda ctx: ctx.state),
+      client_work=summed_upload(
+          make_client_work(model, client_optimizer, batching, start_fn=lambda ctx: ctx.state[0]),
+          weighting, group_fn=lambda ctx: (ctx.state[1], num_groups)),
       server_update=server_update,
       client_models=lambda s: ClientModels(s.group_params, groups),
       communication=communication, finetune=finetune)

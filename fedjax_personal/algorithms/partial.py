@@ -27,13 +27,13 @@ import optax
 
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
                                        cohort_train_metrics)
-from fedjax_personal.algorithms.fedavg import client_weights, server_step
+from fedjax_personal.algorithms.fedavg import server_step, summed_upload
 from fedjax_personal.batching import Batching, traced_num_steps
 from fedjax_personal.models import Model
 from fedjax_personal.personalization import ParamSplit
 from fedjax_personal.training import (ClientWork, LossStats, local_sgd, plain_objective,
                                       zero_stats)
-from fedjax_personal.tree_util import tree_broadcast, tree_bytes, tree_gather, tree_scatter, tree_sub
+from fedjax_personal.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter, tree_sub
 
 MODES = ('alt', 'sim')
 
@@ -131,7 +131,7 @@ def partial_personalization(model: Model, num_clients: int, split: ParamSplit, m
     return PartialState(shared, server_optimizer.init(shared), tree_broadcast(personal, num_clients))
 
   def server_broadcast(state, cohort):
-    return state.shared, tree_gather(state.personal, cohort.idx)
+    return state.shared, rows(state.personal, cohort.idx)
 
   def work_init(ctx, key):
     del key
@@ -160,11 +160,11 @@ def partial_personalization(model: Model, num_clients: int, split: ParamSplit, m
     return PartialOutput(shared_delta=tree_sub(ctx.shared, carry.shared), personal=carry.personal,
                          num_examples=ctx.data.train.num_examples, stats=carry.stats)
 
-  work = ClientWork(init=work_init, step=work_step, final=work_final, batching=total)
+  work = summed_upload(ClientWork(init=work_init, step=work_step, final=work_final,
+                                  batching=total), weighting, field='shared_delta')
 
   def server_update(state, cohort, out: PartialOutput):
-    w = client_weights(cohort, out.num_examples, weighting)
-    shared, opt_state = server_step(state.shared, state.opt_state, out.shared_delta, w,
+    shared, opt_state = server_step(state.shared, state.opt_state, out.shared_delta,
                                     server_optimizer)
     return (PartialState(shared, opt_state, tree_scatter(state.personal, cohort.idx, out.personal)),
             cohort_train_metrics(out.stats, cohort.mask))

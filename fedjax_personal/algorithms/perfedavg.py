@@ -23,8 +23,8 @@ import optax
 
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
                                        cohort_train_metrics)
-from fedjax_personal.algorithms.fedavg import (ClientOutput, ServerState, client_weights,
-                                               server_step)
+from fedjax_personal.algorithms.fedavg import (ClientOutput, ServerState, server_step,
+                                               summed_upload)
 from fedjax_personal.batching import Batching
 from fedjax_personal.models import Model
 from fedjax_personal.training import (Batch, ClientWork, batch_loss, sgd_finetune, zero_stats)
@@ -93,16 +93,15 @@ def perfedavg(model: Model, num_clients: int, batching: Batching, alpha: float, 
     new, s = perfedavg_update(model, params, batch, alpha, beta, variant, delta)
     return new, jax.tree.map(jnp.add, stats, s)
 
-  work = ClientWork(
+  work = summed_upload(ClientWork(
       init=lambda ctx, key: (ctx.shared, zero_stats()), step=step,
       final=lambda ctx, carry: ClientOutput(delta=tree_sub(ctx.shared, carry[0]),
                                             num_examples=ctx.data.train.num_examples,
                                             stats=carry[1]),
-      batching=batching, batches_per_step=3)
+      batching=batching, batches_per_step=3), weighting)
 
   def server_update(state, cohort, out):
-    w = client_weights(cohort, out.num_examples, weighting)
-    params, opt_state = server_step(state.params, state.opt_state, out.delta, w, server_optimizer)
+    params, opt_state = server_step(state.params, state.opt_state, out.delta, server_optimizer)
     return ServerState(params, opt_state), cohort_train_metrics(out.stats, cohort.mask)
 
   eval_batching = Batching(batching.batch_size, num_epochs=None, num_steps=eval_steps)

@@ -21,13 +21,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_personal.aggregation import Sum
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
                                        cohort_train_metrics)
-from fedjax_personal.algorithms.fedavg import client_weights, server_step
+from fedjax_personal.algorithms.fedavg import server_step, summed_upload
 from fedjax_personal.batching import Batching
 from fedjax_personal.models import Model
 from fedjax_personal.training import LossStats, plain_objective, sgd_client_work
-from fedjax_personal.tree_util import (tree_broadcast, tree_bytes, tree_gather, tree_scatter,
+from fedjax_personal.tree_util import (rows, tree_broadcast, tree_bytes, tree_scatter,
                                        tree_sub, tree_zeros_like)
 
 
@@ -48,9 +49,9 @@ class ScaffoldState:
 @struct.dataclass
 class ScaffoldOutput:
   """Attributes:
-    delta: theta_server - theta_i.
+    delta: theta_server - theta_i (a weighted ``Sum`` share after ``summed_upload``).
     control: c_i+ (kept by the client; its change is uploaded).
-    control_delta: c_i+ - c_i.
+    control_delta: ``Sum(c_i+ - c_i)``, summed over the cohort by the engine.
     num_examples: n_i.
     stats: local training LossStats.
   """
@@ -87,7 +88,7 @@ def scaffold(model: Model, num_clients: int, learning_rate: float, batching: Bat
                          tree_broadcast(tree_zeros_like(params), num_clients))
 
   def server_broadcast(state, cohort):
-    return (state.params, state.control), tree_gather(state.client_controls, cohort.idx)
+    return (state.params, state.control), rows(state.client_controls, cohort.idx)
 
   def corrected(grads, params, ctx):
     _, control = ctx.shared
@@ -98,19 +99,18 @@ def scaffold(model: Model, num_clients: int, learning_rate: float, batching: Bat
     new_control = option_ii_control(ctx.state, control, server_params, carry.params,
                                     carry.num_steps, learning_rate)
     return ScaffoldOutput(delta=tree_sub(server_params, carry.params), control=new_control,
-                          control_delta=tree_sub(new_control, ctx.state),
+                          control_delta=Sum(tree_sub(new_control, ctx.state)),
                           num_examples=ctx.data.train.num_examples, stats=carry.stats)
 
   plain = plain_objective(model)
-  work = sgd_client_work(lambda ctx: plain, optimizer, batching, final,
-                         start_fn=lambda ctx: ctx.shared[0], grad_transform=corrected)
+  work = summed_upload(sgd_client_work(lambda ctx: plain, optimizer, batching, final,
+                                       start_fn=lambda ctx: ctx.shared[0],
+                                       grad_transform=corrected), weighting)
 
   def server_update(state, cohort, out: ScaffoldOutput):
-    w = client_weights(cohort, out.num_examples, weighting)
-    params, opt_state = server_step(state.params, state.opt_state, out.delta, w, server_optimizer)
-    m = cohort.mask.astype(jnp.float32)
-    control = jax.tree.map(lambda c, d: c + jnp.tensordot(m, d, axes=1) / num_clients,
-                           state.control, out.control_delta)
+    params, opt_state = server_step(state.params, state.opt_state, out.delta, server_optimizer)
+    control = jax.tree.map(lambda c, d: c + d / num_clients, state.control,
+                           out.control_delta.value)
     client_controls = tree_scatter(state.client_controls, cohort.idx, out.control)
     return (ScaffoldState(params, opt_state, control, client_controls),
             cohort_train_metrics(out.stats, cohort.mask))

@@ -40,7 +40,7 @@ from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlg
 from fedjax_personal.batching import Batching
 from fedjax_personal.models import Model
 from fedjax_personal.training import Batch, batch_loss, plain_objective, sgd_client_work
-from fedjax_personal.tree_util import tree_broadcast, tree_bytes, tree_gather, tree_scatter
+from fedjax_personal.tree_util import tree_broadcast, tree_bytes, rows, tree_gather, tree_scatter
 
 
 @struct.dataclass
@@ -174,7 +174,7 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
                             jnp.zeros(num_clients, jnp.int32), jnp.ones((), jnp.int32))
 
   def server_broadcast(state, cohort):
-    return None, tree_gather(state.personal, cohort.idx)
+    return None, rows(state.personal, cohort.idx)
 
   work = sgd_client_work(lambda ctx: plain, client_optimizer, batching,
                          final=lambda ctx, c: (c.params, c.stats), start_fn=lambda ctx: ctx.state)
