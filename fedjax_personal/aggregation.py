@@ -61,15 +61,20 @@ def sum_clients(out: PyTree, mask) -> PyTree:
   """Reduces the ``Sum`` nodes of stacked outputs ([C, ...] values) over the
   slots where ``mask`` [C] holds; other leaves are returned unchanged.
 
-  Padded slots are excluded with ``where`` (not a product), so a padded
-  slot's non-finite value cannot leak into the sum.
+  Padded slots are zeroed with ``where`` (not only a product), so a padded
+  slot's non-finite value cannot leak into the sum. Float leaves are summed
+  as a contraction with the mask (a dot): XLA:CPU reduces over the leading
+  axis several times slower than it multiplies (measured: a FedAvg round of
+  100 MLP clients 0.46 s with ``jnp.sum`` against 0.15 s).
   """
-  def reduce(node):
-    if not is_sum(node):
-      return node
-    return Sum(jax.tree.map(lambda a: jnp.sum(jnp.where(_lead(mask, a), a, 0), axis=0),
-                            node.value))
-  return jax.tree.map(reduce, out, is_leaf=is_sum)
+  def masked_sum(a):
+    clean = jnp.where(_lead(mask, a), a, 0)
+    if jnp.issubdtype(a.dtype, jnp.floating):
+      return jnp.tensordot(mask.astype(a.dtype), clean, axes=1)
+    return jnp.sum(clean, axis=0)
+
+  return jax.tree.map(lambda n: Sum(jax.tree.map(masked_sum, n.value)) if is_sum(n) else n,
+                      out, is_leaf=is_sum)
 
 
 def normalize(weights):
