@@ -5,7 +5,7 @@ the same per-client functions (evaluation) run
   * ``vmap``: vectorized over the whole cohort, steps scanned, inside one
     compiled round (the point of this project on GPU/TPU);
   * ``blocked``: vectorized over blocks of clients, blocks looped by
-    ``lax.map`` inside the compiled round (bounded memory at any population);
+    ``lax.scan`` inside the compiled round (bounded memory at any population);
   * ``sequential``: one client at a time from Python, each real local step one
     jitted dispatch (padded steps are skipped, not computed), clients spread
     over a few host threads. XLA:CPU runs vmapped convolutions and
@@ -133,7 +133,7 @@ class VmapExecutor(Executor):
 
 @dataclasses.dataclass
 class BlockedExecutor(Executor):
-  """Blocks of ``block_size`` clients vectorized, blocks looped by ``lax.map``.
+  """Blocks of ``block_size`` clients vectorized, blocks looped by ``lax.scan``.
 
   Each block gathers its clients' inputs (``Rows`` of per-client state
   included) inside the loop, and ``Sum`` outputs are accumulated across
