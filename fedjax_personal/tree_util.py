@@ -65,9 +65,6 @@ class Rows:
   source: PyTree
   idx: jax.Array
 
-  def gather(self) -> PyTree:
-    return tree_gather(self.source, self.idx)
-
 
 def rows(x: PyTree, idx) -> Rows:
   """Lazy ``tree_gather(x, idx)`` for a broadcast (see ``Rows``)."""

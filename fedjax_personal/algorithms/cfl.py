@@ -32,7 +32,7 @@ from fedjax_personal.algorithms.fedavg import client_weights
 from fedjax_personal.batching import Batching
 from fedjax_personal.models import Model
 from fedjax_personal.training import plain_objective, sgd_client_work
-from fedjax_personal.tree_util import tree_broadcast, tree_bytes, rows, tree_scatter, tree_sub
+from fedjax_personal.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter, tree_sub
 
 
 @struct.dataclass

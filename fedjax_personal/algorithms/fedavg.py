@@ -50,10 +50,14 @@ class ClientOutput:
   stats: LossStats
 
 
-def client_weight(num_examples, weighting: str):
-  """One client's aggregation weight: n_i, or 1 for 'uniform'."""
+def check_weighting(weighting: str):
   if weighting not in WEIGHTINGS:
     raise ValueError(f'weighting must be one of {WEIGHTINGS}, got {weighting!r}')
+
+
+def client_weight(num_examples, weighting: str):
+  """One client's aggregation weight: n_i, or 1 for 'uniform'."""
+  check_weighting(weighting)
   n = jnp.asarray(num_examples)
   return n.astype(jnp.float32) if weighting == 'num_examples' else jnp.ones_like(n, jnp.float32)
 
@@ -73,6 +77,8 @@ def summed_upload(work: ClientWork, weighting: str, field: str = 'delta',
   ``num_examples``. With ``group_fn(ctx) -> (group, num_groups)`` the share is
   placed in its group's row of a [G, ...] sum (one FedAvg per group).
   """
+  check_weighting(weighting)  # when the algorithm is built, not traced
+
   def final(ctx, carry):
     out = work.final(ctx, carry)
     value, w = getattr(out, field), client_weight(out.num_examples, weighting)
@@ -140,8 +146,6 @@ def fedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
     name: registry name.
   """
   server_optimizer = server_optimizer or optax.sgd(1.0)
-  if weighting not in WEIGHTINGS:
-    raise ValueError(f'weighting must be one of {WEIGHTINGS}, got {weighting!r}')
 
   def init(key):
     params = model.init(key)

@@ -35,7 +35,7 @@ from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlg
 from fedjax_personal.batching import Batching
 from fedjax_personal.models import Model
 from fedjax_personal.training import ClientWork, evaluate_params, plain_objective, sgd_client_work
-from fedjax_personal.tree_util import tree_broadcast, tree_bytes, rows, tree_scatter
+from fedjax_personal.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter
 
 
 @struct.dataclass
