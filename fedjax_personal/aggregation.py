@@ -117,8 +117,3 @@ def group_matrix(groups, weights, num_groups: int):
 def group_means(stacked, groups, weights, num_groups: int):
   """Weighted mean of the clients of each group: [G, ...] (oracle clusters)."""
   return mix(group_matrix(groups, weights, num_groups), stacked)
-
-
-def stream_models(centroids, stacked):
-  """The k stream models of k centroid rows ([k, C]) of a mixing matrix."""
-  return mix(centroids, stacked)

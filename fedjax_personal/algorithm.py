@@ -4,10 +4,10 @@ Following fedjax's ``FederatedAlgorithm`` (``init`` / ``apply``), but split so
 that the engine owns execution: an algorithm is three pure functions around
 the client update, and the engine composes them into one round
 
-    cohort = sampler(key)                                  # engine
-    shared, per_client = server_broadcast(state, cohort)   # algorithm, server
-    outputs = executor.run_work(client_work, ...)          # engine: vmap/blocks/loop
-    state, metrics = server_update(state, cohort, outputs)  # algorithm, server
+    cohort = sampler(key)                                      # engine
+    shared, per_client = server_broadcast(state, cohort, rc)   # algorithm, server
+    outputs = executor.run_work(client_work, ...)              # engine: vmap/blocks/loop
+    state, metrics = server_update(state, cohort, outputs, rc)  # algorithm, server
 
 With a fused executor the whole round is one jit-compiled function. Per-client
 state lives in stacked arrays inside ``state`` (leading axis N); the
@@ -78,6 +78,19 @@ class Communication(NamedTuple):
   num_downlink_models: int
 
 
+@struct.dataclass
+class RoundContext:
+  """What the server side of a round may read besides the state.
+
+  Attributes:
+    round: int32 scalar, rounds done before this one.
+    key: this round's server-side PRNG key (derived from the round key, so
+      from the experiment's seed): every server-side draw uses it.
+  """
+  round: jax.Array
+  key: jax.Array
+
+
 FineTune = Callable[[PyTree, LocalData, jax.Array], PyTree]
 
 
@@ -89,12 +102,13 @@ class FederatedAlgorithm:
     name: registry name.
     model: the model whose parameters are trained.
     init: ``key -> state``; state holds server state and stacked per-client state.
-    server_broadcast: ``(state, cohort) -> (shared, per_client)``; ``shared`` is
+    server_broadcast: ``(state, cohort, rc) -> (shared, per_client)`` with
+      ``rc`` the RoundContext; ``shared`` is
       what every client of the round receives, ``per_client`` has leading axis C
       (the cohort's rows of per-client state).
     client_work: the client update as a ``training.ClientWork`` (init / step /
       final over the client's own batches); the engine runs it for the cohort.
-    server_update: ``(state, cohort, outputs) -> (state, metrics)``.
+    server_update: ``(state, cohort, outputs, rc) -> (state, metrics)``.
     client_models: ``state -> ClientModels`` used for evaluation.
     communication: ``state -> Communication`` (static sizes).
     finetune: optional ``(params, local_data, key) -> params`` applied before
@@ -102,17 +116,17 @@ class FederatedAlgorithm:
     evaluate_client: optional ``(params, local_data, test, key) -> LossStats``
       replacing the plain test of ``params`` (e.g. prototype classifiers built
       from the client's training data).
-    between_rounds: optional host-side ``(state, round, runner) -> (state,
-      info dict)`` called before each round, for phases that are not a
+    between_rounds: optional host-side ``(state, round, key, runner) ->
+      (state, info dict)`` (``key`` derives from the round key) called before each round, for phases that are not a
       training round (the user-centric collaboration round computing the
       mixing matrix, clustered FL's splits). ``info`` joins the round's record.
   """
   name: str
   model: Model
   init: Callable[[jax.Array], PyTree]
-  server_broadcast: Callable[[PyTree, Cohort], tuple]
+  server_broadcast: Callable[[PyTree, Cohort, RoundContext], tuple]
   client_work: ClientWork
-  server_update: Callable[[PyTree, Cohort, PyTree], tuple]
+  server_update: Callable[[PyTree, Cohort, PyTree, RoundContext], tuple]
   client_models: Callable[[PyTree], ClientModels]
   communication: Callable[[PyTree], Communication]
   finetune: Optional[FineTune] = None

@@ -38,9 +38,6 @@ class ClientData:
     """Client i's data (x [max_examples, ...], y, num_examples scalar)."""
     return jax.tree.map(lambda a: a[i], self)
 
-  def example_mask(self) -> jax.Array:
-    return jnp.arange(self.max_examples)[None, :] < self.num_examples[:, None]
-
 
 @struct.dataclass
 class FederatedData:

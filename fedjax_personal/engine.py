@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_personal.algorithm import FederatedAlgorithm
+from fedjax_personal.algorithm import FederatedAlgorithm, RoundContext
 from fedjax_personal.data import FederatedData, LocalData
 from fedjax_personal.executors import Executor
 from fedjax_personal.sampling import CohortSampler
@@ -30,37 +30,42 @@ def _row(tree, i):
 def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executor, counts=None):
   """The pieces of one round of ``alg``: (pre, make_ctx, post, fused_round).
 
-  ``fused_round(state, key, train, val) -> (state, metrics)`` is the whole
-  round as one traceable function (for fused executors); ``pre`` / ``post``
-  are the server steps around client work for the sequential executor.
+  ``fused_round(state, key, round_num, train, val) -> (state, metrics)`` is
+  the whole round as one traceable function (for fused executors); ``pre`` /
+  ``post`` are the server steps around client work for the sequential
+  executor. The round key splits into the cohort's key and the clients'
+  keys (client i's is ``fold_in(k_clients, i)``); the server's key is
+  ``fold_in(k_cohort, 1)``.
   """
   counts = collections.Counter() if counts is None else counts
 
-  def pre(state, key):
+  def pre(state, key, round_num):
     counts['pre'] += 1
     k_cohort, k_clients = jax.random.split(key)
     cohort = sampler(k_cohort)
-    shared, per_client = alg.server_broadcast(state, cohort)
+    rc = RoundContext(round=jnp.asarray(round_num, jnp.int32),
+                      key=jax.random.fold_in(k_cohort, 1))
+    shared, per_client = alg.server_broadcast(state, cohort, rc)
     keys = jax.vmap(lambda i: jax.random.fold_in(k_clients, i))(cohort.idx)
-    return cohort, shared, (cohort.idx, per_client, keys)
+    return cohort, rc, (shared, rc.round), (cohort.idx, per_client, keys)
 
   def make_ctx(shared_all, c):
     counts['client'] += 1
-    shared, train, val = shared_all
+    (shared, round_num), train, val = shared_all
     idx, client_state, key = c
     local = LocalData(train=_row(train, idx), val=_row(val, idx))
-    return ClientContext(shared=shared, state=client_state, data=local), key
+    return ClientContext(shared=shared, state=client_state, data=local, round=round_num), key
 
-  def post(state, cohort, outputs):
+  def post(state, cohort, outputs, rc):
     counts['post'] += 1
-    return alg.server_update(state, cohort, outputs)
+    return alg.server_update(state, cohort, outputs, rc)
 
-  def fused_round(state, key, train, val):
+  def fused_round(state, key, round_num, train, val):
     counts['round'] += 1
-    cohort, shared, per_client = pre(state, key)
+    cohort, rc, shared, per_client = pre(state, key, round_num)
     outputs = ex.run_work(alg.client_work, make_ctx, (shared, train, val), per_client,
                           active=cohort.mask)
-    return post(state, cohort, outputs)
+    return post(state, cohort, outputs, rc)
 
   return pre, make_ctx, post, fused_round
 
@@ -129,19 +134,19 @@ class RoundRunner:
       # The donating form lets XLA update the state in place (scatters into
       # per-client state included), so a round holds one copy of the state.
       jitted = {False: jax.jit(fused_round), True: jax.jit(fused_round, donate_argnums=0)}
-      self._round = lambda state, key, donate: jitted[donate](state, key, self.data.train,
-                                                             self.data.val)
+      self._round = lambda state, key, rnd, donate: jitted[donate](
+          state, key, jnp.asarray(rnd, jnp.int32), self.data.train, self.data.val)
     else:
       pre_j, post_j = jax.jit(pre), jax.jit(post)
 
-      def round_py(state, key, donate):
+      def round_py(state, key, rnd, donate):
         del donate  # client work runs outside one compiled function
-        cohort, shared, per_client = pre_j(state, key)
+        cohort, rc, shared, per_client = pre_j(state, key, jnp.asarray(rnd, jnp.int32))
         idx, mask = jax.device_get((cohort.idx, cohort.mask))
         steps = self._host_steps[np.minimum(idx, len(self._host_steps) - 1)]
         outputs = ex.run_work(alg.client_work, make_ctx, (shared, self.data.train, self.data.val),
                               per_client, active=mask, num_steps=steps)
-        return post_j(state, cohort, outputs)
+        return post_j(state, cohort, outputs, rc)
       self._round = round_py
 
     eval_all = eval_function(alg, ex, self.trace_counts)
@@ -157,14 +162,15 @@ class RoundRunner:
     """The algorithm's initial state."""
     return jax.jit(self.algorithm.init)(key)
 
-  def round(self, state, key, donate: bool = False):
-    """One round: returns (new state, metrics dict of device scalars).
+  def round(self, state, key, round_num=0, donate: bool = False):
+    """Round ``round_num`` (rounds done before it; per-round schedules read
+    it): returns (new state, metrics dict of device scalars).
 
     With ``donate`` the round consumes ``state`` (its buffers are reused for
     the new state and must not be read afterwards): the round then needs no
     second copy of the per-client state. ``experiment.run`` donates.
     """
-    return self._round(state, key, donate)
+    return self._round(state, key, round_num, donate)
 
   def evaluate(self, state, key, finetune: Optional[bool] = None) -> LossStats:
     """Per-client LossStats ([N] arrays) of the model each client uses, on its

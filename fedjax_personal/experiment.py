@@ -81,8 +81,9 @@ def run(runner: RoundRunner, num_rounds: int, seed: int = 0, eval_every: int = 5
     start = time.perf_counter()
     info = {}
     if runner.algorithm.between_rounds is not None:
-      state, info = runner.algorithm.between_rounds(state, t, runner)
-    state, metrics = runner.round(state, jax.random.fold_in(train_key, t), donate=True)
+      state, info = runner.algorithm.between_rounds(
+          state, t, jax.random.fold_in(jax.random.fold_in(train_key, t), 2), runner)
+    state, metrics = runner.round(state, jax.random.fold_in(train_key, t), t, donate=True)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     record = {'round': t + 1, **metrics, **info, 'round_seconds': time.perf_counter() - start}
     loss = metrics.get('train_loss', 0.0)

@@ -1,5 +1,4 @@
 """Models (Flax Linen) and the pure (init, apply) pair the engine uses.
-
 All image models take float or uint8 images [B, H, W, C] (uint8 is scaled to
 [0, 1] inside the model, so data can be stored compactly) and return logits.
 """
@@ -10,6 +9,8 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from fedjax_personal.config import ConfigError
 
 
 def _as_float(x):
@@ -221,15 +222,15 @@ def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0) ->
     ValueError: unknown name (the message lists the known ones).
   """
   if name not in MODELS:
-    raise ValueError(f'unknown model {name!r}; choose one of {sorted(MODELS)}')
+    raise ConfigError('model', f'unknown model {name!r}; choose one of {sorted(MODELS)}')
   if name == 'logreg' and adapter_dim:
-    raise ValueError('logreg has no hidden layer for adapters; pick another --model')
+    raise ConfigError('adapter_dim', 'logreg has no hidden layer for adapters; pick another --model')
   model = from_flax(name, MODELS[name](num_classes, adapter_dim), sample_x)
   x = jnp.asarray(sample_x)[:1]
   try:
     params = jax.eval_shape(model.init, jax.random.key(0))
     jax.eval_shape(model.apply, params, x)
   except Exception as e:  # shape errors surface deep inside Flax/JAX
-    raise ValueError(f'model {name!r} does not fit inputs of shape {tuple(x.shape[1:])} '
+    raise ConfigError('model', f'model {name!r} does not fit inputs of shape {tuple(x.shape[1:])} '
                      f'and dtype {x.dtype} ({type(e).__name__}: {e}); pick another --model') from None
   return model

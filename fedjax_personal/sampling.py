@@ -22,10 +22,6 @@ class Cohort:
   idx: jax.Array
   mask: jax.Array
 
-  @property
-  def num_active(self):
-    return jnp.sum(self.mask)
-
 
 def _binomial_capacity(n: int, p: float, tail: float = 1e-9) -> int:
   """Smallest c with P(Binomial(n, p) > c) < tail (exact pmf in log space)."""

@@ -23,23 +23,23 @@ from fedjax_personal.executors import Executor
 from fedjax_personal.sampling import CohortSampler
 from fedjax_personal.training import LossStats
 
-# HParams fields that may be swept (floats used arithmetically by the builders).
-SWEEPABLE = ('client_lr', 'server_lr', 'prox_mu', 'feddyn_alpha', 'ditto_lambda', 'apfl_alpha',
-             'perfedavg_alpha', 'personal_lr', 'pfedme_lambda', 'weight_decay', 'finetune_lr')
-
 Config = Tuple[int, Dict[str, float]]
 
 
-def parse_sweep(spec: str) -> Dict[str, List[float]]:
-  """'client_lr:0.01,0.03;prox_mu:0,0.1' -> {'client_lr': [...], 'prox_mu': [...]}."""
+def parse_sweep(spec: str, sweepable: Sequence[str]) -> Dict[str, List[float]]:
+  """'client_lr:0.01,0.03;fedprox_mu:0,0.1' -> {'client_lr': [...], 'fedprox_mu': [...]}.
+
+  ``sweepable``: the names that may be swept (settings declared with
+  ``hparam(..., sweep=True)``, used only arithmetically by the builders).
+  """
   out = {}
   for part in filter(None, spec.split(';')):
     if ':' not in part:
       raise ValueError(f"--sweep: expected name:v1,v2,... got {part!r}")
     name, values = part.split(':', 1)
     name = name.strip()
-    if name not in SWEEPABLE:
-      raise ValueError(f'--sweep: {name!r} cannot be swept; choose from {list(SWEEPABLE)}')
+    if name not in sweepable:
+      raise ValueError(f'--sweep: {name!r} cannot be swept; choose from {sorted(sweepable)}')
     try:
       out[name] = [float(v) for v in values.split(',') if v]
     except ValueError:
@@ -81,8 +81,8 @@ class SweepRunner:
     def one_init(hv, key):
       return build(hv).init(key)
 
-    def one_round(hv, state, key, train, val):
-      return round_functions(build(hv), sampler, executor)[3](state, key, train, val)
+    def one_round(hv, state, key, round_num, train, val):
+      return round_functions(build(hv), sampler, executor)[3](state, key, round_num, train, val)
 
     def one_eval(hv, state, key, data):
       alg = build(hv)
@@ -90,7 +90,7 @@ class SweepRunner:
                                           alg.finetune is not None)
 
     self._init = jax.jit(jax.vmap(one_init))
-    self._round = jax.jit(jax.vmap(one_round, in_axes=(0, 0, 0, None, None)), donate_argnums=1)
+    self._round = jax.jit(jax.vmap(one_round, in_axes=(0, 0, 0, None, None, None)), donate_argnums=1)
     self._eval = jax.jit(jax.vmap(one_eval, in_axes=(0, 0, 0, None)))
 
   def run(self, num_rounds: int, eval_every: int = 5) -> List[List[dict]]:
@@ -99,7 +99,8 @@ class SweepRunner:
     histories = [[] for _ in self.configs]
     for t in range(num_rounds):
       keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(self.train_keys)
-      state, metrics = self._round(self.values, state, keys, self.data.train, self.data.val)
+      state, metrics = self._round(self.values, state, keys, jnp.asarray(t, jnp.int32),
+                                   self.data.train, self.data.val)
       metrics = jax.device_get(metrics)
       evaluated = (eval_every and (t + 1) % eval_every == 0) or t + 1 == num_rounds
       if evaluated:

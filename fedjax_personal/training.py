@@ -117,10 +117,32 @@ class ClientContext:
     shared: what the server broadcast to every client of the round.
     state: this client's row of the algorithm's per-client state.
     data: this client's LocalData (train and validation splits).
+    round: int32 scalar, rounds done before this one (per-round learning
+      rate decay reads it through the optimizer's ``round_num`` argument).
+    opt_state: this client's kept optimizer state with
+      ``--client_opt_state=persistent`` (``client_state.py``), else None:
+      the work initializes a fresh one (``client_opt_init``).
   """
   shared: Any
   state: Any
   data: LocalData
+  round: Any = 0
+  opt_state: Any = None
+
+
+def opt_update(optimizer: optax.GradientTransformation, grads, opt_state, params,
+               ctx: ClientContext):
+  """``optimizer.update`` with the round number as the extra argument
+  ``round_num`` (read by ``config.scale_by_round_decay``; ignored by plain
+  optax transformations)."""
+  return optax.with_extra_args_support(optimizer).update(grads, opt_state, params,
+                                                         round_num=ctx.round)
+
+
+def client_opt_init(ctx: ClientContext, init_fn: Callable, params):
+  """The client's optimizer state at the start of its work: the kept one
+  (persistent state) or ``init_fn(params)``."""
+  return init_fn(params) if ctx.opt_state is None else ctx.opt_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,12 +164,18 @@ class ClientWork:
     final: ``(ctx, carry) -> output``.
     batching: how batches are drawn (each client's number of steps follows).
     batches_per_step: k independent batches per step (Per-FedAvg uses 3).
+    init_opt_state: ``params -> optimizer state`` of one client (all of its
+      optimizers), for ``--client_opt_state=persistent``; None when the
+      work keeps no optimizer state.
+    opt_state: ``carry -> optimizer state`` after the work (kept per client).
   """
   init: Callable
   step: Callable
   final: Callable
   batching: batching_lib.Batching
   batches_per_step: int = 1
+  init_opt_state: Optional[Callable] = None
+  opt_state: Optional[Callable] = None
 
 
 def work_batch_indices(work: ClientWork, key, num_examples, max_examples):
@@ -200,14 +228,17 @@ class SGDCarry:
 
   Attributes:
     params: current parameters.
-    opt_state: client optimizer state (re-initialized every round).
+    opt_state: client optimizer state.
     stats: LossStats summed over real steps.
     num_steps: real local steps taken (padded steps do not count).
+    grad_sum: sum of the raw objective gradients over real steps (when
+      asked for, SCAFFOLD's control variate), else None.
   """
   params: Any
   opt_state: Any
   stats: LossStats
   num_steps: jax.Array
+  grad_sum: Any = None
 
 
 def dp_gradient(objective, params, batch: Batch, key, clip_norm: float, noise_multiplier: float):
@@ -237,46 +268,49 @@ def sgd_client_work(objective_fn: Callable, optimizer: optax.GradientTransformat
                     batching: batching_lib.Batching, final: Callable,
                     start_fn: Optional[Callable] = None,
                     grad_transform: Optional[Callable] = None,
-                    dp: Optional[tuple] = None) -> ClientWork:
-  """ClientWork for local SGD on a local objective (FedAvg, FedProx, Local...).
+                    dp: Optional[tuple] = None, sum_grads: bool = False) -> ClientWork:
+  """ClientWork for local training with an optax optimizer on a local
+  objective (FedAvg, FedProx, SCAFFOLD, FedDyn, Local, ...).
 
   Args:
     objective_fn: ``ctx -> objective``; objective is ``(params, batch) ->
-      (loss, LossStats)`` and may use the broadcast (FedProx, SCAFFOLD, FedDyn).
-    optimizer: client optax optimizer, re-initialized every round (the usual
-      FL convention: client optimizer state does not persist); or
-      ``ctx -> optimizer`` when it depends on the round (learning-rate decay).
+      (loss, LossStats)`` and may use the broadcast (FedProx).
+    optimizer: the client optimizer; its state starts fresh every round (the
+      usual FL convention) unless the engine keeps it per client
+      (``ctx.opt_state``). Its ``update`` receives ``round_num``.
     batching: local batching.
     final: ``(ctx, SGDCarry) -> output``.
     start_fn: ``ctx -> params`` to start from (default: ``ctx.shared``, the
       broadcast global model).
     grad_transform: optional ``(grads, params, ctx) -> grads`` before the
-      optimizer (e.g. clipping of the data term).
+      optimizer (SCAFFOLD's correction, FedDyn's dynamic regularizer).
     dp: optional (clip_norm, noise_multiplier): DP-SGD local training.
+    sum_grads: keep the sum of the raw objective gradients in the carry.
   """
   start_fn = start_fn or (lambda ctx: ctx.shared)
-  opt_fn = ((lambda ctx: optimizer) if isinstance(optimizer, optax.GradientTransformation)
-            else optimizer)
 
   def init(ctx, key):
     del key
     p = start_fn(ctx)
-    return SGDCarry(params=p, opt_state=opt_fn(ctx).init(p), stats=zero_stats(),
-                    num_steps=jnp.zeros((), jnp.int32))
+    return SGDCarry(params=p, opt_state=client_opt_init(ctx, optimizer.init, p),
+                    stats=zero_stats(), num_steps=jnp.zeros((), jnp.int32),
+                    grad_sum=jax.tree.map(jnp.zeros_like, p) if sum_grads else None)
 
   def step(ctx, carry, batch, key):
     if dp is not None:
       grads, stats = dp_gradient(objective_fn(ctx), carry.params, batch, key, *dp)
     else:
       (_, stats), grads = jax.value_and_grad(objective_fn(ctx), has_aux=True)(carry.params, batch)
+    grad_sum = jax.tree.map(jnp.add, carry.grad_sum, grads) if sum_grads else None
     if grad_transform is not None:
       grads = grad_transform(grads, carry.params, ctx)
-    updates, opt_state = opt_fn(ctx).update(grads, carry.opt_state, carry.params)
+    updates, opt_state = opt_update(optimizer, grads, carry.opt_state, carry.params, ctx)
     return SGDCarry(params=optax.apply_updates(carry.params, updates), opt_state=opt_state,
                     stats=jax.tree.map(jnp.add, carry.stats, stats),
-                    num_steps=carry.num_steps + 1)
+                    num_steps=carry.num_steps + 1, grad_sum=grad_sum)
 
-  return ClientWork(init=init, step=step, final=final, batching=batching)
+  return ClientWork(init=init, step=step, final=final, batching=batching,
+                    init_opt_state=optimizer.init, opt_state=lambda carry: carry.opt_state)
 
 
 def local_sgd(params: PyTree, objective, optimizer: optax.GradientTransformation,

@@ -1,4 +1,7 @@
-"""Small pytree helpers shared by the engine and the algorithms."""
+"""Pytree helpers of the engine and the algorithms that optax.tree_utils
+does not have (stacked per-client state: gather, scatter, lazy rows).
+Arithmetic on pytrees uses ``optax.tree_utils`` (tree_sub, tree_zeros_like,
+tree_norm, ...)."""
 
 from typing import Any
 
@@ -21,29 +24,16 @@ def tree_where(cond, x: PyTree, y: PyTree) -> PyTree:
   return jax.tree.map(lambda a, b: jnp.where(cond, a, b), x, y)
 
 
-def tree_add(x: PyTree, y: PyTree) -> PyTree:
-  return jax.tree.map(jnp.add, x, y)
 
 
-def tree_sub(x: PyTree, y: PyTree) -> PyTree:
-  return jax.tree.map(jnp.subtract, x, y)
 
 
-def tree_scale(x: PyTree, s) -> PyTree:
-  return jax.tree.map(lambda a: a * s, x)
 
 
-def tree_vdot(x: PyTree, y: PyTree):
-  """Sum over leaves of <x, y>."""
-  return sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)))
 
 
-def tree_sq_norm(x: PyTree):
-  return sum(jnp.sum(jnp.square(a)) for a in jax.tree.leaves(x))
 
 
-def tree_zeros_like(x: PyTree) -> PyTree:
-  return jax.tree.map(jnp.zeros_like, x)
 
 
 def tree_gather(x: PyTree, idx) -> PyTree:
@@ -71,22 +61,20 @@ def rows(x: PyTree, idx) -> Rows:
   return Rows(x, jnp.asarray(idx))
 
 
-def is_rows(x) -> bool:
-  return isinstance(x, Rows)
 
 
 def client_slice(tree: PyTree, pos) -> PyTree:
   """Position(s) ``pos`` of the cohort's per-client inputs: ``a[pos]`` for
   plain stacked leaves, ``source[idx[pos]]`` for ``Rows``."""
   return jax.tree.map(
-      lambda n: tree_gather(n.source, n.idx[pos]) if is_rows(n) else n[pos], tree,
-      is_leaf=is_rows)
+      lambda n: tree_gather(n.source, n.idx[pos]) if isinstance(n, Rows) else n[pos], tree,
+      is_leaf=lambda n: isinstance(n, Rows))
 
 
 def cohort_size(tree: PyTree) -> int:
   """The leading (client) dimension of per-client inputs that may hold ``Rows``."""
-  node = jax.tree.leaves(tree, is_leaf=is_rows)[0]
-  return (node.idx if is_rows(node) else node).shape[0]
+  node = jax.tree.leaves(tree, is_leaf=lambda n: isinstance(n, Rows))[0]
+  return (node.idx if isinstance(node, Rows) else node).shape[0]
 
 
 #: Rows written per step of ``tree_scatter``'s loop over a large cohort.
@@ -118,8 +106,6 @@ def tree_scatter(x: PyTree, idx, values: PyTree) -> PyTree:
   return scatter(x, idx[rest], jax.tree.map(lambda a: a[rest], values)) if rest.start < c else x
 
 
-def tree_stack(trees) -> PyTree:
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
 def tree_broadcast(x: PyTree, n: int) -> PyTree:
@@ -132,6 +118,3 @@ def tree_bytes(x: PyTree) -> int:
   return int(sum(np.prod(a.shape, dtype=np.int64) * np.dtype(a.dtype).itemsize
                  for a in jax.tree.leaves(x)))
 
-
-def tree_size(x: PyTree) -> int:
-  return int(sum(np.prod(a.shape, dtype=np.int64) for a in jax.tree.leaves(x)))

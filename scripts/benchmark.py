@@ -279,8 +279,8 @@ def sweep_section():
   from fedjax_personal import algorithms, sweep
   from fedjax_personal.engine import RoundRunner
   data, model, batching, _ = build('mlp', 100)
-  hp = algorithms.HParams(batch_size=10, local_epochs=None, local_steps=FLAGS.local_steps)
-  mk = lambda hv: algorithms.build('fedavg', algorithms.HParams(**{**hp.__dict__, **hv}), model, data)
+  mk = lambda hv: algorithms.build('fedavg', model, data, batch_size=10,
+                                   local_steps=FLAGS.local_steps, **hv)
   cfgs = sweep.configs(list(range(FLAGS.sweep_size)), {'client_lr': [0.05]})
   sampler = fp.CohortSampler(100, cohort_size=100)
   ex = fp.executors.BlockedExecutor(10)
@@ -296,7 +296,7 @@ def sweep_section():
   state = jax.block_until_ready(single.round(state, jax.random.key(0))[0])
   t = time.perf_counter()
   for r in range(FLAGS.rounds):
-    state = jax.block_until_ready(single.round(state, jax.random.key(r))[0])
+    state = jax.block_until_ready(single.round(state, jax.random.key(r), r)[0])
   separate = (time.perf_counter() - t) / FLAGS.rounds * FLAGS.sweep_size
   print(f'\nSweep: FedAvg, MLP, 100 clients, S = {FLAGS.sweep_size} seeds: one program '
         f'{together:.3f} s per round of all S (first call incl. compile {first:.1f} s) vs S '

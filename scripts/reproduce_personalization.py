@@ -58,8 +58,8 @@ PARTIAL = [('fedavg', None), ('fedalt', 'input'), ('fedsim', 'input'), ('fedalt'
            ('local', 'all (Local)'), ('fedavg_ft', 'all (fine-tune)')]
 
 
-def run(name, data, model, hp, rounds, cohort, eval_every):
-  alg = algorithms.build(name, hp, model, data)
+def run(name, data, model, settings, rounds, cohort, eval_every):
+  alg = algorithms.build(name, model, data, **settings)
   runner = RoundRunner(alg, data, CohortSampler(data.num_clients, cohort_size=cohort),
                        create_executor('auto', model, data.train.x[0, :1]))
   start = time.perf_counter()
@@ -77,7 +77,7 @@ def print_table(title, rows):
           f'{r["seconds"]:>7.0f}')
 
 
-def partial_table(data, make_model, hp, rounds, cohort, eval_every):
+def partial_table(data, make_model, settings, rounds, cohort, eval_every):
   rows = {}
   wanted = PARTIAL
   if FLAGS.methods:
@@ -86,8 +86,8 @@ def partial_table(data, make_model, hp, rounds, cohort, eval_every):
   for name, part in wanted:
     adapter = part == 'adapter'
     model = make_model(8 if adapter else 0)
-    h = algorithms.HParams(**{**hp.__dict__, 'personal_part': part or 'output'})
-    rows[(name, part)] = run(name, data, model, h, rounds, cohort, eval_every)
+    own = dict(personal_part=part) if name in ('fedalt', 'fedsim') else {}
+    rows[(name, part)] = run(name, data, model, {**settings, **own}, rounds, cohort, eval_every)
     print(f'  {name} {part}: {rows[(name, part)]}', flush=True)
   return rows
 
@@ -113,11 +113,12 @@ def table_a(results):
                                               seed=FLAGS.seed)))
   print(mnist.describe())
   model = create_model('mlp', 10, mnist.train.x[0, :1])
-  hp = algorithms.HParams(client_lr=0.05, batch_size=10, local_epochs=None, local_steps=10,
-                          perfedavg_alpha=0.02, finetune_steps=1, finetune_lr=0.02)
+  shared = dict(client_lr=0.05, batch_size=10, local_steps=10, finetune_steps=1,
+                finetune_lr=0.02)
   rows = {}
   for name in ('perfedavg_fo', 'perfedavg_hf', 'perfedavg_hf_fd', 'fedavg_ft'):
-    rows[(name, None)] = run(name, mnist, model, hp, FLAGS.mnist_rounds, 10, 10)
+    own = dict(alpha=0.02) if name.startswith('perfedavg') else {}
+    rows[(name, None)] = run(name, mnist, model, {**shared, **own}, FLAGS.mnist_rounds, 10, 10)
     print(f'  {name}: {rows[(name, None)]}', flush=True)
   print_table(f'Table A: MNIST, {FLAGS.mnist_clients} clients with 2 classes each, 10 per round, '
               f'{FLAGS.mnist_rounds} rounds, MLP; tested after one step (lr 0.02) on train data', rows)
@@ -134,8 +135,7 @@ def table_b(results):
                                                         adapter_dim=a), sample)
   # No evaluation fine-tuning except fedavg_ft's own (5 steps): finetune_steps
   # would add it to every algorithm of the table.
-  hp = algorithms.HParams(client_lr=1.0, batch_size=16, local_epochs=None,
-                          local_steps=FLAGS.shakespeare_local_steps)
+  hp = dict(client_lr=1.0, batch_size=16, local_steps=FLAGS.shakespeare_local_steps)
   rows = partial_table(shakes, make_lstm, hp, FLAGS.shakespeare_rounds,
                        FLAGS.shakespeare_clients, 5)
   print_table(f'Table B: Shakespeare, {FLAGS.shakespeare_clients} roles, '
@@ -151,7 +151,7 @@ def table_c(results):
                                               seed=FLAGS.seed, data_dir=FLAGS.data_dir)))
   print(cifar.describe())
   sample = cifar.train.x[0, :1]
-  hp = algorithms.HParams(client_lr=0.05, batch_size=32, local_epochs=None, local_steps=10)
+  hp = dict(client_lr=0.05, batch_size=32, local_steps=10)
   rows = partial_table(cifar, lambda a: create_model('lenet5', 10, sample, a), hp,
                        FLAGS.cifar_rounds, FLAGS.cifar_clients // 2, 10)
   print_table(f'Table C: CIFAR-10, {FLAGS.cifar_clients} clients Dirichlet 0.3, half per round, '

@@ -62,7 +62,7 @@ def scenarios():
       'label+covariate shift (MNIST rotated)': (
           DataConfig(dataset='mnist', partition='rotation', num_groups=4, group_base='dirichlet',
                      alpha=0.4, num_clients=n, val_fraction=0.1, seed=FLAGS.seed),
-          dict(sigma_batch_size=32, uc_warmup_rounds=3)),
+          dict(sigma_batch_size=32, warmup_rounds=3)),
       'concept shift (CIFAR-10 permuted)': (
           DataConfig(dataset='cifar10', partition='label_permutation', num_groups=4,
                      num_clients=n, max_examples=600 * n, val_fraction=0.1, test_fraction=1 / 6,
@@ -79,16 +79,15 @@ def main(argv):
     data = to_device(load_federated(cfg))
     print(data.describe(), flush=True)
     model = create_model('lenet5', data.num_classes, data.train.x[0, :1])
-    base = dict(client_lr=0.05, client_momentum=0.9, batch_size=32, local_epochs=1,
-                cfl_ratio=0.5, cfl_eps2=0.0, cfl_warmup_rounds=5, fomo_candidates=5)
-    runs = [('local', {}), ('fedavg', {}), ('oracle', {}), ('cfl', {}), ('fedfomo', {})]
+    base = dict(client_lr=0.05, client_momentum=0.9, batch_size=32, local_epochs=1)
+    runs = [('local', {}), ('fedavg', {}), ('oracle', {}),
+            ('cfl', dict(ratio=0.5, eps2=0.0, warmup_rounds=5)), ('fedfomo', dict(candidates=5))]
     runs += [(f'usercentric m={m}', dict(num_streams=int(m), **uc_opts)) for m in FLAGS.streams]
     for label, opts in runs:
       name = label.split(' ')[0]
       if name == 'oracle' and data.num_groups == 0:
         continue
-      hp = algorithms.HParams(**base, **opts)
-      alg = algorithms.build(name, hp, model, data)
+      alg = algorithms.build(name, model, data, **base, **opts)
       runner = RoundRunner(alg, data, CohortSampler(data.num_clients, cohort_size=data.num_clients),
                            create_executor('auto', model, data.train.x[0, :1]))
       _, history = experiment.run(runner, FLAGS.rounds, seed=FLAGS.seed, eval_every=2)

@@ -6,13 +6,12 @@ MNIST digits (embedded), 20 clients, Dirichlet 0.4, LeNet-5; prints the table
 of mean and worst-client accuracy. Examples:
 
   python scripts/run_experiment.py
-  python scripts/run_experiment.py --flagfile=scripts/configs/digits_fedprox.flags
-  python scripts/run_experiment.py --algorithm=fedavg,fedprox --model=mlp --rounds=50
+  python scripts/run_experiment.py --flagfile=scripts/configs/digits_fedavgm.flags
+  python scripts/run_experiment.py --algorithm=fedavg,fedprox --fedprox_mu=0.1 --model=mlp
+  python scripts/run_experiment.py --helpfull   # every flag, grouped per algorithm
 """
-
-from absl import app
 
 from fedjax_personal import cli
 
 if __name__ == '__main__':
-  app.run(cli.main)
+  cli.run()

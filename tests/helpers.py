@@ -99,7 +99,7 @@ def run_rounds(alg, data, rounds=2, sampler=None, executor=None):
   runner = RoundRunner(alg, data, sampler, executor or VmapExecutor())
   state = runner.init(jax.random.key(0))
   for t in range(rounds):
-    state, _ = runner.round(state, jax.random.key(t))
+    state, _ = runner.round(state, jax.random.key(t), t)
   return runner, state
 
 

@@ -96,6 +96,10 @@ def test_oracle_without_groups():
     (['--algorithm=nope'], '--algorithm'),
     (['--dataset=tfds:mnist', '--data_dir=/nonexistent/dir'], 'not prepared'),
     (['--num_clients=20', '--cohort_size=30'], '--cohort_size'),
+    (['--algorithm=feddyn', '--server_lr=0.5'], '--server_lr: does nothing for feddyn'),
+    (['--algorithm=fedsgd', '--client_momentum=0.9'], '--client_momentum'),
+    (['--client_lr=fast'], 'client_lr'),
+    (['--nonexistent_flag=1'], 'nonexistent_flag'),
 ])
 def test_script_exits_2_with_one_line(args, needle):
   r = subprocess.run([sys.executable, SCRIPT, '--progress=false'] + args, capture_output=True,
@@ -120,7 +124,7 @@ def test_sweep_flags(tmp_path, capsys):
 
 def test_fedfomo_writes_affinity_heat_maps(tmp_path):
   parse('--algorithm=fedfomo', '--dataset=digits', '--model=logreg', '--num_clients=5',
-        '--rounds=3', '--eval_every=1', '--val_fraction=0.2', '--fomo_candidates=2',
+        '--rounds=3', '--eval_every=1', '--val_fraction=0.2', '--fedfomo_candidates=2',
         '--progress=false', '--max_examples=300', f'--output_dir={tmp_path}')
   cli.main_job()
   assert (tmp_path / 'fedfomo' / 'affinity.png').stat().st_size > 1000
@@ -130,3 +134,10 @@ def test_fedfomo_needs_a_validation_split():
   parse('--algorithm=fedfomo', '--dataset=digits', '--model=logreg', '--progress=false')
   with pytest.raises(ValueError, match='val_fraction'):
     cli.main_job()
+
+
+@pytest.mark.parametrize('flagfile', sorted(os.listdir(os.path.join(ROOT, 'scripts', 'configs'))))
+def test_every_flagfile_is_accepted(flagfile):
+  parse(f'--flagfile={os.path.join(ROOT, "scripts", "configs", flagfile)}')
+  settings = cli.validate_flags()
+  assert [s[0].name for s in settings] == flags.FLAGS.algorithm

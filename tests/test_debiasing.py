@@ -57,9 +57,10 @@ def test_feddyn_and_scaffold_reach_the_minimizer_fedavg_does_not(heterogeneous, 
   data = to_device(data)
   _, avg = run_rounds(fedavg(model, 4, optax.sgd(lr), LOCAL, weighting='uniform'), data,
                       rounds, sampler_sca)
-  _, dyn = run_rounds(feddyn(model, 4, data.train.num_examples, lr, LOCAL, alpha=1.0), data,
+  _, dyn = run_rounds(feddyn(model, 4, data.train.num_examples, optax.sgd(lr), LOCAL,
+                              alpha=1.0), data,
                       rounds, sampler_dyn)
-  _, sca = run_rounds(scaffold(model, 4, lr, LOCAL), data, rounds, sampler_sca)
+  _, sca = run_rounds(scaffold(model, 4, optax.sgd(lr), LOCAL), data, rounds, sampler_sca)
   assert distance(avg.params, theta) > 1e-2  # FedAvg's client drift: a biased fixed point
   assert distance(dyn.params, theta) < 1e-4
   assert distance(sca.params, theta) < 1e-4
@@ -72,7 +73,7 @@ def test_feddyn_state_update_follows_the_equations():
   alpha, lr, k = 0.3, 0.05, 4
   batching = fp.Batching(batch_size=3, num_epochs=None, num_steps=k)
   sampler = fp.CohortSampler(3, cohort_size=2)
-  alg = feddyn(model, 3, data.train.num_examples, lr, batching, alpha=alpha)
+  alg = feddyn(model, 3, data.train.num_examples, optax.sgd(lr), batching, alpha=alpha)
   runner = RoundRunner(alg, to_device(data), sampler, fp.executors.SequentialExecutor())
   state = runner.init(jax.random.key(0))
   theta_s = state.params
@@ -115,12 +116,14 @@ def test_feddyn_state_update_follows_the_equations():
 
 
 def test_scaffold_control_variates_follow_option_ii():
+  """The reference writes option II as (theta - y_i) / (K lr); the library
+  computes the mean raw gradient, which must be the same number for SGD."""
   data, xs, ys = least_squares_data(num_clients=3, sizes=(5, 7, 9))
   model = linear_model(3)
   lr, k = 0.05, 3
   batching = fp.Batching(batch_size=None, num_epochs=None, num_steps=k)
   sampler = fp.CohortSampler(3, cohort_size=2)
-  runner = RoundRunner(scaffold(model, 3, lr, batching), to_device(data), sampler,
+  runner = RoundRunner(scaffold(model, 3, optax.sgd(lr), batching), to_device(data), sampler,
                        fp.executors.BlockedExecutor(1))
   state = runner.init(jax.random.key(0))
   theta, c = state.params, jax.tree.map(jnp.zeros_like, state.params)
@@ -142,7 +145,7 @@ def test_scaffold_control_variates_follow_option_ii():
       ys_.append(p)
     theta = jax.tree.map(lambda *ps: sum(ps) / len(ps), *ys_)
     c = jax.tree.map(lambda cc, *ds: cc + sum(ds) / 3, c, *deltas)
-    state, _ = runner.round(state, key)
+    state, _ = runner.round(state, key, t)
     close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     jax.tree.map(close, state.params, theta)
     jax.tree.map(close, state.control, c)
@@ -195,7 +198,7 @@ def test_pfeddyn_heads_run_on_permuted_sparse_classes(head):
                                              num_clients=5, classes_per_client=3)))
   assert data.num_classes == 3
   model = fp.models.from_flax('mlp', fp.models.MLP(3, hidden=(16,)), data.train.x[0, :1])
-  alg = pfeddyn(model, 5, data.train.num_examples, 3, 0.1,
+  alg = pfeddyn(model, 5, data.train.num_examples, 3, optax.sgd(0.1),
                 fp.Batching(batch_size=16, num_epochs=None, num_steps=4), head=head)
   runner = RoundRunner(alg, data, fp.CohortSampler(5, cohort_size=3), fp.executors.VmapExecutor())
   state = runner.init(jax.random.key(0))

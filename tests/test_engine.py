@@ -140,7 +140,7 @@ def test_fedsgd_is_full_batch_gradient_descent():
   data, xs, ys = least_squares_data(num_clients=4)
   model = linear_model(3)
   lr = 0.02
-  alg = fedsgd(model, 4, lr)
+  alg = fedsgd(model, 4, optax.sgd(lr))
   runner = RoundRunner(alg, to_device(data), fp.CohortSampler(4, cohort_size=4),
                        fp.executors.VmapExecutor())
   state = runner.init(jax.random.key(0))

@@ -44,6 +44,21 @@ def test_eps_greedy_choice_frequencies():
   assert not np.any(draws == 0)  # never itself
 
 
+def test_candidate_choice_follows_the_round_key():
+  """FedFomo's exploration draws from the server key of the round (derived
+  from the experiment's seed): same key, same candidates; other keys, others."""
+  model = fp.models.from_flax('logreg', fp.models.LogisticRegression(3), np.zeros((1, 4)))
+  alg = fomo.fedfomo(model, 12, optax.sgd(0.1), fp.Batching(4, 1), num_candidates=3, eps0=1.0)
+  state = alg.init(jax.random.key(0))
+  cohort = fp.CohortSampler(12, cohort_size=12)(jax.random.key(0))
+
+  def candidates(seed):
+    rc = fp.algorithm.RoundContext(round=jnp.int32(0), key=jax.random.key(seed))
+    return np.asarray(alg.server_broadcast(state, cohort, rc)[1][1])
+  np.testing.assert_array_equal(candidates(1), candidates(1))
+  assert not np.array_equal(candidates(1), candidates(2))
+
+
 def test_fedfomo_round_updates_affinity_and_models():
   data = to_device(load_federated(DataConfig(dataset='digits', num_clients=5, val_fraction=0.2,
                                              max_examples=500)))
@@ -51,8 +66,8 @@ def test_fedfomo_round_updates_affinity_and_models():
   alg = fomo.fedfomo(model, 5, optax.sgd(0.1), fp.Batching(16, 1), num_candidates=2, eps0=0.0)
   runner = RoundRunner(alg, data, fp.CohortSampler(5, cohort_size=5), fp.executors.VmapExecutor())
   state = runner.init(jax.random.key(0))
-  s1, _ = runner.round(state, jax.random.key(0))
-  s2, _ = runner.round(s1, jax.random.key(1))
+  s1, _ = runner.round(state, jax.random.key(0), 0)
+  s2, _ = runner.round(s1, jax.random.key(1), 1)
   aff = np.asarray(s2.affinity)
   assert np.all(np.diag(aff) == 0) and np.count_nonzero(aff) > 0
   # Round 1 starts from identical models (distance 0: weight 0); in round 2 each

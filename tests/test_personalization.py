@@ -85,8 +85,8 @@ def test_perfedavg_fo_and_hf_differ_and_coincide_at_alpha_zero(digits):
 
 def test_perfedavg_rounds_and_evaluates_after_alpha_steps(digits):
   model = mlp(digits)
-  alg = perfedavg(model, 6, fp.Batching(8, num_epochs=None, num_steps=3), alpha=0.05, beta=0.1,
-                  variant='hf')
+  alg = perfedavg(model, 6, optax.sgd(0.1), fp.Batching(8, num_epochs=None, num_steps=3),
+                  alpha=0.05, variant='hf')
   runner = RoundRunner(alg, digits, fp.CohortSampler(6, cohort_size=4), EXEC())
   state = runner.init(jax.random.key(0))
   for t in range(3):
@@ -96,11 +96,40 @@ def test_perfedavg_rounds_and_evaluates_after_alpha_steps(digits):
   assert float(tuned.correct.sum()) != float(plain.correct.sum())
 
 
+def test_perfedavg_default_is_the_plain_mean_of_returned_models(digits):
+  """Algorithm 1: w <- mean over the sampled clients of their w_i (no size
+  weighting), each w_i from tau plain-SGD Per-FedAvg steps."""
+  model = mlp(digits)
+  batching = fp.Batching(8, num_epochs=None, num_steps=2)
+  alg = perfedavg(model, 6, optax.sgd(0.1), batching, alpha=0.05, variant='fo')
+  sampler = fp.CohortSampler(6, cohort_size=3)
+  runner = RoundRunner(alg, digits, sampler, EXEC())
+  state = runner.init(jax.random.key(0))
+  new, _ = runner.round(state, jax.random.key(4))
+  k_cohort, k_clients = jax.random.split(jax.random.key(4))
+  cohort = np.asarray(sampler(k_cohort).idx)
+  sizes = {int(digits.train.num_examples[i]) for i in cohort}
+  assert len(sizes) > 1  # so that a size-weighted mean would differ
+  returned = []
+  for i in cohort:
+    _, k_batch, _ = jax.random.split(jax.random.fold_in(k_clients, int(i)), 3)
+    idx, mask = fp.training.work_batch_indices(alg.client_work, k_batch,
+                                               digits.train.num_examples[i],
+                                               digits.train.max_examples)
+    w = state.params
+    for s in range(idx.shape[0]):
+      b = Batch(digits.train.x[i][idx[s]], digits.train.y[i][idx[s]], mask[s])
+      w, _ = perfedavg_update(model, w, b, 0.05, 0.1, 'fo')
+    returned.append(w)
+  expected = jax.tree.map(lambda *ws: sum(ws) / len(ws), *returned)
+  assert max_diff(new.params, expected) < 1e-5
+
+
 def one_round_partial(digits, mode, part='output', adapter_dim=0, executor=EXEC):
   model = mlp(digits, adapter_dim=adapter_dim)
   split = make_split(part, jax.eval_shape(model.init, jax.random.key(0)))
   batching = fp.Batching(16, num_epochs=1)
-  alg = partial_personalization(model, 6, split, mode, 0.1, batching)
+  alg = partial_personalization(model, 6, split, mode, optax.sgd(0.1), batching)
   sampler = fp.CohortSampler(6, cohort_size=3)
   runner = RoundRunner(alg, digits, sampler, executor())
   state = runner.init(jax.random.key(0))
@@ -184,12 +213,13 @@ def test_ditto_large_lambda_gives_the_global_model(digits):
   # lambda * personal_lr = 1: every personal step lands on the received global
   # model up to personal_lr * gradient, so with a tiny lr the personal model is
   # the global model; lambda = 0 is Local training.
-  _, strong = run(ditto(model, 6, batching, 0.1, lam=1e4, personal_lr=1e-4), digits, rounds=1)
+  _, strong = run(ditto(model, 6, optax.sgd(0.1), batching, lam=1e4,
+                           personal_optimizer=optax.sgd(1e-4)), digits, rounds=1)
   runner0, state0 = run(fedavg(model, 6, optax.sgd(0.1), batching), digits, rounds=1)
   start = model.init(jax.random.key(0))
   for i in range(6):
     assert max_diff(jax.tree.map(lambda a: a[i], strong.personal), start) < 1e-4
-  _, weak = run(ditto(model, 6, batching, 0.1, lam=0.0), digits, rounds=1)
+  _, weak = run(ditto(model, 6, optax.sgd(0.1), batching, lam=0.0), digits, rounds=1)
   _, loc = run(local(model, 6, optax.sgd(0.1), batching), digits, rounds=1)
   assert max_diff(weak.personal, loc.personal_params) < 1e-5
 
@@ -197,12 +227,12 @@ def test_ditto_large_lambda_gives_the_global_model(digits):
 def test_apfl_alpha_zero_is_global_and_one_is_local(digits):
   model = mlp(digits)
   batching = fp.Batching(16, num_epochs=1)
-  a0 = apfl(model, 6, batching, 0.1, alpha=0.0)
+  a0 = apfl(model, 6, optax.sgd(0.1), batching, alpha=0.0)
   _, s0 = run(a0, digits)
   models = a0.client_models(s0)
   for i in range(6):
     assert max_diff(jax.tree.map(lambda a: a[i], models.params), s0.params) < 1e-7
-  a1 = apfl(model, 6, batching, 0.1, alpha=1.0)
+  a1 = apfl(model, 6, optax.sgd(0.1), batching, alpha=1.0)
   _, s1 = run(a1, digits)
   _, loc = run(local(model, 6, optax.sgd(0.1), batching), digits)
   assert max_diff(a1.client_models(s1).params, loc.personal_params) < 1e-5
@@ -212,7 +242,7 @@ def test_pfedme_step_by_hand(digits):
   model = mlp(digits)
   lam, plr, lr, k = 2.0, 0.05, 0.1, 3
   batching = fp.Batching(16, num_epochs=None, num_steps=1)
-  alg = pfedme(model, 6, batching, lr, lam=lam, personal_lr=plr, inner_steps=k, beta=1.0)
+  alg = pfedme(model, 6, optax.sgd(lr), batching, lam=lam, personal_lr=plr, inner_steps=k)
   runner = RoundRunner(alg, digits, fp.CohortSampler(6, cohort_size=6), EXEC())
   state = runner.init(jax.random.key(0))
   w0 = state.params

@@ -105,7 +105,8 @@ def _ditto_runner(num_clients, block_size, hidden=(64, 64)):
   from fedjax_personal.algorithms.ditto import ditto
   data = synthetic_population(num_clients, n=8, dim=32)
   model = fp.models.from_flax('mlp', fp.models.MLP(4, hidden=hidden), data.train.x[0, :1])
-  alg = ditto(model, num_clients, fp.Batching(4, num_epochs=None, num_steps=2), 0.05, lam=0.1)
+  alg = ditto(model, num_clients, optax.sgd(0.05), fp.Batching(4, num_epochs=None, num_steps=2),
+              lam=0.1)
   return RoundRunner(alg, data, fp.CohortSampler(num_clients, cohort_size=num_clients),
                      fp.executors.BlockedExecutor(block_size)), model
 
@@ -128,7 +129,7 @@ def test_round_memory_is_bounded_by_state_and_one_output():
   runner, model = _ditto_runner(n, 10)
   state = runner.init(jax.random.key(0))
   fused = round_functions(runner.algorithm, runner.sampler, runner.executor)[3]
-  args = (state, jax.random.key(0), runner.data.train, runner.data.val)
+  args = (state, jax.random.key(0), jnp.int32(0), runner.data.train, runner.data.val)
   mem = jax.jit(fused, donate_argnums=0).lower(*args).compile().memory_analysis()
   if mem is None:
     pytest.skip('this backend reports no memory analysis')

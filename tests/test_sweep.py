@@ -14,8 +14,7 @@ from helpers import digits_data, max_diff
 def test_sweep_over_seeds_and_learning_rates_equals_separate_runs():
   data = digits_data(num_clients=6)
   model = fp.models.from_flax('mlp', fp.models.MLP(10, hidden=(8,)), data.train.x[0, :1])
-  hp = algorithms.HParams(batch_size=16, local_epochs=1, prox_mu=0.1)
-  build = lambda hv: algorithms.build('fedprox', algorithms.HParams(**{**hp.__dict__, **hv}), model, data)
+  build = lambda hv: algorithms.build('fedprox', model, data, batch_size=16, mu=0.1, **hv)
   cfgs = sweep.configs([0, 1], {'client_lr': [0.05, 0.2]})
   sampler = fp.CohortSampler(6, cohort_size=4)
   runner = sweep.SweepRunner(build, cfgs, data, sampler, fp.executors.VmapExecutor())
@@ -32,9 +31,11 @@ def test_sweep_over_seeds_and_learning_rates_equals_separate_runs():
 
 
 def test_parse_sweep():
-  assert sweep.parse_sweep('client_lr:0.1,0.3;prox_mu:0') == {'client_lr': [0.1, 0.3], 'prox_mu': [0.0]}
+  names = ['client_lr', 'fedprox_mu']
+  assert sweep.parse_sweep('client_lr:0.1,0.3;fedprox_mu:0', names) == {
+      'client_lr': [0.1, 0.3], 'fedprox_mu': [0.0]}
   with pytest.raises(ValueError, match='cannot be swept'):
-    sweep.parse_sweep('batch_size:16,32')
+    sweep.parse_sweep('batch_size:16,32', names)
   with pytest.raises(ValueError, match='numbers'):
-    sweep.parse_sweep('client_lr:a,b')
+    sweep.parse_sweep('client_lr:a,b', names)
   assert len(sweep.configs([0, 1, 2], {'client_lr': [1, 2], 'prox_mu': [0, 1]})) == 12

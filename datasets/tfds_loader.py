@@ -11,6 +11,8 @@ from typing import Optional
 
 import numpy as np
 
+from fedjax_personal.config import ConfigError
+
 # name on the command line -> (TFDS name, image key or text key, label key)
 TFDS_DATASETS = {
     'mnist': ('mnist', 'image', 'label'),
@@ -32,7 +34,7 @@ def load_tfds(name: str, split: str = 'train', data_dir: Optional[str] = None,
   """
   import tensorflow_datasets as tfds
   if name not in TFDS_DATASETS:
-    raise ValueError(f'unknown tfds data set {name!r}; choose one of {sorted(TFDS_DATASETS)}')
+    raise ConfigError('dataset', f'unknown tfds data set {name!r}; choose one of {sorted(TFDS_DATASETS)}')
   tfds_name, x_key, y_key = TFDS_DATASETS[name]
   if download:
     tfds.builder(tfds_name, data_dir=data_dir).download_and_prepare(

@@ -12,12 +12,14 @@ from typing import Callable, Optional
 from flax import struct
 import jax
 import optax
+from optax import tree_utils as otu
 
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
                                        cohort_train_metrics)
 from fedjax_personal.algorithms.fedavg import server_step, summed_upload
 from fedjax_personal.models import Model
-from fedjax_personal.training import ClientWork, LossStats
+from fedjax_personal.training import (ClientWork, LossStats, client_opt_init, opt_update,
+                                      zero_stats)
 from fedjax_personal.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter
 
 
@@ -65,7 +67,7 @@ def global_personal_algorithm(name: str, model: Model, num_clients: int, work: C
     return GlobalPersonalState(params, server_optimizer.init(params),
                                tree_broadcast(params, num_clients))
 
-  def server_update(state, cohort, out: GlobalPersonalOutput):
+  def server_update(state, cohort, out: GlobalPersonalOutput, rc):
     params, opt_state = server_step(state.params, state.opt_state, out.delta, server_optimizer)
     personal = tree_scatter(state.personal, cohort.idx, out.personal)
     return (GlobalPersonalState(params, opt_state, personal),
@@ -77,7 +79,45 @@ def global_personal_algorithm(name: str, model: Model, num_clients: int, work: C
 
   return FederatedAlgorithm(
       name=name, model=model, init=init,
-      server_broadcast=lambda s, c: (s.params, rows(s.personal, c.idx)),
+      server_broadcast=lambda s, c, rc: (s.params, rows(s.personal, c.idx)),
       client_work=summed_upload(work, weighting), server_update=server_update,
       client_models=eval_models or (lambda s: ClientModels.personal(s.personal, num_clients)),
       communication=communication, finetune=finetune)
+
+
+def two_model_work(step_fn: Callable, batching, opt_w: optax.GradientTransformation,
+                   opt_v: optax.GradientTransformation,
+                   personal_start: Optional[Callable] = None) -> ClientWork:
+  """ClientWork training the local global model w (from the broadcast) and
+  the personal model v (from the client's row, or ``personal_start(ctx)``),
+  each with its optimizer.
+
+  ``step_fn(ctx, w, v, batch) -> (grad_w, grad_v, LossStats)``: the
+  gradients the two optimizers apply this step.
+  """
+  personal_start = personal_start or (lambda ctx: ctx.state)
+
+  def init_opt_state(params):
+    return opt_w.init(params), opt_v.init(params)
+
+  def init(ctx, key):
+    del key
+    return (ctx.shared, personal_start(ctx), client_opt_init(ctx, init_opt_state, ctx.shared),
+            zero_stats())
+
+  def step(ctx, carry, batch, key):
+    del key
+    w, v, (sw, sv), stats = carry
+    gw, gv, s = step_fn(ctx, w, v, batch)
+    uw, sw = opt_update(opt_w, gw, sw, w, ctx)
+    uv, sv = opt_update(opt_v, gv, sv, v, ctx)
+    return (optax.apply_updates(w, uw), optax.apply_updates(v, uv), (sw, sv),
+            jax.tree.map(lambda a, b: a + b, stats, s))
+
+  def final(ctx, carry):
+    w, v, _, stats = carry
+    return GlobalPersonalOutput(delta=otu.tree_sub(ctx.shared, w), personal=v,
+                                num_examples=ctx.data.train.num_examples, stats=stats)
+
+  return ClientWork(init, step, final, batching, init_opt_state=init_opt_state,
+                    opt_state=lambda carry: carry[2])

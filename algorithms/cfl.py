@@ -19,6 +19,9 @@ replaces the first test by the scale-free || mean || < ratio * max || dtheta_i |
 (an option of this library, not of the paper).
 """
 
+import dataclasses
+from typing import ClassVar
+
 from flax import struct
 import jax
 import jax.numpy as jnp
@@ -30,9 +33,22 @@ from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlg
                                        cohort_train_metrics)
 from fedjax_personal.algorithms.fedavg import client_weights
 from fedjax_personal.batching import Batching
+from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, WEIGHTING,
+                                    AlgorithmSpec, hparam)
 from fedjax_personal.models import Model
 from fedjax_personal.training import plain_objective, sgd_client_work
-from fedjax_personal.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter, tree_sub
+from optax import tree_utils as otu
+from fedjax_personal.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter
+
+
+@dataclasses.dataclass(frozen=True)
+class CFLConfig:
+  prefix: ClassVar[str] = 'cfl'
+  eps1: float = hparam(0.4, 'Split when the mean update norm is below this...', minimum=0)
+  eps2: float = hparam(1.6, '...and the largest client update norm above this.', minimum=0)
+  warmup_rounds: int = hparam(5, 'No split before this round.', minimum=0)
+  ratio: float = hparam(0.0, 'If > 0: split when the mean update norm < ratio * the largest '
+                        '(scale-free; replaces eps1).', minimum=0)
 
 
 @struct.dataclass
@@ -90,10 +106,10 @@ def split_decisions(updates: np.ndarray, cluster: np.ndarray, weights: np.ndarra
 
 def cfl(model: Model, num_clients: int, num_examples, client_optimizer, batching: Batching,
         eps1: float = 0.4, eps2: float = 1.6, warmup_rounds: int = 5,
-        ratio: float = 0.0) -> FederatedAlgorithm:
+        ratio: float = 0.0, weighting: str = 'num_examples') -> FederatedAlgorithm:
   """Builds clustered FL (eps1, eps2 of the split test, or the scale-free
-  ``ratio``; no split before ``warmup_rounds``). Meant for full participation
-  (every client trains)."""
+  ``ratio``; no split before ``warmup_rounds``; cluster means weighted by
+  ``weighting``). Meant for full participation (every client trains)."""
   n_np = np.asarray(num_examples, np.float64)
   plain = plain_objective(model)
 
@@ -103,16 +119,17 @@ def cfl(model: Model, num_clients: int, num_examples, client_optimizer, batching
     return CFLState(tree_broadcast(params, num_clients), jnp.zeros(num_clients, jnp.int32),
                     tree_broadcast(zeros, num_clients), jnp.ones((), jnp.int32))
 
-  def server_broadcast(state, cohort):
+  def server_broadcast(state, cohort, rc):
     return None, rows(state.personal, cohort.idx)
 
   work = sgd_client_work(
       lambda ctx: plain, client_optimizer, batching, start_fn=lambda ctx: ctx.state,
-      final=lambda ctx, c: (tree_sub(c.params, ctx.state), ctx.data.train.num_examples, c.stats))
+      final=lambda ctx, c: (otu.tree_sub(c.params, ctx.state), ctx.data.train.num_examples,
+                            c.stats))
 
-  def server_update(state, cohort, out):
+  def server_update(state, cohort, out, rc):
     deltas, n, stats = out
-    w = client_weights(cohort, n, 'num_examples')
+    w = client_weights(cohort, n, weighting)
     members = state.cluster.at[cohort.idx].get(mode='clip')
     mean_updates = aggregation.group_means(deltas, members, w, num_clients)  # [clusters, ...]
     personal = jax.tree.map(lambda p, d: p + d[state.cluster], state.personal, mean_updates)
@@ -121,11 +138,12 @@ def cfl(model: Model, num_clients: int, num_examples, client_optimizer, batching
     metrics['num_clusters'] = state.num_clusters
     return state.replace(personal=personal, updates=updates), metrics
 
-  def between_rounds(state, t, runner):
+  def between_rounds(state, t, key, runner):
     if t < max(warmup_rounds, 1):
       return state, {}
     flat = np.asarray(jax.vmap(lambda u: jax.flatten_util.ravel_pytree(u)[0])(state.updates))
-    cluster, splits = split_decisions(flat, np.asarray(state.cluster), n_np, eps1, eps2, ratio)
+    weights = n_np if weighting == 'num_examples' else np.ones_like(n_np)
+    cluster, splits = split_decisions(flat, np.asarray(state.cluster), weights, eps1, eps2, ratio)
     if not splits:
       return state, {}
     new = state.replace(cluster=jnp.asarray(cluster, jnp.int32),
@@ -141,3 +159,16 @@ def cfl(model: Model, num_clients: int, num_examples, client_optimizer, batching
       server_update=server_update,
       client_models=lambda s: ClientModels.personal(s.personal, num_clients),
       communication=communication, between_rounds=between_rounds)
+
+
+def build(training, config: CFLConfig, model, data):
+  return cfl(model, data.num_clients, data.train.num_examples, training.make_client_optimizer(),
+             training.batching(), eps1=config.eps1, eps2=config.eps2,
+             warmup_rounds=config.warmup_rounds, ratio=config.ratio,
+             weighting=training.weighting)
+
+
+# Cluster models are the weighted mean of their members' updates (no server
+# optimizer).
+SPEC = AlgorithmSpec('cfl', CFLConfig, build, CLIENT_OPTIMIZER | BATCHING | WEIGHTING | FINETUNE,
+                     summary='Clustered FL (Sattler et al. 2020): recursive bipartitions')

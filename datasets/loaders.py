@@ -14,8 +14,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from fedjax_personal.config import ConfigError
+
 PACKAGE_DATA = pathlib.Path(__file__).parent / 'data'
-_REPO = pathlib.Path(__file__).resolve().parents[2]
+_REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def search_dirs(data_dir: Optional[str] = None) -> List[pathlib.Path]:
@@ -148,7 +150,7 @@ def load_shakespeare(num_clients: int, seq_len: int = 80, min_chars: int = 1000,
   eligible = sorted((r for r, s in roles.items() if len(s) >= min_chars),
                     key=lambda r: (-len(roles[r]), r))
   if num_clients > len(eligible):
-    raise ValueError(f'shakespeare has {len(eligible)} roles with >= {min_chars} characters; '
+    raise ConfigError('num_clients', f'shakespeare has {len(eligible)} roles with >= {min_chars} characters; '
                      f'num_clients={num_clients} is too many')
   xs, ys = [], []
   for r in eligible[:num_clients]:
@@ -175,7 +177,7 @@ def synthetic(num_clients: int, alpha: float, beta: float, rng: np.random.Genera
     (client_x float32 [n_k, d], client_y int32 [n_k]) lists.
   """
   if alpha < 0 or beta < 0:
-    raise ValueError(f'synthetic alpha and beta must be >= 0, got {alpha}, {beta}')
+    raise ConfigError('alpha', f'synthetic alpha and beta must be >= 0, got {alpha}, {beta}')
   sizes = np.minimum(rng.lognormal(4, 2, num_clients).astype(int) + 50, 1000)
   sigma = np.diag(np.arange(1, dim + 1, dtype=np.float64) ** -1.2)
   w_glob, b_glob = rng.normal(0, 1, (num_classes, dim)), rng.normal(0, 1, num_classes)

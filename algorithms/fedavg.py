@@ -19,9 +19,12 @@ from fedjax_personal import aggregation
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
                                        cohort_train_metrics)
 from fedjax_personal.batching import Batching
+from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, SERVER_OPTIMIZER,
+                                    WEIGHTING, AlgorithmSpec, NoConfig)
 from fedjax_personal.models import Model
 from fedjax_personal.training import ClientWork, LossStats, plain_objective, sgd_client_work
-from fedjax_personal.tree_util import tree_bytes, tree_sub, tree_where
+from optax import tree_utils as otu
+from fedjax_personal.tree_util import tree_bytes, tree_where
 
 WEIGHTINGS = ('num_examples', 'uniform')
 
@@ -121,7 +124,7 @@ def make_client_work(model: Model, client_optimizer, batching: Batching,
   objective_fn = objective_fn or (lambda ctx: plain)
 
   def final(ctx, carry):
-    return ClientOutput(delta=tree_sub(start_fn(ctx), carry.params),
+    return ClientOutput(delta=otu.tree_sub(start_fn(ctx), carry.params),
                         num_examples=ctx.data.train.num_examples, stats=carry.stats)
 
   return sgd_client_work(objective_fn, client_optimizer, batching, final, start_fn)
@@ -151,10 +154,10 @@ def fedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
     params = model.init(key)
     return ServerState(params=params, opt_state=server_optimizer.init(params))
 
-  def server_broadcast(state, cohort):
+  def server_broadcast(state, cohort, rc):
     return state.params, cohort.mask
 
-  def server_update(state, cohort, out: ClientOutput):
+  def server_update(state, cohort, out: ClientOutput, rc):
     params, opt_state = server_step(state.params, state.opt_state, out.delta, server_optimizer)
     return (ServerState(params=params, opt_state=opt_state),
             cohort_train_metrics(out.stats, cohort.mask))
@@ -170,3 +173,22 @@ def fedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
       server_update=server_update,
       client_models=lambda s: ClientModels.global_model(s.params, num_clients),
       communication=communication, finetune=finetune)
+
+
+def build(training, config, model, data, name='fedavg'):
+  """Registry builder (``config``: NoConfig)."""
+  del config
+  return fedavg(model, data.num_clients, training.make_client_optimizer(), training.batching(),
+                server_optimizer=training.make_server_optimizer(),
+                weighting=training.weighting, name=name)
+
+
+#: Settings of an algorithm that trains a global model FedAvg-style.
+FEDAVG_SETTINGS = CLIENT_OPTIMIZER | BATCHING | WEIGHTING | SERVER_OPTIMIZER | FINETUNE
+
+SPEC = AlgorithmSpec('fedavg', NoConfig, build, FEDAVG_SETTINGS,
+                     summary='FedAvg (McMahan et al. 2017), server optimizer optional')
+FT_SPEC = AlgorithmSpec('fedavg_ft', NoConfig,
+                        lambda t, c, m, d: build(t, c, m, d, name='fedavg_ft'), FEDAVG_SETTINGS,
+                        default_finetune_steps=5,
+                        summary='FedAvg + local fine-tuning before evaluation (5 steps)')

@@ -10,6 +10,7 @@ import optax
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
                                        cohort_train_metrics)
 from fedjax_personal.batching import Batching
+from fedjax_personal.config import BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec, NoConfig
 from fedjax_personal.models import Model
 from fedjax_personal.training import plain_objective, sgd_client_work
 from fedjax_personal.tree_util import rows, tree_broadcast, tree_scatter
@@ -31,14 +32,14 @@ def local(model: Model, num_clients: int, client_optimizer: optax.GradientTransf
   def init(key):
     return LocalState(tree_broadcast(model.init(key), num_clients))
 
-  def server_broadcast(state, cohort):
+  def server_broadcast(state, cohort, rc):
     return None, rows(state.personal_params, cohort.idx)
 
   work = sgd_client_work(lambda ctx: objective, client_optimizer, batching,
                          final=lambda ctx, carry: (carry.params, carry.stats),
                          start_fn=lambda ctx: ctx.state)
 
-  def server_update(state, cohort, out):
+  def server_update(state, cohort, out, rc):
     params, stats = out
     return (LocalState(tree_scatter(state.personal_params, cohort.idx, params)),
             cohort_train_metrics(stats, cohort.mask))
@@ -48,3 +49,12 @@ def local(model: Model, num_clients: int, client_optimizer: optax.GradientTransf
       client_work=work, server_update=server_update,
       client_models=lambda s: ClientModels.personal(s.personal_params, num_clients),
       communication=lambda s: Communication(0, 0, 0), finetune=finetune)
+
+
+def build(training, config, model, data):
+  del config
+  return local(model, data.num_clients, training.make_client_optimizer(), training.batching())
+
+
+SPEC = AlgorithmSpec('local', NoConfig, build, CLIENT_OPTIMIZER | BATCHING | FINETUNE,
+                     summary='Local training: each client alone')

@@ -18,18 +18,33 @@ make the shared model personal, each evaluated per device:
    since nothing ties class j on one device to class j on another.
 """
 
-from typing import Optional
+import dataclasses
+from typing import ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from fedjax_personal.algorithms.feddyn import feddyn
+from fedjax_personal.algorithms.feddyn import (FEDDYN_SETTINGS, FedDynConfig, feddyn,
+                                               feddyn_options)
 from fedjax_personal.batching import Batching
+from fedjax_personal.config import FINETUNE, AlgorithmSpec, ConfigError, hparam
 from fedjax_personal.models import Model
 from fedjax_personal.training import (Batch, LossStats, batch_loss, evaluate_params,
                                       per_example_stats, sgd_finetune)
 
 HEADS = ('finetune', 'maml', 'prototype')
+
+
+@dataclasses.dataclass(frozen=True)
+class PFedDynConfig(FedDynConfig):
+  """FedDyn's settings (defaults as FedDyn's but alpha) plus the MAML head's."""
+  prefix: ClassVar[str] = 'pfeddyn'
+  alpha: Optional[float] = hparam(None, 'FedDyn alpha (default 0.01; 0.1 for pfeddyn_proto, '
+                                  'as the authors).', minimum=0, open_min=True, sweep=True)
+  maml_inner_steps: int = hparam(5, 'pfeddyn_maml: inner SGD steps.', minimum=1)
+  maml_inner_lr: float = hparam(1e-2, 'pfeddyn_maml: inner learning rate.', minimum=0,
+                                open_min=True)
 
 
 def support_query(batch: Batch):
@@ -114,7 +129,8 @@ def prototype_evaluate(model: Model, num_classes: int):
 
 
 def pfeddyn(model: Model, num_clients: int, num_examples, num_classes: int,
-            learning_rate: float, batching: Batching, head: str = 'prototype',
+            client_optimizer: optax.GradientTransformation, batching: Batching,
+            head: str = 'prototype',
             alpha: Optional[float] = None, inner_steps: int = 5, inner_lr: float = 1e-2,
             finetune_lr: float = 0.1, finetune_steps: int = 1, **feddyn_kw):
   """Builds personalized FedDyn with the given head.
@@ -125,17 +141,18 @@ def pfeddyn(model: Model, num_clients: int, num_examples, num_classes: int,
     inner_steps, inner_lr: MAML inner loop (5 steps at 1e-2).
     finetune_lr, finetune_steps: evaluation fine-tuning of the 'finetune'
       head (full-batch steps on the device's training data).
-    feddyn_kw: further FedDyn options (adaptive_alpha, max_grad_norm,
-      lr_decay, weight_decay, eval_model).
+    feddyn_kw: further FedDyn options (adaptive_alpha, max_grad_norm, eval_model).
   """
   if head not in HEADS:
-    raise ValueError(f'pfeddyn head must be one of {HEADS}, got {head!r}')
+    raise ConfigError('algorithm', f'pfeddyn head must be one of {HEADS}, got {head!r}')
   if alpha is None:
     alpha = 1e-1 if head == 'prototype' else 1e-2
   common = dict(model=model, num_clients=num_clients, num_examples=num_examples,
-                learning_rate=learning_rate, batching=batching, alpha=alpha, **feddyn_kw)
+                client_optimizer=client_optimizer, batching=batching, alpha=alpha, **feddyn_kw)
   if head == 'finetune':
-    ft = sgd_finetune(model, finetune_lr, Batching(None, num_epochs=None, num_steps=finetune_steps))
+    ft = (sgd_finetune(model, finetune_lr, Batching(None, num_epochs=None,
+                                                    num_steps=finetune_steps))
+          if finetune_steps > 0 else None)
     return feddyn(finetune=ft, name='pfeddyn_ft', **common)
   if head == 'maml':
     return feddyn(data_objective=maml_objective(model, inner_steps, inner_lr), batches_per_step=2,
@@ -144,3 +161,28 @@ def pfeddyn(model: Model, num_clients: int, num_examples, num_classes: int,
   return feddyn(data_objective=prototype_objective(model, num_classes), batches_per_step=2,
                 evaluate_client=prototype_evaluate(model, num_classes), name='pfeddyn_proto',
                 **common)
+
+
+def _build(head):
+  def build(training, config: PFedDynConfig, model, data):
+    return pfeddyn(model, data.num_clients, data.train.num_examples, data.num_classes,
+                   training.make_client_optimizer(), training.batching(), head=head,
+                   alpha=config.alpha, inner_steps=config.maml_inner_steps,
+                   inner_lr=config.maml_inner_lr,
+                   finetune_lr=0.1 if training.finetune_lr is None else training.finetune_lr,
+                   finetune_steps=training.finetune_steps, **feddyn_options(config))
+  return build
+
+
+_MAML = frozenset({'maml_inner_steps', 'maml_inner_lr'})
+# The MAML and prototype heads adapt at evaluation in their own way (inner
+# loop, prototypes of the training data): evaluation fine-tuning does not apply.
+FT_SPEC = AlgorithmSpec('pfeddyn_ft', PFedDynConfig, _build('finetune'), FEDDYN_SETTINGS,
+                        ignores=_MAML, default_finetune_steps=1,
+                        summary='Personalized FedDyn + fine-tuning (1 full-batch step, lr 0.1)')
+MAML_SPEC = AlgorithmSpec('pfeddyn_maml', PFedDynConfig, _build('maml'),
+                          FEDDYN_SETTINGS - FINETUNE,
+                          summary='Personalized FedDyn with a MAML objective')
+PROTO_SPEC = AlgorithmSpec('pfeddyn_proto', PFedDynConfig, _build('prototype'),
+                           FEDDYN_SETTINGS - FINETUNE, ignores=_MAML,
+                           summary='Personalized FedDyn with prototypes (metric head)')

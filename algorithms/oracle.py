@@ -16,8 +16,10 @@ import optax
 
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
                                        cohort_train_metrics)
-from fedjax_personal.algorithms.fedavg import make_client_work, server_step, summed_upload
+from fedjax_personal.algorithms.fedavg import (FEDAVG_SETTINGS, make_client_work, server_step,
+                                               summed_upload)
 from fedjax_personal.batching import Batching
+from fedjax_personal.config import AlgorithmSpec, ConfigError, NoConfig
 from fedjax_personal.models import Model
 from fedjax_personal.tree_util import rows, tree_broadcast, tree_bytes
 
@@ -42,7 +44,7 @@ def oracle(model: Model, groups, client_optimizer: optax.GradientTransformation,
   """
   groups_np = np.asarray(groups)
   if groups_np.size == 0 or groups_np.min() < 0:
-    raise ValueError('oracle needs a known group for every client; this partition has none '
+    raise ConfigError('algorithm', 'oracle needs a known group for every client; this partition has none '
                      '(use --partition=rotation, label_permutation, latent_clusters or sparse_classes)')
   num_groups = int(groups_np.max()) + 1
   groups = jnp.asarray(groups_np, jnp.int32)
@@ -52,11 +54,11 @@ def oracle(model: Model, groups, client_optimizer: optax.GradientTransformation,
     params = tree_broadcast(model.init(key), num_groups)
     return OracleState(params, jax.vmap(server_optimizer.init)(params))
 
-  def server_broadcast(state, cohort):
+  def server_broadcast(state, cohort, rc):
     g = groups.at[cohort.idx].get(mode='clip')
     return None, (rows(state.group_params, g), g)
 
-  def server_update(state, cohort, out):
+  def server_update(state, cohort, out, rc):
     params, opt_state = jax.vmap(server_step, in_axes=(0, 0, 0, None))(
         state.group_params, state.opt_state, out.delta, server_optimizer)
     return OracleState(params, opt_state), cohort_train_metrics(out.stats, cohort.mask)
@@ -73,3 +75,13 @@ def oracle(model: Model, groups, client_optimizer: optax.GradientTransformation,
       server_update=server_update,
       client_models=lambda s: ClientModels(s.group_params, groups),
       communication=communication, finetune=finetune)
+
+
+def build(training, config, model, data):
+  del config
+  return oracle(model, data.groups, training.make_client_optimizer(), training.batching(),
+                server_optimizer=training.make_server_optimizer(), weighting=training.weighting)
+
+
+SPEC = AlgorithmSpec('oracle', NoConfig, build, FEDAVG_SETTINGS,
+                     summary='Oracle clusters: one FedAvg per known group')

@@ -23,19 +23,34 @@ distribution (``data.permute_eval_targets`` shuffles validation/test pairs
 among clients).
 """
 
-from typing import Optional
+import dataclasses
+from typing import ClassVar, Optional
 
 from flax import struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
                                        cohort_train_metrics)
 from fedjax_personal.batching import Batching
+from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec,
+                                    ConfigError, hparam)
 from fedjax_personal.models import Model
 from fedjax_personal.training import ClientWork, evaluate_params, plain_objective, sgd_client_work
 from fedjax_personal.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter
+
+
+@dataclasses.dataclass(frozen=True)
+class FedFomoConfig:
+  prefix: ClassVar[str] = 'fedfomo'
+  candidates: int = hparam(5, 'Models downloaded per round (M).', minimum=1)
+  eps: float = hparam(0.3, 'Initial exploration probability.', minimum=0, maximum=1)
+  eps_decay: float = hparam(0.05, 'Exploration probability decrease per round.', minimum=0)
+  leave_one_out: bool = hparam(False, 'Score candidates through model averages.')
+  dp_clip_norm: float = hparam(0.0, 'DP-SGD per-example clip norm (0: no DP).', minimum=0)
+  dp_noise_multiplier: float = hparam(0.0, 'DP-SGD noise multiplier.', minimum=0)
 
 
 @struct.dataclass
@@ -43,13 +58,9 @@ class FedFomoState:
   """Attributes:
     models: stacked [N, ...] latest model of every client (the server's pool).
     affinity: [N, N] P, P_ij = client i's accumulated weight for client j.
-    key: PRNG key of the candidate choice.
-    round: rounds done (drives the eps decay).
   """
   models: optax.Params
   affinity: jax.Array
-  key: jax.Array
-  round: jax.Array
 
 
 def choose_candidates(key, affinity_rows, clients, num_candidates: int, eps, num_clients: int):
@@ -87,11 +98,12 @@ def fomo_update(base, candidates, weights):
 
 def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching,
             num_candidates: int = 5, eps0: float = 0.3, eps_decay: float = 0.05,
-            leave_one_out: bool = False, dp: Optional[tuple] = None,
-            seed: int = 0) -> FederatedAlgorithm:
-  """Builds FedFomo (M = ``num_candidates``)."""
+            leave_one_out: bool = False, dp: Optional[tuple] = None) -> FederatedAlgorithm:
+  """Builds FedFomo (M = ``num_candidates``). The candidate choice (exploration
+  and ties) draws from the round's server key."""
   if not 1 <= num_candidates < num_clients:
-    raise ValueError(f'FedFomo num_candidates must be in [1, num_clients - 1], got {num_candidates}')
+    raise ConfigError('fedfomo_candidates',
+                      f'must be in [1, num_clients - 1], got {num_candidates}')
   objective = plain_objective(model)
 
   def val_loss(params, val):
@@ -100,14 +112,12 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
 
   def init(key):
     params = model.init(key)
-    return FedFomoState(tree_broadcast(params, num_clients), jnp.zeros((num_clients, num_clients)),
-                        jax.random.key(seed), jnp.zeros((), jnp.int32))
+    return FedFomoState(tree_broadcast(params, num_clients), jnp.zeros((num_clients, num_clients)))
 
-  def server_broadcast(state, cohort):
-    eps = jnp.maximum(eps0 - eps_decay * state.round.astype(jnp.float32), 0.0)
+  def server_broadcast(state, cohort, rc):
+    eps = jnp.maximum(eps0 - eps_decay * rc.round.astype(jnp.float32), 0.0)
     affinity = state.affinity.at[cohort.idx].get(mode='clip')
-    cand = choose_candidates(jax.random.fold_in(state.key, state.round), affinity, cohort.idx,
-                             num_candidates, eps, num_clients)
+    cand = choose_candidates(rc.key, affinity, cohort.idx, num_candidates, eps, num_clients)
     return None, (rows(state.models, cohort.idx), cand, rows(state.models, cand))
 
   def start(ctx):
@@ -141,15 +151,16 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
     c, w = carry
     return c.params, ctx.state[1], w, c.stats
 
-  work = ClientWork(work_init, work_step, work_final, batching)
+  work = ClientWork(work_init, work_step, work_final, batching,
+                    init_opt_state=inner.init_opt_state,
+                    opt_state=lambda carry: inner.opt_state(carry[0]))
 
-  def server_update(state, cohort, out):
+  def server_update(state, cohort, out, rc):
     params, cand, w, stats = out
     rows = jnp.where(cohort.mask[:, None], w, 0.0)
     i = jnp.broadcast_to(cohort.idx[:, None], cand.shape)
     affinity = state.affinity.at[i, cand].add(rows, mode='drop')  # P_i,n += w_n
-    new = FedFomoState(tree_scatter(state.models, cohort.idx, params), affinity, state.key,
-                       state.round + 1)
+    new = FedFomoState(tree_scatter(state.models, cohort.idx, params), affinity)
     return new, cohort_train_metrics(stats, cohort.mask)
 
   def communication(state):
@@ -162,3 +173,26 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
       client_work=work, server_update=server_update,
       client_models=lambda s: ClientModels.personal(s.models, num_clients),
       communication=communication)
+
+
+def build(training, config: FedFomoConfig, model, data):
+  if int(np.asarray(data.val.num_examples).min()) == 0:
+    raise ConfigError('val_fraction', 'fedfomo needs a validation split on every client '
+                      '(0.2 in the paper)')
+  dp = (config.dp_clip_norm, config.dp_noise_multiplier) if config.dp_clip_norm > 0 else None
+  return fedfomo(model, data.num_clients, training.make_client_optimizer(), training.batching(),
+                 num_candidates=min(config.candidates, data.num_clients - 1), eps0=config.eps,
+                 eps_decay=config.eps_decay, leave_one_out=config.leave_one_out, dp=dp)
+
+
+def check(training, config: FedFomoConfig):
+  del training
+  if config.dp_noise_multiplier and not config.dp_clip_norm:
+    raise ConfigError('fedfomo_dp_noise_multiplier', 'needs --fedfomo_dp_clip_norm > 0')
+
+
+# Personalized by its own affinity-weighted combination: no weighting and no
+# server optimizer.
+SPEC = AlgorithmSpec('fedfomo', FedFomoConfig, build, CLIENT_OPTIMIZER | BATCHING | FINETUNE,
+                     check=check, summary='FedFomo (Zhang et al. 2021): first-order model '
+                     'optimization')

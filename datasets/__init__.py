@@ -5,6 +5,7 @@ from typing import Optional
 
 import numpy as np
 
+from fedjax_personal.config import ConfigError
 from fedjax_personal.data import FederatedData, build_federated_data, pad_clients
 from fedjax_personal.datasets import loaders, partition
 from fedjax_personal.datasets.partition import PARTITIONS, Partition
@@ -64,7 +65,7 @@ def load_pool(cfg: DataConfig):
     from fedjax_personal.datasets.tfds_loader import load_tfds
     x, y, c = load_tfds(cfg.dataset[5:], data_dir=cfg.data_dir, max_examples=cfg.max_examples)
   else:
-    raise ValueError(f'unknown dataset {cfg.dataset!r}; choose one of {list(DATASETS)}')
+    raise ConfigError('dataset', f'unknown dataset {cfg.dataset!r}; choose one of {list(DATASETS)}')
   if cfg.max_examples is not None and cfg.max_examples < len(y):
     keep = np.random.default_rng(cfg.seed + 7).permutation(len(y))[:cfg.max_examples]
     x, y = x[np.sort(keep)], y[np.sort(keep)]
@@ -76,13 +77,13 @@ def make_partition(cfg: DataConfig, x, y, num_classes, rng) -> Partition:
   n = cfg.num_clients
   p = cfg.partition
   if p not in PARTITIONS:
-    raise ValueError(f'unknown partition {p!r}; choose one of {list(PARTITIONS)}')
+    raise ConfigError('partition', f'unknown partition {p!r}; choose one of {list(PARTITIONS)}')
   if p == 'natural':
-    raise ValueError(f"partition 'natural' is only for {list(NATURAL)}")
+    raise ConfigError('partition', f"partition 'natural' is only for {list(NATURAL)}")
   base = None
   if p in ('rotation', 'label_permutation'):
     if cfg.group_base not in ('iid', 'dirichlet'):
-      raise ValueError(f"group_base must be 'iid' or 'dirichlet', got {cfg.group_base!r}")
+      raise ConfigError('group_base', f"group_base must be 'iid' or 'dirichlet', got {cfg.group_base!r}")
     base = (partition.dirichlet(y, n, cfg.alpha, rng) if cfg.group_base == 'dirichlet'
             else partition.iid(y, n, rng))
   if p == 'iid':
@@ -95,7 +96,7 @@ def make_partition(cfg: DataConfig, x, y, num_classes, rng) -> Partition:
     return partition.quantity_skew(y, n, cfg.alpha, rng)
   if p == 'rotation':
     if x.ndim != 4 or x.shape[1] != x.shape[2]:
-      raise ValueError(f'rotation needs square images, dataset {cfg.dataset} has shape {x.shape[1:]}')
+      raise ConfigError('partition', f'rotation needs square images, dataset {cfg.dataset} has shape {x.shape[1:]}')
     return partition.rotation_groups(y, n, rng, cfg.num_groups, base)
   if p == 'label_permutation':
     return partition.label_permutation_groups(y, n, num_classes, rng, cfg.num_groups, base)
@@ -112,15 +113,15 @@ def load_federated(cfg: DataConfig) -> FederatedData:
     ValueError / FileNotFoundError with a message naming the field or file.
   """
   if cfg.num_clients < 1:
-    raise ValueError(f'num_clients must be >= 1, got {cfg.num_clients}')
+    raise ConfigError('num_clients', f'num_clients must be >= 1, got {cfg.num_clients}')
   for f in ('test_fraction', 'val_fraction'):
     if not 0 <= getattr(cfg, f) < 1:
-      raise ValueError(f'{f} must be in [0, 1), got {getattr(cfg, f)}')
+      raise ConfigError(f, f'{f} must be in [0, 1), got {getattr(cfg, f)}')
   rng = np.random.default_rng(cfg.seed)
   name = f'{cfg.dataset}/{cfg.partition}'
   if cfg.dataset in NATURAL:
     if cfg.partition not in ('natural', 'dirichlet'):  # dirichlet is the flag default
-      raise ValueError(f"dataset {cfg.dataset} has a natural partition; use --partition=natural")
+      raise ConfigError('partition', f"dataset {cfg.dataset} has a natural partition; use --partition=natural")
     if cfg.dataset in ('shakespeare', 'tfds:tiny_shakespeare'):
       text = None
       if cfg.dataset.startswith('tfds:'):
@@ -140,7 +141,7 @@ def load_federated(cfg: DataConfig) -> FederatedData:
                                 name=f'{cfg.dataset}/natural')
   x, y, num_classes = load_pool(cfg)
   if cfg.num_clients > len(y):
-    raise ValueError(f'num_clients={cfg.num_clients} exceeds the {len(y)} examples of {cfg.dataset}')
+    raise ConfigError('num_clients', f'num_clients={cfg.num_clients} exceeds the {len(y)} examples of {cfg.dataset}')
   part = make_partition(cfg, x, y, num_classes, rng)
   return build_federated_data(x, y, part.client_indices, part.num_classes or num_classes, rng,
                               cfg.test_fraction, cfg.val_fraction, groups=part.groups,

@@ -15,6 +15,8 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
+from fedjax_personal.config import ConfigError
+
 
 @dataclasses.dataclass
 class Partition:
@@ -40,9 +42,9 @@ class Partition:
 
 def _check(num_examples: int, num_clients: int, min_size: int = 1):
   if num_clients < 1:
-    raise ValueError(f'num_clients must be >= 1, got {num_clients}')
+    raise ConfigError('num_clients', f'num_clients must be >= 1, got {num_clients}')
   if num_examples < num_clients * min_size:
-    raise ValueError(f'cannot give {num_clients} clients at least {min_size} example(s) each '
+    raise ConfigError('num_clients', f'cannot give {num_clients} clients at least {min_size} example(s) each '
                      f'from {num_examples} examples; lower num_clients')
 
 
@@ -84,7 +86,7 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float,
   largest clients; every example stays assigned exactly once.
   """
   if not alpha > 0:
-    raise ValueError(f'dirichlet alpha must be > 0, got {alpha}')
+    raise ConfigError('alpha', f'dirichlet alpha must be > 0, got {alpha}')
   _check(len(labels), num_clients, min_size)
   owner = np.empty(len(labels), dtype=np.int64)
   for c in np.unique(labels):
@@ -109,7 +111,7 @@ def pathological(labels: np.ndarray, num_clients: int, classes_per_client: int,
   """McMahan et al.'s shards: sort by label, cut into N * k shards, deal k
   random shards to every client (so each client sees about k classes)."""
   if classes_per_client < 1:
-    raise ValueError(f'classes_per_client must be >= 1, got {classes_per_client}')
+    raise ConfigError('classes_per_client', f'classes_per_client must be >= 1, got {classes_per_client}')
   _check(len(labels), num_clients * classes_per_client)
   order = np.lexsort((rng.random(len(labels)), labels))
   shards = np.array_split(order, num_clients * classes_per_client)
@@ -121,7 +123,7 @@ def quantity_skew(labels: np.ndarray, num_clients: int, beta: float,
                   rng: np.random.Generator, min_size: int = 1) -> Partition:
   """IID labels, client sizes in proportions ~ Dir(beta * 1_N)."""
   if not beta > 0:
-    raise ValueError(f'quantity skew beta must be > 0, got {beta}')
+    raise ConfigError('alpha', f'quantity skew beta must be > 0, got {beta}')
   _check(len(labels), num_clients, min_size)
   q = rng.dirichlet(np.full(num_clients, beta))
   cuts = np.concatenate([[0], np.round(np.cumsum(q) * len(labels)).astype(np.int64)])
@@ -133,7 +135,7 @@ def quantity_skew(labels: np.ndarray, num_clients: int, beta: float,
 
 def _assign_groups(num_clients: int, num_groups: int) -> np.ndarray:
   if not 1 <= num_groups <= num_clients:
-    raise ValueError(f'num_groups must be in [1, num_clients={num_clients}], got {num_groups}')
+    raise ConfigError('num_groups', f'num_groups must be in [1, num_clients={num_clients}], got {num_groups}')
   return (np.arange(num_clients) * num_groups // num_clients).astype(np.int32)
 
 
@@ -149,7 +151,7 @@ def rotation_groups(labels: np.ndarray, num_clients: int, rng: np.random.Generat
   base = base or iid(labels, num_clients, rng)
   groups = _assign_groups(num_clients, num_groups)
   if 360 % num_groups or (360 // num_groups) % 90:
-    raise ValueError(f'rotation groups need 360/num_groups to be a multiple of 90; '
+    raise ConfigError('num_groups', f'rotation groups need 360/num_groups to be a multiple of 90; '
                      f'got num_groups={num_groups}')
 
   def transform(i, x, y):
@@ -187,7 +189,7 @@ def sparse_classes(labels: np.ndarray, num_clients: int, num_classes: int,
   """
   c = classes_per_client
   if not 1 <= c <= num_classes:
-    raise ValueError(f'classes_per_client must be in [1, {num_classes}], got {c}')
+    raise ConfigError('classes_per_client', f'classes_per_client must be in [1, {num_classes}], got {c}')
   _check(len(labels), num_clients)
   holders = [[i for i in range(num_clients) if (cls - i) % num_classes < c]
              for cls in range(num_classes)]
@@ -197,11 +199,11 @@ def sparse_classes(labels: np.ndarray, num_clients: int, num_classes: int,
   if examples_per_client is not None:
     want = examples_per_client // c
     if want > per_class:
-      raise ValueError(f'examples_per_client={examples_per_client} needs {want} examples per '
+      raise ConfigError('examples_per_client', f'examples_per_client={examples_per_client} needs {want} examples per '
                        f'class per device, the data allows {per_class}')
     per_class = want
   if per_class < 1:
-    raise ValueError('too many clients for sparse_classes: a class has fewer examples '
+    raise ConfigError('num_clients', 'too many clients for sparse_classes: a class has fewer examples '
                      'than devices holding it')
   taken = [0] * num_classes
   clients = []
@@ -241,7 +243,7 @@ def latent_clusters(features: np.ndarray, num_clients: int, num_groups: int,
     members = np.nonzero(groups == g)[0]
     idx = rng.permutation(np.nonzero(assign == g)[0])
     if len(idx) < len(members):
-      raise ValueError(f'latent cluster {g} has {len(idx)} examples for {len(members)} clients')
+      raise ConfigError('num_clients', f'latent cluster {g} has {len(idx)} examples for {len(members)} clients')
     for m, part in zip(members, np.array_split(idx, len(members))):
       clients[m] = part
   return Partition(clients, groups)

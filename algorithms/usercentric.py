@@ -26,7 +26,8 @@ Local, N means uniform), and the adjusted Rand index of the streams against
 the known groups when there are any.
 """
 
-from typing import Optional
+import dataclasses
+from typing import ClassVar, Optional
 
 from flax import struct
 import jax
@@ -38,9 +39,23 @@ from fedjax_personal import aggregation
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
                                        cohort_train_metrics)
 from fedjax_personal.batching import Batching
+from fedjax_personal.config import BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec, hparam
 from fedjax_personal.models import Model
 from fedjax_personal.training import Batch, batch_loss, plain_objective, sgd_client_work
 from fedjax_personal.tree_util import rows, tree_broadcast, tree_bytes, tree_gather, tree_scatter
+
+
+@dataclasses.dataclass(frozen=True)
+class UserCentricConfig:
+  prefix: ClassVar[str] = 'usercentric'
+  num_streams: int = hparam(0, 'Downlink streams m_t (0: silhouette choice; >= num_clients: '
+                            'one per client).', minimum=0)
+  sigma_batches: int = hparam(2, 'K batches for sigma_i^2 (eq. 7).', minimum=1)
+  sigma_batch_size: int = hparam(0, "Size of those batches (0: K equal parts of the local data, "
+                                 "the authors' reading; ~32 mixes usefully under label shift).",
+                                 minimum=0)
+  warmup_rounds: int = hparam(0, 'FedAvg rounds before W is computed.', minimum=0)
+  recompute_every: int = hparam(0, 'Recompute W every this many rounds (0: once).', minimum=0)
 
 
 @struct.dataclass
@@ -68,9 +83,14 @@ def mixing_matrix(grads, sigma2, num_examples):
   """Eq. 6 from stacked flat gradients [N, P], sigma^2 [N] and n [N].
 
   Computed in log space (a softmax over j of log n_j - Delta_ij / (2 s_i s_j)),
-  so that large exponents give the identity instead of NaN.
+  so that large exponents give the identity instead of NaN. The squared
+  distances |g_i|^2 + |g_j|^2 - 2 g_i.g_j are taken on gradients centred on
+  their mean: the distances are unchanged, and large, nearly equal gradients
+  no longer cancel catastrophically in float32 (centring nearby values is
+  exact by Sterbenz's lemma).
   """
   g = jnp.asarray(grads, jnp.float32)
+  g = g - jnp.mean(g, axis=0, keepdims=True)
   sq = jnp.sum(g * g, axis=1)
   delta = jnp.maximum(sq[:, None] + sq[None, :] - 2 * g @ g.T, 0.0)
   delta = delta.at[jnp.diag_indices(g.shape[0])].set(0.0)
@@ -147,8 +167,8 @@ def gradient_statistics(model: Model, params, data, key, sigma_batches: int,
 def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
                 batching: Batching, num_streams: Optional[int] = None,
                 sigma_batches: int = 2, sigma_batch_size: Optional[int] = None,
-                warmup_rounds: int = 0, recompute_every: int = 0, groups=None,
-                seed: int = 0) -> FederatedAlgorithm:
+                warmup_rounds: int = 0, recompute_every: int = 0,
+                groups=None) -> FederatedAlgorithm:
   """Builds user-centric FL.
 
   Args:
@@ -161,7 +181,8 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
     warmup_rounds: FedAvg rounds before W is computed (0: at the initial model).
     recompute_every: recompute W every this many rounds (0: once).
     groups: optional known groups [N] for the adjusted Rand index report.
-    seed: k-means seed.
+
+  The sigma batches and the k-means initialisation draw from the round's key.
   """
   n_np = np.asarray(num_examples)
   groups_np = None if groups is None else np.asarray(groups)
@@ -173,13 +194,13 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
     return UserCentricState(tree_broadcast(params, num_clients), w,
                             jnp.zeros(num_clients, jnp.int32), jnp.ones((), jnp.int32))
 
-  def server_broadcast(state, cohort):
+  def server_broadcast(state, cohort, rc):
     return None, rows(state.personal, cohort.idx)
 
   work = sgd_client_work(lambda ctx: plain, client_optimizer, batching,
                          final=lambda ctx, c: (c.params, c.stats), start_fn=lambda ctx: ctx.state)
 
-  def server_update(state, cohort, out):
+  def server_update(state, cohort, out, rc):
     params, stats = out
     thetas = tree_scatter(state.personal, cohort.idx, params)
     streams = aggregation.mix(state.stream_matrix, thetas)  # [N (padded streams), ...]
@@ -190,7 +211,7 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
 
   stats_fns = {}
 
-  def between_rounds(state, t, runner):
+  def between_rounds(state, t, key, runner):
     due = t == warmup_rounds or (recompute_every and t > warmup_rounds
                                  and (t - warmup_rounds) % recompute_every == 0)
     if not due:
@@ -208,8 +229,9 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
       stats_fns['fn'] = fn
       stats_fns['jit'] = (jax.jit(lambda th, train, keys: runner.executor.map(
           fn, (th, train), (jnp.arange(num_clients), keys))) if runner.executor.fused else None)
-    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed + 7 * t), i))(
-        jnp.arange(num_clients))
+    k_sigma, k_means = jax.random.split(key)
+    keys = jax.vmap(lambda i: jax.random.fold_in(k_sigma, i))(jnp.arange(num_clients))
+    seed = int(jax.random.randint(k_means, (), 0, 2 ** 31 - 1))
     if stats_fns['jit'] is not None:
       grads, sigma2 = stats_fns['jit'](theta_hat, runner.data.train, keys)
     else:
@@ -242,3 +264,20 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
       client_work=work, server_update=server_update,
       client_models=lambda s: ClientModels.personal(s.personal, num_clients),
       communication=communication, between_rounds=between_rounds)
+
+
+def build(training, config: UserCentricConfig, model, data):
+  return usercentric(model, data.num_clients, data.train.num_examples,
+                     training.make_client_optimizer(), training.batching(),
+                     num_streams=config.num_streams or None, sigma_batches=config.sigma_batches,
+                     sigma_batch_size=config.sigma_batch_size or None,
+                     warmup_rounds=config.warmup_rounds,
+                     recompute_every=config.recompute_every, groups=data.groups)
+
+
+# W weighs clients by n_j / n_i itself (eq. 6) and replaces the server
+# optimizer: --weighting and --server_* do not apply.
+SPEC = AlgorithmSpec('usercentric', UserCentricConfig, build,
+                     CLIENT_OPTIMIZER | BATCHING | FINETUNE,
+                     summary='User-centric FL (Mestoukirdi et al. 2023): mixing matrix W, '
+                     'k-means streams')

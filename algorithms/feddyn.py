@@ -13,8 +13,9 @@ then updates g_i <- g_i - alpha_i (theta_i - theta_server). The server keeps h
     theta_server <- mean_{i in P_t} theta_i - h / alpha.
 
 Options of the authors' code: alpha_i = alpha mean(n) / n_i (``adaptive_alpha``),
-gradient clipping of the data term (``max_grad_norm``, 10 in their code), a
-per-round learning-rate decay, weight decay (1e-3 in their code). The model
+gradient clipping of the data term (``max_grad_norm``, 10 in their code); their
+per-round learning-rate decay and weight decay (1e-3) are the shared client
+optimizer's ``--client_lr_decay`` and ``--client_weight_decay``. The model
 evaluated is a choice (``eval_model``): the server model, the mean of the last
 round's active models, or the mean of all clients' latest models.
 
@@ -22,7 +23,8 @@ The data term L_i is pluggable (``data_objective``), which is how personalized
 FedDyn (``pfeddyn.py``) swaps in MAML and prototype objectives.
 """
 
-from typing import Callable, Optional
+import dataclasses
+from typing import Callable, ClassVar, Optional
 
 from flax import struct
 import jax
@@ -33,10 +35,12 @@ import optax
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
                                        cohort_train_metrics)
 from fedjax_personal.batching import Batching
+from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec,
+                                    ConfigError, hparam)
 from fedjax_personal.models import Model
-from fedjax_personal.training import ClientWork, LossStats, plain_objective, sgd_client_work
-from fedjax_personal.tree_util import (is_concrete, rows, tree_broadcast, tree_bytes, tree_scatter,
-                                       tree_zeros_like)
+from fedjax_personal.training import LossStats, plain_objective, sgd_client_work
+from optax import tree_utils as otu
+from fedjax_personal.tree_util import is_concrete, rows, tree_broadcast, tree_bytes, tree_scatter
 
 EVAL_MODELS = ('server', 'active_mean', 'all_clients_mean')
 
@@ -50,14 +54,25 @@ class FedDynState:
     grad_state: stacked [N, ...] client states g_i.
     client_params: stacked [N, ...] latest model of every client (only kept
       when ``eval_model='all_clients_mean'``, else None).
-    round: rounds done (drives the learning-rate decay).
   """
   params: optax.Params
   h: optax.Params
   active_mean: optax.Params
   grad_state: optax.Params
   client_params: Optional[optax.Params]
-  round: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class FedDynConfig:
+  prefix: ClassVar[str] = 'feddyn'
+  alpha: float = hparam(1e-2, 'Dynamic regularization coefficient alpha.', minimum=0,
+                        open_min=True, sweep=True)
+  adaptive_alpha: bool = hparam(False, "alpha_i = alpha * mean(n) / n_i (the authors' code).")
+  max_grad_norm: float = hparam(0.0, "Clip the data-term gradient to this norm (0: no "
+                                "clipping; the authors' code: 10).", minimum=0)
+  eval_model: str = hparam('server', 'Model evaluated: the server model, the mean of the '
+                           "last round's active models, or of all clients' latest models.",
+                           choices=('server', 'active_mean', 'all_clients_mean'))
 
 
 @struct.dataclass
@@ -70,12 +85,6 @@ class FedDynOutput:
   params: optax.Params
   grad_state: optax.Params
   stats: LossStats
-
-
-def clip_by_global_norm(grads, max_norm):
-  norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-  scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
-  return jax.tree.map(lambda g: g * scale, grads)
 
 
 def dynamic_regularizer_grad(grads, params, server_params, grad_state, alpha_i):
@@ -98,10 +107,10 @@ def server_update_h(params, h, client_params, mask, alpha, num_clients):
   return new_params, h, active_mean
 
 
-def feddyn(model: Model, num_clients: int, num_examples, learning_rate: float,
+def feddyn(model: Model, num_clients: int, num_examples,
+           client_optimizer: optax.GradientTransformation,
            batching: Batching, alpha: float = 1e-2, adaptive_alpha: bool = False,
-           max_grad_norm: Optional[float] = None, lr_decay: float = 1.0,
-           weight_decay: float = 0.0, eval_model: str = 'server',
+           max_grad_norm: Optional[float] = None, eval_model: str = 'server',
            data_objective: Optional[Callable] = None, batches_per_step: int = 1,
            finetune=None, evaluate_client=None, name: str = 'feddyn') -> FederatedAlgorithm:
   """Builds FedDyn.
@@ -110,13 +119,12 @@ def feddyn(model: Model, num_clients: int, num_examples, learning_rate: float,
     model: the model.
     num_clients: N.
     num_examples: int [N] training examples per client (for adaptive alpha).
-    learning_rate: client SGD learning rate at round 0.
+    client_optimizer: applied to the gradient of the regularized objective
+      (the authors: SGD with weight decay 1e-3 and a per-round decay).
     batching: local batching (the authors: E = 5 epochs, B = 50).
     alpha: the regularization coefficient (1e-2 default).
     adaptive_alpha: alpha_i = alpha * mean(n) / n_i (authors' code).
     max_grad_norm: clip the data-term gradient to this norm (None: no clip).
-    lr_decay: learning rate of round t is learning_rate * lr_decay**t.
-    weight_decay: L2 weight decay added by the client optimizer.
     eval_model: 'server', 'active_mean' or 'all_clients_mean'.
     data_objective: ``(params, batch) -> (loss, stats)``, the data term L_i
       (default: the plain empirical risk on one batch).
@@ -125,9 +133,9 @@ def feddyn(model: Model, num_clients: int, num_examples, learning_rate: float,
     name: registry name.
   """
   if is_concrete(alpha) and alpha <= 0:
-    raise ValueError(f'FedDyn alpha must be > 0, got {alpha}')
+    raise ConfigError('feddyn_alpha', f'must be > 0, got {alpha}')
   if eval_model not in EVAL_MODELS:
-    raise ValueError(f'eval_model must be one of {EVAL_MODELS}, got {eval_model!r}')
+    raise ConfigError('feddyn_eval_model', f'eval_model must be one of {EVAL_MODELS}, got {eval_model!r}')
   n = np.asarray(num_examples, np.float64)
   alphas = alpha * jnp.asarray(n.mean() / np.maximum(n, 1) if adaptive_alpha else np.ones_like(n),
                                jnp.float32)
@@ -136,49 +144,42 @@ def feddyn(model: Model, num_clients: int, num_examples, learning_rate: float,
 
   def init(key):
     params = model.init(key)
-    zeros = tree_zeros_like(params)
+    zeros = otu.tree_zeros_like(params)
     return FedDynState(params=params, h=zeros, active_mean=params,
                        grad_state=tree_broadcast(zeros, num_clients),
-                       client_params=tree_broadcast(params, num_clients) if keep_all else None,
-                       round=jnp.zeros((), jnp.int32))
+                       client_params=tree_broadcast(params, num_clients) if keep_all else None)
 
-  def server_broadcast(state, cohort):
-    lr = learning_rate * jnp.power(lr_decay, state.round.astype(jnp.float32))
+  def server_broadcast(state, cohort, rc):
     per_client = (rows(state.grad_state, cohort.idx), alphas.at[cohort.idx].get(mode='clip'))
-    return (state.params, lr), per_client
+    return state.params, per_client
 
-  def optimizer(ctx):
-    _, lr = ctx.shared
-    sgd = optax.sgd(lr)
-    return optax.chain(optax.add_decayed_weights(weight_decay), sgd) if weight_decay else sgd
+  clip = optax.clip_by_global_norm(max_grad_norm) if max_grad_norm else None
 
   def debiased(grads, params, ctx):
-    server_params, _ = ctx.shared
     grad_state, alpha_i = ctx.state
-    if max_grad_norm:
-      grads = clip_by_global_norm(grads, max_grad_norm)
-    return dynamic_regularizer_grad(grads, params, server_params, grad_state, alpha_i)
+    if clip is not None:
+      grads, _ = clip.update(grads, clip.init(grads))
+    return dynamic_regularizer_grad(grads, params, ctx.shared, grad_state, alpha_i)
 
   def final(ctx, carry):
-    server_params, _ = ctx.shared
+    server_params = ctx.shared
     grad_state, alpha_i = ctx.state
     new_g = jax.tree.map(lambda g, p, s: g - alpha_i * (p - s), grad_state, carry.params,
                          server_params)
     return FedDynOutput(params=carry.params, grad_state=new_g, stats=carry.stats)
 
-  work = sgd_client_work(lambda ctx: data_objective, optimizer, batching, final,
-                         start_fn=lambda ctx: ctx.shared[0], grad_transform=debiased)
-  work = ClientWork(init=work.init, step=work.step, final=work.final, batching=batching,
-                    batches_per_step=batches_per_step)
+  work = dataclasses.replace(
+      sgd_client_work(lambda ctx: data_objective, client_optimizer, batching, final,
+                      grad_transform=debiased), batches_per_step=batches_per_step)
 
-  def server_update(state, cohort, out: FedDynOutput):
+  def server_update(state, cohort, out: FedDynOutput, rc):
     params, h, active_mean = server_update_h(state.params, state.h, out.params, cohort.mask,
                                              alpha, num_clients)
     client_params = (tree_scatter(state.client_params, cohort.idx, out.params)
                      if keep_all else None)
     new = FedDynState(params=params, h=h, active_mean=active_mean,
                       grad_state=tree_scatter(state.grad_state, cohort.idx, out.grad_state),
-                      client_params=client_params, round=state.round + 1)
+                      client_params=client_params)
     return new, cohort_train_metrics(out.stats, cohort.mask)
 
   def client_models(state):
@@ -198,3 +199,23 @@ def feddyn(model: Model, num_clients: int, num_examples, learning_rate: float,
       name=name, model=model, init=init, server_broadcast=server_broadcast, client_work=work,
       server_update=server_update, client_models=client_models, communication=communication,
       finetune=finetune, evaluate_client=evaluate_client)
+
+
+def feddyn_options(config: FedDynConfig) -> dict:
+  """Builder arguments of FedDyn's own settings."""
+  return dict(adaptive_alpha=config.adaptive_alpha, max_grad_norm=config.max_grad_norm or None,
+              eval_model=config.eval_model)
+
+
+def build(training, config: FedDynConfig, model, data):
+  return feddyn(model, data.num_clients, data.train.num_examples,
+                training.make_client_optimizer(), training.batching(), alpha=config.alpha,
+                **feddyn_options(config))
+
+
+#: FedDyn aggregates by its own rule (uniform over active clients, no server
+#: optimizer), so --weighting and the server optimizer do not apply.
+FEDDYN_SETTINGS = CLIENT_OPTIMIZER | BATCHING | FINETUNE
+
+SPEC = AlgorithmSpec('feddyn', FedDynConfig, build, FEDDYN_SETTINGS,
+                     summary='FedDyn (Acar et al. 2021): dynamic regularization')

@@ -5,6 +5,13 @@ Client i corrects every local gradient by c - c_i (the local loss gains
 
     c_i+ = c_i - c + (theta_server - theta_i) / (K lr)            (option II)
 
+For plain SGD, theta_server - theta_i = lr sum_k (g_k + c - c_i), so option II
+is the mean of the client's raw local gradients, c_i+ = (1/K) sum_k g_k. That
+form is what is computed here: it is the same number for SGD and stays
+defined for any client optimizer (momentum, Adam, weight decay, clipping act
+on the corrected gradient; the control variate estimates the client's
+gradient either way).
+
 The server averages the active models (a server optimizer on the mean delta;
 ``optax.sgd(1.0)`` is the plain mean) and updates
 
@@ -24,12 +31,13 @@ import optax
 from fedjax_personal.aggregation import Sum
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
                                        cohort_train_metrics)
-from fedjax_personal.algorithms.fedavg import server_step, summed_upload
+from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS, server_step, summed_upload
 from fedjax_personal.batching import Batching
+from fedjax_personal.config import AlgorithmSpec, NoConfig
 from fedjax_personal.models import Model
 from fedjax_personal.training import LossStats, plain_objective, sgd_client_work
-from fedjax_personal.tree_util import (rows, tree_broadcast, tree_bytes, tree_scatter,
-                                       tree_sub, tree_zeros_like)
+from optax import tree_utils as otu
+from fedjax_personal.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter
 
 
 @struct.dataclass
@@ -62,32 +70,32 @@ class ScaffoldOutput:
   stats: LossStats
 
 
-def option_ii_control(client_control, control, server_params, params, num_steps, learning_rate):
-  """c_i+ = c_i - c + (theta_server - theta_i) / (K lr); c_i when K = 0."""
-  scale = jnp.where(num_steps > 0, 1.0 / (jnp.maximum(num_steps, 1) * learning_rate), 0.0)
-  return jax.tree.map(
-      lambda ci, c, s, p: jnp.where(num_steps > 0, ci - c + (s - p) * scale, ci),
-      client_control, control, server_params, params)
+def option_ii_control(client_control, grad_sum, num_steps):
+  """c_i+ = (1/K) sum_k g_k over the K real steps (option II, see the module
+  docstring); c_i when K = 0."""
+  k = jnp.maximum(num_steps, 1).astype(jnp.float32)
+  return jax.tree.map(lambda ci, g: jnp.where(num_steps > 0, g / k, ci), client_control, grad_sum)
 
 
-def scaffold(model: Model, num_clients: int, learning_rate: float, batching: Batching,
+def scaffold(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
+             batching: Batching,
              server_optimizer: Optional[optax.GradientTransformation] = None,
              weighting: str = 'uniform', finetune=None) -> FederatedAlgorithm:
-  """Builds SCAFFOLD with local SGD at ``learning_rate``.
+  """Builds SCAFFOLD.
 
   Args:
+    client_optimizer: applied to the corrected gradients (the paper: SGD).
     weighting: aggregation of the models, 'uniform' (the paper's mean over
       the active clients) or 'num_examples'.
   """
   server_optimizer = server_optimizer or optax.sgd(1.0)
-  optimizer = optax.sgd(learning_rate)
 
   def init(key):
     params = model.init(key)
-    return ScaffoldState(params, server_optimizer.init(params), tree_zeros_like(params),
-                         tree_broadcast(tree_zeros_like(params), num_clients))
+    return ScaffoldState(params, server_optimizer.init(params), otu.tree_zeros_like(params),
+                         tree_broadcast(otu.tree_zeros_like(params), num_clients))
 
-  def server_broadcast(state, cohort):
+  def server_broadcast(state, cohort, rc):
     return (state.params, state.control), rows(state.client_controls, cohort.idx)
 
   def corrected(grads, params, ctx):
@@ -96,18 +104,17 @@ def scaffold(model: Model, num_clients: int, learning_rate: float, batching: Bat
 
   def final(ctx, carry):
     server_params, control = ctx.shared
-    new_control = option_ii_control(ctx.state, control, server_params, carry.params,
-                                    carry.num_steps, learning_rate)
-    return ScaffoldOutput(delta=tree_sub(server_params, carry.params), control=new_control,
-                          control_delta=Sum(tree_sub(new_control, ctx.state)),
+    new_control = option_ii_control(ctx.state, carry.grad_sum, carry.num_steps)
+    return ScaffoldOutput(delta=otu.tree_sub(server_params, carry.params), control=new_control,
+                          control_delta=Sum(otu.tree_sub(new_control, ctx.state)),
                           num_examples=ctx.data.train.num_examples, stats=carry.stats)
 
   plain = plain_objective(model)
-  work = summed_upload(sgd_client_work(lambda ctx: plain, optimizer, batching, final,
+  work = summed_upload(sgd_client_work(lambda ctx: plain, client_optimizer, batching, final,
                                        start_fn=lambda ctx: ctx.shared[0],
-                                       grad_transform=corrected), weighting)
+                                       grad_transform=corrected, sum_grads=True), weighting)
 
-  def server_update(state, cohort, out: ScaffoldOutput):
+  def server_update(state, cohort, out: ScaffoldOutput, rc):
     params, opt_state = server_step(state.params, state.opt_state, out.delta, server_optimizer)
     control = jax.tree.map(lambda c, d: c + d / num_clients, state.control,
                            out.control_delta.value)
@@ -124,3 +131,14 @@ def scaffold(model: Model, num_clients: int, learning_rate: float, batching: Bat
       client_work=work, server_update=server_update,
       client_models=lambda s: ClientModels.global_model(s.params, num_clients),
       communication=communication, finetune=finetune)
+
+
+def build(training, config, model, data):
+  del config
+  return scaffold(model, data.num_clients, training.make_client_optimizer(), training.batching(),
+                  server_optimizer=training.make_server_optimizer(),
+                  weighting=training.weighting)
+
+
+SPEC = AlgorithmSpec('scaffold', NoConfig, build, FEDAVG_SETTINGS, default_weighting='uniform',
+                     summary='SCAFFOLD (Karimireddy et al. 2020), option II control variates')

@@ -3,13 +3,24 @@
     L_i(theta) + mu/2 ||theta - theta_server||^2.
 """
 
+import dataclasses
+from typing import ClassVar
+
 import optax
 
-from fedjax_personal.algorithms.fedavg import fedavg
+from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS, fedavg
 from fedjax_personal.batching import Batching
+from fedjax_personal.config import AlgorithmSpec, hparam
 from fedjax_personal.models import Model
 from fedjax_personal.training import batch_loss
-from fedjax_personal.tree_util import is_concrete, tree_sq_norm, tree_sub
+from optax import tree_utils as otu
+from fedjax_personal.tree_util import is_concrete
+
+
+@dataclasses.dataclass(frozen=True)
+class FedProxConfig:
+  prefix: ClassVar[str] = 'fedprox'
+  mu: float = hparam(0.01, 'Proximal coefficient mu.', minimum=0, sweep=True)
 
 
 def proximal_objective(model: Model, mu: float):
@@ -17,7 +28,7 @@ def proximal_objective(model: Model, mu: float):
   def objective_fn(ctx):
     def objective(params, batch):
       loss, stats = batch_loss(model, params, batch)
-      return loss + 0.5 * mu * tree_sq_norm(tree_sub(params, ctx.shared)), stats
+      return loss + 0.5 * mu * otu.tree_norm(otu.tree_sub(params, ctx.shared), squared=True), stats
     return objective
   return objective_fn
 
@@ -29,3 +40,13 @@ def fedprox(model: Model, num_clients: int, client_optimizer: optax.GradientTran
     raise ValueError(f'FedProx mu must be >= 0, got {mu}')
   return fedavg(model, num_clients, client_optimizer, batching,
                 objective_fn=proximal_objective(model, mu), name='fedprox', **kw)
+
+
+def build(training, config: FedProxConfig, model, data):
+  return fedprox(model, data.num_clients, training.make_client_optimizer(), training.batching(),
+                 config.mu, server_optimizer=training.make_server_optimizer(),
+                 weighting=training.weighting)
+
+
+SPEC = AlgorithmSpec('fedprox', FedProxConfig, build, FEDAVG_SETTINGS,
+                     summary='FedProx (Li et al. 2020): FedAvg + proximal term')

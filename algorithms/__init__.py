@@ -1,0 +1,98 @@
+"""Algorithm registry: a name -> ``AlgorithmSpec`` (config class, builder,
+the shared settings it uses).
+
+One algorithm per module; each module declares its hyperparameters (a frozen
+config dataclass with a flag prefix) next to its builder, and its builder is
+usable on its own (``fedavg.fedavg(model, num_clients, optax.sgd(0.1), ...)``).
+Adding an algorithm is its module plus one line here.
+"""
+
+from typing import Dict, Optional
+
+from fedjax_personal.algorithm import FederatedAlgorithm
+from fedjax_personal.algorithms import (apfl, cfl, ditto, fedavg, feddyn, fedfomo, fedprox,
+                                        fedsgd, local, oracle, partial, perfedavg, pfeddyn,
+                                        pfedme, scaffold, usercentric)
+from fedjax_personal.config import (AlgorithmSpec, ConfigError, TrainingConfig,
+                                    build_algorithm)
+from fedjax_personal.data import FederatedData
+from fedjax_personal.models import Model
+
+REGISTRY: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in [
+    fedavg.SPEC,
+    fedavg.FT_SPEC,
+    fedsgd.SPEC,
+    fedprox.SPEC,
+    local.SPEC,
+    oracle.SPEC,
+    scaffold.SPEC,
+    feddyn.SPEC,
+    pfeddyn.FT_SPEC,
+    pfeddyn.MAML_SPEC,
+    pfeddyn.PROTO_SPEC,
+    perfedavg.FO_SPEC,
+    perfedavg.HF_SPEC,
+    perfedavg.HF_FD_SPEC,
+    partial.FEDALT_SPEC,
+    partial.FEDSIM_SPEC,
+    partial.FEDREP_SPEC,
+    partial.FEDPER_SPEC,
+    partial.LG_FEDAVG_SPEC,
+    pfedme.SPEC,
+    ditto.SPEC,
+    apfl.SPEC,
+    usercentric.SPEC,
+    fedfomo.SPEC,
+    cfl.SPEC,
+]}
+
+
+def spec(name: str) -> AlgorithmSpec:
+  if name not in REGISTRY:
+    raise ConfigError('algorithm', f'unknown algorithm {name!r}; choose from {sorted(REGISTRY)}')
+  return REGISTRY[name]
+
+
+def config_classes():
+  """The distinct per-algorithm config classes with a flag prefix, in
+  registry order."""
+  out = []
+  for s in REGISTRY.values():
+    if getattr(s.config, 'prefix', None) and s.config not in out:
+      out.append(s.config)
+  return out
+
+
+def build(name: str, model: Model, data: FederatedData,
+          training: Optional[TrainingConfig] = None, config=None,
+          **overrides) -> FederatedAlgorithm:
+  """Builds a registered algorithm.
+
+  Args:
+    name: registry name.
+    model, data: the model and the (device) data.
+    training: shared settings (default ``TrainingConfig()``).
+    config: the algorithm's config (default: its config class's defaults).
+    overrides: shorthand for fields of ``training`` or ``config``, by field
+      or flag name (``build('fedprox', model, data, client_lr=0.1, mu=0.1)``
+      or ``fedprox_mu=0.1``).
+
+  Raises:
+    ConfigError: an invalid setting, or one the algorithm would ignore.
+  """
+  import dataclasses
+  s = spec(name)
+  training = training or TrainingConfig()
+  config = config if config is not None else s.config()
+  t_names = {f.name for f in dataclasses.fields(TrainingConfig)}
+  prefix = getattr(s.config, 'prefix', None)
+  c_names = {f.name: f.name for f in dataclasses.fields(s.config)}
+  c_names.update({f'{prefix}_{f}': f for f in list(c_names)} if prefix else {})
+  for k in overrides:
+    if k not in t_names and k not in c_names:
+      raise ConfigError(k, f'not a setting of {name} (shared: {sorted(t_names)}; own: '
+                        f'{sorted(c_names)})')
+  training = dataclasses.replace(training, **{k: v for k, v in overrides.items() if k in t_names})
+  config = dataclasses.replace(config, **{c_names[k]: v for k, v in overrides.items()
+                                          if k in c_names})
+  return build_algorithm(s, training, config, model, data)

@@ -1,0 +1,62 @@
+"""Ditto (Li, Hu, Beirami and Smith, ICML 2021): fair and robust personalization.
+
+Global model: FedAvg (local training from the broadcast w). Personal model v_i
+of each client: local steps on f_i(v) + lambda/2 ||v - w||^2 with w the
+received global model, taken on the same batches, by the client optimizer at
+the personal learning rate. lambda -> infinity gives the global model;
+lambda = 0 gives Local training. Clients are evaluated with v_i.
+"""
+
+import dataclasses
+from typing import ClassVar, Optional
+
+import jax
+import optax
+
+from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS
+from fedjax_personal.algorithms.global_personal import (global_personal_algorithm,
+                                                        two_model_work)
+from fedjax_personal.batching import Batching
+from fedjax_personal.config import AlgorithmSpec, hparam
+from fedjax_personal.models import Model
+from fedjax_personal.training import batch_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class DittoConfig:
+  prefix: ClassVar[str] = 'ditto'
+  lam: float = hparam(0.1, 'Proximal coefficient lambda of the personal objective.', minimum=0,
+                      sweep=True)
+  personal_lr: Optional[float] = hparam(None, 'Learning rate of the personal model (default: '
+                                        '--client_lr).', minimum=0, open_min=True, sweep=True)
+
+
+def ditto(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
+          batching: Batching, lam: float = 0.1,
+          personal_optimizer: Optional[optax.GradientTransformation] = None,
+          server_optimizer: Optional[optax.GradientTransformation] = None,
+          weighting: str = 'num_examples', finetune=None):
+  """Builds Ditto (``personal_optimizer`` default: the client optimizer)."""
+
+  def step(ctx, w, v, batch):
+    grad = lambda p: jax.value_and_grad(lambda q: batch_loss(model, q, batch), has_aux=True)(p)
+    gw = grad(w)[1]
+    (_, s), gv = grad(v)
+    gv = jax.tree.map(lambda g, a, w0: g + lam * (a - w0), gv, v, ctx.shared)
+    return gw, gv, s
+
+  work = two_model_work(step, batching, client_optimizer, personal_optimizer or client_optimizer)
+  return global_personal_algorithm('ditto', model, num_clients, work, server_optimizer, weighting,
+                                   finetune=finetune)
+
+
+def build(training, config: DittoConfig, model, data):
+  return ditto(model, data.num_clients, training.make_client_optimizer(), training.batching(),
+               lam=config.lam,
+               personal_optimizer=(None if config.personal_lr is None else
+                                   training.make_client_optimizer(config.personal_lr)),
+               server_optimizer=training.make_server_optimizer(), weighting=training.weighting)
+
+
+SPEC = AlgorithmSpec('ditto', DittoConfig, build, FEDAVG_SETTINGS,
+                     summary='Ditto (Li et al. 2021): personal models with a proximal term')

@@ -1,0 +1,265 @@
+"""Partial model personalization: FedAlt and FedSim (Pillutla et al., ICML 2022).
+
+Model on client i = (u, v_i): u shared, v_i personal (``personalization.ParamSplit``).
+Each round the active clients receive u and run local SGD:
+
+  FedAlt (alternating):  v_i+ = v_i - gamma_v grad_v F_i(u, v_i)     (personal phase)
+                         u_i+ = u - gamma_u grad_u F_i(u, v_i+)      (shared phase)
+  FedSim (simultaneous): (u_i+, v_i+) = (u, v_i) - gamma grad F_i(u, v_i)
+
+(each line is a phase of local SGD steps on the client's own batches). The
+client uploads only u_i+ (its delta); v_i+ stays in the client's row of the
+stacked personal state and is never uploaded. The server averages the shared
+deltas weighted by client size (a server optimizer is allowed).
+
+Related presets (``algorithms/__init__``): FedRep (Collins et al. 2021) =
+FedAlt with the output layer personal and a longer head phase; FedPer
+(Arivazhagan et al. 2019) = FedSim with the output layer personal;
+LG-FedAvg (Liang et al. 2020) = FedSim with everything but the head personal.
+"""
+
+import dataclasses
+from typing import ClassVar, Optional
+
+from flax import struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
+                                       cohort_train_metrics)
+from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS, server_step, summed_upload
+from fedjax_personal.batching import Batching, traced_num_steps
+from fedjax_personal.config import AlgorithmSpec, ConfigError, hparam
+from fedjax_personal.models import Model
+from fedjax_personal.personalization import ParamSplit, make_split
+from fedjax_personal.training import (ClientWork, LossStats, client_opt_init, local_sgd,
+                                      opt_update, plain_objective, zero_stats)
+from optax import tree_utils as otu
+from fedjax_personal.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter, tree_where
+
+MODES = ('alt', 'sim')
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialConfig:
+  prefix: ClassVar[str] = 'partial'
+  personal_part: str = hparam('output', "fedalt/fedsim: personal parameters: input, output, "
+                              "adapter, all_but_output, all, or split:<regex>,...")
+  personal_lr: Optional[float] = hparam(None, 'Learning rate of the personal parameters '
+                                        '(default: --client_lr).', minimum=0, open_min=True,
+                                        sweep=True)
+  personal_epochs: Optional[int] = hparam(None, "FedAlt/FedRep personal phase: epochs (steps "
+                                          "with --local_steps); default: the shared phase's "
+                                          "(FedRep: 5x).", minimum=1)
+
+
+@struct.dataclass
+class PartialState:
+  """Attributes:
+    shared: u, a flat dict {path: array} of the shared leaves.
+    opt_state: server optimizer state of u.
+    personal: v, a flat dict {path: [N, ...]} of every client's personal leaves.
+  """
+  shared: dict
+  opt_state: optax.OptState
+  personal: dict
+
+
+@struct.dataclass
+class PartialCarry:
+  shared: dict
+  personal: dict
+  opt_state: tuple  # (optimizer state of u, of v)
+  personal_steps: jax.Array  # FedAlt: the personal phase's real steps
+  count: jax.Array
+  stats: LossStats
+
+
+@struct.dataclass
+class PartialOutput:
+  """Attributes:
+    shared_delta: u - u_i+ (the only thing uploaded).
+    personal: v_i+ (stays on the client).
+    num_examples: n_i.
+    stats: local training LossStats.
+  """
+  shared_delta: dict
+  personal: dict
+  num_examples: jax.Array
+  stats: LossStats
+
+
+def combined_batching(shared: Batching, personal: Batching) -> Batching:
+  """One batch stream for the personal phase followed by the shared phase."""
+  if shared.batch_size != personal.batch_size:
+    raise ValueError('FedAlt: personal and shared phases need the same batch size')
+  if (shared.num_epochs is None) != (personal.num_epochs is None):
+    raise ValueError('FedAlt: personal and shared phases must both use epochs or both steps')
+  if shared.num_epochs is not None:
+    return Batching(shared.batch_size, num_epochs=shared.num_epochs + personal.num_epochs)
+  return Batching(shared.batch_size, num_epochs=None,
+                  num_steps=shared.num_steps + personal.num_steps)
+
+
+def personal_finetune(model: Model, split: ParamSplit, learning_rate: float, batching: Batching):
+  """Evaluation fine-tuning of the personal leaves only (shared leaves frozen),
+  on the client's training split, by plain SGD."""
+  objective = plain_objective(model)
+
+  def finetune(params, local, key):
+    shared, personal = split.split(params)
+    personal, _ = local_sgd(personal, lambda v, batch: objective(split.merge(shared, v), batch),
+                            optax.sgd(learning_rate), local.train, key, batching)
+    return split.merge(shared, personal)
+  return finetune
+
+
+def partial_personalization(model: Model, num_clients: int, split: ParamSplit, mode: str,
+                            client_optimizer: optax.GradientTransformation, batching: Batching,
+                            personal_batching: Optional[Batching] = None,
+                            personal_optimizer: Optional[optax.GradientTransformation] = None,
+                            server_optimizer: Optional[optax.GradientTransformation] = None,
+                            weighting: str = 'num_examples', finetune=None,
+                            name: Optional[str] = None) -> FederatedAlgorithm:
+  """Builds FedAlt (mode 'alt') or FedSim (mode 'sim').
+
+  Args:
+    split: which leaves are personal.
+    mode: 'alt' or 'sim'.
+    client_optimizer: the optimizer of u (``optax.sgd(gamma_u)`` is the
+      paper's).
+    batching: FedSim's local steps; FedAlt's shared phase.
+    personal_batching: FedAlt's personal phase (default: same as ``batching``).
+    personal_optimizer: the optimizer of v_i (default: client_optimizer).
+    server_optimizer: on the mean shared delta (default plain mean).
+    weighting: 'num_examples' or 'uniform'.
+    finetune: optional evaluation fine-tuning (see ``personal_finetune``).
+  """
+  if mode not in MODES:
+    raise ConfigError('algorithm', f'mode must be one of {MODES}, got {mode!r}')
+  server_optimizer = server_optimizer or optax.sgd(1.0)
+  personal_optimizer = personal_optimizer or client_optimizer
+  personal_batching = personal_batching or batching
+  total = combined_batching(batching, personal_batching) if mode == 'alt' else batching
+  objective = plain_objective(model)
+
+  def init(key):
+    shared, personal = split.split(model.init(key))
+    return PartialState(shared, server_optimizer.init(shared), tree_broadcast(personal, num_clients))
+
+  def server_broadcast(state, cohort, rc):
+    return state.shared, rows(state.personal, cohort.idx)
+
+  def init_opt_state(params):
+    u, v = split.split(params)
+    return client_optimizer.init(u), personal_optimizer.init(v)
+
+  def work_init(ctx, key):
+    del key
+    train = ctx.data.train
+    p_steps = (traced_num_steps(personal_batching, train.num_examples, train.x.shape[0])
+               if mode == 'alt' else jnp.zeros((), jnp.int32))
+    opt_state = client_opt_init(ctx, lambda _: (client_optimizer.init(ctx.shared),
+                                                personal_optimizer.init(ctx.state)), None)
+    return PartialCarry(ctx.shared, ctx.state, opt_state, p_steps, jnp.zeros((), jnp.int32),
+                        zero_stats())
+
+  def work_step(ctx, carry, batch, key):
+    del key
+    grad_fn = jax.value_and_grad(lambda s, p: objective(split.merge(s, p), batch), argnums=(0, 1),
+                                 has_aux=True)
+    (_, stats), (g_shared, g_personal) = grad_fn(carry.shared, carry.personal)
+    opt_u, opt_v = carry.opt_state
+    upd_u, new_opt_u = opt_update(client_optimizer, g_shared, opt_u, carry.shared, ctx)
+    upd_v, new_opt_v = opt_update(personal_optimizer, g_personal, opt_v, carry.personal, ctx)
+    u, v = optax.apply_updates(carry.shared, upd_u), optax.apply_updates(carry.personal, upd_v)
+    if mode == 'alt':  # personal phase: only v moves; shared phase: only u
+      personal_phase = carry.count < carry.personal_steps
+      u, new_opt_u = tree_where(personal_phase, (carry.shared, opt_u), (u, new_opt_u))
+      v, new_opt_v = tree_where(personal_phase, (v, new_opt_v), (carry.personal, opt_v))
+    return carry.replace(shared=u, personal=v, opt_state=(new_opt_u, new_opt_v),
+                         count=carry.count + 1, stats=jax.tree.map(jnp.add, carry.stats, stats))
+
+  def work_final(ctx, carry):
+    return PartialOutput(shared_delta=otu.tree_sub(ctx.shared, carry.shared),
+                         personal=carry.personal,
+                         num_examples=ctx.data.train.num_examples, stats=carry.stats)
+
+  work = summed_upload(ClientWork(init=work_init, step=work_step, final=work_final,
+                                  batching=total, init_opt_state=init_opt_state,
+                                  opt_state=lambda carry: carry.opt_state),
+                       weighting, field='shared_delta')
+
+  def server_update(state, cohort, out: PartialOutput, rc):
+    shared, opt_state = server_step(state.shared, state.opt_state, out.shared_delta,
+                                    server_optimizer)
+    return (PartialState(shared, opt_state, tree_scatter(state.personal, cohort.idx, out.personal)),
+            cohort_train_metrics(out.stats, cohort.mask))
+
+  def client_models(state):
+    shared = tree_broadcast(state.shared, num_clients)
+    return ClientModels.personal(jax.vmap(split.merge)(shared, state.personal), num_clients)
+
+  def communication(state):
+    b = tree_bytes(state.shared)
+    return Communication(b, b, 1)
+
+  return FederatedAlgorithm(
+      name=name or f'fed{mode}', model=model, init=init, server_broadcast=server_broadcast,
+      client_work=work, server_update=server_update, client_models=client_models,
+      communication=communication, finetune=finetune)
+
+
+def _build(mode, personal_part=None, head_ratio=1, name=None):
+  def build(training, config: PartialConfig, model, data):
+    try:
+      split = make_split(personal_part or config.personal_part,
+                         jax.eval_shape(model.init, jax.random.key(0)))
+    except ValueError as e:
+      raise ConfigError('partial_personal_part', str(e)) from None
+    b = training.batching()
+    personal_b = None
+    if mode == 'alt':
+      if b.num_epochs is not None:
+        personal_b = Batching(b.batch_size,
+                              num_epochs=config.personal_epochs or head_ratio * b.num_epochs)
+      else:
+        personal_b = Batching(b.batch_size, num_epochs=None,
+                              num_steps=config.personal_epochs or head_ratio * b.num_steps)
+    personal_lr = training.client_lr if config.personal_lr is None else config.personal_lr
+    ft = None
+    if training.finetune_steps:
+      ft = personal_finetune(model, split,
+                             personal_lr if training.finetune_lr is None else training.finetune_lr,
+                             Batching(training.batch_size or None, num_epochs=None,
+                                      num_steps=training.finetune_steps))
+    return partial_personalization(
+        model, data.num_clients, split, mode, training.make_client_optimizer(), b,
+        personal_batching=personal_b,
+        personal_optimizer=training.make_client_optimizer(learning_rate=personal_lr),
+        server_optimizer=training.make_server_optimizer(), weighting=training.weighting,
+        finetune=ft, name=name)
+  return build
+
+
+_PART = frozenset({'personal_part'})
+_EPOCHS = frozenset({'personal_epochs'})
+FEDALT_SPEC = AlgorithmSpec('fedalt', PartialConfig, _build('alt'), FEDAVG_SETTINGS,
+                            summary='FedAlt (Pillutla et al. 2022): alternating partial '
+                            'personalization')
+FEDSIM_SPEC = AlgorithmSpec('fedsim', PartialConfig, _build('sim'), FEDAVG_SETTINGS,
+                            ignores=_EPOCHS, summary='FedSim: simultaneous partial '
+                            'personalization')
+FEDREP_SPEC = AlgorithmSpec('fedrep', PartialConfig,
+                            _build('alt', 'output', head_ratio=5, name='fedrep'),
+                            FEDAVG_SETTINGS, ignores=_PART,
+                            summary='FedRep (Collins et al. 2021): FedAlt, personal head, 5x '
+                            'head phase')
+FEDPER_SPEC = AlgorithmSpec('fedper', PartialConfig, _build('sim', 'output', name='fedper'),
+                            FEDAVG_SETTINGS, ignores=_PART | _EPOCHS,
+                            summary='FedPer (Arivazhagan et al. 2019): FedSim, personal head')
+LG_FEDAVG_SPEC = AlgorithmSpec('lg_fedavg', PartialConfig,
+                               _build('sim', 'all_but_output', name='lg_fedavg'),
+                               FEDAVG_SETTINGS, ignores=_PART | _EPOCHS,
+                               summary='LG-FedAvg (Liang et al. 2020): FedSim, personal body')

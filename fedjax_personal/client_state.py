@@ -1,0 +1,74 @@
+"""Persistent client optimizer state (``--client_opt_state=persistent``).
+
+By default a client's optimizer state (momentum buffer, Adam moments) starts
+fresh every round, the usual FL convention. ``persistent_client_optimizer``
+keeps each client's state across rounds instead, as the user-centric paper's
+per-user Keras optimizers do: one stacked [N, ...] pytree next to the
+algorithm's state, whose cohort rows are gathered into ``ctx.opt_state`` and
+scattered back after the round. It wraps any algorithm whose client work
+declares its optimizer state (``ClientWork.init_opt_state`` / ``opt_state``);
+the algorithm itself is unchanged.
+"""
+
+import dataclasses
+from typing import Any
+
+from flax import struct
+import jax
+import jax.numpy as jnp
+
+from fedjax_personal.algorithm import FederatedAlgorithm
+from fedjax_personal.config import ConfigError
+from fedjax_personal.tree_util import rows, tree_broadcast, tree_scatter
+
+
+@struct.dataclass
+class WithClientOptState:
+  """Attributes:
+    inner: the algorithm's state.
+    opt_state: stacked [N, ...] client optimizer states.
+  """
+  inner: Any
+  opt_state: Any
+
+
+def persistent_client_optimizer(alg: FederatedAlgorithm, num_clients: int) -> FederatedAlgorithm:
+  """``alg`` with each client's optimizer state kept across rounds."""
+  work = alg.client_work
+  if work.init_opt_state is None:
+    raise ConfigError('client_opt_state', f'{alg.name} keeps no client optimizer state')
+
+  def init(key):
+    inner = alg.init(key)
+    shapes = jax.eval_shape(alg.model.init, key)
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return WithClientOptState(inner, tree_broadcast(work.init_opt_state(params), num_clients))
+
+  def server_broadcast(state, cohort, rc):
+    shared, per_client = alg.server_broadcast(state.inner, cohort, rc)
+    return shared, (per_client, rows(state.opt_state, cohort.idx))
+
+  def unwrap(ctx):
+    per_client, opt_state = ctx.state
+    return ctx.replace(state=per_client, opt_state=opt_state)
+
+  wrapped = dataclasses.replace(
+      work,
+      init=lambda ctx, key: work.init(unwrap(ctx), key),
+      step=lambda ctx, carry, batch, key: work.step(unwrap(ctx), carry, batch, key),
+      final=lambda ctx, carry: (work.final(unwrap(ctx), carry), work.opt_state(carry)))
+
+  def server_update(state, cohort, outputs, rc):
+    out, opt_state = outputs
+    inner, metrics = alg.server_update(state.inner, cohort, out, rc)
+    return WithClientOptState(inner, tree_scatter(state.opt_state, cohort.idx, opt_state)), metrics
+
+  def between(state, t, key, runner):
+    inner, info = alg.between_rounds(state.inner, t, key, runner)
+    return state.replace(inner=inner), info
+
+  return alg.replace(init=init, server_broadcast=server_broadcast, client_work=wrapped,
+                     server_update=server_update,
+                     client_models=lambda s: alg.client_models(s.inner),
+                     communication=lambda s: alg.communication(s.inner),
+                     between_rounds=between if alg.between_rounds is not None else None)

@@ -1,0 +1,306 @@
+"""Hyperparameters, declared once.
+
+Every setting is a field of a frozen dataclass with its default, help text
+and valid range (``hparam``). ``TrainingConfig`` holds what any algorithm may
+use (client optimizer, batching, weighting, server optimizer, evaluation
+fine-tuning); each algorithm module declares its own config next to its
+builder, with a flag ``prefix`` (fedjax's structured flags: ``--fedprox_mu``
+is ``FedProxConfig.mu``). An ``AlgorithmSpec`` ties a registry name to its
+config class, its builder and the shared settings it reads, so the CLI can
+refuse a setting that would do nothing.
+
+``ConfigError`` is the one error type for invalid settings: the scripts turn
+it (and only it) into a one-line message and exit status 2.
+"""
+
+import dataclasses
+import math
+import typing
+from typing import Callable, ClassVar, FrozenSet, Optional, Tuple
+
+import jax
+import optax
+
+from fedjax_personal.batching import Batching
+from fedjax_personal.tree_util import is_concrete
+
+
+class ConfigError(ValueError):
+  """An invalid or inapplicable setting; ``name`` is the flag (or field) it
+  concerns and the message starts with ``--name:``."""
+
+  def __init__(self, name: str, message: str):
+    self.name = name
+    super().__init__(f'--{name}: {message}')
+
+
+def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None, maximum=None,
+           open_min: bool = False, open_max: bool = False, sweep: bool = False):
+  """A documented hyperparameter field.
+
+  Args:
+    default: its default (the only place it is written).
+    help: one line for ``--helpfull`` and the docs.
+    choices: allowed values of a string setting.
+    minimum, maximum: numeric bounds (closed unless ``open_min`` /
+      ``open_max``); None values (when the default is None) are allowed.
+    sweep: may be swept inside one compiled program (``--sweep``): the
+      builder only uses it arithmetically.
+  """
+  return dataclasses.field(default=default, metadata=dict(
+      help=help, choices=choices, minimum=minimum, maximum=maximum, open_min=open_min,
+      open_max=open_max, sweep=sweep))
+
+
+def field_types(cls) -> dict:
+  """{field name: its base type} (``Optional[float]`` -> float)."""
+  hints = typing.get_type_hints(cls)
+  out = {}
+  for f in dataclasses.fields(cls):
+    t = hints[f.name]
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    out[f.name] = args[0] if typing.get_origin(t) is typing.Union else t
+  return out
+
+
+def flag_name(cls, field: str) -> str:
+  prefix = getattr(cls, 'prefix', None)
+  return f'{prefix}_{field}' if prefix else field
+
+
+def validate(cfg) -> None:
+  """Checks every field of a config dataclass against its declared range.
+
+  Traced values (swept hyperparameters) are skipped.
+
+  Raises:
+    ConfigError naming the flag.
+  """
+  types = field_types(type(cfg))
+  for f in dataclasses.fields(cfg):
+    v, meta, name = getattr(cfg, f.name), f.metadata, flag_name(type(cfg), f.name)
+    if v is None or not is_concrete(v):
+      continue
+    if types[f.name] is float and not math.isfinite(float(v)):
+      raise ConfigError(name, f'must be finite, got {v}')
+    if meta.get('choices') and v not in meta['choices']:
+      raise ConfigError(name, f'must be one of {list(meta["choices"])}, got {v!r}')
+    lo, hi = meta.get('minimum'), meta.get('maximum')
+    if lo is not None and (v < lo or (meta['open_min'] and v == lo)):
+      raise ConfigError(name, f'must be {">" if meta["open_min"] else ">="} {lo}, got {v}')
+    if hi is not None and (v > hi or (meta['open_max'] and v == hi)):
+      raise ConfigError(name, f'must be {"<" if meta["open_max"] else "<="} {hi}, got {v}')
+
+
+def scale_by_round_decay(decay: float) -> optax.GradientTransformationExtraArgs:
+  """Multiplies updates by ``decay ** round_num``, the round number being an
+  extra argument of ``update`` (the engine passes ``round_num=ctx.round``):
+  a per-round learning-rate decay that composes with any optimizer."""
+  def update(updates, state, params=None, *, round_num=None, **extra):
+    del params, extra
+    if round_num is None:
+      return updates, state
+    scale = jax.numpy.power(decay, jax.numpy.asarray(round_num, jax.numpy.float32))
+    return jax.tree.map(lambda u: u * scale, updates), state
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+# Names of the shared settings, by what an algorithm does with them.
+CLIENT_OPTIMIZER = frozenset({'client_optimizer', 'client_lr', 'client_momentum',
+                              'client_weight_decay', 'client_grad_clip', 'client_lr_decay',
+                              'client_opt_state'})
+BATCHING = frozenset({'batch_size', 'local_epochs', 'local_steps'})
+WEIGHTING = frozenset({'weighting'})
+SERVER_OPTIMIZER = frozenset({'server_optimizer', 'server_lr', 'server_momentum'})
+FINETUNE = frozenset({'finetune_steps', 'finetune_lr'})
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig:
+  """Settings every algorithm may use (flags without a prefix)."""
+  client_optimizer: str = hparam('sgd', "Client optimizer: 'sgd' or 'adam'.",
+                                 choices=('sgd', 'adam'))
+  client_lr: float = hparam(0.05, 'Client learning rate.', minimum=0, open_min=True, sweep=True)
+  client_momentum: float = hparam(0.0, 'Client SGD momentum (heavy ball).', minimum=0,
+                                  maximum=1, open_max=True)
+  client_weight_decay: float = hparam(0.0, 'Client L2 weight decay (added to the gradient).',
+                                      minimum=0, sweep=True)
+  client_grad_clip: float = hparam(0.0, 'Clip each client gradient to this global norm '
+                                   '(0: no clipping).', minimum=0)
+  client_lr_decay: float = hparam(1.0, 'Client learning rate times this every round.',
+                                  minimum=0, maximum=1, open_min=True)
+  client_opt_state: str = hparam('reset', "Client optimizer state: 'reset' every round (the "
+                                 "usual convention) or kept per client ('persistent').",
+                                 choices=('reset', 'persistent'))
+  batch_size: int = hparam(32, 'Local batch size (0: the full local batch).', minimum=0)
+  local_epochs: int = hparam(1, 'Local epochs per round (E).', minimum=0)
+  local_steps: Optional[int] = hparam(None, 'Local steps per round (K); replaces local_epochs.',
+                                      minimum=0)
+  weighting: Optional[str] = hparam(None, "Aggregation weights: 'num_examples' or 'uniform' "
+                                    "(default: the algorithm's paper).",
+                                    choices=('num_examples', 'uniform'))
+  server_optimizer: str = hparam('sgd', "Server optimizer on the mean delta: 'sgd' (lr 1: "
+                                 "plain averaging; momentum: FedAvgM) or 'adam' (FedAdam).",
+                                 choices=('sgd', 'adam'))
+  server_lr: float = hparam(1.0, 'Server learning rate.', minimum=0, open_min=True, sweep=True)
+  server_momentum: float = hparam(0.0, 'Server momentum.', minimum=0, maximum=1, open_max=True)
+  finetune_steps: Optional[int] = hparam(None, 'Evaluation fine-tuning steps on the training '
+                                         "split (default: the algorithm's, 0 for most).",
+                                         minimum=0)
+  finetune_lr: Optional[float] = hparam(None, 'Fine-tuning learning rate (default: the '
+                                        "algorithm's, else client_lr).", minimum=0,
+                                        open_min=True, sweep=True)
+
+  def make_client_optimizer(self, learning_rate=None) -> optax.GradientTransformationExtraArgs:
+    """The client optimizer: clipping, weight decay, SGD (momentum) or Adam at
+    ``learning_rate`` (default client_lr), then the per-round decay."""
+    lr = self.client_lr if learning_rate is None else learning_rate
+    parts = []
+    if self.client_grad_clip:
+      parts.append(optax.clip_by_global_norm(self.client_grad_clip))
+    if not is_concrete(self.client_weight_decay) or self.client_weight_decay:
+      parts.append(optax.add_decayed_weights(self.client_weight_decay))
+    if self.client_optimizer == 'adam':
+      parts.append(optax.adam(lr))
+    else:
+      parts.append(optax.sgd(lr, momentum=self.client_momentum or None))
+    if self.client_lr_decay != 1.0:
+      parts.append(scale_by_round_decay(self.client_lr_decay))
+    return optax.chain(*parts)
+
+  def make_server_optimizer(self) -> optax.GradientTransformation:
+    if self.server_optimizer == 'adam':
+      return optax.adam(self.server_lr)
+    return optax.sgd(self.server_lr, momentum=self.server_momentum or None)
+
+  def batching(self) -> Batching:
+    if self.local_steps is not None:
+      return Batching(self.batch_size or None, num_epochs=None, num_steps=self.local_steps)
+    return Batching(self.batch_size or None, num_epochs=self.local_epochs)
+
+  def check(self) -> None:
+    """Consistency of settings that exclude each other."""
+    if self.local_steps is not None and self.local_epochs != 1:
+      raise ConfigError('local_epochs', 'does nothing with --local_steps (steps replace epochs)')
+
+  @property
+  def stateful_client_optimizer(self) -> bool:
+    """Whether the client optimizer keeps state between steps."""
+    return self.client_optimizer == 'adam' or bool(self.client_momentum)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoConfig:
+  """An algorithm without hyperparameters of its own."""
+  prefix: ClassVar[Optional[str]] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSpec:
+  """A registry entry.
+
+  Attributes:
+    name: registry name.
+    config: the algorithm's config class (a frozen dataclass with a ``prefix``).
+    build: ``(training: TrainingConfig, config, model, data) -> FederatedAlgorithm``.
+    uses: the TrainingConfig fields the algorithm reads; a non-default
+      value of any other field is refused (it would do nothing).
+    ignores: fields of ``config`` this registry name does not read (variants
+      sharing a config class).
+    default_weighting: weighting when ``--weighting`` is not given.
+    default_finetune_steps: evaluation fine-tuning steps when
+      ``--finetune_steps`` is not given.
+    check: optional ``(training, config) -> None`` raising ConfigError for
+      combinations that cannot apply (e.g. momentum on a one-step client).
+    summary: one line for the help.
+  """
+  name: str
+  config: type
+  build: Callable
+  uses: FrozenSet[str]
+  ignores: FrozenSet[str] = frozenset()
+  default_weighting: str = 'num_examples'
+  default_finetune_steps: int = 0
+  check: Optional[Callable] = None
+  summary: str = ''
+
+  def weighting(self, training: TrainingConfig) -> str:
+    return training.weighting or self.default_weighting
+
+  def finetune_steps(self, training: TrainingConfig) -> int:
+    if training.finetune_steps is None:
+      return self.default_finetune_steps
+    return training.finetune_steps
+
+  def inapplicable(self, training: TrainingConfig) -> list:
+    """Shared settings given a non-default value that this algorithm does not use."""
+    default = TrainingConfig()
+    out = [f.name for f in dataclasses.fields(training)
+           if f.name not in self.uses and _differs(getattr(training, f.name),
+                                                   getattr(default, f.name))]
+    if 'finetune_lr' in self.uses and training.finetune_lr is not None \
+        and self.finetune_steps(training) == 0:
+      out.append('finetune_lr')
+    if ('client_opt_state' in self.uses and training.client_opt_state == 'persistent'
+        and not training.stateful_client_optimizer):
+      out.append('client_opt_state')
+    return out
+
+  def ignored_fields(self, config) -> list:
+    """Fields of ``config`` in ``ignores`` given a non-default value."""
+    default = type(config)()
+    return [flag_name(type(config), f) for f in sorted(self.ignores)
+            if _differs(getattr(config, f), getattr(default, f))]
+
+  def validate(self, training: TrainingConfig, config) -> None:
+    """Range checks, inapplicable settings and the algorithm's own check."""
+    if not isinstance(config, self.config):
+      raise TypeError(f'{self.name} takes a {self.config.__name__}, got {type(config).__name__}')
+    validate(training)
+    training.check()
+    validate(config)
+    bad = self.inapplicable(training) + self.ignored_fields(config)
+    if bad:
+      raise ConfigError(bad[0], f'does nothing for {self.name}' + _reason(bad[0], training))
+    if self.check is not None:
+      self.check(training, config)
+
+  def resolve(self, training: TrainingConfig) -> TrainingConfig:
+    """``training`` with the algorithm's defaults filled in (weighting,
+    fine-tuning steps)."""
+    return dataclasses.replace(training, weighting=self.weighting(training),
+                               finetune_steps=self.finetune_steps(training))
+
+
+def _differs(a, b) -> bool:
+  if not (is_concrete(a) and is_concrete(b)):
+    return True
+  return a != b
+
+
+def _reason(name: str, training: TrainingConfig) -> str:
+  if name == 'client_opt_state':
+    return (' (plain SGD keeps no optimizer state; set --client_momentum or '
+            '--client_optimizer=adam)')
+  if name == 'finetune_lr':
+    return ' (no evaluation fine-tuning: set --finetune_steps)'
+  return ''
+
+
+def build_algorithm(spec: AlgorithmSpec, training: TrainingConfig, config, model, data):
+  """Validates the settings for ``spec`` and builds the algorithm: its
+  defaults filled in, evaluation fine-tuning added when asked for and the
+  algorithm has none of its own, persistent client optimizer state when
+  asked for."""
+  from fedjax_personal.training import sgd_finetune
+  spec.validate(training, config)
+  training = spec.resolve(training)
+  alg = spec.build(training, config, model, data)
+  if alg.finetune is None and training.finetune_steps and 'finetune_steps' in spec.uses:
+    lr = training.client_lr if training.finetune_lr is None else training.finetune_lr
+    alg = alg.replace(finetune=sgd_finetune(model, lr, Batching(
+        training.batch_size or None, num_epochs=None, num_steps=training.finetune_steps)))
+  if training.client_opt_state == 'persistent':
+    from fedjax_personal.client_state import persistent_client_optimizer
+    alg = persistent_client_optimizer(alg, data.num_clients)
+  return alg

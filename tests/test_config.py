@@ -1,0 +1,222 @@
+"""One configuration path: every shared setting reaches every algorithm or is
+refused, and the registry, flags and configs agree."""
+
+import dataclasses
+import functools
+
+from absl import flags
+import chex
+import jax
+import numpy as np
+import pytest
+
+from fedjax_personal import algorithms, cli
+from fedjax_personal.config import ConfigError, TrainingConfig, validate
+from fedjax_personal.data import to_device
+from fedjax_personal.datasets import DataConfig, load_federated
+from fedjax_personal.models import MLP, from_flax
+
+from helpers import run_rounds
+
+# The base run every variant is compared with: 2 rounds of 2 local steps.
+BASE = {'batch_size': '4', 'local_steps': '2', 'client_lr': '0.05'}
+
+# One non-default value per shared setting; a tuple gives changes to BASE the
+# variant needs (its baseline shares them; None removes a flag), then the flag.
+VARIANTS = {
+    'client_optimizer': '--client_optimizer=adam',
+    'client_lr': '--client_lr=0.2',
+    'client_momentum': '--client_momentum=0.9',
+    'client_weight_decay': '--client_weight_decay=0.5',
+    'client_grad_clip': '--client_grad_clip=0.01',
+    'client_lr_decay': '--client_lr_decay=0.1',
+    'client_opt_state': ({'client_momentum': '0.9'}, '--client_opt_state=persistent'),
+    'batch_size': '--batch_size=8',
+    'local_epochs': ({'local_steps': None}, '--local_epochs=2'),
+    'local_steps': '--local_steps=4',
+    'weighting': None,  # the other value of the algorithm's default
+    'server_optimizer': '--server_optimizer=adam',
+    'server_lr': '--server_lr=0.5',
+    'server_momentum': '--server_momentum=0.9',
+    'finetune_steps': '--finetune_steps=2',
+    'finetune_lr': '--finetune_lr=0.5',
+}
+
+
+def test_variants_cover_every_shared_setting():
+  assert set(VARIANTS) == {f.name for f in dataclasses.fields(TrainingConfig)}
+
+
+@functools.lru_cache(maxsize=None)
+def _data_and_model():
+  # Rotation groups (oracle), a validation split (FedFomo), unequal client
+  # sizes (weighting) from Dirichlet label skew inside the groups.
+  data = to_device(load_federated(DataConfig(
+      dataset='digits', partition='rotation', num_groups=2, group_base='dirichlet', alpha=0.5,
+      num_clients=4, max_examples=160, val_fraction=0.2, seed=0)))
+  assert len(set(np.asarray(data.train.num_examples).tolist())) > 1
+  model = from_flax('mlp', MLP(data.num_classes, hidden=(8,)), data.train.x[0, :1])
+  return data, model
+
+
+def _parse(args):
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(['test'] + list(args))
+
+
+@pytest.fixture(autouse=True)
+def _reset_flags():
+  yield
+  flags.FLAGS.unparse_flags()
+
+
+def _settings(name, base: tuple, args=()):
+  """What the CLI would build: (spec, training, config) or ConfigError."""
+  uses = algorithms.REGISTRY[name].uses
+  flagged = [f'--{k}={v}' for k, v in {**BASE, **dict(base)}.items()
+             if v is not None and k in uses]
+  _parse([f'--algorithm={name}'] + flagged + list(args))
+  (spec, training, config, _), = cli.resolve_algorithm_settings([name])
+  return spec, training, config
+
+
+# Settings whose effect starts in the second round.
+TWO_ROUNDS = ('client_lr_decay', 'client_opt_state', 'server_momentum')
+
+
+@functools.lru_cache(maxsize=None)
+def _result(name, base: tuple, args: tuple = (), rounds: int = 1, evaluate: bool = False):
+  """The state after ``rounds`` rounds, and every client's evaluation."""
+  data, model = _data_and_model()
+  spec, training, config = _settings(name, base, args)
+  alg = algorithms.build(name, model, data, training=training, config=config)
+  with jax.disable_jit():  # tiny problem: op by op beats compiling 400 programs
+    runner, state = run_rounds(alg, data, rounds=rounds)
+    stats = runner.evaluate(state, jax.random.key(5)) if evaluate else None
+  return jax.device_get((stats, state))
+
+
+def _differs(a, b) -> bool:
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  if len(la) != len(lb):
+    return True
+  return any(x.shape != y.shape or np.max(np.abs(np.asarray(x, np.float64) - np.asarray(
+      y, np.float64)), initial=0.0) > 1e-6 for x, y in zip(la, lb))
+
+
+# CI runs the settings that were silently ignored before this check existed
+# for every algorithm; the full matrix (about 10 minutes on 2 cores) is marked
+# slow:  python -m pytest -m slow tests/test_config.py
+CI_SETTINGS = ('client_momentum', 'weighting')
+
+
+def _matrix():
+  for setting in sorted(VARIANTS):
+    for name in algorithms.REGISTRY:
+      marks = () if setting in CI_SETTINGS else (pytest.mark.slow,)
+      yield pytest.param(name, setting, marks=marks, id=f'{name}-{setting}')
+
+
+@pytest.mark.parametrize('name,setting', list(_matrix()))
+def test_no_silent_setting(name, setting):
+  """The setting changes a 2-round result, or the CLI refuses it naming it."""
+  variant = VARIANTS[setting]
+  if variant is None:  # weighting: the value that is not the default
+    other = {'num_examples': 'uniform', 'uniform': 'num_examples'}
+    variant = '--weighting=' + other[algorithms.REGISTRY[name].default_weighting]
+  extra, flag = (variant if isinstance(variant, tuple) else ({}, variant))
+  extra = tuple(sorted(extra.items()))
+  try:
+    _settings(name, extra, [flag])
+  except ConfigError as e:
+    assert e.name == setting, str(e)
+    return
+  kw = dict(rounds=2 if setting in TWO_ROUNDS else 1, evaluate=setting.startswith('finetune'))
+  base = _result(name, extra, **kw)
+  changed = _result(name, extra, (flag,), **kw)
+  assert _differs(base, changed), f'{flag} changed nothing for {name}'
+
+
+@pytest.mark.parametrize('setting', sorted(VARIANTS))
+def test_every_shared_setting_is_used_or_refused(setting):
+  """Without running: each algorithm either declares that it reads the
+  setting or the CLI refuses it (the behaviour is test_no_silent_setting's)."""
+  for name, spec in algorithms.REGISTRY.items():
+    variant = VARIANTS[setting]
+    if variant is None:
+      other = {'num_examples': 'uniform', 'uniform': 'num_examples'}
+      variant = '--weighting=' + other[spec.default_weighting]
+    extra, flag = (variant if isinstance(variant, tuple) else ({}, variant))
+    try:
+      _settings(name, tuple(sorted(extra.items())), [flag])
+    except ConfigError as e:
+      assert e.name == setting, (name, str(e))
+      continue
+    assert setting in spec.uses, (name, setting)
+
+
+def test_momentum_applies_to_every_algorithm_or_is_refused():
+  refused = []
+  for name in algorithms.REGISTRY:
+    try:
+      _settings(name, (), ['--client_momentum=0.9'])
+    except ConfigError:
+      refused.append(name)
+  assert refused == ['fedsgd']  # one step from a fresh buffer: plain SGD
+
+
+def test_flags_are_derived_from_the_declarations():
+  for cls in [TrainingConfig] + algorithms.config_classes():
+    for f in dataclasses.fields(cls):
+      name = f.name if cls is TrainingConfig else f'{cls.prefix}_{f.name}'
+      assert flags.FLAGS[name].default == f.default, name
+      assert flags.FLAGS[name].help.endswith(f.metadata['help'])
+
+
+def test_setting_for_an_algorithm_not_run_is_refused():
+  _parse(['--algorithm=fedavg', '--fedprox_mu=0.5'])
+  with pytest.raises(ConfigError, match='fedprox_mu.*applies to fedprox'):
+    cli.resolve_algorithm_settings(['fedavg'])
+
+
+def test_setting_used_by_some_algorithms_is_noted(capsys):
+  _parse(['--algorithm=fedavg,feddyn', '--server_lr=0.5'])
+  out = cli.resolve_algorithm_settings(['fedavg', 'feddyn'])
+  assert out[0][1].server_lr == 0.5 and out[0][3] == []
+  assert out[1][1].server_lr == 1.0 and out[1][3] == ['server_lr']
+  assert 'feddyn does not use --server_lr' in capsys.readouterr().out
+
+
+def test_variant_fields_are_refused_where_ignored():
+  _parse(['--algorithm=fedrep', '--partial_personal_part=input'])
+  with pytest.raises(ConfigError, match='partial_personal_part'):
+    cli.resolve_algorithm_settings(['fedrep'])
+
+
+@pytest.mark.parametrize('field,value', [('client_lr', 0.0), ('client_momentum', 1.0),
+                                         ('client_lr_decay', 1.5), ('weighting', 'sizes'),
+                                         ('client_lr', float('nan'))])
+def test_ranges_name_the_field(field, value):
+  with pytest.raises(ConfigError, match=field):
+    validate(dataclasses.replace(TrainingConfig(), **{field: value}))
+
+
+def test_library_build_refuses_unknown_and_inapplicable_settings():
+  data, model = _data_and_model()
+  with pytest.raises(ConfigError, match='mu'):
+    algorithms.build('fedavg', model, data, mu=0.1)
+  with pytest.raises(ConfigError, match='server_lr'):
+    algorithms.build('feddyn', model, data, server_lr=0.5)
+  alg = algorithms.build('fedprox', model, data, mu=0.5, client_lr=0.1)
+  assert alg.name == 'fedprox'
+
+
+def test_persistent_optimizer_state_is_kept_per_client():
+  data, model = _data_and_model()
+  alg = algorithms.build('fedavg', model, data, client_momentum=0.9,
+                         client_opt_state='persistent', local_steps=2, local_epochs=1)
+  _, state = run_rounds(alg, data, rounds=2)
+  trace = jax.tree.leaves(state.opt_state)
+  assert trace and all(a.shape[0] == data.num_clients for a in trace)
+  assert all(float(np.abs(np.asarray(a)).max()) > 0 for a in trace if a.dtype != np.int32)
+  chex.assert_tree_all_finite(state)
