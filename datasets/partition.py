@@ -110,8 +110,10 @@ def pathological(labels: np.ndarray, num_clients: int, classes_per_client: int,
                  rng: np.random.Generator) -> Partition:
   """McMahan et al.'s shards: sort by label, cut into N * k shards, deal k
   random shards to every client (so each client sees about k classes)."""
-  if classes_per_client < 1:
-    raise ConfigError('classes_per_client', f'classes_per_client must be >= 1, got {classes_per_client}')
+  num_classes = len(np.unique(labels))
+  if not 1 <= classes_per_client <= num_classes:
+    raise ConfigError('classes_per_client', f'must be in [1, {num_classes}] (the classes of the '
+                      f'data), got {classes_per_client}')
   _check(len(labels), num_clients * classes_per_client)
   order = np.lexsort((rng.random(len(labels)), labels))
   shards = np.array_split(order, num_clients * classes_per_client)

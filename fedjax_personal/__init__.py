@@ -2,6 +2,7 @@
 
 from fedjax_personal import aggregation
 from fedjax_personal import batching
+from fedjax_personal import config
 from fedjax_personal import data
 from fedjax_personal import executors
 from fedjax_personal import models
@@ -12,7 +13,10 @@ from fedjax_personal.algorithm import ClientModels
 from fedjax_personal.algorithm import Communication
 from fedjax_personal.algorithm import FederatedAlgorithm
 from fedjax_personal.algorithm import LocalData
+from fedjax_personal.algorithm import RoundContext
 from fedjax_personal.batching import Batching
+from fedjax_personal.config import ConfigError
+from fedjax_personal.config import TrainingConfig
 from fedjax_personal.data import ClientData
 from fedjax_personal.data import FederatedData
 from fedjax_personal.engine import RoundRunner

@@ -9,6 +9,7 @@ synchronous and atomic (Orbax writes to a temporary directory and renames).
 """
 
 import os
+import sys
 from typing import List, Optional
 
 import jax
@@ -52,13 +53,17 @@ def restore_latest(directory: str, template_state):
   if not os.path.isdir(directory):
     return None
   mngr = manager(directory)
-  step = mngr.latest_step()
-  if step is None:
-    return None
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, to_saveable(template_state))
-  out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                   history=ocp.args.JsonRestore()))
-  return from_saveable(out['state'], template_state), int(step), list(out['history'])
+  for step in sorted(mngr.all_steps(), reverse=True):
+    try:
+      out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                       history=ocp.args.JsonRestore()))
+    except Exception as e:  # a corrupted step: fall back to the newest intact one
+      print(f'warning: checkpoint {step} in {directory} is unreadable '
+            f'({type(e).__name__}); trying the previous one', file=sys.stderr)
+      continue
+    return from_saveable(out['state'], template_state), int(step), list(out['history'])
+  return None
 
 
 class Checkpointer(Callback):

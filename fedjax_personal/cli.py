@@ -4,7 +4,6 @@ Kept in the package so that scripts stay thin and tests can drive it.
 """
 
 import dataclasses
-import json
 import os
 import sys
 from typing import Dict, List
@@ -15,7 +14,7 @@ import numpy as np
 
 from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import datasets as datasets_lib
-from fedjax_personal import checkpointing, experiment, reporting
+from fedjax_personal import checkpointing, experiment, reporting, run_identity
 from fedjax_personal.config import ConfigError, TrainingConfig, field_types, flag_name, validate
 from fedjax_personal.data import to_device
 from fedjax_personal.engine import RoundRunner
@@ -52,14 +51,21 @@ flags.DEFINE_integer('adapter_dim', 0, 'Add residual adapters of this width to t
                      '(for --partial_personal_part=adapter).')
 flags.DEFINE_integer('seed', 0, 'Seed of data partition, model init and training.')
 flags.DEFINE_integer('eval_every', 5, 'Evaluate every this many rounds (0: at the end only).')
-flags.DEFINE_string('output_dir', None, 'Where to write metrics (default runs/<job name>).')
+flags.DEFINE_string('output_dir', None, 'Where to write results (default: runs/<data>_<model>_'
+                    '<algorithms>_<hash of the configuration>).')
 flags.DEFINE_enum('executor', 'auto', list(EXECUTOR_NAMES), 'How client work runs.')
 flags.DEFINE_integer('block_size', None, 'Clients per block for the blocked executor.')
 flags.DEFINE_string('data_dir', None, 'Directory with data files (default: embedded, ../shared/data).')
 flags.DEFINE_bool('progress', True, 'Show a progress bar.')
 flags.DEFINE_integer('checkpoint_every', 0, 'Save an Orbax checkpoint of the full state every this '
                      'many rounds (0: never) under <output_dir>/<algorithm>/checkpoints.')
-flags.DEFINE_bool('resume', False, 'Continue each algorithm from its latest checkpoint.')
+flags.DEFINE_bool('resume', False, 'Continue each algorithm from its latest checkpoint in '
+                  '--output_dir (refused when there is none, or when the folder holds another '
+                  'configuration; more --rounds are allowed).')
+flags.DEFINE_bool('resume_if_found', False, 'Like --resume where a checkpoint exists; start '
+                  'fresh (with a note) where there is none.')
+flags.DEFINE_bool('overwrite', False, 'Clear --output_dir first when it holds results of another '
+                  'configuration (refused otherwise).')
 flags.DEFINE_integer('sweep_seeds', 0, 'Run seeds seed..seed+S-1 as one vmapped program (0: off).')
 flags.DEFINE_string('sweep', '', "Hyperparameters swept in the same program, e.g. "
                     "'client_lr:0.01,0.03,0.1;prox_mu:0,0.1' (cross product with the seeds).")
@@ -215,7 +221,11 @@ def validate_flags():
   _check(FLAGS.eval_every >= 0, 'eval_every', f'must be >= 0, got {FLAGS.eval_every}')
   _check(FLAGS.block_size is None or FLAGS.block_size >= 1, 'block_size',
          f'must be >= 1, got {FLAGS.block_size}')
-  _check(0 <= FLAGS.test_fraction < 1, 'test_fraction', f'must be in [0, 1), got {FLAGS.test_fraction}')
+  _check(0 < FLAGS.test_fraction < 1, 'test_fraction', f'must be in (0, 1), got {FLAGS.test_fraction}')
+  _check(FLAGS.max_examples is None or FLAGS.max_examples >= 1, 'max_examples',
+         f'must be >= 1, got {FLAGS.max_examples}')
+  _check(FLAGS.test_fraction + FLAGS.val_fraction < 1, 'val_fraction',
+         'test_fraction + val_fraction must be < 1')
   _check(0 <= FLAGS.val_fraction < 1, 'val_fraction', f'must be in [0, 1), got {FLAGS.val_fraction}')
   _check(FLAGS.adapter_dim >= 0, 'adapter_dim', f'must be >= 0, got {FLAGS.adapter_dim}')
   swept = {}
@@ -250,67 +260,115 @@ def sampler_for(num_clients: int) -> CohortSampler:
   return CohortSampler(num_clients, cohort_size=FLAGS.cohort_size or num_clients)
 
 
+def job_identity(data) -> dict:
+  """What every algorithm of the job shares in its run identity."""
+  cfg = dataclasses.asdict(data_config())
+  cfg.pop('data_dir')  # where the files are does not matter; their content does
+  return {'data': cfg, 'data_fingerprint': run_identity.data_fingerprint(data),
+          'model': FLAGS.model, 'adapter_dim': FLAGS.adapter_dim,
+          'cohort_size': FLAGS.cohort_size, 'participation': FLAGS.participation,
+          'seed': FLAGS.seed}
+
+
+def _default_output_dir(identities: dict) -> str:
+  algs = '+'.join(identities)
+  algs = algs if len(algs) <= 60 else f'{len(identities)}algorithms'
+  return os.path.join('runs', f'{FLAGS.dataset.replace(":", "_")}_{FLAGS.partition}_'
+                      f'{FLAGS.model}_n{FLAGS.num_clients}_seed{FLAGS.seed}_{algs}_'
+                      f'{run_identity.short_hash(identities)}')
+
+
 def main_job() -> Dict[str, dict]:
   """Runs every algorithm of --algorithm on the same data; writes outputs and
   prints the comparison table. Returns {algorithm: final summary}."""
   settings = validate_flags()
+  _check(not (FLAGS.resume and FLAGS.resume_if_found), 'resume_if_found',
+         'give --resume or --resume_if_found, not both')
   data = datasets_lib.load_federated(data_config())
   _check(int(np.asarray(data.train.num_examples).sum()) > 0, 'num_clients',
          'no client has training data')
   print(data.describe())
+  job = job_identity(data)
   data = to_device(data)
   sample_x = data.train.x[0, :1]
   model = create_model(FLAGS.model, data.num_classes, sample_x, FLAGS.adapter_dim)
   executor = create_executor(FLAGS.executor, model, sample_x, FLAGS.block_size)
-  name = FLAGS.output_dir or os.path.join(
-      'runs', f'{FLAGS.dataset}_{FLAGS.partition}_{FLAGS.model}_n{FLAGS.num_clients}_seed{FLAGS.seed}')
-  print(f'executor: {executor.describe()} on {jax.default_backend()}; outputs in {name}')
   # Build every algorithm before training any, so that a bad setting fails fast.
-  algs = [(spec, algorithms_lib.build(spec.name, model, data, training=t, config=cfg), ignored)
+  algs = [(spec, algorithms_lib.build(spec.name, model, data, training=t, config=cfg), ignored,
+           run_identity.identity(spec.name, t, cfg, job))
           for spec, t, cfg, ignored in settings]
+  identities = {spec.name: ident for spec, _, _, ident in algs}
+  name = FLAGS.output_dir or _default_output_dir(identities)
+  print(f'executor: {executor.describe()} on {jax.default_backend()}; outputs in {name}')
   if FLAGS.sweep_seeds or FLAGS.sweep:
     return sweep_job(settings, model, data, sample_x, name)
-  histories, summaries = {}, {}
-  for spec, alg, ignored in algs:
-    alg_name = spec.name
+  resume = FLAGS.resume or FLAGS.resume_if_found
+  job_ident = {'algorithms': identities}
+  run_identity.claim(name, job_ident, FLAGS.overwrite, resume)
+  runners, restored = {}, {}
+  for spec, alg, _, ident in algs:
+    out_dir = os.path.join(name, spec.name)
+    run_identity.claim(out_dir, ident, FLAGS.overwrite, resume)
     runner = RoundRunner(alg, data, sampler_for(data.num_clients), executor)
-    out_dir = os.path.join(name, alg_name)
-    ckpt_dir = os.path.join(out_dir, 'checkpoints')
-    state, start, history = None, 0, []
-    if FLAGS.resume:
-      restored = checkpointing.restore_latest(ckpt_dir, runner.init(jax.random.key(0)))
-      if restored is not None:
-        state, start, history = restored
+    runners[spec.name] = runner
+    if resume:
+      ckpt_dir = os.path.join(out_dir, 'checkpoints')
+      got = checkpointing.restore_latest(ckpt_dir, runner.init(jax.random.key(0)))
+      if got is None and FLAGS.resume:
+        raise ConfigError('resume', f'no checkpoint of {spec.name} in {ckpt_dir}; run without '
+                          '--resume, or with --resume_if_found to start fresh where there is none')
+      if got is None:
+        print(f'{spec.name}: no checkpoint in {ckpt_dir}; starting fresh')
+      elif got[1] > FLAGS.rounds:
+        raise ConfigError('rounds', f'the checkpoint of {spec.name} is at round {got[1]}, past '
+                          f'--rounds={FLAGS.rounds}')
+      restored[spec.name] = got
+  histories, summaries = {}, {}
+  try:
+    for spec, alg, ignored, ident in algs:
+      alg_name = spec.name
+      runner = runners[alg_name]
+      out_dir = os.path.join(name, alg_name)
+      ckpt_dir = os.path.join(out_dir, 'checkpoints')
+      state, start, history = None, 0, []
+      if restored.get(alg_name) is not None:
+        state, start, history = restored[alg_name]
         print(f'{alg_name}: resuming after round {start} from {ckpt_dir}')
-    callbacks = [reporting.MetricsWriter(out_dir, history)]
-    if FLAGS.checkpoint_every or FLAGS.resume:
-      callbacks.append(checkpointing.Checkpointer(ckpt_dir, FLAGS.checkpoint_every, history))
-    if alg_name == 'fedfomo':
-      callbacks.append(reporting.AffinityRecorder(os.path.join(out_dir, 'affinity.png')))
-    if FLAGS.progress:
-      callbacks.append(reporting.Progress(FLAGS.rounds - start, alg_name))
-    _, history = experiment.run(runner, FLAGS.rounds, seed=FLAGS.seed,
-                                eval_every=FLAGS.eval_every, callbacks=callbacks, state=state,
-                                start_round=start, history=history)
-    histories[alg_name] = history
-    summaries[alg_name] = reporting.final_summary(history)
-    if ignored:
-      summaries[alg_name]['ignored_settings'] = ignored
-    reporting.write_summary(out_dir, {**summaries[alg_name], 'algorithm': alg_name,
-                                      'flags': FLAGS.flag_values_dict()})
-    if FLAGS.target_accuracy is not None:
-      summaries[alg_name]['rounds_to_target'] = experiment.rounds_to_target(
-          history, FLAGS.target_accuracy)
-    s = summaries[alg_name]
-    print(f"{alg_name}: mean {s['accuracy_mean']:.4f} worst {s['accuracy_worst']:.4f} "
-          f"({s['train_seconds']:.1f} s of rounds)")
-  reporting.plot_runs(histories, name)
-  with open(os.path.join(name, 'comparison.json'), 'w') as f:
-    json.dump({k: {kk: v for kk, v in s.items() if kk != 'per_client_accuracy'}
-               for k, s in summaries.items()}, f, indent=1)
-  print()
-  print(f'{data.name}, {FLAGS.model}, {FLAGS.rounds} rounds: per-client test accuracy')
-  print(reporting.format_table(summaries))
+      callbacks = [reporting.MetricsWriter(out_dir, history)]
+      if FLAGS.checkpoint_every or resume:
+        callbacks.append(checkpointing.Checkpointer(ckpt_dir, FLAGS.checkpoint_every, history))
+      if alg_name == 'fedfomo':
+        callbacks.append(reporting.AffinityRecorder(os.path.join(out_dir, 'affinity.png')))
+      if FLAGS.progress:
+        callbacks.append(reporting.Progress(FLAGS.rounds - start, alg_name))
+      _, history = experiment.run(runner, FLAGS.rounds, seed=FLAGS.seed,
+                                  eval_every=FLAGS.eval_every, callbacks=callbacks, state=state,
+                                  start_round=start, history=history)
+      histories[alg_name] = history
+      summaries[alg_name] = reporting.final_summary(history)
+      summaries[alg_name]['rounds'] = FLAGS.rounds
+      if start:
+        summaries[alg_name]['resumed_after_round'] = start
+      if ignored:
+        summaries[alg_name]['ignored_settings'] = ignored
+      if FLAGS.target_accuracy is not None:
+        summaries[alg_name]['rounds_to_target'] = experiment.rounds_to_target(
+            history, FLAGS.target_accuracy)
+      reporting.write_summary(out_dir, {**summaries[alg_name], 'algorithm': alg_name,
+                                        'identity': ident, 'flags': FLAGS.flag_values_dict()})
+      s = summaries[alg_name]
+      print(f"{alg_name}: mean {s['accuracy_mean']:.4f} worst {s['accuracy_worst']:.4f} "
+            f"({s['train_seconds']:.1f} s of rounds)")
+  finally:
+    # Also when a later algorithm fails: the finished ones keep their table.
+    if histories:
+      reporting.plot_runs(histories, name)
+      run_identity.write_json(os.path.join(name, 'comparison.json'), {
+          k: {kk: v for kk, v in s.items() if kk != 'per_client_accuracy'}
+          for k, s in summaries.items()})
+      print()
+      print(f'{data.name}, {FLAGS.model}, {FLAGS.rounds} rounds: per-client test accuracy')
+      print(reporting.format_table(summaries))
   return summaries
 
 
@@ -341,10 +399,10 @@ def sweep_job(settings, model, data, sample_x, name):
       label = f'{spec.name} seed={seed}' + ''.join(f' {k}={v:g}' for k, v in hv.items()
                                                    if k not in ignored)
       results[label] = reporting.final_summary(hist)
-  os.makedirs(name, exist_ok=True)
-  with open(os.path.join(name, 'sweep.json'), 'w') as f:
-    json.dump({k: {kk: v for kk, v in s.items() if kk != 'per_client_accuracy'}
-               for k, s in results.items()}, f, indent=1)
+  run_identity.claim(name, {'sweep': FLAGS.sweep, 'sweep_seeds': FLAGS.sweep_seeds,
+                            'algorithms': list(FLAGS.algorithm)}, FLAGS.overwrite, False)
+  run_identity.write_json(os.path.join(name, 'sweep.json'), {
+      k: {kk: v for kk, v in s.items() if kk != 'per_client_accuracy'} for k, s in results.items()})
   width = max(len(k) for k in results) + 2
   print(f"{'configuration':<{width}}{'mean':>9}{'worst':>9}")
   for label, s in results.items():
@@ -356,6 +414,9 @@ def main(argv):
   if len(argv) > 1:
     print(f'error: unexpected arguments {argv[1:]}', file=sys.stderr)
     sys.exit(2)
+  if not FLAGS['verbosity'].present:
+    from absl import logging
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
   try:
     main_job()
   except (ConfigError, FileNotFoundError) as e:

@@ -207,6 +207,9 @@ def summarize(stats: LossStats) -> dict:
       'accuracy_q90': float(q[4]),
       'loss_weighted': float(loss.sum() / count.sum()),
       'num_eval_clients': int(has.sum()),
+      # Clients without test examples: excluded from every statistic above
+      # (their per-client accuracy is written as null).
+      'num_excluded_clients': int((~has).sum()),
   }
 
 

@@ -1,11 +1,11 @@
 """Callbacks and outputs: metrics.jsonl, summary JSON, PNG plots, progress bar."""
 
-import json
 import os
 from typing import Dict, List, Optional
 
 import numpy as np
 
+from fedjax_personal import run_identity
 from fedjax_personal.experiment import Callback
 
 SUMMARY_KEYS = ('accuracy_mean', 'accuracy_weighted', 'accuracy_worst', 'accuracy_q10',
@@ -25,12 +25,12 @@ class MetricsWriter(Callback):
     with open(self.path, 'w') as f:
       for record in self.history:
         if 'accuracy_mean' in record:
-          f.write(json.dumps(record) + '\n')
+          f.write(run_identity.dumps(record) + '\n')
 
   def on_round_end(self, round_num, record, state):
     if 'accuracy_mean' in record:
       with open(self.path, 'a') as f:
-        f.write(json.dumps(record) + '\n')
+        f.write(run_identity.dumps(record) + '\n')
 
 
 class Progress(Callback):
@@ -66,8 +66,7 @@ def final_summary(history: List[dict]) -> dict:
 def write_summary(directory: str, summary: dict) -> str:
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, 'summary.json')
-  with open(path, 'w') as f:
-    json.dump(summary, f, indent=1)
+  run_identity.write_json(path, summary)
   return path
 
 

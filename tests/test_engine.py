@@ -1,5 +1,6 @@
 """The round engine against plain per-client loops and hand-derived results."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,14 +78,18 @@ def test_round_matches_plain_per_client_loop(digits, executor, algorithm):
     expected = reference_fedavg_round(model, params, digits, idx, mask, k_clients, batching, lr,
                                       prox_mu=mu if algorithm == 'fedprox' else 0.0)
     state, metrics = runner.round(state, key)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), state.params, expected)
+    chex.assert_trees_all_close(state.params, expected, atol=1e-5)
     params = state.params
     assert float(metrics['num_active']) == 4
 
 
 @pytest.mark.parametrize('executor', sorted(EXECUTORS))
 def test_round_compiles_once_per_run(digits, executor):
-  alg = fedavg(small_mlp(digits), 6, optax.sgd(0.1), fp.Batching(16, 1))
+  # A per-round learning-rate decay: the round number is traced, not static.
+  opt = fp.config.TrainingConfig(client_momentum=0.5, client_lr_decay=0.9).make_client_optimizer()
+  alg = fedavg(small_mlp(digits), 6, opt, fp.Batching(16, 1))
+  alg = alg.replace(server_update=chex.assert_max_traces(alg.server_update, n=1),
+                    server_broadcast=chex.assert_max_traces(alg.server_broadcast, n=1))
   runner = RoundRunner(alg, digits, fp.CohortSampler(6, cohort_size=3), EXECUTORS[executor]())
   state, history = run(runner, num_rounds=5, eval_every=2)
   counts = dict(runner.trace_counts)

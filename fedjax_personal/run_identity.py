@@ -1,0 +1,130 @@
+"""What makes a run a run: its resolved configuration, checked on resume and
+before writing into an output folder, so results on disk never mix.
+
+The identity of one algorithm's run is a JSON-able dict of everything that
+changes its numbers: the algorithm and its resolved settings, the data set,
+partition and their fingerprint (a SHA-256 of the arrays), the model, the
+sampler, the seed and the package version. ``--rounds`` is not part of it
+(a resumed run may go on longer); the evaluation cadence and executor are
+not either (they do not change the numbers of a round).
+"""
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from fedjax_personal.config import ConfigError
+
+IDENTITY_FILE = 'identity.json'
+
+
+def data_fingerprint(data) -> str:
+  """SHA-256 (16 hex digits) of every array of a FederatedData."""
+  h = hashlib.sha256()
+  for split in (data.train, data.val, data.test):
+    for a in (split.x, split.y, split.num_examples):
+      a = np.ascontiguousarray(np.asarray(a))
+      h.update(str((a.shape, a.dtype.str)).encode())
+      h.update(a.tobytes())
+  h.update(np.asarray(data.groups).tobytes())
+  return h.hexdigest()[:16]
+
+
+def identity(algorithm: str, training, config, job: Dict) -> Dict:
+  """One algorithm's run identity: ``job`` holds the shared (data, model,
+  sampler, seed) entries."""
+  from fedjax_personal import __version__
+  return {'algorithm': algorithm, 'training': dataclasses.asdict(training),
+          'config': dataclasses.asdict(config), **job, 'version': __version__}
+
+
+def short_hash(obj) -> str:
+  return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def differences(old: Dict, new: Dict, prefix: str = '') -> List[str]:
+  """'key: old -> new' for every leaf that differs."""
+  out = []
+  for k in sorted(set(old) | set(new)):
+    a, b = old.get(k), new.get(k)
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += differences(a, b, f'{prefix}{k}.')
+    elif a != b:
+      out.append(f'{prefix}{k}: {a!r} -> {b!r}')
+  return out
+
+
+def read(directory: str) -> Optional[Dict]:
+  path = os.path.join(directory, IDENTITY_FILE)
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def claim(directory: str, ident: Dict, overwrite: bool, resume: bool) -> None:
+  """Makes ``directory`` hold this run's results.
+
+  A missing or empty folder is used. A folder holding another
+  configuration's results (or anything that is not a run of this library) is
+  refused unless ``overwrite``, which clears it. Without ``resume`` the
+  folder starts empty (old checkpoints of even the same configuration are
+  never restored into a fresh run); with ``resume`` it must hold this
+  configuration.
+
+  Raises:
+    ConfigError('output_dir', ...) naming the differences, or when the
+    folder cannot be written.
+  """
+  old = read(directory)
+  busy = os.path.isdir(directory) and bool(os.listdir(directory))
+  if busy and not overwrite:
+    if old is None:
+      raise ConfigError('output_dir', f'{directory} is not empty and holds no run of this '
+                        'library; pass --overwrite to clear it, or choose another --output_dir')
+    if old != ident:
+      diff = differences(old, ident)
+      raise ConfigError('output_dir', f'{directory} holds results of another configuration '
+                        f'({"; ".join(diff[:4])}{"; ..." if len(diff) > 4 else ""}); pass '
+                        '--overwrite to replace them, or choose another --output_dir')
+  try:
+    if os.path.exists(directory) and not os.path.isdir(directory):
+      raise NotADirectoryError(20, 'not a directory')
+    if busy and (overwrite or not resume):
+      shutil.rmtree(directory)
+    os.makedirs(directory, exist_ok=True)
+    write_json(os.path.join(directory, IDENTITY_FILE), ident)
+  except OSError as e:
+    raise ConfigError('output_dir', f'cannot write to {directory}: '
+                      f'{e.strerror or e}') from None
+
+
+def finite(obj):
+  """``obj`` with every non-finite float replaced by None (strict JSON)."""
+  if isinstance(obj, float):
+    return obj if math.isfinite(obj) else None
+  if isinstance(obj, dict):
+    return {k: finite(v) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [finite(v) for v in obj]
+  if isinstance(obj, np.generic):
+    return finite(obj.item())
+  return obj
+
+
+def dumps(obj, **kw) -> str:
+  """Strict JSON: NaN and infinities are written as null."""
+  return json.dumps(finite(obj), allow_nan=False, **kw)
+
+
+def write_json(path: str, obj) -> None:
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    f.write(dumps(obj, indent=1, sort_keys=False, default=str))
+  os.replace(tmp, path)

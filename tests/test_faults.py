@@ -1,0 +1,131 @@
+"""Runs on disk never mix, resume checks its configuration, bad input is one
+line (ConfigError, exit 2), and every JSON file is strict."""
+
+import json
+import os
+
+from absl import flags
+import pytest
+
+from fedjax_personal import cli
+from fedjax_personal.config import ConfigError
+from fedjax_personal.run_identity import dumps
+
+SMALL = ['--algorithm=fedavg', '--dataset=digits', '--model=logreg', '--num_clients=4',
+         '--progress=false', '--max_examples=200', '--eval_every=1']
+
+
+def job(*args):
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(['run_experiment'] + SMALL + list(args))
+  return cli.main_job()
+
+
+@pytest.fixture(autouse=True)
+def _reset_flags():
+  yield
+  flags.FLAGS.unparse_flags()
+
+
+def _strict(text):
+  def bad(const):
+    raise ValueError(f'non-strict JSON constant {const}')
+  return json.loads(text, parse_constant=bad)
+
+
+def test_resume_refuses_another_configuration(tmp_path):
+  out = f'--output_dir={tmp_path}'
+  job('--rounds=2', '--checkpoint_every=1', out)
+  for changed, needle in [('--num_clients=5', 'num_clients'), ('--seed=7', 'seed'),
+                          ('--client_lr=0.5', 'client_lr'), ('--batch_size=8', 'batch_size')]:
+    with pytest.raises(ConfigError, match=needle) as e:
+      job('--rounds=3', '--resume', changed, out)
+    assert e.value.name == 'output_dir'
+  # More rounds is a deliberate change: allowed and recorded.
+  summary = job('--rounds=3', '--resume', out)['fedavg']
+  assert summary['rounds'] == 3 and summary['resumed_after_round'] == 2
+  with pytest.raises(ConfigError, match='past --rounds=2'):
+    job('--rounds=2', '--resume', out)
+
+
+def test_resume_without_checkpoint_says_so(tmp_path, capsys):
+  with pytest.raises(ConfigError, match='no checkpoint'):
+    job('--rounds=1', '--resume', f'--output_dir={tmp_path}/a')
+  job('--rounds=1', '--resume_if_found', f'--output_dir={tmp_path}/b')
+  assert 'starting fresh' in capsys.readouterr().out
+
+
+def test_output_folder_of_another_configuration_is_refused(tmp_path):
+  out = f'--output_dir={tmp_path}'
+  job('--rounds=1', out)
+  with pytest.raises(ConfigError, match='another configuration.*--overwrite'):
+    job('--rounds=1', '--algorithm=fedavg,local', out)
+  job('--rounds=1', '--algorithm=fedavg,local', '--overwrite', out)
+  comparison = _strict((tmp_path / 'comparison.json').read_text())
+  assert set(comparison) == {'fedavg', 'local'}
+  # The same configuration again replaces its own results (no stale checkpoints).
+  job('--rounds=1', '--algorithm=fedavg,local', out)
+
+
+def test_folder_that_is_not_a_library_run_is_refused(tmp_path):
+  (tmp_path / 'notes.txt').write_text('mine')
+  with pytest.raises(ConfigError, match='holds no run'):
+    job('--rounds=1', f'--output_dir={tmp_path}')
+  assert (tmp_path / 'notes.txt').read_text() == 'mine'
+
+
+def test_default_folder_names_algorithm_and_configuration(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  job('--rounds=1')
+  job('--rounds=1', '--client_lr=0.1')
+  names = sorted(os.listdir(tmp_path / 'runs'))
+  assert len(names) == 2 and all('fedavg' in n for n in names)
+
+
+def test_unwritable_output_fails_before_training(tmp_path):
+  (tmp_path / 'file').write_text('x')
+  with pytest.raises(ConfigError, match='output_dir'):
+    job('--rounds=1', f'--output_dir={tmp_path / "file"}')
+
+
+def test_corrupted_latest_checkpoint_falls_back(tmp_path, capsys):
+  full = job('--rounds=4', f'--output_dir={tmp_path}/full')['fedavg']
+  job('--rounds=3', '--checkpoint_every=1', f'--output_dir={tmp_path}/cut')
+  latest = tmp_path / 'cut' / 'fedavg' / 'checkpoints' / '3'
+  for root, _, files in os.walk(latest):
+    for name in files:
+      with open(os.path.join(root, name), 'wb') as f:
+        f.write(b'\0' * 7)
+  resumed = job('--rounds=4', '--resume', f'--output_dir={tmp_path}/cut')['fedavg']
+  assert 'checkpoint 3' in capsys.readouterr().err
+  assert resumed['resumed_after_round'] == 2
+  assert resumed['per_client_accuracy'] == full['per_client_accuracy']
+
+
+@pytest.mark.parametrize('args,flag', [
+    (['--test_fraction=0'], 'test_fraction'),
+    (['--max_examples=-5'], 'max_examples'),
+    (['--partition=pathological', '--classes_per_client=11'], 'classes_per_client'),
+    (['--client_lr=inf'], 'client_lr'),
+    (['--algorithm=fedavg,fedfomo'], 'val_fraction'),
+])
+def test_bad_values_are_refused_before_training(tmp_path, args, flag):
+  with pytest.raises(ConfigError) as e:
+    job('--rounds=1', f'--output_dir={tmp_path}/out', *args)
+  assert e.value.name == flag
+  assert not (tmp_path / 'out' / 'fedavg' / 'metrics.jsonl').exists()
+
+
+def test_every_json_file_is_strict(tmp_path):
+  assert _strict(dumps({'a': float('nan'), 'b': [1.0, float('inf')]})) == {'a': None,
+                                                                          'b': [1.0, None]}
+  job('--rounds=2', '--algorithm=fedavg,fedavg_ft', '--finetune_lr=1e30',
+      f'--output_dir={tmp_path}')
+  files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs
+           if f.endswith(('.json', '.jsonl'))]
+  assert len(files) >= 6
+  for path in files:
+    with open(path) as f:
+      text = f.read()
+    for line in (text.splitlines() if path.endswith('.jsonl') else [text]):
+      _strict(line)
