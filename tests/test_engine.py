@@ -85,6 +85,7 @@ def test_round_matches_plain_per_client_loop(digits, executor, algorithm):
 
 @pytest.mark.parametrize('executor', sorted(EXECUTORS))
 def test_round_compiles_once_per_run(digits, executor):
+  chex.clear_trace_counter()
   # A per-round learning-rate decay: the round number is traced, not static.
   opt = fp.config.TrainingConfig(client_momentum=0.5, client_lr_decay=0.9).make_client_optimizer()
   alg = fedavg(small_mlp(digits), 6, opt, fp.Batching(16, 1))
