@@ -6,6 +6,7 @@ variable ``FEDJAX_PERSONAL_DATA``, the package's embedded data (MNIST 10k),
 """
 
 import gzip
+import hashlib
 import io
 import os
 import pathlib
@@ -14,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from fedjax_personal.config import ConfigError
+from fedjax_personal.config import ConfigError, DataError
 
 PACKAGE_DATA = pathlib.Path(__file__).parent / 'data'
 _REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -58,10 +59,31 @@ def read_idx(path) -> np.ndarray:
   return data.reshape(shape)
 
 
+#: MD5 of the MNIST release's files (LeCun et al.), checked whenever they are read.
+MNIST_MD5 = {'t10k-images-idx3-ubyte.gz': '9fb629c4189551a2d022fa330f9573f3',
+             't10k-labels-idx1-ubyte.gz': 'ec29112dd5afa0611ce80d1b7f02629c'}
+
+
+def checked_file(relpath: str, md5: str, data_dir: Optional[str] = None) -> pathlib.Path:
+  """``find_file`` plus an MD5 check of the file's bytes.
+
+  Raises:
+    DataError naming the file when its checksum differs.
+  """
+  path = find_file(relpath, data_dir)
+  got = hashlib.md5(path.read_bytes()).hexdigest()
+  if got != md5:
+    raise DataError(f'{path}: checksum {got} differs from the release\'s {md5} (corrupted or '
+                    'not the original file)')
+  return path
+
+
 def load_mnist(data_dir: Optional[str] = None) -> Tuple[np.ndarray, np.ndarray, int]:
   """MNIST 10k test split (embedded in the package): uint8 [10000, 28, 28, 1]."""
-  x = read_idx(find_file('mnist_t10k/t10k-images-idx3-ubyte.gz', data_dir))
-  y = read_idx(find_file('mnist_t10k/t10k-labels-idx1-ubyte.gz', data_dir))
+  x = read_idx(checked_file('mnist_t10k/t10k-images-idx3-ubyte.gz',
+                            MNIST_MD5['t10k-images-idx3-ubyte.gz'], data_dir))
+  y = read_idx(checked_file('mnist_t10k/t10k-labels-idx1-ubyte.gz',
+                            MNIST_MD5['t10k-labels-idx1-ubyte.gz'], data_dir))
   return x[..., None], y.astype(np.int32), 10
 
 

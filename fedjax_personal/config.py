@@ -34,6 +34,15 @@ class ConfigError(ValueError):
     super().__init__(f'--{name}: {message}')
 
 
+class DataError(ConfigError):
+  """A data file that is missing, corrupted or not what it claims to be; the
+  message starts with the file's path."""
+
+  def __init__(self, message: str):
+    ValueError.__init__(self, message)
+    self.name = 'data_dir'
+
+
 def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None, maximum=None,
            open_min: bool = False, open_max: bool = False, sweep: bool = False):
   """A documented hyperparameter field.

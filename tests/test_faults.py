@@ -129,3 +129,16 @@ def test_every_json_file_is_strict(tmp_path):
       text = f.read()
     for line in (text.splitlines() if path.endswith('.jsonl') else [text]):
       _strict(line)
+
+
+def test_mnist_files_are_checksummed(tmp_path):
+  from fedjax_personal.config import DataError
+  from fedjax_personal.datasets import loaders
+  (tmp_path / 'mnist_t10k').mkdir()
+  for name in loaders.MNIST_MD5:
+    raw = bytearray((loaders.PACKAGE_DATA / 'mnist_t10k' / name).read_bytes())
+    if 'labels' in name:
+      raw[-3] ^= 1  # one flipped bit in the compressed labels
+    (tmp_path / 'mnist_t10k' / name).write_bytes(bytes(raw))
+  with pytest.raises(DataError, match='labels-idx1-ubyte.gz: checksum'):
+    loaders.load_mnist(str(tmp_path))
