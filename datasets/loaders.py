@@ -100,6 +100,45 @@ def _cache_dir() -> pathlib.Path:
   return d
 
 
+def sha256_file(path, chunk: int = 1 << 20) -> str:
+  """SHA-256 of a file, read in chunks."""
+  h = hashlib.sha256()
+  with open(path, 'rb') as f:
+    for block in iter(lambda: f.read(chunk), b''):
+      h.update(block)
+  return h.hexdigest()
+
+
+def _cache_matches(cache: pathlib.Path, digest: str) -> bool:
+  try:
+    with np.load(cache) as arc:
+      return str(arc['source_sha256']) == digest
+  except Exception:  # missing, truncated or from an older version: rebuild
+    return False
+
+
+def _decode_cifar10(src) -> dict:
+  """Decodes the JPEG archive; DataError naming it when it is not one."""
+  from PIL import Image
+  try:
+    arc = np.load(src)
+    out = {}
+    for part in ('train', 'test'):
+      jpeg, offs = arc[f'{part}_jpeg'], arc[f'{part}_offsets']
+      imgs = np.empty((len(offs) - 1, 32, 32, 3), np.uint8)
+      for i in range(len(offs) - 1):
+        imgs[i] = np.asarray(Image.open(io.BytesIO(jpeg[offs[i]:offs[i + 1]].tobytes()))
+                             .convert('RGB'))
+      labels = arc[f'{part}_labels'].astype(np.int32)
+      if len(labels) != len(imgs) or labels.min(initial=0) < 0 or labels.max(initial=0) > 9:
+        raise ValueError(f'{part}: {len(imgs)} images, {len(labels)} labels in '
+                         f'[{labels.min(initial=0)}, {labels.max(initial=0)}]')
+      out[f'{part}_x'], out[f'{part}_y'] = imgs, labels
+  except Exception as e:
+    raise DataError(f'{src}: not a valid CIFAR-10 JPEG archive ({type(e).__name__}: {e})') from None
+  return out
+
+
 def load_cifar10(data_dir: Optional[str] = None, split: str = 'all'):
   """CIFAR-10 from the JPEG archive: uint8 [N, 32, 32, 3], decoded once and cached.
 
@@ -107,18 +146,13 @@ def load_cifar10(data_dir: Optional[str] = None, split: str = 'all'):
     split: 'train' (50,000), 'test' (10,000) or 'all' (60,000, train first).
   """
   src = find_file('cifar10_jpeg.npz', data_dir)
-  cache = _cache_dir() / f'cifar10_decoded_{os.path.getsize(src)}.npz'
-  if not cache.exists():
-    from PIL import Image
-    arc = np.load(src)
-    out = {}
-    for part in ('train', 'test'):
-      jpeg, offs = arc[f'{part}_jpeg'], arc[f'{part}_offsets']
-      imgs = np.empty((len(offs) - 1, 32, 32, 3), np.uint8)
-      for i in range(len(offs) - 1):
-        imgs[i] = np.asarray(Image.open(io.BytesIO(jpeg[offs[i]:offs[i + 1]].tobytes())).convert('RGB'))
-      out[f'{part}_x'] = imgs
-      out[f'{part}_y'] = arc[f'{part}_labels'].astype(np.int32)
+  digest = sha256_file(src)
+  # Keyed by the archive's content: another archive (even of the same size)
+  # never reads this cache, and the cache names the archive it came from.
+  cache = _cache_dir() / f'cifar10_decoded_{digest[:16]}.npz'
+  if not _cache_matches(cache, digest):
+    out = _decode_cifar10(src)
+    out['source_sha256'] = np.array(digest)
     tmp = cache.with_suffix('.tmp.npz')
     np.savez(tmp, **out)
     os.replace(tmp, cache)

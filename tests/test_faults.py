@@ -142,3 +142,41 @@ def test_mnist_files_are_checksummed(tmp_path):
     (tmp_path / 'mnist_t10k' / name).write_bytes(bytes(raw))
   with pytest.raises(DataError, match='labels-idx1-ubyte.gz: checksum'):
     loaders.load_mnist(str(tmp_path))
+
+
+def _tiny_cifar_archive(path, labels):
+  """A CIFAR-10 JPEG archive of len(labels) train and test images."""
+  import io
+  import numpy as np
+  from PIL import Image
+  blobs = []
+  for i in range(len(labels)):
+    buf = io.BytesIO()
+    Image.fromarray(np.full((32, 32, 3), 20 * i, np.uint8)).save(buf, format='JPEG')
+    blobs.append(np.frombuffer(buf.getvalue(), np.uint8))
+  offsets = np.cumsum([0] + [len(b) for b in blobs])
+  jpeg = np.concatenate(blobs)
+  lab = np.asarray(labels, np.int64)
+  np.savez(path, train_jpeg=jpeg, train_offsets=offsets, train_labels=lab, test_jpeg=jpeg,
+           test_offsets=offsets, test_labels=lab)
+
+
+def test_cifar_cache_is_keyed_by_content(tmp_path, monkeypatch):
+  """Two archives of the same size but other labels never share a cache."""
+  from fedjax_personal.config import DataError
+  from fedjax_personal.datasets import loaders
+  monkeypatch.setenv('FEDJAX_PERSONAL_CACHE', str(tmp_path / 'cache'))
+  (tmp_path / 'a').mkdir()
+  (tmp_path / 'b').mkdir()
+  _tiny_cifar_archive(tmp_path / 'a' / 'cifar10_jpeg.npz', [0, 1, 2])
+  _tiny_cifar_archive(tmp_path / 'b' / 'cifar10_jpeg.npz', [3, 4, 5])
+  assert (os.path.getsize(tmp_path / 'a' / 'cifar10_jpeg.npz')
+          == os.path.getsize(tmp_path / 'b' / 'cifar10_jpeg.npz'))
+  assert loaders.load_cifar10(str(tmp_path / 'a'), split='test')[1].tolist() == [0, 1, 2]
+  assert loaders.load_cifar10(str(tmp_path / 'b'), split='test')[1].tolist() == [3, 4, 5]
+  assert loaders.load_cifar10(str(tmp_path / 'a'), split='test')[1].tolist() == [0, 1, 2]
+  # A zeroed archive is refused (one line naming it), not served from an old cache.
+  path = tmp_path / 'a' / 'cifar10_jpeg.npz'
+  path.write_bytes(b'\0' * os.path.getsize(path))
+  with pytest.raises(DataError, match='not a valid CIFAR-10 JPEG archive'):
+    loaders.load_cifar10(str(tmp_path / 'a'))
