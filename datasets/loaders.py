@@ -11,6 +11,7 @@ import io
 import os
 import pathlib
 import re
+import zlib
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -43,20 +44,43 @@ def find_file(relpath: str, data_dir: Optional[str] = None) -> pathlib.Path:
                           + ' (set --data_dir or FEDJAX_PERSONAL_DATA)')
 
 
+_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: '>i2', 0x0C: '>i4', 0x0D: '>f4', 0x0E: '>f8'}
+
+
 def read_idx(path) -> np.ndarray:
-  """Reads an IDX file (optionally gzipped), the format of the MNIST release."""
+  """Reads an IDX file (optionally gzipped), the format of the MNIST release.
+
+  Raises:
+    DataError naming the file: unreadable gzip, bad magic, unknown dtype,
+    or a size that does not match the header.
+  """
   opener = gzip.open if str(path).endswith('.gz') else open
-  with opener(path, 'rb') as f:
-    raw = f.read()
-  if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-    raise ValueError(f'{path} is not an IDX file')
-  dtype = {0x08: np.uint8, 0x09: np.int8, 0x0B: '>i2', 0x0C: '>i4', 0x0D: '>f4', 0x0E: '>f8'}[raw[2]]
+  try:
+    with opener(path, 'rb') as f:
+      raw = f.read()
+  except (OSError, EOFError, zlib.error) as e:
+    raise DataError(f'{path}: unreadable ({type(e).__name__}: {e})') from None
+  if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
+    raise DataError(f'{path}: not an IDX file (bad magic number)')
   ndim = raw[3]
+  if len(raw) < 4 + 4 * ndim:
+    raise DataError(f'{path}: truncated IDX header')
   shape = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], 'big') for i in range(ndim))
-  data = np.frombuffer(raw, dtype=dtype, offset=4 + 4 * ndim)
-  if data.size != int(np.prod(shape)):
-    raise ValueError(f'{path}: expected {shape} values, found {data.size}')
-  return data.reshape(shape)
+  dtype = np.dtype(_IDX_DTYPES[raw[2]])
+  expected = int(np.prod(shape)) * dtype.itemsize
+  if len(raw) - 4 - 4 * ndim != expected:
+    raise DataError(f'{path}: header says {shape} values, the file holds '
+                    f'{(len(raw) - 4 - 4 * ndim) // dtype.itemsize}')
+  return np.frombuffer(raw, dtype=dtype, offset=4 + 4 * ndim).reshape(shape)
+
+
+def check_labels(path, labels: np.ndarray, num_images: int, num_classes: int) -> None:
+  """One label per image, each in [0, num_classes)."""
+  if len(labels) != num_images:
+    raise DataError(f'{path}: {len(labels)} labels for {num_images} images')
+  if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+    raise DataError(f'{path}: labels outside [0, {num_classes}) '
+                    f'(min {labels.min()}, max {labels.max()})')
 
 
 #: MD5 of the MNIST release's files (LeCun et al.), checked whenever they are read.
@@ -82,8 +106,10 @@ def load_mnist(data_dir: Optional[str] = None) -> Tuple[np.ndarray, np.ndarray, 
   """MNIST 10k test split (embedded in the package): uint8 [10000, 28, 28, 1]."""
   x = read_idx(checked_file('mnist_t10k/t10k-images-idx3-ubyte.gz',
                             MNIST_MD5['t10k-images-idx3-ubyte.gz'], data_dir))
-  y = read_idx(checked_file('mnist_t10k/t10k-labels-idx1-ubyte.gz',
-                            MNIST_MD5['t10k-labels-idx1-ubyte.gz'], data_dir))
+  labels = checked_file('mnist_t10k/t10k-labels-idx1-ubyte.gz',
+                        MNIST_MD5['t10k-labels-idx1-ubyte.gz'], data_dir)
+  y = read_idx(labels)
+  check_labels(labels, y, len(x), 10)
   return x[..., None], y.astype(np.int32), 10
 
 

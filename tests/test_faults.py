@@ -180,3 +180,19 @@ def test_cifar_cache_is_keyed_by_content(tmp_path, monkeypatch):
   path.write_bytes(b'\0' * os.path.getsize(path))
   with pytest.raises(DataError, match='not a valid CIFAR-10 JPEG archive'):
     loaders.load_cifar10(str(tmp_path / 'a'))
+
+
+@pytest.mark.parametrize('content,needle', [
+    (b'\x00\x00\x42\x01\x00\x00\x00\x02ab', 'bad magic'),            # unknown dtype
+    (b'\x00\x00\x08\x01\x00\x00\x00\x05ab', 'holds 2'),              # fewer values than header
+    (b'not gzip at all', 'unreadable'),                               # .gz that is not gzip
+])
+def test_idx_files_are_validated(tmp_path, content, needle):
+  from fedjax_personal.config import DataError
+  from fedjax_personal.datasets import loaders
+  path = tmp_path / ('x.gz' if needle == 'unreadable' else 'x.idx')
+  path.write_bytes(content)
+  with pytest.raises(DataError, match=needle):
+    loaders.read_idx(path)
+  with pytest.raises(DataError, match='5 labels for 10 images'):
+    loaders.check_labels(path, __import__('numpy').zeros(5, int), 10, 10)
