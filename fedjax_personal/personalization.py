@@ -93,7 +93,10 @@ def make_split(spec: str, params) -> ParamSplit:
   elif spec == 'all':
     pred = lambda p: True
   elif spec.startswith('split:'):
-    patterns = [re.compile(r) for r in spec[len('split:'):].split(',') if r]
+    try:
+      patterns = [re.compile(r) for r in spec[len('split:'):].split(',') if r]
+    except re.error as e:
+      raise ValueError(f'personal part {spec!r}: invalid regular expression ({e})') from None
     if not patterns:
       raise ValueError("personal part 'split:' needs at least one regular expression")
     pred = lambda p: any(r.search(p) for r in patterns)

@@ -100,6 +100,8 @@ def test_oracle_without_groups():
     (['--algorithm=fedsgd', '--client_momentum=0.9'], '--client_momentum'),
     (['--client_lr=fast'], 'client_lr'),
     (['--nonexistent_flag=1'], 'nonexistent_flag'),
+    (['--algorithm=fedalt', '--partial_personal_part=split:(', '--dataset=digits',
+      '--model=mlp'], 'invalid regular expression'),
 ])
 def test_script_exits_2_with_one_line(args, needle):
   r = subprocess.run([sys.executable, SCRIPT, '--progress=false'] + args, capture_output=True,
