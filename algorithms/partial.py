@@ -151,17 +151,18 @@ def partial_personalization(model: Model, num_clients: int, split: ParamSplit, m
   def server_broadcast(state, cohort, rc):
     return state.shared, rows(state.personal, cohort.idx)
 
-  def init_opt_state(params):
-    u, v = split.split(params)
+  def init_parts(u, v):
     return client_optimizer.init(u), personal_optimizer.init(v)
+
+  def init_opt_state(params):
+    return init_parts(*split.split(params))
 
   def work_init(ctx, key):
     del key
     train = ctx.data.train
     p_steps = (traced_num_steps(personal_batching, train.num_examples, train.x.shape[0])
                if mode == 'alt' else jnp.zeros((), jnp.int32))
-    opt_state = client_opt_init(ctx, lambda _: (client_optimizer.init(ctx.shared),
-                                                personal_optimizer.init(ctx.state)), None)
+    opt_state = client_opt_init(ctx, lambda uv: init_parts(*uv), (ctx.shared, ctx.state))
     return PartialCarry(ctx.shared, ctx.state, opt_state, p_steps, jnp.zeros((), jnp.int32),
                         zero_stats())
 
@@ -232,8 +233,7 @@ def _build(mode, personal_part=None, head_ratio=1, name=None):
     if training.finetune_steps:
       ft = personal_finetune(model, split,
                              personal_lr if training.finetune_lr is None else training.finetune_lr,
-                             Batching(training.batch_size or None, num_epochs=None,
-                                      num_steps=training.finetune_steps))
+                             training.finetune_batching())
     return partial_personalization(
         model, data.num_clients, split, mode, training.make_client_optimizer(), b,
         personal_batching=personal_b,

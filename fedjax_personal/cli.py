@@ -28,7 +28,8 @@ FLAGS = flags.FLAGS
 # (the 10k MNIST files embedded in the package), 20 clients, Dirichlet 0.4.
 flags.DEFINE_list('algorithm', ['fedavg', 'local', 'fedavg_ft'],
                   'Algorithm(s) to run; several give a comparison table. One of: '
-                  + ', '.join(algorithms_lib.REGISTRY))
+                  + '; '.join(f'{n} ({spec.summary})'
+                              for n, spec in algorithms_lib.REGISTRY.items()))
 flags.DEFINE_string('model', 'lenet5', 'Model: ' + ', '.join(sorted(MODELS)))
 flags.DEFINE_string('dataset', 'mnist', 'Data set: ' + ', '.join(datasets_lib.DATASETS))
 flags.DEFINE_string('partition', 'dirichlet', 'Partition: ' + ', '.join(datasets_lib.PARTITIONS))

@@ -187,6 +187,10 @@ class TrainingConfig:
       return Batching(self.batch_size or None, num_epochs=None, num_steps=self.local_steps)
     return Batching(self.batch_size or None, num_epochs=self.local_epochs)
 
+  def finetune_batching(self) -> Batching:
+    """Evaluation fine-tuning: ``finetune_steps`` steps of ``batch_size``."""
+    return Batching(self.batch_size or None, num_epochs=None, num_steps=self.finetune_steps)
+
   def check(self) -> None:
     """Consistency of settings that exclude each other."""
     if self.local_steps is not None and self.local_epochs != 1:
@@ -221,7 +225,7 @@ class AlgorithmSpec:
       ``--finetune_steps`` is not given.
     check: optional ``(training, config) -> None`` raising ConfigError for
       combinations that cannot apply (e.g. momentum on a one-step client).
-    summary: one line for the help.
+    summary: one line for ``--algorithm``'s help.
   """
   name: str
   config: type
@@ -270,7 +274,7 @@ class AlgorithmSpec:
     validate(config)
     bad = self.inapplicable(training) + self.ignored_fields(config)
     if bad:
-      raise ConfigError(bad[0], f'does nothing for {self.name}' + _reason(bad[0], training))
+      raise ConfigError(bad[0], f'does nothing for {self.name}' + _reason(bad[0]))
     if self.check is not None:
       self.check(training, config)
 
@@ -287,7 +291,7 @@ def _differs(a, b) -> bool:
   return a != b
 
 
-def _reason(name: str, training: TrainingConfig) -> str:
+def _reason(name: str) -> str:
   if name == 'client_opt_state':
     return (' (plain SGD keeps no optimizer state; set --client_momentum or '
             '--client_optimizer=adam)')
@@ -307,8 +311,7 @@ def build_algorithm(spec: AlgorithmSpec, training: TrainingConfig, config, model
   alg = spec.build(training, config, model, data)
   if alg.finetune is None and training.finetune_steps and 'finetune_steps' in spec.uses:
     lr = training.client_lr if training.finetune_lr is None else training.finetune_lr
-    alg = alg.replace(finetune=sgd_finetune(model, lr, Batching(
-        training.batch_size or None, num_epochs=None, num_steps=training.finetune_steps)))
+    alg = alg.replace(finetune=sgd_finetune(model, lr, training.finetune_batching()))
   if training.client_opt_state == 'persistent':
     from fedjax_personal.client_state import persistent_client_optimizer
     alg = persistent_client_optimizer(alg, data.num_clients)

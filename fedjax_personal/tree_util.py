@@ -56,6 +56,10 @@ class Rows:
   idx: jax.Array
 
 
+def is_rows(x) -> bool:
+  return isinstance(x, Rows)
+
+
 def rows(x: PyTree, idx) -> Rows:
   """Lazy ``tree_gather(x, idx)`` for a broadcast (see ``Rows``)."""
   return Rows(x, jnp.asarray(idx))
@@ -67,14 +71,14 @@ def client_slice(tree: PyTree, pos) -> PyTree:
   """Position(s) ``pos`` of the cohort's per-client inputs: ``a[pos]`` for
   plain stacked leaves, ``source[idx[pos]]`` for ``Rows``."""
   return jax.tree.map(
-      lambda n: tree_gather(n.source, n.idx[pos]) if isinstance(n, Rows) else n[pos], tree,
-      is_leaf=lambda n: isinstance(n, Rows))
+      lambda n: tree_gather(n.source, n.idx[pos]) if is_rows(n) else n[pos], tree,
+      is_leaf=is_rows)
 
 
 def cohort_size(tree: PyTree) -> int:
   """The leading (client) dimension of per-client inputs that may hold ``Rows``."""
-  node = jax.tree.leaves(tree, is_leaf=lambda n: isinstance(n, Rows))[0]
-  return (node.idx if isinstance(node, Rows) else node).shape[0]
+  node = jax.tree.leaves(tree, is_leaf=is_rows)[0]
+  return (node.idx if is_rows(node) else node).shape[0]
 
 
 #: Rows written per step of ``tree_scatter``'s loop over a large cohort.

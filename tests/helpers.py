@@ -106,3 +106,11 @@ def run_rounds(alg, data, rounds=2, sampler=None, executor=None):
 def max_diff(a, b):
   """Largest absolute difference between two pytrees."""
   return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def parse_flags(*args):
+  """Parses ``args`` as the run_experiment command line, from fresh flags
+  (conftest.py resets them after every test)."""
+  from absl import flags
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(['run_experiment'] + list(args))

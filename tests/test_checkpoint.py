@@ -2,7 +2,6 @@
 
 import json
 
-from absl import flags
 import jax
 import numpy as np
 import optax
@@ -14,6 +13,7 @@ from fedjax_personal.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.engine import RoundRunner
 from fedjax_personal.experiment import run
+from helpers import parse_flags
 
 
 def strip(history):
@@ -50,14 +50,10 @@ def test_resume_equals_uninterrupted(tmp_path):
 
 def test_cli_resume(tmp_path):
   def job(*args):
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(['run', '--algorithm=fedavg', '--dataset=digits', '--model=logreg',
-                 '--num_clients=4', '--cohort_size=2', '--progress=false', '--max_examples=300',
-                 '--eval_every=1'] + list(args))
-    try:
-      return cli.main_job()
-    finally:
-      flags.FLAGS.unparse_flags()
+    parse_flags('--algorithm=fedavg', '--dataset=digits', '--model=logreg', '--num_clients=4',
+                '--cohort_size=2', '--progress=false', '--max_examples=300', '--eval_every=1',
+                *args)
+    return cli.main_job()
 
   full = job('--rounds=4', f'--output_dir={tmp_path}/full')
   job('--rounds=2', '--checkpoint_every=1', f'--output_dir={tmp_path}/cut')

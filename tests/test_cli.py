@@ -9,20 +9,13 @@ from absl import flags
 import pytest
 
 from fedjax_personal import cli
+from helpers import parse_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, 'scripts', 'run_experiment.py')
 
 
-def parse(*args):
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS(['run_experiment'] + list(args))
-
-
-@pytest.fixture(autouse=True)
-def _reset_flags():
-  yield
-  flags.FLAGS.unparse_flags()
+parse = parse_flags
 
 
 def test_small_comparison_writes_outputs(tmp_path, capsys):

@@ -16,7 +16,7 @@ from fedjax_personal.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.models import MLP, from_flax
 
-from helpers import run_rounds
+from helpers import parse_flags, run_rounds
 
 # The base run every variant is compared with: 2 rounds of 2 local steps.
 BASE = {'batch_size': '4', 'local_steps': '2', 'client_lr': '0.05'}
@@ -60,14 +60,7 @@ def _data_and_model():
 
 
 def _parse(args):
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS(['test'] + list(args))
-
-
-@pytest.fixture(autouse=True)
-def _reset_flags():
-  yield
-  flags.FLAGS.unparse_flags()
+  parse_flags(*args)
 
 
 def _settings(name, base: tuple, args=()):

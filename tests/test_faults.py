@@ -4,27 +4,20 @@ line (ConfigError, exit 2), and every JSON file is strict."""
 import json
 import os
 
-from absl import flags
 import pytest
 
 from fedjax_personal import cli
 from fedjax_personal.config import ConfigError
 from fedjax_personal.run_identity import dumps
+from helpers import parse_flags
 
 SMALL = ['--algorithm=fedavg', '--dataset=digits', '--model=logreg', '--num_clients=4',
          '--progress=false', '--max_examples=200', '--eval_every=1']
 
 
 def job(*args):
-  flags.FLAGS.unparse_flags()
-  flags.FLAGS(['run_experiment'] + SMALL + list(args))
+  parse_flags(*SMALL, *args)
   return cli.main_job()
-
-
-@pytest.fixture(autouse=True)
-def _reset_flags():
-  yield
-  flags.FLAGS.unparse_flags()
 
 
 def _strict(text):
