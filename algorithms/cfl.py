@@ -12,7 +12,9 @@ of its joint objective while its members still disagree:
 
 the bipartition is complete-linkage clustering on the cosine dissimilarity
 1 - cos(dtheta_i, dtheta_j) of the members' last updates. Clusters split
-recursively over rounds.
+recursively over rounds. The test and the bipartitions are tensor code on a
+fixed maximum of N clusters, traced into the compiled round (``PreRound``);
+scikit-learn's ``AgglomerativeClustering`` is the tests' oracle.
 
 The absolute thresholds depend on the model's update scale. ``ratio`` > 0
 replaces the first test by the scale-free || mean || < ratio * max || dtheta_i ||
@@ -28,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedjax_personal import aggregation
-from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
+from fedjax_personal import aggregation, clustering
+from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm, PreRound,
                                        cohort_train_metrics)
 from fedjax_personal.algorithms.fedavg import client_weights
 from fedjax_personal.batching import Batching
@@ -65,43 +67,48 @@ class CFLState:
   num_clusters: jax.Array
 
 
-def bipartition(updates: np.ndarray):
-  """Complete-linkage split of flat updates [n, P] on 1 - cosine similarity.
+def cosine_dissimilarity(flat):
+  """1 - cos(u_i, u_j) of flat updates [N, P], clipped to [0, 2]."""
+  u = flat / jnp.maximum(jnp.linalg.norm(flat, axis=1, keepdims=True), 1e-12)
+  return jnp.clip(1.0 - u @ u.T, 0.0, 2.0)
 
-  Returns a bool [n] (True: the second half).
+
+def split_decisions(flat, cluster, weights, num_clusters, eps1: float, eps2: float,
+                    ratio: float = 0.0):
+  """The split test of every cluster and the bipartitions (tensor code).
+
+  Args:
+    flat: [N, P] each client's last update.
+    cluster: int32 [N] cluster ids in [0, num_clusters).
+    weights: [N] client weights of the cluster means.
+    num_clusters: int32 scalar, clusters so far (at most N: fixed shapes).
+    eps1, eps2, ratio: the split test (module docstring).
+  Returns:
+    (new cluster ids, new number of clusters, bool [N] clusters that split).
+    A splitting cluster c keeps id c for the half holding its lowest-index
+    member; the other half takes the next free id, in order of c.
   """
-  from sklearn.cluster import AgglomerativeClustering
-  u = updates / np.maximum(np.linalg.norm(updates, axis=1, keepdims=True), 1e-12)
-  dist = np.clip(1.0 - u @ u.T, 0.0, 2.0)
-  labels = AgglomerativeClustering(n_clusters=2, metric='precomputed',
-                                   linkage='complete').fit_predict(dist)
-  return labels == 1
+  n = cluster.shape[0]
+  one_hot = jax.nn.one_hot(cluster, n, dtype=flat.dtype)  # [clients, clusters]
+  wc = one_hot * weights[:, None]
+  share = wc / jnp.maximum(wc.sum(0, keepdims=True), 1e-12)
+  mean_norm = jnp.linalg.norm(share.T @ flat, axis=1)
+  norms = jnp.linalg.norm(flat, axis=1)
+  max_norm = jnp.max(jnp.where(one_hot > 0, norms[:, None], 0.0), axis=0)
+  size = one_hot.sum(0)
+  stationary = mean_norm < ratio * max_norm if ratio > 0 else mean_norm < eps1
+  split = (size >= 2) & stationary & (max_norm > eps2) & (jnp.arange(n) < num_clusters)
+  dist = cosine_dissimilarity(flat)
 
+  def body(c, carry):
+    def do(carry):
+      cluster, nxt = carry
+      second = clustering.bipartition(dist, cluster == c)
+      return jnp.where(second, nxt, cluster), nxt + 1
+    return jax.lax.cond(split[c], do, lambda carry: carry, carry)
 
-def split_decisions(updates: np.ndarray, cluster: np.ndarray, weights: np.ndarray,
-                    eps1: float, eps2: float, ratio: float = 0.0):
-  """New cluster ids after the split test of every cluster (host side).
-
-  Returns (new cluster ids, list of (cluster, mean norm, max norm) split).
-  """
-  cluster = cluster.copy()
-  nxt = int(cluster.max()) + 1
-  splits = []
-  for c in np.unique(cluster):
-    members = np.nonzero(cluster == c)[0]
-    if len(members) < 2:
-      continue
-    u = updates[members]
-    w = weights[members] / max(weights[members].sum(), 1e-12)
-    mean_norm = float(np.linalg.norm(w @ u))
-    max_norm = float(np.linalg.norm(u, axis=1).max())
-    stationary = mean_norm < ratio * max_norm if ratio > 0 else mean_norm < eps1
-    if stationary and max_norm > eps2:
-      second = bipartition(u)
-      cluster[members[second]] = nxt
-      nxt += 1
-      splits.append((int(c), mean_norm, max_norm))
-  return cluster, splits
+  cluster, nxt = jax.lax.fori_loop(0, n, body, (cluster, jnp.asarray(num_clusters, jnp.int32)))
+  return cluster, nxt, split
 
 
 def cfl(model: Model, num_clients: int, num_examples, client_optimizer, batching: Batching,
@@ -138,27 +145,27 @@ def cfl(model: Model, num_clients: int, num_examples, client_optimizer, batching
     metrics['num_clusters'] = state.num_clusters
     return state.replace(personal=personal, updates=updates), metrics
 
-  def between_rounds(state, t, key, runner):
-    if t < max(warmup_rounds, 1):
-      return state, {}
-    flat = np.asarray(jax.vmap(lambda u: jax.flatten_util.ravel_pytree(u)[0])(state.updates))
-    weights = n_np if weighting == 'num_examples' else np.ones_like(n_np)
-    cluster, splits = split_decisions(flat, np.asarray(state.cluster), weights, eps1, eps2, ratio)
-    if not splits:
-      return state, {}
-    new = state.replace(cluster=jnp.asarray(cluster, jnp.int32),
-                        num_clusters=jnp.asarray(int(cluster.max()) + 1, jnp.int32))
-    return new, {'cfl_splits': len(splits), 'num_clusters': int(cluster.max()) + 1}
+  # The split test, traced into the compiled round (PreRound) before each
+  # round from max(warmup_rounds, 1) on; it needs only the stored updates.
+  weights = jnp.asarray(n_np if weighting == 'num_examples' else np.ones_like(n_np), jnp.float32)
+
+  def split_update(state, outputs, rc):
+    flat = jax.vmap(lambda u: jax.flatten_util.ravel_pytree(u)[0])(state.updates)
+    cluster, k, split = split_decisions(flat, state.cluster, weights, state.num_clusters,
+                                        eps1, eps2, ratio)
+    return state.replace(cluster=cluster, num_clusters=k), {
+        'cfl_splits': jnp.sum(split.astype(jnp.int32)), 'num_clusters': k}
 
   def communication(state):
     b = tree_bytes(jax.tree.map(lambda a: a[0], state.personal))
-    return Communication(b, b, int(state.num_clusters))
+    return Communication(b, b, state.num_clusters)
 
   return FederatedAlgorithm(
       name='cfl', model=model, init=init, server_broadcast=server_broadcast, client_work=work,
       server_update=server_update,
       client_models=lambda s: ClientModels.personal(s.personal, num_clients),
-      communication=communication, between_rounds=between_rounds)
+      communication=communication,
+      pre_round=PreRound(due=lambda t: t >= max(warmup_rounds, 1), update=split_update))
 
 
 def build(training, config: CFLConfig, model, data):

@@ -20,7 +20,10 @@ Options beyond the paper (see ../shared/docs/algorithms.md for why): the batch
 size used for sigma (``sigma_batch_size``; None = K equal parts of the local
 data, the authors' reading), computing W after ``warmup_rounds`` of FedAvg
 instead of at the initial model, recomputing it every ``recompute_every``
-rounds, m_t chosen by the silhouette score. W's degeneracy is reported every
+rounds, m_t chosen by the silhouette score over 2..N-1 (bounded by
+``max_streams``). The whole collaboration round (gradient statistics, W,
+k-means with k-means++ restarts, silhouette) is tensor code inside the
+compiled round (``PreRound``); scikit-learn is only the tests' oracle. W's degeneracy is reported every
 time it is computed: effective neighbours per row 1 / sum_j W_ij^2 (1 means
 Local, N means uniform), and the adjusted Rand index of the streams against
 the known groups when there are any.
@@ -35,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedjax_personal import aggregation
-from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
+from fedjax_personal import aggregation, clustering
+from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm, PreRound,
                                        cohort_train_metrics)
 from fedjax_personal.batching import Batching
 from fedjax_personal.config import BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec, hparam
@@ -56,6 +59,10 @@ class UserCentricConfig:
                                  minimum=0)
   warmup_rounds: int = hparam(0, 'FedAvg rounds before W is computed.', minimum=0)
   recompute_every: int = hparam(0, 'Recompute W every this many rounds (0: once).', minimum=0)
+  max_streams: int = hparam(0, 'Silhouette search over 2..this many streams (0: num_clients - 1, '
+                            'capped at 200).', minimum=0)
+  kmeans_restarts: int = hparam(10, 'k-means++ seedings per k-means (the best inertia is kept).',
+                                minimum=1)
 
 
 @struct.dataclass
@@ -99,42 +106,39 @@ def mixing_matrix(grads, sigma2, num_examples):
   return jax.nn.softmax(logits, axis=1)
 
 
-def effective_neighbours(w) -> np.ndarray:
+def effective_neighbours(w):
   """1 / sum_j W_ij^2 per row (1: only itself; N: uniform)."""
-  w = np.asarray(w, np.float64)
-  return 1.0 / np.sum(w ** 2, axis=1)
+  return 1.0 / jnp.sum(jnp.asarray(w, jnp.float32) ** 2, axis=1)
 
 
-def kmeans_streams(w, num_streams: Optional[int], seed: int = 0, max_streams: int = 10):
-  """Streams from the rows of W: (centroids [k, N], assignment [N], k).
+def default_max_streams(num_clients: int, max_streams: int = 0) -> int:
+  """The silhouette search bound: 2..N-1 (the paper), capped at
+  ``max_streams`` when given, else at 200 (its cost grows as N * k^2)."""
+  return max(1, min(num_clients - 1, max_streams or 200))
 
-  ``num_streams`` None: k chosen by the silhouette score over 2..max_streams
-  (1 when every row is the same). k >= N returns W itself.
+
+def streams(key, w, num_streams: Optional[int], max_streams: int, restarts: int = 10):
+  """Streams from the rows of W (tensor code, traced into the round).
+
+  Returns (stream matrix [N, N] with row s < k stream s's mixing row and the
+  other rows zero, assignment int32 [N], k). ``num_streams`` (static): None
+  picks k in 2..max_streams by the silhouette score (1 when every row is the
+  same); >= N gives W itself; 1 gives the mean row; else k-means with k
+  streams, ``restarts`` k-means++ seedings from ``key``.
   """
-  from sklearn.cluster import KMeans
-  from sklearn.metrics import silhouette_score
-  w = np.asarray(w, np.float64)
+  w = jnp.asarray(w, jnp.float32)
   n = w.shape[0]
   if num_streams is not None and num_streams >= n:
-    return w, np.arange(n), n
-  if num_streams is not None:
-    if num_streams == 1:
-      return w.mean(axis=0, keepdims=True), np.zeros(n, int), 1
-    km = KMeans(num_streams, n_init=10, random_state=seed).fit(w)
-    return km.cluster_centers_, km.labels_, num_streams
-  if np.allclose(w, w[:1]):
-    return w[:1], np.zeros(n, int), 1
-  best = None
-  for k in range(2, min(max_streams, n - 1) + 1):
-    km = KMeans(k, n_init=10, random_state=seed).fit(w)
-    if len(set(km.labels_)) < 2:
-      continue
-    score = silhouette_score(w, km.labels_)
-    if best is None or score > best[0]:
-      best = (score, km.cluster_centers_, km.labels_, k)
-  if best is None:
-    return w[:1], np.zeros(n, int), 1
-  return best[1], best[2], best[3]
+    return w, jnp.arange(n, dtype=jnp.int32), jnp.asarray(n, jnp.int32)
+  if num_streams is None:
+    r = clustering.silhouette_kmeans(key, w, max_streams, restarts)
+  elif num_streams == 1:
+    mean = jnp.mean(w, 0, keepdims=True)
+    r = clustering.KMeansResult(mean, jnp.zeros(n, jnp.int32), None, jnp.asarray(1, jnp.int32))
+  else:
+    r = clustering.kmeans(key, w, num_streams, num_streams, restarts)
+  padded = jnp.zeros((n, n), jnp.float32).at[:r.centroids.shape[0]].set(r.centroids)
+  return padded, r.labels, r.k
 
 
 def gradient_statistics(model: Model, params, data, key, sigma_batches: int,
@@ -168,7 +172,7 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
                 batching: Batching, num_streams: Optional[int] = None,
                 sigma_batches: int = 2, sigma_batch_size: Optional[int] = None,
                 warmup_rounds: int = 0, recompute_every: int = 0,
-                groups=None) -> FederatedAlgorithm:
+                groups=None, max_streams: int = 0, kmeans_restarts: int = 10) -> FederatedAlgorithm:
   """Builds user-centric FL.
 
   Args:
@@ -181,9 +185,15 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
     warmup_rounds: FedAvg rounds before W is computed (0: at the initial model).
     recompute_every: recompute W every this many rounds (0: once).
     groups: optional known groups [N] for the adjusted Rand index report.
+    max_streams: bound of the silhouette search over 2..max_streams (0: N - 1,
+      capped at 200).
+    kmeans_restarts: k-means++ seedings per k-means (scikit-learn's n_init).
 
-  The sigma batches and the k-means initialisation draw from the round's key.
+  The collaboration round (gradient statistics of every client, W, k-means,
+  silhouette) runs inside the compiled round when its schedule is due; the
+  sigma batches and the k-means seedings draw from the round's key.
   """
+  max_k = default_max_streams(num_clients, max_streams)
   n_np = np.asarray(num_examples)
   groups_np = None if groups is None else np.asarray(groups)
   plain = plain_objective(model)
@@ -209,61 +219,49 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
     metrics['num_streams'] = state.num_streams
     return state.replace(personal=personal), metrics
 
-  stats_fns = {}
+  # The collaboration round, traced into the compiled round (PreRound).
+  def due(t):
+    after = t - warmup_rounds
+    periodic = (after > 0) & (after % max(recompute_every, 1) == 0) if recompute_every else False
+    return (t == warmup_rounds) | periodic
 
-  def between_rounds(state, t, key, runner):
-    due = t == warmup_rounds or (recompute_every and t > warmup_rounds
-                                 and (t - warmup_rounds) % recompute_every == 0)
-    if not due:
-      return state, {}
+  def collaboration_broadcast(state, rc):
     # theta_hat: the n-weighted mean of the current models (the FedAvg model
     # during warm-up, the initial model at round 0).
     w_n = jnp.asarray(n_np / n_np.sum(), jnp.float32)
-    theta_hat = jax.tree.map(lambda a: jnp.tensordot(w_n, a, axes=1), state.personal)
-    if 'fn' not in stats_fns:
-      def fn(shared, c):
-        th, train = shared
-        i, key = c
-        return gradient_statistics(model, th, jax.tree.map(lambda a: a[i], train), key,
-                                   sigma_batches, sigma_batch_size)
-      stats_fns['fn'] = fn
-      stats_fns['jit'] = (jax.jit(lambda th, train, keys: runner.executor.map(
-          fn, (th, train), (jnp.arange(num_clients), keys))) if runner.executor.fused else None)
-    k_sigma, k_means = jax.random.split(key)
-    keys = jax.vmap(lambda i: jax.random.fold_in(k_sigma, i))(jnp.arange(num_clients))
-    seed = int(jax.random.randint(k_means, (), 0, 2 ** 31 - 1))
-    if stats_fns['jit'] is not None:
-      grads, sigma2 = stats_fns['jit'](theta_hat, runner.data.train, keys)
-    else:
-      grads, sigma2 = runner.executor.map(stats_fns['fn'], (theta_hat, runner.data.train),
-                                          (jnp.arange(num_clients), keys))
-    w = np.asarray(mixing_matrix(grads, sigma2, n_np))
-    centroids, assignment, k = kmeans_streams(w, num_streams, seed)
-    padded = np.zeros((num_clients, num_clients), np.float32)
-    padded[:k] = centroids
+    return jax.tree.map(lambda a: jnp.tensordot(w_n, a, axes=1), state.personal)
+
+  def collaboration_client(theta_hat, local, key):
+    return gradient_statistics(model, theta_hat, local.train, key, sigma_batches, sigma_batch_size)
+
+  def collaboration_update(state, outputs, rc):
+    grads, sigma2 = outputs
+    w = mixing_matrix(grads, sigma2, n_np)
+    k_means = jax.random.split(rc.key)[1]
+    stream_matrix, assignment, k = streams(k_means, w, num_streams, max_k, kmeans_restarts)
     eff = effective_neighbours(w)
-    info = {'w_effective_neighbours_mean': float(eff.mean()),
-            'w_effective_neighbours_min': float(eff.min()),
-            'w_diagonal_mean': float(np.mean(np.diag(w))), 'num_streams': int(k)}
+    info = {'w_effective_neighbours_mean': jnp.mean(eff),
+            'w_effective_neighbours_min': jnp.min(eff),
+            'w_diagonal_mean': jnp.mean(jnp.diag(w)), 'num_streams': k}
     if groups_np is not None and groups_np.min() >= 0:
-      from sklearn.metrics import adjusted_rand_score
-      info['streams_ari'] = float(adjusted_rand_score(groups_np, assignment))
-    new = state.replace(stream_matrix=jnp.asarray(padded), assignment=jnp.asarray(assignment, jnp.int32),
-                        num_streams=jnp.asarray(k, jnp.int32))
+      info['streams_ari'] = clustering.adjusted_rand_index(
+          jnp.asarray(groups_np, jnp.int32), assignment, int(groups_np.max()) + 1, num_clients)
     # Serve every client its stream model from now on.
-    new = new.replace(personal=tree_gather(aggregation.mix(new.stream_matrix, state.personal),
-                                           new.assignment))
-    return new, info
+    personal = tree_gather(aggregation.mix(stream_matrix, state.personal), assignment)
+    return state.replace(personal=personal, stream_matrix=stream_matrix, assignment=assignment,
+                         num_streams=k), info
 
   def communication(state):
     b = tree_bytes(jax.tree.map(lambda a: a[0], state.personal))
-    return Communication(b, b, int(state.num_streams))
+    return Communication(b, b, state.num_streams)
 
   return FederatedAlgorithm(
       name='usercentric', model=model, init=init, server_broadcast=server_broadcast,
       client_work=work, server_update=server_update,
       client_models=lambda s: ClientModels.personal(s.personal, num_clients),
-      communication=communication, between_rounds=between_rounds)
+      communication=communication,
+      pre_round=PreRound(due=due, broadcast=collaboration_broadcast, client=collaboration_client,
+                         update=collaboration_update))
 
 
 def build(training, config: UserCentricConfig, model, data):
@@ -272,7 +270,8 @@ def build(training, config: UserCentricConfig, model, data):
                      num_streams=config.num_streams or None, sigma_batches=config.sigma_batches,
                      sigma_batch_size=config.sigma_batch_size or None,
                      warmup_rounds=config.warmup_rounds,
-                     recompute_every=config.recompute_every, groups=data.groups)
+                     recompute_every=config.recompute_every, groups=data.groups,
+                     max_streams=config.max_streams, kmeans_restarts=config.kmeans_restarts)
 
 
 # W weighs clients by n_j / n_i itself (eq. 6) and replaces the server

@@ -4,12 +4,16 @@ Following fedjax's ``FederatedAlgorithm`` (``init`` / ``apply``), but split so
 that the engine owns execution: an algorithm is three pure functions around
 the client update, and the engine composes them into one round
 
+    if pre_round and pre_round.due(rc.round):                  # algorithm's schedule
+      state = pre_round.update(state, [pre_round.client(...)    # engine: every client
+                                       for every client], rc)
     cohort = sampler(key)                                      # engine
     shared, per_client = server_broadcast(state, cohort, rc)   # algorithm, server
     outputs = executor.run_work(client_work, ...)              # engine: vmap/blocks/loop
     state, metrics = server_update(state, cohort, outputs, rc)  # algorithm, server
 
-With a fused executor the whole round is one jit-compiled function. Per-client
+With a fused executor the whole round is one jit-compiled function, the
+pre-round phase included (under ``lax.cond``). Per-client
 state lives in stacked arrays inside ``state`` (leading axis N); the
 broadcast gathers the cohort's rows, the server update scatters them back.
 """
@@ -95,6 +99,31 @@ FineTune = Callable[[PyTree, LocalData, jax.Array], PyTree]
 
 
 @dataclasses.dataclass(frozen=True)
+class PreRound:
+  """Server work that precedes some rounds' training (user-centric's
+  collaboration round computing W and the streams, clustered FL's split
+  test), traced into the same compiled round and run when ``due`` says so.
+
+  The engine computes ``client`` on every client (not only the round's
+  cohort), through the executor, and hands the stacked outputs to
+  ``update``. The algorithm never sees the executor or the data set.
+
+  Attributes:
+    due: ``round -> bool`` (traced int32 round: rounds done before this one).
+    broadcast: ``(state, rc) -> shared``, what every client receives.
+    client: optional pure ``(shared, LocalData, key) -> output`` (None: the
+      phase needs nothing from the clients).
+    update: ``(state, outputs [N, ...] or None, rc) -> (state, diagnostics)``,
+      diagnostics a dict of scalars recorded in the round's record when the
+      phase ran.
+  """
+  due: Callable[[jax.Array], jax.Array]
+  update: Callable[[PyTree, Any, RoundContext], tuple]
+  broadcast: Callable[[PyTree, RoundContext], Any] = lambda state, rc: None
+  client: Optional[Callable[[Any, LocalData, jax.Array], Any]] = None
+
+
+@dataclasses.dataclass(frozen=True)
 class FederatedAlgorithm:
   """A federated algorithm as pure functions (see module docstring).
 
@@ -116,10 +145,8 @@ class FederatedAlgorithm:
     evaluate_client: optional ``(params, local_data, test, key) -> LossStats``
       replacing the plain test of ``params`` (e.g. prototype classifiers built
       from the client's training data).
-    between_rounds: optional host-side ``(state, round, key, runner) ->
-      (state, info dict)`` (``key`` derives from the round key) called before each round, for phases that are not a
-      training round (the user-centric collaboration round computing the
-      mixing matrix, clustered FL's splits). ``info`` joins the round's record.
+    pre_round: optional ``PreRound`` run at the start of the rounds it is
+      due (phases that are not a training round), inside the compiled round.
   """
   name: str
   model: Model
@@ -131,7 +158,7 @@ class FederatedAlgorithm:
   communication: Callable[[PyTree], Communication]
   finetune: Optional[FineTune] = None
   evaluate_client: Optional[Callable] = None
-  between_rounds: Optional[Callable] = None
+  pre_round: Optional[PreRound] = None
 
   def replace(self, **kw) -> 'FederatedAlgorithm':
     return dataclasses.replace(self, **kw)

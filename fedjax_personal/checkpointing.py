@@ -8,6 +8,7 @@ Typed PRNG keys inside a state are stored as their key data. Saves are
 synchronous and atomic (Orbax writes to a temporary directory and renames).
 """
 
+import json
 import os
 import sys
 from typing import List, Optional
@@ -15,6 +16,7 @@ from typing import List, Optional
 import jax
 import orbax.checkpoint as ocp
 
+from fedjax_personal import run_identity
 from fedjax_personal.experiment import Callback
 
 
@@ -38,14 +40,18 @@ def manager(directory: str, max_to_keep: int = 2) -> ocp.CheckpointManager:
                                            enable_async_checkpointing=False))
 
 
-def save(mngr: ocp.CheckpointManager, round_num: int, state, history: List[dict]):
+def save(mngr: ocp.CheckpointManager, round_num: int, state, histories: List[List[dict]]):
+  """Saves the state and every configuration's records so far (strict JSON:
+  non-finite values as null)."""
+  clean = json.loads(run_identity.dumps(histories))
   mngr.save(round_num, args=ocp.args.Composite(state=ocp.args.StandardSave(to_saveable(state)),
-                                               history=ocp.args.JsonSave(history)))
+                                               history=ocp.args.JsonSave(clean)))
   mngr.wait_until_finished()
 
 
 def restore_latest(directory: str, template_state):
-  """(state, round, history) of the latest checkpoint, or None when there is none.
+  """(state, round, histories) of the latest checkpoint (one history per
+  configuration), or None when there is none.
 
   Args:
     template_state: a state of the same structure (e.g. ``runner.init(key)``).
@@ -62,25 +68,29 @@ def restore_latest(directory: str, template_state):
       print(f'warning: checkpoint {step} in {directory} is unreadable '
             f'({type(e).__name__}); trying the previous one', file=sys.stderr)
       continue
-    return from_saveable(out['state'], template_state), int(step), list(out['history'])
+    return from_saveable(out['state'], template_state), int(step), [list(h) for h in out['history']]
   return None
 
 
 class Checkpointer(Callback):
-  """Saves every ``every`` rounds and at the end of the run."""
+  """Saves every ``every`` rounds and at the end of the run (of a single
+  run or a whole sweep: the stacked state and every configuration's records)."""
 
-  def __init__(self, directory: str, every: int, history: Optional[List[dict]] = None,
-               max_to_keep: int = 2):
+  def __init__(self, directory: str, every: int,
+               histories: Optional[List[List[dict]]] = None, max_to_keep: int = 2):
     self.mngr = manager(directory, max_to_keep)
     self.every = every
-    self.history = list(history or [])
+    self.histories = [list(h) for h in histories] if histories else None
 
-  def on_round_end(self, round_num, record, state):
-    self.history.append(record)
+  def on_round_end(self, round_num, records, state):
+    if self.histories is None:
+      self.histories = [[] for _ in records]
+    for h, r in zip(self.histories, records):
+      h.append(r)
     if self.every and round_num % self.every == 0:
-      save(self.mngr, round_num, state, self.history)
+      save(self.mngr, round_num, state, self.histories)
 
-  def on_end(self, history, state):
-    last = history[-1]['round'] if history else 0
+  def on_end(self, histories, state):
+    last = histories[0][-1]['round'] if histories and histories[0] else 0
     if last and self.mngr.latest_step() != last:
-      save(self.mngr, last, state, history)
+      save(self.mngr, last, state, histories)

@@ -279,42 +279,83 @@ def _default_output_dir(identities: dict) -> str:
                       f'{run_identity.short_hash(identities)}')
 
 
+def _sweep_configs():
+  """The sweep's (seed, {name: value}) configurations, or None without a sweep."""
+  if not (FLAGS.sweep_seeds or FLAGS.sweep):
+    return None
+  from fedjax_personal import sweep
+  values = sweep.parse_sweep(FLAGS.sweep, sweepable())
+  seeds = list(range(FLAGS.seed, FLAGS.seed + max(FLAGS.sweep_seeds, 1)))
+  return sweep.configs(seeds, values)
+
+
+def _label(name: str, config_label) -> str:
+  if config_label is None:
+    return name
+  return f'{name} ' + ' '.join(f'{k}={v:g}' for k, v in config_label.items())
+
+
+def _make_runs(spec, alg, training, cfg, ignored, model, data, executor, cfgs):
+  """The loop's ``Runs`` of one algorithm: a single run, or its sweep as one
+  vmapped program."""
+  if cfgs is None:
+    return experiment.SingleRun(RoundRunner(alg, data, sampler_for(data.num_clients), executor),
+                                FLAGS.seed)
+  from fedjax_personal import sweep
+  names = sweepable()
+
+  def build(hv):
+    hv = {k: v for k, v in hv.items() if k not in ignored}
+    shared = {names[k][1]: v for k, v in hv.items() if names[k][0] is TrainingConfig}
+    own = {names[k][1]: v for k, v in hv.items() if names[k][0] is spec.config}
+    return algorithms_lib.build(spec.name, model, data,
+                                training=dataclasses.replace(training, **shared),
+                                config=dataclasses.replace(cfg, **own))
+  return sweep.SweepRunner(build, cfgs, data, sampler_for(data.num_clients), executor)
+
+
 def main_job() -> Dict[str, dict]:
-  """Runs every algorithm of --algorithm on the same data; writes outputs and
-  prints the comparison table. Returns {algorithm: final summary}."""
+  """Runs every algorithm of --algorithm on the same data (each a single run,
+  or with --sweep/--sweep_seeds a vmapped sweep of configurations, through
+  the same loop); writes outputs and prints the comparison table. Returns
+  {row label: final summary}."""
   settings = validate_flags()
   _check(not (FLAGS.resume and FLAGS.resume_if_found), 'resume_if_found',
          'give --resume or --resume_if_found, not both')
+  cfgs = _sweep_configs()
   data = datasets_lib.load_federated(data_config())
   _check(int(np.asarray(data.train.num_examples).sum()) > 0, 'num_clients',
          'no client has training data')
   print(data.describe())
   job = job_identity(data)
+  if cfgs is not None:
+    job['sweep'] = {'sweep': FLAGS.sweep, 'sweep_seeds': FLAGS.sweep_seeds}
   data = to_device(data)
   sample_x = data.train.x[0, :1]
   model = create_model(FLAGS.model, data.num_classes, sample_x, FLAGS.adapter_dim)
   executor = create_executor(FLAGS.executor, model, sample_x, FLAGS.block_size)
+  if cfgs is not None and not executor.fused:
+    executor = create_executor('blocked', block_size=FLAGS.block_size)
   # Build every algorithm before training any, so that a bad setting fails fast.
-  algs = [(spec, algorithms_lib.build(spec.name, model, data, training=t, config=cfg), ignored,
-           run_identity.identity(spec.name, t, cfg, job))
+  algs = [(spec, algorithms_lib.build(spec.name, model, data, training=t, config=cfg), t, cfg,
+           ignored, run_identity.identity(spec.name, t, cfg, job))
           for spec, t, cfg, ignored in settings]
-  identities = {spec.name: ident for spec, _, _, ident in algs}
+  identities = {spec.name: ident for spec, _, _, _, _, ident in algs}
   name = FLAGS.output_dir or _default_output_dir(identities)
   print(f'executor: {executor.describe()} on {jax.default_backend()}; outputs in {name}')
-  if FLAGS.sweep_seeds or FLAGS.sweep:
-    return sweep_job(settings, model, data, sample_x, name)
+  if cfgs is not None:
+    print(f'sweep of {len(cfgs)} configurations per algorithm, each sweep one compiled program')
   resume = FLAGS.resume or FLAGS.resume_if_found
-  job_ident = {'algorithms': identities}
-  run_identity.claim(name, job_ident, FLAGS.overwrite, resume)
-  runners, restored = {}, {}
-  for spec, alg, _, ident in algs:
+  run_identity.claim(name, {'algorithms': identities}, FLAGS.overwrite, resume)
+  runs_of, restored = {}, {}
+  for spec, alg, t, cfg, ignored, ident in algs:
     out_dir = os.path.join(name, spec.name)
     run_identity.claim(out_dir, ident, FLAGS.overwrite, resume)
-    runner = RoundRunner(alg, data, sampler_for(data.num_clients), executor)
-    runners[spec.name] = runner
+    runs = _make_runs(spec, alg, t, cfg, ignored, model, data, executor, cfgs)
+    runs_of[spec.name] = runs
     if resume:
       ckpt_dir = os.path.join(out_dir, 'checkpoints')
-      got = checkpointing.restore_latest(ckpt_dir, runner.init(jax.random.key(0)))
+      got = checkpointing.restore_latest(ckpt_dir, runs.init())
       if got is None and FLAGS.resume:
         raise ConfigError('resume', f'no checkpoint of {spec.name} in {ckpt_dir}; run without '
                           '--resume, or with --resume_if_found to start fresh where there is none')
@@ -326,89 +367,58 @@ def main_job() -> Dict[str, dict]:
       restored[spec.name] = got
   histories, summaries = {}, {}
   try:
-    for spec, alg, ignored, ident in algs:
+    for spec, alg, _, _, ignored, ident in algs:
       alg_name = spec.name
-      runner = runners[alg_name]
+      runs = runs_of[alg_name]
       out_dir = os.path.join(name, alg_name)
       ckpt_dir = os.path.join(out_dir, 'checkpoints')
-      state, start, history = None, 0, []
+      state, start, hists = None, 0, None
       if restored.get(alg_name) is not None:
-        state, start, history = restored[alg_name]
+        state, start, hists = restored[alg_name]
         print(f'{alg_name}: resuming after round {start} from {ckpt_dir}')
-      callbacks = [reporting.MetricsWriter(out_dir, history)]
+      callbacks = [reporting.MetricsWriter(out_dir, hists)]
       if FLAGS.checkpoint_every or resume:
-        callbacks.append(checkpointing.Checkpointer(ckpt_dir, FLAGS.checkpoint_every, history))
-      if alg_name == 'fedfomo':
+        callbacks.append(checkpointing.Checkpointer(ckpt_dir, FLAGS.checkpoint_every, hists))
+      if alg_name == 'fedfomo' and cfgs is None:
         callbacks.append(reporting.AffinityRecorder(os.path.join(out_dir, 'affinity.png')))
       if FLAGS.progress:
         callbacks.append(reporting.Progress(FLAGS.rounds - start, alg_name))
-      _, history = experiment.run(runner, FLAGS.rounds, seed=FLAGS.seed,
-                                  eval_every=FLAGS.eval_every, callbacks=callbacks, state=state,
-                                  start_round=start, history=history)
-      histories[alg_name] = history
-      summaries[alg_name] = reporting.final_summary(history)
-      summaries[alg_name]['rounds'] = FLAGS.rounds
-      if start:
-        summaries[alg_name]['resumed_after_round'] = start
-      if ignored:
-        summaries[alg_name]['ignored_settings'] = ignored
-      if FLAGS.target_accuracy is not None:
-        summaries[alg_name]['rounds_to_target'] = experiment.rounds_to_target(
-            history, FLAGS.target_accuracy)
-      reporting.write_summary(out_dir, {**summaries[alg_name], 'algorithm': alg_name,
-                                        'identity': ident, 'flags': FLAGS.flag_values_dict()})
-      s = summaries[alg_name]
-      print(f"{alg_name}: mean {s['accuracy_mean']:.4f} worst {s['accuracy_worst']:.4f} "
-            f"({s['train_seconds']:.1f} s of rounds)")
+      _, hists = experiment.run_many(runs, FLAGS.rounds, eval_every=FLAGS.eval_every,
+                                     callbacks=callbacks, state=state, start_round=start,
+                                     histories=hists)
+      alg_summaries = []
+      for label, history in zip(runs.labels, hists):
+        s = reporting.final_summary(history)
+        s['rounds'] = FLAGS.rounds
+        if label is not None:
+          s['config'] = label
+        if start:
+          s['resumed_after_round'] = start
+        if ignored:
+          s['ignored_settings'] = ignored
+        if FLAGS.target_accuracy is not None:
+          s['rounds_to_target'] = experiment.rounds_to_target(history, FLAGS.target_accuracy)
+        row = _label(alg_name, label)
+        histories[row], summaries[row] = history, s
+        alg_summaries.append(s)
+        print(f"{row}: " + (f"diverged at round {s['diverged_at_round']}" if s.get('diverged')
+                            else f"mean {s['accuracy_mean']:.4f} worst {s['accuracy_worst']:.4f}")
+              + f" ({s['train_seconds']:.1f} s of rounds)")
+      record = alg_summaries[0] if cfgs is None else {'configurations': alg_summaries}
+      reporting.write_summary(out_dir, {**record, 'algorithm': alg_name, 'identity': ident,
+                                        'flags': FLAGS.flag_values_dict()})
   finally:
     # Also when a later algorithm fails: the finished ones keep their table.
     if histories:
       reporting.plot_runs(histories, name)
-      run_identity.write_json(os.path.join(name, 'comparison.json'), {
+      run_identity.write_json(os.path.join(name, 'comparison.json' if cfgs is None
+                                           else 'sweep.json'), {
           k: {kk: v for kk, v in s.items() if kk != 'per_client_accuracy'}
           for k, s in summaries.items()})
       print()
       print(f'{data.name}, {FLAGS.model}, {FLAGS.rounds} rounds: per-client test accuracy')
       print(reporting.format_table(summaries))
   return summaries
-
-
-def sweep_job(settings, model, data, sample_x, name):
-  """Every algorithm of --algorithm over the sweep's configurations, each
-  sweep one compiled program; prints one row per configuration."""
-  from fedjax_personal import sweep
-  names = sweepable()
-  values = sweep.parse_sweep(FLAGS.sweep, names)
-  seeds = list(range(FLAGS.seed, FLAGS.seed + max(FLAGS.sweep_seeds, 1)))
-  cfgs = sweep.configs(seeds, values)
-  executor = create_executor(FLAGS.executor, model, sample_x, FLAGS.block_size)
-  if not executor.fused:
-    executor = create_executor('blocked', block_size=FLAGS.block_size)
-  print(f'sweep of {len(cfgs)} configurations per algorithm, executor {executor.describe()}')
-  results = {}
-  for spec, training, cfg, ignored in settings:
-    def build(hv, spec=spec, training=training, cfg=cfg, ignored=ignored):
-      hv = {k: v for k, v in hv.items() if k not in ignored}
-      shared = {names[k][1]: v for k, v in hv.items() if names[k][0] is TrainingConfig}
-      own = {names[k][1]: v for k, v in hv.items() if names[k][0] is spec.config}
-      return algorithms_lib.build(spec.name, model, data,
-                                  training=dataclasses.replace(training, **shared),
-                                  config=dataclasses.replace(cfg, **own))
-    runner = sweep.SweepRunner(build, cfgs, data, sampler_for(data.num_clients), executor)
-    histories = runner.run(FLAGS.rounds, FLAGS.eval_every)
-    for (seed, hv), hist in zip(cfgs, histories):
-      label = f'{spec.name} seed={seed}' + ''.join(f' {k}={v:g}' for k, v in hv.items()
-                                                   if k not in ignored)
-      results[label] = reporting.final_summary(hist)
-  run_identity.claim(name, {'sweep': FLAGS.sweep, 'sweep_seeds': FLAGS.sweep_seeds,
-                            'algorithms': list(FLAGS.algorithm)}, FLAGS.overwrite, False)
-  run_identity.write_json(os.path.join(name, 'sweep.json'), {
-      k: {kk: v for kk, v in s.items() if kk != 'per_client_accuracy'} for k, s in results.items()})
-  width = max(len(k) for k in results) + 2
-  print(f"{'configuration':<{width}}{'mean':>9}{'worst':>9}")
-  for label, s in results.items():
-    print(f"{label:<{width}}{100 * s['accuracy_mean']:>8.2f}%{100 * s['accuracy_worst']:>8.2f}%")
-  return results
 
 
 def main(argv):

@@ -63,12 +63,17 @@ def persistent_client_optimizer(alg: FederatedAlgorithm, num_clients: int) -> Fe
     inner, metrics = alg.server_update(state.inner, cohort, out, rc)
     return WithClientOptState(inner, tree_scatter(state.opt_state, cohort.idx, opt_state)), metrics
 
-  def between(state, t, key, runner):
-    inner, info = alg.between_rounds(state.inner, t, key, runner)
-    return state.replace(inner=inner), info
+  pre_round = alg.pre_round
+  if pre_round is not None:
+    def update(state, outputs, rc):
+      inner, info = alg.pre_round.update(state.inner, outputs, rc)
+      return state.replace(inner=inner), info
+    pre_round = dataclasses.replace(
+        pre_round, broadcast=lambda state, rc: alg.pre_round.broadcast(state.inner, rc),
+        update=update)
 
   return alg.replace(init=init, server_broadcast=server_broadcast, client_work=wrapped,
                      server_update=server_update,
                      client_models=lambda s: alg.client_models(s.inner),
                      communication=lambda s: alg.communication(s.inner),
-                     between_rounds=between if alg.between_rounds is not None else None)
+                     pre_round=pre_round)

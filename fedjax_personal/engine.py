@@ -27,15 +27,76 @@ def _row(tree, i):
   return jax.tree.map(lambda a: a.at[i].get(mode='clip'), tree)
 
 
+def communication_metrics(alg, state, num_active) -> dict:
+  """Bytes of one round from the algorithm's static sizes and the cohort
+  (traceable: computed inside the compiled round).
+
+  ``bytes_down_broadcast`` sends each distinct downlink model once (FedAvg: 1,
+  streams: m_t); ``bytes_down_unicast`` sends one model to every active client.
+
+  Args:
+    alg: the FederatedAlgorithm (or a RoundRunner, for its algorithm).
+  """
+  comm = getattr(alg, 'algorithm', alg).communication(state)
+  num_active = jnp.asarray(num_active, jnp.float32)
+  distinct = jnp.minimum(jnp.asarray(comm.num_downlink_models, jnp.float32), num_active)
+  has_down = jnp.asarray(comm.num_downlink_models) > 0
+  return {
+      'bytes_up': num_active * comm.uplink_bytes_per_client,
+      'bytes_down_broadcast': jnp.where(has_down, distinct, 0.0) * comm.downlink_bytes_per_model,
+      'bytes_down_unicast': jnp.where(has_down, num_active * comm.downlink_bytes_per_model, 0.0),
+  }
+
+
+#: Keys of a round's metrics that carry the pre-round phase's diagnostics
+#: (``experiment`` merges them into the record when the phase ran).
+PRE_ROUND_RAN, PRE_ROUND = 'pre_round_ran', 'pre_round'
+
+
+def pre_round_functions(alg: FederatedAlgorithm, ex: Executor, counts=None):
+  """The algorithm's ``PreRound`` phase: (due, rc_of, run, phase_client).
+
+  ``run(state, rc, train, val) -> (state, diagnostics)`` computes the
+  phase's client function on every client through the executor (client i's
+  key is ``fold_in(rc.key, i)``) and the server update; the phase's key is
+  ``fold_in(round_key, 2)``.
+  """
+  counts = collections.Counter() if counts is None else counts
+  pr = alg.pre_round
+
+  def rc_of(key, round_num):
+    return RoundContext(round=jnp.asarray(round_num, jnp.int32), key=jax.random.fold_in(key, 2))
+
+  def phase_client(shared_all, c):
+    counts['pre_round_client'] += 1
+    shared, train, val = shared_all
+    i, key = c
+    return pr.client(shared, LocalData(train=_row(train, i), val=_row(val, i)), key)
+
+  def run(state, rc, train, val):
+    counts['pre_round'] += 1
+    shared = pr.broadcast(state, rc)
+    outputs = None
+    if pr.client is not None:
+      n = train.num_examples.shape[0]
+      keys = jax.vmap(lambda i: jax.random.fold_in(rc.key, i))(jnp.arange(n))
+      outputs = ex.map(phase_client, (shared, train, val), (jnp.arange(n, dtype=jnp.int32), keys))
+    return pr.update(state, outputs, rc)
+
+  return pr.due, rc_of, run, phase_client
+
+
 def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executor, counts=None):
   """The pieces of one round of ``alg``: (pre, make_ctx, post, fused_round).
 
   ``fused_round(state, key, round_num, train, val) -> (state, metrics)`` is
-  the whole round as one traceable function (for fused executors); ``pre`` /
-  ``post`` are the server steps around client work for the sequential
-  executor. The round key splits into the cohort's key and the clients'
-  keys (client i's is ``fold_in(k_clients, i)``); the server's key is
-  ``fold_in(k_cohort, 1)``.
+  the whole round as one traceable function (for fused executors), the
+  algorithm's pre-round phase included (under ``lax.cond`` on its schedule;
+  its diagnostics in ``metrics['pre_round']``, ``metrics['pre_round_ran']``
+  saying whether it ran); ``pre`` / ``post`` are the server steps around
+  client work for the sequential executor. The round key splits into the
+  cohort's key and the clients' keys (client i's is ``fold_in(k_clients,
+  i)``); the server's key is ``fold_in(k_cohort, 1)``.
   """
   counts = collections.Counter() if counts is None else counts
 
@@ -58,14 +119,31 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
 
   def post(state, cohort, outputs, rc):
     counts['post'] += 1
-    return alg.server_update(state, cohort, outputs, rc)
+    state, metrics = alg.server_update(state, cohort, outputs, rc)
+    num_active = jnp.sum(cohort.mask.astype(jnp.float32))
+    return state, {**metrics, **communication_metrics(alg, state, num_active)}
+
+  def fused_pre_round(state, key, round_num, train, val):
+    if alg.pre_round is None:
+      return state, {}
+    due, rc_of, run, _ = pre_round_functions(alg, ex, counts)
+    rc = rc_of(key, round_num)
+    diag_shape = jax.eval_shape(lambda s: run(s, rc, train, val)[1], state)
+
+    def skip(s):
+      return s, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), diag_shape)
+    ran = jnp.asarray(due(rc.round))
+    state, diag = jax.lax.cond(ran, lambda s: run(s, rc, train, val), skip, state)
+    return state, {PRE_ROUND_RAN: ran, PRE_ROUND: diag}
 
   def fused_round(state, key, round_num, train, val):
     counts['round'] += 1
+    state, phase = fused_pre_round(state, key, round_num, train, val)
     cohort, rc, shared, per_client = pre(state, key, round_num)
     outputs = ex.run_work(alg.client_work, make_ctx, (shared, train, val), per_client,
                           active=cohort.mask)
-    return post(state, cohort, outputs, rc)
+    state, metrics = post(state, cohort, outputs, rc)
+    return state, {**metrics, **phase}
 
   return pre, make_ctx, post, fused_round
 
@@ -138,15 +216,42 @@ class RoundRunner:
           state, key, jnp.asarray(rnd, jnp.int32), self.data.train, self.data.val)
     else:
       pre_j, post_j = jax.jit(pre), jax.jit(post)
+      if alg.pre_round is not None:
+        due, rc_of, _, phase_client = pre_round_functions(alg, ex, self.trace_counts)
+        due_j, rc_j = jax.jit(due), jax.jit(rc_of)
+        bcast_j, update_j = jax.jit(alg.pre_round.broadcast), jax.jit(alg.pre_round.update)
+
+      def pre_round_py(state, key, rnd):
+        """The pre-round phase dispatched from Python: the same functions as
+        the fused round's, its client part through the executor's map."""
+        if alg.pre_round is None:
+          return state, {}
+        rc = rc_j(key, jnp.asarray(rnd, jnp.int32))
+        if not bool(due_j(rc.round)):
+          return state, {PRE_ROUND_RAN: False}
+        pr = alg.pre_round
+        if pr.client is None:
+          state, diag = update_j(state, None, rc)
+        else:
+          train, val = self.data.train, self.data.val
+          shared = bcast_j(state, rc)
+          n = self.data.num_clients
+          keys = jax.vmap(lambda i: jax.random.fold_in(rc.key, i))(jnp.arange(n))
+          outputs = ex.map(phase_client, (shared, train, val),
+                           (jnp.arange(n, dtype=jnp.int32), keys))
+          state, diag = update_j(state, outputs, rc)
+        return state, {PRE_ROUND_RAN: True, PRE_ROUND: diag}
 
       def round_py(state, key, rnd, donate):
         del donate  # client work runs outside one compiled function
+        state, phase = pre_round_py(state, key, rnd)
         cohort, rc, shared, per_client = pre_j(state, key, jnp.asarray(rnd, jnp.int32))
         idx, mask = jax.device_get((cohort.idx, cohort.mask))
         steps = self._host_steps[np.minimum(idx, len(self._host_steps) - 1)]
         outputs = ex.run_work(alg.client_work, make_ctx, (shared, self.data.train, self.data.val),
                               per_client, active=mask, num_steps=steps)
-        return post_j(state, cohort, outputs, rc)
+        state, metrics = post_j(state, cohort, outputs, rc)
+        return state, {**metrics, **phase}
       self._round = round_py
 
     eval_all = eval_function(alg, ex, self.trace_counts)

@@ -1,8 +1,15 @@
-"""The training loop: rounds, periodic evaluation, callbacks.
+"""The training loop, one for single runs and sweeps: rounds, periodic
+evaluation, divergence, callbacks (metrics, checkpoints, progress).
+
+The loop drives ``Runs``: S configurations advanced in lock step (S = 1 for
+a single run, ``SingleRun``; a vmapped sweep, ``sweep.SweepRunner``). Both
+give the loop per-configuration metrics and evaluations; the loop decides
+the evaluation rounds, makes the records, merges the pre-round diagnostics
+of the rounds where that phase ran, and marks diverged configurations.
 
 Randomness: the key of round t is ``fold_in(train_key, t)`` and a client's key
 in that round is ``fold_in(round_key, client_index)``, so the same flags and
-seed give the same numbers, whatever the executor.
+seed give the same numbers, whatever the executor, alone or in a sweep.
 """
 
 import dataclasses
@@ -11,95 +18,156 @@ import time
 from typing import Any, List, Optional, Sequence
 
 import jax
+import numpy as np
 
-from fedjax_personal.engine import RoundRunner, evaluation_record
+from fedjax_personal.engine import (PRE_ROUND, PRE_ROUND_RAN, RoundRunner, communication_metrics,
+                                    evaluation_record)
+from fedjax_personal.training import LossStats
+
+__all__ = ['Callback', 'DivergenceError', 'SingleRun', 'communication_metrics', 'run', 'run_many',
+           'rounds_to_target', 'seed_keys']
 
 
 class DivergenceError(RuntimeError):
-  """Training produced a non-finite loss."""
+  """Training produced a non-finite loss (every configuration, in a sweep)."""
 
 
 @dataclasses.dataclass
 class Callback:
-  """Hooks around the loop (evaluation writing, progress, checkpoints)."""
+  """Hooks around the loop. ``records`` has one dict per configuration (one
+  for a single run); ``histories`` one list of records per configuration."""
 
-  def on_start(self, runner: RoundRunner, state) -> None:
+  def on_start(self, runs, state) -> None:
     pass
 
-  def on_round_end(self, round_num: int, record: dict, state) -> None:
+  def on_round_end(self, round_num: int, records: List[dict], state) -> None:
     pass
 
-  def on_end(self, history: List[dict], state) -> None:
+  def on_end(self, histories: List[List[dict]], state) -> None:
     pass
 
 
-def communication_metrics(runner: RoundRunner, state, num_active: float) -> dict:
-  """Bytes of one round from the algorithm's static sizes and the cohort.
+def seed_keys(seed: int):
+  """(init, train, eval) keys of a run with this seed."""
+  return jax.random.split(jax.random.key(seed), 3)
 
-  ``bytes_down_broadcast`` sends each distinct downlink model once (FedAvg: 1,
-  streams: m_t); ``bytes_down_unicast`` sends one model to every active client.
+
+class SingleRun:
+  """One configuration: a RoundRunner and its seed, as the loop's ``Runs``."""
+
+  def __init__(self, runner: RoundRunner, seed: int = 0):
+    self.runner, self.seed = runner, seed
+    self.init_key, self.train_key, self.eval_key = seed_keys(seed)
+    self.labels = [None]
+
+  @property
+  def num_configs(self) -> int:
+    return 1
+
+  def init(self):
+    return self.runner.init(self.init_key)
+
+  def round(self, state, t: int, donate: bool = True):
+    """(state, {name: [1] array}) of round t."""
+    state, metrics = self.runner.round(state, jax.random.fold_in(self.train_key, t), t,
+                                       donate=donate)
+    return state, jax.tree.map(lambda v: np.asarray(v)[None], jax.device_get(metrics))
+
+  def evaluate(self, state, t: int) -> LossStats:
+    """Per-client LossStats with a leading configuration axis [1, N]."""
+    stats = self.runner.evaluate(state, jax.random.fold_in(self.eval_key, t))
+    return LossStats(*(np.asarray(a)[None] for a in jax.device_get(stats)))
+
+
+def _records(t: int, metrics: dict, seconds: float, labels) -> List[dict]:
+  """One record per configuration from the round's [S]-leading metrics."""
+  phase = metrics.pop(PRE_ROUND, {})
+  ran = np.asarray(metrics.pop(PRE_ROUND_RAN, np.zeros(len(labels), bool)))
+  records = []
+  for s, label in enumerate(labels):
+    record = {'round': t + 1}
+    if label is not None:
+      record['config'] = label
+    record.update({k: float(v[s]) for k, v in metrics.items()})
+    if ran.reshape(-1)[s if ran.size > 1 else 0]:
+      record[PRE_ROUND_RAN] = True
+      record.update({k: float(v[s]) for k, v in phase.items()})
+    record['round_seconds'] = seconds
+    records.append(record)
+  return records
+
+
+def run_many(runs, num_rounds: int, eval_every: int = 5, callbacks: Sequence[Callback] = (),
+             state: Any = None, start_round: int = 0,
+             histories: Optional[List[List[dict]]] = None):
+  """Runs ``num_rounds`` rounds of S configurations, evaluating every
+  ``eval_every`` rounds and at the end.
+
+  A configuration whose training loss is not finite is marked
+  (``record['diverged'] = True`` from then on, ``diverged_at_round`` in its
+  records); the loop stops with ``DivergenceError`` once every
+  configuration has diverged (at once for a single run).
+
+  Args:
+    runs: ``SingleRun`` or ``sweep.SweepRunner``.
+    num_rounds: total rounds.
+    eval_every: evaluation period in rounds (0: only at the end).
+    callbacks: Callback instances.
+    state, start_round, histories: to continue (resume); a given state is
+      consumed.
+
+  Returns:
+    (final state, one history per configuration).
   """
-  comm = runner.algorithm.communication(state)
-  distinct = min(comm.num_downlink_models, num_active) if comm.num_downlink_models else 0
-  return {
-      'bytes_up': float(num_active * comm.uplink_bytes_per_client),
-      'bytes_down_broadcast': float(distinct * comm.downlink_bytes_per_model),
-      'bytes_down_unicast': float(num_active * comm.downlink_bytes_per_model
-                                  if comm.num_downlink_models else 0),
-  }
+  num = runs.num_configs
+  if state is None:
+    state = runs.init()
+  histories = [list(h) for h in histories] if histories else [[] for _ in range(num)]
+  diverged = [next((r['round'] for r in h if r.get('diverged')), None) for h in histories]
+  for cb in callbacks:
+    cb.on_start(runs, state)
+  for t in range(start_round, num_rounds):
+    start = time.perf_counter()
+    state, metrics = runs.round(state, t)
+    records = _records(t, dict(metrics), (time.perf_counter() - start) / num, runs.labels)
+    evaluated = (eval_every and (t + 1) % eval_every == 0) or t + 1 == num_rounds
+    stats = runs.evaluate(state, t) if evaluated else None
+    for s, record in enumerate(records):
+      if diverged[s] is None and not math.isfinite(record.get('train_loss', 0.0)):
+        diverged[s] = t + 1
+      if diverged[s] is not None:
+        record['diverged'], record['diverged_at_round'] = True, diverged[s]
+      if stats is not None:
+        record.update(evaluation_record(LossStats(*(a[s] for a in stats))))
+      histories[s].append(record)
+    for cb in callbacks:
+      cb.on_round_end(t + 1, records, state)
+    if all(d is not None for d in diverged):
+      loss = records[0].get('train_loss')
+      which = 'training' if num == 1 else f'all {num} configurations'
+      raise DivergenceError(f'{which} diverged (round {min(diverged)}: train loss {loss}); '
+                            'lower --client_lr (or --server_lr)')
+  for cb in callbacks:
+    cb.on_end(histories, state)
+  return state, histories
 
 
 def run(runner: RoundRunner, num_rounds: int, seed: int = 0, eval_every: int = 5,
         callbacks: Sequence[Callback] = (), state: Any = None, start_round: int = 0,
         history: Optional[List[dict]] = None):
-  """Runs ``num_rounds`` rounds, evaluating every ``eval_every`` and at the end.
-
-  Args:
-    runner: the RoundRunner.
-    num_rounds: total rounds of the run.
-    seed: experiment seed (model init and all randomness).
-    eval_every: evaluation period in rounds (0: only at the end).
-    callbacks: Callback instances.
-    state, start_round, history: to continue a run (resume); a given state is
-      consumed (rounds update it in place).
+  """One run (``run_many`` of a ``SingleRun``).
 
   Returns:
     (final state, history: one dict per round; evaluated rounds carry the
-    summary keys and 'per_client_accuracy').
+    summary keys and 'per_client_accuracy'; rounds where the algorithm's
+    pre-round phase ran carry its diagnostics).
 
   Raises:
     DivergenceError: when a round's training loss is not finite.
   """
-  key = jax.random.key(seed)
-  init_key, train_key, eval_key = jax.random.split(key, 3)
-  if state is None:
-    state = runner.init(init_key)
-  history = list(history or [])
-  for cb in callbacks:
-    cb.on_start(runner, state)
-  for t in range(start_round, num_rounds):
-    start = time.perf_counter()
-    info = {}
-    if runner.algorithm.between_rounds is not None:
-      state, info = runner.algorithm.between_rounds(
-          state, t, jax.random.fold_in(jax.random.fold_in(train_key, t), 2), runner)
-    state, metrics = runner.round(state, jax.random.fold_in(train_key, t), t, donate=True)
-    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    record = {'round': t + 1, **metrics, **info, 'round_seconds': time.perf_counter() - start}
-    loss = metrics.get('train_loss', 0.0)
-    if not math.isfinite(loss):
-      raise DivergenceError(f'training diverged at round {t + 1}: train loss {loss}; '
-                            'lower --client_lr (or --server_lr)')
-    record.update(communication_metrics(runner, state, metrics.get('num_active', 0)))
-    if (eval_every and (t + 1) % eval_every == 0) or t + 1 == num_rounds:
-      stats = runner.evaluate(state, jax.random.fold_in(eval_key, t))
-      record.update(evaluation_record(stats))
-    history.append(record)
-    for cb in callbacks:
-      cb.on_round_end(t + 1, record, state)
-  for cb in callbacks:
-    cb.on_end(history, state)
-  return state, history
+  state, histories = run_many(SingleRun(runner, seed), num_rounds, eval_every, callbacks, state,
+                              start_round, [history] if history else None)
+  return state, histories[0]
 
 
 def rounds_to_target(history: List[dict], target: float, key: str = 'accuracy_mean'):

@@ -12,25 +12,35 @@ SUMMARY_KEYS = ('accuracy_mean', 'accuracy_weighted', 'accuracy_worst', 'accurac
                 'accuracy_median', 'loss_weighted')
 
 
-class MetricsWriter(Callback):
-  """Appends one JSON line per evaluated round to ``<dir>/metrics.jsonl``."""
+def _worth_a_line(record: dict) -> bool:
+  """Evaluated rounds, and rounds that computed something (pre-round
+  diagnostics such as W's statistics or CFL's splits) or diverged."""
+  return any(k in record for k in ('accuracy_mean', 'pre_round_ran', 'diverged'))
 
-  def __init__(self, directory: str, history: Optional[List[dict]] = None):
+
+class MetricsWriter(Callback):
+  """Appends one JSON line per configuration and evaluated round (or round
+  with pre-round diagnostics) to ``<dir>/metrics.jsonl``; a sweep's lines
+  carry their configuration (``config``: seed and swept values)."""
+
+  def __init__(self, directory: str, histories: Optional[List[List[dict]]] = None):
     self.directory = directory
     os.makedirs(directory, exist_ok=True)
     self.path = os.path.join(directory, 'metrics.jsonl')
-    self.history = history or []  # a resumed run's records so far
+    self.histories = histories or []  # a resumed run's records so far
 
-  def on_start(self, runner, state):
+  def on_start(self, runs, state):
     with open(self.path, 'w') as f:
-      for record in self.history:
-        if 'accuracy_mean' in record:
-          f.write(run_identity.dumps(record) + '\n')
+      for t in range(max((len(h) for h in self.histories), default=0)):
+        for h in self.histories:
+          if t < len(h) and _worth_a_line(h[t]):
+            f.write(run_identity.dumps(h[t]) + '\n')
 
-  def on_round_end(self, round_num, record, state):
-    if 'accuracy_mean' in record:
+  def on_round_end(self, round_num, records, state):
+    lines = [run_identity.dumps(r) for r in records if _worth_a_line(r)]
+    if lines:
       with open(self.path, 'a') as f:
-        f.write(run_identity.dumps(record) + '\n')
+        f.write('\n'.join(lines) + '\n')
 
 
 class Progress(Callback):
@@ -43,13 +53,14 @@ class Progress(Callback):
     from tqdm.auto import tqdm
     self.bar = tqdm(total=self.total, desc=self.desc, leave=False, dynamic_ncols=True)
 
-  def on_round_end(self, round_num, record, state):
-    if 'accuracy_mean' in record:
-      self.bar.set_postfix(mean=f"{record['accuracy_mean']:.3f}",
-                           worst=f"{record['accuracy_worst']:.3f}")
+  def on_round_end(self, round_num, records, state):
+    ev = [r for r in records if 'accuracy_mean' in r and not r.get('diverged')]
+    if ev:
+      self.bar.set_postfix(mean=f"{np.mean([r['accuracy_mean'] for r in ev]):.3f}",
+                           worst=f"{np.mean([r['accuracy_worst'] for r in ev]):.3f}")
     self.bar.update(1)
 
-  def on_end(self, history, state):
+  def on_end(self, histories, state):
     self.bar.close()
 
 
@@ -112,12 +123,18 @@ def plot_runs(histories: Dict[str, List[dict]], directory: str) -> List[str]:
 
 def format_table(rows: Dict[str, dict], keys=('accuracy_mean', 'accuracy_worst', 'accuracy_q10',
                                                  'accuracy_weighted')) -> str:
-  """A plain-text table: one row per algorithm, accuracy columns in percent."""
-  header = f"{'algorithm':<14}" + ''.join(f'{k.replace("accuracy_", ""):>10}' for k in keys)
+  """A plain-text table: one row per algorithm (or sweep configuration),
+  accuracy columns in percent; a diverged row says so."""
+  width = max([14] + [len(n) + 2 for n in rows])
+  header = f"{'algorithm':<{width}}" + ''.join(f'{k.replace("accuracy_", ""):>10}' for k in keys)
   lines = [header, '-' * len(header)]
   for name, s in rows.items():
-    lines.append(f'{name:<14}' + ''.join(
-        f'{100 * s[k]:>9.2f}%' if k in s else f'{"-":>10}' for k in keys))
+    if s.get('diverged'):
+      lines.append(f'{name:<{width}}  diverged at round {s.get("diverged_at_round")}')
+      continue
+    lines.append(f'{name:<{width}}' + ''.join(
+        f'{100 * s[k]:>9.2f}%' if s.get(k) is not None and k in s else f'{"-":>10}'
+        for k in keys))
   return '\n'.join(lines)
 
 
@@ -129,11 +146,11 @@ class AffinityRecorder(Callback):
     self.path, self.get, self.max_panels = path, get, max_panels
     self.matrices = {}
 
-  def on_round_end(self, round_num, record, state):
-    if 'accuracy_mean' in record:
+  def on_round_end(self, round_num, records, state):
+    if 'accuracy_mean' in records[0]:
       self.matrices[round_num] = np.asarray(self.get(state))
 
-  def on_end(self, history, state):
+  def on_end(self, histories, state):
     if not self.matrices:
       return
     import matplotlib

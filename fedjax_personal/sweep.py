@@ -6,9 +6,12 @@ round function: ``jax.vmap`` over a leading config axis of the algorithm
 states, the round keys and the swept values, with the algorithm rebuilt
 inside the trace from the (traced) values. Configuration s uses exactly the
 keys of ``experiment.run(seed=seed_s)``, so its results equal its own single
-run. Needs a fused executor (vmap, blocked, sharded).
+run. Needs a fused executor (vmap, blocked, sharded). The loop around it is
+``experiment.run_many``, the same as single runs' (evaluation cadence,
+pre-round diagnostics, divergence per configuration, callbacks).
 """
 
+import collections
 import itertools
 from typing import Callable, Dict, List, Sequence, Tuple
 
@@ -18,7 +21,7 @@ import numpy as np
 
 from fedjax_personal.algorithm import FederatedAlgorithm
 from fedjax_personal.data import FederatedData
-from fedjax_personal.engine import eval_function, evaluation_record, round_functions
+from fedjax_personal.engine import eval_function, round_functions
 from fedjax_personal.executors import Executor
 from fedjax_personal.sampling import CohortSampler
 from fedjax_personal.training import LossStats
@@ -56,8 +59,15 @@ def configs(seeds: Sequence[int], values: Dict[str, List[float]]) -> List[Config
           for s in seeds for combo in itertools.product(*(values[n] for n in names))]
 
 
+def config_label(config: Config) -> dict:
+  """What a configuration's records carry: its seed and swept values."""
+  seed, values = config
+  return {'seed': int(seed), **{k: float(v) for k, v in values.items()}}
+
+
 class SweepRunner:
-  """Runs S configurations of one algorithm as one vmapped program.
+  """S configurations of one algorithm as one vmapped program: the ``Runs``
+  of ``experiment.run_many`` (the loop of single runs).
 
   Args:
     build: ``{name: value} -> FederatedAlgorithm`` (values may be traced).
@@ -71,48 +81,53 @@ class SweepRunner:
       raise ValueError(f'a sweep needs a fused executor (vmap, blocked, sharded), '
                        f'not {executor.name}')
     self.configs, self.data = configs, data
+    self.labels = [config_label(c) for c in configs]
     names = sorted(configs[0][1])
     self.values = {n: jnp.asarray([c[1][n] for c in configs], jnp.float32) for n in names}
     keys = jax.vmap(lambda s: jnp.stack(jax.random.split(jax.random.key(s), 3)))(
         jnp.asarray([c[0] for c in configs]))
     self.init_keys, self.train_keys, self.eval_keys = keys[:, 0], keys[:, 1], keys[:, 2]
-    self.trace_counts = {}
+    self.trace_counts = collections.Counter()
+    counts = self.trace_counts
 
     def one_init(hv, key):
       return build(hv).init(key)
 
     def one_round(hv, state, key, round_num, train, val):
-      return round_functions(build(hv), sampler, executor)[3](state, key, round_num, train, val)
+      return round_functions(build(hv), sampler, executor, counts)[3](
+          state, key, round_num, train, val)
 
     def one_eval(hv, state, key, data):
       alg = build(hv)
-      return eval_function(alg, executor)(alg.client_models(state), data, key,
-                                          alg.finetune is not None)
+      return eval_function(alg, executor, counts)(alg.client_models(state), data, key,
+                                                  alg.finetune is not None)
 
     self._init = jax.jit(jax.vmap(one_init))
     self._round = jax.jit(jax.vmap(one_round, in_axes=(0, 0, 0, None, None, None)), donate_argnums=1)
     self._eval = jax.jit(jax.vmap(one_eval, in_axes=(0, 0, 0, None)))
 
-  def run(self, num_rounds: int, eval_every: int = 5) -> List[List[dict]]:
-    """One history per configuration (as ``experiment.run`` records)."""
-    state = self._init(self.values, self.init_keys)
-    histories = [[] for _ in self.configs]
-    for t in range(num_rounds):
-      keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(self.train_keys)
-      state, metrics = self._round(self.values, state, keys, jnp.asarray(t, jnp.int32),
-                                   self.data.train, self.data.val)
-      metrics = jax.device_get(metrics)
-      evaluated = (eval_every and (t + 1) % eval_every == 0) or t + 1 == num_rounds
-      if evaluated:
-        ekeys = jax.vmap(lambda k: jax.random.fold_in(k, t))(self.eval_keys)
-        stats = jax.device_get(self._eval(self.values, state, ekeys, self.data))
-      for s in range(len(self.configs)):
-        record = {'round': t + 1, **{k: float(v[s]) for k, v in metrics.items()}}
-        if not np.isfinite(record.get('train_loss', 0.0)):
-          record['diverged'] = True
-        if evaluated:
-          st = LossStats(*(np.asarray(a[s]) for a in stats))
-          record.update(evaluation_record(st))
-        histories[s].append(record)
-    self.state = state
+  @property
+  def num_configs(self) -> int:
+    return len(self.configs)
+
+  def init(self):
+    return self._init(self.values, self.init_keys)
+
+  def round(self, state, t: int, donate: bool = True):
+    """(state, {name: [S] array}) of round t (the state is consumed)."""
+    del donate  # always donated
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(self.train_keys)
+    state, metrics = self._round(self.values, state, keys, jnp.asarray(t, jnp.int32),
+                                 self.data.train, self.data.val)
+    return state, jax.device_get(metrics)
+
+  def evaluate(self, state, t: int) -> LossStats:
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(self.eval_keys)
+    return LossStats(*(np.asarray(a) for a in jax.device_get(
+        self._eval(self.values, state, keys, self.data))))
+
+  def run(self, num_rounds: int, eval_every: int = 5, callbacks=()) -> List[List[dict]]:
+    """One history per configuration (``experiment.run_many``)."""
+    from fedjax_personal import experiment
+    self.state, histories = experiment.run_many(self, num_rounds, eval_every, callbacks)
     return histories

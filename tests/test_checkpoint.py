@@ -37,7 +37,8 @@ def test_resume_equals_uninterrupted(tmp_path):
     if step > 2:
       mngr.delete(step)  # the kill happened before round 3's end-of-run save
   runner = make()
-  state, start, history = checkpointing.restore_latest(ckpt, runner.init(jax.random.key(0)))
+  state, start, histories = checkpointing.restore_latest(ckpt, runner.init(jax.random.key(0)))
+  (history,) = histories  # one configuration
   assert start == 2 and len(history) == 2
   state, history = run(runner, 5, seed=3, eval_every=2, state=state, start_round=start,
                        history=history)

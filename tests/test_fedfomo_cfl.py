@@ -98,20 +98,29 @@ def test_permuted_eval_targets():
   np.testing.assert_array_equal(p.train.y[0], data.train.y[0])
 
 
+def split(updates, eps1, eps2, ratio=0.0):
+  """(cluster ids, ids of clusters that split) from one cluster of 8."""
+  cluster, k, did = cfl_lib.split_decisions(jnp.asarray(updates, jnp.float32),
+                                            jnp.zeros(8, jnp.int32), jnp.ones(8), 1, eps1, eps2,
+                                            ratio)
+  assert int(k) == 1 + int(np.sum(did))
+  return np.asarray(cluster), np.nonzero(np.asarray(did))[0].tolist()
+
+
 def test_cfl_split_rule():
   rng = np.random.default_rng(0)
   v = rng.normal(size=20)
   opposed = np.concatenate([v + 0.1 * rng.normal(size=(4, 20)), -v + 0.1 * rng.normal(size=(4, 20))])
-  cluster, splits = cfl_lib.split_decisions(opposed, np.zeros(8, int), np.ones(8), eps1=1.0, eps2=2.0)
+  cluster, splits = split(opposed, eps1=1.0, eps2=2.0)
   assert len(splits) == 1 and len(set(cluster[:4])) == 1 and len(set(cluster[4:])) == 1
   assert cluster[0] != cluster[4]
   same = v + 0.1 * rng.normal(size=(8, 20))  # one homogeneous group: mean update is large
-  cluster, splits = cfl_lib.split_decisions(same, np.zeros(8, int), np.ones(8), eps1=1.0, eps2=2.0)
+  cluster, splits = split(same, eps1=1.0, eps2=2.0)
   assert not splits and set(cluster) == {0}
   # The scale-free test: same decisions whatever the scale of the updates.
   for scale in (1e-3, 1e3):
-    c1, s1 = cfl_lib.split_decisions(scale * opposed, np.zeros(8, int), np.ones(8), 0, 0, ratio=0.5)
-    c2, s2 = cfl_lib.split_decisions(scale * same, np.zeros(8, int), np.ones(8), 0, 0, ratio=0.5)
+    c1, s1 = split(scale * opposed, 0, 0, ratio=0.5)
+    c2, s2 = split(scale * same, 0, 0, ratio=0.5)
     assert len(s1) == 1 and not s2
 
 

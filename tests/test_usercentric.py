@@ -10,7 +10,8 @@ import fedjax_personal as fp
 from fedjax_personal.algorithms.fedavg import fedavg
 from fedjax_personal.algorithms.local import local
 from fedjax_personal.algorithms import usercentric as uc
-from fedjax_personal.engine import RoundRunner
+from fedjax_personal.algorithm import RoundContext
+from fedjax_personal.engine import RoundRunner, pre_round_functions
 from fedjax_personal.experiment import communication_metrics, run
 from fedjax_personal.timing import TimeModel, harmonic, simulated_times
 from fedjax_personal.tree_util import tree_bytes
@@ -35,7 +36,7 @@ def with_matrix(alg, w):
     s = base_init(key)
     return s.replace(stream_matrix=jnp.asarray(w, jnp.float32), assignment=jnp.arange(n, dtype=jnp.int32),
                      num_streams=jnp.asarray(n, jnp.int32))
-  return alg.replace(init=init, between_rounds=None)
+  return alg.replace(init=init, pre_round=None)
 
 
 def test_identity_mixing_is_local_and_fedavg_rows_are_fedavg(digits):
@@ -76,14 +77,21 @@ def test_streams_m_equal_n_gives_w_and_one_gives_one_model():
   rng = np.random.default_rng(0)
   w = rng.random((6, 6))
   w /= w.sum(1, keepdims=True)
-  c, a, k = uc.kmeans_streams(w, 6)
-  np.testing.assert_allclose(c[a], w)
-  c, a, k = uc.kmeans_streams(w, 1)
-  assert k == 1 and set(a) == {0} and np.allclose(c[0], w.mean(0))
+  key = jax.random.key(0)
+  c, a, k = uc.streams(key, w, 6, 5)
+  np.testing.assert_allclose(np.asarray(c)[np.asarray(a)], w, rtol=1e-6)
+  c, a, k = uc.streams(key, w, 1, 5)
+  assert int(k) == 1 and set(np.asarray(a).tolist()) == {0}
+  np.testing.assert_allclose(c[0], w.mean(0), rtol=1e-6)
+  assert np.all(np.asarray(c)[1:] == 0)  # padded rows
   # Two clear groups of rows: the silhouette picks 2 streams.
   w2 = np.array([[0.5, 0.5, 0, 0]] * 2 + [[0, 0, 0.5, 0.5]] * 2) + rng.random((4, 4)) * 1e-3
-  c, a, k = uc.kmeans_streams(w2, None)
-  assert k == 2 and a[0] == a[1] != a[2] == a[3]
+  c, a, k = uc.streams(key, w2, None, 3)
+  a = np.asarray(a)
+  assert int(k) == 2 and a[0] == a[1] != a[2] == a[3]
+  # Identical rows: one stream.
+  _, a, k = uc.streams(key, np.tile(w[:1], (6, 1)), None, 5)
+  assert int(k) == 1 and not np.asarray(a).any()
 
 
 def test_collaboration_round_and_streams_in_a_run(digits):
@@ -136,6 +144,14 @@ def test_mixing_matrix_is_float32_stable_for_large_nearly_equal_gradients():
   assert 1.5 < uc.effective_neighbours(expect).mean() < n_clients  # a real mixing, not I
 
 
+def collaboration(alg, data, state, key):
+  """The collaboration round alone (the algorithm's PreRound, as the
+  engine runs it inside the compiled round)."""
+  _, _, run, _ = pre_round_functions(alg, fp.executors.VmapExecutor())
+  rc = RoundContext(round=jnp.asarray(0, jnp.int32), key=key)
+  return jax.jit(run)(state, rc, data.train, data.val)
+
+
 def test_sigma_batches_and_kmeans_follow_the_round_key(digits):
   """The collaboration round draws from the key it is given (derived from
   the experiment's seed): the same key gives the same W, another key another."""
@@ -143,11 +159,9 @@ def test_sigma_batches_and_kmeans_follow_the_round_key(digits):
   n = np.asarray(digits.train.num_examples)
   alg = uc.usercentric(model, 5, n, optax.sgd(0.1), fp.Batching(16, 1), num_streams=5,
                        sigma_batch_size=8)
-  runner = RoundRunner(alg, digits, fp.CohortSampler(5, cohort_size=5),
-                       fp.executors.VmapExecutor())
-  state = runner.init(jax.random.key(0))
-  a, _ = alg.between_rounds(state, 0, jax.random.key(1), runner)
-  b, _ = alg.between_rounds(state, 0, jax.random.key(1), runner)
-  c, _ = alg.between_rounds(state, 0, jax.random.key(2), runner)
+  state = jax.jit(alg.init)(jax.random.key(0))
+  a, _ = collaboration(alg, digits, state, jax.random.key(1))
+  b, _ = collaboration(alg, digits, state, jax.random.key(1))
+  c, _ = collaboration(alg, digits, state, jax.random.key(2))
   np.testing.assert_array_equal(a.stream_matrix, b.stream_matrix)
   assert not np.allclose(a.stream_matrix, c.stream_matrix)
