@@ -50,7 +50,11 @@ flags.DEFINE_float('target_accuracy', None, 'Report the first evaluated round wh
                    'accuracy reaches this (use --eval_every=1 for exact rounds).')
 flags.DEFINE_integer('adapter_dim', 0, 'Add residual adapters of this width to the model '
                      '(for --partial_personal_part=adapter).')
-flags.DEFINE_integer('seed', 0, 'Seed of data partition, model init and training.')
+flags.DEFINE_integer('seed', 0, 'Seed of model init and training (and of the data partition '
+                     'unless --data_seed is given).')
+flags.DEFINE_integer('data_seed', None, 'Seed of the data partition (default: --seed). A sweep of '
+                     'seeds (--sweep_seeds) shares one partition, that of --data_seed or --seed: '
+                     'configuration s equals the single run --seed=s --data_seed=<that seed>.')
 flags.DEFINE_integer('eval_every', 5, 'Evaluate every this many rounds (0: at the end only).')
 flags.DEFINE_string('output_dir', None, 'Where to write results (default: runs/<data>_<model>_'
                     '<algorithms>_<hash of the configuration>).')
@@ -249,7 +253,7 @@ def validate_flags():
 def data_config() -> datasets_lib.DataConfig:
   return datasets_lib.DataConfig(
       dataset=FLAGS.dataset, partition=FLAGS.partition, num_clients=FLAGS.num_clients,
-      seed=FLAGS.seed, alpha=FLAGS.alpha, classes_per_client=FLAGS.classes_per_client,
+      seed=FLAGS.seed if FLAGS.data_seed is None else FLAGS.data_seed, alpha=FLAGS.alpha, classes_per_client=FLAGS.classes_per_client,
       num_groups=FLAGS.num_groups, group_base=FLAGS.group_base,
       examples_per_client=FLAGS.examples_per_client, test_fraction=FLAGS.test_fraction,
       val_fraction=FLAGS.val_fraction, max_examples=FLAGS.max_examples, data_dir=FLAGS.data_dir)

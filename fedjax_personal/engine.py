@@ -208,7 +208,15 @@ class RoundRunner:
   def _build(self):
     alg, ex = self.algorithm, self.executor
     pre, make_ctx, post, fused_round = round_functions(alg, self.sampler, ex, self.trace_counts)
+    shapes = jax.eval_shape(alg.init, jax.random.key(0))
+    self._state_shardings = ex.state_shardings(shapes, self.data.num_clients)
     if ex.fused:
+      if self._state_shardings is not None:
+        inner_round = fused_round
+
+        def fused_round(state, key, round_num, train, val):
+          state, metrics = inner_round(state, key, round_num, train, val)
+          return jax.lax.with_sharding_constraint(state, self._state_shardings), metrics
       # The donating form lets XLA update the state in place (scatters into
       # per-client state included), so a round holds one copy of the state.
       jitted = {False: jax.jit(fused_round), True: jax.jit(fused_round, donate_argnums=0)}
@@ -264,8 +272,11 @@ class RoundRunner:
       self._evaluate = lambda state, key, ft: eval_all(models_j(state), self.data, key, ft)
 
   def init(self, key):
-    """The algorithm's initial state."""
-    return jax.jit(self.algorithm.init)(key)
+    """The algorithm's initial state (placed where the executor keeps it)."""
+    state = jax.jit(self.algorithm.init)(key)
+    if self._state_shardings is not None:
+      state = jax.device_put(state, self._state_shardings)
+    return state
 
   def round(self, state, key, round_num=0, donate: bool = False):
     """Round ``round_num`` (rounds done before it; per-round schedules read

@@ -117,6 +117,12 @@ class Executor(abc.ABC):
   def describe(self) -> str:
     return self.name
 
+  def state_shardings(self, state_shapes, num_clients: int):
+    """Where the algorithm's state lives between rounds (a pytree of
+    shardings), or None to leave it to XLA (one device)."""
+    del state_shapes, num_clients
+    return None
+
 
 @dataclasses.dataclass
 class VmapExecutor(Executor):
@@ -289,6 +295,18 @@ class ShardedExecutor(Executor):
     self.mesh = jax.sharding.Mesh(devices, ('clients',),
                                   axis_types=(jax.sharding.AxisType.Auto,))
     self.spec = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec('clients'))
+
+  def state_shardings(self, state_shapes, num_clients: int):
+    """Per-client state (leading axis N, N a multiple of the device count)
+    sharded over the devices on its client axis, the rest replicated. The
+    round constrains its output state to these shardings and the initial
+    state is placed with them, so every round sees the same input layout
+    (and the round compiles once)."""
+    d = self.mesh.devices.size
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(lambda s: self.spec if (len(s.shape) >= 1 and s.shape[0] == num_clients
+                                                and num_clients % d == 0) else replicated,
+                        state_shapes)
 
   def describe(self):
     return f'sharded({self.mesh.devices.size} devices' + (

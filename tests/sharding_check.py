@@ -43,4 +43,19 @@ for model_name, model in models.items():
         d = max_diff(results[name][0], results['vmap'][0])
         assert d < 1e-5, (model_name, alg.name, cohort, name, d)
         np.testing.assert_array_equal(results[name][1].correct, results['vmap'][1].correct)
+# User-centric with W recomputed every round (k-means and silhouette inside
+# the round): one compiled round on the sharded executor, equal to vmap.
+from fedjax_personal.algorithms.usercentric import usercentric
+uc_alg = usercentric(models['mlp'], 10, data.train.num_examples, optax.sgd(0.1),
+                     fp.Batching(16, 1), sigma_batch_size=8, recompute_every=1)
+uc_states = {}
+for name, ex in (('vmap', fp.executors.VmapExecutor()), ('sharded', fp.executors.ShardedExecutor())):
+  runner = RoundRunner(uc_alg, data, fp.CohortSampler(10, cohort_size=10), ex)
+  state = runner.init(jax.random.key(0))
+  for t in range(2):
+    state, metrics = runner.round(state, jax.random.key(t), t)
+    assert bool(metrics['pre_round_ran'])
+  assert runner.trace_counts['round'] == 1, (name, runner.trace_counts)
+  uc_states[name] = state
+assert max_diff(uc_states['sharded'], uc_states['vmap']) < 1e-4
 print('SHARDING OK', jax.device_count())

@@ -165,3 +165,27 @@ def test_sigma_batches_and_kmeans_follow_the_round_key(digits):
   c, _ = collaboration(alg, digits, state, jax.random.key(2))
   np.testing.assert_array_equal(a.stream_matrix, b.stream_matrix)
   assert not np.allclose(a.stream_matrix, c.stream_matrix)
+
+
+def test_collaboration_round_is_inside_the_one_compiled_round(digits):
+  """W, k-means and the silhouette run inside the round when due (rounds 1
+  and 3 here), the round compiling once on the fused executors; the
+  sequential executor (phase dispatched from Python) gives the same W."""
+  model = mlp(digits)
+  n = np.asarray(digits.train.num_examples)
+  alg = uc.usercentric(model, 5, n, optax.sgd(0.1), fp.Batching(16, 1), num_streams=None,
+                       sigma_batch_size=8, recompute_every=2)
+  out = {}
+  for name, ex in (('vmap', fp.executors.VmapExecutor()),
+                   ('blocked', fp.executors.BlockedExecutor(block_size=2)),
+                   ('sequential', fp.executors.SequentialExecutor(num_threads=1))):
+    runner = RoundRunner(alg, digits, fp.CohortSampler(5, cohort_size=5), ex)
+    state, history = run(runner, 4, eval_every=4)
+    assert [r['round'] for r in history if r.get('pre_round_ran')] == [1, 3], name
+    assert all('w_effective_neighbours_mean' in r for r in history if r.get('pre_round_ran'))
+    if ex.fused:
+      assert runner.trace_counts['round'] == 1, (name, runner.trace_counts)
+    out[name] = state
+  for name in ('blocked', 'sequential'):
+    np.testing.assert_allclose(out[name].stream_matrix, out['vmap'].stream_matrix, atol=1e-5)
+    assert max_diff(out[name].personal, out['vmap'].personal) < 1e-4, name
