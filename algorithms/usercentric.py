@@ -13,8 +13,10 @@ Training rounds: each active client trains locally from its own model; the
 server forms theta_i <- sum_j W_ij theta_j, one contraction over the stacked
 models. Streams: k-means with k = m_t on the rows of W; client i is served by
 its centroid's row, so only m_t distinct models go down. Here the stream
-matrix is kept padded to [N, N] (rows >= m_t unused) with a client-to-stream
-index, so the compiled round does not depend on m_t.
+matrix is kept padded to [R, N] with R a static bound on m_t (N for full
+personalization, the given m_t, or the silhouette search's bound; rows >= m_t
+unused) with a client-to-stream index, so the compiled round does not depend
+on m_t and forms only R mixtures of the N models.
 
 Options beyond the paper (see ../shared/docs/algorithms.md for why): the batch
 size used for sigma (``sigma_batch_size``; None = K equal parts of the local
@@ -69,7 +71,7 @@ class UserCentricConfig:
 class UserCentricState:
   """Attributes:
     personal: stacked [N, ...] models; client i's current (stream) model.
-    stream_matrix: [N, N]; row s < num_streams is stream s's mixing row
+    stream_matrix: [R, N]; row s < num_streams is stream s's mixing row
       (a centroid of W's rows, or W's row itself when m_t = N).
     assignment: int32 [N], the stream serving each client.
     num_streams: m_t, distinct downlink models.
@@ -117,11 +119,18 @@ def default_max_streams(num_clients: int, max_streams: int = 0) -> int:
   return max(1, min(num_clients - 1, max_streams or 200))
 
 
+def stream_rows(num_clients: int, num_streams: Optional[int], max_streams: int) -> int:
+  """R, the static number of rows of the stream matrix (a bound on m_t)."""
+  if num_streams is None:
+    return max_streams
+  return min(num_streams, num_clients)
+
+
 def streams(key, w, num_streams: Optional[int], max_streams: int, restarts: int = 10):
   """Streams from the rows of W (tensor code, traced into the round).
 
-  Returns (stream matrix [N, N] with row s < k stream s's mixing row and the
-  other rows zero, assignment int32 [N], k). ``num_streams`` (static): None
+  Returns (stream matrix [R, N] with row s < k stream s's mixing row and the
+  other rows zero, R = ``stream_rows(...)``, assignment int32 [N], k). ``num_streams`` (static): None
   picks k in 2..max_streams by the silhouette score (1 when every row is the
   same); >= N gives W itself; 1 gives the mean row; else k-means with k
   streams, ``restarts`` k-means++ seedings from ``key``.
@@ -137,7 +146,8 @@ def streams(key, w, num_streams: Optional[int], max_streams: int, restarts: int 
     r = clustering.KMeansResult(mean, jnp.zeros(n, jnp.int32), None, jnp.asarray(1, jnp.int32))
   else:
     r = clustering.kmeans(key, w, num_streams, num_streams, restarts)
-  padded = jnp.zeros((n, n), jnp.float32).at[:r.centroids.shape[0]].set(r.centroids)
+  rows = stream_rows(n, num_streams, max_streams)
+  padded = jnp.zeros((rows, n), jnp.float32).at[:r.centroids.shape[0]].set(r.centroids[:rows])
   return padded, r.labels, r.k
 
 
@@ -200,7 +210,9 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
 
   def init(key):
     params = model.init(key)
-    w = jnp.asarray(fedavg_matrix(n_np), jnp.float32)  # FedAvg until W is computed
+    # FedAvg until W is computed (every row n_j / sum(n); client i on row 0).
+    w = jnp.asarray(fedavg_matrix(n_np)[:stream_rows(num_clients, num_streams, max_k)],
+                    jnp.float32)
     return UserCentricState(tree_broadcast(params, num_clients), w,
                             jnp.zeros(num_clients, jnp.int32), jnp.ones((), jnp.int32))
 
@@ -213,7 +225,7 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
   def server_update(state, cohort, out, rc):
     params, stats = out
     thetas = tree_scatter(state.personal, cohort.idx, params)
-    streams = aggregation.mix(state.stream_matrix, thetas)  # [N (padded streams), ...]
+    streams = aggregation.mix(state.stream_matrix, thetas)  # [R (padded streams), ...]
     personal = tree_gather(streams, state.assignment)
     metrics = cohort_train_metrics(stats, cohort.mask)
     metrics['num_streams'] = state.num_streams

@@ -38,10 +38,12 @@ flags.DEFINE_integer('local_steps', 5, 'K local steps per client per round.')
 flags.DEFINE_integer('timeout', 420, 'Seconds per configuration before it is reported as timeout.')
 flags.DEFINE_string('output', None, 'Write the results as JSON here.')
 flags.DEFINE_string('worker', None, 'Internal: run one configuration model:clients:executor.')
-flags.DEFINE_enum('section', 'executors', ['executors', 'scale', 'sweep', 'all'],
+flags.DEFINE_enum('section', 'executors', ['executors', 'scale', 'sweep', 'usercentric', 'all'],
                   'executors: the executor table; scale: time per round from 10 to 10,000 '
                   'clients for FedAvg and Ditto (auto executor vs the loop); sweep: S '
-                  'configurations in one program vs S separate runs.')
+                  'configurations in one program vs S separate runs; usercentric: user-centric '
+                  'rounds with and without the W recomputation (k-means, silhouette) vs FedAvg.')
+flags.DEFINE_list('usercentric_clients', ['100', '1000'], 'Populations of --section=usercentric.')
 flags.DEFINE_list('scale_clients', ['10', '100', '1000', '10000'], 'Populations of --section=scale.')
 flags.DEFINE_integer('sweep_size', 8, 'S of --section=sweep.')
 flags.DEFINE_bool('device', False, 'Print the devices the run uses (the benchmark runs unchanged on '
@@ -186,7 +188,9 @@ def main(argv):
     results += scale_section(peak)
   if FLAGS.section in ('sweep', 'all'):
     results += sweep_section()
-  if FLAGS.section in ('scale', 'sweep'):
+  if FLAGS.section in ('usercentric', 'all'):
+    results += usercentric_section()
+  if FLAGS.section in ('scale', 'sweep', 'usercentric'):
     return save(results, peak)
   header = (f"{'model':<7}{'clients':>8}  {'executor':<28}{'round s':>9}{'compile s':>10}"
             f"{'peak MB':>9}{'GFLOP/s':>9}{'% peak':>7}{'vs loop':>8}")
@@ -303,6 +307,75 @@ def sweep_section():
         f'separate runs {separate:.3f} s: {separate / together:.2f}x')
   return [{'section': 'sweep', 'S': FLAGS.sweep_size, 'one_program_round_s': together,
            'separate_round_s': separate, 'speedup': separate / together}]
+
+
+def _timed(fn, reps):
+  import jax
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t)
+  return min(times)
+
+
+def usercentric_section():
+  """User-centric rounds (MLP, K=5, all clients active, the auto executor)
+  against FedAvg: a round without the collaboration phase, a round that
+  recomputes W and the streams (k-means with k = 4, and the silhouette search
+  over 2..max_streams), and the W step alone (gradient statistics of every
+  client, eq. 6, clustering), each the best of 3 after compilation; all of
+  them one compiled round function."""
+  import jax
+  import jax.numpy as jnp
+  import fedjax_personal as fp
+  from fedjax_personal import algorithms
+  from fedjax_personal.algorithm import RoundContext
+  from fedjax_personal.engine import RoundRunner, pre_round_functions
+  print('\nUser-centric vs FedAvg: MLP, K=5, all clients active, auto executor; best of 3 (s)')
+  print(f"{'clients':>8}  {'streams':<22}{'FedAvg':>8}{'UC round':>9}{'UC + W':>8}{'W step':>8}"
+        f"{'traces':>7}")
+  rows = []
+  for clients in map(int, FLAGS.usercentric_clients):
+    data, model, _, _ = build('mlp', clients)
+    sample_x = data.train.x[0, :1]
+    ex = fp.create_executor('auto', model, sample_x)
+    sampler = fp.CohortSampler(clients, cohort_size=clients)
+    common = dict(batch_size=10, local_steps=FLAGS.local_steps, client_lr=0.05)
+    fed = RoundRunner(algorithms.build('fedavg', model, data, **common), data, sampler, ex)
+    state = fed.init(jax.random.key(0))
+    state, _ = fed.round(state, jax.random.key(0), 0)
+    box = [state]
+
+    def fed_round():
+      box[0], m = fed.round(box[0], jax.random.key(1), 1)
+      return m
+    fedavg_s = _timed(fed_round, 3)
+    max_streams = min(clients - 1, 20 if clients > 200 else clients - 1)
+    for label, kw in ((f'k-means k=4', dict(num_streams=4)),
+                      (f'silhouette 2..{max_streams}', dict(max_streams=max_streams))):
+      alg = algorithms.build('usercentric', model, data, sigma_batch_size=10, recompute_every=2,
+                             **common, **kw)
+      runner = RoundRunner(alg, data, sampler, ex)
+      st = [runner.init(jax.random.key(0))]
+      st[0], _ = runner.round(st[0], jax.random.key(0), 0)  # compiles (both branches)
+
+      def uc_round(t):
+        st[0], m = runner.round(st[0], jax.random.key(t), t)
+        return m
+      plain = _timed(lambda: uc_round(1), 3)   # odd rounds: no W
+      with_w = _timed(lambda: uc_round(2), 3)  # even rounds: W recomputed
+      run = jax.jit(pre_round_functions(alg, ex)[2])
+      rc = RoundContext(jnp.asarray(2, jnp.int32), jax.random.key(5))
+      w_step = _timed(lambda: run(st[0], rc, data.train, data.val), 3)
+      traces = runner.trace_counts['round']
+      print(f'{clients:>8}  {label:<22}{fedavg_s:>8.3f}{plain:>9.3f}{with_w:>8.3f}{w_step:>8.3f}'
+            f'{traces:>7}', flush=True)
+      rows.append({'section': 'usercentric', 'clients': clients, 'streams': label,
+                   'executor': ex.describe(), 'fedavg_round_s': fedavg_s,
+                   'usercentric_round_s': plain, 'usercentric_round_with_w_s': with_w,
+                   'w_step_s': w_step, 'round_traces': traces})
+  return rows
 
 
 if __name__ == '__main__':

@@ -83,12 +83,15 @@ def test_streams_m_equal_n_gives_w_and_one_gives_one_model():
   c, a, k = uc.streams(key, w, 1, 5)
   assert int(k) == 1 and set(np.asarray(a).tolist()) == {0}
   np.testing.assert_allclose(c[0], w.mean(0), rtol=1e-6)
-  assert np.all(np.asarray(c)[1:] == 0)  # padded rows
+  assert c.shape == (1, 6)
+  c, a, k = uc.streams(key, w, 2, 5)
+  assert c.shape == (2, 6) and int(k) == 2
   # Two clear groups of rows: the silhouette picks 2 streams.
   w2 = np.array([[0.5, 0.5, 0, 0]] * 2 + [[0, 0, 0.5, 0.5]] * 2) + rng.random((4, 4)) * 1e-3
   c, a, k = uc.streams(key, w2, None, 3)
   a = np.asarray(a)
   assert int(k) == 2 and a[0] == a[1] != a[2] == a[3]
+  assert c.shape == (3, 4) and np.all(np.asarray(c)[2] == 0)  # padded to the search bound
   # Identical rows: one stream.
   _, a, k = uc.streams(key, np.tile(w[:1], (6, 1)), None, 5)
   assert int(k) == 1 and not np.asarray(a).any()
