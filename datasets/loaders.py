@@ -88,6 +88,10 @@ MNIST_MD5 = {'t10k-images-idx3-ubyte.gz': '9fb629c4189551a2d022fa330f9573f3',
              't10k-labels-idx1-ubyte.gz': 'ec29112dd5afa0611ce80d1b7f02629c'}
 
 
+#: MD5 of Tiny Shakespeare (1,115,394 bytes, Karpathy's char-rnn release).
+SHAKESPEARE_MD5 = '6fb458f1232090904fb40fe944165e91'
+
+
 def checked_file(relpath: str, md5: str, data_dir: Optional[str] = None) -> pathlib.Path:
   """``find_file`` plus an MD5 check of the file's bytes.
 
@@ -225,7 +229,11 @@ def load_shakespeare(num_clients: int, seq_len: int = 80, min_chars: int = 1000,
     (client_x, client_y, vocab): per-client int32 arrays [n_i, seq_len].
   """
   if text is None:
-    text = find_file('tinyshakespeare.txt', data_dir).read_text()
+    path = checked_file('tinyshakespeare.txt', SHAKESPEARE_MD5, data_dir)
+    try:
+      text = path.read_bytes().decode('utf-8')
+    except UnicodeDecodeError as e:  # unreachable after the checksum; kept for other files
+      raise DataError(f'{path}: not UTF-8 text ({e.reason} at byte {e.start})') from None
   vocab = shakespeare_vocab(text)
   lookup = {ch: i for i, ch in enumerate(vocab)}
   roles = parse_shakespeare_roles(text)

@@ -165,3 +165,18 @@ def test_cli_sweep_of_seeds_equals_single_runs_for_pre_round_algorithms(tmp_path
         for k in ('w_effective_neighbours_mean', 'num_streams', 'cfl_splits', 'num_clusters',
                   'train_loss'):
           assert (k in a) == (k in b) and a.get(k) == pytest.approx(b.get(k), rel=1e-5), (alg, k)
+
+
+def test_sweep_marks_a_diverged_configuration_and_exits_3_when_all_diverge(tmp_path, capsys):
+  common = ('--algorithm=fedavg', '--dataset=digits', '--model=logreg', '--num_clients=4',
+            '--rounds=2', '--progress=false', '--max_examples=200', '--eval_every=1')
+  parse(*common, '--sweep=client_lr:0.05,1e38', f'--output_dir={tmp_path}/a')
+  results = cli.main_job()
+  ok, bad = results['fedavg seed=0 client_lr=0.05'], results['fedavg seed=0 client_lr=1e+38']
+  assert not ok.get('diverged') and bad['diverged'] and bad['diverged_at_round'] == 1
+  assert 'diverged at round 1' in capsys.readouterr().out
+  lines = [json.loads(l) for l in open(tmp_path / 'a' / 'fedavg' / 'metrics.jsonl')]
+  assert [l['config']['client_lr'] for l in lines if l.get('diverged')] == pytest.approx([1e38] * 2)
+  parse(*common, '--sweep=client_lr:1e38,2e38', f'--output_dir={tmp_path}/b')
+  with pytest.raises(cli.experiment.DivergenceError, match='all 2 configurations diverged'):
+    cli.main_job()

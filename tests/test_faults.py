@@ -189,3 +189,18 @@ def test_idx_files_are_validated(tmp_path, content, needle):
     loaders.read_idx(path)
   with pytest.raises(DataError, match='5 labels for 10 images'):
     loaders.check_labels(path, __import__('numpy').zeros(5, int), 10, 10)
+
+
+@pytest.mark.parametrize('mangle,needle', [
+    (lambda b: b[:len(b) // 2], 'checksum'),                 # truncated
+    (lambda b: b[:100] + b'\xff\xfe' + b[102:], 'checksum'),  # not UTF-8 any more
+])
+def test_shakespeare_file_is_checked(tmp_path, mangle, needle):
+  """A truncated or re-encoded Tiny Shakespeare is one DataError naming the
+  file (it used to train with a smaller vocabulary)."""
+  from fedjax_personal.datasets import loaders
+  src = loaders.find_file('tinyshakespeare.txt')
+  (tmp_path / 'tinyshakespeare.txt').write_bytes(mangle(src.read_bytes()))
+  with pytest.raises(ConfigError, match=needle) as e:
+    loaders.load_shakespeare(num_clients=2, data_dir=str(tmp_path))
+  assert str(tmp_path) in str(e.value) and e.value.name == 'data_dir'
