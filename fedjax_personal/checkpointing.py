@@ -17,6 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from fedjax_personal import run_identity
+from fedjax_personal.config import ConfigError
 from fedjax_personal.experiment import Callback
 
 
@@ -40,27 +41,47 @@ def manager(directory: str, max_to_keep: int = 2) -> ocp.CheckpointManager:
                                            enable_async_checkpointing=False))
 
 
-def save(mngr: ocp.CheckpointManager, round_num: int, state, histories: List[List[dict]]):
-  """Saves the state and every configuration's records so far (strict JSON:
-  non-finite values as null)."""
+def save(mngr: ocp.CheckpointManager, round_num: int, state, histories: List[List[dict]],
+         identity: Optional[dict] = None):
+  """Saves the state, every configuration's records so far (strict JSON:
+  non-finite values as null) and the run's identity (checked on restore)."""
   clean = json.loads(run_identity.dumps(histories))
-  mngr.save(round_num, args=ocp.args.Composite(state=ocp.args.StandardSave(to_saveable(state)),
-                                               history=ocp.args.JsonSave(clean)))
+  items = dict(state=ocp.args.StandardSave(to_saveable(state)), history=ocp.args.JsonSave(clean))
+  if identity is not None:
+    items['identity'] = ocp.args.JsonSave(json.loads(run_identity.dumps(identity, default=str)))
+  mngr.save(round_num, args=ocp.args.Composite(**items))
   mngr.wait_until_finished()
 
 
-def restore_latest(directory: str, template_state):
+def restore_latest(directory: str, template_state, identity: Optional[dict] = None):
   """(state, round, histories) of the latest checkpoint (one history per
   configuration), or None when there is none.
 
   Args:
     template_state: a state of the same structure (e.g. ``runner.init(key)``).
+    identity: when given, the run identity the checkpoint must have been
+      saved with.
+
+  Raises:
+    ConfigError('resume', ...) naming the differences when the checkpoint
+    belongs to another configuration.
   """
   if not os.path.isdir(directory):
     return None
   mngr = manager(directory)
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, to_saveable(template_state))
   for step in sorted(mngr.all_steps(), reverse=True):
+    if identity is not None:
+      try:
+        saved = mngr.restore(step, args=ocp.args.Composite(identity=ocp.args.JsonRestore()))
+        saved = saved['identity']
+      except Exception:  # noqa: BLE001 -- no or unreadable identity item
+        saved = None
+      want = json.loads(run_identity.dumps(identity, default=str))
+      if saved != want:
+        diff = run_identity.differences(saved or {}, want)
+        raise ConfigError('resume', f'checkpoint {step} in {directory} was saved by another '
+                          f'configuration ({"; ".join(diff[:4]) or "no identity stored"})')
     try:
       out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                        history=ocp.args.JsonRestore()))
@@ -77,8 +98,10 @@ class Checkpointer(Callback):
   run or a whole sweep: the stacked state and every configuration's records)."""
 
   def __init__(self, directory: str, every: int,
-               histories: Optional[List[List[dict]]] = None, max_to_keep: int = 2):
+               histories: Optional[List[List[dict]]] = None, max_to_keep: int = 2,
+               identity: Optional[dict] = None):
     self.mngr = manager(directory, max_to_keep)
+    self.identity = identity
     self.every = every
     self.histories = [list(h) for h in histories] if histories else None
 
@@ -88,9 +111,9 @@ class Checkpointer(Callback):
     for h, r in zip(self.histories, records):
       h.append(r)
     if self.every and round_num % self.every == 0:
-      save(self.mngr, round_num, state, self.histories)
+      save(self.mngr, round_num, state, self.histories, self.identity)
 
   def on_end(self, histories, state):
     last = histories[0][-1]['round'] if histories and histories[0] else 0
     if last and self.mngr.latest_step() != last:
-      save(self.mngr, last, state, histories)
+      save(self.mngr, last, state, histories, self.identity)

@@ -359,7 +359,7 @@ def main_job() -> Dict[str, dict]:
     runs_of[spec.name] = runs
     if resume:
       ckpt_dir = os.path.join(out_dir, 'checkpoints')
-      got = checkpointing.restore_latest(ckpt_dir, runs.init())
+      got = checkpointing.restore_latest(ckpt_dir, runs.init(), ident)
       if got is None and FLAGS.resume:
         raise ConfigError('resume', f'no checkpoint of {spec.name} in {ckpt_dir}; run without '
                           '--resume, or with --resume_if_found to start fresh where there is none')
@@ -382,7 +382,8 @@ def main_job() -> Dict[str, dict]:
         print(f'{alg_name}: resuming after round {start} from {ckpt_dir}')
       callbacks = [reporting.MetricsWriter(out_dir, hists)]
       if FLAGS.checkpoint_every or resume:
-        callbacks.append(checkpointing.Checkpointer(ckpt_dir, FLAGS.checkpoint_every, hists))
+        callbacks.append(checkpointing.Checkpointer(ckpt_dir, FLAGS.checkpoint_every, hists,
+                                                    identity=ident))
       if alg_name == 'fedfomo' and cfgs is None:
         callbacks.append(reporting.AffinityRecorder(os.path.join(out_dir, 'affinity.png')))
       if FLAGS.progress:
