@@ -75,13 +75,15 @@ def restore_latest(directory: str, template_state, identity: Optional[dict] = No
       try:
         saved = mngr.restore(step, args=ocp.args.Composite(identity=ocp.args.JsonRestore()))
         saved = saved['identity']
-      except Exception:  # noqa: BLE001 -- no or unreadable identity item
-        saved = None
+      except Exception as e:  # noqa: BLE001 -- a corrupted step: try the previous one
+        print(f'warning: checkpoint {step} in {directory} is unreadable '
+              f'({type(e).__name__}); trying the previous one', file=sys.stderr)
+        continue
       want = json.loads(run_identity.dumps(identity, default=str))
       if saved != want:
         diff = run_identity.differences(saved or {}, want)
         raise ConfigError('resume', f'checkpoint {step} in {directory} was saved by another '
-                          f'configuration ({"; ".join(diff[:4]) or "no identity stored"})')
+                          f'configuration ({"; ".join(diff[:4])})')
     try:
       out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                        history=ocp.args.JsonRestore()))

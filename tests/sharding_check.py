@@ -26,7 +26,7 @@ for model_name, model in models.items():
   for alg in (fedavg(model, 10, optax.sgd(0.1), fp.Batching(16, 1)),
               local(model, 10, optax.sgd(0.1), fp.Batching(16, 1))):
     for cohort in (10, 5):
-      if not FULL and (cohort, alg.name) not in ((5, 'fedavg'), (10, 'local')):
+      if not FULL and (cohort, alg.name) != (5, 'fedavg'):
         continue
       if not FULL and model_name == 'cnn' and alg.name == 'local':
         continue

@@ -149,7 +149,7 @@ def test_cli_sweep_of_seeds_equals_single_runs_for_pre_round_algorithms(tmp_path
             '--cfl_eps2=0', '--data_seed=0')
   parse(*common, '--sweep_seeds=2', f'--output_dir={tmp_path}/sweep')
   swept = cli.main_job()
-  for seed in (0, 1):
+  for seed in (1,):  # the non-default seed (seed 0 is also the sweep's partition seed)
     parse(*common, f'--seed={seed}', f'--output_dir={tmp_path}/s{seed}')
     single = cli.main_job()
     for alg in ('usercentric', 'cfl'):

@@ -59,6 +59,13 @@ def _data_and_model():
   return data, model
 
 
+# Per algorithm: user-centric with one stream per client (W itself), a
+# cheaper collaboration round; it runs compiled (COMPILED: 9 s against 37 s
+# op by op on 2 cores).
+ALGORITHM_BASE = {'usercentric': ('--usercentric_num_streams=4',)}
+COMPILED = ('usercentric',)
+
+
 def _parse(args):
   parse_flags(*args)
 
@@ -68,7 +75,7 @@ def _settings(name, base: tuple, args=()):
   uses = algorithms.REGISTRY[name].uses
   flagged = [f'--{k}={v}' for k, v in {**BASE, **dict(base)}.items()
              if v is not None and k in uses]
-  _parse([f'--algorithm={name}'] + flagged + list(args))
+  _parse([f'--algorithm={name}'] + flagged + list(ALGORITHM_BASE.get(name, ())) + list(args))
   (spec, training, config, _), = cli.resolve_algorithm_settings([name])
   return spec, training, config
 
@@ -83,7 +90,9 @@ def _result(name, base: tuple, args: tuple = (), rounds: int = 1, evaluate: bool
   data, model = _data_and_model()
   spec, training, config = _settings(name, base, args)
   alg = algorithms.build(name, model, data, training=training, config=config)
-  with jax.disable_jit():  # tiny problem: op by op beats compiling 400 programs
+  # Tiny problem: op by op beats compiling 400 programs, except for
+  # algorithms whose round has many small ops (the collaboration round).
+  with jax.disable_jit(name not in COMPILED):
     runner, state = run_rounds(alg, data, rounds=rounds)
     stats = runner.evaluate(state, jax.random.key(5)) if evaluate else None
   return jax.device_get((stats, state))

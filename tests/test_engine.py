@@ -103,6 +103,7 @@ def test_round_compiles_once_per_run(digits, executor):
   assert len([r for r in history if 'accuracy_mean' in r]) == 3
 
 
+@pytest.mark.slow  # ~30 s; CI covers a CNN on vmap vs sharded (test_sharding)
 def test_executors_agree_on_a_conv_model(digits):
   model = fp.models.from_flax('cnn', fp.models.CNN(10, conv_features=(4, 8), dense=(16,)),
                               digits.train.x[0, :1])

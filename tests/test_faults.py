@@ -219,6 +219,7 @@ def test_checkpoints_carry_the_run_identity(tmp_path):
   assert e.value.name == 'resume'
 
 
+@pytest.mark.slow  # ~25 s: three script runs
 def test_kill_during_checkpoint_write_then_resume_is_bit_identical(tmp_path):
   """SIGKILL while Orbax writes a checkpoint (a temporary step folder
   exists), then --resume: metrics.jsonl equals an uninterrupted run's, value

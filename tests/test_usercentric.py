@@ -176,14 +176,14 @@ def test_collaboration_round_is_inside_the_one_compiled_round(digits):
   sequential executor (phase dispatched from Python) gives the same W."""
   model = mlp(digits)
   n = np.asarray(digits.train.num_examples)
-  alg = uc.usercentric(model, 5, n, optax.sgd(0.1), fp.Batching(16, 1), num_streams=None,
+  alg = uc.usercentric(model, 5, n, optax.sgd(0.1), fp.Batching(16, 1), num_streams=2,
                        sigma_batch_size=8, recompute_every=2)
   out = {}
   for name, ex in (('vmap', fp.executors.VmapExecutor()),
                    ('blocked', fp.executors.BlockedExecutor(block_size=2)),
                    ('sequential', fp.executors.SequentialExecutor(num_threads=1))):
     runner = RoundRunner(alg, digits, fp.CohortSampler(5, cohort_size=5), ex)
-    state, history = run(runner, 4, eval_every=4)
+    state, history = run(runner, 3, eval_every=3)
     assert [r['round'] for r in history if r.get('pre_round_ran')] == [1, 3], name
     assert all('w_effective_neighbours_mean' in r for r in history if r.get('pre_round_ran'))
     if ex.fused:
