@@ -38,6 +38,7 @@ from fedjax_personal.batching import Batching
 from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec,
                                     ConfigError, hparam)
 from fedjax_personal.models import Model
+from fedjax_personal.privacy import Privacy
 from fedjax_personal.training import ClientWork, evaluate_params, plain_objective, sgd_client_work
 from fedjax_personal.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter
 
@@ -58,9 +59,12 @@ class FedFomoState:
   """Attributes:
     models: stacked [N, ...] latest model of every client (the server's pool).
     affinity: [N, N] P, P_ij = client i's accumulated weight for client j.
+    dp_steps: int32 [N] local (DP-)SGD steps each client has taken so far
+      (for the privacy accountant).
   """
   models: optax.Params
   affinity: jax.Array
+  dp_steps: jax.Array
 
 
 def choose_candidates(key, affinity_rows, clients, num_candidates: int, eps, num_clients: int):
@@ -112,7 +116,8 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
 
   def init(key):
     params = model.init(key)
-    return FedFomoState(tree_broadcast(params, num_clients), jnp.zeros((num_clients, num_clients)))
+    return FedFomoState(tree_broadcast(params, num_clients), jnp.zeros((num_clients, num_clients)),
+                        jnp.zeros(num_clients, jnp.int32))
 
   def server_broadcast(state, cohort, rc):
     eps = jnp.maximum(eps0 - eps_decay * rc.round.astype(jnp.float32), 0.0)
@@ -149,18 +154,20 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
 
   def work_final(ctx, carry):
     c, w = carry
-    return c.params, ctx.state[1], w, c.stats
+    return c.params, ctx.state[1], w, c.stats, c.num_steps
 
   work = ClientWork(work_init, work_step, work_final, batching,
                     init_opt_state=inner.init_opt_state,
                     opt_state=lambda carry: inner.opt_state(carry[0]))
 
   def server_update(state, cohort, out, rc):
-    params, cand, w, stats = out
+    params, cand, w, stats, steps = out
     rows = jnp.where(cohort.mask[:, None], w, 0.0)
     i = jnp.broadcast_to(cohort.idx[:, None], cand.shape)
     affinity = state.affinity.at[i, cand].add(rows, mode='drop')  # P_i,n += w_n
-    new = FedFomoState(tree_scatter(state.models, cohort.idx, params), affinity)
+    dp_steps = state.dp_steps.at[cohort.idx].add(
+        jnp.where(cohort.mask, steps, 0).astype(jnp.int32), mode='drop')
+    new = FedFomoState(tree_scatter(state.models, cohort.idx, params), affinity, dp_steps)
     return new, cohort_train_metrics(stats, cohort.mask)
 
   def communication(state):
@@ -180,9 +187,17 @@ def build(training, config: FedFomoConfig, model, data):
     raise ConfigError('val_fraction', 'fedfomo needs a validation split on every client '
                       '(0.2 in the paper)')
   dp = (config.dp_clip_norm, config.dp_noise_multiplier) if config.dp_clip_norm > 0 else None
-  return fedfomo(model, data.num_clients, training.make_client_optimizer(), training.batching(),
+  batching = training.batching()
+  alg = fedfomo(model, data.num_clients, training.make_client_optimizer(), batching,
                  num_candidates=min(config.candidates, data.num_clients - 1), eps0=config.eps,
                  eps_decay=config.eps_decay, leave_one_out=config.leave_one_out, dp=dp)
+  if dp is None:
+    return alg
+  n = np.asarray(data.train.num_examples, np.float64)
+  b = batching.effective_batch_size(int(data.train.max_examples))
+  return alg.replace(privacy=Privacy(config.dp_noise_multiplier,
+                                     np.minimum(b / np.maximum(n, 1), 1.0),
+                                     steps=lambda state: state.dp_steps))
 
 
 def check(training, config: FedFomoConfig):

@@ -147,6 +147,8 @@ class FederatedAlgorithm:
       from the client's training data).
     pre_round: optional ``PreRound`` run at the start of the rounds it is
       due (phases that are not a training round), inside the compiled round.
+    privacy: optional ``privacy.Privacy`` when clients run DP-SGD (noise,
+      sampling rates, a step counter in the state) for epsilon accounting.
   """
   name: str
   model: Model
@@ -159,6 +161,7 @@ class FederatedAlgorithm:
   finetune: Optional[FineTune] = None
   evaluate_client: Optional[Callable] = None
   pre_round: Optional[PreRound] = None
+  privacy: Optional[Any] = None
 
   def replace(self, **kw) -> 'FederatedAlgorithm':
     return dataclasses.replace(self, **kw)

@@ -71,7 +71,15 @@ flags.DEFINE_bool('resume_if_found', False, 'Like --resume where a checkpoint ex
                   'fresh (with a note) where there is none.')
 flags.DEFINE_bool('overwrite', False, 'Clear --output_dir first when it holds results of another '
                   'configuration (refused otherwise).')
-flags.DEFINE_integer('sweep_seeds', 0, 'Run seeds seed..seed+S-1 as one vmapped program (0: off).')
+flags.DEFINE_integer('sweep_seeds', 0, 'Run seeds seed..seed+S-1 as one vmapped program (0: off); '
+                     'one table row per seed.')
+flags.DEFINE_integer('trials', 1, 'Run T trials (seeds seed..seed+T-1, one shared partition) of '
+                     'each algorithm, as one vmapped program where the executor allows it, else '
+                     'one after another; the table shows mean ± std over trials.')
+flags.DEFINE_integer('stat_window', 5, 'Stable statistics: tables also report the mean over the '
+                     'last this many evaluations of the mean and worst-client accuracy.')
+flags.DEFINE_float('dp_delta', 1e-5, 'delta at which the DP-SGD epsilon is reported (algorithms '
+                   'run with DP-SGD, e.g. --fedfomo_dp_clip_norm > 0).')
 flags.DEFINE_string('sweep', '', "Hyperparameters swept in the same program, e.g. "
                     "'client_lr:0.01,0.03,0.1;prox_mu:0,0.1' (cross product with the seeds).")
 
@@ -221,6 +229,11 @@ def validate_flags():
     _check(0 < FLAGS.participation <= 1, 'participation',
            f'must be in (0, 1], got {FLAGS.participation}')
   _check(FLAGS.sweep_seeds >= 0, 'sweep_seeds', f'must be >= 0, got {FLAGS.sweep_seeds}')
+  _check(FLAGS.trials >= 1, 'trials', f'must be >= 1, got {FLAGS.trials}')
+  _check(FLAGS.trials == 1 or not FLAGS.sweep_seeds, 'trials',
+         'give --trials (mean ± std rows) or --sweep_seeds (one row per seed), not both')
+  _check(FLAGS.stat_window >= 1, 'stat_window', f'must be >= 1, got {FLAGS.stat_window}')
+  _check(0 < FLAGS.dp_delta < 1, 'dp_delta', f'must be in (0, 1), got {FLAGS.dp_delta}')
   _check(FLAGS.checkpoint_every >= 0, 'checkpoint_every',
          f'must be >= 0, got {FLAGS.checkpoint_every}')
   _check(FLAGS.eval_every >= 0, 'eval_every', f'must be >= 0, got {FLAGS.eval_every}')
@@ -285,11 +298,11 @@ def _default_output_dir(identities: dict) -> str:
 
 def _sweep_configs():
   """The sweep's (seed, {name: value}) configurations, or None without a sweep."""
-  if not (FLAGS.sweep_seeds or FLAGS.sweep):
+  if not (FLAGS.sweep_seeds or FLAGS.sweep or FLAGS.trials > 1):
     return None
   from fedjax_personal import sweep
   values = sweep.parse_sweep(FLAGS.sweep, sweepable())
-  seeds = list(range(FLAGS.seed, FLAGS.seed + max(FLAGS.sweep_seeds, 1)))
+  seeds = list(range(FLAGS.seed, FLAGS.seed + max(FLAGS.sweep_seeds, FLAGS.trials, 1)))
   return sweep.configs(seeds, values)
 
 
@@ -300,8 +313,9 @@ def _label(name: str, config_label) -> str:
 
 
 def _make_runs(spec, alg, training, cfg, ignored, model, data, executor, cfgs):
-  """The loop's ``Runs`` of one algorithm: a single run, or its sweep as one
-  vmapped program."""
+  """The loop's ``Runs`` of one algorithm: a single run, or its
+  configurations (sweep, trials) as one vmapped program when the executor is
+  fused, else one after another."""
   if cfgs is None:
     return experiment.SingleRun(RoundRunner(alg, data, sampler_for(data.num_clients), executor),
                                 FLAGS.seed)
@@ -315,7 +329,8 @@ def _make_runs(spec, alg, training, cfg, ignored, model, data, executor, cfgs):
     return algorithms_lib.build(spec.name, model, data,
                                 training=dataclasses.replace(training, **shared),
                                 config=dataclasses.replace(cfg, **own))
-  return sweep.SweepRunner(build, cfgs, data, sampler_for(data.num_clients), executor)
+  runs = sweep.SweepRunner if executor.fused else sweep.LoopRuns
+  return runs(build, cfgs, data, sampler_for(data.num_clients), executor)
 
 
 def main_job() -> Dict[str, dict]:
@@ -333,13 +348,12 @@ def main_job() -> Dict[str, dict]:
   print(data.describe())
   job = job_identity(data)
   if cfgs is not None:
-    job['sweep'] = {'sweep': FLAGS.sweep, 'sweep_seeds': FLAGS.sweep_seeds}
+    job['sweep'] = {'sweep': FLAGS.sweep, 'sweep_seeds': FLAGS.sweep_seeds,
+                    'trials': FLAGS.trials}
   data = to_device(data)
   sample_x = data.train.x[0, :1]
   model = create_model(FLAGS.model, data.num_classes, sample_x, FLAGS.adapter_dim)
   executor = create_executor(FLAGS.executor, model, sample_x, FLAGS.block_size)
-  if cfgs is not None and not executor.fused:
-    executor = create_executor('blocked', block_size=FLAGS.block_size)
   # Build every algorithm before training any, so that a bad setting fails fast.
   algs = [(spec, algorithms_lib.build(spec.name, model, data, training=t, config=cfg), t, cfg,
            ignored, run_identity.identity(spec.name, t, cfg, job))
@@ -348,7 +362,11 @@ def main_job() -> Dict[str, dict]:
   name = FLAGS.output_dir or _default_output_dir(identities)
   print(f'executor: {executor.describe()} on {jax.default_backend()}; outputs in {name}')
   if cfgs is not None:
-    print(f'sweep of {len(cfgs)} configurations per algorithm, each sweep one compiled program')
+    print(f'{len(cfgs)} configurations per algorithm, ' + (
+        'each algorithm one compiled program' if executor.fused else 'one after another'))
+  if FLAGS['dp_delta'].present and not any(a.privacy is not None for _, a, *_ in algs):
+    raise ConfigError('dp_delta', 'does nothing: no requested algorithm runs DP-SGD '
+                      '(--fedfomo_dp_clip_norm > 0)')
   resume = FLAGS.resume or FLAGS.resume_if_found
   run_identity.claim(name, {'algorithms': identities}, FLAGS.overwrite, resume)
   runs_of, restored = {}, {}
@@ -371,6 +389,7 @@ def main_job() -> Dict[str, dict]:
       restored[spec.name] = got
   histories, summaries = {}, {}
   try:
+    groups = {}
     for spec, alg, _, _, ignored, ident in algs:
       alg_name = spec.name
       runs = runs_of[alg_name]
@@ -380,7 +399,10 @@ def main_job() -> Dict[str, dict]:
       if restored.get(alg_name) is not None:
         state, start, hists = restored[alg_name]
         print(f'{alg_name}: resuming after round {start} from {ckpt_dir}')
-      callbacks = [reporting.MetricsWriter(out_dir, hists)]
+      callbacks = []
+      if alg.privacy is not None:
+        callbacks.append(reporting.PrivacyRecorder(alg.privacy, FLAGS.dp_delta))
+      callbacks.append(reporting.MetricsWriter(out_dir, hists))
       if FLAGS.checkpoint_every or resume:
         callbacks.append(checkpointing.Checkpointer(ckpt_dir, FLAGS.checkpoint_every, hists,
                                                     identity=ident))
@@ -393,7 +415,7 @@ def main_job() -> Dict[str, dict]:
                                      histories=hists)
       alg_summaries = []
       for label, history in zip(runs.labels, hists):
-        s = reporting.final_summary(history)
+        s = reporting.final_summary(history, FLAGS.stat_window)
         s['rounds'] = FLAGS.rounds
         if label is not None:
           s['config'] = label
@@ -406,23 +428,40 @@ def main_job() -> Dict[str, dict]:
         row = _label(alg_name, label)
         histories[row], summaries[row] = history, s
         alg_summaries.append(s)
+        if FLAGS.trials > 1:  # rows of the table: trials grouped by their values
+          values = {k: v for k, v in label.items() if k != 'seed'}
+          groups.setdefault(_label(alg_name, values or None), []).append((history, s))
         print(f"{row}: " + (f"diverged at round {s['diverged_at_round']}" if s.get('diverged')
                             else f"mean {s['accuracy_mean']:.4f} worst {s['accuracy_worst']:.4f}")
-              + f" ({s['train_seconds']:.1f} s of rounds)")
+              + f" ({s['train_seconds']:.1f} s of rounds)"
+              + (f", epsilon {s['dp_epsilon']:.2f} at delta {FLAGS.dp_delta:g}"
+                 if 'dp_epsilon' in s else ''))
       record = alg_summaries[0] if cfgs is None else {'configurations': alg_summaries}
       reporting.write_summary(out_dir, {**record, 'algorithm': alg_name, 'identity': ident,
                                         'flags': FLAGS.flag_values_dict()})
   finally:
     # Also when a later algorithm fails: the finished ones keep their table.
     if histories:
-      reporting.plot_runs(histories, name)
-      run_identity.write_json(os.path.join(name, 'comparison.json' if cfgs is None
-                                           else 'sweep.json'), {
-          k: {kk: v for kk, v in s.items() if kk != 'per_client_accuracy'}
-          for k, s in summaries.items()})
+      strip = lambda s: {k: v for k, v in s.items() if k != 'per_client_accuracy'}
+      table = summaries
+      if FLAGS.trials > 1:
+        table = {g: reporting.aggregate_trials([s for _, s in items])
+                 for g, items in groups.items()}
+        reporting.plot_trials({g: [h for h, _ in items] for g, items in groups.items()}, name)
+        run_identity.write_json(os.path.join(name, 'comparison.json'), {
+            g: {**table[g], 'per_trial': [strip(s) for _, s in items]}
+            for g, items in groups.items()})
+      else:
+        reporting.plot_runs(histories, name)
+        run_identity.write_json(os.path.join(name, 'comparison.json' if cfgs is None
+                                             else 'sweep.json'),
+                                {k: strip(s) for k, s in summaries.items()})
       print()
-      print(f'{data.name}, {FLAGS.model}, {FLAGS.rounds} rounds: per-client test accuracy')
-      print(reporting.format_table(summaries))
+      trials = f', mean ± std over {FLAGS.trials} trials' if FLAGS.trials > 1 else ''
+      print(f'{data.name}, {FLAGS.model}, {FLAGS.rounds} rounds: per-client test accuracy at the '
+            f'last evaluation and averaged over the last {FLAGS.stat_window} (@last){trials}')
+      print(reporting.format_table(table))
+      summaries = table if FLAGS.trials > 1 else summaries
   return summaries
 
 

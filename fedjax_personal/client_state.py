@@ -76,4 +76,6 @@ def persistent_client_optimizer(alg: FederatedAlgorithm, num_clients: int) -> Fe
                      server_update=server_update,
                      client_models=lambda s: alg.client_models(s.inner),
                      communication=lambda s: alg.communication(s.inner),
-                     pre_round=pre_round)
+                     pre_round=pre_round,
+                     privacy=None if alg.privacy is None else dataclasses.replace(
+                         alg.privacy, steps=lambda s: alg.privacy.steps(s.inner)))

@@ -64,10 +64,22 @@ class Progress(Callback):
     self.bar.close()
 
 
-def final_summary(history: List[dict]) -> dict:
-  """The last evaluation plus totals (rounds, bytes, seconds)."""
+def final_summary(history: List[dict], window: int = 5) -> dict:
+  """The last evaluation, stable statistics and totals (rounds, bytes, seconds).
+
+  ``accuracy_mean_window`` / ``accuracy_worst_window``: the mean over the
+  last ``window`` evaluations (``stat_window`` of them at most: fewer when
+  the run had fewer) of the mean and worst-client accuracy, steadier than
+  the last evaluation alone when accuracy swings between rounds.
+  """
   evals = [r for r in history if 'accuracy_mean' in r]
   last = dict(evals[-1]) if evals else {}
+  tail = evals[-max(window, 1):]
+  for key in ('accuracy_mean', 'accuracy_worst'):
+    vals = [r[key] for r in tail if r.get(key) is not None]
+    if vals:
+      last[f'{key}_window'] = float(np.mean(vals))
+  last['stat_window'] = len(tail)
   last['total_bytes_up'] = float(sum(r.get('bytes_up', 0) for r in history))
   last['total_bytes_down_broadcast'] = float(sum(r.get('bytes_down_broadcast', 0) for r in history))
   last['train_seconds'] = float(sum(r.get('round_seconds', 0) for r in history))
@@ -121,21 +133,112 @@ def plot_runs(histories: Dict[str, List[dict]], directory: str) -> List[str]:
   return [p1, p2]
 
 
-def format_table(rows: Dict[str, dict], keys=('accuracy_mean', 'accuracy_worst', 'accuracy_q10',
-                                                 'accuracy_weighted')) -> str:
+#: The table's columns: (summary key, header); {L} is the statistics window.
+TABLE_COLUMNS = (('accuracy_mean', 'mean'), ('accuracy_worst', 'worst'),
+                 ('accuracy_mean_window', 'mean@last{L}'), ('accuracy_worst_window', 'worst@last{L}'),
+                 ('accuracy_q10', 'q10'), ('accuracy_weighted', 'weighted'))
+
+
+def format_table(rows: Dict[str, dict], columns=TABLE_COLUMNS) -> str:
   """A plain-text table: one row per algorithm (or sweep configuration),
-  accuracy columns in percent; a diverged row says so."""
+  accuracy columns in percent at the last evaluation and averaged over the
+  last L evaluations (``@lastL``); rows of several trials show mean ± std
+  over trials (``<key>_std``); a diverged row says so; epsilon when DP."""
+  window = max([s.get('stat_window', 0) for s in rows.values()] + [1])
+  cols = [(k, h.format(L=window)) for k, h in columns]
+  if any('dp_epsilon' in s for s in rows.values()):
+    cols.append(('dp_epsilon', 'epsilon'))
+  trials = any(any(k.endswith('_std') for k in s) for s in rows.values())
+  cw = 15 if trials else 13
   width = max([14] + [len(n) + 2 for n in rows])
-  header = f"{'algorithm':<{width}}" + ''.join(f'{k.replace("accuracy_", ""):>10}' for k in keys)
+  header = f"{'algorithm':<{width}}" + ''.join(f'{h:>{cw}}' for _, h in cols)
   lines = [header, '-' * len(header)]
+
+  def cell(s, k):
+    v = s.get(k)
+    if v is None:
+      return f'{"-":>{cw}}'
+    scale, unit = (1, '') if k == 'dp_epsilon' else (100, '%')
+    std = s.get(f'{k}_std')
+    text = f'{scale * v:.2f}' + (f'±{scale * std:.2f}' if std is not None else unit)
+    return f'{text:>{cw}}'
+
   for name, s in rows.items():
     if s.get('diverged'):
       lines.append(f'{name:<{width}}  diverged at round {s.get("diverged_at_round")}')
       continue
-    lines.append(f'{name:<{width}}' + ''.join(
-        f'{100 * s[k]:>9.2f}%' if s.get(k) is not None and k in s else f'{"-":>10}'
-        for k in keys))
+    lines.append(f'{name:<{width}}' + ''.join(cell(s, k) for k, _ in cols))
   return '\n'.join(lines)
+
+
+def aggregate_trials(summaries: List[dict]) -> dict:
+  """Mean and sample standard deviation (``<key>_std``, ddof = 1) over
+  trials of every numeric summary entry; ``trials`` their number; diverged
+  trials are left out and counted (``diverged_trials``)."""
+  ok = [s for s in summaries if not s.get('diverged')]
+  out = {'trials': len(summaries), 'diverged_trials': len(summaries) - len(ok)}
+  if not ok:
+    return {**out, 'diverged': True,
+            'diverged_at_round': min(s.get('diverged_at_round') or 0 for s in summaries)}
+  keys = [k for k, v in ok[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+  for k in keys:
+    vals = np.array([s[k] for s in ok if s.get(k) is not None], np.float64)
+    if vals.size:
+      out[k] = float(vals.mean())
+      out[f'{k}_std'] = float(vals.std(ddof=1)) if vals.size > 1 else 0.0
+  return out
+
+
+def plot_trials(groups: Dict[str, List[List[dict]]], directory: str) -> str:
+  """accuracy.png with one line per algorithm (mean over trials) and a band
+  of ± one standard deviation, mean and worst-client accuracy."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  os.makedirs(directory, exist_ok=True)
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+  for name, hists in groups.items():
+    evs = [[r for r in h if 'accuracy_mean' in r and not r.get('diverged')] for h in hists]
+    n = min((len(e) for e in evs), default=0)
+    if not n:
+      continue
+    rounds = [r['round'] for r in evs[0][:n]]
+    for ax, key in zip(axes, ('accuracy_mean', 'accuracy_worst')):
+      vals = np.array([[r[key] if r.get(key) is not None else np.nan for r in e[:n]] for e in evs])
+      mu, sd = np.nanmean(vals, 0), np.nanstd(vals, 0)
+      line, = ax.plot(rounds, mu, marker='o', ms=3, label=f'{name} ({len(hists)} trials)')
+      ax.fill_between(rounds, mu - sd, mu + sd, color=line.get_color(), alpha=0.2)
+  for ax, title in zip(axes, ('mean client accuracy', 'worst client accuracy')):
+    ax.set_title(title + ' (mean ± std over trials)')
+    ax.set_xlabel('round')
+    ax.grid(alpha=0.3)
+  axes[0].set_ylabel('test accuracy')
+  axes[0].legend()
+  fig.tight_layout()
+  path = os.path.join(directory, 'accuracy.png')
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
+class PrivacyRecorder(Callback):
+  """Adds the DP-SGD epsilon of the worst client so far at ``delta``
+  (``dp_epsilon``, ``dp_delta``) to every record; list it before the
+  MetricsWriter."""
+
+  def __init__(self, privacy, delta: float):
+    self.privacy, self.delta = privacy, delta
+
+  def on_round_end(self, round_num, records, state):
+    import jax
+    from fedjax_personal.privacy import worst_epsilon
+    if isinstance(state, list):  # configurations run one after another
+      steps = np.stack([np.asarray(jax.device_get(self.privacy.steps(s))) for s in state])
+    else:  # one state, or a sweep's stacked [S, ...] state
+      steps = np.asarray(jax.device_get(self.privacy.steps(state)))
+    for record, st in zip(records, steps.reshape(len(records), -1)):
+      record['dp_epsilon'] = worst_epsilon(self.privacy, st, self.delta)
+      record['dp_delta'] = self.delta
 
 
 class AffinityRecorder(Callback):

@@ -131,3 +131,42 @@ class SweepRunner:
     from fedjax_personal import experiment
     self.state, histories = experiment.run_many(self, num_rounds, eval_every, callbacks)
     return histories
+
+
+class LoopRuns:
+  """S configurations run one after another within each round (the
+  ``Runs`` of ``experiment.run_many`` for executors that cannot be traced
+  into a vmapped program, e.g. ``sequential``): one RoundRunner per distinct
+  set of values (compiled once, shared by the seeds), one state per
+  configuration (the state is their list). Same keys, same numbers as the
+  single runs."""
+
+  def __init__(self, build: Callable[[Dict], FederatedAlgorithm], configs: List[Config],
+               data: FederatedData, sampler: CohortSampler, executor: Executor):
+    from fedjax_personal.engine import RoundRunner
+    from fedjax_personal.experiment import SingleRun
+    self.configs = configs
+    self.labels = [config_label(c) for c in configs]
+    runners = {}
+    self.runs = []
+    for seed, values in configs:
+      k = tuple(sorted(values.items()))
+      if k not in runners:
+        runners[k] = RoundRunner(build(dict(values)), data, sampler, executor)
+      self.runs.append(SingleRun(runners[k], seed))
+
+  @property
+  def num_configs(self) -> int:
+    return len(self.runs)
+
+  def init(self):
+    return [r.init() for r in self.runs]
+
+  def round(self, state, t: int, donate: bool = True):
+    out = [r.round(s, t, donate) for r, s in zip(self.runs, state)]
+    metrics = jax.tree.map(lambda *a: np.concatenate(a), *[m for _, m in out])
+    return [s for s, _ in out], metrics
+
+  def evaluate(self, state, t: int) -> LossStats:
+    stats = [r.evaluate(s, t) for r, s in zip(self.runs, state)]
+    return LossStats(*(np.concatenate(a) for a in zip(*stats)))

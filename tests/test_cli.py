@@ -180,3 +180,27 @@ def test_sweep_marks_a_diverged_configuration_and_exits_3_when_all_diverge(tmp_p
   parse(*common, '--sweep=client_lr:1e38,2e38', f'--output_dir={tmp_path}/b')
   with pytest.raises(cli.experiment.DivergenceError, match='all 2 configurations diverged'):
     cli.main_job()
+
+
+@pytest.mark.parametrize('model,executor', [('logreg', 'blocked'), ('lenet5', 'sequential')])
+def test_trials_equal_single_runs_and_report_mean_and_std(tmp_path, model, executor):
+  """--trials=3: one vmapped program (blocked) or one run after another
+  (sequential); each trial equals the single run with its seed on the same
+  partition, and the table's row is their mean ± sample std."""
+  import numpy as np
+  common = ('--algorithm=fedavg', '--dataset=digits', f'--model={model}', '--num_clients=4',
+            '--rounds=2', '--eval_every=1', '--progress=false', '--max_examples=160',
+            f'--executor={executor}', '--data_seed=0', '--stat_window=2')
+  parse(*common, '--trials=3', f'--output_dir={tmp_path}/t')
+  row = cli.main_job()['fedavg']
+  singles = []
+  for seed in range(3):
+    parse(*common, f'--seed={seed}', f'--output_dir={tmp_path}/s{seed}')
+    singles.append(cli.main_job()['fedavg'])
+  assert row['trials'] == 3
+  for k in ('accuracy_mean', 'accuracy_worst', 'accuracy_mean_window'):
+    vals = [s[k] for s in singles]
+    assert row[k] == pytest.approx(np.mean(vals), rel=1e-5, abs=1e-7), k
+    assert row[f'{k}_std'] == pytest.approx(np.std(vals, ddof=1), rel=1e-4, abs=1e-6), k
+  saved = json.load(open(tmp_path / 't' / 'comparison.json'))['fedavg']
+  assert len(saved['per_trial']) == 3 and saved['trials'] == 3

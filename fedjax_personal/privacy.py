@@ -1,0 +1,56 @@
+"""Privacy accounting of DP-SGD (Abadi et al., CCS 2016) with Google's
+``dp-accounting`` package (Renyi DP accountant, Mironov 2017).
+
+A client running DP-SGD on its own data with per-example clipping and
+Gaussian noise of std ``noise_multiplier * clip`` per batch of B from its
+n_i examples is accounted as a Poisson-subsampled Gaussian mechanism with
+sampling rate q_i = B / n_i, composed over every local step it has taken so
+far (the batches here are drawn by shuffling without replacement; the
+Poisson accounting is the usual approximation of it). A run's epsilon at
+``delta`` is the worst client's.
+"""
+
+import dataclasses
+import functools
+from typing import Callable
+
+import numpy as np
+
+
+@functools.lru_cache(maxsize=65536)
+def dp_sgd_epsilon(sampling_rate: float, noise_multiplier: float, steps: int,
+                   delta: float = 1e-5) -> float:
+  """epsilon of ``steps`` compositions of the subsampled Gaussian mechanism
+  at ``delta`` (RDP accountant); 0 for no steps, inf without noise."""
+  if steps <= 0:
+    return 0.0
+  if noise_multiplier <= 0:
+    return float('inf')
+  import dp_accounting
+  accountant = dp_accounting.rdp.RdpAccountant()
+  event = dp_accounting.PoissonSampledDpEvent(min(float(sampling_rate), 1.0),
+                                              dp_accounting.GaussianDpEvent(noise_multiplier))
+  accountant.compose(event, int(steps))
+  return float(accountant.get_epsilon(delta))
+
+
+@dataclasses.dataclass(frozen=True)
+class Privacy:
+  """What an algorithm offering DP-SGD exposes for accounting.
+
+  Attributes:
+    noise_multiplier: sigma of DP-SGD.
+    sampling_rates: [N] q_i = batch size / n_i.
+    steps: ``state -> [N]`` DP-SGD steps each client has taken so far (a
+      counter the algorithm keeps in its state).
+  """
+  noise_multiplier: float
+  sampling_rates: np.ndarray
+  steps: Callable
+
+
+def worst_epsilon(privacy: Privacy, steps, delta: float = 1e-5) -> float:
+  """max_i epsilon_i over clients with their steps so far."""
+  steps = np.asarray(steps)
+  return max((dp_sgd_epsilon(round(float(q), 12), privacy.noise_multiplier, int(s), delta)
+              for q, s in zip(privacy.sampling_rates, steps)), default=0.0)
