@@ -182,7 +182,7 @@ def test_sweep_marks_a_diverged_configuration_and_exits_3_when_all_diverge(tmp_p
     cli.main_job()
 
 
-@pytest.mark.parametrize('model,executor', [('logreg', 'blocked'), ('lenet5', 'sequential')])
+@pytest.mark.parametrize('model,executor', [('logreg', 'blocked'), ('mlp', 'sequential')])
 def test_trials_equal_single_runs_and_report_mean_and_std(tmp_path, model, executor):
   """--trials=3: one vmapped program (blocked) or one run after another
   (sequential); each trial equals the single run with its seed on the same
