@@ -209,5 +209,5 @@ def check(training, config: FedFomoConfig):
 # Personalized by its own affinity-weighted combination: no weighting and no
 # server optimizer.
 SPEC = AlgorithmSpec('fedfomo', FedFomoConfig, build, CLIENT_OPTIMIZER | BATCHING | FINETUNE,
-                     check=check, summary='FedFomo (Zhang et al. 2021): first-order model '
+                     check=check, needs_validation=True, summary='FedFomo (Zhang et al. 2021): first-order model '
                      'optimization')

@@ -226,6 +226,8 @@ class AlgorithmSpec:
     check: optional ``(training, config) -> None`` raising ConfigError for
       combinations that cannot apply (e.g. momentum on a one-step client).
     summary: one line for ``--algorithm``'s help.
+    needs_validation: the algorithm needs a per-client validation split
+      (the CLI then holds out 0.1 unless ``--val_fraction`` says otherwise).
   """
   name: str
   config: type
@@ -236,6 +238,7 @@ class AlgorithmSpec:
   default_finetune_steps: int = 0
   check: Optional[Callable] = None
   summary: str = ''
+  needs_validation: bool = False
 
   def weighting(self, training: TrainingConfig) -> str:
     return training.weighting or self.default_weighting

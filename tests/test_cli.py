@@ -80,7 +80,8 @@ def test_model_that_does_not_fit_the_data():
 
 
 def test_oracle_without_groups():
-  parse('--algorithm=oracle', '--dataset=digits', '--model=mlp', '--progress=false')
+  parse('--algorithm=oracle', '--dataset=digits', '--partition=dirichlet', '--model=mlp',
+        '--progress=false')
   with pytest.raises(ValueError, match='partition'):
     cli.main_job()
 
@@ -126,7 +127,14 @@ def test_fedfomo_writes_affinity_heat_maps(tmp_path):
 
 
 def test_fedfomo_needs_a_validation_split():
-  parse('--algorithm=fedfomo', '--dataset=digits', '--model=logreg', '--progress=false')
+  """A validation split is held out by default only when an algorithm needs
+  one; an explicit --val_fraction=0 with FedFomo is refused."""
+  parse('--algorithm=fedavg', '--dataset=digits')
+  assert cli.val_fraction() == 0.0
+  parse('--algorithm=fedavg,fedfomo', '--dataset=digits')
+  assert cli.val_fraction() == cli.DEFAULT_VAL_FRACTION == 0.1
+  parse('--algorithm=fedfomo', '--dataset=digits', '--model=logreg', '--progress=false',
+        '--val_fraction=0')
   with pytest.raises(ValueError, match='val_fraction'):
     cli.main_job()
 

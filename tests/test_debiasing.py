@@ -42,7 +42,8 @@ def heterogeneous():
 LOCAL = fp.Batching(batch_size=None, num_epochs=None, num_steps=20)  # full-batch local GD
 
 
-@pytest.mark.parametrize('participation', ['full', 'partial'])
+@pytest.mark.parametrize('participation', [
+    'full', pytest.param('partial', marks=pytest.mark.slow)])
 def test_feddyn_and_scaffold_reach_the_minimizer_fedavg_does_not(heterogeneous, participation):
   data, theta = heterogeneous
   model = linear_model(3)

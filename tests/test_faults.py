@@ -100,7 +100,7 @@ def test_corrupted_latest_checkpoint_falls_back(tmp_path, capsys):
     (['--max_examples=-5'], 'max_examples'),
     (['--partition=pathological', '--classes_per_client=11'], 'classes_per_client'),
     (['--client_lr=inf'], 'client_lr'),
-    (['--algorithm=fedavg,fedfomo'], 'val_fraction'),
+    (['--algorithm=fedavg,fedfomo', '--val_fraction=0'], 'val_fraction'),
 ])
 def test_bad_values_are_refused_before_training(tmp_path, args, flag):
   with pytest.raises(ConfigError) as e:
