@@ -189,6 +189,20 @@ def aggregate_trials(summaries: List[dict]) -> dict:
   return out
 
 
+def trials_summary(histories: List[List[dict]], window: int = 5) -> dict:
+  """``aggregate_trials`` of the trials' ``final_summary``: mean and sample
+  std over trials of the last evaluation and of the stable statistics."""
+  return aggregate_trials([final_summary(h, window) for h in histories])
+
+
+def pm(summary: dict, key: str, scale: float = 100.0, digits: int = 1) -> str:
+  """``'mean ± std'`` of ``key`` in an ``aggregate_trials`` summary."""
+  if summary.get(key) is None:
+    return 'diverged' if summary.get('diverged') else '-'
+  return (f'{scale * summary[key]:.{digits}f} ± '
+          f'{scale * summary.get(key + "_std", 0.0):.{digits}f}')
+
+
 def plot_trials(groups: Dict[str, List[List[dict]]], directory: str) -> str:
   """accuracy.png with one line per algorithm (mean over trials) and a band
   of ± one standard deviation, mean and worst-client accuracy."""

@@ -32,7 +32,7 @@ import time
 from absl import app
 from absl import flags
 
-from fedjax_personal import algorithms, experiment
+from fedjax_personal import algorithms, experiment, reporting
 from fedjax_personal.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.engine import RoundRunner
@@ -52,7 +52,9 @@ flags.DEFINE_float('client_lr', 0.05, 'Client learning rate.')
 flags.DEFINE_integer('personal_local_steps', 5, 'Local steps per round in table 2.')
 flags.DEFINE_integer('personal_eval_every', 4, 'Evaluation period of table 2 (MAML evaluation '
                      'adapts on 500 images per device: about 14 s per evaluation here).')
-flags.DEFINE_integer('seed', 0, 'Seed.')
+flags.DEFINE_integer('seed', 0, 'Seed (of the partitions and of the first trial).')
+flags.DEFINE_integer('trials', 3, 'Trials per row (seeds seed..seed+T-1, one partition).')
+flags.DEFINE_integer('stat_window', 5, 'Stable statistics: mean over the last this many evaluations.')
 flags.DEFINE_string('output_dir', 'runs/reproduce_debiasing', 'Where to write results.')
 flags.DEFINE_string('data_dir', None, 'Directory with cifar10_jpeg.npz.')
 FLAGS = flags.FLAGS
@@ -64,12 +66,20 @@ def run_one(name, data, settings, rounds, eval_every=1):
   runner = RoundRunner(alg, data, CohortSampler(data.num_clients, participation=FLAGS.participation),
                        create_executor('auto', model, data.train.x[0, :1]))
   start = time.perf_counter()
-  _, history = experiment.run(runner, rounds, seed=FLAGS.seed, eval_every=eval_every)
-  return history, time.perf_counter() - start
+  histories = [experiment.run(runner, rounds, seed=FLAGS.seed + t, eval_every=eval_every)[1]
+               for t in range(FLAGS.trials)]
+  return histories, (time.perf_counter() - start) / FLAGS.trials
+
+
+def to_target(histories, target):
+  """Mean over trials of the rounds to reach ``target`` (None unless every
+  trial reached it)."""
+  got = [experiment.rounds_to_target(h, target) for h in histories]
+  return None if None in got else sum(got) / len(got)
 
 
 def fmt_rounds(r, rounds):
-  return f'{r:>6}' if r is not None else f'>{rounds:>5}'
+  return f'{r:>6.1f}' if r is not None else f'>{rounds:>5}'
 
 
 def main(argv):
@@ -90,21 +100,24 @@ def main(argv):
   targets = [float(t) for t in FLAGS.targets]
   rows = {}
   for name in ('feddyn', 'scaffold', 'fedavg', 'fedprox'):
-    history, secs = run_one(name, data, {**shared, **own.get(name, {})}, FLAGS.rounds)
-    last = history[-1]
-    rows[name] = {'rounds_to_target': {t: experiment.rounds_to_target(history, t) for t in targets},
-                  'final_mean': last['accuracy_mean'], 'final_worst': last['accuracy_worst'],
-                  'best_mean': max(r['accuracy_mean'] for r in history), 'seconds': secs}
-    print(f'{name}: final mean {last["accuracy_mean"]:.4f}, {secs:.0f} s', flush=True)
+    histories, secs = run_one(name, data, {**shared, **own.get(name, {})}, FLAGS.rounds)
+    agg = reporting.trials_summary(histories, FLAGS.stat_window)
+    best = [max(r['accuracy_mean'] for r in h if 'accuracy_mean' in r) for h in histories]
+    rows[name] = {'rounds_to_target': {t: to_target(histories, t) for t in targets},
+                  'summary': agg, 'best_mean': sum(best) / len(best), 'seconds_per_trial': secs}
+    print(f'{name}: mean@last{FLAGS.stat_window} {reporting.pm(agg, "accuracy_mean_window")}, '
+          f'{secs:.0f} s per trial', flush=True)
   results['table1'] = rows
   print(f'\nTable 1: CIFAR-10, {FLAGS.num_clients} devices, p = {FLAGS.participation}, '
         f'Dirichlet {FLAGS.alpha_dirichlet}, {FLAGS.model}: rounds to mean test accuracy')
+  print(f'(rounds: mean over {FLAGS.trials} trials; accuracy: mean ± std over trials of the mean '
+        f'over the last {FLAGS.stat_window} evaluations)')
   print(f"{'method':<10}" + ''.join(f'{"@" + str(int(100 * t)) + "%":>8}' for t in targets)
-        + f"{'final':>8}{'best':>8}")
+        + f"{'mean@last':>14}{'best':>8}")
   for name, r in rows.items():
     print(f'{name:<10}' + ''.join(f'{fmt_rounds(r["rounds_to_target"][t], FLAGS.rounds):>8}'
                                   for t in targets)
-          + f'{100 * r["final_mean"]:>7.1f}%{100 * r["best_mean"]:>7.1f}%')
+          + f'{reporting.pm(r["summary"], "accuracy_mean_window"):>14}{100 * r["best_mean"]:>7.1f}%')
   # -- Table 2 -----------------------------------------------------------------
   ptargets = [float(t) for t in FLAGS.personal_targets]
   rows2 = {}
@@ -116,22 +129,23 @@ def main(argv):
     for name in ('pfeddyn_ft', 'pfeddyn_maml', 'pfeddyn_proto'):
       settings = {**shared, 'local_epochs': 1, 'local_steps': FLAGS.personal_local_steps,
                   'alpha': 1e-1 if name == 'pfeddyn_proto' else 1e-2}
-      history, secs = run_one(name, pdata, settings, FLAGS.personal_rounds,
-                              FLAGS.personal_eval_every)
-      last = history[-1]
+      histories, secs = run_one(name, pdata, settings, FLAGS.personal_rounds,
+                                FLAGS.personal_eval_every)
+      agg = reporting.trials_summary(histories, FLAGS.stat_window)
       rows2[(partition, name)] = {
-          'APL': last['accuracy_mean'], 'LPL': last['accuracy_worst'],
-          'rounds_to_target': {t: experiment.rounds_to_target(history, t) for t in ptargets},
-          'seconds': secs}
-      print(f'{partition} {name}: APL {last["accuracy_mean"]:.4f} LPL {last["accuracy_worst"]:.4f}, '
-            f'{secs:.0f} s', flush=True)
+          'APL': reporting.pm(agg, 'accuracy_mean_window'),
+          'LPL': reporting.pm(agg, 'accuracy_worst_window'), 'summary': agg,
+          'rounds_to_target': {t: to_target(histories, t) for t in ptargets},
+          'seconds_per_trial': secs}
+      print(f'{partition} {name}: APL {rows2[(partition, name)]["APL"]} '
+            f'LPL {rows2[(partition, name)]["LPL"]}, {secs:.0f} s per trial', flush=True)
   results['table2'] = {f'{k[0]}/{k[1]}': v for k, v in rows2.items()}
   print(f'\nTable 2: CIFAR-10 sparse classes (5 per device), {FLAGS.num_clients} devices, '
         f'{FLAGS.personal_rounds} rounds: average / lowest per-device accuracy')
-  print(f"{'partition':<26}{'method':<15}{'APL':>8}{'LPL':>8}"
+  print(f"{'partition':<26}{'method':<15}{'APL':>14}{'LPL':>14}"
         + ''.join(f'{"@" + str(int(100 * t)) + "%":>8}' for t in ptargets))
   for (partition, name), r in rows2.items():
-    print(f'{partition:<26}{name:<15}{100 * r["APL"]:>7.1f}%{100 * r["LPL"]:>7.1f}%'
+    print(f'{partition:<26}{name:<15}{r["APL"]:>14}{r["LPL"]:>14}'
           + ''.join(f'{fmt_rounds(r["rounds_to_target"][t], FLAGS.personal_rounds):>8}'
                     for t in ptargets))
   with open(os.path.join(FLAGS.output_dir, 'results.json'), 'w') as f:

@@ -29,7 +29,7 @@ import time
 from absl import app
 from absl import flags
 
-from fedjax_personal import algorithms, experiment
+from fedjax_personal import algorithms, experiment, reporting
 from fedjax_personal.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.engine import RoundRunner
@@ -48,7 +48,9 @@ flags.DEFINE_list('methods', [], 'Subset of tables B/C rows as method/part, e.g.
 flags.DEFINE_integer('cifar_clients', 20, 'Table C clients.')
 flags.DEFINE_integer('cifar_rounds', 30, 'Table C rounds.')
 flags.DEFINE_list('tables', ['A', 'B', 'C'], 'Which tables to run.')
-flags.DEFINE_integer('seed', 0, 'Seed.')
+flags.DEFINE_integer('seed', 0, 'Seed (of the partitions and of the first trial).')
+flags.DEFINE_integer('trials', 3, 'Trials per row (seeds seed..seed+T-1, one partition).')
+flags.DEFINE_integer('stat_window', 5, 'Stable statistics: mean over the last this many evaluations.')
 flags.DEFINE_string('output_dir', 'runs/reproduce_personalization', 'Where to write results.')
 flags.DEFINE_string('data_dir', None, 'Directory with cifar10_jpeg.npz and tinyshakespeare.txt.')
 FLAGS = flags.FLAGS
@@ -63,18 +65,24 @@ def run(name, data, model, settings, rounds, cohort, eval_every):
   runner = RoundRunner(alg, data, CohortSampler(data.num_clients, cohort_size=cohort),
                        create_executor('auto', model, data.train.x[0, :1]))
   start = time.perf_counter()
-  _, history = experiment.run(runner, rounds, seed=FLAGS.seed, eval_every=eval_every)
-  last = history[-1]
-  return {'mean': last['accuracy_mean'], 'q10': last['accuracy_q10'],
-          'worst': last['accuracy_worst'], 'seconds': time.perf_counter() - start}
+  histories = [experiment.run(runner, rounds, seed=FLAGS.seed + t, eval_every=eval_every)[1]
+               for t in range(FLAGS.trials)]
+  agg = reporting.trials_summary(histories, FLAGS.stat_window)
+  return {'mean': reporting.pm(agg, 'accuracy_mean_window', digits=2),
+          'q10': reporting.pm(agg, 'accuracy_q10', digits=2),
+          'worst': reporting.pm(agg, 'accuracy_worst_window', digits=2), 'summary': agg,
+          'seconds_per_trial': (time.perf_counter() - start) / FLAGS.trials}
 
 
 def print_table(title, rows):
   print(f'\n{title}')
-  print(f"{'method':<14}{'personal':<18}{'mean':>8}{'10th pct':>10}{'s':>7}")
+  print(f'(mean ± std over {FLAGS.trials} trials; mean@last and worst@last: mean over the last '
+        f'{FLAGS.stat_window} evaluations; 10th pct: last evaluation)')
+  print(f"{'method':<14}{'personal':<18}{'mean@last':>16}{'worst@last':>16}{'10th pct':>16}"
+        f"{'s/trial':>8}")
   for (name, part), r in rows.items():
-    print(f'{name:<14}{str(part or "-"):<18}{100 * r["mean"]:>7.2f}%{100 * r["q10"]:>9.2f}%'
-          f'{r["seconds"]:>7.0f}')
+    print(f'{name:<14}{str(part or "-"):<18}{r["mean"]:>16}{r["worst"]:>16}{r["q10"]:>16}'
+          f'{r["seconds_per_trial"]:>8.0f}')
 
 
 def partial_table(data, make_model, settings, rounds, cohort, eval_every):
@@ -88,7 +96,8 @@ def partial_table(data, make_model, settings, rounds, cohort, eval_every):
     model = make_model(8 if adapter else 0)
     own = dict(personal_part=part) if name in ('fedalt', 'fedsim') else {}
     rows[(name, part)] = run(name, data, model, {**settings, **own}, rounds, cohort, eval_every)
-    print(f'  {name} {part}: {rows[(name, part)]}', flush=True)
+    print(f'  {name} {part}: mean {rows[(name, part)]["mean"]} worst {rows[(name, part)]["worst"]}',
+          flush=True)
   return rows
 
 
@@ -119,7 +128,8 @@ def table_a(results):
   for name in ('perfedavg_fo', 'perfedavg_hf', 'perfedavg_hf_fd', 'fedavg_ft'):
     own = dict(alpha=0.02) if name.startswith('perfedavg') else {}
     rows[(name, None)] = run(name, mnist, model, {**shared, **own}, FLAGS.mnist_rounds, 10, 10)
-    print(f'  {name}: {rows[(name, None)]}', flush=True)
+    print(f'  {name}: mean {rows[(name, None)]["mean"]} worst {rows[(name, None)]["worst"]}',
+          flush=True)
   print_table(f'Table A: MNIST, {FLAGS.mnist_clients} clients with 2 classes each, 10 per round, '
               f'{FLAGS.mnist_rounds} rounds, MLP; tested after one step (lr 0.02) on train data', rows)
   results['mnist_perfedavg'] = {k[0]: v for k, v in rows.items()}
