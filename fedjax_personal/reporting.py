@@ -144,7 +144,7 @@ def format_table(rows: Dict[str, dict], columns=TABLE_COLUMNS) -> str:
   accuracy columns in percent at the last evaluation and averaged over the
   last L evaluations (``@lastL``); rows of several trials show mean ± std
   over trials (``<key>_std``); a diverged row says so; epsilon when DP."""
-  window = max([s.get('stat_window', 0) for s in rows.values()] + [1])
+  window = int(max([s.get('stat_window') or 0 for s in rows.values()] + [1]))
   cols = [(k, h.format(L=window)) for k, h in columns]
   if any('dp_epsilon' in s for s in rows.values()):
     cols.append(('dp_epsilon', 'epsilon'))

@@ -212,3 +212,17 @@ def test_trials_equal_single_runs_and_report_mean_and_std(tmp_path, model, execu
     assert row[f'{k}_std'] == pytest.approx(np.std(vals, ddof=1), rel=1e-4, abs=1e-6), k
   saved = json.load(open(tmp_path / 't' / 'comparison.json'))['fedavg']
   assert len(saved['per_trial']) == 3 and saved['trials'] == 3
+
+
+def test_trials_table_header_names_an_integer_window():
+  """Aggregated rows carry stat_window as a mean (a float): the header still
+  reads @last5."""
+  from fedjax_personal import reporting
+  rows = {'fedavg': reporting.aggregate_trials([
+      {'accuracy_mean': 0.5, 'accuracy_worst': 0.25, 'accuracy_mean_window': 0.5,
+       'accuracy_worst_window': 0.25, 'stat_window': 5},
+      {'accuracy_mean': 0.7, 'accuracy_worst': 0.35, 'accuracy_mean_window': 0.6,
+       'accuracy_worst_window': 0.3, 'stat_window': 5}])}
+  table = reporting.format_table(rows)
+  assert 'mean@last5 ' in table and '@last5.0' not in table, table
+  assert '60.00±14.14' in table, table
