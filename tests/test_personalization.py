@@ -49,16 +49,16 @@ def test_exact_hvp_equals_explicit_hessian_times_vector(digits):
   d = Batch(b.x[0], b.y[0], b.mask[0])
   flat, unravel = jax.flatten_util.ravel_pytree(params)
   loss = lambda p: batch_loss(model, p, d)[0]
-  hessian = jax.hessian(lambda f: loss(unravel(f)))(flat)
+  hessian = jax.jit(jax.hessian(lambda f: loss(unravel(f))))(flat)
   v = jax.random.normal(jax.random.key(1), flat.shape)
   expected = hessian @ v
-  got = jax.flatten_util.ravel_pytree(hvp_exact(loss, params, unravel(v)))[0]
+  got = jax.flatten_util.ravel_pytree(jax.jit(lambda p, u: hvp_exact(loss, p, u))(
+      params, unravel(v)))[0]
   np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-4)
   errors = []
   for delta in (1e-1, 1e-2, 1e-3):
-    fd = jax.flatten_util.ravel_pytree(hvp_finite_difference(
-        loss,
-        params, unravel(v), delta))[0]
+    fd = jax.flatten_util.ravel_pytree(jax.jit(lambda p, u: hvp_finite_difference(
+        loss, p, u, delta))(params, unravel(v)))[0]
     errors.append(float(jnp.linalg.norm(fd - expected)))
   assert errors[1] < errors[0]  # approaches the exact product as delta shrinks
   assert errors[1] < 1e-2 * float(jnp.linalg.norm(expected)) + 1e-3
