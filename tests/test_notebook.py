@@ -1,15 +1,18 @@
 """notebooks/quickstart.ipynb executes top to bottom (its code cells, in order;
-shell lines such as '!pip install' are skipped)."""
+shell lines such as '!pip install' are skipped). Slow (30 s on 2 cores): run
+with  python -m pytest -m slow tests/test_notebook.py"""
 
 import json
 import os
 
 import matplotlib
+import pytest
 
 NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         'notebooks', 'quickstart.ipynb')
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_runs():
   matplotlib.use('Agg')
   nb = json.load(open(NOTEBOOK))
