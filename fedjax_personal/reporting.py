@@ -93,6 +93,23 @@ def write_summary(directory: str, summary: dict) -> str:
   return path
 
 
+def _save_accuracy_figure(fig, axes, directory: str, title_suffix: str = '') -> str:
+  """Titles, labels and legend of the two accuracy panels (mean, worst
+  client); saves the figure as ``directory``/accuracy.png and closes it."""
+  import matplotlib.pyplot as plt
+  for ax, title in zip(axes, ('mean client accuracy', 'worst client accuracy')):
+    ax.set_title(title + title_suffix)
+    ax.set_xlabel('round')
+    ax.grid(alpha=0.3)
+  axes[0].set_ylabel('test accuracy')
+  axes[0].legend()
+  fig.tight_layout()
+  path = os.path.join(directory, 'accuracy.png')
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
 def plot_runs(histories: Dict[str, List[dict]], directory: str) -> List[str]:
   """Writes accuracy.png (mean and worst-client accuracy per round, one line
   per algorithm) and client_accuracy_hist.png (final per-client accuracy)."""
@@ -106,16 +123,7 @@ def plot_runs(histories: Dict[str, List[dict]], directory: str) -> List[str]:
     rounds = [r['round'] for r in ev]
     axes[0].plot(rounds, [r['accuracy_mean'] for r in ev], marker='o', ms=3, label=name)
     axes[1].plot(rounds, [r['accuracy_worst'] for r in ev], marker='o', ms=3, label=name)
-  for ax, title in zip(axes, ('mean client accuracy', 'worst client accuracy')):
-    ax.set_title(title)
-    ax.set_xlabel('round')
-    ax.grid(alpha=0.3)
-  axes[0].set_ylabel('test accuracy')
-  axes[0].legend()
-  fig.tight_layout()
-  p1 = os.path.join(directory, 'accuracy.png')
-  fig.savefig(p1, dpi=100)
-  plt.close(fig)
+  p1 = _save_accuracy_figure(fig, axes, directory)
   fig, ax = plt.subplots(figsize=(6, 4))
   bins = np.linspace(0, 1, 21)
   for name, hist in histories.items():
@@ -222,17 +230,7 @@ def plot_trials(groups: Dict[str, List[List[dict]]], directory: str) -> str:
       mu, sd = np.nanmean(vals, 0), np.nanstd(vals, 0)
       line, = ax.plot(rounds, mu, marker='o', ms=3, label=f'{name} ({len(hists)} trials)')
       ax.fill_between(rounds, mu - sd, mu + sd, color=line.get_color(), alpha=0.2)
-  for ax, title in zip(axes, ('mean client accuracy', 'worst client accuracy')):
-    ax.set_title(title + ' (mean ± std over trials)')
-    ax.set_xlabel('round')
-    ax.grid(alpha=0.3)
-  axes[0].set_ylabel('test accuracy')
-  axes[0].legend()
-  fig.tight_layout()
-  path = os.path.join(directory, 'accuracy.png')
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-  return path
+  return _save_accuracy_figure(fig, axes, directory, ' (mean ± std over trials)')
 
 
 class PrivacyRecorder(Callback):
