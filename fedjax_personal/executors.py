@@ -9,7 +9,9 @@ the same per-client functions (evaluation) run
   * ``sequential``: one client at a time from Python, each real local step one
     jitted dispatch (padded steps are skipped, not computed), clients spread
     over a few host threads. XLA:CPU runs vmapped convolutions and
-    convolutions inside loops slowly, so this is the fastest path for
+    convolutions inside loops slowly, and with the models' matmul
+    convolutions (``models.Conv``) two clients at once on two threads beat
+    one program looping over clients, so this is the fastest path for
     convolutional models on CPU (see BUILD.md for the measurements).
 All give the same numbers up to float reassociation (tested). The choice
 belongs to the engine (``auto`` picks per platform and model), never to an
@@ -354,7 +356,11 @@ def _has_conv(jaxpr) -> bool:
 
 
 def model_has_conv(model, sample_x) -> bool:
-  """Whether the model's forward pass contains a convolution."""
+  """Whether the model is convolutional: its forward pass contains an XLA
+  convolution, or it is one of the project's convolutional modules (they
+  carry ``conv_impl``; with ``matmul`` they contain no convolution op)."""
+  if getattr(getattr(model, 'module', None), 'conv_impl', None) is not None:
+    return True
   params = jax.eval_shape(model.init, jax.random.key(0))
   closed = jax.make_jaxpr(model.apply)(params, jnp.asarray(sample_x)[:1])
   return _has_conv(closed.jaxpr)

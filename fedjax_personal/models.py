@@ -19,6 +19,132 @@ def _as_float(x):
   return x.astype(jnp.float32)
 
 
+CONV_IMPLS = ('auto', 'xla', 'matmul')
+_SPATIAL = {'NHWC': (1, 2), 'CNHW': (2, 3)}
+
+
+def resolve_conv_impl(impl: str) -> str:
+  """``auto`` -> ``matmul`` on CPU, ``xla`` elsewhere (measured: BUILD.md,
+  "Convolutions on CPU"); other names are returned as they are."""
+  if impl not in CONV_IMPLS:
+    raise ConfigError('conv_impl', f'unknown convolution implementation {impl!r}; '
+                      f'choose one of {list(CONV_IMPLS)}')
+  if impl == 'auto':
+    return 'matmul' if jax.default_backend() == 'cpu' else 'xla'
+  return impl
+
+
+def conv_layout(impl: str) -> str:
+  """The activation layout a convolutional model uses inside: channels-major
+  ``CNHW`` for ``matmul`` (XLA:CPU vectorizes the slices and pooling along the
+  contiguous width, not along a handful of channels), ``NHWC`` for ``xla``."""
+  return 'CNHW' if resolve_conv_impl(impl) == 'matmul' else 'NHWC'
+
+
+def to_layout(x, layout: str):
+  """NHWC -> ``layout``."""
+  return x.transpose(3, 0, 1, 2) if layout == 'CNHW' else x
+
+
+def from_layout(x, layout: str):
+  """``layout`` -> NHWC."""
+  return x.transpose(1, 2, 3, 0) if layout == 'CNHW' else x
+
+
+def _pad_spatial(x, kh, kw, layout):
+  pads = [(0, 0)] * 4
+  h, w = _SPATIAL[layout]
+  pads[h], pads[w] = ((kh - 1) // 2, kh // 2), ((kw - 1) // 2, kw // 2)  # lax's SAME
+  return jnp.pad(x, pads)
+
+
+def conv_as_matmul(x, kernel, padding: str, layout: str = 'NHWC'):
+  """A stride-1 2-D convolution as one matmul over shifted slices.
+
+  The kh*kw shifted windows of the (padded) input are concatenated on the
+  channel axis (index (i*kw + j)*Cin + c) and contracted with the HWIO kernel
+  reshaped to [kh*kw*Cin, Cout]: the sum of ``lax.conv_general_dilated``, in
+  another order. In ``CNHW`` the product is ``K^T [Cout, kh*kw*Cin] @ cols
+  [kh*kw*Cin, B*Ho*Wo]``, every slice copy runs along contiguous rows, and
+  XLA:CPU runs it and its gradient (slices, pads, matmuls) faster than its
+  own convolution, looped and vmapped alike (BUILD.md).
+
+  Args:
+    x: [B, H, W, Cin] (``NHWC``) or [Cin, B, H, W] (``CNHW``).
+    kernel: [kh, kw, Cin, Cout].
+    padding: 'SAME' or 'VALID' (Flax's meaning, stride 1).
+    layout: 'NHWC' or 'CNHW'; the output has the same layout.
+  """
+  kh, kw, cin, cout = kernel.shape
+  if layout not in _SPATIAL:
+    raise ValueError(f'layout must be NHWC or CNHW, got {layout!r}')
+  if padding == 'SAME':
+    x = _pad_spatial(x, kh, kw, layout)
+  elif padding != 'VALID':
+    raise ValueError(f'padding must be SAME or VALID, got {padding!r}')
+  hx, wx = _SPATIAL[layout]
+  ho, wo = x.shape[hx] - kh + 1, x.shape[wx] - kw + 1
+  k2 = kernel.reshape(kh * kw * cin, cout)
+  if layout == 'NHWC':
+    cols = jnp.concatenate([x[:, i:i + ho, j:j + wo, :] for i in range(kh) for j in range(kw)],
+                           axis=-1)
+    return cols @ k2
+  b = x.shape[1]
+  cols = jnp.concatenate([x[:, :, i:i + ho, j:j + wo] for i in range(kh) for j in range(kw)],
+                         axis=0)
+  return (k2.T @ cols.reshape(kh * kw * cin, b * ho * wo)).reshape(cout, b, ho, wo)
+
+
+class Conv(nn.Module):
+  """Stride-1 2-D convolution with ``nn.Conv``'s parameters (same names,
+  shapes and initializers, so the same key gives the same weights) and a
+  choice of implementation: ``xla`` (``lax.conv_general_dilated``, as
+  ``nn.Conv``), ``matmul`` (``conv_as_matmul``), or ``auto`` (per platform,
+  ``resolve_conv_impl``). All give the same outputs and gradients up to float
+  reassociation (tests/test_models.py). ``layout`` is that of the input and
+  output (``NHWC`` or ``CNHW``)."""
+  features: int
+  kernel_size: Sequence[int]
+  padding: str = 'SAME'
+  impl: str = 'auto'
+  layout: str = 'NHWC'
+
+  @nn.compact
+  def __call__(self, x):
+    kh, kw = self.kernel_size
+    cin = x.shape[-1] if self.layout == 'NHWC' else x.shape[0]
+    kernel = self.param('kernel', nn.initializers.lecun_normal(), (kh, kw, cin, self.features))
+    bias = self.param('bias', nn.initializers.zeros_init(), (self.features,))
+    if resolve_conv_impl(self.impl) == 'matmul':
+      y = conv_as_matmul(x, kernel, self.padding, self.layout)
+    else:
+      y = jax.lax.conv_general_dilated(x, kernel, (1, 1), self.padding,
+                                       dimension_numbers=(self.layout, 'HWIO', self.layout))
+    return y + (bias if self.layout == 'NHWC' else bias[:, None, None, None])
+
+
+def max_pool_2x2(x, impl: str = 'auto', layout: str = 'NHWC'):
+  """2x2 max pooling, stride 2 (floor). ``xla``: ``nn.max_pool``
+  (``reduce_window``, whose gradient is XLA:CPU's slow select-and-scatter);
+  ``matmul``: elementwise maxima of strided views, rows then columns (its
+  gradient is a few selects; 6-17x faster on CPU). Same values; the same
+  gradients except at exact ties inside a window (split between the tied
+  inputs), which ReLU outputs only have at 0, where the gradient is 0 anyway.
+  """
+  if resolve_conv_impl(impl) == 'xla':
+    if layout == 'NHWC':
+      return nn.max_pool(x, (2, 2), (2, 2))
+    return to_layout(nn.max_pool(from_layout(x, layout), (2, 2), (2, 2)), layout)
+  hx, wx = _SPATIAL[layout]
+  x = jax.lax.slice_in_dim(x, 0, x.shape[hx] // 2 * 2, axis=hx)
+  x = jax.lax.slice_in_dim(x, 0, x.shape[wx] // 2 * 2, axis=wx)
+  # Rows first (whole contiguous rows), then columns: the order whose
+  # gradient XLA:CPU runs fastest (3x faster than the reshape to 2x2 windows).
+  x = jnp.maximum(jax.lax.slice_in_dim(x, 0, None, 2, hx), jax.lax.slice_in_dim(x, 1, None, 2, hx))
+  return jnp.maximum(jax.lax.slice_in_dim(x, 0, None, 2, wx),
+                     jax.lax.slice_in_dim(x, 1, None, 2, wx))
+
+
 class Adapter(nn.Module):
   """A residual adapter h + W2 relu(W1 h) (Houlsby et al. 2019), W2 zero at
   init so that a model with adapters starts as the model without them."""
@@ -77,10 +203,12 @@ class LeNet5(nn.Module):
   """
   num_classes: int
   adapter_dim: int = 0
+  conv_impl: str = 'auto'
 
   def setup(self):
-    self.conv_0 = nn.Conv(6, (5, 5), padding='SAME')
-    self.conv_1 = nn.Conv(16, (5, 5), padding='VALID')
+    layout = conv_layout(self.conv_impl)
+    self.conv_0 = Conv(6, (5, 5), padding='SAME', impl=self.conv_impl, layout=layout)
+    self.conv_1 = Conv(16, (5, 5), padding='VALID', impl=self.conv_impl, layout=layout)
     self.dense_0 = nn.Dense(120)
     self.dense_1 = nn.Dense(84)
     if self.adapter_dim:
@@ -89,8 +217,11 @@ class LeNet5(nn.Module):
     self.output = nn.Dense(self.num_classes)
 
   def features(self, x):
-    x = nn.max_pool(nn.relu(self.conv_0(_as_float(x))), (2, 2), (2, 2))
-    x = nn.max_pool(nn.relu(self.conv_1(x)), (2, 2), (2, 2))
+    layout = conv_layout(self.conv_impl)
+    x = to_layout(_as_float(x), layout)
+    x = max_pool_2x2(nn.relu(self.conv_0(x)), self.conv_impl, layout)
+    x = max_pool_2x2(nn.relu(self.conv_1(x)), self.conv_impl, layout)
+    x = from_layout(x, layout)
     x = x.reshape((x.shape[0], -1))
     x = nn.relu(self.dense_0(x))
     if self.adapter_dim:
@@ -114,9 +245,11 @@ class CNN(nn.Module):
   conv_features: Sequence[int] = (32, 64)
   dense: Sequence[int] = (512,)
   adapter_dim: int = 0
+  conv_impl: str = 'auto'
 
   def setup(self):
-    self.convs = [nn.Conv(f, (5, 5), padding='SAME', name=f'conv_{i}')
+    self.convs = [Conv(f, (5, 5), padding='SAME', impl=self.conv_impl,
+                       layout=conv_layout(self.conv_impl), name=f'conv_{i}')
                   for i, f in enumerate(self.conv_features)]
     self.denses = [nn.Dense(d, name=f'dense_{i}') for i, d in enumerate(self.dense)]
     if self.adapter_dim:
@@ -124,9 +257,11 @@ class CNN(nn.Module):
     self.output = nn.Dense(self.num_classes)
 
   def features(self, x):
-    x = _as_float(x)
+    layout = conv_layout(self.conv_impl)
+    x = to_layout(_as_float(x), layout)
     for conv in self.convs:
-      x = nn.max_pool(nn.relu(conv(x)), (2, 2), (2, 2))
+      x = max_pool_2x2(nn.relu(conv(x)), self.conv_impl, layout)
+    x = from_layout(x, layout)
     x = x.reshape((x.shape[0], -1))
     for i, d in enumerate(self.denses):
       x = nn.relu(d(x))
@@ -202,21 +337,29 @@ def from_flax(name: str, module: nn.Module, sample_x) -> Model:
 
 
 MODELS = {
-    'logreg': lambda c, a: LogisticRegression(c),
-    'mlp': lambda c, a: MLP(c, adapter_dim=a),
-    'lenet5': lambda c, a: LeNet5(c, adapter_dim=a),
-    'cnn': lambda c, a: CNN(c, adapter_dim=a),
-    'cnn_cifar': lambda c, a: CNN(c, conv_features=(64, 64), dense=(384, 192), adapter_dim=a),
-    'char_lstm': lambda c, a: CharLSTM(c, adapter_dim=a),
+    'logreg': lambda c, a, k: LogisticRegression(c),
+    'mlp': lambda c, a, k: MLP(c, adapter_dim=a),
+    'lenet5': lambda c, a, k: LeNet5(c, adapter_dim=a, conv_impl=k),
+    'cnn': lambda c, a, k: CNN(c, adapter_dim=a, conv_impl=k),
+    'cnn_cifar': lambda c, a, k: CNN(c, conv_features=(64, 64), dense=(384, 192), adapter_dim=a,
+                                     conv_impl=k),
+    'char_lstm': lambda c, a, k: CharLSTM(c, adapter_dim=a),
 }
 
 
-def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0) -> Model:
+CONV_MODELS = ('lenet5', 'cnn', 'cnn_cifar')
+
+
+def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0,
+                 conv_impl: str = 'auto') -> Model:
   """Builds a registered model by name.
 
   Args:
     adapter_dim: when > 0, residual adapters of this width after the hidden
       layers (for adapter-based partial personalization).
+    conv_impl: how convolutional models compute their convolutions and
+      pooling: 'auto' (per platform), 'xla' or 'matmul' (``Conv``). Same
+      parameters and, up to float reassociation, the same numbers.
 
   Raises:
     ValueError: unknown name (the message lists the known ones).
@@ -225,7 +368,8 @@ def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0) ->
     raise ConfigError('model', f'unknown model {name!r}; choose one of {sorted(MODELS)}')
   if name == 'logreg' and adapter_dim:
     raise ConfigError('adapter_dim', 'logreg has no hidden layer for adapters; pick another --model')
-  model = from_flax(name, MODELS[name](num_classes, adapter_dim), sample_x)
+  resolve_conv_impl(conv_impl)  # validates the name
+  model = from_flax(name, MODELS[name](num_classes, adapter_dim, conv_impl), sample_x)
   x = jnp.asarray(sample_x)[:1]
   try:
     params = jax.eval_shape(model.init, jax.random.key(0))

@@ -31,8 +31,12 @@ from absl import flags
 
 flags.DEFINE_list('models', ['mlp', 'lenet5'], 'Models to time.')
 flags.DEFINE_list('clients', ['10', '100', '1000'], 'Populations (all clients in every round).')
-flags.DEFINE_list('executors', ['baseline', 'sequential', 'blocked', 'vmap'],
-                  'Executors to time; baseline = one client, one jitted step at a time.')
+flags.DEFINE_list('executors', ['torch', 'baseline', 'sequential', 'blocked', 'vmap', 'auto'],
+                  'Executors to time; torch = the PyTorch per-client loop (needs the bench '
+                  'extra; skipped with a note without torch); baseline = the same loop in JAX, '
+                  'one client, one jitted step at a time.')
+flags.DEFINE_enum('conv_impl', 'auto', ['auto', 'xla', 'matmul'],
+                  'How the JAX models compute convolutions (models.Conv): auto = per platform.')
 flags.DEFINE_integer('rounds', 3, 'Timed rounds after the compiling one.')
 flags.DEFINE_integer('local_steps', 5, 'K local steps per client per round.')
 flags.DEFINE_integer('timeout', 420, 'Seconds per configuration before it is reported as timeout.')
@@ -50,8 +54,9 @@ flags.DEFINE_bool('device', False, 'Print the devices the run uses (the benchmar
                   'GPU/TPU: every section times the default backend, where auto picks vmap or sharded).')
 FLAGS = flags.FLAGS
 
-BATCH = {'mlp': 10, 'lenet5': 32}      # as in the foundation issue's measurements
-EXAMPLES = {'mlp': 50, 'lenet5': 64}   # local data set size per client
+# As in the foundation issue's measurements; the CNNs as LeNet-5.
+BATCH = {'mlp': 10, 'lenet5': 32, 'cnn': 32, 'cnn_cifar': 32}
+EXAMPLES = {'mlp': 50, 'lenet5': 64, 'cnn': 64, 'cnn_cifar': 64}   # examples per client
 
 
 def matmul_gflops(n=2048, reps=10):
@@ -73,19 +78,22 @@ def build(model_name, num_clients):
   import fedjax_personal as fp
   from fedjax_personal.data import FederatedData, pad_clients, to_device
   from fedjax_personal.datasets import loaders
-  x, y, _ = loaders.load_mnist()
+  if model_name == 'cnn_cifar':
+    x, y, _ = loaders.load_cifar10(split='train')
+  else:
+    x, y, _ = loaders.load_mnist()
   rng = np.random.default_rng(0)
   n = EXAMPLES[model_name]
   idx = [rng.choice(len(y), n, replace=False) for _ in range(num_clients)]
   train = pad_clients([x[i] for i in idx], [y[i] for i in idx], x.shape[1:], x.dtype)
   data = to_device(FederatedData(train=train, val=pad_clients([x[:0]] * num_clients, [y[:0]] * num_clients, x.shape[1:], x.dtype),
                                  test=train, groups=-np.ones(num_clients, np.int32), num_classes=10))
-  model = fp.create_model(model_name, 10, x[:1])
+  model = fp.create_model(model_name, 10, x[:1], conv_impl=FLAGS.conv_impl)
   batching = fp.Batching(BATCH[model_name], num_epochs=None, num_steps=FLAGS.local_steps)
   return data, model, batching, optax.sgd(0.05)
 
 
-def step_flops(model, opt, batch_size):
+def step_flops(model, opt, batch_size, in_shape=(28, 28, 1)):
   """XLA's flop count of one local SGD step (forward, backward, update)."""
   import jax
   import jax.numpy as jnp
@@ -97,7 +105,7 @@ def step_flops(model, opt, batch_size):
     g = jax.grad(lambda q: batch_loss(model, q, Batch(x, y, jnp.ones(x.shape[0], bool)))[0])(p)
     u, s = opt.update(g, s, p)
     return optax.apply_updates(p, u), s
-  x = jnp.zeros((batch_size, 28, 28, 1), jnp.uint8)
+  x = jnp.zeros((batch_size,) + tuple(in_shape), jnp.uint8)
   y = jnp.zeros((batch_size,), jnp.int32)
   cost = jax.jit(step).lower(params, opt.init(params), x, y).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -110,7 +118,7 @@ def baseline_runner(model, data, batching, opt):
   import jax.numpy as jnp
   import numpy as np
   from fedjax_personal import batching as batching_lib
-  _, step = step_flops(model, opt, BATCH[model.name])
+  _, step = step_flops(model, opt, BATCH[model.name], data.train.x.shape[2:])
   step = jax.jit(step)
   add = jax.jit(lambda acc, p, w: jax.tree.map(lambda a, b: a + w * b, acc, p))
   x = np.asarray(data.train.x)
@@ -140,13 +148,34 @@ def worker(spec):
   algorithm = parts[3] if len(parts) > 3 else 'fedavg'
   num_clients = int(num_clients)
   data, model, batching, opt = build(model_name, num_clients)
-  flops, _ = step_flops(model, opt, BATCH[model_name])
+  flops, _ = step_flops(model, opt, BATCH[model_name], data.train.x.shape[2:])
+  if executor == 'torch':
+    import numpy as np
+    import torch
+    import torch_loop
+    run_round = torch_loop.round_runner(
+        model_name, np.asarray(data.train.x), np.asarray(data.train.y),
+        np.asarray(data.train.num_examples), BATCH[model_name], FLAGS.local_steps, 0.05)
+    first, steady = torch_loop.time_rounds(run_round, FLAGS.rounds)
+    total_flops = flops * num_clients * FLAGS.local_steps
+    print(json.dumps({
+        'model': model_name, 'clients': num_clients,
+        'executor': f'torch {torch.__version__} loop ({torch.get_num_threads()} threads)',
+        'algorithm': 'fedavg', 'round_s': steady, 'compile_s': max(first - steady, 0.0),
+        'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        'gflops': total_flops / steady / 1e9, 'flops_per_round': total_flops}))
+    return
   if executor == 'baseline':
     round_fn = baseline_runner(model, data, batching, opt)
     state = model.init(jax.random.key(0))
     run = lambda s, k: round_fn(s, k)
   else:
-    ex = fp.create_executor(executor, model, data.train.x[0, :1])
+    # 'blocked<N>': blocks of N clients (e.g. blocked1: one client at a time in the program).
+    # 'sequential<N>': N host threads.
+    bs = int(executor[7:]) if executor.startswith('blocked') and executor[7:].isdigit() else None
+    nt = int(executor[10:]) if executor.startswith('sequential') and executor[10:].isdigit() else 0
+    ex = fp.create_executor('blocked' if bs else 'sequential' if nt else executor, model,
+                            data.train.x[0, :1], block_size=bs, num_threads=nt)
     if algorithm == 'ditto':
       from fedjax_personal.algorithms.ditto import ditto
       alg = ditto(model, num_clients, batching, 0.05, lam=0.1)
@@ -201,7 +230,7 @@ def main(argv):
       base = None
       for executor in FLAGS.executors:
         spec = f'{model_name}:{clients}:{executor}'
-        cmd = [sys.executable, os.path.abspath(__file__), f'--worker={spec}',
+        cmd = [sys.executable, os.path.abspath(__file__), f'--worker={spec}', f'--conv_impl={FLAGS.conv_impl}',
                f'--rounds={FLAGS.rounds}', f'--local_steps={FLAGS.local_steps}']
         try:
           out = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.timeout)
@@ -236,7 +265,7 @@ def save(results, peak):
 
 
 def run_worker(spec):
-  cmd = [sys.executable, os.path.abspath(__file__), f'--worker={spec}',
+  cmd = [sys.executable, os.path.abspath(__file__), f'--worker={spec}', f'--conv_impl={FLAGS.conv_impl}',
          f'--rounds={FLAGS.rounds}', f'--local_steps={FLAGS.local_steps}']
   try:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.timeout)

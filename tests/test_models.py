@@ -1,0 +1,113 @@
+"""Convolution implementations: every one gives lax.conv's numbers.
+
+``models.Conv`` computes a convolution either with XLA's op (``xla``) or as
+one matmul over shifted slices (``matmul``, the CPU default), in NHWC or
+channels-major CNHW; pooling has a matching pair. These tests pin outputs
+and gradients to ``lax.conv_general_dilated`` / ``nn.max_pool`` (1e-5), the
+parameters to ``nn.Conv``'s, and whole models across implementations.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fedjax_personal as fp
+from fedjax_personal import models
+from fedjax_personal.config import ConfigError
+from fedjax_personal.executors import model_has_conv
+
+
+def normal(seed, shape):
+  # numpy, not jax.random: compiling threefry takes seconds per shape on CPU.
+  return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+
+
+def lax_conv(x, k, padding):
+  return jax.lax.conv_general_dilated(x, k, (1, 1), padding,
+                                      dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+
+
+@pytest.mark.parametrize('layout', ['NHWC', 'CNHW'])
+@pytest.mark.parametrize('padding', ['SAME', 'VALID'])
+@pytest.mark.parametrize('shape,kernel', [((3, 9, 9, 1), (5, 5)), ((2, 8, 7, 4), (3, 3)),
+                                          ((2, 6, 8, 3), (4, 2))])
+def test_conv_as_matmul_equals_lax_conv(shape, kernel, padding, layout):
+  x, k = normal(0, shape), normal(1, kernel + (shape[-1], 5)) * 0.3
+  ref = lax_conv(x, k, padding)
+  g = normal(2, ref.shape)
+
+  def ours(x, k):
+    y = models.conv_as_matmul(models.to_layout(x, layout), k, padding, layout)
+    return models.from_layout(y, layout)
+
+  np.testing.assert_allclose(jax.jit(ours)(x, k), ref, atol=1e-5, rtol=1e-5)
+  # Gradients with respect to the input and the kernel, for a random cotangent.
+  grads = jax.jit(jax.grad(lambda x, k: jnp.sum(ours(x, k) * g), (0, 1)))(x, k)
+  ref_grads = jax.jit(jax.grad(lambda x, k: jnp.sum(lax_conv(x, k, padding) * g), (0, 1)))(x, k)
+  for a, b in zip(grads, ref_grads):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize('layout', ['NHWC', 'CNHW'])
+@pytest.mark.parametrize('impl', ['xla', 'matmul'])
+def test_conv_module_has_nn_conv_parameters_and_outputs(impl, layout):
+  x = normal(1, (2, 9, 9, 3))
+  for padding in ('SAME', 'VALID'):
+    ref_module = nn.Conv(4, (5, 5), padding=padding)
+    ref_params = ref_module.init(jax.random.key(0), x)['params']
+    module = models.Conv(4, (5, 5), padding=padding, impl=impl, layout=layout)
+    params = module.init(jax.random.key(0), models.to_layout(x, layout))['params']
+    jax.tree.map(np.testing.assert_array_equal, params, ref_params)
+    ref_params = {'kernel': ref_params['kernel'], 'bias': ref_params['bias'] + 0.1}
+    out = models.from_layout(module.apply({'params': ref_params}, models.to_layout(x, layout)),
+                             layout)
+    np.testing.assert_allclose(out, ref_module.apply({'params': ref_params}, x), atol=1e-5)
+
+
+@pytest.mark.parametrize('layout', ['NHWC', 'CNHW'])
+@pytest.mark.parametrize('hw', [(8, 8), (7, 9)])
+def test_max_pool_equals_nn_max_pool(hw, layout):
+  x = normal(2, (3,) + hw + (4,))
+  g = normal(3, (3, hw[0] // 2, hw[1] // 2, 4))
+  for impl in ('xla', 'matmul'):
+    ours = lambda x: models.from_layout(
+        models.max_pool_2x2(models.to_layout(x, layout), impl, layout), layout)
+    np.testing.assert_array_equal(jax.jit(ours)(x), nn.max_pool(x, (2, 2), (2, 2)))
+    # No ties in random normals: the gradients are the same selection.
+    np.testing.assert_allclose(
+        jax.jit(jax.grad(lambda x: jnp.sum(ours(x) * g)))(x),
+        jax.jit(jax.grad(lambda x: jnp.sum(nn.max_pool(x, (2, 2), (2, 2)) * g)))(x), atol=1e-6)
+
+
+@pytest.mark.parametrize('name,shape', [('lenet5', (28, 28, 1)), ('cnn', (28, 28, 1)),
+                                        ('cnn_cifar', (32, 32, 3))])
+def test_models_agree_across_conv_implementations(name, shape):
+  x = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4,) + shape, dtype=np.uint8))
+  y = jnp.arange(4) % 10
+  built = {impl: fp.create_model(name, 10, x[:1], conv_impl=impl)
+           for impl in ('xla', 'matmul', 'auto')}
+  params = {impl: jax.jit(built[impl].init)(jax.random.key(0)) for impl in ('xla', 'matmul')}
+  jax.tree.map(np.testing.assert_array_equal, params['matmul'], params['xla'])
+
+  def out_and_grad(m):
+    loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(m.apply(p, x), y).mean()
+    return jax.jit(lambda p: (m.apply(p, x), jax.grad(loss)(p)))(params['xla'])
+  ref_out, ref_grad = out_and_grad(built['xla'])
+  for impl in ('matmul', 'auto'):
+    out, grad = out_and_grad(built[impl])
+    np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), grad,
+                 ref_grad)
+  # Convolutional either way, so `auto` executors treat them alike.
+  assert all(model_has_conv(m, x[:1]) for m in built.values())
+
+
+def test_auto_resolves_per_platform_and_bad_names_are_refused():
+  expected = 'matmul' if jax.default_backend() == 'cpu' else 'xla'
+  assert models.resolve_conv_impl('auto') == expected
+  assert models.conv_layout('matmul') == 'CNHW' and models.conv_layout('xla') == 'NHWC'
+  with pytest.raises(ConfigError, match='conv_impl'):
+    fp.create_model('lenet5', 10, np.zeros((1, 28, 28, 1), np.uint8), conv_impl='fft')
