@@ -1,9 +1,10 @@
-"""Many runs in one program: whole experiments vmapped over seeds and
+"""Many runs in one program: whole experiments over seeds and
 hyperparameters.
 
 A sweep of S configurations (seed, hyperparameter values) is one compiled
-round function: ``jax.vmap`` over a leading config axis of the algorithm
-states, the round keys and the swept values, with the algorithm rebuilt
+round function over a leading config axis of the algorithm states, the round
+keys and the swept values (``jax.vmap`` on accelerators, a ``lax.map`` loop
+on CPU: ``resolve_config_axis``), with the algorithm rebuilt
 inside the trace from the (traced) values. Configuration s uses exactly the
 keys of ``experiment.run(seed=seed_s)``, so its results equal its own single
 run. Needs a fused executor (vmap, blocked, sharded). The loop around it is
@@ -65,21 +66,58 @@ def config_label(config: Config) -> dict:
   return {'seed': int(seed), **{k: float(v) for k, v in values.items()}}
 
 
+CONFIG_AXES = ('auto', 'vmap', 'loop')
+
+
+def resolve_config_axis(config_axis: str) -> str:
+  """``auto`` -> ``loop`` on CPU (vectorizing S configurations on top of the
+  client blocks made XLA:CPU's round slower than S separate rounds: 0.68x;
+  a loop inside the program is not), ``vmap`` on GPU/TPU (BUILD.md)."""
+  if config_axis not in CONFIG_AXES:
+    raise ValueError(f'config_axis must be one of {list(CONFIG_AXES)}, got {config_axis!r}')
+  if config_axis == 'auto':
+    return 'loop' if jax.default_backend() == 'cpu' else 'vmap'
+  return config_axis
+
+
+def _over_configs(fn, config_axis: str, in_axes):
+  """``fn`` mapped over the leading config axis of the arguments whose
+  ``in_axes`` entry is 0 (others shared): ``jax.vmap``, or ``lax.map`` (a loop
+  inside the compiled program)."""
+  if config_axis == 'vmap':
+    return jax.vmap(fn, in_axes=in_axes)
+
+  def looped(*args):
+    mapped = tuple(a for a, ax in zip(args, in_axes) if ax == 0)
+
+    def one(xs):
+      it = iter(xs)
+      return fn(*(next(it) if ax == 0 else a for a, ax in zip(args, in_axes)))
+    return jax.lax.map(one, mapped)
+  return looped
+
+
 class SweepRunner:
-  """S configurations of one algorithm as one vmapped program: the ``Runs``
+  """S configurations of one algorithm as one compiled program: the ``Runs``
   of ``experiment.run_many`` (the loop of single runs).
 
   Args:
     build: ``{name: value} -> FederatedAlgorithm`` (values may be traced).
     configs: list of (seed, {name: value}), all with the same names.
     data, sampler, executor: as for RoundRunner (executor must be fused).
+    config_axis: how the program runs the configurations: ``vmap``
+      (vectorized), ``loop`` (``lax.map``, one after another inside the
+      program), or ``auto`` (per platform, ``resolve_config_axis``). Same
+      keys and math either way.
   """
 
   def __init__(self, build: Callable[[Dict], FederatedAlgorithm], configs: List[Config],
-               data: FederatedData, sampler: CohortSampler, executor: Executor):
+               data: FederatedData, sampler: CohortSampler, executor: Executor,
+               config_axis: str = 'auto'):
     if not executor.fused:
       raise ValueError(f'a sweep needs a fused executor (vmap, blocked, sharded), '
                        f'not {executor.name}')
+    self.config_axis = resolve_config_axis(config_axis)
     self.configs, self.data = configs, data
     self.labels = [config_label(c) for c in configs]
     names = sorted(configs[0][1])
@@ -102,9 +140,10 @@ class SweepRunner:
       return eval_function(alg, executor, counts)(alg.client_models(state), data, key,
                                                   alg.finetune is not None)
 
-    self._init = jax.jit(jax.vmap(one_init))
-    self._round = jax.jit(jax.vmap(one_round, in_axes=(0, 0, 0, None, None, None)), donate_argnums=1)
-    self._eval = jax.jit(jax.vmap(one_eval, in_axes=(0, 0, 0, None)))
+    over = lambda fn, *axes: _over_configs(fn, self.config_axis, axes)
+    self._init = jax.jit(over(one_init, 0, 0))
+    self._round = jax.jit(over(one_round, 0, 0, 0, None, None, None), donate_argnums=1)
+    self._eval = jax.jit(over(one_eval, 0, 0, 0, None))
 
   @property
   def num_configs(self) -> int:

@@ -19,6 +19,7 @@ matmul GFLOP/s is measured in the same run.
   python scripts/benchmark.py --models=mlp --clients=10,100 --rounds=2
 """
 
+import dataclasses
 import json
 import os
 import resource
@@ -50,6 +51,7 @@ flags.DEFINE_enum('section', 'executors', ['executors', 'scale', 'sweep', 'userc
 flags.DEFINE_list('usercentric_clients', ['100', '1000'], 'Populations of --section=usercentric.')
 flags.DEFINE_list('scale_clients', ['10', '100', '1000', '10000'], 'Populations of --section=scale.')
 flags.DEFINE_integer('sweep_size', 8, 'S of --section=sweep.')
+flags.DEFINE_string('sweep_clients', '100', 'Population of --section=sweep.')
 flags.DEFINE_bool('device', False, 'Print the devices the run uses (the benchmark runs unchanged on '
                   'GPU/TPU: every section times the default backend, where auto picks vmap or sharded).')
 FLAGS = flags.FLAGS
@@ -57,6 +59,22 @@ FLAGS = flags.FLAGS
 # As in the foundation issue's measurements; the CNNs as LeNet-5.
 BATCH = {'mlp': 10, 'lenet5': 32, 'cnn': 32, 'cnn_cifar': 32}
 EXAMPLES = {'mlp': 50, 'lenet5': 64, 'cnn': 64, 'cnn_cifar': 64}   # examples per client
+
+
+def stream_gbps(mib=64, reps=10):
+  """Memory bandwidth as XLA:CPU sees it: a jitted ``a * 1.5`` over ``mib``
+  MiB (read + written), GB/s."""
+  import jax
+  import jax.numpy as jnp
+  a = jnp.ones((mib << 18,), jnp.float32)
+  f = jax.jit(lambda a: a * 1.5)
+  f(a).block_until_ready()
+  best = float('inf')
+  for _ in range(reps):
+    t = time.perf_counter()
+    f(a).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return 2 * a.nbytes / best / 1e9
 
 
 def matmul_gflops(n=2048, reps=10):
@@ -112,6 +130,19 @@ def step_flops(model, opt, batch_size, in_shape=(28, 28, 1)):
   return float(cost.get('flops', 0.0)), step
 
 
+def step_bytes(model, opt, batch_size, in_shape):
+  """XLA's count of the bytes one local SGD step reads and writes."""
+  import jax
+  import jax.numpy as jnp
+  _, step = step_flops(model, opt, batch_size, in_shape)
+  params = model.init(jax.random.key(0))
+  x = jnp.zeros((batch_size,) + tuple(in_shape), jnp.uint8)
+  cost = jax.jit(step).lower(params, opt.init(params), x, jnp.zeros((batch_size,), jnp.int32)
+                            ).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost.get('bytes accessed', 0.0))
+
+
 def baseline_runner(model, data, batching, opt):
   """The usual loop: per client, per local batch, one jitted step; host batches."""
   import jax
@@ -149,6 +180,7 @@ def worker(spec):
   num_clients = int(num_clients)
   data, model, batching, opt = build(model_name, num_clients)
   flops, _ = step_flops(model, opt, BATCH[model_name], data.train.x.shape[2:])
+  nbytes = step_bytes(model, opt, BATCH[model_name], data.train.x.shape[2:])
   if executor == 'torch':
     import numpy as np
     import torch
@@ -163,7 +195,8 @@ def worker(spec):
         'executor': f'torch {torch.__version__} loop ({torch.get_num_threads()} threads)',
         'algorithm': 'fedavg', 'round_s': steady, 'compile_s': max(first - steady, 0.0),
         'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        'gflops': total_flops / steady / 1e9, 'flops_per_round': total_flops}))
+        'gflops': total_flops / steady / 1e9, 'flops_per_round': total_flops,
+        'step_flops': flops, 'step_bytes': nbytes}))
     return
   if executor == 'baseline':
     round_fn = baseline_runner(model, data, batching, opt)
@@ -178,7 +211,7 @@ def worker(spec):
                             data.train.x[0, :1], block_size=bs, num_threads=nt)
     if algorithm == 'ditto':
       from fedjax_personal.algorithms.ditto import ditto
-      alg = ditto(model, num_clients, batching, 0.05, lam=0.1)
+      alg = ditto(model, num_clients, opt, batching, lam=0.1)
     else:
       alg = fedavg(model, num_clients, opt, batching)
     runner = fp.RoundRunner(alg, data, fp.CohortSampler(num_clients, cohort_size=num_clients), ex)
@@ -196,7 +229,8 @@ def worker(spec):
       'model': model_name, 'clients': num_clients, 'executor': executor, 'algorithm': algorithm,
       'round_s': steady, 'compile_s': max(times[0] - steady, 0.0),
       'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-      'gflops': total_flops / steady / 1e9, 'flops_per_round': total_flops}))
+      'gflops': total_flops / steady / 1e9, 'flops_per_round': total_flops,
+      'step_flops': flops, 'step_bytes': nbytes}))
 
 
 def main(argv):
@@ -205,77 +239,119 @@ def main(argv):
     worker(FLAGS.worker)
     return
   import jax
+  from fedjax_personal import host
+  if jax.default_backend() == 'cpu':
+    host.tune_allocator()  # as the engine does on CPU (fedjax_personal/host.py)
   if FLAGS.device:
-    print(f'devices: {jax.devices()}')
+    device_preset()
+    print(f'devices: {[d.device_kind for d in jax.devices()]} ({jax.default_backend()})')
   peak = matmul_gflops()
+  dram, bandwidth = stream_gbps(256), stream_gbps(16)
   print(f'backend {jax.default_backend()}, {os.cpu_count()} cores; float32 matmul '
-        f'{peak:.1f} GFLOP/s (2048x2048, this run)')
+        f'{peak:.1f} GFLOP/s (2048x2048); a * 1.5 streams {dram:.1f} GB/s over 256 MiB, '
+        f'{bandwidth:.1f} GB/s over 16 MiB (cache-resident); this run')
+  print('% roof: of min(peak, FLOP per byte of one local step (XLA cost analysis) x the '
+        '16 MiB bandwidth)')
   print(f'FedAvg round, all clients active, K={FLAGS.local_steps} local steps; '
         f'batch {BATCH}, examples per client {EXAMPLES}')
   results = []
+  if FLAGS.section in ('executors', 'all'):
+    results += executors_section(peak, bandwidth)
   if FLAGS.section in ('scale', 'all'):
     results += scale_section(peak)
   if FLAGS.section in ('sweep', 'all'):
     results += sweep_section()
   if FLAGS.section in ('usercentric', 'all'):
     results += usercentric_section()
-  if FLAGS.section in ('scale', 'sweep', 'usercentric'):
-    return save(results, peak)
-  header = (f"{'model':<7}{'clients':>8}  {'executor':<28}{'round s':>9}{'compile s':>10}"
-            f"{'peak MB':>9}{'GFLOP/s':>9}{'% peak':>7}{'vs loop':>8}")
+  save(results, peak, bandwidth)
+
+
+def device_preset():
+  """``--device``: the accelerator run of issue 14 (MLP and LeNet-5 at 100 /
+  1,000 / 10,000 clients on every fused executor, the scale, sweep and
+  user-centric / FedFomo sections); flags given on the command line win."""
+  preset = {'clients': ['100', '1000', '10000'], 'models': ['mlp', 'lenet5'],
+            'executors': ['torch', 'auto', 'vmap', 'blocked', 'sharded'],
+            'usercentric_clients': ['100', '1000'], 'timeout': 600}
+  for name, value in preset.items():
+    if not FLAGS[name].present:
+      FLAGS[name].value = value
+
+
+def run_config(spec):
+  """One worker process; its JSON, ``{'timeout': True}`` or ``{'failed': ...}``."""
+  cmd = [sys.executable, os.path.abspath(__file__), f'--worker={spec}',
+         f'--conv_impl={FLAGS.conv_impl}', f'--rounds={FLAGS.rounds}',
+         f'--local_steps={FLAGS.local_steps}']
+  try:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.timeout)
+  except subprocess.TimeoutExpired:
+    return {'timeout': True}
+  line = [l for l in out.stdout.splitlines() if l.startswith('{')]
+  if not line:  # e.g. killed for memory, or torch missing: report, do not stop the table
+    return {'failed': True, 'returncode': out.returncode,
+            'stderr': out.stderr.strip().splitlines()[-1:] if out.stderr else []}
+  return json.loads(line[-1])
+
+
+def executors_section(peak, bandwidth):
+  """The executor table: every executor against the JAX loop and the
+  PyTorch loop, with each row's share of the matmul peak and of its roofline
+  (min(peak, FLOP per byte of a local step x memory bandwidth))."""
+  import torch_loop
+  executors = list(FLAGS.executors)
+  if 'torch' in executors and not torch_loop.available():
+    print('note: torch is not installed (pip install -e ".[bench]"): no PyTorch loop rows, '
+          'no "vs torch" column')
+    executors.remove('torch')
+  header = (f"{'model':<9}{'clients':>8}  {'executor':<30}{'round s':>9}{'compile s':>10}"
+            f"{'peak MB':>9}{'GFLOP/s':>9}{'% peak':>7}{'% roof':>7}{'vs loop':>8}{'vs torch':>9}")
   print(header)
   print('-' * len(header))
+  rows = []
   for model_name in FLAGS.models:
     for clients in FLAGS.clients:
-      base = None
-      for executor in FLAGS.executors:
-        spec = f'{model_name}:{clients}:{executor}'
-        cmd = [sys.executable, os.path.abspath(__file__), f'--worker={spec}', f'--conv_impl={FLAGS.conv_impl}',
-               f'--rounds={FLAGS.rounds}', f'--local_steps={FLAGS.local_steps}']
-        try:
-          out = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.timeout)
-          line = [l for l in out.stdout.splitlines() if l.startswith('{')]
-          if not line:
-            raise RuntimeError(out.stderr[-500:])
-          r = json.loads(line[-1])
-        except subprocess.TimeoutExpired:
-          r = {'model': model_name, 'clients': int(clients), 'executor': executor, 'timeout': True}
-          print(f'{model_name:<7}{clients:>8}  {executor:<28}  timeout after {FLAGS.timeout} s')
-          results.append(r)
+      base = {}
+      for executor in executors:
+        r = run_config(f'{model_name}:{clients}:{executor}')
+        if r.get('timeout') or r.get('failed'):
+          why = (f'timeout after {FLAGS.timeout} s' if r.get('timeout') else
+                 f"failed (exit {r['returncode']}: {' '.join(r['stderr'])[:80]})")
+          print(f'{model_name:<9}{clients:>8}  {executor:<30}{why}', flush=True)
+          rows.append({'model': model_name, 'clients': int(clients), 'executor': executor,
+                       'error': why})
           continue
-        if executor == 'baseline':
-          base = r['round_s']
-        r['speedup_vs_loop'] = base / r['round_s'] if base else None
+        if executor in ('baseline', 'torch'):
+          base[executor] = r['round_s']
+        r['speedup_vs_loop'] = base['baseline'] / r['round_s'] if 'baseline' in base else None
+        r['speedup_vs_torch'] = base['torch'] / r['round_s'] if 'torch' in base else None
         r['percent_of_matmul_peak'] = 100 * r['gflops'] / peak
-        results.append(r)
-        sp = f"{r['speedup_vs_loop']:.2f}x" if r['speedup_vs_loop'] else '-'
-        print(f"{model_name:<7}{clients:>8}  {r['executor']:<28}{r['round_s']:>9.3f}"
+        roof = min(peak, r['step_flops'] / max(r['step_bytes'], 1.0) * bandwidth)
+        r['roofline_gflops'] = roof
+        r['percent_of_roofline'] = 100 * r['gflops'] / roof
+        rows.append(r)
+        fmt = lambda v: f'{v:.2f}x' if v else '-'
+        print(f"{model_name:<9}{clients:>8}  {r['executor'][:29]:<30}{r['round_s']:>9.3f}"
               f"{r['compile_s']:>10.2f}{r['peak_rss_mb']:>9.0f}{r['gflops']:>9.2f}"
-              f"{r['percent_of_matmul_peak']:>6.1f}%{sp:>8}", flush=True)
-  save(results, peak)
+              f"{r['percent_of_matmul_peak']:>6.1f}%{r['percent_of_roofline']:>6.1f}%"
+              f"{fmt(r['speedup_vs_loop']):>8}{fmt(r['speedup_vs_torch']):>9}", flush=True)
+  return rows
 
 
-def save(results, peak):
+def save(results, peak, bandwidth):
   import jax
   if FLAGS.output:
     with open(FLAGS.output, 'w') as f:
-      json.dump({'matmul_gflops': peak, 'backend': jax.default_backend(),
+      json.dump({'matmul_gflops': peak, 'memory_gbps': bandwidth,
+                 'backend': jax.default_backend(),
                  'devices': [str(d) for d in jax.devices()],
                  'cores': os.cpu_count(), 'results': results}, f, indent=1)
 
 
 def run_worker(spec):
-  cmd = [sys.executable, os.path.abspath(__file__), f'--worker={spec}', f'--conv_impl={FLAGS.conv_impl}',
-         f'--rounds={FLAGS.rounds}', f'--local_steps={FLAGS.local_steps}']
-  try:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.timeout)
-  except subprocess.TimeoutExpired:
-    return None
-  line = [l for l in out.stdout.splitlines() if l.startswith('{')]
-  if not line:  # e.g. killed for memory: report, do not stop the table
-    return {'failed': True, 'returncode': out.returncode,
-            'stderr': out.stderr.strip().splitlines()[-1:] if out.stderr else []}
-  return json.loads(line[-1])
+  """``run_config``, None on a timeout."""
+  r = run_config(spec)
+  return None if r.get('timeout') else r
 
 
 def scale_section(peak):
@@ -306,24 +382,20 @@ def scale_section(peak):
 
 
 def sweep_section():
-  """S configurations (seeds) of FedAvg in one vmapped program vs S runs."""
+  """S configurations (seeds) of FedAvg in one program, with the config axis
+  vmapped and looped (``SweepRunner(config_axis=...)``), vs S separate runs
+  (one run's steady round x S), all in this process."""
   import jax
   import fedjax_personal as fp
   from fedjax_personal import algorithms, sweep
   from fedjax_personal.engine import RoundRunner
-  data, model, batching, _ = build('mlp', 100)
+  clients = int(FLAGS.sweep_clients)
+  data, model, batching, _ = build('mlp', clients)
   mk = lambda hv: algorithms.build('fedavg', model, data, batch_size=10,
                                    local_steps=FLAGS.local_steps, **hv)
   cfgs = sweep.configs(list(range(FLAGS.sweep_size)), {'client_lr': [0.05]})
-  sampler = fp.CohortSampler(100, cohort_size=100)
-  ex = fp.executors.BlockedExecutor(10)
-  runner = sweep.SweepRunner(mk, cfgs, data, sampler, ex)
-  t = time.perf_counter()
-  runner.run(1, eval_every=0)
-  first = time.perf_counter() - t
-  t = time.perf_counter()
-  runner.run(FLAGS.rounds + 1, eval_every=0)
-  together = (time.perf_counter() - t) / (FLAGS.rounds + 1)
+  sampler = fp.CohortSampler(clients, cohort_size=clients)
+  ex = fp.create_executor('auto', model, data.train.x[0, :1])
   single = RoundRunner(mk({'client_lr': 0.05}), data, sampler, ex)
   state = single.init(jax.random.key(0))
   state = jax.block_until_ready(single.round(state, jax.random.key(0))[0])
@@ -331,11 +403,25 @@ def sweep_section():
   for r in range(FLAGS.rounds):
     state = jax.block_until_ready(single.round(state, jax.random.key(r), r)[0])
   separate = (time.perf_counter() - t) / FLAGS.rounds * FLAGS.sweep_size
-  print(f'\nSweep: FedAvg, MLP, 100 clients, S = {FLAGS.sweep_size} seeds: one program '
-        f'{together:.3f} s per round of all S (first call incl. compile {first:.1f} s) vs S '
-        f'separate runs {separate:.3f} s: {separate / together:.2f}x')
-  return [{'section': 'sweep', 'S': FLAGS.sweep_size, 'one_program_round_s': together,
-           'separate_round_s': separate, 'speedup': separate / together}]
+  auto = sweep.resolve_config_axis('auto')
+  print(f'\nSweep: FedAvg, MLP, {clients} clients ({ex.describe()}), S = {FLAGS.sweep_size} seeds; '
+        f'S separate runs: {separate:.3f} s per round of all S; auto config axis: {auto}')
+  rows = []
+  for axis in ('loop', 'vmap'):
+    runner = sweep.SweepRunner(mk, cfgs, data, sampler, ex, config_axis=axis)
+    t = time.perf_counter()
+    runner.run(1, eval_every=0)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    runner.run(FLAGS.rounds + 1, eval_every=0)
+    together = (time.perf_counter() - t) / (FLAGS.rounds + 1)
+    print(f'  config axis {axis:<5} one program {together:.3f} s per round (first call incl. '
+          f'compile {first:.1f} s): {separate / together:.2f}x of separate runs', flush=True)
+    rows.append({'section': 'sweep', 'S': FLAGS.sweep_size, 'clients': clients,
+                 'executor': ex.describe(), 'config_axis': axis, 'auto': axis == auto,
+                 'one_program_round_s': together, 'separate_round_s': separate,
+                 'speedup': separate / together})
+  return rows
 
 
 def _timed(fn, reps):
@@ -404,6 +490,22 @@ def usercentric_section():
                    'executor': ex.describe(), 'fedavg_round_s': fedavg_s,
                    'usercentric_round_s': plain, 'usercentric_round_with_w_s': with_w,
                    'w_step_s': w_step, 'round_traces': traces})
+    # FedFomo: every client downloads M candidates and weighs them on its
+    # validation split (here its training examples; the timing is the same).
+    fomo_data = dataclasses.replace(data, val=data.train)
+    fomo = RoundRunner(algorithms.build('fedfomo', model, fomo_data, **common), fomo_data,
+                       sampler, ex)
+    fs = [fomo.init(jax.random.key(0))]
+    fs[0], _ = fomo.round(fs[0], jax.random.key(0), 0)
+
+    def fomo_round():
+      fs[0], m = fomo.round(fs[0], jax.random.key(1), 1)
+      return m
+    fomo_s = _timed(fomo_round, 3)
+    print(f'{clients:>8}  FedFomo round {fomo_s:.3f} s (FedAvg {fedavg_s:.3f} s, '
+          f'{fomo_s / fedavg_s:.2f}x), traces {fomo.trace_counts["round"]}', flush=True)
+    rows.append({'section': 'fedfomo', 'clients': clients, 'executor': ex.describe(),
+                 'fedavg_round_s': fedavg_s, 'fedfomo_round_s': fomo_s})
   return rows
 
 

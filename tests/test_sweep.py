@@ -1,4 +1,5 @@
-"""A vmapped sweep equals its configurations' separate runs."""
+"""A sweep (configurations vmapped or looped in one program) equals its
+configurations' separate runs."""
 
 import functools
 
@@ -15,13 +16,16 @@ from fedjax_personal.experiment import run
 from helpers import digits_data, max_diff
 
 
-def test_sweep_over_seeds_and_learning_rates_equals_separate_runs():
+@pytest.mark.parametrize('config_axis', ['vmap', 'loop'])
+def test_sweep_over_seeds_and_learning_rates_equals_separate_runs(config_axis):
   data = digits_data(num_clients=6)
   model = fp.models.from_flax('mlp', fp.models.MLP(10, hidden=(8,)), data.train.x[0, :1])
   build = lambda hv: algorithms.build('fedprox', model, data, batch_size=16, mu=0.1, **hv)
   cfgs = sweep.configs([0, 1], {'client_lr': [0.05, 0.2]})
   sampler = fp.CohortSampler(6, cohort_size=4)
-  runner = sweep.SweepRunner(build, cfgs, data, sampler, fp.executors.VmapExecutor())
+  runner = sweep.SweepRunner(build, cfgs, data, sampler, fp.executors.VmapExecutor(),
+                             config_axis=config_axis)
+  assert runner.config_axis == config_axis
   histories = runner.run(3, eval_every=3)
   for s, (seed, hv) in enumerate(cfgs):
     single = RoundRunner(build(hv), data, sampler, fp.executors.VmapExecutor())
@@ -42,6 +46,9 @@ def test_parse_sweep():
     sweep.parse_sweep('batch_size:16,32', names)
   with pytest.raises(ValueError, match='numbers'):
     sweep.parse_sweep('client_lr:a,b', names)
+  assert sweep.resolve_config_axis('auto') == ('loop' if jax.default_backend() == 'cpu' else 'vmap')
+  with pytest.raises(ValueError, match='config_axis'):
+    sweep.resolve_config_axis('scan')
   assert len(sweep.configs([0, 1, 2], {'client_lr': [1, 2], 'prox_mu': [0, 1]})) == 12
 
 

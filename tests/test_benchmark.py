@@ -1,0 +1,48 @@
+"""The accelerator command of scripts/benchmark.py runs end to end (on CPU,
+in a tiny configuration, so it cannot rot before a GPU/TPU runs it)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_benchmark(tmp_path, *flags):
+  out = tmp_path / 'bench.json'
+  cmd = [sys.executable, os.path.join(ROOT, 'scripts', 'benchmark.py'), '--device',
+         '--models=lenet5', '--clients=3', '--executors=torch,baseline,auto', '--rounds=1',
+         '--local_steps=2', f'--output={out}', *flags]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  return proc.stdout, json.loads(out.read_text())
+
+
+def test_device_command_executor_table(tmp_path):
+  text, report = run_benchmark(tmp_path, '--section=executors')
+  for part in ('devices:', 'float32 matmul', 'vs torch'):
+    assert part in text, (part, text)
+  assert report['matmul_gflops'] > 0 and report['memory_gbps'] > 0
+  table = [r for r in report['results'] if 'error' not in r]
+  # The JAX loop and auto, and the PyTorch loop where torch is installed.
+  executors = {r['executor'].split('->')[0].split(' ')[0] for r in table}
+  assert executors >= {'baseline', 'auto'}, report['results']
+  for r in table:
+    assert r['round_s'] > 0 and 0 < r['percent_of_matmul_peak'] <= 100
+    assert r['executor'].startswith('torch') or r['speedup_vs_loop'] > 0
+    assert ('torch' in executors) == (r['speedup_vs_torch'] is not None)
+
+
+@pytest.mark.slow  # ~2.5 min: every section's programs compile
+def test_device_command_runs_every_section(tmp_path):
+  text, report = run_benchmark(tmp_path, '--section=all', '--scale_clients=3',
+                               '--usercentric_clients=5', '--sweep_size=2', '--sweep_clients=3')
+  for part in ('Scale:', 'Sweep:', 'User-centric vs FedAvg', 'FedFomo round'):
+    assert part in text, (part, text)
+  rows = report['results']
+  assert any(r.get('algorithm') == 'ditto' and 'round_s' in r for r in rows), rows
+  assert {r['config_axis'] for r in rows if r.get('section') == 'sweep'} == {'loop', 'vmap'}
+  assert any(r.get('section') == 'fedfomo' for r in rows)
