@@ -66,18 +66,40 @@ def config_label(config: Config) -> dict:
   return {'seed': int(seed), **{k: float(v) for k, v in values.items()}}
 
 
-CONFIG_AXES = ('auto', 'vmap', 'loop')
+CONFIG_AXES = ('auto', 'vmap', 'loop', 'host')
 
 
 def resolve_config_axis(config_axis: str) -> str:
-  """``auto`` -> ``loop`` on CPU (vectorizing S configurations on top of the
-  client blocks made XLA:CPU's round slower than S separate rounds: 0.68x;
-  a loop inside the program is not), ``vmap`` on GPU/TPU (BUILD.md)."""
+  """``auto`` -> ``host`` on CPU, ``vmap`` on GPU/TPU (BUILD.md: on 2 CPU
+  cores a sweep of 8 ran at 0.50-0.74x of 8 separate runs vmapped and
+  0.95x as a ``lax.map`` loop, fusions inside the loop losing XLA:CPU's
+  thread partitioning; the host loop over the one compiled round is the
+  separate runs' own program)."""
   if config_axis not in CONFIG_AXES:
     raise ValueError(f'config_axis must be one of {list(CONFIG_AXES)}, got {config_axis!r}')
   if config_axis == 'auto':
-    return 'loop' if jax.default_backend() == 'cpu' else 'vmap'
+    return 'host' if jax.default_backend() == 'cpu' else 'vmap'
   return config_axis
+
+
+@jax.jit
+def _take(tree, s):
+  return jax.tree.map(lambda a: a[s], tree)
+
+
+@jax.jit
+def _stack(trees):
+  return jax.tree.map(lambda *a: jnp.stack(a), *trees)
+
+
+def _host_loop(one):
+  """``one`` (jitted, one configuration) run for each configuration from
+  the host; inputs sliced and outputs stacked by two small jitted helpers."""
+  def looped(values, state, keys, *shared):
+    outs = [one(_take(values, s), _take(state, s), keys[s], *shared)
+            for s in range(keys.shape[0])]
+    return _stack([o[0] for o in outs]), _stack([o[1] for o in outs])
+  return looped
 
 
 def _over_configs(fn, config_axis: str, in_axes):
@@ -105,10 +127,11 @@ class SweepRunner:
     build: ``{name: value} -> FederatedAlgorithm`` (values may be traced).
     configs: list of (seed, {name: value}), all with the same names.
     data, sampler, executor: as for RoundRunner (executor must be fused).
-    config_axis: how the program runs the configurations: ``vmap``
-      (vectorized), ``loop`` (``lax.map``, one after another inside the
-      program), or ``auto`` (per platform, ``resolve_config_axis``). Same
-      keys and math either way.
+    config_axis: how the configurations run: ``vmap`` (vectorized in one
+      program), ``loop`` (``lax.map``, one after another inside one
+      program), ``host`` (the one-configuration round, compiled once, called
+      for each configuration), or ``auto`` (per platform,
+      ``resolve_config_axis``). Same keys and math either way.
   """
 
   def __init__(self, build: Callable[[Dict], FederatedAlgorithm], configs: List[Config],
@@ -140,9 +163,13 @@ class SweepRunner:
       return eval_function(alg, executor, counts)(alg.client_models(state), data, key,
                                                   alg.finetune is not None)
 
-    over = lambda fn, *axes: _over_configs(fn, self.config_axis, axes)
+    axis = 'loop' if self.config_axis == 'host' else self.config_axis  # init / eval
+    over = lambda fn, *axes: _over_configs(fn, axis, axes)
     self._init = jax.jit(over(one_init, 0, 0))
-    self._round = jax.jit(over(one_round, 0, 0, 0, None, None, None), donate_argnums=1)
+    if self.config_axis == 'host':
+      self._round = _host_loop(jax.jit(one_round))
+    else:
+      self._round = jax.jit(over(one_round, 0, 0, 0, None, None, None), donate_argnums=1)
     self._eval = jax.jit(over(one_eval, 0, 0, 0, None))
 
   @property

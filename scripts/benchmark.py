@@ -61,6 +61,19 @@ BATCH = {'mlp': 10, 'lenet5': 32, 'cnn': 32, 'cnn_cifar': 32}
 EXAMPLES = {'mlp': 50, 'lenet5': 64, 'cnn': 64, 'cnn_cifar': 64}   # examples per client
 
 
+def peak_rss_mb():
+  """This process's peak RSS: VmHWM (``ru_maxrss`` survives ``execve``, so a
+  worker would report its parent's peak when that was larger)."""
+  try:
+    with open('/proc/self/status') as f:
+      for line in f:
+        if line.startswith('VmHWM:'):
+          return int(line.split()[1]) / 1024
+  except OSError:
+    pass
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def stream_gbps(mib=64, reps=10):
   """Memory bandwidth as XLA:CPU sees it: a jitted ``a * 1.5`` over ``mib``
   MiB (read + written), GB/s."""
@@ -192,9 +205,11 @@ def worker(spec):
     total_flops = flops * num_clients * FLAGS.local_steps
     print(json.dumps({
         'model': model_name, 'clients': num_clients,
-        'executor': f'torch {torch.__version__} loop ({torch.get_num_threads()} threads)',
+        'executor': f'torch {torch.__version__} loop (' + (
+            'cuda' if torch_loop.device().type == 'cuda' else
+            f'{torch.get_num_threads()} threads') + ')',
         'algorithm': 'fedavg', 'round_s': steady, 'compile_s': max(first - steady, 0.0),
-        'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        'peak_rss_mb': peak_rss_mb(),
         'gflops': total_flops / steady / 1e9, 'flops_per_round': total_flops,
         'step_flops': flops, 'step_bytes': nbytes}))
     return
@@ -228,7 +243,7 @@ def worker(spec):
   print(json.dumps({
       'model': model_name, 'clients': num_clients, 'executor': executor, 'algorithm': algorithm,
       'round_s': steady, 'compile_s': max(times[0] - steady, 0.0),
-      'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+      'peak_rss_mb': peak_rss_mb(),
       'gflops': total_flops / steady / 1e9, 'flops_per_round': total_flops,
       'step_flops': flops, 'step_bytes': nbytes}))
 
@@ -407,14 +422,15 @@ def sweep_section():
   print(f'\nSweep: FedAvg, MLP, {clients} clients ({ex.describe()}), S = {FLAGS.sweep_size} seeds; '
         f'S separate runs: {separate:.3f} s per round of all S; auto config axis: {auto}')
   rows = []
-  for axis in ('loop', 'vmap'):
+  for axis in ('host', 'loop', 'vmap'):
     runner = sweep.SweepRunner(mk, cfgs, data, sampler, ex, config_axis=axis)
     t = time.perf_counter()
-    runner.run(1, eval_every=0)
+    states = jax.block_until_ready(runner.round(runner.init(), 0)[0])
     first = time.perf_counter() - t
     t = time.perf_counter()
-    runner.run(FLAGS.rounds + 1, eval_every=0)
-    together = (time.perf_counter() - t) / (FLAGS.rounds + 1)
+    for r in range(FLAGS.rounds):  # rounds only, as the separate runs are timed
+      states = jax.block_until_ready(runner.round(states, r + 1)[0])
+    together = (time.perf_counter() - t) / FLAGS.rounds
     print(f'  config axis {axis:<5} one program {together:.3f} s per round (first call incl. '
           f'compile {first:.1f} s): {separate / together:.2f}x of separate runs', flush=True)
     rows.append({'section': 'sweep', 'S': FLAGS.sweep_size, 'clients': clients,

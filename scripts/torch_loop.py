@@ -24,6 +24,12 @@ def available() -> bool:
   return True
 
 
+def device():
+  """CUDA when the installed torch has a GPU, else the CPU."""
+  import torch
+  return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+
+
 def make_model(name: str, in_shape, num_classes: int = 10):
   """The PyTorch twin of ``fedjax_personal.models.create_model(name)``."""
   from torch import nn
@@ -65,12 +71,13 @@ def round_runner(model_name, x, y, num_examples, batch_size, local_steps, lr, se
   from fedjax_personal import host
   host.tune_allocator()  # the same allocator setting as the JAX rows (fair to both)
   torch.manual_seed(seed)
+  dev = device()
   n = len(num_examples)
   xs = [torch.from_numpy(np.ascontiguousarray(
-      x[i, :num_examples[i]].transpose(0, 3, 1, 2))).float().div_(255.0) for i in range(n)]
-  ys = [torch.from_numpy(y[i, :num_examples[i]].astype(np.int64)) for i in range(n)]
+      x[i, :num_examples[i]].transpose(0, 3, 1, 2))).float().div_(255.0).to(dev) for i in range(n)]
+  ys = [torch.from_numpy(y[i, :num_examples[i]].astype(np.int64)).to(dev) for i in range(n)]
   weights = np.asarray(num_examples, np.float64) / np.sum(num_examples)
-  model = make_model(model_name, x.shape[2:])
+  model = make_model(model_name, x.shape[2:]).to(dev)
   params = list(model.parameters())
   global_params = [p.detach().clone() for p in params]
   acc = [torch.zeros_like(p) for p in params]
@@ -87,7 +94,7 @@ def round_runner(model_name, x, y, num_examples, batch_size, local_steps, lr, se
           p.copy_(g)
       for _ in range(local_steps):
         idx = torch.randint(0, int(num_examples[i]), (min(batch_size, int(num_examples[i])),),
-                            generator=gen)
+                            generator=gen).to(dev)
         opt.zero_grad(set_to_none=False)
         loss_fn(model(xs[i][idx]), ys[i][idx]).backward()
         opt.step()
@@ -97,6 +104,8 @@ def round_runner(model_name, x, y, num_examples, batch_size, local_steps, lr, se
     with torch.no_grad():
       for g, a in zip(global_params, acc):
         g.copy_(a)
+    if dev.type == 'cuda':
+      torch.cuda.synchronize()
   return run_round
 
 

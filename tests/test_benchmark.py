@@ -44,5 +44,5 @@ def test_device_command_runs_every_section(tmp_path):
     assert part in text, (part, text)
   rows = report['results']
   assert any(r.get('algorithm') == 'ditto' and 'round_s' in r for r in rows), rows
-  assert {r['config_axis'] for r in rows if r.get('section') == 'sweep'} == {'loop', 'vmap'}
+  assert {r['config_axis'] for r in rows if r.get('section') == 'sweep'} == {'host', 'loop', 'vmap'}
   assert any(r.get('section') == 'fedfomo' for r in rows)

@@ -16,7 +16,7 @@ from fedjax_personal.experiment import run
 from helpers import digits_data, max_diff
 
 
-@pytest.mark.parametrize('config_axis', ['vmap', 'loop'])
+@pytest.mark.parametrize('config_axis', ['vmap', 'loop', 'host'])
 def test_sweep_over_seeds_and_learning_rates_equals_separate_runs(config_axis):
   data = digits_data(num_clients=6)
   model = fp.models.from_flax('mlp', fp.models.MLP(10, hidden=(8,)), data.train.x[0, :1])
@@ -46,7 +46,7 @@ def test_parse_sweep():
     sweep.parse_sweep('batch_size:16,32', names)
   with pytest.raises(ValueError, match='numbers'):
     sweep.parse_sweep('client_lr:a,b', names)
-  assert sweep.resolve_config_axis('auto') == ('loop' if jax.default_backend() == 'cpu' else 'vmap')
+  assert sweep.resolve_config_axis('auto') == ('host' if jax.default_backend() == 'cpu' else 'vmap')
   with pytest.raises(ValueError, match='config_axis'):
     sweep.resolve_config_axis('scan')
   assert len(sweep.configs([0, 1, 2], {'client_lr': [1, 2], 'prox_mu': [0, 1]})) == 12
