@@ -82,8 +82,9 @@ def test_max_pool_equals_nn_max_pool(hw, layout):
         jax.jit(jax.grad(lambda x: jnp.sum(nn.max_pool(x, (2, 2), (2, 2)) * g)))(x), atol=1e-6)
 
 
-@pytest.mark.parametrize('name,shape', [('lenet5', (28, 28, 1)), ('cnn', (28, 28, 1)),
-                                        ('cnn_cifar', (32, 32, 3))])
+@pytest.mark.parametrize('name,shape', [
+    ('lenet5', (28, 28, 1)), ('cnn_cifar', (32, 32, 3)),
+    pytest.param('cnn', (28, 28, 1), marks=pytest.mark.slow)])  # same class as cnn_cifar
 def test_models_agree_across_conv_implementations(name, shape):
   x = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4,) + shape, dtype=np.uint8))
   y = jnp.arange(4) % 10
