@@ -22,17 +22,17 @@ def run_benchmark(tmp_path, *flags):
 
 
 def test_device_command_executor_table(tmp_path):
-  text, report = run_benchmark(tmp_path, '--section=executors')
+  # auto against the PyTorch loop where torch is installed (CI: auto alone,
+  # the JAX-loop rows run in the slow test below).
+  text, report = run_benchmark(tmp_path, '--section=executors', '--executors=torch,auto')
   for part in ('devices:', 'float32 matmul', 'vs torch'):
     assert part in text, (part, text)
   assert report['matmul_gflops'] > 0 and report['memory_gbps'] > 0
   table = [r for r in report['results'] if 'error' not in r]
-  # The JAX loop and auto, and the PyTorch loop where torch is installed.
   executors = {r['executor'].split('->')[0].split(' ')[0] for r in table}
-  assert executors >= {'baseline', 'auto'}, report['results']
+  assert 'auto' in executors, report['results']
   for r in table:
     assert r['round_s'] > 0 and 0 < r['percent_of_matmul_peak'] <= 100
-    assert r['executor'].startswith('torch') or r['speedup_vs_loop'] > 0
     assert ('torch' in executors) == (r['speedup_vs_torch'] is not None)
 
 
@@ -43,6 +43,9 @@ def test_device_command_runs_every_section(tmp_path):
   for part in ('Scale:', 'Sweep:', 'User-centric vs FedAvg', 'FedFomo round'):
     assert part in text, (part, text)
   rows = report['results']
+  table = [r for r in rows if 'speedup_vs_torch' in r]  # the executor table's rows
+  assert {r['executor'].split('->')[0].split(' ')[0] for r in table} >= {'baseline', 'auto'}
+  assert all(r['executor'].startswith('torch') or r['speedup_vs_loop'] > 0 for r in table)
   assert any(r.get('algorithm') == 'ditto' and 'round_s' in r for r in rows), rows
   assert {r['config_axis'] for r in rows if r.get('section') == 'sweep'} == {'host', 'loop', 'vmap'}
   assert any(r.get('section') == 'fedfomo' for r in rows)
