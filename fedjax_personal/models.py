@@ -25,7 +25,7 @@ _SPATIAL = {'NHWC': (1, 2), 'CNHW': (2, 3)}
 
 def resolve_conv_impl(impl: str) -> str:
   """``auto`` -> ``matmul`` on CPU, ``xla`` elsewhere (measured: BUILD.md,
-  "Convolutions on CPU"); other names are returned as they are."""
+  "Against the PyTorch loop"); other names are returned as they are."""
   if impl not in CONV_IMPLS:
     raise ConfigError('conv_impl', f'unknown convolution implementation {impl!r}; '
                       f'choose one of {list(CONV_IMPLS)}')
@@ -345,9 +345,6 @@ MODELS = {
                                      conv_impl=k),
     'char_lstm': lambda c, a, k: CharLSTM(c, adapter_dim=a),
 }
-
-
-CONV_MODELS = ('lenet5', 'cnn', 'cnn_cifar')
 
 
 def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0,

@@ -124,8 +124,9 @@ def build(model_name, num_clients):
   return data, model, batching, optax.sgd(0.05)
 
 
-def step_flops(model, opt, batch_size, in_shape=(28, 28, 1)):
-  """XLA's flop count of one local SGD step (forward, backward, update)."""
+def step_cost(model, opt, batch_size, in_shape=(28, 28, 1)):
+  """XLA's cost analysis of one local SGD step (forward, backward, update):
+  (flops, bytes read and written, the step function)."""
   import jax
   import jax.numpy as jnp
   import optax
@@ -140,20 +141,7 @@ def step_flops(model, opt, batch_size, in_shape=(28, 28, 1)):
   y = jnp.zeros((batch_size,), jnp.int32)
   cost = jax.jit(step).lower(params, opt.init(params), x, y).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float(cost.get('flops', 0.0)), step
-
-
-def step_bytes(model, opt, batch_size, in_shape):
-  """XLA's count of the bytes one local SGD step reads and writes."""
-  import jax
-  import jax.numpy as jnp
-  _, step = step_flops(model, opt, batch_size, in_shape)
-  params = model.init(jax.random.key(0))
-  x = jnp.zeros((batch_size,) + tuple(in_shape), jnp.uint8)
-  cost = jax.jit(step).lower(params, opt.init(params), x, jnp.zeros((batch_size,), jnp.int32)
-                            ).compile().cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float(cost.get('bytes accessed', 0.0))
+  return float(cost.get('flops', 0.0)), float(cost.get('bytes accessed', 0.0)), step
 
 
 def baseline_runner(model, data, batching, opt):
@@ -162,7 +150,7 @@ def baseline_runner(model, data, batching, opt):
   import jax.numpy as jnp
   import numpy as np
   from fedjax_personal import batching as batching_lib
-  _, step = step_flops(model, opt, BATCH[model.name], data.train.x.shape[2:])
+  _, _, step = step_cost(model, opt, BATCH[model.name], data.train.x.shape[2:])
   step = jax.jit(step)
   add = jax.jit(lambda acc, p, w: jax.tree.map(lambda a, b: a + w * b, acc, p))
   x = np.asarray(data.train.x)
@@ -192,8 +180,7 @@ def worker(spec):
   algorithm = parts[3] if len(parts) > 3 else 'fedavg'
   num_clients = int(num_clients)
   data, model, batching, opt = build(model_name, num_clients)
-  flops, _ = step_flops(model, opt, BATCH[model_name], data.train.x.shape[2:])
-  nbytes = step_bytes(model, opt, BATCH[model_name], data.train.x.shape[2:])
+  flops, nbytes, _ = step_cost(model, opt, BATCH[model_name], data.train.x.shape[2:])
   if executor == 'torch':
     import numpy as np
     import torch
