@@ -227,7 +227,9 @@ def plot_trials(groups: Dict[str, List[List[dict]]], directory: str) -> str:
     rounds = [r['round'] for r in evs[0][:n]]
     for ax, key in zip(axes, ('accuracy_mean', 'accuracy_worst')):
       vals = np.array([[r[key] if r.get(key) is not None else np.nan for r in e[:n]] for e in evs])
-      mu, sd = np.nanmean(vals, 0), np.nanstd(vals, 0)
+      # Sample std (ddof = 1), as the tables' (aggregate_trials); 0 for one trial.
+      mu = np.nanmean(vals, 0)
+      sd = np.nanstd(vals, 0, ddof=1) if len(vals) > 1 else np.zeros_like(mu)
       line, = ax.plot(rounds, mu, marker='o', ms=3, label=f'{name} ({len(hists)} trials)')
       ax.fill_between(rounds, mu - sd, mu + sd, color=line.get_color(), alpha=0.2)
   return _save_accuracy_figure(fig, axes, directory, ' (mean ± std over trials)')

@@ -1,43 +1,57 @@
 #!/usr/bin/env python
-"""Reproduces the shape of the user-centric FL paper's Table I and Fig. 3.
+"""The user-centric FL paper's Table I and Fig. 3, and a study of its settings.
 
-Seeds: ../shared/seeds/user-centric-federated-learning.txt and
-../shared/seeds/fedfomo-first-order-model-optimization.txt.
+Seeds: ../shared/seeds/user-centric-federated-learning.txt (and FedFomo's for
+the FedFomo baseline).
 
-Scenarios (real data from ../shared/data and the embedded MNIST 10k):
-  1. label shift: MNIST 10k, 20 users, Dirichlet 0.4;
-  2. label + covariate shift: MNIST 10k, 20 users in 4 groups rotated
-     0/90/180/270 degrees, Dirichlet 0.4 inside groups;
-  3. concept shift: CIFAR-10, 20 users in 4 groups, a label permutation per group.
-Algorithms: Local, FedAvg, Oracle (one FedAvg per true group; not defined
-under pure label shift), CFL, FedFomo, and user-centric with several m_t.
-Prints the worst-user and mean accuracy of the final models (Table I's shape)
-and saves accuracy against simulated time for rho = 4, 2, 1 (Fig. 3's
-systems) for scenario 2.
+Protocol of the paper, kept at both scales: LeNet-5, SGD with momentum 0.9 and
+each user's optimizer state kept across rounds (``client_opt_state=persistent``,
+as the authors' per-user Keras optimizers), 1 local epoch of batches of 32 per
+round, every user in every round, worst-user and mean test accuracy. Scenarios:
 
-Scaled to a 2-core CPU (about 30 minutes per trial): the paper uses EMNIST
-(100k points and 100 users for scenario 2), 5 trials and more rounds; here
-MNIST 10k, 20 users, ``--trials`` trials (default 3: seeds seed..seed+2 on the
-partition of ``--seed``; cells are mean ± std over trials of the mean over the
-last 5 evaluations), ``--rounds`` rounds of 1 local epoch (B 32), LeNet-5, SGD
-lr 0.05 with momentum 0.9 (the paper: lr 0.1), CIFAR-10 with 500 images per
-user. User-centric W settings follow ../shared/docs/algorithms.md's
-measurements: sigma from 32-example batches under label and covariate shift
-(W computed after 3 FedAvg warm-up rounds under covariate shift, where the
-random initial model does not see the rotations), from K = 2 halves under
-concept shift. CFL uses the scale-free split test (mean < 0.5 max).
+  1. label shift: 20 users, Dirichlet 0.4 over the labels of 10k digits;
+  2. label + covariate shift: users in 4 groups rotated 0/90/180/270 degrees,
+     Dirichlet 0.4 inside groups;
+  3. concept shift: CIFAR-10 over 20 users in 4 groups, a random label
+     permutation per group; at paper scale all 60,000 images, 3,000 per user:
+     2,350 train, 150 validation (FedFomo's), 500 test (the paper: 2,500 per
+     user); at cpu scale 1,000 per user (783 / 50 / 167).
 
-  python scripts/reproduce_user_centric.py
+Methods: Local, FedAvg, Oracle (one FedAvg per true group; not defined under
+pure label shift), CFL (scale-free split test: mean update norm < 0.5 x the
+largest, from round 5), FedFomo (M = 5), user-centric with k = 20 and k = 4
+streams.
+
+``--scale=cpu`` (3 trials; about 15 minutes per digit scenario and 90 for the
+CIFAR one on 2 cores): the embedded MNIST 10k instead of EMNIST in scenarios 1
+and 2, 20 users in scenario 2 (the paper: 100 users, 100k EMNIST points),
+1,000 CIFAR-10 images per user (one round over 2,350 train images per user
+takes 18 s here), 30 rounds, 3 trials. ``--scale=paper``: TFDS EMNIST digits (10k points / 20 users;
+100k points / 100 users), 50 rounds (the paper does not state its rounds), 5
+trials. Both: SGD learning rate 0.05 on digits and 0.01 on CIFAR-10 (the
+paper: 0.1 everywhere; a reference run of scenario 3 at lr 0.1 does not train),
+evaluation every 2 rounds, cells are mean ± std over trials of the mean over
+the last ``--stat_window`` evaluations.
+
+User-centric's own settings (sigma batch size, warm-up rounds of FedAvg before
+W, W recomputation period, k) default to the flagfiles of
+``scripts/configs/usercentric_scenario{1,2,3}.flags``, found by ``--study``:
+a table of user-centric variants (per scenario) next to Oracle and FedAvg,
+with W's diagnostics (effective neighbours per user, adjusted Rand index of
+the streams against the true groups).
+
+  python scripts/reproduce_user_centric.py                       # Table I, 3 trials
+  python scripts/reproduce_user_centric.py --scenarios=3 --methods=fedavg,oracle
+  python scripts/reproduce_user_centric.py --study --trials=1    # the settings study
 """
 
-import json
 import os
 
 from absl import app
 from absl import flags
 import jax
 
-from fedjax_personal import algorithms, experiment, reporting, timing
+from fedjax_personal import algorithms, reporting, reproduce, timing
 from fedjax_personal.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.engine import RoundRunner
@@ -46,91 +60,197 @@ from fedjax_personal.models import create_model
 from fedjax_personal.sampling import CohortSampler
 from fedjax_personal.tree_util import tree_bytes
 
-flags.DEFINE_integer('rounds', 20, 'Rounds per run.')
-flags.DEFINE_integer('num_clients', 20, 'Users per scenario.')
-flags.DEFINE_list('streams', ['4', '20'], 'm_t values of user-centric.')
-flags.DEFINE_integer('seed', 0, 'Seed (of the partitions and of the first trial).')
-flags.DEFINE_integer('trials', 3, 'Trials per cell (seeds seed..seed+T-1, one partition).')
-flags.DEFINE_integer('stat_window', 5, 'Cells average the last this many evaluations.')
-flags.DEFINE_string('output_dir', 'runs/reproduce_user_centric', 'Where to write results.')
-flags.DEFINE_string('data_dir', None, 'Directory with cifar10_jpeg.npz.')
+reproduce.define_flags()
+flags.DEFINE_list('scenarios', ['1', '2', '3'], 'Scenarios to run (1 label, 2 covariate, 3 concept).')
+flags.DEFINE_list('methods', [], 'Table I methods (default all): local, fedavg, oracle, cfl, '
+                  'fedfomo, usercentric_k20, usercentric_k4.')
+flags.DEFINE_integer('rounds', None, 'Rounds per run (default: the scale\'s).', lower_bound=1)
+flags.DEFINE_integer('num_clients', None, 'Users per scenario (default: the scale\'s).',
+                     lower_bound=2)
+flags.DEFINE_integer('examples_per_client', None, 'Cap on each user\'s examples (train + '
+                     'validation + test), for quick runs (default: all).', lower_bound=3)
+flags.DEFINE_integer('eval_every', 2, 'Evaluation period in rounds.', lower_bound=1)
+flags.DEFINE_bool('study', False, 'Run the study of user-centric settings instead of Table I.')
+flags.DEFINE_list('study_variants', [], 'Subset of the study\'s variants (default all).')
 FLAGS = flags.FLAGS
 
+SCENARIOS = {'1': 'label shift', '2': 'label + covariate shift', '3': 'concept shift'}
+METHODS = ('local', 'fedavg', 'oracle', 'cfl', 'fedfomo', 'usercentric_k20', 'usercentric_k4')
 
-def scenarios():
-  n = FLAGS.num_clients
-  return {
-      'label shift (MNIST)': (DataConfig(dataset='mnist', partition='dirichlet', alpha=0.4,
-                                         num_clients=n, val_fraction=0.1, seed=FLAGS.seed),
-                              dict(sigma_batch_size=32)),
-      'label+covariate shift (MNIST rotated)': (
-          DataConfig(dataset='mnist', partition='rotation', num_groups=4, group_base='dirichlet',
-                     alpha=0.4, num_clients=n, val_fraction=0.1, seed=FLAGS.seed),
-          dict(sigma_batch_size=32, warmup_rounds=3)),
-      'concept shift (CIFAR-10 permuted)': (
-          DataConfig(dataset='cifar10', partition='label_permutation', num_groups=4,
-                     num_clients=n, max_examples=600 * n, val_fraction=0.1, test_fraction=1 / 6,
-                     seed=FLAGS.seed, data_dir=FLAGS.data_dir),
-          dict(sigma_batch_size=0)),
-  }
+# User-centric settings per scenario (the study's choices; also in
+# scripts/configs/usercentric_scenario<N>.flags for the CLI).
+USERCENTRIC = {
+    '1': dict(sigma_batch_size=32),
+    '2': dict(sigma_batch_size=32, warmup_rounds=3),
+    '3': dict(sigma_batch_size=0),
+}
+
+# The study: user-centric variants (k = 4 streams unless named), each with
+# the settings that differ from the paper's reading (sigma from K = 2 halves
+# of the local data, W once at the initial model).
+STUDY = {
+    'paper (halves, W at init)': dict(sigma_batch_size=0),
+    'sigma B32': dict(sigma_batch_size=32),
+    'halves, warm-up 3': dict(sigma_batch_size=0, warmup_rounds=3),
+    'sigma B32, warm-up 3': dict(sigma_batch_size=32, warmup_rounds=3),
+    'halves, warm-up 3, W every 10': dict(sigma_batch_size=0, warmup_rounds=3, recompute_every=10),
+    'sigma B32, warm-up 3, W every 10': dict(sigma_batch_size=32, warmup_rounds=3,
+                                             recompute_every=10),
+    'halves, warm-up 3, k=20': dict(sigma_batch_size=0, warmup_rounds=3, num_streams=20),
+    'halves, warm-up 3, silhouette k': dict(sigma_batch_size=0, warmup_rounds=3, num_streams=0,
+                                            max_streams=8),
+}
 
 
-def main(argv):
-  del argv
-  os.makedirs(FLAGS.output_dir, exist_ok=True)
-  table, curves = {}, {}
-  for scen, (cfg, uc_opts) in scenarios().items():
-    data = to_device(load_federated(cfg))
-    print(data.describe(), flush=True)
-    model = create_model('lenet5', data.num_classes, data.train.x[0, :1])
-    base = dict(client_lr=0.05, client_momentum=0.9, batch_size=32, local_epochs=1)
-    runs = [('local', {}), ('fedavg', {}), ('oracle', {}),
-            ('cfl', dict(ratio=0.5, eps2=0.0, warmup_rounds=5)), ('fedfomo', dict(candidates=5))]
-    runs += [(f'usercentric m={m}', dict(num_streams=int(m), **uc_opts)) for m in FLAGS.streams]
-    for label, opts in runs:
-      name = label.split(' ')[0]
-      if name == 'oracle' and data.num_groups == 0:
+def data_config(scen: str) -> DataConfig:
+  cpu = FLAGS.scale == 'cpu'
+  digits = 'mnist' if cpu else 'tfds:emnist'
+  n = reproduce.scaled(FLAGS.num_clients, 20, 100 if scen == '2' else 20)
+  per = FLAGS.examples_per_client
+  common = dict(num_clients=n, seed=FLAGS.seed, data_dir=FLAGS.data_dir)
+  if scen == '1':
+    return DataConfig(dataset=digits, partition='dirichlet', alpha=0.4, val_fraction=0.1,
+                      max_examples=per * n if per else (None if cpu else 10_000), **common)
+  if scen == '2':
+    return DataConfig(dataset=digits, partition='rotation', num_groups=4, group_base='dirichlet',
+                      alpha=0.4, val_fraction=0.1,
+                      max_examples=per * n if per else (None if cpu else 100_000), **common)
+  per = reproduce.scaled(per, 1000, None)  # 1,000 per user at cpu scale, all (3,000) at paper
+  return DataConfig(dataset='cifar10', partition='label_permutation', num_groups=4,
+                    test_fraction=1 / 6, val_fraction=0.05,
+                    max_examples=per * n if per else None, **common)
+
+
+def training(scen: str) -> dict:
+  return dict(client_lr=0.01 if scen == '3' else 0.05, client_momentum=0.9,
+              client_opt_state='persistent', batch_size=32, local_epochs=1)
+
+
+def method_options(name: str, scen: str):
+  """(registry name, own options) of a Table I method."""
+  if name.startswith('usercentric'):
+    return 'usercentric', dict(USERCENTRIC[scen], num_streams=int(name.split('_k')[1]))
+  return name, {'cfl': dict(ratio=0.5, eps2=0.0, warmup_rounds=5),
+                'fedfomo': dict(candidates=5)}.get(name, {})
+
+
+def run_cell(name, opts, data, model, scen, rounds):
+  alg = algorithms.build(name, model, data, **training(scen), **opts)
+  runner = RoundRunner(alg, data, CohortSampler(data.num_clients, cohort_size=data.num_clients),
+                       create_executor('auto', model, data.train.x[0, :1]))
+  histories, seconds = reproduce.run_trials(runner, rounds, FLAGS.seed, reproduce.trials(),
+                                            FLAGS.eval_every)
+  agg = reporting.trials_summary(histories, FLAGS.stat_window)
+  w_info = [{k: v for r in h for k, v in r.items() if k.startswith(('w_', 'streams_', 'num_c'))}
+            for h in histories]
+  out = {'worst': reproduce.cell(agg, 'accuracy_worst_window'),
+         'mean': reproduce.cell(agg, 'accuracy_mean_window'), 'summary': agg,
+         'seconds_per_trial': seconds, 'w_diagnostics': w_info}
+  for key in ('w_effective_neighbours_mean', 'streams_ari', 'num_streams', 'num_clusters'):
+    vals = [w[key] for w in w_info if key in w]
+    if vals:
+      out[key] = sum(vals) / len(vals)
+  return out, histories
+
+
+def diagnostics(r: dict) -> str:
+  parts = []
+  if 'w_effective_neighbours_mean' in r:
+    parts.append(f'{r["w_effective_neighbours_mean"]:.1f} nbrs')
+  if 'streams_ari' in r:
+    parts.append(f'ARI {r["streams_ari"]:.2f}')
+  if 'num_clusters' in r:
+    parts.append(f'{r["num_clusters"]:.1f} clusters')
+  return ', '.join(parts) or '-'
+
+
+def load(scen):
+  data = to_device(load_federated(data_config(scen)))
+  print(data.describe(), flush=True)
+  return data, create_model('lenet5', data.num_classes, data.train.x[0, :1])
+
+
+def table_one(directory, rounds):
+  methods = FLAGS.methods or list(METHODS)
+  for m in methods:
+    if m not in METHODS:
+      raise app.UsageError(f'--methods: unknown method {m!r}; choose from {list(METHODS)}', 2)
+  results, curves = {}, {}
+  for scen in FLAGS.scenarios:
+    data, model = load(scen)
+    for m in methods:
+      if m == 'oracle' and data.num_groups == 0:
         continue
-      alg = algorithms.build(name, model, data, **base, **opts)
-      runner = RoundRunner(alg, data, CohortSampler(data.num_clients, cohort_size=data.num_clients),
-                           create_executor('auto', model, data.train.x[0, :1]))
-      histories = [experiment.run(runner, FLAGS.rounds, seed=FLAGS.seed + t, eval_every=2)[1]
-                   for t in range(FLAGS.trials)]
-      history = histories[0]
-      agg = reporting.trials_summary(histories, FLAGS.stat_window)
-      info = {k: v for r in history for k, v in r.items() if k.startswith(('w_', 'streams_', 'num_c'))}
-      table[(scen, label)] = {'worst': agg.get('accuracy_worst_window'),
-                              'worst_std': agg.get('accuracy_worst_window_std'),
-                              'mean': agg.get('accuracy_mean_window'),
-                              'mean_std': agg.get('accuracy_mean_window_std'),
-                              'worst_last': agg.get('accuracy_worst'),
-                              'mean_last': agg.get('accuracy_mean'), 'trials': FLAGS.trials,
-                              **info}
-      per_model = tree_bytes(jax.eval_shape(model.init, jax.random.key(0)))
-      curves[(scen, label)] = (history, per_model)
-      print(f'  {label}: worst {reporting.pm(agg, "accuracy_worst_window")} '
-            f'mean {reporting.pm(agg, "accuracy_mean_window")} (trial 0: {info})', flush=True)
-  print(f'\nWorst-user / mean test accuracy, mean over the last {FLAGS.stat_window} evaluations '
-        f'of {FLAGS.rounds} rounds ({FLAGS.num_clients} users, LeNet-5), mean ± std over '
-        f'{FLAGS.trials} trials')
-  labels = ['local', 'fedavg', 'oracle', 'cfl', 'fedfomo'] + [f'usercentric m={m}' for m in FLAGS.streams]
-  cell = lambda r: (f'{100 * r["worst"]:.1f}±{100 * r["worst_std"]:.1f} / '
-                    f'{100 * r["mean"]:.1f}±{100 * r["mean_std"]:.1f}')
-  print(f"{'scenario':<40}" + ''.join(f'{l:>26}' for l in labels))
-  for scen in scenarios():
-    row = ''.join(f'{cell(table[(scen, l)]):>26}' if (scen, l) in table else f'{"-":>26}'
-                  for l in labels)
-    print(f'{scen:<40}{row}')
-  # Accuracy against simulated time (Fig. 3), scenario 2.
+      name, opts = method_options(m, scen)
+      r, histories = run_cell(name, opts, data, model, scen, rounds)
+      results[f'{scen}/{m}'] = r
+      curves[(scen, m)] = histories[0]
+      print(f'  {SCENARIOS[scen]} {m}: worst {r["worst"]} mean {r["mean"]} ({diagnostics(r)}; '
+            f'{r["seconds_per_trial"]:.0f} s/trial)', flush=True)
+  header = ['scenario'] + [m for m in methods]
+  rows = [[SCENARIOS[s]] + [f'{results[f"{s}/{m}"]["worst"]} / {results[f"{s}/{m}"]["mean"]}'
+                            if f'{s}/{m}' in results else '-' for m in methods]
+          for s in FLAGS.scenarios]
+  title = (f'User-centric Table I, worst-user / mean test accuracy (%), scale {FLAGS.scale}: '
+           f'{rounds} rounds, mean over the last {FLAGS.stat_window} evaluations, mean ± std over '
+           f'{reproduce.trials()} trials')
+  md = reproduce.markdown_table(header, rows)
+  print(f'\n{title}\n{md}')
+  paths = reproduce.write_results(directory, 'table1', title, md, results)
+  print('wrote', *paths)
+  if '2' in FLAGS.scenarios:
+    plot_time(directory, {m: h for (s, m), h in curves.items() if s == '2'}, model_bytes(model))
+
+
+def study(directory, rounds):
+  variants = FLAGS.study_variants or list(STUDY)
+  for v in variants:
+    if v not in STUDY:
+      raise app.UsageError(f'--study_variants: unknown variant {v!r}; choose from {list(STUDY)}', 2)
+  results = {}
+  for scen in FLAGS.scenarios:
+    data, model = load(scen)
+    refs = ['fedavg'] + (['oracle'] if data.num_groups else [])
+    for m in refs:
+      r, _ = run_cell(m, {}, data, model, scen, rounds)
+      results[f'{scen}/{m}'] = r
+      print(f'  {SCENARIOS[scen]} {m}: worst {r["worst"]} mean {r["mean"]}', flush=True)
+    for v in variants:
+      opts = dict(num_streams=4, **STUDY[v]) if 'num_streams' not in STUDY[v] else STUDY[v]
+      r, _ = run_cell('usercentric', opts, data, model, scen, rounds)
+      results[f'{scen}/{v}'] = r
+      print(f'  {SCENARIOS[scen]} {v}: worst {r["worst"]} mean {r["mean"]} ({diagnostics(r)})',
+            flush=True)
+  header = ['variant'] + [f'{SCENARIOS[s]}: worst / mean (W)' for s in FLAGS.scenarios]
+  rows = []
+  for v in ['fedavg', 'oracle'] + variants:
+    row = [v]
+    for s in FLAGS.scenarios:
+      r = results.get(f'{s}/{v}')
+      row.append('-' if r is None else
+                 f'{r["worst"]} / {r["mean"]}' + (f' ({diagnostics(r)})'
+                                                   if v not in ('fedavg', 'oracle') else ''))
+    rows.append(row)
+  title = (f'User-centric settings study (k = 4 unless named), worst-user / mean test accuracy '
+           f'(%), scale {FLAGS.scale}: {rounds} rounds, mean ± std over {reproduce.trials()} '
+           f'trials; W: effective neighbours per user, ARI of the streams against the groups')
+  md = reproduce.markdown_table(header, rows)
+  print(f'\n{title}\n{md}')
+  print('wrote', *reproduce.write_results(directory, 'study', title, md, results))
+
+
+def model_bytes(model):
+  return tree_bytes(jax.eval_shape(model.init, jax.random.key(0)))
+
+
+def plot_time(directory, histories, per_model):
+  """Accuracy against simulated time (Fig. 3) for rho = 4, 2, 1, scenario 2."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
-  scen = 'label+covariate shift (MNIST rotated)'
   fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
   for ax, (sys_name, tm) in zip(axes, timing.PAPER_SYSTEMS.items()):
-    for (s, label), (history, per_model) in curves.items():
-      if s != scen:
-        continue
+    for label, history in histories.items():
       down = lambda r: int(round(r.get('bytes_down_broadcast', 0) / max(per_model, 1)))
       t = timing.simulated_times(history, tm, down)
       ev = [(ti, r['accuracy_mean']) for ti, r in zip(t, history) if 'accuracy_mean' in r]
@@ -141,9 +261,22 @@ def main(argv):
   axes[0].set_ylabel('mean test accuracy')
   axes[0].legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(os.path.join(FLAGS.output_dir, 'accuracy_vs_time.png'), dpi=100)
-  with open(os.path.join(FLAGS.output_dir, 'table.json'), 'w') as f:
-    json.dump({f'{k[0]} | {k[1]}': v for k, v in table.items()}, f, indent=1)
+  path = os.path.join(directory, f'accuracy_vs_time_{FLAGS.scale}.png')
+  fig.savefig(path, dpi=100)
+  print('wrote', path)
+
+
+def main(argv):
+  del argv
+  for s in FLAGS.scenarios:
+    if s not in SCENARIOS:
+      raise app.UsageError(f'--scenarios: unknown scenario {s!r}; choose from {list(SCENARIOS)}', 2)
+  rounds = reproduce.scaled(FLAGS.rounds, 30, 50)
+  if reproduce.dry_run({'rounds': rounds, **{f'scenario {s}': data_config(s)
+                                             for s in FLAGS.scenarios}}):
+    return
+  directory = reproduce.output_dir('reproduce_user_centric')
+  (study if FLAGS.study else table_one)(directory, rounds)
 
 
 if __name__ == '__main__':

@@ -1,6 +1,9 @@
-"""The reproduce scripts run end to end on tiny settings, with trials (slow:
-a few minutes; run with  python -m pytest -m slow tests/test_reproduce.py)."""
+"""The reproduce scripts: their scales resolve to the documented sizes, bad
+flags exit 2 naming the flag, one tiny user-centric table is written as JSON
+and Markdown (CI); every script end to end with trials and the user-centric
+study (slow: a few minutes; python -m pytest -m slow tests/test_reproduce.py)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +13,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPTS = {
-    'reproduce_user_centric.py': ['--rounds=2', '--num_clients=4', '--streams=2'],
+    'reproduce_user_centric.py': ['--rounds=2', '--num_clients=4', '--examples_per_client=60',
+                                  '--eval_every=1'],
     'reproduce_debiasing.py': ['--rounds=2', '--personal_rounds=2', '--num_clients=4',
                                '--personal_eval_every=1', '--participation=1'],
     'reproduce_personalization.py': ['--mnist_clients=10', '--mnist_rounds=2',
@@ -20,12 +24,74 @@ SCRIPTS = {
 }
 
 
+def script(name, *args, cwd=None, timeout=1200):
+  return subprocess.run([sys.executable, os.path.join(ROOT, 'scripts', name), *args],
+                        cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def resolved(name, *args):
+  r = script(name, '--dry_run', *args, timeout=120)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return dict(line.split(': ', 1) for line in r.stdout.strip().splitlines())
+
+
+def test_scales_resolve_to_the_documented_sizes():
+  cpu = resolved('reproduce_user_centric.py')
+  assert (cpu['scale'], cpu['trials'], cpu['rounds']) == ('cpu', '3', '30')
+  assert "dataset='mnist'" in cpu['scenario 2'] and 'num_clients=20' in cpu['scenario 2']
+  assert 'max_examples=20000' in cpu['scenario 3']  # 1,000 CIFAR-10 images per user
+  paper = resolved('reproduce_user_centric.py', '--scale=paper')
+  assert (paper['trials'], paper['rounds']) == ('5', '50')
+  assert "dataset='tfds:emnist'" in paper['scenario 2']
+  assert 'num_clients=100' in paper['scenario 2'] and 'max_examples=100000' in paper['scenario 2']
+  assert 'max_examples=10000' in paper['scenario 1']
+  assert 'max_examples=None' in paper['scenario 3']  # all 60,000: 3,000 per user
+  # Explicit flags override the scale.
+  assert resolved('reproduce_user_centric.py', '--scale=paper', '--rounds=7')['rounds'] == '7'
+  deb = resolved('reproduce_debiasing.py', '--scale=paper')
+  assert (deb['num_clients'], deb['participation'], deb['model']) == ('100', '0.1', 'cnn_cifar')
+  per = resolved('reproduce_personalization.py', '--scale=paper', '--trials=2')
+  assert (per['trials'], per['mnist_rounds'], per['cifar_clients']) == ('2', '1000', '100')
+
+
+@pytest.mark.parametrize('args, flag', [(['--methods=fedavg,bogus'], '--methods'),
+                                        (['--scenarios=4'], '--scenarios'),
+                                        (['--study', '--study_variants=nope'], '--study_variants')])
+def test_bad_flags_exit_2_naming_the_flag(tmp_path, args, flag):
+  r = script('reproduce_user_centric.py', f'--output_dir={tmp_path}', *args, timeout=300)
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert flag in r.stderr and 'Traceback' not in r.stderr
+
+
+def test_user_centric_table_written_as_json_and_markdown(tmp_path):
+  r = script('reproduce_user_centric.py', f'--output_dir={tmp_path}', '--scenarios=1',
+             '--methods=fedavg,usercentric_k4', '--trials=1', '--rounds=1', '--num_clients=4',
+             '--examples_per_client=40', '--eval_every=1', cwd=tmp_path, timeout=600)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+  out = json.load(open(tmp_path / 'table1_cpu.json'))
+  assert out['scale'] == 'cpu' and out['trials'] == 1 and '--scenarios=1' in out['command']
+  assert set(out['results']) == {'1/fedavg', '1/usercentric_k4'}
+  uc = out['results']['1/usercentric_k4']
+  assert uc['w_effective_neighbours_mean'] >= 1.0 and uc['w_diagnostics'][0]
+  md = open(tmp_path / 'table1_cpu.md').read()
+  assert '| scenario | fedavg | usercentric_k4 |' in md and '±' in md and out['command'] in md
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize('script', sorted(SCRIPTS))
-def test_reproduce_script_runs_with_trials(tmp_path, script):
-  r = subprocess.run([sys.executable, os.path.join(ROOT, 'scripts', script), '--trials=2',
-                      f'--output_dir={tmp_path}'] + SCRIPTS[script], cwd=tmp_path,
-                     capture_output=True, text=True, timeout=1200)
+@pytest.mark.parametrize('name', sorted(SCRIPTS))
+def test_reproduce_script_runs_with_trials(tmp_path, name):
+  r = script(name, '--trials=2', f'--output_dir={tmp_path}', *SCRIPTS[name], cwd=tmp_path)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
   assert '±' in r.stdout and '2 trials' in r.stdout, r.stdout[-3000:]
-  assert any(f.endswith('.json') for f in os.listdir(tmp_path))
+  files = os.listdir(tmp_path)
+  assert any(f.endswith('_cpu.json') for f in files) and any(f.endswith('_cpu.md') for f in files)
+
+
+@pytest.mark.slow
+def test_user_centric_study_runs(tmp_path):
+  r = script('reproduce_user_centric.py', '--study', '--trials=1', f'--output_dir={tmp_path}',
+             *SCRIPTS['reproduce_user_centric.py'], '--scenarios=2',
+             '--study_variants=sigma B32,halves\\, warm-up 3\\, W every 10', cwd=tmp_path)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+  md = open(tmp_path / 'study_cpu.md').read()
+  assert 'oracle' in md and 'sigma B32' in md and 'ARI' in md
