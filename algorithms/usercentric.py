@@ -27,8 +27,10 @@ rounds, m_t chosen by the silhouette score over 2..N-1 (bounded by
 k-means with k-means++ restarts, silhouette) is tensor code inside the
 compiled round (``PreRound``); scikit-learn is only the tests' oracle. W's degeneracy is reported every
 time it is computed: effective neighbours per row 1 / sum_j W_ij^2 (1 means
-Local, N means uniform), and the adjusted Rand index of the streams against
-the known groups when there are any.
+Local, N means uniform), and, when the true groups are known, the adjusted
+Rand index of the streams against them and W's in-group share (the share of
+each row's off-diagonal weight on the user's own group, next to its chance
+level).
 """
 
 import dataclasses
@@ -111,6 +113,24 @@ def mixing_matrix(grads, sigma2, num_examples):
 def effective_neighbours(w):
   """1 / sum_j W_ij^2 per row (1: only itself; N: uniform)."""
   return 1.0 / jnp.sum(jnp.asarray(w, jnp.float32) ** 2, axis=1)
+
+
+def in_group_share(w, groups):
+  """Mean over clients i of the share of row i's off-diagonal weight that
+  goes to clients of i's own known group: 1 when W mixes only inside groups,
+  about (|G_i| - 1) / (N - 1) (``in_group_chance``) when W ignores them."""
+  w = jnp.asarray(w, jnp.float32)
+  off = 1.0 - jnp.eye(w.shape[0], dtype=w.dtype)
+  same = (groups[:, None] == groups[None, :]).astype(w.dtype) * off
+  return jnp.mean(jnp.sum(w * same, 1) / jnp.maximum(jnp.sum(w * off, 1), 1e-30))
+
+
+def in_group_chance(groups) -> float:
+  """Mean over clients of (|G_i| - 1) / (N - 1): ``in_group_share`` of a W
+  that spreads weight uniformly over the other clients."""
+  groups = np.asarray(groups)
+  sizes = np.array([np.sum(groups == g) for g in groups])
+  return float(np.mean((sizes - 1) / max(len(groups) - 1, 1)))
 
 
 def default_max_streams(num_clients: int, max_streams: int = 0) -> int:
@@ -258,6 +278,8 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
     if groups_np is not None and groups_np.min() >= 0:
       info['streams_ari'] = clustering.adjusted_rand_index(
           jnp.asarray(groups_np, jnp.int32), assignment, int(groups_np.max()) + 1, num_clients)
+      info['w_in_group_share'] = in_group_share(w, jnp.asarray(groups_np))
+      info['w_in_group_chance'] = jnp.float32(in_group_chance(groups_np))
     # Serve every client its stream model from now on.
     personal = tree_gather(aggregation.mix(stream_matrix, state.personal), assignment)
     return state.replace(personal=personal, stream_matrix=stream_matrix, assignment=assignment,

@@ -72,33 +72,46 @@ flags.DEFINE_integer('examples_per_client', None, 'Cap on each user\'s examples 
 flags.DEFINE_integer('eval_every', 2, 'Evaluation period in rounds.', lower_bound=1)
 flags.DEFINE_bool('study', False, 'Run the study of user-centric settings instead of Table I.')
 flags.DEFINE_list('study_variants', [], 'Subset of the study\'s variants (default all).')
+flags.DEFINE_bool('study_refs', True, 'Run FedAvg and Oracle next to the study\'s variants.')
 FLAGS = flags.FLAGS
 
 SCENARIOS = {'1': 'label shift', '2': 'label + covariate shift', '3': 'concept shift'}
 METHODS = ('local', 'fedavg', 'oracle', 'cfl', 'fedfomo', 'usercentric_k20', 'usercentric_k4')
 
-# User-centric settings per scenario (the study's choices; also in
-# scripts/configs/usercentric_scenario<N>.flags for the CLI).
-USERCENTRIC = {
-    '1': dict(sigma_batch_size=32),
-    '2': dict(sigma_batch_size=32, warmup_rounds=3),
-    '3': dict(sigma_batch_size=0),
-}
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
+
+
+def usercentric_settings(scen: str) -> dict:
+  """User-centric's own settings for a scenario (the study's choice), read
+  from the ``--usercentric_*`` lines of scripts/configs/usercentric_scenario<N>.flags
+  (num_streams excluded: Table I's rows set k)."""
+  out = {}
+  with open(os.path.join(CONFIGS, f'usercentric_scenario{scen}.flags')) as f:
+    for line in f:
+      if line.startswith('--usercentric_') and not line.startswith('--usercentric_num_streams'):
+        key, value = line.strip()[len('--usercentric_'):].split('=', 1)
+        out[key] = int(value)
+  return out
+
 
 # The study: user-centric variants (k = 4 streams unless named), each with
 # the settings that differ from the paper's reading (sigma from K = 2 halves
 # of the local data, W once at the initial model).
 STUDY = {
-    'paper (halves, W at init)': dict(sigma_batch_size=0),
-    'sigma B32': dict(sigma_batch_size=32),
-    'halves, warm-up 3': dict(sigma_batch_size=0, warmup_rounds=3),
-    'sigma B32, warm-up 3': dict(sigma_batch_size=32, warmup_rounds=3),
-    'halves, warm-up 3, W every 10': dict(sigma_batch_size=0, warmup_rounds=3, recompute_every=10),
-    'sigma B32, warm-up 3, W every 10': dict(sigma_batch_size=32, warmup_rounds=3,
-                                             recompute_every=10),
-    'halves, warm-up 3, k=20': dict(sigma_batch_size=0, warmup_rounds=3, num_streams=20),
-    'halves, warm-up 3, silhouette k': dict(sigma_batch_size=0, warmup_rounds=3, num_streams=0,
-                                            max_streams=8),
+    'paper': ('halves, W at init', dict(sigma_batch_size=0)),
+    'b32': ('sigma B32', dict(sigma_batch_size=32)),
+    'wu3': ('halves, warm-up 3', dict(sigma_batch_size=0, warmup_rounds=3)),
+    'b32_wu3': ('sigma B32, warm-up 3', dict(sigma_batch_size=32, warmup_rounds=3)),
+    'wu3_every10': ('halves, warm-up 3, W every 10',
+                    dict(sigma_batch_size=0, warmup_rounds=3, recompute_every=10)),
+    'b32_wu3_every10': ('sigma B32, warm-up 3, W every 10',
+                        dict(sigma_batch_size=32, warmup_rounds=3, recompute_every=10)),
+    'wu10': ('halves, warm-up 10', dict(sigma_batch_size=0, warmup_rounds=10)),
+    'b32_wu10': ('sigma B32, warm-up 10', dict(sigma_batch_size=32, warmup_rounds=10)),
+    'wu3_k20': ('halves, warm-up 3, k=20', dict(sigma_batch_size=0, warmup_rounds=3,
+                                                num_streams=20)),
+    'wu3_silhouette': ('halves, warm-up 3, silhouette k <= 8',
+                       dict(sigma_batch_size=0, warmup_rounds=3, num_streams=0, max_streams=8)),
 }
 
 
@@ -129,7 +142,7 @@ def training(scen: str) -> dict:
 def method_options(name: str, scen: str):
   """(registry name, own options) of a Table I method."""
   if name.startswith('usercentric'):
-    return 'usercentric', dict(USERCENTRIC[scen], num_streams=int(name.split('_k')[1]))
+    return 'usercentric', dict(usercentric_settings(scen), num_streams=int(name.split('_k')[1]))
   return name, {'cfl': dict(ratio=0.5, eps2=0.0, warmup_rounds=5),
                 'fedfomo': dict(candidates=5)}.get(name, {})
 
@@ -145,8 +158,12 @@ def run_cell(name, opts, data, model, scen, rounds):
             for h in histories]
   out = {'worst': reproduce.cell(agg, 'accuracy_worst_window'),
          'mean': reproduce.cell(agg, 'accuracy_mean_window'), 'summary': agg,
-         'seconds_per_trial': seconds, 'w_diagnostics': w_info}
-  for key in ('w_effective_neighbours_mean', 'streams_ari', 'num_streams', 'num_clusters'):
+         'seconds_per_trial': seconds, 'w_diagnostics': w_info,
+         'per_trial': [{k: reporting.final_summary(h, FLAGS.stat_window).get(k)
+                        for k in ('accuracy_worst_window', 'accuracy_mean_window')}
+                       for h in histories]}
+  for key in ('w_effective_neighbours_mean', 'streams_ari', 'w_in_group_share',
+              'w_in_group_chance', 'num_streams', 'num_clusters'):
     vals = [w[key] for w in w_info if key in w]
     if vals:
       out[key] = sum(vals) / len(vals)
@@ -159,6 +176,8 @@ def diagnostics(r: dict) -> str:
     parts.append(f'{r["w_effective_neighbours_mean"]:.1f} nbrs')
   if 'streams_ari' in r:
     parts.append(f'ARI {r["streams_ari"]:.2f}')
+  if 'w_in_group_share' in r:
+    parts.append(f'in-group {r["w_in_group_share"]:.2f} (chance {r["w_in_group_chance"]:.2f})')
   if 'num_clusters' in r:
     parts.append(f'{r["num_clusters"]:.1f} clusters')
   return ', '.join(parts) or '-'
@@ -210,13 +229,13 @@ def study(directory, rounds):
   results = {}
   for scen in FLAGS.scenarios:
     data, model = load(scen)
-    refs = ['fedavg'] + (['oracle'] if data.num_groups else [])
+    refs = (['fedavg'] + (['oracle'] if data.num_groups else [])) if FLAGS.study_refs else []
     for m in refs:
       r, _ = run_cell(m, {}, data, model, scen, rounds)
       results[f'{scen}/{m}'] = r
       print(f'  {SCENARIOS[scen]} {m}: worst {r["worst"]} mean {r["mean"]}', flush=True)
     for v in variants:
-      opts = dict(num_streams=4, **STUDY[v]) if 'num_streams' not in STUDY[v] else STUDY[v]
+      opts = {'num_streams': 4, **STUDY[v][1]}
       r, _ = run_cell('usercentric', opts, data, model, scen, rounds)
       results[f'{scen}/{v}'] = r
       print(f'  {SCENARIOS[scen]} {v}: worst {r["worst"]} mean {r["mean"]} ({diagnostics(r)})',
@@ -224,7 +243,7 @@ def study(directory, rounds):
   header = ['variant'] + [f'{SCENARIOS[s]}: worst / mean (W)' for s in FLAGS.scenarios]
   rows = []
   for v in ['fedavg', 'oracle'] + variants:
-    row = [v]
+    row = [f'{v}: {STUDY[v][0]}' if v in STUDY else v]
     for s in FLAGS.scenarios:
       r = results.get(f'{s}/{v}')
       row.append('-' if r is None else
@@ -233,7 +252,8 @@ def study(directory, rounds):
     rows.append(row)
   title = (f'User-centric settings study (k = 4 unless named), worst-user / mean test accuracy '
            f'(%), scale {FLAGS.scale}: {rounds} rounds, mean ± std over {reproduce.trials()} '
-           f'trials; W: effective neighbours per user, ARI of the streams against the groups')
+           f'trials; W: effective neighbours per user, ARI of the streams against the groups, '
+           f'share of W\'s off-diagonal weight inside the user\'s group')
   md = reproduce.markdown_table(header, rows)
   print(f'\n{title}\n{md}')
   print('wrote', *reproduce.write_results(directory, 'study', title, md, results))

@@ -91,7 +91,7 @@ def test_reproduce_script_runs_with_trials(tmp_path, name):
 def test_user_centric_study_runs(tmp_path):
   r = script('reproduce_user_centric.py', '--study', '--trials=1', f'--output_dir={tmp_path}',
              *SCRIPTS['reproduce_user_centric.py'], '--scenarios=2',
-             '--study_variants=sigma B32,halves\\, warm-up 3\\, W every 10', cwd=tmp_path)
+             '--study_variants=b32,wu3_every10', cwd=tmp_path)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
   md = open(tmp_path / 'study_cpu.md').read()
-  assert 'oracle' in md and 'sigma B32' in md and 'ARI' in md
+  assert 'oracle' in md and 'b32: sigma B32' in md and 'ARI' in md

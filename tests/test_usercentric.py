@@ -97,6 +97,17 @@ def test_streams_m_equal_n_gives_w_and_one_gives_one_model():
   assert int(k) == 1 and not np.asarray(a).any()
 
 
+def test_in_group_share_by_hand():
+  groups = np.array([0, 0, 1, 1])
+  w = np.array([[0.5, 0.3, 0.2, 0.0],   # off-diagonal 0.5, in group 0.3 -> 0.6
+                [0.0, 1.0, 0.0, 0.0],   # no off-diagonal weight -> 0
+                [0.1, 0.1, 0.4, 0.4],   # 0.4 / 0.6
+                [0.25, 0.25, 0.25, 0.25]], np.float32)  # 0.25 / 0.75
+  want = np.mean([0.6, 0.0, 0.4 / 0.6, 0.25 / 0.75])
+  assert float(jax.jit(uc.in_group_share)(w, groups)) == pytest.approx(want, rel=1e-6)
+  assert uc.in_group_chance(groups) == pytest.approx(1 / 3)
+
+
 def test_collaboration_round_and_streams_in_a_run(digits):
   model = mlp(digits)
   n = np.asarray(digits.train.num_examples)
@@ -107,6 +118,8 @@ def test_collaboration_round_and_streams_in_a_run(digits):
   first = history[0]
   assert first['num_streams'] == 2 and 'streams_ari' in first
   assert 1 <= first['w_effective_neighbours_mean'] <= 5
+  assert 0 <= first['w_in_group_share'] <= 1
+  assert first['w_in_group_chance'] == pytest.approx((2 * 1 / 4 + 3 * 2 / 4) / 5)
   models = {tuple(np.asarray(state.personal['output']['bias'][i]).round(6)) for i in range(5)}
   assert len(models) == 2  # only m_t distinct models
   comm = communication_metrics(runner, state, 5.0)
