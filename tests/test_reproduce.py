@@ -56,6 +56,7 @@ def test_scales_resolve_to_the_documented_sizes():
 
 @pytest.mark.parametrize('args, flag', [(['--methods=fedavg,bogus'], '--methods'),
                                         (['--scenarios=4'], '--scenarios'),
+                                        (['--scenarios=1', '--group_base=iid'], '--group_base'),
                                         (['--study', '--study_variants=nope'], '--study_variants')])
 def test_bad_flags_exit_2_naming_the_flag(tmp_path, args, flag):
   r = script('reproduce_user_centric.py', f'--output_dir={tmp_path}', *args, timeout=300)
