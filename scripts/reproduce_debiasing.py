@@ -26,6 +26,7 @@ Results: ``<output_dir>/tables_<scale>.{json,md}``.
   python scripts/reproduce_debiasing.py --scale=paper
 """
 
+import os
 import types
 
 from absl import app
@@ -39,6 +40,8 @@ from fedjax_personal.executors import create_executor
 from fedjax_personal.models import create_model
 from fedjax_personal.sampling import CohortSampler
 
+TABLE1_METHODS = ('feddyn', 'scaffold', 'fedavg', 'fedprox')
+
 reproduce.define_flags()
 flags.DEFINE_integer('num_clients', None, 'Devices (cpu 20, paper 100).', lower_bound=2)
 flags.DEFINE_float('participation', None, 'Probability a device is active in a round (cpu 0.25, '
@@ -47,6 +50,10 @@ flags.DEFINE_integer('rounds', None, 'Rounds for table 1 (cpu 60, paper 1000).',
 flags.DEFINE_integer('personal_rounds', None, 'Rounds for table 2 (cpu 40, paper 500).',
                      lower_bound=1)
 flags.DEFINE_string('model', None, 'Model (cpu lenet5; paper cnn_cifar, the slides\' 2-conv-2-fc).')
+flags.DEFINE_list('tables', ['1', '2'], 'Tables to run: 1 (rounds to target), 2 (personalized '
+                  'FedDyn).')
+flags.DEFINE_list('methods', list(TABLE1_METHODS), 'Table 1\'s methods (a subset, e.g. '
+                  'scaffold,fedavg with --participation and --client_lr for SCAFFOLD\'s study).')
 flags.DEFINE_float('alpha_dirichlet', 0.3, 'Label skew of table 1.')
 flags.DEFINE_list('targets', ['0.35', '0.40', '0.45'], 'Target mean accuracies of table 1.')
 flags.DEFINE_list('personal_targets', ['0.60', '0.70'], 'Target mean accuracies of table 2.')
@@ -91,33 +98,69 @@ def fmt_rounds(r, rounds):
 def main(argv):
   del argv
   global S
+  for t in FLAGS.tables:
+    if t not in ('1', '2'):
+      raise app.UsageError(f'--tables: unknown table {t!r}; choose from 1, 2', 2)
+  for m in FLAGS.methods:
+    if m not in TABLE1_METHODS:
+      raise app.UsageError(f'--methods: unknown method {m!r}; choose from {list(TABLE1_METHODS)}',
+                           2)
+  if FLAGS['methods'].present and '1' not in FLAGS.tables:
+    raise app.UsageError('--methods chooses table 1\'s methods; add 1 to --tables', 2)
   S = sizes()
   if reproduce.dry_run(vars(S)):
     return
   directory = reproduce.output_dir('reproduce_debiasing')
-  results = {}
-  n_total = 600 * S.num_clients
   # The authors' code: SGD with weight decay 1e-3 for every method.
   shared = dict(client_lr=FLAGS.client_lr, batch_size=50, local_epochs=1,
                 client_weight_decay=1e-3)
+  results, parts = {}, []
+  if '1' in FLAGS.tables:
+    results['table1'], md1 = table_one(shared, directory)
+    parts.append(f'Table 1\n\n{md1}')
+  if '2' in FLAGS.tables:
+    results['table2'], md2 = table_two(shared)
+    parts.append(f'Table 2\n\n{md2}')
+  title = (f'Debiasing slides, scale {FLAGS.scale}: CIFAR-10, {S.num_clients} devices, '
+           f'p = {S.participation}, {S.model}, client lr {FLAGS.client_lr}; table 1 {S.rounds} '
+           f'rounds (Dirichlet {FLAGS.alpha_dirichlet}), table 2 {S.personal_rounds} rounds '
+           f'(sparse classes); mean ± std over {reproduce.trials()} trials of the mean over the '
+           f'last {FLAGS.stat_window} evaluations; rounds to target: mean over trials')
+  print('wrote', *reproduce.write_results(directory, 'tables', title, '\n\n'.join(parts),
+                                          results))
+
+
+def curves(histories, keys=('accuracy_mean', 'train_loss')):
+  """Per trial, [round, *keys] of every evaluated round (for the JSON)."""
+  return [[[r['round']] + [r.get(k) for k in keys] for r in h if 'accuracy_mean' in r]
+          for h in histories]
+
+
+def fr(r, rounds):
+  """A rounds-to-target cell: the mean over trials, '>R' unless all reached it."""
+  return f'>{rounds}' if r is None else f'{r:.1f}'
+
+
+def table_one(shared, directory):
+  """Rounds to target accuracy (the slides' table 1); returns (rows, Markdown)."""
   own = {'fedprox': dict(mu=0.01), 'feddyn': dict(alpha=1e-2)}
-  # -- Table 1 -----------------------------------------------------------------
   data = to_device(load_federated(DataConfig(
       dataset='cifar10', partition='dirichlet', alpha=FLAGS.alpha_dirichlet,
-      num_clients=S.num_clients, max_examples=n_total, test_fraction=1 / 6,
+      num_clients=S.num_clients, max_examples=600 * S.num_clients, test_fraction=1 / 6,
       seed=FLAGS.seed, data_dir=FLAGS.data_dir)))
   print(data.describe())
   targets = [float(t) for t in FLAGS.targets]
-  rows = {}
-  for name in ('feddyn', 'scaffold', 'fedavg', 'fedprox'):
+  rows, all_histories = {}, {}
+  for name in FLAGS.methods:
     histories, secs = run_one(name, data, {**shared, **own.get(name, {})}, S.rounds)
+    all_histories[name] = histories
     agg = reporting.trials_summary(histories, FLAGS.stat_window)
     best = [max(r['accuracy_mean'] for r in h if 'accuracy_mean' in r) for h in histories]
     rows[name] = {'rounds_to_target': {t: to_target(histories, t) for t in targets},
-                  'summary': agg, 'best_mean': sum(best) / len(best), 'seconds_per_trial': secs}
+                  'summary': agg, 'best_mean': sum(best) / len(best), 'seconds_per_trial': secs,
+                  'curves': curves(histories)}
     print(f'{name}: mean@last{FLAGS.stat_window} {reporting.pm(agg, "accuracy_mean_window")}, '
           f'{secs:.0f} s per trial', flush=True)
-  results['table1'] = rows
   print(f'\nTable 1: CIFAR-10, {S.num_clients} devices, p = {S.participation}, '
         f'Dirichlet {FLAGS.alpha_dirichlet}, {S.model}: rounds to mean test accuracy')
   print(f'(rounds: mean over {reproduce.trials()} trials; accuracy: mean ± std over trials of the mean '
@@ -128,7 +171,19 @@ def main(argv):
     print(f'{name:<10}' + ''.join(f'{fmt_rounds(r["rounds_to_target"][t], S.rounds):>8}'
                                   for t in targets)
           + f'{reporting.pm(r["summary"], "accuracy_mean_window"):>14}{100 * r["best_mean"]:>7.1f}%')
-  # -- Table 2 -----------------------------------------------------------------
+  print('wrote', reporting.plot_trials(
+      all_histories, os.path.join(directory, f'table1_{FLAGS.scale}_curves')))
+  md = reproduce.markdown_table(
+      ['method'] + [f'rounds to {100 * t:.0f}%' for t in targets]
+      + ['mean acc. (last evals)', 'best mean acc. (mean over trials)'],
+      [[n] + [fr(r['rounds_to_target'][t], S.rounds) for t in targets]
+       + [reporting.pm(r['summary'], 'accuracy_mean_window'), f'{100 * r["best_mean"]:.1f}']
+       for n, r in rows.items()])
+  return rows, md
+
+
+def table_two(shared):
+  """Personalized FedDyn on sparse classes (the slides' table 2); returns (rows, Markdown)."""
   ptargets = [float(t) for t in FLAGS.personal_targets]
   rows2 = {}
   for partition in ('sparse_classes', 'sparse_classes_permuted'):
@@ -146,10 +201,10 @@ def main(argv):
           'APL': reporting.pm(agg, 'accuracy_mean_window'),
           'LPL': reporting.pm(agg, 'accuracy_worst_window'), 'summary': agg,
           'rounds_to_target': {t: to_target(histories, t) for t in ptargets},
-          'seconds_per_trial': secs}
+          'seconds_per_trial': secs, 'curves': curves(histories, ('accuracy_mean',
+                                                                  'accuracy_worst'))}
       print(f'{partition} {name}: APL {rows2[(partition, name)]["APL"]} '
             f'LPL {rows2[(partition, name)]["LPL"]}, {secs:.0f} s per trial', flush=True)
-  results['table2'] = {f'{k[0]}/{k[1]}': v for k, v in rows2.items()}
   print(f'\nTable 2: CIFAR-10 sparse classes (5 per device), {S.num_clients} devices, '
         f'{S.personal_rounds} rounds: average / lowest per-device accuracy')
   print(f"{'partition':<26}{'method':<15}{'APL':>14}{'LPL':>14}"
@@ -158,22 +213,11 @@ def main(argv):
     print(f'{partition:<26}{name:<15}{r["APL"]:>14}{r["LPL"]:>14}'
           + ''.join(f'{fmt_rounds(r["rounds_to_target"][t], S.personal_rounds):>8}'
                     for t in ptargets))
-  fr = lambda r, n: 'not reached' if r is None else f'{r:.1f}'
-  md1 = reproduce.markdown_table(
-      ['method'] + [f'rounds to {100 * t:.0f}%' for t in targets] + ['mean acc. (last evals)'],
-      [[n] + [fr(r['rounds_to_target'][t], S.rounds) for t in targets]
-       + [reporting.pm(r['summary'], 'accuracy_mean_window')] for n, r in rows.items()])
-  md2 = reproduce.markdown_table(
+  md = reproduce.markdown_table(
       ['partition', 'method', 'APL', 'LPL'] + [f'rounds to {100 * t:.0f}%' for t in ptargets],
-      [[p, n, r['APL'], r['LPL']] + [fr(r['rounds_to_target'][t], S.personal_rounds)
-                                     for t in ptargets] for (p, n), r in rows2.items()])
-  title = (f'Debiasing slides, scale {FLAGS.scale}: CIFAR-10, {S.num_clients} devices, '
-           f'p = {S.participation}, {S.model}; table 1 {S.rounds} rounds (Dirichlet '
-           f'{FLAGS.alpha_dirichlet}), table 2 {S.personal_rounds} rounds (sparse classes); '
-           f'mean ± std over {reproduce.trials()} trials of the mean over the last '
-           f'{FLAGS.stat_window} evaluations; rounds to target: mean over trials')
-  print('wrote', *reproduce.write_results(directory, 'tables', title,
-                                          f'Table 1\n\n{md1}\n\nTable 2\n\n{md2}', results))
+      [[p, n, r['APL'], r['LPL']] + [fr(r['rounds_to_target'][t], S.personal_rounds) for t in ptargets]
+       for (p, n), r in rows2.items()])
+  return {f'{k[0]}/{k[1]}': v for k, v in rows2.items()}, md
 
 
 if __name__ == '__main__':

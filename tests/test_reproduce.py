@@ -21,6 +21,9 @@ SCRIPTS = {
                                      '--shakespeare_clients=2', '--shakespeare_rounds=1',
                                      '--shakespeare_local_steps=1', '--cifar_clients=4',
                                      '--cifar_rounds=2', '--methods=fedalt/output,fedsim/output'],
+    'reproduce_fedfomo.py': ['--datasets=mnist', '--rounds_15=1', '--rounds_100=2',
+                             '--eval_every_100=1', '--local_epochs=1', '--cifar_per_client=60',
+                             '--methods=fedavg,perfedavg,fedfomo_m5', '--dp_sigmas=0,1'],
 }
 
 
@@ -50,18 +53,45 @@ def test_scales_resolve_to_the_documented_sizes():
   assert resolved('reproduce_user_centric.py', '--scale=paper', '--rounds=7')['rounds'] == '7'
   deb = resolved('reproduce_debiasing.py', '--scale=paper')
   assert (deb['num_clients'], deb['participation'], deb['model']) == ('100', '0.1', 'cnn_cifar')
+  fomo = resolved('reproduce_fedfomo.py')
+  assert (fomo['mnist_model'], fomo['cifar_model'], fomo['cifar_per_client']) == ('mlp', 'lenet5',
+                                                                                  '600')
+  fomo = resolved('reproduce_fedfomo.py', '--scale=paper')
+  assert (fomo['mnist'], fomo['mnist_model'], fomo['cifar_model']) == ('tfds:mnist', 'cnn',
+                                                                       'cnn_cifar')
   per = resolved('reproduce_personalization.py', '--scale=paper', '--trials=2')
   assert (per['trials'], per['mnist_rounds'], per['cifar_clients']) == ('2', '1000', '100')
 
 
-@pytest.mark.parametrize('args, flag', [(['--methods=fedavg,bogus'], '--methods'),
-                                        (['--scenarios=4'], '--scenarios'),
-                                        (['--scenarios=1', '--group_base=iid'], '--group_base'),
-                                        (['--study', '--study_variants=nope'], '--study_variants')])
-def test_bad_flags_exit_2_naming_the_flag(tmp_path, args, flag):
-  r = script('reproduce_user_centric.py', f'--output_dir={tmp_path}', *args, timeout=300)
+@pytest.mark.parametrize('name, args, flag', [
+    ('reproduce_user_centric.py', ['--methods=fedavg,bogus'], '--methods'),
+    ('reproduce_user_centric.py', ['--scenarios=4'], '--scenarios'),
+    ('reproduce_user_centric.py', ['--scenarios=1', '--group_base=iid'], '--group_base'),
+    ('reproduce_user_centric.py', ['--study', '--study_variants=nope'], '--study_variants'),
+    ('reproduce_debiasing.py', ['--tables=3'], '--tables'),
+    ('reproduce_debiasing.py', ['--tables=2', '--methods=fedavg'], '--methods'),
+    ('reproduce_fedfomo.py', ['--settings=7'], '--settings'),
+    ('reproduce_fedfomo.py', ['--tables=dp', '--methods=fedavg'], '--methods'),
+    ('reproduce_fedfomo.py', ['--tables=1', '--dp_sigmas=1'], '--dp_sigmas'),
+    ('reproduce_fedfomo.py', ['--dp_sigmas=-1'], '--dp_sigmas')])
+def test_bad_flags_exit_2_naming_the_flag(tmp_path, name, args, flag):
+  r = script(name, f'--output_dir={tmp_path}', *args, timeout=300)
   assert r.returncode == 2, r.stderr[-2000:]
   assert flag in r.stderr and 'Traceback' not in r.stderr
+
+
+def test_fedfomo_dp_table_reports_epsilon(tmp_path):
+  r = script('reproduce_fedfomo.py', f'--output_dir={tmp_path}', '--tables=dp', '--trials=1',
+             '--rounds_15=1', '--local_epochs=1', '--cifar_per_client=30', '--dp_sigmas=1,2',
+             cwd=tmp_path, timeout=600)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+  res = json.load(open(tmp_path / 'tables_cpu.json'))['results']['dp']
+  assert set(res) == {'fedavg/sigma=0', 'fedfomo/sigma=1', 'fedfomo/sigma=2'}
+  assert res['fedavg/sigma=0']['epsilon'] is None
+  # More noise, more privacy: epsilon finite and decreasing in sigma.
+  assert 0 < res['fedfomo/sigma=2']['epsilon'] < res['fedfomo/sigma=1']['epsilon'] < 1e3
+  md = open(tmp_path / 'tables_cpu.md').read()
+  assert '| method | delta | sigma | epsilon | accuracy |' in md and '| fedavg | 1e-05 | 0 | inf |' in md
 
 
 def test_user_centric_table_written_as_json_and_markdown(tmp_path):
