@@ -29,7 +29,16 @@ __all__ = ['Callback', 'DivergenceError', 'SingleRun', 'communication_metrics', 
 
 
 class DivergenceError(RuntimeError):
-  """Training produced a non-finite loss (every configuration, in a sweep)."""
+  """Training produced a non-finite loss (every configuration, in a sweep).
+
+  Attributes:
+    histories: the records up to the divergence, one list per configuration
+      (the diverged rounds marked), for callers that report diverged runs.
+  """
+
+  def __init__(self, message: str, histories: Optional[List[List[dict]]] = None):
+    super().__init__(message)
+    self.histories = histories
 
 
 @dataclasses.dataclass
@@ -146,7 +155,7 @@ def run_many(runs, num_rounds: int, eval_every: int = 5, callbacks: Sequence[Cal
       loss = records[0].get('train_loss')
       which = 'training' if num == 1 else f'all {num} configurations'
       raise DivergenceError(f'{which} diverged (round {min(diverged)}: train loss {loss}); '
-                            'lower --client_lr (or --server_lr)')
+                            'lower --client_lr (or --server_lr)', histories)
   for cb in callbacks:
     cb.on_end(histories, state)
   return state, histories

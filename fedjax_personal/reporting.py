@@ -80,6 +80,9 @@ def final_summary(history: List[dict], window: int = 5) -> dict:
     if vals:
       last[f'{key}_window'] = float(np.mean(vals))
   last['stat_window'] = len(tail)
+  div = next((r for r in history if r.get('diverged')), None)
+  if div is not None:  # a diverged run's summary says so (aggregate_trials leaves it out)
+    last['diverged'], last['diverged_at_round'] = True, div.get('diverged_at_round', div['round'])
   last['total_bytes_up'] = float(sum(r.get('bytes_up', 0) for r in history))
   last['total_bytes_down_broadcast'] = float(sum(r.get('bytes_down_broadcast', 0) for r in history))
   last['train_seconds'] = float(sum(r.get('round_seconds', 0) for r in history))

@@ -87,20 +87,34 @@ def scaled(value, cpu, paper):
 
 def run_trials(runner, num_rounds: int, seed: int, num_trials: int, eval_every: int,
                callbacks: Sequence = ()):
-  """``num_trials`` runs of one runner with seeds seed..seed+T-1 (same data).
+  """``num_trials`` runs of one runner with seeds seed..seed+T-1 (same data);
+  a trial that diverges is kept, marked ``diverged`` from its divergence on.
 
   Returns:
     (histories, seconds per trial).
   """
   start = time.perf_counter()
-  histories = [experiment.run(runner, num_rounds, seed=seed + t, eval_every=eval_every,
-                              callbacks=callbacks)[1] for t in range(num_trials)]
+  histories = []
+  for t in range(num_trials):
+    try:
+      histories.append(experiment.run(runner, num_rounds, seed=seed + t, eval_every=eval_every,
+                                      callbacks=callbacks)[1])
+    except experiment.DivergenceError as e:
+      # A table reports a diverged trial (its summary says so and the cells
+      # count it in ``diverged_trials``) instead of losing the other trials.
+      print(f'trial {t} (seed {seed + t}) diverged: {e}', flush=True)
+      histories.append(e.histories[0])
   return histories, (time.perf_counter() - start) / num_trials
 
 
 def cell(summary: dict, key: str, digits: int = 1) -> str:
-  """'mean ± std' in percent of an ``aggregate_trials`` summary's key."""
-  return reporting.pm(summary, key, digits=digits)
+  """'mean ± std' in percent of an ``aggregate_trials`` summary's key, over
+  the trials that did not diverge ('(d/T diverged)' appended when some did)."""
+  text = reporting.pm(summary, key, digits=digits)
+  d = summary.get('diverged_trials', 0)
+  if d and not summary.get('diverged'):
+    text += f' ({d}/{summary["trials"]} diverged)'
+  return text
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:

@@ -155,11 +155,12 @@ def table_one(shared, directory):
     histories, secs = run_one(name, data, {**shared, **own.get(name, {})}, S.rounds)
     all_histories[name] = histories
     agg = reporting.trials_summary(histories, FLAGS.stat_window)
-    best = [max(r['accuracy_mean'] for r in h if 'accuracy_mean' in r) for h in histories]
+    best = [max((r['accuracy_mean'] for r in h if 'accuracy_mean' in r and not r.get('diverged')),
+                 default=float('nan')) for h in histories]
     rows[name] = {'rounds_to_target': {t: to_target(histories, t) for t in targets},
                   'summary': agg, 'best_mean': sum(best) / len(best), 'seconds_per_trial': secs,
                   'curves': curves(histories)}
-    print(f'{name}: mean@last{FLAGS.stat_window} {reporting.pm(agg, "accuracy_mean_window")}, '
+    print(f'{name}: mean@last{FLAGS.stat_window} {reproduce.cell(agg, "accuracy_mean_window")}, '
           f'{secs:.0f} s per trial', flush=True)
   print(f'\nTable 1: CIFAR-10, {S.num_clients} devices, p = {S.participation}, '
         f'Dirichlet {FLAGS.alpha_dirichlet}, {S.model}: rounds to mean test accuracy')
@@ -170,14 +171,14 @@ def table_one(shared, directory):
   for name, r in rows.items():
     print(f'{name:<10}' + ''.join(f'{fmt_rounds(r["rounds_to_target"][t], S.rounds):>8}'
                                   for t in targets)
-          + f'{reporting.pm(r["summary"], "accuracy_mean_window"):>14}{100 * r["best_mean"]:>7.1f}%')
+          + f'{reproduce.cell(r["summary"], "accuracy_mean_window"):>14}{100 * r["best_mean"]:>7.1f}%')
   print('wrote', reporting.plot_trials(
       all_histories, os.path.join(directory, f'table1_{FLAGS.scale}_curves')))
   md = reproduce.markdown_table(
       ['method'] + [f'rounds to {100 * t:.0f}%' for t in targets]
       + ['mean acc. (last evals)', 'best mean acc. (mean over trials)'],
       [[n] + [fr(r['rounds_to_target'][t], S.rounds) for t in targets]
-       + [reporting.pm(r['summary'], 'accuracy_mean_window'), f'{100 * r["best_mean"]:.1f}']
+       + [reproduce.cell(r['summary'], 'accuracy_mean_window'), f'{100 * r["best_mean"]:.1f}']
        for n, r in rows.items()])
   return rows, md
 
@@ -198,8 +199,8 @@ def table_two(shared):
                                 FLAGS.personal_eval_every)
       agg = reporting.trials_summary(histories, FLAGS.stat_window)
       rows2[(partition, name)] = {
-          'APL': reporting.pm(agg, 'accuracy_mean_window'),
-          'LPL': reporting.pm(agg, 'accuracy_worst_window'), 'summary': agg,
+          'APL': reproduce.cell(agg, 'accuracy_mean_window'),
+          'LPL': reproduce.cell(agg, 'accuracy_worst_window'), 'summary': agg,
           'rounds_to_target': {t: to_target(histories, t) for t in ptargets},
           'seconds_per_trial': secs, 'curves': curves(histories, ('accuracy_mean',
                                                                   'accuracy_worst'))}

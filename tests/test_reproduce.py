@@ -126,3 +126,31 @@ def test_user_centric_study_runs(tmp_path):
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
   md = open(tmp_path / 'study_cpu.md').read()
   assert 'oracle' in md and 'b32: sigma B32' in md and 'ARI' in md
+
+
+def test_a_diverged_trial_is_reported_not_fatal():
+  """run_trials keeps a diverged trial (marked) and the cell counts it."""
+  from fedjax_personal import algorithms, reporting, reproduce
+  from fedjax_personal.data import to_device
+  from fedjax_personal.datasets import DataConfig, load_federated
+  from fedjax_personal.engine import RoundRunner
+  from fedjax_personal.executors import create_executor
+  from fedjax_personal.models import create_model
+  from fedjax_personal.sampling import CohortSampler
+  data = to_device(load_federated(DataConfig(dataset='digits', partition='iid', num_clients=4,
+                                             max_examples=200)))
+  model = create_model('mlp', data.num_classes, data.train.x[0, :1])
+
+  def trials(lr):
+    alg = algorithms.build('fedavg', model, data, client_lr=lr, local_steps=2, batch_size=10)
+    runner = RoundRunner(alg, data, CohortSampler(4, cohort_size=4),
+                         create_executor('vmap', model, data.train.x[0, :1]))
+    return reproduce.run_trials(runner, 3, 0, 2, 1)[0]
+
+  bad = trials(1e30)
+  assert len(bad) == 2 and all(h[-1].get('diverged') for h in bad)
+  summary = reporting.trials_summary(bad)
+  assert summary['diverged'] and reproduce.cell(summary, 'accuracy_mean_window') == 'diverged'
+  mixed = reporting.trials_summary(trials(0.05) + bad[:1])
+  assert mixed['diverged_trials'] == 1 and mixed['trials'] == 3
+  assert reproduce.cell(mixed, 'accuracy_mean_window').endswith('(1/3 diverged)')
