@@ -168,7 +168,12 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
     dp_steps = state.dp_steps.at[cohort.idx].add(
         jnp.where(cohort.mask, steps, 0).astype(jnp.int32), mode='drop')
     new = FedFomoState(tree_scatter(state.models, cohort.idx, params), affinity, dp_steps)
-    return new, cohort_train_metrics(stats, cohort.mask)
+    # Diagnostic: the share of downloaded candidates with a positive weight
+    # (0 means every active client kept its own model, i.e. trained locally).
+    active = cohort.mask.astype(jnp.float32)
+    positive = jnp.sum((w > 0).astype(jnp.float32) * active[:, None])
+    share = positive / jnp.maximum(jnp.sum(active) * w.shape[1], 1.0)
+    return new, {**cohort_train_metrics(stats, cohort.mask), 'fomo_positive_share': share}
 
   def communication(state):
     # Each active client receives its own bundle of M models (unicast).

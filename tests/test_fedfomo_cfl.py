@@ -66,9 +66,14 @@ def test_fedfomo_round_updates_affinity_and_models():
   alg = fomo.fedfomo(model, 5, optax.sgd(0.1), fp.Batching(16, 1), num_candidates=2, eps0=0.0)
   runner = RoundRunner(alg, data, fp.CohortSampler(5, cohort_size=5), fp.executors.VmapExecutor())
   state = runner.init(jax.random.key(0))
-  s1, _ = runner.round(state, jax.random.key(0), 0)
-  s2, _ = runner.round(s1, jax.random.key(1), 1)
+  s1, m1 = runner.round(state, jax.random.key(0), 0)
+  s2, m2 = runner.round(s1, jax.random.key(1), 1)
   aff = np.asarray(s2.affinity)
+  # The diagnostic: share of the 5 x 2 candidates with a positive weight
+  # (none in round 1, where all models are equal).
+  assert float(m1['fomo_positive_share']) == 0.0
+  d = np.asarray(s2.affinity) - np.asarray(s1.affinity)
+  assert np.isclose(float(m2['fomo_positive_share']), np.count_nonzero(d > 0) / 10)
   assert np.all(np.diag(aff) == 0) and np.count_nonzero(aff) > 0
   # Round 1 starts from identical models (distance 0: weight 0); in round 2 each
   # client adds weights for exactly its 2 candidates.
