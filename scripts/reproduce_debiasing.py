@@ -164,14 +164,16 @@ def table_one(shared, directory):
           f'{secs:.0f} s per trial', flush=True)
   print(f'\nTable 1: CIFAR-10, {S.num_clients} devices, p = {S.participation}, '
         f'Dirichlet {FLAGS.alpha_dirichlet}, {S.model}: rounds to mean test accuracy')
-  print(f'(rounds: mean over {reproduce.trials()} trials; accuracy: mean ± std over trials of the mean '
+  print(f'(rounds: mean over {reproduce.trials()} trials; accuracy: mean ± std over trials of '
+        f'the mean '
         f'over the last {FLAGS.stat_window} evaluations)')
   print(f"{'method':<10}" + ''.join(f'{"@" + str(int(100 * t)) + "%":>8}' for t in targets)
         + f"{'mean@last':>14}{'best':>8}")
   for name, r in rows.items():
     print(f'{name:<10}' + ''.join(f'{fmt_rounds(r["rounds_to_target"][t], S.rounds):>8}'
                                   for t in targets)
-          + f'{reproduce.cell(r["summary"], "accuracy_mean_window"):>14}{100 * r["best_mean"]:>7.1f}%')
+          + f'{reproduce.cell(r["summary"], "accuracy_mean_window"):>14}'
+          + f'{100 * r["best_mean"]:>7.1f}%')
   print('wrote', reporting.plot_trials(
       all_histories, os.path.join(directory, f'table1_{FLAGS.scale}_curves')))
   md = reproduce.markdown_table(
@@ -216,7 +218,8 @@ def table_two(shared):
                     for t in ptargets))
   md = reproduce.markdown_table(
       ['partition', 'method', 'APL', 'LPL'] + [f'rounds to {100 * t:.0f}%' for t in ptargets],
-      [[p, n, r['APL'], r['LPL']] + [fr(r['rounds_to_target'][t], S.personal_rounds) for t in ptargets]
+      [[p, n, r['APL'], r['LPL']]
+       + [fr(r['rounds_to_target'][t], S.personal_rounds) for t in ptargets]
        for (p, n), r in rows2.items()])
   return {f'{k[0]}/{k[1]}': v for k, v in rows2.items()}, md
 

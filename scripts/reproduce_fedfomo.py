@@ -205,7 +205,8 @@ def table_dp(S, sigmas):
     rows.append([name, f'{FLAGS.dp_delta:g}', f'{sigma:g}', eps_txt, r['mean']])
     print(f'  DP {key}: {r["mean"]}, epsilon {eps_txt} ({r["seconds_per_trial"]:.0f} s/trial)',
           flush=True)
-  return results, reproduce.markdown_table(['method', 'delta', 'sigma', 'epsilon', 'accuracy'], rows)
+  header = ['method', 'delta', 'sigma', 'epsilon', 'accuracy']
+  return results, reproduce.markdown_table(header, rows)
 
 
 def main(argv):

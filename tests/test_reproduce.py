@@ -91,7 +91,8 @@ def test_fedfomo_dp_table_reports_epsilon(tmp_path):
   # More noise, more privacy: epsilon finite and decreasing in sigma.
   assert 0 < res['fedfomo/sigma=2']['epsilon'] < res['fedfomo/sigma=1']['epsilon'] < 1e3
   md = open(tmp_path / 'tables_cpu.md').read()
-  assert '| method | delta | sigma | epsilon | accuracy |' in md and '| fedavg | 1e-05 | 0 | inf |' in md
+  assert '| method | delta | sigma | epsilon | accuracy |' in md
+  assert '| fedavg | 1e-05 | 0 | inf |' in md
 
 
 def test_user_centric_table_written_as_json_and_markdown(tmp_path):
