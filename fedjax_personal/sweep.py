@@ -150,6 +150,7 @@ class SweepRunner:
     self.init_keys, self.train_keys, self.eval_keys = keys[:, 0], keys[:, 1], keys[:, 2]
     self.trace_counts = collections.Counter()
     counts = self.trace_counts
+    test_counts = np.asarray(data.test.num_examples)
 
     def one_init(hv, key):
       return build(hv).init(key)
@@ -160,8 +161,8 @@ class SweepRunner:
 
     def one_eval(hv, state, key, data):
       alg = build(hv)
-      return eval_function(alg, executor, counts)(alg.client_models(state), data, key,
-                                                  alg.finetune is not None)
+      return eval_function(alg, executor, counts, test_counts)(
+          alg.client_models(state), data, key, alg.finetune is not None)
 
     axis = 'loop' if self.config_axis == 'host' else self.config_axis  # init / eval
     over = lambda fn, *axes: _over_configs(fn, axis, axes)

@@ -314,3 +314,31 @@ def test_finetune_evaluation_uses_training_data(digits):
   p = ft(state.params, local_data, jax.random.fold_in(jax.random.key(1), 2))
   expect = evaluate_params(model, p, digits.test.client(2))
   np.testing.assert_allclose(tuned.correct[2], expect.correct)
+
+
+@pytest.mark.parametrize('executor', sorted(EXECUTORS))
+def test_evaluation_in_test_length_groups_matches_plain_loop(executor):
+  # Unequal test splits (Dirichlet 0.1): clients are evaluated in groups of
+  # static test length (engine.eval_buckets); the result must be each
+  # client's statistics on its whole split, for global and personal models.
+  from fedjax_personal.engine import eval_buckets
+  from fedjax_personal.training import evaluate_params
+  data = digits_data(num_clients=8, alpha=0.1, seed=3)
+  n_test = np.asarray(data.test.num_examples)
+  groups = eval_buckets(n_test, data.test.max_examples, smallest=8)
+  assert len(groups) > 1
+  assert sorted(np.concatenate([g for _, g in groups]).tolist()) == list(range(8))
+  for length, idx in groups:
+    assert np.all(n_test[idx] <= length)
+  model = small_mlp(data)
+  for alg in (fedavg(model, 8, optax.sgd(0.1), fp.Batching(16, 1)),
+              local(model, 8, optax.sgd(0.1), fp.Batching(16, 1))):
+    runner = RoundRunner(alg, data, fp.CohortSampler(8, cohort_size=8), EXECUTORS[executor]())
+    state, _ = runner.round(runner.init(jax.random.key(0)), jax.random.key(1))
+    got = runner.evaluate(state, jax.random.key(2))
+    models = alg.client_models(state)
+    for i in range(8):
+      want = evaluate_params(model, models.for_client(i), data.test.client(i))
+      np.testing.assert_allclose(got.correct[i], want.correct)
+      np.testing.assert_allclose(got.count[i], want.count)
+      np.testing.assert_allclose(got.loss_sum[i], want.loss_sum, rtol=1e-5)
