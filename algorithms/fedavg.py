@@ -5,10 +5,15 @@ treats the weighted mean of the client deltas theta_server - theta_i as a
 pseudo-gradient for an optax optimizer (Reddi et al., ICLR 2021). With
 ``optax.sgd(1.0)`` this is FedAvg's theta <- sum_i n_i theta_i / sum_i n_i;
 with momentum it is FedAvgM.
+
+With ``--fedavg_dp_clip_norm`` / ``--fedavg_dp_noise_multiplier`` the local
+SGD is DP-SGD (Abadi et al. 2016: per-example clipping, Gaussian noise), the
+FedAvg rows of FedFomo's DP table; the state then counts each client's DP-SGD
+steps for the privacy accountant (``privacy.py``).
 """
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 from flax import struct
 import jax
@@ -20,8 +25,9 @@ from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlg
                                        cohort_train_metrics)
 from fedjax_personal.batching import Batching
 from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, SERVER_OPTIMIZER,
-                                    WEIGHTING, AlgorithmSpec, NoConfig)
+                                    WEIGHTING, AlgorithmSpec)
 from fedjax_personal.models import Model
+from fedjax_personal.privacy import DPConfig, check_dp, dp_privacy
 from fedjax_personal.training import ClientWork, LossStats, plain_objective, sgd_client_work
 from optax import tree_utils as otu
 from fedjax_personal.tree_util import tree_bytes, tree_where
@@ -34,9 +40,12 @@ class ServerState:
   """Attributes:
     params: the global model.
     opt_state: server optimizer state.
+    dp_steps: with DP-SGD, int32 [N] local steps each client has taken so
+      far (for the privacy accountant); else None.
   """
   params: optax.Params
   opt_state: optax.OptState
+  dp_steps: Any = None
 
 
 @struct.dataclass
@@ -47,10 +56,12 @@ class ClientOutput:
       ``aggregation.Sum`` the engine reduces over the cohort).
     num_examples: n_i, the client's training examples.
     stats: local training LossStats.
+    num_steps: local steps taken (None where an algorithm does not report it).
   """
   delta: optax.Params
   num_examples: jax.Array
   stats: LossStats
+  num_steps: Any = None
 
 
 def check_weighting(weighting: str):
@@ -110,7 +121,8 @@ def server_step(params, opt_state, upload: aggregation.Sum, server_optimizer):
 
 def make_client_work(model: Model, client_optimizer, batching: Batching,
                      objective_fn: Optional[Callable] = None,
-                     start_fn: Optional[Callable] = None) -> ClientWork:
+                     start_fn: Optional[Callable] = None,
+                     dp: Optional[tuple] = None) -> ClientWork:
   """FedAvg's client work: local SGD from the broadcast model, upload the delta.
 
   Args:
@@ -118,6 +130,7 @@ def make_client_work(model: Model, client_optimizer, batching: Batching,
       FedProx passes its proximal objective.
     start_fn: ``ctx -> params`` the client starts from (default: the broadcast
       ``ctx.shared``; oracle clusters start from the client's group model).
+    dp: optional (clip_norm, noise_multiplier): DP-SGD local training.
   """
   start_fn = start_fn or (lambda ctx: ctx.shared)
   plain = plain_objective(model)
@@ -125,16 +138,18 @@ def make_client_work(model: Model, client_optimizer, batching: Batching,
 
   def final(ctx, carry):
     return ClientOutput(delta=otu.tree_sub(start_fn(ctx), carry.params),
-                        num_examples=ctx.data.train.num_examples, stats=carry.stats)
+                        num_examples=ctx.data.train.num_examples, stats=carry.stats,
+                        num_steps=carry.num_steps)
 
-  return sgd_client_work(objective_fn, client_optimizer, batching, final, start_fn)
+  return sgd_client_work(objective_fn, client_optimizer, batching, final, start_fn, dp=dp)
 
 
 def fedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
            batching: Batching,
            server_optimizer: Optional[optax.GradientTransformation] = None,
            weighting: str = 'num_examples', objective_fn: Optional[Callable] = None,
-           finetune=None, name: str = 'fedavg') -> FederatedAlgorithm:
+           finetune=None, name: str = 'fedavg',
+           dp: Optional[tuple] = None) -> FederatedAlgorithm:
   """Builds FedAvg.
 
   Args:
@@ -147,19 +162,26 @@ def fedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
     objective_fn: optional local objective builder (see make_client_work).
     finetune: optional evaluation fine-tuning (FedAvg + fine-tuning).
     name: registry name.
+    dp: optional (clip_norm, noise_multiplier): DP-SGD local training; the
+      state then counts every client's steps (``ServerState.dp_steps``).
   """
   server_optimizer = server_optimizer or optax.sgd(1.0)
 
   def init(key):
     params = model.init(key)
-    return ServerState(params=params, opt_state=server_optimizer.init(params))
+    return ServerState(params=params, opt_state=server_optimizer.init(params),
+                       dp_steps=None if dp is None else jnp.zeros(num_clients, jnp.int32))
 
   def server_broadcast(state, cohort, rc):
     return state.params, cohort.mask
 
   def server_update(state, cohort, out: ClientOutput, rc):
     params, opt_state = server_step(state.params, state.opt_state, out.delta, server_optimizer)
-    return (ServerState(params=params, opt_state=opt_state),
+    dp_steps = state.dp_steps
+    if dp is not None:
+      dp_steps = dp_steps.at[cohort.idx].add(
+          jnp.where(cohort.mask, out.num_steps, 0).astype(jnp.int32), mode='drop')
+    return (ServerState(params=params, opt_state=opt_state, dp_steps=dp_steps),
             cohort_train_metrics(out.stats, cohort.mask))
 
   def communication(state):
@@ -168,27 +190,41 @@ def fedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
 
   return FederatedAlgorithm(
       name=name, model=model, init=init, server_broadcast=server_broadcast,
-      client_work=summed_upload(make_client_work(model, client_optimizer, batching, objective_fn),
-                                weighting),
+      client_work=summed_upload(make_client_work(model, client_optimizer, batching, objective_fn,
+                                                 dp=dp), weighting),
       server_update=server_update,
       client_models=lambda s: ClientModels.global_model(s.params, num_clients),
       communication=communication, finetune=finetune)
 
 
-def build(training, config, model, data, name='fedavg'):
-  """Registry builder (``config``: NoConfig)."""
-  del config
-  return fedavg(model, data.num_clients, training.make_client_optimizer(), training.batching(),
-                server_optimizer=training.make_server_optimizer(),
-                weighting=training.weighting, name=name)
+@dataclasses.dataclass(frozen=True)
+class FedAvgConfig(DPConfig):
+  """FedAvg's own settings: DP-SGD local training (off by default)."""
+  prefix: ClassVar[str] = 'fedavg'
+
+
+def build(training, config: FedAvgConfig, model, data, name='fedavg'):
+  """Registry builder."""
+  batching = training.batching()
+  alg = fedavg(model, data.num_clients, training.make_client_optimizer(), batching,
+               server_optimizer=training.make_server_optimizer(),
+               weighting=training.weighting, name=name, dp=config.dp())
+  if config.dp() is None:
+    return alg
+  return alg.replace(privacy=dp_privacy(config, data, batching, lambda state: state.dp_steps))
+
+
+def check(training, config: FedAvgConfig):
+  del training
+  check_dp(config)
 
 
 #: Settings of an algorithm that trains a global model FedAvg-style.
 FEDAVG_SETTINGS = CLIENT_OPTIMIZER | BATCHING | WEIGHTING | SERVER_OPTIMIZER | FINETUNE
 
-SPEC = AlgorithmSpec('fedavg', NoConfig, build, FEDAVG_SETTINGS,
+SPEC = AlgorithmSpec('fedavg', FedAvgConfig, build, FEDAVG_SETTINGS, check=check,
                      summary='FedAvg (McMahan et al. 2017), server optimizer optional')
-FT_SPEC = AlgorithmSpec('fedavg_ft', NoConfig,
+FT_SPEC = AlgorithmSpec('fedavg_ft', FedAvgConfig,
                         lambda t, c, m, d: build(t, c, m, d, name='fedavg_ft'), FEDAVG_SETTINGS,
-                        default_finetune_steps=5,
+                        default_finetune_steps=5, check=check,
                         summary='FedAvg + local fine-tuning before evaluation (5 steps)')

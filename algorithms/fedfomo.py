@@ -38,20 +38,18 @@ from fedjax_personal.batching import Batching
 from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec,
                                     ConfigError, hparam)
 from fedjax_personal.models import Model
-from fedjax_personal.privacy import Privacy
+from fedjax_personal.privacy import DPConfig, check_dp, dp_privacy
 from fedjax_personal.training import ClientWork, evaluate_params, plain_objective, sgd_client_work
 from fedjax_personal.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter
 
 
 @dataclasses.dataclass(frozen=True)
-class FedFomoConfig:
+class FedFomoConfig(DPConfig):
   prefix: ClassVar[str] = 'fedfomo'
   candidates: int = hparam(5, 'Models downloaded per round (M).', minimum=1)
   eps: float = hparam(0.3, 'Initial exploration probability.', minimum=0, maximum=1)
   eps_decay: float = hparam(0.05, 'Exploration probability decrease per round.', minimum=0)
   leave_one_out: bool = hparam(False, 'Score candidates through model averages.')
-  dp_clip_norm: float = hparam(0.0, 'DP-SGD per-example clip norm (0: no DP).', minimum=0)
-  dp_noise_multiplier: float = hparam(0.0, 'DP-SGD noise multiplier.', minimum=0)
 
 
 @struct.dataclass
@@ -191,24 +189,19 @@ def build(training, config: FedFomoConfig, model, data):
   if int(np.asarray(data.val.num_examples).min()) == 0:
     raise ConfigError('val_fraction', 'fedfomo needs a validation split on every client '
                       '(0.2 in the paper)')
-  dp = (config.dp_clip_norm, config.dp_noise_multiplier) if config.dp_clip_norm > 0 else None
+  dp = config.dp()
   batching = training.batching()
   alg = fedfomo(model, data.num_clients, training.make_client_optimizer(), batching,
                  num_candidates=min(config.candidates, data.num_clients - 1), eps0=config.eps,
                  eps_decay=config.eps_decay, leave_one_out=config.leave_one_out, dp=dp)
   if dp is None:
     return alg
-  n = np.asarray(data.train.num_examples, np.float64)
-  b = batching.effective_batch_size(int(data.train.max_examples))
-  return alg.replace(privacy=Privacy(config.dp_noise_multiplier,
-                                     np.minimum(b / np.maximum(n, 1), 1.0),
-                                     steps=lambda state: state.dp_steps))
+  return alg.replace(privacy=dp_privacy(config, data, batching, lambda state: state.dp_steps))
 
 
 def check(training, config: FedFomoConfig):
   del training
-  if config.dp_noise_multiplier and not config.dp_clip_norm:
-    raise ConfigError('fedfomo_dp_noise_multiplier', 'needs --fedfomo_dp_clip_norm > 0')
+  check_dp(config)
 
 
 # Personalized by its own affinity-weighted combination: no weighting and no

@@ -16,6 +16,8 @@ from typing import Callable
 
 import numpy as np
 
+from fedjax_personal.config import ConfigError, hparam
+
 
 @functools.lru_cache(maxsize=65536)
 def dp_sgd_epsilon(sampling_rate: float, noise_multiplier: float, steps: int,
@@ -54,3 +56,31 @@ def worst_epsilon(privacy: Privacy, steps, delta: float = 1e-5) -> float:
   steps = np.asarray(steps)
   return max((dp_sgd_epsilon(round(float(q), 12), privacy.noise_multiplier, int(s), delta)
               for q, s in zip(privacy.sampling_rates, steps)), default=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DPConfig:
+  """DP-SGD local training settings, shared by the algorithms offering it
+  (their config classes inherit these fields and get ``--<prefix>_dp_*``
+  flags)."""
+  dp_clip_norm: float = hparam(0.0, 'DP-SGD per-example clip norm (0: no DP).', minimum=0)
+  dp_noise_multiplier: float = hparam(0.0, 'DP-SGD noise multiplier.', minimum=0)
+
+  def dp(self):
+    """(clip_norm, noise_multiplier) for ``training.sgd_client_work``, or None."""
+    return (self.dp_clip_norm, self.dp_noise_multiplier) if self.dp_clip_norm > 0 else None
+
+
+def check_dp(config: DPConfig):
+  """Refuses noise without clipping (the noise scale is sigma * clip)."""
+  if config.dp_noise_multiplier and not config.dp_clip_norm:
+    raise ConfigError(f'{config.prefix}_dp_noise_multiplier',
+                      f'needs --{config.prefix}_dp_clip_norm > 0')
+
+
+def dp_privacy(config: DPConfig, data, batching, steps: Callable) -> Privacy:
+  """The accounting record of an algorithm built with DP-SGD: q_i = B / n_i
+  from the training split and ``steps(state) -> [N]`` steps so far."""
+  n = np.asarray(data.train.num_examples, np.float64)
+  b = batching.effective_batch_size(int(data.train.max_examples))
+  return Privacy(config.dp_noise_multiplier, np.minimum(b / np.maximum(n, 1), 1.0), steps)

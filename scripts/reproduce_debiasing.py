@@ -42,6 +42,7 @@ from fedjax_personal.models import create_model
 from fedjax_personal.sampling import CohortSampler
 
 TABLE1_METHODS = ('feddyn', 'scaffold', 'fedavg', 'fedprox')
+TABLE2_METHODS = ('pfeddyn_ft', 'pfeddyn_maml', 'pfeddyn_proto')
 
 reproduce.define_flags()
 flags.DEFINE_integer('num_clients', None, 'Devices (cpu 20, paper 100).', lower_bound=2)
@@ -57,6 +58,8 @@ flags.DEFINE_list('methods', list(TABLE1_METHODS), 'Table 1\'s methods (a subset
                   'scaffold,fedavg with --participation and --client_lr for SCAFFOLD\'s study).')
 flags.DEFINE_float('alpha_dirichlet', 0.3, 'Label skew of table 1.')
 flags.DEFINE_list('targets', ['0.35', '0.40', '0.45'], 'Target mean accuracies of table 1.')
+flags.DEFINE_list('personal_methods', list(TABLE2_METHODS), 'Table 2\'s methods (a subset, '
+                  'e.g. pfeddyn_maml with --personal_rounds to train MAML to convergence).')
 flags.DEFINE_list('personal_targets', ['0.60', '0.70'], 'Target mean accuracies of table 2.')
 flags.DEFINE_float('client_lr', 0.05, 'Client learning rate.')
 flags.DEFINE_integer('personal_local_steps', 5, 'Local steps per round in table 2.')
@@ -108,6 +111,12 @@ def main(argv):
                            2)
   if FLAGS['methods'].present and '1' not in FLAGS.tables:
     raise app.UsageError('--methods chooses table 1\'s methods; add 1 to --tables', 2)
+  for m in FLAGS.personal_methods:
+    if m not in TABLE2_METHODS:
+      raise app.UsageError(f'--personal_methods: unknown method {m!r}; choose from '
+                           f'{list(TABLE2_METHODS)}', 2)
+  if FLAGS['personal_methods'].present and '2' not in FLAGS.tables:
+    raise app.UsageError('--personal_methods chooses table 2\'s methods; add 2 to --tables', 2)
   S = sizes()
   if reproduce.dry_run(vars(S)):
     return
@@ -197,7 +206,7 @@ def table_two(shared):
         dataset='cifar10', partition=partition, classes_per_client=5,
         num_clients=S.num_clients, examples_per_client=600, test_fraction=1 / 6,
         seed=FLAGS.seed, data_dir=FLAGS.data_dir)))
-    for name in ('pfeddyn_ft', 'pfeddyn_maml', 'pfeddyn_proto'):
+    for name in FLAGS.personal_methods:
       settings = {**shared, 'local_epochs': 1, 'local_steps': FLAGS.personal_local_steps,
                   'alpha': 1e-1 if name == 'pfeddyn_proto' else 1e-2}
       histories, secs = run_one(name, pdata, settings, S.personal_rounds,

@@ -50,3 +50,45 @@ def test_fedfomo_dp_records_epsilon_every_round(tmp_path):
               '--dp_delta=1e-6', '--progress=false', f'--output_dir={tmp_path}/x')
   with pytest.raises(cli.ConfigError, match='dp_delta'):
     cli.main_job()
+
+
+def test_fedavg_dp_records_epsilon_and_refuses_noise_without_clip(tmp_path):
+  # FedAvg's DP-SGD rows of FedFomo's DP table: the same accounting as FedFomo.
+  parse_flags('--algorithm=fedavg', '--dataset=digits', '--model=logreg', '--num_clients=4',
+              '--rounds=3', '--eval_every=3', '--fedavg_dp_clip_norm=1',
+              '--fedavg_dp_noise_multiplier=1.1', '--batch_size=8', '--progress=false',
+              '--max_examples=200', f'--output_dir={tmp_path}')
+  s = cli.main_job()['fedavg']
+  from fedjax_personal.datasets import load_federated
+  n = np.asarray(load_federated(cli.data_config()).train.num_examples)
+  want = max(dp_sgd_epsilon(round(min(8 / k, 1.0), 12), 1.1, 3 * math.ceil(k / 8)) for k in n)
+  assert s['dp_epsilon'] == pytest.approx(want, rel=1e-9)
+  parse_flags('--algorithm=fedavg', '--dataset=digits', '--model=logreg', '--num_clients=4',
+              '--fedavg_dp_noise_multiplier=1', '--progress=false', f'--output_dir={tmp_path}/y')
+  with pytest.raises(cli.ConfigError, match='fedavg_dp_noise_multiplier'):
+    cli.main_job()
+
+
+def test_fedavg_dp_without_noise_and_a_loose_clip_is_fedavg():
+  # Clipping that never binds and sigma = 0: DP-SGD's mean of per-example
+  # gradients is the batch gradient, so the round is plain FedAvg's.
+  import jax
+  import optax
+  import fedjax_personal as fp
+  from fedjax_personal.algorithms.fedavg import fedavg
+  from fedjax_personal.engine import RoundRunner
+  from helpers import digits_data
+  data = digits_data(num_clients=4)
+  model = fp.models.from_flax('mlp', fp.models.MLP(data.num_classes, hidden=(8,)),
+                              data.train.x[0, :1])
+  out = {}
+  for dp in (None, (1e6, 0.0)):
+    alg = fedavg(model, 4, optax.sgd(0.1), fp.Batching(16, 1), dp=dp)
+    runner = RoundRunner(alg, data, fp.CohortSampler(4, cohort_size=3),
+                         fp.executors.VmapExecutor())
+    state, _ = runner.round(runner.init(jax.random.key(0)), jax.random.key(1))
+    out[dp] = state
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
+               out[None].params, out[(1e6, 0.0)].params)
+  steps = np.asarray(out[(1e6, 0.0)].dp_steps)
+  assert (steps > 0).sum() == 3 and out[None].dp_steps is None

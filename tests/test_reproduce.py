@@ -70,6 +70,10 @@ def test_scales_resolve_to_the_documented_sizes():
     ('reproduce_user_centric.py', ['--study', '--study_variants=nope'], '--study_variants'),
     ('reproduce_debiasing.py', ['--tables=3'], '--tables'),
     ('reproduce_debiasing.py', ['--tables=2', '--methods=fedavg'], '--methods'),
+    ('reproduce_debiasing.py', ['--tables=1', '--personal_methods=pfeddyn_ft'],
+     '--personal_methods'),
+    ('reproduce_debiasing.py', ['--tables=2', '--personal_methods=maml'],
+     '--personal_methods'),
     ('reproduce_fedfomo.py', ['--settings=7'], '--settings'),
     ('reproduce_fedfomo.py', ['--tables=dp', '--methods=fedavg'], '--methods'),
     ('reproduce_fedfomo.py', ['--tables=1', '--dp_sigmas=1'], '--dp_sigmas'),
@@ -82,17 +86,19 @@ def test_bad_flags_exit_2_naming_the_flag(tmp_path, name, args, flag):
 
 def test_fedfomo_dp_table_reports_epsilon(tmp_path):
   r = script('reproduce_fedfomo.py', f'--output_dir={tmp_path}', '--tables=dp', '--trials=1',
-             '--rounds_15=1', '--local_epochs=1', '--cifar_per_client=30', '--dp_sigmas=1,2',
+             '--rounds_15=1', '--local_epochs=1', '--cifar_per_client=30', '--dp_sigmas=0,1',
              cwd=tmp_path, timeout=600)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
   res = json.load(open(tmp_path / 'tables_cpu.json'))['results']['dp']
-  assert set(res) == {'fedavg/sigma=0', 'fedfomo/sigma=1', 'fedfomo/sigma=2'}
-  assert res['fedavg/sigma=0']['epsilon'] is None
-  # More noise, more privacy: epsilon finite and decreasing in sigma.
-  assert 0 < res['fedfomo/sigma=2']['epsilon'] < res['fedfomo/sigma=1']['epsilon'] < 1e3
+  assert set(res) == {f'{m}/sigma={s}' for m in ('fedavg', 'fedfomo') for s in (0, 1)}
+  for m in ('fedavg', 'fedfomo'):
+    # No noise: epsilon infinite; with noise finite (monotonicity in sigma
+    # and steps: test_privacy.py).
+    assert res[f'{m}/sigma=0']['epsilon'] is None
+    assert 0 < res[f'{m}/sigma=1']['epsilon'] < 1e3
   md = open(tmp_path / 'tables_cpu.md').read()
   assert '| method | delta | sigma | epsilon | accuracy |' in md
-  assert '| fedavg | 1e-05 | 0 | inf |' in md
+  assert '| fedavg | 1e-05 | 0 | inf |' in md and '| fedavg | 1e-05 | 1 |' in md
 
 
 def test_user_centric_table_written_as_json_and_markdown(tmp_path):
