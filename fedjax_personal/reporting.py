@@ -214,6 +214,27 @@ def pm(summary: dict, key: str, scale: float = 100.0, digits: int = 1) -> str:
           f'{scale * summary.get(key + "_std", 0.0):.{digits}f}')
 
 
+def trial_curves(hists: List[List[dict]], keys=('accuracy_mean', 'accuracy_worst')):
+  """Evaluated rounds, per-key (mean, sample std) over trials, and the
+  trial count as text. As the tables, diverged trials are left out of the
+  mean (used only when every trial diverged, up to the first divergence)."""
+  ok = [h for h in hists if not any(r.get('diverged') for r in h)]
+  used = ok or hists
+  count = (f'{len(hists)} trials' if len(ok) == len(hists) else
+           f'{len(used)} of {len(hists)} trials, {len(hists) - len(ok)} diverged')
+  evs = [[r for r in h if 'accuracy_mean' in r and not r.get('diverged')] for h in used]
+  n = min((len(e) for e in evs), default=0)
+  rounds = [r['round'] for r in evs[0][:n]] if n else []
+  stats = {}
+  for key in keys:
+    vals = np.array([[r[key] if r.get(key) is not None else np.nan for r in e[:n]] for e in evs])
+    # Sample std (ddof = 1), as the tables' (aggregate_trials); 0 for one trial.
+    mu = np.nanmean(vals, 0) if n else np.zeros(0)
+    sd = np.nanstd(vals, 0, ddof=1) if len(vals) > 1 and n else np.zeros_like(mu)
+    stats[key] = (mu, sd)
+  return rounds, stats, count
+
+
 def plot_trials(groups: Dict[str, List[List[dict]]], directory: str) -> str:
   """accuracy.png with one line per algorithm (mean over trials) and a band
   of ± one standard deviation, mean and worst-client accuracy."""
@@ -223,17 +244,12 @@ def plot_trials(groups: Dict[str, List[List[dict]]], directory: str) -> str:
   os.makedirs(directory, exist_ok=True)
   fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
   for name, hists in groups.items():
-    evs = [[r for r in h if 'accuracy_mean' in r and not r.get('diverged')] for h in hists]
-    n = min((len(e) for e in evs), default=0)
-    if not n:
+    rounds, stats, count = trial_curves(hists)
+    if not rounds:
       continue
-    rounds = [r['round'] for r in evs[0][:n]]
     for ax, key in zip(axes, ('accuracy_mean', 'accuracy_worst')):
-      vals = np.array([[r[key] if r.get(key) is not None else np.nan for r in e[:n]] for e in evs])
-      # Sample std (ddof = 1), as the tables' (aggregate_trials); 0 for one trial.
-      mu = np.nanmean(vals, 0)
-      sd = np.nanstd(vals, 0, ddof=1) if len(vals) > 1 else np.zeros_like(mu)
-      line, = ax.plot(rounds, mu, marker='o', ms=3, label=f'{name} ({len(hists)} trials)')
+      mu, sd = stats[key]
+      line, = ax.plot(rounds, mu, marker='o', ms=3, label=f'{name} ({count})')
       ax.fill_between(rounds, mu - sd, mu + sd, color=line.get_color(), alpha=0.2)
   return _save_accuracy_figure(fig, axes, directory, ' (mean ± std over trials)')
 

@@ -161,3 +161,26 @@ def test_a_diverged_trial_is_reported_not_fatal():
   mixed = reporting.trials_summary(trials(0.05) + bad[:1])
   assert mixed['diverged_trials'] == 1 and mixed['trials'] == 3
   assert reproduce.cell(mixed, 'accuracy_mean_window').endswith('(1/3 diverged)')
+
+
+def test_trial_curves_leave_diverged_trials_out_as_the_tables():
+  import numpy as np
+  from fedjax_personal.reporting import trial_curves
+
+  def hist(accs, diverged_at=None):
+    h = []
+    for t, a in enumerate(accs, 1):
+      r = {'round': t, 'accuracy_mean': a, 'accuracy_worst': a / 2}
+      if diverged_at is not None and t >= diverged_at:
+        r = {'round': t, 'diverged': True, 'diverged_at_round': diverged_at}
+      h.append(r)
+    return h
+  ok = [hist([0.1, 0.2, 0.3, 0.4]), hist([0.3, 0.4, 0.5, 0.6])]
+  rounds, stats, count = trial_curves(ok + [hist([0.9, 0.9, 0.9, 0.9], diverged_at=3)])
+  assert rounds == [1, 2, 3, 4] and count == '2 of 3 trials, 1 diverged'
+  np.testing.assert_allclose(stats['accuracy_mean'][0], [0.2, 0.3, 0.4, 0.5])
+  np.testing.assert_allclose(stats['accuracy_mean'][1], np.std([[.1, .2, .3, .4], [.3, .4, .5, .6]],
+                                                              0, ddof=1))
+  # Every trial diverged: drawn up to the first divergence.
+  rounds, stats, count = trial_curves([hist([0.1] * 4, 3), hist([0.2] * 4, 2)])
+  assert rounds == [1] and count == '2 of 2 trials, 2 diverged'
