@@ -58,6 +58,11 @@ def worst_epsilon(privacy: Privacy, steps, delta: float = 1e-5) -> float:
               for q, s in zip(privacy.sampling_rates, steps)), default=0.0)
 
 
+def epsilon_text(epsilon) -> str:
+  """A reported epsilon: ``None`` (no DP-SGD) is infinite privacy loss."""
+  return 'inf' if epsilon is None else f'{epsilon:.2f}'
+
+
 @dataclasses.dataclass(frozen=True)
 class DPConfig:
   """DP-SGD local training settings, shared by the algorithms offering it

@@ -38,7 +38,7 @@ from absl import app
 from absl import flags
 import numpy as np
 
-from fedjax_personal import algorithms, reporting, reproduce
+from fedjax_personal import algorithms, privacy, reporting, reproduce
 from fedjax_personal.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.engine import RoundRunner
@@ -201,7 +201,7 @@ def table_dp(S, sigmas):
     eps = r['epsilon']  # None without DP-SGD: epsilon is infinite
     key = f'{name}/sigma={sigma:g}'
     results[key] = r
-    eps_txt = 'inf' if eps is None else f'{eps:.2f}'
+    eps_txt = privacy.epsilon_text(eps)
     rows.append([name, f'{FLAGS.dp_delta:g}', f'{sigma:g}', eps_txt, r['mean']])
     print(f'  DP {key}: {r["mean"]}, epsilon {eps_txt} ({r["seconds_per_trial"]:.0f} s/trial)',
           flush=True)

@@ -85,20 +85,27 @@ def test_bad_flags_exit_2_naming_the_flag(tmp_path, name, args, flag):
 
 
 def test_fedfomo_dp_table_reports_epsilon(tmp_path):
+  # One sigma (2 cells, each compiles its own round): sigma = 0 is the plain
+  # algorithm (test_privacy.py: a loose clip without noise equals FedAvg) and
+  # its epsilon None -> 'inf' is dp_epsilon_text's (test below).
   r = script('reproduce_fedfomo.py', f'--output_dir={tmp_path}', '--tables=dp', '--trials=1',
-             '--rounds_15=1', '--local_epochs=1', '--cifar_per_client=30', '--dp_sigmas=0,1',
+             '--rounds_15=1', '--local_epochs=1', '--cifar_per_client=30', '--dp_sigmas=1',
              cwd=tmp_path, timeout=600)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
   res = json.load(open(tmp_path / 'tables_cpu.json'))['results']['dp']
-  assert set(res) == {f'{m}/sigma={s}' for m in ('fedavg', 'fedfomo') for s in (0, 1)}
+  assert set(res) == {f'{m}/sigma=1' for m in ('fedavg', 'fedfomo')}
   for m in ('fedavg', 'fedfomo'):
-    # No noise: epsilon infinite; with noise finite (monotonicity in sigma
-    # and steps: test_privacy.py).
-    assert res[f'{m}/sigma=0']['epsilon'] is None
+    # With noise epsilon is finite (monotonicity in sigma and steps:
+    # test_privacy.py).
     assert 0 < res[f'{m}/sigma=1']['epsilon'] < 1e3
   md = open(tmp_path / 'tables_cpu.md').read()
   assert '| method | delta | sigma | epsilon | accuracy |' in md
-  assert '| fedavg | 1e-05 | 0 | inf |' in md and '| fedavg | 1e-05 | 1 |' in md
+  assert '| fedavg | 1e-05 | 1 |' in md and '| fedfomo | 1e-05 | 1 |' in md
+
+
+def test_dp_epsilon_text():
+  from fedjax_personal.privacy import epsilon_text
+  assert epsilon_text(None) == 'inf' and epsilon_text(4.7312) == '4.73'
 
 
 def test_user_centric_table_written_as_json_and_markdown(tmp_path):

@@ -1,6 +1,5 @@
 """Scale: block-size invariance and a 10,000-client round on CPU."""
 
-import time
 
 import jax
 import jax.numpy as jnp
@@ -48,14 +47,12 @@ def test_ten_thousand_clients_in_one_round():
   runner = RoundRunner(alg, data, fp.CohortSampler(10_000, cohort_size=10_000),
                        fp.executors.BlockedExecutor(block_size=1000))
   state = runner.init(jax.random.key(0))
-  start = time.perf_counter()
   state, metrics = runner.round(state, jax.random.key(0))
   jax.block_until_ready(state)
   assert float(metrics['num_active']) == 10_000
   assert np.isfinite(float(metrics['train_loss']))
   stats = runner.evaluate(state, jax.random.key(0))
-  assert stats.correct.shape == (10_000,)
-  assert time.perf_counter() - start < 120
+  assert stats.correct.shape == (10_000,)  # its time: scripts/benchmark.py --section=scale
 
 
 EXECUTORS = {
