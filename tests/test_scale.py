@@ -1,6 +1,5 @@
 """Scale: block-size invariance and a 10,000-client round on CPU."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
