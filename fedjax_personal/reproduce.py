@@ -17,7 +17,6 @@ command that made it), so runs at different scales never overwrite each
 other.
 """
 
-import json
 import os
 import shlex
 import sys
@@ -26,7 +25,7 @@ from typing import Dict, List, Optional, Sequence
 
 from absl import flags
 
-from fedjax_personal import experiment, reporting
+from fedjax_personal import experiment, reporting, run_identity
 
 SCALES = ('cpu', 'paper')
 
@@ -134,8 +133,9 @@ def write_results(directory: str, table: str, title: str, markdown: str, data: d
   own = [fl for m in ('__main__', __name__) for fl in f.get_flags_for_module(m)]
   meta = {'command': command_line(), 'scale': f.scale, 'trials': trials(),
           'flags': {fl.name: fl.value for fl in own}}
-  with open(base + '.json', 'w') as fh:
-    json.dump({'title': title, **meta, 'results': data}, fh, indent=1, default=str)
+  with open(base + '.json', 'w') as fh:  # strict JSON: a diverged trial's NaN is null
+    fh.write(run_identity.dumps({'title': title, **meta, 'results': data}, indent=1,
+                                default=str))
   with open(base + '.md', 'w') as fh:
     fh.write(f'{title}\n\n`{meta["command"]}`\n\n{markdown}\n')
   return [base + '.json', base + '.md']

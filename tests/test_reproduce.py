@@ -86,8 +86,8 @@ def test_bad_flags_exit_2_naming_the_flag(tmp_path, name, args, flag):
 
 def test_fedfomo_dp_table_reports_epsilon(tmp_path):
   # One sigma (2 cells, each compiles its own round): sigma = 0 is the plain
-  # algorithm (test_privacy.py: a loose clip without noise equals FedAvg) and
-  # its epsilon None -> 'inf' is dp_epsilon_text's (test below).
+  # algorithm, with nothing to account (test_privacy.py), and its epsilon
+  # None reads 'inf' (privacy.epsilon_text, test below).
   r = script('reproduce_fedfomo.py', f'--output_dir={tmp_path}', '--tables=dp', '--trials=1',
              '--rounds_15=1', '--local_epochs=1', '--cifar_per_client=30', '--dp_sigmas=1',
              cwd=tmp_path, timeout=600)
@@ -101,6 +101,20 @@ def test_fedfomo_dp_table_reports_epsilon(tmp_path):
   md = open(tmp_path / 'tables_cpu.md').read()
   assert '| method | delta | sigma | epsilon | accuracy |' in md
   assert '| fedavg | 1e-05 | 1 |' in md and '| fedfomo | 1e-05 | 1 |' in md
+
+
+def test_results_json_is_strict(tmp_path):
+  """A diverged trial's NaN curve point is written as null, not NaN (in a
+  subprocess: the reproduce flags are the scripts', not the CLI's)."""
+  code = ('import sys; from absl import flags; from fedjax_personal import reproduce; '
+          'reproduce.define_flags(); flags.FLAGS(["x"]); '
+          'reproduce.write_results(sys.argv[1], "t", "title", "|a|", '
+          '{"curve": [[45, 0.14, float("nan")]]})')
+  r = subprocess.run([sys.executable, '-c', code, str(tmp_path)], capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  text = open(tmp_path / 't_cpu.json').read()
+  assert 'NaN' not in text and json.loads(text)['results']['curve'] == [[45, 0.14, None]]
 
 
 def test_dp_epsilon_text():
