@@ -343,11 +343,11 @@ def executors_section(peak, bandwidth):
 def save(results, peak, bandwidth):
   import jax
   if FLAGS.output:
-    with open(FLAGS.output, 'w') as f:
-      json.dump({'matmul_gflops': peak, 'memory_gbps': bandwidth,
-                 'backend': jax.default_backend(),
-                 'devices': [str(d) for d in jax.devices()],
-                 'cores': os.cpu_count(), 'results': results}, f, indent=1)
+    from fedjax_personal import run_identity  # strict JSON: a NaN is written as null
+    run_identity.write_json(FLAGS.output, {
+        'matmul_gflops': peak, 'memory_gbps': bandwidth, 'backend': jax.default_backend(),
+        'devices': [str(d) for d in jax.devices()], 'cores': os.cpu_count(),
+        'results': results})
 
 
 def run_worker(spec):
