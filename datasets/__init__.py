@@ -12,6 +12,7 @@ from fedjax_personal.datasets.partition import PARTITIONS, Partition
 
 DATASETS = ('mnist', 'digits', 'cifar10', 'shakespeare', 'synthetic',
             'tfds:mnist', 'tfds:emnist', 'tfds:cifar10', 'tfds:cifar100', 'tfds:tiny_shakespeare')
+LATENT_FEATURES = ('pixels', 'embedding')
 NATURAL = ('shakespeare', 'synthetic', 'tfds:tiny_shakespeare')
 
 
@@ -27,6 +28,9 @@ class DataConfig:
     alpha: Dirichlet concentration (label skew); quantity skew beta.
     classes_per_client: k for 'pathological' and c for 'sparse_classes'.
     num_groups: groups for rotation / label_permutation / latent_clusters.
+    latent_features: what latent_clusters clusters: 'pixels' (the inputs)
+      or 'embedding' (a centrally trained classifier's penultimate layer, as
+      FedFomo's latent distributions; see datasets/embedding.py).
     group_base: partition inside groups: 'iid' or 'dirichlet' (uses alpha).
     examples_per_client: sparse_classes examples per device (None: max).
     test_fraction, val_fraction: per-client held-out shares.
@@ -42,6 +46,7 @@ class DataConfig:
   alpha: float = 0.4
   classes_per_client: int = 2
   num_groups: int = 4
+  latent_features: str = 'pixels'
   group_base: str = 'iid'
   examples_per_client: Optional[int] = None
   test_fraction: float = 0.2
@@ -80,6 +85,12 @@ def make_partition(cfg: DataConfig, x, y, num_classes, rng) -> Partition:
     raise ConfigError('partition', f'unknown partition {p!r}; choose one of {list(PARTITIONS)}')
   if p == 'natural':
     raise ConfigError('partition', f"partition 'natural' is only for {list(NATURAL)}")
+  if cfg.latent_features not in LATENT_FEATURES:
+    raise ConfigError('latent_features', f'unknown latent_features {cfg.latent_features!r}; '
+                      f'choose one of {list(LATENT_FEATURES)}')
+  if cfg.latent_features != 'pixels' and p != 'latent_clusters':
+    raise ConfigError('latent_features', 'latent_features applies to --partition=latent_clusters, '
+                      f'not {p!r}')
   base = None
   if p in ('rotation', 'label_permutation'):
     if cfg.group_base not in ('iid', 'dirichlet'):
@@ -103,6 +114,9 @@ def make_partition(cfg: DataConfig, x, y, num_classes, rng) -> Partition:
   if p in ('sparse_classes', 'sparse_classes_permuted'):
     return partition.sparse_classes(y, n, num_classes, cfg.classes_per_client, rng,
                                     cfg.examples_per_client, permute=p.endswith('permuted'))
+  if cfg.latent_features == 'embedding':
+    from fedjax_personal.datasets import embedding
+    x = embedding.semantic_features(x, y, num_classes, cfg.seed)
   return partition.latent_clusters(x, n, cfg.num_groups, rng)
 
 

@@ -40,6 +40,9 @@ flags.DEFINE_string('partition', 'rotation', 'Partition: ' + ', '.join(datasets_
 flags.DEFINE_float('alpha', 0.4, 'Dirichlet concentration (label skew) / quantity-skew beta.')
 flags.DEFINE_integer('classes_per_client', 2, 'Classes per client (pathological, sparse_classes).')
 flags.DEFINE_integer('num_groups', 4, 'Groups (rotation, label_permutation, latent_clusters).')
+flags.DEFINE_string('latent_features', 'pixels',
+                  "What latent_clusters clusters: 'pixels' or 'embedding' (penultimate layer "
+                  "of a classifier trained centrally on the pool, FedFomo's recipe).")
 flags.DEFINE_string('group_base', 'iid', "Partition inside groups: 'iid' or 'dirichlet'.")
 flags.DEFINE_integer('examples_per_client', None, 'sparse_classes: examples per device.')
 flags.DEFINE_integer('max_examples', None, 'Use at most this many examples of the pool.')
@@ -250,6 +253,11 @@ def validate_flags():
   _check(FLAGS.test_fraction + val_fraction() < 1, 'val_fraction',
          'test_fraction + val_fraction must be < 1')
   _check(0 <= val_fraction() < 1, 'val_fraction', f'must be in [0, 1), got {val_fraction()}')
+  _check(FLAGS.latent_features in datasets_lib.LATENT_FEATURES, 'latent_features',
+         f'unknown value {FLAGS.latent_features!r}; choose from {list(datasets_lib.LATENT_FEATURES)}')
+  _check(not FLAGS['latent_features'].present or FLAGS.partition == 'latent_clusters',
+         'latent_features', 'applies to --partition=latent_clusters, not '
+         f'{FLAGS.partition!r}')
   _check(FLAGS.adapter_dim >= 0, 'adapter_dim', f'must be >= 0, got {FLAGS.adapter_dim}')
   swept = {}
   if FLAGS.sweep:
@@ -287,6 +295,7 @@ def data_config() -> datasets_lib.DataConfig:
       dataset=FLAGS.dataset, partition=FLAGS.partition, num_clients=FLAGS.num_clients,
       seed=FLAGS.seed if FLAGS.data_seed is None else FLAGS.data_seed, alpha=FLAGS.alpha, classes_per_client=FLAGS.classes_per_client,
       num_groups=FLAGS.num_groups, group_base=FLAGS.group_base,
+      latent_features=FLAGS.latent_features,
       examples_per_client=FLAGS.examples_per_client, test_fraction=FLAGS.test_fraction,
       val_fraction=val_fraction(), max_examples=FLAGS.max_examples, data_dir=FLAGS.data_dir)
 
@@ -301,6 +310,8 @@ def job_identity(data) -> dict:
   """What every algorithm of the job shares in its run identity."""
   cfg = dataclasses.asdict(data_config())
   cfg.pop('data_dir')  # where the files are does not matter; their content does
+  if cfg['latent_features'] == 'pixels':  # the default before the field existed:
+    cfg.pop('latent_features')            # earlier runs keep their identity
   return {'data': cfg, 'data_fingerprint': run_identity.data_fingerprint(data),
           'model': FLAGS.model, 'adapter_dim': FLAGS.adapter_dim,
           'cohort_size': FLAGS.cohort_size, 'participation': FLAGS.participation,

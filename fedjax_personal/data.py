@@ -70,6 +70,21 @@ class FederatedData:
     g = np.asarray(self.groups)
     return int(g.max()) + 1 if g.size and g.max() >= 0 else 0
 
+  def label_skew(self) -> Optional[float]:
+    """Mean over clients of the L1 distance between the client's training
+    label distribution and the pooled one, sum_c |p_i(c) - p(c)| in [0, 2]
+    (the "EMD" of Zhao et al., 2018, Federated learning with non-IID data);
+    None for targets that are not one class per example."""
+    y, n = np.asarray(self.train.y), np.asarray(self.train.num_examples)
+    if y.ndim != 2 or not np.issubdtype(y.dtype, np.integer):
+      return None
+    valid = np.arange(y.shape[1])[None, :] < n[:, None]
+    counts = np.stack([np.bincount(y[i][valid[i]], minlength=self.num_classes)
+                       for i in range(len(y))]).astype(np.float64)
+    local = counts / np.maximum(counts.sum(1, keepdims=True), 1)
+    pooled = counts.sum(0) / max(counts.sum(), 1)
+    return float(np.abs(local - pooled).sum(1)[n > 0].mean())
+
   def describe(self) -> str:
     n = np.asarray(self.train.num_examples)
     return (f'{self.name}: {self.num_clients} clients, {self.num_classes} classes, '

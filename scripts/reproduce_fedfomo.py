@@ -15,7 +15,8 @@ code the paper used), pFedMe, CFL, FedFomo with M = 5 and M = 10 downloads
 every method so they see the same data (the paper's baselines may have
 trained on all of it).
 
-Table 3 (DP): 15 clients in 5 latent distributions (k-means on the images),
+Table 3 (DP): 15 clients in 5 latent distributions (k-means on the pixels, or
+with --dp_latent_features=embedding on a centrally trained LeNet-5's features),
 all active, CIFAR-10; FedAvg and FedFomo with DP-SGD local training at noise
 multipliers sigma = 0, 1, 2 (clip norm 1; sigma = 0 is plain SGD, as the
 paper's baselines), epsilon at delta = 1e-5 from the RDP accountant on each
@@ -60,6 +61,7 @@ METHODS = {
     # why few downloads get a positive weight with 10% participation (BUILD.md).
     'fedfomo_m10_explore': ('fedfomo', dict(candidates=10, eps_decay=0.0)),
 }
+DP_METHODS = ('fedavg', 'fedfomo', 'local')
 SETTINGS = {'15': '15 clients, 100%', '100': '100 clients, 10%'}
 DATASETS = ('mnist', 'cifar10')
 PAPER = {  # Table 1 of the paper (mean accuracy, %): MNIST 15, 100; CIFAR-10 15, 100
@@ -78,6 +80,11 @@ flags.DEFINE_list('methods', [m for m in METHODS if m in PAPER], 'Table 1\'s met
                   'fedfomo_m10_explore: M = 10 without eps decay).')
 flags.DEFINE_list('dp_sigmas', ['0', '1', '2'], 'DP table: noise multipliers of FedAvg and '
                   'FedFomo (0: plain SGD).')
+flags.DEFINE_list('dp_methods', ['fedavg', 'fedfomo'], 'DP table: methods (fedavg, fedfomo; '
+                  'local: no DP-SGD, one reference row at sigma 0).')
+flags.DEFINE_string('dp_latent_features', 'pixels', "DP table: what the 5 latent distributions "
+                    "cluster: 'pixels' or 'embedding' (a centrally trained LeNet-5's "
+                    "penultimate layer, the paper's recipe with a smaller network).")
 flags.DEFINE_float('dp_clip_norm', 1.0, 'DP table: per-example clip norm.')
 flags.DEFINE_float('dp_delta', 1e-5, 'DP table: delta of the reported epsilon.')
 flags.DEFINE_integer('cifar_per_client', None, 'CIFAR-10 images per client with 15 clients '
@@ -102,7 +109,10 @@ def check_flags():
   for name, values, allowed in (('tables', FLAGS.tables, ('1', 'dp')),
                                 ('datasets', FLAGS.datasets, DATASETS),
                                 ('settings', FLAGS.settings, tuple(SETTINGS)),
-                                ('methods', FLAGS.methods, tuple(METHODS))):
+                                ('methods', FLAGS.methods, tuple(METHODS)),
+                                ('dp_methods', FLAGS.dp_methods, DP_METHODS),
+                                ('dp_latent_features', [FLAGS.dp_latent_features],
+                                 ('pixels', 'embedding'))):
     for v in values:
       if v not in allowed:
         raise app.UsageError(f'--{name}: unknown value {v!r}; choose from {list(allowed)}', 2)
@@ -115,7 +125,9 @@ def check_flags():
   for name in ('datasets', 'settings', 'methods', 'rounds_100', 'eval_every_100'):
     if FLAGS[name].present and '1' not in FLAGS.tables:
       raise app.UsageError(f'--{name} applies to table 1; add 1 to --tables', 2)
-  for name in ('dp_sigmas', 'dp_clip_norm', 'dp_delta'):
+  if 'local' in FLAGS.dp_methods and not any(s == 0 for s in sigmas):
+    raise app.UsageError('--dp_methods: local runs without DP-SGD; add 0 to --dp_sigmas', 2)
+  for name in ('dp_sigmas', 'dp_clip_norm', 'dp_delta', 'dp_methods', 'dp_latent_features'):
     if FLAGS[name].present and 'dp' not in FLAGS.tables:
       raise app.UsageError(f'--{name} applies to the DP table; add dp to --tables', 2)
   return sigmas
@@ -127,16 +139,17 @@ def training(dataset: str) -> dict:
               client_weight_decay=1e-4, batch_size=50, local_epochs=FLAGS.local_epochs)
 
 
-def load(S, dataset: str, setting: str, partition: str = 'pathological'):
+def load(S, dataset: str, setting: str, partition: str = 'pathological',
+         latent_features: str = 'pixels'):
   n = int(setting)
   cifar = dataset == 'cifar10'
   per = S.cifar_per_client and (S.cifar_per_client if n == 15 else max(S.cifar_per_client // 6, 10))
   data = to_device(load_federated(DataConfig(
       dataset='cifar10' if cifar else S.mnist, partition=partition, classes_per_client=2,
-      num_groups=5, num_clients=n, test_fraction=0.2, val_fraction=0.2,
+      num_groups=5, latent_features=latent_features, num_clients=n, test_fraction=0.2, val_fraction=0.2,
       max_examples=per * n if (cifar and per) else None, seed=FLAGS.seed,
       data_dir=FLAGS.data_dir)))
-  print(data.describe(), flush=True)
+  print(f'{data.describe()}, label skew {data.label_skew():.2f}', flush=True)
   model = create_model(S.cifar_model if cifar else S.mnist_model, data.num_classes,
                        data.train.x[0, :1])
   return data, model
@@ -190,9 +203,11 @@ def table_one(S):
 
 
 def table_dp(S, sigmas):
-  data, model = load(S, 'cifar10', '15', partition='latent_clusters')
-  results, rows = {}, []
-  runs = [(name, s) for name in ('fedavg', 'fedfomo') for s in sigmas]
+  data, model = load(S, 'cifar10', '15', partition='latent_clusters',
+                     latent_features=FLAGS.dp_latent_features)
+  results, rows = {'label_skew': data.label_skew()}, []
+  runs = [(name, s) for name in FLAGS.dp_methods for s in sigmas
+          if name != 'local' or s == 0]
   for name, sigma in runs:
     opts = dict(candidates=5) if name == 'fedfomo' else {}
     if sigma > 0:
@@ -223,7 +238,9 @@ def main(argv):
                  f'paper in parentheses\n\n{md}')
   if 'dp' in FLAGS.tables:
     results['dp'], md = table_dp(S, sigmas)
-    parts.append(f'DP table (CIFAR-10, 15 clients in 5 latent distributions, all active)\n\n{md}')
+    parts.append(f'DP table (CIFAR-10, 15 clients in 5 latent distributions of the '
+                 f'{FLAGS.dp_latent_features}, label skew {results["dp"]["label_skew"]:.2f}, '
+                 f'all active)\n\n{md}')
   title = (f'FedFomo, scale {FLAGS.scale}: E = {FLAGS.local_epochs}, B = 50, mean ± std over '
            f'{reproduce.trials()} trials of the mean over the last {FLAGS.stat_window} '
            f'evaluations')

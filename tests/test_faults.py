@@ -101,6 +101,8 @@ def test_corrupted_latest_checkpoint_falls_back(tmp_path, capsys):
     (['--partition=pathological', '--classes_per_client=11'], 'classes_per_client'),
     (['--client_lr=inf'], 'client_lr'),
     (['--algorithm=fedavg,fedfomo', '--val_fraction=0'], 'val_fraction'),
+    (['--partition=iid', '--latent_features=embedding'], 'latent_features'),
+    (['--partition=latent_clusters', '--latent_features=vgg'], 'latent_features'),
 ])
 def test_bad_values_are_refused_before_training(tmp_path, args, flag):
   with pytest.raises(ConfigError) as e:

@@ -77,7 +77,10 @@ def test_scales_resolve_to_the_documented_sizes():
     ('reproduce_fedfomo.py', ['--settings=7'], '--settings'),
     ('reproduce_fedfomo.py', ['--tables=dp', '--methods=fedavg'], '--methods'),
     ('reproduce_fedfomo.py', ['--tables=1', '--dp_sigmas=1'], '--dp_sigmas'),
-    ('reproduce_fedfomo.py', ['--dp_sigmas=-1'], '--dp_sigmas')])
+    ('reproduce_fedfomo.py', ['--dp_sigmas=-1'], '--dp_sigmas'),
+    ('reproduce_fedfomo.py', ['--dp_methods=fedavg,ditto'], '--dp_methods'),
+    ('reproduce_fedfomo.py', ['--dp_methods=local', '--dp_sigmas=1'], '--dp_methods'),
+    ('reproduce_fedfomo.py', ['--dp_latent_features=vgg'], '--dp_latent_features')])
 def test_bad_flags_exit_2_naming_the_flag(tmp_path, name, args, flag):
   r = script(name, f'--output_dir={tmp_path}', *args, timeout=300)
   assert r.returncode == 2, r.stderr[-2000:]
@@ -93,7 +96,8 @@ def test_fedfomo_dp_table_reports_epsilon(tmp_path):
              cwd=tmp_path, timeout=600)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
   res = json.load(open(tmp_path / 'tables_cpu.json'))['results']['dp']
-  assert set(res) == {f'{m}/sigma=1' for m in ('fedavg', 'fedfomo')}
+  assert set(res) == {f'{m}/sigma=1' for m in ('fedavg', 'fedfomo')} | {'label_skew'}
+  assert 0 <= res['label_skew'] <= 2
   for m in ('fedavg', 'fedfomo'):
     # With noise epsilon is finite (monotonicity in sigma and steps:
     # test_privacy.py).
