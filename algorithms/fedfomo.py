@@ -35,6 +35,7 @@ import optax
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm,
                                        cohort_train_metrics)
 from fedjax_personal.batching import Batching
+from fedjax_personal.clustering import in_group_chance
 from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec,
                                     ConfigError, hparam)
 from fedjax_personal.models import Model
@@ -100,13 +101,21 @@ def fomo_update(base, candidates, weights):
 
 def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching,
             num_candidates: int = 5, eps0: float = 0.3, eps_decay: float = 0.05,
-            leave_one_out: bool = False, dp: Optional[tuple] = None) -> FederatedAlgorithm:
+            leave_one_out: bool = False, dp: Optional[tuple] = None,
+            groups=None) -> FederatedAlgorithm:
   """Builds FedFomo (M = ``num_candidates``). The candidate choice (exploration
-  and ties) draws from the round's server key."""
+  and ties) draws from the round's server key. ``groups`` (optional known
+  group of each client, e.g. the latent distribution) only feeds a diagnostic:
+  ``fomo_in_group_share``, the share of the round's positive weight that goes
+  to downloads from the client's own group (``fomo_in_group_chance``: the
+  share of other clients in that group, what a group-blind choice gets)."""
   if not 1 <= num_candidates < num_clients:
     raise ConfigError('fedfomo_candidates',
                       f'must be in [1, num_clients - 1], got {num_candidates}')
   objective = plain_objective(model)
+  groups_np = None if groups is None else np.asarray(groups)
+  if groups_np is not None and groups_np.min() < 0:
+    groups_np = None  # no known group structure
 
   def val_loss(params, val):
     s = evaluate_params(model, params, val)
@@ -171,7 +180,14 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
     active = cohort.mask.astype(jnp.float32)
     positive = jnp.sum((w > 0).astype(jnp.float32) * active[:, None])
     share = positive / jnp.maximum(jnp.sum(active) * w.shape[1], 1.0)
-    return new, {**cohort_train_metrics(stats, cohort.mask), 'fomo_positive_share': share}
+    info = {**cohort_train_metrics(stats, cohort.mask), 'fomo_positive_share': share}
+    if groups_np is not None:
+      g = jnp.asarray(groups_np, jnp.int32)
+      same = (g[cand] == g[cohort.idx][:, None]).astype(jnp.float32)
+      pos = jnp.maximum(w, 0.0) * active[:, None]
+      info['fomo_in_group_share'] = jnp.sum(pos * same) / jnp.maximum(jnp.sum(pos), 1e-30)
+      info['fomo_in_group_chance'] = jnp.float32(in_group_chance(groups_np))
+    return new, info
 
   def communication(state):
     # Each active client receives its own bundle of M models (unicast).
@@ -193,7 +209,8 @@ def build(training, config: FedFomoConfig, model, data):
   batching = training.batching()
   alg = fedfomo(model, data.num_clients, training.make_client_optimizer(), batching,
                  num_candidates=min(config.candidates, data.num_clients - 1), eps0=config.eps,
-                 eps_decay=config.eps_decay, leave_one_out=config.leave_one_out, dp=dp)
+                 eps_decay=config.eps_decay, leave_one_out=config.leave_one_out, dp=dp,
+                 groups=data.groups)
   if dp is None:
     return alg
   return alg.replace(privacy=dp_privacy(config, data, batching, lambda state: state.dp_steps))

@@ -43,6 +43,7 @@ import numpy as np
 import optax
 
 from fedjax_personal import aggregation, clustering
+from fedjax_personal.clustering import in_group_chance, in_group_share  # noqa: F401 (API)
 from fedjax_personal.algorithm import (ClientModels, Communication, FederatedAlgorithm, PreRound,
                                        cohort_train_metrics)
 from fedjax_personal.batching import Batching
@@ -113,24 +114,6 @@ def mixing_matrix(grads, sigma2, num_examples):
 def effective_neighbours(w):
   """1 / sum_j W_ij^2 per row (1: only itself; N: uniform)."""
   return 1.0 / jnp.sum(jnp.asarray(w, jnp.float32) ** 2, axis=1)
-
-
-def in_group_share(w, groups):
-  """Mean over clients i of the share of row i's off-diagonal weight that
-  goes to clients of i's own known group: 1 when W mixes only inside groups,
-  about (|G_i| - 1) / (N - 1) (``in_group_chance``) when W ignores them."""
-  w = jnp.asarray(w, jnp.float32)
-  off = 1.0 - jnp.eye(w.shape[0], dtype=w.dtype)
-  same = (groups[:, None] == groups[None, :]).astype(w.dtype) * off
-  return jnp.mean(jnp.sum(w * same, 1) / jnp.maximum(jnp.sum(w * off, 1), 1e-30))
-
-
-def in_group_chance(groups) -> float:
-  """Mean over clients of (|G_i| - 1) / (N - 1): ``in_group_share`` of a W
-  that spreads weight uniformly over the other clients."""
-  groups = np.asarray(groups)
-  sizes = np.array([np.sum(groups == g) for g in groups])
-  return float(np.mean((sizes - 1) / max(len(groups) - 1, 1)))
 
 
 def default_max_streams(num_clients: int, max_streams: int = 0) -> int:

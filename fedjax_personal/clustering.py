@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def sq_distances(x, c):
@@ -227,3 +228,21 @@ def adjusted_rand_index(labels_true, labels_pred, num_true: int, num_pred: int):
   top = (a + b) / 2
   denom = top - expected
   return jnp.where(denom == 0, 1.0, (index - expected) / jnp.where(denom == 0, 1.0, denom))
+
+
+def in_group_share(w, groups):
+  """Mean over clients i of the share of row i's off-diagonal weight that
+  goes to clients of i's own known group: 1 when W mixes only inside groups,
+  about (|G_i| - 1) / (N - 1) (``in_group_chance``) when W ignores them."""
+  w = jnp.asarray(w, jnp.float32)
+  off = 1.0 - jnp.eye(w.shape[0], dtype=w.dtype)
+  same = (groups[:, None] == groups[None, :]).astype(w.dtype) * off
+  return jnp.mean(jnp.sum(w * same, 1) / jnp.maximum(jnp.sum(w * off, 1), 1e-30))
+
+
+def in_group_chance(groups) -> float:
+  """Mean over clients of (|G_i| - 1) / (N - 1): ``in_group_share`` of a W
+  that spreads weight uniformly over the other clients."""
+  groups = np.asarray(groups)
+  sizes = np.array([np.sum(groups == g) for g in groups])
+  return float(np.mean((sizes - 1) / max(len(groups) - 1, 1)))

@@ -177,6 +177,10 @@ def run_cell(name, opts, data, model, dataset, setting):
   shares = [r['fomo_positive_share'] for h in histories for r in h if 'fomo_positive_share' in r]
   if shares:  # FedFomo: share of downloaded models given a positive weight, over rounds
     out['positive_share'] = float(np.mean(shares))
+  in_group = [(r['fomo_in_group_share'], r['fomo_in_group_chance']) for h in histories for r in h
+              if r.get('fomo_positive_share', 0) > 0 and 'fomo_in_group_share' in r]
+  if in_group:  # known groups: share of the positive weight inside the client's own group
+    out['in_group_share'], out['in_group_chance'] = map(float, np.mean(in_group, axis=0))
   return out
 
 
@@ -218,8 +222,12 @@ def table_dp(S, sigmas):
     results[key] = r
     eps_txt = privacy.epsilon_text(eps)
     rows.append([name, f'{FLAGS.dp_delta:g}', f'{sigma:g}', eps_txt, r['mean']])
-    print(f'  DP {key}: {r["mean"]}, epsilon {eps_txt} ({r["seconds_per_trial"]:.0f} s/trial)',
-          flush=True)
+    diag = (f', {100 * r["positive_share"]:.1f}% of downloads weighted > 0' if 'positive_share' in r
+            else '') + (f', {100 * r["in_group_share"]:.0f}% of that weight in the own latent '
+                        f'distribution (chance {100 * r["in_group_chance"]:.0f}%)'
+                        if 'in_group_share' in r else '')
+    print(f'  DP {key}: {r["mean"]}, epsilon {eps_txt} ({r["seconds_per_trial"]:.0f} s/trial'
+          f'{diag})', flush=True)
   header = ['method', 'delta', 'sigma', 'epsilon', 'accuracy']
   return results, reproduce.markdown_table(header, rows)
 

@@ -59,6 +59,31 @@ def test_candidate_choice_follows_the_round_key():
   assert not np.array_equal(candidates(1), candidates(2))
 
 
+def test_fedfomo_in_group_share_of_positive_weight():
+  """With known groups (e.g. latent distributions), the round reports the
+  share of the positive weight that goes to downloads from the client's own
+  group, and the group-blind chance level."""
+  data = to_device(load_federated(DataConfig(dataset='digits', partition='iid', num_clients=6,
+                                             val_fraction=0.3, max_examples=600)))
+  model = fp.models.from_flax('mlp', fp.models.MLP(10, hidden=(8,)), data.train.x[0, :1])
+  groups = np.array([0, 0, 1, 1, 1, 1])
+  alg = fomo.fedfomo(model, 6, optax.sgd(0.1), fp.Batching(16, 1), num_candidates=3, eps0=0.0,
+                     groups=groups)
+  runner = RoundRunner(alg, data, fp.CohortSampler(6, cohort_size=6), fp.executors.VmapExecutor())
+  prev = runner.init(jax.random.key(0))
+  same = groups[:, None] == groups[None, :]
+  for r in range(6):
+    new, m = runner.round(prev, jax.random.key(r), r)
+    pos = np.maximum(np.asarray(new.affinity) - np.asarray(prev.affinity), 0)
+    want = pos[same].sum() / pos.sum() if pos.sum() > 0 else 0.0
+    assert np.isclose(float(m['fomo_in_group_share']), want, atol=1e-5), r
+    assert float(m['fomo_in_group_chance']) == pytest.approx((2 * 1 / 5 + 4 * 3 / 5) / 6)
+    if pos.sum() > 0 and 0 < want < 1:
+      break
+    prev = new
+  assert pos.sum() > 0 and 0 < want < 1  # a round with weight inside and outside groups
+
+
 def test_fedfomo_round_updates_affinity_and_models():
   data = to_device(load_federated(DataConfig(dataset='digits', num_clients=5, val_fraction=0.2,
                                              max_examples=500)))
