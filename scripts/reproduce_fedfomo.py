@@ -15,8 +15,9 @@ code the paper used), pFedMe, CFL, FedFomo with M = 5 and M = 10 downloads
 every method so they see the same data (the paper's baselines may have
 trained on all of it).
 
-Table 3 (DP): 15 clients in 5 latent distributions (k-means on the pixels, or
-with --dp_latent_features=embedding on a centrally trained LeNet-5's features),
+Table 3 (DP): 15 clients in 5 latent distributions (k-means on a centrally
+trained LeNet-5's features, the paper's recipe; --dp_latent_features=pixels
+clusters the pixels, which gives clients with all 10 classes, BUILD.md),
 all active, CIFAR-10; FedAvg and FedFomo with DP-SGD local training at noise
 multipliers sigma = 0, 1, 2 (clip norm 1; sigma = 0 is plain SGD, as the
 paper's baselines), epsilon at delta = 1e-5 from the RDP accountant on each
@@ -82,9 +83,9 @@ flags.DEFINE_list('dp_sigmas', ['0', '1', '2'], 'DP table: noise multipliers of 
                   'FedFomo (0: plain SGD).')
 flags.DEFINE_list('dp_methods', ['fedavg', 'fedfomo'], 'DP table: methods (fedavg, fedfomo; '
                   'local: no DP-SGD, one reference row at sigma 0).')
-flags.DEFINE_string('dp_latent_features', 'pixels', "DP table: what the 5 latent distributions "
-                    "cluster: 'pixels' or 'embedding' (a centrally trained LeNet-5's "
-                    "penultimate layer, the paper's recipe with a smaller network).")
+flags.DEFINE_string('dp_latent_features', 'embedding', "DP table: what the 5 latent "
+                    "distributions cluster: 'embedding' (a centrally trained LeNet-5's "
+                    "penultimate layer, the paper's recipe with a smaller network) or 'pixels'.")
 flags.DEFINE_float('dp_clip_norm', 1.0, 'DP table: per-example clip norm.')
 flags.DEFINE_float('dp_delta', 1e-5, 'DP table: delta of the reported epsilon.')
 flags.DEFINE_integer('cifar_per_client', None, 'CIFAR-10 images per client with 15 clients '
