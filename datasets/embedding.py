@@ -45,8 +45,8 @@ def semantic_features(x: np.ndarray, y: np.ndarray, num_classes: int, seed: int,
   params = model.init(key_init)
   opt = optax.sgd(learning_rate, momentum=0.9)
   xs, ys = jnp.asarray(x), jnp.asarray(y, jnp.int32)
-  steps = max(len(y) // batch_size, 1)
   batch_size = min(batch_size, len(y))
+  steps = len(y) // batch_size
 
   def loss(p, xb, yb):
     return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, xb), yb).mean()

@@ -78,8 +78,7 @@ class FederatedData:
     y, n = np.asarray(self.train.y), np.asarray(self.train.num_examples)
     if y.ndim != 2 or not np.issubdtype(y.dtype, np.integer):
       return None
-    valid = np.arange(y.shape[1])[None, :] < n[:, None]
-    counts = np.stack([np.bincount(y[i][valid[i]], minlength=self.num_classes)
+    counts = np.stack([np.bincount(y[i, :n[i]], minlength=self.num_classes)  # padding at the end
                        for i in range(len(y))]).astype(np.float64)
     local = counts / np.maximum(counts.sum(1, keepdims=True), 1)
     pooled = counts.sum(0) / max(counts.sum(), 1)

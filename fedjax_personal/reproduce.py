@@ -133,9 +133,8 @@ def write_results(directory: str, table: str, title: str, markdown: str, data: d
   own = [fl for m in ('__main__', __name__) for fl in f.get_flags_for_module(m)]
   meta = {'command': command_line(), 'scale': f.scale, 'trials': trials(),
           'flags': {fl.name: fl.value for fl in own}}
-  with open(base + '.json', 'w') as fh:  # strict JSON: a diverged trial's NaN is null
-    fh.write(run_identity.dumps({'title': title, **meta, 'results': data}, indent=1,
-                                default=str))
+  # Strict JSON: a diverged trial's NaN is written as null.
+  run_identity.write_json(base + '.json', {'title': title, **meta, 'results': data})
   with open(base + '.md', 'w') as fh:
     fh.write(f'{title}\n\n`{meta["command"]}`\n\n{markdown}\n')
   return [base + '.json', base + '.md']

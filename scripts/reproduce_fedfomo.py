@@ -42,7 +42,7 @@ import numpy as np
 
 from fedjax_personal import algorithms, privacy, reporting, reproduce
 from fedjax_personal.data import to_device
-from fedjax_personal.datasets import DataConfig, load_federated
+from fedjax_personal.datasets import LATENT_FEATURES, DataConfig, load_federated
 from fedjax_personal.engine import RoundRunner
 from fedjax_personal.executors import create_executor
 from fedjax_personal.models import create_model
@@ -113,7 +113,7 @@ def check_flags():
                                 ('methods', FLAGS.methods, tuple(METHODS)),
                                 ('dp_methods', FLAGS.dp_methods, DP_METHODS),
                                 ('dp_latent_features', [FLAGS.dp_latent_features],
-                                 ('pixels', 'embedding'))):
+                                 LATENT_FEATURES)):
     for v in values:
       if v not in allowed:
         raise app.UsageError(f'--{name}: unknown value {v!r}; choose from {list(allowed)}', 2)
