@@ -15,8 +15,19 @@ Size flags given explicitly override the scale's values. Results go to
 ``<output_dir>/<table>_<scale>.json`` and ``.md`` (a Markdown table with the
 command that made it), so runs at different scales never overwrite each
 other.
+
+Every finished trial is also kept under ``<output_dir>/trials/<cell hash>/``
+with its identity (the cell's settings, the data fingerprint, the model's
+parameter shapes, the sampler, rounds, seed and a fingerprint of the
+library's source). A table run that was killed, or that is run again with
+more ``--trials``, reuses the trials whose identity is equal and runs only the
+rest (``--noreuse_trials`` runs every trial again); a trial of any other
+configuration or code is never read.
 """
 
+import functools
+import hashlib
+import json
 import os
 import shlex
 import sys
@@ -24,6 +35,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from absl import flags
+import numpy as np
 
 from fedjax_personal import experiment, reporting, run_identity
 
@@ -46,6 +58,9 @@ def define_flags(default_trials: Optional[Dict[str, int]] = None) -> None:
   flags.DEFINE_string('data_dir', None, 'Directory with the offline data files (default: '
                       '../shared/data and the usual places).')
   flags.DEFINE_bool('dry_run', False, 'Print the sizes this scale resolves to and exit.')
+  flags.DEFINE_bool('reuse_trials', True, 'Reuse the trials a run of the same cell (same '
+                    'settings, data, seed and library source) finished under '
+                    '<output_dir>/trials: a killed or extended table run goes on from them.')
   flags.register_validator('trials', lambda v: v is None or v >= 1, '--trials must be >= 1')
   _TRIALS.update(trials)
 
@@ -72,9 +87,15 @@ def dry_run(sizes: dict) -> bool:
 
 
 def output_dir(script: str) -> str:
+  """``--output_dir`` or runs/<script>, created; the trials of this run's
+  cells are kept under it (``run_trials``)."""
   d = flags.FLAGS.output_dir or os.path.join('runs', script)
   os.makedirs(d, exist_ok=True)
+  _OUTPUT[0] = d
   return d
+
+
+_OUTPUT: List[Optional[str]] = [None]
 
 
 def scaled(value, cpu, paper):
@@ -84,26 +105,124 @@ def scaled(value, cpu, paper):
   return cpu if flags.FLAGS.scale == 'cpu' else paper
 
 
+@functools.lru_cache(maxsize=None)
+def code_fingerprint() -> str:
+  """SHA-256 (16 hex digits) of the library's Python source (the
+  ``fedjax_personal`` package with its algorithms and data sets): a trial
+  made by other code is never reused."""
+  import fedjax_personal
+  root = os.path.dirname(os.path.abspath(fedjax_personal.__file__))
+  h = hashlib.sha256()
+  for d, subdirs, files in os.walk(root):
+    subdirs.sort()
+    for name in sorted(files):
+      if name.endswith('.py'):
+        path = os.path.join(d, name)
+        h.update(os.path.relpath(path, root).encode())
+        with open(path, 'rb') as f:
+          h.update(f.read())
+  return h.hexdigest()[:16]
+
+
+def trial_identity(runner, cell: dict, num_rounds: int, eval_every: int,
+                   callbacks: Sequence = ()) -> dict:
+  """What makes a trial's numbers (its seed aside): the caller's ``cell``
+  (algorithm name and settings), the data fingerprint, the model's name and
+  parameter shapes, the sampler, rounds, evaluation period, the callbacks'
+  settings (e.g. the DP delta) and the library's source."""
+  import dataclasses
+  import jax
+  from fedjax_personal import __version__
+  alg = runner.algorithm
+  shapes = jax.tree.map(lambda a: [list(a.shape), str(a.dtype)],
+                        jax.eval_shape(alg.init, jax.random.key(0)))
+  simple = (bool, int, float, str, type(None))
+  return json.loads(run_identity.dumps({
+      'cell': cell, 'algorithm': alg.name, 'model': alg.model.name,
+      'state_shapes': run_identity.short_hash(jax.tree.leaves(shapes)),
+      'data_fingerprint': run_identity.data_fingerprint(runner.data),
+      'sampler': dataclasses.asdict(runner.sampler), 'rounds': num_rounds,
+      'eval_every': eval_every,
+      'callbacks': [[type(c).__name__, {k: v for k, v in vars(c).items()
+                                        if isinstance(v, simple)}] for c in callbacks],
+      'code': code_fingerprint(), 'version': __version__}, default=str))
+
+
+class TrialCache:
+  """Finished trials of one cell: ``<directory>/trials/<hash>/seed_<s>.json``
+  holding the identity, the history and the seconds it took."""
+
+  def __init__(self, directory: str, identity: dict):
+    self.identity = identity
+    self.directory = os.path.join(directory, 'trials', run_identity.short_hash(identity))
+
+  def _path(self, seed: int) -> str:
+    return os.path.join(self.directory, f'seed_{seed}.json')
+
+  def load(self, seed: int):
+    """(history, seconds) of a finished trial of this identity, or None."""
+    try:
+      with open(self._path(seed)) as f:
+        saved = json.load(f)
+    except (OSError, ValueError):
+      return None  # absent, or cut short while written: run it again
+    if saved.get('identity') != self.identity or saved.get('seed') != seed:
+      return None
+    return saved['history'], saved['seconds']
+
+  def save(self, seed: int, history: List[dict], seconds: float) -> None:
+    os.makedirs(self.directory, exist_ok=True)
+    run_identity.write_json(self._path(seed), {'identity': self.identity, 'seed': seed,
+                                               'seconds': seconds, 'history': history})
+
+
+def _reuse() -> bool:
+  """``--reuse_trials`` (True where the flags are not defined, e.g. a notebook)."""
+  return flags.FLAGS['reuse_trials'].value if 'reuse_trials' in flags.FLAGS else True
+
+
 def run_trials(runner, num_rounds: int, seed: int, num_trials: int, eval_every: int,
-               callbacks: Sequence = ()):
+               callbacks: Sequence = (), cell: Optional[dict] = None):
   """``num_trials`` runs of one runner with seeds seed..seed+T-1 (same data);
   a trial that diverges is kept, marked ``diverged`` from its divergence on.
+
+  Args:
+    cell: what identifies the runner's configuration beyond what it exposes
+      (the algorithm's registry name and settings): when given, finished
+      trials are kept in the ``output_dir()`` folder's ``trials`` and reused
+      when their identity is equal (``--reuse_trials``). Diverged trials are
+      not kept.
 
   Returns:
     (histories, seconds per trial).
   """
-  start = time.perf_counter()
-  histories = []
+  cache = None
+  if cell is not None and _OUTPUT[0] is not None:
+    cache = TrialCache(_OUTPUT[0], trial_identity(runner, cell, num_rounds, eval_every, callbacks))
+  histories, seconds = [], []
   for t in range(num_trials):
+    saved = cache.load(seed + t) if cache is not None and _reuse() else None
+    if saved is not None:
+      print(f'trial {t} (seed {seed + t}): reused from {cache.directory}', flush=True)
+      histories.append(saved[0])
+      seconds.append(saved[1])
+      continue
+    start = time.perf_counter()
     try:
-      histories.append(experiment.run(runner, num_rounds, seed=seed + t, eval_every=eval_every,
-                                      callbacks=callbacks)[1])
+      history = experiment.run(runner, num_rounds, seed=seed + t, eval_every=eval_every,
+                               callbacks=callbacks)[1]
+      if cache is not None:
+        # As JSON holds it, so that a fresh and a reused trial give one table.
+        history = json.loads(run_identity.dumps(history, default=str))
+        cache.save(seed + t, history, time.perf_counter() - start)
+      histories.append(history)
     except experiment.DivergenceError as e:
       # A table reports a diverged trial (its summary says so and the cells
       # count it in ``diverged_trials``) instead of losing the other trials.
       print(f'trial {t} (seed {seed + t}) diverged: {e}', flush=True)
       histories.append(e.histories[0])
-  return histories, (time.perf_counter() - start) / num_trials
+    seconds.append(time.perf_counter() - start)
+  return histories, float(np.mean(seconds))
 
 
 def cell(summary: dict, key: str, digits: int = 1) -> str:

@@ -87,7 +87,8 @@ def run_one(name, data, settings, rounds, eval_every=1):
   alg = algorithms.build(name, model, data, **settings)
   runner = RoundRunner(alg, data, CohortSampler(data.num_clients, participation=S.participation),
                        create_executor('auto', model, data.train.x[0, :1]))
-  return reproduce.run_trials(runner, rounds, FLAGS.seed, reproduce.trials(), eval_every)
+  return reproduce.run_trials(runner, rounds, FLAGS.seed, reproduce.trials(), eval_every,
+                              cell={'algorithm': name, 'settings': settings})
 
 
 def clipping():

@@ -171,7 +171,8 @@ def run_cell(name, opts, data, model, dataset, setting):
   rounds = FLAGS.rounds_15 if n == 15 else FLAGS.rounds_100
   every = 1 if n == 15 else FLAGS.eval_every_100
   histories, secs = reproduce.run_trials(runner, rounds, FLAGS.seed, reproduce.trials(), every,
-                                         callbacks)
+                                         callbacks, cell={'algorithm': name, 'settings': settings,
+                                                          'options': opts})
   agg = reporting.trials_summary(histories, FLAGS.stat_window)
   out = {'mean': reproduce.cell(agg, 'accuracy_mean_window'), 'summary': agg,
          'seconds_per_trial': secs, 'epsilon': agg.get('dp_epsilon')}

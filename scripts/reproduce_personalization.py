@@ -81,7 +81,8 @@ def run(name, data, model, settings, rounds, cohort, eval_every):
   runner = RoundRunner(alg, data, CohortSampler(data.num_clients, cohort_size=cohort),
                        create_executor('auto', model, data.train.x[0, :1]))
   histories, seconds = reproduce.run_trials(runner, rounds, FLAGS.seed, reproduce.trials(),
-                                            eval_every)
+                                            eval_every, cell={'algorithm': name,
+                                                              'settings': settings})
   agg = reporting.trials_summary(histories, FLAGS.stat_window)
   return {'mean': reporting.pm(agg, 'accuracy_mean_window', digits=2),
           'q10': reporting.pm(agg, 'accuracy_q10', digits=2),

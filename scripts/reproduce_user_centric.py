@@ -154,8 +154,9 @@ def run_cell(name, opts, data, model, scen, rounds):
   alg = algorithms.build(name, model, data, **training(scen), **opts)
   runner = RoundRunner(alg, data, CohortSampler(data.num_clients, cohort_size=data.num_clients),
                        create_executor('auto', model, data.train.x[0, :1]))
-  histories, seconds = reproduce.run_trials(runner, rounds, FLAGS.seed, reproduce.trials(),
-                                            FLAGS.eval_every)
+  histories, seconds = reproduce.run_trials(
+      runner, rounds, FLAGS.seed, reproduce.trials(), FLAGS.eval_every,
+      cell={'algorithm': name, 'settings': training(scen), 'options': opts})
   agg = reporting.trials_summary(histories, FLAGS.stat_window)
   w_info = [{k: v for r in h for k, v in r.items() if k.startswith(('w_', 'streams_', 'num_c'))}
             for h in histories]

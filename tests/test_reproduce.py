@@ -209,3 +209,63 @@ def test_trial_curves_leave_diverged_trials_out_as_the_tables():
   # Every trial diverged: drawn up to the first divergence.
   rounds, stats, count = trial_curves([hist([0.1] * 4, 3), hist([0.2] * 4, 2)])
   assert rounds == [1] and count == '2 of 2 trials, 2 diverged'
+
+
+def test_finished_trials_are_reused_only_by_the_same_cell(tmp_path, monkeypatch, capsys):
+  """A table run again (killed, or with more trials) reuses the trials of the
+  same cell and gives the same histories as a fresh run; another setting,
+  a damaged file or another identity are run again; diverged trials are not
+  kept."""
+  import glob
+  from fedjax_personal import algorithms, reproduce
+  from fedjax_personal.data import to_device
+  from fedjax_personal.datasets import DataConfig, load_federated
+  from fedjax_personal.engine import RoundRunner
+  from fedjax_personal.executors import create_executor
+  from fedjax_personal.models import create_model
+  from fedjax_personal.sampling import CohortSampler
+  data = to_device(load_federated(DataConfig(dataset='digits', partition='iid', num_clients=4,
+                                             max_examples=200)))
+  model = create_model('mlp', data.num_classes, data.train.x[0, :1])
+  monkeypatch.setattr(reproduce, '_OUTPUT', [str(tmp_path)])
+
+  def trials(lr, n, cache=True):
+    settings = dict(client_lr=lr, local_steps=2, batch_size=10)
+    alg = algorithms.build('fedavg', model, data, **settings)
+    runner = RoundRunner(alg, data, CohortSampler(4, cohort_size=4),
+                         create_executor('vmap', model, data.train.x[0, :1]))
+    cell = {'algorithm': 'fedavg', 'settings': settings} if cache else None
+    return reproduce.run_trials(runner, 3, 0, n, 1, cell=cell)[0]
+
+  def accs(hists):
+    return [[r.get('accuracy_mean') for r in h] for h in hists]
+
+  fresh = trials(0.05, 2, cache=False)
+  assert not os.path.exists(tmp_path / 'trials')  # no cell: nothing kept
+  one = trials(0.05, 1)
+  files = glob.glob(str(tmp_path / 'trials' / '*' / 'seed_*.json'))
+  assert [os.path.basename(f) for f in files] == ['seed_0.json']
+  capsys.readouterr()
+  two = trials(0.05, 2)  # trial 0 reused, trial 1 run
+  out = capsys.readouterr().out
+  assert 'trial 0 (seed 0): reused' in out and 'trial 1' not in out
+  assert accs(two) == accs(fresh) and accs(one) == accs(fresh[:1])
+  assert len(glob.glob(str(tmp_path / 'trials' / '*' / 'seed_*.json'))) == 2
+  # Another setting: its own folder, nothing reused.
+  trials(0.02, 1)
+  assert 'reused' not in capsys.readouterr().out
+  assert len(glob.glob(str(tmp_path / 'trials' / '*'))) == 2
+  # A damaged file, or one whose identity differs (other code), is run again.
+  with open(files[0], 'w') as f:
+    f.write('{"identity": ')
+  trials(0.05, 1)
+  assert 'reused' not in capsys.readouterr().out
+  saved = json.load(open(files[0]))
+  saved['identity']['code'] = 'other'
+  json.dump(saved, open(files[0], 'w'))
+  assert accs(trials(0.05, 1)) == accs(fresh[:1])
+  assert 'reused' not in capsys.readouterr().out
+  assert json.load(open(files[0]))['identity']['code'] == reproduce.code_fingerprint()
+  # A diverged trial is not kept.
+  trials(1e30, 1)
+  assert len(glob.glob(str(tmp_path / 'trials' / '*'))) == 2
