@@ -105,22 +105,35 @@ def scaled(value, cpu, paper):
   return cpu if flags.FLAGS.scale == 'cpu' else paper
 
 
+SOURCE_PACKAGES = ('fedjax_personal.algorithms', 'fedjax_personal.datasets', 'fedjax_personal')
+
+
+def source_files() -> List[tuple]:
+  """(name, path) of every Python file of the library's packages, sorted by
+  name (``package/relative path``; the algorithms and data sets are their own
+  folders in a development install, subfolders in a wheel)."""
+  import importlib
+  seen, out = set(), []
+  for package in SOURCE_PACKAGES:
+    root = os.path.dirname(os.path.abspath(importlib.import_module(package).__file__))
+    for d, subdirs, files in os.walk(root):
+      for name in files:
+        path = os.path.realpath(os.path.join(d, name))
+        if name.endswith('.py') and path not in seen:
+          seen.add(path)
+          out.append((f'{package}/{os.path.relpath(os.path.join(d, name), root)}', path))
+  return sorted(out)
+
+
 @functools.lru_cache(maxsize=None)
 def code_fingerprint() -> str:
-  """SHA-256 (16 hex digits) of the library's Python source (the
-  ``fedjax_personal`` package with its algorithms and data sets): a trial
-  made by other code is never reused."""
-  import fedjax_personal
-  root = os.path.dirname(os.path.abspath(fedjax_personal.__file__))
+  """SHA-256 (16 hex digits) of the library's Python source (``source_files``):
+  a trial made by other code is never reused."""
   h = hashlib.sha256()
-  for d, subdirs, files in os.walk(root):
-    subdirs.sort()
-    for name in sorted(files):
-      if name.endswith('.py'):
-        path = os.path.join(d, name)
-        h.update(os.path.relpath(path, root).encode())
-        with open(path, 'rb') as f:
-          h.update(f.read())
+  for name, path in source_files():
+    h.update(name.encode())
+    with open(path, 'rb') as f:
+      h.update(f.read())
   return h.hexdigest()[:16]
 
 

@@ -269,3 +269,8 @@ def test_finished_trials_are_reused_only_by_the_same_cell(tmp_path, monkeypatch,
   # A diverged trial is not kept.
   trials(1e30, 1)
   assert len(glob.glob(str(tmp_path / 'trials' / '*'))) == 2
+  # The fingerprint covers the engine, the algorithms and the data sets.
+  names = [n for n, _ in reproduce.source_files()]
+  for name in ('fedjax_personal/engine.py', 'fedjax_personal.algorithms/fedfomo.py',
+               'fedjax_personal.datasets/embedding.py'):
+    assert name in names, names
