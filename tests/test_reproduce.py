@@ -251,6 +251,12 @@ def test_finished_trials_are_reused_only_by_the_same_cell(tmp_path, monkeypatch,
   assert 'trial 0 (seed 0): reused' in out and 'trial 1' not in out
   assert accs(two) == accs(fresh) and accs(one) == accs(fresh[:1])
   assert len(glob.glob(str(tmp_path / 'trials' / '*' / 'seed_*.json'))) == 2
+  # --noreuse_trials runs them again.
+  monkeypatch.setattr(reproduce, '_reuse', lambda: False)
+  assert accs(trials(0.05, 1)) == accs(fresh[:1])
+  assert 'reused' not in capsys.readouterr().out
+  monkeypatch.undo()
+  monkeypatch.setattr(reproduce, '_OUTPUT', [str(tmp_path)])
   # Another setting: its own folder, nothing reused.
   trials(0.02, 1)
   assert 'reused' not in capsys.readouterr().out
