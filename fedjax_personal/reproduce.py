@@ -116,7 +116,7 @@ def source_files() -> List[tuple]:
   seen, out = set(), []
   for package in SOURCE_PACKAGES:
     root = os.path.dirname(os.path.abspath(importlib.import_module(package).__file__))
-    for d, subdirs, files in os.walk(root):
+    for d, _, files in os.walk(root):
       for name in files:
         path = os.path.realpath(os.path.join(d, name))
         if name.endswith('.py') and path not in seen:
