@@ -148,6 +148,12 @@ def test_reproduce_script_runs_with_trials(tmp_path, name):
   assert '±' in r.stdout and '2 trials' in r.stdout, r.stdout[-3000:]
   files = os.listdir(tmp_path)
   assert any(f.endswith('_cpu.json') for f in files) and any(f.endswith('_cpu.md') for f in files)
+  tables = {f: open(tmp_path / f).read() for f in files if f.endswith('_cpu.md')}
+  # Run again: every trial is reused and the tables are the same.
+  r = script(name, '--trials=2', f'--output_dir={tmp_path}', *SCRIPTS[name], cwd=tmp_path)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+  assert 'reused' in r.stdout and 'trial 1 (seed 1): reused' in r.stdout, r.stdout[-3000:]
+  assert {f: open(tmp_path / f).read() for f in tables} == tables
 
 
 @pytest.mark.slow
