@@ -8,7 +8,6 @@ Typed PRNG keys inside a state are stored as their key data. Saves are
 synchronous and atomic (Orbax writes to a temporary directory and renames).
 """
 
-import json
 import os
 import sys
 from typing import List, Optional
@@ -45,10 +44,10 @@ def save(mngr: ocp.CheckpointManager, round_num: int, state, histories: List[Lis
          identity: Optional[dict] = None):
   """Saves the state, every configuration's records so far (strict JSON:
   non-finite values as null) and the run's identity (checked on restore)."""
-  clean = json.loads(run_identity.dumps(histories))
+  clean = run_identity.as_json(histories)
   items = dict(state=ocp.args.StandardSave(to_saveable(state)), history=ocp.args.JsonSave(clean))
   if identity is not None:
-    items['identity'] = ocp.args.JsonSave(json.loads(run_identity.dumps(identity, default=str)))
+    items['identity'] = ocp.args.JsonSave(run_identity.as_json(identity))
   mngr.save(round_num, args=ocp.args.Composite(**items))
   mngr.wait_until_finished()
 
@@ -79,7 +78,7 @@ def restore_latest(directory: str, template_state, identity: Optional[dict] = No
         print(f'warning: checkpoint {step} in {directory} is unreadable '
               f'({type(e).__name__}); trying the previous one', file=sys.stderr)
         continue
-      want = json.loads(run_identity.dumps(identity, default=str))
+      want = run_identity.as_json(identity)
       if saved != want:
         diff = run_identity.differences(saved or {}, want)
         raise ConfigError('resume', f'checkpoint {step} in {directory} was saved by another '

@@ -90,12 +90,15 @@ def output_dir(script: str) -> str:
   """``--output_dir`` or runs/<script>, created; the trials of this run's
   cells are kept under it (``run_trials``)."""
   d = flags.FLAGS.output_dir or os.path.join('runs', script)
+  global _OUTPUT
   os.makedirs(d, exist_ok=True)
-  _OUTPUT[0] = d
+  _OUTPUT = d
   return d
 
 
-_OUTPUT: List[Optional[str]] = [None]
+# The folder ``output_dir`` made for this run (None before): where
+# ``run_trials`` keeps finished trials.
+_OUTPUT: Optional[str] = None
 
 
 def scaled(value, cpu, paper):
@@ -150,7 +153,7 @@ def trial_identity(runner, cell: dict, num_rounds: int, eval_every: int,
   shapes = jax.tree.map(lambda a: [list(a.shape), str(a.dtype)],
                         jax.eval_shape(alg.init, jax.random.key(0)))
   simple = (bool, int, float, str, type(None))
-  return json.loads(run_identity.dumps({
+  return run_identity.as_json({
       'cell': cell, 'algorithm': alg.name, 'model': alg.model.name,
       'state_shapes': run_identity.short_hash(jax.tree.leaves(shapes)),
       'data_fingerprint': run_identity.data_fingerprint(runner.data),
@@ -158,7 +161,7 @@ def trial_identity(runner, cell: dict, num_rounds: int, eval_every: int,
       'eval_every': eval_every,
       'callbacks': [[type(c).__name__, {k: v for k, v in vars(c).items()
                                         if isinstance(v, simple)}] for c in callbacks],
-      'code': code_fingerprint(), 'version': __version__}, default=str))
+      'code': code_fingerprint(), 'version': __version__})
 
 
 class TrialCache:
@@ -210,8 +213,8 @@ def run_trials(runner, num_rounds: int, seed: int, num_trials: int, eval_every: 
     (histories, seconds per trial).
   """
   cache = None
-  if cell is not None and _OUTPUT[0] is not None:
-    cache = TrialCache(_OUTPUT[0], trial_identity(runner, cell, num_rounds, eval_every, callbacks))
+  if cell is not None and _OUTPUT is not None:
+    cache = TrialCache(_OUTPUT, trial_identity(runner, cell, num_rounds, eval_every, callbacks))
   histories, seconds = [], []
   for t in range(num_trials):
     saved = cache.load(seed + t) if cache is not None and _reuse() else None
@@ -226,7 +229,7 @@ def run_trials(runner, num_rounds: int, seed: int, num_trials: int, eval_every: 
                                callbacks=callbacks)[1]
       if cache is not None:
         # As JSON holds it, so that a fresh and a reused trial give one table.
-        history = json.loads(run_identity.dumps(history, default=str))
+        history = run_identity.as_json(history)
         cache.save(seed + t, history, time.perf_counter() - start)
       histories.append(history)
     except experiment.DivergenceError as e:

@@ -123,6 +123,13 @@ def dumps(obj, **kw) -> str:
   return json.dumps(finite(obj), allow_nan=False, **kw)
 
 
+def as_json(obj):
+  """``obj`` as strict JSON reads it back (tuples as lists, non-finite
+  numbers as None, anything else as ``str``): the form compared on resume
+  and kept on disk, so a fresh and a re-read value are equal."""
+  return json.loads(dumps(obj, default=str))
+
+
 def write_json(path: str, obj) -> None:
   tmp = path + '.tmp'
   with open(tmp, 'w') as f:

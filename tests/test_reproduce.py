@@ -233,7 +233,7 @@ def test_finished_trials_are_reused_only_by_the_same_cell(tmp_path, monkeypatch,
   data = to_device(load_federated(DataConfig(dataset='digits', partition='iid', num_clients=4,
                                              max_examples=200)))
   model = create_model('mlp', data.num_classes, data.train.x[0, :1])
-  monkeypatch.setattr(reproduce, '_OUTPUT', [str(tmp_path)])
+  monkeypatch.setattr(reproduce, '_OUTPUT', str(tmp_path))
 
   def trials(lr, n, cache=True):
     settings = dict(client_lr=lr, local_steps=2, batch_size=10)
@@ -262,7 +262,7 @@ def test_finished_trials_are_reused_only_by_the_same_cell(tmp_path, monkeypatch,
   assert accs(trials(0.05, 1)) == accs(fresh[:1])
   assert 'reused' not in capsys.readouterr().out
   monkeypatch.undo()
-  monkeypatch.setattr(reproduce, '_OUTPUT', [str(tmp_path)])
+  monkeypatch.setattr(reproduce, '_OUTPUT', str(tmp_path))
   # Another setting: its own folder, nothing reused.
   trials(0.02, 1)
   assert 'reused' not in capsys.readouterr().out
