@@ -93,6 +93,7 @@ def output_dir(script: str) -> str:
   global _OUTPUT
   os.makedirs(d, exist_ok=True)
   _OUTPUT = d
+  code_fingerprint()  # of the code this process has loaded, not of later edits
   return d
 
 
@@ -131,7 +132,12 @@ def source_files() -> List[tuple]:
 @functools.lru_cache(maxsize=None)
 def code_fingerprint() -> str:
   """SHA-256 (16 hex digits) of the library's Python source (``source_files``):
-  a trial made by other code is never reused."""
+  a trial made by other code is never reused.
+
+  Read once per process (``output_dir`` reads it when a script starts): the
+  code a running job has loaded does not change when its files are edited,
+  so neither does the fingerprint its trials are saved under.
+  """
   h = hashlib.sha256()
   for name, path in source_files():
     h.update(name.encode())

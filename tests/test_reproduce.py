@@ -286,3 +286,22 @@ def test_finished_trials_are_reused_only_by_the_same_cell(tmp_path, monkeypatch,
   for name in ('fedjax_personal/engine.py', 'fedjax_personal.algorithms/fedfomo.py',
                'fedjax_personal.datasets/embedding.py'):
     assert name in names, names
+
+
+def test_code_fingerprint_is_of_the_code_loaded_not_of_later_edits(tmp_path, monkeypatch):
+  """A job whose source files are edited while it runs keeps saving its trials
+  under the fingerprint of the code it loaded (else they would be reused by the
+  edited code, which never computed them)."""
+  from fedjax_personal import reproduce
+  source = tmp_path / 'module.py'
+  source.write_text('a = 1\n')
+  monkeypatch.setattr(reproduce, 'source_files', lambda: [('module.py', str(source))])
+  reproduce.code_fingerprint.cache_clear()
+  try:
+    loaded = reproduce.code_fingerprint()
+    source.write_text('a = 2\n')  # edited while the job runs
+    assert reproduce.code_fingerprint() == loaded
+    reproduce.code_fingerprint.cache_clear()  # a new process reads the edit
+    assert reproduce.code_fingerprint() != loaded
+  finally:
+    reproduce.code_fingerprint.cache_clear()
