@@ -19,7 +19,7 @@ and lowest per-device accuracy (APL / LPL) and rounds to a target.
 B = 50; table 1: E = 1 local epoch, 60 rounds, evaluated every round; table 2:
 K = 5 local steps, 40 rounds, evaluated every 4 rounds (so its rounds-to-target
 are multiples of 4). ``--scale=paper`` (the slides): 100 devices (600 images
-each, all of CIFAR-10), 10% active, the 2-conv-2-fc CNN (``cnn_cifar``), 1,000
+each, all of CIFAR-10), p = 0.1 active, the 2-conv-2-fc CNN (``cnn_cifar``), 1,000
 rounds for table 1 and 500 for table 2, 5 trials. Size flags override either.
 Results: ``<output_dir>/tables_<scale>.{json,md}``.
 

@@ -226,3 +226,21 @@ def test_trials_table_header_names_an_integer_window():
   table = reporting.format_table(rows)
   assert 'mean@last5 ' in table and '@last5.0' not in table, table
   assert '60.00±14.14' in table, table
+
+
+@pytest.mark.parametrize('script', sorted(
+    os.path.basename(p) for p in __import__('glob').glob(
+        os.path.join(os.path.dirname(__file__), '..', 'scripts', '*.py'))))
+def test_help_prints_the_docstring_as_written(script):
+  """absl's usage() applies `doc % argv0` to __main__'s docstring: a bare '%'
+  (e.g. "10% active") would print the script's path inside the help text."""
+  import ast
+  path = os.path.join(os.path.dirname(__file__), '..', 'scripts', script)
+  with open(path) as f:
+    doc = ast.get_docstring(ast.parse(f.read()), clean=False) or ''
+  n = doc.count('%') - 2 * doc.count('%%')
+  try:
+    shown = doc % (('<argv0>',) * n)
+  except (OverflowError, TypeError, ValueError):
+    shown = doc  # absl prints the docstring as is, '%%' included
+  assert shown == doc.replace('%%', '%'), script
