@@ -16,7 +16,7 @@ and lowest per-device accuracy (APL / LPL) and rounds to a target.
 ``--scale=cpu`` (3 trials; table 1 about 6 minutes per method and trial on
 2 cores, most of it the evaluation after every round): 20 devices of
 500 train / 100 test CIFAR-10 images, p = 0.25, LeNet-5 on 32x32x3 inputs,
-B = 50; table 1: E = 1 local epoch, 60 rounds, evaluated every round; table 2:
+B = 50; table 1: E = 1 local epoch, 60 rounds, evaluated every round (``--eval_every``); table 2:
 K = 5 local steps, 40 rounds, evaluated every 4 rounds (so its rounds-to-target
 are multiples of 4). ``--scale=paper`` (the slides): 100 devices (600 images
 each, all of CIFAR-10), p = 0.1 active, the 2-conv-2-fc CNN (``cnn_cifar``), 1,000
@@ -65,6 +65,9 @@ flags.DEFINE_float('max_grad_norm', 0.0, 'FedDyn family (both tables): clip the 
 flags.DEFINE_list('personal_targets', ['0.60', '0.70'], 'Target mean accuracies of table 2.')
 flags.DEFINE_float('client_lr', 0.05, 'Client learning rate.')
 flags.DEFINE_integer('personal_local_steps', 5, 'Local steps per round in table 2.')
+flags.DEFINE_integer('eval_every', 1, 'Evaluation period of table 1 (its rounds-to-target are '
+                     'then multiples of it; each evaluation of the 20 devices costs about as '
+                     'much as a round here).', lower_bound=1)
 flags.DEFINE_integer('personal_eval_every', 4, 'Evaluation period of table 2 (MAML evaluation '
                      'adapts on 500 images per device: about 14 s per evaluation here).')
 FLAGS = flags.FLAGS
@@ -117,8 +120,13 @@ def main(argv):
     if m not in TABLE1_METHODS:
       raise app.UsageError(f'--methods: unknown method {m!r}; choose from {list(TABLE1_METHODS)}',
                            2)
-  if FLAGS['methods'].present and '1' not in FLAGS.tables:
-    raise app.UsageError('--methods chooses table 1\'s methods; add 1 to --tables', 2)
+  for name in ('methods', 'eval_every', 'rounds', 'targets'):
+    if FLAGS[name].present and '1' not in FLAGS.tables:
+      raise app.UsageError(f'--{name} applies to table 1 only; add 1 to --tables', 2)
+  for name in ('personal_eval_every', 'personal_rounds', 'personal_targets',
+               'personal_local_steps'):
+    if FLAGS[name].present and '2' not in FLAGS.tables:
+      raise app.UsageError(f'--{name} applies to table 2 only; add 2 to --tables', 2)
   for m in FLAGS.personal_methods:
     if m not in TABLE2_METHODS:
       raise app.UsageError(f'--personal_methods: unknown method {m!r}; choose from '
@@ -139,7 +147,8 @@ def main(argv):
   if '2' in FLAGS.tables:
     results['table2'], md2 = table_two(shared)
     parts.append(f'Table 2\n\n{md2}')
-  what = ([f'table 1 {S.rounds} rounds (Dirichlet {FLAGS.alpha_dirichlet})']
+  what = ([f'table 1 {S.rounds} rounds (Dirichlet {FLAGS.alpha_dirichlet}'
+           + (f', evaluated every {FLAGS.eval_every}' if FLAGS.eval_every > 1 else '') + ')']
           if '1' in FLAGS.tables else [])
   what += [f'table 2 {S.personal_rounds} rounds (sparse classes)'] if '2' in FLAGS.tables else []
   title = (f'Debiasing slides, scale {FLAGS.scale}: CIFAR-10, {S.num_clients} devices, '
@@ -174,7 +183,8 @@ def table_one(shared, directory):
   targets = [float(t) for t in FLAGS.targets]
   rows, all_histories = {}, {}
   for name in FLAGS.methods:
-    histories, secs = run_one(name, data, {**shared, **own.get(name, {})}, S.rounds)
+    histories, secs = run_one(name, data, {**shared, **own.get(name, {})}, S.rounds,
+                              FLAGS.eval_every)
     all_histories[name] = histories
     agg = reporting.trials_summary(histories, FLAGS.stat_window)
     best = [max((r['accuracy_mean'] for r in h if 'accuracy_mean' in r and not r.get('diverged')),

@@ -70,6 +70,8 @@ def test_scales_resolve_to_the_documented_sizes():
     ('reproduce_user_centric.py', ['--study', '--study_variants=nope'], '--study_variants'),
     ('reproduce_debiasing.py', ['--tables=3'], '--tables'),
     ('reproduce_debiasing.py', ['--tables=2', '--methods=fedavg'], '--methods'),
+    ('reproduce_debiasing.py', ['--tables=2', '--eval_every=3'], '--eval_every'),
+    ('reproduce_debiasing.py', ['--tables=1', '--personal_rounds=3'], '--personal_rounds'),
     ('reproduce_debiasing.py', ['--tables=1', '--personal_methods=pfeddyn_ft'],
      '--personal_methods'),
     ('reproduce_debiasing.py', ['--tables=2', '--personal_methods=maml'],
