@@ -36,7 +36,7 @@ flags.DEFINE_list('executors', ['torch', 'baseline', 'sequential', 'blocked', 'v
                   'Executors to time; torch = the PyTorch per-client loop (needs the bench '
                   'extra; skipped with a note without torch); baseline = the same loop in JAX, '
                   'one client, one jitted step at a time.')
-flags.DEFINE_enum('conv_impl', 'auto', ['auto', 'xla', 'matmul'],
+flags.DEFINE_enum('conv_impl', 'auto', ['auto', 'xla', 'matmul', 'tiled'],
                   'How the JAX models compute convolutions (models.Conv): auto = per platform.')
 flags.DEFINE_integer('rounds', 3, 'Timed rounds after the compiling one.')
 flags.DEFINE_integer('local_steps', 5, 'K local steps per client per round.')

@@ -30,17 +30,19 @@ def lax_conv(x, k, padding):
                                       dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
 
 
-@pytest.mark.parametrize('layout', ['NHWC', 'CNHW'])
+@pytest.mark.parametrize('layout,tile_bytes', [('NHWC', 0), ('CNHW', 0), ('CNHW', 1),
+                                               ('CNHW', 10000)])
 @pytest.mark.parametrize('padding', ['SAME', 'VALID'])
 @pytest.mark.parametrize('shape,kernel', [((3, 9, 9, 1), (5, 5)), ((2, 8, 7, 4), (3, 3)),
-                                          ((2, 6, 8, 3), (4, 2))])
-def test_conv_as_matmul_equals_lax_conv(shape, kernel, padding, layout):
+                                          ((6, 6, 8, 3), (4, 2))])
+def test_conv_as_matmul_equals_lax_conv(shape, kernel, padding, layout, tile_bytes):
+  # tile_bytes 1: chunks of one example; 10000: chunks of 2 or 3 of 6 (or the batch).
   x, k = normal(0, shape), normal(1, kernel + (shape[-1], 5)) * 0.3
   ref = lax_conv(x, k, padding)
   g = normal(2, ref.shape)
 
   def ours(x, k):
-    y = models.conv_as_matmul(models.to_layout(x, layout), k, padding, layout)
+    y = models.conv_as_matmul(models.to_layout(x, layout), k, padding, layout, tile_bytes)
     return models.from_layout(y, layout)
 
   np.testing.assert_allclose(jax.jit(ours)(x, k), ref, atol=1e-5, rtol=1e-5)
@@ -52,7 +54,7 @@ def test_conv_as_matmul_equals_lax_conv(shape, kernel, padding, layout):
 
 
 @pytest.mark.parametrize('layout', ['NHWC', 'CNHW'])
-@pytest.mark.parametrize('impl', ['xla', 'matmul'])
+@pytest.mark.parametrize('impl', ['xla', 'matmul', 'tiled'])
 def test_conv_module_has_nn_conv_parameters_and_outputs(impl, layout):
   x = normal(1, (2, 9, 9, 3))
   for padding in ('SAME', 'VALID'):
@@ -72,7 +74,7 @@ def test_conv_module_has_nn_conv_parameters_and_outputs(impl, layout):
 def test_max_pool_equals_nn_max_pool(hw, layout):
   x = normal(2, (3,) + hw + (4,))
   g = normal(3, (3, hw[0] // 2, hw[1] // 2, 4))
-  for impl in ('xla', 'matmul'):
+  for impl in ('xla', 'matmul', 'tiled'):
     ours = lambda x: models.from_layout(
         models.max_pool_2x2(models.to_layout(x, layout), impl, layout), layout)
     np.testing.assert_array_equal(jax.jit(ours)(x), nn.max_pool(x, (2, 2), (2, 2)))
@@ -86,10 +88,12 @@ def test_max_pool_equals_nn_max_pool(hw, layout):
     ('lenet5', (28, 28, 1)), ('cnn_cifar', (32, 32, 3)),
     pytest.param('cnn', (28, 28, 1), marks=pytest.mark.slow)])  # same class as cnn_cifar
 def test_models_agree_across_conv_implementations(name, shape):
-  x = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4,) + shape, dtype=np.uint8))
-  y = jnp.arange(4) % 10
+  # A batch of 12: `tiled` cuts the CIFAR CNN's second layer (1.6 MB of
+  # slices per image) into chunks of 1 and LeNet-5's first into chunks of 6.
+  x = jnp.asarray(np.random.default_rng(0).integers(0, 256, (12,) + shape, dtype=np.uint8))
+  y = jnp.arange(12) % 10
   built = {impl: fp.create_model(name, 10, x[:1], conv_impl=impl)
-           for impl in ('xla', 'matmul', 'auto')}
+           for impl in ('xla', 'matmul', 'tiled', 'auto')}
   params = {impl: jax.jit(built[impl].init)(jax.random.key(0)) for impl in ('xla', 'matmul')}
   jax.tree.map(np.testing.assert_array_equal, params['matmul'], params['xla'])
 
@@ -97,7 +101,7 @@ def test_models_agree_across_conv_implementations(name, shape):
     loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(m.apply(p, x), y).mean()
     return jax.jit(lambda p: (m.apply(p, x), jax.grad(loss)(p)))(params['xla'])
   ref_out, ref_grad = out_and_grad(built['xla'])
-  for impl in ('matmul', 'auto'):
+  for impl in ('matmul', 'tiled', 'auto'):
     out, grad = out_and_grad(built[impl])
     np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), grad,
@@ -107,8 +111,17 @@ def test_models_agree_across_conv_implementations(name, shape):
 
 
 def test_auto_resolves_per_platform_and_bad_names_are_refused():
-  expected = 'matmul' if jax.default_backend() == 'cpu' else 'xla'
+  expected = 'tiled' if jax.default_backend() == 'cpu' else 'xla'
   assert models.resolve_conv_impl('auto') == expected
   assert models.conv_layout('matmul') == 'CNHW' and models.conv_layout('xla') == 'NHWC'
+  assert models.conv_layout('tiled') == 'CNHW'
+
+
+def test_batch_chunk_is_the_largest_divisor_within_the_budget():
+  assert models.batch_chunk(32, 1_600_000, 2 << 20) == 1
+  assert models.batch_chunk(32, 300_000, 2 << 20) == 4  # 6 fit; 4 divides 32
+  assert models.batch_chunk(50, 300_000, 2 << 20) == 5
+  assert models.batch_chunk(32, 10, 2 << 20) == 32
+  assert models.batch_chunk(7, 10**9, 2 << 20) == 1
   with pytest.raises(ConfigError, match='conv_impl'):
     fp.create_model('lenet5', 10, np.zeros((1, 28, 28, 1), np.uint8), conv_impl='fft')
