@@ -13,8 +13,9 @@ prototype heads on sparse classes (device i holds classes {(i + j) mod 10 :
 j < 5}), with and without a per-device permutation of class indices; average
 and lowest per-device accuracy (APL / LPL) and rounds to a target.
 
-``--scale=cpu`` (3 trials; table 1 about 6 minutes per method and trial on
-2 cores, most of it the evaluation after every round): 20 devices of
+``--scale=cpu`` (3 trials; table 1 took about 6 minutes per method and trial
+on 2 cores with untiled convolutions, most of it the evaluation after every
+round; 150 rounds evaluated every 3 now take 50-74 s): 20 devices of
 500 train / 100 test CIFAR-10 images, p = 0.25, LeNet-5 on 32x32x3 inputs,
 B = 50; table 1: E = 1 local epoch, 60 rounds, evaluated every round (``--eval_every``); table 2:
 K = 5 local steps, 40 rounds, evaluated every 4 rounds (so its rounds-to-target
