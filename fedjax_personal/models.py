@@ -82,7 +82,7 @@ def conv_as_matmul(x, kernel, padding: str, layout: str = 'NHWC', tile_bytes: in
   XLA:CPU runs it and its gradient (slices, pads, matmuls) faster than its
   own convolution, looped and vmapped alike (BUILD.md).
 
-  With ``tile_bytes`` (``CNHW`` only) the batch is cut into equal chunks whose
+  With ``tile_bytes`` the batch is cut into equal chunks whose
   slice matrix fits in that many bytes, and the chunks are computed one after
   another (``lax.map``) with the chunk's slices recomputed in the backward pass
   (``jax.checkpoint``): the [kh*kw*Cin, chunk*Ho*Wo] matrix then stays in
@@ -95,7 +95,7 @@ def conv_as_matmul(x, kernel, padding: str, layout: str = 'NHWC', tile_bytes: in
     padding: 'SAME' or 'VALID' (Flax's meaning, stride 1).
     layout: 'NHWC' or 'CNHW'; the output has the same layout.
     tile_bytes: 0 for one slice matrix for the whole batch; otherwise the
-      budget of one chunk's (``CNHW`` only).
+      budget of one chunk's.
   """
   kh, kw, cin, cout = kernel.shape
   if layout not in _SPATIAL:
@@ -107,26 +107,26 @@ def conv_as_matmul(x, kernel, padding: str, layout: str = 'NHWC', tile_bytes: in
   hx, wx = _SPATIAL[layout]
   ho, wo = x.shape[hx] - kh + 1, x.shape[wx] - kw + 1
   k2 = kernel.reshape(kh * kw * cin, cout)
-  if layout == 'NHWC':
-    cols = jnp.concatenate([x[:, i:i + ho, j:j + wo, :] for i in range(kh) for j in range(kw)],
-                           axis=-1)
-    return cols @ k2
-  b = x.shape[1]
+  bx = 0 if layout == 'NHWC' else 1  # the batch axis
 
   def chunk_out(xc):
+    if layout == 'NHWC':
+      cols = jnp.concatenate([xc[:, i:i + ho, j:j + wo, :] for i in range(kh) for j in range(kw)],
+                             axis=-1)
+      return cols @ k2
     n = xc.shape[1]
     cols = jnp.concatenate([xc[:, :, i:i + ho, j:j + wo] for i in range(kh) for j in range(kw)],
                            axis=0)
-    return k2.T @ cols.reshape(kh * kw * cin, n * ho * wo)
+    return (k2.T @ cols.reshape(kh * kw * cin, n * ho * wo)).reshape(cout, n, ho, wo)
 
+  b = x.shape[bx]
   chunk = batch_chunk(b, kh * kw * cin * ho * wo * x.dtype.itemsize, tile_bytes) \
       if tile_bytes else b
   if chunk == b:
-    return chunk_out(x).reshape(cout, b, ho, wo)
-  nb = b // chunk
-  xs = jnp.moveaxis(x.reshape(cin, nb, chunk, *x.shape[2:]), 1, 0)
-  ys = jax.lax.map(jax.checkpoint(chunk_out), xs)  # [nb, cout, chunk * ho * wo]
-  return jnp.moveaxis(ys.reshape(nb, cout, chunk, ho, wo), 0, 1).reshape(cout, b, ho, wo)
+    return chunk_out(x)
+  xs = jnp.moveaxis(x.reshape(x.shape[:bx] + (b // chunk, chunk) + x.shape[bx + 1:]), bx, 0)
+  ys = jnp.moveaxis(jax.lax.map(jax.checkpoint(chunk_out), xs), 0, bx)  # chunks, then chunk
+  return ys.reshape(ys.shape[:bx] + (b,) + ys.shape[bx + 2:])
 
 
 class Conv(nn.Module):

@@ -30,8 +30,8 @@ def lax_conv(x, k, padding):
                                       dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
 
 
-@pytest.mark.parametrize('layout,tile_bytes', [('NHWC', 0), ('CNHW', 0), ('CNHW', 1),
-                                               ('CNHW', 10000)])
+@pytest.mark.parametrize('layout,tile_bytes', [('NHWC', 0), ('NHWC', 1), ('CNHW', 0),
+                                               ('CNHW', 1), ('CNHW', 10000)])
 @pytest.mark.parametrize('padding', ['SAME', 'VALID'])
 @pytest.mark.parametrize('shape,kernel', [((3, 9, 9, 1), (5, 5)), ((2, 8, 7, 4), (3, 3)),
                                           ((6, 6, 8, 3), (4, 2))])
@@ -115,6 +115,8 @@ def test_auto_resolves_per_platform_and_bad_names_are_refused():
   assert models.resolve_conv_impl('auto') == expected
   assert models.conv_layout('matmul') == 'CNHW' and models.conv_layout('xla') == 'NHWC'
   assert models.conv_layout('tiled') == 'CNHW'
+  with pytest.raises(ConfigError, match='conv_impl'):
+    fp.create_model('lenet5', 10, np.zeros((1, 28, 28, 1), np.uint8), conv_impl='fft')
 
 
 def test_batch_chunk_is_the_largest_divisor_within_the_budget():
@@ -123,5 +125,3 @@ def test_batch_chunk_is_the_largest_divisor_within_the_budget():
   assert models.batch_chunk(50, 300_000, 2 << 20) == 5
   assert models.batch_chunk(32, 10, 2 << 20) == 32
   assert models.batch_chunk(7, 10**9, 2 << 20) == 1
-  with pytest.raises(ConfigError, match='conv_impl'):
-    fp.create_model('lenet5', 10, np.zeros((1, 28, 28, 1), np.uint8), conv_impl='fft')
