@@ -124,7 +124,7 @@ def main(argv):
   for name in ('methods', 'eval_every', 'rounds', 'targets'):
     if FLAGS[name].present and '1' not in FLAGS.tables:
       raise app.UsageError(f'--{name} applies to table 1 only; add 1 to --tables', 2)
-  for name in ('personal_eval_every', 'personal_rounds', 'personal_targets',
+  for name in ('personal_methods', 'personal_eval_every', 'personal_rounds', 'personal_targets',
                'personal_local_steps'):
     if FLAGS[name].present and '2' not in FLAGS.tables:
       raise app.UsageError(f'--{name} applies to table 2 only; add 2 to --tables', 2)
@@ -132,8 +132,6 @@ def main(argv):
     if m not in TABLE2_METHODS:
       raise app.UsageError(f'--personal_methods: unknown method {m!r}; choose from '
                            f'{list(TABLE2_METHODS)}', 2)
-  if FLAGS['personal_methods'].present and '2' not in FLAGS.tables:
-    raise app.UsageError('--personal_methods chooses table 2\'s methods; add 2 to --tables', 2)
   S = sizes()
   if reproduce.dry_run(vars(S)):
     return
