@@ -1,5 +1,7 @@
 """The run_experiment CLI: outputs of a small run, and bad input."""
 
+import ast
+import glob
 import json
 import os
 import subprocess
@@ -229,12 +231,11 @@ def test_trials_table_header_names_an_integer_window():
 
 
 @pytest.mark.parametrize('script', sorted(
-    os.path.basename(p) for p in __import__('glob').glob(
+    os.path.basename(p) for p in glob.glob(
         os.path.join(os.path.dirname(__file__), '..', 'scripts', '*.py'))))
 def test_help_prints_the_docstring_as_written(script):
   """absl's usage() applies `doc % argv0` to __main__'s docstring: a bare '%'
   (e.g. "10% active") would print the script's path inside the help text."""
-  import ast
   path = os.path.join(os.path.dirname(__file__), '..', 'scripts', script)
   with open(path) as f:
     doc = ast.get_docstring(ast.parse(f.read()), clean=False) or ''
