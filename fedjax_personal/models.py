@@ -4,6 +4,7 @@ All image models take float or uint8 images [B, H, W, C] (uint8 is scaled to
 """
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -21,11 +22,16 @@ def _as_float(x):
 
 CONV_IMPLS = ('auto', 'xla', 'matmul', 'tiled')
 _SPATIAL = {'NHWC': (1, 2), 'CNHW': (2, 3)}
-# ``tiled``: the most bytes of one batch chunk's slice matrix (BUILD.md,
-# "Against the PyTorch loop": chunks whose slice matrix stays in the 2 MiB L2
-# of this CPU ran the CIFAR CNN's step about 2x faster than one slice matrix
-# for the whole batch).
-TILE_BYTES = 2 << 20
+# ``tiled``: a layer is cut into batch chunks only when its whole batch's
+# slice matrix exceeds TILE_MIN_BYTES (half the 32 MiB L3 of the measured CPU:
+# below it one matrix stays in cache, and the chunk loop and its recomputed
+# slices only cost time: LeNet-5's first layer on MNIST, 2.5 MB, ran 0.6 ms
+# untiled against 1.6 ms in 2 MiB chunks), and then into chunks of at most
+# TILE_BYTES (the CIFAR CNN's second layer, 52 MB: 72 ms untiled, 43 ms in
+# 2 MiB chunks, 39 ms in 4-8 MiB chunks, forward and backward; BUILD.md,
+# "Against the PyTorch loop").
+TILE_BYTES = 4 << 20
+TILE_MIN_BYTES = 16 << 20
 
 
 def resolve_conv_impl(impl: str) -> str:
@@ -45,6 +51,19 @@ def conv_layout(impl: str) -> str:
   pooling along the contiguous width, not along a handful of channels),
   ``NHWC`` for ``xla``."""
   return 'NHWC' if resolve_conv_impl(impl) == 'xla' else 'CNHW'
+
+
+def tile_budget(x_shape, kernel_shape, padding: str, layout: str) -> int:
+  """The ``tile_bytes`` a ``tiled`` convolution of this input and kernel
+  uses: 0 (one slice matrix) when the batch's slice matrix is at most
+  ``TILE_MIN_BYTES``, else ``TILE_BYTES``. 0 as well when ``TILE_BYTES`` is 0."""
+  kh, kw, cin, _ = kernel_shape
+  hx, wx = _SPATIAL[layout]
+  same = padding == 'SAME'
+  ho = x_shape[hx] - (0 if same else kh - 1)
+  wo = x_shape[wx] - (0 if same else kw - 1)
+  b = x_shape[0 if layout == 'NHWC' else 1]
+  return TILE_BYTES if kh * kw * cin * ho * wo * b * 4 > TILE_MIN_BYTES else 0
 
 
 def batch_chunk(batch: int, bytes_per_example: int, budget: int = TILE_BYTES) -> int:
@@ -133,8 +152,9 @@ class Conv(nn.Module):
   """Stride-1 2-D convolution with ``nn.Conv``'s parameters (same names,
   shapes and initializers, so the same key gives the same weights) and a
   choice of implementation: ``xla`` (``lax.conv_general_dilated``, as
-  ``nn.Conv``), ``matmul`` (``conv_as_matmul``), ``tiled`` (``conv_as_matmul``
-  over batch chunks that stay in cache), or ``auto`` (per platform,
+  ``nn.Conv``), ``matmul`` (``conv_as_matmul``), ``tiled`` (``conv_as_matmul``,
+  over batch chunks that stay in cache when the batch's slice matrix would
+  not: ``tile_budget``), or ``auto`` (per platform,
   ``resolve_conv_impl``). All give the same outputs and gradients up to float
   reassociation (tests/test_models.py). ``layout`` is that of the input and
   output (``NHWC`` or ``CNHW``)."""
@@ -152,8 +172,8 @@ class Conv(nn.Module):
     bias = self.param('bias', nn.initializers.zeros_init(), (self.features,))
     impl = resolve_conv_impl(self.impl)
     if impl != 'xla':
-      y = conv_as_matmul(x, kernel, self.padding, self.layout,
-                         TILE_BYTES if impl == 'tiled' else 0)
+      tile = tile_budget(x.shape, kernel.shape, self.padding, self.layout) if impl == 'tiled' else 0
+      y = conv_as_matmul(x, kernel, self.padding, self.layout, tile)
     else:
       y = jax.lax.conv_general_dilated(x, kernel, (1, 1), self.padding,
                                        dimension_numbers=(self.layout, 'HWIO', self.layout))
@@ -172,6 +192,10 @@ def max_pool_2x2(x, impl: str = 'auto', layout: str = 'NHWC'):
     if layout == 'NHWC':
       return nn.max_pool(x, (2, 2), (2, 2))
     return to_layout(nn.max_pool(from_layout(x, layout), (2, 2), (2, 2)), layout)
+  return _strided_max_pool(x, layout)
+
+
+def _strided_pool(x, layout):
   hx, wx = _SPATIAL[layout]
   x = jax.lax.slice_in_dim(x, 0, x.shape[hx] // 2 * 2, axis=hx)
   x = jax.lax.slice_in_dim(x, 0, x.shape[wx] // 2 * 2, axis=wx)
@@ -180,6 +204,26 @@ def max_pool_2x2(x, impl: str = 'auto', layout: str = 'NHWC'):
   x = jnp.maximum(jax.lax.slice_in_dim(x, 0, None, 2, hx), jax.lax.slice_in_dim(x, 1, None, 2, hx))
   return jnp.maximum(jax.lax.slice_in_dim(x, 0, None, 2, wx),
                      jax.lax.slice_in_dim(x, 1, None, 2, wx))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _strided_max_pool(x, layout):
+  """``_strided_pool``'s values computed by ``reduce_window`` and its
+  derivatives by ``_strided_pool``'s own (same numbers). XLA:CPU duplicates
+  cheap elementwise producers into every consumer: the next convolution's
+  25 slices each recomputed bias, ReLU and pooling from the previous
+  convolution's output (25 kernels, half of LeNet-5's step); a
+  ``reduce_window`` is computed once."""
+  hx, wx = _SPATIAL[layout]
+  window = [1] * 4
+  window[hx] = window[wx] = 2
+  return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, window, window, 'VALID')
+
+
+@_strided_max_pool.defjvp
+def _strided_max_pool_jvp(layout, primals, tangents):
+  (x,), (t,) = primals, tangents
+  return _strided_max_pool(x, layout), jax.jvp(lambda x: _strided_pool(x, layout), (x,), (t,))[1]
 
 
 class Adapter(nn.Module):

@@ -41,6 +41,13 @@ flags.DEFINE_enum('conv_impl', 'auto', ['auto', 'xla', 'matmul', 'tiled'],
 flags.DEFINE_integer('rounds', 3, 'Timed rounds after the compiling one.')
 flags.DEFINE_integer('local_steps', 5, 'K local steps per client per round.')
 flags.DEFINE_integer('timeout', 420, 'Seconds per configuration before it is reported as timeout.')
+flags.DEFINE_bool('interleave', True,
+                  'Executor table: start the configurations of one model and population as '
+                  'processes side by side (each compiled and warm) and time their rounds in turn, '
+                  'one round of each, rounds times; the "vs" columns are the medians of the '
+                  'round-by-round ratios, so a machine whose speed drifts moves both sides of '
+                  'each ratio. --nointerleave: one configuration after another (the --device '
+                  'preset, as an accelerator holds one process\'s memory at a time).')
 flags.DEFINE_string('output', None, 'Write the results as JSON here.')
 flags.DEFINE_string('worker', None, 'Internal: run one configuration model:clients:executor.')
 flags.DEFINE_enum('section', 'executors', ['executors', 'scale', 'sweep', 'usercentric', 'all'],
@@ -180,6 +187,30 @@ def baseline_runner(model, data, batching, opt):
   return round_fn
 
 
+def median(xs):
+  return sorted(xs)[len(xs) // 2]
+
+
+def timed_rounds(run_round):
+  """Seconds of the compiling round, then of the timed ones: ``FLAGS.rounds``
+  in a row, or, under ``--interleave``, one each time the parent writes
+  ``round`` on stdin (after ``{"ready": true}`` on stdout; any other line ends)."""
+  def timed():
+    t = time.perf_counter()
+    run_round()
+    return time.perf_counter() - t
+  times = [timed()]
+  if not FLAGS.interleave:
+    return times + [timed() for _ in range(FLAGS.rounds)]
+  print(json.dumps({'ready': True}), flush=True)
+  for line in sys.stdin:
+    if line.strip() != 'round':
+      break
+    times.append(timed())
+    print(json.dumps({'t': times[-1]}), flush=True)
+  return times
+
+
 def worker(spec):
   import jax
   import fedjax_personal as fp
@@ -197,15 +228,16 @@ def worker(spec):
     run_round = torch_loop.round_runner(
         model_name, np.asarray(data.train.x), np.asarray(data.train.y),
         np.asarray(data.train.num_examples), BATCH[model_name], FLAGS.local_steps, 0.05)
-    first, steady = torch_loop.time_rounds(run_round, FLAGS.rounds)
+    times = timed_rounds(run_round)
+    steady = median(times[1:])
     total_flops = flops * num_clients * FLAGS.local_steps
     print(json.dumps({
         'model': model_name, 'clients': num_clients,
         'executor': f'torch {torch.__version__} loop (' + (
             'cuda' if torch_loop.device().type == 'cuda' else
             f'{torch.get_num_threads()} threads') + ')',
-        'algorithm': 'fedavg', 'round_s': steady, 'compile_s': max(first - steady, 0.0),
-        'peak_rss_mb': peak_rss_mb(),
+        'algorithm': 'fedavg', 'round_s': steady, 'compile_s': max(times[0] - steady, 0.0),
+        'round_times': times[1:], 'peak_rss_mb': peak_rss_mb(),
         'gflops': total_flops / steady / 1e9, 'flops_per_round': total_flops,
         'step_flops': flops, 'step_bytes': nbytes}))
     return
@@ -229,17 +261,18 @@ def worker(spec):
     state = runner.init(jax.random.key(0))
     run = lambda s, k: runner.round(s, k, donate=True)[0]
     executor = f'{executor}->{ex.describe()}' if executor == 'auto' else ex.describe()
-  times = []
-  for r in range(FLAGS.rounds + 1):
-    t = time.perf_counter()
-    state = jax.block_until_ready(run(state, jax.random.key(r)))
-    times.append(time.perf_counter() - t)
-  steady = sorted(times[1:])[len(times[1:]) // 2]
+  box = {'state': state, 'round': 0}
+
+  def run_round():
+    box['state'] = jax.block_until_ready(run(box['state'], jax.random.key(box['round'])))
+    box['round'] += 1
+  times = timed_rounds(run_round)
+  steady = median(times[1:])
   total_flops = flops * num_clients * FLAGS.local_steps * (2 if algorithm == 'ditto' else 1)
   print(json.dumps({
       'model': model_name, 'clients': num_clients, 'executor': executor, 'algorithm': algorithm,
       'round_s': steady, 'compile_s': max(times[0] - steady, 0.0),
-      'peak_rss_mb': peak_rss_mb(),
+      'round_times': times[1:], 'peak_rss_mb': peak_rss_mb(),
       'gflops': total_flops / steady / 1e9, 'flops_per_round': total_flops,
       'step_flops': flops, 'step_bytes': nbytes}))
 
@@ -283,7 +316,7 @@ def device_preset():
   user-centric / FedFomo sections); flags given on the command line win."""
   preset = {'clients': ['100', '1000', '10000'], 'models': ['mlp', 'lenet5'],
             'executors': ['torch', 'auto', 'vmap', 'blocked', 'sharded'],
-            'usercentric_clients': ['100', '1000'], 'timeout': 600}
+            'usercentric_clients': ['100', '1000'], 'timeout': 600, 'interleave': False}
   for name, value in preset.items():
     if not FLAGS[name].present:
       FLAGS[name].value = value
@@ -291,9 +324,7 @@ def device_preset():
 
 def run_config(spec):
   """One worker process; its JSON, ``{'timeout': True}`` or ``{'failed': ...}``."""
-  cmd = [sys.executable, os.path.abspath(__file__), f'--worker={spec}',
-         f'--conv_impl={FLAGS.conv_impl}', f'--rounds={FLAGS.rounds}',
-         f'--local_steps={FLAGS.local_steps}']
+  cmd = _worker_cmd(spec, False)
   try:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.timeout)
   except subprocess.TimeoutExpired:
@@ -303,6 +334,92 @@ def run_config(spec):
     return {'failed': True, 'returncode': out.returncode,
             'stderr': out.stderr.strip().splitlines()[-1:] if out.stderr else []}
   return json.loads(line[-1])
+
+
+def _worker_cmd(spec, interleave):
+  return [sys.executable, os.path.abspath(__file__), f'--worker={spec}',
+          f'--conv_impl={FLAGS.conv_impl}', f'--rounds={FLAGS.rounds}',
+          f'--local_steps={FLAGS.local_steps}', '--interleave' if interleave else '--nointerleave']
+
+
+class _Worker:
+  """One ``--interleave`` worker process: JSON lines out, commands in."""
+
+  def __init__(self, spec):
+    import tempfile
+    self.err = tempfile.TemporaryFile(mode='w+')
+    self.proc = subprocess.Popen(_worker_cmd(spec, True), stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=self.err, bufsize=0)
+    self.buf = b''
+
+  def read(self, timeout):
+    """The next JSON line; ``{'timeout': True}`` or ``{'failed': ...}``."""
+    import select
+    deadline = time.monotonic() + timeout
+    while True:
+      while b'\n' in self.buf:
+        line, self.buf = self.buf.split(b'\n', 1)
+        if line.startswith(b'{'):
+          return json.loads(line)
+      left = deadline - time.monotonic()
+      if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+        self.kill()
+        return {'timeout': True}
+      chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+      if not chunk:
+        code = self.proc.wait()
+        self.err.seek(0)
+        tail = self.err.read().strip().splitlines()[-1:]
+        return {'failed': True, 'returncode': code, 'stderr': tail}
+      self.buf += chunk
+
+  def send(self, command):
+    try:
+      self.proc.stdin.write(command.encode() + b'\n')
+      return True
+    except BrokenPipeError:
+      return False
+
+  def kill(self):
+    if self.proc.poll() is None:
+      self.proc.kill()
+      self.proc.wait()
+
+
+def run_interleaved(specs):
+  """``run_config`` for several configurations timed in turn: each worker is
+  started, compiled and warmed one after another (so compile times are their
+  own), then every timed round runs one configuration at a time, A B C A B C
+  ..., and each result carries its ``round_times`` in that order."""
+  workers, results = {}, {}
+  for spec in specs:
+    w = _Worker(spec)
+    r = w.read(FLAGS.timeout)
+    if r.get('ready'):
+      workers[spec] = w
+    else:
+      results[spec] = r
+  for _ in range(FLAGS.rounds):
+    for spec, w in list(workers.items()):
+      r = w.read(FLAGS.timeout) if w.send('round') else {'failed': True, 'returncode': None,
+                                                          'stderr': ['worker exited']}
+      if 't' not in r:
+        results[spec] = r
+        w.kill()
+        del workers[spec]
+  for spec, w in workers.items():
+    results[spec] = w.read(FLAGS.timeout) if w.send('done') else {
+        'failed': True, 'returncode': None, 'stderr': ['worker exited']}
+    w.kill()
+  return [results[s] for s in specs]
+
+
+def paired_speedup(base, row):
+  """``base``'s round time over ``row``'s: the median of the round-by-round
+  ratios when both were timed interleaved, else the ratio of the medians."""
+  if FLAGS.interleave and len(base.get('round_times', ())) == len(row.get('round_times', ())):
+    return median([b / t for b, t in zip(base['round_times'], row['round_times'])])
+  return base['round_s'] / row['round_s']
 
 
 def executors_section(peak, bandwidth):
@@ -323,8 +440,9 @@ def executors_section(peak, bandwidth):
   for model_name in FLAGS.models:
     for clients in FLAGS.clients:
       base = {}
-      for executor in executors:
-        r = run_config(f'{model_name}:{clients}:{executor}')
+      specs = [f'{model_name}:{clients}:{executor}' for executor in executors]
+      group = run_interleaved(specs) if FLAGS.interleave else [run_config(s) for s in specs]
+      for executor, r in zip(executors, group):
         if r.get('timeout') or r.get('failed'):
           why = (f'timeout after {FLAGS.timeout} s' if r.get('timeout') else
                  f"failed (exit {r['returncode']}: {' '.join(r['stderr'])[:80]})")
@@ -333,9 +451,9 @@ def executors_section(peak, bandwidth):
                        'error': why})
           continue
         if executor in ('baseline', 'torch'):
-          base[executor] = r['round_s']
-        r['speedup_vs_loop'] = base['baseline'] / r['round_s'] if 'baseline' in base else None
-        r['speedup_vs_torch'] = base['torch'] / r['round_s'] if 'torch' in base else None
+          base[executor] = r
+        r['speedup_vs_loop'] = paired_speedup(base['baseline'], r) if 'baseline' in base else None
+        r['speedup_vs_torch'] = paired_speedup(base['torch'], r) if 'torch' in base else None
         r['percent_of_matmul_peak'] = 100 * r['gflops'] / peak
         roof = min(peak, r['step_flops'] / max(r['step_bytes'], 1.0) * bandwidth)
         r['roofline_gflops'] = roof

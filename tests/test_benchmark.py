@@ -11,10 +11,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_benchmark(tmp_path, *flags):
+def run_benchmark(tmp_path, *flags, device=True):
   out = tmp_path / 'bench.json'
-  cmd = [sys.executable, os.path.join(ROOT, 'scripts', 'benchmark.py'), '--device',
-         '--models=lenet5', '--clients=3', '--executors=torch,baseline,auto', '--rounds=1',
+  cmd = [sys.executable, os.path.join(ROOT, 'scripts', 'benchmark.py')] + (
+      ['--device'] if device else []) + ['--models=lenet5', '--clients=3', '--executors=torch,baseline,auto', '--rounds=1',
          '--local_steps=2', f'--output={out}', *flags]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -35,6 +35,19 @@ def test_device_command_executor_table(tmp_path):
   for r in table:
     assert r['round_s'] > 0 and 0 < r['percent_of_matmul_peak'] <= 100
     assert ('torch' in executors) == (r['speedup_vs_torch'] is not None)
+
+
+def test_interleaved_executor_table_pairs_rounds(tmp_path):
+  # The CPU default: workers side by side, rounds timed in turn, "vs" columns
+  # from round-by-round ratios.
+  text, report = run_benchmark(tmp_path, '--models=mlp', '--executors=baseline,auto',
+                               '--rounds=3', device=False)
+  base, auto = report['results']
+  assert base['executor'] == 'baseline' and auto['executor'].startswith('auto->')
+  assert len(base['round_times']) == len(auto['round_times']) == 3
+  ratios = sorted(b / a for b, a in zip(base['round_times'], auto['round_times']))
+  assert auto['speedup_vs_loop'] == pytest.approx(ratios[1])
+  assert base['speedup_vs_loop'] == pytest.approx(1.0)
 
 
 @pytest.mark.slow  # ~2.5 min: every section's programs compile

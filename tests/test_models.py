@@ -89,7 +89,8 @@ def test_max_pool_equals_nn_max_pool(hw, layout):
     pytest.param('cnn', (28, 28, 1), marks=pytest.mark.slow)])  # same class as cnn_cifar
 def test_models_agree_across_conv_implementations(name, shape):
   # A batch of 12: `tiled` cuts the CIFAR CNN's second layer (1.6 MB of
-  # slices per image) into chunks of 1 and LeNet-5's first into chunks of 6.
+  # slices per image, 19.7 MB for the batch) into chunks of 2; LeNet-5's
+  # layers stay whole (below TILE_MIN_BYTES).
   x = jnp.asarray(np.random.default_rng(0).integers(0, 256, (12,) + shape, dtype=np.uint8))
   y = jnp.arange(12) % 10
   built = {impl: fp.create_model(name, 10, x[:1], conv_impl=impl)
@@ -108,6 +109,18 @@ def test_models_agree_across_conv_implementations(name, shape):
                  ref_grad)
   # Convolutional either way, so `auto` executors treat them alike.
   assert all(model_has_conv(m, x[:1]) for m in built.values())
+
+
+def test_tile_budget_cuts_only_slice_matrices_above_the_threshold():
+  # CIFAR CNN, second layer, B = 32: 52 MB of slices -> chunks of TILE_BYTES.
+  assert models.tile_budget((64, 32, 16, 16), (5, 5, 64, 64), 'SAME', 'CNHW') == models.TILE_BYTES
+  assert models.tile_budget((32, 16, 16, 64), (5, 5, 64, 64), 'SAME', 'NHWC') == models.TILE_BYTES
+  # LeNet-5, B = 32: 2.5 MB (first layer) and 1.9 MB (second, VALID) stay whole.
+  assert models.tile_budget((1, 32, 28, 28), (5, 5, 1, 6), 'SAME', 'CNHW') == 0
+  assert models.tile_budget((6, 32, 14, 14), (5, 5, 6, 16), 'VALID', 'CNHW') == 0
+  # VALID output sizes: 25 * 64 * 12 * 12 * 4 bytes * 100 = 92 MB.
+  assert models.tile_budget((100, 16, 16, 64), (5, 5, 64, 8), 'VALID', 'NHWC') > 0
+  assert models.tile_budget((10, 16, 16, 64), (5, 5, 64, 8), 'VALID', 'NHWC') == 0  # 9.2 MB
 
 
 def test_auto_resolves_per_platform_and_bad_names_are_refused():
