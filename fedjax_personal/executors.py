@@ -21,6 +21,7 @@ algorithm.
 import abc
 import concurrent.futures
 import dataclasses
+import functools
 import os
 from typing import Any, Callable, Optional, Sequence
 
@@ -149,20 +150,47 @@ class BlockedExecutor(Executor):
   blocks, so the round's extra memory is one block's work plus the stacked
   outputs that are not sums. The cohort is padded to a multiple of the block
   size by repeating clients; padded outputs are dropped (and not summed).
+
+  With ``num_threads`` > 1 the blocks are split into that many equal runs of
+  consecutive blocks, each run one call of the same compiled block loop on
+  its own host thread (then the executor is not fused: the round's server
+  steps are compiled apart from client work). XLA:CPU runs one small dense
+  client step on about one core (its matmuls of a batch of 10 are not split
+  across threads), so two such loops side by side use the second core
+  (BUILD.md, "Against the PyTorch loop").
   """
   block_size: int = 10
+  num_threads: int = 1
   name: str = 'blocked'
   fused: bool = True
 
   def __post_init__(self):
     if self.block_size < 1:
       raise ValueError(f'block_size must be >= 1, got {self.block_size}')
+    if self.num_threads < 1:
+      raise ValueError(f'num_threads must be >= 1, got {self.num_threads}')
+    self.fused = self.num_threads == 1
+    if not self.fused:
+      self._pool = concurrent.futures.ThreadPoolExecutor(self.num_threads)
+      self._compiled = {}
 
   def describe(self):
-    return f'blocked(block_size={self.block_size})'
+    threads = f', threads={self.num_threads}' if self.num_threads > 1 else ''
+    return f'blocked(block_size={self.block_size}{threads})'
+
+  def _layout(self, c, active, parts):
+    """Cohort positions and validity, [parts, nb, bs] (padding repeats clients)."""
+    bs = min(self.block_size, c)
+    nb = -(-(-(-c // bs)) // parts)  # blocks per part
+    slots = np.arange(parts * nb * bs)
+    act = np.ones(c, bool) if active is None else np.asarray(active, bool)
+    valid = (act[slots % c] & (slots < c)).reshape(parts, nb, bs)
+    return (slots % c).reshape(parts, nb, bs), valid
 
   def map(self, fn, shared, per_client, active=None):
     c = tree_util.cohort_size(per_client)
+    if not self.fused:
+      return self._threaded_map(fn, shared, per_client, active, c)
     bs = min(self.block_size, c)
     nb = -(-c // bs)
     slots = np.arange(nb * bs)
@@ -171,6 +199,44 @@ class BlockedExecutor(Executor):
     with training.unroll_steps(False):
       out = _scan_blocks(jax.vmap(client), jnp.asarray(slots % c).reshape(nb, bs), valid)
     return _map_stacked(lambda o: o.reshape((nb * bs,) + o.shape[2:])[:c], out)
+
+  def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None):
+    if self.fused:
+      return super().run_work(work, make_ctx, shared, per_client, active, num_steps)
+    key = ('work', work, make_ctx)
+    if key not in self._compiled:  # one function object per (work, make_ctx): compiled once
+      def fn(sh, c):
+        ctx, k = make_ctx(sh, c)
+        return training.run_work(work, ctx, k)
+      self._compiled[key] = fn
+    return self.map(self._compiled[key], shared, per_client, active)
+
+  def _threaded_map(self, fn, shared, per_client, active, c):
+    parts = max(1, min(self.num_threads, -(-c // min(self.block_size, c))))
+    pos, valid = self._layout(c, active, parts)
+    if ('map', fn) not in self._compiled:
+      def loop(sh, pc, p, v):
+        with training.unroll_steps(False):
+          return _scan_blocks(jax.vmap(_client_fn(fn, sh, pc)), p, v)
+      self._compiled[('map', fn)] = jax.jit(loop)
+    loop = self._compiled[('map', fn)]
+    outs = list(self._pool.map(lambda t: loop(shared, per_client, pos[t], valid[t]), range(parts)))
+    return _join_parts(outs, c)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _join_parts(outs, c):
+  """Threaded blocked outputs: ``Sum`` values added over the parts, stacked
+  outputs ([nb, bs, ...] per part) concatenated in slot order, first ``c``."""
+  nodes = [jax.tree.flatten(o, is_leaf=aggregation.is_sum)[0] for o in outs]
+  treedef = jax.tree.structure(outs[0], is_leaf=aggregation.is_sum)
+
+  def join(*ns):
+    if aggregation.is_sum(ns[0]):
+      return aggregation.Sum(jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns]))
+    return jax.tree.map(lambda *xs: jnp.concatenate(
+        [x.reshape((-1,) + x.shape[2:]) for x in xs])[:c], *ns)
+  return treedef.unflatten([join(*ns) for ns in zip(*nodes)])
 
 
 @dataclasses.dataclass
@@ -373,9 +439,11 @@ def create_executor(name: str = 'auto', model=None, sample_x=None,
 
   ``auto``: on GPU/TPU, ``sharded`` over all devices when there are several,
   else ``vmap`` (``blocked`` when ``block_size`` is given);
-  on CPU, ``sequential`` for models with convolutions and ``blocked`` otherwise
-  (``cpu_block_size`` clients a block unless ``block_size`` is given), as
-  measured by scripts/benchmark.py (BUILD.md).
+  on CPU, ``sequential`` for models with convolutions, and for the others
+  ``blocked`` (``cpu_block_size`` clients a block unless ``block_size`` is
+  given) on as many host threads as cores (``num_threads`` overrides), as
+  measured by scripts/benchmark.py (BUILD.md). ``blocked`` named explicitly
+  runs on ``num_threads`` threads (0 or 1: one fused program).
   """
   if name not in EXECUTOR_NAMES:
     raise ValueError(f'unknown executor {name!r}; choose one of {list(EXECUTOR_NAMES)}')
@@ -387,13 +455,14 @@ def create_executor(name: str = 'auto', model=None, sample_x=None,
     elif model is not None and sample_x is not None and model_has_conv(model, sample_x):
       name = 'sequential'
     else:
-      name = 'blocked'
+      return BlockedExecutor(block_size or cpu_block_size(model),
+                             num_threads=num_threads or os.cpu_count() or 1)
   if name == 'vmap':
     return VmapExecutor()
   if name == 'sharded':
     return ShardedExecutor(block_size)
   if name == 'blocked':
-    return BlockedExecutor(block_size or cpu_block_size(model))
+    return BlockedExecutor(block_size or cpu_block_size(model), num_threads=max(1, num_threads))
   return SequentialExecutor(num_threads=num_threads)
 
 

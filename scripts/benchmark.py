@@ -246,10 +246,13 @@ def worker(spec):
     state = model.init(jax.random.key(0))
     run = lambda s, k: round_fn(s, k)
   else:
-    # 'blocked<N>': blocks of N clients (e.g. blocked1: one client at a time in the program).
-    # 'sequential<N>': N host threads.
-    bs = int(executor[7:]) if executor.startswith('blocked') and executor[7:].isdigit() else None
-    nt = int(executor[10:]) if executor.startswith('sequential') and executor[10:].isdigit() else 0
+    # 'blocked<N>': blocks of N clients (e.g. blocked1: one client at a time in the program);
+    # 'blocked<N>t<T>': the same on T host threads. 'sequential<N>': N host threads.
+    import re
+    m = re.fullmatch(r'blocked(\d+)(?:t(\d+))?', executor)
+    bs = int(m.group(1)) if m else None
+    nt = int(m.group(2) or 1) if m else 0
+    nt = int(executor[10:]) if executor.startswith('sequential') and executor[10:].isdigit() else nt
     ex = fp.create_executor('blocked' if bs else 'sequential' if nt else executor, model,
                             data.train.x[0, :1], block_size=bs, num_threads=nt)
     if algorithm == 'ditto':
@@ -511,9 +514,16 @@ def scale_section(peak):
 
 
 def sweep_section():
-  """S configurations (seeds) of FedAvg in one program, with the config axis
-  vmapped and looped (``SweepRunner(config_axis=...)``), vs S separate runs
-  (one run's steady round x S), all in this process."""
+  """S configurations (seeds) of FedAvg as the CLI runs them, vs S separate
+  runs (one run's steady round x S, the auto executor), all in this process.
+
+  With a fused ``auto`` executor (accelerators) the CLI runs a sweep as one
+  program, ``SweepRunner``: every config axis (vmapped, ``lax.map`` loop, host
+  loop) is timed. With a threaded one (CPU, dense models) it runs the
+  configurations one after another (``LoopRuns``, one compile shared by the
+  seeds): that row, plus the config axes of the same executor's fused form
+  (one thread), each against the separate runs of ``auto``."""
+  import dataclasses as dc
   import jax
   import fedjax_personal as fp
   from fedjax_personal import algorithms, sweep
@@ -532,12 +542,18 @@ def sweep_section():
   for r in range(FLAGS.rounds):
     state = jax.block_until_ready(single.round(state, jax.random.key(r), r)[0])
   separate = (time.perf_counter() - t) / FLAGS.rounds * FLAGS.sweep_size
-  auto = sweep.resolve_config_axis('auto')
+  auto = sweep.resolve_config_axis('auto') if ex.fused else 'one after another'
   print(f'\nSweep: FedAvg, MLP, {clients} clients ({ex.describe()}), S = {FLAGS.sweep_size} seeds; '
-        f'S separate runs: {separate:.3f} s per round of all S; auto config axis: {auto}')
+        f'S separate runs: {separate:.3f} s per round of all S; the CLI runs it: {auto}')
+  fused = ex if ex.fused else dc.replace(ex, num_threads=1)
+  variants = [] if ex.fused else [('one after another', lambda: sweep.LoopRuns(
+      mk, cfgs, data, sampler, ex), ex)]
+  variants += [(axis, lambda axis=axis: sweep.SweepRunner(mk, cfgs, data, sampler, fused,
+                                                          config_axis=axis), fused)
+               for axis in ('host', 'loop', 'vmap')]
   rows = []
-  for axis in ('host', 'loop', 'vmap'):
-    runner = sweep.SweepRunner(mk, cfgs, data, sampler, ex, config_axis=axis)
+  for axis, make, used in variants:
+    runner = make()
     t = time.perf_counter()
     states = jax.block_until_ready(runner.round(runner.init(), 0)[0])
     first = time.perf_counter() - t
@@ -545,10 +561,10 @@ def sweep_section():
     for r in range(FLAGS.rounds):  # rounds only, as the separate runs are timed
       states = jax.block_until_ready(runner.round(states, r + 1)[0])
     together = (time.perf_counter() - t) / FLAGS.rounds
-    print(f'  config axis {axis:<5} one program {together:.3f} s per round (first call incl. '
+    print(f'  {axis:<17} ({used.describe()}) {together:.3f} s per round (first call incl. '
           f'compile {first:.1f} s): {separate / together:.2f}x of separate runs', flush=True)
     rows.append({'section': 'sweep', 'S': FLAGS.sweep_size, 'clients': clients,
-                 'executor': ex.describe(), 'config_axis': axis, 'auto': axis == auto,
+                 'executor': used.describe(), 'config_axis': axis, 'auto': axis == auto,
                  'one_program_round_s': together, 'separate_round_s': separate,
                  'speedup': separate / together})
   return rows

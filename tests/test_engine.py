@@ -23,6 +23,8 @@ from helpers import digits_data, least_squares_data, linear_model, reference_sgd
 EXECUTORS = {
     'vmap': lambda: fp.executors.VmapExecutor(),
     'blocked': lambda: fp.executors.BlockedExecutor(block_size=3),
+    # CPU `auto` for dense models: the blocked loop on 2 host threads (not fused).
+    'blocked_threads': lambda: fp.executors.BlockedExecutor(block_size=1, num_threads=2),
     'sequential': lambda: fp.executors.SequentialExecutor(num_threads=2),
 }
 
@@ -96,6 +98,9 @@ def test_round_compiles_once_per_run(digits, executor):
   counts = dict(runner.trace_counts)
   if EXECUTORS[executor]().fused:
     assert counts['round'] == 1, counts
+  elif executor == 'blocked_threads':
+    # pre, post once; the client's work traced once into the threads' block loop.
+    assert counts['pre'] == 1 and counts['post'] == 1 and counts['client'] == 1, counts
   else:
     # pre, post once; the client context once for each of init / step / final.
     assert counts['pre'] == 1 and counts['post'] == 1 and counts['client'] == 3, counts
@@ -115,7 +120,7 @@ def test_executors_agree_on_a_conv_model(digits):
     for t in range(2):
       state, _ = runner.round(state, jax.random.key(t))
     results[name] = (state.params, runner.evaluate(state, jax.random.key(9)))
-  for name in ('blocked', 'sequential'):
+  for name in ('blocked', 'blocked_threads', 'sequential'):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5),
                  results[name][0], results['vmap'][0])
     np.testing.assert_allclose(results[name][1].correct, results['vmap'][1].correct)
@@ -342,3 +347,19 @@ def test_evaluation_in_test_length_groups_matches_plain_loop(executor):
       np.testing.assert_allclose(got.correct[i], want.correct)
       np.testing.assert_allclose(got.count[i], want.count)
       np.testing.assert_allclose(got.loss_sum[i], want.loss_sum, rtol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != 'cpu', reason='the CPU choice of auto')
+def test_auto_executor_on_cpu_threads_dense_models_and_steps_conv_models(digits):
+  import os
+  x = digits.train.x[0, :1]
+  dense = fp.create_executor('auto', small_mlp(digits), x)
+  threads = os.cpu_count() or 1
+  assert isinstance(dense, fp.executors.BlockedExecutor) and dense.num_threads == threads
+  assert dense.fused == (threads == 1)
+  assert fp.create_executor('auto', small_mlp(digits), x, num_threads=1).fused
+  assert fp.create_executor('blocked', small_mlp(digits), x).fused  # named: one program
+  conv = fp.models.from_flax('cnn', fp.models.CNN(10, conv_features=(4, 8), dense=(16,)), x)
+  assert isinstance(fp.create_executor('auto', conv, x), fp.executors.SequentialExecutor)
+  with pytest.raises(ValueError, match='num_threads'):
+    fp.executors.BlockedExecutor(2, num_threads=0)

@@ -57,6 +57,7 @@ def test_ten_thousand_clients_in_one_round():
 EXECUTORS = {
     'vmap': fp.executors.VmapExecutor,
     'blocked': lambda: fp.executors.BlockedExecutor(3),
+    'blocked_threads': lambda: fp.executors.BlockedExecutor(2, num_threads=3),  # 7 slots: 3 parts
     'sequential': lambda: fp.executors.SequentialExecutor(num_threads=1),
     'sharded': lambda: fp.executors.ShardedExecutor(block_size=2),
 }

@@ -194,6 +194,7 @@ def test_collaboration_round_is_inside_the_one_compiled_round(digits):
   out = {}
   for name, ex in (('vmap', fp.executors.VmapExecutor()),
                    ('blocked', fp.executors.BlockedExecutor(block_size=2)),
+                   ('blocked_threads', fp.executors.BlockedExecutor(block_size=2, num_threads=2)),
                    ('sequential', fp.executors.SequentialExecutor(num_threads=1))):
     runner = RoundRunner(alg, digits, fp.CohortSampler(5, cohort_size=5), ex)
     state, history = run(runner, 3, eval_every=3)
@@ -202,6 +203,6 @@ def test_collaboration_round_is_inside_the_one_compiled_round(digits):
     if ex.fused:
       assert runner.trace_counts['round'] == 1, (name, runner.trace_counts)
     out[name] = state
-  for name in ('blocked', 'sequential'):
+  for name in ('blocked', 'blocked_threads', 'sequential'):
     np.testing.assert_allclose(out[name].stream_matrix, out['vmap'].stream_matrix, atol=1e-5)
     assert max_diff(out[name].personal, out['vmap'].personal) < 1e-4, name
