@@ -236,7 +236,8 @@ class RoundRunner:
     self.algorithm = algorithm
     self.data = data
     self.sampler = sampler
-    self.executor = executor
+    self.executor = executor.for_run(jax.eval_shape(algorithm.init, jax.random.key(0)),
+                                     data.num_clients)
     self.trace_counts = collections.Counter()
     work = algorithm.client_work
     max_n = int(data.train.max_examples)

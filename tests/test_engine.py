@@ -363,3 +363,14 @@ def test_auto_executor_on_cpu_threads_dense_models_and_steps_conv_models(digits)
   assert isinstance(fp.create_executor('auto', conv, x), fp.executors.SequentialExecutor)
   with pytest.raises(ValueError, match='num_threads'):
     fp.executors.BlockedExecutor(2, num_threads=0)
+
+
+def test_threaded_blocked_runs_fused_when_the_per_client_state_is_large():
+  threaded = fp.executors.BlockedExecutor(3, num_threads=2)
+  small = {'w': jax.ShapeDtypeStruct((100, 1000), jnp.float32)}
+  large = {'w': jax.ShapeDtypeStruct((1000, 300_000), jnp.float32), 'g': small['w']}  # 1.2 GB
+  assert threaded.for_run(small, 100) is threaded
+  fused = threaded.for_run(large, 1000)
+  assert fused.fused and fused.block_size == 3 and not threaded.fused
+  # Shared (non per-client) leaves do not count.
+  assert threaded.for_run({'w': jax.ShapeDtypeStruct((300_000, 1000), jnp.float32)}, 10) is threaded

@@ -138,3 +138,28 @@ def test_batch_chunk_is_the_largest_divisor_within_the_budget():
   assert models.batch_chunk(50, 300_000, 2 << 20) == 5
   assert models.batch_chunk(32, 10, 2 << 20) == 32
   assert models.batch_chunk(7, 10**9, 2 << 20) == 1
+
+
+def test_pooling_has_forward_and_reverse_derivatives_of_the_strided_form():
+  # The pooling's value is a reduce_window (computed once, not fused into the
+  # next convolution's slices); its derivatives are the strided maxima's, in
+  # forward mode too: Per-FedAvg's Hessian-vector product (jvp of grad) works
+  # and equals lax.conv + nn.max_pool's.
+  x = jnp.asarray(np.random.default_rng(1).integers(0, 256, (4, 28, 28, 1), dtype=np.uint8))
+  y = jnp.arange(4)
+  built = {impl: fp.create_model('lenet5', 10, x[:1], conv_impl=impl) for impl in ('xla', 'tiled')}
+  params = built['xla'].init(jax.random.key(0))
+  v = jax.tree.map(lambda a: jnp.full_like(a, 0.01), params)
+
+  def hvp(m):
+    loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(m.apply(p, x), y).mean()
+    return jax.jit(lambda p: jax.jvp(jax.grad(loss), (p,), (v,))[1])(params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4),
+               hvp(built['tiled']), hvp(built['xla']))
+  for layout in ('NHWC', 'CNHW'):
+    z = jnp.asarray(np.random.default_rng(2).standard_normal((3, 2, 9, 8)), jnp.float32)
+    f = lambda z: (models.max_pool_2x2(z, 'matmul', layout) ** 3).sum()
+    g = lambda z: (models._strided_pool(z, layout) ** 3).sum()
+    np.testing.assert_array_equal(f(z), g(z))
+    np.testing.assert_allclose(jax.grad(f)(z), jax.grad(g)(z), rtol=1e-6)
+    np.testing.assert_allclose(jax.vmap(jax.grad(f))(z[None]), jax.grad(g)(z)[None], rtol=1e-6)
