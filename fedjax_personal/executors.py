@@ -230,6 +230,9 @@ class BlockedExecutor(Executor):
     return self.map(self._compiled[key], shared, per_client, active)
 
   def _threaded_map(self, fn, shared, per_client, active, c):
+    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((shared, per_client))):
+      raise ValueError(f'{self.describe()} runs client work from host threads and cannot be '
+                       'traced inside jax.jit; use num_threads=1 (one fused program)')
     parts = max(1, min(self.num_threads, -(-c // min(self.block_size, c))))
     pos, valid = self._layout(c, active, parts)
     if ('map', fn) not in self._compiled:

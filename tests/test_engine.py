@@ -374,3 +374,6 @@ def test_threaded_blocked_runs_fused_when_the_per_client_state_is_large():
   assert fused.fused and fused.block_size == 3 and not threaded.fused
   # Shared (non per-client) leaves do not count.
   assert threaded.for_run({'w': jax.ShapeDtypeStruct((300_000, 1000), jnp.float32)}, 10) is threaded
+  # Client work from host threads cannot run inside a trace: a clear error, not a tracer leak.
+  with pytest.raises(ValueError, match='num_threads=1'):
+    jax.jit(lambda x: threaded.map(lambda sh, c: c * sh, 2.0, x))(jnp.arange(4.0))
