@@ -197,26 +197,24 @@ class BlockedExecutor(Executor):
     return dataclasses.replace(self, num_threads=1) if nbytes > THREADED_STATE_BYTES else self
 
   def _layout(self, c, active, parts):
-    """Cohort positions and validity, [parts, nb, bs] (padding repeats clients)."""
+    """Cohort positions (host ints) and validity, [parts, nb, bs]: the cohort
+    padded by repeating clients to ``parts`` runs of ``nb`` blocks."""
     bs = min(self.block_size, c)
-    nb = -(-(-(-c // bs)) // parts)  # blocks per part
+    blocks = -(-c // bs)
+    nb = -(-blocks // parts)  # blocks per part
     slots = np.arange(parts * nb * bs)
-    act = np.ones(c, bool) if active is None else np.asarray(active, bool)
-    valid = (act[slots % c] & (slots < c)).reshape(parts, nb, bs)
+    valid = (_active_mask(active, c)[slots % c] & (slots < c)).reshape(parts, nb, bs)
     return (slots % c).reshape(parts, nb, bs), valid
 
   def map(self, fn, shared, per_client, active=None):
     c = tree_util.cohort_size(per_client)
     if not self.fused:
       return self._threaded_map(fn, shared, per_client, active, c)
-    bs = min(self.block_size, c)
-    nb = -(-c // bs)
-    slots = np.arange(nb * bs)
-    valid = (_active_mask(active, c)[slots % c] & (slots < c)).reshape(nb, bs)
+    pos, valid = self._layout(c, active, 1)
     client = _client_fn(fn, shared, per_client)
     with training.unroll_steps(False):
-      out = _scan_blocks(jax.vmap(client), jnp.asarray(slots % c).reshape(nb, bs), valid)
-    return _map_stacked(lambda o: o.reshape((nb * bs,) + o.shape[2:])[:c], out)
+      out = _scan_blocks(jax.vmap(client), jnp.asarray(pos[0]), valid[0])
+    return _map_stacked(lambda o: o.reshape((-1,) + o.shape[2:])[:c], out)
 
   def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None):
     if self.fused:
