@@ -6,14 +6,40 @@ from typing import Optional
 import numpy as np
 
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.core.data import FederatedData, build_federated_data, pad_clients
-from fedjax_personal.datasets import loaders, partition
+from fedjax_personal.core.data import (FederatedData, build_federated_data, pad_clients,
+                                       split_client_examples)
+from fedjax_personal.datasets import files, loaders, partition
 from fedjax_personal.datasets.partition import PARTITIONS, Partition
 
-DATASETS = ('mnist', 'digits', 'cifar10', 'shakespeare', 'synthetic',
+from fedjax_personal.datasets import natural
+from fedjax_personal.datasets.natural import FILE_DATASETS
+
+#: --dataset names; ``leaf:<name>`` is accepted too (LEAF_PREFIX).
+DATASETS = ('mnist', 'digits', 'cifar10', 'cifar100', 'emnist', 'emnist_digits', 'shakespeare',
+            'stackoverflow', 'tinyshakespeare', 'synthetic',
             'tfds:mnist', 'tfds:emnist', 'tfds:cifar10', 'tfds:cifar100', 'tfds:tiny_shakespeare')
+LEAF_PREFIX = 'leaf:'
 LATENT_FEATURES = ('pixels', 'embedding')
-NATURAL = ('shakespeare', 'synthetic', 'tfds:tiny_shakespeare')
+#: Data sets with a natural partition (one client per writer, role, user).
+NATURAL = FILE_DATASETS + ('tinyshakespeare', 'synthetic', 'tfds:tiny_shakespeare')
+#: Natural data sets that have no other partition (cifar100 is pooled from
+#: the CIFAR-100 python archive under any other --partition).
+NATURAL_ONLY = tuple(d for d in NATURAL if d != 'cifar100')
+#: Data sets that read no file (--data_dir does nothing for them).
+NO_FILES = ('digits', 'synthetic')
+#: Sequence length of the text data sets when --seq_len is not given.
+DEFAULT_SEQ_LEN = {'stackoverflow': 20}
+
+
+def is_known(dataset: str) -> bool:
+  return dataset in DATASETS or (dataset.startswith(LEAF_PREFIX) and len(dataset) > len(LEAF_PREFIX))
+
+
+def is_natural(dataset: str, partition: str) -> bool:
+  """Whether (dataset, partition) reads a natural partition."""
+  if dataset.startswith(LEAF_PREFIX) or dataset in NATURAL_ONLY:
+    return True
+  return dataset == 'cifar100' and partition == 'natural'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +48,8 @@ class DataConfig:
 
   Attributes:
     dataset: one of DATASETS ('mnist' is the embedded MNIST 10k).
-    partition: one of PARTITIONS ('natural' for shakespeare and synthetic).
-    num_clients: N.
+    partition: one of PARTITIONS ('natural' for the natural data sets).
+    num_clients: N; for a natural data set its first N clients (None: all).
     seed: seed of the partition and the per-client splits.
     alpha: Dirichlet concentration (label skew); quantity skew beta.
     classes_per_client: k for 'pathological' and c for 'sparse_classes'.
@@ -36,12 +62,14 @@ class DataConfig:
     test_fraction, val_fraction: per-client held-out shares.
     max_examples: cap on examples taken from the pool (None: all).
     synthetic_alpha, synthetic_beta: Synthetic(alpha, beta) heterogeneity.
-    seq_len: Shakespeare sequence length.
-    data_dir: where data files are (see loaders.find_file).
+    seq_len: sequence length of text data sets (None: 80 characters, 20
+      words for stackoverflow).
+    data_dir: where data files are (see files.find_file); must exist.
+    download: fetch missing files from their published URL into the cache.
   """
   dataset: str = 'mnist'
   partition: str = 'dirichlet'
-  num_clients: int = 20
+  num_clients: Optional[int] = 20
   seed: int = 0
   alpha: float = 0.4
   classes_per_client: int = 2
@@ -54,8 +82,13 @@ class DataConfig:
   max_examples: Optional[int] = None
   synthetic_alpha: float = 1.0
   synthetic_beta: float = 1.0
-  seq_len: int = 80
+  seq_len: Optional[int] = None
   data_dir: Optional[str] = None
+  download: bool = False
+
+  @property
+  def sequence_length(self) -> int:
+    return self.seq_len or DEFAULT_SEQ_LEN.get(self.dataset, 80)
 
 
 def load_pool(cfg: DataConfig):
@@ -64,8 +97,10 @@ def load_pool(cfg: DataConfig):
     x, y, c = loaders.load_mnist(cfg.data_dir)
   elif cfg.dataset == 'digits':
     x, y, c = loaders.load_digits()
-  elif cfg.dataset == 'cifar10':
-    x, y, c = loaders.load_cifar10(cfg.data_dir)
+  elif cfg.dataset in ('cifar10', 'cifar100'):
+    from fedjax_personal.datasets import cifar
+    which = 'cifar10' if cfg.dataset == 'cifar10' else 'cifar100_python'
+    x, y, c = cifar.load(which, cfg.data_dir, download=cfg.download)
   elif cfg.dataset.startswith('tfds:'):
     from fedjax_personal.datasets.tfds_loader import load_tfds
     x, y, c = load_tfds(cfg.dataset[5:], data_dir=cfg.data_dir, max_examples=cfg.max_examples)
@@ -84,7 +119,8 @@ def make_partition(cfg: DataConfig, x, y, num_classes, rng) -> Partition:
   if p not in PARTITIONS:
     raise ConfigError('partition', f'unknown partition {p!r}; choose one of {list(PARTITIONS)}')
   if p == 'natural':
-    raise ConfigError('partition', f"partition 'natural' is only for {list(NATURAL)}")
+    raise ConfigError('partition', f"partition 'natural' is only for {list(NATURAL)} and "
+                      f"{LEAF_PREFIX}<name>")
   if cfg.latent_features not in LATENT_FEATURES:
     raise ConfigError('latent_features', f'unknown latent_features {cfg.latent_features!r}; '
                       f'choose one of {list(LATENT_FEATURES)}')
@@ -124,39 +160,84 @@ def load_federated(cfg: DataConfig) -> FederatedData:
   """Builds the FederatedData described by ``cfg`` (numpy leaves).
 
   Raises:
-    ValueError / FileNotFoundError with a message naming the field or file.
+    ConfigError / DataError (MissingDataError) naming the flag or file.
   """
-  if cfg.num_clients < 1:
+  if cfg.num_clients is not None and cfg.num_clients < 1:
     raise ConfigError('num_clients', f'num_clients must be >= 1, got {cfg.num_clients}')
   for f in ('test_fraction', 'val_fraction'):
     if not 0 <= getattr(cfg, f) < 1:
       raise ConfigError(f, f'{f} must be in [0, 1), got {getattr(cfg, f)}')
+  if not is_known(cfg.dataset):
+    raise ConfigError('dataset', f'unknown dataset {cfg.dataset!r}; choose one of {list(DATASETS)} '
+                      f'or {LEAF_PREFIX}<name>')
+  files.check_data_dir(cfg.data_dir)
   rng = np.random.default_rng(cfg.seed)
-  name = f'{cfg.dataset}/{cfg.partition}'
-  if cfg.dataset in NATURAL:
+  if is_natural(cfg.dataset, cfg.partition):
     if cfg.partition not in ('natural', 'dirichlet'):  # dirichlet is the flag default
       raise ConfigError('partition', f"dataset {cfg.dataset} has a natural partition; use --partition=natural")
-    if cfg.dataset in ('shakespeare', 'tfds:tiny_shakespeare'):
-      text = None
-      if cfg.dataset.startswith('tfds:'):
-        from fedjax_personal.datasets.tfds_loader import load_tfds
-        text = load_tfds('tiny_shakespeare', data_dir=cfg.data_dir)
-      xs, ys, vocab = loaders.load_shakespeare(cfg.num_clients, cfg.seq_len, data_dir=cfg.data_dir,
-                                               text=text)
-      num_classes = len(vocab)
-    else:
-      xs, ys = loaders.synthetic(cfg.num_clients, cfg.synthetic_alpha, cfg.synthetic_beta, rng)
-      num_classes = 10
-    x = np.concatenate(xs)
-    y = np.concatenate(ys)
-    offs = np.cumsum([0] + [len(a) for a in xs])
-    return build_federated_data(x, y, [np.arange(offs[i], offs[i + 1]) for i in range(len(xs))],
-                                num_classes, rng, cfg.test_fraction, cfg.val_fraction,
-                                name=f'{cfg.dataset}/natural')
+    if cfg.dataset in ('tinyshakespeare', 'tfds:tiny_shakespeare', 'synthetic'):
+      return _pooled_natural(cfg, rng)
+    return from_natural(natural.load(cfg.dataset, cfg.num_clients, cfg.sequence_length,
+                                     cfg.data_dir, cfg.download), cfg, rng)
+  if cfg.num_clients is None:
+    raise ConfigError('num_clients', f'give --num_clients for {cfg.dataset}/{cfg.partition}')
   x, y, num_classes = load_pool(cfg)
   if cfg.num_clients > len(y):
     raise ConfigError('num_clients', f'num_clients={cfg.num_clients} exceeds the {len(y)} examples of {cfg.dataset}')
   part = make_partition(cfg, x, y, num_classes, rng)
   return build_federated_data(x, y, part.client_indices, part.num_classes or num_classes, rng,
                               cfg.test_fraction, cfg.val_fraction, groups=part.groups,
-                              client_transform=part.client_transform, name=name)
+                              client_transform=part.client_transform,
+                              name=f'{cfg.dataset}/{cfg.partition}')
+
+
+def _pooled_natural(cfg: DataConfig, rng) -> FederatedData:
+  """Tiny Shakespeare by role and FedProx's synthetic clients: each client's
+  examples split with --test_fraction / --val_fraction."""
+  n = cfg.num_clients or 20
+  if cfg.dataset == 'synthetic':
+    xs, ys = loaders.synthetic(n, cfg.synthetic_alpha, cfg.synthetic_beta, rng)
+    num_classes = 10
+  else:
+    text = None
+    if cfg.dataset.startswith('tfds:'):
+      from fedjax_personal.datasets.tfds_loader import load_tfds
+      text = load_tfds('tiny_shakespeare', data_dir=cfg.data_dir)
+    xs, ys, vocab = loaders.load_tinyshakespeare(n, cfg.sequence_length, data_dir=cfg.data_dir,
+                                                 text=text, download=cfg.download)
+    num_classes = len(vocab)
+  return _split_pool(xs, ys, num_classes, cfg, rng, f'{cfg.dataset}/natural')
+
+
+def _split_pool(xs, ys, num_classes, cfg, rng, name) -> FederatedData:
+  x, y = np.concatenate(xs), np.concatenate(ys)
+  offs = np.cumsum([0] + [len(a) for a in xs])
+  return build_federated_data(x, y, [np.arange(offs[i], offs[i + 1]) for i in range(len(xs))],
+                              num_classes, rng, cfg.test_fraction, cfg.val_fraction, name=name)
+
+
+def from_natural(nat: natural.NaturalData, cfg: DataConfig, rng) -> FederatedData:
+  """FederatedData of a natural data set with the files' own test split; a
+  validation split (--val_fraction) is drawn from each client's training
+  examples. Where the file's test split holds other clients
+  (``split_by_fraction``), each client's examples are split with
+  --test_fraction instead."""
+  n = len(nat.train)
+  name = f'{cfg.dataset}/natural' + (f' (first {n} of {nat.total_clients:,} clients)'
+                                     if n < nat.total_clients else '')
+  if nat.split_by_fraction:
+    return _split_pool([x for x, _ in nat.train], [y for _, y in nat.train], nat.num_classes,
+                       cfg, rng, name)
+  train, val = [], []
+  for x, y in nat.train:
+    tr, va, _ = split_client_examples(len(x), rng, 0.0, cfg.val_fraction)
+    tr, va = np.sort(tr), np.sort(va)  # the file's order within each part
+    train.append((x[tr], y[tr]))
+    val.append((x[va], y[va]))
+  first = nat.train[0]
+  shapes = dict(x_shape=first[0].shape[1:], x_dtype=first[0].dtype,
+                y_shape=first[1].shape[1:], y_dtype=np.int32)
+  splits = [pad_clients([x for x, _ in part], [y for _, y in part], **shapes)
+            for part in (train, val, nat.test)]
+  return FederatedData(train=splits[0], val=splits[1], test=splits[2],
+                       groups=-np.ones(n, np.int32), num_classes=nat.num_classes, name=name)

@@ -1,15 +1,11 @@
-"""Offline loaders for the example pools (no download, ever).
+"""Loaders of example pools: MNIST (embedded), scikit-learn's digits, Tiny
+Shakespeare by speaking role, and FedProx's synthetic data.
 
-Files are looked up in, in order: an explicit ``data_dir``, the environment
-variable ``FEDJAX_PERSONAL_DATA``, the package's embedded data (MNIST 10k),
-``../shared/data`` next to the repository and next to the working directory.
+Files are found by ``files.find_file`` (--data_dir, $FEDJAX_PERSONAL_DATA,
+the package, the cache).
 """
 
 import gzip
-import hashlib
-import io
-import os
-import pathlib
 import re
 import zlib
 from typing import Dict, List, Optional, Tuple
@@ -17,31 +13,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from fedjax_personal.errors import ConfigError, DataError
-
-PACKAGE_DATA = pathlib.Path(__file__).parent / 'data'
-_REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def search_dirs(data_dir: Optional[str] = None) -> List[pathlib.Path]:
-  dirs = []
-  if data_dir:
-    dirs.append(pathlib.Path(data_dir).expanduser())
-  if os.environ.get('FEDJAX_PERSONAL_DATA'):
-    dirs.append(pathlib.Path(os.environ['FEDJAX_PERSONAL_DATA']).expanduser())
-  dirs += [PACKAGE_DATA, _REPO.parent / 'shared' / 'data', pathlib.Path.cwd().parent / 'shared' / 'data',
-           pathlib.Path.cwd() / 'shared' / 'data']
-  return dirs
-
-
-def find_file(relpath: str, data_dir: Optional[str] = None) -> pathlib.Path:
-  """Path of a data file, or FileNotFoundError naming where it was looked for."""
-  dirs = search_dirs(data_dir)
-  for d in dirs:
-    if (d / relpath).is_file():
-      return d / relpath
-  raise FileNotFoundError(f'data file {relpath!r} not found in any of: '
-                          + ', '.join(str(d) for d in dirs)
-                          + ' (set --data_dir or FEDJAX_PERSONAL_DATA)')
+from fedjax_personal.datasets import files, sources
+from fedjax_personal.datasets.files import PACKAGE_DATA, find_file  # noqa: F401 (re-exported)
 
 
 _IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: '>i2', 0x0C: '>i4', 0x0D: '>f4', 0x0E: '>f8'}
@@ -88,21 +61,15 @@ MNIST_MD5 = {'t10k-images-idx3-ubyte.gz': '9fb629c4189551a2d022fa330f9573f3',
              't10k-labels-idx1-ubyte.gz': 'ec29112dd5afa0611ce80d1b7f02629c'}
 
 
-#: MD5 of Tiny Shakespeare (1,115,394 bytes, Karpathy's char-rnn release).
-SHAKESPEARE_MD5 = '6fb458f1232090904fb40fe944165e91'
-
-
-def checked_file(relpath: str, md5: str, data_dir: Optional[str] = None) -> pathlib.Path:
+def checked_file(relpath, md5: str, data_dir: Optional[str] = None,
+                 dataset: Optional[str] = None):
   """``find_file`` plus an MD5 check of the file's bytes.
 
   Raises:
     DataError naming the file when its checksum differs.
   """
-  path = find_file(relpath, data_dir)
-  got = hashlib.md5(path.read_bytes()).hexdigest()
-  if got != md5:
-    raise DataError(f'{path}: checksum {got} differs from the release\'s {md5} (corrupted or '
-                    'not the original file)')
+  path = find_file(relpath, data_dir, dataset)
+  files.check_digest(path, md5=md5)
   return path
 
 
@@ -122,77 +89,6 @@ def load_digits() -> Tuple[np.ndarray, np.ndarray, int]:
   from sklearn.datasets import load_digits as _ld
   d = _ld()
   return (d.images / 16.0).astype(np.float32)[..., None], d.target.astype(np.int32), 10
-
-
-def _cache_dir() -> pathlib.Path:
-  d = pathlib.Path(os.environ.get('FEDJAX_PERSONAL_CACHE', '~/.cache/fedjax_personal')).expanduser()
-  d.mkdir(parents=True, exist_ok=True)
-  return d
-
-
-def sha256_file(path, chunk: int = 1 << 20) -> str:
-  """SHA-256 of a file, read in chunks."""
-  h = hashlib.sha256()
-  with open(path, 'rb') as f:
-    for block in iter(lambda: f.read(chunk), b''):
-      h.update(block)
-  return h.hexdigest()
-
-
-def _cache_matches(cache: pathlib.Path, digest: str) -> bool:
-  try:
-    with np.load(cache) as arc:
-      return str(arc['source_sha256']) == digest
-  except Exception:  # missing, truncated or from an older version: rebuild
-    return False
-
-
-def _decode_cifar10(src) -> dict:
-  """Decodes the JPEG archive; DataError naming it when it is not one."""
-  from PIL import Image
-  try:
-    arc = np.load(src)
-    out = {}
-    for part in ('train', 'test'):
-      jpeg, offs = arc[f'{part}_jpeg'], arc[f'{part}_offsets']
-      imgs = np.empty((len(offs) - 1, 32, 32, 3), np.uint8)
-      for i in range(len(offs) - 1):
-        imgs[i] = np.asarray(Image.open(io.BytesIO(jpeg[offs[i]:offs[i + 1]].tobytes()))
-                             .convert('RGB'))
-      labels = arc[f'{part}_labels'].astype(np.int32)
-      if len(labels) != len(imgs) or labels.min(initial=0) < 0 or labels.max(initial=0) > 9:
-        raise ValueError(f'{part}: {len(imgs)} images, {len(labels)} labels in '
-                         f'[{labels.min(initial=0)}, {labels.max(initial=0)}]')
-      out[f'{part}_x'], out[f'{part}_y'] = imgs, labels
-  except Exception as e:
-    raise DataError(f'{src}: not a valid CIFAR-10 JPEG archive ({type(e).__name__}: {e})') from None
-  return out
-
-
-def load_cifar10(data_dir: Optional[str] = None, split: str = 'all'):
-  """CIFAR-10 from the JPEG archive: uint8 [N, 32, 32, 3], decoded once and cached.
-
-  Args:
-    split: 'train' (50,000), 'test' (10,000) or 'all' (60,000, train first).
-  """
-  src = find_file('cifar10_jpeg.npz', data_dir)
-  digest = sha256_file(src)
-  # Keyed by the archive's content: another archive (even of the same size)
-  # never reads this cache, and the cache names the archive it came from.
-  cache = _cache_dir() / f'cifar10_decoded_{digest[:16]}.npz'
-  if not _cache_matches(cache, digest):
-    out = _decode_cifar10(src)
-    out['source_sha256'] = np.array(digest)
-    tmp = cache.with_suffix('.tmp.npz')
-    np.savez(tmp, **out)
-    os.replace(tmp, cache)
-  arc = np.load(cache)
-  if split == 'all':
-    return (np.concatenate([arc['train_x'], arc['test_x']]),
-            np.concatenate([arc['train_y'], arc['test_y']]), 10)
-  if split not in ('train', 'test'):
-    raise ValueError(f"cifar10 split must be 'train', 'test' or 'all', got {split!r}")
-  return arc[f'{split}_x'], arc[f'{split}_y'], 10
 
 
 def parse_shakespeare_roles(text: str) -> Dict[str, str]:
@@ -215,10 +111,10 @@ def shakespeare_vocab(text: str) -> str:
   return ''.join(sorted(set(text)))
 
 
-def load_shakespeare(num_clients: int, seq_len: int = 80, min_chars: int = 1000,
-                     max_sequences: Optional[int] = None, data_dir: Optional[str] = None,
-                     text: Optional[str] = None):
-  """Tiny Shakespeare split by speaking role (a natural federated text set).
+def load_tinyshakespeare(num_clients: int, seq_len: int = 80, min_chars: int = 1000,
+                         max_sequences: Optional[int] = None, data_dir: Optional[str] = None,
+                         text: Optional[str] = None, download: bool = False):
+  """Tiny Shakespeare (Karpathy's ``input.txt``) split by speaking role.
 
   Each role with at least ``min_chars`` characters of speech is a client
   (the ``num_clients`` longest are kept); its speech is cut into consecutive
@@ -229,7 +125,7 @@ def load_shakespeare(num_clients: int, seq_len: int = 80, min_chars: int = 1000,
     (client_x, client_y, vocab): per-client int32 arrays [n_i, seq_len].
   """
   if text is None:
-    path = checked_file('tinyshakespeare.txt', SHAKESPEARE_MD5, data_dir)
+    path = sources.fetch('tinyshakespeare', data_dir, download)['input.txt']  # MD5 checked
     try:
       text = path.read_bytes().decode('utf-8')
     except UnicodeDecodeError as e:  # unreachable after the checksum; kept for other files

@@ -27,8 +27,9 @@ import subprocess
 import sys
 import time
 
-from absl import app
 from absl import flags
+
+from fedjax_personal.run import entry
 
 flags.DEFINE_list('models', ['mlp', 'lenet5'], 'Models to time.')
 flags.DEFINE_list('clients', ['10', '100', '1000'], 'Populations (all clients in every round).')
@@ -806,4 +807,4 @@ def processes_section():
 
 
 if __name__ == '__main__':
-  app.run(main)
+  entry.run_script(main)

@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Reproduces the shape of the debiasing slides' tables on CIFAR-10 (scaled).
 
-Seed: ../shared/seeds/feddyn-debiasing-customizing-fl-to-the-edge-slides.txt.
+Seed: the slides "Customizing Federated Learning to the Edge" (Saligrama, MLSys workshop
+2021), on FedDyn ("Federated Learning Based on Dynamic Regularization", arXiv 2111.04263)
+and its personalized variants.
 
 Table 1 ("communication rounds" to a target accuracy): FedDyn, SCAFFOLD, FedAvg
 and FedProx, non-IID (Dirichlet) devices sampled independently with
@@ -35,7 +37,7 @@ from absl import app
 from absl import flags
 
 from fedjax_personal import algorithms
-from fedjax_personal.run import experiment, reporting, reproduce
+from fedjax_personal.run import entry, experiment, reporting, reproduce
 from fedjax_personal.core.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.core.engine import RoundRunner
@@ -258,4 +260,4 @@ def table_two(shared):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  entry.run_script(main)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """FedFomo's Table 1 (pathological non-IID) and its DP-SGD table (Table 3).
 
-Seed: ../shared/seeds/fedfomo-first-order-model-optimization.txt.
+Seed: "Personalized Federated Learning with First Order Model Optimization" (FedFomo), arXiv 2012.08565.
 
 Table 1: every client holds 2 of the 10 classes (McMahan et al.'s shards);
 two federations, 15 clients all active for 20 rounds and 100 clients with 10%
@@ -44,7 +44,7 @@ import numpy as np
 
 from fedjax_personal import algorithms
 from fedjax_personal.core import privacy
-from fedjax_personal.run import reporting, reproduce
+from fedjax_personal.run import entry, reporting, reproduce
 from fedjax_personal.core.data import to_device
 from fedjax_personal.datasets import LATENT_FEATURES, DataConfig, load_federated
 from fedjax_personal.core.engine import RoundRunner
@@ -266,4 +266,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  entry.run_script(main)

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Reproduces the shape of the meta-learning and partial-personalization tables.
 
-Seeds: ../shared/seeds/per-fedavg-maml-personalized-fl.txt and
-../shared/seeds/partial-model-personalization-fedalt-fedsim-slides.txt.
+Seeds: "Personalized Federated Learning with Theoretical Guarantees: A Model-Agnostic
+Meta-Learning Approach" (Per-FedAvg, arXiv 2002.07948) and "Federated Learning with Partial
+Model Personalization" (FedAlt/FedSim, arXiv 2204.03809).
 
 Table A: Per-FedAvg (FO, HF with the exact Hessian-vector product, HF with
 finite differences) vs FedAvg + fine-tuning on real MNIST digits (the embedded
@@ -31,11 +32,10 @@ flags override either. Results: ``<output_dir>/tables_<ABC>_<scale>.{json,md}``.
 
 import types
 
-from absl import app
 from absl import flags
 
 from fedjax_personal import algorithms
-from fedjax_personal.run import reporting, reproduce
+from fedjax_personal.run import entry, reporting, reproduce
 from fedjax_personal.core.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.core.engine import RoundRunner
@@ -167,7 +167,7 @@ def table_a(results):
 
 
 def table_b(results):
-  shakes = to_device(load_federated(DataConfig(dataset='shakespeare', partition='natural',
+  shakes = to_device(load_federated(DataConfig(dataset='tinyshakespeare', partition='natural',
                                                num_clients=S.shakespeare_clients, seq_len=40,
                                                seed=FLAGS.seed, data_dir=FLAGS.data_dir)))
   print(shakes.describe())
@@ -201,4 +201,4 @@ def table_c(results):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  entry.run_script(main)

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """The user-centric FL paper's Table I and Fig. 3, and a study of its settings.
 
-Seeds: ../shared/seeds/user-centric-federated-learning.txt (and FedFomo's for
-the FedFomo baseline).
+Seeds: "User-Centric Federated Learning" (Mestoukirdi et al., arXiv 2110.09869), and
+FedFomo's ("Personalized Federated Learning with First Order Model Optimization",
+arXiv 2012.08565) for the FedFomo baseline.
 
 Protocol of the paper, kept at both scales: LeNet-5 (at ``--scale=paper`` the
 authors' Keras LeNet-5 with average pooling and Keras' initialisation,
@@ -55,7 +56,7 @@ from absl import flags
 import jax
 
 from fedjax_personal import algorithms
-from fedjax_personal.run import reporting, reproduce, timing
+from fedjax_personal.run import entry, reporting, reproduce, timing
 from fedjax_personal.core.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.core.engine import RoundRunner
@@ -323,4 +324,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  entry.run_script(main)

@@ -21,9 +21,10 @@ Needs torch (``pip install -e '.[bench]'``).
 import json
 import sys
 
-from absl import app
 from absl import flags
 import numpy as np
+
+from fedjax_personal.run import entry
 
 flags.DEFINE_list('algorithms', ['local', 'fedavg', 'oracle'], 'local, fedavg, oracle.')
 flags.DEFINE_string('dataset', 'mnist', 'Data set (an image data set of fedjax_personal).')
@@ -141,4 +142,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  entry.run_script(main)

@@ -7,6 +7,38 @@ import pytest
 # oddly and never touch the network.
 os.environ.setdefault('TFDS_DISABLE_GCS', '1')
 
+# Tests read data only from the clone, the package and what they write: a
+# cache of their own (never ~/.cache/fedjax_personal), and real data sets only
+# in tests marked needs_data, through $FEDJAX_PERSONAL_DATA.
+import tempfile  # noqa: E402
+
+os.environ['FEDJAX_PERSONAL_CACHE'] = tempfile.mkdtemp(prefix='fedjax_personal_test_cache_')
+
+# file (or alternatives) -> the data set whose --download gets it
+_DOWNLOAD = {'tinyshakespeare.txt': 'tinyshakespeare', 'input.txt': 'tinyshakespeare',
+             'cifar-10-python.tar.gz': 'cifar10'}
+
+
+def pytest_collection_modifyitems(config, items):
+  """Tests marked ``needs_data(file, ...)`` (a file, or a tuple of
+  alternative names) skip, naming the file and how to get it, unless
+  $FEDJAX_PERSONAL_DATA holds it."""
+  folder = os.environ.get('FEDJAX_PERSONAL_DATA')
+  for item in items:
+    marker = item.get_closest_marker('needs_data')
+    if marker is None:
+      continue
+    for want in marker.args:
+      names = (want,) if isinstance(want, str) else tuple(want)
+      if folder and any(os.path.isfile(os.path.join(folder, n)) for n in names):
+        continue
+      get = next((f'python scripts/run_experiment.py --dataset={_DOWNLOAD[n]} --download '
+                  'saves it in the cache' for n in names if n in _DOWNLOAD), 'a local copy only')
+      item.add_marker(pytest.mark.skip(
+          reason=f'needs {" or ".join(names)}: set FEDJAX_PERSONAL_DATA to a folder holding it '
+                 f'({get})'))
+      break
+
 
 @pytest.fixture(autouse=True)
 def _reset_flags():
@@ -19,8 +51,6 @@ def _reset_flags():
 # compile the same programs (same model, data shapes and algorithm in new
 # closures), which then compile once (measured: test_engine and
 # test_personalization 241 s instead of 296 s on 2 cores).
-import tempfile  # noqa: E402
-
 import jax  # noqa: E402
 
 _CACHE = os.environ.setdefault('JAX_COMPILATION_CACHE_DIR',

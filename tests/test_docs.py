@@ -71,7 +71,7 @@ def check_pytest(words):
       assert os.path.isfile(os.path.join(ROOT, w)), w
   rest = words[3:]  # after 'python -m pytest'
   if '-m' in rest:
-    assert rest[rest.index('-m') + 1] in ('slow', 'not slow')
+    assert rest[rest.index('-m') + 1] in ('slow', 'not slow', 'needs_data')
 
 
 def run_script(env, words):
@@ -88,9 +88,26 @@ def run_script(env, words):
                                int(flags['num_processes']) if 'num_processes' in flags else None,
                                int(flags['process_id']) if 'process_id' in flags else None)
     assert got is not None
+  if '--download' in args:  # the suite never downloads: the files, made, in --data_dir
+    args = [a for a in args if a != '--download'] + [f'--data_dir={_made_data(args)}']
   r = subprocess.run([sys.executable, script, *args, '--dry_run'], cwd=ROOT, capture_output=True,
                      text=True, timeout=300,
                      env={**os.environ, **env, 'JAX_PLATFORMS': 'cpu'})
+
+
+def _made_data(args):
+  """A folder with made files of the command's --dataset (FedJAX EMNIST:
+  as many small writers as --num_clients asks for)."""
+  import tempfile
+  import numpy as np
+  import made_files
+  flags = dict(a[2:].split('=', 1) for a in args if a.startswith('--') and '=' in a)
+  assert flags.get('dataset') == 'emnist', f'teach _made_data the files of {flags.get("dataset")}'
+  folder = tempfile.mkdtemp(prefix='made_data_')
+  n = int(flags.get('num_clients', 3))
+  import pathlib
+  made_files.write_emnist(pathlib.Path(folder), np.random.default_rng(0), [4] * n, [2] * n)
+  return folder
   assert r.returncode == 0, f'{" ".join(words)}\n{r.stderr[-3000:]}'
 
 

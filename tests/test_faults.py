@@ -10,6 +10,7 @@ from fedjax_personal.run import cli
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.run.run_identity import dumps
 from helpers import parse_flags
+import made_files
 
 SMALL = ['--algorithm=fedavg', '--dataset=digits', '--model=logreg', '--num_clients=4',
          '--progress=false', '--max_examples=200', '--eval_every=1']
@@ -135,46 +136,29 @@ def test_mnist_files_are_checksummed(tmp_path):
     if 'labels' in name:
       raw[-3] ^= 1  # one flipped bit in the compressed labels
     (tmp_path / 'mnist_t10k' / name).write_bytes(bytes(raw))
-  with pytest.raises(DataError, match='labels-idx1-ubyte.gz: checksum'):
+  with pytest.raises(DataError, match='labels-idx1-ubyte.gz: md5'):
     loaders.load_mnist(str(tmp_path))
-
-
-def _tiny_cifar_archive(path, labels):
-  """A CIFAR-10 JPEG archive of len(labels) train and test images."""
-  import io
-  import numpy as np
-  from PIL import Image
-  blobs = []
-  for i in range(len(labels)):
-    buf = io.BytesIO()
-    Image.fromarray(np.full((32, 32, 3), 20 * i, np.uint8)).save(buf, format='JPEG')
-    blobs.append(np.frombuffer(buf.getvalue(), np.uint8))
-  offsets = np.cumsum([0] + [len(b) for b in blobs])
-  jpeg = np.concatenate(blobs)
-  lab = np.asarray(labels, np.int64)
-  np.savez(path, train_jpeg=jpeg, train_offsets=offsets, train_labels=lab, test_jpeg=jpeg,
-           test_offsets=offsets, test_labels=lab)
 
 
 def test_cifar_cache_is_keyed_by_content(tmp_path, monkeypatch):
   """Two archives of the same size but other labels never share a cache."""
   from fedjax_personal.errors import DataError
-  from fedjax_personal.datasets import loaders
+  from fedjax_personal.datasets import cifar
   monkeypatch.setenv('FEDJAX_PERSONAL_CACHE', str(tmp_path / 'cache'))
   (tmp_path / 'a').mkdir()
   (tmp_path / 'b').mkdir()
-  _tiny_cifar_archive(tmp_path / 'a' / 'cifar10_jpeg.npz', [0, 1, 2])
-  _tiny_cifar_archive(tmp_path / 'b' / 'cifar10_jpeg.npz', [3, 4, 5])
+  made_files.write_cifar10_jpeg_npz(tmp_path / 'a' / 'cifar10_jpeg.npz', [0, 1, 2])
+  made_files.write_cifar10_jpeg_npz(tmp_path / 'b' / 'cifar10_jpeg.npz', [3, 4, 5])
   assert (os.path.getsize(tmp_path / 'a' / 'cifar10_jpeg.npz')
           == os.path.getsize(tmp_path / 'b' / 'cifar10_jpeg.npz'))
-  assert loaders.load_cifar10(str(tmp_path / 'a'), split='test')[1].tolist() == [0, 1, 2]
-  assert loaders.load_cifar10(str(tmp_path / 'b'), split='test')[1].tolist() == [3, 4, 5]
-  assert loaders.load_cifar10(str(tmp_path / 'a'), split='test')[1].tolist() == [0, 1, 2]
+  assert cifar.load('cifar10', str(tmp_path / 'a'), split='test')[1].tolist() == [0, 1, 2]
+  assert cifar.load('cifar10', str(tmp_path / 'b'), split='test')[1].tolist() == [3, 4, 5]
+  assert cifar.load('cifar10', str(tmp_path / 'a'), split='test')[1].tolist() == [0, 1, 2]
   # A zeroed archive is refused (one line naming it), not served from an old cache.
   path = tmp_path / 'a' / 'cifar10_jpeg.npz'
   path.write_bytes(b'\0' * os.path.getsize(path))
   with pytest.raises(DataError, match='not a valid CIFAR-10 JPEG archive'):
-    loaders.load_cifar10(str(tmp_path / 'a'))
+    cifar.load('cifar10', str(tmp_path / 'a'))
 
 
 @pytest.mark.parametrize('content,needle', [
@@ -193,18 +177,19 @@ def test_idx_files_are_validated(tmp_path, content, needle):
     loaders.check_labels(path, __import__('numpy').zeros(5, int), 10, 10)
 
 
+@pytest.mark.needs_data(('input.txt', 'tinyshakespeare.txt'))
 @pytest.mark.parametrize('mangle,needle', [
-    (lambda b: b[:len(b) // 2], 'checksum'),                 # truncated
-    (lambda b: b[:100] + b'\xff\xfe' + b[102:], 'checksum'),  # not UTF-8 any more
+    (lambda b: b[:len(b) // 2], 'md5'),                 # truncated
+    (lambda b: b[:100] + b'\xff\xfe' + b[102:], 'md5'),  # not UTF-8 any more
 ])
-def test_shakespeare_file_is_checked(tmp_path, mangle, needle):
+def test_tinyshakespeare_file_is_checked(tmp_path, mangle, needle):
   """A truncated or re-encoded Tiny Shakespeare is one DataError naming the
   file (it used to train with a smaller vocabulary)."""
   from fedjax_personal.datasets import loaders
-  src = loaders.find_file('tinyshakespeare.txt')
-  (tmp_path / 'tinyshakespeare.txt').write_bytes(mangle(src.read_bytes()))
+  src = loaders.find_file(['input.txt', 'tinyshakespeare.txt'])
+  (tmp_path / 'input.txt').write_bytes(mangle(src.read_bytes()))
   with pytest.raises(ConfigError, match=needle) as e:
-    loaders.load_shakespeare(num_clients=2, data_dir=str(tmp_path))
+    loaders.load_tinyshakespeare(num_clients=2, data_dir=str(tmp_path))
   assert str(tmp_path) in str(e.value) and e.value.name == 'data_dir'
 
 

@@ -27,38 +27,32 @@ def test_digits():
   assert x.shape == (1797, 8, 8, 1) and 0 <= x.min() and x.max() <= 1
 
 
-def test_missing_file_names_file_and_places():
-  with pytest.raises(FileNotFoundError, match='nope.npz.*not found'):
-    loaders.find_file('nope.npz', '/nonexistent')
+def test_missing_file_names_file_and_places(tmp_path):
+  with pytest.raises(FileNotFoundError, match='nope.npz: not found in ' + str(tmp_path)):
+    loaders.find_file('nope.npz', str(tmp_path))
 
 
-def _shared_has(name):
-  try:
-    loaders.find_file(name)
-    return True
-  except FileNotFoundError:
-    return False
-
-
-@pytest.mark.skipif(not _shared_has('cifar10_jpeg.npz'), reason='../shared/data not present')
+@pytest.mark.needs_data('cifar10_jpeg.npz')
 def test_cifar10_jpeg_archive(tmp_path, monkeypatch):
+  from fedjax_personal.datasets import cifar
   monkeypatch.setenv('FEDJAX_PERSONAL_CACHE', str(tmp_path))
-  x, y, c = loaders.load_cifar10(split='test')
+  x, y, c = cifar.load('cifar10', split='test')
   assert x.shape == (10000, 32, 32, 3) and x.dtype == np.uint8 and c == 10
   assert np.bincount(y).tolist() == [1000] * 10
   assert list(tmp_path.iterdir())  # decoded once, cached
-  xa, ya, _ = loaders.load_cifar10(split='all')
+  xa, ya, _ = cifar.load('cifar10', split='all')
   assert len(ya) == 60000 and np.array_equal(xa[50000:], x)
 
 
-@pytest.mark.skipif(not _shared_has('tinyshakespeare.txt'), reason='../shared/data not present')
-def test_shakespeare_by_role():
-  xs, ys, vocab = loaders.load_shakespeare(num_clients=10, seq_len=20)
+@pytest.mark.needs_data(('input.txt', 'tinyshakespeare.txt'))
+def test_tinyshakespeare_by_role():
+  xs, ys, vocab = loaders.load_tinyshakespeare(num_clients=10, seq_len=20)
   assert len(xs) == 10
   for x, y in zip(xs, ys):
     assert x.shape[1] == 20 and np.array_equal(x[:, 1:], y[:, :-1])  # next character
     assert x.shape[0] >= 1000 // 21
-  d = load_federated(DataConfig(dataset='shakespeare', partition='natural', num_clients=5, seq_len=20))
+  d = load_federated(DataConfig(dataset='tinyshakespeare', partition='natural', num_clients=5,
+                                seq_len=20))
   assert d.num_classes == len(vocab) and d.train.y.shape[2] == 20
 
 
@@ -67,7 +61,7 @@ def test_shakespeare_role_parsing():
   roles = loaders.parse_shakespeare_roles(text)
   assert roles == {'First Citizen': 'Before we proceed:\nhear me.\nYou are.', 'All': 'Speak.'}
   with pytest.raises(ValueError, match='num_clients'):
-    loaders.load_shakespeare(num_clients=3, min_chars=1, text=text)
+    loaders.load_tinyshakespeare(num_clients=3, min_chars=1, text=text)
 
 
 def test_synthetic_alpha_beta():

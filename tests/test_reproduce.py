@@ -97,18 +97,24 @@ def test_fedfomo_dp_table_reports_epsilon(tmp_path):
   # One sigma (2 cells, each compiles its own round): sigma = 0 is the plain
   # algorithm, with nothing to account (test_privacy.py), and its epsilon
   # None reads 'inf' (privacy.epsilon_text, test below).
-  r = script('reproduce_fedfomo.py', f'--output_dir={tmp_path}', '--tables=dp', '--trials=1',
+  # CIFAR-10 as a made JPEG archive of random images (the table's shape, not its accuracy)
+  import numpy as np
+  import made_files
+  rng = np.random.default_rng(0)
+  made_files.write_cifar10_jpeg_npz(tmp_path / 'cifar10_jpeg.npz', np.arange(600) % 10,
+                                    np.arange(100) % 10, rng)
+  r = script('reproduce_fedfomo.py', f'--output_dir={tmp_path}/out', '--tables=dp', '--trials=1',
              '--rounds_15=1', '--local_epochs=1', '--cifar_per_client=30', '--dp_sigmas=1',
-             cwd=tmp_path, timeout=600)
+             f'--data_dir={tmp_path}', cwd=tmp_path, timeout=600)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-  res = json.load(open(tmp_path / 'tables_cpu.json'))['results']['dp']
+  res = json.load(open(tmp_path / 'out' / 'tables_cpu.json'))['results']['dp']
   assert set(res) == {f'{m}/sigma=1' for m in ('fedavg', 'fedfomo')} | {'label_skew'}
   assert 0 <= res['label_skew'] <= 2
   for m in ('fedavg', 'fedfomo'):
     # With noise epsilon is finite (monotonicity in sigma and steps:
     # test_privacy.py).
     assert 0 < res[f'{m}/sigma=1']['epsilon'] < 1e3
-  md = open(tmp_path / 'tables_cpu.md').read()
+  md = open(tmp_path / 'out' / 'tables_cpu.md').read()
   assert '| method | delta | sigma | epsilon | accuracy |' in md
   assert '| fedavg | 1e-05 | 1 |' in md and '| fedfomo | 1e-05 | 1 |' in md
 

@@ -70,7 +70,8 @@ def per_example_stats(logits, y, mask, loss: str = 'cross_entropy') -> LossStats
   """Summed loss and correctness with padding masked.
 
   For 'cross_entropy', ``logits`` is [B, ..., C] and ``y`` integer [B, ...]:
-  sequence targets (next character) count every position. For 'squared'
+  sequence targets (next character) count every position whose target is
+  >= 0 (-1 marks a padded position: no loss, not counted). For 'squared'
   (least squares), ``logits`` and ``y`` are [B, ...] and the loss of an
   example is 0.5 * (prediction - y)^2 summed over its outputs (correct = 0).
   ``mask`` [B] masks whole examples.
@@ -79,10 +80,10 @@ def per_example_stats(logits, y, mask, loss: str = 'cross_entropy') -> LossStats
     err = 0.5 * jnp.square(logits - y).reshape(y.shape[0], -1).sum(-1)
     m = mask.astype(jnp.float32)
     return LossStats(jnp.sum(err * m), jnp.zeros(()), jnp.sum(m))
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(y, 0))
   correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
   m = mask.reshape(mask.shape + (1,) * (y.ndim - mask.ndim)).astype(jnp.float32)
-  m = jnp.broadcast_to(m, y.shape)
+  m = jnp.broadcast_to(m, y.shape) * (y >= 0)  # -1: a padded target position
   return LossStats(jnp.sum(ce * m), jnp.sum(correct * m), jnp.sum(m))
 
 

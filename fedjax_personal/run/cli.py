@@ -14,7 +14,7 @@ import numpy as np
 
 from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import datasets as datasets_lib
-from fedjax_personal.run import checkpointing, distributed, experiment, reporting, run_identity
+from fedjax_personal.run import checkpointing, distributed, entry, experiment, reporting, run_identity
 from fedjax_personal.config import TrainingConfig, field_types, flag_name, validate
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.core.data import to_device
@@ -44,8 +44,12 @@ flags.DEFINE_enum('model_init', 'flax', list(INITS), "Initialisation convention 
 flags.DEFINE_string('init_weights', None, 'Start from these initial global parameters: a .npz '
                     '(Flax parameter paths as keys) or a PyTorch state dict (.pt/.pth, matched '
                     'by layer order and converted).')
-flags.DEFINE_string('dataset', 'mnist', 'Data set: ' + ', '.join(datasets_lib.DATASETS))
-flags.DEFINE_string('partition', 'rotation', 'Partition: ' + ', '.join(datasets_lib.PARTITIONS))
+flags.DEFINE_string('dataset', 'mnist', 'Data set: ' + ', '.join(datasets_lib.DATASETS)
+                    + ', leaf:<name> (LEAF JSON files). Natural data sets (emnist, '
+                    'emnist_digits, shakespeare, stackoverflow, cifar100, tinyshakespeare, leaf:*) '
+                    'keep one client per writer / role / user.')
+flags.DEFINE_string('partition', 'rotation', 'Partition: ' + ', '.join(datasets_lib.PARTITIONS)
+                    + ' (default: natural for the natural data sets, rotation otherwise)')
 flags.DEFINE_float('alpha', 0.4, 'Dirichlet concentration (label skew) / quantity-skew beta.')
 flags.DEFINE_integer('classes_per_client', 2, 'Classes per client (pathological, sparse_classes).')
 flags.DEFINE_integer('num_groups', 4, 'Groups (rotation, label_permutation, latent_clusters).')
@@ -58,7 +62,8 @@ flags.DEFINE_integer('max_examples', None, 'Use at most this many examples of th
 flags.DEFINE_float('test_fraction', 0.2, 'Per-client test share.')
 flags.DEFINE_float('val_fraction', None, 'Per-client validation share (default: 0.1 when a '
                    'requested algorithm needs a validation split, e.g. fedfomo, else 0).')
-flags.DEFINE_integer('num_clients', 40, 'Number of clients N.')
+flags.DEFINE_integer('num_clients', 40, 'Number of clients N (a natural data set: its first N '
+                     'clients; all of them when not given).')
 flags.DEFINE_integer('cohort_size', None, 'Clients per round (default: all).')
 flags.DEFINE_float('participation', None, 'Instead of cohort_size: each client active with this '
                    'probability per round (FedDyn scheme).')
@@ -77,7 +82,11 @@ flags.DEFINE_string('output_dir', None, 'Where to write results (default: runs/<
                     '<algorithms>_<hash of the configuration>).')
 flags.DEFINE_enum('executor', 'auto', list(EXECUTOR_NAMES), 'How client work runs.')
 flags.DEFINE_integer('block_size', None, 'Clients per block for the blocked executor.')
-flags.DEFINE_string('data_dir', None, 'Directory with data files (default: embedded, ../shared/data).')
+flags.DEFINE_string('data_dir', None, 'Folder searched first for data files under their published '
+                    'names (then $FEDJAX_PERSONAL_DATA, the package, the cache '
+                    '$FEDJAX_PERSONAL_CACHE or ~/.cache/fedjax_personal); must exist.')
+flags.DEFINE_bool('download', False, 'Download the data set\'s files found nowhere from their '
+                  'published URL into the cache (progress bar, size and checksum checked).')
 flags.DEFINE_bool('progress', True, 'Show a progress bar.')
 flags.DEFINE_integer('checkpoint_every', 0, 'Save an Orbax checkpoint of the full state every this '
                      'many rounds (0: never) under <output_dir>/<algorithm>/checkpoints.')
@@ -240,16 +249,29 @@ def validate_flags():
     _check(a in algorithms_lib.REGISTRY, 'algorithm',
            f'unknown algorithm {a!r}; choose from {list(algorithms_lib.REGISTRY)}')
   _check(FLAGS.model in MODELS, 'model', f'unknown model {FLAGS.model!r}; choose from {sorted(MODELS)}')
-  _check(FLAGS.dataset in datasets_lib.DATASETS, 'dataset',
-         f'unknown dataset {FLAGS.dataset!r}; choose from {list(datasets_lib.DATASETS)}')
-  _check(FLAGS.partition in datasets_lib.PARTITIONS, 'partition',
-         f'unknown partition {FLAGS.partition!r}; choose from {list(datasets_lib.PARTITIONS)}')
+  _check(datasets_lib.is_known(FLAGS.dataset), 'dataset',
+         f'unknown dataset {FLAGS.dataset!r}; choose from {list(datasets_lib.DATASETS)} or leaf:<name>')
+  datasets_lib.files.check_data_dir(FLAGS.data_dir)
+  _check(not FLAGS.data_dir or FLAGS.dataset not in datasets_lib.NO_FILES, 'data_dir',
+         f'does nothing: dataset {FLAGS.dataset} reads no file')
+  _check(not FLAGS.download or FLAGS.dataset not in datasets_lib.NO_FILES + ('mnist',)
+         and not FLAGS.dataset.startswith('tfds:'), 'download',
+         f'does nothing: dataset {FLAGS.dataset} has no file to download'
+         + (' (TFDS data sets: load_tfds(name, download=True))' if FLAGS.dataset.startswith('tfds:')
+            else ''))
+  natural = datasets_lib.is_natural(FLAGS.dataset, partition())
+  _check(not (natural and FLAGS['test_fraction'].present and FLAGS.dataset in datasets_lib.FILE_DATASETS
+              and FLAGS.dataset != 'cifar100') and not (
+                  FLAGS['test_fraction'].present and FLAGS.dataset.startswith('leaf:')),
+         'test_fraction', f'does nothing: {FLAGS.dataset} has its own test split in its files')
+  _check(partition() in datasets_lib.PARTITIONS, 'partition',
+         f'unknown partition {partition()!r}; choose from {list(datasets_lib.PARTITIONS)}')
   _check(FLAGS.num_clients >= 1, 'num_clients', f'must be >= 1, got {FLAGS.num_clients}')
   _check(FLAGS.alpha > 0, 'alpha', f'must be > 0, got {FLAGS.alpha}')
   _check(FLAGS.rounds >= 1, 'rounds', f'must be >= 1, got {FLAGS.rounds}')
   _check(FLAGS.cohort_size is None or FLAGS.participation is None, 'participation',
          'give either --cohort_size or --participation, not both')
-  if FLAGS.cohort_size is not None:
+  if FLAGS.cohort_size is not None and num_clients() is not None:
     _check(1 <= FLAGS.cohort_size <= FLAGS.num_clients, 'cohort_size',
            f'must be in [1, num_clients={FLAGS.num_clients}], got {FLAGS.cohort_size}')
   if FLAGS.participation is not None:
@@ -274,9 +296,9 @@ def validate_flags():
   _check(0 <= val_fraction() < 1, 'val_fraction', f'must be in [0, 1), got {val_fraction()}')
   _check(FLAGS.latent_features in datasets_lib.LATENT_FEATURES, 'latent_features',
          f'unknown value {FLAGS.latent_features!r}; choose from {list(datasets_lib.LATENT_FEATURES)}')
-  _check(not FLAGS['latent_features'].present or FLAGS.partition == 'latent_clusters',
+  _check(not FLAGS['latent_features'].present or partition() == 'latent_clusters',
          'latent_features', 'applies to --partition=latent_clusters, not '
-         f'{FLAGS.partition!r}')
+         f'{partition()!r}')
   _check(FLAGS.adapter_dim >= 0, 'adapter_dim', f'must be >= 0, got {FLAGS.adapter_dim}')
   _check(not (FLAGS.init_weights and FLAGS['model_init'].present), 'model_init',
          'does nothing with --init_weights (the file gives every initial weight)')
@@ -316,12 +338,31 @@ def val_fraction() -> float:
 
 def data_config() -> datasets_lib.DataConfig:
   return datasets_lib.DataConfig(
-      dataset=FLAGS.dataset, partition=FLAGS.partition, num_clients=FLAGS.num_clients,
+      dataset=FLAGS.dataset, partition=partition(), num_clients=num_clients(),
       seed=FLAGS.seed if FLAGS.data_seed is None else FLAGS.data_seed, alpha=FLAGS.alpha, classes_per_client=FLAGS.classes_per_client,
       num_groups=FLAGS.num_groups, group_base=FLAGS.group_base,
       latent_features=FLAGS.latent_features,
       examples_per_client=FLAGS.examples_per_client, test_fraction=FLAGS.test_fraction,
-      val_fraction=val_fraction(), max_examples=FLAGS.max_examples, data_dir=FLAGS.data_dir)
+      val_fraction=val_fraction(), max_examples=FLAGS.max_examples, data_dir=FLAGS.data_dir,
+      download=FLAGS.download)
+
+
+def partition() -> str:
+  """--partition, or 'natural' for a natural data set when it is not given."""
+  if not FLAGS['partition'].present and (FLAGS.dataset in datasets_lib.NATURAL
+                                         or FLAGS.dataset.startswith(datasets_lib.LEAF_PREFIX)):
+    return 'natural'
+  return FLAGS.partition
+
+
+def num_clients():
+  """--num_clients; None (all clients) for a natural data set read from
+  files when it is not given."""
+  if (not FLAGS['num_clients'].present and partition() == 'natural'
+      and (FLAGS.dataset in datasets_lib.FILE_DATASETS
+           or FLAGS.dataset.startswith(datasets_lib.LEAF_PREFIX))):
+    return None
+  return FLAGS.num_clients
 
 
 def sampler_for(num_clients: int) -> CohortSampler:
@@ -334,6 +375,8 @@ def job_identity(data) -> dict:
   """What every algorithm of the job shares in its run identity."""
   cfg = dataclasses.asdict(data_config())
   cfg.pop('data_dir')  # where the files are does not matter; their content does
+  cfg.pop('download')
+  cfg['seq_len'] = data_config().sequence_length  # as before seq_len could be None
   if cfg['latent_features'] == 'pixels':  # the default before the field existed:
     cfg.pop('latent_features')            # earlier runs keep their identity
   return {'data': cfg, 'data_fingerprint': run_identity.data_fingerprint(data),
@@ -358,8 +401,8 @@ def model_start() -> dict:
 def _default_output_dir(identities: dict) -> str:
   algs = '+'.join(identities)
   algs = algs if len(algs) <= 60 else f'{len(identities)}algorithms'
-  return os.path.join('runs', f'{FLAGS.dataset.replace(":", "_")}_{FLAGS.partition}_'
-                      f'{FLAGS.model}_n{FLAGS.num_clients}_seed{FLAGS.seed}_{algs}_'
+  return os.path.join('runs', f'{FLAGS.dataset.replace(":", "_")}_{partition()}_'
+                      f'{FLAGS.model}_n{num_clients() or "all"}_seed{FLAGS.seed}_{algs}_'
                       f'{run_identity.short_hash(identities)}')
 
 
@@ -449,6 +492,9 @@ def load_data(job: Job) -> None:
   job.data = datasets_lib.load_federated(data_config())
   _check(int(np.asarray(job.data.train.num_examples).sum()) > 0, 'num_clients',
          'no client has training data')
+  _check(FLAGS.cohort_size is None or FLAGS.cohort_size <= job.data.num_clients, 'cohort_size',
+         f'must be in [1, {job.data.num_clients}] (the clients of {FLAGS.dataset}), got '
+         f'{FLAGS.cohort_size}')
   _say(job.data.describe())
   job.identity = job_identity(job.data)
   if job.cfgs is not None:
@@ -678,17 +724,7 @@ def _fail(error, status: int):
   sys.exit(status)
 
 
-def parse_flags(argv):
-  """absl's flag parsing, but a bad flag is a one-line error with exit
-  status 2 (absl exits 1)."""
-  try:
-    return FLAGS(argv)
-  except flags.Error as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(2)
-
-
 def run():
   """Entry point of ``scripts/run_experiment.py``."""
   from absl import app
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=entry.parse_flags)

@@ -55,8 +55,8 @@ def define_flags(default_trials: Optional[Dict[str, int]] = None) -> None:
   flags.DEFINE_integer('stat_window', 5, 'Cells average the last this many evaluations.',
                        lower_bound=1)
   flags.DEFINE_string('output_dir', None, 'Where results go (default runs/<script name>).')
-  flags.DEFINE_string('data_dir', None, 'Directory with the offline data files (default: '
-                      '../shared/data and the usual places).')
+  flags.DEFINE_string('data_dir', None, 'Folder searched first for data files (then '
+                      '$FEDJAX_PERSONAL_DATA, the package, the cache); must exist.')
   flags.DEFINE_bool('dry_run', False, 'Print the sizes this scale resolves to and exit.')
   flags.DEFINE_bool('reuse_trials', True, 'Reuse the trials a run of the same cell (same '
                     'settings, data, seed and library source) finished under '

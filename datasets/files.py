@@ -1,0 +1,126 @@
+"""Where data files are found, cached and checked.
+
+A data file is looked up, in order, in ``--data_dir`` (which must exist), the
+directory named by ``$FEDJAX_PERSONAL_DATA``, the package's embedded data
+(MNIST 10k), and the cache folder (``$FEDJAX_PERSONAL_CACHE``, by default
+``~/.cache/fedjax_personal``) where ``--download`` saves files and decoded
+copies are kept. Each published file is found under its published name, so a
+file saved by hand in ``--data_dir`` is used as it is.
+"""
+
+import hashlib
+import os
+import pathlib
+from typing import List, Optional, Sequence, Union
+
+from fedjax_personal.errors import DataError
+
+PACKAGE_DATA = pathlib.Path(__file__).parent / 'data'
+
+
+class MissingDataError(DataError, FileNotFoundError):
+  """A data file found in none of the search places (exit status 2)."""
+
+
+def cache_dir(create: bool = True) -> pathlib.Path:
+  """The cache folder: downloads and decoded copies (``$FEDJAX_PERSONAL_CACHE``)."""
+  d = pathlib.Path(os.environ.get('FEDJAX_PERSONAL_CACHE') or '~/.cache/fedjax_personal').expanduser()
+  if create:
+    try:
+      d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      raise DataError(f'{d}: cannot create the cache folder ({e.strerror}); set '
+                      'FEDJAX_PERSONAL_CACHE to a writable folder') from None
+  return d
+
+
+def check_data_dir(data_dir: Optional[str]) -> None:
+  """``--data_dir`` must name an existing folder (a typo is never ignored)."""
+  if data_dir and not pathlib.Path(data_dir).expanduser().is_dir():
+    raise DataError(f'{data_dir}: --data_dir is not a folder (no such directory)')
+
+
+def search_dirs(data_dir: Optional[str] = None) -> List[pathlib.Path]:
+  """The folders searched for data files, in order."""
+  check_data_dir(data_dir)
+  dirs = []
+  if data_dir:
+    dirs.append(pathlib.Path(data_dir).expanduser())
+  if os.environ.get('FEDJAX_PERSONAL_DATA'):
+    dirs.append(pathlib.Path(os.environ['FEDJAX_PERSONAL_DATA']).expanduser())
+  return dirs + [PACKAGE_DATA, cache_dir(create=False)]
+
+
+def how_to_get(dataset: Optional[str]) -> str:
+  """The next command for a missing file of ``dataset``."""
+  if dataset is None:
+    return 'put it in --data_dir or $FEDJAX_PERSONAL_DATA'
+  from fedjax_personal.datasets import sources
+  if sources.downloadable(dataset):
+    return (f'get it with: python scripts/run_experiment.py --dataset={dataset} --download '
+            '(or save it by hand in --data_dir)')
+  return sources.manual_instructions(dataset)
+
+
+def locate(names: Union[str, Sequence[str]], data_dir: Optional[str] = None) -> Optional[pathlib.Path]:
+  """The first of ``names`` (relative paths) found in the search folders, or None."""
+  names = [names] if isinstance(names, str) else list(names)
+  for d in search_dirs(data_dir):
+    for name in names:
+      if (d / name).is_file():
+        return d / name
+  return None
+
+
+def find_file(names: Union[str, Sequence[str]], data_dir: Optional[str] = None,
+              dataset: Optional[str] = None) -> pathlib.Path:
+  """Path of a data file (the first of ``names`` found).
+
+  Raises:
+    MissingDataError naming the file, the folders searched and the command
+    that gets it.
+  """
+  path = locate(names, data_dir)
+  if path is not None:
+    return path
+  name = names if isinstance(names, str) else names[0]
+  raise MissingDataError(f'{name}: not found in ' + ', '.join(str(d) for d in search_dirs(data_dir))
+                         + f'; {how_to_get(dataset)}')
+
+
+def digest(path, algorithm: str = 'sha256', chunk: int = 1 << 20) -> str:
+  """Hex digest of a file, read in chunks."""
+  h = hashlib.new(algorithm)
+  with open(path, 'rb') as f:
+    for block in iter(lambda: f.read(chunk), b''):
+      h.update(block)
+  return h.hexdigest()
+
+
+def sha256_file(path) -> str:
+  return digest(path, 'sha256')
+
+
+def check_digest(path, md5: Optional[str] = None, sha256: Optional[str] = None) -> None:
+  """Raises DataError naming the file when its checksum differs from the release's."""
+  for algorithm, want in (('md5', md5), ('sha256', sha256)):
+    if want:
+      got = digest(path, algorithm)
+      if got != want:
+        raise DataError(f"{path}: {algorithm} {got} differs from the release's {want} (corrupted, "
+                        'truncated or not the original file)')
+
+
+def write_atomically(dest: pathlib.Path, write) -> pathlib.Path:
+  """Calls ``write(tmp_path)`` and renames the result to ``dest`` only when it
+  finished: a reader never sees a partial file, and nothing is left behind
+  when ``write`` fails."""
+  dest.parent.mkdir(parents=True, exist_ok=True)
+  tmp = dest.with_name(f'.{dest.name}.{os.getpid()}.partial')
+  try:
+    write(tmp)
+    os.replace(tmp, dest)
+  finally:
+    if tmp.exists():
+      tmp.unlink()
+  return dest

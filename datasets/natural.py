@@ -1,0 +1,348 @@
+"""The field's natural federated data sets, read from their published files.
+
+One client per writer (EMNIST), speaking role (Shakespeare), user (Stack
+Overflow, LEAF) or Pachinko-allocation client (CIFAR-100, Reddi et al.,
+"Adaptive Federated Optimization", arXiv 2003.00295), with the files' own
+train/test split. Preprocessing follows FedJAX (``fedjax/datasets/*.py``):
+
+- ``emnist`` / ``emnist_digits``: x = 1 - pixels, [28, 28, 1] float32 (ink 1),
+  62 / 10 classes.
+- ``shakespeare``: a client's snippets joined with BOS/EOS into one character
+  sequence cut into x/y pairs of ``seq_len`` (FedJAX's 86-character table;
+  PAD 0, BOS 1, EOS 2, OOV 89; 90 classes).
+- ``stackoverflow``: each sentence ``[BOS] words [EOS]`` as ids of the
+  ``vocab_size`` most frequent words (``stackoverflow.word_count``), one OOV
+  id, x/y truncated or padded to ``seq_len`` (vocab_size + 4 classes).
+- ``cifar100``: TFF's file (500 train clients of 100 images); its 100 test
+  clients are other clients, so each train client's images are split with
+  --test_fraction like a pooled data set's.
+- ``leaf:<name>``: LEAF's JSON (``users``, ``num_samples``, ``user_data``),
+  ``train/`` and ``test/`` folders.
+
+Padded target positions of sequences are -1: left out of the loss and the
+accuracy (``core.training.per_example_stats``). Clients without test
+examples are trained and left out of the test statistics (counted).
+"""
+
+import dataclasses
+import glob
+import json
+import os
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from fedjax_personal.datasets import files, sources, sqlite_formats
+from fedjax_personal.errors import ConfigError, DataError
+
+#: Natural data sets read from published files.
+FILE_DATASETS = ('emnist', 'emnist_digits', 'shakespeare', 'stackoverflow', 'cifar100')
+#: Without --num_clients a natural data set loads all its clients up to this
+#: many (every client is padded to the largest; beyond, give --num_clients).
+MAX_DEFAULT_CLIENTS = 10_000
+IGNORE = -1  # a padded target position
+
+
+@dataclasses.dataclass
+class NaturalData:
+  """Per-client examples as the files split them.
+
+  Attributes:
+    train, test: per client, (x, y) numpy arrays.
+    num_classes: output classes.
+    client_ids: the files' client ids (str).
+    total_clients: clients in the file (before --num_clients).
+    split_by_fraction: True when the file's test split holds other clients,
+      so the train clients' examples are split with --test_fraction.
+  """
+  train: List[tuple]
+  test: List[tuple]
+  num_classes: int
+  client_ids: List[str]
+  total_clients: int
+  split_by_fraction: bool = False
+
+
+def _take(total: int, num_clients: Optional[int], dataset: str) -> int:
+  if num_clients is None:
+    if total > MAX_DEFAULT_CLIENTS:
+      raise ConfigError('num_clients', f'{dataset} has {total:,} clients; every client is '
+                        'padded to the largest on the device, so give --num_clients=N (its '
+                        'first N clients)')
+    return total
+  if num_clients > total:
+    raise ConfigError('num_clients', f'{dataset} has {total:,} clients; --num_clients='
+                      f'{num_clients} is too many')
+  return num_clients
+
+
+def _cid(c) -> str:
+  return c.decode('utf-8', 'replace') if isinstance(c, bytes) else str(c)
+
+
+def _fedjax_splits(dataset, train_path, test_path, num_clients, convert) -> NaturalData:
+  """Train clients of a FedJAX file (first N) with their test examples."""
+  total = sqlite_formats.fedjax_num_clients(train_path)
+  n = _take(total, num_clients, dataset)
+  ids, train = [], []
+  for cid, ex in sqlite_formats.read_fedjax(train_path, limit=n):
+    ids.append(cid)
+    train.append(_converted(convert, ex, train_path))
+  test = [_converted(convert, ex, test_path) if ex else None
+          for _, ex in sqlite_formats.read_fedjax(test_path, client_ids=ids)]
+  empty = lambda like: tuple(np.zeros((0,) + a.shape[1:], a.dtype) for a in like)
+  test = [t if t is not None else empty(tr) for t, tr in zip(test, train)]
+  return NaturalData(train, test, 0, [_cid(c) for c in ids], total)
+
+
+def _converted(convert, examples, path):
+  try:
+    return convert(examples)
+  except (KeyError, ValueError, TypeError, IndexError) as e:
+    raise DataError(f'{path}: a client record lacks the expected features ({type(e).__name__}: '
+                    f'{e})') from None
+
+
+def load_emnist(only_digits: bool, num_clients=None, data_dir=None, download=False) -> NaturalData:
+  """Federated EMNIST (3,400 writers; digits only 3,383), FedJAX's files."""
+  name = 'emnist_digits' if only_digits else 'emnist'
+  paths = list(sources.fetch(name, data_dir, download).values())
+  conv = lambda ex: ((1.0 - np.asarray(ex['pixels'], np.float32))[..., None],
+                     np.asarray(ex['label'], np.int32))
+  out = _fedjax_splits(name, paths[0], paths[1], num_clients, conv)
+  out.num_classes = 10 if only_digits else 62
+  for part in (out.train, out.test):
+    for _, y in part:
+      if y.size and (y.min() < 0 or y.max() >= out.num_classes):
+        raise DataError(f'{paths[0]}: labels outside [0, {out.num_classes})')
+  return out
+
+
+# FedJAX's Shakespeare table (fedjax/datasets/shakespeare.py): byte vocab[i]
+# has label 3 + i; 0 PAD, 1 BOS, 2 EOS, 89 OOV.
+SHAKESPEARE_VOCAB = (b'dhlptx@DHLPTX $(,048cgkoswCGKOSW[_#\'/37;?bfjnrvzBFJNRVZ"&*.26:\naeimquyAEIMQUY]'
+                     b'!%)-159\r')
+PAD, BOS, EOS = 0, 1, 2
+SHAKESPEARE_OOV = 3 + len(SHAKESPEARE_VOCAB)
+SHAKESPEARE_CLASSES = SHAKESPEARE_OOV + 1
+_SHAKESPEARE_TABLE = np.full(256, SHAKESPEARE_OOV, np.int32)
+for _i, _c in enumerate(SHAKESPEARE_VOCAB):
+  _SHAKESPEARE_TABLE[_c] = 3 + _i
+
+
+def shakespeare_sequences(snippets, seq_len: int):
+  """FedJAX's preprocessing of one client: snippets joined as
+  ``BOS s_1 EOS BOS s_2 EOS ...`` and cut into x/y rows of ``seq_len``
+  (y = x shifted by one; padded target positions IGNORE)."""
+  joined = []
+  for s in snippets:
+    joined += [BOS] + _SHAKESPEARE_TABLE[np.frombuffer(bytes(s), np.uint8)].tolist() + [EOS]
+  joined = np.asarray(joined, np.int32)
+  if len(joined) < 2:
+    return np.zeros((0, seq_len), np.int32), np.zeros((0, seq_len), np.int32)
+  rows = -(-(len(joined) - 1) // seq_len)
+  x = np.full(rows * seq_len, PAD, np.int32)
+  y = np.full(rows * seq_len, IGNORE, np.int32)
+  x[:len(joined) - 1], y[:len(joined) - 1] = joined[:-1], joined[1:]
+  return x.reshape(rows, seq_len), y.reshape(rows, seq_len)
+
+
+def load_shakespeare(num_clients=None, seq_len: int = 80, data_dir=None, download=False) -> NaturalData:
+  """Federated Shakespeare (715 speaking roles), FedJAX's files."""
+  paths = list(sources.fetch('shakespeare', data_dir, download).values())
+  out = _fedjax_splits('shakespeare', paths[0], paths[1], num_clients,
+                       lambda ex: shakespeare_sequences(ex['snippets'], seq_len))
+  out.num_classes = SHAKESPEARE_CLASSES
+  return out
+
+
+def read_word_count(path, vocab_size: int) -> List[str]:
+  """The ``vocab_size`` most frequent words of ``stackoverflow.word_count``
+  (one ``word count`` per line, most frequent first)."""
+  words = []
+  try:
+    with open(path, encoding='utf-8') as f:
+      for line in f:
+        if len(words) == vocab_size:
+          break
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].isdigit():
+          raise DataError(f'{path}: line {len(words) + 1} is not "word count": {line.strip()!r}')
+        words.append(parts[0])
+  except UnicodeDecodeError as e:
+    raise DataError(f'{path}: not UTF-8 text ({e.reason})') from None
+  if len(words) < vocab_size:
+    raise DataError(f'{path}: {len(words)} words, the vocabulary needs {vocab_size}')
+  return words
+
+
+def tokenize_sentences(sentences, vocab: Dict[str, int], seq_len: int):
+  """FedJAX's Stack Overflow tokenizer with one OOV bucket: ids 0 PAD, 1 BOS,
+  2 EOS, 3.. the vocabulary, len(vocab) + 3 OOV; x = ids[:-1], y = ids[1:]
+  of ``[BOS] words [EOS]``, truncated or padded to ``seq_len`` (padded
+  targets IGNORE)."""
+  oov = len(vocab) + 3
+  x = np.full((len(sentences), seq_len), PAD, np.int32)
+  y = np.full((len(sentences), seq_len), IGNORE, np.int32)
+  for i, s in enumerate(sentences):
+    text = s.decode('utf-8') if isinstance(s, bytes) else str(s)
+    ids = [BOS] + [vocab.get(w, oov) for w in text.split(' ') if w != ''] + [EOS]
+    n = min(len(ids) - 1, seq_len)
+    x[i, :n], y[i, :n] = ids[:n], ids[1:n + 1]
+  return x, y
+
+
+def load_stackoverflow(num_clients=None, vocab_size: int = 10000, seq_len: int = 20, data_dir=None,
+                       download=False) -> NaturalData:
+  """Stack Overflow (342,477 train users), FedJAX's files; a user's test
+  examples are their posts in the test file (users without any are left
+  out of the test statistics). The held-out file holds other users and is
+  not read."""
+  paths = sources.fetch('stackoverflow', data_dir, download,
+                        which=['stackoverflow_train.sqlite', 'stackoverflow_test.sqlite',
+                               'stackoverflow.word_count'])
+  words = read_word_count(paths['stackoverflow.word_count'], vocab_size)
+  vocab = {w: i + 3 for i, w in enumerate(words)}
+  out = _fedjax_splits('stackoverflow', paths['stackoverflow_train.sqlite'],
+                       paths['stackoverflow_test.sqlite'], num_clients,
+                       lambda ex: tokenize_sentences(ex['tokens'], vocab, seq_len))
+  out.num_classes = vocab_size + 4
+  return out
+
+
+CIFAR100_FEATURES = {'image': (32, 32, 3), 'label': (), 'coarse_label': ()}
+
+
+def load_cifar100(num_clients=None, data_dir=None, download=False) -> NaturalData:
+  """Federated CIFAR-100 (TFF's ``cifar100.sqlite``: 500 train clients of 100
+  images, Pachinko allocation over the coarse and fine labels)."""
+  path = sources.fetch('cifar100', data_dir, download)['cifar100.sqlite.lzma']
+  import sqlite3
+  try:
+    with sqlite3.connect(f'file:{path}?mode=ro', uri=True) as conn:
+      total = conn.execute("SELECT COUNT(*) FROM client_metadata WHERE split_name = 'train'").fetchone()[0]
+  except sqlite3.Error as e:
+    raise DataError(f'{path}: not a TFF SQLite file ({e}); if it was downloaded, delete it and '
+                    'download it again (--download)') from None
+  n = _take(total, num_clients, 'cifar100')
+  ids, train = [], []
+  for cid, ex in sqlite_formats.read_tff(path, 'train', CIFAR100_FEATURES, limit=n):
+    if ex['image'].size and (ex['image'].min() < 0 or ex['image'].max() > 255):
+      raise DataError(f'{path}: client {cid}: pixel values outside [0, 255]')
+    ids.append(cid)
+    train.append((ex['image'].astype(np.uint8), ex['label'].astype(np.int32)))
+  return NaturalData(train, [], 100, [_cid(c) for c in ids], total, split_by_fraction=True)
+
+
+# -- LEAF ---------------------------------------------------------------------
+
+# LEAF's Shakespeare characters (leaf/models/utils/language_utils.py).
+LEAF_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
+LEAF_SENT140_VOCAB = 10000
+LEAF_SENT140_LEN = 25
+
+
+def _leaf_dir(name: str, split: str, data_dir) -> str:
+  for d in files.search_dirs(data_dir):
+    for rel in (f'leaf/{name}/{split}', f'leaf/{name}/data/{split}', f'{name}/data/{split}'):
+      if glob.glob(os.path.join(d, rel, '*.json')):
+        return os.path.join(d, rel)
+  raise files.MissingDataError(f'leaf/{name}/{split}/*.json: not found in '
+                               + ', '.join(str(d) for d in files.search_dirs(data_dir))
+                               + '; ' + sources.manual_instructions(f'leaf:{name}'))
+
+
+def read_leaf(folder: str) -> Dict[str, dict]:
+  """{user: {'x': [...], 'y': [...]}} of every JSON file in a LEAF folder."""
+  users = {}
+  for path in sorted(glob.glob(os.path.join(folder, '*.json'))):
+    try:
+      with open(path, encoding='utf-8') as f:
+        doc = json.load(f)
+      for u, n in zip(doc['users'], doc['num_samples']):
+        d = doc['user_data'][u]
+        if len(d['x']) != n or len(d['y']) != n:
+          raise ValueError(f'user {u}: num_samples {n}, {len(d["x"])} x and {len(d["y"])} y')
+        users[u] = d
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise DataError(f'{path}: not a LEAF JSON file ({type(e).__name__}: {e})') from None
+  return users
+
+
+def _leaf_convert(name: str, train: Dict[str, dict], test: Dict[str, dict]):
+  """(convert(user data) -> (x, y), num_classes) for LEAF data set ``name``."""
+  if name == 'shakespeare':
+    table = {c: i for i, c in enumerate(LEAF_LETTERS)}
+    oov = len(LEAF_LETTERS)
+    ids = lambda s: [table.get(c, oov) for c in s]
+    return (lambda d: (np.asarray([ids(s) for s in d['x']], np.int32).reshape(len(d['x']), -1),
+                       np.asarray([ids(s)[0] for s in d['y']], np.int32))), oov + 1
+  if name == 'sent140':
+    counts = {}
+    for d in train.values():
+      for row in d['x']:
+        for w in str(row[4]).split():
+          counts[w] = counts.get(w, 0) + 1
+    words = sorted(counts, key=lambda w: (-counts[w], w))[:LEAF_SENT140_VOCAB]
+    vocab = {w: i + 1 for i, w in enumerate(words)}  # 0 pads, len + 1 is OOV
+
+    def conv(d):
+      x = np.zeros((len(d['x']), LEAF_SENT140_LEN), np.int32)
+      for i, row in enumerate(d['x']):
+        t = [vocab.get(w, len(vocab) + 1) for w in str(row[4]).split()][:LEAF_SENT140_LEN]
+        x[i, :len(t)] = t
+      return x, np.asarray(d['y'], np.int32)
+    return conv, 2
+  labels = [int(v) for d in list(train.values()) + list(test.values()) for v in d['y']]
+  num_classes = max(labels) + 1 if labels else 1
+  if name == 'femnist':
+    return (lambda d: (np.asarray(d['x'], np.float32).reshape(-1, 28, 28, 1),
+                       np.asarray(d['y'], np.int32))), 62
+  return (lambda d: (np.asarray(d['x'], np.float32), np.asarray(d['y'], np.int32))), num_classes
+
+
+def load_leaf(name: str, num_clients=None, data_dir=None) -> NaturalData:
+  """A LEAF data set from its JSON files (users in sorted order).
+
+  x: femnist [28, 28, 1] float32 as LEAF writes it; shakespeare 80 character
+  ids (LEAF's 80 letters, one OOV id) predicting the next one; sent140 the
+  tweet's first 25 words as ids of the 10,000 most frequent training words
+  (LEAF's model uses GloVe vectors; here ids for a learned embedding);
+  others (synthetic) the feature vector as it is.
+  """
+  tr_dir, te_dir = _leaf_dir(name, 'train', data_dir), _leaf_dir(name, 'test', data_dir)
+  train, test = read_leaf(tr_dir), read_leaf(te_dir)
+  users = sorted(train)
+  n = _take(len(users), num_clients, f'leaf:{name}')
+  conv, num_classes = _leaf_convert(name, train, test)
+  try:
+    tr = [conv(train[u]) for u in users[:n]]
+    te = []
+    for u, (x, y) in zip(users[:n], tr):
+      te.append(conv(test[u]) if u in test and test[u]['y'] else
+                (np.zeros((0,) + x.shape[1:], x.dtype), np.zeros((0,) + y.shape[1:], y.dtype)))
+  except (ValueError, TypeError, IndexError) as e:
+    raise DataError(f'{tr_dir}: LEAF {name} examples of an unexpected shape ({e})') from None
+  for part in (tr, te):
+    for _, y in part:
+      if y.size and (y.min() < 0 or y.max() >= num_classes):
+        raise DataError(f'{tr_dir}: labels outside [0, {num_classes})')
+  return NaturalData(tr, te, num_classes, users[:n], len(users))
+
+
+def load(dataset: str, num_clients=None, seq_len: int = 80, data_dir=None,
+         download=False) -> NaturalData:
+  """A natural data set by its --dataset name."""
+  if dataset in ('emnist', 'emnist_digits'):
+    return load_emnist(dataset == 'emnist_digits', num_clients, data_dir, download)
+  if dataset == 'shakespeare':
+    return load_shakespeare(num_clients, seq_len, data_dir, download)
+  if dataset == 'stackoverflow':
+    return load_stackoverflow(num_clients, seq_len=seq_len, data_dir=data_dir, download=download)
+  if dataset == 'cifar100':
+    return load_cifar100(num_clients, data_dir, download)
+  if dataset.startswith('leaf:'):
+    if download:
+      raise ConfigError('download', sources.manual_instructions(dataset))
+    return load_leaf(dataset[5:], num_clients, data_dir)
+  raise ConfigError('dataset', f'{dataset!r} is not a natural data set read from files')

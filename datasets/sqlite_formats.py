@@ -1,0 +1,175 @@
+"""The two SQLite formats federated data sets are published in.
+
+- FedJAX (``fedjax/core/sqlite_federated_data.py``): one row per client,
+  ``federated_data(client_id BLOB PRIMARY KEY, data BLOB, num_examples
+  INTEGER)``, ``data`` the zlib-compressed msgpack of a dict of arrays in
+  FedJAX's encoding (``fedjax/core/serialization.py``: numeric arrays are
+  msgpack ext type 1 holding ``(shape, dtype name, C-order bytes)``, arrays of
+  bytes ext type 4 holding ``(shape, flat list of bytes)``, NumPy scalars
+  ext type 3). Clients are read in ``rowid`` order, as FedJAX does.
+- TensorFlow Federated: one row per example,
+  ``examples(split_name, client_id, serialized_example_proto)`` plus
+  ``client_metadata(client_id, split_name, num_examples)``; each example is
+  a serialized ``tf.train.Example``, parsed here without TensorFlow (with the
+  Example proto that tensorflow-datasets ships).
+"""
+
+import sqlite3
+import zlib
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import msgpack
+import numpy as np
+
+from fedjax_personal.errors import DataError
+
+_EXT_NDARRAY, _EXT_COMPLEX, _EXT_SCALAR, _EXT_BYTES_NDARRAY = 1, 2, 3, 4
+
+
+def _ndarray(data: bytes) -> np.ndarray:
+  shape, dtype, buffer = msgpack.unpackb(data, raw=True)
+  return np.frombuffer(buffer, dtype=np.dtype(dtype.decode())).reshape(shape)
+
+
+def _ext_hook(code: int, data: bytes):
+  if code == _EXT_NDARRAY:
+    return _ndarray(data)
+  if code == _EXT_SCALAR:
+    return _ndarray(data)[()]
+  if code == _EXT_BYTES_NDARRAY:
+    shape, flat = msgpack.unpackb(data, raw=True)
+    out = np.empty(len(flat), dtype=object)
+    out[:] = flat
+    return out.reshape(shape)
+  if code == _EXT_COMPLEX:
+    re, im = msgpack.unpackb(data)
+    return complex(re, im)
+  raise ValueError(f'unknown msgpack extension type {code}')
+
+
+def decode_client(blob: bytes) -> Dict[str, np.ndarray]:
+  """One client's examples from a FedJAX ``data`` blob (zlib msgpack)."""
+  return msgpack.unpackb(zlib.decompress(blob), ext_hook=_ext_hook, raw=False)
+
+
+def _connect(path) -> sqlite3.Connection:
+  try:
+    return sqlite3.connect(f'file:{path}?mode=ro', uri=True)
+  except sqlite3.Error as e:
+    raise DataError(f'{path}: cannot open as SQLite ({e})') from None
+
+
+def _tables(conn, path) -> List[str]:
+  try:
+    return [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+  except sqlite3.Error as e:
+    raise DataError(f'{path}: not an SQLite database ({e}); if it was downloaded, delete it and '
+                    'download it again (--download)') from None
+
+
+def read_fedjax(path, limit: Optional[int] = None,
+                client_ids: Optional[List[bytes]] = None) -> Iterator[Tuple[bytes, Dict[str, np.ndarray]]]:
+  """Clients of a FedJAX SQLite file: ``(client_id, {feature: array})``.
+
+  Args:
+    path: the file.
+    limit: read at most this many clients (in the file's order).
+    client_ids: read only these clients, in this order (absent ones yield
+      an empty dict).
+
+  Raises:
+    DataError naming the file when it is not in FedJAX's format.
+  """
+  conn = _connect(path)
+  try:
+    if 'federated_data' not in _tables(conn, path):
+      raise DataError(f'{path}: no federated_data table: not a FedJAX SQLite file')
+    try:
+      if client_ids is not None:
+        for cid in client_ids:
+          row = conn.execute('SELECT data FROM federated_data WHERE client_id = ?', [cid]).fetchone()
+          yield cid, (decode_client(row[0]) if row else {})
+        return
+      query = 'SELECT client_id, data FROM federated_data ORDER BY rowid'
+      if limit is not None:
+        query += f' LIMIT {int(limit)}'
+      for cid, blob in conn.execute(query):
+        yield (cid.encode() if isinstance(cid, str) else bytes(cid)), decode_client(blob)
+    except (sqlite3.Error, zlib.error, ValueError, msgpack.ExtraData, msgpack.FormatError,
+            msgpack.StackError, TypeError) as e:
+      raise DataError(f'{path}: a client record is unreadable ({type(e).__name__}: {e}): '
+                      'corrupted or not a FedJAX SQLite file') from None
+  finally:
+    conn.close()
+
+
+def fedjax_num_clients(path) -> int:
+  conn = _connect(path)
+  try:
+    if 'federated_data' not in _tables(conn, path):
+      raise DataError(f'{path}: no federated_data table: not a FedJAX SQLite file')
+    return int(conn.execute('SELECT COUNT(*) FROM federated_data').fetchone()[0])
+  finally:
+    conn.close()
+
+
+# -- TFF SQLite and tf.train.Example ------------------------------------------
+
+
+def parse_example(serialized: bytes, shapes: Dict[str, tuple]) -> Dict[str, np.ndarray]:
+  """The features named in ``shapes`` of one serialized tf.train.Example.
+
+  Args:
+    serialized: the proto's bytes.
+    shapes: {feature: shape} (as ``tf.io.FixedLenFeature``); int64 and
+      float lists are reshaped to it, a bytes list gives its bytes.
+  """
+  from tensorflow_datasets.proto import tf_example_generated_pb2 as pb
+  example = pb.Example.FromString(serialized)
+  out = {}
+  for name, shape in shapes.items():
+    if name not in example.features.feature:
+      raise ValueError(f'feature {name!r} missing')
+    feature = example.features.feature[name]
+    kind = feature.WhichOneof('kind')
+    if kind == 'bytes_list':
+      out[name] = list(feature.bytes_list.value)
+      continue
+    values = np.asarray(getattr(feature, kind).value,
+                        np.int64 if kind == 'int64_list' else np.float32)
+    out[name] = values.reshape(shape)
+  return out
+
+
+def read_tff(path, split: str, shapes: Dict[str, tuple],
+             limit: Optional[int] = None) -> Iterator[Tuple[str, Dict[str, np.ndarray]]]:
+  """Clients of one split of a TFF SQLite file, in client-id order (as
+  FedJAX's ``TFFSQLiteClientsIterator``): ``(client_id, {feature: [n, *shape]})``.
+
+  Raises:
+    DataError naming the file when it is not in TFF's format.
+  """
+  conn = _connect(path)
+  try:
+    missing = {'examples', 'client_metadata'} - set(_tables(conn, path))
+    if missing:
+      raise DataError(f'{path}: no {" or ".join(sorted(missing))} table: not a TFF SQLite file')
+    try:
+      query = 'SELECT client_id FROM client_metadata WHERE split_name = ? ORDER BY client_id'
+      if limit is not None:
+        query += f' LIMIT {int(limit)}'
+      for (cid,) in conn.execute(query, [split]).fetchall():
+        rows = conn.execute('SELECT serialized_example_proto FROM examples WHERE split_name = ? '
+                            'AND client_id = ? ORDER BY rowid', [split, cid]).fetchall()
+        parsed = [parse_example(r[0], shapes) for r in rows]
+        yield cid, {k: np.stack([p[k] for p in parsed]) if parsed else np.zeros((0,) + shapes[k])
+                    for k in shapes}
+    except (sqlite3.Error, ValueError, TypeError) as e:
+      raise DataError(f'{path}: an example is unreadable ({type(e).__name__}: {e}): corrupted '
+                      'or not a TFF SQLite file') from None
+    except Exception as e:  # protobuf's DecodeError
+      if type(e).__name__ != 'DecodeError':
+        raise
+      raise DataError(f'{path}: an example is not a tf.train.Example ({e})') from None
+  finally:
+    conn.close()

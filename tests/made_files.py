@@ -1,0 +1,194 @@
+"""Small data files written in the formats the field publishes, for tests.
+
+Each writer follows the publisher's own code, not this package's readers:
+FedJAX's ``SQLiteFederatedDataBuilder`` and msgpack encoding
+(``fedjax/core/sqlite_federated_data.py``, ``serialization.py``), TFF's
+``examples`` / ``client_metadata`` tables with serialized tf.train.Example
+protos, the CIFAR page's pickled batches in a tar.gz, Karpathy's Tiny
+Shakespeare text and LEAF's JSON.
+"""
+
+import io
+import json
+import pickle
+import sqlite3
+import tarfile
+import zlib
+
+import msgpack
+import numpy as np
+
+
+# -- FedJAX SQLite --------------------------------------------------------------
+
+
+def _fedjax_pack(x):
+  """FedJAX's msgpack ext types: 1 numeric ndarray, 4 ndarray of bytes."""
+  if isinstance(x, np.ndarray) and x.dtype == object:
+    return msgpack.ExtType(4, msgpack.packb((x.shape, list(x.flatten())), use_bin_type=True))
+  if isinstance(x, np.ndarray):
+    return msgpack.ExtType(1, msgpack.packb((x.shape, x.dtype.name, x.tobytes('C')),
+                                            use_bin_type=True))
+  raise TypeError(type(x))
+
+
+def write_fedjax_sqlite(path, clients):
+  """``clients``: [(client_id bytes, {feature: ndarray})] in row order."""
+  conn = sqlite3.connect(path)
+  conn.execute('CREATE TABLE federated_data (client_id BLOB NOT NULL PRIMARY KEY, '
+               'data BLOB NOT NULL, num_examples INTEGER NOT NULL);')
+  rows = []
+  for cid, ex in clients:
+    n = len(next(iter(ex.values())))
+    blob = zlib.compress(msgpack.packb(ex, default=_fedjax_pack, strict_types=True))
+    rows.append((cid, blob, n))
+  conn.executemany('INSERT INTO federated_data VALUES (?, ?, ?);', rows)
+  conn.commit()
+  conn.close()
+
+
+def emnist_clients(rng, sizes, num_classes=62, prefix=b'f'):
+  """FedJAX EMNIST records: pixels [n, 28, 28] float32 (1 = background)."""
+  out = []
+  for i, n in enumerate(sizes):
+    pixels = rng.uniform(0, 1, (n, 28, 28)).astype(np.float32)
+    label = rng.integers(0, num_classes, n).astype(np.int32)
+    out.append((prefix + b'%04d_%02d' % (i, i % 7), {'pixels': pixels, 'label': label}))
+  return out
+
+
+def write_emnist(folder, rng, train_sizes, test_sizes, digits=False):
+  name = 'federated_emnist_digitsonly' if digits else 'federated_emnist'
+  classes = 10 if digits else 62
+  train = emnist_clients(rng, train_sizes, classes)
+  test = emnist_clients(rng, test_sizes, classes)
+  write_fedjax_sqlite(folder / f'{name}_train.sqlite', train)
+  write_fedjax_sqlite(folder / f'{name}_test.sqlite', test)
+  return train, test
+
+
+def bytes_array(items):
+  a = np.empty(len(items), dtype=object)
+  a[:] = items
+  return a
+
+
+# -- TFF SQLite ------------------------------------------------------------------
+
+
+def tf_example(features):
+  """A serialized tf.train.Example of int64 features (flattened)."""
+  from tensorflow_datasets.proto import tf_example_generated_pb2 as pb
+  e = pb.Example()
+  for k, v in features.items():
+    e.features.feature[k].int64_list.value.extend(np.asarray(v).reshape(-1).tolist())
+  return e.SerializeToString()
+
+
+def write_tff_cifar100(path, rng, train_sizes, test_sizes):
+  """TFF's cifar100.sqlite layout; returns {split: [(client_id, images, labels)]}."""
+  conn = sqlite3.connect(path)
+  conn.execute('CREATE TABLE examples (split_name TEXT NOT NULL, client_id TEXT NOT NULL, '
+               'serialized_example_proto BLOB NOT NULL);')
+  conn.execute('CREATE TABLE client_metadata (client_id TEXT NOT NULL, split_name TEXT NOT NULL, '
+               'num_examples INTEGER NOT NULL);')
+  out = {}
+  for split, sizes in (('train', train_sizes), ('test', test_sizes)):
+    out[split] = []
+    for i, n in enumerate(sizes):
+      cid = str(i if split == 'train' else 1000 + i)
+      images = rng.integers(0, 256, (n, 32, 32, 3)).astype(np.uint8)
+      labels = rng.integers(0, 100, n)
+      for img, lab in zip(images, labels):
+        conn.execute('INSERT INTO examples VALUES (?, ?, ?)',
+                     (split, cid, tf_example({'image': img, 'label': [lab],
+                                              'coarse_label': [lab // 5]})))
+      conn.execute('INSERT INTO client_metadata VALUES (?, ?, ?)', (cid, split, n))
+      out[split].append((cid, images, labels))
+  conn.commit()
+  conn.close()
+  return out
+
+
+def lzma_file(src, dest):
+  import lzma
+  with open(src, 'rb') as f, lzma.open(dest, 'wb') as out:
+    out.write(f.read())
+
+
+# -- CIFAR python archives -------------------------------------------------------
+
+
+def write_cifar_archive(path, rng, train_n, test_n, hundred=False):
+  """cifar-10-python.tar.gz (5 data batches + test batch) or
+  cifar-100-python.tar.gz (train + test, fine and coarse labels)."""
+  classes = 100 if hundred else 10
+  truth = {}
+
+  def batch(n):
+    data = rng.integers(0, 256, (n, 3072)).astype(np.uint8)
+    labels = rng.integers(0, classes, n).tolist()
+    d = {b'data': data}
+    if hundred:
+      d[b'fine_labels'], d[b'coarse_labels'] = labels, [l // 5 for l in labels]
+    else:
+      d[b'labels'] = labels
+    return d, data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), np.asarray(labels)
+
+  with tarfile.open(path, 'w:gz') as tar:
+    def add(name, d):
+      raw = pickle.dumps(d)
+      info = tarfile.TarInfo(name)
+      info.size = len(raw)
+      tar.addfile(info, io.BytesIO(raw))
+    if hundred:
+      members = {'train': ['cifar-100-python/train'], 'test': ['cifar-100-python/test']}
+      sizes = {'train': [train_n], 'test': [test_n]}
+    else:
+      members = {'train': [f'cifar-10-batches-py/data_batch_{i}' for i in range(1, 6)],
+                 'test': ['cifar-10-batches-py/test_batch']}
+      sizes = {'train': [train_n // 5] * 4 + [train_n - 4 * (train_n // 5)], 'test': [test_n]}
+    for part in ('train', 'test'):
+      xs, ys = [], []
+      for name, n in zip(members[part], sizes[part]):
+        d, x, y = batch(n)
+        add(name, d)
+        xs.append(x)
+        ys.append(y)
+      truth[part] = (np.concatenate(xs), np.concatenate(ys))
+  return truth
+
+
+def write_cifar10_jpeg_npz(path, labels, test_labels=None, rng=None):
+  """The JPEG re-encoding of CIFAR-10 as an .npz (image i of a split is
+  ``jpeg[offsets[i]:offsets[i + 1]]``); flat grey images unless ``rng``."""
+  from PIL import Image
+  out = {}
+  for part, labs in (('train', labels), ('test', labels if test_labels is None else test_labels)):
+    blobs = []
+    for i in range(len(labs)):
+      img = (np.full((32, 32, 3), 20 * i % 256, np.uint8) if rng is None  # a class's colour + noise
+             else np.clip(25 * labs[i] + rng.normal(0, 8, (32, 32, 3)), 0, 255).astype(np.uint8))
+      buf = io.BytesIO()
+      Image.fromarray(img).save(buf, format='JPEG')
+      blobs.append(np.frombuffer(buf.getvalue(), np.uint8))
+    out[f'{part}_jpeg'] = np.concatenate(blobs)
+    out[f'{part}_offsets'] = np.cumsum([0] + [len(b) for b in blobs])
+    out[f'{part}_labels'] = np.asarray(labs, np.int64)
+  np.savez(path, **out)
+
+
+# -- LEAF JSON ---------------------------------------------------------------------
+
+
+def write_leaf(folder, name, users_train, users_test):
+  """LEAF's layout: <folder>/leaf/<name>/{train,test}/*.json; ``users_*``:
+  {user: {'x': [...], 'y': [...]}} (split over two files)."""
+  for split, users in (('train', users_train), ('test', users_test)):
+    d = folder / 'leaf' / name / split
+    d.mkdir(parents=True, exist_ok=True)
+    names = sorted(users)
+    for k, part in enumerate((names[::2], names[1::2])):
+      doc = {'users': part, 'num_samples': [len(users[u]['y']) for u in part],
+             'user_data': {u: users[u] for u in part}}
+      (d / f'all_data_{k}_niid_0_keep_0_{split}_9.json').write_text(json.dumps(doc))

@@ -1,0 +1,274 @@
+"""Every published format loads from a file written here in that format and
+under its published name: the expected arrays, the natural partition, the
+files' own train/test split."""
+
+import numpy as np
+import pytest
+
+from fedjax_personal.datasets import DataConfig, cifar, load_federated, loaders, natural
+from fedjax_personal.datasets import sqlite_formats
+from fedjax_personal.errors import ConfigError, DataError
+import made_files
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+  monkeypatch.setenv('FEDJAX_PERSONAL_CACHE', str(tmp_path / 'cache'))
+  monkeypatch.delenv('FEDJAX_PERSONAL_DATA', raising=False)
+
+
+@pytest.fixture
+def made_not_released(monkeypatch):
+  """Made files have the published names, not the releases' bytes: drop the
+  releases' checksums and sizes (tested on their own below)."""
+  import dataclasses
+  from fedjax_personal.datasets import sources
+  monkeypatch.setattr(sources, 'FILES', {
+      k: tuple(dataclasses.replace(f, md5=None, sha256=None, size=None) for f in v)
+      for k, v in sources.FILES.items()})
+
+
+def _rows(data, split, i):
+  n = int(data.__getattribute__(split).num_examples[i])
+  return data.__getattribute__(split).x[i, :n], data.__getattribute__(split).y[i, :n]
+
+
+def test_fedjax_emnist_natural_partition(tmp_path):
+  rng = np.random.default_rng(0)
+  train, test = made_files.write_emnist(tmp_path, rng, [5, 9, 3], [2, 4, 1])
+  d = load_federated(DataConfig(dataset='emnist', partition='natural', num_clients=None,
+                                data_dir=str(tmp_path), val_fraction=0.0))
+  assert d.num_clients == 3 and d.num_classes == 62 and d.name == 'emnist/natural'
+  assert d.describe().startswith('emnist/natural: 3 clients')
+  for i in range(3):
+    x, y = _rows(d, 'train', i)
+    np.testing.assert_array_equal(x[..., 0], 1.0 - train[i][1]['pixels'])  # FedJAX: x = 1 - pixels
+    np.testing.assert_array_equal(y, train[i][1]['label'])
+    xt, yt = _rows(d, 'test', i)  # the file's own test split of the same writer
+    np.testing.assert_array_equal(yt, test[i][1]['label'])
+    assert x.shape[1:] == (28, 28, 1) and x.dtype == np.float32
+  first2 = load_federated(DataConfig(dataset='emnist', partition='natural', num_clients=2,
+                                     data_dir=str(tmp_path)))
+  assert first2.num_clients == 2 and '(first 2 of 3 clients)' in first2.name
+  with pytest.raises(ConfigError, match='has 3 clients'):
+    load_federated(DataConfig(dataset='emnist', partition='natural', num_clients=4,
+                              data_dir=str(tmp_path)))
+
+
+def test_fedjax_emnist_validation_split_comes_from_train(tmp_path):
+  rng = np.random.default_rng(1)
+  made_files.write_emnist(tmp_path, rng, [10, 10], [3, 3], digits=True)
+  d = load_federated(DataConfig(dataset='emnist_digits', partition='natural', num_clients=None,
+                                data_dir=str(tmp_path), val_fraction=0.2))
+  assert d.num_classes == 10
+  assert np.asarray(d.train.num_examples).tolist() == [8, 8]
+  assert np.asarray(d.val.num_examples).tolist() == [2, 2]
+  assert np.asarray(d.test.num_examples).tolist() == [3, 3]
+
+
+def test_fedjax_client_missing_from_test_file_is_left_out_of_test(tmp_path):
+  rng = np.random.default_rng(2)
+  train = made_files.emnist_clients(rng, [4, 4, 4])
+  made_files.write_fedjax_sqlite(tmp_path / 'federated_emnist_train.sqlite', train)
+  made_files.write_fedjax_sqlite(tmp_path / 'federated_emnist_test.sqlite', [train[0], train[2]])
+  d = load_federated(DataConfig(dataset='emnist', partition='natural', num_clients=None,
+                                data_dir=str(tmp_path)))
+  assert np.asarray(d.test.num_examples).tolist() == [4, 0, 4]
+
+
+def test_fedjax_shakespeare_preprocessing_as_fedjax():
+  # FedJAX's docstring example, sequence_length=3: [b'ABCD', b'E'] becomes
+  # x [[BOS, A, B], [C, D, EOS], [BOS, E, PAD]], y [[A, B, C], [D, EOS, BOS], [E, EOS, PAD]].
+  t = lambda c: 3 + natural.SHAKESPEARE_VOCAB.index(c)
+  x, y = natural.shakespeare_sequences([b'ABCD', b'E'], 3)
+  B, E, P, I = natural.BOS, natural.EOS, natural.PAD, natural.IGNORE
+  assert x.tolist() == [[B, t(b'A'), t(b'B')], [t(b'C'), t(b'D'), E], [B, t(b'E'), P]]
+  assert y.tolist() == [[t(b'A'), t(b'B'), t(b'C')], [t(b'D'), E, B], [t(b'E'), E, I]]
+  assert natural.SHAKESPEARE_CLASSES == 90 and natural.SHAKESPEARE_OOV == 89
+  assert natural.shakespeare_sequences([b'\x01'], 4)[0].tolist() == [[B, 89, 0, 0]]  # OOV
+
+
+def test_fedjax_shakespeare_file(tmp_path):
+  snippets = [made_files.bytes_array([b'To be, or not', b'to be']),
+              made_files.bytes_array([b'All the world']), made_files.bytes_array([b'x' * 200])]
+  made_files.write_fedjax_sqlite(tmp_path / 'shakespeare_train.sqlite',
+                                 [(b'ROLE_%d' % i, {'snippets': s}) for i, s in enumerate(snippets)])
+  made_files.write_fedjax_sqlite(tmp_path / 'shakespeare_test.sqlite',
+                                 [(b'ROLE_%d' % i, {'snippets': made_files.bytes_array([b'ab'])})
+                                  for i in range(3)])
+  d = load_federated(DataConfig(dataset='shakespeare', partition='natural', num_clients=None,
+                                data_dir=str(tmp_path)))
+  assert d.num_clients == 3 and d.num_classes == 90 and d.train.x.shape[2] == 80
+  assert np.asarray(d.train.num_examples).tolist() == [1, 1, 3]  # 202 targets in 80s
+  x, y = _rows(d, 'train', 0)
+  want_x, want_y = natural.shakespeare_sequences(list(snippets[0]), 80)
+  np.testing.assert_array_equal(x, want_x)
+  np.testing.assert_array_equal(y, want_y)
+  assert (y == -1).sum() == 80 - (len(b'To be, or not') + len(b'to be') + 3)
+
+
+def test_fedjax_stackoverflow_tokens_and_vocabulary(tmp_path):
+  (tmp_path / 'stackoverflow.word_count').write_text('the 100\nis 50\ncode 20\nrare 1\n')
+  tok = lambda items: {'tokens': made_files.bytes_array(items),
+                       'type': made_files.bytes_array([b'question'] * len(items))}
+  made_files.write_fedjax_sqlite(tmp_path / 'stackoverflow_train.sqlite', [
+      (b'00001', tok([b'the code is', b'what is this'])),
+      (b'00002', tok([b'code ' * 30])),
+      (b'00003', tok([b'the']))])
+  made_files.write_fedjax_sqlite(tmp_path / 'stackoverflow_test.sqlite', [
+      (b'00002', tok([b'is the code'])), (b'99999', tok([b'other user']))])
+  nat = natural.load_stackoverflow(vocab_size=3, seq_len=5, data_dir=str(tmp_path))
+  assert nat.num_classes == 3 + 4 and nat.client_ids == ['00001', '00002', '00003']
+  # ids: PAD 0, BOS 1, EOS 2, the 3, is 4, code 5, OOV 6 (one bucket)
+  x, y = nat.train[0]
+  assert x.tolist() == [[1, 3, 5, 4, 0], [1, 6, 4, 6, 0]]
+  assert y.tolist() == [[3, 5, 4, 2, -1], [6, 4, 6, 2, -1]]
+  x, y = nat.train[1]  # truncated to seq_len
+  assert x.tolist() == [[1, 5, 5, 5, 5]] and y.tolist() == [[5, 5, 5, 5, 5]]
+  assert [len(t[1]) for t in nat.test] == [0, 1, 0]  # only user 00002 posted in the test file
+  assert nat.test[1][1].tolist() == [[4, 3, 5, 2, -1]]
+  with pytest.raises(DataError, match='4 words, the vocabulary needs 10'):
+    natural.load_stackoverflow(vocab_size=10, data_dir=str(tmp_path))
+  (tmp_path / 'stackoverflow.word_count').write_text(''.join(f'w{i} {10**5 - i}\n' for i in range(10**4)))
+  d = load_federated(DataConfig(dataset='stackoverflow', partition='natural', num_clients=2,
+                                data_dir=str(tmp_path)))
+  assert d.train.x.shape[2] == 20 and d.num_classes == 10004  # Reddi et al.'s 10K + 4
+
+
+def test_tff_cifar100_sqlite_lzma(tmp_path, made_not_released):
+  rng = np.random.default_rng(3)
+  made_files.write_tff_cifar100(tmp_path / 'raw.sqlite', rng, [6, 5], [4])
+  made_files.lzma_file(tmp_path / 'raw.sqlite', tmp_path / 'cifar100.sqlite.lzma')
+  truth = made_files.write_tff_cifar100(tmp_path / 'again.sqlite', np.random.default_rng(3), [6, 5], [4])
+  nat = natural.load_cifar100(data_dir=str(tmp_path))
+  assert nat.client_ids == ['0', '1'] and nat.total_clients == 2 and nat.split_by_fraction
+  for (x, y), (_, images, labels) in zip(nat.train, truth['train']):
+    np.testing.assert_array_equal(x, images)
+    np.testing.assert_array_equal(y, labels)
+  d = load_federated(DataConfig(dataset='cifar100', partition='natural', num_clients=None,
+                                data_dir=str(tmp_path), test_fraction=0.2))
+  assert d.num_classes == 100 and d.train.x.dtype == np.uint8
+  assert (np.asarray(d.train.num_examples) + np.asarray(d.test.num_examples)).tolist() == [6, 5]
+  assert (tmp_path / 'cache' / 'cifar100.sqlite').is_file()  # decompressed once, into the cache
+
+
+@pytest.mark.parametrize('hundred', [False, True])
+def test_cifar_python_archives(tmp_path, hundred, made_not_released):
+  rng = np.random.default_rng(4)
+  name = 'cifar-100-python.tar.gz' if hundred else 'cifar-10-python.tar.gz'
+  truth = made_files.write_cifar_archive(tmp_path / name, rng, 50, 10, hundred)
+  which = 'cifar100_python' if hundred else 'cifar10'
+  x, y, c = cifar.load(which, str(tmp_path), split='train')
+  np.testing.assert_array_equal(x, truth['train'][0])
+  np.testing.assert_array_equal(y, truth['train'][1])
+  assert c == (100 if hundred else 10)
+  xa, ya, _ = cifar.load(which, str(tmp_path))
+  assert len(ya) == 60 and np.array_equal(xa[50:], truth['test'][0])
+  d = load_federated(DataConfig(dataset='cifar100' if hundred else 'cifar10',
+                                partition='dirichlet', num_clients=3, data_dir=str(tmp_path)))
+  assert d.num_clients == 3 and d.train.x.shape[2:] == (32, 32, 3)
+
+
+def test_cifar_release_checksum_is_checked(tmp_path):
+  made_files.write_cifar_archive(tmp_path / 'cifar-10-python.tar.gz', np.random.default_rng(5), 10, 5)
+  with pytest.raises(DataError, match="md5 .* differs from the release's c58f30108f718f92721af3b95e74349a"):
+    cifar.load('cifar10', str(tmp_path))
+
+
+def test_tinyshakespeare_input_txt_is_found_and_checked(tmp_path):
+  (tmp_path / 'input.txt').write_text('First Citizen:\nBefore we proceed.\n')
+  with pytest.raises(DataError, match=r"input.txt: md5 .* differs"):
+    loaders.load_tinyshakespeare(num_clients=1, data_dir=str(tmp_path))
+
+
+def test_leaf_json(tmp_path):
+  rng = np.random.default_rng(6)
+  femnist = {f'f{i:04d}': {'x': rng.uniform(0, 1, (n, 784)).tolist(),
+                           'y': rng.integers(0, 62, n).tolist()} for i, n in enumerate([3, 5, 2])}
+  femnist_test = {u: {'x': d['x'][:1], 'y': d['y'][:1]} for u, d in femnist.items()}
+  made_files.write_leaf(tmp_path, 'femnist', femnist, femnist_test)
+  d = load_federated(DataConfig(dataset='leaf:femnist', partition='natural', num_clients=None,
+                                data_dir=str(tmp_path)))
+  assert d.num_clients == 3 and d.num_classes == 62 and d.train.x.shape[2:] == (28, 28, 1)
+  x, y = _rows(d, 'train', 1)
+  np.testing.assert_allclose(x.reshape(5, 784), np.asarray(femnist['f0001']['x'], np.float32))
+  assert y.tolist() == femnist['f0001']['y']
+  shakes = {'ROMEO': {'x': ['abc', 'bcd'], 'y': ['d', 'e']}}
+  made_files.write_leaf(tmp_path, 'shakespeare', shakes, shakes)
+  nat = natural.load_leaf('shakespeare', data_dir=str(tmp_path))
+  L = natural.LEAF_LETTERS
+  assert nat.train[0][0].tolist() == [[L.index(c) for c in 'abc'], [L.index(c) for c in 'bcd']]
+  assert nat.train[0][1].tolist() == [L.index('d'), L.index('e')] and nat.num_classes == 81
+  sent = {'u1': {'x': [['1', 'd', 'q', 'u1', 'good day good'], ['2', 'd', 'q', 'u1', 'bad']],
+                 'y': [1, 0]}}
+  made_files.write_leaf(tmp_path, 'sent140', sent, sent)
+  nat = natural.load_leaf('sent140', data_dir=str(tmp_path))
+  assert nat.train[0][0][0, :4].tolist() == [1, 3, 1, 0]  # good (2x) 1, bad 2, day 3
+  assert nat.train[0][1].tolist() == [1, 0] and nat.num_classes == 2
+
+
+def test_leaf_bad_json_is_one_line(tmp_path):
+  (tmp_path / 'leaf' / 'femnist' / 'train').mkdir(parents=True)
+  (tmp_path / 'leaf' / 'femnist' / 'test').mkdir(parents=True)
+  (tmp_path / 'leaf' / 'femnist' / 'train' / 'a.json').write_text('{"users": ["u"]}')
+  (tmp_path / 'leaf' / 'femnist' / 'test' / 'a.json').write_text('{}')
+  with pytest.raises(DataError, match=r'a.json: not a LEAF JSON file'):
+    natural.load_leaf('femnist', data_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize('content,needle', [
+    (b'not a database at all, just some bytes' * 40, 'not an SQLite database'),
+    (None, 'no federated_data table'),
+])
+def test_corrupt_fedjax_file_is_one_line(tmp_path, content, needle):
+  path = tmp_path / 'federated_emnist_train.sqlite'
+  if content is None:
+    import sqlite3
+    sqlite3.connect(path).execute('CREATE TABLE other (a)').connection.commit()
+  else:
+    path.write_bytes(content)
+  (tmp_path / 'federated_emnist_test.sqlite').write_bytes(path.read_bytes())
+  with pytest.raises(DataError, match=needle):
+    load_federated(DataConfig(dataset='emnist', partition='natural', num_clients=None,
+                              data_dir=str(tmp_path)))
+
+
+def test_corrupt_client_record_is_one_line(tmp_path):
+  import sqlite3
+  made_files.write_emnist(tmp_path, np.random.default_rng(7), [2], [1])
+  conn = sqlite3.connect(tmp_path / 'federated_emnist_train.sqlite')
+  conn.execute("UPDATE federated_data SET data = x'00112233'")
+  conn.commit()
+  conn.close()
+  with pytest.raises(DataError, match='a client record is unreadable'):
+    list(sqlite_formats.read_fedjax(tmp_path / 'federated_emnist_train.sqlite'))
+
+
+def test_missing_file_names_file_and_download_command(tmp_path):
+  with pytest.raises(FileNotFoundError) as e:
+    load_federated(DataConfig(dataset='emnist', partition='natural', data_dir=str(tmp_path)))
+  msg = str(e.value)
+  assert msg.startswith('federated_emnist_train.sqlite: not found in ' + str(tmp_path))
+  assert '--dataset=emnist --download' in msg and isinstance(e.value, DataError)
+  with pytest.raises(DataError, match='LEAF publishes no ready files'):
+    load_federated(DataConfig(dataset='leaf:femnist', partition='natural', data_dir=str(tmp_path)))
+
+
+def test_data_dir_must_exist():
+  with pytest.raises(DataError, match='/nonexistent: --data_dir is not a folder'):
+    load_federated(DataConfig(dataset='mnist', num_clients=4, data_dir='/nonexistent'))
+
+
+def test_environment_folder_then_package_then_cache(tmp_path, monkeypatch):
+  from fedjax_personal.datasets import files
+  env, cache = tmp_path / 'env', tmp_path / 'cache'
+  for d in (env, cache):
+    (d / 'mnist_t10k').mkdir(parents=True)
+    (d / 'x.bin').write_bytes(d.name.encode())
+  monkeypatch.setenv('FEDJAX_PERSONAL_DATA', str(env))
+  assert files.search_dirs() == [env, files.PACKAGE_DATA, cache]
+  assert files.find_file('x.bin').read_bytes() == b'env'
+  monkeypatch.delenv('FEDJAX_PERSONAL_DATA')
+  assert files.find_file('x.bin').read_bytes() == b'cache'
+  # the embedded MNIST comes before the cache
+  assert files.find_file('mnist_t10k/t10k-labels-idx1-ubyte.gz').parent.parent == files.PACKAGE_DATA
