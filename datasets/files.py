@@ -51,17 +51,6 @@ def search_dirs(data_dir: Optional[str] = None) -> List[pathlib.Path]:
   return dirs + [PACKAGE_DATA, cache_dir(create=False)]
 
 
-def how_to_get(dataset: Optional[str]) -> str:
-  """The next command for a missing file of ``dataset``."""
-  if dataset is None:
-    return 'put it in --data_dir or $FEDJAX_PERSONAL_DATA'
-  from fedjax_personal.datasets import sources
-  if sources.downloadable(dataset):
-    return (f'get it with: python scripts/run_experiment.py --dataset={dataset} --download '
-            '(or save it by hand in --data_dir)')
-  return sources.manual_instructions(dataset)
-
-
 def locate(names: Union[str, Sequence[str]], data_dir: Optional[str] = None) -> Optional[pathlib.Path]:
   """The first of ``names`` (relative paths) found in the search folders, or None."""
   names = [names] if isinstance(names, str) else list(names)
@@ -73,19 +62,19 @@ def locate(names: Union[str, Sequence[str]], data_dir: Optional[str] = None) -> 
 
 
 def find_file(names: Union[str, Sequence[str]], data_dir: Optional[str] = None,
-              dataset: Optional[str] = None) -> pathlib.Path:
+              hint: str = 'put it in --data_dir or $FEDJAX_PERSONAL_DATA') -> pathlib.Path:
   """Path of a data file (the first of ``names`` found).
 
   Raises:
-    MissingDataError naming the file, the folders searched and the command
-    that gets it.
+    MissingDataError naming the file, the folders searched and ``hint`` (the
+    command that gets it: ``sources.how_to_get``).
   """
   path = locate(names, data_dir)
   if path is not None:
     return path
   name = names if isinstance(names, str) else names[0]
   raise MissingDataError(f'{name}: not found in ' + ', '.join(str(d) for d in search_dirs(data_dir))
-                         + f'; {how_to_get(dataset)}')
+                         + f'; {hint}')
 
 
 def digest(path, algorithm: str = 'sha256', chunk: int = 1 << 20) -> str:

@@ -61,14 +61,13 @@ MNIST_MD5 = {'t10k-images-idx3-ubyte.gz': '9fb629c4189551a2d022fa330f9573f3',
              't10k-labels-idx1-ubyte.gz': 'ec29112dd5afa0611ce80d1b7f02629c'}
 
 
-def checked_file(relpath, md5: str, data_dir: Optional[str] = None,
-                 dataset: Optional[str] = None):
+def checked_file(relpath, md5: str, data_dir: Optional[str] = None):
   """``find_file`` plus an MD5 check of the file's bytes.
 
   Raises:
     DataError naming the file when its checksum differs.
   """
-  path = find_file(relpath, data_dir, dataset)
+  path = find_file(relpath, data_dir)
   files.check_digest(path, md5=md5)
   return path
 

@@ -75,6 +75,14 @@ def downloadable(dataset: str) -> bool:
   return dataset in FILES
 
 
+def how_to_get(dataset: str) -> str:
+  """The next command for a missing file of ``dataset``."""
+  if downloadable(dataset):
+    return (f'get it with: python scripts/run_experiment.py --dataset={dataset} --download '
+            '(or save it by hand in --data_dir)')
+  return manual_instructions(dataset)
+
+
 def manual_instructions(dataset: str) -> str:
   """How to get the files of a data set that has no download."""
   if dataset.startswith('leaf:'):
@@ -120,7 +128,7 @@ def fetch(dataset: str, data_dir: Optional[str] = None, download: bool = False,
     path = files.locate(_names(f), data_dir)
     if path is None:
       if not download:
-        files.find_file(f.name, data_dir, dataset)  # raises, naming the --download command
+        files.find_file(f.name, data_dir, how_to_get(dataset))  # raises, naming --download
       path = downloads.download(f, files.cache_dir(), dataset, progress=progress)
     elif f.md5 or f.sha256:
       files.check_digest(path, f.md5, f.sha256)

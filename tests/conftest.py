@@ -33,7 +33,8 @@ def pytest_collection_modifyitems(config, items):
       if folder and any(os.path.isfile(os.path.join(folder, n)) for n in names):
         continue
       get = next((f'python scripts/run_experiment.py --dataset={_DOWNLOAD[n]} --download '
-                  'saves it in the cache' for n in names if n in _DOWNLOAD), 'a local copy only')
+                  'saves it in ~/.cache/fedjax_personal' for n in names if n in _DOWNLOAD),
+                 'no download: a local copy only')
       item.add_marker(pytest.mark.skip(
           reason=f'needs {" or ".join(names)}: set FEDJAX_PERSONAL_DATA to a folder holding it '
                  f'({get})'))

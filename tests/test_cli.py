@@ -90,7 +90,12 @@ def test_oracle_without_groups():
 
 @pytest.mark.parametrize('args,needle', [
     (['--algorithm=nope'], '--algorithm'),
-    (['--dataset=tfds:mnist', '--data_dir=/nonexistent/dir'], 'not prepared'),
+    ([f'--dataset=tfds:mnist', f'--data_dir={os.path.join(ROOT, "tests")}'], 'not prepared'),
+    (['--data_dir=/nonexistent/dir'], '/nonexistent/dir: --data_dir is not a folder'),
+    (['--dataset=digits', f'--data_dir={ROOT}'], '--data_dir: does nothing: dataset digits'),
+    (['--dataset=digits', '--download'], '--download: does nothing'),
+    (['--dataset=emnist', '--test_fraction=0.3'], '--test_fraction: does nothing: emnist has its own'),
+    (['--dataset=shakespeare', f'--data_dir={ROOT}'], 'shakespeare_train.sqlite: not found in'),
     (['--num_clients=20', '--cohort_size=30'], '--cohort_size'),
     (['--algorithm=feddyn', '--server_lr=0.5'], '--server_lr: does nothing for feddyn'),
     (['--algorithm=fedsgd', '--client_momentum=0.9'], '--client_momentum'),
