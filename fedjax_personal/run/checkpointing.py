@@ -8,14 +8,17 @@ Typed PRNG keys inside a state are stored as their key data. Saves are
 synchronous and atomic (Orbax writes to a temporary directory and renames).
 """
 
+import contextlib
+import logging
 import os
+import shutil
 import sys
 from typing import List, Optional
 
 import jax
 import orbax.checkpoint as ocp
 
-from fedjax_personal.run import run_identity
+from fedjax_personal.run import faults, run_identity
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.run.experiment import Callback
 
@@ -43,13 +46,52 @@ def manager(directory: str, max_to_keep: int = 2) -> ocp.CheckpointManager:
 def save(mngr: ocp.CheckpointManager, round_num: int, state, histories: List[List[dict]],
          identity: Optional[dict] = None):
   """Saves the state, every configuration's records so far (strict JSON:
-  non-finite values as null) and the run's identity (checked on restore)."""
+  non-finite values as null) and the run's identity (checked on restore).
+
+  Raises:
+    faults.StorageError: the disk is full, read-only or over quota. The
+    partial checkpoint is removed (the last complete one stays), and Orbax's
+    writer threads print nothing.
+  """
   clean = run_identity.as_json(histories)
   items = dict(state=ocp.args.StandardSave(to_saveable(state)), history=ocp.args.JsonSave(clean))
   if identity is not None:
     items['identity'] = ocp.args.JsonSave(run_identity.as_json(identity))
-  mngr.save(round_num, args=ocp.args.Composite(**items))
-  mngr.wait_until_finished()
+  with faults.captured_stderr(), _quiet_orbax():
+    try:
+      mngr.save(round_num, args=ocp.args.Composite(**items))
+      mngr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 -- Orbax wraps OS errors in several types
+      _discard_partial(mngr.directory)  # the last complete checkpoint stays the latest
+      if faults.storage_reason(e) is None:
+        raise
+      raise faults.storage_error(f'the checkpoint of round {round_num} to {mngr.directory}',
+                                 e) from None
+  faults.PROGRESS.checkpoint_round = round_num
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+  """Orbax's writer threads log a failed write with a traceback each (a
+  full disk gave eleven): the one-line error is ours."""
+  loggers = [logging.getLogger(n) for n in ('absl', 'orbax', '')]
+  levels = [l.level for l in loggers]
+  for l in loggers:
+    l.setLevel(logging.CRITICAL)
+  try:
+    yield
+  finally:
+    for l, v in zip(loggers, levels):
+      l.setLevel(v)
+
+
+def _discard_partial(directory) -> None:
+  """Removes Orbax's temporary folders of an unfinished save."""
+  directory = str(directory)
+  if os.path.isdir(directory):
+    for name in os.listdir(directory):
+      if 'orbax-checkpoint-tmp' in name:
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 def restore_latest(directory: str, template_state, identity: Optional[dict] = None):
@@ -118,3 +160,7 @@ class Checkpointer(Callback):
     last = histories[0][-1]['round'] if histories and histories[0] else 0
     if last and self.mngr.latest_step() != last:
       save(self.mngr, last, state, histories, self.identity)
+
+  def on_stop(self, round_num, state):
+    if self.every and self.mngr.latest_step() != round_num:
+      save(self.mngr, round_num, state, self.histories, self.identity)

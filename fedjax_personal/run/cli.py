@@ -14,7 +14,8 @@ import numpy as np
 
 from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import datasets as datasets_lib
-from fedjax_personal.run import checkpointing, distributed, entry, experiment, reporting, run_identity
+from fedjax_personal.run import (checkpointing, distributed, entry, experiment, faults, reporting,
+                                 run_identity)
 from fedjax_personal.config import TrainingConfig, field_types, flag_name, validate
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.core.data import to_device
@@ -69,7 +70,8 @@ flags.DEFINE_float('participation', None, 'Instead of cohort_size: each client a
                    'probability per round (FedDyn scheme).')
 flags.DEFINE_integer('rounds', 60, 'Communication rounds.')
 flags.DEFINE_float('target_accuracy', None, 'Report the first evaluated round whose mean '
-                   'accuracy reaches this (use --eval_every=1 for exact rounds).')
+                   'accuracy reaches this fraction in (0, 1] (use --eval_every=1 for exact '
+                   'rounds).')
 flags.DEFINE_integer('adapter_dim', 0, 'Add residual adapters of this width to the model '
                      '(for --partial_personal_part=adapter).')
 flags.DEFINE_integer('seed', 0, 'Seed of model init and training (and of the data partition '
@@ -269,6 +271,16 @@ def validate_flags():
   _check(FLAGS.num_clients >= 1, 'num_clients', f'must be >= 1, got {FLAGS.num_clients}')
   _check(FLAGS.alpha > 0, 'alpha', f'must be > 0, got {FLAGS.alpha}')
   _check(FLAGS.rounds >= 1, 'rounds', f'must be >= 1, got {FLAGS.rounds}')
+  _check(FLAGS.seed >= 0, 'seed', f'must be >= 0, got {FLAGS.seed}')
+  _check(FLAGS.data_seed is None or FLAGS.data_seed >= 0, 'data_seed',
+         f'must be >= 0, got {FLAGS.data_seed}')
+  _check(FLAGS.classes_per_client >= 1, 'classes_per_client',
+         f'must be >= 1, got {FLAGS.classes_per_client}')
+  _check(FLAGS.num_groups >= 1, 'num_groups', f'must be >= 1, got {FLAGS.num_groups}')
+  _check(FLAGS.examples_per_client is None or FLAGS.examples_per_client >= 1,
+         'examples_per_client', f'must be >= 1, got {FLAGS.examples_per_client}')
+  _check(FLAGS.target_accuracy is None or 0 < FLAGS.target_accuracy <= 1, 'target_accuracy',
+         f'is a fraction in (0, 1] (0.8 for 80%), got {FLAGS.target_accuracy}')
   _check(FLAGS.cohort_size is None or FLAGS.participation is None, 'participation',
          'give either --cohort_size or --participation, not both')
   if FLAGS.cohort_size is not None and num_clients() is not None:
@@ -477,12 +489,15 @@ def main_job() -> Dict[str, dict]:
   if FLAGS.dry_run:
     print(f'dry run: {len(job.algs)} algorithm(s) built; nothing trained or written')
     return {}
-  claim_and_restore(job)
   try:
-    for entry in job.algs:
-      train_algorithm(job, entry)
-  finally:  # also when a later algorithm fails: the finished ones keep their table
-    write_comparison(job)
+    claim_and_restore(job)
+    try:
+      for entry in job.algs:
+        train_algorithm(job, entry)
+    finally:  # also when a later algorithm fails: the finished ones keep their table
+      write_comparison(job)
+  finally:
+    run_identity.unlock(job.output_dir)
   return job.summaries
 
 
@@ -551,6 +566,7 @@ def claim_and_restore(job: Job) -> None:
   if resume:
     _check_process_count(job.output_dir)
   if distributed.is_primary():
+    run_identity.lock(job.output_dir)  # held until the job ends (main_job unlocks)
     run_identity.claim(job.output_dir, {'algorithms': identities}, FLAGS.overwrite, resume)
     for spec, *_, ident in job.algs:
       run_identity.claim(os.path.join(job.output_dir, spec.name), ident, FLAGS.overwrite, resume)
@@ -611,6 +627,8 @@ def train_algorithm(job: Job, entry) -> None:
   if job.restored.get(alg_name) is not None:
     state, start, hists = job.restored[alg_name]
     _say(f'{alg_name}: resuming after round {start}')
+  faults.start_algorithm(alg_name, start, os.path.join(job.output_dir, alg_name, 'checkpoints'),
+                         bool(FLAGS.checkpoint_every), start or None)
   _, hists = experiment.run_many(runs, FLAGS.rounds, eval_every=FLAGS.eval_every,
                                  callbacks=_callbacks(job, alg_name, alg, ident, hists, start),
                                  state=state, start_round=start, histories=hists)
@@ -698,16 +716,28 @@ def main(argv):
   if not FLAGS['verbosity'].present:
     from absl import logging
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+  faults.install_signal_handlers()
   try:
     distributed.initialize(distributed.settings(FLAGS.coordinator_address, FLAGS.num_processes,
                                                 FLAGS.process_id),
                            FLAGS.distributed_timeout)
     main_job()
+  except faults.Fault as e:
+    _fail(e, e.status)
   except (ConfigError, FileNotFoundError) as e:
-    _fail(e, 2)
+    _fail(e, faults.EXIT_CONFIG)
   except experiment.DivergenceError as e:
-    _fail(e, 3)
-  except Exception as e:  # tell the other processes, then the traceback
+    _fail(e, faults.EXIT_DIVERGED)
+  except KeyboardInterrupt:
+    _fail(faults.interrupted(during_round=True), 130)
+  except Exception as e:  # a storage or lost-process fault: one line; else the traceback
+    if faults.storage_reason(e):
+      name = getattr(e, 'filename', None) or job_output_dir()
+      _fail(faults.storage_error(name, e), faults.EXIT_STORAGE)
+    reason = faults.lost_process_reason(e) if distributed.active() else None
+    if reason:
+      _fail(faults.lost_process(reason, FLAGS.coordinator_address or '(from the environment)'),
+            faults.EXIT_LOST_PROCESS)
     if distributed.report_failure(f'{type(e).__name__}: {e}'):
       import traceback
       traceback.print_exc()
@@ -716,12 +746,26 @@ def main(argv):
 
 
 def _fail(error, status: int):
-  print(f'error: {error}', file=sys.stderr, flush=True)
-  if distributed.report_failure(str(error)):
+  if not faults.claim_report(status):  # a runtime thread already reported this fault
+    faults.quiet_exit(faults.reported_status())
+  print(f'error: {error}', file=faults.error_stream(), flush=True)
+  if status == faults.EXIT_LOST_PROCESS:
+    # The others notice the lost process themselves (and the coordinator may
+    # be the one gone): end now, before JAX's runtime aborts this process.
+    faults.quiet_exit(status)
+  if distributed.report_failure(str(error), status):
     # The others learn it from the coordinator; JAX's shutdown at exit would
     # wait for them at a barrier they never reach, and abort.
     distributed.hard_exit(status)
+  if status in (faults.EXIT_STORAGE, 130, 143):
+    # Background writers (Orbax's threads) may still be failing or running:
+    # end now, with nothing more printed.
+    faults.quiet_exit(status)
   sys.exit(status)
+
+
+def job_output_dir() -> str:
+  return FLAGS.output_dir or 'the output folder'
 
 
 def run():

@@ -17,12 +17,16 @@ processes' collectives run over Gloo, so several processes on one machine
 (``JAX_NUM_CPU_DEVICES`` devices each) exercise the same code as several
 hosts.
 
-Failures: a process that stops with an error posts it to the coordinator's
-key-value store; a watchdog thread in every other process reads it and ends
-that process with the same one-line message (exit status 3) instead of
-waiting in a collective. A process that dies without a word (killed) is
-noticed by the coordinator's heartbeat after ``--distributed_timeout``
-seconds; JAX then ends the others ("another task died").
+Failures (``faults``): a process that stops posts its one-line message and
+exit status to the coordinator's key-value store; a watchdog thread in every
+other process reads it and ends that process with the same line and status
+instead of waiting in a collective. Every process also posts a heartbeat
+each ``POLL_SECONDS``: a process whose heartbeat stops for
+``--distributed_timeout`` seconds (killed, its machine gone), or a
+coordinator that stops answering, ends the others with one line naming it
+(exit 69), before JAX's own heartbeat would abort them. A process that never
+joins is reported the same way by a timer around ``jax.distributed.initialize``
+(whose own time-out aborts the process with a C++ stack trace).
 """
 
 import atexit
@@ -39,6 +43,7 @@ import jax
 import numpy as np
 
 from fedjax_personal.errors import ConfigError
+from fedjax_personal.run import faults
 
 ERROR_KEY = 'fedjax_personal/error'
 ENV = {'coordinator_address': 'JAX_COORDINATOR_ADDRESS', 'num_processes': 'JAX_NUM_PROCESSES',
@@ -99,17 +104,47 @@ def initialize(launch: Optional[dict], timeout: int = 60) -> None:
     _preflight(launch['coordinator_address'], launch['process_id'], timeout)
   # The CPU backend's collectives between processes (no effect on GPU/TPU ones).
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  if os.environ.get('FEDJAX_PERSONAL_RECOVERABLE'):
+    jax.config.update('jax_enable_recoverability', True)
+  _STATE['address'] = launch.get('coordinator_address') or '(detected)'
+  _STATE['process_id'] = launch.get('process_id', '?')
+  _STATE['timeout'] = timeout
+  n, pid = launch.get('num_processes', '?'), launch.get('process_id', '?')
+  # JAX aborts the process (C++ check failure) when its initialization times
+  # out: this timer says which process waited for what, first.
+  timer = threading.Timer(timeout, _never_joined, (pid, n, _STATE['address'], timeout))
+  timer.daemon = True
+  timer.start()
   try:
-    jax.distributed.initialize(**launch, initialization_timeout=timeout,
-                               heartbeat_timeout_seconds=max(10, timeout))
+    jax.distributed.initialize(**launch, initialization_timeout=timeout + JAX_GRACE_SECONDS,
+                               heartbeat_timeout_seconds=2 * timeout + JAX_GRACE_SECONDS)
   except Exception as e:  # JAX raises several types for an unreachable coordinator
+    timer.cancel()
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise ConfigError('coordinator_address', f'could not join the coordinator at '
                       f'{launch.get("coordinator_address", "(detected)")} within {timeout} s '
                       f'as process {launch.get("process_id", "?")} of '
                       f'{launch.get("num_processes", "?")}: {first[:200]}') from None
+  timer.cancel()
   _STATE['initialized'] = True
+  faults.share_stop_requests(lambda code: allgather_ints([code]))
   _start_watchdog()
+
+
+#: Seconds JAX's own time-outs wait beyond ours (ours report first, in one line).
+JAX_GRACE_SECONDS = 15
+
+
+def _never_joined(pid, n, address, timeout) -> None:
+  if pid == 0:
+    what = (f'the other processes of {n} did not all join the coordinator at {address} within '
+            f'{timeout} s; start each with the same command and its --process_id (1..{n - 1 if isinstance(n, int) else "?"})')
+  else:
+    what = (f'the run did not start within {timeout} s: not every process of {n} joined the '
+            f'coordinator at {address}; start the missing ones with the same command')
+  print(f'error: process {pid}: {what} (or raise --distributed_timeout)', file=sys.stderr,
+        flush=True)
+  faults.quiet_exit(faults.EXIT_LOST_PROCESS)
 
 
 def _preflight(address: str, process_id: int, timeout: int) -> None:
@@ -137,8 +172,9 @@ def _preflight(address: str, process_id: int, timeout: int) -> None:
         return
     except OSError:
       if time.monotonic() > deadline:
-        raise ConfigError('coordinator_address', f'nothing answers at {address} within '
-                          f'{timeout} s: start process 0 there, or fix the address') from None
+        raise ConfigError('coordinator_address', f'process {process_id}: nothing answers at '
+                          f'{address} within {timeout} s: start process 0 there, or fix the '
+                          'address') from None
       time.sleep(0.25)
 
 
@@ -160,20 +196,51 @@ _STOP = threading.Event()
 
 
 def _start_watchdog():
-  """Polls the coordinator's store for another process's error (every
-  ``POLL_SECONDS``); stopped, and joined, before JAX shuts the runtime down at
-  exit, so that no call into the runtime is in flight then."""
+  """Every ``POLL_SECONDS``: posts this process's heartbeat, reads another
+  process's error (and stops with its line and status), and stops with one
+  line when another process's heartbeat or the coordinator has been silent
+  for the run's timeout. Stopped, and joined, before JAX shuts the runtime
+  down at exit, so that no call into the runtime is in flight then."""
+  me, n = jax.process_index(), jax.process_count()
+  timeout = _STATE.get('timeout', 60)
+
   def watch():
     client = _client()
+    beats, last_seen, reached = 0, {}, time.monotonic()
     while not _STOP.wait(POLL_SECONDS):
+      now = time.monotonic()
+      beats += 1
+      try:
+        client.key_value_set(f'{ALIVE_KEY}/{me}', str(beats), allow_overwrite=True)
+        reached = now
+      except Exception:  # the coordinator does not answer
+        if now - reached > timeout and not _STOP.is_set():
+          _lost(f'the coordinator (process 0 at {_STATE.get("address")}) stopped answering '
+                f'{timeout} s ago')
+        continue
       try:
         msg = client.key_value_try_get(ERROR_KEY)
       except Exception:  # not set yet (NOT_FOUND), or the service is going away
-        continue
+        msg = None
       if _STOP.is_set():  # this process is already stopping with its own message
         return
-      print(f'error: {msg}', file=sys.stderr, flush=True)
-      hard_exit(3)
+      if msg is not None:
+        status, _, text = msg.partition(' ')
+        status = int(status) if status.isdigit() else 3
+        if faults.claim_report(status):
+          print(f'error: {text}', file=faults.error_stream(), flush=True)
+        hard_exit(status)
+      for pid in range(n):
+        if pid == me:
+          continue
+        try:
+          beat = client.key_value_try_get(f'{ALIVE_KEY}/{pid}')
+        except Exception:  # not started beating yet
+          beat = None
+        if beat is not None and last_seen.get(pid, (None,))[0] != beat:
+          last_seen[pid] = (beat, now)
+        elif pid in last_seen and now - last_seen[pid][1] > timeout:
+          _lost(f'process {pid} has been silent for {timeout} s (killed, or its machine gone)')
   thread = threading.Thread(target=watch, name='fedjax_personal-watchdog', daemon=True)
   thread.start()
 
@@ -185,6 +252,16 @@ def _start_watchdog():
 
 
 POLL_SECONDS = 0.5
+ALIVE_KEY = 'fedjax_personal/alive'
+
+
+def _lost(what: str, pid=None) -> None:
+  if not faults.claim_report(faults.EXIT_LOST_PROCESS):
+    faults.quiet_exit(faults.reported_status())
+  line = faults.lost_process(what, _STATE.get('address')).args[0]
+  pid = jax.process_index() if pid is None else pid
+  print(f'error: process {pid}: {line}', file=faults.error_stream(), flush=True)
+  faults.quiet_exit(faults.EXIT_LOST_PROCESS)
 #: How long process 0, which hosts the coordinator, outlives the others when
 #: the run stops with an error: its exit takes the coordinator down, and JAX
 #: aborts a process whose coordinator disappears before it could exit itself.
@@ -202,16 +279,22 @@ def hard_exit(status: int) -> None:
   os._exit(status)
 
 
-def report_failure(message: str) -> bool:
-  """Tells the other processes this one stops with ``message``; False on one
-  process."""
+def report_failure(message: str, status: int = 3) -> bool:
+  """Tells the other processes this one stops with ``message`` (they stop
+  with the same line and ``status``); False on one process."""
   if not _STATE['initialized']:
     return False
   try:
-    _client().key_value_set(ERROR_KEY, f'process {jax.process_index()}: {message}')
+    _client().key_value_set(ERROR_KEY, f'{status} process {jax.process_index()}: {message}')
   except Exception:  # the coordinator is gone: the others stop by its heartbeat
     pass
   return True
+
+
+def allgather_ints(values) -> list:
+  """Every process's int values, concatenated (a small collective)."""
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(np.asarray(values, np.int32))).reshape(-1).tolist()
 
 
 def _allgather_bytes(data: bytes):

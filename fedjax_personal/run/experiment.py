@@ -23,6 +23,7 @@ import numpy as np
 from fedjax_personal.core.engine import (PRE_ROUND, PRE_ROUND_RAN, RoundRunner, communication_metrics,
                                     evaluation_record)
 from fedjax_personal.core.training import LossStats
+from fedjax_personal.run import faults
 
 __all__ = ['Callback', 'DivergenceError', 'SingleRun', 'communication_metrics', 'run', 'run_many',
            'rounds_to_target', 'seed_keys']
@@ -53,6 +54,11 @@ class Callback:
     pass
 
   def on_end(self, histories: List[List[dict]], state) -> None:
+    pass
+
+  def on_stop(self, round_num: int, state) -> None:
+    """The run stops after ``round_num`` (a signal asked it to): keep what
+    can be kept (a checkpoint of this round)."""
     pass
 
 
@@ -151,6 +157,11 @@ def run_many(runs, num_rounds: int, eval_every: int = 5, callbacks: Sequence[Cal
       histories[s].append(record)
     for cb in callbacks:
       cb.on_round_end(t + 1, records, state)
+    faults.PROGRESS.round = t + 1
+    if faults.stop_requested():  # a signal (CLI): stop between rounds, keep this one
+      for cb in callbacks:
+        cb.on_stop(t + 1, state)
+      raise faults.interrupted()
     if all(d is not None for d in diverged):
       loss = records[0].get('train_loss')
       which = 'training' if num == 1 else f'all {num} configurations'

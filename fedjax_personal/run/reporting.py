@@ -53,6 +53,9 @@ class Progress(Callback):
     from tqdm.auto import tqdm
     self.bar = tqdm(total=self.total, desc=self.desc, leave=False, dynamic_ncols=True)
 
+  def on_stop(self, round_num, state):
+    self.bar.close()
+
   def on_round_end(self, round_num, records, state):
     ev = [r for r in records if 'accuracy_mean' in r and not r.get('diverged')]
     if ev:

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import time
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -77,6 +78,59 @@ def read(directory: str) -> Optional[Dict]:
     return json.load(f)
 
 
+_LOCKS = {}
+
+
+def lock(directory: str) -> None:
+  """Takes ``directory`` for this process until ``unlock`` or its end (a
+  lock file beside it, ``.<name>.lock``; the operating system releases the
+  lock even when the process is killed, so no lock is ever stale).
+
+  Raises:
+    ConfigError('output_dir', ...) when another run holds it.
+  """
+  import fcntl
+  import socket
+  path = os.path.abspath(directory)
+  if path in _LOCKS:
+    return
+  lock_file = os.path.join(os.path.dirname(path), f'.{os.path.basename(path)}.lock')
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+  except OSError as e:
+    raise ConfigError('output_dir', f'cannot write to {os.path.dirname(path)}: '
+                      f'{e.strerror or e}') from None
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:
+    holder = ''
+    for _ in range(20):  # the holder writes its name just after taking the lock
+      holder = os.pread(fd, 200, 0).decode(errors='replace').strip()
+      if holder:
+        break
+      time.sleep(0.05)
+    os.close(fd)
+    holder = holder or 'another process'
+    raise ConfigError('output_dir', f'{directory} is in use by another run ({holder}); wait for '
+                      'it to finish, or choose another --output_dir') from None
+  os.ftruncate(fd, 0)
+  os.pwrite(fd, f'process {os.getpid()} on {socket.gethostname()}'.encode(), 0)
+  _LOCKS[path] = (fd, lock_file)
+
+
+def unlock(directory: str) -> None:
+  """Gives ``directory`` back (the lock file removed)."""
+  got = _LOCKS.pop(os.path.abspath(directory), None)
+  if got is not None:
+    fd, lock_file = got
+    try:
+      os.unlink(lock_file)
+    except OSError:
+      pass
+    os.close(fd)
+
+
 def claim(directory: str, ident: Dict, overwrite: bool, resume: bool) -> None:
   """Makes ``directory`` hold this run's results.
 
@@ -110,6 +164,11 @@ def claim(directory: str, ident: Dict, overwrite: bool, resume: bool) -> None:
     os.makedirs(directory, exist_ok=True)
     write_json(os.path.join(directory, IDENTITY_FILE), ident)
   except OSError as e:
+    from fedjax_personal.run import faults
+    if faults.storage_reason(e) and e.errno != faults.errno.EACCES:
+      raise faults.StorageError(f'cannot write to {directory}: {e.strerror}; nothing was trained '
+                                'yet; free space (or fix the folder), then run the same command '
+                                'again') from None
     raise ConfigError('output_dir', f'cannot write to {directory}: '
                       f'{e.strerror or e}') from None
 

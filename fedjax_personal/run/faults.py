@@ -1,0 +1,269 @@
+"""One fault path: every fault a user meets ends in one line and loses nothing.
+
+Exit statuses (documented in the README):
+
+====  =====================================================================
+2     bad input: a flag, a setting, a data file (``ConfigError``, ``DataError``)
+3     training diverged (``experiment.DivergenceError``)
+69    a process of a several-process run was lost, or never joined
+74    a file could not be written: disk full, read-only, quota (``StorageError``)
+130   interrupted (Ctrl-C, SIGINT); 143 terminated (SIGTERM)
+====  =====================================================================
+
+A first SIGINT / SIGTERM asks the run to stop after the round in progress:
+the loop saves a checkpoint there (when the run checkpoints) and stops with
+``Interrupted``; a second one stops at once (``KeyboardInterrupt``), keeping
+the last checkpoint. With several processes every process stops after the
+same round (the request is shared each round). The line always says what was
+kept and the next command.
+"""
+
+import contextlib
+import dataclasses
+import errno
+import os
+import re
+import signal
+import sys
+import tempfile
+import threading
+from typing import Optional
+
+EXIT_CONFIG, EXIT_DIVERGED, EXIT_LOST_PROCESS, EXIT_STORAGE = 2, 3, 69, 74
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class Fault(Exception):
+  """A fault with its exit status; ``str`` is the whole one-line message."""
+  status = 1
+
+
+class Interrupted(Fault):
+  def __init__(self, message: str, status: int = 130):
+    super().__init__(message)
+    self.status = status
+
+
+class StorageError(Fault):
+  status = EXIT_STORAGE
+
+
+class LostProcess(Fault):
+  status = EXIT_LOST_PROCESS
+
+
+@dataclasses.dataclass
+class _Progress:
+  """Where the run stands, for the fault line: the algorithm, the last
+  finished round, the last durable checkpoint."""
+  algorithm: str = ''
+  round: int = 0
+  checkpoint_round: Optional[int] = None
+  checkpoint_dir: str = ''
+  checkpointing: bool = False
+
+
+PROGRESS = _Progress()
+
+
+def start_algorithm(name: str, start_round: int, checkpoint_dir: str, checkpointing: bool,
+                    checkpoint_round: Optional[int] = None) -> None:
+  PROGRESS.algorithm, PROGRESS.round = name, start_round
+  PROGRESS.checkpoint_dir, PROGRESS.checkpointing = checkpoint_dir, checkpointing
+  PROGRESS.checkpoint_round = checkpoint_round
+
+
+def kept() -> str:
+  """What a resumed run would start from, and the next command."""
+  p = PROGRESS
+  if p.checkpoint_round:
+    return (f'checkpoint of round {p.checkpoint_round} of {p.algorithm} kept in '
+            f'{p.checkpoint_dir}; continue with the same command and --resume')
+  if p.checkpointing:
+    return 'no checkpoint written yet; run the same command again'
+  return ('no checkpoint (--checkpoint_every=0); run the same command again, with '
+          '--checkpoint_every=N to be able to resume')
+
+
+def where() -> str:
+  p = PROGRESS
+  return f'round {p.round + 1} of {p.algorithm}' if p.algorithm else 'start-up'
+
+
+# -- signals ------------------------------------------------------------------
+
+_REQUEST = {'signal': None, 'installed': False, 'agree': None}
+
+
+def share_stop_requests(agree) -> None:
+  """Several processes: ``agree(code) -> [every process's code]`` (a small
+  collective, ``distributed`` registers it) makes every process stop after
+  the same round."""
+  _REQUEST['agree'] = agree
+
+
+def install_signal_handlers() -> None:
+  """SIGINT and SIGTERM ask the loop to stop after the current round; a
+  second one raises KeyboardInterrupt at once."""
+  def handler(signum, frame):
+    if _REQUEST['signal'] is not None:
+      signal.signal(signal.SIGINT, signal.default_int_handler)
+      raise KeyboardInterrupt
+    _REQUEST['signal'] = signum
+    print(f'\nstopping after {where()} (press Ctrl-C again to stop at once)', file=sys.stderr,
+          flush=True)
+  for s in EXIT_SIGNAL:
+    signal.signal(s, handler)
+  _REQUEST['installed'] = True
+
+
+def stop_requested() -> bool:
+  """Whether to stop after the round just finished: this process's signal,
+  or (several processes) any process's, agreed by every process."""
+  if not _REQUEST['installed']:
+    return False
+  mine = _REQUEST['signal'] is not None
+  if _REQUEST['agree'] is None:
+    return mine
+  codes = _REQUEST['agree'](EXIT_SIGNAL[_REQUEST['signal']] if mine else 0)
+  if any(codes) and not mine:
+    _REQUEST['signal'] = next(s for s, c in EXIT_SIGNAL.items() if c == max(codes))
+  return any(codes)
+
+
+def interrupted(during_round: bool = False) -> Interrupted:
+  signum = _REQUEST['signal'] or signal.SIGINT
+  name = 'interrupted' if signum == signal.SIGINT else 'terminated'
+  at = f'during {where()}' if during_round else f'after round {PROGRESS.round} of {PROGRESS.algorithm}'
+  return Interrupted(f'{name} {at}; {kept()}', EXIT_SIGNAL[signum])
+
+
+# -- storage --------------------------------------------------------------------
+
+STORAGE_ERRNOS = {errno.ENOSPC: 'No space left on device', errno.EROFS: 'Read-only file system',
+                  errno.EDQUOT: 'Disk quota exceeded', errno.EIO: 'Input/output error',
+                  errno.EACCES: 'Permission denied', errno.EFBIG: 'File too large'}
+_CODE = re.compile(r"os_error_code='(\d+)'")
+
+
+def storage_reason(exc: BaseException) -> Optional[str]:
+  """The storage failure behind ``exc`` (its cause chain; Orbax's and
+  TensorStore's errors carry ``os_error_code``), or None."""
+  seen = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+      return exc.strerror or STORAGE_ERRNOS[exc.errno]
+    m = _CODE.search(str(exc))
+    if m and int(m.group(1)) in STORAGE_ERRNOS:
+      return STORAGE_ERRNOS[int(m.group(1))]
+    for code, text in STORAGE_ERRNOS.items():
+      if code != errno.EACCES and text in str(exc):
+        return text
+    exc = exc.__cause__ or exc.__context__
+  return None
+
+
+def storage_error(what: str, exc: BaseException) -> StorageError:
+  return StorageError(f'cannot write {what}: {storage_reason(exc)}; {kept()} (free space or '
+                      'fix the folder first)')
+
+
+# -- lost processes ---------------------------------------------------------------
+
+_LOST = re.compile(r'gloo|connection (reset|closed|refused)|another task|heartbeat|'
+                   r'broken pipe|socket closed|coordination service', re.I)
+
+
+def lost_process_reason(exc: BaseException) -> Optional[str]:
+  """The first line of an error that means another process is gone (a
+  collective whose peer vanished: JAX raises it as JaxRuntimeError or, inside
+  Orbax and multihost_utils, ValueError), or None. Only asked while several
+  processes run."""
+  text = str(exc)
+  if not _LOST.search(text):
+    return None
+  first = next((l.strip() for l in text.splitlines() if l.strip()), type(exc).__name__)
+  return first[:160]
+
+
+def lost_process(reason: str, coordinator: str) -> LostProcess:
+  return LostProcess(f'lost a process of the run ({reason}); coordinator {coordinator}; '
+                     f'{kept().replace("the same command", "the same commands in every process")}')
+
+
+_ERR = {'stream': None}
+
+
+def error_stream():
+  """Where the one-line message goes: stderr, or the original stderr once
+  background writers were muted (``captured_stderr``)."""
+  return _ERR['stream'] or sys.stderr
+
+
+@contextlib.contextmanager
+def captured_stderr():
+  """Collects what is written to stderr (Python's and the file descriptor)
+  inside the block. Normally it is written out afterwards; when the block
+  raises a storage fault, stderr stays muted for the rest of the process
+  (Orbax's and TensorStore's writer threads go on printing tracebacks of the
+  failed write) and ``error_stream`` is the original stderr."""
+  sys.stderr.flush()
+  saved_fd, saved_py = os.dup(2), sys.stderr
+  buf = tempfile.TemporaryFile()
+  os.dup2(buf.fileno(), 2)
+  sys.stderr = os.fdopen(os.dup(buf.fileno()), 'w')
+  try:
+    yield
+  except BaseException as e:
+    sys.stderr.flush()
+    if storage_reason(e) is None and not isinstance(e, StorageError):
+      _restore(saved_fd, saved_py, buf)
+      raise
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    sys.stderr = open(os.devnull, 'w')
+    _ERR['stream'] = os.fdopen(saved_fd, 'w')
+    raise
+  else:
+    _restore(saved_fd, saved_py, buf)
+
+
+def _restore(saved_fd, saved_py, buf):
+  sys.stderr.flush()
+  os.dup2(saved_fd, 2)
+  os.close(saved_fd)
+  sys.stderr = saved_py
+  buf.seek(0)
+  text = buf.read().decode(errors='replace')
+  if text:
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+_REPORTED = {'status': None}
+_REPORT_LOCK = threading.Lock()
+
+
+def claim_report(status: int) -> bool:
+  """True for the first fault of this process (which prints its line);
+  later ones (a runtime thread noticing the same fault) exit silently with
+  the first one's status."""
+  with _REPORT_LOCK:
+    if _REPORTED['status'] is not None:
+      return False
+    _REPORTED['status'] = status
+    return True
+
+
+def reported_status() -> Optional[int]:
+  return _REPORTED['status']
+
+
+def quiet_exit(status: int) -> None:
+  """Ends the process now with ``status`` (no interpreter shutdown in which
+  background writer threads could still print)."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  error_stream().flush()
+  os._exit(status)

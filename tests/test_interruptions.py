@@ -1,0 +1,220 @@
+"""Every fault ends in one line with its documented exit status and loses
+nothing: Ctrl-C and SIGTERM (stop after the round, checkpoint kept), disk
+full while checkpointing (a real small filesystem where one can be mounted,
+else Orbax's save failing with the disk's error), a process that never joins
+or is killed, two runs racing for one folder. After each, ``--resume``
+reaches the uninterrupted run's numbers."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fedjax_personal.run import faults
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, 'scripts', 'run_experiment.py')
+RUN = ['--algorithm=fedavg', '--dataset=digits', '--model=mlp', '--num_clients=8',
+       '--eval_every=1', '--checkpoint_every=2', '--progress=false']
+
+
+def _start(args, **kw):
+  return subprocess.Popen([sys.executable, SCRIPT, *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, 'JAX_PLATFORMS': 'cpu', **kw.pop('env', {})}, **kw)
+
+
+def _lines(path):
+  strip = lambda r: {k: v for k, v in r.items() if 'seconds' not in k}
+  return [strip(json.loads(l)) for l in open(path)]
+
+
+def _errors(stderr):
+  return [l for l in stderr.splitlines() if l.startswith('error:')]
+
+
+def _wait_for_rounds(path, n, proc, timeout=120):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline and proc.poll() is None:
+    if os.path.exists(path) and sum(1 for _ in open(path)) >= n:
+      return
+    time.sleep(0.1)
+  raise AssertionError(f'{n} rounds not reached: {proc.poll()}')
+
+
+def _uninterrupted(tmp_path, rounds):
+  out = tmp_path / 'whole'
+  r = subprocess.run([sys.executable, SCRIPT, *RUN, f'--rounds={rounds}', f'--output_dir={out}'],
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  return _lines(out / 'fedavg' / 'metrics.jsonl')
+
+
+@pytest.mark.parametrize('sig,status,word', [(signal.SIGINT, 130, 'interrupted'),
+                                             (signal.SIGTERM, 143, 'terminated')])
+def test_signal_stops_after_the_round_and_resume_equals_uninterrupted(tmp_path, sig, status, word):
+  rounds, out = 300, tmp_path / 'run'
+  args = [*RUN, f'--rounds={rounds}', f'--output_dir={out}']
+  proc = _start(args)
+  _wait_for_rounds(out / 'fedavg' / 'metrics.jsonl', 5, proc)
+  proc.send_signal(sig)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == status and 'Traceback' not in err, err[-2000:]
+  (line,) = _errors(err)
+  done = int(line.split(f'{word} after round ')[1].split()[0])
+  assert f'checkpoint of round {done} of fedavg kept' in line and '--resume' in line
+  metrics = _lines(out / 'fedavg' / 'metrics.jsonl')
+  assert metrics[-1]['round'] == done  # nothing past the checkpoint that resume would redo
+  if sig == signal.SIGTERM:
+    return
+  r = subprocess.run([sys.executable, SCRIPT, *args, '--resume'], capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  got, want = _lines(out / 'fedavg' / 'metrics.jsonl'), _uninterrupted(tmp_path, rounds)
+  diff = [(g['round'], k) for g, w in zip(got, want) for k in g if g.get(k) != w.get(k)]
+  assert len(got) == len(want) and not diff, diff[:5]
+
+
+def _mount_small(folder, size):
+  folder.mkdir()
+  r = subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size}', 'tmpfs', str(folder)],
+                     capture_output=True, text=True)
+  return r.returncode == 0
+
+
+def test_disk_full_while_checkpointing_then_resume(tmp_path):
+  small = tmp_path / 'small'
+  if not _mount_small(small, '300k'):
+    pytest.skip('cannot mount a small tmpfs here (needs root); '
+                'test_failed_save_keeps_the_last_checkpoint simulates it')
+  try:
+    args = [*RUN, '--rounds=30', f'--output_dir={small}/run']
+    r = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == faults.EXIT_STORAGE, r.stderr[-3000:]
+    assert 'Traceback' not in r.stderr and 'Event loop' not in r.stderr
+    (line,) = _errors(r.stderr)
+    assert 'No space left on device' in line and '--resume' in line
+    kept = int(line.split(' of fedavg kept')[0].split('checkpoint of round ')[-1])
+    ckpts = os.listdir(small / 'run' / 'fedavg' / 'checkpoints')
+    assert str(kept) in ckpts and not [c for c in ckpts if 'tmp' in c]  # the partial one is gone
+    subprocess.run(['mount', '-o', 'remount,size=50m', str(small)], check=True)
+    r = subprocess.run([sys.executable, SCRIPT, *args, '--resume'], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _lines(small / 'run' / 'fedavg' / 'metrics.jsonl') == _uninterrupted(tmp_path, 30)
+  finally:
+    subprocess.run(['umount', str(small)], capture_output=True)
+
+
+def test_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+  """Orbax reporting the disk's error (as TensorStore words it) while the
+  partial checkpoint lies on disk: one StorageError naming the last good
+  checkpoint; the partial one removed."""
+  import jax.numpy as jnp
+  import orbax.checkpoint as ocp
+  from fedjax_personal.run import checkpointing
+  mngr = checkpointing.manager(str(tmp_path))
+  faults.start_algorithm('fedavg', 0, str(tmp_path), True)
+  checkpointing.save(mngr, 2, {'w': jnp.ones(3)}, [[{'round': 2}]])
+
+  def full(self, step, *a, **k):
+    os.makedirs(os.path.join(str(self.directory), f'{step}.orbax-checkpoint-tmp'))
+    raise ValueError("RESOURCE_EXHAUSTED: Failed to write 231 bytes to file 17: No space left on "
+                     "device [os_error_code='28']")
+  monkeypatch.setattr(ocp.CheckpointManager, 'save', full)
+  with pytest.raises(faults.StorageError) as e:
+    checkpointing.save(mngr, 4, {'w': jnp.ones(3)}, [[{'round': 4}]])
+  assert str(e.value).startswith(f'cannot write the checkpoint of round 4 to {tmp_path}: No space')
+  assert f'checkpoint of round 2 of fedavg kept in {tmp_path}' in str(e.value)
+  assert sorted(os.listdir(tmp_path)) == ['2']
+
+
+@pytest.mark.parametrize('exc,reason', [
+    (OSError(errno.ENOSPC, 'No space left on device'), 'No space left on device'),
+    (OSError(errno.EROFS, 'Read-only file system'), 'Read-only file system'),
+    (ValueError("Failed writing [os_error_code='122']"), 'Disk quota exceeded'),
+    (ValueError('some other error'), None),
+])
+def test_storage_reasons(exc, reason):
+  assert faults.storage_reason(exc) == reason
+  wrapped = RuntimeError('outer')
+  wrapped.__cause__ = exc
+  assert faults.storage_reason(wrapped) == reason
+
+
+def test_a_peer_that_never_comes(tmp_path):
+  from test_distributed import free_port
+  start = time.monotonic()
+  r = subprocess.run([sys.executable, SCRIPT, *RUN, '--rounds=2', f'--output_dir={tmp_path}',
+                      f'--coordinator_address=localhost:{free_port()}', '--num_processes=2',
+                      '--process_id=0', '--distributed_timeout=5'],
+                     capture_output=True, text=True, timeout=120,
+                     env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  assert r.returncode == faults.EXIT_LOST_PROCESS, r.stderr[-2000:]
+  assert time.monotonic() - start < 5 + 20  # start-up + the timeout, not JAX's abort later
+  assert 'Check failure' not in r.stderr and 'Fatal Python error' not in r.stderr
+  (line,) = _errors(r.stderr)
+  assert 'process 0:' in line and 'localhost:' in line and 'within 5 s' in line
+
+
+@pytest.mark.slow
+def test_a_killed_process_is_one_line_and_resume_equals_uninterrupted(tmp_path):
+  from test_distributed import SMALL, finish, launch, metrics
+  args = ['--algorithm=fedavg', '--model=mlp', *SMALL, '--rounds=400', '--checkpoint_every=5',
+          '--distributed_timeout=10']
+  procs = launch([*args, f'--output_dir={tmp_path}/run'], devices=1)
+  _wait_for_rounds(tmp_path / 'run' / 'fedavg' / 'metrics.jsonl', 20, procs[0])
+  procs[1].send_signal(signal.SIGKILL)
+  start = time.monotonic()
+  _, err = procs[0].communicate(timeout=120)
+  assert time.monotonic() - start < 10 + 5
+  assert procs[0].returncode == faults.EXIT_LOST_PROCESS and 'Traceback' not in err, err[-2000:]
+  (line,) = _errors(err)
+  assert 'lost a process of the run' in line and 'coordinator localhost:' in line
+  assert '--resume' in line
+  results = finish(launch([*args, f'--output_dir={tmp_path}/run', '--resume'], devices=1))
+  assert [r[0] for r in results] == [0, 0], results[0][2][-2000:]
+  results = finish(launch([*args, f'--output_dir={tmp_path}/whole'], devices=1))
+  assert [r[0] for r in results] == [0, 0], results[0][2][-2000:]
+  strip = lambda rs: [{k: v for k, v in r.items() if 'seconds' not in k} for r in rs]
+  assert strip(metrics(f'{tmp_path}/run', 'fedavg')) == strip(metrics(f'{tmp_path}/whole', 'fedavg'))
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_process_stops_all_after_the_same_round(tmp_path):
+  from test_distributed import SMALL, finish, launch
+  procs = launch(['--algorithm=fedavg', '--model=mlp', *SMALL, '--rounds=400',
+                  '--checkpoint_every=5', f'--output_dir={tmp_path}/run'], devices=1)
+  _wait_for_rounds(tmp_path / 'run' / 'fedavg' / 'metrics.jsonl', 20, procs[0])
+  procs[1].send_signal(signal.SIGINT)
+  results = finish(procs)
+  lines = [_errors(e) for _, _, e in results]
+  assert [r[0] for r in results] == [130, 130] and lines[0] == lines[1], results
+  assert 'interrupted after round' in lines[0][0]
+
+
+def test_two_runs_racing_for_one_folder(tmp_path):
+  """The run that comes second says the folder is in use (the lock is the
+  operating system's: it goes with the process that holds it)."""
+  holder = subprocess.Popen(
+      [sys.executable, '-c', 'import sys, time; from fedjax_personal.run import run_identity; '
+       'run_identity.lock(sys.argv[1]); print("locked", flush=True); time.sleep(60)',
+       str(tmp_path / 'run')], stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'locked'
+    r = subprocess.run([sys.executable, SCRIPT, *RUN, '--rounds=2', f'--output_dir={tmp_path}/run'],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and 'Traceback' not in r.stderr
+    (line,) = _errors(r.stderr)
+    assert f'{tmp_path}/run is in use by another run (process {holder.pid}' in line
+  finally:
+    holder.kill()
+    holder.wait()
+  r = subprocess.run([sys.executable, SCRIPT, *RUN, '--rounds=2', f'--output_dir={tmp_path}/run'],
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]  # a killed holder leaves no stale lock
