@@ -111,6 +111,21 @@ def test_disk_full_while_checkpointing_then_resume(tmp_path):
     subprocess.run(['umount', str(small)], capture_output=True)
 
 
+def test_disk_full_while_writing_metrics(tmp_path):
+  small = tmp_path / 'small'
+  if not _mount_small(small, '40k'):
+    pytest.skip('cannot mount a small tmpfs here (needs root)')
+  try:
+    r = subprocess.run([sys.executable, SCRIPT, *RUN, '--checkpoint_every=0', '--rounds=300',
+                        f'--output_dir={small}/run'], capture_output=True, text=True, timeout=300)
+    assert r.returncode == faults.EXIT_STORAGE and 'Traceback' not in r.stderr, r.stderr[-2000:]
+    (line,) = _errors(r.stderr)
+    assert line.startswith(f'error: cannot write {small}/run/fedavg/metrics.jsonl (round ')
+    assert 'No space left on device; no checkpoint (--checkpoint_every=0)' in line
+  finally:
+    subprocess.run(['umount', str(small)], capture_output=True)
+
+
 def test_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch):
   """Orbax reporting the disk's error (as TensorStore words it) while the
   partial checkpoint lies on disk: one StorageError naming the last good

@@ -5,7 +5,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from fedjax_personal.run import run_identity
+from fedjax_personal.run import faults, run_identity
 from fedjax_personal.run.experiment import Callback
 
 SUMMARY_KEYS = ('accuracy_mean', 'accuracy_weighted', 'accuracy_worst', 'accuracy_q10',
@@ -39,8 +39,13 @@ class MetricsWriter(Callback):
   def on_round_end(self, round_num, records, state):
     lines = [run_identity.dumps(r) for r in records if _worth_a_line(r)]
     if lines:
-      with open(self.path, 'a') as f:
-        f.write('\n'.join(lines) + '\n')
+      try:
+        with open(self.path, 'a') as f:
+          f.write('\n'.join(lines) + '\n')
+      except OSError as e:
+        if faults.storage_reason(e) is None:
+          raise
+        raise faults.storage_error(f'{self.path} (round {round_num})', e) from None
 
 
 class Progress(Callback):
