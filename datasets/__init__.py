@@ -156,6 +156,13 @@ def make_partition(cfg: DataConfig, x, y, num_classes, rng) -> Partition:
   return partition.latent_clusters(x, n, cfg.num_groups, rng)
 
 
+def has_own_test_split(dataset: str, partition: str) -> bool:
+  """Whether the data set's files split each client's examples into train
+  and test (then --test_fraction does nothing)."""
+  return is_natural(dataset, partition) and (dataset.startswith(LEAF_PREFIX) or (
+      dataset in FILE_DATASETS and dataset != 'cifar100'))
+
+
 def load_federated(cfg: DataConfig) -> FederatedData:
   """Builds the FederatedData described by ``cfg`` (numpy leaves).
 

@@ -217,13 +217,7 @@ def load_cifar100(num_clients=None, data_dir=None, download=False) -> NaturalDat
   """Federated CIFAR-100 (TFF's ``cifar100.sqlite``: 500 train clients of 100
   images, Pachinko allocation over the coarse and fine labels)."""
   path = sources.fetch('cifar100', data_dir, download)['cifar100.sqlite.lzma']
-  import sqlite3
-  try:
-    with sqlite3.connect(f'file:{path}?mode=ro', uri=True) as conn:
-      total = conn.execute("SELECT COUNT(*) FROM client_metadata WHERE split_name = 'train'").fetchone()[0]
-  except sqlite3.Error as e:
-    raise DataError(f'{path}: not a TFF SQLite file ({e}); if it was downloaded, delete it and '
-                    'download it again (--download)') from None
+  total = sqlite_formats.tff_num_clients(path, 'train')
   n = _take(total, num_clients, 'cifar100')
   ids, train = [], []
   for cid, ex in sqlite_formats.read_tff(path, 'train', CIFAR100_FEATURES, limit=n):

@@ -141,6 +141,18 @@ def parse_example(serialized: bytes, shapes: Dict[str, tuple]) -> Dict[str, np.n
   return out
 
 
+def tff_num_clients(path, split: str) -> int:
+  conn = _connect(path)
+  try:
+    missing = {'examples', 'client_metadata'} - set(_tables(conn, path))
+    if missing:
+      raise DataError(f'{path}: no {" or ".join(sorted(missing))} table: not a TFF SQLite file')
+    return int(conn.execute('SELECT COUNT(*) FROM client_metadata WHERE split_name = ?',
+                            [split]).fetchone()[0])
+  finally:
+    conn.close()
+
+
 def read_tff(path, split: str, shapes: Dict[str, tuple],
              limit: Optional[int] = None) -> Iterator[Tuple[str, Dict[str, np.ndarray]]]:
   """Clients of one split of a TFF SQLite file, in client-id order (as

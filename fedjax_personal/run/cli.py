@@ -261,10 +261,8 @@ def validate_flags():
          f'does nothing: dataset {FLAGS.dataset} has no file to download'
          + (' (TFDS data sets: load_tfds(name, download=True))' if FLAGS.dataset.startswith('tfds:')
             else ''))
-  natural = datasets_lib.is_natural(FLAGS.dataset, partition())
-  _check(not (natural and FLAGS['test_fraction'].present and FLAGS.dataset in datasets_lib.FILE_DATASETS
-              and FLAGS.dataset != 'cifar100') and not (
-                  FLAGS['test_fraction'].present and FLAGS.dataset.startswith('leaf:')),
+  _check(not (FLAGS['test_fraction'].present
+              and datasets_lib.has_own_test_split(FLAGS.dataset, partition())),
          'test_fraction', f'does nothing: {FLAGS.dataset} has its own test split in its files')
   _check(partition() in datasets_lib.PARTITIONS, 'partition',
          f'unknown partition {partition()!r}; choose from {list(datasets_lib.PARTITIONS)}')
