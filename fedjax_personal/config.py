@@ -22,6 +22,7 @@ from typing import Callable, ClassVar, FrozenSet, Optional, Tuple
 import jax
 import optax
 
+from fedjax_personal.core import server_optimizers
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.core.tree_util import is_concrete
@@ -104,7 +105,8 @@ CLIENT_OPTIMIZER = frozenset({'client_optimizer', 'client_lr', 'client_momentum'
                               'client_opt_state'})
 BATCHING = frozenset({'batch_size', 'local_epochs', 'local_steps'})
 WEIGHTING = frozenset({'weighting'})
-SERVER_OPTIMIZER = frozenset({'server_optimizer', 'server_lr', 'server_momentum'})
+SERVER_OPTIMIZER = frozenset({'server_optimizer', 'server_lr', 'server_momentum', 'server_beta1',
+                              'server_beta2', 'server_tau'})
 FINETUNE = frozenset({'finetune_steps', 'finetune_lr'})
 
 
@@ -133,10 +135,18 @@ class TrainingConfig:
                                     "(default: the algorithm's paper).",
                                     choices=('num_examples', 'uniform'))
   server_optimizer: str = hparam('sgd', "Server optimizer on the mean delta: 'sgd' (lr 1: "
-                                 "plain averaging; momentum: FedAvgM) or 'adam' (FedAdam).",
-                                 choices=('sgd', 'adam'))
+                                 "plain averaging; momentum: FedAvgM), or Reddi et al.'s "
+                                 "'adagrad', 'yogi', 'adam' (FedAdagrad, FedYogi, FedAdam).",
+                                 choices=('sgd',) + server_optimizers.KINDS)
   server_lr: float = hparam(1.0, 'Server learning rate.', minimum=0, open_min=True, sweep=True)
-  server_momentum: float = hparam(0.0, 'Server momentum.', minimum=0, maximum=1, open_max=True)
+  server_momentum: float = hparam(0.0, "Server momentum ('sgd').", minimum=0, maximum=1,
+                                  open_max=True)
+  server_beta1: float = hparam(0.9, "First-moment decay of 'adagrad', 'yogi', 'adam' (Reddi et "
+                               'al.).', minimum=0, maximum=1, open_max=True)
+  server_beta2: float = hparam(0.99, "Second-moment decay of 'yogi' and 'adam' (Reddi et al.).",
+                               minimum=0, maximum=1, open_max=True)
+  server_tau: float = hparam(1e-3, "Adaptivity tau of 'adagrad', 'yogi', 'adam' (Reddi et al.; "
+                             'v starts at tau^2).', minimum=0, open_min=True)
   finetune_steps: Optional[int] = hparam(None, 'Evaluation fine-tuning steps on the training '
                                          "split (default: the algorithm's, 0 for most).",
                                          minimum=0)
@@ -162,8 +172,10 @@ class TrainingConfig:
     return optax.chain(*parts)
 
   def make_server_optimizer(self) -> optax.GradientTransformation:
-    if self.server_optimizer == 'adam':
-      return optax.adam(self.server_lr)
+    if self.server_optimizer in server_optimizers.KINDS:
+      return server_optimizers.adaptive_server(self.server_optimizer, self.server_lr,
+                                               self.server_beta1, self.server_beta2,
+                                               self.server_tau)
     return optax.sgd(self.server_lr, momentum=self.server_momentum or None)
 
   def batching(self) -> Batching:
@@ -179,6 +191,13 @@ class TrainingConfig:
     """Consistency of settings that exclude each other."""
     if self.local_steps is not None and self.local_epochs != 1:
       raise ConfigError('local_epochs', 'does nothing with --local_steps (steps replace epochs)')
+    default, kind = TrainingConfig(), self.server_optimizer
+    uses = {'sgd': ('server_momentum',), 'adagrad': ('server_beta1', 'server_tau'),
+            'yogi': ('server_beta1', 'server_beta2', 'server_tau'),
+            'adam': ('server_beta1', 'server_beta2', 'server_tau')}[kind]
+    for name in ('server_momentum', 'server_beta1', 'server_beta2', 'server_tau'):
+      if name not in uses and _differs(getattr(self, name), getattr(default, name)):
+        raise ConfigError(name, f'does nothing with --server_optimizer={kind}')
 
   @property
   def stateful_client_optimizer(self) -> bool:

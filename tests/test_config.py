@@ -40,6 +40,9 @@ VARIANTS = {
     'server_optimizer': '--server_optimizer=adam',
     'server_lr': '--server_lr=0.5',
     'server_momentum': '--server_momentum=0.9',
+    'server_beta1': ({'server_optimizer': 'yogi'}, '--server_beta1=0.5'),
+    'server_beta2': ({'server_optimizer': 'yogi'}, '--server_beta2=0.5'),
+    'server_tau': ({'server_optimizer': 'yogi'}, '--server_tau=0.1'),
     'finetune_steps': '--finetune_steps=2',
     'finetune_lr': '--finetune_lr=0.5',
 }

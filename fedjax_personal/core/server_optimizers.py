@@ -1,0 +1,66 @@
+"""Adaptive server optimizers: FedAdagrad, FedYogi, FedAdam.
+
+Reddi et al., "Adaptive Federated Optimization" (arXiv 2003.00295),
+Algorithm 2. With Delta_t the cohort's mean model change (x_i - x_t):
+
+    m_t = beta1 m_{t-1} + (1 - beta1) Delta_t
+    v_t = v_{t-1} + Delta_t^2                                   (FedAdagrad)
+    v_t = v_{t-1} - (1 - beta2) Delta_t^2 sign(v_{t-1} - Delta_t^2)   (FedYogi)
+    v_t = beta2 v_{t-1} + (1 - beta2) Delta_t^2                 (FedAdam)
+    x_{t+1} = x_t + eta m_t / (sqrt(v_t) + tau)
+
+with m_{-1} = 0 and v_{-1} = tau^2 (the paper asks v_{-1} >= tau^2), no bias
+correction, and the paper's defaults beta1 = 0.9, beta2 = 0.99, tau = 1e-3
+(the adaptivity it tunes over 1e-5 .. 1). The server receives the pseudo-
+gradient g_t = -Delta_t (``algorithms/fedavg.server_step``): m flips sign
+with it, v does not, and the update is -eta m_g / (sqrt(v) + tau).
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+KINDS = ('adagrad', 'yogi', 'adam')
+
+
+class AdaptiveState(NamedTuple):
+  """First and second moments of the pseudo-gradient (m_t, v_t)."""
+  m: optax.Updates
+  v: optax.Updates
+
+
+def scale_by_adaptive_server(kind: str, beta1: float = 0.9, beta2: float = 0.99,
+                             tau: float = 1e-3) -> optax.GradientTransformation:
+  """``m_t / (sqrt(v_t) + tau)`` of Algorithm 2 for ``kind`` in KINDS."""
+  if kind not in KINDS:
+    raise ValueError(f'kind must be one of {KINDS}, got {kind!r}')
+
+  def init(params):
+    return AdaptiveState(m=jax.tree.map(jnp.zeros_like, params),
+                         v=jax.tree.map(lambda p: jnp.full_like(p, tau ** 2), params))
+
+  def second_moment(v, g):
+    g2 = jnp.square(g)
+    if kind == 'adagrad':
+      return v + g2
+    if kind == 'yogi':
+      return v - (1 - beta2) * g2 * jnp.sign(v - g2)
+    return beta2 * v + (1 - beta2) * g2
+
+  def update(updates, state, params=None):
+    del params
+    m = jax.tree.map(lambda m, g: beta1 * m + (1 - beta1) * g, state.m, updates)
+    v = jax.tree.map(second_moment, state.v, updates)
+    out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + tau), m, v)
+    return out, AdaptiveState(m=m, v=v)
+
+  return optax.GradientTransformation(init, update)
+
+
+def adaptive_server(kind: str, learning_rate: float, beta1: float = 0.9, beta2: float = 0.99,
+                    tau: float = 1e-3) -> optax.GradientTransformation:
+  """FedAdagrad / FedYogi / FedAdam with server learning rate eta."""
+  return optax.chain(scale_by_adaptive_server(kind, beta1, beta2, tau),
+                     optax.scale(-learning_rate))
