@@ -101,9 +101,11 @@ def test_unknown_convention_names_the_flag():
     ('feddyn_cnn', (32, 32, 3), 797_962),  # FedDyn's utils_models.py, 'cifar10'
     ('fedfomo_cnn', (32, 32, 3), 122_570),  # the TensorFlow tutorial CNN (FedFomo's default)
     ('pfedme_cnn', (32, 32, 3), 62_006),  # the PyTorch tutorial CNN
+    ('reddi_emnist_cnn', (28, 28, 1), 1_206_590),  # TFF's EMNIST CNN, 62 classes
 ])
 def test_reference_models_have_their_documented_parameter_counts(name, shape, count):
-  model = models.create_model(name, 10, jnp.zeros((1,) + shape))
+  model = models.create_model(name, 62 if name == 'reddi_emnist_cnn' else 10,
+                              jnp.zeros((1,) + shape))
   assert models.num_params(jax.eval_shape(model.init, jax.random.key(0))) == count
   assert f'{count:,}' in (model.module.__doc__ or '') or f'{count:,}' in (
       type(model.module).__doc__ or '')
@@ -293,6 +295,10 @@ def _torch_reference_cnn(torch, name):
                                     nn.Conv2d(64, 64, 3)])
         self.fcs = nn.ModuleList([nn.Linear(1024, 64), nn.Linear(64, 10)])
         self.pooled = (True, True, False)
+      elif name == 'reddi_emnist_cnn':  # Reddi et al. / TFF EMNIST CNN (dropout is identity at eval)
+        self.convs = nn.ModuleList([nn.Conv2d(1, 32, 3), nn.Conv2d(32, 64, 3)])
+        self.fcs = nn.ModuleList([nn.Linear(9216, 128), nn.Linear(128, 62)])
+        self.pooled = (False, True)
       else:  # pFedMe CifarNet
         self.convs = nn.ModuleList([nn.Conv2d(3, 6, 5), nn.Conv2d(6, 16, 5)])
         self.fcs = nn.ModuleList([nn.Linear(400, 120), nn.Linear(120, 84), nn.Linear(84, 10)])
@@ -309,14 +315,45 @@ def _torch_reference_cnn(torch, name):
   return Net()
 
 
-@pytest.mark.parametrize('name', ['feddyn_cnn', 'fedfomo_cnn', 'pfedme_cnn'])
+@pytest.mark.parametrize('name', ['feddyn_cnn', 'fedfomo_cnn', 'pfedme_cnn', 'reddi_emnist_cnn'])
 def test_reference_cnns_equal_their_pytorch_code(tmp_path, name):
   torch = pytest.importorskip('torch')
   torch.manual_seed(2)
   net = _torch_reference_cnn(torch, name)
   path = str(tmp_path / f'{name}.pt')
   torch.save(net.state_dict(), path)
-  x = np.random.default_rng(1).uniform(size=(3, 32, 32, 3)).astype(np.float32)
-  model = models.create_model(name, 10, x)
+  emnist = name == 'reddi_emnist_cnn'
+  x = np.random.default_rng(1).uniform(size=(3,) + ((28, 28, 1) if emnist else (32, 32, 3)))
+  x = x.astype(np.float32)
+  model = models.create_model(name, 62 if emnist else 10, x)
   want = net(torch.tensor(x).permute(0, 3, 1, 2)).detach().numpy()
+  np.testing.assert_allclose(model.apply(weights.load(path, model, x), x), want, atol=1e-5)
+
+
+def test_lstm_lm_is_reddi_et_al_stackoverflow_model(tmp_path):
+  """Reddi et al.'s next-word LSTM: 4,050,748 parameters on 10,004 ids, and
+  the outputs of the same network in PyTorch on the same weights."""
+  model = models.create_model('lstm_lm', 10004, jnp.zeros((1, 20), jnp.int32))
+  assert models.num_params(jax.eval_shape(model.init, jax.random.key(0))) == 4_050_748
+  assert '4,050,748' in type(model.module).__doc__
+  torch = pytest.importorskip('torch')
+  torch.manual_seed(3)
+  vocab = 50
+
+  class Net(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.embedding = torch.nn.Embedding(vocab, 96)
+      self.lstm = torch.nn.LSTM(96, 670, batch_first=True)
+      self.project = torch.nn.Linear(670, 96)
+      self.output = torch.nn.Linear(96, vocab)
+
+    def forward(self, x):
+      return self.output(self.project(self.lstm(self.embedding(x))[0]))
+  net = Net()
+  path = str(tmp_path / 'lstm_lm.pt')
+  torch.save(net.state_dict(), path)
+  x = np.random.default_rng(0).integers(0, vocab, (2, 7)).astype(np.int32)
+  model = models.create_model('lstm_lm', vocab, x)
+  want = net(torch.tensor(x, dtype=torch.long)).detach().numpy()
   np.testing.assert_allclose(model.apply(weights.load(path, model, x), x), want, atol=1e-5)

@@ -74,6 +74,8 @@ MODELS = {
     'cnn_cifar': lambda c, a, k, i: CNN(c, conv_features=(64, 64), dense=(384, 192),
                                         adapter_dim=a, conv_impl=k, convention=i),
     'char_lstm': lambda c, a, k, i: CharLSTM(c, adapter_dim=a, convention=i),
+    'lstm_lm': lambda c, a, k, i: CharLSTM(c, embed_dim=96, hidden=670, num_layers=1,
+                                           projection=96, adapter_dim=a, convention=i),
     # The seeds' own models, as their code builds them.
     'usercentric_lenet5': lambda c, a, k, i: LeNet5(c, adapter_dim=a, conv_impl=k, convention=i,
                                                     pool='avg'),
@@ -84,6 +86,10 @@ MODELS = {
                                           kernel=3, pooled=(True, True, False)),
     'pfedme_cnn': lambda c, a, k, i: CNN(c, conv_features=(6, 16), dense=(120, 84),
                                          adapter_dim=a, conv_impl=k, convention=i, padding='VALID'),
+    # Reddi et al.'s EMNIST model (the field's standard task).
+    'reddi_emnist_cnn': lambda c, a, k, i: CNN(c, conv_features=(32, 64), dense=(128,),
+                                               adapter_dim=a, conv_impl=k, convention=i,
+                                               padding='VALID', kernel=3, pooled=(False, True)),
 }
 
 #: The seeds' reference models: whose code they come from, and the
@@ -95,6 +101,11 @@ REFERENCE = {
                    'max pool, dense 384-192 (PyTorch)', 'pytorch'),
     'fedfomo_cnn': ("FedFomo (Zhang et al.), federated/network.py TFConvNet, the code's default "
                     "--arch: conv 32, 64, 64 @3x3 valid, dense 64 (PyTorch)", 'pytorch'),
+    'reddi_emnist_cnn': ('Adaptive Federated Optimization (Reddi et al., arXiv 2003.00295), its '
+                         'EMNIST CNN as TFF builds it: conv 32, 64 @3x3 valid, max pool after the '
+                         'second, dense 128 (Keras); without its dropout (0.25, 0.5)', 'keras'),
+    'lstm_lm': ('Adaptive Federated Optimization (Reddi et al.), its Stack Overflow next-word '
+                'LSTM as TFF builds it: embedding 96, LSTM 670, dense 96, output (Keras)', 'keras'),
     'pfedme_cnn': ('pFedMe (Dinh et al.), FLAlgorithms/trainmodel/models.py CifarNet, the '
                    'PyTorch tutorial CNN (also FedFomo\'s base_cnn): conv 6, 16 @5x5 valid, '
                    'dense 120-84 (PyTorch)', 'pytorch'),

@@ -134,7 +134,11 @@ class CNN(nn.Module):
   first two, dense 64 (122,570 parameters on CIFAR-10). pFedMe's CifarNet is
   the PyTorch-tutorial CNN (``pfedme_cnn``; FedFomo's ``base_cnn``): 5x5
   VALID convolutions of 6 and 16, dense (120, 84) (62,006 parameters on
-  CIFAR-10).
+  CIFAR-10). Reddi et al.'s EMNIST CNN (``reddi_emnist_cnn``, "Adaptive
+  Federated Optimization", arXiv 2003.00295, as TFF builds it): 3x3 VALID
+  convolutions of 32 and 64, pooling after the second, dense 128 (1,206,590
+  parameters on EMNIST-62; its dropout layers are left out: apply is
+  deterministic here).
   """
   num_classes: int
   conv_features: Sequence[int] = (32, 64)
@@ -177,9 +181,14 @@ class CNN(nn.Module):
 
 
 class CharLSTM(nn.Module):
-  """Next-character LSTM (LEAF's Shakespeare model, smaller by default).
+  """Next-token LSTM: embedding, LSTM layers, an optional linear projection,
+  the output layer. Input: int tokens [B, T]; output: logits [B, T, vocab].
 
-  Input: int tokens [B, T]; output: logits [B, T, vocab_size].
+  ``char_lstm`` is LEAF's Shakespeare model, smaller; ``lstm_lm`` is Reddi et
+  al.'s Stack Overflow next-word model ("Adaptive Federated Optimization",
+  arXiv 2003.00295, as TFF builds it): embedding 96, one LSTM of 670 units, a
+  dense projection to 96, the output layer (4,050,748 parameters on its
+  10,004 ids: the 10K vocabulary, PAD, BOS, EOS, one OOV).
   """
   num_classes: int  # vocabulary size
   embed_dim: int = 8
@@ -187,6 +196,7 @@ class CharLSTM(nn.Module):
   num_layers: int = 2
   adapter_dim: int = 0
   convention: str = 'flax'
+  projection: int = 0  # width of a linear layer before the output (0: none)
 
   def setup(self):
     self.embed = nn.Embed(self.num_classes, self.embed_dim,
@@ -197,6 +207,8 @@ class CharLSTM(nn.Module):
     if self.adapter_dim:
       self.adapters = [Adapter(self.adapter_dim, convention=self.convention, name=f'adapter_{i}')
                        for i in range(self.num_layers)]
+    if self.projection:
+      self.project = Dense(self.projection, convention=self.convention)
     self.output = Dense(self.num_classes, convention=self.convention)
 
   def features(self, x):
@@ -205,7 +217,7 @@ class CharLSTM(nn.Module):
       h = lstm(h)
       if self.adapter_dim:
         h = self.adapters[i](h)
-    return h
+    return self.project(h) if self.projection else h
 
   def __call__(self, x):
     return self.output(self.features(x))
