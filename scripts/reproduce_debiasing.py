@@ -260,4 +260,4 @@ def table_two(shared):
 
 
 if __name__ == '__main__':
-  entry.run_script(main)
+  entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; the same command continues from them')

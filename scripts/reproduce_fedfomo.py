@@ -266,4 +266,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  entry.run_script(main)
+  entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; the same command continues from them')

@@ -233,3 +233,21 @@ def test_two_runs_racing_for_one_folder(tmp_path):
   r = subprocess.run([sys.executable, SCRIPT, *RUN, '--rounds=2', f'--output_dir={tmp_path}/run'],
                      capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]  # a killed holder leaves no stale lock
+
+
+def test_a_reproduce_script_interrupted_is_one_line(tmp_path):
+  """The reproduce scripts (one fault path: ``run.entry``): Ctrl-C is one
+  line naming the kept trials, exit 130, no traceback or crash at exit."""
+  proc = subprocess.Popen(
+      [sys.executable, os.path.join(ROOT, 'scripts', 'reproduce_user_centric.py'),
+       f'--output_dir={tmp_path}', '--trials=1'], stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  time.sleep(15)
+  assert proc.poll() is None
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err[-2000:]
+  assert 'Traceback' not in err and 'Fatal Python error' not in err
+  (line,) = _errors(err)
+  assert line == ('error: interrupted; the trials finished so far are kept under '
+                  '<output_dir>/trials; the same command continues from them')

@@ -727,7 +727,8 @@ def main(argv):
   except experiment.DivergenceError as e:
     _fail(e, faults.EXIT_DIVERGED)
   except KeyboardInterrupt:
-    _fail(faults.interrupted(during_round=True), 130)
+    stop = faults.interrupted(during_round=True)
+    _fail(stop, stop.status)
   except Exception as e:  # a storage or lost-process fault: one line; else the traceback
     if faults.storage_reason(e):
       name = getattr(e, 'filename', None) or job_output_dir()
