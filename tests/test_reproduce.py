@@ -97,12 +97,7 @@ def test_fedfomo_dp_table_reports_epsilon(tmp_path):
   # One sigma (2 cells, each compiles its own round): sigma = 0 is the plain
   # algorithm, with nothing to account (test_privacy.py), and its epsilon
   # None reads 'inf' (privacy.epsilon_text, test below).
-  # CIFAR-10 as a made JPEG archive of random images (the table's shape, not its accuracy)
-  import numpy as np
-  import made_files
-  rng = np.random.default_rng(0)
-  made_files.write_cifar10_jpeg_npz(tmp_path / 'cifar10_jpeg.npz', np.arange(600) % 10,
-                                    np.arange(100) % 10, rng)
+  made_cifar10(tmp_path, 600, 100)
   r = script('reproduce_fedfomo.py', f'--output_dir={tmp_path}/out', '--tables=dp', '--trials=1',
              '--rounds_15=1', '--local_epochs=1', '--cifar_per_client=30', '--dp_sigmas=1',
              f'--data_dir={tmp_path}', cwd=tmp_path, timeout=600)
@@ -152,17 +147,33 @@ def test_user_centric_table_written_as_json_and_markdown(tmp_path):
   assert '| scenario | fedavg | usercentric_k4 |' in md and '±' in md and out['command'] in md
 
 
+def made_cifar10(folder, train=6000, test=1200):
+  """A folder with CIFAR-10 as a made JPEG archive (each class its own
+  colour plus noise): the scripts' shape, not their accuracy."""
+  import numpy as np
+  import made_files
+  made_files.write_cifar10_jpeg_npz(folder / 'cifar10_jpeg.npz', np.arange(train) % 10,
+                                    np.arange(test) % 10, np.random.default_rng(0))
+  return folder
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize('name', sorted(SCRIPTS))
-def test_reproduce_script_runs_with_trials(tmp_path, name):
-  r = script(name, '--trials=2', f'--output_dir={tmp_path}', *SCRIPTS[name], cwd=tmp_path)
+@pytest.mark.parametrize('name', [
+    n if n != 'reproduce_personalization.py' else pytest.param(
+        n, marks=pytest.mark.needs_data(('input.txt', 'tinyshakespeare.txt')))
+    for n in sorted(SCRIPTS)])
+def test_reproduce_script_runs_with_trials(tmp_path, tmp_path_factory, name):
+  # CIFAR-10 made here unless the real data sets are given (FEDJAX_PERSONAL_DATA)
+  data = ([] if os.environ.get('FEDJAX_PERSONAL_DATA')
+          else [f'--data_dir={made_cifar10(tmp_path_factory.mktemp("data"))}'])
+  r = script(name, '--trials=2', f'--output_dir={tmp_path}', *SCRIPTS[name], *data, cwd=tmp_path)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
   assert '±' in r.stdout and '2 trials' in r.stdout, r.stdout[-3000:]
   files = os.listdir(tmp_path)
   assert any(f.endswith('_cpu.json') for f in files) and any(f.endswith('_cpu.md') for f in files)
   tables = {f: open(tmp_path / f).read() for f in files if f.endswith('_cpu.md')}
   # Run again: every trial is reused and the tables are the same.
-  r = script(name, '--trials=2', f'--output_dir={tmp_path}', *SCRIPTS[name], cwd=tmp_path)
+  r = script(name, '--trials=2', f'--output_dir={tmp_path}', *SCRIPTS[name], *data, cwd=tmp_path)
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
   assert 'reused' in r.stdout and 'trial 1 (seed 1): reused' in r.stdout, r.stdout[-3000:]
   assert {f: open(tmp_path / f).read() for f in tables} == tables
