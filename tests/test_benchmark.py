@@ -53,8 +53,9 @@ def test_interleaved_executor_table_pairs_rounds(tmp_path):
 @pytest.mark.slow  # ~2.5 min: every section's programs compile
 def test_device_command_runs_every_section(tmp_path):
   text, report = run_benchmark(tmp_path, '--section=all', '--scale_clients=3',
-                               '--usercentric_clients=5', '--sweep_size=2', '--sweep_clients=3')
-  for part in ('Scale:', 'Sweep:', 'User-centric vs FedAvg', 'FedFomo round'):
+                               '--usercentric_clients=5', '--sweep_size=2', '--sweep_clients=3',
+                               '--process_clients=3', '--process_counts=1,2')
+  for part in ('Scale:', 'Sweep:', 'User-centric vs FedAvg', 'FedFomo round', 'Processes:'):
     assert part in text, (part, text)
   rows = report['results']
   table = [r for r in rows if 'speedup_vs_torch' in r]  # the executor table's rows
