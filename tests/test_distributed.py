@@ -78,8 +78,10 @@ def test_two_processes_equal_one_and_resume(tmp_path):
   results = finish(launch([*args, '--rounds=2', f'--output_dir={two}']))
   assert [r[0] for r in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
   assert 'sharded(4 devices, 2 processes)' in results[0][1]
-  # Process 1 prints nothing (Gloo's connection lines aside): process 0 reports.
-  assert not [l for l in results[1][1].splitlines() if not l.startswith('[Gloo]')]
+  # Process 1 prints nothing (Gloo's connection lines aside, which its C++
+  # threads may split across lines): process 0 reports.
+  assert not [l for l in results[1][1].splitlines()
+              if l.strip() and '[Gloo]' not in l and 'peer ranks' not in l]
   # Process 0 alone wrote the run's files; every process took part in the checkpoints.
   assert sorted(os.listdir(two)) == ['accuracy.png', 'client_accuracy_hist.png', 'comparison.json',
                                      'ditto', 'fedavg', 'identity.json']
