@@ -8,8 +8,6 @@ Typed PRNG keys inside a state are stored as their key data. Saves are
 synchronous and atomic (Orbax writes to a temporary directory and renames).
 """
 
-import contextlib
-import logging
 import os
 import shutil
 import sys
@@ -50,14 +48,14 @@ def save(mngr: ocp.CheckpointManager, round_num: int, state, histories: List[Lis
 
   Raises:
     faults.StorageError: the disk is full, read-only or over quota. The
-    partial checkpoint is removed (the last complete one stays), and Orbax's
-    writer threads print nothing.
+    partial checkpoint is removed (the last complete one stays), and what
+    Orbax's writer threads print is muted (``faults.captured_stderr``).
   """
   clean = run_identity.as_json(histories)
   items = dict(state=ocp.args.StandardSave(to_saveable(state)), history=ocp.args.JsonSave(clean))
   if identity is not None:
     items['identity'] = ocp.args.JsonSave(run_identity.as_json(identity))
-  with faults.captured_stderr(), _quiet_orbax():
+  with faults.captured_stderr():
     try:
       mngr.save(round_num, args=ocp.args.Composite(**items))
       mngr.wait_until_finished()
@@ -68,21 +66,6 @@ def save(mngr: ocp.CheckpointManager, round_num: int, state, histories: List[Lis
       raise faults.storage_error(f'the checkpoint of round {round_num} to {mngr.directory}',
                                  e) from None
   faults.PROGRESS.checkpoint_round = round_num
-
-
-@contextlib.contextmanager
-def _quiet_orbax():
-  """Orbax's writer threads log a failed write with a traceback each (a
-  full disk gave eleven): the one-line error is ours."""
-  loggers = [logging.getLogger(n) for n in ('absl', 'orbax', '')]
-  levels = [l.level for l in loggers]
-  for l in loggers:
-    l.setLevel(logging.CRITICAL)
-  try:
-    yield
-  finally:
-    for l, v in zip(loggers, levels):
-      l.setLevel(v)
 
 
 def _discard_partial(directory) -> None:

@@ -359,8 +359,7 @@ def data_config() -> datasets_lib.DataConfig:
 
 def partition() -> str:
   """--partition, or 'natural' for a natural data set when it is not given."""
-  if not FLAGS['partition'].present and (FLAGS.dataset in datasets_lib.NATURAL
-                                         or FLAGS.dataset.startswith(datasets_lib.LEAF_PREFIX)):
+  if not FLAGS['partition'].present and datasets_lib.is_natural(FLAGS.dataset, 'natural'):
     return 'natural'
   return FLAGS.partition
 

@@ -104,10 +104,7 @@ def initialize(launch: Optional[dict], timeout: int = 60) -> None:
     _preflight(launch['coordinator_address'], launch['process_id'], timeout)
   # The CPU backend's collectives between processes (no effect on GPU/TPU ones).
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  if os.environ.get('FEDJAX_PERSONAL_RECOVERABLE'):
-    jax.config.update('jax_enable_recoverability', True)
   _STATE['address'] = launch.get('coordinator_address') or '(detected)'
-  _STATE['process_id'] = launch.get('process_id', '?')
   _STATE['timeout'] = timeout
   n, pid = launch.get('num_processes', '?'), launch.get('process_id', '?')
   # JAX aborts the process (C++ check failure) when its initialization times
@@ -119,13 +116,13 @@ def initialize(launch: Optional[dict], timeout: int = 60) -> None:
     jax.distributed.initialize(**launch, initialization_timeout=timeout + JAX_GRACE_SECONDS,
                                heartbeat_timeout_seconds=2 * timeout + JAX_GRACE_SECONDS)
   except Exception as e:  # JAX raises several types for an unreachable coordinator
-    timer.cancel()
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise ConfigError('coordinator_address', f'could not join the coordinator at '
                       f'{launch.get("coordinator_address", "(detected)")} within {timeout} s '
                       f'as process {launch.get("process_id", "?")} of '
                       f'{launch.get("num_processes", "?")}: {first[:200]}') from None
-  timer.cancel()
+  finally:
+    timer.cancel()
   _STATE['initialized'] = True
   faults.share_stop_requests(lambda code: allgather_ints([code]))
   _start_watchdog()
@@ -255,12 +252,11 @@ POLL_SECONDS = 0.5
 ALIVE_KEY = 'fedjax_personal/alive'
 
 
-def _lost(what: str, pid=None) -> None:
+def _lost(what: str) -> None:
   if not faults.claim_report(faults.EXIT_LOST_PROCESS):
     faults.quiet_exit(faults.reported_status())
   line = faults.lost_process(what, _STATE.get('address')).args[0]
-  pid = jax.process_index() if pid is None else pid
-  print(f'error: process {pid}: {line}', file=faults.error_stream(), flush=True)
+  print(f'error: process {jax.process_index()}: {line}', file=faults.error_stream(), flush=True)
   faults.quiet_exit(faults.EXIT_LOST_PROCESS)
 #: How long process 0, which hosts the coordinator, outlives the others when
 #: the run stops with an error: its exit takes the coordinator down, and JAX

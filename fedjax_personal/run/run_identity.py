@@ -39,11 +39,8 @@ def data_fingerprint(data) -> str:
 
 def file_sha256(path: str) -> str:
   """The SHA-256 of a file's bytes (hex)."""
-  h = hashlib.sha256()
-  with open(path, 'rb') as f:
-    for chunk in iter(lambda: f.read(1 << 20), b''):
-      h.update(chunk)
-  return h.hexdigest()
+  from fedjax_personal.datasets.files import sha256_file
+  return sha256_file(path)
 
 
 def identity(algorithm: str, training, config, job: Dict) -> Dict:
