@@ -17,6 +17,7 @@ import numpy as np
 from fedjax_personal.core.algorithm import FederatedAlgorithm, RoundContext
 from fedjax_personal.core.data import FederatedData, LocalData
 from fedjax_personal.core import executors as executors_lib
+from fedjax_personal.core import layout as layout_lib
 from fedjax_personal.core import memory
 from fedjax_personal.core.executors import Executor
 from fedjax_personal.core.sampling import CohortSampler
@@ -27,6 +28,11 @@ PyTree = Any
 
 def _row(tree, i):
   return jax.tree.map(lambda a: a.at[i].get(mode='clip'), tree)
+
+
+def client_keys(key, idx):
+  """Client i's key of a round or phase: ``fold_in(key, i)``."""
+  return jax.vmap(lambda i: jax.random.fold_in(key, i))(idx)
 
 
 def communication_metrics(alg, state, num_active) -> dict:
@@ -70,10 +76,13 @@ def pre_round_functions(alg: FederatedAlgorithm, ex: Executor, counts=None):
     return RoundContext(round=jnp.asarray(round_num, jnp.int32), key=jax.random.fold_in(key, 2))
 
   def phase_client(shared_all, c):
+    """Client ``c = (row, key)``: its examples are row ``row`` of the
+    split arrays (its index on the device layout, its block position on the
+    host layout)."""
     counts['pre_round_client'] += 1
     shared, train, val = shared_all
-    i, key = c
-    return pr.client(shared, LocalData(train=_row(train, i), val=_row(val, i)), key)
+    pos, key = c
+    return pr.client(shared, LocalData(train=_row(train, pos), val=_row(val, pos)), key)
 
   def run(state, rc, train, val):
     counts['pre_round'] += 1
@@ -81,8 +90,8 @@ def pre_round_functions(alg: FederatedAlgorithm, ex: Executor, counts=None):
     outputs = None
     if pr.client is not None:
       n = train.num_examples.shape[0]
-      keys = jax.vmap(lambda i: jax.random.fold_in(rc.key, i))(jnp.arange(n))
-      outputs = ex.map(phase_client, (shared, train, val), (jnp.arange(n, dtype=jnp.int32), keys))
+      outputs = ex.map(phase_client, (shared, train, val),
+                       (jnp.arange(n, dtype=jnp.int32), client_keys(rc.key, jnp.arange(n))))
     return pr.update(state, outputs, rc)
 
   return pr.due, rc_of, run, phase_client
@@ -91,8 +100,8 @@ def pre_round_functions(alg: FederatedAlgorithm, ex: Executor, counts=None):
 def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executor, counts=None):
   """The pieces of one round of ``alg``: (pre, make_ctx, post, fused_round).
 
-  ``fused_round(state, key, round_num, train, val) -> (state, metrics)`` is
-  the whole round as one traceable function (for fused executors), the
+  ``fused_round(state, key, round_num, train, val[, cohort]) -> (state,
+  metrics)`` is the whole round as one traceable function (for fused executors), the
   algorithm's pre-round phase included (under ``lax.cond`` on its schedule;
   its diagnostics in ``metrics['pre_round']``, ``metrics['pre_round_ran']``
   saying whether it ran); ``pre`` / ``post`` are the server steps around
@@ -102,21 +111,26 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
   """
   counts = collections.Counter() if counts is None else counts
 
-  def pre(state, key, round_num):
+  def pre(state, key, round_num, cohort=None):
+    """The server's broadcast. ``cohort`` (the host layout's, drawn by
+    ``sample_cohort`` from the same key) means the round's split arrays hold
+    the cohort's rows in cohort order; without it they hold every client."""
     counts['pre'] += 1
     k_cohort, k_clients = jax.random.split(key)
-    cohort = sampler(k_cohort)
+    rows_of = None if cohort is None else jnp.arange(cohort.idx.shape[0], dtype=jnp.int32)
+    cohort = sampler(k_cohort) if cohort is None else cohort
     rc = RoundContext(round=jnp.asarray(round_num, jnp.int32),
                       key=jax.random.fold_in(k_cohort, 1))
     shared, per_client = alg.server_broadcast(state, cohort, rc)
-    keys = jax.vmap(lambda i: jax.random.fold_in(k_clients, i))(cohort.idx)
-    return cohort, rc, (shared, rc.round), (cohort.idx, per_client, keys)
+    keys = client_keys(k_clients, cohort.idx)
+    data_rows = cohort.idx if rows_of is None else rows_of
+    return cohort, rc, (shared, rc.round), (data_rows, per_client, keys)
 
   def make_ctx(shared_all, c):
     counts['client'] += 1
     (shared, round_num), train, val = shared_all
-    idx, client_state, key = c
-    local = LocalData(train=_row(train, idx), val=_row(val, idx))
+    row, client_state, key = c
+    local = LocalData(train=_row(train, row), val=_row(val, row))
     return ClientContext(shared=shared, state=client_state, data=local, round=round_num), key
 
   def post(state, cohort, outputs, rc):
@@ -138,10 +152,12 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
     state, diag = jax.lax.cond(ran, lambda s: run(s, rc, train, val), skip, state)
     return state, {PRE_ROUND_RAN: ran, PRE_ROUND: diag}
 
-  def fused_round(state, key, round_num, train, val):
+  def fused_round(state, key, round_num, train, val, cohort=None):
     counts['round'] += 1
-    state, phase = fused_pre_round(state, key, round_num, train, val)
-    cohort, rc, shared, per_client = pre(state, key, round_num)
+    phase = {}
+    if cohort is None:  # the host layout runs the phase apart (it streams every client)
+      state, phase = fused_pre_round(state, key, round_num, train, val)
+    cohort, rc, shared, per_client = pre(state, key, round_num, cohort)
     outputs = ex.run_work(alg.client_work, make_ctx, (shared, train, val), per_client,
                           active=cohort.mask)
     state, metrics = post(state, cohort, outputs, rc)
@@ -166,6 +182,29 @@ def eval_buckets(test_counts, max_examples: int, smallest: int = 32):
   return [(int(b), np.flatnonzero(sizes == b).astype(np.int32)) for b in np.unique(sizes)]
 
 
+def eval_client_function(alg: FederatedAlgorithm, counts, finetune: bool, length: Optional[int]):
+  """``eval_client(shared, (i, row, key)) -> LossStats``: client i's model
+  (optionally fine-tuned) on its test split, whose examples are row ``row``
+  of the split arrays in ``shared = (models, train, val, test)`` (cut to
+  its first ``length`` rows when given)."""
+  def eval_client(shared, c):
+    counts['eval_client'] += 1
+    models, train, val, test = shared
+    i, row, key = c
+    params = models.for_client(i)
+    local = LocalData(train=_row(train, row), val=_row(val, row))
+    test_i = _row(test, row)
+    if length is not None:
+      test_i = test_i.replace(x=test_i.x[:length], y=test_i.y[:length])
+    k_ft, k_eval = jax.random.split(key)
+    if finetune:
+      params = alg.finetune(params, local, k_ft)
+    if alg.evaluate_client is not None:
+      return alg.evaluate_client(params, local, test_i, k_eval)
+    return evaluate_params(alg.model, params, test_i)
+  return eval_client
+
+
 def eval_function(alg: FederatedAlgorithm, ex: Executor, counts=None, test_counts=None):
   """``eval_all(client_models, data, key, finetune) -> LossStats [N]``: every
   client's model (optionally fine-tuned on its training split) on its test split.
@@ -175,31 +214,11 @@ def eval_function(alg: FederatedAlgorithm, ex: Executor, counts=None, test_count
   (``eval_buckets``); without it on the whole padded split.
   """
   counts = collections.Counter() if counts is None else counts
-  model = alg.model
-
-  def make_eval_client(finetune: bool, length: Optional[int]):
-    def eval_client(shared, c):
-      counts['eval_client'] += 1
-      models, train, val, test = shared
-      i, key = c
-      params = models.for_client(i)
-      local = LocalData(train=_row(train, i), val=_row(val, i))
-      test_i = _row(test, i)
-      if length is not None:
-        test_i = test_i.replace(x=test_i.x[:length], y=test_i.y[:length])
-      k_ft, k_eval = jax.random.split(key)
-      if finetune:
-        params = alg.finetune(params, local, k_ft)
-      if alg.evaluate_client is not None:
-        return alg.evaluate_client(params, local, test_i, k_eval)
-      return evaluate_params(model, params, test_i)
-    return eval_client
-
   eval_clients = {}
 
   def eval_all(models, data, key, finetune):
     n = data.num_clients
-    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n))
+    keys = client_keys(key, jnp.arange(n))
     shared = (models, data.train, data.val, data.test)
     groups = (None if test_counts is None
               else eval_buckets(test_counts, data.test.max_examples))
@@ -208,11 +227,11 @@ def eval_function(alg: FederatedAlgorithm, ex: Executor, counts=None, test_count
     out = None
     for length, idx in groups:
       if (finetune, length) not in eval_clients:
-        eval_clients[(finetune, length)] = make_eval_client(finetune, length)
+        eval_clients[(finetune, length)] = eval_client_function(alg, counts, finetune, length)
+      idx_j = jnp.asarray(idx)
       if len(idx) == n:
-        return ex.map(eval_clients[(finetune, length)], shared, (jnp.asarray(idx), keys))
-      part = ex.map(eval_clients[(finetune, length)], shared,
-                    (jnp.asarray(idx), keys[idx]))
+        return ex.map(eval_clients[(finetune, length)], shared, (idx_j, idx_j, keys))
+      part = ex.map(eval_clients[(finetune, length)], shared, (idx_j, idx_j, keys[idx]))
       if out is None:
         out = jax.tree.map(lambda a: jnp.zeros((n,) + a.shape[1:], a.dtype), part)
       out = jax.tree.map(lambda o, a: o.at[idx].set(a), out, part)
@@ -231,25 +250,35 @@ class RoundRunner:
     executor: Executor for client work.
   """
 
-  def __init__(self, algorithm: FederatedAlgorithm, data: FederatedData,
-               sampler: CohortSampler, executor: Executor):
-    if sampler.num_clients != data.num_clients:
-      raise ValueError(f'sampler has {sampler.num_clients} clients, data has {data.num_clients}')
+  def __init__(self, algorithm: FederatedAlgorithm, data, sampler: CohortSampler,
+               executor: Executor):
+    self.host = data if isinstance(data, layout_lib.HostData) else None
+    population = self.host.population if self.host else data
+    if sampler.num_clients != population.num_clients:
+      raise ValueError(f'sampler has {sampler.num_clients} clients, data has '
+                       f'{population.num_clients}')
+    if self.host is not None and jax.process_count() > 1:
+      raise ValueError('the host layout runs on one process; several processes use '
+                       '--layout=device')
     self.algorithm = algorithm
     self.data = data
+    self.population = population
     self.sampler = sampler
     if executor.plan_memory:  # auto on an accelerator: blocks that fit the free memory
       executor = executors_lib.fit_memory(executor,
-                                          memory.estimate(algorithm, data, sampler.capacity),
+                                          memory.estimate(algorithm, population, sampler.capacity),
                                           memory.device_free_bytes())
     self.executor = executor.for_run(jax.eval_shape(algorithm.init, jax.random.key(0)),
-                                     data.num_clients)
+                                     population.num_clients)
     self.trace_counts = collections.Counter()
-    work = algorithm.client_work
-    max_n = int(data.train.max_examples)
-    self._host_steps = np.array([work.batching.num_steps_for(int(n), max_n)
-                                 for n in np.asarray(data.train.num_examples)])
-    self._build()
+    if self.host is None:
+      work = algorithm.client_work
+      max_n = int(data.train.max_examples)
+      self._host_steps = np.array([work.batching.num_steps_for(int(n), max_n)
+                                   for n in np.asarray(data.train.num_examples)])
+      self._build()
+    else:
+      self._build_host()
 
   def _build(self):
     alg, ex = self.algorithm, self.executor
@@ -320,6 +349,129 @@ class RoundRunner:
     else:
       self._evaluate = lambda state, key, ft: eval_all(models_j(state), self.data, key, ft)
 
+  def _build_host(self):
+    """The host layout's round, evaluation and pre-round phase (``layout``):
+    the fused round takes the cohort and its gathered examples."""
+    alg, ex, host = self.algorithm, self.executor, self.host
+    pre, make_ctx, post, fused_round = round_functions(alg, self.sampler, ex, self.trace_counts)
+    sampler = self.sampler
+    self.feed = layout_lib.CohortFeed(host, jax.jit(lambda key: sampler(jax.random.split(key)[0])))
+    shapes = jax.eval_shape(alg.init, jax.random.key(0))
+    self._state_shardings = ex.state_shardings(shapes, host.num_clients)
+    phase = self._host_pre_round()
+    if ex.fused:
+      def host_round(state, key, round_num, cohort, train, val):
+        state, metrics = fused_round(state, key, round_num, train, val, cohort)
+        if self._state_shardings is not None:
+          state = jax.lax.with_sharding_constraint(state, self._state_shardings)
+        return state, ex.host_readable(metrics)
+      jitted = {False: jax.jit(host_round), True: jax.jit(host_round, donate_argnums=0)}
+
+      def client_work(state, key, rnd, donate, cohort, train, val):
+        return jitted[donate](state, key, rnd, cohort, train, val)
+    else:
+      pre_j, post_j = jax.jit(pre), jax.jit(post)
+      batching = alg.client_work.batching
+
+      def client_work(state, key, rnd, donate, cohort, train, val):
+        del donate
+        cohort, rc, shared, per_client = pre_j(state, key, rnd, cohort)
+        mask = np.asarray(jax.device_get(cohort.mask))
+        length = train.x.shape[1]
+        steps = np.array([batching.num_steps_for(int(n), length)
+                          for n in np.asarray(train.num_examples)])
+        outputs = ex.run_work(alg.client_work, make_ctx, (shared, train, val), per_client,
+                              active=mask, num_steps=steps)
+        return post_j(state, cohort, outputs, rc)
+
+    def round_host(state, key, rnd, donate, next_key=None):
+      state, ph = phase(state, key, rnd)
+      cohort, train, val = self.feed.get(key, rnd)
+      if next_key is not None:  # gathered on the feed's thread while this round runs
+        self.feed.request(next_key, rnd + 1)
+      state, metrics = client_work(state, key, jnp.asarray(rnd, jnp.int32), donate, cohort,
+                                   train, val)
+      return state, {**metrics, **ph}
+    self._round = round_host
+    self._evaluate = self._host_evaluation()
+
+  def _host_pre_round(self):
+    """``phase(state, key, round) -> (state, diagnostics)``: the algorithm's
+    pre-round phase with its client part streamed over the population."""
+    alg, ex, host = self.algorithm, self.executor, self.host
+    if alg.pre_round is None:
+      return lambda state, key, rnd: (state, {})
+    pr = alg.pre_round
+    due, rc_of, _, phase_client = pre_round_functions(alg, ex, self.trace_counts)
+    due_j, rc_j = jax.jit(due), jax.jit(rc_of)
+    bcast_j, update_j = jax.jit(pr.broadcast), jax.jit(pr.update)
+
+    def block(shared, train, val, rows, keys, valid):
+      return ex.map(phase_client, (shared, train, val), (rows, keys), active=valid)
+    block_j = jax.jit(block) if ex.fused else block
+
+    def phase(state, key, rnd):
+      rc = rc_j(key, jnp.asarray(rnd, jnp.int32))
+      if not bool(due_j(rc.round)):
+        return state, {PRE_ROUND_RAN: False}
+      if pr.client is None:
+        state, diag = update_j(state, None, rc)
+      else:
+        shared = bcast_j(state, rc)
+        parts = []
+        size = max(1, min(host.block, host.num_clients))
+        for ids, valid in layout_lib.blocks(np.arange(host.num_clients), size):
+          train, val = host.gather('train', ids), host.gather('val', ids)
+          out = block_j(shared, train, val, jnp.arange(size, dtype=jnp.int32),
+                        client_keys(rc.key, jnp.asarray(ids)), valid)
+          parts.append((valid, out))
+        state, diag = update_j(state, layout_lib.join_blocks(parts), rc)
+      return state, {PRE_ROUND_RAN: True, PRE_ROUND: diag}
+    return phase
+
+  def _host_evaluation(self):
+    """``evaluate(state, key, finetune) -> LossStats [N]`` over the store:
+    clients grouped by static test length (``eval_buckets``), each group in
+    blocks of ``host.block`` clients gathered from the store."""
+    alg, ex, host = self.algorithm, self.executor, self.host
+    store = host.store
+    test_counts = store.counts_capped('test')
+    groups = eval_buckets(test_counts, int(test_counts.max(initial=0)))
+    models_j = jax.jit(alg.client_models)
+    fns = {}
+
+    def block_fn(finetune, length):
+      if (finetune, length) not in fns:
+        eval_client = eval_client_function(alg, self.trace_counts, finetune, length)
+
+        def run(state, train, val, test, ids, rows, keys, valid):
+          models = alg.client_models(state) if ex.fused else state
+          return ex.host_readable(ex.map(eval_client, (models, train, val, test),
+                                         (ids, rows, keys), active=valid))
+        fns[(finetune, length)] = jax.jit(run) if ex.fused else run
+      return fns[(finetune, length)]
+
+    def evaluate(state, key, finetune):
+      n = host.num_clients
+      local = finetune or alg.evaluate_client is not None
+      models = state if ex.fused else models_j(state)
+      out = [np.zeros(n, np.float32) for _ in range(3)]
+      for length, ids in groups:
+        size = max(1, min(host.block, len(ids)))
+        for b_ids, valid in layout_lib.blocks(ids, size):
+          lengths = None if local else 0
+          train = host.gather('train', b_ids, lengths)
+          val = host.gather('val', b_ids, lengths)
+          test = host.gather('test', b_ids, length)
+          ids_j = jnp.asarray(b_ids, jnp.int32)
+          stats = block_fn(finetune, length)(models, train, val, test, ids_j,
+                                             jnp.arange(size, dtype=jnp.int32),
+                                             client_keys(key, ids_j), valid)
+          for o, a in zip(out, jax.device_get(stats)):
+            o[b_ids[valid]] = np.asarray(a)[valid]
+      return LossStats(*out)
+    return evaluate
+
   def init(self, key):
     """The algorithm's initial state (placed where the executor keeps it)."""
     if self._state_shardings is not None:  # made where it lives (every process its shards)
@@ -329,20 +481,26 @@ class RoundRunner:
   def compiled_text(self, state, key, round_num: int = 0) -> str:
     """XLA's compiled HLO of one fused round (with a sharded executor, its
     collectives are the round's communication: ``memory.hlo_collectives``)."""
+    if self.host is not None:
+      raise ValueError('the host layout compiles one round per cohort shape; use --layout=device')
     if not self.executor.fused:
       raise ValueError(f'{self.executor.describe()} dispatches client work from Python: '
                        'no single compiled round')
     return self._round_jit.lower(state, key, jnp.asarray(round_num, jnp.int32), self.data.train,
                                  self.data.val).compile().as_text()
 
-  def round(self, state, key, round_num=0, donate: bool = False):
+  def round(self, state, key, round_num=0, donate: bool = False, next_key=None):
     """Round ``round_num`` (rounds done before it; per-round schedules read
     it): returns (new state, metrics dict of device scalars).
 
     With ``donate`` the round consumes ``state`` (its buffers are reused for
     the new state and must not be read afterwards): the round then needs no
     second copy of the per-client state. ``experiment.run`` donates.
+    ``next_key`` (the next round's key) lets the host layout gather the next
+    cohort while this round runs.
     """
+    if self.host is not None:
+      return self._round(state, key, round_num, donate, next_key)
     return self._round(state, key, round_num, donate)
 
   def evaluate(self, state, key, finetune: Optional[bool] = None) -> LossStats:

@@ -95,8 +95,10 @@ def estimate(algorithm, data, cohort_size: int) -> Need:
   shared = _nbytes(shapes) - client_bytes * n
   model_bytes = _nbytes(jax.eval_shape(algorithm.model.init, jax.random.key(0)))
   batching = algorithm.client_work.batching
-  batch = batching.effective_batch_size(int(data.train.max_examples))
-  act = activation_bytes(algorithm.model, data.train.x[0, :1], batch)
+  batch = batching.effective_batch_size(int(np.max(data.train.num_examples, initial=0)))
+  sample_x = getattr(data, 'sample_x', None)
+  act = activation_bytes(algorithm.model, data.train.x[0, :1] if sample_x is None else sample_x,
+                         batch)
   return Need(shared_bytes=int(shared), client_state_bytes=int(client_bytes), num_clients=n,
               cohort_size=int(cohort_size),
               working_bytes=MODEL_COPIES * model_bytes + ACTIVATION_COPIES * act)

@@ -85,7 +85,8 @@ class SingleRun:
   def round(self, state, t: int, donate: bool = True):
     """(state, {name: [1] array}) of round t."""
     state, metrics = self.runner.round(state, jax.random.fold_in(self.train_key, t), t,
-                                       donate=donate)
+                                       donate=donate,
+                                       next_key=jax.random.fold_in(self.train_key, t + 1))
     return state, jax.tree.map(lambda v: np.asarray(v)[None], jax.device_get(metrics))
 
   def evaluate(self, state, t: int) -> LossStats:

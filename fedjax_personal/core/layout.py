@@ -1,0 +1,188 @@
+"""Where the population's examples live during a run: the device or the host.
+
+``device``: every client padded to the largest (capped) client, on the
+device for the whole run (``core.data.FederatedData``); the round indexes
+its cohort inside the compiled function. ``host``: the examples stay in the
+population store (``core.store``, memory-mapped); each round gathers only
+its cohort, padded to a power of two (``store.padded_length``, at most
+``--max_client_examples``), on a host thread while the device runs the
+previous round, and evaluation and the algorithm's pre-round phase stream
+the population in blocks of clients. Cohorts are drawn by the same sampler
+from the same key in both layouts, so the numbers agree (to float
+reassociation of padded rows: batches hold the same real examples in the
+same order, ``core.batching``). The algorithm never sees which runs it.
+
+Per-client state (personal models, control variates) stays on the device
+in both layouts.
+"""
+
+import concurrent.futures
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_personal.core.data import ClientData
+from fedjax_personal.core.store import PopulationStore, padded_length
+from fedjax_personal.errors import ConfigError
+
+LAYOUTS = ('auto', 'device', 'host')
+#: ``auto`` keeps the padded population on the device when it takes at most
+#: this share of the device's free memory (the host's available memory on CPU).
+DEVICE_DATA_SHARE = 0.25
+GB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class HostData:
+  """The host layout's data (see module doc).
+
+  Attributes:
+    store: the population store.
+    cap: at most this many training examples per client (None: all).
+    block: clients per block of evaluation and of the pre-round phase.
+    smallest: the shortest padded length of a cohort's split.
+  """
+  store: PopulationStore
+  cap: Optional[int] = None
+  block: int = 256
+  smallest: int = 32
+
+  @property
+  def num_clients(self) -> int:
+    return self.store.num_clients
+
+  @property
+  def population(self):
+    return self.store.population(self.cap)
+
+  def length(self, split: str, idx) -> int:
+    """The padded length of clients ``idx``'s ``split`` (0 when the whole
+    population has none: no validation split)."""
+    counts = self.store.counts_capped(split, self.cap)
+    widest = int(counts.max(initial=0))
+    if widest == 0:
+      return 0
+    idx = np.asarray(idx)
+    idx = idx[idx < self.num_clients]
+    top = int(counts[idx].max(initial=0))
+    return min(padded_length(top, self.cap, self.smallest), widest)
+
+  def gather(self, split: str, idx, length: Optional[int] = None) -> ClientData:
+    """Clients ``idx`` (host ints; past the last: empty) padded, on the device."""
+    length = self.length(split, idx) if length is None else length
+    return jax.device_put(self.store.gather(split, idx, length, self.cap, clip=True))
+
+
+class CohortFeed:
+  """Prepares rounds' cohorts: draws the cohort (``sample(key)``), gathers
+  its training and validation examples and puts them on the device, on one
+  host thread, so that round t + 1's data is ready when round t ends.
+
+  Attributes:
+    shapes: the (train, val) lengths the rounds used, in order of first use.
+  """
+
+  def __init__(self, host: HostData, sample):
+    self.host, self.sample = host, sample
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='cohort-feed')
+    self._pending = {}
+    self.shapes = []
+
+  def _prepare(self, key):
+    cohort = self.sample(key)
+    idx = np.asarray(jax.device_get(cohort.idx))
+    train, val = self.host.gather('train', idx), self.host.gather('val', idx)
+    return cohort, train, val
+
+  @staticmethod
+  def _key_id(key):
+    return np.asarray(jax.random.key_data(key)).tobytes()
+
+  def request(self, key, round_num: int) -> None:
+    """Starts preparing round ``round_num`` (its key ``key``)."""
+    if round_num not in self._pending:
+      self._pending = {r: v for r, v in self._pending.items() if r >= round_num - 1}
+      self._pending[round_num] = (self._key_id(key), self._pool.submit(self._prepare, key))
+
+  def get(self, key, round_num: int):
+    """(cohort, train, val) of round ``round_num``: prepared ahead when it was
+    requested with the same key, else now."""
+    pending = self._pending.pop(round_num, None)
+    if pending is not None and pending[0] == self._key_id(key):
+      out = pending[1].result()
+    else:
+      out = self._prepare(key)
+    shape = (out[1].x.shape[1], out[2].x.shape[1])
+    if shape not in self.shapes:
+      self.shapes.append(shape)
+    return out
+
+
+def blocks(clients: np.ndarray, size: int):
+  """``clients`` in blocks of ``size`` (the last one padded by repeating its
+  first client): yields (ids [size], valid [size])."""
+  for start in range(0, len(clients), size):
+    part = clients[start:start + size]
+    valid = np.arange(size) < len(part)
+    yield np.resize(part, size) if len(part) < size else part, valid
+
+
+def join_blocks(parts):
+  """One output over all clients from ``[(valid, outputs)]`` of consecutive
+  blocks: ``Sum`` values added, stacked outputs' valid slots concatenated."""
+  from fedjax_personal.core import aggregation
+  nodes = [jax.tree.flatten(o, is_leaf=aggregation.is_sum)[0] for _, o in parts]
+  treedef = jax.tree.structure(parts[0][1], is_leaf=aggregation.is_sum)
+  keep = [np.flatnonzero(v) for v, _ in parts]
+
+  def join(*ns):
+    if aggregation.is_sum(ns[0]):
+      return aggregation.Sum(jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns]))
+    return jax.tree.map(lambda *xs: jnp.concatenate([x[k] for x, k in zip(xs, keep)]), *ns)
+  return treedef.unflatten([join(*ns) for ns in zip(*nodes)])
+
+
+def host_available_bytes() -> Optional[int]:
+  """MemAvailable of /proc/meminfo (None where there is none)."""
+  try:
+    with open('/proc/meminfo') as f:
+      for line in f:
+        if line.startswith('MemAvailable:'):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def choose(requested: str, padded_bytes: int, free_bytes: Optional[int],
+           widest: int, cap: Optional[int]):
+  """(layout, reason) for ``--layout=requested``.
+
+  ``auto``: ``device`` when the padded population takes at most
+  ``DEVICE_DATA_SHARE`` of ``free_bytes`` (unknown: device), else ``host``.
+
+  Raises:
+    ConfigError: an unknown layout, or ``device`` asked for a padded
+      population that cannot fit (naming the widest client and the cap).
+  """
+  if requested not in LAYOUTS:
+    raise ConfigError('layout', f'unknown layout {requested!r}; choose one of {list(LAYOUTS)}')
+  need = f'padded to its widest client ({widest:,} examples' + (
+      f', capped at {cap:,})' if cap else ')') + f' the population needs {padded_bytes / GB:.2f} GB'
+  free = 'unknown free memory' if free_bytes is None else f'{free_bytes / GB:.1f} GB free'
+  fits = free_bytes is None or padded_bytes <= DEVICE_DATA_SHARE * free_bytes
+  if requested == 'device':
+    if free_bytes is not None and padded_bytes > free_bytes:
+      raise ConfigError('layout', f'--layout=device: {need}, {free}; give '
+                        '--max_client_examples=N (TFF caps at 1000) or --layout=host')
+    return 'device', f'asked for; {need}, {free}'
+  if requested == 'host':
+    return 'host', f'asked for; {need}, {free}'
+  if fits:
+    return 'device', f'auto: {need}, {free}'
+  return 'host', (f'auto: {need}, more than {DEVICE_DATA_SHARE:.0%} of the {free}; '
+                  'each round gathers its cohort')
+

@@ -1,0 +1,366 @@
+"""The population store: every client's examples on the host, unpadded.
+
+A store is a folder of flat binary arrays, one pair (x, y) per split
+(train / val / test) holding every client's examples back to back, the
+per-client counts (offsets are their cumulative sums), the clients' group
+labels and a ``manifest.json`` (format, identity, shapes, dtypes, digest).
+Arrays are memory-mapped, so a round reads only its cohort's pages and a
+population larger than RAM works; a store can also live in memory
+(``from_federated``). Writers (``StoreWriter``) append client after client
+and publish the folder by renaming it when complete, so a reader never sees
+half a store.
+
+Why flat memory-mapped arrays rather than ``array_record``/``grain``: a
+client is a contiguous slice, so a cohort is C slices copied into a padded
+block with no decoding; ``benchmarks/probes/store_formats.py`` measured it
+against array_record records of whole clients (BUILD.md, "Population store").
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+
+from fedjax_personal.core.data import ClientData, FederatedData
+from fedjax_personal.errors import DataError
+
+FORMAT = 'fedjax_personal.population/1'
+SPLITS = ('train', 'val', 'test')
+MANIFEST = 'manifest.json'
+_BUFFER_BYTES = 64 << 20
+
+
+def next_power_of_two(n) -> np.ndarray:
+  n = np.maximum(np.asarray(n, np.int64), 1)
+  return (2 ** np.ceil(np.log2(n))).astype(np.int64)
+
+
+def padded_length(count: int, cap: Optional[int] = None, smallest: int = 32) -> int:
+  """The static length a cohort whose largest client has ``count`` examples
+  is padded to: the next power of two >= count (at least ``smallest``), at
+  most ``cap``; powers of two keep the number of compiled shapes to a few."""
+  length = int(max(smallest, next_power_of_two(count)))
+  return length if cap is None else int(min(length, max(cap, 1)))
+
+
+@dataclasses.dataclass
+class Population:
+  """What builders and the engine may know of a population without its
+  examples: per split the example counts ([N] int32, after the cap), the
+  groups, the classes, one input example (model shapes).
+
+  It stands where builders take a ``FederatedData`` (``data.num_clients``,
+  ``data.train.num_examples``, ``data.groups``...).
+  """
+  train: ClientData
+  val: ClientData
+  test: ClientData
+  groups: np.ndarray
+  num_classes: int
+  name: str
+  sample_x: np.ndarray
+
+  @property
+  def num_clients(self) -> int:
+    return len(self.groups)
+
+  @property
+  def num_groups(self) -> int:
+    return int(self.groups.max()) + 1 if self.groups.size and self.groups.max() >= 0 else 0
+
+  def describe(self) -> str:
+    n = self.train.num_examples
+    return (f'{self.name}: {self.num_clients:,} clients, {self.num_classes} classes, '
+            f'train examples per client min {n.min()} median {int(np.median(n))} '
+            f'max {n.max()} (total {int(n.sum()):,}), test total '
+            f'{int(self.test.num_examples.sum()):,}')
+
+
+class PopulationStore:
+  """Every client's train / val / test examples, unpadded (see module doc).
+
+  Args:
+    arrays: {split: (x [total, ...], y [total, ...], counts [N])}.
+    groups: int32 [N].
+    manifest: the store's manifest (name, num_classes, identity, digest).
+    folder: where it is on disk (None in memory).
+  """
+
+  def __init__(self, arrays: Dict[str, tuple], groups, manifest: dict, folder=None):
+    self.arrays = arrays
+    self.groups = np.asarray(groups, np.int32)
+    self.manifest = manifest
+    self.folder = folder
+    self.counts = {s: np.asarray(arrays[s][2], np.int64) for s in SPLITS}
+    self.offsets = {s: np.concatenate([[0], np.cumsum(c)]) for s, c in self.counts.items()}
+
+  @property
+  def num_clients(self) -> int:
+    return len(self.groups)
+
+  @property
+  def num_classes(self) -> int:
+    return int(self.manifest['num_classes'])
+
+  @property
+  def name(self) -> str:
+    return self.manifest['name']
+
+  @property
+  def digest(self) -> str:
+    return self.manifest['digest']
+
+  def x_spec(self):
+    x = self.arrays['train'][0]
+    return x.shape[1:], x.dtype
+
+  def y_spec(self):
+    y = self.arrays['train'][1]
+    return y.shape[1:], y.dtype
+
+  def nbytes(self) -> int:
+    return int(sum(a.nbytes for s in SPLITS for a in self.arrays[s][:2]))
+
+  def counts_capped(self, split: str, cap: Optional[int] = None) -> np.ndarray:
+    c = self.counts[split]
+    return (c if cap is None or split != 'train' else np.minimum(c, cap)).astype(np.int32)
+
+  def population(self, cap: Optional[int] = None) -> Population:
+    """The store's ``Population`` (training counts capped at ``cap``)."""
+    splits = {s: ClientData(x=None, y=None, num_examples=self.counts_capped(s, cap))
+              for s in SPLITS}
+    x = self.arrays['train'][0]
+    return Population(**splits, groups=self.groups, num_classes=self.num_classes,
+                      name=self.name, sample_x=np.zeros((1,) + x.shape[1:], x.dtype))
+
+  def check_clients(self, idx) -> None:
+    idx = np.asarray(idx)
+    bad = idx[(idx < 0) | (idx >= self.num_clients)]
+    if bad.size:
+      where = self.folder or 'the in-memory store'
+      raise DataError(f'{where}: client {int(bad[0])} is not in the store '
+                      f'({self.num_clients:,} clients, 0..{self.num_clients - 1})')
+
+  def gather(self, split: str, idx, length: int, cap: Optional[int] = None,
+             clip: bool = False) -> ClientData:
+    """Clients ``idx``'s ``split`` padded to ``length`` rows (host numpy).
+
+    A client keeps its first ``min(n, cap, length)`` examples (``cap``
+    applies to the training split: TFF's ``max_elements``); padded rows are
+    zeros. With ``clip`` an index past the last client (a sampler's padded
+    cohort slot) reads as an empty client; otherwise it is an error.
+    """
+    idx = np.asarray(idx, np.int64)
+    empty = np.zeros(len(idx), bool)
+    if clip:
+      empty = idx >= self.num_clients
+      idx = np.where(empty, 0, idx)
+    self.check_clients(idx)
+    x, y, _ = self.arrays[split]
+    n = self.counts_capped(split, cap)[idx]
+    n = np.where(empty, 0, np.minimum(n, length)).astype(np.int32)
+    xp = np.zeros((len(idx), length) + x.shape[1:], x.dtype)
+    yp = np.zeros((len(idx), length) + y.shape[1:], y.dtype)
+    starts = self.offsets[split][idx]
+    for j, (s, k) in enumerate(zip(starts, n)):
+      xp[j, :k] = x[s:s + k]
+      yp[j, :k] = y[s:s + k]
+    if yp.dtype != np.int32 and np.issubdtype(yp.dtype, np.integer):
+      yp = yp.astype(np.int32)
+    return ClientData(x=xp, y=yp, num_examples=n)
+
+  def padded(self, cap: Optional[int] = None) -> FederatedData:
+    """The whole population padded to its largest client (the device
+    layout), host numpy; training splits capped at ``cap``."""
+    out = {}
+    every = np.arange(self.num_clients)
+    for s in SPLITS:
+      length = int(self.counts_capped(s, cap).max(initial=0))
+      out[s] = self.gather(s, every, length, cap)
+    return FederatedData(**out, groups=self.groups, num_classes=self.num_classes, name=self.name)
+
+  def padded_nbytes(self, cap: Optional[int] = None) -> int:
+    """Bytes of ``padded(cap)``: what the device layout would hold."""
+    total = 0
+    for s in SPLITS:
+      x, y, _ = self.arrays[s]
+      length = int(self.counts_capped(s, cap).max(initial=0))
+      row = (int(np.prod(x.shape[1:])) * x.dtype.itemsize
+             + int(np.prod(y.shape[1:])) * max(y.dtype.itemsize, 4))
+      total += self.num_clients * length * row
+    return total
+
+  @staticmethod
+  def from_federated(data: FederatedData) -> 'PopulationStore':
+    """An in-memory store of a padded FederatedData (its real rows)."""
+    arrays = {}
+    h = hashlib.sha256()
+    for s in SPLITS:
+      d = getattr(data, s)
+      n = np.asarray(d.num_examples)
+      x, y = np.asarray(d.x), np.asarray(d.y)
+      keep = (np.arange(x.shape[1])[None, :] < n[:, None]).reshape(-1)
+      xs = x.reshape((-1,) + x.shape[2:])[keep]
+      ys = y.reshape((-1,) + y.shape[2:])[keep]
+      arrays[s] = (xs, ys, n)
+      for a in (xs, ys, n):
+        h.update(np.ascontiguousarray(a).tobytes())
+    manifest = {'format': FORMAT, 'name': data.name, 'num_classes': int(data.num_classes),
+                'identity': {}, 'digest': h.hexdigest()[:16]}
+    return PopulationStore(arrays, np.asarray(data.groups), manifest)
+
+
+# -- on disk ------------------------------------------------------------------
+
+def _files(split: str):
+  return f'{split}.x.bin', f'{split}.y.bin', f'{split}.counts.bin'
+
+
+class StoreWriter:
+  """Writes a store client after client (no client is held after ``add``).
+
+  Args:
+    folder: where the store goes; it is written in ``folder.partial`` and
+      renamed when ``close`` completes it.
+    identity: what the store holds (data set, options, source files);
+      ``open_store`` compares it.
+  """
+
+  def __init__(self, folder, identity: dict):
+    self.folder = pathlib.Path(folder)
+    self.partial = self.folder.with_name(self.folder.name + f'.partial-{os.getpid()}')
+    if self.partial.exists():
+      shutil.rmtree(self.partial)
+    self.partial.mkdir(parents=True)
+    self.identity = identity
+    self.specs = None
+    self.groups = []
+    self._files = {}
+    self._buffers = {}
+    self._hash = hashlib.sha256()
+    for s in SPLITS:
+      for f in _files(s):
+        self._files[f] = open(self.partial / f, 'wb')
+        self._buffers[f] = []
+
+  def _put(self, name: str, a: np.ndarray) -> None:
+    b = np.ascontiguousarray(a).tobytes()
+    self._hash.update(b)
+    buf = self._buffers[name]
+    buf.append(b)
+    if sum(len(c) for c in buf) >= _BUFFER_BYTES:
+      self._flush(name)
+
+  def _flush(self, name: str) -> None:
+    self._files[name].write(b''.join(self._buffers[name]))
+    self._buffers[name] = []
+
+  def add(self, train, val=None, test=None, group: int = -1) -> None:
+    """Appends one client: (x, y) per split (None: no examples)."""
+    if self.specs is None:
+      x, y = train
+      self.specs = {'x': (list(x.shape[1:]), np.dtype(x.dtype).str),
+                    'y': (list(y.shape[1:]), np.dtype(y.dtype).str)}
+    for s, part in zip(SPLITS, (train, val, test)):
+      fx, fy, fc = _files(s)
+      if part is None or len(part[0]) == 0:
+        self._put(fc, np.zeros(1, np.int64))
+        continue
+      x, y = part
+      for key, a in (('x', x), ('y', y)):
+        shape, dtype = self.specs[key]
+        if list(a.shape[1:]) != shape:
+          raise DataError(f'{self.folder}: client {len(self.groups)}: {key} of shape '
+                          f'{a.shape[1:]}, the store holds {tuple(shape)}')
+      self._put(fx, np.asarray(x, self.specs['x'][1]))
+      self._put(fy, np.asarray(y, self.specs['y'][1]))
+      self._put(fc, np.asarray([len(x)], np.int64))
+    self.groups.append(int(group))
+
+  def close(self, name: str, num_classes: int) -> 'PopulationStore':
+    """Completes the store, publishes the folder and opens it."""
+    if self.specs is None:
+      raise DataError(f'{self.folder}: no client was written')
+    for f in self._files:
+      self._flush(f)
+      self._files[f].close()
+    groups = np.asarray(self.groups, np.int32)
+    groups.tofile(self.partial / 'groups.bin')
+    self._hash.update(groups.tobytes())
+    manifest = {'format': FORMAT, 'name': name, 'num_classes': int(num_classes),
+                'num_clients': len(groups), 'identity': self.identity,
+                'x': self.specs['x'], 'y': self.specs['y'],
+                'digest': self._hash.hexdigest()[:16]}
+    (self.partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    if self.folder.exists():
+      shutil.rmtree(self.folder)
+    os.replace(self.partial, self.folder)
+    return open_store(self.folder, identity=self.identity)
+
+  def abort(self) -> None:
+    for f in self._files.values():
+      f.close()
+    shutil.rmtree(self.partial, ignore_errors=True)
+
+
+def is_store(folder) -> bool:
+  return (pathlib.Path(folder) / MANIFEST).is_file()
+
+
+def open_store(folder, identity: Optional[dict] = None,
+               compare: Optional[Sequence[str]] = None) -> PopulationStore:
+  """Opens a store folder (memory-mapped).
+
+  Args:
+    identity: what the caller expects it to hold; ``compare`` names the
+      identity keys that must agree (all of ``identity`` when None).
+
+  Raises:
+    DataError: not a store, another format version, or another identity.
+  """
+  folder = pathlib.Path(folder)
+  try:
+    manifest = json.loads((folder / MANIFEST).read_text())
+  except (OSError, ValueError) as e:
+    raise DataError(f'{folder}: not a population store ({MANIFEST}: '
+                    f'{getattr(e, "strerror", None) or e})') from None
+  if manifest.get('format') != FORMAT:
+    raise DataError(f'{folder}: a population store of format {manifest.get("format")!r}, this '
+                    f'version reads {FORMAT!r}; remove the folder to rebuild it')
+  if identity is not None:
+    have = manifest.get('identity', {})
+    keys = list(identity) if compare is None else list(compare)
+    diff = [f'{k}: {have.get(k)!r} (wanted {identity.get(k)!r})' for k in keys
+            if have.get(k) != identity.get(k)]
+    if diff:
+      raise DataError(f'{folder}: holds another population ({"; ".join(diff)}); remove it or '
+                      'choose another folder')
+  n = int(manifest['num_clients'])
+  arrays = {}
+  try:
+    for s in SPLITS:
+      fx, fy, fc = _files(s)
+      counts = np.fromfile(folder / fc, np.int64)
+      if len(counts) != n:
+        raise ValueError(f'{fc} holds {len(counts)} clients, the manifest {n}')
+      total = int(counts.sum())
+      mm = []
+      for f, key in ((fx, 'x'), (fy, 'y')):
+        shape, dtype = manifest[key]
+        shape = (total,) + tuple(shape)
+        size = (folder / f).stat().st_size
+        want = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if size != want:
+          raise ValueError(f'{f} has {size} bytes, its clients need {want}')
+        mm.append(np.memmap(folder / f, dtype, 'r', shape=shape) if total else
+                  np.zeros(shape, dtype))
+      arrays[s] = (mm[0], mm[1], counts)
+    groups = np.fromfile(folder / 'groups.bin', np.int32)
+  except (OSError, ValueError, KeyError) as e:
+    raise DataError(f'{folder}: a damaged population store ({e}); remove it to rebuild it') from None
+  return PopulationStore(arrays, groups, manifest, folder=folder)
