@@ -1,13 +1,14 @@
 """Federated data sets: a pool loader + a partitioner -> FederatedData."""
 
 import dataclasses
+import os
 from typing import Optional
 
 import numpy as np
 
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.core.data import (FederatedData, build_federated_data, pad_clients,
-                                       split_client_examples)
+from fedjax_personal.core.data import FederatedData, build_federated_data, split_client_examples
+from fedjax_personal.core import store as store_lib
 from fedjax_personal.datasets import files, loaders, partition
 from fedjax_personal.datasets.partition import PARTITIONS, Partition
 
@@ -163,12 +164,7 @@ def has_own_test_split(dataset: str, partition: str) -> bool:
       dataset in FILE_DATASETS and dataset != 'cifar100'))
 
 
-def load_federated(cfg: DataConfig) -> FederatedData:
-  """Builds the FederatedData described by ``cfg`` (numpy leaves).
-
-  Raises:
-    ConfigError / DataError (MissingDataError) naming the flag or file.
-  """
+def _check_config(cfg: DataConfig) -> None:
   if cfg.num_clients is not None and cfg.num_clients < 1:
     raise ConfigError('num_clients', f'num_clients must be >= 1, got {cfg.num_clients}')
   for f in ('test_fraction', 'val_fraction'):
@@ -178,14 +174,36 @@ def load_federated(cfg: DataConfig) -> FederatedData:
     raise ConfigError('dataset', f'unknown dataset {cfg.dataset!r}; choose one of {list(DATASETS)} '
                       f'or {LEAF_PREFIX}<name>')
   files.check_data_dir(cfg.data_dir)
+  if is_natural(cfg.dataset, cfg.partition) and cfg.partition not in ('natural', 'dirichlet'):
+    # dirichlet is the flag default
+    raise ConfigError('partition', f"dataset {cfg.dataset} has a natural partition; use --partition=natural")
+
+
+def streams_to_store(cfg: DataConfig) -> bool:
+  """Whether the data set is read client by client from its files straight
+  into a population store (natural data sets with their own test split)."""
+  return is_natural(cfg.dataset, cfg.partition) and cfg.dataset not in (
+      'tinyshakespeare', 'tfds:tiny_shakespeare', 'synthetic', 'cifar100')
+
+
+def load_federated(cfg: DataConfig) -> FederatedData:
+  """Builds the FederatedData described by ``cfg`` (numpy leaves, every
+  client padded to the largest: the device layout).
+
+  Raises:
+    ConfigError / DataError (MissingDataError) naming the flag or file.
+  """
+  _check_config(cfg)
+  if streams_to_store(cfg):
+    return load_store(cfg).padded()
   rng = np.random.default_rng(cfg.seed)
   if is_natural(cfg.dataset, cfg.partition):
-    if cfg.partition not in ('natural', 'dirichlet'):  # dirichlet is the flag default
-      raise ConfigError('partition', f"dataset {cfg.dataset} has a natural partition; use --partition=natural")
     if cfg.dataset in ('tinyshakespeare', 'tfds:tiny_shakespeare', 'synthetic'):
       return _pooled_natural(cfg, rng)
-    return from_natural(natural.load(cfg.dataset, cfg.num_clients, cfg.sequence_length,
-                                     cfg.data_dir, cfg.download), cfg, rng)
+    nat = natural.load(cfg.dataset, cfg.num_clients, cfg.sequence_length, cfg.data_dir,
+                       cfg.download)
+    return _split_pool([x for x, _ in nat.train], [y for _, y in nat.train], nat.num_classes,
+                       cfg, rng, _natural_name(cfg, nat))
   if cfg.num_clients is None:
     raise ConfigError('num_clients', f'give --num_clients for {cfg.dataset}/{cfg.partition}')
   x, y, num_classes = load_pool(cfg)
@@ -196,6 +214,53 @@ def load_federated(cfg: DataConfig) -> FederatedData:
                               cfg.test_fraction, cfg.val_fraction, groups=part.groups,
                               client_transform=part.client_transform,
                               name=f'{cfg.dataset}/{cfg.partition}')
+
+
+def load_store(cfg: DataConfig) -> store_lib.PopulationStore:
+  """The population store of ``cfg`` (unpadded clients, see
+  ``core.store``). A natural data set read from its files is written once,
+  client by client, into the cache (``stores/``), keyed by what it holds;
+  any other data set is built in memory (``load_federated``) and stored
+  there.
+  """
+  _check_config(cfg)
+  if not streams_to_store(cfg):
+    return store_lib.PopulationStore.from_federated(load_federated(cfg))
+  nat = natural.load(cfg.dataset, cfg.num_clients, cfg.sequence_length, cfg.data_dir,
+                     cfg.download)
+  identity = {'dataset': cfg.dataset, 'num_clients': nat.num_clients,
+              'seq_len': cfg.sequence_length, 'val_fraction': cfg.val_fraction,
+              'seed': cfg.seed if cfg.val_fraction else None,
+              'files': [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns)
+                        for f in nat.files]}
+  from fedjax_personal.run.run_identity import short_hash
+  folder = files.cache_dir() / 'stores' / f'{cfg.dataset.replace(":", "_")}-{short_hash(identity)}'
+  if store_lib.is_store(folder):
+    return store_lib.open_store(folder, identity)
+  writer = store_lib.StoreWriter(folder, identity)
+  try:
+    _write_natural(nat, cfg, writer)
+    return writer.close(_natural_name(cfg, nat), nat.num_classes)
+  except BaseException:
+    writer.abort()
+    raise
+
+
+def _natural_name(cfg: DataConfig, nat: natural.NaturalData) -> str:
+  n = nat.num_clients
+  return f'{cfg.dataset}/natural' + (f' (first {n} of {nat.total_clients:,} clients)'
+                                     if n < nat.total_clients else '')
+
+
+def _write_natural(nat: natural.NaturalData, cfg: DataConfig, writer) -> None:
+  """Writes a natural data set's clients with the files' own test split; a
+  validation split (--val_fraction) is drawn from each client's training
+  examples (in the file's order within each part)."""
+  rng = np.random.default_rng(cfg.seed)
+  for _, (x, y), test in nat.stream():
+    tr, va, _ = split_client_examples(len(x), rng, 0.0, cfg.val_fraction)
+    tr, va = np.sort(tr), np.sort(va)
+    writer.add((x[tr], y[tr]), (x[va], y[va]), test)
 
 
 def _pooled_natural(cfg: DataConfig, rng) -> FederatedData:
@@ -221,30 +286,3 @@ def _split_pool(xs, ys, num_classes, cfg, rng, name) -> FederatedData:
   offs = np.cumsum([0] + [len(a) for a in xs])
   return build_federated_data(x, y, [np.arange(offs[i], offs[i + 1]) for i in range(len(xs))],
                               num_classes, rng, cfg.test_fraction, cfg.val_fraction, name=name)
-
-
-def from_natural(nat: natural.NaturalData, cfg: DataConfig, rng) -> FederatedData:
-  """FederatedData of a natural data set with the files' own test split; a
-  validation split (--val_fraction) is drawn from each client's training
-  examples. Where the file's test split holds other clients
-  (``split_by_fraction``), each client's examples are split with
-  --test_fraction instead."""
-  n = len(nat.train)
-  name = f'{cfg.dataset}/natural' + (f' (first {n} of {nat.total_clients:,} clients)'
-                                     if n < nat.total_clients else '')
-  if nat.split_by_fraction:
-    return _split_pool([x for x, _ in nat.train], [y for _, y in nat.train], nat.num_classes,
-                       cfg, rng, name)
-  train, val = [], []
-  for x, y in nat.train:
-    tr, va, _ = split_client_examples(len(x), rng, 0.0, cfg.val_fraction)
-    tr, va = np.sort(tr), np.sort(va)  # the file's order within each part
-    train.append((x[tr], y[tr]))
-    val.append((x[va], y[va]))
-  first = nat.train[0]
-  shapes = dict(x_shape=first[0].shape[1:], x_dtype=first[0].dtype,
-                y_shape=first[1].shape[1:], y_dtype=np.int32)
-  splits = [pad_clients([x for x, _ in part], [y for _, y in part], **shapes)
-            for part in (train, val, nat.test)]
-  return FederatedData(train=splits[0], val=splits[1], test=splits[2],
-                       groups=-np.ones(n, np.int32), num_classes=nat.num_classes, name=name)

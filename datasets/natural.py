@@ -24,11 +24,12 @@ accuracy (``core.training.per_example_stats``). Clients without test
 examples are trained and left out of the test statistics (counted).
 """
 
+import collections
 import dataclasses
 import glob
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 
@@ -37,38 +38,56 @@ from fedjax_personal.errors import ConfigError, DataError
 
 #: Natural data sets read from published files.
 FILE_DATASETS = ('emnist', 'emnist_digits', 'shakespeare', 'stackoverflow', 'cifar100')
-#: Without --num_clients a natural data set loads all its clients up to this
-#: many (every client is padded to the largest; beyond, give --num_clients).
-MAX_DEFAULT_CLIENTS = 10_000
 IGNORE = -1  # a padded target position
 
 
 @dataclasses.dataclass
 class NaturalData:
-  """Per-client examples as the files split them.
+  """Per-client examples as the files split them, read client by client.
 
   Attributes:
-    train, test: per client, (x, y) numpy arrays.
+    stream: ``stream()`` yields ``(client_id, (x, y) train, (x, y) test)``
+      per client in the file's order, reading as it goes (a population
+      larger than memory is written to the population store this way).
+    num_clients: clients it yields.
     num_classes: output classes.
-    client_ids: the files' client ids (str).
     total_clients: clients in the file (before --num_clients).
+    files: the files read (their sizes and times are the store's identity).
     split_by_fraction: True when the file's test split holds other clients,
       so the train clients' examples are split with --test_fraction.
   """
-  train: List[tuple]
-  test: List[tuple]
+  stream: Callable[[], Iterator[tuple]]
+  num_clients: int
   num_classes: int
-  client_ids: List[str]
   total_clients: int
+  files: List[str] = dataclasses.field(default_factory=list)
   split_by_fraction: bool = False
+
+  def _all(self):
+    if not hasattr(self, '_cache'):
+      self._cache = list(self.stream())
+    return self._cache
+
+  @property
+  def train(self) -> List[tuple]:
+    return [tr for _, tr, _ in self._all()]
+
+  @property
+  def test(self) -> List[tuple]:
+    return [te for _, _, te in self._all()]
+
+  @property
+  def client_ids(self) -> List[str]:
+    return [_cid(c) for c, _, _ in self._all()]
+
+
+def _listed(ids, train, test):
+  """A ``stream`` over clients already in memory."""
+  return lambda: iter(zip(ids, train, test or [None] * len(train)))
 
 
 def _take(total: int, num_clients: Optional[int], dataset: str) -> int:
   if num_clients is None:
-    if total > MAX_DEFAULT_CLIENTS:
-      raise ConfigError('num_clients', f'{dataset} has {total:,} clients; every client is '
-                        'padded to the largest on the device, so give --num_clients=N (its '
-                        'first N clients)')
     return total
   if num_clients > total:
     raise ConfigError('num_clients', f'{dataset} has {total:,} clients; --num_clients='
@@ -81,18 +100,25 @@ def _cid(c) -> str:
 
 
 def _fedjax_splits(dataset, train_path, test_path, num_clients, convert) -> NaturalData:
-  """Train clients of a FedJAX file (first N) with their test examples."""
+  """Train clients of a FedJAX file (first N) with their test examples,
+  streamed: each train client's test record is looked up as it is read."""
   total = sqlite_formats.fedjax_num_clients(train_path)
   n = _take(total, num_clients, dataset)
-  ids, train = [], []
-  for cid, ex in sqlite_formats.read_fedjax(train_path, limit=n):
-    ids.append(cid)
-    train.append(_converted(convert, ex, train_path))
-  test = [_converted(convert, ex, test_path) if ex else None
-          for _, ex in sqlite_formats.read_fedjax(test_path, client_ids=ids)]
   empty = lambda like: tuple(np.zeros((0,) + a.shape[1:], a.dtype) for a in like)
-  test = [t if t is not None else empty(tr) for t, tr in zip(test, train)]
-  return NaturalData(train, test, 0, [_cid(c) for c in ids], total)
+
+  def stream():
+    wanted = collections.deque()
+
+    def ids():
+      while True:
+        yield wanted.popleft()
+    tests = sqlite_formats.read_fedjax(test_path, client_ids=ids())
+    for cid, ex in sqlite_formats.read_fedjax(train_path, limit=n):
+      train = _converted(convert, ex, train_path)
+      wanted.append(cid)
+      test_ex = next(tests)[1]
+      yield cid, train, (_converted(convert, test_ex, test_path) if test_ex else empty(train))
+  return NaturalData(stream, n, 0, total, [str(train_path), str(test_path)])
 
 
 def _converted(convert, examples, path):
@@ -109,12 +135,15 @@ def load_emnist(only_digits: bool, num_clients=None, data_dir=None, download=Fal
   paths = list(sources.fetch(name, data_dir, download).values())
   conv = lambda ex: ((1.0 - np.asarray(ex['pixels'], np.float32))[..., None],
                      np.asarray(ex['label'], np.int32))
-  out = _fedjax_splits(name, paths[0], paths[1], num_clients, conv)
-  out.num_classes = 10 if only_digits else 62
-  for part in (out.train, out.test):
-    for _, y in part:
-      if y.size and (y.min() < 0 or y.max() >= out.num_classes):
-        raise DataError(f'{paths[0]}: labels outside [0, {out.num_classes})')
+  classes = 10 if only_digits else 62
+
+  def checked(ex):
+    x, y = conv(ex)
+    if y.size and (y.min() < 0 or y.max() >= classes):
+      raise DataError(f'{paths[0]}: labels outside [0, {classes})')
+    return x, y
+  out = _fedjax_splits(name, paths[0], paths[1], num_clients, checked)
+  out.num_classes = classes
   return out
 
 
@@ -207,6 +236,7 @@ def load_stackoverflow(num_clients=None, vocab_size: int = 10000, seq_len: int =
                        paths['stackoverflow_test.sqlite'], num_clients,
                        lambda ex: tokenize_sentences(ex['tokens'], vocab, seq_len))
   out.num_classes = vocab_size + 4
+  out.files.append(str(paths['stackoverflow.word_count']))
   return out
 
 
@@ -225,7 +255,8 @@ def load_cifar100(num_clients=None, data_dir=None, download=False) -> NaturalDat
       raise DataError(f'{path}: client {cid}: pixel values outside [0, 255]')
     ids.append(cid)
     train.append((ex['image'].astype(np.uint8), ex['label'].astype(np.int32)))
-  return NaturalData(train, [], 100, [_cid(c) for c in ids], total, split_by_fraction=True)
+  return NaturalData(_listed(ids, train, None), n, 100, total, [str(path)],
+                     split_by_fraction=True)
 
 
 # -- LEAF ---------------------------------------------------------------------
@@ -321,7 +352,9 @@ def load_leaf(name: str, num_clients=None, data_dir=None) -> NaturalData:
     for _, y in part:
       if y.size and (y.min() < 0 or y.max() >= num_classes):
         raise DataError(f'{tr_dir}: labels outside [0, {num_classes})')
-  return NaturalData(tr, te, num_classes, users[:n], len(users))
+  return NaturalData(_listed(users[:n], tr, te), n, num_classes, len(users),
+                     sorted(glob.glob(os.path.join(tr_dir, '*.json'))
+                            + glob.glob(os.path.join(te_dir, '*.json'))))
 
 
 def load(dataset: str, num_clients=None, seq_len: int = 80, data_dir=None,

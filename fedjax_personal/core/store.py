@@ -237,7 +237,7 @@ class StoreWriter:
     if self.partial.exists():
       shutil.rmtree(self.partial)
     self.partial.mkdir(parents=True)
-    self.identity = identity
+    self.identity = _as_json(identity)
     self.specs = None
     self.groups = []
     self._files = {}
@@ -308,6 +308,11 @@ class StoreWriter:
     shutil.rmtree(self.partial, ignore_errors=True)
 
 
+def _as_json(obj):
+  """``obj`` as it reads back from JSON (tuples become lists)."""
+  return json.loads(json.dumps(obj, default=str))
+
+
 def is_store(folder) -> bool:
   return (pathlib.Path(folder) / MANIFEST).is_file()
 
@@ -333,6 +338,7 @@ def open_store(folder, identity: Optional[dict] = None,
     raise DataError(f'{folder}: a population store of format {manifest.get("format")!r}, this '
                     f'version reads {FORMAT!r}; remove the folder to rebuild it')
   if identity is not None:
+    identity = _as_json(identity)
     have = manifest.get('identity', {})
     keys = list(identity) if compare is None else list(compare)
     diff = [f'{k}: {have.get(k)!r} (wanted {identity.get(k)!r})' for k in keys

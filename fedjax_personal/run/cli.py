@@ -18,7 +18,11 @@ from fedjax_personal.run import (checkpointing, distributed, entry, experiment, 
                                  run_identity)
 from fedjax_personal.config import TrainingConfig, field_types, flag_name, validate
 from fedjax_personal.errors import ConfigError
+from fedjax_personal.core import layout as layout_lib
+from fedjax_personal.core import memory
 from fedjax_personal.core.data import to_device
+from fedjax_personal.core.layout import HostData
+from fedjax_personal.core.store import PopulationStore
 from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.core.executors import EXECUTOR_NAMES, create_executor
 from fedjax_personal.models import INITS, MODELS, REFERENCE, create_model, weights
@@ -84,6 +88,12 @@ flags.DEFINE_string('output_dir', None, 'Where to write results (default: runs/<
                     '<algorithms>_<hash of the configuration>).')
 flags.DEFINE_enum('executor', 'auto', list(EXECUTOR_NAMES), 'How client work runs.')
 flags.DEFINE_integer('block_size', None, 'Clients per block for the blocked executor.')
+flags.DEFINE_enum('layout', 'auto', list(layout_lib.LAYOUTS), 'Where the clients\' examples live: '
+                  'device (every client padded to the largest, on the device), host (the '
+                  'population store; each round gathers its cohort) or auto (device when the '
+                  'padded population takes at most a quarter of the free memory).')
+flags.DEFINE_integer('max_client_examples', None, 'Train on at most this many examples per client '
+                     '(its first ones; TFF\'s baselines cap at 1000). Default: all.')
 flags.DEFINE_string('data_dir', None, 'Folder searched first for data files under their published '
                     'names (then $FEDJAX_PERSONAL_DATA, the package, the cache '
                     '$FEDJAX_PERSONAL_CACHE or ~/.cache/fedjax_personal); must exist.')
@@ -298,6 +308,11 @@ def validate_flags():
   _check(FLAGS.eval_every >= 0, 'eval_every', f'must be >= 0, got {FLAGS.eval_every}')
   _check(FLAGS.block_size is None or FLAGS.block_size >= 1, 'block_size',
          f'must be >= 1, got {FLAGS.block_size}')
+  _check(FLAGS.max_client_examples is None or FLAGS.max_client_examples >= 1,
+         'max_client_examples', f'must be >= 1, got {FLAGS.max_client_examples}')
+  _check(FLAGS.layout != 'host' or not (FLAGS.sweep or FLAGS.sweep_seeds or FLAGS.trials > 1),
+         'layout', 'sweeps and --trials run on the device layout (one vmapped program over '
+         'the whole population); drop --layout=host')
   _check(0 < FLAGS.test_fraction < 1, 'test_fraction', f'must be in (0, 1), got {FLAGS.test_fraction}')
   _check(FLAGS.max_examples is None or FLAGS.max_examples >= 1, 'max_examples',
          f'must be >= 1, got {FLAGS.max_examples}')
@@ -380,15 +395,20 @@ def sampler_for(num_clients: int) -> CohortSampler:
   return CohortSampler(num_clients, cohort_size=FLAGS.cohort_size or num_clients)
 
 
-def job_identity(data) -> dict:
-  """What every algorithm of the job shares in its run identity."""
+def job_identity(fingerprint: str, cap=None) -> dict:
+  """What every algorithm of the job shares in its run identity:
+  ``fingerprint`` is the data's (``run_identity.data_fingerprint`` of the
+  padded arrays, or a population store's digest); the cap on examples per
+  client when given."""
   cfg = dataclasses.asdict(data_config())
+  if cap is not None:
+    cfg['max_client_examples'] = cap
   cfg.pop('data_dir')  # where the files are does not matter; their content does
   cfg.pop('download')
   cfg['seq_len'] = data_config().sequence_length  # as before seq_len could be None
   if cfg['latent_features'] == 'pixels':  # the default before the field existed:
     cfg.pop('latent_features')            # earlier runs keep their identity
-  return {'data': cfg, 'data_fingerprint': run_identity.data_fingerprint(data),
+  return {'data': cfg, 'data_fingerprint': fingerprint,
           'model': FLAGS.model, 'adapter_dim': FLAGS.adapter_dim,
           'cohort_size': FLAGS.cohort_size, 'participation': FLAGS.participation,
           'seed': FLAGS.seed, **model_start(),
@@ -459,6 +479,8 @@ class Job:
   output folder, and the results so far."""
   cfgs: Any = None
   data: Any = None
+  population: Any = None
+  layout: str = 'device'
   identity: dict = dataclasses.field(default_factory=dict)
   model: Any = None
   executor: Any = None
@@ -499,27 +521,54 @@ def main_job() -> Dict[str, dict]:
 
 
 def load_data(job: Job) -> None:
-  """The federated data (on device) and what every algorithm's run identity
-  shares."""
-  job.data = datasets_lib.load_federated(data_config())
-  _check(int(np.asarray(job.data.train.num_examples).sum()) > 0, 'num_clients',
-         'no client has training data')
-  _check(FLAGS.cohort_size is None or FLAGS.cohort_size <= job.data.num_clients, 'cohort_size',
-         f'must be in [1, {job.data.num_clients}] (the clients of {FLAGS.dataset}), got '
+  """The federated data in its layout (``--layout``: padded on the device,
+  or the population store on the host) and what every algorithm's run
+  identity shares (the same in both layouts)."""
+  cfg = data_config()
+  cap = FLAGS.max_client_examples
+  padded = None
+  if datasets_lib.streams_to_store(cfg):  # written once into the cache, client by client
+    store = datasets_lib.load_store(cfg)
+    fingerprint = store.digest
+  else:
+    padded = datasets_lib.load_federated(cfg)
+    fingerprint = run_identity.data_fingerprint(padded)
+    store = PopulationStore.from_federated(padded)
+    if cap is not None:
+      padded = None
+  population = store.population(cap)
+  train_counts = np.asarray(population.train.num_examples)
+  _check(int(train_counts.sum()) > 0, 'num_clients', 'no client has training data')
+  _check(FLAGS.cohort_size is None or FLAGS.cohort_size <= population.num_clients, 'cohort_size',
+         f'must be in [1, {population.num_clients}] (the clients of {FLAGS.dataset}), got '
          f'{FLAGS.cohort_size}')
-  _say(job.data.describe())
-  job.identity = job_identity(job.data)
+  free = memory.device_free_bytes() or (layout_lib.host_available_bytes()
+                                        if jax.default_backend() == 'cpu' else None)
+  layout, reason = layout_lib.choose(FLAGS.layout, store.padded_nbytes(cap), free,
+                                     int(train_counts.max()), cap)
+  if layout == 'host' and (job.cfgs is not None or jax.process_count() > 1):
+    layout, reason = 'device', ('sweeps and --trials' if job.cfgs is not None else
+                                'several processes') + ' run on the device layout'
+  _say(population.describe())
+  _say(f'layout: {layout} ({reason})')
+  job.identity = job_identity(fingerprint, cap)
   if job.cfgs is not None:
     job.identity['sweep'] = {'sweep': FLAGS.sweep, 'sweep_seeds': FLAGS.sweep_seeds,
                              'trials': FLAGS.trials}
-  job.data = to_device(job.data)
+  job.layout = layout
+  if layout == 'device':
+    job.population = padded if padded is not None else store.padded(cap)
+    job.data = to_device(job.population)
+  else:
+    job.population, job.data = population, HostData(store, cap)
 
 
 def build_model_and_executor(job: Job) -> None:
   """The model (its initialisation convention, or weights from a file) and
   the executor."""
-  sample_x = job.data.train.x[0, :1]
-  job.model = create_model(FLAGS.model, job.data.num_classes, sample_x, FLAGS.adapter_dim,
+  sample_x = (job.population.sample_x if job.layout == 'host'
+              else job.data.train.x[0, :1])
+  job.model = create_model(FLAGS.model, job.population.num_classes, sample_x, FLAGS.adapter_dim,
                            init=FLAGS.model_init)
   if FLAGS.init_weights:
     job.model = job.model.starting_from(weights.load(FLAGS.init_weights, job.model, sample_x))
@@ -532,7 +581,8 @@ def build_model_and_executor(job: Job) -> None:
 def build_algorithms(job: Job, settings) -> None:
   """Every algorithm, built before any trains (a bad setting fails fast), with
   its run identity."""
-  job.algs = [(spec, algorithms_lib.build(spec.name, job.model, job.data, training=t, config=cfg),
+  job.algs = [(spec, algorithms_lib.build(spec.name, job.model, job.population, training=t,
+                                          config=cfg),
                t, cfg, ignored, run_identity.identity(spec.name, t, cfg, job.identity))
               for spec, t, cfg, ignored in settings]
   if FLAGS['dp_delta'].present and not any(a.privacy is not None for _, a, *_ in job.algs):
@@ -682,7 +732,7 @@ def write_comparison(job: Job) -> None:
                             {k: strip(s) for k, s in job.summaries.items()})
   trials = f', mean ± std over {FLAGS.trials} trials' if FLAGS.trials > 1 else ''
   _say('')
-  _say(f'{job.data.name}, {FLAGS.model}, {FLAGS.rounds} rounds: per-client test accuracy at the '
+  _say(f'{job.population.name}, {FLAGS.model}, {FLAGS.rounds} rounds: per-client test accuracy at the '
        f'last evaluation and averaged over the last {FLAGS.stat_window} (@last){trials}')
   _say(reporting.format_table(table))
   if FLAGS.trials > 1:
