@@ -3,7 +3,7 @@
 ``device``: every client padded to the largest (capped) client, on the
 device for the whole run (``core.data.FederatedData``); the round indexes
 its cohort inside the compiled function. ``host``: the examples stay in the
-population store (``core.store``, memory-mapped); each round gathers only
+population store (``core.store``, read from disk); each round gathers only
 its cohort, padded to a power of two (``store.padded_length``, at most
 ``--max_client_examples``), on a host thread while the device runs the
 previous round, and evaluation and the algorithm's pre-round phase stream

@@ -4,13 +4,13 @@ A store is a folder of flat binary arrays, one pair (x, y) per split
 (train / val / test) holding every client's examples back to back, the
 per-client counts (offsets are their cumulative sums), the clients' group
 labels and a ``manifest.json`` (format, identity, shapes, dtypes, digest).
-Arrays are memory-mapped, so a round reads only its cohort's pages and a
-population larger than RAM works; a store can also live in memory
-(``from_federated``). Writers (``StoreWriter``) append client after client
+Arrays are read by row slices (``FileArray``), so a round reads only its
+cohort's rows and a population larger than RAM works; a store can also
+live in memory (``from_federated``). Writers (``StoreWriter``) append client after client
 and publish the folder by renaming it when complete, so a reader never sees
 half a store.
 
-Why flat memory-mapped arrays rather than ``array_record``/``grain``: a
+Why flat arrays rather than ``array_record``/``grain``: a
 client is a contiguous slice, so a cohort is C slices copied into a padded
 block with no decoding; ``benchmarks/probes/store_formats.py`` measured it
 against array_record records of whole clients (BUILD.md, "Population store").
@@ -217,6 +217,44 @@ class PopulationStore:
 
 # -- on disk ------------------------------------------------------------------
 
+class FileArray:
+  """A read-only [total, ...] array in a flat binary file, read by slices
+  with ``os.pread``: a cohort's rows are copied into process memory and
+  nothing else of the file is mapped (a memory map would count the page
+  cache's large folios around every client in the process's RSS: 200 MB
+  for a cohort of 50 Stack Overflow-shaped clients, measured).
+  """
+
+  def __init__(self, path, dtype, shape):
+    self.path, self.dtype, self.shape = str(path), np.dtype(dtype), tuple(shape)
+    self._row = int(np.prod(self.shape[1:])) * self.dtype.itemsize
+    self._fd = os.open(self.path, os.O_RDONLY)
+
+  @property
+  def nbytes(self) -> int:
+    return self.shape[0] * self._row
+
+  def __len__(self):
+    return self.shape[0]
+
+  def __getitem__(self, rows):
+    if not isinstance(rows, slice) or rows.step not in (None, 1):
+      raise TypeError('FileArray reads contiguous row slices')
+    start, stop, _ = rows.indices(self.shape[0])
+    n = max(stop - start, 0)
+    buf = os.pread(self._fd, n * self._row, start * self._row) if n else b''
+    if len(buf) != n * self._row:
+      raise DataError(f'{self.path}: {len(buf)} bytes read at row {start}, expected '
+                      f'{n * self._row}: the file was truncated')
+    return np.frombuffer(buf, self.dtype).reshape((n,) + self.shape[1:])
+
+  def __del__(self):
+    try:
+      os.close(self._fd)
+    except (OSError, AttributeError):
+      pass
+
+
 def _files(split: str):
   return f'{split}.x.bin', f'{split}.y.bin', f'{split}.counts.bin'
 
@@ -241,24 +279,24 @@ class StoreWriter:
     self.specs = None
     self.groups = []
     self._files = {}
-    self._buffers = {}
+    self._buffers, self._buffered = {}, {}
     self._hash = hashlib.sha256()
     for s in SPLITS:
       for f in _files(s):
         self._files[f] = open(self.partial / f, 'wb')
-        self._buffers[f] = []
+        self._buffers[f], self._buffered[f] = [], 0
 
   def _put(self, name: str, a: np.ndarray) -> None:
     b = np.ascontiguousarray(a).tobytes()
     self._hash.update(b)
-    buf = self._buffers[name]
-    buf.append(b)
-    if sum(len(c) for c in buf) >= _BUFFER_BYTES:
+    self._buffers[name].append(b)
+    self._buffered[name] += len(b)
+    if self._buffered[name] >= _BUFFER_BYTES:
       self._flush(name)
 
   def _flush(self, name: str) -> None:
     self._files[name].write(b''.join(self._buffers[name]))
-    self._buffers[name] = []
+    self._buffers[name], self._buffered[name] = [], 0
 
   def add(self, train, val=None, test=None, group: int = -1) -> None:
     """Appends one client: (x, y) per split (None: no examples)."""
@@ -319,7 +357,7 @@ def is_store(folder) -> bool:
 
 def open_store(folder, identity: Optional[dict] = None,
                compare: Optional[Sequence[str]] = None) -> PopulationStore:
-  """Opens a store folder (memory-mapped).
+  """Opens a store folder (its arrays read by row slices).
 
   Args:
     identity: what the caller expects it to hold; ``compare`` names the
@@ -363,8 +401,7 @@ def open_store(folder, identity: Optional[dict] = None,
         want = int(np.prod(shape)) * np.dtype(dtype).itemsize
         if size != want:
           raise ValueError(f'{f} has {size} bytes, its clients need {want}')
-        mm.append(np.memmap(folder / f, dtype, 'r', shape=shape) if total else
-                  np.zeros(shape, dtype))
+        mm.append(FileArray(folder / f, dtype, shape) if total else np.zeros(shape, dtype))
       arrays[s] = (mm[0], mm[1], counts)
     groups = np.fromfile(folder / 'groups.bin', np.int32)
   except (OSError, ValueError, KeyError) as e:

@@ -1,0 +1,227 @@
+"""Populations at full size: the host layout's memory and speed.
+
+Generates once, into --work_dir, a population with a published data set's
+statistics, written through the population store's writer as the loaders of
+the field's files write it (``core.store.StoreWriter``), then trains FedAvg
+on it for a few rounds in a fresh process per layout and prints, per layout:
+peak host RSS, device bytes after the rounds (live JAX arrays), seconds per
+round (rounds after the first), time to the end of the first round,
+compiled round shapes, and what the padded (device) layout would need.
+
+Shapes:
+  stackoverflow: Stack Overflow next-word prediction (Reddi et al., "Adaptive
+    Federated Optimization", arXiv 2003.00295): 342,477 users; sentences per
+    user log-normal with mean ~400 and standard deviation ~1,300; 20-token
+    sentences of uniformly drawn ids of the 10,004-id vocabulary (uint16 in
+    the store, a tenth as many test sentences). Model: Reddi et al.'s LSTM
+    reduced to embedding 32 / LSTM 64 / projection 32 (``--full_model`` for
+    96 / 670 / 96), batch 16, one local epoch, at most --max_client_examples
+    sentences per client (TFF caps at 1,000; the default here is 256).
+  emnist: federated EMNIST-62: 3,400 writers, examples per writer
+    log-normal with mean ~200 and std ~110 (a long tail), 28x28x1 float32;
+    the project's small CNN, batch 20, one epoch.
+
+Usage:
+  python benchmarks/populations.py --shape=stackoverflow --num_clients=342477 \
+      --cohort_size=50 --rounds=3 --work_dir=/tmp/so
+"""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+import numpy as np
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum('shape', 'stackoverflow', ['stackoverflow', 'emnist'], 'Which population.')
+flags.DEFINE_integer('num_clients', None, 'Clients (default: the data set\'s: 342,477 / 3,400).')
+flags.DEFINE_integer('cohort_size', 50, 'Clients per round.')
+flags.DEFINE_integer('rounds', 3, 'Rounds per layout.')
+flags.DEFINE_string('work_dir', None, 'Where the generated population store goes (kept, reused).')
+flags.DEFINE_list('layouts', ['host', 'device'], 'Layouts to run; device only where the padded '
+                  'population takes at most a quarter of the available memory.')
+flags.DEFINE_integer('max_client_examples', 256, 'Cap on training examples per client.')
+flags.DEFINE_bool('full_model', False, 'Stack Overflow: Reddi et al.\'s LSTM at full size.')
+flags.DEFINE_integer('seed', 0, 'Seed of the population and of training.')
+flags.DEFINE_string('output', None, 'Also write the results as JSON here.')
+flags.DEFINE_string('train_layout', None, '(internal) train one layout and print JSON.')
+
+VOCAB = 10004
+SEQ = 20
+SHAPES = {'stackoverflow': dict(clients=342477, mean=400.0, std=1300.0, test_share=0.1),
+          'emnist': dict(clients=3400, mean=200.0, std=110.0, test_share=0.1)}
+GB = 1 << 30
+
+
+def sizes(rng, n, mean, std):
+  """Log-normal sizes with this mean and standard deviation, at least 1."""
+  s2 = np.log1p((std / mean) ** 2)
+  mu = np.log(mean) - s2 / 2
+  return np.maximum(1, np.round(rng.lognormal(mu, np.sqrt(s2), n))).astype(np.int64)
+
+
+def identity():
+  n = FLAGS.num_clients or SHAPES[FLAGS.shape]['clients']
+  return {'generator': 'benchmarks/populations.py', 'shape': FLAGS.shape, 'num_clients': n,
+          'seed': FLAGS.seed, **SHAPES[FLAGS.shape]}
+
+
+def generate(folder):
+  """Writes the population client by client (chunks of clients drawn at once)."""
+  from fedjax_personal.core.store import StoreWriter
+  ident = identity()
+  rng = np.random.default_rng(FLAGS.seed)
+  n = ident['num_clients']
+  train_n = sizes(rng, n, ident['mean'], ident['std'])
+  test_n = rng.binomial(train_n, ident['test_share'])
+  writer = StoreWriter(folder, ident)
+  start = time.perf_counter()
+  chunk = 4096
+  try:
+    for c0 in range(0, n, chunk):
+      tr, te = train_n[c0:c0 + chunk], test_n[c0:c0 + chunk]
+      total = int(tr.sum() + te.sum())
+      if FLAGS.shape == 'stackoverflow':
+        x = rng.integers(3, VOCAB, (total, SEQ), dtype=np.uint16)
+        y = np.empty((total, SEQ), np.int16)
+        y[:, :-1] = x[:, 1:]
+        y[:, -1] = 2  # EOS
+      else:
+        x = rng.random((total, 28, 28, 1), dtype=np.float32)
+        y = rng.integers(0, 62, total).astype(np.int16)
+      at = 0
+      for a, b in zip(tr, te):
+        writer.add((x[at:at + a], y[at:at + a]), None, (x[at + a:at + a + b], y[at + a:at + a + b]))
+        at += a + b
+      if c0 // chunk % 10 == 0:
+        print(f'  generated {min(c0 + chunk, n):,} / {n:,} clients '
+              f'({time.perf_counter() - start:.0f} s)', flush=True)
+    classes = VOCAB if FLAGS.shape == 'stackoverflow' else 62
+    store = writer.close(f'{FLAGS.shape}-shaped ({n:,} clients)', classes)
+  except BaseException:
+    writer.abort()
+    raise
+  print(f'  store written in {time.perf_counter() - start:.0f} s: {store.nbytes() / GB:.2f} GB',
+        flush=True)
+  return store
+
+
+def open_or_generate():
+  from fedjax_personal.core import store as store_lib
+  folder = os.path.join(FLAGS.work_dir, 'store')
+  if store_lib.is_store(folder):
+    return store_lib.open_store(folder, identity())
+  return generate(folder)
+
+
+def train(layout):
+  """One layout in this process: FedAvg rounds; returns the figures."""
+  t0 = time.perf_counter()
+  import jax
+  import fedjax_personal as fp
+  from fedjax_personal import algorithms
+  from fedjax_personal.config import TrainingConfig
+  from fedjax_personal.core.engine import RoundRunner
+  from fedjax_personal.core.layout import HostData
+  from fedjax_personal.core.sampling import CohortSampler
+  from fedjax_personal.models import architectures
+  store = open_or_generate()
+  cap = FLAGS.max_client_examples
+  population = store.population(cap)
+  if FLAGS.shape == 'stackoverflow':
+    dims = (96, 670, 96) if FLAGS.full_model else (32, 64, 32)
+    module = architectures.CharLSTM(VOCAB, embed_dim=dims[0], hidden=dims[1], num_layers=1,
+                                    projection=dims[2])
+    training = TrainingConfig(client_lr=0.3, batch_size=16)
+  else:
+    module = fp.models.CNN(62)
+    training = TrainingConfig(client_lr=0.05, batch_size=20)
+  model = fp.models.from_flax(FLAGS.shape, module, population.sample_x)
+  if layout == 'host':
+    data = HostData(store, cap)
+  else:
+    data = jax.device_put(store.padded(cap))
+  alg = algorithms.build('fedavg', model, population, training=training)
+  sampler = CohortSampler(store.num_clients, cohort_size=FLAGS.cohort_size)
+  runner = RoundRunner(alg, data, sampler, fp.executors.create_executor('auto', model,
+                                                                         population.sample_x))
+  key = jax.random.key(FLAGS.seed)
+  state = runner.init(key)
+  seconds, first = [], None
+  for t in range(FLAGS.rounds):
+    start = time.perf_counter()
+    state, metrics = runner.round(state, jax.random.fold_in(key, t), t, donate=True,
+                                  next_key=jax.random.fold_in(key, t + 1))
+    loss = float(metrics['train_loss'])
+    seconds.append(time.perf_counter() - start)
+    if first is None:
+      first = time.perf_counter() - t0
+  jax.block_until_ready(state)
+  live = sum(a.nbytes for a in jax.live_arrays())
+  shapes = (len(runner.feed.shapes) if layout == 'host' else 1)
+  return {'shape': FLAGS.shape, 'layout': layout, 'num_clients': store.num_clients,
+          'cohort_size': FLAGS.cohort_size, 'rounds': FLAGS.rounds, 'cap': cap,
+          'executor': runner.executor.describe(),
+          'peak_rss_gb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20),
+          'device_bytes_gb': live / GB,
+          'seconds_per_round': float(np.mean(seconds[1:])) if len(seconds) > 1 else seconds[0],
+          'first_round_s': first, 'compiled_shapes': shapes,
+          'padded_gb': store.padded_nbytes(cap) / GB, 'padded_uncapped_gb': store.padded_nbytes() / GB,
+          'store_gb': store.nbytes() / GB, 'last_train_loss': loss}
+
+
+def main(argv):
+  from fedjax_personal.errors import ConfigError
+  try:
+    _main(argv)
+  except ConfigError as e:  # a store of another population in --work_dir, a damaged one
+    print(e, file=sys.stderr)
+    sys.exit(2)
+
+
+def _main(argv):
+  del argv
+  if not FLAGS.work_dir:
+    print('--work_dir: give a folder for the generated population (kept and reused)')
+    sys.exit(2)
+  if FLAGS.train_layout:
+    print(json.dumps(train(FLAGS.train_layout)))
+    return
+  os.makedirs(FLAGS.work_dir, exist_ok=True)
+  from fedjax_personal.core.layout import DEVICE_DATA_SHARE, host_available_bytes
+  store = open_or_generate()
+  padded = store.padded_nbytes(FLAGS.max_client_examples)
+  print(f'{store.name}: {store.num_clients:,} clients, store {store.nbytes() / GB:.2f} GB; '
+        f'padded to the widest client: {store.padded_nbytes() / GB:,.1f} GB, capped at '
+        f'{FLAGS.max_client_examples}: {padded / GB:.2f} GB', flush=True)
+  del store
+  results = []
+  for layout in FLAGS.layouts:
+    avail = host_available_bytes()
+    if layout == 'device' and avail is not None and padded > DEVICE_DATA_SHARE * avail:
+      print(f'device layout skipped: the padded population ({padded / GB:.1f} GB) exceeds '
+            f'{DEVICE_DATA_SHARE:.0%} of the available {avail / GB:.1f} GB', flush=True)
+      continue
+    cmd = [sys.executable, __file__, f'--train_layout={layout}'] + [
+        a for a in sys.argv[1:] if not a.startswith('--train_layout')]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+      print(f'{layout}: failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}')
+      continue
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    results.append(r)
+    print(f"{layout:6s} peak RSS {r['peak_rss_gb']:.2f} GB, device bytes "
+          f"{r['device_bytes_gb']:.3f} GB, {r['seconds_per_round']:.2f} s/round, first round "
+          f"done at {r['first_round_s']:.1f} s, compiled shapes {r['compiled_shapes']}, "
+          f"{r['executor']}", flush=True)
+  if FLAGS.output:
+    with open(FLAGS.output, 'w') as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == '__main__':
+  app.run(main)

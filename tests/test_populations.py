@@ -1,0 +1,196 @@
+"""The population store and the host layout: stores written and read back,
+bad stores refused, and the host layout equal to the device layout."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import fedjax_personal as fp
+from fedjax_personal import algorithms
+from fedjax_personal.config import TrainingConfig
+from fedjax_personal.core import layout as layout_lib
+from fedjax_personal.core import store as store_lib
+from fedjax_personal.core.data import pad_clients, to_device
+from fedjax_personal.core.engine import RoundRunner
+from fedjax_personal.core.layout import HostData
+from fedjax_personal.core.sampling import CohortSampler
+from fedjax_personal.datasets import DataConfig, load_store
+from fedjax_personal.errors import ConfigError, DataError
+from fedjax_personal.run import cli
+from fedjax_personal.run.experiment import run
+from helpers import parse_flags
+import made_files
+
+
+def _clients(rng, sizes):
+  return [(rng.normal(size=(n, 3)).astype(np.float32), rng.integers(0, 4, n).astype(np.int32))
+          for n in sizes]
+
+
+def test_store_written_and_read_back(tmp_path):
+  rng = np.random.default_rng(0)
+  train, test = _clients(rng, [5, 0, 12, 3]), _clients(rng, [2, 1, 0, 4])
+  val = _clients(rng, [1, 0, 2, 0])
+  w = store_lib.StoreWriter(tmp_path / 's', {'what': 'made'})
+  for i, (tr, va, te) in enumerate(zip(train, val, test)):
+    w.add(tr, va, te, group=i % 2)
+  store = w.close('made', 4)
+  assert not list(tmp_path.glob('s.partial*'))  # published by renaming
+  again = store_lib.open_store(tmp_path / 's', {'what': 'made'})
+  assert again.digest == store.digest and again.num_clients == 4
+  np.testing.assert_array_equal(again.groups, [0, 1, 0, 1])
+  padded = again.padded()
+  for split, parts in (('train', train), ('val', val), ('test', test)):
+    want = pad_clients([x for x, _ in parts], [y for _, y in parts], (3,), np.float32)
+    got = getattr(padded, split)
+    np.testing.assert_array_equal(got.x, want.x)
+    np.testing.assert_array_equal(got.y, want.y)
+    np.testing.assert_array_equal(got.num_examples, want.num_examples)
+  # A cohort: capped at 4 training examples, padded to 8 rows; the padded
+  # slot of a sampler (index N) reads as an empty client.
+  c = again.gather('train', [2, 0, 4], 8, cap=4, clip=True)
+  assert c.x.shape == (3, 8, 3)
+  np.testing.assert_array_equal(c.num_examples, [4, 4, 0])
+  np.testing.assert_array_equal(c.x[0, :4], train[2][0][:4])
+  assert not c.x[0, 4:].any() and not c.x[2].any()
+  assert again.population(cap=4).train.num_examples.tolist() == [4, 0, 4, 3]
+  # An in-memory store of a padded data set gives it back.
+  mem = store_lib.PopulationStore.from_federated(padded)
+  back = mem.padded()
+  jax.tree.map(np.testing.assert_array_equal, back, padded)
+
+
+def test_bad_stores_are_refused_in_one_line(tmp_path):
+  rng = np.random.default_rng(1)
+  w = store_lib.StoreWriter(tmp_path / 's', {'dataset': 'emnist'})
+  for tr in _clients(rng, [3, 4]):
+    w.add(tr)
+  store = w.close('made', 4)
+  with pytest.raises(DataError, match=r"holds another population \(dataset: 'emnist' "
+                     r"\(wanted 'stackoverflow'\)\)"):
+    store_lib.open_store(tmp_path / 's', {'dataset': 'stackoverflow'})
+  with pytest.raises(DataError, match='client 7 is not in the store'):
+    store.gather('train', [0, 7], 4)
+  manifest = tmp_path / 's' / 'manifest.json'
+  doc = json.loads(manifest.read_text())
+  manifest.write_text(json.dumps({**doc, 'format': 'fedjax_personal.population/0'}))
+  with pytest.raises(DataError, match='this version reads'):
+    store_lib.open_store(tmp_path / 's')
+  manifest.write_text(json.dumps(doc))
+  (tmp_path / 's' / 'train.x.bin').write_bytes(b'\0' * 8)
+  with pytest.raises(DataError, match='damaged population store'):
+    store_lib.open_store(tmp_path / 's')
+  with pytest.raises(DataError, match='not a population store'):
+    store_lib.open_store(tmp_path)
+
+
+def test_layout_choice():
+  gb = 1 << 30
+  assert layout_lib.choose('auto', gb, 8 * gb, 100, None)[0] == 'device'
+  layout, reason = layout_lib.choose('auto', 3 * gb, 8 * gb, 5000, None)
+  assert layout == 'host' and 'widest client (5,000 examples)' in reason
+  assert layout_lib.choose('host', gb, 8 * gb, 100, None)[0] == 'host'
+  with pytest.raises(ConfigError, match='--max_client_examples=N .* or --layout=host'):
+    layout_lib.choose('device', 9 * gb, 8 * gb, 40_000, None)
+
+
+@pytest.fixture(scope='module')
+def emnist_store(tmp_path_factory):
+  """A FedJAX-format EMNIST file of 16 writers of unequal sizes, read into
+  a store (one client holds many more examples than the others)."""
+  folder = tmp_path_factory.mktemp('emnist')
+  rng = np.random.default_rng(3)
+  sizes = [int(v) for v in rng.integers(3, 40, 16)]
+  sizes[5] = 150
+  made_files.write_emnist(folder, rng, sizes, [int(v) for v in rng.integers(1, 12, 16)])
+  return load_store(DataConfig(dataset='emnist', partition='natural', num_clients=None,
+                               val_fraction=0.2, data_dir=str(folder)))
+
+
+def _train(alg_name, data, population, model, sampler, training):
+  alg = algorithms.build(alg_name, model, population, training=training)
+  runner = RoundRunner(alg, data, sampler, fp.executors.VmapExecutor())
+  state, history = run(runner, 4, seed=2, eval_every=2)
+  return runner, state, history
+
+
+@pytest.mark.parametrize('alg_name,participation', [
+    ('fedavg', None), ('fedavg', 0.3), ('ditto', None), ('scaffold', None), ('fedfomo', None),
+    ('usercentric', None)])
+def test_host_layout_equals_device_layout(emnist_store, alg_name, participation):
+  store = emnist_store
+  population = store.population()
+  model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,)), population.sample_x)
+  sampler = (CohortSampler(16, participation=participation) if participation
+             else CohortSampler(16, cohort_size=5))
+  training = TrainingConfig(client_lr=0.1, batch_size=8)
+  device = to_device(store.padded())
+  _, s_dev, h_dev = _train(alg_name, device, device, model, sampler, training)
+  host = HostData(store, block=6, smallest=4)
+  runner, s_host, h_host = _train(alg_name, host, population, model, sampler, training)
+  # Cohorts padded to their own lengths, not to the widest client's.
+  assert min(s[0] for s in runner.feed.shapes) < device.train.max_examples
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      np.asarray(jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+                 else a, np.float64),
+      np.asarray(jax.random.key_data(b) if jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key)
+                 else b, np.float64), rtol=1e-5, atol=1e-6), s_host, s_dev)
+  for a, b in zip(h_host, h_dev):
+    assert a.keys() == b.keys()
+    for k in a:
+      if k != 'round_seconds':
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_host_layout_fine_tuned_evaluation_and_cap(emnist_store):
+  """Evaluation after fine-tuning (training split streamed with the test
+  split) and a cap on training examples agree with the device layout."""
+  store = emnist_store
+  model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,)), store.population().sample_x)
+  training = TrainingConfig(client_lr=0.1, batch_size=8, finetune_steps=2)
+  sampler = CohortSampler(16, cohort_size=6)
+  device = to_device(store.padded(cap=20))
+  _, _, h_dev = _train('fedavg', device, device, model, sampler, training)
+  runner, _, h_host = _train('fedavg', HostData(store, cap=20, block=4), store.population(20),
+                             model, sampler, training)
+  assert device.train.max_examples == 20
+  np.testing.assert_allclose(h_host[-1]['per_client_accuracy'], h_dev[-1]['per_client_accuracy'],
+                             atol=1e-6)
+  assert all(s[0] <= 20 for s in runner.feed.shapes)
+
+
+def test_host_round_compiles_once_per_cohort_shape(emnist_store):
+  store = emnist_store
+  model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,)), store.population().sample_x)
+  alg = algorithms.build('fedavg', model, store.population(),
+                         training=TrainingConfig(batch_size=8))
+  runner = RoundRunner(alg, HostData(store, smallest=4), CohortSampler(16, cohort_size=3),
+                       fp.executors.VmapExecutor())
+  run(runner, 8, seed=0, eval_every=0)
+  lengths = {s[0] for s in runner.feed.shapes}
+  widest = int(store.counts['train'].max())
+  assert lengths <= {4, 8, 16, 32, 64, 128, widest}  # powers of two, or the widest client
+  assert runner.trace_counts['round'] == len(runner.feed.shapes)
+
+
+def test_cli_host_layout_resumes_to_the_same_numbers(tmp_path):
+  data_dir = tmp_path / 'data'
+  data_dir.mkdir()
+  rng = np.random.default_rng(4)
+  made_files.write_emnist(data_dir, rng, [int(v) for v in rng.integers(3, 40, 8)],
+                          [int(v) for v in rng.integers(1, 9, 8)])
+
+  def job(*args):
+    parse_flags('--algorithm=ditto', '--dataset=emnist', f'--data_dir={data_dir}', '--model=logreg',
+                '--cohort_size=3', '--progress=false', '--eval_every=1', *args)
+    return cli.main_job()
+
+  full = job('--rounds=4', '--layout=host', f'--output_dir={tmp_path}/full')
+  dev = job('--rounds=4', '--layout=device', f'--output_dir={tmp_path}/dev')
+  np.testing.assert_allclose(full['ditto']['per_client_accuracy'],
+                             dev['ditto']['per_client_accuracy'], atol=1e-6)
+  job('--rounds=2', '--layout=host', '--checkpoint_every=1', f'--output_dir={tmp_path}/cut')
+  resumed = job('--rounds=4', '--layout=host', '--resume', f'--output_dir={tmp_path}/cut')
+  assert resumed['ditto']['per_client_accuracy'] == full['ditto']['per_client_accuracy']
