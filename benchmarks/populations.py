@@ -48,6 +48,7 @@ flags.DEFINE_integer('max_client_examples', 256, 'Cap on training examples per c
 flags.DEFINE_bool('full_model', False, 'Stack Overflow: Reddi et al.\'s LSTM at full size.')
 flags.DEFINE_integer('seed', 0, 'Seed of the population and of training.')
 flags.DEFINE_string('output', None, 'Also write the results as JSON here.')
+flags.DEFINE_bool('dry_run', False, 'Check the flags and the work folder, then stop.')
 flags.DEFINE_string('train_layout', None, '(internal) train one layout and print JSON.')
 
 VOCAB = 10004
@@ -184,12 +185,28 @@ def main(argv):
 
 
 def _main(argv):
+  from fedjax_personal.errors import ConfigError
   del argv
   if not FLAGS.work_dir:
     print('--work_dir: give a folder for the generated population (kept and reused)')
     sys.exit(2)
+  for name in ('num_clients', 'cohort_size', 'rounds', 'max_client_examples'):
+    if getattr(FLAGS, name) is not None and getattr(FLAGS, name) < 1:
+      raise ConfigError(name, f'must be >= 1, got {getattr(FLAGS, name)}')
+  if FLAGS.cohort_size > (FLAGS.num_clients or SHAPES[FLAGS.shape]['clients']):
+    raise ConfigError('cohort_size', f'must be at most the {FLAGS.num_clients} clients')
+  for layout in FLAGS.layouts:
+    if layout not in ('host', 'device'):
+      raise ConfigError('layouts', f'unknown layout {layout!r}; choose host, device')
   if FLAGS.train_layout:
     print(json.dumps(train(FLAGS.train_layout)))
+    return
+  from fedjax_personal.core import store as store_lib
+  folder = os.path.join(FLAGS.work_dir, 'store')
+  if store_lib.is_store(folder):
+    store_lib.open_store(folder, identity())  # another population there: one line, exit 2
+  if FLAGS.dry_run:
+    print(f'dry run: {identity()} into {folder}')
     return
   os.makedirs(FLAGS.work_dir, exist_ok=True)
   from fedjax_personal.core.layout import DEVICE_DATA_SHARE, host_available_bytes

@@ -93,6 +93,7 @@ def run_script(env, words):
   r = subprocess.run([sys.executable, script, *args, '--dry_run'], cwd=ROOT, capture_output=True,
                      text=True, timeout=300,
                      env={**os.environ, **env, 'JAX_PLATFORMS': 'cpu'})
+  assert r.returncode == 0, f'{" ".join(words)}\n{r.stderr[-3000:]}'
 
 
 def _made_data(args):
@@ -108,7 +109,6 @@ def _made_data(args):
   import pathlib
   made_files.write_emnist(pathlib.Path(folder), np.random.default_rng(0), [4] * n, [2] * n)
   return folder
-  assert r.returncode == 0, f'{" ".join(words)}\n{r.stderr[-3000:]}'
 
 
 @pytest.mark.parametrize('doc,cmd', commands(), ids=lambda x: x[:80] if isinstance(x, str) else x)
@@ -121,7 +121,7 @@ def test_documented_command_runs(doc, cmd):
       check_pytest(words)
     elif words[:2] == ['bash', '.ci/run']:
       assert os.access(os.path.join(ROOT, '.ci', 'run'), os.X_OK)
-    elif words[0] == 'python' and words[1].startswith('scripts/'):
+    elif words[0] == 'python' and words[1].startswith(('scripts/', 'benchmarks/')):
       run_script(env, words)
     else:
       pytest.fail(f'{doc}: no check for the command {cmd!r}; teach tests/test_docs.py')
