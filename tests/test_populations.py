@@ -194,3 +194,16 @@ def test_cli_host_layout_resumes_to_the_same_numbers(tmp_path):
   job('--rounds=2', '--layout=host', '--checkpoint_every=1', f'--output_dir={tmp_path}/cut')
   resumed = job('--rounds=4', '--layout=host', '--resume', f'--output_dir={tmp_path}/cut')
   assert resumed['ditto']['per_client_accuracy'] == full['ditto']['per_client_accuracy']
+
+
+def test_cli_device_layout_refuses_what_cannot_fit(tmp_path, monkeypatch):
+  data_dir = tmp_path / 'data'
+  data_dir.mkdir()
+  made_files.write_emnist(data_dir, np.random.default_rng(5), [4, 90, 6], [2, 2, 2])
+  monkeypatch.setattr(layout_lib, 'host_available_bytes', lambda: 100_000)
+  monkeypatch.setattr(cli.memory, 'device_free_bytes', lambda: None)
+  parse_flags('--algorithm=fedavg', '--dataset=emnist', f'--data_dir={data_dir}', '--model=logreg',
+              '--rounds=1', '--progress=false', '--layout=device', f'--output_dir={tmp_path}/o')
+  with pytest.raises(ConfigError, match=r'widest client \(90 examples\).* give '
+                     r'--max_client_examples=N'):
+    cli.main_job()
