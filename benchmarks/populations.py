@@ -4,7 +4,7 @@ Generates once, into --work_dir, a population with a published data set's
 statistics, written through the population store's writer as the loaders of
 the field's files write it (``core.store.StoreWriter``), then trains FedAvg
 on it for a few rounds in a fresh process per layout and prints, per layout:
-peak host RSS, device bytes after the rounds (live JAX arrays), seconds per
+peak host RSS (VmHWM of the training process), device bytes after the rounds (live JAX arrays), seconds per
 round (rounds after the first), time to the end of the first round,
 compiled round shapes, and what the padded (device) layout would need.
 
@@ -63,6 +63,16 @@ def sizes(rng, n, mean, std):
   s2 = np.log1p((std / mean) ** 2)
   mu = np.log(mean) - s2 / 2
   return np.maximum(1, np.round(rng.lognormal(mu, np.sqrt(s2), n))).astype(np.int64)
+
+
+def peak_rss_bytes() -> int:
+  """This process's peak RSS: VmHWM of /proc/self/status (ru_maxrss would
+  keep the parent's peak across fork and exec, generation's included)."""
+  with open('/proc/self/status') as f:
+    for line in f:
+      if line.startswith('VmHWM:'):
+        return int(line.split()[1]) * 1024
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def identity():
@@ -167,7 +177,7 @@ def train(layout):
   return {'shape': FLAGS.shape, 'layout': layout, 'num_clients': store.num_clients,
           'cohort_size': FLAGS.cohort_size, 'rounds': FLAGS.rounds, 'cap': cap,
           'executor': runner.executor.describe(),
-          'peak_rss_gb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20),
+          'peak_rss_gb': peak_rss_bytes() / GB,
           'device_bytes_gb': live / GB,
           'seconds_per_round': float(np.mean(seconds[1:])) if len(seconds) > 1 else seconds[0],
           'first_round_s': first, 'compiled_shapes': shapes,
