@@ -1,6 +1,8 @@
 """Federated data sets: a pool loader + a partitioner -> FederatedData."""
 
 import dataclasses
+import hashlib
+import json
 import os
 from typing import Optional
 
@@ -233,8 +235,8 @@ def load_store(cfg: DataConfig) -> store_lib.PopulationStore:
               'seed': cfg.seed if cfg.val_fraction else None,
               'files': [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns)
                         for f in nat.files]}
-  from fedjax_personal.run.run_identity import short_hash
-  folder = files.cache_dir() / 'stores' / f'{cfg.dataset.replace(":", "_")}-{short_hash(identity)}'
+  digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
+  folder = files.cache_dir() / 'stores' / f'{cfg.dataset.replace(":", "_")}-{digest}'
   if store_lib.is_store(folder):
     return store_lib.open_store(folder, identity)
   writer = store_lib.StoreWriter(folder, identity)

@@ -100,7 +100,9 @@ def test_download_then_cache_reuse(tmp_path, cache, monkeypatch):
     cfg = DataConfig(dataset='emnist', partition='natural', num_clients=None, download=True)
     d = load_federated(cfg)
     assert d.num_clients == 2 and len(server.hits) == 2
-    assert sorted(_leftovers(cache)) == ['federated_emnist_test.sqlite', 'federated_emnist_train.sqlite']
+    # The files and the population store read from them (``stores/``).
+    assert sorted(_leftovers(cache)) == ['federated_emnist_test.sqlite',
+                                         'federated_emnist_train.sqlite', 'stores']
     again = load_federated(cfg)  # found in the cache: no request
     assert len(server.hits) == 2
     np.testing.assert_array_equal(again.train.x, d.train.x)

@@ -95,7 +95,10 @@ def estimate(algorithm, data, cohort_size: int) -> Need:
   shared = _nbytes(shapes) - client_bytes * n
   model_bytes = _nbytes(jax.eval_shape(algorithm.model.init, jax.random.key(0)))
   batching = algorithm.client_work.batching
-  batch = batching.effective_batch_size(int(np.max(data.train.num_examples, initial=0)))
+  widest = getattr(data.train, 'max_examples', None)  # padded data; a Population has counts
+  if widest is None:
+    widest = int(np.max(data.train.num_examples, initial=0))
+  batch = batching.effective_batch_size(int(widest))
   sample_x = getattr(data, 'sample_x', None)
   act = activation_bytes(algorithm.model, data.train.x[0, :1] if sample_x is None else sample_x,
                          batch)
