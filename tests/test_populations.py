@@ -112,7 +112,7 @@ def emnist_store(tmp_path_factory):
 def _train(alg_name, data, population, model, sampler, training):
   alg = algorithms.build(alg_name, model, population, training=training)
   runner = RoundRunner(alg, data, sampler, fp.executors.VmapExecutor())
-  state, history = run(runner, 4, seed=2, eval_every=2)
+  state, history = run(runner, 3, seed=2, eval_every=3)
   return runner, state, history
 
 
