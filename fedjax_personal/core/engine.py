@@ -30,6 +30,12 @@ def _row(tree, i):
   return jax.tree.map(lambda a: a.at[i].get(mode='clip'), tree)
 
 
+def draw_cohort(sampler: CohortSampler, key):
+  """The cohort of the round whose key is ``key`` (the round's own draw,
+  ``split(key)[0]``; the host layout draws it ahead with this)."""
+  return sampler(jax.random.split(key)[0])
+
+
 def client_keys(key, idx):
   """Client i's key of a round or phase: ``fold_in(key, i)``."""
   return jax.vmap(lambda i: jax.random.fold_in(key, i))(idx)
@@ -112,18 +118,20 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
   counts = collections.Counter() if counts is None else counts
 
   def pre(state, key, round_num, cohort=None):
-    """The server's broadcast. ``cohort`` (the host layout's, drawn by
-    ``sample_cohort`` from the same key) means the round's split arrays hold
+    """The server's broadcast. A given ``cohort`` (the host layout's, drawn
+    by ``draw_cohort`` from the same key) means the round's split arrays hold
     the cohort's rows in cohort order; without it they hold every client."""
     counts['pre'] += 1
     k_cohort, k_clients = jax.random.split(key)
-    rows_of = None if cohort is None else jnp.arange(cohort.idx.shape[0], dtype=jnp.int32)
-    cohort = sampler(k_cohort) if cohort is None else cohort
+    if cohort is None:
+      cohort = sampler(k_cohort)
+      data_rows = cohort.idx
+    else:
+      data_rows = jnp.arange(cohort.idx.shape[0], dtype=jnp.int32)
     rc = RoundContext(round=jnp.asarray(round_num, jnp.int32),
                       key=jax.random.fold_in(k_cohort, 1))
     shared, per_client = alg.server_broadcast(state, cohort, rc)
     keys = client_keys(k_clients, cohort.idx)
-    data_rows = cohort.idx if rows_of is None else rows_of
     return cohort, rc, (shared, rc.round), (data_rows, per_client, keys)
 
   def make_ctx(shared_all, c):
@@ -280,63 +288,84 @@ class RoundRunner:
     else:
       self._build_host()
 
+  def _jit_round(self, fused_round):
+    """The fused round, compiled in its two forms: {donate: jitted}. The
+    donating form lets XLA update the state in place (scatters into
+    per-client state included), so a round holds one copy of the state."""
+    ex = self.executor
+
+    def finished(state, key, round_num, train, val, cohort=None):
+      state, metrics = fused_round(state, key, round_num, train, val, cohort)
+      if self._state_shardings is not None:
+        state = jax.lax.with_sharding_constraint(state, self._state_shardings)
+      return state, ex.host_readable(metrics)
+    return {False: jax.jit(finished), True: jax.jit(finished, donate_argnums=0)}
+
+  def _dispatched_pre_round(self, client_outputs):
+    """``phase(state, key, round) -> (state, diagnostics)``: the algorithm's
+    pre-round phase dispatched from Python (the same functions as the fused
+    round's); ``client_outputs(phase_client, shared, rc)`` runs its client
+    part over every client (all at once on the device layout, streamed in
+    blocks on the host layout)."""
+    alg, ex = self.algorithm, self.executor
+    if alg.pre_round is None:
+      return lambda state, key, rnd: (state, {})
+    pr = alg.pre_round
+    due, rc_of, _, phase_client = pre_round_functions(alg, ex, self.trace_counts)
+    due_j, rc_j = jax.jit(due), jax.jit(rc_of)
+    bcast_j, update_j = jax.jit(pr.broadcast), jax.jit(pr.update)
+
+    def phase(state, key, rnd):
+      rc = rc_j(key, jnp.asarray(rnd, jnp.int32))
+      if not bool(due_j(rc.round)):
+        return state, {PRE_ROUND_RAN: False}
+      outputs = (None if pr.client is None
+                 else client_outputs(phase_client, bcast_j(state, rc), rc))
+      state, diag = update_j(state, outputs, rc)
+      return state, {PRE_ROUND_RAN: True, PRE_ROUND: diag}
+    return phase
+
+  def _dispatched_work(self, pre, make_ctx, post, steps_of):
+    """``work(state, key, rnd, train, val, cohort=None) -> (state, metrics)``:
+    the round's server steps compiled apart and client work dispatched by a
+    non-fused executor; ``steps_of(rows, train)`` gives the real step counts
+    of the clients at ``rows`` of the split arrays (padded steps skipped)."""
+    alg, ex = self.algorithm, self.executor
+    pre_j, post_j = jax.jit(pre), jax.jit(post)
+
+    def work(state, key, rnd, train, val, cohort=None):
+      cohort, rc, shared, per_client = pre_j(state, key, rnd, cohort)
+      rows, mask = jax.device_get((per_client[0], cohort.mask))
+      outputs = ex.run_work(alg.client_work, make_ctx, (shared, train, val), per_client,
+                            active=mask, num_steps=steps_of(rows, train))
+      return post_j(state, cohort, outputs, rc)
+    return work
+
   def _build(self):
     alg, ex = self.algorithm, self.executor
     pre, make_ctx, post, fused_round = round_functions(alg, self.sampler, ex, self.trace_counts)
     shapes = jax.eval_shape(alg.init, jax.random.key(0))
     self._state_shardings = ex.state_shardings(shapes, self.data.num_clients)
+    train, val = self.data.train, self.data.val
     if ex.fused:
-      inner_round = fused_round
-
-      def fused_round(state, key, round_num, train, val):
-        state, metrics = inner_round(state, key, round_num, train, val)
-        if self._state_shardings is not None:
-          state = jax.lax.with_sharding_constraint(state, self._state_shardings)
-        return state, ex.host_readable(metrics)
-      # The donating form lets XLA update the state in place (scatters into
-      # per-client state included), so a round holds one copy of the state.
-      jitted = {False: jax.jit(fused_round), True: jax.jit(fused_round, donate_argnums=0)}
+      jitted = self._jit_round(fused_round)
       self._round_jit = jitted[False]
-      self._round = lambda state, key, rnd, donate: jitted[donate](
-          state, key, jnp.asarray(rnd, jnp.int32), self.data.train, self.data.val)
+      self._round = lambda state, key, rnd, donate, next_key=None: jitted[donate](
+          state, key, jnp.asarray(rnd, jnp.int32), train, val)
     else:
-      pre_j, post_j = jax.jit(pre), jax.jit(post)
-      if alg.pre_round is not None:
-        due, rc_of, _, phase_client = pre_round_functions(alg, ex, self.trace_counts)
-        due_j, rc_j = jax.jit(due), jax.jit(rc_of)
-        bcast_j, update_j = jax.jit(alg.pre_round.broadcast), jax.jit(alg.pre_round.update)
+      n = self.data.num_clients
+      phase = self._dispatched_pre_round(lambda phase_client, shared, rc: ex.map(
+          phase_client, (shared, train, val),
+          (jnp.arange(n, dtype=jnp.int32), client_keys(rc.key, jnp.arange(n)))))
+      steps = self._host_steps
+      work = self._dispatched_work(pre, make_ctx, post,
+                                   lambda rows, _: steps[np.minimum(rows, len(steps) - 1)])
 
-      def pre_round_py(state, key, rnd):
-        """The pre-round phase dispatched from Python: the same functions as
-        the fused round's, its client part through the executor's map."""
-        if alg.pre_round is None:
-          return state, {}
-        rc = rc_j(key, jnp.asarray(rnd, jnp.int32))
-        if not bool(due_j(rc.round)):
-          return state, {PRE_ROUND_RAN: False}
-        pr = alg.pre_round
-        if pr.client is None:
-          state, diag = update_j(state, None, rc)
-        else:
-          train, val = self.data.train, self.data.val
-          shared = bcast_j(state, rc)
-          n = self.data.num_clients
-          keys = jax.vmap(lambda i: jax.random.fold_in(rc.key, i))(jnp.arange(n))
-          outputs = ex.map(phase_client, (shared, train, val),
-                           (jnp.arange(n, dtype=jnp.int32), keys))
-          state, diag = update_j(state, outputs, rc)
-        return state, {PRE_ROUND_RAN: True, PRE_ROUND: diag}
-
-      def round_py(state, key, rnd, donate):
-        del donate  # client work runs outside one compiled function
-        state, phase = pre_round_py(state, key, rnd)
-        cohort, rc, shared, per_client = pre_j(state, key, jnp.asarray(rnd, jnp.int32))
-        idx, mask = jax.device_get((cohort.idx, cohort.mask))
-        steps = self._host_steps[np.minimum(idx, len(self._host_steps) - 1)]
-        outputs = ex.run_work(alg.client_work, make_ctx, (shared, self.data.train, self.data.val),
-                              per_client, active=mask, num_steps=steps)
-        state, metrics = post_j(state, cohort, outputs, rc)
-        return state, {**metrics, **phase}
+      def round_py(state, key, rnd, donate, next_key=None):
+        del donate, next_key  # client work runs outside one compiled function
+        state, ph = phase(state, key, rnd)
+        state, metrics = work(state, key, jnp.asarray(rnd, jnp.int32), train, val)
+        return state, {**metrics, **ph}
       self._round = round_py
 
     eval_all = eval_function(alg, ex, self.trace_counts,
@@ -351,91 +380,61 @@ class RoundRunner:
 
   def _build_host(self):
     """The host layout's round, evaluation and pre-round phase (``layout``):
-    the fused round takes the cohort and its gathered examples."""
+    the round takes the cohort and its gathered examples."""
     alg, ex, host = self.algorithm, self.executor, self.host
     pre, make_ctx, post, fused_round = round_functions(alg, self.sampler, ex, self.trace_counts)
     sampler = self.sampler
-    self.feed = layout_lib.CohortFeed(host, jax.jit(lambda key: sampler(jax.random.split(key)[0])))
+    self.feed = layout_lib.CohortFeed(host, jax.jit(lambda key: draw_cohort(sampler, key)))
     shapes = jax.eval_shape(alg.init, jax.random.key(0))
     self._state_shardings = ex.state_shardings(shapes, host.num_clients)
-    phase = self._host_pre_round()
+    phase = self._dispatched_pre_round(self._streamed_phase_outputs)
     if ex.fused:
-      def host_round(state, key, round_num, cohort, train, val):
-        state, metrics = fused_round(state, key, round_num, train, val, cohort)
-        if self._state_shardings is not None:
-          state = jax.lax.with_sharding_constraint(state, self._state_shardings)
-        return state, ex.host_readable(metrics)
-      jitted = {False: jax.jit(host_round), True: jax.jit(host_round, donate_argnums=0)}
+      jitted = self._jit_round(fused_round)
 
-      def client_work(state, key, rnd, donate, cohort, train, val):
-        return jitted[donate](state, key, rnd, cohort, train, val)
+      def work(state, key, rnd, train, val, cohort, donate):
+        return jitted[donate](state, key, rnd, train, val, cohort)
     else:
-      pre_j, post_j = jax.jit(pre), jax.jit(post)
       batching = alg.client_work.batching
+      dispatched = self._dispatched_work(
+          pre, make_ctx, post, lambda rows, train: np.array(
+              [batching.num_steps_for(int(n), train.x.shape[1])
+               for n in np.asarray(train.num_examples)[rows]]))
 
-      def client_work(state, key, rnd, donate, cohort, train, val):
+      def work(state, key, rnd, train, val, cohort, donate):
         del donate
-        cohort, rc, shared, per_client = pre_j(state, key, rnd, cohort)
-        mask = np.asarray(jax.device_get(cohort.mask))
-        length = train.x.shape[1]
-        steps = np.array([batching.num_steps_for(int(n), length)
-                          for n in np.asarray(train.num_examples)])
-        outputs = ex.run_work(alg.client_work, make_ctx, (shared, train, val), per_client,
-                              active=mask, num_steps=steps)
-        return post_j(state, cohort, outputs, rc)
+        return dispatched(state, key, rnd, train, val, cohort)
 
     def round_host(state, key, rnd, donate, next_key=None):
       state, ph = phase(state, key, rnd)
       cohort, train, val = self.feed.get(key, rnd)
       if next_key is not None:  # gathered on the feed's thread while this round runs
         self.feed.request(next_key, rnd + 1)
-      state, metrics = client_work(state, key, jnp.asarray(rnd, jnp.int32), donate, cohort,
-                                   train, val)
+      state, metrics = work(state, key, jnp.asarray(rnd, jnp.int32), train, val, cohort, donate)
       return state, {**metrics, **ph}
     self._round = round_host
     self._evaluate = self._host_evaluation()
 
-  def _host_pre_round(self):
-    """``phase(state, key, round) -> (state, diagnostics)``: the algorithm's
-    pre-round phase with its client part streamed over the population."""
-    alg, ex, host = self.algorithm, self.executor, self.host
-    if alg.pre_round is None:
-      return lambda state, key, rnd: (state, {})
-    pr = alg.pre_round
-    due, rc_of, _, phase_client = pre_round_functions(alg, ex, self.trace_counts)
-    due_j, rc_j = jax.jit(due), jax.jit(rc_of)
-    bcast_j, update_j = jax.jit(pr.broadcast), jax.jit(pr.update)
-
-    def block(shared, train, val, rows, keys, valid):
-      return ex.map(phase_client, (shared, train, val), (rows, keys), active=valid)
-    block_j = jax.jit(block) if ex.fused else block
-
-    def phase(state, key, rnd):
-      rc = rc_j(key, jnp.asarray(rnd, jnp.int32))
-      if not bool(due_j(rc.round)):
-        return state, {PRE_ROUND_RAN: False}
-      if pr.client is None:
-        state, diag = update_j(state, None, rc)
-      else:
-        shared = bcast_j(state, rc)
-        parts = []
-        size = max(1, min(host.block, host.num_clients))
-        for ids, valid in layout_lib.blocks(np.arange(host.num_clients), size):
-          train, val = host.gather('train', ids), host.gather('val', ids)
-          out = block_j(shared, train, val, jnp.arange(size, dtype=jnp.int32),
-                        client_keys(rc.key, jnp.asarray(ids)), valid)
-          parts.append((valid, out))
-        state, diag = update_j(state, layout_lib.join_blocks(parts), rc)
-      return state, {PRE_ROUND_RAN: True, PRE_ROUND: diag}
-    return phase
+  def _streamed_phase_outputs(self, phase_client, shared, rc):
+    """The pre-round phase's client outputs over the store, in blocks."""
+    ex, host = self.executor, self.host
+    if not hasattr(self, '_phase_block'):
+      def block(shared, train, val, rows, keys, valid):
+        return ex.map(phase_client, (shared, train, val), (rows, keys), active=valid)
+      self._phase_block = jax.jit(block) if ex.fused else block
+    parts = []
+    for ids, valid in layout_lib.blocks(np.arange(host.num_clients), host.block):
+      out = self._phase_block(shared, host.gather('train', ids), host.gather('val', ids),
+                              jnp.arange(len(ids), dtype=jnp.int32),
+                              client_keys(rc.key, jnp.asarray(ids)), valid)
+      parts.append((valid, out))
+    return layout_lib.join_blocks(parts)
 
   def _host_evaluation(self):
     """``evaluate(state, key, finetune) -> LossStats [N]`` over the store:
     clients grouped by static test length (``eval_buckets``), each group in
     blocks of ``host.block`` clients gathered from the store."""
     alg, ex, host = self.algorithm, self.executor, self.host
-    store = host.store
-    test_counts = store.counts_capped('test')
+    test_counts = host.counts('test')
     groups = eval_buckets(test_counts, int(test_counts.max(initial=0)))
     models_j = jax.jit(alg.client_models)
     fns = {}
@@ -444,29 +443,26 @@ class RoundRunner:
       if (finetune, length) not in fns:
         eval_client = eval_client_function(alg, self.trace_counts, finetune, length)
 
-        def run(state, train, val, test, ids, rows, keys, valid):
-          models = alg.client_models(state) if ex.fused else state
+        def run(state_or_models, train, val, test, ids, rows, keys, valid):
+          models = alg.client_models(state_or_models) if ex.fused else state_or_models
           return ex.host_readable(ex.map(eval_client, (models, train, val, test),
                                          (ids, rows, keys), active=valid))
         fns[(finetune, length)] = jax.jit(run) if ex.fused else run
       return fns[(finetune, length)]
 
     def evaluate(state, key, finetune):
-      n = host.num_clients
-      local = finetune or alg.evaluate_client is not None
+      # The training and validation splits are read only to fine-tune or
+      # for an algorithm's own evaluation; otherwise they are empty rows.
+      local_length = None if finetune or alg.evaluate_client is not None else 0
       models = state if ex.fused else models_j(state)
-      out = [np.zeros(n, np.float32) for _ in range(3)]
+      out = [np.zeros(host.num_clients, np.float32) for _ in range(3)]
       for length, ids in groups:
-        size = max(1, min(host.block, len(ids)))
-        for b_ids, valid in layout_lib.blocks(ids, size):
-          lengths = None if local else 0
-          train = host.gather('train', b_ids, lengths)
-          val = host.gather('val', b_ids, lengths)
-          test = host.gather('test', b_ids, length)
+        for b_ids, valid in layout_lib.blocks(ids, host.block):
           ids_j = jnp.asarray(b_ids, jnp.int32)
-          stats = block_fn(finetune, length)(models, train, val, test, ids_j,
-                                             jnp.arange(size, dtype=jnp.int32),
-                                             client_keys(key, ids_j), valid)
+          stats = block_fn(finetune, length)(
+              models, host.gather('train', b_ids, local_length),
+              host.gather('val', b_ids, local_length), host.gather('test', b_ids, length),
+              ids_j, jnp.arange(len(b_ids), dtype=jnp.int32), client_keys(key, ids_j), valid)
           for o, a in zip(out, jax.device_get(stats)):
             o[b_ids[valid]] = np.asarray(a)[valid]
       return LossStats(*out)
@@ -499,9 +495,7 @@ class RoundRunner:
     ``next_key`` (the next round's key) lets the host layout gather the next
     cohort while this round runs.
     """
-    if self.host is not None:
-      return self._round(state, key, round_num, donate, next_key)
-    return self._round(state, key, round_num, donate)
+    return self._round(state, key, round_num, donate, next_key)
 
   def evaluate(self, state, key, finetune: Optional[bool] = None) -> LossStats:
     """Per-client LossStats ([N] arrays) of the model each client uses, on its

@@ -18,6 +18,7 @@ in both layouts.
 
 import concurrent.futures
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_personal.core.data import ClientData
-from fedjax_personal.core.store import PopulationStore, padded_length
+from fedjax_personal.core.store import SPLITS, PopulationStore, padded_length
 from fedjax_personal.errors import ConfigError
 
 LAYOUTS = ('auto', 'device', 'host')
@@ -58,16 +59,26 @@ class HostData:
   def population(self):
     return self.store.population(self.cap)
 
+  @functools.cached_property
+  def _counts(self):
+    """Per split: example counts after the cap, and the widest client's."""
+    out = {}
+    for split in SPLITS:
+      counts = self.store.counts_capped(split, self.cap)
+      out[split] = (counts, int(counts.max(initial=0)))
+    return out
+
+  def counts(self, split: str) -> np.ndarray:
+    return self._counts[split][0]
+
   def length(self, split: str, idx) -> int:
     """The padded length of clients ``idx``'s ``split`` (0 when the whole
     population has none: no validation split)."""
-    counts = self.store.counts_capped(split, self.cap)
-    widest = int(counts.max(initial=0))
+    counts, widest = self._counts[split]
     if widest == 0:
       return 0
     idx = np.asarray(idx)
-    idx = idx[idx < self.num_clients]
-    top = int(counts[idx].max(initial=0))
+    top = int(counts[idx[idx < self.num_clients]].max(initial=0))
     return min(padded_length(top, self.cap, self.smallest), widest)
 
   def gather(self, split: str, idx, length: Optional[int] = None) -> ClientData:
@@ -121,9 +132,11 @@ class CohortFeed:
     return out
 
 
-def blocks(clients: np.ndarray, size: int):
-  """``clients`` in blocks of ``size`` (the last one padded by repeating its
-  first client): yields (ids [size], valid [size])."""
+def blocks(clients: np.ndarray, block: int):
+  """``clients`` in blocks of ``min(block, len(clients))`` (the last one
+  padded by repeating its first client): yields (ids, valid), both of the
+  block's length."""
+  size = max(1, min(block, len(clients)))
   for start in range(0, len(clients), size):
     part = clients[start:start + size]
     valid = np.arange(size) < len(part)

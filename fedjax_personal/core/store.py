@@ -162,7 +162,9 @@ class PopulationStore:
       idx = np.where(empty, 0, idx)
     self.check_clients(idx)
     x, y, _ = self.arrays[split]
-    n = self.counts_capped(split, cap)[idx]
+    n = self.counts[split][idx]  # the gathered clients' counts alone (not all N capped)
+    if cap is not None and split == 'train':
+      n = np.minimum(n, cap)
     n = np.where(empty, 0, np.minimum(n, length)).astype(np.int32)
     xp = np.zeros((len(idx), length) + x.shape[1:], x.dtype)
     yp = np.zeros((len(idx), length) + y.shape[1:], y.dtype)
