@@ -24,7 +24,7 @@ from fedjax_personal.config import AlgorithmSpec, hparam
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 from fedjax_personal.core.training import batch_loss
-from fedjax_personal.core.tree_util import is_concrete, tree_broadcast
+from fedjax_personal.core.tree_util import is_concrete, leading_size, tree_broadcast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,8 @@ def apfl(model: Model, num_clients: int, client_optimizer: optax.GradientTransfo
 
   def eval_models(state):
     return ClientModels.personal(
-        mixture(alpha, state.personal, tree_broadcast(state.params, num_clients)), num_clients)
+        mixture(alpha, state.personal, tree_broadcast(state.params, leading_size(state.personal))),
+        num_clients)
 
   work = two_model_work(step, batching, client_optimizer, client_optimizer)
   return global_personal_algorithm('apfl', model, num_clients, work, server_optimizer, weighting,

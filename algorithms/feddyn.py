@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedjax_personal.core.algorithm import (ClientModels, Communication, FederatedAlgorithm,
-                                       cohort_train_metrics)
+from fedjax_personal.core.algorithm import (ClientModels, ClientRows, Communication,
+                                            FederatedAlgorithm, cohort_train_metrics)
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.config import BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec, hparam
 from fedjax_personal.errors import ConfigError
@@ -150,7 +150,7 @@ def feddyn(model: Model, num_clients: int, num_examples,
                        client_params=tree_broadcast(params, num_clients) if keep_all else None)
 
   def server_broadcast(state, cohort, rc):
-    per_client = (rows(state.grad_state, cohort.idx), alphas.at[cohort.idx].get(mode='clip'))
+    per_client = (rows(state.grad_state, cohort.rows), alphas.at[cohort.idx].get(mode='clip'))
     return state.params, per_client
 
   clip = optax.clip_by_global_norm(max_grad_norm) if max_grad_norm else None
@@ -178,7 +178,7 @@ def feddyn(model: Model, num_clients: int, num_examples,
     client_params = (tree_scatter(state.client_params, cohort.idx, out.params)
                      if keep_all else None)
     new = FedDynState(params=params, h=h, active_mean=active_mean,
-                      grad_state=tree_scatter(state.grad_state, cohort.idx, out.grad_state),
+                      grad_state=tree_scatter(state.grad_state, cohort.rows, out.grad_state),
                       client_params=client_params)
     return new, cohort_train_metrics(out.stats, cohort.mask)
 
@@ -198,7 +198,10 @@ def feddyn(model: Model, num_clients: int, num_examples,
   return FederatedAlgorithm(
       name=name, model=model, init=init, server_broadcast=server_broadcast, client_work=work,
       server_update=server_update, client_models=client_models, communication=communication,
-      finetune=finetune, evaluate_client=evaluate_client)
+      finetune=finetune, evaluate_client=evaluate_client,
+      # client_params (eval_model='all_clients_mean') is averaged over every
+      # client at once: it stays in the state, not client rows.
+      client_rows=ClientRows.field('grad_state', models_from_rows=False))
 
 
 def feddyn_options(config: FedDynConfig) -> dict:

@@ -14,8 +14,8 @@ import jax
 import optax
 from optax import tree_utils as otu
 
-from fedjax_personal.core.algorithm import (ClientModels, Communication, FederatedAlgorithm,
-                                       cohort_train_metrics)
+from fedjax_personal.core.algorithm import (ClientModels, ClientRows, Communication,
+                                            FederatedAlgorithm, cohort_train_metrics)
 from fedjax_personal.algorithms.fedavg import server_step, summed_upload
 from fedjax_personal.models import Model
 from fedjax_personal.core.training import (ClientWork, LossStats, client_opt_init, opt_update,
@@ -69,7 +69,7 @@ def global_personal_algorithm(name: str, model: Model, num_clients: int, work: C
 
   def server_update(state, cohort, out: GlobalPersonalOutput, rc):
     params, opt_state = server_step(state.params, state.opt_state, out.delta, server_optimizer)
-    personal = tree_scatter(state.personal, cohort.idx, out.personal)
+    personal = tree_scatter(state.personal, cohort.rows, out.personal)
     return (GlobalPersonalState(params, opt_state, personal),
             cohort_train_metrics(out.stats, cohort.mask))
 
@@ -79,10 +79,11 @@ def global_personal_algorithm(name: str, model: Model, num_clients: int, work: C
 
   return FederatedAlgorithm(
       name=name, model=model, init=init,
-      server_broadcast=lambda s, c, rc: (s.params, rows(s.personal, c.idx)),
+      server_broadcast=lambda s, c, rc: (s.params, rows(s.personal, c.rows)),
       client_work=summed_upload(work, weighting), server_update=server_update,
       client_models=eval_models or (lambda s: ClientModels.personal(s.personal, num_clients)),
-      communication=communication, finetune=finetune)
+      communication=communication, finetune=finetune,
+      client_rows=ClientRows.field('personal'))
 
 
 def two_model_work(step_fn: Callable, batching, opt_w: optax.GradientTransformation,

@@ -7,8 +7,8 @@ initialization; each round the cohort trains its own rows.
 from flax import struct
 import optax
 
-from fedjax_personal.core.algorithm import (ClientModels, Communication, FederatedAlgorithm,
-                                       cohort_train_metrics)
+from fedjax_personal.core.algorithm import (ClientModels, ClientRows, Communication,
+                                            FederatedAlgorithm, cohort_train_metrics)
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.config import BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec, NoConfig
 from fedjax_personal.models import Model
@@ -33,7 +33,7 @@ def local(model: Model, num_clients: int, client_optimizer: optax.GradientTransf
     return LocalState(tree_broadcast(model.init(key), num_clients))
 
   def server_broadcast(state, cohort, rc):
-    return None, rows(state.personal_params, cohort.idx)
+    return None, rows(state.personal_params, cohort.rows)
 
   work = sgd_client_work(lambda ctx: objective, client_optimizer, batching,
                          final=lambda ctx, carry: (carry.params, carry.stats),
@@ -41,14 +41,15 @@ def local(model: Model, num_clients: int, client_optimizer: optax.GradientTransf
 
   def server_update(state, cohort, out, rc):
     params, stats = out
-    return (LocalState(tree_scatter(state.personal_params, cohort.idx, params)),
+    return (LocalState(tree_scatter(state.personal_params, cohort.rows, params)),
             cohort_train_metrics(stats, cohort.mask))
 
   return FederatedAlgorithm(
       name='local', model=model, init=init, server_broadcast=server_broadcast,
       client_work=work, server_update=server_update,
       client_models=lambda s: ClientModels.personal(s.personal_params, num_clients),
-      communication=lambda s: Communication(0, 0, 0), finetune=finetune)
+      communication=lambda s: Communication(0, 0, 0), finetune=finetune,
+      client_rows=ClientRows.field('personal_params'))
 
 
 def build(training, config, model, data):

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_personal.core.algorithm import (ClientModels, Communication, FederatedAlgorithm,
-                                       cohort_train_metrics)
+from fedjax_personal.core.algorithm import (ClientModels, ClientRows, Communication,
+                                            FederatedAlgorithm, cohort_train_metrics)
 from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS, server_step, summed_upload
 from fedjax_personal.core.batching import Batching, traced_num_steps
 from fedjax_personal.config import AlgorithmSpec, hparam
@@ -37,7 +37,8 @@ from fedjax_personal.core.personalization import ParamSplit, make_split
 from fedjax_personal.core.training import (ClientWork, LossStats, client_opt_init, local_sgd,
                                       opt_update, plain_objective, zero_stats)
 from optax import tree_utils as otu
-from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter, tree_where
+from fedjax_personal.core.tree_util import (leading_size, rows, tree_broadcast, tree_bytes,
+                                            tree_scatter, tree_where)
 
 MODES = ('alt', 'sim')
 
@@ -46,7 +47,7 @@ MODES = ('alt', 'sim')
 class PartialConfig:
   prefix: ClassVar[str] = 'partial'
   personal_part: str = hparam('output', "fedalt/fedsim: personal parameters: input, output, "
-                              "adapter, all_but_output, all, or split:<regex>,...")
+                              "adapter, all_but_output, all, block:<i>, or split:<regex>,...")
   personal_lr: Optional[float] = hparam(None, 'Learning rate of the personal parameters '
                                         '(default: --client_lr).', minimum=0, open_min=True,
                                         sweep=True)
@@ -150,7 +151,7 @@ def partial_personalization(model: Model, num_clients: int, split: ParamSplit, m
     return PartialState(shared, server_optimizer.init(shared), tree_broadcast(personal, num_clients))
 
   def server_broadcast(state, cohort, rc):
-    return state.shared, rows(state.personal, cohort.idx)
+    return state.shared, rows(state.personal, cohort.rows)
 
   def init_parts(u, v):
     return client_optimizer.init(u), personal_optimizer.init(v)
@@ -196,11 +197,11 @@ def partial_personalization(model: Model, num_clients: int, split: ParamSplit, m
   def server_update(state, cohort, out: PartialOutput, rc):
     shared, opt_state = server_step(state.shared, state.opt_state, out.shared_delta,
                                     server_optimizer)
-    return (PartialState(shared, opt_state, tree_scatter(state.personal, cohort.idx, out.personal)),
+    return (PartialState(shared, opt_state, tree_scatter(state.personal, cohort.rows, out.personal)),
             cohort_train_metrics(out.stats, cohort.mask))
 
   def client_models(state):
-    shared = tree_broadcast(state.shared, num_clients)
+    shared = tree_broadcast(state.shared, leading_size(state.personal))
     return ClientModels.personal(jax.vmap(split.merge)(shared, state.personal), num_clients)
 
   def communication(state):
@@ -210,7 +211,7 @@ def partial_personalization(model: Model, num_clients: int, split: ParamSplit, m
   return FederatedAlgorithm(
       name=name or f'fed{mode}', model=model, init=init, server_broadcast=server_broadcast,
       client_work=work, server_update=server_update, client_models=client_models,
-      communication=communication, finetune=finetune)
+      communication=communication, finetune=finetune, client_rows=ClientRows.field('personal'))
 
 
 def _build(mode, personal_part=None, head_ratio=1, name=None):

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_personal.core.aggregation import Sum
-from fedjax_personal.core.algorithm import (ClientModels, Communication, FederatedAlgorithm,
-                                       cohort_train_metrics)
+from fedjax_personal.core.algorithm import (ClientModels, ClientRows, Communication,
+                                            FederatedAlgorithm, cohort_train_metrics)
 from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS, server_step, summed_upload
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.config import AlgorithmSpec, NoConfig
@@ -96,7 +96,7 @@ def scaffold(model: Model, num_clients: int, client_optimizer: optax.GradientTra
                          tree_broadcast(otu.tree_zeros_like(params), num_clients))
 
   def server_broadcast(state, cohort, rc):
-    return (state.params, state.control), rows(state.client_controls, cohort.idx)
+    return (state.params, state.control), rows(state.client_controls, cohort.rows)
 
   def corrected(grads, params, ctx):
     _, control = ctx.shared
@@ -118,7 +118,7 @@ def scaffold(model: Model, num_clients: int, client_optimizer: optax.GradientTra
     params, opt_state = server_step(state.params, state.opt_state, out.delta, server_optimizer)
     control = jax.tree.map(lambda c, d: c + d / num_clients, state.control,
                            out.control_delta.value)
-    client_controls = tree_scatter(state.client_controls, cohort.idx, out.control)
+    client_controls = tree_scatter(state.client_controls, cohort.rows, out.control)
     return (ScaffoldState(params, opt_state, control, client_controls),
             cohort_train_metrics(out.stats, cohort.mask))
 
@@ -130,7 +130,8 @@ def scaffold(model: Model, num_clients: int, client_optimizer: optax.GradientTra
       name='scaffold', model=model, init=init, server_broadcast=server_broadcast,
       client_work=work, server_update=server_update,
       client_models=lambda s: ClientModels.global_model(s.params, num_clients),
-      communication=communication, finetune=finetune)
+      communication=communication, finetune=finetune,
+      client_rows=ClientRows.field('client_controls', models_from_rows=False))
 
 
 def build(training, config, model, data):

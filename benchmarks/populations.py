@@ -47,6 +47,9 @@ flags.DEFINE_list('layouts', ['host', 'device'], 'Layouts to run; device only wh
 flags.DEFINE_integer('max_client_examples', 256, 'Cap on training examples per client.')
 flags.DEFINE_bool('full_model', False, 'Stack Overflow: Reddi et al.\'s LSTM at full size.')
 flags.DEFINE_integer('seed', 0, 'Seed of the population and of training.')
+flags.DEFINE_enum('algorithm', 'fedavg', ['fedavg', 'scaffold', 'ditto', 'local'],
+                  'What trains: FedAvg, or one whose client rows (SCAFFOLD\'s control variates, '
+                  'personal models) the host layout keeps on the host.')
 flags.DEFINE_string('output', None, 'Also write the results as JSON here.')
 flags.DEFINE_bool('dry_run', False, 'Check the flags and the work folder, then stop.')
 flags.DEFINE_string('train_layout', None, '(internal) train one layout and print JSON.')
@@ -156,7 +159,7 @@ def train(layout):
     data = HostData(store, cap)
   else:
     data = jax.device_put(store.padded(cap))
-  alg = algorithms.build('fedavg', model, population, training=training)
+  alg = algorithms.build(FLAGS.algorithm, model, population, training=training)
   sampler = CohortSampler(store.num_clients, cohort_size=FLAGS.cohort_size)
   runner = RoundRunner(alg, data, sampler, fp.executors.create_executor('auto', model,
                                                                          population.sample_x))
@@ -174,7 +177,11 @@ def train(layout):
   jax.block_until_ready(state)
   live = sum(a.nbytes for a in jax.live_arrays())
   shapes = (len(runner.feed.shapes) if layout == 'host' else 1)
-  return {'shape': FLAGS.shape, 'layout': layout, 'num_clients': store.num_clients,
+  rows = alg.client_rows
+  rows_gb = 0.0 if rows is None else sum(
+      a.nbytes for a in jax.tree.leaves(rows.get(runner.whole_state(state)))) / GB
+  return {'shape': FLAGS.shape, 'algorithm': FLAGS.algorithm, 'layout': layout,
+          'client_rows_gb': rows_gb, 'num_clients': store.num_clients,
           'cohort_size': FLAGS.cohort_size, 'rounds': FLAGS.rounds, 'cap': cap,
           'executor': runner.executor.describe(),
           'peak_rss_gb': peak_rss_bytes() / GB,
@@ -241,7 +248,8 @@ def _main(argv):
       continue
     r = json.loads(out.stdout.strip().splitlines()[-1])
     results.append(r)
-    print(f"{layout:6s} peak RSS {r['peak_rss_gb']:.2f} GB, device bytes "
+    print(f"{layout:6s} {r['algorithm']} (client rows {r['client_rows_gb']:.2f} GB) peak RSS "
+          f"{r['peak_rss_gb']:.2f} GB, device bytes "
           f"{r['device_bytes_gb']:.3f} GB, {r['seconds_per_round']:.2f} s/round, first round "
           f"done at {r['first_round_s']:.1f} s, compiled shapes {r['compiled_shapes']}, "
           f"{r['executor']}", flush=True)

@@ -67,6 +67,8 @@ class DataConfig:
     synthetic_alpha, synthetic_beta: Synthetic(alpha, beta) heterogeneity.
     seq_len: sequence length of text data sets (None: 80 characters, 20
       words for stackoverflow).
+    vocab_size: stackoverflow's vocabulary, its most frequent words (None:
+      Reddi et al.'s and the partial-personalization seed's 10,000).
     data_dir: where data files are (see files.find_file); must exist.
     download: fetch missing files from their published URL into the cache.
   """
@@ -86,6 +88,7 @@ class DataConfig:
   synthetic_alpha: float = 1.0
   synthetic_beta: float = 1.0
   seq_len: Optional[int] = None
+  vocab_size: Optional[int] = None
   data_dir: Optional[str] = None
   download: bool = False
 
@@ -203,7 +206,7 @@ def load_federated(cfg: DataConfig) -> FederatedData:
     if cfg.dataset in ('tinyshakespeare', 'tfds:tiny_shakespeare', 'synthetic'):
       return _pooled_natural(cfg, rng)
     nat = natural.load(cfg.dataset, cfg.num_clients, cfg.sequence_length, cfg.data_dir,
-                       cfg.download)
+                       cfg.download, cfg.vocab_size)
     return _split_pool([x for x, _ in nat.train], [y for _, y in nat.train], nat.num_classes,
                        cfg, rng, _natural_name(cfg, nat))
   if cfg.num_clients is None:
@@ -229,8 +232,9 @@ def load_store(cfg: DataConfig) -> store_lib.PopulationStore:
   if not streams_to_store(cfg):
     return store_lib.PopulationStore.from_federated(load_federated(cfg))
   nat = natural.load(cfg.dataset, cfg.num_clients, cfg.sequence_length, cfg.data_dir,
-                     cfg.download)
+                     cfg.download, cfg.vocab_size)
   identity = {'dataset': cfg.dataset, 'num_clients': nat.num_clients,
+              **({'vocab_size': cfg.vocab_size} if cfg.vocab_size else {}),
               'seq_len': cfg.sequence_length, 'val_fraction': cfg.val_fraction,
               'seed': cfg.seed if cfg.val_fraction else None,
               'files': [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns)

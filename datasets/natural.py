@@ -358,14 +358,16 @@ def load_leaf(name: str, num_clients=None, data_dir=None) -> NaturalData:
 
 
 def load(dataset: str, num_clients=None, seq_len: int = 80, data_dir=None,
-         download=False) -> NaturalData:
-  """A natural data set by its --dataset name."""
+         download=False, vocab_size=None) -> NaturalData:
+  """A natural data set by its --dataset name (``vocab_size``: Stack
+  Overflow's, default 10,000)."""
   if dataset in ('emnist', 'emnist_digits'):
     return load_emnist(dataset == 'emnist_digits', num_clients, data_dir, download)
   if dataset == 'shakespeare':
     return load_shakespeare(num_clients, seq_len, data_dir, download)
   if dataset == 'stackoverflow':
-    return load_stackoverflow(num_clients, seq_len=seq_len, data_dir=data_dir, download=download)
+    return load_stackoverflow(num_clients, vocab_size=vocab_size or 10000, seq_len=seq_len,
+                              data_dir=data_dir, download=download)
   if dataset == 'cifar100':
     return load_cifar100(num_clients, data_dir, download)
   if dataset.startswith('leaf:'):

@@ -116,27 +116,38 @@ def _train(alg_name, data, population, model, sampler, training):
   return runner, state, history
 
 
-@pytest.mark.parametrize('alg_name,participation', [
-    ('fedavg', None), ('fedavg', 0.3), ('ditto', None), ('scaffold', None), ('fedfomo', None),
-    ('usercentric', None)])
-def test_host_layout_equals_device_layout(emnist_store, alg_name, participation):
+@pytest.mark.parametrize('alg_name,participation,opt_state', [
+    ('fedavg', None, 'reset'), ('fedavg', 0.3, 'reset'), ('ditto', None, 'reset'),
+    ('scaffold', 0.3, 'reset'), ('fedfomo', None, 'reset'), ('usercentric', None, 'persistent'),
+    ('local', None, 'persistent'), ('fedalt', None, 'reset'), ('feddyn', 0.3, 'reset'),
+    ('apfl', None, 'reset')])
+def test_host_layout_equals_device_layout(emnist_store, alg_name, participation, opt_state):
+  """Several rounds, sampled cohorts, evaluation: the same numbers and the
+  same final state; client rows (personal models, control variates, FedDyn's
+  gradients, persistent client optimizer states) live on the host there."""
   store = emnist_store
   population = store.population()
   model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,)), population.sample_x)
   sampler = (CohortSampler(16, participation=participation) if participation
              else CohortSampler(16, cohort_size=5))
-  training = TrainingConfig(client_lr=0.1, batch_size=8)
+  training = TrainingConfig(client_lr=0.1, batch_size=8, client_opt_state=opt_state,
+                            **({'client_momentum': 0.5} if opt_state == 'persistent' else {}))
   device = to_device(store.padded())
   _, s_dev, h_dev = _train(alg_name, device, device, model, sampler, training)
   host = HostData(store, block=6, smallest=4)
   runner, s_host, h_host = _train(alg_name, host, population, model, sampler, training)
   # Cohorts padded to their own lengths, not to the widest client's.
   assert min(s[0] for s in runner.feed.shapes) < device.train.max_examples
+  assert runner.hosted_rows == (alg_name not in ('fedavg', 'fedfomo') or opt_state != 'reset')
+  if runner.hosted_rows:
+    assert isinstance(s_host, layout_lib.HostedState)
+    assert not any(a.shape[0] for a in jax.tree.leaves(runner.algorithm.client_rows.get(
+        s_host.inner)))  # none of the rows stayed on the device
   jax.tree.map(lambda a, b: np.testing.assert_allclose(
       np.asarray(jax.random.key_data(a) if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
                  else a, np.float64),
       np.asarray(jax.random.key_data(b) if jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key)
-                 else b, np.float64), rtol=1e-5, atol=1e-6), s_host, s_dev)
+                 else b, np.float64), rtol=1e-5, atol=1e-6), runner.whole_state(s_host), s_dev)
   for a, b in zip(h_host, h_dev):
     assert a.keys() == b.keys()
     for k in a:
@@ -194,6 +205,12 @@ def test_cli_host_layout_resumes_to_the_same_numbers(tmp_path):
   job('--rounds=2', '--layout=host', '--checkpoint_every=1', f'--output_dir={tmp_path}/cut')
   resumed = job('--rounds=4', '--layout=host', '--resume', f'--output_dir={tmp_path}/cut')
   assert resumed['ditto']['per_client_accuracy'] == full['ditto']['per_client_accuracy']
+  # Both layouts save the whole state (Ditto's personal models joined from
+  # the host): a checkpoint of one resumes in the other.
+  job('--rounds=2', '--layout=device', '--checkpoint_every=1', f'--output_dir={tmp_path}/other')
+  crossed = job('--rounds=4', '--layout=host', '--resume', f'--output_dir={tmp_path}/other')
+  np.testing.assert_allclose(crossed['ditto']['per_client_accuracy'],
+                             full['ditto']['per_client_accuracy'], atol=1e-6)
 
 
 def test_cli_device_layout_refuses_what_cannot_fit(tmp_path, monkeypatch):
@@ -207,3 +224,30 @@ def test_cli_device_layout_refuses_what_cannot_fit(tmp_path, monkeypatch):
   with pytest.raises(ConfigError, match=r'widest client \(90 examples\).* give '
                      r'--max_client_examples=N'):
     cli.main_job()
+
+
+def test_cli_auto_layout_moves_client_rows_that_cannot_fit_to_the_host(tmp_path, monkeypatch,
+                                                                        capsys):
+  """On an accelerator with room for the padded data but not beside
+  Local's N personal models, ``auto`` picks the host layout (client rows on
+  the host) and ``device`` is refused in one line."""
+  data_dir = tmp_path / 'data'
+  data_dir.mkdir()
+  made_files.write_emnist(data_dir, np.random.default_rng(6), [5, 9, 6, 7], [2, 2, 2, 2])
+
+  def job(layout):
+    parse_flags('--algorithm=local', '--dataset=emnist', f'--data_dir={data_dir}',
+                '--model=logreg', '--rounds=1', '--progress=false', f'--layout={layout}',
+                '--dry_run', f'--output_dir={tmp_path}/o')
+    return cli.main_job()
+
+  padded = 4 * 9 * (28 * 28 + 1) * 4 * 3  # about the padded population's bytes
+  state = 4 * (28 * 28 * 62 + 62) * 4  # Local's four logistic regressions
+  monkeypatch.setattr(cli.memory, 'device_free_bytes', lambda: padded + state // 2)
+  monkeypatch.setattr(layout_lib, 'host_available_bytes', lambda: 10 ** 12)
+  job('auto')
+  out = capsys.readouterr().out
+  assert "layout: host (auto: the padded population and local's state need" in out
+  assert 'local: client rows (0.001 GB) on the host' in out
+  with pytest.raises(ConfigError, match="--layout=device: the padded population and local's"):
+    job('device')

@@ -124,6 +124,43 @@ class PreRound:
 
 
 @dataclasses.dataclass(frozen=True)
+class ClientRows:
+  """The part of an algorithm's state made of client rows (personal models,
+  control variates, FedDyn's gradients): stacked leaves with the client
+  axis first, which a round reads and writes only at the cohort's rows.
+
+  Declaring it lets the host layout keep these rows with the population on
+  the host and hand each round only the cohort's (``Cohort.rows`` then
+  indexes them), as FedJAX keeps client state outside the device. The
+  contract, which the layout equality tests check:
+    * ``server_broadcast`` / ``server_update`` touch the rows only through
+      ``cohort.rows`` (``rows(part, cohort.rows)``, ``tree_scatter(part,
+      cohort.rows, new)``);
+    * with ``models_from_rows``, ``client_models(state)`` of a state holding
+      some clients' rows gives those clients' models, row by row; without
+      it, ``client_models`` does not read the rows;
+    * the pre-round phase neither reads nor writes them.
+  State that a round reads across the population (FedFomo's candidate
+  models, user-centric's mixing of all N models) is not client rows.
+
+  Attributes:
+    get: ``state -> rows`` (a pytree, every leaf [N or C, ...]).
+    put: ``(state, rows) -> state`` with the rows replaced.
+    models_from_rows: whether the clients' models are made from the rows
+      (personal models) or not (SCAFFOLD's controls: a global model).
+  """
+  get: Callable[[PyTree], PyTree]
+  put: Callable[[PyTree, PyTree], PyTree]
+  models_from_rows: bool = True
+
+  @staticmethod
+  def field(name: str, models_from_rows: bool = True) -> 'ClientRows':
+    """The rows held in the state's dataclass field ``name``."""
+    return ClientRows(get=lambda s: getattr(s, name),
+                      put=lambda s, r: s.replace(**{name: r}), models_from_rows=models_from_rows)
+
+
+@dataclasses.dataclass(frozen=True)
 class FederatedAlgorithm:
   """A federated algorithm as pure functions (see module docstring).
 
@@ -149,6 +186,8 @@ class FederatedAlgorithm:
       due (phases that are not a training round), inside the compiled round.
     privacy: optional ``privacy.Privacy`` when clients run DP-SGD (noise,
       sampling rates, a step counter in the state) for epsilon accounting.
+    client_rows: optional ``ClientRows``, the state's per-client rows that
+      the host layout keeps on the host (None: all state on the device).
   """
   name: str
   model: Model
@@ -162,6 +201,7 @@ class FederatedAlgorithm:
   evaluate_client: Optional[Callable] = None
   pre_round: Optional[PreRound] = None
   privacy: Optional[Any] = None
+  client_rows: Optional[ClientRows] = None
 
   def replace(self, **kw) -> 'FederatedAlgorithm':
     return dataclasses.replace(self, **kw)

@@ -17,7 +17,7 @@ from flax import struct
 import jax
 import jax.numpy as jnp
 
-from fedjax_personal.core.algorithm import FederatedAlgorithm
+from fedjax_personal.core.algorithm import ClientRows, FederatedAlgorithm
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_scatter
 
@@ -46,7 +46,7 @@ def persistent_client_optimizer(alg: FederatedAlgorithm, num_clients: int) -> Fe
 
   def server_broadcast(state, cohort, rc):
     shared, per_client = alg.server_broadcast(state.inner, cohort, rc)
-    return shared, (per_client, rows(state.opt_state, cohort.idx))
+    return shared, (per_client, rows(state.opt_state, cohort.rows))
 
   def unwrap(ctx):
     per_client, opt_state = ctx.state
@@ -61,7 +61,7 @@ def persistent_client_optimizer(alg: FederatedAlgorithm, num_clients: int) -> Fe
   def server_update(state, cohort, outputs, rc):
     out, opt_state = outputs
     inner, metrics = alg.server_update(state.inner, cohort, out, rc)
-    return WithClientOptState(inner, tree_scatter(state.opt_state, cohort.idx, opt_state)), metrics
+    return WithClientOptState(inner, tree_scatter(state.opt_state, cohort.rows, opt_state)), metrics
 
   pre_round = alg.pre_round
   if pre_round is not None:
@@ -72,8 +72,17 @@ def persistent_client_optimizer(alg: FederatedAlgorithm, num_clients: int) -> Fe
         pre_round, broadcast=lambda state, rc: alg.pre_round.broadcast(state.inner, rc),
         update=update)
 
+  # The optimizer states are client rows, with the algorithm's own if it has
+  # them: (inner rows or None, optimizer states).
+  inner_rows = alg.client_rows
+  client_rows = ClientRows(
+      get=lambda s: (None if inner_rows is None else inner_rows.get(s.inner), s.opt_state),
+      put=lambda s, r: WithClientOptState(
+          s.inner if inner_rows is None else inner_rows.put(s.inner, r[0]), r[1]),
+      models_from_rows=inner_rows is not None and inner_rows.models_from_rows)
+
   return alg.replace(init=init, server_broadcast=server_broadcast, client_work=wrapped,
-                     server_update=server_update,
+                     server_update=server_update, client_rows=client_rows,
                      client_models=lambda s: alg.client_models(s.inner),
                      communication=lambda s: alg.communication(s.inner),
                      pre_round=pre_round,

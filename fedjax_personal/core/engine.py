@@ -269,6 +269,8 @@ class RoundRunner:
       raise ValueError('the host layout runs on one process; several processes use '
                        '--layout=device')
     self.algorithm = algorithm
+    # The host layout keeps the algorithm's client rows with the population.
+    self.hosted_rows = self.host is not None and algorithm.client_rows is not None
     self.data = data
     self.population = population
     self.sampler = sampler
@@ -386,7 +388,10 @@ class RoundRunner:
     sampler = self.sampler
     self.feed = layout_lib.CohortFeed(host, jax.jit(lambda key: draw_cohort(sampler, key)))
     shapes = jax.eval_shape(alg.init, jax.random.key(0))
-    self._state_shardings = ex.state_shardings(shapes, host.num_clients)
+    # Hosted client rows come to the round as the cohort's: no client axis
+    # of N to shard.
+    self._state_shardings = (None if self.hosted_rows
+                             else ex.state_shardings(shapes, host.num_clients))
     phase = self._dispatched_pre_round(self._streamed_phase_outputs)
     if ex.fused:
       jitted = self._jit_round(fused_round)
@@ -411,7 +416,23 @@ class RoundRunner:
         self.feed.request(next_key, rnd + 1)
       state, metrics = work(state, key, jnp.asarray(rnd, jnp.int32), train, val, cohort, donate)
       return state, {**metrics, **ph}
-    self._round = round_host
+
+    def round_hosted(state, key, rnd, donate, next_key=None):
+      """The round of an algorithm whose client rows live on the host: the
+      cohort's rows gathered into the state, the new ones scattered back."""
+      cr, rows = alg.client_rows, layout_lib.host_rows(state.rows)
+      inner, ph = phase(state.inner, key, rnd)  # the phase never touches client rows
+      cohort, train, val = self.feed.get(key, rnd)
+      if next_key is not None:
+        self.feed.request(next_key, rnd + 1)
+      idx, mask = jax.device_get((cohort.idx, cohort.mask))
+      full = cr.put(inner, layout_lib.gather_rows(rows, idx))
+      full, metrics = work(full, key, jnp.asarray(rnd, jnp.int32), train, val,
+                           cohort.with_gathered_rows(host.num_clients), donate)
+      layout_lib.scatter_rows(rows, idx, mask & (idx < host.num_clients), cr.get(full))
+      inner = cr.put(full, layout_lib.empty_rows(rows))
+      return layout_lib.HostedState(inner, rows, cr), {**metrics, **ph}
+    self._round = round_hosted if self.hosted_rows else round_host
     self._evaluate = self._host_evaluation()
 
   def _streamed_phase_outputs(self, phase_client, shared, rc):
@@ -432,7 +453,9 @@ class RoundRunner:
   def _host_evaluation(self):
     """``evaluate(state, key, finetune) -> LossStats [N]`` over the store:
     clients grouped by static test length (``eval_buckets``), each group in
-    blocks of ``host.block`` clients gathered from the store."""
+    blocks of ``host.block`` clients gathered from the store. With hosted
+    client rows, a block's models come from a state holding the block's
+    rows (``ClientRows``' contract), client j of the block using model j."""
     alg, ex, host = self.algorithm, self.executor, self.host
     test_counts = host.counts('test')
     groups = eval_buckets(test_counts, int(test_counts.max(initial=0)))
@@ -454,25 +477,45 @@ class RoundRunner:
       # The training and validation splits are read only to fine-tune or
       # for an algorithm's own evaluation; otherwise they are empty rows.
       local_length = None if finetune or alg.evaluate_client is not None else 0
-      models = state if ex.fused else models_j(state)
+      by_rows = self.hosted_rows and alg.client_rows.models_from_rows
+      if by_rows:
+        rows = layout_lib.host_rows(state.rows)
+      else:  # the models do not read hosted rows: the state without them serves
+        state = state.inner if self.hosted_rows else state
+        models = state if ex.fused else models_j(state)
       out = [np.zeros(host.num_clients, np.float32) for _ in range(3)]
       for length, ids in groups:
         for b_ids, valid in layout_lib.blocks(ids, host.block):
           ids_j = jnp.asarray(b_ids, jnp.int32)
+          positions = jnp.arange(len(b_ids), dtype=jnp.int32)
+          model_of = ids_j
+          if by_rows:
+            block_state = alg.client_rows.put(state.inner, layout_lib.gather_rows(rows, b_ids))
+            models = block_state if ex.fused else models_j(block_state)
+            model_of = positions
           stats = block_fn(finetune, length)(
               models, host.gather('train', b_ids, local_length),
               host.gather('val', b_ids, local_length), host.gather('test', b_ids, length),
-              ids_j, jnp.arange(len(b_ids), dtype=jnp.int32), client_keys(key, ids_j), valid)
+              model_of, positions, client_keys(key, ids_j), valid)
           for o, a in zip(out, jax.device_get(stats)):
             o[b_ids[valid]] = np.asarray(a)[valid]
       return LossStats(*out)
     return evaluate
 
   def init(self, key):
-    """The algorithm's initial state (placed where the executor keeps it)."""
+    """The algorithm's initial state (placed where the executor keeps it;
+    with hosted client rows, a ``layout.HostedState``)."""
     if self._state_shardings is not None:  # made where it lives (every process its shards)
       return jax.jit(self.algorithm.init, out_shardings=self._state_shardings)(key)
-    return jax.jit(self.algorithm.init)(key)
+    state = jax.jit(self.algorithm.init)(key)
+    if self.hosted_rows:
+      return layout_lib.HostedState.split(state, self.algorithm.client_rows)
+    return state
+
+  def whole_state(self, state):
+    """The algorithm's state with every client's rows in it (a
+    ``HostedState`` joined; any other state as it is)."""
+    return state.whole() if isinstance(state, layout_lib.HostedState) else state
 
   def compiled_text(self, state, key, round_num: int = 0) -> str:
     """XLA's compiled HLO of one fused round (with a sharded executor, its

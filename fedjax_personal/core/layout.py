@@ -12,14 +12,23 @@ from the same key in both layouts, so the numbers agree (to float
 reassociation of padded rows: batches hold the same real examples in the
 same order, ``core.batching``). The algorithm never sees which runs it.
 
-Per-client state (personal models, control variates) stays on the device
-in both layouts.
+Per-client state: on the device layout, all of it in the state on the
+device. On the host layout, the part an algorithm declares as its client
+rows (``FederatedAlgorithm.client_rows``: personal models, control
+variates, FedDyn's gradients, persistent client optimizer states) lives
+with the population on the host (``HostedState``); a round receives the
+cohort's rows, gathered by index, and its new rows are scattered back
+(``Cohort.rows`` tells the algorithm where they are). State that a round
+reads across the population (FedFomo's candidates, user-centric's N x N
+mixing) stays on the device.
 """
 
 import concurrent.futures
 import dataclasses
 import functools
-from typing import Optional
+from typing import Any, Optional
+
+from flax import struct
 
 import jax
 import jax.numpy as jnp
@@ -130,6 +139,60 @@ class CohortFeed:
     if shape not in self.shapes:
       self.shapes.append(shape)
     return out
+
+
+@struct.dataclass
+class HostedState:
+  """The host layout's state of an algorithm with client rows.
+
+  Attributes:
+    inner: the algorithm's state with its client rows left out (empty
+      [0, ...] leaves), on the device.
+    rows: every client's rows, host (numpy) arrays [N, ...]; each round
+      writes its cohort's rows in place (the loop consumes the state it
+      passes to a round, as with donation on the device).
+    client_rows: the algorithm's ``ClientRows`` (static).
+  """
+  inner: Any
+  rows: Any
+  client_rows: Any = struct.field(pytree_node=False, default=None)
+
+  def whole(self):
+    """The algorithm's state with every client's rows in it (what the
+    device layout holds, and what a checkpoint saves in both layouts)."""
+    return self.client_rows.put(self.inner, self.rows)
+
+  @staticmethod
+  def split(whole, client_rows) -> 'HostedState':
+    """A whole state with its client rows moved to the host."""
+    rows = host_rows(jax.device_get(client_rows.get(whole)))
+    return HostedState(client_rows.put(whole, empty_rows(rows)), rows, client_rows)
+
+
+def empty_rows(rows):
+  """[0, ...] leaves in the place of client rows (the state between rounds)."""
+  return jax.tree.map(lambda a: jnp.zeros((0,) + tuple(a.shape[1:]), a.dtype), rows)
+
+
+def host_rows(rows):
+  """Client rows as writable host arrays (after init or a restore)."""
+  return jax.tree.map(
+      lambda a: a if isinstance(a, np.ndarray) and a.flags.writeable else np.array(a), rows)
+
+
+def gather_rows(rows, idx: np.ndarray):
+  """Rows ``idx`` (clipped to the population, as the device layout's gathers
+  clip a padded slot) as device arrays."""
+  n = jax.tree.leaves(rows)[0].shape[0]
+  safe = np.minimum(np.asarray(idx), n - 1)
+  return jax.tree.map(lambda a: jnp.asarray(a[safe]), rows)
+
+
+def scatter_rows(rows, idx: np.ndarray, valid: np.ndarray, new) -> None:
+  """``rows[idx[valid]] = new[valid]``, leaf by leaf, in place on the host."""
+  idx, valid = np.asarray(idx), np.asarray(valid, bool)
+  for a, b in zip(jax.tree.leaves(rows), jax.tree.leaves(jax.device_get(new))):
+    a[idx[valid]] = np.asarray(b)[valid]
 
 
 def blocks(clients: np.ndarray, block: int):

@@ -5,11 +5,16 @@ Partial personalization (Pillutla et al., ICML 2022): the model on client i is
 A ``ParamSplit`` names the personal leaves of a Flax parameter tree by a
 predicate over their '/'-joined paths (e.g. 'conv_0/kernel', 'output/bias').
 Presets:
-  * 'input': the model's input layer, the first of 'embed', 'conv_0',
-    'hidden_0', 'dense_0' present (personal input layer, Liang et al.);
+  * 'input': the model's input layer, the first of 'embed', 'stem', 'conv_0',
+    'hidden_0', 'dense_0' present (personal input layer, Liang et al.; the
+    seed's transformer: word and position embeddings, its ResNet: the first
+    convolution and its norm);
   * 'output': the 'output' module (FedRep / FedPer: personal head);
   * 'adapter': every module whose name contains 'adapter' (residual adapters,
-    see ``models``' ``adapter_dim``);
+    see ``models``' ``adapter_dim``) and every norm layer named 'norm*' (the
+    partial-personalization seed's adapter part keeps the norms personal);
+  * 'block:<i>': the module 'block_<i>' (a transformer block, a ResNet stage:
+    the seed's 'tr_layer' / 'res_layer' with ``--layers_to_finetune i``);
   * 'all_but_output': everything except the head (LG-FedAvg: local
     representation, global head);
   * 'all': the whole model (full personalization);
@@ -26,8 +31,8 @@ from typing import Callable, Dict, Tuple
 
 from flax import traverse_util
 
-PRESETS = ('input', 'output', 'adapter', 'all_but_output', 'all')
-INPUT_LAYERS = ('embed', 'conv_0', 'hidden_0', 'dense_0')  # names used by ``models``
+PRESETS = ('input', 'output', 'adapter', 'all_but_output', 'all', 'block:<i>')
+INPUT_LAYERS = ('embed', 'stem', 'conv_0', 'hidden_0', 'dense_0')  # names used by ``models``
 
 
 def flatten(params) -> Dict[str, object]:
@@ -89,7 +94,15 @@ def make_split(spec: str, params) -> ParamSplit:
     head = 'output' if 'output' in top else top[-1]
     pred = lambda p: p.split('/')[0] != head
   elif spec == 'adapter':
-    pred = lambda p: any('adapter' in part for part in p.split('/'))
+    if not any('adapter' in p for p in flatten(params)):
+      raise ValueError("personal part 'adapter': the model has no adapters (give --adapter_dim)")
+    pred = lambda p: any('adapter' in part or part.startswith('norm') for part in p.split('/'))
+  elif spec.startswith('block:'):
+    block = f'block_{spec[len("block:"):]}'
+    if block not in top:
+      raise ValueError(f'personal part {spec!r}: the model has no {block} '
+                       f'(its blocks: {[n for n in top if n.startswith("block_")] or "none"})')
+    pred = lambda p: p.split('/')[0] == block
   elif spec == 'all':
     pred = lambda p: True
   elif spec.startswith('split:'):

@@ -18,9 +18,28 @@ class Cohort:
     idx: int32 [C] client indices; padded slots hold N (one past the last
       client), which gathers clip and scatters drop.
     mask: bool [C], true for real (active) slots.
+    row_idx: where the round's state holds the cohort's client rows (see
+      ``rows``); None: at ``idx`` (the whole population's rows).
   """
   idx: jax.Array
   mask: jax.Array
+  row_idx: Optional[jax.Array] = None
+
+  @property
+  def rows(self) -> jax.Array:
+    """Indices of the cohort's rows in the state's client rows (the part an
+    algorithm declares as ``FederatedAlgorithm.client_rows``): ``idx`` when
+    the state holds every client's rows; positions 0..C-1 (padded slots C,
+    dropped by scatters) when the host layout hands the round only the
+    cohort's rows. Anything else per client (groups, N x N matrices, keys)
+    is indexed by ``idx``."""
+    return self.idx if self.row_idx is None else self.row_idx
+
+  def with_gathered_rows(self, num_clients: int) -> 'Cohort':
+    """This cohort for a state holding only its rows, in cohort order."""
+    c = self.idx.shape[0]
+    return self.replace(row_idx=jnp.where(self.idx < num_clients,
+                                          jnp.arange(c, dtype=jnp.int32), c))
 
 
 def _binomial_capacity(n: int, p: float, tail: float = 1e-9) -> int:

@@ -47,7 +47,7 @@ class Rows:
   where the client runs.
 
   An algorithm's ``server_broadcast`` returns ``rows(state.personal,
-  cohort.idx)`` for the cohort's per-client state; the executor gathers
+  cohort.rows)`` for the cohort's per-client state; the executor gathers
   each block's (or each client's) rows inside its loop, so the round never
   holds a gathered copy of the whole cohort's state. ``idx`` may have
   trailing axes (e.g. [C, K] candidates per client).
@@ -110,6 +110,11 @@ def tree_scatter(x: PyTree, idx, values: PyTree) -> PyTree:
   return scatter(x, idx[rest], jax.tree.map(lambda a: a[rest], values)) if rest.start < c else x
 
 
+
+
+def leading_size(x: PyTree) -> int:
+  """The leading (client) dimension of a stacked pytree (its first leaf's)."""
+  return jax.tree.leaves(x)[0].shape[0]
 
 
 def tree_broadcast(x: PyTree, n: int) -> PyTree:

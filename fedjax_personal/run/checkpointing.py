@@ -16,6 +16,7 @@ from typing import List, Optional
 import jax
 import orbax.checkpoint as ocp
 
+from fedjax_personal.core.layout import HostedState
 from fedjax_personal.run import faults, run_identity
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.run.experiment import Callback
@@ -26,10 +27,17 @@ def _is_key(x) -> bool:
 
 
 def to_saveable(state):
+  """The state as saved: PRNG keys as their data; client rows kept on the
+  host (``HostedState``) joined into the whole state, so that both layouts
+  save and restore the same checkpoint."""
+  if isinstance(state, HostedState):
+    state = state.whole()
   return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
 
 
 def from_saveable(saved, template):
+  if isinstance(template, HostedState):
+    return HostedState.split(from_saveable(saved, template.whole()), template.client_rows)
   return jax.tree.map(lambda s, t: jax.random.wrap_key_data(s, impl=jax.random.key_impl(t))
                       if _is_key(t) else s, saved, template)
 

@@ -27,6 +27,7 @@ from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.core.executors import EXECUTOR_NAMES, create_executor
 from fedjax_personal.models import INITS, MODELS, REFERENCE, create_model, weights
 from fedjax_personal.core.sampling import CohortSampler
+from fedjax_personal.core.tree_util import tree_bytes
 
 FLAGS = flags.FLAGS
 
@@ -92,6 +93,9 @@ flags.DEFINE_enum('layout', 'auto', list(layout_lib.LAYOUTS), 'Where the clients
                   'device (every client padded to the largest, on the device), host (the '
                   'population store; each round gathers its cohort) or auto (device when the '
                   'padded population takes at most a quarter of the free memory).')
+flags.DEFINE_integer('vocab_size', None, 'stackoverflow: the vocabulary, its most frequent words '
+                     '(plus PAD, BOS, EOS and one OOV id). Default: 10000, as Reddi et al. and '
+                     'the partial-personalization seed.')
 flags.DEFINE_integer('max_client_examples', None, 'Train on at most this many examples per client '
                      '(its first ones; TFF\'s baselines cap at 1000). Default: all.')
 flags.DEFINE_string('data_dir', None, 'Folder searched first for data files under their published '
@@ -308,6 +312,10 @@ def validate_flags():
   _check(FLAGS.eval_every >= 0, 'eval_every', f'must be >= 0, got {FLAGS.eval_every}')
   _check(FLAGS.block_size is None or FLAGS.block_size >= 1, 'block_size',
          f'must be >= 1, got {FLAGS.block_size}')
+  _check(FLAGS.vocab_size is None or FLAGS.dataset == 'stackoverflow', 'vocab_size',
+         f'sets the Stack Overflow vocabulary; --dataset={FLAGS.dataset} has none to set')
+  _check(FLAGS.vocab_size is None or FLAGS.vocab_size >= 1, 'vocab_size',
+         f'must be >= 1, got {FLAGS.vocab_size}')
   _check(FLAGS.max_client_examples is None or FLAGS.max_client_examples >= 1,
          'max_client_examples', f'must be >= 1, got {FLAGS.max_client_examples}')
   _check(FLAGS.layout != 'host' or not (FLAGS.sweep or FLAGS.sweep_seeds or FLAGS.trials > 1),
@@ -369,7 +377,7 @@ def data_config() -> datasets_lib.DataConfig:
       latent_features=FLAGS.latent_features,
       examples_per_client=FLAGS.examples_per_client, test_fraction=FLAGS.test_fraction,
       val_fraction=val_fraction(), max_examples=FLAGS.max_examples, data_dir=FLAGS.data_dir,
-      download=FLAGS.download)
+      download=FLAGS.download, vocab_size=FLAGS.vocab_size)
 
 
 def partition() -> str:
@@ -406,6 +414,8 @@ def job_identity(fingerprint: str, cap=None) -> dict:
   cfg.pop('data_dir')  # where the files are does not matter; their content does
   cfg.pop('download')
   cfg['seq_len'] = data_config().sequence_length  # as before seq_len could be None
+  if cfg['vocab_size'] is None:  # not given: earlier runs keep their identity
+    cfg.pop('vocab_size')
   if cfg['latent_features'] == 'pixels':  # the default before the field existed:
     cfg.pop('latent_features')            # earlier runs keep their identity
   return {'data': cfg, 'data_fingerprint': fingerprint,
@@ -481,6 +491,8 @@ class Job:
   data: Any = None
   population: Any = None
   layout: str = 'device'
+  layout_reason: str = ''
+  store: Any = None
   identity: dict = dataclasses.field(default_factory=dict)
   model: Any = None
   executor: Any = None
@@ -504,6 +516,7 @@ def main_job() -> Dict[str, dict]:
   load_data(job)
   build_model_and_executor(job)
   build_algorithms(job, settings)
+  settle_layout(job, settings)
   choose_output_dir(job)
   if FLAGS.dry_run:
     print(f'dry run: {len(job.algs)} algorithm(s) built; nothing trained or written')
@@ -550,7 +563,7 @@ def load_data(job: Job) -> None:
     layout, reason = 'device', ('sweeps and --trials' if job.cfgs is not None else
                                 'several processes') + ' run on the device layout'
   _say(population.describe())
-  _say(f'layout: {layout} ({reason})')
+  job.layout_reason, job.store = reason, store
   job.identity = job_identity(fingerprint, cap)
   if job.cfgs is not None:
     job.identity['sweep'] = {'sweep': FLAGS.sweep, 'sweep_seeds': FLAGS.sweep_seeds,
@@ -588,6 +601,35 @@ def build_algorithms(job: Job, settings) -> None:
   if FLAGS['dp_delta'].present and not any(a.privacy is not None for _, a, *_ in job.algs):
     raise ConfigError('dp_delta', 'does nothing: no requested algorithm runs DP-SGD '
                       '(--fedfomo_dp_clip_norm > 0)')
+
+
+def settle_layout(job: Job, settings) -> None:
+  """The layout once the algorithms' states are known, and the header line
+  saying which and why. On an accelerator whose free memory cannot hold the
+  padded population beside the largest state, ``auto`` moves to the host
+  layout (client rows with the population) and ``device`` is refused."""
+  free = memory.device_free_bytes()
+  if job.layout == 'device' and free is not None:
+    sizes = {alg.name: tree_bytes(jax.eval_shape(alg.init, jax.random.key(0)))
+             for _, alg, *_ in job.algs}
+    name = max(sizes, key=sizes.get)
+    need = job.store.padded_nbytes(FLAGS.max_client_examples) + sizes[name]
+    if need > free:
+      what = (f'the padded population and {name}\'s state need {need / layout_lib.GB:.2f} GB, '
+              f'{free / layout_lib.GB:.1f} GB free')
+      if FLAGS.layout == 'device' or job.cfgs is not None or jax.process_count() > 1:
+        raise ConfigError('layout', f'--layout=device: {what}; give --layout=host (one run '
+                          'on one process) or fewer clients')
+      job.layout, job.layout_reason = 'host', f'auto: {what}; client rows on the host'
+      job.population = job.store.population(FLAGS.max_client_examples)
+      job.data = HostData(job.store, FLAGS.max_client_examples)
+      build_algorithms(job, settings)
+  _say(f'layout: {job.layout} ({job.layout_reason})')
+  if job.layout == 'host':
+    for _, alg, *_ in job.algs:
+      if alg.client_rows is not None:
+        rows = alg.client_rows.get(jax.eval_shape(alg.init, jax.random.key(0)))
+        _say(f'  {alg.name}: client rows ({tree_bytes(rows) / layout_lib.GB:.3f} GB) on the host')
 
 
 def choose_output_dir(job: Job) -> None:

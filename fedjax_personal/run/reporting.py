@@ -276,6 +276,9 @@ class PrivacyRecorder(Callback):
     if isinstance(state, list):  # configurations run one after another
       steps = np.stack([np.asarray(jax.device_get(self.privacy.steps(s))) for s in state])
     else:  # one state, or a sweep's stacked [S, ...] state
+      from fedjax_personal.core.layout import HostedState
+      if isinstance(state, HostedState):  # step counters are not client rows
+        state = state.inner
       steps = np.asarray(jax.device_get(self.privacy.steps(state)))
     for record, st in zip(records, steps.reshape(len(records), -1)):
       record['dp_epsilon'] = worst_epsilon(self.privacy, st, self.delta)
