@@ -205,6 +205,13 @@ def read_word_count(path, vocab_size: int) -> List[str]:
   return words
 
 
+def stackoverflow_unscored(num_classes: int):
+  """The ids next-word accuracy leaves out (PAD, BOS, EOS, the OOV bucket):
+  Reddi et al.'s and the partial-personalization seed's accuracy counts only
+  in-vocabulary targets (the loss counts every non-pad one)."""
+  return (PAD, BOS, EOS, num_classes - 1)
+
+
 def tokenize_sentences(sentences, vocab: Dict[str, int], seq_len: int):
   """FedJAX's Stack Overflow tokenizer with one OOV bucket: ids 0 PAD, 1 BOS,
   2 EOS, 3.. the vocabulary, len(vocab) + 3 OOV; x = ids[:-1], y = ids[1:]

@@ -213,5 +213,6 @@ def cohort_train_metrics(stats: LossStats, mask) -> dict:
   loss = jnp.sum(stats.loss_sum * m)
   correct = jnp.sum(stats.correct * m)
   count = jnp.maximum(jnp.sum(stats.count * m), 1.0)
-  return {'train_loss': loss / count, 'train_accuracy': correct / count,
+  scored = jnp.maximum(jnp.sum(stats.accuracy_denominator * m), 1.0)
+  return {'train_loss': loss / count, 'train_accuracy': correct / scored,
           'num_active': jnp.sum(mask.astype(jnp.int32))}

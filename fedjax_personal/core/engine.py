@@ -483,7 +483,7 @@ class RoundRunner:
       else:  # the models do not read hosted rows: the state without them serves
         state = state.inner if self.hosted_rows else state
         models = state if ex.fused else models_j(state)
-      out = [np.zeros(host.num_clients, np.float32) for _ in range(3)]
+      out = [np.zeros(host.num_clients, np.float32) for _ in LossStats._fields]
       for length, ids in groups:
         for b_ids, valid in layout_lib.blocks(ids, host.block):
           ids_j = jnp.asarray(b_ids, jnp.int32)
@@ -559,15 +559,16 @@ def summarize(stats: LossStats) -> dict:
   """
   correct = np.asarray(stats.correct, np.float64)
   count = np.asarray(stats.count, np.float64)
+  scored = np.asarray(stats.accuracy_denominator, np.float64)
   loss = np.asarray(stats.loss_sum, np.float64)
-  has = count > 0
-  acc = correct[has] / count[has]
+  has = scored > 0
+  acc = correct[has] / scored[has]
   if acc.size == 0:
     return {'accuracy_mean': float('nan')}
   q = np.quantile(acc, [0.1, 0.25, 0.5, 0.75, 0.9])
   return {
       'accuracy_mean': float(acc.mean()),
-      'accuracy_weighted': float(correct.sum() / count.sum()),
+      'accuracy_weighted': float(correct.sum() / scored.sum()),
       'accuracy_worst': float(acc.min()),
       'accuracy_best': float(acc.max()),
       'accuracy_q10': float(q[0]), 'accuracy_q25': float(q[1]),
@@ -589,5 +590,5 @@ def evaluation_record(stats: LossStats) -> dict:
 
 def per_client_accuracy(stats: LossStats) -> np.ndarray:
   """Accuracy of each client on its test split (NaN without test data)."""
-  count = np.asarray(stats.count, np.float64)
-  return np.where(count > 0, np.asarray(stats.correct) / np.maximum(count, 1), np.nan)
+  scored = np.asarray(stats.accuracy_denominator, np.float64)
+  return np.where(scored > 0, np.asarray(stats.correct) / np.maximum(scored, 1), np.nan)

@@ -56,17 +56,25 @@ class Batch(NamedTuple):
 
 
 class LossStats(NamedTuple):
-  """Sums over a batch: loss, correct predictions and counted targets."""
+  """Sums over a batch: loss, correct predictions, counted targets (the
+  loss's denominator) and scored targets (accuracy's: the counted targets
+  less the model's ``unscored_targets``; None: all of them)."""
   loss_sum: jax.Array
   correct: jax.Array
   count: jax.Array
+  scored: Any = None
+
+  @property
+  def accuracy_denominator(self):
+    return self.count if self.scored is None else self.scored
 
 
 def zero_stats() -> LossStats:
-  return LossStats(jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
+  return LossStats(jnp.zeros(()), jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
 
 
-def per_example_stats(logits, y, mask, loss: str = 'cross_entropy') -> LossStats:
+def per_example_stats(logits, y, mask, loss: str = 'cross_entropy',
+                      unscored=()) -> LossStats:
   """Summed loss and correctness with padding masked.
 
   For 'cross_entropy', ``logits`` is [B, ..., C] and ``y`` integer [B, ...]:
@@ -74,22 +82,28 @@ def per_example_stats(logits, y, mask, loss: str = 'cross_entropy') -> LossStats
   >= 0 (-1 marks a padded position: no loss, not counted). For 'squared'
   (least squares), ``logits`` and ``y`` are [B, ...] and the loss of an
   example is 0.5 * (prediction - y)^2 summed over its outputs (correct = 0).
-  ``mask`` [B] masks whole examples.
+  ``mask`` [B] masks whole examples. Targets in ``unscored`` (next-word
+  prediction's PAD, BOS, EOS and OOV ids) count in the loss but not in the
+  accuracy, as Reddi et al. and the partial-personalization seed score it.
   """
   if loss == 'squared':
     err = 0.5 * jnp.square(logits - y).reshape(y.shape[0], -1).sum(-1)
     m = mask.astype(jnp.float32)
-    return LossStats(jnp.sum(err * m), jnp.zeros(()), jnp.sum(m))
+    return LossStats(jnp.sum(err * m), jnp.zeros(()), jnp.sum(m), jnp.sum(m))
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(y, 0))
   correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
   m = mask.reshape(mask.shape + (1,) * (y.ndim - mask.ndim)).astype(jnp.float32)
   m = jnp.broadcast_to(m, y.shape) * (y >= 0)  # -1: a padded target position
-  return LossStats(jnp.sum(ce * m), jnp.sum(correct * m), jnp.sum(m))
+  s = m
+  if unscored:
+    s = m * ~jnp.isin(y, jnp.asarray(unscored, y.dtype))
+  return LossStats(jnp.sum(ce * m), jnp.sum(correct * s), jnp.sum(m), jnp.sum(s))
 
 
 def batch_loss(model: Model, params, batch: Batch):
   """Mean masked cross-entropy over real examples, and its LossStats."""
-  stats = per_example_stats(model.apply(params, batch.x), batch.y, batch.mask, model.loss)
+  stats = per_example_stats(model.apply(params, batch.x), batch.y, batch.mask, model.loss,
+                            model.unscored_targets)
   return stats.loss_sum / jnp.maximum(stats.count, 1.0), stats
 
 
@@ -105,7 +119,8 @@ def get_batch(data: ClientData, idx, mask) -> Batch:
 def evaluate_params(model: Model, params, data: ClientData) -> LossStats:
   """LossStats of ``params`` on all real examples of one client."""
   mask = jnp.arange(data.x.shape[0]) < data.num_examples
-  return per_example_stats(model.apply(params, data.x), data.y, mask, model.loss)
+  return per_example_stats(model.apply(params, data.x), data.y, mask, model.loss,
+                           model.unscored_targets)
 
 
 # -- client work --------------------------------------------------------------

@@ -20,6 +20,7 @@ from fedjax_personal.models import initializers
 from fedjax_personal.models.architectures import (CNN, CharLSTM, LeNet5, LogisticRegression, MLP,
                                                   flatten)
 from fedjax_personal.models.initializers import INITS
+from fedjax_personal.models.seed_models import TRANSFORMER_SIZES, ResNetGN, TransformerLM
 from fedjax_personal.models.layers import (CONV_IMPLS, TILE_BYTES, TILE_MIN_BYTES, Adapter, Conv,
                                            Dense, LSTMCell, _strided_pool, as_float, avg_pool_2x2,
                                            batch_chunk, conv_as_matmul, conv_layout, from_layout,
@@ -38,16 +39,23 @@ class Model:
     module: the Flax module (for inspection), or None.
     loss: 'cross_entropy' (classification, integer targets) or 'squared'
       (least squares, float targets).
+    unscored_targets: class ids counted in the loss but not in the accuracy
+      (next-word prediction's PAD, BOS, EOS, OOV: ``scoring_only_words``).
   """
   name: str
   init: Callable[[jax.Array], Any]
   apply: Callable[[Any, jax.Array], jax.Array]
   module: Any = None
   loss: str = 'cross_entropy'
+  unscored_targets: tuple = ()
 
   def features(self, params, x):
     """The penultimate representation (models with a ``features`` method)."""
     return self.module.apply({'params': params}, x, method='features')
+
+  def scoring_only_words(self, ids) -> 'Model':
+    """This model with accuracy over the targets not in ``ids``."""
+    return dataclasses.replace(self, unscored_targets=tuple(int(i) for i in ids))
 
   def starting_from(self, params) -> 'Model':
     """This model with ``init`` returning ``params`` whatever the key: every
@@ -76,6 +84,8 @@ MODELS = {
     'char_lstm': lambda c, a, k, i: CharLSTM(c, adapter_dim=a, convention=i),
     'lstm_lm': lambda c, a, k, i: CharLSTM(c, embed_dim=96, hidden=670, num_layers=1,
                                            projection=96, adapter_dim=a, convention=i),
+    'reddi_char_lstm': lambda c, a, k, i: CharLSTM(c, embed_dim=8, hidden=256, num_layers=2,
+                                                   adapter_dim=a, convention=i),
     # The seeds' own models, as their code builds them.
     'usercentric_lenet5': lambda c, a, k, i: LeNet5(c, adapter_dim=a, conv_impl=k, convention=i,
                                                     pool='avg'),
@@ -86,6 +96,15 @@ MODELS = {
                                           kernel=3, pooled=(True, True, False)),
     'pfedme_cnn': lambda c, a, k, i: CNN(c, conv_features=(6, 16), dense=(120, 84),
                                          adapter_dim=a, conv_impl=k, convention=i, padding='VALID'),
+    # The partial-personalization seed's models (Pillutla et al., arXiv 2204.03809).
+    'transformer_lm': lambda c, a, k, i: TransformerLM(c, 'mini', adapter_dim=a, convention=i),
+    'transformer_lm_tied': lambda c, a, k, i: TransformerLM(c, 'mini', adapter_dim=a, tied=True,
+                                                            convention=i),
+    'transformer_lm_tiny': lambda c, a, k, i: TransformerLM(c, 'tiny', adapter_dim=a,
+                                                            convention=i),
+    'resnet18_gn': lambda c, a, k, i: ResNetGN(c, adapter_dim=a, convention=i),
+    'reddi_resnet18_gn': lambda c, a, k, i: ResNetGN(c, adapter_dim=a, groups=2, large_stem=True,
+                                                     convention=i),
     # Reddi et al.'s EMNIST model (the field's standard task).
     'reddi_emnist_cnn': lambda c, a, k, i: CNN(c, conv_features=(32, 64), dense=(128,),
                                                adapter_dim=a, conv_impl=k, convention=i,
@@ -104,8 +123,26 @@ REFERENCE = {
     'reddi_emnist_cnn': ('Adaptive Federated Optimization (Reddi et al., arXiv 2003.00295), its '
                          'EMNIST CNN as TFF builds it: conv 32, 64 @3x3 valid, max pool after the '
                          'second, dense 128 (Keras); without its dropout (0.25, 0.5)', 'keras'),
+    'reddi_char_lstm': ('Adaptive Federated Optimization (Reddi et al.), its Shakespeare '
+                        'next-character model as TFF builds it: embedding 8, two LSTM layers of '
+                        '256 (Keras)', 'keras'),
     'lstm_lm': ('Adaptive Federated Optimization (Reddi et al.), its Stack Overflow next-word '
                 'LSTM as TFF builds it: embedding 96, LSTM 670, dense 96, output (Keras)', 'keras'),
+    'transformer_lm': ('partial personalization (Pillutla et al., arXiv 2204.03809), '
+                       'pfl/models/wordlm_transformer.py at --arch_size mini, decoder untied '
+                       '(as the code unties it for input/output personal parts): 4 post-norm '
+                       'blocks, 4 heads of 64, d 256, MLP 1,024 (PyTorch; its own N(0, 0.02))',
+                       'pytorch'),
+    'transformer_lm_tied': ('the same transformer with the decoder tied to the word embedding '
+                            '(the code\'s default, about 6M parameters)', 'pytorch'),
+    'transformer_lm_tiny': ('the same transformer at --arch_size tiny: 2 blocks, 2 heads of 64, '
+                            'd 128, MLP 512 (untied)', 'pytorch'),
+    'resnet18_gn': ('partial personalization (Pillutla et al.), pfl/models/resnet_utils.py '
+                    'ResNetGN for 28x28 (EMNIST): ResNet-18, GroupNorm by its table, 3x3 stem '
+                    '(PyTorch; Kaiming-normal convolutions)', 'pytorch'),
+    'reddi_resnet18_gn': ('Adaptive Federated Optimization (Reddi et al.), the CIFAR-100 '
+                          'ResNet-18: ImageNet stem (7x7 stride 2, max pool), GroupNorm of 2 '
+                          'groups', 'pytorch'),
     'pfedme_cnn': ('pFedMe (Dinh et al.), FLAlgorithms/trainmodel/models.py CifarNet, the '
                    'PyTorch tutorial CNN (also FedFomo\'s base_cnn): conv 6, 16 @5x5 valid, '
                    'dense 120-84 (PyTorch)', 'pytorch'),

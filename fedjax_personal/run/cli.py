@@ -583,6 +583,9 @@ def build_model_and_executor(job: Job) -> None:
               else job.data.train.x[0, :1])
   job.model = create_model(FLAGS.model, job.population.num_classes, sample_x, FLAGS.adapter_dim,
                            init=FLAGS.model_init)
+  if FLAGS.dataset == 'stackoverflow':  # accuracy over in-vocabulary words
+    job.model = job.model.scoring_only_words(
+        datasets_lib.natural.stackoverflow_unscored(job.population.num_classes))
   if FLAGS.init_weights:
     job.model = job.model.starting_from(weights.load(FLAGS.init_weights, job.model, sample_x))
   try:
