@@ -164,8 +164,18 @@ class HostedState:
 
   @staticmethod
   def split(whole, client_rows) -> 'HostedState':
-    """A whole state with its client rows moved to the host."""
-    rows = host_rows(jax.device_get(client_rows.get(whole)))
+    """A whole state (consumed) with its client rows moved to the host, leaf
+    by leaf: each device leaf is freed once copied, so the move holds one
+    leaf twice, not every row."""
+    moved = {}  # id -> copy: a leaf that appears twice is copied once
+
+    def move(a):
+      if id(a) not in moved:
+        moved[id(a)] = np.array(a)
+        if isinstance(a, jax.Array):
+          a.delete()
+      return moved[id(a)]
+    rows = jax.tree.map(move, client_rows.get(whole))
     return HostedState(client_rows.put(whole, empty_rows(rows)), rows, client_rows)
 
 
