@@ -19,7 +19,7 @@ on CIFAR-10 (Dirichlet label skew, LeNet-5).
 Table D: the seed's own next-word task at a size this machine runs: its word
 transformer (``transformer_lm_tiny``: 2 blocks, d 128; the paper's is 4
 blocks, d 256) on a generated Stack Overflow-shaped population (log-normal
-sentences per user, sentences of 4-19 words over a 1,200-word vocabulary with
+sentences per user, sentences of 4-19 words over a 400-word vocabulary with
 PAD / BOS / EOS / OOV, tokenized by the Stack Overflow loader), in which every
 user renders a third of the shared grammar's words with a synonym of their own
 and continues sentences with personal preferences: FedAvg against FedAlt with
@@ -68,7 +68,7 @@ flags.DEFINE_list('methods', [], 'Subset of tables B/C rows as method/part, e.g.
 flags.DEFINE_integer('cifar_clients', None, 'Table C clients (cpu 20, paper 100).', lower_bound=2)
 flags.DEFINE_integer('cifar_rounds', None, 'Table C rounds (cpu 30, paper 200).', lower_bound=1)
 flags.DEFINE_integer('nwp_clients', None, 'Table D users (cpu 40, paper 1000).', lower_bound=2)
-flags.DEFINE_integer('nwp_rounds', None, 'Table D rounds (cpu 60, paper 500).', lower_bound=1)
+flags.DEFINE_integer('nwp_rounds', None, 'Table D rounds (cpu 100, paper 500).', lower_bound=1)
 flags.DEFINE_list('tables', ['A', 'B', 'C'], 'Which tables to run (D: next-word prediction).')
 FLAGS = flags.FLAGS
 
@@ -89,7 +89,7 @@ def sizes():
       cifar_clients=reproduce.scaled(FLAGS.cifar_clients, 20, 100),
       cifar_rounds=reproduce.scaled(FLAGS.cifar_rounds, 30, 200),
       nwp_clients=reproduce.scaled(FLAGS.nwp_clients, 40, 1000),
-      nwp_rounds=reproduce.scaled(FLAGS.nwp_rounds, 60, 500))
+      nwp_rounds=reproduce.scaled(FLAGS.nwp_rounds, 100, 500))
 
 
 def run(name, data, model, settings, rounds, cohort, eval_every):
@@ -220,39 +220,42 @@ def table_c(results):
 NWP_PARTIAL = [('fedavg', None), ('fedalt', 'input'), ('fedalt', 'output'), ('fedalt', 'adapter')]
 
 
-def generated_stackoverflow(num_users: int, seed: int, concepts: int = 300, synonyms: int = 3,
-                            seq_len: int = 20):
+def generated_stackoverflow(num_users: int, seed: int, concepts: int = 100, synonyms: int = 3,
+                            seq_len: int = 20, median: int = 60, personal: float = 0.5):
   """A Stack Overflow-shaped population with personal language, tokenized
   as the Stack Overflow loader tokenizes its files (``natural.tokenize_sentences``).
 
   A shared grammar: ``concepts`` word classes with a sparse bigram chain
-  (each continues to 6 classes, Zipf weights). User u renders a random third
+  (each continues to 4 classes, Zipf weights). User u renders a random third
   of the classes with one of ``synonyms`` words of its own choosing (the rest
-  with the class's common word) and draws each next class from its own
-  preferred successors with probability 0.4. Sentences per user: log-normal
-  (median 30, the field's long tail), at least 8; a quarter (at least 2) are
-  held out for the test split. Vocabulary: the common words and synonyms,
-  ``concepts * (1 + synonyms)`` ids plus PAD, BOS, EOS, OOV.
+  with the class's common word) and draws each next class from its own 2
+  preferred successors with probability ``personal``. Sentences per user:
+  log-normal (``median``, the field's long tail), at least 8; a quarter (at
+  least 2) are held out for the test split. Vocabulary: the common words and
+  synonyms, ``concepts * (1 + synonyms)`` ids plus PAD, BOS, EOS, OOV. With
+  the defaults and 40 users, bigram counts over the pooled training splits
+  score 13.9% in-vocabulary accuracy on the test splits, each user's own
+  counts added (x20) 20.1%: the headroom personalization can take.
   """
   from fedjax_personal.core.data import ClientData, FederatedData, pad_clients
   rng = np.random.default_rng(seed)
   words = [[f'c{k}'] + [f'c{k}s{j}' for j in range(synonyms)] for k in range(concepts)]
   vocab = {w: i + 3 for i, w in enumerate(w for group in words for w in group)}
-  nxt = np.stack([rng.choice(concepts, 6, replace=False) for _ in range(concepts)])
-  zipf = 1.0 / np.arange(1, 7)
+  nxt = np.stack([rng.choice(concepts, 4, replace=False) for _ in range(concepts)])
+  zipf = 1.0 / np.arange(1, 5)
   zipf /= zipf.sum()
   splits = {'train': [], 'test': []}
   for u in range(num_users):
-    own = np.stack([rng.choice(concepts, 3, replace=False) for _ in range(concepts)])
+    own = np.stack([rng.choice(concepts, 2, replace=False) for _ in range(concepts)])
     render = [words[k][0] if rng.random() > 1 / 3 else words[k][1 + rng.integers(synonyms)]
               for k in range(concepts)]
-    n = max(8, int(rng.lognormal(np.log(30), 0.8)))
+    n = max(8, int(rng.lognormal(np.log(median), 0.8)))
     sentences = []
     for _ in range(n):
       k, text = int(rng.integers(concepts)), []
       for _ in range(int(rng.integers(4, 20))):
         text.append(render[k])
-        k = int(own[k, rng.integers(3)] if rng.random() < 0.4 else rng.choice(nxt[k], p=zipf))
+        k = int(own[k, rng.integers(2)] if rng.random() < personal else rng.choice(nxt[k], p=zipf))
       sentences.append(' '.join(text))
     held = max(2, n // 4)
     for split, part in (('train', sentences[held:]), ('test', sentences[:held])):
