@@ -293,12 +293,17 @@ def test_next_word_accuracy_scores_in_vocabulary_targets_only():
   y = jnp.array([[3, 4, 2, -1], [6, 5, 5, 2]])
   pred = jnp.array([[3, 0, 2, 0], [6, 5, 4, 2]])  # right on 3, EOS, OOV, 5, EOS
   logits = jax.nn.one_hot(pred, v) * 5.0
+  logits = logits.at[0, 1, 4].set(4.0).at[1, 2, 5].set(3.0)  # second guesses: 4, then 5
   stats = per_example_stats(logits, y, jnp.array([True, True]),
-                            unscored=natural.stackoverflow_unscored(v))
+                            unscored=natural.stackoverflow_unscored(v), top_k=2)
   assert float(stats.count) == 7 and float(stats.scored) == 4  # words 3, 4 / 5, 5
   assert float(stats.correct) == 2  # 3 and the first 5
+  assert float(stats.correct_top_k) == 4  # all four in the top 2
   plain = per_example_stats(logits, y, jnp.array([True, True]))
   assert float(plain.correct) == 5 and float(plain.scored) == 7
   np.testing.assert_allclose(float(stats.loss_sum), float(plain.loss_sum))
   per_client = jax.tree.map(lambda a: jnp.stack([a, a]), stats)
-  assert summarize(per_client)['accuracy_mean'] == pytest.approx(0.5)
+  summary = summarize(per_client)
+  assert summary['accuracy_mean'] == pytest.approx(0.5)
+  assert summary['accuracy_top_k_mean'] == pytest.approx(1.0)
+  assert 'accuracy_top_k_mean' not in summarize(jax.tree.map(lambda a: jnp.stack([a, a]), plain))

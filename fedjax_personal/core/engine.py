@@ -575,11 +575,23 @@ def summarize(stats: LossStats) -> dict:
       'accuracy_median': float(q[2]), 'accuracy_q75': float(q[3]),
       'accuracy_q90': float(q[4]),
       'loss_weighted': float(loss.sum() / count.sum()),
+      **_top_k_summary(stats, has, scored),
       'num_eval_clients': int(has.sum()),
       # Clients without test examples: excluded from every statistic above
       # (their per-client accuracy is written as null).
       'num_excluded_clients': int((~has).sum()),
   }
+
+
+def _top_k_summary(stats: LossStats, has, scored) -> dict:
+  """Mean and weighted top-k accuracy when the model reports it."""
+  if stats.correct_top_k is None:
+    return {}
+  top = np.asarray(stats.correct_top_k, np.float64)
+  if np.isnan(top).all():  # the model computes no top-k
+    return {}
+  return {'accuracy_top_k_mean': float((top[has] / scored[has]).mean()),
+          'accuracy_top_k_weighted': float(top.sum() / scored.sum())}
 
 
 def evaluation_record(stats: LossStats) -> dict:

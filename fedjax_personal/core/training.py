@@ -57,12 +57,15 @@ class Batch(NamedTuple):
 
 class LossStats(NamedTuple):
   """Sums over a batch: loss, correct predictions, counted targets (the
-  loss's denominator) and scored targets (accuracy's: the counted targets
-  less the model's ``unscored_targets``; None: all of them)."""
+  loss's denominator), scored targets (accuracy's: the counted targets less
+  the model's ``unscored_targets``; None: all of them) and scored targets
+  among the model's ``top_k`` highest logits (NaN when ``top_k`` is 0: not
+  computed)."""
   loss_sum: jax.Array
   correct: jax.Array
   count: jax.Array
   scored: Any = None
+  correct_top_k: Any = None
 
   @property
   def accuracy_denominator(self):
@@ -70,11 +73,11 @@ class LossStats(NamedTuple):
 
 
 def zero_stats() -> LossStats:
-  return LossStats(jnp.zeros(()), jnp.zeros(()), jnp.zeros(()), jnp.zeros(()))
+  return LossStats(*(jnp.zeros(()) for _ in LossStats._fields))
 
 
 def per_example_stats(logits, y, mask, loss: str = 'cross_entropy',
-                      unscored=()) -> LossStats:
+                      unscored=(), top_k: int = 0) -> LossStats:
   """Summed loss and correctness with padding masked.
 
   For 'cross_entropy', ``logits`` is [B, ..., C] and ``y`` integer [B, ...]:
@@ -85,11 +88,14 @@ def per_example_stats(logits, y, mask, loss: str = 'cross_entropy',
   ``mask`` [B] masks whole examples. Targets in ``unscored`` (next-word
   prediction's PAD, BOS, EOS and OOV ids) count in the loss but not in the
   accuracy, as Reddi et al. and the partial-personalization seed score it.
+  With ``top_k``, ``correct_top_k`` counts the scored targets among the
+  ``top_k`` highest logits.
   """
   if loss == 'squared':
     err = 0.5 * jnp.square(logits - y).reshape(y.shape[0], -1).sum(-1)
     m = mask.astype(jnp.float32)
-    return LossStats(jnp.sum(err * m), jnp.zeros(()), jnp.sum(m), jnp.sum(m))
+    return LossStats(jnp.sum(err * m), jnp.zeros(()), jnp.sum(m), jnp.sum(m),
+                     jnp.full((), jnp.nan))
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(y, 0))
   correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
   m = mask.reshape(mask.shape + (1,) * (y.ndim - mask.ndim)).astype(jnp.float32)
@@ -97,13 +103,17 @@ def per_example_stats(logits, y, mask, loss: str = 'cross_entropy',
   s = m
   if unscored:
     s = m * ~jnp.isin(y, jnp.asarray(unscored, y.dtype))
-  return LossStats(jnp.sum(ce * m), jnp.sum(correct * s), jnp.sum(m), jnp.sum(s))
+  top = jnp.full((), jnp.nan)
+  if top_k:
+    _, best = jax.lax.top_k(logits, top_k)
+    top = jnp.sum(jnp.any(best == y[..., None], -1).astype(jnp.float32) * s)
+  return LossStats(jnp.sum(ce * m), jnp.sum(correct * s), jnp.sum(m), jnp.sum(s), top)
 
 
 def batch_loss(model: Model, params, batch: Batch):
   """Mean masked cross-entropy over real examples, and its LossStats."""
   stats = per_example_stats(model.apply(params, batch.x), batch.y, batch.mask, model.loss,
-                            model.unscored_targets)
+                            model.unscored_targets)  # no top-k while training
   return stats.loss_sum / jnp.maximum(stats.count, 1.0), stats
 
 
@@ -120,7 +130,7 @@ def evaluate_params(model: Model, params, data: ClientData) -> LossStats:
   """LossStats of ``params`` on all real examples of one client."""
   mask = jnp.arange(data.x.shape[0]) < data.num_examples
   return per_example_stats(model.apply(params, data.x), data.y, mask, model.loss,
-                           model.unscored_targets)
+                           model.unscored_targets, model.top_k)
 
 
 # -- client work --------------------------------------------------------------

@@ -41,6 +41,7 @@ class Model:
       (least squares, float targets).
     unscored_targets: class ids counted in the loss but not in the accuracy
       (next-word prediction's PAD, BOS, EOS, OOV: ``scoring_only_words``).
+    top_k: when > 0, evaluations also report the top-k accuracy.
   """
   name: str
   init: Callable[[jax.Array], Any]
@@ -48,14 +49,16 @@ class Model:
   module: Any = None
   loss: str = 'cross_entropy'
   unscored_targets: tuple = ()
+  top_k: int = 0
 
   def features(self, params, x):
     """The penultimate representation (models with a ``features`` method)."""
     return self.module.apply({'params': params}, x, method='features')
 
-  def scoring_only_words(self, ids) -> 'Model':
-    """This model with accuracy over the targets not in ``ids``."""
-    return dataclasses.replace(self, unscored_targets=tuple(int(i) for i in ids))
+  def scoring_only_words(self, ids, top_k: int = 5) -> 'Model':
+    """This model with accuracy over the targets not in ``ids`` and the
+    top-``top_k`` accuracy reported (next-word prediction)."""
+    return dataclasses.replace(self, unscored_targets=tuple(int(i) for i in ids), top_k=top_k)
 
   def starting_from(self, params) -> 'Model':
     """This model with ``init`` returning ``params`` whatever the key: every
