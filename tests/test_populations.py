@@ -109,9 +109,12 @@ def emnist_store(tmp_path_factory):
                                val_fraction=0.2, data_dir=str(folder)))
 
 
-def _train(alg_name, data, population, model, sampler, training):
+def _train(alg_name, data, population, model, sampler, training, executor='vmap'):
   alg = algorithms.build(alg_name, model, population, training=training)
-  runner = RoundRunner(alg, data, sampler, fp.executors.VmapExecutor())
+  runner = RoundRunner(alg, data, sampler,
+                       fp.executors.create_executor(executor, model, population.sample_x
+                                                    if hasattr(population, 'sample_x')
+                                                    else population.train.x[0, :1]))
   state, history = run(runner, 3, seed=2, eval_every=3)
   return runner, state, history
 
@@ -153,6 +156,24 @@ def test_host_layout_equals_device_layout(emnist_store, alg_name, participation,
     for k in a:
       if k != 'round_seconds':
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_host_layout_equals_device_layout_with_the_sequential_executor(emnist_store):
+  """Client work dispatched one client at a time (the executor of
+  convolutional models on CPU), Ditto's personal models on the host."""
+  store = emnist_store
+  model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,)), store.population().sample_x)
+  sampler = CohortSampler(16, participation=0.3)
+  training = TrainingConfig(client_lr=0.1, batch_size=8)
+  device = to_device(store.padded())
+  _, s_dev, h_dev = _train('ditto', device, device, model, sampler, training, 'sequential')
+  runner, s_host, h_host = _train('ditto', HostData(store, block=6, smallest=4),
+                                  store.population(), model, sampler, training, 'sequential')
+  assert runner.hosted_rows
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               runner.whole_state(s_host), s_dev)
+  np.testing.assert_allclose(h_host[-1]['per_client_accuracy'], h_dev[-1]['per_client_accuracy'],
+                             atol=1e-6)
 
 
 def test_host_layout_fine_tuned_evaluation_and_cap(emnist_store):
