@@ -21,6 +21,7 @@ def run_benchmark(tmp_path, *flags, device=True):
   return proc.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.slow  # ~19 s; the interleaved table below runs in the suite
 def test_device_command_executor_table(tmp_path):
   # auto against the PyTorch loop where torch is installed (CI: the MLP and
   # auto alone; LeNet-5 and the JAX-loop rows run in the slow test below).

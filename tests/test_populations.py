@@ -122,8 +122,11 @@ def _train(alg_name, data, population, model, sampler, training, executor='vmap'
 @pytest.mark.parametrize('alg_name,participation,opt_state', [
     ('fedavg', None, 'reset'), ('fedavg', 0.3, 'reset'), ('ditto', None, 'reset'),
     ('scaffold', 0.3, 'reset'), ('fedfomo', None, 'reset'), ('usercentric', None, 'persistent'),
-    ('local', None, 'persistent'), ('fedalt', None, 'reset'), ('feddyn', 0.3, 'reset'),
-    ('apfl', None, 'reset')])
+    # More client rows (slow: the suite keeps one of each kind above).
+    pytest.param('local', None, 'persistent', marks=pytest.mark.slow),
+    pytest.param('fedalt', None, 'reset', marks=pytest.mark.slow),
+    pytest.param('feddyn', 0.3, 'reset', marks=pytest.mark.slow),
+    pytest.param('apfl', None, 'reset', marks=pytest.mark.slow)])
 def test_host_layout_equals_device_layout(emnist_store, alg_name, participation, opt_state):
   """Several rounds, sampled cohorts, evaluation: the same numbers and the
   same final state; client rows (personal models, control variates, FedDyn's
@@ -158,6 +161,7 @@ def test_host_layout_equals_device_layout(emnist_store, alg_name, participation,
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.slow
 def test_host_layout_equals_device_layout_with_the_sequential_executor(emnist_store):
   """Client work dispatched one client at a time (the executor of
   convolutional models on CPU), Ditto's personal models on the host."""

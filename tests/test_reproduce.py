@@ -93,6 +93,7 @@ def test_bad_flags_exit_2_naming_the_flag(tmp_path, name, args, flag):
   assert flag in r.stderr and 'Traceback' not in r.stderr
 
 
+@pytest.mark.slow  # ~35 s; the epsilon per round is test_privacy's
 def test_fedfomo_dp_table_reports_epsilon(tmp_path):
   # One sigma (2 cells, each compiles its own round): sigma = 0 is the plain
   # algorithm, with nothing to account (test_privacy.py), and its epsilon
@@ -133,6 +134,7 @@ def test_dp_epsilon_text():
   assert epsilon_text(None) == 'inf' and epsilon_text(4.7312) == '4.73'
 
 
+@pytest.mark.slow  # ~16 s; strict JSON is test_results_json_is_strict's
 def test_user_centric_table_written_as_json_and_markdown(tmp_path):
   r = script('reproduce_user_centric.py', f'--output_dir={tmp_path}', '--scenarios=1',
              '--methods=fedavg,usercentric_k4', '--trials=1', '--rounds=1', '--num_clients=4',
