@@ -38,6 +38,7 @@ def test_device_command_executor_table(tmp_path):
     assert ('torch' in executors) == (r['speedup_vs_torch'] is not None)
 
 
+@pytest.mark.slow  # ~14 s; the benchmark's commands dry-run in test_docs
 def test_interleaved_executor_table_pairs_rounds(tmp_path):
   # The CPU default: workers side by side, rounds timed in turn, "vs" columns
   # from round-by-round ratios.
