@@ -125,15 +125,16 @@ def print_table(title, rows):
       [[n, p or '-', r['mean'], r['worst'], r['q10']] for (n, p), r in rows.items()])))
 
 
-def partial_table(data, make_model, settings, rounds, cohort, eval_every):
+def partial_table(data, make_model, settings, rounds, cohort, eval_every, methods=PARTIAL):
+  """The rows ``methods`` (those of ``--methods`` only, when given);
+  ``make_model(adapter)`` builds the model, with adapters when ``adapter``."""
   rows = {}
-  wanted = PARTIAL
+  wanted = methods
   if FLAGS.methods:
     keys = {tuple(m.split('/')) for m in FLAGS.methods}
-    wanted = [(n, p) for n, p in PARTIAL if (n, (p or '-').split(' ')[0]) in keys]
+    wanted = [(n, p) for n, p in methods if (n, (p or '-').split(' ')[0]) in keys]
   for name, part in wanted:
-    adapter = part == 'adapter'
-    model = make_model(8 if adapter else 0)
+    model = make_model(part == 'adapter')
     own = dict(personal_part=part) if name in ('fedalt', 'fedsim') else {}
     rows[(name, part)] = run(name, data, model, {**settings, **own}, rounds, cohort, eval_every)
     print(f'  {name} {part}: mean {rows[(name, part)]["mean"]} worst {rows[(name, part)]["worst"]}',
@@ -196,7 +197,8 @@ def table_b(results):
   # No evaluation fine-tuning except fedavg_ft's own (5 steps): finetune_steps
   # would add it to every algorithm of the table.
   hp = dict(client_lr=1.0, batch_size=16, local_steps=FLAGS.shakespeare_local_steps)
-  rows = partial_table(shakes, make_lstm, hp, S.shakespeare_rounds,
+  rows = partial_table(shakes, lambda adapter: make_lstm(8 if adapter else 0), hp,
+                       S.shakespeare_rounds,
                        S.shakespeare_clients, 5)
   print_table(f'Table B: Shakespeare, {S.shakespeare_clients} roles, '
               f'{S.shakespeare_rounds} rounds of {FLAGS.shakespeare_local_steps} steps, '
@@ -212,7 +214,8 @@ def table_c(results):
   print(cifar.describe())
   sample = cifar.train.x[0, :1]
   hp = dict(client_lr=0.05, batch_size=32, local_steps=10)
-  rows = partial_table(cifar, lambda a: create_model('lenet5', 10, sample, a), hp,
+  rows = partial_table(cifar, lambda adapter: create_model('lenet5', 10, sample,
+                                                          8 if adapter else 0), hp,
                        S.cifar_rounds, S.cifar_clients // 2, 10)
   print_table(f'Table C: CIFAR-10, {S.cifar_clients} clients Dirichlet 0.3, half per round, '
               f'{S.cifar_rounds} rounds, LeNet-5', rows)
@@ -279,18 +282,11 @@ def table_d(results):
   # ~30 sentences) with a rate tuned for the small model; server SGD 1.
   hp = dict(client_lr=0.5, batch_size=16, local_epochs=1,
             **({'client_grad_clip': FLAGS.nwp_grad_clip} if FLAGS.nwp_grad_clip else {}))
-  rows = {}
-  wanted = [(n, p) for n, p in NWP_PARTIAL
-            if not FLAGS.methods or f'{n}/{p or "-"}' in FLAGS.methods]
-  for name, part in wanted:
-    model = create_model('transformer_lm_tiny', data.num_classes, sample,
-                         16 if part == 'adapter' else 0).scoring_only_words(
-                             natural.stackoverflow_unscored(data.num_classes))
-    own = dict(personal_part=part) if part else {}
-    rows[(name, part)] = run(name, data, model, {**hp, **own}, S.nwp_rounds,
-                             max(2, S.nwp_clients // 4), 10)
-    print(f'  {name} {part}: mean {rows[(name, part)]["mean"]} worst {rows[(name, part)]["worst"]}',
-          flush=True)
+  unscored = natural.stackoverflow_unscored(data.num_classes)
+  rows = partial_table(
+      data, lambda adapter: create_model('transformer_lm_tiny', data.num_classes, sample,
+                                         16 if adapter else 0).scoring_only_words(unscored),
+      hp, S.nwp_rounds, max(2, S.nwp_clients // 4), 10, NWP_PARTIAL)
   print_table(f'Table D: next-word prediction, {S.nwp_clients} generated Stack Overflow-shaped '
               f'users (personal synonyms and continuations), a quarter per round, {S.nwp_rounds} '
               f'rounds, the seed\'s transformer at --arch_size tiny'

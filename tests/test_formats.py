@@ -17,17 +17,6 @@ def _own_cache(tmp_path, monkeypatch):
   monkeypatch.delenv('FEDJAX_PERSONAL_DATA', raising=False)
 
 
-@pytest.fixture
-def made_not_released(monkeypatch):
-  """Made files have the published names, not the releases' bytes: drop the
-  releases' checksums and sizes (tested on their own below)."""
-  import dataclasses
-  from fedjax_personal.datasets import sources
-  monkeypatch.setattr(sources, 'FILES', {
-      k: tuple(dataclasses.replace(f, md5=None, sha256=None, size=None) for f in v)
-      for k, v in sources.FILES.items()})
-
-
 def _rows(data, split, i):
   n = int(data.__getattribute__(split).num_examples[i])
   return data.__getattribute__(split).x[i, :n], data.__getattribute__(split).y[i, :n]

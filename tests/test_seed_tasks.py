@@ -2,13 +2,11 @@
 each is accepted as written, builds everything on made files in the
 published formats (dry run), and trains a few rounds there (slow)."""
 
-import dataclasses
 import os
 
 import numpy as np
 import pytest
 
-from fedjax_personal.datasets import sources
 from fedjax_personal.run import cli
 from helpers import parse_flags
 import made_files
@@ -16,14 +14,6 @@ import made_files
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = ['partial_stackoverflow_transformer', 'partial_emnist_resnet', 'reddi_emnist_cnn',
          'reddi_shakespeare_lstm', 'reddi_stackoverflow_lstm', 'reddi_cifar100_resnet']
-
-
-@pytest.fixture
-def made_not_released(monkeypatch):
-  """Made files carry the published names, not the releases' bytes."""
-  monkeypatch.setattr(sources, 'FILES', {
-      k: tuple(dataclasses.replace(f, md5=None, sha256=None, size=None) for f in v)
-      for k, v in sources.FILES.items()})
 
 
 def write_data(folder, task):

@@ -420,7 +420,7 @@ class RoundRunner:
     def round_hosted(state, key, rnd, donate, next_key=None):
       """The round of an algorithm whose client rows live on the host: the
       cohort's rows gathered into the state, the new ones scattered back."""
-      cr, rows = alg.client_rows, layout_lib.host_rows(state.rows)
+      cr, rows = alg.client_rows, state.rows
       inner, ph = phase(state.inner, key, rnd)  # the phase never touches client rows
       cohort, train, val = self.feed.get(key, rnd)
       if next_key is not None:
@@ -479,7 +479,7 @@ class RoundRunner:
       local_length = None if finetune or alg.evaluate_client is not None else 0
       by_rows = self.hosted_rows and alg.client_rows.models_from_rows
       if by_rows:
-        rows = layout_lib.host_rows(state.rows)
+        rows = state.rows
       else:  # the models do not read hosted rows: the state without them serves
         state = state.inner if self.hosted_rows else state
         models = state if ex.fused else models_j(state)

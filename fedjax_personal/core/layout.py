@@ -184,12 +184,6 @@ def empty_rows(rows):
   return jax.tree.map(lambda a: jnp.zeros((0,) + tuple(a.shape[1:]), a.dtype), rows)
 
 
-def host_rows(rows):
-  """Client rows as writable host arrays (after init or a restore)."""
-  return jax.tree.map(
-      lambda a: a if isinstance(a, np.ndarray) and a.flags.writeable else np.array(a), rows)
-
-
 def gather_rows(rows, idx: np.ndarray):
   """Rows ``idx`` (clipped to the population, as the device layout's gathers
   clip a padded slot) as device arrays."""

@@ -92,7 +92,8 @@ flags.DEFINE_integer('block_size', None, 'Clients per block for the blocked exec
 flags.DEFINE_enum('layout', 'auto', list(layout_lib.LAYOUTS), 'Where the clients\' examples live: '
                   'device (every client padded to the largest, on the device), host (the '
                   'population store; each round gathers its cohort) or auto (device when the '
-                  'padded population takes at most a quarter of the free memory).')
+                  'padded population takes at most a quarter of the free memory and, on an '
+                  'accelerator, fits beside the largest algorithm state).')
 flags.DEFINE_integer('vocab_size', None, 'stackoverflow: the vocabulary, its most frequent words '
                      '(plus PAD, BOS, EOS and one OOV id). Default: 10000, as Reddi et al. and '
                      'the partial-personalization seed.')
