@@ -73,7 +73,7 @@ def assert_same_records(a, b):
 
 
 def test_two_processes_equal_one_and_resume(tmp_path):
-  args = ['--algorithm=fedavg,ditto', '--model=mlp', *SMALL, '--checkpoint_every=1']
+  args = ['--algorithm=fedavg,ditto', '--model=logreg', *SMALL, '--checkpoint_every=1']
   two, one = str(tmp_path / 'two'), str(tmp_path / 'one')
   results = finish(launch([*args, '--rounds=2', f'--output_dir={two}']))
   assert [r[0] for r in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]

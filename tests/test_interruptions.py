@@ -72,8 +72,11 @@ def test_signal_stops_after_the_round_and_resume_equals_uninterrupted(tmp_path, 
   assert metrics[-1]['round'] == done  # nothing past the checkpoint that resume would redo
   if sig == signal.SIGTERM:
     return
-  r = subprocess.run([sys.executable, SCRIPT, *args, '--resume'], capture_output=True, text=True,
-                     timeout=300)
+  # Resumed a few rounds past the checkpoint (--rounds may grow on resume):
+  # the uninterrupted run's records, without training 300 rounds twice.
+  rounds = done + 3
+  r = subprocess.run([sys.executable, SCRIPT, *RUN, f'--rounds={rounds}', f'--output_dir={out}',
+                      '--resume'], capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
   got, want = _lines(out / 'fedavg' / 'metrics.jsonl'), _uninterrupted(tmp_path, rounds)
   diff = [(g['round'], k) for g, w in zip(got, want) for k in g if g.get(k) != w.get(k)]
@@ -241,8 +244,10 @@ def test_a_reproduce_script_interrupted_is_one_line(tmp_path):
   proc = subprocess.Popen(
       [sys.executable, os.path.join(ROOT, 'scripts', 'reproduce_user_centric.py'),
        f'--output_dir={tmp_path}', '--trials=1'], stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
-  time.sleep(15)
+      stderr=subprocess.PIPE, text=True,
+      env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONUNBUFFERED': '1'})
+  assert proc.stdout.readline().startswith('mnist/')  # the data's line: the trial starts
+  time.sleep(2)
   assert proc.poll() is None
   proc.send_signal(signal.SIGINT)
   _, err = proc.communicate(timeout=120)
