@@ -19,7 +19,7 @@ from fedjax_personal.datasets.natural import FILE_DATASETS
 
 #: --dataset names; ``leaf:<name>`` is accepted too (LEAF_PREFIX).
 DATASETS = ('mnist', 'digits', 'cifar10', 'cifar100', 'emnist', 'emnist_digits', 'shakespeare',
-            'stackoverflow', 'tinyshakespeare', 'synthetic',
+            'stackoverflow', 'gldv2', 'tinyshakespeare', 'synthetic',
             'tfds:mnist', 'tfds:emnist', 'tfds:cifar10', 'tfds:cifar100', 'tfds:tiny_shakespeare')
 LEAF_PREFIX = 'leaf:'
 LATENT_FEATURES = ('pixels', 'embedding')
@@ -69,6 +69,7 @@ class DataConfig:
       words for stackoverflow).
     vocab_size: stackoverflow's vocabulary, its most frequent words (None:
       Reddi et al.'s and the partial-personalization seed's 10,000).
+    image_size: gldv2's square image side in pixels (None: the seed's 224).
     data_dir: where data files are (see files.find_file); must exist.
     download: fetch missing files from their published URL into the cache.
   """
@@ -89,6 +90,7 @@ class DataConfig:
   synthetic_beta: float = 1.0
   seq_len: Optional[int] = None
   vocab_size: Optional[int] = None
+  image_size: Optional[int] = None
   data_dir: Optional[str] = None
   download: bool = False
 
@@ -206,7 +208,7 @@ def load_federated(cfg: DataConfig) -> FederatedData:
     if cfg.dataset in ('tinyshakespeare', 'tfds:tiny_shakespeare', 'synthetic'):
       return _pooled_natural(cfg, rng)
     nat = natural.load(cfg.dataset, cfg.num_clients, cfg.sequence_length, cfg.data_dir,
-                       cfg.download, cfg.vocab_size)
+                       cfg.download, cfg.vocab_size, cfg.image_size)
     return _split_pool([x for x, _ in nat.train], [y for _, y in nat.train], nat.num_classes,
                        cfg, rng, _natural_name(cfg, nat))
   if cfg.num_clients is None:
@@ -232,9 +234,10 @@ def load_store(cfg: DataConfig) -> store_lib.PopulationStore:
   if not streams_to_store(cfg):
     return store_lib.PopulationStore.from_federated(load_federated(cfg))
   nat = natural.load(cfg.dataset, cfg.num_clients, cfg.sequence_length, cfg.data_dir,
-                     cfg.download, cfg.vocab_size)
+                     cfg.download, cfg.vocab_size, cfg.image_size)
   identity = {'dataset': cfg.dataset, 'num_clients': nat.num_clients,
               **({'vocab_size': cfg.vocab_size} if cfg.vocab_size else {}),
+              **({'image_size': cfg.image_size} if cfg.image_size else {}),
               'seq_len': cfg.sequence_length, 'val_fraction': cfg.val_fraction,
               'seed': cfg.seed if cfg.val_fraction else None,
               'files': [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns)

@@ -10,9 +10,12 @@ request, downloads them into the cache.
 
 import dataclasses
 import lzma
+import os
 import pathlib
 import shutil
-from typing import Dict, List, Optional, Tuple
+import tarfile
+import zipfile
+from typing import Dict, List, Optional, Set, Tuple
 
 from fedjax_personal.datasets import downloads, files
 from fedjax_personal.errors import DataError
@@ -62,10 +65,19 @@ FILES: Dict[str, Tuple[RemoteFile, ...]] = {
     'cifar10': (RemoteFile('cifar-10-python.tar.gz',
                            'https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz',
                            md5='c58f30108f718f92721af3b95e74349a', size=170498071),),
+    # TFF's federated split of Google Landmarks v2 (the seed's gldv2_utils.py).
+    'gldv2': (RemoteFile('landmarks-user-160k.zip',
+                         'http://storage.googleapis.com/gresearch/federated-vision-datasets/'
+                         'landmarks-user-160k.zip', md5='53c36bd7d5fc12f927af2820b7e4a57c'),),
     'tinyshakespeare': (RemoteFile(
         'input.txt', 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/'
         'tinyshakespeare/input.txt', md5='6fb458f1232090904fb40fe944165e91', size=1115394),),
 }
+
+GLDV2_BUNDLE = 'landmarks-user-160k.zip'
+#: GLDv2's training images, in shards (TFF's loader reads all of them).
+GLDV2_SHARD_URL = 'https://s3.amazonaws.com/google-landmark/train/images_{:03d}.tar'
+GLDV2_SHARDS = 500
 
 #: Other names a file is accepted under (a local copy saved differently).
 ALIASES = {'input.txt': ('tinyshakespeare/input.txt', 'tinyshakespeare.txt')}
@@ -91,6 +103,11 @@ def manual_instructions(dataset: str) -> str:
             f'(github.com/TalwalkarLab/leaf, data/{name}/preprocess.sh) and put its '
             f'data/{name}/data/train and test folders under --data_dir as leaf/{name}/train '
             f'and leaf/{name}/test')
+  if dataset == 'gldv2':
+    return ('put GLDv2\'s training JPEGs that federated_train.csv lists in one folder, '
+            'gldv2/images/<image_id>.jpg, under --data_dir (from '
+            f'{GLDV2_SHARD_URL.format(0)} ... images_{GLDV2_SHARDS - 1:03d}.tar), or '
+            'fetch them with --download (about 500 GB of shards, read one at a time)')
   return 'put it in --data_dir or $FEDJAX_PERSONAL_DATA'
 
 
@@ -151,3 +168,62 @@ def decompress(path: pathlib.Path, f: RemoteFile) -> pathlib.Path:
       raise DataError(f'{path}: not a complete LZMA file ({e}); delete it and download it '
                       'again (--download)') from None
   return files.write_atomically(dest, write)
+
+
+def extract_member(archive: pathlib.Path, suffix: str, dest: pathlib.Path) -> pathlib.Path:
+  """The member of a ZIP archive whose name ends with ``suffix``, copied once
+  to ``dest`` (e.g. ``federated_train.csv`` of TFF's GLDv2 bundle)."""
+  if dest.is_file():
+    return dest
+
+  def write(tmp):
+    try:
+      with zipfile.ZipFile(archive) as z:
+        names = [n for n in z.namelist() if n.endswith(suffix)]
+        if not names:
+          raise DataError(f'{archive}: holds no {suffix} (it holds {z.namelist()[:4]})')
+        with z.open(names[0]) as src, open(tmp, 'wb') as out:
+          shutil.copyfileobj(src, out, 1 << 20)
+    except (zipfile.BadZipFile, EOFError, OSError) as e:
+      raise DataError(f'{archive}: not a complete ZIP archive ({e}); delete it and download it '
+                      'again (--download)') from None
+  return files.write_atomically(dest, write)
+
+
+def fetch_gldv2_images(wanted: Set[str], folder: pathlib.Path, progress: bool = True) -> None:
+  """Downloads GLDv2's training shards one at a time, keeps the JPEGs in
+  ``wanted`` (image ids) as ``folder/<id>.jpg`` and deletes each shard; stops
+  once every wanted image is there. A shard whose images are kept is noted in
+  ``folder/.shards_done``, so an interrupted download continues where it
+  stopped."""
+  folder.mkdir(parents=True, exist_ok=True)
+  done_file = folder / '.shards_done'
+  done = set(done_file.read_text().split()) if done_file.is_file() else set()
+  missing = {i for i in wanted if not (folder / f'{i}.jpg').is_file()}
+  for s in range(GLDV2_SHARDS):
+    if not missing:
+      return
+    if str(s) in done:
+      continue
+    url = GLDV2_SHARD_URL.format(s)
+    shard = downloads.download(RemoteFile(os.path.basename(url), url), files.cache_dir(),
+                               'gldv2', progress=progress)
+    try:
+      with tarfile.open(shard) as tar:
+        for member in tar:
+          image_id = os.path.basename(member.name)[:-len('.jpg')]
+          if member.isfile() and member.name.endswith('.jpg') and image_id in missing:
+            src = tar.extractfile(member)
+            files.write_atomically(folder / f'{image_id}.jpg',
+                                   lambda tmp: tmp.write_bytes(src.read()))
+            missing.discard(image_id)
+    except (tarfile.TarError, EOFError) as e:
+      raise DataError(f'{shard}: not a complete tar archive ({e}); delete it and run --download '
+                      'again') from None
+    finally:
+      shard.unlink(missing_ok=True)
+    with open(done_file, 'a') as f:
+      f.write(f'{s}\n')
+  if missing:
+    raise DataError(f'gldv2: {len(missing):,} images that federated_train.csv lists are in none '
+                    f'of the {GLDV2_SHARDS} shards (e.g. {sorted(missing)[0]})')

@@ -5,7 +5,8 @@ FedJAX's ``SQLiteFederatedDataBuilder`` and msgpack encoding
 (``fedjax/core/sqlite_federated_data.py``, ``serialization.py``), TFF's
 ``examples`` / ``client_metadata`` tables with serialized tf.train.Example
 protos, the CIFAR page's pickled batches in a tar.gz, Karpathy's Tiny
-Shakespeare text and LEAF's JSON.
+Shakespeare text, LEAF's JSON and GLDv2's federated split (TFF's
+``federated_train.csv`` over JPEG files named by image id).
 """
 
 import io
@@ -192,3 +193,33 @@ def write_leaf(folder, name, users_train, users_test):
       doc = {'users': part, 'num_samples': [len(users[u]['y']) for u in part],
              'user_data': {u: users[u] for u in part}}
       (d / f'all_data_{k}_niid_0_keep_0_{split}_9.json').write_text(json.dumps(doc))
+
+
+def gldv2_rows(sizes, rng, num_classes=5):
+  """TFF's federated_train.csv rows: user ``i`` (numbered from 0) with
+  ``sizes[i]`` images of random classes; image ids are hex like GLDv2's."""
+  rows = []
+  for user, n in enumerate(sizes):
+    for k in range(n):
+      rows.append((str(user), f'{user:04x}{k:04x}{int(rng.integers(1 << 30)):08x}',
+                   int(rng.integers(num_classes))))
+  return rows
+
+
+def write_jpeg(path, rng, shape=(12, 16)):
+  from PIL import Image
+  Image.fromarray(rng.integers(0, 256, shape + (3,), dtype=np.uint8)).save(path, 'JPEG')
+
+
+def write_gldv2(folder, rng, sizes, num_classes=5, shape=(12, 16)):
+  """GLDv2 as its loaders expect it by hand: <folder>/gldv2/federated_train.csv
+  (user_id,image_id,class as TFF's split bundle has it) and
+  <folder>/gldv2/images/<image_id>.jpg; returns the rows."""
+  rows = gldv2_rows(sizes, rng, num_classes)
+  d = folder / 'gldv2'
+  (d / 'images').mkdir(parents=True, exist_ok=True)
+  (d / 'federated_train.csv').write_text(
+      'user_id,image_id,class\n' + ''.join(f'{u},{i},{c}\n' for u, i, c in rows))
+  for _, image_id, _ in rows:
+    write_jpeg(d / 'images' / f'{image_id}.jpg', rng, shape)
+  return rows

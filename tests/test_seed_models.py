@@ -24,7 +24,9 @@ def _params(name, classes, x, adapter_dim=0):
 @pytest.mark.parametrize('name,shape,classes,count', [
     ('transformer_lm', (20,), 10004, 8_292_116), ('transformer_lm_tied', (20,), 10004, 5_731_092),
     ('resnet18_gn', (28, 28, 1), 62, 11_199_486), ('reddi_resnet18_gn', (32, 32, 3), 100,
-                                                  11_227_812)])
+                                                  11_227_812),
+    # torchvision's resnet18 (11,689,512 with 1,000 classes) with a 2,028-way head
+    ('gldv2_resnet18_gn', (224, 224, 3), 2028, 11_689_512 - 513_000 + 513 * 2028)])
 def test_parameter_counts(name, shape, classes, count):
   x = jnp.zeros((1,) + shape, jnp.int32 if len(shape) == 1 else jnp.float32)
   assert models.num_params(_params(name, classes, x)[1]) == count
@@ -267,12 +269,14 @@ def _seed_resnet(torch, classes, in_ch, adapters, groups, large):
 
 
 @pytest.mark.parametrize('name,shape,classes,adapters', [
-    ('resnet18_gn', (28, 28, 1), 62, True), ('reddi_resnet18_gn', (32, 32, 3), 100, False)])
+    ('resnet18_gn', (28, 28, 1), 62, True), ('reddi_resnet18_gn', (32, 32, 3), 100, False),
+    ('gldv2_resnet18_gn', (32, 32, 3), 2028, True)])  # the seed's 224 x 224: the same layers
 def test_resnet_equals_the_seeds_pytorch_code(tmp_path, name, shape, classes, adapters):
   torch = pytest.importorskip('torch')
   torch.manual_seed(1)
   reddi = name == 'reddi_resnet18_gn'
-  net = _seed_resnet(torch, classes, shape[-1], adapters, 2 if reddi else 0, reddi)
+  net = _seed_resnet(torch, classes, shape[-1], adapters, 2 if reddi else 0,
+                     large=name != 'resnet18_gn')
   x = np.random.default_rng(1).normal(size=(2,) + shape).astype(np.float32)
   model = models.create_model(name, classes, x, adapter_dim=1 if adapters else 0)
   path = str(tmp_path / 'w.npz')

@@ -12,14 +12,17 @@ from helpers import parse_flags
 import made_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TASKS = ['partial_stackoverflow_transformer', 'partial_emnist_resnet', 'reddi_emnist_cnn',
+TASKS = ['partial_stackoverflow_transformer', 'partial_emnist_resnet', 'partial_gldv2_resnet',
+         'reddi_emnist_cnn',
          'reddi_shakespeare_lstm', 'reddi_stackoverflow_lstm', 'reddi_cifar100_resnet']
 
 
 def write_data(folder, task):
   """Three or four small clients of the task's data set, in its published format."""
   rng = np.random.default_rng(0)
-  if 'emnist' in task:
+  if 'gldv2' in task:  # users need 50 images to be the seed's clients
+    made_files.write_gldv2(folder, rng, [50, 52, 51])
+  elif 'emnist' in task:
     made_files.write_emnist(folder, rng, [6, 9, 5], [3, 2, 4])
   elif 'shakespeare' in task:
     for split, n in (('train', 3), ('test', 1)):
@@ -61,6 +64,7 @@ def test_task_flagfile_builds_on_made_files(tmp_path, task, made_not_released, c
 @pytest.mark.parametrize('layout', ['device', 'host'])
 @pytest.mark.parametrize('task', TASKS)
 def test_task_flagfile_trains_on_made_files(tmp_path, task, layout, made_not_released):
-  out = _job(tmp_path, task, '--rounds=2', '--eval_every=1', f'--layout={layout}')
+  small = ['--image_size=32'] if 'gldv2' in task else []  # 224 x 224 trains slowly on a CPU
+  out = _job(tmp_path, task, '--rounds=2', '--eval_every=1', f'--layout={layout}', *small)
   (summary,) = out.values()
   assert np.isfinite(summary['loss_weighted']) and 0 <= summary['accuracy_mean'] <= 1

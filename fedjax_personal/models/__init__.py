@@ -106,6 +106,8 @@ MODELS = {
     'transformer_lm_tiny': lambda c, a, k, i: TransformerLM(c, 'tiny', adapter_dim=a,
                                                             convention=i),
     'resnet18_gn': lambda c, a, k, i: ResNetGN(c, adapter_dim=a, convention=i),
+    'gldv2_resnet18_gn': lambda c, a, k, i: ResNetGN(c, adapter_dim=a, large_stem=True,
+                                                     convention=i),
     'reddi_resnet18_gn': lambda c, a, k, i: ResNetGN(c, adapter_dim=a, groups=2, large_stem=True,
                                                      convention=i),
     # Reddi et al.'s EMNIST model (the field's standard task).
@@ -143,6 +145,9 @@ REFERENCE = {
     'resnet18_gn': ('partial personalization (Pillutla et al.), pfl/models/resnet_utils.py '
                     'ResNetGN for 28x28 (EMNIST): ResNet-18, GroupNorm by its table, 3x3 stem '
                     '(PyTorch; Kaiming-normal convolutions)', 'pytorch'),
+    'gldv2_resnet18_gn': ('partial personalization (Pillutla et al.), pfl/models/gldv2_resnet.py '
+                          'GLDv2ResNetGN: the same ResNetGN for 224x224 RGB (original_size: 7x7 '
+                          'stride-2 stem, max pool; GroupNorm by its table)', 'pytorch'),
     'reddi_resnet18_gn': ('Adaptive Federated Optimization (Reddi et al.), the CIFAR-100 '
                           'ResNet-18: ImageNet stem (7x7 stride 2, max pool), GroupNorm of 2 '
                           'groups', 'pytorch'),

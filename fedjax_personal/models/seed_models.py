@@ -27,7 +27,9 @@ code layer by layer, with its initialisation, so that its PyTorch weights
   bias-free from Kaiming-normal (fan out), norms 1 / 0, the classifier
   PyTorch's default. Reddi et al.'s CIFAR-100 ResNet-18 ("Adaptive Federated
   Optimization", arXiv 2003.00295) is the ImageNet stem (7x7 stride 2, 3x3
-  max pool) with GroupNorm of 2 groups (``reddi_resnet18_gn``).
+  max pool) with GroupNorm of 2 groups (``reddi_resnet18_gn``); the seed's
+  GLDv2 model (``gldv2_resnet.py``, ``original_size``) is that stem with the
+  code's GroupNorm table (``gldv2_resnet18_gn``).
 
 Adapters as the seed's code places them (and with its quirks, which the
 tests hold): in a transformer block, one after the attention's output

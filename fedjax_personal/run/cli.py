@@ -52,8 +52,8 @@ flags.DEFINE_string('init_weights', None, 'Start from these initial global param
                     'by layer order and converted).')
 flags.DEFINE_string('dataset', 'mnist', 'Data set: ' + ', '.join(datasets_lib.DATASETS)
                     + ', leaf:<name> (LEAF JSON files). Natural data sets (emnist, '
-                    'emnist_digits, shakespeare, stackoverflow, cifar100, tinyshakespeare, leaf:*) '
-                    'keep one client per writer / role / user.')
+                    'emnist_digits, shakespeare, stackoverflow, cifar100, gldv2, '
+                    'tinyshakespeare, leaf:*) keep one client per writer / role / user.')
 flags.DEFINE_string('partition', 'rotation', 'Partition: ' + ', '.join(datasets_lib.PARTITIONS)
                     + ' (default: natural for the natural data sets, rotation otherwise)')
 flags.DEFINE_float('alpha', 0.4, 'Dirichlet concentration (label skew) / quantity-skew beta.')
@@ -97,6 +97,9 @@ flags.DEFINE_enum('layout', 'auto', list(layout_lib.LAYOUTS), 'Where the clients
 flags.DEFINE_integer('vocab_size', None, 'stackoverflow: the vocabulary, its most frequent words '
                      '(plus PAD, BOS, EOS and one OOV id). Default: 10000, as Reddi et al. and '
                      'the partial-personalization seed.')
+flags.DEFINE_integer('image_size', None, 'gldv2: the side of the square images, in pixels '
+                     '(resized once, into the population store). Default: 224, as the '
+                     'partial-personalization seed.')
 flags.DEFINE_integer('max_client_examples', None, 'Train on at most this many examples per client '
                      '(its first ones; TFF\'s baselines cap at 1000). Default: all.')
 flags.DEFINE_string('data_dir', None, 'Folder searched first for data files under their published '
@@ -317,6 +320,10 @@ def validate_flags():
          f'sets the Stack Overflow vocabulary; --dataset={FLAGS.dataset} has none to set')
   _check(FLAGS.vocab_size is None or FLAGS.vocab_size >= 1, 'vocab_size',
          f'must be >= 1, got {FLAGS.vocab_size}')
+  _check(FLAGS.image_size is None or FLAGS.dataset == 'gldv2', 'image_size',
+         f'sets the GLDv2 image size; --dataset={FLAGS.dataset} has its images at their size')
+  _check(FLAGS.image_size is None or FLAGS.image_size >= 8, 'image_size',
+         f'must be >= 8, got {FLAGS.image_size}')
   _check(FLAGS.max_client_examples is None or FLAGS.max_client_examples >= 1,
          'max_client_examples', f'must be >= 1, got {FLAGS.max_client_examples}')
   _check(FLAGS.layout != 'host' or not (FLAGS.sweep or FLAGS.sweep_seeds or FLAGS.trials > 1),
@@ -378,7 +385,7 @@ def data_config() -> datasets_lib.DataConfig:
       latent_features=FLAGS.latent_features,
       examples_per_client=FLAGS.examples_per_client, test_fraction=FLAGS.test_fraction,
       val_fraction=val_fraction(), max_examples=FLAGS.max_examples, data_dir=FLAGS.data_dir,
-      download=FLAGS.download, vocab_size=FLAGS.vocab_size)
+      download=FLAGS.download, vocab_size=FLAGS.vocab_size, image_size=FLAGS.image_size)
 
 
 def partition() -> str:
@@ -415,8 +422,9 @@ def job_identity(fingerprint: str, cap=None) -> dict:
   cfg.pop('data_dir')  # where the files are does not matter; their content does
   cfg.pop('download')
   cfg['seq_len'] = data_config().sequence_length  # as before seq_len could be None
-  if cfg['vocab_size'] is None:  # not given: earlier runs keep their identity
-    cfg.pop('vocab_size')
+  for field in ('vocab_size', 'image_size'):
+    if cfg[field] is None:  # not given: earlier runs keep their identity
+      cfg.pop(field)
   if cfg['latent_features'] == 'pixels':  # the default before the field existed:
     cfg.pop('latent_features')            # earlier runs keep their identity
   return {'data': cfg, 'data_fingerprint': fingerprint,
