@@ -30,7 +30,8 @@ from fedjax_personal.core.algorithm import ClientModels, FederatedAlgorithm, coh
 from fedjax_personal.algorithms.fedavg import (ServerState, global_model_communication,
                                               summed_upload)
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.config import (BATCHING, FINETUNE, SERVER_OPTIMIZER, WEIGHTING, AlgorithmSpec, NoConfig)
+from fedjax_personal.config import (BATCHING, CLIENT_LR_SCHEDULE, FINETUNE, SERVER_OPTIMIZER,
+                                    WEIGHTING, AlgorithmSpec, NoConfig)
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 from fedjax_personal.core.training import LossStats, plain_objective, sgd_client_work
@@ -125,8 +126,8 @@ def check(training, config):
 #: The client optimizer's settings FedNova can normalize (no persistent
 #: optimizer state: a_i assumes a fresh momentum buffer every round).
 SETTINGS = (frozenset({'client_optimizer', 'client_lr', 'client_momentum', 'client_weight_decay',
-                       'client_grad_clip', 'client_lr_decay'})
-            | BATCHING | WEIGHTING | SERVER_OPTIMIZER | FINETUNE)
+                       'client_grad_clip'})
+            | CLIENT_LR_SCHEDULE | BATCHING | WEIGHTING | SERVER_OPTIMIZER | FINETUNE)
 
 SPEC = AlgorithmSpec('fednova', NoConfig, build, SETTINGS, check=check,
                      summary='FedNova (Wang et al. 2020): deltas normalized by local steps')

@@ -86,23 +86,50 @@ def validate(cfg) -> None:
       raise ConfigError(name, f'must be {"<" if meta["open_max"] else "<="} {hi}, got {v}')
 
 
-def scale_by_round_decay(decay: float) -> optax.GradientTransformationExtraArgs:
-  """Multiplies updates by ``decay ** round_num``, the round number being an
-  extra argument of ``update`` (the engine passes ``round_num=ctx.round``):
-  a per-round learning-rate decay that composes with any optimizer."""
+def scale_by_round(factor: Callable) -> optax.GradientTransformationExtraArgs:
+  """Multiplies updates by ``factor(round_num)``, the round number (from 0)
+  being an extra argument of ``update`` (the engine passes
+  ``round_num=ctx.round``): a per-round learning-rate schedule that composes
+  with any optimizer (SGD's and Adam's steps scale with their rate)."""
   def update(updates, state, params=None, *, round_num=None, **extra):
     del params, extra
     if round_num is None:
       return updates, state
-    scale = jax.numpy.power(decay, jax.numpy.asarray(round_num, jax.numpy.float32))
+    scale = factor(jax.numpy.asarray(round_num, jax.numpy.float32))
     return jax.tree.map(lambda u: u * scale, updates), state
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
 
 
+def scale_by_round_decay(decay: float) -> optax.GradientTransformationExtraArgs:
+  """Updates times ``decay ** round_num``: a per-round learning-rate decay."""
+  return scale_by_round(lambda t: jax.numpy.power(decay, t))
+
+
+def linear_schedule(rounds: int, warmup: float) -> Callable:
+  """The partial-personalization seed's ``linear`` schedule of the client
+  rate (Pillutla et al., arXiv 2204.03809; ``get_fed_global_lr_scheduler``
+  of its ``pfl/utils.py``): t / w over the first w = warmup * rounds rounds
+  (0 in round 0, as its code has it), then (rounds - t) / (rounds - w),
+  reaching 0 at the end."""
+  w = warmup * rounds
+  jnp = jax.numpy
+  return lambda t: jnp.where(t < w, t / max(1.0, w),
+                             jnp.maximum(0.0, (rounds - t) / max(1.0, rounds - w)))
+
+
+def cut_schedule(every: int, factor: float) -> Callable:
+  """The seed's ``const_and_cut``: ``factor ** (t // every)``."""
+  return lambda t: jax.numpy.power(factor, jax.numpy.floor(t / every))
+
+
 # Names of the shared settings, by what an algorithm does with them.
+#: The per-round client-rate schedule (a uniform scale of a round's steps).
+CLIENT_LR_SCHEDULE = frozenset({'client_lr_decay', 'client_lr_schedule', 'client_lr_warmup',
+                                'client_lr_horizon', 'client_lr_cut_every',
+                                'client_lr_cut_factor'})
 CLIENT_OPTIMIZER = frozenset({'client_optimizer', 'client_lr', 'client_momentum',
-                              'client_weight_decay', 'client_grad_clip', 'client_lr_decay',
-                              'client_opt_state'})
+                              'client_weight_decay', 'client_grad_clip',
+                              'client_opt_state'}) | CLIENT_LR_SCHEDULE
 BATCHING = frozenset({'batch_size', 'local_epochs', 'local_steps'})
 WEIGHTING = frozenset({'weighting'})
 SERVER_OPTIMIZER = frozenset({'server_optimizer', 'server_lr', 'server_momentum', 'server_beta1',
@@ -124,6 +151,19 @@ class TrainingConfig:
                                    '(0: no clipping).', minimum=0)
   client_lr_decay: float = hparam(1.0, 'Client learning rate times this every round.',
                                   minimum=0, maximum=1, open_min=True)
+  client_lr_schedule: str = hparam('const', "Client learning rate per round, as the "
+                                   "partial-personalization seed's --global_scheduler: 'const', "
+                                   "'linear' (up from 0 over client_lr_warmup of the rounds, "
+                                   "then down to 0 at client_lr_horizon) or 'cut' (times "
+                                   'client_lr_cut_factor every client_lr_cut_every rounds).',
+                                   choices=('const', 'linear', 'cut'))
+  client_lr_warmup: float = hparam(0.1, "Share of the rounds the 'linear' schedule warms up "
+                                   'over.', minimum=0, maximum=1)
+  client_lr_horizon: Optional[int] = hparam(None, "Rounds the 'linear' schedule spans (the "
+                                            'CLI: --rounds).', minimum=1)
+  client_lr_cut_every: int = hparam(100, "Rounds between the 'cut' schedule's cuts.", minimum=1)
+  client_lr_cut_factor: float = hparam(0.5, "What each cut of the 'cut' schedule multiplies the "
+                                       'rate by.', minimum=0, maximum=1, open_min=True)
   client_opt_state: str = hparam('reset', "Client optimizer state: 'reset' every round (the "
                                  "usual convention) or kept per client ('persistent').",
                                  choices=('reset', 'persistent'))
@@ -169,6 +209,11 @@ class TrainingConfig:
       parts.append(optax.sgd(lr, momentum=self.client_momentum or None))
     if self.client_lr_decay != 1.0:
       parts.append(scale_by_round_decay(self.client_lr_decay))
+    if self.client_lr_schedule == 'linear':
+      parts.append(scale_by_round(linear_schedule(self.client_lr_horizon, self.client_lr_warmup)))
+    elif self.client_lr_schedule == 'cut':
+      parts.append(scale_by_round(cut_schedule(self.client_lr_cut_every,
+                                               self.client_lr_cut_factor)))
     return optax.chain(*parts)
 
   def make_server_optimizer(self) -> optax.GradientTransformation:
@@ -192,6 +237,16 @@ class TrainingConfig:
     if self.local_steps is not None and self.local_epochs != 1:
       raise ConfigError('local_epochs', 'does nothing with --local_steps (steps replace epochs)')
     default, kind = TrainingConfig(), self.server_optimizer
+    schedule_uses = {'const': (), 'linear': ('client_lr_warmup', 'client_lr_horizon'),
+                     'cut': ('client_lr_cut_every', 'client_lr_cut_factor')}
+    for name in ('client_lr_warmup', 'client_lr_horizon', 'client_lr_cut_every',
+                 'client_lr_cut_factor'):
+      if name not in schedule_uses[self.client_lr_schedule] and _differs(
+          getattr(self, name), getattr(default, name)):
+        raise ConfigError(name, f'does nothing with --client_lr_schedule='
+                          f'{self.client_lr_schedule}')
+    if self.client_lr_schedule == 'linear' and self.client_lr_horizon is None:
+      raise ConfigError('client_lr_horizon', "give the rounds the 'linear' schedule spans")
     uses = {'sgd': ('server_momentum',), 'adagrad': ('server_beta1', 'server_tau'),
             'yogi': ('server_beta1', 'server_beta2', 'server_tau'),
             'adam': ('server_beta1', 'server_beta2', 'server_tau')}[kind]

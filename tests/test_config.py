@@ -7,6 +7,7 @@ import functools
 from absl import flags
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -32,6 +33,13 @@ VARIANTS = {
     'client_weight_decay': '--client_weight_decay=0.5',
     'client_grad_clip': '--client_grad_clip=0.01',
     'client_lr_decay': '--client_lr_decay=0.1',
+    'client_lr_schedule': '--client_lr_schedule=linear',  # round 0 at rate 0
+    'client_lr_warmup': ({'client_lr_schedule': 'linear'}, '--client_lr_warmup=0'),
+    'client_lr_horizon': ({'client_lr_schedule': 'linear', 'client_lr_warmup': '0'},
+                          '--client_lr_horizon=2'),
+    'client_lr_cut_every': ({'client_lr_schedule': 'cut'}, '--client_lr_cut_every=1'),
+    'client_lr_cut_factor': ({'client_lr_schedule': 'cut', 'client_lr_cut_every': '1'},
+                             '--client_lr_cut_factor=0.1'),
     'client_opt_state': ({'client_optimizer': 'adam'}, '--client_opt_state=persistent'),
     'batch_size': '--batch_size=8',
     'local_epochs': ({'local_steps': None}, '--local_epochs=2'),
@@ -86,7 +94,8 @@ def _settings(name, base: tuple, args=()):
 
 
 # Settings whose effect starts in the second round.
-TWO_ROUNDS = ('client_lr_decay', 'client_opt_state', 'server_momentum')
+TWO_ROUNDS = ('client_lr_decay', 'client_opt_state', 'server_momentum', 'client_lr_horizon',
+              'client_lr_cut_every', 'client_lr_cut_factor')
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,3 +238,53 @@ def test_persistent_optimizer_state_is_kept_per_client():
   assert trace and all(a.shape[0] == data.num_clients for a in trace)
   assert all(float(np.abs(np.asarray(a)).max()) > 0 for a in trace if a.dtype != np.int32)
   chex.assert_tree_all_finite(state)
+
+
+def _seed_lr_lambda(kind, rounds, warmup_fraction=0.1, decay_factor=0.5, decay_every=100):
+  """``get_fed_global_lr_scheduler`` of the partial-personalization seed's
+  pfl/utils.py, as its code has it."""
+  if kind == 'linear':
+    num_warmup_steps = warmup_fraction * rounds
+
+    def lr_lambda(current_step):
+      if current_step < num_warmup_steps:
+        return current_step / max(1.0, num_warmup_steps)
+      return max(0.0, (rounds - current_step) / max(1.0, rounds - num_warmup_steps))
+    return lr_lambda
+  return lambda current_step: decay_factor ** (current_step // decay_every)
+
+
+@pytest.mark.parametrize('kind,rounds,a,b', [('linear', 500, 0.1, None), ('linear', 7, 0.3, None),
+                                             ('cut', 500, 0.5, 100), ('cut', 9, 0.1, 2)])
+def test_client_rate_schedules_are_the_seeds(kind, rounds, a, b):
+  """Every round's factor equals the seed's ``lr_lambda``, and the client
+  optimizer's step in round t is SGD's at client_lr times it."""
+  import optax
+  from fedjax_personal import config as config_lib
+  fn = (config_lib.linear_schedule(rounds, a) if kind == 'linear'
+        else config_lib.cut_schedule(b, a))
+  want = _seed_lr_lambda(kind, rounds, warmup_fraction=a, decay_factor=a, decay_every=b)
+  got = np.asarray(jax.vmap(fn)(np.arange(rounds, dtype=np.float32)))
+  np.testing.assert_allclose(got, [want(t) for t in range(rounds)], rtol=1e-6, atol=1e-7)
+  extra = {'client_lr_warmup': a, 'client_lr_horizon': rounds} if kind == 'linear' else {
+      'client_lr_cut_factor': a, 'client_lr_cut_every': b}
+  training = TrainingConfig(client_lr=0.3, client_lr_schedule=kind, **extra)
+  training.check()
+  opt, g, p = training.make_client_optimizer(), {'w': jnp.ones(3)}, {'w': jnp.zeros(3)}
+  for t in (0, 1, rounds // 2, rounds - 1):
+    step, _ = opt.update(g, opt.init(p), p, round_num=t)
+    np.testing.assert_allclose(step['w'], -0.3 * want(t) * np.ones(3), rtol=1e-6, atol=1e-8)
+
+
+def test_linear_schedule_spans_the_rounds_unless_told():
+  _parse(['--algorithm=fedavg', '--client_lr_schedule=linear', '--rounds=7'])
+  assert cli.training_config().client_lr_horizon == 7
+  _parse(['--algorithm=fedavg', '--client_lr_schedule=linear', '--rounds=7',
+          '--client_lr_horizon=20'])
+  assert cli.training_config().client_lr_horizon == 20
+  for args in (['--client_lr_warmup=0.2'], ['--client_lr_schedule=linear',
+                                            '--client_lr_cut_every=5']):
+    _parse(['--algorithm=fedavg', *args])
+    with pytest.raises(ConfigError) as e:
+      cli.resolve_algorithm_settings(['fedavg'])
+    assert e.value.name == args[-1][2:].split('=')[0] and 'does nothing' in str(e.value)

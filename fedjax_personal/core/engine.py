@@ -507,10 +507,16 @@ class RoundRunner:
     with hosted client rows, a ``layout.HostedState``)."""
     if self._state_shardings is not None:  # made where it lives (every process its shards)
       return jax.jit(self.algorithm.init, out_shardings=self._state_shardings)(key)
-    state = jax.jit(self.algorithm.init)(key)
-    if self.hosted_rows:
-      return layout_lib.HostedState.split(state, self.algorithm.client_rows)
-    return state
+    if not self.hosted_rows:
+      return jax.jit(self.algorithm.init)(key)
+    # Client rows that need not fit the accelerator are made in host memory
+    # (the CPU backend), moved to numpy, and the rest of the state goes to
+    # the default device.
+    cpu = jax.devices('cpu')[0]
+    with jax.default_device(cpu):
+      state = jax.jit(self.algorithm.init)(jax.device_put(key, cpu))
+    hosted = layout_lib.HostedState.split(state, self.algorithm.client_rows)
+    return hosted.replace(inner=jax.device_put(hosted.inner, jax.devices()[0]))
 
   def whole_state(self, state):
     """The algorithm's state with every client's rows in it (a

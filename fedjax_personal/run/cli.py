@@ -183,7 +183,12 @@ def _check(cond, flag, msg):
 
 
 def training_config() -> TrainingConfig:
-  return TrainingConfig(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(TrainingConfig)})
+  """The shared settings from their flags; the 'linear' client-rate
+  schedule spans --rounds unless --client_lr_horizon says otherwise."""
+  cfg = TrainingConfig(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(TrainingConfig)})
+  if cfg.client_lr_schedule == 'linear' and cfg.client_lr_horizon is None:
+    cfg = dataclasses.replace(cfg, client_lr_horizon=FLAGS.rounds)
+  return cfg
 
 
 def algorithm_config(cls):
