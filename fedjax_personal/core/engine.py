@@ -509,14 +509,11 @@ class RoundRunner:
       return jax.jit(self.algorithm.init, out_shardings=self._state_shardings)(key)
     if not self.hosted_rows:
       return jax.jit(self.algorithm.init)(key)
-    # Client rows that need not fit the accelerator are made in host memory
-    # (the CPU backend), moved to numpy, and the rest of the state goes to
-    # the default device.
-    cpu = jax.devices('cpu')[0]
+    # Client rows need not fit the accelerator: made on the CPU backend.
+    cpu = layout_lib.cpu_device()
     with jax.default_device(cpu):
       state = jax.jit(self.algorithm.init)(jax.device_put(key, cpu))
-    hosted = layout_lib.HostedState.split(state, self.algorithm.client_rows)
-    return hosted.replace(inner=jax.device_put(hosted.inner, jax.devices()[0]))
+    return layout_lib.hosted(state, self.algorithm.client_rows)
 
   def whole_state(self, state):
     """The algorithm's state with every client's rows in it (a

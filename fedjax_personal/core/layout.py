@@ -179,6 +179,28 @@ class HostedState:
     return HostedState(client_rows.put(whole, empty_rows(rows)), rows, client_rows)
 
 
+def cpu_device():
+  """The CPU backend's device: where the host layout makes and reads client
+  rows, so that they never have to fit the accelerator."""
+  return jax.devices('cpu')[0]
+
+
+def hosted(whole, client_rows) -> HostedState:
+  """A whole state made or read on the CPU backend as a ``HostedState``: the
+  rows moved to numpy, the rest put on the default device."""
+  state = HostedState.split(whole, client_rows)
+  return state.replace(inner=jax.device_put(state.inner, jax.devices()[0]))
+
+
+def rows_on_cpu(abstract, client_rows):
+  """An abstract whole state (ShapeDtypeStructs) whose client rows are to be
+  read onto the CPU backend (a checkpoint restored in the host layout)."""
+  cpu = jax.sharding.SingleDeviceSharding(cpu_device())
+  rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu),
+                      client_rows.get(abstract))
+  return client_rows.put(abstract, rows)
+
+
 def empty_rows(rows):
   """[0, ...] leaves in the place of client rows (the state between rounds)."""
   return jax.tree.map(lambda a: jnp.zeros((0,) + tuple(a.shape[1:]), a.dtype), rows)

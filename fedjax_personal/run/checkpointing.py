@@ -16,6 +16,7 @@ from typing import List, Optional
 import jax
 import orbax.checkpoint as ocp
 
+from fedjax_personal.core import layout
 from fedjax_personal.core.layout import HostedState
 from fedjax_personal.run import faults, run_identity
 from fedjax_personal.errors import ConfigError
@@ -37,7 +38,7 @@ def to_saveable(state):
 
 def from_saveable(saved, template):
   if isinstance(template, HostedState):
-    return HostedState.split(from_saveable(saved, template.whole()), template.client_rows)
+    return layout.hosted(from_saveable(saved, template.whole()), template.client_rows)
   return jax.tree.map(lambda s, t: jax.random.wrap_key_data(s, impl=jax.random.key_impl(t))
                       if _is_key(t) else s, saved, template)
 
@@ -102,6 +103,8 @@ def restore_latest(directory: str, template_state, identity: Optional[dict] = No
     return None
   mngr = manager(directory)
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, to_saveable(template_state))
+  if isinstance(template_state, HostedState):  # rows read into host memory, not the device
+    abstract = layout.rows_on_cpu(abstract, template_state.client_rows)
   for step in sorted(mngr.all_steps(), reverse=True):
     if identity is not None:
       try:
