@@ -211,6 +211,27 @@ def test_host_round_compiles_once_per_cohort_shape(emnist_store):
   assert runner.trace_counts['round'] == len(runner.feed.shapes)
 
 
+
+@pytest.mark.parametrize('block_bytes', [1 << 28, 3 * 24])  # one block; blocks of 3 of 7 rows
+def test_client_rows_made_block_by_block_equal_the_whole_init(block_bytes):
+  """The host layout makes client rows a block of clients at a time (the
+  last block overlapping): the same rows and state as the whole init."""
+  from fedjax_personal.core.algorithm import ClientRows
+  jnp = jax.numpy
+
+  def init(key):
+    k1, k2 = jax.random.split(key)
+    g = jax.random.normal(k1, (2,))
+    return {'g': g, 'rows': {'copy': jnp.broadcast_to(g, (7, 2)) + jnp.arange(7.0)[:, None],
+                             'drawn': jax.random.normal(k2, (7, 4))}}
+  rows = ClientRows(get=lambda s: s['rows'], put=lambda s, r: {**s, 'rows': r})
+  key = jax.random.key(3)
+  got = layout_lib.init_hosted(init, rows, key, block_bytes=block_bytes)
+  want = jax.jit(init)(key)
+  assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(got.rows))
+  for a, b in zip(jax.tree.leaves(got.whole()), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
 def test_cli_host_layout_resumes_to_the_same_numbers(tmp_path):
   data_dir = tmp_path / 'data'
   data_dir.mkdir()

@@ -510,10 +510,7 @@ class RoundRunner:
     if not self.hosted_rows:
       return jax.jit(self.algorithm.init)(key)
     # Client rows need not fit the accelerator: made on the CPU backend.
-    cpu = layout_lib.cpu_device()
-    with jax.default_device(cpu):
-      state = jax.jit(self.algorithm.init)(jax.device_put(key, cpu))
-    return layout_lib.hosted(state, self.algorithm.client_rows)
+    return layout_lib.init_hosted(self.algorithm.init, self.algorithm.client_rows, key)
 
   def whole_state(self, state):
     """The algorithm's state with every client's rows in it (a

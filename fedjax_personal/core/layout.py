@@ -185,6 +185,38 @@ def cpu_device():
   return jax.devices('cpu')[0]
 
 
+def init_hosted(init, client_rows, key, block_bytes: int = 1 << 28) -> HostedState:
+  """The state ``init(key)`` makes, as a ``HostedState``: its client rows
+  computed on the CPU backend a block of clients at a time (one compiled
+  slice of the rows, ``block_bytes`` at most) and written straight into
+  numpy, so that making them holds the rows once plus a block (not the whole
+  state and then its copy); the rest of the state on the default device."""
+  cpu = cpu_device()
+  key = jax.device_put(key, cpu)
+  shapes = client_rows.get(jax.eval_shape(init, key))
+  leaves = jax.tree.leaves(shapes)
+  n = leaves[0].shape[0]
+  per_row = sum(int(np.prod(a.shape[1:])) * np.dtype(a.dtype).itemsize for a in leaves)
+  b = int(max(1, min(n, block_bytes // max(per_row, 1))))
+
+  def without_rows(k):
+    state = init(k)
+    return client_rows.put(state, empty_rows(client_rows.get(state)))
+
+  def rows_block(k, lo):
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lo, b),
+                        client_rows.get(init(k)))
+  with jax.default_device(cpu):
+    inner = jax.jit(without_rows)(key)
+    rows = jax.tree.map(lambda a: np.empty(a.shape, a.dtype), shapes)
+    block = jax.jit(rows_block)
+    for lo in range(0, n, b):
+      lo = min(lo, n - b)  # the last block overlaps the one before: one shape
+      for dst, src in zip(jax.tree.leaves(rows), jax.tree.leaves(block(key, lo))):
+        dst[lo:lo + b] = np.asarray(src)
+  return HostedState(jax.device_put(inner, jax.devices()[0]), rows, client_rows)
+
+
 def hosted(whole, client_rows) -> HostedState:
   """A whole state made or read on the CPU backend as a ``HostedState``: the
   rows moved to numpy, the rest put on the default device."""
