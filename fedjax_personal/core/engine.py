@@ -455,7 +455,8 @@ class RoundRunner:
     clients grouped by static test length (``eval_buckets``), each group in
     blocks of ``host.block`` clients gathered from the store. With hosted
     client rows, a block's models come from a state holding the block's
-    rows (``ClientRows``' contract), client j of the block using model j."""
+    rows (``ClientRows``' contract), client j of the block using model j,
+    and a block holds ``layout.ROW_BLOCK_BYTES`` of rows at most."""
     alg, ex, host = self.algorithm, self.executor, self.host
     test_counts = host.counts('test')
     groups = eval_buckets(test_counts, int(test_counts.max(initial=0)))
@@ -478,14 +479,16 @@ class RoundRunner:
       # for an algorithm's own evaluation; otherwise they are empty rows.
       local_length = None if finetune or alg.evaluate_client is not None else 0
       by_rows = self.hosted_rows and alg.client_rows.models_from_rows
+      block = host.block
       if by_rows:
         rows = state.rows
+        block = layout_lib.rows_per_block(rows, host.block)  # the gathered rows bounded
       else:  # the models do not read hosted rows: the state without them serves
         state = state.inner if self.hosted_rows else state
         models = state if ex.fused else models_j(state)
       out = [np.zeros(host.num_clients, np.float32) for _ in LossStats._fields]
       for length, ids in groups:
-        for b_ids, valid in layout_lib.blocks(ids, host.block):
+        for b_ids, valid in layout_lib.blocks(ids, block):
           ids_j = jnp.asarray(b_ids, jnp.int32)
           positions = jnp.arange(len(b_ids), dtype=jnp.int32)
           model_of = ids_j

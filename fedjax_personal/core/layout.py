@@ -185,19 +185,31 @@ def cpu_device():
   return jax.devices('cpu')[0]
 
 
-def init_hosted(init, client_rows, key, block_bytes: int = 1 << 28) -> HostedState:
+#: Bytes of client rows one block of clients holds (init, evaluation).
+ROW_BLOCK_BYTES = 1 << 28
+
+
+def rows_per_block(rows, most: int, block_bytes: Optional[int] = None) -> int:
+  """Clients per block: at most ``most``, their rows ``block_bytes`` at most
+  (default ROW_BLOCK_BYTES), one client at least."""
+  block_bytes = ROW_BLOCK_BYTES if block_bytes is None else block_bytes
+  per_row = sum(int(np.prod(a.shape[1:])) * np.dtype(a.dtype).itemsize
+                for a in jax.tree.leaves(rows))
+  return int(max(1, min(most, block_bytes // max(per_row, 1))))
+
+
+def init_hosted(init, client_rows, key, block_bytes: Optional[int] = None) -> HostedState:
   """The state ``init(key)`` makes, as a ``HostedState``: its client rows
   computed on the CPU backend a block of clients at a time (one compiled
-  slice of the rows, ``block_bytes`` at most) and written straight into
+  slice of the rows, ``block_bytes`` at most, default ROW_BLOCK_BYTES) and
+  written straight into
   numpy, so that making them holds the rows once plus a block (not the whole
   state and then its copy); the rest of the state on the default device."""
   cpu = cpu_device()
   key = jax.device_put(key, cpu)
   shapes = client_rows.get(jax.eval_shape(init, key))
-  leaves = jax.tree.leaves(shapes)
-  n = leaves[0].shape[0]
-  per_row = sum(int(np.prod(a.shape[1:])) * np.dtype(a.dtype).itemsize for a in leaves)
-  b = int(max(1, min(n, block_bytes // max(per_row, 1))))
+  n = jax.tree.leaves(shapes)[0].shape[0]
+  b = rows_per_block(shapes, n, block_bytes)
 
   def without_rows(k):
     state = init(k)
