@@ -72,9 +72,13 @@ def find_file(names: Union[str, Sequence[str]], data_dir: Optional[str] = None,
   path = locate(names, data_dir)
   if path is not None:
     return path
-  name = names if isinstance(names, str) else names[0]
-  raise MissingDataError(f'{name}: not found in ' + ', '.join(str(d) for d in search_dirs(data_dir))
-                         + f'; {hint}')
+  raise not_found(names if isinstance(names, str) else names[0], data_dir, hint)
+
+
+def not_found(what: str, data_dir: Optional[str], hint: str) -> MissingDataError:
+  """The one-line error for ``what`` found in none of the search folders."""
+  return MissingDataError(f'{what}: not found in '
+                          + ', '.join(str(d) for d in search_dirs(data_dir)) + f'; {hint}')
 
 
 def digest(path, algorithm: str = 'sha256', chunk: int = 1 << 20) -> str:

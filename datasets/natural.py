@@ -289,9 +289,8 @@ def _leaf_dir(name: str, split: str, data_dir) -> str:
     for rel in (f'leaf/{name}/{split}', f'leaf/{name}/data/{split}', f'{name}/data/{split}'):
       if glob.glob(os.path.join(d, rel, '*.json')):
         return os.path.join(d, rel)
-  raise files.MissingDataError(f'leaf/{name}/{split}/*.json: not found in '
-                               + ', '.join(str(d) for d in files.search_dirs(data_dir))
-                               + '; ' + sources.manual_instructions(f'leaf:{name}'))
+  raise files.not_found(f'leaf/{name}/{split}/*.json', data_dir,
+                        sources.manual_instructions(f'leaf:{name}'))
 
 
 def read_leaf(folder: str) -> Dict[str, dict]:
@@ -439,10 +438,9 @@ def _gldv2_split_file(data_dir, download) -> str:
   if path is not None:
     return str(path)
   if not download and files.locate(sources.GLDV2_BUNDLE, data_dir) is None:
-    raise files.MissingDataError(
-        f'{GLDV2_SPLIT_NAMES[0]} (or TFF\'s {sources.GLDV2_BUNDLE} that holds it): not found in '
-        + ', '.join(str(d) for d in files.search_dirs(data_dir)) + '; '
-        + sources.how_to_get('gldv2'))
+    raise files.not_found(
+        f'{GLDV2_SPLIT_NAMES[0]} (or TFF\'s {sources.GLDV2_BUNDLE} that holds it)', data_dir,
+        sources.how_to_get('gldv2'))
   bundle = sources.fetch('gldv2', data_dir, download)[sources.GLDV2_BUNDLE]
   return str(sources.extract_member(bundle, 'federated_train.csv',
                                     files.cache_dir() / GLDV2_SPLIT_NAMES[0]))
@@ -465,10 +463,7 @@ def _gldv2_image_dir(data_dir, wanted: List[str], download, every_image) -> str:
               f'{len(wanted):,} images of the chosen users are missing); '
               + sources.manual_instructions('gldv2'))
   if not download:
-    raise files.MissingDataError(
-        f'{GLDV2_IMAGE_DIRS[0]}/: not found in '
-        + ', '.join(str(d) for d in files.search_dirs(data_dir)) + '; '
-        + sources.manual_instructions('gldv2'))
+    raise files.not_found(f'{GLDV2_IMAGE_DIRS[0]}/', data_dir, sources.manual_instructions('gldv2'))
   folder = files.cache_dir() / GLDV2_IMAGE_DIRS[0]
   sources.fetch_gldv2_images(set(every_image), folder)
   return str(folder)

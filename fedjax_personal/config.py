@@ -236,23 +236,25 @@ class TrainingConfig:
     """Consistency of settings that exclude each other."""
     if self.local_steps is not None and self.local_epochs != 1:
       raise ConfigError('local_epochs', 'does nothing with --local_steps (steps replace epochs)')
-    default, kind = TrainingConfig(), self.server_optimizer
-    schedule_uses = {'const': (), 'linear': ('client_lr_warmup', 'client_lr_horizon'),
-                     'cut': ('client_lr_cut_every', 'client_lr_cut_factor')}
-    for name in ('client_lr_warmup', 'client_lr_horizon', 'client_lr_cut_every',
-                 'client_lr_cut_factor'):
-      if name not in schedule_uses[self.client_lr_schedule] and _differs(
-          getattr(self, name), getattr(default, name)):
-        raise ConfigError(name, f'does nothing with --client_lr_schedule='
-                          f'{self.client_lr_schedule}')
+    self._refuse_unread('client_lr_schedule', {
+        'const': (), 'linear': ('client_lr_warmup', 'client_lr_horizon'),
+        'cut': ('client_lr_cut_every', 'client_lr_cut_factor')})
     if self.client_lr_schedule == 'linear' and self.client_lr_horizon is None:
       raise ConfigError('client_lr_horizon', "give the rounds the 'linear' schedule spans")
-    uses = {'sgd': ('server_momentum',), 'adagrad': ('server_beta1', 'server_tau'),
-            'yogi': ('server_beta1', 'server_beta2', 'server_tau'),
-            'adam': ('server_beta1', 'server_beta2', 'server_tau')}[kind]
-    for name in ('server_momentum', 'server_beta1', 'server_beta2', 'server_tau'):
-      if name not in uses and _differs(getattr(self, name), getattr(default, name)):
-        raise ConfigError(name, f'does nothing with --server_optimizer={kind}')
+    self._refuse_unread('server_optimizer', {
+        'sgd': ('server_momentum',), 'adagrad': ('server_beta1', 'server_tau'),
+        'yogi': ('server_beta1', 'server_beta2', 'server_tau'),
+        'adam': ('server_beta1', 'server_beta2', 'server_tau')})
+
+  def _refuse_unread(self, choice: str, reads: dict) -> None:
+    """Refuses a setting given a non-default value that the chosen ``choice``
+    (``reads``: its value -> the settings it reads) does not read."""
+    default, value = TrainingConfig(), getattr(self, choice)
+    every = set().union(*reads.values())
+    for f in dataclasses.fields(self):
+      if (f.name in every and f.name not in reads[value]
+          and _differs(getattr(self, f.name), getattr(default, f.name))):
+        raise ConfigError(f.name, f'does nothing with --{choice}={value}')
 
   @property
   def stateful_client_optimizer(self) -> bool:
