@@ -85,6 +85,74 @@ def test_round_matches_plain_per_client_loop(digits, executor, algorithm):
     assert float(metrics['num_active']) == 4
 
 
+# Heavy-tailed client sizes, as federated EMNIST's writers (24 to 1,067
+# examples) or Stack Overflow's users: most clients small, a few large.
+HEAVY_SIZES = (2, 5, 3, 160, 9, 1, 40, 7, 4, 75, 12, 6)
+
+
+@pytest.mark.parametrize('executor', sorted(EXECUTORS))
+@pytest.mark.parametrize('participation', [None, 0.5])
+def test_heavy_tailed_cohort_matches_plain_per_client_loop(executor, participation):
+  """Clients sorted into blocks by work, each block stepping only as long
+  as its longest client (and idle cohort slots never run) still give each
+  client exactly its own SGD: FedAvg equals the plain loop, and Local's
+  personal models (stacked outputs written back at their cohort rows) equal
+  each client trained alone."""
+  from fedjax_personal.algorithms.local import local
+  data, _, _ = least_squares_data(num_clients=len(HEAVY_SIZES), dim=3, sizes=HEAVY_SIZES,
+                                  shift=0.1)
+  data = to_device(data)
+  model = linear_model(3)
+  batching = fp.Batching(batch_size=4, num_epochs=1)
+  n = len(HEAVY_SIZES)
+  sampler = (fp.CohortSampler(n, participation=participation) if participation
+             else fp.CohortSampler(n, cohort_size=9))
+  runner = RoundRunner(fedavg(model, n, optax.sgd(0.05), batching), data, sampler,
+                       EXECUTORS[executor]())
+  state = runner.init(jax.random.key(0))
+  for t in range(2):
+    key = jax.random.key(200 + t)
+    idx, mask, k_clients = cohort_of(sampler, key)
+    expected = reference_fedavg_round(model, state.params, data, idx, mask, k_clients, batching,
+                                      0.05)
+    state, _ = runner.round(state, key)
+    chex.assert_trees_all_close(state.params, expected, atol=1e-5)
+
+  alg = local(model, n, optax.sgd(0.05), batching)
+  runner = RoundRunner(alg, data, sampler, EXECUTORS[executor]())
+  state = runner.init(jax.random.key(0))
+  start = jax.tree.map(np.asarray, state.personal_params)
+  key = jax.random.key(300)
+  idx, mask, k_clients = cohort_of(sampler, key)
+  state, _ = runner.round(state, key)
+  for i, m in zip(idx, mask):
+    if not m:
+      continue
+    p0 = jax.tree.map(lambda a: a[i], start)
+    want = reference_sgd(model, p0, data.train.x[i], data.train.y[i],
+                         int(data.train.num_examples[i]), jax.random.fold_in(k_clients, int(i)),
+                         batching, 0.05)
+    got = jax.tree.map(lambda a: a[i], state.personal_params)
+    chex.assert_trees_all_close(got, want, atol=1e-5)
+
+
+def test_work_layout_blocks_clients_by_work():
+  """Blocks hold clients of neighbouring step counts; a block runs its
+  longest client's steps; inactive slots are never in a block; with two
+  parts, the blocks are shared out longest first to the part with the least
+  work (both finish near half the total)."""
+  steps = np.array([3, 40, 1, 7, 0, 12, 2, 9])
+  active = np.array([1, 1, 1, 1, 1, 1, 0, 1], bool)
+  pos, ok, limit, count = fp.executors.work_layout(steps, active, 2)
+  assert count.tolist() == [4]
+  assert pos[0][ok[0]].tolist() == [1, 5, 7, 3, 0, 2, 4]  # longest first, inactive 6 left out
+  assert limit[0][:4].tolist() == [40, 9, 3, 0]
+  pos, ok, limit, count = fp.executors.work_layout(steps, active, 1, parts=2)
+  loads = [limit[t][:count[t]].sum() + count[t] for t in range(2)]
+  assert sorted(pos[0][ok[0]].tolist() + pos[1][ok[1]].tolist()) == [0, 1, 2, 3, 4, 5, 7]
+  assert sorted(loads) == [38, 41]  # 40 alone, against the 6 others: 32 steps + 6 block costs
+
+
 @pytest.mark.parametrize('executor', sorted(EXECUTORS))
 def test_round_compiles_once_per_run(digits, executor):
   chex.clear_trace_counter()
@@ -99,8 +167,9 @@ def test_round_compiles_once_per_run(digits, executor):
   if EXECUTORS[executor]().fused:
     assert counts['round'] == 1, counts
   elif executor == 'blocked_threads':
-    # pre, post once; the client's work traced once into the threads' block loop.
-    assert counts['pre'] == 1 and counts['post'] == 1 and counts['client'] == 1, counts
+    # pre, post once; the client's context traced once for the step counts
+    # (the blocks by work) and once into the threads' block loop.
+    assert counts['pre'] == 1 and counts['post'] == 1 and counts['client'] == 2, counts
   else:
     # pre, post once; the client context once for each of init / step / final.
     assert counts['pre'] == 1 and counts['post'] == 1 and counts['client'] == 3, counts

@@ -111,10 +111,11 @@ def emnist_store(tmp_path_factory):
 
 def _train(alg_name, data, population, model, sampler, training, executor='vmap'):
   alg = algorithms.build(alg_name, model, population, training=training)
-  runner = RoundRunner(alg, data, sampler,
-                       fp.executors.create_executor(executor, model, population.sample_x
-                                                    if hasattr(population, 'sample_x')
-                                                    else population.train.x[0, :1]))
+  if isinstance(executor, str):
+    executor = fp.executors.create_executor(executor, model, population.sample_x
+                                            if hasattr(population, 'sample_x')
+                                            else population.train.x[0, :1])
+  runner = RoundRunner(alg, data, sampler, executor)
   state, history = run(runner, 3, seed=2, eval_every=3)
   return runner, state, history
 
@@ -147,7 +148,7 @@ def test_host_layout_equals_device_layout(emnist_store, alg_name, participation,
   host = HostData(store, block=6, smallest=4)
   runner, s_host, h_host = _train(alg_name, host, population, model, sampler, training)
   # Cohorts padded to their own lengths, not to the widest client's.
-  assert min(s[0] for s in runner.feed.shapes) < device.train.max_examples
+  assert min(s[1] for s in runner.feed.shapes) < device.train.max_examples
   assert runner.hosted_rows == (alg_name not in ('fedavg', 'fedfomo') or opt_state != 'reset')
   if runner.hosted_rows:
     assert isinstance(s_host, layout_lib.HostedState)
@@ -163,6 +164,29 @@ def test_host_layout_equals_device_layout(emnist_store, alg_name, participation,
     for k in a:
       if k != 'round_seconds':
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize('executor', ['blocked', 'blocked_threads', 'sequential'])
+def test_heavy_tailed_host_layout_equals_device_layout_on_every_executor(emnist_store, executor):
+  """The store's writers hold 3 to 150 examples: cohorts packed back to back
+  (host) and padded to the widest writer (device), clients in blocks by work
+  or one at a time, idle slots of participation sampling: the same Ditto
+  (shared deltas summed, personal rows stacked) on every executor."""
+  make = {'blocked': lambda: fp.executors.BlockedExecutor(block_size=3),
+          'blocked_threads': lambda: fp.executors.BlockedExecutor(block_size=2, num_threads=2),
+          'sequential': lambda: fp.executors.SequentialExecutor(num_threads=2)}[executor]
+  store = emnist_store
+  model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,)), store.population().sample_x)
+  sampler = CohortSampler(16, participation=0.4)
+  training = TrainingConfig(client_lr=0.1, batch_size=8)
+  device = to_device(store.padded())
+  _, s_dev, h_dev = _train('ditto', device, device, model, sampler, training, make())
+  runner, s_host, h_host = _train('ditto', HostData(store, block=6, smallest=4),
+                                  store.population(), model, sampler, training, make())
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               runner.whole_state(s_host), s_dev)
+  np.testing.assert_allclose(h_host[-1]['per_client_accuracy'], h_dev[-1]['per_client_accuracy'],
+                             atol=1e-6)
 
 
 @pytest.mark.slow
@@ -198,7 +222,7 @@ def test_host_layout_fine_tuned_evaluation_and_cap(emnist_store):
   assert device.train.max_examples == 20
   np.testing.assert_allclose(h_host[-1]['per_client_accuracy'], h_dev[-1]['per_client_accuracy'],
                              atol=1e-6)
-  assert all(s[0] <= 20 for s in runner.feed.shapes)
+  assert all(s[1] <= 20 for s in runner.feed.shapes)
 
 
 def test_host_round_compiles_once_per_cohort_shape(emnist_store):
@@ -209,9 +233,13 @@ def test_host_round_compiles_once_per_cohort_shape(emnist_store):
   runner = RoundRunner(alg, HostData(store, smallest=4), CohortSampler(16, cohort_size=3),
                        fp.executors.VmapExecutor())
   run(runner, 8, seed=0, eval_every=0)
-  lengths = {s[0] for s in runner.feed.shapes}
+  lengths = {s[1] for s in runner.feed.shapes}
   widest = int(store.counts['train'].max())
   assert lengths <= {4, 8, 16, 32, 64, 128, widest}  # powers of two, or the widest client
+  # A cohort's examples packed back to back, in a power of two of rows: at
+  # most twice its examples plus one window, not 3 clients x the window.
+  for rows, window, *_ in runner.feed.shapes:
+    assert rows & (rows - 1) == 0 and rows >= window
   assert runner.trace_counts['round'] == len(runner.feed.shapes)
 
 

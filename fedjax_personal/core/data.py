@@ -40,6 +40,49 @@ class ClientData:
 
 
 @struct.dataclass
+class PackedClientData:
+  """One split of a cohort, its clients' examples back to back (the host
+  layout's cohorts): a round moves and holds the cohort's real examples,
+  not every client padded to the largest.
+
+  Client j's examples are rows ``offsets[j] .. offsets[j] + num_examples[j]``
+  of ``x`` / ``y``; the ``length`` rows from ``offsets[j]`` always exist
+  (the next clients' examples, then zeros), so ``client(j)`` is a window of
+  static shape, read exactly as a padded client: rows past its count are
+  masked wherever a client's data is used (batches, evaluation), never read
+  as its own.
+
+  Attributes:
+    x: [capacity, ...]; y: [capacity, ...].
+    num_examples: int32 [C].
+    offsets: int32 [C], where each client's examples start.
+    length: static; the window of one client (the ``max_examples`` of a
+      padded split).
+  """
+  x: jax.Array
+  y: jax.Array
+  num_examples: jax.Array
+  offsets: jax.Array
+  length: int = struct.field(pytree_node=False, default=0)
+
+  @property
+  def num_clients(self) -> int:
+    return self.num_examples.shape[0]
+
+  @property
+  def max_examples(self) -> int:
+    return self.length
+
+  def client(self, i) -> ClientData:
+    """Client i's data as a padded client's (x [length, ...], y, count);
+    ``i`` is clipped to the cohort, as a padded split's gather clips."""
+    i = jnp.clip(i, 0, self.num_clients - 1)
+    start = self.offsets[i]
+    window = lambda a: jax.lax.dynamic_slice_in_dim(a, start, self.length, 0)
+    return ClientData(x=window(self.x), y=window(self.y), num_examples=self.num_examples[i])
+
+
+@struct.dataclass
 class FederatedData:
   """A federated data set: per-client train / validation / test splits.
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_personal.core.algorithm import FederatedAlgorithm, RoundContext
-from fedjax_personal.core.data import FederatedData, LocalData
+from fedjax_personal.core.data import FederatedData, LocalData, PackedClientData
 from fedjax_personal.core import executors as executors_lib
 from fedjax_personal.core import layout as layout_lib
 from fedjax_personal.core import memory
@@ -27,6 +27,10 @@ PyTree = Any
 
 
 def _row(tree, i):
+  """Client i's data from a split: a padded split's row, or a packed
+  cohort's window (``PackedClientData.client``)."""
+  if isinstance(tree, PackedClientData):
+    return tree.client(i)
   return jax.tree.map(lambda a: a.at[i].get(mode='clip'), tree)
 
 
@@ -402,7 +406,7 @@ class RoundRunner:
       batching = alg.client_work.batching
       dispatched = self._dispatched_work(
           pre, make_ctx, post, lambda rows, train: np.array(
-              [batching.num_steps_for(int(n), train.x.shape[1])
+              [batching.num_steps_for(int(n), train.max_examples)
                for n in np.asarray(train.num_examples)[rows]]))
 
       def work(state, key, rnd, train, val, cohort, donate):

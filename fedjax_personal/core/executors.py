@@ -21,7 +21,6 @@ algorithm.
 import abc
 import concurrent.futures
 import dataclasses
-import functools
 import os
 from typing import Any, Callable, Optional, Sequence
 
@@ -57,33 +56,135 @@ def _map_stacked(f, out):
                       is_leaf=aggregation.is_sum)
 
 
-def _scan_blocks(block_fn, positions, valid):
-  """Runs ``block_fn`` over blocks of cohort positions ([nb, bs]) in a
-  ``lax.scan``: ``Sum`` outputs are reduced over each block's valid slots and
-  accumulated in the loop carry (nothing of them is stacked); other outputs
-  are stacked [nb, bs, ...].
+def _scan_blocks(block_fn, positions, valid, rows=None, count=None):
+  """Runs ``block_fn`` over blocks of cohort positions ([nb, bs], or a
+  pytree of [nb, ...] arrays: what each block receives) in a loop: ``Sum``
+  outputs are reduced over each block's valid slots and accumulated in the
+  loop carry (nothing of them is stacked); other outputs are stacked [nb,
+  bs, ...], or, with ``rows = (c, [nb, bs] cohort rows)``, written in place
+  into [c, ...] buffers in the carry at each block's rows (a row of c or
+  more is dropped), so that they come out in cohort order without a second
+  stacked copy (rows left unwritten are zeros). With ``count`` (a traced
+  int, ``rows`` required) only the first ``count`` blocks run (a
+  ``fori_loop``): empty blocks cost nothing.
   """
   def body(pos, ok):
     return aggregation.sum_clients(block_fn(pos), ok)
 
   # Traced once (the jaxpr gives the carry's shapes and is the loop body).
-  closed, shape = jax.make_jaxpr(body, return_shape=True)(positions[0], valid[0])
+  closed, shape = jax.make_jaxpr(body, return_shape=True)(
+      jax.tree.map(lambda a: a[0], positions), valid[0])
   body_fn = jax.extend.core.jaxpr_as_fun(closed)
   out_tree = jax.tree.structure(shape)
   nodes, treedef = jax.tree.flatten(shape, is_leaf=aggregation.is_sum)
   flags = [aggregation.is_sum(n) for n in nodes]
-  init = [jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), n.value)
+  zeros = lambda shape, dtype: jnp.zeros(shape, dtype)
+  init = [jax.tree.map(lambda a: zeros(a.shape, a.dtype), n.value)
           for n, f in zip(nodes, flags) if f]
+  bufs = None
+  if rows is not None:
+    c, rows = rows
+    bufs = [jax.tree.map(lambda a: zeros((c,) + a.shape[1:], a.dtype), n)
+            for n, f in zip(nodes, flags) if not f]
 
-  def step(acc, xs):
-    out = jax.tree.unflatten(out_tree, body_fn(*xs))
+  def step(carry, xs):
+    acc, bufs = carry
+    leaves, ok, at = xs
+    out = jax.tree.unflatten(out_tree, body_fn(*leaves, ok))
     out = jax.tree.flatten(out, is_leaf=aggregation.is_sum)[0]
     sums = [n.value for n, f in zip(out, flags) if f]
-    return jax.tree.map(jnp.add, acc, sums), [n for n, f in zip(out, flags) if not f]
+    stacked = [n for n, f in zip(out, flags) if not f]
+    acc = jax.tree.map(jnp.add, acc, sums)
+    if bufs is None:
+      return (acc, None), stacked
+    bufs = jax.tree.map(lambda b, o: b.at[at].set(o, mode='drop'), bufs, stacked)
+    return (acc, bufs), None
 
-  acc, stacked = jax.lax.scan(step, init, (positions, valid))
-  acc, stacked = iter(acc), iter(stacked)
+  xs = (jax.tree.leaves(positions), valid, rows)
+  if count is None:
+    (acc, bufs), stacked = jax.lax.scan(step, (init, bufs), xs)
+  else:
+    (acc, bufs) = jax.lax.fori_loop(
+        0, count, lambda i, carry: step(carry, jax.tree.map(lambda a: a[i], xs))[0], (init, bufs))
+  acc, stacked = iter(acc), iter(stacked if bufs is None else bufs)
   return treedef.unflatten([aggregation.Sum(next(acc)) if f else next(stacked) for f in flags])
+
+
+def _work_steps(work, make_ctx, shared, per_client, active):
+  """Each cohort client's real local step count (traced int32 [C]; 0 for an
+  inactive slot), read off its own batches (``training.work_num_steps``)."""
+  c = tree_util.cohort_size(per_client)
+
+  def one(pos):
+    ctx, key = make_ctx(shared, tree_util.client_slice(per_client, pos))
+    return training.work_num_steps(work, ctx, key)
+  return jnp.where(_active_mask(active, c), jax.vmap(one)(jnp.arange(c)), 0)
+
+
+def _limited_client(work, make_ctx, shared, per_client):
+  """``(pos, limit) -> output``: the client at cohort position ``pos`` runs
+  its first ``limit`` steps (``training.run_work``)."""
+  def client(pos, limit):
+    ctx, key = make_ctx(shared, tree_util.client_slice(per_client, pos))
+    return training.run_work(work, ctx, key, limit)
+  return client
+
+
+def work_layout(steps, active, bs: int, parts: int = 1):
+  """Blocks of clients by work (host ints): the cohort sorted by real step
+  count (longest first; inactive slots last, never run), cut into blocks of
+  ``bs`` consecutive clients; with ``parts`` > 1, the blocks assigned to
+  the parts longest first, each to the part with the least work so far
+  (LPT scheduling), so that host threads finish together.
+
+  A block then runs as many steps as its longest client (``training.run_work``
+  with ``limit``), and since its clients are neighbours in the sorted order
+  that is close to each one's own work: a round costs about the cohort's
+  real steps / ``bs`` block steps instead of ``blocks * S`` (S the padded
+  maximum).
+
+  Returns:
+    (pos [parts, nb, bs] cohort positions, ok [parts, nb, bs] real slots,
+    limit [parts, nb] block step counts, count [parts] blocks each part
+    runs; its first ``count`` blocks hold its clients). ``nb`` is the
+    cohort's number of blocks (a part may get them all).
+  """
+  steps, active = np.asarray(steps), np.asarray(active, bool)
+  c = steps.shape[0]
+  bs = min(bs, c)
+  nb = -(-c // bs)
+  order = np.argsort(-np.where(active, steps, -1), kind='stable')
+  slots = np.arange(nb * bs)
+  b_pos = order[slots % c].reshape(nb, bs)
+  b_ok = ((slots < c) & active[order[slots % c]]).reshape(nb, bs)
+  b_limit = np.max(np.where(b_ok, steps[b_pos], 0), axis=-1)
+  real = np.flatnonzero(b_ok.any(-1))
+  pos = np.zeros((parts, nb, bs), np.int32)
+  ok = np.zeros((parts, nb, bs), bool)
+  limit = np.zeros((parts, nb), np.int32)
+  count = np.zeros(parts, np.int32)
+  load = np.zeros(parts)
+  for b in real:  # longest first
+    t = int(np.argmin(load))
+    pos[t, count[t]], ok[t, count[t]], limit[t, count[t]] = b_pos[b], b_ok[b], b_limit[b]
+    count[t] += 1
+    load[t] += b_limit[b] + 1  # + 1: a block's fixed cost (init, final)
+  return pos, ok, limit, count
+
+
+def traced_work_layout(steps, active, bs: int):
+  """``work_layout`` with one part, on traced arrays (inside a compiled
+  round): (pos [nb, bs], ok, limit [nb], count)."""
+  c = steps.shape[0]
+  bs = min(bs, c)
+  nb = -(-c // bs)
+  order = jnp.argsort(-jnp.where(active, steps, -1), stable=True)
+  slots = jnp.arange(nb * bs)
+  pos = order[slots % c].reshape(nb, bs)
+  ok = ((slots < c) & active[order[slots % c]]).reshape(nb, bs)
+  limit = jnp.max(jnp.where(ok, steps[pos], 0), axis=-1).astype(jnp.int32)
+  count = (jnp.sum(active.astype(jnp.int32)) + bs - 1) // bs
+  return pos, ok, limit, count
 
 
 class Executor(abc.ABC):
@@ -153,6 +254,16 @@ class VmapExecutor(Executor):
     c = tree_util.cohort_size(per_client)
     with training.unroll_steps(False):
       out = jax.vmap(_client_fn(fn, shared, per_client))(jnp.arange(c))
+    return aggregation.sum_clients(out, _active_mask(active, c))
+
+  def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None):
+    """The cohort's steps loop as long as its longest active client's work
+    (not the padded maximum)."""
+    c = tree_util.cohort_size(per_client)
+    steps = _work_steps(work, make_ctx, shared, per_client, active)
+    client = _limited_client(work, make_ctx, shared, per_client)
+    with training.unroll_steps(False):
+      out = jax.vmap(client, in_axes=(0, None))(jnp.arange(c), jnp.max(steps))
     return aggregation.sum_clients(out, _active_mask(active, c))
 
 
@@ -226,15 +337,40 @@ class BlockedExecutor(Executor):
     return _map_stacked(lambda o: o.reshape((-1,) + o.shape[2:])[:c], out)
 
   def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None):
-    if self.fused:
-      return super().run_work(work, make_ctx, shared, per_client, active, num_steps)
+    """Client work in blocks of clients of similar work (``work_layout``):
+    each block runs its longest client's steps and only blocks holding
+    active clients run, so a heavy-tailed cohort costs about its real
+    steps, not blocks x the padded maximum."""
+    c = tree_util.cohort_size(per_client)
+    if not self.fused:
+      return self._threaded_work(work, make_ctx, shared, per_client, active, c)
+    steps = _work_steps(work, make_ctx, shared, per_client, active)
+    pos, ok, limit, count = traced_work_layout(steps, _active_mask(active, c), self.block_size)
+    return _block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c)
+
+  def _threaded_work(self, work, make_ctx, shared, per_client, active, c):
+    """The threaded form of ``run_work``: the step counts computed first (one
+    small compiled function), the blocks laid out on the host and shared out
+    by work (``work_layout``), each thread's blocks one call of the compiled
+    block loop."""
     key = ('work', work, make_ctx)
-    if key not in self._compiled:  # one function object per (work, make_ctx): compiled once
-      def fn(sh, c):
-        ctx, k = make_ctx(sh, c)
-        return training.run_work(work, ctx, k)
-      self._compiled[key] = fn
-    return self.map(self._compiled[key], shared, per_client, active)
+    if key not in self._compiled:  # one set of functions per (work, make_ctx): compiled once
+      self._compiled[key] = (
+          jax.jit(lambda sh, pc, act: _work_steps(work, make_ctx, sh, pc, act)),
+          jax.jit(lambda sh, pc, p, lim, ok, n: _block_loop(
+              work, make_ctx, sh, pc, p, lim, ok, n, tree_util.cohort_size(pc))))
+    steps_fn, loop = self._compiled[key]
+    act = np.asarray(_active_mask(active, c))
+    steps = np.asarray(steps_fn(shared, per_client, act))
+    parts = max(1, min(self.num_threads, -(-int(act.sum()) // min(self.block_size, c))))
+    pos, ok, limit, count = work_layout(steps, act, self.block_size, parts)
+    outs = list(self._pool.map(
+        lambda t: jax.block_until_ready(loop(shared, per_client, pos[t], limit[t], ok[t], count[t])),
+        range(parts)))
+    owner = np.zeros(c, np.int32)
+    for t in range(parts):
+      owner[pos[t][ok[t]]] = t
+    return _join_owned(outs, owner)
 
   def _threaded_map(self, fn, shared, per_client, active, c):
     if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((shared, per_client))):
@@ -249,13 +385,47 @@ class BlockedExecutor(Executor):
       self._compiled[('map', fn)] = jax.jit(loop)
     loop = self._compiled[('map', fn)]
     outs = list(self._pool.map(lambda t: loop(shared, per_client, pos[t], valid[t]), range(parts)))
-    return _join_parts(outs, c)
+    return _join_parts(outs, np.arange(c))
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _join_parts(outs, c):
+def _block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c):
+  """The first ``count`` blocks (``pos`` [nb, bs], ``limit`` [nb]) of client
+  work vectorized within a block, each block ``limit`` steps; stacked
+  outputs written at their cohort rows of [c, ...] buffers."""
+  client = _limited_client(work, make_ctx, shared, per_client)
+  if pos.shape[-1] == 1:  # one client a block: its own shapes, no batched matmuls of one
+    block = lambda x: jax.tree.map(lambda a: a[None], client(x[0][0], x[1]))
+  else:
+    block = lambda x: jax.vmap(client, in_axes=(0, None))(*x)
+  with training.unroll_steps(False):
+    return _scan_blocks(block, (pos, limit), ok, rows=(c, jnp.where(ok, pos, c)), count=count)
+
+
+@jax.jit
+def _join_owned(outs, owner):
+  """Threaded outputs in cohort order: ``Sum`` values added over the parts,
+  row i of stacked outputs from part ``owner[i]`` (the part that ran it)."""
+  nodes = [jax.tree.flatten(o, is_leaf=aggregation.is_sum)[0] for o in outs]
+  treedef = jax.tree.structure(outs[0], is_leaf=aggregation.is_sum)
+
+  def pick(*xs):
+    out = xs[0]
+    for t, x in enumerate(xs[1:], 1):
+      out = jnp.where((owner == t).reshape((-1,) + (1,) * (x.ndim - 1)), x, out)
+    return out
+
+  def join(*ns):
+    if aggregation.is_sum(ns[0]):
+      return aggregation.Sum(jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns]))
+    return jax.tree.map(pick, *ns)
+  return treedef.unflatten([join(*ns) for ns in zip(*nodes)])
+
+
+@jax.jit
+def _join_parts(outs, where):
   """Threaded blocked outputs: ``Sum`` values added over the parts, stacked
-  outputs ([nb, bs, ...] per part) concatenated in slot order, first ``c``."""
+  outputs ([nb, bs, ...] per part) concatenated in (part, block, lane)
+  order, then client i's taken from flat slot ``where[i]``."""
   nodes = [jax.tree.flatten(o, is_leaf=aggregation.is_sum)[0] for o in outs]
   treedef = jax.tree.structure(outs[0], is_leaf=aggregation.is_sum)
 
@@ -263,7 +433,7 @@ def _join_parts(outs, c):
     if aggregation.is_sum(ns[0]):
       return aggregation.Sum(jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns]))
     return jax.tree.map(lambda *xs: jnp.concatenate(
-        [x.reshape((-1,) + x.shape[2:]) for x in xs])[:c], *ns)
+        [x.reshape((-1,) + x.shape[2:]) for x in xs])[where], *ns)
   return treedef.unflatten([join(*ns) for ns in zip(*nodes)])
 
 
@@ -288,9 +458,14 @@ class SequentialExecutor(Executor):
   def describe(self):
     return f'sequential(threads={self.num_threads or os.cpu_count()})'
 
-  def _run(self, fn, c, active):
+  def _run(self, fn, c, active, work=None):
+    """Runs ``fn`` on the active clients; with ``work`` (their step counts),
+    the longest first, so that the threads, each taking the next client
+    when free, finish together (LPT scheduling)."""
     act = np.ones(c, bool) if active is None else np.asarray(active)
     todo = [i for i in range(c) if act[i]]
+    if work is not None:
+      todo.sort(key=lambda i: -int(work[i]))
     outs = list(self._pool.map(fn, todo)) if self._pool else [fn(i) for i in todo]
     return todo, outs
 
@@ -364,7 +539,7 @@ class SequentialExecutor(Executor):
         carry = step(shared, per_client, i32, carry, idx, mask, k_steps, np.int32(s))
       return final(shared, per_client, i32, carry)
 
-    todo, outs = self._run(client, c, active)
+    todo, outs = self._run(client, c, active, num_steps)
     return self._stack(c, todo, outs)
 
 

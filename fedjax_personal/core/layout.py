@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_personal.core.data import ClientData
+from fedjax_personal.core.data import ClientData, PackedClientData
 from fedjax_personal.core.store import SPLITS, PopulationStore, padded_length
 from fedjax_personal.errors import ConfigError
 
@@ -95,6 +95,12 @@ class HostData:
     length = self.length(split, idx) if length is None else length
     return jax.device_put(self.store.gather(split, idx, length, self.cap, clip=True))
 
+  def gather_packed(self, split: str, idx) -> PackedClientData:
+    """Clients ``idx`` packed back to back (``PackedClientData``), on the
+    device: a round's cohort, whose real examples alone are copied."""
+    return jax.device_put(self.store.gather_packed(split, idx, self.length(split, idx), self.cap,
+                                                   self.smallest))
+
 
 class CohortFeed:
   """Prepares rounds' cohorts: draws the cohort (``sample(key)``), gathers
@@ -102,7 +108,9 @@ class CohortFeed:
   host thread, so that round t + 1's data is ready when round t ends.
 
   Attributes:
-    shapes: the (train, val) lengths the rounds used, in order of first use.
+    shapes: the (train rows, train window, val rows, val window) of the
+      packed cohorts the rounds used, in order of first use (one compiled
+      round each).
   """
 
   def __init__(self, host: HostData, sample):
@@ -114,7 +122,7 @@ class CohortFeed:
   def _prepare(self, key):
     cohort = self.sample(key)
     idx = np.asarray(jax.device_get(cohort.idx))
-    train, val = self.host.gather('train', idx), self.host.gather('val', idx)
+    train, val = self.host.gather_packed('train', idx), self.host.gather_packed('val', idx)
     return cohort, train, val
 
   @staticmethod
@@ -135,7 +143,7 @@ class CohortFeed:
       out = pending[1].result()
     else:
       out = self._prepare(key)
-    shape = (out[1].x.shape[1], out[2].x.shape[1])
+    shape = (out[1].x.shape[0], out[1].length, out[2].x.shape[0], out[2].length)
     if shape not in self.shapes:
       self.shapes.append(shape)
     return out

@@ -26,7 +26,7 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
-from fedjax_personal.core.data import ClientData, FederatedData
+from fedjax_personal.core.data import ClientData, FederatedData, PackedClientData
 from fedjax_personal.errors import DataError
 
 FORMAT = 'fedjax_personal.population/1'
@@ -175,6 +175,36 @@ class PopulationStore:
     if yp.dtype != np.int32 and np.issubdtype(yp.dtype, np.integer):
       yp = yp.astype(np.int32)
     return ClientData(x=xp, y=yp, num_examples=n)
+
+  def gather_packed(self, split: str, idx, length: int, cap: Optional[int] = None,
+                    smallest: int = 32) -> PackedClientData:
+    """Clients ``idx``'s ``split`` packed back to back (host numpy): as
+    ``gather(..., clip=True)`` gives them, without the padding. The rows
+    after the last client are zeros, ``length`` of them at least, and the
+    total is a power of two (at least ``smallest``) so that cohorts share a
+    few compiled shapes."""
+    idx = np.asarray(idx, np.int64)
+    empty = idx >= self.num_clients
+    idx = np.where(empty, 0, idx)
+    self.check_clients(idx)
+    x, y, _ = self.arrays[split]
+    n = self.counts[split][idx]
+    if cap is not None and split == 'train':
+      n = np.minimum(n, cap)
+    n = np.where(empty, 0, np.minimum(n, length)).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int32)
+    total = int(n.sum())
+    capacity = int(max(smallest, next_power_of_two(total + length))) if length else 0
+    ydtype = np.int32 if np.issubdtype(y.dtype, np.integer) else y.dtype
+    xp = np.empty((capacity,) + x.shape[1:], x.dtype)
+    yp = np.empty((capacity,) + y.shape[1:], ydtype)
+    xp[total:] = 0
+    yp[total:] = 0
+    starts = self.offsets[split][idx]
+    for s, o, k in zip(starts, offsets, n):
+      xp[o:o + k] = x[s:s + k]
+      yp[o:o + k] = y[s:s + k]
+    return PackedClientData(x=xp, y=yp, num_examples=n, offsets=offsets, length=int(length))
 
   def padded(self, cap: Optional[int] = None) -> FederatedData:
     """The whole population padded to its largest client (the device

@@ -235,9 +235,37 @@ def work_step(work: ClientWork, ctx: ClientContext, carry, idx, mask, k_steps, s
   return tree_where(step_is_real(mask[s]), new, carry)
 
 
-def run_work(work: ClientWork, ctx: ClientContext, key):
-  """The whole client update as one traced function (scan over steps)."""
+def work_num_steps(work: ClientWork, ctx: ClientContext, key):
+  """The client's real step count (int32 scalar), read off its own batches:
+  the steps whose batch holds a real example (they come first)."""
+  _, mask = work_batch_indices(work, jax.random.split(key, 3)[1], ctx.data.train.num_examples,
+                               ctx.data.train.x.shape[0])
+  return jnp.sum(jax.vmap(step_is_real)(mask)).astype(jnp.int32) if mask.shape[0] else (
+      jnp.zeros((), jnp.int32))
+
+
+def run_work(work: ClientWork, ctx: ClientContext, key, limit=None):
+  """The whole client update as one traced function.
+
+  Without ``limit``: a scan over every padded step (padded steps leave the
+  carry unchanged). With ``limit`` (a traced int32 scalar, at least the
+  client's real step count, the same for every client vectorized with it):
+  a ``while_loop`` over the first ``limit`` steps only, so a block of
+  clients costs its longest client's steps, not the padded maximum. The
+  numbers are the same either way: the steps run are the same, and the
+  steps past the client's own are padding in both.
+  """
   carry, idx, mask, k_steps = work_init(work, ctx, key)
+
+  if limit is not None:
+    def cond(c):
+      return c[0] < limit
+
+    def loop(c):
+      s, carry = c
+      return s + 1, work_step(work, ctx, carry, idx, mask, k_steps, s)
+    _, carry = jax.lax.while_loop(cond, loop, (jnp.zeros((), jnp.int32), carry))
+    return work.final(ctx, carry)
 
   def body(c, s):
     return work_step(work, ctx, c, idx, mask, k_steps, s), None

@@ -79,6 +79,8 @@ def final_summary(history: List[dict], window: int = 5) -> dict:
   last ``window`` evaluations (``stat_window`` of them at most: fewer when
   the run had fewer) of the mean and worst-client accuracy, steadier than
   the last evaluation alone when accuracy swings between rounds.
+  ``round_seconds_median``: the median time of a round after the first (the
+  first compiles), evaluations not included.
   """
   evals = [r for r in history if 'accuracy_mean' in r]
   last = dict(evals[-1]) if evals else {}
@@ -93,7 +95,10 @@ def final_summary(history: List[dict], window: int = 5) -> dict:
     last['diverged'], last['diverged_at_round'] = True, div.get('diverged_at_round', div['round'])
   last['total_bytes_up'] = float(sum(r.get('bytes_up', 0) for r in history))
   last['total_bytes_down_broadcast'] = float(sum(r.get('bytes_down_broadcast', 0) for r in history))
-  last['train_seconds'] = float(sum(r.get('round_seconds', 0) for r in history))
+  seconds = [r['round_seconds'] for r in history if 'round_seconds' in r]
+  last['train_seconds'] = float(sum(seconds))
+  if len(seconds) > 1:  # the first round compiles: the steady cost is the rest's median
+    last['round_seconds_median'] = float(np.median(seconds[1:]))
   return last
 
 

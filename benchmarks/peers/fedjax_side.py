@@ -1,0 +1,67 @@
+"""FedJAX 0.0.17's FedAvg on the peer benchmark's files (runs in FedJAX's venv).
+
+As FedJAX's own EMNIST experiment runs it: ``fedjax.datasets.emnist.load_data``
+from ``--data_dir`` (its cache), ``fedjax.models.emnist.create_dense_model`` /
+``create_conv_model``, ``fedjax.algorithms.fed_avg.federated_averaging``
+(``for_each_client`` underneath) with SGD client and server optimizers,
+``ShuffleRepeatBatchHParams(batch_size, num_epochs=1)``, and a
+``UniformGetClientSampler``. Prints one JSON line: seconds per round (each
+round timed to ``block_until_ready`` of the server parameters), pooled test
+accuracy after the rounds, peak RSS (VmHWM).
+"""
+
+import argparse
+import json
+import time
+
+import jax
+import numpy as np
+
+import fedjax
+
+
+def peak_rss_bytes():
+  with open('/proc/self/status') as f:
+    for line in f:
+      if line.startswith('VmHWM:'):
+        return int(line.split()[1]) * 1024
+  return 0
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument('--data_dir', required=True)
+  p.add_argument('--model', choices=['mlp', 'cnn'], default='mlp')
+  p.add_argument('--cohort_size', type=int, default=10)
+  p.add_argument('--rounds', type=int, default=31)
+  p.add_argument('--batch_size', type=int, default=20)
+  p.add_argument('--client_lr', type=float, default=0.1)
+  p.add_argument('--seed', type=int, default=0)
+  a = p.parse_args()
+  train, test = fedjax.datasets.emnist.load_data(only_digits=False, cache_dir=a.data_dir)
+  model = (fedjax.models.emnist.create_dense_model(only_digits=False) if a.model == 'mlp'
+           else fedjax.models.emnist.create_conv_model(only_digits=False))
+  grad_fn = fedjax.model_grad(model)
+  hp = fedjax.ShuffleRepeatBatchHParams(batch_size=a.batch_size, num_epochs=1)
+  alg = fedjax.algorithms.fed_avg.federated_averaging(
+      grad_fn, fedjax.optimizers.sgd(a.client_lr), fedjax.optimizers.sgd(1.0), hp)
+  state = alg.init(model.init(jax.random.PRNGKey(a.seed)))
+  sampler = fedjax.client_samplers.UniformGetClientSampler(train, a.cohort_size, seed=a.seed)
+  seconds = []
+  for _ in range(a.rounds):
+    clients = sampler.sample()
+    start = time.perf_counter()
+    state, _ = alg.apply(state, clients)
+    jax.block_until_ready(state.params)
+    seconds.append(time.perf_counter() - start)
+  # Pooled test accuracy over every test client (FedJAX's evaluate_model).
+  batches = fedjax.padded_batch_federated_data(test, batch_size=1024)
+  metrics = fedjax.evaluate_model(model, state.params, batches)
+  print(json.dumps({'side': 'fedjax', 'model': a.model, 'cohort_size': a.cohort_size,
+                    'rounds': a.rounds, 'seconds': seconds,
+                    's_per_round': float(np.median(seconds[1:])),
+                    'accuracy': float(metrics['accuracy']), 'peak_rss_bytes': peak_rss_bytes()}))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,195 @@
+"""FedJAX 0.0.17 against this project on the same FedJAX-format files.
+
+Writes the files once (``make_files.py``: EMNIST-shaped writers with the
+field's long tail; by FedJAX's own SQLite writer when --fedjax_python has
+FedJAX), then, for each row, runs FedJAX's FedAvg (``fedjax_side.py``, in
+FedJAX's venv) and this project's CLI (``scripts/run_experiment.py``) with the
+same model, cohort, batch, one local epoch, learning rates and rounds,
+alternating the two --repeats times (interleaved: drift on the machine hits
+both). Per run: seconds per round (median of the rounds after the first),
+accuracy after the rounds (FedJAX: its pooled ``evaluate_model`` over every
+test client; the project: ``accuracy_weighted``, the same pooled figure),
+peak RSS (the child's ``ru_maxrss`` from ``wait4``). The table reports the
+medians over repeats, the speed ratio and the share of this CPU's fp32 peak
+(measured at start: a 2048x2048 matmul) that the round's training FLOPs
+(XLA's cost analysis of one example's forward pass x 3 x the cohort's real
+examples) reach.
+
+FedJAX's venv (its own, apart from this project's):
+  python3 -m venv ~/fedjax-venv && ~/fedjax-venv/bin/pip install jax==0.4.30 \\
+      jaxlib==0.4.30 dm-haiku==0.0.12 optax==0.2.2 'numpy<2' fedjax==0.0.17
+
+Usage:
+  python benchmarks/peers/run.py --fedjax_python=~/fedjax-venv/bin/python \\
+      --work_dir=/tmp/peers --rows=mlp:10,mlp:50,mlp:500,cnn:50 --output=peers.json
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+MODELS = {'mlp': 'mlp', 'cnn': 'reddi_emnist_cnn'}  # FedJAX's dense / conv EMNIST models
+
+
+def run_child(cmd, env=None):
+  """(stdout, seconds) of a command; exits on failure. Each side runs in a
+  wrapper that prints its own peak RSS (``_wrapped``)."""
+  start = time.perf_counter()
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  out, err = proc.communicate()
+  if proc.returncode:
+    sys.exit(f'{cmd[0]} failed ({proc.returncode}):\n{err[-3000:]}')
+  return out, time.perf_counter() - start
+
+
+def _wrapped(python, argv):
+  """``python -c`` that runs ``argv`` as a script and prints its VmHWM last."""
+  code = ('import runpy, sys, atexit\n'
+          'def _hwm():\n'
+          '  for l in open("/proc/self/status"):\n'
+          '    if l.startswith("VmHWM:"): print("PEAK_RSS", int(l.split()[1]) * 1024, flush=True)\n'
+          'atexit.register(_hwm)\n'
+          f'sys.argv = {argv!r}\n'
+          'runpy.run_path(sys.argv[0], run_name="__main__")\n')
+  return [python, '-c', code]
+
+
+def peak_of(out):
+  for line in out.splitlines()[::-1]:
+    if line.startswith('PEAK_RSS'):
+      return int(line.split()[1])
+  return None
+
+
+def fedjax_run(a, model, cohort):
+  argv = [os.path.join(HERE, 'fedjax_side.py'), f'--data_dir={a.work_dir}/emnist',
+          f'--model={model}', f'--cohort_size={cohort}', f'--rounds={a.rounds}',
+          f'--batch_size={a.batch_size}', f'--client_lr={a.client_lr}', f'--seed={a.seed}']
+  out, _ = run_child(_wrapped(a.fedjax_python, argv))
+  rec = json.loads(next(l for l in out.splitlines() if l.startswith('{')))
+  return {'s_per_round': rec['s_per_round'], 'accuracy': rec['accuracy'], 'peak_rss': peak_of(out)}
+
+
+def project_run(a, model, cohort, extra=()):
+  out_dir = os.path.join(a.work_dir, 'runs', f'{model}_{cohort}')
+  argv = [os.path.join(ROOT, 'scripts', 'run_experiment.py'), '--dataset=emnist',
+          f'--data_dir={a.work_dir}/emnist', f'--model={MODELS[model]}', '--algorithm=fedavg',
+          f'--cohort_size={cohort}', f'--batch_size={a.batch_size}', f'--client_lr={a.client_lr}',
+          f'--rounds={a.rounds}', '--eval_every=0', '--progress=false', f'--seed={a.seed}',
+          f'--output_dir={out_dir}', '--overwrite', *extra]
+  env = dict(os.environ, FEDJAX_PERSONAL_CACHE=os.path.join(a.work_dir, 'cache'))
+  out, _ = run_child(_wrapped(sys.executable, argv), env)
+  with open(os.path.join(out_dir, 'fedavg', 'summary.json')) as f:
+    s = json.load(f)
+  header = [l for l in out.splitlines() if l.startswith(('layout:', 'executor:'))]
+  return {'s_per_round': s['round_seconds_median'], 'accuracy': s['accuracy_weighted'],
+          'peak_rss': peak_of(out), 'header': header}
+
+
+def fp32_peak():
+  """FLOP/s of a 2048x2048 float32 matmul on this machine (JAX, all cores)."""
+  import jax
+  import jax.numpy as jnp
+  x = jnp.ones((2048, 2048), jnp.float32)
+  f = jax.jit(lambda a: a @ a)
+  f(x).block_until_ready()
+  best = float('inf')
+  for _ in range(5):
+    t = time.perf_counter()
+    f(x).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return 2 * 2048 ** 3 / best
+
+
+def train_flops_per_round(model, cohort, mean_examples):
+  """3 x forward FLOPs per example (XLA's cost analysis) x the cohort's
+  expected real examples (one epoch)."""
+  import jax
+  import jax.numpy as jnp
+  sys.path.insert(0, ROOT)
+  import fedjax_personal as fp
+  m = fp.create_model(MODELS[model], 62, np.zeros((1, 28, 28, 1), np.float32))
+  params = m.init(jax.random.key(0))
+  x = jnp.zeros((64, 28, 28, 1), jnp.float32)
+  cost = jax.jit(m.apply).lower(params, x).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return 3 * cost['flops'] / 64 * cohort * mean_examples
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--fedjax_python', required=True, help="FedJAX's venv's python.")
+  p.add_argument('--work_dir', required=True, help='Files, cache and runs (kept, reused).')
+  p.add_argument('--rows', default='mlp:10,mlp:50,mlp:500,cnn:50',
+                 help='model:cohort pairs (model mlp or cnn).')
+  p.add_argument('--rounds', type=int, default=31)
+  p.add_argument('--repeats', type=int, default=3)
+  p.add_argument('--batch_size', type=int, default=20)
+  p.add_argument('--client_lr', type=float, default=0.1)
+  p.add_argument('--seed', type=int, default=0)
+  p.add_argument('--num_clients', type=int, default=3400)
+  p.add_argument('--project_flags', default='', help='Extra flags of the project runs, '
+                 "';'-separated per variant, e.g. '--executor=sequential;--executor=auto'.")
+  p.add_argument('--output', default=None)
+  a = p.parse_args()
+  a.fedjax_python = os.path.expanduser(a.fedjax_python)
+  folder = os.path.join(a.work_dir, 'emnist')
+  if not os.path.exists(os.path.join(folder, 'federated_emnist_test.sqlite')):
+    has_fedjax = subprocess.run([a.fedjax_python, '-c', 'import fedjax'],
+                                capture_output=True).returncode == 0
+    subprocess.run([a.fedjax_python if has_fedjax else sys.executable,
+                    os.path.join(HERE, 'make_files.py'), '--shape=emnist',
+                    f'--num_clients={a.num_clients}', f'--folder={folder}',
+                    f'--writer={"fedjax" if has_fedjax else "plain"}'], check=True)
+  import sqlite3
+  with sqlite3.connect(os.path.join(folder, 'federated_emnist_train.sqlite')) as conn:
+    counts = np.array([r[0] for r in conn.execute('SELECT num_examples FROM federated_data')])
+  peak = fp32_peak()
+  variants = [v.split() for v in a.project_flags.split(';')] if a.project_flags else [[]]
+  rows = []
+  for row in a.rows.split(','):
+    model, cohort = row.split(':')
+    cohort = int(cohort)
+    flops = train_flops_per_round(model, cohort, counts.mean())
+    runs = {'fedjax': []}
+    for rep in range(a.repeats):
+      runs['fedjax'].append(fedjax_run(a, model, cohort))
+      for v in variants:
+        runs.setdefault(' '.join(v) or 'default', []).append(project_run(a, model, cohort, v))
+      print(f'{row} repeat {rep + 1}: ' + ', '.join(
+          f'{k} {r[-1]["s_per_round"]:.4f} s' for k, r in runs.items()), flush=True)
+    med = lambda rs, k: float(np.median([r[k] for r in rs]))
+    fj = med(runs['fedjax'], 's_per_round')
+    out = {'model': model, 'cohort': cohort, 'train_gflop_per_round': flops / 1e9, 'runs': runs}
+    for k, rs in runs.items():
+      s = med(rs, 's_per_round')
+      out[k] = {'s_per_round': s, 'speedup_vs_fedjax': fj / s,
+                'accuracy': med(rs, 'accuracy'), 'peak_rss_gb': med(rs, 'peak_rss') / 2**30,
+                'pct_fp32_peak': 100 * flops / s / peak, 'header': rs[-1].get('header')}
+    rows.append(out)
+  print(f'\nfp32 peak (2048^2 matmul): {peak / 1e9:.0f} GFLOP/s; EMNIST-shaped: {len(counts)} '
+        f'writers, {counts.min()}-{counts.max()} examples (median {int(np.median(counts))}); '
+        f'FedAvg, batch {a.batch_size}, 1 epoch, lr {a.client_lr}, {a.rounds} rounds, '
+        f'{a.repeats} interleaved repeats (medians)')
+  print('| model | cohort | side | s/round | x FedJAX | accuracy | peak RSS GB | % fp32 peak |')
+  print('|---|---|---|---|---|---|---|---|')
+  for r in rows:
+    for k in runs:
+      v = r[k]
+      print(f"| {r['model']} | {r['cohort']} | {k} | {v['s_per_round']:.4f} | "
+            f"{v['speedup_vs_fedjax']:.2f} | {100 * v['accuracy']:.1f}% | "
+            f"{v['peak_rss_gb']:.2f} | {v['pct_fp32_peak']:.0f}% |")
+  if a.output:
+    with open(a.output, 'w') as f:
+      json.dump({'fp32_peak_gflops': peak / 1e9, 'rows': rows, 'args': vars(a)}, f, indent=1)
+
+
+if __name__ == '__main__':
+  main()
