@@ -329,3 +329,27 @@ def test_cli_auto_layout_moves_client_rows_that_cannot_fit_to_the_host(tmp_path,
   assert 'local: client rows (0.001 GB) on the host' in out
   with pytest.raises(ConfigError, match="--layout=device: the padded population and local's"):
     job('device')
+
+
+def test_cli_refuses_up_front_what_host_memory_cannot_hold(tmp_path, monkeypatch):
+  """A sweep (device layout) over a population whose padded copies exceed
+  the available memory, and client rows beyond it in the host layout: one
+  line each, before anything is made (no out-of-memory killer)."""
+  data_dir = tmp_path / 'data'
+  data_dir.mkdir()
+  made_files.write_emnist(data_dir, np.random.default_rng(7), [4, 90, 6], [2, 2, 2])
+  monkeypatch.setattr(cli.memory, 'device_free_bytes', lambda: None)
+  monkeypatch.setattr(layout_lib, 'host_available_bytes', lambda: 150_000)
+  parse_flags('--algorithm=fedavg', '--dataset=emnist', f'--data_dir={data_dir}', '--model=logreg',
+              '--rounds=1', '--progress=false', '--sweep=client_lr:0.1,0.2', '--dry_run',
+              f'--output_dir={tmp_path}/o')
+  with pytest.raises(ConfigError, match=r'--sweep.* run on the device layout, where this '
+                     r'population padded to its widest client needs .* GB free: run the '
+                     r'configurations as separate runs'):
+    cli.main_job()
+  parse_flags('--algorithm=local', '--dataset=emnist', f'--data_dir={data_dir}', '--model=logreg',
+              '--rounds=1', '--progress=false', '--layout=host', '--dry_run',
+              f'--output_dir={tmp_path}/o')
+  with pytest.raises(ConfigError, match=r'local keeps .* GB of client rows in host memory, '
+                     r'.* GB available'):
+    cli.main_job()

@@ -9,12 +9,15 @@ Populations (the field's shapes, learnable so that accuracies compare):
   emnist: 3,400 writers, training examples per writer log-normal with median
     154 clipped to [24, 1067] (federated EMNIST-62's range), about a ninth as
     many test examples; 28x28 ``pixels`` (1 = background, as TFF/FedJAX
-    store them) drawn around a per-class template with a per-writer stroke
-    offset; 62 labels.
-  stackoverflow: users with 2-400 sentences (log-normal, median ~40), each a
-    space-separated string of words drawn from a per-user bigram chain over a
-    vocabulary of 10,000 made-up words, FedJAX's ``tokens`` feature (bytes),
-    plus ``stackoverflow.word_count`` beside it.
+    store them) drawn around a class template (another class's for 20% of
+    the examples: accuracy stays below ~82%, as on the real writers) with a
+    per-writer stroke offset and noise; 62 labels.
+  stackoverflow: users with 2-400 sentences (log-normal, median ~40; a tenth
+    as many held-out and test sentences), each a space-separated string of
+    5-24 words, half from the user's own 200-word topic and half Zipf-drawn
+    from a vocabulary of 10,000 made-up words: FedJAX's ``tokens``, ``title``,
+    ``tags`` and ``type`` features (bytes), plus ``stackoverflow.word_count``
+    (words by frequency) beside them.
 """
 
 import argparse
@@ -47,14 +50,15 @@ class _Writer:
 
   def add(self, cid, ex):
     if self.fedjax is not None:
-      self.fedjax.add_many([(cid, ex)])
+      self.rows.append((cid, ex))
       return
     n = len(next(iter(ex.values())))
     self.rows.append((cid, zlib.compress(msgpack.packb(ex, default=_pack, strict_types=True)), n))
 
   def close(self):
     if self.fedjax is not None:
-      self.fedjax.close()
+      with self.fedjax as builder:  # FedJAX's builder closes its connection on exit
+        builder.add_many(self.rows)
       return
     conn = sqlite3.connect(self.path)
     conn.execute('CREATE TABLE federated_data (client_id BLOB NOT NULL PRIMARY KEY, '
@@ -81,7 +85,8 @@ def write_emnist(folder, num_clients, seed, use_fedjax):
     style = rng.normal(0, 0.2, (28, 28)).astype(np.float32)
     for w, n in zip(writers, (train_n[i], test_n[i])):
       y = rng.integers(0, 62, n)
-      ink = templates[y] * 0.45 + style + rng.normal(0, 0.45, (n, 28, 28))
+      shown = np.where(rng.random(n) < 0.2, rng.integers(0, 62, n), y)  # 20% drawn as another
+      ink = templates[shown] * 0.35 + style + rng.normal(0, 0.6, (n, 28, 28))
       pixels = np.round(np.clip(1.0 - ink, 0, 1) * 255).astype(np.float32) / 255
       w.add(b'f%04d_%02d' % (i, i % 100), {'pixels': pixels.astype(np.float32),
                                           'label': y.astype(np.int32)})
@@ -98,10 +103,10 @@ def write_stackoverflow(folder, num_clients, seed, use_fedjax, vocab=10000):
   sizes = np.clip(np.round(rng.lognormal(np.log(40), 1.0, num_clients)), 2, 400).astype(int)
   counts = np.zeros(vocab, np.int64)
   writers = [_Writer(os.path.join(folder, f'stackoverflow_{s}.sqlite'), use_fedjax)
-             for s in ('train', 'test')]
+             for s in ('train', 'held_out', 'test')]
   for i in range(num_clients):
     topic = rng.permutation(vocab)[:200]
-    for w, n in zip(writers, (sizes[i], max(1, sizes[i] // 10))):
+    for w, n in zip(writers, (sizes[i], max(1, sizes[i] // 10), max(1, sizes[i] // 10))):
       lens = rng.integers(5, 25, n)
       toks = []
       for ln in lens:
@@ -110,8 +115,11 @@ def write_stackoverflow(folder, num_clients, seed, use_fedjax, vocab=10000):
         toks.append(b' '.join(words[ids]))
       arr = np.empty(n, dtype=object)
       arr[:] = toks
-      w.add(b'%08d' % i, {'tokens': arr, 'title': arr.copy(),
-                           'tags': np.array([b't'] * n, dtype=object)})
+      kinds = np.empty(n, dtype=object)
+      kinds[:] = [b'answer' if k else b'question' for k in rng.random(n) < 0.6]
+      tags = np.empty(n, dtype=object)
+      tags[:] = [b't'] * n
+      w.add(b'%08d' % i, {'tokens': arr, 'title': arr.copy(), 'tags': tags, 'type': kinds})
   for w in writers:
     w.close()
   order = np.argsort(-counts, kind='stable')

@@ -21,10 +21,16 @@ class ClientData:
     x: inputs, shape [N, max_examples, ...]. Padded rows are zeros.
     y: targets, shape [N, max_examples, ...] (int labels, or token sequences).
     num_examples: int32 [N], how many leading rows of client i are real.
+    source: one client of a packed cohort (``PackedClientData.client``):
+      ``(x, y, start)`` of the packed split, its rows ``x[start + j]``
+      being ``self.x[j]``. Batches are gathered from there directly
+      (``training.get_batch``), so the client's window ``x`` is only made
+      when something reads it whole. None otherwise.
   """
   x: jax.Array
   y: jax.Array
   num_examples: jax.Array
+  source: Optional[tuple] = None
 
   @property
   def num_clients(self) -> int:
@@ -79,7 +85,8 @@ class PackedClientData:
     i = jnp.clip(i, 0, self.num_clients - 1)
     start = self.offsets[i]
     window = lambda a: jax.lax.dynamic_slice_in_dim(a, start, self.length, 0)
-    return ClientData(x=window(self.x), y=window(self.y), num_examples=self.num_examples[i])
+    return ClientData(x=window(self.x), y=window(self.y), num_examples=self.num_examples[i],
+                      source=(self.x, self.y, start))
 
 
 @struct.dataclass

@@ -717,16 +717,21 @@ def fit_memory(executor: Executor, need, free_bytes: Optional[int]) -> Executor:
 THREADED_STATE_BYTES = 1 << 30
 
 #: The parameter bytes a CPU block of clients may hold (``cpu_block_size``).
-CPU_BLOCK_BYTES = 3 << 20
+CPU_BLOCK_BYTES = 1 << 20
 
 
 def cpu_block_size(model=None) -> int:
   """Clients per block on CPU: as many as keep the block's parameters within
-  ``CPU_BLOCK_BYTES`` (the L2 + L3 share a core had on the measured machine),
-  between 1 and 10. Local SGD on small batches reads and writes every
-  parameter each step (a few FLOP per byte), so a block that spills the
-  caches runs at memory speed: MLP at 1,000 clients, blocks of 10 (8 MB of
-  parameters) 1.55x slower than blocks of 1-4 (BUILD.md)."""
+  ``CPU_BLOCK_BYTES``, between 1 and 10. Local SGD on small batches reads and
+  writes every parameter each step (a few FLOP per byte), so a block that
+  spills the caches runs at memory speed (MLP at 1,000 clients, blocks of 10:
+  8 MB of parameters, 1.55x slower than blocks of 1-4), and a model whose
+  step already fills a core gains nothing from a vectorized block while its
+  block steps as long as its longest client: blocks by work cost a block's
+  imbalance, so one client a block is the choice for the MLP (0.84 MB;
+  FedAvg on 3,400 EMNIST-shaped writers, cohorts 10 / 50: 1.31x / 1.11x
+  faster than blocks of 3, and equal on 100 / 1,000 equal clients;
+  BUILD.md). Small models (logistic regression: 5) still share a block."""
   if model is None:
     return 10
   shapes = jax.eval_shape(model.init, jax.random.key(0))

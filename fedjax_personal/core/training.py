@@ -123,6 +123,11 @@ def plain_objective(model: Model):
 
 
 def get_batch(data: ClientData, idx, mask) -> Batch:
+  """The examples at ``idx`` of one client (from its packed cohort's rows
+  when it has them: the same values, without making the client's window)."""
+  if data.source is not None:
+    x, y, start = data.source
+    return Batch(x=x[start + idx], y=y[start + idx], mask=mask)
   return Batch(x=data.x[idx], y=data.y[idx], mask=mask)
 
 

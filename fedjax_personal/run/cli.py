@@ -574,8 +574,18 @@ def load_data(job: Job) -> None:
   layout, reason = layout_lib.choose(FLAGS.layout, store.padded_nbytes(cap), free,
                                      int(train_counts.max()), cap)
   if layout == 'host' and (job.cfgs is not None or jax.process_count() > 1):
-    layout, reason = 'device', ('sweeps and --trials' if job.cfgs is not None else
-                                'several processes') + ' run on the device layout'
+    why = '--sweep, --sweep_seeds and --trials' if job.cfgs is not None else 'several processes'
+    padded_bytes = store.padded_nbytes(cap)
+    # The padded population is made on the host, then put on the device: on
+    # a CPU both copies share the host's memory.
+    need = padded_bytes * (2 if jax.default_backend() == 'cpu' else 1)
+    if free is not None and need > free:
+      flag = 'sweep' if job.cfgs is not None else 'num_processes'
+      raise ConfigError(flag, f'{why} run on the device layout, where this population padded to '
+                        f'its widest client needs {need / layout_lib.GB:.1f} GB, '
+                        f'{free / layout_lib.GB:.1f} GB free: run the configurations as separate '
+                        'runs (the host layout), or give --max_client_examples / --num_clients')
+    layout, reason = 'device', f'{why} run on the device layout'
   _say(population.describe())
   job.layout_reason, job.store = reason, store
   job.identity = job_identity(fingerprint, cap)
@@ -643,10 +653,16 @@ def settle_layout(job: Job, settings) -> None:
       build_algorithms(job, settings)
   _say(f'layout: {job.layout} ({job.layout_reason})')
   if job.layout == 'host':
+    available = layout_lib.host_available_bytes()
     for _, alg, *_ in job.algs:
       if alg.client_rows is not None:
         rows = alg.client_rows.get(jax.eval_shape(alg.init, jax.random.key(0)))
-        _say(f'  {alg.name}: client rows ({tree_bytes(rows) / layout_lib.GB:.3f} GB) on the host')
+        nbytes = tree_bytes(rows)
+        if available is not None and nbytes > 0.9 * available:
+          raise ConfigError('algorithm', f'{alg.name} keeps {nbytes / layout_lib.GB:.1f} GB of '
+                            f'client rows in host memory, {available / layout_lib.GB:.1f} GB '
+                            'available: give fewer clients (--num_clients) or a smaller model')
+        _say(f'  {alg.name}: client rows ({nbytes / layout_lib.GB:.3f} GB) on the host')
 
 
 def choose_output_dir(job: Job) -> None:
