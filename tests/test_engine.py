@@ -419,7 +419,7 @@ def test_evaluation_in_test_length_groups_matches_plain_loop(executor):
 
 
 @pytest.mark.skipif(jax.default_backend() != 'cpu', reason='the CPU choice of auto')
-def test_auto_executor_on_cpu_threads_dense_models_and_steps_conv_models(digits):
+def test_auto_executor_on_cpu_blocks_clients_by_work_on_threads(digits):
   import os
   x = digits.train.x[0, :1]
   dense = fp.create_executor('auto', small_mlp(digits), x)
@@ -429,7 +429,9 @@ def test_auto_executor_on_cpu_threads_dense_models_and_steps_conv_models(digits)
   assert fp.create_executor('auto', small_mlp(digits), x, num_threads=1).fused
   assert fp.create_executor('blocked', small_mlp(digits), x).fused  # named: one program
   conv = fp.models.from_flax('cnn', fp.models.CNN(10, conv_features=(4, 8), dense=(16,)), x)
-  assert isinstance(fp.create_executor('auto', conv, x), fp.executors.SequentialExecutor)
+  conv_ex = fp.create_executor('auto', conv, x)  # one client a block: no vectorized convolutions
+  assert isinstance(conv_ex, fp.executors.BlockedExecutor) and conv_ex.block_size == 1
+  assert conv_ex.num_threads == threads and 'convolutions' in conv_ex.reason
   with pytest.raises(ValueError, match='num_threads'):
     fp.executors.BlockedExecutor(2, num_threads=0)
 

@@ -35,7 +35,11 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-MODELS = {'mlp': 'mlp', 'cnn': 'reddi_emnist_cnn'}  # FedJAX's dense / conv EMNIST models
+# model -> (data set, this project's model, FedJAX's): FedJAX's dense and conv
+# EMNIST models, its Stack Overflow LSTM (Reddi et al.'s: 96 / 670 / 96).
+TASKS = {'mlp': ('emnist', 'mlp'), 'cnn': ('emnist', 'reddi_emnist_cnn'),
+         'lstm': ('stackoverflow', 'lstm_lm')}
+TEST_FILE = {'emnist': 'federated_emnist_test.sqlite', 'stackoverflow': 'stackoverflow_test.sqlite'}
 
 
 def run_child(cmd, env=None):
@@ -69,7 +73,7 @@ def peak_of(out):
 
 
 def fedjax_run(a, model, cohort):
-  argv = [os.path.join(HERE, 'fedjax_side.py'), f'--data_dir={a.work_dir}/emnist',
+  argv = [os.path.join(HERE, 'fedjax_side.py'), f'--data_dir={a.work_dir}/{TASKS[model][0]}',
           f'--model={model}', f'--cohort_size={cohort}', f'--rounds={a.rounds}',
           f'--batch_size={a.batch_size}', f'--client_lr={a.client_lr}', f'--seed={a.seed}']
   out, _ = run_child(_wrapped(a.fedjax_python, argv))
@@ -79,8 +83,10 @@ def fedjax_run(a, model, cohort):
 
 def project_run(a, model, cohort, extra=()):
   out_dir = os.path.join(a.work_dir, 'runs', f'{model}_{cohort}')
-  argv = [os.path.join(ROOT, 'scripts', 'run_experiment.py'), '--dataset=emnist',
-          f'--data_dir={a.work_dir}/emnist', f'--model={MODELS[model]}', '--algorithm=fedavg',
+  dataset, name = TASKS[model]
+  task = ['--vocab_size=10000'] if dataset == 'stackoverflow' else []
+  argv = [os.path.join(ROOT, 'scripts', 'run_experiment.py'), f'--dataset={dataset}',
+          f'--data_dir={a.work_dir}/{dataset}', f'--model={name}', '--algorithm=fedavg', *task,
           f'--cohort_size={cohort}', f'--batch_size={a.batch_size}', f'--client_lr={a.client_lr}',
           f'--rounds={a.rounds}', '--eval_every=0', '--progress=false', f'--seed={a.seed}',
           f'--output_dir={out_dir}', '--overwrite', *extra]
@@ -115,9 +121,14 @@ def train_flops_per_round(model, cohort, mean_examples):
   import jax.numpy as jnp
   sys.path.insert(0, ROOT)
   import fedjax_personal as fp
-  m = fp.create_model(MODELS[model], 62, np.zeros((1, 28, 28, 1), np.float32))
+  if TASKS[model][0] == 'stackoverflow':
+    x = jnp.zeros((64, 20), jnp.int32)
+    m = fp.create_model(TASKS[model][1], 10004, np.zeros((1, 20), np.int32))
+  else:
+    x = jnp.zeros((64, 28, 28, 1), jnp.float32)
+    m = fp.create_model(TASKS[model][1], 62, np.zeros((1, 28, 28, 1), np.float32),
+                        conv_impl='xla')  # XLA counts its own convolutions' FLOPs
   params = m.init(jax.random.key(0))
-  x = jnp.zeros((64, 28, 28, 1), jnp.float32)
   cost = jax.jit(m.apply).lower(params, x).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   return 3 * cost['flops'] / 64 * cohort * mean_examples
@@ -128,36 +139,42 @@ def main():
   p.add_argument('--fedjax_python', required=True, help="FedJAX's venv's python.")
   p.add_argument('--work_dir', required=True, help='Files, cache and runs (kept, reused).')
   p.add_argument('--rows', default='mlp:10,mlp:50,mlp:500,cnn:50',
-                 help='model:cohort pairs (model mlp or cnn).')
+                 help='model:cohort pairs (model mlp, cnn: EMNIST; lstm: Stack Overflow).')
   p.add_argument('--rounds', type=int, default=31)
   p.add_argument('--repeats', type=int, default=3)
   p.add_argument('--batch_size', type=int, default=20)
   p.add_argument('--client_lr', type=float, default=0.1)
   p.add_argument('--seed', type=int, default=0)
-  p.add_argument('--num_clients', type=int, default=3400)
+  p.add_argument('--num_clients', type=int, default=3400, help='EMNIST-shaped writers.')
+  p.add_argument('--so_clients', type=int, default=3000, help='Stack Overflow-shaped users.')
   p.add_argument('--project_flags', default='', help='Extra flags of the project runs, '
                  "';'-separated per variant, e.g. '--executor=sequential;--executor=auto'.")
   p.add_argument('--output', default=None)
   a = p.parse_args()
   a.fedjax_python = os.path.expanduser(a.fedjax_python)
-  folder = os.path.join(a.work_dir, 'emnist')
-  if not os.path.exists(os.path.join(folder, 'federated_emnist_test.sqlite')):
-    has_fedjax = subprocess.run([a.fedjax_python, '-c', 'import fedjax'],
-                                capture_output=True).returncode == 0
-    subprocess.run([a.fedjax_python if has_fedjax else sys.executable,
-                    os.path.join(HERE, 'make_files.py'), '--shape=emnist',
-                    f'--num_clients={a.num_clients}', f'--folder={folder}',
-                    f'--writer={"fedjax" if has_fedjax else "plain"}'], check=True)
-  import sqlite3
-  with sqlite3.connect(os.path.join(folder, 'federated_emnist_train.sqlite')) as conn:
-    counts = np.array([r[0] for r in conn.execute('SELECT num_examples FROM federated_data')])
+  has_fedjax = subprocess.run([a.fedjax_python, '-c', 'import fedjax'],
+                              capture_output=True).returncode == 0
+  counts = {}
+  for dataset in sorted({TASKS[r.split(':')[0]][0] for r in a.rows.split(',')}):
+    folder = os.path.join(a.work_dir, dataset)
+    if not os.path.exists(os.path.join(folder, TEST_FILE[dataset])):
+      n = a.num_clients if dataset == 'emnist' else a.so_clients
+      subprocess.run([a.fedjax_python if has_fedjax else sys.executable,
+                      os.path.join(HERE, 'make_files.py'), f'--shape={dataset}',
+                      f'--num_clients={n}', f'--folder={folder}',
+                      f'--writer={"fedjax" if has_fedjax else "plain"}'], check=True)
+    import sqlite3
+    train = 'federated_emnist_train.sqlite' if dataset == 'emnist' else 'stackoverflow_train.sqlite'
+    with sqlite3.connect(os.path.join(folder, train)) as conn:
+      counts[dataset] = np.array([r[0] for r in
+                                  conn.execute('SELECT num_examples FROM federated_data')])
   peak = fp32_peak()
   variants = [v.split() for v in a.project_flags.split(';')] if a.project_flags else [[]]
   rows = []
   for row in a.rows.split(','):
     model, cohort = row.split(':')
     cohort = int(cohort)
-    flops = train_flops_per_round(model, cohort, counts.mean())
+    flops = train_flops_per_round(model, cohort, counts[TASKS[model][0]].mean())
     runs = {'fedjax': []}
     for rep in range(a.repeats):
       runs['fedjax'].append(fedjax_run(a, model, cohort))
@@ -174,10 +191,11 @@ def main():
                 'accuracy': med(rs, 'accuracy'), 'peak_rss_gb': med(rs, 'peak_rss') / 2**30,
                 'pct_fp32_peak': 100 * flops / s / peak, 'header': rs[-1].get('header')}
     rows.append(out)
-  print(f'\nfp32 peak (2048^2 matmul): {peak / 1e9:.0f} GFLOP/s; EMNIST-shaped: {len(counts)} '
-        f'writers, {counts.min()}-{counts.max()} examples (median {int(np.median(counts))}); '
-        f'FedAvg, batch {a.batch_size}, 1 epoch, lr {a.client_lr}, {a.rounds} rounds, '
-        f'{a.repeats} interleaved repeats (medians)')
+  shapes = '; '.join(f'{d}-shaped: {len(c)} clients, {c.min()}-{c.max()} examples (median '
+                     f'{int(np.median(c))})' for d, c in counts.items())
+  print(f'\nfp32 peak (2048^2 matmul): {peak / 1e9:.0f} GFLOP/s; {shapes}; FedAvg, batch '
+        f'{a.batch_size}, 1 epoch, lr {a.client_lr}, {a.rounds} rounds, {a.repeats} interleaved '
+        'repeats (medians)')
   print('| model | cohort | side | s/round | x FedJAX | accuracy | peak RSS GB | % fp32 peak |')
   print('|---|---|---|---|---|---|---|---|')
   for r in rows:

@@ -8,14 +8,13 @@ the same per-client functions (evaluation) run
     ``lax.scan`` inside the compiled round (bounded memory at any population);
   * ``sequential``: one client at a time from Python, each real local step one
     jitted dispatch (padded steps are skipped, not computed), clients spread
-    over a few host threads. XLA:CPU runs vmapped convolutions and
-    convolutions inside loops slowly, and with the models' matmul
-    convolutions (``models.Conv``) two clients at once on two threads beat
-    one program looping over clients, so this is the fastest path for
-    convolutional models on CPU (see BUILD.md for the measurements).
-All give the same numbers up to float reassociation (tested). The choice
-belongs to the engine (``auto`` picks per platform and model), never to an
-algorithm.
+    over a few host threads, the longest first (FedJAX's ``for_each_client``
+    way).
+``blocked`` groups clients by their real local steps (``work_layout``): a
+block steps as long as its longest client, idle cohort slots never run, so a
+heavy-tailed cohort costs its real work. All give the same numbers up to
+float reassociation (tested). The choice belongs to the engine (``auto``
+picks per platform and model, ``_auto`` says why), never to an algorithm.
 """
 
 import abc
@@ -197,6 +196,9 @@ class Executor(abc.ABC):
   #: Chosen by ``auto`` on an accelerator: the round runner fits its blocks to
   #: the device's free memory (``fit_memory``).
   plan_memory: bool = False
+  #: Why ``auto`` chose this executor ('' when it was named); the CLI's
+  #: header prints it.
+  reason: str = ''
 
   @abc.abstractmethod
   def map(self, fn: Callable[[Any, Any], Any], shared, per_client,
@@ -654,11 +656,12 @@ def create_executor(name: str = 'auto', model=None, sample_x=None,
   run the experiment (``run.distributed``); on GPU/TPU, ``sharded`` over all
   devices when there are several,
   else ``vmap`` (``blocked`` when ``block_size`` is given);
-  on CPU, ``sequential`` for models with convolutions, and for the others
-  ``blocked`` (``cpu_block_size`` clients a block unless ``block_size`` is
-  given) on as many host threads as cores (``num_threads`` overrides), as
-  measured by scripts/benchmark.py (BUILD.md). ``blocked`` named explicitly
-  runs on ``num_threads`` threads (0 or 1: one fused program).
+  on CPU, ``blocked`` by work on as many host threads as cores
+  (``num_threads`` overrides): one client a block for models with
+  convolutions, ``cpu_block_size`` clients for the others (unless
+  ``block_size`` is given), as measured by benchmarks/peers/run.py and
+  scripts/benchmark.py (BUILD.md). ``blocked`` named explicitly runs on
+  ``num_threads`` threads (0 or 1: one fused program).
   """
   if name not in EXECUTOR_NAMES:
     raise ValueError(f'unknown executor {name!r}; choose one of {list(EXECUTOR_NAMES)}')
@@ -668,22 +671,7 @@ def create_executor(name: str = 'auto', model=None, sample_x=None,
     raise ValueError(f'--executor={name} runs on one process; with {jax.process_count()} '
                      'processes the client axis is sharded over all of them: use sharded or auto')
   if name == 'auto':
-    if jax.process_count() > 1:
-      return ShardedExecutor(block_size)
-    if jax.default_backend() != 'cpu':
-      if jax.device_count() > 1:
-        ex = ShardedExecutor(block_size)
-      elif block_size:
-        return BlockedExecutor(block_size)
-      else:
-        ex = VmapExecutor()
-      ex.plan_memory = block_size is None
-      return ex
-    elif model is not None and sample_x is not None and model_has_conv(model, sample_x):
-      name = 'sequential'
-    else:
-      return BlockedExecutor(block_size or cpu_block_size(model),
-                             num_threads=num_threads or os.cpu_count() or 1)
+    return _auto(model, sample_x, block_size, num_threads)
   if name == 'vmap':
     return VmapExecutor()
   if name == 'sharded':
@@ -691,6 +679,39 @@ def create_executor(name: str = 'auto', model=None, sample_x=None,
   if name == 'blocked':
     return BlockedExecutor(block_size or cpu_block_size(model), num_threads=max(1, num_threads))
   return SequentialExecutor(num_threads=num_threads)
+
+
+def _auto(model, sample_x, block_size, num_threads) -> Executor:
+  """``auto``'s choice (``create_executor``), with its reason (a rule from
+  the platform and the model's cost, measured in BUILD.md "Against FedJAX
+  on the field's populations")."""
+  if jax.process_count() > 1:
+    ex = ShardedExecutor(block_size)
+    ex.reason = f'auto: {jax.process_count()} processes share the client axis'
+    return ex
+  if jax.default_backend() != 'cpu':
+    if jax.device_count() > 1:
+      ex = ShardedExecutor(block_size)
+    elif block_size:
+      ex = BlockedExecutor(block_size)
+    else:
+      ex = VmapExecutor()
+    ex.plan_memory = block_size is None and not isinstance(ex, BlockedExecutor)
+    ex.reason = 'auto: an accelerator vectorizes the cohort (blocks fitted to its free memory)'
+    return ex
+  threads = num_threads or os.cpu_count() or 1
+  if model is not None and sample_x is not None and model_has_conv(model, sample_x):
+    ex = BlockedExecutor(block_size or 1, num_threads=threads)
+    ex.reason = (f'auto: convolutions on a CPU, clients in blocks of {ex.block_size} by their '
+                 f'real steps (XLA:CPU runs vectorized convolutions slowly), {threads} host '
+                 'thread(s) sharing the blocks by work')
+    return ex
+  bs = block_size or cpu_block_size(model)
+  ex = BlockedExecutor(bs, num_threads=threads)
+  ex.reason = (f'auto: no convolutions on a CPU, clients in blocks of {bs} by their real '
+               f'steps, {threads} host thread(s) sharing the blocks by work'
+               + ('' if block_size else ' (block size from the parameter bytes)'))
+  return ex
 
 
 def fit_memory(executor: Executor, need, free_bytes: Optional[int]) -> Executor:

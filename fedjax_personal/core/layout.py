@@ -95,11 +95,13 @@ class HostData:
     length = self.length(split, idx) if length is None else length
     return jax.device_put(self.store.gather(split, idx, length, self.cap, clip=True))
 
-  def gather_packed(self, split: str, idx) -> PackedClientData:
+  def gather_packed(self, split: str, idx, at_least=(0, 0)) -> PackedClientData:
     """Clients ``idx`` packed back to back (``PackedClientData``), on the
-    device: a round's cohort, whose real examples alone are copied."""
-    return jax.device_put(self.store.gather_packed(split, idx, self.length(split, idx), self.cap,
-                                                   self.smallest))
+    device: a round's cohort, whose real examples alone are copied; at least
+    ``at_least = (rows, window)`` (shapes an earlier cohort compiled)."""
+    length = max(self.length(split, idx), at_least[1])
+    return jax.device_put(self.store.gather_packed(split, idx, length, self.cap,
+                                                   max(self.smallest, at_least[0])))
 
 
 class CohortFeed:
@@ -117,13 +119,21 @@ class CohortFeed:
     self.host, self.sample = host, sample
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='cohort-feed')
     self._pending = {}
+    self._least = {}
     self.shapes = []
 
   def _prepare(self, key):
+    """(cohort, train, val); each split at least as large as the largest
+    before it (rows and window), so that the compiled shapes only grow: a
+    run compiles its round a few times at the start, then not again."""
     cohort = self.sample(key)
     idx = np.asarray(jax.device_get(cohort.idx))
-    train, val = self.host.gather_packed('train', idx), self.host.gather_packed('val', idx)
-    return cohort, train, val
+    out = [cohort]
+    for split in ('train', 'val'):
+      data = self.host.gather_packed(split, idx, self._least.get(split, (0, 0)))
+      self._least[split] = (data.x.shape[0], data.length)
+      out.append(data)
+    return tuple(out)
 
   @staticmethod
   def _key_id(key):

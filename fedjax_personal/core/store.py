@@ -192,10 +192,10 @@ class PopulationStore:
   def gather_packed(self, split: str, idx, length: int, cap: Optional[int] = None,
                     smallest: int = 32) -> PackedClientData:
     """Clients ``idx``'s ``split`` packed back to back (host numpy): as
-    ``gather(..., clip=True)`` gives them, without the padding. The rows
-    after the last client are zeros, ``length`` of them at least, and the
-    total is a power of two (at least ``smallest``) so that cohorts share a
-    few compiled shapes."""
+    ``gather(..., clip=True)`` gives them, without the padding. The
+    ``length`` rows after the last client are zeros (the last windows read
+    them); the total is a power of two (at least ``smallest``; rows past the
+    zeros are never read) so that cohorts share a few compiled shapes."""
     idx = np.asarray(idx, np.int64)
     empty = idx >= self.num_clients
     idx = np.where(empty, 0, idx)
@@ -207,12 +207,12 @@ class PopulationStore:
     n = np.where(empty, 0, np.minimum(n, length)).astype(np.int32)
     offsets = np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int32)
     total = int(n.sum())
-    capacity = int(max(smallest, next_power_of_two(total + length))) if length else 0
+    capacity = int(next_power_of_two(max(smallest, total + length))) if length else 0
     ydtype = np.int32 if np.issubdtype(y.dtype, np.integer) else y.dtype
     xp = aligned_empty((capacity,) + x.shape[1:], x.dtype)
     yp = aligned_empty((capacity,) + y.shape[1:], ydtype)
-    xp[total:] = 0
-    yp[total:] = 0
+    xp[total:total + length] = 0  # what the last windows read past the examples; rows after
+    yp[total:total + length] = 0  # them are never read (left as they are)
     starts = self.offsets[split][idx]
     for s, o, k in zip(starts, offsets, n):
       xp[o:o + k] = x[s:s + k]

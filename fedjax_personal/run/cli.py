@@ -672,7 +672,8 @@ def choose_output_dir(job: Job) -> None:
   job.output_dir = FLAGS.output_dir or _default_output_dir(identities)
   distributed.check_same_run({'algorithms': identities, 'flags': _process_flags()},
                              run_identity.differences)
-  _say(f'executor: {job.executor.describe()} on {jax.default_backend()}; outputs in '
+  why = f' ({job.executor.reason})' if job.executor.reason else ''
+  _say(f'executor: {job.executor.describe()} on {jax.default_backend()}{why}; outputs in '
        f'{job.output_dir}')
   if job.cfgs is not None:
     _say(f'{len(job.cfgs)} configurations per algorithm, ' + (
