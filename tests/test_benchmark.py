@@ -66,3 +66,28 @@ def test_device_command_runs_every_section(tmp_path):
   assert any(r.get('algorithm') == 'ditto' and 'round_s' in r for r in rows), rows
   assert {r['config_axis'] for r in rows if r.get('section') == 'sweep'} >= {'host', 'loop', 'vmap'}
   assert any(r.get('section') == 'fedfomo' for r in rows)
+
+
+@pytest.mark.parametrize('shape,flags', [
+    ('emnist', ['--dataset=emnist', '--model=mlp']),
+    ('stackoverflow', ['--dataset=stackoverflow', '--model=lstm_lm', '--vocab_size=100'])])
+def test_peer_benchmark_files_train_here(tmp_path, shape, flags):
+  """The peer benchmark's files (benchmarks/peers/make_files.py, FedJAX's
+  schema) are read by this project as the published ones are: a small
+  population trains 2 rounds through the CLI in the host layout (FedJAX's
+  side runs in its own venv, outside the suite)."""
+  folder = tmp_path / shape
+  made = subprocess.run([sys.executable, os.path.join(ROOT, 'benchmarks', 'peers', 'make_files.py'),
+                         f'--shape={shape}', '--num_clients=6', f'--folder={folder}'],
+                        capture_output=True, text=True, timeout=300)
+  assert made.returncode == 0, made.stderr[-2000:]
+  run = subprocess.run([sys.executable, os.path.join(ROOT, 'scripts', 'run_experiment.py'),
+                        *flags, f'--data_dir={folder}', '--algorithm=fedavg', '--cohort_size=3',
+                        '--rounds=2', '--eval_every=0', '--progress=false', '--layout=host',
+                        f'--output_dir={tmp_path}/out', '--batch_size=8'],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env=dict(os.environ, FEDJAX_PERSONAL_CACHE=str(tmp_path / 'cache')))
+  assert run.returncode == 0, run.stderr[-2000:]
+  summary = json.loads((tmp_path / 'out' / 'fedavg' / 'summary.json').read_text())
+  assert summary['rounds'] == 2 and 'round_seconds_median' in summary
+  assert 'executor: blocked' in run.stdout  # auto on this CPU, with its reason

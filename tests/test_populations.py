@@ -353,3 +353,32 @@ def test_cli_refuses_up_front_what_host_memory_cannot_hold(tmp_path, monkeypatch
   with pytest.raises(ConfigError, match=r'local keeps .* GB of client rows in host memory, '
                      r'.* GB available'):
     cli.main_job()
+
+
+def test_cli_refuses_a_model_that_does_not_fit_the_targets_and_a_test_split_of_no_client(
+    tmp_path):
+  """An image model on next-character sequences (Shakespeare) and a test
+  file whose clients match no training client: one line each, naming the
+  flag, before anything is built."""
+  data_dir = tmp_path / 'data'
+  data_dir.mkdir()
+  rng = np.random.default_rng(8)
+  made_files.write_fedjax_sqlite(data_dir / 'shakespeare_train.sqlite', [
+      (b'role_%d' % i, {'snippets': made_files.bytes_array([b'to be or not to be'] * 3)})
+      for i in range(3)])
+  made_files.write_fedjax_sqlite(data_dir / 'shakespeare_test.sqlite', [
+      (b'role_%d' % i, {'snippets': made_files.bytes_array([b'that is the question'])})
+      for i in range(3)])
+  parse_flags('--algorithm=fedavg', '--dataset=shakespeare', f'--data_dir={data_dir}',
+              '--model=mlp', '--rounds=1', '--progress=false', '--dry_run',
+              f'--output_dir={tmp_path}/o')
+  with pytest.raises(ConfigError, match=r'--model=mlp predicts \(90,\) per example, '
+                     r'shakespeare has a sequence of targets per example'):
+    cli.main_job()
+  other = tmp_path / 'other'
+  other.mkdir()
+  made_files.write_emnist(other, rng, [4, 5, 6], [])  # the test file has no client
+  parse_flags('--algorithm=fedavg', '--dataset=emnist', f'--data_dir={other}', '--model=logreg',
+              '--rounds=1', '--progress=false', '--dry_run', f'--output_dir={tmp_path}/o2')
+  with pytest.raises(ConfigError, match='no training client has a test example'):
+    cli.main_job()

@@ -10,6 +10,7 @@ from typing import Any, Dict, List
 
 from absl import flags
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fedjax_personal import algorithms as algorithms_lib
@@ -566,6 +567,10 @@ def load_data(job: Job) -> None:
   population = store.population(cap)
   train_counts = np.asarray(population.train.num_examples)
   _check(int(train_counts.sum()) > 0, 'num_clients', 'no client has training data')
+  if int(np.asarray(population.test.num_examples).sum()) == 0:
+    raise ConfigError('dataset', f'{FLAGS.dataset}: no training client has a test example (the '
+                      'test file\'s clients match none of the training file\'s): check the '
+                      'test file, or --data_dir')
   _check(FLAGS.cohort_size is None or FLAGS.cohort_size <= population.num_clients, 'cohort_size',
          f'must be in [1, {population.num_clients}] (the clients of {FLAGS.dataset}), got '
          f'{FLAGS.cohort_size}')
@@ -612,10 +617,32 @@ def build_model_and_executor(job: Job) -> None:
         datasets_lib.natural.stackoverflow_unscored(job.population.num_classes))
   if FLAGS.init_weights:
     job.model = job.model.starting_from(weights.load(FLAGS.init_weights, job.model, sample_x))
+  _check_model_fits_targets(job.model, sample_x, job.store.y_spec()[0], job.population.num_classes)
   try:
     job.executor = create_executor(FLAGS.executor, job.model, sample_x, FLAGS.block_size)
   except ValueError as e:
     raise ConfigError('executor', str(e)) from None
+
+
+def _check_model_fits_targets(model, sample_x, y_shape, num_classes) -> None:
+  """Refuses a model whose predictions do not match the data set's targets
+  (an image model on token sequences, a sequence model on labels), before
+  anything is built: one line naming --model."""
+  if model.loss != 'cross_entropy':
+    return
+  params = jax.eval_shape(model.init, jax.random.key(0))
+  try:
+    out = jax.eval_shape(model.apply, params, jnp.asarray(sample_x)[:1]).shape[1:]
+  except Exception as e:  # the model cannot even read these inputs
+    raise ConfigError('model', f'--model={FLAGS.model} cannot read {FLAGS.dataset}\'s inputs '
+                      f'{tuple(np.shape(sample_x)[1:])}: {type(e).__name__}') from None
+  want = tuple(y_shape) + (num_classes,)
+  if tuple(out) != want:
+    kind = 'a sequence of targets' if len(y_shape) else 'one label'
+    raise ConfigError('model', f'--model={FLAGS.model} predicts {tuple(out)} per example, '
+                      f'{FLAGS.dataset} has {kind} per example ({want} expected): choose a '
+                      + ('sequence model (char_lstm, lstm_lm, transformer_lm)' if len(y_shape)
+                         else 'classifier (mlp, cnn, lenet5, ...)'))
 
 
 def build_algorithms(job: Job, settings) -> None:
