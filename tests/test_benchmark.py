@@ -70,7 +70,8 @@ def test_device_command_runs_every_section(tmp_path):
 
 @pytest.mark.parametrize('shape,flags', [
     ('emnist', ['--dataset=emnist', '--model=mlp']),
-    ('stackoverflow', ['--dataset=stackoverflow', '--model=lstm_lm', '--vocab_size=100'])])
+    pytest.param('stackoverflow', ['--dataset=stackoverflow', '--model=lstm_lm',
+                                   '--vocab_size=100'], marks=pytest.mark.slow)])
 def test_peer_benchmark_files_train_here(tmp_path, shape, flags):
   """The peer benchmark's files (benchmarks/peers/make_files.py, FedJAX's
   schema) are read by this project as the published ones are: a small

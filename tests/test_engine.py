@@ -91,7 +91,7 @@ HEAVY_SIZES = (2, 5, 3, 160, 9, 1, 40, 7, 4, 75, 12, 6)
 
 
 @pytest.mark.parametrize('executor', sorted(EXECUTORS))
-@pytest.mark.parametrize('participation', [None, 0.5])
+@pytest.mark.parametrize('participation', [pytest.param(None, marks=pytest.mark.slow), 0.5])
 def test_heavy_tailed_cohort_matches_plain_per_client_loop(executor, participation):
   """Clients sorted into blocks by work, each block stepping only as long
   as its longest client (and idle cohort slots never run) still give each

@@ -166,7 +166,9 @@ def test_host_layout_equals_device_layout(emnist_store, alg_name, participation,
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-@pytest.mark.parametrize('executor', ['blocked', 'blocked_threads', 'sequential'])
+@pytest.mark.parametrize('executor', [  # the suite runs CPU auto's; -m slow the others
+    pytest.param('blocked', marks=pytest.mark.slow), 'blocked_threads',
+    pytest.param('sequential', marks=pytest.mark.slow)])
 def test_heavy_tailed_host_layout_equals_device_layout_on_every_executor(emnist_store, executor):
   """The store's writers hold 3 to 150 examples: cohorts packed back to back
   (host) and padded to the widest writer (device), clients in blocks by work

@@ -150,8 +150,19 @@ def main():
   p.add_argument('--project_flags', default='', help='Extra flags of the project runs, '
                  "';'-separated per variant, e.g. '--executor=sequential;--executor=auto'.")
   p.add_argument('--output', default=None)
+  p.add_argument('--dry_run', action='store_true', help='Check the rows and print the plan.')
   a = p.parse_args()
   a.fedjax_python = os.path.expanduser(a.fedjax_python)
+  for row in a.rows.split(','):
+    model, _, cohort = row.partition(':')
+    if model not in TASKS or not cohort.isdigit():
+      p.error(f'--rows: {row!r} is not model:cohort with model in {sorted(TASKS)}')
+  if a.dry_run:
+    found = os.path.exists(a.fedjax_python)
+    print(f'dry run: rows {a.rows}, {a.rounds} rounds, {a.repeats} repeats, project variants '
+          f'{a.project_flags or "default"}; FedJAX python {a.fedjax_python} '
+          f'({"found" if found else "not found: install FedJAX in its own venv first"})')
+    return
   has_fedjax = subprocess.run([a.fedjax_python, '-c', 'import fedjax'],
                               capture_output=True).returncode == 0
   counts = {}
