@@ -20,6 +20,7 @@ picks per platform and model, ``_auto`` says why), never to an algorithm.
 import abc
 import concurrent.futures
 import dataclasses
+import functools
 import os
 from typing import Any, Callable, Optional, Sequence
 
@@ -77,13 +78,12 @@ def _scan_blocks(block_fn, positions, valid, rows=None, count=None):
   out_tree = jax.tree.structure(shape)
   nodes, treedef = jax.tree.flatten(shape, is_leaf=aggregation.is_sum)
   flags = [aggregation.is_sum(n) for n in nodes]
-  zeros = lambda shape, dtype: jnp.zeros(shape, dtype)
-  init = [jax.tree.map(lambda a: zeros(a.shape, a.dtype), n.value)
+  init = [jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), n.value)
           for n, f in zip(nodes, flags) if f]
   bufs = None
   if rows is not None:
     c, rows = rows
-    bufs = [jax.tree.map(lambda a: zeros((c,) + a.shape[1:], a.dtype), n)
+    bufs = [jax.tree.map(lambda a: jnp.zeros((c,) + a.shape[1:], a.dtype), n)
             for n, f in zip(nodes, flags) if not f]
 
   def step(carry, xs):
@@ -129,12 +129,29 @@ def _limited_client(work, make_ctx, shared, per_client):
   return client
 
 
+def _blocks_by_work(steps, active, bs: int, xp):
+  """The cohort sorted by real step count (longest first; inactive slots
+  last) and cut into blocks of ``bs`` neighbours: (pos [nb, bs] cohort
+  positions, ok [nb, bs] real slots, limit [nb] each block's longest
+  client's steps). ``xp`` is ``np`` (host ints) or ``jnp`` (traced)."""
+  c = steps.shape[0]
+  bs = min(bs, c)
+  nb = -(-c // bs)
+  key = -xp.where(active, steps, -1)
+  order = np.argsort(key, kind='stable') if xp is np else jnp.argsort(key, stable=True)
+  slots = xp.arange(nb * bs)
+  at = order[slots % c]
+  pos = at.reshape(nb, bs)
+  ok = ((slots < c) & active[at]).reshape(nb, bs)
+  limit = xp.max(xp.where(ok, steps[pos], 0), axis=-1).astype(xp.int32)
+  return pos, ok, limit
+
+
 def work_layout(steps, active, bs: int, parts: int = 1):
-  """Blocks of clients by work (host ints): the cohort sorted by real step
-  count (longest first; inactive slots last, never run), cut into blocks of
-  ``bs`` consecutive clients; with ``parts`` > 1, the blocks assigned to
-  the parts longest first, each to the part with the least work so far
-  (LPT scheduling), so that host threads finish together.
+  """Blocks of clients by work (host ints, ``_blocks_by_work``); with
+  ``parts`` > 1, the blocks assigned to the parts longest first, each to the
+  part with the least work so far (LPT scheduling), so that host threads
+  finish together. Inactive slots are never in a block.
 
   A block then runs as many steps as its longest client (``training.run_work``
   with ``limit``), and since its clients are neighbours in the sorted order
@@ -149,21 +166,14 @@ def work_layout(steps, active, bs: int, parts: int = 1):
     cohort's number of blocks (a part may get them all).
   """
   steps, active = np.asarray(steps), np.asarray(active, bool)
-  c = steps.shape[0]
-  bs = min(bs, c)
-  nb = -(-c // bs)
-  order = np.argsort(-np.where(active, steps, -1), kind='stable')
-  slots = np.arange(nb * bs)
-  b_pos = order[slots % c].reshape(nb, bs)
-  b_ok = ((slots < c) & active[order[slots % c]]).reshape(nb, bs)
-  b_limit = np.max(np.where(b_ok, steps[b_pos], 0), axis=-1)
-  real = np.flatnonzero(b_ok.any(-1))
+  b_pos, b_ok, b_limit = _blocks_by_work(steps, active, bs, np)
+  nb, bs = b_pos.shape
   pos = np.zeros((parts, nb, bs), np.int32)
   ok = np.zeros((parts, nb, bs), bool)
   limit = np.zeros((parts, nb), np.int32)
   count = np.zeros(parts, np.int32)
   load = np.zeros(parts)
-  for b in real:  # longest first
+  for b in np.flatnonzero(b_ok.any(-1)):  # longest first
     t = int(np.argmin(load))
     pos[t, count[t]], ok[t, count[t]], limit[t, count[t]] = b_pos[b], b_ok[b], b_limit[b]
     count[t] += 1
@@ -173,17 +183,11 @@ def work_layout(steps, active, bs: int, parts: int = 1):
 
 def traced_work_layout(steps, active, bs: int):
   """``work_layout`` with one part, on traced arrays (inside a compiled
-  round): (pos [nb, bs], ok, limit [nb], count)."""
-  c = steps.shape[0]
-  bs = min(bs, c)
-  nb = -(-c // bs)
-  order = jnp.argsort(-jnp.where(active, steps, -1), stable=True)
-  slots = jnp.arange(nb * bs)
-  pos = order[slots % c].reshape(nb, bs)
-  ok = ((slots < c) & active[order[slots % c]]).reshape(nb, bs)
-  limit = jnp.max(jnp.where(ok, steps[pos], 0), axis=-1).astype(jnp.int32)
-  count = (jnp.sum(active.astype(jnp.int32)) + bs - 1) // bs
-  return pos, ok, limit, count
+  round): (pos [nb, bs], ok, limit [nb], count of blocks holding active
+  clients: they come first)."""
+  pos, ok, limit = _blocks_by_work(steps, active, bs, jnp)
+  bs = pos.shape[1]
+  return pos, ok, limit, (jnp.sum(active.astype(jnp.int32)) + bs - 1) // bs
 
 
 class Executor(abc.ABC):
@@ -387,7 +391,7 @@ class BlockedExecutor(Executor):
       self._compiled[('map', fn)] = jax.jit(loop)
     loop = self._compiled[('map', fn)]
     outs = list(self._pool.map(lambda t: loop(shared, per_client, pos[t], valid[t]), range(parts)))
-    return _join_parts(outs, np.arange(c))
+    return _join_parts(outs, c)
 
 
 def _block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c):
@@ -423,11 +427,10 @@ def _join_owned(outs, owner):
   return treedef.unflatten([join(*ns) for ns in zip(*nodes)])
 
 
-@jax.jit
-def _join_parts(outs, where):
+@functools.partial(jax.jit, static_argnums=1)
+def _join_parts(outs, c):
   """Threaded blocked outputs: ``Sum`` values added over the parts, stacked
-  outputs ([nb, bs, ...] per part) concatenated in (part, block, lane)
-  order, then client i's taken from flat slot ``where[i]``."""
+  outputs ([nb, bs, ...] per part) concatenated in slot order, first ``c``."""
   nodes = [jax.tree.flatten(o, is_leaf=aggregation.is_sum)[0] for o in outs]
   treedef = jax.tree.structure(outs[0], is_leaf=aggregation.is_sum)
 
@@ -435,7 +438,7 @@ def _join_parts(outs, where):
     if aggregation.is_sum(ns[0]):
       return aggregation.Sum(jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns]))
     return jax.tree.map(lambda *xs: jnp.concatenate(
-        [x.reshape((-1,) + x.shape[2:]) for x in xs])[where], *ns)
+        [x.reshape((-1,) + x.shape[2:]) for x in xs])[:c], *ns)
   return treedef.unflatten([join(*ns) for ns in zip(*nodes)])
 
 

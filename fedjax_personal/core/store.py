@@ -157,16 +157,11 @@ class PopulationStore:
       raise DataError(f'{where}: client {int(bad[0])} is not in the store '
                       f'({self.num_clients:,} clients, 0..{self.num_clients - 1})')
 
-  def gather(self, split: str, idx, length: int, cap: Optional[int] = None,
-             clip: bool = False) -> ClientData:
-    """Clients ``idx``'s ``split`` padded to ``length`` rows (host numpy).
-
-    A client keeps its first ``min(n, cap, length)`` examples (``cap``
-    applies to the training split: TFF's ``max_elements``); padded rows are
-    zeros. With ``clip`` an index past the last client (a sampler's padded
-    cohort slot) reads as an empty client; otherwise it is an error. The
-    arrays are 64-byte aligned (``aligned_empty``).
-    """
+  def _cohort(self, split: str, idx, length: int, cap: Optional[int], clip: bool):
+    """What ``gather`` and ``gather_packed`` read: the split's arrays, the
+    clients' counts (capped at ``cap`` on the training split and at
+    ``length``; 0 past the last client with ``clip``), where their examples
+    start, and the targets' dtype as gathered (integers as int32)."""
     idx = np.asarray(idx, np.int64)
     empty = np.zeros(len(idx), bool)
     if clip:
@@ -179,9 +174,21 @@ class PopulationStore:
       n = np.minimum(n, cap)
     n = np.where(empty, 0, np.minimum(n, length)).astype(np.int32)
     ydtype = np.int32 if np.issubdtype(y.dtype, np.integer) else y.dtype
-    xp = aligned_empty((len(idx), length) + x.shape[1:], x.dtype)
-    yp = aligned_empty((len(idx), length) + y.shape[1:], ydtype)
-    starts = self.offsets[split][idx]
+    return x, y, n, self.offsets[split][idx], ydtype
+
+  def gather(self, split: str, idx, length: int, cap: Optional[int] = None,
+             clip: bool = False) -> ClientData:
+    """Clients ``idx``'s ``split`` padded to ``length`` rows (host numpy).
+
+    A client keeps its first ``min(n, cap, length)`` examples (``cap``
+    applies to the training split: TFF's ``max_elements``); padded rows are
+    zeros. With ``clip`` an index past the last client (a sampler's padded
+    cohort slot) reads as an empty client; otherwise it is an error. The
+    arrays are 64-byte aligned (``aligned_empty``).
+    """
+    x, y, n, starts, ydtype = self._cohort(split, idx, length, cap, clip)
+    xp = aligned_empty((len(n), length) + x.shape[1:], x.dtype)
+    yp = aligned_empty((len(n), length) + y.shape[1:], ydtype)
     for j, (s, k) in enumerate(zip(starts, n)):
       xp[j, :k] = x[s:s + k]
       yp[j, :k] = y[s:s + k]
@@ -196,24 +203,14 @@ class PopulationStore:
     ``length`` rows after the last client are zeros (the last windows read
     them); the total is a power of two (at least ``smallest``; rows past the
     zeros are never read) so that cohorts share a few compiled shapes."""
-    idx = np.asarray(idx, np.int64)
-    empty = idx >= self.num_clients
-    idx = np.where(empty, 0, idx)
-    self.check_clients(idx)
-    x, y, _ = self.arrays[split]
-    n = self.counts[split][idx]
-    if cap is not None and split == 'train':
-      n = np.minimum(n, cap)
-    n = np.where(empty, 0, np.minimum(n, length)).astype(np.int32)
+    x, y, n, starts, ydtype = self._cohort(split, idx, length, cap, clip=True)
     offsets = np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int32)
     total = int(n.sum())
     capacity = int(next_power_of_two(max(smallest, total + length))) if length else 0
-    ydtype = np.int32 if np.issubdtype(y.dtype, np.integer) else y.dtype
     xp = aligned_empty((capacity,) + x.shape[1:], x.dtype)
     yp = aligned_empty((capacity,) + y.shape[1:], ydtype)
     xp[total:total + length] = 0  # what the last windows read past the examples; rows after
     yp[total:total + length] = 0  # them are never read (left as they are)
-    starts = self.offsets[split][idx]
     for s, o, k in zip(starts, offsets, n):
       xp[o:o + k] = x[s:s + k]
       yp[o:o + k] = y[s:s + k]
