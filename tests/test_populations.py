@@ -334,27 +334,90 @@ def test_cli_auto_layout_moves_client_rows_that_cannot_fit_to_the_host(tmp_path,
 
 
 def test_cli_refuses_up_front_what_host_memory_cannot_hold(tmp_path, monkeypatch):
-  """A sweep (device layout) over a population whose padded copies exceed
-  the available memory, and client rows beyond it in the host layout: one
-  line each, before anything is made (no out-of-memory killer)."""
+  """Client rows beyond the available memory in the host layout (one run,
+  or a sweep's configurations together), and a device layout whose padded
+  copies and states cannot fit: one line each, before anything is made (no
+  out-of-memory killer)."""
   data_dir = tmp_path / 'data'
   data_dir.mkdir()
   made_files.write_emnist(data_dir, np.random.default_rng(7), [4, 90, 6], [2, 2, 2])
   monkeypatch.setattr(cli.memory, 'device_free_bytes', lambda: None)
-  monkeypatch.setattr(layout_lib, 'host_available_bytes', lambda: 150_000)
-  parse_flags('--algorithm=fedavg', '--dataset=emnist', f'--data_dir={data_dir}', '--model=logreg',
-              '--rounds=1', '--progress=false', '--sweep=client_lr:0.1,0.2', '--dry_run',
-              f'--output_dir={tmp_path}/o')
-  with pytest.raises(ConfigError, match=r'--sweep.* run on the device layout, where this '
-                     r'population padded to its widest client needs .* GB free: run the '
-                     r'configurations as separate runs'):
-    cli.main_job()
-  parse_flags('--algorithm=local', '--dataset=emnist', f'--data_dir={data_dir}', '--model=logreg',
-              '--rounds=1', '--progress=false', '--layout=host', '--dry_run',
-              f'--output_dir={tmp_path}/o')
+  rows = 3 * (28 * 28 * 62 + 62) * 4  # Local's three logistic regressions
+
+  def job(*args):
+    parse_flags('--algorithm=local', '--dataset=emnist', f'--data_dir={data_dir}',
+                '--model=logreg', '--rounds=1', '--progress=false', '--dry_run',
+                f'--output_dir={tmp_path}/o', *args)
+    return cli.main_job()
+  monkeypatch.setattr(layout_lib, 'host_available_bytes', lambda: rows // 2)
   with pytest.raises(ConfigError, match=r'local keeps .* GB of client rows in host memory, '
                      r'.* GB available'):
-    cli.main_job()
+    job('--layout=host')
+  monkeypatch.setattr(layout_lib, 'host_available_bytes', lambda: 3 * rows)
+  job('--layout=host', '--sweep=client_lr:0.1,0.2')  # two configurations' rows fit
+  with pytest.raises(ConfigError, match=r'^--sweep: local keeps .* GB of client rows x 4 '
+                     r'configurations in host memory'):
+    job('--layout=host', '--sweep=client_lr:0.1,0.2,0.3,0.4')
+  with pytest.raises(ConfigError, match=r"--layout=device: the padded population and local's "
+                     r'state x 4 configurations need'):
+    job('--layout=device', '--sweep=client_lr:0.1,0.2,0.3,0.4')
+
+
+def test_cli_host_layout_sweep_equals_separate_runs(tmp_path, capsys):
+  """A sweep of 4 client learning rates (and one of 2 seeds) on a FedJAX-format
+  EMNIST file of heavy-tailed writers, in the host layout: each
+  configuration's numbers are those of its separate run, and the
+  configurations of one seed share each round's gather."""
+  data_dir = tmp_path / 'data'
+  data_dir.mkdir()
+  rng = np.random.default_rng(9)
+  sizes = [int(v) for v in rng.integers(3, 30, 9)] + [120]
+  made_files.write_emnist(data_dir, rng, sizes, [int(v) for v in rng.integers(1, 9, 10)])
+  lrs = (0.02, 0.05, 0.1, 0.2)
+
+  def job(*args):
+    parse_flags('--algorithm=fedavg,ditto', '--dataset=emnist', f'--data_dir={data_dir}',
+                '--model=logreg', '--cohort_size=4', '--rounds=3', '--eval_every=1',
+                '--progress=false', '--layout=host', *args)
+    return cli.main_job()
+  swept = job('--sweep=client_lr:' + ','.join(map(str, lrs)), f'--output_dir={tmp_path}/sweep')
+  out = capsys.readouterr().out
+  assert 'layout: host' in out and 'ditto: client rows x 4 configurations' in out
+  assert ("4 configurations per algorithm, one after another on the host layout, the "
+          "configurations of one seed sharing each round's cohort gather") in out
+  for lr in lrs:
+    alone = job(f'--client_lr={lr}', f'--output_dir={tmp_path}/{lr}')
+    for alg in ('fedavg', 'ditto'):
+      got, want = swept[f'{alg} seed=0 client_lr={lr:g}'], alone[alg]
+      assert _numbers(got) == _numbers(want)
+  seeds = job('--sweep_seeds=2', f'--output_dir={tmp_path}/seeds')
+  seed1 = job('--seed=1', '--data_seed=0', f'--output_dir={tmp_path}/seed1')
+  assert _numbers(seeds['ditto seed=1']) == _numbers(seed1['ditto'])
+
+
+def _numbers(summary):
+  """A run's results (its timings and labels left out)."""
+  return {k: v for k, v in summary.items()
+          if 'seconds' not in k and k not in ('config', 'rounds')}
+
+
+def test_host_sweep_shares_a_cohort_gather_per_seed_and_round(emnist_store):
+  """Configurations of one seed draw the same cohort: one gather serves
+  them all; another seed gathers its own."""
+  population = emnist_store.population()
+  model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,)), population.sample_x)
+  executor = fp.executors.create_executor('vmap', model, population.sample_x)
+  sampler = CohortSampler(population.num_clients, 4)
+
+  def build(values):
+    return algorithms.build('fedavg', model, population,
+                            training=TrainingConfig(client_lr=values['client_lr']))
+  from fedjax_personal.run import experiment, sweep
+  for seeds, gathers in (([0], 4), ([0, 1], 8)):
+    runs = sweep.LoopRuns(build, sweep.configs(seeds, {'client_lr': [0.05, 0.1, 0.2]}),
+                          HostData(emnist_store), sampler, executor)
+    experiment.run_many(runs, 3, eval_every=3)
+    assert runs.feed.gathers == gathers  # 3 rounds and the next one's prefetch, per seed
 
 
 def test_cli_refuses_a_model_that_does_not_fit_the_targets_and_a_test_split_of_no_client(

@@ -260,10 +260,13 @@ class RoundRunner:
     data: FederatedData (device arrays).
     sampler: CohortSampler.
     executor: Executor for client work.
+    feed: the host layout's ``layout.CohortFeed`` to share with other runs
+      of the same data and sampler (their rounds of the same key then share
+      one gather); by default the runner's own.
   """
 
   def __init__(self, algorithm: FederatedAlgorithm, data, sampler: CohortSampler,
-               executor: Executor):
+               executor: Executor, feed: Optional[layout_lib.CohortFeed] = None):
     self.host = data if isinstance(data, layout_lib.HostData) else None
     population = self.host.population if self.host else data
     if sampler.num_clients != population.num_clients:
@@ -292,7 +295,7 @@ class RoundRunner:
                                    for n in np.asarray(data.train.num_examples)])
       self._build()
     else:
-      self._build_host()
+      self._build_host(feed)
 
   def _jit_round(self, fused_round):
     """The fused round, compiled in its two forms: {donate: jitted}. The
@@ -384,13 +387,13 @@ class RoundRunner:
     else:
       self._evaluate = lambda state, key, ft: eval_all(models_j(state), self.data, key, ft)
 
-  def _build_host(self):
+  def _build_host(self, feed):
     """The host layout's round, evaluation and pre-round phase (``layout``):
     the round takes the cohort and its gathered examples."""
     alg, ex, host = self.algorithm, self.executor, self.host
     pre, make_ctx, post, fused_round = round_functions(alg, self.sampler, ex, self.trace_counts)
     sampler = self.sampler
-    self.feed = layout_lib.CohortFeed(host, jax.jit(lambda key: draw_cohort(sampler, key)))
+    self.feed = feed or layout_lib.CohortFeed(host, jax.jit(lambda key: draw_cohort(sampler, key)))
     shapes = jax.eval_shape(alg.init, jax.random.key(0))
     # Hosted client rows come to the round as the cohort's: no client axis
     # of N to shard.

@@ -109,23 +109,31 @@ class CohortFeed:
   its training and validation examples and puts them on the device, on one
   host thread, so that round t + 1's data is ready when round t ends.
 
+  One feed may serve several runs (``sweep.LoopRuns`` in the host layout):
+  runs that ask for the same round with the same key (configurations of one
+  seed) get the one gather, prepared once.
+
   Attributes:
     shapes: the (train rows, train window, val rows, val window) of the
       packed cohorts the rounds used, in order of first use (one compiled
       round each).
+    gathers: how many cohorts were gathered (one per distinct round key).
   """
 
   def __init__(self, host: HostData, sample):
     self.host, self.sample = host, sample
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='cohort-feed')
     self._pending = {}
+    self._last = (None, None)  # the last cohort handed out, for runs of the same key
     self._least = {}
     self.shapes = []
+    self.gathers = 0
 
   def _prepare(self, key):
     """(cohort, train, val); each split at least as large as the largest
     before it (rows and window), so that the compiled shapes only grow: a
     run compiles its round a few times at the start, then not again."""
+    self.gathers += 1
     cohort = self.sample(key)
     idx = np.asarray(jax.device_get(cohort.idx))
     out = [cohort]
@@ -136,23 +144,30 @@ class CohortFeed:
     return tuple(out)
 
   @staticmethod
-  def _key_id(key):
-    return np.asarray(jax.random.key_data(key)).tobytes()
+  def _key_id(key, round_num: int):
+    return round_num, np.asarray(jax.random.key_data(key)).tobytes()
 
   def request(self, key, round_num: int) -> None:
     """Starts preparing round ``round_num`` (its key ``key``)."""
-    if round_num not in self._pending:
-      self._pending = {r: v for r, v in self._pending.items() if r >= round_num - 1}
-      self._pending[round_num] = (self._key_id(key), self._pool.submit(self._prepare, key))
+    k = self._key_id(key, round_num)
+    if k not in self._pending and k != self._last[0]:
+      self._pending = {p: v for p, v in self._pending.items() if p[0] >= round_num - 1}
+      self._pending[k] = self._pool.submit(self._prepare, key)
 
   def get(self, key, round_num: int):
     """(cohort, train, val) of round ``round_num``: prepared ahead when it was
-    requested with the same key, else now."""
-    pending = self._pending.pop(round_num, None)
-    if pending is not None and pending[0] == self._key_id(key):
-      out = pending[1].result()
+    requested with the same key, handed out already to a run of the same
+    key, else made now."""
+    k = self._key_id(key, round_num)
+    if k == self._last[0]:
+      out = self._last[1]
     else:
-      out = self._prepare(key)
+      pending = self._pending.pop(k, None)
+      self._last = (None, None)  # the previous cohort is freed before this one is made
+      # Made on the feed's thread, one gather at a time (a shared feed's
+      # prefetches run beside the rounds).
+      out = (pending or self._pool.submit(self._prepare, key)).result()
+      self._last = (k, out)
     shape = (out[1].x.shape[0], out[1].length, out[2].x.shape[0], out[2].length)
     if shape not in self.shapes:
       self.shapes.append(shape)

@@ -30,17 +30,33 @@ def _is_key(x) -> bool:
 def to_saveable(state):
   """The state as saved: PRNG keys as their data; client rows kept on the
   host (``HostedState``) joined into the whole state, so that both layouts
-  save and restore the same checkpoint."""
+  save and restore the same checkpoint. A list of states (configurations
+  run one after another, ``sweep.LoopRuns``) is saved state by state."""
+  if isinstance(state, list):
+    return [to_saveable(s) for s in state]
   if isinstance(state, HostedState):
     state = state.whole()
   return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
 
 
 def from_saveable(saved, template):
+  if isinstance(template, list):
+    return [from_saveable(s, t) for s, t in zip(saved, template)]
   if isinstance(template, HostedState):
     return layout.hosted(from_saveable(saved, template.whole()), template.client_rows)
   return jax.tree.map(lambda s, t: jax.random.wrap_key_data(s, impl=jax.random.key_impl(t))
                       if _is_key(t) else s, saved, template)
+
+
+def _abstract(template):
+  """What a restore reads: shapes and dtypes, with hosted client rows read
+  into host memory, not the device."""
+  if isinstance(template, list):
+    return [_abstract(t) for t in template]
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, to_saveable(template))
+  if isinstance(template, HostedState):
+    abstract = layout.rows_on_cpu(abstract, template.client_rows)
+  return abstract
 
 
 def manager(directory: str, max_to_keep: int = 2) -> ocp.CheckpointManager:
@@ -102,9 +118,7 @@ def restore_latest(directory: str, template_state, identity: Optional[dict] = No
   if not os.path.isdir(directory):
     return None
   mngr = manager(directory)
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, to_saveable(template_state))
-  if isinstance(template_state, HostedState):  # rows read into host memory, not the device
-    abstract = layout.rows_on_cpu(abstract, template_state.client_rows)
+  abstract = _abstract(template_state)
   for step in sorted(mngr.all_steps(), reverse=True):
     if identity is not None:
       try:

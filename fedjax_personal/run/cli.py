@@ -118,11 +118,12 @@ flags.DEFINE_bool('resume_if_found', False, 'Like --resume where a checkpoint ex
                   'fresh (with a note) where there is none.')
 flags.DEFINE_bool('overwrite', False, 'Clear --output_dir first when it holds results of another '
                   'configuration (refused otherwise).')
-flags.DEFINE_integer('sweep_seeds', 0, 'Run seeds seed..seed+S-1 as one vmapped program (0: off); '
-                     'one table row per seed.')
+flags.DEFINE_integer('sweep_seeds', 0, 'Run seeds seed..seed+S-1 together (0: off); one table '
+                     'row per seed. Device layout: one program; host layout: one after another.')
 flags.DEFINE_integer('trials', 1, 'Run T trials (seeds seed..seed+T-1, one shared partition) of '
-                     'each algorithm, as one vmapped program where the executor allows it, else '
-                     'one after another; the table shows mean ± std over trials.')
+                     'each algorithm, as one program in the device layout where the executor '
+                     'allows it, else one after another (the host layout: on shared cohort '
+                     'gathers); the table shows mean ± std over trials.')
 flags.DEFINE_integer('stat_window', 5, 'Stable statistics: tables also report the mean over the '
                      'last this many evaluations of the mean and worst-client accuracy.')
 flags.DEFINE_float('dp_delta', 1e-5, 'delta at which the DP-SGD epsilon is reported (algorithms '
@@ -332,9 +333,6 @@ def validate_flags():
          f'must be >= 8, got {FLAGS.image_size}')
   _check(FLAGS.max_client_examples is None or FLAGS.max_client_examples >= 1,
          'max_client_examples', f'must be >= 1, got {FLAGS.max_client_examples}')
-  _check(FLAGS.layout != 'host' or not (FLAGS.sweep or FLAGS.sweep_seeds or FLAGS.trials > 1),
-         'layout', 'sweeps and --trials run on the device layout (one vmapped program over '
-         'the whole population); drop --layout=host')
   _check(0 < FLAGS.test_fraction < 1, 'test_fraction', f'must be in (0, 1), got {FLAGS.test_fraction}')
   _check(FLAGS.max_examples is None or FLAGS.max_examples >= 1, 'max_examples',
          f'must be >= 1, got {FLAGS.max_examples}')
@@ -493,7 +491,10 @@ def _make_runs(spec, alg, training, cfg, ignored, model, data, executor, cfgs):
     return algorithms_lib.build(spec.name, model, data,
                                 training=dataclasses.replace(training, **shared),
                                 config=dataclasses.replace(cfg, **own))
-  runs = sweep.SweepRunner if executor.fused else sweep.LoopRuns
+  # One program over the configurations needs the whole population on the
+  # device; the host layout runs them one after another on shared gathers.
+  one_program = executor.fused and not isinstance(data, HostData)
+  runs = sweep.SweepRunner if one_program else sweep.LoopRuns
   return runs(build, cfgs, data, sampler_for(data.num_clients), executor)
 
 
@@ -578,19 +579,17 @@ def load_data(job: Job) -> None:
                                         if jax.default_backend() == 'cpu' else None)
   layout, reason = layout_lib.choose(FLAGS.layout, store.padded_nbytes(cap), free,
                                      int(train_counts.max()), cap)
-  if layout == 'host' and (job.cfgs is not None or jax.process_count() > 1):
-    why = '--sweep, --sweep_seeds and --trials' if job.cfgs is not None else 'several processes'
+  if layout == 'host' and jax.process_count() > 1:
     padded_bytes = store.padded_nbytes(cap)
     # The padded population is made on the host, then put on the device: on
     # a CPU both copies share the host's memory.
     need = padded_bytes * (2 if jax.default_backend() == 'cpu' else 1)
     if free is not None and need > free:
-      flag = 'sweep' if job.cfgs is not None else 'num_processes'
-      raise ConfigError(flag, f'{why} run on the device layout, where this population padded to '
-                        f'its widest client needs {need / layout_lib.GB:.1f} GB, '
-                        f'{free / layout_lib.GB:.1f} GB free: run the configurations as separate '
-                        'runs (the host layout), or give --max_client_examples / --num_clients')
-    layout, reason = 'device', f'{why} run on the device layout'
+      raise ConfigError('num_processes', 'several processes run on the device layout, where this '
+                        f'population padded to its widest client needs {need / layout_lib.GB:.1f} '
+                        f'GB, {free / layout_lib.GB:.1f} GB free: run on one process (the host '
+                        'layout), or give --max_client_examples / --num_clients')
+    layout, reason = 'device', 'several processes run on the device layout'
   _say(population.describe())
   job.layout_reason, job.store = reason, store
   job.identity = job_identity(fingerprint, cap)
@@ -658,22 +657,32 @@ def build_algorithms(job: Job, settings) -> None:
 
 
 def settle_layout(job: Job, settings) -> None:
-  """The layout once the algorithms' states are known, and the header line
-  saying which and why. On an accelerator whose free memory cannot hold the
-  padded population beside the largest state, ``auto`` moves to the host
-  layout (client rows with the population) and ``device`` is refused."""
-  free = memory.device_free_bytes()
-  if job.layout == 'device' and free is not None:
+  """The layout once the algorithms' states are known, the header line
+  saying which and why, and the memory plan: the padded population beside
+  the largest state (times the configurations of a sweep, whose states the
+  device layout stacks) must fit the accelerator's free memory, or on a CPU
+  the available host memory beside the padded copy it is made from. When it
+  cannot, ``auto`` moves to the host layout (client rows with the
+  population) and ``device`` is refused; in the host layout every
+  configuration's client rows must fit the host. Refused in one line before
+  anything is made, never left to the out-of-memory killer."""
+  num = len(job.cfgs) if job.cfgs is not None else 1
+  times = f' x {num} configurations' if num > 1 else ''
+  if job.layout == 'device':
+    free = memory.device_free_bytes()
+    copies = 1
+    if free is None and jax.default_backend() == 'cpu':  # the device is the host
+      free, copies = layout_lib.host_available_bytes(), 2
     sizes = {alg.name: tree_bytes(jax.eval_shape(alg.init, jax.random.key(0)))
              for _, alg, *_ in job.algs}
     name = max(sizes, key=sizes.get)
-    need = job.store.padded_nbytes(FLAGS.max_client_examples) + sizes[name]
-    if need > free:
-      what = (f'the padded population and {name}\'s state need {need / layout_lib.GB:.2f} GB, '
-              f'{free / layout_lib.GB:.1f} GB free')
-      if FLAGS.layout == 'device' or job.cfgs is not None or jax.process_count() > 1:
-        raise ConfigError('layout', f'--layout=device: {what}; give --layout=host (one run '
-                          'on one process) or fewer clients')
+    need = copies * job.store.padded_nbytes(FLAGS.max_client_examples) + num * sizes[name]
+    if free is not None and need > free:
+      what = (f'the padded population and {name}\'s state{times} need '
+              f'{need / layout_lib.GB:.2f} GB, {free / layout_lib.GB:.1f} GB free')
+      if FLAGS.layout == 'device' or jax.process_count() > 1:
+        raise ConfigError('layout', f'--layout=device: {what}; give --layout=host (one '
+                          'process) or fewer clients')
       job.layout, job.layout_reason = 'host', f'auto: {what}; client rows on the host'
       job.population = job.store.population(FLAGS.max_client_examples)
       job.data = HostData(job.store, FLAGS.max_client_examples)
@@ -684,12 +693,17 @@ def settle_layout(job: Job, settings) -> None:
     for _, alg, *_ in job.algs:
       if alg.client_rows is not None:
         rows = alg.client_rows.get(jax.eval_shape(alg.init, jax.random.key(0)))
-        nbytes = tree_bytes(rows)
+        nbytes = num * tree_bytes(rows)
         if available is not None and nbytes > 0.9 * available:
-          raise ConfigError('algorithm', f'{alg.name} keeps {nbytes / layout_lib.GB:.1f} GB of '
-                            f'client rows in host memory, {available / layout_lib.GB:.1f} GB '
-                            'available: give fewer clients (--num_clients) or a smaller model')
-        _say(f'  {alg.name}: client rows ({nbytes / layout_lib.GB:.3f} GB) on the host')
+          flag = 'algorithm' if num == 1 else 'sweep' if FLAGS.sweep else (
+              'trials' if FLAGS.trials > 1 else 'sweep_seeds')
+          raise ConfigError(flag, f'{alg.name} keeps {nbytes / layout_lib.GB:.1f} GB of '
+                            f'client rows{times} in host memory, '
+                            f'{available / layout_lib.GB:.1f} GB available: give fewer '
+                            'clients (--num_clients)' + (', fewer configurations'
+                                                        if num > 1 else '')
+                            + ' or a smaller model')
+        _say(f'  {alg.name}: client rows{times} ({nbytes / layout_lib.GB:.3f} GB) on the host')
 
 
 def choose_output_dir(job: Job) -> None:
@@ -704,6 +718,8 @@ def choose_output_dir(job: Job) -> None:
        f'{job.output_dir}')
   if job.cfgs is not None:
     _say(f'{len(job.cfgs)} configurations per algorithm, ' + (
+        'one after another on the host layout, the configurations of one seed sharing each '
+        "round's cohort gather" if job.layout == 'host' else
         'each algorithm one compiled program' if job.executor.fused else 'one after another'))
 
 

@@ -277,14 +277,16 @@ class PrivacyRecorder(Callback):
 
   def on_round_end(self, round_num, records, state):
     import jax
+    from fedjax_personal.core.layout import HostedState
     from fedjax_personal.core.privacy import worst_epsilon
+
+    def steps_of(s):  # step counters are not client rows
+      return np.asarray(jax.device_get(self.privacy.steps(
+          s.inner if isinstance(s, HostedState) else s)))
     if isinstance(state, list):  # configurations run one after another
-      steps = np.stack([np.asarray(jax.device_get(self.privacy.steps(s))) for s in state])
+      steps = np.stack([steps_of(s) for s in state])
     else:  # one state, or a sweep's stacked [S, ...] state
-      from fedjax_personal.core.layout import HostedState
-      if isinstance(state, HostedState):  # step counters are not client rows
-        state = state.inner
-      steps = np.asarray(jax.device_get(self.privacy.steps(state)))
+      steps = steps_of(state)
     for record, st in zip(records, steps.reshape(len(records), -1)):
       record['dp_epsilon'] = worst_epsilon(self.privacy, st, self.delta)
       record['dp_delta'] = self.delta

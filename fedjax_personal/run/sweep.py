@@ -203,24 +203,33 @@ class SweepRunner:
 class LoopRuns:
   """S configurations run one after another within each round (the
   ``Runs`` of ``experiment.run_many`` for executors that cannot be traced
-  into a vmapped program, e.g. ``sequential``): one RoundRunner per distinct
-  set of values (compiled once, shared by the seeds), one state per
-  configuration (the state is their list). Same keys, same numbers as the
-  single runs."""
+  into a vmapped program, e.g. ``sequential``, and for the host layout):
+  one RoundRunner per distinct set of values (compiled once, shared by the
+  seeds), one state per configuration (the state is their list). Same
+  keys, same numbers as the single runs.
+
+  In the host layout every runner reads one ``layout.CohortFeed``, so the
+  configurations of one seed (whose rounds draw the same cohort) share each
+  round's gather of its examples; each seed's next cohort is gathered while
+  the current round runs.
+  """
 
   def __init__(self, build: Callable[[Dict], FederatedAlgorithm], configs: List[Config],
-               data: FederatedData, sampler: CohortSampler, executor: Executor):
+               data, sampler: CohortSampler, executor: Executor):
     from fedjax_personal.core.engine import RoundRunner
     from fedjax_personal.run.experiment import SingleRun
     self.configs = configs
     self.labels = [config_label(c) for c in configs]
     runners = {}
     self.runs = []
+    feed = None
     for seed, values in configs:
       k = tuple(sorted(values.items()))
       if k not in runners:
-        runners[k] = RoundRunner(build(dict(values)), data, sampler, executor)
+        runners[k] = RoundRunner(build(dict(values)), data, sampler, executor, feed=feed)
+        feed = getattr(runners[k], 'feed', None)
       self.runs.append(SingleRun(runners[k], seed))
+    self.feed = feed
 
   @property
   def num_configs(self) -> int:
