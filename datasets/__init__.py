@@ -4,6 +4,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 from typing import Optional
 
 import numpy as np
@@ -223,12 +224,25 @@ def load_federated(cfg: DataConfig) -> FederatedData:
                               name=f'{cfg.dataset}/{cfg.partition}')
 
 
-def load_store(cfg: DataConfig) -> store_lib.PopulationStore:
+def load_store(cfg: DataConfig, verify: bool = False,
+               should_stop=lambda: False) -> store_lib.PopulationStore:
   """The population store of ``cfg`` (unpadded clients, see
   ``core.store``). A natural data set read from its files is written once,
-  client by client, into the cache (``stores/``), keyed by what it holds;
+  client by client, into the cache (``stores/``), keyed by what it holds
+  (the options and the SHA-256 of each source file, ``files.content_digest``);
   any other data set is built in memory (``load_federated``) and stored
   there.
+
+  A cached store that fails its checks (``core.store``: checksums, sizes) or
+  was written by another version of the format is rebuilt from the source
+  files, one line on stderr saying so.
+
+  Args:
+    cfg: the data set.
+    verify: check every block of the store now (``--verify_store``), not
+      as its rows are first read.
+    should_stop: asked between clients while a store is built; True stops
+      the build (``KeyboardInterrupt``, nothing of it kept).
   """
   _check_config(cfg)
   if not streams_to_store(cfg):
@@ -240,15 +254,24 @@ def load_store(cfg: DataConfig) -> store_lib.PopulationStore:
               **({'image_size': cfg.image_size} if cfg.image_size else {}),
               'seq_len': cfg.sequence_length, 'val_fraction': cfg.val_fraction,
               'seed': cfg.seed if cfg.val_fraction else None,
-              'files': [(os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns)
-                        for f in nat.files]}
+              'files': [(os.path.basename(f), files.content_digest(f)) for f in nat.files]}
   digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
   folder = files.cache_dir() / 'stores' / f'{cfg.dataset.replace(":", "_")}-{digest}'
   if store_lib.is_store(folder):
-    return store_lib.open_store(folder, identity)
+    why = None
+    if store_lib.store_format(folder) != store_lib.FORMAT:
+      why = f'written in format {store_lib.store_format(folder)!r}, this version reads ' \
+            f'{store_lib.FORMAT!r}'
+    else:
+      try:
+        return store_lib.open_store(folder, identity, verify=verify)
+      except store_lib.StoreDamaged as e:
+        why = e.what
+    print(f'{folder}: {why}; rebuilding it from {", ".join(map(str, nat.files))}',
+          file=sys.stderr, flush=True)
   writer = store_lib.StoreWriter(folder, identity)
   try:
-    _write_natural(nat, cfg, writer)
+    _write_natural(nat, cfg, writer, should_stop)
     return writer.close(_natural_name(cfg, nat), nat.num_classes)
   except BaseException:
     writer.abort()
@@ -261,12 +284,15 @@ def _natural_name(cfg: DataConfig, nat: natural.NaturalData) -> str:
                                      if n < nat.total_clients else '')
 
 
-def _write_natural(nat: natural.NaturalData, cfg: DataConfig, writer) -> None:
+def _write_natural(nat: natural.NaturalData, cfg: DataConfig, writer,
+                   should_stop=lambda: False) -> None:
   """Writes a natural data set's clients with the files' own test split; a
   validation split (--val_fraction) is drawn from each client's training
   examples (in the file's order within each part)."""
   rng = np.random.default_rng(cfg.seed)
   for _, (x, y), test in nat.stream():
+    if should_stop():
+      raise KeyboardInterrupt
     tr, va, _ = split_client_examples(len(x), rng, 0.0, cfg.val_fraction)
     tr, va = np.sort(tr), np.sort(va)
     writer.add((x[tr], y[tr]), (x[va], y[va]), test)

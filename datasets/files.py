@@ -94,6 +94,41 @@ def sha256_file(path) -> str:
   return digest(path, 'sha256')
 
 
+def content_digest(path) -> str:
+  """The SHA-256 of a file's bytes, computed once per version of the file.
+
+  A version is the file's path, inode, size, modification and status-change
+  times: the change time moves with every write, also one that keeps the
+  size and sets the modification time back, so an edited file is hashed
+  again, and an unchanged one is not (the digest is kept in the cache's
+  ``digests/``). Stores are keyed by it: what a source holds, not its name.
+  A folder (GLDv2's images) stands for its files: the digest of their
+  names, sizes and times (each file's change time included).
+  """
+  if os.path.isdir(path):
+    h = hashlib.sha256()
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+      st = entry.stat()
+      h.update(f'{entry.name}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}\n'.encode())
+    return h.hexdigest()
+  st = os.stat(path)
+  version = (f'{os.path.realpath(path)}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|'
+             f'{st.st_ctime_ns}')
+  entry = cache_dir() / 'digests' / hashlib.sha256(version.encode()).hexdigest()[:32]
+  try:
+    kept = entry.read_text().split()
+    if len(kept) == 2 and kept[1] == version.replace(' ', '%20'):
+      return kept[0]
+  except OSError:
+    pass
+  got = sha256_file(path)
+  try:
+    write_atomically(entry, lambda tmp: tmp.write_text(f'{got} {version.replace(" ", "%20")}\n'))
+  except OSError:  # a read-only cache: hashed again next time
+    pass
+  return got
+
+
 def check_digest(path, md5: Optional[str] = None, sha256: Optional[str] = None) -> None:
   """Raises DataError naming the file when its checksum differs from the release's."""
   for algorithm, want in (('md5', md5), ('sha256', sha256)):

@@ -37,6 +37,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import zlib
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -62,7 +63,7 @@ class NaturalData:
     num_clients: clients it yields.
     num_classes: output classes.
     total_clients: clients in the file (before --num_clients).
-    files: the files read (their sizes and times are the store's identity).
+    files: the files read (their contents' SHA-256 are the store's identity).
     split_by_fraction: True when the file's test split holds other clients,
       so the train clients' examples are split with --test_fraction.
   """
@@ -232,7 +233,8 @@ def tokenize_sentences(sentences, vocab: Dict[str, int], seq_len: int):
   y = np.full((len(sentences), seq_len), IGNORE, np.int32)
   for i, s in enumerate(sentences):
     text = s.decode('utf-8') if isinstance(s, bytes) else str(s)
-    ids = [BOS] + [vocab.get(w, oov) for w in text.split(' ') if w != ''] + [EOS]
+    # FedJAX's tf.strings.split(sep=' '): two spaces delimit an empty token (OOV).
+    ids = [BOS] + [vocab.get(w, oov) for w in text.split(' ')] + [EOS]
     n = min(len(ids) - 1, seq_len)
     x[i, :n], y[i, :n] = ids[:n], ids[1:n + 1]
   return x, y
@@ -310,27 +312,42 @@ def read_leaf(folder: str) -> Dict[str, dict]:
   return users
 
 
+def leaf_split_line(line: str) -> List[str]:
+  """LEAF's ``split_line`` (leaf/models/utils/language_utils.py): words
+  with apostrophes, and the punctuation . , ! ? ; as words of their own."""
+  return re.findall(r"[\w']+|[.,!?;]", line)
+
+
 def _leaf_convert(name: str, train: Dict[str, dict], test: Dict[str, dict]):
   """(convert(user data) -> (x, y), num_classes) for LEAF data set ``name``."""
   if name == 'shakespeare':
+    # LEAF's letter_to_index is ALL_LETTERS.find(c): 80 classes, an unknown
+    # character -1. As an input it reads the last embedding row (Python's
+    # -1, the id of '}'); as a target -1 is a position without loss here,
+    # as LEAF's one_hot(-1) (all zeros) gives no loss.
     table = {c: i for i, c in enumerate(LEAF_LETTERS)}
-    oov = len(LEAF_LETTERS)
-    ids = lambda s: [table.get(c, oov) for c in s]
+    last = len(LEAF_LETTERS) - 1
+    ids = lambda s: [table.get(c, last) for c in s]
     return (lambda d: (np.asarray([ids(s) for s in d['x']], np.int32).reshape(len(d['x']), -1),
-                       np.asarray([ids(s)[0] for s in d['y']], np.int32))), oov + 1
+                       np.asarray([table.get(s[0], -1) for s in d['y']], np.int32))), \
+        len(LEAF_LETTERS)
   if name == 'sent140':
+    # LEAF's line_to_indices: words split by [\w']+|[.,!?;], the first 25,
+    # unknown words and padding both len(word2id). word2id is LEAF's GloVe
+    # vocabulary; here the 10,000 most frequent training words (ids 0..V-1).
     counts = {}
     for d in train.values():
       for row in d['x']:
-        for w in str(row[4]).split():
+        for w in leaf_split_line(str(row[4])):
           counts[w] = counts.get(w, 0) + 1
     words = sorted(counts, key=lambda w: (-counts[w], w))[:LEAF_SENT140_VOCAB]
-    vocab = {w: i + 1 for i, w in enumerate(words)}  # 0 pads, len + 1 is OOV
+    vocab = {w: i for i, w in enumerate(words)}
+    unk = len(vocab)
 
     def conv(d):
-      x = np.zeros((len(d['x']), LEAF_SENT140_LEN), np.int32)
+      x = np.full((len(d['x']), LEAF_SENT140_LEN), unk, np.int32)
       for i, row in enumerate(d['x']):
-        t = [vocab.get(w, len(vocab) + 1) for w in str(row[4]).split()][:LEAF_SENT140_LEN]
+        t = [vocab.get(w, unk) for w in leaf_split_line(str(row[4]))[:LEAF_SENT140_LEN]]
         x[i, :len(t)] = t
       return x, np.asarray(d['y'], np.int32)
     return conv, 2
@@ -346,9 +363,10 @@ def load_leaf(name: str, num_clients=None, data_dir=None) -> NaturalData:
   """A LEAF data set from its JSON files (users in sorted order).
 
   x: femnist [28, 28, 1] float32 as LEAF writes it; shakespeare 80 character
-  ids (LEAF's 80 letters, one OOV id) predicting the next one; sent140 the
-  tweet's first 25 words as ids of the 10,000 most frequent training words
-  (LEAF's model uses GloVe vectors; here ids for a learned embedding);
+  ids (LEAF's 80 letters, 80 classes) predicting the next one; sent140 the
+  tweet's first 25 words (LEAF's split) as ids of the 10,000 most frequent
+  training words, unknown words and padding 10,000 (LEAF's model uses GloVe
+  vectors; here ids for a learned embedding);
   others (synthetic) the feature vector as it is.
   """
   tr_dir, te_dir = _leaf_dir(name, 'train', data_dir), _leaf_dir(name, 'test', data_dir)
@@ -366,7 +384,8 @@ def load_leaf(name: str, num_clients=None, data_dir=None) -> NaturalData:
     raise DataError(f'{tr_dir}: LEAF {name} examples of an unexpected shape ({e})') from None
   for part in (tr, te):
     for _, y in part:
-      if y.size and (y.min() < 0 or y.max() >= num_classes):
+      lowest = -1 if name == 'shakespeare' else 0  # -1: LEAF's unknown character
+      if y.size and (y.min() < lowest or y.max() >= num_classes):
         raise DataError(f'{tr_dir}: labels outside [0, {num_classes})')
   return NaturalData(_listed(users[:n], tr, te), n, num_classes, len(users),
                      sorted(glob.glob(os.path.join(tr_dir, '*.json'))

@@ -77,6 +77,8 @@ FILES: Dict[str, Tuple[RemoteFile, ...]] = {
 GLDV2_BUNDLE = 'landmarks-user-160k.zip'
 #: GLDv2's training images, in shards (TFF's loader reads all of them).
 GLDV2_SHARD_URL = 'https://s3.amazonaws.com/google-landmark/train/images_{:03d}.tar'
+#: Each shard's published MD5 (TFF's gldv2.py fetches it and checks the shard).
+GLDV2_MD5_URL = 'https://s3.amazonaws.com/google-landmark/md5sum/train/md5.images_{:03d}.txt'
 GLDV2_SHARDS = 500
 
 #: Other names a file is accepted under (a local copy saved differently).
@@ -190,6 +192,22 @@ def extract_member(archive: pathlib.Path, suffix: str, dest: pathlib.Path) -> pa
   return files.write_atomically(dest, write)
 
 
+def _gldv2_md5(shard: int) -> str:
+  """Shard ``shard``'s MD5 as GLDv2 publishes it (``md5.images_NNN.txt``:
+  the hex digest, then the file name), fetched as TFF's loader does."""
+  url = GLDV2_MD5_URL.format(shard)
+  path = downloads.download(RemoteFile(os.path.basename(url), url), files.cache_dir(),
+                            'gldv2', progress=False)
+  try:
+    words = path.read_text(errors='replace').split()
+  finally:
+    path.unlink(missing_ok=True)
+  if not words or len(words[0]) != 32 or any(c not in '0123456789abcdef' for c in words[0].lower()):
+    raise DataError(f'gldv2: {url} holds no MD5 ({" ".join(words[:2])[:60]!r}); the shard is not '
+                    'fetched unchecked: run --download again later')
+  return words[0].lower()
+
+
 def fetch_gldv2_images(wanted: Set[str], folder: pathlib.Path, progress: bool = True) -> None:
   """Downloads GLDv2's training shards one at a time, keeps the JPEGs in
   ``wanted`` (image ids) as ``folder/<id>.jpg`` and deletes each shard; stops
@@ -206,8 +224,8 @@ def fetch_gldv2_images(wanted: Set[str], folder: pathlib.Path, progress: bool = 
     if str(s) in done:
       continue
     url = GLDV2_SHARD_URL.format(s)
-    shard = downloads.download(RemoteFile(os.path.basename(url), url), files.cache_dir(),
-                               'gldv2', progress=progress)
+    shard = downloads.download(RemoteFile(os.path.basename(url), url, md5=_gldv2_md5(s)),
+                               files.cache_dir(), 'gldv2', progress=progress)
     try:
       with tarfile.open(shard) as tar:
         for member in tar:

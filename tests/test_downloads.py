@@ -101,7 +101,8 @@ def test_download_then_cache_reuse(tmp_path, cache, monkeypatch):
     d = load_federated(cfg)
     assert d.num_clients == 2 and len(server.hits) == 2
     # The files and the population store read from them (``stores/``).
-    assert sorted(_leftovers(cache)) == ['federated_emnist_test.sqlite',
+    # (and the digests of the files' contents the store is keyed by).
+    assert sorted(_leftovers(cache)) == ['digests', 'federated_emnist_test.sqlite',
                                          'federated_emnist_train.sqlite', 'stores']
     again = load_federated(cfg)  # found in the cache: no request
     assert len(server.hits) == 2

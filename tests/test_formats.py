@@ -103,7 +103,7 @@ def test_fedjax_stackoverflow_tokens_and_vocabulary(tmp_path):
   made_files.write_fedjax_sqlite(tmp_path / 'stackoverflow_train.sqlite', [
       (b'00001', tok([b'the code is', b'what is this'])),
       (b'00002', tok([b'code ' * 30])),
-      (b'00003', tok([b'the']))])
+      (b'00003', tok([b'the  is']))])
   made_files.write_fedjax_sqlite(tmp_path / 'stackoverflow_test.sqlite', [
       (b'00002', tok([b'is the code'])), (b'99999', tok([b'other user']))])
   nat = natural.load_stackoverflow(vocab_size=3, seq_len=5, data_dir=str(tmp_path))
@@ -114,6 +114,8 @@ def test_fedjax_stackoverflow_tokens_and_vocabulary(tmp_path):
   assert y.tolist() == [[3, 5, 4, 2, -1], [6, 4, 6, 2, -1]]
   x, y = nat.train[1]  # truncated to seq_len
   assert x.tolist() == [[1, 5, 5, 5, 5]] and y.tolist() == [[5, 5, 5, 5, 5]]
+  x, y = nat.train[2]  # two spaces delimit an empty token: OOV, as FedJAX's tf.strings.split
+  assert x.tolist() == [[1, 3, 6, 4, 0]] and y.tolist() == [[3, 6, 4, 2, -1]]
   assert [len(t[1]) for t in nat.test] == [0, 1, 0]  # only user 00002 posted in the test file
   assert nat.test[1][1].tolist() == [[4, 3, 5, 2, -1]]
   with pytest.raises(DataError, match='4 words, the vocabulary needs 10'):
@@ -187,12 +189,25 @@ def test_leaf_json(tmp_path):
   nat = natural.load_leaf('shakespeare', data_dir=str(tmp_path))
   L = natural.LEAF_LETTERS
   assert nat.train[0][0].tolist() == [[L.index(c) for c in 'abc'], [L.index(c) for c in 'bcd']]
-  assert nat.train[0][1].tolist() == [L.index('d'), L.index('e')] and nat.num_classes == 81
-  sent = {'u1': {'x': [['1', 'd', 'q', 'u1', 'good day good'], ['2', 'd', 'q', 'u1', 'bad']],
+  assert nat.train[0][1].tolist() == [L.index('d'), L.index('e')] and nat.num_classes == 80
+  # LEAF's letter_to_index: an unknown character is -1 (the last row as an
+  # input; a target without loss).
+  made_files.write_leaf(tmp_path, 'shakespeare', {'R': {'x': ['a\u00e9c'], 'y': ['\u00e9']}},
+                        {'R': {'x': ['abc'], 'y': ['d']}})
+  nat = natural.load_leaf('shakespeare', data_dir=str(tmp_path))
+  assert nat.train[0][0].tolist() == [[L.index('a'), 79, L.index('c')]]
+  assert nat.train[0][1].tolist() == [-1]
+  # LEAF's line_to_indices: [\w']+|[.,!?;] words, unknown and padding len(vocab).
+  sent = {'u1': {'x': [['1', 'd', 'q', 'u1', "good day, good don't"], ['2', 'd', 'q', 'u1', 'bad!']],
                  'y': [1, 0]}}
-  made_files.write_leaf(tmp_path, 'sent140', sent, sent)
+  made_files.write_leaf(tmp_path, 'sent140', sent, {'u1': {'x': [['3', 'd', 'q', 'u1', 'so good']],
+                                                          'y': [1]}})
+  assert natural.leaf_split_line("good day, good don't") == ['good', 'day', ',', 'good', "don't"]
   nat = natural.load_leaf('sent140', data_dir=str(tmp_path))
-  assert nat.train[0][0][0, :4].tolist() == [1, 3, 1, 0]  # good (2x) 1, bad 2, day 3
+  # good (2x) 0, then by word: ! 1, , 2, bad 3, day 4, don't 5; 6 unknown and padding
+  assert nat.train[0][0][0, :7].tolist() == [0, 4, 2, 0, 5, 6, 6]
+  assert nat.train[0][0][1, :3].tolist() == [3, 1, 6]
+  assert nat.test[0][0][0, :3].tolist() == [6, 0, 6]
   assert nat.train[0][1].tolist() == [1, 0] and nat.num_classes == 2
 
 

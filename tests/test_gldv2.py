@@ -5,6 +5,7 @@ half test, resized once into the population store; made files in the
 published layout, and the download of the split bundle and image shards
 against a loopback server."""
 
+import hashlib
 import io
 import os
 import subprocess
@@ -143,17 +144,26 @@ def test_download_of_the_split_bundle_and_image_shards(tmp_path, cache, monkeypa
   rng = np.random.default_rng(4)
   rows = made_files.gldv2_rows([50, 20, 51], rng)
   ids = [i for _, i, _ in rows]
+  shards = [_shard(ids[::2], rng), _shard(ids[1::2], rng)]
+  md5 = lambda b, name: (200, f'{hashlib.md5(b).hexdigest()}  {name}\n'.encode(), None)
   routes = {'/bundle.zip': (200, _bundle(rows), None),
-            '/images_000.tar': (200, _shard(ids[::2], rng), None),
-            '/images_001.tar': (200, _shard(ids[1::2], rng), None)}
+            '/images_000.tar': (200, shards[0], None),
+            '/images_001.tar': (200, shards[1], None),
+            '/md5.images_000.txt': md5(shards[0], 'images_000.tar'),
+            '/md5.images_001.txt': md5(shards[1] + b'x', 'images_001.tar')}  # wrong at first
   with _Server(routes) as server:
     monkeypatch.setitem(sources.FILES, 'gldv2', (sources.RemoteFile(
         sources.GLDV2_BUNDLE, f'{server.url}/bundle.zip'),))
     monkeypatch.setattr(sources, 'GLDV2_SHARD_URL', server.url + '/images_{:03d}.tar')
+    monkeypatch.setattr(sources, 'GLDV2_MD5_URL', server.url + '/md5.images_{:03d}.txt')
     monkeypatch.setattr(sources, 'GLDV2_SHARDS', 3)  # the third is never needed
+    with pytest.raises(DataError, match=r"images_001.tar: md5 .* differs from the release's"):
+      natural.load('gldv2', download=True, image_size=8)  # shard 0 kept, shard 1 refused
+    routes['/md5.images_001.txt'] = md5(shards[1], 'images_001.tar')
+    server.hits.clear()
     nat = natural.load('gldv2', download=True, image_size=8)
     assert [u for u, _, _ in nat.stream()] == ['0', '2']
-    assert server.hits == ['/bundle.zip', '/images_000.tar', '/images_001.tar']
+    assert server.hits == ['/md5.images_001.txt', '/images_001.tar']
     images = cache / 'gldv2' / 'images'
     kept = sorted(p[:-4] for p in os.listdir(images) if p.endswith('.jpg'))
     assert kept == sorted(i for u, i, _ in rows if u != '1')
@@ -161,7 +171,7 @@ def test_download_of_the_split_bundle_and_image_shards(tmp_path, cache, monkeypa
     assert not [p for p in os.listdir(cache) if p.endswith('.tar')]
     assert (cache / 'gldv2' / 'federated_train.csv').is_file()
     natural.load('gldv2', download=True, image_size=8)
-    assert len(server.hits) == 3
+    assert len(server.hits) == 2
 
 
 def test_image_size_is_refused_for_other_data_sets():

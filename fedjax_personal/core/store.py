@@ -10,6 +10,14 @@ live in memory (``from_federated``). Writers (``StoreWriter``) append client aft
 and publish the folder by renaming it when complete, so a reader never sees
 half a store.
 
+Integrity: the writer records a CRC32 of every ``BLOCK_BYTES`` block of
+every file in the manifest. The small files (counts, groups) are checked
+when the store is opened; the example arrays block by block the first
+time a read touches the block in a process (``FileArray``), or all at
+once with ``verify=True``. A block that fails its check ends the read with
+``StoreDamaged`` (a ``DataError``) and the store is removed, so no number
+is computed from damaged rows and the next run rebuilds it.
+
 Why flat arrays rather than ``array_record``/``grain``: a
 client is a contiguous slice, so a cohort is C slices copied into a padded
 block with no decoding; ``benchmarks/probes/store_formats.py`` measured it
@@ -22,17 +30,73 @@ import json
 import os
 import pathlib
 import shutil
-from typing import Dict, Optional, Sequence
+import zlib
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from fedjax_personal.core.data import ClientData, FederatedData, PackedClientData
 from fedjax_personal.errors import DataError
 
-FORMAT = 'fedjax_personal.population/1'
+FORMAT = 'fedjax_personal.population/2'  # /2: per-block CRC32s
 SPLITS = ('train', 'val', 'test')
 MANIFEST = 'manifest.json'
+BLOCK_BYTES = 1 << 20
 _BUFFER_BYTES = 64 << 20
+
+
+class StoreDamaged(DataError):
+  """A store whose bytes are not those its writer checked (the message
+  names the store, the file and the next command; ``what`` is the damage)."""
+
+  def __init__(self, message: str, what: str = ''):
+    super().__init__(message)
+    self.what = what
+
+
+def block_crcs(data: bytes, block_bytes: int = BLOCK_BYTES) -> List[int]:
+  """CRC32 of each ``block_bytes`` block of ``data`` (the last one short)."""
+  view = memoryview(data)
+  return [zlib.crc32(view[i:i + block_bytes]) for i in range(0, len(view), block_bytes)]
+
+
+class _BlockChecksums:
+  """CRC32s of consecutive ``block_bytes`` blocks of a byte stream, fed in
+  pieces of any size."""
+
+  def __init__(self, block_bytes: int = BLOCK_BYTES):
+    self.block_bytes, self.crcs, self._crc, self._filled = block_bytes, [], 0, 0
+
+  def update(self, data: bytes) -> None:
+    view = memoryview(data)
+    while len(view):
+      take = min(len(view), self.block_bytes - self._filled)
+      self._crc = zlib.crc32(view[:take], self._crc)
+      self._filled += take
+      view = view[take:]
+      if self._filled == self.block_bytes:
+        self.crcs.append(self._crc)
+        self._crc, self._filled = 0, 0
+
+  def done(self) -> List[int]:
+    if self._filled:
+      self.crcs.append(self._crc)
+      self._crc, self._filled = 0, 0
+    return self.crcs
+
+
+def damaged(folder, what: str) -> StoreDamaged:
+  """The fault of a damaged store: the store is removed (the next run
+  rebuilds it from its source files), and the line says so."""
+  folder = pathlib.Path(folder)
+  gone = folder.with_name(folder.name + f'.damaged-{os.getpid()}')
+  try:
+    os.replace(folder, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+    after = 'removed it: run the same command again to rebuild it from its source files'
+  except OSError:
+    after = 'remove it and run the same command again to rebuild it'
+  return StoreDamaged(f'{folder}: a damaged population store ({what}); {after}', what)
 
 
 def next_power_of_two(n) -> np.ndarray:
@@ -267,10 +331,32 @@ class FileArray:
   for a cohort of 50 Stack Overflow-shaped clients, measured).
   """
 
-  def __init__(self, path, dtype, shape):
+  def __init__(self, path, dtype, shape, crcs: Optional[Sequence[int]] = None,
+               block_bytes: int = BLOCK_BYTES):
     self.path, self.dtype, self.shape = str(path), np.dtype(dtype), tuple(shape)
     self._row = int(np.prod(self.shape[1:])) * self.dtype.itemsize
     self._fd = os.open(self.path, os.O_RDONLY)
+    self._crcs = None if crcs is None else np.asarray(crcs, np.int64)
+    self._block = block_bytes
+    self._checked = None if crcs is None else np.zeros(len(self._crcs), bool)
+
+  def _check(self, lo: int, hi: int) -> None:
+    """Checks the blocks of bytes [lo, hi) not checked before in this
+    process (each read once more, with its neighbours' bytes)."""
+    if self._checked is None or hi <= lo:
+      return
+    b0, b1 = lo // self._block, (hi - 1) // self._block + 1
+    todo = np.flatnonzero(~self._checked[b0:b1]) + b0
+    for b in todo:
+      data = os.pread(self._fd, self._block, int(b) * self._block)
+      if zlib.crc32(data) != self._crcs[b]:
+        raise damaged(os.path.dirname(self.path),
+                      f'{os.path.basename(self.path)}: block {b} fails its checksum')
+      self._checked[b] = True
+
+  def verify(self) -> None:
+    """Checks every block now (``--verify_store``)."""
+    self._check(0, self.nbytes)
 
   @property
   def nbytes(self) -> int:
@@ -284,6 +370,7 @@ class FileArray:
       raise TypeError('FileArray reads contiguous row slices')
     start, stop, _ = rows.indices(self.shape[0])
     n = max(stop - start, 0)
+    self._check(start * self._row, (start + n) * self._row)
     buf = os.pread(self._fd, n * self._row, start * self._row) if n else b''
     if len(buf) != n * self._row:
       raise DataError(f'{self.path}: {len(buf)} bytes read at row {start}, expected '
@@ -301,6 +388,33 @@ def _files(split: str):
   return f'{split}.x.bin', f'{split}.y.bin', f'{split}.counts.bin'
 
 
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's live process
+    return True
+  return True
+
+
+def remove_leftovers(parent) -> List[str]:
+  """Removes the unfinished stores (``*.partial-<pid>``) and the damaged
+  ones being removed (``*.damaged-<pid>``) of processes that no longer
+  run (killed mid-build); returns their names."""
+  removed = []
+  parent = pathlib.Path(parent)
+  if not parent.is_dir():
+    return removed
+  for path in parent.iterdir():
+    tail = path.name.rpartition('.')[2]
+    kind, _, pid = tail.partition('-')
+    if kind in ('partial', 'damaged') and pid.isdigit() and not _alive(int(pid)):
+      shutil.rmtree(path, ignore_errors=True)
+      removed.append(path.name)
+  return removed
+
+
 class StoreWriter:
   """Writes a store client after client (no client is held after ``add``).
 
@@ -314,6 +428,7 @@ class StoreWriter:
   def __init__(self, folder, identity: dict):
     self.folder = pathlib.Path(folder)
     self.partial = self.folder.with_name(self.folder.name + f'.partial-{os.getpid()}')
+    remove_leftovers(self.folder.parent)
     if self.partial.exists():
       shutil.rmtree(self.partial)
     self.partial.mkdir(parents=True)
@@ -321,23 +436,28 @@ class StoreWriter:
     self.specs = None
     self.groups = []
     self._files = {}
-    self._buffers, self._buffered = {}, {}
+    self._buffers, self._buffered, self._crcs = {}, {}, {}
     self._hash = hashlib.sha256()
     for s in SPLITS:
       for f in _files(s):
         self._files[f] = open(self.partial / f, 'wb')
         self._buffers[f], self._buffered[f] = [], 0
+        self._crcs[f] = _BlockChecksums()
 
   def _put(self, name: str, a: np.ndarray) -> None:
     b = np.ascontiguousarray(a).tobytes()
     self._hash.update(b)
+    self._crcs[name].update(b)
     self._buffers[name].append(b)
     self._buffered[name] += len(b)
     if self._buffered[name] >= _BUFFER_BYTES:
       self._flush(name)
 
   def _flush(self, name: str) -> None:
-    self._files[name].write(b''.join(self._buffers[name]))
+    try:
+      self._files[name].write(b''.join(self._buffers[name]))
+    except OSError as e:  # the cache's disk is full: name the folder that filled
+      raise OSError(e.errno, e.strerror, str(self.partial)) from None
     self._buffers[name], self._buffered[name] = [], 0
 
   def add(self, train, val=None, test=None, group: int = -1) -> None:
@@ -368,14 +488,22 @@ class StoreWriter:
       raise DataError(f'{self.folder}: no client was written')
     for f in self._files:
       self._flush(f)
+      try:
+        self._files[f].flush()
+        os.fsync(self._files[f].fileno())
+      except OSError as e:
+        raise OSError(e.errno, e.strerror, str(self.partial)) from None
       self._files[f].close()
     groups = np.asarray(self.groups, np.int32)
     groups.tofile(self.partial / 'groups.bin')
     self._hash.update(groups.tobytes())
+    crcs = {f: c.done() for f, c in self._crcs.items()}
+    crcs['groups.bin'] = block_crcs(groups.tobytes())
     manifest = {'format': FORMAT, 'name': name, 'num_classes': int(num_classes),
                 'num_clients': len(groups), 'identity': self.identity,
                 'x': self.specs['x'], 'y': self.specs['y'],
-                'digest': self._hash.hexdigest()[:16]}
+                'digest': self._hash.hexdigest()[:16],
+                'blocks': {'bytes': BLOCK_BYTES, 'crc32': crcs}}
     (self.partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     if self.folder.exists():
       shutil.rmtree(self.folder)
@@ -397,16 +525,35 @@ def is_store(folder) -> bool:
   return (pathlib.Path(folder) / MANIFEST).is_file()
 
 
+def store_format(folder) -> Optional[str]:
+  """The format a store folder was written in (None: unreadable)."""
+  try:
+    return json.loads((pathlib.Path(folder) / MANIFEST).read_text()).get('format')
+  except (OSError, ValueError, AttributeError):
+    return None
+
+
+def _checked_file(folder: pathlib.Path, name: str, crcs, block_bytes: int) -> bytes:
+  """A small store file read whole and checked against its CRC32s."""
+  data = (folder / name).read_bytes()
+  if block_crcs(data, block_bytes) != list(crcs):
+    raise damaged(folder, f'{name} fails its checksum')
+  return data
+
+
 def open_store(folder, identity: Optional[dict] = None,
-               compare: Optional[Sequence[str]] = None) -> PopulationStore:
-  """Opens a store folder (its arrays read by row slices).
+               compare: Optional[Sequence[str]] = None, verify: bool = False) -> PopulationStore:
+  """Opens a store folder (its arrays read by row slices, each block checked
+  the first time it is read).
 
   Args:
     identity: what the caller expects it to hold; ``compare`` names the
       identity keys that must agree (all of ``identity`` when None).
+    verify: check every block of every file now (else as rows are read).
 
   Raises:
     DataError: not a store, another format version, or another identity.
+    StoreDamaged: a file fails its checksum (the store is then removed).
   """
   folder = pathlib.Path(folder)
   try:
@@ -429,9 +576,10 @@ def open_store(folder, identity: Optional[dict] = None,
   n = int(manifest['num_clients'])
   arrays = {}
   try:
+    block_bytes, crcs = manifest['blocks']['bytes'], manifest['blocks']['crc32']
     for s in SPLITS:
       fx, fy, fc = _files(s)
-      counts = np.fromfile(folder / fc, np.int64)
+      counts = np.frombuffer(_checked_file(folder, fc, crcs[fc], block_bytes), np.int64)
       if len(counts) != n:
         raise ValueError(f'{fc} holds {len(counts)} clients, the manifest {n}')
       total = int(counts.sum())
@@ -443,9 +591,17 @@ def open_store(folder, identity: Optional[dict] = None,
         want = int(np.prod(shape)) * np.dtype(dtype).itemsize
         if size != want:
           raise ValueError(f'{f} has {size} bytes, its clients need {want}')
-        mm.append(FileArray(folder / f, dtype, shape) if total else np.zeros(shape, dtype))
+        if total:
+          mm.append(FileArray(folder / f, dtype, shape, crcs[f], block_bytes))
+          if verify:
+            mm[-1].verify()
+        else:
+          mm.append(np.zeros(shape, dtype))
       arrays[s] = (mm[0], mm[1], counts)
-    groups = np.fromfile(folder / 'groups.bin', np.int32)
-  except (OSError, ValueError, KeyError) as e:
-    raise DataError(f'{folder}: a damaged population store ({e}); remove it to rebuild it') from None
+    groups = np.frombuffer(_checked_file(folder, 'groups.bin', crcs['groups.bin'], block_bytes),
+                           np.int32)
+  except StoreDamaged:
+    raise
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise damaged(folder, str(e)) from None
   return PopulationStore(arrays, groups, manifest, folder=folder)

@@ -95,6 +95,9 @@ flags.DEFINE_enum('layout', 'auto', list(layout_lib.LAYOUTS), 'Where the clients
                   'population store; each round gathers its cohort) or auto (device when the '
                   'padded population takes at most a quarter of the free memory and, on an '
                   'accelerator, fits beside the largest algorithm state).')
+flags.DEFINE_bool('verify_store', False, 'Check every block of the population store of a '
+                  'natural data set before training (else each block is checked the first time '
+                  'a round reads it); a store that fails is rebuilt from its source files.')
 flags.DEFINE_integer('vocab_size', None, 'stackoverflow: the vocabulary, its most frequent words '
                      '(plus PAD, BOS, EOS and one OOV id). Default: 10000, as Reddi et al. and '
                      'the partial-personalization seed.')
@@ -556,8 +559,12 @@ def load_data(job: Job) -> None:
   cfg = data_config()
   cap = FLAGS.max_client_examples
   padded = None
+  _check(not FLAGS.verify_store or datasets_lib.streams_to_store(cfg), 'verify_store',
+         f'checks the population store of a data set read from its files; {FLAGS.dataset} '
+         f'({cfg.partition}) is built in memory, with nothing to check')
   if datasets_lib.streams_to_store(cfg):  # written once into the cache, client by client
-    store = datasets_lib.load_store(cfg)
+    store = datasets_lib.load_store(cfg, verify=FLAGS.verify_store,
+                                    should_stop=faults.signal_received)
     fingerprint = store.digest
   else:
     padded = datasets_lib.load_federated(cfg)

@@ -117,6 +117,12 @@ def install_signal_handlers() -> None:
   _REQUEST['installed'] = True
 
 
+def signal_received() -> bool:
+  """Whether this process was asked to stop (no collective: for loops that
+  run before the rounds, e.g. building a population store)."""
+  return _REQUEST['installed'] and _REQUEST['signal'] is not None
+
+
 def stop_requested() -> bool:
   """Whether to stop after the round just finished: this process's signal,
   or (several processes) any process's, agreed by every process."""
