@@ -194,6 +194,7 @@ def test_a_killed_process_is_one_line_and_resume_equals_uninterrupted(tmp_path):
   assert procs[0].returncode == faults.EXIT_LOST_PROCESS and 'Traceback' not in err, err[-2000:]
   (line,) = _errors(err)
   assert 'lost a process of the run' in line and 'coordinator localhost:' in line
+  assert f'process 1 (pid {procs[1].pid} on ' in line  # which one, where
   assert '--resume' in line
   results = finish(launch([*args, f'--output_dir={tmp_path}/run', '--resume'], devices=1))
   assert [r[0] for r in results] == [0, 0], results[0][2][-2000:]

@@ -6,6 +6,7 @@ Kept in the package so that scripts stay thin and tests can drive it.
 import dataclasses
 import os
 import sys
+import time
 from typing import Any, Dict, List
 
 from absl import flags
@@ -910,6 +911,9 @@ def main(argv):
       _fail(faults.storage_error(name, e), faults.EXIT_STORAGE)
     reason = faults.lost_process_reason(e) if distributed.active() else None
     if reason:
+      time.sleep(4 * distributed.POLL_SECONDS)  # the lost one's heartbeat goes stale
+      silent = distributed.silent_processes()
+      reason = f'{silent} stopped answering: {reason}' if silent else reason
       _fail(faults.lost_process(reason, FLAGS.coordinator_address or '(from the environment)'),
             faults.EXIT_LOST_PROCESS)
     if distributed.report_failure(f'{type(e).__name__}: {e}'):

@@ -203,7 +203,13 @@ def _start_watchdog():
 
   def watch():
     client = _client()
-    beats, last_seen, reached = 0, {}, time.monotonic()
+    beats, last_seen, reached = 0, _STATE.setdefault('last_seen', {}), time.monotonic()
+    who = _STATE.setdefault('who', {})
+    try:
+      client.key_value_set(f'{WHO_KEY}/{me}', f'pid {os.getpid()} on {socket.gethostname()}',
+                           allow_overwrite=True)
+    except Exception:  # the coordinator does not answer: found below
+      pass
     while not _STOP.wait(POLL_SECONDS):
       now = time.monotonic()
       beats += 1
@@ -236,8 +242,13 @@ def _start_watchdog():
           beat = None
         if beat is not None and last_seen.get(pid, (None,))[0] != beat:
           last_seen[pid] = (beat, now)
+          if pid not in who:
+            try:
+              who[pid] = client.key_value_try_get(f'{WHO_KEY}/{pid}')
+            except Exception:  # not posted yet
+              pass
         elif pid in last_seen and now - last_seen[pid][1] > timeout:
-          _lost(f'process {pid} has been silent for {timeout} s (killed, or its machine gone)')
+          _lost(f'{describe(pid)} has been silent for {timeout} s (killed, or its machine gone)')
   thread = threading.Thread(target=watch, name='fedjax_personal-watchdog', daemon=True)
   thread.start()
 
@@ -250,6 +261,25 @@ def _start_watchdog():
 
 POLL_SECONDS = 0.5
 ALIVE_KEY = 'fedjax_personal/alive'
+WHO_KEY = 'fedjax_personal/who'
+
+
+def describe(index: int) -> str:
+  """'process i (pid P on host H)' as process i posted it at its start."""
+  who = _STATE.get('who', {}).get(index)
+  return f'process {index}' + (f' ({who})' if who else '')
+
+
+def silent_processes() -> str:
+  """The other processes whose heartbeat stopped first (the likely lost
+  ones), described, for a collective that failed because one is gone; ''
+  when none is known."""
+  seen = _STATE.get('last_seen', {})
+  if not seen:
+    return ''
+  now = time.monotonic()
+  stale = sorted((t, i) for i, (_, t) in seen.items() if now - t > 3 * POLL_SECONDS)
+  return ', '.join(describe(i) for _, i in stale[:2])
 
 
 def _lost(what: str) -> None:
