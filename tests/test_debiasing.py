@@ -193,7 +193,8 @@ def test_maml_differentiates_through_the_inner_steps():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g0, g_plain)
 
 
-@pytest.mark.parametrize('head', ['finetune', 'maml', 'prototype'])
+@pytest.mark.parametrize('head', ['finetune', pytest.param('maml', marks=pytest.mark.slow),
+                                  'prototype'])
 def test_pfeddyn_heads_run_on_permuted_sparse_classes(head):
   data = to_device(load_federated(DataConfig(dataset='digits', partition='sparse_classes_permuted',
                                              num_clients=5, classes_per_client=3)))

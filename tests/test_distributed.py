@@ -72,6 +72,18 @@ def assert_same_records(a, b):
     assert x['per_client_accuracy'] == pytest.approx(y['per_client_accuracy'], abs=1e-6)
 
 
+def test_two_processes_equal_one(tmp_path):
+  """The suite's check (the resume and Ditto below, with -m slow)."""
+  args = ['--algorithm=fedavg', '--model=logreg', *SMALL, '--rounds=2']
+  two, one = str(tmp_path / 'two'), str(tmp_path / 'one')
+  results = finish(launch([*args, f'--output_dir={two}']))
+  assert [r[0] for r in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
+  assert 'sharded(4 devices, 2 processes)' in results[0][1]
+  run_single([*args, f'--output_dir={one}'])
+  assert_same_records(metrics(two, 'fedavg'), metrics(one, 'fedavg'))
+
+
+@pytest.mark.slow
 def test_two_processes_equal_one_and_resume(tmp_path):
   args = ['--algorithm=fedavg,ditto', '--model=logreg', *SMALL, '--checkpoint_every=1']
   two, one = str(tmp_path / 'two'), str(tmp_path / 'one')

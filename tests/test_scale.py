@@ -108,6 +108,7 @@ def _ditto_runner(num_clients, block_size, hidden=(64, 64)):
                      fp.executors.BlockedExecutor(block_size)), model
 
 
+@pytest.mark.slow
 def test_donated_round_equals_plain_round():
   runner, _ = _ditto_runner(20, 6)
   a = runner.round(runner.init(jax.random.key(0)), jax.random.key(1))[0]
