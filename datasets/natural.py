@@ -223,6 +223,29 @@ def stackoverflow_unscored(num_classes: int):
   return (PAD, BOS, EOS, num_classes - 1)
 
 
+#: Stack Overflow next-word accuracies as published: name -> (what it
+#: counts, in words; targets not scored; classes never predicted), the ids
+#: given by ``stackoverflow_accuracy``.
+STACKOVERFLOW_ACCURACIES = {
+    'in_vocab': "in-vocabulary next word: targets PAD, BOS, EOS and OOV not scored (Reddi et "
+                "al.; the partial-personalization seed)",
+    'fedjax_in_vocab': "FedJAX's accuracy_in_vocab: targets PAD and EOS not scored; PAD, BOS, "
+                       "EOS and OOV never predicted, so an OOV target is a miss",
+}
+
+
+def stackoverflow_accuracy(name: str, num_classes: int):
+  """(unscored targets, unpredicted classes, definition) of a published
+  Stack Overflow accuracy (``STACKOVERFLOW_ACCURACIES``)."""
+  oov = num_classes - 1
+  if name == 'fedjax_in_vocab':  # fedjax/models/stackoverflow.py's eval_metrics
+    return (PAD, EOS), (PAD, BOS, EOS, oov), STACKOVERFLOW_ACCURACIES[name]
+  if name == 'in_vocab':
+    return stackoverflow_unscored(num_classes), (), STACKOVERFLOW_ACCURACIES[name]
+  raise ValueError(f'unknown Stack Overflow accuracy {name!r}; choose from '
+                   f'{sorted(STACKOVERFLOW_ACCURACIES)}')
+
+
 def tokenize_sentences(sentences, vocab: Dict[str, int], seq_len: int):
   """FedJAX's Stack Overflow tokenizer with one OOV bucket: ids 0 PAD, 1 BOS,
   2 EOS, 3.. the vocabulary, len(vocab) + 3 OOV; x = ids[:-1], y = ids[1:]

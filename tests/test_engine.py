@@ -90,7 +90,9 @@ def test_round_matches_plain_per_client_loop(digits, executor, algorithm):
 HEAVY_SIZES = (2, 5, 3, 160, 9, 1, 40, 7, 4, 75, 12, 6)
 
 
-@pytest.mark.parametrize('executor', sorted(EXECUTORS))
+@pytest.mark.parametrize('executor', [
+    pytest.param(e, marks=() if e in ('vmap', 'blocked_threads', 'sequential')
+                 else (pytest.mark.slow,)) for e in sorted(EXECUTORS)])
 @pytest.mark.parametrize('participation', [pytest.param(None, marks=pytest.mark.slow), 0.5])
 def test_heavy_tailed_cohort_matches_plain_per_client_loop(executor, participation):
   """Clients sorted into blocks by work, each block stepping only as long

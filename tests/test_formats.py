@@ -276,3 +276,21 @@ def test_environment_folder_then_package_then_cache(tmp_path, monkeypatch):
   assert files.find_file('x.bin').read_bytes() == b'cache'
   # the embedded MNIST comes before the cache
   assert files.find_file('mnist_t10k/t10k-labels-idx1-ubyte.gz').parent.parent == files.PACKAGE_DATA
+
+
+@pytest.mark.parametrize('name,scored,correct', [('in_vocab', 1, 1), ('fedjax_in_vocab', 2, 1)])
+def test_stackoverflow_accuracies_as_published(name, scored, correct):
+  """ids PAD 0, BOS 1, EOS 2, words 3-5, OOV 6. Targets: a word (predicted
+  right), OOV (the logits' argmax), EOS (predicted right), a padded position.
+  in_vocab scores the word alone; FedJAX's accuracy_in_vocab scores the OOV
+  target too, and never predicts OOV: a miss."""
+  import jax.numpy as jnp
+  from fedjax_personal.core.training import per_example_stats
+  unscored, unpredicted, definition = natural.stackoverflow_accuracy(name, 7)
+  assert definition == natural.STACKOVERFLOW_ACCURACIES[name]
+  logits = jnp.full((1, 4, 7), -1.0)
+  logits = logits.at[0, 0, 3].set(5).at[0, 1, 6].set(5).at[0, 1, 4].set(2).at[0, 2, 2].set(5)
+  y = jnp.asarray([[3, 6, 2, -1]])
+  stats = per_example_stats(logits, y, jnp.ones(1, bool), 'cross_entropy', unscored, 0,
+                            unpredicted)
+  assert (float(stats.scored), float(stats.correct), float(stats.count)) == (scored, correct, 3)

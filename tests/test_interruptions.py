@@ -55,8 +55,9 @@ def _uninterrupted(tmp_path, rounds):
   return _lines(out / 'fedavg' / 'metrics.jsonl')
 
 
-@pytest.mark.parametrize('sig,status,word', [(signal.SIGINT, 130, 'interrupted'),
-                                             (signal.SIGTERM, 143, 'terminated')])
+@pytest.mark.parametrize('sig,status,word', [
+    (signal.SIGINT, 130, 'interrupted'),
+    pytest.param(signal.SIGTERM, 143, 'terminated', marks=pytest.mark.slow)])  # the same path
 def test_signal_stops_after_the_round_and_resume_equals_uninterrupted(tmp_path, sig, status, word):
   rounds, out = 300, tmp_path / 'run'
   args = [*RUN, f'--rounds={rounds}', f'--output_dir={out}']

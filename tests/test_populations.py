@@ -121,8 +121,9 @@ def _train(alg_name, data, population, model, sampler, training, executor='vmap'
 
 
 @pytest.mark.parametrize('alg_name,participation,opt_state', [
-    ('fedavg', None, 'reset'), ('fedavg', 0.3, 'reset'), ('ditto', None, 'reset'),
-    ('scaffold', 0.3, 'reset'),
+    pytest.param('fedavg', None, 'reset', marks=pytest.mark.slow),
+    ('fedavg', 0.3, 'reset'), ('ditto', None, 'reset'),
+    pytest.param('scaffold', 0.3, 'reset', marks=pytest.mark.slow),
     pytest.param('fedfomo', None, 'reset', marks=pytest.mark.slow),
     pytest.param('usercentric', None, 'persistent', marks=pytest.mark.slow),
     # More client rows (slow: the suite keeps one of each kind above).

@@ -53,7 +53,7 @@ def test_the_three_differ_and_yogi_grows_v_slower_than_adagrad():
   assert got['yogi'] > got['adagrad']  # adagrad's v sums every Delta^2
 
 
-@pytest.mark.parametrize('kind', ['yogi', 'adagrad'])
+@pytest.mark.parametrize('kind', [pytest.param('yogi', marks=pytest.mark.slow), 'adagrad'])
 def test_fedavg_round_with_an_adaptive_server(kind):
   """One round: the mean change of plain FedAvg (server SGD, lr 1), then
   Algorithm 2's step on it."""

@@ -17,7 +17,9 @@ from fedjax_personal.run.experiment import run
 from helpers import digits_data, max_diff
 
 
-@pytest.mark.parametrize('config_axis', ['vmap', 'loop', 'host'])
+@pytest.mark.parametrize('config_axis', [  # CPU runs host; vmap / loop are accelerators' forms
+    pytest.param('vmap', marks=pytest.mark.slow), pytest.param('loop', marks=pytest.mark.slow),
+    'host'])
 def test_sweep_over_seeds_and_learning_rates_equals_separate_runs(config_axis):
   data = digits_data(num_clients=6)
   model = fp.models.from_flax('mlp', fp.models.MLP(10, hidden=(8,)), data.train.x[0, :1])

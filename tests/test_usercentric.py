@@ -73,6 +73,7 @@ def test_mixing_weights_match_eq6_by_hand():
   np.testing.assert_allclose(uc.effective_neighbours(np.full((4, 4), 0.25)), 4)
 
 
+@pytest.mark.slow
 def test_streams_m_equal_n_gives_w_and_one_gives_one_model():
   rng = np.random.default_rng(0)
   w = rng.random((6, 6))

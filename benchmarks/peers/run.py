@@ -84,7 +84,9 @@ def fedjax_run(a, model, cohort):
 def project_run(a, model, cohort, extra=()):
   out_dir = os.path.join(a.work_dir, 'runs', f'{model}_{cohort}')
   dataset, name = TASKS[model]
-  task = ['--vocab_size=10000'] if dataset == 'stackoverflow' else []
+  # Stack Overflow accuracy as FedJAX's side reports it (accuracy_in_vocab).
+  task = (['--vocab_size=10000', '--stackoverflow_accuracy=fedjax_in_vocab']
+          if dataset == 'stackoverflow' else [])
   argv = [os.path.join(ROOT, 'scripts', 'run_experiment.py'), f'--dataset={dataset}',
           f'--data_dir={a.work_dir}/{dataset}', f'--model={name}', '--algorithm=fedavg', *task,
           f'--cohort_size={cohort}', f'--batch_size={a.batch_size}', f'--client_lr={a.client_lr}',

@@ -77,7 +77,7 @@ def zero_stats() -> LossStats:
 
 
 def per_example_stats(logits, y, mask, loss: str = 'cross_entropy',
-                      unscored=(), top_k: int = 0) -> LossStats:
+                      unscored=(), top_k: int = 0, unpredicted=()) -> LossStats:
   """Summed loss and correctness with padding masked.
 
   For 'cross_entropy', ``logits`` is [B, ..., C] and ``y`` integer [B, ...]:
@@ -89,7 +89,9 @@ def per_example_stats(logits, y, mask, loss: str = 'cross_entropy',
   prediction's PAD, BOS, EOS and OOV ids) count in the loss but not in the
   accuracy, as Reddi et al. and the partial-personalization seed score it.
   With ``top_k``, ``correct_top_k`` counts the scored targets among the
-  ``top_k`` highest logits.
+  ``top_k`` highest logits. Classes in ``unpredicted`` are never predicted
+  (their logits masked for the argmax and the top-k, as FedJAX's
+  ``accuracy_in_vocab`` masks PAD, BOS, EOS and OOV).
   """
   if loss == 'squared':
     err = 0.5 * jnp.square(logits - y).reshape(y.shape[0], -1).sum(-1)
@@ -97,6 +99,8 @@ def per_example_stats(logits, y, mask, loss: str = 'cross_entropy',
     return LossStats(jnp.sum(err * m), jnp.zeros(()), jnp.sum(m), jnp.sum(m),
                      jnp.full((), jnp.nan))
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(y, 0))
+  if unpredicted:
+    logits = logits.at[..., jnp.asarray(unpredicted)].set(-jnp.inf)
   correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
   m = mask.reshape(mask.shape + (1,) * (y.ndim - mask.ndim)).astype(jnp.float32)
   m = jnp.broadcast_to(m, y.shape) * (y >= 0)  # -1: a padded target position
@@ -113,7 +117,7 @@ def per_example_stats(logits, y, mask, loss: str = 'cross_entropy',
 def batch_loss(model: Model, params, batch: Batch):
   """Mean masked cross-entropy over real examples, and its LossStats."""
   stats = per_example_stats(model.apply(params, batch.x), batch.y, batch.mask, model.loss,
-                            model.unscored_targets)  # no top-k while training
+                            model.unscored_targets, 0, model.unpredicted)  # no top-k
   return stats.loss_sum / jnp.maximum(stats.count, 1.0), stats
 
 
@@ -135,7 +139,7 @@ def evaluate_params(model: Model, params, data: ClientData) -> LossStats:
   """LossStats of ``params`` on all real examples of one client."""
   mask = jnp.arange(data.x.shape[0]) < data.num_examples
   return per_example_stats(model.apply(params, data.x), data.y, mask, model.loss,
-                           model.unscored_targets, model.top_k)
+                           model.unscored_targets, model.top_k, model.unpredicted)
 
 
 # -- client work --------------------------------------------------------------

@@ -42,6 +42,10 @@ class Model:
     unscored_targets: class ids counted in the loss but not in the accuracy
       (next-word prediction's PAD, BOS, EOS, OOV: ``scoring_only_words``).
     top_k: when > 0, evaluations also report the top-k accuracy.
+    unpredicted: class ids the accuracy's prediction never takes (their
+      logits masked before the argmax and the top-k; FedJAX's
+      ``accuracy_in_vocab``: PAD, BOS, EOS, OOV); the loss is unchanged.
+    accuracy_definition: what the accuracy counts, in words (printed).
   """
   name: str
   init: Callable[[jax.Array], Any]
@@ -50,15 +54,21 @@ class Model:
   loss: str = 'cross_entropy'
   unscored_targets: tuple = ()
   top_k: int = 0
+  unpredicted: tuple = ()
+  accuracy_definition: str = ''
 
   def features(self, params, x):
     """The penultimate representation (models with a ``features`` method)."""
     return self.module.apply({'params': params}, x, method='features')
 
-  def scoring_only_words(self, ids, top_k: int = 5) -> 'Model':
-    """This model with accuracy over the targets not in ``ids`` and the
-    top-``top_k`` accuracy reported (next-word prediction)."""
-    return dataclasses.replace(self, unscored_targets=tuple(int(i) for i in ids), top_k=top_k)
+  def scoring_only_words(self, ids, top_k: int = 5, unpredicted=(),
+                         definition: str = '') -> 'Model':
+    """This model with accuracy over the targets not in ``ids``, predictions
+    never in ``unpredicted``, and the top-``top_k`` accuracy reported
+    (next-word prediction); ``definition`` names it."""
+    return dataclasses.replace(self, unscored_targets=tuple(int(i) for i in ids), top_k=top_k,
+                               unpredicted=tuple(int(i) for i in unpredicted),
+                               accuracy_definition=definition)
 
   def starting_from(self, params) -> 'Model':
     """This model with ``init`` returning ``params`` whatever the key: every

@@ -96,6 +96,11 @@ flags.DEFINE_enum('layout', 'auto', list(layout_lib.LAYOUTS), 'Where the clients
                   'population store; each round gathers its cohort) or auto (device when the '
                   'padded population takes at most a quarter of the free memory and, on an '
                   'accelerator, fits beside the largest algorithm state).')
+flags.DEFINE_enum('stackoverflow_accuracy', 'in_vocab', ['in_vocab', 'fedjax_in_vocab'],
+                  'stackoverflow: the next-word accuracy reported. in_vocab: targets PAD, BOS, '
+                  'EOS and OOV not scored (Reddi et al., the partial-personalization seed); '
+                  "fedjax_in_vocab: FedJAX's accuracy_in_vocab (PAD and EOS not scored, OOV a "
+                  'miss).')
 flags.DEFINE_bool('verify_store', False, 'Check every block of the population store of a '
                   'natural data set before training (else each block is checked the first time '
                   'a round reads it); a store that fails is rebuilt from its source files.')
@@ -327,6 +332,9 @@ def validate_flags():
   _check(FLAGS.eval_every >= 0, 'eval_every', f'must be >= 0, got {FLAGS.eval_every}')
   _check(FLAGS.block_size is None or FLAGS.block_size >= 1, 'block_size',
          f'must be >= 1, got {FLAGS.block_size}')
+  _check(not FLAGS['stackoverflow_accuracy'].present or FLAGS.dataset == 'stackoverflow',
+         'stackoverflow_accuracy', f'defines the Stack Overflow accuracy; --dataset='
+         f'{FLAGS.dataset} has no words to score')
   _check(FLAGS.vocab_size is None or FLAGS.dataset == 'stackoverflow', 'vocab_size',
          f'sets the Stack Overflow vocabulary; --dataset={FLAGS.dataset} has none to set')
   _check(FLAGS.vocab_size is None or FLAGS.vocab_size >= 1, 'vocab_size',
@@ -439,6 +447,9 @@ def job_identity(fingerprint: str, cap=None) -> dict:
           'model': FLAGS.model, 'adapter_dim': FLAGS.adapter_dim,
           'cohort_size': FLAGS.cohort_size, 'participation': FLAGS.participation,
           'seed': FLAGS.seed, **model_start(),
+          **({'accuracy': FLAGS.stackoverflow_accuracy}
+             if FLAGS.dataset == 'stackoverflow' and FLAGS.stackoverflow_accuracy != 'in_vocab'
+             else {}),
           **({'num_processes': jax.process_count()} if jax.process_count() > 1 else {})}
 
 
@@ -619,9 +630,12 @@ def build_model_and_executor(job: Job) -> None:
               else job.data.train.x[0, :1])
   job.model = create_model(FLAGS.model, job.population.num_classes, sample_x, FLAGS.adapter_dim,
                            init=FLAGS.model_init)
-  if FLAGS.dataset == 'stackoverflow':  # accuracy over in-vocabulary words
-    job.model = job.model.scoring_only_words(
-        datasets_lib.natural.stackoverflow_unscored(job.population.num_classes))
+  if FLAGS.dataset == 'stackoverflow':  # next-word accuracy as one publisher defines it
+    unscored, unpredicted, definition = datasets_lib.natural.stackoverflow_accuracy(
+        FLAGS.stackoverflow_accuracy, job.population.num_classes)
+    job.model = job.model.scoring_only_words(unscored, unpredicted=unpredicted,
+                                             definition=definition)
+    _say(f'accuracy: {FLAGS.stackoverflow_accuracy}, {definition}')
   if FLAGS.init_weights:
     job.model = job.model.starting_from(weights.load(FLAGS.init_weights, job.model, sample_x))
   _check_model_fits_targets(job.model, sample_x, job.store.y_spec()[0], job.population.num_classes)
@@ -812,6 +826,8 @@ def train_algorithm(job: Job, entry) -> None:
     s['rounds'] = FLAGS.rounds
     if label is not None:
       s['config'] = label
+    if job.model.accuracy_definition:
+      s['accuracy_definition'] = job.model.accuracy_definition
     if start:
       s['resumed_after_round'] = start
     if ignored:
