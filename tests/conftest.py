@@ -19,12 +19,41 @@ _DOWNLOAD = {'tinyshakespeare.txt': 'tinyshakespeare', 'input.txt': 'tinyshakesp
              'cifar-10-python.tar.gz': 'cifar10'}
 
 
+# Checks whose subject another CI test covers (the same path on another
+# executor, algorithm or fault), run with the slow ones to keep CI's run
+# within its time (python -m pytest -m slow runs them).
+SLOW_IN_CI = {
+    'test_usercentric.py::test_collaboration_round_and_streams_in_a_run',
+    'test_usercentric.py::test_identity_mixing_is_local_and_fedavg_rows_are_fedavg',
+    'test_personalization.py::test_perfedavg_default_is_the_plain_mean_of_returned_models',
+    'test_personalization.py::test_perfedavg_fo_and_hf_differ_and_coincide_at_alpha_zero',
+    'test_reproduce.py::test_scales_resolve_to_the_documented_sizes',
+    'test_reproduce.py::test_a_diverged_trial_is_reported_not_fatal',
+    'test_models.py::test_pooling_has_forward_and_reverse_derivatives_of_the_strided_form',
+    'test_engine.py::test_oracle_is_fedavg_within_each_group',
+    'test_engine.py::test_padded_client_gets_what_it_gets_alone[blocked]',
+    'test_engine.py::test_round_matches_plain_per_client_loop[fedprox-blocked]',
+    'test_engine.py::test_round_matches_plain_per_client_loop[fedprox-sequential]',
+    'test_engine.py::test_round_matches_plain_per_client_loop[fedprox-blocked_threads]',
+    'test_faults.py::test_default_folder_names_algorithm_and_configuration',
+    'test_interruptions.py::test_two_runs_racing_for_one_folder',
+    'test_privacy.py::test_fedfomo_dp_records_epsilon_every_round',
+    'test_debiasing.py::test_pfeddyn_heads_run_on_permuted_sparse_classes[finetune]',
+    'test_cli.py::test_trials_equal_single_runs_and_report_mean_and_std[mlp-sequential]',
+    'test_sweep.py::test_sweep_equals_single_runs_for_every_algorithm[fedfomo]',
+    'test_checkpoint.py::test_cli_resume',
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
 def pytest_collection_modifyitems(config, items):
-  """Tests marked ``needs_data(file, ...)`` (a file, or a tuple of
-  alternative names) skip, naming the file and how to get it, unless
-  $FEDJAX_PERSONAL_DATA holds it."""
+  """Tests in ``SLOW_IN_CI`` are marked slow. Tests marked
+  ``needs_data(file, ...)`` (a file, or a tuple of alternative names) skip,
+  naming the file and how to get it, unless $FEDJAX_PERSONAL_DATA holds it."""
   folder = os.environ.get('FEDJAX_PERSONAL_DATA')
   for item in items:
+    if item.nodeid.split('tests/', 1)[-1] in SLOW_IN_CI:
+      item.add_marker(pytest.mark.slow)
     marker = item.get_closest_marker('needs_data')
     if marker is None:
       continue
