@@ -258,10 +258,9 @@ def load_store(cfg: DataConfig, verify: bool = False,
   digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
   folder = files.cache_dir() / 'stores' / f'{cfg.dataset.replace(":", "_")}-{digest}'
   if store_lib.is_store(folder):
-    why = None
-    if store_lib.store_format(folder) != store_lib.FORMAT:
-      why = f'written in format {store_lib.store_format(folder)!r}, this version reads ' \
-            f'{store_lib.FORMAT!r}'
+    written = store_lib.store_format(folder)
+    if written != store_lib.FORMAT:
+      why = f'written in format {written!r}, this version reads {store_lib.FORMAT!r}'
     else:
       try:
         return store_lib.open_store(folder, identity, verify=verify)

@@ -54,12 +54,6 @@ class StoreDamaged(DataError):
     self.what = what
 
 
-def block_crcs(data: bytes, block_bytes: int = BLOCK_BYTES) -> List[int]:
-  """CRC32 of each ``block_bytes`` block of ``data`` (the last one short)."""
-  view = memoryview(data)
-  return [zlib.crc32(view[i:i + block_bytes]) for i in range(0, len(view), block_bytes)]
-
-
 class _BlockChecksums:
   """CRC32s of consecutive ``block_bytes`` blocks of a byte stream, fed in
   pieces of any size."""
@@ -83,6 +77,13 @@ class _BlockChecksums:
       self.crcs.append(self._crc)
       self._crc, self._filled = 0, 0
     return self.crcs
+
+
+def block_crcs(data: bytes, block_bytes: int = BLOCK_BYTES) -> List[int]:
+  """CRC32 of each ``block_bytes`` block of ``data`` (the last one short)."""
+  sums = _BlockChecksums(block_bytes)
+  sums.update(data)
+  return sums.done()
 
 
 def damaged(folder, what: str) -> StoreDamaged:
