@@ -52,6 +52,19 @@ REGISTRY: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in [
 ]}
 
 
+def register(new: AlgorithmSpec) -> None:
+  """Adds an algorithm defined outside this package to the registry (the
+  CLI's ``cli.register`` also defines its flags). Registering the same
+  name again replaces it when it comes from the same module (a re-run
+  notebook cell); another algorithm's name is refused."""
+  old = REGISTRY.get(new.name)
+  if old is not None and old is not new and (
+      getattr(old.build, '__module__', None) != getattr(new.build, '__module__', None)):
+    raise ValueError(f'an algorithm named {new.name!r} is registered already '
+                     f'({old.summary or old.build.__module__})')
+  REGISTRY[new.name] = new
+
+
 def spec(name: str) -> AlgorithmSpec:
   if name not in REGISTRY:
     raise ConfigError('algorithm', f'unknown algorithm {name!r}; choose from {sorted(REGISTRY)}')

@@ -71,6 +71,10 @@ class DataConfig:
     vocab_size: stackoverflow's vocabulary, its most frequent words (None:
       Reddi et al.'s and the partial-personalization seed's 10,000).
     image_size: gldv2's square image side in pixels (None: the seed's 224).
+    cifar100_test: the natural CIFAR-100's test clients: 'split' (each
+      train client's images split with test_fraction) or 'tff_clients'
+      (TFF's 100 test clients, held out: evaluated, never trained; Reddi et
+      al.'s protocol).
     data_dir: where data files are (see files.find_file); must exist.
     download: fetch missing files from their published URL into the cache.
   """
@@ -92,6 +96,7 @@ class DataConfig:
   seq_len: Optional[int] = None
   vocab_size: Optional[int] = None
   image_size: Optional[int] = None
+  cifar100_test: str = 'split'
   data_dir: Optional[str] = None
   download: bool = False
 
@@ -165,11 +170,11 @@ def make_partition(cfg: DataConfig, x, y, num_classes, rng) -> Partition:
   return partition.latent_clusters(x, n, cfg.num_groups, rng)
 
 
-def has_own_test_split(dataset: str, partition: str) -> bool:
+def has_own_test_split(dataset: str, partition: str, cifar100_test: str = 'split') -> bool:
   """Whether the data set's files split each client's examples into train
-  and test (then --test_fraction does nothing)."""
+  and test, or hold the test clients (then --test_fraction does nothing)."""
   return is_natural(dataset, partition) and (dataset.startswith(LEAF_PREFIX) or (
-      dataset in FILE_DATASETS and dataset != 'cifar100'))
+      dataset in FILE_DATASETS and (dataset != 'cifar100' or cifar100_test == 'tff_clients')))
 
 
 def _check_config(cfg: DataConfig) -> None:
@@ -190,8 +195,7 @@ def _check_config(cfg: DataConfig) -> None:
 def streams_to_store(cfg: DataConfig) -> bool:
   """Whether the data set is read client by client from its files straight
   into a population store (natural data sets with their own test split)."""
-  return is_natural(cfg.dataset, cfg.partition) and cfg.dataset not in (
-      'tinyshakespeare', 'tfds:tiny_shakespeare', 'synthetic', 'cifar100')
+  return has_own_test_split(cfg.dataset, cfg.partition, cfg.cifar100_test)
 
 
 def load_federated(cfg: DataConfig) -> FederatedData:
@@ -209,7 +213,7 @@ def load_federated(cfg: DataConfig) -> FederatedData:
     if cfg.dataset in ('tinyshakespeare', 'tfds:tiny_shakespeare', 'synthetic'):
       return _pooled_natural(cfg, rng)
     nat = natural.load(cfg.dataset, cfg.num_clients, cfg.sequence_length, cfg.data_dir,
-                       cfg.download, cfg.vocab_size, cfg.image_size)
+                       cfg.download, cfg.vocab_size, cfg.image_size, cfg.cifar100_test)
     return _split_pool([x for x, _ in nat.train], [y for _, y in nat.train], nat.num_classes,
                        cfg, rng, _natural_name(cfg, nat))
   if cfg.num_clients is None:
@@ -248,8 +252,9 @@ def load_store(cfg: DataConfig, verify: bool = False,
   if not streams_to_store(cfg):
     return store_lib.PopulationStore.from_federated(load_federated(cfg))
   nat = natural.load(cfg.dataset, cfg.num_clients, cfg.sequence_length, cfg.data_dir,
-                     cfg.download, cfg.vocab_size, cfg.image_size)
+                     cfg.download, cfg.vocab_size, cfg.image_size, cfg.cifar100_test)
   identity = {'dataset': cfg.dataset, 'num_clients': nat.num_clients,
+              **({'eval_only': nat.eval_only} if nat.eval_only else {}),
               **({'vocab_size': cfg.vocab_size} if cfg.vocab_size else {}),
               **({'image_size': cfg.image_size} if cfg.image_size else {}),
               'seq_len': cfg.sequence_length, 'val_fraction': cfg.val_fraction,
@@ -271,16 +276,17 @@ def load_store(cfg: DataConfig, verify: bool = False,
   writer = store_lib.StoreWriter(folder, identity)
   try:
     _write_natural(nat, cfg, writer, should_stop)
-    return writer.close(_natural_name(cfg, nat), nat.num_classes)
+    return writer.close(_natural_name(cfg, nat), nat.num_classes, nat.eval_only)
   except BaseException:
     writer.abort()
     raise
 
 
 def _natural_name(cfg: DataConfig, nat: natural.NaturalData) -> str:
-  n = nat.num_clients
-  return f'{cfg.dataset}/natural' + (f' (first {n} of {nat.total_clients:,} clients)'
-                                     if n < nat.total_clients else '')
+  n = nat.num_clients - nat.eval_only
+  return (f'{cfg.dataset}/natural' + (f' (first {n} of {nat.total_clients:,} clients)'
+                                      if n < nat.total_clients else '')
+          + (f' + {nat.eval_only} held-out test clients' if nat.eval_only else ''))
 
 
 def _write_natural(nat: natural.NaturalData, cfg: DataConfig, writer,
@@ -289,12 +295,12 @@ def _write_natural(nat: natural.NaturalData, cfg: DataConfig, writer,
   validation split (--val_fraction) is drawn from each client's training
   examples (in the file's order within each part)."""
   rng = np.random.default_rng(cfg.seed)
-  for _, (x, y), test in nat.stream():
+  for cid, (x, y), test in nat.stream():
     if should_stop():
       raise KeyboardInterrupt
     tr, va, _ = split_client_examples(len(x), rng, 0.0, cfg.val_fraction)
     tr, va = np.sort(tr), np.sort(va)
-    writer.add((x[tr], y[tr]), (x[va], y[va]), test)
+    writer.add((x[tr], y[tr]), (x[va], y[va]), test, client_id=natural.client_id(cid))
 
 
 def _pooled_natural(cfg: DataConfig, rng) -> FederatedData:

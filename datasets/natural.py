@@ -13,9 +13,12 @@ train/test split. Preprocessing follows FedJAX (``fedjax/datasets/*.py``):
 - ``stackoverflow``: each sentence ``[BOS] words [EOS]`` as ids of the
   ``vocab_size`` most frequent words (``stackoverflow.word_count``), one OOV
   id, x/y truncated or padded to ``seq_len`` (vocab_size + 4 classes).
-- ``cifar100``: TFF's file (500 train clients of 100 images); its 100 test
-  clients are other clients, so each train client's images are split with
-  --test_fraction like a pooled data set's.
+- ``cifar100``: TFF's file (500 train clients of 100 images, 100 test
+  clients of 100 images). ``cifar100_test='tff_clients'`` (Reddi et al.'s
+  protocol): the train clients train on all their images and TFF's test
+  clients are held-out clients, evaluated and never trained (the store's
+  ``eval_only``, ids ``test/<id>``); ``'split'``: each train client's images
+  are split with --test_fraction like a pooled data set's.
 - ``leaf:<name>``: LEAF's JSON (``users``, ``num_samples``, ``user_data``),
   ``train/`` and ``test/`` folders.
 - ``gldv2``: Google Landmarks v2 as the partial-personalization seed
@@ -66,6 +69,8 @@ class NaturalData:
     files: the files read (their contents' SHA-256 are the store's identity).
     split_by_fraction: True when the file's test split holds other clients,
       so the train clients' examples are split with --test_fraction.
+    eval_only: how many clients at the end of ``stream`` have only test
+      examples (held-out clients, evaluated and never trained).
   """
   stream: Callable[[], Iterator[tuple]]
   num_clients: int
@@ -73,6 +78,7 @@ class NaturalData:
   total_clients: int
   files: List[str] = dataclasses.field(default_factory=list)
   split_by_fraction: bool = False
+  eval_only: int = 0
 
   def _all(self):
     if not hasattr(self, '_cache'):
@@ -89,7 +95,7 @@ class NaturalData:
 
   @property
   def client_ids(self) -> List[str]:
-    return [_cid(c) for c, _, _ in self._all()]
+    return [client_id(c) for c, _, _ in self._all()]
 
 
 def _listed(ids, train, test):
@@ -106,7 +112,8 @@ def _take(total: int, num_clients: Optional[int], dataset: str) -> int:
   return num_clients
 
 
-def _cid(c) -> str:
+def client_id(c) -> str:
+  """A client id as text (SQLite files may hold bytes)."""
   return c.decode('utf-8', 'replace') if isinstance(c, bytes) else str(c)
 
 
@@ -285,20 +292,47 @@ def load_stackoverflow(num_clients=None, vocab_size: int = 10000, seq_len: int =
 CIFAR100_FEATURES = {'image': (32, 32, 3), 'label': (), 'coarse_label': ()}
 
 
-def load_cifar100(num_clients=None, data_dir=None, download=False) -> NaturalData:
+CIFAR100_TESTS = ('split', 'tff_clients')
+
+
+def load_cifar100(num_clients=None, data_dir=None, download=False,
+                  test: str = 'split') -> NaturalData:
   """Federated CIFAR-100 (TFF's ``cifar100.sqlite``: 500 train clients of 100
-  images, Pachinko allocation over the coarse and fine labels)."""
+  images, Pachinko allocation over the coarse and fine labels; 100 test
+  clients of 100 images).
+
+  Args:
+    num_clients: the first N train clients (None: all 500).
+    test: ``'tff_clients'``: the train clients keep all their images and
+      TFF's test clients follow them as held-out clients (``eval_only``,
+      ids ``test/<id>``), as Reddi et al. (arXiv 2003.00295) evaluate;
+      ``'split'``: train clients only, their images split with
+      --test_fraction (``split_by_fraction``).
+  """
+  if test not in CIFAR100_TESTS:
+    raise ConfigError('cifar100_test', f'unknown {test!r}; choose one of {list(CIFAR100_TESTS)}')
   path = sources.fetch('cifar100', data_dir, download)['cifar100.sqlite.lzma']
   total = sqlite_formats.tff_num_clients(path, 'train')
   n = _take(total, num_clients, 'cifar100')
-  ids, train = [], []
-  for cid, ex in sqlite_formats.read_tff(path, 'train', CIFAR100_FEATURES, limit=n):
+  held_out = sqlite_formats.tff_num_clients(path, 'test') if test == 'tff_clients' else 0
+  if test == 'tff_clients' and held_out == 0:
+    raise DataError(f'{path}: no test client (--cifar100_test=tff_clients needs TFF\'s test '
+                    'split); use --cifar100_test=split')
+
+  def images(cid, ex):
     if ex['image'].size and (ex['image'].min() < 0 or ex['image'].max() > 255):
       raise DataError(f'{path}: client {cid}: pixel values outside [0, 255]')
-    ids.append(cid)
-    train.append((ex['image'].astype(np.uint8), ex['label'].astype(np.int32)))
-  return NaturalData(_listed(ids, train, None), n, 100, total, [str(path)],
-                     split_by_fraction=True)
+    return ex['image'].astype(np.uint8), ex['label'].astype(np.int32)
+
+  def stream():
+    none = (np.zeros((0, 32, 32, 3), np.uint8), np.zeros((0,), np.int32))
+    for cid, ex in sqlite_formats.read_tff(path, 'train', CIFAR100_FEATURES, limit=n):
+      yield cid, images(cid, ex), none
+    if held_out:
+      for cid, ex in sqlite_formats.read_tff(path, 'test', CIFAR100_FEATURES):
+        yield f'test/{client_id(cid)}', none, images(cid, ex)
+  return NaturalData(stream, n + held_out, 100, total, [str(path)],
+                     split_by_fraction=not held_out, eval_only=held_out)
 
 
 # -- LEAF ---------------------------------------------------------------------
@@ -547,9 +581,11 @@ def load_gldv2(num_clients=None, image_size: int = GLDV2_IMAGE_SIZE, data_dir=No
 
 
 def load(dataset: str, num_clients=None, seq_len: int = 80, data_dir=None,
-         download=False, vocab_size=None, image_size=None) -> NaturalData:
+         download=False, vocab_size=None, image_size=None,
+         cifar100_test: str = 'split') -> NaturalData:
   """A natural data set by its --dataset name (``vocab_size``: Stack
-  Overflow's, default 10,000; ``image_size``: GLDv2's, default 224)."""
+  Overflow's, default 10,000; ``image_size``: GLDv2's, default 224;
+  ``cifar100_test``: see ``load_cifar100``)."""
   if dataset == 'gldv2':
     return load_gldv2(num_clients, image_size or GLDV2_IMAGE_SIZE, data_dir, download)
   if dataset in ('emnist', 'emnist_digits'):
@@ -560,7 +596,7 @@ def load(dataset: str, num_clients=None, seq_len: int = 80, data_dir=None,
     return load_stackoverflow(num_clients, vocab_size=vocab_size or 10000, seq_len=seq_len,
                               data_dir=data_dir, download=download)
   if dataset == 'cifar100':
-    return load_cifar100(num_clients, data_dir, download)
+    return load_cifar100(num_clients, data_dir, download, cifar100_test)
   if dataset.startswith('leaf:'):
     if download:
       raise ConfigError('download', sources.manual_instructions(dataset))

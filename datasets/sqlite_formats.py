@@ -10,8 +10,8 @@
 - TensorFlow Federated: one row per example,
   ``examples(split_name, client_id, serialized_example_proto)`` plus
   ``client_metadata(client_id, split_name, num_examples)``; each example is
-  a serialized ``tf.train.Example``, parsed here without TensorFlow (with the
-  Example proto that tensorflow-datasets ships).
+  a serialized ``tf.train.Example``, parsed here without TensorFlow
+  (``datasets/tf_example.py``, a reader of the proto's wire format).
 """
 
 import sqlite3
@@ -21,6 +21,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import msgpack
 import numpy as np
 
+from fedjax_personal.datasets import tf_example
 from fedjax_personal.errors import DataError
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_SCALAR, _EXT_BYTES_NDARRAY = 1, 2, 3, 4
@@ -124,20 +125,13 @@ def parse_example(serialized: bytes, shapes: Dict[str, tuple]) -> Dict[str, np.n
     shapes: {feature: shape} (as ``tf.io.FixedLenFeature``); int64 and
       float lists are reshaped to it, a bytes list gives its bytes.
   """
-  from tensorflow_datasets.proto import tf_example_generated_pb2 as pb
-  example = pb.Example.FromString(serialized)
+  features = tf_example.parse(serialized)
   out = {}
   for name, shape in shapes.items():
-    if name not in example.features.feature:
+    if name not in features:
       raise ValueError(f'feature {name!r} missing')
-    feature = example.features.feature[name]
-    kind = feature.WhichOneof('kind')
-    if kind == 'bytes_list':
-      out[name] = list(feature.bytes_list.value)
-      continue
-    values = np.asarray(getattr(feature, kind).value,
-                        np.int64 if kind == 'int64_list' else np.float32)
-    out[name] = values.reshape(shape)
+    values = features[name]
+    out[name] = values if isinstance(values, list) else values.reshape(shape)
   return out
 
 
@@ -176,12 +170,8 @@ def read_tff(path, split: str, shapes: Dict[str, tuple],
         parsed = [parse_example(r[0], shapes) for r in rows]
         yield cid, {k: np.stack([p[k] for p in parsed]) if parsed else np.zeros((0,) + shapes[k])
                     for k in shapes}
-    except (sqlite3.Error, ValueError, TypeError) as e:
+    except (sqlite3.Error, ValueError, TypeError, IndexError) as e:
       raise DataError(f'{path}: an example is unreadable ({type(e).__name__}: {e}): corrupted '
-                      'or not a TFF SQLite file') from None
-    except Exception as e:  # protobuf's DecodeError
-      if type(e).__name__ != 'DecodeError':
-        raise
-      raise DataError(f'{path}: an example is not a tf.train.Example ({e})') from None
+                      'or not a TFF SQLite file of tf.train.Example rows') from None
   finally:
     conn.close()

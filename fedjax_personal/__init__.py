@@ -6,8 +6,14 @@ aggregation), ``models``, ``algorithms`` (one file each, and the registry),
 ``config`` declares settings and ``errors`` the error types.
 """
 
-from fedjax_personal import config
-from fedjax_personal import models
+import os as _os
+
+from fedjax_personal import checkout as _checkout
+
+_checkout.use_this_checkout(_os.path.dirname(__file__))  # its algorithms/ and datasets/, not another's
+
+from fedjax_personal import config  # noqa: E402
+from fedjax_personal import models  # noqa: E402
 from fedjax_personal.config import TrainingConfig
 from fedjax_personal.core import aggregation
 from fedjax_personal.core import batching

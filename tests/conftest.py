@@ -42,6 +42,25 @@ SLOW_IN_CI = {
     'test_cli.py::test_trials_equal_single_runs_and_report_mean_and_std[mlp-sequential]',
     'test_sweep.py::test_sweep_equals_single_runs_for_every_algorithm[fedfomo]',
     'test_checkpoint.py::test_cli_resume',
+    'test_engine.py::test_finetune_evaluation_uses_training_data',  # test_populations' covers it
+    'test_engine.py::test_local_trains_each_client_alone',
+    'test_reproduce.py::test_finished_trials_are_reused_only_by_the_same_cell',
+    'test_cli.py::test_cli_sweep_of_seeds_equals_single_runs_for_pre_round_algorithms[usercentric]',
+    'test_cli.py::test_weights_of_another_model_name_the_layer',
+    'test_privacy.py::test_fedavg_dp_without_noise_and_a_loose_clip_is_fedavg',
+    'test_memory.py::test_auto_picks_blocks_from_the_free_memory',
+    # sharding_check.py asserts the sharded user-centric round compiles once too
+    'test_usercentric.py::test_collaboration_round_is_inside_the_one_compiled_round',
+    'test_personalization.py::test_ditto_large_lambda_gives_the_global_model',
+    'test_personalization.py::test_apfl_alpha_zero_is_global_and_one_is_local',
+    'test_interruptions.py::test_disk_full_while_checkpointing_then_resume',
+    'test_sweep.py::test_sweep_over_seeds_and_learning_rates_equals_separate_runs[host]',
+    'test_models.py::test_models_agree_across_conv_implementations[cnn_cifar-shape1]',
+    'test_populations.py::test_cli_cifar100_held_out_test_clients[device]',
+    'test_populations.py::test_cli_host_layout_sweep_of_seeds_equals_a_single_seed',
+    # the heavy-tailed tests compare every executor with a per-client loop
+    'test_engine.py::test_round_matches_plain_per_client_loop[fedavg-blocked]',
+    'test_populations.py::test_host_layout_equals_device_layout[fedavg-0.3-reset]',
 }
 
 

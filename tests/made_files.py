@@ -77,13 +77,39 @@ def bytes_array(items):
 # -- TFF SQLite ------------------------------------------------------------------
 
 
-def tf_example(features):
-  """A serialized tf.train.Example of int64 features (flattened)."""
-  from tensorflow_datasets.proto import tf_example_generated_pb2 as pb
-  e = pb.Example()
-  for k, v in features.items():
-    e.features.feature[k].int64_list.value.extend(np.asarray(v).reshape(-1).tolist())
-  return e.SerializeToString()
+def _varint(n: int) -> bytes:
+  """Protobuf's varint of ``n`` (an int64 as its 64-bit two's complement)."""
+  n &= (1 << 64) - 1
+  out = bytearray()
+  while True:
+    b, n = n & 0x7F, n >> 7
+    out.append(b | 0x80 if n else b)
+    if not n:
+      return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+  """A length-delimited field (wire type 2)."""
+  return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def tf_example(features, packed=True):
+  """A serialized tf.train.Example written by hand in protobuf's wire format
+  (example.proto / feature.proto, as TensorFlow writes it): a list of bytes
+  is a BytesList, a float array a FloatList, anything else an Int64List
+  (packed, or one varint per value with ``packed=False``)."""
+  entries = b''
+  for name, v in features.items():
+    if isinstance(v, list) and v and isinstance(v[0], bytes):
+      kind, payload = 1, b''.join(_field(1, b) for b in v)
+    elif np.asarray(v).dtype.kind == 'f':
+      kind, payload = 2, _field(1, np.asarray(v, '<f4').reshape(-1).tobytes())
+    else:
+      values = [int(x) for x in np.asarray(v).reshape(-1)]
+      kind, payload = 3, (_field(1, b''.join(_varint(x) for x in values)) if packed
+                          else b''.join(_varint(1 << 3) + _varint(x) for x in values))
+    entries += _field(1, _field(1, name.encode()) + _field(2, _field(kind, payload)))
+  return _field(1, entries)
 
 
 def write_tff_cifar100(path, rng, train_sizes, test_sizes):

@@ -393,7 +393,7 @@ def test_finetune_evaluation_uses_training_data(digits):
 
 
 @pytest.mark.parametrize('executor', [
-    pytest.param(e, marks=() if e in ('vmap', 'blocked_threads') else (pytest.mark.slow,))
+    pytest.param(e, marks=() if e == 'vmap' else (pytest.mark.slow,))
     for e in sorted(EXECUTORS)])
 def test_evaluation_in_test_length_groups_matches_plain_loop(executor):
   # Unequal test splits (Dirichlet 0.1): clients are evaluated in groups of

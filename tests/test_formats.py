@@ -2,6 +2,9 @@
 under its published name: the expected arrays, the natural partition, the
 files' own train/test split."""
 
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
 
@@ -294,3 +297,68 @@ def test_stackoverflow_accuracies_as_published(name, scored, correct):
   stats = per_example_stats(logits, y, jnp.ones(1, bool), 'cross_entropy', unscored, 0,
                             unpredicted)
   assert (float(stats.scored), float(stats.correct), float(stats.count)) == (scored, correct, 3)
+
+
+def test_tff_cifar100_test_clients_are_held_out(tmp_path, made_not_released):
+  """Reddi et al.'s protocol: the train clients train on all their images,
+  TFF's test clients follow them in the store as held-out clients (ids
+  ``test/<id>``), evaluated and never drawn into a cohort."""
+  from fedjax_personal.core.sampling import CohortSampler
+  from fedjax_personal.datasets import load_store
+  truth = made_files.write_tff_cifar100(tmp_path / 'raw.sqlite', np.random.default_rng(5),
+                                        [6, 5, 4], [4, 3])
+  made_files.lzma_file(tmp_path / 'raw.sqlite', tmp_path / 'cifar100.sqlite.lzma')
+  cfg = DataConfig(dataset='cifar100', partition='natural', num_clients=None,
+                   data_dir=str(tmp_path), cifar100_test='tff_clients')
+  store = load_store(cfg)
+  assert store.num_clients == 5 and store.eval_only == 2
+  assert store.client_ids == ['0', '1', '2', 'test/1000', 'test/1001']
+  assert store.counts['train'].tolist() == [6, 5, 4, 0, 0]
+  assert store.counts['test'].tolist() == [0, 0, 0, 4, 3]
+  for split, prefix in (('train', ''), ('test', 'test/')):
+    for cid, images, labels in truth[split]:
+      x, y = store.client(prefix + cid)[split]
+      np.testing.assert_array_equal(x, images)
+      np.testing.assert_array_equal(y, labels)
+  assert store.population().num_trained == 3 and store.padded().num_trained == 3
+  with pytest.raises(DataError, match="no client has id '7'"):
+    store.client_index('7')
+  # Cohorts come from the 3 train clients only, by size and by participation.
+  for sampler in (CohortSampler(5, cohort_size=2, eligible=3),
+                  CohortSampler(5, participation=0.9, eligible=3)):
+    for k in range(20):
+      c = sampler(jax.random.key(k))
+      drawn = np.asarray(c.idx)[np.asarray(c.mask)]
+      assert drawn.size and drawn.max() < 3 and (np.asarray(c.idx)[~np.asarray(c.mask)] == 5).all()
+  assert CohortSampler(5, participation=0.5, eligible=3).capacity <= 3
+  # 'split' (the default) keeps the train clients alone, their images split.
+  d = load_federated(dataclasses.replace(cfg, cifar100_test='split', test_fraction=0.25))
+  assert d.num_clients == 3 and d.eval_only == 0
+
+
+def test_tf_example_reader_on_hand_written_protos():
+  """The project's tf.train.Example reader (datasets/tf_example.py) on
+  protobuf's wire format: bytes worked out by hand, packed and unpacked
+  int64 lists, negative and multi-byte varints, floats, bytes, and damaged
+  bytes refused."""
+  from fedjax_personal.datasets import tf_example
+  # Example{features{feature{key: 'a' value{int64_list{value: [1, 300]}}}}}, byte by byte.
+  by_hand = bytes([0x0A, 0x0E, 0x0A, 0x0C, 0x0A, 0x01, 0x61, 0x12, 0x07,
+                   0x1A, 0x05, 0x0A, 0x03, 0x01, 0xAC, 0x02])
+  assert tf_example.parse(by_hand)['a'].tolist() == [1, 300]
+  assert made_files.tf_example({'a': [1, 300]}) == by_hand
+  values = [0, 1, 127, 128, 255, 300, 2 ** 40, -1, -(2 ** 63), 2 ** 63 - 1]
+  for packed in (True, False):
+    got = tf_example.parse(made_files.tf_example(
+        {'i': values, 'f': np.array([0.5, -2.25], np.float32), 'b': [b'xy', b''],
+         'img': np.arange(256).reshape(16, 16)}, packed=packed))
+    assert got['i'].dtype == np.int64 and got['i'].tolist() == values
+    assert got['f'].dtype == np.float32 and got['f'].tolist() == [0.5, -2.25]
+    assert got['b'] == [b'xy', b''] and got['img'].tolist() == list(range(256))
+  assert sqlite_formats.parse_example(made_files.tf_example({'label': [7], 'image': np.ones(4)}),
+                                      {'label': (), 'image': (2, 2)})['image'].shape == (2, 2)
+  for bad in (by_hand[:-1], by_hand[:5], b'\x0f\x01', bytes([0x0A, 0x02, 0x0A, 0x05])):
+    with pytest.raises(ValueError):
+      tf_example.parse(bad)
+  with pytest.raises(ValueError, match="feature 'label' missing"):
+    sqlite_formats.parse_example(by_hand, {'label': ()})

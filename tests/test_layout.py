@@ -140,3 +140,32 @@ def test_every_module_imports_alone():
   r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300,
                      env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
   assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+
+
+def test_a_second_checkout_never_mixes_with_the_installed_one(tmp_path):
+  """Run from another checkout (its folder first on sys.path), every part
+  of fedjax_personal comes from that checkout, not the mapped subpackages
+  from the installed one; an import that already mixed them is refused in
+  one line naming both folders."""
+  import shutil
+  import subprocess
+  import sys
+  from fedjax_personal import checkout
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  second = tmp_path / 'second'
+  for folder in ('fedjax_personal', 'algorithms', 'datasets'):
+    shutil.copytree(os.path.join(root, folder), second / folder,
+                    ignore=shutil.ignore_patterns('__pycache__', '*.egg-info', 'data'))
+  shutil.copy(os.path.join(root, 'setup.cfg'), second / 'setup.cfg')
+  code = ('import fedjax_personal, fedjax_personal.datasets.natural as n, '
+          'fedjax_personal.algorithms.fedavg as a; print(fedjax_personal.__file__); '
+          'print(n.__file__); print(a.__file__)')
+  r = subprocess.run([sys.executable, '-c', code], cwd=second, capture_output=True, text=True,
+                     timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  files = r.stdout.split()
+  assert len(files) == 3 and all(f.startswith(str(second)) for f in files), files
+  import fedjax_personal.datasets  # noqa: F401  (from this checkout)
+  with pytest.raises(ImportError, match='two checkouts mixed'):
+    checkout.use_this_checkout(str(second / 'fedjax_personal'))
+  assert checkout.checkout_root(str(tmp_path / 'site-packages' / 'fedjax_personal')) is None

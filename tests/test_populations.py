@@ -367,10 +367,9 @@ def test_cli_refuses_up_front_what_host_memory_cannot_hold(tmp_path, monkeypatch
 
 
 def test_cli_host_layout_sweep_equals_separate_runs(tmp_path, capsys):
-  """A sweep of 4 client learning rates (and one of 2 seeds) on a FedJAX-format
-  EMNIST file of heavy-tailed writers, in the host layout: each
-  configuration's numbers are those of its separate run, and the
-  configurations of one seed share each round's gather."""
+  """A sweep of 4 client learning rates on a FedJAX-format EMNIST file of
+  heavy-tailed writers, in the host layout: each configuration's numbers
+  are those of its separate run."""
   data_dir = tmp_path / 'data'
   data_dir.mkdir()
   rng = np.random.default_rng(9)
@@ -391,6 +390,21 @@ def test_cli_host_layout_sweep_equals_separate_runs(tmp_path, capsys):
   for lr in lrs:
     alone = job(f'--client_lr={lr}', f'--output_dir={tmp_path}/{lr}')
     assert _numbers(swept[f'ditto seed=0 client_lr={lr:g}']) == _numbers(alone['ditto'])
+
+
+def test_cli_host_layout_sweep_of_seeds_equals_a_single_seed(tmp_path):
+  """--sweep_seeds=2 in the host layout: row 1 is the run of --seed=1."""
+  data_dir = tmp_path / 'data'
+  data_dir.mkdir()
+  rng = np.random.default_rng(9)
+  made_files.write_emnist(data_dir, rng, [int(v) for v in rng.integers(3, 30, 9)] + [120],
+                          [int(v) for v in rng.integers(1, 9, 10)])
+
+  def job(*args):
+    parse_flags('--algorithm=ditto', '--dataset=emnist', f'--data_dir={data_dir}',
+                '--model=logreg', '--cohort_size=4', '--rounds=2', '--eval_every=1',
+                '--progress=false', '--layout=host', *args)
+    return cli.main_job()
   seeds = job('--sweep_seeds=2', f'--output_dir={tmp_path}/seeds')
   seed1 = job('--seed=1', '--data_seed=0', f'--output_dir={tmp_path}/seed1')
   assert _numbers(seeds['ditto seed=1']) == _numbers(seed1['ditto'])
@@ -448,3 +462,77 @@ def test_cli_refuses_a_model_that_does_not_fit_the_targets_and_a_test_split_of_n
               '--rounds=1', '--progress=false', '--dry_run', f'--output_dir={tmp_path}/o2')
   with pytest.raises(ConfigError, match='no training client has a test example'):
     cli.main_job()
+
+
+@pytest.mark.parametrize('layout', ['host', 'device'])
+def test_cli_cifar100_held_out_test_clients(tmp_path, capsys, made_not_released, layout):
+  """--cifar100_test=tff_clients: FedAvg trains on the train clients and
+  reports the held-out clients' accuracy of the global model (each
+  evaluated client is a TFF test client); an algorithm whose evaluation
+  needs a client's own training data is refused in one line."""
+  made_files.write_tff_cifar100(tmp_path / 'raw.sqlite', np.random.default_rng(6), [5, 4, 6, 3],
+                                [4, 3])
+  made_files.lzma_file(tmp_path / 'raw.sqlite', tmp_path / 'cifar100.sqlite.lzma')
+  common = ('--dataset=cifar100', f'--data_dir={tmp_path}', '--cifar100_test=tff_clients',
+            '--model=logreg', '--rounds=2', '--eval_every=1', '--progress=false',
+            f'--layout={layout}')
+  parse_flags('--algorithm=fedavg', *common, '--cohort_size=4', f'--output_dir={tmp_path}/run')
+  s = cli.main_job()['fedavg']
+  # The 2 held-out clients are evaluated, none of the 4 train clients.
+  assert s['num_eval_clients'] == 2 and s['num_excluded_clients'] == 4
+  assert np.isnan(np.array(s['per_client_accuracy'], float)).tolist() == [True] * 4 + [False] * 2
+  assert s['worst_clients'][0]['client_id'].startswith('test/')
+  out = capsys.readouterr().out
+  assert 'cifar100/natural + 2 held-out test clients' in out
+  # The header names the window its columns average (2 evaluations of a 2-round run).
+  assert 'averaged over the last 2 (@last2)' in out and 'mean@last2' in out
+  parse_flags('--algorithm=ditto', *common, f'--output_dir={tmp_path}/ditto')
+  with pytest.raises(ConfigError, match='held-out test clients have none'):
+    cli.main_job()
+  parse_flags('--algorithm=fedavg', *common, '--cohort_size=5', f'--output_dir={tmp_path}/big')
+  with pytest.raises(ConfigError, match=r'cohort_size.*\[1, 4\]'):
+    cli.main_job()
+
+
+def test_clients_by_id_in_python_and_the_cli(tmp_path, capsys):
+  """EMNIST writers by id: the store gives a writer's examples by its id;
+  --client_ids limits a run to the listed writers (equal to a run on a file
+  holding only them); summary.json names the worst clients by id."""
+  data_dir, alone_dir = tmp_path / 'data', tmp_path / 'alone'
+  data_dir.mkdir()
+  alone_dir.mkdir()
+  train, test = made_files.write_emnist(data_dir, np.random.default_rng(4), [5, 8, 3, 6, 4],
+                                        [2, 3, 2, 2, 3])
+  store = load_store(DataConfig(dataset='emnist', partition='natural', num_clients=None,
+                                data_dir=str(data_dir)))
+  assert store.client_ids == [c.decode() for c, _ in train]
+  x, y = store.client('f0003_03')['train']
+  np.testing.assert_array_equal(x[..., 0], 1 - train[3][1]['pixels'])
+  np.testing.assert_array_equal(y, train[3][1]['label'])
+  # The same writers alone in their own file: the same run.
+  chosen = [1, 3, 4]
+  made_files.write_fedjax_sqlite(alone_dir / 'federated_emnist_train.sqlite',
+                                 [train[i] for i in chosen])
+  made_files.write_fedjax_sqlite(alone_dir / 'federated_emnist_test.sqlite',
+                                 [test[i] for i in chosen])
+  (tmp_path / 'ids.txt').write_text('# three writers\nf0004_04\nf0001_01\n\nf0003_03\n')
+  common = ('--algorithm=fedavg', '--dataset=emnist', '--model=logreg', '--rounds=2',
+            '--cohort_size=2', '--eval_every=1', '--progress=false', '--layout=host')
+  parse_flags(*common, f'--data_dir={data_dir}', f'--client_ids={tmp_path}/ids.txt',
+              f'--output_dir={tmp_path}/by_id')
+  by_id = cli.main_job()['fedavg']
+  assert 'emnist/natural, 3 clients from ids.txt' in capsys.readouterr().out
+  parse_flags(*common, f'--data_dir={alone_dir}', f'--output_dir={tmp_path}/file')
+  assert _numbers(by_id) == _numbers(cli.main_job()['fedavg'])
+  written = json.loads((tmp_path / 'by_id' / 'fedavg' / 'summary.json').read_text())
+  worst = written['worst_clients']
+  assert sorted(w['client_id'] for w in worst) == ['f0001_01', 'f0003_03', 'f0004_04']
+  assert [w['accuracy'] for w in worst] == sorted(w['accuracy'] for w in worst)
+  assert worst[0]['accuracy'] == written['accuracy_worst']
+  for bad, why in (('f9999_99\n', "no client has id 'f9999_99'"),
+                   ('f0001_01\nf0001_01\n', "'f0001_01' is given twice"), ('# none\n', 'no client')):
+    (tmp_path / 'bad.txt').write_text(bad)
+    parse_flags(*common, f'--data_dir={data_dir}', f'--client_ids={tmp_path}/bad.txt',
+                f'--output_dir={tmp_path}/bad')
+    with pytest.raises(ConfigError, match=why):
+      cli.main_job()

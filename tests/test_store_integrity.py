@@ -96,7 +96,7 @@ def test_damage_found_on_open_or_by_verify_rebuilds_with_one_line(tmp_path, caps
       (lambda: (folder / 'manifest.json').write_text(json.dumps(
           {**json.loads((folder / 'manifest.json').read_text()),
            'format': 'fedjax_personal.population/1'})), "written in format "
-       "'fedjax_personal.population/1', this version reads 'fedjax_personal.population/2'"),
+       f"'fedjax_personal.population/1', this version reads '{store_lib.FORMAT}'"),
       (lambda: _flip(folder / 'train.x.bin', 3000), 'train.x.bin: block 0 fails its checksum')):
     damage()
     capsys.readouterr()

@@ -103,6 +103,8 @@ class FederatedData:
       latent cluster), or -1 when there is no known group structure.
     num_classes: number of output classes of the task (static).
     name: a short description (static).
+    eval_only: how many clients at the end are evaluated and never trained
+      (static; e.g. TFF's held-out CIFAR-100 test clients).
   """
   train: ClientData
   val: ClientData
@@ -110,10 +112,16 @@ class FederatedData:
   groups: jax.Array
   num_classes: int = struct.field(pytree_node=False)
   name: str = struct.field(pytree_node=False, default='')
+  eval_only: int = struct.field(pytree_node=False, default=0)
 
   @property
   def num_clients(self) -> int:
     return self.train.num_clients
+
+  @property
+  def num_trained(self) -> int:
+    """Clients a round may sample: all but the ``eval_only`` last."""
+    return self.num_clients - self.eval_only
 
   @property
   def num_groups(self) -> int:

@@ -45,7 +45,7 @@ def client_keys(key, idx):
   return jax.vmap(lambda i: jax.random.fold_in(key, i))(idx)
 
 
-def communication_metrics(alg, state, num_active) -> dict:
+def communication_metrics(alg, state, num_active, num_uploads=None) -> dict:
   """Bytes of one round from the algorithm's static sizes and the cohort
   (traceable: computed inside the compiled round).
 
@@ -54,16 +54,38 @@ def communication_metrics(alg, state, num_active) -> dict:
 
   Args:
     alg: the FederatedAlgorithm (or a RoundRunner, for its algorithm).
+    num_active: the sampled clients (each received the downlink).
+    num_uploads: the clients that sent an upload (None: every sampled one;
+      fewer when the algorithm marks some as not participating).
   """
   comm = getattr(alg, 'algorithm', alg).communication(state)
   num_active = jnp.asarray(num_active, jnp.float32)
+  num_uploads = num_active if num_uploads is None else jnp.asarray(num_uploads, jnp.float32)
   distinct = jnp.minimum(jnp.asarray(comm.num_downlink_models, jnp.float32), num_active)
   has_down = jnp.asarray(comm.num_downlink_models) > 0
   return {
-      'bytes_up': num_active * comm.uplink_bytes_per_client,
+      'bytes_up': num_uploads * comm.uplink_bytes_per_client,
       'bytes_down_broadcast': jnp.where(has_down, distinct, 0.0) * comm.downlink_bytes_per_model,
       'bytes_down_unicast': jnp.where(has_down, num_active * comm.downlink_bytes_per_model, 0.0),
   }
+
+
+#: A server update's metric naming the clients that took part: bool [C]; a
+#: sampled client it marks False received the round's model and sent nothing
+#: (a dropout, a straggler). Without it every sampled client took part.
+PARTICIPATED = 'participated'
+
+
+def cohort_counts(alg, state, cohort, metrics) -> dict:
+  """``num_active`` (the clients that took part) and the round's bytes,
+  from the cohort's mask and the server update's ``PARTICIPATED`` (which is
+  replaced by these counts: a round's metrics stay scalars)."""
+  sampled = jnp.sum(cohort.mask.astype(jnp.float32))
+  if PARTICIPATED not in metrics:
+    return communication_metrics(alg, state, sampled)
+  took_part = jnp.sum((cohort.mask & metrics.pop(PARTICIPATED)).astype(jnp.int32))
+  return {'num_active': took_part, 'num_sampled': sampled.astype(jnp.int32),
+          **communication_metrics(alg, state, sampled, took_part)}
 
 
 #: Keys of a round's metrics that carry the pre-round phase's diagnostics
@@ -148,8 +170,9 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
   def post(state, cohort, outputs, rc):
     counts['post'] += 1
     state, metrics = alg.server_update(state, cohort, outputs, rc)
-    num_active = jnp.sum(cohort.mask.astype(jnp.float32))
-    return state, {**metrics, **communication_metrics(alg, state, num_active)}
+    metrics = dict(metrics)
+    counted = cohort_counts(alg, state, cohort, metrics)  # takes PARTICIPATED out of metrics
+    return state, {**metrics, **counted}
 
   def fused_pre_round(state, key, round_num, train, val):
     if alg.pre_round is None:

@@ -65,6 +65,14 @@ class HostData:
     return self.store.num_clients
 
   @property
+  def eval_only(self) -> int:
+    return self.store.eval_only
+
+  @property
+  def num_trained(self) -> int:
+    return self.store.num_clients - self.store.eval_only
+
+  @property
   def population(self):
     return self.store.population(self.cap)
 

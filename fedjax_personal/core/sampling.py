@@ -67,18 +67,31 @@ class CohortSampler:
   quantile of Binomial(N, p)) so that the round compiles once; in the
   vanishingly rare event of more active clients, a uniformly random subset of
   ``capacity`` of them is kept.
+
+  ``eligible`` restricts the draw to clients ``0 .. eligible - 1`` (the rest
+  are evaluated only, e.g. TFF's held-out CIFAR-100 test clients); padded
+  slots still hold ``num_clients``.
   """
   num_clients: int
   cohort_size: Optional[int] = None
   participation: Optional[float] = None
+  eligible: Optional[int] = None
+
+  @property
+  def drawn(self) -> int:
+    """How many clients (the first ones) a round draws from."""
+    return self.num_clients if self.eligible is None else self.eligible
 
   def __post_init__(self):
     if self.num_clients < 1:
       raise ValueError(f'num_clients must be >= 1, got {self.num_clients}')
     if (self.cohort_size is None) == (self.participation is None):
       raise ValueError('set exactly one of cohort_size and participation')
-    if self.cohort_size is not None and not 1 <= self.cohort_size <= self.num_clients:
-      raise ValueError(f'cohort_size must be in [1, num_clients={self.num_clients}], '
+    if self.eligible is not None and not 1 <= self.eligible <= self.num_clients:
+      raise ValueError(f'eligible must be in [1, num_clients={self.num_clients}], '
+                       f'got {self.eligible}')
+    if self.cohort_size is not None and not 1 <= self.cohort_size <= self.drawn:
+      raise ValueError(f'cohort_size must be in [1, {self.drawn} clients that train], '
                        f'got {self.cohort_size}')
     if self.participation is not None and not 0 < self.participation <= 1:
       raise ValueError(f'participation must be in (0, 1], got {self.participation}')
@@ -87,20 +100,21 @@ class CohortSampler:
   def capacity(self) -> int:
     if self.cohort_size is not None:
       return self.cohort_size
-    return max(1, _binomial_capacity(self.num_clients, self.participation))
+    return max(1, _binomial_capacity(self.drawn, self.participation))
 
   def __call__(self, key: jax.Array) -> Cohort:
-    n = self.num_clients
+    n, drawn = self.num_clients, self.drawn
     if self.cohort_size is not None:
-      if self.cohort_size == n:
-        idx = jnp.arange(n, dtype=jnp.int32)
+      if self.cohort_size == drawn:
+        idx = jnp.arange(drawn, dtype=jnp.int32)
       else:
-        idx = jax.random.choice(key, n, (self.cohort_size,), replace=False).astype(jnp.int32)
+        idx = jax.random.choice(key, drawn, (self.cohort_size,), replace=False).astype(jnp.int32)
       return Cohort(idx=idx, mask=jnp.ones(self.cohort_size, bool))
     cap = self.capacity
 
     def draw(k):
-      return jax.random.uniform(k, (n,)) < self.participation
+      active = jax.random.uniform(k, (n,)) < self.participation
+      return active if drawn == n else active & (jnp.arange(n) < drawn)
 
     def cond(carry):
       return ~jnp.any(carry[1])

@@ -3,7 +3,10 @@
 A store is a folder of flat binary arrays, one pair (x, y) per split
 (train / val / test) holding every client's examples back to back, the
 per-client counts (offsets are their cumulative sums), the clients' group
-labels and a ``manifest.json`` (format, identity, shapes, dtypes, digest).
+labels, their ids as the source names them (``client_ids.json``: a writer,
+a user, a TFF client id) and a ``manifest.json`` (format, identity, shapes,
+dtypes, digest, ``eval_only``: how many clients at the end are evaluated
+and never trained, e.g. TFF's held-out CIFAR-100 test clients).
 Arrays are read by row slices (``FileArray``), so a round reads only its
 cohort's rows and a population larger than RAM works; a store can also
 live in memory (``from_federated``). Writers (``StoreWriter``) append client after client
@@ -24,6 +27,7 @@ block with no decoding; ``benchmarks/probes/store_formats.py`` measured it
 against array_record records of whole clients (BUILD.md, "Population store").
 """
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -38,9 +42,10 @@ import numpy as np
 from fedjax_personal.core.data import ClientData, FederatedData, PackedClientData
 from fedjax_personal.errors import DataError
 
-FORMAT = 'fedjax_personal.population/2'  # /2: per-block CRC32s
+FORMAT = 'fedjax_personal.population/3'  # /2: per-block CRC32s; /3: client ids, eval_only
 SPLITS = ('train', 'val', 'test')
 MANIFEST = 'manifest.json'
+IDS = 'client_ids.json'
 BLOCK_BYTES = 1 << 20
 _BUFFER_BYTES = 64 << 20
 
@@ -140,10 +145,16 @@ class Population:
   num_classes: int
   name: str
   sample_x: np.ndarray
+  eval_only: int = 0
 
   @property
   def num_clients(self) -> int:
     return len(self.groups)
+
+  @property
+  def num_trained(self) -> int:
+    """Clients a round may sample: all but the ``eval_only`` last."""
+    return self.num_clients - self.eval_only
 
   @property
   def num_groups(self) -> int:
@@ -165,19 +176,86 @@ class PopulationStore:
     groups: int32 [N].
     manifest: the store's manifest (name, num_classes, identity, digest).
     folder: where it is on disk (None in memory).
+    client_ids: each client's id (None: its index).
   """
 
-  def __init__(self, arrays: Dict[str, tuple], groups, manifest: dict, folder=None):
+  def __init__(self, arrays: Dict[str, tuple], groups, manifest: dict, folder=None,
+               client_ids: Optional[List[str]] = None):
     self.arrays = arrays
     self.groups = np.asarray(groups, np.int32)
     self.manifest = manifest
     self.folder = folder
     self.counts = {s: np.asarray(arrays[s][2], np.int64) for s in SPLITS}
     self.offsets = {s: np.concatenate([[0], np.cumsum(c)]) for s, c in self.counts.items()}
+    self._ids = client_ids
+    self._index = None
 
   @property
   def num_clients(self) -> int:
     return len(self.groups)
+
+  @property
+  def eval_only(self) -> int:
+    """How many clients at the end are evaluated and never trained."""
+    return int(self.manifest.get('eval_only', 0))
+
+  @property
+  def client_ids(self) -> List[str]:
+    """Each client's id as its source names it (row i is client i); a
+    partitioned pool's clients are named by their index."""
+    if self._ids is None:
+      self._ids = [str(i) for i in range(self.num_clients)]
+    return self._ids
+
+  def client_index(self, client_id) -> int:
+    """The row of the client named ``client_id``.
+
+    Raises:
+      DataError: no client has that id.
+    """
+    if self._index is None:
+      self._index = {c: i for i, c in enumerate(self.client_ids)}
+    try:
+      return self._index[str(client_id)]
+    except KeyError:
+      where = self.folder or self.name
+      raise DataError(f'{where}: no client has id {client_id!r} ({self.num_clients:,} clients, '
+                      f'e.g. {self.client_ids[0]!r})') from None
+
+  def client(self, client_id) -> Dict[str, tuple]:
+    """One client's examples by id: {split: (x, y)} as numpy arrays."""
+    i = self.client_index(client_id)
+    out = {}
+    for s in SPLITS:
+      x, y, _ = self.arrays[s]
+      lo = int(self.offsets[s][i])
+      hi = lo + int(self.counts[s][i])
+      out[s] = (np.asarray(x[lo:hi]), np.asarray(y[lo:hi]))
+    return out
+
+  def subset(self, client_ids: Sequence[str], why: str = 'chosen by id') -> 'PopulationStore':
+    """The clients named ``client_ids`` alone, in the store's order (a
+    view: the same files, their counts and offsets selected). Its digest
+    and name say which clients it holds.
+
+    Raises:
+      DataError: an id no client has, or one given twice.
+    """
+    rows = [self.client_index(c) for c in client_ids]
+    if len(set(rows)) != len(rows):
+      twice = next(c for c, k in collections.Counter(map(str, client_ids)).items() if k > 1)
+      raise DataError(f'client id {twice!r} is given twice')
+    rows = np.sort(np.asarray(rows, np.int64))
+    h = hashlib.sha256(self.digest.encode())
+    h.update(rows.tobytes())
+    held_out = int(np.sum(rows >= self.num_clients - self.eval_only))
+    manifest = {**self.manifest, 'digest': h.hexdigest()[:16], 'eval_only': held_out,
+                'name': f'{self.name}, {len(rows):,} clients {why}'}
+    sub = PopulationStore(self.arrays, self.groups[rows], manifest, self.folder,
+                          [self.client_ids[i] for i in rows])
+    sub.counts = {s: c[rows] for s, c in self.counts.items()}
+    sub.offsets = {s: o[rows] for s, o in self.offsets.items()}  # starts (ends: + counts)
+    return sub
 
   @property
   def num_classes(self) -> int:
@@ -212,7 +290,8 @@ class PopulationStore:
               for s in SPLITS}
     x = self.arrays['train'][0]
     return Population(**splits, groups=self.groups, num_classes=self.num_classes,
-                      name=self.name, sample_x=np.zeros((1,) + x.shape[1:], x.dtype))
+                      name=self.name, sample_x=np.zeros((1,) + x.shape[1:], x.dtype),
+                      eval_only=self.eval_only)
 
   def check_clients(self, idx) -> None:
     idx = np.asarray(idx)
@@ -289,7 +368,8 @@ class PopulationStore:
     for s in SPLITS:
       length = int(self.counts_capped(s, cap).max(initial=0))
       out[s] = self.gather(s, every, length, cap)
-    return FederatedData(**out, groups=self.groups, num_classes=self.num_classes, name=self.name)
+    return FederatedData(**out, groups=self.groups, num_classes=self.num_classes, name=self.name,
+                         eval_only=self.eval_only)
 
   def padded_nbytes(self, cap: Optional[int] = None) -> int:
     """Bytes of ``padded(cap)``: what the device layout would hold."""
@@ -318,7 +398,7 @@ class PopulationStore:
       for a in (xs, ys, n):
         h.update(np.ascontiguousarray(a).tobytes())
     manifest = {'format': FORMAT, 'name': data.name, 'num_classes': int(data.num_classes),
-                'identity': {}, 'digest': h.hexdigest()[:16]}
+                'identity': {}, 'digest': h.hexdigest()[:16], 'eval_only': int(data.eval_only)}
     return PopulationStore(arrays, np.asarray(data.groups), manifest)
 
 
@@ -436,6 +516,7 @@ class StoreWriter:
     self.identity = _as_json(identity)
     self.specs = None
     self.groups = []
+    self.ids = []
     self._files = {}
     self._buffers, self._buffered, self._crcs = {}, {}, {}
     self._hash = hashlib.sha256()
@@ -461,10 +542,11 @@ class StoreWriter:
       raise OSError(e.errno, e.strerror, str(self.partial)) from None
     self._buffers[name], self._buffered[name] = [], 0
 
-  def add(self, train, val=None, test=None, group: int = -1) -> None:
-    """Appends one client: (x, y) per split (None: no examples)."""
+  def add(self, train, val=None, test=None, group: int = -1, client_id=None) -> None:
+    """Appends one client: (x, y) per split (None: no examples), its id
+    (None: its index)."""
     if self.specs is None:
-      x, y = train
+      x, y = train if train is not None and len(train[0]) else test
       self.specs = {'x': (list(x.shape[1:]), np.dtype(x.dtype).str),
                     'y': (list(y.shape[1:]), np.dtype(y.dtype).str)}
     for s, part in zip(SPLITS, (train, val, test)):
@@ -481,12 +563,17 @@ class StoreWriter:
       self._put(fx, np.asarray(x, self.specs['x'][1]))
       self._put(fy, np.asarray(y, self.specs['y'][1]))
       self._put(fc, np.asarray([len(x)], np.int64))
+    self.ids.append(str(len(self.groups) if client_id is None else client_id))
     self.groups.append(int(group))
 
-  def close(self, name: str, num_classes: int) -> 'PopulationStore':
-    """Completes the store, publishes the folder and opens it."""
+  def close(self, name: str, num_classes: int, eval_only: int = 0) -> 'PopulationStore':
+    """Completes the store, publishes the folder and opens it; the last
+    ``eval_only`` clients are evaluated and never trained."""
     if self.specs is None:
       raise DataError(f'{self.folder}: no client was written')
+    if len(set(self.ids)) != len(self.ids):
+      twice = next(c for c, k in collections.Counter(self.ids).items() if k > 1)
+      raise DataError(f'{self.folder}: client id {twice!r} is written twice')
     for f in self._files:
       self._flush(f)
       try:
@@ -500,8 +587,13 @@ class StoreWriter:
     self._hash.update(groups.tobytes())
     crcs = {f: c.done() for f, c in self._crcs.items()}
     crcs['groups.bin'] = block_crcs(groups.tobytes())
+    ids = json.dumps(self.ids).encode()
+    self._hash.update(ids)
+    (self.partial / IDS).write_bytes(ids)
+    crcs[IDS] = block_crcs(ids)
     manifest = {'format': FORMAT, 'name': name, 'num_classes': int(num_classes),
-                'num_clients': len(groups), 'identity': self.identity,
+                'num_clients': len(groups), 'eval_only': int(eval_only),
+                'identity': self.identity,
                 'x': self.specs['x'], 'y': self.specs['y'],
                 'digest': self._hash.hexdigest()[:16],
                 'blocks': {'bytes': BLOCK_BYTES, 'crc32': crcs}}
@@ -601,8 +693,12 @@ def open_store(folder, identity: Optional[dict] = None,
       arrays[s] = (mm[0], mm[1], counts)
     groups = np.frombuffer(_checked_file(folder, 'groups.bin', crcs['groups.bin'], block_bytes),
                            np.int32)
+    ids = json.loads(_checked_file(folder, IDS, crcs[IDS], block_bytes))
+    if len(ids) != n or len(groups) != n:
+      raise ValueError(f'{IDS} and groups.bin hold {len(ids)} and {len(groups)} clients, the '
+                       f'manifest {n}')
   except StoreDamaged:
     raise
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise damaged(folder, str(e)) from None
-  return PopulationStore(arrays, groups, manifest, folder=folder)
+  return PopulationStore(arrays, groups, manifest, folder=folder, client_ids=ids)

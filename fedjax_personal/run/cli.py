@@ -19,7 +19,7 @@ from fedjax_personal import datasets as datasets_lib
 from fedjax_personal.run import (checkpointing, distributed, entry, experiment, faults, reporting,
                                  run_identity)
 from fedjax_personal.config import TrainingConfig, field_types, flag_name, validate
-from fedjax_personal.errors import ConfigError
+from fedjax_personal.errors import ConfigError, DataError
 from fedjax_personal.core import layout as layout_lib
 from fedjax_personal.core import memory
 from fedjax_personal.core.data import to_device
@@ -101,6 +101,15 @@ flags.DEFINE_enum('stackoverflow_accuracy', 'in_vocab', ['in_vocab', 'fedjax_in_
                   'EOS and OOV not scored (Reddi et al., the partial-personalization seed); '
                   "fedjax_in_vocab: FedJAX's accuracy_in_vocab (PAD and EOS not scored, OOV a "
                   'miss).')
+flags.DEFINE_string('client_ids', None, 'A text file of client ids, one per line (# comments): '
+                    'the run is limited to these clients (ids as the data set names them: an '
+                    'EMNIST writer, a Stack Overflow user; a partitioned pool\'s clients are '
+                    '0..N-1).')
+flags.DEFINE_enum('cifar100_test', 'split', ['split', 'tff_clients'],
+                  "cifar100 (natural): the test clients. split: each train client's images split "
+                  "with --test_fraction (personal models have test data); tff_clients: TFF's 100 "
+                  'test clients, held out (evaluated with the global model, never trained), '
+                  'as Reddi et al. (arXiv 2003.00295) evaluate.')
 flags.DEFINE_bool('verify_store', False, 'Check every block of the population store of a '
                   'natural data set before training (else each block is checked the first time '
                   'a round reads it); a store that fails is rebuilt from its source files.')
@@ -183,6 +192,17 @@ def _algorithm_group(cls) -> str:
 _define_config_flags(TrainingConfig, SHARED_FLAGS_MODULE)
 for _cls in algorithms_lib.config_classes():
   _define_config_flags(_cls, _algorithm_group(_cls))
+
+
+def register(spec) -> None:
+  """Adds an algorithm defined outside the package (``AlgorithmSpec``) to
+  the registry and defines its config's ``--<prefix>_*`` flags, before the
+  flags are parsed (docs/add_an_algorithm.md): ``--algorithm=<its name>``
+  then works as for a built-in one."""
+  algorithms_lib.register(spec)
+  prefix = getattr(spec.config, 'prefix', None)
+  if prefix and not any(f'{prefix}_{f.name}' in FLAGS for f in dataclasses.fields(spec.config)):
+    _define_config_flags(spec.config, _algorithm_group(spec.config))
 
 #: The one error type of bad settings (the scripts exit with status 2).
 UsageError = ConfigError
@@ -296,7 +316,8 @@ def validate_flags():
          + (' (TFDS data sets: load_tfds(name, download=True))' if FLAGS.dataset.startswith('tfds:')
             else ''))
   _check(not (FLAGS['test_fraction'].present
-              and datasets_lib.has_own_test_split(FLAGS.dataset, partition())),
+              and datasets_lib.has_own_test_split(FLAGS.dataset, partition(),
+                                                  FLAGS.cifar100_test)),
          'test_fraction', f'does nothing: {FLAGS.dataset} has its own test split in its files')
   _check(partition() in datasets_lib.PARTITIONS, 'partition',
          f'unknown partition {partition()!r}; choose from {list(datasets_lib.PARTITIONS)}')
@@ -335,6 +356,10 @@ def validate_flags():
   _check(not FLAGS['stackoverflow_accuracy'].present or FLAGS.dataset == 'stackoverflow',
          'stackoverflow_accuracy', f'defines the Stack Overflow accuracy; --dataset='
          f'{FLAGS.dataset} has no words to score')
+  _check(not FLAGS['cifar100_test'].present
+         or (FLAGS.dataset == 'cifar100' and partition() == 'natural'), 'cifar100_test',
+         f'chooses the natural CIFAR-100\'s test clients; --dataset={FLAGS.dataset} '
+         f'--partition={partition()} has none')
   _check(FLAGS.vocab_size is None or FLAGS.dataset == 'stackoverflow', 'vocab_size',
          f'sets the Stack Overflow vocabulary; --dataset={FLAGS.dataset} has none to set')
   _check(FLAGS.vocab_size is None or FLAGS.vocab_size >= 1, 'vocab_size',
@@ -401,7 +426,8 @@ def data_config() -> datasets_lib.DataConfig:
       latent_features=FLAGS.latent_features,
       examples_per_client=FLAGS.examples_per_client, test_fraction=FLAGS.test_fraction,
       val_fraction=val_fraction(), max_examples=FLAGS.max_examples, data_dir=FLAGS.data_dir,
-      download=FLAGS.download, vocab_size=FLAGS.vocab_size, image_size=FLAGS.image_size)
+      download=FLAGS.download, vocab_size=FLAGS.vocab_size, image_size=FLAGS.image_size,
+      cifar100_test=FLAGS.cifar100_test)
 
 
 def partition() -> str:
@@ -421,10 +447,14 @@ def num_clients():
   return FLAGS.num_clients
 
 
-def sampler_for(num_clients: int) -> CohortSampler:
+def sampler_for(data) -> CohortSampler:
+  """The cohort sampler of ``data`` (a FederatedData or HostData): its
+  clients that train (all but the ``eval_only`` last) are drawn."""
+  n, trained = data.num_clients, data.num_trained
+  eligible = None if trained == n else trained
   if FLAGS.participation is not None:
-    return CohortSampler(num_clients, participation=FLAGS.participation)
-  return CohortSampler(num_clients, cohort_size=FLAGS.cohort_size or num_clients)
+    return CohortSampler(n, participation=FLAGS.participation, eligible=eligible)
+  return CohortSampler(n, cohort_size=FLAGS.cohort_size or trained, eligible=eligible)
 
 
 def job_identity(fingerprint: str, cap=None) -> dict:
@@ -441,6 +471,8 @@ def job_identity(fingerprint: str, cap=None) -> dict:
   for field in ('vocab_size', 'image_size'):
     if cfg[field] is None:  # not given: earlier runs keep their identity
       cfg.pop(field)
+  if cfg['cifar100_test'] == 'split':  # the default before the field existed
+    cfg.pop('cifar100_test')
   if cfg['latent_features'] == 'pixels':  # the default before the field existed:
     cfg.pop('latent_features')            # earlier runs keep their identity
   return {'data': cfg, 'data_fingerprint': fingerprint,
@@ -494,7 +526,7 @@ def _make_runs(spec, alg, training, cfg, ignored, model, data, executor, cfgs):
   configurations (sweep, trials) as one vmapped program when the executor is
   fused, else one after another."""
   if cfgs is None:
-    return experiment.SingleRun(RoundRunner(alg, data, sampler_for(data.num_clients), executor),
+    return experiment.SingleRun(RoundRunner(alg, data, sampler_for(data), executor),
                                 FLAGS.seed)
   from fedjax_personal.run import sweep
   names = sweepable()
@@ -510,7 +542,7 @@ def _make_runs(spec, alg, training, cfg, ignored, model, data, executor, cfgs):
   # device; the host layout runs them one after another on shared gathers.
   one_program = executor.fused and not isinstance(data, HostData)
   runs = sweep.SweepRunner if one_program else sweep.LoopRuns
-  return runs(build, cfgs, data, sampler_for(data.num_clients), executor)
+  return runs(build, cfgs, data, sampler_for(data), executor)
 
 
 @dataclasses.dataclass
@@ -584,6 +616,9 @@ def load_data(job: Job) -> None:
     store = PopulationStore.from_federated(padded)
     if cap is not None:
       padded = None
+  if FLAGS.client_ids:
+    store, padded = chosen_clients(store, FLAGS.client_ids), None
+    fingerprint = store.digest
   population = store.population(cap)
   train_counts = np.asarray(population.train.num_examples)
   _check(int(train_counts.sum()) > 0, 'num_clients', 'no client has training data')
@@ -591,8 +626,9 @@ def load_data(job: Job) -> None:
     raise ConfigError('dataset', f'{FLAGS.dataset}: no training client has a test example (the '
                       'test file\'s clients match none of the training file\'s): check the '
                       'test file, or --data_dir')
-  _check(FLAGS.cohort_size is None or FLAGS.cohort_size <= population.num_clients, 'cohort_size',
-         f'must be in [1, {population.num_clients}] (the clients of {FLAGS.dataset}), got '
+  trained = population.num_trained
+  _check(FLAGS.cohort_size is None or FLAGS.cohort_size <= trained, 'cohort_size',
+         f'must be in [1, {trained}] (the clients of {FLAGS.dataset} that train), got '
          f'{FLAGS.cohort_size}')
   free = memory.device_free_bytes() or (layout_lib.host_available_bytes()
                                         if jax.default_backend() == 'cpu' else None)
@@ -621,6 +657,22 @@ def load_data(job: Job) -> None:
     job.data = to_device(job.population)
   else:
     job.population, job.data = population, HostData(store, cap)
+
+
+def chosen_clients(store: PopulationStore, path: str) -> PopulationStore:
+  """The clients listed in ``path`` (--client_ids: one id per line, blank
+  lines and # comments skipped) as a view of ``store``."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      ids = [line.strip() for line in f]
+  except (OSError, UnicodeDecodeError) as e:
+    raise ConfigError('client_ids', f'{path}: {getattr(e, "strerror", None) or e}') from None
+  ids = [c for c in ids if c and not c.startswith('#')]
+  _check(bool(ids), 'client_ids', f'{path} lists no client id')
+  try:
+    return store.subset(ids, f'from {os.path.basename(path)}')
+  except DataError as e:
+    raise ConfigError('client_ids', f'{path}: {e}') from None
 
 
 def build_model_and_executor(job: Job) -> None:
@@ -673,9 +725,27 @@ def build_algorithms(job: Job, settings) -> None:
                                           config=cfg),
                t, cfg, ignored, run_identity.identity(spec.name, t, cfg, job.identity))
               for spec, t, cfg, ignored in settings]
+  if job.population.eval_only:
+    for _, alg, *_ in job.algs:
+      _check_global_evaluation(alg, job.population.eval_only)
   if FLAGS['dp_delta'].present and not any(a.privacy is not None for _, a, *_ in job.algs):
     raise ConfigError('dp_delta', 'does nothing: no requested algorithm runs DP-SGD '
                       '(--fedfomo_dp_clip_norm > 0)')
+
+
+def _check_global_evaluation(alg, held_out: int) -> None:
+  """Held-out clients (``eval_only``) never train: an algorithm that
+  evaluates personal models, or adapts a model to a client's own training
+  data before evaluating it, would report untrained or unadapted models
+  under its name. Refused in one line."""
+  models = jax.eval_shape(lambda k: alg.client_models(alg.init(k)), jax.random.key(0))
+  num_models = jax.tree.leaves(models.params)[0].shape[0]
+  if num_models != 1 or alg.finetune is not None or alg.evaluate_client is not None:
+    how = ('fine-tunes on' if alg.finetune is not None else 'adapts to'
+           if alg.evaluate_client is not None else 'evaluates personal models trained on')
+    raise ConfigError('cifar100_test', f'{alg.name} {how} each client\'s own training data; the '
+                      f'{held_out} held-out test clients have none: give --cifar100_test=split '
+                      '(each client\'s images split for test) or a global-model algorithm')
 
 
 def settle_layout(job: Job, settings) -> None:
@@ -824,6 +894,8 @@ def train_algorithm(job: Job, entry) -> None:
   for label, history in zip(runs.labels, hists):
     s = reporting.final_summary(history, FLAGS.stat_window)
     s['rounds'] = FLAGS.rounds
+    if 'per_client_accuracy' in s:
+      s['worst_clients'] = reporting.worst_clients(s['per_client_accuracy'], job.store.client_ids)
     if label is not None:
       s['config'] = label
     if job.model.accuracy_definition:
@@ -874,9 +946,10 @@ def write_comparison(job: Job) -> None:
                                          if job.cfgs is None else 'sweep.json'),
                             {k: strip(s) for k, s in job.summaries.items()})
   trials = f', mean ± std over {FLAGS.trials} trials' if FLAGS.trials > 1 else ''
+  window = reporting.table_window(table)
   _say('')
   _say(f'{job.population.name}, {FLAGS.model}, {FLAGS.rounds} rounds: per-client test accuracy at the '
-       f'last evaluation and averaged over the last {FLAGS.stat_window} (@last){trials}')
+       f'last evaluation and averaged over the last {window} (@last{window}){trials}')
   _say(reporting.format_table(table))
   if FLAGS.trials > 1:
     job.summaries = table

@@ -1,7 +1,7 @@
 """Callbacks and outputs: metrics.jsonl, summary JSON, PNG plots, progress bar."""
 
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -102,6 +102,18 @@ def final_summary(history: List[dict], window: int = 5) -> dict:
   return last
 
 
+def worst_clients(per_client_accuracy, client_ids: Sequence[str], k: int = 5) -> List[dict]:
+  """The ``k`` clients of lowest test accuracy at the last evaluation, by
+  id (``[{'client_id', 'accuracy'}]``, worst first; ties in client order);
+  clients without test data are left out."""
+  if per_client_accuracy is None:
+    return []
+  acc = np.array([np.nan if a is None else a for a in per_client_accuracy], np.float64)
+  has = np.flatnonzero(~np.isnan(acc))
+  order = has[np.argsort(acc[has], kind='stable')][:k]
+  return [{'client_id': client_ids[i], 'accuracy': float(acc[i])} for i in order]
+
+
 def write_summary(directory: str, summary: dict) -> str:
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, 'summary.json')
@@ -163,12 +175,18 @@ TABLE_COLUMNS = (('accuracy_mean', 'mean'), ('accuracy_worst', 'worst'),
                  ('accuracy_q10', 'q10'), ('accuracy_weighted', 'weighted'))
 
 
+def table_window(rows: Dict[str, dict]) -> int:
+  """L of the table's ``@lastL`` columns: the most evaluations a row's
+  window averaged (fewer than ``--stat_window`` on a short run)."""
+  return int(max([s.get('stat_window') or 0 for s in rows.values()] + [1]))
+
+
 def format_table(rows: Dict[str, dict], columns=TABLE_COLUMNS) -> str:
   """A plain-text table: one row per algorithm (or sweep configuration),
   accuracy columns in percent at the last evaluation and averaged over the
   last L evaluations (``@lastL``); rows of several trials show mean ± std
   over trials (``<key>_std``); a diverged row says so; epsilon when DP."""
-  window = int(max([s.get('stat_window') or 0 for s in rows.values()] + [1]))
+  window = table_window(rows)
   cols = [(k, h.format(L=window)) for k, h in columns]
   if any('dp_epsilon' in s for s in rows.values()):
     cols.append(('dp_epsilon', 'epsilon'))

@@ -1,0 +1,142 @@
+"""A reader of serialized ``tf.train.Example`` protos, of the project's own.
+
+TFF's SQLite files hold one ``tf.train.Example`` per row. Its schema
+(``tensorflow/core/example/example.proto`` and ``feature.proto``, stable
+since TensorFlow 1.0) in protobuf's wire format:
+
+- ``Example``: field 1 ``features`` (a ``Features`` message);
+- ``Features``: field 1 ``feature``, a map<string, Feature>: repeated
+  entries, each a message of field 1 ``key`` (string) and field 2 ``value``
+  (a ``Feature``);
+- ``Feature``: one of field 1 ``bytes_list``, 2 ``float_list``,
+  3 ``int64_list``, each a message whose field 1 ``value`` is repeated
+  (bytes; float, packed as little-endian float32 or one fixed32 per value;
+  int64, packed as varints or one varint per value).
+
+Reading this here keeps the loaders off another package's generated modules
+(tensorflow-datasets' ``tf_example_generated_pb2`` may move with any
+release). Packed int64 lists, as TensorFlow writes them (``[packed = true]``),
+are decoded with NumPy in one pass: an image of 3,072 pixels costs
+microseconds, not a Python loop per value.
+"""
+
+from typing import Dict, Iterator, List, Tuple, Union
+
+import numpy as np
+
+_VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5
+Value = Union[np.ndarray, List[bytes]]
+
+
+def _varint(buf: memoryview, pos: int) -> Tuple[int, int]:
+  """The varint at ``buf[pos:]`` and the position after it."""
+  result = shift = 0
+  while True:
+    if pos >= len(buf):
+      raise ValueError('truncated varint')
+    b = buf[pos]
+    pos += 1
+    result |= (b & 0x7F) << shift
+    if b < 0x80:
+      return result, pos
+    shift += 7
+    if shift >= 70:
+      raise ValueError('varint longer than 10 bytes')
+
+
+def _fields(buf: memoryview) -> Iterator[Tuple[int, int, Union[int, memoryview]]]:
+  """(field number, wire type, value) of each field of a message: an int
+  for varints, the bytes for the other wire types."""
+  pos, end = 0, len(buf)
+  while pos < end:
+    key, pos = _varint(buf, pos)
+    field, wire = key >> 3, key & 7
+    if wire == _VARINT:
+      value, pos = _varint(buf, pos)
+    elif wire in (_FIXED64, _FIXED32, _LEN):
+      if wire == _LEN:
+        n, pos = _varint(buf, pos)
+      else:
+        n = 8 if wire == _FIXED64 else 4
+      if pos + n > end:
+        raise ValueError(f'field {field} runs past the end of its message')
+      value, pos = buf[pos:pos + n], pos + n
+    else:
+      raise ValueError(f'field {field} has wire type {wire}, not in tf.train.Example')
+    yield field, wire, value
+
+
+def packed_varints(data) -> np.ndarray:
+  """Packed varints as int64 (two's complement, as protobuf's int64)."""
+  a = np.frombuffer(data, np.uint8)
+  if a.size == 0:
+    return np.zeros(0, np.int64)
+  last = a < 0x80
+  if not last[-1]:
+    raise ValueError('truncated packed varint')
+  ends = np.flatnonzero(last)
+  if ends.size == a.size:  # every value below 128: one byte each
+    return a.astype(np.int64)
+  starts = np.concatenate([[0], ends[:-1] + 1])
+  lengths = ends - starts + 1
+  longest = int(lengths.max())
+  if longest > 10:
+    raise ValueError('varint longer than 10 bytes')
+  low = (a & 0x7F).astype(np.uint64)
+  values = low[starts]
+  for k in range(1, longest):  # the k-th byte of the values that have one
+    more = lengths > k
+    values[more] |= low[starts[more] + k] << np.uint64(7 * k)
+  return values.view(np.int64)
+
+
+def _list(buf: memoryview, kind: int) -> Value:
+  """The values of a BytesList (1), FloatList (2) or Int64List (3)."""
+  if kind == 1:
+    return [bytes(v) for f, w, v in _fields(buf) if f == 1 and w == _LEN]
+  chunks = []
+  for f, w, v in _fields(buf):
+    if f != 1:
+      continue
+    if kind == 2:
+      if w not in (_LEN, _FIXED32):
+        raise ValueError(f'a float value of wire type {w}')
+      chunks.append(np.frombuffer(v, '<f4'))
+    elif w == _LEN:
+      chunks.append(packed_varints(v))
+    elif w == _VARINT:
+      chunks.append(np.asarray([v], np.uint64).view(np.int64))
+    else:
+      raise ValueError(f'an int64 value of wire type {w}')
+  dtype = np.float32 if kind == 2 else np.int64
+  return np.concatenate(chunks).astype(dtype) if chunks else np.zeros(0, dtype)
+
+
+def parse(serialized: bytes) -> Dict[str, Value]:
+  """Every feature of a serialized ``tf.train.Example``: {name: int64 or
+  float32 array, or a list of bytes}.
+
+  Raises:
+    ValueError: the bytes are not a tf.train.Example.
+  """
+  out = {}
+  for f, w, features in _fields(memoryview(serialized)):
+    if f != 1 or w != _LEN:
+      continue
+    for g, w2, entry in _fields(features):
+      if g != 1 or w2 != _LEN:
+        continue
+      key, feature = None, b''
+      for h, w3, v in _fields(entry):
+        if h == 1 and w3 == _LEN:
+          key = bytes(v).decode('utf-8')
+        elif h == 2 and w3 == _LEN:
+          feature = v
+      if key is None:
+        raise ValueError('a feature without a name')
+      value = np.zeros(0, np.int64)  # a Feature with no list set
+      for kind, w4, lst in _fields(memoryview(feature)):
+        if kind in (1, 2, 3) and w4 == _LEN:
+          value = _list(lst, kind)
+      out[key] = value
+  return out
