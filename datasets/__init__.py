@@ -16,7 +16,7 @@ from fedjax_personal.datasets import files, loaders, partition
 from fedjax_personal.datasets.partition import PARTITIONS, Partition
 
 from fedjax_personal.datasets import natural
-from fedjax_personal.datasets.natural import FILE_DATASETS
+from fedjax_personal.datasets.natural_data import NaturalData, client_id
 
 #: --dataset names; ``leaf:<name>`` is accepted too (LEAF_PREFIX).
 DATASETS = ('mnist', 'digits', 'cifar10', 'cifar100', 'emnist', 'emnist_digits', 'shakespeare',
@@ -24,11 +24,8 @@ DATASETS = ('mnist', 'digits', 'cifar10', 'cifar100', 'emnist', 'emnist_digits',
             'tfds:mnist', 'tfds:emnist', 'tfds:cifar10', 'tfds:cifar100', 'tfds:tiny_shakespeare')
 LEAF_PREFIX = 'leaf:'
 LATENT_FEATURES = ('pixels', 'embedding')
-#: Data sets with a natural partition (one client per writer, role, user).
-NATURAL = FILE_DATASETS + ('tinyshakespeare', 'synthetic', 'tfds:tiny_shakespeare')
-#: Natural data sets that have no other partition (cifar100 is pooled from
-#: the CIFAR-100 python archive under any other --partition).
-NATURAL_ONLY = tuple(d for d in NATURAL if d != 'cifar100')
+#: Natural data sets built in memory (read from files: ``natural.LOADERS``).
+POOLED_NATURAL = ('tinyshakespeare', 'synthetic', 'tfds:tiny_shakespeare')
 #: Data sets that read no file (--data_dir does nothing for them).
 NO_FILES = ('digits', 'synthetic')
 #: Sequence length of the text data sets when --seq_len is not given.
@@ -36,14 +33,18 @@ DEFAULT_SEQ_LEN = {'stackoverflow': 20}
 
 
 def is_known(dataset: str) -> bool:
-  return dataset in DATASETS or (dataset.startswith(LEAF_PREFIX) and len(dataset) > len(LEAF_PREFIX))
+  if dataset.startswith('tfds:'):  # TFDS's own names: tfds:emnist is its byclass (62 classes)
+    from fedjax_personal.datasets import tfds_loader
+    return tfds_loader.is_known(dataset[len('tfds:'):])
+  return dataset in DATASETS or natural.is_file_dataset(dataset)
 
 
 def is_natural(dataset: str, partition: str) -> bool:
-  """Whether (dataset, partition) reads a natural partition."""
-  if dataset.startswith(LEAF_PREFIX) or dataset in NATURAL_ONLY:
-    return True
-  return dataset == 'cifar100' and partition == 'natural'
+  """Whether (dataset, partition) reads a natural partition (cifar100 is
+  pooled from the CIFAR-100 python archive under any other --partition)."""
+  if dataset == 'cifar100':
+    return partition == 'natural'
+  return natural.is_file_dataset(dataset) or dataset in POOLED_NATURAL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +134,8 @@ def make_partition(cfg: DataConfig, x, y, num_classes, rng) -> Partition:
   if p not in PARTITIONS:
     raise ConfigError('partition', f'unknown partition {p!r}; choose one of {list(PARTITIONS)}')
   if p == 'natural':
-    raise ConfigError('partition', f"partition 'natural' is only for {list(NATURAL)} and "
-                      f"{LEAF_PREFIX}<name>")
+    raise ConfigError('partition', "partition 'natural' is only for "
+                      f"{sorted(natural.LOADERS) + list(POOLED_NATURAL)} and {LEAF_PREFIX}<name>")
   if cfg.latent_features not in LATENT_FEATURES:
     raise ConfigError('latent_features', f'unknown latent_features {cfg.latent_features!r}; '
                       f'choose one of {list(LATENT_FEATURES)}')
@@ -174,7 +175,8 @@ def has_own_test_split(dataset: str, partition: str, cifar100_test: str = 'split
   """Whether the data set's files split each client's examples into train
   and test, or hold the test clients (then --test_fraction does nothing)."""
   return is_natural(dataset, partition) and (dataset.startswith(LEAF_PREFIX) or (
-      dataset in FILE_DATASETS and (dataset != 'cifar100' or cifar100_test == 'tff_clients')))
+      natural.is_file_dataset(dataset) and (dataset != 'cifar100'
+                                            or cifar100_test == 'tff_clients')))
 
 
 def _check_config(cfg: DataConfig) -> None:
@@ -212,8 +214,7 @@ def load_federated(cfg: DataConfig) -> FederatedData:
   if is_natural(cfg.dataset, cfg.partition):
     if cfg.dataset in ('tinyshakespeare', 'tfds:tiny_shakespeare', 'synthetic'):
       return _pooled_natural(cfg, rng)
-    nat = natural.load(cfg.dataset, cfg.num_clients, cfg.sequence_length, cfg.data_dir,
-                       cfg.download, cfg.vocab_size, cfg.image_size, cfg.cifar100_test)
+    nat = _load_natural(cfg)
     return _split_pool([x for x, _ in nat.train], [y for _, y in nat.train], nat.num_classes,
                        cfg, rng, _natural_name(cfg, nat))
   if cfg.num_clients is None:
@@ -251,8 +252,7 @@ def load_store(cfg: DataConfig, verify: bool = False,
   _check_config(cfg)
   if not streams_to_store(cfg):
     return store_lib.PopulationStore.from_federated(load_federated(cfg))
-  nat = natural.load(cfg.dataset, cfg.num_clients, cfg.sequence_length, cfg.data_dir,
-                     cfg.download, cfg.vocab_size, cfg.image_size, cfg.cifar100_test)
+  nat = _load_natural(cfg)
   identity = {'dataset': cfg.dataset, 'num_clients': nat.num_clients,
               **({'eval_only': nat.eval_only} if nat.eval_only else {}),
               **({'vocab_size': cfg.vocab_size} if cfg.vocab_size else {}),
@@ -282,14 +282,20 @@ def load_store(cfg: DataConfig, verify: bool = False,
     raise
 
 
-def _natural_name(cfg: DataConfig, nat: natural.NaturalData) -> str:
+def _load_natural(cfg: DataConfig) -> NaturalData:
+  return natural.load(cfg.dataset, cfg.num_clients, cfg.data_dir, cfg.download,
+                      seq_len=cfg.sequence_length, vocab_size=cfg.vocab_size,
+                      image_size=cfg.image_size, cifar100_test=cfg.cifar100_test)
+
+
+def _natural_name(cfg: DataConfig, nat: NaturalData) -> str:
   n = nat.num_clients - nat.eval_only
   return (f'{cfg.dataset}/natural' + (f' (first {n} of {nat.total_clients:,} clients)'
                                       if n < nat.total_clients else '')
           + (f' + {nat.eval_only} held-out test clients' if nat.eval_only else ''))
 
 
-def _write_natural(nat: natural.NaturalData, cfg: DataConfig, writer,
+def _write_natural(nat: NaturalData, cfg: DataConfig, writer,
                    should_stop=lambda: False) -> None:
   """Writes a natural data set's clients with the files' own test split; a
   validation split (--val_fraction) is drawn from each client's training
@@ -300,7 +306,7 @@ def _write_natural(nat: natural.NaturalData, cfg: DataConfig, writer,
       raise KeyboardInterrupt
     tr, va, _ = split_client_examples(len(x), rng, 0.0, cfg.val_fraction)
     tr, va = np.sort(tr), np.sort(va)
-    writer.add((x[tr], y[tr]), (x[va], y[va]), test, client_id=natural.client_id(cid))
+    writer.add((x[tr], y[tr]), (x[va], y[va]), test, client_id=client_id(cid))
 
 
 def _pooled_natural(cfg: DataConfig, rng) -> FederatedData:

@@ -13,15 +13,22 @@ import numpy as np
 
 from fedjax_personal.errors import ConfigError
 
-# name on the command line -> (TFDS name, image key or text key, label key)
+# TFDS name (as TFDS names it; a builder config may follow: ``emnist/digits``)
+# -> (image key or text key, label key). ``emnist`` is TFDS's default config,
+# ``emnist/byclass`` (62 classes), as in TFDS.
 TFDS_DATASETS = {
-    'mnist': ('mnist', 'image', 'label'),
-    'emnist': ('emnist/digits', 'image', 'label'),
-    'emnist_byclass': ('emnist/byclass', 'image', 'label'),
-    'cifar10': ('cifar10', 'image', 'label'),
-    'cifar100': ('cifar100', 'image', 'label'),
-    'tiny_shakespeare': ('tiny_shakespeare', 'text', None),
+    'mnist': ('image', 'label'),
+    'emnist': ('image', 'label'),
+    'cifar10': ('image', 'label'),
+    'cifar100': ('image', 'label'),
+    'tiny_shakespeare': ('text', None),
 }
+
+
+def is_known(name: str) -> bool:
+  """Whether ``name`` (``<TFDS name>[/<config>]``) is a data set read here."""
+  base, _, config = name.partition('/')
+  return base in TFDS_DATASETS and (config == '' or config.replace('_', '').isalnum())
 
 
 def load_tfds(name: str, split: str = 'train', data_dir: Optional[str] = None,
@@ -33,9 +40,11 @@ def load_tfds(name: str, split: str = 'train', data_dir: Optional[str] = None,
     'tiny_shakespeare', the text of the split as a str.
   """
   import tensorflow_datasets as tfds
-  if name not in TFDS_DATASETS:
-    raise ConfigError('dataset', f'unknown tfds data set {name!r}; choose one of {sorted(TFDS_DATASETS)}')
-  tfds_name, x_key, y_key = TFDS_DATASETS[name]
+  if not is_known(name):
+    raise ConfigError('dataset', f'unknown tfds data set {name!r}; choose one of '
+                      f'{sorted(TFDS_DATASETS)} (a builder config may follow: emnist/digits)')
+  tfds_name = name
+  x_key, y_key = TFDS_DATASETS[name.partition('/')[0]]
   if download:
     tfds.builder(tfds_name, data_dir=data_dir).download_and_prepare(
         file_format='array_record')

@@ -17,7 +17,7 @@ fine-tuning, persistent client optimizer state) is the registry's job
 import dataclasses
 import math
 import typing
-from typing import Callable, ClassVar, FrozenSet, Optional, Tuple
+from typing import Callable, ClassVar, FrozenSet, Optional
 
 import jax
 import optax
@@ -25,25 +25,8 @@ import optax
 from fedjax_personal.core import server_optimizers
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.errors import ConfigError
+from fedjax_personal.hparams import hparam  # noqa: F401  (declared below core; used here)
 from fedjax_personal.core.tree_util import is_concrete
-
-
-def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None, maximum=None,
-           open_min: bool = False, open_max: bool = False, sweep: bool = False):
-  """A documented hyperparameter field.
-
-  Args:
-    default: its default (the only place it is written).
-    help: one line for ``--helpfull`` and the docs.
-    choices: allowed values of a string setting.
-    minimum, maximum: numeric bounds (closed unless ``open_min`` /
-      ``open_max``); None values (when the default is None) are allowed.
-    sweep: may be swept inside one compiled program (``--sweep``): the
-      builder only uses it arithmetically.
-  """
-  return dataclasses.field(default=default, metadata=dict(
-      help=help, choices=choices, minimum=minimum, maximum=maximum, open_min=open_min,
-      open_max=open_max, sweep=sweep))
 
 
 def field_types(cls) -> dict:

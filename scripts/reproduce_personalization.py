@@ -48,7 +48,7 @@ import numpy as np
 from fedjax_personal import algorithms
 from fedjax_personal.run import entry, reporting, reproduce
 from fedjax_personal.core.data import to_device
-from fedjax_personal.datasets import DataConfig, load_federated, natural
+from fedjax_personal.datasets import DataConfig, load_federated, stackoverflow
 from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.core.executors import create_executor
 from fedjax_personal.models import CharLSTM, create_model, from_flax
@@ -228,7 +228,7 @@ NWP_PARTIAL = [('fedavg', None), ('fedalt', 'input'), ('fedalt', 'output'), ('fe
 def generated_stackoverflow(num_users: int, seed: int, concepts: int = 100, synonyms: int = 3,
                             seq_len: int = 20, median: int = 60, personal: float = 0.5):
   """A Stack Overflow-shaped population with personal language, tokenized
-  as the Stack Overflow loader tokenizes its files (``natural.tokenize_sentences``).
+  as the Stack Overflow loader tokenizes its files (``stackoverflow.tokenize_sentences``).
 
   A shared grammar: ``concepts`` word classes with a sparse bigram chain
   (each continues to 4 classes, Zipf weights). User u renders a random third
@@ -264,7 +264,7 @@ def generated_stackoverflow(num_users: int, seed: int, concepts: int = 100, syno
       sentences.append(' '.join(text))
     held = max(2, n // 4)
     for split, part in (('train', sentences[held:]), ('test', sentences[:held])):
-      splits[split].append(natural.tokenize_sentences(part, vocab, seq_len))
+      splits[split].append(stackoverflow.tokenize_sentences(part, vocab, seq_len))
   data = {s: pad_clients([x for x, _ in v], [y for _, y in v], (seq_len,), np.int32,
                          (seq_len,)) for s, v in splits.items()}
   empty = np.zeros((num_users, 0, seq_len), np.int32)
@@ -282,7 +282,7 @@ def table_d(results):
   # ~30 sentences) with a rate tuned for the small model; server SGD 1.
   hp = dict(client_lr=0.5, batch_size=16, local_epochs=1,
             **({'client_grad_clip': FLAGS.nwp_grad_clip} if FLAGS.nwp_grad_clip else {}))
-  unscored = natural.stackoverflow_unscored(data.num_classes)
+  unscored = stackoverflow.stackoverflow_unscored(data.num_classes)
   rows = partial_table(
       data, lambda adapter: create_model('transformer_lm_tiny', data.num_classes, sample,
                                          16 if adapter else 0).scoring_only_words(unscored),

@@ -126,7 +126,7 @@ STUDY = {
 
 def data_config(scen: str) -> DataConfig:
   cpu = FLAGS.scale == 'cpu'
-  digits = 'mnist' if cpu else 'tfds:emnist'
+  digits = 'mnist' if cpu else 'tfds:emnist/digits'  # TFDS's EMNIST digits
   n = reproduce.scaled(FLAGS.num_clients, 20, 100 if scen == '2' else 20)
   per = FLAGS.examples_per_client
   common = dict(num_clients=n, seed=FLAGS.seed, data_dir=FLAGS.data_dir)

@@ -61,6 +61,12 @@ SLOW_IN_CI = {
     # the heavy-tailed tests compare every executor with a per-client loop
     'test_engine.py::test_round_matches_plain_per_client_loop[fedavg-blocked]',
     'test_populations.py::test_host_layout_equals_device_layout[fedavg-0.3-reset]',
+    'test_engine.py::test_round_matches_plain_per_client_loop[fedavg-blocked_threads]',
+    'test_scale.py::test_round_memory_is_bounded_by_state_and_one_output',
+    'test_faults.py::test_output_folder_of_another_configuration_is_refused',
+    'test_cli.py::test_fedfomo_writes_affinity_heat_maps',
+    'test_fednova_qffl.py::test_fednova_with_equal_steps_is_fedavg',
+    'test_benchmark.py::test_peer_benchmark_files_train_here[emnist-flags0]',
 }
 
 

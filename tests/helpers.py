@@ -114,3 +114,46 @@ def parse_flags(*args):
   from absl import flags
   flags.FLAGS.unparse_flags()
   flags.FLAGS(['run_experiment'] + list(args))
+
+
+#: Runs the main script's ``main`` on several command lines one after another
+#: in one child process (flags reset between them): a Python start and a JAX
+#: import once, not once per command. Prints one JSON line of [exit status,
+#: what went to stderr].
+_MAIN_DRIVER = r'''
+import contextlib, io, json, sys
+from absl import flags
+from fedjax_personal.run import cli, entry, faults
+out = []
+for args in json.loads(sys.argv[1]):
+  flags.FLAGS.unparse_flags()
+  faults._REPORTED['status'] = None  # each command line is a process of its own
+  err = io.StringIO()
+  code = 0
+  with contextlib.redirect_stderr(err):
+    try:
+      cli.main(entry.parse_flags(['run_experiment.py', *args]))
+    except SystemExit as e:
+      code = e.code if isinstance(e.code, int) else 1
+    except BaseException as e:
+      import traceback
+      code = 1
+      traceback.print_exc()
+  out.append([code, err.getvalue()[-3000:]])
+print('MAIN RUNS ' + json.dumps(out))
+'''
+
+
+def main_in_one_process(command_lines, cwd=None):
+  """[(exit status, stderr)] of ``scripts/run_experiment.py``'s ``main`` on
+  each command line (a list of arguments), run in one child process."""
+  import json
+  import os
+  import subprocess
+  import sys
+  r = subprocess.run([sys.executable, '-c', _MAIN_DRIVER, json.dumps(command_lines)], cwd=cwd,
+                     capture_output=True, text=True, timeout=900,
+                     env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  line = [l for l in r.stdout.splitlines() if l.startswith('MAIN RUNS ')]
+  assert line, r.stderr[-3000:]
+  return [tuple(x) for x in json.loads(line[0][len('MAIN RUNS '):])]

@@ -1,8 +1,8 @@
 """Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/test_sharding.py).
 
 With the argument ``full``: every model x algorithm x cohort size, a conv
-model included; otherwise (CI) the MLP with a partial cohort, sharded blocks
-and per-client state (user-centric's streams).
+model included, and sharded blocks; otherwise (CI) the MLP with a partial
+cohort and per-client state (user-centric's streams).
 """
 
 import sys
@@ -34,7 +34,7 @@ for model_name, model in models.items():
       results = {}
       executors = [('vmap', fp.executors.VmapExecutor()),
                    ('sharded', fp.executors.ShardedExecutor())]
-      if FULL or model_name == 'mlp':
+      if FULL:  # sharded blocks: the full grid (the blocked executor's own tests in CI)
         executors.append(('sharded_blocks', fp.executors.ShardedExecutor(block_size=1)))
       for name, ex in executors:
         runner = RoundRunner(alg, data, fp.CohortSampler(10, cohort_size=cohort), ex)

@@ -1,6 +1,7 @@
 """The run_experiment CLI: outputs of a small run, and bad input."""
 
 import ast
+import functools
 import glob
 import json
 import os
@@ -11,7 +12,7 @@ from absl import flags
 import pytest
 
 from fedjax_personal.run import cli
-from helpers import parse_flags
+from helpers import main_in_one_process, parse_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, 'scripts', 'run_experiment.py')
@@ -88,7 +89,8 @@ def test_oracle_without_groups():
     cli.main_job()
 
 
-@pytest.mark.parametrize('args,needle', [
+#: Command lines the main script refuses: exit status 2, one line naming this.
+EXIT_2 = [
     (['--algorithm=nope'], '--algorithm'),
     ([f'--dataset=tfds:mnist', f'--data_dir={os.path.join(ROOT, "tests")}'], 'not prepared'),
     (['--data_dir=/nonexistent/dir'], '/nonexistent/dir: --data_dir is not a folder'),
@@ -110,8 +112,30 @@ def test_oracle_without_groups():
     (['--model_init=jax'], '--model_init'),
     (['--init_weights=/nonexistent/w.npz'], '--init_weights: /nonexistent/w.npz: no such file'),
     ([f'--init_weights={os.path.join(ROOT, "setup.cfg")}'], 'unknown format'),  # not weights
-])
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _exit_2_results():
+  """The refusals of ``EXIT_2`` by the script's ``main``, run one after
+  another in one child process (a Python start and JAX import once)."""
+  return main_in_one_process([['--progress=false'] + a for a in (args for args, _ in EXIT_2)],
+                             cwd=ROOT)
+
+
+@pytest.mark.parametrize('case', range(len(EXIT_2)), ids=lambda i: EXIT_2[i][1][:40])
+def test_main_exits_2_with_one_line(case):
+  code, stderr = _exit_2_results()[case]
+  needle = EXIT_2[case][1]
+  assert code == 2, stderr
+  err = [l for l in stderr.splitlines() if l.startswith('error:')]
+  assert len(err) == 1 and needle in err[0], stderr
+  assert 'Traceback' not in stderr
+
+
+@pytest.mark.parametrize('args,needle', [EXIT_2[0], EXIT_2[15]])
 def test_script_exits_2_with_one_line(args, needle):
+  """As the process a user starts: a setting and a flag absl refuses."""
   r = subprocess.run([sys.executable, SCRIPT, '--progress=false'] + args, capture_output=True,
                      text=True, timeout=300)
   assert r.returncode == 2, r.stderr

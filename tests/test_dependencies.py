@@ -12,11 +12,14 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE_DIRS = ('fedjax_personal', 'algorithms', 'datasets')
-SCRIPT_DIRS = ('scripts',)
+SCRIPT_DIRS = ('scripts', 'benchmarks')
 OWN = {'fedjax_personal', 'helpers', 'torch_loop'}
+# The peer's code runs in its own environment (benchmarks/peers: FedJAX 0.0.17
+# with its JAX, installed by benchmarks/peers/run.py), never in this package's.
+PEER = {'fedjax'}
 # Modules whose distribution may be absent from the test environment (an
 # extra's), by their import name.
-OPTIONAL = {'torch': 'torch', 'tensorflow': 'tensorflow-cpu'}
+OPTIONAL = {'torch': 'torch', 'tensorflow': 'tensorflow-cpu', 'array_record': 'array-record'}
 
 
 def _norm(name: str) -> str:
@@ -63,7 +66,7 @@ def imports(dirs):
             continue
           for n in names:
             mod = n.split('.')[0]
-            if mod in sys.stdlib_module_names or mod in OWN:
+            if mod in sys.stdlib_module_names or mod in OWN or mod in PEER:
               continue
             found.setdefault(mod, []).append((os.path.relpath(path, ROOT), id(node) in top))
   return found

@@ -7,6 +7,7 @@ runs the README's own install and test commands (``.ci/run``). The docs'
 size limits and headings are checked too."""
 
 import configparser
+import functools
 import json
 import os
 import re
@@ -91,13 +92,44 @@ def run_script(env, words):
     assert got is not None
   if '--download' in args:  # the suite never downloads: the files, made, in --data_dir
     args = [a for a in args if a != '--download'] + [f'--data_dir={_made_data(args)}']
+  if script == MAIN_SCRIPT and not env and not launch:  # one process dry-runs them all
+    code, err = _main_dry_runs().get(tuple(args), (None, 'not batched'))
+    assert code == 0, f'{" ".join(words)}\n{err[-3000:]}'
+    return
   r = subprocess.run([sys.executable, script, *args, '--dry_run'], cwd=ROOT, capture_output=True,
                      text=True, timeout=300,
                      env={**os.environ, **env, 'JAX_PLATFORMS': 'cpu'})
   assert r.returncode == 0, f'{" ".join(words)}\n{r.stderr[-3000:]}'
 
 
+MAIN_SCRIPT = 'scripts/run_experiment.py'
+
+@functools.lru_cache(maxsize=None)
+def _main_dry_runs():
+  """{args: (exit status, stderr)} of every documented command of the main
+  script that needs no environment of its own, run in one child process."""
+  batch = []
+  for _, cmd in commands():
+    for part in cmd.split('&&'):
+      env, words = _parts(part.strip())
+      if (words[:2] == ['python', MAIN_SCRIPT] and not env
+          and not any(w.startswith(('--coordinator_address', '--num_processes', '--process_id'))
+                      for w in words)):
+        args = words[2:]
+        if '--download' in args:
+          args = [a for a in args if a != '--download'] + [f'--data_dir={_made_data(args)}']
+        batch.append(args)
+  from helpers import main_in_one_process
+  results = main_in_one_process([a + ['--dry_run'] for a in batch], cwd=ROOT)
+  return dict(zip(map(tuple, batch), results))
+
+
 def _made_data(args):
+  return _made_data_for(tuple(args))
+
+
+@functools.lru_cache(maxsize=None)
+def _made_data_for(args):
   """A folder with made files of the command's --dataset (FedJAX EMNIST:
   as many small writers as --num_clients asks for)."""
   import tempfile
@@ -128,37 +160,63 @@ def test_documented_command_runs(doc, cmd):
       pytest.fail(f'{doc}: no check for the command {cmd!r}; teach tests/test_docs.py')
 
 
-def test_readme_python_example_runs():
+def test_readme_python_example_runs(tmp_path):
+  """The README's Python, with EMNIST made in FedJAX's format in place of
+  ~/data and 2 rounds in place of 20."""
+  import numpy as np
+  import made_files
+  made_files.write_emnist(tmp_path, np.random.default_rng(0), [4, 6, 3, 5], [1, 2, 1, 1])
   (code,) = fenced('README.md', 'python')
+  assert "data_dir='~/data'" in code
   code = code.replace('num_rounds=20', 'num_rounds=2').replace('eval_every=5', 'eval_every=2')
+  code = code.replace("data_dir='~/data'", f"data_dir={str(tmp_path)!r}")
   namespace = {}
   exec(compile(code, 'README.md', 'exec'), namespace)
   assert 0 <= namespace['history'][-1]['accuracy_worst'] <= 1
+  assert namespace['store'].num_clients == 4 and namespace['x'].shape == (5, 28, 28, 1)
 
 
-def test_add_an_algorithm_tutorial_runs_as_printed(tmp_path, monkeypatch, capsys):
-  """docs/add_an_algorithm.md's file and script, exactly as printed: the
-  script registers the algorithm, which then runs through the CLI beside
-  FedAvg. With rate 0 it is FedAvg; with rate 0.5 the rounds count only the
-  clients that uploaded (num_active, bytes_up) and every sampled one in
-  num_sampled."""
+def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
+    tmp_path, monkeypatch):
+  """BUILD.md's data set of its own files (FedJAX SQLite, no URL) and
+  docs/add_an_algorithm.md's algorithm, registered by their snippets exactly
+  as printed, run through the CLI: with rate 0 the algorithm is FedAvg; with
+  rate 0.5 the rounds count only the clients that uploaded (num_active,
+  bytes_up) and every sampled one in num_sampled; summary.json names the
+  worst clients by id; a rate of 1, --download and a missing file are one
+  line each."""
+  import numpy as np
+  import made_files
   from fedjax_personal import algorithms
+  from fedjax_personal.datasets import natural
   from fedjax_personal.run import cli
   from helpers import parse_flags
-  module, script = fenced('docs/add_an_algorithm.md', 'python')
-  (tmp_path / 'fedavg_dropout.py').write_text(module)
+  (data_module,) = fenced('BUILD.md', 'python')
+  alg_module, script = fenced('docs/add_an_algorithm.md', 'python')
+  (tmp_path / 'my_writers.py').write_text(data_module)
+  (tmp_path / 'fedavg_dropout.py').write_text(alg_module)
   monkeypatch.syspath_prepend(str(tmp_path))
-  monkeypatch.delitem(sys.modules, 'fedavg_dropout', raising=False)
+  for m in ('my_writers', 'fedavg_dropout'):
+    monkeypatch.delitem(sys.modules, m, raising=False)
   monkeypatch.setattr(algorithms, 'REGISTRY', dict(algorithms.REGISTRY))
-  exec(compile(script, 'docs/add_an_algorithm.md', 'exec'), {'__name__': 'my_script'})
-  common = ('--dataset=digits', '--num_clients=8', '--cohort_size=4', '--model=logreg',
-            '--rounds=3', '--eval_every=1', '--progress=false')
+  monkeypatch.setattr(natural, 'LOADERS', dict(natural.LOADERS))
+  exec(compile('import my_writers\n' + script, 'docs', 'exec'), {'__name__': 'my_script'})
+  data = tmp_path / 'data'
+  data.mkdir()
+  rng = np.random.default_rng(1)
+  for split, sizes in (('train', [7, 3, 12, 5, 6, 4, 9, 8]), ('test', [2, 2, 3, 1, 2, 2, 1, 3])):
+    made_files.write_fedjax_sqlite(data / f'my_writers_{split}.sqlite',
+                                   made_files.emnist_clients(rng, sizes))
+  common = ('--dataset=my_writers', '--model=logreg', '--rounds=3', '--cohort_size=4',
+            '--eval_every=1', '--progress=false')
   parse_flags('--algorithm=fedavg,fedavg_dropout', '--dropout_rate=0', *common,
-              f'--output_dir={tmp_path}/zero')
+              f'--data_dir={data}', f'--output_dir={tmp_path}/zero')
   out = cli.main_job()
   assert out['fedavg_dropout']['accuracy_mean'] == out['fedavg']['accuracy_mean']
   assert out['fedavg_dropout']['total_bytes_up'] == out['fedavg']['total_bytes_up']
-  parse_flags('--algorithm=fedavg_dropout', '--dropout_rate=0.5', *common,
+  assert out['fedavg']['num_eval_clients'] == 8
+  assert out['fedavg']['worst_clients'][0]['client_id'].startswith('f000')
+  parse_flags('--algorithm=fedavg_dropout', '--dropout_rate=0.5', *common, f'--data_dir={data}',
               f'--output_dir={tmp_path}/half')
   cli.main_job()
   records = [json.loads(l) for l in open(tmp_path / 'half' / 'fedavg_dropout' / 'metrics.jsonl')]
@@ -167,8 +225,12 @@ def test_add_an_algorithm_tutorial_runs_as_printed(tmp_path, monkeypatch, capsys
   assert sum(r['num_active'] for r in rounds) < 12  # 0.5 ** 12: this seed drops someone
   per_client = out['fedavg']['total_bytes_up'] / 12
   assert all(r['bytes_up'] == r['num_active'] * per_client for r in rounds)
-  parse_flags('--algorithm=fedavg_dropout', '--dropout_rate=1', *common)
-  with pytest.raises(cli.ConfigError, match='dropout_rate'):
+  for bad, why in (('--dropout_rate=1', 'dropout_rate'), ('--download', 'my_writers has no URL')):
+    parse_flags('--algorithm=fedavg_dropout', *common, f'--data_dir={data}', bad)
+    with pytest.raises(cli.ConfigError, match=why):
+      cli.main_job()
+  parse_flags('--algorithm=fedavg_dropout', *common, f'--data_dir={tmp_path}')
+  with pytest.raises(Exception, match='my_writers_train.sqlite: not found'):
     cli.main_job()
 
 

@@ -333,7 +333,9 @@ def test_participation_sampling_and_round(digits):
   expected = 6 * 0.3 / (1 - 0.7 ** 6)
   assert abs(np.mean(counts) - expected) < 0.25
   alg = fedavg(small_mlp(digits), 6, optax.sgd(0.1), fp.Batching(16, 1))
-  for make in EXECUTORS.values():
+  # num_active comes from the server update, whatever runs the clients (the
+  # executors' equality tests cover the rest)
+  for make in (EXECUTORS['vmap'],):
     runner = RoundRunner(alg, digits, sampler, make())
     state = runner.init(jax.random.key(0))
     state, metrics = runner.round(state, jax.random.key(4))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fedjax_personal.datasets import DataConfig, cifar, load_federated, loaders, natural
+from fedjax_personal.datasets import cifar100, leaf, natural_data, shakespeare, stackoverflow
 from fedjax_personal.datasets import sqlite_formats
 from fedjax_personal.errors import ConfigError, DataError
 import made_files
@@ -71,13 +72,13 @@ def test_fedjax_client_missing_from_test_file_is_left_out_of_test(tmp_path):
 def test_fedjax_shakespeare_preprocessing_as_fedjax():
   # FedJAX's docstring example, sequence_length=3: [b'ABCD', b'E'] becomes
   # x [[BOS, A, B], [C, D, EOS], [BOS, E, PAD]], y [[A, B, C], [D, EOS, BOS], [E, EOS, PAD]].
-  t = lambda c: 3 + natural.SHAKESPEARE_VOCAB.index(c)
-  x, y = natural.shakespeare_sequences([b'ABCD', b'E'], 3)
-  B, E, P, I = natural.BOS, natural.EOS, natural.PAD, natural.IGNORE
+  t = lambda c: 3 + shakespeare.SHAKESPEARE_VOCAB.index(c)
+  x, y = shakespeare.shakespeare_sequences([b'ABCD', b'E'], 3)
+  B, E, P, I = natural_data.BOS, natural_data.EOS, natural_data.PAD, natural_data.IGNORE
   assert x.tolist() == [[B, t(b'A'), t(b'B')], [t(b'C'), t(b'D'), E], [B, t(b'E'), P]]
   assert y.tolist() == [[t(b'A'), t(b'B'), t(b'C')], [t(b'D'), E, B], [t(b'E'), E, I]]
-  assert natural.SHAKESPEARE_CLASSES == 90 and natural.SHAKESPEARE_OOV == 89
-  assert natural.shakespeare_sequences([b'\x01'], 4)[0].tolist() == [[B, 89, 0, 0]]  # OOV
+  assert shakespeare.SHAKESPEARE_CLASSES == 90 and shakespeare.SHAKESPEARE_OOV == 89
+  assert shakespeare.shakespeare_sequences([b'\x01'], 4)[0].tolist() == [[B, 89, 0, 0]]  # OOV
 
 
 def test_fedjax_shakespeare_file(tmp_path):
@@ -93,7 +94,7 @@ def test_fedjax_shakespeare_file(tmp_path):
   assert d.num_clients == 3 and d.num_classes == 90 and d.train.x.shape[2] == 80
   assert np.asarray(d.train.num_examples).tolist() == [1, 1, 3]  # 202 targets in 80s
   x, y = _rows(d, 'train', 0)
-  want_x, want_y = natural.shakespeare_sequences(list(snippets[0]), 80)
+  want_x, want_y = shakespeare.shakespeare_sequences(list(snippets[0]), 80)
   np.testing.assert_array_equal(x, want_x)
   np.testing.assert_array_equal(y, want_y)
   assert (y == -1).sum() == 80 - (len(b'To be, or not') + len(b'to be') + 3)
@@ -109,7 +110,7 @@ def test_fedjax_stackoverflow_tokens_and_vocabulary(tmp_path):
       (b'00003', tok([b'the  is']))])
   made_files.write_fedjax_sqlite(tmp_path / 'stackoverflow_test.sqlite', [
       (b'00002', tok([b'is the code'])), (b'99999', tok([b'other user']))])
-  nat = natural.load_stackoverflow(vocab_size=3, seq_len=5, data_dir=str(tmp_path))
+  nat = stackoverflow.load_data(vocab_size=3, seq_len=5, data_dir=str(tmp_path))
   assert nat.num_classes == 3 + 4 and nat.client_ids == ['00001', '00002', '00003']
   # ids: PAD 0, BOS 1, EOS 2, the 3, is 4, code 5, OOV 6 (one bucket)
   x, y = nat.train[0]
@@ -122,7 +123,7 @@ def test_fedjax_stackoverflow_tokens_and_vocabulary(tmp_path):
   assert [len(t[1]) for t in nat.test] == [0, 1, 0]  # only user 00002 posted in the test file
   assert nat.test[1][1].tolist() == [[4, 3, 5, 2, -1]]
   with pytest.raises(DataError, match='4 words, the vocabulary needs 10'):
-    natural.load_stackoverflow(vocab_size=10, data_dir=str(tmp_path))
+    stackoverflow.load_data(vocab_size=10, data_dir=str(tmp_path))
   (tmp_path / 'stackoverflow.word_count').write_text(''.join(f'w{i} {10**5 - i}\n' for i in range(10**4)))
   d = load_federated(DataConfig(dataset='stackoverflow', partition='natural', num_clients=2,
                                 data_dir=str(tmp_path)))
@@ -134,7 +135,7 @@ def test_tff_cifar100_sqlite_lzma(tmp_path, made_not_released):
   made_files.write_tff_cifar100(tmp_path / 'raw.sqlite', rng, [6, 5], [4])
   made_files.lzma_file(tmp_path / 'raw.sqlite', tmp_path / 'cifar100.sqlite.lzma')
   truth = made_files.write_tff_cifar100(tmp_path / 'again.sqlite', np.random.default_rng(3), [6, 5], [4])
-  nat = natural.load_cifar100(data_dir=str(tmp_path))
+  nat = cifar100.load_data(data_dir=str(tmp_path))
   assert nat.client_ids == ['0', '1'] and nat.total_clients == 2 and nat.split_by_fraction
   for (x, y), (_, images, labels) in zip(nat.train, truth['train']):
     np.testing.assert_array_equal(x, images)
@@ -189,15 +190,15 @@ def test_leaf_json(tmp_path):
   assert y.tolist() == femnist['f0001']['y']
   shakes = {'ROMEO': {'x': ['abc', 'bcd'], 'y': ['d', 'e']}}
   made_files.write_leaf(tmp_path, 'shakespeare', shakes, shakes)
-  nat = natural.load_leaf('shakespeare', data_dir=str(tmp_path))
-  L = natural.LEAF_LETTERS
+  nat = leaf.load_data('shakespeare', data_dir=str(tmp_path))
+  L = leaf.LEAF_LETTERS
   assert nat.train[0][0].tolist() == [[L.index(c) for c in 'abc'], [L.index(c) for c in 'bcd']]
   assert nat.train[0][1].tolist() == [L.index('d'), L.index('e')] and nat.num_classes == 80
   # LEAF's letter_to_index: an unknown character is -1 (the last row as an
   # input; a target without loss).
   made_files.write_leaf(tmp_path, 'shakespeare', {'R': {'x': ['a\u00e9c'], 'y': ['\u00e9']}},
                         {'R': {'x': ['abc'], 'y': ['d']}})
-  nat = natural.load_leaf('shakespeare', data_dir=str(tmp_path))
+  nat = leaf.load_data('shakespeare', data_dir=str(tmp_path))
   assert nat.train[0][0].tolist() == [[L.index('a'), 79, L.index('c')]]
   assert nat.train[0][1].tolist() == [-1]
   # LEAF's line_to_indices: [\w']+|[.,!?;] words, unknown and padding len(vocab).
@@ -205,8 +206,8 @@ def test_leaf_json(tmp_path):
                  'y': [1, 0]}}
   made_files.write_leaf(tmp_path, 'sent140', sent, {'u1': {'x': [['3', 'd', 'q', 'u1', 'so good']],
                                                           'y': [1]}})
-  assert natural.leaf_split_line("good day, good don't") == ['good', 'day', ',', 'good', "don't"]
-  nat = natural.load_leaf('sent140', data_dir=str(tmp_path))
+  assert leaf.leaf_split_line("good day, good don't") == ['good', 'day', ',', 'good', "don't"]
+  nat = leaf.load_data('sent140', data_dir=str(tmp_path))
   # good (2x) 0, then by word: ! 1, , 2, bad 3, day 4, don't 5; 6 unknown and padding
   assert nat.train[0][0][0, :7].tolist() == [0, 4, 2, 0, 5, 6, 6]
   assert nat.train[0][0][1, :3].tolist() == [3, 1, 6]
@@ -220,7 +221,7 @@ def test_leaf_bad_json_is_one_line(tmp_path):
   (tmp_path / 'leaf' / 'femnist' / 'train' / 'a.json').write_text('{"users": ["u"]}')
   (tmp_path / 'leaf' / 'femnist' / 'test' / 'a.json').write_text('{}')
   with pytest.raises(DataError, match=r'a.json: not a LEAF JSON file'):
-    natural.load_leaf('femnist', data_dir=str(tmp_path))
+    leaf.load_data('femnist', data_dir=str(tmp_path))
 
 
 @pytest.mark.parametrize('content,needle', [
@@ -289,8 +290,8 @@ def test_stackoverflow_accuracies_as_published(name, scored, correct):
   target too, and never predicts OOV: a miss."""
   import jax.numpy as jnp
   from fedjax_personal.core.training import per_example_stats
-  unscored, unpredicted, definition = natural.stackoverflow_accuracy(name, 7)
-  assert definition == natural.STACKOVERFLOW_ACCURACIES[name]
+  unscored, unpredicted, definition = stackoverflow.stackoverflow_accuracy(name, 7)
+  assert definition == stackoverflow.STACKOVERFLOW_ACCURACIES[name]
   logits = jnp.full((1, 4, 7), -1.0)
   logits = logits.at[0, 0, 3].set(5).at[0, 1, 6].set(5).at[0, 1, 4].set(2).at[0, 2, 2].set(5)
   y = jnp.asarray([[3, 6, 2, -1]])

@@ -16,7 +16,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from fedjax_personal.datasets import DataConfig, files, load_store, natural, sources
+from fedjax_personal.datasets import DataConfig, files, gldv2, load_store, natural, sources
 from fedjax_personal.errors import DataError
 import made_files
 from test_downloads import _Server
@@ -46,7 +46,7 @@ def test_the_seeds_users_halves_and_images(tmp_path, cache, monkeypatch):
   sizes = [51, 49, 50] + [0] * 7 + [53]
   rows = made_files.write_gldv2(tmp_path, np.random.default_rng(0), sizes)
   users = _by_user(rows)
-  monkeypatch.setattr(natural, 'GLDV2_MAX_PER_SPLIT', 26)
+  monkeypatch.setattr(gldv2, 'GLDV2_MAX_PER_SPLIT', 26)
   nat = natural.load('gldv2', data_dir=str(tmp_path), image_size=8)
   assert (nat.num_clients, nat.total_clients, nat.num_classes) == (3, 3, 2028)
   got = list(nat.stream())
@@ -55,7 +55,7 @@ def test_the_seeds_users_halves_and_images(tmp_path, cache, monkeypatch):
     n = len(users[u])
     assert (len(y), len(yt)) == (min((n + 1) // 2, 26), min(n // 2, 26))
     assert x.dtype == np.uint8 and x.shape[1:] == (8, 8, 3) and y.dtype == np.int32
-    tr, te = natural.gldv2_halves(u, n)
+    tr, te = gldv2.gldv2_halves(u, n)
     assert not set(tr) & set(te)
     for rows_, (xs, ys) in ((tr, (x, y)), (te, (xt, yt))):
       ids = [users[u][i][0] for i in rows_]

@@ -76,13 +76,17 @@ def test_synthetic_alpha_beta():
   assert d.num_clients == 8 and d.train.x.shape[2] == 60
 
 
-@pytest.mark.parametrize('name,shape', [('mnist', (28, 28, 1)), ('cifar10', (32, 32, 3))])
-def test_tfds_loader_with_mock_data(name, shape):
+@pytest.mark.parametrize('name,shape,classes', [
+    ('mnist', (28, 28, 1), 10), ('cifar10', (32, 32, 3), 10),
+    ('emnist', (28, 28, 1), 62),  # TFDS's emnist is its byclass config, as --dataset=emnist
+    ('emnist/digits', (28, 28, 1), 10)])
+def test_tfds_loader_with_mock_data(name, shape, classes):
+  """TFDS names mean what TFDS means (a builder config may follow)."""
   tfds = pytest.importorskip('tensorflow_datasets')
   from fedjax_personal.datasets.tfds_loader import load_tfds
   with tfds.testing.mock_data(num_examples=30):
     x, y, c = load_tfds(name)
-    assert x.shape == (30,) + shape and c == 10 and y.max() < 10
+    assert x.shape == (30,) + shape and c == classes and y.max() < classes
     d = load_federated(DataConfig(dataset=f'tfds:{name}', num_clients=3, alpha=1.0))
     assert d.num_clients == 3
 

@@ -10,6 +10,7 @@ import pytest
 import fedjax_personal as fp
 from fedjax_personal import algorithms
 from fedjax_personal.config import TrainingConfig
+from fedjax_personal.core import hosted_state
 from fedjax_personal.core import layout as layout_lib
 from fedjax_personal.core import store as store_lib
 from fedjax_personal.core.data import pad_clients, to_device
@@ -138,7 +139,7 @@ def test_host_layout_equals_device_layout(emnist_store, alg_name, participation,
   gradients, persistent client optimizer states) live on the host there.
   Ditto's personal models are made and evaluated 3 clients' rows at a time."""
   if alg_name == 'ditto':
-    monkeypatch.setattr(layout_lib, 'ROW_BLOCK_BYTES', 3 * 6_838 * 4)
+    monkeypatch.setattr(hosted_state, 'ROW_BLOCK_BYTES', 3 * 6_838 * 4)
   store = emnist_store
   population = store.population()
   model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,)), population.sample_x)
@@ -154,7 +155,7 @@ def test_host_layout_equals_device_layout(emnist_store, alg_name, participation,
   assert min(s[1] for s in runner.feed.shapes) < device.train.max_examples
   assert runner.hosted_rows == (alg_name not in ('fedavg', 'fedfomo') or opt_state != 'reset')
   if runner.hosted_rows:
-    assert isinstance(s_host, layout_lib.HostedState)
+    assert isinstance(s_host, hosted_state.HostedState)
     assert not any(a.shape[0] for a in jax.tree.leaves(runner.algorithm.client_rows.get(
         s_host.inner)))  # none of the rows stayed on the device
   jax.tree.map(lambda a, b: np.testing.assert_allclose(
@@ -263,7 +264,7 @@ def test_client_rows_made_block_by_block_equal_the_whole_init(block_bytes):
                              'drawn': jax.random.normal(k2, (7, 4))}}
   rows = ClientRows(get=lambda s: s['rows'], put=lambda s, r: {**s, 'rows': r})
   key = jax.random.key(3)
-  got = layout_lib.init_hosted(init, rows, key, block_bytes=block_bytes)
+  got = hosted_state.init_hosted(init, rows, key, block_bytes=block_bytes)
   want = jax.jit(init)(key)
   assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(got.rows))
   for a, b in zip(jax.tree.leaves(got.whole()), jax.tree.leaves(want)):
@@ -525,6 +526,7 @@ def test_clients_by_id_in_python_and_the_cli(tmp_path, capsys):
   parse_flags(*common, f'--data_dir={alone_dir}', f'--output_dir={tmp_path}/file')
   assert _numbers(by_id) == _numbers(cli.main_job()['fedavg'])
   written = json.loads((tmp_path / 'by_id' / 'fedavg' / 'summary.json').read_text())
+  assert written['client_ids'] == ['f0001_01', 'f0003_03', 'f0004_04']  # per_client_accuracy's
   worst = written['worst_clients']
   assert sorted(w['client_id'] for w in worst) == ['f0001_01', 'f0003_03', 'f0004_04']
   assert [w['accuracy'] for w in worst] == sorted(w['accuracy'] for w in worst)

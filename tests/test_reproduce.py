@@ -45,7 +45,7 @@ def test_scales_resolve_to_the_documented_sizes():
   assert 'max_examples=20000' in cpu['scenario 3']  # 1,000 CIFAR-10 images per user
   paper = resolved('reproduce_user_centric.py', '--scale=paper')
   assert (paper['trials'], paper['rounds']) == ('5', '50')
-  assert "dataset='tfds:emnist'" in paper['scenario 2']
+  assert "dataset='tfds:emnist/digits'" in paper['scenario 2']
   assert 'num_clients=100' in paper['scenario 2'] and 'max_examples=100000' in paper['scenario 2']
   assert 'max_examples=10000' in paper['scenario 1']
   assert 'max_examples=None' in paper['scenario 3']  # all 60,000: 3,000 per user

@@ -291,14 +291,14 @@ def test_next_word_accuracy_scores_in_vocabulary_targets_only():
   PAD, BOS, EOS or OOV (Reddi et al.'s and the seed's), by hand."""
   from fedjax_personal.core.training import per_example_stats
   from fedjax_personal.core.engine import summarize
-  from fedjax_personal.datasets import natural
+  from fedjax_personal.datasets import stackoverflow
   v = 7  # PAD 0, BOS 1, EOS 2, words 3-5, OOV 6
   y = jnp.array([[3, 4, 2, -1], [6, 5, 5, 2]])
   pred = jnp.array([[3, 0, 2, 0], [6, 5, 4, 2]])  # right on 3, EOS, OOV, 5, EOS
   logits = jax.nn.one_hot(pred, v) * 5.0
   logits = logits.at[0, 1, 4].set(4.0).at[1, 2, 5].set(3.0)  # second guesses: 4, then 5
   stats = per_example_stats(logits, y, jnp.array([True, True]),
-                            unscored=natural.stackoverflow_unscored(v), top_k=2)
+                            unscored=stackoverflow.stackoverflow_unscored(v), top_k=2)
   assert float(stats.count) == 7 and float(stats.scored) == 4  # words 3, 4 / 5, 5
   assert float(stats.correct) == 2  # 3 and the first 5
   assert float(stats.correct_top_k) == 4  # all four in the top 2

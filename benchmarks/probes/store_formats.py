@@ -2,6 +2,7 @@
 row slices) against the same clients as array_record records (one record
 per client, what grain's ArrayRecordDataSource serves).
 
+  pip install -e '.[probes]'   # array_record
   python benchmarks/probes/store_formats.py --work_dir=/tmp/probe
 """
 
@@ -10,7 +11,10 @@ import sys
 import time
 
 import numpy as np
-from array_record.python import array_record_module
+try:
+  from array_record.python import array_record_module
+except ImportError:  # declared by the [probes] extra
+  sys.exit("error: this probe needs array_record: pip install -e '.[probes]'")
 
 from fedjax_personal.core.store import StoreWriter, open_store
 

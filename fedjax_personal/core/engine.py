@@ -17,9 +17,12 @@ import numpy as np
 from fedjax_personal.core.algorithm import FederatedAlgorithm, RoundContext
 from fedjax_personal.core.data import FederatedData, LocalData, PackedClientData
 from fedjax_personal.core import executors as executors_lib
+from fedjax_personal.core import hosted_state
 from fedjax_personal.core import layout as layout_lib
 from fedjax_personal.core import memory
 from fedjax_personal.core.executors import Executor
+from fedjax_personal.core.evaluation_stats import (  # noqa: F401  (the engine's API)
+    evaluation_record, per_client_accuracy, summarize)
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.core.training import ClientContext, LossStats, evaluate_params
 
@@ -456,12 +459,12 @@ class RoundRunner:
       if next_key is not None:
         self.feed.request(next_key, rnd + 1)
       idx, mask = jax.device_get((cohort.idx, cohort.mask))
-      full = cr.put(inner, layout_lib.gather_rows(rows, idx))
+      full = cr.put(inner, hosted_state.gather_rows(rows, idx))
       full, metrics = work(full, key, jnp.asarray(rnd, jnp.int32), train, val,
                            cohort.with_gathered_rows(host.num_clients), donate)
-      layout_lib.scatter_rows(rows, idx, mask & (idx < host.num_clients), cr.get(full))
-      inner = cr.put(full, layout_lib.empty_rows(rows))
-      return layout_lib.HostedState(inner, rows, cr), {**metrics, **ph}
+      hosted_state.scatter_rows(rows, idx, mask & (idx < host.num_clients), cr.get(full))
+      inner = cr.put(full, hosted_state.empty_rows(rows))
+      return hosted_state.HostedState(inner, rows, cr), {**metrics, **ph}
     self._round = round_hosted if self.hosted_rows else round_host
     self._evaluate = self._host_evaluation()
 
@@ -486,7 +489,7 @@ class RoundRunner:
     blocks of ``host.block`` clients gathered from the store. With hosted
     client rows, a block's models come from a state holding the block's
     rows (``ClientRows``' contract), client j of the block using model j,
-    and a block holds ``layout.ROW_BLOCK_BYTES`` of rows at most."""
+    and a block holds ``hosted_state.ROW_BLOCK_BYTES`` of rows at most."""
     alg, ex, host = self.algorithm, self.executor, self.host
     test_counts = host.counts('test')
     groups = eval_buckets(test_counts, int(test_counts.max(initial=0)))
@@ -512,7 +515,7 @@ class RoundRunner:
       block = host.block
       if by_rows:
         rows = state.rows
-        block = layout_lib.rows_per_block(rows, host.block)  # the gathered rows bounded
+        block = hosted_state.rows_per_block(rows, host.block)  # the gathered rows bounded
       else:  # the models do not read hosted rows: the state without them serves
         state = state.inner if self.hosted_rows else state
         models = state if ex.fused else models_j(state)
@@ -523,7 +526,7 @@ class RoundRunner:
           positions = jnp.arange(len(b_ids), dtype=jnp.int32)
           model_of = ids_j
           if by_rows:
-            block_state = alg.client_rows.put(state.inner, layout_lib.gather_rows(rows, b_ids))
+            block_state = alg.client_rows.put(state.inner, hosted_state.gather_rows(rows, b_ids))
             models = block_state if ex.fused else models_j(block_state)
             model_of = positions
           stats = block_fn(finetune, length)(
@@ -537,18 +540,18 @@ class RoundRunner:
 
   def init(self, key):
     """The algorithm's initial state (placed where the executor keeps it;
-    with hosted client rows, a ``layout.HostedState``)."""
+    with hosted client rows, a ``hosted_state.HostedState``)."""
     if self._state_shardings is not None:  # made where it lives (every process its shards)
       return jax.jit(self.algorithm.init, out_shardings=self._state_shardings)(key)
     if not self.hosted_rows:
       return jax.jit(self.algorithm.init)(key)
     # Client rows need not fit the accelerator: made on the CPU backend.
-    return layout_lib.init_hosted(self.algorithm.init, self.algorithm.client_rows, key)
+    return hosted_state.init_hosted(self.algorithm.init, self.algorithm.client_rows, key)
 
   def whole_state(self, state):
     """The algorithm's state with every client's rows in it (a
     ``HostedState`` joined; any other state as it is)."""
-    return state.whole() if isinstance(state, layout_lib.HostedState) else state
+    return state.whole() if isinstance(state, hosted_state.HostedState) else state
 
   def compiled_text(self, state, key, round_num: int = 0) -> str:
     """XLA's compiled HLO of one fused round (with a sharded executor, its
@@ -581,59 +584,3 @@ class RoundRunner:
     if ft and self.algorithm.finetune is None:
       raise ValueError(f'algorithm {self.algorithm.name} has no fine-tuning step')
     return self._evaluate(state, key, bool(ft))
-
-
-def summarize(stats: LossStats) -> dict:
-  """Summary of per-client test metrics.
-
-  Returns the unweighted mean accuracy over clients with test data, the mean
-  weighted by test size, the worst and best client, quantiles
-  10/25/50/75/90, and the weighted mean loss.
-  """
-  correct = np.asarray(stats.correct, np.float64)
-  count = np.asarray(stats.count, np.float64)
-  scored = np.asarray(stats.accuracy_denominator, np.float64)
-  loss = np.asarray(stats.loss_sum, np.float64)
-  has = scored > 0
-  acc = correct[has] / scored[has]
-  if acc.size == 0:
-    return {'accuracy_mean': float('nan')}
-  q = np.quantile(acc, [0.1, 0.25, 0.5, 0.75, 0.9])
-  return {
-      'accuracy_mean': float(acc.mean()),
-      'accuracy_weighted': float(correct.sum() / scored.sum()),
-      'accuracy_worst': float(acc.min()),
-      'accuracy_best': float(acc.max()),
-      'accuracy_q10': float(q[0]), 'accuracy_q25': float(q[1]),
-      'accuracy_median': float(q[2]), 'accuracy_q75': float(q[3]),
-      'accuracy_q90': float(q[4]),
-      'loss_weighted': float(loss.sum() / count.sum()),
-      **_top_k_summary(stats, has, scored),
-      'num_eval_clients': int(has.sum()),
-      # Clients without test examples: excluded from every statistic above
-      # (their per-client accuracy is written as null).
-      'num_excluded_clients': int((~has).sum()),
-  }
-
-
-def _top_k_summary(stats: LossStats, has, scored) -> dict:
-  """Mean and weighted top-k accuracy when the model reports it."""
-  if stats.correct_top_k is None:
-    return {}
-  top = np.asarray(stats.correct_top_k, np.float64)
-  if np.isnan(top).all():  # the model computes no top-k
-    return {}
-  return {'accuracy_top_k_mean': float((top[has] / scored[has]).mean()),
-          'accuracy_top_k_weighted': float(top.sum() / scored.sum())}
-
-
-def evaluation_record(stats: LossStats) -> dict:
-  """What an evaluated round adds to its record: the summary and the
-  per-client accuracies."""
-  return {**summarize(stats), 'per_client_accuracy': per_client_accuracy(stats).tolist()}
-
-
-def per_client_accuracy(stats: LossStats) -> np.ndarray:
-  """Accuracy of each client on its test split (NaN without test data)."""
-  scored = np.asarray(stats.accuracy_denominator, np.float64)
-  return np.where(scored > 0, np.asarray(stats.correct) / np.maximum(scored, 1), np.nan)

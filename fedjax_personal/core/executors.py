@@ -20,7 +20,6 @@ picks per platform and model, ``_auto`` says why), never to an algorithm.
 import abc
 import concurrent.futures
 import dataclasses
-import functools
 import os
 from typing import Any, Callable, Optional, Sequence
 
@@ -33,161 +32,16 @@ from fedjax_personal.core import aggregation
 from fedjax_personal.core import host
 from fedjax_personal.core import training
 from fedjax_personal.core import tree_util
+from fedjax_personal.core.work_layout import (active_mask, block_loop, client_fn, join_owned,
+                                              join_parts, limited_client, map_stacked,
+                                              scan_blocks, traced_work_layout, work_layout,
+                                              work_steps)
 
 EXECUTOR_NAMES = ('auto', 'vmap', 'blocked', 'sequential', 'sharded')
 
 # make_ctx(shared_all, client) -> (ClientContext, key): builds one client's
 # context from what is shared by the round and the client's stacked inputs.
 MakeContext = Callable[[Any, Any], tuple]
-
-
-def _active_mask(active, c):
-  return jnp.ones(c, bool) if active is None else jnp.asarray(active, bool)
-
-
-def _client_fn(fn, shared, per_client):
-  """``pos -> fn(shared, client inputs at cohort position pos)``."""
-  return lambda pos: fn(shared, tree_util.client_slice(per_client, pos))
-
-
-def _map_stacked(f, out):
-  """Applies ``f`` to the stacked (non-``Sum``) leaves of executor outputs."""
-  return jax.tree.map(lambda n: n if aggregation.is_sum(n) else jax.tree.map(f, n), out,
-                      is_leaf=aggregation.is_sum)
-
-
-def _scan_blocks(block_fn, positions, valid, rows=None, count=None):
-  """Runs ``block_fn`` over blocks of cohort positions ([nb, bs], or a
-  pytree of [nb, ...] arrays: what each block receives) in a loop: ``Sum``
-  outputs are reduced over each block's valid slots and accumulated in the
-  loop carry (nothing of them is stacked); other outputs are stacked [nb,
-  bs, ...], or, with ``rows = (c, [nb, bs] cohort rows)``, written in place
-  into [c, ...] buffers in the carry at each block's rows (a row of c or
-  more is dropped), so that they come out in cohort order without a second
-  stacked copy (rows left unwritten are zeros). With ``count`` (a traced
-  int, ``rows`` required) only the first ``count`` blocks run (a
-  ``fori_loop``): empty blocks cost nothing.
-  """
-  def body(pos, ok):
-    return aggregation.sum_clients(block_fn(pos), ok)
-
-  # Traced once (the jaxpr gives the carry's shapes and is the loop body).
-  closed, shape = jax.make_jaxpr(body, return_shape=True)(
-      jax.tree.map(lambda a: a[0], positions), valid[0])
-  body_fn = jax.extend.core.jaxpr_as_fun(closed)
-  out_tree = jax.tree.structure(shape)
-  nodes, treedef = jax.tree.flatten(shape, is_leaf=aggregation.is_sum)
-  flags = [aggregation.is_sum(n) for n in nodes]
-  init = [jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), n.value)
-          for n, f in zip(nodes, flags) if f]
-  bufs = None
-  if rows is not None:
-    c, rows = rows
-    bufs = [jax.tree.map(lambda a: jnp.zeros((c,) + a.shape[1:], a.dtype), n)
-            for n, f in zip(nodes, flags) if not f]
-
-  def step(carry, xs):
-    acc, bufs = carry
-    leaves, ok, at = xs
-    out = jax.tree.unflatten(out_tree, body_fn(*leaves, ok))
-    out = jax.tree.flatten(out, is_leaf=aggregation.is_sum)[0]
-    sums = [n.value for n, f in zip(out, flags) if f]
-    stacked = [n for n, f in zip(out, flags) if not f]
-    acc = jax.tree.map(jnp.add, acc, sums)
-    if bufs is None:
-      return (acc, None), stacked
-    bufs = jax.tree.map(lambda b, o: b.at[at].set(o, mode='drop'), bufs, stacked)
-    return (acc, bufs), None
-
-  xs = (jax.tree.leaves(positions), valid, rows)
-  if count is None:
-    (acc, bufs), stacked = jax.lax.scan(step, (init, bufs), xs)
-  else:
-    (acc, bufs) = jax.lax.fori_loop(
-        0, count, lambda i, carry: step(carry, jax.tree.map(lambda a: a[i], xs))[0], (init, bufs))
-  acc, stacked = iter(acc), iter(stacked if bufs is None else bufs)
-  return treedef.unflatten([aggregation.Sum(next(acc)) if f else next(stacked) for f in flags])
-
-
-def _work_steps(work, make_ctx, shared, per_client, active):
-  """Each cohort client's real local step count (traced int32 [C]; 0 for an
-  inactive slot), read off its own batches (``training.work_num_steps``)."""
-  c = tree_util.cohort_size(per_client)
-
-  def one(pos):
-    ctx, key = make_ctx(shared, tree_util.client_slice(per_client, pos))
-    return training.work_num_steps(work, ctx, key)
-  return jnp.where(_active_mask(active, c), jax.vmap(one)(jnp.arange(c)), 0)
-
-
-def _limited_client(work, make_ctx, shared, per_client):
-  """``(pos, limit) -> output``: the client at cohort position ``pos`` runs
-  its first ``limit`` steps (``training.run_work``)."""
-  def client(pos, limit):
-    ctx, key = make_ctx(shared, tree_util.client_slice(per_client, pos))
-    return training.run_work(work, ctx, key, limit)
-  return client
-
-
-def _blocks_by_work(steps, active, bs: int, xp):
-  """The cohort sorted by real step count (longest first; inactive slots
-  last) and cut into blocks of ``bs`` neighbours: (pos [nb, bs] cohort
-  positions, ok [nb, bs] real slots, limit [nb] each block's longest
-  client's steps). ``xp`` is ``np`` (host ints) or ``jnp`` (traced)."""
-  c = steps.shape[0]
-  bs = min(bs, c)
-  nb = -(-c // bs)
-  key = -xp.where(active, steps, -1)
-  order = np.argsort(key, kind='stable') if xp is np else jnp.argsort(key, stable=True)
-  slots = xp.arange(nb * bs)
-  at = order[slots % c]
-  pos = at.reshape(nb, bs)
-  ok = ((slots < c) & active[at]).reshape(nb, bs)
-  limit = xp.max(xp.where(ok, steps[pos], 0), axis=-1).astype(xp.int32)
-  return pos, ok, limit
-
-
-def work_layout(steps, active, bs: int, parts: int = 1):
-  """Blocks of clients by work (host ints, ``_blocks_by_work``); with
-  ``parts`` > 1, the blocks assigned to the parts longest first, each to the
-  part with the least work so far (LPT scheduling), so that host threads
-  finish together. Inactive slots are never in a block.
-
-  A block then runs as many steps as its longest client (``training.run_work``
-  with ``limit``), and since its clients are neighbours in the sorted order
-  that is close to each one's own work: a round costs about the cohort's
-  real steps / ``bs`` block steps instead of ``blocks * S`` (S the padded
-  maximum).
-
-  Returns:
-    (pos [parts, nb, bs] cohort positions, ok [parts, nb, bs] real slots,
-    limit [parts, nb] block step counts, count [parts] blocks each part
-    runs; its first ``count`` blocks hold its clients). ``nb`` is the
-    cohort's number of blocks (a part may get them all).
-  """
-  steps, active = np.asarray(steps), np.asarray(active, bool)
-  b_pos, b_ok, b_limit = _blocks_by_work(steps, active, bs, np)
-  nb, bs = b_pos.shape
-  pos = np.zeros((parts, nb, bs), np.int32)
-  ok = np.zeros((parts, nb, bs), bool)
-  limit = np.zeros((parts, nb), np.int32)
-  count = np.zeros(parts, np.int32)
-  load = np.zeros(parts)
-  for b in np.flatnonzero(b_ok.any(-1)):  # longest first
-    t = int(np.argmin(load))
-    pos[t, count[t]], ok[t, count[t]], limit[t, count[t]] = b_pos[b], b_ok[b], b_limit[b]
-    count[t] += 1
-    load[t] += b_limit[b] + 1  # + 1: a block's fixed cost (init, final)
-  return pos, ok, limit, count
-
-
-def traced_work_layout(steps, active, bs: int):
-  """``work_layout`` with one part, on traced arrays (inside a compiled
-  round): (pos [nb, bs], ok, limit [nb], count of blocks holding active
-  clients: they come first)."""
-  pos, ok, limit = _blocks_by_work(steps, active, bs, jnp)
-  bs = pos.shape[1]
-  return pos, ok, limit, (jnp.sum(active.astype(jnp.int32)) + bs - 1) // bs
 
 
 class Executor(abc.ABC):
@@ -259,18 +113,18 @@ class VmapExecutor(Executor):
   def map(self, fn, shared, per_client, active=None):
     c = tree_util.cohort_size(per_client)
     with training.unroll_steps(False):
-      out = jax.vmap(_client_fn(fn, shared, per_client))(jnp.arange(c))
-    return aggregation.sum_clients(out, _active_mask(active, c))
+      out = jax.vmap(client_fn(fn, shared, per_client))(jnp.arange(c))
+    return aggregation.sum_clients(out, active_mask(active, c))
 
   def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None):
     """The cohort's steps loop as long as its longest active client's work
     (not the padded maximum)."""
     c = tree_util.cohort_size(per_client)
-    steps = _work_steps(work, make_ctx, shared, per_client, active)
-    client = _limited_client(work, make_ctx, shared, per_client)
+    steps = work_steps(work, make_ctx, shared, per_client, active)
+    client = limited_client(work, make_ctx, shared, per_client)
     with training.unroll_steps(False):
       out = jax.vmap(client, in_axes=(0, None))(jnp.arange(c), jnp.max(steps))
-    return aggregation.sum_clients(out, _active_mask(active, c))
+    return aggregation.sum_clients(out, active_mask(active, c))
 
 
 @dataclasses.dataclass
@@ -329,7 +183,7 @@ class BlockedExecutor(Executor):
     blocks = -(-c // bs)
     nb = -(-blocks // parts)  # blocks per part
     slots = np.arange(parts * nb * bs)
-    valid = (_active_mask(active, c)[slots % c] & (slots < c)).reshape(parts, nb, bs)
+    valid = (active_mask(active, c)[slots % c] & (slots < c)).reshape(parts, nb, bs)
     return (slots % c).reshape(parts, nb, bs), valid
 
   def map(self, fn, shared, per_client, active=None):
@@ -337,10 +191,10 @@ class BlockedExecutor(Executor):
     if not self.fused:
       return self._threaded_map(fn, shared, per_client, active, c)
     pos, valid = self._layout(c, active, 1)
-    client = _client_fn(fn, shared, per_client)
+    client = client_fn(fn, shared, per_client)
     with training.unroll_steps(False):
-      out = _scan_blocks(jax.vmap(client), jnp.asarray(pos[0]), valid[0])
-    return _map_stacked(lambda o: o.reshape((-1,) + o.shape[2:])[:c], out)
+      out = scan_blocks(jax.vmap(client), jnp.asarray(pos[0]), valid[0])
+    return map_stacked(lambda o: o.reshape((-1,) + o.shape[2:])[:c], out)
 
   def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None):
     """Client work in blocks of clients of similar work (``work_layout``):
@@ -350,9 +204,9 @@ class BlockedExecutor(Executor):
     c = tree_util.cohort_size(per_client)
     if not self.fused:
       return self._threaded_work(work, make_ctx, shared, per_client, active, c)
-    steps = _work_steps(work, make_ctx, shared, per_client, active)
-    pos, ok, limit, count = traced_work_layout(steps, _active_mask(active, c), self.block_size)
-    return _block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c)
+    steps = work_steps(work, make_ctx, shared, per_client, active)
+    pos, ok, limit, count = traced_work_layout(steps, active_mask(active, c), self.block_size)
+    return block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c)
 
   def _threaded_work(self, work, make_ctx, shared, per_client, active, c):
     """The threaded form of ``run_work``: the step counts computed first (one
@@ -362,11 +216,11 @@ class BlockedExecutor(Executor):
     key = ('work', work, make_ctx)
     if key not in self._compiled:  # one set of functions per (work, make_ctx): compiled once
       self._compiled[key] = (
-          jax.jit(lambda sh, pc, act: _work_steps(work, make_ctx, sh, pc, act)),
-          jax.jit(lambda sh, pc, p, lim, ok, n: _block_loop(
+          jax.jit(lambda sh, pc, act: work_steps(work, make_ctx, sh, pc, act)),
+          jax.jit(lambda sh, pc, p, lim, ok, n: block_loop(
               work, make_ctx, sh, pc, p, lim, ok, n, tree_util.cohort_size(pc))))
     steps_fn, loop = self._compiled[key]
-    act = np.asarray(_active_mask(active, c))
+    act = np.asarray(active_mask(active, c))
     steps = np.asarray(steps_fn(shared, per_client, act))
     parts = max(1, min(self.num_threads, -(-int(act.sum()) // min(self.block_size, c))))
     pos, ok, limit, count = work_layout(steps, act, self.block_size, parts)
@@ -376,7 +230,7 @@ class BlockedExecutor(Executor):
     owner = np.zeros(c, np.int32)
     for t in range(parts):
       owner[pos[t][ok[t]]] = t
-    return _join_owned(outs, owner)
+    return join_owned(outs, owner)
 
   def _threaded_map(self, fn, shared, per_client, active, c):
     if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((shared, per_client))):
@@ -387,59 +241,11 @@ class BlockedExecutor(Executor):
     if ('map', fn) not in self._compiled:
       def loop(sh, pc, p, v):
         with training.unroll_steps(False):
-          return _scan_blocks(jax.vmap(_client_fn(fn, sh, pc)), p, v)
+          return scan_blocks(jax.vmap(client_fn(fn, sh, pc)), p, v)
       self._compiled[('map', fn)] = jax.jit(loop)
     loop = self._compiled[('map', fn)]
     outs = list(self._pool.map(lambda t: loop(shared, per_client, pos[t], valid[t]), range(parts)))
-    return _join_parts(outs, c)
-
-
-def _block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c):
-  """The first ``count`` blocks (``pos`` [nb, bs], ``limit`` [nb]) of client
-  work vectorized within a block, each block ``limit`` steps; stacked
-  outputs written at their cohort rows of [c, ...] buffers."""
-  client = _limited_client(work, make_ctx, shared, per_client)
-  if pos.shape[-1] == 1:  # one client a block: its own shapes, no batched matmuls of one
-    block = lambda x: jax.tree.map(lambda a: a[None], client(x[0][0], x[1]))
-  else:
-    block = lambda x: jax.vmap(client, in_axes=(0, None))(*x)
-  with training.unroll_steps(False):
-    return _scan_blocks(block, (pos, limit), ok, rows=(c, jnp.where(ok, pos, c)), count=count)
-
-
-@jax.jit
-def _join_owned(outs, owner):
-  """Threaded outputs in cohort order: ``Sum`` values added over the parts,
-  row i of stacked outputs from part ``owner[i]`` (the part that ran it)."""
-  nodes = [jax.tree.flatten(o, is_leaf=aggregation.is_sum)[0] for o in outs]
-  treedef = jax.tree.structure(outs[0], is_leaf=aggregation.is_sum)
-
-  def pick(*xs):
-    out = xs[0]
-    for t, x in enumerate(xs[1:], 1):
-      out = jnp.where((owner == t).reshape((-1,) + (1,) * (x.ndim - 1)), x, out)
-    return out
-
-  def join(*ns):
-    if aggregation.is_sum(ns[0]):
-      return aggregation.Sum(jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns]))
-    return jax.tree.map(pick, *ns)
-  return treedef.unflatten([join(*ns) for ns in zip(*nodes)])
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _join_parts(outs, c):
-  """Threaded blocked outputs: ``Sum`` values added over the parts, stacked
-  outputs ([nb, bs, ...] per part) concatenated in slot order, first ``c``."""
-  nodes = [jax.tree.flatten(o, is_leaf=aggregation.is_sum)[0] for o in outs]
-  treedef = jax.tree.structure(outs[0], is_leaf=aggregation.is_sum)
-
-  def join(*ns):
-    if aggregation.is_sum(ns[0]):
-      return aggregation.Sum(jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns]))
-    return jax.tree.map(lambda *xs: jnp.concatenate(
-        [x.reshape((-1,) + x.shape[2:]) for x in xs])[:c], *ns)
-  return treedef.unflatten([join(*ns) for ns in zip(*nodes)])
+    return join_parts(outs, c)
 
 
 @dataclasses.dataclass
@@ -604,11 +410,11 @@ class ShardedExecutor(Executor):
     d = self.mesh.devices.size
     padded = -(-c // d) * d
     slots = np.arange(padded)
-    valid = _active_mask(active, c)[slots % c] & (slots < c)
+    valid = active_mask(active, c)[slots % c] & (slots < c)
     constrain = lambda a: jax.lax.with_sharding_constraint(a, self.spec)
     # The cohort's inputs, gathered and spread over the devices.
     pc = jax.tree.map(constrain, tree_util.client_slice(per_client, slots % c))
-    client = _client_fn(fn, shared, pc)
+    client = client_fn(fn, shared, pc)
     with training.unroll_steps(False):
       if self.block_size:
         per_device = padded // d
@@ -618,14 +424,14 @@ class ShardedExecutor(Executor):
         local = np.arange(nb * bs) % per_device
         pos = (np.arange(d)[:, None] * per_device + local[None]).reshape(d, nb, bs)
         ok = valid[pos] & (np.arange(nb * bs) < per_device).reshape(1, nb, bs)
-        out = jax.vmap(lambda p, v: _scan_blocks(jax.vmap(client), p, v))(jnp.asarray(pos), ok)
+        out = jax.vmap(lambda p, v: scan_blocks(jax.vmap(client), p, v))(jnp.asarray(pos), ok)
         out = jax.tree.map(lambda n: aggregation.Sum(jax.tree.map(lambda a: a.sum(0), n.value))
                            if aggregation.is_sum(n) else n, out, is_leaf=aggregation.is_sum)
-        out = _map_stacked(lambda o: o.reshape((d, nb * bs) + o.shape[3:])[:, :per_device]
+        out = map_stacked(lambda o: o.reshape((d, nb * bs) + o.shape[3:])[:, :per_device]
                            .reshape((padded,) + o.shape[3:]), out)
       else:
         out = aggregation.sum_clients(jax.vmap(client)(jnp.arange(padded)), valid)
-    return _map_stacked(lambda o: constrain(o)[:c], out)
+    return map_stacked(lambda o: constrain(o)[:c], out)
 
 
 def _has_conv(jaxpr) -> bool:

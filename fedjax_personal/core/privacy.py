@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from fedjax_personal.config import hparam
+from fedjax_personal.hparams import hparam
 from fedjax_personal.errors import ConfigError
 
 

@@ -16,8 +16,8 @@ from typing import List, Optional
 import jax
 import orbax.checkpoint as ocp
 
-from fedjax_personal.core import layout
-from fedjax_personal.core.layout import HostedState
+from fedjax_personal.core import hosted_state
+from fedjax_personal.core.hosted_state import HostedState
 from fedjax_personal.run import faults, run_identity
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.run.experiment import Callback
@@ -43,7 +43,7 @@ def from_saveable(saved, template):
   if isinstance(template, list):
     return [from_saveable(s, t) for s, t in zip(saved, template)]
   if isinstance(template, HostedState):
-    return layout.hosted(from_saveable(saved, template.whole()), template.client_rows)
+    return hosted_state.hosted(from_saveable(saved, template.whole()), template.client_rows)
   return jax.tree.map(lambda s, t: jax.random.wrap_key_data(s, impl=jax.random.key_impl(t))
                       if _is_key(t) else s, saved, template)
 
@@ -55,7 +55,7 @@ def _abstract(template):
     return [_abstract(t) for t in template]
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, to_saveable(template))
   if isinstance(template, HostedState):
-    abstract = layout.rows_on_cpu(abstract, template.client_rows)
+    abstract = hosted_state.rows_on_cpu(abstract, template.client_rows)
   return abstract
 
 

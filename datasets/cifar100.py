@@ -1,0 +1,57 @@
+"""Federated CIFAR-100 (Reddi et al., "Adaptive Federated Optimization",
+arXiv 2003.00295) from TFF's ``cifar100.sqlite.lzma``: 500 train clients of
+100 images by Pachinko allocation over the coarse and fine labels, and 100
+test clients, read as TFF writes them (``sqlite_formats.read_tff``).
+"""
+
+import numpy as np
+
+from fedjax_personal.datasets import sources, sqlite_formats
+from fedjax_personal.datasets.natural_data import NaturalData, client_id, take
+from fedjax_personal.errors import ConfigError, DataError
+
+
+CIFAR100_FEATURES = {'image': (32, 32, 3), 'label': (), 'coarse_label': ()}
+
+
+CIFAR100_TESTS = ('split', 'tff_clients')
+
+
+def load_data(num_clients=None, data_dir=None, download=False,
+              cifar100_test: str = 'split') -> NaturalData:
+  """Federated CIFAR-100 (TFF's ``cifar100.sqlite``: 500 train clients of 100
+  images, Pachinko allocation over the coarse and fine labels; 100 test
+  clients of 100 images).
+
+  Args:
+    num_clients: the first N train clients (None: all 500).
+    cifar100_test: ``'tff_clients'``: the train clients keep all their images and
+      TFF's test clients follow them as held-out clients (``eval_only``,
+      ids ``test/<id>``), as Reddi et al. (arXiv 2003.00295) evaluate;
+      ``'split'``: train clients only, their images split with
+      --test_fraction (``split_by_fraction``).
+  """
+  if cifar100_test not in CIFAR100_TESTS:
+    raise ConfigError('cifar100_test', f'unknown {cifar100_test!r}; choose one of {list(CIFAR100_TESTS)}')
+  path = sources.fetch('cifar100', data_dir, download)['cifar100.sqlite.lzma']
+  total = sqlite_formats.tff_num_clients(path, 'train')
+  n = take(total, num_clients, 'cifar100')
+  held_out = sqlite_formats.tff_num_clients(path, 'test') if cifar100_test == 'tff_clients' else 0
+  if cifar100_test == 'tff_clients' and held_out == 0:
+    raise DataError(f'{path}: no test client (--cifar100_test=tff_clients needs TFF\'s test '
+                    'split); use --cifar100_test=split')
+
+  def images(cid, ex):
+    if ex['image'].size and (ex['image'].min() < 0 or ex['image'].max() > 255):
+      raise DataError(f'{path}: client {cid}: pixel values outside [0, 255]')
+    return ex['image'].astype(np.uint8), ex['label'].astype(np.int32)
+
+  def stream():
+    none = (np.zeros((0, 32, 32, 3), np.uint8), np.zeros((0,), np.int32))
+    for cid, ex in sqlite_formats.read_tff(path, 'train', CIFAR100_FEATURES, limit=n):
+      yield cid, images(cid, ex), none
+    if held_out:
+      for cid, ex in sqlite_formats.read_tff(path, 'test', CIFAR100_FEATURES):
+        yield f'test/{client_id(cid)}', none, images(cid, ex)
+  return NaturalData(stream, n + held_out, 100, total, [str(path)],
+                     split_by_fraction=not held_out, eval_only=held_out)

@@ -1,0 +1,118 @@
+"""What every natural data set's reader returns, and the pieces they share.
+
+A natural data set is read client by client from its published files
+(one module each: ``emnist``, ``shakespeare``, ``stackoverflow``,
+``cifar100``, ``leaf``, ``gldv2``; the registry is ``natural``). Each
+module's ``load_data`` returns a ``NaturalData``: the clients' ids and
+``(x, y)`` train and test examples as the files split them, streamed.
+
+Padded target positions of sequences are ``IGNORE`` (-1): left out of the
+loss and the accuracy (``core.training.per_example_stats``). Clients without
+test examples are trained and left out of the test statistics (counted).
+"""
+
+import collections
+import dataclasses
+from typing import Callable, Iterator, List, Optional
+
+import numpy as np
+
+from fedjax_personal.datasets import sqlite_formats
+from fedjax_personal.errors import ConfigError, DataError
+
+IGNORE = -1  # a padded target position
+PAD, BOS, EOS = 0, 1, 2  # token ids of the sequence data sets (FedJAX's)
+
+
+@dataclasses.dataclass
+class NaturalData:
+  """Per-client examples as the files split them, read client by client.
+
+  Attributes:
+    stream: ``stream()`` yields ``(client_id, (x, y) train, (x, y) test)``
+      per client in the file's order, reading as it goes (a population
+      larger than memory is written to the population store this way).
+    num_clients: clients it yields.
+    num_classes: output classes.
+    total_clients: clients in the file (before --num_clients).
+    files: the files read (their contents' SHA-256 are the store's identity).
+    split_by_fraction: True when the file's test split holds other clients,
+      so the train clients' examples are split with --test_fraction.
+    eval_only: how many clients at the end of ``stream`` have only test
+      examples (held-out clients, evaluated and never trained).
+  """
+  stream: Callable[[], Iterator[tuple]]
+  num_clients: int
+  num_classes: int
+  total_clients: int
+  files: List[str] = dataclasses.field(default_factory=list)
+  split_by_fraction: bool = False
+  eval_only: int = 0
+
+  def _all(self):
+    if not hasattr(self, '_cache'):
+      self._cache = list(self.stream())
+    return self._cache
+
+  @property
+  def train(self) -> List[tuple]:
+    return [tr for _, tr, _ in self._all()]
+
+  @property
+  def test(self) -> List[tuple]:
+    return [te for _, _, te in self._all()]
+
+  @property
+  def client_ids(self) -> List[str]:
+    return [client_id(c) for c, _, _ in self._all()]
+
+
+def listed(ids, train, test):
+  """A ``stream`` over clients already in memory."""
+  return lambda: iter(zip(ids, train, test or [None] * len(train)))
+
+
+def take(total: int, num_clients: Optional[int], dataset: str) -> int:
+  """How many of ``total`` clients to read (``--num_clients``; None: all)."""
+  if num_clients is None:
+    return total
+  if num_clients > total:
+    raise ConfigError('num_clients', f'{dataset} has {total:,} clients; --num_clients='
+                      f'{num_clients} is too many')
+  return num_clients
+
+
+def client_id(c) -> str:
+  """A client id as text (SQLite files may hold bytes)."""
+  return c.decode('utf-8', 'replace') if isinstance(c, bytes) else str(c)
+
+
+def fedjax_splits(dataset, train_path, test_path, num_clients, convert) -> NaturalData:
+  """Train clients of a FedJAX file (first N) with their test examples,
+  streamed: each train client's test record is looked up as it is read."""
+  total = sqlite_formats.fedjax_num_clients(train_path)
+  n = take(total, num_clients, dataset)
+  empty = lambda like: tuple(np.zeros((0,) + a.shape[1:], a.dtype) for a in like)
+
+  def stream():
+    wanted = collections.deque()
+
+    def ids():
+      while True:
+        yield wanted.popleft()
+    tests = sqlite_formats.read_fedjax(test_path, client_ids=ids())
+    for cid, ex in sqlite_formats.read_fedjax(train_path, limit=n):
+      train = converted(convert, ex, train_path)
+      wanted.append(cid)
+      test_ex = next(tests)[1]
+      yield cid, train, (converted(convert, test_ex, test_path) if test_ex else empty(train))
+  return NaturalData(stream, n, 0, total, [str(train_path), str(test_path)])
+
+
+def converted(convert, examples, path):
+  """``convert(examples)``, a malformed record a DataError naming ``path``."""
+  try:
+    return convert(examples)
+  except (KeyError, ValueError, TypeError, IndexError) as e:
+    raise DataError(f'{path}: a client record lacks the expected features ({type(e).__name__}: '
+                    f'{e})') from None

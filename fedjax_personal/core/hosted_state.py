@@ -1,0 +1,139 @@
+"""Per-client state on the host layout: an algorithm's client rows (personal
+models, control variates, FedDyn's gradients, persistent client optimizer
+states; ``FederatedAlgorithm.client_rows``) kept with the population on the
+host (``HostedState``), made in blocks of clients (``init_hosted``); a round
+receives its cohort's rows gathered by index and its new rows are scattered
+back (``Cohort.rows`` tells the algorithm where they are).
+"""
+
+from typing import Any, Optional
+
+from flax import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@struct.dataclass
+class HostedState:
+  """The host layout's state of an algorithm with client rows.
+
+  Attributes:
+    inner: the algorithm's state with its client rows left out (empty
+      [0, ...] leaves), on the device.
+    rows: every client's rows, host (numpy) arrays [N, ...]; each round
+      writes its cohort's rows in place (the loop consumes the state it
+      passes to a round, as with donation on the device).
+    client_rows: the algorithm's ``ClientRows`` (static).
+  """
+  inner: Any
+  rows: Any
+  client_rows: Any = struct.field(pytree_node=False, default=None)
+
+  def whole(self):
+    """The algorithm's state with every client's rows in it (what the
+    device layout holds, and what a checkpoint saves in both layouts)."""
+    return self.client_rows.put(self.inner, self.rows)
+
+  @staticmethod
+  def split(whole, client_rows) -> 'HostedState':
+    """A whole state (consumed) with its client rows moved to the host, leaf
+    by leaf: each device leaf is freed once copied, so the move holds one
+    leaf twice, not every row."""
+    moved = {}  # id -> copy: a leaf that appears twice is copied once
+
+    def move(a):
+      if id(a) not in moved:
+        moved[id(a)] = np.array(a)
+        if isinstance(a, jax.Array):
+          a.delete()
+      return moved[id(a)]
+    rows = jax.tree.map(move, client_rows.get(whole))
+    return HostedState(client_rows.put(whole, empty_rows(rows)), rows, client_rows)
+
+
+def cpu_device():
+  """The CPU backend's device: where the host layout makes and reads client
+  rows, so that they never have to fit the accelerator."""
+  return jax.devices('cpu')[0]
+
+
+#: Bytes of client rows one block of clients holds (init, evaluation).
+ROW_BLOCK_BYTES = 1 << 28
+
+
+def rows_per_block(rows, most: int, block_bytes: Optional[int] = None) -> int:
+  """Clients per block: at most ``most``, their rows ``block_bytes`` at most
+  (default ROW_BLOCK_BYTES), one client at least."""
+  block_bytes = ROW_BLOCK_BYTES if block_bytes is None else block_bytes
+  per_row = sum(int(np.prod(a.shape[1:])) * np.dtype(a.dtype).itemsize
+                for a in jax.tree.leaves(rows))
+  return int(max(1, min(most, block_bytes // max(per_row, 1))))
+
+
+def init_hosted(init, client_rows, key, block_bytes: Optional[int] = None) -> HostedState:
+  """The state ``init(key)`` makes, as a ``HostedState``: its client rows
+  computed on the CPU backend a block of clients at a time (one compiled
+  slice of the rows, ``block_bytes`` at most, default ROW_BLOCK_BYTES) and
+  written straight into
+  numpy, so that making them holds the rows once plus a block (not the whole
+  state and then its copy); the rest of the state on the default device."""
+  cpu = cpu_device()
+  key = jax.device_put(key, cpu)
+  shapes = client_rows.get(jax.eval_shape(init, key))
+  n = jax.tree.leaves(shapes)[0].shape[0]
+  b = rows_per_block(shapes, n, block_bytes)
+
+  def without_rows(k):
+    state = init(k)
+    return client_rows.put(state, empty_rows(client_rows.get(state)))
+
+  def rows_block(k, lo):
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lo, b),
+                        client_rows.get(init(k)))
+  with jax.default_device(cpu):
+    inner = jax.jit(without_rows)(key)
+    rows = jax.tree.map(lambda a: np.empty(a.shape, a.dtype), shapes)
+    block = jax.jit(rows_block)
+    for lo in range(0, n, b):
+      lo = min(lo, n - b)  # the last block overlaps the one before: one shape
+      for dst, src in zip(jax.tree.leaves(rows), jax.tree.leaves(block(key, lo))):
+        dst[lo:lo + b] = np.asarray(src)
+  return HostedState(jax.device_put(inner, jax.devices()[0]), rows, client_rows)
+
+
+def hosted(whole, client_rows) -> HostedState:
+  """A whole state made or read on the CPU backend as a ``HostedState``: the
+  rows moved to numpy, the rest put on the default device."""
+  state = HostedState.split(whole, client_rows)
+  return state.replace(inner=jax.device_put(state.inner, jax.devices()[0]))
+
+
+def rows_on_cpu(abstract, client_rows):
+  """An abstract whole state (ShapeDtypeStructs) whose client rows are to be
+  read onto the CPU backend (a checkpoint restored in the host layout)."""
+  cpu = jax.sharding.SingleDeviceSharding(cpu_device())
+  rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu),
+                      client_rows.get(abstract))
+  return client_rows.put(abstract, rows)
+
+
+def empty_rows(rows):
+  """[0, ...] leaves in the place of client rows (the state between rounds)."""
+  return jax.tree.map(lambda a: jnp.zeros((0,) + tuple(a.shape[1:]), a.dtype), rows)
+
+
+def gather_rows(rows, idx: np.ndarray):
+  """Rows ``idx`` (clipped to the population, as the device layout's gathers
+  clip a padded slot) as device arrays."""
+  n = jax.tree.leaves(rows)[0].shape[0]
+  safe = np.minimum(np.asarray(idx), n - 1)
+  return jax.tree.map(lambda a: jnp.asarray(a[safe]), rows)
+
+
+def scatter_rows(rows, idx: np.ndarray, valid: np.ndarray, new) -> None:
+  """``rows[idx[valid]] = new[valid]``, leaf by leaf, in place on the host."""
+  idx, valid = np.asarray(idx), np.asarray(valid, bool)
+  for a, b in zip(jax.tree.leaves(rows), jax.tree.leaves(jax.device_get(new))):
+    a[idx[valid]] = np.asarray(b)[valid]

@@ -1,0 +1,214 @@
+"""Where each client of a cohort runs: work layouts and the block loops.
+
+A cohort's clients are grouped into blocks by their real local steps
+(``work_layout``): a block steps as long as its longest client, idle cohort
+slots never run, so a heavy-tailed cohort costs its real work. The
+executors (``core/executors.py``) run client work through these pieces.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_personal.core import aggregation
+from fedjax_personal.core import training
+from fedjax_personal.core import tree_util
+
+
+def active_mask(active, c):
+  return jnp.ones(c, bool) if active is None else jnp.asarray(active, bool)
+
+
+def client_fn(fn, shared, per_client):
+  """``pos -> fn(shared, client inputs at cohort position pos)``."""
+  return lambda pos: fn(shared, tree_util.client_slice(per_client, pos))
+
+
+def map_stacked(f, out):
+  """Applies ``f`` to the stacked (non-``Sum``) leaves of executor outputs."""
+  return jax.tree.map(lambda n: n if aggregation.is_sum(n) else jax.tree.map(f, n), out,
+                      is_leaf=aggregation.is_sum)
+
+
+def scan_blocks(block_fn, positions, valid, rows=None, count=None):
+  """Runs ``block_fn`` over blocks of cohort positions ([nb, bs], or a
+  pytree of [nb, ...] arrays: what each block receives) in a loop: ``Sum``
+  outputs are reduced over each block's valid slots and accumulated in the
+  loop carry (nothing of them is stacked); other outputs are stacked [nb,
+  bs, ...], or, with ``rows = (c, [nb, bs] cohort rows)``, written in place
+  into [c, ...] buffers in the carry at each block's rows (a row of c or
+  more is dropped), so that they come out in cohort order without a second
+  stacked copy (rows left unwritten are zeros). With ``count`` (a traced
+  int, ``rows`` required) only the first ``count`` blocks run (a
+  ``fori_loop``): empty blocks cost nothing.
+  """
+  def body(pos, ok):
+    return aggregation.sum_clients(block_fn(pos), ok)
+
+  # Traced once (the jaxpr gives the carry's shapes and is the loop body).
+  closed, shape = jax.make_jaxpr(body, return_shape=True)(
+      jax.tree.map(lambda a: a[0], positions), valid[0])
+  body_fn = jax.extend.core.jaxpr_as_fun(closed)
+  out_tree = jax.tree.structure(shape)
+  nodes, treedef = jax.tree.flatten(shape, is_leaf=aggregation.is_sum)
+  flags = [aggregation.is_sum(n) for n in nodes]
+  init = [jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), n.value)
+          for n, f in zip(nodes, flags) if f]
+  bufs = None
+  if rows is not None:
+    c, rows = rows
+    bufs = [jax.tree.map(lambda a: jnp.zeros((c,) + a.shape[1:], a.dtype), n)
+            for n, f in zip(nodes, flags) if not f]
+
+  def step(carry, xs):
+    acc, bufs = carry
+    leaves, ok, at = xs
+    out = jax.tree.unflatten(out_tree, body_fn(*leaves, ok))
+    out = jax.tree.flatten(out, is_leaf=aggregation.is_sum)[0]
+    sums = [n.value for n, f in zip(out, flags) if f]
+    stacked = [n for n, f in zip(out, flags) if not f]
+    acc = jax.tree.map(jnp.add, acc, sums)
+    if bufs is None:
+      return (acc, None), stacked
+    bufs = jax.tree.map(lambda b, o: b.at[at].set(o, mode='drop'), bufs, stacked)
+    return (acc, bufs), None
+
+  xs = (jax.tree.leaves(positions), valid, rows)
+  if count is None:
+    (acc, bufs), stacked = jax.lax.scan(step, (init, bufs), xs)
+  else:
+    (acc, bufs) = jax.lax.fori_loop(
+        0, count, lambda i, carry: step(carry, jax.tree.map(lambda a: a[i], xs))[0], (init, bufs))
+  acc, stacked = iter(acc), iter(stacked if bufs is None else bufs)
+  return treedef.unflatten([aggregation.Sum(next(acc)) if f else next(stacked) for f in flags])
+
+
+def work_steps(work, make_ctx, shared, per_client, active):
+  """Each cohort client's real local step count (traced int32 [C]; 0 for an
+  inactive slot), read off its own batches (``training.work_num_steps``)."""
+  c = tree_util.cohort_size(per_client)
+
+  def one(pos):
+    ctx, key = make_ctx(shared, tree_util.client_slice(per_client, pos))
+    return training.work_num_steps(work, ctx, key)
+  return jnp.where(active_mask(active, c), jax.vmap(one)(jnp.arange(c)), 0)
+
+
+def limited_client(work, make_ctx, shared, per_client):
+  """``(pos, limit) -> output``: the client at cohort position ``pos`` runs
+  its first ``limit`` steps (``training.run_work``)."""
+  def client(pos, limit):
+    ctx, key = make_ctx(shared, tree_util.client_slice(per_client, pos))
+    return training.run_work(work, ctx, key, limit)
+  return client
+
+
+def blocks_by_work(steps, active, bs: int, xp):
+  """The cohort sorted by real step count (longest first; inactive slots
+  last) and cut into blocks of ``bs`` neighbours: (pos [nb, bs] cohort
+  positions, ok [nb, bs] real slots, limit [nb] each block's longest
+  client's steps). ``xp`` is ``np`` (host ints) or ``jnp`` (traced)."""
+  c = steps.shape[0]
+  bs = min(bs, c)
+  nb = -(-c // bs)
+  key = -xp.where(active, steps, -1)
+  order = np.argsort(key, kind='stable') if xp is np else jnp.argsort(key, stable=True)
+  slots = xp.arange(nb * bs)
+  at = order[slots % c]
+  pos = at.reshape(nb, bs)
+  ok = ((slots < c) & active[at]).reshape(nb, bs)
+  limit = xp.max(xp.where(ok, steps[pos], 0), axis=-1).astype(xp.int32)
+  return pos, ok, limit
+
+
+def work_layout(steps, active, bs: int, parts: int = 1):
+  """Blocks of clients by work (host ints, ``blocks_by_work``); with
+  ``parts`` > 1, the blocks assigned to the parts longest first, each to the
+  part with the least work so far (LPT scheduling), so that host threads
+  finish together. Inactive slots are never in a block.
+
+  A block then runs as many steps as its longest client (``training.run_work``
+  with ``limit``), and since its clients are neighbours in the sorted order
+  that is close to each one's own work: a round costs about the cohort's
+  real steps / ``bs`` block steps instead of ``blocks * S`` (S the padded
+  maximum).
+
+  Returns:
+    (pos [parts, nb, bs] cohort positions, ok [parts, nb, bs] real slots,
+    limit [parts, nb] block step counts, count [parts] blocks each part
+    runs; its first ``count`` blocks hold its clients). ``nb`` is the
+    cohort's number of blocks (a part may get them all).
+  """
+  steps, active = np.asarray(steps), np.asarray(active, bool)
+  b_pos, b_ok, b_limit = blocks_by_work(steps, active, bs, np)
+  nb, bs = b_pos.shape
+  pos = np.zeros((parts, nb, bs), np.int32)
+  ok = np.zeros((parts, nb, bs), bool)
+  limit = np.zeros((parts, nb), np.int32)
+  count = np.zeros(parts, np.int32)
+  load = np.zeros(parts)
+  for b in np.flatnonzero(b_ok.any(-1)):  # longest first
+    t = int(np.argmin(load))
+    pos[t, count[t]], ok[t, count[t]], limit[t, count[t]] = b_pos[b], b_ok[b], b_limit[b]
+    count[t] += 1
+    load[t] += b_limit[b] + 1  # + 1: a block's fixed cost (init, final)
+  return pos, ok, limit, count
+
+
+def traced_work_layout(steps, active, bs: int):
+  """``work_layout`` with one part, on traced arrays (inside a compiled
+  round): (pos [nb, bs], ok, limit [nb], count of blocks holding active
+  clients: they come first)."""
+  pos, ok, limit = blocks_by_work(steps, active, bs, jnp)
+  bs = pos.shape[1]
+  return pos, ok, limit, (jnp.sum(active.astype(jnp.int32)) + bs - 1) // bs
+
+
+def block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c):
+  """The first ``count`` blocks (``pos`` [nb, bs], ``limit`` [nb]) of client
+  work vectorized within a block, each block ``limit`` steps; stacked
+  outputs written at their cohort rows of [c, ...] buffers."""
+  client = limited_client(work, make_ctx, shared, per_client)
+  if pos.shape[-1] == 1:  # one client a block: its own shapes, no batched matmuls of one
+    block = lambda x: jax.tree.map(lambda a: a[None], client(x[0][0], x[1]))
+  else:
+    block = lambda x: jax.vmap(client, in_axes=(0, None))(*x)
+  with training.unroll_steps(False):
+    return scan_blocks(block, (pos, limit), ok, rows=(c, jnp.where(ok, pos, c)), count=count)
+
+
+@jax.jit
+def join_owned(outs, owner):
+  """Threaded outputs in cohort order: ``Sum`` values added over the parts,
+  row i of stacked outputs from part ``owner[i]`` (the part that ran it)."""
+  nodes = [jax.tree.flatten(o, is_leaf=aggregation.is_sum)[0] for o in outs]
+  treedef = jax.tree.structure(outs[0], is_leaf=aggregation.is_sum)
+
+  def pick(*xs):
+    out = xs[0]
+    for t, x in enumerate(xs[1:], 1):
+      out = jnp.where((owner == t).reshape((-1,) + (1,) * (x.ndim - 1)), x, out)
+    return out
+
+  def join(*ns):
+    if aggregation.is_sum(ns[0]):
+      return aggregation.Sum(jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns]))
+    return jax.tree.map(pick, *ns)
+  return treedef.unflatten([join(*ns) for ns in zip(*nodes)])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def join_parts(outs, c):
+  """Threaded blocked outputs: ``Sum`` values added over the parts, stacked
+  outputs ([nb, bs, ...] per part) concatenated in slot order, first ``c``."""
+  nodes = [jax.tree.flatten(o, is_leaf=aggregation.is_sum)[0] for o in outs]
+  treedef = jax.tree.structure(outs[0], is_leaf=aggregation.is_sum)
+
+  def join(*ns):
+    if aggregation.is_sum(ns[0]):
+      return aggregation.Sum(jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns]))
+    return jax.tree.map(lambda *xs: jnp.concatenate(
+        [x.reshape((-1,) + x.shape[2:]) for x in xs])[:c], *ns)
+  return treedef.unflatten([join(*ns) for ns in zip(*nodes)])
