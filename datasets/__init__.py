@@ -10,7 +10,8 @@ from typing import Optional
 import numpy as np
 
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.core.data import FederatedData, build_federated_data, split_client_examples
+from fedjax_personal.core.data import (FederatedData, client_splits, pad_clients,
+                                       split_client_examples)
 from fedjax_personal.core import store as store_lib
 from fedjax_personal.datasets import files, loaders, partition
 from fedjax_personal.datasets.partition import PARTITIONS, Partition
@@ -200,6 +201,41 @@ def streams_to_store(cfg: DataConfig) -> bool:
   return has_own_test_split(cfg.dataset, cfg.partition, cfg.cifar100_test)
 
 
+@dataclasses.dataclass
+class PooledClients:
+  """A data set built in memory (a partitioned pool, Tiny Shakespeare,
+  Synthetic, CIFAR-100 split per client), client by client and unpadded:
+  ``padded()`` for the device layout, ``store()`` for the host layout.
+
+  Attributes:
+    splits: ``{split: ([x_i], [y_i])}`` (``core.data.client_splits``).
+    groups: int32 [N] known groups, or None.
+    num_classes, name: as FederatedData's.
+    x_spec: (shape, dtype) of one input example; y_shape: of one target.
+  """
+  splits: dict
+  groups: Optional[np.ndarray]
+  num_classes: int
+  name: str
+  x_spec: tuple
+  y_shape: tuple = ()
+
+  def _groups(self):
+    n = len(self.splits['train'][0])
+    return -np.ones(n, np.int32) if self.groups is None else np.asarray(self.groups, np.int32)
+
+  def padded(self) -> FederatedData:
+    x_shape, x_dtype = self.x_spec
+    out = {k: pad_clients(xs, ys, x_shape, x_dtype, self.y_shape, np.int32)
+           for k, (xs, ys) in self.splits.items()}
+    return FederatedData(**out, groups=self._groups(), num_classes=self.num_classes,
+                         name=self.name)
+
+  def store(self) -> store_lib.PopulationStore:
+    return store_lib.PopulationStore.from_clients(self.splits, self._groups(), self.num_classes,
+                                                  self.name, self.x_spec, self.y_shape)
+
+
 def load_federated(cfg: DataConfig) -> FederatedData:
   """Builds the FederatedData described by ``cfg`` (numpy leaves, every
   client padded to the largest: the device layout).
@@ -210,6 +246,13 @@ def load_federated(cfg: DataConfig) -> FederatedData:
   _check_config(cfg)
   if streams_to_store(cfg):
     return load_store(cfg).padded()
+  return pooled_clients(cfg).padded()
+
+
+def pooled_clients(cfg: DataConfig) -> PooledClients:
+  """The clients of a data set built in memory (not read client by client
+  from its files: ``streams_to_store`` is False), unpadded."""
+  _check_config(cfg)
   rng = np.random.default_rng(cfg.seed)
   if is_natural(cfg.dataset, cfg.partition):
     if cfg.dataset in ('tinyshakespeare', 'tfds:tiny_shakespeare', 'synthetic'):
@@ -223,10 +266,10 @@ def load_federated(cfg: DataConfig) -> FederatedData:
   if cfg.num_clients > len(y):
     raise ConfigError('num_clients', f'num_clients={cfg.num_clients} exceeds the {len(y)} examples of {cfg.dataset}')
   part = make_partition(cfg, x, y, num_classes, rng)
-  return build_federated_data(x, y, part.client_indices, part.num_classes or num_classes, rng,
-                              cfg.test_fraction, cfg.val_fraction, groups=part.groups,
-                              client_transform=part.client_transform,
-                              name=f'{cfg.dataset}/{cfg.partition}')
+  splits = client_splits(x, y, part.client_indices, rng, cfg.test_fraction, cfg.val_fraction,
+                         part.client_transform)
+  return PooledClients(splits, part.groups, part.num_classes or num_classes,
+                       f'{cfg.dataset}/{cfg.partition}', (x.shape[1:], x.dtype), y.shape[1:])
 
 
 def load_store(cfg: DataConfig, verify: bool = False,
@@ -250,8 +293,8 @@ def load_store(cfg: DataConfig, verify: bool = False,
       the build (``KeyboardInterrupt``, nothing of it kept).
   """
   _check_config(cfg)
-  if not streams_to_store(cfg):
-    return store_lib.PopulationStore.from_federated(load_federated(cfg))
+  if not streams_to_store(cfg):  # built in memory, stored without padding
+    return pooled_clients(cfg).store()
   nat = _load_natural(cfg)
   identity = {'dataset': cfg.dataset, 'num_clients': nat.num_clients,
               **({'eval_only': nat.eval_only} if nat.eval_only else {}),
@@ -309,7 +352,7 @@ def _write_natural(nat: NaturalData, cfg: DataConfig, writer,
     writer.add((x[tr], y[tr]), (x[va], y[va]), test, client_id=client_id(cid))
 
 
-def _pooled_natural(cfg: DataConfig, rng) -> FederatedData:
+def _pooled_natural(cfg: DataConfig, rng) -> PooledClients:
   """Tiny Shakespeare by role and FedProx's synthetic clients: each client's
   examples split with --test_fraction / --val_fraction."""
   n = cfg.num_clients or 20
@@ -327,8 +370,9 @@ def _pooled_natural(cfg: DataConfig, rng) -> FederatedData:
   return _split_pool(xs, ys, num_classes, cfg, rng, f'{cfg.dataset}/natural')
 
 
-def _split_pool(xs, ys, num_classes, cfg, rng, name) -> FederatedData:
+def _split_pool(xs, ys, num_classes, cfg, rng, name) -> PooledClients:
   x, y = np.concatenate(xs), np.concatenate(ys)
   offs = np.cumsum([0] + [len(a) for a in xs])
-  return build_federated_data(x, y, [np.arange(offs[i], offs[i + 1]) for i in range(len(xs))],
-                              num_classes, rng, cfg.test_fraction, cfg.val_fraction, name=name)
+  splits = client_splits(x, y, [np.arange(offs[i], offs[i + 1]) for i in range(len(xs))], rng,
+                         cfg.test_fraction, cfg.val_fraction)
+  return PooledClients(splits, None, num_classes, name, (x.shape[1:], x.dtype), y.shape[1:])

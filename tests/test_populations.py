@@ -538,3 +538,28 @@ def test_clients_by_id_in_python_and_the_cli(tmp_path, capsys):
                 f'--output_dir={tmp_path}/bad')
     with pytest.raises(ConfigError, match=why):
       cli.main_job()
+
+
+@pytest.mark.parametrize('cfg', [
+    DataConfig(dataset='digits', partition='dirichlet', num_clients=12, alpha=0.3,
+               val_fraction=0.1),
+    DataConfig(dataset='digits', partition='rotation', num_clients=8, num_groups=2),
+    DataConfig(dataset='synthetic', partition='natural', num_clients=6)],
+    ids=['dirichlet', 'rotation', 'synthetic'])
+def test_data_built_in_memory_reaches_the_store_unpadded(cfg):
+  """A partitioned pool (or Synthetic) goes to the population store client
+  by client without a padded copy; padded again it is load_federated's
+  data, and its run identity (the padded arrays' fingerprint, computed
+  from the store) is the one earlier runs have."""
+  from fedjax_personal.run import run_identity
+  store = load_store(cfg)
+  from fedjax_personal.datasets import load_federated
+  padded = load_federated(cfg)
+  assert run_identity.padded_fingerprint(store) == run_identity.data_fingerprint(padded)
+  assert store.digest == store_lib.PopulationStore.from_federated(padded).digest
+  again = store.padded()
+  for split in ('train', 'val', 'test'):
+    for field in ('x', 'y', 'num_examples'):
+      np.testing.assert_array_equal(getattr(getattr(again, split), field),
+                                    getattr(getattr(padded, split), field))
+  np.testing.assert_array_equal(again.groups, padded.groups)

@@ -195,6 +195,25 @@ def split_client_examples(num_examples: int, rng: np.random.Generator,
   return train, val, test
 
 
+def client_splits(x: np.ndarray, y: np.ndarray, client_indices: Sequence[np.ndarray],
+                  rng: np.random.Generator, test_fraction: float = 0.2,
+                  val_fraction: float = 0.0, client_transform=None) -> dict:
+  """Each client's train / val / test examples of a pool, unpadded:
+  ``{split: ([x_i], [y_i])}`` (see ``build_federated_data`` for the
+  arguments; the population store is made from these without padding)."""
+  splits = {'train': ([], []), 'val': ([], []), 'test': ([], [])}
+  for i, idx in enumerate(client_indices):
+    idx = np.asarray(idx, dtype=np.int64)
+    xi, yi = x[idx], y[idx]
+    if client_transform is not None:
+      xi, yi = client_transform(i, xi, yi)
+    tr, va, te = split_client_examples(len(idx), rng, test_fraction, val_fraction)
+    for key, part in (('train', tr), ('val', va), ('test', te)):
+      splits[key][0].append(xi[part])
+      splits[key][1].append(yi[part])
+  return splits
+
+
 def build_federated_data(x: np.ndarray, y: np.ndarray,
                          client_indices: Sequence[np.ndarray],
                          num_classes: int,
@@ -221,16 +240,8 @@ def build_federated_data(x: np.ndarray, y: np.ndarray,
   Returns:
     FederatedData with numpy leaves (moved to device by ``jax.device_put``).
   """
-  splits = {'train': ([], []), 'val': ([], []), 'test': ([], [])}
-  for i, idx in enumerate(client_indices):
-    idx = np.asarray(idx, dtype=np.int64)
-    xi, yi = x[idx], y[idx]
-    if client_transform is not None:
-      xi, yi = client_transform(i, xi, yi)
-    tr, va, te = split_client_examples(len(idx), rng, test_fraction, val_fraction)
-    for key, part in (('train', tr), ('val', va), ('test', te)):
-      splits[key][0].append(xi[part])
-      splits[key][1].append(yi[part])
+  splits = client_splits(x, y, client_indices, rng, test_fraction, val_fraction,
+                         client_transform)
   x_shape, y_shape = x.shape[1:], y.shape[1:]
   out = {k: pad_clients(v[0], v[1], x_shape, x.dtype, y_shape, np.int32)
          for k, v in splits.items()}

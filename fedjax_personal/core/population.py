@@ -299,6 +299,30 @@ class PopulationStore:
     return total
 
   @staticmethod
+  def from_clients(splits: dict, groups, num_classes: int, name: str, x_spec: tuple,
+                   y_shape: tuple = ()) -> 'PopulationStore':
+    """An in-memory store of per-client examples, unpadded: ``splits`` is
+    ``{split: ([x_i], [y_i])}`` (``core.data.client_splits``); x is kept in
+    ``x_spec``'s (shape, dtype), y as int32. Its digest is that of
+    ``from_federated`` of the same clients padded."""
+    x_shape, x_dtype = x_spec
+    arrays = {}
+    h = hashlib.sha256()
+    for s in SPLITS:
+      xs, ys = splits[s]
+      n = np.asarray([len(a) for a in xs], np.int32)
+      xa = (np.concatenate([np.asarray(a, x_dtype) for a in xs]) if n.sum()
+            else np.zeros((0,) + tuple(x_shape), x_dtype))
+      ya = (np.concatenate([np.asarray(a, np.int32) for a in ys]) if n.sum()
+            else np.zeros((0,) + tuple(y_shape), np.int32))
+      arrays[s] = (xa, ya, n)
+      for a in (xa, ya, n):
+        h.update(np.ascontiguousarray(a).tobytes())
+    manifest = {'format': FORMAT, 'name': name, 'num_classes': int(num_classes),
+                'identity': {}, 'digest': h.hexdigest()[:16], 'eval_only': 0}
+    return PopulationStore(arrays, np.asarray(groups, np.int32), manifest)
+
+  @staticmethod
   def from_federated(data: FederatedData) -> 'PopulationStore':
     """An in-memory store of a padded FederatedData (its real rows)."""
     arrays = {}

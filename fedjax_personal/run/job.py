@@ -116,7 +116,6 @@ def load_data(job: Job) -> None:
   identity shares (the same in both layouts)."""
   cfg = data_config()
   cap = FLAGS.max_client_examples
-  padded = None
   check(not FLAGS.verify_store or datasets_lib.streams_to_store(cfg), 'verify_store',
          f'checks the population store of a data set read from its files; {FLAGS.dataset} '
          f'({cfg.partition}) is built in memory, with nothing to check')
@@ -124,14 +123,11 @@ def load_data(job: Job) -> None:
     store = datasets_lib.load_store(cfg, verify=FLAGS.verify_store,
                                     should_stop=faults.signal_received)
     fingerprint = store.digest
-  else:
-    padded = datasets_lib.load_federated(cfg)
-    fingerprint = run_identity.data_fingerprint(padded)
-    store = PopulationStore.from_federated(padded)
-    if cap is not None:
-      padded = None
+  else:  # built in memory, unpadded (padded only if the device layout holds it)
+    store = datasets_lib.load_store(cfg)
+    fingerprint = run_identity.padded_fingerprint(store)  # as earlier runs': padded arrays'
   if FLAGS.client_ids:
-    store, padded = chosen_clients(store, FLAGS.client_ids), None
+    store = chosen_clients(store, FLAGS.client_ids)
     fingerprint = store.digest
   population = store.population(cap)
   train_counts = np.asarray(population.train.num_examples)
@@ -167,7 +163,7 @@ def load_data(job: Job) -> None:
                              'trials': FLAGS.trials}
   job.layout = layout
   if layout == 'device':
-    job.population = padded if padded is not None else store.padded(cap)
+    job.population = store.padded(cap)
     job.data = to_device(job.population)
   else:
     job.population, job.data = population, HostData(store, cap)
