@@ -50,6 +50,8 @@ flags.DEFINE_integer('seed', 0, 'Seed of the population and of training.')
 flags.DEFINE_enum('algorithm', 'fedavg', ['fedavg', 'scaffold', 'ditto', 'local'],
                   'What trains: FedAvg, or one whose client rows (SCAFFOLD\'s control variates, '
                   'personal models) the host layout keeps on the host.')
+flags.DEFINE_enum('client_state', 'memory', ['memory', 'disk'], 'Host layout: client rows in '
+                  'host memory or in files under --work_dir/client_rows (made on first use).')
 flags.DEFINE_string('output', None, 'Also write the results as JSON here.')
 flags.DEFINE_bool('dry_run', False, 'Check the flags and the work folder, then stop.')
 flags.DEFINE_string('train_layout', None, '(internal) train one layout and print JSON.')
@@ -156,7 +158,12 @@ def train(layout):
     training = TrainingConfig(client_lr=0.05, batch_size=20)
   model = fp.models.from_flax(FLAGS.shape, module, population.sample_x)
   if layout == 'host':
-    data = HostData(store, cap)
+    rows_folder = None
+    if FLAGS.client_state == 'disk':
+      import shutil
+      rows_folder = os.path.join(FLAGS.work_dir, 'client_rows')
+      shutil.rmtree(rows_folder, ignore_errors=True)
+    data = HostData(store, cap, rows_folder=rows_folder)
   else:
     data = jax.device_put(store.padded(cap))
   alg = algorithms.build(FLAGS.algorithm, model, population, training=training)
@@ -178,10 +185,13 @@ def train(layout):
   live = sum(a.nbytes for a in jax.live_arrays())
   shapes = (len(runner.feed.shapes) if layout == 'host' else 1)
   rows = alg.client_rows
+  from fedjax_personal.core import row_files
   rows_gb = 0.0 if rows is None else sum(
       a.nbytes for a in jax.tree.leaves(rows.get(runner.whole_state(state)))) / GB
+  disk_gb = row_files.disk_bytes(state.rows) / GB if hasattr(state, 'rows') else 0.0
   return {'shape': FLAGS.shape, 'algorithm': FLAGS.algorithm, 'layout': layout,
-          'client_rows_gb': rows_gb, 'num_clients': store.num_clients,
+          'client_rows_gb': rows_gb, 'client_state': FLAGS.client_state,
+          'rows_on_disk_gb': disk_gb, 'num_clients': store.num_clients,
           'cohort_size': FLAGS.cohort_size, 'rounds': FLAGS.rounds, 'cap': cap,
           'executor': runner.executor.describe(),
           'peak_rss_gb': peak_rss_bytes() / GB,
@@ -248,7 +258,9 @@ def _main(argv):
       continue
     r = json.loads(out.stdout.strip().splitlines()[-1])
     results.append(r)
-    print(f"{layout:6s} {r['algorithm']} (client rows {r['client_rows_gb']:.2f} GB) peak RSS "
+    where = (f", {r['rows_on_disk_gb']:.2f} GB of them written to disk"
+             if r['client_state'] == 'disk' and layout == 'host' else '')
+    print(f"{layout:6s} {r['algorithm']} (client rows {r['client_rows_gb']:.2f} GB{where}) peak RSS "
           f"{r['peak_rss_gb']:.2f} GB, device bytes "
           f"{r['device_bytes_gb']:.3f} GB, {r['seconds_per_round']:.2f} s/round, first round "
           f"done at {r['first_round_s']:.1f} s, compiled shapes {r['compiled_shapes']}, "

@@ -356,12 +356,13 @@ def test_cli_refuses_up_front_what_host_memory_cannot_hold(tmp_path, monkeypatch
   monkeypatch.setattr(layout_lib, 'host_available_bytes', lambda: rows // 2)
   with pytest.raises(ConfigError, match=r'local keeps .* GB of client rows in host memory, '
                      r'.* GB available'):
-    job('--layout=host')
+    job('--layout=host', '--client_state=memory')
+  assert job('--layout=host') == {}  # auto: the rows go to files instead
   monkeypatch.setattr(layout_lib, 'host_available_bytes', lambda: 3 * rows)
-  job('--layout=host', '--sweep=client_lr:0.1,0.2')  # two configurations' rows fit
+  job('--layout=host', '--sweep=client_lr:0.1,0.2', '--client_state=memory')  # two fit
   with pytest.raises(ConfigError, match=r'^--sweep: local keeps .* GB of client rows x 4 '
                      r'configurations in host memory'):
-    job('--layout=host', '--sweep=client_lr:0.1,0.2,0.3,0.4')
+    job('--layout=host', '--sweep=client_lr:0.1,0.2,0.3,0.4', '--client_state=memory')
   with pytest.raises(ConfigError, match=r"--layout=device: the padded population and local's "
                      r'state x 4 configurations need'):
     job('--layout=device', '--sweep=client_lr:0.1,0.2,0.3,0.4')

@@ -8,6 +8,8 @@ Every compiled piece compiles once per run (``trace_counts`` records traces).
 """
 
 import collections
+import os
+import tempfile
 from typing import Any, Optional
 
 import jax
@@ -18,6 +20,7 @@ from fedjax_personal.core.algorithm import FederatedAlgorithm, RoundContext
 from fedjax_personal.core.data import FederatedData, LocalData, PackedClientData
 from fedjax_personal.core import executors as executors_lib
 from fedjax_personal.core import hosted_state
+from fedjax_personal.core import row_files
 from fedjax_personal.core import layout as layout_lib
 from fedjax_personal.core import memory
 from fedjax_personal.core.executors import Executor
@@ -545,7 +548,12 @@ class RoundRunner:
       return jax.jit(self.algorithm.init, out_shardings=self._state_shardings)(key)
     if not self.hosted_rows:
       return jax.jit(self.algorithm.init)(key)
-    # Client rows need not fit the accelerator: made on the CPU backend.
+    # Client rows need not fit the accelerator: made on the CPU backend, in
+    # host memory or in files (each made when its client first trains).
+    if self.host.rows_folder is not None:
+      os.makedirs(self.host.rows_folder, exist_ok=True)
+      folder = tempfile.mkdtemp(prefix=f'{self.algorithm.name}-', dir=self.host.rows_folder)
+      return row_files.init_on_disk(self.algorithm.init, self.algorithm.client_rows, key, folder)
     return hosted_state.init_hosted(self.algorithm.init, self.algorithm.client_rows, key)
 
   def whole_state(self, state):

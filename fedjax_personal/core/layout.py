@@ -52,11 +52,14 @@ class HostData:
     cap: at most this many training examples per client (None: all).
     block: clients per block of evaluation and of the pre-round phase.
     smallest: the shortest padded length of a cohort's split.
+    rows_folder: where algorithms keep their client rows in files (each
+      state its own folder; ``core/row_files.py``); None: in host memory.
   """
   store: PopulationStore
   cap: Optional[int] = None
   block: int = 256
   smallest: int = 32
+  rows_folder: Optional[str] = None
 
   @property
   def num_clients(self) -> int:

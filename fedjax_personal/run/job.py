@@ -8,6 +8,7 @@ algorithm, write the comparison. Settings come from ``run/settings.py``.
 
 import dataclasses
 import os
+import shutil
 from typing import Any, Dict
 
 import jax
@@ -69,6 +70,7 @@ class Job:
   population: Any = None
   layout: str = 'device'
   layout_reason: str = ''
+  rows_on_disk: bool = False
   store: Any = None
   identity: dict = dataclasses.field(default_factory=dict)
   model: Any = None
@@ -100,6 +102,8 @@ def main_job() -> Dict[str, dict]:
     return {}
   try:
     claim_and_restore(job)
+    if job.rows_on_disk:  # this run's client rows, made afresh (never resumed from)
+      shutil.rmtree(job.data.rows_folder, ignore_errors=True)
     try:
       for entry in job.algs:
         train_algorithm(job, entry)
@@ -290,12 +294,33 @@ def settle_layout(job: Job, settings) -> None:
       job.data = HostData(job.store, FLAGS.max_client_examples)
       build_algorithms(job, settings)
   say(f'layout: {job.layout} ({job.layout_reason})')
+  check(FLAGS.client_state in ('memory', 'auto') or job.layout == 'host', 'client_state',
+        f'keeps client rows in files in the host layout; this run is on the device layout '
+        '(give --layout=host)')
   if job.layout == 'host':
     available = layout_lib.host_available_bytes()
+    sizes = {alg.name: num * tree_bytes(alg.client_rows.get(jax.eval_shape(alg.init,
+                                                                         jax.random.key(0))))
+             for _, alg, *_ in job.algs if alg.client_rows is not None}
+    most = max(sizes.values(), default=0)
+    why = ''
+    if FLAGS.client_state == 'disk' and sizes:
+      job.rows_on_disk, why = True, 'asked for'
+    elif FLAGS.client_state == 'auto' and available is not None and most > 0.5 * available:
+      job.rows_on_disk = True
+      why = (f'auto: {most / layout_lib.GB:.1f} GB of rows, more than half of the '
+             f'{available / layout_lib.GB:.1f} GB available')
+    if job.rows_on_disk:
+      check(not FLAGS.checkpoint_every and not FLAGS.resume, 'client_state',
+            f'client rows in files ({why}) are not checkpointed yet: give --checkpoint_every=0 '
+            'without --resume, or --client_state=memory with fewer clients')
+      for name, nbytes in sizes.items():
+        say(f'  {name}: client rows{times} ({nbytes / layout_lib.GB:.3f} GB if all made) in files, '
+            f'each written when its client first trains ({why})')
+      return
     for _, alg, *_ in job.algs:
       if alg.client_rows is not None:
-        rows = alg.client_rows.get(jax.eval_shape(alg.init, jax.random.key(0)))
-        nbytes = num * tree_bytes(rows)
+        nbytes = sizes[alg.name]
         if available is not None and nbytes > 0.9 * available:
           flag = 'algorithm' if num == 1 else 'sweep' if FLAGS.sweep else (
               'trials' if FLAGS.trials > 1 else 'sweep_seeds')
@@ -304,7 +329,7 @@ def settle_layout(job: Job, settings) -> None:
                             f'{available / layout_lib.GB:.1f} GB available: give fewer '
                             'clients (--num_clients)' + (', fewer configurations'
                                                         if num > 1 else '')
-                            + ' or a smaller model')
+                            + ' or a smaller model, or --client_state=disk')
         say(f'  {alg.name}: client rows{times} ({nbytes / layout_lib.GB:.3f} GB) on the host')
 
 
@@ -313,6 +338,9 @@ def choose_output_dir(job: Job) -> None:
   processes, every process must run the same configuration."""
   identities = {spec.name: ident for spec, _, _, _, _, ident in job.algs}
   job.output_dir = FLAGS.output_dir or default_output_dir(identities)
+  if job.rows_on_disk:  # the run's client rows, in files under its output folder
+    job.data = dataclasses.replace(job.data,
+                                   rows_folder=os.path.join(job.output_dir, 'client_rows'))
   distributed.check_same_run({'algorithms': identities, 'flags': process_flags()},
                              run_identity.differences)
   why = f' ({job.executor.reason})' if job.executor.reason else ''

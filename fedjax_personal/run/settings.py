@@ -96,6 +96,12 @@ flags.DEFINE_string('client_ids', None, 'A text file of client ids, one per line
                     'the run is limited to these clients (ids as the data set names them: an '
                     'EMNIST writer, a Stack Overflow user; a partitioned pool\'s clients are '
                     '0..N-1).')
+flags.DEFINE_enum('client_state', 'auto', ['auto', 'memory', 'disk'],
+                  'Host layout: where client rows (personal models, control variates, FedDyn '
+                  'gradients, persistent client optimizers) live. memory: host memory, all made '
+                  'at the start; disk: files under --output_dir/client_rows, a row written when '
+                  'its client first trains (a client never met costs nothing); auto: memory '
+                  'unless the rows take more than half the available memory.')
 flags.DEFINE_enum('cifar100_test', 'split', ['split', 'tff_clients'],
                   "cifar100 (natural): the test clients. split: each train client's images split "
                   "with --test_fraction (personal models have test data); tff_clients: TFF's 100 "

@@ -1,0 +1,153 @@
+"""Client rows on disk, each made the first time its client trains.
+
+The host layout's client rows (``hosted_state``) can live in files instead
+of host memory: one sparse file per state leaf, ``[N, row]`` fixed-size rows
+read and written by index with ``os.pread`` / ``os.pwrite`` (a cohort's rows
+only; the OS page cache is the in-memory cache). A row is written when its
+client first trains (its round's new row is scattered back), so a client
+never met costs no disk: the file is sparse until then. Until a row is
+written, reading it gives the value the memory layout holds for it, made
+from the algorithm's ``init`` with the same key (``RowMaker``): evaluating a
+client never trained stores nothing and uses that value (the global model
+for Ditto's personal model, zeros for SCAFFOLD's control). The numbers are
+those of rows in memory (tested), whenever a row is made.
+
+``DiskRows`` is indexed as the numpy arrays it stands for are
+(``rows[idx]``, ``rows[idx] = new`` with a 1-D index array), so
+``hosted_state.gather_rows`` / ``scatter_rows`` and the engine use it as
+they use memory rows.
+"""
+
+import os
+from typing import List
+
+import jax
+import numpy as np
+
+
+class RowMaker:
+  """The initial rows of any clients: ``init(key)``'s client rows at the
+  given indices, on the CPU backend (one compiled program per power-of-two
+  number of clients; XLA reads a broadcast's rows without making the rest).
+  """
+
+  def __init__(self, init, client_rows, key):
+    from fedjax_personal.core.hosted_state import cpu_device
+    self._cpu = cpu_device()
+    self._key = jax.device_put(key, self._cpu)
+
+    def rows_at(k, idx):
+      return jax.tree.leaves(jax.tree.map(lambda a: a[idx], client_rows.get(init(k))))
+    self._fn = jax.jit(rows_at)
+    self._last = (None, None)
+
+  def __call__(self, idx: np.ndarray) -> List[np.ndarray]:
+    """Every leaf's initial rows of clients ``idx`` (a leaf's list index is
+    its place in ``jax.tree.leaves`` of the client rows)."""
+    idx = np.asarray(idx, np.int64)
+    tag = idx.tobytes()
+    if self._last[0] != tag:  # the leaves of one gather ask for the same clients
+      size = 1 << max(0, int(len(idx) - 1).bit_length())
+      padded = np.concatenate([idx, np.repeat(idx[:1], size - len(idx))]).astype(np.int32)
+      with jax.default_device(self._cpu):
+        out = self._fn(self._key, padded)
+      self._last = (tag, [np.asarray(o)[:len(idx)] for o in out])
+    return self._last[1]
+
+
+class DiskRows:
+  """One leaf of client rows ``[N, ...]`` in a sparse file (see module doc).
+
+  Args:
+    path: the file (created, truncated to N rows of zeros: sparse).
+    shape, dtype: the leaf's.
+    maker: ``RowMaker`` of the client rows; ``leaf``: this leaf's place.
+  """
+
+  def __init__(self, path, shape, dtype, maker: RowMaker, leaf: int):
+    self.path, self.shape, self.dtype = str(path), tuple(shape), np.dtype(dtype)
+    self.maker, self.leaf = maker, leaf
+    self.row_shape = self.shape[1:]
+    self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+    self.made = np.zeros(self.shape[0], bool)
+    self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+      os.ftruncate(self._fd, self.shape[0] * self.row_bytes)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, self.path) from None
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of every row (what memory rows would hold)."""
+    return self.shape[0] * self.row_bytes
+
+  def disk_bytes(self) -> int:
+    """Bytes the file takes on disk (the rows written so far)."""
+    return os.fstat(self._fd).st_blocks * 512
+
+  def __getitem__(self, idx) -> np.ndarray:
+    idx = np.asarray(idx, np.int64).reshape(-1)
+    out = np.empty((len(idx),) + self.row_shape, self.dtype)
+    written = self.made[idx]
+    if not written.all():
+      out[~written] = self.maker(idx[~written])[self.leaf]
+    for j in np.flatnonzero(written):
+      data = os.pread(self._fd, self.row_bytes, int(idx[j]) * self.row_bytes)
+      if len(data) != self.row_bytes:
+        raise OSError(f'{self.path}: row {int(idx[j])} is cut short ({len(data)} of '
+                      f'{self.row_bytes} bytes)')
+      out[j] = np.frombuffer(data, self.dtype).reshape(self.row_shape)
+    return out
+
+  def __setitem__(self, idx, values) -> None:
+    idx = np.asarray(idx, np.int64).reshape(-1)
+    values = np.ascontiguousarray(np.asarray(values, self.dtype).reshape(
+        (len(idx),) + self.row_shape))
+    for j, i in enumerate(idx):
+      try:
+        os.pwrite(self._fd, values[j].tobytes(), int(i) * self.row_bytes)
+      except OSError as e:  # a full disk names the row file
+        raise OSError(e.errno, e.strerror, self.path) from None
+    self.made[idx] = True
+
+  def __array__(self, dtype=None, copy=None):
+    raise TypeError(f'{self.path}: client rows on disk are read by index (rows[idx]), not '
+                    'whole')
+
+  def __del__(self):
+    try:
+      os.close(self._fd)
+    except (OSError, AttributeError, TypeError):
+      pass
+
+
+def init_on_disk(init, client_rows, key, folder):
+  """The state ``init(key)`` makes as a ``HostedState`` whose client rows are
+  files in ``folder`` (one per leaf, made on first use); the rest of the
+  state on the default device."""
+  from fedjax_personal.core.hosted_state import HostedState, cpu_device, empty_rows
+  os.makedirs(folder, exist_ok=True)
+  cpu = cpu_device()
+  key = jax.device_put(key, cpu)
+  shapes = client_rows.get(jax.eval_shape(init, key))
+  maker = RowMaker(init, client_rows, key)
+  leaves, treedef = jax.tree.flatten(shapes)
+  rows = jax.tree.unflatten(treedef, [
+      DiskRows(os.path.join(folder, f'leaf_{i}.rows'), a.shape, a.dtype, maker, i)
+      for i, a in enumerate(leaves)])
+
+  def without_rows(k):
+    state = init(k)
+    return client_rows.put(state, empty_rows(client_rows.get(state)))
+  with jax.default_device(cpu):
+    inner = jax.jit(without_rows)(key)
+  return HostedState(jax.device_put(inner, jax.devices()[0]), rows, client_rows)
+
+
+def disk_bytes(rows) -> int:
+  """Bytes on disk of a state's client rows held in files (0 in memory)."""
+  return sum(a.disk_bytes() for a in jax.tree.leaves(rows) if isinstance(a, DiskRows))
