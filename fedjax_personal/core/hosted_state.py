@@ -72,6 +72,18 @@ def rows_per_block(rows, most: int, block_bytes: Optional[int] = None) -> int:
   return int(max(1, min(most, block_bytes // max(per_row, 1))))
 
 
+def state_without_rows(init, client_rows, key):
+  """The state ``init(key)`` makes with its client rows left out (empty
+  leaves), made on the CPU backend and put on the default device: what a
+  ``HostedState`` holds beside its rows, in memory or in files."""
+  def without_rows(k):
+    state = init(k)
+    return client_rows.put(state, empty_rows(client_rows.get(state)))
+  with jax.default_device(cpu_device()):
+    inner = jax.jit(without_rows)(jax.device_put(key, cpu_device()))
+  return jax.device_put(inner, jax.devices()[0])
+
+
 def init_hosted(init, client_rows, key, block_bytes: Optional[int] = None) -> HostedState:
   """The state ``init(key)`` makes, as a ``HostedState``: its client rows
   computed on the CPU backend a block of clients at a time (one compiled
@@ -85,22 +97,17 @@ def init_hosted(init, client_rows, key, block_bytes: Optional[int] = None) -> Ho
   n = jax.tree.leaves(shapes)[0].shape[0]
   b = rows_per_block(shapes, n, block_bytes)
 
-  def without_rows(k):
-    state = init(k)
-    return client_rows.put(state, empty_rows(client_rows.get(state)))
-
   def rows_block(k, lo):
     return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lo, b),
                         client_rows.get(init(k)))
   with jax.default_device(cpu):
-    inner = jax.jit(without_rows)(key)
     rows = jax.tree.map(lambda a: np.empty(a.shape, a.dtype), shapes)
     block = jax.jit(rows_block)
     for lo in range(0, n, b):
       lo = min(lo, n - b)  # the last block overlaps the one before: one shape
       for dst, src in zip(jax.tree.leaves(rows), jax.tree.leaves(block(key, lo))):
         dst[lo:lo + b] = np.asarray(src)
-  return HostedState(jax.device_put(inner, jax.devices()[0]), rows, client_rows)
+  return HostedState(state_without_rows(init, client_rows, key), rows, client_rows)
 
 
 def hosted(whole, client_rows) -> HostedState:

@@ -71,7 +71,7 @@ class HostData:
 
   @property
   def num_trained(self) -> int:
-    return self.store.num_clients - self.store.eval_only
+    return self.store.num_trained
 
   @property
   def population(self):

@@ -116,6 +116,11 @@ class PopulationStore:
     return int(self.manifest.get('eval_only', 0))
 
   @property
+  def num_trained(self) -> int:
+    """Clients a round may sample: all but the ``eval_only`` last."""
+    return self.num_clients - self.eval_only
+
+  @property
   def client_ids(self) -> List[str]:
     """Each client's id as its source names it (row i is client i); a
     partitioned pool's clients are named by their index."""

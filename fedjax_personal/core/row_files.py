@@ -129,23 +129,16 @@ def init_on_disk(init, client_rows, key, folder):
   """The state ``init(key)`` makes as a ``HostedState`` whose client rows are
   files in ``folder`` (one per leaf, made on first use); the rest of the
   state on the default device."""
-  from fedjax_personal.core.hosted_state import HostedState, cpu_device, empty_rows
+  from fedjax_personal.core.hosted_state import HostedState, cpu_device, state_without_rows
   os.makedirs(folder, exist_ok=True)
-  cpu = cpu_device()
-  key = jax.device_put(key, cpu)
+  key = jax.device_put(key, cpu_device())
   shapes = client_rows.get(jax.eval_shape(init, key))
   maker = RowMaker(init, client_rows, key)
   leaves, treedef = jax.tree.flatten(shapes)
   rows = jax.tree.unflatten(treedef, [
       DiskRows(os.path.join(folder, f'leaf_{i}.rows'), a.shape, a.dtype, maker, i)
       for i, a in enumerate(leaves)])
-
-  def without_rows(k):
-    state = init(k)
-    return client_rows.put(state, empty_rows(client_rows.get(state)))
-  with jax.default_device(cpu):
-    inner = jax.jit(without_rows)(key)
-  return HostedState(jax.device_put(inner, jax.devices()[0]), rows, client_rows)
+  return HostedState(state_without_rows(init, client_rows, key), rows, client_rows)
 
 
 def disk_bytes(rows) -> int:
