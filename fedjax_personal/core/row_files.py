@@ -41,6 +41,17 @@ class RowMaker:
     self._fn = jax.jit(rows_at)
     self._last = (None, None)
 
+  @property
+  def key_data(self) -> List[int]:
+    """The key's data (what a checkpoint records of the rows not written)."""
+    return [int(v) for v in np.asarray(jax.random.key_data(self._key)).ravel()]
+
+  def rekey(self, key_data: List[int]) -> None:
+    """Makes rows from the key whose data is ``key_data`` (a checkpoint's)."""
+    data = np.asarray(key_data, np.uint32).reshape(jax.random.key_data(self._key).shape)
+    key = jax.random.wrap_key_data(data, impl=jax.random.key_impl(self._key))
+    self._key, self._last = jax.device_put(key, self._cpu), (None, None)
+
   def __call__(self, idx: np.ndarray) -> List[np.ndarray]:
     """Every leaf's initial rows of clients ``idx`` (a leaf's list index is
     its place in ``jax.tree.leaves`` of the client rows)."""
@@ -70,6 +81,7 @@ class DiskRows:
     self.row_shape = self.shape[1:]
     self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
     self.made = np.zeros(self.shape[0], bool)
+    self.dirty = np.zeros(self.shape[0], bool)  # written since the last checkpoint
     self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
       os.ftruncate(self._fd, self.shape[0] * self.row_bytes)
@@ -113,6 +125,7 @@ class DiskRows:
       except OSError as e:  # a full disk names the row file
         raise OSError(e.errno, e.strerror, self.path) from None
     self.made[idx] = True
+    self.dirty[idx] = True
 
   def __array__(self, dtype=None, copy=None):
     raise TypeError(f'{self.path}: client rows on disk are read by index (rows[idx]), not '

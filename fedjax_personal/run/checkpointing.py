@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 
 from fedjax_personal.core import hosted_state
 from fedjax_personal.core.hosted_state import HostedState
-from fedjax_personal.run import faults, run_identity
+from fedjax_personal.run import faults, row_checkpoints, run_identity
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.run.experiment import Callback
 
@@ -30,13 +30,27 @@ def _is_key(x) -> bool:
 def to_saveable(state):
   """The state as saved: PRNG keys as their data; client rows kept on the
   host (``HostedState``) joined into the whole state, so that both layouts
-  save and restore the same checkpoint. A list of states (configurations
-  run one after another, ``sweep.LoopRuns``) is saved state by state."""
+  save and restore the same checkpoint; client rows in files left out (they
+  are saved apart, ``row_checkpoints``: the state's other leaves are saved,
+  by place). A list of states (configurations run one after another,
+  ``sweep.LoopRuns``) is saved state by state."""
   if isinstance(state, list):
     return [to_saveable(s) for s in state]
+  if row_checkpoints.has_files(state):
+    leaves = jax.tree.leaves(_keys_as_data(state.inner))
+    return {str(i): a for i, a in enumerate(leaves) if a.size}  # not the empty rows
   if isinstance(state, HostedState):
     state = state.whole()
+  return _keys_as_data(state)
+
+
+def _keys_as_data(state):
   return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
+
+
+def _keys_from_data(saved, template):
+  return jax.tree.map(lambda s, t: jax.random.wrap_key_data(s, impl=jax.random.key_impl(t))
+                      if _is_key(t) else s, saved, template)
 
 
 def from_saveable(saved, template):
@@ -44,8 +58,7 @@ def from_saveable(saved, template):
     return [from_saveable(s, t) for s, t in zip(saved, template)]
   if isinstance(template, HostedState):
     return hosted_state.hosted(from_saveable(saved, template.whole()), template.client_rows)
-  return jax.tree.map(lambda s, t: jax.random.wrap_key_data(s, impl=jax.random.key_impl(t))
-                      if _is_key(t) else s, saved, template)
+  return _keys_from_data(saved, template)
 
 
 def _abstract(template):
@@ -53,10 +66,35 @@ def _abstract(template):
   into host memory, not the device."""
   if isinstance(template, list):
     return [_abstract(t) for t in template]
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, to_saveable(template))
+  if row_checkpoints.has_files(template):  # the whole state (a checkpoint of rows in memory)
+    abstract = template.client_rows.put(
+        jax.tree.map(ocp.utils.to_shape_dtype_struct, _keys_as_data(template.inner)),
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), template.rows))
+  else:
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, to_saveable(template))
   if isinstance(template, HostedState):
     abstract = hosted_state.rows_on_cpu(abstract, template.client_rows)
   return abstract
+
+
+def _abstract_without_rows(template):
+  """What a restore of a checkpoint of rows in files reads: every state's
+  leaves but its client rows."""
+  if isinstance(template, list):
+    return [_abstract_without_rows(t) for t in template]
+  leaves = jax.tree.leaves(_keys_as_data(template.inner))
+  return {str(i): ocp.utils.to_shape_dtype_struct(a) for i, a in enumerate(leaves) if a.size}
+
+
+def _with_saved_inner(saved, template):
+  """``template`` (its rows made from ``init``) with the rest of its state
+  read from a checkpoint of rows in files."""
+  if isinstance(template, list):
+    return [_with_saved_inner(s, t) for s, t in zip(saved, template)]
+  leaves, treedef = jax.tree.flatten(_keys_as_data(template.inner))
+  leaves = [saved[str(i)] if str(i) in saved else a for i, a in enumerate(leaves)]
+  inner = _keys_from_data(jax.tree.unflatten(treedef, leaves), template.inner)
+  return template.replace(inner=jax.device_put(inner, jax.devices()[0]))
 
 
 def manager(directory: str, max_to_keep: int = 2) -> ocp.CheckpointManager:
@@ -67,9 +105,15 @@ def manager(directory: str, max_to_keep: int = 2) -> ocp.CheckpointManager:
 
 
 def save(mngr: ocp.CheckpointManager, round_num: int, state, histories: List[List[dict]],
-         identity: Optional[dict] = None):
+         identity: Optional[dict] = None, rows_manifest: Optional[dict] = None
+         ) -> Optional[dict]:
   """Saves the state, every configuration's records so far (strict JSON:
   non-finite values as null) and the run's identity (checked on restore).
+
+  Client rows in files are saved apart (``row_checkpoints``): the rows
+  changed since the checkpoint ``rows_manifest`` describes (None: since the
+  start), published with this step; returns this step's manifest (None for a
+  state saved whole).
 
   Raises:
     faults.StorageError: the disk is full, read-only or over quota. The
@@ -77,20 +121,53 @@ def save(mngr: ocp.CheckpointManager, round_num: int, state, histories: List[Lis
     Orbax's writer threads print is muted (``faults.captured_stderr``).
   """
   clean = run_identity.as_json(histories)
-  items = dict(state=ocp.args.StandardSave(to_saveable(state)), history=ocp.args.JsonSave(clean))
-  if identity is not None:
-    items['identity'] = ocp.args.JsonSave(run_identity.as_json(identity))
+  directory = str(mngr.directory)
+  manifest = None
   with faults.captured_stderr():
     try:
+      if row_checkpoints.has_files(state):
+        manifest = row_checkpoints.write_delta(
+            directory, round_num, state, (rows_manifest or {}).get('chain', []),
+            _digest(identity))
+      items = dict(state=ocp.args.StandardSave(to_saveable(state)),
+                   history=ocp.args.JsonSave(clean))
+      if identity is not None:
+        items['identity'] = ocp.args.JsonSave(run_identity.as_json(identity))
+      if manifest is not None:
+        items[row_checkpoints.FOLDER] = ocp.args.JsonSave(manifest)
       mngr.save(round_num, args=ocp.args.Composite(**items))
       mngr.wait_until_finished()
     except Exception as e:  # noqa: BLE001 -- Orbax wraps OS errors in several types
-      _discard_partial(mngr.directory)  # the last complete checkpoint stays the latest
+      _discard_partial(directory)  # the last complete checkpoint stays the latest
+      row_checkpoints.discard(directory, manifest)
       if faults.storage_reason(e) is None:
         raise
-      raise faults.storage_error(f'the checkpoint of round {round_num} to {mngr.directory}',
+      raise faults.storage_error(f'the checkpoint of round {round_num} to {directory}',
+                                 e) from None
+  if manifest is not None or os.path.isdir(os.path.join(directory, row_checkpoints.FOLDER)):
+    row_checkpoints.committed(state)
+    kept = {step: rows_manifest_of(mngr, step) for step in mngr.all_steps()}
+    try:  # (a state saved whole after rows in files: their folder goes with the last step)
+      row_checkpoints.fold(directory, kept, state)
+    except OSError as e:  # the step is published; its delta stays until a fold succeeds
+      if faults.storage_reason(e) is None:
+        raise
+      raise faults.storage_error(f'the checkpoint of round {round_num} to {directory}',
                                  e) from None
   faults.PROGRESS.checkpoint_round = round_num
+  return manifest
+
+
+def _digest(identity: Optional[dict]) -> str:
+  return run_identity.short_hash(run_identity.as_json(identity)) if identity else ''
+
+
+def rows_manifest_of(mngr: ocp.CheckpointManager, step: int) -> Optional[dict]:
+  """The manifest of a step's client rows in files (None: saved whole)."""
+  if not os.path.isdir(os.path.join(str(mngr.directory), str(step), row_checkpoints.FOLDER)):
+    return None
+  return mngr.restore(step, args=ocp.args.Composite(
+      **{row_checkpoints.FOLDER: ocp.args.JsonRestore()}))[row_checkpoints.FOLDER]
 
 
 def _discard_partial(directory) -> None:
@@ -118,7 +195,6 @@ def restore_latest(directory: str, template_state, identity: Optional[dict] = No
   if not os.path.isdir(directory):
     return None
   mngr = manager(directory)
-  abstract = _abstract(template_state)
   for step in sorted(mngr.all_steps(), reverse=True):
     if identity is not None:
       try:
@@ -134,14 +210,41 @@ def restore_latest(directory: str, template_state, identity: Optional[dict] = No
         raise ConfigError('resume', f'checkpoint {step} in {directory} was saved by another '
                           f'configuration ({"; ".join(diff[:4])})')
     try:
+      manifest = rows_manifest_of(mngr, step)
+      if manifest is not None and not all(isinstance(t, HostedState) for t in
+                                          (template_state if isinstance(template_state, list)
+                                           else [template_state])):
+        raise ConfigError('layout', f'checkpoint {step} in {directory} keeps its client rows '
+                          'in files: resume with --layout=host')
+      abstract = (_abstract_without_rows(template_state) if manifest is not None
+                  else _abstract(template_state))
       out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                        history=ocp.args.JsonRestore()))
+    except ConfigError:
+      raise
     except Exception as e:  # a corrupted step: fall back to the newest intact one
       print(f'warning: checkpoint {step} in {directory} is unreadable '
             f'({type(e).__name__}); trying the previous one', file=sys.stderr)
       continue
-    return from_saveable(out['state'], template_state), int(step), [list(h) for h in out['history']]
+    histories = [list(h) for h in out['history']]
+    if manifest is not None:  # the rows of files: the base and the deltas past it
+      state = _with_saved_inner(out['state'], template_state)
+      row_checkpoints.restore(directory, manifest, state)
+    elif row_checkpoints.has_files(template_state):  # rows saved whole, into files
+      whole = from_saveable(out['state'], template_state)
+      states = whole if isinstance(whole, list) else [whole]
+      row_checkpoints.write_whole_rows([w.rows for w in states], template_state)
+      state = _with_inner(template_state, whole)
+    else:
+      state = from_saveable(out['state'], template_state)
+    return state, int(step), histories
   return None
+
+
+def _with_inner(template, whole):
+  if isinstance(template, list):
+    return [_with_inner(t, w) for t, w in zip(template, whole)]
+  return template.replace(inner=whole.inner)
 
 
 class Checkpointer(Callback):
@@ -150,11 +253,17 @@ class Checkpointer(Callback):
 
   def __init__(self, directory: str, every: int,
                histories: Optional[List[List[dict]]] = None, max_to_keep: int = 2,
-               identity: Optional[dict] = None):
+               identity: Optional[dict] = None, resumed_step: Optional[int] = None):
     self.mngr = manager(directory, max_to_keep)
     self.identity = identity
     self.every = every
     self.histories = [list(h) for h in histories] if histories else None
+    # Client rows in files: the manifest the next checkpoint's delta follows.
+    self.rows_manifest = rows_manifest_of(self.mngr, resumed_step) if resumed_step else None
+
+  def _save(self, round_num, state, histories):
+    self.rows_manifest = save(self.mngr, round_num, state, histories, self.identity,
+                              self.rows_manifest)
 
   def on_round_end(self, round_num, records, state):
     if self.histories is None:
@@ -162,13 +271,13 @@ class Checkpointer(Callback):
     for h, r in zip(self.histories, records):
       h.append(r)
     if self.every and round_num % self.every == 0:
-      save(self.mngr, round_num, state, self.histories, self.identity)
+      self._save(round_num, state, self.histories)
 
   def on_end(self, histories, state):
     last = histories[0][-1]['round'] if histories and histories[0] else 0
     if last and self.mngr.latest_step() != last:
-      save(self.mngr, last, state, histories, self.identity)
+      self._save(last, state, histories)
 
   def on_stop(self, round_num, state):
     if self.every and self.mngr.latest_step() != round_num:
-      save(self.mngr, round_num, state, self.histories, self.identity)
+      self._save(round_num, state, self.histories)

@@ -102,8 +102,6 @@ def main_job() -> Dict[str, dict]:
     return {}
   try:
     claim_and_restore(job)
-    if job.rows_on_disk:  # this run's client rows, made afresh (never resumed from)
-      shutil.rmtree(job.data.rows_folder, ignore_errors=True)
     try:
       for entry in job.algs:
         train_algorithm(job, entry)
@@ -311,9 +309,6 @@ def settle_layout(job: Job, settings) -> None:
       why = (f'auto: {most / layout_lib.GB:.1f} GB of rows, more than half of the '
              f'{available / layout_lib.GB:.1f} GB available')
     if job.rows_on_disk:
-      check(not FLAGS.checkpoint_every and not FLAGS.resume, 'client_state',
-            f'client rows in files ({why}) are not checkpointed yet: give --checkpoint_every=0 '
-            'without --resume, or --client_state=memory with fewer clients')
       for name, nbytes in sizes.items():
         say(f'  {name}: client rows{times} ({nbytes / layout_lib.GB:.3f} GB if all made) in files, '
             f'each written when its client first trains ({why})')
@@ -367,6 +362,8 @@ def claim_and_restore(job: Job) -> None:
     for spec, *_, ident in job.algs:
       run_identity.claim(os.path.join(job.output_dir, spec.name), ident, FLAGS.overwrite, resume)
   distributed.barrier('claimed output folders')
+  if job.rows_on_disk:  # the live client rows, made afresh (a resume rewrites them)
+    shutil.rmtree(job.data.rows_folder, ignore_errors=True)
   for spec, alg, t, cfg, ignored, ident in job.algs:
     runs = _make_runs(spec, alg, t, cfg, ignored, job.model, job.data, job.executor, job.cfgs)
     job.runs[spec.name] = runs
@@ -407,7 +404,8 @@ def _callbacks(job: Job, alg_name, alg, ident, hists, start):
     callbacks.append(reporting.MetricsWriter(out_dir, hists))
   if FLAGS.checkpoint_every or FLAGS.resume or FLAGS.resume_if_found:
     callbacks.append(checkpointing.Checkpointer(os.path.join(out_dir, 'checkpoints'),
-                                                FLAGS.checkpoint_every, hists, identity=ident))
+                                                FLAGS.checkpoint_every, hists, identity=ident,
+                                                resumed_step=start or None))
   if alg_name == 'fedfomo' and job.cfgs is None and primary:
     callbacks.append(reporting.AffinityRecorder(os.path.join(out_dir, 'affinity.png')))
   if FLAGS.progress and primary:
