@@ -47,9 +47,14 @@ flags.DEFINE_list('layouts', ['host', 'device'], 'Layouts to run; device only wh
 flags.DEFINE_integer('max_client_examples', 256, 'Cap on training examples per client.')
 flags.DEFINE_bool('full_model', False, 'Stack Overflow: Reddi et al.\'s LSTM at full size.')
 flags.DEFINE_integer('seed', 0, 'Seed of the population and of training.')
-flags.DEFINE_enum('algorithm', 'fedavg', ['fedavg', 'scaffold', 'ditto', 'local'],
+flags.DEFINE_enum('algorithm', 'fedavg', ['fedavg', 'scaffold', 'ditto', 'local', 'fedalt'],
                   'What trains: FedAvg, or one whose client rows (SCAFFOLD\'s control variates, '
-                  'personal models) the host layout keeps on the host.')
+                  'personal models, FedAlt\'s personal adapters) the host layout keeps on the '
+                  'host.')
+flags.DEFINE_integer('adapter_dim', 16, 'FedAlt: the personal residual adapters\' width (the '
+                     'model gains one adapter per layer; the personal part is the adapters).')
+flags.DEFINE_integer('checkpoint_every', 0, 'Also save a checkpoint (Orbax, rows in files as '
+                     'deltas) every this many rounds, timed and sized, and time a restore.')
 flags.DEFINE_enum('client_state', 'memory', ['memory', 'disk'], 'Host layout: client rows in '
                   'host memory or in files under --work_dir/client_rows (made on first use).')
 flags.DEFINE_string('output', None, 'Also write the results as JSON here.')
@@ -148,13 +153,14 @@ def train(layout):
   store = open_or_generate()
   cap = FLAGS.max_client_examples
   population = store.population(cap)
+  adapters = FLAGS.adapter_dim if FLAGS.algorithm == 'fedalt' else 0
   if FLAGS.shape == 'stackoverflow':
     dims = (96, 670, 96) if FLAGS.full_model else (32, 64, 32)
     module = architectures.CharLSTM(VOCAB, embed_dim=dims[0], hidden=dims[1], num_layers=1,
-                                    projection=dims[2])
+                                    projection=dims[2], adapter_dim=adapters)
     training = TrainingConfig(client_lr=0.3, batch_size=16)
   else:
-    module = fp.models.CNN(62)
+    module = fp.models.CNN(62, adapter_dim=adapters)
     training = TrainingConfig(client_lr=0.05, batch_size=20)
   model = fp.models.from_flax(FLAGS.shape, module, population.sample_x)
   if layout == 'host':
@@ -166,13 +172,15 @@ def train(layout):
     data = HostData(store, cap, rows_folder=rows_folder)
   else:
     data = jax.device_put(store.padded(cap))
-  alg = algorithms.build(FLAGS.algorithm, model, population, training=training)
+  alg = algorithms.build(FLAGS.algorithm, model, population, training=training,
+                         **({'personal_part': 'adapter'} if adapters else {}))
   sampler = CohortSampler(store.num_clients, cohort_size=FLAGS.cohort_size)
   runner = RoundRunner(alg, data, sampler, fp.executors.create_executor('auto', model,
                                                                          population.sample_x))
   key = jax.random.key(FLAGS.seed)
   state = runner.init(key)
-  seconds, first = [], None
+  seconds, first, saves = [], None, []
+  ckpt = Checkpoints(layout) if FLAGS.checkpoint_every else None
   for t in range(FLAGS.rounds):
     start = time.perf_counter()
     state, metrics = runner.round(state, jax.random.fold_in(key, t), t, donate=True,
@@ -181,7 +189,10 @@ def train(layout):
     seconds.append(time.perf_counter() - start)
     if first is None:
       first = time.perf_counter() - t0
+    if ckpt is not None and (t + 1) % FLAGS.checkpoint_every == 0:
+      saves.append(ckpt.save(t + 1, state))
   jax.block_until_ready(state)
+  restored = ckpt.restore(lambda: runner.init(key)) if ckpt is not None and saves else {}
   live = sum(a.nbytes for a in jax.live_arrays())
   shapes = (len(runner.feed.shapes) if layout == 'host' else 1)
   rows = alg.client_rows
@@ -199,7 +210,48 @@ def train(layout):
           'seconds_per_round': float(np.mean(seconds[1:])) if len(seconds) > 1 else seconds[0],
           'first_round_s': first, 'compiled_shapes': shapes,
           'padded_gb': store.padded_nbytes(cap) / GB, 'padded_uncapped_gb': store.padded_nbytes() / GB,
-          'store_gb': store.nbytes() / GB, 'last_train_loss': loss}
+          'store_gb': store.nbytes() / GB, 'last_train_loss': loss,
+          **({'checkpoints': saves, **restored} if saves else {})}
+
+
+class Checkpoints:
+  """Timed checkpoints of the state into --work_dir/checkpoints_<layout>_<algorithm>
+  (client rows in files as deltas of the rows changed): seconds, bytes
+  written per save, the folder's size; and the time of a restore."""
+
+  def __init__(self, layout):
+    import shutil
+    from fedjax_personal.run import checkpointing
+    self.lib = checkpointing
+    self.folder = os.path.join(FLAGS.work_dir, f'checkpoints_{layout}_{FLAGS.algorithm}')
+    shutil.rmtree(self.folder, ignore_errors=True)
+    self.mngr = checkpointing.manager(self.folder)
+    self.manifest = None
+
+  def save(self, t, state):
+    before = folder_bytes(self.folder)
+    start = time.perf_counter()
+    self.manifest = self.lib.save(self.mngr, t, state, [[{'round': t}]], None, self.manifest)
+    return {'round': t, 'seconds': time.perf_counter() - start,
+            'written_gb': max(0, folder_bytes(self.folder) - before) / GB,
+            'folder_gb': folder_bytes(self.folder) / GB}
+
+  def restore(self, init):
+    start = time.perf_counter()
+    _, step, _ = self.lib.restore_latest(self.folder, init())
+    return {'restore_seconds': time.perf_counter() - start, 'restored_round': step}
+
+
+def folder_bytes(folder) -> int:
+  """Bytes a folder takes on disk (sparse files by their blocks)."""
+  total = 0
+  for root, _, files in os.walk(folder):
+    for f in files:
+      try:
+        total += os.lstat(os.path.join(root, f)).st_blocks * 512
+      except FileNotFoundError:
+        pass
+  return total
 
 
 def main(argv):
@@ -265,6 +317,12 @@ def _main(argv):
           f"{r['device_bytes_gb']:.3f} GB, {r['seconds_per_round']:.2f} s/round, first round "
           f"done at {r['first_round_s']:.1f} s, compiled shapes {r['compiled_shapes']}, "
           f"{r['executor']}", flush=True)
+    for c in r.get('checkpoints', []):
+      print(f"       checkpoint after round {c['round']}: {c['seconds']:.2f} s, "
+            f"{c['written_gb']:.3f} GB written, folder {c['folder_gb']:.3f} GB", flush=True)
+    if 'restore_seconds' in r:
+      print(f"       restore of round {r['restored_round']}: {r['restore_seconds']:.2f} s",
+            flush=True)
   if FLAGS.output:
     with open(FLAGS.output, 'w') as f:
       json.dump(results, f, indent=1)

@@ -92,6 +92,45 @@ def _save_npy(path: str, array: np.ndarray) -> str:
   return _sha256(path)
 
 
+def _write_npy(path: str, dtype, shape, blocks) -> None:
+  """An .npy file written block by block (through ``write``, not a memory
+  map, whose pages would count in the process's RSS), synced."""
+  with open(path, 'wb') as f:
+    np.lib.format.write_array_header_1_0(f, {'descr': np.lib.format.dtype_to_descr(
+        np.dtype(dtype)), 'fortran_order': False, 'shape': tuple(shape)})
+    for block in blocks:
+      f.write(np.ascontiguousarray(block, dtype).tobytes())
+    f.flush()
+    os.fsync(f.fileno())
+
+
+class _NpyRows:
+  """Rows ``[lo, hi)`` of an .npy file, read with ``pread`` (no memory map)."""
+
+  def __init__(self, path: str):
+    with open(path, 'rb') as f:
+      version = np.lib.format.read_magic(f)
+      read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+              else np.lib.format.read_array_header_2_0)
+      self.shape, _, dtype = read(f)
+      self.offset = f.tell()
+    self.path, self.dtype = path, np.dtype(dtype)
+    self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+  def __len__(self) -> int:
+    return self.shape[0]
+
+  def __getitem__(self, window: slice) -> np.ndarray:
+    lo, hi, _ = window.indices(self.shape[0])
+    n = max(0, hi - lo)
+    with open(self.path, 'rb') as f:
+      data = os.pread(f.fileno(), n * self.row_bytes, self.offset + lo * self.row_bytes)
+    if len(data) != n * self.row_bytes:
+      raise DataError(f'{self.path}: cut short; resume from an earlier run folder or start '
+                      'afresh without --resume')
+    return np.frombuffer(data, self.dtype).reshape((n,) + tuple(self.shape[1:]))
+
+
 def write_delta(directory: str, step: int, state, chain: List[dict], identity: str) -> dict:
   """Writes the rows changed since the last checkpoint (every state's files'
   ``changed()`` rows) as step ``step``'s delta; returns the manifest to
@@ -113,14 +152,9 @@ def write_delta(directory: str, step: int, state, chain: List[dict], identity: s
       digests[f'index-{s}.npy'] = _save_npy(os.path.join(tmp, f'index-{s}.npy'), idx)
       for i, a in enumerate(leaves):
         path = os.path.join(tmp, f'leaf-{s}-{i}.npy')
-        rows = np.lib.format.open_memmap(path, 'w+', a.dtype, (len(idx),) + tuple(a.shape[1:]))
         b = _block(leaves)
-        for lo in range(0, len(idx), b):
-          rows[lo:lo + b] = a[idx[lo:lo + b]]
-        rows.flush()
-        del rows
-        with open(path, 'rb') as f:
-          os.fsync(f.fileno())
+        _write_npy(path, a.dtype, (len(idx),) + tuple(a.shape[1:]),
+                   (a[idx[lo:lo + b]] for lo in range(0, len(idx), b)))
         digests[f'leaf-{s}-{i}.npy'] = _sha256(path)
     _sync_dir(tmp)
     os.rename(tmp, os.path.join(root, name))
@@ -170,8 +204,8 @@ def _load_delta(root: str, entry: dict, num_states: int):
         raise DataError(f'{path}: damaged (its sha256 is not the one checkpoint step '
                         f'{entry["step"]} recorded); resume from an earlier run folder or start '
                         'afresh without --resume')
-      arrays.append(np.load(path, mmap_mode='r'))
-    out.append((np.asarray(arrays[0]), arrays[1:]))
+      arrays.append(_NpyRows(path))
+    out.append((np.asarray(arrays[0][:], np.int64), arrays[1:]))
   return out
 
 
@@ -273,8 +307,10 @@ def fold(directory: str, manifests: Dict[int, dict], state) -> None:
     todo = oldest['chain'][len(base.folded):]
     for entry in todo:
       for s, (idx, leaves) in enumerate(_load_delta(root, entry, len(oldest['shapes']))):
+        b = _block(leaves)
         for i, rows in enumerate(leaves):
-          base.write(s, i, idx, rows)
+          for lo in range(0, len(idx), b):
+            base.write(s, i, idx[lo:lo + b], rows[lo:lo + b])
     if todo:
       base.publish(names, oldest['identity'])
     folded = set(names)
