@@ -190,8 +190,11 @@ def train(layout):
     if first is None:
       first = time.perf_counter() - t0
     if ckpt is not None and (t + 1) % FLAGS.checkpoint_every == 0:
-      saves.append(ckpt.save(t + 1, state))
+      before_save = peak_rss_bytes()
+      saves.append({**ckpt.save(t + 1, state), 'peak_rss_before_gb': before_save / GB,
+                    'peak_rss_after_gb': peak_rss_bytes() / GB})
   jax.block_until_ready(state)
+  rounds_peak = peak_rss_bytes()
   restored = ckpt.restore(lambda: runner.init(key)) if ckpt is not None and saves else {}
   live = sum(a.nbytes for a in jax.live_arrays())
   shapes = (len(runner.feed.shapes) if layout == 'host' else 1)
@@ -205,7 +208,7 @@ def train(layout):
           'rows_on_disk_gb': disk_gb, 'num_clients': store.num_clients,
           'cohort_size': FLAGS.cohort_size, 'rounds': FLAGS.rounds, 'cap': cap,
           'executor': runner.executor.describe(),
-          'peak_rss_gb': peak_rss_bytes() / GB,
+          'peak_rss_gb': peak_rss_bytes() / GB, 'peak_rss_rounds_gb': rounds_peak / GB,
           'device_bytes_gb': live / GB,
           'seconds_per_round': float(np.mean(seconds[1:])) if len(seconds) > 1 else seconds[0],
           'first_round_s': first, 'compiled_shapes': shapes,
@@ -319,10 +322,12 @@ def _main(argv):
           f"{r['executor']}", flush=True)
     for c in r.get('checkpoints', []):
       print(f"       checkpoint after round {c['round']}: {c['seconds']:.2f} s, "
-            f"{c['written_gb']:.3f} GB written, folder {c['folder_gb']:.3f} GB", flush=True)
-    if 'restore_seconds' in r:
-      print(f"       restore of round {r['restored_round']}: {r['restore_seconds']:.2f} s",
+            f"{c['written_gb']:.3f} GB written, folder {c['folder_gb']:.3f} GB, peak RSS "
+            f"{c['peak_rss_before_gb']:.2f} GB before it, {c['peak_rss_after_gb']:.2f} GB after",
             flush=True)
+    if 'restore_seconds' in r:
+      print(f"       restore of round {r['restored_round']}: {r['restore_seconds']:.2f} s; peak "
+            f"RSS {r['peak_rss_rounds_gb']:.2f} GB before it", flush=True)
   if FLAGS.output:
     with open(FLAGS.output, 'w') as f:
       json.dump(results, f, indent=1)

@@ -68,6 +68,16 @@ def write_emnist(folder, rng, train_sizes, test_sizes, digits=False):
   return train, test
 
 
+def random_writers(folder, seed, num_clients, most_train, most_test):
+  """FedJAX EMNIST files in ``folder`` (made) of ``num_clients`` writers with
+  3..most_train training and 1..most_test test images drawn from ``seed``."""
+  folder.mkdir(parents=True, exist_ok=True)
+  rng = np.random.default_rng(seed)
+  write_emnist(folder, rng, [int(v) for v in rng.integers(3, most_train, num_clients)],
+               [int(v) for v in rng.integers(1, most_test, num_clients)])
+  return folder
+
+
 def bytes_array(items):
   a = np.empty(len(items), dtype=object)
   a[:] = items

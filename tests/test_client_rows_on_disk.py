@@ -7,35 +7,24 @@ import jax
 import numpy as np
 import pytest
 
-import fedjax_personal as fp
-from fedjax_personal import algorithms
 from fedjax_personal.config import TrainingConfig
 from fedjax_personal.core import row_files
-from fedjax_personal.core.engine import RoundRunner
-from fedjax_personal.core.layout import HostData
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.datasets import DataConfig, load_store
 from fedjax_personal.run.experiment import run
+from helpers import host_runner
 import made_files
 
 
 @pytest.fixture(scope='module')
 def store(tmp_path_factory):
-  folder = tmp_path_factory.mktemp('emnist')
-  rng = np.random.default_rng(5)
-  made_files.write_emnist(folder, rng, [int(v) for v in rng.integers(3, 30, 24)],
-                          [int(v) for v in rng.integers(1, 8, 24)])
+  folder = made_files.random_writers(tmp_path_factory.mktemp('emnist'), 5, 24, 30, 8)
   return load_store(DataConfig(dataset='emnist', partition='natural', num_clients=None,
                                data_dir=str(folder)))
 
 
 def _run(store, alg_name, training, sampler, rows_folder):
-  population = store.population()
-  model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,)), population.sample_x)
-  alg = algorithms.build(alg_name, model, population, training=training)
-  executor = fp.executors.create_executor('vmap', model, population.sample_x)
-  runner = RoundRunner(alg, HostData(store, block=5, smallest=4, rows_folder=rows_folder),
-                       sampler, executor)
+  runner = host_runner(store, alg_name, training, sampler, rows_folder)
   state, history = run(runner, 4, seed=3, eval_every=2)
   return runner, state, history
 
@@ -109,11 +98,7 @@ def test_cli_client_state_disk_equals_memory_and_auto_moves_rows_to_files(
   from fedjax_personal.errors import ConfigError
   from fedjax_personal.run import cli
   from helpers import parse_flags
-  data_dir = tmp_path / 'data'
-  data_dir.mkdir()
-  rng = np.random.default_rng(2)
-  made_files.write_emnist(data_dir, rng, [int(v) for v in rng.integers(3, 20, 10)],
-                          [int(v) for v in rng.integers(1, 6, 10)])
+  data_dir = made_files.random_writers(tmp_path / 'data', 2, 10, 20, 6)
   common = ('--algorithm=ditto', '--dataset=emnist', f'--data_dir={data_dir}', '--model=logreg',
             '--cohort_size=3', '--rounds=2', '--eval_every=1', '--progress=false',
             '--layout=host')

@@ -15,17 +15,14 @@ import jax
 import numpy as np
 import pytest
 
-import fedjax_personal as fp
-from fedjax_personal import algorithms
 from fedjax_personal.config import TrainingConfig
 from fedjax_personal.core import row_files
-from fedjax_personal.core.engine import RoundRunner
-from fedjax_personal.core.layout import HostData
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.datasets import DataConfig, load_store
 from fedjax_personal.errors import DataError
 from fedjax_personal.run import checkpointing, faults, row_checkpoints
 from fedjax_personal.run.experiment import SingleRun, run_many
+from helpers import host_runner
 import made_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,23 +31,15 @@ SEED, COHORT = 3, 4
 
 @pytest.fixture(scope='module')
 def store(tmp_path_factory):
-  folder = tmp_path_factory.mktemp('emnist')
-  rng = np.random.default_rng(5)
-  made_files.write_emnist(folder, rng, [int(v) for v in rng.integers(3, 30, 24)],
-                          [int(v) for v in rng.integers(1, 8, 24)])
+  folder = made_files.random_writers(tmp_path_factory.mktemp('emnist'), 5, 24, 30, 8)
   return load_store(DataConfig(dataset='emnist', partition='natural', num_clients=None,
                                data_dir=str(folder)))
 
 
 def _runs(store, rows_folder, alg_name='ditto'):
-  population = store.population()
-  model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,)), population.sample_x)
-  alg = algorithms.build(alg_name, model, population,
-                         training=TrainingConfig(client_lr=0.1, batch_size=8))
-  executor = fp.executors.create_executor('vmap', model, population.sample_x)
-  runner = RoundRunner(alg, HostData(store, block=5, smallest=4, rows_folder=rows_folder),
-                       CohortSampler(store.num_clients, cohort_size=COHORT), executor)
-  return SingleRun(runner, SEED)
+  return SingleRun(host_runner(store, alg_name, TrainingConfig(client_lr=0.1, batch_size=8),
+                               CohortSampler(store.num_clients, cohort_size=COHORT), rows_folder),
+                   SEED)
 
 
 def _strip(history):
@@ -193,11 +182,7 @@ def _cli(args, env=None, patch=''):
 
 
 def test_a_full_disk_while_writing_rows_is_one_line_and_resume_loses_nothing(tmp_path):
-  data_dir = tmp_path / 'data'
-  data_dir.mkdir()
-  rng = np.random.default_rng(2)
-  made_files.write_emnist(data_dir, rng, [int(v) for v in rng.integers(3, 20, 10)],
-                          [int(v) for v in rng.integers(1, 6, 10)])
+  data_dir = made_files.random_writers(tmp_path / 'data', 2, 10, 20, 6)
   common = ['--algorithm=ditto', '--dataset=emnist', f'--data_dir={data_dir}', '--model=logreg',
             '--cohort_size=3', '--rounds=5', '--eval_every=1', '--progress=false',
             '--layout=host', '--checkpoint_every=1']
@@ -228,11 +213,7 @@ def test_cli_trials_with_rows_in_files_resume_in_memory_equal_one_whole_run(stor
   files), checkpointed in files and resumed in memory."""
   from fedjax_personal.run import cli
   from helpers import parse_flags
-  data_dir = tmp_path / 'data'
-  data_dir.mkdir()
-  rng = np.random.default_rng(2)
-  made_files.write_emnist(data_dir, rng, [int(v) for v in rng.integers(3, 20, 10)],
-                          [int(v) for v in rng.integers(1, 6, 10)])
+  data_dir = made_files.random_writers(tmp_path / 'data', 2, 10, 20, 6)
   common = ('--algorithm=ditto', '--dataset=emnist', f'--data_dir={data_dir}', '--model=logreg',
             '--cohort_size=3', '--eval_every=1', '--progress=false', '--layout=host',
             '--trials=2')

@@ -45,7 +45,7 @@ from fedjax_personal.errors import DataError
 
 FOLDER = 'client_rows'
 #: Bytes of rows read or written at once (a block of clients).
-BLOCK_BYTES = 1 << 26
+BLOCK_BYTES = 1 << 24
 
 
 def has_files(state) -> bool:
@@ -99,7 +99,7 @@ def _write_npy(path: str, dtype, shape, blocks) -> None:
     np.lib.format.write_array_header_1_0(f, {'descr': np.lib.format.dtype_to_descr(
         np.dtype(dtype)), 'fortran_order': False, 'shape': tuple(shape)})
     for block in blocks:
-      f.write(np.ascontiguousarray(block, dtype).tobytes())
+      f.write(memoryview(np.ascontiguousarray(block, dtype)).cast('B'))
     f.flush()
     os.fsync(f.fileno())
 
