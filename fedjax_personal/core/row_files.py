@@ -12,6 +12,9 @@ client never trained stores nothing and uses that value (the global model
 for Ditto's personal model, zeros for SCAFFOLD's control). The numbers are
 those of rows in memory (tested), whenever a row is made.
 
+Each leaf marks the rows written since the last checkpoint (``dirty``): a
+checkpoint saves those alone (``run/row_checkpoints.py``).
+
 ``DiskRows`` is indexed as the numpy arrays it stands for are
 (``rows[idx]``, ``rows[idx] = new`` with a 1-D index array), so
 ``hosted_state.gather_rows`` / ``scatter_rows`` and the engine use it as
