@@ -159,8 +159,10 @@ def main_in_one_process(command_lines, cwd=None):
   return [tuple(x) for x in json.loads(line[0][len('MAIN RUNS '):])]
 
 
-def host_runner(store, alg_name, training, sampler, rows_folder=None):
-  """A RoundRunner of ``alg_name`` (a small MLP, vmapped) on a population
+def host_runner(store, alg_name, training, sampler, rows_folder=None, adapter_dim=0,
+                **settings):
+  """A RoundRunner of ``alg_name`` (a small MLP, with residual adapters of
+  ``adapter_dim``, vmapped; ``settings`` of the algorithm) on a population
   store in the host layout, clients in blocks of 5, client rows in memory or
   in files under ``rows_folder``."""
   import fedjax_personal as fp
@@ -168,8 +170,9 @@ def host_runner(store, alg_name, training, sampler, rows_folder=None):
   from fedjax_personal.core.engine import RoundRunner
   from fedjax_personal.core.layout import HostData
   population = store.population()
-  model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,)), population.sample_x)
-  alg = algorithms.build(alg_name, model, population, training=training)
+  model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,), adapter_dim=adapter_dim),
+                             population.sample_x)
+  alg = algorithms.build(alg_name, model, population, training=training, **settings)
   executor = fp.executors.create_executor('vmap', model, population.sample_x)
   return RoundRunner(alg, HostData(store, block=5, smallest=4, rows_folder=rows_folder),
                      sampler, executor)

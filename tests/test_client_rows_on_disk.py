@@ -24,7 +24,9 @@ def store(tmp_path_factory):
 
 
 def _run(store, alg_name, training, sampler, rows_folder):
-  runner = host_runner(store, alg_name, training, sampler, rows_folder)
+  adapters = alg_name == 'fedalt_adapters'  # FedAlt whose personal part is the adapters
+  runner = host_runner(store, 'fedalt' if adapters else alg_name, training, sampler, rows_folder,
+                       **({'adapter_dim': 4, 'personal_part': 'adapter'} if adapters else {}))
   state, history = run(runner, 4, seed=3, eval_every=2)
   return runner, state, history
 
@@ -34,6 +36,7 @@ def _run(store, alg_name, training, sampler, rows_folder):
     ('scaffold', 0.2, False),  # control variates
     ('feddyn', 0.2, False),    # FedDyn's gradients
     ('fedalt', None, False),   # personal parts (the output layer)
+    ('fedalt_adapters', None, False),  # personal parts (residual adapters)
     ('local', None, True),     # persistent client momentum
 ])
 def test_rows_on_disk_equal_rows_in_memory(store, tmp_path, alg_name, participation,
