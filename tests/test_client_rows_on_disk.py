@@ -63,7 +63,7 @@ def test_rows_on_disk_equal_rows_in_memory(store, tmp_path, alg_name, participat
   # their initial value (the rows' maker gives it, from the run's own key).
   trained = np.zeros(n, bool)
   for d, m in zip(disk_leaves, jax.tree.leaves(s_mem.rows)):
-    initial = d.maker(every)[d.leaf]
+    initial = d.maker(every, d.leaf)
     trained |= np.any((m != initial).reshape(n, -1), axis=1)
   made = disk_leaves[0].made
   assert all((d.made == made).all() for d in disk_leaves)
@@ -86,7 +86,7 @@ def test_a_client_never_trained_is_evaluated_with_its_initial_row_and_costs_no_d
   never = np.flatnonzero(~before)
   disk_before = row_files.disk_bytes(state.rows)
   for d in leaves:  # a never-met client's row: its initial value, nothing written
-    np.testing.assert_array_equal(d[never], d.maker(never)[d.leaf])
+    np.testing.assert_array_equal(d[never], d.maker(never, d.leaf))
   assert row_files.disk_bytes(state.rows) == disk_before
   with pytest.raises(TypeError, match='read by index'):
     np.asarray(leaves[0])

@@ -465,8 +465,9 @@ class RoundRunner:
       full = cr.put(inner, hosted_state.gather_rows(rows, idx))
       full, metrics = work(full, key, jnp.asarray(rnd, jnp.int32), train, val,
                            cohort.with_gathered_rows(host.num_clients), donate)
-      hosted_state.scatter_rows(rows, idx, mask & (idx < host.num_clients), cr.get(full))
       inner = cr.put(full, hosted_state.empty_rows(rows))
+      hosted_state.scatter_rows(rows, idx, mask & (idx < host.num_clients), cr.get(full), inner)
+      del full
       return hosted_state.HostedState(inner, rows, cr), {**metrics, **ph}
     self._round = round_hosted if self.hosted_rows else round_host
     self._evaluate = self._host_evaluation()

@@ -139,8 +139,17 @@ def gather_rows(rows, idx: np.ndarray):
   return jax.tree.map(lambda a: jnp.asarray(a[safe]), rows)
 
 
-def scatter_rows(rows, idx: np.ndarray, valid: np.ndarray, new) -> None:
-  """``rows[idx[valid]] = new[valid]``, leaf by leaf, in place on the host."""
+def scatter_rows(rows, idx: np.ndarray, valid: np.ndarray, new, keep=()) -> None:
+  """``rows[idx[valid]] = new[valid]``, leaf by leaf, in place on the host:
+  each new leaf is fetched, written and freed before the next (``new`` is
+  consumed, but for the arrays ``keep`` holds: the rest of the state), so
+  that the cohort's new rows are not held twice."""
   idx, valid = np.asarray(idx), np.asarray(valid, bool)
-  for a, b in zip(jax.tree.leaves(rows), jax.tree.leaves(jax.device_get(new))):
-    a[idx[valid]] = np.asarray(b)[valid]
+  leaves = jax.tree.leaves(new)
+  del new
+  done = {id(x) for x in jax.tree.leaves(keep)}
+  for a, b in zip(jax.tree.leaves(rows), leaves):
+    a[idx[valid]] = np.asarray(jax.device_get(b))[valid]
+    if isinstance(b, jax.Array) and id(b) not in done:
+      done.add(id(b))
+      b.delete()

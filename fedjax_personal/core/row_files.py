@@ -30,8 +30,11 @@ import numpy as np
 
 class RowMaker:
   """The initial rows of any clients: ``init(key)``'s client rows at the
-  given indices, on the CPU backend (one compiled program per power-of-two
-  number of clients; XLA reads a broadcast's rows without making the rest).
+  given indices, one leaf at a time, on the CPU backend (one compiled
+  program per leaf and power-of-two number of clients; XLA reads a
+  broadcast's rows without making the rest, and computes only the leaf
+  asked for). Nothing is kept between calls: a cohort's new rows are made
+  once, leaf by leaf, as the gather reads them.
   """
 
   def __init__(self, init, client_rows, key):
@@ -39,10 +42,9 @@ class RowMaker:
     self._cpu = cpu_device()
     self._key = jax.device_put(key, self._cpu)
 
-    def rows_at(k, idx):
-      return jax.tree.leaves(jax.tree.map(lambda a: a[idx], client_rows.get(init(k))))
-    self._fn = jax.jit(rows_at)
-    self._last = (None, None)
+    def rows_at(k, idx, leaf):
+      return jax.tree.leaves(client_rows.get(init(k)))[leaf][idx]
+    self._fn = jax.jit(rows_at, static_argnums=2)
 
   @property
   def key_data(self) -> List[int]:
@@ -53,20 +55,17 @@ class RowMaker:
     """Makes rows from the key whose data is ``key_data`` (a checkpoint's)."""
     data = np.asarray(key_data, np.uint32).reshape(jax.random.key_data(self._key).shape)
     key = jax.random.wrap_key_data(data, impl=jax.random.key_impl(self._key))
-    self._key, self._last = jax.device_put(key, self._cpu), (None, None)
+    self._key = jax.device_put(key, self._cpu)
 
-  def __call__(self, idx: np.ndarray) -> List[np.ndarray]:
-    """Every leaf's initial rows of clients ``idx`` (a leaf's list index is
-    its place in ``jax.tree.leaves`` of the client rows)."""
+  def __call__(self, idx: np.ndarray, leaf: int) -> np.ndarray:
+    """The initial rows of clients ``idx`` of one leaf (its place in
+    ``jax.tree.leaves`` of the client rows)."""
     idx = np.asarray(idx, np.int64)
-    tag = idx.tobytes()
-    if self._last[0] != tag:  # the leaves of one gather ask for the same clients
-      size = 1 << max(0, int(len(idx) - 1).bit_length())
-      padded = np.concatenate([idx, np.repeat(idx[:1], size - len(idx))]).astype(np.int32)
-      with jax.default_device(self._cpu):
-        out = self._fn(self._key, padded)
-      self._last = (tag, [np.asarray(o)[:len(idx)] for o in out])
-    return self._last[1]
+    size = 1 << max(0, int(len(idx) - 1).bit_length())
+    padded = np.concatenate([idx, np.repeat(idx[:1], size - len(idx))]).astype(np.int32)
+    with jax.default_device(self._cpu):
+      out = self._fn(self._key, padded, leaf)
+    return np.asarray(out)[:len(idx)]
 
 
 class DiskRows:
@@ -109,7 +108,7 @@ class DiskRows:
     out = np.empty((len(idx),) + self.row_shape, self.dtype)
     written = self.made[idx]
     if not written.all():
-      out[~written] = self.maker(idx[~written])[self.leaf]
+      out[~written] = self.maker(idx[~written], self.leaf)
     for j in np.flatnonzero(written):
       data = os.pread(self._fd, self.row_bytes, int(idx[j]) * self.row_bytes)
       if len(data) != self.row_bytes:
