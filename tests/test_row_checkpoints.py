@@ -19,7 +19,7 @@ from fedjax_personal.config import TrainingConfig
 from fedjax_personal.core import row_files
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.datasets import DataConfig, load_store
-from fedjax_personal.errors import DataError
+from fedjax_personal.errors import ConfigError, DataError
 from fedjax_personal.run import checkpointing, faults, row_checkpoints
 from fedjax_personal.run.experiment import SingleRun, run_many
 from helpers import host_runner
@@ -225,6 +225,11 @@ def test_cli_trials_with_rows_in_files_resume_in_memory_equal_one_whole_run(stor
   manifest = checkpointing.rows_manifest_of(
       checkpointing.manager(f'{tmp_path}/cut/ditto/checkpoints'), 2)
   assert len(manifest['shapes']) == 2  # one state per trial
+  parse_flags(*common, '--rounds=4', '--resume', f'--output_dir={tmp_path}/cut',
+              '--layout=device')
+  with pytest.raises(ConfigError, match='keeps its client rows in files: resume with '
+                     '--layout=host'):
+    cli.main_job()
   parse_flags(*common, '--rounds=4', '--client_state=memory', '--resume',
               f'--output_dir={tmp_path}/cut')
   resumed = cli.main_job()
