@@ -37,11 +37,17 @@ def to_saveable(state):
   if isinstance(state, list):
     return [to_saveable(s) for s in state]
   if row_checkpoints.has_files(state):
-    leaves = jax.tree.leaves(_keys_as_data(state.inner))
-    return {str(i): a for i, a in enumerate(leaves) if a.size}  # not the empty rows
+    return _leaves_but_rows(state.inner)
   if isinstance(state, HostedState):
     state = state.whole()
   return _keys_as_data(state)
+
+
+def _leaves_but_rows(inner):
+  """A ``HostedState``'s inner state as saved with its rows in files: its
+  leaves by place, but the empty client rows (which Orbax cannot save)."""
+  leaves = jax.tree.leaves(_keys_as_data(inner))
+  return {str(i): a for i, a in enumerate(leaves) if a.size}
 
 
 def _keys_as_data(state):
@@ -82,8 +88,7 @@ def _abstract_without_rows(template):
   leaves but its client rows."""
   if isinstance(template, list):
     return [_abstract_without_rows(t) for t in template]
-  leaves = jax.tree.leaves(_keys_as_data(template.inner))
-  return {str(i): ocp.utils.to_shape_dtype_struct(a) for i, a in enumerate(leaves) if a.size}
+  return jax.tree.map(ocp.utils.to_shape_dtype_struct, _leaves_but_rows(template.inner))
 
 
 def _with_saved_inner(saved, template):

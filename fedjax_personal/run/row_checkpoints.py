@@ -29,6 +29,7 @@ whole, as before). A damaged file, or a base of another run, is one line
 """
 
 import hashlib
+import io
 import json
 import os
 import secrets
@@ -39,9 +40,10 @@ from typing import Dict, List, Optional
 import jax
 import numpy as np
 
-from fedjax_personal.core.hosted_state import HostedState
+from fedjax_personal.core.hosted_state import HostedState, rows_per_block
 from fedjax_personal.core.row_files import DiskRows
 from fedjax_personal.errors import DataError
+from fedjax_personal.run.run_identity import file_sha256
 
 FOLDER = 'client_rows'
 #: Bytes of rows read or written at once (a block of clients).
@@ -52,7 +54,7 @@ def has_files(state) -> bool:
   """Whether a state (or a list of them) keeps client rows in files."""
   return any(isinstance(s, HostedState) and
              any(isinstance(a, DiskRows) for a in jax.tree.leaves(s.rows))
-             for s in (state if isinstance(state, list) else [state]))
+             for s in _states(state))
 
 
 def _states(state) -> List[HostedState]:
@@ -64,16 +66,8 @@ def _leaves(state: HostedState) -> list:
 
 
 def _block(leaves) -> int:
-  per_row = sum(int(np.prod(a.shape[1:])) * np.dtype(a.dtype).itemsize for a in leaves)
-  return max(1, BLOCK_BYTES // max(per_row, 1))
-
-
-def _sha256(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, 'rb') as f:
-    for chunk in iter(lambda: f.read(1 << 22), b''):
-      h.update(chunk)
-  return h.hexdigest()
+  """Clients whose rows of ``leaves`` take BLOCK_BYTES (one at least)."""
+  return rows_per_block(leaves, 1 << 62, BLOCK_BYTES)
 
 
 def _sync_dir(path: str) -> None:
@@ -84,24 +78,23 @@ def _sync_dir(path: str) -> None:
     os.close(fd)
 
 
-def _save_npy(path: str, array: np.ndarray) -> str:
-  with open(path, 'wb') as f:
-    np.save(f, array)
-    f.flush()
-    os.fsync(f.fileno())
-  return _sha256(path)
-
-
-def _write_npy(path: str, dtype, shape, blocks) -> None:
+def _write_npy(path: str, dtype, shape, blocks) -> str:
   """An .npy file written block by block (through ``write``, not a memory
-  map, whose pages would count in the process's RSS), synced."""
+  map, whose pages would count in the process's RSS), synced; returns its
+  SHA-256, hashed as it is written (the file is not read back)."""
+  header = io.BytesIO()
+  np.lib.format.write_array_header_1_0(header, {'descr': np.lib.format.dtype_to_descr(
+      np.dtype(dtype)), 'fortran_order': False, 'shape': tuple(shape)})
+  h = hashlib.sha256(header.getvalue())
   with open(path, 'wb') as f:
-    np.lib.format.write_array_header_1_0(f, {'descr': np.lib.format.dtype_to_descr(
-        np.dtype(dtype)), 'fortran_order': False, 'shape': tuple(shape)})
+    f.write(header.getvalue())
     for block in blocks:
-      f.write(memoryview(np.ascontiguousarray(block, dtype)).cast('B'))
+      data = memoryview(np.ascontiguousarray(block, dtype)).cast('B')
+      h.update(data)
+      f.write(data)
     f.flush()
     os.fsync(f.fileno())
+  return h.hexdigest()
 
 
 class _NpyRows:
@@ -133,7 +126,7 @@ class _NpyRows:
 
 def write_delta(directory: str, step: int, state, chain: List[dict], identity: str) -> dict:
   """Writes the rows changed since the last checkpoint (every state's files'
-  ``changed()`` rows) as step ``step``'s delta; returns the manifest to
+  ``dirty`` rows) as step ``step``'s delta; returns the manifest to
   publish with the Orbax step (``chain`` plus this delta).
 
   Raises OSError (naming the folder) when it cannot be written; nothing of
@@ -149,13 +142,13 @@ def write_delta(directory: str, step: int, state, chain: List[dict], identity: s
       leaves = _leaves(st)
       idx = np.flatnonzero(np.any([a.dirty for a in leaves], axis=0)) if leaves else []
       idx = np.asarray(idx, np.int64)
-      digests[f'index-{s}.npy'] = _save_npy(os.path.join(tmp, f'index-{s}.npy'), idx)
+      digests[f'index-{s}.npy'] = _write_npy(os.path.join(tmp, f'index-{s}.npy'), idx.dtype,
+                                             idx.shape, [idx])
+      b = _block(leaves)
       for i, a in enumerate(leaves):
-        path = os.path.join(tmp, f'leaf-{s}-{i}.npy')
-        b = _block(leaves)
-        _write_npy(path, a.dtype, (len(idx),) + tuple(a.shape[1:]),
-                   (a[idx[lo:lo + b]] for lo in range(0, len(idx), b)))
-        digests[f'leaf-{s}-{i}.npy'] = _sha256(path)
+        digests[f'leaf-{s}-{i}.npy'] = _write_npy(
+            os.path.join(tmp, f'leaf-{s}-{i}.npy'), a.dtype, (len(idx),) + tuple(a.shape[1:]),
+            (a[idx[lo:lo + b]] for lo in range(0, len(idx), b)))
     _sync_dir(tmp)
     os.rename(tmp, os.path.join(root, name))
     _sync_dir(root)
@@ -200,7 +193,7 @@ def _load_delta(root: str, entry: dict, num_states: int):
       if not os.path.exists(path):
         raise DataError(f'{path}: missing (the rows of checkpoint step {entry["step"]}); '
                         'resume from an earlier run folder or start afresh without --resume')
-      if _sha256(path) != entry['sha256'][f]:
+      if file_sha256(path) != entry['sha256'][f]:
         raise DataError(f'{path}: damaged (its sha256 is not the one checkpoint step '
                         f'{entry["step"]} recorded); resume from an earlier run folder or start '
                         'afresh without --resume')
