@@ -12,6 +12,10 @@ from fedjax_personal import checkout as _checkout
 
 _checkout.use_this_checkout(_os.path.dirname(__file__))  # its algorithms/ and datasets/, not another's
 
+from fedjax_personal import numerics  # noqa: E402
+
+numerics.apply_default()  # float32 matmuls on every backend unless the user chose (numerics.py)
+
 from fedjax_personal import config  # noqa: E402
 from fedjax_personal import models  # noqa: E402
 from fedjax_personal.config import TrainingConfig
@@ -37,5 +41,6 @@ from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import create_model
+from fedjax_personal.numerics import set_matmul_precision
 
 __version__ = '0.1.0'

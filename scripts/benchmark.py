@@ -29,7 +29,7 @@ import time
 
 from absl import flags
 
-from fedjax_personal.run import entry
+from fedjax_personal.run import costs, entry
 
 flags.DEFINE_list('models', ['mlp', 'lenet5'], 'Models to time.')
 flags.DEFINE_list('clients', ['10', '100', '1000'], 'Populations (all clients in every round).')
@@ -93,32 +93,12 @@ def peak_rss_mb():
 
 
 def stream_gbps(mib=64, reps=10):
-  """Memory bandwidth as XLA:CPU sees it: a jitted ``a * 1.5`` over ``mib``
-  MiB (read + written), GB/s."""
-  import jax
-  import jax.numpy as jnp
-  a = jnp.ones((mib << 18,), jnp.float32)
-  f = jax.jit(lambda a: a * 1.5)
-  f(a).block_until_ready()
-  best = float('inf')
-  for _ in range(reps):
-    t = time.perf_counter()
-    f(a).block_until_ready()
-    best = min(best, time.perf_counter() - t)
-  return 2 * a.nbytes / best / 1e9
+  """Memory bandwidth as XLA sees it (``costs.stream_bytes_per_second``), GB/s."""
+  return costs.stream_bytes_per_second(mib, reps) / 1e9
 
 
 def matmul_gflops(n=2048, reps=10):
-  import jax
-  import jax.numpy as jnp
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-  f = jax.jit(lambda a: a @ a)
-  f(a).block_until_ready()
-  t = time.perf_counter()
-  for _ in range(reps):
-    out = f(a)
-  out.block_until_ready()
-  return 2 * n ** 3 * reps / (time.perf_counter() - t) / 1e9
+  return costs.matmul_flops_per_second(n, reps) / 1e9
 
 
 def build(model_name, num_clients):
@@ -143,32 +123,9 @@ def build(model_name, num_clients):
 
 
 def step_cost(model, opt, batch_size, in_shape=(28, 28, 1)):
-  """XLA's cost analysis of one local SGD step (forward, backward, update):
-  (flops, bytes read and written, the step function).
-
-  The analysis counts a loop's body once, so the step is analysed with
-  ``tiled`` convolutions computed untiled (``models.layers.TILE_BYTES = 0`` while it
-  is traced): the same FLOPs, and the bytes of one slice matrix per batch."""
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from fedjax_personal.models import layers
-  from fedjax_personal.core.training import Batch, batch_loss
-  params = model.init(jax.random.key(0))
-
-  def step(p, s, x, y):
-    g = jax.grad(lambda q: batch_loss(model, q, Batch(x, y, jnp.ones(x.shape[0], bool)))[0])(p)
-    u, s = opt.update(g, s, p)
-    return optax.apply_updates(p, u), s
-  x = jnp.zeros((batch_size,) + tuple(in_shape), jnp.uint8)
-  y = jnp.zeros((batch_size,), jnp.int32)
-  tile, layers.TILE_BYTES = layers.TILE_BYTES, 0
-  try:
-    cost = jax.jit(step).lower(params, opt.init(params), x, y).compile().cost_analysis()
-  finally:
-    layers.TILE_BYTES = tile
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float(cost.get('flops', 0.0)), float(cost.get('bytes accessed', 0.0)), step
+  """XLA's cost analysis of one local SGD step: (flops, bytes, step)
+  (``costs.local_step_cost``)."""
+  return costs.local_step_cost(model, opt, batch_size, in_shape)
 
 
 def baseline_runner(model, data, batching, opt):

@@ -70,15 +70,27 @@ SLOW_IN_CI = {
 }
 
 
+# Modules whose numbers depend on the backend (precision, convolutions,
+# sharding, memory plans, donation, executors' equality with a per-client
+# loop): marked accelerator, the tests benchmarks/accelerator.py runs on a GPU.
+ACCELERATOR_MODULES = {
+    'test_engine.py', 'test_numerics.py', 'test_models.py', 'test_sharding.py', 'test_memory.py',
+    'test_usercentric.py', 'test_personalization.py', 'test_scale.py', 'test_layout.py',
+}
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
 def pytest_collection_modifyitems(config, items):
-  """Tests in ``SLOW_IN_CI`` are marked slow. Tests marked
+  """Tests in ``SLOW_IN_CI`` are marked slow, those of
+  ``ACCELERATOR_MODULES`` accelerator. Tests marked
   ``needs_data(file, ...)`` (a file, or a tuple of alternative names) skip,
   naming the file and how to get it, unless $FEDJAX_PERSONAL_DATA holds it."""
   folder = os.environ.get('FEDJAX_PERSONAL_DATA')
   for item in items:
     if item.nodeid.split('tests/', 1)[-1] in SLOW_IN_CI:
       item.add_marker(pytest.mark.slow)
+    if item.nodeid.split('tests/', 1)[-1].split('::')[0] in ACCELERATOR_MODULES:
+      item.add_marker(pytest.mark.accelerator)
     marker = item.get_closest_marker('needs_data')
     if marker is None:
       continue

@@ -165,7 +165,7 @@ class FileArray:
   def __del__(self):
     try:
       os.close(self._fd)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: os torn down at exit
       pass
 
 

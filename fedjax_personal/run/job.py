@@ -17,6 +17,7 @@ import numpy as np
 
 from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import datasets as datasets_lib
+from fedjax_personal import numerics
 from fedjax_personal.datasets import stackoverflow
 from fedjax_personal.run import (checkpointing, distributed, experiment, faults, reporting,
                                  run_identity)
@@ -31,8 +32,8 @@ from fedjax_personal.core.data import to_device
 from fedjax_personal.core.layout import HostData
 from fedjax_personal.core.store import PopulationStore
 from fedjax_personal.core.engine import RoundRunner
-from fedjax_personal.core.executors import create_executor
-from fedjax_personal.models import create_model, weights
+from fedjax_personal.core.executors import create_executor, model_has_conv
+from fedjax_personal.models import create_model, resolve_conv_impl, weights
 from fedjax_personal.core.tree_util import tree_bytes
 
 
@@ -91,6 +92,7 @@ def main_job() -> Dict[str, dict]:
   final summary}. With --dry_run, stops after building everything (nothing
   trained or written) and returns {}."""
   settings = validate_flags()
+  set_numerics()
   job = Job(cfgs=sweep_configs())
   load_data(job)
   build_model_and_executor(job)
@@ -193,7 +195,14 @@ def build_model_and_executor(job: Job) -> None:
   sample_x = (job.population.sample_x if job.layout == 'host'
               else job.data.train.x[0, :1])
   job.model = create_model(FLAGS.model, job.population.num_classes, sample_x, FLAGS.adapter_dim,
-                           init=FLAGS.model_init)
+                           conv_impl=FLAGS.conv_impl, init=FLAGS.model_init)
+  conv = conv_impl_of(job.model, sample_x)
+  check(conv is not None or not FLAGS['conv_impl'].present, 'conv_impl',
+        f'does nothing: --model={FLAGS.model} has no convolution')
+  job.identity['numerics'] = numerics.record(conv)
+  say('numerics: matmul precision ' + numerics.effective_matmul() + (
+      f'; convolutions {conv}' + (f' (auto on {jax.default_backend()})'
+                                  if FLAGS.conv_impl == 'auto' else '') if conv else ''))
   if FLAGS.dataset == 'stackoverflow':  # next-word accuracy as one publisher defines it
     unscored, unpredicted, definition = stackoverflow.stackoverflow_accuracy(
         FLAGS.stackoverflow_accuracy, job.population.num_classes)
@@ -207,6 +216,24 @@ def build_model_and_executor(job: Job) -> None:
     job.executor = create_executor(FLAGS.executor, job.model, sample_x, FLAGS.block_size)
   except ValueError as e:
     raise ConfigError('executor', str(e)) from None
+
+
+def set_numerics() -> None:
+  """--matmul_precision for every computation of the run (when not given:
+  $JAX_DEFAULT_MATMUL_PRECISION if set, else the package's float32), set
+  afresh by each job so that one process's jobs never inherit another's."""
+  name = (FLAGS.matmul_precision if FLAGS['matmul_precision'].present
+          else os.environ.get('JAX_DEFAULT_MATMUL_PRECISION') or numerics.DEFAULT_MATMUL_PRECISION)
+  numerics.set_matmul_precision(name)
+
+
+def conv_impl_of(model, sample_x):
+  """The convolution implementation ``model`` runs with here (``auto``
+  resolved for this backend), or None when it has no convolution."""
+  if not model_has_conv(model, sample_x):
+    return None
+  impl = getattr(getattr(model, 'module', None), 'conv_impl', None)
+  return resolve_conv_impl(impl) if impl is not None else 'xla'
 
 
 def _check_model_fits_targets(model, sample_x, y_shape, num_classes) -> None:
@@ -458,6 +485,7 @@ def train_algorithm(job: Job, entry) -> None:
     record = alg_summaries[0] if job.cfgs is None else {'configurations': alg_summaries}
     reporting.write_summary(os.path.join(job.output_dir, alg_name),
                             {**record, 'algorithm': alg_name, 'identity': ident,
+                             'numerics': ident.get('numerics'),
                              'flags': FLAGS.flag_values_dict()})
 
 

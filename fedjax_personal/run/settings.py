@@ -14,12 +14,13 @@ import jax
 
 from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import datasets as datasets_lib
+from fedjax_personal import numerics
 from fedjax_personal.run import run_identity
 from fedjax_personal.config import TrainingConfig, field_types, flag_name, validate
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.core import layout as layout_lib
 from fedjax_personal.core.executors import EXECUTOR_NAMES
-from fedjax_personal.models import INITS, MODELS, REFERENCE
+from fedjax_personal.models import CONV_IMPLS, INITS, MODELS, REFERENCE
 from fedjax_personal.core.sampling import CohortSampler
 
 FLAGS = flags.FLAGS
@@ -81,6 +82,19 @@ flags.DEFINE_integer('eval_every', 3, 'Evaluate every this many rounds (0: at th
 flags.DEFINE_string('output_dir', None, 'Where to write results (default: runs/<data>_<model>_'
                     '<algorithms>_<hash of the configuration>).')
 flags.DEFINE_enum('executor', 'auto', list(EXECUTOR_NAMES), 'How client work runs.')
+flags.DEFINE_enum('conv_impl', 'auto', list(CONV_IMPLS), 'How convolutional models compute '
+                  'convolutions and pooling: xla (XLA\'s convolution op), matmul (one matmul '
+                  'over shifted slices), tiled (matmul over cache-sized batch chunks) or auto '
+                  '(tiled on a CPU, matmul on a GPU/TPU, where a convolution vmapped over '
+                  'clients becomes a slow grouped convolution). Same parameters; the same '
+                  'numbers up to float reassociation. Recorded in the run identity.')
+flags.DEFINE_enum('matmul_precision', numerics.DEFAULT_MATMUL_PRECISION,
+                  list(numerics.MATMUL_PRECISIONS), 'Precision of every float32 matmul and '
+                  'convolution of the run (JAX\'s jax_default_matmul_precision): float32 (the '
+                  'default: the same numbers on every card), tf32 (TensorFloat-32 products, a '
+                  'GPU\'s fast default), bf16x3 (three bfloat16 passes, near float32), bf16 (one '
+                  'bfloat16 pass, a TPU\'s default), or JAX\'s default / high / highest. '
+                  'XLA:CPU computes float32 whatever the setting. Recorded in the run identity.')
 flags.DEFINE_integer('block_size', None, 'Clients per block for the blocked executor.')
 flags.DEFINE_enum('layout', 'auto', list(layout_lib.LAYOUTS), 'Where the clients\' examples live: '
                   'device (every client padded to the largest, on the device), host (the '

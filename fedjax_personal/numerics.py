@@ -1,0 +1,133 @@
+"""How a run's arithmetic is done: float32 matmul precision and the
+convolution implementation, as settings a run records.
+
+**Matmul precision.** JAX computes a float32 matmul or convolution at the
+backend's default precision: full float32 on a CPU, TF32 (10-bit mantissa
+products) on an NVIDIA GPU since Ampere, a single bfloat16 pass on a TPU.
+The same run then gives other numbers on another card, silently: MAML's
+Hessian-vector products were off by up to 5% relative on an H200 and the
+main job's cells moved by up to 0.35 points (BUILD.md, "On a GPU"). A
+research simulator's numbers should not depend on the card, so this
+package sets JAX's default matmul precision to ``float32`` when it is
+imported, unless the user already chose one (``JAX_DEFAULT_MATMUL_PRECISION``
+or ``jax.config.update('jax_default_matmul_precision', ...)`` before the
+import), and ``--matmul_precision`` / ``set_matmul_precision`` choose
+another for speed. The choice is JAX's own configuration
+(``jax_default_matmul_precision``): it applies to every computation
+compiled after it, is part of JAX's compilation cache key, and is named in
+the header, ``summary.json`` and the run identity (a resume with another
+precision is refused). XLA:CPU computes float32 whatever the setting.
+
+Names (``MATMUL_PRECISIONS``): ``float32`` (JAX's ``highest``), ``tf32``
+(``tensorfloat32``), ``bf16x3`` (three bfloat16 passes, about float32's
+accuracy on bfloat16 units: JAX's ``BF16_BF16_F32_X3`` algorithm), ``bf16``
+(one bfloat16 pass, ``bfloat16``) and JAX's ``default``, ``high`` and
+``highest`` as JAX means them (``default``: the backend's own).
+
+**Convolutions** (``models.layers.resolve_conv_impl``): ``auto`` is
+``tiled`` on a CPU and ``matmul`` on a GPU or TPU, where a convolution
+vmapped over clients would become one grouped convolution (a group per
+client) whose kernels collapse as the cohort grows (BUILD.md).
+"""
+
+import os
+from typing import Optional
+
+import jax
+
+from fedjax_personal.errors import ConfigError
+
+#: --matmul_precision's names -> JAX's ``jax_default_matmul_precision`` value.
+MATMUL_PRECISIONS = {
+    'float32': 'highest',
+    'tf32': 'tensorfloat32',
+    'bf16x3': 'BF16_BF16_F32_X3',
+    'bf16': 'bfloat16',
+    'default': 'default',
+    'high': 'high',
+    'highest': 'highest',
+}
+#: JAX's values back to this package's names (what a run records).
+_NAMES = {'highest': 'float32', 'float32': 'float32', 'tensorfloat32': 'tf32',
+          'BF16_BF16_F32_X3': 'bf16x3', 'bfloat16': 'bf16', 'default': 'default',
+          'high': 'high'}
+DEFAULT_MATMUL_PRECISION = 'float32'
+_ENV = 'JAX_DEFAULT_MATMUL_PRECISION'
+
+
+def canonical(name: str) -> str:
+  """The recorded name of a precision given as ours or as JAX's
+  (``highest`` -> ``float32``, ``tensorfloat32`` -> ``tf32``).
+
+  Args:
+    name: a key of ``MATMUL_PRECISIONS`` or a JAX value.
+
+  Returns:
+    This package's name for it.
+
+  Raises:
+    ConfigError naming --matmul_precision for an unknown name.
+  """
+  if name in MATMUL_PRECISIONS:
+    return _NAMES[MATMUL_PRECISIONS[name]]
+  if name in _NAMES:
+    return _NAMES[name]
+  raise ConfigError('matmul_precision', f'unknown precision {name!r}; choose one of '
+                    f'{list(MATMUL_PRECISIONS)}')
+
+
+def set_matmul_precision(name: str) -> str:
+  """Sets JAX's default float32 matmul and convolution precision for every
+  computation compiled from now on.
+
+  Args:
+    name: one of ``MATMUL_PRECISIONS`` (or JAX's own value).
+
+  Returns:
+    The recorded name (``canonical``).
+
+  Raises:
+    ConfigError naming --matmul_precision for an unknown name.
+  """
+  recorded = canonical(name)
+  jax.config.update('jax_default_matmul_precision',
+                    MATMUL_PRECISIONS.get(recorded, recorded))
+  return recorded
+
+
+def matmul_precision() -> str:
+  """The precision in effect (``canonical`` name; ``default`` when JAX's
+  setting is unset: the backend's own)."""
+  value = jax.config.jax_default_matmul_precision
+  return 'default' if value is None else canonical(value)
+
+
+def effective_matmul(backend: Optional[str] = None) -> str:
+  """What the float32 products are on ``backend`` (default: JAX's) at the
+  precision in effect, in words for the header."""
+  backend = backend or jax.default_backend()
+  name = matmul_precision()
+  if backend == 'cpu':
+    return f'{name} (XLA:CPU computes float32 whatever the setting)'
+  if name in ('default', 'high'):
+    native = {'gpu': 'TF32 on NVIDIA since Ampere', 'tpu': 'one bfloat16 pass'}.get(backend, '')
+    return f'{name} (the backend\'s own: {native})' if native else name
+  return name
+
+
+def apply_default() -> None:
+  """At import: ``DEFAULT_MATMUL_PRECISION`` unless the user chose one
+  (``JAX_DEFAULT_MATMUL_PRECISION`` set, or JAX's setting already given)."""
+  if os.environ.get(_ENV) or jax.config.jax_default_matmul_precision is not None:
+    return
+  set_matmul_precision(DEFAULT_MATMUL_PRECISION)
+
+
+def record(conv_impl: Optional[str]) -> dict:
+  """What a run records of its arithmetic (identity, header, summary):
+  the matmul precision and, for a convolutional model, the convolution
+  implementation it resolved to (None: no convolution)."""
+  out = {'matmul_precision': matmul_precision()}
+  if conv_impl is not None:
+    out['conv_impl'] = conv_impl
+  return out

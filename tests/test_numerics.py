@@ -1,0 +1,106 @@
+"""A run's arithmetic as settings: the matmul precision and the convolution
+implementation are chosen, applied, recorded and refused on resume."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_personal import numerics
+from fedjax_personal.errors import ConfigError
+from fedjax_personal.models import layers
+
+from helpers import main_in_one_process
+
+
+@pytest.fixture
+def restore_precision():
+  before = jax.config.jax_default_matmul_precision
+  yield
+  jax.config.update('jax_default_matmul_precision', before)
+
+
+def test_the_package_sets_float32_unless_the_user_chose(restore_precision):
+  # Imported in this process without JAX_DEFAULT_MATMUL_PRECISION: float32.
+  if not os.environ.get('JAX_DEFAULT_MATMUL_PRECISION'):
+    assert numerics.matmul_precision() == 'float32'
+  jax.config.update('jax_default_matmul_precision', 'tensorfloat32')
+  numerics.apply_default()  # a choice already made is kept
+  assert numerics.matmul_precision() == 'tf32'
+  jax.config.update('jax_default_matmul_precision', None)
+  numerics.apply_default()
+  assert jax.config.jax_default_matmul_precision == 'highest'
+
+
+@pytest.mark.parametrize('name, jax_value, recorded', [
+    ('float32', 'highest', 'float32'), ('highest', 'highest', 'float32'),
+    ('tf32', 'tensorfloat32', 'tf32'), ('bf16x3', 'BF16_BF16_F32_X3', 'bf16x3'),
+    ('bf16', 'bfloat16', 'bf16'), ('default', 'default', 'default'), ('high', 'high', 'high')])
+def test_names_map_to_jax_and_back(restore_precision, name, jax_value, recorded):
+  assert numerics.set_matmul_precision(name) == recorded
+  assert jax.config.jax_default_matmul_precision == jax_value
+  assert numerics.matmul_precision() == recorded
+  assert numerics.canonical(jax_value) == recorded
+
+
+def test_an_unknown_precision_names_the_flag():
+  with pytest.raises(ConfigError, match='--matmul_precision'):
+    numerics.canonical('fp19')
+
+
+def test_float32_precision_gives_float32_products(restore_precision):
+  """The setting reaches compiled code: at float32 a matmul equals the
+  float64 product to float32 rounding (on a GPU, TF32 products are off by
+  about 1e-3 relative; on a CPU every setting computes float32)."""
+  numerics.set_matmul_precision('float32')
+  a = jax.random.normal(jax.random.key(0), (256, 256), jnp.float32)
+  got = np.asarray(jax.jit(lambda a: a @ a)(a), np.float64)
+  want = np.asarray(a, np.float64) @ np.asarray(a, np.float64)
+  assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-5
+
+
+def test_auto_convolutions_are_matmuls_on_an_accelerator(monkeypatch):
+  """``auto``: tiled on a CPU; matmul on a GPU or TPU (a convolution vmapped
+  over clients is a grouped convolution there: BUILD.md, "On a GPU")."""
+  assert layers.resolve_conv_impl('auto') == ('tiled' if jax.default_backend() == 'cpu'
+                                              else 'matmul')
+  for backend in ('gpu', 'tpu'):
+    monkeypatch.setattr(jax, 'default_backend', lambda b=backend: b)
+    assert layers.resolve_conv_impl('auto') == 'matmul'
+    assert layers.conv_layout('auto') == 'CNHW'
+  assert layers.resolve_conv_impl('xla') == 'xla'
+
+
+def _cli(tmp_path, *extra):
+  return ['--algorithm=fedavg', '--model=lenet5', '--num_clients=4', '--rounds=2',
+          '--max_examples=200', '--eval_every=1', '--checkpoint_every=1', '--noprogress',
+          f'--output_dir={tmp_path}/run', *extra]
+
+
+def test_the_run_records_its_numerics_and_refuses_another_on_resume(tmp_path):
+  got = main_in_one_process([
+      _cli(tmp_path, '--conv_impl=matmul'),
+      _cli(tmp_path, '--conv_impl=matmul', '--resume', '--rounds=3', '--matmul_precision=tf32'),
+      _cli(tmp_path, '--resume', '--rounds=3', '--conv_impl=xla'),
+      # the same process after a tf32 job: its own precision, float32 again
+      ['--algorithm=fedavg', '--num_clients=4', '--rounds=1', '--max_examples=200',
+       '--noprogress', f'--output_dir={tmp_path}/after']])
+  assert [code for code, _ in got] == [0, 2, 2, 0], got
+  summary = json.load(open(tmp_path / 'run' / 'fedavg' / 'summary.json'))
+  assert summary['numerics'] == {'matmul_precision': 'float32', 'conv_impl': 'matmul'}
+  ident = json.load(open(tmp_path / 'run' / 'fedavg' / 'identity.json'))
+  assert ident['numerics'] == summary['numerics']
+  assert "matmul_precision: 'float32' -> 'tf32'" in got[1][1]
+  assert "conv_impl: 'matmul' -> 'xla'" in got[2][1]
+  after = json.load(open(tmp_path / 'after' / 'fedavg' / 'summary.json'))
+  assert after['numerics'] == {'matmul_precision': 'float32'}  # an MLP: no convolution
+
+
+def test_conv_impl_of_a_model_without_convolutions_is_refused(tmp_path):
+  got = main_in_one_process([['--algorithm=fedavg', '--model=mlp', '--conv_impl=xla',
+                              '--dry_run', '--num_clients=4', f'--output_dir={tmp_path}']])
+  assert got[0][0] == 2
+  assert '--conv_impl: does nothing: --model=mlp has no convolution' in got[0][1]
