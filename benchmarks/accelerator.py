@@ -67,6 +67,11 @@ def parse_args(argv=None):
                  help='seconds for the whole; sections that would start past it are skipped')
   p.add_argument('--work_dir', help='where the generated population goes (default: a '
                  'temporary folder)')
+  p.add_argument('--population_configs', help='instead of the populations section\'s own: '
+                 'layout:cohort:executor:block:precision:conv:prefetch;... (block 0: none, '
+                 'prefetch 0/1), e.g. device:500:blocked:100:float32:auto:1')
+  p.add_argument('--model_grid', help='instead of the models section\'s own: '
+                 'model:clients:conv:precision;..., e.g. cnn_cifar:1000:auto:float32')
   p.add_argument('--worker', help=argparse.SUPPRESS)
   return p.parse_args(argv)
 
@@ -185,7 +190,7 @@ def fedavg_runner(data, model, seed=0, executor='auto'):
   return runner, runner.init(jax.random.key(seed))
 
 
-def models_section(smoke):
+def models_section(smoke, chosen=None):
   import jax
   from fedjax_personal import numerics
   sizes = (2, 3) if smoke else (1000, 10000)
@@ -195,6 +200,8 @@ def models_section(smoke):
   if smoke:  # each kind of row once
     grid = [('mlp', 2, 'auto', 'float32'), ('mlp', 3, 'auto', 'float32'),
             ('lenet5', 2, 'xla', 'tf32')]
+  if chosen:
+    grid = [(m, int(n), c, p) for m, n, c, p in (x.split(':') for x in chosen.split(';'))]
   for model_name, n, conv, precision in grid:
     numerics.set_matmul_precision(precision)
     try:
@@ -247,7 +254,7 @@ def torch_section(smoke):
 
 # -- the EMNIST-shaped population ---------------------------------------------
 
-def populations_section(smoke, work_dir):
+def populations_section(smoke, work_dir, chosen=None):
   """FedAvg on an EMNIST-shaped population (``benchmarks/populations.py``'s
   generator and model), in one process: one store, every configuration."""
   import jax
@@ -290,6 +297,9 @@ def populations_section(smoke, work_dir):
   ]
   if smoke:  # the code paths (a layout each, the prefetch off, another precision), few compiles
     configs = [configs[0], configs[4], configs[6]]
+  if chosen:
+    configs = [(l, int(c), e, int(b) or None, p, v, f == '1')
+               for l, c, e, b, p, v, f in (x.split(':') for x in chosen.split(';'))]
   for layout, cohort, executor, block, precision, conv, prefetch in configs:
     numerics.set_matmul_precision(precision)
     label = (f'{layout:6s} cohort {cohort:>3}, {precision}, conv {conv}, {executor}'
@@ -440,11 +450,14 @@ def tests_section(smoke):
 def run_worker(args):
   os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
   section = args.worker
-  if section in ('populations', 'main_job'):
-    {'populations': populations_section, 'main_job': main_job_section}[section](
-        args.smoke, args.work_dir)
+  if section == 'populations':
+    populations_section(args.smoke, args.work_dir, args.population_configs)
+  elif section == 'models':
+    models_section(args.smoke, args.model_grid)
+  elif section == 'main_job':
+    main_job_section(args.smoke, args.work_dir)
   else:
-    {'device': device_section, 'models': models_section, 'torch': torch_section,
+    {'device': device_section, 'torch': torch_section,
      'sweep': sweep_section, 'tests': tests_section}[section](args.smoke)
 
 
@@ -453,6 +466,8 @@ def run_section(section, args, timeout, log):
   ran out of time)."""
   cmd = [sys.executable, os.path.abspath(__file__), f'--worker={section}',
          f'--work_dir={args.work_dir}'] + (['--smoke'] if args.smoke else [])
+  cmd += [f'--{k}={v}' for k, v in (('population_configs', args.population_configs),
+                                    ('model_grid', args.model_grid)) if v]
   env = {**os.environ, 'XLA_PYTHON_CLIENT_PREALLOCATE': 'false', 'PYTHONUNBUFFERED': '1'}
   rows, t = [], time.perf_counter()
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
