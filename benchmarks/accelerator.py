@@ -199,12 +199,12 @@ def models_section(smoke, chosen=None):
            ('cnn_cifar', sizes[0], 'auto', 'tf32')]
   if smoke:  # each kind of row once
     grid = [('mlp', 2, 'auto', 'float32'), ('mlp', 3, 'auto', 'float32'),
-            ('lenet5', 2, 'xla', 'tf32')]
+            ('lenet5', 2, 'xla', 'float32')]
   if chosen:
     grid = [(m, int(n), c, p) for m, n, c, p in (x.split(':') for x in chosen.split(';'))]
   for model_name, n, conv, precision in grid:
-    numerics.set_matmul_precision(precision)
     try:
+      numerics.set_matmul_precision(precision)
       data, model, flops = fedavg_setup(model_name, n, conv)
       runner, state = fedavg_runner(data, model, executor=smoke_executor(smoke))
       box = {'state': state}
@@ -295,16 +295,17 @@ def populations_section(smoke, work_dir, chosen=None):
       ('device', big, 'blocked', big // 5, 'float32', 'auto', True),
       ('device', big, 'auto', None, 'float32', 'xla', True),
   ]
-  if smoke:  # the code paths (a layout each, the prefetch off, another precision), few compiles
-    configs = [configs[0], configs[4], configs[6]]
+  if smoke:  # the code paths (each layout, blocks, the prefetch off, another precision)
+    configs = [('device', small, 'blocked', small, 'float32', 'auto', True),
+               ('host', big, 'auto', None, 'float32', 'auto', False)]
   if chosen:
     configs = [(l, int(c), e, int(b) or None, p, v, f == '1')
                for l, c, e, b, p, v, f in (x.split(':') for x in chosen.split(';'))]
   for layout, cohort, executor, block, precision, conv, prefetch in configs:
-    numerics.set_matmul_precision(precision)
     label = (f'{layout:6s} cohort {cohort:>3}, {precision}, conv {conv}, {executor}'
              + (f' {block}' if block else '') + ('' if prefetch else ', no prefetch'))
     try:
+      numerics.set_matmul_precision(precision)
       model = fp.models.from_flax('emnist', fp.models.CNN(62, conv_impl=conv), population.sample_x)
       flops, _, _ = costs.local_step_cost(model, optax.sgd(0.05), 20,
                                           population.sample_x.shape[1:],

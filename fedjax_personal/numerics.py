@@ -76,6 +76,12 @@ def canonical(name: str) -> str:
                     f'{list(MATMUL_PRECISIONS)}')
 
 
+#: What a CPU accepts: XLA:CPU computes float32 products whatever the
+#: setting (a run recording tf32 would not have used it), and rejects the
+#: bfloat16x3 algorithm outright.
+CPU_PRECISIONS = ('float32', 'default')
+
+
 def set_matmul_precision(name: str) -> str:
   """Sets JAX's default float32 matmul and convolution precision for every
   computation compiled from now on.
@@ -87,9 +93,14 @@ def set_matmul_precision(name: str) -> str:
     The recorded name (``canonical``).
 
   Raises:
-    ConfigError naming --matmul_precision for an unknown name.
+    ConfigError naming --matmul_precision for an unknown name, or for a
+    reduced precision on a CPU (``CPU_PRECISIONS``).
   """
   recorded = canonical(name)
+  if recorded not in CPU_PRECISIONS and jax.default_backend() == 'cpu':
+    raise ConfigError('matmul_precision', f'{name}: XLA:CPU computes float32 products whatever '
+                      'the setting, so a run would record a precision it did not use; give '
+                      '--matmul_precision=float32 here, or run on a GPU/TPU')
   jax.config.update('jax_default_matmul_precision',
                     MATMUL_PRECISIONS.get(recorded, recorded))
   return recorded

@@ -124,7 +124,7 @@ def test_tile_budget_cuts_only_slice_matrices_above_the_threshold():
 
 
 def test_auto_resolves_per_platform_and_bad_names_are_refused():
-  expected = 'tiled' if jax.default_backend() == 'cpu' else 'xla'
+  expected = 'tiled' if jax.default_backend() == 'cpu' else 'matmul'
   assert models.resolve_conv_impl('auto') == expected
   assert models.conv_layout('matmul') == 'CNHW' and models.conv_layout('xla') == 'NHWC'
   assert models.conv_layout('tiled') == 'CNHW'

@@ -27,9 +27,9 @@ def test_the_package_sets_float32_unless_the_user_chose(restore_precision):
   # Imported in this process without JAX_DEFAULT_MATMUL_PRECISION: float32.
   if not os.environ.get('JAX_DEFAULT_MATMUL_PRECISION'):
     assert numerics.matmul_precision() == 'float32'
-  jax.config.update('jax_default_matmul_precision', 'tensorfloat32')
+  jax.config.update('jax_default_matmul_precision', 'default')
   numerics.apply_default()  # a choice already made is kept
-  assert numerics.matmul_precision() == 'tf32'
+  assert numerics.matmul_precision() == 'default'
   jax.config.update('jax_default_matmul_precision', None)
   numerics.apply_default()
   assert jax.config.jax_default_matmul_precision == 'highest'
@@ -40,10 +40,16 @@ def test_the_package_sets_float32_unless_the_user_chose(restore_precision):
     ('tf32', 'tensorfloat32', 'tf32'), ('bf16x3', 'BF16_BF16_F32_X3', 'bf16x3'),
     ('bf16', 'bfloat16', 'bf16'), ('default', 'default', 'default'), ('high', 'high', 'high')])
 def test_names_map_to_jax_and_back(restore_precision, name, jax_value, recorded):
+  assert numerics.MATMUL_PRECISIONS[name] == jax_value
+  assert numerics.canonical(name) == numerics.canonical(jax_value) == recorded
+  if recorded not in numerics.CPU_PRECISIONS and jax.default_backend() == 'cpu':
+    # XLA:CPU computes float32 whatever the setting (and rejects bf16x3): refused
+    with pytest.raises(ConfigError, match='--matmul_precision: .*XLA:CPU computes float32'):
+      numerics.set_matmul_precision(name)
+    return
   assert numerics.set_matmul_precision(name) == recorded
   assert jax.config.jax_default_matmul_precision == jax_value
   assert numerics.matmul_precision() == recorded
-  assert numerics.canonical(jax_value) == recorded
 
 
 def test_an_unknown_precision_names_the_flag():
@@ -83,9 +89,10 @@ def _cli(tmp_path, *extra):
 def test_the_run_records_its_numerics_and_refuses_another_on_resume(tmp_path):
   got = main_in_one_process([
       _cli(tmp_path, '--conv_impl=matmul'),
-      _cli(tmp_path, '--conv_impl=matmul', '--resume', '--rounds=3', '--matmul_precision=tf32'),
+      _cli(tmp_path, '--conv_impl=matmul', '--resume', '--rounds=3',
+           '--matmul_precision=default'),
       _cli(tmp_path, '--resume', '--rounds=3', '--conv_impl=xla'),
-      # the same process after a tf32 job: its own precision, float32 again
+      # the same process after another precision's job: its own precision, float32 again
       ['--algorithm=fedavg', '--num_clients=4', '--rounds=1', '--max_examples=200',
        '--noprogress', f'--output_dir={tmp_path}/after']])
   assert [code for code, _ in got] == [0, 2, 2, 0], got
@@ -93,10 +100,16 @@ def test_the_run_records_its_numerics_and_refuses_another_on_resume(tmp_path):
   assert summary['numerics'] == {'matmul_precision': 'float32', 'conv_impl': 'matmul'}
   ident = json.load(open(tmp_path / 'run' / 'fedavg' / 'identity.json'))
   assert ident['numerics'] == summary['numerics']
-  assert "matmul_precision: 'float32' -> 'tf32'" in got[1][1]
+  assert "matmul_precision: 'float32' -> 'default'" in got[1][1]
   assert "conv_impl: 'matmul' -> 'xla'" in got[2][1]
   after = json.load(open(tmp_path / 'after' / 'fedavg' / 'summary.json'))
   assert after['numerics'] == {'matmul_precision': 'float32'}  # an MLP: no convolution
+
+
+def test_a_reduced_precision_on_a_cpu_is_refused(tmp_path):
+  got = main_in_one_process([_cli(tmp_path, '--matmul_precision=tf32', '--dry_run')])
+  assert got[0][0] == 2
+  assert '--matmul_precision: tf32: XLA:CPU computes float32' in got[0][1]
 
 
 def test_conv_impl_of_a_model_without_convolutions_is_refused(tmp_path):

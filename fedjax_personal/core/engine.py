@@ -310,10 +310,14 @@ class RoundRunner:
     self.data = data
     self.population = population
     self.sampler = sampler
-    if executor.plan_memory:  # auto on an accelerator: blocks that fit the free memory
-      executor = executors_lib.fit_memory(executor,
-                                          memory.estimate(algorithm, population, sampler.capacity),
-                                          memory.device_free_bytes())
+    if executor.plan_memory:  # auto on an accelerator: blocks by work, blocks that fit
+      work = algorithm.client_work
+      counts = np.asarray(population.train.num_examples)
+      widest = int(counts.max(initial=0))
+      executor = executors_lib.fit_accelerator(
+          executor, [work.batching.num_steps_for(int(n), widest) for n in counts],
+          sampler.capacity, memory.estimate(algorithm, population, sampler.capacity),
+          memory.device_free_bytes())
     self.executor = executor.for_run(jax.eval_shape(algorithm.init, jax.random.key(0)),
                                      population.num_clients)
     self.trace_counts = collections.Counter()

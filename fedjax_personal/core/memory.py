@@ -33,6 +33,8 @@ from fedjax_personal.errors import ConfigError
 
 MODEL_COPIES = 6
 ACTIVATION_COPIES = 3
+STEP_COPIES = 2
+PROBE_CLIENTS = 2
 HEADROOM = 0.85
 GB = 1 << 30
 
@@ -86,14 +88,20 @@ def activation_bytes(model, sample_x, batch_size: int) -> int:
 
 
 def step_bytes(model, sample_x, batch_size: int) -> int:
-  """The working bytes of one local gradient step of a batch, as XLA's
-  compiled memory analysis counts them on this backend (its temporaries:
-  forward values kept for the backward pass, a ``matmul`` convolution's
-  slice matrices and their gradients, which a module's outputs miss: the
-  CIFAR CNN's step holds 136 MB for a batch of 32, its intermediate outputs
-  11 MB). Vectorized over C clients the temporaries are C times one
-  client's (measured). Falls back to ``ACTIVATION_COPIES`` x
-  ``activation_bytes`` where the backend has no memory analysis."""
+  """The working bytes of one client's local gradient step of a batch:
+  ``STEP_COPIES`` x the temporaries XLA's compiled memory analysis counts on
+  this backend for the step vectorized over ``PROBE_CLIENTS`` clients, per
+  client (forward values kept for the backward pass, a ``matmul``
+  convolution's slice matrices and their gradients, which a module's
+  outputs miss: the CIFAR CNN's step holds 136 MB for a batch of 32 on a
+  CPU, its intermediate outputs 11 MB). Falls back to ``ACTIVATION_COPIES``
+  x ``activation_bytes`` where the backend has no memory analysis.
+
+  ``STEP_COPIES``: on an H200 a round of the CIFAR CNN over 1,000 clients
+  planned from one step's temporaries asked for one 53 GB buffer (88 MB per
+  client against 136 MB of temporaries) and ran out of memory; the round's
+  scan over steps and XLA's GPU scheduling keep more alive than one step
+  does (BUILD.md, "On a GPU")."""
   from fedjax_personal.core.training import Batch, batch_loss
   x = jax.ShapeDtypeStruct((batch_size,) + tuple(np.shape(sample_x)[1:]),
                            jnp.asarray(sample_x).dtype)
@@ -105,9 +113,11 @@ def step_bytes(model, sample_x, batch_size: int) -> int:
   def grad(p, xb, yb):
     batch = Batch(xb, yb, jnp.ones(xb.shape[0], bool))
     return jax.grad(lambda q: batch_loss(model, q, batch)[0])(p)
+  stack = lambda t: jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct((PROBE_CLIENTS,) + tuple(s.shape), s.dtype), t)
   try:
-    analysis = jax.jit(grad).lower(params, x, y).compile().memory_analysis()
-    return int(analysis.temp_size_in_bytes)
+    analysis = jax.jit(jax.vmap(grad)).lower(stack(params), stack(x), stack(y)).compile()
+    return int(STEP_COPIES * analysis.memory_analysis().temp_size_in_bytes / PROBE_CLIENTS)
   except Exception:  # no memory analysis on this backend: the outputs' count
     return ACTIVATION_COPIES * activation_bytes(model, sample_x, batch_size)
 
