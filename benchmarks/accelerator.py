@@ -72,6 +72,7 @@ def parse_args(argv=None):
                  'prefetch 0/1), e.g. device:500:blocked:100:float32:auto:1')
   p.add_argument('--model_grid', help='instead of the models section\'s own: '
                  'model:clients:conv:precision;..., e.g. cnn_cifar:1000:auto:float32')
+  p.add_argument('--dry_run', action='store_true', help='print what would run, run nothing')
   p.add_argument('--worker', help=argparse.SUPPRESS)
   return p.parse_args(argv)
 
@@ -562,6 +563,15 @@ def main():
   if unknown:
     print(f'error: --sections: unknown {unknown}; choose from {list(SECTIONS)}', file=sys.stderr)
     sys.exit(2)
+  for spec, fields in ((args.population_configs, 7), (args.model_grid, 4)):
+    if spec and any(len(x.split(':')) != fields for x in spec.split(';')):
+      print(f'error: {spec!r}: each configuration has {fields} fields separated by ":"',
+            file=sys.stderr)
+      sys.exit(2)
+  if args.dry_run:
+    print(f'sections: {sections}; ' + ('smoke sizes' if args.smoke else 'full sizes')
+          + f'; budget {args.budget:.0f} s; nothing run')
+    return
   if not args.work_dir:
     args.work_dir = tempfile.mkdtemp(prefix='fedjax_personal_accelerator_')
   os.makedirs(args.work_dir, exist_ok=True)
