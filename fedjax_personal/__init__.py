@@ -12,9 +12,11 @@ from fedjax_personal import checkout as _checkout
 
 _checkout.use_this_checkout(_os.path.dirname(__file__))  # its algorithms/ and datasets/, not another's
 
+from fedjax_personal import compilation  # noqa: E402
 from fedjax_personal import numerics  # noqa: E402
 
 numerics.apply_default()  # float32 matmuls on every backend unless the user chose (numerics.py)
+compilation.apply_default()  # JAX's persistent compilation cache (compilation.py)
 
 from fedjax_personal import config  # noqa: E402
 from fedjax_personal import models  # noqa: E402

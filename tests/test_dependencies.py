@@ -13,7 +13,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE_DIRS = ('fedjax_personal', 'algorithms', 'datasets')
 SCRIPT_DIRS = ('scripts', 'benchmarks')
-OWN = {'fedjax_personal', 'helpers', 'torch_loop'}
+# This package, the tests' helpers, and the scripts' own modules that other
+# scripts import by path (scripts/torch_loop.py, benchmarks/populations.py...).
+OWN = {'fedjax_personal', 'helpers'} | {
+    f[:-3] for d in SCRIPT_DIRS for f in os.listdir(os.path.join(ROOT, d)) if f.endswith('.py')}
 # The peer's code runs in its own environment (benchmarks/peers: FedJAX 0.0.17
 # with its JAX, installed by benchmarks/peers/run.py), never in this package's.
 PEER = {'fedjax'}

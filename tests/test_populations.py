@@ -151,8 +151,11 @@ def test_host_layout_equals_device_layout(emnist_store, alg_name, participation,
   _, s_dev, h_dev = _train(alg_name, device, device, model, sampler, training)
   host = HostData(store, block=6, smallest=4)
   runner, s_host, h_host = _train(alg_name, host, population, model, sampler, training)
-  # Cohorts padded to their own lengths, not to the widest client's.
-  assert min(s[1] for s in runner.feed.shapes) < device.train.max_examples
+  # Cohorts packed in the run's planned shapes, never more of them.
+  plan = runner.feed.plan
+  assert len(runner.feed.shapes) <= plan.count
+  assert {s[:2] for s in runner.feed.shapes} <= {(r, plan.windows['train'])
+                                                 for r in plan.rows['train']}
   assert runner.hosted_rows == (alg_name not in ('fedavg', 'fedfomo') or opt_state != 'reset')
   if runner.hosted_rows:
     assert isinstance(s_host, hosted_state.HostedState)

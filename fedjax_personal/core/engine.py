@@ -426,7 +426,9 @@ class RoundRunner:
     alg, ex, host = self.algorithm, self.executor, self.host
     pre, make_ctx, post, fused_round = round_functions(alg, self.sampler, ex, self.trace_counts)
     sampler = self.sampler
-    self.feed = feed or layout_lib.CohortFeed(host, jax.jit(lambda key: draw_cohort(sampler, key)))
+    self.feed = feed or layout_lib.CohortFeed(
+        host, jax.jit(lambda key: draw_cohort(sampler, key)),
+        layout_lib.ShapePlan.for_cohorts(host, sampler.capacity))
     shapes = jax.eval_shape(alg.init, jax.random.key(0))
     # Hosted client rows come to the round as the cohort's: no client axis
     # of N to shard.

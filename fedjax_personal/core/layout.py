@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_personal.core.data import ClientData, PackedClientData
-from fedjax_personal.core.store import SPLITS, PopulationStore, padded_length
+from fedjax_personal.core.store import SPLITS, PopulationStore, next_power_of_two, padded_length
 from fedjax_personal.errors import ConfigError
 
 LAYOUTS = ('auto', 'device', 'host')
@@ -113,6 +113,75 @@ class HostData:
                                                    max(self.smallest, at_least[0])))
 
 
+#: ``ShapePlan``: the smaller row bucket holds this quantile of the totals
+#: of random cohorts (the larger one, any cohort).
+PLAN_QUANTILE = 0.999
+PLAN_DRAWS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapePlan:
+  """The packed cohort shapes a host-layout run compiles, fixed before its
+  first round from the population's example counts and the cohort size.
+
+  Per split: one window, the widest client's examples (``HostData.length``
+  of the whole population: a window is a static view, not a copy, so a
+  wider one costs no compute), and at most two row buckets, powers of two:
+  one holding ``PLAN_QUANTILE`` of ``PLAN_DRAWS`` random cohorts' totals
+  plus a window, one holding the ``cohort_size`` largest clients'. A cohort
+  takes the smaller bucket that holds it, so a run compiles its round at
+  most ``count`` times, in practice once, whatever its cohorts: the shapes
+  no longer grow round after round (a heavy-tailed cohort-10 run used to
+  compile 3-6 times in its first 20 rounds).
+
+  Attributes:
+    windows: {split: window} (0: the split is empty everywhere).
+    rows: {split: ascending row buckets}.
+  """
+  windows: dict
+  rows: dict
+
+  @classmethod
+  def for_cohorts(cls, host: 'HostData', cohort_size: int, seed: int = 0) -> 'ShapePlan':
+    """The plan of cohorts of ``cohort_size`` drawn from ``host``'s
+    clients that train."""
+    windows, rows = {}, {}
+    rng = np.random.default_rng(seed)
+    trained = max(1, host.num_trained)
+    draws = rng.integers(0, trained, (PLAN_DRAWS, max(1, min(cohort_size, trained))))
+    for split in ('train', 'val'):
+      counts = np.asarray(host.counts(split))[:trained]
+      window = host.length(split, np.arange(host.num_clients))
+      windows[split] = window
+      if window == 0:
+        rows[split] = (0,)
+        continue
+      top = int(np.sort(counts)[::-1][:cohort_size].sum())
+      likely = int(np.quantile(counts[draws].sum(1), PLAN_QUANTILE))
+      bucket = lambda total: int(next_power_of_two(max(host.smallest, total + window)))
+      rows[split] = tuple(sorted({bucket(min(likely, top)), bucket(top)}))
+    return cls(windows, rows)
+
+  def at_least(self, split: str, total: int):
+    """(rows, window) of a cohort whose ``split`` holds ``total`` examples:
+    the smallest bucket that holds them and a window."""
+    window = self.windows[split]
+    if window == 0:
+      return 0, 0
+    rows = next((r for r in self.rows[split] if r >= total + window), self.rows[split][-1])
+    return rows, window
+
+  @property
+  def count(self) -> int:
+    """The most shapes (compiled rounds) a run can use."""
+    return int(np.prod([len(r) for r in self.rows.values()]))
+
+  def describe(self) -> str:
+    parts = [f'{s} {"/".join(f"{r:,}" for r in self.rows[s])} rows x window {self.windows[s]:,}'
+             for s in ('train', 'val') if self.windows[s]]
+    return f'at most {self.count} packed cohort shape(s): ' + '; '.join(parts)
+
+
 class CohortFeed:
   """Prepares rounds' cohorts: draws the cohort (``sample(key)``), gathers
   its training and validation examples and puts them on the device, on one
@@ -120,17 +189,20 @@ class CohortFeed:
 
   One feed may serve several runs (``sweep.LoopRuns`` in the host layout):
   runs that ask for the same round with the same key (configurations of one
-  seed) get the one gather, prepared once.
+  seed) get the one gather, prepared once. Cohorts take the shapes of the
+  feed's ``plan`` (``ShapePlan``).
 
   Attributes:
+    plan: the shapes cohorts are packed in (None: each cohort's own, never
+      smaller than an earlier cohort's).
     shapes: the (train rows, train window, val rows, val window) of the
       packed cohorts the rounds used, in order of first use (one compiled
       round each).
     gathers: how many cohorts were gathered (one per distinct round key).
   """
 
-  def __init__(self, host: HostData, sample):
-    self.host, self.sample = host, sample
+  def __init__(self, host: HostData, sample, plan: Optional[ShapePlan] = None):
+    self.host, self.sample, self.plan = host, sample, plan
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='cohort-feed')
     self._pending = {}
     self._last = (None, None)  # the last cohort handed out, for runs of the same key
@@ -139,15 +211,19 @@ class CohortFeed:
     self.gathers = 0
 
   def _prepare(self, key):
-    """(cohort, train, val); each split at least as large as the largest
-    before it (rows and window), so that the compiled shapes only grow: a
-    run compiles its round a few times at the start, then not again."""
+    """(cohort, train, val), each split in the plan's shape (without a plan:
+    at least as large as the largest before it, rows and window)."""
     self.gathers += 1
     cohort = self.sample(key)
     idx = np.asarray(jax.device_get(cohort.idx))
     out = [cohort]
     for split in ('train', 'val'):
-      data = self.host.gather_packed(split, idx, self._least.get(split, (0, 0)))
+      if self.plan is not None:
+        real = idx[idx < self.host.num_clients]
+        least = self.plan.at_least(split, int(np.asarray(self.host.counts(split))[real].sum()))
+      else:
+        least = self._least.get(split, (0, 0))
+      data = self.host.gather_packed(split, idx, least)
       self._least[split] = (data.x.shape[0], data.length)
       out.append(data)
     return tuple(out)

@@ -9,6 +9,7 @@ algorithm, write the comparison. Settings come from ``run/settings.py``.
 import dataclasses
 import os
 import shutil
+import time
 from typing import Any, Dict
 
 import jax
@@ -17,7 +18,7 @@ import numpy as np
 
 from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import datasets as datasets_lib
-from fedjax_personal import numerics
+from fedjax_personal import compilation, numerics
 from fedjax_personal.datasets import stackoverflow
 from fedjax_personal.run import (checkpointing, distributed, experiment, faults, reporting,
                                  run_identity)
@@ -93,6 +94,7 @@ def main_job() -> Dict[str, dict]:
   trained or written) and returns {}."""
   settings = validate_flags()
   set_numerics()
+  set_compilation_cache()
   job = Job(cfgs=sweep_configs())
   load_data(job)
   build_model_and_executor(job)
@@ -225,6 +227,36 @@ def set_numerics() -> None:
   name = (FLAGS.matmul_precision if FLAGS['matmul_precision'].present
           else os.environ.get('JAX_DEFAULT_MATMUL_PRECISION') or numerics.DEFAULT_MATMUL_PRECISION)
   numerics.set_matmul_precision(name)
+
+
+_IMPORT_CACHE = []
+
+
+def set_compilation_cache() -> None:
+  """--compilation_cache for the run (when not given: the cache the
+  package opened at import), set afresh by each job; the header names it."""
+  if not _IMPORT_CACHE:  # what the import chose, restored for jobs that do not say
+    _IMPORT_CACHE.append(compilation.directory())
+  choice = FLAGS.compilation_cache
+  if choice is not None and choice.strip().lower() == 'off':
+    compilation.disable()
+  elif choice:
+    try:
+      compilation.enable(choice)
+    except OSError as e:
+      raise ConfigError('compilation_cache', f'{choice}: {e.strerror or e}; give a writable '
+                        'folder, or off') from None
+  elif _IMPORT_CACHE[0]:
+    compilation.enable(_IMPORT_CACHE[0])
+  else:
+    compilation.disable()
+  where = compilation.directory()
+  if where:
+    entries, nbytes = compilation.size(where)
+    say(f'compilation cache: {where} ({entries} entries, {nbytes / 2**20:.0f} MB, bounded to '
+        f'{compilation.MAX_BYTES / 2**30:.0f} GB)')
+  else:
+    say('compilation cache: off')
 
 
 def conv_impl_of(model, sample_x):
@@ -394,6 +426,9 @@ def claim_and_restore(job: Job) -> None:
   for spec, alg, t, cfg, ignored, ident in job.algs:
     runs = _make_runs(spec, alg, t, cfg, ignored, job.model, job.data, job.executor, job.cfgs)
     job.runs[spec.name] = runs
+    plan = getattr(getattr(getattr(runs, 'runner', None), 'feed', None), 'plan', None)
+    if plan is not None and spec is job.algs[0][0]:
+      say(f'shape plan: {plan.describe()}, fixed for the run')
     if not resume:
       continue
     ckpt_dir = os.path.join(job.output_dir, spec.name, 'checkpoints')
@@ -450,13 +485,17 @@ def train_algorithm(job: Job, entry) -> None:
     say(f'{alg_name}: resuming after round {start}')
   faults.start_algorithm(alg_name, start, os.path.join(job.output_dir, alg_name, 'checkpoints'),
                          bool(FLAGS.checkpoint_every), start or None)
+  began, compiled = time.perf_counter(), compilation.stats()
   _, hists = experiment.run_many(runs, FLAGS.rounds, eval_every=FLAGS.eval_every,
                                  callbacks=_callbacks(job, alg_name, alg, ident, hists, start),
                                  state=state, start_round=start, histories=hists)
   alg_summaries = []
+  costs = time_to_result(runs, began, compiled)
+  programs, hits = costs.pop('_programs'), costs.pop('_hits')
   for label, history in zip(runs.labels, hists):
     s = reporting.final_summary(history, FLAGS.stat_window)
     s['rounds'] = FLAGS.rounds
+    s.update(costs)
     if 'per_client_accuracy' in s:  # by id: per_client_accuracy[i] is client_ids[i]'s
       s['worst_clients'] = reporting.worst_clients(s['per_client_accuracy'], job.store.client_ids)
       s['client_ids'] = list(job.store.client_ids)
@@ -478,7 +517,8 @@ def train_algorithm(job: Job, entry) -> None:
       job.groups.setdefault(row_label(alg_name, values or None), []).append((history, s))
     say(f"{row}: " + (f"diverged at round {s['diverged_at_round']}" if s.get('diverged')
                        else f"mean {s['accuracy_mean']:.4f} worst {s['accuracy_worst']:.4f}")
-         + f" ({s['train_seconds']:.1f} s of rounds)"
+         + f" ({s['train_seconds']:.1f} s of rounds, the first {s.get('first_round_seconds', 0):.1f} s; "
+         f"compiling {s['compile_seconds']:.1f} s, {programs} programs, {hits} from the cache)"
          + (f", epsilon {s['dp_epsilon']:.2f} at delta {FLAGS.dp_delta:g}"
             if 'dp_epsilon' in s else ''))
   if distributed.is_primary():
@@ -487,6 +527,39 @@ def train_algorithm(job: Job, entry) -> None:
                             {**record, 'algorithm': alg_name, 'identity': ident,
                              'numerics': ident.get('numerics'),
                              'flags': FLAGS.flag_values_dict()})
+
+
+def time_to_result(runs, began: float, compiled: dict) -> dict:
+  """What one algorithm's runs cost besides their rounds' median:
+  ``wall_seconds`` (its runs built, trained and evaluated), ``compile_seconds``
+  (XLA's compiles meanwhile; a persistent cache hit costs its read),
+  ``compiled_shapes`` (the host layout's packed cohort shapes; 1 on the
+  device layout) and ``process_seconds`` (since this process started); for
+  the printed line only, ``_programs`` compiled and ``_hits`` of the cache."""
+  now = compilation.stats()
+  runners = [getattr(runs, 'runner', None)] + [getattr(r, 'runner', None)
+                                               for r in getattr(runs, 'runs', [])]
+  feeds = {id(r.feed): r.feed for r in runners if r is not None and r.host is not None}
+  feeds.update({id(runs.feed): runs.feed} if getattr(runs, 'feed', None) is not None else {})
+  return {'wall_seconds': time.perf_counter() - began,
+          'compile_seconds': now['compile_seconds'] - compiled['compile_seconds'],
+          'compiled_shapes': max([len(f.shapes) for f in feeds.values()], default=1),
+          'process_seconds': process_seconds(),
+          '_programs': now['compiles'] - compiled['compiles'],
+          '_hits': now['cache_hits'] - compiled['cache_hits']}
+
+
+def process_seconds() -> float:
+  """Seconds since this process started (Linux: its start time in
+  /proc/self/stat; elsewhere since the package was imported)."""
+  try:
+    with open('/proc/self/stat') as f:
+      start_ticks = int(f.read().rsplit(')', 1)[1].split()[19])
+    with open('/proc/uptime') as f:
+      uptime = float(f.read().split()[0])
+    return max(0.0, uptime - start_ticks / os.sysconf('SC_CLK_TCK'))
+  except (OSError, ValueError, IndexError):
+    return time.perf_counter() - compilation.IMPORTED_AT
 
 
 def write_comparison(job: Job) -> None:

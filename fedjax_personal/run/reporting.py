@@ -80,7 +80,8 @@ def final_summary(history: List[dict], window: int = 5) -> dict:
   the run had fewer) of the mean and worst-client accuracy, steadier than
   the last evaluation alone when accuracy swings between rounds.
   ``round_seconds_median``: the median time of a round after the first (the
-  first compiles), evaluations not included.
+  first compiles), evaluations not included; ``first_round_seconds``: the
+  first round's (of this process: after a resume, the first resumed one).
   """
   evals = [r for r in history if 'accuracy_mean' in r]
   last = dict(evals[-1]) if evals else {}
@@ -97,6 +98,8 @@ def final_summary(history: List[dict], window: int = 5) -> dict:
   last['total_bytes_down_broadcast'] = float(sum(r.get('bytes_down_broadcast', 0) for r in history))
   seconds = [r['round_seconds'] for r in history if 'round_seconds' in r]
   last['train_seconds'] = float(sum(seconds))
+  if seconds:  # its compiles included
+    last['first_round_seconds'] = float(seconds[0])
   if len(seconds) > 1:  # the first round compiles: the steady cost is the rest's median
     last['round_seconds_median'] = float(np.median(seconds[1:]))
   return last

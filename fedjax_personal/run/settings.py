@@ -88,6 +88,11 @@ flags.DEFINE_enum('conv_impl', 'auto', list(CONV_IMPLS), 'How convolutional mode
                   '(tiled on a CPU, matmul on a GPU/TPU, where a convolution vmapped over '
                   'clients becomes a slow grouped convolution). Same parameters; the same '
                   'numbers up to float reassociation. Recorded in the run identity.')
+flags.DEFINE_string('compilation_cache', None, 'JAX\'s persistent compilation cache: a folder, '
+                    'or off (default: $FEDJAX_PERSONAL_COMPILATION_CACHE, else <cache>/xla: '
+                    '$FEDJAX_PERSONAL_CACHE or ~/.cache/fedjax_personal). A second run of the '
+                    'same experiment starts without compiling; entries are keyed by JAX\'s own '
+                    'key, never stale; the folder is bounded (least recently used out).')
 flags.DEFINE_enum('matmul_precision', numerics.DEFAULT_MATMUL_PRECISION,
                   list(numerics.MATMUL_PRECISIONS), 'Precision of every float32 matmul and '
                   'convolution of the run (JAX\'s jax_default_matmul_precision): float32 (the '

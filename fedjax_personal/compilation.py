@@ -1,0 +1,194 @@
+"""JAX's persistent compilation cache for every run, and what compiling cost.
+
+A short experiment costs its compiles more than its rounds: a second run of
+the same command, every configuration of a sweep in another process, a
+notebook after a restart would compile the same programs again. This
+package turns JAX's persistent compilation cache on when it is imported, in
+``<cache>/xla`` (``$FEDJAX_PERSONAL_CACHE``, default
+``~/.cache/fedjax_personal``), for programs of any compile time, bounded to
+``MAX_BYTES`` (``trim``: the least recently used entries go when the cache
+is opened). Entries are
+keyed by JAX's own key (the program, the backend and its version, compile
+options, JAX's settings such as the matmul precision), so a stale entry is
+never used; an entry that cannot be read is compiled again (JAX's
+behaviour), never trusted.
+
+``$FEDJAX_PERSONAL_COMPILATION_CACHE=DIR`` moves it, ``=off`` turns it off,
+as ``--compilation_cache`` does for the CLI; a cache the user configured
+for JAX (``JAX_COMPILATION_CACHE_DIR``, or ``jax.config`` before the
+import) is kept as it is.
+
+``stats()`` counts, from JAX's own monitoring events, the seconds spent
+compiling and tracing and the cache's hits and misses in this process: the
+header and ``summary.json`` report them.
+"""
+
+import os
+import threading
+import time
+from typing import Optional
+
+import jax
+
+__all__ = ['MAX_BYTES', 'default_dir', 'enable', 'disable', 'apply_default', 'directory',
+           'stats', 'size', 'trim']
+
+#: The cache's bound on disk (``trim``).
+MAX_BYTES = 2 << 30
+_ENV = 'FEDJAX_PERSONAL_COMPILATION_CACHE'
+
+#: When the package was imported (``run.job.process_seconds``'s fallback).
+IMPORTED_AT = time.perf_counter()
+_lock = threading.Lock()
+_counts = {'compile_seconds': 0.0, 'trace_seconds': 0.0, 'compiles': 0, 'cache_hits': 0,
+           'cache_misses': 0}
+
+
+def default_dir() -> str:
+  """``<$FEDJAX_PERSONAL_CACHE or ~/.cache/fedjax_personal>/xla``."""
+  root = os.environ.get('FEDJAX_PERSONAL_CACHE') or os.path.join('~', '.cache', 'fedjax_personal')
+  return os.path.join(os.path.expanduser(root), 'xla')
+
+
+def enable(path: Optional[str] = None, max_bytes: int = MAX_BYTES) -> str:
+  """Turns JAX's persistent compilation cache on in ``path`` (default:
+  ``default_dir()``), caching every program whatever its compile time.
+
+  Args:
+    path: the cache folder (made if missing).
+    max_bytes: its bound on disk (``trim`` now).
+
+  Returns:
+    The folder.
+  """
+  path = os.path.abspath(os.path.expanduser(path or default_dir()))
+  os.makedirs(path, exist_ok=True)
+  trim(path, max_bytes)
+  jax.config.update('jax_compilation_cache_dir', path)
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+  jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+  jax.config.update('jax_enable_compilation_cache', True)
+  _reset_jax_cache()
+  return path
+
+
+def trim(path: str, max_bytes: int = MAX_BYTES) -> int:
+  """Removes the least recently used entries of the cache folder until it
+  holds at most three quarters of ``max_bytes``, when it holds more.
+
+  Done once when the cache is opened, not by JAX during the run: JAX's own
+  bound (``jax_compilation_cache_max_size``) evicts while other processes
+  of a sweep or a test session write to the same folder, and they then
+  warn of entries gone from under them.
+
+  Args:
+    path: the cache folder.
+    max_bytes: the bound.
+
+  Returns:
+    The bytes removed.
+  """
+  try:
+    entries = [(e.stat().st_atime, e.stat().st_size, e.path) for e in os.scandir(path)
+               if e.is_file()]
+  except OSError:
+    return 0
+  total = sum(size for _, size, _ in entries)
+  if total <= max_bytes:
+    return 0
+  removed = 0
+  for _, size, name in sorted(entries):
+    if total - removed <= 0.75 * max_bytes:
+      break
+    try:
+      os.remove(name)
+      removed += size
+    except OSError:
+      pass
+  return removed
+
+
+def disable() -> None:
+  """Turns the persistent compilation cache off for this process."""
+  jax.config.update('jax_enable_compilation_cache', False)
+  _reset_jax_cache()
+
+
+def _reset_jax_cache() -> None:
+  """JAX opens its cache once per process: a changed setting takes effect
+  after this (``compilation_cache.reset_cache``, where JAX has it)."""
+  try:
+    from jax.experimental.compilation_cache import compilation_cache as cc
+    cc.reset_cache()
+  except (ImportError, AttributeError):
+    pass
+
+
+def apply_default() -> None:
+  """At import: ``$FEDJAX_PERSONAL_COMPILATION_CACHE`` (a folder, or
+  ``off``), else the default folder, unless the user set up JAX's cache."""
+  _listen()
+  choice = os.environ.get(_ENV, '').strip()
+  if choice.lower() == 'off':
+    return
+  if not choice and (os.environ.get('JAX_COMPILATION_CACHE_DIR')
+                     or jax.config.jax_compilation_cache_dir):
+    return
+  try:
+    enable(choice or None)
+  except OSError:  # an unwritable home: runs compile as before
+    pass
+
+
+def directory() -> Optional[str]:
+  """The cache folder in use, or None when it is off."""
+  if not jax.config.jax_enable_compilation_cache:
+    return None
+  return jax.config.jax_compilation_cache_dir or None
+
+
+def size(path: Optional[str] = None):
+  """(entries, bytes) of the cache folder (``directory()`` by default)."""
+  path = path or directory()
+  entries = total = 0
+  if path and os.path.isdir(path):
+    for entry in os.scandir(path):
+      if entry.is_file():
+        entries += 1
+        total += entry.stat().st_size
+  return entries, total
+
+
+def stats() -> dict:
+  """This process's compile seconds (XLA's backend compiles), trace seconds,
+  compiles, and the persistent cache's hits and misses so far."""
+  with _lock:
+    return dict(_counts)
+
+
+_listening = []
+
+
+def _listen() -> None:
+  """Registers the monitoring listeners once per process."""
+  if _listening:
+    return
+  _listening.append(True)
+  from jax import monitoring
+
+  def on_duration(event, seconds, **_):
+    with _lock:
+      if event == '/jax/core/compile/backend_compile_duration':
+        _counts['compile_seconds'] += seconds
+        _counts['compiles'] += 1
+      elif event == '/jax/core/compile/jaxpr_trace_duration':
+        _counts['trace_seconds'] += seconds
+
+  def on_event(event, **_):
+    with _lock:
+      if event == '/jax/compilation_cache/cache_hits':
+        _counts['cache_hits'] += 1
+      elif event == '/jax/compilation_cache/cache_misses':
+        _counts['cache_misses'] += 1
+  monitoring.register_event_duration_secs_listener(on_duration)
+  monitoring.register_event_listener(on_event)

@@ -1,0 +1,101 @@
+"""What an experiment costs besides its rounds: the persistent compilation
+cache (the same numbers with it, without it, and from damaged entries), the
+host layout's shape plan (never more compiles than it planned), the time
+figures of summary.json."""
+
+import json
+import os
+
+import jax
+import numpy as np
+
+import fedjax_personal as fp
+from fedjax_personal import algorithms, compilation
+from fedjax_personal.config import TrainingConfig
+from fedjax_personal.core.engine import RoundRunner
+from fedjax_personal.core.layout import HostData, ShapePlan
+from fedjax_personal.core.sampling import CohortSampler
+from fedjax_personal.core.store import StoreWriter
+
+from helpers import main_in_one_process
+
+
+def _metrics(folder):
+  with open(os.path.join(folder, 'fedavg', 'metrics.jsonl')) as f:
+    return [{k: v for k, v in json.loads(line).items() if 'seconds' not in k} for line in f]
+
+
+def test_cache_gives_the_same_numbers_and_damaged_entries_are_compiled_again(tmp_path):
+  cache = tmp_path / 'xla'
+  common = ['--algorithm=fedavg', '--num_clients=6', '--rounds=2', '--eval_every=1',
+            '--noprogress']
+  got = main_in_one_process([
+      common + ['--compilation_cache=off', f'--output_dir={tmp_path}/off'],
+      common + [f'--compilation_cache={cache}', f'--output_dir={tmp_path}/cold'],
+      common + [f'--compilation_cache={cache}', f'--output_dir={tmp_path}/warm']])
+  assert [code for code, _ in got] == [0, 0, 0], got
+  entries = [e for e in os.listdir(cache) if not e.endswith('-atime')]
+  assert entries
+  for name in entries:  # every entry damaged in its middle
+    path = cache / name
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 32] = bytes(b ^ 0xFF for b in data[middle:middle + 32])
+    path.write_bytes(bytes(data))
+  got = main_in_one_process([common + [f'--compilation_cache={cache}',
+                                       f'--output_dir={tmp_path}/damaged']])
+  assert got[0][0] == 0, got
+  off = _metrics(tmp_path / 'off')
+  for run in ('cold', 'warm', 'damaged'):
+    assert _metrics(tmp_path / run) == off, run
+  summary = json.load(open(tmp_path / 'warm' / 'fedavg' / 'summary.json'))
+  for key in ('first_round_seconds', 'compile_seconds', 'wall_seconds', 'process_seconds'):
+    assert summary[key] >= 0, key
+  assert summary['compiled_shapes'] == 1  # the device layout: one round program
+  assert summary['process_seconds'] >= summary['wall_seconds']
+
+
+def test_the_cache_is_trimmed_to_its_bound_least_recently_used_first(tmp_path):
+  for i in range(10):
+    path = tmp_path / f'entry{i}-cache'
+    path.write_bytes(b'x' * 1000)
+    os.utime(path, (1_000_000 + i, 1_000_000 + i))  # entry0 used longest ago
+  assert compilation.trim(str(tmp_path), max_bytes=20_000) == 0
+  assert compilation.trim(str(tmp_path), max_bytes=8_000) == 4_000  # down to 6,000
+  assert sorted(os.listdir(tmp_path)) == [f'entry{i}-cache' for i in range(4, 10)]
+
+
+def _heavy_tailed_store(folder, n=40, seed=0):
+  """Writers with 1-300 examples, log-normally (EMNIST's long tail)."""
+  rng = np.random.default_rng(seed)
+  sizes = np.clip(rng.lognormal(3.5, 1.0, n).astype(int), 1, 300)
+  writer = StoreWriter(str(folder), {'made': 'heavy-tailed', 'n': n, 'seed': seed})
+  for k in sizes:
+    x = rng.random((int(k), 4, 4, 1), dtype=np.float32)
+    y = rng.integers(0, 5, int(k)).astype(np.int16)
+    writer.add((x, y), None, (x[:1], y[:1]))
+  return writer.close('heavy-tailed', 5), sizes
+
+
+def test_the_shape_plan_compiles_no_more_than_its_count(tmp_path):
+  """30 rounds of cohorts of 4 drawn from a heavy tail: the round is
+  compiled at most the plan's count of times (once per planned shape met),
+  where cohorts packed in their own shapes compiled it a shape at a time as
+  larger cohorts came."""
+  store, sizes = _heavy_tailed_store(tmp_path / 'store')
+  population = store.population()
+  model = fp.models.from_flax('mlp', fp.models.MLP(5, hidden=(8,)), population.sample_x)
+  alg = algorithms.build('fedavg', model, population, training=TrainingConfig(batch_size=8))
+  host = HostData(store, smallest=4)
+  plan = ShapePlan.for_cohorts(host, 4)
+  assert plan.windows['train'] == sizes.max() and plan.count <= 2
+  top = int(np.sort(sizes)[::-1][:4].sum()) + int(sizes.max())
+  assert plan.rows['train'][-1] >= top  # any cohort fits the largest bucket
+  runner = RoundRunner(alg, host, CohortSampler(len(sizes), cohort_size=4),
+                       fp.executors.VmapExecutor())
+  assert runner.feed.plan == plan
+  state = runner.init(jax.random.key(0))
+  for t in range(30):
+    state, _ = runner.round(state, jax.random.key(t), t, donate=True)
+  assert runner.trace_counts['round'] == len(runner.feed.shapes) <= plan.count
+  assert {s[1] for s in runner.feed.shapes} == {plan.windows['train']}
