@@ -272,8 +272,8 @@ def pooled_clients(cfg: DataConfig) -> PooledClients:
                        f'{cfg.dataset}/{cfg.partition}', (x.shape[1:], x.dtype), y.shape[1:])
 
 
-def load_store(cfg: DataConfig, verify: bool = False,
-               should_stop=lambda: False) -> store_lib.PopulationStore:
+def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
+               rebuild: bool = False) -> store_lib.PopulationStore:
   """The population store of ``cfg`` (unpadded clients, see
   ``core.store``). A natural data set read from its files is written once,
   client by client, into the cache (``stores/``), keyed by what it holds
@@ -281,9 +281,11 @@ def load_store(cfg: DataConfig, verify: bool = False,
   any other data set is built in memory (``load_federated``) and stored
   there.
 
-  A cached store that fails its checks (``core.store``: checksums, sizes) or
-  was written by another version of the format is rebuilt from the source
-  files, one line on stderr saying so.
+  A cached store that fails its checks (``core.store``: checksums, sizes),
+  was written by another version of the format or by other loader code
+  (``natural.loader_code``), or ``rebuild`` asks, is rebuilt from the source
+  files, one line on stderr saying so. Leftovers of builds killed midway are
+  removed.
 
   Args:
     cfg: the data set.
@@ -291,6 +293,7 @@ def load_store(cfg: DataConfig, verify: bool = False,
       as its rows are first read.
     should_stop: asked between clients while a store is built; True stops
       the build (``KeyboardInterrupt``, nothing of it kept).
+    rebuild: rebuild the cached store from its files (``--rebuild_store``).
   """
   _check_config(cfg)
   if not streams_to_store(cfg):  # built in memory, stored without padding
@@ -305,18 +308,26 @@ def load_store(cfg: DataConfig, verify: bool = False,
               'files': [(os.path.basename(f), files.content_digest(f)) for f in nat.files]}
   digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
   folder = files.cache_dir() / 'stores' / f'{cfg.dataset.replace(":", "_")}-{digest}'
+  store_lib.remove_leftovers(folder.parent)  # builds killed midway
+  code = natural.loader_code(cfg.dataset)
   if store_lib.is_store(folder):
     written = store_lib.store_format(folder)
-    if written != store_lib.FORMAT:
+    made_by = store_lib.store_identity(folder).get('loader_code')
+    if rebuild:
+      why = 'rebuilding it as --rebuild_store asks'
+    elif written != store_lib.FORMAT:
       why = f'written in format {written!r}, this version reads {store_lib.FORMAT!r}'
+    elif made_by != code:
+      why = (f'written by other loader code ({made_by or "before loaders were recorded"}, '
+             f'this is {code})')
     else:
       try:
-        return store_lib.open_store(folder, identity, verify=verify)
+        return store_lib.open_store(folder, {**identity, 'loader_code': code}, verify=verify)
       except store_lib.StoreDamaged as e:
         why = e.what
     print(f'{folder}: {why}; rebuilding it from {", ".join(map(str, nat.files))}',
           file=sys.stderr, flush=True)
-  writer = store_lib.StoreWriter(folder, identity)
+  writer = store_lib.StoreWriter(folder, {**identity, 'loader_code': code})
   try:
     _write_natural(nat, cfg, writer, should_stop)
     return writer.close(_natural_name(cfg, nat), nat.num_classes, nat.eval_only)

@@ -45,6 +45,35 @@ def is_file_dataset(dataset: str) -> bool:
   return dataset in LOADERS or (dataset.startswith(LEAF_PREFIX) and len(dataset) > len(LEAF_PREFIX))
 
 
+#: The modules every natural data set is read through: a change in one
+#: changes every store's ``loader_code``.
+_SHARED_READERS = ('natural', 'natural_data', 'sqlite_formats', 'tf_example', 'files')
+
+
+def loader_code(dataset: str) -> str:
+  """SHA-256 (16 hex digits) of the source of the code that turns
+  ``dataset``'s files into clients: its ``load_data``'s module and the
+  shared readers. The population store records it and is rebuilt when it
+  differs, so a store never outlives the code that made it (a changed split
+  share, tokenizer or decoder reaches the next run)."""
+  import hashlib
+  import sys
+  if dataset.startswith(LEAF_PREFIX):
+    modules = [leaf]
+  else:
+    fn = LOADERS.get(dataset)
+    fn = getattr(fn, 'func', fn)  # a functools.partial's function
+    modules = [sys.modules.get(getattr(fn, '__module__', ''), None)]
+  modules += [sys.modules.get(f'{__package__}.{m}') for m in _SHARED_READERS]
+  h = hashlib.sha256()
+  for module in modules:
+    try:
+      h.update(inspect.getsource(module).encode())
+    except (TypeError, OSError):  # no module or no source (a frozen build): its name
+      h.update(repr(getattr(module, '__name__', module)).encode())
+  return h.hexdigest()[:16]
+
+
 def load(dataset: str, num_clients=None, data_dir=None, download=False,
          **options) -> NaturalData:
   """A natural data set by its --dataset name. ``options`` (``seq_len``,

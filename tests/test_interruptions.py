@@ -258,3 +258,31 @@ def test_a_reproduce_script_interrupted_is_one_line(tmp_path):
   (line,) = _errors(err)
   assert line == ('error: interrupted; the trials finished so far are kept under '
                   '<output_dir>/trials; the same command continues from them')
+
+
+def test_a_signal_after_the_last_round_says_the_run_finished(capsys):
+  """SIGTERM while the last round's results are written: the run names
+  the last round (not a round past the end), writes everything, and ends
+  with one line saying so, nothing to resume; a signal between two
+  algorithms stops before the next one starts."""
+  from fedjax_personal.run import faults
+  old = {s: signal.getsignal(s) for s in faults.EXIT_SIGNAL}
+  saved = dict(faults._REQUEST)
+  try:
+    faults.install_signal_handlers()
+    faults.start_algorithm('fedavg', 0, '/tmp/x/checkpoints', False, None, rounds=2)
+    faults.PROGRESS.round, faults.PROGRESS.output_dir = 2, 'runs/x'
+    os.kill(os.getpid(), signal.SIGTERM)
+    err = capsys.readouterr().err
+    assert 'stopping after the last round of fedavg (its results are being written)' in err
+    assert 'round 3' not in err
+    assert faults.finished_line() == ('terminated after the last round of fedavg: every '
+                                      'algorithm finished and its results are written in runs/x; '
+                                      'nothing to resume')
+    stop = faults.interrupted()
+    assert str(stop).startswith('terminated after the last round of fedavg, its results written')
+    assert stop.status == 143
+  finally:
+    faults._REQUEST.update(saved)
+    for s, h in old.items():
+      signal.signal(s, h)

@@ -183,3 +183,35 @@ def test_a_second_checkout_never_mixes_with_the_installed_one(tmp_path):
   with pytest.raises(ImportError, match='two checkouts mixed'):
     checkout.use_this_checkout(str(second / 'fedjax_personal'))
   assert checkout.checkout_root(str(tmp_path / 'site-packages' / 'fedjax_personal')) is None
+
+
+def test_host_memory_honours_the_address_space_and_cgroup_limits(monkeypatch, tmp_path):
+  """The memory plans read what this process may still allocate: the least
+  of MemAvailable, the address space ulimit -v leaves and the cgroup's
+  limit less its use."""
+  import resource
+  from fedjax_personal.core import layout
+  free = layout._meminfo('MemAvailable')
+  vm = layout._meminfo('VmSize', '/proc/self/status')
+  monkeypatch.setattr(resource, 'getrlimit', lambda which: (vm + (1 << 30), resource.RLIM_INFINITY))
+  left = layout.host_available_bytes()
+  assert left <= (1 << 30) + (64 << 20) and left < free  # about 1 GB of address space left
+  monkeypatch.undo()
+  group = tmp_path / 'cg'
+  group.mkdir()
+  (group / 'memory.max').write_text('3000000000\n')
+  (group / 'memory.current').write_text('1000000000\n')
+  monkeypatch.setattr('builtins.open', _opening({'/proc/self/cgroup': '0::/cg\n'}, open))
+  assert layout._cgroup_left(str(tmp_path)) == 2_000_000_000
+  (group / 'memory.max').write_text('max\n')
+  assert layout._cgroup_left(str(tmp_path)) is None
+
+
+def _opening(texts, real_open):
+  import io
+
+  def fake(path, *args, **kwargs):
+    if path in texts:
+      return io.StringIO(texts[path])
+    return real_open(path, *args, **kwargs)
+  return fake

@@ -520,7 +520,9 @@ def test_clients_by_id_in_python_and_the_cli(tmp_path, capsys):
                                  [train[i] for i in chosen])
   made_files.write_fedjax_sqlite(alone_dir / 'federated_emnist_test.sqlite',
                                  [test[i] for i in chosen])
-  (tmp_path / 'ids.txt').write_text('# three writers\nf0004_04\nf0001_01\n\nf0003_03\n')
+  # As a Windows editor saves it: a byte order mark, CRLF line ends.
+  (tmp_path / 'ids.txt').write_bytes('\ufefff0004_04\r\n# three writers\r\nf0001_01\r\n\r\n'
+                                     'f0003_03\r\n'.encode('utf-8'))
   common = ('--algorithm=fedavg', '--dataset=emnist', '--model=logreg', '--rounds=2',
             '--cohort_size=2', '--eval_every=1', '--progress=false', '--layout=host')
   parse_flags(*common, f'--data_dir={data_dir}', f'--client_ids={tmp_path}/ids.txt',

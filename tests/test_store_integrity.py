@@ -188,3 +188,30 @@ def test_a_full_disk_while_building_names_the_cache_folder(tmp_path, monkeypatch
   from fedjax_personal.run import faults
   assert str(files.cache_dir()) in str(faults.storage_error(e.value.filename, e.value))
   assert not [p for p in (files.cache_dir() / 'stores').iterdir() if 'partial' in p.name]
+
+
+def test_a_store_never_outlives_the_loader_code_that_made_it(tmp_path, capsys, monkeypatch):
+  """The store records the loader's code (``natural.loader_code``: the
+  source of the data set's module and the shared readers); other code, or
+  --rebuild_store, rebuilds it in one line; a killed build's leftovers are
+  removed when the cache is next opened, not only by the next build."""
+  from fedjax_personal.datasets import natural
+  cfg = _emnist(tmp_path / 'data', seed=7)
+  first = load_store(cfg)
+  assert first.manifest['identity']['loader_code'] == natural.loader_code('emnist')
+  assert natural.loader_code('emnist') != natural.loader_code('shakespeare')
+  capsys.readouterr()
+  assert load_store(cfg).folder == first.folder and not capsys.readouterr().err  # reused
+  dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'],
+                        capture_output=True, text=True, check=True).stdout.strip()
+  leftover = first.folder.parent / f'emnist-9.partial-{dead}'
+  leftover.mkdir()
+  monkeypatch.setattr(natural, 'loader_code', lambda dataset: 'changed0000code')
+  again = load_store(cfg)
+  err = capsys.readouterr().err
+  assert 'written by other loader code' in err and 'this is changed0000code' in err
+  assert len(err.strip().splitlines()) == 1 and not leftover.exists()
+  assert again.manifest['identity']['loader_code'] == 'changed0000code'
+  np.testing.assert_array_equal(_arrays(again)[0][0], _arrays(first)[0][0])
+  load_store(cfg, rebuild=True)
+  assert 'as --rebuild_store asks' in capsys.readouterr().err

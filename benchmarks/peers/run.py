@@ -76,9 +76,11 @@ def fedjax_run(a, model, cohort):
   argv = [os.path.join(HERE, 'fedjax_side.py'), f'--data_dir={a.work_dir}/{TASKS[model][0]}',
           f'--model={model}', f'--cohort_size={cohort}', f'--rounds={a.rounds}',
           f'--batch_size={a.batch_size}', f'--client_lr={a.client_lr}', f'--seed={a.seed}']
-  out, _ = run_child(_wrapped(a.fedjax_python, argv))
+  out, wall = run_child(_wrapped(a.fedjax_python, argv))
   rec = json.loads(next(l for l in out.splitlines() if l.startswith('{')))
-  return {'s_per_round': rec['s_per_round'], 'accuracy': rec['accuracy'], 'peak_rss': peak_of(out)}
+  return {'s_per_round': rec['s_per_round'], 'accuracy': rec['accuracy'], 'peak_rss': peak_of(out),
+          'process_s': wall, 'train_s': float(sum(rec['seconds'])),
+          'mean_after_first_s': float(np.mean(rec['seconds'][1:]))}
 
 
 def project_run(a, model, cohort, extra=()):
@@ -91,14 +93,19 @@ def project_run(a, model, cohort, extra=()):
           f'--data_dir={a.work_dir}/{dataset}', f'--model={name}', '--algorithm=fedavg', *task,
           f'--cohort_size={cohort}', f'--batch_size={a.batch_size}', f'--client_lr={a.client_lr}',
           f'--rounds={a.rounds}', '--eval_every=0', '--progress=false', f'--seed={a.seed}',
+          f'--compilation_cache={os.path.join(a.work_dir, "xla") if a.warm_cache else "off"}',
           f'--output_dir={out_dir}', '--overwrite', *extra]
   env = dict(os.environ, FEDJAX_PERSONAL_CACHE=os.path.join(a.work_dir, 'cache'))
-  out, _ = run_child(_wrapped(sys.executable, argv), env)
+  out, wall = run_child(_wrapped(sys.executable, argv), env)
   with open(os.path.join(out_dir, 'fedavg', 'summary.json')) as f:
     s = json.load(f)
-  header = [l for l in out.splitlines() if l.startswith(('layout:', 'executor:'))]
+  header = [l for l in out.splitlines() if l.startswith(('layout:', 'executor:', 'shape plan:',
+                                                         'compilation cache:'))]
   return {'s_per_round': s['round_seconds_median'], 'accuracy': s['accuracy_weighted'],
-          'peak_rss': peak_of(out), 'header': header}
+          'peak_rss': peak_of(out), 'header': header, 'process_s': wall,
+          'train_s': s['train_seconds'], 'first_round_s': s.get('first_round_seconds'),
+          'compile_s': s.get('compile_seconds'),
+          'mean_after_first_s': (s['train_seconds'] - s['first_round_seconds']) / (a.rounds - 1)}
 
 
 def fp32_peak():
@@ -151,6 +158,9 @@ def main():
   p.add_argument('--so_clients', type=int, default=3000, help='Stack Overflow-shaped users.')
   p.add_argument('--project_flags', default='', help='Extra flags of the project runs, '
                  "';'-separated per variant, e.g. '--executor=sequential;--executor=auto'.")
+  p.add_argument('--warm_cache', action='store_true', help='The project\'s runs share a '
+                 'persistent compilation cache in --work_dir/xla (the first repeat fills it); '
+                 'by default each run compiles from nothing (--compilation_cache=off).')
   p.add_argument('--output', default=None)
   p.add_argument('--dry_run', action='store_true', help='Check the rows and print the plan.')
   a = p.parse_args()
@@ -202,20 +212,27 @@ def main():
       s = med(rs, 's_per_round')
       out[k] = {'s_per_round': s, 'speedup_vs_fedjax': fj / s,
                 'accuracy': med(rs, 'accuracy'), 'peak_rss_gb': med(rs, 'peak_rss') / 2**30,
-                'pct_fp32_peak': 100 * flops / s / peak, 'header': rs[-1].get('header')}
+                'pct_fp32_peak': 100 * flops / s / peak, 'header': rs[-1].get('header'),
+                'process_s': med(rs, 'process_s'), 'train_s': med(rs, 'train_s'),
+                'mean_after_first_s': med(rs, 'mean_after_first_s'),
+                'process_vs_fedjax': med(rs, 'process_s') / med(runs['fedjax'], 'process_s'),
+                'train_vs_fedjax': med(rs, 'train_s') / med(runs['fedjax'], 'train_s')}
     rows.append(out)
   shapes = '; '.join(f'{d}-shaped: {len(c)} clients, {c.min()}-{c.max()} examples (median '
                      f'{int(np.median(c))})' for d, c in counts.items())
   print(f'\nfp32 peak (2048^2 matmul): {peak / 1e9:.0f} GFLOP/s; {shapes}; FedAvg, batch '
         f'{a.batch_size}, 1 epoch, lr {a.client_lr}, {a.rounds} rounds, {a.repeats} interleaved '
         'repeats (medians)')
-  print('| model | cohort | side | s/round | x FedJAX | accuracy | peak RSS GB | % fp32 peak |')
-  print('|---|---|---|---|---|---|---|---|')
+  print('| model | cohort | side | s/round | x FedJAX | mean rounds 2..R / median | training s '
+        '(x FedJAX) | whole process s (x FedJAX) | accuracy | peak RSS GB | % fp32 peak |')
+  print('|---|---|---|---|---|---|---|---|---|---|---|')
   for r in rows:
     for k in runs:
       v = r[k]
       print(f"| {r['model']} | {r['cohort']} | {k} | {v['s_per_round']:.4f} | "
-            f"{v['speedup_vs_fedjax']:.2f} | {100 * v['accuracy']:.1f}% | "
+            f"{v['speedup_vs_fedjax']:.2f} | {v['mean_after_first_s'] / v['s_per_round']:.2f} | "
+            f"{v['train_s']:.2f} ({v['train_vs_fedjax']:.2f}) | "
+            f"{v['process_s']:.1f} ({v['process_vs_fedjax']:.2f}) | {100 * v['accuracy']:.1f}% | "
             f"{v['peak_rss_gb']:.2f} | {v['pct_fp32_peak']:.0f}% |")
   if a.output:
     with open(a.output, 'w') as f:

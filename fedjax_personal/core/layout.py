@@ -286,14 +286,64 @@ def join_blocks(parts):
 
 
 def host_available_bytes() -> Optional[int]:
-  """MemAvailable of /proc/meminfo (None where there is none)."""
+  """What this process may still allocate on the host: the least of
+  MemAvailable (/proc/meminfo), the address space its limit leaves
+  (``ulimit -v``: RLIMIT_AS less VmSize) and its cgroup's memory limit less
+  its use (a container's: cgroup v2 ``memory.max``, or v1
+  ``memory.limit_in_bytes``). None where none is known."""
+  known = [v for v in (_meminfo('MemAvailable'), _address_space_left(), _cgroup_left())
+           if v is not None]
+  return max(0, min(known)) if known else None
+
+
+def _meminfo(key: str, path: str = '/proc/meminfo') -> Optional[int]:
   try:
-    with open('/proc/meminfo') as f:
+    with open(path) as f:
       for line in f:
-        if line.startswith('MemAvailable:'):
+        if line.startswith(key + ':'):
           return int(line.split()[1]) * 1024
-  except OSError:
+  except (OSError, ValueError, IndexError):
     pass
+  return None
+
+
+def _address_space_left() -> Optional[int]:
+  import resource
+  soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+  if soft == resource.RLIM_INFINITY:
+    return None
+  used = _meminfo('VmSize', '/proc/self/status')
+  return None if used is None else soft - used
+
+
+def _cgroup_left(root: str = '/sys/fs/cgroup') -> Optional[int]:
+  """The memory limit of this process's cgroup less its use (None: no limit)."""
+  def read(path):
+    try:
+      with open(path) as f:
+        text = f.read().strip()
+    except OSError:
+      return None
+    return None if text in ('', 'max') or not text.isdigit() else int(text)
+  try:
+    with open('/proc/self/cgroup') as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return None
+  for line in lines:
+    _, controllers, path = line.split(':', 2)
+    if controllers == '':  # cgroup v2
+      base = root + path.rstrip('/')
+      limit, used = read(base + '/memory.max'), read(base + '/memory.current')
+    elif 'memory' in controllers.split(','):  # cgroup v1
+      base = root + '/memory' + path.rstrip('/')
+      limit, used = read(base + '/memory.limit_in_bytes'), read(base + '/memory.usage_in_bytes')
+      if limit is not None and limit >= 1 << 60:  # v1's "no limit"
+        limit = None
+    else:
+      continue
+    if limit is not None:
+      return limit - (used or 0)
   return None
 
 

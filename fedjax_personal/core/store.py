@@ -45,7 +45,7 @@ from fedjax_personal.errors import DataError
 __all__ = ['BLOCK_BYTES', 'FORMAT', 'FileArray', 'IDS', 'MANIFEST', 'Population',
            'PopulationStore', 'SPLITS', 'StoreDamaged', 'StoreWriter', 'aligned_empty',
            'block_crcs', 'damaged', 'is_store', 'next_power_of_two', 'open_store',
-           'padded_length', 'remove_leftovers', 'store_format']
+           'padded_length', 'remove_leftovers', 'store_format', 'store_identity']
 
 MANIFEST = 'manifest.json'
 IDS = 'client_ids.json'
@@ -328,6 +328,14 @@ def store_format(folder) -> Optional[str]:
     return json.loads((pathlib.Path(folder) / MANIFEST).read_text()).get('format')
   except (OSError, ValueError, AttributeError):
     return None
+
+
+def store_identity(folder) -> dict:
+  """What a store folder's manifest says it holds ({}: unreadable)."""
+  try:
+    return dict(json.loads((pathlib.Path(folder) / MANIFEST).read_text()).get('identity') or {})
+  except (OSError, ValueError, AttributeError, TypeError):
+    return {}
 
 
 def _checked_file(folder: pathlib.Path, name: str, crcs, block_bytes: int) -> bytes:

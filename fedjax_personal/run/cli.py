@@ -30,12 +30,22 @@ def main(argv):
                                                 FLAGS.process_id),
                            FLAGS.distributed_timeout)
     main_job()
+    done = faults.finished_line()
+    if done:  # a signal after the last round: nothing was cut short
+      print(done, file=faults.error_stream(), flush=True)
   except faults.Fault as e:
     _fail(e, e.status)
   except (ConfigError, FileNotFoundError) as e:
     _fail(e, faults.EXIT_CONFIG)
   except experiment.DivergenceError as e:
     _fail(e, faults.EXIT_DIVERGED)
+  except MemoryError as e:  # an allocation the process's limits refused (ulimit -v, a cgroup)
+    from fedjax_personal.core import layout as layout_lib
+    left = layout_lib.host_available_bytes()
+    _fail(ConfigError('num_clients', f'out of host memory ({type(e).__name__}'
+                      + (f'; {left / layout_lib.GB:.1f} GB left to this process' if left else '')
+                      + '): give fewer clients or configurations, a smaller --cohort_size, or '
+                      '--client_state=disk; ' + faults.kept()), faults.EXIT_CONFIG)
   except KeyboardInterrupt:
     stop = faults.interrupted(during_round=True)
     _fail(stop, stop.status)

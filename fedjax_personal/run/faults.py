@@ -61,14 +61,16 @@ class _Progress:
   checkpoint_round: Optional[int] = None
   checkpoint_dir: str = ''
   checkpointing: bool = False
+  rounds: int = 0
+  output_dir: str = ''
 
 
 PROGRESS = _Progress()
 
 
 def start_algorithm(name: str, start_round: int, checkpoint_dir: str, checkpointing: bool,
-                    checkpoint_round: Optional[int] = None) -> None:
-  PROGRESS.algorithm, PROGRESS.round = name, start_round
+                    checkpoint_round: Optional[int] = None, rounds: int = 0) -> None:
+  PROGRESS.algorithm, PROGRESS.round, PROGRESS.rounds = name, start_round, rounds
   PROGRESS.checkpoint_dir, PROGRESS.checkpointing = checkpoint_dir, checkpointing
   PROGRESS.checkpoint_round = checkpoint_round
 
@@ -87,7 +89,22 @@ def kept() -> str:
 
 def where() -> str:
   p = PROGRESS
-  return f'round {p.round + 1} of {p.algorithm}' if p.algorithm else 'start-up'
+  if not p.algorithm:
+    return 'start-up'
+  if p.rounds and p.round >= p.rounds:  # its rounds are done: evaluating, writing its results
+    return f'the last round of {p.algorithm} (its results are being written)'
+  return f'round {p.round + 1} of {p.algorithm}'
+
+
+def finished_line(output_dir: Optional[str] = None) -> Optional[str]:
+  """The line of a run asked to stop when it had nothing left to stop:
+  every algorithm's rounds ran and its results were written."""
+  if not signal_received():
+    return None
+  name = 'interrupted' if _REQUEST['signal'] == signal.SIGINT else 'terminated'
+  return (f'{name} after the last round of {PROGRESS.algorithm}: every algorithm finished and '
+          f'its results are written in {output_dir or PROGRESS.output_dir or "the output folder"}; '
+          'nothing to resume')
 
 
 # -- signals ------------------------------------------------------------------
@@ -140,7 +157,10 @@ def stop_requested() -> bool:
 def interrupted(during_round: bool = False) -> Interrupted:
   signum = _REQUEST['signal'] or signal.SIGINT
   name = 'interrupted' if signum == signal.SIGINT else 'terminated'
-  at = f'during {where()}' if during_round else f'after round {PROGRESS.round} of {PROGRESS.algorithm}'
+  p = PROGRESS
+  at = (f'during {where()}' if during_round
+        else f'after the last round of {p.algorithm}, its results written' if p.rounds and p.round >= p.rounds
+        else f'after round {p.round} of {p.algorithm}')
   return Interrupted(f'{name} {at}; {kept()}', EXIT_SIGNAL[signum])
 
 

@@ -122,11 +122,14 @@ def load_data(job: Job) -> None:
   identity shares (the same in both layouts)."""
   cfg = data_config()
   cap = FLAGS.max_client_examples
+  check(not FLAGS.rebuild_store or datasets_lib.streams_to_store(cfg), 'rebuild_store',
+        f'rebuilds the population store of a data set read from its files; {FLAGS.dataset} '
+        f'({cfg.partition}) is built in memory every run')
   check(not FLAGS.verify_store or datasets_lib.streams_to_store(cfg), 'verify_store',
          f'checks the population store of a data set read from its files; {FLAGS.dataset} '
          f'({cfg.partition}) is built in memory, with nothing to check')
   if datasets_lib.streams_to_store(cfg):  # written once into the cache, client by client
-    store = datasets_lib.load_store(cfg, verify=FLAGS.verify_store,
+    store = datasets_lib.load_store(cfg, verify=FLAGS.verify_store, rebuild=FLAGS.rebuild_store,
                                     should_stop=faults.signal_received)
     fingerprint = store.digest
   else:  # built in memory, unpadded (padded only if the device layout holds it)
@@ -179,7 +182,7 @@ def chosen_clients(store: PopulationStore, path: str) -> PopulationStore:
   """The clients listed in ``path`` (--client_ids: one id per line, blank
   lines and # comments skipped) as a view of ``store``."""
   try:
-    with open(path, encoding='utf-8') as f:
+    with open(path, encoding='utf-8-sig') as f:  # a byte order mark is not part of an id
       ids = [line.strip() for line in f]
   except (OSError, UnicodeDecodeError) as e:
     raise ConfigError('client_ids', f'{path}: {getattr(e, "strerror", None) or e}') from None
@@ -392,6 +395,7 @@ def choose_output_dir(job: Job) -> None:
   processes, every process must run the same configuration."""
   identities = {spec.name: ident for spec, _, _, _, _, ident in job.algs}
   job.output_dir = FLAGS.output_dir or default_output_dir(identities)
+  faults.PROGRESS.output_dir = job.output_dir
   if job.rows_on_disk:  # the run's client rows, in files under its output folder
     job.data = dataclasses.replace(job.data,
                                    rows_folder=os.path.join(job.output_dir, 'client_rows'))
@@ -483,8 +487,10 @@ def train_algorithm(job: Job, entry) -> None:
   if job.restored.get(alg_name) is not None:
     state, start, hists = job.restored[alg_name]
     say(f'{alg_name}: resuming after round {start}')
+  if faults.stop_requested():  # asked while the previous algorithm wrote its results
+    raise faults.interrupted()
   faults.start_algorithm(alg_name, start, os.path.join(job.output_dir, alg_name, 'checkpoints'),
-                         bool(FLAGS.checkpoint_every), start or None)
+                         bool(FLAGS.checkpoint_every), start or None, FLAGS.rounds)
   began, compiled = time.perf_counter(), compilation.stats()
   _, hists = experiment.run_many(runs, FLAGS.rounds, eval_every=FLAGS.eval_every,
                                  callbacks=_callbacks(job, alg_name, alg, ident, hists, start),

@@ -129,6 +129,9 @@ flags.DEFINE_enum('cifar100_test', 'split', ['split', 'tff_clients'],
 flags.DEFINE_bool('verify_store', False, 'Check every block of the population store of a '
                   'natural data set before training (else each block is checked the first time '
                   'a round reads it); a store that fails is rebuilt from its source files.')
+flags.DEFINE_bool('rebuild_store', False, 'Rebuild the population store of a natural data set '
+                  'from its source files (a store is otherwise rebuilt by itself when its files, '
+                  'its format or the loader\'s code changed, or it is damaged).')
 flags.DEFINE_integer('vocab_size', None, 'stackoverflow: the vocabulary, its most frequent words '
                      '(plus PAD, BOS, EOS and one OOV id). Default: 10000, as Reddi et al. and '
                      'the partial-personalization seed.')
