@@ -170,7 +170,7 @@ def read_tff(path, split: str, shapes: Dict[str, tuple],
         parsed = [parse_example(r[0], shapes) for r in rows]
         yield cid, {k: np.stack([p[k] for p in parsed]) if parsed else np.zeros((0,) + shapes[k])
                     for k in shapes}
-    except (sqlite3.Error, ValueError, TypeError, IndexError) as e:
+    except (sqlite3.Error, ValueError, TypeError, IndexError, OverflowError) as e:
       raise DataError(f'{path}: an example is unreadable ({type(e).__name__}: {e}): corrupted '
                       'or not a TFF SQLite file of tf.train.Example rows') from None
   finally:

@@ -24,12 +24,14 @@ from typing import Dict, Iterator, List, Tuple, Union
 
 import numpy as np
 
-_VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5
+_VARINT, _FIXED64, _LEN, _START_GROUP, _END_GROUP, _FIXED32 = 0, 1, 2, 3, 4, 5
+_MASK64 = (1 << 64) - 1
 Value = Union[np.ndarray, List[bytes]]
 
 
 def _varint(buf: memoryview, pos: int) -> Tuple[int, int]:
-  """The varint at ``buf[pos:]`` and the position after it."""
+  """The varint at ``buf[pos:]`` and the position after it: at most 10
+  bytes, bits past the 64th dropped (protobuf's reading)."""
   result = shift = 0
   while True:
     if pos >= len(buf):
@@ -38,7 +40,7 @@ def _varint(buf: memoryview, pos: int) -> Tuple[int, int]:
     pos += 1
     result |= (b & 0x7F) << shift
     if b < 0x80:
-      return result, pos
+      return result & _MASK64, pos
     shift += 7
     if shift >= 70:
       raise ValueError('varint longer than 10 bytes')
@@ -46,24 +48,57 @@ def _varint(buf: memoryview, pos: int) -> Tuple[int, int]:
 
 def _fields(buf: memoryview) -> Iterator[Tuple[int, int, Union[int, memoryview]]]:
   """(field number, wire type, value) of each field of a message: an int
-  for varints, the bytes for the other wire types."""
+  for varints, the bytes for the other wire types. Groups (wire types 3
+  and 4, of no field of tf.train.Example) are skipped whole, as protobuf
+  skips unknown fields; a field number 0, an unmatched end of group or an
+  undefined wire type is an error, as in protobuf."""
   pos, end = 0, len(buf)
   while pos < end:
     key, pos = _varint(buf, pos)
     field, wire = key >> 3, key & 7
-    if wire == _VARINT:
-      value, pos = _varint(buf, pos)
-    elif wire in (_FIXED64, _FIXED32, _LEN):
-      if wire == _LEN:
-        n, pos = _varint(buf, pos)
-      else:
-        n = 8 if wire == _FIXED64 else 4
-      if pos + n > end:
-        raise ValueError(f'field {field} runs past the end of its message')
-      value, pos = buf[pos:pos + n], pos + n
-    else:
-      raise ValueError(f'field {field} has wire type {wire}, not in tf.train.Example')
+    if field == 0:
+      raise ValueError('field number 0')
+    if wire == _START_GROUP:
+      pos = _skip_group(buf, pos, field)
+      yield field, wire, None
+      continue
+    value, pos = _value(buf, pos, field, wire)
     yield field, wire, value
+
+
+def _value(buf: memoryview, pos: int, field: int, wire: int):
+  """One field's value (after its key) and the position after it."""
+  if wire == _VARINT:
+    return _varint(buf, pos)
+  if wire in (_FIXED64, _FIXED32, _LEN):
+    if wire == _LEN:
+      n, pos = _varint(buf, pos)
+    else:
+      n = 8 if wire == _FIXED64 else 4
+    if pos + n > len(buf):
+      raise ValueError(f'field {field} runs past the end of its message')
+    return buf[pos:pos + n], pos + n
+  if wire == _END_GROUP:
+    raise ValueError(f'an end of group (field {field}) that no group opened')
+  raise ValueError(f'field {field} has wire type {wire}, which protobuf does not define')
+
+
+def _skip_group(buf: memoryview, pos: int, field: int) -> int:
+  """The position after the group of ``field`` that starts at ``pos``."""
+  while pos < len(buf):
+    key, pos = _varint(buf, pos)
+    inner, wire = key >> 3, key & 7
+    if inner == 0:
+      raise ValueError('field number 0')
+    if wire == _END_GROUP:
+      if inner != field:
+        raise ValueError(f'group {field} ended as group {inner}')
+      return pos
+    if wire == _START_GROUP:
+      pos = _skip_group(buf, pos, inner)
+    else:
+      _, pos = _value(buf, pos, inner, wire)
+  raise ValueError(f'group {field} has no end')
 
 
 def packed_varints(data) -> np.ndarray:
@@ -91,7 +126,9 @@ def packed_varints(data) -> np.ndarray:
 
 
 def _list(buf: memoryview, kind: int) -> Value:
-  """The values of a BytesList (1), FloatList (2) or Int64List (3)."""
+  """The values of a BytesList (1), FloatList (2) or Int64List (3). A value
+  of another wire type than its field's is an unknown field to protobuf:
+  skipped."""
   if kind == 1:
     return [bytes(v) for f, w, v in _fields(buf) if f == 1 and w == _LEN]
   chunks = []
@@ -99,22 +136,38 @@ def _list(buf: memoryview, kind: int) -> Value:
     if f != 1:
       continue
     if kind == 2:
-      if w not in (_LEN, _FIXED32):
-        raise ValueError(f'a float value of wire type {w}')
-      chunks.append(np.frombuffer(v, '<f4'))
+      if w in (_LEN, _FIXED32):
+        if len(v) % 4:
+          raise ValueError('a packed float list of a length not a multiple of 4')
+        chunks.append(np.frombuffer(v, '<f4'))
     elif w == _LEN:
       chunks.append(packed_varints(v))
     elif w == _VARINT:
       chunks.append(np.asarray([v], np.uint64).view(np.int64))
-    else:
-      raise ValueError(f'an int64 value of wire type {w}')
   dtype = np.float32 if kind == 2 else np.int64
   return np.concatenate(chunks).astype(dtype) if chunks else np.zeros(0, dtype)
 
 
+def _feature(feature: memoryview) -> Value:
+  """A Feature's values. Its lists are a oneof: the same list given twice
+  is one list, merged (protobuf merges a repeated message field's parts:
+  values concatenated); another list given later replaces it."""
+  kind, parts = None, []
+  for k, w, lst in _fields(feature):
+    if k in (1, 2, 3) and w == _LEN:
+      if k != kind:
+        kind, parts = k, []
+      parts.append(bytes(lst))
+  if kind is None:
+    return np.zeros(0, np.int64)  # a Feature with no list set
+  return _list(memoryview(b''.join(parts)), kind)
+
+
 def parse(serialized: bytes) -> Dict[str, Value]:
   """Every feature of a serialized ``tf.train.Example``: {name: int64 or
-  float32 array, or a list of bytes}.
+  float32 array, or a list of bytes}, as protobuf's parser reads it: parts
+  of one message given twice are merged, a map key given twice takes its
+  last value, unknown fields and groups are skipped.
 
   Raises:
     ValueError: the bytes are not a tf.train.Example.
@@ -126,17 +179,15 @@ def parse(serialized: bytes) -> Dict[str, Value]:
     for g, w2, entry in _fields(features):
       if g != 1 or w2 != _LEN:
         continue
-      key, feature = None, b''
+      key, feature, unknown = '', [], False  # protobuf's default key: ''
       for h, w3, v in _fields(entry):
         if h == 1 and w3 == _LEN:
           key = bytes(v).decode('utf-8')
         elif h == 2 and w3 == _LEN:
-          feature = v
-      if key is None:
-        raise ValueError('a feature without a name')
-      value = np.zeros(0, np.int64)  # a Feature with no list set
-      for kind, w4, lst in _fields(memoryview(feature)):
-        if kind in (1, 2, 3) and w4 == _LEN:
-          value = _list(lst, kind)
-      out[key] = value
+          feature.append(bytes(v))  # a value given twice: one Feature, merged
+        else:
+          unknown = True
+      if unknown:  # protobuf (upb) keeps such an entry among the unknown fields, not the map
+        continue
+      out[key] = _feature(memoryview(b''.join(feature)))
   return out
