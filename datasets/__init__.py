@@ -77,6 +77,12 @@ class DataConfig:
       train client's images split with test_fraction) or 'tff_clients'
       (TFF's 100 test clients, held out: evaluated, never trained; Reddi et
       al.'s protocol).
+    shakespeare_windows: shakespeare's windows: 'fedjax' (a client's
+      snippets joined, cut into seq_len) or 'tff' (each snippet padded to
+      rows of seq_len + 1, PAD targets unscored; Reddi et al.'s).
+    emnist_pixels: emnist's pixel convention: 'fedjax' (1 - pixels, ink 1,
+      as FedJAX's load_data) or 'tff' (TFF's raw pixels, ink 0, as Reddi
+      et al.'s code feeds them).
     data_dir: where data files are (see files.find_file); must exist.
     download: fetch missing files from their published URL into the cache.
   """
@@ -99,6 +105,8 @@ class DataConfig:
   vocab_size: Optional[int] = None
   image_size: Optional[int] = None
   cifar100_test: str = 'split'
+  shakespeare_windows: str = 'fedjax'
+  emnist_pixels: str = 'fedjax'
   data_dir: Optional[str] = None
   download: bool = False
 
@@ -303,6 +311,9 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
               **({'eval_only': nat.eval_only} if nat.eval_only else {}),
               **({'vocab_size': cfg.vocab_size} if cfg.vocab_size else {}),
               **({'image_size': cfg.image_size} if cfg.image_size else {}),
+              **({'windows': cfg.shakespeare_windows} if cfg.shakespeare_windows != 'fedjax'
+                 else {}),
+              **({'pixels': cfg.emnist_pixels} if cfg.emnist_pixels != 'fedjax' else {}),
               'seq_len': cfg.sequence_length, 'val_fraction': cfg.val_fraction,
               'seed': cfg.seed if cfg.val_fraction else None,
               'files': [(os.path.basename(f), files.content_digest(f)) for f in nat.files]}
@@ -339,6 +350,7 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
 def _load_natural(cfg: DataConfig) -> NaturalData:
   return natural.load(cfg.dataset, cfg.num_clients, cfg.data_dir, cfg.download,
                       seq_len=cfg.sequence_length, vocab_size=cfg.vocab_size,
+                      windows=cfg.shakespeare_windows, pixels=cfg.emnist_pixels,
                       image_size=cfg.image_size, cifar100_test=cfg.cifar100_test)
 
 

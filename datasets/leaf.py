@@ -59,13 +59,14 @@ def _leaf_convert(name: str, train: Dict[str, dict], test: Dict[str, dict]):
   if name == 'shakespeare':
     # LEAF's letter_to_index is ALL_LETTERS.find(c): 80 classes, an unknown
     # character -1. As an input it reads the last embedding row (Python's
-    # -1, the id of '}'); as a target -1 is a position without loss here,
-    # as LEAF's one_hot(-1) (all zeros) gives no loss.
+    # -1, the id of '}'). As a target LEAF's _one_hot(-1, 80) sets
+    # vec[-1] = 1 (leaf/models/utils/language_utils.py): class 79, '}',
+    # trained on and scored like any other character; so here.
     table = {c: i for i, c in enumerate(LEAF_LETTERS)}
     last = len(LEAF_LETTERS) - 1
     ids = lambda s: [table.get(c, last) for c in s]
     return (lambda d: (np.asarray([ids(s) for s in d['x']], np.int32).reshape(len(d['x']), -1),
-                       np.asarray([table.get(s[0], -1) for s in d['y']], np.int32))), \
+                       np.asarray([table.get(s[0], last) for s in d['y']], np.int32))), \
         len(LEAF_LETTERS)
   if name == 'sent140':
     # LEAF's line_to_indices: words split by [\w']+|[.,!?;], the first 25,
@@ -120,8 +121,7 @@ def load_data(name: str, num_clients=None, data_dir=None) -> NaturalData:
     raise DataError(f'{tr_dir}: LEAF {name} examples of an unexpected shape ({e})') from None
   for part in (tr, te):
     for _, y in part:
-      lowest = -1 if name == 'shakespeare' else 0  # -1: LEAF's unknown character
-      if y.size and (y.min() < lowest or y.max() >= num_classes):
+      if y.size and (y.min() < 0 or y.max() >= num_classes):
         raise DataError(f'{tr_dir}: labels outside [0, {num_classes})')
   return NaturalData(listed(users[:n], tr, te), n, num_classes, len(users),
                      sorted(glob.glob(os.path.join(tr_dir, '*.json'))

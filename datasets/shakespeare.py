@@ -1,8 +1,18 @@
 """Federated Shakespeare (Caldas et al., LEAF; 715 speaking roles) from
-FedJAX's SQLite files (``shakespeare_{train,test}.sqlite``), preprocessed as
-``fedjax/datasets/shakespeare.py``: a client's snippets joined with BOS/EOS
-into one character sequence cut into x/y pairs of ``seq_len`` (FedJAX's
-86-character table; PAD 0, BOS 1, EOS 2, OOV 89; 90 classes).
+FedJAX's SQLite files (``shakespeare_{train,test}.sqlite``), in either
+publisher's windows (``WINDOWS``), ids in FedJAX's 86-character table
+(PAD 0, BOS 1, EOS 2, OOV 89; 90 classes):
+
+- ``fedjax`` (``fedjax/datasets/shakespeare.py``): a client's snippets
+  joined with BOS/EOS into one character sequence cut into x/y pairs of
+  ``seq_len``; padded targets carry no loss (``IGNORE``).
+- ``tff`` (TFF's and Reddi et al.'s, google-research/federated
+  ``shakespeare_dataset.py``): each snippet alone, ``[BOS] chars [EOS]``,
+  padded with PAD to a multiple of ``seq_len + 1``, cut into rows of
+  ``seq_len + 1``, x = a row but its last, y = a row but its first: BOS is
+  never a target; PAD targets count in the loss (Keras' unmasked
+  cross-entropy there) and not in the accuracy (its
+  ``MaskedCategoricalAccuracy(masked_tokens=[pad])``: ``PAD_UNSCORED``).
 """
 
 import numpy as np
@@ -40,10 +50,38 @@ def shakespeare_sequences(snippets, seq_len: int):
   return x.reshape(rows, seq_len), y.reshape(rows, seq_len)
 
 
-def load_data(num_clients=None, data_dir=None, download=False, seq_len: int = 80) -> NaturalData:
-  """Federated Shakespeare (715 speaking roles), FedJAX's files."""
+def tff_sequences(snippets, seq_len: int):
+  """TFF's (Reddi et al.'s) preprocessing of one client (module doc): each
+  snippet ``[BOS] chars [EOS]`` padded with PAD to rows of ``seq_len + 1``,
+  x = row[:-1], y = row[1:]."""
+  split = seq_len + 1
+  xs, ys = [], []
+  for s in snippets:
+    tokens = np.concatenate([[BOS], _SHAKESPEARE_TABLE[np.frombuffer(bytes(s), np.uint8)],
+                             [EOS]]).astype(np.int32)
+    tokens = np.concatenate([tokens, np.full((-len(tokens)) % split, PAD, np.int32)])
+    rows = tokens.reshape(-1, split)
+    xs.append(rows[:, :-1])
+    ys.append(rows[:, 1:])
+  if not xs:
+    return np.zeros((0, seq_len), np.int32), np.zeros((0, seq_len), np.int32)
+  return np.concatenate(xs), np.concatenate(ys)
+
+
+WINDOWS = {'fedjax': shakespeare_sequences, 'tff': tff_sequences}
+#: The targets the accuracy leaves out, per windows (their loss counts them).
+PAD_UNSCORED = {'fedjax': (), 'tff': (PAD,)}
+
+
+def load_data(num_clients=None, data_dir=None, download=False, seq_len: int = 80,
+              windows: str = 'fedjax') -> NaturalData:
+  """Federated Shakespeare (715 speaking roles), FedJAX's files, in
+  ``windows`` (``WINDOWS``: FedJAX's or TFF's)."""
+  if windows not in WINDOWS:
+    raise ValueError(f'windows must be one of {list(WINDOWS)}, got {windows!r}')
   paths = list(sources.fetch('shakespeare', data_dir, download).values())
+  cut = WINDOWS[windows]
   out = fedjax_splits('shakespeare', paths[0], paths[1], num_clients,
-                       lambda ex: shakespeare_sequences(ex['snippets'], seq_len))
+                       lambda ex: cut(ex['snippets'], seq_len))
   out.num_classes = SHAKESPEARE_CLASSES
   return out

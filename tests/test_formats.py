@@ -40,6 +40,10 @@ def test_fedjax_emnist_natural_partition(tmp_path):
     xt, yt = _rows(d, 'test', i)  # the file's own test split of the same writer
     np.testing.assert_array_equal(yt, test[i][1]['label'])
     assert x.shape[1:] == (28, 28, 1) and x.dtype == np.float32
+  # TFF's convention (Reddi et al.'s code feeds TFF's pixels as they are): the raw pixels.
+  raw = load_federated(DataConfig(dataset='emnist', partition='natural', num_clients=None,
+                                  data_dir=str(tmp_path), emnist_pixels='tff'))
+  np.testing.assert_array_equal(_rows(raw, 'train', 1)[0][..., 0], train[1][1]['pixels'])
   first2 = load_federated(DataConfig(dataset='emnist', partition='natural', num_clients=2,
                                      data_dir=str(tmp_path)))
   assert first2.num_clients == 2 and '(first 2 of 3 clients)' in first2.name
@@ -79,6 +83,51 @@ def test_fedjax_shakespeare_preprocessing_as_fedjax():
   assert y.tolist() == [[t(b'A'), t(b'B'), t(b'C')], [t(b'D'), E, B], [t(b'E'), E, I]]
   assert shakespeare.SHAKESPEARE_CLASSES == 90 and shakespeare.SHAKESPEARE_OOV == 89
   assert shakespeare.shakespeare_sequences([b'\x01'], 4)[0].tolist() == [[B, 89, 0, 0]]  # OOV
+
+
+def _tff_shakespeare_reference(snippets, sequence_length=80):
+  """google-research/federated utils/datasets/shakespeare_dataset.py, its
+  TensorFlow ops written out in NumPy: CHAR_VOCAB, get_special_tokens
+  (pad 0, oov len + 1, bos len + 2, eos len + 3), to_tokens_and_pad (a
+  StaticVocabularyTable with one OOV bucket, ids + 1; [bos] + ids + [eos];
+  pad_length = (-len) % split_length; reshape [-1, split_length]) and
+  _split_target (x = row[:-1], y = row[1:])."""
+  char_vocab = list('dhlptx@DHLPTX $(,048cgkoswCGKOSW[_#\'/37;?bfjnrvzBFJNRVZ"&*.26:\naeimquyAEIMQUY]!%)-159\r')
+  pad, oov, bos, eos = 0, len(char_vocab) + 1, len(char_vocab) + 2, len(char_vocab) + 3
+  split_length = sequence_length + 1
+  lookup = {c.encode(): i for i, c in enumerate(char_vocab)}
+  rows = []
+  for snippet in snippets:
+    chars = [snippet[i:i + 1] for i in range(len(snippet))]  # tf.strings.bytes_split
+    tokens = [lookup.get(c, len(char_vocab)) + 1 for c in chars]
+    tokens = [bos] + tokens + [eos]
+    tokens += [0] * ((-len(tokens)) % split_length)
+    rows += [tokens[i:i + split_length] for i in range(0, len(tokens), split_length)]
+  rows = np.asarray(rows, np.int64).reshape(-1, split_length)
+  return rows[:, :-1], rows[:, 1:], (pad, oov, bos, eos)
+
+
+def test_tff_shakespeare_windows_as_tff_cuts_them(tmp_path):
+  """--shakespeare_windows=tff equals TFF's own preprocessing on the same
+  snippets, its ids mapped to FedJAX's table (PAD 0, BOS 1, EOS 2, char
+  i -> i + 3, OOV 89): BOS never a target, PAD targets kept."""
+  snippets = [b'To be, or not', b'to be' + bytes([1]), b'x' * 200]
+  got_x, got_y = shakespeare.tff_sequences(snippets, 80)
+  ref_x, ref_y, (pad, oov, bos, eos) = _tff_shakespeare_reference(snippets)
+  to_fedjax = np.arange(eos + 1) + 2  # chars: TFF's i + 1 -> FedJAX's i + 3
+  to_fedjax[[pad, oov, bos, eos]] = [0, shakespeare.SHAKESPEARE_OOV, 1, 2]
+  np.testing.assert_array_equal(got_x, to_fedjax[ref_x])
+  np.testing.assert_array_equal(got_y, to_fedjax[ref_y])
+  assert got_x.shape == (1 + 1 + 3, 80) and not (got_y == 1).any()  # BOS never a target
+  made_files.write_fedjax_sqlite(tmp_path / 'shakespeare_train.sqlite',
+                                 [(b'ROLE', {'snippets': made_files.bytes_array(snippets)})])
+  made_files.write_fedjax_sqlite(tmp_path / 'shakespeare_test.sqlite',
+                                 [(b'ROLE', {'snippets': made_files.bytes_array([b'ab'])})])
+  d = load_federated(DataConfig(dataset='shakespeare', partition='natural', num_clients=None,
+                                data_dir=str(tmp_path), shakespeare_windows='tff'))
+  x, y = _rows(d, 'train', 0)
+  np.testing.assert_array_equal(x, got_x)
+  np.testing.assert_array_equal(y, got_y)
 
 
 def test_fedjax_shakespeare_file(tmp_path):
@@ -194,13 +243,20 @@ def test_leaf_json(tmp_path):
   L = leaf.LEAF_LETTERS
   assert nat.train[0][0].tolist() == [[L.index(c) for c in 'abc'], [L.index(c) for c in 'bcd']]
   assert nat.train[0][1].tolist() == [L.index('d'), L.index('e')] and nat.num_classes == 80
-  # LEAF's letter_to_index: an unknown character is -1 (the last row as an
-  # input; a target without loss).
+  # LEAF's letter_to_index: an unknown character is -1: the last row as an
+  # input; as a target, LEAF's own code (written out here) makes it class 79.
+  def leaf_one_hot(index, size):  # leaf/models/utils/language_utils.py
+    vec = [0 for _ in range(size)]
+    vec[int(index)] = 1
+    return vec
+
+  def leaf_letter_to_vec(letter):
+    return leaf_one_hot(L.find(letter), len(L))
   made_files.write_leaf(tmp_path, 'shakespeare', {'R': {'x': ['a\u00e9c'], 'y': ['\u00e9']}},
                         {'R': {'x': ['abc'], 'y': ['d']}})
   nat = leaf.load_data('shakespeare', data_dir=str(tmp_path))
   assert nat.train[0][0].tolist() == [[L.index('a'), 79, L.index('c')]]
-  assert nat.train[0][1].tolist() == [-1]
+  assert nat.train[0][1].tolist() == [int(np.argmax(leaf_letter_to_vec('\u00e9')))] == [79]
   # LEAF's line_to_indices: [\w']+|[.,!?;] words, unknown and padding len(vocab).
   sent = {'u1': {'x': [['1', 'd', 'q', 'u1', "good day, good don't"], ['2', 'd', 'q', 'u1', 'bad!']],
                  'y': [1, 0]}}

@@ -19,7 +19,7 @@ import numpy as np
 from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import datasets as datasets_lib
 from fedjax_personal import compilation, numerics
-from fedjax_personal.datasets import stackoverflow
+from fedjax_personal.datasets import shakespeare, stackoverflow
 from fedjax_personal.run import (checkpointing, distributed, experiment, faults, reporting,
                                  run_identity)
 from fedjax_personal.run.settings import (FLAGS, check, data_config, default_output_dir,
@@ -165,6 +165,9 @@ def load_data(job: Job) -> None:
                         'layout), or give --max_client_examples / --num_clients')
     layout, reason = 'device', 'several processes run on the device layout'
   say(population.describe())
+  if FLAGS.dataset in ('emnist', 'emnist_digits'):
+    say('pixels: ' + ('fedjax (1 - x, ink 1: FedJAX\'s load_data)' if FLAGS.emnist_pixels == 'fedjax'
+                      else 'tff (the raw pixels, ink 0: TFF\'s, as Reddi et al. feed them)'))
   job.layout_reason, job.store = reason, store
   job.identity = job_identity(fingerprint, cap)
   if job.cfgs is not None:
@@ -214,6 +217,11 @@ def build_model_and_executor(job: Job) -> None:
     job.model = job.model.scoring_only_words(unscored, unpredicted=unpredicted,
                                              definition=definition)
     say(f'accuracy: {FLAGS.stackoverflow_accuracy}, {definition}')
+  if FLAGS.dataset == 'shakespeare' and FLAGS.shakespeare_windows == 'tff':
+    job.model = job.model.scoring_only_words(
+        shakespeare.PAD_UNSCORED['tff'], top_k=0,
+        definition='TFF windows: accuracy over the targets but PAD (PAD targets in the loss)')
+    say(f'windows: tff, {job.model.accuracy_definition}')
   if FLAGS.init_weights:
     job.model = job.model.starting_from(weights.load(FLAGS.init_weights, job.model, sample_x))
   _check_model_fits_targets(job.model, sample_x, job.store.y_spec()[0], job.population.num_classes)

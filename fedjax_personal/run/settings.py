@@ -126,6 +126,16 @@ flags.DEFINE_enum('cifar100_test', 'split', ['split', 'tff_clients'],
                   "with --test_fraction (personal models have test data); tff_clients: TFF's 100 "
                   'test clients, held out (evaluated with the global model, never trained), '
                   'as Reddi et al. (arXiv 2003.00295) evaluate.')
+flags.DEFINE_enum('shakespeare_windows', 'fedjax', ['fedjax', 'tff'],
+                  "shakespeare: how snippets become x/y windows. fedjax: a client's snippets "
+                  "joined with BOS/EOS and cut into --seq_len (FedJAX's load_data); tff: each "
+                  'snippet padded to a multiple of seq_len + 1 and cut into 80/80 pairs, BOS '
+                  'never a target, PAD targets in the loss but not in the accuracy (TFF, Reddi '
+                  'et al.).')
+flags.DEFINE_enum('emnist_pixels', 'fedjax', ['fedjax', 'tff'],
+                  'emnist: the pixel convention. fedjax: 1 - pixels, ink 1 (FedJAX\'s '
+                  'load_data); tff: the files\' raw pixels, ink 0, as TFF and Reddi et al.\'s '
+                  'code feed them.')
 flags.DEFINE_bool('verify_store', False, 'Check every block of the population store of a '
                   'natural data set before training (else each block is checked the first time '
                   'a round reads it); a store that fails is rebuilt from its source files.')
@@ -379,6 +389,11 @@ def validate_flags():
          or (FLAGS.dataset == 'cifar100' and partition() == 'natural'), 'cifar100_test',
          f'chooses the natural CIFAR-100\'s test clients; --dataset={FLAGS.dataset} '
          f'--partition={partition()} has none')
+  check(not FLAGS['shakespeare_windows'].present or FLAGS.dataset == 'shakespeare',
+        'shakespeare_windows', f'cuts Shakespeare\'s snippets; --dataset={FLAGS.dataset} has none')
+  check(not FLAGS['emnist_pixels'].present or FLAGS.dataset in ('emnist', 'emnist_digits'),
+        'emnist_pixels', f'sets EMNIST\'s pixel convention; --dataset={FLAGS.dataset} is not '
+        'EMNIST from its FedJAX files')
   check(FLAGS.vocab_size is None or FLAGS.dataset == 'stackoverflow', 'vocab_size',
          f'sets the Stack Overflow vocabulary; --dataset={FLAGS.dataset} has none to set')
   check(FLAGS.vocab_size is None or FLAGS.vocab_size >= 1, 'vocab_size',
@@ -446,7 +461,8 @@ def data_config() -> datasets_lib.DataConfig:
       examples_per_client=FLAGS.examples_per_client, test_fraction=FLAGS.test_fraction,
       val_fraction=val_fraction(), max_examples=FLAGS.max_examples, data_dir=FLAGS.data_dir,
       download=FLAGS.download, vocab_size=FLAGS.vocab_size, image_size=FLAGS.image_size,
-      cifar100_test=FLAGS.cifar100_test)
+      cifar100_test=FLAGS.cifar100_test, shakespeare_windows=FLAGS.shakespeare_windows,
+      emnist_pixels=FLAGS.emnist_pixels)
 
 
 def partition() -> str:
@@ -491,6 +507,9 @@ def job_identity(fingerprint: str, cap=None) -> dict:
       cfg.pop(field)
   if cfg['cifar100_test'] == 'split':  # the default before the field existed
     cfg.pop('cifar100_test')
+  for field in ('shakespeare_windows', 'emnist_pixels'):
+    if cfg[field] == 'fedjax':  # the default before the field existed
+      cfg.pop(field)
   if cfg['latent_features'] == 'pixels':  # the default before the field existed:
     cfg.pop('latent_features')            # earlier runs keep their identity
   return {'data': cfg, 'data_fingerprint': fingerprint,
