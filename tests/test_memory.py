@@ -12,7 +12,7 @@ import pytest
 import fedjax_personal as fp
 from fedjax_personal.algorithms.ditto import ditto
 from fedjax_personal.algorithms.fedavg import fedavg
-from fedjax_personal.core import executors, memory
+from fedjax_personal.core import executors, fitting, memory
 from fedjax_personal.errors import ConfigError
 from helpers import digits_data, run_rounds
 
@@ -80,8 +80,8 @@ def test_auto_picks_blocks_from_the_free_memory(monkeypatch):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), blocked.params,
                whole.params)
   # Plenty of memory: the whole cohort at once; no statistics (CPU): unchanged.
-  assert executors.fit_memory(auto, need, 100 * GB) is auto
-  assert executors.fit_memory(auto, need, None) is auto
+  assert fitting.fit_memory(auto, need, 100 * GB) is auto
+  assert fitting.fit_memory(auto, need, None) is auto
 
 
 def test_heavy_tailed_cohorts_run_in_blocks_by_work_on_an_accelerator():
@@ -92,16 +92,16 @@ def test_heavy_tailed_cohorts_run_in_blocks_by_work_on_an_accelerator():
   vmap = executors.VmapExecutor()
   equal = np.full(3400, 9)
   tailed = np.minimum(13, np.random.default_rng(0).lognormal(2.0, 0.6, 3400).astype(int) + 1)
-  assert tailed.mean() / tailed.max() < executors.WORK_BLOCKS_BELOW
-  assert executors.fit_work(vmap, equal, 500) is vmap
-  assert executors.fit_work(vmap, tailed, 150) is vmap  # too few clients for two blocks
-  blocked = executors.fit_work(vmap, tailed, 500)
+  assert tailed.mean() / tailed.max() < fitting.WORK_BLOCKS_BELOW
+  assert fitting.fit_work(vmap, equal, 500) is vmap
+  assert fitting.fit_work(vmap, tailed, 150) is vmap  # too few clients for two blocks
+  blocked = fitting.fit_work(vmap, tailed, 500)
   assert isinstance(blocked, executors.BlockedExecutor) and blocked.block_size == 100
   assert blocked.num_threads == 1 and 'heavy-tailed' in blocked.reason
   need = memory.Need(shared_bytes=0, client_state_bytes=0, num_clients=3400, cohort_size=500,
                      working_bytes=1 << 20)
   roomy, tight = 1 << 40, int(60.5 * (1 << 20) / memory.HEADROOM)
-  assert executors.fit_accelerator(vmap, equal, 500, need, roomy) is vmap
-  assert executors.fit_accelerator(vmap, tailed, 500, need, roomy).block_size == 100
-  assert executors.fit_accelerator(vmap, tailed, 500, need, tight).block_size == 60
-  assert executors.fit_accelerator(vmap, equal, 500, need, tight).block_size == 60
+  assert fitting.fit_accelerator(vmap, equal, 500, need, roomy) is vmap
+  assert fitting.fit_accelerator(vmap, tailed, 500, need, roomy).block_size == 100
+  assert fitting.fit_accelerator(vmap, tailed, 500, need, tight).block_size == 60
+  assert fitting.fit_accelerator(vmap, equal, 500, need, tight).block_size == 60

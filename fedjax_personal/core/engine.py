@@ -18,7 +18,7 @@ import numpy as np
 
 from fedjax_personal.core.algorithm import FederatedAlgorithm, RoundContext
 from fedjax_personal.core.data import FederatedData, LocalData, PackedClientData
-from fedjax_personal.core import executors as executors_lib
+from fedjax_personal.core import fitting
 from fedjax_personal.core import hosted_state
 from fedjax_personal.core import row_files
 from fedjax_personal.core import layout as layout_lib
@@ -311,11 +311,9 @@ class RoundRunner:
     self.population = population
     self.sampler = sampler
     if executor.plan_memory:  # auto on an accelerator: blocks by work, blocks that fit
-      work = algorithm.client_work
-      counts = np.asarray(population.train.num_examples)
-      widest = int(counts.max(initial=0))
-      executor = executors_lib.fit_accelerator(
-          executor, [work.batching.num_steps_for(int(n), widest) for n in counts],
+      counts, batching = np.asarray(population.train.num_examples), algorithm.client_work.batching
+      executor = fitting.fit_accelerator(
+          executor, [batching.num_steps_for(int(n), int(counts.max())) for n in counts],
           sampler.capacity, memory.estimate(algorithm, population, sampler.capacity),
           memory.device_free_bytes())
     self.executor = executor.for_run(jax.eval_shape(algorithm.init, jax.random.key(0)),

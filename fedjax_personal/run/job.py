@@ -20,8 +20,8 @@ from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import datasets as datasets_lib
 from fedjax_personal import compilation, numerics
 from fedjax_personal.datasets import shakespeare, stackoverflow
-from fedjax_personal.run import (checkpointing, distributed, experiment, faults, reporting,
-                                 run_identity)
+from fedjax_personal.run import (checkpointing, distributed, experiment, faults, process_settings,
+                                 reporting, run_identity)
 from fedjax_personal.run.settings import (FLAGS, check, data_config, default_output_dir,
                                           job_identity, process_flags, row_label, sampler_for,
                                           sweep_configs, sweepable, validate_flags)
@@ -33,8 +33,8 @@ from fedjax_personal.core.data import to_device
 from fedjax_personal.core.layout import HostData
 from fedjax_personal.core.store import PopulationStore
 from fedjax_personal.core.engine import RoundRunner
-from fedjax_personal.core.executors import create_executor, model_has_conv
-from fedjax_personal.models import create_model, resolve_conv_impl, weights
+from fedjax_personal.core.executors import create_executor
+from fedjax_personal.models import create_model, weights
 from fedjax_personal.core.tree_util import tree_bytes
 
 
@@ -93,8 +93,8 @@ def main_job() -> Dict[str, dict]:
   final summary}. With --dry_run, stops after building everything (nothing
   trained or written) and returns {}."""
   settings = validate_flags()
-  set_numerics()
-  set_compilation_cache()
+  process_settings.set_numerics()
+  process_settings.set_compilation_cache()
   job = Job(cfgs=sweep_configs())
   load_data(job)
   build_model_and_executor(job)
@@ -204,7 +204,7 @@ def build_model_and_executor(job: Job) -> None:
               else job.data.train.x[0, :1])
   job.model = create_model(FLAGS.model, job.population.num_classes, sample_x, FLAGS.adapter_dim,
                            conv_impl=FLAGS.conv_impl, init=FLAGS.model_init)
-  conv = conv_impl_of(job.model, sample_x)
+  conv = process_settings.conv_impl_of(job.model, sample_x)
   check(conv is not None or not FLAGS['conv_impl'].present, 'conv_impl',
         f'does nothing: --model={FLAGS.model} has no convolution')
   job.identity['numerics'] = numerics.record(conv)
@@ -229,54 +229,6 @@ def build_model_and_executor(job: Job) -> None:
     job.executor = create_executor(FLAGS.executor, job.model, sample_x, FLAGS.block_size)
   except ValueError as e:
     raise ConfigError('executor', str(e)) from None
-
-
-def set_numerics() -> None:
-  """--matmul_precision for every computation of the run (when not given:
-  $JAX_DEFAULT_MATMUL_PRECISION if set, else the package's float32), set
-  afresh by each job so that one process's jobs never inherit another's."""
-  name = (FLAGS.matmul_precision if FLAGS['matmul_precision'].present
-          else os.environ.get('JAX_DEFAULT_MATMUL_PRECISION') or numerics.DEFAULT_MATMUL_PRECISION)
-  numerics.set_matmul_precision(name)
-
-
-_IMPORT_CACHE = []
-
-
-def set_compilation_cache() -> None:
-  """--compilation_cache for the run (when not given: the cache the
-  package opened at import), set afresh by each job; the header names it."""
-  if not _IMPORT_CACHE:  # what the import chose, restored for jobs that do not say
-    _IMPORT_CACHE.append(compilation.directory())
-  choice = FLAGS.compilation_cache
-  if choice is not None and choice.strip().lower() == 'off':
-    compilation.disable()
-  elif choice:
-    try:
-      compilation.enable(choice)
-    except OSError as e:
-      raise ConfigError('compilation_cache', f'{choice}: {e.strerror or e}; give a writable '
-                        'folder, or off') from None
-  elif _IMPORT_CACHE[0]:
-    compilation.enable(_IMPORT_CACHE[0])
-  else:
-    compilation.disable()
-  where = compilation.directory()
-  if where:
-    entries, nbytes = compilation.size(where)
-    say(f'compilation cache: {where} ({entries} entries, {nbytes / 2**20:.0f} MB, bounded to '
-        f'{compilation.MAX_BYTES / 2**30:.0f} GB)')
-  else:
-    say('compilation cache: off')
-
-
-def conv_impl_of(model, sample_x):
-  """The convolution implementation ``model`` runs with here (``auto``
-  resolved for this backend), or None when it has no convolution."""
-  if not model_has_conv(model, sample_x):
-    return None
-  impl = getattr(getattr(model, 'module', None), 'conv_impl', None)
-  return resolve_conv_impl(impl) if impl is not None else 'xla'
 
 
 def _check_model_fits_targets(model, sample_x, y_shape, num_classes) -> None:
@@ -504,7 +456,7 @@ def train_algorithm(job: Job, entry) -> None:
                                  callbacks=_callbacks(job, alg_name, alg, ident, hists, start),
                                  state=state, start_round=start, histories=hists)
   alg_summaries = []
-  costs = time_to_result(runs, began, compiled)
+  costs = process_settings.time_to_result(runs, began, compiled)
   programs, hits = costs.pop('_programs'), costs.pop('_hits')
   for label, history in zip(runs.labels, hists):
     s = reporting.final_summary(history, FLAGS.stat_window)
@@ -541,39 +493,6 @@ def train_algorithm(job: Job, entry) -> None:
                             {**record, 'algorithm': alg_name, 'identity': ident,
                              'numerics': ident.get('numerics'),
                              'flags': FLAGS.flag_values_dict()})
-
-
-def time_to_result(runs, began: float, compiled: dict) -> dict:
-  """What one algorithm's runs cost besides their rounds' median:
-  ``wall_seconds`` (its runs built, trained and evaluated), ``compile_seconds``
-  (XLA's compiles meanwhile; a persistent cache hit costs its read),
-  ``compiled_shapes`` (the host layout's packed cohort shapes; 1 on the
-  device layout) and ``process_seconds`` (since this process started); for
-  the printed line only, ``_programs`` compiled and ``_hits`` of the cache."""
-  now = compilation.stats()
-  runners = [getattr(runs, 'runner', None)] + [getattr(r, 'runner', None)
-                                               for r in getattr(runs, 'runs', [])]
-  feeds = {id(r.feed): r.feed for r in runners if r is not None and r.host is not None}
-  feeds.update({id(runs.feed): runs.feed} if getattr(runs, 'feed', None) is not None else {})
-  return {'wall_seconds': time.perf_counter() - began,
-          'compile_seconds': now['compile_seconds'] - compiled['compile_seconds'],
-          'compiled_shapes': max([len(f.shapes) for f in feeds.values()], default=1),
-          'process_seconds': process_seconds(),
-          '_programs': now['compiles'] - compiled['compiles'],
-          '_hits': now['cache_hits'] - compiled['cache_hits']}
-
-
-def process_seconds() -> float:
-  """Seconds since this process started (Linux: its start time in
-  /proc/self/stat; elsewhere since the package was imported)."""
-  try:
-    with open('/proc/self/stat') as f:
-      start_ticks = int(f.read().rsplit(')', 1)[1].split()[19])
-    with open('/proc/uptime') as f:
-      uptime = float(f.read().split()[0])
-    return max(0.0, uptime - start_ticks / os.sysconf('SC_CLK_TCK'))
-  except (OSError, ValueError, IndexError):
-    return time.perf_counter() - compilation.IMPORTED_AT
 
 
 def write_comparison(job: Job) -> None:
