@@ -26,6 +26,7 @@ import numpy as np
 
 _VARINT, _FIXED64, _LEN, _START_GROUP, _END_GROUP, _FIXED32 = 0, 1, 2, 3, 4, 5
 _MASK64 = (1 << 64) - 1
+_MAX_FIELD = (1 << 29) - 1  # protobuf's largest field number
 Value = Union[np.ndarray, List[bytes]]
 
 
@@ -56,8 +57,8 @@ def _fields(buf: memoryview) -> Iterator[Tuple[int, int, Union[int, memoryview]]
   while pos < end:
     key, pos = _varint(buf, pos)
     field, wire = key >> 3, key & 7
-    if field == 0:
-      raise ValueError('field number 0')
+    if not 0 < field <= _MAX_FIELD:
+      raise ValueError(f'field number {field} outside [1, 2^29 - 1]')
     if wire == _START_GROUP:
       pos = _skip_group(buf, pos, field)
       yield field, wire, None
@@ -87,9 +88,7 @@ def _skip_group(buf: memoryview, pos: int, field: int) -> int:
   """The position after the group of ``field`` that starts at ``pos``."""
   while pos < len(buf):
     key, pos = _varint(buf, pos)
-    inner, wire = key >> 3, key & 7
-    if inner == 0:
-      raise ValueError('field number 0')
+    inner, wire = key >> 3, key & 7  # inside a skipped group protobuf (upb) checks no number
     if wire == _END_GROUP:
       if inner != field:
         raise ValueError(f'group {field} ended as group {inner}')
@@ -148,19 +147,24 @@ def _list(buf: memoryview, kind: int) -> Value:
   return np.concatenate(chunks).astype(dtype) if chunks else np.zeros(0, dtype)
 
 
-def _feature(feature: memoryview) -> Value:
-  """A Feature's values. Its lists are a oneof: the same list given twice
-  is one list, merged (protobuf merges a repeated message field's parts:
-  values concatenated); another list given later replaces it."""
-  kind, parts = None, []
-  for k, w, lst in _fields(feature):
-    if k in (1, 2, 3) and w == _LEN:
-      if k != kind:
-        kind, parts = k, []
-      parts.append(bytes(lst))
+def _feature(parts) -> Value:
+  """The values of a Feature given in ``parts`` (its serialized parts, one
+  or more: protobuf parses each in turn into the same message). Its lists
+  are a oneof: the same list given again is merged (values concatenated),
+  another list given later replaces it. Each part of each list is parsed
+  alone (a malformed part is an error even if the next would complete it)."""
+  kind, values = None, []
+  for part in parts:
+    for k, w, lst in _fields(memoryview(part)):
+      if k in (1, 2, 3) and w == _LEN:
+        if k != kind:
+          kind, values = k, []
+        values.append(_list(lst, k))
   if kind is None:
     return np.zeros(0, np.int64)  # a Feature with no list set
-  return _list(memoryview(b''.join(parts)), kind)
+  if kind == 1:
+    return [v for part in values for v in part]
+  return np.concatenate(values)
 
 
 def parse(serialized: bytes) -> Dict[str, Value]:
@@ -187,7 +191,7 @@ def parse(serialized: bytes) -> Dict[str, Value]:
           feature.append(bytes(v))  # a value given twice: one Feature, merged
         else:
           unknown = True
-      if unknown:  # protobuf (upb) keeps such an entry among the unknown fields, not the map
-        continue
-      out[key] = _feature(memoryview(b''.join(feature)))
+      value = _feature(feature)  # parsed (a malformed one is an error)
+      if not unknown:  # protobuf (upb) keeps an entry with unknown fields out of the map
+        out[key] = value
   return out
