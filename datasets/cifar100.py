@@ -17,8 +17,8 @@ CIFAR100_FEATURES = {'image': (32, 32, 3), 'label': (), 'coarse_label': ()}
 CIFAR100_TESTS = ('split', 'tff_clients')
 
 
-def load_data(num_clients=None, data_dir=None, download=False,
-              cifar100_test: str = 'split') -> NaturalData:
+def read_clients(num_clients=None, data_dir=None, download=False,
+                 cifar100_test: str = 'split') -> NaturalData:
   """Federated CIFAR-100 (TFF's ``cifar100.sqlite``: 500 train clients of 100
   images, Pachinko allocation over the coarse and fine labels; 100 test
   clients of 100 images).
@@ -55,3 +55,27 @@ def load_data(num_clients=None, data_dir=None, download=False,
         yield f'test/{client_id(cid)}', none, images(cid, ex)
   return NaturalData(stream, n + held_out, 100, total, [str(path)],
                      split_by_fraction=not held_out, eval_only=held_out)
+
+
+def load_data(mode: str = 'sqlite', cache_dir=None, *, num_clients=None, download: bool = True,
+              cifar100_test: str = 'tff_clients', data_dir=None):
+  """FedJAX's ``cifar100.load_data``: ``(train, test)`` federated data of
+  TFF's file, ``x`` [N, 32, 32, 3] uint8 images as the file holds them
+  (FedJAX's, before its batch preprocessing), ``y`` [N] int32. By default
+  the test split is TFF's 100 test clients, as FedJAX's and TFF's;
+  ``cifar100_test='split'`` splits each train client's images instead.
+
+  Args:
+    mode: ``'sqlite'`` (TFF's file).
+    cache_dir: where the file is (``data_dir`` is the same).
+    num_clients: the first N train clients (None: all 500).
+    download: fetch a missing file.
+    cifar100_test: ``CIFAR100_TESTS``.
+    data_dir: the same as ``cache_dir``.
+
+  Returns:
+    ``(train, test)`` ``federated.FederatedData``.
+  """
+  from fedjax_personal.datasets import federated
+  return federated.load('cifar100', mode, cache_dir, num_clients, download, data_dir,
+                        cifar100_test=cifar100_test)

@@ -9,7 +9,7 @@ Reddi et al.'s task code (google-research/federated) feeds them.
 
 import numpy as np
 
-from fedjax_personal.datasets import sources
+from fedjax_personal.datasets import federated, sources
 from fedjax_personal.datasets.natural_data import NaturalData, fedjax_splits
 from fedjax_personal.errors import DataError
 
@@ -17,10 +17,11 @@ from fedjax_personal.errors import DataError
 PIXELS = {'fedjax': lambda p: 1.0 - p, 'tff': lambda p: p}
 
 
-def load_data(num_clients=None, data_dir=None, download=False,
-              only_digits: bool = False, pixels: str = 'fedjax') -> NaturalData:
+def read_clients(num_clients=None, data_dir=None, download=False,
+                 only_digits: bool = False, pixels: str = 'fedjax') -> NaturalData:
   """Federated EMNIST (3,400 writers; digits only 3,383), FedJAX's files,
-  in the ``pixels`` convention (``PIXELS``)."""
+  in the ``pixels`` convention (``PIXELS``), client by client (what the
+  population store is written from)."""
   if pixels not in PIXELS:
     raise ValueError(f'pixels must be one of {list(PIXELS)}, got {pixels!r}')
   name = 'emnist_digits' if only_digits else 'emnist'
@@ -38,3 +39,48 @@ def load_data(num_clients=None, data_dir=None, download=False,
   out = fedjax_splits(name, paths[0], paths[1], num_clients, checked)
   out.num_classes = classes
   return out
+
+
+def domain_id(client_id) -> int:
+  """The NIST source of a writer (FedJAX's ``emnist.domain_id``): 0 for
+  the high-school writers ``f2100``-``f2599``, 1 for the Census Bureau's.
+  Ids are ``f<4 digits>_<2 digits>``, optionally after a 16-byte hash and
+  a colon."""
+  cid = client_id.decode() if isinstance(client_id, bytes) else str(client_id)
+  if len(cid) == 25:
+    number = int(cid[18:22])
+  elif len(cid) == 8:
+    number = int(cid[1:5])
+  else:
+    raise ValueError(f'Invalid client_id: {client_id!r}')
+  return 0 if 2100 <= number <= 2599 else 1
+
+
+def _with_domain(client_id, examples):
+  return {**examples, 'domain_id': np.full_like(examples['y'], domain_id(client_id))}
+
+
+def load_data(only_digits: bool = False, mode: str = 'sqlite', cache_dir=None, *,
+              num_clients=None, download: bool = True, pixels: str = 'fedjax', data_dir=None):
+  """FedJAX's ``emnist.load_data``: the train and test federated data of
+  FedJAX's files, read from their population store.
+
+  Features as FedJAX gives them: ``x`` [N, 28, 28, 1] float32 (``1 -
+  pixels`` with ``pixels='fedjax'``; ``'tff'``: the raw pixels), ``y`` [N]
+  int32, ``domain_id`` [N] int32 (``domain_id``).
+
+  Args:
+    only_digits: the 10-class digits files (3,383 writers).
+    mode: ``'sqlite'`` (FedJAX's only mode).
+    cache_dir: where the files are (``data_dir`` is the same).
+    num_clients: the first N writers (None: all).
+    download: fetch missing files (FedJAX always does).
+    pixels: ``PIXELS``.
+    data_dir: the same as ``cache_dir``.
+
+  Returns:
+    ``(train, test)`` ``federated.FederatedData``, clients by id.
+  """
+  train, test = federated.load('emnist_digits' if only_digits else 'emnist', mode, cache_dir,
+                               num_clients, download, data_dir, emnist_pixels=pixels)
+  return train.preprocess_client(_with_domain), test.preprocess_client(_with_domain)

@@ -114,7 +114,7 @@ def _gldv2_image_dir(data_dir, wanted: List[str], download, every_image) -> str:
   return str(folder)
 
 
-def load_data(num_clients=None, data_dir=None, download=False,
+def read_clients(num_clients=None, data_dir=None, download=False,
               image_size: int = GLDV2_IMAGE_SIZE) -> NaturalData:
   """GLDv2's federated split as the partial-personalization seed uses it
   (``pfl/data/gldv2.py``): its users with at least 50 images, each user's
@@ -147,3 +147,25 @@ def load_data(num_clients=None, data_dir=None, download=False,
       yield u, part(u, tr), part(u, te)
   # The image folder's own time stamp changes when images are added or removed.
   return NaturalData(stream, n, GLDV2_CLASSES, len(every), [split_path, image_dir])
+
+
+def load_data(mode: str = 'sqlite', cache_dir=None, *, num_clients=None, download: bool = True,
+              image_size=None, data_dir=None):
+  """``(train, test)`` federated data of the seed's GLDv2 users (FedJAX's
+  ``load_data`` names, ``federated``): ``x`` [N, image_size, image_size, 3]
+  images, ``y`` [N] int32 landmark ids.
+
+  Args:
+    mode: ``'sqlite'`` (the published split file and images).
+    cache_dir: where the files are (``data_dir`` is the same).
+    num_clients: the first N users (None: all).
+    download: fetch a missing split file.
+    image_size: the square side (None: the seed's 224).
+    data_dir: the same as ``cache_dir``.
+
+  Returns:
+    ``(train, test)`` ``federated.FederatedData``.
+  """
+  from fedjax_personal.datasets import federated
+  return federated.load('gldv2', mode, cache_dir, num_clients, download, data_dir,
+                        image_size=image_size)

@@ -96,7 +96,7 @@ def _leaf_convert(name: str, train: Dict[str, dict], test: Dict[str, dict]):
   return (lambda d: (np.asarray(d['x'], np.float32), np.asarray(d['y'], np.int32))), num_classes
 
 
-def load_data(name: str, num_clients=None, data_dir=None) -> NaturalData:
+def read_clients(name: str, num_clients=None, data_dir=None) -> NaturalData:
   """A LEAF data set from its JSON files (users in sorted order).
 
   x: femnist [28, 28, 1] float32 as LEAF writes it; shakespeare 80 character
@@ -126,3 +126,21 @@ def load_data(name: str, num_clients=None, data_dir=None) -> NaturalData:
   return NaturalData(listed(users[:n], tr, te), n, num_classes, len(users),
                      sorted(glob.glob(os.path.join(tr_dir, '*.json'))
                             + glob.glob(os.path.join(te_dir, '*.json'))))
+
+
+def load_data(name: str, cache_dir=None, *, num_clients=None, data_dir=None):
+  """``(train, test)`` federated data of LEAF's ``name`` (FedJAX's
+  ``load_data`` names, ``federated``), read as LEAF's code reads them.
+
+  Args:
+    name: ``femnist``, ``shakespeare``, ``sent140`` or ``synthetic``.
+    cache_dir: the folder holding ``leaf/<name>/`` (``data_dir`` is the
+      same); LEAF's files are built with LEAF's scripts, never downloaded.
+    num_clients: the first N users (None: all).
+    data_dir: the same as ``cache_dir``.
+
+  Returns:
+    ``(train, test)`` ``federated.FederatedData``.
+  """
+  from fedjax_personal.datasets import federated
+  return federated.load(f'leaf:{name}', 'sqlite', cache_dir, num_clients, False, data_dir)

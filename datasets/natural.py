@@ -3,10 +3,12 @@
 One client per writer (``emnist``), speaking role (``shakespeare``), user
 (``stackoverflow``, ``leaf:<name>``, ``gldv2``) or Pachinko-allocation client
 (``cifar100``), with the files' own train/test split. Each data set is a
-module with a FedJAX-style ``load_data(num_clients=None, data_dir=None,
-download=False, **its options)`` returning a ``natural_data.NaturalData``;
-``LOADERS`` maps the ``--dataset`` names to them, and ``register`` adds one
-(a data set of your own files, BUILD.md "Add a data set").
+module with a reader ``read_clients(num_clients=None, data_dir=None,
+download=False, **its options)`` returning a ``natural_data.NaturalData``
+(what the population store is written from) and FedJAX's ``load_data``
+(``(train, test)`` federated data over that store, ``federated``);
+``LOADERS`` maps the ``--dataset`` names to the readers, and ``register``
+adds one (a data set of your own files, BUILD.md "Add a data set").
 """
 
 import functools
@@ -17,27 +19,27 @@ from fedjax_personal.datasets import cifar100, emnist, gldv2, leaf, shakespeare,
 from fedjax_personal.datasets.natural_data import NaturalData
 from fedjax_personal.errors import ConfigError
 
-#: --dataset name -> its ``load_data``.
+#: --dataset name -> its reader (``read_clients``).
 LOADERS: Dict[str, Callable[..., NaturalData]] = {
-    'emnist': emnist.load_data,
-    'emnist_digits': functools.partial(emnist.load_data, only_digits=True),
-    'shakespeare': shakespeare.load_data,
-    'stackoverflow': stackoverflow.load_data,
-    'cifar100': cifar100.load_data,
-    'gldv2': gldv2.load_data,
+    'emnist': emnist.read_clients,
+    'emnist_digits': functools.partial(emnist.read_clients, only_digits=True),
+    'shakespeare': shakespeare.read_clients,
+    'stackoverflow': stackoverflow.read_clients,
+    'cifar100': cifar100.read_clients,
+    'gldv2': gldv2.read_clients,
 }
 LEAF_PREFIX = 'leaf:'
 
 
-def register(name: str, load_data: Callable[..., NaturalData]) -> None:
+def register(name: str, read_clients: Callable[..., NaturalData]) -> None:
   """Adds a natural data set read from files: ``--dataset=<name>`` then
-  reads it through ``load_data(num_clients=None, data_dir=None,
+  reads it through ``read_clients(num_clients=None, data_dir=None,
   download=False, ...)`` into the population store (its options, such as
   ``seq_len``, are passed when its signature names them)."""
-  if name in LOADERS and LOADERS[name] is not load_data and (
-      getattr(LOADERS[name], '__module__', None) != getattr(load_data, '__module__', None)):
+  if name in LOADERS and LOADERS[name] is not read_clients and (
+      getattr(LOADERS[name], '__module__', None) != getattr(read_clients, '__module__', None)):
     raise ValueError(f'a data set named {name!r} is registered already')
-  LOADERS[name] = load_data
+  LOADERS[name] = read_clients
 
 
 def is_file_dataset(dataset: str) -> bool:
@@ -52,7 +54,7 @@ _SHARED_READERS = ('natural', 'natural_data', 'sqlite_formats', 'tf_example', 'f
 
 def loader_code(dataset: str) -> str:
   """SHA-256 (16 hex digits) of the source of the code that turns
-  ``dataset``'s files into clients: its ``load_data``'s module and the
+  ``dataset``'s files into clients: its reader's module and the
   shared readers. The population store records it and is rebuilt when it
   differs, so a store never outlives the code that made it (a changed split
   share, tokenizer or decoder reaches the next run)."""
@@ -78,12 +80,12 @@ def load(dataset: str, num_clients=None, data_dir=None, download=False,
          **options) -> NaturalData:
   """A natural data set by its --dataset name. ``options`` (``seq_len``,
   ``vocab_size``, ``image_size``, ``cifar100_test``) go to the data set
-  whose ``load_data`` names them; None leaves its default."""
+  whose reader names them; None leaves its default."""
   if dataset.startswith(LEAF_PREFIX):
     if download:
       from fedjax_personal.datasets import sources
       raise ConfigError('download', sources.manual_instructions(dataset))
-    return leaf.load_data(dataset[len(LEAF_PREFIX):], num_clients, data_dir)
+    return leaf.read_clients(dataset[len(LEAF_PREFIX):], num_clients, data_dir)
   if dataset not in LOADERS:
     raise ConfigError('dataset', f'{dataset!r} is not a natural data set read from files')
   fn = LOADERS[dataset]

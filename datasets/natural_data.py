@@ -3,7 +3,7 @@
 A natural data set is read client by client from its published files
 (one module each: ``emnist``, ``shakespeare``, ``stackoverflow``,
 ``cifar100``, ``leaf``, ``gldv2``; the registry is ``natural``). Each
-module's ``load_data`` returns a ``NaturalData``: the clients' ids and
+module's ``read_clients`` returns a ``NaturalData``: the clients' ids and
 ``(x, y)`` train and test examples as the files split them, streamed.
 
 Padded target positions of sequences are ``IGNORE`` (-1): left out of the

@@ -17,7 +17,7 @@ publisher's windows (``WINDOWS``), ids in FedJAX's 86-character table
 
 import numpy as np
 
-from fedjax_personal.datasets import sources
+from fedjax_personal.datasets import federated, sources
 from fedjax_personal.datasets.natural_data import (BOS, EOS, IGNORE, PAD, NaturalData,
                                                    fedjax_splits)
 
@@ -73,8 +73,8 @@ WINDOWS = {'fedjax': shakespeare_sequences, 'tff': tff_sequences}
 PAD_UNSCORED = {'fedjax': (), 'tff': (PAD,)}
 
 
-def load_data(num_clients=None, data_dir=None, download=False, seq_len: int = 80,
-              windows: str = 'fedjax') -> NaturalData:
+def read_clients(num_clients=None, data_dir=None, download=False, seq_len: int = 80,
+                 windows: str = 'fedjax') -> NaturalData:
   """Federated Shakespeare (715 speaking roles), FedJAX's files, in
   ``windows`` (``WINDOWS``: FedJAX's or TFF's)."""
   if windows not in WINDOWS:
@@ -85,3 +85,28 @@ def load_data(num_clients=None, data_dir=None, download=False, seq_len: int = 80
                        lambda ex: cut(ex['snippets'], seq_len))
   out.num_classes = SHAKESPEARE_CLASSES
   return out
+
+
+def load_data(sequence_length: int = 80, mode: str = 'sqlite', cache_dir=None, *,
+              num_clients=None, download: bool = True, windows: str = 'fedjax', data_dir=None,
+              seq_len=None):
+  """FedJAX's ``shakespeare.load_data``: train and test federated data of
+  x/y rows of ``sequence_length`` ids (``windows``; FedJAX's by default),
+  padded targets PAD (0) as FedJAX has them.
+
+  Args:
+    sequence_length: ids per row (``seq_len`` is the same).
+    mode: ``'sqlite'``.
+    cache_dir: where the files are (``data_dir`` is the same).
+    num_clients: the first N speaking roles (None: all 715).
+    download: fetch missing files (FedJAX always does).
+    windows: ``WINDOWS``.
+    data_dir: the same as ``cache_dir``.
+    seq_len: the same as ``sequence_length``.
+
+  Returns:
+    ``(train, test)`` ``federated.FederatedData``.
+  """
+  return federated.load('shakespeare', mode, cache_dir, num_clients, download, data_dir,
+                        federated.fedjax_targets, seq_len=seq_len or sequence_length,
+                        shakespeare_windows=windows)

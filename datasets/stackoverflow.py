@@ -83,8 +83,8 @@ def tokenize_sentences(sentences, vocab: Dict[str, int], seq_len: int):
   return x, y
 
 
-def load_data(num_clients=None, data_dir=None, download=False, vocab_size: int = 10000,
-              seq_len: int = 20) -> NaturalData:
+def read_clients(num_clients=None, data_dir=None, download=False, vocab_size: int = 10000,
+                 seq_len: int = 20) -> NaturalData:
   """Stack Overflow (342,477 train users), FedJAX's files; a user's test
   examples are their posts in the test file (users without any are left
   out of the test statistics). The held-out file holds other users and is
@@ -100,3 +100,32 @@ def load_data(num_clients=None, data_dir=None, download=False, vocab_size: int =
   out.num_classes = vocab_size + 4
   out.files.append(str(paths['stackoverflow.word_count']))
   return out
+
+
+def load_data(mode: str = 'sqlite', cache_dir=None, *, num_clients=None, download: bool = True,
+              vocab_size: int = 10000, sequence_length: int = 20, data_dir=None, seq_len=None):
+  """FedJAX's ``stackoverflow.load_data`` names, over the population store:
+  ``(train, test)`` of the train users, each post tokenized (FedJAX's ids:
+  PAD 0, BOS 1, EOS 2, words 3.., OOV last; x = ids[:-1], y = ids[1:],
+  padded targets PAD) into rows of ``sequence_length``. FedJAX returns the
+  raw posts and a third, held-out split, and tokenizes them in its
+  experiments; here the store holds them tokenized and the held-out users
+  are not read.
+
+  Args:
+    mode: ``'sqlite'``.
+    cache_dir: where the files are (``data_dir`` is the same).
+    num_clients: the first N users (None: all 342,477).
+    download: fetch missing files.
+    vocab_size: the most frequent words kept.
+    sequence_length: tokens per row (``seq_len`` is the same).
+    data_dir: the same as ``cache_dir``.
+    seq_len: the same as ``sequence_length``.
+
+  Returns:
+    ``(train, test)`` ``federated.FederatedData``.
+  """
+  from fedjax_personal.datasets import federated
+  return federated.load('stackoverflow', mode, cache_dir, num_clients, download, data_dir,
+                        federated.fedjax_targets, vocab_size=vocab_size,
+                        seq_len=seq_len or sequence_length)

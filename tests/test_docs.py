@@ -162,18 +162,20 @@ def test_documented_command_runs(doc, cmd):
 
 def test_readme_python_example_runs(tmp_path):
   """The README's Python, with EMNIST made in FedJAX's format in place of
-  ~/data and 2 rounds in place of 20."""
+  ~/data, an MLP in place of the CNN and 2 rounds in place of 20."""
   import numpy as np
   import made_files
   made_files.write_emnist(tmp_path, np.random.default_rng(0), [4, 6, 3, 5], [1, 2, 1, 1])
   (code,) = fenced('README.md', 'python')
-  assert "data_dir='~/data'" in code
+  assert "cache_dir='~/data'" in code and "create_model('cnn'" in code
   code = code.replace('num_rounds=20', 'num_rounds=2').replace('eval_every=5', 'eval_every=2')
-  code = code.replace("data_dir='~/data'", f"data_dir={str(tmp_path)!r}")
+  code = code.replace("cache_dir='~/data'", f"cache_dir={str(tmp_path)!r}")
+  code = code.replace("create_model('cnn'", "create_model('mlp'")
   namespace = {}
   exec(compile(code, 'README.md', 'exec'), namespace)
   assert 0 <= namespace['history'][-1]['accuracy_worst'] <= 1
-  assert namespace['store'].num_clients == 4 and namespace['x'].shape == (5, 28, 28, 1)
+  assert namespace['store'].num_clients == 4 and namespace['batch']['x'].shape == (20, 28, 28, 1)
+  assert namespace['batch']['__mask__'].sum() == 5  # f0003_03's 5 images, padded to 20
 
 
 def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(

@@ -159,7 +159,7 @@ def test_fedjax_stackoverflow_tokens_and_vocabulary(tmp_path):
       (b'00003', tok([b'the  is']))])
   made_files.write_fedjax_sqlite(tmp_path / 'stackoverflow_test.sqlite', [
       (b'00002', tok([b'is the code'])), (b'99999', tok([b'other user']))])
-  nat = stackoverflow.load_data(vocab_size=3, seq_len=5, data_dir=str(tmp_path))
+  nat = stackoverflow.read_clients(vocab_size=3, seq_len=5, data_dir=str(tmp_path))
   assert nat.num_classes == 3 + 4 and nat.client_ids == ['00001', '00002', '00003']
   # ids: PAD 0, BOS 1, EOS 2, the 3, is 4, code 5, OOV 6 (one bucket)
   x, y = nat.train[0]
@@ -172,7 +172,7 @@ def test_fedjax_stackoverflow_tokens_and_vocabulary(tmp_path):
   assert [len(t[1]) for t in nat.test] == [0, 1, 0]  # only user 00002 posted in the test file
   assert nat.test[1][1].tolist() == [[4, 3, 5, 2, -1]]
   with pytest.raises(DataError, match='4 words, the vocabulary needs 10'):
-    stackoverflow.load_data(vocab_size=10, data_dir=str(tmp_path))
+    stackoverflow.read_clients(vocab_size=10, data_dir=str(tmp_path))
   (tmp_path / 'stackoverflow.word_count').write_text(''.join(f'w{i} {10**5 - i}\n' for i in range(10**4)))
   d = load_federated(DataConfig(dataset='stackoverflow', partition='natural', num_clients=2,
                                 data_dir=str(tmp_path)))
@@ -184,7 +184,7 @@ def test_tff_cifar100_sqlite_lzma(tmp_path, made_not_released):
   made_files.write_tff_cifar100(tmp_path / 'raw.sqlite', rng, [6, 5], [4])
   made_files.lzma_file(tmp_path / 'raw.sqlite', tmp_path / 'cifar100.sqlite.lzma')
   truth = made_files.write_tff_cifar100(tmp_path / 'again.sqlite', np.random.default_rng(3), [6, 5], [4])
-  nat = cifar100.load_data(data_dir=str(tmp_path))
+  nat = cifar100.read_clients(data_dir=str(tmp_path))
   assert nat.client_ids == ['0', '1'] and nat.total_clients == 2 and nat.split_by_fraction
   for (x, y), (_, images, labels) in zip(nat.train, truth['train']):
     np.testing.assert_array_equal(x, images)
@@ -239,7 +239,7 @@ def test_leaf_json(tmp_path):
   assert y.tolist() == femnist['f0001']['y']
   shakes = {'ROMEO': {'x': ['abc', 'bcd'], 'y': ['d', 'e']}}
   made_files.write_leaf(tmp_path, 'shakespeare', shakes, shakes)
-  nat = leaf.load_data('shakespeare', data_dir=str(tmp_path))
+  nat = leaf.read_clients('shakespeare', data_dir=str(tmp_path))
   L = leaf.LEAF_LETTERS
   assert nat.train[0][0].tolist() == [[L.index(c) for c in 'abc'], [L.index(c) for c in 'bcd']]
   assert nat.train[0][1].tolist() == [L.index('d'), L.index('e')] and nat.num_classes == 80
@@ -254,7 +254,7 @@ def test_leaf_json(tmp_path):
     return leaf_one_hot(L.find(letter), len(L))
   made_files.write_leaf(tmp_path, 'shakespeare', {'R': {'x': ['a\u00e9c'], 'y': ['\u00e9']}},
                         {'R': {'x': ['abc'], 'y': ['d']}})
-  nat = leaf.load_data('shakespeare', data_dir=str(tmp_path))
+  nat = leaf.read_clients('shakespeare', data_dir=str(tmp_path))
   assert nat.train[0][0].tolist() == [[L.index('a'), 79, L.index('c')]]
   assert nat.train[0][1].tolist() == [int(np.argmax(leaf_letter_to_vec('\u00e9')))] == [79]
   # LEAF's line_to_indices: [\w']+|[.,!?;] words, unknown and padding len(vocab).
@@ -263,7 +263,7 @@ def test_leaf_json(tmp_path):
   made_files.write_leaf(tmp_path, 'sent140', sent, {'u1': {'x': [['3', 'd', 'q', 'u1', 'so good']],
                                                           'y': [1]}})
   assert leaf.leaf_split_line("good day, good don't") == ['good', 'day', ',', 'good', "don't"]
-  nat = leaf.load_data('sent140', data_dir=str(tmp_path))
+  nat = leaf.read_clients('sent140', data_dir=str(tmp_path))
   # good (2x) 0, then by word: ! 1, , 2, bad 3, day 4, don't 5; 6 unknown and padding
   assert nat.train[0][0][0, :7].tolist() == [0, 4, 2, 0, 5, 6, 6]
   assert nat.train[0][0][1, :3].tolist() == [3, 1, 6]
@@ -277,7 +277,7 @@ def test_leaf_bad_json_is_one_line(tmp_path):
   (tmp_path / 'leaf' / 'femnist' / 'train' / 'a.json').write_text('{"users": ["u"]}')
   (tmp_path / 'leaf' / 'femnist' / 'test' / 'a.json').write_text('{}')
   with pytest.raises(DataError, match=r'a.json: not a LEAF JSON file'):
-    leaf.load_data('femnist', data_dir=str(tmp_path))
+    leaf.read_clients('femnist', data_dir=str(tmp_path))
 
 
 @pytest.mark.parametrize('content,needle', [

@@ -1,0 +1,113 @@
+"""FedJAX's federated data API (``datasets/federated.py``) against FedJAX
+0.0.17 itself: ``tests/data/fedjax_api_reference.npz`` was written by
+FedJAX's own ``emnist.load_data`` on the made files this test makes again
+(``benchmarks/peers/fedjax_api_reference.py``, in FedJAX's venv). Ids,
+sizes, every batch of ``batch`` / ``padded_batch`` / ``shuffle_repeat_batch``
+under several settings, ``shuffled_clients`` and ``slice`` must agree."""
+
+import os
+import re
+
+import numpy as np
+import pytest
+
+import made_files
+from fedjax_personal.datasets import emnist, federated
+
+REFERENCE = os.path.join(os.path.dirname(__file__), 'data', 'fedjax_api_reference.npz')
+
+
+@pytest.fixture(scope='module')
+def emnist_made(tmp_path_factory):
+  folder = tmp_path_factory.mktemp('emnist')
+  made_files.write_emnist(folder, np.random.default_rng(0), [5, 9, 3, 7], [2, 1, 3, 2])
+  return folder
+
+
+def _row_sums(x):
+  return x.reshape(len(x), -1).astype(np.float64).sum(1)
+
+
+def _ours(train, test):
+  """The reference's arrays, computed through this project's API."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      'fedjax_api_reference', os.path.join(os.path.dirname(__file__), '..', 'benchmarks',
+                                           'peers', 'fedjax_api_reference.py'))
+  source = open(spec.origin).read()
+  batchings = eval(re.search(r'BATCHINGS = (\[.*?\n\])', source, re.S).group(1))  # noqa: S307
+  out = {}
+  for name, fd in (('train', train), ('test', test)):
+    out[f'{name}/ids'] = np.array(list(fd.client_ids()))
+    out[f'{name}/sizes'] = np.array([s for _, s in fd.client_sizes()])
+    out[f'{name}/num_clients'] = np.array(fd.num_clients())
+  for i, cid in enumerate(list(train.client_ids())[:3]):
+    client = train.get_client(cid)
+    for k, v in client.all_examples().items():
+      out[f'client{i}/all/{k}'] = v if i == 2 or k != 'x' else _row_sums(v)
+    for name, method, kwargs in batchings:
+      for j, batch in enumerate(getattr(client, method)(**kwargs)):
+        for k, v in batch.items():
+          out[f'client{i}/{name}/{j}/{k}'] = _row_sums(v) if k == 'x' else v
+  shuffled = train.shuffled_clients(buffer_size=2, seed=3)
+  out['shuffled_ids'] = np.array([next(shuffled)[0] for _ in range(10)])
+  ids = list(train.client_ids())
+  out['slice_ids'] = np.array(list(train.slice(ids[1], ids[3]).client_ids()))
+  return out
+
+
+def test_emnist_load_data_equals_fedjax_on_the_same_files(emnist_made):
+  train, test = emnist.load_data(only_digits=False, cache_dir=str(emnist_made))
+  ours = _ours(train, test)
+  theirs = dict(np.load(REFERENCE))
+  assert sorted(ours) == sorted(theirs)
+  for k, want in theirs.items():
+    got = ours[k]
+    assert got.dtype == want.dtype, k
+    assert got.shape == want.shape, k
+    if got.dtype.kind == 'f':
+      np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=k)
+    else:
+      np.testing.assert_array_equal(got, want, err_msg=k)
+
+
+def test_clients_by_id_and_the_store_behind_them(emnist_made):
+  train, test = emnist.load_data(cache_dir=str(emnist_made))
+  assert train.num_clients() == 4 and train.client_size(b'f0001_01') == 9
+  assert len(train.get_client('f0001_01')) == 9  # str ids are accepted too
+  with pytest.raises(KeyError):
+    train.get_client(b'nobody')
+  picked = [c for c, _ in train.get_clients([b'f0003_03', b'f0000_00'])]
+  assert picked == [b'f0003_03', b'f0000_00']
+  sub = train.subset([b'f0003_03', b'f0001_01'])
+  assert list(sub.client_ids()) == [b'f0003_03', b'f0001_01']
+  store = train.slice(b'f0001', b'f0003').store
+  assert store.client_ids == ['f0001_01', 'f0002_02'] and store.num_clients == 2
+  x, y = store.client('f0001_01')['train']
+  np.testing.assert_array_equal(train.get_client(b'f0001_01').all_examples()['y'], y)
+  # batches of the project's view and the raw file agree: x = 1 - pixels
+  pixels = made_files.emnist_clients(np.random.default_rng(0), [5, 9, 3, 7])[1][1]['pixels']
+  np.testing.assert_allclose(x[..., 0], 1 - pixels, rtol=1e-6)
+  # preprocessing chains as FedJAX's does
+  doubled = train.preprocess_batch(lambda e: {**e, 'y': e['y'] * 2})
+  first = next(iter(doubled.get_client(b'f0000_00').batch(batch_size=2)))
+  assert np.array_equal(first['y'], 2 * train.get_client(b'f0000_00').raw_examples['y'][:2])
+
+
+def test_batching_by_hand():
+  c = federated.ClientDataset({'x': np.arange(11), 'y': np.arange(11) * 10})
+  sizes = [len(b['x']) for b in c.padded_batch(batch_size=8, num_batch_size_buckets=3)]
+  assert sizes == [8, 4]  # 3 left: 8 -> 4 (holds 3), not 2
+  last = list(c.padded_batch(batch_size=8, num_batch_size_buckets=3))[-1]
+  assert last['__mask__'].tolist() == [True, True, True, False]
+  assert last['x'].tolist() == [8, 9, 10, 0]
+  assert [len(b['x']) for b in c.batch(batch_size=4)] == [4, 4, 3]
+  epoch = np.concatenate([b['x'] for b in c.shuffle_repeat_batch(batch_size=11, seed=5)])
+  assert sorted(epoch.tolist()) == list(range(11))  # one pass: a permutation
+  order = np.arange(11, dtype=np.int32)
+  np.random.RandomState(5).shuffle(order)
+  assert epoch.tolist() == order.tolist()
+  assert len(list(c.shuffle_repeat_batch(batch_size=4, num_epochs=2))) == 6  # ceil(22 / 4)
+  assert len(list(c.shuffle_repeat_batch(batch_size=4, num_epochs=None, num_steps=9))) == 9
+  with pytest.raises(TypeError, match='batch_sz'):
+    c.batch(batch_sz=3)
