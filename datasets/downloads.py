@@ -9,7 +9,6 @@ set, the URL and where to put the file by hand.
 
 import hashlib
 import http.client
-import os
 import pathlib
 import sys
 import urllib.error

@@ -29,3 +29,17 @@ def test_accelerator_check_runs_every_section(tmp_path):
   main_job = next(r for r in rows if r['section'] == 'main_job')
   assert main_job['table'] and set(main_job['readme']) >= set(main_job['table'])
   assert 'Accelerator check' in proc.stdout and '% fp32' in proc.stdout
+
+
+def test_accelerator_check_orchestrates_two_sections_in_ci(tmp_path):
+  """CI's share (every section at toy sizes is slow): the orchestrator, its
+  workers and its JSON rows, with the device and sweep sections."""
+  out = tmp_path / 'accelerator.json'
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'benchmarks', 'accelerator.py'),
+                         '--smoke', '--sections=device,sweep', f'--output={out}',
+                         f'--work_dir={tmp_path}'],
+                        capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+  rows = json.loads(out.read_text())['rows']
+  assert {r['section'] for r in rows} == {'device', 'sweep'} and not [
+      r for r in rows if r.get('error')], rows
