@@ -14,14 +14,6 @@ import tempfile  # noqa: E402
 
 os.environ['FEDJAX_PERSONAL_CACHE'] = tempfile.mkdtemp(prefix='fedjax_personal_test_cache_')
 
-# Most of a test's time is XLA compiling small programs on the CPU; LLVM's
-# cheaper optimisation compiles them faster and computes the same values (it
-# keeps IEEE semantics: XLA's CPU backend does not use fast math). Measured on
-# 2 cores: tests/test_engine.py 94 s -> 72 s, test_personalization.py 71 s ->
-# 50 s. Children (CLI runs) inherit it; a user's own XLA_FLAGS win.
-os.environ.setdefault('XLA_FLAGS', '--xla_backend_optimization_level=0 '
-                                   '--xla_llvm_disable_expensive_passes=true')
-
 # file (or alternatives) -> the data set whose --download gets it
 _DOWNLOAD = {'tinyshakespeare.txt': 'tinyshakespeare', 'input.txt': 'tinyshakespeare',
              'cifar-10-python.tar.gz': 'cifar10'}
