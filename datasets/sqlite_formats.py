@@ -114,6 +114,21 @@ def fedjax_num_clients(path) -> int:
     conn.close()
 
 
+def fedjax_sizes(path) -> np.ndarray:
+  """Every client's ``num_examples`` of a FedJAX SQLite file, in the file's
+  order (the table's column: no record is decoded)."""
+  conn = _connect(path)
+  try:
+    if 'federated_data' not in _tables(conn, path):
+      raise DataError(f'{path}: no federated_data table: not a FedJAX SQLite file')
+    rows = conn.execute('SELECT num_examples FROM federated_data ORDER BY rowid').fetchall()
+    return np.asarray([r[0] for r in rows], np.int64)
+  except sqlite3.Error as e:
+    raise DataError(f'{path}: cannot read num_examples ({e})') from None
+  finally:
+    conn.close()
+
+
 # -- TFF SQLite and tf.train.Example ------------------------------------------
 
 

@@ -168,6 +168,11 @@ def load_data(job: Job) -> None:
   if FLAGS.dataset in ('emnist', 'emnist_digits'):
     say('pixels: ' + ('fedjax (1 - x, ink 1: FedJAX\'s load_data)' if FLAGS.emnist_pixels == 'fedjax'
                       else 'tff (the raw pixels, ink 0: TFF\'s, as Reddi et al. feed them)'))
+  if FLAGS.dataset == 'stackoverflow':
+    say('test set: ' + ('the train users\' own test posts (train_users)'
+                        if FLAGS.stackoverflow_test == 'train_users' else
+                        'every test user, held out, pooled, less 10,000 posts for validation '
+                        '(tff_users: Reddi et al.\'s task)'))
   job.layout_reason, job.store = reason, store
   job.identity = job_identity(fingerprint, cap)
   if job.cfgs is not None:
@@ -277,9 +282,12 @@ def _check_global_evaluation(alg, held_out: int) -> None:
   if num_models != 1 or alg.finetune is not None or alg.evaluate_client is not None:
     how = ('fine-tunes on' if alg.finetune is not None else 'adapts to'
            if alg.evaluate_client is not None else 'evaluates personal models trained on')
-    raise ConfigError('cifar100_test', f'{alg.name} {how} each client\'s own training data; the '
-                      f'{held_out} held-out test clients have none: give --cifar100_test=split '
-                      '(each client\'s images split for test) or a global-model algorithm')
+    flag, other = (('stackoverflow_test', 'train_users (the train users\' own test posts)')
+                   if FLAGS.dataset == 'stackoverflow' else
+                   ('cifar100_test', 'split (each client\'s images split for test)'))
+    raise ConfigError(flag, f'{alg.name} {how} each client\'s own training data; the '
+                      f'{held_out:,} held-out test clients have none: give --{flag}={other} '
+                      'or a global-model algorithm')
 
 
 def settle_layout(job: Job, settings) -> None:
