@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from fedjax_personal.datasets import DataConfig, cifar, load_federated, load_store, loaders, natural
+from fedjax_personal.datasets import DataConfig, cifar, load_federated, load_store, loaders
 from fedjax_personal.datasets import cifar100, leaf, natural_data, shakespeare, stackoverflow
 from fedjax_personal.datasets import sqlite_formats
 from fedjax_personal.errors import ConfigError, DataError

@@ -323,7 +323,7 @@ def settle_layout(job: Job, settings) -> None:
       build_algorithms(job, settings)
   say(f'layout: {job.layout} ({job.layout_reason})')
   check(FLAGS.client_state in ('memory', 'auto') or job.layout == 'host', 'client_state',
-        f'keeps client rows in files in the host layout; this run is on the device layout '
+        'keeps client rows in files in the host layout; this run is on the device layout '
         '(give --layout=host)')
   if job.layout == 'host':
     available = layout_lib.host_available_bytes()
