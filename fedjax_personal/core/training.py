@@ -49,10 +49,13 @@ def scan_steps(f, init, xs):
 
 
 class Batch(NamedTuple):
-  """One local batch: x [B, ...], y [B, ...], mask bool [B]."""
+  """One local batch: x [B, ...], y [B, ...], mask bool [B]; ``key``: the
+  draws of a model's random input transform (a local step's batch; None:
+  the transform's evaluation half, ``Model.train_apply``)."""
   x: jax.Array
   y: jax.Array
   mask: jax.Array
+  key: Optional[jax.Array] = None
 
 
 class LossStats(NamedTuple):
@@ -116,7 +119,10 @@ def per_example_stats(logits, y, mask, loss: str = 'cross_entropy',
 
 def batch_loss(model: Model, params, batch: Batch):
   """Mean masked cross-entropy over real examples, and its LossStats."""
-  stats = per_example_stats(model.apply(params, batch.x), batch.y, batch.mask, model.loss,
+  logits = (model.train_apply(params, batch.x, batch.key)
+            if model.train_apply is not None and batch.key is not None
+            else model.apply(params, batch.x))
+  stats = per_example_stats(logits, batch.y, batch.mask, model.loss,
                             model.unscored_targets, 0, model.unpredicted)  # no top-k
   return stats.loss_sum / jnp.maximum(stats.count, 1.0), stats
 
@@ -228,6 +234,10 @@ def step_is_real(mask_s):
   return jnp.any(mask_s.reshape(-1, mask_s.shape[-1])[0])
 
 
+#: ``fold_in`` tag of a step's key for its batch's input draws (``Batch.key``).
+INPUT_DRAWS = 0x1B7
+
+
 def work_init(work: ClientWork, ctx: ClientContext, key):
   """Engine side of init: the algorithm's carry plus the client's batches."""
   k_init, k_batch, k_steps = jax.random.split(key, 3)
@@ -239,8 +249,10 @@ def work_init(work: ClientWork, ctx: ClientContext, key):
 def work_step(work: ClientWork, ctx: ClientContext, carry, idx, mask, k_steps, s):
   """Engine side of step ``s``: gather its batch, step, and keep the carry
   unchanged when the step is padding."""
-  new = work.step(ctx, carry, get_batch(ctx.data.train, idx[s], mask[s]),
-                  jax.random.fold_in(k_steps, s))
+  k_step = jax.random.fold_in(k_steps, s)
+  batch = get_batch(ctx.data.train, idx[s], mask[s])._replace(
+      key=jax.random.fold_in(k_step, INPUT_DRAWS))
+  new = work.step(ctx, carry, batch, k_step)
   return tree_where(step_is_real(mask[s]), new, carry)
 
 

@@ -35,6 +35,7 @@ from fedjax_personal.core.store import PopulationStore
 from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.core.executors import create_executor
 from fedjax_personal.models import create_model, weights
+from fedjax_personal.models import inputs as model_inputs
 from fedjax_personal.core.tree_util import tree_bytes
 
 
@@ -207,6 +208,13 @@ def build_model_and_executor(job: Job) -> None:
   the executor."""
   sample_x = (job.population.sample_x if job.layout == 'host'
               else job.data.train.x[0, :1])
+  transform = (None if FLAGS.cifar100_preprocess == 'none'
+               else model_inputs.TRANSFORMS[FLAGS.cifar100_preprocess]())
+  raw_x = sample_x
+  if transform is not None:  # the model is built on, and sees, transformed inputs
+    sample_x = np.asarray(transform.evaluate(jnp.asarray(sample_x)))
+    job.identity['inputs'] = transform.name
+    say(f'inputs: {transform.name}, {transform.description}')
   job.model = create_model(FLAGS.model, job.population.num_classes, sample_x, FLAGS.adapter_dim,
                            conv_impl=FLAGS.conv_impl, init=FLAGS.model_init)
   conv = process_settings.conv_impl_of(job.model, sample_x)
@@ -229,7 +237,9 @@ def build_model_and_executor(job: Job) -> None:
     say(f'windows: tff, {job.model.accuracy_definition}')
   if FLAGS.init_weights:
     job.model = job.model.starting_from(weights.load(FLAGS.init_weights, job.model, sample_x))
-  _check_model_fits_targets(job.model, sample_x, job.store.y_spec()[0], job.population.num_classes)
+  if transform is not None:
+    job.model = model_inputs.with_inputs(job.model, transform)
+  _check_model_fits_targets(job.model, raw_x, job.store.y_spec()[0], job.population.num_classes)
   try:
     job.executor = create_executor(FLAGS.executor, job.model, sample_x, FLAGS.block_size)
   except ValueError as e:

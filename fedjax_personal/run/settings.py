@@ -126,6 +126,12 @@ flags.DEFINE_enum('cifar100_test', 'split', ['split', 'tff_clients'],
                   "with --test_fraction (personal models have test data); tff_clients: TFF's 100 "
                   'test clients, held out (evaluated with the global model, never trained), '
                   'as Reddi et al. (arXiv 2003.00295) evaluate.')
+flags.DEFINE_enum('cifar100_preprocess', 'none', ['none', 'reddi'],
+                  'cifar100: the images the model sees. none: as the file holds them (scaled to '
+                  '[0, 1]); reddi: a random 24x24 crop and left-right flip of each training '
+                  'image (drawn from the run\'s key for each client, round and step), the '
+                  'central 24x24 of the others, each standardized, as Reddi et al.\'s task '
+                  '(google-research/federated) feeds them.')
 flags.DEFINE_enum('stackoverflow_test', 'train_users', ['train_users', 'tff_users'],
                   "stackoverflow: the test set. train_users: the train users' own posts in the "
                   "test file; tff_users: every user of the test file (204,088) held out, their "
@@ -394,6 +400,8 @@ def validate_flags():
          or (FLAGS.dataset == 'cifar100' and partition() == 'natural'), 'cifar100_test',
          f'chooses the natural CIFAR-100\'s test clients; --dataset={FLAGS.dataset} '
          f'--partition={partition()} has none')
+  check(FLAGS.cifar100_preprocess == 'none' or FLAGS.dataset == 'cifar100', 'cifar100_preprocess',
+        f'crops and standardizes CIFAR-100\'s images; --dataset={FLAGS.dataset} is not CIFAR-100')
   check(not FLAGS['stackoverflow_test'].present or FLAGS.dataset == 'stackoverflow',
         'stackoverflow_test', f'chooses Stack Overflow\'s test set; --dataset={FLAGS.dataset} '
         'is not Stack Overflow')
