@@ -34,6 +34,8 @@ DEFAULT_SEQ_LEN = {'stackoverflow': 20}
 
 
 def is_known(dataset: str) -> bool:
+  """Whether ``dataset`` names a data set (a ``DATASETS`` name, ``leaf:<name>``
+  or a TFDS name after ``tfds:``)."""
   if dataset.startswith('tfds:'):  # TFDS's own names: tfds:emnist is its byclass (62 classes)
     from fedjax_personal.datasets import tfds_loader
     return tfds_loader.is_known(dataset[len('tfds:'):])

@@ -105,6 +105,11 @@ def read_fedjax(path, limit: Optional[int] = None,
 
 
 def fedjax_num_clients(path) -> int:
+  """The number of clients of a FedJAX SQLite file.
+
+  Raises:
+    DataError: not a FedJAX SQLite file (naming it).
+  """
   conn = _connect(path)
   try:
     if 'federated_data' not in _tables(conn, path):
@@ -151,6 +156,11 @@ def parse_example(serialized: bytes, shapes: Dict[str, tuple]) -> Dict[str, np.n
 
 
 def tff_num_clients(path, split: str) -> int:
+  """The number of clients of a TFF SQLite file's ``split``.
+
+  Raises:
+    DataError: not a TFF SQLite file (naming it).
+  """
   conn = _connect(path)
   try:
     missing = {'examples', 'client_metadata'} - set(_tables(conn, path))

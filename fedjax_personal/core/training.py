@@ -24,6 +24,8 @@ _UNROLL_STEPS = contextvars.ContextVar('unroll_steps', default=False)
 
 @contextlib.contextmanager
 def unroll_steps(enabled: bool):
+  """Within the context, client work unrolls its local steps (a Python loop,
+  not a scan), e.g. for a per-step trace."""
   token = _UNROLL_STEPS.set(enabled)
   try:
     yield
@@ -76,6 +78,7 @@ class LossStats(NamedTuple):
 
 
 def zero_stats() -> LossStats:
+  """``LossStats`` of nothing: every sum 0."""
   return LossStats(*(jnp.zeros(()) for _ in LossStats._fields))
 
 

@@ -225,6 +225,7 @@ def define_config_flags(cls, module_name: str):
 
 
 def algorithm_group(cls) -> str:
+  """The ``--helpfull`` group of a settings class: the algorithms using it."""
   users = [n for n, s in algorithms_lib.REGISTRY.items() if s.config is cls]
   return f'fedjax_personal: --{cls.prefix}_* settings of ' + ', '.join(users)
 
@@ -249,6 +250,7 @@ UsageError = ConfigError
 
 
 def check(cond, flag, msg):
+  """Raises ``ConfigError(flag, msg)`` unless ``cond``."""
   if not cond:
     raise ConfigError(flag, msg)
 
@@ -263,6 +265,7 @@ def training_config() -> TrainingConfig:
 
 
 def algorithm_config(cls):
+  """An algorithm's settings class filled from its flags."""
   return cls(**{f.name: FLAGS[flag_name(cls, f.name)].value for f in dataclasses.fields(cls)})
 
 
@@ -469,6 +472,7 @@ def val_fraction() -> float:
 
 
 def data_config() -> datasets_lib.DataConfig:
+  """The ``DataConfig`` the flags describe."""
   return datasets_lib.DataConfig(
       dataset=FLAGS.dataset, partition=partition(), num_clients=num_clients(),
       seed=FLAGS.seed if FLAGS.data_seed is None else FLAGS.data_seed, alpha=FLAGS.alpha, classes_per_client=FLAGS.classes_per_client,
@@ -553,6 +557,7 @@ def model_start() -> dict:
 
 
 def default_output_dir(identities: dict) -> str:
+  """``runs/<data>_<partition>_..._<hash of the configurations>``."""
   algs = '+'.join(identities)
   algs = algs if len(algs) <= 60 else f'{len(identities)}algorithms'
   return os.path.join('runs', f'{FLAGS.dataset.replace(":", "_")}_{partition()}_'
@@ -571,6 +576,7 @@ def sweep_configs():
 
 
 def row_label(name: str, config_label) -> str:
+  """A table row's label: the algorithm and its swept values."""
   if config_label is None:
     return name
   return f'{name} ' + ' '.join(f'{k}={v:g}' for k, v in config_label.items())
