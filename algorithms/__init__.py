@@ -66,6 +66,11 @@ def register(new: AlgorithmSpec) -> None:
 
 
 def spec(name: str) -> AlgorithmSpec:
+  """The ``AlgorithmSpec`` registered as ``name``.
+
+  Raises:
+    ConfigError: no algorithm has that name.
+  """
   if name not in REGISTRY:
     raise ConfigError('algorithm', f'unknown algorithm {name!r}; choose from {sorted(REGISTRY)}')
   return REGISTRY[name]

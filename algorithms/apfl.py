@@ -29,12 +29,15 @@ from fedjax_personal.core.tree_util import is_concrete, leading_size, tree_broad
 
 @dataclasses.dataclass(frozen=True)
 class APFLConfig:
+  """APFL's own settings, declared once: the ``--apfl_*`` flags (``hparam``: default,
+  help, range, sweepable)."""
   prefix: ClassVar[str] = 'apfl'
   alpha: float = hparam(0.25, 'Mixing weight alpha of the personal model.', minimum=0,
                         maximum=1, sweep=True)
 
 
 def mixture(alpha, personal, global_params):
+  """APFL's mixed model ``alpha v + (1 - alpha) w`` (Deng et al., eq. 3)."""
   return jax.tree.map(lambda v, w: alpha * v + (1 - alpha) * w, personal, global_params)
 
 
@@ -63,6 +66,18 @@ def apfl(model: Model, num_clients: int, client_optimizer: optax.GradientTransfo
 
 
 def build(training, config: APFLConfig, model, data):
+  """APFL from the run's shared settings and its own.
+
+  Args:
+    training: the shared settings (``config.TrainingConfig``: the client
+      optimizer, batching, server optimizer, weighting).
+    config: its own settings (``APFLConfig``).
+    model: the ``models.Model``.
+    data: the federated data (its clients' sizes, groups).
+
+  Returns:
+    The ``FederatedAlgorithm`` (the paper: the module docstring).
+  """
   return apfl(model, data.num_clients, training.make_client_optimizer(), training.batching(),
               alpha=config.alpha, server_optimizer=training.make_server_optimizer(),
               weighting=training.weighting)

@@ -45,6 +45,8 @@ from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes, tre
 
 @dataclasses.dataclass(frozen=True)
 class CFLConfig:
+  """Clustered FL's own settings, declared once: the ``--cfl_*`` flags (``hparam``: default,
+  help, range, sweepable)."""
   prefix: ClassVar[str] = 'cfl'
   eps1: float = hparam(0.4, 'Split when the mean update norm is below this...', minimum=0)
   eps2: float = hparam(1.6, '...and the largest client update norm above this.', minimum=0)
@@ -169,6 +171,18 @@ def cfl(model: Model, num_clients: int, num_examples, client_optimizer, batching
 
 
 def build(training, config: CFLConfig, model, data):
+  """Clustered FL from the run's shared settings and its own.
+
+  Args:
+    training: the shared settings (``config.TrainingConfig``: the client
+      optimizer, batching, server optimizer, weighting).
+    config: its own settings (``CFLConfig``).
+    model: the ``models.Model``.
+    data: the federated data (its clients' sizes, groups).
+
+  Returns:
+    The ``FederatedAlgorithm`` (the paper: the module docstring).
+  """
   return cfl(model, data.num_clients, data.train.num_examples, training.make_client_optimizer(),
              training.batching(), eps1=config.eps1, eps2=config.eps2,
              warmup_rounds=config.warmup_rounds, ratio=config.ratio,

@@ -24,6 +24,8 @@ from fedjax_personal.core.training import batch_loss
 
 @dataclasses.dataclass(frozen=True)
 class DittoConfig:
+  """Ditto's own settings, declared once: the ``--ditto_*`` flags (``hparam``: default,
+  help, range, sweepable)."""
   prefix: ClassVar[str] = 'ditto'
   lam: float = hparam(0.1, 'Proximal coefficient lambda of the personal objective.', minimum=0,
                       sweep=True)
@@ -51,6 +53,18 @@ def ditto(model: Model, num_clients: int, client_optimizer: optax.GradientTransf
 
 
 def build(training, config: DittoConfig, model, data):
+  """Ditto from the run's shared settings and its own.
+
+  Args:
+    training: the shared settings (``config.TrainingConfig``: the client
+      optimizer, batching, server optimizer, weighting).
+    config: its own settings (``DittoConfig``).
+    model: the ``models.Model``.
+    data: the federated data (its clients' sizes, groups).
+
+  Returns:
+    The ``FederatedAlgorithm`` (the paper: the module docstring).
+  """
   return ditto(model, data.num_clients, training.make_client_optimizer(), training.batching(),
                lam=config.lam,
                personal_optimizer=(None if config.personal_lr is None else

@@ -65,6 +65,11 @@ class ClientOutput:
 
 
 def check_weighting(weighting: str):
+  """Refuses an aggregation weighting not in ``WEIGHTINGS``.
+
+  Raises:
+    ValueError: an unknown weighting.
+  """
   if weighting not in WEIGHTINGS:
     raise ValueError(f'weighting must be one of {WEIGHTINGS}, got {weighting!r}')
 
@@ -218,6 +223,15 @@ def build(training, config: FedAvgConfig, model, data, name='fedavg'):
 
 
 def check(training, config: FedAvgConfig):
+  """Refuses, in one line naming the flag, settings FedAvg (its DP settings) cannot use.
+
+  Args:
+    training: the shared settings.
+    config: its own settings.
+
+  Raises:
+    ConfigError: a setting that cannot apply.
+  """
   del training
   check_dp(config)
 

@@ -64,6 +64,8 @@ class FedDynState:
 
 @dataclasses.dataclass(frozen=True)
 class FedDynConfig:
+  """FedDyn's own settings, declared once: the ``--feddyn_*`` flags (``hparam``: default,
+  help, range, sweepable)."""
   prefix: ClassVar[str] = 'feddyn'
   alpha: float = hparam(1e-2, 'Dynamic regularization coefficient alpha.', minimum=0,
                         open_min=True, sweep=True)
@@ -211,6 +213,18 @@ def feddyn_options(config: FedDynConfig) -> dict:
 
 
 def build(training, config: FedDynConfig, model, data):
+  """FedDyn from the run's shared settings and its own.
+
+  Args:
+    training: the shared settings (``config.TrainingConfig``: the client
+      optimizer, batching, server optimizer, weighting).
+    config: its own settings (``FedDynConfig``).
+    model: the ``models.Model``.
+    data: the federated data (its clients' sizes, groups).
+
+  Returns:
+    The ``FederatedAlgorithm`` (the paper: the module docstring).
+  """
   return feddyn(model, data.num_clients, data.train.num_examples,
                 training.make_client_optimizer(), training.batching(), alpha=config.alpha,
                 **feddyn_options(config))

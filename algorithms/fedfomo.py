@@ -46,6 +46,8 @@ from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes, tre
 
 @dataclasses.dataclass(frozen=True)
 class FedFomoConfig(DPConfig):
+  """FedFomo's own settings, declared once: the ``--fedfomo_*`` flags (``hparam``: default,
+  help, range, sweepable)."""
   prefix: ClassVar[str] = 'fedfomo'
   candidates: int = hparam(5, 'Models downloaded per round (M).', minimum=1)
   eps: float = hparam(0.3, 'Initial exploration probability.', minimum=0, maximum=1)
@@ -202,6 +204,18 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
 
 
 def build(training, config: FedFomoConfig, model, data):
+  """FedFomo from the run's shared settings and its own.
+
+  Args:
+    training: the shared settings (``config.TrainingConfig``: the client
+      optimizer, batching, server optimizer, weighting).
+    config: its own settings (``FedFomoConfig``); every client needs a validation split.
+    model: the ``models.Model``.
+    data: the federated data (its clients' sizes, groups).
+
+  Returns:
+    The ``FederatedAlgorithm`` (the paper: the module docstring).
+  """
   if int(np.asarray(data.val.num_examples).min()) == 0:
     raise ConfigError('val_fraction', 'fedfomo needs a validation split on every client '
                       '(0.2 in the paper)')
@@ -217,6 +231,15 @@ def build(training, config: FedFomoConfig, model, data):
 
 
 def check(training, config: FedFomoConfig):
+  """Refuses, in one line naming the flag, settings FedFomo (its DP settings) cannot use.
+
+  Args:
+    training: the shared settings.
+    config: its own settings.
+
+  Raises:
+    ConfigError: a setting that cannot apply.
+  """
   del training
   check_dp(config)
 

@@ -19,6 +19,8 @@ from fedjax_personal.core.tree_util import is_concrete
 
 @dataclasses.dataclass(frozen=True)
 class FedProxConfig:
+  """FedProx's own settings, declared once: the ``--fedprox_*`` flags (``hparam``: default,
+  help, range, sweepable)."""
   prefix: ClassVar[str] = 'fedprox'
   mu: float = hparam(0.01, 'Proximal coefficient mu.', minimum=0, sweep=True)
 
@@ -43,6 +45,18 @@ def fedprox(model: Model, num_clients: int, client_optimizer: optax.GradientTran
 
 
 def build(training, config: FedProxConfig, model, data):
+  """FedProx from the run's shared settings and its own.
+
+  Args:
+    training: the shared settings (``config.TrainingConfig``: the client
+      optimizer, batching, server optimizer, weighting).
+    config: its own settings (``FedProxConfig``).
+    model: the ``models.Model``.
+    data: the federated data (its clients' sizes, groups).
+
+  Returns:
+    The ``FederatedAlgorithm`` (the paper: the module docstring).
+  """
   return fedprox(model, data.num_clients, training.make_client_optimizer(), training.batching(),
                  config.mu, server_optimizer=training.make_server_optimizer(),
                  weighting=training.weighting)

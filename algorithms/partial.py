@@ -45,6 +45,8 @@ MODES = ('alt', 'sim')
 
 @dataclasses.dataclass(frozen=True)
 class PartialConfig:
+  """Partial personalization (FedAlt, FedSim, FedRep, FedPer, LG-FedAvg)'s own settings, declared once: the ``--partial_*`` flags (``hparam``: default,
+  help, range, sweepable)."""
   prefix: ClassVar[str] = 'partial'
   personal_part: str = hparam('output', "fedalt/fedsim: personal parameters: input, output, "
                               "adapter, all_but_output, all, block:<i>, or split:<regex>,...")
@@ -70,6 +72,7 @@ class PartialState:
 
 @struct.dataclass
 class PartialCarry:
+  """A client's local state: its shared and its personal parameters."""
   shared: dict
   personal: dict
   opt_state: tuple  # (optimizer state of u, of v)

@@ -42,6 +42,8 @@ VARIANTS = ('fo', 'hf', 'hf_fd')
 
 @dataclasses.dataclass(frozen=True)
 class PerFedAvgConfig:
+  """Per-FedAvg's own settings, declared once: the ``--perfedavg_*`` flags (``hparam``: default,
+  help, range, sweepable)."""
   prefix: ClassVar[str] = 'perfedavg'
   alpha: float = hparam(0.01, 'Inner (personalization) step alpha; the outer step beta is '
                         '--client_lr.', minimum=0, open_min=True, sweep=True)
@@ -163,6 +165,15 @@ def _build(variant):
 
 
 def check(training, config):
+  """Refuses, in one line naming the flag, settings Per-FedAvg (local steps of three batches) cannot use.
+
+  Args:
+    training: the shared settings.
+    config: its own settings.
+
+  Raises:
+    ConfigError: a setting that cannot apply.
+  """
   del config
   if training.local_steps is None:
     raise ConfigError('local_steps', 'perfedavg takes local steps (each draws 3 batches), '

@@ -77,6 +77,7 @@ def maml_objective(model: Model, inner_steps: int = 5, inner_lr: float = 1e-2,
 
 
 def all_examples(data) -> Batch:
+  """A client's every real example as one masked ``Batch``."""
   return Batch(data.x, data.y, jnp.arange(data.x.shape[0]) < data.num_examples)
 
 

@@ -37,6 +37,8 @@ from fedjax_personal.core.tree_util import tree_where
 
 @dataclasses.dataclass(frozen=True)
 class QFFLConfig:
+  """q-FFL's own settings, declared once: the ``--qffl_*`` flags (``hparam``: default,
+  help, range, sweepable)."""
   prefix: ClassVar[str] = 'qffl'
   q: float = hparam(1.0, 'Fairness exponent q (0: FedAvg with uniform weights).', minimum=0,
                     sweep=True)
@@ -56,6 +58,7 @@ class QUpload:
 
 @struct.dataclass
 class QState:
+  """q-FFL's server state: the global parameters."""
   params: optax.Params
 
 
@@ -97,6 +100,18 @@ def qffl(model: Model, num_clients: int, client_optimizer: optax.GradientTransfo
 
 
 def build(training, config: QFFLConfig, model, data):
+  """q-FFL from the run's shared settings and its own.
+
+  Args:
+    training: the shared settings (``config.TrainingConfig``: the client
+      optimizer, batching, server optimizer, weighting).
+    config: its own settings (``QFFLConfig``; the Lipschitz constant defaults to 1 / client_lr).
+    model: the ``models.Model``.
+    data: the federated data (its clients' sizes, groups).
+
+  Returns:
+    The ``FederatedAlgorithm`` (the paper: the module docstring).
+  """
   lipschitz = config.lipschitz if config.lipschitz is not None else 1.0 / training.client_lr
   return qffl(model, data.num_clients, training.make_client_optimizer(), training.batching(),
               q=config.q, lipschitz=lipschitz)

@@ -55,6 +55,8 @@ from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes, tre
 
 @dataclasses.dataclass(frozen=True)
 class UserCentricConfig:
+  """User-centric FL's own settings, declared once: the ``--usercentric_*`` flags (``hparam``: default,
+  help, range, sweepable)."""
   prefix: ClassVar[str] = 'usercentric'
   num_streams: int = hparam(0, 'Downlink streams m_t (0: silhouette choice; >= num_clients: '
                             'one per client).', minimum=0)
@@ -282,6 +284,18 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
 
 
 def build(training, config: UserCentricConfig, model, data):
+  """User-centric FL from the run's shared settings and its own.
+
+  Args:
+    training: the shared settings (``config.TrainingConfig``: the client
+      optimizer, batching, server optimizer, weighting).
+    config: its own settings (``UserCentricConfig``).
+    model: the ``models.Model``.
+    data: the federated data (its clients' sizes, groups).
+
+  Returns:
+    The ``FederatedAlgorithm`` (the paper: the module docstring).
+  """
   return usercentric(model, data.num_clients, data.train.num_examples,
                      training.make_client_optimizer(), training.batching(),
                      num_streams=config.num_streams or None, sigma_batches=config.sigma_batches,

@@ -34,6 +34,8 @@ DEFAULT_SEQ_LEN = {'stackoverflow': 20}
 
 
 def is_known(dataset: str) -> bool:
+  """Whether ``dataset`` names a data set (a ``DATASETS`` name, ``leaf:<name>``
+  or a TFDS name after ``tfds:``)."""
   if dataset.startswith('tfds:'):  # TFDS's own names: tfds:emnist is its byclass (62 classes)
     from fedjax_personal.datasets import tfds_loader
     return tfds_loader.is_known(dataset[len('tfds:'):])
@@ -83,6 +85,9 @@ class DataConfig:
     emnist_pixels: emnist's pixel convention: 'fedjax' (1 - pixels, ink 1,
       as FedJAX's load_data) or 'tff' (TFF's raw pixels, ink 0, as Reddi
       et al.'s code feeds them).
+    stackoverflow_test: stackoverflow's test set: 'train_users' (the train
+      users' own test posts) or 'tff_users' (every test user held out, their
+      pooled posts less 10,000 for validation: Reddi et al.'s task).
     data_dir: where data files are (see files.find_file); must exist.
     download: fetch missing files from their published URL into the cache.
   """
@@ -107,6 +112,7 @@ class DataConfig:
   cifar100_test: str = 'split'
   shakespeare_windows: str = 'fedjax'
   emnist_pixels: str = 'fedjax'
+  stackoverflow_test: str = 'train_users'
   data_dir: Optional[str] = None
   download: bool = False
 
@@ -314,6 +320,8 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
               **({'windows': cfg.shakespeare_windows} if cfg.shakespeare_windows != 'fedjax'
                  else {}),
               **({'pixels': cfg.emnist_pixels} if cfg.emnist_pixels != 'fedjax' else {}),
+              **({'stackoverflow_test': cfg.stackoverflow_test, 'validation_seed': cfg.seed}
+                 if cfg.stackoverflow_test != 'train_users' else {}),
               'seq_len': cfg.sequence_length, 'val_fraction': cfg.val_fraction,
               'seed': cfg.seed if cfg.val_fraction else None,
               'files': [(os.path.basename(f), files.content_digest(f)) for f in nat.files]}
@@ -351,7 +359,8 @@ def _load_natural(cfg: DataConfig) -> NaturalData:
   return natural.load(cfg.dataset, cfg.num_clients, cfg.data_dir, cfg.download,
                       seq_len=cfg.sequence_length, vocab_size=cfg.vocab_size,
                       windows=cfg.shakespeare_windows, pixels=cfg.emnist_pixels,
-                      image_size=cfg.image_size, cifar100_test=cfg.cifar100_test)
+                      image_size=cfg.image_size, cifar100_test=cfg.cifar100_test,
+                      stackoverflow_test=cfg.stackoverflow_test, seed=cfg.seed)
 
 
 def _natural_name(cfg: DataConfig, nat: NaturalData) -> str:
@@ -367,12 +376,13 @@ def _write_natural(nat: NaturalData, cfg: DataConfig, writer,
   validation split (--val_fraction) is drawn from each client's training
   examples (in the file's order within each part)."""
   rng = np.random.default_rng(cfg.seed)
-  for cid, (x, y), test in nat.stream():
+  for cid, (x, y), test, *given_val in nat.stream():  # a reader may give a client's validation
     if should_stop():
       raise KeyboardInterrupt
     tr, va, _ = split_client_examples(len(x), rng, 0.0, cfg.val_fraction)
     tr, va = np.sort(tr), np.sort(va)
-    writer.add((x[tr], y[tr]), (x[va], y[va]), test, client_id=client_id(cid))
+    val = (x[va], y[va]) if not given_val or not len(given_val[0][0]) else given_val[0]
+    writer.add((x[tr], y[tr]), val, test, client_id=client_id(cid))
 
 
 def _pooled_natural(cfg: DataConfig, rng) -> PooledClients:

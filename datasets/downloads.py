@@ -26,6 +26,7 @@ class DownloadError(DataError):
 
 
 def log(text: str) -> None:
+  """A line on stderr, flushed (download progress)."""
   print(text, file=sys.stderr, flush=True)
 
 

@@ -91,6 +91,7 @@ def digest(path, algorithm: str = 'sha256', chunk: int = 1 << 20) -> str:
 
 
 def sha256_file(path) -> str:
+  """The SHA-256 of a file's content (hex)."""
   return digest(path, 'sha256')
 
 

@@ -107,6 +107,7 @@ def parse_shakespeare_roles(text: str) -> Dict[str, str]:
 
 
 def shakespeare_vocab(text: str) -> str:
+  """Tiny Shakespeare's character vocabulary: the text's characters, sorted."""
   return ''.join(sorted(set(text)))
 
 

@@ -30,7 +30,8 @@ class NaturalData:
 
   Attributes:
     stream: ``stream()`` yields ``(client_id, (x, y) train, (x, y) test)``
-      per client in the file's order, reading as it goes (a population
+      (and a fourth, ``(x, y)`` validation, where the publisher takes one
+      out of the test set) per client in the file's order, reading as it goes (a population
       larger than memory is written to the population store this way).
     num_clients: clients it yields.
     num_classes: output classes.
@@ -56,15 +57,15 @@ class NaturalData:
 
   @property
   def train(self) -> List[tuple]:
-    return [tr for _, tr, _ in self._all()]
+    return [item[1] for item in self._all()]
 
   @property
   def test(self) -> List[tuple]:
-    return [te for _, _, te in self._all()]
+    return [item[2] for item in self._all()]
 
   @property
   def client_ids(self) -> List[str]:
-    return [client_id(c) for c, _, _ in self._all()]
+    return [client_id(item[0]) for item in self._all()]
 
 
 def listed(ids, train, test):

@@ -86,6 +86,7 @@ ALIASES = {'input.txt': ('tinyshakespeare/input.txt', 'tinyshakespeare.txt')}
 
 
 def downloadable(dataset: str) -> bool:
+  """Whether ``dataset`` has published files with URLs (``FILES``)."""
   return dataset in FILES
 
 

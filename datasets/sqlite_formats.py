@@ -105,11 +105,31 @@ def read_fedjax(path, limit: Optional[int] = None,
 
 
 def fedjax_num_clients(path) -> int:
+  """The number of clients of a FedJAX SQLite file.
+
+  Raises:
+    DataError: not a FedJAX SQLite file (naming it).
+  """
   conn = _connect(path)
   try:
     if 'federated_data' not in _tables(conn, path):
       raise DataError(f'{path}: no federated_data table: not a FedJAX SQLite file')
     return int(conn.execute('SELECT COUNT(*) FROM federated_data').fetchone()[0])
+  finally:
+    conn.close()
+
+
+def fedjax_sizes(path) -> np.ndarray:
+  """Every client's ``num_examples`` of a FedJAX SQLite file, in the file's
+  order (the table's column: no record is decoded)."""
+  conn = _connect(path)
+  try:
+    if 'federated_data' not in _tables(conn, path):
+      raise DataError(f'{path}: no federated_data table: not a FedJAX SQLite file')
+    rows = conn.execute('SELECT num_examples FROM federated_data ORDER BY rowid').fetchall()
+    return np.asarray([r[0] for r in rows], np.int64)
+  except sqlite3.Error as e:
+    raise DataError(f'{path}: cannot read num_examples ({e})') from None
   finally:
     conn.close()
 
@@ -136,6 +156,11 @@ def parse_example(serialized: bytes, shapes: Dict[str, tuple]) -> Dict[str, np.n
 
 
 def tff_num_clients(path, split: str) -> int:
+  """The number of clients of a TFF SQLite file's ``split``.
+
+  Raises:
+    DataError: not a TFF SQLite file (naming it).
+  """
   conn = _connect(path)
   try:
     missing = {'examples', 'client_metadata'} - set(_tables(conn, path))

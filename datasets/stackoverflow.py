@@ -10,10 +10,10 @@ from typing import Dict, List
 
 import numpy as np
 
-from fedjax_personal.datasets import sources
-from fedjax_personal.datasets.natural_data import (BOS, EOS, IGNORE, PAD, NaturalData,
-                                                   fedjax_splits)
-from fedjax_personal.errors import DataError
+from fedjax_personal.datasets import sources, sqlite_formats
+from fedjax_personal.datasets.natural_data import (BOS, EOS, IGNORE, PAD, NaturalData, client_id,
+                                                   converted, fedjax_splits, take)
+from fedjax_personal.errors import ConfigError, DataError
 
 
 def read_word_count(path, vocab_size: int) -> List[str]:
@@ -83,20 +83,84 @@ def tokenize_sentences(sentences, vocab: Dict[str, int], seq_len: int):
   return x, y
 
 
+#: The test sets of Stack Overflow (``--stackoverflow_test``).
+STACKOVERFLOW_TESTS = ('train_users', 'tff_users')
+#: Examples of the pooled test users TFF's task takes for validation.
+VALIDATION_EXAMPLES = 10000
+
+
+def validation_counts(sizes, seed: int, total: int = VALIDATION_EXAMPLES) -> np.ndarray:
+  """How many of each test user's first examples go to validation:
+  google-research/federated's ``stackoverflow_word_prediction.
+  get_centralized_datasets`` takes the first ``total`` examples of
+  ``create_tf_dataset_from_all_clients()`` (the test users in a shuffled
+  order, each user's examples in order) and tests on the rest. TFF draws that
+  order unseeded; here it is ``numpy.random.default_rng(seed)``'s
+  permutation, so a run is reproducible."""
+  sizes = np.asarray(sizes, np.int64)
+  out = np.zeros_like(sizes)
+  left = total
+  for u in np.random.default_rng(seed).permutation(len(sizes)):
+    if left <= 0:
+      break
+    out[u] = min(left, sizes[u])
+    left -= out[u]
+  return out
+
+
 def read_clients(num_clients=None, data_dir=None, download=False, vocab_size: int = 10000,
-                 seq_len: int = 20) -> NaturalData:
-  """Stack Overflow (342,477 train users), FedJAX's files; a user's test
-  examples are their posts in the test file (users without any are left
-  out of the test statistics). The held-out file holds other users and is
-  not read."""
+                 seq_len: int = 20, stackoverflow_test: str = 'train_users',
+                 seed: int = 0) -> NaturalData:
+  """Stack Overflow (342,477 train users), FedJAX's files.
+
+  Args:
+    num_clients: the first N train users (None: all).
+    vocab_size: the most frequent words kept.
+    seq_len: tokens per row.
+    stackoverflow_test: ``'train_users'``: a train user's test examples are
+      their posts in the test file (users without any are left out of the
+      test statistics; users only in the test file are not read);
+      ``'tff_users'`` (Reddi et al.'s task, as google-research/federated
+      builds it): the train users train on all their posts, and every user
+      of the test file (204,088) follows them as a held-out client
+      (``eval_only``, ids ``test/<id>``), their pooled posts the test set
+      after ``VALIDATION_EXAMPLES`` of them are taken out for validation (the
+      clients' ``val`` split; ``validation_counts``).
+    seed: the order the validation examples are taken in (``tff_users``).
+  """
+  if stackoverflow_test not in STACKOVERFLOW_TESTS:
+    raise ConfigError('stackoverflow_test', f'unknown {stackoverflow_test!r}; choose one of '
+                      f'{list(STACKOVERFLOW_TESTS)}')
   paths = sources.fetch('stackoverflow', data_dir, download,
                         which=['stackoverflow_train.sqlite', 'stackoverflow_test.sqlite',
                                'stackoverflow.word_count'])
   words = read_word_count(paths['stackoverflow.word_count'], vocab_size)
   vocab = {w: i + 3 for i, w in enumerate(words)}
-  out = fedjax_splits('stackoverflow', paths['stackoverflow_train.sqlite'],
-                       paths['stackoverflow_test.sqlite'], num_clients,
-                       lambda ex: tokenize_sentences(ex['tokens'], vocab, seq_len))
+  tokens = lambda ex: tokenize_sentences(ex['tokens'], vocab, seq_len)
+  train_path, test_path = paths['stackoverflow_train.sqlite'], paths['stackoverflow_test.sqlite']
+  if stackoverflow_test == 'train_users':
+    out = fedjax_splits('stackoverflow', train_path, test_path, num_clients, tokens)
+  else:
+    total = sqlite_formats.fedjax_num_clients(train_path)
+    n = take(total, num_clients, 'stackoverflow')
+    sizes = sqlite_formats.fedjax_sizes(test_path)
+    if int(sizes.sum()) <= VALIDATION_EXAMPLES:
+      raise ConfigError('stackoverflow_test', f'tff_users takes {VALIDATION_EXAMPLES:,} test posts '
+                        f'for validation and tests on the rest; {test_path} holds '
+                        f'{int(sizes.sum()):,}: give --stackoverflow_test=train_users')
+    val = validation_counts(sizes, seed, VALIDATION_EXAMPLES)
+
+    def stream():
+      none = (np.zeros((0, seq_len), np.int32), np.zeros((0, seq_len), np.int32))
+      for cid, ex in sqlite_formats.read_fedjax(train_path, limit=n):
+        yield cid, converted(tokens, ex, train_path), none
+      for u, (cid, ex) in enumerate(sqlite_formats.read_fedjax(test_path)):
+        x, y = converted(tokens, ex, test_path)
+        k = int(val[u])
+        yield f'test/{client_id(cid)}', none, (x[k:], y[k:]), (x[:k], y[:k])
+    held_out = len(val)
+    out = NaturalData(stream, n + held_out, 0, total, [str(train_path), str(test_path)],
+                      eval_only=held_out)
   out.num_classes = vocab_size + 4
   out.files.append(str(paths['stackoverflow.word_count']))
   return out

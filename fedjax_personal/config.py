@@ -41,6 +41,7 @@ def field_types(cls) -> dict:
 
 
 def flag_name(cls, field: str) -> str:
+  """The flag of a settings class's ``field``: ``<prefix>_<field>`` (no prefix: the field)."""
   prefix = getattr(cls, 'prefix', None)
   return f'{prefix}_{field}' if prefix else field
 

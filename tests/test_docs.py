@@ -193,7 +193,7 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
   from fedjax_personal.datasets import natural
   from fedjax_personal.run import cli
   from helpers import parse_flags
-  (data_module,) = fenced('BUILD.md', 'python')
+  _, data_module = fenced('BUILD.md', 'python')
   alg_module, script = fenced('docs/add_an_algorithm.md', 'python')
   (tmp_path / 'my_writers.py').write_text(data_module)
   (tmp_path / 'fedavg_dropout.py').write_text(alg_module)
@@ -258,3 +258,22 @@ def test_nothing_is_named_after_a_work_item():
       if line.startswith('#') and re.search(r'\bissues? \d', line, re.I):
         bad.append(f'{doc}: {line.strip()}')
   assert not bad, bad
+
+
+def test_a_data_set_of_arrays_added_by_the_docs_runs_through_the_cli(tmp_path, monkeypatch):
+  """BUILD.md's data set of arrays in memory, registered by its snippet as
+  printed, trains through the CLI with the clients' ids and split."""
+  from fedjax_personal.datasets import natural
+  from fedjax_personal.run import cli
+  from helpers import parse_flags
+  arrays_module, _ = fenced('BUILD.md', 'python')
+  (tmp_path / 'my_arrays.py').write_text(arrays_module)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.delitem(sys.modules, 'my_arrays', raising=False)
+  monkeypatch.setattr(natural, 'LOADERS', dict(natural.LOADERS))
+  import my_arrays  # noqa: F401  registers --dataset=my_arrays
+  parse_flags('--dataset=my_arrays', '--algorithm=fedavg', '--model=logreg', '--rounds=2',
+              '--cohort_size=2', '--progress=false', f'--output_dir={tmp_path}/out')
+  (summary,) = cli.main_job().values()
+  assert summary['num_eval_clients'] == 4 and 0 <= summary['accuracy_mean'] <= 1
+  assert summary['worst_clients'][0]['client_id'].startswith('client')

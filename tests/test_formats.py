@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from fedjax_personal.datasets import DataConfig, cifar, load_federated, loaders, natural
+from fedjax_personal.datasets import DataConfig, cifar, load_federated, load_store, loaders
 from fedjax_personal.datasets import cifar100, leaf, natural_data, shakespeare, stackoverflow
 from fedjax_personal.datasets import sqlite_formats
 from fedjax_personal.errors import ConfigError, DataError
@@ -177,6 +177,50 @@ def test_fedjax_stackoverflow_tokens_and_vocabulary(tmp_path):
   d = load_federated(DataConfig(dataset='stackoverflow', partition='natural', num_clients=2,
                                 data_dir=str(tmp_path)))
   assert d.train.x.shape[2] == 20 and d.num_classes == 10004  # Reddi et al.'s 10K + 4
+
+
+def test_stackoverflow_tff_users_pooled_less_validation_as_the_task_takes_them(tmp_path,
+                                                                              monkeypatch):
+  """--stackoverflow_test=tff_users against a reference written from
+  google-research/federated's get_centralized_datasets: every test user's
+  posts pooled (users in a shuffled order, a user's posts in order),
+  take(V) validation, skip(V) test; train users keep all their posts."""
+  (tmp_path / 'stackoverflow.word_count').write_text('the 100\nis 50\ncode 20\n')
+  tok = lambda items: {'tokens': made_files.bytes_array(items)}
+  made_files.write_fedjax_sqlite(tmp_path / 'stackoverflow_train.sqlite', [
+      (b'00001', tok([b'the code', b'is'])), (b'00002', tok([b'code is the']))])
+  posts = {b'00002': [b'is', b'the is', b'code'], b'70000': [b'the'],
+           b'80000': [b'code code', b'is is'], b'90000': [b'the code is']}
+  made_files.write_fedjax_sqlite(tmp_path / 'stackoverflow_test.sqlite',
+                                 [(u, tok(p)) for u, p in posts.items()])
+  monkeypatch.setattr(stackoverflow, 'VALIDATION_EXAMPLES', 4)
+  nat = stackoverflow.read_clients(vocab_size=3, seq_len=4, data_dir=str(tmp_path),
+                                   stackoverflow_test='tff_users', seed=3)
+  items = list(nat.stream())
+  assert nat.eval_only == 4 and nat.num_clients == 6
+  assert [i[0] for i in items] == [b'00001', b'00002', 'test/00002', 'test/70000',
+                                   'test/80000', 'test/90000']
+  assert [len(i[1][0]) for i in items] == [2, 1, 0, 0, 0, 0]  # train users: every post trains
+  assert [len(i[2][0]) for i in items[:2]] == [0, 0]
+  # the reference: pooled in the shuffled user order, the first 4 posts validation
+  users = list(posts)
+  pooled = [(u, k) for j in np.random.default_rng(3).permutation(len(users))
+            for u in [users[j]] for k in range(len(posts[u]))]
+  want_val = {u: sum(1 for v, _ in pooled[:4] if v == u) for u in users}
+  want_test = {u: sum(1 for v, _ in pooled[4:] if v == u) for u in users}
+  got = {i[0][len('test/'):].encode(): i for i in items[2:]}
+  vocab = {'the': 3, 'is': 4, 'code': 5}
+  for u in users:
+    cid, _, (xt, _), (xv, _) = got[u]
+    assert (len(xv), len(xt)) == (want_val[u], want_test[u]), u
+    firsts = [[1] + [vocab[w] for w in p.decode().split(' ')][:3] for p in posts[u]]
+    assert xv[:, :4].tolist() + xt[:, :4].tolist() == [f + [0] * (4 - len(f)) for f in firsts]
+  # the store: held-out clients evaluated on the rest, their validation kept apart
+  store = load_store(DataConfig(dataset='stackoverflow', partition='natural', num_clients=None,
+                                data_dir=str(tmp_path), vocab_size=3, seq_len=4,
+                                stackoverflow_test='tff_users', seed=3))
+  assert store.eval_only == 4 and int(store.counts['test'].sum()) == 7 - 4
+  assert int(store.counts['val'].sum()) == 4 and int(store.counts['train'].sum()) == 3
 
 
 def test_tff_cifar100_sqlite_lzma(tmp_path, made_not_released):

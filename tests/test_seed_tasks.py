@@ -51,7 +51,10 @@ def _job(tmp_path, task, *extra):
               '--num_clients=3', '--cohort_size=2', f'--data_dir={data}',
               f'--output_dir={tmp_path / "out"}',
               '--progress=false', *extra)
-  return cli.main_job()
+  with pytest.MonkeyPatch.context() as mp:
+    from fedjax_personal.datasets import stackoverflow
+    mp.setattr(stackoverflow, 'VALIDATION_EXAMPLES', 2)  # the made test file holds 6 posts
+    return cli.main_job()
 
 
 @pytest.mark.parametrize('task', TASKS)

@@ -30,6 +30,7 @@ class Sum:
 
 
 def is_sum(x) -> bool:
+  """Whether ``x`` is a ``Sum`` (a quantity summed, not averaged, over the cohort)."""
   return isinstance(x, Sum)
 
 

@@ -253,6 +253,14 @@ def build_federated_data(x: np.ndarray, y: np.ndarray,
 
 
 def to_device(data: FederatedData) -> FederatedData:
+  """``data`` with every array on the default device (``jnp.asarray``).
+
+  Args:
+    data: a ``FederatedData`` of numpy arrays.
+
+  Returns:
+    The same, on the device.
+  """
   return jax.tree.map(jnp.asarray, data)
 
 

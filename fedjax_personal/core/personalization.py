@@ -36,10 +36,12 @@ INPUT_LAYERS = ('embed', 'stem', 'conv_0', 'hidden_0', 'dense_0')  # names used 
 
 
 def flatten(params) -> Dict[str, object]:
+  """A parameter tree as ``{'a/b/c': leaf}`` (Flax's ``flatten_dict``)."""
   return traverse_util.flatten_dict(params, sep='/')
 
 
 def unflatten(flat: Dict[str, object]):
+  """The tree of a ``flatten``ed dict."""
   return traverse_util.unflatten_dict(flat, sep='/')
 
 

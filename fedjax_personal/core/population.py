@@ -22,6 +22,7 @@ SPLITS = ('train', 'val', 'test')
 
 
 def next_power_of_two(n) -> np.ndarray:
+  """The least power of two >= each of ``n`` (at least 1), int64."""
   n = np.maximum(np.asarray(n, np.int64), 1)
   return (2 ** np.ceil(np.log2(n))).astype(np.int64)
 

@@ -319,6 +319,7 @@ def _as_json(obj):
 
 
 def is_store(folder) -> bool:
+  """Whether ``folder`` holds a population store (its manifest)."""
   return (pathlib.Path(folder) / MANIFEST).is_file()
 
 

@@ -24,6 +24,8 @@ _UNROLL_STEPS = contextvars.ContextVar('unroll_steps', default=False)
 
 @contextlib.contextmanager
 def unroll_steps(enabled: bool):
+  """Within the context, client work unrolls its local steps (a Python loop,
+  not a scan), e.g. for a per-step trace."""
   token = _UNROLL_STEPS.set(enabled)
   try:
     yield
@@ -49,10 +51,13 @@ def scan_steps(f, init, xs):
 
 
 class Batch(NamedTuple):
-  """One local batch: x [B, ...], y [B, ...], mask bool [B]."""
+  """One local batch: x [B, ...], y [B, ...], mask bool [B]; ``key``: the
+  draws of a model's random input transform (a local step's batch; None:
+  the transform's evaluation half, ``Model.train_apply``)."""
   x: jax.Array
   y: jax.Array
   mask: jax.Array
+  key: Optional[jax.Array] = None
 
 
 class LossStats(NamedTuple):
@@ -73,6 +78,7 @@ class LossStats(NamedTuple):
 
 
 def zero_stats() -> LossStats:
+  """``LossStats`` of nothing: every sum 0."""
   return LossStats(*(jnp.zeros(()) for _ in LossStats._fields))
 
 
@@ -116,7 +122,10 @@ def per_example_stats(logits, y, mask, loss: str = 'cross_entropy',
 
 def batch_loss(model: Model, params, batch: Batch):
   """Mean masked cross-entropy over real examples, and its LossStats."""
-  stats = per_example_stats(model.apply(params, batch.x), batch.y, batch.mask, model.loss,
+  logits = (model.train_apply(params, batch.x, batch.key)
+            if model.train_apply is not None and batch.key is not None
+            else model.apply(params, batch.x))
+  stats = per_example_stats(logits, batch.y, batch.mask, model.loss,
                             model.unscored_targets, 0, model.unpredicted)  # no top-k
   return stats.loss_sum / jnp.maximum(stats.count, 1.0), stats
 
@@ -228,6 +237,10 @@ def step_is_real(mask_s):
   return jnp.any(mask_s.reshape(-1, mask_s.shape[-1])[0])
 
 
+#: ``fold_in`` tag of a step's key for its batch's input draws (``Batch.key``).
+INPUT_DRAWS = 0x1B7
+
+
 def work_init(work: ClientWork, ctx: ClientContext, key):
   """Engine side of init: the algorithm's carry plus the client's batches."""
   k_init, k_batch, k_steps = jax.random.split(key, 3)
@@ -239,8 +252,10 @@ def work_init(work: ClientWork, ctx: ClientContext, key):
 def work_step(work: ClientWork, ctx: ClientContext, carry, idx, mask, k_steps, s):
   """Engine side of step ``s``: gather its batch, step, and keep the carry
   unchanged when the step is padding."""
-  new = work.step(ctx, carry, get_batch(ctx.data.train, idx[s], mask[s]),
-                  jax.random.fold_in(k_steps, s))
+  k_step = jax.random.fold_in(k_steps, s)
+  batch = get_batch(ctx.data.train, idx[s], mask[s])._replace(
+      key=jax.random.fold_in(k_step, INPUT_DRAWS))
+  new = work.step(ctx, carry, batch, k_step)
   return tree_where(step_is_real(mask[s]), new, carry)
 
 

@@ -57,6 +57,7 @@ class Rows:
 
 
 def is_rows(x) -> bool:
+  """Whether ``x`` is a ``Rows`` leaf (one row per client)."""
   return isinstance(x, Rows)
 
 

@@ -18,6 +18,7 @@ from fedjax_personal.core import tree_util
 
 
 def active_mask(active, c):
+  """``active`` as a bool mask of ``c`` clients (None: all active)."""
   return jnp.ones(c, bool) if active is None else jnp.asarray(active, bool)
 
 

@@ -9,7 +9,7 @@ dict.
 """
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -46,6 +46,11 @@ class Model:
       logits masked before the argmax and the top-k; FedJAX's
       ``accuracy_in_vocab``: PAD, BOS, EOS, OOV); the loss is unchanged.
     accuracy_definition: what the accuracy counts, in words (printed).
+    train_apply: ``(params, x, key) -> logits`` for training batches when
+      the inputs are transformed at random (``inputs.with_inputs``); None:
+      ``apply``.
+    inputs: the ``inputs.InputTransform`` ``apply`` and ``train_apply`` see
+      their inputs through, or None.
   """
   name: str
   init: Callable[[jax.Array], Any]
@@ -56,9 +61,13 @@ class Model:
   top_k: int = 0
   unpredicted: tuple = ()
   accuracy_definition: str = ''
+  train_apply: Optional[Callable[[Any, jax.Array, jax.Array], jax.Array]] = None
+  inputs: Any = None
 
   def features(self, params, x):
     """The penultimate representation (models with a ``features`` method)."""
+    if self.inputs is not None:
+      x = self.inputs.evaluate(x)
     return self.module.apply({'params': params}, x, method='features')
 
   def scoring_only_words(self, ids, top_k: int = 5, unpredicted=(),

@@ -60,6 +60,8 @@ def _keys_from_data(saved, template):
 
 
 def from_saveable(saved, template):
+  """``template``'s structure and types again from what a checkpoint saved
+  (``to_saveable``'s inverse)."""
   if isinstance(template, list):
     return [from_saveable(s, t) for s, t in zip(saved, template)]
   if isinstance(template, HostedState):
@@ -103,6 +105,8 @@ def _with_saved_inner(saved, template):
 
 
 def manager(directory: str, max_to_keep: int = 2) -> ocp.CheckpointManager:
+  """An Orbax ``CheckpointManager`` in ``directory`` keeping the latest
+  ``max_to_keep`` steps."""
   return ocp.CheckpointManager(
       os.path.abspath(directory),
       options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,

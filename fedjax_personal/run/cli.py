@@ -18,6 +18,8 @@ from fedjax_personal.run.settings import FLAGS, register  # noqa: F401
 
 
 def main(argv):
+  """absl's entry: the main job from the parsed flags, every fault one line
+  and its exit status."""
   if len(argv) > 1:
     print(f'error: unexpected arguments {argv[1:]}', file=sys.stderr)
     sys.exit(2)
@@ -87,6 +89,7 @@ def _fail(error, status: int):
 
 
 def job_output_dir() -> str:
+  """The run's output folder as a message names it."""
   return FLAGS.output_dir or 'the output folder'
 
 

@@ -176,6 +176,7 @@ def _preflight(address: str, process_id: int, timeout: int) -> None:
 
 
 def active() -> bool:
+  """Whether this run spans several processes."""
   return jax.process_count() > 1
 
 
@@ -358,6 +359,7 @@ def check_same_run(identity: dict, differences) -> None:
 
 
 def barrier(name: str) -> None:
+  """Waits until every process reaches ``name`` (one process: returns)."""
   if active():
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices(name)

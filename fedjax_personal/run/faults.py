@@ -39,16 +39,19 @@ class Fault(Exception):
 
 
 class Interrupted(Fault):
+  """Ctrl-C or SIGTERM: the run stopped after a round (exit 130 / 143)."""
   def __init__(self, message: str, status: int = 130):
     super().__init__(message)
     self.status = status
 
 
 class StorageError(Fault):
+  """A full or read-only disk (exit 74)."""
   status = EXIT_STORAGE
 
 
 class LostProcess(Fault):
+  """A process of a several-process run is gone (exit 69)."""
   status = EXIT_LOST_PROCESS
 
 
@@ -70,6 +73,8 @@ PROGRESS = _Progress()
 
 def start_algorithm(name: str, start_round: int, checkpoint_dir: str, checkpointing: bool,
                     checkpoint_round: Optional[int] = None, rounds: int = 0) -> None:
+  """Records where the run is (the algorithm, its rounds and checkpoints) for
+  the one-line fault messages."""
   PROGRESS.algorithm, PROGRESS.round, PROGRESS.rounds = name, start_round, rounds
   PROGRESS.checkpoint_dir, PROGRESS.checkpointing = checkpoint_dir, checkpointing
   PROGRESS.checkpoint_round = checkpoint_round
@@ -88,6 +93,7 @@ def kept() -> str:
 
 
 def where() -> str:
+  """Where the run is, in words (an algorithm and round, or start-up)."""
   p = PROGRESS
   if not p.algorithm:
     return 'start-up'
@@ -155,6 +161,8 @@ def stop_requested() -> bool:
 
 
 def interrupted(during_round: bool = False) -> Interrupted:
+  """The ``Interrupted`` fault of the signal received, saying what was kept
+  and the next command."""
   signum = _REQUEST['signal'] or signal.SIGINT
   name = 'interrupted' if signum == signal.SIGINT else 'terminated'
   p = PROGRESS
@@ -191,6 +199,7 @@ def storage_reason(exc: BaseException) -> Optional[str]:
 
 
 def storage_error(what: str, exc: BaseException) -> StorageError:
+  """The ``StorageError`` of failing to write ``what``."""
   return StorageError(f'cannot write {what}: {storage_reason(exc)}; {kept()} (free space or '
                       'fix the folder first)')
 
@@ -214,6 +223,7 @@ def lost_process_reason(exc: BaseException) -> Optional[str]:
 
 
 def lost_process(reason: str, coordinator: str) -> LostProcess:
+  """The ``LostProcess`` fault naming the coordinator and the next commands."""
   return LostProcess(f'lost a process of the run ({reason}); coordinator {coordinator}; '
                      f'{kept().replace("the same command", "the same commands in every process")}')
 
@@ -283,6 +293,7 @@ def claim_report(status: int) -> bool:
 
 
 def reported_status() -> Optional[int]:
+  """The exit status of the fault already reported, or None."""
   return _REPORTED['status']
 
 

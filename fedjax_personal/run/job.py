@@ -35,6 +35,7 @@ from fedjax_personal.core.store import PopulationStore
 from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.core.executors import create_executor
 from fedjax_personal.models import create_model, weights
+from fedjax_personal.models import inputs as model_inputs
 from fedjax_personal.core.tree_util import tree_bytes
 
 
@@ -168,6 +169,11 @@ def load_data(job: Job) -> None:
   if FLAGS.dataset in ('emnist', 'emnist_digits'):
     say('pixels: ' + ('fedjax (1 - x, ink 1: FedJAX\'s load_data)' if FLAGS.emnist_pixels == 'fedjax'
                       else 'tff (the raw pixels, ink 0: TFF\'s, as Reddi et al. feed them)'))
+  if FLAGS.dataset == 'stackoverflow':
+    say('test set: ' + ('the train users\' own test posts (train_users)'
+                        if FLAGS.stackoverflow_test == 'train_users' else
+                        'every test user, held out, pooled, less 10,000 posts for validation '
+                        '(tff_users: Reddi et al.\'s task)'))
   job.layout_reason, job.store = reason, store
   job.identity = job_identity(fingerprint, cap)
   if job.cfgs is not None:
@@ -202,6 +208,13 @@ def build_model_and_executor(job: Job) -> None:
   the executor."""
   sample_x = (job.population.sample_x if job.layout == 'host'
               else job.data.train.x[0, :1])
+  transform = (None if FLAGS.cifar100_preprocess == 'none'
+               else model_inputs.TRANSFORMS[FLAGS.cifar100_preprocess]())
+  raw_x = sample_x
+  if transform is not None:  # the model is built on, and sees, transformed inputs
+    sample_x = np.asarray(transform.evaluate(jnp.asarray(sample_x)))
+    job.identity['inputs'] = transform.name
+    say(f'inputs: {transform.name}, {transform.description}')
   job.model = create_model(FLAGS.model, job.population.num_classes, sample_x, FLAGS.adapter_dim,
                            conv_impl=FLAGS.conv_impl, init=FLAGS.model_init)
   conv = process_settings.conv_impl_of(job.model, sample_x)
@@ -224,7 +237,9 @@ def build_model_and_executor(job: Job) -> None:
     say(f'windows: tff, {job.model.accuracy_definition}')
   if FLAGS.init_weights:
     job.model = job.model.starting_from(weights.load(FLAGS.init_weights, job.model, sample_x))
-  _check_model_fits_targets(job.model, sample_x, job.store.y_spec()[0], job.population.num_classes)
+  if transform is not None:
+    job.model = model_inputs.with_inputs(job.model, transform)
+  _check_model_fits_targets(job.model, raw_x, job.store.y_spec()[0], job.population.num_classes)
   try:
     job.executor = create_executor(FLAGS.executor, job.model, sample_x, FLAGS.block_size)
   except ValueError as e:
@@ -277,9 +292,12 @@ def _check_global_evaluation(alg, held_out: int) -> None:
   if num_models != 1 or alg.finetune is not None or alg.evaluate_client is not None:
     how = ('fine-tunes on' if alg.finetune is not None else 'adapts to'
            if alg.evaluate_client is not None else 'evaluates personal models trained on')
-    raise ConfigError('cifar100_test', f'{alg.name} {how} each client\'s own training data; the '
-                      f'{held_out} held-out test clients have none: give --cifar100_test=split '
-                      '(each client\'s images split for test) or a global-model algorithm')
+    flag, other = (('stackoverflow_test', 'train_users (the train users\' own test posts)')
+                   if FLAGS.dataset == 'stackoverflow' else
+                   ('cifar100_test', 'split (each client\'s images split for test)'))
+    raise ConfigError(flag, f'{alg.name} {how} each client\'s own training data; the '
+                      f'{held_out:,} held-out test clients have none: give --{flag}={other} '
+                      'or a global-model algorithm')
 
 
 def settle_layout(job: Job, settings) -> None:
@@ -315,7 +333,7 @@ def settle_layout(job: Job, settings) -> None:
       build_algorithms(job, settings)
   say(f'layout: {job.layout} ({job.layout_reason})')
   check(FLAGS.client_state in ('memory', 'auto') or job.layout == 'host', 'client_state',
-        f'keeps client rows in files in the host layout; this run is on the device layout '
+        'keeps client rows in files in the host layout; this run is on the device layout '
         '(give --layout=host)')
   if job.layout == 'host':
     available = layout_lib.host_available_bytes()

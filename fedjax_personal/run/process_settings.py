@@ -19,6 +19,7 @@ __all__ = ['set_numerics', 'set_compilation_cache', 'conv_impl_of', 'time_to_res
 
 
 def say(text: str) -> None:
+  """Prints ``text`` on process 0 only."""
   from fedjax_personal.run import distributed
   if distributed.is_primary():
     print(text)

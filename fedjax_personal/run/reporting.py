@@ -118,6 +118,11 @@ def worst_clients(per_client_accuracy, client_ids: Sequence[str], k: int = 5) ->
 
 
 def write_summary(directory: str, summary: dict) -> str:
+  """Writes ``summary`` as ``summary.json`` in ``directory`` (made if missing).
+
+  Returns:
+    The file's path.
+  """
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, 'summary.json')
   run_identity.write_json(path, summary)

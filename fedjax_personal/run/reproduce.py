@@ -270,11 +270,13 @@ def cell(summary: dict, key: str, digits: int = 1) -> str:
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
+  """A Markdown table of ``header`` and ``rows``."""
   line = lambda cells: '| ' + ' | '.join(str(c) for c in cells) + ' |'
   return '\n'.join([line(header), line(['---'] * len(header))] + [line(r) for r in rows])
 
 
 def command_line() -> str:
+  """This process's command line, quoted for a shell."""
   return ' '.join(['python', os.path.relpath(sys.argv[0])] + [shlex.quote(a) for a in sys.argv[1:]])
 
 

@@ -79,6 +79,7 @@ def identity(algorithm: str, training, config, job: Dict) -> Dict:
 
 
 def short_hash(obj) -> str:
+  """The first 8 hex digits of the SHA-256 of ``obj`` as sorted JSON."""
   return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
@@ -95,6 +96,7 @@ def differences(old: Dict, new: Dict, prefix: str = '') -> List[str]:
 
 
 def read(directory: str) -> Optional[Dict]:
+  """The identity written in ``directory``, or None when it has none."""
   path = os.path.join(directory, IDENTITY_FILE)
   if not os.path.isfile(path):
     return None
@@ -223,6 +225,7 @@ def as_json(obj):
 
 
 def write_json(path: str, obj) -> None:
+  """Writes ``obj`` as JSON to ``path`` atomically (a temporary file renamed)."""
   tmp = path + '.tmp'
   with open(tmp, 'w') as f:
     f.write(dumps(obj, indent=1, sort_keys=False, default=str))

@@ -126,6 +126,17 @@ flags.DEFINE_enum('cifar100_test', 'split', ['split', 'tff_clients'],
                   "with --test_fraction (personal models have test data); tff_clients: TFF's 100 "
                   'test clients, held out (evaluated with the global model, never trained), '
                   'as Reddi et al. (arXiv 2003.00295) evaluate.')
+flags.DEFINE_enum('cifar100_preprocess', 'none', ['none', 'reddi'],
+                  'cifar100: the images the model sees. none: as the file holds them (scaled to '
+                  '[0, 1]); reddi: a random 24x24 crop and left-right flip of each training '
+                  'image (drawn from the run\'s key for each client, round and step), the '
+                  'central 24x24 of the others, each standardized, as Reddi et al.\'s task '
+                  '(google-research/federated) feeds them.')
+flags.DEFINE_enum('stackoverflow_test', 'train_users', ['train_users', 'tff_users'],
+                  "stackoverflow: the test set. train_users: the train users' own posts in the "
+                  "test file; tff_users: every user of the test file (204,088) held out, their "
+                  'pooled posts the test set after 10,000 are taken out for validation, as '
+                  "Reddi et al.'s task (google-research/federated) evaluates.")
 flags.DEFINE_enum('shakespeare_windows', 'fedjax', ['fedjax', 'tff'],
                   "shakespeare: how snippets become x/y windows. fedjax: a client's snippets "
                   "joined with BOS/EOS and cut into --seq_len (FedJAX's load_data); tff: each "
@@ -214,6 +225,7 @@ def define_config_flags(cls, module_name: str):
 
 
 def algorithm_group(cls) -> str:
+  """The ``--helpfull`` group of a settings class: the algorithms using it."""
   users = [n for n, s in algorithms_lib.REGISTRY.items() if s.config is cls]
   return f'fedjax_personal: --{cls.prefix}_* settings of ' + ', '.join(users)
 
@@ -238,6 +250,7 @@ UsageError = ConfigError
 
 
 def check(cond, flag, msg):
+  """Raises ``ConfigError(flag, msg)`` unless ``cond``."""
   if not cond:
     raise ConfigError(flag, msg)
 
@@ -252,6 +265,7 @@ def training_config() -> TrainingConfig:
 
 
 def algorithm_config(cls):
+  """An algorithm's settings class filled from its flags."""
   return cls(**{f.name: FLAGS[flag_name(cls, f.name)].value for f in dataclasses.fields(cls)})
 
 
@@ -389,6 +403,11 @@ def validate_flags():
          or (FLAGS.dataset == 'cifar100' and partition() == 'natural'), 'cifar100_test',
          f'chooses the natural CIFAR-100\'s test clients; --dataset={FLAGS.dataset} '
          f'--partition={partition()} has none')
+  check(FLAGS.cifar100_preprocess == 'none' or FLAGS.dataset == 'cifar100', 'cifar100_preprocess',
+        f'crops and standardizes CIFAR-100\'s images; --dataset={FLAGS.dataset} is not CIFAR-100')
+  check(not FLAGS['stackoverflow_test'].present or FLAGS.dataset == 'stackoverflow',
+        'stackoverflow_test', f'chooses Stack Overflow\'s test set; --dataset={FLAGS.dataset} '
+        'is not Stack Overflow')
   check(not FLAGS['shakespeare_windows'].present or FLAGS.dataset == 'shakespeare',
         'shakespeare_windows', f'cuts Shakespeare\'s snippets; --dataset={FLAGS.dataset} has none')
   check(not FLAGS['emnist_pixels'].present or FLAGS.dataset in ('emnist', 'emnist_digits'),
@@ -453,6 +472,7 @@ def val_fraction() -> float:
 
 
 def data_config() -> datasets_lib.DataConfig:
+  """The ``DataConfig`` the flags describe."""
   return datasets_lib.DataConfig(
       dataset=FLAGS.dataset, partition=partition(), num_clients=num_clients(),
       seed=FLAGS.seed if FLAGS.data_seed is None else FLAGS.data_seed, alpha=FLAGS.alpha, classes_per_client=FLAGS.classes_per_client,
@@ -462,7 +482,7 @@ def data_config() -> datasets_lib.DataConfig:
       val_fraction=val_fraction(), max_examples=FLAGS.max_examples, data_dir=FLAGS.data_dir,
       download=FLAGS.download, vocab_size=FLAGS.vocab_size, image_size=FLAGS.image_size,
       cifar100_test=FLAGS.cifar100_test, shakespeare_windows=FLAGS.shakespeare_windows,
-      emnist_pixels=FLAGS.emnist_pixels)
+      emnist_pixels=FLAGS.emnist_pixels, stackoverflow_test=FLAGS.stackoverflow_test)
 
 
 def partition() -> str:
@@ -510,6 +530,8 @@ def job_identity(fingerprint: str, cap=None) -> dict:
   for field in ('shakespeare_windows', 'emnist_pixels'):
     if cfg[field] == 'fedjax':  # the default before the field existed
       cfg.pop(field)
+  if cfg['stackoverflow_test'] == 'train_users':  # the default before the field existed
+    cfg.pop('stackoverflow_test')
   if cfg['latent_features'] == 'pixels':  # the default before the field existed:
     cfg.pop('latent_features')            # earlier runs keep their identity
   return {'data': cfg, 'data_fingerprint': fingerprint,
@@ -535,6 +557,7 @@ def model_start() -> dict:
 
 
 def default_output_dir(identities: dict) -> str:
+  """``runs/<data>_<partition>_..._<hash of the configurations>``."""
   algs = '+'.join(identities)
   algs = algs if len(algs) <= 60 else f'{len(identities)}algorithms'
   return os.path.join('runs', f'{FLAGS.dataset.replace(":", "_")}_{partition()}_'
@@ -553,6 +576,7 @@ def sweep_configs():
 
 
 def row_label(name: str, config_label) -> str:
+  """A table row's label: the algorithm and its swept values."""
   if config_label is None:
     return name
   return f'{name} ' + ' '.join(f'{k}={v:g}' for k, v in config_label.items())

@@ -19,6 +19,7 @@ import numpy as np
 
 
 def harmonic(m: int) -> float:
+  """The harmonic number H_m (0 for m <= 0)."""
   return float(np.sum(1.0 / np.arange(1, m + 1))) if m > 0 else 0.0
 
 

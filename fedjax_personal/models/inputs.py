@@ -1,0 +1,114 @@
+"""A data set's input pipeline as its paper's code has it, inside the round.
+
+Reddi et al. ("Adaptive Federated Optimization", arXiv 2003.00295) train
+CIFAR-100 on distorted images: google-research/federated's
+``utils/datasets/cifar100_dataset.py`` casts each image to float32, takes a
+random 24x24 crop and a random left-right flip of each training image
+(drawn again each time an image is visited: the map follows the repeat),
+the central 24x24 crop of each test image
+(``tf.image.resize_with_crop_or_pad``), then
+``tf.image.per_image_standardization`` on both. ``InputTransform`` holds the
+two halves: ``train(key, x)`` for a training batch (its draws from the
+step's key, so a run is reproducible: client, round and step each draw
+their own) and ``evaluate(x)`` for everything else (evaluation, and
+batches an algorithm forms itself from a client's whole data). The model
+sees only transformed inputs (``with_inputs``).
+"""
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ['InputTransform', 'per_image_standardization', 'centre_crop', 'random_crop_flip',
+           'reddi_cifar100', 'TRANSFORMS', 'with_inputs']
+
+
+@dataclasses.dataclass(frozen=True)
+class InputTransform:
+  """A training and an evaluation input pipeline.
+
+  Attributes:
+    name: its name (the flag's value).
+    train: ``(key, x [B, ...]) -> x'``, a training batch's inputs.
+    evaluate: ``x [B, ...] -> x'``, every other batch's.
+    description: what it does, in words (the header).
+  """
+  name: str
+  train: Callable
+  evaluate: Callable
+  description: str = ''
+
+
+def per_image_standardization(x):
+  """``tf.image.per_image_standardization``: each image [H, W, C] less its
+  mean, over ``max(stddev, 1 / sqrt(H * W * C))``.
+
+  Args:
+    x: [B, H, W, C] images (any dtype; computed in float32).
+
+  Returns:
+    [B, H, W, C] float32.
+  """
+  x = x.astype(jnp.float32)
+  axes = tuple(range(1, x.ndim))
+  n = 1
+  for a in axes:
+    n *= x.shape[a]
+  mean = jnp.mean(x, axis=axes, keepdims=True)
+  std = jnp.sqrt(jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True))
+  return (x - mean) / jnp.maximum(std, 1.0 / jnp.sqrt(float(n)))
+
+
+def centre_crop(x, height: int, width: int):
+  """``tf.image.resize_with_crop_or_pad`` to a smaller size: the central
+  ``height`` x ``width`` window (offsets ``(H - height) // 2``, ``(W -
+  width) // 2``) of [B, H, W, C] images."""
+  top, left = (x.shape[1] - height) // 2, (x.shape[2] - width) // 2
+  return x[:, top:top + height, left:left + width]
+
+
+def random_crop_flip(key, x, height: int, width: int):
+  """``tf.image.random_crop`` then ``tf.image.random_flip_left_right`` of
+  each image of [B, H, W, C]: a window at offsets drawn uniformly in ``[0,
+  H - height]`` x ``[0, W - width]``, mirrored left-right with probability
+  1/2, each image its own draws from ``key``."""
+  def one(k, img):
+    k_top, k_left, k_flip = jax.random.split(k, 3)
+    top = jax.random.randint(k_top, (), 0, img.shape[0] - height + 1)
+    left = jax.random.randint(k_left, (), 0, img.shape[1] - width + 1)
+    out = jax.lax.dynamic_slice(img, (top, left, 0), (height, width, img.shape[2]))
+    return jnp.where(jax.random.bernoulli(k_flip), out[:, ::-1], out)
+  return jax.vmap(one)(jax.random.split(key, x.shape[0]), x)
+
+
+def reddi_cifar100(crop: int = 24) -> InputTransform:
+  """Reddi et al.'s CIFAR-100 pipeline (module doc), ``crop`` x ``crop``."""
+  return InputTransform(
+      name='reddi',
+      train=lambda key, x: per_image_standardization(
+          random_crop_flip(key, x.astype(jnp.float32), crop, crop)),
+      evaluate=lambda x: per_image_standardization(centre_crop(x.astype(jnp.float32), crop,
+                                                               crop)),
+      description=f'random {crop}x{crop} crops and left-right flips of training images, the '
+                  f'central {crop}x{crop} of the others, each standardized '
+                  '(tf.image.per_image_standardization): Reddi et al.\'s CIFAR-100 task')
+
+
+#: ``--cifar100_preprocess`` name -> its transform (``none``: the images as
+#: the file holds them, scaled to [0, 1] by the model).
+TRANSFORMS = {'reddi': reddi_cifar100}
+
+
+def with_inputs(model, transform: InputTransform):
+  """``model`` seeing ``transform``'s inputs: ``apply`` (and ``features``)
+  through ``transform.evaluate``, ``train_apply(params, x, key)`` through
+  ``transform.train`` (``core.training.batch_loss`` calls it for the
+  batches of a client's local steps). Build ``model`` on a transformed
+  sample (``transform.evaluate(sample_x)``)."""
+  inner = model.apply
+  return dataclasses.replace(
+      model, apply=lambda params, x: inner(params, transform.evaluate(x)),
+      train_apply=lambda params, x, key: inner(params, transform.train(key, x)),
+      inputs=transform)
