@@ -140,8 +140,9 @@ def fetch(dataset: str, data_dir: Optional[str] = None, download: bool = False,
   for f in FILES[dataset]:
     if which is not None and f.name not in which:
       continue
-    if f.decompressed:
-      done = files.locate(f.decompressed, data_dir)
+    if f.decompressed:  # a decompressed copy kept beside the user's files (not the cache's)
+      own = [d / f.decompressed for d in files.search_dirs(data_dir)[:-1]]
+      done = next((p for p in own if p.is_file()), None)
       if done is not None:
         out[f.name] = done
         continue
@@ -157,8 +158,11 @@ def fetch(dataset: str, data_dir: Optional[str] = None, download: bool = False,
 
 
 def decompress(path: pathlib.Path, f: RemoteFile) -> pathlib.Path:
-  """The decompressed copy of an ``.lzma`` file, made once in the cache."""
-  dest = files.cache_dir() / f.decompressed
+  """The decompressed copy of an ``.lzma`` file, made once in the cache,
+  in a folder named by the file's content (``files.content_digest``): another
+  file of the same name never gets this one's copy."""
+  dest = files.cache_dir() / 'decompressed' / files.content_digest(path)[:16] / f.decompressed
+  dest.parent.mkdir(parents=True, exist_ok=True)
   if dest.is_file():
     return dest
   downloads.log(f'decompressing {path} to {dest}')
@@ -170,7 +174,15 @@ def decompress(path: pathlib.Path, f: RemoteFile) -> pathlib.Path:
     except (lzma.LZMAError, EOFError) as e:
       raise DataError(f'{path}: not a complete LZMA file ({e}); delete it and download it '
                       'again (--download)') from None
-  return files.write_atomically(dest, write)
+  try:
+    return files.write_atomically(dest, write)
+  except BaseException:
+    for folder in (dest.parent, dest.parent.parent):  # nothing of a failed copy is kept
+      try:
+        folder.rmdir()
+      except OSError:  # not empty: other copies
+        break
+    raise
 
 
 def extract_member(archive: pathlib.Path, suffix: str, dest: pathlib.Path) -> pathlib.Path:

@@ -237,7 +237,16 @@ def test_tff_cifar100_sqlite_lzma(tmp_path, made_not_released):
                                 data_dir=str(tmp_path), test_fraction=0.2))
   assert d.num_classes == 100 and d.train.x.dtype == np.uint8
   assert (np.asarray(d.train.num_examples) + np.asarray(d.test.num_examples)).tolist() == [6, 5]
-  assert (tmp_path / 'cache' / 'cifar100.sqlite').is_file()  # decompressed once, into the cache
+  # decompressed once, into the cache, in a folder named by the .lzma's content: another
+  # cifar100.sqlite.lzma (other clients) gets its own copy, never this one
+  (copy,) = (tmp_path / 'cache' / 'decompressed').glob('*/cifar100.sqlite')
+  other = tmp_path / 'other'
+  other.mkdir()
+  made_files.write_tff_cifar100(other / 'raw.sqlite', np.random.default_rng(4), [3, 2, 4], [1])
+  made_files.lzma_file(other / 'raw.sqlite', other / 'cifar100.sqlite.lzma')
+  assert cifar100.read_clients(data_dir=str(other)).total_clients == 3
+  assert cifar100.read_clients(data_dir=str(tmp_path)).total_clients == 2
+  assert len(list((tmp_path / 'cache' / 'decompressed').glob('*/cifar100.sqlite'))) == 2
 
 
 @pytest.mark.parametrize('hundred', [False, True])
