@@ -64,7 +64,7 @@ def test_training_batches_see_the_random_half_and_everything_else_the_centre():
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.integers(0, 256, (4, 32, 32, 3)).astype(np.uint8))
   y = jnp.asarray(rng.integers(0, 100, 4).astype(np.int32))
-  base = create_model('cnn_cifar', 100, t.evaluate(x[:1]))
+  base = create_model('mlp', 100, t.evaluate(x[:1]))
   model = inputs.with_inputs(base, t)
   params = model.init(jax.random.key(0))
   np.testing.assert_allclose(np.asarray(model.apply(params, x)),
@@ -83,7 +83,7 @@ def test_cli_records_the_pipeline_and_refuses_it_elsewhere(tmp_path, made_not_re
   rng = np.random.default_rng(2)
   made_files.write_tff_cifar100(tmp_path / 'raw.sqlite', rng, [5, 4, 6], [3])
   made_files.lzma_file(tmp_path / 'raw.sqlite', tmp_path / 'cifar100.sqlite.lzma')
-  common = ['--algorithm=fedavg', '--dataset=cifar100', '--model=cnn_cifar', '--rounds=1',
+  common = ['--algorithm=fedavg', '--dataset=cifar100', '--model=logreg', '--rounds=1',
             '--cohort_size=2', f'--data_dir={tmp_path}', '--progress=false', '--batch_size=4',
             '--cifar100_test=tff_clients']
   parse_flags(*common, '--cifar100_preprocess=reddi', f'--output_dir={tmp_path}/reddi')
