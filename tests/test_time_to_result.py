@@ -27,8 +27,8 @@ def _metrics(folder):
 
 def test_cache_gives_the_same_numbers_and_damaged_entries_are_compiled_again(tmp_path):
   cache = tmp_path / 'xla'
-  common = ['--algorithm=fedavg', '--num_clients=6', '--rounds=2', '--eval_every=1',
-            '--noprogress']
+  common = ['--algorithm=fedavg', '--model=logreg', '--num_clients=6', '--rounds=2',
+            '--eval_every=1', '--noprogress']
   got = main_in_one_process([
       common + ['--compilation_cache=off', f'--output_dir={tmp_path}/off'],
       common + [f'--compilation_cache={cache}', f'--output_dir={tmp_path}/cold'],
