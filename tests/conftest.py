@@ -80,11 +80,9 @@ SLOW_IN_CI = {
     'test_client_rows_on_disk.py::test_rows_on_disk_equal_rows_in_memory[fedalt-None-False]',
     'test_client_rows_on_disk.py::test_rows_on_disk_equal_rows_in_memory[local-None-True]',
     'test_client_rows_on_disk.py::test_rows_on_disk_equal_rows_in_memory[feddyn-0.2-False]',
-    # covered in CI by: the vmap and sequential executors' heavy-tailed rounds; the host
-    # layout's sweep sharing its gather; resume in the host layout by test_row_checkpoints;
-    # import cycles by test_layout's static check
+    # covered in CI by: the vmap and sequential executors' heavy-tailed rounds; resume in
+    # the host layout by test_row_checkpoints; import cycles by test_layout's static check
     'test_engine.py::test_heavy_tailed_cohort_matches_plain_per_client_loop[0.5-blocked_threads]',
-    'test_populations.py::test_cli_host_layout_sweep_equals_separate_runs',
     'test_populations.py::test_cli_host_layout_resumes_to_the_same_numbers',
     'test_layout.py::test_every_module_imports_alone',
 }
