@@ -33,7 +33,7 @@ from fedjax_personal.config import AlgorithmSpec, hparam
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 from fedjax_personal.core.training import (Batch, ClientWork, batch_loss, client_opt_init, opt_update,
-                                      sgd_finetune, zero_stats)
+                                      part, sgd_finetune, zero_stats)
 from optax import tree_utils as otu
 from fedjax_personal.core.tree_util import tree_bytes
 
@@ -71,7 +71,7 @@ def perfedavg_direction(model: Model, params, batches: Batch, alpha: float, vari
 
   Returns (direction, LossStats of the batch D).
   """
-  d, d1, d2 = (Batch(batches.x[k], batches.y[k], batches.mask[k]) for k in range(3))
+  d, d1, d2 = (part(batches, k) for k in range(3))
   (_, stats), g = jax.value_and_grad(lambda p: batch_loss(model, p, d), has_aux=True)(params)
   w_tmp = jax.tree.map(lambda p, gg: p - alpha * gg, params, g)
   g1 = jax.grad(lambda p: batch_loss(model, p, d1)[0])(w_tmp)

@@ -32,7 +32,7 @@ from fedjax_personal.config import FINETUNE, AlgorithmSpec, hparam
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 from fedjax_personal.core.training import (Batch, LossStats, batch_loss, evaluate_params,
-                                      per_example_stats, sgd_finetune)
+                                      part, per_example_stats, sgd_finetune)
 
 HEADS = ('finetune', 'maml', 'prototype')
 
@@ -50,8 +50,7 @@ class PFedDynConfig(FedDynConfig):
 
 def support_query(batch: Batch):
   """Splits a two-batch step ([2, B, ...]) into (support, query)."""
-  return (Batch(batch.x[0], batch.y[0], batch.mask[0]),
-          Batch(batch.x[1], batch.y[1], batch.mask[1]))
+  return part(batch, 0), part(batch, 1)
 
 
 def inner_sgd(model: Model, params, support: Batch, steps: int, lr: float,

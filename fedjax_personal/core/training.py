@@ -135,6 +135,13 @@ def plain_objective(model: Model):
   return lambda params, batch: batch_loss(model, params, batch)
 
 
+def part(batch: Batch, k: int) -> Batch:
+  """Batch ``k`` of a step that draws several ([K, B, ...]), its input draws
+  its own (``fold_in(key, k)``)."""
+  key = None if batch.key is None else jax.random.fold_in(batch.key, k)
+  return Batch(batch.x[k], batch.y[k], batch.mask[k], key)
+
+
 def get_batch(data: ClientData, idx, mask) -> Batch:
   """The examples at ``idx`` of one client (from its packed cohort's rows
   when it has them: the same values, without making the client's window)."""

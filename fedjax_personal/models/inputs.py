@@ -10,8 +10,10 @@ the central 24x24 crop of each test image
 ``tf.image.per_image_standardization`` on both. ``InputTransform`` holds the
 two halves: ``train(key, x)`` for a training batch (its draws from the
 step's key, so a run is reproducible: client, round and step each draw
-their own) and ``evaluate(x)`` for everything else (evaluation, and
-batches an algorithm forms itself from a client's whole data). The model
+their own; a step of several batches, Per-FedAvg's three or MAML's support
+and query, draws for each: ``training.part``) and ``evaluate(x)`` for
+everything else (evaluation, and batches an algorithm forms itself from a
+client's whole data: pFedDyn's prototypes, user-centric's gradients). The model
 sees only transformed inputs (``with_inputs``).
 """
 
