@@ -66,18 +66,7 @@ def apfl(model: Model, num_clients: int, client_optimizer: optax.GradientTransfo
 
 
 def build(training, config: APFLConfig, model, data):
-  """APFL from the run's shared settings and its own.
-
-  Args:
-    training: the shared settings (``config.TrainingConfig``: the client
-      optimizer, batching, server optimizer, weighting).
-    config: its own settings (``APFLConfig``).
-    model: the ``models.Model``.
-    data: the federated data (its clients' sizes, groups).
-
-  Returns:
-    The ``FederatedAlgorithm`` (the paper: the module docstring).
-  """
+  """APFL, built as ``AlgorithmSpec.build`` says; its settings ``APFLConfig``."""
   return apfl(model, data.num_clients, training.make_client_optimizer(), training.batching(),
               alpha=config.alpha, server_optimizer=training.make_server_optimizer(),
               weighting=training.weighting)

@@ -171,18 +171,7 @@ def cfl(model: Model, num_clients: int, num_examples, client_optimizer, batching
 
 
 def build(training, config: CFLConfig, model, data):
-  """Clustered FL from the run's shared settings and its own.
-
-  Args:
-    training: the shared settings (``config.TrainingConfig``: the client
-      optimizer, batching, server optimizer, weighting).
-    config: its own settings (``CFLConfig``).
-    model: the ``models.Model``.
-    data: the federated data (its clients' sizes, groups).
-
-  Returns:
-    The ``FederatedAlgorithm`` (the paper: the module docstring).
-  """
+  """Clustered FL, built as ``AlgorithmSpec.build`` says; its settings ``CFLConfig``."""
   return cfl(model, data.num_clients, data.train.num_examples, training.make_client_optimizer(),
              training.batching(), eps1=config.eps1, eps2=config.eps2,
              warmup_rounds=config.warmup_rounds, ratio=config.ratio,

@@ -53,18 +53,7 @@ def ditto(model: Model, num_clients: int, client_optimizer: optax.GradientTransf
 
 
 def build(training, config: DittoConfig, model, data):
-  """Ditto from the run's shared settings and its own.
-
-  Args:
-    training: the shared settings (``config.TrainingConfig``: the client
-      optimizer, batching, server optimizer, weighting).
-    config: its own settings (``DittoConfig``).
-    model: the ``models.Model``.
-    data: the federated data (its clients' sizes, groups).
-
-  Returns:
-    The ``FederatedAlgorithm`` (the paper: the module docstring).
-  """
+  """Ditto, built as ``AlgorithmSpec.build`` says; its settings ``DittoConfig``."""
   return ditto(model, data.num_clients, training.make_client_optimizer(), training.batching(),
                lam=config.lam,
                personal_optimizer=(None if config.personal_lr is None else

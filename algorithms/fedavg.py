@@ -223,15 +223,7 @@ def build(training, config: FedAvgConfig, model, data, name='fedavg'):
 
 
 def check(training, config: FedAvgConfig):
-  """Refuses, in one line naming the flag, settings FedAvg (its DP settings) cannot use.
-
-  Args:
-    training: the shared settings.
-    config: its own settings.
-
-  Raises:
-    ConfigError: a setting that cannot apply.
-  """
+  """``AlgorithmSpec.check`` of FedAvg: its DP settings (a ConfigError if they cannot apply)."""
   del training
   check_dp(config)
 

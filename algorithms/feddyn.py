@@ -213,18 +213,7 @@ def feddyn_options(config: FedDynConfig) -> dict:
 
 
 def build(training, config: FedDynConfig, model, data):
-  """FedDyn from the run's shared settings and its own.
-
-  Args:
-    training: the shared settings (``config.TrainingConfig``: the client
-      optimizer, batching, server optimizer, weighting).
-    config: its own settings (``FedDynConfig``).
-    model: the ``models.Model``.
-    data: the federated data (its clients' sizes, groups).
-
-  Returns:
-    The ``FederatedAlgorithm`` (the paper: the module docstring).
-  """
+  """FedDyn, built as ``AlgorithmSpec.build`` says; its settings ``FedDynConfig``."""
   return feddyn(model, data.num_clients, data.train.num_examples,
                 training.make_client_optimizer(), training.batching(), alpha=config.alpha,
                 **feddyn_options(config))

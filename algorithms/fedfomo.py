@@ -204,18 +204,8 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
 
 
 def build(training, config: FedFomoConfig, model, data):
-  """FedFomo from the run's shared settings and its own.
-
-  Args:
-    training: the shared settings (``config.TrainingConfig``: the client
-      optimizer, batching, server optimizer, weighting).
-    config: its own settings (``FedFomoConfig``); every client needs a validation split.
-    model: the ``models.Model``.
-    data: the federated data (its clients' sizes, groups).
-
-  Returns:
-    The ``FederatedAlgorithm`` (the paper: the module docstring).
-  """
+  """FedFomo, built as ``AlgorithmSpec.build`` says; its settings ``FedFomoConfig``; every
+  client needs a validation split."""
   if int(np.asarray(data.val.num_examples).min()) == 0:
     raise ConfigError('val_fraction', 'fedfomo needs a validation split on every client '
                       '(0.2 in the paper)')
@@ -231,15 +221,7 @@ def build(training, config: FedFomoConfig, model, data):
 
 
 def check(training, config: FedFomoConfig):
-  """Refuses, in one line naming the flag, settings FedFomo (its DP settings) cannot use.
-
-  Args:
-    training: the shared settings.
-    config: its own settings.
-
-  Raises:
-    ConfigError: a setting that cannot apply.
-  """
+  """``AlgorithmSpec.check`` of FedFomo: its DP settings (a ConfigError if they cannot apply)."""
   del training
   check_dp(config)
 

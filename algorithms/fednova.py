@@ -110,18 +110,7 @@ def fednova(model: Model, num_clients: int, client_optimizer: optax.GradientTran
 
 
 def build(training, config, model, data):
-  """FedNova from the run's shared settings and its own.
-
-  Args:
-    training: the shared settings (``config.TrainingConfig``: the client
-      optimizer, batching, server optimizer, weighting).
-    config: its own settings (none).
-    model: the ``models.Model``.
-    data: the federated data (its clients' sizes, groups).
-
-  Returns:
-    The ``FederatedAlgorithm`` (the paper: the module docstring).
-  """
+  """FedNova, built as ``AlgorithmSpec.build`` says."""
   del config
   return fednova(model, data.num_clients, training.make_client_optimizer(), training.batching(),
                  momentum=training.client_momentum,
@@ -129,15 +118,8 @@ def build(training, config, model, data):
 
 
 def check(training, config):
-  """Refuses, in one line naming the flag, settings FedNova (it normalizes local SGD steps) cannot use.
-
-  Args:
-    training: the shared settings.
-    config: its own settings.
-
-  Raises:
-    ConfigError: a setting that cannot apply.
-  """
+  """``AlgorithmSpec.check`` of FedNova, which normalizes local SGD steps (a ConfigError for
+  settings that cannot apply)."""
   del config
   if training.client_optimizer != 'sgd':
     raise ConfigError('client_optimizer', 'FedNova normalizes by the steps of local SGD (with '

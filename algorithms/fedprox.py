@@ -45,18 +45,7 @@ def fedprox(model: Model, num_clients: int, client_optimizer: optax.GradientTran
 
 
 def build(training, config: FedProxConfig, model, data):
-  """FedProx from the run's shared settings and its own.
-
-  Args:
-    training: the shared settings (``config.TrainingConfig``: the client
-      optimizer, batching, server optimizer, weighting).
-    config: its own settings (``FedProxConfig``).
-    model: the ``models.Model``.
-    data: the federated data (its clients' sizes, groups).
-
-  Returns:
-    The ``FederatedAlgorithm`` (the paper: the module docstring).
-  """
+  """FedProx, built as ``AlgorithmSpec.build`` says; its settings ``FedProxConfig``."""
   return fedprox(model, data.num_clients, training.make_client_optimizer(), training.batching(),
                  config.mu, server_optimizer=training.make_server_optimizer(),
                  weighting=training.weighting)

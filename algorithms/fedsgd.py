@@ -21,18 +21,7 @@ def fedsgd(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
 
 
 def build(training, config, model, data):
-  """FedSGD from the run's shared settings and its own.
-
-  Args:
-    training: the shared settings (``config.TrainingConfig``: the client
-      optimizer, batching, server optimizer, weighting).
-    config: its own settings (none).
-    model: the ``models.Model``.
-    data: the federated data (its clients' sizes, groups).
-
-  Returns:
-    The ``FederatedAlgorithm`` (the paper: the module docstring).
-  """
+  """FedSGD, built as ``AlgorithmSpec.build`` says."""
   del config
   return fedsgd(model, data.num_clients, training.make_client_optimizer(),
                 batch_size=training.batch_size or None,

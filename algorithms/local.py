@@ -53,18 +53,7 @@ def local(model: Model, num_clients: int, client_optimizer: optax.GradientTransf
 
 
 def build(training, config, model, data):
-  """Local (each client alone) from the run's shared settings and its own.
-
-  Args:
-    training: the shared settings (``config.TrainingConfig``: the client
-      optimizer, batching, server optimizer, weighting).
-    config: its own settings (none).
-    model: the ``models.Model``.
-    data: the federated data (its clients' sizes, groups).
-
-  Returns:
-    The ``FederatedAlgorithm`` (the paper: the module docstring).
-  """
+  """Local (each client alone), built as ``AlgorithmSpec.build`` says."""
   del config
   return local(model, data.num_clients, training.make_client_optimizer(), training.batching())
 

@@ -79,18 +79,7 @@ def oracle(model: Model, groups, client_optimizer: optax.GradientTransformation,
 
 
 def build(training, config, model, data):
-  """Oracle (FedAvg within each true group) from the run's shared settings and its own.
-
-  Args:
-    training: the shared settings (``config.TrainingConfig``: the client
-      optimizer, batching, server optimizer, weighting).
-    config: its own settings (none).
-    model: the ``models.Model``.
-    data: the federated data (its clients' sizes, groups).
-
-  Returns:
-    The ``FederatedAlgorithm`` (the paper: the module docstring).
-  """
+  """Oracle (FedAvg within each true group), built as ``AlgorithmSpec.build`` says."""
   del config
   return oracle(model, data.groups, training.make_client_optimizer(), training.batching(),
                 server_optimizer=training.make_server_optimizer(), weighting=training.weighting)

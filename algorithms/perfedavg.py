@@ -165,15 +165,8 @@ def _build(variant):
 
 
 def check(training, config):
-  """Refuses, in one line naming the flag, settings Per-FedAvg (local steps of three batches) cannot use.
-
-  Args:
-    training: the shared settings.
-    config: its own settings.
-
-  Raises:
-    ConfigError: a setting that cannot apply.
-  """
+  """``AlgorithmSpec.check`` of Per-FedAvg, whose local steps draw three batches (a
+  ConfigError for settings that cannot apply)."""
   del config
   if training.local_steps is None:
     raise ConfigError('local_steps', 'perfedavg takes local steps (each draws 3 batches), '

@@ -68,18 +68,7 @@ def pfedme(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
 
 
 def build(training, config: PFedMeConfig, model, data):
-  """pFedMe from the run's shared settings and its own.
-
-  Args:
-    training: the shared settings (``config.TrainingConfig``: the client
-      optimizer, batching, server optimizer, weighting).
-    config: its own settings (``PFedMeConfig``).
-    model: the ``models.Model``.
-    data: the federated data (its clients' sizes, groups).
-
-  Returns:
-    The ``FederatedAlgorithm`` (the paper: the module docstring).
-  """
+  """pFedMe, built as ``AlgorithmSpec.build`` says; its settings ``PFedMeConfig``."""
   return pfedme(model, data.num_clients, training.make_client_optimizer(), training.batching(),
                 lam=config.lam, personal_lr=config.personal_lr, inner_steps=config.inner_steps,
                 server_optimizer=training.make_server_optimizer(), weighting=training.weighting)

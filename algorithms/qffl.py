@@ -100,18 +100,8 @@ def qffl(model: Model, num_clients: int, client_optimizer: optax.GradientTransfo
 
 
 def build(training, config: QFFLConfig, model, data):
-  """q-FFL from the run's shared settings and its own.
-
-  Args:
-    training: the shared settings (``config.TrainingConfig``: the client
-      optimizer, batching, server optimizer, weighting).
-    config: its own settings (``QFFLConfig``; the Lipschitz constant defaults to 1 / client_lr).
-    model: the ``models.Model``.
-    data: the federated data (its clients' sizes, groups).
-
-  Returns:
-    The ``FederatedAlgorithm`` (the paper: the module docstring).
-  """
+  """q-FFL, built as ``AlgorithmSpec.build`` says; its settings ``QFFLConfig`` (the Lipschitz
+  constant defaults to 1 / client_lr)."""
   lipschitz = config.lipschitz if config.lipschitz is not None else 1.0 / training.client_lr
   return qffl(model, data.num_clients, training.make_client_optimizer(), training.batching(),
               q=config.q, lipschitz=lipschitz)

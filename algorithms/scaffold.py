@@ -135,18 +135,7 @@ def scaffold(model: Model, num_clients: int, client_optimizer: optax.GradientTra
 
 
 def build(training, config, model, data):
-  """SCAFFOLD from the run's shared settings and its own.
-
-  Args:
-    training: the shared settings (``config.TrainingConfig``: the client
-      optimizer, batching, server optimizer, weighting).
-    config: its own settings (none).
-    model: the ``models.Model``.
-    data: the federated data (its clients' sizes, groups).
-
-  Returns:
-    The ``FederatedAlgorithm`` (the paper: the module docstring).
-  """
+  """SCAFFOLD, built as ``AlgorithmSpec.build`` says."""
   del config
   return scaffold(model, data.num_clients, training.make_client_optimizer(), training.batching(),
                   server_optimizer=training.make_server_optimizer(),

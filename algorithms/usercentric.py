@@ -284,18 +284,7 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
 
 
 def build(training, config: UserCentricConfig, model, data):
-  """User-centric FL from the run's shared settings and its own.
-
-  Args:
-    training: the shared settings (``config.TrainingConfig``: the client
-      optimizer, batching, server optimizer, weighting).
-    config: its own settings (``UserCentricConfig``).
-    model: the ``models.Model``.
-    data: the federated data (its clients' sizes, groups).
-
-  Returns:
-    The ``FederatedAlgorithm`` (the paper: the module docstring).
-  """
+  """User-centric FL, built as ``AlgorithmSpec.build`` says; its settings ``UserCentricConfig``."""
   return usercentric(model, data.num_clients, data.train.num_examples,
                      training.make_client_optimizer(), training.batching(),
                      num_streams=config.num_streams or None, sigma_batches=config.sigma_batches,

@@ -259,7 +259,12 @@ class AlgorithmSpec:
   Attributes:
     name: registry name.
     config: the algorithm's config class (a frozen dataclass with a ``prefix``).
-    build: ``(training: TrainingConfig, config, model, data) -> FederatedAlgorithm``.
+    build: ``(training, config, model, data) -> FederatedAlgorithm``, the
+      algorithm built from the run's shared settings (``training``, a
+      ``TrainingConfig``: the client optimizer, batching, server optimizer,
+      weighting), its own settings (``config``, an instance of ``config``
+      above), the ``models.Model`` and the federated data (its clients'
+      sizes, groups); each algorithm's module docstring names its paper.
     uses: the TrainingConfig fields the algorithm reads; a non-default
       value of any other field is refused (it would do nothing).
     ignores: fields of ``config`` this registry name does not read (variants
