@@ -51,10 +51,14 @@ def search_dirs(data_dir: Optional[str] = None) -> List[pathlib.Path]:
   return dirs + [PACKAGE_DATA, cache_dir(create=False)]
 
 
-def locate(names: Union[str, Sequence[str]], data_dir: Optional[str] = None) -> Optional[pathlib.Path]:
-  """The first of ``names`` (relative paths) found in the search folders, or None."""
+def locate(names: Union[str, Sequence[str]], data_dir: Optional[str] = None,
+           cache: bool = True) -> Optional[pathlib.Path]:
+  """The first of ``names`` (relative paths) found in the search folders
+  (the cache last, or not at all with ``cache=False``: a copy the user keeps,
+  never one the cache made from a source), or None."""
   names = [names] if isinstance(names, str) else list(names)
-  for d in search_dirs(data_dir):
+  dirs = search_dirs(data_dir)
+  for d in dirs if cache else dirs[:-1]:
     for name in names:
       if (d / name).is_file():
         return d / name
@@ -128,6 +132,16 @@ def content_digest(path) -> str:
   except OSError:  # a read-only cache: hashed again next time
     pass
   return got
+
+
+def derived_dir(kind: str, source) -> pathlib.Path:
+  """The cache's folder for what is made from ``source`` (``kind``: a
+  decompressed copy, an extracted member), named by the source's content
+  (``content_digest``): another file of the same name never gets this one's
+  copy. Made if missing."""
+  folder = cache_dir() / kind / content_digest(source)[:16]
+  folder.mkdir(parents=True, exist_ok=True)
+  return folder
 
 
 def check_digest(path, md5: Optional[str] = None, sha256: Optional[str] = None) -> None:

@@ -80,9 +80,8 @@ def read_image(path, size: int) -> np.ndarray:
 
 def _gldv2_split_file(data_dir, download) -> str:
   """The split CSV: the user's own copy, else the one inside TFF's bundle
-  (extracted once into the cache, in a folder named by the bundle's content)."""
-  own = [d / n for d in files.search_dirs(data_dir)[:-1] for n in GLDV2_SPLIT_NAMES]
-  path = next((p for p in own if p.is_file()), None)
+  (extracted once into the cache, ``files.derived_dir``)."""
+  path = files.locate(GLDV2_SPLIT_NAMES, data_dir, cache=False)
   if path is not None:
     return str(path)
   if not download and files.locate(sources.GLDV2_BUNDLE, data_dir) is None:
@@ -90,9 +89,8 @@ def _gldv2_split_file(data_dir, download) -> str:
         f'{GLDV2_SPLIT_NAMES[0]} (or TFF\'s {sources.GLDV2_BUNDLE} that holds it)', data_dir,
         sources.how_to_get('gldv2'))
   bundle = sources.fetch('gldv2', data_dir, download)[sources.GLDV2_BUNDLE]
-  folder = files.cache_dir() / 'extracted' / files.content_digest(bundle)[:16]
-  folder.mkdir(parents=True, exist_ok=True)
-  return str(sources.extract_member(bundle, 'federated_train.csv', folder / GLDV2_SPLIT_NAMES[0]))
+  return str(sources.extract_member(bundle, 'federated_train.csv',
+                                    files.derived_dir('extracted', bundle) / GLDV2_SPLIT_NAMES[0]))
 
 
 def _gldv2_image_dir(data_dir, wanted: List[str], download, every_image) -> str:

@@ -141,8 +141,7 @@ def fetch(dataset: str, data_dir: Optional[str] = None, download: bool = False,
     if which is not None and f.name not in which:
       continue
     if f.decompressed:  # a decompressed copy kept beside the user's files (not the cache's)
-      own = [d / f.decompressed for d in files.search_dirs(data_dir)[:-1]]
-      done = next((p for p in own if p.is_file()), None)
+      done = files.locate(f.decompressed, data_dir, cache=False)
       if done is not None:
         out[f.name] = done
         continue
@@ -158,11 +157,9 @@ def fetch(dataset: str, data_dir: Optional[str] = None, download: bool = False,
 
 
 def decompress(path: pathlib.Path, f: RemoteFile) -> pathlib.Path:
-  """The decompressed copy of an ``.lzma`` file, made once in the cache,
-  in a folder named by the file's content (``files.content_digest``): another
-  file of the same name never gets this one's copy."""
-  dest = files.cache_dir() / 'decompressed' / files.content_digest(path)[:16] / f.decompressed
-  dest.parent.mkdir(parents=True, exist_ok=True)
+  """The decompressed copy of an ``.lzma`` file, made once in the cache
+  (``files.derived_dir``)."""
+  dest = files.derived_dir('decompressed', path) / f.decompressed
   if dest.is_file():
     return dest
   downloads.log(f'decompressing {path} to {dest}')
