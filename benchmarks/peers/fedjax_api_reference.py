@@ -17,8 +17,6 @@ import argparse
 
 import numpy as np
 
-import fedjax
-
 # (name, method, keyword arguments): each client's batches under it.
 BATCHINGS = [
     ('batch4', 'batch', dict(batch_size=4)),
@@ -39,12 +37,10 @@ def _row_sums(x):
   return x.reshape(len(x), -1).astype(np.float64).sum(1)
 
 
-def main():
-  p = argparse.ArgumentParser()
-  p.add_argument('--data_dir', required=True)
-  p.add_argument('--out', required=True)
-  a = p.parse_args()
-  train, test = fedjax.datasets.emnist.load_data(only_digits=False, cache_dir=a.data_dir)
+def record(train, test) -> dict:
+  """The arrays recorded of a ``(train, test)`` pair of FedJAX's federated
+  data API, FedJAX's own or this project's (``tests/test_fedjax_api.py``
+  records its own with this function and compares)."""
   out = {}
   for name, fd in (('train', train), ('test', test)):
     out[f'{name}/ids'] = np.array(list(fd.client_ids()))
@@ -62,6 +58,16 @@ def main():
   out['shuffled_ids'] = np.array([next(shuffled)[0] for _ in range(10)])
   ids = list(train.client_ids())
   out['slice_ids'] = np.array(list(train.slice(ids[1], ids[3]).client_ids()))
+  return out
+
+
+def main():
+  import fedjax  # FedJAX's venv only: record() serves this project's tests without it
+  p = argparse.ArgumentParser()
+  p.add_argument('--data_dir', required=True)
+  p.add_argument('--out', required=True)
+  a = p.parse_args()
+  out = record(*fedjax.datasets.emnist.load_data(only_digits=False, cache_dir=a.data_dir))
   np.savez(a.out, **out)
   print(f'wrote {len(out)} arrays to {a.out}')
 
