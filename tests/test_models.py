@@ -54,6 +54,60 @@ def test_conv_as_matmul_equals_lax_conv(shape, kernel, padding, layout, tile_byt
 
 
 @pytest.mark.parametrize('layout', ['NHWC', 'CNHW'])
+def test_strided_and_explicitly_padded_convolutions_equal_lax_conv(layout):
+  # The ResNets' convolutions: 3x3 and 7x7 with PyTorch's padding k // 2 at
+  # stride 2, a 1x1 at stride 2 (the shortcut), SAME at stride 2 (lax's split).
+  for n, (shape, kernel, strides, padding) in enumerate([
+      ((2, 9, 8, 3), (3, 3), (2, 2), ((1, 1), (1, 1))),
+      ((2, 11, 11, 2), (7, 7), (2, 2), ((3, 3), (3, 3))),
+      ((3, 8, 8, 4), (1, 1), (2, 2), ((0, 0), (0, 0))),
+      ((2, 9, 9, 3), (3, 3), (2, 1), 'SAME')]):
+    x, k = normal(n, shape), normal(n + 10, kernel + (shape[-1], 5)) * 0.3
+    conv = lambda x, k: jax.lax.conv_general_dilated(x, k, strides, padding,
+                                                     dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+    ref = conv(x, k)
+    g = normal(n + 20, ref.shape)
+    for tile_bytes in (0, 1):
+      ours = lambda x, k: models.from_layout(models.conv_as_matmul(
+          models.to_layout(x, layout), k, padding, layout, tile_bytes, strides), layout)
+      np.testing.assert_allclose(jax.jit(ours)(x, k), ref, atol=1e-5, rtol=1e-5)
+      grads = jax.jit(jax.grad(lambda x, k: jnp.sum(ours(x, k) * g), (0, 1)))(x, k)
+      ref_grads = jax.jit(jax.grad(lambda x, k: jnp.sum(conv(x, k) * g), (0, 1)))(x, k)
+      for a, b in zip(grads, ref_grads):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_conv_module_strided_without_bias_has_nn_conv_parameters_and_outputs():
+  x = normal(1, (2, 9, 9, 3))
+  init = jax.nn.initializers.variance_scaling(2.0, 'fan_out', 'normal')
+  ref_module = nn.Conv(4, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)), use_bias=False,
+                       kernel_init=init)
+  ref_params = ref_module.init(jax.random.key(0), x)['params']
+  ref = ref_module.apply({'params': ref_params}, x)
+  for impl in ('xla', 'matmul', 'tiled'):
+    module = models.Conv(4, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)), use_bias=False,
+                         kernel_init=init, impl=impl)
+    params = module.init(jax.random.key(0), x)['params']
+    jax.tree.map(np.testing.assert_array_equal, params, ref_params)
+    np.testing.assert_allclose(module.apply({'params': params}, x), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize('layout', ['NHWC', 'CNHW'])
+def test_padded_strided_max_pool_equals_nn_max_pool(layout):
+  # The ImageNet stem's pooling: 3x3 windows every 2 pixels, padded by 1.
+  x = normal(4, (2, 9, 8, 3))
+  ref_fn = lambda x: nn.max_pool(x, (3, 3), (2, 2), ((1, 1), (1, 1)))
+  ref = ref_fn(x)
+  g = normal(5, ref.shape)
+  for impl in ('xla', 'matmul', 'tiled'):
+    ours = lambda x: models.from_layout(
+        models.max_pool(models.to_layout(x, layout), 3, 2, 1, impl, layout), layout)
+    np.testing.assert_array_equal(jax.jit(ours)(x), ref)
+    np.testing.assert_allclose(jax.jit(jax.grad(lambda x: jnp.sum(ours(x) * g)))(x),
+                               jax.grad(lambda x: jnp.sum(ref_fn(x) * g))(x), atol=1e-6)
+
+
+@pytest.mark.parametrize('layout', ['NHWC', 'CNHW'])
 @pytest.mark.parametrize('impl', ['xla', 'matmul', 'tiled'])
 def test_conv_module_has_nn_conv_parameters_and_outputs(impl, layout):
   x = normal(1, (2, 9, 9, 3))

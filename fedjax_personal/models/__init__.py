@@ -24,7 +24,7 @@ from fedjax_personal.models.seed_models import TRANSFORMER_SIZES, ResNetGN, Tran
 from fedjax_personal.models.layers import (CONV_IMPLS, TILE_BYTES, TILE_MIN_BYTES, Adapter, Conv,
                                            Dense, LSTMCell, _strided_pool, as_float, avg_pool_2x2,
                                            batch_chunk, conv_as_matmul, conv_layout, from_layout,
-                                           max_pool_2x2, resolve_conv_impl, tile_budget,
+                                           max_pool, max_pool_2x2, resolve_conv_impl, tile_budget,
                                            to_layout)
 
 
@@ -124,11 +124,11 @@ MODELS = {
                                                             convention=i),
     'transformer_lm_tiny': lambda c, a, k, i: TransformerLM(c, 'tiny', adapter_dim=a,
                                                             convention=i),
-    'resnet18_gn': lambda c, a, k, i: ResNetGN(c, adapter_dim=a, convention=i),
+    'resnet18_gn': lambda c, a, k, i: ResNetGN(c, adapter_dim=a, convention=i, conv_impl=k),
     'gldv2_resnet18_gn': lambda c, a, k, i: ResNetGN(c, adapter_dim=a, large_stem=True,
-                                                     convention=i),
+                                                     convention=i, conv_impl=k),
     'reddi_resnet18_gn': lambda c, a, k, i: ResNetGN(c, adapter_dim=a, groups=2, large_stem=True,
-                                                     convention=i),
+                                                     convention=i, conv_impl=k),
     # Reddi et al.'s EMNIST model (the field's standard task).
     'reddi_emnist_cnn': lambda c, a, k, i: CNN(c, conv_features=(32, 64), dense=(128,),
                                                adapter_dim=a, conv_impl=k, convention=i,

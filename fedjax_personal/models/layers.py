@@ -66,15 +66,29 @@ def conv_layout(impl: str) -> str:
   return 'NHWC' if resolve_conv_impl(impl) == 'xla' else 'CNHW'
 
 
-def tile_budget(x_shape, kernel_shape, padding: str, layout: str) -> int:
+def _conv_pads(x_shape, kernel_shape, padding, layout: str, strides=(1, 1)):
+  """The explicit ((top, bottom), (left, right)) padding of ``padding``
+  ('SAME', 'VALID' or explicit pairs, as ``lax.conv_general_dilated`` means
+  them) and the output's (height, width)."""
+  kh, kw = kernel_shape[:2]
+  hx, wx = _SPATIAL[layout]
+  size = (x_shape[hx], x_shape[wx])
+  if isinstance(padding, str):
+    if padding not in ('SAME', 'VALID'):
+      raise ValueError(f'padding must be SAME, VALID or explicit pairs, got {padding!r}')
+    pads = jax.lax.padtype_to_pads(size, (kh, kw), tuple(strides), padding)
+  else:
+    pads = [tuple(int(v) for v in p) for p in padding]
+  out = tuple((n + lo + hi - k) // s + 1 for n, (lo, hi), k, s in zip(size, pads, (kh, kw), strides))
+  return tuple(tuple(p) for p in pads), out
+
+
+def tile_budget(x_shape, kernel_shape, padding, layout: str, strides=(1, 1)) -> int:
   """The ``tile_bytes`` a ``tiled`` convolution of this input and kernel
   uses: 0 (one slice matrix) when the batch's slice matrix is at most
   ``TILE_MIN_BYTES``, else ``TILE_BYTES``. 0 as well when ``TILE_BYTES`` is 0."""
   kh, kw, cin, _ = kernel_shape
-  hx, wx = _SPATIAL[layout]
-  same = padding == 'SAME'
-  ho = x_shape[hx] - (0 if same else kh - 1)
-  wo = x_shape[wx] - (0 if same else kw - 1)
+  _, (ho, wo) = _conv_pads(x_shape, kernel_shape, padding, layout, strides)
   b = x_shape[0 if layout == 'NHWC' else 1]
   return TILE_BYTES if kh * kw * cin * ho * wo * b * 4 > TILE_MIN_BYTES else 0
 
@@ -96,23 +110,19 @@ def from_layout(x, layout: str):
   return x.transpose(1, 2, 3, 0) if layout == 'CNHW' else x
 
 
-def _pad_spatial(x, kh, kw, layout):
-  pads = [(0, 0)] * 4
-  h, w = _SPATIAL[layout]
-  pads[h], pads[w] = ((kh - 1) // 2, kh // 2), ((kw - 1) // 2, kw // 2)  # lax's SAME
-  return jnp.pad(x, pads)
+def conv_as_matmul(x, kernel, padding, layout: str = 'NHWC', tile_bytes: int = 0,
+                   strides=(1, 1)):
+  """A 2-D convolution as one matmul over shifted (strided) slices.
 
-
-def conv_as_matmul(x, kernel, padding: str, layout: str = 'NHWC', tile_bytes: int = 0):
-  """A stride-1 2-D convolution as one matmul over shifted slices.
-
-  The kh*kw shifted windows of the (padded) input are concatenated on the
-  channel axis (index (i*kw + j)*Cin + c) and contracted with the HWIO kernel
-  reshaped to [kh*kw*Cin, Cout]: the sum of ``lax.conv_general_dilated``, in
-  another order. In ``CNHW`` the product is ``K^T [Cout, kh*kw*Cin] @ cols
-  [kh*kw*Cin, B*Ho*Wo]``, every slice copy runs along contiguous rows, and
-  XLA:CPU runs it and its gradient (slices, pads, matmuls) faster than its
-  own convolution, looped and vmapped alike (BUILD.md).
+  The kh*kw shifted windows of the (padded) input, taken every ``strides``
+  pixels, are concatenated on the channel axis (index (i*kw + j)*Cin + c) and
+  contracted with the HWIO kernel reshaped to [kh*kw*Cin, Cout]: the sum of
+  ``lax.conv_general_dilated``, in another order. In ``CNHW`` the product is
+  ``K^T [Cout, kh*kw*Cin] @ cols [kh*kw*Cin, B*Ho*Wo]``, every slice copy runs
+  along contiguous rows, and XLA:CPU runs it and its gradient (slices, pads,
+  matmuls) faster than its own convolution, looped and vmapped alike; inside
+  a loop (a client's local steps) XLA:CPU's own convolution runs 10-25x
+  slower than outside it, this one does not (BUILD.md).
 
   With ``tile_bytes`` the batch is cut into equal chunks whose
   slice matrix fits in that many bytes, and the chunks are computed one after
@@ -124,20 +134,26 @@ def conv_as_matmul(x, kernel, padding: str, layout: str = 'NHWC', tile_bytes: in
   Args:
     x: [B, H, W, Cin] (``NHWC``) or [Cin, B, H, W] (``CNHW``).
     kernel: [kh, kw, Cin, Cout].
-    padding: 'SAME' or 'VALID' (Flax's meaning, stride 1).
+    padding: 'SAME', 'VALID' or explicit ((top, bottom), (left, right)), as
+      ``lax.conv_general_dilated`` means them.
     layout: 'NHWC' or 'CNHW'; the output has the same layout.
     tile_bytes: 0 for one slice matrix for the whole batch; otherwise the
       budget of one chunk's.
+    strides: (rows, columns).
+
+  Returns:
+    The convolution, [B, Ho, Wo, Cout] (``NHWC``) or [Cout, B, Ho, Wo] (``CNHW``).
   """
   kh, kw, cin, cout = kernel.shape
   if layout not in _SPATIAL:
     raise ValueError(f'layout must be NHWC or CNHW, got {layout!r}')
-  if padding == 'SAME':
-    x = _pad_spatial(x, kh, kw, layout)
-  elif padding != 'VALID':
-    raise ValueError(f'padding must be SAME or VALID, got {padding!r}')
+  sh, sw = strides
+  pads, (ho, wo) = _conv_pads(x.shape, kernel.shape, padding, layout, strides)
   hx, wx = _SPATIAL[layout]
-  ho, wo = x.shape[hx] - kh + 1, x.shape[wx] - kw + 1
+  if any(v for p in pads for v in p):
+    widths = [(0, 0)] * 4
+    widths[hx], widths[wx] = pads
+    x = jnp.pad(x, widths)
   k2 = kernel.reshape(kh * kw * cin, cout)
   bx = 0 if layout == 'NHWC' else 1  # the batch axis
 
@@ -147,10 +163,10 @@ def conv_as_matmul(x, kernel, padding: str, layout: str = 'NHWC', tile_bytes: in
     # gradient then adds 5 + 5 shifted copies instead of 25 in one kernel
     # (the CIFAR CNN's second layer, forward and backward: 37.8 -> 33.9 ms).
     cax = -1 if layout == 'NHWC' else 0
-    cols = jnp.concatenate([jax.lax.slice_in_dim(xc, j, j + wo, axis=wx) for j in range(kw)],
-                           axis=cax)
-    cols = jnp.concatenate([jax.lax.slice_in_dim(cols, i, i + ho, axis=hx) for i in range(kh)],
-                           axis=cax)
+    cols = jnp.concatenate([jax.lax.slice_in_dim(xc, j, j + (wo - 1) * sw + 1, sw, axis=wx)
+                            for j in range(kw)], axis=cax)
+    cols = jnp.concatenate([jax.lax.slice_in_dim(cols, i, i + (ho - 1) * sh + 1, sh, axis=hx)
+                            for i in range(kh)], axis=cax)
     if layout == 'NHWC':
       return cols @ k2
     n = xc.shape[1]
@@ -167,36 +183,47 @@ def conv_as_matmul(x, kernel, padding: str, layout: str = 'NHWC', tile_bytes: in
 
 
 class Conv(nn.Module):
-  """Stride-1 2-D convolution with ``nn.Conv``'s parameters (same names,
-  shapes and initializers, so the same key gives the same weights) and a
-  choice of implementation: ``xla`` (``lax.conv_general_dilated``, as
-  ``nn.Conv``), ``matmul`` (``conv_as_matmul``), ``tiled`` (``conv_as_matmul``,
-  over batch chunks that stay in cache when the batch's slice matrix would
-  not: ``tile_budget``), or ``auto`` (per platform,
-  ``resolve_conv_impl``). All give the same outputs and gradients up to float
-  reassociation (tests/test_models.py). ``layout`` is that of the input and
-  output (``NHWC`` or ``CNHW``); ``convention`` the initialisation convention."""
+  """2-D convolution with ``nn.Conv``'s parameters (same names, shapes and
+  initializers, so the same key gives the same weights) and a choice of
+  implementation: ``xla`` (``lax.conv_general_dilated``, as ``nn.Conv``),
+  ``matmul`` (``conv_as_matmul``), ``tiled`` (``conv_as_matmul``, over batch
+  chunks that stay in cache when the batch's slice matrix would not:
+  ``tile_budget``), or ``auto`` (per platform, ``resolve_conv_impl``). All
+  give the same outputs and gradients up to float reassociation
+  (tests/test_models.py). ``layout`` is that of the input and output
+  (``NHWC`` or ``CNHW``); ``convention`` the initialisation convention, or
+  ``kernel_init`` a kernel initialiser of the model's own; ``padding``
+  'SAME', 'VALID' or explicit pairs; ``use_bias`` False: no bias parameter
+  (``nn.Conv``'s)."""
   features: int
   kernel_size: Sequence[int]
-  padding: str = 'SAME'
+  padding: Any = 'SAME'
   impl: str = 'auto'
   layout: str = 'NHWC'
   convention: str = 'flax'
+  strides: Sequence[int] = (1, 1)
+  use_bias: bool = True
+  kernel_init: Optional[Callable] = None
 
   @nn.compact
   def __call__(self, x):
     kh, kw = self.kernel_size
     cin = x.shape[-1] if self.layout == 'NHWC' else x.shape[0]
-    kernel = self.param('kernel', initializers.kernel_init(self.convention),
+    kernel = self.param('kernel', self.kernel_init or initializers.kernel_init(self.convention),
                         (kh, kw, cin, self.features))
-    bias = self.param('bias', initializers.bias_init(self.convention, kh * kw * cin), (self.features,))
     impl = resolve_conv_impl(self.impl)
+    strides = tuple(self.strides)
     if impl != 'xla':
-      tile = tile_budget(x.shape, kernel.shape, self.padding, self.layout) if impl == 'tiled' else 0
-      y = conv_as_matmul(x, kernel, self.padding, self.layout, tile)
+      tile = (tile_budget(x.shape, kernel.shape, self.padding, self.layout, strides)
+              if impl == 'tiled' else 0)
+      y = conv_as_matmul(x, kernel, self.padding, self.layout, tile, strides)
     else:
-      y = jax.lax.conv_general_dilated(x, kernel, (1, 1), self.padding,
+      padding = self.padding if isinstance(self.padding, str) else [tuple(p) for p in self.padding]
+      y = jax.lax.conv_general_dilated(x, kernel, strides, padding,
                                        dimension_numbers=(self.layout, 'HWIO', self.layout))
+    if not self.use_bias:
+      return y
+    bias = self.param('bias', initializers.bias_init(self.convention, kh * kw * cin), (self.features,))
     return y + (bias if self.layout == 'NHWC' else bias[:, None, None, None])
 
 
@@ -213,6 +240,62 @@ def max_pool_2x2(x, impl: str = 'auto', layout: str = 'NHWC'):
       return nn.max_pool(x, (2, 2), (2, 2))
     return to_layout(nn.max_pool(from_layout(x, layout), (2, 2), (2, 2)), layout)
   return _strided_max_pool(x, layout)
+
+
+def max_pool(x, window: int, stride: int, pad: int, impl: str = 'auto', layout: str = 'NHWC'):
+  """Max pooling of ``window`` x ``window`` every ``stride`` pixels, the input
+  padded by ``pad`` on every side (PyTorch's ``MaxPool2d(window, stride,
+  pad)``; padding never wins). ``xla``: ``nn.max_pool``; otherwise the values
+  by ``reduce_window`` and the derivatives by elementwise maxima of strided
+  slices (XLA:CPU's select-and-scatter, ``reduce_window``'s gradient, is
+  slow, and slower still inside a loop of local steps). Same values; the
+  same gradients except at exact ties inside a window."""
+  if resolve_conv_impl(impl) == 'xla':
+    pads = ((pad, pad), (pad, pad))
+    if layout == 'NHWC':
+      return nn.max_pool(x, (window, window), (stride, stride), pads)
+    return to_layout(nn.max_pool(from_layout(x, layout), (window, window), (stride, stride), pads),
+                     layout)
+  return _sliced_max_pool(x, (window, stride, pad, layout))
+
+
+def _padded(x, pad, layout):
+  widths = [(0, 0)] * 4
+  hx, wx = _SPATIAL[layout]
+  widths[hx] = widths[wx] = (pad, pad)
+  return jnp.pad(x, widths, constant_values=-jnp.inf) if pad else x
+
+
+def _sliced_pool(x, spec):
+  window, stride, pad, layout = spec
+  hx, wx = _SPATIAL[layout]
+  x = _padded(x, pad, layout)
+  ho = (x.shape[hx] - window) // stride + 1
+  wo = (x.shape[wx] - window) // stride + 1
+  cols = functools.reduce(jnp.maximum, [
+      jax.lax.slice_in_dim(x, j, j + (wo - 1) * stride + 1, stride, axis=wx) for j in range(window)])
+  return functools.reduce(jnp.maximum, [
+      jax.lax.slice_in_dim(cols, i, i + (ho - 1) * stride + 1, stride, axis=hx)
+      for i in range(window)])
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _sliced_max_pool(x, spec):
+  """``_sliced_pool``'s values by ``reduce_window`` (computed once), its
+  derivatives by ``_sliced_pool``'s own."""
+  window, stride, pad, layout = spec
+  hx, wx = _SPATIAL[layout]
+  dims, strides = [1] * 4, [1] * 4
+  dims[hx] = dims[wx] = window
+  strides[hx] = strides[wx] = stride
+  return jax.lax.reduce_window(_padded(x, pad, layout), -jnp.inf, jax.lax.max, dims, strides,
+                               'VALID')
+
+
+@_sliced_max_pool.defjvp
+def _sliced_max_pool_jvp(spec, primals, tangents):
+  (x,), (t,) = primals, tangents
+  return _sliced_max_pool(x, spec), jax.jvp(lambda x: _sliced_pool(x, spec), (x,), (t,))[1]
 
 
 def avg_pool_2x2(x, layout: str = 'NHWC'):

@@ -56,7 +56,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_personal.models.layers import Dense, as_float
+from fedjax_personal.models.layers import Conv, Dense, as_float, max_pool
 
 _N002 = jax.nn.initializers.normal(0.02)
 
@@ -174,24 +174,29 @@ def _group_norm(channels: int, groups: int, name: str):
   return nn.GroupNorm(num_groups=groups or GROUPS_PER_CHANNELS[channels], epsilon=1e-5, name=name)
 
 
-def _conv(features, kernel, stride, name, init=None):
+def _conv(features, kernel, stride, name, impl, init=None):
+  """The seed's bias-free convolution (PyTorch's padding of kernel // 2,
+  Kaiming-normal fan-out weights unless ``init``), computed by ``impl``
+  (``layers.Conv``: on a CPU a matmul over slices, which XLA:CPU runs
+  10-25x faster than its own convolution inside a loop of local steps)."""
   pad = kernel // 2
-  return nn.Conv(features, (kernel, kernel), strides=(stride, stride),
-                 padding=((pad, pad), (pad, pad)), use_bias=False, name=name,
-                 kernel_init=init or jax.nn.initializers.variance_scaling(
-                     2.0, 'fan_out', 'normal'))
+  return Conv(features, (kernel, kernel), strides=(stride, stride),
+              padding=((pad, pad), (pad, pad)), use_bias=False, name=name, impl=impl,
+              layout='NHWC', kernel_init=init or jax.nn.initializers.variance_scaling(
+                  2.0, 'fan_out', 'normal'))
 
 
 class ConvAdapter(nn.Module):
   """The seed's residual-block ``AdapterBlock``: x + conv1x1(GroupNorm(x)),
   the convolution from N(0, 1e-4), bias-free."""
   groups: int = 0
+  conv_impl: str = 'auto'
 
   @nn.compact
   def __call__(self, x):
     c = x.shape[-1]
     h = _group_norm(c, self.groups, 'norm')(x)
-    return x + _conv(c, 1, 1, 'conv', jax.nn.initializers.normal(1e-4))(h)
+    return x + _conv(c, 1, 1, 'conv', self.conv_impl, jax.nn.initializers.normal(1e-4))(h)
 
 
 class ResidualUnit(nn.Module):
@@ -200,20 +205,22 @@ class ResidualUnit(nn.Module):
   stride: int = 1
   groups: int = 0
   adapters: bool = False
+  conv_impl: str = 'auto'
 
   @nn.compact
   def __call__(self, x):
-    out = _conv(self.planes, 3, self.stride, 'conv1')(x)
+    impl = self.conv_impl
+    out = _conv(self.planes, 3, self.stride, 'conv1', impl)(x)
     if self.adapters:
-      out = out + ConvAdapter(self.groups, name='adapter1')(out)
+      out = out + ConvAdapter(self.groups, impl, name='adapter1')(out)
     out = nn.relu(_group_norm(self.planes, self.groups, 'norm1')(out))
-    out = _conv(self.planes, 3, 1, 'conv2')(out)
+    out = _conv(self.planes, 3, 1, 'conv2', impl)(out)
     if self.adapters:
-      out = out + ConvAdapter(self.groups, name='adapter2')(out)
+      out = out + ConvAdapter(self.groups, impl, name='adapter2')(out)
     out = _group_norm(self.planes, self.groups, 'norm2')(out)
     if self.stride != 1 or x.shape[-1] != self.planes:
       x = _group_norm(self.planes, self.groups, 'down_norm')(
-          _conv(self.planes, 1, self.stride, 'down_conv')(x))
+          _conv(self.planes, 1, self.stride, 'down_conv', impl)(x))
     return nn.relu(out + x)
 
 
@@ -221,13 +228,14 @@ class Stem(nn.Module):
   """The first convolution and its norm (the seed's 'inp_layer')."""
   large: bool
   groups: int
+  conv_impl: str = 'auto'
 
   @nn.compact
   def __call__(self, x):
-    x = _conv(64, 7 if self.large else 3, 2 if self.large else 1, 'conv')(x)
+    x = _conv(64, 7 if self.large else 3, 2 if self.large else 1, 'conv', self.conv_impl)(x)
     x = nn.relu(_group_norm(64, self.groups, 'norm')(x))
     if self.large:
-      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+      x = max_pool(x, 3, 2, 1, self.conv_impl)
     return x
 
 
@@ -238,12 +246,13 @@ class Stage(nn.Module):
   stride: int
   groups: int
   adapters: bool
+  conv_impl: str = 'auto'
 
   @nn.compact
   def __call__(self, x):
     for b in range(self.blocks):
       x = ResidualUnit(self.planes, self.stride if b == 0 else 1, self.groups, self.adapters,
-                       name=f'unit_{b}')(x)
+                       self.conv_impl, name=f'unit_{b}')(x)
     return x
 
 
@@ -255,11 +264,12 @@ class ResNetGN(nn.Module):
   groups: int = 0  # 0: the seed's table; Reddi et al.: 2
   large_stem: bool = False
   convention: str = 'pytorch'
+  conv_impl: str = 'auto'  # layers.CONV_IMPLS
 
   def setup(self):
-    self.stem = Stem(self.large_stem, self.groups)
+    self.stem = Stem(self.large_stem, self.groups, self.conv_impl)
     self.stage_modules = [Stage(planes, n, 2 if s else 1, self.groups, bool(self.adapter_dim),
-                                name=f'block_{s + 1}')
+                                self.conv_impl, name=f'block_{s + 1}')
                           for s, (n, planes) in enumerate(zip(self.stages, (64, 128, 256, 512)))]
     self.output = Dense(self.num_classes, convention=self.convention)
 
