@@ -369,8 +369,11 @@ def tests_section(smoke):
   cmd += (['--collect-only', '-q', '-n', '0'] if smoke
           else ['-v', '-n', str(min(8, os.cpu_count() or 1))])
   t = time.perf_counter()
+  # XLA's default optimisation (tests/conftest.py compiles at LLVM -O0 unless
+  # XLA_FLAGS is set): the accelerator's numbers as a user's run has them.
+  env = dict(os.environ, XLA_FLAGS=os.environ.get('XLA_FLAGS', ''))
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          cwd=ROOT)
+                          cwd=ROOT, env=env)
   counts, failures, last = {}, [], ''
   for line in proc.stdout:
     m = re.search(r'\b(PASSED|FAILED|ERROR|SKIPPED)\b', line)

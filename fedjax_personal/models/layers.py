@@ -1,6 +1,6 @@
 """The layers the models are built from (Flax Linen).
 
-``Conv`` (a stride-1 convolution with a choice of implementation: XLA's op,
+``Conv`` (a 2-D convolution with a choice of implementation: XLA's op,
 or a matmul over shifted slices, whole or in cache-sized batch chunks),
 2x2 max and average pooling to match, ``Dense``, ``Adapter`` and
 ``LSTMCell``. Every layer with parameters takes ``init``, the framework whose
