@@ -286,3 +286,36 @@ def test_a_signal_after_the_last_round_says_the_run_finished(capsys):
     faults._REQUEST.update(saved)
     for s, h in old.items():
       signal.signal(s, h)
+
+
+_SWALLOWED = '''
+import gc, os, signal, sys, time
+from fedjax_personal.run import entry
+
+def main(argv):
+  fired = []
+  def callback(phase, info):
+    # The handler's KeyboardInterrupt raised here is dropped by Python
+    # ("Exception ignored in"), as inside JAX's _xla_gc_callback.
+    if phase == 'start' and not fired:
+      fired.append(1)
+      os.kill(os.getpid(), signal.SIGINT)
+      time.sleep(0.2)
+  gc.callbacks.append(callback)
+  gc.collect()
+  print('swallowed', flush=True)
+  while True:
+    time.sleep(0.05)
+
+entry.run_script(main, kept='nothing')
+'''
+
+
+def test_a_signal_swallowed_by_a_gc_callback_is_delivered_again(tmp_path):
+  script = tmp_path / 'swallowed.py'
+  script.write_text(_SWALLOWED)
+  r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                     env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  assert 'swallowed' in r.stdout
+  assert r.returncode == 130, r.stderr[-2000:]
+  assert r.stderr.rstrip().endswith('error: interrupted; nothing'), r.stderr[-2000:]

@@ -9,6 +9,8 @@ own, finer fault path (``faults``: it stops between rounds).
 
 import signal
 import sys
+import threading
+import time
 
 from absl import app, flags
 
@@ -31,14 +33,16 @@ def run_script(main, kept: str = 'nothing is kept; run the same command again') 
   bad input; Ctrl-C (130) or SIGTERM (143) end in one line saying what is
   ``kept``."""
   def guarded(argv):
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started ignoring it
-    signal.signal(signal.SIGTERM, _terminate)
+    _STOPPED['main'] = threading.get_ident()
+    signal.signal(signal.SIGINT, _stop)  # also when started ignoring it
+    signal.signal(signal.SIGTERM, _stop)
     try:
       return main(argv)
     except (ConfigError, FileNotFoundError) as e:
       print(f'error: {e}', file=sys.stderr, flush=True)
       sys.exit(2)
     except KeyboardInterrupt:
+      _STOPPED['caught'] = True
       name, status = _STOPPED.get('by', ('interrupted', 130))
       print(f'\nerror: {name}; {kept}', file=sys.stderr, flush=True)
       # Interrupted inside JAX: no interpreter shutdown (it can crash there).
@@ -47,8 +51,25 @@ def run_script(main, kept: str = 'nothing is kept; run the same command again') 
 
 
 _STOPPED = {}
+#: Seconds after which a signal whose KeyboardInterrupt was swallowed is sent again.
+REDELIVER_SECONDS = 1.0
 
 
-def _terminate(signum, frame):
-  _STOPPED['by'] = ('terminated', 143)
+def _stop(signum, frame):
+  """SIGINT / SIGTERM: KeyboardInterrupt in the main thread. Python drops an
+  exception raised inside a garbage-collection callback or a finalizer
+  ("Exception ignored in: <function _xla_gc_callback ...>"), and the run
+  would go on as if never interrupted: until the script has caught it, the
+  signal is sent again every ``REDELIVER_SECONDS``."""
+  del frame
+  _STOPPED.setdefault('by', ('terminated', 143) if signum == signal.SIGTERM
+                      else ('interrupted', 130))
+  if 'timer' not in _STOPPED:
+    def again():
+      while not _STOPPED.get('caught'):
+        time.sleep(REDELIVER_SECONDS)
+        if not _STOPPED.get('caught'):
+          signal.pthread_kill(_STOPPED['main'], signum)
+    _STOPPED['timer'] = threading.Thread(target=again, daemon=True)
+    _STOPPED['timer'].start()
   raise KeyboardInterrupt
