@@ -9,9 +9,8 @@ default initialisers it draws them with (``initializers``); ``'flax'`` is
 parameter names, shapes and, for the same key, values.
 """
 
-import dataclasses
 import functools
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
