@@ -109,6 +109,17 @@ def from_layout(x, layout: str):
   return x.transpose(1, 2, 3, 0) if layout == 'CNHW' else x
 
 
+def _pad_spatial(x, pads, layout: str, value=0.0):
+  """``x`` padded by ((top, bottom), (left, right)) on its spatial axes with
+  ``value`` (``x`` itself when there is nothing to pad)."""
+  if not any(v for p in pads for v in p):
+    return x
+  widths = [(0, 0)] * 4
+  hx, wx = _SPATIAL[layout]
+  widths[hx], widths[wx] = pads
+  return jnp.pad(x, widths, constant_values=value)
+
+
 def conv_as_matmul(x, kernel, padding, layout: str = 'NHWC', tile_bytes: int = 0,
                    strides=(1, 1)):
   """A 2-D convolution as one matmul over shifted (strided) slices.
@@ -149,10 +160,7 @@ def conv_as_matmul(x, kernel, padding, layout: str = 'NHWC', tile_bytes: int = 0
   sh, sw = strides
   pads, (ho, wo) = _conv_pads(x.shape, kernel.shape, padding, layout, strides)
   hx, wx = _SPATIAL[layout]
-  if any(v for p in pads for v in p):
-    widths = [(0, 0)] * 4
-    widths[hx], widths[wx] = pads
-    x = jnp.pad(x, widths)
+  x = _pad_spatial(x, pads, layout)
   k2 = kernel.reshape(kh * kw * cin, cout)
   bx = 0 if layout == 'NHWC' else 1  # the batch axis
 
@@ -217,8 +225,7 @@ class Conv(nn.Module):
               if impl == 'tiled' else 0)
       y = conv_as_matmul(x, kernel, self.padding, self.layout, tile, strides)
     else:
-      padding = self.padding if isinstance(self.padding, str) else [tuple(p) for p in self.padding]
-      y = jax.lax.conv_general_dilated(x, kernel, strides, padding,
+      y = jax.lax.conv_general_dilated(x, kernel, strides, self.padding,
                                        dimension_numbers=(self.layout, 'HWIO', self.layout))
     if not self.use_bias:
       return y
@@ -227,74 +234,27 @@ class Conv(nn.Module):
 
 
 def max_pool_2x2(x, impl: str = 'auto', layout: str = 'NHWC'):
-  """2x2 max pooling, stride 2 (floor). ``xla``: ``nn.max_pool``
-  (``reduce_window``, whose gradient is XLA:CPU's slow select-and-scatter);
-  ``matmul`` and ``tiled``: elementwise maxima of strided views, rows then
-  columns (its gradient is a few selects; 6-17x faster on CPU). Same values; the same
-  gradients except at exact ties inside a window (split between the tied
-  inputs), which ReLU outputs only have at 0, where the gradient is 0 anyway.
-  """
-  if resolve_conv_impl(impl) == 'xla':
-    if layout == 'NHWC':
-      return nn.max_pool(x, (2, 2), (2, 2))
-    return to_layout(nn.max_pool(from_layout(x, layout), (2, 2), (2, 2)), layout)
-  return _strided_max_pool(x, layout)
+  """2x2 max pooling, stride 2 (floor): ``max_pool(x, 2, 2, 0, impl, layout)``."""
+  return max_pool(x, 2, 2, 0, impl, layout)
 
 
 def max_pool(x, window: int, stride: int, pad: int, impl: str = 'auto', layout: str = 'NHWC'):
-  """Max pooling of ``window`` x ``window`` every ``stride`` pixels, the input
-  padded by ``pad`` on every side (PyTorch's ``MaxPool2d(window, stride,
-  pad)``; padding never wins). ``xla``: ``nn.max_pool``; otherwise the values
-  by ``reduce_window`` and the derivatives by elementwise maxima of strided
-  slices (XLA:CPU's select-and-scatter, ``reduce_window``'s gradient, is
-  slow, and slower still inside a loop of local steps). Same values; the
-  same gradients except at exact ties inside a window."""
+  """Max pooling of ``window`` x ``window`` every ``stride`` pixels (floor),
+  the input padded by ``pad`` on every side (PyTorch's ``MaxPool2d(window,
+  stride, pad)``; padding never wins). ``xla``: ``nn.max_pool``
+  (``reduce_window``, whose gradient is XLA:CPU's slow select-and-scatter,
+  slower still inside a loop of local steps); ``matmul`` and ``tiled``: the
+  values by ``reduce_window``, the derivatives by elementwise maxima of
+  strided views, rows then columns (a few selects; 6-17x faster on CPU).
+  Same values; the same gradients except at exact ties inside a window
+  (split between the tied inputs), which ReLU outputs only have at 0, where
+  the gradient is 0 anyway."""
   if resolve_conv_impl(impl) == 'xla':
-    pads = ((pad, pad), (pad, pad))
+    args = ((window, window), (stride, stride), ((pad, pad), (pad, pad)))
     if layout == 'NHWC':
-      return nn.max_pool(x, (window, window), (stride, stride), pads)
-    return to_layout(nn.max_pool(from_layout(x, layout), (window, window), (stride, stride), pads),
-                     layout)
-  return _sliced_max_pool(x, (window, stride, pad, layout))
-
-
-def _padded(x, pad, layout):
-  widths = [(0, 0)] * 4
-  hx, wx = _SPATIAL[layout]
-  widths[hx] = widths[wx] = (pad, pad)
-  return jnp.pad(x, widths, constant_values=-jnp.inf) if pad else x
-
-
-def _sliced_pool(x, spec):
-  window, stride, pad, layout = spec
-  hx, wx = _SPATIAL[layout]
-  x = _padded(x, pad, layout)
-  ho = (x.shape[hx] - window) // stride + 1
-  wo = (x.shape[wx] - window) // stride + 1
-  cols = functools.reduce(jnp.maximum, [
-      jax.lax.slice_in_dim(x, j, j + (wo - 1) * stride + 1, stride, axis=wx) for j in range(window)])
-  return functools.reduce(jnp.maximum, [
-      jax.lax.slice_in_dim(cols, i, i + (ho - 1) * stride + 1, stride, axis=hx)
-      for i in range(window)])
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _sliced_max_pool(x, spec):
-  """``_sliced_pool``'s values by ``reduce_window`` (computed once), its
-  derivatives by ``_sliced_pool``'s own."""
-  window, stride, pad, layout = spec
-  hx, wx = _SPATIAL[layout]
-  dims, strides = [1] * 4, [1] * 4
-  dims[hx] = dims[wx] = window
-  strides[hx] = strides[wx] = stride
-  return jax.lax.reduce_window(_padded(x, pad, layout), -jnp.inf, jax.lax.max, dims, strides,
-                               'VALID')
-
-
-@_sliced_max_pool.defjvp
-def _sliced_max_pool_jvp(spec, primals, tangents):
-  (x,), (t,) = primals, tangents
-  return _sliced_max_pool(x, spec), jax.jvp(lambda x: _sliced_pool(x, spec), (x,), (t,))[1]
+      return nn.max_pool(x, *args)
+    return to_layout(nn.max_pool(from_layout(x, layout), *args), layout)
+  return _strided_max_pool(x, (window, stride, pad, layout))
 
 
 def avg_pool_2x2(x, layout: str = 'NHWC'):
@@ -319,35 +279,43 @@ def pool_2x2(x, kind: str, impl: str = 'auto', layout: str = 'NHWC'):
   return max_pool_2x2(x, impl, layout)
 
 
-def _strided_pool(x, layout):
+def _strided_pool(x, spec):
+  """Max pooling (``spec``: window, stride, pad, layout) as elementwise
+  maxima of strided views."""
+  window, stride, pad, layout = spec
   hx, wx = _SPATIAL[layout]
-  x = jax.lax.slice_in_dim(x, 0, x.shape[hx] // 2 * 2, axis=hx)
-  x = jax.lax.slice_in_dim(x, 0, x.shape[wx] // 2 * 2, axis=wx)
+  x = _pad_spatial(x, ((pad, pad), (pad, pad)), layout, -jnp.inf)
+  ho = (x.shape[hx] - window) // stride + 1
+  wo = (x.shape[wx] - window) // stride + 1
   # Rows first (whole contiguous rows), then columns: the order whose
   # gradient XLA:CPU runs fastest (3x faster than the reshape to 2x2 windows).
-  x = jnp.maximum(jax.lax.slice_in_dim(x, 0, None, 2, hx), jax.lax.slice_in_dim(x, 1, None, 2, hx))
-  return jnp.maximum(jax.lax.slice_in_dim(x, 0, None, 2, wx),
-                     jax.lax.slice_in_dim(x, 1, None, 2, wx))
+  x = functools.reduce(jnp.maximum, [
+      jax.lax.slice_in_dim(x, i, i + (ho - 1) * stride + 1, stride, axis=hx) for i in range(window)])
+  return functools.reduce(jnp.maximum, [
+      jax.lax.slice_in_dim(x, j, j + (wo - 1) * stride + 1, stride, axis=wx) for j in range(window)])
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _strided_max_pool(x, layout):
+def _strided_max_pool(x, spec):
   """``_strided_pool``'s values computed by ``reduce_window`` and its
   derivatives by ``_strided_pool``'s own (same numbers). XLA:CPU duplicates
   cheap elementwise producers into every consumer: the next convolution's
   25 slices each recomputed bias, ReLU and pooling from the previous
   convolution's output (25 kernels, half of LeNet-5's step); a
   ``reduce_window`` is computed once."""
+  window, stride, pad, layout = spec
   hx, wx = _SPATIAL[layout]
-  window = [1] * 4
-  window[hx] = window[wx] = 2
-  return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, window, window, 'VALID')
+  dims, strides = [1] * 4, [1] * 4
+  dims[hx] = dims[wx] = window
+  strides[hx] = strides[wx] = stride
+  x = _pad_spatial(x, ((pad, pad), (pad, pad)), layout, -jnp.inf)
+  return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, dims, strides, 'VALID')
 
 
 @_strided_max_pool.defjvp
-def _strided_max_pool_jvp(layout, primals, tangents):
+def _strided_max_pool_jvp(spec, primals, tangents):
   (x,), (t,) = primals, tangents
-  return _strided_max_pool(x, layout), jax.jvp(lambda x: _strided_pool(x, layout), (x,), (t,))[1]
+  return _strided_max_pool(x, spec), jax.jvp(lambda x: _strided_pool(x, spec), (x,), (t,))[1]
 
 
 class Dense(nn.Module):
