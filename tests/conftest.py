@@ -42,10 +42,6 @@ SLOW_IN_CI = {
     'test_reproduce.py::test_a_diverged_trial_is_reported_not_fatal',
     'test_models.py::test_pooling_has_forward_and_reverse_derivatives_of_the_strided_form',
     'test_engine.py::test_oracle_is_fedavg_within_each_group',
-    'test_engine.py::test_padded_client_gets_what_it_gets_alone[blocked]',
-    'test_engine.py::test_round_matches_plain_per_client_loop[fedprox-blocked]',
-    'test_engine.py::test_round_matches_plain_per_client_loop[fedprox-sequential]',
-    'test_engine.py::test_round_matches_plain_per_client_loop[fedprox-blocked_threads]',
     'test_faults.py::test_default_folder_names_algorithm_and_configuration',
     'test_interruptions.py::test_two_runs_racing_for_one_folder',
     'test_privacy.py::test_fedfomo_dp_records_epsilon_every_round',
@@ -69,10 +65,7 @@ SLOW_IN_CI = {
     'test_models.py::test_models_agree_across_conv_implementations[cnn_cifar-shape1]',
     'test_populations.py::test_cli_cifar100_held_out_test_clients[device]',
     'test_populations.py::test_cli_host_layout_sweep_of_seeds_equals_a_single_seed',
-    # the heavy-tailed tests compare every executor with a per-client loop
-    'test_engine.py::test_round_matches_plain_per_client_loop[fedavg-blocked]',
     'test_populations.py::test_host_layout_equals_device_layout[fedavg-0.3-reset]',
-    'test_engine.py::test_round_matches_plain_per_client_loop[fedavg-blocked_threads]',
     'test_scale.py::test_round_memory_is_bounded_by_state_and_one_output',
     'test_faults.py::test_output_folder_of_another_configuration_is_refused',
     'test_cli.py::test_fedfomo_writes_affinity_heat_maps',
@@ -80,14 +73,11 @@ SLOW_IN_CI = {
     'test_benchmark.py::test_peer_benchmark_files_train_here[emnist-flags0]',
     # the accelerator check's sections at toy sizes (about 2 minutes); CI runs its --dry_run
     'test_accelerator_check.py::test_accelerator_check_runs_every_section',
-    # rows in files equal rows in memory: Ditto and SCAFFOLD in CI, the rest here
-    'test_client_rows_on_disk.py::test_rows_on_disk_equal_rows_in_memory[fedalt_adapters-None-False]',
-    'test_client_rows_on_disk.py::test_rows_on_disk_equal_rows_in_memory[fedalt-None-False]',
-    'test_client_rows_on_disk.py::test_rows_on_disk_equal_rows_in_memory[local-None-True]',
-    'test_client_rows_on_disk.py::test_rows_on_disk_equal_rows_in_memory[feddyn-0.2-False]',
-    # covered in CI by: the vmap and sequential executors' heavy-tailed rounds; resume in
-    # the host layout by test_row_checkpoints; import cycles by test_layout's static check
+    # heavy-tailed cohorts in CI: test_populations' host layout on the CPU's executor
     'test_engine.py::test_heavy_tailed_cohort_matches_plain_per_client_loop[0.5-blocked_threads]',
+    'test_engine.py::test_heavy_tailed_cohort_matches_plain_per_client_loop[0.5-sequential]',
+    'test_engine.py::test_heavy_tailed_cohort_matches_plain_per_client_loop[0.5-vmap]',
+    # resume in the host layout in CI: test_row_checkpoints; import cycles: test_layout's static check
     'test_populations.py::test_cli_host_layout_resumes_to_the_same_numbers',
     'test_layout.py::test_every_module_imports_alone',
     # the sharded executor in CI: test_distributed's two processes of one device each
@@ -98,19 +88,12 @@ SLOW_IN_CI = {
     'test_row_checkpoints.py::test_a_full_disk_while_writing_rows_is_one_line_and_resume_loses_nothing',
     'test_row_checkpoints.py::test_cli_trials_with_rows_in_files_resume_in_memory_equal_one_whole_run',
     'test_client_rows_on_disk.py::test_cli_client_state_disk_equals_memory_and_auto_moves_rows_to_files',
-    # the sequential executor in CI: test_padded_client_gets_what_it_gets_alone[sequential]
-    'test_engine.py::test_heavy_tailed_cohort_matches_plain_per_client_loop[0.5-sequential]',
-    'test_engine.py::test_round_matches_plain_per_client_loop[fedavg-sequential]',
     # other partitions' draws, test_distributed's incomplete launch settings, test_fedjax_api's
     # clients by id, the executors' heavy-tailed equality cover these subjects in CI
     'test_partition.py::test_dirichlet_10000_clients_tiny_alpha_draws_once_per_class',
     'test_distributed.py::test_processes_with_other_flags_stop_before_writing',
     'test_populations.py::test_clients_by_id_in_python_and_the_cli',
     'test_scale.py::test_results_do_not_depend_on_block_size[4]',
-    # heavy-tailed cohorts in CI: the host layout's on the CPU's executor; rows in files: Ditto's
-    'test_engine.py::test_heavy_tailed_cohort_matches_plain_per_client_loop[0.5-vmap]',
-    'test_client_rows_on_disk.py::test_rows_on_disk_equal_rows_in_memory[scaffold-0.2-False]',
-    'test_row_checkpoints.py::test_resume_equals_uninterrupted_in_either_placement[memory-files]',
     # held-out test clients in CI: test_formats' TFF CIFAR-100 check
     'test_populations.py::test_cli_cifar100_held_out_test_clients[host]',
     # a resume with other settings refused in CI: test_input_pipelines' (the run identity's check)
@@ -149,13 +132,17 @@ CI_VARIANTS = {
     'test_clustering.py::test_kmeans_inertia_no_worse_than_sklearn_on_w': {'3'},
     'test_engine.py::test_round_compiles_once_per_run': {'blocked_threads', 'vmap'},
     'test_engine.py::test_padded_client_gets_what_it_gets_alone': {'vmap', 'sequential'},
+    # against a per-client loop: the vmapped round (a GPU's); the CPU's executor: test_populations'
+    'test_engine.py::test_round_matches_plain_per_client_loop': {'fedavg-vmap', 'fedprox-vmap'},
+    # rows in files equal rows in memory: Ditto's personal models
+    'test_client_rows_on_disk.py::test_rows_on_disk_equal_rows_in_memory': {'ditto-None-False'},
     'test_seed_models.py::test_resnet_equals_the_seeds_pytorch_code': {'resnet18_gn-shape0-62-True'},
     'test_personalization.py::test_partial_presets': {'adapter'},
     'test_personalization.py::test_partial_shared_is_weighted_average_and_nothing_personal_is_uploaded':
         {'alt'},
     'test_personalization.py::test_partial_personal_leaves_change_only_in_own_state': {'sim'},
     'test_row_checkpoints.py::test_resume_equals_uninterrupted_in_either_placement':
-        {'files-files', 'memory-files'},
+        {'files-files'},
     'test_model_init.py::test_fedavg_round_equals_a_pytorch_loop_from_the_same_weights': {'0.9'},
     'test_model_init.py::test_reference_cnns_equal_their_pytorch_code':
         {'reddi_emnist_cnn', 'feddyn_cnn'},
