@@ -30,7 +30,7 @@ POOLED_NATURAL = ('tinyshakespeare', 'synthetic', 'tfds:tiny_shakespeare')
 #: Data sets that read no file (--data_dir does nothing for them).
 NO_FILES = ('digits', 'synthetic')
 #: Sequence length of the text data sets when --seq_len is not given.
-DEFAULT_SEQ_LEN = {'stackoverflow': 20}
+DEFAULT_SEQ_LEN = {'stackoverflow': 20, 'stackoverflow_held_out': 20}
 
 
 def is_known(dataset: str) -> bool:

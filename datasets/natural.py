@@ -25,6 +25,7 @@ LOADERS: Dict[str, Callable[..., NaturalData]] = {
     'emnist_digits': functools.partial(emnist.read_clients, only_digits=True),
     'shakespeare': shakespeare.read_clients,
     'stackoverflow': stackoverflow.read_clients,
+    'stackoverflow_held_out': stackoverflow.read_held_out,
     'cifar100': cifar100.read_clients,
     'gldv2': gldv2.read_clients,
 }

@@ -1,5 +1,5 @@
 """Stack Overflow (342,477 train users) from FedJAX's SQLite files
-(``stackoverflow_{train,test}.sqlite``, ``stackoverflow.word_count``),
+(``stackoverflow_{train,held_out,test}.sqlite``, ``stackoverflow.word_count``),
 preprocessed as ``fedjax/datasets/stackoverflow.py``: each sentence
 ``[BOS] words [EOS]`` as ids of the ``vocab_size`` most frequent words, one
 OOV id, x/y truncated or padded to ``seq_len`` (vocab_size + 4 classes); its
@@ -166,20 +166,60 @@ def read_clients(num_clients=None, data_dir=None, download=False, vocab_size: in
   return out
 
 
+def read_held_out(num_clients=None, data_dir=None, download=False, vocab_size: int = 10000,
+                  seq_len: int = 20) -> NaturalData:
+  """Stack Overflow's held-out users (``stackoverflow_held_out.sqlite``,
+  38,758 users in TFF's and FedJAX's split), tokenized as ``read_clients``
+  tokenizes the train users: every user a held-out client (``eval_only``)
+  whose posts are its test examples, none trained. The second value of
+  ``load_data``, as FedJAX's ``load_data`` returns it.
+
+  Args:
+    num_clients: the first N held-out users (None: all).
+    data_dir: where the files are.
+    download: fetch missing files.
+    vocab_size: the most frequent words kept (of the train users'
+      ``stackoverflow.word_count``, as FedJAX's vocabulary).
+    seq_len: tokens per row.
+
+  Returns:
+    The held-out users as a ``NaturalData`` of eval-only clients.
+  """
+  paths = sources.fetch('stackoverflow', data_dir, download,
+                        which=['stackoverflow_held_out.sqlite', 'stackoverflow.word_count'])
+  words = read_word_count(paths['stackoverflow.word_count'], vocab_size)
+  vocab = {w: i + 3 for i, w in enumerate(words)}
+  tokens = lambda ex: tokenize_sentences(ex['tokens'], vocab, seq_len)
+  path = paths['stackoverflow_held_out.sqlite']
+  total = sqlite_formats.fedjax_num_clients(path)
+  n = take(total, num_clients, 'stackoverflow_held_out')
+
+  def stream():
+    none = (np.zeros((0, seq_len), np.int32), np.zeros((0, seq_len), np.int32))
+    for cid, ex in sqlite_formats.read_fedjax(path, limit=n):
+      yield cid, none, converted(tokens, ex, path)
+  out = NaturalData(stream, n, vocab_size + 4, total,
+                    [str(path), str(paths['stackoverflow.word_count'])], eval_only=n)
+  return out
+
+
 def load_data(mode: str = 'sqlite', cache_dir=None, *, num_clients=None, download: bool = True,
               vocab_size: int = 10000, sequence_length: int = 20, data_dir=None, seq_len=None):
-  """FedJAX's ``stackoverflow.load_data`` names, over the population store:
-  ``(train, test)`` of the train users, each post tokenized (FedJAX's ids:
-  PAD 0, BOS 1, EOS 2, words 3.., OOV last; x = ids[:-1], y = ids[1:],
-  padded targets PAD) into rows of ``sequence_length``. FedJAX returns the
-  raw posts and a third, held-out split, and tokenizes them in its
-  experiments; here the store holds them tokenized and the held-out users
-  are not read.
+  """FedJAX's ``stackoverflow.load_data``, over the population store:
+  ``(train, held_out, test)`` as FedJAX returns them. ``train`` and
+  ``test`` are the train users (their posts in ``stackoverflow_train`` and
+  ``stackoverflow_test``), ``held_out`` the users of
+  ``stackoverflow_held_out`` (``read_held_out``), each post tokenized
+  (FedJAX's ids: PAD 0, BOS 1, EOS 2, words 3.., OOV last; x = ids[:-1],
+  y = ids[1:], padded targets PAD) into rows of ``sequence_length``. FedJAX
+  returns the raw posts and tokenizes them in its experiments; here the
+  store holds them tokenized.
 
   Args:
     mode: ``'sqlite'``.
     cache_dir: where the files are (``data_dir`` is the same).
-    num_clients: the first N users (None: all 342,477).
+    num_clients: the first N users of each file (None: all 342,477 train
+      and 38,758 held-out users).
     download: fetch missing files.
     vocab_size: the most frequent words kept.
     sequence_length: tokens per row (``seq_len`` is the same).
@@ -187,9 +227,12 @@ def load_data(mode: str = 'sqlite', cache_dir=None, *, num_clients=None, downloa
     seq_len: the same as ``sequence_length``.
 
   Returns:
-    ``(train, test)`` ``federated.FederatedData``.
+    ``(train, held_out, test)`` ``federated.FederatedData``.
   """
   from fedjax_personal.datasets import federated
-  return federated.load('stackoverflow', mode, cache_dir, num_clients, download, data_dir,
-                        federated.fedjax_targets, vocab_size=vocab_size,
-                        seq_len=seq_len or sequence_length)
+  options = dict(vocab_size=vocab_size, seq_len=seq_len or sequence_length)
+  train, test = federated.load('stackoverflow', mode, cache_dir, num_clients, download, data_dir,
+                               federated.fedjax_targets, **options)
+  _, held_out = federated.load('stackoverflow_held_out', mode, cache_dir, num_clients, download,
+                               data_dir, federated.fedjax_targets, **options)
+  return train, held_out, test

@@ -104,6 +104,7 @@ def test_corrupted_latest_checkpoint_falls_back(tmp_path, capsys):
     (['--algorithm=fedavg,fedfomo', '--val_fraction=0'], 'val_fraction'),
     (['--partition=iid', '--latent_features=embedding'], 'latent_features'),
     (['--partition=latent_clusters', '--latent_features=vgg'], 'latent_features'),
+    (['--dataset=stackoverflow_held_out'], 'dataset'),  # held-out users only: none trains
 ])
 def test_bad_values_are_refused_before_training(tmp_path, args, flag):
   with pytest.raises(ConfigError) as e:

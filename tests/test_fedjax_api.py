@@ -90,3 +90,29 @@ def test_batching_by_hand():
   assert len(list(c.shuffle_repeat_batch(batch_size=4, num_epochs=None, num_steps=9))) == 9
   with pytest.raises(TypeError, match='batch_sz'):
     c.batch(batch_sz=3)
+
+
+def test_stackoverflow_load_data_gives_train_held_out_and_test_as_fedjax(tmp_path):
+  """FedJAX's ``stackoverflow.load_data`` returns (train, held_out, test): the
+  held-out file's users, each with all their posts, tokenized with the train
+  users' vocabulary."""
+  from fedjax_personal.datasets import stackoverflow
+  words = ['the', 'is', 'code'] + [f'w{i}' for i in range(9997)]
+  (tmp_path / 'stackoverflow.word_count').write_text(
+      ''.join(f'{w} {10**5 - i}\n' for i, w in enumerate(words)))
+  tok = lambda items: {'tokens': made_files.bytes_array(items)}
+  made_files.write_fedjax_sqlite(tmp_path / 'stackoverflow_train.sqlite', [
+      (b'00001', tok([b'the code', b'is'])), (b'00002', tok([b'code is the']))])
+  made_files.write_fedjax_sqlite(tmp_path / 'stackoverflow_test.sqlite', [
+      (b'00002', tok([b'is the']))])
+  made_files.write_fedjax_sqlite(tmp_path / 'stackoverflow_held_out.sqlite', [
+      (b'50000', tok([b'the is', b'nope code'])), (b'60000', tok([b'code']))])
+  train, held_out, test = stackoverflow.load_data(cache_dir=str(tmp_path), sequence_length=4)
+  assert list(train.client_ids()) == [b'00001', b'00002'] and list(test.client_ids()) == [b'00002']
+  assert list(held_out.client_ids()) == [b'50000', b'60000'] and held_out.num_clients() == 2
+  # ids: PAD 0, BOS 1, EOS 2, the 3, is 4, code 5, ..., OOV 10003
+  ex = held_out.get_client(b'50000').all_examples()
+  assert ex['x'].tolist() == [[1, 3, 4, 0], [1, 10003, 5, 0]]
+  assert ex['y'].tolist() == [[3, 4, 2, 0], [10003, 5, 2, 0]]
+  assert held_out.get_client(b'60000').all_examples()['x'].tolist() == [[1, 5, 0, 0]]
+  assert train.get_client(b'00002').all_examples()['x'].tolist() == [[1, 5, 4, 3]]

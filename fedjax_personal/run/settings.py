@@ -350,6 +350,9 @@ def validate_flags():
   check(FLAGS.model in MODELS, 'model', f'unknown model {FLAGS.model!r}; choose from {sorted(MODELS)}')
   check(datasets_lib.is_known(FLAGS.dataset), 'dataset',
          f'unknown dataset {FLAGS.dataset!r}; choose from {list(datasets_lib.DATASETS)} or leaf:<name>')
+  check(FLAGS.dataset != 'stackoverflow_held_out', 'dataset',
+        'stackoverflow_held_out holds held-out users only, none to train (the held_out value of '
+        'datasets.stackoverflow.load_data); train on --dataset=stackoverflow')
   datasets_lib.files.check_data_dir(FLAGS.data_dir)
   check(not FLAGS.data_dir or FLAGS.dataset not in datasets_lib.NO_FILES, 'data_dir',
          f'does nothing: dataset {FLAGS.dataset} reads no file')
