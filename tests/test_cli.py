@@ -24,7 +24,7 @@ parse = parse_flags
 def test_small_comparison_writes_outputs(tmp_path, capsys):
   parse('--algorithm=fedavg,local,fedavg_ft', '--dataset=digits', '--model=mlp',
         '--num_clients=5', '--rounds=3', '--eval_every=2', '--progress=false',
-        '--max_examples=500', f'--output_dir={tmp_path}')
+        '--max_examples=500', '--plots=wait', f'--output_dir={tmp_path}')
   summaries = cli.main_job()
   out = capsys.readouterr().out
   assert 'fedavg_ft' in out and 'worst' in out and 'mean' in out

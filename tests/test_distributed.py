@@ -87,7 +87,7 @@ def test_two_processes_equal_one(tmp_path):
 def test_two_processes_equal_one_and_resume(tmp_path):
   args = ['--algorithm=fedavg,ditto', '--model=logreg', *SMALL, '--checkpoint_every=1']
   two, one = str(tmp_path / 'two'), str(tmp_path / 'one')
-  results = finish(launch([*args, '--rounds=2', f'--output_dir={two}']))
+  results = finish(launch([*args, '--rounds=2', '--plots=wait', f'--output_dir={two}']))
   assert [r[0] for r in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
   assert 'sharded(4 devices, 2 processes)' in results[0][1]
   # Process 1 prints nothing (Gloo's connection lines aside, which its C++

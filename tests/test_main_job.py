@@ -18,7 +18,7 @@ def test_main_job_with_no_flags(tmp_path):
   above both FedAvg and Local on the mean and on the worst client (final
   evaluation and the mean over the last 5 evaluations)."""
   r = subprocess.run([sys.executable, os.path.join(ROOT, 'scripts', 'run_experiment.py'),
-                      '--progress=false'], cwd=tmp_path, capture_output=True, text=True,
+                      '--progress=false', '--plots=wait'], cwd=tmp_path, capture_output=True, text=True,
                      timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
   out = r.stdout

@@ -99,3 +99,35 @@ def test_the_shape_plan_compiles_no_more_than_its_count(tmp_path):
     state, _ = runner.round(state, jax.random.key(t), t, donate=True)
   assert runner.trace_counts['round'] == len(runner.feed.shapes) <= plan.count
   assert {s[1] for s in runner.feed.shapes} == {plan.windows['train']}
+
+
+def _history(accs):
+  return [{'round': r + 1, 'accuracy_mean': a, 'accuracy_worst': a / 2,
+           'per_client_accuracy': [a, None, a / 2]} for r, a in enumerate(accs)]
+
+
+def test_plots_drawn_in_the_background_equal_those_drawn_in_process(tmp_path):
+  """--plots=background: a child process, started with the histories on its
+  stdin, draws the same files after the run has gone on (or exited)."""
+  from fedjax_personal.run import plots
+  hists = {'fedavg': _history([0.1, 0.5]), 'local': _history([0.2, 0.3])}
+  assert plots.draw('runs', hists, str(tmp_path / 'here'), 'wait') is None
+  child = plots.draw('runs', hists, str(tmp_path / 'there'), 'background')
+  assert child.wait(timeout=120) == 0
+  for name in ('accuracy.png', 'client_accuracy_hist.png'):
+    assert (tmp_path / 'there' / name).read_bytes() == (tmp_path / 'here' / name).read_bytes()
+  assert plots.draw('runs', hists, str(tmp_path / 'none'), 'off') is None
+  assert not (tmp_path / 'none').exists()
+
+
+def test_plots_that_fail_in_the_background_say_so_in_one_line(tmp_path):
+  import subprocess
+  import sys
+  from fedjax_personal.run import plots
+  (tmp_path / 'file').write_text('not a folder')
+  payload = json.dumps({'kind': 'runs', 'histories': {'a': _history([0.1])},
+                        'directory': str(tmp_path / 'file')})
+  r = subprocess.run([sys.executable, plots.__file__], input=payload, capture_output=True,
+                     text=True, timeout=120)
+  assert r.returncode == 1
+  assert r.stderr.count('\n') == 1 and 'were not drawn' in r.stderr and 'Traceback' not in r.stderr

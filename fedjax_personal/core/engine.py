@@ -46,6 +46,7 @@ def draw_cohort(sampler: CohortSampler, key):
   return sampler(jax.random.split(key)[0])
 
 
+@jax.jit
 def client_keys(key, idx):
   """Client i's key of a round or phase: ``fold_in(key, i)``."""
   return jax.vmap(lambda i: jax.random.fold_in(key, i))(idx)

@@ -158,7 +158,7 @@ class BlockedExecutor(Executor):
     self.fused = self.num_threads == 1
     if not self.fused:
       self._pool = concurrent.futures.ThreadPoolExecutor(self.num_threads)
-      self._compiled = {}
+      self._compiled, self._seen = {}, set()
 
   def describe(self):
     threads = f', threads={self.num_threads}' if self.num_threads > 1 else ''
@@ -183,7 +183,11 @@ class BlockedExecutor(Executor):
     blocks = -(-c // bs)
     nb = -(-blocks // parts)  # blocks per part
     slots = np.arange(parts * nb * bs)
-    valid = (active_mask(active, c)[slots % c] & (slots < c)).reshape(parts, nb, bs)
+    if isinstance(active, jax.core.Tracer):  # inside a compiled round
+      act = active_mask(active, c)
+    else:  # host bools: no device dispatch per call
+      act = np.ones(c, bool) if active is None else np.asarray(active, bool)
+    valid = (act[slots % c] & (slots < c)).reshape(parts, nb, bs)
     return (slots % c).reshape(parts, nb, bs), valid
 
   def map(self, fn, shared, per_client, active=None):
@@ -224,9 +228,9 @@ class BlockedExecutor(Executor):
     steps = np.asarray(steps_fn(shared, per_client, act))
     parts = max(1, min(self.num_threads, -(-int(act.sum()) // min(self.block_size, c))))
     pos, ok, limit, count = work_layout(steps, act, self.block_size, parts)
-    outs = list(self._pool.map(
+    outs = self._on_threads(
         lambda t: jax.block_until_ready(loop(shared, per_client, pos[t], limit[t], ok[t], count[t])),
-        range(parts)))
+        parts, (key, _shapes((shared, per_client, pos[0]))))
     owner = np.zeros(c, np.int32)
     for t in range(parts):
       owner[pos[t][ok[t]]] = t
@@ -244,8 +248,27 @@ class BlockedExecutor(Executor):
           return scan_blocks(jax.vmap(client_fn(fn, sh, pc)), p, v)
       self._compiled[('map', fn)] = jax.jit(loop)
     loop = self._compiled[('map', fn)]
-    outs = list(self._pool.map(lambda t: loop(shared, per_client, pos[t], valid[t]), range(parts)))
+    outs = self._on_threads(lambda t: loop(shared, per_client, pos[t], valid[t]), parts,
+                            ('map', fn, _shapes((shared, per_client, pos[0]))))
     return join_parts(outs, c)
+
+  def _on_threads(self, call, parts, signature):
+    """``[call(t) for t in range(parts)]`` on the host threads; the first
+    call of a new ``signature`` (a compiled function and its argument
+    shapes) runs alone first, so that one thread traces and compiles it while
+    the others wait (side by side, every thread would trace it)."""
+    first = []
+    if signature not in self._seen:
+      self._seen.add(signature)
+      first = [call(0)]
+    return first + list(self._pool.map(call, range(len(first), parts)))
+
+
+def _shapes(tree) -> tuple:
+  """The shapes and dtypes of a pytree's leaves, hashable (a compiled
+  function's signature)."""
+  return tuple((np.shape(a), str(getattr(a, 'dtype', type(a).__name__)))
+               for a in jax.tree.leaves(tree))
 
 
 @dataclasses.dataclass

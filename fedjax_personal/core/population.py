@@ -256,8 +256,9 @@ class PopulationStore:
     xp = aligned_empty((len(n), length) + x.shape[1:], x.dtype)
     yp = aligned_empty((len(n), length) + y.shape[1:], ydtype)
     for j, (s, k) in enumerate(zip(starts, n)):
-      xp[j, :k] = x[s:s + k]
-      yp[j, :k] = y[s:s + k]
+      if k:  # nothing read for an empty client (or a split gathered at length 0)
+        xp[j, :k] = x[s:s + k]
+        yp[j, :k] = y[s:s + k]
       xp[j, k:] = 0
       yp[j, k:] = 0
     return ClientData(x=xp, y=yp, num_examples=n)

@@ -20,8 +20,8 @@ from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import datasets as datasets_lib
 from fedjax_personal import compilation, numerics
 from fedjax_personal.datasets import shakespeare, stackoverflow
-from fedjax_personal.run import (checkpointing, distributed, experiment, faults, process_settings,
-                                 reporting, run_identity)
+from fedjax_personal.run import (checkpointing, distributed, experiment, faults, plots,
+                                 process_settings, reporting, run_identity)
 from fedjax_personal.run.settings import (FLAGS, check, data_config, default_output_dir,
                                           job_identity, process_flags, row_label, sampler_for,
                                           sweep_configs, sweepable, validate_flags)
@@ -524,13 +524,13 @@ def write_comparison(job: Job) -> None:
     table = {g: reporting.aggregate_trials([s for _, s in items])
              for g, items in job.groups.items()}
     if primary:
-      reporting.plot_trials({g: [h for h, _ in items] for g, items in job.groups.items()},
-                            job.output_dir)
+      plots.draw('trials', {g: [h for h, _ in items] for g, items in job.groups.items()},
+                 job.output_dir, FLAGS.plots)
       run_identity.write_json(os.path.join(job.output_dir, 'comparison.json'), {
           g: {**table[g], 'per_trial': [strip(s) for _, s in items]}
           for g, items in job.groups.items()})
   elif primary:
-    reporting.plot_runs(job.histories, job.output_dir)
+    plots.draw('runs', job.histories, job.output_dir, FLAGS.plots)
     run_identity.write_json(os.path.join(job.output_dir, 'comparison.json'
                                          if job.cfgs is None else 'sweep.json'),
                             {k: strip(s) for k, s in job.summaries.items()})

@@ -7,6 +7,7 @@ import numpy as np
 
 from fedjax_personal.run import faults, run_identity
 from fedjax_personal.run.experiment import Callback
+from fedjax_personal.run.plots import plot_runs, plot_trials, trial_curves  # noqa: F401
 
 SUMMARY_KEYS = ('accuracy_mean', 'accuracy_weighted', 'accuracy_worst', 'accuracy_q10',
                 'accuracy_median', 'loss_weighted')
@@ -129,54 +130,6 @@ def write_summary(directory: str, summary: dict) -> str:
   return path
 
 
-def _save_accuracy_figure(fig, axes, directory: str, title_suffix: str = '') -> str:
-  """Titles, labels and legend of the two accuracy panels (mean, worst
-  client); saves the figure as ``directory``/accuracy.png and closes it."""
-  import matplotlib.pyplot as plt
-  for ax, title in zip(axes, ('mean client accuracy', 'worst client accuracy')):
-    ax.set_title(title + title_suffix)
-    ax.set_xlabel('round')
-    ax.grid(alpha=0.3)
-  axes[0].set_ylabel('test accuracy')
-  axes[0].legend()
-  fig.tight_layout()
-  path = os.path.join(directory, 'accuracy.png')
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-  return path
-
-
-def plot_runs(histories: Dict[str, List[dict]], directory: str) -> List[str]:
-  """Writes accuracy.png (mean and worst-client accuracy per round, one line
-  per algorithm) and client_accuracy_hist.png (final per-client accuracy)."""
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-  os.makedirs(directory, exist_ok=True)
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-  for name, hist in histories.items():
-    ev = [r for r in hist if 'accuracy_mean' in r]
-    rounds = [r['round'] for r in ev]
-    axes[0].plot(rounds, [r['accuracy_mean'] for r in ev], marker='o', ms=3, label=name)
-    axes[1].plot(rounds, [r['accuracy_worst'] for r in ev], marker='o', ms=3, label=name)
-  p1 = _save_accuracy_figure(fig, axes, directory)
-  fig, ax = plt.subplots(figsize=(6, 4))
-  bins = np.linspace(0, 1, 21)
-  for name, hist in histories.items():
-    ev = [r for r in hist if 'per_client_accuracy' in r]
-    if ev:
-      acc = np.array(ev[-1]['per_client_accuracy'], dtype=float)
-      ax.hist(acc[np.isfinite(acc)], bins=bins, alpha=0.5, label=name)
-  ax.set_xlabel('final test accuracy of a client')
-  ax.set_ylabel('clients')
-  ax.legend()
-  fig.tight_layout()
-  p2 = os.path.join(directory, 'client_accuracy_hist.png')
-  fig.savefig(p2, dpi=100)
-  plt.close(fig)
-  return [p1, p2]
-
-
 #: The table's columns: (summary key, header); {L} is the statistics window.
 TABLE_COLUMNS = (('accuracy_mean', 'mean'), ('accuracy_worst', 'worst'),
                  ('accuracy_mean_window', 'mean@last{L}'), ('accuracy_worst_window', 'worst@last{L}'),
@@ -251,46 +204,6 @@ def pm(summary: dict, key: str, scale: float = 100.0, digits: int = 1) -> str:
     return 'diverged' if summary.get('diverged') else '-'
   return (f'{scale * summary[key]:.{digits}f} ± '
           f'{scale * summary.get(key + "_std", 0.0):.{digits}f}')
-
-
-def trial_curves(hists: List[List[dict]], keys=('accuracy_mean', 'accuracy_worst')):
-  """Evaluated rounds, per-key (mean, sample std) over trials, and the
-  trial count as text. As the tables, diverged trials are left out of the
-  mean (used only when every trial diverged, up to the first divergence)."""
-  ok = [h for h in hists if not any(r.get('diverged') for r in h)]
-  used = ok or hists
-  count = (f'{len(hists)} trials' if len(ok) == len(hists) else
-           f'{len(used)} of {len(hists)} trials, {len(hists) - len(ok)} diverged')
-  evs = [[r for r in h if 'accuracy_mean' in r and not r.get('diverged')] for h in used]
-  n = min((len(e) for e in evs), default=0)
-  rounds = [r['round'] for r in evs[0][:n]] if n else []
-  stats = {}
-  for key in keys:
-    vals = np.array([[r[key] if r.get(key) is not None else np.nan for r in e[:n]] for e in evs])
-    # Sample std (ddof = 1), as the tables' (aggregate_trials); 0 for one trial.
-    mu = np.nanmean(vals, 0) if n else np.zeros(0)
-    sd = np.nanstd(vals, 0, ddof=1) if len(vals) > 1 and n else np.zeros_like(mu)
-    stats[key] = (mu, sd)
-  return rounds, stats, count
-
-
-def plot_trials(groups: Dict[str, List[List[dict]]], directory: str) -> str:
-  """accuracy.png with one line per algorithm (mean over trials) and a band
-  of ± one standard deviation, mean and worst-client accuracy."""
-  import matplotlib
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-  os.makedirs(directory, exist_ok=True)
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-  for name, hists in groups.items():
-    rounds, stats, count = trial_curves(hists)
-    if not rounds:
-      continue
-    for ax, key in zip(axes, ('accuracy_mean', 'accuracy_worst')):
-      mu, sd = stats[key]
-      line, = ax.plot(rounds, mu, marker='o', ms=3, label=f'{name} ({count})')
-      ax.fill_between(rounds, mu - sd, mu + sd, color=line.get_color(), alpha=0.2)
-  return _save_accuracy_figure(fig, axes, directory, ' (mean ± std over trials)')
 
 
 class PrivacyRecorder(Callback):

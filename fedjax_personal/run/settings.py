@@ -15,7 +15,7 @@ import jax
 from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import datasets as datasets_lib
 from fedjax_personal import numerics
-from fedjax_personal.run import run_identity
+from fedjax_personal.run import plots, run_identity
 from fedjax_personal.config import TrainingConfig, field_types, flag_name, validate
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.core import layout as layout_lib
@@ -167,6 +167,10 @@ flags.DEFINE_string('data_dir', None, 'Folder searched first for data files unde
 flags.DEFINE_bool('download', False, 'Download the data set\'s files found nowhere from their '
                   'published URL into the cache (progress bar, size and checksum checked).')
 flags.DEFINE_bool('progress', True, 'Show a progress bar.')
+flags.DEFINE_enum('plots', 'background', list(plots.PLOT_MODES), 'Where accuracy.png and '
+                  'client_accuracy_hist.png are drawn: background (a child process that outlives '
+                  'the run, so that matplotlib stays off its exit path: the files appear about a '
+                  'second after it exits), wait (before the run exits) or off.')
 flags.DEFINE_integer('checkpoint_every', 0, 'Save an Orbax checkpoint of the full state every this '
                      'many rounds (0: never) under <output_dir>/<algorithm>/checkpoints.')
 flags.DEFINE_bool('resume', False, 'Continue each algorithm from its latest checkpoint in '
