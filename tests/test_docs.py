@@ -18,7 +18,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ('README.md', 'BUILD.md')
+DOCS = ('README.md', 'BUILD.md', 'docs/populations.md')
 
 
 def fenced(path, lang):
@@ -237,12 +237,11 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
 
 
 def test_docs_are_guides_within_their_size():
-  """Prose within its size; table rows (a data set, an algorithm, a
-  measurement) are not counted, so adding one breaks nothing."""
+  """The README and BUILD.md within their size, tables included: the
+  detail belongs in the modules' docstrings and docs/."""
   for doc, most in (('README.md', 200), ('BUILD.md', 900)):
     lines = open(os.path.join(ROOT, doc)).read().splitlines()
-    prose = [l for l in lines if not l.lstrip().startswith('|')]
-    assert len(prose) < most, f'{doc}: {len(prose)} lines besides its tables, keep under {most}'
+    assert len(lines) < most, f'{doc}: {len(lines)} lines, keep under {most} (move detail to docs/)'
 
 
 def test_nothing_is_named_after_a_work_item():

@@ -157,7 +157,8 @@ def draw(kind: str, histories: dict, directory: str, mode: str = 'wait'):
     directory: where the files go.
     mode: ``'wait'``: here and now; ``'background'``: by a child process
       that outlives this one (started here, the histories sent on its
-      stdin; a failure is one line on stderr); ``'off'``: not drawn.
+      stdin, its output discarded; a failure is one line in
+      ``directory``/plots_error.txt); ``'off'``: not drawn.
 
   Returns:
     The child process (``'background'``), else None.
@@ -172,8 +173,11 @@ def draw(kind: str, histories: dict, directory: str, mode: str = 'wait'):
   # By path, without the script's folder on sys.path (it holds this package's run/ modules).
   code = ('import runpy, sys; sys.path[:1] = []; '
           f'runpy.run_path({os.path.abspath(__file__)!r}, run_name="__main__")')
+  # Its output goes nowhere: a reader of this process's pipes (a sweep's subprocess.run, tee)
+  # must see them close when this process exits; a failure is written to plots_error.txt.
   child = subprocess.Popen([sys.executable, '-c', code], stdin=subprocess.PIPE,
-                           stdout=subprocess.DEVNULL, start_new_session=True)
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
   child.stdin.write(payload.encode())
   child.stdin.close()
   return child
@@ -184,8 +188,14 @@ def _main() -> int:
   try:
     _KINDS[job['kind']](job['histories'], job['directory'])
   except Exception as e:  # noqa: BLE001 - the run is over: say what was not drawn
-    print(f"fedjax_personal: the plots of {job['directory']} were not drawn "
-          f'({type(e).__name__}: {e}); the run\'s other outputs are complete', file=sys.stderr)
+    line = (f"fedjax_personal: the plots of {job['directory']} were not drawn "
+            f'({type(e).__name__}: {e}); the run\'s other outputs are complete')
+    print(line, file=sys.stderr)
+    try:
+      with open(os.path.join(job['directory'], 'plots_error.txt'), 'w') as f:
+        f.write(line + '\n')
+    except OSError:
+      pass
     return 1
   return 0
 
