@@ -399,9 +399,9 @@ def test_finetune_evaluation_uses_training_data(digits):
     for e in sorted(EXECUTORS)])
 def test_evaluation_in_test_length_groups_matches_plain_loop(executor):
   # Unequal test splits (Dirichlet 0.1): clients are evaluated in groups of
-  # static test length (engine.eval_buckets); the result must be each
+  # static test length (evaluation.eval_buckets); the result must be each
   # client's statistics on its whole split, for global and personal models.
-  from fedjax_personal.core.engine import eval_buckets
+  from fedjax_personal.core.evaluation import eval_buckets
   from fedjax_personal.core.training import evaluate_params
   data = digits_data(num_clients=8, alpha=0.1, seed=3)
   n_test = np.asarray(data.test.num_examples)
@@ -454,3 +454,19 @@ def test_threaded_blocked_runs_fused_when_the_per_client_state_is_large():
   # Client work from host threads cannot run inside a trace: a clear error, not a tracer leak.
   with pytest.raises(ValueError, match='num_threads=1'):
     jax.jit(lambda x: threaded.map(lambda sh, c: c * sh, 2.0, x))(jnp.arange(4.0))
+
+
+def test_evaluation_groups_join_where_a_program_costs_more_than_their_work():
+  """EMNIST-like test splits: 2,961 clients of length 32 stay apart (joining
+  them would cost far more than a block's rows), 408 of length 64 join the
+  31 of length 128 (at most one block of 256 clients' rows more)."""
+  from fedjax_personal.core.evaluation import eval_buckets
+  counts = np.array([20] * 2961 + [50] * 408 + [100] * 31)
+  plain = eval_buckets(counts, 128)
+  assert [(l, len(i)) for l, i in plain] == [(32, 2961), (64, 408), (128, 31)]
+  joined = eval_buckets(counts, 128, block=256)
+  assert [(l, len(i)) for l, i in joined] == [(32, 2961), (128, 439)]
+  assert np.array_equal(joined[1][1], np.arange(2961, 3400))
+  # small groups chain into the longest; every client keeps a length >= its count
+  few = eval_buckets(np.array([3, 20, 50, 100]), 128, smallest=4, block=256)
+  assert [(l, i.tolist()) for l, i in few] == [(128, [0, 1, 2, 3])]

@@ -157,6 +157,22 @@ class LocalData:
   val: ClientData
 
 
+def client_row(tree, i):
+  """Client i's data from a split: a padded split's row, or a packed
+  cohort's window (``PackedClientData.client``).
+
+  Args:
+    tree: a split (``ClientData`` or ``PackedClientData``).
+    i: the client's row (traced int).
+
+  Returns:
+    That client's ``ClientData``.
+  """
+  if isinstance(tree, PackedClientData):
+    return tree.client(i)
+  return jax.tree.map(lambda a: a.at[i].get(mode='clip'), tree)
+
+
 def pad_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray],
                 x_shape, x_dtype, y_shape=(), y_dtype=np.int32,
                 max_examples: Optional[int] = None) -> ClientData:

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_personal.core.algorithm import FederatedAlgorithm, RoundContext
-from fedjax_personal.core.data import FederatedData, LocalData, PackedClientData
+from fedjax_personal.core.data import FederatedData, LocalData, client_row
+from fedjax_personal.core import evaluation
 from fedjax_personal.core import fitting
 from fedjax_personal.core import hosted_state
 from fedjax_personal.core import row_files
@@ -26,30 +27,17 @@ from fedjax_personal.core import memory
 from fedjax_personal.core.executors import Executor
 from fedjax_personal.core.evaluation_stats import (  # noqa: F401  (the engine's API)
     evaluation_record, per_client_accuracy, summarize)
-from fedjax_personal.core.sampling import CohortSampler
-from fedjax_personal.core.training import ClientContext, LossStats, evaluate_params
+from fedjax_personal.core.evaluation import eval_function
+from fedjax_personal.core.sampling import CohortSampler, client_keys
+from fedjax_personal.core.training import ClientContext, LossStats
 
 PyTree = Any
-
-
-def _row(tree, i):
-  """Client i's data from a split: a padded split's row, or a packed
-  cohort's window (``PackedClientData.client``)."""
-  if isinstance(tree, PackedClientData):
-    return tree.client(i)
-  return jax.tree.map(lambda a: a.at[i].get(mode='clip'), tree)
 
 
 def draw_cohort(sampler: CohortSampler, key):
   """The cohort of the round whose key is ``key`` (the round's own draw,
   ``split(key)[0]``; the host layout draws it ahead with this)."""
   return sampler(jax.random.split(key)[0])
-
-
-@jax.jit
-def client_keys(key, idx):
-  """Client i's key of a round or phase: ``fold_in(key, i)``."""
-  return jax.vmap(lambda i: jax.random.fold_in(key, i))(idx)
 
 
 def communication_metrics(alg, state, num_active, num_uploads=None) -> dict:
@@ -121,7 +109,8 @@ def pre_round_functions(alg: FederatedAlgorithm, ex: Executor, counts=None):
     counts['pre_round_client'] += 1
     shared, train, val = shared_all
     pos, key = c
-    return pr.client(shared, LocalData(train=_row(train, pos), val=_row(val, pos)), key)
+    return pr.client(shared, LocalData(train=client_row(train, pos), val=client_row(val, pos)),
+                     key)
 
   def run(state, rc, train, val):
     counts['pre_round'] += 1
@@ -171,7 +160,7 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
     counts['client'] += 1
     (shared, round_num), train, val = shared_all
     row, client_state, key = c
-    local = LocalData(train=_row(train, row), val=_row(val, row))
+    local = LocalData(train=client_row(train, row), val=client_row(val, row))
     return ClientContext(shared=shared, state=client_state, data=local, round=round_num), key
 
   def post(state, cohort, outputs, rc):
@@ -206,80 +195,6 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
     return state, {**metrics, **phase}
 
   return pre, make_ctx, post, fused_round
-
-
-def eval_buckets(test_counts, max_examples: int, smallest: int = 32):
-  """Groups clients by a static test length: ``[(length, client indices)]``.
-
-  Each client's test split is evaluated on its leading ``length`` rows, the
-  next power of two >= its example count (at least ``smallest``, at most
-  ``max_examples``), instead of the padded maximum: with unequal test splits
-  (CIFAR-10 Dirichlet devices: mean 100, max 323) the forward passes then do
-  at most twice the real work, with one compiled shape per group. Padded rows
-  are masked either way, so the statistics are those of the full padded split.
-  """
-  counts = np.asarray(test_counts)
-  sizes = np.minimum(max_examples, np.maximum(
-      smallest, 2 ** np.ceil(np.log2(np.maximum(counts, 1))).astype(np.int64)))
-  return [(int(b), np.flatnonzero(sizes == b).astype(np.int32)) for b in np.unique(sizes)]
-
-
-def eval_client_function(alg: FederatedAlgorithm, counts, finetune: bool, length: Optional[int]):
-  """``eval_client(shared, (i, row, key)) -> LossStats``: client i's model
-  (optionally fine-tuned) on its test split, whose examples are row ``row``
-  of the split arrays in ``shared = (models, train, val, test)`` (cut to
-  its first ``length`` rows when given)."""
-  def eval_client(shared, c):
-    counts['eval_client'] += 1
-    models, train, val, test = shared
-    i, row, key = c
-    params = models.for_client(i)
-    local = LocalData(train=_row(train, row), val=_row(val, row))
-    test_i = _row(test, row)
-    if length is not None:
-      test_i = test_i.replace(x=test_i.x[:length], y=test_i.y[:length])
-    k_ft, k_eval = jax.random.split(key)
-    if finetune:
-      params = alg.finetune(params, local, k_ft)
-    if alg.evaluate_client is not None:
-      return alg.evaluate_client(params, local, test_i, k_eval)
-    return evaluate_params(alg.model, params, test_i)
-  return eval_client
-
-
-def eval_function(alg: FederatedAlgorithm, ex: Executor, counts=None, test_counts=None):
-  """``eval_all(client_models, data, key, finetune) -> LossStats [N]``: every
-  client's model (optionally fine-tuned on its training split) on its test split.
-
-  With ``test_counts`` (host array of test examples per client, fixed for
-  the experiment) clients are evaluated in groups of equal static test length
-  (``eval_buckets``); without it on the whole padded split.
-  """
-  counts = collections.Counter() if counts is None else counts
-  eval_clients = {}
-
-  def eval_all(models, data, key, finetune):
-    n = data.num_clients
-    keys = client_keys(key, jnp.arange(n))
-    shared = (models, data.train, data.val, data.test)
-    groups = (None if test_counts is None
-              else eval_buckets(test_counts, data.test.max_examples))
-    if groups is None or len(groups) == 1 and groups[0][0] == data.test.max_examples:
-      groups = [(None, np.arange(n, dtype=np.int32))]
-    out = None
-    for length, idx in groups:
-      if (finetune, length) not in eval_clients:
-        eval_clients[(finetune, length)] = eval_client_function(alg, counts, finetune, length)
-      idx_j = jnp.asarray(idx)
-      if len(idx) == n:
-        return ex.map(eval_clients[(finetune, length)], shared, (idx_j, idx_j, keys))
-      part = ex.map(eval_clients[(finetune, length)], shared, (idx_j, idx_j, keys[idx]))
-      if out is None:
-        out = jax.tree.map(lambda a: jnp.zeros((n,) + a.shape[1:], a.dtype), part)
-      out = jax.tree.map(lambda o, a: o.at[idx].set(a), out, part)
-    return out
-
-  return eval_all
 
 
 class RoundRunner:
@@ -475,7 +390,8 @@ class RoundRunner:
       del full
       return hosted_state.HostedState(inner, rows, cr), {**metrics, **ph}
     self._round = round_hosted if self.hosted_rows else round_host
-    self._evaluate = self._host_evaluation()
+    self._evaluate = evaluation.host_evaluation(
+        alg, ex, host, self.hosted_rows, self.trace_counts)
 
   def _streamed_phase_outputs(self, phase_client, shared, rc):
     """The pre-round phase's client outputs over the store, in blocks."""
@@ -491,61 +407,6 @@ class RoundRunner:
                               client_keys(rc.key, jnp.asarray(ids)), valid)
       parts.append((valid, out))
     return layout_lib.join_blocks(parts)
-
-  def _host_evaluation(self):
-    """``evaluate(state, key, finetune) -> LossStats [N]`` over the store:
-    clients grouped by static test length (``eval_buckets``), each group in
-    blocks of ``host.block`` clients gathered from the store. With hosted
-    client rows, a block's models come from a state holding the block's
-    rows (``ClientRows``' contract), client j of the block using model j,
-    and a block holds ``hosted_state.ROW_BLOCK_BYTES`` of rows at most."""
-    alg, ex, host = self.algorithm, self.executor, self.host
-    test_counts = host.counts('test')
-    groups = eval_buckets(test_counts, int(test_counts.max(initial=0)))
-    models_j = jax.jit(alg.client_models)
-    fns = {}
-
-    def block_fn(finetune, length):
-      if (finetune, length) not in fns:
-        eval_client = eval_client_function(alg, self.trace_counts, finetune, length)
-
-        def run(state_or_models, train, val, test, ids, rows, keys, valid):
-          models = alg.client_models(state_or_models) if ex.fused else state_or_models
-          return ex.host_readable(ex.map(eval_client, (models, train, val, test),
-                                         (ids, rows, keys), active=valid))
-        fns[(finetune, length)] = jax.jit(run) if ex.fused else run
-      return fns[(finetune, length)]
-
-    def evaluate(state, key, finetune):
-      # The training and validation splits are read only to fine-tune or
-      # for an algorithm's own evaluation; otherwise they are empty rows.
-      local_length = None if finetune or alg.evaluate_client is not None else 0
-      by_rows = self.hosted_rows and alg.client_rows.models_from_rows
-      block = host.block
-      if by_rows:
-        rows = state.rows
-        block = hosted_state.rows_per_block(rows, host.block)  # the gathered rows bounded
-      else:  # the models do not read hosted rows: the state without them serves
-        state = state.inner if self.hosted_rows else state
-        models = state if ex.fused else models_j(state)
-      out = [np.zeros(host.num_clients, np.float32) for _ in LossStats._fields]
-      for length, ids in groups:
-        for b_ids, valid in layout_lib.blocks(ids, block):
-          ids_j = jnp.asarray(b_ids, jnp.int32)
-          positions = jnp.arange(len(b_ids), dtype=jnp.int32)
-          model_of = ids_j
-          if by_rows:
-            block_state = alg.client_rows.put(state.inner, hosted_state.gather_rows(rows, b_ids))
-            models = block_state if ex.fused else models_j(block_state)
-            model_of = positions
-          stats = block_fn(finetune, length)(
-              models, host.gather('train', b_ids, local_length),
-              host.gather('val', b_ids, local_length), host.gather('test', b_ids, length),
-              model_of, positions, client_keys(key, ids_j), valid)
-          for o, a in zip(out, jax.device_get(stats)):
-            o[b_ids[valid]] = np.asarray(a)[valid]
-      return LossStats(*out)
-    return evaluate
 
   def init(self, key):
     """The algorithm's initial state (placed where the executor keeps it;

@@ -134,3 +134,17 @@ class CohortSampler:
     # Keep client order ascending for readability (padding N sorts last).
     perm = jnp.argsort(idx)
     return Cohort(idx=idx[perm], mask=mask[perm])
+
+
+@jax.jit
+def client_keys(key, idx):
+  """Client i's key of a round or phase: ``fold_in(key, i)``.
+
+  Args:
+    key: the round's (or phase's) key.
+    idx: client indices (int array).
+
+  Returns:
+    One key per index.
+  """
+  return jax.vmap(lambda i: jax.random.fold_in(key, i))(idx)

@@ -22,7 +22,8 @@ import numpy as np
 
 from fedjax_personal.core.algorithm import FederatedAlgorithm
 from fedjax_personal.core.data import FederatedData
-from fedjax_personal.core.engine import eval_function, round_functions
+from fedjax_personal.core.engine import round_functions
+from fedjax_personal.core.evaluation import eval_function
 from fedjax_personal.core.executors import Executor
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.core.training import LossStats
