@@ -21,6 +21,13 @@ from fedjax_personal.core.training import sgd_finetune
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 
+__all__ = ['AlgorithmSpec', 'apfl', 'build', 'cfl', 'config_classes', 'ConfigError', 'dataclasses',
+           'Dict', 'ditto', 'fedavg', 'feddyn', 'FederatedAlgorithm', 'FederatedData', 'fedfomo',
+           'fednova', 'fedprox', 'fedsgd', 'local', 'Model', 'Optional', 'oracle', 'partial',
+           'perfedavg', 'persistent_client_optimizer', 'pfeddyn', 'pfedme', 'qffl', 'register',
+           'REGISTRY', 'scaffold', 'sgd_finetune', 'spec', 'TrainingConfig', 'usercentric']
+
+
 REGISTRY: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in [
     fedavg.SPEC,
     fedavg.FT_SPEC,
@@ -56,7 +63,14 @@ def register(new: AlgorithmSpec) -> None:
   """Adds an algorithm defined outside this package to the registry (the
   CLI's ``cli.register`` also defines its flags). Registering the same
   name again replaces it when it comes from the same module (a re-run
-  notebook cell); another algorithm's name is refused."""
+  notebook cell); another algorithm's name is refused.
+
+  Args:
+    new: the algorithm's ``AlgorithmSpec`` (its ``name`` is the registry key).
+
+  Returns:
+    None.
+  """
   old = REGISTRY.get(new.name)
   if old is not None and old is not new and (
       getattr(old.build, '__module__', None) != getattr(new.build, '__module__', None)):
@@ -68,6 +82,12 @@ def register(new: AlgorithmSpec) -> None:
 def spec(name: str) -> AlgorithmSpec:
   """The ``AlgorithmSpec`` registered as ``name``.
 
+  Args:
+    name: the registry name (``--algorithm``).
+
+  Returns:
+    Its ``AlgorithmSpec``.
+
   Raises:
     ConfigError: no algorithm has that name.
   """
@@ -78,7 +98,11 @@ def spec(name: str) -> AlgorithmSpec:
 
 def config_classes():
   """The distinct per-algorithm config classes with a flag prefix, in
-  registry order."""
+  registry order.
+
+  Returns:
+    The config classes, each once.
+  """
   out = []
   for s in REGISTRY.values():
     if getattr(s.config, 'prefix', None) and s.config not in out:
@@ -99,6 +123,9 @@ def build(name: str, model: Model, data: FederatedData,
     overrides: shorthand for fields of ``training`` or ``config``, by field
       or flag name (``build('fedprox', model, data, client_lr=0.1, mu=0.1)``
       or ``fedprox_mu=0.1``).
+
+  Returns:
+    The algorithm, ready for a ``RoundRunner``.
 
   Raises:
     ConfigError: an invalid setting, or one the algorithm would ignore.

@@ -27,6 +27,9 @@ from fedjax_personal.core.training import batch_loss
 from fedjax_personal.core.tree_util import is_concrete, leading_size, tree_broadcast
 
 
+__all__ = ['apfl', 'APFLConfig', 'build', 'mixture', 'SPEC']
+
+
 @dataclasses.dataclass(frozen=True)
 class APFLConfig:
   """APFL's own settings, declared once: the ``--apfl_*`` flags (``hparam``: default,

@@ -43,6 +43,9 @@ from optax import tree_utils as otu
 from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter
 
 
+__all__ = ['build', 'cfl', 'CFLConfig', 'CFLState', 'SPEC', 'split_decisions']
+
+
 @dataclasses.dataclass(frozen=True)
 class CFLConfig:
   """Clustered FL's own settings, declared once: the ``--cfl_*`` flags (``hparam``: default,

@@ -22,6 +22,9 @@ from fedjax_personal.models import Model
 from fedjax_personal.core.training import batch_loss
 
 
+__all__ = ['build', 'ditto', 'DittoConfig', 'SPEC']
+
+
 @dataclasses.dataclass(frozen=True)
 class DittoConfig:
   """Ditto's own settings, declared once: the ``--ditto_*`` flags (``hparam``: default,

@@ -32,6 +32,11 @@ from fedjax_personal.core.training import ClientWork, LossStats, plain_objective
 from optax import tree_utils as otu
 from fedjax_personal.core.tree_util import tree_bytes, tree_where
 
+__all__ = ['build', 'check', 'client_weights', 'ClientOutput', 'fedavg', 'FEDAVG_SETTINGS',
+           'FedAvgConfig', 'FT_SPEC', 'global_model_communication', 'make_client_work',
+           'server_step', 'ServerState', 'SPEC', 'summed_upload']
+
+
 WEIGHTINGS = ('num_examples', 'uniform')
 
 

@@ -42,6 +42,10 @@ from fedjax_personal.core.training import LossStats, plain_objective, sgd_client
 from optax import tree_utils as otu
 from fedjax_personal.core.tree_util import is_concrete, rows, tree_broadcast, tree_bytes, tree_scatter
 
+__all__ = ['build', 'feddyn', 'feddyn_options', 'FEDDYN_SETTINGS', 'FedDynConfig', 'FedDynOutput',
+           'FedDynState', 'SPEC']
+
+
 EVAL_MODELS = ('server', 'active_mean', 'all_clients_mean')
 
 

@@ -44,6 +44,10 @@ from fedjax_personal.core.training import ClientWork, evaluate_params, plain_obj
 from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter
 
 
+__all__ = ['build', 'check', 'choose_candidates', 'fedfomo', 'FedFomoConfig', 'FedFomoState',
+           'fomo_update', 'fomo_weights', 'SPEC']
+
+
 @dataclasses.dataclass(frozen=True)
 class FedFomoConfig(DPConfig):
   """FedFomo's own settings, declared once: the ``--fedfomo_*`` flags (``hparam``: default,

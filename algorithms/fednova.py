@@ -38,6 +38,9 @@ from fedjax_personal.core.training import LossStats, plain_objective, sgd_client
 from fedjax_personal.core.tree_util import tree_where
 
 
+__all__ = ['build', 'check', 'effective_steps', 'fednova', 'NovaUpload', 'SETTINGS', 'SPEC']
+
+
 @struct.dataclass
 class NovaUpload:
   """Attributes:

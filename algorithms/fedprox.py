@@ -17,6 +17,9 @@ from optax import tree_utils as otu
 from fedjax_personal.core.tree_util import is_concrete
 
 
+__all__ = ['build', 'fedprox', 'FedProxConfig', 'SPEC']
+
+
 @dataclasses.dataclass(frozen=True)
 class FedProxConfig:
   """FedProx's own settings, declared once: the ``--fedprox_*`` flags (``hparam``: default,

@@ -11,6 +11,9 @@ from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 
 
+__all__ = ['build', 'check', 'fedsgd', 'SPEC']
+
+
 def fedsgd(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
            batch_size=None, **kw):
   """Builds FedSGD (``batch_size=None``: the full local batch); ``kw`` as for

@@ -23,6 +23,10 @@ from fedjax_personal.core.training import (ClientWork, LossStats, client_opt_ini
 from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter
 
 
+__all__ = ['global_personal_algorithm', 'GlobalPersonalOutput', 'GlobalPersonalState',
+           'two_model_work']
+
+
 @struct.dataclass
 class GlobalPersonalState:
   """Attributes:

@@ -16,6 +16,9 @@ from fedjax_personal.core.training import plain_objective, sgd_client_work
 from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_scatter
 
 
+__all__ = ['build', 'local', 'LocalState', 'SPEC']
+
+
 @struct.dataclass
 class LocalState:
   """Attributes:

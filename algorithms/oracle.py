@@ -25,6 +25,9 @@ from fedjax_personal.models import Model
 from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes
 
 
+__all__ = ['build', 'oracle', 'OracleState', 'SPEC']
+
+
 @struct.dataclass
 class OracleState:
   """Attributes:

@@ -40,6 +40,11 @@ from optax import tree_utils as otu
 from fedjax_personal.core.tree_util import (leading_size, rows, tree_broadcast, tree_bytes,
                                             tree_scatter, tree_where)
 
+__all__ = ['FEDALT_SPEC', 'FEDPER_SPEC', 'FEDREP_SPEC', 'FEDSIM_SPEC', 'LG_FEDAVG_SPEC',
+           'partial_personalization', 'PartialCarry', 'PartialConfig', 'PartialOutput',
+           'PartialState']
+
+
 MODES = ('alt', 'sim')
 
 

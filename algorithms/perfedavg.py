@@ -37,6 +37,10 @@ from fedjax_personal.core.training import (Batch, ClientWork, batch_loss, client
 from optax import tree_utils as otu
 from fedjax_personal.core.tree_util import tree_bytes
 
+__all__ = ['check', 'FO_SPEC', 'HF_FD_SPEC', 'HF_SPEC', 'hvp_exact', 'hvp_finite_difference',
+           'perfedavg', 'perfedavg_update', 'PerFedAvgConfig', 'VARIANTS']
+
+
 VARIANTS = ('fo', 'hf', 'hf_fd')
 
 

@@ -34,6 +34,10 @@ from fedjax_personal.models import Model
 from fedjax_personal.core.training import (Batch, LossStats, batch_loss, evaluate_params,
                                       part, per_example_stats, sgd_finetune)
 
+__all__ = ['all_examples', 'class_prototypes', 'FT_SPEC', 'maml_objective', 'MAML_SPEC', 'pfeddyn',
+           'PFedDynConfig', 'PROTO_SPEC', 'prototype_logits', 'prototype_objective']
+
+
 HEADS = ('finetune', 'maml', 'prototype')
 
 

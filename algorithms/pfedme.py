@@ -28,6 +28,9 @@ from fedjax_personal.models import Model
 from fedjax_personal.core.training import batch_loss
 
 
+__all__ = ['build', 'pfedme', 'PFedMeConfig', 'SPEC']
+
+
 @dataclasses.dataclass(frozen=True)
 class PFedMeConfig:
   """pFedMe's own settings, declared once: the ``--pfedme_*`` flags (``hparam``: default,

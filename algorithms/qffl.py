@@ -35,6 +35,9 @@ from fedjax_personal.core.training import (LossStats, evaluate_params, plain_obj
 from fedjax_personal.core.tree_util import tree_where
 
 
+__all__ = ['build', 'qffl', 'QFFLConfig', 'QState', 'QUpload', 'SPEC']
+
+
 @dataclasses.dataclass(frozen=True)
 class QFFLConfig:
   """q-FFL's own settings, declared once: the ``--qffl_*`` flags (``hparam``: default,

@@ -40,6 +40,9 @@ from optax import tree_utils as otu
 from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter
 
 
+__all__ = ['build', 'scaffold', 'ScaffoldOutput', 'ScaffoldState', 'SPEC']
+
+
 @struct.dataclass
 class ScaffoldState:
   """Attributes:

@@ -53,6 +53,10 @@ from fedjax_personal.core.training import Batch, batch_loss, plain_objective, sg
 from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes, tree_gather, tree_scatter
 
 
+__all__ = ['build', 'effective_neighbours', 'fedavg_matrix', 'mixing_matrix', 'SPEC', 'streams',
+           'usercentric', 'UserCentricConfig', 'UserCentricState']
+
+
 @dataclasses.dataclass(frozen=True)
 class UserCentricConfig:
   """User-centric FL's own settings, declared once: the ``--usercentric_*`` flags (``hparam``: default,

@@ -19,6 +19,14 @@ from fedjax_personal.datasets.partition import PARTITIONS, Partition
 from fedjax_personal.datasets import natural
 from fedjax_personal.datasets.natural_data import NaturalData, client_id
 
+__all__ = ['client_id', 'client_splits', 'ConfigError', 'dataclasses', 'DataConfig', 'DATASETS',
+           'FederatedData', 'files', 'has_own_test_split', 'hashlib', 'is_known', 'is_natural',
+           'json', 'LATENT_FEATURES', 'LEAF_PREFIX', 'load_federated', 'load_pool', 'load_store',
+           'loaders', 'natural', 'NaturalData', 'NO_FILES', 'np', 'Optional', 'os', 'pad_clients',
+           'partition', 'Partition', 'PARTITIONS', 'pooled_clients', 'PooledClients',
+           'split_client_examples', 'store_lib', 'streams_to_store', 'sys']
+
+
 #: --dataset names; ``leaf:<name>`` is accepted too (LEAF_PREFIX).
 DATASETS = ('mnist', 'digits', 'cifar10', 'cifar100', 'emnist', 'emnist_digits', 'shakespeare',
             'stackoverflow', 'gldv2', 'tinyshakespeare', 'synthetic',
@@ -35,7 +43,14 @@ DEFAULT_SEQ_LEN = {'stackoverflow': 20, 'stackoverflow_held_out': 20}
 
 def is_known(dataset: str) -> bool:
   """Whether ``dataset`` names a data set (a ``DATASETS`` name, ``leaf:<name>``
-  or a TFDS name after ``tfds:``)."""
+  or a TFDS name after ``tfds:``).
+
+  Args:
+    dataset: a ``--dataset`` name.
+
+  Returns:
+    True when it names one.
+  """
   if dataset.startswith('tfds:'):  # TFDS's own names: tfds:emnist is its byclass (62 classes)
     from fedjax_personal.datasets import tfds_loader
     return tfds_loader.is_known(dataset[len('tfds:'):])
@@ -44,7 +59,15 @@ def is_known(dataset: str) -> bool:
 
 def is_natural(dataset: str, partition: str) -> bool:
   """Whether (dataset, partition) reads a natural partition (cifar100 is
-  pooled from the CIFAR-100 python archive under any other --partition)."""
+  pooled from the CIFAR-100 python archive under any other --partition).
+
+  Args:
+    dataset: a ``--dataset`` name.
+    partition: a ``--partition`` name.
+
+  Returns:
+    True when the clients are the files' own (writers, users).
+  """
   if dataset == 'cifar100':
     return partition == 'natural'
   return natural.is_file_dataset(dataset) or dataset in POOLED_NATURAL
@@ -122,7 +145,14 @@ class DataConfig:
 
 
 def load_pool(cfg: DataConfig):
-  """(x, y, num_classes) pool of a non-natural data set."""
+  """(x, y, num_classes) pool of a non-natural data set.
+
+  Args:
+    cfg: the data set (``DataConfig``).
+
+  Returns:
+    ``(x, y, num_classes)``.
+  """
   if cfg.dataset == 'mnist':
     x, y, c = loaders.load_mnist(cfg.data_dir)
   elif cfg.dataset == 'digits':
@@ -188,7 +218,16 @@ def make_partition(cfg: DataConfig, x, y, num_classes, rng) -> Partition:
 
 def has_own_test_split(dataset: str, partition: str, cifar100_test: str = 'split') -> bool:
   """Whether the data set's files split each client's examples into train
-  and test, or hold the test clients (then --test_fraction does nothing)."""
+  and test, or hold the test clients (then --test_fraction does nothing).
+
+  Args:
+    dataset: a ``--dataset`` name.
+    partition: a ``--partition`` name.
+    cifar100_test: ``--cifar100_test``.
+
+  Returns:
+    True when the files give the test split.
+  """
   return is_natural(dataset, partition) and (dataset.startswith(LEAF_PREFIX) or (
       natural.is_file_dataset(dataset) and (dataset != 'cifar100'
                                             or cifar100_test == 'tff_clients')))
@@ -211,7 +250,14 @@ def _check_config(cfg: DataConfig) -> None:
 
 def streams_to_store(cfg: DataConfig) -> bool:
   """Whether the data set is read client by client from its files straight
-  into a population store (natural data sets with their own test split)."""
+  into a population store (natural data sets with their own test split).
+
+  Args:
+    cfg: the data set (``DataConfig``).
+
+  Returns:
+    True for a natural data set read from its files with its own test split.
+  """
   return has_own_test_split(cfg.dataset, cfg.partition, cfg.cifar100_test)
 
 
@@ -254,6 +300,12 @@ def load_federated(cfg: DataConfig) -> FederatedData:
   """Builds the FederatedData described by ``cfg`` (numpy leaves, every
   client padded to the largest: the device layout).
 
+  Args:
+    cfg: the data set (``DataConfig``).
+
+  Returns:
+    The ``FederatedData`` (host numpy; ``core.data.to_device`` puts it on the device).
+
   Raises:
     ConfigError / DataError (MissingDataError) naming the flag or file.
   """
@@ -265,7 +317,14 @@ def load_federated(cfg: DataConfig) -> FederatedData:
 
 def pooled_clients(cfg: DataConfig) -> PooledClients:
   """The clients of a data set built in memory (not read client by client
-  from its files: ``streams_to_store`` is False), unpadded."""
+  from its files: ``streams_to_store`` is False), unpadded.
+
+  Args:
+    cfg: the data set (``DataConfig``).
+
+  Returns:
+    The ``PooledClients``: ``padded()`` for the device layout, ``store()`` for the host layout.
+  """
   _check_config(cfg)
   rng = np.random.default_rng(cfg.seed)
   if is_natural(cfg.dataset, cfg.partition):
@@ -308,6 +367,9 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
     should_stop: asked between clients while a store is built; True stops
       the build (``KeyboardInterrupt``, nothing of it kept).
     rebuild: rebuild the cached store from its files (``--rebuild_store``).
+
+  Returns:
+    The ``PopulationStore``.
   """
   _check_config(cfg)
   if not streams_to_store(cfg):  # built in memory, stored without padding

@@ -21,6 +21,9 @@ import numpy as np
 from fedjax_personal.datasets import files, sources
 from fedjax_personal.errors import DataError
 
+__all__ = ['load']
+
+
 JPEG_NPZ = 'cifar10_jpeg.npz'
 _MEMBERS = {
     'cifar10': {'train': [f'cifar-10-batches-py/data_batch_{i}' for i in range(1, 6)],

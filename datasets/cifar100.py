@@ -11,6 +11,9 @@ from fedjax_personal.datasets.natural_data import NaturalData, client_id, take
 from fedjax_personal.errors import ConfigError, DataError
 
 
+__all__ = ['load_data', 'read_clients']
+
+
 CIFAR100_FEATURES = {'image': (32, 32, 3), 'label': (), 'coarse_label': ()}
 
 
@@ -30,6 +33,9 @@ def read_clients(num_clients=None, data_dir=None, download=False,
       ids ``test/<id>``), as Reddi et al. (arXiv 2003.00295) evaluate;
       ``'split'``: train clients only, their images split with
       --test_fraction (``split_by_fraction``).
+
+  Returns:
+    The clients as a ``NaturalData`` (what the population store is written from).
   """
   if cifar100_test not in CIFAR100_TESTS:
     raise ConfigError('cifar100_test', f'unknown {cifar100_test!r}; choose one of {list(CIFAR100_TESTS)}')

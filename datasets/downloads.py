@@ -17,6 +17,9 @@ import urllib.request
 from fedjax_personal.datasets import files
 from fedjax_personal.errors import DataError
 
+__all__ = ['download', 'DownloadError', 'log']
+
+
 #: Seconds without a byte before a download is given up.
 TIMEOUT = 60
 

@@ -22,6 +22,9 @@ import optax
 from fedjax_personal.models import create_model
 
 
+__all__ = ['semantic_features']
+
+
 def semantic_features(x: np.ndarray, y: np.ndarray, num_classes: int, seed: int,
                       epochs: int = 10, batch_size: int = 64,
                       learning_rate: float = 0.01) -> np.ndarray:

@@ -14,6 +14,9 @@ from fedjax_personal.datasets.natural_data import NaturalData, fedjax_splits
 from fedjax_personal.errors import DataError
 
 
+__all__ = ['domain_id', 'load_data', 'PIXELS', 'read_clients']
+
+
 PIXELS = {'fedjax': lambda p: 1.0 - p, 'tff': lambda p: p}
 
 
@@ -21,7 +24,18 @@ def read_clients(num_clients=None, data_dir=None, download=False,
                  only_digits: bool = False, pixels: str = 'fedjax') -> NaturalData:
   """Federated EMNIST (3,400 writers; digits only 3,383), FedJAX's files,
   in the ``pixels`` convention (``PIXELS``), client by client (what the
-  population store is written from)."""
+  population store is written from).
+
+  Args:
+    num_clients: the first N writers (None: all).
+    data_dir: where the files are.
+    download: fetch missing files.
+    only_digits: the digits-only files (10 classes).
+    pixels: ``'fedjax'`` (1 - x) or ``'tff'`` (raw).
+
+  Returns:
+    The writers as a ``NaturalData``.
+  """
   if pixels not in PIXELS:
     raise ValueError(f'pixels must be one of {list(PIXELS)}, got {pixels!r}')
   name = 'emnist_digits' if only_digits else 'emnist'
@@ -45,7 +59,14 @@ def domain_id(client_id) -> int:
   """The NIST source of a writer (FedJAX's ``emnist.domain_id``): 0 for
   the high-school writers ``f2100``-``f2599``, 1 for the Census Bureau's.
   Ids are ``f<4 digits>_<2 digits>``, optionally after a 16-byte hash and
-  a colon."""
+  a colon.
+
+  Args:
+    client_id: a writer's id (str or bytes).
+
+  Returns:
+    0 or 1.
+  """
   cid = client_id.decode() if isinstance(client_id, bytes) else str(client_id)
   if len(cid) == 25:
     number = int(cid[18:22])

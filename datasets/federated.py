@@ -348,7 +348,15 @@ class FederatedData:
 
 
 def xy(x: np.ndarray, y: np.ndarray) -> Examples:
-  """A client's examples as ``{'x', 'y'}`` (FedJAX's feature names)."""
+  """A client's examples as ``{'x', 'y'}`` (FedJAX's feature names).
+
+  Args:
+    x: a client's inputs.
+    y: its targets.
+
+  Returns:
+    ``{'x': x, 'y': y}``.
+  """
   return {'x': x, 'y': y}
 
 
@@ -356,7 +364,15 @@ def splits(store, features: Callable[[np.ndarray, np.ndarray], Examples] = xy
            ) -> Tuple[FederatedData, FederatedData]:
   """``(train, test)`` of a population store: the clients that train
   (every one but the held-out ``eval_only``), and the clients with test
-  examples (as a publisher's test file lists them)."""
+  examples (as a publisher's test file lists them).
+
+  Args:
+    store: a ``PopulationStore``.
+    features: ``(x, y) -> examples`` of a client.
+
+  Returns:
+    ``(train, test)`` ``FederatedData``.
+  """
   trained = np.arange(store.num_trained)
   tested = np.flatnonzero(np.asarray(store.counts['test']) > 0)
   return (FederatedData(store, 'train', trained, features),
@@ -365,7 +381,15 @@ def splits(store, features: Callable[[np.ndarray, np.ndarray], Examples] = xy
 
 def fedjax_targets(x: np.ndarray, y: np.ndarray) -> Examples:
   """Sequence examples as FedJAX's ``{'x', 'y'}``: padded targets PAD (0)
-  there, ``IGNORE`` (-1) in the store."""
+  there, ``IGNORE`` (-1) in the store.
+
+  Args:
+    x: a client's token rows.
+    y: its targets (``IGNORE`` where padded).
+
+  Returns:
+    ``{'x': x, 'y': y}`` with padded targets PAD.
+  """
   from fedjax_personal.datasets.natural_data import IGNORE, PAD
   return {'x': x, 'y': np.where(y == IGNORE, PAD, y)}
 

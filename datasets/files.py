@@ -15,6 +15,11 @@ from typing import List, Optional, Sequence, Union
 
 from fedjax_personal.errors import DataError
 
+__all__ = ['cache_dir', 'check_data_dir', 'check_digest', 'content_digest', 'derived_dir', 'digest',
+           'find_file', 'locate', 'MissingDataError', 'not_found', 'PACKAGE_DATA', 'search_dirs',
+           'sha256_file', 'write_atomically']
+
+
 PACKAGE_DATA = pathlib.Path(__file__).parent / 'data'
 
 

@@ -20,6 +20,9 @@ from fedjax_personal.datasets.natural_data import NaturalData, take
 from fedjax_personal.errors import DataError
 
 
+__all__ = ['gldv2_halves', 'GLDV2_MAX_PER_SPLIT', 'load_data', 'read_clients']
+
+
 GLDV2_CLASSES = 2028
 #: The seed's clients: TFF's train users with at least this many images.
 GLDV2_MIN_EXAMPLES = 50
@@ -60,7 +63,15 @@ def gldv2_halves(user: str, n: int) -> Tuple[np.ndarray, np.ndarray]:
   """A user's train and test rows: its images shuffled by a generator seeded
   with the user (the seed shuffles with the client id), the first half
   (rounded up) for training, the rest for test, each capped at
-  GLDV2_MAX_PER_SPLIT. Fixed per user: the split is part of the data."""
+  GLDV2_MAX_PER_SPLIT. Fixed per user: the split is part of the data.
+
+  Args:
+    user: the user's id (seeds the shuffle).
+    n: the user's images.
+
+  Returns:
+    ``(train, test)`` row indices.
+  """
   order = np.random.default_rng(zlib.crc32(user.encode())).permutation(n)
   half = (n + 1) // 2
   return order[:half][:GLDV2_MAX_PER_SPLIT], order[half:][:GLDV2_MAX_PER_SPLIT]
@@ -121,6 +132,15 @@ def read_clients(num_clients=None, data_dir=None, download=False,
   """GLDv2's federated split as the partial-personalization seed uses it
   (``pfl/data/gldv2.py``): its users with at least 50 images, each user's
   images split half and half into train and test.
+
+  Args:
+    num_clients: the first N users (None: all 823).
+    data_dir: where the split file and ``gldv2/images`` are.
+    download: fetch missing files.
+    image_size: each image resized to this square size.
+
+  Returns:
+    The users as a ``NaturalData``.
 
   Raises:
     MissingDataError: the split file or images not found (``--download``

@@ -16,6 +16,9 @@ from fedjax_personal.datasets.natural_data import NaturalData, listed, take
 from fedjax_personal.errors import DataError
 
 
+__all__ = ['LEAF_LETTERS', 'leaf_split_line', 'load_data', 'read_clients']
+
+
 # LEAF's Shakespeare characters (leaf/models/utils/language_utils.py).
 LEAF_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
 LEAF_SENT140_VOCAB = 10000
@@ -50,7 +53,14 @@ def read_leaf(folder: str) -> Dict[str, dict]:
 
 def leaf_split_line(line: str) -> List[str]:
   """LEAF's ``split_line`` (leaf/models/utils/language_utils.py): words
-  with apostrophes, and the punctuation . , ! ? ; as words of their own."""
+  with apostrophes, and the punctuation . , ! ? ; as words of their own.
+
+  Args:
+    line: a line of text.
+
+  Returns:
+    Its words and punctuation marks, in order.
+  """
   return re.findall(r"[\w']+|[.,!?;]", line)
 
 
@@ -105,6 +115,14 @@ def read_clients(name: str, num_clients=None, data_dir=None) -> NaturalData:
   training words, unknown words and padding 10,000 (LEAF's model uses GloVe
   vectors; here ids for a learned embedding);
   others (synthetic) the feature vector as it is.
+
+  Args:
+    name: LEAF's data set name (``femnist``, ``shakespeare``, ``sent140``, ``synthetic``).
+    num_clients: the first N users (None: all).
+    data_dir: the folder holding ``leaf/<name>/{train,test}``.
+
+  Returns:
+    The users as a ``NaturalData``.
   """
   tr_dir, te_dir = _leaf_dir(name, 'train', data_dir), _leaf_dir(name, 'test', data_dir)
   train, test = read_leaf(tr_dir), read_leaf(te_dir)

@@ -17,6 +17,10 @@ from fedjax_personal.datasets import files, sources
 from fedjax_personal.datasets.files import PACKAGE_DATA, find_file  # noqa: F401 (re-exported)
 
 
+__all__ = ['check_labels', 'load_digits', 'load_mnist', 'load_tinyshakespeare', 'MNIST_MD5',
+           'parse_shakespeare_roles', 'read_idx', 'synthetic']
+
+
 _IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: '>i2', 0x0C: '>i4', 0x0D: '>f4', 0x0E: '>f8'}
 
 

@@ -19,6 +19,9 @@ from fedjax_personal.datasets import cifar100, emnist, gldv2, leaf, shakespeare,
 from fedjax_personal.datasets.natural_data import NaturalData
 from fedjax_personal.errors import ConfigError
 
+__all__ = ['is_file_dataset', 'LEAF_PREFIX', 'load', 'loader_code', 'LOADERS', 'register']
+
+
 #: --dataset name -> its reader (``read_clients``).
 LOADERS: Dict[str, Callable[..., NaturalData]] = {
     'emnist': emnist.read_clients,
@@ -36,7 +39,15 @@ def register(name: str, read_clients: Callable[..., NaturalData]) -> None:
   """Adds a natural data set read from files: ``--dataset=<name>`` then
   reads it through ``read_clients(num_clients=None, data_dir=None,
   download=False, ...)`` into the population store (its options, such as
-  ``seq_len``, are passed when its signature names them)."""
+  ``seq_len``, are passed when its signature names them).
+
+  Args:
+    name: the ``--dataset`` name.
+    read_clients: the reader.
+
+  Returns:
+    None.
+  """
   if name in LOADERS and LOADERS[name] is not read_clients and (
       getattr(LOADERS[name], '__module__', None) != getattr(read_clients, '__module__', None)):
     raise ValueError(f'a data set named {name!r} is registered already')
@@ -44,7 +55,14 @@ def register(name: str, read_clients: Callable[..., NaturalData]) -> None:
 
 
 def is_file_dataset(dataset: str) -> bool:
-  """Whether ``dataset`` is a natural data set read from its files."""
+  """Whether ``dataset`` is a natural data set read from its files.
+
+  Args:
+    dataset: a ``--dataset`` name.
+
+  Returns:
+    True for a registered reader's name or ``leaf:<name>``.
+  """
   return dataset in LOADERS or (dataset.startswith(LEAF_PREFIX) and len(dataset) > len(LEAF_PREFIX))
 
 
@@ -58,7 +76,14 @@ def loader_code(dataset: str) -> str:
   ``dataset``'s files into clients: its reader's module and the
   shared readers. The population store records it and is rebuilt when it
   differs, so a store never outlives the code that made it (a changed split
-  share, tokenizer or decoder reaches the next run)."""
+  share, tokenizer or decoder reaches the next run).
+
+  Args:
+    dataset: a ``--dataset`` name.
+
+  Returns:
+    16 hex digits.
+  """
   import hashlib
   import sys
   if dataset.startswith(LEAF_PREFIX):
@@ -81,7 +106,18 @@ def load(dataset: str, num_clients=None, data_dir=None, download=False,
          **options) -> NaturalData:
   """A natural data set by its --dataset name. ``options`` (``seq_len``,
   ``vocab_size``, ``image_size``, ``cifar100_test``) go to the data set
-  whose reader names them; None leaves its default."""
+  whose reader names them; None leaves its default.
+
+  Args:
+    dataset: the ``--dataset`` name.
+    num_clients: the first N clients (None: all).
+    data_dir: where the files are.
+    download: fetch missing files.
+    options: reader options by name.
+
+  Returns:
+    The clients as a ``NaturalData``.
+  """
   if dataset.startswith(LEAF_PREFIX):
     if download:
       from fedjax_personal.datasets import sources

@@ -20,6 +20,9 @@ import numpy as np
 from fedjax_personal.datasets import sqlite_formats
 from fedjax_personal.errors import ConfigError, DataError
 
+__all__ = ['client_id', 'converted', 'fedjax_splits', 'IGNORE', 'listed', 'NaturalData', 'take']
+
+
 IGNORE = -1  # a padded target position
 PAD, BOS, EOS = 0, 1, 2  # token ids of the sequence data sets (FedJAX's)
 
@@ -84,7 +87,14 @@ def take(total: int, num_clients: Optional[int], dataset: str) -> int:
 
 
 def client_id(c) -> str:
-  """A client id as text (SQLite files may hold bytes)."""
+  """A client id as text (SQLite files may hold bytes).
+
+  Args:
+    c: an id (str or bytes).
+
+  Returns:
+    The id as str (bytes decoded as UTF-8).
+  """
   return c.decode('utf-8', 'replace') if isinstance(c, bytes) else str(c)
 
 

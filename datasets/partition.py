@@ -18,6 +18,10 @@ import numpy as np
 from fedjax_personal.errors import ConfigError
 
 
+__all__ = ['dirichlet', 'iid', 'label_permutation_groups', 'latent_clusters', 'Partition',
+           'PARTITIONS', 'pathological', 'quantity_skew', 'rotation_groups', 'sparse_classes']
+
+
 @dataclasses.dataclass
 class Partition:
   """Attributes:

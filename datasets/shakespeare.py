@@ -22,6 +22,10 @@ from fedjax_personal.datasets.natural_data import (BOS, EOS, IGNORE, PAD, Natura
                                                    fedjax_splits)
 
 
+__all__ = ['load_data', 'PAD_UNSCORED', 'read_clients', 'SHAKESPEARE_CLASSES', 'SHAKESPEARE_OOV',
+           'shakespeare_sequences', 'SHAKESPEARE_VOCAB', 'tff_sequences']
+
+
 # FedJAX's Shakespeare table (fedjax/datasets/shakespeare.py): byte vocab[i]
 # has label 3 + i; 0 PAD, 1 BOS, 2 EOS, 89 OOV.
 SHAKESPEARE_VOCAB = (b'dhlptx@DHLPTX $(,048cgkoswCGKOSW[_#\'/37;?bfjnrvzBFJNRVZ"&*.26:\naeimquyAEIMQUY]'
@@ -36,7 +40,15 @@ for _i, _c in enumerate(SHAKESPEARE_VOCAB):
 def shakespeare_sequences(snippets, seq_len: int):
   """FedJAX's preprocessing of one client: snippets joined as
   ``BOS s_1 EOS BOS s_2 EOS ...`` and cut into x/y rows of ``seq_len``
-  (y = x shifted by one; padded target positions IGNORE)."""
+  (y = x shifted by one; padded target positions IGNORE).
+
+  Args:
+    snippets: a client's snippets (bytes or str).
+    seq_len: characters per row.
+
+  Returns:
+    ``(x, y)`` int32 [rows, seq_len].
+  """
   joined = []
   for s in snippets:
     joined += [BOS] + _SHAKESPEARE_TABLE[np.frombuffer(bytes(s), np.uint8)].tolist() + [EOS]
@@ -53,7 +65,15 @@ def shakespeare_sequences(snippets, seq_len: int):
 def tff_sequences(snippets, seq_len: int):
   """TFF's (Reddi et al.'s) preprocessing of one client (module doc): each
   snippet ``[BOS] chars [EOS]`` padded with PAD to rows of ``seq_len + 1``,
-  x = row[:-1], y = row[1:]."""
+  x = row[:-1], y = row[1:].
+
+  Args:
+    snippets: a client's snippets (bytes or str).
+    seq_len: characters per row.
+
+  Returns:
+    ``(x, y)`` int32 [rows, seq_len].
+  """
   split = seq_len + 1
   xs, ys = [], []
   for s in snippets:
@@ -76,7 +96,18 @@ PAD_UNSCORED = {'fedjax': (), 'tff': (PAD,)}
 def read_clients(num_clients=None, data_dir=None, download=False, seq_len: int = 80,
                  windows: str = 'fedjax') -> NaturalData:
   """Federated Shakespeare (715 speaking roles), FedJAX's files, in
-  ``windows`` (``WINDOWS``: FedJAX's or TFF's)."""
+  ``windows`` (``WINDOWS``: FedJAX's or TFF's).
+
+  Args:
+    num_clients: the first N roles (None: all).
+    data_dir: where the files are.
+    download: fetch missing files.
+    seq_len: characters per row.
+    windows: ``'fedjax'`` or ``'tff'``.
+
+  Returns:
+    The speaking roles as a ``NaturalData``.
+  """
   if windows not in WINDOWS:
     raise ValueError(f'windows must be one of {list(WINDOWS)}, got {windows!r}')
   paths = list(sources.fetch('shakespeare', data_dir, download).values())

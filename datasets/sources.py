@@ -20,6 +20,11 @@ from typing import Dict, List, Optional, Set, Tuple
 from fedjax_personal.datasets import downloads, files
 from fedjax_personal.errors import DataError
 
+__all__ = ['decompress', 'extract_member', 'fetch', 'fetch_gldv2_images', 'FILES', 'GLDV2_BUNDLE',
+           'GLDV2_MD5_URL', 'GLDV2_SHARD_URL', 'GLDV2_SHARDS', 'how_to_get', 'manual_instructions',
+           'RemoteFile']
+
+
 _FEDJAX = 'https://storage.googleapis.com/gresearch/fedjax'
 
 

@@ -24,6 +24,10 @@ import numpy as np
 from fedjax_personal.datasets import tf_example
 from fedjax_personal.errors import DataError
 
+__all__ = ['fedjax_num_clients', 'fedjax_sizes', 'parse_example', 'read_fedjax', 'read_tff',
+           'tff_num_clients']
+
+
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_SCALAR, _EXT_BYTES_NDARRAY = 1, 2, 3, 4
 
 

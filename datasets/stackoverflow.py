@@ -16,6 +16,11 @@ from fedjax_personal.datasets.natural_data import (BOS, EOS, IGNORE, PAD, Natura
 from fedjax_personal.errors import ConfigError, DataError
 
 
+__all__ = ['load_data', 'read_clients', 'read_held_out', 'STACKOVERFLOW_ACCURACIES',
+           'stackoverflow_accuracy', 'stackoverflow_unscored', 'tokenize_sentences',
+           'VALIDATION_EXAMPLES']
+
+
 def read_word_count(path, vocab_size: int) -> List[str]:
   """The ``vocab_size`` most frequent words of ``stackoverflow.word_count``
   (one ``word count`` per line, most frequent first)."""
@@ -39,7 +44,14 @@ def read_word_count(path, vocab_size: int) -> List[str]:
 def stackoverflow_unscored(num_classes: int):
   """The ids next-word accuracy leaves out (PAD, BOS, EOS, the OOV bucket):
   Reddi et al.'s and the partial-personalization seed's accuracy counts only
-  in-vocabulary targets (the loss counts every non-pad one)."""
+  in-vocabulary targets (the loss counts every non-pad one).
+
+  Args:
+    num_classes: the vocabulary + 4 (the OOV id is the last).
+
+  Returns:
+    The four ids, as a tuple.
+  """
   return (PAD, BOS, EOS, num_classes - 1)
 
 
@@ -56,7 +68,15 @@ STACKOVERFLOW_ACCURACIES = {
 
 def stackoverflow_accuracy(name: str, num_classes: int):
   """(unscored targets, unpredicted classes, definition) of a published
-  Stack Overflow accuracy (``STACKOVERFLOW_ACCURACIES``)."""
+  Stack Overflow accuracy (``STACKOVERFLOW_ACCURACIES``).
+
+  Args:
+    name: a ``STACKOVERFLOW_ACCURACIES`` key.
+    num_classes: the vocabulary + 4.
+
+  Returns:
+    ``(unscored targets, unpredicted classes, definition)``.
+  """
   oov = num_classes - 1
   if name == 'fedjax_in_vocab':  # fedjax/models/stackoverflow.py's eval_metrics
     return (PAD, EOS), (PAD, BOS, EOS, oov), STACKOVERFLOW_ACCURACIES[name]
@@ -70,7 +90,16 @@ def tokenize_sentences(sentences, vocab: Dict[str, int], seq_len: int):
   """FedJAX's Stack Overflow tokenizer with one OOV bucket: ids 0 PAD, 1 BOS,
   2 EOS, 3.. the vocabulary, len(vocab) + 3 OOV; x = ids[:-1], y = ids[1:]
   of ``[BOS] words [EOS]``, truncated or padded to ``seq_len`` (padded
-  targets IGNORE)."""
+  targets IGNORE).
+
+  Args:
+    sentences: a user's posts (bytes or str, words separated by spaces).
+    vocab: word -> id (3..).
+    seq_len: tokens per row.
+
+  Returns:
+    ``(x, y)`` int32 [posts, seq_len].
+  """
   oov = len(vocab) + 3
   x = np.full((len(sentences), seq_len), PAD, np.int32)
   y = np.full((len(sentences), seq_len), IGNORE, np.int32)
@@ -127,6 +156,9 @@ def read_clients(num_clients=None, data_dir=None, download=False, vocab_size: in
       after ``VALIDATION_EXAMPLES`` of them are taken out for validation (the
       clients' ``val`` split; ``validation_counts``).
     seed: the order the validation examples are taken in (``tff_users``).
+
+  Returns:
+    The users as a ``NaturalData``.
   """
   if stackoverflow_test not in STACKOVERFLOW_TESTS:
     raise ConfigError('stackoverflow_test', f'unknown {stackoverflow_test!r}; choose one of '

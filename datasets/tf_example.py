@@ -24,6 +24,9 @@ from typing import Dict, Iterator, List, Tuple, Union
 
 import numpy as np
 
+__all__ = ['parse']
+
+
 _VARINT, _FIXED64, _LEN, _START_GROUP, _END_GROUP, _FIXED32 = 0, 1, 2, 3, 4, 5
 _MASK64 = (1 << 64) - 1
 _MAX_FIELD = (1 << 29) - 1  # protobuf's largest field number

@@ -13,6 +13,9 @@ import numpy as np
 
 from fedjax_personal.errors import ConfigError
 
+__all__ = ['is_known', 'load_tfds']
+
+
 # TFDS name (as TFDS names it; a builder config may follow: ``emnist/digits``)
 # -> (image key or text key, label key). ``emnist`` is TFDS's default config,
 # ``emnist/byclass`` (62 classes), as in TFDS.

@@ -10,6 +10,15 @@ import os as _os
 
 from fedjax_personal import checkout as _checkout
 
+# What a user imports (the subpackages algorithms, datasets and run are imported by name).
+__all__ = ['aggregation', 'batching', 'Batching', 'ClientData', 'ClientModels', 'Cohort',
+           'CohortSampler', 'Communication', 'compilation', 'config', 'ConfigError',
+           'create_executor', 'create_model', 'data', 'executors', 'FederatedAlgorithm',
+           'FederatedData', 'LocalData', 'models', 'numerics', 'RoundContext', 'RoundRunner',
+           'sampling', 'set_matmul_precision', 'summarize', 'training', 'TrainingConfig',
+           'tree_util']
+
+
 _checkout.use_this_checkout(_os.path.dirname(__file__))  # its algorithms/ and datasets/, not another's
 
 from fedjax_personal import compilation  # noqa: E402

@@ -17,6 +17,9 @@ import importlib.util
 import os
 import sys
 
+__all__ = ['checkout_root', 'use_this_checkout']
+
+
 MAPPED = ('algorithms', 'datasets')
 
 

@@ -29,6 +29,11 @@ from fedjax_personal.hparams import hparam  # noqa: F401  (declared below core; 
 from fedjax_personal.core.tree_util import is_concrete
 
 
+__all__ = ['AlgorithmSpec', 'BATCHING', 'CLIENT_LR_SCHEDULE', 'CLIENT_OPTIMIZER', 'cut_schedule',
+           'field_types', 'FINETUNE', 'flag_name', 'linear_schedule', 'NoConfig',
+           'scale_by_round_decay', 'SERVER_OPTIMIZER', 'TrainingConfig', 'validate', 'WEIGHTING']
+
+
 def field_types(cls) -> dict:
   """{field name: its base type} (``Optional[float]`` -> float)."""
   hints = typing.get_type_hints(cls)

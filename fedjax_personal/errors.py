@@ -5,6 +5,9 @@ exit status 2; ``DataError`` is the data-file case of it.
 """
 
 
+__all__ = ['ConfigError', 'DataError']
+
+
 class ConfigError(ValueError):
   """An invalid or inapplicable setting; ``name`` is the flag (or field) it
   concerns and the message starts with ``--name:``."""

@@ -8,6 +8,9 @@ import dataclasses
 from typing import Optional, Tuple
 
 
+__all__ = ['hparam']
+
+
 def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None, maximum=None,
            open_min: bool = False, open_max: bool = False, sweep: bool = False):
   """A documented hyperparameter field.

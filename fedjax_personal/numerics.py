@@ -37,6 +37,11 @@ import jax
 
 from fedjax_personal.errors import ConfigError
 
+__all__ = ['apply_default', 'canonical', 'CPU_PRECISIONS', 'DEFAULT_MATMUL_PRECISION',
+           'effective_matmul', 'matmul_precision', 'MATMUL_PRECISIONS', 'record',
+           'set_matmul_precision']
+
+
 #: --matmul_precision's names -> JAX's ``jax_default_matmul_precision`` value.
 MATMUL_PRECISIONS = {
     'float32': 'highest',

@@ -82,12 +82,12 @@ S = None  # the sizes of this run: the flags, or the scale's values
 
 def sizes():
   return types.SimpleNamespace(
-      num_clients=reproduce.scaled(FLAGS.num_clients, 20, 100),
-      participation=reproduce.scaled(FLAGS.participation, 0.25, 0.1),
-      rounds=reproduce.scaled(FLAGS.rounds, 60, 1000),
-      personal_rounds=reproduce.scaled(FLAGS.personal_rounds, 40, 500),
-      model=reproduce.scaled(FLAGS.model, 'lenet5', 'feddyn_cnn'),
-      model_init=reproduce.scaled(FLAGS.model_init, 'flax', 'pytorch'))
+      num_clients=reproduce.scaled(FLAGS, FLAGS.num_clients, 20, 100),
+      participation=reproduce.scaled(FLAGS, FLAGS.participation, 0.25, 0.1),
+      rounds=reproduce.scaled(FLAGS, FLAGS.rounds, 60, 1000),
+      personal_rounds=reproduce.scaled(FLAGS, FLAGS.personal_rounds, 40, 500),
+      model=reproduce.scaled(FLAGS, FLAGS.model, 'lenet5', 'feddyn_cnn'),
+      model_init=reproduce.scaled(FLAGS, FLAGS.model_init, 'flax', 'pytorch'))
 
 
 def run_one(name, data, settings, rounds, eval_every=1):
@@ -95,8 +95,9 @@ def run_one(name, data, settings, rounds, eval_every=1):
   alg = algorithms.build(name, model, data, **settings)
   runner = RoundRunner(alg, data, CohortSampler(data.num_clients, participation=S.participation),
                        create_executor('auto', model, data.train.x[0, :1]))
-  return reproduce.run_trials(runner, rounds, FLAGS.seed, reproduce.trials(), eval_every,
-                              cell={'algorithm': name, 'settings': settings})
+  return reproduce.run_trials(runner, rounds, FLAGS.seed, reproduce.trials(FLAGS), eval_every,
+                              cell={'algorithm': name, 'settings': settings},
+                              reuse=FLAGS.reuse_trials)
 
 
 def clipping():
@@ -137,9 +138,9 @@ def main(argv):
       raise app.UsageError(f'--personal_methods: unknown method {m!r}; choose from '
                            f'{list(TABLE2_METHODS)}', 2)
   S = sizes()
-  if reproduce.dry_run(vars(S)):
+  if reproduce.dry_run(FLAGS, vars(S)):
     return
-  directory = reproduce.output_dir('reproduce_debiasing')
+  directory = reproduce.output_dir(FLAGS, 'reproduce_debiasing')
   # The authors' code: SGD with weight decay 1e-3 for every method.
   shared = dict(client_lr=FLAGS.client_lr, batch_size=50, local_epochs=1,
                 client_weight_decay=1e-3)
@@ -158,9 +159,9 @@ def main(argv):
            f'p = {S.participation}, {S.model}, client lr {FLAGS.client_lr}'
            + (f', FedDyn data-term clip {FLAGS.max_grad_norm:g}' if FLAGS.max_grad_norm else '')
            + f'; {", ".join(what)}; '
-           f'mean ± std over {reproduce.trials()} trials of the mean over the last '
+           f'mean ± std over {reproduce.trials(FLAGS)} trials of the mean over the last '
            f'{FLAGS.stat_window} evaluations; rounds to target: mean over trials')
-  print('wrote', *reproduce.write_results(directory, 'tables', title, '\n\n'.join(parts),
+  print('wrote', *reproduce.write_results(FLAGS, directory, 'tables', title, '\n\n'.join(parts),
                                           results))
 
 
@@ -199,7 +200,7 @@ def table_one(shared, directory):
           f'{secs:.0f} s per trial', flush=True)
   print(f'\nTable 1: CIFAR-10, {S.num_clients} devices, p = {S.participation}, '
         f'Dirichlet {FLAGS.alpha_dirichlet}, {S.model}: rounds to mean test accuracy')
-  print(f'(rounds: mean over {reproduce.trials()} trials; accuracy: mean ± std over trials of '
+  print(f'(rounds: mean over {reproduce.trials(FLAGS)} trials; accuracy: mean ± std over trials of '
         f'the mean '
         f'over the last {FLAGS.stat_window} evaluations)')
   print(f"{'method':<10}" + ''.join(f'{"@" + str(int(100 * t)) + "%":>8}' for t in targets)

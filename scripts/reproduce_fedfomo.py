@@ -105,11 +105,11 @@ FLAGS = flags.FLAGS
 
 def sizes():
   return types.SimpleNamespace(
-      mnist=reproduce.scaled(None, 'mnist', 'tfds:mnist'),
-      mnist_model=reproduce.scaled(FLAGS.mnist_model, 'mlp', 'fedfomo_cnn'),
-      cifar_model=reproduce.scaled(FLAGS.cifar_model, 'lenet5', 'fedfomo_cnn'),
-      model_init=reproduce.scaled(FLAGS.model_init, 'flax', 'pytorch'),
-      cifar_per_client=reproduce.scaled(FLAGS.cifar_per_client, 600, None))
+      mnist=reproduce.scaled(FLAGS, None, 'mnist', 'tfds:mnist'),
+      mnist_model=reproduce.scaled(FLAGS, FLAGS.mnist_model, 'mlp', 'fedfomo_cnn'),
+      cifar_model=reproduce.scaled(FLAGS, FLAGS.cifar_model, 'lenet5', 'fedfomo_cnn'),
+      model_init=reproduce.scaled(FLAGS, FLAGS.model_init, 'flax', 'pytorch'),
+      cifar_per_client=reproduce.scaled(FLAGS, FLAGS.cifar_per_client, 600, None))
 
 
 def check_flags():
@@ -176,9 +176,10 @@ def run_cell(name, opts, data, model, dataset, setting):
   runner = RoundRunner(alg, data, sampler, create_executor('auto', model, data.train.x[0, :1]))
   rounds = FLAGS.rounds_15 if n == 15 else FLAGS.rounds_100
   every = 1 if n == 15 else FLAGS.eval_every_100
-  histories, secs = reproduce.run_trials(runner, rounds, FLAGS.seed, reproduce.trials(), every,
+  histories, secs = reproduce.run_trials(runner, rounds, FLAGS.seed, reproduce.trials(FLAGS), every,
                                          callbacks, cell={'algorithm': name, 'settings': settings,
-                                                          'options': opts})
+                                                          'options': opts},
+                                         reuse=FLAGS.reuse_trials)
   agg = reporting.trials_summary(histories, FLAGS.stat_window)
   out = {'mean': reproduce.cell(agg, 'accuracy_mean_window'), 'summary': agg,
          'seconds_per_trial': secs, 'epsilon': agg.get('dp_epsilon')}
@@ -244,9 +245,9 @@ def main(argv):
   del argv
   sigmas = check_flags()
   S = sizes()
-  if reproduce.dry_run(vars(S)):
+  if reproduce.dry_run(FLAGS, vars(S)):
     return
-  directory = reproduce.output_dir('reproduce_fedfomo')
+  directory = reproduce.output_dir(FLAGS, 'reproduce_fedfomo')
   results, parts = {}, []
   if '1' in FLAGS.tables:
     results['table1'], md = table_one(S)
@@ -258,11 +259,11 @@ def main(argv):
                  f'{FLAGS.dp_latent_features}, label skew {results["dp"]["label_skew"]:.2f}, '
                  f'all active)\n\n{md}')
   title = (f'FedFomo, scale {FLAGS.scale}: E = {FLAGS.local_epochs}, B = 50, mean ± std over '
-           f'{reproduce.trials()} trials of the mean over the last {FLAGS.stat_window} '
+           f'{reproduce.trials(FLAGS)} trials of the mean over the last {FLAGS.stat_window} '
            f'evaluations')
   text = '\n\n'.join(parts)
   print(f'\n{title}\n\n{text}')
-  print('wrote', *reproduce.write_results(directory, 'tables', title, text, results))
+  print('wrote', *reproduce.write_results(FLAGS, directory, 'tables', title, text, results))
 
 
 if __name__ == '__main__':

@@ -84,23 +84,24 @@ S = None  # the sizes of this run: the flags, or the scale's values
 
 def sizes():
   return types.SimpleNamespace(
-      mnist_clients=reproduce.scaled(FLAGS.mnist_clients, 50, 50),
-      mnist_rounds=reproduce.scaled(FLAGS.mnist_rounds, 60, 1000),
-      shakespeare_clients=reproduce.scaled(FLAGS.shakespeare_clients, 10, 100),
-      shakespeare_rounds=reproduce.scaled(FLAGS.shakespeare_rounds, 30, 200),
-      cifar_clients=reproduce.scaled(FLAGS.cifar_clients, 20, 100),
-      cifar_rounds=reproduce.scaled(FLAGS.cifar_rounds, 30, 200),
-      nwp_clients=reproduce.scaled(FLAGS.nwp_clients, 40, 1000),
-      nwp_rounds=reproduce.scaled(FLAGS.nwp_rounds, 100, 500))
+      mnist_clients=reproduce.scaled(FLAGS, FLAGS.mnist_clients, 50, 50),
+      mnist_rounds=reproduce.scaled(FLAGS, FLAGS.mnist_rounds, 60, 1000),
+      shakespeare_clients=reproduce.scaled(FLAGS, FLAGS.shakespeare_clients, 10, 100),
+      shakespeare_rounds=reproduce.scaled(FLAGS, FLAGS.shakespeare_rounds, 30, 200),
+      cifar_clients=reproduce.scaled(FLAGS, FLAGS.cifar_clients, 20, 100),
+      cifar_rounds=reproduce.scaled(FLAGS, FLAGS.cifar_rounds, 30, 200),
+      nwp_clients=reproduce.scaled(FLAGS, FLAGS.nwp_clients, 40, 1000),
+      nwp_rounds=reproduce.scaled(FLAGS, FLAGS.nwp_rounds, 100, 500))
 
 
 def run(name, data, model, settings, rounds, cohort, eval_every):
   alg = algorithms.build(name, model, data, **settings)
   runner = RoundRunner(alg, data, CohortSampler(data.num_clients, cohort_size=cohort),
                        create_executor('auto', model, data.train.x[0, :1]))
-  histories, seconds = reproduce.run_trials(runner, rounds, FLAGS.seed, reproduce.trials(),
+  histories, seconds = reproduce.run_trials(runner, rounds, FLAGS.seed, reproduce.trials(FLAGS),
                                             eval_every, cell={'algorithm': name,
-                                                              'settings': settings})
+                                                              'settings': settings},
+                                            reuse=FLAGS.reuse_trials)
   agg = reporting.trials_summary(histories, FLAGS.stat_window)
   return {'mean': reporting.pm(agg, 'accuracy_mean_window', digits=2),
           'q10': reporting.pm(agg, 'accuracy_q10', digits=2),
@@ -113,7 +114,7 @@ TABLES = []  # (title, Markdown table) of each table run
 
 def print_table(title, rows):
   print(f'\n{title}')
-  print(f'(mean ± std over {reproduce.trials()} trials; mean@last and worst@last: mean over the last '
+  print(f'(mean ± std over {reproduce.trials(FLAGS)} trials; mean@last and worst@last: mean over the last '
         f'{FLAGS.stat_window} evaluations; 10th pct: last evaluation)')
   print(f"{'method':<14}{'personal':<18}{'mean@last':>16}{'worst@last':>16}{'10th pct':>16}"
         f"{'s/trial':>8}")
@@ -146,9 +147,9 @@ def main(argv):
   del argv
   global S
   S = sizes()
-  if reproduce.dry_run(vars(S)):
+  if reproduce.dry_run(FLAGS, vars(S)):
     return
-  directory = reproduce.output_dir('reproduce_personalization')
+  directory = reproduce.output_dir(FLAGS, 'reproduce_personalization')
   results = {}
   # -- Table A: Per-FedAvg on MNIST, 2 classes per client ------------------------
   if 'A' in FLAGS.tables:
@@ -160,14 +161,14 @@ def main(argv):
   if 'D' in FLAGS.tables:
     table_d(results)
   title = (f'Personalization tables {", ".join(FLAGS.tables)}, scale {FLAGS.scale}: mean ± std '
-           f'over {reproduce.trials()} trials')
+           f'over {reproduce.trials(FLAGS)} trials')
   md = '\n\n'.join(f'{t}\n\n{m}' for t, m in TABLES)
-  print('wrote', *reproduce.write_results(directory, f'tables_{"".join(FLAGS.tables)}', title, md,
+  print('wrote', *reproduce.write_results(FLAGS, directory, f'tables_{"".join(FLAGS.tables)}', title, md,
                                           results))
 
 
 def table_a(results):
-  mnist = to_device(load_federated(DataConfig(dataset=reproduce.scaled(None, 'mnist', 'tfds:mnist'),
+  mnist = to_device(load_federated(DataConfig(dataset=reproduce.scaled(FLAGS, None, 'mnist', 'tfds:mnist'),
                                               partition='pathological',
                                               classes_per_client=2, num_clients=S.mnist_clients,
                                               seed=FLAGS.seed)))

@@ -127,7 +127,7 @@ STUDY = {
 def data_config(scen: str) -> DataConfig:
   cpu = FLAGS.scale == 'cpu'
   digits = 'mnist' if cpu else 'tfds:emnist/digits'  # TFDS's EMNIST digits
-  n = reproduce.scaled(FLAGS.num_clients, 20, 100 if scen == '2' else 20)
+  n = reproduce.scaled(FLAGS, FLAGS.num_clients, 20, 100 if scen == '2' else 20)
   per = FLAGS.examples_per_client
   common = dict(num_clients=n, seed=FLAGS.seed, data_dir=FLAGS.data_dir)
   if scen == '1':
@@ -137,7 +137,7 @@ def data_config(scen: str) -> DataConfig:
     return DataConfig(dataset=digits, partition='rotation', num_groups=4, group_base=FLAGS.group_base,
                       alpha=0.4, val_fraction=0.1,
                       max_examples=per * n if per else (None if cpu else 100_000), **common)
-  per = reproduce.scaled(per, 1000, None)  # 1,000 per user at cpu scale, all (3,000) at paper
+  per = reproduce.scaled(FLAGS, per, 1000, None)  # 1,000 per user at cpu scale, all (3,000) at paper
   return DataConfig(dataset='cifar10', partition='label_permutation', num_groups=4,
                     test_fraction=1 / 6, val_fraction=0.05,
                     max_examples=per * n if per else None, **common)
@@ -161,8 +161,9 @@ def run_cell(name, opts, data, model, scen, rounds):
   runner = RoundRunner(alg, data, CohortSampler(data.num_clients, cohort_size=data.num_clients),
                        create_executor('auto', model, data.train.x[0, :1]))
   histories, seconds = reproduce.run_trials(
-      runner, rounds, FLAGS.seed, reproduce.trials(), FLAGS.eval_every,
-      cell={'algorithm': name, 'settings': training(scen), 'options': opts})
+      runner, rounds, FLAGS.seed, reproduce.trials(FLAGS), FLAGS.eval_every,
+      cell={'algorithm': name, 'settings': training(scen), 'options': opts},
+      reuse=FLAGS.reuse_trials)
   agg = reporting.trials_summary(histories, FLAGS.stat_window)
   w_info = [{k: v for r in h for k, v in r.items() if k.startswith(('w_', 'streams_', 'num_c'))}
             for h in histories]
@@ -203,11 +204,11 @@ def load(scen):
 def model_name() -> str:
   """The paper's Keras LeNet-5 (average pooling) at paper scale; the
   library's LeNet-5 at cpu scale (the tables of BUILD.md)."""
-  return reproduce.scaled(FLAGS.model, 'lenet5', 'usercentric_lenet5')
+  return reproduce.scaled(FLAGS, FLAGS.model, 'lenet5', 'usercentric_lenet5')
 
 
 def model_init() -> str:
-  return reproduce.scaled(FLAGS.model_init, 'flax', 'keras')
+  return reproduce.scaled(FLAGS, FLAGS.model_init, 'flax', 'keras')
 
 
 def table_one(directory, rounds):
@@ -233,10 +234,10 @@ def table_one(directory, rounds):
           for s in FLAGS.scenarios]
   title = (f'User-centric Table I, worst-user / mean test accuracy (%), scale {FLAGS.scale}: '
            f'{rounds} rounds, mean over the last {FLAGS.stat_window} evaluations, mean ± std over '
-           f'{reproduce.trials()} trials')
+           f'{reproduce.trials(FLAGS)} trials')
   md = reproduce.markdown_table(header, rows)
   print(f'\n{title}\n{md}')
-  paths = reproduce.write_results(directory, 'table1', title, md, results)
+  paths = reproduce.write_results(FLAGS, directory, 'table1', title, md, results)
   print('wrote', *paths)
   if '2' in FLAGS.scenarios:
     plot_time(directory, {m: h for (s, m), h in curves.items() if s == '2'}, model_bytes(model))
@@ -272,12 +273,12 @@ def study(directory, rounds):
                                                    if v not in ('fedavg', 'oracle') else ''))
     rows.append(row)
   title = (f'User-centric settings study (k = 4 unless named), worst-user / mean test accuracy '
-           f'(%), scale {FLAGS.scale}: {rounds} rounds, mean ± std over {reproduce.trials()} '
+           f'(%), scale {FLAGS.scale}: {rounds} rounds, mean ± std over {reproduce.trials(FLAGS)} '
            f'trials; W: effective neighbours per user, ARI of the streams against the groups, '
            f'share of W\'s off-diagonal weight inside the user\'s group')
   md = reproduce.markdown_table(header, rows)
   print(f'\n{title}\n{md}')
-  print('wrote', *reproduce.write_results(directory, 'study', title, md, results))
+  print('wrote', *reproduce.write_results(FLAGS, directory, 'study', title, md, results))
 
 
 def model_bytes(model):
@@ -314,12 +315,12 @@ def main(argv):
       raise app.UsageError(f'--scenarios: unknown scenario {s!r}; choose from {list(SCENARIOS)}', 2)
   if FLAGS.group_base != 'dirichlet' and '2' not in FLAGS.scenarios:
     raise app.UsageError('--group_base applies to scenario 2 only; add 2 to --scenarios', 2)
-  rounds = reproduce.scaled(FLAGS.rounds, 30, 50)
-  if reproduce.dry_run({'rounds': rounds, 'model': model_name(), 'model_init': model_init(),
+  rounds = reproduce.scaled(FLAGS, FLAGS.rounds, 30, 50)
+  if reproduce.dry_run(FLAGS, {'rounds': rounds, 'model': model_name(), 'model_init': model_init(),
                         **{f'scenario {s}': data_config(s)
                                              for s in FLAGS.scenarios}}):
     return
-  directory = reproduce.output_dir('reproduce_user_centric')
+  directory = reproduce.output_dir(FLAGS, 'reproduce_user_centric')
   (study if FLAGS.study else table_one)(directory, rounds)
 
 

@@ -183,9 +183,9 @@ def test_fedfomo_needs_a_validation_split():
   """A validation split is held out by default only when an algorithm needs
   one; an explicit --val_fraction=0 with FedFomo is refused."""
   parse('--algorithm=fedavg', '--dataset=digits')
-  assert cli.val_fraction() == 0.0
+  assert cli.val_fraction(cli.read_flags()) == 0.0
   parse('--algorithm=fedavg,fedfomo', '--dataset=digits')
-  assert cli.val_fraction() == cli.DEFAULT_VAL_FRACTION == 0.1
+  assert cli.val_fraction(cli.read_flags()) == cli.DEFAULT_VAL_FRACTION == 0.1
   parse('--algorithm=fedfomo', '--dataset=digits', '--model=logreg', '--progress=false',
         '--val_fraction=0')
   with pytest.raises(ValueError, match='val_fraction'):
@@ -195,7 +195,7 @@ def test_fedfomo_needs_a_validation_split():
 @pytest.mark.parametrize('flagfile', sorted(os.listdir(os.path.join(ROOT, 'scripts', 'configs'))))
 def test_every_flagfile_is_accepted(flagfile):
   parse(f'--flagfile={os.path.join(ROOT, "scripts", "configs", flagfile)}')
-  settings = cli.validate_flags()
+  settings = cli.validate_flags(cli.read_flags())
   assert [s[0].name for s in settings] == flags.FLAGS.algorithm
 
 

@@ -126,7 +126,7 @@ def test_layers_import_downwards_only(lower, upper):
 
 def test_no_module_is_over_600_lines():
   """Rooms with one job: a module past ~600 lines holds two (split it by
-  concern, as run/settings.py, run/job.py and run/cli.py)."""
+  concern, as run/command_flags.py, run/settings.py, run/job.py and run/cli.py)."""
   long = {m: n for m, p in modules().items() if (n := len(open(p).read().splitlines())) > 600}
   assert not long, long
 
@@ -215,3 +215,20 @@ def _opening(texts, real_open):
       return io.StringIO(texts[path])
     return real_open(path, *args, **kwargs)
   return fake
+
+
+def test_flags_are_read_by_the_entry_alone():
+  """The command's settings are read once, by the entry (``run/cli.py``'s
+  ``read_flags``), into a ``Settings`` passed down: no other library module
+  reads an absl flag's value (declaring flags is not reading them)."""
+  import re
+  reads = re.compile(r'\bFLAGS\s*(\.\s*\w|\[)|\bFLAGS\s*\(')
+  found = {}
+  for name, path in modules().items():
+    code = [l.split('#')[0] for l in open(path).read().splitlines()]
+    hits = [l.strip() for l in code if reads.search(l)]
+    if hits:
+      found[name] = hits
+  assert set(found) <= {'fedjax_personal.run.entry'}, found  # parsing argv
+  cli = open(modules()['fedjax_personal.run.cli']).read()
+  assert cli.count('read(FLAGS)') == 1

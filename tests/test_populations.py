@@ -13,6 +13,7 @@ from fedjax_personal.config import TrainingConfig
 from fedjax_personal.core import hosted_state
 from fedjax_personal.core import layout as layout_lib
 from fedjax_personal.core import store as store_lib
+from fedjax_personal.run import job as job_lib
 from fedjax_personal.core.data import pad_clients, to_device
 from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.core.layout import HostData
@@ -305,7 +306,7 @@ def test_cli_device_layout_refuses_what_cannot_fit(tmp_path, monkeypatch):
   data_dir.mkdir()
   made_files.write_emnist(data_dir, np.random.default_rng(5), [4, 90, 6], [2, 2, 2])
   monkeypatch.setattr(layout_lib, 'host_available_bytes', lambda: 100_000)
-  monkeypatch.setattr(cli.memory, 'device_free_bytes', lambda: None)
+  monkeypatch.setattr(job_lib.memory, 'device_free_bytes', lambda: None)
   parse_flags('--algorithm=fedavg', '--dataset=emnist', f'--data_dir={data_dir}', '--model=logreg',
               '--rounds=1', '--progress=false', '--layout=device', f'--output_dir={tmp_path}/o')
   with pytest.raises(ConfigError, match=r'widest client \(90 examples\).* give '
@@ -330,7 +331,7 @@ def test_cli_auto_layout_moves_client_rows_that_cannot_fit_to_the_host(tmp_path,
 
   padded = 4 * 9 * (28 * 28 + 1) * 4 * 3  # about the padded population's bytes
   state = 4 * (28 * 28 * 62 + 62) * 4  # Local's four logistic regressions
-  monkeypatch.setattr(cli.memory, 'device_free_bytes', lambda: padded + state // 2)
+  monkeypatch.setattr(job_lib.memory, 'device_free_bytes', lambda: padded + state // 2)
   monkeypatch.setattr(layout_lib, 'host_available_bytes', lambda: 10 ** 12)
   job('auto')
   out = capsys.readouterr().out
@@ -348,7 +349,7 @@ def test_cli_refuses_up_front_what_host_memory_cannot_hold(tmp_path, monkeypatch
   data_dir = tmp_path / 'data'
   data_dir.mkdir()
   made_files.write_emnist(data_dir, np.random.default_rng(7), [4, 90, 6], [2, 2, 2])
-  monkeypatch.setattr(cli.memory, 'device_free_bytes', lambda: None)
+  monkeypatch.setattr(job_lib.memory, 'device_free_bytes', lambda: None)
   rows = 3 * (28 * 28 * 62 + 62) * 4  # Local's three logistic regressions
 
   def job(*args):

@@ -43,3 +43,90 @@ def test_every_public_function_and_class_has_a_docstring():
         missing.append(f'{name}.{attr}')
   assert seen > 300
   assert not missing, f'{len(missing)} public names without a docstring: {missing}'
+
+
+def test_every_module_declares_its_public_names():
+  """``__all__`` in every module: the names a user may rely on (the others
+  are the module's own helpers), each of them there."""
+  missing, unknown = [], []
+  for name in _modules():
+    module = importlib.import_module(name)
+    if not isinstance(getattr(module, '__all__', None), (list, tuple)):
+      missing.append(name)
+      continue
+    unknown += [f'{name}.{a}' for a in module.__all__ if not hasattr(module, a)]
+  assert not missing, f'modules without __all__: {missing}'
+  assert not unknown, f'__all__ names that do not exist: {unknown}'
+
+
+#: What a user meets first: the package's face, the registry, the data
+#: sets (FedJAX's load_data, the readers), the loop.
+FACE = ('fedjax_personal', 'fedjax_personal.algorithms', 'fedjax_personal.datasets',
+        'fedjax_personal.datasets.federated', 'fedjax_personal.datasets.natural',
+        'fedjax_personal.datasets.emnist', 'fedjax_personal.datasets.shakespeare',
+        'fedjax_personal.datasets.stackoverflow', 'fedjax_personal.datasets.cifar100',
+        'fedjax_personal.datasets.gldv2', 'fedjax_personal.datasets.leaf',
+        'fedjax_personal.run.experiment')
+
+
+def test_the_faces_functions_say_their_arguments_and_results():
+  """Every function of the face's ``__all__`` has Google-style ``Args:``
+  (when it takes any) and ``Returns:`` (or ``Yields:``) sections."""
+  bad = set()
+  for name in FACE:
+    module = importlib.import_module(name)
+    for attr in module.__all__:
+      obj = getattr(module, attr)
+      if not inspect.isfunction(obj):
+        continue
+      doc = obj.__doc__ or ''
+      takes = [p for p in inspect.signature(obj).parameters if p not in ('self', 'cls')]
+      if (takes and 'Args:' not in doc) or not ('Returns:' in doc or 'Yields:' in doc):
+        bad.add(f'{obj.__module__}.{obj.__name__}')
+  assert not bad, sorted(bad)
+
+
+def _public_use(code: str):
+  """Names ``code`` takes from this package that are not in the ``__all__``
+  of the module it takes them from (imports and ``alias.name`` chains)."""
+  import re
+  aliases, bad = {}, []
+  for m in re.finditer(r'^import (fedjax_personal[\w.]*) as (\w+)', code, re.M):
+    aliases[m.group(2)] = m.group(1)
+  for m in re.finditer(r'^from (fedjax_personal[\w.]*) import ([\w, ]+)', code, re.M):
+    module = importlib.import_module(m.group(1))
+    for n in (x.strip() for x in m.group(2).split(',')):
+      sub = f'{m.group(1)}.{n}'
+      try:
+        importlib.import_module(sub)
+        aliases[n] = sub  # a submodule
+      except ImportError:
+        if n not in module.__all__:
+          bad.append(sub)
+  for m in re.finditer(r'\b(\w+)((?:\.\w+)+)', code):
+    if m.group(1) not in aliases:
+      continue
+    obj = importlib.import_module(aliases[m.group(1)])
+    for part in m.group(2).strip('.').split('.'):
+      if not inspect.ismodule(obj):
+        break  # a function's or class's attributes are its own
+      if part not in obj.__all__:
+        bad.append(f'{obj.__name__}.{part}')
+        break
+      obj = getattr(obj, part)
+  return sorted(set(bad))
+
+
+def test_the_readme_and_the_notebook_use_only_public_names():
+  import json
+  import os
+  import re
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  readme = open(os.path.join(root, 'README.md')).read()
+  code = '\n'.join(re.findall(r'```python\n(.*?)```', readme, flags=re.S))
+  notebook = json.load(open(os.path.join(root, 'notebooks', 'quickstart.ipynb')))
+  code += '\n' + '\n'.join(''.join(c['source']) for c in notebook['cells']
+                           if c['cell_type'] == 'code')
+  assert 'fedjax_personal' in code
+  assert _public_use(code) == []
+  assert _public_use('import fedjax_personal as fp\nfp.core.engine._row') != []

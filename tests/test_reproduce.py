@@ -120,7 +120,7 @@ def test_results_json_is_strict(tmp_path):
   subprocess: the reproduce flags are the scripts', not the CLI's)."""
   code = ('import sys; from absl import flags; from fedjax_personal.run import reproduce; '
           'reproduce.define_flags(); flags.FLAGS(["x"]); '
-          'reproduce.write_results(sys.argv[1], "t", "title", "|a|", '
+          'reproduce.write_results(flags.FLAGS, sys.argv[1], "t", "title", "|a|", '
           '{"curve": [[45, 0.14, float("nan")]]})')
   r = subprocess.run([sys.executable, '-c', code, str(tmp_path)], capture_output=True, text=True,
                      timeout=120)

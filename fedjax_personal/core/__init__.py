@@ -9,3 +9,6 @@ per-client state (``tree_util``, ``client_state``), in-round clustering
 (``clustering``), parameter splits (``personalization``) and DP-SGD
 accounting (``privacy``). Nothing here reads flags or writes files.
 """
+
+
+__all__ = []

@@ -14,6 +14,10 @@ from flax import struct
 import jax
 import jax.numpy as jnp
 
+__all__ = ['group_means', 'is_sum', 'mix', 'normalize', 'PyTree', 'Sum', 'sum_clients',
+           'upload_mean', 'weighted_mean', 'weighted_upload']
+
+
 PyTree = Any
 
 

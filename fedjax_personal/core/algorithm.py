@@ -30,6 +30,10 @@ from fedjax_personal.models import Model
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import ClientWork, LossStats
 
+__all__ = ['ClientModels', 'ClientRows', 'cohort_train_metrics', 'Communication',
+           'FederatedAlgorithm', 'PreRound', 'PyTree', 'RoundContext']
+
+
 PyTree = Any
 
 

@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 
 
+__all__ = ['batch_indices', 'Batching', 'traced_num_steps']
+
+
 @dataclasses.dataclass(frozen=True)
 class Batching:
   """How a client walks through its local data in one round.

@@ -22,6 +22,9 @@ from fedjax_personal.errors import ConfigError
 from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_scatter
 
 
+__all__ = ['persistent_client_optimizer', 'WithClientOptState']
+
+
 @struct.dataclass
 class WithClientOptState:
   """Attributes:
@@ -33,7 +36,15 @@ class WithClientOptState:
 
 
 def persistent_client_optimizer(alg: FederatedAlgorithm, num_clients: int) -> FederatedAlgorithm:
-  """``alg`` with each client's optimizer state kept across rounds."""
+  """``alg`` with each client's optimizer state kept across rounds.
+
+  Args:
+    alg: the algorithm (its client optimizer state restarts each round).
+    num_clients: N: the state gains one optimizer state row per client.
+
+  Returns:
+    The algorithm whose client optimizer state persists (``--client_opt_state=persistent``).
+  """
   work = alg.client_work
   if work.init_opt_state is None:
     raise ConfigError('client_opt_state', f'{alg.name} keeps no client optimizer state')

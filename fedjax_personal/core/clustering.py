@@ -20,6 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 
+__all__ = ['adjusted_rand_index', 'assign', 'bipartition', 'distances', 'in_group_chance',
+           'in_group_share', 'kmeans', 'KMeansResult', 'silhouette_kmeans', 'silhouette_score']
+
+
 def sq_distances(x, c):
   """Squared Euclidean distances [N, K] between rows of x [N, D] and c [K, D]
   (one matmul; clamped at 0 against rounding)."""

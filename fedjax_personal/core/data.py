@@ -13,6 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
+__all__ = ['client_row', 'client_splits', 'ClientData', 'FederatedData', 'LocalData',
+           'PackedClientData', 'pad_clients', 'permute_eval_targets', 'split_client_examples',
+           'to_device']
+
+
 @struct.dataclass
 class ClientData:
   """One split (train, validation or test) of all clients, padded.
@@ -176,7 +181,20 @@ def client_row(tree, i):
 def pad_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray],
                 x_shape, x_dtype, y_shape=(), y_dtype=np.int32,
                 max_examples: Optional[int] = None) -> ClientData:
-  """Stacks per-client arrays into one padded ClientData (host numpy)."""
+  """Stacks per-client arrays into one padded ClientData (host numpy).
+
+  Args:
+    xs: each client's examples.
+    ys: each client's targets.
+    x_shape: one example's shape.
+    x_dtype: the examples' dtype.
+    y_shape: one target's shape.
+    y_dtype: the targets' dtype.
+    max_examples: the padded length (None: the largest client's).
+
+  Returns:
+    A ``ClientData`` [N, max_examples, ...] with each client's count.
+  """
   n = np.array([len(x) for x in xs], dtype=np.int32)
   m = int(n.max()) if max_examples is None else max_examples
   m = max(m, 0)
@@ -195,6 +213,15 @@ def split_client_examples(num_examples: int, rng: np.random.Generator,
   Rounding keeps at least one training example when the client has any, and
   gives a test example to every client with at least two examples (so that a
   per-client test accuracy exists).
+
+  Args:
+    num_examples: the client's examples.
+    rng: draws the shuffle.
+    test_fraction: the test share.
+    val_fraction: the validation share.
+
+  Returns:
+    ``(train, val, test)`` index arrays into the client's examples.
   """
   perm = rng.permutation(num_examples)
   n_test = int(round(test_fraction * num_examples))
@@ -216,7 +243,20 @@ def client_splits(x: np.ndarray, y: np.ndarray, client_indices: Sequence[np.ndar
                   val_fraction: float = 0.0, client_transform=None) -> dict:
   """Each client's train / val / test examples of a pool, unpadded:
   ``{split: ([x_i], [y_i])}`` (see ``build_federated_data`` for the
-  arguments; the population store is made from these without padding)."""
+  arguments; the population store is made from these without padding).
+
+  Args:
+    x: the pool's examples.
+    y: the pool's targets.
+    client_indices: each client's indices into the pool.
+    rng: draws each client's split.
+    test_fraction: each client's test share.
+    val_fraction: each client's validation share.
+    client_transform: ``(i, x) -> x`` applied to client i's examples (a rotation), or None.
+
+  Returns:
+    ``{split: ([x_i], [y_i])}`` for the splits train, val and test.
+  """
   splits = {'train': ([], []), 'val': ([], []), 'test': ([], [])}
   for i, idx in enumerate(client_indices):
     idx = np.asarray(idx, dtype=np.int64)

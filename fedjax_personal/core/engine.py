@@ -31,6 +31,10 @@ from fedjax_personal.core.evaluation import eval_function
 from fedjax_personal.core.sampling import CohortSampler, client_keys
 from fedjax_personal.core.training import ClientContext, LossStats
 
+__all__ = ['communication_metrics', 'PARTICIPATED', 'pre_round_functions', 'PyTree',
+           'round_functions', 'RoundRunner']
+
+
 PyTree = Any
 
 
@@ -52,6 +56,9 @@ def communication_metrics(alg, state, num_active, num_uploads=None) -> dict:
     num_active: the sampled clients (each received the downlink).
     num_uploads: the clients that sent an upload (None: every sampled one;
       fewer when the algorithm marks some as not participating).
+
+  Returns:
+    ``{'bytes_up', 'bytes_down_broadcast', 'bytes_down_unicast', ...}`` of the round (traced scalars).
   """
   comm = getattr(alg, 'algorithm', alg).communication(state)
   num_active = jnp.asarray(num_active, jnp.float32)

@@ -6,12 +6,21 @@ import numpy as np
 from fedjax_personal.core.training import LossStats
 
 
+__all__ = ['evaluation_record', 'per_client_accuracy', 'summarize']
+
+
 def summarize(stats: LossStats) -> dict:
   """Summary of per-client test metrics.
 
   Returns the unweighted mean accuracy over clients with test data, the mean
   weighted by test size, the worst and best client, quantiles
   10/25/50/75/90, and the weighted mean loss.
+
+  Args:
+    stats: per-client ``LossStats`` ([N] arrays of correct predictions, counts, summed losses).
+
+  Returns:
+    ``{'accuracy_mean', 'accuracy_weighted', 'accuracy_worst', 'accuracy_best', 'accuracy_q10', ..., 'loss_weighted'}``: floats over the clients with test data.
   """
   correct = np.asarray(stats.correct, np.float64)
   count = np.asarray(stats.count, np.float64)

@@ -37,6 +37,11 @@ from fedjax_personal.core.work_layout import (active_mask, block_loop, client_fn
                                               scan_blocks, traced_work_layout, work_layout,
                                               work_steps)
 
+__all__ = ['BlockedExecutor', 'cpu_block_size', 'create_executor', 'Executor', 'EXECUTOR_NAMES',
+           'model_has_conv', 'SequentialExecutor', 'ShardedExecutor', 'THREADED_STATE_BYTES',
+           'VmapExecutor']
+
+
 EXECUTOR_NAMES = ('auto', 'vmap', 'blocked', 'sequential', 'sharded')
 
 # make_ctx(shared_all, client) -> (ClientContext, key): builds one client's
@@ -494,6 +499,16 @@ def create_executor(name: str = 'auto', model=None, sample_x=None,
   ``block_size`` is given), as measured by benchmarks/peers/run.py and
   scripts/benchmark.py (BUILD.md). ``blocked`` named explicitly runs on
   ``num_threads`` threads (0 or 1: one fused program).
+
+  Args:
+    name: ``auto``, ``vmap``, ``blocked``, ``sequential`` or ``sharded``.
+    model: the model (``auto`` looks for convolutions and parameter bytes).
+    sample_x: one input batch of the model.
+    block_size: clients per block (``blocked``).
+    num_threads: host threads of the ``blocked`` executor (0: one per core).
+
+  Returns:
+    The ``Executor``; its ``reason`` says why ``auto`` chose it.
   """
   if name not in EXECUTOR_NAMES:
     raise ValueError(f'unknown executor {name!r}; choose one of {list(EXECUTOR_NAMES)}')

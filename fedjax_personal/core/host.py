@@ -13,6 +13,9 @@ import ctypes
 import ctypes.util
 import os
 
+__all__ = ['tune_allocator']
+
+
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _THRESHOLD = 1 << 30
 _done = []

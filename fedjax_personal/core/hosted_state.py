@@ -15,6 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 
+__all__ = ['cpu_device', 'empty_rows', 'gather_rows', 'hosted', 'HostedState', 'init_hosted',
+           'ROW_BLOCK_BYTES', 'rows_on_cpu', 'rows_per_block', 'scatter_rows', 'state_without_rows']
+
+
 @struct.dataclass
 class HostedState:
   """The host layout's state of an algorithm with client rows.

@@ -36,6 +36,10 @@ from fedjax_personal.core.data import ClientData, PackedClientData
 from fedjax_personal.core.store import SPLITS, PopulationStore, next_power_of_two, padded_length
 from fedjax_personal.errors import ConfigError
 
+__all__ = ['blocks', 'choose', 'CohortFeed', 'DEVICE_DATA_SHARE', 'GB', 'host_available_bytes',
+           'HostData', 'join_blocks', 'LAYOUTS', 'ShapePlan']
+
+
 LAYOUTS = ('auto', 'device', 'host')
 #: ``auto`` keeps the padded population on the device when it takes at most
 #: this share of the device's free memory (the host's available memory on CPU).

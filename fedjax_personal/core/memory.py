@@ -31,6 +31,10 @@ import numpy as np
 
 from fedjax_personal.errors import ConfigError
 
+__all__ = ['block_size', 'device_free_bytes', 'estimate', 'GB', 'HEADROOM', 'hlo_collectives',
+           'MODEL_COPIES', 'Need', 'step_bytes']
+
+
 MODEL_COPIES = 6
 ACTIVATION_COPIES = 3
 STEP_COPIES = 2

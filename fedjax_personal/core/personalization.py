@@ -31,6 +31,9 @@ from typing import Callable, Dict, Tuple
 
 from flax import traverse_util
 
+__all__ = ['flatten', 'make_split', 'ParamSplit', 'unflatten']
+
+
 PRESETS = ('input', 'output', 'adapter', 'all_but_output', 'all', 'block:<i>')
 INPUT_LAYERS = ('embed', 'stem', 'conv_0', 'hidden_0', 'dense_0')  # names used by ``models``
 

@@ -17,6 +17,10 @@ import numpy as np
 from fedjax_personal.core.data import ClientData, FederatedData, PackedClientData
 from fedjax_personal.errors import DataError
 
+__all__ = ['aligned_empty', 'FORMAT', 'next_power_of_two', 'padded_length', 'Population',
+           'PopulationStore', 'SPLITS']
+
+
 FORMAT = 'fedjax_personal.population/3'  # /2: per-block CRC32s; /3: client ids, eval_only
 SPLITS = ('train', 'val', 'test')
 

@@ -20,6 +20,10 @@ from fedjax_personal.hparams import hparam
 from fedjax_personal.errors import ConfigError
 
 
+__all__ = ['check_dp', 'dp_privacy', 'dp_sgd_epsilon', 'DPConfig', 'epsilon_text', 'Privacy',
+           'worst_epsilon']
+
+
 @functools.lru_cache(maxsize=65536)
 def dp_sgd_epsilon(sampling_rate: float, noise_multiplier: float, steps: int,
                    delta: float = 1e-5) -> float:

@@ -28,6 +28,9 @@ import jax
 import numpy as np
 
 
+__all__ = ['disk_bytes', 'DiskRows', 'init_on_disk', 'RowMaker']
+
+
 class RowMaker:
   """The initial rows of any clients: ``init(key)``'s client rows at the
   given indices, one leaf at a time, on the CPU backend (one compiled

@@ -10,6 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 
+__all__ = ['client_keys', 'Cohort', 'CohortSampler']
+
+
 @struct.dataclass
 class Cohort:
   """The clients of one round.

@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+__all__ = ['adaptive_server', 'AdaptiveState', 'KINDS']
+
+
 KINDS = ('adagrad', 'yogi', 'adam')
 
 

@@ -15,6 +15,13 @@ from fedjax_personal.core.data import ClientData, LocalData
 from fedjax_personal.models import Model
 from fedjax_personal.core.tree_util import tree_where
 
+__all__ = ['Batch', 'batch_loss', 'client_opt_init', 'ClientContext', 'ClientWork', 'dp_gradient',
+           'evaluate_params', 'get_batch', 'local_sgd', 'LossStats', 'opt_update', 'part',
+           'per_example_stats', 'plain_objective', 'PyTree', 'run_work', 'sgd_client_work',
+           'sgd_finetune', 'SGDCarry', 'unroll_steps', 'work_batch_indices', 'work_init',
+           'work_num_steps', 'work_step', 'zero_stats']
+
+
 PyTree = Any
 
 # Whether step loops traced now are unrolled. Executors set it while they trace
@@ -415,6 +422,14 @@ def sgd_finetune(model: Model, learning_rate: float, batching: batching_lib.Batc
   (never its test split) from the model it would use.
 
   Returns ``(params, local_data, key) -> params``.
+
+  Args:
+    model: the model.
+    learning_rate: the fine-tuning SGD step.
+    batching: batch size and steps (``--finetune_*``).
+
+  Returns:
+    ``finetune(params, local_data, key) -> params``.
   """
   opt = optax.sgd(learning_rate)
   objective = plain_objective(model)

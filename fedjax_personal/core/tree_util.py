@@ -10,6 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = ['client_slice', 'cohort_size', 'is_concrete', 'leading_size', 'PyTree', 'Rows', 'rows',
+           'SCATTER_CHUNK', 'tree_broadcast', 'tree_bytes', 'tree_gather', 'tree_scatter',
+           'tree_where']
+
+
 PyTree = Any
 
 

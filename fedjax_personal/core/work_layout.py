@@ -17,6 +17,10 @@ from fedjax_personal.core import training
 from fedjax_personal.core import tree_util
 
 
+__all__ = ['active_mask', 'block_loop', 'client_fn', 'join_owned', 'join_parts', 'limited_client',
+           'map_stacked', 'scan_blocks', 'traced_work_layout', 'work_layout', 'work_steps']
+
+
 def active_mask(active, c):
   """``active`` as a bool mask of ``c`` clients (None: all active)."""
   return jnp.ones(c, bool) if active is None else jnp.asarray(active, bool)

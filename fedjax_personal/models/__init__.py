@@ -28,6 +28,15 @@ from fedjax_personal.models.layers import (CONV_IMPLS, TILE_BYTES, TILE_MIN_BYTE
                                            to_layout)
 
 
+__all__ = ['Adapter', 'Any', 'as_float', 'avg_pool_2x2', 'batch_chunk', 'Callable', 'CharLSTM',
+           'CNN', 'ConfigError', 'Conv', 'conv_as_matmul', 'CONV_IMPLS', 'conv_layout',
+           'create_model', 'dataclasses', 'Dense', 'flatten', 'from_flax', 'from_layout',
+           'initializers', 'INITS', 'jax', 'jnp', 'LeNet5', 'LogisticRegression', 'LSTMCell',
+           'max_pool', 'max_pool_2x2', 'MLP', 'Model', 'MODELS', 'nn', 'num_params', 'Optional',
+           'REFERENCE', 'ResNetGN', 'resolve_conv_impl', 'tile_budget', 'TILE_BYTES',
+           'TILE_MIN_BYTES', 'to_layout', 'TRANSFORMER_SIZES', 'TransformerLM']
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
   """A pure model: ``init(key) -> params`` and ``apply(params, x) -> logits``.
@@ -188,6 +197,9 @@ def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0,
       parameters and, up to float reassociation, the same numbers.
     init: the initialisation convention of every layer: 'flax' (Linen's
       defaults), 'pytorch' or 'keras' (``initializers``).
+
+  Returns:
+    The ``Model`` (pure ``init`` / ``apply``).
 
   Raises:
     ConfigError: unknown name or convention, or a model that does not fit

@@ -22,6 +22,9 @@ from fedjax_personal.models.layers import (Adapter, Conv, Dense, LSTMCell, as_fl
                                            from_layout, pool_2x2, to_layout)
 
 
+__all__ = ['CharLSTM', 'CNN', 'flatten', 'LeNet5', 'LogisticRegression', 'MLP']
+
+
 def flatten(module: nn.Module, x):
   """[B, ...] -> [B, features]. Convolutional models record the NHWC shape
   they flatten (``sow``, a no-op unless asked for): a PyTorch state dict's

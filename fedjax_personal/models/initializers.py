@@ -35,6 +35,10 @@ import jax.numpy as jnp
 
 from fedjax_personal.errors import ConfigError
 
+__all__ = ['bias_init', 'check', 'describe', 'embedding_init', 'GATES', 'INITS', 'kernel_init',
+           'lstm_params']
+
+
 INITS = ('flax', 'pytorch', 'keras')
 KERAS_EMBEDDING_LIMIT = 0.05
 GATES = ('i', 'f', 'g', 'o')

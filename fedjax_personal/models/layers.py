@@ -20,6 +20,12 @@ from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import initializers
 
 
+__all__ = ['Adapter', 'as_float', 'avg_pool_2x2', 'batch_chunk', 'Conv', 'conv_as_matmul',
+           'CONV_IMPLS', 'conv_layout', 'Dense', 'from_layout', 'LSTMCell', 'max_pool',
+           'max_pool_2x2', 'pool_2x2', 'resolve_conv_impl', 'tile_budget', 'TILE_BYTES',
+           'TILE_MIN_BYTES', 'to_layout']
+
+
 def as_float(x):
   """Images as float32; integer (uint8) images scaled to [0, 1]."""
   if jnp.issubdtype(x.dtype, jnp.integer):

@@ -58,6 +58,10 @@ import jax.numpy as jnp
 
 from fedjax_personal.models.layers import Conv, Dense, as_float, max_pool
 
+__all__ = ['ConvAdapter', 'LMEmbedding', 'LMOutput', 'ResidualUnit', 'ResNetGN', 'Stage', 'Stem',
+           'TRANSFORMER_SIZES', 'TransformerAdapter', 'TransformerBlock', 'TransformerLM']
+
+
 _N002 = jax.nn.initializers.normal(0.02)
 
 #: The seed code's transformer sizes (``pfl/utils.py``, ``--arch_size``):

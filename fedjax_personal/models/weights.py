@@ -32,6 +32,9 @@ import numpy as np
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models.initializers import GATES
 
+__all__ = ['load', 'save_npz']
+
+
 FLAG = 'init_weights'
 
 

@@ -4,3 +4,6 @@ trials (``sweep``), checkpoints (``checkpointing``), run identities
 (``timing``), several processes (``distributed``), the reproduce scripts'
 shared parts (``reproduce``) and the command line (``cli``).
 """
+
+
+__all__ = []

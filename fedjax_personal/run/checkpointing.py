@@ -25,6 +25,9 @@ if TYPE_CHECKING:
   import orbax.checkpoint as ocp
 
 
+__all__ = ['Checkpointer', 'manager', 'restore_latest', 'rows_manifest_of', 'save']
+
+
 def _ocp():
   """``orbax.checkpoint``, imported when a run first checkpoints or
   resumes (0.4 s a process spends otherwise at its start)."""

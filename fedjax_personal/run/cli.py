@@ -10,10 +10,36 @@ import time
 
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.run import distributed, entry, experiment, faults
-from fedjax_personal.run.job import *  # noqa: F401,F403  (main_job and its steps)
-from fedjax_personal.run.job import main_job
+from fedjax_personal.run import job as job_lib
+from fedjax_personal.run.job import *  # noqa: F401,F403  (the main job's steps)
 from fedjax_personal.run.settings import *  # noqa: F401,F403  (flags, settings)
-from fedjax_personal.run.settings import FLAGS, register  # noqa: F401
+from fedjax_personal.run.settings import FLAGS, Settings, read, register  # noqa: F401
+
+
+__all__ = ['main', 'main_job', 'read_flags', 'run']
+
+
+def read_flags() -> Settings:
+  """The parsed flags as ``Settings``: the one place the library reads them
+  (then passed down to the job's steps).
+
+  Returns:
+    The settings of ``flags.FLAGS`` as parsed now.
+  """
+  return read(FLAGS)
+
+
+def main_job(opts: Settings = None):
+  """The main job (``job.main_job``) of ``opts``, by default of the parsed
+  flags.
+
+  Args:
+    opts: the settings (None: ``read_flags()``).
+
+  Returns:
+    {row label: final summary}, as ``job.main_job``.
+  """
+  return job_lib.main_job(read_flags() if opts is None else opts)
 
 
 
@@ -23,15 +49,16 @@ def main(argv):
   if len(argv) > 1:
     print(f'error: unexpected arguments {argv[1:]}', file=sys.stderr)
     sys.exit(2)
-  if not FLAGS['verbosity'].present:
+  opts = read_flags()
+  if not opts['verbosity'].present:
     from absl import logging
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
   faults.install_signal_handlers()
   try:
-    distributed.initialize(distributed.settings(FLAGS.coordinator_address, FLAGS.num_processes,
-                                                FLAGS.process_id),
-                           FLAGS.distributed_timeout)
-    main_job()
+    distributed.initialize(distributed.settings(opts.coordinator_address, opts.num_processes,
+                                                opts.process_id),
+                           opts.distributed_timeout)
+    main_job(opts)
     done = faults.finished_line()
     if done:  # a signal after the last round: nothing was cut short
       print(done, file=faults.error_stream(), flush=True)
@@ -53,14 +80,14 @@ def main(argv):
     _fail(stop, stop.status)
   except Exception as e:  # a storage or lost-process fault: one line; else the traceback
     if faults.storage_reason(e):
-      name = getattr(e, 'filename', None) or job_output_dir()
+      name = getattr(e, 'filename', None) or job_output_dir(opts)
       _fail(faults.storage_error(name, e), faults.EXIT_STORAGE)
     reason = faults.lost_process_reason(e) if distributed.active() else None
     if reason:
       time.sleep(4 * distributed.POLL_SECONDS)  # the lost one's heartbeat goes stale
       silent = distributed.silent_processes()
       reason = f'{silent} stopped answering: {reason}' if silent else reason
-      _fail(faults.lost_process(reason, FLAGS.coordinator_address or '(from the environment)'),
+      _fail(faults.lost_process(reason, opts.coordinator_address or '(from the environment)'),
             faults.EXIT_LOST_PROCESS)
     if distributed.report_failure(f'{type(e).__name__}: {e}'):
       import traceback
@@ -88,9 +115,9 @@ def _fail(error, status: int):
   sys.exit(status)
 
 
-def job_output_dir() -> str:
+def job_output_dir(opts: Settings) -> str:
   """The run's output folder as a message names it."""
-  return FLAGS.output_dir or 'the output folder'
+  return opts.output_dir or 'the output folder'
 
 
 def run():

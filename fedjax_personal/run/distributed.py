@@ -45,6 +45,10 @@ import numpy as np
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.run import faults
 
+__all__ = ['active', 'barrier', 'check_same_run', 'describe', 'hard_exit', 'initialize',
+           'is_primary', 'POLL_SECONDS', 'report_failure', 'settings', 'silent_processes']
+
+
 ERROR_KEY = 'fedjax_personal/error'
 ENV = {'coordinator_address': 'JAX_COORDINATOR_ADDRESS', 'num_processes': 'JAX_NUM_PROCESSES',
        'process_id': 'JAX_PROCESS_ID'}

@@ -18,6 +18,9 @@ from fedjax_personal.errors import ConfigError
 from fedjax_personal.run import faults
 
 
+__all__ = ['parse_flags', 'run_script']
+
+
 def parse_flags(argv):
   """absl's flag parsing, but a bad flag is a one-line error with exit
   status 2 (absl exits 1)."""

@@ -63,7 +63,14 @@ class Callback:
 
 
 def seed_keys(seed: int):
-  """(init, train, eval) keys of a run with this seed."""
+  """(init, train, eval) keys of a run with this seed.
+
+  Args:
+    seed: the run's seed.
+
+  Returns:
+    Three PRNG keys.
+  """
   return jax.random.split(jax.random.key(seed), 3)
 
 
@@ -178,6 +185,16 @@ def run(runner: RoundRunner, num_rounds: int, seed: int = 0, eval_every: int = 5
         history: Optional[List[dict]] = None):
   """One run (``run_many`` of a ``SingleRun``).
 
+  Args:
+    runner: the ``RoundRunner``.
+    num_rounds: rounds to run.
+    seed: the run's seed (``seed_keys``).
+    eval_every: evaluate every this many rounds (0: at the end only).
+    callbacks: ``Callback`` objects called each round.
+    state: a state to continue from (None: ``runner.init``).
+    start_round: rounds already done (a resume).
+    history: the records so far (a resume).
+
   Returns:
     (final state, history: one dict per round; evaluated rounds carry the
     summary keys and 'per_client_accuracy'; rounds where the algorithm's
@@ -192,7 +209,16 @@ def run(runner: RoundRunner, num_rounds: int, seed: int = 0, eval_every: int = 5
 
 
 def rounds_to_target(history: List[dict], target: float, key: str = 'accuracy_mean'):
-  """First evaluated round whose ``key`` reaches ``target`` (None if never)."""
+  """First evaluated round whose ``key`` reaches ``target`` (None if never).
+
+  Args:
+    history: a run's records.
+    target: an accuracy in (0, 1].
+    key: the record key compared.
+
+  Returns:
+    The round, or None.
+  """
   for r in history:
     if key in r and r[key] >= target:
       return r['round']

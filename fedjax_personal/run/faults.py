@@ -29,6 +29,13 @@ import tempfile
 import threading
 from typing import Optional
 
+__all__ = ['captured_stderr', 'claim_report', 'error_stream', 'EXIT_SIGNAL', 'Fault',
+           'finished_line', 'install_signal_handlers', 'Interrupted', 'interrupted', 'kept',
+           'lost_process', 'lost_process_reason', 'LostProcess', 'PROGRESS', 'quiet_exit',
+           'reported_status', 'share_stop_requests', 'signal_received', 'start_algorithm',
+           'stop_requested', 'storage_error', 'storage_reason', 'StorageError', 'where']
+
+
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_LOST_PROCESS, EXIT_STORAGE = 2, 3, 69, 74
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 

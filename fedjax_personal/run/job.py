@@ -22,7 +22,7 @@ from fedjax_personal import compilation, numerics
 from fedjax_personal.datasets import shakespeare, stackoverflow
 from fedjax_personal.run import (checkpointing, distributed, experiment, faults, plots,
                                  process_settings, reporting, run_identity)
-from fedjax_personal.run.settings import (FLAGS, check, data_config, default_output_dir,
+from fedjax_personal.run.settings import (Settings, check, data_config, default_output_dir,
                                           job_identity, process_flags, row_label, sampler_for,
                                           sweep_configs, sweepable, validate_flags)
 from fedjax_personal.config import TrainingConfig
@@ -39,13 +39,16 @@ from fedjax_personal.models import inputs as model_inputs
 from fedjax_personal.core.tree_util import tree_bytes
 
 
-def _make_runs(spec, alg, training, cfg, ignored, model, data, executor, cfgs):
+__all__ = ['Job', 'load_data', 'main_job', 'say']
+
+
+def _make_runs(opts: Settings, spec, alg, training, cfg, ignored, model, data, executor, cfgs):
   """The loop's ``Runs`` of one algorithm: a single run, or its
   configurations (sweep, trials) as one vmapped program when the executor is
   fused, else one after another."""
   if cfgs is None:
-    return experiment.SingleRun(RoundRunner(alg, data, sampler_for(data), executor),
-                                FLAGS.seed)
+    return experiment.SingleRun(RoundRunner(alg, data, sampler_for(opts, data), executor),
+                                opts.seed)
   from fedjax_personal.run import sweep
   names = sweepable()
 
@@ -60,14 +63,15 @@ def _make_runs(spec, alg, training, cfg, ignored, model, data, executor, cfgs):
   # device; the host layout runs them one after another on shared gathers.
   one_program = executor.fused and not isinstance(data, HostData)
   runs = sweep.SweepRunner if one_program else sweep.LoopRuns
-  return runs(build, cfgs, data, sampler_for(data), executor)
+  return runs(build, cfgs, data, sampler_for(opts, data), executor)
 
 
 @dataclasses.dataclass
 class Job:
   """What the main job's steps pass on: the data and its identity, the model
   and executor, the algorithms with their settings and run identities, the
-  output folder, and the results so far."""
+  output folder, and the results so far; ``opts`` holds the command's settings."""
+  opts: Settings = None
   cfgs: Any = None
   data: Any = None
   population: Any = None
@@ -87,22 +91,22 @@ class Job:
   groups: dict = dataclasses.field(default_factory=dict)
 
 
-def main_job() -> Dict[str, dict]:
+def main_job(opts: Settings) -> Dict[str, dict]:
   """Runs every algorithm of --algorithm on the same data (each a single run,
   or with --sweep/--sweep_seeds/--trials its configurations through the same
   loop); writes outputs and prints the comparison table. Returns {row label:
   final summary}. With --dry_run, stops after building everything (nothing
   trained or written) and returns {}."""
-  settings = validate_flags()
-  process_settings.set_numerics()
-  process_settings.set_compilation_cache()
-  job = Job(cfgs=sweep_configs())
+  settings = validate_flags(opts)
+  process_settings.set_numerics(opts)
+  process_settings.set_compilation_cache(opts)
+  job = Job(opts=opts, cfgs=sweep_configs(opts))
   load_data(job)
   build_model_and_executor(job)
   build_algorithms(job, settings)
   settle_layout(job, settings)
   choose_output_dir(job)
-  if FLAGS.dry_run:
+  if opts.dry_run:
     print(f'dry run: {len(job.algs)} algorithm(s) built; nothing trained or written')
     return {}
   try:
@@ -121,38 +125,39 @@ def load_data(job: Job) -> None:
   """The federated data in its layout (``--layout``: padded on the device,
   or the population store on the host) and what every algorithm's run
   identity shares (the same in both layouts)."""
-  cfg = data_config()
-  cap = FLAGS.max_client_examples
-  check(not FLAGS.rebuild_store or datasets_lib.streams_to_store(cfg), 'rebuild_store',
-        f'rebuilds the population store of a data set read from its files; {FLAGS.dataset} '
+  opts = job.opts
+  cfg = data_config(opts)
+  cap = opts.max_client_examples
+  check(not opts.rebuild_store or datasets_lib.streams_to_store(cfg), 'rebuild_store',
+        f'rebuilds the population store of a data set read from its files; {opts.dataset} '
         f'({cfg.partition}) is built in memory every run')
-  check(not FLAGS.verify_store or datasets_lib.streams_to_store(cfg), 'verify_store',
-         f'checks the population store of a data set read from its files; {FLAGS.dataset} '
+  check(not opts.verify_store or datasets_lib.streams_to_store(cfg), 'verify_store',
+         f'checks the population store of a data set read from its files; {opts.dataset} '
          f'({cfg.partition}) is built in memory, with nothing to check')
   if datasets_lib.streams_to_store(cfg):  # written once into the cache, client by client
-    store = datasets_lib.load_store(cfg, verify=FLAGS.verify_store, rebuild=FLAGS.rebuild_store,
+    store = datasets_lib.load_store(cfg, verify=opts.verify_store, rebuild=opts.rebuild_store,
                                     should_stop=faults.signal_received)
     fingerprint = store.digest
   else:  # built in memory, unpadded (padded only if the device layout holds it)
     store = datasets_lib.load_store(cfg)
     fingerprint = run_identity.padded_fingerprint(store)  # as earlier runs': padded arrays'
-  if FLAGS.client_ids:
-    store = chosen_clients(store, FLAGS.client_ids)
+  if opts.client_ids:
+    store = chosen_clients(store, opts.client_ids)
     fingerprint = store.digest
   population = store.population(cap)
   train_counts = np.asarray(population.train.num_examples)
   check(int(train_counts.sum()) > 0, 'num_clients', 'no client has training data')
   if int(np.asarray(population.test.num_examples).sum()) == 0:
-    raise ConfigError('dataset', f'{FLAGS.dataset}: no training client has a test example (the '
+    raise ConfigError('dataset', f'{opts.dataset}: no training client has a test example (the '
                       'test file\'s clients match none of the training file\'s): check the '
                       'test file, or --data_dir')
   trained = population.num_trained
-  check(FLAGS.cohort_size is None or FLAGS.cohort_size <= trained, 'cohort_size',
-         f'must be in [1, {trained}] (the clients of {FLAGS.dataset} that train), got '
-         f'{FLAGS.cohort_size}')
+  check(opts.cohort_size is None or opts.cohort_size <= trained, 'cohort_size',
+         f'must be in [1, {trained}] (the clients of {opts.dataset} that train), got '
+         f'{opts.cohort_size}')
   free = memory.device_free_bytes() or (layout_lib.host_available_bytes()
                                         if jax.default_backend() == 'cpu' else None)
-  layout, reason = layout_lib.choose(FLAGS.layout, store.padded_nbytes(cap), free,
+  layout, reason = layout_lib.choose(opts.layout, store.padded_nbytes(cap), free,
                                      int(train_counts.max()), cap)
   if layout == 'host' and jax.process_count() > 1:
     padded_bytes = store.padded_nbytes(cap)
@@ -166,19 +171,19 @@ def load_data(job: Job) -> None:
                         'layout), or give --max_client_examples / --num_clients')
     layout, reason = 'device', 'several processes run on the device layout'
   say(population.describe())
-  if FLAGS.dataset in ('emnist', 'emnist_digits'):
-    say('pixels: ' + ('fedjax (1 - x, ink 1: FedJAX\'s load_data)' if FLAGS.emnist_pixels == 'fedjax'
+  if opts.dataset in ('emnist', 'emnist_digits'):
+    say('pixels: ' + ('fedjax (1 - x, ink 1: FedJAX\'s load_data)' if opts.emnist_pixels == 'fedjax'
                       else 'tff (the raw pixels, ink 0: TFF\'s, as Reddi et al. feed them)'))
-  if FLAGS.dataset == 'stackoverflow':
+  if opts.dataset == 'stackoverflow':
     say('test set: ' + ('the train users\' own test posts (train_users)'
-                        if FLAGS.stackoverflow_test == 'train_users' else
+                        if opts.stackoverflow_test == 'train_users' else
                         'every test user, held out, pooled, less 10,000 posts for validation '
                         '(tff_users: Reddi et al.\'s task)'))
   job.layout_reason, job.store = reason, store
-  job.identity = job_identity(fingerprint, cap)
+  job.identity = job_identity(opts, fingerprint, cap)
   if job.cfgs is not None:
-    job.identity['sweep'] = {'sweep': FLAGS.sweep, 'sweep_seeds': FLAGS.sweep_seeds,
-                             'trials': FLAGS.trials}
+    job.identity['sweep'] = {'sweep': opts.sweep, 'sweep_seeds': opts.sweep_seeds,
+                             'trials': opts.trials}
   job.layout = layout
   if layout == 'device':
     job.population = store.padded(cap)
@@ -206,47 +211,48 @@ def chosen_clients(store: PopulationStore, path: str) -> PopulationStore:
 def build_model_and_executor(job: Job) -> None:
   """The model (its initialisation convention, or weights from a file) and
   the executor."""
+  opts = job.opts
   sample_x = (job.population.sample_x if job.layout == 'host'
               else job.data.train.x[0, :1])
-  transform = (None if FLAGS.cifar100_preprocess == 'none'
-               else model_inputs.TRANSFORMS[FLAGS.cifar100_preprocess]())
+  transform = (None if opts.cifar100_preprocess == 'none'
+               else model_inputs.TRANSFORMS[opts.cifar100_preprocess]())
   raw_x = sample_x
   if transform is not None:  # the model is built on, and sees, transformed inputs
     sample_x = np.asarray(transform.evaluate(jnp.asarray(sample_x)))
     job.identity['inputs'] = transform.name
     say(f'inputs: {transform.name}, {transform.description}')
-  job.model = create_model(FLAGS.model, job.population.num_classes, sample_x, FLAGS.adapter_dim,
-                           conv_impl=FLAGS.conv_impl, init=FLAGS.model_init)
+  job.model = create_model(opts.model, job.population.num_classes, sample_x, opts.adapter_dim,
+                           conv_impl=opts.conv_impl, init=opts.model_init)
   conv = process_settings.conv_impl_of(job.model, sample_x)
-  check(conv is not None or not FLAGS['conv_impl'].present, 'conv_impl',
-        f'does nothing: --model={FLAGS.model} has no convolution')
+  check(conv is not None or not opts['conv_impl'].present, 'conv_impl',
+        f'does nothing: --model={opts.model} has no convolution')
   job.identity['numerics'] = numerics.record(conv)
   say('numerics: matmul precision ' + numerics.effective_matmul() + (
       f'; convolutions {conv}' + (f' (auto on {jax.default_backend()})'
-                                  if FLAGS.conv_impl == 'auto' else '') if conv else ''))
-  if FLAGS.dataset == 'stackoverflow':  # next-word accuracy as one publisher defines it
+                                  if opts.conv_impl == 'auto' else '') if conv else ''))
+  if opts.dataset == 'stackoverflow':  # next-word accuracy as one publisher defines it
     unscored, unpredicted, definition = stackoverflow.stackoverflow_accuracy(
-        FLAGS.stackoverflow_accuracy, job.population.num_classes)
+        opts.stackoverflow_accuracy, job.population.num_classes)
     job.model = job.model.scoring_only_words(unscored, unpredicted=unpredicted,
                                              definition=definition)
-    say(f'accuracy: {FLAGS.stackoverflow_accuracy}, {definition}')
-  if FLAGS.dataset == 'shakespeare' and FLAGS.shakespeare_windows == 'tff':
+    say(f'accuracy: {opts.stackoverflow_accuracy}, {definition}')
+  if opts.dataset == 'shakespeare' and opts.shakespeare_windows == 'tff':
     job.model = job.model.scoring_only_words(
         shakespeare.PAD_UNSCORED['tff'], top_k=0,
         definition='TFF windows: accuracy over the targets but PAD (PAD targets in the loss)')
     say(f'windows: tff, {job.model.accuracy_definition}')
-  if FLAGS.init_weights:
-    job.model = job.model.starting_from(weights.load(FLAGS.init_weights, job.model, sample_x))
+  if opts.init_weights:
+    job.model = job.model.starting_from(weights.load(opts.init_weights, job.model, sample_x))
   if transform is not None:
     job.model = model_inputs.with_inputs(job.model, transform)
-  _check_model_fits_targets(job.model, raw_x, job.store.y_spec()[0], job.population.num_classes)
+  _check_model_fits_targets(opts, job.model, raw_x, job.store.y_spec()[0], job.population.num_classes)
   try:
-    job.executor = create_executor(FLAGS.executor, job.model, sample_x, FLAGS.block_size)
+    job.executor = create_executor(opts.executor, job.model, sample_x, opts.block_size)
   except ValueError as e:
     raise ConfigError('executor', str(e)) from None
 
 
-def _check_model_fits_targets(model, sample_x, y_shape, num_classes) -> None:
+def _check_model_fits_targets(opts: Settings, model, sample_x, y_shape, num_classes) -> None:
   """Refuses a model whose predictions do not match the data set's targets
   (an image model on token sequences, a sequence model on labels), before
   anything is built: one line naming --model."""
@@ -256,13 +262,13 @@ def _check_model_fits_targets(model, sample_x, y_shape, num_classes) -> None:
   try:
     out = jax.eval_shape(model.apply, params, jnp.asarray(sample_x)[:1]).shape[1:]
   except Exception as e:  # the model cannot even read these inputs
-    raise ConfigError('model', f'--model={FLAGS.model} cannot read {FLAGS.dataset}\'s inputs '
+    raise ConfigError('model', f'--model={opts.model} cannot read {opts.dataset}\'s inputs '
                       f'{tuple(np.shape(sample_x)[1:])}: {type(e).__name__}') from None
   want = tuple(y_shape) + (num_classes,)
   if tuple(out) != want:
     kind = 'a sequence of targets' if len(y_shape) else 'one label'
-    raise ConfigError('model', f'--model={FLAGS.model} predicts {tuple(out)} per example, '
-                      f'{FLAGS.dataset} has {kind} per example ({want} expected): choose a '
+    raise ConfigError('model', f'--model={opts.model} predicts {tuple(out)} per example, '
+                      f'{opts.dataset} has {kind} per example ({want} expected): choose a '
                       + ('sequence model (char_lstm, lstm_lm, transformer_lm)' if len(y_shape)
                          else 'classifier (mlp, cnn, lenet5, ...)'))
 
@@ -270,19 +276,20 @@ def _check_model_fits_targets(model, sample_x, y_shape, num_classes) -> None:
 def build_algorithms(job: Job, settings) -> None:
   """Every algorithm, built before any trains (a bad setting fails fast), with
   its run identity."""
+  opts = job.opts
   job.algs = [(spec, algorithms_lib.build(spec.name, job.model, job.population, training=t,
                                           config=cfg),
                t, cfg, ignored, run_identity.identity(spec.name, t, cfg, job.identity))
               for spec, t, cfg, ignored in settings]
   if job.population.eval_only:
     for _, alg, *_ in job.algs:
-      _check_global_evaluation(alg, job.population.eval_only)
-  if FLAGS['dp_delta'].present and not any(a.privacy is not None for _, a, *_ in job.algs):
+      _check_global_evaluation(opts, alg, job.population.eval_only)
+  if opts['dp_delta'].present and not any(a.privacy is not None for _, a, *_ in job.algs):
     raise ConfigError('dp_delta', 'does nothing: no requested algorithm runs DP-SGD '
                       '(--fedfomo_dp_clip_norm > 0)')
 
 
-def _check_global_evaluation(alg, held_out: int) -> None:
+def _check_global_evaluation(opts: Settings, alg, held_out: int) -> None:
   """Held-out clients (``eval_only``) never train: an algorithm that
   evaluates personal models, or adapts a model to a client's own training
   data before evaluating it, would report untrained or unadapted models
@@ -293,7 +300,7 @@ def _check_global_evaluation(alg, held_out: int) -> None:
     how = ('fine-tunes on' if alg.finetune is not None else 'adapts to'
            if alg.evaluate_client is not None else 'evaluates personal models trained on')
     flag, other = (('stackoverflow_test', 'train_users (the train users\' own test posts)')
-                   if FLAGS.dataset == 'stackoverflow' else
+                   if opts.dataset == 'stackoverflow' else
                    ('cifar100_test', 'split (each client\'s images split for test)'))
     raise ConfigError(flag, f'{alg.name} {how} each client\'s own training data; the '
                       f'{held_out:,} held-out test clients have none: give --{flag}={other} '
@@ -310,6 +317,7 @@ def settle_layout(job: Job, settings) -> None:
   population) and ``device`` is refused; in the host layout every
   configuration's client rows must fit the host. Refused in one line before
   anything is made, never left to the out-of-memory killer."""
+  opts = job.opts
   num = len(job.cfgs) if job.cfgs is not None else 1
   times = f' x {num} configurations' if num > 1 else ''
   if job.layout == 'device':
@@ -320,19 +328,19 @@ def settle_layout(job: Job, settings) -> None:
     sizes = {alg.name: tree_bytes(jax.eval_shape(alg.init, jax.random.key(0)))
              for _, alg, *_ in job.algs}
     name = max(sizes, key=sizes.get)
-    need = copies * job.store.padded_nbytes(FLAGS.max_client_examples) + num * sizes[name]
+    need = copies * job.store.padded_nbytes(opts.max_client_examples) + num * sizes[name]
     if free is not None and need > free:
       what = (f'the padded population and {name}\'s state{times} need '
               f'{need / layout_lib.GB:.2f} GB, {free / layout_lib.GB:.1f} GB free')
-      if FLAGS.layout == 'device' or jax.process_count() > 1:
+      if opts.layout == 'device' or jax.process_count() > 1:
         raise ConfigError('layout', f'--layout=device: {what}; give --layout=host (one '
                           'process) or fewer clients')
       job.layout, job.layout_reason = 'host', f'auto: {what}; client rows on the host'
-      job.population = job.store.population(FLAGS.max_client_examples)
-      job.data = HostData(job.store, FLAGS.max_client_examples)
+      job.population = job.store.population(opts.max_client_examples)
+      job.data = HostData(job.store, opts.max_client_examples)
       build_algorithms(job, settings)
   say(f'layout: {job.layout} ({job.layout_reason})')
-  check(FLAGS.client_state in ('memory', 'auto') or job.layout == 'host', 'client_state',
+  check(opts.client_state in ('memory', 'auto') or job.layout == 'host', 'client_state',
         'keeps client rows in files in the host layout; this run is on the device layout '
         '(give --layout=host)')
   if job.layout == 'host':
@@ -342,9 +350,9 @@ def settle_layout(job: Job, settings) -> None:
              for _, alg, *_ in job.algs if alg.client_rows is not None}
     most = max(sizes.values(), default=0)
     why = ''
-    if FLAGS.client_state == 'disk' and sizes:
+    if opts.client_state == 'disk' and sizes:
       job.rows_on_disk, why = True, 'asked for'
-    elif FLAGS.client_state == 'auto' and available is not None and most > 0.5 * available:
+    elif opts.client_state == 'auto' and available is not None and most > 0.5 * available:
       job.rows_on_disk = True
       why = (f'auto: {most / layout_lib.GB:.1f} GB of rows, more than half of the '
              f'{available / layout_lib.GB:.1f} GB available')
@@ -357,8 +365,8 @@ def settle_layout(job: Job, settings) -> None:
       if alg.client_rows is not None:
         nbytes = sizes[alg.name]
         if available is not None and nbytes > 0.9 * available:
-          flag = 'algorithm' if num == 1 else 'sweep' if FLAGS.sweep else (
-              'trials' if FLAGS.trials > 1 else 'sweep_seeds')
+          flag = 'algorithm' if num == 1 else 'sweep' if opts.sweep else (
+              'trials' if opts.trials > 1 else 'sweep_seeds')
           raise ConfigError(flag, f'{alg.name} keeps {nbytes / layout_lib.GB:.1f} GB of '
                             f'client rows{times} in host memory, '
                             f'{available / layout_lib.GB:.1f} GB available: give fewer '
@@ -371,13 +379,14 @@ def settle_layout(job: Job, settings) -> None:
 def choose_output_dir(job: Job) -> None:
   """--output_dir or the configuration's default folder; with several
   processes, every process must run the same configuration."""
+  opts = job.opts
   identities = {spec.name: ident for spec, _, _, _, _, ident in job.algs}
-  job.output_dir = FLAGS.output_dir or default_output_dir(identities)
+  job.output_dir = opts.output_dir or default_output_dir(opts, identities)
   faults.PROGRESS.output_dir = job.output_dir
   if job.rows_on_disk:  # the run's client rows, in files under its output folder
     job.data = dataclasses.replace(job.data,
                                    rows_folder=os.path.join(job.output_dir, 'client_rows'))
-  distributed.check_same_run({'algorithms': identities, 'flags': process_flags()},
+  distributed.check_same_run({'algorithms': identities, 'flags': process_flags(opts)},
                              run_identity.differences)
   why = f' ({job.executor.reason})' if job.executor.reason else ''
   say(f'executor: {job.executor.describe()} on {jax.default_backend()}{why}; outputs in '
@@ -393,20 +402,22 @@ def claim_and_restore(job: Job) -> None:
   """Makes the output folders this configuration's (process 0 writes, the
   others wait), builds each algorithm's runs, and with --resume restores them
   from their latest checkpoints (every process its own shards)."""
-  resume = FLAGS.resume or FLAGS.resume_if_found
+  opts = job.opts
+  resume = opts.resume or opts.resume_if_found
   identities = {spec.name: ident for spec, _, _, _, _, ident in job.algs}
   if resume:
     _check_process_count(job.output_dir)
   if distributed.is_primary():
     run_identity.lock(job.output_dir)  # held until the job ends (main_job unlocks)
-    run_identity.claim(job.output_dir, {'algorithms': identities}, FLAGS.overwrite, resume)
+    run_identity.claim(job.output_dir, {'algorithms': identities}, opts.overwrite, resume)
     for spec, *_, ident in job.algs:
-      run_identity.claim(os.path.join(job.output_dir, spec.name), ident, FLAGS.overwrite, resume)
+      run_identity.claim(os.path.join(job.output_dir, spec.name), ident, opts.overwrite, resume)
   distributed.barrier('claimed output folders')
   if job.rows_on_disk:  # the live client rows, made afresh (a resume rewrites them)
     shutil.rmtree(job.data.rows_folder, ignore_errors=True)
   for spec, alg, t, cfg, ignored, ident in job.algs:
-    runs = _make_runs(spec, alg, t, cfg, ignored, job.model, job.data, job.executor, job.cfgs)
+    runs = _make_runs(opts, spec, alg, t, cfg, ignored, job.model, job.data, job.executor,
+                      job.cfgs)
     job.runs[spec.name] = runs
     plan = getattr(getattr(getattr(runs, 'runner', None), 'feed', None), 'plan', None)
     if plan is not None and spec is job.algs[0][0]:
@@ -415,14 +426,14 @@ def claim_and_restore(job: Job) -> None:
       continue
     ckpt_dir = os.path.join(job.output_dir, spec.name, 'checkpoints')
     got = checkpointing.restore_latest(ckpt_dir, runs.init(), ident)
-    if got is None and FLAGS.resume:
+    if got is None and opts.resume:
       raise ConfigError('resume', f'no checkpoint of {spec.name} in {ckpt_dir}; run without '
                         '--resume, or with --resume_if_found to start fresh where there is none')
     if got is None:
       say(f'{spec.name}: no checkpoint in {ckpt_dir}; starting fresh')
-    elif got[1] > FLAGS.rounds:
+    elif got[1] > opts.rounds:
       raise ConfigError('rounds', f'the checkpoint of {spec.name} is at round {got[1]}, past '
-                        f'--rounds={FLAGS.rounds}')
+                        f'--rounds={opts.rounds}')
     job.restored[spec.name] = got
 
 
@@ -439,26 +450,28 @@ def _check_process_count(output_dir: str) -> None:
 def _callbacks(job: Job, alg_name, alg, ident, hists, start):
   """The loop's callbacks: metrics, checkpoints, diagnostics, progress (files
   and the bar on process 0; checkpoints on every process)."""
+  opts = job.opts
   out_dir = os.path.join(job.output_dir, alg_name)
   primary = distributed.is_primary()
   callbacks = []
   if alg.privacy is not None:
-    callbacks.append(reporting.PrivacyRecorder(alg.privacy, FLAGS.dp_delta))
+    callbacks.append(reporting.PrivacyRecorder(alg.privacy, opts.dp_delta))
   if primary:
     callbacks.append(reporting.MetricsWriter(out_dir, hists))
-  if FLAGS.checkpoint_every or FLAGS.resume or FLAGS.resume_if_found:
+  if opts.checkpoint_every or opts.resume or opts.resume_if_found:
     callbacks.append(checkpointing.Checkpointer(os.path.join(out_dir, 'checkpoints'),
-                                                FLAGS.checkpoint_every, hists, identity=ident,
+                                                opts.checkpoint_every, hists, identity=ident,
                                                 resumed_step=start or None))
   if alg_name == 'fedfomo' and job.cfgs is None and primary:
     callbacks.append(reporting.AffinityRecorder(os.path.join(out_dir, 'affinity.png')))
-  if FLAGS.progress and primary:
-    callbacks.append(reporting.Progress(FLAGS.rounds - start, alg_name))
+  if opts.progress and primary:
+    callbacks.append(reporting.Progress(opts.rounds - start, alg_name))
   return callbacks
 
 
 def train_algorithm(job: Job, entry) -> None:
   """Trains one algorithm's runs to --rounds and records their summaries."""
+  opts = job.opts
   spec, alg, _, _, ignored, ident = entry
   alg_name, runs = spec.name, job.runs[spec.name]
   state, start, hists = None, 0, None
@@ -468,17 +481,17 @@ def train_algorithm(job: Job, entry) -> None:
   if faults.stop_requested():  # asked while the previous algorithm wrote its results
     raise faults.interrupted()
   faults.start_algorithm(alg_name, start, os.path.join(job.output_dir, alg_name, 'checkpoints'),
-                         bool(FLAGS.checkpoint_every), start or None, FLAGS.rounds)
+                         bool(opts.checkpoint_every), start or None, opts.rounds)
   began, compiled = time.perf_counter(), compilation.stats()
-  _, hists = experiment.run_many(runs, FLAGS.rounds, eval_every=FLAGS.eval_every,
+  _, hists = experiment.run_many(runs, opts.rounds, eval_every=opts.eval_every,
                                  callbacks=_callbacks(job, alg_name, alg, ident, hists, start),
                                  state=state, start_round=start, histories=hists)
   alg_summaries = []
   costs = process_settings.time_to_result(runs, began, compiled)
   programs, hits = costs.pop('_programs'), costs.pop('_hits')
   for label, history in zip(runs.labels, hists):
-    s = reporting.final_summary(history, FLAGS.stat_window)
-    s['rounds'] = FLAGS.rounds
+    s = reporting.final_summary(history, opts.stat_window)
+    s['rounds'] = opts.rounds
     s.update(costs)
     if 'per_client_accuracy' in s:  # by id: per_client_accuracy[i] is client_ids[i]'s
       s['worst_clients'] = reporting.worst_clients(s['per_client_accuracy'], job.store.client_ids)
@@ -491,56 +504,57 @@ def train_algorithm(job: Job, entry) -> None:
       s['resumed_after_round'] = start
     if ignored:
       s['ignored_settings'] = ignored
-    if FLAGS.target_accuracy is not None:
-      s['rounds_to_target'] = experiment.rounds_to_target(history, FLAGS.target_accuracy)
+    if opts.target_accuracy is not None:
+      s['rounds_to_target'] = experiment.rounds_to_target(history, opts.target_accuracy)
     row = row_label(alg_name, label)
     job.histories[row], job.summaries[row] = history, s
     alg_summaries.append(s)
-    if FLAGS.trials > 1:  # rows of the table: trials grouped by their values
+    if opts.trials > 1:  # rows of the table: trials grouped by their values
       values = {k: v for k, v in label.items() if k != 'seed'}
       job.groups.setdefault(row_label(alg_name, values or None), []).append((history, s))
     say(f"{row}: " + (f"diverged at round {s['diverged_at_round']}" if s.get('diverged')
                        else f"mean {s['accuracy_mean']:.4f} worst {s['accuracy_worst']:.4f}")
          + f" ({s['train_seconds']:.1f} s of rounds, the first {s.get('first_round_seconds', 0):.1f} s; "
          f"compiling {s['compile_seconds']:.1f} s, {programs} programs, {hits} from the cache)"
-         + (f", epsilon {s['dp_epsilon']:.2f} at delta {FLAGS.dp_delta:g}"
+         + (f", epsilon {s['dp_epsilon']:.2f} at delta {opts.dp_delta:g}"
             if 'dp_epsilon' in s else ''))
   if distributed.is_primary():
     record = alg_summaries[0] if job.cfgs is None else {'configurations': alg_summaries}
     reporting.write_summary(os.path.join(job.output_dir, alg_name),
                             {**record, 'algorithm': alg_name, 'identity': ident,
                              'numerics': ident.get('numerics'),
-                             'flags': FLAGS.flag_values_dict()})
+                             'flags': opts.flag_values_dict()})
 
 
 def write_comparison(job: Job) -> None:
   """The comparison table (printed), comparison.json or sweep.json and the
   plots, for the algorithms that finished (process 0 writes)."""
+  opts = job.opts
   if not job.histories:
     return
   strip = lambda s: {k: v for k, v in s.items() if k not in ('per_client_accuracy', 'client_ids')}
   table, primary = job.summaries, distributed.is_primary()
-  if FLAGS.trials > 1:
+  if opts.trials > 1:
     table = {g: reporting.aggregate_trials([s for _, s in items])
              for g, items in job.groups.items()}
     if primary:
       plots.draw('trials', {g: [h for h, _ in items] for g, items in job.groups.items()},
-                 job.output_dir, FLAGS.plots)
+                 job.output_dir, opts.plots)
       run_identity.write_json(os.path.join(job.output_dir, 'comparison.json'), {
           g: {**table[g], 'per_trial': [strip(s) for _, s in items]}
           for g, items in job.groups.items()})
   elif primary:
-    plots.draw('runs', job.histories, job.output_dir, FLAGS.plots)
+    plots.draw('runs', job.histories, job.output_dir, opts.plots)
     run_identity.write_json(os.path.join(job.output_dir, 'comparison.json'
                                          if job.cfgs is None else 'sweep.json'),
                             {k: strip(s) for k, s in job.summaries.items()})
-  trials = f', mean ± std over {FLAGS.trials} trials' if FLAGS.trials > 1 else ''
+  trials = f', mean ± std over {opts.trials} trials' if opts.trials > 1 else ''
   window = reporting.table_window(table)
   say('')
-  say(f'{job.population.name}, {FLAGS.model}, {FLAGS.rounds} rounds: per-client test accuracy at the '
+  say(f'{job.population.name}, {opts.model}, {opts.rounds} rounds: per-client test accuracy at the '
        f'last evaluation and averaged over the last {window} (@last{window}){trials}')
   say(reporting.format_table(table))
-  if FLAGS.trials > 1:
+  if opts.trials > 1:
     job.summaries = table
 
 

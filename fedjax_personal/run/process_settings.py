@@ -12,7 +12,6 @@ from fedjax_personal import compilation, numerics
 from fedjax_personal.core.executors import model_has_conv
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import resolve_conv_impl
-from fedjax_personal.run.settings import FLAGS
 
 __all__ = ['set_numerics', 'set_compilation_cache', 'conv_impl_of', 'time_to_result',
            'process_seconds']
@@ -25,11 +24,15 @@ def say(text: str) -> None:
     print(text)
 
 
-def set_numerics() -> None:
+def set_numerics(opts) -> None:
   """--matmul_precision for every computation of the run (when not given:
   $JAX_DEFAULT_MATMUL_PRECISION if set, else the package's float32), set
-  afresh by each job so that one process's jobs never inherit another's."""
-  name = (FLAGS.matmul_precision if FLAGS['matmul_precision'].present
+  afresh by each job so that one process's jobs never inherit another's.
+
+  Args:
+    opts: the run's ``settings.Settings``.
+  """
+  name = (opts.matmul_precision if opts['matmul_precision'].present
           else os.environ.get('JAX_DEFAULT_MATMUL_PRECISION') or numerics.DEFAULT_MATMUL_PRECISION)
   numerics.set_matmul_precision(name)
 
@@ -37,12 +40,16 @@ def set_numerics() -> None:
 _IMPORT_CACHE = []
 
 
-def set_compilation_cache() -> None:
+def set_compilation_cache(opts) -> None:
   """--compilation_cache for the run (when not given: the cache the
-  package opened at import), set afresh by each job; the header names it."""
+  package opened at import), set afresh by each job; the header names it.
+
+  Args:
+    opts: the run's ``settings.Settings``.
+  """
   if not _IMPORT_CACHE:  # what the import chose, restored for jobs that do not say
     _IMPORT_CACHE.append(compilation.directory())
-  choice = FLAGS.compilation_cache
+  choice = opts.compilation_cache
   if choice is not None and choice.strip().lower() == 'off':
     compilation.disable()
   elif choice:

@@ -9,6 +9,11 @@ from fedjax_personal.run import faults, run_identity
 from fedjax_personal.run.experiment import Callback
 from fedjax_personal.run.plots import plot_runs, plot_trials, trial_curves  # noqa: F401
 
+__all__ = ['AffinityRecorder', 'aggregate_trials', 'final_summary', 'format_table', 'MetricsWriter',
+           'pm', 'PrivacyRecorder', 'Progress', 'table_window', 'trials_summary', 'worst_clients',
+           'write_summary']
+
+
 SUMMARY_KEYS = ('accuracy_mean', 'accuracy_weighted', 'accuracy_worst', 'accuracy_q10',
                 'accuracy_median', 'loss_weighted')
 

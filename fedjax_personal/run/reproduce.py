@@ -39,6 +39,11 @@ import numpy as np
 
 from fedjax_personal.run import experiment, reporting, run_identity
 
+__all__ = ['cell', 'code_fingerprint', 'define_flags', 'define_model_flags', 'dry_run',
+           'markdown_table', 'output_dir', 'run_trials', 'scaled', 'source_files', 'TrialCache',
+           'trials', 'write_results']
+
+
 SCALES = ('cpu', 'paper')
 
 
@@ -68,28 +73,49 @@ def define_flags(default_trials: Optional[Dict[str, int]] = None) -> None:
 _TRIALS: Dict[str, int] = {}
 
 
-def trials() -> int:
-  """``--trials``, or the scale's default."""
-  f = flags.FLAGS
-  return f.trials if f.trials is not None else _TRIALS[f.scale]
+def trials(opts) -> int:
+  """``--trials``, or the scale's default.
+
+  Args:
+    opts: the script's parsed flags (``flags.FLAGS``, read by the script).
+
+  Returns:
+    The number of trials.
+  """
+  return opts.trials if opts.trials is not None else _TRIALS[opts.scale]
 
 
-def dry_run(sizes: dict) -> bool:
+def dry_run(opts, sizes: dict) -> bool:
   """With ``--dry_run``, prints the resolved sizes (one ``name: value`` line
-  each, after the scale and trials) and returns True: the script exits."""
-  f = flags.FLAGS
-  if not f.dry_run:
+  each, after the scale and trials) and returns True: the script exits.
+
+  Args:
+    opts: the script's parsed flags.
+    sizes: what the scale resolved, by name.
+
+  Returns:
+    Whether this is a dry run.
+  """
+  if not opts.dry_run:
     return False
-  print(f'scale: {f.scale}\ntrials: {trials()}')
+  print(f'scale: {opts.scale}\ntrials: {trials(opts)}')
   for k, v in sizes.items():
     print(f'{k}: {v}')
   return True
 
 
-def output_dir(script: str) -> str:
+def output_dir(opts, script: str) -> str:
   """``--output_dir`` or runs/<script>, created; the trials of this run's
-  cells are kept under it (``run_trials``)."""
-  d = flags.FLAGS.output_dir or os.path.join('runs', script)
+  cells are kept under it (``run_trials``).
+
+  Args:
+    opts: the script's parsed flags.
+    script: the script's name.
+
+  Returns:
+    The folder.
+  """
+  d = opts.output_dir or os.path.join('runs', script)
   global _OUTPUT
   os.makedirs(d, exist_ok=True)
   _OUTPUT = d
@@ -114,11 +140,21 @@ def define_model_flags(prefixes=('',)) -> None:
                     "scale's: paper, the seed code's framework; cpu, flax).")
 
 
-def scaled(value, cpu, paper):
-  """``value`` when given (not None), else the scale's default."""
+def scaled(opts, value, cpu, paper):
+  """``value`` when given (not None), else the scale's default.
+
+  Args:
+    opts: the script's parsed flags (``--scale``).
+    value: the flag's value (None: not given).
+    cpu: the ``cpu`` scale's default.
+    paper: the ``paper`` scale's default.
+
+  Returns:
+    The value to use.
+  """
   if value is not None:
     return value
-  return cpu if flags.FLAGS.scale == 'cpu' else paper
+  return cpu if opts.scale == 'cpu' else paper
 
 
 SOURCE_PACKAGES = ('fedjax_personal.algorithms', 'fedjax_personal.datasets', 'fedjax_personal')
@@ -210,13 +246,8 @@ class TrialCache:
                                                'seconds': seconds, 'history': history})
 
 
-def _reuse() -> bool:
-  """``--reuse_trials`` (True where the flags are not defined, e.g. a notebook)."""
-  return flags.FLAGS['reuse_trials'].value if 'reuse_trials' in flags.FLAGS else True
-
-
 def run_trials(runner, num_rounds: int, seed: int, num_trials: int, eval_every: int,
-               callbacks: Sequence = (), cell: Optional[dict] = None):
+               callbacks: Sequence = (), cell: Optional[dict] = None, reuse: bool = True):
   """``num_trials`` runs of one runner with seeds seed..seed+T-1 (same data);
   a trial that diverges is kept, marked ``diverged`` from its divergence on.
 
@@ -224,8 +255,8 @@ def run_trials(runner, num_rounds: int, seed: int, num_trials: int, eval_every: 
     cell: what identifies the runner's configuration beyond what it exposes
       (the algorithm's registry name and settings): when given, finished
       trials are kept in the ``output_dir()`` folder's ``trials`` and reused
-      when their identity is equal (``--reuse_trials``). Diverged trials are
-      not kept.
+      when their identity is equal. Diverged trials are not kept.
+    reuse: reuse kept trials (a script's ``--reuse_trials``).
 
   Returns:
     (histories, seconds per trial).
@@ -235,7 +266,7 @@ def run_trials(runner, num_rounds: int, seed: int, num_trials: int, eval_every: 
     cache = TrialCache(_OUTPUT, trial_identity(runner, cell, num_rounds, eval_every, callbacks))
   histories, seconds = [], []
   for t in range(num_trials):
-    saved = cache.load(seed + t) if cache is not None and _reuse() else None
+    saved = cache.load(seed + t) if cache is not None and reuse else None
     if saved is not None:
       print(f'trial {t} (seed {seed + t}): reused from {cache.directory}', flush=True)
       histories.append(saved[0])
@@ -280,13 +311,26 @@ def command_line() -> str:
   return ' '.join(['python', os.path.relpath(sys.argv[0])] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
-def write_results(directory: str, table: str, title: str, markdown: str, data: dict) -> List[str]:
+def write_results(opts, directory: str, table: str, title: str, markdown: str,
+                  data: dict) -> List[str]:
   """Writes ``<table>_<scale>.json`` (the data, the flags, the command) and
-  ``<table>_<scale>.md`` (title, command, Markdown table); returns the paths."""
-  f = flags.FLAGS
+  ``<table>_<scale>.md`` (title, command, Markdown table); returns the paths.
+
+  Args:
+    opts: the script's parsed absl flags (its own are recorded).
+    directory: where the files go.
+    table: the tables' name.
+    title: the Markdown title.
+    markdown: the Markdown table.
+    data: the results.
+
+  Returns:
+    The two files' paths.
+  """
+  f = opts
   base = os.path.join(directory, f'{table}_{f.scale}')
   own = [fl for m in ('__main__', __name__) for fl in f.get_flags_for_module(m)]
-  meta = {'command': command_line(), 'scale': f.scale, 'trials': trials(),
+  meta = {'command': command_line(), 'scale': f.scale, 'trials': trials(opts),
           'flags': {fl.name: fl.value for fl in own}}
   # Strict JSON: a diverged trial's NaN is written as null.
   run_identity.write_json(base + '.json', {'title': title, **meta, 'results': data})

@@ -45,6 +45,10 @@ from fedjax_personal.core.row_files import DiskRows
 from fedjax_personal.errors import DataError
 from fedjax_personal.run.run_identity import file_sha256
 
+__all__ = ['BLOCK_BYTES', 'committed', 'discard', 'fold', 'FOLDER', 'has_files', 'restore',
+           'write_delta', 'write_whole_rows']
+
+
 FOLDER = 'client_rows'
 #: Bytes of rows read or written at once (a block of clients).
 BLOCK_BYTES = 1 << 24

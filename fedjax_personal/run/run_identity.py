@@ -22,6 +22,10 @@ import numpy as np
 
 from fedjax_personal.errors import ConfigError
 
+__all__ = ['as_json', 'claim', 'data_fingerprint', 'differences', 'dumps', 'file_sha256', 'finite',
+           'identity', 'lock', 'padded_fingerprint', 'read', 'short_hash', 'unlock', 'write_json']
+
+
 IDENTITY_FILE = 'identity.json'
 
 

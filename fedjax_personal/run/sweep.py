@@ -28,6 +28,10 @@ from fedjax_personal.core.executors import Executor
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.core.training import LossStats
 
+__all__ = ['Config', 'config_label', 'configs', 'LoopRuns', 'parse_sweep', 'resolve_config_axis',
+           'SweepRunner']
+
+
 Config = Tuple[int, Dict[str, float]]
 
 

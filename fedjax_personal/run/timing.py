@@ -18,6 +18,9 @@ import dataclasses
 import numpy as np
 
 
+__all__ = ['harmonic', 'PAPER_SYSTEMS', 'simulated_times', 'TimeModel']
+
+
 def harmonic(m: int) -> float:
   """The harmonic number H_m (0 for m <= 0)."""
   return float(np.sum(1.0 / np.arange(1, m + 1))) if m > 0 else 0.0
