@@ -209,7 +209,7 @@ def populations_section(smoke, work_dir, chosen=None):
   from fedjax_personal import algorithms, numerics
   from fedjax_personal.config import TrainingConfig
   from fedjax_personal.core.engine import RoundRunner
-  from fedjax_personal.core.layout import HostData
+  from fedjax_personal.core.population.layout import HostData
   from fedjax_personal.core.sampling import CohortSampler
   from fedjax_personal.run import costs
   clients = 30 if smoke else 3400

@@ -2,7 +2,7 @@
 
 Generates once, into --work_dir, a population with a published data set's
 statistics, written through the population store's writer as the loaders of
-the field's files write it (``core.store.StoreWriter``), then trains FedAvg
+the field's files write it (``core.population.store.StoreWriter``), then trains FedAvg
 on it for a few rounds in a fresh process per layout and prints, per layout:
 peak host RSS (VmHWM of the training process), device bytes after the rounds (live JAX arrays), seconds per
 round (rounds after the first), time to the end of the first round,
@@ -93,7 +93,7 @@ def identity():
 
 def generate(folder):
   """Writes the population client by client (chunks of clients drawn at once)."""
-  from fedjax_personal.core.store import StoreWriter
+  from fedjax_personal.core.population.store import StoreWriter
   ident = identity()
   rng = np.random.default_rng(FLAGS.seed)
   n = ident['num_clients']
@@ -132,7 +132,7 @@ def generate(folder):
 
 
 def open_or_generate():
-  from fedjax_personal.core import store as store_lib
+  from fedjax_personal.core.population import store as store_lib
   folder = os.path.join(FLAGS.work_dir, 'store')
   if store_lib.is_store(folder):
     return store_lib.open_store(folder, identity())
@@ -147,7 +147,7 @@ def train(layout):
   from fedjax_personal import algorithms
   from fedjax_personal.config import TrainingConfig
   from fedjax_personal.core.engine import RoundRunner
-  from fedjax_personal.core.layout import HostData
+  from fedjax_personal.core.population.layout import HostData
   from fedjax_personal.core.sampling import CohortSampler
   from fedjax_personal.models import architectures
   store = open_or_generate()
@@ -199,10 +199,10 @@ def train(layout):
   live = sum(a.nbytes for a in jax.live_arrays())
   shapes = (len(runner.feed.shapes) if layout == 'host' else 1)
   rows = alg.client_rows
-  from fedjax_personal.core import row_files
+  from fedjax_personal.core.population import rows_in_files
   rows_gb = 0.0 if rows is None else sum(
       a.nbytes for a in jax.tree.leaves(rows.get(runner.whole_state(state)))) / GB
-  disk_gb = row_files.disk_bytes(state.rows) / GB if hasattr(state, 'rows') else 0.0
+  disk_gb = rows_in_files.disk_bytes(state.rows) / GB if hasattr(state, 'rows') else 0.0
   return {'shape': FLAGS.shape, 'algorithm': FLAGS.algorithm, 'layout': layout,
           'client_rows_gb': rows_gb, 'client_state': FLAGS.client_state,
           'rows_on_disk_gb': disk_gb, 'num_clients': store.num_clients,
@@ -283,7 +283,7 @@ def _main(argv):
   if FLAGS.train_layout:
     print(json.dumps(train(FLAGS.train_layout)))
     return
-  from fedjax_personal.core import store as store_lib
+  from fedjax_personal.core.population import store as store_lib
   folder = os.path.join(FLAGS.work_dir, 'store')
   if store_lib.is_store(folder):
     store_lib.open_store(folder, identity())  # another population there: one line, exit 2
@@ -291,7 +291,7 @@ def _main(argv):
     print(f'dry run: {identity()} into {folder}')
     return
   os.makedirs(FLAGS.work_dir, exist_ok=True)
-  from fedjax_personal.core.layout import DEVICE_DATA_SHARE, host_available_bytes
+  from fedjax_personal.core.population.layout import DEVICE_DATA_SHARE, host_available_bytes
   store = open_or_generate()
   padded = store.padded_nbytes(FLAGS.max_client_examples)
   print(f'{store.name}: {store.num_clients:,} clients, store {store.nbytes() / GB:.2f} GB; '

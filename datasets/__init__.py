@@ -12,7 +12,7 @@ import numpy as np
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.core.data import (FederatedData, client_splits, pad_clients,
                                        split_client_examples)
-from fedjax_personal.core import store as store_lib
+from fedjax_personal.core.population import store as store_lib
 from fedjax_personal.datasets import files, loaders, partition
 from fedjax_personal.datasets.partition import PARTITIONS, Partition
 
@@ -348,13 +348,13 @@ def pooled_clients(cfg: DataConfig) -> PooledClients:
 def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
                rebuild: bool = False) -> store_lib.PopulationStore:
   """The population store of ``cfg`` (unpadded clients, see
-  ``core.store``). A natural data set read from its files is written once,
+  ``core.population.store``). A natural data set read from its files is written once,
   client by client, into the cache (``stores/``), keyed by what it holds
   (the options and the SHA-256 of each source file, ``files.content_digest``);
   any other data set is built in memory (``load_federated``) and stored
   there.
 
-  A cached store that fails its checks (``core.store``: checksums, sizes),
+  A cached store that fails its checks (``core.population.store``: checksums, sizes),
   was written by another version of the format or by other loader code
   (``natural.loader_code``), or ``rebuild`` asks, is rebuilt from the source
   files, one line on stderr saying so. Leftovers of builds killed midway are

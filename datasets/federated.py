@@ -228,7 +228,7 @@ class FederatedData:
   ``FederatedData``; ids are bytes as there, str accepted).
 
   Args:
-    store: a ``core.store.PopulationStore``.
+    store: a ``core.population.store.PopulationStore``.
     split: ``train``, ``val`` or ``test``.
     rows: the store's rows in this view, in order.
     features: ``(x, y) -> {feature: array}`` of a client's examples.

@@ -168,7 +168,7 @@ def host_runner(store, alg_name, training, sampler, rows_folder=None, adapter_di
   import fedjax_personal as fp
   from fedjax_personal import algorithms
   from fedjax_personal.core.engine import RoundRunner
-  from fedjax_personal.core.layout import HostData
+  from fedjax_personal.core.population.layout import HostData
   population = store.population()
   model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,), adapter_dim=adapter_dim),
                              population.sample_x)

@@ -1,4 +1,4 @@
-"""Client rows on disk (``core/row_files.py``): the same numbers as rows in
+"""Client rows on disk (``core/population/rows_in_files.py``): the same numbers as rows in
 host memory for every kind of client row, each row written only when its
 client first trains, never-met clients costing no disk, evaluation of a
 client never trained using the value its row would have."""
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedjax_personal.config import TrainingConfig
-from fedjax_personal.core import row_files
+from fedjax_personal.core.population import rows_in_files
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.datasets import DataConfig, load_store
 from fedjax_personal.run.experiment import run
@@ -56,7 +56,7 @@ def test_rows_on_disk_equal_rows_in_memory(store, tmp_path, alg_name, participat
         np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-6, err_msg=k)
   every = np.arange(n)
   disk_leaves = jax.tree.leaves(s_disk.rows)
-  assert all(isinstance(a, row_files.DiskRows) for a in disk_leaves)
+  assert all(isinstance(a, rows_in_files.DiskRows) for a in disk_leaves)
   for d, m in zip(disk_leaves, jax.tree.leaves(s_mem.rows)):
     np.testing.assert_allclose(d[every], m, rtol=1e-6, atol=1e-6)  # never-met rows: their init
   # Written only for the clients that trained: those whose rows moved from
@@ -70,7 +70,7 @@ def test_rows_on_disk_equal_rows_in_memory(store, tmp_path, alg_name, participat
   np.testing.assert_array_equal(made, trained)
   assert 0 < made.sum() < n
   row_bytes = sum(a.row_bytes for a in disk_leaves)
-  assert row_files.disk_bytes(s_disk.rows) <= made.sum() * (row_bytes + 4096 * len(disk_leaves))
+  assert rows_in_files.disk_bytes(s_disk.rows) <= made.sum() * (row_bytes + 4096 * len(disk_leaves))
 
 
 def test_a_client_never_trained_is_evaluated_with_its_initial_row_and_costs_no_disk(
@@ -84,10 +84,10 @@ def test_a_client_never_trained_is_evaluated_with_its_initial_row_and_costs_no_d
   runner.evaluate(state, jax.random.key(0))  # every client's personal model evaluated
   assert (leaves[0].made == before).all() and before.sum() <= 8 < n
   never = np.flatnonzero(~before)
-  disk_before = row_files.disk_bytes(state.rows)
+  disk_before = rows_in_files.disk_bytes(state.rows)
   for d in leaves:  # a never-met client's row: its initial value, nothing written
     np.testing.assert_array_equal(d[never], d.maker(never, d.leaf))
-  assert row_files.disk_bytes(state.rows) == disk_before
+  assert rows_in_files.disk_bytes(state.rows) == disk_before
   with pytest.raises(TypeError, match='read by index'):
     np.asarray(leaves[0])
 
@@ -97,7 +97,7 @@ def test_cli_client_state_disk_equals_memory_and_auto_moves_rows_to_files(
   """--client_state=disk: the same summary as memory, rows in the output
   folder; auto picks files when the rows take more than half the available
   memory (the header says so); the device layout refused."""
-  from fedjax_personal.core import layout as layout_lib
+  from fedjax_personal.core.population import layout as layout_lib
   from fedjax_personal.errors import ConfigError
   from fedjax_personal.run import cli
   from helpers import parse_flags

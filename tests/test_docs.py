@@ -276,3 +276,27 @@ def test_a_data_set_of_arrays_added_by_the_docs_runs_through_the_cli(tmp_path, m
   (summary,) = cli.main_job().values()
   assert summary['num_eval_clients'] == 4 and 0 <= summary['accuracy_mean'] <= 1
   assert summary['worst_clients'][0]['client_id'].startswith('client')
+
+
+def test_the_architecture_map_names_every_module():
+  """BUILD.md's map ("Architecture in a page") names every module of the
+  package's folders, and every folder it draws exists."""
+  text = open(os.path.join(ROOT, 'BUILD.md')).read()
+  section = text[text.index('## Architecture in a page'):]
+  (drawing,) = re.findall(r'```\n(fedjax_personal/\n.*?)```', section, flags=re.S)[:1]
+  words = set(re.findall(r'\w+', drawing))
+  missing = []
+  for folder in ('fedjax_personal', 'algorithms', 'datasets'):
+    for base, dirs, files in os.walk(os.path.join(ROOT, folder)):
+      dirs[:] = [d for d in dirs if d not in ('__pycache__', 'data')]
+      rel = os.path.relpath(base, ROOT)
+      if rel != folder and os.path.basename(base) not in words:
+        missing.append(rel)
+      if folder == 'algorithms':
+        continue  # one file per algorithm, drawn as such
+      missing += [os.path.join(rel, f) for f in files
+                  if f.endswith('.py') and f != '__init__.py' and f[:-3] not in words]
+  assert not missing, missing
+  for folder in re.findall(r'^\s*(\w+)/', drawing, flags=re.M):
+    assert any(os.path.isdir(os.path.join(ROOT, *p, folder))
+               for p in [(), ('fedjax_personal',), ('fedjax_personal', 'core')]), folder

@@ -190,7 +190,7 @@ def test_host_memory_honours_the_address_space_and_cgroup_limits(monkeypatch, tm
   of MemAvailable, the address space ulimit -v leaves and the cgroup's
   limit less its use."""
   import resource
-  from fedjax_personal.core import layout
+  from fedjax_personal.core.population import layout
   free = layout._meminfo('MemAvailable')
   vm = layout._meminfo('VmSize', '/proc/self/status')
   monkeypatch.setattr(resource, 'getrlimit', lambda which: (vm + (1 << 30), resource.RLIM_INFINITY))

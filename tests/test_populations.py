@@ -10,13 +10,13 @@ import pytest
 import fedjax_personal as fp
 from fedjax_personal import algorithms
 from fedjax_personal.config import TrainingConfig
-from fedjax_personal.core import hosted_state
-from fedjax_personal.core import layout as layout_lib
-from fedjax_personal.core import store as store_lib
+from fedjax_personal.core.population import rows_in_memory
+from fedjax_personal.core.population import layout as layout_lib
+from fedjax_personal.core.population import store as store_lib
 from fedjax_personal.run import job as job_lib
 from fedjax_personal.core.data import pad_clients, to_device
 from fedjax_personal.core.engine import RoundRunner
-from fedjax_personal.core.layout import HostData
+from fedjax_personal.core.population.layout import HostData
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.datasets import DataConfig, load_store
 from fedjax_personal.errors import ConfigError, DataError
@@ -140,7 +140,7 @@ def test_host_layout_equals_device_layout(emnist_store, alg_name, participation,
   gradients, persistent client optimizer states) live on the host there.
   Ditto's personal models are made and evaluated 3 clients' rows at a time."""
   if alg_name == 'ditto':
-    monkeypatch.setattr(hosted_state, 'ROW_BLOCK_BYTES', 3 * 6_838 * 4)
+    monkeypatch.setattr(rows_in_memory, 'ROW_BLOCK_BYTES', 3 * 6_838 * 4)
   store = emnist_store
   population = store.population()
   model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,)), population.sample_x)
@@ -159,7 +159,7 @@ def test_host_layout_equals_device_layout(emnist_store, alg_name, participation,
                                                  for r in plan.rows['train']}
   assert runner.hosted_rows == (alg_name not in ('fedavg', 'fedfomo') or opt_state != 'reset')
   if runner.hosted_rows:
-    assert isinstance(s_host, hosted_state.HostedState)
+    assert isinstance(s_host, rows_in_memory.HostedState)
     assert not any(a.shape[0] for a in jax.tree.leaves(runner.algorithm.client_rows.get(
         s_host.inner)))  # none of the rows stayed on the device
   jax.tree.map(lambda a, b: np.testing.assert_allclose(
@@ -268,7 +268,7 @@ def test_client_rows_made_block_by_block_equal_the_whole_init(block_bytes):
                              'drawn': jax.random.normal(k2, (7, 4))}}
   rows = ClientRows(get=lambda s: s['rows'], put=lambda s, r: {**s, 'rows': r})
   key = jax.random.key(3)
-  got = hosted_state.init_hosted(init, rows, key, block_bytes=block_bytes)
+  got = rows_in_memory.init_hosted(init, rows, key, block_bytes=block_bytes)
   want = jax.jit(init)(key)
   assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(got.rows))
   for a, b in zip(jax.tree.leaves(got.whole()), jax.tree.leaves(want)):

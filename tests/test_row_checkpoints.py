@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from fedjax_personal.config import TrainingConfig
-from fedjax_personal.core import row_files
+from fedjax_personal.core.population import rows_in_files
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.datasets import DataConfig, load_store
 from fedjax_personal.errors import ConfigError, DataError
@@ -101,7 +101,7 @@ def test_resume_equals_uninterrupted_in_either_placement(store, tmp_path, uninte
   assert start == 4
   _assert_same(store, state, history, uninterrupted)
   if resumed == 'files':
-    assert all(isinstance(a, row_files.DiskRows) for a in jax.tree.leaves(state.rows))
+    assert all(isinstance(a, rows_in_files.DiskRows) for a in jax.tree.leaves(state.rows))
 
 
 def test_each_checkpoint_writes_only_the_rows_changed_since_the_last(store, tmp_path):

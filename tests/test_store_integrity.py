@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 import pytest
 
-from fedjax_personal.core import store as store_lib
+from fedjax_personal.core.population import store as store_lib
 from fedjax_personal.datasets import DataConfig, files, load_store
 from fedjax_personal.errors import DataError
 from fedjax_personal.run import cli

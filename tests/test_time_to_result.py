@@ -13,9 +13,9 @@ import fedjax_personal as fp
 from fedjax_personal import algorithms, compilation
 from fedjax_personal.config import TrainingConfig
 from fedjax_personal.core.engine import RoundRunner
-from fedjax_personal.core.layout import HostData, ShapePlan
+from fedjax_personal.core.population.layout import HostData, ShapePlan
 from fedjax_personal.core.sampling import CohortSampler
-from fedjax_personal.core.store import StoreWriter
+from fedjax_personal.core.population.store import StoreWriter
 
 from helpers import main_in_one_process
 

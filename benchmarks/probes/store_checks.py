@@ -1,4 +1,4 @@
-"""What the population store's checks cost (``core.store``: a CRC32 per
+"""What the population store's checks cost (``core.population.store``: a CRC32 per
 1 MiB block of every file, checked the first time a read touches it, or
 all at once with ``--verify_store``).
 
@@ -20,7 +20,7 @@ import time
 CHILD = r'''
 import json, sys, time
 import numpy as np
-from fedjax_personal.core import store as store_lib
+from fedjax_personal.core.population import store as store_lib
 folder, cohort, rounds, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 t = time.perf_counter()
 store = store_lib.open_store(folder)

@@ -7,7 +7,10 @@ the round itself (``engine``), aggregation as tensor contractions
 (``aggregation``), and the building blocks algorithms share: stacked
 per-client state (``tree_util``, ``client_state``), in-round clustering
 (``clustering``), parameter splits (``personalization``) and DP-SGD
-accounting (``privacy``). Nothing here reads flags or writes files.
+accounting (``privacy``); evaluation (``evaluation``). Where the clients
+live (the population store, the device or host layout, client rows in host
+memory or files) is a room of its own, ``core.population``. Nothing here
+reads flags.
 """
 
 

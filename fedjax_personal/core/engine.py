@@ -20,9 +20,9 @@ from fedjax_personal.core.algorithm import FederatedAlgorithm, RoundContext
 from fedjax_personal.core.data import FederatedData, LocalData, client_row
 from fedjax_personal.core import evaluation
 from fedjax_personal.core import fitting
-from fedjax_personal.core import hosted_state
-from fedjax_personal.core import row_files
-from fedjax_personal.core import layout as layout_lib
+from fedjax_personal.core.population import rows_in_memory
+from fedjax_personal.core.population import rows_in_files
+from fedjax_personal.core.population import layout as layout_lib
 from fedjax_personal.core import memory
 from fedjax_personal.core.executors import Executor
 from fedjax_personal.core.evaluation_stats import (  # noqa: F401  (the engine's API)
@@ -389,13 +389,13 @@ class RoundRunner:
       if next_key is not None:
         self.feed.request(next_key, rnd + 1)
       idx, mask = jax.device_get((cohort.idx, cohort.mask))
-      full = cr.put(inner, hosted_state.gather_rows(rows, idx))
+      full = cr.put(inner, rows_in_memory.gather_rows(rows, idx))
       full, metrics = work(full, key, jnp.asarray(rnd, jnp.int32), train, val,
                            cohort.with_gathered_rows(host.num_clients), donate)
-      inner = cr.put(full, hosted_state.empty_rows(rows))
-      hosted_state.scatter_rows(rows, idx, mask & (idx < host.num_clients), cr.get(full), inner)
+      inner = cr.put(full, rows_in_memory.empty_rows(rows))
+      rows_in_memory.scatter_rows(rows, idx, mask & (idx < host.num_clients), cr.get(full), inner)
       del full
-      return hosted_state.HostedState(inner, rows, cr), {**metrics, **ph}
+      return rows_in_memory.HostedState(inner, rows, cr), {**metrics, **ph}
     self._round = round_hosted if self.hosted_rows else round_host
     self._evaluate = evaluation.host_evaluation(
         alg, ex, host, self.hosted_rows, self.trace_counts)
@@ -417,7 +417,7 @@ class RoundRunner:
 
   def init(self, key):
     """The algorithm's initial state (placed where the executor keeps it;
-    with hosted client rows, a ``hosted_state.HostedState``)."""
+    with hosted client rows, a ``rows_in_memory.HostedState``)."""
     if self._state_shardings is not None:  # made where it lives (every process its shards)
       return jax.jit(self.algorithm.init, out_shardings=self._state_shardings)(key)
     if not self.hosted_rows:
@@ -427,13 +427,13 @@ class RoundRunner:
     if self.host.rows_folder is not None:
       os.makedirs(self.host.rows_folder, exist_ok=True)
       folder = tempfile.mkdtemp(prefix=f'{self.algorithm.name}-', dir=self.host.rows_folder)
-      return row_files.init_on_disk(self.algorithm.init, self.algorithm.client_rows, key, folder)
-    return hosted_state.init_hosted(self.algorithm.init, self.algorithm.client_rows, key)
+      return rows_in_files.init_on_disk(self.algorithm.init, self.algorithm.client_rows, key, folder)
+    return rows_in_memory.init_hosted(self.algorithm.init, self.algorithm.client_rows, key)
 
   def whole_state(self, state):
     """The algorithm's state with every client's rows in it (a
     ``HostedState`` joined; any other state as it is)."""
-    return state.whole() if isinstance(state, hosted_state.HostedState) else state
+    return state.whole() if isinstance(state, rows_in_memory.HostedState) else state
 
   def compiled_text(self, state, key, round_num: int = 0) -> str:
     """XLA's compiled HLO of one fused round (with a sharded executor, its

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_personal.core import hosted_state
-from fedjax_personal.core import layout as layout_lib
+from fedjax_personal.core.population import rows_in_memory
+from fedjax_personal.core.population import layout as layout_lib
 from fedjax_personal.core.algorithm import FederatedAlgorithm
 from fedjax_personal.core.data import LocalData, client_row
 from fedjax_personal.core.executors import Executor
@@ -128,7 +128,7 @@ def host_evaluation(alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bo
   blocks of ``host.block`` clients gathered from the store. With hosted
   client rows, a block's models come from a state holding the block's
   rows (``ClientRows``' contract), client j of the block using model j,
-  and a block holds ``hosted_state.ROW_BLOCK_BYTES`` of rows at most."""
+  and a block holds ``rows_in_memory.ROW_BLOCK_BYTES`` of rows at most."""
   test_counts = host.counts('test')
   groups = eval_buckets(test_counts, int(test_counts.max(initial=0)), block=host.block)
   models_j = jax.jit(alg.client_models)
@@ -153,7 +153,7 @@ def host_evaluation(alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bo
     block = host.block
     if by_rows:
       rows = state.rows
-      block = hosted_state.rows_per_block(rows, host.block)  # the gathered rows bounded
+      block = rows_in_memory.rows_per_block(rows, host.block)  # the gathered rows bounded
     else:  # the models do not read hosted rows: the state without them serves
       state = state.inner if hosted_rows else state
       models = state if ex.fused else models_j(state)
@@ -164,7 +164,7 @@ def host_evaluation(alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bo
         positions = jnp.arange(len(b_ids), dtype=jnp.int32)
         model_of = ids_j
         if by_rows:
-          block_state = alg.client_rows.put(state.inner, hosted_state.gather_rows(rows, b_ids))
+          block_state = alg.client_rows.put(state.inner, rows_in_memory.gather_rows(rows, b_ids))
           models = block_state if ex.fused else models_j(block_state)
           model_of = positions
         stats = block_fn(finetune, length)(

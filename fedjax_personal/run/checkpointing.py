@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, List, Optional
 
 import jax
 
-from fedjax_personal.core import hosted_state
-from fedjax_personal.core.hosted_state import HostedState
+from fedjax_personal.core.population import rows_in_memory
+from fedjax_personal.core.population.rows_in_memory import HostedState
 from fedjax_personal.run import faults, row_checkpoints, run_identity
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.run.experiment import Callback
@@ -77,7 +77,7 @@ def from_saveable(saved, template):
   if isinstance(template, list):
     return [from_saveable(s, t) for s, t in zip(saved, template)]
   if isinstance(template, HostedState):
-    return hosted_state.hosted(from_saveable(saved, template.whole()), template.client_rows)
+    return rows_in_memory.hosted(from_saveable(saved, template.whole()), template.client_rows)
   return _keys_from_data(saved, template)
 
 
@@ -93,7 +93,7 @@ def _abstract(template):
   else:
     abstract = jax.tree.map(_ocp().utils.to_shape_dtype_struct, to_saveable(template))
   if isinstance(template, HostedState):
-    abstract = hosted_state.rows_on_cpu(abstract, template.client_rows)
+    abstract = rows_in_memory.rows_on_cpu(abstract, template.client_rows)
   return abstract
 
 

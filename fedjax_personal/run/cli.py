@@ -69,7 +69,7 @@ def main(argv):
   except experiment.DivergenceError as e:
     _fail(e, faults.EXIT_DIVERGED)
   except MemoryError as e:  # an allocation the process's limits refused (ulimit -v, a cgroup)
-    from fedjax_personal.core import layout as layout_lib
+    from fedjax_personal.core.population import layout as layout_lib
     left = layout_lib.host_available_bytes()
     _fail(ConfigError('num_clients', f'out of host memory ({type(e).__name__}'
                       + (f'; {left / layout_lib.GB:.1f} GB left to this process' if left else '')

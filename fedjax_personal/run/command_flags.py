@@ -12,7 +12,7 @@ from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import datasets as datasets_lib
 from fedjax_personal import numerics
 from fedjax_personal.config import TrainingConfig, field_types, flag_name
-from fedjax_personal.core import layout as layout_lib
+from fedjax_personal.core.population import layout as layout_lib
 from fedjax_personal.core.executors import EXECUTOR_NAMES
 from fedjax_personal.models import CONV_IMPLS, INITS, MODELS, REFERENCE
 from fedjax_personal.run import plots

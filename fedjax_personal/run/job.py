@@ -27,11 +27,11 @@ from fedjax_personal.run.settings import (Settings, check, data_config, default_
                                           sweep_configs, sweepable, validate_flags)
 from fedjax_personal.config import TrainingConfig
 from fedjax_personal.errors import ConfigError, DataError
-from fedjax_personal.core import layout as layout_lib
+from fedjax_personal.core.population import layout as layout_lib
 from fedjax_personal.core import memory
 from fedjax_personal.core.data import to_device
-from fedjax_personal.core.layout import HostData
-from fedjax_personal.core.store import PopulationStore
+from fedjax_personal.core.population.layout import HostData
+from fedjax_personal.core.population.store import PopulationStore
 from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.core.executors import create_executor
 from fedjax_personal.models import create_model, weights

@@ -221,7 +221,7 @@ class PrivacyRecorder(Callback):
 
   def on_round_end(self, round_num, records, state):
     import jax
-    from fedjax_personal.core.hosted_state import HostedState
+    from fedjax_personal.core.population.rows_in_memory import HostedState
     from fedjax_personal.core.privacy import worst_epsilon
 
     def steps_of(s):  # step counters are not client rows

@@ -1,4 +1,4 @@
-"""Checkpoints of client rows kept in files (``core/row_files.py``) that
+"""Checkpoints of client rows kept in files (``core/population/rows_in_files.py``) that
 write only the rows changed since the last checkpoint.
 
 A checkpoint of a state whose client rows are files holds, in its Orbax step,
@@ -40,8 +40,8 @@ from typing import Dict, List, Optional
 import jax
 import numpy as np
 
-from fedjax_personal.core.hosted_state import HostedState, rows_per_block
-from fedjax_personal.core.row_files import DiskRows
+from fedjax_personal.core.population.rows_in_memory import HostedState, rows_per_block
+from fedjax_personal.core.population.rows_in_files import DiskRows
 from fedjax_personal.errors import DataError
 from fedjax_personal.run.run_identity import file_sha256
 

@@ -1,6 +1,6 @@
 """Client rows on disk, each made the first time its client trains.
 
-The host layout's client rows (``hosted_state``) can live in files instead
+The host layout's client rows (``rows_in_memory``) can live in files instead
 of host memory: one sparse file per state leaf, ``[N, row]`` fixed-size rows
 read and written by index with ``os.pread`` / ``os.pwrite`` (a cohort's rows
 only; the OS page cache is the in-memory cache). A row is written when its
@@ -17,7 +17,7 @@ checkpoint saves those alone (``run/row_checkpoints.py``).
 
 ``DiskRows`` is indexed as the numpy arrays it stands for are
 (``rows[idx]``, ``rows[idx] = new`` with a 1-D index array), so
-``hosted_state.gather_rows`` / ``scatter_rows`` and the engine use it as
+``rows_in_memory.gather_rows`` / ``scatter_rows`` and the engine use it as
 they use memory rows.
 """
 
@@ -41,7 +41,7 @@ class RowMaker:
   """
 
   def __init__(self, init, client_rows, key):
-    from fedjax_personal.core.hosted_state import cpu_device
+    from fedjax_personal.core.population.rows_in_memory import cpu_device
     self._cpu = cpu_device()
     self._key = jax.device_put(key, self._cpu)
 
@@ -147,7 +147,7 @@ def init_on_disk(init, client_rows, key, folder):
   """The state ``init(key)`` makes as a ``HostedState`` whose client rows are
   files in ``folder`` (one per leaf, made on first use); the rest of the
   state on the default device."""
-  from fedjax_personal.core.hosted_state import HostedState, cpu_device, state_without_rows
+  from fedjax_personal.core.population.rows_in_memory import HostedState, cpu_device, state_without_rows
   os.makedirs(folder, exist_ok=True)
   key = jax.device_put(key, cpu_device())
   shapes = client_rows.get(jax.eval_shape(init, key))

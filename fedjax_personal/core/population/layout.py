@@ -3,7 +3,7 @@
 ``device``: every client padded to the largest (capped) client, on the
 device for the whole run (``core.data.FederatedData``); the round indexes
 its cohort inside the compiled function. ``host``: the examples stay in the
-population store (``core.store``, read from disk); each round gathers only
+population store (``core.population.store``, read from disk); each round gathers only
 its cohort, padded to a power of two (``store.padded_length``, at most
 ``--max_client_examples``), on a host thread while the device runs the
 previous round, and evaluation and the algorithm's pre-round phase stream
@@ -16,7 +16,7 @@ Per-client state: on the device layout, all of it in the state on the
 device. On the host layout, the part an algorithm declares as its client
 rows (``FederatedAlgorithm.client_rows``: personal models, control
 variates, FedDyn's gradients, persistent client optimizer states) lives
-with the population on the host (``core/hosted_state.py``); a round receives the
+with the population on the host (``core/population/rows_in_memory.py``); a round receives the
 cohort's rows, gathered by index, and its new rows are scattered back
 (``Cohort.rows`` tells the algorithm where they are). State that a round
 reads across the population (FedFomo's candidates, user-centric's N x N
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_personal.core.data import ClientData, PackedClientData
-from fedjax_personal.core.store import SPLITS, PopulationStore, next_power_of_two, padded_length
+from fedjax_personal.core.population.store import SPLITS, PopulationStore, next_power_of_two, padded_length
 from fedjax_personal.errors import ConfigError
 
 __all__ = ['blocks', 'choose', 'CohortFeed', 'DEVICE_DATA_SHARE', 'GB', 'host_available_bytes',
@@ -57,7 +57,7 @@ class HostData:
     block: clients per block of evaluation and of the pre-round phase.
     smallest: the shortest padded length of a cohort's split.
     rows_folder: where algorithms keep their client rows in files (each
-      state its own folder; ``core/row_files.py``); None: in host memory.
+      state its own folder; ``core/population/rows_in_files.py``); None: in host memory.
   """
   store: PopulationStore
   cap: Optional[int] = None

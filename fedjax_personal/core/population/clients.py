@@ -4,7 +4,7 @@ Every client's train / val / test examples back to back per split (arrays
 read by row slices: in memory, or ``store.FileArray`` files on disk), the
 per-client counts and offsets, the groups, each client's id, and what
 builders and the engine may know without the examples (``Population``).
-``core/store.py`` writes and opens the on-disk form.
+``core/population/store.py`` writes and opens the on-disk form.
 """
 
 import collections
