@@ -35,7 +35,14 @@ __all__ = ['AlgorithmSpec', 'BATCHING', 'CLIENT_LR_SCHEDULE', 'CLIENT_OPTIMIZER'
 
 
 def field_types(cls) -> dict:
-  """{field name: its base type} (``Optional[float]`` -> float)."""
+  """{field name: its base type} (``Optional[float]`` -> float).
+
+  Args:
+    cls: a settings dataclass.
+
+  Returns:
+    ``{field name: type}``.
+  """
   hints = typing.get_type_hints(cls)
   out = {}
   for f in dataclasses.fields(cls):
@@ -46,7 +53,15 @@ def field_types(cls) -> dict:
 
 
 def flag_name(cls, field: str) -> str:
-  """The flag of a settings class's ``field``: ``<prefix>_<field>`` (no prefix: the field)."""
+  """The flag of a settings class's ``field``: ``<prefix>_<field>`` (no prefix: the field).
+
+  Args:
+    cls: a settings dataclass (its ``prefix``, if any).
+    field: one of its fields.
+
+  Returns:
+    The flag's name.
+  """
   prefix = getattr(cls, 'prefix', None)
   return f'{prefix}_{field}' if prefix else field
 
@@ -55,6 +70,12 @@ def validate(cfg) -> None:
   """Checks every field of a config dataclass against its declared range.
 
   Traced values (swept hyperparameters) are skipped.
+
+  Args:
+    cfg: a settings dataclass instance (``hparam`` fields).
+
+  Returns:
+    None.
 
   Raises:
     ConfigError naming the flag.
@@ -90,7 +111,14 @@ def scale_by_round(factor: Callable) -> optax.GradientTransformationExtraArgs:
 
 
 def scale_by_round_decay(decay: float) -> optax.GradientTransformationExtraArgs:
-  """Updates times ``decay ** round_num``: a per-round learning-rate decay."""
+  """Updates times ``decay ** round_num``: a per-round learning-rate decay.
+
+  Args:
+    decay: the per-round factor.
+
+  Returns:
+    An optax transformation reading the ``round_num`` extra argument.
+  """
   return scale_by_round(lambda t: jax.numpy.power(decay, t))
 
 
@@ -99,7 +127,15 @@ def linear_schedule(rounds: int, warmup: float) -> Callable:
   rate (Pillutla et al., arXiv 2204.03809; ``get_fed_global_lr_scheduler``
   of its ``pfl/utils.py``): t / w over the first w = warmup * rounds rounds
   (0 in round 0, as its code has it), then (rounds - t) / (rounds - w),
-  reaching 0 at the end."""
+  reaching 0 at the end.
+
+  Args:
+    rounds: the run's rounds.
+    warmup: the warm-up share of the rounds.
+
+  Returns:
+    ``t -> multiplier of the client rate in round t``.
+  """
   w = warmup * rounds
   jnp = jax.numpy
   return lambda t: jnp.where(t < w, t / max(1.0, w),
@@ -107,7 +143,15 @@ def linear_schedule(rounds: int, warmup: float) -> Callable:
 
 
 def cut_schedule(every: int, factor: float) -> Callable:
-  """The seed's ``const_and_cut``: ``factor ** (t // every)``."""
+  """The seed's ``const_and_cut``: ``factor ** (t // every)``.
+
+  Args:
+    every: rounds between cuts.
+    factor: the multiplier at each cut.
+
+  Returns:
+    ``t -> factor ** (t // every)``.
+  """
   return lambda t: jax.numpy.power(factor, jax.numpy.floor(t / every))
 
 

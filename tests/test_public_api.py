@@ -60,13 +60,20 @@ def test_every_module_declares_its_public_names():
 
 
 #: What a user meets first: the package's face, the registry, the data
-#: sets (FedJAX's load_data, the readers), the loop.
+#: sets (FedJAX's load_data, the readers), the loop; and the toolbox of a
+#: new algorithm (docs/add_an_algorithm.md): settings, aggregation, local
+#: training, stacked per-client state, data, batching, sampling, executors.
 FACE = ('fedjax_personal', 'fedjax_personal.algorithms', 'fedjax_personal.datasets',
         'fedjax_personal.datasets.federated', 'fedjax_personal.datasets.natural',
         'fedjax_personal.datasets.emnist', 'fedjax_personal.datasets.shakespeare',
         'fedjax_personal.datasets.stackoverflow', 'fedjax_personal.datasets.cifar100',
         'fedjax_personal.datasets.gldv2', 'fedjax_personal.datasets.leaf',
-        'fedjax_personal.run.experiment')
+        'fedjax_personal.run.experiment', 'fedjax_personal.config',
+        'fedjax_personal.core.aggregation', 'fedjax_personal.core.training',
+        'fedjax_personal.core.algorithm', 'fedjax_personal.core.tree_util',
+        'fedjax_personal.core.client_state', 'fedjax_personal.core.batching',
+        'fedjax_personal.core.sampling', 'fedjax_personal.core.data',
+        'fedjax_personal.core.executors', 'fedjax_personal.models')
 
 
 def test_the_faces_functions_say_their_arguments_and_results():

@@ -212,7 +212,15 @@ class FederatedAlgorithm:
 
 
 def cohort_train_metrics(stats: LossStats, mask) -> dict:
-  """Mean local training loss/accuracy over the real examples of active clients."""
+  """Mean local training loss/accuracy over the real examples of active clients.
+
+  Args:
+    stats: the cohort's local-training ``LossStats`` [C].
+    mask: [C] active clients.
+
+  Returns:
+    ``{'train_loss', 'train_accuracy'}``.
+  """
   m = mask.astype(jnp.float32)
   loss = jnp.sum(stats.loss_sum * m)
   correct = jnp.sum(stats.correct * m)

@@ -119,7 +119,16 @@ def batch_indices(key: jax.Array, num_examples: jax.Array, max_examples: int,
 
 
 def traced_num_steps(batching: Batching, num_examples, max_examples: int):
-  """``num_steps_for`` on a traced example count (inside a compiled round)."""
+  """``num_steps_for`` on a traced example count (inside a compiled round).
+
+  Args:
+    batching: the ``Batching``.
+    num_examples: a client's examples (traced int).
+    max_examples: the padded length.
+
+  Returns:
+    The client's local steps (traced int32).
+  """
   if batching.num_steps is not None:
     return jnp.where(num_examples > 0, batching.num_steps, 0)
   b = batching.effective_batch_size(max_examples)

@@ -322,7 +322,15 @@ def to_device(data: FederatedData) -> FederatedData:
 
 def permute_eval_targets(data: FederatedData, perm) -> FederatedData:
   """Client i's validation and test splits become client perm[i]'s, so that
-  targets differ from the local training distribution (FedFomo, Sec. 5)."""
+  targets differ from the local training distribution (FedFomo, Sec. 5).
+
+  Args:
+    data: the ``FederatedData``.
+    perm: a permutation of the clients.
+
+  Returns:
+    The data with permuted validation and test splits.
+  """
   perm = np.asarray(perm)
   take = lambda d: jax.tree.map(lambda a: a[perm], d)
   return data.replace(val=take(data.val), test=take(data.test))

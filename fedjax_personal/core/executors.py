@@ -477,7 +477,15 @@ def _has_conv(jaxpr) -> bool:
 def model_has_conv(model, sample_x) -> bool:
   """Whether the model is convolutional: its forward pass contains an XLA
   convolution, or it is one of the project's convolutional modules (they
-  carry ``conv_impl``; with ``matmul`` they contain no convolution op)."""
+  carry ``conv_impl``; with ``matmul`` they contain no convolution op).
+
+  Args:
+    model: the model.
+    sample_x: one input batch.
+
+  Returns:
+    True when it convolves.
+  """
   if getattr(getattr(model, 'module', None), 'conv_impl', None) is not None:
     return True
   params = jax.eval_shape(model.init, jax.random.key(0))
@@ -580,7 +588,14 @@ def cpu_block_size(model=None) -> int:
   imbalance, so one client a block is the choice for the MLP (0.84 MB;
   FedAvg on 3,400 EMNIST-shaped writers, cohorts 10 / 50: 1.31x / 1.11x
   faster than blocks of 3, and equal on 100 / 1,000 equal clients;
-  BUILD.md). Small models (logistic regression: 5) still share a block."""
+  BUILD.md). Small models (logistic regression: 5) still share a block.
+
+  Args:
+    model: the model (None: the default block).
+
+  Returns:
+    Clients per block.
+  """
   if model is None:
     return 10
   shapes = jax.eval_shape(model.init, jax.random.key(0))

@@ -32,7 +32,14 @@ _UNROLL_STEPS = contextvars.ContextVar('unroll_steps', default=False)
 @contextlib.contextmanager
 def unroll_steps(enabled: bool):
   """Within the context, client work unrolls its local steps (a Python loop,
-  not a scan), e.g. for a per-step trace."""
+  not a scan), e.g. for a per-step trace.
+
+  Args:
+    enabled: unroll (True) or scan (False).
+
+  Yields:
+    Nothing; the setting holds inside the ``with`` block.
+  """
   token = _UNROLL_STEPS.set(enabled)
   try:
     yield
@@ -85,7 +92,11 @@ class LossStats(NamedTuple):
 
 
 def zero_stats() -> LossStats:
-  """``LossStats`` of nothing: every sum 0."""
+  """``LossStats`` of nothing: every sum 0.
+
+  Returns:
+    The zero ``LossStats``.
+  """
   return LossStats(*(jnp.zeros(()) for _ in LossStats._fields))
 
 
@@ -105,6 +116,18 @@ def per_example_stats(logits, y, mask, loss: str = 'cross_entropy',
   ``top_k`` highest logits. Classes in ``unpredicted`` are never predicted
   (their logits masked for the argmax and the top-k, as FedJAX's
   ``accuracy_in_vocab`` masks PAD, BOS, EOS and OOV).
+
+  Args:
+    logits: predictions.
+    y: targets.
+    mask: [B] real examples.
+    loss: ``'cross_entropy'`` or ``'squared'``.
+    unscored: target ids left out of the accuracy.
+    top_k: count a prediction among the top k as correct (0: the top one).
+    unpredicted: class ids never predicted.
+
+  Returns:
+    ``LossStats`` summed over the batch.
   """
   if loss == 'squared':
     err = 0.5 * jnp.square(logits - y).reshape(y.shape[0], -1).sum(-1)
@@ -128,7 +151,16 @@ def per_example_stats(logits, y, mask, loss: str = 'cross_entropy',
 
 
 def batch_loss(model: Model, params, batch: Batch):
-  """Mean masked cross-entropy over real examples, and its LossStats."""
+  """Mean masked cross-entropy over real examples, and its LossStats.
+
+  Args:
+    model: the model.
+    params: its parameters.
+    batch: a ``Batch`` (its mask marks real examples).
+
+  Returns:
+    ``(loss, LossStats)``.
+  """
   logits = (model.train_apply(params, batch.x, batch.key)
             if model.train_apply is not None and batch.key is not None
             else model.apply(params, batch.x))
@@ -138,20 +170,44 @@ def batch_loss(model: Model, params, batch: Batch):
 
 
 def plain_objective(model: Model):
-  """The empirical risk on a batch: ``(params, batch) -> (loss, stats)``."""
+  """The empirical risk on a batch: ``(params, batch) -> (loss, stats)``.
+
+  Args:
+    model: the model.
+
+  Returns:
+    ``objective(params, batch) -> (loss, LossStats)``.
+  """
   return lambda params, batch: batch_loss(model, params, batch)
 
 
 def part(batch: Batch, k: int) -> Batch:
   """Batch ``k`` of a step that draws several ([K, B, ...]), its input draws
-  its own (``fold_in(key, k)``)."""
+  its own (``fold_in(key, k)``).
+
+  Args:
+    batch: a step's ``Batch`` of K draws [K, B, ...].
+    k: which draw.
+
+  Returns:
+    Draw ``k`` as a ``Batch`` [B, ...].
+  """
   key = None if batch.key is None else jax.random.fold_in(batch.key, k)
   return Batch(batch.x[k], batch.y[k], batch.mask[k], key)
 
 
 def get_batch(data: ClientData, idx, mask) -> Batch:
   """The examples at ``idx`` of one client (from its packed cohort's rows
-  when it has them: the same values, without making the client's window)."""
+  when it has them: the same values, without making the client's window).
+
+  Args:
+    data: one client's ``ClientData``.
+    idx: example indices [B].
+    mask: [B] real examples.
+
+  Returns:
+    The ``Batch``.
+  """
   if data.source is not None:
     x, y, start = data.source
     return Batch(x=x[start + idx], y=y[start + idx], mask=mask)
@@ -159,7 +215,16 @@ def get_batch(data: ClientData, idx, mask) -> Batch:
 
 
 def evaluate_params(model: Model, params, data: ClientData) -> LossStats:
-  """LossStats of ``params`` on all real examples of one client."""
+  """LossStats of ``params`` on all real examples of one client.
+
+  Args:
+    model: the model.
+    params: its parameters.
+    data: one client's ``ClientData`` (a test split).
+
+  Returns:
+    The client's ``LossStats``.
+  """
   mask = jnp.arange(data.x.shape[0]) < data.num_examples
   return per_example_stats(model.apply(params, data.x), data.y, mask, model.loss,
                            model.unscored_targets, model.top_k, model.unpredicted)
@@ -192,14 +257,34 @@ def opt_update(optimizer: optax.GradientTransformation, grads, opt_state, params
                ctx: ClientContext):
   """``optimizer.update`` with the round number as the extra argument
   ``round_num`` (read by ``config.scale_by_round_decay``; ignored by plain
-  optax transformations)."""
+  optax transformations).
+
+  Args:
+    optimizer: an optax optimizer.
+    grads: the gradients.
+    opt_state: its state.
+    params: the parameters.
+    ctx: the client's ``ClientContext`` (its round).
+
+  Returns:
+    ``(updates, new optimizer state)``.
+  """
   return optax.with_extra_args_support(optimizer).update(grads, opt_state, params,
                                                          round_num=ctx.round)
 
 
 def client_opt_init(ctx: ClientContext, init_fn: Callable, params):
   """The client's optimizer state at the start of its work: the kept one
-  (persistent state) or ``init_fn(params)``."""
+  (persistent state) or ``init_fn(params)``.
+
+  Args:
+    ctx: the client's ``ClientContext``.
+    init_fn: the optimizer's ``init``.
+    params: the parameters it starts from.
+
+  Returns:
+    The optimizer state.
+  """
   return init_fn(params) if ctx.opt_state is None else ctx.opt_state
 
 
@@ -237,7 +322,17 @@ class ClientWork:
 
 
 def work_batch_indices(work: ClientWork, key, num_examples, max_examples):
-  """Batch indices [S, B] (or [S, k, B]) and masks of one client's work."""
+  """Batch indices [S, B] (or [S, k, B]) and masks of one client's work.
+
+  Args:
+    work: the ``ClientWork``.
+    key: the client's key.
+    num_examples: its examples (traced).
+    max_examples: the padded length.
+
+  Returns:
+    ``(indices, masks)``.
+  """
   if work.batches_per_step == 1:
     return batching_lib.batch_indices(key, num_examples, max_examples, work.batching)
   keys = jax.random.split(key, work.batches_per_step)
@@ -256,7 +351,16 @@ INPUT_DRAWS = 0x1B7
 
 
 def work_init(work: ClientWork, ctx: ClientContext, key):
-  """Engine side of init: the algorithm's carry plus the client's batches."""
+  """Engine side of init: the algorithm's carry plus the client's batches.
+
+  Args:
+    work: the ``ClientWork``.
+    ctx: the client's ``ClientContext``.
+    key: the client's key.
+
+  Returns:
+    ``(carry, batch indices, masks, step keys)``.
+  """
   k_init, k_batch, k_steps = jax.random.split(key, 3)
   train = ctx.data.train
   idx, mask = work_batch_indices(work, k_batch, train.num_examples, train.x.shape[0])
@@ -265,7 +369,20 @@ def work_init(work: ClientWork, ctx: ClientContext, key):
 
 def work_step(work: ClientWork, ctx: ClientContext, carry, idx, mask, k_steps, s):
   """Engine side of step ``s``: gather its batch, step, and keep the carry
-  unchanged when the step is padding."""
+  unchanged when the step is padding.
+
+  Args:
+    work: the ``ClientWork``.
+    ctx: the client's ``ClientContext``.
+    carry: the work's carry.
+    idx: all steps' batch indices.
+    mask: all steps' masks.
+    k_steps: the steps' keys.
+    s: the step (traced int).
+
+  Returns:
+    The new carry.
+  """
   k_step = jax.random.fold_in(k_steps, s)
   batch = get_batch(ctx.data.train, idx[s], mask[s])._replace(
       key=jax.random.fold_in(k_step, INPUT_DRAWS))
@@ -275,7 +392,16 @@ def work_step(work: ClientWork, ctx: ClientContext, carry, idx, mask, k_steps, s
 
 def work_num_steps(work: ClientWork, ctx: ClientContext, key):
   """The client's real step count (int32 scalar), read off its own batches:
-  the steps whose batch holds a real example (they come first)."""
+  the steps whose batch holds a real example (they come first).
+
+  Args:
+    work: the ``ClientWork``.
+    ctx: the client's ``ClientContext``.
+    key: the client's key.
+
+  Returns:
+    The step count.
+  """
   _, mask = work_batch_indices(work, jax.random.split(key, 3)[1], ctx.data.train.num_examples,
                                ctx.data.train.x.shape[0])
   return jnp.sum(jax.vmap(step_is_real)(mask)).astype(jnp.int32) if mask.shape[0] else (
@@ -292,6 +418,15 @@ def run_work(work: ClientWork, ctx: ClientContext, key, limit=None):
   clients costs its longest client's steps, not the padded maximum. The
   numbers are the same either way: the steps run are the same, and the
   steps past the client's own are padding in both.
+
+  Args:
+    work: the algorithm's ``ClientWork``.
+    ctx: the client's ``ClientContext``.
+    key: the client's key.
+    limit: steps to run (traced int32), or None: every padded step.
+
+  Returns:
+    The client's output (``ClientWork.final``'s).
   """
   carry, idx, mask, k_steps = work_init(work, ctx, key)
 
@@ -339,6 +474,17 @@ def dp_gradient(objective, params, batch: Batch, key, clip_norm: float, noise_mu
   N(0, (noise_multiplier * clip_norm)^2) noise, divided by the real count.
 
   Returns (noisy mean gradient, LossStats of the batch).
+
+  Args:
+    objective: ``(params, batch) -> (loss, stats)``.
+    params: the parameters.
+    batch: the ``Batch``.
+    key: draws the noise.
+    clip_norm: per-example clipping norm C.
+    noise_multiplier: sigma (noise std = sigma * C).
+
+  Returns:
+    ``(noisy mean gradient, LossStats of the batch)``.
   """
   def one(x, y):
     ex = Batch(x[None], y[None], jnp.ones((1,), bool))
@@ -378,6 +524,9 @@ def sgd_client_work(objective_fn: Callable, optimizer: optax.GradientTransformat
       optimizer (SCAFFOLD's correction, FedDyn's dynamic regularizer).
     dp: optional (clip_norm, noise_multiplier): DP-SGD local training.
     sum_grads: keep the sum of the raw objective gradients in the carry.
+
+  Returns:
+    The ``ClientWork``.
   """
   start_fn = start_fn or (lambda ctx: ctx.shared)
 
@@ -408,6 +557,14 @@ def sgd_client_work(objective_fn: Callable, optimizer: optax.GradientTransformat
 def local_sgd(params: PyTree, objective, optimizer: optax.GradientTransformation,
               data: ClientData, key: jax.Array, batching: batching_lib.Batching):
   """Local SGD from ``params`` on one client's data, as one traced function.
+
+  Args:
+    params: the start.
+    objective: ``(params, batch) -> (loss, stats)``.
+    optimizer: an optax optimizer.
+    data: the client's ``ClientData``.
+    key: draws the batches.
+    batching: the local ``Batching``.
 
   Returns:
     (params, LossStats summed over the real steps).

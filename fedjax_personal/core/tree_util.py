@@ -20,12 +20,28 @@ PyTree = Any
 
 def is_concrete(x) -> bool:
   """False for a traced value (a hyperparameter swept inside ``jax.vmap``):
-  argument checks skip those; the CLI validates sweep values beforehand."""
+  argument checks skip those; the CLI validates sweep values beforehand.
+
+  Args:
+    x: a value.
+
+  Returns:
+    True unless traced.
+  """
   return not isinstance(x, jax.core.Tracer)
 
 
 def tree_where(cond, x: PyTree, y: PyTree) -> PyTree:
-  """Selects `x` where the scalar `cond` holds, else `y`, leaf by leaf."""
+  """Selects `x` where the scalar `cond` holds, else `y`, leaf by leaf.
+
+  Args:
+    cond: a scalar bool.
+    x: a pytree.
+    y: a pytree of the same structure.
+
+  Returns:
+    ``x`` or ``y``, leaf by leaf.
+  """
   return jax.tree.map(lambda a, b: jnp.where(cond, a, b), x, y)
 
 
@@ -42,7 +58,15 @@ def tree_where(cond, x: PyTree, y: PyTree) -> PyTree:
 
 
 def tree_gather(x: PyTree, idx) -> PyTree:
-  """x[idx] on the leading (client) axis of every leaf; out-of-range idx clipped."""
+  """x[idx] on the leading (client) axis of every leaf; out-of-range idx clipped.
+
+  Args:
+    x: a stacked pytree [N, ...].
+    idx: row indices.
+
+  Returns:
+    The rows [len(idx), ...].
+  """
   return jax.tree.map(lambda a: a.at[idx].get(mode='clip'), x)
 
 
@@ -67,7 +91,15 @@ def is_rows(x) -> bool:
 
 
 def rows(x: PyTree, idx) -> Rows:
-  """Lazy ``tree_gather(x, idx)`` for a broadcast (see ``Rows``)."""
+  """Lazy ``tree_gather(x, idx)`` for a broadcast (see ``Rows``).
+
+  Args:
+    x: a stacked pytree [N, ...].
+    idx: row indices.
+
+  Returns:
+    The lazy ``Rows``.
+  """
   return Rows(x, jnp.asarray(idx))
 
 
@@ -75,14 +107,29 @@ def rows(x: PyTree, idx) -> Rows:
 
 def client_slice(tree: PyTree, pos) -> PyTree:
   """Position(s) ``pos`` of the cohort's per-client inputs: ``a[pos]`` for
-  plain stacked leaves, ``source[idx[pos]]`` for ``Rows``."""
+  plain stacked leaves, ``source[idx[pos]]`` for ``Rows``.
+
+  Args:
+    tree: per-client inputs [C, ...] (``Rows`` allowed).
+    pos: cohort position(s).
+
+  Returns:
+    The inputs at ``pos``.
+  """
   return jax.tree.map(
       lambda n: tree_gather(n.source, n.idx[pos]) if is_rows(n) else n[pos], tree,
       is_leaf=is_rows)
 
 
 def cohort_size(tree: PyTree) -> int:
-  """The leading (client) dimension of per-client inputs that may hold ``Rows``."""
+  """The leading (client) dimension of per-client inputs that may hold ``Rows``.
+
+  Args:
+    tree: per-client inputs.
+
+  Returns:
+    C.
+  """
   node = jax.tree.leaves(tree, is_leaf=is_rows)[0]
   return (node.idx if is_rows(node) else node).shape[0]
 
@@ -99,6 +146,14 @@ def tree_scatter(x: PyTree, idx, values: PyTree) -> PyTree:
   written ``SCATTER_CHUNK`` rows at a time in a loop, so that XLA updates
   ``x`` in place without first copying all of ``values`` into the scatter's
   layout (the round then holds no second copy of the cohort's outputs).
+
+  Args:
+    x: a stacked pytree [N, ...].
+    idx: row indices (N or more: dropped).
+    values: the rows to write [len(idx), ...].
+
+  Returns:
+    ``x`` with the rows written.
   """
   def scatter(x, i, v):
     return jax.tree.map(lambda a, u: a.at[i].set(u, mode='drop'), x, v)
@@ -119,17 +174,39 @@ def tree_scatter(x: PyTree, idx, values: PyTree) -> PyTree:
 
 
 def leading_size(x: PyTree) -> int:
-  """The leading (client) dimension of a stacked pytree (its first leaf's)."""
+  """The leading (client) dimension of a stacked pytree (its first leaf's).
+
+  Args:
+    x: a stacked pytree.
+
+  Returns:
+    Its leading dimension.
+  """
   return jax.tree.leaves(x)[0].shape[0]
 
 
 def tree_broadcast(x: PyTree, n: int) -> PyTree:
-  """Stacks n copies of x on a new leading axis."""
+  """Stacks n copies of x on a new leading axis.
+
+  Args:
+    x: a pytree.
+    n: copies.
+
+  Returns:
+    The pytree with leaves [n, ...].
+  """
   return jax.tree.map(lambda a: jnp.broadcast_to(a, (n,) + a.shape), x)
 
 
 def tree_bytes(x: PyTree) -> int:
-  """Bytes of all array leaves of x (works on arrays and ShapeDtypeStructs)."""
+  """Bytes of all array leaves of x (works on arrays and ShapeDtypeStructs).
+
+  Args:
+    x: a pytree.
+
+  Returns:
+    Its bytes.
+  """
   return int(sum(np.prod(a.shape, dtype=np.int64) * np.dtype(a.dtype).itemsize
                  for a in jax.tree.leaves(x)))
 

@@ -96,7 +96,16 @@ class Model:
 
 
 def from_flax(name: str, module: nn.Module, sample_x) -> Model:
-  """Wraps a Linen module into the pure (init, apply) pair."""
+  """Wraps a Linen module into the pure (init, apply) pair.
+
+  Args:
+    name: the model's name.
+    module: a Flax Linen module.
+    sample_x: one input batch (shapes the parameters).
+
+  Returns:
+    The ``Model``.
+  """
   sample_x = jnp.asarray(sample_x)[:1]
   return Model(name=name,
                init=lambda key: module.init(key, sample_x)['params'],
@@ -223,5 +232,12 @@ def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0,
 
 
 def num_params(params) -> int:
-  """The number of scalars in a parameter pytree."""
+  """The number of scalars in a parameter pytree.
+
+  Args:
+    params: a parameter pytree.
+
+  Returns:
+    The count.
+  """
   return sum(int(a.size) for a in jax.tree.leaves(params))

@@ -29,7 +29,15 @@ def flatten(module: nn.Module, x):
   """[B, ...] -> [B, features]. Convolutional models record the NHWC shape
   they flatten (``sow``, a no-op unless asked for): a PyTorch state dict's
   first dense layer after the convolutions is read with it (PyTorch flattens
-  C, H, W; these models H, W, C)."""
+  C, H, W; these models H, W, C).
+
+  Args:
+    module: the calling Linen module (records the shape).
+    x: activations [B, ...].
+
+  Returns:
+    [B, features].
+  """
   module.sow('intermediates', 'flatten_input', x)
   return x.reshape((x.shape[0], -1))
 

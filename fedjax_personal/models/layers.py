@@ -27,7 +27,14 @@ __all__ = ['Adapter', 'as_float', 'avg_pool_2x2', 'batch_chunk', 'Conv', 'conv_a
 
 
 def as_float(x):
-  """Images as float32; integer (uint8) images scaled to [0, 1]."""
+  """Images as float32; integer (uint8) images scaled to [0, 1].
+
+  Args:
+    x: images (any dtype).
+
+  Returns:
+    float32 images.
+  """
   if jnp.issubdtype(x.dtype, jnp.integer):
     return x.astype(jnp.float32) / 255.0
   return x.astype(jnp.float32)
@@ -54,7 +61,14 @@ def resolve_conv_impl(impl: str) -> str:
   the cohort grows (BUILD.md, "On a GPU": 6.7x slower for LeNet-5 at 1,000
   clients, 10.7x for the EMNIST CNN at a cohort of 500); ``tiled``'s chunk
   loop keeps a CPU's caches warm and only serializes a GPU. Other names are
-  returned as they are."""
+  returned as they are.
+
+  Args:
+    impl: a ``conv_impl`` (``auto`` or a concrete one).
+
+  Returns:
+    The concrete implementation.
+  """
   if impl not in CONV_IMPLS:
     raise ConfigError('conv_impl', f'unknown convolution implementation {impl!r}; '
                       f'choose one of {list(CONV_IMPLS)}')
@@ -67,7 +81,14 @@ def conv_layout(impl: str) -> str:
   """The activation layout a convolutional model uses inside: channels-major
   ``CNHW`` for ``matmul`` and ``tiled`` (XLA:CPU vectorizes the slices and
   pooling along the contiguous width, not along a handful of channels),
-  ``NHWC`` for ``xla``."""
+  ``NHWC`` for ``xla``.
+
+  Args:
+    impl: a resolved ``conv_impl``.
+
+  Returns:
+    ``'CNHW'`` or ``'NHWC'``.
+  """
   return 'NHWC' if resolve_conv_impl(impl) == 'xla' else 'CNHW'
 
 
@@ -91,7 +112,18 @@ def _conv_pads(x_shape, kernel_shape, padding, layout: str, strides=(1, 1)):
 def tile_budget(x_shape, kernel_shape, padding, layout: str, strides=(1, 1)) -> int:
   """The ``tile_bytes`` a ``tiled`` convolution of this input and kernel
   uses: 0 (one slice matrix) when the batch's slice matrix is at most
-  ``TILE_MIN_BYTES``, else ``TILE_BYTES``. 0 as well when ``TILE_BYTES`` is 0."""
+  ``TILE_MIN_BYTES``, else ``TILE_BYTES``. 0 as well when ``TILE_BYTES`` is 0.
+
+  Args:
+    x_shape: the input's shape.
+    kernel_shape: the kernel's shape.
+    padding: the convolution's padding.
+    layout: the activations' layout.
+    strides: the convolution's strides.
+
+  Returns:
+    Bytes per tile (0: untiled).
+  """
   kh, kw, cin, _ = kernel_shape
   _, (ho, wo) = _conv_pads(x_shape, kernel_shape, padding, layout, strides)
   b = x_shape[0 if layout == 'NHWC' else 1]
@@ -100,18 +132,43 @@ def tile_budget(x_shape, kernel_shape, padding, layout: str, strides=(1, 1)) -> 
 
 def batch_chunk(batch: int, bytes_per_example: int, budget: int = TILE_BYTES) -> int:
   """The largest divisor of ``batch`` whose chunk of ``bytes_per_example``
-  each fits in ``budget`` bytes (at least 1)."""
+  each fits in ``budget`` bytes (at least 1).
+
+  Args:
+    batch: the batch size.
+    bytes_per_example: bytes one example's chunk holds.
+    budget: bytes a chunk may hold.
+
+  Returns:
+    The chunk size.
+  """
   fits = max(1, budget // max(1, bytes_per_example))
   return max(d for d in range(1, min(batch, fits) + 1) if batch % d == 0)
 
 
 def to_layout(x, layout: str):
-  """NHWC -> ``layout``."""
+  """NHWC -> ``layout``.
+
+  Args:
+    x: NHWC activations.
+    layout: ``'NHWC'`` or ``'CNHW'``.
+
+  Returns:
+    The activations in ``layout``.
+  """
   return x.transpose(3, 0, 1, 2) if layout == 'CNHW' else x
 
 
 def from_layout(x, layout: str):
-  """``layout`` -> NHWC."""
+  """``layout`` -> NHWC.
+
+  Args:
+    x: activations in ``layout``.
+    layout: ``'NHWC'`` or ``'CNHW'``.
+
+  Returns:
+    The activations in NHWC.
+  """
   return x.transpose(1, 2, 3, 0) if layout == 'CNHW' else x
 
 
@@ -240,7 +297,16 @@ class Conv(nn.Module):
 
 
 def max_pool_2x2(x, impl: str = 'auto', layout: str = 'NHWC'):
-  """2x2 max pooling, stride 2 (floor): ``max_pool(x, 2, 2, 0, impl, layout)``."""
+  """2x2 max pooling, stride 2 (floor): ``max_pool(x, 2, 2, 0, impl, layout)``.
+
+  Args:
+    x: activations.
+    impl: a ``conv_impl``.
+    layout: ``'NHWC'`` or ``'CNHW'``.
+
+  Returns:
+    The pooled activations, in the same layout.
+  """
   return max_pool(x, 2, 2, 0, impl, layout)
 
 
@@ -254,7 +320,19 @@ def max_pool(x, window: int, stride: int, pad: int, impl: str = 'auto', layout: 
   strided views, rows then columns (a few selects; 6-17x faster on CPU).
   Same values; the same gradients except at exact ties inside a window
   (split between the tied inputs), which ReLU outputs only have at 0, where
-  the gradient is 0 anyway."""
+  the gradient is 0 anyway.
+
+  Args:
+    x: activations.
+    window: the window's side.
+    stride: the step between windows.
+    pad: padding on every side.
+    impl: a ``conv_impl``.
+    layout: ``'NHWC'`` or ``'CNHW'``.
+
+  Returns:
+    The pooled activations, in the same layout.
+  """
   if resolve_conv_impl(impl) == 'xla':
     args = ((window, window), (stride, stride), ((pad, pad), (pad, pad)))
     if layout == 'NHWC':
@@ -266,7 +344,15 @@ def max_pool(x, window: int, stride: int, pad: int, impl: str = 'auto', layout: 
 def avg_pool_2x2(x, layout: str = 'NHWC'):
   """2x2 average pooling, stride 2 (floor), in either layout: PyTorch's
   ``AvgPool2d(2)`` and Keras' ``AveragePooling2D()`` (``nn.avg_pool``'s
-  numbers)."""
+  numbers).
+
+  Args:
+    x: activations.
+    layout: ``'NHWC'`` or ``'CNHW'``.
+
+  Returns:
+    The pooled activations, in the same layout.
+  """
   hx, wx = _SPATIAL[layout]
   window = [1] * 4
   window[hx] = window[wx] = 2
