@@ -40,7 +40,16 @@ class APFLConfig:
 
 
 def mixture(alpha, personal, global_params):
-  """APFL's mixed model ``alpha v + (1 - alpha) w`` (Deng et al., eq. 3)."""
+  """APFL's mixed model ``alpha v + (1 - alpha) w`` (Deng et al., eq. 3).
+
+  Args:
+    alpha: the mixing weight.
+    personal: the personal model v.
+    global_params: the global model w.
+
+  Returns:
+    The mixed model.
+  """
   return jax.tree.map(lambda v, w: alpha * v + (1 - alpha) * w, personal, global_params)
 
 
@@ -48,7 +57,21 @@ def apfl(model: Model, num_clients: int, client_optimizer: optax.GradientTransfo
          batching: Batching, alpha: float = 0.25,
          server_optimizer: Optional[optax.GradientTransformation] = None,
          weighting: str = 'num_examples', finetune=None):
-  """Builds APFL with a fixed mixing weight ``alpha`` in [0, 1]."""
+  """Builds APFL with a fixed mixing weight ``alpha`` in [0, 1].
+
+  Args:
+    model: the model (pure ``init`` / ``apply``).
+    num_clients: N: per-client state has N rows.
+    client_optimizer: the optax client optimizer.
+    batching: local batching (epochs or steps, batch size).
+    alpha: the mixing weight of the personal model, in [0, 1].
+    server_optimizer: applied to the mean update; default ``optax.sgd(1.0)``.
+    weighting: ``'num_examples'`` (n_i-weighted mean) or ``'uniform'``.
+    finetune: optional evaluation fine-tuning (``training.sgd_finetune``).
+
+  Returns:
+    The ``FederatedAlgorithm``.
+  """
   if is_concrete(alpha) and not 0 <= alpha <= 1:
     raise ConfigError('apfl_alpha', f'must be in [0, 1], got {alpha}')
 

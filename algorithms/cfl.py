@@ -121,7 +121,23 @@ def cfl(model: Model, num_clients: int, num_examples, client_optimizer, batching
         ratio: float = 0.0, weighting: str = 'num_examples') -> FederatedAlgorithm:
   """Builds clustered FL (eps1, eps2 of the split test, or the scale-free
   ``ratio``; no split before ``warmup_rounds``; cluster means weighted by
-  ``weighting``). Meant for full participation (every client trains)."""
+  ``weighting``). Meant for full participation (every client trains).
+
+  Args:
+    model: the model (pure ``init`` / ``apply``).
+    num_clients: N: per-client state has N rows.
+    num_examples: training examples per client [N].
+    client_optimizer: the optax client optimizer.
+    batching: local batching (epochs or steps, batch size).
+    eps1: the split test's bound on the mean update's norm.
+    eps2: its bound on the largest client update's norm.
+    warmup_rounds: rounds before any split.
+    ratio: the scale-free test (max / mean norm) when > 0.
+    weighting: ``'num_examples'`` (n_i-weighted mean) or ``'uniform'``.
+
+  Returns:
+    The ``FederatedAlgorithm``.
+  """
   n_np = np.asarray(num_examples, np.float64)
   plain = plain_objective(model)
 

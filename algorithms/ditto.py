@@ -41,7 +41,22 @@ def ditto(model: Model, num_clients: int, client_optimizer: optax.GradientTransf
           personal_optimizer: Optional[optax.GradientTransformation] = None,
           server_optimizer: Optional[optax.GradientTransformation] = None,
           weighting: str = 'num_examples', finetune=None):
-  """Builds Ditto (``personal_optimizer`` default: the client optimizer)."""
+  """Builds Ditto (``personal_optimizer`` default: the client optimizer).
+
+  Args:
+    model: the model (pure ``init`` / ``apply``).
+    num_clients: N: per-client state has N rows.
+    client_optimizer: the optax client optimizer.
+    batching: local batching (epochs or steps, batch size).
+    lam: lambda, the pull of the personal model toward the global one.
+    personal_optimizer: the personal model's optimizer (default: the client optimizer).
+    server_optimizer: applied to the mean update; default ``optax.sgd(1.0)``.
+    weighting: ``'num_examples'`` (n_i-weighted mean) or ``'uniform'``.
+    finetune: optional evaluation fine-tuning (``training.sgd_finetune``).
+
+  Returns:
+    The ``FederatedAlgorithm``.
+  """
 
   def step(ctx, w, v, batch):
     grad = lambda p: jax.value_and_grad(lambda q: batch_loss(model, q, batch), has_aux=True)(p)

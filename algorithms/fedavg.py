@@ -87,7 +87,16 @@ def client_weight(num_examples, weighting: str):
 
 
 def client_weights(cohort, num_examples, weighting: str):
-  """Aggregation weights of a cohort: n_i (or 1) on active clients, 0 on padded slots."""
+  """Aggregation weights of a cohort: n_i (or 1) on active clients, 0 on padded slots.
+
+  Args:
+    cohort: the round's ``Cohort``.
+    num_examples: training examples per client [N].
+    weighting: ``'num_examples'`` or ``'uniform'``.
+
+  Returns:
+    Weights [C].
+  """
   return client_weight(num_examples, weighting) * cohort.mask
 
 
@@ -100,6 +109,15 @@ def summed_upload(work: ClientWork, weighting: str, field: str = 'delta',
   ``work.final`` must return a dataclass with ``field`` (the delta) and
   ``num_examples``. With ``group_fn(ctx) -> (group, num_groups)`` the share is
   placed in its group's row of a [G, ...] sum (one FedAvg per group).
+
+  Args:
+    work: the client work.
+    weighting: ``'num_examples'`` or ``'uniform'``.
+    field: the output's field summed (the delta).
+    group_fn: ``ctx -> (group, num_groups)`` for one mean per group, or None.
+
+  Returns:
+    The ``ClientWork`` with a summed upload.
   """
   check_weighting(weighting)  # when the algorithm is built, not traced
 
@@ -117,7 +135,14 @@ def summed_upload(work: ClientWork, weighting: str, field: str = 'delta',
 
 def global_model_communication(state) -> Communication:
   """One global model ``state.params`` down to every active client and one
-  of its size up from each (FedAvg and the algorithms shaped like it)."""
+  of its size up from each (FedAvg and the algorithms shaped like it).
+
+  Args:
+    state: the algorithm's state (its ``params``).
+
+  Returns:
+    The round's ``Communication``.
+  """
   b = tree_bytes(state.params)
   return Communication(b, b, 1)
 
@@ -127,6 +152,15 @@ def server_step(params, opt_state, upload: aggregation.Sum, server_optimizer):
   summed ``summed_upload`` shares.
 
   Leaves params and optimizer state unchanged when no weight is positive.
+
+  Args:
+    params: the global model.
+    opt_state: the server optimizer's state.
+    upload: the cohort's summed ``weighted_upload`` of deltas.
+    server_optimizer: the optax server optimizer.
+
+  Returns:
+    ``(params, opt_state)``.
   """
   pseudo_grad, weight = aggregation.upload_mean(upload)
   updates, new_opt_state = server_optimizer.update(pseudo_grad, opt_state, params)
@@ -148,6 +182,9 @@ def make_client_work(model: Model, client_optimizer, batching: Batching,
     start_fn: ``ctx -> params`` the client starts from (default: the broadcast
       ``ctx.shared``; oracle clusters start from the client's group model).
     dp: optional (clip_norm, noise_multiplier): DP-SGD local training.
+
+  Returns:
+    The ``ClientWork``.
   """
   start_fn = start_fn or (lambda ctx: ctx.shared)
   plain = plain_objective(model)
@@ -181,6 +218,9 @@ def fedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
     name: registry name.
     dp: optional (clip_norm, noise_multiplier): DP-SGD local training; the
       state then counts every client's steps (``ServerState.dp_steps``).
+
+  Returns:
+    The ``FederatedAlgorithm``.
   """
   server_optimizer = server_optimizer or optax.sgd(1.0)
 

@@ -137,6 +137,9 @@ def feddyn(model: Model, num_clients: int, num_examples,
     batches_per_step: batches per local step (2 for MAML / prototypes).
     finetune, evaluate_client: evaluation options (see FederatedAlgorithm).
     name: registry name.
+
+  Returns:
+    The ``FederatedAlgorithm``.
   """
   if is_concrete(alpha) and alpha <= 0:
     raise ConfigError('feddyn_alpha', f'must be > 0, got {alpha}')
@@ -211,7 +214,14 @@ def feddyn(model: Model, num_clients: int, num_examples,
 
 
 def feddyn_options(config: FedDynConfig) -> dict:
-  """Builder arguments of FedDyn's own settings."""
+  """Builder arguments of FedDyn's own settings.
+
+  Args:
+    config: FedDyn's settings (``FedDynConfig``).
+
+  Returns:
+    Keyword arguments of ``feddyn``.
+  """
   return dict(adaptive_alpha=config.adaptive_alpha, max_grad_norm=config.max_grad_norm or None,
               eval_model=config.eval_model)
 

@@ -74,7 +74,19 @@ class FedFomoState:
 
 def choose_candidates(key, affinity_rows, clients, num_candidates: int, eps, num_clients: int):
   """Candidates per cohort client: top-M of its affinity row (itself
-  excluded, ties broken at random), or with probability eps M random ones."""
+  excluded, ties broken at random), or with probability eps M random ones.
+
+  Args:
+    key: the round's server key.
+    affinity_rows: the cohort clients' affinity rows [C, N].
+    clients: the cohort's client indices [C].
+    num_candidates: M.
+    eps: the exploration probability.
+    num_clients: N.
+
+  Returns:
+    Candidate indices [C, M].
+  """
   k_explore, k_tie, k_rand = jax.random.split(key, 3)
   c = clients.shape[0]
   self_mask = jnp.arange(num_clients)[None, :] == clients[:, None]
@@ -91,14 +103,34 @@ def _flat_dist(a, b):
 
 
 def fomo_weights(val_loss, base, candidates, base_loss, candidate_losses):
-  """w_n = (L(base) - L(theta_n)) / ||theta_n - base|| (0 at distance 0)."""
+  """w_n = (L(base) - L(theta_n)) / ||theta_n - base|| (0 at distance 0).
+
+  Args:
+    val_loss: ``params -> validation loss`` of the client.
+    base: the client's model.
+    candidates: the downloaded models [M, ...].
+    base_loss: the base model's validation loss.
+    candidate_losses: the candidates' validation losses [M].
+
+  Returns:
+    The weights [M].
+  """
   dists = jax.vmap(lambda c: _flat_dist(c, base))(candidates)
   return jnp.where(dists > 0, (base_loss - candidate_losses) / jnp.maximum(dists, 1e-12), 0.0)
 
 
 def fomo_update(base, candidates, weights):
   """theta_base + sum_n w_n+ (theta_n - theta_base), positive weights
-  normalized to 1; theta_base when none is positive."""
+  normalized to 1; theta_base when none is positive.
+
+  Args:
+    base: the client's model.
+    candidates: the downloaded models [M, ...].
+    weights: their weights [M].
+
+  Returns:
+    The client's new model.
+  """
   pos = jnp.maximum(weights, 0.0)
   total = jnp.sum(pos)
   norm = jnp.where(total > 0, pos / jnp.where(total > 0, total, 1.0), 0.0)
@@ -114,7 +146,23 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
   group of each client, e.g. the latent distribution) only feeds a diagnostic:
   ``fomo_in_group_share``, the share of the round's positive weight that goes
   to downloads from the client's own group (``fomo_in_group_chance``: the
-  share of other clients in that group, what a group-blind choice gets)."""
+  share of other clients in that group, what a group-blind choice gets).
+
+  Args:
+    model: the model (pure ``init`` / ``apply``).
+    num_clients: N: per-client state has N rows.
+    client_optimizer: the optax client optimizer.
+    batching: local batching (epochs or steps, batch size).
+    num_candidates: M, the models a client downloads.
+    eps0: the first round's exploration probability.
+    eps_decay: its decrease per round.
+    leave_one_out: weigh candidates with the client's own model left out.
+    dp: optional ``(clip_norm, noise_multiplier)``: DP-SGD local training.
+    groups: each client's known group [N] (a diagnostic only), or None.
+
+  Returns:
+    The ``FederatedAlgorithm``.
+  """
   if not 1 <= num_candidates < num_clients:
     raise ConfigError('fedfomo_candidates',
                       f'must be in [1, num_clients - 1], got {num_candidates}')

@@ -57,7 +57,15 @@ class NovaUpload:
 def effective_steps(num_steps, momentum: float = 0.0):
   """a_i = ||a_i||_1 for ``num_steps`` local SGD steps with heavy-ball
   ``momentum`` rho from a zero buffer: tau for plain SGD, else
-  [tau - rho (1 - rho^tau) / (1 - rho)] / (1 - rho) (FedNova, Appendix)."""
+  [tau - rho (1 - rho^tau) / (1 - rho)] / (1 - rho) (FedNova, Appendix).
+
+  Args:
+    num_steps: local steps tau (int array).
+    momentum: the heavy-ball coefficient rho.
+
+  Returns:
+    a_i per client.
+  """
   tau = jnp.asarray(num_steps, jnp.float32)
   if not momentum:
     return tau
@@ -78,6 +86,9 @@ def fednova(model: Model, num_clients: int, client_optimizer: optax.GradientTran
     server_optimizer: applied to tau_eff * sum_i p_i d_i; default
       ``optax.sgd(1.0)``.
     weighting: p_i proportional to n_i ('num_examples') or uniform.
+
+  Returns:
+    The ``FederatedAlgorithm``.
   """
   server_optimizer = server_optimizer or optax.sgd(1.0)
   objective = plain_objective(model)

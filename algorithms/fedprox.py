@@ -40,7 +40,19 @@ def proximal_objective(model: Model, mu: float):
 
 def fedprox(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
             batching: Batching, mu: float, **kw):
-  """Builds FedProx; ``kw`` as for ``fedavg`` (server optimizer, weighting)."""
+  """Builds FedProx; ``kw`` as for ``fedavg`` (server optimizer, weighting).
+
+  Args:
+    model: the model (pure ``init`` / ``apply``).
+    num_clients: N: per-client state has N rows.
+    client_optimizer: the optax client optimizer.
+    batching: local batching (epochs or steps, batch size).
+    mu: the proximal coefficient.
+    kw: as for ``fedavg`` (server optimizer, weighting, fine-tuning).
+
+  Returns:
+    The ``FederatedAlgorithm``.
+  """
   if is_concrete(mu) and mu < 0:
     raise ValueError(f'FedProx mu must be >= 0, got {mu}')
   return fedavg(model, num_clients, client_optimizer, batching,

@@ -17,7 +17,18 @@ __all__ = ['build', 'check', 'fedsgd', 'SPEC']
 def fedsgd(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
            batch_size=None, **kw):
   """Builds FedSGD (``batch_size=None``: the full local batch); ``kw`` as for
-  ``fedavg``."""
+  ``fedavg``.
+
+  Args:
+    model: the model (pure ``init`` / ``apply``).
+    num_clients: N: per-client state has N rows.
+    client_optimizer: the optax client optimizer.
+    batch_size: the full-batch gradient's chunk size.
+    kw: as for ``fedavg`` (server optimizer, weighting, fine-tuning).
+
+  Returns:
+    The ``FederatedAlgorithm``.
+  """
   return fedavg(model, num_clients, client_optimizer,
                 Batching(batch_size=batch_size, num_epochs=None, num_steps=1),
                 name='fedsgd', **kw)

@@ -63,6 +63,19 @@ def global_personal_algorithm(name: str, model: Model, num_clients: int, work: C
   In the work, ``ctx.shared`` is the global model and ``ctx.state`` the
   client's personal model. ``eval_models(state) -> ClientModels`` defaults to
   each client's personal model.
+
+  Args:
+    name: the registry name.
+    model: the model (pure ``init`` / ``apply``).
+    num_clients: N: per-client state has N rows.
+    work: the client work updating both models.
+    server_optimizer: applied to the mean update; default ``optax.sgd(1.0)``.
+    weighting: ``'num_examples'`` (n_i-weighted mean) or ``'uniform'``.
+    eval_models: which model each client is evaluated with.
+    finetune: optional evaluation fine-tuning (``training.sgd_finetune``).
+
+  Returns:
+    The ``FederatedAlgorithm``.
   """
   server_optimizer = server_optimizer or optax.sgd(1.0)
 
@@ -99,6 +112,16 @@ def two_model_work(step_fn: Callable, batching, opt_w: optax.GradientTransformat
 
   ``step_fn(ctx, w, v, batch) -> (grad_w, grad_v, LossStats)``: the
   gradients the two optimizers apply this step.
+
+  Args:
+    step_fn: one local step of both models.
+    batching: local batching.
+    opt_w: the global model's optimizer.
+    opt_v: the personal model's optimizer.
+    personal_start: where the personal model starts.
+
+  Returns:
+    The ``ClientWork``.
   """
   personal_start = personal_start or (lambda ctx: ctx.state)
 

@@ -29,7 +29,18 @@ class LocalState:
 
 def local(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
           batching: Batching, finetune=None) -> FederatedAlgorithm:
-  """Builds Local training."""
+  """Builds Local training.
+
+  Args:
+    model: the model (pure ``init`` / ``apply``).
+    num_clients: N: per-client state has N rows.
+    client_optimizer: the optax client optimizer.
+    batching: local batching (epochs or steps, batch size).
+    finetune: optional evaluation fine-tuning (``training.sgd_finetune``).
+
+  Returns:
+    The ``FederatedAlgorithm``.
+  """
   objective = plain_objective(model)
 
   def init(key):

@@ -45,6 +45,9 @@ def oracle(model: Model, groups, client_optimizer: optax.GradientTransformation,
 
   Args:
     groups: int [N] known group of each client (0..G-1), e.g. ``data.groups``.
+
+  Returns:
+    The ``FederatedAlgorithm``.
   """
   groups_np = np.asarray(groups)
   if groups_np.size == 0 or groups_np.min() < 0:

@@ -145,6 +145,9 @@ def partial_personalization(model: Model, num_clients: int, split: ParamSplit, m
     server_optimizer: on the mean shared delta (default plain mean).
     weighting: 'num_examples' or 'uniform'.
     finetune: optional evaluation fine-tuning (see ``personal_finetune``).
+
+  Returns:
+    The ``FederatedAlgorithm``.
   """
   if mode not in MODES:
     raise ConfigError('algorithm', f'mode must be one of {MODES}, got {mode!r}')

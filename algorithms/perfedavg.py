@@ -56,12 +56,31 @@ class PerFedAvgConfig:
 
 
 def hvp_exact(loss_fn, params, v):
-  """H(params) v by forward-over-reverse differentiation (jvp of grad)."""
+  """H(params) v by forward-over-reverse differentiation (jvp of grad).
+
+  Args:
+    loss_fn: ``params -> loss``.
+    params: the point.
+    v: the vector.
+
+  Returns:
+    The Hessian-vector product.
+  """
   return jax.jvp(jax.grad(loss_fn), (params,), (v,))[1]
 
 
 def hvp_finite_difference(loss_fn, params, v, delta: float = 1e-3):
-  """(grad(params + delta v) - grad(params - delta v)) / (2 delta)."""
+  """(grad(params + delta v) - grad(params - delta v)) / (2 delta).
+
+  Args:
+    loss_fn: ``params -> loss``.
+    params: the point.
+    v: the vector.
+    delta: the finite-difference step.
+
+  Returns:
+    The approximate Hessian-vector product.
+  """
   g = jax.grad(loss_fn)
   plus = g(jax.tree.map(lambda p, d: p + delta * d, params, v))
   minus = g(jax.tree.map(lambda p, d: p - delta * d, params, v))
@@ -94,6 +113,18 @@ def perfedavg_update(model: Model, params, batches: Batch, alpha: float, beta: f
   """One Per-FedAvg local step with plain SGD: w - beta * direction.
 
   Returns (new params, LossStats of the batch D).
+
+  Args:
+    model: the model.
+    params: the meta-model.
+    batches: the step's three batches (D, D', D'').
+    alpha: the inner step.
+    beta: the outer step.
+    variant: ``'fo'``, ``'hf'`` or ``'hf_fd'``.
+    delta: the finite-difference step (``hf_fd``).
+
+  Returns:
+    The meta-model's update direction.
   """
   direction, stats = perfedavg_direction(model, params, batches, alpha, variant, delta)
   return jax.tree.map(lambda p, gg: p - beta * gg, params, direction), stats
@@ -117,6 +148,9 @@ def perfedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTr
       'num_examples'.
     eval_steps: alpha-steps on the client's training data before testing.
     eval_lr: their step size (default alpha).
+
+  Returns:
+    The ``FederatedAlgorithm``.
   """
   if variant not in VARIANTS:
     raise ConfigError('algorithm', f'Per-FedAvg variant must be one of {VARIANTS}, got {variant!r}')

@@ -71,7 +71,17 @@ def inner_sgd(model: Model, params, support: Batch, steps: int, lr: float,
 
 def maml_objective(model: Model, inner_steps: int = 5, inner_lr: float = 1e-2,
                    first_order: bool = False):
-  """MAML data term: query loss after inner SGD on the support batch."""
+  """MAML data term: query loss after inner SGD on the support batch.
+
+  Args:
+    model: the model.
+    inner_steps: inner SGD steps.
+    inner_lr: the inner step size.
+    first_order: drop the second-order term.
+
+  Returns:
+    ``objective(params, batch) -> (loss, stats)``.
+  """
   def objective(params, batch):
     support, query = support_query(batch)
     return batch_loss(model, inner_sgd(model, params, support, inner_steps, inner_lr,
@@ -80,7 +90,14 @@ def maml_objective(model: Model, inner_steps: int = 5, inner_lr: float = 1e-2,
 
 
 def all_examples(data) -> Batch:
-  """A client's every real example as one masked ``Batch``."""
+  """A client's every real example as one masked ``Batch``.
+
+  Args:
+    data: one client's ``ClientData``.
+
+  Returns:
+    Every real example as one ``Batch``.
+  """
   return Batch(data.x, data.y, jnp.arange(data.x.shape[0]) < data.num_examples)
 
 
@@ -94,7 +111,17 @@ def maml_evaluate(model: Model, inner_steps: int = 5, inner_lr: float = 1e-2):
 
 
 def class_prototypes(features, labels, mask, num_classes: int):
-  """Class means of the masked features: ([C, d] prototypes, [C] present)."""
+  """Class means of the masked features: ([C, d] prototypes, [C] present).
+
+  Args:
+    features: embeddings [n, d].
+    labels: labels [n].
+    mask: real examples [n].
+    num_classes: K.
+
+  Returns:
+    ``(prototypes [K, d], present [K])``.
+  """
   one_hot = (labels[:, None] == jnp.arange(num_classes)[None, :]) & mask[:, None]
   one_hot = one_hot.astype(features.dtype)
   counts = one_hot.sum(axis=0)
@@ -103,14 +130,31 @@ def class_prototypes(features, labels, mask, num_classes: int):
 
 
 def prototype_logits(features, prototypes, present):
-  """Logits = minus squared Euclidean distance to each present prototype."""
+  """Logits = minus squared Euclidean distance to each present prototype.
+
+  Args:
+    features: embeddings [n, d].
+    prototypes: class prototypes [K, d].
+    present: classes with a prototype [K].
+
+  Returns:
+    Logits [n, K].
+  """
   d2 = (jnp.sum(features ** 2, -1, keepdims=True) - 2 * features @ prototypes.T
         + jnp.sum(prototypes ** 2, -1)[None, :])
   return jnp.where(present[None, :], -d2, -1e9)
 
 
 def prototype_objective(model: Model, num_classes: int):
-  """Prototypical-network data term: support prototypes, query cross-entropy."""
+  """Prototypical-network data term: support prototypes, query cross-entropy.
+
+  Args:
+    model: the model.
+    num_classes: K.
+
+  Returns:
+    ``objective(params, batch) -> (loss, stats)``.
+  """
   def objective(params, batch):
     support, query = support_query(batch)
     protos, present = class_prototypes(model.features(params, support.x), support.y,
@@ -147,6 +191,9 @@ def pfeddyn(model: Model, num_clients: int, num_examples, num_classes: int,
     finetune_lr, finetune_steps: evaluation fine-tuning of the 'finetune'
       head (full-batch steps on the device's training data).
     feddyn_kw: further FedDyn options (adaptive_alpha, max_grad_norm, eval_model).
+
+  Returns:
+    The ``FederatedAlgorithm``.
   """
   if head not in HEADS:
     raise ConfigError('algorithm', f'pfeddyn head must be one of {HEADS}, got {head!r}')

@@ -48,7 +48,23 @@ def pfedme(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
            inner_steps: int = 5, server_optimizer=None, weighting: str = 'num_examples',
            finetune=None):
   """Builds pFedMe (lambda 15, K 5 and personal lr 0.01 as the authors' MNIST
-  setup; ``server_optimizer`` ``optax.sgd(beta)``, default beta = 1)."""
+  setup; ``server_optimizer`` ``optax.sgd(beta)``, default beta = 1).
+
+  Args:
+    model: the model (pure ``init`` / ``apply``).
+    num_clients: N: per-client state has N rows.
+    client_optimizer: the optax client optimizer.
+    batching: local batching (epochs or steps, batch size).
+    lam: lambda, the Moreau envelope's coefficient.
+    personal_lr: the personal model's step.
+    inner_steps: steps solving the personal problem.
+    server_optimizer: applied to the mean update; default ``optax.sgd(1.0)``.
+    weighting: ``'num_examples'`` (n_i-weighted mean) or ``'uniform'``.
+    finetune: optional evaluation fine-tuning (``training.sgd_finetune``).
+
+  Returns:
+    The ``FederatedAlgorithm``.
+  """
   # w and theta are carried as (w, v) of two_model_work; theta's update is
   # the inner solver's result, applied through a unit-SGD "optimizer".
   identity_step = optax.sgd(1.0)

@@ -73,6 +73,9 @@ def qffl(model: Model, num_clients: int, client_optimizer: optax.GradientTransfo
     q: the fairness exponent.
     lipschitz: L, the inverse step of the server update (1 / client_lr in
       the paper).
+
+  Returns:
+    The ``FederatedAlgorithm``.
   """
   objective = plain_objective(model)
 

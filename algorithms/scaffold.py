@@ -90,6 +90,9 @@ def scaffold(model: Model, num_clients: int, client_optimizer: optax.GradientTra
     client_optimizer: applied to the corrected gradients (the paper: SGD).
     weighting: aggregation of the models, 'uniform' (the paper's mean over
       the active clients) or 'num_examples'.
+
+  Returns:
+    The ``FederatedAlgorithm``.
   """
   server_optimizer = server_optimizer or optax.sgd(1.0)
 

@@ -92,7 +92,14 @@ class UserCentricState:
 
 
 def fedavg_matrix(num_examples) -> np.ndarray:
-  """Every row n_j / sum(n): the mixing matrix of FedAvg (full participation)."""
+  """Every row n_j / sum(n): the mixing matrix of FedAvg (full participation).
+
+  Args:
+    num_examples: training examples per client [C].
+
+  Returns:
+    W [C, C].
+  """
   n = np.asarray(num_examples, np.float64)
   return np.tile(n / n.sum(), (len(n), 1))
 
@@ -106,6 +113,14 @@ def mixing_matrix(grads, sigma2, num_examples):
   their mean: the distances are unchanged, and large, nearly equal gradients
   no longer cancel catastrophically in float32 (centring nearby values is
   exact by Sterbenz's lemma).
+
+  Args:
+    grads: the clients' gradients [C, P].
+    sigma2: their gradient noise variances [C].
+    num_examples: training examples per client [C].
+
+  Returns:
+    W [C, C].
   """
   g = jnp.asarray(grads, jnp.float32)
   g = g - jnp.mean(g, axis=0, keepdims=True)
@@ -118,7 +133,14 @@ def mixing_matrix(grads, sigma2, num_examples):
 
 
 def effective_neighbours(w):
-  """1 / sum_j W_ij^2 per row (1: only itself; N: uniform)."""
+  """1 / sum_j W_ij^2 per row (1: only itself; N: uniform).
+
+  Args:
+    w: a mixing matrix [C, C].
+
+  Returns:
+    Per client, the effective number of clients it mixes.
+  """
   return 1.0 / jnp.sum(jnp.asarray(w, jnp.float32) ** 2, axis=1)
 
 
@@ -143,6 +165,16 @@ def streams(key, w, num_streams: Optional[int], max_streams: int, restarts: int 
   picks k in 2..max_streams by the silhouette score (1 when every row is the
   same); >= N gives W itself; 1 gives the mean row; else k-means with k
   streams, ``restarts`` k-means++ seedings from ``key``.
+
+  Args:
+    key: draws k-means' starts.
+    w: the mixing matrix [C, C].
+    num_streams: k (0: chosen by silhouette).
+    max_streams: the largest k tried.
+    restarts: k-means restarts.
+
+  Returns:
+    ``(stream matrix [k, C], client-to-stream index [C], k)``.
   """
   w = jnp.asarray(w, jnp.float32)
   n = w.shape[0]
@@ -211,6 +243,9 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
   The collaboration round (gradient statistics of every client, W, k-means,
   silhouette) runs inside the compiled round when its schedule is due; the
   sigma batches and the k-means seedings draw from the round's key.
+
+  Returns:
+    The ``FederatedAlgorithm``.
   """
   max_k = default_max_streams(num_clients, max_streams)
   n_np = np.asarray(num_examples)
