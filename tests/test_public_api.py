@@ -62,7 +62,8 @@ def test_every_module_declares_its_public_names():
 #: What a user meets first: the package's face, the registry, the data
 #: sets (FedJAX's load_data, the readers), the loop; and the toolbox of a
 #: new algorithm (docs/add_an_algorithm.md): settings, aggregation, local
-#: training, stacked per-client state, data, batching, sampling, executors.
+#: training, stacked per-client state, data, batching, sampling, executors;
+#: the run's settings, identity and faults.
 FACE = ('fedjax_personal', 'fedjax_personal.algorithms', 'fedjax_personal.datasets',
         'fedjax_personal.datasets.federated', 'fedjax_personal.datasets.natural',
         'fedjax_personal.datasets.emnist', 'fedjax_personal.datasets.shakespeare',
@@ -73,7 +74,9 @@ FACE = ('fedjax_personal', 'fedjax_personal.algorithms', 'fedjax_personal.datase
         'fedjax_personal.core.algorithm', 'fedjax_personal.core.tree_util',
         'fedjax_personal.core.client_state', 'fedjax_personal.core.batching',
         'fedjax_personal.core.sampling', 'fedjax_personal.core.data',
-        'fedjax_personal.core.executors', 'fedjax_personal.models')
+        'fedjax_personal.core.executors', 'fedjax_personal.models',
+        'fedjax_personal.run.faults', 'fedjax_personal.run.run_identity',
+        'fedjax_personal.run.settings')
 
 
 def _algorithm_modules():

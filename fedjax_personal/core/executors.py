@@ -580,15 +580,12 @@ CPU_BLOCK_BYTES = 1 << 20
 def cpu_block_size(model=None) -> int:
   """Clients per block on CPU: as many as keep the block's parameters within
   ``CPU_BLOCK_BYTES``, between 1 and 10. Local SGD on small batches reads and
-  writes every parameter each step (a few FLOP per byte), so a block that
-  spills the caches runs at memory speed (MLP at 1,000 clients, blocks of 10:
-  8 MB of parameters, 1.55x slower than blocks of 1-4), and a model whose
-  step already fills a core gains nothing from a vectorized block while its
-  block steps as long as its longest client: blocks by work cost a block's
-  imbalance, so one client a block is the choice for the MLP (0.84 MB;
-  FedAvg on 3,400 EMNIST-shaped writers, cohorts 10 / 50: 1.31x / 1.11x
-  faster than blocks of 3, and equal on 100 / 1,000 equal clients;
-  BUILD.md). Small models (logistic regression: 5) still share a block.
+  writes every parameter each step, so a block that spills the caches runs
+  at memory speed (MLP, 1,000 clients, blocks of 10: 1.55x slower than 1-4),
+  and blocks by work cost a block's imbalance: one client a block for the
+  MLP (0.84 MB; FedAvg on 3,400 EMNIST-shaped writers, cohorts 10 / 50:
+  1.31x / 1.11x faster than blocks of 3). Small models (logistic
+  regression: 5) still share a block.
 
   Args:
     model: the model (None: the default block).

@@ -239,7 +239,14 @@ def register(spec) -> None:
   """Adds an algorithm defined outside the package (``AlgorithmSpec``) to
   the registry and defines its config's ``--<prefix>_*`` flags, before the
   flags are parsed (docs/add_an_algorithm.md): ``--algorithm=<its name>``
-  then works as for a built-in one."""
+  then works as for a built-in one.
+
+  Args:
+    spec: the algorithm's ``AlgorithmSpec``.
+
+  Returns:
+    None.
+  """
   algorithms_lib.register(spec)
   prefix = getattr(spec.config, 'prefix', None)
   if prefix and not any(f'{prefix}_{f.name}' in FLAGS for f in dataclasses.fields(spec.config)):

@@ -81,14 +81,30 @@ PROGRESS = _Progress()
 def start_algorithm(name: str, start_round: int, checkpoint_dir: str, checkpointing: bool,
                     checkpoint_round: Optional[int] = None, rounds: int = 0) -> None:
   """Records where the run is (the algorithm, its rounds and checkpoints) for
-  the one-line fault messages."""
+  the one-line fault messages.
+
+  Args:
+    name: the algorithm.
+    start_round: rounds already done.
+    checkpoint_dir: where its checkpoints go.
+    checkpointing: whether it checkpoints.
+    checkpoint_round: the round of its latest checkpoint, if any.
+    rounds: its total rounds.
+
+  Returns:
+    None.
+  """
   PROGRESS.algorithm, PROGRESS.round, PROGRESS.rounds = name, start_round, rounds
   PROGRESS.checkpoint_dir, PROGRESS.checkpointing = checkpoint_dir, checkpointing
   PROGRESS.checkpoint_round = checkpoint_round
 
 
 def kept() -> str:
-  """What a resumed run would start from, and the next command."""
+  """What a resumed run would start from, and the next command.
+
+  Returns:
+    The text.
+  """
   p = PROGRESS
   if p.checkpoint_round:
     return (f'checkpoint of round {p.checkpoint_round} of {p.algorithm} kept in '
@@ -100,7 +116,11 @@ def kept() -> str:
 
 
 def where() -> str:
-  """Where the run is, in words (an algorithm and round, or start-up)."""
+  """Where the run is, in words (an algorithm and round, or start-up).
+
+  Returns:
+    The text.
+  """
   p = PROGRESS
   if not p.algorithm:
     return 'start-up'
@@ -111,7 +131,14 @@ def where() -> str:
 
 def finished_line(output_dir: Optional[str] = None) -> Optional[str]:
   """The line of a run asked to stop when it had nothing left to stop:
-  every algorithm's rounds ran and its results were written."""
+  every algorithm's rounds ran and its results were written.
+
+  Args:
+    output_dir: the run's folder (None: the one recorded).
+
+  Returns:
+    The line, or None when the run did not finish.
+  """
   if not signal_received():
     return None
   name = 'interrupted' if _REQUEST['signal'] == signal.SIGINT else 'terminated'
@@ -128,13 +155,24 @@ _REQUEST = {'signal': None, 'installed': False, 'agree': None}
 def share_stop_requests(agree) -> None:
   """Several processes: ``agree(code) -> [every process's code]`` (a small
   collective, ``distributed`` registers it) makes every process stop after
-  the same round."""
+  the same round.
+
+  Args:
+    agree: the collective, or None to stop sharing.
+
+  Returns:
+    None.
+  """
   _REQUEST['agree'] = agree
 
 
 def install_signal_handlers() -> None:
   """SIGINT and SIGTERM ask the loop to stop after the current round; a
-  second one raises KeyboardInterrupt at once."""
+  second one raises KeyboardInterrupt at once.
+
+  Returns:
+    None.
+  """
   def handler(signum, frame):
     if _REQUEST['signal'] is not None:
       signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -149,13 +187,21 @@ def install_signal_handlers() -> None:
 
 def signal_received() -> bool:
   """Whether this process was asked to stop (no collective: for loops that
-  run before the rounds, e.g. building a population store)."""
+  run before the rounds, e.g. building a population store).
+
+  Returns:
+    True after SIGINT or SIGTERM.
+  """
   return _REQUEST['installed'] and _REQUEST['signal'] is not None
 
 
 def stop_requested() -> bool:
   """Whether to stop after the round just finished: this process's signal,
-  or (several processes) any process's, agreed by every process."""
+  or (several processes) any process's, agreed by every process.
+
+  Returns:
+    True to stop now.
+  """
   if not _REQUEST['installed']:
     return False
   mine = _REQUEST['signal'] is not None
@@ -169,7 +215,14 @@ def stop_requested() -> bool:
 
 def interrupted(during_round: bool = False) -> Interrupted:
   """The ``Interrupted`` fault of the signal received, saying what was kept
-  and the next command."""
+  and the next command.
+
+  Args:
+    during_round: the signal came inside a round (the round is lost).
+
+  Returns:
+    The ``Interrupted`` fault.
+  """
   signum = _REQUEST['signal'] or signal.SIGINT
   name = 'interrupted' if signum == signal.SIGINT else 'terminated'
   p = PROGRESS
@@ -189,7 +242,14 @@ _CODE = re.compile(r"os_error_code='(\d+)'")
 
 def storage_reason(exc: BaseException) -> Optional[str]:
   """The storage failure behind ``exc`` (its cause chain; Orbax's and
-  TensorStore's errors carry ``os_error_code``), or None."""
+  TensorStore's errors carry ``os_error_code``), or None.
+
+  Args:
+    exc: the error.
+
+  Returns:
+    The reason (no space, read-only, ...), or None.
+  """
   seen = set()
   while exc is not None and id(exc) not in seen:
     seen.add(id(exc))
@@ -206,7 +266,15 @@ def storage_reason(exc: BaseException) -> Optional[str]:
 
 
 def storage_error(what: str, exc: BaseException) -> StorageError:
-  """The ``StorageError`` of failing to write ``what``."""
+  """The ``StorageError`` of failing to write ``what``.
+
+  Args:
+    what: the file or folder.
+    exc: the error.
+
+  Returns:
+    The ``StorageError``.
+  """
   return StorageError(f'cannot write {what}: {storage_reason(exc)}; {kept()} (free space or '
                       'fix the folder first)')
 
@@ -221,7 +289,14 @@ def lost_process_reason(exc: BaseException) -> Optional[str]:
   """The first line of an error that means another process is gone (a
   collective whose peer vanished: JAX raises it as JaxRuntimeError or, inside
   Orbax and multihost_utils, ValueError), or None. Only asked while several
-  processes run."""
+  processes run.
+
+  Args:
+    exc: the error.
+
+  Returns:
+    Its first line, or None.
+  """
   text = str(exc)
   if not _LOST.search(text):
     return None
@@ -230,7 +305,15 @@ def lost_process_reason(exc: BaseException) -> Optional[str]:
 
 
 def lost_process(reason: str, coordinator: str) -> LostProcess:
-  """The ``LostProcess`` fault naming the coordinator and the next commands."""
+  """The ``LostProcess`` fault naming the coordinator and the next commands.
+
+  Args:
+    reason: what the runtime said.
+    coordinator: the coordinator's address.
+
+  Returns:
+    The ``LostProcess`` fault.
+  """
   return LostProcess(f'lost a process of the run ({reason}); coordinator {coordinator}; '
                      f'{kept().replace("the same command", "the same commands in every process")}')
 
@@ -240,7 +323,11 @@ _ERR = {'stream': None}
 
 def error_stream():
   """Where the one-line message goes: stderr, or the original stderr once
-  background writers were muted (``captured_stderr``)."""
+  background writers were muted (``captured_stderr``).
+
+  Returns:
+    A writable text stream.
+  """
   return _ERR['stream'] or sys.stderr
 
 
@@ -250,7 +337,11 @@ def captured_stderr():
   inside the block. Normally it is written out afterwards; when the block
   raises a storage fault, stderr stays muted for the rest of the process
   (Orbax's and TensorStore's writer threads go on printing tracebacks of the
-  failed write) and ``error_stream`` is the original stderr."""
+  failed write) and ``error_stream`` is the original stderr.
+
+  Yields:
+    Nothing; stderr is collected inside the ``with`` block.
+  """
   sys.stderr.flush()
   saved_fd, saved_py = os.dup(2), sys.stderr
   buf = tempfile.TemporaryFile()
@@ -291,7 +382,14 @@ _REPORT_LOCK = threading.Lock()
 def claim_report(status: int) -> bool:
   """True for the first fault of this process (which prints its line);
   later ones (a runtime thread noticing the same fault) exit silently with
-  the first one's status."""
+  the first one's status.
+
+  Args:
+    status: the fault's exit status.
+
+  Returns:
+    Whether this process reports it.
+  """
   with _REPORT_LOCK:
     if _REPORTED['status'] is not None:
       return False
@@ -300,13 +398,24 @@ def claim_report(status: int) -> bool:
 
 
 def reported_status() -> Optional[int]:
-  """The exit status of the fault already reported, or None."""
+  """The exit status of the fault already reported, or None.
+
+  Returns:
+    The status, or None.
+  """
   return _REPORTED['status']
 
 
 def quiet_exit(status: int) -> None:
   """Ends the process now with ``status`` (no interpreter shutdown in which
-  background writer threads could still print)."""
+  background writer threads could still print).
+
+  Args:
+    status: the exit status.
+
+  Returns:
+    Never returns.
+  """
   sys.stdout.flush()
   sys.stderr.flush()
   error_stream().flush()

@@ -30,7 +30,14 @@ IDENTITY_FILE = 'identity.json'
 
 
 def data_fingerprint(data) -> str:
-  """SHA-256 (16 hex digits) of every array of a FederatedData."""
+  """SHA-256 (16 hex digits) of every array of a FederatedData.
+
+  Args:
+    data: a ``FederatedData``.
+
+  Returns:
+    16 hex digits.
+  """
   h = hashlib.sha256()
   for split in (data.train, data.val, data.test):
     for a in (split.x, split.y, split.num_examples):
@@ -45,7 +52,14 @@ def padded_fingerprint(store) -> str:
   """``data_fingerprint(store.padded())`` without making the padded arrays:
   every client's rows, then the zero rows padding it to the widest client,
   fed to the same hash split by split (so a run's identity is the same
-  whichever layout holds its data)."""
+  whichever layout holds its data).
+
+  Args:
+    store: a ``PopulationStore``.
+
+  Returns:
+    16 hex digits.
+  """
   h = hashlib.sha256()
   num = store.num_clients
   for split in ('train', 'val', 'test'):
@@ -69,26 +83,59 @@ def padded_fingerprint(store) -> str:
 
 
 def file_sha256(path: str) -> str:
-  """The SHA-256 of a file's bytes (hex)."""
+  """The SHA-256 of a file's bytes (hex).
+
+  Args:
+    path: the file.
+
+  Returns:
+    64 hex digits.
+  """
   from fedjax_personal.datasets.files import sha256_file
   return sha256_file(path)
 
 
 def identity(algorithm: str, training, config, job: Dict) -> Dict:
   """One algorithm's run identity: ``job`` holds the shared (data, model,
-  sampler, seed) entries."""
+  sampler, seed) entries.
+
+  Args:
+    algorithm: the registry name.
+    training: its ``TrainingConfig``.
+    config: its own settings.
+    job: the shared entries.
+
+  Returns:
+    The identity (a JSON-like dict).
+  """
   from fedjax_personal import __version__
   return {'algorithm': algorithm, 'training': dataclasses.asdict(training),
           'config': dataclasses.asdict(config), **job, 'version': __version__}
 
 
 def short_hash(obj) -> str:
-  """The first 8 hex digits of the SHA-256 of ``obj`` as sorted JSON."""
+  """The first 8 hex digits of the SHA-256 of ``obj`` as sorted JSON.
+
+  Args:
+    obj: a JSON-like value.
+
+  Returns:
+    8 hex digits.
+  """
   return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
 def differences(old: Dict, new: Dict, prefix: str = '') -> List[str]:
-  """'key: old -> new' for every leaf that differs."""
+  """'key: old -> new' for every leaf that differs.
+
+  Args:
+    old: a nested dict.
+    new: another.
+    prefix: the keys' path so far.
+
+  Returns:
+    The differing leaves, one line each.
+  """
   out = []
   for k in sorted(set(old) | set(new)):
     a, b = old.get(k), new.get(k)
@@ -100,7 +147,14 @@ def differences(old: Dict, new: Dict, prefix: str = '') -> List[str]:
 
 
 def read(directory: str) -> Optional[Dict]:
-  """The identity written in ``directory``, or None when it has none."""
+  """The identity written in ``directory``, or None when it has none.
+
+  Args:
+    directory: the output folder.
+
+  Returns:
+    The identity, or None.
+  """
   path = os.path.join(directory, IDENTITY_FILE)
   if not os.path.isfile(path):
     return None
@@ -115,6 +169,12 @@ def lock(directory: str) -> None:
   """Takes ``directory`` for this process until ``unlock`` or its end (a
   lock file beside it, ``.<name>.lock``; the operating system releases the
   lock even when the process is killed, so no lock is ever stale).
+
+  Args:
+    directory: the output folder.
+
+  Returns:
+    None.
 
   Raises:
     ConfigError('output_dir', ...) when another run holds it.
@@ -150,7 +210,14 @@ def lock(directory: str) -> None:
 
 
 def unlock(directory: str) -> None:
-  """Gives ``directory`` back (the lock file removed)."""
+  """Gives ``directory`` back (the lock file removed).
+
+  Args:
+    directory: the output folder.
+
+  Returns:
+    None.
+  """
   got = _LOCKS.pop(os.path.abspath(directory), None)
   if got is not None:
     fd, lock_file = got
@@ -170,6 +237,15 @@ def claim(directory: str, ident: Dict, overwrite: bool, resume: bool) -> None:
   folder starts empty (old checkpoints of even the same configuration are
   never restored into a fresh run); with ``resume`` it must hold this
   configuration.
+
+  Args:
+    directory: the output folder.
+    ident: the run identity.
+    overwrite: clear a folder of another configuration.
+    resume: the run resumes.
+
+  Returns:
+    None.
 
   Raises:
     ConfigError('output_dir', ...) naming the differences, or when the
@@ -204,7 +280,14 @@ def claim(directory: str, ident: Dict, overwrite: bool, resume: bool) -> None:
 
 
 def finite(obj):
-  """``obj`` with every non-finite float replaced by None (strict JSON)."""
+  """``obj`` with every non-finite float replaced by None (strict JSON).
+
+  Args:
+    obj: a JSON-like value.
+
+  Returns:
+    The value with non-finite floats as None.
+  """
   if isinstance(obj, float):
     return obj if math.isfinite(obj) else None
   if isinstance(obj, dict):
@@ -217,19 +300,42 @@ def finite(obj):
 
 
 def dumps(obj, **kw) -> str:
-  """Strict JSON: NaN and infinities are written as null."""
+  """Strict JSON: NaN and infinities are written as null.
+
+  Args:
+    obj: a JSON-like value.
+    kw: ``json.dumps`` options.
+
+  Returns:
+    The JSON text.
+  """
   return json.dumps(finite(obj), allow_nan=False, **kw)
 
 
 def as_json(obj):
   """``obj`` as strict JSON reads it back (tuples as lists, non-finite
   numbers as None, anything else as ``str``): the form compared on resume
-  and kept on disk, so a fresh and a re-read value are equal."""
+  and kept on disk, so a fresh and a re-read value are equal.
+
+  Args:
+    obj: a JSON-like value.
+
+  Returns:
+    The value as strict JSON reads it back.
+  """
   return json.loads(dumps(obj, default=str))
 
 
 def write_json(path: str, obj) -> None:
-  """Writes ``obj`` as JSON to ``path`` atomically (a temporary file renamed)."""
+  """Writes ``obj`` as JSON to ``path`` atomically (a temporary file renamed).
+
+  Args:
+    path: the file.
+    obj: a JSON-like value (written strict).
+
+  Returns:
+    None.
+  """
   tmp = path + '.tmp'
   with open(tmp, 'w') as f:
     f.write(dumps(obj, indent=1, sort_keys=False, default=str))

@@ -89,14 +89,30 @@ UsageError = ConfigError
 
 
 def check(cond, flag, msg):
-  """Raises ``ConfigError(flag, msg)`` unless ``cond``."""
+  """Raises ``ConfigError(flag, msg)`` unless ``cond``.
+
+  Args:
+    cond: what must hold.
+    flag: the flag named if not.
+    msg: what is wrong.
+
+  Returns:
+    None.
+  """
   if not cond:
     raise ConfigError(flag, msg)
 
 
 def training_config(opts: Settings) -> TrainingConfig:
   """The shared settings from their flags; the 'linear' client-rate
-  schedule spans --rounds unless --client_lr_horizon says otherwise."""
+  schedule spans --rounds unless --client_lr_horizon says otherwise.
+
+  Args:
+    opts: the command's ``Settings``.
+
+  Returns:
+    The ``TrainingConfig``.
+  """
   cfg = TrainingConfig(**{f.name: opts[f.name].value for f in dataclasses.fields(TrainingConfig)})
   if cfg.client_lr_schedule == 'linear' and cfg.client_lr_horizon is None:
     cfg = dataclasses.replace(cfg, client_lr_horizon=opts.rounds)
@@ -109,7 +125,11 @@ def algorithm_config(opts: Settings, cls):
 
 
 def sweepable() -> Dict[str, tuple]:
-  """{flag name: (config class, field)} of the settings ``--sweep`` accepts."""
+  """{flag name: (config class, field)} of the settings ``--sweep`` accepts.
+
+  Returns:
+    ``{flag: (class, field)}``.
+  """
   out = {}
   for cls in [TrainingConfig] + algorithms_lib.config_classes():
     for f in dataclasses.fields(cls):
@@ -131,6 +151,14 @@ def resolve_algorithm_settings(opts: Settings, names, swept=()):
   A setting given (or swept) that applies to none of the algorithms is
   refused; one that applies to some is reset to its default for the others,
   which print a note (and record it as ``ignored_settings``).
+
+  Args:
+    opts: the command's ``Settings``.
+    names: the algorithms' names.
+    swept: the swept settings' flags.
+
+  Returns:
+    ``[(spec, training, config, ignored flags)]``.
 
   Raises:
     ConfigError naming the flag.
@@ -181,7 +209,14 @@ def resolve_algorithm_settings(opts: Settings, names, swept=()):
 
 def validate_flags(opts: Settings):
   """Checks flag values that can be checked before loading data (the
-  hyperparameters are checked by ``resolve_algorithm_settings``)."""
+  hyperparameters are checked by ``resolve_algorithm_settings``).
+
+  Args:
+    opts: the command's ``Settings``.
+
+  Returns:
+    ``resolve_algorithm_settings``' list, for the algorithms asked for.
+  """
   check(opts.algorithm, 'algorithm', 'give at least one algorithm')
   for a in opts.algorithm:
     check(a in algorithms_lib.REGISTRY, 'algorithm',
@@ -305,7 +340,14 @@ DEFAULT_VAL_FRACTION = 0.1
 def val_fraction(opts: Settings) -> float:
   """--val_fraction, or by default 0.1 when a requested algorithm needs a
   validation split (FedFomo) and 0 otherwise (no training data held out for
-  nothing)."""
+  nothing).
+
+  Args:
+    opts: the command's ``Settings``.
+
+  Returns:
+    The validation share.
+  """
   if opts.val_fraction is not None:
     return opts.val_fraction
   needs = any(algorithms_lib.REGISTRY[n].needs_validation for n in opts.algorithm
@@ -314,7 +356,14 @@ def val_fraction(opts: Settings) -> float:
 
 
 def data_config(opts: Settings) -> datasets_lib.DataConfig:
-  """The ``DataConfig`` the flags describe."""
+  """The ``DataConfig`` the flags describe.
+
+  Args:
+    opts: the command's ``Settings``.
+
+  Returns:
+    The ``DataConfig``.
+  """
   return datasets_lib.DataConfig(
       dataset=opts.dataset, partition=partition(opts), num_clients=num_clients(opts),
       seed=opts.seed if opts.data_seed is None else opts.data_seed, alpha=opts.alpha, classes_per_client=opts.classes_per_client,
@@ -328,7 +377,14 @@ def data_config(opts: Settings) -> datasets_lib.DataConfig:
 
 
 def partition(opts: Settings) -> str:
-  """--partition, or 'natural' for a natural data set when it is not given."""
+  """--partition, or 'natural' for a natural data set when it is not given.
+
+  Args:
+    opts: the command's ``Settings``.
+
+  Returns:
+    The partition's name.
+  """
   if not opts['partition'].present and datasets_lib.is_natural(opts.dataset, 'natural'):
     return 'natural'
   return opts.partition
@@ -336,7 +392,14 @@ def partition(opts: Settings) -> str:
 
 def num_clients(opts: Settings):
   """--num_clients; None (all clients) for a natural data set read from
-  files when it is not given."""
+  files when it is not given.
+
+  Args:
+    opts: the command's ``Settings``.
+
+  Returns:
+    N, or None.
+  """
   if (not opts['num_clients'].present and partition(opts) == 'natural'
       and datasets_lib.natural.is_file_dataset(opts.dataset)):
     return None
@@ -345,7 +408,15 @@ def num_clients(opts: Settings):
 
 def sampler_for(opts: Settings, data) -> CohortSampler:
   """The cohort sampler of ``data`` (a FederatedData or HostData): its
-  clients that train (all but the ``eval_only`` last) are drawn."""
+  clients that train (all but the ``eval_only`` last) are drawn.
+
+  Args:
+    opts: the command's ``Settings``.
+    data: the federated data.
+
+  Returns:
+    The ``CohortSampler``.
+  """
   n, trained = data.num_clients, data.num_trained
   eligible = None if trained == n else trained
   if opts.participation is not None:
@@ -357,7 +428,16 @@ def job_identity(opts: Settings, fingerprint: str, cap=None) -> dict:
   """What every algorithm of the job shares in its run identity:
   ``fingerprint`` is the data's (``run_identity.data_fingerprint`` of the
   padded arrays, or a population store's digest); the cap on examples per
-  client when given."""
+  client when given.
+
+  Args:
+    opts: the command's ``Settings``.
+    fingerprint: the data's fingerprint.
+    cap: ``--max_client_examples`` (None: no cap).
+
+  Returns:
+    The shared identity entries.
+  """
   cfg = dataclasses.asdict(data_config(opts))
   if cap is not None:
     cfg['max_client_examples'] = cap
@@ -399,7 +479,15 @@ def model_start(opts: Settings) -> dict:
 
 
 def default_output_dir(opts: Settings, identities: dict) -> str:
-  """``runs/<data>_<partition>_..._<hash of the configurations>``."""
+  """``runs/<data>_<partition>_..._<hash of the configurations>``.
+
+  Args:
+    opts: the command's ``Settings``.
+    identities: each algorithm's run identity.
+
+  Returns:
+    The folder's path.
+  """
   algs = '+'.join(identities)
   algs = algs if len(algs) <= 60 else f'{len(identities)}algorithms'
   return os.path.join('runs', f'{opts.dataset.replace(":", "_")}_{partition(opts)}_'
@@ -408,7 +496,14 @@ def default_output_dir(opts: Settings, identities: dict) -> str:
 
 
 def sweep_configs(opts: Settings):
-  """The sweep's (seed, {name: value}) configurations, or None without a sweep."""
+  """The sweep's (seed, {name: value}) configurations, or None without a sweep.
+
+  Args:
+    opts: the command's ``Settings``.
+
+  Returns:
+    ``[(seed, {name: value})]``, or None.
+  """
   if not (opts.sweep_seeds or opts.sweep or opts.trials > 1):
     return None
   from fedjax_personal.run import sweep
@@ -418,7 +513,15 @@ def sweep_configs(opts: Settings):
 
 
 def row_label(name: str, config_label) -> str:
-  """A table row's label: the algorithm and its swept values."""
+  """A table row's label: the algorithm and its swept values.
+
+  Args:
+    name: the algorithm.
+    config_label: the configuration's swept values, or None.
+
+  Returns:
+    The label.
+  """
   if config_label is None:
     return name
   return f'{name} ' + ' '.join(f'{k}={v:g}' for k, v in config_label.items())
@@ -429,5 +532,12 @@ PER_PROCESS_FLAGS = ('process_id', 'progress')
 
 
 def process_flags(opts: Settings) -> dict:
-  """This library's flags (absl's own left out), as every process must share them."""
+  """This library's flags (absl's own left out), as every process must share them.
+
+  Args:
+    opts: the command's ``Settings``.
+
+  Returns:
+    ``{flag: value}``.
+  """
   return {name: opts.values[name] for name in sorted(opts.own) if name not in PER_PROCESS_FLAGS}
