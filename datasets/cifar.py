@@ -127,6 +127,9 @@ def load(which: str = 'cifar10', data_dir=None, split: str = 'all', download: bo
     which: 'cifar10' or 'cifar100_python' (CIFAR-100's fine labels).
     split: 'train', 'test' or 'all' (train first).
     download: fetch the python archive when no copy is found.
+
+  Returns:
+    ``(x, y, num_classes)``.
   """
   if split not in ('train', 'test', 'all'):
     raise ValueError(f"cifar split must be 'train', 'test' or 'all', got {split!r}")

@@ -29,13 +29,27 @@ class DownloadError(DataError):
 
 
 def log(text: str) -> None:
-  """A line on stderr, flushed (download progress)."""
+  """A line on stderr, flushed (download progress).
+
+  Args:
+    text: the line.
+
+  Returns:
+    None.
+  """
   print(text, file=sys.stderr, flush=True)
 
 
 def download(remote, dest_dir: pathlib.Path, dataset: str, progress: bool = True,
              timeout: float = TIMEOUT) -> pathlib.Path:
   """Fetches ``remote`` (a sources.RemoteFile) into ``dest_dir/remote.name``.
+
+  Args:
+    remote: the file's ``sources.RemoteFile``.
+    dest_dir: the folder it goes to.
+    dataset: the data set (named in messages).
+    progress: print progress lines.
+    timeout: seconds to wait for the server.
 
   Returns:
     The path of the complete, checked file.

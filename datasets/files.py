@@ -28,7 +28,14 @@ class MissingDataError(DataError, FileNotFoundError):
 
 
 def cache_dir(create: bool = True) -> pathlib.Path:
-  """The cache folder: downloads and decoded copies (``$FEDJAX_PERSONAL_CACHE``)."""
+  """The cache folder: downloads and decoded copies (``$FEDJAX_PERSONAL_CACHE``).
+
+  Args:
+    create: make the folder when missing.
+
+  Returns:
+    The folder.
+  """
   d = pathlib.Path(os.environ.get('FEDJAX_PERSONAL_CACHE') or '~/.cache/fedjax_personal').expanduser()
   if create:
     try:
@@ -40,13 +47,27 @@ def cache_dir(create: bool = True) -> pathlib.Path:
 
 
 def check_data_dir(data_dir: Optional[str]) -> None:
-  """``--data_dir`` must name an existing folder (a typo is never ignored)."""
+  """``--data_dir`` must name an existing folder (a typo is never ignored).
+
+  Args:
+    data_dir: ``--data_dir`` (None: not given).
+
+  Returns:
+    None.
+  """
   if data_dir and not pathlib.Path(data_dir).expanduser().is_dir():
     raise DataError(f'{data_dir}: --data_dir is not a folder (no such directory)')
 
 
 def search_dirs(data_dir: Optional[str] = None) -> List[pathlib.Path]:
-  """The folders searched for data files, in order."""
+  """The folders searched for data files, in order.
+
+  Args:
+    data_dir: ``--data_dir`` (first when given).
+
+  Returns:
+    The folders.
+  """
   check_data_dir(data_dir)
   dirs = []
   if data_dir:
@@ -60,7 +81,16 @@ def locate(names: Union[str, Sequence[str]], data_dir: Optional[str] = None,
            cache: bool = True) -> Optional[pathlib.Path]:
   """The first of ``names`` (relative paths) found in the search folders
   (the cache last, or not at all with ``cache=False``: a copy the user keeps,
-  never one the cache made from a source), or None."""
+  never one the cache made from a source), or None.
+
+  Args:
+    names: relative paths, tried in order.
+    data_dir: ``--data_dir``, searched first.
+    cache: search the cache too.
+
+  Returns:
+    The path, or None.
+  """
   names = [names] if isinstance(names, str) else list(names)
   dirs = search_dirs(data_dir)
   for d in dirs if cache else dirs[:-1]:
@@ -74,6 +104,14 @@ def find_file(names: Union[str, Sequence[str]], data_dir: Optional[str] = None,
               hint: str = 'put it in --data_dir or $FEDJAX_PERSONAL_DATA') -> pathlib.Path:
   """Path of a data file (the first of ``names`` found).
 
+  Args:
+    names: the file's published name(s), relative paths.
+    data_dir: ``--data_dir``, searched first.
+    hint: the next command a missing file's error names.
+
+  Returns:
+    The path.
+
   Raises:
     MissingDataError naming the file, the folders searched and ``hint`` (the
     command that gets it: ``sources.how_to_get``).
@@ -85,13 +123,31 @@ def find_file(names: Union[str, Sequence[str]], data_dir: Optional[str] = None,
 
 
 def not_found(what: str, data_dir: Optional[str], hint: str) -> MissingDataError:
-  """The one-line error for ``what`` found in none of the search folders."""
+  """The one-line error for ``what`` found in none of the search folders.
+
+  Args:
+    what: the file(s) looked for.
+    data_dir: ``--data_dir``.
+    hint: the next command.
+
+  Returns:
+    The ``MissingDataError``.
+  """
   return MissingDataError(f'{what}: not found in '
                           + ', '.join(str(d) for d in search_dirs(data_dir)) + f'; {hint}')
 
 
 def digest(path, algorithm: str = 'sha256', chunk: int = 1 << 20) -> str:
-  """Hex digest of a file, read in chunks."""
+  """Hex digest of a file, read in chunks.
+
+  Args:
+    path: the file.
+    algorithm: a ``hashlib`` name.
+    chunk: bytes read at a time.
+
+  Returns:
+    The hex digest.
+  """
   h = hashlib.new(algorithm)
   with open(path, 'rb') as f:
     for block in iter(lambda: f.read(chunk), b''):
@@ -100,7 +156,14 @@ def digest(path, algorithm: str = 'sha256', chunk: int = 1 << 20) -> str:
 
 
 def sha256_file(path) -> str:
-  """The SHA-256 of a file's content (hex)."""
+  """The SHA-256 of a file's content (hex).
+
+  Args:
+    path: the file.
+
+  Returns:
+    64 hex digits.
+  """
   return digest(path, 'sha256')
 
 
@@ -114,6 +177,12 @@ def content_digest(path) -> str:
   ``digests/``). Stores are keyed by it: what a source holds, not its name.
   A folder (GLDv2's images) stands for its files: the digest of their
   names, sizes and times (each file's change time included).
+
+  Args:
+    path: a file or folder.
+
+  Returns:
+    64 hex digits.
   """
   if os.path.isdir(path):
     h = hashlib.sha256()
@@ -143,14 +212,31 @@ def derived_dir(kind: str, source) -> pathlib.Path:
   """The cache's folder for what is made from ``source`` (``kind``: a
   decompressed copy, an extracted member), named by the source's content
   (``content_digest``): another file of the same name never gets this one's
-  copy. Made if missing."""
+  copy. Made if missing.
+
+  Args:
+    kind: what is made (names the folder).
+    source: the file it is made from.
+
+  Returns:
+    The folder.
+  """
   folder = cache_dir() / kind / content_digest(source)[:16]
   folder.mkdir(parents=True, exist_ok=True)
   return folder
 
 
 def check_digest(path, md5: Optional[str] = None, sha256: Optional[str] = None) -> None:
-  """Raises DataError naming the file when its checksum differs from the release's."""
+  """Raises DataError naming the file when its checksum differs from the release's.
+
+  Args:
+    path: the file.
+    md5: the release's MD5 (None: not checked).
+    sha256: the release's SHA-256 (None: not checked).
+
+  Returns:
+    None.
+  """
   for algorithm, want in (('md5', md5), ('sha256', sha256)):
     if want:
       got = digest(path, algorithm)
@@ -162,7 +248,15 @@ def check_digest(path, md5: Optional[str] = None, sha256: Optional[str] = None) 
 def write_atomically(dest: pathlib.Path, write) -> pathlib.Path:
   """Calls ``write(tmp_path)`` and renames the result to ``dest`` only when it
   finished: a reader never sees a partial file, and nothing is left behind
-  when ``write`` fails."""
+  when ``write`` fails.
+
+  Args:
+    dest: the final path.
+    write: ``write(tmp_path)`` writes the file.
+
+  Returns:
+    ``dest``.
+  """
   dest.parent.mkdir(parents=True, exist_ok=True)
   tmp = dest.with_name(f'.{dest.name}.{os.getpid()}.partial')
   try:

@@ -27,6 +27,12 @@ _IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: '>i2', 0x0C: '>i4', 0x0D: '>
 def read_idx(path) -> np.ndarray:
   """Reads an IDX file (optionally gzipped), the format of the MNIST release.
 
+  Args:
+    path: the file.
+
+  Returns:
+    The array.
+
   Raises:
     DataError naming the file: unreadable gzip, bad magic, unknown dtype,
     or a size that does not match the header.
@@ -52,7 +58,17 @@ def read_idx(path) -> np.ndarray:
 
 
 def check_labels(path, labels: np.ndarray, num_images: int, num_classes: int) -> None:
-  """One label per image, each in [0, num_classes)."""
+  """One label per image, each in [0, num_classes).
+
+  Args:
+    path: the labels' file (named in errors).
+    labels: the labels.
+    num_images: the images they label.
+    num_classes: the classes.
+
+  Returns:
+    None.
+  """
   if len(labels) != num_images:
     raise DataError(f'{path}: {len(labels)} labels for {num_images} images')
   if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
@@ -77,7 +93,14 @@ def checked_file(relpath, md5: str, data_dir: Optional[str] = None):
 
 
 def load_mnist(data_dir: Optional[str] = None) -> Tuple[np.ndarray, np.ndarray, int]:
-  """MNIST 10k test split (embedded in the package): uint8 [10000, 28, 28, 1]."""
+  """MNIST 10k test split (embedded in the package): uint8 [10000, 28, 28, 1].
+
+  Args:
+    data_dir: a folder holding ``mnist_t10k/`` (None: the package's copy).
+
+  Returns:
+    ``(x, y, 10)``.
+  """
   x = read_idx(checked_file('mnist_t10k/t10k-images-idx3-ubyte.gz',
                             MNIST_MD5['t10k-images-idx3-ubyte.gz'], data_dir))
   labels = checked_file('mnist_t10k/t10k-labels-idx1-ubyte.gz',
@@ -88,7 +111,11 @@ def load_mnist(data_dir: Optional[str] = None) -> Tuple[np.ndarray, np.ndarray, 
 
 
 def load_digits() -> Tuple[np.ndarray, np.ndarray, int]:
-  """scikit-learn's 1,797 8x8 digits, float32 in [0, 1], [N, 8, 8, 1]."""
+  """scikit-learn's 1,797 8x8 digits, float32 in [0, 1], [N, 8, 8, 1].
+
+  Returns:
+    ``(x, y, 10)``.
+  """
   from sklearn.datasets import load_digits as _ld
   d = _ld()
   return (d.images / 16.0).astype(np.float32)[..., None], d.target.astype(np.int32), 10
@@ -100,6 +127,12 @@ def parse_shakespeare_roles(text: str) -> Dict[str, str]:
   The text is a sequence of blocks separated by blank lines; a block's first
   line, ending in ':', names the role (verse lines may also end in ':', so
   only a block's first line is read as a role).
+
+  Args:
+    text: the play's text.
+
+  Returns:
+    ``{role: speech}``.
   """
   roles: Dict[str, List[str]] = {}
   for block in re.split(r'\n\s*\n', text):
@@ -124,6 +157,14 @@ def load_tinyshakespeare(num_clients: int, seq_len: int = 80, min_chars: int = 1
   (the ``num_clients`` longest are kept); its speech is cut into consecutive
   windows of ``seq_len + 1`` characters: x = window[:-1], y = window[1:]
   (next-character prediction, as LEAF's Shakespeare).
+
+  Args:
+    num_clients: roles kept (the longest).
+    seq_len: characters per row.
+    min_chars: the least speech a role needs.
+    max_sequences: rows per role at most (None: all).
+    data_dir: where ``input.txt`` is.
+    text: the text itself (None: read the file).
 
   Returns:
     (client_x, client_y, vocab): per-client int32 arrays [n_i, seq_len].
@@ -162,6 +203,15 @@ def synthetic(num_clients: int, alpha: float, beta: float, rng: np.random.Genera
   B_k ~ N(0, beta), v_k ~ N(B_k, 1) [d]; x ~ N(v_k, Sigma) with
   Sigma_jj = j^-1.2; y = argmax(W_k x + b_k). Sizes n_k = lognormal(4, 2) + 50
   (capped at 1000 here to bound padding). ``iid`` uses one shared W, b, v.
+
+  Args:
+    num_clients: clients.
+    alpha: model heterogeneity.
+    beta: data heterogeneity.
+    rng: the generator.
+    dim: d, the features.
+    num_classes: C.
+    iid: one shared W, b, v.
 
   Returns:
     (client_x float32 [n_k, d], client_y int32 [n_k]) lists.

@@ -72,12 +72,30 @@ class NaturalData:
 
 
 def listed(ids, train, test):
-  """A ``stream`` over clients already in memory."""
+  """A ``stream`` over clients already in memory.
+
+  Args:
+    ids: client ids.
+    train: each client's ``(x, y)``.
+    test: each client's test ``(x, y)``.
+
+  Returns:
+    ``stream()``, as ``NaturalData.stream``.
+  """
   return lambda: iter(zip(ids, train, test or [None] * len(train)))
 
 
 def take(total: int, num_clients: Optional[int], dataset: str) -> int:
-  """How many of ``total`` clients to read (``--num_clients``; None: all)."""
+  """How many of ``total`` clients to read (``--num_clients``; None: all).
+
+  Args:
+    total: the clients in the file.
+    num_clients: ``--num_clients`` (None: all).
+    dataset: the data set (in messages).
+
+  Returns:
+    The count.
+  """
   if num_clients is None:
     return total
   if num_clients > total:
@@ -100,7 +118,18 @@ def client_id(c) -> str:
 
 def fedjax_splits(dataset, train_path, test_path, num_clients, convert) -> NaturalData:
   """Train clients of a FedJAX file (first N) with their test examples,
-  streamed: each train client's test record is looked up as it is read."""
+  streamed: each train client's test record is looked up as it is read.
+
+  Args:
+    dataset: the data set's name (in messages).
+    train_path: the train file.
+    test_path: the test file.
+    num_clients: the first N clients (None: all).
+    convert: ``examples -> (x, y)``.
+
+  Returns:
+    The clients as a ``NaturalData``.
+  """
   total = sqlite_formats.fedjax_num_clients(train_path)
   n = take(total, num_clients, dataset)
   empty = lambda like: tuple(np.zeros((0,) + a.shape[1:], a.dtype) for a in like)
@@ -121,7 +150,16 @@ def fedjax_splits(dataset, train_path, test_path, num_clients, convert) -> Natur
 
 
 def converted(convert, examples, path):
-  """``convert(examples)``, a malformed record a DataError naming ``path``."""
+  """``convert(examples)``, a malformed record a DataError naming ``path``.
+
+  Args:
+    convert: ``examples -> (x, y)``.
+    examples: a client's decoded record.
+    path: the file it came from.
+
+  Returns:
+    ``convert(examples)``.
+  """
   try:
     return convert(examples)
   except (KeyError, ValueError, TypeError, IndexError) as e:

@@ -73,7 +73,16 @@ def _top_up(client_indices: List[np.ndarray], min_size: int, rng) -> List[np.nda
 
 
 def iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> Partition:
-  """Shuffled examples dealt into equal shares."""
+  """Shuffled examples dealt into equal shares.
+
+  Args:
+    labels: the pool's labels.
+    num_clients: N.
+    rng: the generator.
+
+  Returns:
+    The ``Partition``.
+  """
   _check(len(labels), num_clients)
   return Partition(list(np.array_split(rng.permutation(len(labels)), num_clients)))
 
@@ -88,6 +97,16 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float,
   until every client is large enough (which can loop for ever at small alpha),
   clients with fewer than ``min_size`` examples get examples moved from the
   largest clients; every example stays assigned exactly once.
+
+  Args:
+    labels: the pool's labels.
+    num_clients: N.
+    alpha: the concentration.
+    rng: the generator.
+    min_size: the fewest examples a client gets.
+
+  Returns:
+    The ``Partition``.
   """
   if not alpha > 0:
     raise ConfigError('alpha', f'dirichlet alpha must be > 0, got {alpha}')
@@ -113,7 +132,17 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float,
 def pathological(labels: np.ndarray, num_clients: int, classes_per_client: int,
                  rng: np.random.Generator) -> Partition:
   """McMahan et al.'s shards: sort by label, cut into N * k shards, deal k
-  random shards to every client (so each client sees about k classes)."""
+  random shards to every client (so each client sees about k classes).
+
+  Args:
+    labels: the pool's labels.
+    num_clients: N.
+    classes_per_client: k.
+    rng: the generator.
+
+  Returns:
+    The ``Partition``.
+  """
   num_classes = len(np.unique(labels))
   if not 1 <= classes_per_client <= num_classes:
     raise ConfigError('classes_per_client', f'must be in [1, {num_classes}] (the classes of the '
@@ -127,7 +156,18 @@ def pathological(labels: np.ndarray, num_clients: int, classes_per_client: int,
 
 def quantity_skew(labels: np.ndarray, num_clients: int, beta: float,
                   rng: np.random.Generator, min_size: int = 1) -> Partition:
-  """IID labels, client sizes in proportions ~ Dir(beta * 1_N)."""
+  """IID labels, client sizes in proportions ~ Dir(beta * 1_N).
+
+  Args:
+    labels: the pool's labels.
+    num_clients: N.
+    beta: the sizes' concentration.
+    rng: the generator.
+    min_size: the fewest examples a client gets.
+
+  Returns:
+    The ``Partition``.
+  """
   if not beta > 0:
     raise ConfigError('alpha', f'quantity skew beta must be > 0, got {beta}')
   _check(len(labels), num_clients, min_size)
@@ -153,6 +193,16 @@ def rotation_groups(labels: np.ndarray, num_clients: int, rng: np.random.Generat
 
   ``base`` is the partition of examples to rotate (IID by default; pass a
   Dirichlet one for label + covariate shift).
+
+  Args:
+    labels: the pool's labels.
+    num_clients: N.
+    rng: the generator.
+    num_groups: G.
+    base: the partition of examples (IID by default).
+
+  Returns:
+    The ``Partition`` (with each client's rotation).
   """
   base = base or iid(labels, num_clients, rng)
   groups = _assign_groups(num_clients, num_groups)
@@ -170,7 +220,19 @@ def label_permutation_groups(labels: np.ndarray, num_clients: int, num_classes: 
                              rng: np.random.Generator, num_groups: int = 4,
                              base: Optional[Partition] = None) -> Partition:
   """Concept shift: group g relabels class c as perm_g[c] (group 0 keeps the
-  identity), as in the user-centric paper's CIFAR-10 experiment."""
+  identity), as in the user-centric paper's CIFAR-10 experiment.
+
+  Args:
+    labels: the pool's labels.
+    num_clients: N.
+    num_classes: C.
+    rng: the generator.
+    num_groups: G.
+    base: the partition of examples (IID by default).
+
+  Returns:
+    The ``Partition`` (with each client's label map).
+  """
   base = base or iid(labels, num_clients, rng)
   groups = _assign_groups(num_clients, num_groups)
   perms = [np.arange(num_classes)] + [rng.permutation(num_classes) for _ in range(num_groups - 1)]
@@ -192,6 +254,18 @@ def sparse_classes(labels: np.ndarray, num_clients: int, num_classes: int,
   c classes to indices 0..c-1 in a random order of its own (so class j means
   different things on different devices; the head has c outputs). Groups: the
   devices' class sets ((i mod C) identifies the set).
+
+  Args:
+    labels: the pool's labels.
+    num_clients: N.
+    num_classes: C.
+    classes_per_client: c.
+    rng: the generator.
+    examples_per_client: examples per device (None: as many as the data allows).
+    permute: map each device's classes to 0..c-1 in its own order.
+
+  Returns:
+    The ``Partition``.
   """
   c = classes_per_client
   if not 1 <= c <= num_classes:
@@ -238,7 +312,17 @@ def sparse_classes(labels: np.ndarray, num_clients: int, num_classes: int,
 def latent_clusters(features: np.ndarray, num_clients: int, num_groups: int,
                     rng: np.random.Generator) -> Partition:
   """Latent groups: k-means (k = num_groups) on the flattened features; the
-  examples of cluster g are dealt among the clients of group g."""
+  examples of cluster g are dealt among the clients of group g.
+
+  Args:
+    features: the pool's features (or embeddings).
+    num_clients: N.
+    num_groups: the clusters.
+    rng: the generator.
+
+  Returns:
+    The ``Partition`` (groups: the clusters).
+  """
   from sklearn.cluster import KMeans
   groups = _assign_groups(num_clients, num_groups)
   f = features.reshape(len(features), -1).astype(np.float32)

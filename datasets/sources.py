@@ -96,7 +96,14 @@ def downloadable(dataset: str) -> bool:
 
 
 def how_to_get(dataset: str) -> str:
-  """The next command for a missing file of ``dataset``."""
+  """The next command for a missing file of ``dataset``.
+
+  Args:
+    dataset: a ``--dataset`` name.
+
+  Returns:
+    The command.
+  """
   if downloadable(dataset):
     return (f'get it with: python scripts/run_experiment.py --dataset={dataset} --download '
             '(or save it by hand in --data_dir)')
@@ -104,7 +111,14 @@ def how_to_get(dataset: str) -> str:
 
 
 def manual_instructions(dataset: str) -> str:
-  """How to get the files of a data set that has no download."""
+  """How to get the files of a data set that has no download.
+
+  Args:
+    dataset: a ``--dataset`` name.
+
+  Returns:
+    The instructions.
+  """
   if dataset.startswith('leaf:'):
     name = dataset[5:]
     return (f"LEAF publishes no ready files: build them with LEAF's own scripts "
@@ -163,7 +177,15 @@ def fetch(dataset: str, data_dir: Optional[str] = None, download: bool = False,
 
 def decompress(path: pathlib.Path, f: RemoteFile) -> pathlib.Path:
   """The decompressed copy of an ``.lzma`` file, made once in the cache
-  (``files.derived_dir``)."""
+  (``files.derived_dir``).
+
+  Args:
+    path: the ``.lzma`` file.
+    f: its ``RemoteFile`` (the decompressed name).
+
+  Returns:
+    The decompressed file's path.
+  """
   dest = files.derived_dir('decompressed', path) / f.decompressed
   if dest.is_file():
     return dest
@@ -189,7 +211,16 @@ def decompress(path: pathlib.Path, f: RemoteFile) -> pathlib.Path:
 
 def extract_member(archive: pathlib.Path, suffix: str, dest: pathlib.Path) -> pathlib.Path:
   """The member of a ZIP archive whose name ends with ``suffix``, copied once
-  to ``dest`` (e.g. ``federated_train.csv`` of TFF's GLDv2 bundle)."""
+  to ``dest`` (e.g. ``federated_train.csv`` of TFF's GLDv2 bundle).
+
+  Args:
+    archive: the ZIP file.
+    suffix: the member's name ends with it.
+    dest: where the copy goes.
+
+  Returns:
+    ``dest``.
+  """
   if dest.is_file():
     return dest
 
@@ -228,7 +259,16 @@ def fetch_gldv2_images(wanted: Set[str], folder: pathlib.Path, progress: bool = 
   ``wanted`` (image ids) as ``folder/<id>.jpg`` and deletes each shard; stops
   once every wanted image is there. A shard whose images are kept is noted in
   ``folder/.shards_done``, so an interrupted download continues where it
-  stopped."""
+  stopped.
+
+  Args:
+    wanted: the image ids needed.
+    folder: where the JPEGs go.
+    progress: print progress lines.
+
+  Returns:
+    None.
+  """
   folder.mkdir(parents=True, exist_ok=True)
   done_file = folder / '.shards_done'
   done = set(done_file.read_text().split()) if done_file.is_file() else set()

@@ -82,6 +82,9 @@ def read_fedjax(path, limit: Optional[int] = None,
     client_ids: read only these clients, in this order (absent ones yield
       an empty dict).
 
+  Yields:
+    ``(client_id, {feature: array})`` per client.
+
   Raises:
     DataError naming the file when it is not in FedJAX's format.
   """
@@ -111,6 +114,12 @@ def read_fedjax(path, limit: Optional[int] = None,
 def fedjax_num_clients(path) -> int:
   """The number of clients of a FedJAX SQLite file.
 
+  Args:
+    path: the file.
+
+  Returns:
+    The count.
+
   Raises:
     DataError: not a FedJAX SQLite file (naming it).
   """
@@ -125,7 +134,14 @@ def fedjax_num_clients(path) -> int:
 
 def fedjax_sizes(path) -> np.ndarray:
   """Every client's ``num_examples`` of a FedJAX SQLite file, in the file's
-  order (the table's column: no record is decoded)."""
+  order (the table's column: no record is decoded).
+
+  Args:
+    path: the file.
+
+  Returns:
+    int64 [clients].
+  """
   conn = _connect(path)
   try:
     if 'federated_data' not in _tables(conn, path):
@@ -148,6 +164,9 @@ def parse_example(serialized: bytes, shapes: Dict[str, tuple]) -> Dict[str, np.n
     serialized: the proto's bytes.
     shapes: {feature: shape} (as ``tf.io.FixedLenFeature``); int64 and
       float lists are reshaped to it, a bytes list gives its bytes.
+
+  Returns:
+    ``{feature: array}``.
   """
   features = tf_example.parse(serialized)
   out = {}
@@ -161,6 +180,13 @@ def parse_example(serialized: bytes, shapes: Dict[str, tuple]) -> Dict[str, np.n
 
 def tff_num_clients(path, split: str) -> int:
   """The number of clients of a TFF SQLite file's ``split``.
+
+  Args:
+    path: the file.
+    split: the split's name.
+
+  Returns:
+    The count.
 
   Raises:
     DataError: not a TFF SQLite file (naming it).
@@ -180,6 +206,15 @@ def read_tff(path, split: str, shapes: Dict[str, tuple],
              limit: Optional[int] = None) -> Iterator[Tuple[str, Dict[str, np.ndarray]]]:
   """Clients of one split of a TFF SQLite file, in client-id order (as
   FedJAX's ``TFFSQLiteClientsIterator``): ``(client_id, {feature: [n, *shape]})``.
+
+  Args:
+    path: the file.
+    split: the split's name.
+    shapes: ``{feature: shape}``.
+    limit: read at most this many clients.
+
+  Yields:
+    ``(client_id, {feature: [n, *shape]})`` per client.
 
   Raises:
     DataError naming the file when it is not in TFF's format.

@@ -176,6 +176,12 @@ def parse(serialized: bytes) -> Dict[str, Value]:
   of one message given twice are merged, a map key given twice takes its
   last value, unknown fields and groups are skipped.
 
+  Args:
+    serialized: the proto's bytes.
+
+  Returns:
+    ``{name: array or list of bytes}``.
+
   Raises:
     ValueError: the bytes are not a tf.train.Example.
   """

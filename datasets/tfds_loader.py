@@ -29,7 +29,14 @@ TFDS_DATASETS = {
 
 
 def is_known(name: str) -> bool:
-  """Whether ``name`` (``<TFDS name>[/<config>]``) is a data set read here."""
+  """Whether ``name`` (``<TFDS name>[/<config>]``) is a data set read here.
+
+  Args:
+    name: the name after ``tfds:``.
+
+  Returns:
+    True when read here.
+  """
   base, _, config = name.partition('/')
   return base in TFDS_DATASETS and (config == '' or config.replace('_', '').isalnum())
 
@@ -37,6 +44,13 @@ def is_known(name: str) -> bool:
 def load_tfds(name: str, split: str = 'train', data_dir: Optional[str] = None,
               download: bool = False, max_examples: Optional[int] = None):
   """Loads a TFDS data set into numpy arrays.
+
+  Args:
+    name: the TFDS name (``emnist``, ``emnist/digits``, ...).
+    split: the split.
+    data_dir: TFDS's data folder.
+    download: let TFDS download it.
+    max_examples: read at most this many examples.
 
   Returns:
     (x, y, num_classes) for image sets (x uint8 [N, H, W, C]); for

@@ -83,13 +83,17 @@ def _algorithm_modules():
   return [m for m in _modules() if m.startswith('fedjax_personal.algorithms.')]
 
 
+def _dataset_modules():
+  return [m for m in _modules() if m.startswith('fedjax_personal.datasets.')]
+
+
 def test_the_faces_functions_say_their_arguments_and_results():
-  """Every function of the face's ``__all__`` (and of every algorithm's
-  module) has Google-style ``Args:`` (when it takes any) and ``Returns:``
+  """Every function of the face's ``__all__`` (and of every algorithm's and
+  data set's module) has Google-style ``Args:`` (when it takes any) and ``Returns:``
   (or ``Yields:``) sections. An algorithm's ``build`` and ``check`` follow
   one contract, written once in ``AlgorithmSpec.build`` / ``check``."""
   bad = set()
-  for name in FACE + tuple(_algorithm_modules()):
+  for name in FACE + tuple(_algorithm_modules()) + tuple(_dataset_modules()):
     module = importlib.import_module(name)
     for attr in module.__all__:
       obj = getattr(module, attr)
