@@ -40,7 +40,14 @@ class _CheckoutFinder(importlib.abc.MetaPathFinder):
 
 def checkout_root(package_dir: str):
   """The checkout holding ``package_dir`` (``.../fedjax_personal``), or None
-  when the package is installed rather than run from its sources."""
+  when the package is installed rather than run from its sources.
+
+  Args:
+    package_dir: the ``fedjax_personal`` folder.
+
+  Returns:
+    The checkout's root, or None (an installed package).
+  """
   root = os.path.dirname(os.path.abspath(package_dir))
   try:
     with open(os.path.join(root, 'setup.cfg'), encoding='utf-8') as f:
@@ -56,7 +63,14 @@ def checkout_root(package_dir: str):
 def use_this_checkout(package_dir: str) -> None:
   """Takes ``fedjax_personal.algorithms`` / ``.datasets`` from the checkout
   of ``package_dir``; refuses (ImportError, one line naming both folders)
-  when one was already imported from another."""
+  when one was already imported from another.
+
+  Args:
+    package_dir: the ``fedjax_personal`` folder.
+
+  Returns:
+    None.
+  """
   root = checkout_root(package_dir)
   if root is None:
     return

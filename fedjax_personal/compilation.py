@@ -45,7 +45,11 @@ _counts = {'compile_seconds': 0.0, 'trace_seconds': 0.0, 'compiles': 0, 'cache_h
 
 
 def default_dir() -> str:
-  """``<$FEDJAX_PERSONAL_CACHE or ~/.cache/fedjax_personal>/xla``."""
+  """``<$FEDJAX_PERSONAL_CACHE or ~/.cache/fedjax_personal>/xla``.
+
+  Returns:
+    The folder's path.
+  """
   root = os.environ.get('FEDJAX_PERSONAL_CACHE') or os.path.join('~', '.cache', 'fedjax_personal')
   return os.path.join(os.path.expanduser(root), 'xla')
 
@@ -109,7 +113,11 @@ def trim(path: str, max_bytes: int = MAX_BYTES) -> int:
 
 
 def disable() -> None:
-  """Turns the persistent compilation cache off for this process."""
+  """Turns the persistent compilation cache off for this process.
+
+  Returns:
+    None.
+  """
   jax.config.update('jax_enable_compilation_cache', False)
   _reset_jax_cache()
 
@@ -126,7 +134,11 @@ def _reset_jax_cache() -> None:
 
 def apply_default() -> None:
   """At import: ``$FEDJAX_PERSONAL_COMPILATION_CACHE`` (a folder, or
-  ``off``), else the default folder, unless the user set up JAX's cache."""
+  ``off``), else the default folder, unless the user set up JAX's cache.
+
+  Returns:
+    None.
+  """
   _listen()
   choice = os.environ.get(_ENV, '').strip()
   if choice.lower() == 'off':
@@ -141,14 +153,25 @@ def apply_default() -> None:
 
 
 def directory() -> Optional[str]:
-  """The cache folder in use, or None when it is off."""
+  """The cache folder in use, or None when it is off.
+
+  Returns:
+    The folder, or None.
+  """
   if not jax.config.jax_enable_compilation_cache:
     return None
   return jax.config.jax_compilation_cache_dir or None
 
 
 def size(path: Optional[str] = None):
-  """(entries, bytes) of the cache folder (``directory()`` by default)."""
+  """(entries, bytes) of the cache folder (``directory()`` by default).
+
+  Args:
+    path: a cache folder (None: ``directory()``).
+
+  Returns:
+    ``(entries, bytes)``.
+  """
   path = path or directory()
   entries = total = 0
   if path and os.path.isdir(path):
@@ -161,7 +184,11 @@ def size(path: Optional[str] = None):
 
 def stats() -> dict:
   """This process's compile seconds (XLA's backend compiles), trace seconds,
-  compiles, and the persistent cache's hits and misses so far."""
+  compiles, and the persistent cache's hits and misses so far.
+
+  Returns:
+    A dict of seconds and counts.
+  """
   with _lock:
     return dict(_counts)
 

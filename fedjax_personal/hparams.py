@@ -23,6 +23,9 @@ def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None,
       ``open_max``); None values (when the default is None) are allowed.
     sweep: may be swept inside one compiled program (``--sweep``): the
       builder only uses it arithmetically.
+
+  Returns:
+    A ``dataclasses.field`` carrying the metadata.
   """
   return dataclasses.field(default=default, metadata=dict(
       help=help, choices=choices, minimum=minimum, maximum=maximum, open_min=open_min,

@@ -113,14 +113,25 @@ def set_matmul_precision(name: str) -> str:
 
 def matmul_precision() -> str:
   """The precision in effect (``canonical`` name; ``default`` when JAX's
-  setting is unset: the backend's own)."""
+  setting is unset: the backend's own).
+
+  Returns:
+    The name.
+  """
   value = jax.config.jax_default_matmul_precision
   return 'default' if value is None else canonical(value)
 
 
 def effective_matmul(backend: Optional[str] = None) -> str:
   """What the float32 products are on ``backend`` (default: JAX's) at the
-  precision in effect, in words for the header."""
+  precision in effect, in words for the header.
+
+  Args:
+    backend: a JAX backend's name (None: the default).
+
+  Returns:
+    A description.
+  """
   backend = backend or jax.default_backend()
   name = matmul_precision()
   if backend == 'cpu':
@@ -133,7 +144,11 @@ def effective_matmul(backend: Optional[str] = None) -> str:
 
 def apply_default() -> None:
   """At import: ``DEFAULT_MATMUL_PRECISION`` unless the user chose one
-  (``JAX_DEFAULT_MATMUL_PRECISION`` set, or JAX's setting already given)."""
+  (``JAX_DEFAULT_MATMUL_PRECISION`` set, or JAX's setting already given).
+
+  Returns:
+    None.
+  """
   if os.environ.get(_ENV) or jax.config.jax_default_matmul_precision is not None:
     return
   set_matmul_precision(DEFAULT_MATMUL_PRECISION)
@@ -142,7 +157,14 @@ def apply_default() -> None:
 def record(conv_impl: Optional[str]) -> dict:
   """What a run records of its arithmetic (identity, header, summary):
   the matmul precision and, for a convolutional model, the convolution
-  implementation it resolved to (None: no convolution)."""
+  implementation it resolved to (None: no convolution).
+
+  Args:
+    conv_impl: the convolution implementation (None: no convolution).
+
+  Returns:
+    The record.
+  """
   out = {'matmul_precision': matmul_precision()}
   if conv_impl is not None:
     out['conv_impl'] = conv_impl

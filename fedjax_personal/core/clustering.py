@@ -32,7 +32,14 @@ def sq_distances(x, c):
 
 
 def distances(x):
-  """Euclidean distances [N, N] between the rows of x (zero diagonal)."""
+  """Euclidean distances [N, N] between the rows of x (zero diagonal).
+
+  Args:
+    x: points [N, d].
+
+  Returns:
+    [N, N].
+  """
   d = jnp.sqrt(sq_distances(x, x))
   return d * (1 - jnp.eye(x.shape[0], dtype=d.dtype))
 
@@ -70,7 +77,16 @@ def kmeans_plusplus(key, x, k, max_k: int, trials: int):
 
 
 def assign(x, centroids, k):
-  """(labels [N], squared distance to the nearest of the first k centroids)."""
+  """(labels [N], squared distance to the nearest of the first k centroids).
+
+  Args:
+    x: points [N, d].
+    centroids: centroids [K, d].
+    k: the centroids in use (traced).
+
+  Returns:
+    ``(labels [N], squared distances [N])``.
+  """
   d = sq_distances(x, centroids)
   d = jnp.where(jnp.arange(centroids.shape[0])[None, :] < k, d, jnp.inf)
   return jnp.argmin(d, axis=1).astype(jnp.int32), jnp.min(d, axis=1)
@@ -117,7 +133,20 @@ class KMeansResult(NamedTuple):
 def kmeans(key, x, k, max_k: int, restarts: int = 10, max_iter: int = 300,
            tol: float = 1e-4) -> KMeansResult:
   """k-means with ``restarts`` k-means++ seedings (vmapped), keeping the
-  lowest inertia (scikit-learn's ``KMeans(k, n_init=restarts)``)."""
+  lowest inertia (scikit-learn's ``KMeans(k, n_init=restarts)``).
+
+  Args:
+    key: draws the seedings.
+    x: points [N, d].
+    k: clusters (traced).
+    max_k: the largest k (static shapes).
+    restarts: seedings tried.
+    max_iter: Lloyd iterations at most.
+    tol: stop when the inertia improves less.
+
+  Returns:
+    ``(labels [N], centroids [max_k, d], inertia)``.
+  """
   x = jnp.asarray(x, jnp.float32)
   trials = 2 + int(math.log(max(max_k, 1)))
 
@@ -135,6 +164,14 @@ def silhouette_score(dist, labels, max_k: int):
   cluster, b_i the smallest mean distance to another non-empty cluster,
   s_i = (b_i - a_i) / max(a_i, b_i), and s_i = 0 in a singleton cluster
   (scikit-learn's convention). -inf when fewer than 2 clusters are non-empty.
+
+  Args:
+    dist: distances [N, N].
+    labels: cluster labels [N].
+    max_k: the most clusters (static shapes).
+
+  Returns:
+    The mean silhouette.
   """
   one_hot = jax.nn.one_hot(labels, max_k, dtype=dist.dtype)  # [N, K]
   count = one_hot.sum(0)
@@ -155,7 +192,19 @@ def silhouette_kmeans(key, x, max_k: int, restarts: int = 10, max_iter: int = 30
   (the smallest k on ties); k = 1 (the mean) when every row is the same or no
   k gives two non-empty clusters. Centroids are padded to max_k rows (at
   least 1). One loop over k inside the trace, so the compiled function does
-  not depend on the k it picks."""
+  not depend on the k it picks.
+
+  Args:
+    key: draws the seedings.
+    x: points [N, d].
+    max_k: the largest k tried.
+    restarts: seedings per k.
+    max_iter: Lloyd iterations at most.
+    tol: stop when the inertia improves less.
+
+  Returns:
+    ``(labels [N], k, silhouette)``.
+  """
   x = jnp.asarray(x, jnp.float32)
   n = x.shape[0]
   max_k = max(int(max_k), 1)
@@ -223,7 +272,17 @@ def _pairs(x):
 def adjusted_rand_index(labels_true, labels_pred, num_true: int, num_pred: int):
   """Adjusted Rand index (Hubert and Arabie 1985) of two labelings of N points
   (labels in [0, num_true) and [0, num_pred)), from their contingency table;
-  1 when both are trivial in the same way (scikit-learn's convention)."""
+  1 when both are trivial in the same way (scikit-learn's convention).
+
+  Args:
+    labels_true: one labeling [N].
+    labels_pred: another [N].
+    num_true: labels of the first.
+    num_pred: labels of the second.
+
+  Returns:
+    The index (1: the same partition).
+  """
   ct = jax.nn.one_hot(labels_true, num_true).T @ jax.nn.one_hot(labels_pred, num_pred)
   n = labels_true.shape[0]
   index = jnp.sum(_pairs(ct))
@@ -237,7 +296,15 @@ def adjusted_rand_index(labels_true, labels_pred, num_true: int, num_pred: int):
 def in_group_share(w, groups):
   """Mean over clients i of the share of row i's off-diagonal weight that
   goes to clients of i's own known group: 1 when W mixes only inside groups,
-  about (|G_i| - 1) / (N - 1) (``in_group_chance``) when W ignores them."""
+  about (|G_i| - 1) / (N - 1) (``in_group_chance``) when W ignores them.
+
+  Args:
+    w: a mixing matrix [N, N].
+    groups: each client's group [N].
+
+  Returns:
+    The mean share.
+  """
   w = jnp.asarray(w, jnp.float32)
   off = 1.0 - jnp.eye(w.shape[0], dtype=w.dtype)
   same = (groups[:, None] == groups[None, :]).astype(w.dtype) * off
@@ -246,7 +313,14 @@ def in_group_share(w, groups):
 
 def in_group_chance(groups) -> float:
   """Mean over clients of (|G_i| - 1) / (N - 1): ``in_group_share`` of a W
-  that spreads weight uniformly over the other clients."""
+  that spreads weight uniformly over the other clients.
+
+  Args:
+    groups: each client's group [N].
+
+  Returns:
+    The chance share.
+  """
   groups = np.asarray(groups)
   sizes = np.array([np.sum(groups == g) for g in groups])
   return float(np.mean((sizes - 1) / max(len(groups) - 1, 1)))

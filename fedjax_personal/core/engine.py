@@ -58,7 +58,8 @@ def communication_metrics(alg, state, num_active, num_uploads=None) -> dict:
       fewer when the algorithm marks some as not participating).
 
   Returns:
-    ``{'bytes_up', 'bytes_down_broadcast', 'bytes_down_unicast', ...}`` of the round (traced scalars).
+    ``{'bytes_up', 'bytes_down_broadcast', 'bytes_down_unicast', ...}`` of
+    the round (traced scalars).
   """
   comm = getattr(alg, 'algorithm', alg).communication(state)
   num_active = jnp.asarray(num_active, jnp.float32)
@@ -102,6 +103,14 @@ def pre_round_functions(alg: FederatedAlgorithm, ex: Executor, counts=None):
   phase's client function on every client through the executor (client i's
   key is ``fold_in(rc.key, i)``) and the server update; the phase's key is
   ``fold_in(round_key, 2)``.
+
+  Args:
+    alg: the algorithm.
+    ex: the executor.
+    counts: a Counter of traces (None: a new one).
+
+  Returns:
+    ``(due, rc_of, run, phase_client)``.
   """
   counts = collections.Counter() if counts is None else counts
   pr = alg.pre_round
@@ -143,6 +152,15 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
   client work for the sequential executor. The round key splits into the
   cohort's key and the clients' keys (client i's is ``fold_in(k_clients,
   i)``); the server's key is ``fold_in(k_cohort, 1)``.
+
+  Args:
+    alg: the algorithm.
+    sampler: the cohort sampler.
+    ex: the executor.
+    counts: a Counter of traces (None: a new one).
+
+  Returns:
+    ``(pre, make_ctx, post, fused_round)``.
   """
   counts = collections.Counter() if counts is None else counts
 

@@ -69,7 +69,17 @@ def eval_client_function(alg: FederatedAlgorithm, counts, finetune: bool, length
   """``eval_client(shared, (i, row, key)) -> LossStats``: client i's model
   (optionally fine-tuned) on its test split, whose examples are row ``row``
   of the split arrays in ``shared = (models, train, val, test)`` (cut to
-  its first ``length`` rows when given)."""
+  its first ``length`` rows when given).
+
+  Args:
+    alg: the algorithm.
+    counts: a Counter of traces.
+    finetune: fine-tune before testing.
+    length: test rows used (None: all).
+
+  Returns:
+    ``eval_client(shared, (i, row, key)) -> LossStats``.
+  """
   def eval_client(shared, c):
     counts['eval_client'] += 1
     models, train, val, test = shared
@@ -95,6 +105,15 @@ def eval_function(alg: FederatedAlgorithm, ex: Executor, counts=None, test_count
   With ``test_counts`` (host array of test examples per client, fixed for
   the experiment) clients are evaluated in groups of equal static test length
   (``eval_buckets``); without it on the whole padded split.
+
+  Args:
+    alg: the algorithm.
+    ex: the executor.
+    counts: a Counter of traces (None: a new one).
+    test_counts: test examples per client (None: one padded group).
+
+  Returns:
+    ``eval_all(client_models, data, key, finetune) -> LossStats [N]``.
   """
   counts = collections.Counter() if counts is None else counts
   eval_clients = {}
@@ -129,7 +148,18 @@ def host_evaluation(alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bo
   blocks of ``host.block`` clients gathered from the store. With hosted
   client rows, a block's models come from a state holding the block's
   rows (``ClientRows``' contract), client j of the block using model j,
-  and a block holds ``rows_in_memory.ROW_BLOCK_BYTES`` of rows at most."""
+  and a block holds ``rows_in_memory.ROW_BLOCK_BYTES`` of rows at most.
+
+  Args:
+    alg: the algorithm.
+    ex: the executor.
+    host: the ``HostData``.
+    hosted_rows: client rows live on the host.
+    counts: a Counter of traces.
+
+  Returns:
+    ``evaluate(state, key, finetune) -> LossStats [N]``.
+  """
   test_counts = host.counts('test')
   groups = eval_buckets(test_counts, int(test_counts.max(initial=0)), block=host.block)
   models_j = jax.jit(alg.client_models)

@@ -20,7 +20,9 @@ def summarize(stats: LossStats) -> dict:
     stats: per-client ``LossStats`` ([N] arrays of correct predictions, counts, summed losses).
 
   Returns:
-    ``{'accuracy_mean', 'accuracy_weighted', 'accuracy_worst', 'accuracy_best', 'accuracy_q10', ..., 'loss_weighted'}``: floats over the clients with test data.
+    ``{'accuracy_mean', 'accuracy_weighted', 'accuracy_worst',
+    'accuracy_best', 'accuracy_q10', ..., 'loss_weighted'}``: floats over
+    the clients with test data.
   """
   correct = np.asarray(stats.correct, np.float64)
   count = np.asarray(stats.count, np.float64)
@@ -61,11 +63,25 @@ def _top_k_summary(stats: LossStats, has, scored) -> dict:
 
 def evaluation_record(stats: LossStats) -> dict:
   """What an evaluated round adds to its record: the summary and the
-  per-client accuracies."""
+  per-client accuracies.
+
+  Args:
+    stats: per-client ``LossStats`` [N].
+
+  Returns:
+    The record's entries.
+  """
   return {**summarize(stats), 'per_client_accuracy': per_client_accuracy(stats).tolist()}
 
 
 def per_client_accuracy(stats: LossStats) -> np.ndarray:
-  """Accuracy of each client on its test split (NaN without test data)."""
+  """Accuracy of each client on its test split (NaN without test data).
+
+  Args:
+    stats: per-client ``LossStats`` [N].
+
+  Returns:
+    Accuracies [N].
+  """
   scored = np.asarray(stats.accuracy_denominator, np.float64)
   return np.where(scored > 0, np.asarray(stats.correct) / np.maximum(scored, 1), np.nan)

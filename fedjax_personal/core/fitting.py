@@ -21,6 +21,14 @@ def fit_memory(executor: Executor, need, free_bytes: Optional[int]) -> Executor:
   ``free_bytes`` per device (``memory.block_size``; unchanged without memory
   statistics, e.g. on CPU).
 
+  Args:
+    executor: the chosen executor.
+    need: the round's memory estimate.
+    free_bytes: the device's free bytes.
+
+  Returns:
+    The executor that fits, and why.
+
   Raises:
     ConfigError: not even one client a block fits.
   """

@@ -26,6 +26,9 @@ def tune_allocator() -> bool:
 
   Done by the engine on CPU (``executors.create_executor``); does nothing
   (returns False) without glibc or when ``FEDJAX_PERSONAL_MALLOPT=0``.
+
+  Returns:
+    None.
   """
   if _done:
     return _done[0]

@@ -105,7 +105,16 @@ def step_bytes(model, sample_x, batch_size: int) -> int:
   planned from one step's temporaries asked for one 53 GB buffer (88 MB per
   client against 136 MB of temporaries) and ran out of memory; the round's
   scan over steps and XLA's GPU scheduling keep more alive than one step
-  does (BUILD.md, "On a GPU")."""
+  does (BUILD.md, "On a GPU").
+
+  Args:
+    model: the model.
+    sample_x: one input batch.
+    batch_size: the local batch.
+
+  Returns:
+    Bytes.
+  """
   from fedjax_personal.core.training import Batch, batch_loss
   x = jax.ShapeDtypeStruct((batch_size,) + tuple(np.shape(sample_x)[1:]),
                            jnp.asarray(sample_x).dtype)
@@ -127,7 +136,16 @@ def step_bytes(model, sample_x, batch_size: int) -> int:
 
 
 def estimate(algorithm, data, cohort_size: int) -> Need:
-  """The memory a round of ``algorithm`` on ``data`` needs (see module doc)."""
+  """The memory a round of ``algorithm`` on ``data`` needs (see module doc).
+
+  Args:
+    algorithm: the algorithm.
+    data: the federated data.
+    cohort_size: clients per round.
+
+  Returns:
+    The estimate.
+  """
   n = data.num_clients
   shapes = jax.eval_shape(algorithm.init, jax.random.key(0))
   per_client = [s for s in jax.tree.leaves(shapes) if s.ndim >= 1 and s.shape[0] == n]
@@ -147,7 +165,14 @@ def estimate(algorithm, data, cohort_size: int) -> Need:
 
 def device_free_bytes(device=None) -> Optional[int]:
   """The device's free memory (``bytes_limit - bytes_in_use`` of its memory
-  statistics), or None where there are none (CPU)."""
+  statistics), or None where there are none (CPU).
+
+  Args:
+    device: a device (None: the first).
+
+  Returns:
+    Bytes, or None where unknown (a CPU).
+  """
   device = device or jax.local_devices()[0]
   try:
     stats = device.memory_stats()
@@ -161,6 +186,14 @@ def device_free_bytes(device=None) -> Optional[int]:
 def block_size(need: Need, free_bytes: int, num_devices: int = 1) -> Optional[int]:
   """Clients per block on each device: None when the device's whole share of
   the cohort fits at once, else the largest block that fits.
+
+  Args:
+    need: the round's memory estimate.
+    free_bytes: a device's free bytes.
+    num_devices: devices sharing the clients.
+
+  Returns:
+    Clients per block, or None.
 
   Raises:
     ConfigError: not even one client fits (with what would: more devices or a
@@ -194,7 +227,14 @@ def hlo_collectives(hlo_text: str) -> dict:
   """{collective: (count, bytes)} of a compiled HLO module's text: every
   all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute,
   with the bytes of its result on one device (the data each device sends or
-  receives, up to the algorithm's constant)."""
+  receives, up to the algorithm's constant).
+
+  Args:
+    hlo_text: a compiled module's text.
+
+  Returns:
+    ``{collective: (count, bytes)}``.
+  """
   out = {}
   for m in _OP.finditer(hlo_text):
     nbytes = 0

@@ -39,12 +39,26 @@ INPUT_LAYERS = ('embed', 'stem', 'conv_0', 'hidden_0', 'dense_0')  # names used 
 
 
 def flatten(params) -> Dict[str, object]:
-  """A parameter tree as ``{'a/b/c': leaf}`` (Flax's ``flatten_dict``)."""
+  """A parameter tree as ``{'a/b/c': leaf}`` (Flax's ``flatten_dict``).
+
+  Args:
+    params: a parameter tree.
+
+  Returns:
+    ``{'a/b/c': leaf}``.
+  """
   return traverse_util.flatten_dict(params, sep='/')
 
 
 def unflatten(flat: Dict[str, object]):
-  """The tree of a ``flatten``ed dict."""
+  """The tree of a ``flatten``ed dict.
+
+  Args:
+    flat: ``{'a/b/c': leaf}``.
+
+  Returns:
+    The tree.
+  """
   return traverse_util.unflatten_dict(flat, sep='/')
 
 
@@ -84,6 +98,9 @@ def make_split(spec: str, params) -> ParamSplit:
   Args:
     spec: one of PRESETS or 'split:<regex>[,<regex>...]'.
     params: an example parameter tree (to find the first / last modules).
+
+  Returns:
+    The ``ParamSplit``.
   """
   top = list(params.keys())  # (pytree dict keys come sorted: order says nothing)
   if spec == 'input':

@@ -57,14 +57,30 @@ class Privacy:
 
 
 def worst_epsilon(privacy: Privacy, steps, delta: float = 1e-5) -> float:
-  """max_i epsilon_i over clients with their steps so far."""
+  """max_i epsilon_i over clients with their steps so far.
+
+  Args:
+    privacy: the accounting record.
+    steps: each client's steps so far.
+    delta: the delta.
+
+  Returns:
+    The largest epsilon.
+  """
   steps = np.asarray(steps)
   return max((dp_sgd_epsilon(round(float(q), 12), privacy.noise_multiplier, int(s), delta)
               for q, s in zip(privacy.sampling_rates, steps)), default=0.0)
 
 
 def epsilon_text(epsilon) -> str:
-  """A reported epsilon: ``None`` (no DP-SGD) is infinite privacy loss."""
+  """A reported epsilon: ``None`` (no DP-SGD) is infinite privacy loss.
+
+  Args:
+    epsilon: an epsilon, or None.
+
+  Returns:
+    The text.
+  """
   return 'inf' if epsilon is None else f'{epsilon:.2f}'
 
 
@@ -82,7 +98,14 @@ class DPConfig:
 
 
 def check_dp(config: DPConfig):
-  """Refuses noise without clipping (the noise scale is sigma * clip)."""
+  """Refuses noise without clipping (the noise scale is sigma * clip).
+
+  Args:
+    config: the algorithm's settings (its DP fields).
+
+  Returns:
+    None.
+  """
   if config.dp_noise_multiplier and not config.dp_clip_norm:
     raise ConfigError(f'{config.prefix}_dp_noise_multiplier',
                       f'needs --{config.prefix}_dp_clip_norm > 0')
@@ -90,7 +113,17 @@ def check_dp(config: DPConfig):
 
 def dp_privacy(config: DPConfig, data, batching, steps: Callable) -> Privacy:
   """The accounting record of an algorithm built with DP-SGD: q_i = B / n_i
-  from the training split and ``steps(state) -> [N]`` steps so far."""
+  from the training split and ``steps(state) -> [N]`` steps so far.
+
+  Args:
+    config: the DP settings.
+    data: the federated data (client sizes).
+    batching: the local batching.
+    steps: each client's steps so far (the state's counter).
+
+  Returns:
+    The accounting record.
+  """
   n = np.asarray(data.train.num_examples, np.float64)
   b = batching.effective_batch_size(int(data.train.max_examples))
   return Privacy(config.dp_noise_multiplier, np.minimum(b / np.maximum(n, 1), 1.0), steps)

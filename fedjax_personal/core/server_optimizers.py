@@ -64,6 +64,17 @@ def scale_by_adaptive_server(kind: str, beta1: float = 0.9, beta2: float = 0.99,
 
 def adaptive_server(kind: str, learning_rate: float, beta1: float = 0.9, beta2: float = 0.99,
                     tau: float = 1e-3) -> optax.GradientTransformation:
-  """FedAdagrad / FedYogi / FedAdam with server learning rate eta."""
+  """FedAdagrad / FedYogi / FedAdam with server learning rate eta.
+
+  Args:
+    kind: ``'adagrad'``, ``'yogi'`` or ``'adam'``.
+    learning_rate: eta.
+    beta1: the first moment's decay.
+    beta2: the second moment's decay.
+    tau: the adaptivity (epsilon).
+
+  Returns:
+    An optax transformation applied to the mean delta.
+  """
   return optax.chain(scale_by_adaptive_server(kind, beta1, beta2, tau),
                      optax.scale(-learning_rate))

@@ -22,17 +22,42 @@ __all__ = ['active_mask', 'block_loop', 'client_fn', 'join_owned', 'join_parts',
 
 
 def active_mask(active, c):
-  """``active`` as a bool mask of ``c`` clients (None: all active)."""
+  """``active`` as a bool mask of ``c`` clients (None: all active).
+
+  Args:
+    active: bools [c], or None.
+    c: the cohort size.
+
+  Returns:
+    bool [c].
+  """
   return jnp.ones(c, bool) if active is None else jnp.asarray(active, bool)
 
 
 def client_fn(fn, shared, per_client):
-  """``pos -> fn(shared, client inputs at cohort position pos)``."""
+  """``pos -> fn(shared, client inputs at cohort position pos)``.
+
+  Args:
+    fn: ``(shared, inputs) -> output``.
+    shared: what every client reads.
+    per_client: per-client inputs.
+
+  Returns:
+    ``pos -> output``.
+  """
   return lambda pos: fn(shared, tree_util.client_slice(per_client, pos))
 
 
 def map_stacked(f, out):
-  """Applies ``f`` to the stacked (non-``Sum``) leaves of executor outputs."""
+  """Applies ``f`` to the stacked (non-``Sum``) leaves of executor outputs.
+
+  Args:
+    f: applied to each stacked leaf.
+    out: executor outputs.
+
+  Returns:
+    The outputs with ``f`` applied.
+  """
   return jax.tree.map(lambda n: n if aggregation.is_sum(n) else jax.tree.map(f, n), out,
                       is_leaf=aggregation.is_sum)
 
@@ -48,6 +73,16 @@ def scan_blocks(block_fn, positions, valid, rows=None, count=None):
   stacked copy (rows left unwritten are zeros). With ``count`` (a traced
   int, ``rows`` required) only the first ``count`` blocks run (a
   ``fori_loop``): empty blocks cost nothing.
+
+  Args:
+    block_fn: ``positions -> outputs`` of one block.
+    positions: [nb, bs] positions (or a pytree of [nb, ...]).
+    valid: real slots [nb, bs].
+    rows: ``(c, [nb, bs] cohort rows)``: write stacked outputs in place (None: stack them).
+    count: blocks to run (traced; ``rows`` required).
+
+  Returns:
+    The outputs: ``Sum`` nodes summed, the others stacked.
   """
   def body(pos, ok):
     return aggregation.sum_clients(block_fn(pos), ok)
@@ -92,7 +127,18 @@ def scan_blocks(block_fn, positions, valid, rows=None, count=None):
 
 def work_steps(work, make_ctx, shared, per_client, active):
   """Each cohort client's real local step count (traced int32 [C]; 0 for an
-  inactive slot), read off its own batches (``training.work_num_steps``)."""
+  inactive slot), read off its own batches (``training.work_num_steps``).
+
+  Args:
+    work: the ``ClientWork``.
+    make_ctx: ``(shared, inputs) -> (ctx, key)``.
+    shared: what every client reads.
+    per_client: per-client inputs.
+    active: active slots (None: all).
+
+  Returns:
+    int32 [C].
+  """
   c = tree_util.cohort_size(per_client)
 
   def one(pos):
@@ -103,7 +149,17 @@ def work_steps(work, make_ctx, shared, per_client, active):
 
 def limited_client(work, make_ctx, shared, per_client):
   """``(pos, limit) -> output``: the client at cohort position ``pos`` runs
-  its first ``limit`` steps (``training.run_work``)."""
+  its first ``limit`` steps (``training.run_work``).
+
+  Args:
+    work: the ``ClientWork``.
+    make_ctx: ``(shared, inputs) -> (ctx, key)``.
+    shared: what every client reads.
+    per_client: per-client inputs.
+
+  Returns:
+    ``client(pos, limit) -> output``.
+  """
   def client(pos, limit):
     ctx, key = make_ctx(shared, tree_util.client_slice(per_client, pos))
     return training.run_work(work, ctx, key, limit)
@@ -140,6 +196,12 @@ def work_layout(steps, active, bs: int, parts: int = 1):
   real steps / ``bs`` block steps instead of ``blocks * S`` (S the padded
   maximum).
 
+  Args:
+    steps: real steps per cohort client.
+    active: active slots.
+    bs: clients per block.
+    parts: host threads.
+
   Returns:
     (pos [parts, nb, bs] cohort positions, ok [parts, nb, bs] real slots,
     limit [parts, nb] block step counts, count [parts] blocks each part
@@ -165,7 +227,16 @@ def work_layout(steps, active, bs: int, parts: int = 1):
 def traced_work_layout(steps, active, bs: int):
   """``work_layout`` with one part, on traced arrays (inside a compiled
   round): (pos [nb, bs], ok, limit [nb], count of blocks holding active
-  clients: they come first)."""
+  clients: they come first).
+
+  Args:
+    steps: real steps [c] (traced).
+    active: active slots [c].
+    bs: clients per block.
+
+  Returns:
+    ``(pos, ok, limit, count)``.
+  """
   pos, ok, limit = blocks_by_work(steps, active, bs, jnp)
   bs = pos.shape[1]
   return pos, ok, limit, (jnp.sum(active.astype(jnp.int32)) + bs - 1) // bs
@@ -174,7 +245,22 @@ def traced_work_layout(steps, active, bs: int):
 def block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c):
   """The first ``count`` blocks (``pos`` [nb, bs], ``limit`` [nb]) of client
   work vectorized within a block, each block ``limit`` steps; stacked
-  outputs written at their cohort rows of [c, ...] buffers."""
+  outputs written at their cohort rows of [c, ...] buffers.
+
+  Args:
+    work: the ``ClientWork``.
+    make_ctx: ``(shared, inputs) -> (ctx, key)``.
+    shared: what every client reads.
+    per_client: per-client inputs [c, ...].
+    pos: cohort positions [nb, bs].
+    limit: each block's steps [nb].
+    ok: real slots [nb, bs].
+    count: blocks to run (traced).
+    c: the cohort size.
+
+  Returns:
+    The outputs: ``Sum`` nodes summed, the others [c, ...].
+  """
   client = limited_client(work, make_ctx, shared, per_client)
   if pos.shape[-1] == 1:  # one client a block: its own shapes, no batched matmuls of one
     block = lambda x: jax.tree.map(lambda a: a[None], client(x[0][0], x[1]))

@@ -46,7 +46,14 @@ GATES = ('i', 'f', 'g', 'o')
 
 def check(init: str) -> str:
   """``init`` if it is a known convention, else a ConfigError naming
-  ``--model_init``."""
+  ``--model_init``.
+
+  Args:
+    init: a convention's name.
+
+  Returns:
+    ``init``.
+  """
   if init not in INITS:
     raise ConfigError('model_init', f'unknown initialisation {init!r}; choose one of {list(INITS)}')
   return init
@@ -67,7 +74,14 @@ def fans(shape) -> tuple:
 
 
 def kernel_init(init: str):
-  """The initialiser of a Dense or Conv kernel ([in, out] or HWIO)."""
+  """The initialiser of a Dense or Conv kernel ([in, out] or HWIO).
+
+  Args:
+    init: the convention.
+
+  Returns:
+    A Flax initialiser.
+  """
   check(init)
   if init == 'flax':
     return jax.nn.initializers.lecun_normal()
@@ -78,7 +92,15 @@ def kernel_init(init: str):
 
 
 def bias_init(init: str, fan_in: int):
-  """The initialiser of the bias of a layer whose kernel has ``fan_in``."""
+  """The initialiser of the bias of a layer whose kernel has ``fan_in``.
+
+  Args:
+    init: the convention.
+    fan_in: the kernel's fan-in.
+
+  Returns:
+    A Flax initialiser.
+  """
   check(init)
   if init == 'pytorch':
     return _uniform(1 / fan_in ** 0.5 if fan_in > 0 else 0.0)
@@ -86,7 +108,14 @@ def bias_init(init: str, fan_in: int):
 
 
 def embedding_init(init: str):
-  """The initialiser of an embedding table [vocabulary, features]."""
+  """The initialiser of an embedding table [vocabulary, features].
+
+  Args:
+    init: the convention.
+
+  Returns:
+    A Flax initialiser.
+  """
   check(init)
   if init == 'pytorch':
     return jax.nn.initializers.normal(1.0)
@@ -103,6 +132,15 @@ def lstm_params(init: str, key: jax.Array, in_features: int, hidden: int) -> Dic
   Drawn as one [in, 4H] input kernel, one [H, 4H] recurrent kernel and one
   [4H] bias, then split by gate, so that Keras' Glorot bound and orthogonal
   recurrent matrix are those of the whole kernels, as Keras draws them.
+
+  Args:
+    init: the convention.
+    key: the PRNG key.
+    in_features: the input width.
+    hidden: the hidden width.
+
+  Returns:
+    The layer's parameters.
   """
   check(init)
   k_in, k_rec, k_b1, k_b2 = jax.random.split(key, 4)

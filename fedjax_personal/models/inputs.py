@@ -66,7 +66,16 @@ def per_image_standardization(x):
 def centre_crop(x, height: int, width: int):
   """``tf.image.resize_with_crop_or_pad`` to a smaller size: the central
   ``height`` x ``width`` window (offsets ``(H - height) // 2``, ``(W -
-  width) // 2``) of [B, H, W, C] images."""
+  width) // 2``) of [B, H, W, C] images.
+
+  Args:
+    x: images [B, H, W, C].
+    height: the crop's height.
+    width: the crop's width.
+
+  Returns:
+    The crops.
+  """
   top, left = (x.shape[1] - height) // 2, (x.shape[2] - width) // 2
   return x[:, top:top + height, left:left + width]
 
@@ -75,7 +84,17 @@ def random_crop_flip(key, x, height: int, width: int):
   """``tf.image.random_crop`` then ``tf.image.random_flip_left_right`` of
   each image of [B, H, W, C]: a window at offsets drawn uniformly in ``[0,
   H - height]`` x ``[0, W - width]``, mirrored left-right with probability
-  1/2, each image its own draws from ``key``."""
+  1/2, each image its own draws from ``key``.
+
+  Args:
+    key: draws each image's crop and flip.
+    x: images [B, H, W, C].
+    height: the crop's height.
+    width: the crop's width.
+
+  Returns:
+    The crops.
+  """
   def one(k, img):
     k_top, k_left, k_flip = jax.random.split(k, 3)
     top = jax.random.randint(k_top, (), 0, img.shape[0] - height + 1)
@@ -86,7 +105,14 @@ def random_crop_flip(key, x, height: int, width: int):
 
 
 def reddi_cifar100(crop: int = 24) -> InputTransform:
-  """Reddi et al.'s CIFAR-100 pipeline (module doc), ``crop`` x ``crop``."""
+  """Reddi et al.'s CIFAR-100 pipeline (module doc), ``crop`` x ``crop``.
+
+  Args:
+    crop: the crop's side (24).
+
+  Returns:
+    The ``InputTransform``.
+  """
   return InputTransform(
       name='reddi',
       train=lambda key, x: per_image_standardization(
@@ -108,7 +134,15 @@ def with_inputs(model, transform: InputTransform):
   through ``transform.evaluate``, ``train_apply(params, x, key)`` through
   ``transform.train`` (``core.training.batch_loss`` calls it for the
   batches of a client's local steps). Build ``model`` on a transformed
-  sample (``transform.evaluate(sample_x)``)."""
+  sample (``transform.evaluate(sample_x)``).
+
+  Args:
+    model: the model.
+    transform: an ``InputTransform``.
+
+  Returns:
+    The wrapped ``Model``.
+  """
   inner = model.apply
   return dataclasses.replace(
       model, apply=lambda params, x: inner(params, transform.evaluate(x)),

@@ -363,7 +363,17 @@ POOLS = ('max', 'avg')
 
 
 def pool_2x2(x, kind: str, impl: str = 'auto', layout: str = 'NHWC'):
-  """2x2 pooling of ``kind`` ('max' or 'avg')."""
+  """2x2 pooling of ``kind`` ('max' or 'avg').
+
+  Args:
+    x: activations.
+    kind: ``'max'`` or ``'avg'``.
+    impl: a ``conv_impl``.
+    layout: ``'NHWC'`` or ``'CNHW'``.
+
+  Returns:
+    The pooled activations.
+  """
   if kind == 'avg':
     return avg_pool_2x2(x, layout)
   if kind != 'max':

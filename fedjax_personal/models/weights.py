@@ -71,7 +71,15 @@ def _unflatten(flat: Dict[str, np.ndarray]) -> dict:
 
 
 def save_npz(path: str, params) -> None:
-  """Writes ``params`` as an ``.npz`` that ``load`` reads back."""
+  """Writes ``params`` as an ``.npz`` that ``load`` reads back.
+
+  Args:
+    path: the file.
+    params: the parameters.
+
+  Returns:
+    None.
+  """
   np.savez(path, **{k: np.asarray(v) for k, v in flat_params(params).items()})
 
 
@@ -101,6 +109,14 @@ def _template(model, sample_x) -> Tuple[dict, tuple]:
 def load(path: str, model, sample_x) -> dict:
   """Initial parameters for ``model`` (a ``Model`` built by ``create_model``)
   read from ``path`` (.npz or a PyTorch state dict).
+
+  Args:
+    path: a ``.npz`` or a PyTorch state dict.
+    model: the ``Model``.
+    sample_x: one input batch.
+
+  Returns:
+    The parameters.
 
   Raises:
     ConfigError: a missing, unreadable or corrupt file, an unknown format,

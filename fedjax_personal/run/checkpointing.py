@@ -118,7 +118,15 @@ def _with_saved_inner(saved, template):
 
 def manager(directory: str, max_to_keep: int = 2) -> 'ocp.CheckpointManager':
   """An Orbax ``CheckpointManager`` in ``directory`` keeping the latest
-  ``max_to_keep`` steps."""
+  ``max_to_keep`` steps.
+
+  Args:
+    directory: the checkpoints' folder.
+    max_to_keep: checkpoints kept.
+
+  Returns:
+    The manager.
+  """
   return _ocp().CheckpointManager(
       os.path.abspath(directory),
       options=_ocp().CheckpointManagerOptions(max_to_keep=max_to_keep,
@@ -135,6 +143,17 @@ def save(mngr: 'ocp.CheckpointManager', round_num: int, state, histories: List[L
   changed since the checkpoint ``rows_manifest`` describes (None: since the
   start), published with this step; returns this step's manifest (None for a
   state saved whole).
+
+  Args:
+    mngr: an Orbax ``CheckpointManager``.
+    round_num: the round.
+    state: the state.
+    histories: every configuration's records.
+    identity: the run identity.
+    rows_manifest: the rows-in-files manifest (None: rows saved whole).
+
+  Returns:
+    None.
 
   Raises:
     faults.StorageError: the disk is full, read-only or over quota. The
@@ -185,7 +204,15 @@ def _digest(identity: Optional[dict]) -> str:
 
 
 def rows_manifest_of(mngr: 'ocp.CheckpointManager', step: int) -> Optional[dict]:
-  """The manifest of a step's client rows in files (None: saved whole)."""
+  """The manifest of a step's client rows in files (None: saved whole).
+
+  Args:
+    mngr: an Orbax ``CheckpointManager``.
+    step: the checkpoint's round.
+
+  Returns:
+    The manifest, or None.
+  """
   if not os.path.isdir(os.path.join(str(mngr.directory), str(step), row_checkpoints.FOLDER)):
     return None
   return mngr.restore(step, args=_ocp().args.Composite(
@@ -209,6 +236,9 @@ def restore_latest(directory: str, template_state, identity: Optional[dict] = No
     template_state: a state of the same structure (e.g. ``runner.init(key)``).
     identity: when given, the run identity the checkpoint must have been
       saved with.
+
+  Returns:
+    ``(state, round, histories)``, or None without a checkpoint.
 
   Raises:
     ConfigError('resume', ...) naming the differences when the checkpoint

@@ -45,7 +45,14 @@ def main_job(opts: Settings = None):
 
 def main(argv):
   """absl's entry: the main job from the parsed flags, every fault one line
-  and its exit status."""
+  and its exit status.
+
+  Args:
+    argv: what absl left of the command line.
+
+  Returns:
+    None (exits with the fault's status).
+  """
   if len(argv) > 1:
     print(f'error: unexpected arguments {argv[1:]}', file=sys.stderr)
     sys.exit(2)
@@ -121,6 +128,10 @@ def job_output_dir(opts: Settings) -> str:
 
 
 def run():
-  """Entry point of ``scripts/run_experiment.py``."""
+  """Entry point of ``scripts/run_experiment.py``.
+
+  Returns:
+    None.
+  """
   from absl import app
   app.run(main, flags_parser=entry.parse_flags)

@@ -207,7 +207,15 @@ SHARED_FLAGS_MODULE = 'fedjax_personal: shared training settings (every algorith
 
 def define_config_flags(cls, module_name: str):
   """One flag per field of ``cls`` (name ``<prefix>_<field>``), typed by the
-  field's annotation, help and default from its ``hparam`` declaration."""
+  field's annotation, help and default from its ``hparam`` declaration.
+
+  Args:
+    cls: a settings dataclass.
+    module_name: the ``--helpfull`` group.
+
+  Returns:
+    None.
+  """
   types = field_types(cls)
   for f in dataclasses.fields(cls):
     name, meta, t = flag_name(cls, f.name), f.metadata, types[f.name]
@@ -225,7 +233,14 @@ def define_config_flags(cls, module_name: str):
 
 
 def algorithm_group(cls) -> str:
-  """The ``--helpfull`` group of a settings class: the algorithms using it."""
+  """The ``--helpfull`` group of a settings class: the algorithms using it.
+
+  Args:
+    cls: a settings class.
+
+  Returns:
+    The group's name.
+  """
   users = [n for n, s in algorithms_lib.REGISTRY.items() if s.config is cls]
   return f'fedjax_personal: --{cls.prefix}_* settings of ' + ', '.join(users)
 

@@ -82,7 +82,15 @@ def matmul_flops_per_second(n: int = 2048, reps: int = 10,
 
 def stream_bytes_per_second(mib: int = 64, reps: int = 10) -> float:
   """Memory bandwidth as XLA sees it: a jitted ``a * 1.5`` over ``mib`` MiB
-  (read and written), the best of ``reps``; bytes/s."""
+  (read and written), the best of ``reps``; bytes/s.
+
+  Args:
+    mib: MiB streamed.
+    reps: repetitions (the best kept).
+
+  Returns:
+    Bytes per second.
+  """
   import jax
   import jax.numpy as jnp
   a = jnp.ones((mib << 18,), jnp.float32)

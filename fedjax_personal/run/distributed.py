@@ -60,7 +60,16 @@ _STATE = {'initialized': False}
 def settings(coordinator_address: Optional[str], num_processes: Optional[int],
              process_id: Optional[int]) -> Optional[dict]:
   """The launch settings from the flags, else the environment; None for a
-  single process. Raises ConfigError for an incomplete or inconsistent set."""
+  single process. Raises ConfigError for an incomplete or inconsistent set.
+
+  Args:
+    coordinator_address: ``--coordinator_address``.
+    num_processes: ``--num_processes``.
+    process_id: ``--process_id``.
+
+  Returns:
+    The launch settings, or None.
+  """
   given = {'coordinator_address': coordinator_address, 'num_processes': num_processes,
            'process_id': process_id}
   for k, var in ENV.items():
@@ -98,6 +107,13 @@ def _int_env(var):
 def initialize(launch: Optional[dict], timeout: int = 60) -> None:
   """Joins the processes (``jax.distributed.initialize``) before anything
   touches a device; nothing for a single process.
+
+  Args:
+    launch: the launch settings (``settings``), or None.
+    timeout: seconds to wait for the others.
+
+  Returns:
+    None.
 
   Raises:
     ConfigError: the coordinator cannot be reached within ``timeout`` s.
@@ -180,12 +196,20 @@ def _preflight(address: str, process_id: int, timeout: int) -> None:
 
 
 def active() -> bool:
-  """Whether this run spans several processes."""
+  """Whether this run spans several processes.
+
+  Returns:
+    True with several processes.
+  """
   return jax.process_count() > 1
 
 
 def is_primary() -> bool:
-  """Whether this process writes the run's files (process 0)."""
+  """Whether this process writes the run's files (process 0).
+
+  Returns:
+    True on process 0.
+  """
   return jax.process_index() == 0
 
 
@@ -270,7 +294,14 @@ WHO_KEY = 'fedjax_personal/who'
 
 
 def describe(index: int) -> str:
-  """'process i (pid P on host H)' as process i posted it at its start."""
+  """'process i (pid P on host H)' as process i posted it at its start.
+
+  Args:
+    index: a process index.
+
+  Returns:
+    The description.
+  """
   who = _STATE.get('who', {}).get(index)
   return f'process {index}' + (f' ({who})' if who else '')
 
@@ -278,7 +309,11 @@ def describe(index: int) -> str:
 def silent_processes() -> str:
   """The other processes whose heartbeat stopped first (the likely lost
   ones), described, for a collective that failed because one is gone; ''
-  when none is known."""
+  when none is known.
+
+  Returns:
+    Their descriptions, joined.
+  """
   seen = _STATE.get('last_seen', {})
   if not seen:
     return ''
@@ -301,7 +336,14 @@ COORDINATOR_GRACE_SECONDS = 2.0
 
 def hard_exit(status: int) -> None:
   """Ends this process at once with ``status`` (no JAX shutdown barrier the
-  others would never reach); process 0 last."""
+  others would never reach); process 0 last.
+
+  Args:
+    status: the exit status.
+
+  Returns:
+    Never returns.
+  """
   _STOP.set()  # one message per process: its own
   sys.stdout.flush()
   sys.stderr.flush()
@@ -312,7 +354,15 @@ def hard_exit(status: int) -> None:
 
 def report_failure(message: str, status: int = 3) -> bool:
   """Tells the other processes this one stops with ``message`` (they stop
-  with the same line and ``status``); False on one process."""
+  with the same line and ``status``); False on one process.
+
+  Args:
+    message: the fault's line.
+    status: its exit status.
+
+  Returns:
+    True when others were told.
+  """
   if not _STATE['initialized']:
     return False
   try:
@@ -343,6 +393,13 @@ def check_same_run(identity: dict, differences) -> None:
   """Every process must run the same configuration: compares each process's
   run identity with process 0's.
 
+  Args:
+    identity: this process's configuration.
+    differences: ``(old, new) -> [lines]``.
+
+  Returns:
+    None.
+
   Raises:
     ConfigError naming the first differing setting, in every process.
   """
@@ -363,7 +420,14 @@ def check_same_run(identity: dict, differences) -> None:
 
 
 def barrier(name: str) -> None:
-  """Waits until every process reaches ``name`` (one process: returns)."""
+  """Waits until every process reaches ``name`` (one process: returns).
+
+  Args:
+    name: the barrier's name.
+
+  Returns:
+    None.
+  """
   if active():
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices(name)

@@ -23,7 +23,14 @@ __all__ = ['parse_flags', 'run_script']
 
 def parse_flags(argv):
   """absl's flag parsing, but a bad flag is a one-line error with exit
-  status 2 (absl exits 1)."""
+  status 2 (absl exits 1).
+
+  Args:
+    argv: the command line.
+
+  Returns:
+    What absl leaves of it.
+  """
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
@@ -34,7 +41,15 @@ def parse_flags(argv):
 def run_script(main, kept: str = 'nothing is kept; run the same command again') -> None:
   """Runs ``main(argv)`` as a script with one-line errors: exit status 2 for
   bad input; Ctrl-C (130) or SIGTERM (143) end in one line saying what is
-  ``kept``."""
+  ``kept``.
+
+  Args:
+    main: the script's ``main(argv)``.
+    kept: what an interruption keeps (in its line).
+
+  Returns:
+    None.
+  """
   def guarded(argv):
     _STOPPED['main'] = threading.get_ident()
     signal.signal(signal.SIGINT, _stop)  # also when started ignoring it

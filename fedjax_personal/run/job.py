@@ -96,7 +96,14 @@ def main_job(opts: Settings) -> Dict[str, dict]:
   or with --sweep/--sweep_seeds/--trials its configurations through the same
   loop); writes outputs and prints the comparison table. Returns {row label:
   final summary}. With --dry_run, stops after building everything (nothing
-  trained or written) and returns {}."""
+  trained or written) and returns {}.
+
+  Args:
+    opts: the command's ``Settings``.
+
+  Returns:
+    ``{row label: final summary}``.
+  """
   settings = validate_flags(opts)
   process_settings.set_numerics(opts)
   process_settings.set_compilation_cache(opts)
@@ -124,7 +131,14 @@ def main_job(opts: Settings) -> Dict[str, dict]:
 def load_data(job: Job) -> None:
   """The federated data in its layout (``--layout``: padded on the device,
   or the population store on the host) and what every algorithm's run
-  identity shares (the same in both layouts)."""
+  identity shares (the same in both layouts).
+
+  Args:
+    job: the ``Job``.
+
+  Returns:
+    None (fills ``job``).
+  """
   opts = job.opts
   cfg = data_config(opts)
   cap = opts.max_client_examples
@@ -559,6 +573,13 @@ def write_comparison(job: Job) -> None:
 
 
 def say(text: str) -> None:
-  """Prints on process 0 (every process computes the same numbers)."""
+  """Prints on process 0 (every process computes the same numbers).
+
+  Args:
+    text: the line.
+
+  Returns:
+    None.
+  """
   if distributed.is_primary():
     print(text)

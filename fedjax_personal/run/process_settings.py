@@ -31,6 +31,9 @@ def set_numerics(opts) -> None:
 
   Args:
     opts: the run's ``settings.Settings``.
+
+  Returns:
+    None.
   """
   name = (opts.matmul_precision if opts['matmul_precision'].present
           else os.environ.get('JAX_DEFAULT_MATMUL_PRECISION') or numerics.DEFAULT_MATMUL_PRECISION)
@@ -46,6 +49,9 @@ def set_compilation_cache(opts) -> None:
 
   Args:
     opts: the run's ``settings.Settings``.
+
+  Returns:
+    None.
   """
   if not _IMPORT_CACHE:  # what the import chose, restored for jobs that do not say
     _IMPORT_CACHE.append(compilation.directory())
@@ -73,7 +79,15 @@ def set_compilation_cache(opts) -> None:
 
 def conv_impl_of(model, sample_x):
   """The convolution implementation ``model`` runs with here (``auto``
-  resolved for this backend), or None when it has no convolution."""
+  resolved for this backend), or None when it has no convolution.
+
+  Args:
+    model: the model.
+    sample_x: one input batch.
+
+  Returns:
+    The implementation, or None without convolutions.
+  """
   if not model_has_conv(model, sample_x):
     return None
   impl = getattr(getattr(model, 'module', None), 'conv_impl', None)
@@ -86,7 +100,16 @@ def time_to_result(runs, began: float, compiled: dict) -> dict:
   (XLA's compiles meanwhile; a persistent cache hit costs its read),
   ``compiled_shapes`` (the host layout's packed cohort shapes; 1 on the
   device layout) and ``process_seconds`` (since this process started); for
-  the printed line only, ``_programs`` compiled and ``_hits`` of the cache."""
+  the printed line only, ``_programs`` compiled and ``_hits`` of the cache.
+
+  Args:
+    runs: the algorithm's runs.
+    began: when they started (``perf_counter``).
+    compiled: ``compilation.stats()`` then.
+
+  Returns:
+    The figures.
+  """
   now = compilation.stats()
   runners = [getattr(runs, 'runner', None)] + [getattr(r, 'runner', None)
                                                for r in getattr(runs, 'runs', [])]
@@ -102,7 +125,11 @@ def time_to_result(runs, began: float, compiled: dict) -> dict:
 
 def process_seconds() -> float:
   """Seconds since this process started (Linux: its start time in
-  /proc/self/stat; elsewhere since the package was imported)."""
+  /proc/self/stat; elsewhere since the package was imported).
+
+  Returns:
+    Seconds.
+  """
   try:
     with open('/proc/self/stat') as f:
       start_ticks = int(f.read().rsplit(')', 1)[1].split()[19])

@@ -88,6 +88,13 @@ def final_summary(history: List[dict], window: int = 5) -> dict:
   ``round_seconds_median``: the median time of a round after the first (the
   first compiles), evaluations not included; ``first_round_seconds``: the
   first round's (of this process: after a resume, the first resumed one).
+
+  Args:
+    history: a run's records.
+    window: evaluations averaged.
+
+  Returns:
+    The summary.
   """
   evals = [r for r in history if 'accuracy_mean' in r]
   last = dict(evals[-1]) if evals else {}
@@ -114,7 +121,16 @@ def final_summary(history: List[dict], window: int = 5) -> dict:
 def worst_clients(per_client_accuracy, client_ids: Sequence[str], k: int = 5) -> List[dict]:
   """The ``k`` clients of lowest test accuracy at the last evaluation, by
   id (``[{'client_id', 'accuracy'}]``, worst first; ties in client order);
-  clients without test data are left out."""
+  clients without test data are left out.
+
+  Args:
+    per_client_accuracy: accuracies [N].
+    client_ids: the clients' ids.
+    k: how many.
+
+  Returns:
+    ``[{'client_id', 'accuracy'}]``.
+  """
   if per_client_accuracy is None:
     return []
   acc = np.array([np.nan if a is None else a for a in per_client_accuracy], np.float64)
@@ -125,6 +141,10 @@ def worst_clients(per_client_accuracy, client_ids: Sequence[str], k: int = 5) ->
 
 def write_summary(directory: str, summary: dict) -> str:
   """Writes ``summary`` as ``summary.json`` in ``directory`` (made if missing).
+
+  Args:
+    directory: the folder.
+    summary: the summary.
 
   Returns:
     The file's path.
@@ -143,7 +163,14 @@ TABLE_COLUMNS = (('accuracy_mean', 'mean'), ('accuracy_worst', 'worst'),
 
 def table_window(rows: Dict[str, dict]) -> int:
   """L of the table's ``@lastL`` columns: the most evaluations a row's
-  window averaged (fewer than ``--stat_window`` on a short run)."""
+  window averaged (fewer than ``--stat_window`` on a short run).
+
+  Args:
+    rows: ``{label: summary}``.
+
+  Returns:
+    L.
+  """
   return int(max([s.get('stat_window') or 0 for s in rows.values()] + [1]))
 
 
@@ -151,7 +178,15 @@ def format_table(rows: Dict[str, dict], columns=TABLE_COLUMNS) -> str:
   """A plain-text table: one row per algorithm (or sweep configuration),
   accuracy columns in percent at the last evaluation and averaged over the
   last L evaluations (``@lastL``); rows of several trials show mean ± std
-  over trials (``<key>_std``); a diverged row says so; epsilon when DP."""
+  over trials (``<key>_std``); a diverged row says so; epsilon when DP.
+
+  Args:
+    rows: ``{label: summary}``.
+    columns: ``(key, header)`` pairs.
+
+  Returns:
+    The table.
+  """
   window = table_window(rows)
   cols = [(k, h.format(L=window)) for k, h in columns]
   if any('dp_epsilon' in s for s in rows.values()):
@@ -182,7 +217,14 @@ def format_table(rows: Dict[str, dict], columns=TABLE_COLUMNS) -> str:
 def aggregate_trials(summaries: List[dict]) -> dict:
   """Mean and sample standard deviation (``<key>_std``, ddof = 1) over
   trials of every numeric summary entry; ``trials`` their number; diverged
-  trials are left out and counted (``diverged_trials``)."""
+  trials are left out and counted (``diverged_trials``).
+
+  Args:
+    summaries: one summary per trial.
+
+  Returns:
+    The aggregate summary.
+  """
   ok = [s for s in summaries if not s.get('diverged')]
   out = {'trials': len(summaries), 'diverged_trials': len(summaries) - len(ok)}
   if not ok:
@@ -199,12 +241,30 @@ def aggregate_trials(summaries: List[dict]) -> dict:
 
 def trials_summary(histories: List[List[dict]], window: int = 5) -> dict:
   """``aggregate_trials`` of the trials' ``final_summary``: mean and sample
-  std over trials of the last evaluation and of the stable statistics."""
+  std over trials of the last evaluation and of the stable statistics.
+
+  Args:
+    histories: one history per trial.
+    window: evaluations averaged.
+
+  Returns:
+    The aggregate summary.
+  """
   return aggregate_trials([final_summary(h, window) for h in histories])
 
 
 def pm(summary: dict, key: str, scale: float = 100.0, digits: int = 1) -> str:
-  """``'mean ± std'`` of ``key`` in an ``aggregate_trials`` summary."""
+  """``'mean ± std'`` of ``key`` in an ``aggregate_trials`` summary.
+
+  Args:
+    summary: an ``aggregate_trials`` summary.
+    key: the key.
+    scale: multiplier (100: percent).
+    digits: decimals.
+
+  Returns:
+    The text.
+  """
   if summary.get(key) is None:
     return 'diverged' if summary.get('diverged') else '-'
   return (f'{scale * summary[key]:.{digits}f} ± '

@@ -49,7 +49,14 @@ SCALES = ('cpu', 'paper')
 
 def define_flags(default_trials: Optional[Dict[str, int]] = None) -> None:
   """Defines ``--scale``, ``--trials``, ``--seed``, ``--stat_window`` and
-  ``--output_dir`` (the flags every reproduce script shares)."""
+  ``--output_dir`` (the flags every reproduce script shares).
+
+  Args:
+    default_trials: ``{scale: trials}``.
+
+  Returns:
+    None.
+  """
   trials = default_trials or {'cpu': 3, 'paper': 5}
   flags.DEFINE_enum('scale', 'cpu', SCALES,
                     "'cpu': the seed's protocol reduced to ~30 min per table on 2 cores; "
@@ -131,7 +138,14 @@ _OUTPUT: Optional[str] = None
 def define_model_flags(prefixes=('',)) -> None:
   """``--<prefix>model`` for each prefix and ``--model_init``: the scale's
   model and initialisation unless given (``--scale=paper``: the seed's own,
-  as its code builds and initialises it; ``cpu``: the stated reduction)."""
+  as its code builds and initialises it; ``cpu``: the stated reduction).
+
+  Args:
+    prefixes: the model flags' prefixes.
+
+  Returns:
+    None.
+  """
   from fedjax_personal.models import INITS, MODELS
   for prefix in prefixes:
     flags.DEFINE_enum(f'{prefix}model', None, sorted(MODELS), 'Model (default: the scale\'s; '
@@ -163,7 +177,11 @@ SOURCE_PACKAGES = ('fedjax_personal.algorithms', 'fedjax_personal.datasets', 'fe
 def source_files() -> List[tuple]:
   """(name, path) of every Python file of the library's packages, sorted by
   name (``package/relative path``; the algorithms and data sets are their own
-  folders in a development install, subfolders in a wheel)."""
+  folders in a development install, subfolders in a wheel).
+
+  Returns:
+    ``[(name, path)]``.
+  """
   import importlib
   seen, out = set(), []
   for package in SOURCE_PACKAGES:
@@ -292,7 +310,16 @@ def run_trials(runner, num_rounds: int, seed: int, num_trials: int, eval_every: 
 
 def cell(summary: dict, key: str, digits: int = 1) -> str:
   """'mean ± std' in percent of an ``aggregate_trials`` summary's key, over
-  the trials that did not diverge ('(d/T diverged)' appended when some did)."""
+  the trials that did not diverge ('(d/T diverged)' appended when some did).
+
+  Args:
+    summary: an ``aggregate_trials`` summary.
+    key: the key.
+    digits: decimals.
+
+  Returns:
+    The text.
+  """
   text = reporting.pm(summary, key, digits=digits)
   d = summary.get('diverged_trials', 0)
   if d and not summary.get('diverged'):
@@ -301,7 +328,15 @@ def cell(summary: dict, key: str, digits: int = 1) -> str:
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
-  """A Markdown table of ``header`` and ``rows``."""
+  """A Markdown table of ``header`` and ``rows``.
+
+  Args:
+    header: the columns.
+    rows: the rows.
+
+  Returns:
+    The table.
+  """
   line = lambda cells: '| ' + ' | '.join(str(c) for c in cells) + ' |'
   return '\n'.join([line(header), line(['---'] * len(header))] + [line(r) for r in rows])
 

@@ -55,7 +55,14 @@ BLOCK_BYTES = 1 << 24
 
 
 def has_files(state) -> bool:
-  """Whether a state (or a list of them) keeps client rows in files."""
+  """Whether a state (or a list of them) keeps client rows in files.
+
+  Args:
+    state: a state (or a list of them).
+
+  Returns:
+    True with rows in files.
+  """
   return any(isinstance(s, HostedState) and
              any(isinstance(a, DiskRows) for a in jax.tree.leaves(s.rows))
              for s in _states(state))
@@ -135,6 +142,16 @@ def write_delta(directory: str, step: int, state, chain: List[dict], identity: s
 
   Raises OSError (naming the folder) when it cannot be written; nothing of
   it is left then.
+
+  Args:
+    directory: the checkpoints' folder.
+    step: the round.
+    state: the state (or a list of them).
+    chain: the deltas so far.
+    identity: the run identity.
+
+  Returns:
+    The step's manifest.
   """
   root = os.path.join(directory, FOLDER)
   name = f'delta-{step}-{secrets.token_hex(4)}'
@@ -169,7 +186,14 @@ def write_delta(directory: str, step: int, state, chain: List[dict], identity: s
 
 def committed(state) -> None:
   """The delta of a published checkpoint holds every changed row: none is
-  changed since."""
+  changed since.
+
+  Args:
+    state: the state (or a list of them).
+
+  Returns:
+    None.
+  """
   for st in _states(state):
     for a in (_leaves(st) if isinstance(st, HostedState) else []):
       if isinstance(a, DiskRows):
@@ -177,7 +201,15 @@ def committed(state) -> None:
 
 
 def discard(directory: str, manifest: Optional[dict]) -> None:
-  """Removes the delta of a checkpoint whose Orbax step failed."""
+  """Removes the delta of a checkpoint whose Orbax step failed.
+
+  Args:
+    directory: the checkpoints' folder.
+    manifest: the failed step's manifest.
+
+  Returns:
+    None.
+  """
   if manifest:
     shutil.rmtree(os.path.join(directory, FOLDER, manifest['chain'][-1]['name']),
                   ignore_errors=True)
@@ -288,7 +320,16 @@ def _dtypes(state) -> List[list]:
 def fold(directory: str, manifests: Dict[int, dict], state) -> None:
   """After a checkpoint is published: folds into the base the deltas every
   kept step holds (``manifests``: kept step -> manifest, None for a step
-  saved whole) and removes the delta folders no kept step needs."""
+  saved whole) and removes the delta folders no kept step needs.
+
+  Args:
+    directory: the checkpoints' folder.
+    manifests: the kept steps' manifests.
+    state: the state (or a list of them).
+
+  Returns:
+    None.
+  """
   root = os.path.join(directory, FOLDER)
   chains = [m['chain'] for m in manifests.values() if m]
   oldest = manifests[min(manifests)] if manifests else None
@@ -331,6 +372,14 @@ def restore(directory: str, manifest: dict, state) -> None:
   never written are made from the checkpointed run's key in files; in
   memory they are the template's (``runs.init()``: the run's own key).
 
+  Args:
+    directory: the checkpoints' folder.
+    manifest: the step's manifest.
+    state: the state whose row files are written.
+
+  Returns:
+    None.
+
   Raises:
     DataError: a file is missing or damaged, or the base is another run's.
   """
@@ -372,7 +421,15 @@ def restore(directory: str, manifest: dict, state) -> None:
 def write_whole_rows(whole_rows, state) -> None:
   """Rows restored from a checkpoint that saved them whole (rows in memory)
   written into a state's files; they stay changed, so that the next delta
-  holds them all."""
+  holds them all.
+
+  Args:
+    whole_rows: the rows as saved.
+    state: the state whose row files are written.
+
+  Returns:
+    None.
+  """
   for st, rows in zip(_states(state), whole_rows):
     leaves = _leaves(st)
     b = _block(leaves)

@@ -40,6 +40,13 @@ def parse_sweep(spec: str, sweepable: Sequence[str]) -> Dict[str, List[float]]:
 
   ``sweepable``: the names that may be swept (settings declared with
   ``hparam(..., sweep=True)``, used only arithmetically by the builders).
+
+  Args:
+    spec: ``--sweep``'s text.
+    sweepable: ``{flag: (class, field)}``.
+
+  Returns:
+    ``{flag: [values]}``.
   """
   out = {}
   for part in filter(None, spec.split(';')):
@@ -59,14 +66,29 @@ def parse_sweep(spec: str, sweepable: Sequence[str]) -> Dict[str, List[float]]:
 
 
 def configs(seeds: Sequence[int], values: Dict[str, List[float]]) -> List[Config]:
-  """The cross product of seeds and swept values."""
+  """The cross product of seeds and swept values.
+
+  Args:
+    seeds: the seeds.
+    values: ``{name: [values]}``.
+
+  Returns:
+    ``[(seed, {name: value})]``.
+  """
   names = sorted(values)
   return [(s, dict(zip(names, combo)))
           for s in seeds for combo in itertools.product(*(values[n] for n in names))]
 
 
 def config_label(config: Config) -> dict:
-  """What a configuration's records carry: its seed and swept values."""
+  """What a configuration's records carry: its seed and swept values.
+
+  Args:
+    config: ``(seed, {name: value})``.
+
+  Returns:
+    The label.
+  """
   seed, values = config
   return {'seed': int(seed), **{k: float(v) for k, v in values.items()}}
 
@@ -79,7 +101,14 @@ def resolve_config_axis(config_axis: str) -> str:
   cores a sweep of 8 ran at 0.50-0.74x of 8 separate runs vmapped and
   0.95x as a ``lax.map`` loop, fusions inside the loop losing XLA:CPU's
   thread partitioning; the host loop over the one compiled round is the
-  separate runs' own program)."""
+  separate runs' own program).
+
+  Args:
+    config_axis: ``auto``, ``host`` or ``vmap``.
+
+  Returns:
+    ``host`` or ``vmap``.
+  """
   if config_axis not in CONFIG_AXES:
     raise ValueError(f'config_axis must be one of {list(CONFIG_AXES)}, got {config_axis!r}')
   if config_axis == 'auto':

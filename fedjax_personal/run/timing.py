@@ -22,7 +22,14 @@ __all__ = ['harmonic', 'PAPER_SYSTEMS', 'simulated_times', 'TimeModel']
 
 
 def harmonic(m: int) -> float:
-  """The harmonic number H_m (0 for m <= 0)."""
+  """The harmonic number H_m (0 for m <= 0).
+
+  Args:
+    m: an int.
+
+  Returns:
+    H_m.
+  """
   return float(np.sum(1.0 / np.arange(1, m + 1))) if m > 0 else 0.0
 
 
@@ -60,6 +67,14 @@ def simulated_times(history, model: TimeModel, num_downlink_models) -> np.ndarra
 
   ``num_downlink_models``: an int, or a function of the round's record
   (records carry 'num_active' and, for streams, 'num_streams').
+
+  Args:
+    history: a run's records.
+    model: the time model.
+    num_downlink_models: models sent down per round.
+
+  Returns:
+    Seconds after each round.
   """
   times, t = [], 0.0
   for r in history:

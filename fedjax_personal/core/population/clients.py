@@ -26,7 +26,14 @@ SPLITS = ('train', 'val', 'test')
 
 
 def next_power_of_two(n) -> np.ndarray:
-  """The least power of two >= each of ``n`` (at least 1), int64."""
+  """The least power of two >= each of ``n`` (at least 1), int64.
+
+  Args:
+    n: ints.
+
+  Returns:
+    int64 powers of two.
+  """
   n = np.maximum(np.asarray(n, np.int64), 1)
   return (2 ** np.ceil(np.log2(n))).astype(np.int64)
 
@@ -34,7 +41,16 @@ def next_power_of_two(n) -> np.ndarray:
 def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
   """``np.empty`` whose data starts on an ``align``-byte boundary: XLA:CPU
   then takes the host array as it is (``jax.device_put`` without a copy:
-  a cohort of packed examples reaches the round at no cost)."""
+  a cohort of packed examples reaches the round at no cost).
+
+  Args:
+    shape: the shape.
+    dtype: the dtype.
+    align: the alignment in bytes.
+
+  Returns:
+    The array (uninitialised).
+  """
   dtype = np.dtype(dtype)
   nbytes = int(np.prod(shape)) * dtype.itemsize
   buf = np.empty(nbytes + align, np.uint8)
@@ -45,7 +61,16 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
 def padded_length(count: int, cap: Optional[int] = None, smallest: int = 32) -> int:
   """The static length a cohort whose largest client has ``count`` examples
   is padded to: the next power of two >= count (at least ``smallest``), at
-  most ``cap``; powers of two keep the number of compiled shapes to a few."""
+  most ``cap``; powers of two keep the number of compiled shapes to a few.
+
+  Args:
+    count: the largest client's examples.
+    cap: ``--max_client_examples`` (None: none).
+    smallest: the shortest length.
+
+  Returns:
+    The length.
+  """
   length = int(max(smallest, next_power_of_two(count)))
   return length if cap is None else int(min(length, max(cap, 1)))
 

@@ -266,7 +266,15 @@ class CohortFeed:
 def blocks(clients: np.ndarray, block: int):
   """``clients`` in blocks of ``min(block, len(clients))`` (the last one
   padded by repeating its first client): yields (ids, valid), both of the
-  block's length."""
+  block's length.
+
+  Args:
+    clients: client indices.
+    block: clients per block.
+
+  Yields:
+    ``(ids, valid)`` per block.
+  """
   size = max(1, min(block, len(clients)))
   for start in range(0, len(clients), size):
     part = clients[start:start + size]
@@ -276,7 +284,14 @@ def blocks(clients: np.ndarray, block: int):
 
 def join_blocks(parts):
   """One output over all clients from ``[(valid, outputs)]`` of consecutive
-  blocks: ``Sum`` values added, stacked outputs' valid slots concatenated."""
+  blocks: ``Sum`` values added, stacked outputs' valid slots concatenated.
+
+  Args:
+    parts: ``[(valid, outputs)]`` of consecutive blocks.
+
+  Returns:
+    The joined outputs.
+  """
   from fedjax_personal.core import aggregation
   nodes = [jax.tree.flatten(o, is_leaf=aggregation.is_sum)[0] for _, o in parts]
   treedef = jax.tree.structure(parts[0][1], is_leaf=aggregation.is_sum)
@@ -294,7 +309,11 @@ def host_available_bytes() -> Optional[int]:
   MemAvailable (/proc/meminfo), the address space its limit leaves
   (``ulimit -v``: RLIMIT_AS less VmSize) and its cgroup's memory limit less
   its use (a container's: cgroup v2 ``memory.max``, or v1
-  ``memory.limit_in_bytes``). None where none is known."""
+  ``memory.limit_in_bytes``). None where none is known.
+
+  Returns:
+    Bytes, or None where unknown.
+  """
   known = [v for v in (_meminfo('MemAvailable'), _address_space_left(), _cgroup_left())
            if v is not None]
   return max(0, min(known)) if known else None
@@ -357,6 +376,16 @@ def choose(requested: str, padded_bytes: int, free_bytes: Optional[int],
 
   ``auto``: ``device`` when the padded population takes at most
   ``DEVICE_DATA_SHARE`` of ``free_bytes`` (unknown: device), else ``host``.
+
+  Args:
+    requested: ``auto``, ``device`` or ``host``.
+    padded_bytes: the padded population's bytes.
+    free_bytes: the memory free (None: unknown).
+    widest: the largest client's examples.
+    cap: ``--max_client_examples``.
+
+  Returns:
+    ``(layout, reason)``.
 
   Raises:
     ConfigError: an unknown layout, or ``device`` asked for a padded

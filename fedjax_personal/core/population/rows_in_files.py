@@ -146,7 +146,17 @@ class DiskRows:
 def init_on_disk(init, client_rows, key, folder):
   """The state ``init(key)`` makes as a ``HostedState`` whose client rows are
   files in ``folder`` (one per leaf, made on first use); the rest of the
-  state on the default device."""
+  state on the default device.
+
+  Args:
+    init: the algorithm's ``init``.
+    client_rows: its ``ClientRows``.
+    key: the init key.
+    folder: where the row files go.
+
+  Returns:
+    The ``HostedState``.
+  """
   from fedjax_personal.core.population.rows_in_memory import HostedState, cpu_device, state_without_rows
   os.makedirs(folder, exist_ok=True)
   key = jax.device_put(key, cpu_device())
@@ -160,5 +170,12 @@ def init_on_disk(init, client_rows, key, folder):
 
 
 def disk_bytes(rows) -> int:
-  """Bytes on disk of a state's client rows held in files (0 in memory)."""
+  """Bytes on disk of a state's client rows held in files (0 in memory).
+
+  Args:
+    rows: a ``HostedState``'s rows.
+
+  Returns:
+    Bytes.
+  """
   return sum(a.disk_bytes() for a in jax.tree.leaves(rows) if isinstance(a, DiskRows))

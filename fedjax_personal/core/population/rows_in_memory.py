@@ -59,7 +59,11 @@ class HostedState:
 
 def cpu_device():
   """The CPU backend's device: where the host layout makes and reads client
-  rows, so that they never have to fit the accelerator."""
+  rows, so that they never have to fit the accelerator.
+
+  Returns:
+    The device.
+  """
   return jax.devices('cpu')[0]
 
 
@@ -69,7 +73,16 @@ ROW_BLOCK_BYTES = 1 << 28
 
 def rows_per_block(rows, most: int, block_bytes: Optional[int] = None) -> int:
   """Clients per block: at most ``most``, their rows ``block_bytes`` at most
-  (default ROW_BLOCK_BYTES), one client at least."""
+  (default ROW_BLOCK_BYTES), one client at least.
+
+  Args:
+    rows: client rows.
+    most: clients per block at most.
+    block_bytes: bytes of rows per block at most.
+
+  Returns:
+    Clients per block.
+  """
   block_bytes = ROW_BLOCK_BYTES if block_bytes is None else block_bytes
   per_row = sum(int(np.prod(a.shape[1:])) * np.dtype(a.dtype).itemsize
                 for a in jax.tree.leaves(rows))
@@ -79,7 +92,16 @@ def rows_per_block(rows, most: int, block_bytes: Optional[int] = None) -> int:
 def state_without_rows(init, client_rows, key):
   """The state ``init(key)`` makes with its client rows left out (empty
   leaves), made on the CPU backend and put on the default device: what a
-  ``HostedState`` holds beside its rows, in memory or in files."""
+  ``HostedState`` holds beside its rows, in memory or in files.
+
+  Args:
+    init: the algorithm's ``init``.
+    client_rows: its ``ClientRows``.
+    key: the init key.
+
+  Returns:
+    The state with empty rows.
+  """
   def without_rows(k):
     state = init(k)
     return client_rows.put(state, empty_rows(client_rows.get(state)))
@@ -94,7 +116,17 @@ def init_hosted(init, client_rows, key, block_bytes: Optional[int] = None) -> Ho
   slice of the rows, ``block_bytes`` at most, default ROW_BLOCK_BYTES) and
   written straight into
   numpy, so that making them holds the rows once plus a block (not the whole
-  state and then its copy); the rest of the state on the default device."""
+  state and then its copy); the rest of the state on the default device.
+
+  Args:
+    init: the algorithm's ``init``.
+    client_rows: its ``ClientRows``.
+    key: the init key.
+    block_bytes: rows made at a time at most.
+
+  Returns:
+    The ``HostedState``.
+  """
   cpu = cpu_device()
   key = jax.device_put(key, cpu)
   shapes = client_rows.get(jax.eval_shape(init, key))
@@ -116,14 +148,30 @@ def init_hosted(init, client_rows, key, block_bytes: Optional[int] = None) -> Ho
 
 def hosted(whole, client_rows) -> HostedState:
   """A whole state made or read on the CPU backend as a ``HostedState``: the
-  rows moved to numpy, the rest put on the default device."""
+  rows moved to numpy, the rest put on the default device.
+
+  Args:
+    whole: a whole state.
+    client_rows: its ``ClientRows``.
+
+  Returns:
+    The ``HostedState``.
+  """
   state = HostedState.split(whole, client_rows)
   return state.replace(inner=jax.device_put(state.inner, jax.devices()[0]))
 
 
 def rows_on_cpu(abstract, client_rows):
   """An abstract whole state (ShapeDtypeStructs) whose client rows are to be
-  read onto the CPU backend (a checkpoint restored in the host layout)."""
+  read onto the CPU backend (a checkpoint restored in the host layout).
+
+  Args:
+    abstract: an abstract whole state.
+    client_rows: its ``ClientRows``.
+
+  Returns:
+    The abstract state, its rows placed on the CPU.
+  """
   cpu = jax.sharding.SingleDeviceSharding(cpu_device())
   rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu),
                       client_rows.get(abstract))
@@ -131,13 +179,28 @@ def rows_on_cpu(abstract, client_rows):
 
 
 def empty_rows(rows):
-  """[0, ...] leaves in the place of client rows (the state between rounds)."""
+  """[0, ...] leaves in the place of client rows (the state between rounds).
+
+  Args:
+    rows: client rows.
+
+  Returns:
+    Rows of 0 clients.
+  """
   return jax.tree.map(lambda a: jnp.zeros((0,) + tuple(a.shape[1:]), a.dtype), rows)
 
 
 def gather_rows(rows, idx: np.ndarray):
   """Rows ``idx`` (clipped to the population, as the device layout's gathers
-  clip a padded slot) as device arrays."""
+  clip a padded slot) as device arrays.
+
+  Args:
+    rows: client rows [N, ...] (host).
+    idx: row indices.
+
+  Returns:
+    The rows [len(idx), ...].
+  """
   n = jax.tree.leaves(rows)[0].shape[0]
   safe = np.minimum(np.asarray(idx), n - 1)
   return jax.tree.map(lambda a: jnp.asarray(a[safe]), rows)
@@ -147,7 +210,18 @@ def scatter_rows(rows, idx: np.ndarray, valid: np.ndarray, new, keep=()) -> None
   """``rows[idx[valid]] = new[valid]``, leaf by leaf, in place on the host:
   each new leaf is fetched, written and freed before the next (``new`` is
   consumed, but for the arrays ``keep`` holds: the rest of the state), so
-  that the cohort's new rows are not held twice."""
+  that the cohort's new rows are not held twice.
+
+  Args:
+    rows: client rows [N, ...] (host).
+    idx: row indices.
+    valid: which of them to write.
+    new: the new rows.
+    keep: arrays of the state not to free (the rest of the state).
+
+  Returns:
+    None.
+  """
   idx, valid = np.asarray(idx), np.asarray(valid, bool)
   leaves = jax.tree.leaves(new)
   del new

@@ -88,7 +88,15 @@ class _BlockChecksums:
 
 
 def block_crcs(data: bytes, block_bytes: int = BLOCK_BYTES) -> List[int]:
-  """CRC32 of each ``block_bytes`` block of ``data`` (the last one short)."""
+  """CRC32 of each ``block_bytes`` block of ``data`` (the last one short).
+
+  Args:
+    data: bytes.
+    block_bytes: the block size.
+
+  Returns:
+    uint32 CRCs, one per block.
+  """
   sums = _BlockChecksums(block_bytes)
   sums.update(data)
   return sums.done()
@@ -96,7 +104,15 @@ def block_crcs(data: bytes, block_bytes: int = BLOCK_BYTES) -> List[int]:
 
 def damaged(folder, what: str) -> StoreDamaged:
   """The fault of a damaged store: the store is removed (the next run
-  rebuilds it from its source files), and the line says so."""
+  rebuilds it from its source files), and the line says so.
+
+  Args:
+    folder: the store.
+    what: what was found.
+
+  Returns:
+    The ``StoreDamaged`` fault.
+  """
   folder = pathlib.Path(folder)
   gone = folder.with_name(folder.name + f'.damaged-{os.getpid()}')
   try:
@@ -186,7 +202,14 @@ def _alive(pid: int) -> bool:
 def remove_leftovers(parent) -> List[str]:
   """Removes the unfinished stores (``*.partial-<pid>``) and the damaged
   ones being removed (``*.damaged-<pid>``) of processes that no longer
-  run (killed mid-build); returns their names."""
+  run (killed mid-build); returns their names.
+
+  Args:
+    parent: the stores' folder.
+
+  Returns:
+    None.
+  """
   removed = []
   parent = pathlib.Path(parent)
   if not parent.is_dir():
@@ -319,12 +342,26 @@ def _as_json(obj):
 
 
 def is_store(folder) -> bool:
-  """Whether ``folder`` holds a population store (its manifest)."""
+  """Whether ``folder`` holds a population store (its manifest).
+
+  Args:
+    folder: a folder.
+
+  Returns:
+    True when it holds a manifest.
+  """
   return (pathlib.Path(folder) / MANIFEST).is_file()
 
 
 def store_format(folder) -> Optional[str]:
-  """The format a store folder was written in (None: unreadable)."""
+  """The format a store folder was written in (None: unreadable).
+
+  Args:
+    folder: a store.
+
+  Returns:
+    The format's name, or None.
+  """
   try:
     return json.loads((pathlib.Path(folder) / MANIFEST).read_text()).get('format')
   except (OSError, ValueError, AttributeError):
@@ -332,7 +369,14 @@ def store_format(folder) -> Optional[str]:
 
 
 def store_identity(folder) -> dict:
-  """What a store folder's manifest says it holds ({}: unreadable)."""
+  """What a store folder's manifest says it holds ({}: unreadable).
+
+  Args:
+    folder: a store.
+
+  Returns:
+    The identity dict.
+  """
   try:
     return dict(json.loads((pathlib.Path(folder) / MANIFEST).read_text()).get('identity') or {})
   except (OSError, ValueError, AttributeError, TypeError):
@@ -356,6 +400,9 @@ def open_store(folder, identity: Optional[dict] = None,
     identity: what the caller expects it to hold; ``compare`` names the
       identity keys that must agree (all of ``identity`` when None).
     verify: check every block of every file now (else as rows are read).
+
+  Returns:
+    The ``PopulationStore``.
 
   Raises:
     DataError: not a store, another format version, or another identity.
