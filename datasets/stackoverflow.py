@@ -137,6 +137,23 @@ def validation_counts(sizes, seed: int, total: int = VALIDATION_EXAMPLES) -> np.
   return out
 
 
+def _record_tokenizer(word_count_path, vocab_size: int, seq_len: int):
+  """A FedJAX record's posts as token rows, in the vocabulary of the
+  ``vocab_size`` most frequent words of ``stackoverflow.word_count``.
+
+  Args:
+    word_count_path: the ``stackoverflow.word_count`` file.
+    vocab_size: the words kept.
+    seq_len: tokens per row.
+
+  Returns:
+    ``record -> (x, y)`` (``tokenize_sentences`` of its ``tokens``).
+  """
+  words = read_word_count(word_count_path, vocab_size)
+  vocab = {w: i + 3 for i, w in enumerate(words)}
+  return lambda ex: tokenize_sentences(ex['tokens'], vocab, seq_len)
+
+
 def read_clients(num_clients=None, data_dir=None, download=False, vocab_size: int = 10000,
                  seq_len: int = 20, stackoverflow_test: str = 'train_users',
                  seed: int = 0) -> NaturalData:
@@ -166,9 +183,7 @@ def read_clients(num_clients=None, data_dir=None, download=False, vocab_size: in
   paths = sources.fetch('stackoverflow', data_dir, download,
                         which=['stackoverflow_train.sqlite', 'stackoverflow_test.sqlite',
                                'stackoverflow.word_count'])
-  words = read_word_count(paths['stackoverflow.word_count'], vocab_size)
-  vocab = {w: i + 3 for i, w in enumerate(words)}
-  tokens = lambda ex: tokenize_sentences(ex['tokens'], vocab, seq_len)
+  tokens = _record_tokenizer(paths['stackoverflow.word_count'], vocab_size, seq_len)
   train_path, test_path = paths['stackoverflow_train.sqlite'], paths['stackoverflow_test.sqlite']
   if stackoverflow_test == 'train_users':
     out = fedjax_splits('stackoverflow', train_path, test_path, num_clients, tokens)
@@ -219,9 +234,7 @@ def read_held_out(num_clients=None, data_dir=None, download=False, vocab_size: i
   """
   paths = sources.fetch('stackoverflow', data_dir, download,
                         which=['stackoverflow_held_out.sqlite', 'stackoverflow.word_count'])
-  words = read_word_count(paths['stackoverflow.word_count'], vocab_size)
-  vocab = {w: i + 3 for i, w in enumerate(words)}
-  tokens = lambda ex: tokenize_sentences(ex['tokens'], vocab, seq_len)
+  tokens = _record_tokenizer(paths['stackoverflow.word_count'], vocab_size, seq_len)
   path = paths['stackoverflow_held_out.sqlite']
   total = sqlite_formats.fedjax_num_clients(path)
   n = take(total, num_clients, 'stackoverflow_held_out')

@@ -176,23 +176,31 @@ def host_evaluation(alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bo
       fns[(finetune, length)] = jax.jit(run) if ex.fused else run
     return fns[(finetune, length)]
 
-  pooled = pooled_evaluation(alg, host.store)
+  pooled = {}  # made at the first evaluation without fine-tuning (a structural choice)
+
+  def pooled_for(state):
+    """``pooled_evaluation``'s function when every client of ``state`` uses
+    one model (its structure says so), else None."""
+    if 'fn' not in pooled:
+      shared = jax.eval_shape(alg.client_models, state).num_models == 1
+      pooled['fn'] = pooled_evaluation(alg, host.store) if shared else None
+    return pooled['fn']
 
   def evaluate(state, key, finetune):
     # The training and validation splits are read only to fine-tune or
     # for an algorithm's own evaluation; otherwise they are empty rows.
     local_length = None if finetune or alg.evaluate_client is not None else 0
     by_rows = hosted_rows and alg.client_rows.models_from_rows
-    if pooled is not None and not finetune and alg.evaluate_client is None and not by_rows:
-      models = models_j(state.inner if hosted_rows else state)
-      if models.num_models == 1:  # one model for every client: its test examples pooled
-        return pooled(jax.tree.map(lambda a: a[0], models.params))
     block = host.block
     if by_rows:
       rows = state.rows
       block = rows_in_memory.rows_per_block(rows, host.block)  # the gathered rows bounded
     else:  # the models do not read hosted rows: the state without them serves
       state = state.inner if hosted_rows else state
+      if not finetune and alg.evaluate_client is None and pooled_for(state) is not None:
+        # one model for every client: its test examples pooled
+        params = jax.tree.map(lambda a: a[0], models_j(state).params)
+        return pooled_for(state)(params)
       models = state if ex.fused else models_j(state)
     out = [np.zeros(host.num_clients, np.float32) for _ in LossStats._fields]
     for length, ids in groups:
@@ -245,7 +253,8 @@ def pooled_evaluation(alg: FederatedAlgorithm, store):
   model = alg.model
   x_all, y_all, _ = store.arrays['test']
   ydtype = np.int32 if np.issubdtype(y_all.dtype, np.integer) else y_all.dtype
-  row_client = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+  ends = np.cumsum(counts)
+  client_of = lambda r: np.searchsorted(ends, r, side='right')  # the client of row(s) r
   params = jax.eval_shape(model.init, jax.random.key(0))
   out = jax.eval_shape(model.apply, params, jax.ShapeDtypeStruct((1,) + x_all.shape[1:],
                                                                  x_all.dtype))
@@ -273,11 +282,11 @@ def pooled_evaluation(alg: FederatedAlgorithm, store):
       x = np.zeros((rows,) + x_all.shape[1:], x_all.dtype)
       y = np.zeros((rows,) + y_all.shape[1:], ydtype)
       x[:n], y[:n] = x_all[r0:r1], y_all[r0:r1]
-      first = int(row_client[r0])
+      first = int(client_of(r0))
       seg = np.zeros(rows, np.int32)
-      seg[:n] = row_client[r0:r1] - first
+      seg[:n] = client_of(np.arange(r0, r1)) - first
       stats = jax.device_get(chunk_stats(p, x, y, seg, np.arange(rows) < n))
-      k = int(row_client[r1 - 1]) - first + 1
+      k = int(seg[n - 1]) + 1
       for o, a in zip(out, stats):
         o[first:first + k] += np.asarray(a)[:k]
     return LossStats(*out)
