@@ -21,11 +21,11 @@ from fedjax_personal.core.training import sgd_finetune
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 
-__all__ = ['AlgorithmSpec', 'apfl', 'build', 'cfl', 'config_classes', 'ConfigError', 'dataclasses',
-           'Dict', 'ditto', 'fedavg', 'feddyn', 'FederatedAlgorithm', 'FederatedData', 'fedfomo',
-           'fednova', 'fedprox', 'fedsgd', 'local', 'Model', 'Optional', 'oracle', 'partial',
-           'perfedavg', 'persistent_client_optimizer', 'pfeddyn', 'pfedme', 'qffl', 'register',
-           'REGISTRY', 'scaffold', 'sgd_finetune', 'spec', 'TrainingConfig', 'usercentric']
+__all__ = ['AlgorithmSpec', 'apfl', 'build', 'cfl', 'config_classes', 'ConfigError', 'ditto',
+           'fedavg', 'feddyn', 'FederatedAlgorithm', 'FederatedData', 'fedfomo', 'fednova',
+           'fedprox', 'fedsgd', 'local', 'Model', 'oracle', 'partial', 'perfedavg',
+           'persistent_client_optimizer', 'pfeddyn', 'pfedme', 'qffl', 'register', 'REGISTRY',
+           'scaffold', 'sgd_finetune', 'spec', 'TrainingConfig', 'usercentric']
 
 
 REGISTRY: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in [

@@ -10,6 +10,7 @@ from typing import Optional
 import numpy as np
 
 from fedjax_personal.errors import ConfigError
+from fedjax_personal.hparams import hparam
 from fedjax_personal.core.data import (FederatedData, client_splits, pad_clients,
                                        split_client_examples)
 from fedjax_personal.core.population import store as store_lib
@@ -19,12 +20,12 @@ from fedjax_personal.datasets.partition import PARTITIONS, Partition
 from fedjax_personal.datasets import natural
 from fedjax_personal.datasets.natural_data import NaturalData, client_id
 
-__all__ = ['client_id', 'client_splits', 'ConfigError', 'dataclasses', 'DataConfig', 'DATASETS',
-           'FederatedData', 'files', 'has_own_test_split', 'hashlib', 'is_known', 'is_natural',
-           'json', 'LATENT_FEATURES', 'LEAF_PREFIX', 'load_federated', 'load_pool', 'load_store',
-           'loaders', 'natural', 'NaturalData', 'NO_FILES', 'np', 'Optional', 'os', 'pad_clients',
-           'partition', 'Partition', 'PARTITIONS', 'pooled_clients', 'PooledClients',
-           'split_client_examples', 'store_lib', 'streams_to_store', 'sys']
+__all__ = ['client_id', 'client_splits', 'ConfigError', 'DataConfig', 'DATASETS', 'FederatedData',
+           'files', 'has_own_test_split', 'is_known', 'is_natural', 'LATENT_FEATURES',
+           'LEAF_PREFIX', 'load_federated', 'load_pool', 'load_store', 'loaders', 'natural',
+           'NaturalData', 'NO_FILES', 'pad_clients', 'partition', 'Partition', 'PARTITIONS',
+           'pooled_clients', 'PooledClients', 'split_client_examples', 'store_lib',
+           'streams_to_store', 'TEXT_DATASETS']
 
 
 #: --dataset names; ``leaf:<name>`` is accepted too (LEAF_PREFIX).
@@ -37,6 +38,8 @@ LATENT_FEATURES = ('pixels', 'embedding')
 POOLED_NATURAL = ('tinyshakespeare', 'synthetic', 'tfds:tiny_shakespeare')
 #: Data sets that read no file (--data_dir does nothing for them).
 NO_FILES = ('digits', 'synthetic')
+#: The data sets whose rows are token windows (--seq_len applies).
+TEXT_DATASETS = ('shakespeare', 'stackoverflow', 'tinyshakespeare', 'tfds:tiny_shakespeare')
 #: Sequence length of the text data sets when --seq_len is not given.
 DEFAULT_SEQ_LEN = {'stackoverflow': 20, 'stackoverflow_held_out': 20}
 
@@ -75,69 +78,84 @@ def is_natural(dataset: str, partition: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """How to build a federated data set.
-
-  Attributes:
-    dataset: one of DATASETS ('mnist' is the embedded MNIST 10k).
-    partition: one of PARTITIONS ('natural' for the natural data sets).
-    num_clients: N; for a natural data set its first N clients (None: all).
-    seed: seed of the partition and the per-client splits.
-    alpha: Dirichlet concentration (label skew); quantity skew beta.
-    classes_per_client: k for 'pathological' and c for 'sparse_classes'.
-    num_groups: groups for rotation / label_permutation / latent_clusters.
-    latent_features: what latent_clusters clusters: 'pixels' (the inputs)
-      or 'embedding' (a centrally trained classifier's penultimate layer, as
-      FedFomo's latent distributions; see datasets/embedding.py).
-    group_base: partition inside groups: 'iid' or 'dirichlet' (uses alpha).
-    examples_per_client: sparse_classes examples per device (None: max).
-    test_fraction, val_fraction: per-client held-out shares.
-    max_examples: cap on examples taken from the pool (None: all).
-    synthetic_alpha, synthetic_beta: Synthetic(alpha, beta) heterogeneity.
-    seq_len: sequence length of text data sets (None: 80 characters, 20
-      words for stackoverflow).
-    vocab_size: stackoverflow's vocabulary, its most frequent words (None:
-      Reddi et al.'s and the partial-personalization seed's 10,000).
-    image_size: gldv2's square image side in pixels (None: the seed's 224).
-    cifar100_test: the natural CIFAR-100's test clients: 'split' (each
-      train client's images split with test_fraction) or 'tff_clients'
-      (TFF's 100 test clients, held out: evaluated, never trained; Reddi et
-      al.'s protocol).
-    shakespeare_windows: shakespeare's windows: 'fedjax' (a client's
-      snippets joined, cut into seq_len) or 'tff' (each snippet padded to
-      rows of seq_len + 1, PAD targets unscored; Reddi et al.'s).
-    emnist_pixels: emnist's pixel convention: 'fedjax' (1 - pixels, ink 1,
-      as FedJAX's load_data) or 'tff' (TFF's raw pixels, ink 0, as Reddi
-      et al.'s code feeds them).
-    stackoverflow_test: stackoverflow's test set: 'train_users' (the train
-      users' own test posts) or 'tff_users' (every test user held out, their
-      pooled posts less 10,000 for validation: Reddi et al.'s task).
-    data_dir: where data files are (see files.find_file); must exist.
-    download: fetch missing files from their published URL into the cache.
+  """How to build a federated data set: a pool partitioned into clients, or a
+  natural data set's own clients. Each field is declared once with its help
+  and range (``hparam``); the command's data flags are generated from them
+  (``--dataset``, ``--partition``, ..., the seed as ``--data_seed``), with the
+  main job's own defaults where they differ (``run/command_flags.py``).
   """
-  dataset: str = 'mnist'
-  partition: str = 'dirichlet'
-  num_clients: Optional[int] = 20
-  seed: int = 0
-  alpha: float = 0.4
-  classes_per_client: int = 2
-  num_groups: int = 4
-  latent_features: str = 'pixels'
-  group_base: str = 'iid'
-  examples_per_client: Optional[int] = None
-  test_fraction: float = 0.2
-  val_fraction: float = 0.0
-  max_examples: Optional[int] = None
-  synthetic_alpha: float = 1.0
-  synthetic_beta: float = 1.0
-  seq_len: Optional[int] = None
-  vocab_size: Optional[int] = None
-  image_size: Optional[int] = None
-  cifar100_test: str = 'split'
-  shakespeare_windows: str = 'fedjax'
-  emnist_pixels: str = 'fedjax'
-  stackoverflow_test: str = 'train_users'
-  data_dir: Optional[str] = None
-  download: bool = False
+  dataset: str = hparam('mnist', 'Data set: ' + ', '.join(DATASETS) + ', leaf:<name> (LEAF JSON '
+                        'files). Natural data sets (emnist, emnist_digits, shakespeare, '
+                        'stackoverflow, cifar100, gldv2, tinyshakespeare, leaf:*) keep one client '
+                        'per writer / role / user.')
+  partition: str = hparam('dirichlet', 'Partition: ' + ', '.join(PARTITIONS) + ' (the command\'s '
+                          'default: natural for the natural data sets, rotation otherwise)')
+  num_clients: Optional[int] = hparam(20, 'Number of clients N (a natural data set: its first N '
+                                      'clients; all of them when not given).', minimum=1)
+  seed: int = hparam(0, 'Seed of the data partition and the per-client splits (the command\'s '
+                     'default: --seed). A sweep of seeds (--sweep_seeds) shares one partition, '
+                     'that of --data_seed or --seed: configuration s equals the single run '
+                     '--seed=s --data_seed=<that seed>.', minimum=0, flag='data_seed')
+  alpha: float = hparam(0.4, 'Dirichlet concentration (label skew) / quantity-skew beta.',
+                        minimum=0, open_min=True)
+  classes_per_client: int = hparam(2, 'Classes per client (pathological, sparse_classes).',
+                                   minimum=1)
+  num_groups: int = hparam(4, 'Groups (rotation, label_permutation, latent_clusters).', minimum=1)
+  latent_features: str = hparam('pixels', "What latent_clusters clusters: 'pixels' or "
+                                "'embedding' (penultimate layer of a classifier trained centrally "
+                                "on the pool, FedFomo's recipe; datasets/embedding.py).")
+  group_base: str = hparam('iid', "Partition inside groups: 'iid' or 'dirichlet' (uses alpha).")
+  examples_per_client: Optional[int] = hparam(None, 'sparse_classes: examples per device '
+                                              '(default: the most).', minimum=1)
+  test_fraction: float = hparam(0.2, 'Per-client test share.', minimum=0, maximum=1,
+                                open_min=True, open_max=True)
+  val_fraction: float = hparam(0.0, 'Per-client validation share (the command\'s '
+                                         'default: 0.1 when a requested algorithm needs a '
+                                         'validation split, e.g. fedfomo, else 0).', minimum=0,
+                                         maximum=1, open_max=True)
+  max_examples: Optional[int] = hparam(None, 'Use at most this many examples of the pool.',
+                                       minimum=1)
+  synthetic_alpha: float = hparam(1.0, 'synthetic: Synthetic(alpha, beta)\'s model '
+                                  'heterogeneity alpha (Li et al., FedProx).', minimum=0)
+  synthetic_beta: float = hparam(1.0, 'synthetic: Synthetic(alpha, beta)\'s data heterogeneity '
+                                 'beta.', minimum=0)
+  seq_len: Optional[int] = hparam(None, 'Text data sets (' + ', '.join(TEXT_DATASETS) + '): the '
+                                  'rows\' length in tokens (default: 80 characters, 20 words for '
+                                  'stackoverflow).', minimum=1)
+  vocab_size: Optional[int] = hparam(None, 'stackoverflow: the vocabulary, its most frequent '
+                                     'words (plus PAD, BOS, EOS and one OOV id). Default: 10000, '
+                                     'as Reddi et al. and the partial-personalization seed.',
+                                     minimum=1)
+  image_size: Optional[int] = hparam(None, 'gldv2: the side of the square images, in pixels '
+                                     '(resized once, into the population store). Default: 224, '
+                                     'as the partial-personalization seed.', minimum=8)
+  cifar100_test: str = hparam('split', "cifar100 (natural): the test clients. split: each train "
+                              "client's images split with --test_fraction (personal models have "
+                              "test data); tff_clients: TFF's 100 test clients, held out "
+                              '(evaluated with the global model, never trained), as Reddi et al. '
+                              '(arXiv 2003.00295) evaluate.', choices=('split', 'tff_clients'))
+  shakespeare_windows: str = hparam('fedjax', "shakespeare: how snippets become x/y windows. "
+                                    "fedjax: a client's snippets joined with BOS/EOS and cut into "
+                                    "--seq_len (FedJAX's load_data); tff: each snippet padded to "
+                                    'a multiple of seq_len + 1 and cut into 80/80 pairs, BOS '
+                                    'never a target, PAD targets in the loss but not in the '
+                                    'accuracy (TFF, Reddi et al.).', choices=('fedjax', 'tff'))
+  emnist_pixels: str = hparam('fedjax', "emnist: the pixel convention. fedjax: 1 - pixels, ink 1 "
+                              "(FedJAX's load_data); tff: the files' raw pixels, ink 0, as TFF "
+                              "and Reddi et al.'s code feed them.", choices=('fedjax', 'tff'))
+  stackoverflow_test: str = hparam('train_users', "stackoverflow: the test set. train_users: the "
+                                   "train users' own posts in the test file; tff_users: every "
+                                   'user of the test file (204,088) held out, their pooled posts '
+                                   'the test set after 10,000 are taken out for validation, as '
+                                   "Reddi et al.'s task (google-research/federated) evaluates.",
+                                   choices=('train_users', 'tff_users'))
+  data_dir: Optional[str] = hparam(None, 'Folder searched first for data files under their '
+                                   'published names (then $FEDJAX_PERSONAL_DATA, the package, '
+                                   'the cache $FEDJAX_PERSONAL_CACHE or '
+                                   '~/.cache/fedjax_personal); must exist.')
+  download: bool = hparam(False, "Download the data set's files found nowhere from their "
+                          'published URL into the cache (progress bar, size and checksum '
+                          'checked).')
 
   @property
   def sequence_length(self) -> int:

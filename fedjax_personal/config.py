@@ -15,8 +15,6 @@ fine-tuning, persistent client optimizer state) is the registry's job
 """
 
 import dataclasses
-import math
-import typing
 from typing import Callable, ClassVar, FrozenSet, Optional
 
 import jax
@@ -24,76 +22,14 @@ import optax
 
 from fedjax_personal.core import server_optimizers
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.errors import ConfigError
-from fedjax_personal.hparams import hparam  # noqa: F401  (declared below core; used here)
 from fedjax_personal.core.tree_util import is_concrete
+from fedjax_personal.errors import ConfigError
+from fedjax_personal.hparams import field_types, flag_name, hparam, validate  # noqa: F401
 
 
 __all__ = ['AlgorithmSpec', 'BATCHING', 'CLIENT_LR_SCHEDULE', 'CLIENT_OPTIMIZER', 'cut_schedule',
            'field_types', 'FINETUNE', 'flag_name', 'linear_schedule', 'NoConfig',
            'scale_by_round_decay', 'SERVER_OPTIMIZER', 'TrainingConfig', 'validate', 'WEIGHTING']
-
-
-def field_types(cls) -> dict:
-  """{field name: its base type} (``Optional[float]`` -> float).
-
-  Args:
-    cls: a settings dataclass.
-
-  Returns:
-    ``{field name: type}``.
-  """
-  hints = typing.get_type_hints(cls)
-  out = {}
-  for f in dataclasses.fields(cls):
-    t = hints[f.name]
-    args = [a for a in typing.get_args(t) if a is not type(None)]
-    out[f.name] = args[0] if typing.get_origin(t) is typing.Union else t
-  return out
-
-
-def flag_name(cls, field: str) -> str:
-  """The flag of a settings class's ``field``: ``<prefix>_<field>`` (no prefix: the field).
-
-  Args:
-    cls: a settings dataclass (its ``prefix``, if any).
-    field: one of its fields.
-
-  Returns:
-    The flag's name.
-  """
-  prefix = getattr(cls, 'prefix', None)
-  return f'{prefix}_{field}' if prefix else field
-
-
-def validate(cfg) -> None:
-  """Checks every field of a config dataclass against its declared range.
-
-  Traced values (swept hyperparameters) are skipped.
-
-  Args:
-    cfg: a settings dataclass instance (``hparam`` fields).
-
-  Returns:
-    None.
-
-  Raises:
-    ConfigError naming the flag.
-  """
-  types = field_types(type(cfg))
-  for f in dataclasses.fields(cfg):
-    v, meta, name = getattr(cfg, f.name), f.metadata, flag_name(type(cfg), f.name)
-    if v is None or not is_concrete(v):
-      continue
-    if types[f.name] is float and not math.isfinite(float(v)):
-      raise ConfigError(name, f'must be finite, got {v}')
-    if meta.get('choices') and v not in meta['choices']:
-      raise ConfigError(name, f'must be one of {list(meta["choices"])}, got {v!r}')
-    lo, hi = meta.get('minimum'), meta.get('maximum')
-    if lo is not None and (v < lo or (meta['open_min'] and v == lo)):
-      raise ConfigError(name, f'must be {">" if meta["open_min"] else ">="} {lo}, got {v}')
-    if hi is not None and (v > hi or (meta['open_max'] and v == hi)):
-      raise ConfigError(name, f'must be {"<" if meta["open_max"] else "<="} {hi}, got {v}')
 
 
 def scale_by_round(factor: Callable) -> optax.GradientTransformationExtraArgs:

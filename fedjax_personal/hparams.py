@@ -1,32 +1,143 @@
 """``hparam``: a setting declared once, as a dataclass field with its default,
-help line and valid range. Below every other layer but ``errors`` (the
-engine's own settings, e.g. DP-SGD's in ``core/privacy.py``, are declared
-with it); ``config`` builds the settings of training and algorithms on it.
+help line and valid range. Below every other layer but ``errors``: the
+algorithms' and training settings (``config``), the data set's
+(``datasets.DataConfig``), the model's, the engine's, the process's and the
+run's settings are all declared with it, and the command's flags are
+generated from the declarations (``run/command_flags.py``).
+
+One declaration serves three readers: the flag (its name, type, default and
+help), the range check (``validate``, whose refusal names the flag), and the
+docs (``--helpfull``).
 """
 
 import dataclasses
+import math
+import typing
 from typing import Optional, Tuple
 
+from fedjax_personal.errors import ConfigError
 
-__all__ = ['hparam']
+
+__all__ = ['field_types', 'flag_name', 'hparam', 'is_list', 'validate']
 
 
 def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None, maximum=None,
-           open_min: bool = False, open_max: bool = False, sweep: bool = False):
-  """A documented hyperparameter field.
+           open_min: bool = False, open_max: bool = False, sweep: bool = False,
+           flag: Optional[str] = None, refusal: Optional[str] = None):
+  """A documented setting: a dataclass field carrying its flag's metadata.
 
   Args:
     default: its default (the only place it is written).
     help: one line for ``--helpfull`` and the docs.
-    choices: allowed values of a string setting.
-    minimum, maximum: numeric bounds (closed unless ``open_min`` /
-      ``open_max``); None values (when the default is None) are allowed.
+    choices: allowed values of a string setting (its flag is an enum).
+    minimum: lower numeric bound (closed unless ``open_min``); None values
+      (when the default is None) are allowed.
+    maximum: upper numeric bound (closed unless ``open_max``).
+    open_min: the lower bound itself is refused.
+    open_max: the upper bound itself is refused.
     sweep: may be swept inside one compiled program (``--sweep``): the
       builder only uses it arithmetically.
+    flag: the flag's name where it is not ``<prefix>_<field>`` (the data
+      set's ``seed`` is ``--data_seed``: ``--seed`` is the run's).
+    refusal: the wording of an out-of-range refusal (default: ``must be
+      >= 1`` or ``must be in (0, 1]``).
 
   Returns:
     A ``dataclasses.field`` carrying the metadata.
   """
   return dataclasses.field(default=default, metadata=dict(
       help=help, choices=choices, minimum=minimum, maximum=maximum, open_min=open_min,
-      open_max=open_max, sweep=sweep))
+      open_max=open_max, sweep=sweep, flag=flag, refusal=refusal))
+
+
+def field_types(cls) -> dict:
+  """{field name: its base type} (``Optional[float]`` -> float).
+
+  Args:
+    cls: a settings dataclass.
+
+  Returns:
+    ``{field name: type}``.
+  """
+  hints = typing.get_type_hints(cls)
+  out = {}
+  for f in dataclasses.fields(cls):
+    t = hints[f.name]
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    out[f.name] = args[0] if typing.get_origin(t) is typing.Union else t
+  return out
+
+
+def is_list(t) -> bool:
+  """Whether a field type is a list of values (``Tuple[str, ...]``: a comma list flag).
+
+  Args:
+    t: a type from ``field_types``.
+
+  Returns:
+    True for a tuple or list type.
+  """
+  return typing.get_origin(t) in (tuple, list)
+
+
+def flag_name(cls, field: str) -> str:
+  """The flag of a settings class's ``field``: its declared ``flag``, else
+  ``<prefix>_<field>`` (no prefix: the field).
+
+  Args:
+    cls: a settings dataclass (its ``prefix``, if any).
+    field: one of its fields.
+
+  Returns:
+    The flag's name.
+  """
+  meta = cls.__dataclass_fields__[field].metadata
+  if meta.get('flag'):
+    return meta['flag']
+  prefix = getattr(cls, 'prefix', None)
+  return f'{prefix}_{field}' if prefix else field
+
+
+def _interval(meta) -> str:
+  lo, hi = meta['minimum'], meta['maximum']
+  if hi is None:
+    return f'{">" if meta["open_min"] else ">="} {lo}'
+  if lo is None:
+    return f'{"<" if meta["open_max"] else "<="} {hi}'
+  return f'in {"(" if meta["open_min"] else "["}{lo}, {hi}{")" if meta["open_max"] else "]"}'
+
+
+def _is_traced(v) -> bool:
+  """A value traced by JAX (a hyperparameter swept inside ``jax.vmap``):
+  checked before it was swept (the CLI validates sweep values)."""
+  import jax  # noqa: PLC0415  (the declarations import no JAX until a check meets an array)
+  return isinstance(v, jax.core.Tracer)
+
+
+def validate(cfg) -> None:
+  """Checks every field of a settings dataclass against its declaration:
+  finite floats, one of its ``choices``, within its bounds. None values and
+  traced ones are skipped.
+
+  Args:
+    cfg: a settings dataclass instance (``hparam`` fields).
+
+  Returns:
+    None.
+
+  Raises:
+    ConfigError naming the flag: ``--client_lr: must be > 0, got -1``.
+  """
+  types = field_types(type(cfg))
+  for f in dataclasses.fields(cfg):
+    v, meta, name = getattr(cfg, f.name), f.metadata, flag_name(type(cfg), f.name)
+    if v is None or _is_traced(v) or is_list(types[f.name]):
+      continue
+    if types[f.name] is float and not math.isfinite(float(v)):
+      raise ConfigError(name, f'must be finite, got {v}')
+    if meta.get('choices') and v not in meta['choices']:
+      raise ConfigError(name, f'must be one of {list(meta["choices"])}, got {v!r}')
+    lo, hi = meta.get('minimum'), meta.get('maximum')
+    if ((lo is not None and (v < lo or (meta['open_min'] and v == lo)))
+        or (hi is not None and (v > hi or (meta['open_max'] and v == hi)))):
+      raise ConfigError(name, f'{meta.get("refusal") or "must be " + _interval(meta)}, got {v}')

@@ -112,6 +112,10 @@ EXIT_2 = [
     (['--model_init=jax'], '--model_init'),
     (['--init_weights=/nonexistent/w.npz'], '--init_weights: /nonexistent/w.npz: no such file'),
     ([f'--init_weights={os.path.join(ROOT, "setup.cfg")}'], 'unknown format'),  # not weights
+    (['--test_fraction=1.5'], '--test_fraction: must be in (0, 1), got 1.5'),
+    (['--distributed_timeout=0'], '--distributed_timeout: must be >= 1, got 0'),
+    (['--seq_len=5'], "--seq_len: sets the rows' length of a text data set; --dataset=mnist"),
+    (['--synthetic_beta=2'], '--synthetic_beta: sets the heterogeneity of --dataset=synthetic'),
 ]
 
 

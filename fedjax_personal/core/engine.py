@@ -8,6 +8,7 @@ Every compiled piece compiles once per run (``trace_counts`` records traces).
 """
 
 import collections
+import dataclasses
 import os
 import tempfile
 from typing import Any, Optional
@@ -24,18 +25,42 @@ from fedjax_personal.core.population import rows_in_memory
 from fedjax_personal.core.population import rows_in_files
 from fedjax_personal.core.population import layout as layout_lib
 from fedjax_personal.core import memory
-from fedjax_personal.core.executors import Executor
+from fedjax_personal.core.executors import EXECUTOR_NAMES, Executor
 from fedjax_personal.core.evaluation_stats import (  # noqa: F401  (the engine's API)
     evaluation_record, per_client_accuracy, summarize)
 from fedjax_personal.core.evaluation import eval_function
 from fedjax_personal.core.sampling import CohortSampler, client_keys
 from fedjax_personal.core.training import ClientContext, LossStats
+from fedjax_personal.hparams import hparam
 
-__all__ = ['communication_metrics', 'PARTICIPATED', 'pre_round_functions', 'PyTree',
-           'round_functions', 'RoundRunner']
+__all__ = ['communication_metrics', 'EngineSettings', 'PARTICIPATED', 'pre_round_functions',
+           'PyTree', 'round_functions', 'RoundRunner']
 
 
 PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+  """How the engine runs client work and where clients live, declared once
+  (``hparam``; the command's flags are generated from these fields).
+  Choosing them changes speed and memory, never the numbers (up to float
+  reassociation)."""
+  executor: str = hparam('auto', 'How client work runs.', choices=EXECUTOR_NAMES)
+  block_size: Optional[int] = hparam(None, 'Clients per block for the blocked executor.',
+                                     minimum=1)
+  layout: str = hparam('auto', "Where the clients' examples live: device (every client padded to "
+                       'the largest, on the device), host (the population store; each round '
+                       'gathers its cohort) or auto (device when the padded population takes at '
+                       'most a quarter of the free memory and, on an accelerator, fits beside '
+                       'the largest algorithm state).', choices=layout_lib.LAYOUTS)
+  client_state: str = hparam('auto', 'Host layout: where client rows (personal models, control '
+                             'variates, FedDyn gradients, persistent client optimizers) live. '
+                             'memory: host memory, all made at the start; disk: files under '
+                             '--output_dir/client_rows, a row written when its client first '
+                             'trains (a client never met costs nothing); auto: memory unless the '
+                             'rows take more than half the available memory.',
+                             choices=('auto', 'memory', 'disk'))
 
 
 def draw_cohort(sampler: CohortSampler, key):

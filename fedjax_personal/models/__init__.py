@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_personal.errors import ConfigError
+from fedjax_personal.hparams import hparam
 from fedjax_personal.models import initializers
 from fedjax_personal.models.architectures import (CNN, CharLSTM, LeNet5, LogisticRegression, MLP,
                                                   flatten)
@@ -28,13 +29,13 @@ from fedjax_personal.models.layers import (CONV_IMPLS, TILE_BYTES, TILE_MIN_BYTE
                                            to_layout)
 
 
-__all__ = ['Adapter', 'Any', 'as_float', 'avg_pool_2x2', 'batch_chunk', 'Callable', 'CharLSTM',
-           'CNN', 'ConfigError', 'Conv', 'conv_as_matmul', 'CONV_IMPLS', 'conv_layout',
-           'create_model', 'dataclasses', 'Dense', 'flatten', 'from_flax', 'from_layout',
-           'initializers', 'INITS', 'jax', 'jnp', 'LeNet5', 'LogisticRegression', 'LSTMCell',
-           'max_pool', 'max_pool_2x2', 'MLP', 'Model', 'MODELS', 'nn', 'num_params', 'Optional',
-           'REFERENCE', 'ResNetGN', 'resolve_conv_impl', 'tile_budget', 'TILE_BYTES',
-           'TILE_MIN_BYTES', 'to_layout', 'TRANSFORMER_SIZES', 'TransformerLM']
+__all__ = ['Adapter', 'as_float', 'avg_pool_2x2', 'batch_chunk', 'CharLSTM', 'CNN', 'ConfigError',
+           'Conv', 'conv_as_matmul', 'CONV_IMPLS', 'conv_layout', 'create_model', 'Dense',
+           'flatten', 'from_flax', 'from_layout', 'initializers', 'INITS', 'LeNet5',
+           'LogisticRegression', 'LSTMCell', 'max_pool', 'max_pool_2x2', 'MLP', 'Model', 'MODELS',
+           'ModelSettings', 'num_params', 'REFERENCE', 'ResNetGN', 'resolve_conv_impl',
+           'tile_budget', 'TILE_BYTES', 'TILE_MIN_BYTES', 'to_layout', 'TRANSFORMER_SIZES',
+           'TransformerLM']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +193,32 @@ REFERENCE = {
                    'PyTorch tutorial CNN (also FedFomo\'s base_cnn): conv 6, 16 @5x5 valid, '
                    'dense 120-84 (PyTorch)', 'pytorch'),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+  """The model of a run, declared once (``hparam``); the command's model
+  flags are generated from these fields and ``create_model`` takes them.
+  """
+  model: str = hparam('mlp', 'Model: ' + ', '.join(sorted(MODELS)) + '; the seeds\' own: '
+                      + '; '.join(f'{k} ({v[0]})' for k, v in REFERENCE.items()))
+  model_init: str = hparam('flax', "Initialisation convention of the model's layers: each "
+                           "framework's default initialisers (flax: LeCun normal kernels, zero "
+                           'biases; pytorch: U(+-1/sqrt(fan_in)) kernels and biases; keras: '
+                           'Glorot uniform kernels, zero biases; LSTMs and embeddings too).',
+                           choices=tuple(INITS))
+  init_weights: Optional[str] = hparam(None, 'Start from these initial global parameters: a '
+                                       '.npz (Flax parameter paths as keys) or a PyTorch state '
+                                       'dict (.pt/.pth, matched by layer order and converted).')
+  adapter_dim: int = hparam(0, 'Add residual adapters of this width to the model (for '
+                            '--partial_personal_part=adapter).', minimum=0)
+  conv_impl: str = hparam('auto', "How convolutional models compute convolutions and pooling: "
+                          "xla (XLA's convolution op), matmul (one matmul over shifted slices), "
+                          "tiled (matmul over cache-sized batch chunks) or auto (tiled on a CPU, "
+                          'matmul on a GPU/TPU, where a convolution vmapped over clients becomes '
+                          'a slow grouped convolution). Same parameters; the same numbers up to '
+                          'float reassociation. Recorded in the run identity.',
+                          choices=tuple(CONV_IMPLS))
 
 
 def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0,

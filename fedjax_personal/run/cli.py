@@ -56,7 +56,10 @@ def main(argv):
   if len(argv) > 1:
     print(f'error: unexpected arguments {argv[1:]}', file=sys.stderr)
     sys.exit(2)
-  opts = read_flags()
+  try:
+    opts = read_flags()
+  except ConfigError as e:  # a flag out of its declared range
+    _fail(e, faults.EXIT_CONFIG)
   if not opts['verbosity'].present:
     from absl import logging
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO

@@ -30,6 +30,7 @@ joins is reported the same way by a timer around ``jax.distributed.initialize``
 """
 
 import atexit
+import dataclasses
 import hashlib
 import json
 import os
@@ -43,9 +44,11 @@ import jax
 import numpy as np
 
 from fedjax_personal.errors import ConfigError
+from fedjax_personal.hparams import hparam
 from fedjax_personal.run import faults
 
-__all__ = ['active', 'barrier', 'check_same_run', 'describe', 'hard_exit', 'initialize',
+__all__ = ['active', 'barrier', 'check_same_run', 'describe', 'DistributedSettings', 'hard_exit',
+           'initialize',
            'is_primary', 'POLL_SECONDS', 'report_failure', 'settings', 'silent_processes']
 
 
@@ -55,6 +58,23 @@ ENV = {'coordinator_address': 'JAX_COORDINATOR_ADDRESS', 'num_processes': 'JAX_N
 CLUSTER_ENV = ('SLURM_JOB_ID', 'OMPI_COMM_WORLD_SIZE')
 
 _STATE = {'initialized': False}
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSettings:
+  """The processes of one run, declared once (``hparam``; the command's flags
+  are generated from these fields). Not given: the environment's, else one
+  process (``settings``)."""
+  coordinator_address: Optional[str] = hparam(
+      None, 'Several processes (one per host, or several on one machine): host:port of process '
+      '0 (default: $JAX_COORDINATOR_ADDRESS; on a SLURM / Open MPI allocation JAX finds the '
+      'launch settings itself).')
+  num_processes: Optional[int] = hparam(None, 'Processes of the run (default: '
+                                        '$JAX_NUM_PROCESSES).')
+  process_id: Optional[int] = hparam(None, 'This process, 0 .. num_processes - 1 (default: '
+                                     '$JAX_PROCESS_ID).')
+  distributed_timeout: int = hparam(60, 'Seconds to wait for the other processes to join, and '
+                                    'for a silent one before the others stop.', minimum=1)
 
 
 def settings(coordinator_address: Optional[str], num_processes: Optional[int],

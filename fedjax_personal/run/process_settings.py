@@ -5,16 +5,38 @@ never inherit another's), the convolution a model resolved to, and what
 the run's compiles and wall clock cost (``summary.json``).
 """
 
+import dataclasses
 import os
 import time
+from typing import Optional
 
 from fedjax_personal import compilation, numerics
 from fedjax_personal.core.executors import model_has_conv
 from fedjax_personal.errors import ConfigError
+from fedjax_personal.hparams import hparam
 from fedjax_personal.models import resolve_conv_impl
 
-__all__ = ['set_numerics', 'set_compilation_cache', 'conv_impl_of', 'time_to_result',
+__all__ = ['ProcessSettings', 'set_numerics', 'set_compilation_cache', 'conv_impl_of', 'time_to_result',
            'process_seconds']
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSettings:
+  """What a job sets for its whole process, declared once (``hparam``; the
+  command's flags are generated from these fields)."""
+  compilation_cache: Optional[str] = hparam(
+      None, "JAX's persistent compilation cache: a folder, or off (default: "
+      '$FEDJAX_PERSONAL_COMPILATION_CACHE, else <cache>/xla: $FEDJAX_PERSONAL_CACHE or '
+      '~/.cache/fedjax_personal). A second run of the same experiment starts without compiling; '
+      "entries are keyed by JAX's own key, never stale; the folder is bounded (least recently "
+      'used out).')
+  matmul_precision: str = hparam(
+      numerics.DEFAULT_MATMUL_PRECISION, 'Precision of every float32 matmul and convolution of '
+      "the run (JAX's jax_default_matmul_precision): float32 (the default: the same numbers on "
+      "every card), tf32 (TensorFloat-32 products, a GPU's fast default), bf16x3 (three "
+      "bfloat16 passes, near float32), bf16 (one bfloat16 pass, a TPU's default), or JAX's "
+      'default / high / highest. XLA:CPU computes float32 whatever the setting. Recorded in the '
+      'run identity.', choices=tuple(numerics.MATMUL_PRECISIONS))
 
 
 def say(text: str) -> None:

@@ -16,8 +16,9 @@ import jax
 from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import datasets as datasets_lib
 from fedjax_personal.run import run_identity
-from fedjax_personal.run.command_flags import FLAGS, register  # noqa: F401  (declared there)
-from fedjax_personal.config import TrainingConfig, flag_name, validate
+from fedjax_personal.run.command_flags import FLAGS, RUN_SETTINGS, register  # noqa: F401
+from fedjax_personal.config import TrainingConfig
+from fedjax_personal.hparams import flag_name, validate
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import MODELS
 from fedjax_personal.core.sampling import CohortSampler
@@ -68,21 +69,42 @@ class Settings:
     """Every flag's value, as absl's ``FlagValues.flag_values_dict``."""
     return dict(self.values)
 
+  def of(self, cls):
+    """The settings class ``cls`` (``hparam`` fields) as the flags give it:
+    ``opts.of(EngineSettings).layout``.
+
+    Args:
+      cls: a settings dataclass whose flags were defined.
+
+    Returns:
+      Its instance (the main job's defaults where a flag was not given).
+    """
+    return cls(**{f.name: self.values[flag_name(cls, f.name)] for f in dataclasses.fields(cls)})
+
 
 def read(flag_values) -> Settings:
-  """The settings of parsed absl flags (``flags.FLAGS`` after parsing).
+  """The settings of parsed absl flags (``flags.FLAGS`` after parsing), each
+  of the run's settings classes checked against its declarations (the
+  training and algorithm settings are checked with the algorithms, by
+  ``resolve_algorithm_settings``).
 
   Args:
     flag_values: an absl ``FlagValues``, parsed.
 
   Returns:
     Their ``Settings``: values, the names given, this library's names.
+
+  Raises:
+    ConfigError naming the first flag out of its declared range.
   """
   values = flag_values.flag_values_dict()
   own = frozenset(f.name for module, fl in flag_values.flags_by_module_dict().items()
                   if not module.startswith('absl') for f in fl)
-  return Settings(types.MappingProxyType(values),
+  opts = Settings(types.MappingProxyType(values),
                   frozenset(n for n in values if flag_values[n].present), own)
+  for cls, _ in RUN_SETTINGS:
+    validate(opts.of(cls))
+  return opts
 
 #: The one error type of bad settings (the scripts exit with status 2).
 UsageError = ConfigError
@@ -208,8 +230,11 @@ def resolve_algorithm_settings(opts: Settings, names, swept=()):
 
 
 def validate_flags(opts: Settings):
-  """Checks flag values that can be checked before loading data (the
-  hyperparameters are checked by ``resolve_algorithm_settings``).
+  """Checks what the flags' declarations cannot (each flag's own range is
+  checked from its declaration when the flags are read, ``read``): known
+  names, settings that do nothing for the data set or algorithms given,
+  settings that depend on each other. The hyperparameters are checked by
+  ``resolve_algorithm_settings``.
 
   Args:
     opts: the command's ``Settings``.
@@ -241,38 +266,13 @@ def validate_flags(opts: Settings):
          'test_fraction', f'does nothing: {opts.dataset} has its own test split in its files')
   check(partition(opts) in datasets_lib.PARTITIONS, 'partition',
          f'unknown partition {partition(opts)!r}; choose from {list(datasets_lib.PARTITIONS)}')
-  check(opts.num_clients >= 1, 'num_clients', f'must be >= 1, got {opts.num_clients}')
-  check(opts.alpha > 0, 'alpha', f'must be > 0, got {opts.alpha}')
-  check(opts.rounds >= 1, 'rounds', f'must be >= 1, got {opts.rounds}')
-  check(opts.seed >= 0, 'seed', f'must be >= 0, got {opts.seed}')
-  check(opts.data_seed is None or opts.data_seed >= 0, 'data_seed',
-         f'must be >= 0, got {opts.data_seed}')
-  check(opts.classes_per_client >= 1, 'classes_per_client',
-         f'must be >= 1, got {opts.classes_per_client}')
-  check(opts.num_groups >= 1, 'num_groups', f'must be >= 1, got {opts.num_groups}')
-  check(opts.examples_per_client is None or opts.examples_per_client >= 1,
-         'examples_per_client', f'must be >= 1, got {opts.examples_per_client}')
-  check(opts.target_accuracy is None or 0 < opts.target_accuracy <= 1, 'target_accuracy',
-         f'is a fraction in (0, 1] (0.8 for 80%), got {opts.target_accuracy}')
   check(opts.cohort_size is None or opts.participation is None, 'participation',
          'give either --cohort_size or --participation, not both')
   if opts.cohort_size is not None and num_clients(opts) is not None:
     check(1 <= opts.cohort_size <= opts.num_clients, 'cohort_size',
            f'must be in [1, num_clients={opts.num_clients}], got {opts.cohort_size}')
-  if opts.participation is not None:
-    check(0 < opts.participation <= 1, 'participation',
-           f'must be in (0, 1], got {opts.participation}')
-  check(opts.sweep_seeds >= 0, 'sweep_seeds', f'must be >= 0, got {opts.sweep_seeds}')
-  check(opts.trials >= 1, 'trials', f'must be >= 1, got {opts.trials}')
   check(opts.trials == 1 or not opts.sweep_seeds, 'trials',
          'give --trials (mean ± std rows) or --sweep_seeds (one row per seed), not both')
-  check(opts.stat_window >= 1, 'stat_window', f'must be >= 1, got {opts.stat_window}')
-  check(0 < opts.dp_delta < 1, 'dp_delta', f'must be in (0, 1), got {opts.dp_delta}')
-  check(opts.checkpoint_every >= 0, 'checkpoint_every',
-         f'must be >= 0, got {opts.checkpoint_every}')
-  check(opts.eval_every >= 0, 'eval_every', f'must be >= 0, got {opts.eval_every}')
-  check(opts.block_size is None or opts.block_size >= 1, 'block_size',
-         f'must be >= 1, got {opts.block_size}')
   check(not opts['stackoverflow_accuracy'].present or opts.dataset == 'stackoverflow',
          'stackoverflow_accuracy', f'defines the Stack Overflow accuracy; --dataset='
          f'{opts.dataset} has no words to score')
@@ -292,26 +292,20 @@ def validate_flags(opts: Settings):
         'EMNIST from its FedJAX files')
   check(opts.vocab_size is None or opts.dataset == 'stackoverflow', 'vocab_size',
          f'sets the Stack Overflow vocabulary; --dataset={opts.dataset} has none to set')
-  check(opts.vocab_size is None or opts.vocab_size >= 1, 'vocab_size',
-         f'must be >= 1, got {opts.vocab_size}')
   check(opts.image_size is None or opts.dataset == 'gldv2', 'image_size',
          f'sets the GLDv2 image size; --dataset={opts.dataset} has its images at their size')
-  check(opts.image_size is None or opts.image_size >= 8, 'image_size',
-         f'must be >= 8, got {opts.image_size}')
-  check(opts.max_client_examples is None or opts.max_client_examples >= 1,
-         'max_client_examples', f'must be >= 1, got {opts.max_client_examples}')
-  check(0 < opts.test_fraction < 1, 'test_fraction', f'must be in (0, 1), got {opts.test_fraction}')
-  check(opts.max_examples is None or opts.max_examples >= 1, 'max_examples',
-         f'must be >= 1, got {opts.max_examples}')
+  check(opts.seq_len is None or opts.dataset in datasets_lib.TEXT_DATASETS, 'seq_len',
+        f'sets the rows\' length of a text data set; --dataset={opts.dataset} has none')
+  for name in ('synthetic_alpha', 'synthetic_beta'):
+    check(not opts[name].present or opts.dataset == 'synthetic', name,
+          f'sets the heterogeneity of --dataset=synthetic, not of {opts.dataset}')
   check(opts.test_fraction + val_fraction(opts) < 1, 'val_fraction',
          'test_fraction + val_fraction must be < 1')
-  check(0 <= val_fraction(opts) < 1, 'val_fraction', f'must be in [0, 1), got {val_fraction(opts)}')
   check(opts.latent_features in datasets_lib.LATENT_FEATURES, 'latent_features',
          f'unknown value {opts.latent_features!r}; choose from {list(datasets_lib.LATENT_FEATURES)}')
   check(not opts['latent_features'].present or partition(opts) == 'latent_clusters',
          'latent_features', 'applies to --partition=latent_clusters, not '
          f'{partition(opts)!r}')
-  check(opts.adapter_dim >= 0, 'adapter_dim', f'must be >= 0, got {opts.adapter_dim}')
   check(not (opts.init_weights and opts['model_init'].present), 'model_init',
          'does nothing with --init_weights (the file gives every initial weight)')
   if opts.init_weights:
@@ -364,16 +358,10 @@ def data_config(opts: Settings) -> datasets_lib.DataConfig:
   Returns:
     The ``DataConfig``.
   """
-  return datasets_lib.DataConfig(
-      dataset=opts.dataset, partition=partition(opts), num_clients=num_clients(opts),
-      seed=opts.seed if opts.data_seed is None else opts.data_seed, alpha=opts.alpha, classes_per_client=opts.classes_per_client,
-      num_groups=opts.num_groups, group_base=opts.group_base,
-      latent_features=opts.latent_features,
-      examples_per_client=opts.examples_per_client, test_fraction=opts.test_fraction,
-      val_fraction=val_fraction(opts), max_examples=opts.max_examples, data_dir=opts.data_dir,
-      download=opts.download, vocab_size=opts.vocab_size, image_size=opts.image_size,
-      cifar100_test=opts.cifar100_test, shakespeare_windows=opts.shakespeare_windows,
-      emnist_pixels=opts.emnist_pixels, stackoverflow_test=opts.stackoverflow_test)
+  return dataclasses.replace(
+      opts.of(datasets_lib.DataConfig), partition=partition(opts),
+      num_clients=num_clients(opts), seed=opts.seed if opts.data_seed is None else opts.data_seed,
+      val_fraction=val_fraction(opts))
 
 
 def partition(opts: Settings) -> str:
