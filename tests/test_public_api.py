@@ -48,15 +48,27 @@ def test_every_public_function_and_class_has_a_docstring():
 def test_every_module_declares_its_public_names():
   """``__all__`` in every module: the names a user may rely on (the others
   are the module's own helpers), each of them there."""
-  missing, unknown = [], []
+  missing, unknown, foreign = [], [], []
   for name in _modules():
     module = importlib.import_module(name)
     if not isinstance(getattr(module, '__all__', None), (list, tuple)):
       missing.append(name)
       continue
     unknown += [f'{name}.{a}' for a in module.__all__ if not hasattr(module, a)]
+    foreign += [f'{name}.{a}' for a in module.__all__ if hasattr(module, a)
+                and _foreign(a, getattr(module, a))]
   assert not missing, f'modules without __all__: {missing}'
   assert not unknown, f'__all__ names that do not exist: {unknown}'
+  assert not foreign, f'__all__ names of other packages (os, np, typing...): {foreign}'
+
+
+def _foreign(name: str, obj) -> bool:
+  """Another package's module or typing name (what a module imports, not what
+  it offers; a type alias of its own, ``PyTree = Any``, is its own)."""
+  import typing
+  if inspect.ismodule(obj):
+    return not obj.__name__.startswith('fedjax_personal')
+  return getattr(typing, name, None) is obj
 
 
 def test_every_public_function_says_its_arguments_and_results():
