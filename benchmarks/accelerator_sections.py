@@ -87,14 +87,14 @@ def client_arrays(model_name, num_clients, seed=0):
   MNIST digits (embedded) for the MLP and LeNet-5, CIFAR-shaped random
   images for the CIFAR CNN (its speed does not depend on the pixels)."""
   import numpy as np
-  from fedjax_personal.datasets import loaders
+  from fedjax_personal.datasets import in_memory
   rng = np.random.default_rng(seed)
   m = EXAMPLES[model_name]
   if model_name == 'cnn_cifar':
     x = rng.integers(0, 256, (num_clients, m, 32, 32, 3), dtype=np.uint8)
     y = rng.integers(0, 10, (num_clients, m)).astype(np.int32)
   else:
-    px, py, _ = loaders.load_mnist()
+    px, py, _ = in_memory.load_mnist()
     idx = np.stack([rng.choice(len(py), m, replace=False) for _ in range(num_clients)])
     x, y = px[idx], py[idx]
   return x, y, np.full(num_clients, m, np.int32)

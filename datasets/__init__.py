@@ -14,15 +14,15 @@ from fedjax_personal.hparams import hparam
 from fedjax_personal.core.data import (FederatedData, client_splits, pad_clients,
                                        split_client_examples)
 from fedjax_personal.core.population import store as store_lib
-from fedjax_personal.datasets import files, loaders, partition
+from fedjax_personal.datasets import in_memory, local_files, partition
 from fedjax_personal.datasets.partition import PARTITIONS, Partition
 
-from fedjax_personal.datasets import natural
+from fedjax_personal.datasets import readers
 from fedjax_personal.datasets.natural_data import NaturalData, client_id
 
 __all__ = ['client_id', 'client_splits', 'ConfigError', 'DataConfig', 'DATASETS', 'FederatedData',
-           'files', 'has_own_test_split', 'is_known', 'is_natural', 'LATENT_FEATURES',
-           'LEAF_PREFIX', 'load_federated', 'load_pool', 'load_store', 'loaders', 'natural',
+           'has_own_test_split', 'in_memory', 'is_known', 'is_natural', 'LATENT_FEATURES',
+           'LEAF_PREFIX', 'load_federated', 'load_pool', 'load_store', 'local_files', 'readers',
            'NaturalData', 'NO_FILES', 'pad_clients', 'partition', 'Partition', 'PARTITIONS',
            'pooled_clients', 'PooledClients', 'split_client_examples', 'store_lib',
            'streams_to_store', 'TEXT_DATASETS']
@@ -34,7 +34,7 @@ DATASETS = ('mnist', 'digits', 'cifar10', 'cifar100', 'emnist', 'emnist_digits',
             'tfds:mnist', 'tfds:emnist', 'tfds:cifar10', 'tfds:cifar100', 'tfds:tiny_shakespeare')
 LEAF_PREFIX = 'leaf:'
 LATENT_FEATURES = ('pixels', 'embedding')
-#: Natural data sets built in memory (read from files: ``natural.LOADERS``).
+#: Natural data sets built in memory (read from files: ``readers.LOADERS``).
 POOLED_NATURAL = ('tinyshakespeare', 'synthetic', 'tfds:tiny_shakespeare')
 #: Data sets that read no file (--data_dir does nothing for them).
 NO_FILES = ('digits', 'synthetic')
@@ -57,7 +57,7 @@ def is_known(dataset: str) -> bool:
   if dataset.startswith('tfds:'):  # TFDS's own names: tfds:emnist is its byclass (62 classes)
     from fedjax_personal.datasets import tfds_loader
     return tfds_loader.is_known(dataset[len('tfds:'):])
-  return dataset in DATASETS or natural.is_file_dataset(dataset)
+  return dataset in DATASETS or readers.is_file_dataset(dataset)
 
 
 def is_natural(dataset: str, partition: str) -> bool:
@@ -73,7 +73,7 @@ def is_natural(dataset: str, partition: str) -> bool:
   """
   if dataset == 'cifar100':
     return partition == 'natural'
-  return natural.is_file_dataset(dataset) or dataset in POOLED_NATURAL
+  return readers.is_file_dataset(dataset) or dataset in POOLED_NATURAL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,9 +172,9 @@ def load_pool(cfg: DataConfig):
     ``(x, y, num_classes)``.
   """
   if cfg.dataset == 'mnist':
-    x, y, c = loaders.load_mnist(cfg.data_dir)
+    x, y, c = in_memory.load_mnist(cfg.data_dir)
   elif cfg.dataset == 'digits':
-    x, y, c = loaders.load_digits()
+    x, y, c = in_memory.load_digits()
   elif cfg.dataset in ('cifar10', 'cifar100'):
     from fedjax_personal.datasets import cifar
     which = 'cifar10' if cfg.dataset == 'cifar10' else 'cifar100_python'
@@ -198,7 +198,7 @@ def make_partition(cfg: DataConfig, x, y, num_classes, rng) -> Partition:
     raise ConfigError('partition', f'unknown partition {p!r}; choose one of {list(PARTITIONS)}')
   if p == 'natural':
     raise ConfigError('partition', "partition 'natural' is only for "
-                      f"{sorted(natural.LOADERS) + list(POOLED_NATURAL)} and {LEAF_PREFIX}<name>")
+                      f"{sorted(readers.LOADERS) + list(POOLED_NATURAL)} and {LEAF_PREFIX}<name>")
   if cfg.latent_features not in LATENT_FEATURES:
     raise ConfigError('latent_features', f'unknown latent_features {cfg.latent_features!r}; '
                       f'choose one of {list(LATENT_FEATURES)}')
@@ -247,7 +247,7 @@ def has_own_test_split(dataset: str, partition: str, cifar100_test: str = 'split
     True when the files give the test split.
   """
   return is_natural(dataset, partition) and (dataset.startswith(LEAF_PREFIX) or (
-      natural.is_file_dataset(dataset) and (dataset != 'cifar100'
+      readers.is_file_dataset(dataset) and (dataset != 'cifar100'
                                             or cifar100_test == 'tff_clients')))
 
 
@@ -260,7 +260,7 @@ def _check_config(cfg: DataConfig) -> None:
   if not is_known(cfg.dataset):
     raise ConfigError('dataset', f'unknown dataset {cfg.dataset!r}; choose one of {list(DATASETS)} '
                       f'or {LEAF_PREFIX}<name>')
-  files.check_data_dir(cfg.data_dir)
+  local_files.check_data_dir(cfg.data_dir)
   if is_natural(cfg.dataset, cfg.partition) and cfg.partition not in ('natural', 'dirichlet'):
     # dirichlet is the flag default
     raise ConfigError('partition', f"dataset {cfg.dataset} has a natural partition; use --partition=natural")
@@ -368,13 +368,13 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
   """The population store of ``cfg`` (unpadded clients, see
   ``core.population.store``). A natural data set read from its files is written once,
   client by client, into the cache (``stores/``), keyed by what it holds
-  (the options and the SHA-256 of each source file, ``files.content_digest``);
+  (the options and the SHA-256 of each source file, ``local_files.content_digest``);
   any other data set is built in memory (``load_federated``) and stored
   there.
 
   A cached store that fails its checks (``core.population.store``: checksums, sizes),
   was written by another version of the format or by other loader code
-  (``natural.loader_code``), or ``rebuild`` asks, is rebuilt from the source
+  (``readers.loader_code``), or ``rebuild`` asks, is rebuilt from the source
   files, one line on stderr saying so. Leftovers of builds killed midway are
   removed.
 
@@ -404,11 +404,11 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
                  if cfg.stackoverflow_test != 'train_users' else {}),
               'seq_len': cfg.sequence_length, 'val_fraction': cfg.val_fraction,
               'seed': cfg.seed if cfg.val_fraction else None,
-              'files': [(os.path.basename(f), files.content_digest(f)) for f in nat.files]}
+              'files': [(os.path.basename(f), local_files.content_digest(f)) for f in nat.files]}
   digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
-  folder = files.cache_dir() / 'stores' / f'{cfg.dataset.replace(":", "_")}-{digest}'
+  folder = local_files.cache_dir() / 'stores' / f'{cfg.dataset.replace(":", "_")}-{digest}'
   store_lib.remove_leftovers(folder.parent)  # builds killed midway
-  code = natural.loader_code(cfg.dataset)
+  code = readers.loader_code(cfg.dataset)
   if store_lib.is_store(folder):
     written = store_lib.store_format(folder)
     made_by = store_lib.store_identity(folder).get('loader_code')
@@ -436,7 +436,7 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
 
 
 def _load_natural(cfg: DataConfig) -> NaturalData:
-  return natural.load(cfg.dataset, cfg.num_clients, cfg.data_dir, cfg.download,
+  return readers.load(cfg.dataset, cfg.num_clients, cfg.data_dir, cfg.download,
                       seq_len=cfg.sequence_length, vocab_size=cfg.vocab_size,
                       windows=cfg.shakespeare_windows, pixels=cfg.emnist_pixels,
                       image_size=cfg.image_size, cifar100_test=cfg.cifar100_test,
@@ -470,14 +470,14 @@ def _pooled_natural(cfg: DataConfig, rng) -> PooledClients:
   examples split with --test_fraction / --val_fraction."""
   n = cfg.num_clients or 20
   if cfg.dataset == 'synthetic':
-    xs, ys = loaders.synthetic(n, cfg.synthetic_alpha, cfg.synthetic_beta, rng)
+    xs, ys = in_memory.synthetic(n, cfg.synthetic_alpha, cfg.synthetic_beta, rng)
     num_classes = 10
   else:
     text = None
     if cfg.dataset.startswith('tfds:'):
       from fedjax_personal.datasets.tfds_loader import load_tfds
       text = load_tfds('tiny_shakespeare', data_dir=cfg.data_dir)
-    xs, ys, vocab = loaders.load_tinyshakespeare(n, cfg.sequence_length, data_dir=cfg.data_dir,
+    xs, ys, vocab = in_memory.load_tinyshakespeare(n, cfg.sequence_length, data_dir=cfg.data_dir,
                                                  text=text, download=cfg.download)
     num_classes = len(vocab)
   return _split_pool(xs, ys, num_classes, cfg, rng, f'{cfg.dataset}/natural')

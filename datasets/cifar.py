@@ -18,7 +18,7 @@ import zlib
 
 import numpy as np
 
-from fedjax_personal.datasets import files, sources
+from fedjax_personal.datasets import local_files, sources
 from fedjax_personal.errors import DataError
 
 __all__ = ['load']
@@ -98,17 +98,17 @@ def _cache_matches(cache, digest: str) -> bool:
 
 def _decoded(src, decode, tag: str):
   """The decoded arrays of archive ``src``, from the cache when it holds them."""
-  digest = files.sha256_file(src)
+  digest = local_files.sha256_file(src)
   # Keyed by the archive's content: another archive (even of the same size)
   # never reads this cache, and the cache names the archive it came from.
-  cache = files.cache_dir() / f'{tag}_decoded_{digest[:16]}.npz'
+  cache = local_files.cache_dir() / f'{tag}_decoded_{digest[:16]}.npz'
   if not _cache_matches(cache, digest):
     out = decode(src)
     out['source_sha256'] = np.array(digest)
     def write(tmp):
       with open(tmp, 'wb') as f:
         np.savez(f, **out)
-    files.write_atomically(cache, write)
+    local_files.write_atomically(cache, write)
   return np.load(cache)
 
 
@@ -134,9 +134,9 @@ def load(which: str = 'cifar10', data_dir=None, split: str = 'all', download: bo
   if split not in ('train', 'test', 'all'):
     raise ValueError(f"cifar split must be 'train', 'test' or 'all', got {split!r}")
   name = sources.FILES[which][0].name
-  src = files.locate(name, data_dir)
+  src = local_files.locate(name, data_dir)
   if src is None and which == 'cifar10':
-    src = files.locate(JPEG_NPZ, data_dir)
+    src = local_files.locate(JPEG_NPZ, data_dir)
   if src is not None and src.name == JPEG_NPZ:
     arc = _decoded(src, decode_jpeg_npz, 'cifar10_jpeg')
   else:

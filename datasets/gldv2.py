@@ -15,7 +15,7 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
-from fedjax_personal.datasets import files, sources
+from fedjax_personal.datasets import local_files, sources
 from fedjax_personal.datasets.natural_data import NaturalData, take
 from fedjax_personal.errors import DataError
 
@@ -91,24 +91,24 @@ def read_image(path, size: int) -> np.ndarray:
 
 def _gldv2_split_file(data_dir, download) -> str:
   """The split CSV: the user's own copy, else the one inside TFF's bundle
-  (extracted once into the cache, ``files.derived_dir``)."""
-  path = files.locate(GLDV2_SPLIT_NAMES, data_dir, cache=False)
+  (extracted once into the cache, ``local_files.derived_dir``)."""
+  path = local_files.locate(GLDV2_SPLIT_NAMES, data_dir, cache=False)
   if path is not None:
     return str(path)
-  if not download and files.locate(sources.GLDV2_BUNDLE, data_dir) is None:
-    raise files.not_found(
+  if not download and local_files.locate(sources.GLDV2_BUNDLE, data_dir) is None:
+    raise local_files.not_found(
         f'{GLDV2_SPLIT_NAMES[0]} (or TFF\'s {sources.GLDV2_BUNDLE} that holds it)', data_dir,
         sources.how_to_get('gldv2'))
   bundle = sources.fetch('gldv2', data_dir, download)[sources.GLDV2_BUNDLE]
   return str(sources.extract_member(bundle, 'federated_train.csv',
-                                    files.derived_dir('extracted', bundle) / GLDV2_SPLIT_NAMES[0]))
+                                    local_files.derived_dir('extracted', bundle) / GLDV2_SPLIT_NAMES[0]))
 
 
 def _gldv2_image_dir(data_dir, wanted: List[str], download, every_image) -> str:
   """The folder holding the ``wanted`` images; ``--download`` fetches
   ``every_image`` of the seed's users (the same set whatever --num_clients,
   so a continued download's finished shards stay finished)."""
-  for d in files.search_dirs(data_dir):
+  for d in local_files.search_dirs(data_dir):
     for rel in GLDV2_IMAGE_DIRS:
       if (d / rel).is_dir():
         folder = d / rel
@@ -116,13 +116,13 @@ def _gldv2_image_dir(data_dir, wanted: List[str], download, every_image) -> str:
         if not missing:
           return str(folder)
         if not download:
-          raise files.MissingDataError(
+          raise local_files.MissingDataError(
               f'{folder / (missing[0] + ".jpg")}: not found ({len(missing):,} of the '
               f'{len(wanted):,} images of the chosen users are missing); '
               + sources.manual_instructions('gldv2'))
   if not download:
-    raise files.not_found(f'{GLDV2_IMAGE_DIRS[0]}/', data_dir, sources.manual_instructions('gldv2'))
-  folder = files.cache_dir() / GLDV2_IMAGE_DIRS[0]
+    raise local_files.not_found(f'{GLDV2_IMAGE_DIRS[0]}/', data_dir, sources.manual_instructions('gldv2'))
+  folder = local_files.cache_dir() / GLDV2_IMAGE_DIRS[0]
   sources.fetch_gldv2_images(set(every_image), folder)
   return str(folder)
 

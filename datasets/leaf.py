@@ -11,7 +11,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from fedjax_personal.datasets import files, sources
+from fedjax_personal.datasets import local_files, sources
 from fedjax_personal.datasets.natural_data import NaturalData, listed, take
 from fedjax_personal.errors import DataError
 
@@ -26,11 +26,11 @@ LEAF_SENT140_LEN = 25
 
 
 def _leaf_dir(name: str, split: str, data_dir) -> str:
-  for d in files.search_dirs(data_dir):
+  for d in local_files.search_dirs(data_dir):
     for rel in (f'leaf/{name}/{split}', f'leaf/{name}/data/{split}', f'{name}/data/{split}'):
       if glob.glob(os.path.join(d, rel, '*.json')):
         return os.path.join(d, rel)
-  raise files.not_found(f'leaf/{name}/{split}/*.json', data_dir,
+  raise local_files.not_found(f'leaf/{name}/{split}/*.json', data_dir,
                         sources.manual_instructions(f'leaf:{name}'))
 
 

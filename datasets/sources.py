@@ -4,25 +4,36 @@ File names and URLs are those FedJAX (``fedjax/datasets/*.py``), TensorFlow
 Federated and the CIFAR and char-rnn pages publish; checksums are the
 releases' where they are known (CIFAR's MD5 from its page, TFF's CIFAR-100
 SHA-256 and size from FedJAX's loader, Tiny Shakespeare's MD5 of
-Karpathy's file). ``fetch`` finds a data set's files (see ``files``) or, on
-request, downloads them into the cache.
+Karpathy's file). ``fetch`` finds a data set's files (see ``local_files``)
+or, on request, downloads them into the cache (``download_file``).
+
+A download is written under a temporary name beside its destination and
+renamed only once it is complete and its size and checksum (where the
+release's are known) match: an interrupted, cut or corrupt download is never
+used and leaves nothing behind. Failures are one ``DownloadError`` line
+naming the data set, the URL and where to put the file by hand.
 """
 
 import dataclasses
+import hashlib
+import http.client
 import lzma
 import os
 import pathlib
 import shutil
+import sys
 import tarfile
+import urllib.error
+import urllib.request
 import zipfile
 from typing import Dict, List, Optional, Set, Tuple
 
-from fedjax_personal.datasets import downloads, files
+from fedjax_personal.datasets import local_files
 from fedjax_personal.errors import DataError
 
-__all__ = ['decompress', 'extract_member', 'fetch', 'fetch_gldv2_images', 'FILES', 'GLDV2_BUNDLE',
-           'GLDV2_MD5_URL', 'GLDV2_SHARD_URL', 'GLDV2_SHARDS', 'how_to_get', 'manual_instructions',
-           'RemoteFile']
+__all__ = ['decompress', 'download_file', 'DownloadError', 'extract_member', 'fetch',
+           'fetch_gldv2_images', 'FILES', 'GLDV2_BUNDLE', 'GLDV2_MD5_URL', 'GLDV2_SHARD_URL',
+           'GLDV2_SHARDS', 'how_to_get', 'log', 'manual_instructions', 'RemoteFile']
 
 
 _FEDJAX = 'https://storage.googleapis.com/gresearch/fedjax'
@@ -160,24 +171,24 @@ def fetch(dataset: str, data_dir: Optional[str] = None, download: bool = False,
     if which is not None and f.name not in which:
       continue
     if f.decompressed:  # a decompressed copy kept beside the user's files (not the cache's)
-      done = files.locate(f.decompressed, data_dir, cache=False)
+      done = local_files.locate(f.decompressed, data_dir, cache=False)
       if done is not None:
         out[f.name] = done
         continue
-    path = files.locate(_names(f), data_dir)
+    path = local_files.locate(_names(f), data_dir)
     if path is None:
       if not download:
-        files.find_file(f.name, data_dir, how_to_get(dataset))  # raises, naming --download
-      path = downloads.download(f, files.cache_dir(), dataset, progress=progress)
+        local_files.find_file(f.name, data_dir, how_to_get(dataset))  # raises, naming --download
+      path = download_file(f, local_files.cache_dir(), dataset, progress=progress)
     elif f.md5 or f.sha256:
-      files.check_digest(path, f.md5, f.sha256)
+      local_files.check_digest(path, f.md5, f.sha256)
     out[f.name] = decompress(path, f) if f.decompressed else path
   return out
 
 
 def decompress(path: pathlib.Path, f: RemoteFile) -> pathlib.Path:
   """The decompressed copy of an ``.lzma`` file, made once in the cache
-  (``files.derived_dir``).
+  (``local_files.derived_dir``).
 
   Args:
     path: the ``.lzma`` file.
@@ -186,10 +197,10 @@ def decompress(path: pathlib.Path, f: RemoteFile) -> pathlib.Path:
   Returns:
     The decompressed file's path.
   """
-  dest = files.derived_dir('decompressed', path) / f.decompressed
+  dest = local_files.derived_dir('decompressed', path) / f.decompressed
   if dest.is_file():
     return dest
-  downloads.log(f'decompressing {path} to {dest}')
+  log(f'decompressing {path} to {dest}')
 
   def write(tmp):
     try:
@@ -199,7 +210,7 @@ def decompress(path: pathlib.Path, f: RemoteFile) -> pathlib.Path:
       raise DataError(f'{path}: not a complete LZMA file ({e}); delete it and download it '
                       'again (--download)') from None
   try:
-    return files.write_atomically(dest, write)
+    return local_files.write_atomically(dest, write)
   except BaseException:
     for folder in (dest.parent, dest.parent.parent):  # nothing of a failed copy is kept
       try:
@@ -235,14 +246,14 @@ def extract_member(archive: pathlib.Path, suffix: str, dest: pathlib.Path) -> pa
     except (zipfile.BadZipFile, EOFError, OSError) as e:
       raise DataError(f'{archive}: not a complete ZIP archive ({e}); delete it and download it '
                       'again (--download)') from None
-  return files.write_atomically(dest, write)
+  return local_files.write_atomically(dest, write)
 
 
 def _gldv2_md5(shard: int) -> str:
   """Shard ``shard``'s MD5 as GLDv2 publishes it (``md5.images_NNN.txt``:
   the hex digest, then the file name), fetched as TFF's loader does."""
   url = GLDV2_MD5_URL.format(shard)
-  path = downloads.download(RemoteFile(os.path.basename(url), url), files.cache_dir(),
+  path = download_file(RemoteFile(os.path.basename(url), url), local_files.cache_dir(),
                             'gldv2', progress=False)
   try:
     words = path.read_text(errors='replace').split()
@@ -279,15 +290,15 @@ def fetch_gldv2_images(wanted: Set[str], folder: pathlib.Path, progress: bool = 
     if str(s) in done:
       continue
     url = GLDV2_SHARD_URL.format(s)
-    shard = downloads.download(RemoteFile(os.path.basename(url), url, md5=_gldv2_md5(s)),
-                               files.cache_dir(), 'gldv2', progress=progress)
+    shard = download_file(RemoteFile(os.path.basename(url), url, md5=_gldv2_md5(s)),
+                               local_files.cache_dir(), 'gldv2', progress=progress)
     try:
       with tarfile.open(shard) as tar:
         for member in tar:
           image_id = os.path.basename(member.name)[:-len('.jpg')]
           if member.isfile() and member.name.endswith('.jpg') and image_id in missing:
             src = tar.extractfile(member)
-            files.write_atomically(folder / f'{image_id}.jpg',
+            local_files.write_atomically(folder / f'{image_id}.jpg',
                                    lambda tmp: tmp.write_bytes(src.read()))
             missing.discard(image_id)
     except (tarfile.TarError, EOFError) as e:
@@ -300,3 +311,100 @@ def fetch_gldv2_images(wanted: Set[str], folder: pathlib.Path, progress: bool = 
   if missing:
     raise DataError(f'gldv2: {len(missing):,} images that federated_train.csv lists are in none '
                     f'of the {GLDV2_SHARDS} shards (e.g. {sorted(missing)[0]})')
+
+
+# -- downloads ------------------------------------------------------------------
+
+#: Seconds without a byte before a download is given up.
+TIMEOUT = 60
+
+
+class DownloadError(DataError):
+  """A download that failed or delivered a wrong file (exit status 2)."""
+
+
+def log(text: str) -> None:
+  """A line on stderr, flushed (download progress).
+
+  Args:
+    text: the line.
+
+  Returns:
+    None.
+  """
+  print(text, file=sys.stderr, flush=True)
+
+
+def download_file(remote, dest_dir: pathlib.Path, dataset: str, progress: bool = True,
+             timeout: float = TIMEOUT) -> pathlib.Path:
+  """Fetches ``remote`` (a ``RemoteFile``) into ``dest_dir/remote.name``.
+
+  Args:
+    remote: the file's ``RemoteFile``.
+    dest_dir: the folder it goes to.
+    dataset: the data set (named in messages).
+    progress: print progress lines.
+    timeout: seconds to wait for the server.
+
+  Returns:
+    The path of the complete, checked file.
+
+  Raises:
+    DownloadError: offline, refused (HTTP error), cut mid-file, or a size or
+      checksum that differs from the release's.
+  """
+  dest = pathlib.Path(dest_dir) / remote.name
+  by_hand = (f'without network, save {remote.url} as {remote.name} in --data_dir '
+             f'(or $FEDJAX_PERSONAL_DATA) by hand')
+  log(f'downloading {dataset}: {remote.url} -> {dest}')
+
+  def write(tmp):
+    try:
+      _fetch(remote, tmp, progress, timeout)
+    except DownloadError as e:
+      raise DownloadError(f'{dataset}: {e}; nothing was kept; {by_hand}') from None
+    except urllib.error.HTTPError as e:
+      raise DownloadError(f'{dataset}: {remote.url} answered HTTP {e.code} ({e.reason}); nothing '
+                          f'was kept; {by_hand}') from None
+    except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+      reason = getattr(e, 'reason', None) or e
+      raise DownloadError(f'{dataset}: download of {remote.url} failed ({reason}); nothing was '
+                          f'kept; {by_hand}') from None
+  return local_files.write_atomically(dest, write)
+
+
+def _fetch(remote, tmp: pathlib.Path, progress: bool, timeout: float) -> None:
+  """Streams the URL into ``tmp``, then checks its length and checksums."""
+  md5, sha = hashlib.md5(), hashlib.sha256()
+  with urllib.request.urlopen(remote.url, timeout=timeout) as r:
+    announced = r.headers.get('Content-Length')
+    total = int(announced) if announced else remote.size
+    bar = _bar(total, remote.name, progress)
+    written = 0
+    try:
+      with open(tmp, 'wb') as out:
+        while True:
+          block = r.read(1 << 20)
+          if not block:
+            break
+          out.write(block)
+          md5.update(block)
+          sha.update(block)
+          written += len(block)
+          bar.update(len(block))
+    finally:
+      bar.close()
+  if announced and written != int(announced):
+    raise DownloadError(f'{remote.url}: connection cut after {written} of {announced} bytes')
+  if remote.size and written != remote.size:
+    raise DownloadError(f'{remote.url}: {written} bytes, the release has {remote.size}')
+  for name, want, got in (('md5', remote.md5, md5), ('sha256', remote.sha256, sha)):
+    if want and got.hexdigest() != want:
+      raise DownloadError(f"{remote.url}: {name} {got.hexdigest()} differs from the release's "
+                          f'{want}')
+
+
+def _bar(total, name, enabled):
+  from tqdm import tqdm
+  return tqdm(total=total, unit='B', unit_scale=True, desc=name, disable=not enabled,
+              file=sys.stderr, leave=False)

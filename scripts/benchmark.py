@@ -106,11 +106,12 @@ def build(model_name, num_clients):
   import optax
   import fedjax_personal as fp
   from fedjax_personal.core.data import FederatedData, pad_clients, to_device
-  from fedjax_personal.datasets import loaders
+  from fedjax_personal.datasets import in_memory
   if model_name == 'cnn_cifar':
-    x, y, _ = loaders.load_cifar10(split='train')
+    from fedjax_personal.datasets import cifar
+    x, y, _ = cifar.load('cifar10', None)
   else:
-    x, y, _ = loaders.load_mnist()
+    x, y, _ = in_memory.load_mnist()
   rng = np.random.default_rng(0)
   n = EXAMPLES[model_name]
   idx = [rng.choice(len(y), n, replace=False) for _ in range(num_clients)]

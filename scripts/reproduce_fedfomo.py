@@ -46,7 +46,7 @@ from fedjax_personal import algorithms
 from fedjax_personal.core import privacy
 from fedjax_personal.run import entry, reporting, reproduce
 from fedjax_personal.core.data import to_device
-from fedjax_personal.datasets import LATENT_FEATURES, DataConfig, load_federated
+from fedjax_personal.datasets import DataConfig, LATENT_FEATURES, load_federated
 from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.core.executors import create_executor
 from fedjax_personal.models import create_model

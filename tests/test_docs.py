@@ -190,7 +190,7 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
   import numpy as np
   import made_files
   from fedjax_personal import algorithms
-  from fedjax_personal.datasets import natural
+  from fedjax_personal.datasets import readers
   from fedjax_personal.run import cli
   from helpers import parse_flags
   _, data_module = fenced('BUILD.md', 'python')
@@ -201,7 +201,7 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
   for m in ('my_writers', 'fedavg_dropout'):
     monkeypatch.delitem(sys.modules, m, raising=False)
   monkeypatch.setattr(algorithms, 'REGISTRY', dict(algorithms.REGISTRY))
-  monkeypatch.setattr(natural, 'LOADERS', dict(natural.LOADERS))
+  monkeypatch.setattr(readers, 'LOADERS', dict(readers.LOADERS))
   exec(compile('import my_writers\n' + script, 'docs', 'exec'), {'__name__': 'my_script'})
   data = tmp_path / 'data'
   data.mkdir()
@@ -262,14 +262,14 @@ def test_nothing_is_named_after_a_work_item():
 def test_a_data_set_of_arrays_added_by_the_docs_runs_through_the_cli(tmp_path, monkeypatch):
   """BUILD.md's data set of arrays in memory, registered by its snippet as
   printed, trains through the CLI with the clients' ids and split."""
-  from fedjax_personal.datasets import natural
+  from fedjax_personal.datasets import readers
   from fedjax_personal.run import cli
   from helpers import parse_flags
   arrays_module, _ = fenced('BUILD.md', 'python')
   (tmp_path / 'my_arrays.py').write_text(arrays_module)
   monkeypatch.syspath_prepend(str(tmp_path))
   monkeypatch.delitem(sys.modules, 'my_arrays', raising=False)
-  monkeypatch.setattr(natural, 'LOADERS', dict(natural.LOADERS))
+  monkeypatch.setattr(readers, 'LOADERS', dict(readers.LOADERS))
   import my_arrays  # noqa: F401  registers --dataset=my_arrays
   parse_flags('--dataset=my_arrays', '--algorithm=fedavg', '--model=logreg', '--rounds=2',
               '--cohort_size=2', '--progress=false', f'--output_dir={tmp_path}/out')

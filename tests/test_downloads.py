@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fedjax_personal.datasets import DataConfig, load_federated, sources
-from fedjax_personal.datasets.downloads import DownloadError
+from fedjax_personal.datasets.sources import DownloadError
 from fedjax_personal.errors import DataError
 import made_files
 

@@ -130,15 +130,15 @@ def test_every_json_file_is_strict(tmp_path):
 
 def test_mnist_files_are_checksummed(tmp_path):
   from fedjax_personal.errors import DataError
-  from fedjax_personal.datasets import loaders
+  from fedjax_personal.datasets import in_memory, local_files
   (tmp_path / 'mnist_t10k').mkdir()
-  for name in loaders.MNIST_MD5:
-    raw = bytearray((loaders.PACKAGE_DATA / 'mnist_t10k' / name).read_bytes())
+  for name in in_memory.MNIST_MD5:
+    raw = bytearray((local_files.PACKAGE_DATA / 'mnist_t10k' / name).read_bytes())
     if 'labels' in name:
       raw[-3] ^= 1  # one flipped bit in the compressed labels
     (tmp_path / 'mnist_t10k' / name).write_bytes(bytes(raw))
   with pytest.raises(DataError, match='labels-idx1-ubyte.gz: md5'):
-    loaders.load_mnist(str(tmp_path))
+    in_memory.load_mnist(str(tmp_path))
 
 
 def test_cifar_cache_is_keyed_by_content(tmp_path, monkeypatch):
@@ -169,13 +169,13 @@ def test_cifar_cache_is_keyed_by_content(tmp_path, monkeypatch):
 ])
 def test_idx_files_are_validated(tmp_path, content, needle):
   from fedjax_personal.errors import DataError
-  from fedjax_personal.datasets import loaders
+  from fedjax_personal.datasets import in_memory
   path = tmp_path / ('x.gz' if needle == 'unreadable' else 'x.idx')
   path.write_bytes(content)
   with pytest.raises(DataError, match=needle):
-    loaders.read_idx(path)
+    in_memory.read_idx(path)
   with pytest.raises(DataError, match='5 labels for 10 images'):
-    loaders.check_labels(path, __import__('numpy').zeros(5, int), 10, 10)
+    in_memory.check_labels(path, __import__('numpy').zeros(5, int), 10, 10)
 
 
 @pytest.mark.needs_data(('input.txt', 'tinyshakespeare.txt'))
@@ -186,11 +186,11 @@ def test_idx_files_are_validated(tmp_path, content, needle):
 def test_tinyshakespeare_file_is_checked(tmp_path, mangle, needle):
   """A truncated or re-encoded Tiny Shakespeare is one DataError naming the
   file (it used to train with a smaller vocabulary)."""
-  from fedjax_personal.datasets import loaders
-  src = loaders.find_file(['input.txt', 'tinyshakespeare.txt'])
+  from fedjax_personal.datasets import in_memory, local_files
+  src = local_files.find_file(['input.txt', 'tinyshakespeare.txt'])
   (tmp_path / 'input.txt').write_bytes(mangle(src.read_bytes()))
   with pytest.raises(ConfigError, match=needle) as e:
-    loaders.load_tinyshakespeare(num_clients=2, data_dir=str(tmp_path))
+    in_memory.load_tinyshakespeare(num_clients=2, data_dir=str(tmp_path))
   assert str(tmp_path) in str(e.value) and e.value.name == 'data_dir'
 
 

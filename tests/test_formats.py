@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from fedjax_personal.datasets import DataConfig, cifar, load_federated, load_store, loaders
+from fedjax_personal.datasets import cifar, DataConfig, in_memory, load_federated, load_store
 from fedjax_personal.datasets import cifar100, leaf, natural_data, shakespeare, stackoverflow
 from fedjax_personal.datasets import sqlite_formats
 from fedjax_personal.errors import ConfigError, DataError
@@ -275,7 +275,7 @@ def test_cifar_release_checksum_is_checked(tmp_path):
 def test_tinyshakespeare_input_txt_is_found_and_checked(tmp_path):
   (tmp_path / 'input.txt').write_text('First Citizen:\nBefore we proceed.\n')
   with pytest.raises(DataError, match=r"input.txt: md5 .* differs"):
-    loaders.load_tinyshakespeare(num_clients=1, data_dir=str(tmp_path))
+    in_memory.load_tinyshakespeare(num_clients=1, data_dir=str(tmp_path))
 
 
 def test_leaf_json(tmp_path):
@@ -377,18 +377,18 @@ def test_data_dir_must_exist():
 
 
 def test_environment_folder_then_package_then_cache(tmp_path, monkeypatch):
-  from fedjax_personal.datasets import files
+  from fedjax_personal.datasets import local_files
   env, cache = tmp_path / 'env', tmp_path / 'cache'
   for d in (env, cache):
     (d / 'mnist_t10k').mkdir(parents=True)
     (d / 'x.bin').write_bytes(d.name.encode())
   monkeypatch.setenv('FEDJAX_PERSONAL_DATA', str(env))
-  assert files.search_dirs() == [env, files.PACKAGE_DATA, cache]
-  assert files.find_file('x.bin').read_bytes() == b'env'
+  assert local_files.search_dirs() == [env, local_files.PACKAGE_DATA, cache]
+  assert local_files.find_file('x.bin').read_bytes() == b'env'
   monkeypatch.delenv('FEDJAX_PERSONAL_DATA')
-  assert files.find_file('x.bin').read_bytes() == b'cache'
+  assert local_files.find_file('x.bin').read_bytes() == b'cache'
   # the embedded MNIST comes before the cache
-  assert files.find_file('mnist_t10k/t10k-labels-idx1-ubyte.gz').parent.parent == files.PACKAGE_DATA
+  assert local_files.find_file('mnist_t10k/t10k-labels-idx1-ubyte.gz').parent.parent == local_files.PACKAGE_DATA
 
 
 @pytest.mark.parametrize('name,scored,correct', [('in_vocab', 1, 1), ('fedjax_in_vocab', 2, 1)])

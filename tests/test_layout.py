@@ -173,7 +173,7 @@ def test_a_second_checkout_never_mixes_with_the_installed_one(tmp_path):
     shutil.copytree(os.path.join(root, folder), second / folder,
                     ignore=shutil.ignore_patterns('__pycache__', '*.egg-info', 'data'))
   shutil.copy(os.path.join(root, 'setup.cfg'), second / 'setup.cfg')
-  code = ('import fedjax_personal, fedjax_personal.datasets.natural as n, '
+  code = ('import fedjax_personal, fedjax_personal.datasets.readers as n, '
           'fedjax_personal.algorithms.fedavg as a; print(fedjax_personal.__file__); '
           'print(n.__file__); print(a.__file__)')
   r = subprocess.run([sys.executable, '-c', code], cwd=second, capture_output=True, text=True,

@@ -3,33 +3,33 @@ import hashlib
 import numpy as np
 import pytest
 
-from fedjax_personal.datasets import DataConfig, load_federated, loaders
+from fedjax_personal.datasets import DataConfig, in_memory, load_federated, local_files
 
 
 def test_mnist_embedded_idx():
-  x, y, c = loaders.load_mnist()
+  x, y, c = in_memory.load_mnist()
   assert x.shape == (10000, 28, 28, 1) and x.dtype == np.uint8 and c == 10
   assert np.bincount(y).min() > 800
-  path = loaders.find_file('mnist_t10k/t10k-images-idx3-ubyte.gz')
+  path = local_files.find_file('mnist_t10k/t10k-images-idx3-ubyte.gz')
   assert hashlib.md5(path.read_bytes()).hexdigest() == '9fb629c4189551a2d022fa330f9573f3'
-  assert str(loaders.PACKAGE_DATA) in str(path)  # shipped inside the package
+  assert str(local_files.PACKAGE_DATA) in str(path)  # shipped inside the package
 
 
 def test_read_idx_rejects_garbage(tmp_path):
   f = tmp_path / 'bad'
   f.write_bytes(b'\x01\x02\x03')
   with pytest.raises(ValueError, match='IDX'):
-    loaders.read_idx(f)
+    in_memory.read_idx(f)
 
 
 def test_digits():
-  x, y, c = loaders.load_digits()
+  x, y, c = in_memory.load_digits()
   assert x.shape == (1797, 8, 8, 1) and 0 <= x.min() and x.max() <= 1
 
 
 def test_missing_file_names_file_and_places(tmp_path):
   with pytest.raises(FileNotFoundError, match='nope.npz: not found in ' + str(tmp_path)):
-    loaders.find_file('nope.npz', str(tmp_path))
+    local_files.find_file('nope.npz', str(tmp_path))
 
 
 @pytest.mark.needs_data('cifar10_jpeg.npz')
@@ -46,7 +46,7 @@ def test_cifar10_jpeg_archive(tmp_path, monkeypatch):
 
 @pytest.mark.needs_data(('input.txt', 'tinyshakespeare.txt'))
 def test_tinyshakespeare_by_role():
-  xs, ys, vocab = loaders.load_tinyshakespeare(num_clients=10, seq_len=20)
+  xs, ys, vocab = in_memory.load_tinyshakespeare(num_clients=10, seq_len=20)
   assert len(xs) == 10
   for x, y in zip(xs, ys):
     assert x.shape[1] == 20 and np.array_equal(x[:, 1:], y[:, :-1])  # next character
@@ -58,15 +58,15 @@ def test_tinyshakespeare_by_role():
 
 def test_shakespeare_role_parsing():
   text = 'First Citizen:\nBefore we proceed:\nhear me.\n\nAll:\nSpeak.\n\nFirst Citizen:\nYou are.\n'
-  roles = loaders.parse_shakespeare_roles(text)
+  roles = in_memory.parse_shakespeare_roles(text)
   assert roles == {'First Citizen': 'Before we proceed:\nhear me.\nYou are.', 'All': 'Speak.'}
   with pytest.raises(ValueError, match='num_clients'):
-    loaders.load_tinyshakespeare(num_clients=3, min_chars=1, text=text)
+    in_memory.load_tinyshakespeare(num_clients=3, min_chars=1, text=text)
 
 
 def test_synthetic_alpha_beta():
   rng = np.random.default_rng(0)
-  xs, ys = loaders.synthetic(30, 1.0, 1.0, rng)
+  xs, ys = in_memory.synthetic(30, 1.0, 1.0, rng)
   assert len(xs) == 30 and all(x.shape[1] == 60 for x in xs)
   assert all(len(x) >= 50 for x in xs)
   # Heterogeneity: label distributions differ across clients.

@@ -15,7 +15,7 @@ from fedjax_personal import algorithms, models
 from fedjax_personal.core import batching as batching_lib
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.core.data import FederatedData, pad_clients, to_device
-from fedjax_personal.datasets import loaders
+from fedjax_personal.datasets import in_memory
 from fedjax_personal.models import initializers, weights
 from fedjax_personal.models.layers import Conv, Dense, LSTMCell
 from helpers import max_diff, run_rounds
@@ -203,7 +203,7 @@ def test_pytorch_state_dict_gives_torch_outputs(tmp_path, name, pool):
 
 
 def _mnist_clients(sizes, seed=0):
-  x, y, _ = loaders.load_mnist()
+  x, y, _ = in_memory.load_mnist()
   order = np.random.default_rng(seed).permutation(len(y))
   xs, ys, start = [], [], 0
   for n in sizes:

@@ -173,8 +173,8 @@ def test_semantic_features_cluster_by_class_better_than_pixels():
   pixels' (adjusted Rand index), and the features follow the seed."""
   from sklearn.cluster import KMeans
   from sklearn.metrics import adjusted_rand_score
-  from fedjax_personal.datasets import embedding, loaders
-  x, y, c = loaders.load_digits()
+  from fedjax_personal.datasets import embedding, in_memory
+  x, y, c = in_memory.load_digits()
   f = embedding.semantic_features(x, y, c, seed=0)
   np.testing.assert_array_equal(f, embedding.semantic_features(x, y, c, seed=0))
   ari = {name: adjusted_rand_score(y, KMeans(10, n_init=3, random_state=0).fit_predict(v))

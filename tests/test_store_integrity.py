@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fedjax_personal.core.population import store as store_lib
-from fedjax_personal.datasets import DataConfig, files, load_store
+from fedjax_personal.datasets import DataConfig, load_store, local_files
 from fedjax_personal.errors import DataError
 from fedjax_personal.run import cli
 from helpers import parse_flags
@@ -136,13 +136,13 @@ def test_stores_are_keyed_by_their_sources_contents(tmp_path):
   path = tmp_path / 'f.bin'
   path.write_bytes(b'a' * 1000)
   st = os.stat(path)
-  first = files.content_digest(path)
-  assert files.content_digest(path) == first
+  first = local_files.content_digest(path)
+  assert local_files.content_digest(path) == first
   with open(path, 'r+b') as f:
     f.write(b'b')
   os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
   assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
-  assert files.content_digest(path) == files.sha256_file(path) != first
+  assert local_files.content_digest(path) == local_files.sha256_file(path) != first
   cfg = _emnist(tmp_path / 'data', seed=3)
   one = load_store(cfg)
   _emnist(tmp_path / 'data', seed=4)  # other examples in the same file names
@@ -154,7 +154,7 @@ def test_stores_are_keyed_by_their_sources_contents(tmp_path):
 
 def test_leftovers_of_dead_builds_are_removed_and_an_interrupted_build_keeps_nothing(tmp_path):
   cfg = _emnist(tmp_path / 'data', seed=5)
-  stores = files.cache_dir() / 'stores'
+  stores = local_files.cache_dir() / 'stores'
   stores.mkdir(parents=True, exist_ok=True)
   dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'],
                         capture_output=True, text=True, check=True).stdout.strip()
@@ -184,29 +184,29 @@ def test_a_full_disk_while_building_names_the_cache_folder(tmp_path, monkeypatch
   with pytest.raises(OSError) as e:
     load_store(cfg)
   assert e.value.errno == errno.ENOSPC
-  assert str(files.cache_dir() / 'stores') in e.value.filename
+  assert str(local_files.cache_dir() / 'stores') in e.value.filename
   from fedjax_personal.run import faults
-  assert str(files.cache_dir()) in str(faults.storage_error(e.value.filename, e.value))
-  assert not [p for p in (files.cache_dir() / 'stores').iterdir() if 'partial' in p.name]
+  assert str(local_files.cache_dir()) in str(faults.storage_error(e.value.filename, e.value))
+  assert not [p for p in (local_files.cache_dir() / 'stores').iterdir() if 'partial' in p.name]
 
 
 def test_a_store_never_outlives_the_loader_code_that_made_it(tmp_path, capsys, monkeypatch):
-  """The store records the loader's code (``natural.loader_code``: the
+  """The store records the loader's code (``readers.loader_code``: the
   source of the data set's module and the shared readers); other code, or
   --rebuild_store, rebuilds it in one line; a killed build's leftovers are
   removed when the cache is next opened, not only by the next build."""
-  from fedjax_personal.datasets import natural
+  from fedjax_personal.datasets import readers
   cfg = _emnist(tmp_path / 'data', seed=7)
   first = load_store(cfg)
-  assert first.manifest['identity']['loader_code'] == natural.loader_code('emnist')
-  assert natural.loader_code('emnist') != natural.loader_code('shakespeare')
+  assert first.manifest['identity']['loader_code'] == readers.loader_code('emnist')
+  assert readers.loader_code('emnist') != readers.loader_code('shakespeare')
   capsys.readouterr()
   assert load_store(cfg).folder == first.folder and not capsys.readouterr().err  # reused
   dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'],
                         capture_output=True, text=True, check=True).stdout.strip()
   leftover = first.folder.parent / f'emnist-9.partial-{dead}'
   leftover.mkdir()
-  monkeypatch.setattr(natural, 'loader_code', lambda dataset: 'changed0000code')
+  monkeypatch.setattr(readers, 'loader_code', lambda dataset: 'changed0000code')
   again = load_store(cfg)
   err = capsys.readouterr().err
   assert 'written by other loader code' in err and 'this is changed0000code' in err

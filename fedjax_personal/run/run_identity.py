@@ -91,7 +91,7 @@ def file_sha256(path: str) -> str:
   Returns:
     64 hex digits.
   """
-  from fedjax_personal.datasets.files import sha256_file
+  from fedjax_personal.datasets.local_files import sha256_file
   return sha256_file(path)
 
 

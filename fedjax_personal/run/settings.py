@@ -252,7 +252,7 @@ def validate_flags(opts: Settings):
   check(opts.dataset != 'stackoverflow_held_out', 'dataset',
         'stackoverflow_held_out holds held-out users only, none to train (the held_out value of '
         'datasets.stackoverflow.load_data); train on --dataset=stackoverflow')
-  datasets_lib.files.check_data_dir(opts.data_dir)
+  datasets_lib.local_files.check_data_dir(opts.data_dir)
   check(not opts.data_dir or opts.dataset not in datasets_lib.NO_FILES, 'data_dir',
          f'does nothing: dataset {opts.dataset} reads no file')
   check(not opts.download or opts.dataset not in datasets_lib.NO_FILES + ('mnist',)
@@ -389,7 +389,7 @@ def num_clients(opts: Settings):
     N, or None.
   """
   if (not opts['num_clients'].present and partition(opts) == 'natural'
-      and datasets_lib.natural.is_file_dataset(opts.dataset)):
+      and datasets_lib.readers.is_file_dataset(opts.dataset)):
     return None
   return opts.num_clients
 

@@ -68,7 +68,7 @@ def is_file_dataset(dataset: str) -> bool:
 
 #: The modules every natural data set is read through: a change in one
 #: changes every store's ``loader_code``.
-_SHARED_READERS = ('natural', 'natural_data', 'sqlite_formats', 'tf_example', 'files')
+_SHARED_READERS = ('readers', 'natural_data', 'sqlite_formats', 'tf_example', 'local_files')
 
 
 def loader_code(dataset: str) -> str:

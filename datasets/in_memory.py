@@ -1,7 +1,7 @@
-"""Loaders of example pools: MNIST (embedded), scikit-learn's digits, Tiny
-Shakespeare by speaking role, and FedProx's synthetic data.
+"""Data sets read whole into memory: MNIST (embedded), scikit-learn's
+digits, Tiny Shakespeare by speaking role, and FedProx's synthetic data.
 
-Files are found by ``files.find_file`` (--data_dir, $FEDJAX_PERSONAL_DATA,
+Files are found by ``local_files.find_file`` (--data_dir, $FEDJAX_PERSONAL_DATA,
 the package, the cache).
 """
 
@@ -13,8 +13,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from fedjax_personal.errors import ConfigError, DataError
-from fedjax_personal.datasets import files, sources
-from fedjax_personal.datasets.files import PACKAGE_DATA, find_file  # noqa: F401 (re-exported)
+from fedjax_personal.datasets import local_files, sources
+from fedjax_personal.datasets.local_files import PACKAGE_DATA, find_file  # noqa: F401 (re-exported)
 
 
 __all__ = ['check_labels', 'load_digits', 'load_mnist', 'load_tinyshakespeare', 'MNIST_MD5',
@@ -88,7 +88,7 @@ def checked_file(relpath, md5: str, data_dir: Optional[str] = None):
     DataError naming the file when its checksum differs.
   """
   path = find_file(relpath, data_dir)
-  files.check_digest(path, md5=md5)
+  local_files.check_digest(path, md5=md5)
   return path
 
 
