@@ -402,6 +402,7 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
               **({'pixels': cfg.emnist_pixels} if cfg.emnist_pixels != 'fedjax' else {}),
               **({'stackoverflow_test': cfg.stackoverflow_test, 'validation_seed': cfg.seed}
                  if cfg.stackoverflow_test != 'train_users' else {}),
+              **({'options': _added_options(cfg)} if _added_options(cfg) else {}),
               'seq_len': cfg.sequence_length, 'val_fraction': cfg.val_fraction,
               'seed': cfg.seed if cfg.val_fraction else None,
               'files': [(os.path.basename(f), local_files.content_digest(f)) for f in nat.files]}
@@ -435,12 +436,42 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
     raise
 
 
+#: DataConfig fields given to a reader under their own name when it names
+#: them; beside these, ``_reader_options`` gives ``seq_len`` (resolved),
+#: ``windows`` and ``pixels``.
+_OWN_OPTIONS = ('vocab_size', 'image_size', 'cifar100_test', 'stackoverflow_test', 'seed')
+#: DataConfig fields that are not reader options: the partition of a pool, the
+#: splits the store draws, where the files are.
+_NOT_OPTIONS = ('dataset', 'partition', 'num_clients', 'alpha', 'classes_per_client',
+                'num_groups', 'latent_features', 'group_base', 'examples_per_client',
+                'test_fraction', 'val_fraction', 'max_examples', 'synthetic_alpha',
+                'synthetic_beta', 'seq_len', 'shakespeare_windows', 'emnist_pixels', 'data_dir',
+                'download')
+
+
+def _reader_options(cfg: DataConfig) -> dict:
+  """Every option of ``cfg`` a natural data set's reader may name: the
+  built-in ones, and any DataConfig field added for a reader of one's own
+  (BUILD.md, "Add a data set")."""
+  options = dict(seq_len=cfg.sequence_length, windows=cfg.shakespeare_windows,
+                 pixels=cfg.emnist_pixels, **{k: getattr(cfg, k) for k in _OWN_OPTIONS})
+  options.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                  if f.name not in _NOT_OPTIONS + _OWN_OPTIONS})
+  return options
+
+
+def _added_options(cfg: DataConfig) -> dict:
+  """The options of fields added to DataConfig that the data set's reader
+  takes: part of its store's identity (a store made with another value is
+  not reused). The built-in ones are named in the identity one by one."""
+  added = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+           if f.name not in _NOT_OPTIONS + _OWN_OPTIONS}
+  return readers.reader_options(cfg.dataset, added)
+
+
 def _load_natural(cfg: DataConfig) -> NaturalData:
   return readers.load(cfg.dataset, cfg.num_clients, cfg.data_dir, cfg.download,
-                      seq_len=cfg.sequence_length, vocab_size=cfg.vocab_size,
-                      windows=cfg.shakespeare_windows, pixels=cfg.emnist_pixels,
-                      image_size=cfg.image_size, cifar100_test=cfg.cifar100_test,
-                      stackoverflow_test=cfg.stackoverflow_test, seed=cfg.seed)
+                      **_reader_options(cfg))
 
 
 def _natural_name(cfg: DataConfig, nat: NaturalData) -> str:

@@ -19,7 +19,8 @@ from fedjax_personal.datasets import cifar100, emnist, gldv2, leaf, shakespeare,
 from fedjax_personal.datasets.natural_data import NaturalData
 from fedjax_personal.errors import ConfigError
 
-__all__ = ['is_file_dataset', 'LEAF_PREFIX', 'load', 'loader_code', 'LOADERS', 'register']
+__all__ = ['is_file_dataset', 'LEAF_PREFIX', 'load', 'loader_code', 'LOADERS', 'reader_options',
+           'register']
 
 
 #: --dataset name -> its reader (``read_clients``).
@@ -125,7 +126,23 @@ def load(dataset: str, num_clients=None, data_dir=None, download=False,
     return leaf.read_clients(dataset[len(LEAF_PREFIX):], num_clients, data_dir)
   if dataset not in LOADERS:
     raise ConfigError('dataset', f'{dataset!r} is not a natural data set read from files')
-  fn = LOADERS[dataset]
+  return LOADERS[dataset](num_clients=num_clients, data_dir=data_dir, download=download,
+                          **reader_options(dataset, options))
+
+
+def reader_options(dataset: str, options) -> dict:
+  """The ``options`` the reader of ``dataset`` names in its signature (None
+  values left out: the reader's default).
+
+  Args:
+    dataset: a registered ``--dataset`` name (not ``leaf:<name>``).
+    options: candidate options by name (``DataConfig``'s fields).
+
+  Returns:
+    ``{name: value}`` of those its reader takes.
+  """
+  fn = LOADERS.get(dataset)
+  if fn is None:
+    return {}
   params = inspect.signature(fn).parameters
-  given = {k: v for k, v in options.items() if v is not None and k in params}
-  return fn(num_clients=num_clients, data_dir=data_dir, download=download, **given)
+  return {k: v for k, v in options.items() if v is not None and k in params}

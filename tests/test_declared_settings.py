@@ -83,3 +83,32 @@ def test_the_data_flags_make_the_data_config():
   parse_flags('--dataset=shakespeare', '--seq_len=40', '--data_seed=1', '--algorithm=fedfomo')
   cfg = cli.data_config(cli.read_flags())
   assert (cfg.seq_len, cfg.seed, cfg.num_clients, cfg.val_fraction) == (40, 1, None, 0.1)
+
+
+def test_an_option_added_to_the_data_config_reaches_its_reader_and_keys_its_store(monkeypatch):
+  """A data set's new option (BUILD.md, "Add a data set"): a DataConfig field
+  its reader names reaches the reader, and a store made with another value
+  is not reused."""
+  import numpy as np
+  from fedjax_personal.datasets import DataConfig, load_store, readers
+  from fedjax_personal.datasets.natural_data import NaturalData, listed
+
+  @dataclasses.dataclass(frozen=True)
+  class ScaledConfig(DataConfig):
+    scale: float = hparam(1.0, 'What my clients are scaled by.', minimum=0)
+
+  seen = []
+
+  def read_clients(num_clients=None, data_dir=None, download=False, scale=1.0):
+    seen.append(scale)
+    x, y = np.full((4, 3), scale, np.float32), np.zeros(4, np.int32)
+    return NaturalData(listed(['a', 'b'], [(x, y)] * 2, [(x[:1], y[:1])] * 2), 2, 2, 2)
+
+  monkeypatch.setattr(readers, 'LOADERS', dict(readers.LOADERS))
+  readers.register('scaled_clients', read_clients)
+  cfg = lambda scale: ScaledConfig(dataset='scaled_clients', partition='natural',
+                                   num_clients=None, scale=scale)
+  stores = [load_store(cfg(s)) for s in (2.0, 3.0, 2.0)]
+  assert seen == [2.0, 3.0, 2.0]  # the option reached the reader (which streams lazily)
+  assert [s.client('a')['train'][0].max() for s in stores] == [2.0, 3.0, 2.0]
+  assert stores[0].folder == stores[2].folder != stores[1].folder  # the first store reused
