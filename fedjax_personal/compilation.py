@@ -37,7 +37,7 @@ __all__ = ['MAX_BYTES', 'default_dir', 'enable', 'disable', 'apply_default', 'di
 MAX_BYTES = 2 << 30
 _ENV = 'FEDJAX_PERSONAL_COMPILATION_CACHE'
 
-#: When the package was imported (``run.job.process_seconds``'s fallback).
+#: When the package was imported (``run.process_settings.process_seconds``'s fallback).
 IMPORTED_AT = time.perf_counter()
 _lock = threading.Lock()
 _counts = {'compile_seconds': 0.0, 'trace_seconds': 0.0, 'compiles': 0, 'cache_hits': 0,

@@ -29,7 +29,7 @@ import time
 
 from absl import flags
 
-from fedjax_personal.run import costs, entry
+from fedjax_personal.run import costs, script_entry
 
 flags.DEFINE_list('models', ['mlp', 'lenet5'], 'Models to time.')
 flags.DEFINE_list('clients', ['10', '100', '1000'], 'Populations (all clients in every round).')
@@ -765,4 +765,4 @@ def processes_section():
 
 
 if __name__ == '__main__':
-  entry.run_script(main)
+  script_entry.run_script(main)

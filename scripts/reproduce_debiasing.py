@@ -37,7 +37,7 @@ from absl import app
 from absl import flags
 
 from fedjax_personal import algorithms
-from fedjax_personal.run import entry, experiment, reporting, reproduce
+from fedjax_personal.run import experiment, reporting, reproduce, script_entry
 from fedjax_personal.core.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.core.engine import RoundRunner
@@ -261,4 +261,4 @@ def table_two(shared):
 
 
 if __name__ == '__main__':
-  entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; the same command continues from them')
+  script_entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; the same command continues from them')

@@ -44,7 +44,7 @@ import numpy as np
 
 from fedjax_personal import algorithms
 from fedjax_personal.core import privacy
-from fedjax_personal.run import entry, reporting, reproduce
+from fedjax_personal.run import reporting, reproduce, script_entry
 from fedjax_personal.core.data import to_device
 from fedjax_personal.datasets import DataConfig, LATENT_FEATURES, load_federated
 from fedjax_personal.core.engine import RoundRunner
@@ -267,4 +267,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; the same command continues from them')
+  script_entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; the same command continues from them')

@@ -46,7 +46,7 @@ from absl import flags
 import numpy as np
 
 from fedjax_personal import algorithms
-from fedjax_personal.run import entry, reporting, reproduce
+from fedjax_personal.run import reporting, reproduce, script_entry
 from fedjax_personal.core.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated, stackoverflow
 from fedjax_personal.core.engine import RoundRunner
@@ -297,4 +297,4 @@ def table_d(results):
 
 
 if __name__ == '__main__':
-  entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; the same command continues from them')
+  script_entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; the same command continues from them')

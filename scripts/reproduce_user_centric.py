@@ -56,7 +56,7 @@ from absl import flags
 import jax
 
 from fedjax_personal import algorithms
-from fedjax_personal.run import entry, reporting, reproduce, timing
+from fedjax_personal.run import reporting, reproduce, script_entry, timing
 from fedjax_personal.core.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.core.engine import RoundRunner
@@ -325,4 +325,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; the same command continues from them')
+  script_entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; the same command continues from them')

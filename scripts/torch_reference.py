@@ -24,7 +24,7 @@ import sys
 from absl import flags
 import numpy as np
 
-from fedjax_personal.run import entry
+from fedjax_personal.run import script_entry
 
 flags.DEFINE_list('algorithms', ['local', 'fedavg', 'oracle'], 'local, fedavg, oracle.')
 flags.DEFINE_string('dataset', 'mnist', 'Data set (an image data set of fedjax_personal).')
@@ -142,4 +142,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  entry.run_script(main)
+  script_entry.run_script(main)

@@ -123,7 +123,7 @@ def parse_flags(*args):
 _MAIN_DRIVER = r'''
 import contextlib, io, json, sys
 from absl import flags
-from fedjax_personal.run import cli, entry, faults
+from fedjax_personal.run import cli, faults, script_entry
 out = []
 for args in json.loads(sys.argv[1]):
   flags.FLAGS.unparse_flags()
@@ -132,7 +132,7 @@ for args in json.loads(sys.argv[1]):
   code = 0
   with contextlib.redirect_stderr(err):
     try:
-      cli.main(entry.parse_flags(['run_experiment.py', *args]))
+      cli.main(script_entry.parse_flags(['run_experiment.py', *args]))
     except SystemExit as e:
       code = e.code if isinstance(e.code, int) else 1
     except BaseException as e:

@@ -290,7 +290,7 @@ def test_a_signal_after_the_last_round_says_the_run_finished(capsys):
 
 _SWALLOWED = '''
 import gc, os, signal, sys, time
-from fedjax_personal.run import entry
+from fedjax_personal.run import script_entry
 
 def main(argv):
   fired = []
@@ -307,7 +307,7 @@ def main(argv):
   while True:
     time.sleep(0.05)
 
-entry.run_script(main, kept='nothing')
+script_entry.run_script(main, kept='nothing')
 '''
 
 

@@ -128,7 +128,7 @@ def test_layers_import_downwards_only(lower, upper):
 
 def test_no_module_is_over_600_lines():
   """Rooms with one job: a module past ~600 lines holds two (split it by
-  concern, as run/command_flags.py, run/settings.py, run/job.py and run/cli.py)."""
+  concern, as run/command_flags.py, run/settings.py, run/main_job.py and run/cli.py)."""
   long = {m: n for m, p in modules().items() if (n := len(open(p).read().splitlines())) > 600}
   assert not long, long
 
@@ -231,6 +231,6 @@ def test_flags_are_read_by_the_entry_alone():
     hits = [l.strip() for l in code if reads.search(l)]
     if hits:
       found[name] = hits
-  assert set(found) <= {'fedjax_personal.run.entry'}, found  # parsing argv
+  assert set(found) <= {'fedjax_personal.run.script_entry'}, found  # parsing argv
   cli = open(modules()['fedjax_personal.run.cli']).read()
   assert cli.count('read(FLAGS)') == 1

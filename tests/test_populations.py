@@ -13,7 +13,7 @@ from fedjax_personal.config import TrainingConfig
 from fedjax_personal.core.population import rows_in_memory
 from fedjax_personal.core.population import layout as layout_lib
 from fedjax_personal.core.population import store as store_lib
-from fedjax_personal.run import job as job_lib
+from fedjax_personal.run import main_job as job_lib
 from fedjax_personal.core.data import pad_clients, to_device
 from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.core.population.layout import HostData

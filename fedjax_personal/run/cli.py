@@ -1,5 +1,5 @@
 """The entry of ``scripts/run_experiment.py``: parse the flags (and
-flagfiles), run the main job (``run/job.py``) and turn every fault into one
+flagfiles), run the main job (``run/main_job.py``) and turn every fault into one
 line and its exit status. Kept in the package so that scripts stay thin and
 tests can drive it; the settings and the job steps are importable from here
 too.
@@ -9,9 +9,9 @@ import sys
 import time
 
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.run import distributed, entry, experiment, faults
-from fedjax_personal.run import job as job_lib
-from fedjax_personal.run.job import *  # noqa: F401,F403  (the main job's steps)
+from fedjax_personal.run import distributed, experiment, faults, script_entry
+from fedjax_personal.run import main_job as job_lib
+from fedjax_personal.run.main_job import *  # noqa: F401,F403  (the main job's steps)
 from fedjax_personal.run.settings import *  # noqa: F401,F403  (flags, settings)
 from fedjax_personal.run.settings import FLAGS, Settings, read, register  # noqa: F401
 
@@ -137,4 +137,4 @@ def run():
     None.
   """
   from absl import app
-  app.run(main, flags_parser=entry.parse_flags)
+  app.run(main, flags_parser=script_entry.parse_flags)

@@ -2,7 +2,7 @@
 ``run/command_flags.py``) make, from a ``Settings`` the entry reads once:
 the shared and per-algorithm settings (declared once in the config classes),
 their validation, the data configuration, the sampler, the run identity.
-``run/job.py`` runs the main job from them; ``run/cli.py`` is the entry.
+``run/main_job.py`` runs the main job from them; ``run/cli.py`` is the entry.
 """
 
 
