@@ -212,16 +212,15 @@ class BlockedExecutor(Executor):
     steps, not blocks x the padded maximum."""
     c = tree_util.cohort_size(per_client)
     if not self.fused:
-      return self._threaded_work(work, make_ctx, shared, per_client, active, c)
+      return self._threaded_work(work, make_ctx, shared, per_client, active, c, num_steps)
     steps = work_steps(work, make_ctx, shared, per_client, active)
     pos, ok, limit, count = traced_work_layout(steps, active_mask(active, c), self.block_size)
     return block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c)
 
-  def _threaded_work(self, work, make_ctx, shared, per_client, active, c):
-    """The threaded form of ``run_work``: the step counts computed first (one
-    small compiled function), the blocks laid out on the host and shared out
-    by work (``work_layout``), each thread's blocks one call of the compiled
-    block loop."""
+  def _threaded_work(self, work, make_ctx, shared, per_client, active, c, num_steps=None):
+    """The threaded form of ``run_work``: the step counts (the engine's host
+    counts, else one small compiled function) laid out in blocks on the host,
+    shared out by work (``work_layout``), each thread's blocks one compiled call."""
     key = ('work', work, make_ctx)
     if key not in self._compiled:  # one set of functions per (work, make_ctx): compiled once
       self._compiled[key] = (
@@ -230,7 +229,8 @@ class BlockedExecutor(Executor):
               work, make_ctx, sh, pc, p, lim, ok, n, tree_util.cohort_size(pc))))
     steps_fn, loop = self._compiled[key]
     act = np.asarray(active_mask(active, c))
-    steps = np.asarray(steps_fn(shared, per_client, act))
+    steps = (np.asarray(steps_fn(shared, per_client, act)) if num_steps is None
+             else np.where(act, np.asarray(num_steps, np.int32), 0))
     parts = max(1, min(self.num_threads, -(-int(act.sum()) // min(self.block_size, c))))
     pos, ok, limit, count = work_layout(steps, act, self.block_size, parts)
     outs = self._on_threads(
