@@ -30,6 +30,7 @@ def test_every_flag_of_the_command_is_a_declared_field():
   own = {f.name for module, fl in flags.FLAGS.flags_by_module_dict().items()
          if module.startswith('fedjax_personal') for f in fl}
   assert own and own <= set(declared), sorted(own - set(declared))
+  assert set(command_flags.MAIN_JOB_DEFAULTS) <= own  # each names a flag
   for name, (cls, f) in declared.items():
     assert flags.FLAGS[name].help.endswith(f.metadata['help']), name
     default = command_flags.MAIN_JOB_DEFAULTS.get(name, f.default)
