@@ -197,8 +197,10 @@ REFERENCE = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
-  """The model of a run, declared once (``hparam``); the command's model
-  flags are generated from these fields and ``create_model`` takes them.
+  """The model of a run, declared once (``hparam``): the command's model
+  flags are generated from these fields; ``create_model(model, ...,
+  adapter_dim, conv_impl, init=model_init)`` builds it, and ``init_weights``
+  replaces its first weights (``models.weights``).
   """
   model: str = hparam('mlp', 'Model: ' + ', '.join(sorted(MODELS)) + '; the seeds\' own: '
                       + '; '.join(f'{k} ({v[0]})' for k, v in REFERENCE.items()))
