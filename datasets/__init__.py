@@ -109,10 +109,9 @@ class DataConfig:
                                               '(default: the most).', minimum=1)
   test_fraction: float = hparam(0.2, 'Per-client test share.', minimum=0, maximum=1,
                                 open_min=True, open_max=True)
-  val_fraction: float = hparam(0.0, 'Per-client validation share (the command\'s '
-                                         'default: 0.1 when a requested algorithm needs a '
-                                         'validation split, e.g. fedfomo, else 0).', minimum=0,
-                                         maximum=1, open_max=True)
+  val_fraction: float = hparam(0.0, 'Per-client validation share (the command\'s default: 0.1 '
+                               'when a requested algorithm needs a validation split, e.g. '
+                               'fedfomo, else 0).', minimum=0, maximum=1, open_max=True)
   max_examples: Optional[int] = hparam(None, 'Use at most this many examples of the pool.',
                                        minimum=1)
   synthetic_alpha: float = hparam(1.0, 'synthetic: Synthetic(alpha, beta)\'s model '
@@ -393,6 +392,7 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
   if not streams_to_store(cfg):  # built in memory, stored without padding
     return pooled_clients(cfg).store()
   nat = _load_natural(cfg)
+  added = _added_options(cfg)
   identity = {'dataset': cfg.dataset, 'num_clients': nat.num_clients,
               **({'eval_only': nat.eval_only} if nat.eval_only else {}),
               **({'vocab_size': cfg.vocab_size} if cfg.vocab_size else {}),
@@ -402,7 +402,7 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
               **({'pixels': cfg.emnist_pixels} if cfg.emnist_pixels != 'fedjax' else {}),
               **({'stackoverflow_test': cfg.stackoverflow_test, 'validation_seed': cfg.seed}
                  if cfg.stackoverflow_test != 'train_users' else {}),
-              **({'options': _added_options(cfg)} if _added_options(cfg) else {}),
+              **({'options': added} if added else {}),
               'seq_len': cfg.sequence_length, 'val_fraction': cfg.val_fraction,
               'seed': cfg.seed if cfg.val_fraction else None,
               'files': [(os.path.basename(f), local_files.content_digest(f)) for f in nat.files]}
@@ -449,24 +449,26 @@ _NOT_OPTIONS = ('dataset', 'partition', 'num_clients', 'alpha', 'classes_per_cli
                 'download')
 
 
+def _added_fields(cfg: DataConfig) -> dict:
+  """The fields a DataConfig subclass adds for a reader of one's own (BUILD.md,
+  "Add a data set"): neither built-in options nor pool settings."""
+  return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+          if f.name not in _NOT_OPTIONS + _OWN_OPTIONS}
+
+
 def _reader_options(cfg: DataConfig) -> dict:
   """Every option of ``cfg`` a natural data set's reader may name: the
-  built-in ones, and any DataConfig field added for a reader of one's own
-  (BUILD.md, "Add a data set")."""
-  options = dict(seq_len=cfg.sequence_length, windows=cfg.shakespeare_windows,
-                 pixels=cfg.emnist_pixels, **{k: getattr(cfg, k) for k in _OWN_OPTIONS})
-  options.update({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-                  if f.name not in _NOT_OPTIONS + _OWN_OPTIONS})
-  return options
+  built-in ones and the added fields."""
+  return dict(seq_len=cfg.sequence_length, windows=cfg.shakespeare_windows,
+              pixels=cfg.emnist_pixels, **{k: getattr(cfg, k) for k in _OWN_OPTIONS},
+              **_added_fields(cfg))
 
 
 def _added_options(cfg: DataConfig) -> dict:
-  """The options of fields added to DataConfig that the data set's reader
-  takes: part of its store's identity (a store made with another value is
-  not reused). The built-in ones are named in the identity one by one."""
-  added = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-           if f.name not in _NOT_OPTIONS + _OWN_OPTIONS}
-  return readers.reader_options(cfg.dataset, added)
+  """The added fields that the data set's reader takes: part of its store's
+  identity (a store made with another value is not reused). The built-in
+  options are named in the identity one by one."""
+  return readers.reader_options(cfg.dataset, _added_fields(cfg))
 
 
 def _load_natural(cfg: DataConfig) -> NaturalData:

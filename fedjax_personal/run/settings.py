@@ -29,8 +29,6 @@ __all__ = ['check', 'data_config', 'default_output_dir', 'DEFAULT_VAL_FRACTION',
            'sweepable', 'training_config', 'UsageError', 'val_fraction', 'validate_flags']
 
 
-
-
 class Flag(NamedTuple):
   """One flag of a ``Settings``: its value, and whether the command gave it."""
   value: Any
@@ -135,15 +133,10 @@ def training_config(opts: Settings) -> TrainingConfig:
   Returns:
     The ``TrainingConfig``.
   """
-  cfg = TrainingConfig(**{f.name: opts[f.name].value for f in dataclasses.fields(TrainingConfig)})
+  cfg = opts.of(TrainingConfig)
   if cfg.client_lr_schedule == 'linear' and cfg.client_lr_horizon is None:
     cfg = dataclasses.replace(cfg, client_lr_horizon=opts.rounds)
   return cfg
-
-
-def algorithm_config(opts: Settings, cls):
-  """An algorithm's settings class filled from its flags."""
-  return cls(**{f.name: opts[flag_name(cls, f.name)].value for f in dataclasses.fields(cls)})
 
 
 def sweepable() -> Dict[str, tuple]:
@@ -188,7 +181,7 @@ def resolve_algorithm_settings(opts: Settings, names, swept=()):
   training = training_config(opts)
   validate(training)
   for cls in algorithms_lib.config_classes():
-    validate(algorithm_config(opts, cls))
+    validate(opts.of(cls))
   training.check()
   specs = [algorithms_lib.spec(n) for n in names]
   ignored = {s.name: [] for s in specs}
@@ -197,7 +190,7 @@ def resolve_algorithm_settings(opts: Settings, names, swept=()):
               for s in specs}
     if all(unused.values()):
       if len(specs) == 1:
-        specs[0].validate(training, algorithm_config(opts, specs[0].config))  # its own reason
+        specs[0].validate(training, opts.of(specs[0].config))  # its own reason
       raise ConfigError(name, f'does nothing for {", ".join(names)}')
     for s in specs:
       if unused[s.name]:
@@ -220,7 +213,7 @@ def resolve_algorithm_settings(opts: Settings, names, swept=()):
     t = dataclasses.replace(training, **{n: getattr(defaults, n) for n in ignored[s.name]
                                          if hasattr(defaults, n)})
     own_default = s.config()
-    cfg = dataclasses.replace(algorithm_config(opts, s.config),
+    cfg = dataclasses.replace(opts.of(s.config),
                               **{f: getattr(own_default, f) for f in s.ignores})
     s.validate(t, cfg)
     if ignored[s.name]:
@@ -426,12 +419,13 @@ def job_identity(opts: Settings, fingerprint: str, cap=None) -> dict:
   Returns:
     The shared identity entries.
   """
-  cfg = dataclasses.asdict(data_config(opts))
+  data = data_config(opts)
+  cfg = dataclasses.asdict(data)
   if cap is not None:
     cfg['max_client_examples'] = cap
   cfg.pop('data_dir')  # where the files are does not matter; their content does
   cfg.pop('download')
-  cfg['seq_len'] = data_config(opts).sequence_length  # as before seq_len could be None
+  cfg['seq_len'] = data.sequence_length  # as before seq_len could be None
   for field in ('vocab_size', 'image_size'):
     if cfg[field] is None:  # not given: earlier runs keep their identity
       cfg.pop(field)
