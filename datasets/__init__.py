@@ -115,7 +115,11 @@ class DataConfig:
   max_examples: Optional[int] = hparam(None, 'Use at most this many examples of the pool.',
                                        minimum=1)
   synthetic_alpha: float = hparam(1.0, 'synthetic: Synthetic(alpha, beta)\'s model '
-                                  'heterogeneity alpha (Li et al., FedProx).', minimum=0)
+                                  'heterogeneity alpha (Li et al., FedProx). As in their '
+                                  'generator, u_k ~ N(0, alpha) shifts every entry of W_k and '
+                                  'b_k alike, hence every class\'s logit alike: no label '
+                                  'changes, so the command has no flag for it.', minimum=0,
+                                  command=False)
   synthetic_beta: float = hparam(1.0, 'synthetic: Synthetic(alpha, beta)\'s data heterogeneity '
                                  'beta.', minimum=0)
   seq_len: Optional[int] = hparam(None, 'Text data sets (' + ', '.join(TEXT_DATASETS) + '): the '

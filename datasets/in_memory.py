@@ -216,8 +216,9 @@ def synthetic(num_clients: int, alpha: float, beta: float, rng: np.random.Genera
   Returns:
     (client_x float32 [n_k, d], client_y int32 [n_k]) lists.
   """
-  if alpha < 0 or beta < 0:
-    raise ConfigError('alpha', f'synthetic alpha and beta must be >= 0, got {alpha}, {beta}')
+  for name, value in (('synthetic_alpha', alpha), ('synthetic_beta', beta)):
+    if value < 0:
+      raise ConfigError(name, f'must be >= 0, got {value}')
   sizes = np.minimum(rng.lognormal(4, 2, num_clients).astype(int) + 50, 1000)
   sigma = np.diag(np.arange(1, dim + 1, dtype=np.float64) ** -1.2)
   w_glob, b_glob = rng.normal(0, 1, (num_classes, dim)), rng.normal(0, 1, num_classes)

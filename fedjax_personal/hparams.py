@@ -18,12 +18,12 @@ from typing import Optional, Tuple
 from fedjax_personal.errors import ConfigError
 
 
-__all__ = ['field_types', 'flag_name', 'hparam', 'is_list', 'validate']
+__all__ = ['field_types', 'flag_fields', 'flag_name', 'hparam', 'is_list', 'validate']
 
 
 def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None, maximum=None,
            open_min: bool = False, open_max: bool = False, sweep: bool = False,
-           flag: Optional[str] = None, refusal: Optional[str] = None):
+           flag: Optional[str] = None, refusal: Optional[str] = None, command: bool = True):
   """A documented setting: a dataclass field carrying its flag's metadata.
 
   Args:
@@ -41,13 +41,16 @@ def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None,
       set's ``seed`` is ``--data_seed``: ``--seed`` is the run's).
     refusal: the wording of an out-of-range refusal (default: ``must be
       >= 1`` or ``must be in (0, 1]``).
+    command: False for a setting of the library alone, with no flag (one the
+      command could only ignore).
 
   Returns:
     A ``dataclasses.field`` carrying the metadata.
   """
   return dataclasses.field(default=default, metadata=dict(
       help=help, choices=choices, minimum=minimum, maximum=maximum, open_min=open_min,
-      open_max=open_max, sweep=sweep, flag=flag, refusal=refusal))
+      open_max=open_max, sweep=sweep, flag=flag, refusal=refusal,
+      command=command))
 
 
 def field_types(cls) -> dict:
@@ -96,6 +99,19 @@ def flag_name(cls, field: str) -> str:
     return meta['flag']
   prefix = getattr(cls, 'prefix', None)
   return f'{prefix}_{field}' if prefix else field
+
+
+def flag_fields(cls) -> list:
+  """The fields of a settings class that the command has a flag for (all
+  but those declared ``command=False``).
+
+  Args:
+    cls: a settings dataclass.
+
+  Returns:
+    Its ``dataclasses.Field`` s with a flag.
+  """
+  return [f for f in dataclasses.fields(cls) if f.metadata.get('command', True)]
 
 
 def _interval(meta) -> str:

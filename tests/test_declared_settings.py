@@ -12,7 +12,7 @@ import pytest
 from fedjax_personal import algorithms
 from fedjax_personal.config import TrainingConfig
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.hparams import flag_name, hparam, validate
+from fedjax_personal.hparams import flag_fields, flag_name, hparam, validate
 from fedjax_personal.run import cli, command_flags
 from helpers import parse_flags
 
@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _declared_flags():
   classes = [c for c, _ in command_flags.RUN_SETTINGS] + [TrainingConfig]
   classes += algorithms.config_classes()
-  return {flag_name(c, f.name): (c, f) for c in classes for f in dataclasses.fields(c)}
+  return {flag_name(c, f.name): (c, f) for c in classes for f in flag_fields(c)}
 
 
 def test_every_flag_of_the_command_is_a_declared_field():
@@ -76,10 +76,10 @@ def test_flags_are_generated_by_type():
 def test_the_data_flags_make_the_data_config():
   """The data set's settings reach ``DataConfig`` whole, with the main job's
   resolutions: --data_seed (else --seed), the partition, the validation share."""
-  parse_flags('--dataset=synthetic', '--synthetic_alpha=0.5', '--synthetic_beta=2',
-              '--seed=3', '--algorithm=fedavg')
+  parse_flags('--dataset=synthetic', '--synthetic_beta=2', '--seed=3', '--algorithm=fedavg')
   cfg = cli.data_config(cli.read_flags())
-  assert (cfg.synthetic_alpha, cfg.synthetic_beta, cfg.seed) == (0.5, 2.0, 3)
+  assert (cfg.synthetic_alpha, cfg.synthetic_beta, cfg.seed) == (1.0, 2.0, 3)
+  assert 'synthetic_alpha' not in flags.FLAGS  # it changes no label: no flag (declared so)
   assert (cfg.partition, cfg.num_clients, cfg.val_fraction) == ('natural', 40, 0.0)
   parse_flags('--dataset=shakespeare', '--seq_len=40', '--data_seed=1', '--algorithm=fedfomo')
   cfg = cli.data_config(cli.read_flags())

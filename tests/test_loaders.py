@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from fedjax_personal.datasets import DataConfig, in_memory, load_federated, local_files
+from fedjax_personal.errors import ConfigError
 
 
 def test_mnist_embedded_idx():
@@ -74,6 +75,25 @@ def test_synthetic_alpha_beta():
   assert dists.std(axis=0).mean() > 0.05
   d = load_federated(DataConfig(dataset='synthetic', partition='natural', num_clients=8))
   assert d.num_clients == 8 and d.train.x.shape[2] == 60
+
+
+def test_synthetic_settings_move_the_data():
+  """--synthetic_beta spreads the clients' feature means (v_k ~ N(B_k, 1),
+  B_k ~ N(0, beta)). alpha shifts every entry of W_k and b_k by one u_k, every
+  class's logit alike, so no label changes (FedProx's generator has it so;
+  the command has no flag for it). A negative one is refused naming it."""
+  def client_means(**kw):
+    d = load_federated(DataConfig(dataset='synthetic', partition='natural', num_clients=16,
+                                  seed=3, **kw))
+    n = np.asarray(d.train.num_examples)
+    return np.array([d.train.x[k, :n[k]].mean() for k in range(16)]), d.train.y
+  flat, y0 = client_means(synthetic_beta=0.0)
+  spread, _ = client_means(synthetic_beta=9.0)
+  assert flat.std() < 0.5 < 1.5 < spread.std()  # about 1/sqrt(60) against 3
+  _, y1 = client_means(synthetic_beta=0.0, synthetic_alpha=5.0)
+  np.testing.assert_array_equal(y0, y1)
+  with pytest.raises(ConfigError, match='--synthetic_beta: must be >= 0'):
+    in_memory.synthetic(2, 1.0, -1.0, np.random.default_rng(0))
 
 
 @pytest.mark.parametrize('name,shape,classes', [

@@ -14,7 +14,7 @@ from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal.config import TrainingConfig
 from fedjax_personal.core.engine import EngineSettings
 from fedjax_personal.datasets import DataConfig
-from fedjax_personal.hparams import field_types, flag_name, is_list
+from fedjax_personal.hparams import field_types, flag_fields, flag_name, is_list
 from fedjax_personal.models import ModelSettings
 from fedjax_personal.run.distributed import DistributedSettings
 from fedjax_personal.run.process_settings import ProcessSettings
@@ -69,7 +69,7 @@ def define_config_flags(cls, module_name: str, defaults=None, flag_values=None):
     None.
   """
   types = field_types(cls)
-  for f in dataclasses.fields(cls):
+  for f in flag_fields(cls):
     name, meta, t = flag_name(cls, f.name), f.metadata, types[f.name]
     default = (defaults or {}).get(name, f.default)
     kw = dict(module_name=module_name, flag_values=FLAGS if flag_values is None else flag_values)

@@ -18,7 +18,7 @@ from fedjax_personal import datasets as datasets_lib
 from fedjax_personal.run import run_identity
 from fedjax_personal.run.command_flags import FLAGS, RUN_SETTINGS, register  # noqa: F401
 from fedjax_personal.config import TrainingConfig
-from fedjax_personal.hparams import flag_name, validate
+from fedjax_personal.hparams import flag_fields, flag_name, validate
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import MODELS
 from fedjax_personal.core.sampling import CohortSampler
@@ -75,9 +75,10 @@ class Settings:
       cls: a settings dataclass whose flags were defined.
 
     Returns:
-      Its instance (the main job's defaults where a flag was not given).
+      Its instance (the main job's defaults where a flag was not given; a
+      field without a flag keeps its default).
     """
-    return cls(**{f.name: self.values[flag_name(cls, f.name)] for f in dataclasses.fields(cls)})
+    return cls(**{f.name: self.values[flag_name(cls, f.name)] for f in flag_fields(cls)})
 
 
 def read(flag_values) -> Settings:
@@ -289,9 +290,8 @@ def validate_flags(opts: Settings):
          f'sets the GLDv2 image size; --dataset={opts.dataset} has its images at their size')
   check(opts.seq_len is None or opts.dataset in datasets_lib.TEXT_DATASETS, 'seq_len',
         f'sets the rows\' length of a text data set; --dataset={opts.dataset} has none')
-  for name in ('synthetic_alpha', 'synthetic_beta'):
-    check(not opts[name].present or opts.dataset == 'synthetic', name,
-          f'sets the heterogeneity of --dataset=synthetic, not of {opts.dataset}')
+  check(not opts['synthetic_beta'].present or opts.dataset == 'synthetic', 'synthetic_beta',
+        f'sets the heterogeneity of --dataset=synthetic, not of {opts.dataset}')
   check(opts.test_fraction + val_fraction(opts) < 1, 'val_fraction',
          'test_fraction + val_fraction must be < 1')
   check(opts.latent_features in datasets_lib.LATENT_FEATURES, 'latent_features',
