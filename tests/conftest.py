@@ -10,9 +10,14 @@ os.environ.setdefault('TFDS_DISABLE_GCS', '1')
 # Tests read data only from the clone, the package and what they write: a
 # cache of their own (never ~/.cache/fedjax_personal), and real data sets only
 # in tests marked needs_data, through $FEDJAX_PERSONAL_DATA.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 os.environ['FEDJAX_PERSONAL_CACHE'] = tempfile.mkdtemp(prefix='fedjax_personal_test_cache_')
+# Removed when the session ends (each run's cache, up to 30 MB, stayed in
+# the temporary folder).
+atexit.register(shutil.rmtree, os.environ['FEDJAX_PERSONAL_CACHE'], True)
 
 # Most of a test's time is XLA compiling small programs: LLVM's cheaper
 # optimisation compiles them faster (tests/test_engine.py: 86 s -> 53 s on 2
