@@ -220,8 +220,10 @@ def _reset_flags():
 # test_personalization 241 s instead of 296 s on 2 cores).
 import jax  # noqa: E402
 
-_CACHE = os.environ.setdefault('JAX_COMPILATION_CACHE_DIR',
-                               tempfile.mkdtemp(prefix='fedjax_personal_xla_cache_'))
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:  # the session's own, removed at its end
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='fedjax_personal_xla_cache_')
+  atexit.register(shutil.rmtree, os.environ['JAX_COMPILATION_CACHE_DIR'], True)
+_CACHE = os.environ['JAX_COMPILATION_CACHE_DIR']
 jax.config.update('jax_compilation_cache_dir', _CACHE)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
