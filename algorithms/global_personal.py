@@ -4,7 +4,8 @@ a global model trained FedAvg-style plus a personal model per client.
 The global model is aggregated by ``fedavg.server_step`` on the mean delta
 (summed by the engine as clients finish); the personal models are a stacked
 [N, ...] pytree whose cohort rows are gathered where each client runs and
-scattered back. Only the global model's delta is uploaded.
+written back by the engine (``ClientRows.output``). Only the global model's
+delta is uploaded.
 """
 
 from typing import Callable, Optional
@@ -20,7 +21,7 @@ from fedjax_personal.algorithms.fedavg import server_step, summed_upload
 from fedjax_personal.models import Model
 from fedjax_personal.core.training import (ClientWork, LossStats, client_opt_init, opt_update,
                                       zero_stats)
-from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter
+from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes
 
 
 __all__ = ['global_personal_algorithm', 'GlobalPersonalOutput', 'GlobalPersonalState',
@@ -85,9 +86,9 @@ def global_personal_algorithm(name: str, model: Model, num_clients: int, work: C
                                tree_broadcast(params, num_clients))
 
   def server_update(state, cohort, out: GlobalPersonalOutput, rc):
+    # The engine wrote the new personal models (client_rows' output).
     params, opt_state = server_step(state.params, state.opt_state, out.delta, server_optimizer)
-    personal = tree_scatter(state.personal, cohort.rows, out.personal)
-    return (GlobalPersonalState(params, opt_state, personal),
+    return (GlobalPersonalState(params, opt_state, state.personal),
             cohort_train_metrics(out.stats, cohort.mask))
 
   def communication(state):
@@ -100,7 +101,7 @@ def global_personal_algorithm(name: str, model: Model, num_clients: int, work: C
       client_work=summed_upload(work, weighting), server_update=server_update,
       client_models=eval_models or (lambda s: ClientModels.personal(s.personal, num_clients)),
       communication=communication, finetune=finetune,
-      client_rows=ClientRows.field('personal'))
+      client_rows=ClientRows.field('personal', output='personal'))
 
 
 def two_model_work(step_fn: Callable, batching, opt_w: optax.GradientTransformation,

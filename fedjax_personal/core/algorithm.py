@@ -25,6 +25,7 @@ from flax import struct
 import jax
 import jax.numpy as jnp
 
+from fedjax_personal.core import tree_util
 from fedjax_personal.core.data import LocalData
 from fedjax_personal.models import Model
 from fedjax_personal.core.sampling import Cohort
@@ -147,21 +148,60 @@ class ClientRows:
   State that a round reads across the population (FedFomo's candidate
   models, user-centric's mixing of all N models) is not client rows.
 
+  With ``output`` (the rows a client reads are its own row and it returns
+  the new one), the engine writes the rows and the algorithm does not:
+    * ``server_broadcast``'s per-client part is ``rows(get(state),
+      cohort.rows)`` itself;
+    * the client output's field ``output`` holds the client's new row (the
+      tree of one row of ``get(state)``);
+    * the engine writes it at ``cohort.rows`` (``write``) before
+      ``server_update``, which gets the state with the rows written and that
+      field None. An executor that runs client blocks in a loop then writes
+      each block's new rows into the state's rows where the block ends,
+      reading each client's row from the same buffer: the round holds no
+      [C, ...] buffer of new rows (a Ditto round at cohort 50 of Stack
+      Overflow's LSTM: 126 MB less).
+
   Attributes:
     get: ``state -> rows`` (a pytree, every leaf [N or C, ...]).
     put: ``(state, rows) -> state`` with the rows replaced.
     models_from_rows: whether the clients' models are made from the rows
       (personal models) or not (SCAFFOLD's controls: a global model).
+    output: the client output's field holding the client's new row, which
+      the engine writes (None: ``server_update`` writes the rows).
   """
   get: Callable[[PyTree], PyTree]
   put: Callable[[PyTree, PyTree], PyTree]
   models_from_rows: bool = True
+  output: Optional[str] = None
 
   @staticmethod
-  def field(name: str, models_from_rows: bool = True) -> 'ClientRows':
+  def field(name: str, models_from_rows: bool = True,
+            output: Optional[str] = None) -> 'ClientRows':
     """The rows held in the state's dataclass field ``name``."""
     return ClientRows(get=lambda s: getattr(s, name),
-                      put=lambda s, r: s.replace(**{name: r}), models_from_rows=models_from_rows)
+                      put=lambda s, r: s.replace(**{name: r}), models_from_rows=models_from_rows,
+                      output=output)
+
+  def write(self, state: PyTree, at, outputs) -> tuple:
+    """``(state, outputs)`` with the cohort's new rows (the outputs' field
+    ``output``) written at rows ``at`` (``cohort.rows``; N or more: none) and
+    that field None; unchanged without ``output`` or when the rows were
+    written already (the field is None).
+
+    Args:
+      state: the algorithm's state.
+      at: [C] row of each cohort slot.
+      outputs: the cohort's client outputs.
+
+    Returns:
+      ``(state, outputs)``.
+    """
+    new = None if self.output is None else getattr(outputs, self.output)
+    if new is None:
+      return state, outputs
+    state = self.put(state, tree_util.tree_scatter(self.get(state), at, new))
+    return state, outputs.replace(**{self.output: None})
 
 
 @dataclasses.dataclass(frozen=True)

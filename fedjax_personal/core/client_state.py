@@ -69,9 +69,14 @@ def persistent_client_optimizer(alg: FederatedAlgorithm, num_clients: int) -> Fe
       step=lambda ctx, carry, batch, key: work.step(unwrap(ctx), carry, batch, key),
       final=lambda ctx, carry: (work.final(unwrap(ctx), carry), work.opt_state(carry)))
 
+  inner_rows = alg.client_rows
+
   def server_update(state, cohort, outputs, rc):
     out, opt_state = outputs
-    inner, metrics = alg.server_update(state.inner, cohort, out, rc)
+    inner = state.inner
+    if inner_rows is not None:  # the rows the engine writes for the algorithm alone
+      inner, out = inner_rows.write(inner, cohort.rows, out)
+    inner, metrics = alg.server_update(inner, cohort, out, rc)
     return WithClientOptState(inner, tree_scatter(state.opt_state, cohort.rows, opt_state)), metrics
 
   pre_round = alg.pre_round
@@ -85,7 +90,6 @@ def persistent_client_optimizer(alg: FederatedAlgorithm, num_clients: int) -> Fe
 
   # The optimizer states are client rows, with the algorithm's own if it has
   # them: (inner rows or None, optimizer states).
-  inner_rows = alg.client_rows
   client_rows = ClientRows(
       get=lambda s: (None if inner_rows is None else inner_rows.get(s.inner), s.opt_state),
       put=lambda s, r: WithClientOptState(

@@ -26,6 +26,8 @@ from fedjax_personal.core.population import rows_in_files
 from fedjax_personal.core.population import layout as layout_lib
 from fedjax_personal.core import memory
 from fedjax_personal.core.executors import EXECUTOR_NAMES, Executor
+from fedjax_personal.core import host as host_lib
+from fedjax_personal.core import tree_util
 from fedjax_personal.core.evaluation_stats import (  # noqa: F401  (the engine's API)
     evaluation_record, per_client_accuracy, summarize)
 from fedjax_personal.core.evaluation import eval_function
@@ -166,6 +168,32 @@ def pre_round_functions(alg: FederatedAlgorithm, ex: Executor, counts=None):
   return pr.due, rc_of, run, phase_client
 
 
+def rows_in_place(client_rows, state, per_client) -> bool:
+  """Whether a round's client blocks may read and write the state's client
+  rows in one buffer: the algorithm declares the clients' new rows
+  (``ClientRows.output``) and the per-client part of its broadcast is the
+  state's rows themselves at the cohort's rows (``tree_util.Rows`` of the
+  very arrays ``client_rows.get(state)`` holds), so each client's row is
+  read from the buffer its new row is written to.
+
+  Args:
+    client_rows: the algorithm's ``ClientRows`` or None.
+    state: the round's state (traced).
+    per_client: the engine's per-client inputs ``(data_rows, broadcast part, keys)``.
+
+  Returns:
+    bool.
+  """
+  if client_rows is None or client_rows.output is None:
+    return False
+  part = per_client[1]
+  if not tree_util.is_rows(part):
+    return False
+  held = jax.tree.leaves(client_rows.get(state))
+  read = jax.tree.leaves(part.source)
+  return len(held) == len(read) and all(a is b for a, b in zip(held, read))
+
+
 def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executor, counts=None):
   """The pieces of one round of ``alg``: (pre, make_ctx, post, fused_round).
 
@@ -215,6 +243,8 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
 
   def post(state, cohort, outputs, rc):
     counts['post'] += 1
+    if alg.client_rows is not None:  # the new rows the engine writes (ClientRows.output)
+      state, outputs = alg.client_rows.write(state, cohort.rows, outputs)
     state, metrics = alg.server_update(state, cohort, outputs, rc)
     metrics = dict(metrics)
     counted = cohort_counts(alg, state, cohort, metrics)  # takes PARTICIPATED out of metrics
@@ -239,12 +269,26 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
     if cohort is None:  # the host layout runs the phase apart (it streams every client)
       state, phase = fused_pre_round(state, key, round_num, train, val)
     cohort, rc, shared, per_client = pre(state, key, round_num, cohort)
-    outputs = ex.run_work(alg.client_work, make_ctx, (shared, train, val), per_client,
-                          active=cohort.mask)
+    if ex.writes_rows and rows_in_place(alg.client_rows, state, per_client):
+      # The client blocks read and write the state's rows (ClientRows.output).
+      cr = alg.client_rows
+      outputs, new_rows = ex.run_work(alg.client_work, make_ctx, (shared, train, val),
+                                      per_client, active=cohort.mask,
+                                      rows_in_place=(cr.output, 1))
+      state, outputs = cr.put(state, new_rows), outputs.replace(**{cr.output: None})
+    else:
+      outputs = ex.run_work(alg.client_work, make_ctx, (shared, train, val), per_client,
+                            active=cohort.mask)
     state, metrics = post(state, cohort, outputs, rc)
     return state, {**metrics, **phase}
 
   return pre, make_ctx, post, fused_round
+
+
+#: A hosted-rows round whose cohort's rows take at least this many bytes
+#: hands the heap's free pages back when it ends (``host.return_free_heap``):
+#: the size above which glibc's own defaults return a freed block.
+RETURN_HEAP_BYTES = 32 << 20
 
 
 class RoundRunner:
@@ -423,6 +467,10 @@ class RoundRunner:
       state, metrics = work(state, key, jnp.asarray(rnd, jnp.int32), train, val, cohort, donate)
       return state, {**metrics, **ph}
 
+    row_bytes = (0 if not self.hosted_rows else  # one client's rows
+                 sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
+                     for a in jax.tree.leaves(alg.client_rows.get(shapes))))
+
     def round_hosted(state, key, rnd, donate, next_key=None):
       """The round of an algorithm whose client rows live on the host: the
       cohort's rows gathered into the state, the new ones scattered back."""
@@ -433,11 +481,15 @@ class RoundRunner:
         self.feed.request(next_key, rnd + 1)
       idx, mask = jax.device_get((cohort.idx, cohort.mask))
       full = cr.put(inner, rows_in_memory.gather_rows(rows, idx))
+      if row_bytes * len(idx) >= RETURN_HEAP_BYTES:  # the gather's host copies
+        host_lib.return_free_heap()
       full, metrics = work(full, key, jnp.asarray(rnd, jnp.int32), train, val,
                            cohort.with_gathered_rows(host.num_clients), donate)
       inner = cr.put(full, rows_in_memory.empty_rows(rows))
       rows_in_memory.scatter_rows(rows, idx, mask & (idx < host.num_clients), cr.get(full), inner)
       del full
+      if row_bytes * len(idx) >= RETURN_HEAP_BYTES:
+        host_lib.return_free_heap()
       return rows_in_memory.HostedState(inner, rows, cr), {**metrics, **ph}
     self._round = round_hosted if self.hosted_rows else round_host
     self._evaluate = evaluation.host_evaluation(

@@ -56,6 +56,9 @@ class Executor(abc.ABC):
   #: True when calls may be traced inside an outer ``jax.jit`` (then a round is
   #: one compiled function); False when the executor dispatches from Python.
   fused: bool = True
+  #: True when ``run_work`` takes ``rows_in_place``: the client blocks read
+  #: and write the state's client rows in one buffer (``ClientRows.output``).
+  writes_rows: bool = False
   #: Chosen by ``auto`` on an accelerator: the round runner fits its blocks to
   #: the device's free memory and the cohort's work (``fitting``).
   plan_memory: bool = False
@@ -161,6 +164,7 @@ class BlockedExecutor(Executor):
     if self.num_threads < 1:
       raise ValueError(f'num_threads must be >= 1, got {self.num_threads}')
     self.fused = self.num_threads == 1
+    self.writes_rows = self.fused
     if not self.fused:
       self._pool = concurrent.futures.ThreadPoolExecutor(self.num_threads)
       self._compiled, self._seen = {}, set()
@@ -205,17 +209,21 @@ class BlockedExecutor(Executor):
       out = scan_blocks(jax.vmap(client), jnp.asarray(pos[0]), valid[0])
     return map_stacked(lambda o: o.reshape((-1,) + o.shape[2:])[:c], out)
 
-  def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None):
+  def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None,
+               rows_in_place=None):
     """Client work in blocks of clients of similar work (``work_layout``):
     each block runs its longest client's steps and only blocks holding
     active clients run, so a heavy-tailed cohort costs about its real
-    steps, not blocks x the padded maximum."""
+    steps, not blocks x the padded maximum. With ``rows_in_place`` (fused
+    only: ``(output field, per_client slot)``, see ``block_loop``) returns
+    ``(outputs, new rows)``."""
     c = tree_util.cohort_size(per_client)
     if not self.fused:
       return self._threaded_work(work, make_ctx, shared, per_client, active, c, num_steps)
     steps = work_steps(work, make_ctx, shared, per_client, active)
     pos, ok, limit, count = traced_work_layout(steps, active_mask(active, c), self.block_size)
-    return block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c)
+    return block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c,
+                      rows_in_place=rows_in_place)
 
   def _threaded_work(self, work, make_ctx, shared, per_client, active, c, num_steps=None):
     """The threaded form of ``run_work``: the step counts (the engine's host

@@ -62,7 +62,7 @@ def map_stacked(f, out):
                       is_leaf=aggregation.is_sum)
 
 
-def scan_blocks(block_fn, positions, valid, rows=None, count=None):
+def scan_blocks(block_fn, positions, valid, rows=None, count=None, sink=None):
   """Runs ``block_fn`` over blocks of cohort positions ([nb, bs], or a
   pytree of [nb, ...] arrays: what each block receives) in a loop: ``Sum``
   outputs are reduced over each block's valid slots and accumulated in the
@@ -74,24 +74,36 @@ def scan_blocks(block_fn, positions, valid, rows=None, count=None):
   int, ``rows`` required) only the first ``count`` blocks run (a
   ``fori_loop``): empty blocks cost nothing.
 
+  With ``sink = (held, at)``, ``held`` (a pytree of [R, ...] rows) is
+  carried by the loop too: ``block_fn(positions, held) -> (outputs, new
+  rows [bs, ...])`` reads the rows it needs from the carried ``held`` and
+  its new rows are written into it at ``at`` ([nb, bs] rows; R or more:
+  dropped) when the block ends.
+
   Args:
-    block_fn: ``positions -> outputs`` of one block.
+    block_fn: ``positions -> outputs`` of one block (with ``sink``:
+      ``(positions, held) -> (outputs, new rows)``).
     positions: [nb, bs] positions (or a pytree of [nb, ...]).
     valid: real slots [nb, bs].
     rows: ``(c, [nb, bs] cohort rows)``: write stacked outputs in place (None: stack them).
     count: blocks to run (traced; ``rows`` required).
+    sink: ``(held, at)``: rows read and written by the blocks in place.
 
   Returns:
-    The outputs: ``Sum`` nodes summed, the others stacked.
+    The outputs: ``Sum`` nodes summed, the others stacked; with ``sink``,
+    ``(outputs, held with the new rows written)``.
   """
-  def body(pos, ok):
-    return aggregation.sum_clients(block_fn(pos), ok)
+  held, at = sink if sink is not None else ((), None)
+
+  def body(pos, ok, held):
+    out, new = block_fn(pos, held) if sink is not None else (block_fn(pos), ())
+    return aggregation.sum_clients(out, ok), new
 
   # Traced once (the jaxpr gives the carry's shapes and is the loop body).
-  closed, shape = jax.make_jaxpr(body, return_shape=True)(
-      jax.tree.map(lambda a: a[0], positions), valid[0])
+  closed, (shape, _) = jax.make_jaxpr(body, return_shape=True)(
+      jax.tree.map(lambda a: a[0], positions), valid[0], held)
   body_fn = jax.extend.core.jaxpr_as_fun(closed)
-  out_tree = jax.tree.structure(shape)
+  out_tree = jax.tree.structure((shape, held))
   nodes, treedef = jax.tree.flatten(shape, is_leaf=aggregation.is_sum)
   flags = [aggregation.is_sum(n) for n in nodes]
   init = [jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), n.value)
@@ -103,26 +115,29 @@ def scan_blocks(block_fn, positions, valid, rows=None, count=None):
             for n, f in zip(nodes, flags) if not f]
 
   def step(carry, xs):
-    acc, bufs = carry
-    leaves, ok, at = xs
-    out = jax.tree.unflatten(out_tree, body_fn(*leaves, ok))
+    acc, bufs, held = carry
+    leaves, ok, at_rows, at_held = xs
+    out, new = jax.tree.unflatten(out_tree, body_fn(*leaves, ok, *jax.tree.leaves(held)))
     out = jax.tree.flatten(out, is_leaf=aggregation.is_sum)[0]
     sums = [n.value for n, f in zip(out, flags) if f]
     stacked = [n for n, f in zip(out, flags) if not f]
     acc = jax.tree.map(jnp.add, acc, sums)
+    held = jax.tree.map(lambda h, v: h.at[at_held].set(v, mode='drop'), held, new)
     if bufs is None:
-      return (acc, None), stacked
-    bufs = jax.tree.map(lambda b, o: b.at[at].set(o, mode='drop'), bufs, stacked)
-    return (acc, bufs), None
+      return (acc, None, held), stacked
+    bufs = jax.tree.map(lambda b, o: b.at[at_rows].set(o, mode='drop'), bufs, stacked)
+    return (acc, bufs, held), None
 
-  xs = (jax.tree.leaves(positions), valid, rows)
+  xs = (jax.tree.leaves(positions), valid, rows, at)
   if count is None:
-    (acc, bufs), stacked = jax.lax.scan(step, (init, bufs), xs)
+    (acc, bufs, held), stacked = jax.lax.scan(step, (init, bufs, held), xs)
   else:
-    (acc, bufs) = jax.lax.fori_loop(
-        0, count, lambda i, carry: step(carry, jax.tree.map(lambda a: a[i], xs))[0], (init, bufs))
+    (acc, bufs, held) = jax.lax.fori_loop(
+        0, count, lambda i, carry: step(carry, jax.tree.map(lambda a: a[i], xs))[0],
+        (init, bufs, held))
   acc, stacked = iter(acc), iter(stacked if bufs is None else bufs)
-  return treedef.unflatten([aggregation.Sum(next(acc)) if f else next(stacked) for f in flags])
+  out = treedef.unflatten([aggregation.Sum(next(acc)) if f else next(stacked) for f in flags])
+  return (out, held) if sink is not None else out
 
 
 def work_steps(work, make_ctx, shared, per_client, active):
@@ -242,10 +257,20 @@ def traced_work_layout(steps, active, bs: int):
   return pos, ok, limit, (jnp.sum(active.astype(jnp.int32)) + bs - 1) // bs
 
 
-def block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c):
+def block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c,
+               rows_in_place=None):
   """The first ``count`` blocks (``pos`` [nb, bs], ``limit`` [nb]) of client
   work vectorized within a block, each block ``limit`` steps; stacked
   outputs written at their cohort rows of [c, ...] buffers.
+
+  With ``rows_in_place = (field, slot)``, ``per_client[slot]`` is a
+  ``tree_util.Rows`` of the state's client rows and the client output's
+  ``field`` is the client's new row (``ClientRows.output``): the loop
+  carries those rows, each block reads its clients' rows from them and
+  writes its new rows into them where it ends, so that no [c, ...] buffer
+  of new rows is made (a client's row is read before it is written: a
+  cohort holds each client once, and slots that are not real write
+  nothing).
 
   Args:
     work: the ``ClientWork``.
@@ -257,17 +282,35 @@ def block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c):
     ok: real slots [nb, bs].
     count: blocks to run (traced).
     c: the cohort size.
+    rows_in_place: ``(field, slot)`` or None.
 
   Returns:
-    The outputs: ``Sum`` nodes summed, the others [c, ...].
+    The outputs: ``Sum`` nodes summed, the others [c, ...]; with
+    ``rows_in_place``, ``(outputs with field None, the rows written)``.
   """
-  client = limited_client(work, make_ctx, shared, per_client)
-  if pos.shape[-1] == 1:  # one client a block: its own shapes, no batched matmuls of one
-    block = lambda x: jax.tree.map(lambda a: a[None], client(x[0][0], x[1]))
+  sink = None
+  if rows_in_place is None:
+    client = limited_client(work, make_ctx, shared, per_client)
   else:
-    block = lambda x: jax.vmap(client, in_axes=(0, None))(*x)
+    field, slot = rows_in_place
+    source = per_client[slot]
+
+    def client(p, lim, held):
+      inputs = tuple(tree_util.Rows(held, source.idx) if i == slot else x
+                     for i, x in enumerate(per_client))
+      ctx, key = make_ctx(shared, tree_util.client_slice(inputs, p))
+      out = training.run_work(work, ctx, key, lim)
+      return out.replace(**{field: None}), getattr(out, field)
+    n = jax.tree.leaves(source.source)[0].shape[0]
+    sink = (source.source, jnp.where(ok, source.idx[pos], n))
+  args = () if sink is None else (None,)
+  if pos.shape[-1] == 1:  # one client a block: its own shapes, no batched matmuls of one
+    block = lambda x, *h: jax.tree.map(lambda a: a[None], client(x[0][0], x[1], *h))
+  else:
+    block = lambda x, *h: jax.vmap(client, in_axes=(0, None) + args)(*x, *h)
   with training.unroll_steps(False):
-    return scan_blocks(block, (pos, limit), ok, rows=(c, jnp.where(ok, pos, c)), count=count)
+    return scan_blocks(block, (pos, limit), ok, rows=(c, jnp.where(ok, pos, c)), count=count,
+                       sink=sink)
 
 
 @jax.jit

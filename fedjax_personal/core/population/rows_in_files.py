@@ -22,7 +22,7 @@ they use memory rows.
 """
 
 import os
-from typing import List
+from typing import List, Optional
 
 import jax
 import numpy as np
@@ -31,10 +31,15 @@ import numpy as np
 __all__ = ['disk_bytes', 'DiskRows', 'init_on_disk', 'RowMaker']
 
 
+#: Clients whose initial rows one call of ``RowMaker`` makes: a cohort's in
+#: a few calls of one compiled program per leaf, each holding 8 rows.
+MADE_PER_CALL = 8
+
+
 class RowMaker:
   """The initial rows of any clients: ``init(key)``'s client rows at the
   given indices, one leaf at a time, on the CPU backend (one compiled
-  program per leaf and power-of-two number of clients; XLA reads a
+  program per leaf, ``MADE_PER_CALL`` clients a call; XLA reads a
   broadcast's rows without making the rest, and computes only the leaf
   asked for). Nothing is kept between calls: a cohort's new rows are made
   once, leaf by leaf, as the gather reads them.
@@ -60,15 +65,25 @@ class RowMaker:
     key = jax.random.wrap_key_data(data, impl=jax.random.key_impl(self._key))
     self._key = jax.device_put(key, self._cpu)
 
-  def __call__(self, idx: np.ndarray, leaf: int) -> np.ndarray:
+  def __call__(self, idx: np.ndarray, leaf: int, out: Optional[np.ndarray] = None) -> np.ndarray:
     """The initial rows of clients ``idx`` of one leaf (its place in
-    ``jax.tree.leaves`` of the client rows)."""
+    ``jax.tree.leaves`` of the client rows), written into ``out`` ([len(idx),
+    ...]; None: a new array) ``MADE_PER_CALL`` clients a call (one compiled
+    program per leaf), so that a cohort's new rows are made without a
+    second copy of them; returns ``out``."""
     idx = np.asarray(idx, np.int64)
-    size = 1 << max(0, int(len(idx) - 1).bit_length())
-    padded = np.concatenate([idx, np.repeat(idx[:1], size - len(idx))]).astype(np.int32)
-    with jax.default_device(self._cpu):
-      out = self._fn(self._key, padded, leaf)
-    return np.asarray(out)[:len(idx)]
+    if out is None:
+      shape = jax.eval_shape(self._fn, self._key, idx[:1].astype(np.int32), leaf)
+      out = np.empty((len(idx),) + shape.shape[1:], shape.dtype)
+    for start in range(0, len(idx), MADE_PER_CALL):
+      part = idx[start:start + MADE_PER_CALL]
+      padded = np.concatenate([part, np.repeat(part[:1], MADE_PER_CALL - len(part))])
+      padded = padded.astype(np.int32)
+      with jax.default_device(self._cpu):
+        made = self._fn(self._key, padded, leaf)
+      out[start:start + len(part)] = np.asarray(made)[:len(part)]
+      del made
+    return out
 
 
 class DiskRows:
@@ -111,7 +126,13 @@ class DiskRows:
     out = np.empty((len(idx),) + self.row_shape, self.dtype)
     written = self.made[idx]
     if not written.all():
-      out[~written] = self.maker(idx[~written], self.leaf)
+      new = np.flatnonzero(~written)
+      if len(new) == len(idx):  # every row new: made in place
+        self.maker(idx, self.leaf, out)
+      else:
+        made = np.empty((len(new),) + self.row_shape, self.dtype)
+        self.maker(idx[new], self.leaf, made)
+        out[new] = made
     for j in np.flatnonzero(written):
       data = os.pread(self._fd, self.row_bytes, int(idx[j]) * self.row_bytes)
       if len(data) != self.row_bytes:

@@ -203,7 +203,8 @@ def gather_rows(rows, idx: np.ndarray):
   """
   n = jax.tree.leaves(rows)[0].shape[0]
   safe = np.minimum(np.asarray(idx), n - 1)
-  return jax.tree.map(lambda a: jnp.asarray(a[safe]), rows)
+  # One copy each (jnp.asarray makes two), into a buffer the round may donate.
+  return jax.tree.map(lambda a: jax.device_put(a[safe], may_alias=False), rows)
 
 
 def scatter_rows(rows, idx: np.ndarray, valid: np.ndarray, new, keep=()) -> None:
@@ -226,8 +227,11 @@ def scatter_rows(rows, idx: np.ndarray, valid: np.ndarray, new, keep=()) -> None
   leaves = jax.tree.leaves(new)
   del new
   done = {id(x) for x in jax.tree.leaves(keep)}
+  every = bool(valid.all())
   for a, b in zip(jax.tree.leaves(rows), leaves):
-    a[idx[valid]] = np.asarray(jax.device_get(b))[valid]
+    host = np.asarray(jax.device_get(b))
+    a[idx[valid]] = host if every else host[valid]
+    del host
     if isinstance(b, jax.Array) and id(b) not in done:
       done.add(id(b))
       b.delete()
