@@ -530,16 +530,21 @@ class RoundRunner:
     ``HostedState`` joined; any other state as it is)."""
     return state.whole() if isinstance(state, rows_in_memory.HostedState) else state
 
-  def compiled_text(self, state, key, round_num: int = 0) -> str:
-    """XLA's compiled HLO of one fused round (with a sharded executor, its
-    collectives are the round's communication: ``memory.hlo_collectives``)."""
+  def compiled(self, state, key, round_num: int = 0) -> jax.stages.Compiled:
+    """XLA's compiled fused round (the device layout): its ``as_text()``,
+    ``memory_analysis()``, ``cost_analysis()``."""
     if self.host is not None:
       raise ValueError('the host layout compiles one round per cohort shape; use --layout=device')
     if not self.executor.fused:
       raise ValueError(f'{self.executor.describe()} dispatches client work from Python: '
                        'no single compiled round')
     return self._round_jit.lower(state, key, jnp.asarray(round_num, jnp.int32), self.data.train,
-                                 self.data.val).compile().as_text()
+                                 self.data.val).compile()
+
+  def compiled_text(self, state, key, round_num: int = 0) -> str:
+    """XLA's compiled HLO of one fused round (with a sharded executor, its
+    collectives are the round's communication: ``memory.hlo_collectives``)."""
+    return self.compiled(state, key, round_num).as_text()
 
   def round(self, state, key, round_num=0, donate: bool = False, next_key=None):
     """Round ``round_num`` (rounds done before it; per-round schedules read
