@@ -64,6 +64,30 @@ def test_store_written_and_read_back(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, back, padded)
 
 
+def test_stores_written_side_by_side_into_one_folder(tmp_path):
+  """Two processes building the same store at once (runs started side by
+  side): the one that finishes second keeps the first one's store of the
+  same content (its readers keep their files) and drops its own; a store of
+  other content is replaced, nothing of either left beside it."""
+  rng = np.random.default_rng(2)
+  clients = _clients(rng, [3, 4, 2])
+  first, second = (store_lib.StoreWriter(tmp_path / 's', {'what': 'made'}) for _ in range(2))
+  for w in (first, second):
+    for tr in clients:
+      w.add(tr)
+  kept = first.close('made', 4)
+  reader = kept.gather('train', [1], 4)
+  again = second.close('made', 4)
+  assert again.digest == kept.digest
+  np.testing.assert_array_equal(again.gather('train', [1], 4).x, reader.x)
+  other = store_lib.StoreWriter(tmp_path / 's', {'what': 'made'})
+  for tr in _clients(rng, [5, 1]):
+    other.add(tr)
+  replaced = other.close('made', 4)
+  assert replaced.digest != kept.digest and replaced.num_clients == 2
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['s']
+
+
 def test_bad_stores_are_refused_in_one_line(tmp_path):
   rng = np.random.default_rng(1)
   w = store_lib.StoreWriter(tmp_path / 's', {'dataset': 'emnist'})

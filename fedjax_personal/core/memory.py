@@ -10,7 +10,8 @@ stops before the first round, saying what would. The estimate, per device:
 * resident: the algorithm's state (server state, replicated; the per-client
   rows, N of them, split over the devices) and the stacked outputs of the
   cohort the round scatters back into it (per-client rows again, C of them:
-  Ditto's new personal models);
+  Ditto's new personal models; still counted where the blocked loop writes
+  them in place, ``ClientRows.output``: measured on a CPU, not on a GPU);
 * per client of a block: its working copies of the model (start, current
   parameters, gradients, optimizer state, update: ``MODEL_COPIES`` times the
   model's bytes) plus the working bytes of one local step (``step_bytes``:

@@ -28,10 +28,12 @@ against array_record records of whole clients (BUILD.md, "Population store").
 """
 
 import collections
+import errno
 import hashlib
 import json
 import os
 import pathlib
+import secrets
 import shutil
 import zlib
 from typing import List, Optional, Sequence
@@ -200,9 +202,10 @@ def _alive(pid: int) -> bool:
 
 
 def remove_leftovers(parent) -> List[str]:
-  """Removes the unfinished stores (``*.partial-<pid>``) and the damaged
-  ones being removed (``*.damaged-<pid>``) of processes that no longer
-  run (killed mid-build); returns their names.
+  """Removes the unfinished stores (``*.partial-<pid>``), the damaged
+  ones being removed (``*.damaged-<pid>``) and the replaced ones
+  (``*.replaced-<pid>``) of processes that no longer run (killed
+  mid-build); returns their names.
 
   Args:
     parent: the stores' folder.
@@ -217,7 +220,7 @@ def remove_leftovers(parent) -> List[str]:
   for path in parent.iterdir():
     tail = path.name.rpartition('.')[2]
     kind, _, pid = tail.partition('-')
-    if kind in ('partial', 'damaged') and pid.isdigit() and not _alive(int(pid)):
+    if kind in ('partial', 'damaged', 'replaced') and pid.isdigit() and not _alive(int(pid)):
       shutil.rmtree(path, ignore_errors=True)
       removed.append(path.name)
   return removed
@@ -235,7 +238,10 @@ class StoreWriter:
 
   def __init__(self, folder, identity: dict):
     self.folder = pathlib.Path(folder)
-    self.partial = self.folder.with_name(self.folder.name + f'.partial-{os.getpid()}')
+    self._before = _inode(self.folder)  # the store this one replaces, if any
+    # One per writer, of this process (remove_leftovers reads the pid).
+    self.partial = self.folder.with_name(
+        f'{self.folder.name}.{secrets.token_hex(4)}.partial-{os.getpid()}')
     remove_leftovers(self.folder.parent)
     if self.partial.exists():
       shutil.rmtree(self.partial)
@@ -325,15 +331,57 @@ class StoreWriter:
                 'digest': self._hash.hexdigest()[:16],
                 'blocks': {'bytes': BLOCK_BYTES, 'crc32': crcs}}
     (self.partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    if self.folder.exists():
-      shutil.rmtree(self.folder)
-    os.replace(self.partial, self.folder)
-    return open_store(self.folder, identity=self.identity)
+    return self._publish(manifest['digest'])
+
+  def _publish(self, digest: str) -> 'PopulationStore':
+    """Moves the written store to its folder. Another process writing the
+    same store into the same folder may finish first (runs started side by
+    side on a fresh machine): a store published there since this writer
+    started, of the same format, identity and content digest, is kept and
+    this one dropped; any other store there (the one this writer rebuilds)
+    is replaced, moved aside by a rename first so that no reader sees a
+    half-removed one."""
+    for _ in range(3):
+      now = _inode(self.folder)
+      if now is not None and now != self._before:
+        try:
+          theirs = json.loads((self.folder / MANIFEST).read_text())
+        except (OSError, ValueError):
+          theirs = {}
+        if (theirs.get('digest') == digest and theirs.get('format') == FORMAT
+            and theirs.get('identity') == self.identity):
+          shutil.rmtree(self.partial, ignore_errors=True)
+          return open_store(self.folder, identity=self.identity)
+      aside = self.folder.with_name(f'{self.folder.name}.replaced-{os.getpid()}')
+      try:
+        os.replace(self.folder, aside)
+      except FileNotFoundError:
+        pass
+      try:
+        os.replace(self.partial, self.folder)
+      except OSError as e:  # another process's store took the folder meanwhile
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+          raise
+        continue
+      finally:
+        shutil.rmtree(aside, ignore_errors=True)
+      return open_store(self.folder, identity=self.identity)
+    raise DataError(f'{self.folder}: other processes keep replacing this store; run one at a '
+                    'time')
 
   def abort(self) -> None:
     for f in self._files.values():
       f.close()
     shutil.rmtree(self.partial, ignore_errors=True)
+
+
+def _inode(folder) -> Optional[int]:
+  """The folder's inode number (None: no folder): tells a store published
+  since from the one that was there."""
+  try:
+    return os.stat(folder).st_ino
+  except FileNotFoundError:
+    return None
 
 
 def _as_json(obj):
