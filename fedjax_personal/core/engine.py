@@ -481,8 +481,6 @@ class RoundRunner:
         self.feed.request(next_key, rnd + 1)
       idx, mask = jax.device_get((cohort.idx, cohort.mask))
       full = cr.put(inner, rows_in_memory.gather_rows(rows, idx))
-      if row_bytes * len(idx) >= RETURN_HEAP_BYTES:  # the gather's host copies
-        host_lib.return_free_heap()
       full, metrics = work(full, key, jnp.asarray(rnd, jnp.int32), train, val,
                            cohort.with_gathered_rows(host.num_clients), donate)
       inner = cr.put(full, rows_in_memory.empty_rows(rows))
