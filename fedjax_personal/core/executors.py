@@ -24,7 +24,6 @@ import os
 from typing import Any, Callable, Optional, Sequence
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -56,8 +55,7 @@ class Executor(abc.ABC):
   #: True when calls may be traced inside an outer ``jax.jit`` (then a round is
   #: one compiled function); False when the executor dispatches from Python.
   fused: bool = True
-  #: True when ``run_work`` takes ``rows_in_place``: the client blocks read
-  #: and write the state's client rows in one buffer (``ClientRows.output``).
+  #: ``run_work`` takes ``rows_in_place`` (``work_layout.block_loop``).
   writes_rows: bool = False
   #: Chosen by ``auto`` on an accelerator: the round runner fits its blocks to
   #: the device's free memory and the cohort's work (``fitting``).
@@ -214,9 +212,8 @@ class BlockedExecutor(Executor):
     """Client work in blocks of clients of similar work (``work_layout``):
     each block runs its longest client's steps and only blocks holding
     active clients run, so a heavy-tailed cohort costs about its real
-    steps, not blocks x the padded maximum. With ``rows_in_place`` (fused
-    only: ``(output field, per_client slot)``, see ``block_loop``) returns
-    ``(outputs, new rows)``."""
+    steps, not blocks x the padded maximum. With ``rows_in_place`` (fused:
+    ``block_loop``'s) returns ``(outputs, new rows)``."""
     c = tree_util.cohort_size(per_client)
     if not self.fused:
       return self._threaded_work(work, make_ctx, shared, per_client, active, c, num_steps)
@@ -243,7 +240,7 @@ class BlockedExecutor(Executor):
     pos, ok, limit, count = work_layout(steps, act, self.block_size, parts)
     outs = self._on_threads(
         lambda t: jax.block_until_ready(loop(shared, per_client, pos[t], limit[t], ok[t], count[t])),
-        parts, (key, _shapes((shared, per_client, pos[0]))))
+        parts, (key, tree_util.shapes((shared, per_client, pos[0]))))
     owner = np.zeros(c, np.int32)
     for t in range(parts):
       owner[pos[t][ok[t]]] = t
@@ -262,7 +259,7 @@ class BlockedExecutor(Executor):
       self._compiled[('map', fn)] = jax.jit(loop)
     loop = self._compiled[('map', fn)]
     outs = self._on_threads(lambda t: loop(shared, per_client, pos[t], valid[t]), parts,
-                            ('map', fn, _shapes((shared, per_client, pos[0]))))
+                            ('map', fn, tree_util.shapes((shared, per_client, pos[0]))))
     return join_parts(outs, c)
 
   def _on_threads(self, call, parts, signature):
@@ -275,13 +272,6 @@ class BlockedExecutor(Executor):
       self._seen.add(signature)
       first = [call(0)]
     return first + list(self._pool.map(call, range(len(first), parts)))
-
-
-def _shapes(tree) -> tuple:
-  """The shapes and dtypes of a pytree's leaves, hashable (a compiled
-  function's signature)."""
-  return tuple((np.shape(a), str(getattr(a, 'dtype', type(a).__name__)))
-               for a in jax.tree.leaves(tree))
 
 
 @dataclasses.dataclass

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ['client_slice', 'cohort_size', 'is_concrete', 'leading_size', 'PyTree', 'Rows', 'rows',
-           'SCATTER_CHUNK', 'tree_broadcast', 'tree_bytes', 'tree_gather', 'tree_scatter',
+           'SCATTER_CHUNK', 'shapes', 'tree_broadcast', 'tree_bytes', 'tree_gather', 'tree_scatter',
            'tree_where']
 
 
@@ -210,3 +210,17 @@ def tree_bytes(x: PyTree) -> int:
   return int(sum(np.prod(a.shape, dtype=np.int64) * np.dtype(a.dtype).itemsize
                  for a in jax.tree.leaves(x)))
 
+
+
+def shapes(tree) -> tuple:
+  """The shapes and dtypes of a pytree's leaves, hashable (a compiled
+  function's signature).
+
+  Args:
+    tree: a pytree of arrays (or abstract values).
+
+  Returns:
+    ``((shape, dtype name), ...)``.
+  """
+  return tuple((np.shape(a), str(getattr(a, 'dtype', type(a).__name__)))
+               for a in jax.tree.leaves(tree))

@@ -9,6 +9,7 @@ executors (``core/executors.py``) run client work through these pieces.
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
