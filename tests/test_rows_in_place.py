@@ -105,3 +105,19 @@ def test_broadcast_of_other_rows_is_not_written_in_place(digits):
   assert max_diff(in_place, vmapped) < 1e-6
   assert max_diff(in_place, rounds(alg, digits, VmapExecutor(), num_rounds=2)) > 1e-3
   np.testing.assert_equal(jax.tree.structure(in_place), jax.tree.structure(vmapped))
+
+
+def test_persistent_client_optimizer_writes_the_inner_rows(digits):
+  """Wrapped with persistent client optimizer states (rows of their own),
+  Ditto's personal models are written by the wrapper's server update: they
+  train, the same under blocks and vmap."""
+  from fedjax_personal.core.client_state import persistent_client_optimizer
+  model = mlp(digits)
+  alg = persistent_client_optimizer(
+      ditto(model, N, optax.sgd(0.1, momentum=0.9), fp.Batching(16, 1)), N)
+  blocked = rounds(alg, digits, BlockedExecutor(block_size=2), num_rounds=2)
+  vmapped = rounds(alg, digits, VmapExecutor(), num_rounds=2)
+  assert max_diff(blocked, vmapped) < 1e-6
+  start = alg.init(jax.random.key(0))
+  assert max_diff(blocked.inner.personal, start.inner.personal) > 1e-3
+  assert max_diff(blocked.opt_state, start.opt_state) > 1e-3
