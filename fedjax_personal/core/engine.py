@@ -168,6 +168,11 @@ def pre_round_functions(alg: FederatedAlgorithm, ex: Executor, counts=None):
   return pr.due, rc_of, run, phase_client
 
 
+#: Where the algorithm's broadcast part sits in the engine's per-client
+#: inputs ``(data_rows, broadcast part, keys)`` (``round_functions``' ``pre``).
+BROADCAST_SLOT = 1
+
+
 def rows_in_place(client_rows, state, per_client) -> bool:
   """Whether a round's client blocks may read and write the state's client
   rows in one buffer: the algorithm declares the clients' new rows
@@ -186,7 +191,7 @@ def rows_in_place(client_rows, state, per_client) -> bool:
   """
   if client_rows is None or client_rows.output is None:
     return False
-  part = per_client[1]
+  part = per_client[BROADCAST_SLOT]
   if not tree_util.is_rows(part):
     return False
   held = jax.tree.leaves(client_rows.get(state))
@@ -274,8 +279,8 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
       cr = alg.client_rows
       outputs, new_rows = ex.run_work(alg.client_work, make_ctx, (shared, train, val),
                                       per_client, active=cohort.mask,
-                                      rows_in_place=(cr.output, 1))
-      state, outputs = cr.put(state, new_rows), outputs.replace(**{cr.output: None})
+                                      rows_in_place=(cr.output, BROADCAST_SLOT))
+      state = cr.put(state, new_rows)  # the outputs' field is None: post writes nothing
     else:
       outputs = ex.run_work(alg.client_work, make_ctx, (shared, train, val), per_client,
                             active=cohort.mask)
@@ -467,9 +472,8 @@ class RoundRunner:
       state, metrics = work(state, key, jnp.asarray(rnd, jnp.int32), train, val, cohort, donate)
       return state, {**metrics, **ph}
 
-    row_bytes = (0 if not self.hosted_rows else  # one client's rows
-                 sum(int(np.prod(a.shape[1:])) * a.dtype.itemsize
-                     for a in jax.tree.leaves(alg.client_rows.get(shapes))))
+    held = None if not self.hosted_rows else alg.client_rows.get(shapes)
+    row_bytes = 0 if held is None else tree_util.tree_bytes(held) // tree_util.leading_size(held)
 
     def round_hosted(state, key, rnd, donate, next_key=None):
       """The round of an algorithm whose client rows live on the host: the

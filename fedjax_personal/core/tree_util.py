@@ -211,7 +211,6 @@ def tree_bytes(x: PyTree) -> int:
                  for a in jax.tree.leaves(x)))
 
 
-
 def shapes(tree) -> tuple:
   """The shapes and dtypes of a pytree's leaves, hashable (a compiled
   function's signature).
