@@ -3,9 +3,13 @@
 written by the engine; the fused blocked loop reads and writes them in one
 buffer. Its rounds equal the same loop writing them after it and the vmap
 executor's, every row included, and its compiled round holds no buffer of the
-cohort's new rows."""
+cohort's new rows. Rows gathered from the host come in buffers of their own,
+which a round's donation writes in place."""
+
+import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -16,6 +20,7 @@ from fedjax_personal.algorithms.ditto import ditto
 from fedjax_personal.algorithms.pfedme import pfedme
 from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.core.executors import BlockedExecutor, VmapExecutor
+from fedjax_personal.core.population import rows_in_files, rows_in_memory
 from fedjax_personal.core.sampling import CohortSampler
 from helpers import digits_data, max_diff
 
@@ -121,3 +126,29 @@ def test_persistent_client_optimizer_writes_the_inner_rows(digits):
   start = alg.init(jax.random.key(0))
   assert max_diff(blocked.inner.personal, start.inner.personal) > 1e-3
   assert max_diff(blocked.opt_state, start.opt_state) > 1e-3
+
+
+@pytest.mark.parametrize('where', ['memory, mapped gather', 'memory, small', 'files'])
+def test_gathered_rows_are_donated_in_place(tmp_path, where):
+  """``gather_rows`` gives the rows' values in device buffers that share no
+  host memory: a donated round writes its output into them (an array that
+  shared a host buffer made the round allocate another)."""
+  width = rows_in_memory.MAPPED_GATHER_BYTES // (4 * 8) + 16 if 'mapped' in where else 24
+  values = np.arange(40 * width, dtype=np.float32).reshape(40, width)
+  idx = np.array([7, 39, 50, 0, 7, 3, 12, 8])  # 50: a padded slot, clipped
+  if where == 'files':
+    whole = types.SimpleNamespace(get=lambda state: state)  # the state is the rows
+    maker = rows_in_files.RowMaker(lambda k: {'w': jnp.asarray(values)}, whole,
+                                   jax.random.PRNGKey(0))
+    leaf = rows_in_files.DiskRows(tmp_path / 'w.rows', values.shape, values.dtype, maker, 0)
+    leaf[np.array([3, 7])] = values[[3, 7]] + 1  # written rows beside made ones
+    expected = values[np.minimum(idx, 39)] + np.isin(np.minimum(idx, 39), [3, 7])[:, None]
+  else:
+    leaf, expected = values, values[np.minimum(idx, 39)]
+  gathered = rows_in_memory.gather_rows({'w': leaf, 'n': np.arange(40)}, idx)
+  np.testing.assert_array_equal(np.asarray(gathered['w']), expected)
+  np.testing.assert_array_equal(np.asarray(gathered['n']), np.minimum(idx, 39))
+  where_in = gathered['w'].unsafe_buffer_pointer()
+  out = jax.jit(lambda r: r * 2, donate_argnums=0)(gathered['w'])
+  assert out.unsafe_buffer_pointer() == where_in
+  np.testing.assert_array_equal(np.asarray(out), 2 * expected)

@@ -123,7 +123,19 @@ class DiskRows:
 
   def __getitem__(self, idx) -> np.ndarray:
     idx = np.asarray(idx, np.int64).reshape(-1)
-    out = np.empty((len(idx),) + self.row_shape, self.dtype)
+    return self.take(idx, np.empty((len(idx),) + self.row_shape, self.dtype))
+
+  def take(self, idx, out: np.ndarray) -> np.ndarray:
+    """Rows ``idx`` read into ``out`` (``np.take``'s ``out``).
+
+    Args:
+      idx: row indices.
+      out: [len(idx), ...] of the leaf's dtype.
+
+    Returns:
+      ``out``.
+    """
+    idx = np.asarray(idx, np.int64).reshape(-1)
     written = self.made[idx]
     if not written.all():
       new = np.flatnonzero(~written)
