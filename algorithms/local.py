@@ -13,10 +13,10 @@ from fedjax_personal.core.batching import Batching
 from fedjax_personal.config import BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec, NoConfig
 from fedjax_personal.models import Model
 from fedjax_personal.core.training import plain_objective, sgd_client_work
-from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_scatter
+from fedjax_personal.core.tree_util import rows, tree_broadcast
 
 
-__all__ = ['build', 'local', 'LocalState', 'SPEC']
+__all__ = ['build', 'local', 'LocalOutput', 'LocalState', 'SPEC']
 
 
 @struct.dataclass
@@ -25,6 +25,17 @@ class LocalState:
     personal_params: stacked [N, ...] models, one per client.
   """
   personal_params: optax.Params
+
+
+@struct.dataclass
+class LocalOutput:
+  """A client's output. Attributes:
+    params: its new personal model (written to its row by the engine:
+      ``ClientRows.output``, so that the blocked loop writes it in place).
+    stats: its training statistics.
+  """
+  params: optax.Params
+  stats: object
 
 
 def local(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
@@ -50,20 +61,19 @@ def local(model: Model, num_clients: int, client_optimizer: optax.GradientTransf
     return None, rows(state.personal_params, cohort.rows)
 
   work = sgd_client_work(lambda ctx: objective, client_optimizer, batching,
-                         final=lambda ctx, carry: (carry.params, carry.stats),
+                         final=lambda ctx, carry: LocalOutput(carry.params, carry.stats),
                          start_fn=lambda ctx: ctx.state)
 
-  def server_update(state, cohort, out, rc):
-    params, stats = out
-    return (LocalState(tree_scatter(state.personal_params, cohort.rows, params)),
-            cohort_train_metrics(stats, cohort.mask))
+  def server_update(state, cohort, out: LocalOutput, rc):
+    # The engine wrote the new personal models (client_rows' output).
+    return state, cohort_train_metrics(out.stats, cohort.mask)
 
   return FederatedAlgorithm(
       name='local', model=model, init=init, server_broadcast=server_broadcast,
       client_work=work, server_update=server_update,
       client_models=lambda s: ClientModels.personal(s.personal_params, num_clients),
       communication=lambda s: Communication(0, 0, 0), finetune=finetune,
-      client_rows=ClientRows.field('personal_params'))
+      client_rows=ClientRows.field('personal_params', output='params'))
 
 
 def build(training, config, model, data):

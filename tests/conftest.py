@@ -126,7 +126,8 @@ SLOW_IN_CI = {
 # executors auto picks (blocked_threads on a CPU, vmap on a GPU), rows in
 # files and in memory, each reproduce script's flag checking.
 CI_VARIANTS = {
-    # rows read and written in place: Ditto (pFedMe and APFL share its code)
+    # rows read and written in place: Ditto (pFedMe and APFL share its code; Local
+    # runs with -m slow)
     'test_rows_in_place.py::test_rows_in_place_equal_rows_written_after': {'ditto'},
     # client_momentum: FedAvg, one algorithm of each kind of client state
     'test_config.py::test_no_silent_setting': {

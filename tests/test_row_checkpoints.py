@@ -57,18 +57,18 @@ def uninterrupted(store):
   return _strip(history), _rows(state, store.num_clients)
 
 
-def _cut_run(store, tmp_path, placement, rounds=5, keep=3, **kw):
+def _cut_run(store, tmp_path, placement, rounds=5, keep=3, alg_name='ditto', **kw):
   """A run checkpointed every 2 rounds (and at its end), as the loop does."""
   folder = str(tmp_path / 'rows_cut') if placement == 'files' else None
   ckpt = str(tmp_path / 'ckpt')
-  run_many(_runs(store, folder), rounds, eval_every=2, callbacks=[
+  run_many(_runs(store, folder, alg_name), rounds, eval_every=2, callbacks=[
       checkpointing.Checkpointer(ckpt, every=2, max_to_keep=keep, **kw)])
   return ckpt
 
 
-def _resume(store, tmp_path, ckpt, placement, rounds=7, **kw):
+def _resume(store, tmp_path, ckpt, placement, rounds=7, alg_name='ditto', **kw):
   folder = str(tmp_path / 'rows_resumed') if placement == 'files' else None
-  runs = _runs(store, folder)
+  runs = _runs(store, folder, alg_name)
   state, start, histories = checkpointing.restore_latest(ckpt, runs.init(), **kw)
   cb = checkpointing.Checkpointer(ckpt, every=2, max_to_keep=3, histories=histories,
                                   resumed_step=start)
@@ -102,6 +102,19 @@ def test_resume_equals_uninterrupted_in_either_placement(store, tmp_path, uninte
   _assert_same(store, state, history, uninterrupted)
   if resumed == 'files':
     assert all(isinstance(a, rows_in_files.DiskRows) for a in jax.tree.leaves(state.rows))
+
+
+def test_a_state_of_nothing_but_rows_in_files_resumes_to_the_same_numbers(store, tmp_path):
+  """Local's state is all client rows: with them in files Orbax saves a
+  marker (it refuses an empty item), and a resume equals the uninterrupted
+  run."""
+  state, (history,) = run_many(_runs(store, None, 'local'), 7, eval_every=2)
+  uninterrupted = (_strip(history), _rows(state, store.num_clients))
+  ckpt = _cut_run(store, tmp_path, 'files', alg_name='local')
+  checkpointing.manager(ckpt).delete(5)
+  start, state, history = _resume(store, tmp_path, ckpt, 'files', alg_name='local')
+  assert start == 4
+  _assert_same(store, state, history, uninterrupted)
 
 
 def test_each_checkpoint_writes_only_the_rows_changed_since_the_last(store, tmp_path):

@@ -14,6 +14,7 @@ import sys
 from typing import TYPE_CHECKING, List, Optional
 
 import jax
+import numpy as np
 
 from fedjax_personal.core.population import rows_in_memory
 from fedjax_personal.core.population.rows_in_memory import HostedState
@@ -59,7 +60,14 @@ def _leaves_but_rows(inner):
   """A ``HostedState``'s inner state as saved with its rows in files: its
   leaves by place, but the empty client rows (which Orbax cannot save)."""
   leaves = jax.tree.leaves(_keys_as_data(inner))
-  return {str(i): a for i, a in enumerate(leaves) if a.size}
+  saved = {str(i): a for i, a in enumerate(leaves) if a.size}
+  # A state of nothing but client rows (Local's) saves one marker: Orbax
+  # refuses an empty item.
+  return saved or {_ONLY_ROWS: np.zeros((), np.int8)}
+
+
+#: The marker saved for a state whose client rows in files are all of it.
+_ONLY_ROWS = 'only_client_rows'
 
 
 def _keys_as_data(state):
