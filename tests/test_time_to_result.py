@@ -173,3 +173,14 @@ def test_a_global_model_is_evaluated_on_the_pooled_test_examples_as_client_by_cl
   state = runner.init(jax.random.key(0))
   np.testing.assert_allclose(runner.evaluate(state, jax.random.key(1)).correct, got.correct)
   assert evaluation.pooled_evaluation(alg, store.subset(store.client_ids[::2], 'half')) is None
+
+
+def test_round_keys_drawn_in_chunks_are_fold_in_of_the_round():
+  """``RoundKeys`` (64 rounds' keys a compiled call) gives round t the bits of
+  ``fold_in(train_key, t)``, across chunk edges and out of order (a resume)."""
+  from fedjax_personal.run.experiment import ROUND_KEY_CHUNK, RoundKeys, seed_keys
+  _, train_key, _ = seed_keys(7)
+  keys = RoundKeys(train_key)
+  for t in (0, 1, ROUND_KEY_CHUNK - 1, ROUND_KEY_CHUNK, 3 * ROUND_KEY_CHUNK + 5, 2, 100_000):
+    np.testing.assert_array_equal(jax.random.key_data(keys(t)),
+                                  jax.random.key_data(jax.random.fold_in(train_key, t)))

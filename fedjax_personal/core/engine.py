@@ -406,7 +406,7 @@ class RoundRunner:
       jitted = self._jit_round(fused_round)
       self._round_jit = jitted[False]
       self._round = lambda state, key, rnd, donate, next_key=None: jitted[donate](
-          state, key, jnp.asarray(rnd, jnp.int32), train, val)
+          state, key, np.int32(rnd), train, val)
     else:
       n = self.data.num_clients
       phase = self._dispatched_pre_round(lambda phase_client, shared, rc: ex.map(
@@ -419,7 +419,7 @@ class RoundRunner:
       def round_py(state, key, rnd, donate, next_key=None):
         del donate, next_key  # client work runs outside one compiled function
         state, ph = phase(state, key, rnd)
-        state, metrics = work(state, key, jnp.asarray(rnd, jnp.int32), train, val)
+        state, metrics = work(state, key, np.int32(rnd), train, val)
         return state, {**metrics, **ph}
       self._round = round_py
 
@@ -469,7 +469,7 @@ class RoundRunner:
       cohort, train, val = self.feed.get(key, rnd)
       if next_key is not None:  # gathered on the feed's thread while this round runs
         self.feed.request(next_key, rnd + 1)
-      state, metrics = work(state, key, jnp.asarray(rnd, jnp.int32), train, val, cohort, donate)
+      state, metrics = work(state, key, np.int32(rnd), train, val, cohort, donate)
       return state, {**metrics, **ph}
 
     held = None if not self.hosted_rows else alg.client_rows.get(shapes)
@@ -485,7 +485,7 @@ class RoundRunner:
         self.feed.request(next_key, rnd + 1)
       idx, mask = jax.device_get((cohort.idx, cohort.mask))
       full = cr.put(inner, rows_in_memory.gather_rows(rows, idx))
-      full, metrics = work(full, key, jnp.asarray(rnd, jnp.int32), train, val,
+      full, metrics = work(full, key, np.int32(rnd), train, val,
                            cohort.with_gathered_rows(host.num_clients), donate)
       inner = cr.put(full, rows_in_memory.empty_rows(rows))
       rows_in_memory.scatter_rows(rows, idx, mask & (idx < host.num_clients), cr.get(full), inner)

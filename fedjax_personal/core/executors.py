@@ -233,7 +233,7 @@ class BlockedExecutor(Executor):
           jax.jit(lambda sh, pc, p, lim, ok, n: block_loop(
               work, make_ctx, sh, pc, p, lim, ok, n, tree_util.cohort_size(pc))))
     steps_fn, loop = self._compiled[key]
-    act = np.asarray(active_mask(active, c))
+    act = np.ones(c, bool) if active is None else np.asarray(active, bool)  # host: no round trip
     steps = (np.asarray(steps_fn(shared, per_client, act)) if num_steps is None
              else np.where(act, np.asarray(num_steps, np.int32), 0))
     parts = max(1, min(self.num_threads, -(-int(act.sum()) // min(self.block_size, c))))
