@@ -165,6 +165,30 @@ def test_models_agree_across_conv_implementations(name, shape):
   assert all(model_has_conv(m, x[:1]) for m in built.values())
 
 
+def test_a_forward_pass_alone_convolves_with_xla_where_auto_would_tile():
+  """``Model.forward_only``: under ``auto`` on a CPU XLA's convolution (the
+  same parameters, the same logits up to float reassociation), the input
+  transform kept; a named ``conv_impl`` and a model without convolutions
+  are left as they are."""
+  x = jnp.asarray(np.random.default_rng(3).integers(0, 256, (5, 28, 28, 1), dtype=np.uint8))
+  model = fp.create_model('reddi_emnist_cnn', 10, x[:1])
+  params = model.init(jax.random.key(0))
+  forward = model.forward_only()
+  expected = 'xla' if jax.default_backend() == 'cpu' else 'auto'
+  assert forward.module.conv_impl == expected and model.module.conv_impl == 'auto'
+  np.testing.assert_allclose(jax.jit(forward.apply)(params, x), jax.jit(model.apply)(params, x),
+                             atol=1e-5, rtol=1e-5)
+  from fedjax_personal.models import inputs
+  shifted = inputs.with_inputs(model, inputs.InputTransform(
+      'half', train=lambda key, x: x, evaluate=lambda x: x.astype(jnp.float32) / 2))
+  np.testing.assert_allclose(jax.jit(shifted.forward_only().apply)(params, x),
+                             jax.jit(shifted.apply)(params, x), atol=1e-5, rtol=1e-5)
+  tiled = fp.create_model('reddi_emnist_cnn', 10, x[:1], conv_impl='tiled')
+  assert tiled.forward_only() is tiled
+  mlp = fp.create_model('mlp', 10, x[:1])
+  assert mlp.forward_only() is mlp
+
+
 def test_tile_budget_cuts_only_slice_matrices_above_the_threshold():
   # CIFAR CNN, second layer, B = 32: 52 MB of slices -> chunks of TILE_BYTES.
   assert models.tile_budget((64, 32, 16, 16), (5, 5, 64, 64), 'SAME', 'CNHW') == models.TILE_BYTES

@@ -134,29 +134,21 @@ def test_plots_that_fail_in_the_background_say_so_in_one_line(tmp_path):
   assert r.stderr.count('\n') == 1 and 'were not drawn' in r.stderr and 'Traceback' not in r.stderr
 
 
-def test_a_global_model_is_evaluated_on_the_pooled_test_examples_as_client_by_client(
-    tmp_path, monkeypatch):
-  """The host layout evaluates one model for every client on the store's
-  test rows pooled in chunks (clients straddling chunks, clients without a
-  test example): each client's statistics equal ``evaluate_params`` on its
-  own examples."""
-  from fedjax_personal.core import evaluation
-  from fedjax_personal.core.data import ClientData
-  from fedjax_personal.core.training import evaluate_params
+def _pooled_store(tmp_path, tests, shape):
+  """A store of len(tests) clients of 4 training images and ``tests[i]`` test
+  images of ``shape`` (5 classes)."""
   rng = np.random.default_rng(1)
-  tests = np.array([0, 3, 17, 1, 0, 9, 25, 2, 8, 5])
   writer = StoreWriter(str(tmp_path / 'store'), {'made': 'pooled', 'n': len(tests)})
   for k in tests:
-    x = rng.random((int(k) + 4, 4, 4, 1), dtype=np.float32)
+    x = rng.random((int(k) + 4,) + shape, dtype=np.float32)
     y = rng.integers(0, 5, int(k) + 4).astype(np.int16)
     writer.add((x[:4], y[:4]), None, (x[4:], y[4:]))
-  store = writer.close('pooled', 5)
-  population = store.population()
-  model = fp.models.from_flax('mlp', fp.models.MLP(5, hidden=(8,)), population.sample_x)
-  alg = algorithms.build('fedavg', model, population, training=TrainingConfig(batch_size=4))
-  monkeypatch.setattr(evaluation, 'POOLED_CHUNK_BYTES', 700)  # chunks of 8 rows
-  params = jax.tree.map(lambda a: a[0], alg.client_models(alg.init(jax.random.key(0))).params)
-  got = evaluation.pooled_evaluation(alg, store)(params)
+  return writer.close('pooled', 5)
+
+
+def _assert_pooled_as_client_by_client(store, tests, model, alg, got, params, rtol):
+  from fedjax_personal.core.data import ClientData
+  from fedjax_personal.core.training import evaluate_params
   x_all, y_all, _ = store.arrays['test']
   for i, (start, n) in enumerate(zip(store.offsets['test'], tests)):
     data = ClientData(x=np.asarray(x_all[start:start + n]),
@@ -167,12 +159,46 @@ def test_a_global_model_is_evaluated_on_the_pooled_test_examples_as_client_by_cl
       if want is None or field == 'correct_top_k':
         assert value[i] == 0 or np.isnan(value[i]), (i, field)
       else:
-        np.testing.assert_allclose(value[i], getattr(want, field), rtol=1e-6, err_msg=field)
+        np.testing.assert_allclose(value[i], getattr(want, field), rtol=rtol, err_msg=field)
+
+
+def test_a_global_model_is_evaluated_on_the_pooled_test_examples_as_client_by_client(
+    tmp_path, monkeypatch):
+  """The host layout evaluates one model for every client on the store's
+  test rows pooled in chunks (clients straddling chunks, clients without a
+  test example): each client's statistics equal ``evaluate_params`` on its
+  own examples."""
+  from fedjax_personal.core import evaluation
+  tests = np.array([0, 3, 17, 1, 0, 9, 25, 2, 8, 5])
+  store = _pooled_store(tmp_path, tests, (4, 4, 1))
+  population = store.population()
+  model = fp.models.from_flax('mlp', fp.models.MLP(5, hidden=(8,)), population.sample_x)
+  alg = algorithms.build('fedavg', model, population, training=TrainingConfig(batch_size=4))
+  monkeypatch.setattr(evaluation, 'POOLED_CHUNK_BYTES', 1300)  # chunks of 8 rows (156 bytes a row)
+  params = jax.tree.map(lambda a: a[0], alg.client_models(alg.init(jax.random.key(0))).params)
+  got = evaluation.pooled_evaluation(alg, store)(params)
+  _assert_pooled_as_client_by_client(store, tests, model, alg, got, params, rtol=1e-6)
   runner = RoundRunner(alg, HostData(store, smallest=4), CohortSampler(len(tests), cohort_size=4),
                        fp.executors.VmapExecutor())
   state = runner.init(jax.random.key(0))
   np.testing.assert_allclose(runner.evaluate(state, jax.random.key(1)).correct, got.correct)
   assert evaluation.pooled_evaluation(alg, store.subset(store.client_ids[::2], 'half')) is None
+
+
+def test_a_convolutional_model_pooled_is_evaluated_as_client_by_client(tmp_path):
+  """A convolutional model under ``auto``: the pooled chunks convolve with
+  XLA's convolution on a CPU (``Model.forward_only``), each client's
+  statistics those of ``evaluate_params`` with the training's convolution
+  up to float rounding."""
+  from fedjax_personal.core import evaluation
+  tests = np.array([0, 3, 17, 1, 9])
+  store = _pooled_store(tmp_path, tests, (8, 8, 1))
+  population = store.population()
+  model = fp.models.from_flax('cnn', fp.models.CNN(5), population.sample_x)
+  alg = algorithms.build('fedavg', model, population, training=TrainingConfig(batch_size=4))
+  params = jax.tree.map(lambda a: a[0], alg.client_models(alg.init(jax.random.key(0))).params)
+  got = evaluation.pooled_evaluation(alg, store)(params)
+  _assert_pooled_as_client_by_client(store, tests, model, alg, got, params, rtol=1e-5)
 
 
 def test_round_keys_drawn_in_chunks_are_fold_in_of_the_round():

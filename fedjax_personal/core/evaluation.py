@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_personal.core import memory
 from fedjax_personal.core.population import rows_in_memory
 from fedjax_personal.core.population import layout as layout_lib
 from fedjax_personal.core.algorithm import FederatedAlgorithm
@@ -222,8 +223,9 @@ def host_evaluation(alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bo
   return evaluate
 
 
-#: Bytes of a pooled evaluation chunk's inputs and outputs (``pooled_evaluation``).
-POOLED_CHUNK_BYTES = 32 * 2**20
+#: Bytes of a pooled evaluation chunk's inputs, outputs and intermediate
+#: values (``pooled_evaluation``).
+POOLED_CHUNK_BYTES = 256 * 2**20
 
 
 def pooled_evaluation(alg: FederatedAlgorithm, store):
@@ -250,7 +252,7 @@ def pooled_evaluation(alg: FederatedAlgorithm, store):
   starts = np.asarray(store.offsets['test'], np.int64)[:len(counts)]
   if total == 0 or not np.array_equal(starts, np.concatenate([[0], np.cumsum(counts)[:-1]])):
     return None
-  model = alg.model
+  model = alg.model.forward_only()  # one pass a chunk, no loop: XLA's convolution on a CPU
   x_all, y_all, _ = store.arrays['test']
   ydtype = np.int32 if np.issubdtype(y_all.dtype, np.integer) else y_all.dtype
   ends = np.cumsum(counts)
@@ -259,7 +261,8 @@ def pooled_evaluation(alg: FederatedAlgorithm, store):
   out = jax.eval_shape(model.apply, params, jax.ShapeDtypeStruct((1,) + x_all.shape[1:],
                                                                  x_all.dtype))
   per_row = (int(np.prod(x_all.shape[1:])) * np.dtype(x_all.dtype).itemsize
-             + int(np.prod(out.shape[1:])) * 4)
+             + int(np.prod(out.shape[1:])) * 4
+             + memory.activation_bytes(model, np.zeros((1,) + x_all.shape[1:], x_all.dtype), 1))
   rows = int(min(4096, 2 ** int(np.log2(max(1, POOLED_CHUNK_BYTES // per_row)))))
   rows = min(rows, int(2 ** np.ceil(np.log2(total))))
 

@@ -89,6 +89,30 @@ class Model:
                                unpredicted=tuple(int(i) for i in unpredicted),
                                accuracy_definition=definition)
 
+  def forward_only(self) -> 'Model':
+    """This model for a forward pass alone, outside a loop (a pooled
+    evaluation's chunks): on a CPU a module whose ``conv_impl`` is ``auto``
+    convolves there with XLA's own convolution, which runs a forward pass
+    alone near the matmul peak (Reddi et al.'s EMNIST CNN, 2 cores: 95-109
+    GFLOP/s at 64-1,024 images, ``tiled`` 35-39; inside a loop of steps or
+    in a gradient XLA's is the slow one, so training keeps ``auto``'s
+    choice). The same parameters and, up to float reassociation, the same
+    logits; any other model is returned as it is.
+
+    Returns:
+      The ``Model``.
+    """
+    module = self.module
+    if (getattr(module, 'conv_impl', None) != 'auto' or jax.default_backend() != 'cpu'):
+      return self
+    forward, transform = module.clone(conv_impl='xla'), self.inputs
+
+    def apply(params, x):
+      if transform is not None:
+        x = transform.evaluate(x)
+      return forward.apply({'params': params}, x)
+    return dataclasses.replace(self, apply=apply, module=forward)
+
   def starting_from(self, params) -> 'Model':
     """This model with ``init`` returning ``params`` whatever the key: every
     run, trial and client starts from these weights (``--init_weights``)."""
