@@ -154,13 +154,16 @@ def apply_default() -> None:
   set_matmul_precision(DEFAULT_MATMUL_PRECISION)
 
 
-def record(conv_impl: Optional[str]) -> dict:
+def record(conv_impl: Optional[str], forward_conv_impl: Optional[str] = None) -> dict:
   """What a run records of its arithmetic (identity, header, summary):
   the matmul precision and, for a convolutional model, the convolution
-  implementation it resolved to (None: no convolution).
+  implementation it resolved to (None: no convolution), and the one a
+  forward pass alone uses where it differs (``Model.forward_only``: a
+  pooled evaluation's chunks).
 
   Args:
     conv_impl: the convolution implementation (None: no convolution).
+    forward_conv_impl: a forward pass alone's, where not ``conv_impl``.
 
   Returns:
     The record.
@@ -168,4 +171,6 @@ def record(conv_impl: Optional[str]) -> dict:
   out = {'matmul_precision': matmul_precision()}
   if conv_impl is not None:
     out['conv_impl'] = conv_impl
+  if forward_conv_impl is not None and forward_conv_impl != conv_impl:
+    out['forward_conv_impl'] = forward_conv_impl
   return out

@@ -106,6 +106,20 @@ def test_the_run_records_its_numerics_and_refuses_another_on_resume(tmp_path):
   assert after['numerics'] == {'matmul_precision': 'float32'}  # an MLP: no convolution
 
 
+def test_a_host_layout_run_records_the_convolution_of_its_pooled_forward_passes(tmp_path):
+  """Under ``auto`` on a CPU the host layout's pooled evaluation convolves
+  with XLA's convolution (``Model.forward_only``): recorded beside the
+  training's, in the identity and the summary."""
+  got = main_in_one_process([_cli(tmp_path, '--layout=host', '--rounds=1')])
+  assert [code for code, _ in got] == [0], got
+  ident = json.load(open(tmp_path / 'run' / 'fedavg' / 'identity.json'))
+  if jax.default_backend() == 'cpu':
+    assert ident['numerics'] == {'matmul_precision': 'float32', 'conv_impl': 'tiled',
+                                 'forward_conv_impl': 'xla'}
+  summary = json.load(open(tmp_path / 'run' / 'fedavg' / 'summary.json'))
+  assert summary['numerics'] == ident['numerics']
+
+
 def test_a_reduced_precision_on_a_cpu_is_refused(tmp_path):
   got = main_in_one_process([_cli(tmp_path, '--matmul_precision=tf32', '--dry_run')])
   assert got[0][0] == 2

@@ -93,8 +93,9 @@ class Model:
     """This model for a forward pass alone, outside a loop (a pooled
     evaluation's chunks): on a CPU a module whose ``conv_impl`` is ``auto``
     convolves there with XLA's own convolution, which runs a forward pass
-    alone near the matmul peak (Reddi et al.'s EMNIST CNN, 2 cores: 95-109
-    GFLOP/s at 64-1,024 images, ``tiled`` 35-39; inside a loop of steps or
+    alone near the matmul peak (Reddi et al.'s EMNIST CNN, 2 cores: 95-116
+    GFLOP/s at 64-1,024 images, ``tiled`` 35-61,
+    ``benchmarks/probes/forward_conv.txt``; inside a loop of steps or
     in a gradient XLA's is the slow one, so training keeps ``auto``'s
     choice). The same parameters and, up to float reassociation, the same
     logits; any other model is returned as it is.

@@ -240,10 +240,14 @@ def build_model_and_executor(job: Job) -> None:
   conv = process_settings.conv_impl_of(job.model, sample_x)
   check(conv is not None or not opts['conv_impl'].present, 'conv_impl',
         f'does nothing: --model={opts.model} has no convolution')
-  job.identity['numerics'] = numerics.record(conv)
+  # The host layout's pooled evaluation runs a forward pass alone (Model.forward_only).
+  forward = (conv and job.layout == 'host'
+             and process_settings.conv_impl_of(job.model.forward_only(), sample_x)) or conv
+  job.identity['numerics'] = numerics.record(conv, forward)
   say('numerics: matmul precision ' + numerics.effective_matmul() + (
-      f'; convolutions {conv}' + (f' (auto on {jax.default_backend()})'
-                                  if opts.conv_impl == 'auto' else '') if conv else ''))
+      f'; convolutions {conv}' + (f' (auto on {jax.default_backend()}'
+                                  + (f'; a forward pass alone {forward})' if forward != conv
+                                     else ')') if opts.conv_impl == 'auto' else '') if conv else ''))
   if opts.dataset == 'stackoverflow':  # next-word accuracy as one publisher defines it
     unscored, unpredicted, definition = stackoverflow.stackoverflow_accuracy(
         opts.stackoverflow_accuracy, job.population.num_classes)
