@@ -146,7 +146,7 @@ def _pooled_store(tmp_path, tests, shape):
   return writer.close('pooled', 5)
 
 
-def _assert_pooled_as_client_by_client(store, tests, model, alg, got, params, rtol):
+def _assert_pooled_as_client_by_client(store, tests, model, got, params, rtol):
   from fedjax_personal.core.data import ClientData
   from fedjax_personal.core.training import evaluate_params
   x_all, y_all, _ = store.arrays['test']
@@ -177,7 +177,7 @@ def test_a_global_model_is_evaluated_on_the_pooled_test_examples_as_client_by_cl
   monkeypatch.setattr(evaluation, 'POOLED_CHUNK_BYTES', 1300)  # chunks of 8 rows (156 bytes a row)
   params = jax.tree.map(lambda a: a[0], alg.client_models(alg.init(jax.random.key(0))).params)
   got = evaluation.pooled_evaluation(alg, store)(params)
-  _assert_pooled_as_client_by_client(store, tests, model, alg, got, params, rtol=1e-6)
+  _assert_pooled_as_client_by_client(store, tests, model, got, params, rtol=1e-6)
   runner = RoundRunner(alg, HostData(store, smallest=4), CohortSampler(len(tests), cohort_size=4),
                        fp.executors.VmapExecutor())
   state = runner.init(jax.random.key(0))
@@ -198,7 +198,7 @@ def test_a_convolutional_model_pooled_is_evaluated_as_client_by_client(tmp_path)
   alg = algorithms.build('fedavg', model, population, training=TrainingConfig(batch_size=4))
   params = jax.tree.map(lambda a: a[0], alg.client_models(alg.init(jax.random.key(0))).params)
   got = evaluation.pooled_evaluation(alg, store)(params)
-  _assert_pooled_as_client_by_client(store, tests, model, alg, got, params, rtol=1e-5)
+  _assert_pooled_as_client_by_client(store, tests, model, got, params, rtol=1e-5)
 
 
 def test_round_keys_drawn_in_chunks_are_fold_in_of_the_round():

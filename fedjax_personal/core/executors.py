@@ -190,10 +190,8 @@ class BlockedExecutor(Executor):
     blocks = -(-c // bs)
     nb = -(-blocks // parts)  # blocks per part
     slots = np.arange(parts * nb * bs)
-    if isinstance(active, jax.core.Tracer):  # inside a compiled round
-      act = active_mask(active, c)
-    else:  # host bools: no device dispatch per call
-      act = np.ones(c, bool) if active is None else np.asarray(active, bool)
+    # Inside a compiled round a traced mask; else host bools (no device dispatch per call).
+    act = active_mask(active, c, jnp if isinstance(active, jax.core.Tracer) else np)
     valid = (act[slots % c] & (slots < c)).reshape(parts, nb, bs)
     return (slots % c).reshape(parts, nb, bs), valid
 
@@ -233,7 +231,7 @@ class BlockedExecutor(Executor):
           jax.jit(lambda sh, pc, p, lim, ok, n: block_loop(
               work, make_ctx, sh, pc, p, lim, ok, n, tree_util.cohort_size(pc))))
     steps_fn, loop = self._compiled[key]
-    act = np.ones(c, bool) if active is None else np.asarray(active, bool)  # host: no round trip
+    act = active_mask(active, c, np)  # host bools: no round trip through the device
     steps = (np.asarray(steps_fn(shared, per_client, act)) if num_steps is None
              else np.where(act, np.asarray(num_steps, np.int32), 0))
     parts = max(1, min(self.num_threads, -(-int(act.sum()) // min(self.block_size, c))))

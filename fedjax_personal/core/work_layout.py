@@ -22,17 +22,19 @@ __all__ = ['active_mask', 'block_loop', 'client_fn', 'join_owned', 'join_parts',
            'map_stacked', 'scan_blocks', 'traced_work_layout', 'work_layout', 'work_steps']
 
 
-def active_mask(active, c):
+def active_mask(active, c, xp=jnp):
   """``active`` as a bool mask of ``c`` clients (None: all active).
 
   Args:
     active: bools [c], or None.
     c: the cohort size.
+    xp: ``jnp`` (a device or traced mask) or ``np`` (host bools: no device
+      dispatch).
 
   Returns:
     bool [c].
   """
-  return jnp.ones(c, bool) if active is None else jnp.asarray(active, bool)
+  return xp.ones(c, bool) if active is None else xp.asarray(active, bool)
 
 
 def client_fn(fn, shared, per_client):

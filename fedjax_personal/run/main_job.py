@@ -244,10 +244,12 @@ def build_model_and_executor(job: Job) -> None:
   forward = (conv and job.layout == 'host'
              and process_settings.conv_impl_of(job.model.forward_only(), sample_x)) or conv
   job.identity['numerics'] = numerics.record(conv, forward)
-  say('numerics: matmul precision ' + numerics.effective_matmul() + (
-      f'; convolutions {conv}' + (f' (auto on {jax.default_backend()}'
-                                  + (f'; a forward pass alone {forward})' if forward != conv
-                                     else ')') if opts.conv_impl == 'auto' else '') if conv else ''))
+  convolutions = ''
+  if conv:
+    why = f'auto on {jax.default_backend()}' + (
+        f'; a forward pass alone {forward}' if forward != conv else '')
+    convolutions = f'; convolutions {conv}' + (f' ({why})' if opts.conv_impl == 'auto' else '')
+  say('numerics: matmul precision ' + numerics.effective_matmul() + convolutions)
   if opts.dataset == 'stackoverflow':  # next-word accuracy as one publisher defines it
     unscored, unpredicted, definition = stackoverflow.stackoverflow_accuracy(
         opts.stackoverflow_accuracy, job.population.num_classes)
