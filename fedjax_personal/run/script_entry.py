@@ -54,6 +54,7 @@ def run_script(main, kept: str = 'nothing is kept; run the same command again') 
     _STOPPED['main'] = threading.get_ident()
     signal.signal(signal.SIGINT, _stop)  # also when started ignoring it
     signal.signal(signal.SIGTERM, _stop)
+    sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
     try:
       return main(argv)
     except (ConfigError, FileNotFoundError) as e:
@@ -66,6 +67,18 @@ def run_script(main, kept: str = 'nothing is kept; run the same command again') 
       # Interrupted inside JAX: no interpreter shutdown (it can crash there).
       faults.quiet_exit(status)
   app.run(guarded, flags_parser=parse_flags)
+
+
+def _quiet_unraisable(hook):
+  """``sys.unraisablehook`` that drops the KeyboardInterrupt ``_stop``
+  raised inside a garbage-collection callback or a finalizer (Python would
+  print "Exception ignored in ..." and its traceback): ``_stop`` sends the
+  signal again until the script catches it, and the script's one line
+  follows."""
+  def quiet(unraisable):
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+      hook(unraisable)
+  return quiet
 
 
 _STOPPED = {}
