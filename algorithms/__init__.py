@@ -22,7 +22,7 @@ from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 
 __all__ = ['AlgorithmSpec', 'apfl', 'build', 'cfl', 'config_classes', 'ConfigError', 'ditto',
-           'fedavg', 'feddyn', 'FederatedAlgorithm', 'FederatedData', 'fedfomo', 'fednova',
+           'fedavg', 'feddyn', 'FederatedAlgorithm', 'FederatedData', 'fedfomo', 'fednova', 'make',
            'fedprox', 'fedsgd', 'local', 'Model', 'oracle', 'partial', 'perfedavg',
            'persistent_client_optimizer', 'pfeddyn', 'pfedme', 'qffl', 'register', 'REGISTRY',
            'scaffold', 'sgd_finetune', 'spec', 'TrainingConfig', 'usercentric']
@@ -148,11 +148,39 @@ def build(name: str, model: Model, data: FederatedData,
 
 
 def build_algorithm(spec: AlgorithmSpec, training: TrainingConfig, config, model, data):
-  """Validates the settings for ``spec`` and builds the algorithm: its
+  """Validates the settings for ``spec`` (``AlgorithmSpec.validate``) and
+  builds the algorithm (``make``).
+
+  Args:
+    spec: the registry entry.
+    training: the shared settings.
+    config: its own settings.
+    model: the model.
+    data: the federated data.
+
+  Returns:
+    The algorithm.
+  """
+  spec.validate(training, config)
+  return make(spec, training, config, model, data)
+
+
+def make(spec: AlgorithmSpec, training: TrainingConfig, config, model, data):
+  """Builds the algorithm from settings already validated for ``spec``: its
   defaults filled in, evaluation fine-tuning added when asked for and the
   algorithm has none of its own, persistent client optimizer state when
-  asked for."""
-  spec.validate(training, config)
+  asked for.
+
+  Args:
+    spec: the registry entry.
+    training: the shared settings.
+    config: its own settings.
+    model: the model.
+    data: the federated data.
+
+  Returns:
+    The algorithm.
+  """
   training = spec.resolve(training)
   alg = spec.build(training, config, model, data)
   if alg.finetune is None and training.finetune_steps and 'finetune_steps' in spec.uses:

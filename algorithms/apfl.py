@@ -20,7 +20,7 @@ from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS
 from fedjax_personal.algorithms.global_personal import (global_personal_algorithm,
                                                         two_model_work)
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.config import AlgorithmSpec, hparam
+from fedjax_personal.config import AlgorithmSpec, Declared, hparam
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 from fedjax_personal.core.training import batch_loss
@@ -31,7 +31,7 @@ __all__ = ['apfl', 'APFLConfig', 'build', 'mixture', 'SPEC']
 
 
 @dataclasses.dataclass(frozen=True)
-class APFLConfig:
+class APFLConfig(Declared):
   """APFL's own settings, declared once: the ``--apfl_*`` flags (``hparam``: default,
   help, range, sweepable)."""
   prefix: ClassVar[str] = 'apfl'

@@ -36,7 +36,8 @@ from fedjax_personal.core.algorithm import (ClientModels, Communication, Federat
 from fedjax_personal.algorithms.fedavg import client_weights
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, WEIGHTING,
-                                    AlgorithmSpec, hparam)
+                                    AlgorithmSpec, Declared,
+                                    hparam)
 from fedjax_personal.models import Model
 from fedjax_personal.core.training import plain_objective, sgd_client_work
 from optax import tree_utils as otu
@@ -47,7 +48,7 @@ __all__ = ['build', 'cfl', 'CFLConfig', 'CFLState', 'SPEC', 'split_decisions']
 
 
 @dataclasses.dataclass(frozen=True)
-class CFLConfig:
+class CFLConfig(Declared):
   """Clustered FL's own settings, declared once: the ``--cfl_*`` flags (``hparam``: default,
   help, range, sweepable)."""
   prefix: ClassVar[str] = 'cfl'

@@ -35,7 +35,8 @@ import optax
 from fedjax_personal.core.algorithm import (ClientModels, ClientRows, Communication,
                                             FederatedAlgorithm, cohort_train_metrics)
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.config import BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec, hparam
+from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec, Declared,
+                                    hparam)
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 from fedjax_personal.core.training import LossStats, plain_objective, sgd_client_work
@@ -67,7 +68,7 @@ class FedDynState:
 
 
 @dataclasses.dataclass(frozen=True)
-class FedDynConfig:
+class FedDynConfig(Declared):
   """FedDyn's own settings, declared once: the ``--feddyn_*`` flags (``hparam``: default,
   help, range, sweepable)."""
   prefix: ClassVar[str] = 'feddyn'

@@ -10,7 +10,7 @@ import optax
 
 from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS, fedavg
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.config import AlgorithmSpec, hparam
+from fedjax_personal.config import AlgorithmSpec, Declared, hparam
 from fedjax_personal.models import Model
 from fedjax_personal.core.training import batch_loss
 from optax import tree_utils as otu
@@ -21,7 +21,7 @@ __all__ = ['build', 'fedprox', 'FedProxConfig', 'SPEC']
 
 
 @dataclasses.dataclass(frozen=True)
-class FedProxConfig:
+class FedProxConfig(Declared):
   """FedProx's own settings, declared once: the ``--fedprox_*`` flags (``hparam``: default,
   help, range, sweepable)."""
   prefix: ClassVar[str] = 'fedprox'

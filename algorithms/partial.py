@@ -30,7 +30,7 @@ from fedjax_personal.core.algorithm import (ClientModels, ClientRows, Communicat
                                             FederatedAlgorithm, cohort_train_metrics)
 from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS, server_step, summed_upload
 from fedjax_personal.core.batching import Batching, traced_num_steps
-from fedjax_personal.config import AlgorithmSpec, hparam
+from fedjax_personal.config import AlgorithmSpec, Declared, hparam
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 from fedjax_personal.core.personalization import ParamSplit, make_split
@@ -49,7 +49,7 @@ MODES = ('alt', 'sim')
 
 
 @dataclasses.dataclass(frozen=True)
-class PartialConfig:
+class PartialConfig(Declared):
   """Partial personalization (FedAlt, FedSim, FedRep, FedPer, LG-FedAvg)'s own settings, declared once: the ``--partial_*`` flags (``hparam``: default,
   help, range, sweepable)."""
   prefix: ClassVar[str] = 'partial'

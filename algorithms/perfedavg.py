@@ -29,7 +29,7 @@ from fedjax_personal.core.algorithm import (ClientModels, Communication, Federat
 from fedjax_personal.algorithms.fedavg import (FEDAVG_SETTINGS, ClientOutput, ServerState,
                                                server_step, summed_upload)
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.config import AlgorithmSpec, hparam
+from fedjax_personal.config import AlgorithmSpec, Declared, hparam
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 from fedjax_personal.core.training import (Batch, ClientWork, batch_loss, client_opt_init, opt_update,
@@ -45,7 +45,7 @@ VARIANTS = ('fo', 'hf', 'hf_fd')
 
 
 @dataclasses.dataclass(frozen=True)
-class PerFedAvgConfig:
+class PerFedAvgConfig(Declared):
   """Per-FedAvg's own settings, declared once: the ``--perfedavg_*`` flags (``hparam``: default,
   help, range, sweepable)."""
   prefix: ClassVar[str] = 'perfedavg'

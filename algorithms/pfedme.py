@@ -23,7 +23,7 @@ from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS
 from fedjax_personal.algorithms.global_personal import (global_personal_algorithm,
                                                         two_model_work)
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.config import AlgorithmSpec, hparam
+from fedjax_personal.config import AlgorithmSpec, Declared, hparam
 from fedjax_personal.models import Model
 from fedjax_personal.core.training import batch_loss
 
@@ -32,7 +32,7 @@ __all__ = ['build', 'pfedme', 'PFedMeConfig', 'SPEC']
 
 
 @dataclasses.dataclass(frozen=True)
-class PFedMeConfig:
+class PFedMeConfig(Declared):
   """pFedMe's own settings, declared once: the ``--pfedme_*`` flags (``hparam``: default,
   help, range, sweepable)."""
   prefix: ClassVar[str] = 'pfedme'

@@ -28,7 +28,8 @@ from fedjax_personal.core import aggregation
 from fedjax_personal.core.algorithm import ClientModels, FederatedAlgorithm, cohort_train_metrics
 from fedjax_personal.algorithms.fedavg import global_model_communication
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.config import BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec, hparam
+from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec, Declared,
+                                    hparam)
 from fedjax_personal.models import Model
 from fedjax_personal.core.training import (LossStats, evaluate_params, plain_objective,
                                       sgd_client_work)
@@ -39,7 +40,7 @@ __all__ = ['build', 'qffl', 'QFFLConfig', 'QState', 'QUpload', 'SPEC']
 
 
 @dataclasses.dataclass(frozen=True)
-class QFFLConfig:
+class QFFLConfig(Declared):
   """q-FFL's own settings, declared once: the ``--qffl_*`` flags (``hparam``: default,
   help, range, sweepable)."""
   prefix: ClassVar[str] = 'qffl'

@@ -47,7 +47,8 @@ from fedjax_personal.core.clustering import in_group_chance, in_group_share  # n
 from fedjax_personal.core.algorithm import (ClientModels, Communication, FederatedAlgorithm, PreRound,
                                        cohort_train_metrics)
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.config import BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec, hparam
+from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec, Declared,
+                                    hparam)
 from fedjax_personal.models import Model
 from fedjax_personal.core.training import Batch, batch_loss, plain_objective, sgd_client_work
 from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes, tree_gather, tree_scatter
@@ -58,7 +59,7 @@ __all__ = ['build', 'effective_neighbours', 'fedavg_matrix', 'mixing_matrix', 'S
 
 
 @dataclasses.dataclass(frozen=True)
-class UserCentricConfig:
+class UserCentricConfig(Declared):
   """User-centric FL's own settings, declared once: the ``--usercentric_*`` flags (``hparam``: default,
   help, range, sweepable)."""
   prefix: ClassVar[str] = 'usercentric'

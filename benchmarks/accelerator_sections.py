@@ -118,9 +118,10 @@ def fedavg_setup(model_name, num_clients, conv_impl='auto'):
   return data, model, flops * num_clients * LOCAL_STEPS
 
 
-def fedavg_runner(data, model, seed=0, executor='auto'):
+def fedavg_runner(data, model, seed=0, executor='auto', precision='float32'):
   """A RoundRunner of FedAvg on every client of ``data`` (the ``auto``
-  executor, or ``executor``) and its first state."""
+  executor, or ``executor``) at matmul precision ``precision``, and its
+  first state."""
   import jax
   import fedjax_personal as fp
   from fedjax_personal import algorithms
@@ -128,7 +129,8 @@ def fedavg_runner(data, model, seed=0, executor='auto'):
   alg = algorithms.build('fedavg', model, data, batch_size=BATCH[model.name],
                          local_steps=LOCAL_STEPS, client_lr=LR)
   runner = fp.RoundRunner(alg, data, fp.CohortSampler(n, cohort_size=n),
-                          fp.create_executor(executor, model, data.train.x[0, :1]))
+                          fp.create_executor(executor, model, data.train.x[0, :1]),
+                          matmul_precision=precision)
   return runner, runner.init(jax.random.key(seed))
 
 
@@ -146,9 +148,10 @@ def models_section(smoke, chosen=None):
     grid = [(m, int(n), c, p) for m, n, c, p in (x.split(':') for x in chosen.split(';'))]
   for model_name, n, conv, precision in grid:
     try:
-      numerics.set_matmul_precision(precision)
+      numerics.check_precision(precision)
       data, model, flops = fedavg_setup(model_name, n, conv)
-      runner, state = fedavg_runner(data, model, executor=smoke_executor(smoke))
+      runner, state = fedavg_runner(data, model, executor=smoke_executor(smoke),
+                                    precision=precision)
       box = {'state': state}
 
       def step(r):
@@ -165,7 +168,6 @@ def models_section(smoke, chosen=None):
     except Exception as e:  # out of memory, a kernel the backend lacks: reported
       emit({'section': 'models', 'model': model_name, 'clients': n, 'conv_impl': conv,
             'precision': precision, 'error': f'{type(e).__name__}: {str(e)[:300]}'})
-  numerics.set_matmul_precision('float32')
 
 
 def torch_section(smoke):
@@ -202,23 +204,22 @@ def populations_section(smoke, work_dir, chosen=None):
   import jax
   import numpy as np
   import optax
-  from absl import flags
   sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
   import populations
   import fedjax_personal as fp
   from fedjax_personal import algorithms, numerics
   from fedjax_personal.config import TrainingConfig
   from fedjax_personal.core.engine import RoundRunner
-  from fedjax_personal.core.population.layout import HostData
+  from fedjax_personal.core.population.placement import HostData
   from fedjax_personal.core.sampling import CohortSampler
   from fedjax_personal.run import costs
   clients = 30 if smoke else 3400
   small, big = (2, 4) if smoke else (50, 500)
   cap = 8 if smoke else 256
-  flags.FLAGS(['populations', '--shape=emnist', f'--num_clients={clients}',
-               f'--work_dir={work_dir}', f'--max_client_examples={cap}'])
+  settings = populations.PopulationSettings(shape='emnist', num_clients=clients,
+                                            work_dir=work_dir, max_client_examples=cap)
   t = time.perf_counter()
-  store = populations.open_or_generate()
+  store = populations.open_or_generate(settings)
   population = store.population(cap)
   mean_examples = float(np.mean(store.counts_capped('train', cap)))
   print(f'{store.name}: {store.num_clients:,} writers, {mean_examples:.0f} training examples '
@@ -247,7 +248,7 @@ def populations_section(smoke, work_dir, chosen=None):
     label = (f'{layout:6s} cohort {cohort:>3}, {precision}, conv {conv}, {executor}'
              + (f' {block}' if block else '') + ('' if prefetch else ', no prefetch'))
     try:
-      numerics.set_matmul_precision(precision)
+      numerics.check_precision(precision)
       model = fp.models.from_flax('emnist', fp.models.CNN(62, conv_impl=conv), population.sample_x)
       flops, _, _ = costs.local_step_cost(model, optax.sgd(0.05), 20,
                                           population.sample_x.shape[1:],
@@ -256,7 +257,8 @@ def populations_section(smoke, work_dir, chosen=None):
       alg = algorithms.build('fedavg', model, population, training=training)
       ex = fp.create_executor(smoke_executor(smoke) if executor == 'auto' else executor, model,
                               population.sample_x, block_size=block)
-      runner = RoundRunner(alg, data, CohortSampler(store.num_clients, cohort_size=cohort), ex)
+      runner = RoundRunner(alg, data, CohortSampler(store.num_clients, cohort_size=cohort), ex,
+                           matmul_precision=precision)
       key = jax.random.key(0)
       box = {'state': runner.init(key)}
 
@@ -278,7 +280,6 @@ def populations_section(smoke, work_dir, chosen=None):
       del runner, box
     except Exception as e:
       emit({'section': 'populations', 'label': label, 'error': f'{type(e).__name__}: {str(e)[:300]}'})
-  numerics.set_matmul_precision('float32')
 
 
 # -- a sweep of seeds -----------------------------------------------------------

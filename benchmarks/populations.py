@@ -26,46 +26,71 @@ Usage:
       --cohort_size=50 --rounds=3 --work_dir=/tmp/so
 """
 
+import dataclasses
 import json
 import os
 import resource
 import subprocess
 import sys
 import time
+from typing import Optional, Tuple
 
-from absl import app, flags
 import numpy as np
 
-FLAGS = flags.FLAGS
-flags.DEFINE_enum('shape', 'stackoverflow', ['stackoverflow', 'emnist'], 'Which population.')
-flags.DEFINE_integer('num_clients', None, 'Clients (default: the data set\'s: 342,477 / 3,400).')
-flags.DEFINE_integer('cohort_size', 50, 'Clients per round.')
-flags.DEFINE_integer('rounds', 3, 'Rounds per layout.')
-flags.DEFINE_string('work_dir', None, 'Where the generated population store goes (kept, reused).')
-flags.DEFINE_list('layouts', ['host', 'device'], 'Layouts to run; device only where the padded '
-                  'population takes at most a quarter of the available memory.')
-flags.DEFINE_integer('max_client_examples', 256, 'Cap on training examples per client.')
-flags.DEFINE_bool('full_model', False, 'Stack Overflow: Reddi et al.\'s LSTM at full size.')
-flags.DEFINE_integer('seed', 0, 'Seed of the population and of training.')
-flags.DEFINE_enum('algorithm', 'fedavg', ['fedavg', 'scaffold', 'ditto', 'local', 'fedalt'],
-                  'What trains: FedAvg, or one whose client rows (SCAFFOLD\'s control variates, '
-                  'personal models, FedAlt\'s personal adapters) the host layout keeps on the '
-                  'host.')
-flags.DEFINE_integer('adapter_dim', 16, 'FedAlt: the personal residual adapters\' width (the '
-                     'model gains one adapter per layer; the personal part is the adapters).')
-flags.DEFINE_integer('checkpoint_every', 0, 'Also save a checkpoint (Orbax, rows in files as '
-                     'deltas) every this many rounds, timed and sized, and time a restore.')
-flags.DEFINE_enum('client_state', 'memory', ['memory', 'disk'], 'Host layout: client rows in '
-                  'host memory or in files under --work_dir/client_rows (made on first use).')
-flags.DEFINE_string('output', None, 'Also write the results as JSON here.')
-flags.DEFINE_bool('dry_run', False, 'Check the flags and the work folder, then stop.')
-flags.DEFINE_string('train_layout', None, '(internal) train one layout and print JSON.')
+from fedjax_personal.errors import ConfigError
+from fedjax_personal.hparams import Declared, hparam
+from fedjax_personal.run import script_entry
 
 VOCAB = 10004
 SEQ = 20
 SHAPES = {'stackoverflow': dict(clients=342477, mean=400.0, std=1300.0, test_share=0.1),
           'emnist': dict(clients=3400, mean=200.0, std=110.0, test_share=0.1)}
 GB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class PopulationSettings(Declared):
+  """The benchmark's settings (its flags)."""
+  shape: str = hparam('stackoverflow', 'Which population.', choices=('stackoverflow', 'emnist'))
+  num_clients: Optional[int] = hparam(None, 'Clients (default: the data set\'s: 342,477 / '
+                                      '3,400).', minimum=1)
+  cohort_size: int = hparam(50, 'Clients per round.', minimum=1)
+  rounds: int = hparam(3, 'Rounds per layout.', minimum=1)
+  work_dir: Optional[str] = hparam(None, 'Where the generated population store goes (kept, '
+                                   'reused).')
+  layouts: Tuple[str, ...] = hparam(('host', 'device'), 'Layouts to run; device only where the '
+                                    'padded population takes at most a quarter of the available '
+                                    'memory.')
+  max_client_examples: int = hparam(256, 'Cap on training examples per client.', minimum=1)
+  full_model: bool = hparam(False, 'Stack Overflow: Reddi et al.\'s LSTM at full size.')
+  seed: int = hparam(0, 'Seed of the population and of training.')
+  algorithm: str = hparam('fedavg', 'What trains: FedAvg, or one whose client rows (SCAFFOLD\'s '
+                          'control variates, personal models, FedAlt\'s personal adapters) the '
+                          'host layout keeps on the host.',
+                          choices=('fedavg', 'scaffold', 'ditto', 'local', 'fedalt'))
+  adapter_dim: int = hparam(16, 'FedAlt: the personal residual adapters\' width (the model gains '
+                            'one adapter per layer; the personal part is the adapters).')
+  checkpoint_every: int = hparam(0, 'Also save a checkpoint (Orbax, rows in files as deltas) '
+                                 'every this many rounds, timed and sized, and time a restore.')
+  client_state: str = hparam('memory', 'Host layout: client rows in host memory or in files '
+                             'under --work_dir/client_rows (made on first use).',
+                             choices=('memory', 'disk'))
+  output: Optional[str] = hparam(None, 'Also write the results as JSON here.')
+  dry_run: bool = hparam(False, 'Check the flags and the work folder, then stop.')
+  train_layout: Optional[str] = hparam(None, '(internal) train one layout and print JSON.')
+
+  def check(self) -> None:
+    if not self.work_dir:
+      raise ConfigError('work_dir', 'give a folder for the generated population (kept and '
+                        'reused)')
+    if self.cohort_size > (self.num_clients or SHAPES[self.shape]['clients']):
+      raise ConfigError('cohort_size', f'must be at most the {self.num_clients} clients')
+    for layout in self.layouts:
+      if layout not in ('host', 'device'):
+        raise ConfigError('layouts', f'unknown layout {layout!r}; choose host, device')
+
+
+script_entry.define_settings_flags(PopulationSettings)
 
 
 def sizes(rng, n, mean, std):
@@ -85,17 +110,17 @@ def peak_rss_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def identity():
-  n = FLAGS.num_clients or SHAPES[FLAGS.shape]['clients']
-  return {'generator': 'benchmarks/populations.py', 'shape': FLAGS.shape, 'num_clients': n,
-          'seed': FLAGS.seed, **SHAPES[FLAGS.shape]}
+def identity(cfg):
+  n = cfg.num_clients or SHAPES[cfg.shape]['clients']
+  return {'generator': 'benchmarks/populations.py', 'shape': cfg.shape, 'num_clients': n,
+          'seed': cfg.seed, **SHAPES[cfg.shape]}
 
 
-def generate(folder):
+def generate(cfg, folder):
   """Writes the population client by client (chunks of clients drawn at once)."""
   from fedjax_personal.core.population.store import StoreWriter
-  ident = identity()
-  rng = np.random.default_rng(FLAGS.seed)
+  ident = identity(cfg)
+  rng = np.random.default_rng(cfg.seed)
   n = ident['num_clients']
   train_n = sizes(rng, n, ident['mean'], ident['std'])
   test_n = rng.binomial(train_n, ident['test_share'])
@@ -106,7 +131,7 @@ def generate(folder):
     for c0 in range(0, n, chunk):
       tr, te = train_n[c0:c0 + chunk], test_n[c0:c0 + chunk]
       total = int(tr.sum() + te.sum())
-      if FLAGS.shape == 'stackoverflow':
+      if cfg.shape == 'stackoverflow':
         x = rng.integers(3, VOCAB, (total, SEQ), dtype=np.uint16)
         y = np.empty((total, SEQ), np.int16)
         y[:, :-1] = x[:, 1:]
@@ -121,8 +146,8 @@ def generate(folder):
       if c0 // chunk % 10 == 0:
         print(f'  generated {min(c0 + chunk, n):,} / {n:,} clients '
               f'({time.perf_counter() - start:.0f} s)', flush=True)
-    classes = VOCAB if FLAGS.shape == 'stackoverflow' else 62
-    store = writer.close(f'{FLAGS.shape}-shaped ({n:,} clients)', classes)
+    classes = VOCAB if cfg.shape == 'stackoverflow' else 62
+    store = writer.close(f'{cfg.shape}-shaped ({n:,} clients)', classes)
   except BaseException:
     writer.abort()
     raise
@@ -131,15 +156,15 @@ def generate(folder):
   return store
 
 
-def open_or_generate():
+def open_or_generate(cfg):
   from fedjax_personal.core.population import store as store_lib
-  folder = os.path.join(FLAGS.work_dir, 'store')
+  folder = os.path.join(cfg.work_dir, 'store')
   if store_lib.is_store(folder):
-    return store_lib.open_store(folder, identity())
-  return generate(folder)
+    return store_lib.open_store(folder, identity(cfg))
+  return generate(cfg, folder)
 
 
-def train(layout):
+def train(cfg, layout):
   """One layout in this process: FedAvg rounds; returns the figures."""
   t0 = time.perf_counter()
   import jax
@@ -147,41 +172,41 @@ def train(layout):
   from fedjax_personal import algorithms
   from fedjax_personal.config import TrainingConfig
   from fedjax_personal.core.engine import RoundRunner
-  from fedjax_personal.core.population.layout import HostData
+  from fedjax_personal.core.population.placement import HostData
   from fedjax_personal.core.sampling import CohortSampler
   from fedjax_personal.models import architectures
-  store = open_or_generate()
-  cap = FLAGS.max_client_examples
+  store = open_or_generate(cfg)
+  cap = cfg.max_client_examples
   population = store.population(cap)
-  adapters = FLAGS.adapter_dim if FLAGS.algorithm == 'fedalt' else 0
-  if FLAGS.shape == 'stackoverflow':
-    dims = (96, 670, 96) if FLAGS.full_model else (32, 64, 32)
+  adapters = cfg.adapter_dim if cfg.algorithm == 'fedalt' else 0
+  if cfg.shape == 'stackoverflow':
+    dims = (96, 670, 96) if cfg.full_model else (32, 64, 32)
     module = architectures.CharLSTM(VOCAB, embed_dim=dims[0], hidden=dims[1], num_layers=1,
                                     projection=dims[2], adapter_dim=adapters)
     training = TrainingConfig(client_lr=0.3, batch_size=16)
   else:
     module = fp.models.CNN(62, adapter_dim=adapters)
     training = TrainingConfig(client_lr=0.05, batch_size=20)
-  model = fp.models.from_flax(FLAGS.shape, module, population.sample_x)
+  model = fp.models.from_flax(cfg.shape, module, population.sample_x)
   if layout == 'host':
     rows_folder = None
-    if FLAGS.client_state == 'disk':
+    if cfg.client_state == 'disk':
       import shutil
-      rows_folder = os.path.join(FLAGS.work_dir, 'client_rows')
+      rows_folder = os.path.join(cfg.work_dir, 'client_rows')
       shutil.rmtree(rows_folder, ignore_errors=True)
     data = HostData(store, cap, rows_folder=rows_folder)
   else:
     data = jax.device_put(store.padded(cap))
-  alg = algorithms.build(FLAGS.algorithm, model, population, training=training,
+  alg = algorithms.build(cfg.algorithm, model, population, training=training,
                          **({'personal_part': 'adapter'} if adapters else {}))
-  sampler = CohortSampler(store.num_clients, cohort_size=FLAGS.cohort_size)
-  runner = RoundRunner(alg, data, sampler, fp.executors.create_executor('auto', model,
+  sampler = CohortSampler(store.num_clients, cohort_size=cfg.cohort_size)
+  runner = RoundRunner(alg, data, sampler, fp.create_executor('auto', model,
                                                                          population.sample_x))
-  key = jax.random.key(FLAGS.seed)
+  key = jax.random.key(cfg.seed)
   state = runner.init(key)
   seconds, first, saves = [], None, []
-  ckpt = Checkpoints(layout) if FLAGS.checkpoint_every else None
-  for t in range(FLAGS.rounds):
+  ckpt = Checkpoints(cfg, layout) if cfg.checkpoint_every else None
+  for t in range(cfg.rounds):
     start = time.perf_counter()
     state, metrics = runner.round(state, jax.random.fold_in(key, t), t, donate=True,
                                   next_key=jax.random.fold_in(key, t + 1))
@@ -189,7 +214,7 @@ def train(layout):
     seconds.append(time.perf_counter() - start)
     if first is None:
       first = time.perf_counter() - t0
-    if ckpt is not None and (t + 1) % FLAGS.checkpoint_every == 0:
+    if ckpt is not None and (t + 1) % cfg.checkpoint_every == 0:
       before_save = peak_rss_bytes()
       saves.append({**ckpt.save(t + 1, state), 'peak_rss_before_gb': before_save / GB,
                     'peak_rss_after_gb': peak_rss_bytes() / GB})
@@ -203,10 +228,10 @@ def train(layout):
   rows_gb = 0.0 if rows is None else sum(
       a.nbytes for a in jax.tree.leaves(rows.get(runner.whole_state(state)))) / GB
   disk_gb = rows_in_files.disk_bytes(state.rows) / GB if hasattr(state, 'rows') else 0.0
-  return {'shape': FLAGS.shape, 'algorithm': FLAGS.algorithm, 'layout': layout,
-          'client_rows_gb': rows_gb, 'client_state': FLAGS.client_state,
+  return {'shape': cfg.shape, 'algorithm': cfg.algorithm, 'layout': layout,
+          'client_rows_gb': rows_gb, 'client_state': cfg.client_state,
           'rows_on_disk_gb': disk_gb, 'num_clients': store.num_clients,
-          'cohort_size': FLAGS.cohort_size, 'rounds': FLAGS.rounds, 'cap': cap,
+          'cohort_size': cfg.cohort_size, 'rounds': cfg.rounds, 'cap': cap,
           'executor': runner.executor.describe(),
           'peak_rss_gb': peak_rss_bytes() / GB, 'peak_rss_rounds_gb': rounds_peak / GB,
           'device_bytes_gb': live / GB,
@@ -222,11 +247,11 @@ class Checkpoints:
   (client rows in files as deltas of the rows changed): seconds, bytes
   written per save, the folder's size; and the time of a restore."""
 
-  def __init__(self, layout):
+  def __init__(self, cfg, layout):
     import shutil
     from fedjax_personal.run import checkpointing
     self.lib = checkpointing
-    self.folder = os.path.join(FLAGS.work_dir, f'checkpoints_{layout}_{FLAGS.algorithm}')
+    self.folder = os.path.join(cfg.work_dir, f'checkpoints_{layout}_{cfg.algorithm}')
     shutil.rmtree(self.folder, ignore_errors=True)
     self.mngr = checkpointing.manager(self.folder)
     self.manifest = None
@@ -257,49 +282,27 @@ def folder_bytes(folder) -> int:
   return total
 
 
-def main(argv):
-  from fedjax_personal.errors import ConfigError
-  try:
-    _main(argv)
-  except ConfigError as e:  # a store of another population in --work_dir, a damaged one
-    print(e, file=sys.stderr)
-    sys.exit(2)
-
-
-def _main(argv):
-  from fedjax_personal.errors import ConfigError
-  del argv
-  if not FLAGS.work_dir:
-    print('--work_dir: give a folder for the generated population (kept and reused)')
-    sys.exit(2)
-  for name in ('num_clients', 'cohort_size', 'rounds', 'max_client_examples'):
-    if getattr(FLAGS, name) is not None and getattr(FLAGS, name) < 1:
-      raise ConfigError(name, f'must be >= 1, got {getattr(FLAGS, name)}')
-  if FLAGS.cohort_size > (FLAGS.num_clients or SHAPES[FLAGS.shape]['clients']):
-    raise ConfigError('cohort_size', f'must be at most the {FLAGS.num_clients} clients')
-  for layout in FLAGS.layouts:
-    if layout not in ('host', 'device'):
-      raise ConfigError('layouts', f'unknown layout {layout!r}; choose host, device')
-  if FLAGS.train_layout:
-    print(json.dumps(train(FLAGS.train_layout)))
+def main(cfg: PopulationSettings):
+  if cfg.train_layout:
+    print(json.dumps(train(cfg, cfg.train_layout)))
     return
   from fedjax_personal.core.population import store as store_lib
-  folder = os.path.join(FLAGS.work_dir, 'store')
+  folder = os.path.join(cfg.work_dir, 'store')
   if store_lib.is_store(folder):
-    store_lib.open_store(folder, identity())  # another population there: one line, exit 2
-  if FLAGS.dry_run:
-    print(f'dry run: {identity()} into {folder}')
+    store_lib.open_store(folder, identity(cfg))  # another population there: one line, exit 2
+  if cfg.dry_run:
+    print(f'dry run: {identity(cfg)} into {folder}')
     return
-  os.makedirs(FLAGS.work_dir, exist_ok=True)
-  from fedjax_personal.core.population.layout import DEVICE_DATA_SHARE, host_available_bytes
-  store = open_or_generate()
-  padded = store.padded_nbytes(FLAGS.max_client_examples)
+  os.makedirs(cfg.work_dir, exist_ok=True)
+  from fedjax_personal.core.population.placement import DEVICE_DATA_SHARE, host_available_bytes
+  store = open_or_generate(cfg)
+  padded = store.padded_nbytes(cfg.max_client_examples)
   print(f'{store.name}: {store.num_clients:,} clients, store {store.nbytes() / GB:.2f} GB; '
         f'padded to the widest client: {store.padded_nbytes() / GB:,.1f} GB, capped at '
-        f'{FLAGS.max_client_examples}: {padded / GB:.2f} GB', flush=True)
+        f'{cfg.max_client_examples}: {padded / GB:.2f} GB', flush=True)
   del store
   results = []
-  for layout in FLAGS.layouts:
+  for layout in cfg.layouts:
     avail = host_available_bytes()
     if layout == 'device' and avail is not None and padded > DEVICE_DATA_SHARE * avail:
       print(f'device layout skipped: the padded population ({padded / GB:.1f} GB) exceeds '
@@ -328,10 +331,10 @@ def _main(argv):
     if 'restore_seconds' in r:
       print(f"       restore of round {r['restored_round']}: {r['restore_seconds']:.2f} s; peak "
             f"RSS {r['peak_rss_rounds_gb']:.2f} GB before it", flush=True)
-  if FLAGS.output:
-    with open(FLAGS.output, 'w') as f:
+  if cfg.output:
+    with open(cfg.output, 'w') as f:
       json.dump(results, f, indent=1)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  script_entry.run_script(main, settings=PopulationSettings)

@@ -4,20 +4,56 @@ arXiv 2003.00295) from TFF's ``cifar100.sqlite.lzma``: 500 train clients of
 test clients, read as TFF writes them (``sqlite_formats.read_tff``).
 """
 
+import dataclasses
+
 import numpy as np
 
 from fedjax_personal.datasets import sources, sqlite_formats
 from fedjax_personal.datasets.natural_data import NaturalData, client_id, take
+from fedjax_personal.datasets.options import DataOptions
 from fedjax_personal.errors import ConfigError, DataError
+from fedjax_personal.hparams import hparam
 
 
-__all__ = ['load_data', 'read_clients']
+__all__ = ['Cifar100Options', 'load_data', 'read_clients']
 
 
 CIFAR100_FEATURES = {'image': (32, 32, 3), 'label': (), 'coarse_label': ()}
 
 
 CIFAR100_TESTS = ('split', 'tff_clients')
+
+
+@dataclasses.dataclass(frozen=True)
+class Cifar100Options(DataOptions):
+  """CIFAR-100's options: the natural partition's test clients and the
+  images the model sees."""
+  held_out_choice = ('cifar100_test', "split (each client's images split for test)")
+  cifar100_test: str = hparam('split', "cifar100 (natural): the test clients. split: each train "
+                              "client's images split with --test_fraction (personal models have "
+                              "test data); tff_clients: TFF's 100 test clients, held out "
+                              '(evaluated with the global model, never trained), as Reddi et al. '
+                              '(arXiv 2003.00295) evaluate.', choices=CIFAR100_TESTS)
+  cifar100_preprocess: str = hparam(
+      'none', 'cifar100: the images the model sees. none: as the file holds them (scaled to '
+      '[0, 1]); reddi: a random 24x24 crop and left-right flip of each training image (drawn '
+      'from the run\'s key for each client, round and step), the central 24x24 of the others, '
+      'each standardized, as Reddi et al.\'s task (google-research/federated) feeds them.',
+      choices=('none', 'reddi'))
+
+  def check_given(self, cfg, given):
+    if 'cifar100_test' in given and cfg.partition != 'natural':
+      raise ConfigError('cifar100_test', "chooses the natural CIFAR-100's test clients; "
+                        f'--partition={cfg.partition} has none')
+
+  def files_split_test(self):
+    return self.cifar100_test == 'tff_clients'
+
+  def input_transform(self):
+    if self.cifar100_preprocess == 'none':
+      return None
+    from fedjax_personal.models import inputs  # noqa: PLC0415  (the model's input pipelines)
+    return inputs.TRANSFORMS[self.cifar100_preprocess]()
 
 
 def read_clients(num_clients=None, data_dir=None, download=False,

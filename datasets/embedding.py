@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fedjax_personal import numerics
 from fedjax_personal.models import create_model
 
 
@@ -43,7 +44,9 @@ def semantic_features(x: np.ndarray, y: np.ndarray, num_classes: int, seed: int,
   """
   # LeNet-5 needs images of at least 28 x 28 (two 5 x 5 convolutions and pools).
   big_image = x.ndim == 4 and min(x.shape[1:3]) >= 28
-  model = create_model('lenet5' if big_image else 'mlp', num_classes, x[:1])
+  # At the engine's default precision: the partition is the same on every card.
+  model = create_model('lenet5' if big_image else 'mlp', num_classes, x[:1]).at_matmul_precision(
+      numerics.DEFAULT_MATMUL_PRECISION)
   key_init, key_order = jax.random.split(jax.random.key(seed))
   params = model.init(key_init)
   opt = optax.sgd(learning_rate, momentum=0.9)

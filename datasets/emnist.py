@@ -7,17 +7,33 @@ pixels (ink 0, background 1), as TFF's ``emnist.load_data`` gives them and
 Reddi et al.'s task code (google-research/federated) feeds them.
 """
 
+import dataclasses
+
 import numpy as np
 
 from fedjax_personal.datasets import federated, sources
 from fedjax_personal.datasets.natural_data import NaturalData, fedjax_splits
+from fedjax_personal.datasets.options import DataOptions
 from fedjax_personal.errors import DataError
+from fedjax_personal.hparams import hparam
 
 
-__all__ = ['domain_id', 'load_data', 'PIXELS', 'read_clients']
+__all__ = ['domain_id', 'EmnistOptions', 'load_data', 'PIXELS', 'read_clients']
 
 
 PIXELS = {'fedjax': lambda p: 1.0 - p, 'tff': lambda p: p}
+
+
+@dataclasses.dataclass(frozen=True)
+class EmnistOptions(DataOptions):
+  """EMNIST's options (``--dataset=emnist``, ``emnist_digits``)."""
+  pixels: str = hparam('fedjax', "emnist: the pixel convention. fedjax: 1 - pixels, ink 1 "
+                       "(FedJAX's load_data); tff: the files' raw pixels, ink 0, as TFF and Reddi "
+                       "et al.'s code feed them.", choices=tuple(PIXELS), flag='emnist_pixels')
+
+  def describe(self):
+    return ['pixels: ' + ("fedjax (1 - x, ink 1: FedJAX's load_data)" if self.pixels == 'fedjax'
+                          else "tff (the raw pixels, ink 0: TFF's, as Reddi et al. feed them)")]
 
 
 def read_clients(num_clients=None, data_dir=None, download=False,

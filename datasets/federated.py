@@ -411,13 +411,15 @@ def load(dataset: str, mode: str = 'sqlite', cache_dir=None, num_clients=None,
       does; False: a missing file is one line naming it).
     data_dir: the same as ``cache_dir``.
     features: ``(x, y) -> examples`` of a client.
-    **options: ``DataConfig`` fields of the data set (``seq_len``,
-      ``emnist_pixels``, ...).
+    **options: the data set's options by their flags' names (``seq_len``,
+      ``emnist_pixels``, ...; ``registry.OPTIONS``).
 
   Returns:
     The train and test ``FederatedData``.
   """
   from fedjax_personal import datasets as datasets_lib
+  cls = datasets_lib.registry.options_class(dataset)
+  fields = datasets_lib.config.option_flags(cls)
   if mode != 'sqlite':
     raise ValueError(f'Unsupported mode={mode!r}: the published files are read (mode=\'sqlite\')')
   if cache_dir is not None and data_dir is not None and cache_dir != data_dir:
@@ -425,5 +427,6 @@ def load(dataset: str, mode: str = 'sqlite', cache_dir=None, num_clients=None,
   folder = cache_dir if cache_dir is not None else data_dir
   cfg = datasets_lib.DataConfig(dataset=dataset, partition='natural', num_clients=num_clients,
                                 data_dir=folder, download=download,
-                                **{k: v for k, v in options.items() if v is not None})
+                                options=cls(**{fields[k]: v for k, v in options.items()
+                                               if v is not None}))
   return splits(datasets_lib.load_store(cfg), features)

@@ -15,12 +15,25 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 
+import dataclasses
+from typing import Optional
+
 from fedjax_personal.datasets import local_files, sources
 from fedjax_personal.datasets.natural_data import NaturalData, take
+from fedjax_personal.datasets.options import DataOptions
 from fedjax_personal.errors import DataError
+from fedjax_personal.hparams import hparam
 
 
-__all__ = ['gldv2_halves', 'GLDV2_MAX_PER_SPLIT', 'load_data', 'read_clients']
+__all__ = ['gldv2_halves', 'GLDV2_MAX_PER_SPLIT', 'Gldv2Options', 'load_data', 'read_clients']
+
+
+@dataclasses.dataclass(frozen=True)
+class Gldv2Options(DataOptions):
+  """GLDv2's options."""
+  image_size: Optional[int] = hparam(None, 'gldv2: the side of the square images, in pixels '
+                                     '(resized once, into the population store). Default: 224, '
+                                     'as the partial-personalization seed.', minimum=8)
 
 
 GLDV2_CLASSES = 2028

@@ -5,6 +5,7 @@ Files are found by ``local_files.find_file`` (--data_dir, $FEDJAX_PERSONAL_DATA,
 the package, the cache).
 """
 
+import dataclasses
 import gzip
 import re
 import zlib
@@ -14,11 +15,13 @@ import numpy as np
 
 from fedjax_personal.errors import ConfigError, DataError
 from fedjax_personal.datasets import local_files, sources
+from fedjax_personal.datasets.options import DataOptions
+from fedjax_personal.hparams import hparam
 from fedjax_personal.datasets.local_files import PACKAGE_DATA, find_file  # noqa: F401 (re-exported)
 
 
 __all__ = ['check_labels', 'load_digits', 'load_mnist', 'load_tinyshakespeare', 'MNIST_MD5',
-           'parse_shakespeare_roles', 'read_idx', 'synthetic']
+           'parse_shakespeare_roles', 'read_idx', 'synthetic', 'SyntheticOptions']
 
 
 _IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: '>i2', 0x0C: '>i4', 0x0D: '>f4', 0x0E: '>f8'}
@@ -193,6 +196,19 @@ def load_tinyshakespeare(num_clients: int, seq_len: int = 80, min_chars: int = 1
     xs.append(np.stack([w[k * seq_len:(k + 1) * seq_len] for k in range(n)]))
     ys.append(np.stack([w[k * seq_len + 1:(k + 1) * seq_len + 1] for k in range(n)]))
   return xs, ys, vocab
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticOptions(DataOptions):
+  """Synthetic(alpha, beta)'s options (Li et al., FedProx)."""
+  synthetic_alpha: float = hparam(1.0, 'synthetic: Synthetic(alpha, beta)\'s model '
+                                  'heterogeneity alpha (Li et al., FedProx). As in their '
+                                  'generator, u_k ~ N(0, alpha) shifts every entry of W_k and '
+                                  'b_k alike, hence every class\'s logit alike: no label '
+                                  'changes, so the command has no flag for it.', minimum=0,
+                                  maximum=1e4, command=False)
+  synthetic_beta: float = hparam(1.0, 'synthetic: Synthetic(alpha, beta)\'s data heterogeneity '
+                                 'beta.', minimum=0, maximum=1e4)
 
 
 def synthetic(num_clients: int, alpha: float, beta: float, rng: np.random.Generator,

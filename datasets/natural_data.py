@@ -2,7 +2,7 @@
 
 A natural data set is read client by client from its published files
 (one module each: ``emnist``, ``shakespeare``, ``stackoverflow``,
-``cifar100``, ``leaf``, ``gldv2``; the registry is ``readers``). Each
+``cifar100``, ``leaf``, ``gldv2``; the registry is ``registry``). Each
 module's ``read_clients`` returns a ``NaturalData``: the clients' ids and
 ``(x, y)`` train and test examples as the files split them, streamed.
 

@@ -15,15 +15,19 @@ publisher's windows (``WINDOWS``), ids in FedJAX's 86-character table
   ``MaskedCategoricalAccuracy(masked_tokens=[pad])``: ``PAD_UNSCORED``).
 """
 
+import dataclasses
+
 import numpy as np
 
 from fedjax_personal.datasets import federated, sources
 from fedjax_personal.datasets.natural_data import (BOS, EOS, IGNORE, PAD, NaturalData,
                                                    fedjax_splits)
+from fedjax_personal.datasets.options import TextOptions
+from fedjax_personal.hparams import hparam
 
 
 __all__ = ['load_data', 'PAD_UNSCORED', 'read_clients', 'SHAKESPEARE_CLASSES', 'SHAKESPEARE_OOV',
-           'shakespeare_sequences', 'SHAKESPEARE_VOCAB', 'tff_sequences']
+           'shakespeare_sequences', 'SHAKESPEARE_VOCAB', 'ShakespeareOptions', 'tff_sequences']
 
 
 # FedJAX's Shakespeare table (fedjax/datasets/shakespeare.py): byte vocab[i]
@@ -91,6 +95,25 @@ def tff_sequences(snippets, seq_len: int):
 WINDOWS = {'fedjax': shakespeare_sequences, 'tff': tff_sequences}
 #: The targets the accuracy leaves out, per windows (their loss counts them).
 PAD_UNSCORED = {'fedjax': (), 'tff': (PAD,)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShakespeareOptions(TextOptions):
+  """Shakespeare's options: its rows' length and whose windows."""
+  windows: str = hparam('fedjax', "shakespeare: how snippets become x/y windows. fedjax: a "
+                        "client's snippets joined with BOS/EOS and cut into --seq_len (FedJAX's "
+                        'load_data); tff: each snippet padded to a multiple of seq_len + 1 and cut '
+                        'into 80/80 pairs, BOS never a target, PAD targets in the loss but not in '
+                        'the accuracy (TFF, Reddi et al.).', choices=('fedjax', 'tff'),
+                        flag='shakespeare_windows')
+
+  def scored(self, model, num_classes):
+    if self.windows != 'tff':
+      return model, None
+    model = model.scoring_only_words(
+        PAD_UNSCORED['tff'], top_k=0,
+        definition='TFF windows: accuracy over the targets but PAD (PAD targets in the loss)')
+    return model, f'windows: tff, {model.accuracy_definition}'
 
 
 def read_clients(num_clients=None, data_dir=None, download=False, seq_len: int = 80,

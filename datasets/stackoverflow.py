@@ -6,19 +6,22 @@ OOV id, x/y truncated or padded to ``seq_len`` (vocab_size + 4 classes); its
 next-word accuracy under each published definition.
 """
 
-from typing import Dict, List
+import dataclasses
+from typing import Dict, List, Optional
 
 import numpy as np
 
 from fedjax_personal.datasets import sources, sqlite_formats
 from fedjax_personal.datasets.natural_data import (BOS, EOS, IGNORE, PAD, NaturalData, client_id,
                                                    converted, fedjax_splits, take)
+from fedjax_personal.datasets.options import TextOptions
 from fedjax_personal.errors import ConfigError, DataError
+from fedjax_personal.hparams import hparam
 
 
 __all__ = ['load_data', 'read_clients', 'read_held_out', 'STACKOVERFLOW_ACCURACIES',
-           'stackoverflow_accuracy', 'stackoverflow_unscored', 'tokenize_sentences',
-           'VALIDATION_EXAMPLES']
+           'stackoverflow_accuracy', 'stackoverflow_unscored', 'StackOverflowOptions',
+           'tokenize_sentences', 'VALIDATION_EXAMPLES']
 
 
 def read_word_count(path, vocab_size: int) -> List[str]:
@@ -116,6 +119,45 @@ def tokenize_sentences(sentences, vocab: Dict[str, int], seq_len: int):
 STACKOVERFLOW_TESTS = ('train_users', 'tff_users')
 #: Examples of the pooled test users TFF's task takes for validation.
 VALIDATION_EXAMPLES = 10000
+
+
+@dataclasses.dataclass(frozen=True)
+class StackOverflowOptions(TextOptions):
+  """Stack Overflow's options: its vocabulary, rows, test set and accuracy."""
+  DEFAULT_SEQ_LEN = 20
+  held_out_choice = ('stackoverflow_test', "train_users (the train users' own test posts)")
+  vocab_size: Optional[int] = hparam(None, 'stackoverflow: the vocabulary, its most frequent '
+                                     'words (plus PAD, BOS, EOS and one OOV id). Default: 10000, '
+                                     'as Reddi et al. and the partial-personalization seed.',
+                                     minimum=1)
+  stackoverflow_test: str = hparam('train_users', "stackoverflow: the test set. train_users: the "
+                                   "train users' own posts in the test file; tff_users: every "
+                                   'user of the test file (204,088) held out, their pooled posts '
+                                   'the test set after 10,000 are taken out for validation, as '
+                                   "Reddi et al.'s task (google-research/federated) evaluates.",
+                                   choices=STACKOVERFLOW_TESTS)
+  stackoverflow_accuracy: str = hparam(
+      'in_vocab', 'stackoverflow: the next-word accuracy reported. in_vocab: targets PAD, BOS, '
+      'EOS and OOV not scored (Reddi et al., the partial-personalization seed); '
+      "fedjax_in_vocab: FedJAX's accuracy_in_vocab (PAD and EOS not scored, OOV a miss).",
+      choices=('in_vocab', 'fedjax_in_vocab'))
+
+  def store_key(self, passed):
+    # The seed draws tff_users' validation posts; train_users reads none.
+    return {k: v for k, v in passed.items()
+            if k != 'seed' or self.stackoverflow_test == 'tff_users'}
+
+  def describe(self):
+    return ['test set: ' + ("the train users' own test posts (train_users)"
+                            if self.stackoverflow_test == 'train_users' else
+                            'every test user, held out, pooled, less 10,000 posts for validation '
+                            "(tff_users: Reddi et al.'s task)")]
+
+  def scored(self, model, num_classes):
+    unscored, unpredicted, definition = stackoverflow_accuracy(self.stackoverflow_accuracy,
+                                                               num_classes)
+    model = model.scoring_only_words(unscored, unpredicted=unpredicted, definition=definition)
+    return model, f'accuracy: {self.stackoverflow_accuracy}, {definition}'
 
 
 def validation_counts(sizes, seed: int, total: int = VALIDATION_EXAMPLES) -> np.ndarray:

@@ -15,18 +15,17 @@ __all__ = ['aggregation', 'batching', 'Batching', 'ClientData', 'ClientModels', 
            'CohortSampler', 'Communication', 'compilation', 'config', 'ConfigError',
            'create_executor', 'create_model', 'data', 'executors', 'FederatedAlgorithm',
            'FederatedData', 'LocalData', 'models', 'numerics', 'RoundContext', 'RoundRunner',
-           'sampling', 'set_matmul_precision', 'summarize', 'training', 'TrainingConfig',
+           'sampling', 'summarize', 'training', 'TrainingConfig',
            'tree_util']
 
 
 _checkout.use_this_checkout(_os.path.dirname(__file__))  # its algorithms/ and datasets/, not another's
 
+# Importing the package changes no JAX configuration and writes nothing: the
+# engine runs its computations at its own matmul precision (numerics.py), and
+# the persistent compilation cache is the caller's choice (compilation.enable).
 from fedjax_personal import compilation  # noqa: E402
 from fedjax_personal import numerics  # noqa: E402
-
-numerics.apply_default()  # float32 matmuls on every backend unless the user chose (numerics.py)
-compilation.apply_default()  # JAX's persistent compilation cache (compilation.py)
-
 from fedjax_personal import config  # noqa: E402
 from fedjax_personal import models  # noqa: E402
 from fedjax_personal.config import TrainingConfig
@@ -47,11 +46,10 @@ from fedjax_personal.core.data import ClientData
 from fedjax_personal.core.data import FederatedData
 from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.core.engine import summarize
-from fedjax_personal.core.executors import create_executor
+from fedjax_personal.core.executor_choice import create_executor
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import create_model
-from fedjax_personal.numerics import set_matmul_precision
 
 __version__ = '0.1.0'

@@ -7,9 +7,13 @@ was made from. Run from another checkout (its folder first on ``sys.path``),
 ``fedjax_personal`` comes from there while the two mapped subpackages would
 still come from the installed checkout: two versions of the code, silently
 mixed. When this ``fedjax_personal`` sits in a source checkout (a
-``setup.cfg`` beside it mapping the folders), ``use_this_checkout`` puts a
-finder first on ``sys.meta_path`` that takes both from the same checkout;
-an installed package (no ``setup.cfg`` beside it) is left alone.
+``setup.cfg`` beside it mapping the folders) and the two folders would come
+from elsewhere (or from nowhere: the checkout run without an install),
+``use_this_checkout`` puts a finder first on ``sys.meta_path`` that takes
+them from the same checkout, for these two names only. An installed package
+(no ``setup.cfg`` beside it), and a checkout whose install already maps its
+own folders, are left as they are: then importing the package adds no
+import hook.
 """
 
 import importlib.abc
@@ -81,5 +85,18 @@ def use_this_checkout(package_dir: str) -> None:
       raise ImportError(f'fedjax_personal.{m} was imported from {where}, fedjax_personal from '
                         f'{os.path.abspath(package_dir)}: two checkouts mixed; run from one '
                         '(pip install -e . in the one you use)')
+  if all(_found_in(f'fedjax_personal.{m}', os.path.join(root, m)) for m in MAPPED):
+    return  # the install maps this checkout's folders already: no hook
   if not any(isinstance(f, _CheckoutFinder) and f.root == root for f in sys.meta_path):
     sys.meta_path.insert(0, _CheckoutFinder(root))
+
+
+def _found_in(name: str, folder: str) -> bool:
+  """Whether Python's finders (without this module's) would import
+  ``name`` from ``folder``."""
+  try:
+    spec = importlib.util.find_spec(name)
+  except (ImportError, ValueError):
+    return False
+  origin = getattr(spec, 'origin', None) or ''
+  return os.path.dirname(os.path.abspath(origin)) == os.path.abspath(folder)

@@ -2,25 +2,26 @@
 
 A short experiment costs its compiles more than its rounds: a second run of
 the same command, every configuration of a sweep in another process, a
-notebook after a restart would compile the same programs again. This
-package turns JAX's persistent compilation cache on when it is imported, in
+notebook after a restart would compile the same programs again. The
+command (``--compilation_cache``) turns JAX's persistent compilation cache
+on, and a library user opts in with one call, ``enable()``: in
 ``<cache>/xla`` (``$FEDJAX_PERSONAL_CACHE``, default
 ``~/.cache/fedjax_personal``), for programs of any compile time, bounded to
 ``MAX_BYTES`` (``trim``: the least recently used entries go when the cache
-is opened). Entries are
+is opened). Importing the package leaves JAX's cache as it is. Entries are
 keyed by JAX's own key (the program, the backend and its version, compile
 options, JAX's settings such as the matmul precision), so a stale entry is
 never used; an entry that cannot be read is compiled again (JAX's
 behaviour), never trusted.
 
-``$FEDJAX_PERSONAL_COMPILATION_CACHE=DIR`` moves it, ``=off`` turns it off,
-as ``--compilation_cache`` does for the CLI; a cache the user configured
-for JAX (``JAX_COMPILATION_CACHE_DIR``, or ``jax.config`` before the
-import) is kept as it is.
+For the command, ``$FEDJAX_PERSONAL_COMPILATION_CACHE=DIR`` moves it and
+``=off`` turns it off, as ``--compilation_cache`` does; a cache the user
+configured for JAX (``JAX_COMPILATION_CACHE_DIR``) is kept as it is
+(``command_default``).
 
 ``stats()`` counts, from JAX's own monitoring events, the seconds spent
-compiling and tracing and the cache's hits and misses in this process: the
-header and ``summary.json`` report them.
+compiling and tracing and the cache's hits and misses in this process since
+it was first called: the header and ``summary.json`` report them.
 """
 
 import os
@@ -30,14 +31,14 @@ from typing import Optional
 
 import jax
 
-__all__ = ['MAX_BYTES', 'default_dir', 'enable', 'disable', 'apply_default', 'directory',
-           'stats', 'size', 'trim']
+__all__ = ['command_default', 'default_dir', 'directory', 'disable', 'enable', 'MAX_BYTES',
+           'size', 'stats', 'trim']
 
 #: The cache's bound on disk (``trim``).
 MAX_BYTES = 2 << 30
 _ENV = 'FEDJAX_PERSONAL_COMPILATION_CACHE'
 
-#: When the package was imported (``run.process_settings.process_seconds``'s fallback).
+#: When the package was imported (``run.process.process_seconds``'s fallback).
 IMPORTED_AT = time.perf_counter()
 _lock = threading.Lock()
 _counts = {'compile_seconds': 0.0, 'trace_seconds': 0.0, 'compiles': 0, 'cache_hits': 0,
@@ -132,24 +133,20 @@ def _reset_jax_cache() -> None:
     pass
 
 
-def apply_default() -> None:
-  """At import: ``$FEDJAX_PERSONAL_COMPILATION_CACHE`` (a folder, or
-  ``off``), else the default folder, unless the user set up JAX's cache.
+def command_default() -> Optional[str]:
+  """The cache the command opens when ``--compilation_cache`` is not given:
+  ``$FEDJAX_PERSONAL_COMPILATION_CACHE`` (a folder; ``off``: None), else
+  the cache the user set up for JAX (``$JAX_COMPILATION_CACHE_DIR`` or
+  ``jax.config``), else ``default_dir()``.
 
   Returns:
-    None.
+    The folder, or None for no cache.
   """
-  _listen()
   choice = os.environ.get(_ENV, '').strip()
   if choice.lower() == 'off':
-    return
-  if not choice and (os.environ.get('JAX_COMPILATION_CACHE_DIR')
-                     or jax.config.jax_compilation_cache_dir):
-    return
-  try:
-    enable(choice or None)
-  except OSError:  # an unwritable home: runs compile as before
-    pass
+    return None
+  return (choice or os.environ.get('JAX_COMPILATION_CACHE_DIR')
+          or jax.config.jax_compilation_cache_dir or default_dir())
 
 
 def directory() -> Optional[str]:
@@ -189,6 +186,7 @@ def stats() -> dict:
   Returns:
     A dict of seconds and counts.
   """
+  _listen()
   with _lock:
     return dict(_counts)
 

@@ -24,10 +24,11 @@ from fedjax_personal.core import server_optimizers
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.tree_util import is_concrete
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.hparams import field_types, flag_name, hparam, validate  # noqa: F401
+from fedjax_personal.hparams import Declared, field_types, flag_name, hparam, validate  # noqa: F401
 
 
 __all__ = ['AlgorithmSpec', 'BATCHING', 'CLIENT_LR_SCHEDULE', 'CLIENT_OPTIMIZER', 'cut_schedule',
+           'Declared',
            'field_types', 'FINETUNE', 'flag_name', 'linear_schedule', 'NoConfig',
            'scale_by_round_decay', 'SERVER_OPTIMIZER', 'TrainingConfig', 'validate', 'WEIGHTING']
 
@@ -107,7 +108,7 @@ FINETUNE = frozenset({'finetune_steps', 'finetune_lr'})
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainingConfig:
+class TrainingConfig(Declared):
   """Settings every algorithm may use (flags without a prefix)."""
   client_optimizer: str = hparam('sgd', "Client optimizer: 'sgd' or 'adam'.",
                                  choices=('sgd', 'adam'))
@@ -218,11 +219,11 @@ class TrainingConfig:
   def _refuse_unread(self, choice: str, reads: dict) -> None:
     """Refuses a setting given a non-default value that the chosen ``choice``
     (``reads``: its value -> the settings it reads) does not read."""
-    default, value = TrainingConfig(), getattr(self, choice)
+    value = getattr(self, choice)
     every = set().union(*reads.values())
     for f in dataclasses.fields(self):
       if (f.name in every and f.name not in reads[value]
-          and _differs(getattr(self, f.name), getattr(default, f.name))):
+          and _differs(getattr(self, f.name), f.default)):
         raise ConfigError(f.name, f'does nothing with --{choice}={value}')
 
   @property
@@ -232,7 +233,7 @@ class TrainingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class NoConfig:
+class NoConfig(Declared):
   """An algorithm without hyperparameters of its own."""
   prefix: ClassVar[Optional[str]] = None
 
@@ -303,12 +304,23 @@ class AlgorithmSpec:
             if _differs(getattr(config, f), getattr(default, f))]
 
   def validate(self, training: TrainingConfig, config) -> None:
-    """Range checks, inapplicable settings and the algorithm's own check."""
+    """Inapplicable settings and the algorithm's own check (the settings'
+    ranges were checked when they were made: ``Declared``).
+
+    Args:
+      training: the shared settings.
+      config: the algorithm's own.
+
+    Returns:
+      None.
+
+    Raises:
+      ConfigError naming the flag.
+    """
     if not isinstance(config, self.config):
       raise TypeError(f'{self.name} takes a {self.config.__name__}, got {type(config).__name__}')
-    validate(training)
-    training.check()
-    validate(config)
+    if not isinstance(config, Declared):  # a user's config class of plain fields
+      validate(config)
     bad = self.inapplicable(training) + self.ignored_fields(config)
     if bad:
       raise ConfigError(bad[0], f'does nothing for {self.name}' + _reason(bad[0]))

@@ -3,7 +3,7 @@ help line and valid range. Below every other layer but ``errors``: the
 algorithms' and training settings (``config``), the data set's
 (``datasets.DataConfig``), the model's, the engine's, the process's and the
 run's settings are all declared with it, and the command's flags are
-generated from the declarations (``run/command_flags.py``).
+generated from the declarations (``run/command_line.py``).
 
 One declaration serves three readers: the flag (its name, type, default and
 help), the range check (``validate``, whose refusal names the flag), and the
@@ -11,6 +11,7 @@ docs (``--helpfull``).
 """
 
 import dataclasses
+import functools
 import math
 import typing
 from typing import Optional, Tuple
@@ -18,7 +19,7 @@ from typing import Optional, Tuple
 from fedjax_personal.errors import ConfigError
 
 
-__all__ = ['field_types', 'flag_fields', 'flag_name', 'hparam', 'is_list', 'validate']
+__all__ = ['Declared', 'field_types', 'flag_fields', 'flag_name', 'hparam', 'is_list', 'validate']
 
 
 def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None, maximum=None,
@@ -53,6 +54,7 @@ def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None,
       command=command))
 
 
+@functools.lru_cache(maxsize=None)
 def field_types(cls) -> dict:
   """{field name: its base type} (``Optional[float]`` -> float).
 
@@ -157,3 +159,20 @@ def validate(cfg) -> None:
     if ((lo is not None and (v < lo or (meta['open_min'] and v == lo)))
         or (hi is not None and (v > hi or (meta['open_max'] and v == hi)))):
       raise ConfigError(name, f'{meta.get("refusal") or "must be " + _interval(meta)}, got {v}')
+
+
+class Declared:
+  """The base of a settings dataclass: its fields are checked against their
+  declarations when an instance is made (``validate``), so a setting is
+  checked once, where it is declared. A class whose fields depend on each
+  other adds a ``check()`` (called after ``validate``).
+
+  Raises:
+    ConfigError naming the flag of the first field out of its range.
+  """
+
+  def __post_init__(self):
+    validate(self)
+    check = getattr(self, 'check', None)
+    if check is not None:
+      check()

@@ -7,16 +7,16 @@ products) on an NVIDIA GPU since Ampere, a single bfloat16 pass on a TPU.
 The same run then gives other numbers on another card, silently: MAML's
 Hessian-vector products were off by up to 5% relative on an H200 and the
 main job's cells moved by up to 0.35 points (BUILD.md, "On a GPU"). A
-research simulator's numbers should not depend on the card, so this
-package sets JAX's default matmul precision to ``float32`` when it is
-imported, unless the user already chose one (``JAX_DEFAULT_MATMUL_PRECISION``
-or ``jax.config.update('jax_default_matmul_precision', ...)`` before the
-import), and ``--matmul_precision`` / ``set_matmul_precision`` choose
-another for speed. The choice is JAX's own configuration
-(``jax_default_matmul_precision``): it applies to every computation
-compiled after it, is part of JAX's compilation cache key, and is named in
-the header, ``summary.json`` and the run identity (a resume with another
-precision is refused). XLA:CPU computes float32 whatever the setting.
+research simulator's numbers should not depend on the card, so the engine
+traces every computation of a run at one precision, ``float32`` unless the
+run says otherwise (``--matmul_precision``, ``RoundRunner(...,
+matmul_precision=)``): ``scoped`` enters JAX's ``default_matmul_precision``
+around what it traces, so the precision is a parameter of each matmul the
+engine compiles. JAX's own configuration is left as the user set it
+(importing the package changes nothing), and a user's own computations keep
+their precision. The precision is named in the header, ``summary.json`` and
+the run identity (a resume with another precision is refused). XLA:CPU
+computes float32 whatever the setting.
 
 Names (``MATMUL_PRECISIONS``): ``float32`` (JAX's ``highest``), ``tf32``
 (``tensorfloat32``), ``bf16x3`` (three bfloat16 passes, about float32's
@@ -30,16 +30,16 @@ vmapped over clients would become one grouped convolution (a group per
 client) whose kernels collapse as the cohort grows (BUILD.md).
 """
 
-import os
-from typing import Optional
+import contextlib
+import functools
+from typing import Callable, Optional
 
 import jax
 
 from fedjax_personal.errors import ConfigError
 
-__all__ = ['apply_default', 'canonical', 'CPU_PRECISIONS', 'DEFAULT_MATMUL_PRECISION',
-           'effective_matmul', 'matmul_precision', 'MATMUL_PRECISIONS', 'record',
-           'set_matmul_precision']
+__all__ = ['canonical', 'check_precision', 'CPU_PRECISIONS', 'DEFAULT_MATMUL_PRECISION',
+           'effective_matmul', 'MATMUL_PRECISIONS', 'precision', 'record', 'scoped']
 
 
 #: --matmul_precision's names -> JAX's ``jax_default_matmul_precision`` value.
@@ -57,7 +57,6 @@ _NAMES = {'highest': 'float32', 'float32': 'float32', 'tensorfloat32': 'tf32',
           'BF16_BF16_F32_X3': 'bf16x3', 'bfloat16': 'bf16', 'default': 'default',
           'high': 'high'}
 DEFAULT_MATMUL_PRECISION = 'float32'
-_ENV = 'JAX_DEFAULT_MATMUL_PRECISION'
 
 
 def canonical(name: str) -> str:
@@ -87,12 +86,12 @@ def canonical(name: str) -> str:
 CPU_PRECISIONS = ('float32', 'default')
 
 
-def set_matmul_precision(name: str) -> str:
-  """Sets JAX's default float32 matmul and convolution precision for every
-  computation compiled from now on.
+def check_precision(name: str, backend: Optional[str] = None) -> str:
+  """The recorded name of a precision a run may use on ``backend``.
 
   Args:
     name: one of ``MATMUL_PRECISIONS`` (or JAX's own value).
+    backend: a JAX backend's name (None: JAX's default backend).
 
   Returns:
     The recorded name (``canonical``).
@@ -102,38 +101,58 @@ def set_matmul_precision(name: str) -> str:
     reduced precision on a CPU (``CPU_PRECISIONS``).
   """
   recorded = canonical(name)
-  if recorded not in CPU_PRECISIONS and jax.default_backend() == 'cpu':
+  if recorded not in CPU_PRECISIONS and (backend or jax.default_backend()) == 'cpu':
     raise ConfigError('matmul_precision', f'{name}: XLA:CPU computes float32 products whatever '
                       'the setting, so a run would record a precision it did not use; give '
                       '--matmul_precision=float32 here, or run on a GPU/TPU')
-  jax.config.update('jax_default_matmul_precision',
-                    MATMUL_PRECISIONS.get(recorded, recorded))
   return recorded
 
 
-def matmul_precision() -> str:
-  """The precision in effect (``canonical`` name; ``default`` when JAX's
-  setting is unset: the backend's own).
-
-  Returns:
-    The name.
-  """
-  value = jax.config.jax_default_matmul_precision
-  return 'default' if value is None else canonical(value)
-
-
-def effective_matmul(backend: Optional[str] = None) -> str:
-  """What the float32 products are on ``backend`` (default: JAX's) at the
-  precision in effect, in words for the header.
+def precision(name: str) -> contextlib.AbstractContextManager:
+  """JAX's ``default_matmul_precision`` at ``name`` while the context is
+  open (in this thread): what is traced inside gets it as a parameter of
+  each matmul and convolution.
 
   Args:
+    name: one of ``MATMUL_PRECISIONS``.
+
+  Returns:
+    The context manager.
+  """
+  return jax.default_matmul_precision(MATMUL_PRECISIONS[canonical(name)])
+
+
+def scoped(fn: Callable, name: str) -> Callable:
+  """``fn`` traced (and run) at precision ``name``: the context is entered
+  inside the function, so a function compiled from it, in any thread,
+  carries the precision whatever JAX's setting outside.
+
+  Args:
+    fn: a function of arrays.
+    name: one of ``MATMUL_PRECISIONS``.
+
+  Returns:
+    The wrapped function.
+  """
+  @functools.wraps(fn)
+  def at_precision(*args, **kwargs):
+    with precision(name):
+      return fn(*args, **kwargs)
+  return at_precision
+
+
+def effective_matmul(name: str, backend: Optional[str] = None) -> str:
+  """What the float32 products are on ``backend`` (default: JAX's) at the
+  precision ``name``, in words for the header.
+
+  Args:
+    name: the run's precision (``canonical`` name).
     backend: a JAX backend's name (None: the default).
 
   Returns:
     A description.
   """
   backend = backend or jax.default_backend()
-  name = matmul_precision()
   if backend == 'cpu':
     return f'{name} (XLA:CPU computes float32 whatever the setting)'
   if name in ('default', 'high'):
@@ -142,19 +161,8 @@ def effective_matmul(backend: Optional[str] = None) -> str:
   return name
 
 
-def apply_default() -> None:
-  """At import: ``DEFAULT_MATMUL_PRECISION`` unless the user chose one
-  (``JAX_DEFAULT_MATMUL_PRECISION`` set, or JAX's setting already given).
-
-  Returns:
-    None.
-  """
-  if os.environ.get(_ENV) or jax.config.jax_default_matmul_precision is not None:
-    return
-  set_matmul_precision(DEFAULT_MATMUL_PRECISION)
-
-
-def record(conv_impl: Optional[str], forward_conv_impl: Optional[str] = None) -> dict:
+def record(matmul_precision: str, conv_impl: Optional[str],
+           forward_conv_impl: Optional[str] = None) -> dict:
   """What a run records of its arithmetic (identity, header, summary):
   the matmul precision and, for a convolutional model, the convolution
   implementation it resolved to (None: no convolution), and the one a
@@ -162,13 +170,14 @@ def record(conv_impl: Optional[str], forward_conv_impl: Optional[str] = None) ->
   pooled evaluation's chunks).
 
   Args:
+    matmul_precision: the run's precision.
     conv_impl: the convolution implementation (None: no convolution).
     forward_conv_impl: a forward pass alone's, where not ``conv_impl``.
 
   Returns:
     The record.
   """
-  out = {'matmul_precision': matmul_precision()}
+  out = {'matmul_precision': canonical(matmul_precision)}
   if conv_impl is not None:
     out['conv_impl'] = conv_impl
   if forward_conv_impl is not None and forward_conv_impl != conv_impl:

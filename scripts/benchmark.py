@@ -26,53 +26,75 @@ import resource
 import subprocess
 import sys
 import time
+from typing import Optional, Tuple
 
+from absl import app
 from absl import flags
 
+from fedjax_personal.hparams import Declared, hparam
 from fedjax_personal.run import costs, script_entry
 
-flags.DEFINE_list('models', ['mlp', 'lenet5'], 'Models to time.')
-flags.DEFINE_list('clients', ['10', '100', '1000'], 'Populations (all clients in every round).')
-flags.DEFINE_list('executors', ['torch', 'baseline', 'sequential', 'blocked', 'vmap', 'auto'],
-                  'Executors to time; torch = the PyTorch per-client loop (needs the bench '
-                  'extra; skipped with a note without torch); baseline = the same loop in JAX, '
-                  'one client, one jitted step at a time.')
-flags.DEFINE_enum('conv_impl', 'auto', ['auto', 'xla', 'matmul', 'tiled'],
-                  'How the JAX models compute convolutions (models.Conv): auto = per platform.')
-flags.DEFINE_integer('rounds', 3, 'Timed rounds after the compiling one.')
-flags.DEFINE_integer('local_steps', 5, 'K local steps per client per round.')
-flags.DEFINE_integer('timeout', 420, 'Seconds per configuration before it is reported as timeout.')
-flags.DEFINE_bool('interleave', True,
-                  'Executor table: start the configurations of one model and population as '
-                  'processes side by side (each compiled and warm) and time their rounds in turn, '
-                  'one round of each, rounds times; the "vs" columns are the medians of the '
-                  'round-by-round ratios, so a machine whose speed drifts moves both sides of '
-                  'each ratio. --nointerleave: one configuration after another (the --device '
-                  'preset, as an accelerator holds one process\'s memory at a time).')
-flags.DEFINE_string('output', None, 'Write the results as JSON here.')
-flags.DEFINE_string('worker', None, 'Internal: run one configuration model:clients:executor.')
-flags.DEFINE_bool('dry_run', False, 'Print what would run (sections, sizes) and exit.')
-flags.DEFINE_integer('worker_processes', 1, 'Internal: processes of a worker group.')
-flags.DEFINE_integer('worker_process_id', 0, 'Internal: this worker\'s process.')
-flags.DEFINE_integer('worker_port', 0, 'Internal: the worker group\'s coordinator port.')
-flags.DEFINE_list('process_counts', ['1', '2', '4'], 'Processes of --section=processes (one CPU '
-                  'device each).')
-flags.DEFINE_list('process_clients', ['1000', '10000'], 'Populations of --section=processes.')
-flags.DEFINE_list('plan_clients', ['10000', '100000', '1000000'], 'Populations of '
-                  '--section=memory (bytes by estimate, nothing run).')
-flags.DEFINE_enum('section', 'executors', ['executors', 'scale', 'sweep', 'usercentric', 'memory',
-                                           'processes', 'all'],
-                  'executors: the executor table; scale: time per round from 10 to 10,000 '
-                  'clients for FedAvg and Ditto (auto executor vs the loop); sweep: S '
-                  'configurations in one program vs S separate runs; usercentric: user-centric '
-                  'rounds with and without the W recomputation (k-means, silhouette) vs FedAvg.')
-flags.DEFINE_list('usercentric_clients', ['100', '1000'], 'Populations of --section=usercentric.')
-flags.DEFINE_list('scale_clients', ['10', '100', '1000', '10000'], 'Populations of --section=scale.')
-flags.DEFINE_integer('sweep_size', 8, 'S of --section=sweep.')
-flags.DEFINE_string('sweep_clients', '100', 'Population of --section=sweep.')
-flags.DEFINE_bool('device', False, 'Print the devices the run uses (the benchmark runs unchanged on '
-                  'GPU/TPU: every section times the default backend, where auto picks vmap or sharded).')
-FLAGS = flags.FLAGS
+@dataclasses.dataclass(frozen=True)
+class BenchmarkSettings(Declared):
+  """The benchmark's settings (its flags)."""
+  models: Tuple[str, ...] = hparam(('mlp', 'lenet5'), 'Models to time.')
+  clients: Tuple[str, ...] = hparam(('10', '100', '1000'), 'Populations (all clients in every '
+                                    'round).')
+  executors: Tuple[str, ...] = hparam(
+      ('torch', 'baseline', 'sequential', 'blocked', 'vmap', 'auto'),
+      'Executors to time; torch = the PyTorch per-client loop (needs the bench extra; skipped '
+      'with a note without torch); baseline = the same loop in JAX, one client, one jitted step '
+      'at a time.')
+  conv_impl: str = hparam('auto', 'How the JAX models compute convolutions (models.Conv): auto = '
+                          'per platform.', choices=('auto', 'xla', 'matmul', 'tiled'))
+  rounds: int = hparam(3, 'Timed rounds after the compiling one.')
+  local_steps: int = hparam(5, 'K local steps per client per round.')
+  timeout: int = hparam(420, 'Seconds per configuration before it is reported as timeout.')
+  interleave: bool = hparam(
+      True, 'Executor table: start the configurations of one model and population as processes '
+      'side by side (each compiled and warm) and time their rounds in turn, one round of each, '
+      'rounds times; the "vs" columns are the medians of the round-by-round ratios, so a '
+      'machine whose speed drifts moves both sides of each ratio. --nointerleave: one '
+      'configuration after another (the --device preset, as an accelerator holds one '
+      'process\'s memory at a time).')
+  output: Optional[str] = hparam(None, 'Write the results as JSON here.')
+  worker: Optional[str] = hparam(None, 'Internal: run one configuration model:clients:executor.')
+  dry_run: bool = hparam(False, 'Print what would run (sections, sizes) and exit.')
+  worker_processes: int = hparam(1, 'Internal: processes of a worker group.')
+  worker_process_id: int = hparam(0, 'Internal: this worker\'s process.')
+  worker_port: int = hparam(0, 'Internal: the worker group\'s coordinator port.')
+  process_counts: Tuple[str, ...] = hparam(('1', '2', '4'), 'Processes of --section=processes '
+                                           '(one CPU device each).')
+  process_clients: Tuple[str, ...] = hparam(('1000', '10000'), 'Populations of '
+                                            '--section=processes.')
+  plan_clients: Tuple[str, ...] = hparam(('10000', '100000', '1000000'), 'Populations of '
+                                         '--section=memory (bytes by estimate, nothing run).')
+  section: str = hparam('executors', 'executors: the executor table; scale: time per round from '
+                        '10 to 10,000 clients for FedAvg and Ditto (auto executor vs the loop); '
+                        'sweep: S configurations in one program vs S separate runs; usercentric: '
+                        'user-centric rounds with and without the W recomputation (k-means, '
+                        'silhouette) vs FedAvg.',
+                        choices=('executors', 'scale', 'sweep', 'usercentric', 'memory',
+                                 'processes', 'all'))
+  usercentric_clients: Tuple[str, ...] = hparam(('100', '1000'), 'Populations of '
+                                                '--section=usercentric.')
+  scale_clients: Tuple[str, ...] = hparam(('10', '100', '1000', '10000'), 'Populations of '
+                                          '--section=scale.')
+  sweep_size: int = hparam(8, 'S of --section=sweep.')
+  sweep_clients: str = hparam('100', 'Population of --section=sweep.')
+  device: bool = hparam(False, 'Print the devices the run uses (the benchmark runs unchanged on '
+                        'GPU/TPU: every section times the default backend, where auto picks vmap '
+                        'or sharded).')
+
+
+#: ``--device``: the accelerator run (MLP and LeNet-5 at 100 / 1,000 /
+#: 10,000 clients on every fused executor, the scale, sweep and user-centric
+#: sections); flags given on the command line win.
+DEVICE_PRESET = {'clients': ('100', '1000', '10000'), 'models': ('mlp', 'lenet5'),
+                 'executors': ('torch', 'auto', 'vmap', 'blocked', 'sharded'),
+                 'usercentric_clients': ('100', '1000'), 'timeout': 600, 'interleave': False}
+
+script_entry.define_settings_flags(BenchmarkSettings)
 
 # As in the foundation issue's measurements; the CNNs as LeNet-5.
 BATCH = {'mlp': 10, 'lenet5': 32, 'cnn': 32, 'cnn_cifar': 32}
@@ -101,7 +123,7 @@ def matmul_gflops(n=2048, reps=10):
   return costs.matmul_flops_per_second(n, reps) / 1e9
 
 
-def build(model_name, num_clients):
+def build(cfg, model_name, num_clients):
   import numpy as np
   import optax
   import fedjax_personal as fp
@@ -118,8 +140,8 @@ def build(model_name, num_clients):
   train = pad_clients([x[i] for i in idx], [y[i] for i in idx], x.shape[1:], x.dtype)
   data = to_device(FederatedData(train=train, val=pad_clients([x[:0]] * num_clients, [y[:0]] * num_clients, x.shape[1:], x.dtype),
                                  test=train, groups=-np.ones(num_clients, np.int32), num_classes=10))
-  model = fp.create_model(model_name, 10, x[:1], conv_impl=FLAGS.conv_impl)
-  batching = fp.Batching(BATCH[model_name], num_epochs=None, num_steps=FLAGS.local_steps)
+  model = fp.create_model(model_name, 10, x[:1], conv_impl=cfg.conv_impl)
+  batching = fp.Batching(BATCH[model_name], num_epochs=None, num_steps=cfg.local_steps)
   return data, model, batching, optax.sgd(0.05)
 
 
@@ -160,8 +182,8 @@ def median(xs):
   return sorted(xs)[len(xs) // 2]
 
 
-def timed_rounds(run_round):
-  """Seconds of the compiling round, then of the timed ones: ``FLAGS.rounds``
+def timed_rounds(cfg, run_round):
+  """Seconds of the compiling round, then of the timed ones: ``cfg.rounds``
   in a row, or, under ``--interleave``, one each time the parent writes
   ``round`` on stdin (after ``{"ready": true}`` on stdout; any other line ends)."""
   def timed():
@@ -169,8 +191,8 @@ def timed_rounds(run_round):
     run_round()
     return time.perf_counter() - t
   times = [timed()]
-  if not FLAGS.interleave:
-    return times + [timed() for _ in range(FLAGS.rounds)]
+  if not cfg.interleave:
+    return times + [timed() for _ in range(cfg.rounds)]
   print(json.dumps({'ready': True}), flush=True)
   for line in sys.stdin:
     if line.strip() != 'round':
@@ -180,12 +202,12 @@ def timed_rounds(run_round):
   return times
 
 
-def worker(spec):
-  if FLAGS.worker_processes > 1:  # one of a group of processes (--section=processes)
+def worker(cfg, spec):
+  if cfg.worker_processes > 1:  # one of a group of processes (--section=processes)
     from fedjax_personal.run import distributed
-    distributed.initialize({'coordinator_address': f'localhost:{FLAGS.worker_port}',
-                            'num_processes': FLAGS.worker_processes,
-                            'process_id': FLAGS.worker_process_id}, timeout=120)
+    distributed.initialize({'coordinator_address': f'localhost:{cfg.worker_port}',
+                            'num_processes': cfg.worker_processes,
+                            'process_id': cfg.worker_process_id}, timeout=120)
   import jax
   import fedjax_personal as fp
   from fedjax_personal.algorithms.fedavg import fedavg
@@ -193,7 +215,7 @@ def worker(spec):
   model_name, num_clients, executor = parts[:3]
   algorithm = parts[3] if len(parts) > 3 else 'fedavg'
   num_clients = int(num_clients)
-  data, model, batching, opt = build(model_name, num_clients)
+  data, model, batching, opt = build(cfg, model_name, num_clients)
   flops, nbytes, _ = step_cost(model, opt, BATCH[model_name], data.train.x.shape[2:])
   if executor == 'torch':
     import numpy as np
@@ -201,10 +223,10 @@ def worker(spec):
     import torch_loop
     run_round = torch_loop.round_runner(
         model_name, np.asarray(data.train.x), np.asarray(data.train.y),
-        np.asarray(data.train.num_examples), BATCH[model_name], FLAGS.local_steps, 0.05)
-    times = timed_rounds(run_round)
+        np.asarray(data.train.num_examples), BATCH[model_name], cfg.local_steps, 0.05)
+    times = timed_rounds(cfg, run_round)
     steady = median(times[1:])
-    total_flops = flops * num_clients * FLAGS.local_steps
+    total_flops = flops * num_clients * cfg.local_steps
     print(json.dumps({
         'model': model_name, 'clients': num_clients,
         'executor': f'torch {torch.__version__} loop (' + (
@@ -248,9 +270,9 @@ def worker(spec):
   def run_round():
     box['state'] = jax.block_until_ready(run(box['state'], jax.random.key(box['round'])))
     box['round'] += 1
-  times = timed_rounds(run_round)
+  times = timed_rounds(cfg, run_round)
   steady = median(times[1:])
-  total_flops = flops * num_clients * FLAGS.local_steps * (2 if algorithm == 'ditto' else 1)
+  total_flops = flops * num_clients * cfg.local_steps * (2 if algorithm == 'ditto' else 1)
   if jax.process_index() != 0:
     return
   print(json.dumps({
@@ -263,23 +285,29 @@ def worker(spec):
 
 
 def main(argv):
-  del argv
-  if FLAGS.device:
-    device_preset()
-  if FLAGS.dry_run:  # what would run, nothing timed
+  """The entry: the settings read once from the flags (with ``--device``,
+  ``DEVICE_PRESET`` where a flag was not given), then the sections."""
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments {argv[1:]}')
+  preset = {k: v for k, v in DEVICE_PRESET.items() if not flags.FLAGS[k].present}
+  cfg = script_entry.read_settings(BenchmarkSettings)
+  if cfg.device:
+    cfg = dataclasses.replace(cfg, **preset)
+  if cfg.dry_run:  # what would run, nothing timed
     keys = ('section', 'models', 'clients', 'executors', 'rounds', 'local_steps', 'interleave',
             'scale_clients', 'process_counts', 'process_clients', 'plan_clients', 'output')
     for k in keys:
-      print(f'{k}: {FLAGS[k].value}')
+      value = getattr(cfg, k)
+      print(f'{k}: {list(value) if isinstance(value, tuple) else value}')
     return
-  if FLAGS.worker:
-    worker(FLAGS.worker)
+  if cfg.worker:
+    worker(cfg, cfg.worker)
     return
   import jax
   from fedjax_personal.core import host
   if jax.default_backend() == 'cpu':
     host.tune_allocator()  # as the engine does on CPU (fedjax_personal/host.py)
-  if FLAGS.device:
+  if cfg.device:
     print(f'devices: {[d.device_kind for d in jax.devices()]} ({jax.default_backend()})')
   peak = matmul_gflops()
   dram, bandwidth = stream_gbps(256), stream_gbps(16)
@@ -288,41 +316,29 @@ def main(argv):
         f'{bandwidth:.1f} GB/s over 16 MiB (cache-resident); this run')
   print('% roof: of min(peak, FLOP per byte of one local step (XLA cost analysis) x the '
         '16 MiB bandwidth)')
-  print(f'FedAvg round, all clients active, K={FLAGS.local_steps} local steps; '
+  print(f'FedAvg round, all clients active, K={cfg.local_steps} local steps; '
         f'batch {BATCH}, examples per client {EXAMPLES}')
   results = []
-  if FLAGS.section in ('executors', 'all'):
-    results += executors_section(peak, bandwidth)
-  if FLAGS.section in ('scale', 'all'):
-    results += scale_section(peak)
-  if FLAGS.section in ('sweep', 'all'):
-    results += sweep_section()
-  if FLAGS.section in ('usercentric', 'all'):
-    results += usercentric_section()
-  if FLAGS.section in ('memory', 'all'):
-    results += memory_section()
-  if FLAGS.section in ('processes', 'all'):
-    results += processes_section()
-  save(results, peak, bandwidth)
+  if cfg.section in ('executors', 'all'):
+    results += executors_section(cfg, peak, bandwidth)
+  if cfg.section in ('scale', 'all'):
+    results += scale_section(cfg, peak)
+  if cfg.section in ('sweep', 'all'):
+    results += sweep_section(cfg)
+  if cfg.section in ('usercentric', 'all'):
+    results += usercentric_section(cfg)
+  if cfg.section in ('memory', 'all'):
+    results += memory_section(cfg)
+  if cfg.section in ('processes', 'all'):
+    results += processes_section(cfg)
+  save(cfg, results, peak, bandwidth)
 
 
-def device_preset():
-  """``--device``: the accelerator run of issue 14 (MLP and LeNet-5 at 100 /
-  1,000 / 10,000 clients on every fused executor, the scale, sweep and
-  user-centric / FedFomo sections); flags given on the command line win."""
-  preset = {'clients': ['100', '1000', '10000'], 'models': ['mlp', 'lenet5'],
-            'executors': ['torch', 'auto', 'vmap', 'blocked', 'sharded'],
-            'usercentric_clients': ['100', '1000'], 'timeout': 600, 'interleave': False}
-  for name, value in preset.items():
-    if not FLAGS[name].present:
-      FLAGS[name].value = value
-
-
-def run_config(spec):
+def run_config(cfg, spec):
   """One worker process; its JSON, ``{'timeout': True}`` or ``{'failed': ...}``."""
-  cmd = _worker_cmd(spec, False)
+  cmd = _worker_cmd(cfg, spec, False)
   try:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=FLAGS.timeout)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.timeout)
   except subprocess.TimeoutExpired:
     return {'timeout': True}
   line = [l for l in out.stdout.splitlines() if l.startswith('{')]
@@ -332,19 +348,19 @@ def run_config(spec):
   return json.loads(line[-1])
 
 
-def _worker_cmd(spec, interleave):
+def _worker_cmd(cfg, spec, interleave):
   return [sys.executable, os.path.abspath(__file__), f'--worker={spec}',
-          f'--conv_impl={FLAGS.conv_impl}', f'--rounds={FLAGS.rounds}',
-          f'--local_steps={FLAGS.local_steps}', '--interleave' if interleave else '--nointerleave']
+          f'--conv_impl={cfg.conv_impl}', f'--rounds={cfg.rounds}',
+          f'--local_steps={cfg.local_steps}', '--interleave' if interleave else '--nointerleave']
 
 
 class _Worker:
   """One ``--interleave`` worker process: JSON lines out, commands in."""
 
-  def __init__(self, spec):
+  def __init__(self, cfg, spec):
     import tempfile
     self.err = tempfile.TemporaryFile(mode='w+')
-    self.proc = subprocess.Popen(_worker_cmd(spec, True), stdin=subprocess.PIPE,
+    self.proc = subprocess.Popen(_worker_cmd(cfg, spec, True), stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=self.err, bufsize=0)
     self.buf = b''
 
@@ -382,48 +398,48 @@ class _Worker:
       self.proc.wait()
 
 
-def run_interleaved(specs):
+def run_interleaved(cfg, specs):
   """``run_config`` for several configurations timed in turn: each worker is
   started, compiled and warmed one after another (so compile times are their
   own), then every timed round runs one configuration at a time, A B C A B C
   ..., and each result carries its ``round_times`` in that order."""
   workers, results = {}, {}
   for spec in specs:
-    w = _Worker(spec)
-    r = w.read(FLAGS.timeout)
+    w = _Worker(cfg, spec)
+    r = w.read(cfg.timeout)
     if r.get('ready'):
       workers[spec] = w
     else:
       results[spec] = r
-  for _ in range(FLAGS.rounds):
+  for _ in range(cfg.rounds):
     for spec, w in list(workers.items()):
-      r = w.read(FLAGS.timeout) if w.send('round') else {'failed': True, 'returncode': None,
+      r = w.read(cfg.timeout) if w.send('round') else {'failed': True, 'returncode': None,
                                                           'stderr': ['worker exited']}
       if 't' not in r:
         results[spec] = r
         w.kill()
         del workers[spec]
   for spec, w in workers.items():
-    results[spec] = w.read(FLAGS.timeout) if w.send('done') else {
+    results[spec] = w.read(cfg.timeout) if w.send('done') else {
         'failed': True, 'returncode': None, 'stderr': ['worker exited']}
     w.kill()
   return [results[s] for s in specs]
 
 
-def paired_speedup(base, row):
+def paired_speedup(cfg, base, row):
   """``base``'s round time over ``row``'s: the median of the round-by-round
   ratios when both were timed interleaved, else the ratio of the medians."""
-  if FLAGS.interleave and len(base.get('round_times', ())) == len(row.get('round_times', ())):
+  if cfg.interleave and len(base.get('round_times', ())) == len(row.get('round_times', ())):
     return median([b / t for b, t in zip(base['round_times'], row['round_times'])])
   return base['round_s'] / row['round_s']
 
 
-def executors_section(peak, bandwidth):
+def executors_section(cfg, peak, bandwidth):
   """The executor table: every executor against the JAX loop and the
   PyTorch loop, with each row's share of the matmul peak and of its roofline
   (min(peak, FLOP per byte of a local step x memory bandwidth))."""
   import torch_loop
-  executors = list(FLAGS.executors)
+  executors = list(cfg.executors)
   if 'torch' in executors and not torch_loop.available():
     print('note: torch is not installed (pip install -e ".[bench]"): no PyTorch loop rows, '
           'no "vs torch" column')
@@ -433,14 +449,14 @@ def executors_section(peak, bandwidth):
   print(header)
   print('-' * len(header))
   rows = []
-  for model_name in FLAGS.models:
-    for clients in FLAGS.clients:
+  for model_name in cfg.models:
+    for clients in cfg.clients:
       base = {}
       specs = [f'{model_name}:{clients}:{executor}' for executor in executors]
-      group = run_interleaved(specs) if FLAGS.interleave else [run_config(s) for s in specs]
+      group = run_interleaved(cfg, specs) if cfg.interleave else [run_config(cfg, s) for s in specs]
       for executor, r in zip(executors, group):
         if r.get('timeout') or r.get('failed'):
-          why = (f'timeout after {FLAGS.timeout} s' if r.get('timeout') else
+          why = (f'timeout after {cfg.timeout} s' if r.get('timeout') else
                  f"failed (exit {r['returncode']}: {' '.join(r['stderr'])[:80]})")
           print(f'{model_name:<9}{clients:>8}  {executor:<30}{why}', flush=True)
           rows.append({'model': model_name, 'clients': int(clients), 'executor': executor,
@@ -448,8 +464,8 @@ def executors_section(peak, bandwidth):
           continue
         if executor in ('baseline', 'torch'):
           base[executor] = r
-        r['speedup_vs_loop'] = paired_speedup(base['baseline'], r) if 'baseline' in base else None
-        r['speedup_vs_torch'] = paired_speedup(base['torch'], r) if 'torch' in base else None
+        r['speedup_vs_loop'] = paired_speedup(cfg, base['baseline'], r) if 'baseline' in base else None
+        r['speedup_vs_torch'] = paired_speedup(cfg, base['torch'], r) if 'torch' in base else None
         r['percent_of_matmul_peak'] = 100 * r['gflops'] / peak
         roof = min(peak, r['step_flops'] / max(r['step_bytes'], 1.0) * bandwidth)
         r['roofline_gflops'] = roof
@@ -463,32 +479,32 @@ def executors_section(peak, bandwidth):
   return rows
 
 
-def save(results, peak, bandwidth):
+def save(cfg, results, peak, bandwidth):
   import jax
-  if FLAGS.output:
+  if cfg.output:
     from fedjax_personal.run import run_identity  # strict JSON: a NaN is written as null
-    run_identity.write_json(FLAGS.output, {
+    run_identity.write_json(cfg.output, {
         'matmul_gflops': peak, 'memory_gbps': bandwidth, 'backend': jax.default_backend(),
         'devices': [str(d) for d in jax.devices()], 'cores': os.cpu_count(),
         'results': results})
 
 
-def run_worker(spec):
+def run_worker(cfg, spec):
   """``run_config``, None on a timeout."""
-  r = run_config(spec)
+  r = run_config(cfg, spec)
   return None if r.get('timeout') else r
 
 
-def scale_section(peak):
+def scale_section(cfg, peak):
   """Time per round vs population, FedAvg and Ditto (MLP), auto vs the loop."""
   print('\nScale: MLP, K=5 local steps, all clients active; auto executor vs the loop')
   print(f"{'algorithm':<8}{'clients':>8}  {'auto executor':<24}{'round s':>9}{'loop s':>9}"
         f"{'vs loop':>8}{'peak MB':>9}{'GFLOP/s':>9}")
   rows = []
   for alg in ('fedavg', 'ditto'):
-    for clients in FLAGS.scale_clients:
-      r = run_worker(f'mlp:{clients}:auto:{alg}')
-      base = run_worker(f'mlp:{clients}:baseline') if alg == 'fedavg' else None
+    for clients in cfg.scale_clients:
+      r = run_worker(cfg, f'mlp:{clients}:auto:{alg}')
+      base = run_worker(cfg, f'mlp:{clients}:baseline') if alg == 'fedavg' else None
       base = None if base is None or base.get('failed') else base
       if r is None or r.get('failed'):
         why = 'timeout' if r is None else f"failed (exit {r['returncode']}; out of memory?)"
@@ -506,7 +522,7 @@ def scale_section(peak):
   return rows
 
 
-def sweep_section():
+def sweep_section(cfg):
   """S configurations (seeds) of FedAvg as the CLI runs them, vs S separate
   runs (one run's steady round x S, the auto executor), all in this process.
 
@@ -522,22 +538,22 @@ def sweep_section():
   from fedjax_personal import algorithms
   from fedjax_personal.run import sweep
   from fedjax_personal.core.engine import RoundRunner
-  clients = int(FLAGS.sweep_clients)
-  data, model, batching, _ = build('mlp', clients)
+  clients = int(cfg.sweep_clients)
+  data, model, batching, _ = build(cfg, 'mlp', clients)
   mk = lambda hv: algorithms.build('fedavg', model, data, batch_size=10,
-                                   local_steps=FLAGS.local_steps, **hv)
-  cfgs = sweep.configs(list(range(FLAGS.sweep_size)), {'client_lr': [0.05]})
+                                   local_steps=cfg.local_steps, **hv)
+  cfgs = sweep.configs(list(range(cfg.sweep_size)), {'client_lr': [0.05]})
   sampler = fp.CohortSampler(clients, cohort_size=clients)
   ex = fp.create_executor('auto', model, data.train.x[0, :1])
   single = RoundRunner(mk({'client_lr': 0.05}), data, sampler, ex)
   state = single.init(jax.random.key(0))
   state = jax.block_until_ready(single.round(state, jax.random.key(0))[0])
   t = time.perf_counter()
-  for r in range(FLAGS.rounds):
+  for r in range(cfg.rounds):
     state = jax.block_until_ready(single.round(state, jax.random.key(r), r)[0])
-  separate = (time.perf_counter() - t) / FLAGS.rounds * FLAGS.sweep_size
+  separate = (time.perf_counter() - t) / cfg.rounds * cfg.sweep_size
   auto = sweep.resolve_config_axis('auto') if ex.fused else 'one after another'
-  print(f'\nSweep: FedAvg, MLP, {clients} clients ({ex.describe()}), S = {FLAGS.sweep_size} seeds; '
+  print(f'\nSweep: FedAvg, MLP, {clients} clients ({ex.describe()}), S = {cfg.sweep_size} seeds; '
         f'S separate runs: {separate:.3f} s per round of all S; the CLI runs it: {auto}')
   fused = ex if ex.fused else dc.replace(ex, num_threads=1)
   variants = [] if ex.fused else [('one after another', lambda: sweep.LoopRuns(
@@ -552,12 +568,12 @@ def sweep_section():
     states = jax.block_until_ready(runner.round(runner.init(), 0)[0])
     first = time.perf_counter() - t
     t = time.perf_counter()
-    for r in range(FLAGS.rounds):  # rounds only, as the separate runs are timed
+    for r in range(cfg.rounds):  # rounds only, as the separate runs are timed
       states = jax.block_until_ready(runner.round(states, r + 1)[0])
-    together = (time.perf_counter() - t) / FLAGS.rounds
+    together = (time.perf_counter() - t) / cfg.rounds
     print(f'  {axis:<17} ({used.describe()}) {together:.3f} s per round (first call incl. '
           f'compile {first:.1f} s): {separate / together:.2f}x of separate runs', flush=True)
-    rows.append({'section': 'sweep', 'S': FLAGS.sweep_size, 'clients': clients,
+    rows.append({'section': 'sweep', 'S': cfg.sweep_size, 'clients': clients,
                  'executor': used.describe(), 'config_axis': axis, 'auto': axis == auto,
                  'one_program_round_s': together, 'separate_round_s': separate,
                  'speedup': separate / together})
@@ -574,7 +590,7 @@ def _timed(fn, reps):
   return min(times)
 
 
-def usercentric_section():
+def usercentric_section(cfg):
   """User-centric rounds (MLP, K=5, all clients active, the auto executor)
   against FedAvg: a round without the collaboration phase, a round that
   recomputes W and the streams (k-means with k = 4, and the silhouette search
@@ -592,14 +608,14 @@ def usercentric_section():
   print(f"{'clients':>8}  {'streams':<22}{'FedAvg':>8}{'UC round':>9}{'UC + W':>8}{'W step':>8}"
         f"{'traces':>7}")
   rows = []
-  for clients in map(int, FLAGS.usercentric_clients):
-    data, model, _, _ = build('mlp', clients)
+  for clients in map(int, cfg.usercentric_clients):
+    data, model, _, _ = build(cfg, 'mlp', clients)
     sample_x = data.train.x[0, :1]
     ex = fp.create_executor('auto', model, sample_x)
     if not ex.fused:  # CPU: blocked on host threads -> the same blocks in one program
       ex = dataclasses.replace(ex, num_threads=1)
     sampler = fp.CohortSampler(clients, cohort_size=clients)
-    common = dict(batch_size=10, local_steps=FLAGS.local_steps, client_lr=0.05)
+    common = dict(batch_size=10, local_steps=cfg.local_steps, client_lr=0.05)
     fed = RoundRunner(algorithms.build('fedavg', model, data, **common), data, sampler, ex)
     state = fed.init(jax.random.key(0))
     state, _ = fed.round(state, jax.random.key(0), 0)
@@ -661,7 +677,7 @@ PLAN_ALGORITHMS = (('fedavg', {}), ('fedavg', {'client_momentum': 0.9,
                    ('fedfomo', {}), ('usercentric', {}))
 
 
-def memory_section():
+def memory_section(cfg):
   """The scale plan by estimate (``core.memory``; nothing is run): per-client
   state of each algorithm family (MLP, 199,210 parameters), what a round with
   10% of the clients needs per device, and the devices (powers of two) it
@@ -677,12 +693,12 @@ def memory_section():
   print('\nScale plan (estimate): MLP, 10% of the clients per round, batch 10; per N: '
         'per-client state, GB per device on one device, devices needed on 16 GB / 80 GB')
   print(f"{'algorithm':<20}" + ''.join(f"{'N=' + format(int(n), ','):>30}"
-                                        for n in FLAGS.plan_clients))
+                                        for n in cfg.plan_clients))
   rows = []
   for name, extra in PLAN_ALGORITHMS:
     label = name + (' +momentum' if extra else '')
     cells = []
-    for n in map(int, FLAGS.plan_clients):
+    for n in map(int, cfg.plan_clients):
       x = np.zeros((1, 1, 28, 28, 1), np.uint8)
       zeros = np.zeros(n, np.int32)
       split = types.SimpleNamespace(max_examples=50, x=x, y=np.zeros((1, 1), np.int32),
@@ -717,7 +733,7 @@ def memory_section():
   return rows
 
 
-def processes_section():
+def processes_section(cfg):
   """FedAvg rounds (MLP) with the client axis over 1, 2, 4 processes of one
   CPU device each (jax.distributed on localhost, Gloo collectives), and the
   collectives XLA compiled into the round. On one machine the processes
@@ -729,20 +745,20 @@ def processes_section():
   print(f"{'clients':>8}{'processes':>10}{'round s':>9}{'vs 1':>7}  collectives per round "
         '(count, bytes per device)')
   rows = []
-  for clients in FLAGS.process_clients:
+  for clients in cfg.process_clients:
     base = None
-    for p in map(int, FLAGS.process_counts):
+    for p in map(int, cfg.process_counts):
       with socket.socket() as s:
         s.bind(('', 0))
         port = s.getsockname()[1]
       env = {**os.environ, 'JAX_NUM_CPU_DEVICES': '1', 'JAX_PLATFORMS': 'cpu'}
-      cmds = [_worker_cmd(f'mlp:{clients}:sharded', False)
+      cmds = [_worker_cmd(cfg, f'mlp:{clients}:sharded', False)
               + [f'--worker_processes={p}', f'--worker_process_id={i}', f'--worker_port={port}']
               for i in range(p)]
       procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env) for c in cmds]
       try:
-        outs = [pr.communicate(timeout=FLAGS.timeout) for pr in procs]
+        outs = [pr.communicate(timeout=cfg.timeout) for pr in procs]
       except subprocess.TimeoutExpired:
         for pr in procs:
           pr.kill()

@@ -30,79 +30,114 @@ Results: ``<output_dir>/tables_<scale>.{json,md}``.
   python scripts/reproduce_debiasing.py --scale=paper
 """
 
+import dataclasses
 import os
 import types
-
-from absl import app
-from absl import flags
+from typing import Optional, Tuple
 
 from fedjax_personal import algorithms
+from fedjax_personal.errors import ConfigError
+from fedjax_personal.hparams import hparam
 from fedjax_personal.run import experiment, reporting, reproduce, script_entry
 from fedjax_personal.core.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.core.engine import RoundRunner
-from fedjax_personal.core.executors import create_executor
+from fedjax_personal.core.executor_choice import create_executor
 from fedjax_personal.models import create_model
 from fedjax_personal.core.sampling import CohortSampler
 
 TABLE1_METHODS = ('feddyn', 'scaffold', 'fedavg', 'fedprox')
 TABLE2_METHODS = ('pfeddyn_ft', 'pfeddyn_maml', 'pfeddyn_proto')
 
-reproduce.define_flags()
-flags.DEFINE_integer('num_clients', None, 'Devices (cpu 20, paper 100).', lower_bound=2)
-flags.DEFINE_float('participation', None, 'Probability a device is active in a round (cpu 0.25, '
-                   'paper 0.1).', lower_bound=0, upper_bound=1)
-flags.DEFINE_integer('rounds', None, 'Rounds for table 1 (cpu 60, paper 1000).', lower_bound=1)
-flags.DEFINE_integer('personal_rounds', None, 'Rounds for table 2 (cpu 40, paper 500).',
-                     lower_bound=1)
-reproduce.define_model_flags()
-flags.DEFINE_list('tables', ['1', '2'], 'Tables to run: 1 (rounds to target), 2 (personalized '
-                  'FedDyn).')
-flags.DEFINE_list('methods', list(TABLE1_METHODS), 'Table 1\'s methods (a subset, e.g. '
-                  'scaffold,fedavg with --participation and --client_lr for SCAFFOLD\'s study).')
-flags.DEFINE_float('alpha_dirichlet', 0.3, 'Label skew of table 1.')
-flags.DEFINE_list('targets', ['0.35', '0.40', '0.45'], 'Target mean accuracies of table 1.')
-flags.DEFINE_list('personal_methods', list(TABLE2_METHODS), 'Table 2\'s methods (a subset, '
-                  'e.g. pfeddyn_maml with --personal_rounds to train MAML to convergence).')
-flags.DEFINE_float('max_grad_norm', 0.0, 'FedDyn family (both tables): clip the data-term '
-                   'gradient to this norm (0: no clipping; the authors\' code: 10).', lower_bound=0)
-flags.DEFINE_list('personal_targets', ['0.60', '0.70'], 'Target mean accuracies of table 2.')
-flags.DEFINE_float('client_lr', 0.05, 'Client learning rate.')
-flags.DEFINE_integer('personal_local_steps', 5, 'Local steps per round in table 2.')
-flags.DEFINE_integer('eval_every', 1, 'Evaluation period of table 1 (its rounds-to-target are '
-                     'then multiples of it; each evaluation of the 20 devices costs about as '
-                     'much as a round here).', lower_bound=1)
-flags.DEFINE_integer('personal_eval_every', 4, 'Evaluation period of table 2 (MAML evaluation '
-                     'adapts on 500 images per device: about 14 s per evaluation here).')
-FLAGS = flags.FLAGS
 
 
-S = None  # the sizes of this run: the flags, or the scale's values
+@dataclasses.dataclass(frozen=True)
+class DebiasingTables(reproduce.ReproduceSettings):
+  """The script's settings (its flags)."""
+  num_clients: Optional[int] = hparam(None, 'Devices (cpu 20, paper 100).', minimum=2)
+  participation: Optional[float] = hparam(None, 'Probability a device is active in a round (cpu '
+                                          '0.25, paper 0.1).', minimum=0, maximum=1)
+  rounds: Optional[int] = hparam(None, 'Rounds for table 1 (cpu 60, paper 1000).', minimum=1)
+  personal_rounds: Optional[int] = hparam(None, 'Rounds for table 2 (cpu 40, paper 500).',
+                                          minimum=1)
+  model: Optional[str] = reproduce.model_field()
+  model_init: Optional[str] = reproduce.model_init_field()
+  tables: Tuple[str, ...] = hparam(('1', '2'), 'Tables to run: 1 (rounds to target), 2 '
+                                   '(personalized FedDyn).')
+  methods: Tuple[str, ...] = hparam(TABLE1_METHODS, 'Table 1\'s methods (a subset, e.g. '
+                                    'scaffold,fedavg with --participation and --client_lr for '
+                                    'SCAFFOLD\'s study).')
+  alpha_dirichlet: float = hparam(0.3, 'Label skew of table 1.')
+  targets: Tuple[str, ...] = hparam(('0.35', '0.40', '0.45'), 'Target mean accuracies of table '
+                                    '1.')
+  personal_methods: Tuple[str, ...] = hparam(TABLE2_METHODS, 'Table 2\'s methods (a subset, '
+                                             'e.g. pfeddyn_maml with --personal_rounds to train '
+                                             'MAML to convergence).')
+  max_grad_norm: float = hparam(0.0, 'FedDyn family (both tables): clip the data-term gradient '
+                                'to this norm (0: no clipping; the authors\' code: 10).',
+                                minimum=0)
+  personal_targets: Tuple[str, ...] = hparam(('0.60', '0.70'), 'Target mean accuracies of table '
+                                             '2.')
+  client_lr: float = hparam(0.05, 'Client learning rate.')
+  personal_local_steps: int = hparam(5, 'Local steps per round in table 2.')
+  eval_every: int = hparam(1, 'Evaluation period of table 1 (its rounds-to-target are then '
+                           'multiples of it; each evaluation of the 20 devices costs about as '
+                           'much as a round here).', minimum=1)
+  personal_eval_every: int = hparam(4, 'Evaluation period of table 2 (MAML evaluation adapts on '
+                                    '500 images per device: about 14 s per evaluation here).')
+
+  def check(self) -> None:
+    for name, values, known in (('tables', self.tables, ('1', '2')),
+                                ('methods', self.methods, TABLE1_METHODS),
+                                ('personal_methods', self.personal_methods, TABLE2_METHODS)):
+      for v in values:
+        if v not in known:
+          raise ConfigError(name, f'unknown value {v!r}; choose from {list(known)}')
+    default = {f.name: f.default for f in dataclasses.fields(self)}  # when not given
+    for table, names in (('1', ('methods', 'eval_every', 'rounds', 'targets')),
+                         ('2', ('personal_methods', 'personal_eval_every', 'personal_rounds',
+                                'personal_targets', 'personal_local_steps'))):
+      for name in names:
+        if getattr(self, name) != default[name] and table not in self.tables:
+          raise ConfigError(name, f'applies to table {table} only; add {table} to --tables')
 
 
-def sizes():
+script_entry.define_settings_flags(DebiasingTables)
+
+
+@dataclasses.dataclass
+class TableRun:
+  """One run of the script: its settings, the sizes they resolve to and the
+  results folder."""
+  cfg: DebiasingTables
+  sizes: types.SimpleNamespace
+  directory: str
+
+
+def sizes(cfg):
   return types.SimpleNamespace(
-      num_clients=reproduce.scaled(FLAGS, FLAGS.num_clients, 20, 100),
-      participation=reproduce.scaled(FLAGS, FLAGS.participation, 0.25, 0.1),
-      rounds=reproduce.scaled(FLAGS, FLAGS.rounds, 60, 1000),
-      personal_rounds=reproduce.scaled(FLAGS, FLAGS.personal_rounds, 40, 500),
-      model=reproduce.scaled(FLAGS, FLAGS.model, 'lenet5', 'feddyn_cnn'),
-      model_init=reproduce.scaled(FLAGS, FLAGS.model_init, 'flax', 'pytorch'))
+      num_clients=cfg.scaled(cfg.num_clients, 20, 100),
+      participation=cfg.scaled(cfg.participation, 0.25, 0.1),
+      rounds=cfg.scaled(cfg.rounds, 60, 1000),
+      personal_rounds=cfg.scaled(cfg.personal_rounds, 40, 500),
+      model=cfg.scaled(cfg.model, 'lenet5', 'feddyn_cnn'),
+      model_init=cfg.scaled(cfg.model_init, 'flax', 'pytorch'))
 
 
-def run_one(name, data, settings, rounds, eval_every=1):
+def run_one(r: TableRun, name, data, settings, rounds, eval_every=1):
+  cfg, S = r.cfg, r.sizes
   model = create_model(S.model, data.num_classes, data.train.x[0, :1], init=S.model_init)
   alg = algorithms.build(name, model, data, **settings)
   runner = RoundRunner(alg, data, CohortSampler(data.num_clients, participation=S.participation),
                        create_executor('auto', model, data.train.x[0, :1]))
-  return reproduce.run_trials(runner, rounds, FLAGS.seed, reproduce.trials(FLAGS), eval_every,
+  return reproduce.run_trials(runner, rounds, cfg.seed, cfg.num_trials, eval_every,
                               cell={'algorithm': name, 'settings': settings},
-                              reuse=FLAGS.reuse_trials)
+                              reuse=cfg.reuse_trials, directory=r.directory)
 
 
-def clipping():
+def clipping(cfg):
   """The FedDyn family's data-term gradient clipping, when asked for."""
-  return {'max_grad_norm': FLAGS.max_grad_norm} if FLAGS.max_grad_norm else {}
+  return {'max_grad_norm': cfg.max_grad_norm} if cfg.max_grad_norm else {}
 
 
 def to_target(histories, target):
@@ -116,52 +151,32 @@ def fmt_rounds(r, rounds):
   return f'{r:>6.1f}' if r is not None else f'>{rounds:>5}'
 
 
-def main(argv):
-  del argv
-  global S
-  for t in FLAGS.tables:
-    if t not in ('1', '2'):
-      raise app.UsageError(f'--tables: unknown table {t!r}; choose from 1, 2', 2)
-  for m in FLAGS.methods:
-    if m not in TABLE1_METHODS:
-      raise app.UsageError(f'--methods: unknown method {m!r}; choose from {list(TABLE1_METHODS)}',
-                           2)
-  for name in ('methods', 'eval_every', 'rounds', 'targets'):
-    if FLAGS[name].present and '1' not in FLAGS.tables:
-      raise app.UsageError(f'--{name} applies to table 1 only; add 1 to --tables', 2)
-  for name in ('personal_methods', 'personal_eval_every', 'personal_rounds', 'personal_targets',
-               'personal_local_steps'):
-    if FLAGS[name].present and '2' not in FLAGS.tables:
-      raise app.UsageError(f'--{name} applies to table 2 only; add 2 to --tables', 2)
-  for m in FLAGS.personal_methods:
-    if m not in TABLE2_METHODS:
-      raise app.UsageError(f'--personal_methods: unknown method {m!r}; choose from '
-                           f'{list(TABLE2_METHODS)}', 2)
-  S = sizes()
-  if reproduce.dry_run(FLAGS, vars(S)):
+def main(cfg: DebiasingTables):
+  S = sizes(cfg)
+  if cfg.show_dry_run(vars(S)):
     return
-  directory = reproduce.output_dir(FLAGS, 'reproduce_debiasing')
+  r = TableRun(cfg, S, cfg.results_dir('reproduce_debiasing'))
   # The authors' code: SGD with weight decay 1e-3 for every method.
-  shared = dict(client_lr=FLAGS.client_lr, batch_size=50, local_epochs=1,
+  shared = dict(client_lr=cfg.client_lr, batch_size=50, local_epochs=1,
                 client_weight_decay=1e-3)
   results, parts = {}, []
-  if '1' in FLAGS.tables:
-    results['table1'], md1 = table_one(shared, directory)
+  if '1' in cfg.tables:
+    results['table1'], md1 = table_one(r, shared)
     parts.append(f'Table 1\n\n{md1}')
-  if '2' in FLAGS.tables:
-    results['table2'], md2 = table_two(shared)
+  if '2' in cfg.tables:
+    results['table2'], md2 = table_two(r, shared)
     parts.append(f'Table 2\n\n{md2}')
-  what = ([f'table 1 {S.rounds} rounds (Dirichlet {FLAGS.alpha_dirichlet}'
-           + (f', evaluated every {FLAGS.eval_every}' if FLAGS.eval_every > 1 else '') + ')']
-          if '1' in FLAGS.tables else [])
-  what += [f'table 2 {S.personal_rounds} rounds (sparse classes)'] if '2' in FLAGS.tables else []
-  title = (f'Debiasing slides, scale {FLAGS.scale}: CIFAR-10, {S.num_clients} devices, '
-           f'p = {S.participation}, {S.model}, client lr {FLAGS.client_lr}'
-           + (f', FedDyn data-term clip {FLAGS.max_grad_norm:g}' if FLAGS.max_grad_norm else '')
+  what = ([f'table 1 {S.rounds} rounds (Dirichlet {cfg.alpha_dirichlet}'
+           + (f', evaluated every {cfg.eval_every}' if cfg.eval_every > 1 else '') + ')']
+          if '1' in cfg.tables else [])
+  what += [f'table 2 {S.personal_rounds} rounds (sparse classes)'] if '2' in cfg.tables else []
+  title = (f'Debiasing slides, scale {cfg.scale}: CIFAR-10, {S.num_clients} devices, '
+           f'p = {S.participation}, {S.model}, client lr {cfg.client_lr}'
+           + (f', FedDyn data-term clip {cfg.max_grad_norm:g}' if cfg.max_grad_norm else '')
            + f'; {", ".join(what)}; '
-           f'mean ± std over {reproduce.trials(FLAGS)} trials of the mean over the last '
-           f'{FLAGS.stat_window} evaluations; rounds to target: mean over trials')
-  print('wrote', *reproduce.write_results(FLAGS, directory, 'tables', title, '\n\n'.join(parts),
+           f'mean ± std over {cfg.num_trials} trials of the mean over the last '
+           f'{cfg.stat_window} evaluations; rounds to target: mean over trials')
+  print('wrote', *reproduce.write_results(cfg, r.directory, 'tables', title, '\n\n'.join(parts),
                                           results))
 
 
@@ -176,33 +191,34 @@ def fr(r, rounds):
   return f'>{rounds}' if r is None else f'{r:.1f}'
 
 
-def table_one(shared, directory):
+def table_one(r: TableRun, shared):
+  cfg, S, directory = r.cfg, r.sizes, r.directory
   """Rounds to target accuracy (the slides' table 1); returns (rows, Markdown)."""
-  own = {'fedprox': dict(mu=0.01), 'feddyn': dict(alpha=1e-2, **clipping())}
+  own = {'fedprox': dict(mu=0.01), 'feddyn': dict(alpha=1e-2, **clipping(cfg))}
   data = to_device(load_federated(DataConfig(
-      dataset='cifar10', partition='dirichlet', alpha=FLAGS.alpha_dirichlet,
+      dataset='cifar10', partition='dirichlet', alpha=cfg.alpha_dirichlet,
       num_clients=S.num_clients, max_examples=600 * S.num_clients, test_fraction=1 / 6,
-      seed=FLAGS.seed, data_dir=FLAGS.data_dir)))
+      seed=cfg.seed, data_dir=cfg.data_dir)))
   print(data.describe())
-  targets = [float(t) for t in FLAGS.targets]
+  targets = [float(t) for t in cfg.targets]
   rows, all_histories = {}, {}
-  for name in FLAGS.methods:
-    histories, secs = run_one(name, data, {**shared, **own.get(name, {})}, S.rounds,
-                              FLAGS.eval_every)
+  for name in cfg.methods:
+    histories, secs = run_one(r, name, data, {**shared, **own.get(name, {})}, S.rounds,
+                              cfg.eval_every)
     all_histories[name] = histories
-    agg = reporting.trials_summary(histories, FLAGS.stat_window)
+    agg = reporting.trials_summary(histories, cfg.stat_window)
     best = [max((r['accuracy_mean'] for r in h if 'accuracy_mean' in r and not r.get('diverged')),
                  default=float('nan')) for h in histories]
     rows[name] = {'rounds_to_target': {t: to_target(histories, t) for t in targets},
                   'summary': agg, 'best_mean': sum(best) / len(best), 'seconds_per_trial': secs,
                   'curves': curves(histories)}
-    print(f'{name}: mean@last{FLAGS.stat_window} {reproduce.cell(agg, "accuracy_mean_window")}, '
+    print(f'{name}: mean@last{cfg.stat_window} {reproduce.cell(agg, "accuracy_mean_window")}, '
           f'{secs:.0f} s per trial', flush=True)
   print(f'\nTable 1: CIFAR-10, {S.num_clients} devices, p = {S.participation}, '
-        f'Dirichlet {FLAGS.alpha_dirichlet}, {S.model}: rounds to mean test accuracy')
-  print(f'(rounds: mean over {reproduce.trials(FLAGS)} trials; accuracy: mean ± std over trials of '
+        f'Dirichlet {cfg.alpha_dirichlet}, {S.model}: rounds to mean test accuracy')
+  print(f'(rounds: mean over {cfg.num_trials} trials; accuracy: mean ± std over trials of '
         f'the mean '
-        f'over the last {FLAGS.stat_window} evaluations)')
+        f'over the last {cfg.stat_window} evaluations)')
   print(f"{'method':<10}" + ''.join(f'{"@" + str(int(100 * t)) + "%":>8}' for t in targets)
         + f"{'mean@last':>14}{'best':>8}")
   for name, r in rows.items():
@@ -211,7 +227,7 @@ def table_one(shared, directory):
           + f'{reproduce.cell(r["summary"], "accuracy_mean_window"):>14}'
           + f'{100 * r["best_mean"]:>7.1f}%')
   print('wrote', reporting.plot_trials(
-      all_histories, os.path.join(directory, f'table1_{FLAGS.scale}_curves')))
+      all_histories, os.path.join(directory, f'table1_{cfg.scale}_curves')))
   md = reproduce.markdown_table(
       ['method'] + [f'rounds to {100 * t:.0f}%' for t in targets]
       + ['mean acc. (last evals)', 'best mean acc. (mean over trials)'],
@@ -221,21 +237,22 @@ def table_one(shared, directory):
   return rows, md
 
 
-def table_two(shared):
+def table_two(r: TableRun, shared):
+  cfg, S = r.cfg, r.sizes
   """Personalized FedDyn on sparse classes (the slides' table 2); returns (rows, Markdown)."""
-  ptargets = [float(t) for t in FLAGS.personal_targets]
+  ptargets = [float(t) for t in cfg.personal_targets]
   rows2 = {}
   for partition in ('sparse_classes', 'sparse_classes_permuted'):
     pdata = to_device(load_federated(DataConfig(
         dataset='cifar10', partition=partition, classes_per_client=5,
         num_clients=S.num_clients, examples_per_client=600, test_fraction=1 / 6,
-        seed=FLAGS.seed, data_dir=FLAGS.data_dir)))
-    for name in FLAGS.personal_methods:
-      settings = {**shared, 'local_epochs': 1, 'local_steps': FLAGS.personal_local_steps,
-                  'alpha': 1e-1 if name == 'pfeddyn_proto' else 1e-2, **clipping()}
-      histories, secs = run_one(name, pdata, settings, S.personal_rounds,
-                                FLAGS.personal_eval_every)
-      agg = reporting.trials_summary(histories, FLAGS.stat_window)
+        seed=cfg.seed, data_dir=cfg.data_dir)))
+    for name in cfg.personal_methods:
+      settings = {**shared, 'local_epochs': 1, 'local_steps': cfg.personal_local_steps,
+                  'alpha': 1e-1 if name == 'pfeddyn_proto' else 1e-2, **clipping(cfg)}
+      histories, secs = run_one(r, name, pdata, settings, S.personal_rounds,
+                                cfg.personal_eval_every)
+      agg = reporting.trials_summary(histories, cfg.stat_window)
       rows2[(partition, name)] = {
           'APL': reproduce.cell(agg, 'accuracy_mean_window'),
           'LPL': reproduce.cell(agg, 'accuracy_worst_window'), 'summary': agg,
@@ -261,4 +278,5 @@ def table_two(shared):
 
 
 if __name__ == '__main__':
-  script_entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; the same command continues from them')
+  script_entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; '
+                          'the same command continues from them', settings=DebiasingTables)

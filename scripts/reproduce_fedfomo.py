@@ -36,19 +36,21 @@ and learning rates are the paper's at both scales.
   python scripts/reproduce_fedfomo.py --tables=1 --datasets=mnist --settings=15
 """
 
+import dataclasses
 import types
+from typing import Optional, Tuple
 
-from absl import app
-from absl import flags
 import numpy as np
 
 from fedjax_personal import algorithms
+from fedjax_personal.errors import ConfigError
+from fedjax_personal.hparams import hparam
 from fedjax_personal.core import privacy
 from fedjax_personal.run import reporting, reproduce, script_entry
 from fedjax_personal.core.data import to_device
 from fedjax_personal.datasets import DataConfig, LATENT_FEATURES, load_federated
 from fedjax_personal.core.engine import RoundRunner
-from fedjax_personal.core.executors import create_executor
+from fedjax_personal.core.executor_choice import create_executor
 from fedjax_personal.models import create_model
 from fedjax_personal.core.sampling import CohortSampler
 
@@ -76,77 +78,92 @@ PAPER = {  # Table 1 of the paper (mean accuracy, %): MNIST 15, 100; CIFAR-10 15
     'cfl': (95.00, 92.26, 85.07, 77.75), 'fedfomo_m5': (99.62, 98.81, 93.01, 92.10),
     'fedfomo_m10': (99.63, 98.71, 92.73, 92.67)}
 
-reproduce.define_flags()
-reproduce.define_model_flags(('mnist_', 'cifar_'))
-flags.DEFINE_list('tables', ['1', 'dp'], 'Tables: 1 (pathological non-IID), dp (DP-SGD).')
-flags.DEFINE_list('datasets', list(DATASETS), 'Table 1\'s data sets.')
-flags.DEFINE_list('settings', list(SETTINGS), 'Table 1\'s federations: 15 (all active, 20 '
-                  'rounds), 100 (10% active, 100 rounds).')
-flags.DEFINE_list('methods', [m for m in METHODS if m in PAPER], 'Table 1\'s methods (also '
-                  'fedfomo_m10_explore: M = 10 without eps decay).')
-flags.DEFINE_list('dp_sigmas', ['0', '1', '2'], 'DP table: noise multipliers of FedAvg and '
-                  'FedFomo (0: plain SGD).')
-flags.DEFINE_list('dp_methods', ['fedavg', 'fedfomo'], 'DP table: methods (fedavg, fedfomo; '
-                  'local: no DP-SGD, one reference row at sigma 0).')
-flags.DEFINE_string('dp_latent_features', 'embedding', "DP table: what the 5 latent "
-                    "distributions cluster: 'embedding' (a centrally trained LeNet-5's "
-                    "penultimate layer, the paper's recipe with a smaller network) or 'pixels'.")
-flags.DEFINE_float('dp_clip_norm', 1.0, 'DP table: per-example clip norm.')
-flags.DEFINE_float('dp_delta', 1e-5, 'DP table: delta of the reported epsilon.')
-flags.DEFINE_integer('cifar_per_client', None, 'CIFAR-10 images per client with 15 clients '
-                     '(cpu 600; paper all, 4,000); 100 clients get 1/6 of it.', lower_bound=10)
-flags.DEFINE_integer('local_epochs', 5, 'E.', lower_bound=1)
-flags.DEFINE_integer('rounds_15', 20, 'Rounds of the 15-client federation.', lower_bound=1)
-flags.DEFINE_integer('rounds_100', 100, 'Rounds of the 100-client federation.', lower_bound=1)
-flags.DEFINE_integer('eval_every_100', 4, 'Evaluation period of the 100-client federation '
-                     '(the 15-client one is evaluated every round).', lower_bound=1)
-FLAGS = flags.FLAGS
 
 
-def sizes():
+@dataclasses.dataclass(frozen=True)
+class FedFomoTables(reproduce.ReproduceSettings):
+  """The script's settings (its flags)."""
+  mnist_model: Optional[str] = reproduce.model_field('MNIST\'s model')
+  cifar_model: Optional[str] = reproduce.model_field('CIFAR-10\'s model')
+  model_init: Optional[str] = reproduce.model_init_field()
+  tables: Tuple[str, ...] = hparam(('1', 'dp'), 'Tables: 1 (pathological non-IID), dp (DP-SGD).')
+  datasets: Tuple[str, ...] = hparam(DATASETS, 'Table 1\'s data sets.')
+  settings: Tuple[str, ...] = hparam(tuple(SETTINGS), 'Table 1\'s federations: 15 (all active, '
+                                     '20 rounds), 100 (10% active, 100 rounds).')
+  methods: Tuple[str, ...] = hparam(tuple(m for m in METHODS if m in PAPER), 'Table 1\'s methods '
+                                    '(also fedfomo_m10_explore: M = 10 without eps decay).')
+  dp_sigmas: Tuple[str, ...] = hparam(('0', '1', '2'), 'DP table: noise multipliers of FedAvg '
+                                      'and FedFomo (0: plain SGD).')
+  dp_methods: Tuple[str, ...] = hparam(('fedavg', 'fedfomo'), 'DP table: methods (fedavg, '
+                                       'fedfomo; local: no DP-SGD, one reference row at sigma '
+                                       '0).')
+  dp_latent_features: str = hparam('embedding', "DP table: what the 5 latent distributions "
+                                   "cluster: 'embedding' (a centrally trained LeNet-5's "
+                                   "penultimate layer, the paper's recipe with a smaller "
+                                   "network) or 'pixels'.")
+  dp_clip_norm: float = hparam(1.0, 'DP table: per-example clip norm.')
+  dp_delta: float = hparam(1e-5, 'DP table: delta of the reported epsilon.')
+  cifar_per_client: Optional[int] = hparam(None, 'CIFAR-10 images per client with 15 clients '
+                                           '(cpu 600; paper all, 4,000); 100 clients get 1/6 of '
+                                           'it.', minimum=10)
+  local_epochs: int = hparam(5, 'E.', minimum=1)
+  rounds_15: int = hparam(20, 'Rounds of the 15-client federation.', minimum=1)
+  rounds_100: int = hparam(100, 'Rounds of the 100-client federation.', minimum=1)
+  eval_every_100: int = hparam(4, 'Evaluation period of the 100-client federation (the '
+                               '15-client one is evaluated every round).', minimum=1)
+
+  @property
+  def sigmas(self):
+    """--dp_sigmas as numbers."""
+    return [float(v) for v in self.dp_sigmas]
+
+  def check(self) -> None:
+    for name, values, allowed in (('tables', self.tables, ('1', 'dp')),
+                                  ('datasets', self.datasets, DATASETS),
+                                  ('settings', self.settings, tuple(SETTINGS)),
+                                  ('methods', self.methods, tuple(METHODS)),
+                                  ('dp_methods', self.dp_methods, DP_METHODS),
+                                  ('dp_latent_features', [self.dp_latent_features],
+                                   LATENT_FEATURES)):
+      for v in values:
+        if v not in allowed:
+          raise ConfigError(name, f'unknown value {v!r}; choose from {list(allowed)}')
+    try:
+      sigmas = self.sigmas
+    except ValueError:
+      raise ConfigError('dp_sigmas', f'not numbers: {list(self.dp_sigmas)}') from None
+    if any(v < 0 for v in sigmas):
+      raise ConfigError('dp_sigmas', 'noise multipliers must be >= 0')
+    default = {f.name: f.default for f in dataclasses.fields(self)}  # when not given
+    for name in ('datasets', 'settings', 'methods', 'rounds_100', 'eval_every_100'):
+      if getattr(self, name) != default[name] and '1' not in self.tables:
+        raise ConfigError(name, 'applies to table 1; add 1 to --tables')
+    if 'local' in self.dp_methods and not any(v == 0 for v in sigmas):
+      raise ConfigError('dp_methods', 'local runs without DP-SGD; add 0 to --dp_sigmas')
+    for name in ('dp_sigmas', 'dp_clip_norm', 'dp_delta', 'dp_methods', 'dp_latent_features'):
+      if getattr(self, name) != default[name] and 'dp' not in self.tables:
+        raise ConfigError(name, 'applies to the DP table; add dp to --tables')
+
+
+script_entry.define_settings_flags(FedFomoTables)
+
+
+def sizes(cfg):
   return types.SimpleNamespace(
-      mnist=reproduce.scaled(FLAGS, None, 'mnist', 'tfds:mnist'),
-      mnist_model=reproduce.scaled(FLAGS, FLAGS.mnist_model, 'mlp', 'fedfomo_cnn'),
-      cifar_model=reproduce.scaled(FLAGS, FLAGS.cifar_model, 'lenet5', 'fedfomo_cnn'),
-      model_init=reproduce.scaled(FLAGS, FLAGS.model_init, 'flax', 'pytorch'),
-      cifar_per_client=reproduce.scaled(FLAGS, FLAGS.cifar_per_client, 600, None))
+      mnist=cfg.scaled(None, 'mnist', 'tfds:mnist'),
+      mnist_model=cfg.scaled(cfg.mnist_model, 'mlp', 'fedfomo_cnn'),
+      cifar_model=cfg.scaled(cfg.cifar_model, 'lenet5', 'fedfomo_cnn'),
+      model_init=cfg.scaled(cfg.model_init, 'flax', 'pytorch'),
+      cifar_per_client=cfg.scaled(cfg.cifar_per_client, 600, None))
 
 
-def check_flags():
-  for name, values, allowed in (('tables', FLAGS.tables, ('1', 'dp')),
-                                ('datasets', FLAGS.datasets, DATASETS),
-                                ('settings', FLAGS.settings, tuple(SETTINGS)),
-                                ('methods', FLAGS.methods, tuple(METHODS)),
-                                ('dp_methods', FLAGS.dp_methods, DP_METHODS),
-                                ('dp_latent_features', [FLAGS.dp_latent_features],
-                                 LATENT_FEATURES)):
-    for v in values:
-      if v not in allowed:
-        raise app.UsageError(f'--{name}: unknown value {v!r}; choose from {list(allowed)}', 2)
-  try:
-    sigmas = [float(s) for s in FLAGS.dp_sigmas]
-  except ValueError:
-    raise app.UsageError(f'--dp_sigmas: not numbers: {FLAGS.dp_sigmas}', 2) from None
-  if any(s < 0 for s in sigmas):
-    raise app.UsageError('--dp_sigmas: noise multipliers must be >= 0', 2)
-  for name in ('datasets', 'settings', 'methods', 'rounds_100', 'eval_every_100'):
-    if FLAGS[name].present and '1' not in FLAGS.tables:
-      raise app.UsageError(f'--{name} applies to table 1; add 1 to --tables', 2)
-  if 'local' in FLAGS.dp_methods and not any(s == 0 for s in sigmas):
-    raise app.UsageError('--dp_methods: local runs without DP-SGD; add 0 to --dp_sigmas', 2)
-  for name in ('dp_sigmas', 'dp_clip_norm', 'dp_delta', 'dp_methods', 'dp_latent_features'):
-    if FLAGS[name].present and 'dp' not in FLAGS.tables:
-      raise app.UsageError(f'--{name} applies to the DP table; add dp to --tables', 2)
-  return sigmas
-
-
-def training(dataset: str) -> dict:
+def training(cfg, dataset: str) -> dict:
   """The paper's optimizer (appendix A.5)."""
   return dict(client_lr=0.01 if dataset != 'cifar10' else 0.1, client_lr_decay=0.99,
-              client_weight_decay=1e-4, batch_size=50, local_epochs=FLAGS.local_epochs)
+              client_weight_decay=1e-4, batch_size=50, local_epochs=cfg.local_epochs)
 
 
-def load(S, dataset: str, setting: str, partition: str = 'pathological',
+def load(cfg, S, dataset: str, setting: str, partition: str = 'pathological',
          latent_features: str = 'pixels'):
   n = int(setting)
   cifar = dataset == 'cifar10'
@@ -154,33 +171,33 @@ def load(S, dataset: str, setting: str, partition: str = 'pathological',
   data = to_device(load_federated(DataConfig(
       dataset='cifar10' if cifar else S.mnist, partition=partition, classes_per_client=2,
       num_groups=5, latent_features=latent_features, num_clients=n, test_fraction=0.2, val_fraction=0.2,
-      max_examples=per * n if (cifar and per) else None, seed=FLAGS.seed,
-      data_dir=FLAGS.data_dir)))
+      max_examples=per * n if (cifar and per) else None, seed=cfg.seed,
+      data_dir=cfg.data_dir)))
   print(f'{data.describe()}, label skew {data.label_skew():.2f}', flush=True)
   model = create_model(S.cifar_model if cifar else S.mnist_model, data.num_classes,
                        data.train.x[0, :1], init=S.model_init)
   return data, model
 
 
-def run_cell(name, opts, data, model, dataset, setting):
+def run_cell(cfg, directory, name, opts, data, model, dataset, setting):
   n = int(setting)
-  settings = training(dataset)
+  settings = training(cfg, dataset)
   if name.startswith('perfedavg'):
     # Per-FedAvg takes steps of 3 batches each: E epochs' worth of batches.
     per_client = float(np.median(np.asarray(data.train.num_examples)))
     settings['local_steps'] = max(1, round(settings.pop('local_epochs') * per_client / (3 * 50)))
   alg = algorithms.build(name, model, data, **settings, **opts)
   callbacks = ([] if alg.privacy is None
-               else [reporting.PrivacyRecorder(alg.privacy, FLAGS.dp_delta)])
+               else [reporting.PrivacyRecorder(alg.privacy, cfg.dp_delta)])
   sampler = CohortSampler(n, cohort_size=n if n == 15 else n // 10)
   runner = RoundRunner(alg, data, sampler, create_executor('auto', model, data.train.x[0, :1]))
-  rounds = FLAGS.rounds_15 if n == 15 else FLAGS.rounds_100
-  every = 1 if n == 15 else FLAGS.eval_every_100
-  histories, secs = reproduce.run_trials(runner, rounds, FLAGS.seed, reproduce.trials(FLAGS), every,
+  rounds = cfg.rounds_15 if n == 15 else cfg.rounds_100
+  every = 1 if n == 15 else cfg.eval_every_100
+  histories, secs = reproduce.run_trials(runner, rounds, cfg.seed, cfg.num_trials, every,
                                          callbacks, cell={'algorithm': name, 'settings': settings,
                                                           'options': opts},
-                                         reuse=FLAGS.reuse_trials)
-  agg = reporting.trials_summary(histories, FLAGS.stat_window)
+                                         reuse=cfg.reuse_trials, directory=directory)
+  agg = reporting.trials_summary(histories, cfg.stat_window)
   out = {'mean': reproduce.cell(agg, 'accuracy_mean_window'), 'summary': agg,
          'seconds_per_trial': secs, 'epsilon': agg.get('dp_epsilon')}
   shares = [r['fomo_positive_share'] for h in histories for r in h if 'fomo_positive_share' in r]
@@ -193,44 +210,45 @@ def run_cell(name, opts, data, model, dataset, setting):
   return out
 
 
-def table_one(S):
+def table_one(cfg, S, directory):
   results = {}
-  for dataset in FLAGS.datasets:
-    for setting in FLAGS.settings:
-      data, model = load(S, dataset, setting)
-      for m in FLAGS.methods:
+  for dataset in cfg.datasets:
+    for setting in cfg.settings:
+      data, model = load(cfg, S, dataset, setting)
+      for m in cfg.methods:
         name, opts = METHODS[m]
-        r = run_cell(name, opts, data, model, dataset, setting)
+        r = run_cell(cfg, directory, name, opts, data, model, dataset, setting)
         results[f'{dataset}/{setting}/{m}'] = r
         share = (f', {100 * r["positive_share"]:.1f}% of downloads weighted > 0'
                  if 'positive_share' in r else '')
         print(f'  {dataset} {SETTINGS[setting]} {m}: {r["mean"]} '
               f'({r["seconds_per_trial"]:.0f} s/trial{share})', flush=True)
-  cols = [(d, s) for d in FLAGS.datasets for s in FLAGS.settings]
+  cols = [(d, s) for d in cfg.datasets for s in cfg.settings]
   paper_col = {('mnist', '15'): 0, ('mnist', '100'): 1, ('cifar10', '15'): 2, ('cifar10', '100'): 3}
   header = ['method'] + [f'{d} {SETTINGS[s]} (paper)' for d, s in cols]
   paper = lambda m, c: f'{PAPER[m][paper_col[c]]:.1f}' if m in PAPER else '-'
   rows = [[m] + [f'{results[f"{d}/{s}/{m}"]["mean"]} ({paper(m, (d, s))})' for d, s in cols]
-          for m in FLAGS.methods]
+          for m in cfg.methods]
   return results, reproduce.markdown_table(header, rows)
 
 
-def table_dp(S, sigmas):
-  data, model = load(S, 'cifar10', '15', partition='latent_clusters',
-                     latent_features=FLAGS.dp_latent_features)
+def table_dp(cfg, S, directory):
+  sigmas = cfg.sigmas
+  data, model = load(cfg, S, 'cifar10', '15', partition='latent_clusters',
+                     latent_features=cfg.dp_latent_features)
   results, rows = {'label_skew': data.label_skew()}, []
-  runs = [(name, s) for name in FLAGS.dp_methods for s in sigmas
+  runs = [(name, s) for name in cfg.dp_methods for s in sigmas
           if name != 'local' or s == 0]
   for name, sigma in runs:
     opts = dict(candidates=5) if name == 'fedfomo' else {}
     if sigma > 0:
-      opts.update(dp_clip_norm=FLAGS.dp_clip_norm, dp_noise_multiplier=sigma)
-    r = run_cell(name, opts, data, model, 'cifar10', '15')
+      opts.update(dp_clip_norm=cfg.dp_clip_norm, dp_noise_multiplier=sigma)
+    r = run_cell(cfg, directory, name, opts, data, model, 'cifar10', '15')
     eps = r['epsilon']  # None without DP-SGD: epsilon is infinite
     key = f'{name}/sigma={sigma:g}'
     results[key] = r
     eps_txt = privacy.epsilon_text(eps)
-    rows.append([name, f'{FLAGS.dp_delta:g}', f'{sigma:g}', eps_txt, r['mean']])
+    rows.append([name, f'{cfg.dp_delta:g}', f'{sigma:g}', eps_txt, r['mean']])
     diag = (f', {100 * r["positive_share"]:.1f}% of downloads weighted > 0' if 'positive_share' in r
             else '') + (f', {100 * r["in_group_share"]:.0f}% of that weight in the own latent '
                         f'distribution (chance {100 * r["in_group_chance"]:.0f}%)'
@@ -241,30 +259,29 @@ def table_dp(S, sigmas):
   return results, reproduce.markdown_table(header, rows)
 
 
-def main(argv):
-  del argv
-  sigmas = check_flags()
-  S = sizes()
-  if reproduce.dry_run(FLAGS, vars(S)):
+def main(cfg: FedFomoTables):
+  S = sizes(cfg)
+  if cfg.show_dry_run(vars(S)):
     return
-  directory = reproduce.output_dir(FLAGS, 'reproduce_fedfomo')
+  directory = cfg.results_dir('reproduce_fedfomo')
   results, parts = {}, []
-  if '1' in FLAGS.tables:
-    results['table1'], md = table_one(S)
+  if '1' in cfg.tables:
+    results['table1'], md = table_one(cfg, S, directory)
     parts.append(f'Table 1 (pathological non-IID, 2 classes per client): mean test accuracy (%), '
                  f'paper in parentheses\n\n{md}')
-  if 'dp' in FLAGS.tables:
-    results['dp'], md = table_dp(S, sigmas)
+  if 'dp' in cfg.tables:
+    results['dp'], md = table_dp(cfg, S, directory)
     parts.append(f'DP table (CIFAR-10, 15 clients in 5 latent distributions of the '
-                 f'{FLAGS.dp_latent_features}, label skew {results["dp"]["label_skew"]:.2f}, '
+                 f'{cfg.dp_latent_features}, label skew {results["dp"]["label_skew"]:.2f}, '
                  f'all active)\n\n{md}')
-  title = (f'FedFomo, scale {FLAGS.scale}: E = {FLAGS.local_epochs}, B = 50, mean ± std over '
-           f'{reproduce.trials(FLAGS)} trials of the mean over the last {FLAGS.stat_window} '
+  title = (f'FedFomo, scale {cfg.scale}: E = {cfg.local_epochs}, B = 50, mean ± std over '
+           f'{cfg.num_trials} trials of the mean over the last {cfg.stat_window} '
            f'evaluations')
   text = '\n\n'.join(parts)
   print(f'\n{title}\n\n{text}')
-  print('wrote', *reproduce.write_results(FLAGS, directory, 'tables', title, text, results))
+  print('wrote', *reproduce.write_results(cfg, directory, 'tables', title, text, results))
 
 
 if __name__ == '__main__':
-  script_entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; the same command continues from them')
+  script_entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; '
+                          'the same command continues from them', settings=FedFomoTables)

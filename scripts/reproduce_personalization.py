@@ -40,138 +40,148 @@ flags override either. Results: ``<output_dir>/tables_<ABC>_<scale>.{json,md}``.
   python scripts/reproduce_personalization.py --tables=A --scale=paper
 """
 
+import dataclasses
 import types
+from typing import List, Optional, Tuple
 
-from absl import flags
 import numpy as np
 
 from fedjax_personal import algorithms
+from fedjax_personal.hparams import hparam
 from fedjax_personal.run import reporting, reproduce, script_entry
 from fedjax_personal.core.data import to_device
-from fedjax_personal.datasets import DataConfig, load_federated, stackoverflow
+from fedjax_personal.datasets import DataConfig, TextOptions, load_federated, stackoverflow
 from fedjax_personal.core.engine import RoundRunner
-from fedjax_personal.core.executors import create_executor
+from fedjax_personal.core.executor_choice import create_executor
 from fedjax_personal.models import CharLSTM, create_model, from_flax
 from fedjax_personal.core.sampling import CohortSampler
 
-reproduce.define_flags()
-flags.DEFINE_integer('mnist_clients', None, 'Table A clients (cpu and paper 50).', lower_bound=2)
-flags.DEFINE_integer('mnist_rounds', None, 'Table A rounds (cpu 60, paper 1000).', lower_bound=1)
-flags.DEFINE_integer('shakespeare_clients', None, 'Table B clients, speaking roles (cpu 10, '
-                     'paper 100).', lower_bound=2)
-flags.DEFINE_integer('shakespeare_rounds', None, 'Table B rounds (cpu 30, paper 200).',
-                     lower_bound=1)
-flags.DEFINE_integer('shakespeare_local_steps', 20, 'Table B local steps per round (5 leaves the '
-                     'LSTM at the unigram level).')
-flags.DEFINE_list('methods', [], 'Subset of tables B/C rows as method/part, e.g. '
-                  'fedavg/-,fedalt/output,local/all (default: all rows).')
-flags.DEFINE_integer('cifar_clients', None, 'Table C clients (cpu 20, paper 100).', lower_bound=2)
-flags.DEFINE_integer('cifar_rounds', None, 'Table C rounds (cpu 30, paper 200).', lower_bound=1)
-flags.DEFINE_integer('nwp_clients', None, 'Table D users (cpu 40, paper 1000).', lower_bound=2)
-flags.DEFINE_integer('nwp_rounds', None, 'Table D rounds (cpu 100, paper 500).', lower_bound=1)
-flags.DEFINE_float('nwp_grad_clip', 0.0, 'Table D: clip client gradients to this global norm '
-                   '(the seed clips at 0.25; 0: no clipping).', lower_bound=0)
-flags.DEFINE_list('tables', ['A', 'B', 'C'], 'Which tables to run (D: next-word prediction).')
-FLAGS = flags.FLAGS
+
+
+@dataclasses.dataclass(frozen=True)
+class PersonalizationTables(reproduce.ReproduceSettings):
+  """The script's settings (its flags)."""
+  mnist_clients: Optional[int] = hparam(None, 'Table A clients (cpu and paper 50).', minimum=2)
+  mnist_rounds: Optional[int] = hparam(None, 'Table A rounds (cpu 60, paper 1000).', minimum=1)
+  shakespeare_clients: Optional[int] = hparam(None, 'Table B clients, speaking roles (cpu 10, '
+                                              'paper 100).', minimum=2)
+  shakespeare_rounds: Optional[int] = hparam(None, 'Table B rounds (cpu 30, paper 200).',
+                                             minimum=1)
+  shakespeare_local_steps: int = hparam(20, 'Table B local steps per round (5 leaves the LSTM at '
+                                        'the unigram level).')
+  methods: Tuple[str, ...] = hparam((), 'Subset of tables B/C rows as method/part, e.g. '
+                                    'fedavg/-,fedalt/output,local/all (default: all rows).')
+  cifar_clients: Optional[int] = hparam(None, 'Table C clients (cpu 20, paper 100).', minimum=2)
+  cifar_rounds: Optional[int] = hparam(None, 'Table C rounds (cpu 30, paper 200).', minimum=1)
+  nwp_clients: Optional[int] = hparam(None, 'Table D users (cpu 40, paper 1000).', minimum=2)
+  nwp_rounds: Optional[int] = hparam(None, 'Table D rounds (cpu 100, paper 500).', minimum=1)
+  nwp_grad_clip: float = hparam(0.0, 'Table D: clip client gradients to this global norm (the '
+                                'seed clips at 0.25; 0: no clipping).', minimum=0)
+  tables: Tuple[str, ...] = hparam(('A', 'B', 'C'), 'Which tables to run (D: next-word '
+                                   'prediction).')
+
+
+script_entry.define_settings_flags(PersonalizationTables)
 
 PARTIAL = [('fedavg', None), ('fedalt', 'input'), ('fedsim', 'input'), ('fedalt', 'output'),
            ('fedsim', 'output'), ('fedalt', 'adapter'), ('fedsim', 'adapter'),
            ('local', 'all (Local)'), ('fedavg_ft', 'all (fine-tune)')]
 
 
-S = None  # the sizes of this run: the flags, or the scale's values
+@dataclasses.dataclass
+class TableRun:
+  """One run of the script: its settings, the sizes they resolve to, the
+  results folder and the tables made so far (title, Markdown)."""
+  cfg: PersonalizationTables
+  sizes: types.SimpleNamespace
+  directory: str
+  tables: List[tuple] = dataclasses.field(default_factory=list)
 
 
-def sizes():
+def sizes(cfg):
   return types.SimpleNamespace(
-      mnist_clients=reproduce.scaled(FLAGS, FLAGS.mnist_clients, 50, 50),
-      mnist_rounds=reproduce.scaled(FLAGS, FLAGS.mnist_rounds, 60, 1000),
-      shakespeare_clients=reproduce.scaled(FLAGS, FLAGS.shakespeare_clients, 10, 100),
-      shakespeare_rounds=reproduce.scaled(FLAGS, FLAGS.shakespeare_rounds, 30, 200),
-      cifar_clients=reproduce.scaled(FLAGS, FLAGS.cifar_clients, 20, 100),
-      cifar_rounds=reproduce.scaled(FLAGS, FLAGS.cifar_rounds, 30, 200),
-      nwp_clients=reproduce.scaled(FLAGS, FLAGS.nwp_clients, 40, 1000),
-      nwp_rounds=reproduce.scaled(FLAGS, FLAGS.nwp_rounds, 100, 500))
+      mnist_clients=cfg.scaled(cfg.mnist_clients, 50, 50),
+      mnist_rounds=cfg.scaled(cfg.mnist_rounds, 60, 1000),
+      shakespeare_clients=cfg.scaled(cfg.shakespeare_clients, 10, 100),
+      shakespeare_rounds=cfg.scaled(cfg.shakespeare_rounds, 30, 200),
+      cifar_clients=cfg.scaled(cfg.cifar_clients, 20, 100),
+      cifar_rounds=cfg.scaled(cfg.cifar_rounds, 30, 200),
+      nwp_clients=cfg.scaled(cfg.nwp_clients, 40, 1000),
+      nwp_rounds=cfg.scaled(cfg.nwp_rounds, 100, 500))
 
 
-def run(name, data, model, settings, rounds, cohort, eval_every):
+def run(r: TableRun, name, data, model, settings, rounds, cohort, eval_every):
+  cfg = r.cfg
   alg = algorithms.build(name, model, data, **settings)
   runner = RoundRunner(alg, data, CohortSampler(data.num_clients, cohort_size=cohort),
                        create_executor('auto', model, data.train.x[0, :1]))
-  histories, seconds = reproduce.run_trials(runner, rounds, FLAGS.seed, reproduce.trials(FLAGS),
+  histories, seconds = reproduce.run_trials(runner, rounds, cfg.seed, cfg.num_trials,
                                             eval_every, cell={'algorithm': name,
                                                               'settings': settings},
-                                            reuse=FLAGS.reuse_trials)
-  agg = reporting.trials_summary(histories, FLAGS.stat_window)
+                                            reuse=cfg.reuse_trials, directory=r.directory)
+  agg = reporting.trials_summary(histories, cfg.stat_window)
   return {'mean': reporting.pm(agg, 'accuracy_mean_window', digits=2),
           'q10': reporting.pm(agg, 'accuracy_q10', digits=2),
           'worst': reporting.pm(agg, 'accuracy_worst_window', digits=2), 'summary': agg,
           'seconds_per_trial': seconds}
 
 
-TABLES = []  # (title, Markdown table) of each table run
-
-
-def print_table(title, rows):
+def print_table(r: TableRun, title, rows):
+  cfg = r.cfg
   print(f'\n{title}')
-  print(f'(mean ± std over {reproduce.trials(FLAGS)} trials; mean@last and worst@last: mean over the last '
-        f'{FLAGS.stat_window} evaluations; 10th pct: last evaluation)')
+  print(f'(mean ± std over {cfg.num_trials} trials; mean@last and worst@last: mean over the last '
+        f'{cfg.stat_window} evaluations; 10th pct: last evaluation)')
   print(f"{'method':<14}{'personal':<18}{'mean@last':>16}{'worst@last':>16}{'10th pct':>16}"
         f"{'s/trial':>8}")
-  for (name, part), r in rows.items():
-    print(f'{name:<14}{str(part or "-"):<18}{r["mean"]:>16}{r["worst"]:>16}{r["q10"]:>16}'
-          f'{r["seconds_per_trial"]:>8.0f}')
-  TABLES.append((title, reproduce.markdown_table(
+  for (name, part), row in rows.items():
+    print(f'{name:<14}{str(part or "-"):<18}{row["mean"]:>16}{row["worst"]:>16}{row["q10"]:>16}'
+          f'{row["seconds_per_trial"]:>8.0f}')
+  r.tables.append((title, reproduce.markdown_table(
       ['method', 'personal', 'mean (last evals)', 'worst (last evals)', '10th pct'],
-      [[n, p or '-', r['mean'], r['worst'], r['q10']] for (n, p), r in rows.items()])))
+      [[n, p or '-', row['mean'], row['worst'], row['q10']] for (n, p), row in rows.items()])))
 
 
-def partial_table(data, make_model, settings, rounds, cohort, eval_every, methods=PARTIAL):
+def partial_table(r: TableRun, data, make_model, settings, rounds, cohort, eval_every,
+                  methods=PARTIAL):
   """The rows ``methods`` (those of ``--methods`` only, when given);
   ``make_model(adapter)`` builds the model, with adapters when ``adapter``."""
   rows = {}
   wanted = methods
-  if FLAGS.methods:
-    keys = {tuple(m.split('/')) for m in FLAGS.methods}
+  if r.cfg.methods:
+    keys = {tuple(m.split('/')) for m in r.cfg.methods}
     wanted = [(n, p) for n, p in methods if (n, (p or '-').split(' ')[0]) in keys]
   for name, part in wanted:
     model = make_model(part == 'adapter')
     own = dict(personal_part=part) if name in ('fedalt', 'fedsim') else {}
-    rows[(name, part)] = run(name, data, model, {**settings, **own}, rounds, cohort, eval_every)
+    rows[(name, part)] = run(r, name, data, model, {**settings, **own}, rounds, cohort,
+                             eval_every)
     print(f'  {name} {part}: mean {rows[(name, part)]["mean"]} worst {rows[(name, part)]["worst"]}',
           flush=True)
   return rows
 
 
-def main(argv):
-  del argv
-  global S
-  S = sizes()
-  if reproduce.dry_run(FLAGS, vars(S)):
+def main(cfg: PersonalizationTables):
+  S = sizes(cfg)
+  if cfg.show_dry_run(vars(S)):
     return
-  directory = reproduce.output_dir(FLAGS, 'reproduce_personalization')
+  r = TableRun(cfg, S, cfg.results_dir('reproduce_personalization'))
   results = {}
-  # -- Table A: Per-FedAvg on MNIST, 2 classes per client ------------------------
-  if 'A' in FLAGS.tables:
-    table_a(results)
-  if 'B' in FLAGS.tables:
-    table_b(results)
-  if 'C' in FLAGS.tables:
-    table_c(results)
-  if 'D' in FLAGS.tables:
-    table_d(results)
-  title = (f'Personalization tables {", ".join(FLAGS.tables)}, scale {FLAGS.scale}: mean ± std '
-           f'over {reproduce.trials(FLAGS)} trials')
-  md = '\n\n'.join(f'{t}\n\n{m}' for t, m in TABLES)
-  print('wrote', *reproduce.write_results(FLAGS, directory, f'tables_{"".join(FLAGS.tables)}', title, md,
-                                          results))
+  for name, table in (('A', table_a), ('B', table_b), ('C', table_c), ('D', table_d)):
+    if name in cfg.tables:
+      table(r, results)
+  title = (f'Personalization tables {", ".join(cfg.tables)}, scale {cfg.scale}: mean ± std '
+           f'over {cfg.num_trials} trials')
+  md = '\n\n'.join(f'{t}\n\n{m}' for t, m in r.tables)
+  print('wrote', *reproduce.write_results(cfg, r.directory, f'tables_{"".join(cfg.tables)}',
+                                          title, md, results))
 
 
-def table_a(results):
-  mnist = to_device(load_federated(DataConfig(dataset=reproduce.scaled(FLAGS, None, 'mnist', 'tfds:mnist'),
+def table_a(r: TableRun, results):
+  cfg, S = r.cfg, r.sizes
+  mnist = to_device(load_federated(DataConfig(dataset=cfg.scaled(None, 'mnist', 'tfds:mnist'),
                                               partition='pathological',
                                               classes_per_client=2, num_clients=S.mnist_clients,
-                                              seed=FLAGS.seed)))
+                                              seed=cfg.seed)))
   print(mnist.describe())
   model = create_model('mlp', 10, mnist.train.x[0, :1])
   shared = dict(client_lr=0.05, batch_size=10, local_steps=10, finetune_steps=1,
@@ -179,46 +189,49 @@ def table_a(results):
   rows = {}
   for name in ('perfedavg_fo', 'perfedavg_hf', 'perfedavg_hf_fd', 'fedavg_ft'):
     own = dict(alpha=0.02) if name.startswith('perfedavg') else {}
-    rows[(name, None)] = run(name, mnist, model, {**shared, **own}, S.mnist_rounds, 10, 10)
+    rows[(name, None)] = run(r, name, mnist, model, {**shared, **own}, S.mnist_rounds, 10, 10)
     print(f'  {name}: mean {rows[(name, None)]["mean"]} worst {rows[(name, None)]["worst"]}',
           flush=True)
-  print_table(f'Table A: MNIST, {S.mnist_clients} clients with 2 classes each, 10 per round, '
+  print_table(r, f'Table A: MNIST, {S.mnist_clients} clients with 2 classes each, 10 per round, '
               f'{S.mnist_rounds} rounds, MLP; tested after one step (lr 0.02) on train data', rows)
   results['mnist_perfedavg'] = {k[0]: v for k, v in rows.items()}
 
 
-def table_b(results):
+def table_b(r: TableRun, results):
+  cfg, S = r.cfg, r.sizes
   shakes = to_device(load_federated(DataConfig(dataset='tinyshakespeare', partition='natural',
-                                               num_clients=S.shakespeare_clients, seq_len=40,
-                                               seed=FLAGS.seed, data_dir=FLAGS.data_dir)))
+                                               num_clients=S.shakespeare_clients,
+                                               options=TextOptions(seq_len=40),
+                                               seed=cfg.seed, data_dir=cfg.data_dir)))
   print(shakes.describe())
   sample = shakes.train.x[0, :1]
   make_lstm = lambda a: from_flax('char_lstm', CharLSTM(shakes.num_classes, hidden=64,
                                                         adapter_dim=a), sample)
   # No evaluation fine-tuning except fedavg_ft's own (5 steps): finetune_steps
   # would add it to every algorithm of the table.
-  hp = dict(client_lr=1.0, batch_size=16, local_steps=FLAGS.shakespeare_local_steps)
-  rows = partial_table(shakes, lambda adapter: make_lstm(8 if adapter else 0), hp,
+  hp = dict(client_lr=1.0, batch_size=16, local_steps=cfg.shakespeare_local_steps)
+  rows = partial_table(r, shakes, lambda adapter: make_lstm(8 if adapter else 0), hp,
                        S.shakespeare_rounds,
                        S.shakespeare_clients, 5)
-  print_table(f'Table B: Shakespeare, {S.shakespeare_clients} roles, '
-              f'{S.shakespeare_rounds} rounds of {FLAGS.shakespeare_local_steps} steps, '
+  print_table(r, f'Table B: Shakespeare, {S.shakespeare_clients} roles, '
+              f'{S.shakespeare_rounds} rounds of {cfg.shakespeare_local_steps} steps, '
               f'char LSTM (64): next-character accuracy', rows)
   results['shakespeare_partial'] = {f'{k[0]}/{k[1]}': v for k, v in rows.items()}
 
 
-def table_c(results):
+def table_c(r: TableRun, results):
+  cfg, S = r.cfg, r.sizes
   cifar = to_device(load_federated(DataConfig(dataset='cifar10', partition='dirichlet', alpha=0.3,
                                               num_clients=S.cifar_clients,
                                               max_examples=300 * S.cifar_clients,
-                                              seed=FLAGS.seed, data_dir=FLAGS.data_dir)))
+                                              seed=cfg.seed, data_dir=cfg.data_dir)))
   print(cifar.describe())
   sample = cifar.train.x[0, :1]
   hp = dict(client_lr=0.05, batch_size=32, local_steps=10)
-  rows = partial_table(cifar, lambda adapter: create_model('lenet5', 10, sample,
+  rows = partial_table(r, cifar, lambda adapter: create_model('lenet5', 10, sample,
                                                           8 if adapter else 0), hp,
                        S.cifar_rounds, S.cifar_clients // 2, 10)
-  print_table(f'Table C: CIFAR-10, {S.cifar_clients} clients Dirichlet 0.3, half per round, '
+  print_table(r, f'Table C: CIFAR-10, {S.cifar_clients} clients Dirichlet 0.3, half per round, '
               f'{S.cifar_rounds} rounds, LeNet-5', rows)
   results['cifar_partial'] = {f'{k[0]}/{k[1]}': v for k, v in rows.items()}
 
@@ -275,26 +288,28 @@ def generated_stackoverflow(num_users: int, seed: int, concepts: int = 100, syno
                        name=f'generated stackoverflow-shaped ({num_users} users)')
 
 
-def table_d(results):
-  data = to_device(generated_stackoverflow(S.nwp_clients, FLAGS.seed))
+def table_d(r: TableRun, results):
+  cfg, S = r.cfg, r.sizes
+  data = to_device(generated_stackoverflow(S.nwp_clients, cfg.seed))
   print(data.describe())
   sample = data.train.x[0, :1]
   # The seed's client settings (SGD, one epoch, batch 64 -> 16 for users of
   # ~30 sentences) with a rate tuned for the small model; server SGD 1.
   hp = dict(client_lr=0.5, batch_size=16, local_epochs=1,
-            **({'client_grad_clip': FLAGS.nwp_grad_clip} if FLAGS.nwp_grad_clip else {}))
+            **({'client_grad_clip': cfg.nwp_grad_clip} if cfg.nwp_grad_clip else {}))
   unscored = stackoverflow.stackoverflow_unscored(data.num_classes)
   rows = partial_table(
-      data, lambda adapter: create_model('transformer_lm_tiny', data.num_classes, sample,
+      r, data, lambda adapter: create_model('transformer_lm_tiny', data.num_classes, sample,
                                          16 if adapter else 0).scoring_only_words(unscored),
       hp, S.nwp_rounds, max(2, S.nwp_clients // 4), 10, NWP_PARTIAL)
-  print_table(f'Table D: next-word prediction, {S.nwp_clients} generated Stack Overflow-shaped '
+  print_table(r, f'Table D: next-word prediction, {S.nwp_clients} generated Stack Overflow-shaped '
               f'users (personal synonyms and continuations), a quarter per round, {S.nwp_rounds} '
               f'rounds, the seed\'s transformer at --arch_size tiny'
-              + (f', client gradients clipped at {FLAGS.nwp_grad_clip}' if FLAGS.nwp_grad_clip
+              + (f', client gradients clipped at {cfg.nwp_grad_clip}' if cfg.nwp_grad_clip
                  else ''), rows)
   results['nwp_partial'] = {f'{k[0]}/{k[1]}': v for k, v in rows.items()}
 
 
 if __name__ == '__main__':
-  script_entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; the same command continues from them')
+  script_entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; '
+                          'the same command continues from them', settings=PersonalizationTables)

@@ -49,40 +49,24 @@ the streams against the true groups).
   python scripts/reproduce_user_centric.py --study --trials=1    # the settings study
 """
 
+import dataclasses
 import os
+from typing import Optional, Tuple
 
-from absl import app
-from absl import flags
 import jax
 
 from fedjax_personal import algorithms
+from fedjax_personal.errors import ConfigError
+from fedjax_personal.hparams import hparam
 from fedjax_personal.run import reporting, reproduce, script_entry, timing
 from fedjax_personal.core.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.core.engine import RoundRunner
-from fedjax_personal.core.executors import create_executor
+from fedjax_personal.core.executor_choice import create_executor
 from fedjax_personal.models import create_model
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.core.tree_util import tree_bytes
 
-reproduce.define_flags()
-reproduce.define_model_flags()
-flags.DEFINE_list('scenarios', ['1', '2', '3'], 'Scenarios to run (1 label, 2 covariate, 3 concept).')
-flags.DEFINE_list('methods', [], 'Table I methods (default all): local, fedavg, oracle, cfl, '
-                  'fedfomo, usercentric_k20, usercentric_k4.')
-flags.DEFINE_integer('rounds', None, 'Rounds per run (default: the scale\'s).', lower_bound=1)
-flags.DEFINE_integer('num_clients', None, 'Users per scenario (default: the scale\'s).',
-                     lower_bound=2)
-flags.DEFINE_integer('examples_per_client', None, 'Cap on each user\'s examples (train + '
-                     'validation + test), for quick runs (default: all).', lower_bound=3)
-flags.DEFINE_enum('group_base', 'dirichlet', ['dirichlet', 'iid'], 'Label partition inside the '
-                  'rotation groups of scenario 2 (the paper: Dirichlet 0.4; iid isolates the '
-                  'covariate shift).')
-flags.DEFINE_integer('eval_every', 2, 'Evaluation period in rounds.', lower_bound=1)
-flags.DEFINE_bool('study', False, 'Run the study of user-centric settings instead of Table I.')
-flags.DEFINE_list('study_variants', [], 'Subset of the study\'s variants (default all).')
-flags.DEFINE_bool('study_refs', True, 'Run FedAvg and Oracle next to the study\'s variants.')
-FLAGS = flags.FLAGS
 
 SCENARIOS = {'1': 'label shift', '2': 'label + covariate shift', '3': 'concept shift'}
 METHODS = ('local', 'fedavg', 'oracle', 'cfl', 'fedfomo', 'usercentric_k20', 'usercentric_k4')
@@ -124,20 +108,57 @@ STUDY = {
 }
 
 
-def data_config(scen: str) -> DataConfig:
-  cpu = FLAGS.scale == 'cpu'
+@dataclasses.dataclass(frozen=True)
+class UserCentricTables(reproduce.ReproduceSettings):
+  """The script's settings (its flags)."""
+  model: Optional[str] = reproduce.model_field()
+  model_init: Optional[str] = reproduce.model_init_field()
+  scenarios: Tuple[str, ...] = hparam(('1', '2', '3'), 'Scenarios to run (1 label, 2 covariate, '
+                                      '3 concept).')
+  methods: Tuple[str, ...] = hparam((), 'Table I methods (default all): local, fedavg, oracle, '
+                                    'cfl, fedfomo, usercentric_k20, usercentric_k4.')
+  rounds: Optional[int] = hparam(None, 'Rounds per run (default: the scale\'s).', minimum=1)
+  num_clients: Optional[int] = hparam(None, 'Users per scenario (default: the scale\'s).',
+                                      minimum=2)
+  examples_per_client: Optional[int] = hparam(None, 'Cap on each user\'s examples (train + '
+                                              'validation + test), for quick runs (default: '
+                                              'all).', minimum=3)
+  group_base: str = hparam('dirichlet', 'Label partition inside the rotation groups of scenario '
+                           '2 (the paper: Dirichlet 0.4; iid isolates the covariate shift).',
+                           choices=('dirichlet', 'iid'))
+  eval_every: int = hparam(2, 'Evaluation period in rounds.', minimum=1)
+  study: bool = hparam(False, 'Run the study of user-centric settings instead of Table I.')
+  study_variants: Tuple[str, ...] = hparam((), 'Subset of the study\'s variants (default all).')
+  study_refs: bool = hparam(True, 'Run FedAvg and Oracle next to the study\'s variants.')
+
+  def check(self) -> None:
+    for flag, values, known in (('scenarios', self.scenarios, SCENARIOS),
+                                ('methods', self.methods, METHODS),
+                                ('study_variants', self.study_variants, STUDY)):
+      for v in values:
+        if v not in known:
+          raise ConfigError(flag, f'unknown value {v!r}; choose from {list(known)}')
+    if self.group_base != 'dirichlet' and '2' not in self.scenarios:
+      raise ConfigError('group_base', 'applies to scenario 2 only; add 2 to --scenarios')
+
+
+script_entry.define_settings_flags(UserCentricTables)
+
+
+def data_config(s, scen: str) -> DataConfig:
+  cpu = s.scale == 'cpu'
   digits = 'mnist' if cpu else 'tfds:emnist/digits'  # TFDS's EMNIST digits
-  n = reproduce.scaled(FLAGS, FLAGS.num_clients, 20, 100 if scen == '2' else 20)
-  per = FLAGS.examples_per_client
-  common = dict(num_clients=n, seed=FLAGS.seed, data_dir=FLAGS.data_dir)
+  n = s.scaled(s.num_clients, 20, 100 if scen == '2' else 20)
+  per = s.examples_per_client
+  common = dict(num_clients=n, seed=s.seed, data_dir=s.data_dir)
   if scen == '1':
     return DataConfig(dataset=digits, partition='dirichlet', alpha=0.4, val_fraction=0.1,
                       max_examples=per * n if per else (None if cpu else 10_000), **common)
   if scen == '2':
-    return DataConfig(dataset=digits, partition='rotation', num_groups=4, group_base=FLAGS.group_base,
+    return DataConfig(dataset=digits, partition='rotation', num_groups=4, group_base=s.group_base,
                       alpha=0.4, val_fraction=0.1,
                       max_examples=per * n if per else (None if cpu else 100_000), **common)
-  per = reproduce.scaled(FLAGS, per, 1000, None)  # 1,000 per user at cpu scale, all (3,000) at paper
+  per = s.scaled(per, 1000, None)  # 1,000 per user at cpu scale, all (3,000) at paper
   return DataConfig(dataset='cifar10', partition='label_permutation', num_groups=4,
                     test_fraction=1 / 6, val_fraction=0.05,
                     max_examples=per * n if per else None, **common)
@@ -156,21 +177,21 @@ def method_options(name: str, scen: str):
                 'fedfomo': dict(candidates=5)}.get(name, {})
 
 
-def run_cell(name, opts, data, model, scen, rounds):
+def run_cell(s, name, opts, data, model, scen, rounds, directory):
   alg = algorithms.build(name, model, data, **training(scen), **opts)
   runner = RoundRunner(alg, data, CohortSampler(data.num_clients, cohort_size=data.num_clients),
                        create_executor('auto', model, data.train.x[0, :1]))
   histories, seconds = reproduce.run_trials(
-      runner, rounds, FLAGS.seed, reproduce.trials(FLAGS), FLAGS.eval_every,
+      runner, rounds, s.seed, s.num_trials, s.eval_every,
       cell={'algorithm': name, 'settings': training(scen), 'options': opts},
-      reuse=FLAGS.reuse_trials)
-  agg = reporting.trials_summary(histories, FLAGS.stat_window)
+      reuse=s.reuse_trials, directory=directory)
+  agg = reporting.trials_summary(histories, s.stat_window)
   w_info = [{k: v for r in h for k, v in r.items() if k.startswith(('w_', 'streams_', 'num_c'))}
             for h in histories]
   out = {'worst': reproduce.cell(agg, 'accuracy_worst_window'),
          'mean': reproduce.cell(agg, 'accuracy_mean_window'), 'summary': agg,
          'seconds_per_trial': seconds, 'w_diagnostics': w_info,
-         'per_trial': [{k: reporting.final_summary(h, FLAGS.stat_window).get(k)
+         'per_trial': [{k: reporting.final_summary(h, s.stat_window).get(k)
                         for k in ('accuracy_worst_window', 'accuracy_mean_window')}
                        for h in histories]}
   for key in ('w_effective_neighbours_mean', 'streams_ari', 'w_in_group_share',
@@ -194,98 +215,92 @@ def diagnostics(r: dict) -> str:
   return ', '.join(parts) or '-'
 
 
-def load(scen):
-  data = to_device(load_federated(data_config(scen)))
+def load(s, scen):
+  data = to_device(load_federated(data_config(s, scen)))
   print(data.describe(), flush=True)
-  return data, create_model(model_name(), data.num_classes, data.train.x[0, :1],
-                            init=model_init())
+  return data, create_model(model_name(s), data.num_classes, data.train.x[0, :1],
+                            init=model_init(s))
 
 
-def model_name() -> str:
+def model_name(s) -> str:
   """The paper's Keras LeNet-5 (average pooling) at paper scale; the
   library's LeNet-5 at cpu scale (the tables of BUILD.md)."""
-  return reproduce.scaled(FLAGS, FLAGS.model, 'lenet5', 'usercentric_lenet5')
+  return s.scaled(s.model, 'lenet5', 'usercentric_lenet5')
 
 
-def model_init() -> str:
-  return reproduce.scaled(FLAGS, FLAGS.model_init, 'flax', 'keras')
+def model_init(s) -> str:
+  return s.scaled(s.model_init, 'flax', 'keras')
 
 
-def table_one(directory, rounds):
-  methods = FLAGS.methods or list(METHODS)
-  for m in methods:
-    if m not in METHODS:
-      raise app.UsageError(f'--methods: unknown method {m!r}; choose from {list(METHODS)}', 2)
+def table_one(s, directory, rounds):
+  methods = s.methods or list(METHODS)
   results, curves = {}, {}
-  for scen in FLAGS.scenarios:
-    data, model = load(scen)
+  for scen in s.scenarios:
+    data, model = load(s, scen)
     for m in methods:
       if m == 'oracle' and data.num_groups == 0:
         continue
       name, opts = method_options(m, scen)
-      r, histories = run_cell(name, opts, data, model, scen, rounds)
+      r, histories = run_cell(s, name, opts, data, model, scen, rounds, directory)
       results[f'{scen}/{m}'] = r
       curves[(scen, m)] = histories[0]
       print(f'  {SCENARIOS[scen]} {m}: worst {r["worst"]} mean {r["mean"]} ({diagnostics(r)}; '
             f'{r["seconds_per_trial"]:.0f} s/trial)', flush=True)
   header = ['scenario'] + [m for m in methods]
-  rows = [[SCENARIOS[s]] + [f'{results[f"{s}/{m}"]["worst"]} / {results[f"{s}/{m}"]["mean"]}'
-                            if f'{s}/{m}' in results else '-' for m in methods]
-          for s in FLAGS.scenarios]
-  title = (f'User-centric Table I, worst-user / mean test accuracy (%), scale {FLAGS.scale}: '
-           f'{rounds} rounds, mean over the last {FLAGS.stat_window} evaluations, mean ± std over '
-           f'{reproduce.trials(FLAGS)} trials')
+  rows = [[SCENARIOS[c]] + [f'{results[f"{c}/{m}"]["worst"]} / {results[f"{c}/{m}"]["mean"]}'
+                            if f'{c}/{m}' in results else '-' for m in methods]
+          for c in s.scenarios]
+  title = (f'User-centric Table I, worst-user / mean test accuracy (%), scale {s.scale}: '
+           f'{rounds} rounds, mean over the last {s.stat_window} evaluations, mean ± std over '
+           f'{s.num_trials} trials')
   md = reproduce.markdown_table(header, rows)
   print(f'\n{title}\n{md}')
-  paths = reproduce.write_results(FLAGS, directory, 'table1', title, md, results)
+  paths = reproduce.write_results(s, directory, 'table1', title, md, results)
   print('wrote', *paths)
-  if '2' in FLAGS.scenarios:
-    plot_time(directory, {m: h for (s, m), h in curves.items() if s == '2'}, model_bytes(model))
+  if '2' in s.scenarios:
+    plot_time(s, directory, {m: h for (s, m), h in curves.items() if s == '2'}, model_bytes(model))
 
 
-def study(directory, rounds):
-  variants = FLAGS.study_variants or list(STUDY)
-  for v in variants:
-    if v not in STUDY:
-      raise app.UsageError(f'--study_variants: unknown variant {v!r}; choose from {list(STUDY)}', 2)
+def study(s, directory, rounds):
+  variants = list(s.study_variants or STUDY)
   results = {}
-  for scen in FLAGS.scenarios:
-    data, model = load(scen)
-    refs = (['fedavg'] + (['oracle'] if data.num_groups else [])) if FLAGS.study_refs else []
+  for scen in s.scenarios:
+    data, model = load(s, scen)
+    refs = (['fedavg'] + (['oracle'] if data.num_groups else [])) if s.study_refs else []
     for m in refs:
-      r, _ = run_cell(m, {}, data, model, scen, rounds)
+      r, _ = run_cell(s, m, {}, data, model, scen, rounds, directory)
       results[f'{scen}/{m}'] = r
       print(f'  {SCENARIOS[scen]} {m}: worst {r["worst"]} mean {r["mean"]}', flush=True)
     for v in variants:
       opts = {'num_streams': 4, **STUDY[v][1]}
-      r, _ = run_cell('usercentric', opts, data, model, scen, rounds)
+      r, _ = run_cell(s, 'usercentric', opts, data, model, scen, rounds, directory)
       results[f'{scen}/{v}'] = r
       print(f'  {SCENARIOS[scen]} {v}: worst {r["worst"]} mean {r["mean"]} ({diagnostics(r)})',
             flush=True)
-  header = ['variant'] + [f'{SCENARIOS[s]}: worst / mean (W)' for s in FLAGS.scenarios]
+  header = ['variant'] + [f'{SCENARIOS[c]}: worst / mean (W)' for c in s.scenarios]
   rows = []
   for v in ['fedavg', 'oracle'] + variants:
     row = [f'{v}: {STUDY[v][0]}' if v in STUDY else v]
-    for s in FLAGS.scenarios:
-      r = results.get(f'{s}/{v}')
+    for c in s.scenarios:
+      r = results.get(f'{c}/{v}')
       row.append('-' if r is None else
                  f'{r["worst"]} / {r["mean"]}' + (f' ({diagnostics(r)})'
                                                    if v not in ('fedavg', 'oracle') else ''))
     rows.append(row)
   title = (f'User-centric settings study (k = 4 unless named), worst-user / mean test accuracy '
-           f'(%), scale {FLAGS.scale}: {rounds} rounds, mean ± std over {reproduce.trials(FLAGS)} '
+           f'(%), scale {s.scale}: {rounds} rounds, mean ± std over {s.num_trials} '
            f'trials; W: effective neighbours per user, ARI of the streams against the groups, '
            f'share of W\'s off-diagonal weight inside the user\'s group')
   md = reproduce.markdown_table(header, rows)
   print(f'\n{title}\n{md}')
-  print('wrote', *reproduce.write_results(FLAGS, directory, 'study', title, md, results))
+  print('wrote', *reproduce.write_results(s, directory, 'study', title, md, results))
 
 
 def model_bytes(model):
   return tree_bytes(jax.eval_shape(model.init, jax.random.key(0)))
 
 
-def plot_time(directory, histories, per_model):
+def plot_time(s, directory, histories, per_model):
   """Accuracy against simulated time (Fig. 3) for rho = 4, 2, 1, scenario 2."""
   import matplotlib
   matplotlib.use('Agg')
@@ -303,26 +318,20 @@ def plot_time(directory, histories, per_model):
   axes[0].set_ylabel('mean test accuracy')
   axes[0].legend(fontsize=7)
   fig.tight_layout()
-  path = os.path.join(directory, f'accuracy_vs_time_{FLAGS.scale}.png')
+  path = os.path.join(directory, f'accuracy_vs_time_{s.scale}.png')
   fig.savefig(path, dpi=100)
   print('wrote', path)
 
 
-def main(argv):
-  del argv
-  for s in FLAGS.scenarios:
-    if s not in SCENARIOS:
-      raise app.UsageError(f'--scenarios: unknown scenario {s!r}; choose from {list(SCENARIOS)}', 2)
-  if FLAGS.group_base != 'dirichlet' and '2' not in FLAGS.scenarios:
-    raise app.UsageError('--group_base applies to scenario 2 only; add 2 to --scenarios', 2)
-  rounds = reproduce.scaled(FLAGS, FLAGS.rounds, 30, 50)
-  if reproduce.dry_run(FLAGS, {'rounds': rounds, 'model': model_name(), 'model_init': model_init(),
-                        **{f'scenario {s}': data_config(s)
-                                             for s in FLAGS.scenarios}}):
+def main(s: UserCentricTables):
+  rounds = s.scaled(s.rounds, 30, 50)
+  if s.show_dry_run({'rounds': rounds, 'model': model_name(s), 'model_init': model_init(s),
+                     **{f'scenario {c}': data_config(s, c) for c in s.scenarios}}):
     return
-  directory = reproduce.output_dir(FLAGS, 'reproduce_user_centric')
-  (study if FLAGS.study else table_one)(directory, rounds)
+  directory = s.results_dir('reproduce_user_centric')
+  (study if s.study else table_one)(s, directory, rounds)
 
 
 if __name__ == '__main__':
-  script_entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; the same command continues from them')
+  script_entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; '
+                          'the same command continues from them', settings=UserCentricTables)

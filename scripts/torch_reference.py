@@ -18,33 +18,40 @@ and where ``--output`` is given writes the histories as JSON.
 Needs torch (``pip install -e '.[bench]'``).
 """
 
+import dataclasses
 import json
 import sys
+from typing import Optional, Tuple
 
-from absl import flags
 import numpy as np
 
+from fedjax_personal.hparams import Declared, hparam
 from fedjax_personal.run import script_entry
 
-flags.DEFINE_list('algorithms', ['local', 'fedavg', 'oracle'], 'local, fedavg, oracle.')
-flags.DEFINE_string('dataset', 'mnist', 'Data set (an image data set of fedjax_personal).')
-flags.DEFINE_string('partition', 'rotation', 'Partition (oracle needs groups).')
-flags.DEFINE_integer('num_clients', 40, 'Users.')
-flags.DEFINE_integer('num_groups', 4, 'Groups of the rotation / label_permutation partitions.')
-flags.DEFINE_integer('data_seed', 0, 'Seed of the partition.')
-flags.DEFINE_integer('seed', 0, 'Seed of the first trial (initialisation and batches).')
-flags.DEFINE_integer('trials', 1, 'Trials (seeds seed..seed+T-1).', lower_bound=1)
-flags.DEFINE_integer('rounds', 50, 'Rounds.', lower_bound=1)
-flags.DEFINE_integer('eval_every', 2, 'Evaluation period.', lower_bound=1)
-flags.DEFINE_integer('stat_window', 5, 'Evaluations averaged in the @last columns.', lower_bound=1)
-flags.DEFINE_float('lr', 0.1, 'SGD learning rate.')
-flags.DEFINE_float('momentum', 0.9, 'SGD momentum (buffers kept per user across rounds).')
-flags.DEFINE_integer('batch_size', 32, 'Batch size.')
-flags.DEFINE_integer('local_epochs', 1, 'Local epochs per round.')
-flags.DEFINE_enum('pool', 'avg', ['max', 'avg'], "LeNet-5's pooling.")
-flags.DEFINE_string('output', None, 'Write the histories here (JSON).')
-flags.DEFINE_bool('dry_run', False, 'Load the data, print it and exit.')
-FLAGS = flags.FLAGS
+@dataclasses.dataclass(frozen=True)
+class TorchReferenceSettings(Declared):
+  """The PyTorch reference loop's settings (its flags)."""
+  algorithms: Tuple[str, ...] = hparam(('local', 'fedavg', 'oracle'), 'local, fedavg, oracle.')
+  dataset: str = hparam('mnist', 'Data set (an image data set of fedjax_personal).')
+  partition: str = hparam('rotation', 'Partition (oracle needs groups).')
+  num_clients: int = hparam(40, 'Users.')
+  num_groups: int = hparam(4, 'Groups of the rotation / label_permutation partitions.')
+  data_seed: int = hparam(0, 'Seed of the partition.')
+  seed: int = hparam(0, 'Seed of the first trial (initialisation and batches).')
+  trials: int = hparam(1, 'Trials (seeds seed..seed+T-1).', minimum=1)
+  rounds: int = hparam(50, 'Rounds.', minimum=1)
+  eval_every: int = hparam(2, 'Evaluation period.', minimum=1)
+  stat_window: int = hparam(5, 'Evaluations averaged in the @last columns.', minimum=1)
+  lr: float = hparam(0.1, 'SGD learning rate.')
+  momentum: float = hparam(0.9, 'SGD momentum (buffers kept per user across rounds).')
+  batch_size: int = hparam(32, 'Batch size.')
+  local_epochs: int = hparam(1, 'Local epochs per round.')
+  pool: str = hparam('avg', "LeNet-5's pooling.", choices=('max', 'avg'))
+  output: Optional[str] = hparam(None, 'Write the histories here (JSON).')
+  dry_run: bool = hparam(False, 'Load the data, print it and exit.')
+
+
+script_entry.define_settings_flags(TorchReferenceSettings)
 
 
 def lenet5(in_shape, num_classes, pool):
@@ -59,7 +66,7 @@ def lenet5(in_shape, num_classes, pool):
                        nn.Linear(84, num_classes))
 
 
-def run(algorithm, data, seed):
+def run(cfg, algorithm, data, seed):
   """One trial: [{'round', 'accuracy_mean', 'accuracy_worst', 'train_loss'}]."""
   import torch
   torch.manual_seed(seed)
@@ -72,22 +79,22 @@ def run(algorithm, data, seed):
   train = [tensors(data.train, i) for i in range(n)]
   test = [tensors(data.test, i) for i in range(n)]
   shape = data.train.x.shape[2:]
-  init = lenet5(shape, data.num_classes, FLAGS.pool).state_dict()
-  models = [lenet5(shape, data.num_classes, FLAGS.pool) for _ in range(n)]
+  init = lenet5(shape, data.num_classes, cfg.pool).state_dict()
+  models = [lenet5(shape, data.num_classes, cfg.pool) for _ in range(n)]
   for m in models:
     m.load_state_dict(init)
-  opts = [torch.optim.SGD(m.parameters(), lr=FLAGS.lr, momentum=FLAGS.momentum) for m in models]
+  opts = [torch.optim.SGD(m.parameters(), lr=cfg.lr, momentum=cfg.momentum) for m in models]
   groups = np.asarray(data.groups) if algorithm == 'oracle' else np.zeros(n, int)
   gen = torch.Generator().manual_seed(seed)
   history = []
-  for r in range(1, FLAGS.rounds + 1):
+  for r in range(1, cfg.rounds + 1):
     losses, counts = 0.0, 0
     for i in range(n):
       x, y = train[i]
-      for _ in range(FLAGS.local_epochs):
+      for _ in range(cfg.local_epochs):
         order = torch.randperm(len(y), generator=gen)
-        for s in range(0, len(y), FLAGS.batch_size):
-          b = order[s:s + FLAGS.batch_size]
+        for s in range(0, len(y), cfg.batch_size):
+          b = order[s:s + cfg.batch_size]
           opts[i].zero_grad()
           loss = torch.nn.functional.cross_entropy(models[i](x[b]), y[b])
           loss.backward()
@@ -103,7 +110,7 @@ def run(algorithm, data, seed):
                   for k in init}
           for j in members:
             models[j].load_state_dict(mean)
-    if r % FLAGS.eval_every == 0 or r == FLAGS.rounds:
+    if r % cfg.eval_every == 0 or r == cfg.rounds:
       with torch.no_grad():
         acc = [float((models[i](test[i][0]).argmax(1) == test[i][1]).float().mean())
                for i in range(n) if len(test[i][1])]
@@ -112,14 +119,13 @@ def run(algorithm, data, seed):
   return history
 
 
-def main(argv):
-  del argv
+def main(cfg: TorchReferenceSettings):
   from fedjax_personal.datasets import DataConfig, load_federated
-  data = load_federated(DataConfig(dataset=FLAGS.dataset, partition=FLAGS.partition,
-                                   num_clients=FLAGS.num_clients, num_groups=FLAGS.num_groups,
-                                   seed=FLAGS.data_seed))
+  data = load_federated(DataConfig(dataset=cfg.dataset, partition=cfg.partition,
+                                   num_clients=cfg.num_clients, num_groups=cfg.num_groups,
+                                   seed=cfg.data_seed))
   print(data.describe())
-  if FLAGS.dry_run:
+  if cfg.dry_run:
     return
   try:
     import torch  # noqa: F401
@@ -127,19 +133,19 @@ def main(argv):
     sys.exit('error: scripts/torch_reference.py needs torch (pip install -e \'.[bench]\')')
   out = {}
   print(f'{"algorithm":10s} {"mean":>14s} {"worst":>14s} {"mean@last":>14s} {"worst@last":>14s}')
-  for alg in FLAGS.algorithms:
-    hists = [run(alg, data, FLAGS.seed + t) for t in range(FLAGS.trials)]
+  for alg in cfg.algorithms:
+    hists = [run(cfg, alg, data, cfg.seed + t) for t in range(cfg.trials)]
     out[alg] = hists
     cols = []
     for key, window in (('accuracy_mean', 1), ('accuracy_worst', 1),
-                        ('accuracy_mean', FLAGS.stat_window), ('accuracy_worst', FLAGS.stat_window)):
+                        ('accuracy_mean', cfg.stat_window), ('accuracy_worst', cfg.stat_window)):
       v = [100 * np.mean([h[key] for h in hist[-window:]]) for hist in hists]
       cols.append(f'{np.mean(v):6.2f}±{np.std(v, ddof=1) if len(v) > 1 else 0:5.2f}')
     print(f'{alg:10s} ' + ' '.join(f'{c:>14s}' for c in cols), flush=True)
-  if FLAGS.output:
-    with open(FLAGS.output, 'w') as f:
+  if cfg.output:
+    with open(cfg.output, 'w') as f:
       json.dump(out, f)
 
 
 if __name__ == '__main__':
-  script_entry.run_script(main)
+  script_entry.run_script(main, settings=TorchReferenceSettings)

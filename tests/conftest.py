@@ -230,6 +230,10 @@ _CACHE = os.environ['JAX_COMPILATION_CACHE_DIR']
 jax.config.update('jax_compilation_cache_dir', _CACHE)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+# The tests' own reference computations (outside the engine, which sets its
+# own precision) at float32 on every card, as the engine's default: the
+# suite asks this of JAX, the package does not.
+jax.config.update('jax_default_matmul_precision', 'highest')
 
 
 @pytest.fixture

@@ -132,7 +132,7 @@ for args in json.loads(sys.argv[1]):
   code = 0
   with contextlib.redirect_stderr(err):
     try:
-      cli.main(script_entry.parse_flags(['run_experiment.py', *args]))
+      cli.main(cli.parse_flags(['run_experiment.py', *args]))
     except SystemExit as e:
       code = e.code if isinstance(e.code, int) else 1
     except BaseException as e:
@@ -168,11 +168,11 @@ def host_runner(store, alg_name, training, sampler, rows_folder=None, adapter_di
   import fedjax_personal as fp
   from fedjax_personal import algorithms
   from fedjax_personal.core.engine import RoundRunner
-  from fedjax_personal.core.population.layout import HostData
+  from fedjax_personal.core.population.placement import HostData
   population = store.population()
   model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,), adapter_dim=adapter_dim),
                              population.sample_x)
   alg = algorithms.build(alg_name, model, population, training=training, **settings)
-  executor = fp.executors.create_executor('vmap', model, population.sample_x)
+  executor = fp.create_executor('vmap', model, population.sample_x)
   return RoundRunner(alg, HostData(store, block=5, smallest=4, rows_folder=rows_folder),
                      sampler, executor)

@@ -11,7 +11,7 @@ import sys
 from absl import flags
 import pytest
 
-from fedjax_personal.run import cli
+from fedjax_personal.run import cli, command_line
 from helpers import main_in_one_process, parse_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -114,8 +114,16 @@ EXIT_2 = [
     ([f'--init_weights={os.path.join(ROOT, "setup.cfg")}'], 'unknown format'),  # not weights
     (['--test_fraction=1.5'], '--test_fraction: must be in (0, 1), got 1.5'),
     (['--distributed_timeout=0'], '--distributed_timeout: must be >= 1, got 0'),
-    (['--seq_len=5'], "--seq_len: sets the rows' length of a text data set; --dataset=mnist"),
-    (['--synthetic_beta=2'], '--synthetic_beta: sets the heterogeneity of --dataset=synthetic'),
+    (['--seq_len=5'], '--seq_len: an option of --dataset=shakespeare/stackoverflow/'
+     'tinyshakespeare/tfds:tiny_shakespeare, not of --dataset=mnist'),
+    (['--synthetic_beta=2'], '--synthetic_beta: an option of --dataset=synthetic, not of '
+     '--dataset=mnist'),
+    (['--dataset=shakespeare', '--seq_len=99999999999'], '--seq_len: must be in [1, 1048576]'),
+    (['--dataset=synthetic', '--synthetic_beta=1e308'], '--synthetic_beta: must be in [0, '),
+    (['--vocab_size=100'],
+     '--vocab_size: an option of --dataset=stackoverflow, not of --dataset=mnist'),
+    (['--cifar100_test=tff_clients', '--dataset=cifar100', '--partition=dirichlet'],
+     "--cifar100_test: chooses the natural CIFAR-100's test clients; --partition=dirichlet"),
 ]
 
 
@@ -187,9 +195,9 @@ def test_fedfomo_needs_a_validation_split():
   """A validation split is held out by default only when an algorithm needs
   one; an explicit --val_fraction=0 with FedFomo is refused."""
   parse('--algorithm=fedavg', '--dataset=digits')
-  assert cli.val_fraction(cli.read_flags()) == 0.0
+  assert cli.read_flags().data.val_fraction == 0.0
   parse('--algorithm=fedavg,fedfomo', '--dataset=digits')
-  assert cli.val_fraction(cli.read_flags()) == cli.DEFAULT_VAL_FRACTION == 0.1
+  assert cli.read_flags().data.val_fraction == command_line.DEFAULT_VAL_FRACTION == 0.1
   parse('--algorithm=fedfomo', '--dataset=digits', '--model=logreg', '--progress=false',
         '--val_fraction=0')
   with pytest.raises(ValueError, match='val_fraction'):
@@ -199,8 +207,8 @@ def test_fedfomo_needs_a_validation_split():
 @pytest.mark.parametrize('flagfile', sorted(os.listdir(os.path.join(ROOT, 'scripts', 'configs'))))
 def test_every_flagfile_is_accepted(flagfile):
   parse(f'--flagfile={os.path.join(ROOT, "scripts", "configs", flagfile)}')
-  settings = cli.validate_flags(cli.read_flags())
-  assert [s[0].name for s in settings] == flags.FLAGS.algorithm
+  settings = cli.read_flags()
+  assert [a.name for a in settings.algorithms] == flags.FLAGS.algorithm
 
 
 @pytest.mark.parametrize('alg', ['usercentric', 'cfl'])

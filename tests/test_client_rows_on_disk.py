@@ -97,7 +97,7 @@ def test_cli_client_state_disk_equals_memory_and_auto_moves_rows_to_files(
   """--client_state=disk: the same summary as memory, rows in the output
   folder; auto picks files when the rows take more than half the available
   memory (the header says so); the device layout refused."""
-  from fedjax_personal.core.population import layout as layout_lib
+  from fedjax_personal.core.population import placement
   from fedjax_personal.errors import ConfigError
   from fedjax_personal.run import cli
   from helpers import parse_flags
@@ -115,7 +115,7 @@ def test_cli_client_state_disk_equals_memory_and_auto_moves_rows_to_files(
   assert strip(summaries['disk']) == strip(summaries['memory'])
   assert any((tmp_path / 'disk' / 'client_rows').iterdir())
   assert not (tmp_path / 'memory' / 'client_rows').exists()
-  monkeypatch.setattr(layout_lib, 'host_available_bytes', lambda: 1000)
+  monkeypatch.setattr(placement, 'host_available_bytes', lambda: 1000)
   parse_flags(*common, f'--output_dir={tmp_path}/auto')
   assert strip(cli.main_job()['ditto']) == strip(summaries['memory'])
   assert 'more than half of the 0.0 GB available' in capsys.readouterr().out

@@ -89,8 +89,8 @@ def _settings(name, base: tuple, args=()):
   flagged = [f'--{k}={v}' for k, v in {**BASE, **dict(base)}.items()
              if v is not None and k in uses]
   _parse([f'--algorithm={name}'] + flagged + list(ALGORITHM_BASE.get(name, ())) + list(args))
-  (spec, training, config, _), = cli.resolve_algorithm_settings(cli.read_flags(), [name])
-  return spec, training, config
+  (a,) = cli.read_flags().algorithms
+  return a.spec, a.training, a.config
 
 
 # Settings whose effect starts in the second round.
@@ -194,21 +194,21 @@ def test_flags_are_derived_from_the_declarations():
 def test_setting_for_an_algorithm_not_run_is_refused():
   _parse(['--algorithm=fedavg', '--fedprox_mu=0.5'])
   with pytest.raises(ConfigError, match='fedprox_mu.*applies to fedprox'):
-    cli.resolve_algorithm_settings(cli.read_flags(), ['fedavg'])
+    cli.read_flags()
 
 
 def test_setting_used_by_some_algorithms_is_noted(capsys):
   _parse(['--algorithm=fedavg,feddyn', '--server_lr=0.5'])
-  out = cli.resolve_algorithm_settings(cli.read_flags(), ['fedavg', 'feddyn'])
-  assert out[0][1].server_lr == 0.5 and out[0][3] == []
-  assert out[1][1].server_lr == 1.0 and out[1][3] == ['server_lr']
+  out = cli.read_flags().algorithms
+  assert out[0].training.server_lr == 0.5 and out[0].ignored == ()
+  assert out[1].training.server_lr == 1.0 and out[1].ignored == ('server_lr',)
   assert 'feddyn does not use --server_lr' in capsys.readouterr().out
 
 
 def test_variant_fields_are_refused_where_ignored():
   _parse(['--algorithm=fedrep', '--partial_personal_part=input'])
   with pytest.raises(ConfigError, match='partial_personal_part'):
-    cli.resolve_algorithm_settings(cli.read_flags(), ['fedrep'])
+    cli.read_flags()
 
 
 @pytest.mark.parametrize('field,value', [('client_lr', 0.0), ('client_momentum', 1.0),
@@ -278,13 +278,13 @@ def test_client_rate_schedules_are_the_seeds(kind, rounds, a, b):
 
 def test_linear_schedule_spans_the_rounds_unless_told():
   _parse(['--algorithm=fedavg', '--client_lr_schedule=linear', '--rounds=7'])
-  assert cli.training_config(cli.read_flags()).client_lr_horizon == 7
+  assert cli.read_flags().algorithms[0].training.client_lr_horizon == 7
   _parse(['--algorithm=fedavg', '--client_lr_schedule=linear', '--rounds=7',
           '--client_lr_horizon=20'])
-  assert cli.training_config(cli.read_flags()).client_lr_horizon == 20
+  assert cli.read_flags().algorithms[0].training.client_lr_horizon == 20
   for args in (['--client_lr_warmup=0.2'], ['--client_lr_schedule=linear',
                                             '--client_lr_cut_every=5']):
     _parse(['--algorithm=fedavg', *args])
     with pytest.raises(ConfigError) as e:
-      cli.resolve_algorithm_settings(cli.read_flags(), ['fedavg'])
+      cli.read_flags()
     assert e.value.name == args[-1][2:].split('=')[0] and 'does nothing' in str(e.value)

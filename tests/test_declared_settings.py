@@ -13,15 +13,16 @@ from fedjax_personal import algorithms
 from fedjax_personal.config import TrainingConfig
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.hparams import flag_fields, flag_name, hparam, validate
-from fedjax_personal.run import cli, command_flags
+from fedjax_personal.datasets import registry
+from fedjax_personal.run import cli, command_line, script_entry
 from helpers import parse_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _declared_flags():
-  classes = [c for c, _ in command_flags.RUN_SETTINGS] + [TrainingConfig]
-  classes += algorithms.config_classes()
+  classes = [c for c, _ in command_line.RUN_SETTINGS] + [TrainingConfig]
+  classes += algorithms.config_classes() + registry.option_classes()
   return {flag_name(c, f.name): (c, f) for c in classes for f in flag_fields(c)}
 
 
@@ -30,15 +31,26 @@ def test_every_flag_of_the_command_is_a_declared_field():
   own = {f.name for module, fl in flags.FLAGS.flags_by_module_dict().items()
          if module.startswith('fedjax_personal') for f in fl}
   assert own and own <= set(declared), sorted(own - set(declared))
-  assert set(command_flags.MAIN_JOB_DEFAULTS) <= own  # each names a flag
+  assert set(command_line.MAIN_JOB_DEFAULTS) <= own  # each names a flag
   for name, (cls, f) in declared.items():
     assert flags.FLAGS[name].help.endswith(f.metadata['help']), name
-    default = command_flags.MAIN_JOB_DEFAULTS.get(name, f.default)
+    default = command_line.MAIN_JOB_DEFAULTS.get(name, f.default)
     assert flags.FLAGS[name].default == (list(default) if isinstance(default, tuple) else default)
-  # The module declares no flag by hand: only the generator calls DEFINE_*.
-  src = open(os.path.join(ROOT, 'fedjax_personal', 'run', 'command_flags.py')).read()
-  body = src.split('def define_config_flags', 1)
-  assert 'DEFINE_' not in body[0] and 'DEFINE_' not in body[1].split('\ndef ', 1)[1]
+
+
+def test_one_way_to_declare_a_flag_everywhere():
+  """Every script's flags come from settings classes through the one
+  generator (``script_entry.define_settings_flags``): no ``DEFINE_*`` by
+  hand in the package, the scripts or the benchmarks."""
+  for folder in ('fedjax_personal', 'algorithms', 'datasets', 'scripts', 'benchmarks'):
+    for d, _, files in os.walk(os.path.join(ROOT, folder)):
+      for name in files:
+        path = os.path.join(d, name)
+        src = open(path).read() if name.endswith('.py') else ''
+        if path.endswith(os.path.join('run', 'script_entry.py')):  # the generator
+          body = src.split('def define_settings_flags', 1)
+          src = body[0] + body[1].split('\ndef ', 1)[1]
+        assert 'DEFINE_' not in src, path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +79,7 @@ def test_a_value_out_of_its_declared_range_is_refused_naming_its_flag(field, val
 
 def test_flags_are_generated_by_type():
   fv = flags.FlagValues()
-  command_flags.define_config_flags(_Made, 'made', {'count': 3}, flag_values=fv)
+  script_entry.define_settings_flags(_Made, 'made', {'count': 3}, flag_values=fv)
   fv(['prog', '--names=x,y,z', '--made_seed=4'])
   assert fv.names == ['x', 'y', 'z'] and fv.made_seed == 4 and fv.count == 3
   assert fv.share == 0.5 and fv['share'].help == 'A share.'
@@ -77,39 +89,76 @@ def test_the_data_flags_make_the_data_config():
   """The data set's settings reach ``DataConfig`` whole, with the main job's
   resolutions: --data_seed (else --seed), the partition, the validation share."""
   parse_flags('--dataset=synthetic', '--synthetic_beta=2', '--seed=3', '--algorithm=fedavg')
-  cfg = cli.data_config(cli.read_flags())
-  assert (cfg.synthetic_alpha, cfg.synthetic_beta, cfg.seed) == (1.0, 2.0, 3)
+  cfg = cli.read_flags().data
+  assert (cfg.options.synthetic_alpha, cfg.options.synthetic_beta, cfg.seed) == (1.0, 2.0, 3)
   assert 'synthetic_alpha' not in flags.FLAGS  # it changes no label: no flag (declared so)
   assert (cfg.partition, cfg.num_clients, cfg.val_fraction) == ('natural', 40, 0.0)
   parse_flags('--dataset=shakespeare', '--seq_len=40', '--data_seed=1', '--algorithm=fedfomo')
-  cfg = cli.data_config(cli.read_flags())
-  assert (cfg.seq_len, cfg.seed, cfg.num_clients, cfg.val_fraction) == (40, 1, None, 0.1)
+  cfg = cli.read_flags().data
+  assert (cfg.options.seq_len, cfg.seed, cfg.num_clients, cfg.val_fraction) == (40, 1, None, 0.1)
 
 
-def test_an_option_added_to_the_data_config_reaches_its_reader_and_keys_its_store(monkeypatch):
-  """A data set's new option (BUILD.md, "Add a data set"): a DataConfig field
-  its reader names reaches the reader, and a store made with another value
-  is not reused."""
-  import numpy as np
-  from fedjax_personal.datasets import DataConfig, load_store, readers
-  from fedjax_personal.datasets.natural_data import NaturalData, listed
+def test_an_option_of_a_data_set_of_ones_own_reaches_its_reader_and_keys_its_store():
+  """A data set's own option (BUILD.md, "Add a data set"): the options class
+  its module registers reaches its reader, keys its store (a store made
+  with another value is not reused), gets a flag, and that flag given with
+  another data set is refused, naming it; nothing in run/ changes."""
+  import subprocess
+  import sys
+  code = r"""
+import dataclasses, sys
+import numpy as np
+from fedjax_personal.datasets import DataConfig, DataOptions, load_store, registry
+from fedjax_personal.datasets.natural_data import NaturalData, listed
+from fedjax_personal.hparams import hparam
 
-  @dataclasses.dataclass(frozen=True)
-  class ScaledConfig(DataConfig):
-    scale: float = hparam(1.0, 'What my clients are scaled by.', minimum=0)
+@dataclasses.dataclass(frozen=True)
+class ScaledOptions(DataOptions):
+  scale: float = hparam(1.0, 'What my clients are scaled by.', minimum=0, flag='scaled_scale')
 
-  seen = []
+seen = []
+def read_clients(num_clients=None, data_dir=None, download=False, scale=1.0):
+  seen.append(scale)
+  x, y = np.full((4, 3), scale, np.float32), np.zeros(4, np.int32)
+  return NaturalData(listed(['a', 'b'], [(x, y)] * 2, [(x[:1], y[:1])] * 2), 2, 2, 2)
 
-  def read_clients(num_clients=None, data_dir=None, download=False, scale=1.0):
-    seen.append(scale)
-    x, y = np.full((4, 3), scale, np.float32), np.zeros(4, np.int32)
-    return NaturalData(listed(['a', 'b'], [(x, y)] * 2, [(x[:1], y[:1])] * 2), 2, 2, 2)
+registry.register('scaled_clients', read_clients, options=ScaledOptions)
+cfg = lambda s: DataConfig(dataset='scaled_clients', partition='natural', num_clients=None,
+                           options=ScaledOptions(scale=s))
+stores = [load_store(cfg(s)) for s in (2.0, 3.0, 2.0)]
+assert seen == [2.0, 3.0, 2.0], seen
+assert [s.client('a')['train'][0].max() for s in stores] == [2.0, 3.0, 2.0]
+assert stores[0].folder == stores[2].folder != stores[1].folder
+from fedjax_personal.run import cli
+sys.argv = ['run_experiment.py', '--dataset=scaled_clients', '--scaled_scale=4', '--model=logreg',
+            '--algorithm=fedavg', '--rounds=1', '--noprogress', '--dry_run']
+cli.run()
+"""
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
+  r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env,
+                     timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert 'dry run: 1 algorithm(s) built' in r.stdout
+  other = code.replace("'--dataset=scaled_clients', '--scaled_scale=4'",
+                       "'--dataset=digits', '--scaled_scale=4'")
+  r = subprocess.run([sys.executable, '-c', other], capture_output=True, text=True, env=env,
+                     timeout=300)
+  assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr[-3000:]
+  assert r.stderr.strip().splitlines()[-1] == (
+      'error: --scaled_scale: an option of --dataset=scaled_clients, not of --dataset=digits')
 
-  monkeypatch.setattr(readers, 'LOADERS', dict(readers.LOADERS))
-  readers.register('scaled_clients', read_clients)
-  cfg = lambda scale: ScaledConfig(dataset='scaled_clients', partition='natural',
-                                   num_clients=None, scale=scale)
-  stores = [load_store(cfg(s)) for s in (2.0, 3.0, 2.0)]
-  assert seen == [2.0, 3.0, 2.0]  # the option reached the reader (which streams lazily)
-  assert [s.client('a')['train'][0].max() for s in stores] == [2.0, 3.0, 2.0]
-  assert stores[0].folder == stores[2].folder != stores[1].folder  # the first store reused
+
+def test_the_run_holds_no_branch_on_a_data_set_name():
+  """A data set owns its options and their checks (``datasets/``): no
+  module of ``run/`` names a data set (a string constant equal to one)."""
+  import ast
+  from fedjax_personal.datasets import registry
+  names = set(registry.names()) | set(registry.LOADERS)
+  found = []
+  folder = os.path.join(ROOT, 'fedjax_personal', 'run')
+  for name in sorted(os.listdir(folder)):
+    if name.endswith('.py'):
+      tree = ast.parse(open(os.path.join(folder, name)).read())
+      found += [f'{name}:{n.lineno} {n.value!r}' for n in ast.walk(tree)
+                if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in names]
+  assert not found, found

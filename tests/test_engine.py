@@ -145,11 +145,11 @@ def test_work_layout_blocks_clients_by_work():
   work (both finish near half the total)."""
   steps = np.array([3, 40, 1, 7, 0, 12, 2, 9])
   active = np.array([1, 1, 1, 1, 1, 1, 0, 1], bool)
-  pos, ok, limit, count = fp.executors.work_layout(steps, active, 2)
+  pos, ok, limit, count = fp.executors.client_blocks(steps, active, 2)
   assert count.tolist() == [4]
   assert pos[0][ok[0]].tolist() == [1, 5, 7, 3, 0, 2, 4]  # longest first, inactive 6 left out
   assert limit[0][:4].tolist() == [40, 9, 3, 0]
-  pos, ok, limit, count = fp.executors.work_layout(steps, active, 1, parts=2)
+  pos, ok, limit, count = fp.executors.client_blocks(steps, active, 1, parts=2)
   loads = [limit[t][:count[t]].sum() + count[t] for t in range(2)]
   assert sorted(pos[0][ok[0]].tolist() + pos[1][ok[1]].tolist()) == [0, 1, 2, 3, 4, 5, 7]
   assert sorted(loads) == [38, 41]  # 40 alone, against the 6 others: 32 steps + 6 block costs

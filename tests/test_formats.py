@@ -8,6 +8,10 @@ import jax
 import numpy as np
 import pytest
 
+from fedjax_personal.datasets.cifar100 import Cifar100Options
+from fedjax_personal.datasets.emnist import EmnistOptions
+from fedjax_personal.datasets.shakespeare import ShakespeareOptions
+from fedjax_personal.datasets.stackoverflow import StackOverflowOptions
 from fedjax_personal.datasets import cifar, DataConfig, in_memory, load_federated, load_store
 from fedjax_personal.datasets import cifar100, leaf, natural_data, shakespeare, stackoverflow
 from fedjax_personal.datasets import sqlite_formats
@@ -42,7 +46,8 @@ def test_fedjax_emnist_natural_partition(tmp_path):
     assert x.shape[1:] == (28, 28, 1) and x.dtype == np.float32
   # TFF's convention (Reddi et al.'s code feeds TFF's pixels as they are): the raw pixels.
   raw = load_federated(DataConfig(dataset='emnist', partition='natural', num_clients=None,
-                                  data_dir=str(tmp_path), emnist_pixels='tff'))
+                                  data_dir=str(tmp_path),
+                                  options=EmnistOptions(pixels='tff')))
   np.testing.assert_array_equal(_rows(raw, 'train', 1)[0][..., 0], train[1][1]['pixels'])
   first2 = load_federated(DataConfig(dataset='emnist', partition='natural', num_clients=2,
                                      data_dir=str(tmp_path)))
@@ -124,7 +129,8 @@ def test_tff_shakespeare_windows_as_tff_cuts_them(tmp_path):
   made_files.write_fedjax_sqlite(tmp_path / 'shakespeare_test.sqlite',
                                  [(b'ROLE', {'snippets': made_files.bytes_array([b'ab'])})])
   d = load_federated(DataConfig(dataset='shakespeare', partition='natural', num_clients=None,
-                                data_dir=str(tmp_path), shakespeare_windows='tff'))
+                                data_dir=str(tmp_path),
+                                options=ShakespeareOptions(windows='tff')))
   x, y = _rows(d, 'train', 0)
   np.testing.assert_array_equal(x, got_x)
   np.testing.assert_array_equal(y, got_y)
@@ -217,8 +223,9 @@ def test_stackoverflow_tff_users_pooled_less_validation_as_the_task_takes_them(t
     assert xv[:, :4].tolist() + xt[:, :4].tolist() == [f + [0] * (4 - len(f)) for f in firsts]
   # the store: held-out clients evaluated on the rest, their validation kept apart
   store = load_store(DataConfig(dataset='stackoverflow', partition='natural', num_clients=None,
-                                data_dir=str(tmp_path), vocab_size=3, seq_len=4,
-                                stackoverflow_test='tff_users', seed=3))
+                                data_dir=str(tmp_path), seed=3,
+                                options=StackOverflowOptions(vocab_size=3, seq_len=4,
+                                                             stackoverflow_test='tff_users')))
   assert store.eval_only == 4 and int(store.counts['test'].sum()) == 7 - 4
   assert int(store.counts['val'].sum()) == 4 and int(store.counts['train'].sum()) == 3
 
@@ -419,7 +426,8 @@ def test_tff_cifar100_test_clients_are_held_out(tmp_path, made_not_released):
                                         [6, 5, 4], [4, 3])
   made_files.lzma_file(tmp_path / 'raw.sqlite', tmp_path / 'cifar100.sqlite.lzma')
   cfg = DataConfig(dataset='cifar100', partition='natural', num_clients=None,
-                   data_dir=str(tmp_path), cifar100_test='tff_clients')
+                   data_dir=str(tmp_path),
+                   options=Cifar100Options(cifar100_test='tff_clients'))
   store = load_store(cfg)
   assert store.num_clients == 5 and store.eval_only == 2
   assert store.client_ids == ['0', '1', '2', 'test/1000', 'test/1001']
@@ -442,7 +450,7 @@ def test_tff_cifar100_test_clients_are_held_out(tmp_path, made_not_released):
       assert drawn.size and drawn.max() < 3 and (np.asarray(c.idx)[~np.asarray(c.mask)] == 5).all()
   assert CohortSampler(5, participation=0.5, eligible=3).capacity <= 3
   # 'split' (the default) keeps the train clients alone, their images split.
-  d = load_federated(dataclasses.replace(cfg, cifar100_test='split', test_fraction=0.25))
+  d = load_federated(dataclasses.replace(cfg, options=Cifar100Options(), test_fraction=0.25))
   assert d.num_clients == 3 and d.eval_only == 0
 
 

@@ -16,7 +16,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from fedjax_personal.datasets import DataConfig, gldv2, load_store, local_files, readers, sources
+from fedjax_personal.datasets import DataConfig, gldv2, load_store, local_files, registry, sources
 from fedjax_personal.errors import DataError
 import made_files
 from test_downloads import _Server
@@ -47,7 +47,7 @@ def test_the_seeds_users_halves_and_images(tmp_path, cache, monkeypatch):
   rows = made_files.write_gldv2(tmp_path, np.random.default_rng(0), sizes)
   users = _by_user(rows)
   monkeypatch.setattr(gldv2, 'GLDV2_MAX_PER_SPLIT', 26)
-  nat = readers.load('gldv2', data_dir=str(tmp_path), image_size=8)
+  nat = registry.load('gldv2', data_dir=str(tmp_path), image_size=8)
   assert (nat.num_clients, nat.total_clients, nat.num_classes) == (3, 3, 2028)
   got = list(nat.stream())
   assert [u for u, _, _ in got] == ['0', '2', '10']
@@ -65,7 +65,7 @@ def test_the_seeds_users_halves_and_images(tmp_path, cache, monkeypatch):
         want = np.asarray(im.convert('RGB').resize((8, 8), Image.BILINEAR))
       np.testing.assert_array_equal(xs[0], want)
   # The split belongs to the data: the same whatever else is asked.
-  again = readers.load('gldv2', num_clients=2, data_dir=str(tmp_path), image_size=8)
+  again = registry.load('gldv2', num_clients=2, data_dir=str(tmp_path), image_size=8)
   assert again.num_clients == 2 and again.total_clients == 3
   for (u, a, b), (v, c, d) in zip(again.stream(), got):
     assert u == v and np.array_equal(a[1], c[1]) and np.array_equal(b[1], d[1])
@@ -74,7 +74,8 @@ def test_the_seeds_users_halves_and_images(tmp_path, cache, monkeypatch):
 def test_the_store_holds_the_images_at_their_size(tmp_path, cache):
   made_files.write_gldv2(tmp_path, np.random.default_rng(1), [50, 51])
   stores = [load_store(DataConfig(dataset='gldv2', partition='natural', num_clients=None,
-                                  data_dir=str(tmp_path), image_size=s)) for s in (8, 12)]
+                                  data_dir=str(tmp_path),
+                                  options=gldv2.Gldv2Options(image_size=s))) for s in (8, 12)]
   assert [s.x_spec() for s in stores] == [((8, 8, 3), np.uint8), ((12, 12, 3), np.uint8)]
   assert len(os.listdir(cache / 'stores')) == 2  # one store per image size
   assert stores[0].num_clients == 2 and stores[0].num_classes == 2028
@@ -99,7 +100,7 @@ def test_damaged_files_are_one_line(tmp_path, cache, damage, words):
   else:
     image.write_bytes(b'not a jpeg')
   with pytest.raises(DataError) as e:
-    list(readers.load('gldv2', data_dir=str(tmp_path), image_size=8).stream())
+    list(registry.load('gldv2', data_dir=str(tmp_path), image_size=8).stream())
   assert words in str(e.value) and '\n' not in str(e.value)
 
 
@@ -108,7 +109,7 @@ def test_no_images_names_the_folder_and_how_to_get_them(tmp_path, cache):
   import shutil
   shutil.rmtree(tmp_path / 'gldv2' / 'images')
   with pytest.raises(local_files.MissingDataError) as e:
-    readers.load('gldv2', data_dir=str(tmp_path))
+    registry.load('gldv2', data_dir=str(tmp_path))
   assert str(e.value).startswith('gldv2/images/: not found in ')
   assert 'gldv2/images/<image_id>.jpg' in str(e.value) and '--download' in str(e.value)
 
@@ -158,10 +159,10 @@ def test_download_of_the_split_bundle_and_image_shards(tmp_path, cache, monkeypa
     monkeypatch.setattr(sources, 'GLDV2_MD5_URL', server.url + '/md5.images_{:03d}.txt')
     monkeypatch.setattr(sources, 'GLDV2_SHARDS', 3)  # the third is never needed
     with pytest.raises(DataError, match=r"images_001.tar: md5 .* differs from the release's"):
-      readers.load('gldv2', download=True, image_size=8)  # shard 0 kept, shard 1 refused
+      registry.load('gldv2', download=True, image_size=8)  # shard 0 kept, shard 1 refused
     routes['/md5.images_001.txt'] = md5(shards[1], 'images_001.tar')
     server.hits.clear()
-    nat = readers.load('gldv2', download=True, image_size=8)
+    nat = registry.load('gldv2', download=True, image_size=8)
     assert [u for u, _, _ in nat.stream()] == ['0', '2']
     assert server.hits == ['/md5.images_001.txt', '/images_001.tar']
     images = cache / 'gldv2' / 'images'
@@ -171,7 +172,7 @@ def test_download_of_the_split_bundle_and_image_shards(tmp_path, cache, monkeypa
     assert not [p for p in os.listdir(cache) if p.endswith('.tar')]
     # extracted once, in a folder named by the bundle's content (another bundle: its own)
     assert len(list((cache / 'extracted').glob('*/gldv2/federated_train.csv'))) == 1
-    readers.load('gldv2', download=True, image_size=8)
+    registry.load('gldv2', download=True, image_size=8)
     assert len(server.hits) == 2
 
 
@@ -185,7 +186,7 @@ def test_image_size_is_refused_for_other_data_sets():
 
 def test_no_split_file_names_it_and_the_download(tmp_path, cache):
   with pytest.raises(local_files.MissingDataError) as e:
-    readers.load('gldv2', data_dir=str(tmp_path))
+    registry.load('gldv2', data_dir=str(tmp_path))
   assert str(e.value).startswith(
       "gldv2/federated_train.csv (or TFF's landmarks-user-160k.zip that holds it): not found in ")
   assert '--dataset=gldv2 --download' in str(e.value)

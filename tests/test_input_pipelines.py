@@ -91,12 +91,12 @@ def test_cli_records_the_pipeline_and_refuses_it_elsewhere(tmp_path, made_not_re
   assert 'inputs: reddi, random 24x24 crops' in capsys.readouterr().out
   assert np.isfinite(summary['loss_weighted'])
   written = json.load(open(os.path.join(tmp_path, 'reddi', 'fedavg', 'summary.json')))
-  assert written['identity']['inputs'] == 'reddi'
+  assert written['identity']['data']['options']['cifar100_preprocess'] == 'reddi'
   parse_flags(*common, f'--output_dir={tmp_path}/plain')
   (plain,) = cli.main_job().values()
   assert plain['loss_weighted'] != summary['loss_weighted']
   written = json.load(open(os.path.join(tmp_path, 'plain', 'fedavg', 'summary.json')))
-  assert 'inputs' not in written['identity']  # earlier runs keep their identity
+  assert written['identity']['data']['options']['cifar100_preprocess'] == 'none'
   parse_flags('--dataset=digits', '--cifar100_preprocess=reddi', '--dry_run')
   with pytest.raises(cli.ConfigError, match='cifar100_preprocess'):
     cli.main_job()

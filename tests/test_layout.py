@@ -173,7 +173,7 @@ def test_a_second_checkout_never_mixes_with_the_installed_one(tmp_path):
     shutil.copytree(os.path.join(root, folder), second / folder,
                     ignore=shutil.ignore_patterns('__pycache__', '*.egg-info', 'data'))
   shutil.copy(os.path.join(root, 'setup.cfg'), second / 'setup.cfg')
-  code = ('import fedjax_personal, fedjax_personal.datasets.readers as n, '
+  code = ('import fedjax_personal, fedjax_personal.datasets.registry as n, '
           'fedjax_personal.algorithms.fedavg as a; print(fedjax_personal.__file__); '
           'print(n.__file__); print(a.__file__)')
   r = subprocess.run([sys.executable, '-c', code], cwd=second, capture_output=True, text=True,
@@ -192,11 +192,11 @@ def test_host_memory_honours_the_address_space_and_cgroup_limits(monkeypatch, tm
   of MemAvailable, the address space ulimit -v leaves and the cgroup's
   limit less its use."""
   import resource
-  from fedjax_personal.core.population import layout
-  free = layout._meminfo('MemAvailable')
-  vm = layout._meminfo('VmSize', '/proc/self/status')
+  from fedjax_personal.core.population import placement
+  free = placement._meminfo('MemAvailable')
+  vm = placement._meminfo('VmSize', '/proc/self/status')
   monkeypatch.setattr(resource, 'getrlimit', lambda which: (vm + (1 << 30), resource.RLIM_INFINITY))
-  left = layout.host_available_bytes()
+  left = placement.host_available_bytes()
   assert left <= (1 << 30) + (64 << 20) and left < free  # about 1 GB of address space left
   monkeypatch.undo()
   group = tmp_path / 'cg'
@@ -204,9 +204,9 @@ def test_host_memory_honours_the_address_space_and_cgroup_limits(monkeypatch, tm
   (group / 'memory.max').write_text('3000000000\n')
   (group / 'memory.current').write_text('1000000000\n')
   monkeypatch.setattr('builtins.open', _opening({'/proc/self/cgroup': '0::/cg\n'}, open))
-  assert layout._cgroup_left(str(tmp_path)) == 2_000_000_000
+  assert placement._cgroup_left(str(tmp_path)) == 2_000_000_000
   (group / 'memory.max').write_text('max\n')
-  assert layout._cgroup_left(str(tmp_path)) is None
+  assert placement._cgroup_left(str(tmp_path)) is None
 
 
 def _opening(texts, real_open):

@@ -84,7 +84,7 @@ def test_synthetic_settings_move_the_data():
   the command has no flag for it). A negative one is refused naming it."""
   def client_means(**kw):
     d = load_federated(DataConfig(dataset='synthetic', partition='natural', num_clients=16,
-                                  seed=3, **kw))
+                                  seed=3, options=in_memory.SyntheticOptions(**kw)))
     n = np.asarray(d.train.num_examples)
     return np.array([d.train.x[k, :n[k]].mean() for k in range(16)]), d.train.y
   flat, y0 = client_means(synthetic_beta=0.0)

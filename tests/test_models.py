@@ -17,7 +17,7 @@ import pytest
 import fedjax_personal as fp
 from fedjax_personal import models
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.core.executors import model_has_conv
+from fedjax_personal.core.executor_choice import model_has_conv
 
 
 def normal(seed, shape):

@@ -3,6 +3,9 @@ implementation are chosen, applied, recorded and refused on resume."""
 
 import json
 import os
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,40 +19,49 @@ from fedjax_personal.models import layers
 from helpers import main_in_one_process
 
 
-@pytest.fixture
-def restore_precision():
-  before = jax.config.jax_default_matmul_precision
-  yield
-  jax.config.update('jax_default_matmul_precision', before)
-
-
-def test_the_package_sets_float32_unless_the_user_chose(restore_precision):
-  # Imported in this process without JAX_DEFAULT_MATMUL_PRECISION: float32.
-  if not os.environ.get('JAX_DEFAULT_MATMUL_PRECISION'):
-    assert numerics.matmul_precision() == 'float32'
-  jax.config.update('jax_default_matmul_precision', 'default')
-  numerics.apply_default()  # a choice already made is kept
-  assert numerics.matmul_precision() == 'default'
-  jax.config.update('jax_default_matmul_precision', None)
-  numerics.apply_default()
-  assert jax.config.jax_default_matmul_precision == 'highest'
+def test_importing_the_package_leaves_jax_alone(tmp_path):
+  """A library leaves its host alone: in a fresh process, importing the
+  package (and its algorithms, data sets and command) changes no JAX
+  setting, adds no import hook and writes no file; the command line opens
+  the compilation cache, and a library user opts in with one call."""
+  code = (
+      'import sys, jax; p = jax.config.jax_default_matmul_precision; '
+      'hooks = list(sys.meta_path); '
+      'import fedjax_personal, fedjax_personal.algorithms, fedjax_personal.datasets; '
+      'from fedjax_personal.run import cli; '
+      'assert jax.config.jax_default_matmul_precision == p, jax.config.jax_default_matmul_precision; '
+      'assert jax.config.jax_compilation_cache_dir is None; '
+      'assert not jax.config.jax_enable_compilation_cache or jax.config.jax_compilation_cache_dir is None; '
+      'assert [h for h in sys.meta_path if h not in hooks and "fedjax" in type(h).__module__] == []')
+  opt_in = ('; fedjax_personal.compilation.enable(); '
+            'assert jax.config.jax_compilation_cache_dir == fedjax_personal.compilation.default_dir()')
+  home = tmp_path / 'home'
+  home.mkdir()
+  env = {k: v for k, v in os.environ.items()
+         if k not in ('JAX_COMPILATION_CACHE_DIR', 'JAX_DEFAULT_MATMUL_PRECISION')}
+  env.update(HOME=str(home), FEDJAX_PERSONAL_CACHE=str(tmp_path / 'cache'), JAX_PLATFORMS='cpu')
+  r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env,
+                     timeout=300, cwd=tmp_path)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert not (tmp_path / 'cache').exists() and not list(home.iterdir())  # nothing written
+  r = subprocess.run([sys.executable, '-c', code + opt_in], capture_output=True, text=True,
+                     env=env, timeout=300, cwd=tmp_path)
+  assert r.returncode == 0, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize('name, jax_value, recorded', [
     ('float32', 'highest', 'float32'), ('highest', 'highest', 'float32'),
     ('tf32', 'tensorfloat32', 'tf32'), ('bf16x3', 'BF16_BF16_F32_X3', 'bf16x3'),
     ('bf16', 'bfloat16', 'bf16'), ('default', 'default', 'default'), ('high', 'high', 'high')])
-def test_names_map_to_jax_and_back(restore_precision, name, jax_value, recorded):
+def test_names_map_to_jax_and_back(name, jax_value, recorded):
   assert numerics.MATMUL_PRECISIONS[name] == jax_value
   assert numerics.canonical(name) == numerics.canonical(jax_value) == recorded
   if recorded not in numerics.CPU_PRECISIONS and jax.default_backend() == 'cpu':
     # XLA:CPU computes float32 whatever the setting (and rejects bf16x3): refused
     with pytest.raises(ConfigError, match='--matmul_precision: .*XLA:CPU computes float32'):
-      numerics.set_matmul_precision(name)
+      numerics.check_precision(name)
     return
-  assert numerics.set_matmul_precision(name) == recorded
-  assert jax.config.jax_default_matmul_precision == jax_value
-  assert numerics.matmul_precision() == recorded
+  assert numerics.check_precision(name) == recorded
 
 
 def test_an_unknown_precision_names_the_flag():
@@ -57,13 +69,38 @@ def test_an_unknown_precision_names_the_flag():
     numerics.canonical('fp19')
 
 
-def test_float32_precision_gives_float32_products(restore_precision):
+def _dot_precisions(text):
+  return set(re.findall(r'stablehlo\.dot_general.*precision = \[(\w+), (\w+)\]', text))
+
+
+@pytest.mark.parametrize('asked, want', [(None, 'HIGHEST'), ('default', 'DEFAULT')])
+def test_the_engine_traces_at_its_precision_whatever_jax_is_set_to(asked, want):
+  """The round the engine compiles carries the run's precision in every
+  matmul (float32 by default) while JAX's own setting says otherwise, and
+  JAX's setting is left as it was."""
+  import fedjax_personal as fp
+  from fedjax_personal import algorithms
+  from fedjax_personal.datasets import DataConfig, load_federated
+  data = fp.data.to_device(load_federated(DataConfig(dataset='digits', num_clients=4)))
+  model = fp.create_model('mlp', data.num_classes, data.train.x[0, :1])
+  alg = algorithms.build('fedavg', model, data, batch_size=8, local_steps=2)
+  kw = {} if asked is None else {'matmul_precision': asked}
+  before = jax.config.jax_default_matmul_precision
+  with jax.default_matmul_precision('bfloat16'):
+    runner = fp.RoundRunner(alg, data, fp.CohortSampler(4, cohort_size=2),
+                            fp.create_executor('vmap', model, data.train.x[0, :1]), **kw)
+    state = runner.init(jax.random.key(0))
+    text = runner.lowered(state, jax.random.key(1)).as_text()
+  assert jax.config.jax_default_matmul_precision == before
+  assert _dot_precisions(text) == {(want, want)}, _dot_precisions(text)
+
+
+def test_float32_precision_gives_float32_products():
   """The setting reaches compiled code: at float32 a matmul equals the
   float64 product to float32 rounding (on a GPU, TF32 products are off by
   about 1e-3 relative; on a CPU every setting computes float32)."""
-  numerics.set_matmul_precision('float32')
   a = jax.random.normal(jax.random.key(0), (256, 256), jnp.float32)
-  got = np.asarray(jax.jit(lambda a: a @ a)(a), np.float64)
+  got = np.asarray(jax.jit(numerics.scoped(lambda a: a @ a, 'float32'))(a), np.float64)
   want = np.asarray(a, np.float64) @ np.asarray(a, np.float64)
   assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-5
 

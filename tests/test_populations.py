@@ -11,12 +11,13 @@ import fedjax_personal as fp
 from fedjax_personal import algorithms
 from fedjax_personal.config import TrainingConfig
 from fedjax_personal.core.population import rows_in_memory
-from fedjax_personal.core.population import layout as layout_lib
+from fedjax_personal.core.population import placement
 from fedjax_personal.core.population import store as store_lib
+from fedjax_personal.core.population.clients import PopulationStore
 from fedjax_personal.run import main_job as job_lib
 from fedjax_personal.core.data import pad_clients, to_device
 from fedjax_personal.core.engine import RoundRunner
-from fedjax_personal.core.population.layout import HostData
+from fedjax_personal.core.population.placement import HostData
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.datasets import DataConfig, load_store
 from fedjax_personal.errors import ConfigError, DataError
@@ -59,7 +60,7 @@ def test_store_written_and_read_back(tmp_path):
   assert not c.x[0, 4:].any() and not c.x[2].any()
   assert again.population(cap=4).train.num_examples.tolist() == [4, 0, 4, 3]
   # An in-memory store of a padded data set gives it back.
-  mem = store_lib.PopulationStore.from_federated(padded)
+  mem = PopulationStore.from_federated(padded)
   back = mem.padded()
   jax.tree.map(np.testing.assert_array_equal, back, padded)
 
@@ -114,12 +115,12 @@ def test_bad_stores_are_refused_in_one_line(tmp_path):
 
 def test_layout_choice():
   gb = 1 << 30
-  assert layout_lib.choose('auto', gb, 8 * gb, 100, None)[0] == 'device'
-  layout, reason = layout_lib.choose('auto', 3 * gb, 8 * gb, 5000, None)
+  assert placement.choose('auto', gb, 8 * gb, 100, None)[0] == 'device'
+  layout, reason = placement.choose('auto', 3 * gb, 8 * gb, 5000, None)
   assert layout == 'host' and 'widest client (5,000 examples)' in reason
-  assert layout_lib.choose('host', gb, 8 * gb, 100, None)[0] == 'host'
+  assert placement.choose('host', gb, 8 * gb, 100, None)[0] == 'host'
   with pytest.raises(ConfigError, match='--max_client_examples=N .* or --layout=host'):
-    layout_lib.choose('device', 9 * gb, 8 * gb, 40_000, None)
+    placement.choose('device', 9 * gb, 8 * gb, 40_000, None)
 
 
 @pytest.fixture(scope='module')
@@ -138,7 +139,7 @@ def emnist_store(tmp_path_factory):
 def _train(alg_name, data, population, model, sampler, training, executor='vmap'):
   alg = algorithms.build(alg_name, model, population, training=training)
   if isinstance(executor, str):
-    executor = fp.executors.create_executor(executor, model, population.sample_x
+    executor = fp.create_executor(executor, model, population.sample_x
                                             if hasattr(population, 'sample_x')
                                             else population.train.x[0, :1])
   runner = RoundRunner(alg, data, sampler, executor)
@@ -329,7 +330,7 @@ def test_cli_device_layout_refuses_what_cannot_fit(tmp_path, monkeypatch):
   data_dir = tmp_path / 'data'
   data_dir.mkdir()
   made_files.write_emnist(data_dir, np.random.default_rng(5), [4, 90, 6], [2, 2, 2])
-  monkeypatch.setattr(layout_lib, 'host_available_bytes', lambda: 100_000)
+  monkeypatch.setattr(placement, 'host_available_bytes', lambda: 100_000)
   monkeypatch.setattr(job_lib.memory, 'device_free_bytes', lambda: None)
   parse_flags('--algorithm=fedavg', '--dataset=emnist', f'--data_dir={data_dir}', '--model=logreg',
               '--rounds=1', '--progress=false', '--layout=device', f'--output_dir={tmp_path}/o')
@@ -356,7 +357,7 @@ def test_cli_auto_layout_moves_client_rows_that_cannot_fit_to_the_host(tmp_path,
   padded = 4 * 9 * (28 * 28 + 1) * 4 * 3  # about the padded population's bytes
   state = 4 * (28 * 28 * 62 + 62) * 4  # Local's four logistic regressions
   monkeypatch.setattr(job_lib.memory, 'device_free_bytes', lambda: padded + state // 2)
-  monkeypatch.setattr(layout_lib, 'host_available_bytes', lambda: 10 ** 12)
+  monkeypatch.setattr(placement, 'host_available_bytes', lambda: 10 ** 12)
   job('auto')
   out = capsys.readouterr().out
   assert "layout: host (auto: the padded population and local's state need" in out
@@ -381,12 +382,12 @@ def test_cli_refuses_up_front_what_host_memory_cannot_hold(tmp_path, monkeypatch
                 '--model=logreg', '--rounds=1', '--progress=false', '--dry_run',
                 f'--output_dir={tmp_path}/o', *args)
     return cli.main_job()
-  monkeypatch.setattr(layout_lib, 'host_available_bytes', lambda: rows // 2)
+  monkeypatch.setattr(placement, 'host_available_bytes', lambda: rows // 2)
   with pytest.raises(ConfigError, match=r'local keeps .* GB of client rows in host memory, '
                      r'.* GB available'):
     job('--layout=host', '--client_state=memory')
   assert job('--layout=host') == {}  # auto: the rows go to files instead
-  monkeypatch.setattr(layout_lib, 'host_available_bytes', lambda: 3 * rows)
+  monkeypatch.setattr(placement, 'host_available_bytes', lambda: 3 * rows)
   job('--layout=host', '--sweep=client_lr:0.1,0.2', '--client_state=memory')  # two fit
   with pytest.raises(ConfigError, match=r'^--sweep: local keeps .* GB of client rows x 4 '
                      r'configurations in host memory'):
@@ -451,7 +452,7 @@ def test_host_sweep_shares_a_cohort_gather_per_seed_and_round(emnist_store):
   them all; another seed gathers its own."""
   population = emnist_store.population()
   model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,)), population.sample_x)
-  executor = fp.executors.create_executor('vmap', model, population.sample_x)
+  executor = fp.create_executor('vmap', model, population.sample_x)
   sampler = CohortSampler(population.num_clients, 4)
 
   def build(values):
@@ -587,7 +588,7 @@ def test_data_built_in_memory_reaches_the_store_unpadded(cfg):
   from fedjax_personal.datasets import load_federated
   padded = load_federated(cfg)
   assert run_identity.padded_fingerprint(store) == run_identity.data_fingerprint(padded)
-  assert store.digest == store_lib.PopulationStore.from_federated(padded).digest
+  assert store.digest == PopulationStore.from_federated(padded).digest
   again = store.padded()
   for split in ('train', 'val', 'test'):
     for field in ('x', 'y', 'num_examples'):

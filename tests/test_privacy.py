@@ -42,7 +42,7 @@ def test_fedfomo_dp_records_epsilon_every_round(tmp_path):
   assert lines[-1]['dp_epsilon'] == s['dp_epsilon']
   # By hand: every client trains every round, ceil(n_i / 8) steps of q_i = 8 / n_i.
   from fedjax_personal.datasets import load_federated
-  n = np.asarray(load_federated(cli.data_config(cli.read_flags())).train.num_examples)
+  n = np.asarray(load_federated(cli.read_flags().data).train.num_examples)
   want = max(dp_sgd_epsilon(round(min(8 / k, 1.0), 12), 1.1, 3 * math.ceil(k / 8)) for k in n)
   assert s['dp_epsilon'] == pytest.approx(want, rel=1e-9)
   # --dp_delta without any DP algorithm does nothing: refused.
@@ -60,7 +60,7 @@ def test_fedavg_dp_records_epsilon_and_refuses_noise_without_clip(tmp_path):
               '--max_examples=200', f'--output_dir={tmp_path}')
   s = cli.main_job()['fedavg']
   from fedjax_personal.datasets import load_federated
-  n = np.asarray(load_federated(cli.data_config(cli.read_flags())).train.num_examples)
+  n = np.asarray(load_federated(cli.read_flags().data).train.num_examples)
   want = max(dp_sgd_epsilon(round(min(8 / k, 1.0), 12), 1.1, 3 * math.ceil(k / 8)) for k in n)
   assert s['dp_epsilon'] == pytest.approx(want, rel=1e-9)
   parse_flags('--algorithm=fedavg', '--dataset=digits', '--model=logreg', '--num_clients=4',

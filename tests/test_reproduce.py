@@ -118,10 +118,9 @@ def test_fedfomo_dp_table_reports_epsilon(tmp_path):
 def test_results_json_is_strict(tmp_path):
   """A diverged trial's NaN curve point is written as null, not NaN (in a
   subprocess: the reproduce flags are the scripts', not the CLI's)."""
-  code = ('import sys; from absl import flags; from fedjax_personal.run import reproduce; '
-          'reproduce.define_flags(); flags.FLAGS(["x"]); '
-          'reproduce.write_results(flags.FLAGS, sys.argv[1], "t", "title", "|a|", '
-          '{"curve": [[45, 0.14, float("nan")]]})')
+  code = ('import sys; from fedjax_personal.run import reproduce; '
+          'reproduce.write_results(reproduce.ReproduceSettings(), sys.argv[1], "t", "title", '
+          '"|a|", {"curve": [[45, 0.14, float("nan")]]})')
   r = subprocess.run([sys.executable, '-c', code, str(tmp_path)], capture_output=True, text=True,
                      timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]
@@ -198,7 +197,7 @@ def test_a_diverged_trial_is_reported_not_fatal():
   from fedjax_personal.core.data import to_device
   from fedjax_personal.datasets import DataConfig, load_federated
   from fedjax_personal.core.engine import RoundRunner
-  from fedjax_personal.core.executors import create_executor
+  from fedjax_personal.core.executor_choice import create_executor
   from fedjax_personal.models import create_model
   from fedjax_personal.core.sampling import CohortSampler
   data = to_device(load_federated(DataConfig(dataset='digits', partition='iid', num_clients=4,
@@ -254,21 +253,21 @@ def test_finished_trials_are_reused_only_by_the_same_cell(tmp_path, monkeypatch,
   from fedjax_personal.core.data import to_device
   from fedjax_personal.datasets import DataConfig, load_federated
   from fedjax_personal.core.engine import RoundRunner
-  from fedjax_personal.core.executors import create_executor
+  from fedjax_personal.core.executor_choice import create_executor
   from fedjax_personal.models import create_model
   from fedjax_personal.core.sampling import CohortSampler
   data = to_device(load_federated(DataConfig(dataset='digits', partition='iid', num_clients=4,
                                              max_examples=200)))
   model = create_model('mlp', data.num_classes, data.train.x[0, :1])
-  monkeypatch.setattr(reproduce, '_OUTPUT', str(tmp_path))
 
-  def trials(lr, n, cache=True):
+  def trials(lr, n, cache=True, reuse=True):
     settings = dict(client_lr=lr, local_steps=2, batch_size=10)
     alg = algorithms.build('fedavg', model, data, **settings)
     runner = RoundRunner(alg, data, CohortSampler(4, cohort_size=4),
                          create_executor('vmap', model, data.train.x[0, :1]))
     cell = {'algorithm': 'fedavg', 'settings': settings} if cache else None
-    return reproduce.run_trials(runner, 3, 0, n, 1, cell=cell)[0]
+    return reproduce.run_trials(runner, 3, 0, n, 1, cell=cell, reuse=reuse,
+                                directory=str(tmp_path))[0]
 
   def accs(hists):
     return [[r.get('accuracy_mean') for r in h] for h in hists]
@@ -285,11 +284,8 @@ def test_finished_trials_are_reused_only_by_the_same_cell(tmp_path, monkeypatch,
   assert accs(two) == accs(fresh) and accs(one) == accs(fresh[:1])
   assert len(glob.glob(str(tmp_path / 'trials' / '*' / 'seed_*.json'))) == 2
   # --noreuse_trials runs them again.
-  monkeypatch.setattr(reproduce, '_reuse', lambda: False)
-  assert accs(trials(0.05, 1)) == accs(fresh[:1])
+  assert accs(trials(0.05, 1, reuse=False)) == accs(fresh[:1])
   assert 'reused' not in capsys.readouterr().out
-  monkeypatch.undo()
-  monkeypatch.setattr(reproduce, '_OUTPUT', str(tmp_path))
   # Another setting: its own folder, nothing reused.
   trials(0.02, 1)
   assert 'reused' not in capsys.readouterr().out

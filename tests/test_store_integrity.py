@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from fedjax_personal.core.population import store as store_lib
+from fedjax_personal.core.population.clients import FORMAT
 from fedjax_personal.datasets import DataConfig, load_store, local_files
 from fedjax_personal.errors import DataError
 from fedjax_personal.run import cli
@@ -96,7 +97,7 @@ def test_damage_found_on_open_or_by_verify_rebuilds_with_one_line(tmp_path, caps
       (lambda: (folder / 'manifest.json').write_text(json.dumps(
           {**json.loads((folder / 'manifest.json').read_text()),
            'format': 'fedjax_personal.population/1'})), "written in format "
-       f"'fedjax_personal.population/1', this version reads '{store_lib.FORMAT}'"),
+       f"'fedjax_personal.population/1', this version reads '{FORMAT}'"),
       (lambda: _flip(folder / 'train.x.bin', 3000), 'train.x.bin: block 0 fails its checksum')):
     damage()
     capsys.readouterr()
@@ -191,22 +192,22 @@ def test_a_full_disk_while_building_names_the_cache_folder(tmp_path, monkeypatch
 
 
 def test_a_store_never_outlives_the_loader_code_that_made_it(tmp_path, capsys, monkeypatch):
-  """The store records the loader's code (``readers.loader_code``: the
-  source of the data set's module and the shared readers); other code, or
+  """The store records the loader's code (``registry.loader_code``: the
+  source of the data set's module and the shared registry); other code, or
   --rebuild_store, rebuilds it in one line; a killed build's leftovers are
   removed when the cache is next opened, not only by the next build."""
-  from fedjax_personal.datasets import readers
+  from fedjax_personal.datasets import registry
   cfg = _emnist(tmp_path / 'data', seed=7)
   first = load_store(cfg)
-  assert first.manifest['identity']['loader_code'] == readers.loader_code('emnist')
-  assert readers.loader_code('emnist') != readers.loader_code('shakespeare')
+  assert first.manifest['identity']['loader_code'] == registry.loader_code('emnist')
+  assert registry.loader_code('emnist') != registry.loader_code('shakespeare')
   capsys.readouterr()
   assert load_store(cfg).folder == first.folder and not capsys.readouterr().err  # reused
   dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'],
                         capture_output=True, text=True, check=True).stdout.strip()
   leftover = first.folder.parent / f'emnist-9.partial-{dead}'
   leftover.mkdir()
-  monkeypatch.setattr(readers, 'loader_code', lambda dataset: 'changed0000code')
+  monkeypatch.setattr(registry, 'loader_code', lambda dataset: 'changed0000code')
   again = load_store(cfg)
   err = capsys.readouterr().err
   assert 'written by other loader code' in err and 'this is changed0000code' in err

@@ -13,7 +13,7 @@ import fedjax_personal as fp
 from fedjax_personal import algorithms, compilation
 from fedjax_personal.config import TrainingConfig
 from fedjax_personal.core.engine import RoundRunner
-from fedjax_personal.core.population.layout import HostData, ShapePlan
+from fedjax_personal.core.population.placement import HostData, ShapePlan
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.core.training import LossStats
 from fedjax_personal.core.population.store import StoreWriter

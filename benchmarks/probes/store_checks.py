@@ -21,6 +21,7 @@ CHILD = r'''
 import json, sys, time
 import numpy as np
 from fedjax_personal.core.population import store as store_lib
+from fedjax_personal.core.population.clients import SPLITS
 folder, cohort, rounds, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 t = time.perf_counter()
 store = store_lib.open_store(folder)
@@ -28,7 +29,7 @@ opened = time.perf_counter() - t
 out = {'open_s': opened, 'gb': store.nbytes() / 1e9, 'clients': store.num_clients}
 if mode == 'verify':
   t = time.perf_counter()
-  for s in store_lib.SPLITS:
+  for s in SPLITS:
     for a in store.arrays[s][:2]:
       if isinstance(a, store_lib.FileArray):
         a.verify()
@@ -45,7 +46,7 @@ else:
       times.append(time.perf_counter() - t)
     return times
   if mode == 'checked':  # every block checked first: reads without checks
-    for s in store_lib.SPLITS:
+    for s in SPLITS:
       for a in store.arrays[s][:2]:
         if isinstance(a, store_lib.FileArray):
           a.verify()

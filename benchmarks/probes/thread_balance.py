@@ -2,7 +2,7 @@
 
 The blocked executor on a CPU lays a cohort's clients out in blocks by their
 real steps and gives each host thread the same number of steps (longest
-first, ``work_layout``); each thread's blocks are one compiled call. This
+first, ``client_blocks``); each thread's blocks are one compiled call. This
 probe runs ``scripts/run_experiment.py`` in this process with the given
 flags and times each thread's call of every round: if the threads' seconds
 a step differ, a round waits for the slower one (the cores ran at
@@ -30,13 +30,13 @@ ROUNDS = []  # per round: {'steps': [per thread], 'ms': [per thread], 'round_ms'
 
 def _hook():
   """Wraps the layout (each thread's steps) and the threads' calls (their ms)."""
-  layout = executors.work_layout
+  layout = executors.client_blocks
 
-  def work_layout(steps, active, bs, parts=1):
+  def client_blocks(steps, active, bs, parts=1):
     pos, ok, limit, count = layout(steps, active, bs, parts)
     ROUNDS.append({'steps': [int(limit[t][:count[t]].sum()) for t in range(parts)]})
     return pos, ok, limit, count
-  executors.work_layout = work_layout
+  executors.client_blocks = client_blocks
   on_threads = executors.BlockedExecutor._on_threads
 
   def timed_on_threads(self, call, parts, signature):

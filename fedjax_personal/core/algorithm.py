@@ -25,6 +25,7 @@ from flax import struct
 import jax
 import jax.numpy as jnp
 
+from fedjax_personal import numerics
 from fedjax_personal.core import tree_util
 from fedjax_personal.core.data import LocalData
 from fedjax_personal.models import Model
@@ -249,6 +250,36 @@ class FederatedAlgorithm:
 
   def replace(self, **kw) -> 'FederatedAlgorithm':
     return dataclasses.replace(self, **kw)
+
+  def at_matmul_precision(self, name: str) -> 'FederatedAlgorithm':
+    """This algorithm with every function it computes with traced at matmul
+    precision ``name`` (``numerics.scoped``: the server's steps, the client
+    work, fine-tuning, evaluation, the pre-round phase, the model), so that a
+    round compiled from it carries the precision whatever JAX's setting
+    outside. The engine runs every algorithm through this
+    (``RoundRunner(..., matmul_precision=)``).
+
+    Args:
+      name: one of ``numerics.MATMUL_PRECISIONS``.
+
+    Returns:
+      The ``FederatedAlgorithm``.
+    """
+    def at(fn):
+      return None if fn is None else numerics.scoped(fn, name)
+    work = self.client_work
+    work = dataclasses.replace(work, init=at(work.init), step=at(work.step), final=at(work.final),
+                               init_opt_state=at(work.init_opt_state),
+                               opt_state=at(work.opt_state))
+    pre = self.pre_round
+    if pre is not None:
+      pre = dataclasses.replace(pre, due=at(pre.due), update=at(pre.update),
+                                broadcast=at(pre.broadcast), client=at(pre.client))
+    return self.replace(model=self.model.at_matmul_precision(name), init=at(self.init),
+                        server_broadcast=at(self.server_broadcast), client_work=work,
+                        server_update=at(self.server_update),
+                        client_models=at(self.client_models), finetune=at(self.finetune),
+                        evaluate_client=at(self.evaluate_client), pre_round=pre)
 
 
 def cohort_train_metrics(stats: LossStats, mask) -> dict:

@@ -124,10 +124,18 @@ def lloyd(x, centroids, k, max_iter: int = 300, tol: float = 1e-4):
 
 
 class KMeansResult(NamedTuple):
-  centroids: jax.Array  # [max_k, D]; rows >= k unused
-  labels: jax.Array     # int32 [N]
-  inertia: jax.Array    # sum of squared distances to the assigned centroid
-  k: jax.Array          # int32, the number of clusters asked for
+  """What ``kmeans`` finds.
+
+  Attributes:
+    centroids: [max_k, D]; rows >= k unused.
+    labels: int32 [N], each point's cluster.
+    inertia: the sum of squared distances to the assigned centroids.
+    k: int32, the number of clusters asked for.
+  """
+  centroids: jax.Array
+  labels: jax.Array
+  inertia: jax.Array
+  k: jax.Array
 
 
 def kmeans(key, x, k, max_k: int, restarts: int = 10, max_iter: int = 300,

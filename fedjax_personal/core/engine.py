@@ -23,7 +23,7 @@ from fedjax_personal.core import evaluation
 from fedjax_personal.core import fitting
 from fedjax_personal.core.population import rows_in_memory
 from fedjax_personal.core.population import rows_in_files
-from fedjax_personal.core.population import layout as layout_lib
+from fedjax_personal.core.population import placement
 from fedjax_personal.core import memory
 from fedjax_personal.core.executors import EXECUTOR_NAMES, Executor
 from fedjax_personal.core import host as host_lib
@@ -33,9 +33,10 @@ from fedjax_personal.core.evaluation_stats import (  # noqa: F401  (the engine's
 from fedjax_personal.core.evaluation import eval_function
 from fedjax_personal.core.sampling import CohortSampler, client_keys
 from fedjax_personal.core.training import ClientContext, LossStats
-from fedjax_personal.hparams import hparam
+from fedjax_personal import numerics
+from fedjax_personal.hparams import Declared, hparam
 
-__all__ = ['communication_metrics', 'EngineSettings', 'PARTICIPATED', 'pre_round_functions',
+__all__ = ['communication_metrics', 'EngineConfig', 'PARTICIPATED', 'pre_round_functions',
            'PyTree', 'round_functions', 'RoundRunner']
 
 
@@ -43,11 +44,12 @@ PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineSettings:
-  """How the engine runs client work and where clients live, declared once
-  (``hparam``; the command's flags are generated from these fields).
-  Choosing them changes speed and memory, never the numbers (up to float
-  reassociation)."""
+class EngineConfig(Declared):
+  """How the engine runs client work, where clients live and at what matmul
+  precision it computes, declared once (``hparam``; the command's flags are
+  generated from these fields). The executor and layout change speed and
+  memory, never the numbers (up to float reassociation); the precision is
+  recorded with the run."""
   executor: str = hparam('auto', 'How client work runs.', choices=EXECUTOR_NAMES)
   block_size: Optional[int] = hparam(None, 'Clients per block for the blocked executor.',
                                      minimum=1)
@@ -55,7 +57,7 @@ class EngineSettings:
                        'the largest, on the device), host (the population store; each round '
                        'gathers its cohort) or auto (device when the padded population takes at '
                        'most a quarter of the free memory and, on an accelerator, fits beside '
-                       'the largest algorithm state).', choices=layout_lib.LAYOUTS)
+                       'the largest algorithm state).', choices=placement.LAYOUTS)
   client_state: str = hparam('auto', 'Host layout: where client rows (personal models, control '
                              'variates, FedDyn gradients, persistent client optimizers) live. '
                              'memory: host memory, all made at the start; disk: files under '
@@ -63,6 +65,14 @@ class EngineSettings:
                              'trains (a client never met costs nothing); auto: memory unless the '
                              'rows take more than half the available memory.',
                              choices=('auto', 'memory', 'disk'))
+  matmul_precision: str = hparam(
+      numerics.DEFAULT_MATMUL_PRECISION, 'Precision of every float32 matmul and convolution of '
+      'the run, traced into what the engine compiles (JAX\'s own setting is left alone): '
+      'float32 (the default: the same numbers on every card), tf32 (TensorFloat-32 products, a '
+      "GPU's fast default), bf16x3 (three bfloat16 passes, near float32), bf16 (one bfloat16 "
+      "pass, a TPU's default), or JAX's default / high / highest (the command's default when "
+      'not given: $JAX_DEFAULT_MATMUL_PRECISION if set). XLA:CPU computes float32 whatever the '
+      'setting. Recorded in the run identity.', choices=tuple(numerics.MATMUL_PRECISIONS))
 
 
 def draw_cohort(sampler: CohortSampler, key):
@@ -304,14 +314,18 @@ class RoundRunner:
     data: FederatedData (device arrays).
     sampler: CohortSampler.
     executor: Executor for client work.
-    feed: the host layout's ``layout.CohortFeed`` to share with other runs
+    feed: the host layout's ``placement.CohortFeed`` to share with other runs
       of the same data and sampler (their rounds of the same key then share
       one gather); by default the runner's own.
+    matmul_precision: the precision every computation of the run is traced
+      at (``numerics``; ``FederatedAlgorithm.at_matmul_precision``), whatever
+      JAX's setting: float32 by default, the same numbers on every card.
   """
 
   def __init__(self, algorithm: FederatedAlgorithm, data, sampler: CohortSampler,
-               executor: Executor, feed: Optional[layout_lib.CohortFeed] = None):
-    self.host = data if isinstance(data, layout_lib.HostData) else None
+               executor: Executor, feed: Optional[placement.CohortFeed] = None,
+               matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION):
+    self.host = data if isinstance(data, placement.HostData) else None
     population = self.host.population if self.host else data
     if sampler.num_clients != population.num_clients:
       raise ValueError(f'sampler has {sampler.num_clients} clients, data has '
@@ -319,6 +333,8 @@ class RoundRunner:
     if self.host is not None and jax.process_count() > 1:
       raise ValueError('the host layout runs on one process; several processes use '
                        '--layout=device')
+    self.matmul_precision = numerics.check_precision(matmul_precision)
+    algorithm = algorithm.at_matmul_precision(self.matmul_precision)
     self.algorithm = algorithm
     # The host layout keeps the algorithm's client rows with the population.
     self.hosted_rows = self.host is not None and algorithm.client_rows is not None
@@ -332,7 +348,8 @@ class RoundRunner:
           sampler.capacity, memory.estimate(algorithm, population, sampler.capacity),
           memory.device_free_bytes())
     self.executor = executor.for_run(jax.eval_shape(algorithm.init, jax.random.key(0)),
-                                     population.num_clients)
+                                     population.num_clients).at_matmul_precision(
+                                         self.matmul_precision)
     self.trace_counts = collections.Counter()
     if self.host is None:
       work = algorithm.client_work
@@ -354,7 +371,7 @@ class RoundRunner:
       if self._state_shardings is not None:
         state = jax.lax.with_sharding_constraint(state, self._state_shardings)
       return state, ex.host_readable(metrics)
-    return {False: jax.jit(finished), True: jax.jit(finished, donate_argnums=0)}
+    return {False: ex.jit(finished), True: ex.jit(finished, donate_argnums=0)}
 
   def _dispatched_pre_round(self, client_outputs):
     """``phase(state, key, round) -> (state, diagnostics)``: the algorithm's
@@ -367,8 +384,8 @@ class RoundRunner:
       return lambda state, key, rnd: (state, {})
     pr = alg.pre_round
     due, rc_of, _, phase_client = pre_round_functions(alg, ex, self.trace_counts)
-    due_j, rc_j = jax.jit(due), jax.jit(rc_of)
-    bcast_j, update_j = jax.jit(pr.broadcast), jax.jit(pr.update)
+    due_j, rc_j = ex.jit(due), ex.jit(rc_of)
+    bcast_j, update_j = ex.jit(pr.broadcast), ex.jit(pr.update)
 
     def phase(state, key, rnd):
       rc = rc_j(key, jnp.asarray(rnd, jnp.int32))
@@ -386,7 +403,7 @@ class RoundRunner:
     non-fused executor; ``steps_of(rows, train)`` gives the real step counts
     of the clients at ``rows`` of the split arrays (padded steps skipped)."""
     alg, ex = self.algorithm, self.executor
-    pre_j, post_j = jax.jit(pre), jax.jit(post)
+    pre_j, post_j = ex.jit(pre), ex.jit(post)
 
     def work(state, key, rnd, train, val, cohort=None):
       cohort, rc, shared, per_client = pre_j(state, key, rnd, cohort)
@@ -425,9 +442,9 @@ class RoundRunner:
 
     eval_all = eval_function(alg, ex, self.trace_counts,
                              test_counts=np.asarray(self.data.test.num_examples))
-    models_j = jax.jit(alg.client_models)
+    models_j = ex.jit(alg.client_models)
     if ex.fused:
-      eval_j = jax.jit(lambda s, d, k, ft: ex.host_readable(
+      eval_j = ex.jit(lambda s, d, k, ft: ex.host_readable(
           eval_all(alg.client_models(s), d, k, ft)), static_argnums=3)
       self._evaluate = lambda state, key, ft: eval_j(state, self.data, key, ft)
     else:
@@ -439,9 +456,9 @@ class RoundRunner:
     alg, ex, host = self.algorithm, self.executor, self.host
     pre, make_ctx, post, fused_round = round_functions(alg, self.sampler, ex, self.trace_counts)
     sampler = self.sampler
-    self.feed = feed or layout_lib.CohortFeed(
-        host, jax.jit(lambda key: draw_cohort(sampler, key)),
-        layout_lib.ShapePlan.for_cohorts(host, sampler.capacity))
+    self.feed = feed or placement.CohortFeed(
+        host, ex.jit(lambda key: draw_cohort(sampler, key)),
+        placement.ShapePlan.for_cohorts(host, sampler.capacity))
     shapes = jax.eval_shape(alg.init, jax.random.key(0))
     # Hosted client rows come to the round as the cohort's: no client axis
     # of N to shard.
@@ -503,22 +520,22 @@ class RoundRunner:
     if not hasattr(self, '_phase_block'):
       def block(shared, train, val, rows, keys, valid):
         return ex.map(phase_client, (shared, train, val), (rows, keys), active=valid)
-      self._phase_block = jax.jit(block) if ex.fused else block
+      self._phase_block = ex.jit(block) if ex.fused else block
     parts = []
-    for ids, valid in layout_lib.blocks(np.arange(host.num_clients), host.block):
+    for ids, valid in placement.blocks(np.arange(host.num_clients), host.block):
       out = self._phase_block(shared, host.gather('train', ids), host.gather('val', ids),
                               jnp.arange(len(ids), dtype=jnp.int32),
                               client_keys(rc.key, jnp.asarray(ids)), valid)
       parts.append((valid, out))
-    return layout_lib.join_blocks(parts)
+    return placement.join_blocks(parts)
 
   def init(self, key):
     """The algorithm's initial state (placed where the executor keeps it;
     with hosted client rows, a ``rows_in_memory.HostedState``)."""
     if self._state_shardings is not None:  # made where it lives (every process its shards)
-      return jax.jit(self.algorithm.init, out_shardings=self._state_shardings)(key)
+      return self.executor.jit(self.algorithm.init, out_shardings=self._state_shardings)(key)
     if not self.hosted_rows:
-      return jax.jit(self.algorithm.init)(key)
+      return self.executor.jit(self.algorithm.init)(key)
     # Client rows need not fit the accelerator: made on the CPU backend, in
     # host memory or in files (each made when its client first trains).
     if self.host.rows_folder is not None:
@@ -532,16 +549,21 @@ class RoundRunner:
     ``HostedState`` joined; any other state as it is)."""
     return state.whole() if isinstance(state, rows_in_memory.HostedState) else state
 
-  def compiled(self, state, key, round_num: int = 0) -> jax.stages.Compiled:
-    """XLA's compiled fused round (the device layout): its ``as_text()``,
-    ``memory_analysis()``, ``cost_analysis()``."""
+  def lowered(self, state, key, round_num: int = 0) -> jax.stages.Lowered:
+    """The fused round (the device layout) lowered for XLA, before it
+    compiles: its ``as_text()`` is the StableHLO the engine traced."""
     if self.host is not None:
       raise ValueError('the host layout compiles one round per cohort shape; use --layout=device')
     if not self.executor.fused:
       raise ValueError(f'{self.executor.describe()} dispatches client work from Python: '
                        'no single compiled round')
     return self._round_jit.lower(state, key, jnp.asarray(round_num, jnp.int32), self.data.train,
-                                 self.data.val).compile()
+                                 self.data.val)
+
+  def compiled(self, state, key, round_num: int = 0) -> jax.stages.Compiled:
+    """XLA's compiled fused round (the device layout): its ``as_text()``,
+    ``memory_analysis()``, ``cost_analysis()``."""
+    return self.lowered(state, key, round_num).compile()
 
   def compiled_text(self, state, key, round_num: int = 0) -> str:
     """XLA's compiled HLO of one fused round (with a sharded executor, its

@@ -16,7 +16,7 @@ import numpy as np
 
 from fedjax_personal.core import memory
 from fedjax_personal.core.population import rows_in_memory
-from fedjax_personal.core.population import layout as layout_lib
+from fedjax_personal.core.population import placement
 from fedjax_personal.core.algorithm import FederatedAlgorithm
 from fedjax_personal.core.data import LocalData, client_row
 from fedjax_personal.core.executors import Executor
@@ -163,7 +163,7 @@ def host_evaluation(alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bo
   """
   test_counts = host.counts('test')
   groups = eval_buckets(test_counts, int(test_counts.max(initial=0)), block=host.block)
-  models_j = jax.jit(alg.client_models)
+  models_j = ex.jit(alg.client_models)
   fns = {}
 
   def block_fn(finetune, length):
@@ -174,7 +174,7 @@ def host_evaluation(alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bo
         models = alg.client_models(state_or_models) if ex.fused else state_or_models
         return ex.host_readable(ex.map(eval_client, (models, train, val, test),
                                        (ids, rows, keys), active=valid))
-      fns[(finetune, length)] = jax.jit(run) if ex.fused else run
+      fns[(finetune, length)] = ex.jit(run) if ex.fused else run
     return fns[(finetune, length)]
 
   pooled = {}  # made at the first evaluation without fine-tuning (a structural choice)
@@ -205,7 +205,7 @@ def host_evaluation(alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bo
       models = state if ex.fused else models_j(state)
     out = [np.zeros(host.num_clients, np.float32) for _ in LossStats._fields]
     for length, ids in groups:
-      for b_ids, valid in layout_lib.blocks(ids, block):
+      for b_ids, valid in placement.blocks(ids, block):
         ids_j = jnp.asarray(b_ids, jnp.int32)
         positions = jnp.arange(len(b_ids), dtype=jnp.int32)
         model_of = ids_j

@@ -10,15 +10,17 @@ the same per-client functions (evaluation) run
     jitted dispatch (padded steps are skipped, not computed), clients spread
     over a few host threads, the longest first (FedJAX's ``for_each_client``
     way).
-``blocked`` groups clients by their real local steps (``work_layout``): a
+``blocked`` groups clients by their real local steps (``client_blocks``): a
 block steps as long as its longest client, idle cohort slots never run, so a
 heavy-tailed cohort costs its real work. All give the same numbers up to
-float reassociation (tested). The choice belongs to the engine (``auto``
-picks per platform and model, ``_auto`` says why), never to an algorithm.
+float reassociation (tested). The choice belongs to the engine
+(``executor_choice.create_executor``: ``auto`` picks per platform and
+model, and says why), never to an algorithm.
 """
 
 import abc
 import concurrent.futures
+import copy
 import dataclasses
 import os
 from typing import Any, Callable, Optional, Sequence
@@ -27,18 +29,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_personal import numerics
 from fedjax_personal.core import aggregation
-from fedjax_personal.core import host
 from fedjax_personal.core import training
 from fedjax_personal.core import tree_util
-from fedjax_personal.core.work_layout import (active_mask, block_loop, client_fn, join_owned,
+from fedjax_personal.core.client_blocks import (active_mask, block_loop, client_fn, join_owned,
                                               join_parts, limited_client, map_stacked,
-                                              scan_blocks, traced_work_layout, work_layout,
+                                              scan_blocks, traced_work_layout, client_blocks,
                                               work_steps)
 
-__all__ = ['BlockedExecutor', 'cpu_block_size', 'create_executor', 'Executor', 'EXECUTOR_NAMES',
-           'model_has_conv', 'SequentialExecutor', 'ShardedExecutor', 'THREADED_STATE_BYTES',
-           'VmapExecutor']
+__all__ = ['BlockedExecutor', 'Executor', 'EXECUTOR_NAMES', 'SequentialExecutor',
+           'ShardedExecutor', 'THREADED_STATE_BYTES', 'VmapExecutor']
 
 
 EXECUTOR_NAMES = ('auto', 'vmap', 'blocked', 'sequential', 'sharded')
@@ -55,7 +56,7 @@ class Executor(abc.ABC):
   #: True when calls may be traced inside an outer ``jax.jit`` (then a round is
   #: one compiled function); False when the executor dispatches from Python.
   fused: bool = True
-  #: ``run_work`` takes ``rows_in_place`` (``work_layout.block_loop``).
+  #: ``run_work`` takes ``rows_in_place`` (``client_blocks.block_loop``).
   writes_rows: bool = False
   #: Chosen by ``auto`` on an accelerator: the round runner fits its blocks to
   #: the device's free memory and the cohort's work (``fitting``).
@@ -63,6 +64,44 @@ class Executor(abc.ABC):
   #: Why ``auto`` chose this executor ('' when it was named); the CLI's
   #: header prints it.
   reason: str = ''
+  #: The matmul precision its compiled functions are traced at
+  #: (``at_matmul_precision``; the round runner sets its own), or None:
+  #: JAX's setting where they are traced.
+  matmul_precision: Optional[str] = None
+
+  def at_matmul_precision(self, name: str) -> 'Executor':
+    """This executor with every function it compiles traced at matmul
+    precision ``name`` (``numerics.scoped``: in whichever thread compiles it).
+
+    Args:
+      name: one of ``numerics.MATMUL_PRECISIONS``.
+
+    Returns:
+      The executor (a copy; ``self`` when it has that precision already).
+    """
+    if self.matmul_precision == name:
+      return self
+    out = copy.copy(self)
+    out.matmul_precision = name
+    for cache in ('_compiled', '_seen'):  # its own programs, compiled at its precision
+      if hasattr(out, cache):
+        setattr(out, cache, type(getattr(out, cache))())
+    return out
+
+  def jit(self, fn: Callable, **kwargs) -> Callable:
+    """``jax.jit(fn, **kwargs)``, ``fn`` traced at the executor's matmul
+    precision (the engine compiles through this).
+
+    Args:
+      fn: the function.
+      **kwargs: ``jax.jit``'s.
+
+    Returns:
+      The jitted function.
+    """
+    if self.matmul_precision is not None:
+      fn = numerics.scoped(fn, self.matmul_precision)
+    return jax.jit(fn, **kwargs)
 
   @abc.abstractmethod
   def map(self, fn: Callable[[Any, Any], Any], shared, per_client,
@@ -207,7 +246,7 @@ class BlockedExecutor(Executor):
 
   def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None,
                rows_in_place=None):
-    """Client work in blocks of clients of similar work (``work_layout``):
+    """Client work in blocks of clients of similar work (``client_blocks``):
     each block runs its longest client's steps and only blocks holding
     active clients run, so a heavy-tailed cohort costs about its real
     steps, not blocks x the padded maximum. With ``rows_in_place`` (fused:
@@ -223,19 +262,19 @@ class BlockedExecutor(Executor):
   def _threaded_work(self, work, make_ctx, shared, per_client, active, c, num_steps=None):
     """The threaded form of ``run_work``: the step counts (the engine's host
     counts, else one small compiled function) laid out in blocks on the host,
-    shared out by work (``work_layout``), each thread's blocks one compiled call."""
+    shared out by work (``client_blocks``), each thread's blocks one compiled call."""
     key = ('work', work, make_ctx)
     if key not in self._compiled:  # one set of functions per (work, make_ctx): compiled once
       self._compiled[key] = (
-          jax.jit(lambda sh, pc, act: work_steps(work, make_ctx, sh, pc, act)),
-          jax.jit(lambda sh, pc, p, lim, ok, n: block_loop(
+          self.jit(lambda sh, pc, act: work_steps(work, make_ctx, sh, pc, act)),
+          self.jit(lambda sh, pc, p, lim, ok, n: block_loop(
               work, make_ctx, sh, pc, p, lim, ok, n, tree_util.cohort_size(pc))))
     steps_fn, loop = self._compiled[key]
     act = active_mask(active, c, np)  # host bools: no round trip through the device
     steps = (np.asarray(steps_fn(shared, per_client, act)) if num_steps is None
              else np.where(act, np.asarray(num_steps, np.int32), 0))
     parts = max(1, min(self.num_threads, -(-int(act.sum()) // min(self.block_size, c))))
-    pos, ok, limit, count = work_layout(steps, act, self.block_size, parts)
+    pos, ok, limit, count = client_blocks(steps, act, self.block_size, parts)
     outs = self._on_threads(
         lambda t: jax.block_until_ready(loop(shared, per_client, pos[t], limit[t], ok[t], count[t])),
         parts, (key, tree_util.shapes((shared, per_client, pos[0]))))
@@ -254,7 +293,7 @@ class BlockedExecutor(Executor):
       def loop(sh, pc, p, v):
         with training.unroll_steps(False):
           return scan_blocks(jax.vmap(client_fn(fn, sh, pc)), p, v)
-      self._compiled[('map', fn)] = jax.jit(loop)
+      self._compiled[('map', fn)] = self.jit(loop)
     loop = self._compiled[('map', fn)]
     outs = self._on_threads(lambda t: loop(shared, per_client, pos[t], valid[t]), parts,
                             ('map', fn, tree_util.shapes((shared, per_client, pos[0]))))
@@ -333,7 +372,7 @@ class SequentialExecutor(Executor):
 
   def map(self, fn, shared, per_client, active=None):
     if ('map', fn) not in self._compiled:
-      self._compiled[('map', fn)] = jax.jit(
+      self._compiled[('map', fn)] = self.jit(
           lambda sh, pc, i: fn(sh, tree_util.client_slice(pc, i)))
     one = self._compiled[('map', fn)]
     c = tree_util.cohort_size(per_client)
@@ -359,7 +398,7 @@ class SequentialExecutor(Executor):
 
       def final(sh, pc, i, carry):
         return work.final(ctx_of(sh, pc, i)[0], carry)
-      self._compiled[key] = (jax.jit(init), jax.jit(step), jax.jit(final))
+      self._compiled[key] = (self.jit(init), self.jit(step), self.jit(final))
     return self._compiled[key]
 
   def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None):
@@ -458,139 +497,6 @@ class ShardedExecutor(Executor):
     return map_stacked(lambda o: constrain(o)[:c], out)
 
 
-def _has_conv(jaxpr) -> bool:
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == 'conv_general_dilated':
-      return True
-    for v in eqn.params.values():
-      for sub in (v if isinstance(v, (list, tuple)) else [v]):
-        inner = getattr(sub, 'jaxpr', None)
-        if inner is not None and _has_conv(getattr(inner, 'jaxpr', inner)):
-          return True
-  return False
-
-
-def model_has_conv(model, sample_x) -> bool:
-  """Whether the model is convolutional: its forward pass contains an XLA
-  convolution, or it is one of the project's convolutional modules (they
-  carry ``conv_impl``; with ``matmul`` they contain no convolution op).
-
-  Args:
-    model: the model.
-    sample_x: one input batch.
-
-  Returns:
-    True when it convolves.
-  """
-  if getattr(getattr(model, 'module', None), 'conv_impl', None) is not None:
-    return True
-  params = jax.eval_shape(model.init, jax.random.key(0))
-  closed = jax.make_jaxpr(model.apply)(params, jnp.asarray(sample_x)[:1])
-  return _has_conv(closed.jaxpr)
-
-
-def create_executor(name: str = 'auto', model=None, sample_x=None,
-                    block_size: Optional[int] = None, num_threads: int = 0) -> Executor:
-  """Builds an executor by name; ``auto`` picks the fastest for the platform.
-
-  ``auto``: ``sharded`` over all processes' devices when several processes
-  run the experiment (``run.distributed``); on GPU/TPU, ``sharded`` over all
-  devices when there are several,
-  else ``vmap`` (``blocked`` when ``block_size`` is given);
-  on CPU, ``blocked`` by work on as many host threads as cores
-  (``num_threads`` overrides): one client a block for models with
-  convolutions, ``cpu_block_size`` clients for the others (unless
-  ``block_size`` is given), as measured by benchmarks/peers/run.py and
-  scripts/benchmark.py (BUILD.md). ``blocked`` named explicitly runs on
-  ``num_threads`` threads (0 or 1: one fused program).
-
-  Args:
-    name: ``auto``, ``vmap``, ``blocked``, ``sequential`` or ``sharded``.
-    model: the model (``auto`` looks for convolutions and parameter bytes).
-    sample_x: one input batch of the model.
-    block_size: clients per block (``blocked``).
-    num_threads: host threads of the ``blocked`` executor (0: one per core).
-
-  Returns:
-    The ``Executor``; its ``reason`` says why ``auto`` chose it.
-  """
-  if name not in EXECUTOR_NAMES:
-    raise ValueError(f'unknown executor {name!r}; choose one of {list(EXECUTOR_NAMES)}')
-  if jax.default_backend() == 'cpu':
-    host.tune_allocator()
-  if jax.process_count() > 1 and name not in ('auto', 'sharded'):
-    raise ValueError(f'--executor={name} runs on one process; with {jax.process_count()} '
-                     'processes the client axis is sharded over all of them: use sharded or auto')
-  if name == 'auto':
-    return _auto(model, sample_x, block_size, num_threads)
-  if name == 'vmap':
-    return VmapExecutor()
-  if name == 'sharded':
-    return ShardedExecutor(block_size)
-  if name == 'blocked':
-    return BlockedExecutor(block_size or cpu_block_size(model), num_threads=max(1, num_threads))
-  return SequentialExecutor(num_threads=num_threads)
-
-
-def _auto(model, sample_x, block_size, num_threads) -> Executor:
-  """``auto``'s choice (``create_executor``), with its reason (a rule from
-  the platform and the model's cost, measured in BUILD.md "Against FedJAX
-  on the field's populations")."""
-  if jax.process_count() > 1:
-    ex = ShardedExecutor(block_size)
-    ex.reason = f'auto: {jax.process_count()} processes share the client axis'
-    return ex
-  if jax.default_backend() != 'cpu':
-    if jax.device_count() > 1:
-      ex = ShardedExecutor(block_size)
-    elif block_size:
-      ex = BlockedExecutor(block_size)
-    else:
-      ex = VmapExecutor()
-    ex.plan_memory = block_size is None and not isinstance(ex, BlockedExecutor)
-    ex.reason = 'auto: an accelerator vectorizes the cohort (blocks fitted to its free memory)'
-    return ex
-  threads = num_threads or os.cpu_count() or 1
-  if model is not None and sample_x is not None and model_has_conv(model, sample_x):
-    ex = BlockedExecutor(block_size or 1, num_threads=threads)
-    ex.reason = (f'auto: convolutions on a CPU, clients in blocks of {ex.block_size} by their '
-                 f'real steps (XLA:CPU runs vectorized convolutions slowly), {threads} host '
-                 'thread(s) sharing the blocks by work')
-    return ex
-  bs = block_size or cpu_block_size(model)
-  ex = BlockedExecutor(bs, num_threads=threads)
-  ex.reason = (f'auto: no convolutions on a CPU, clients in blocks of {bs} by their real '
-               f'steps, {threads} host thread(s) sharing the blocks by work'
-               + ('' if block_size else ' (block size from the parameter bytes)'))
-  return ex
-
-
 #: Above this much per-client state a threaded ``BlockedExecutor`` runs fused
 #: (``BlockedExecutor.for_run``).
 THREADED_STATE_BYTES = 1 << 30
-
-#: The parameter bytes a CPU block of clients may hold (``cpu_block_size``).
-CPU_BLOCK_BYTES = 1 << 20
-
-
-def cpu_block_size(model=None) -> int:
-  """Clients per block on CPU: as many as keep the block's parameters within
-  ``CPU_BLOCK_BYTES``, between 1 and 10. Local SGD on small batches reads and
-  writes every parameter each step, so a block that spills the caches runs
-  at memory speed (MLP, 1,000 clients, blocks of 10: 1.55x slower than 1-4),
-  and blocks by work cost a block's imbalance: one client a block for the
-  MLP (0.84 MB; FedAvg on 3,400 EMNIST-shaped writers, cohorts 10 / 50:
-  1.31x / 1.11x faster than blocks of 3). Small models (logistic
-  regression: 5) still share a block.
-
-  Args:
-    model: the model (None: the default block).
-
-  Returns:
-    Clients per block.
-  """
-  if model is None:
-    return 10
-  shapes = jax.eval_shape(model.init, jax.random.key(0))
-  nbytes = sum(np.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes))
-  return int(max(1, min(10, CPU_BLOCK_BYTES // max(int(nbytes), 1))))

@@ -28,7 +28,7 @@ _trim = []
 def tune_allocator() -> bool:
   """Raises glibc's mmap and trim thresholds to 1 GiB, once per process.
 
-  Done by the engine on CPU (``executors.create_executor``); does nothing
+  Done by the engine on CPU (``executor_choice.create_executor``); does nothing
   (returns False) without glibc or when ``FEDJAX_PERSONAL_MALLOPT=0``.
 
   Returns:

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from fedjax_personal.hparams import hparam
+from fedjax_personal.hparams import Declared, hparam
 from fedjax_personal.errors import ConfigError
 
 
@@ -85,7 +85,7 @@ def epsilon_text(epsilon) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class DPConfig:
+class DPConfig(Declared):
   """DP-SGD local training settings, shared by the algorithms offering it
   (their config classes inherit these fields and get ``--<prefix>_dp_*``
   flags)."""

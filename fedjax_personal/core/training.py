@@ -7,6 +7,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from flax import struct
 import jax
+from jax.typing import ArrayLike
 import jax.numpy as jnp
 import optax
 
@@ -80,9 +81,9 @@ class LossStats(NamedTuple):
   the model's ``unscored_targets``; None: all of them) and scored targets
   among the model's ``top_k`` highest logits (NaN when ``top_k`` is 0: not
   computed)."""
-  loss_sum: jax.Array
-  correct: jax.Array
-  count: jax.Array
+  loss_sum: ArrayLike
+  correct: ArrayLike
+  count: ArrayLike
   scored: Any = None
   correct_top_k: Any = None
 

@@ -9,14 +9,16 @@ dict.
 """
 
 import dataclasses
+import os
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fedjax_personal import numerics
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.hparams import hparam
+from fedjax_personal.hparams import Declared, hparam
 from fedjax_personal.models import initializers
 from fedjax_personal.models.architectures import (CNN, CharLSTM, LeNet5, LogisticRegression, MLP,
                                                   flatten)
@@ -33,7 +35,7 @@ __all__ = ['Adapter', 'as_float', 'avg_pool_2x2', 'batch_chunk', 'CharLSTM', 'CN
            'Conv', 'conv_as_matmul', 'CONV_IMPLS', 'conv_layout', 'create_model', 'Dense',
            'flatten', 'from_flax', 'from_layout', 'initializers', 'INITS', 'LeNet5',
            'LogisticRegression', 'LSTMCell', 'max_pool', 'max_pool_2x2', 'MLP', 'Model', 'MODELS',
-           'ModelSettings', 'num_params', 'REFERENCE', 'ResNetGN', 'resolve_conv_impl',
+           'ModelConfig', 'build_model', 'num_params', 'REFERENCE', 'ResNetGN', 'resolve_conv_impl',
            'tile_budget', 'TILE_BYTES', 'TILE_MIN_BYTES', 'to_layout', 'TRANSFORMER_SIZES',
            'TransformerLM']
 
@@ -61,6 +63,9 @@ class Model:
       ``apply``.
     inputs: the ``inputs.InputTransform`` ``apply`` and ``train_apply`` see
       their inputs through, or None.
+    matmul_precision: the precision ``apply``, ``train_apply`` and
+      ``features`` are traced at (``at_matmul_precision``), or None: JAX's
+      setting where they are traced.
   """
   name: str
   init: Callable[[jax.Array], Any]
@@ -73,12 +78,34 @@ class Model:
   accuracy_definition: str = ''
   train_apply: Optional[Callable[[Any, jax.Array, jax.Array], jax.Array]] = None
   inputs: Any = None
+  matmul_precision: Optional[str] = None
 
   def features(self, params, x):
     """The penultimate representation (models with a ``features`` method)."""
     if self.inputs is not None:
       x = self.inputs.evaluate(x)
-    return self.module.apply({'params': params}, x, method='features')
+    if self.matmul_precision is None:
+      return self.module.apply({'params': params}, x, method='features')
+    with numerics.precision(self.matmul_precision):
+      return self.module.apply({'params': params}, x, method='features')
+
+  def at_matmul_precision(self, name: str) -> 'Model':
+    """This model with ``apply`` and ``train_apply`` traced at matmul
+    precision ``name`` (``numerics.scoped``), whatever JAX's setting where
+    they are traced.
+
+    Args:
+      name: one of ``numerics.MATMUL_PRECISIONS``.
+
+    Returns:
+      The ``Model``.
+    """
+    if self.matmul_precision == name:
+      return self
+    train_apply = (None if self.train_apply is None
+                   else numerics.scoped(self.train_apply, name))
+    return dataclasses.replace(self, apply=numerics.scoped(self.apply, name),
+                               train_apply=train_apply, matmul_precision=name)
 
   def scoring_only_words(self, ids, top_k: int = 5, unpredicted=(),
                          definition: str = '') -> 'Model':
@@ -112,6 +139,8 @@ class Model:
       if transform is not None:
         x = transform.evaluate(x)
       return forward.apply({'params': params}, x)
+    if self.matmul_precision is not None:
+      apply = numerics.scoped(apply, self.matmul_precision)
     return dataclasses.replace(self, apply=apply, module=forward)
 
   def starting_from(self, params) -> 'Model':
@@ -221,11 +250,11 @@ REFERENCE = {
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSettings:
+class ModelConfig(Declared):
   """The model of a run, declared once (``hparam``): the command's model
-  flags are generated from these fields; ``create_model(model, ...,
-  adapter_dim, conv_impl, init=model_init)`` builds it, and ``init_weights``
-  replaces its first weights (``models.weights``).
+  flags are generated from these fields; ``build_model`` builds it
+  (``create_model(model, ..., adapter_dim, conv_impl, init=model_init)``,
+  its first weights from ``init_weights``: ``models.weights``).
   """
   model: str = hparam('mlp', 'Model: ' + ', '.join(sorted(MODELS)) + '; the seeds\' own: '
                       + '; '.join(f'{k} ({v[0]})' for k, v in REFERENCE.items()))
@@ -246,6 +275,37 @@ class ModelSettings:
                           'a slow grouped convolution). Same parameters; the same numbers up to '
                           'float reassociation. Recorded in the run identity.',
                           choices=tuple(CONV_IMPLS))
+
+  def check(self) -> None:
+    """A known model; a weights file that exists and gives every weight."""
+    if self.model not in MODELS:
+      raise ConfigError('model', f'unknown model {self.model!r}; choose from {sorted(MODELS)}')
+    if self.init_weights:
+      if self.model_init != 'flax':
+        raise ConfigError('model_init', 'does nothing with --init_weights (the file gives every '
+                          'initial weight)')
+      if not os.path.isfile(self.init_weights):
+        raise ConfigError('init_weights', f'{self.init_weights}: no such file')
+
+
+def build_model(cfg: ModelConfig, num_classes: int, sample_x) -> 'Model':
+  """The model ``cfg`` describes, built on ``sample_x`` (``create_model``),
+  starting from the weights of ``cfg.init_weights`` when given.
+
+  Args:
+    cfg: the ``ModelConfig``.
+    num_classes: the data set's classes.
+    sample_x: one input batch.
+
+  Returns:
+    The ``Model``.
+  """
+  model = create_model(cfg.model, num_classes, sample_x, cfg.adapter_dim,
+                       conv_impl=cfg.conv_impl, init=cfg.model_init)
+  if cfg.init_weights:
+    from fedjax_personal.models import weights  # noqa: PLC0415  (torch files on demand)
+    model = model.starting_from(weights.load(cfg.init_weights, model, sample_x))
+  return model
 
 
 def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0,

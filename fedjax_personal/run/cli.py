@@ -1,46 +1,47 @@
 """The entry of ``scripts/run_experiment.py``: parse the flags (and
-flagfiles), run the main job (``run/main_job.py``) and turn every fault into one
-line and its exit status. Kept in the package so that scripts stay thin and
-tests can drive it; the settings and the job steps are importable from here
-too.
+flagfiles), read them once into a ``RunSettings`` (``command_line.read``),
+run the main job (``run/main_job.py``) and turn every fault into one line
+and its exit status. Kept in the package so that scripts stay thin and
+tests can drive it.
 """
 
 import sys
 import time
+from typing import Optional
 
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.run import distributed, experiment, faults, script_entry
+from fedjax_personal.run import command_line, distributed, experiment, faults, script_entry
 from fedjax_personal.run import main_job as job_lib
-from fedjax_personal.run.main_job import *  # noqa: F401,F403  (the main job's steps)
-from fedjax_personal.run.settings import *  # noqa: F401,F403  (flags, settings)
-from fedjax_personal.run.settings import FLAGS, Settings, read, register  # noqa: F401
+from fedjax_personal.run.command_line import FLAGS, register  # noqa: F401  (the entry's API)
+from fedjax_personal.run.settings import RunSettings
+
+__all__ = ['main', 'main_job', 'parse_flags', 'read_flags', 'register', 'run']
+
+#: The one error type of bad settings (the scripts exit with status 2).
+UsageError = ConfigError
 
 
-__all__ = ['main', 'main_job', 'read_flags', 'run']
-
-
-def read_flags() -> Settings:
-  """The parsed flags as ``Settings``: the one place the library reads them
-  (then passed down to the job's steps).
+def read_flags() -> RunSettings:
+  """The parsed flags as a ``RunSettings``: the one place the library reads
+  them (then passed down to the job's steps).
 
   Returns:
     The settings of ``flags.FLAGS`` as parsed now.
   """
-  return read(FLAGS)
+  return command_line.read(FLAGS)
 
 
-def main_job(opts: Settings = None):
-  """The main job (``job.main_job``) of ``opts``, by default of the parsed
-  flags.
+def main_job(settings: Optional[RunSettings] = None):
+  """The main job (``main_job.main_job``) of ``settings``, by default of the
+  parsed flags.
 
   Args:
-    opts: the settings (None: ``read_flags()``).
+    settings: the run's settings (None: ``read_flags()``).
 
   Returns:
-    {row label: final summary}, as ``job.main_job``.
+    {row label: final summary}, as ``main_job.main_job``.
   """
-  return job_lib.main_job(read_flags() if opts is None else opts)
-
+  return job_lib.main_job(read_flags() if settings is None else settings)
 
 
 def main(argv):
@@ -57,18 +58,16 @@ def main(argv):
     print(f'error: unexpected arguments {argv[1:]}', file=sys.stderr)
     sys.exit(2)
   try:
-    opts = read_flags()
-  except ConfigError as e:  # a flag out of its declared range
+    settings = read_flags()
+  except ConfigError as e:  # a flag out of its range, or one that cannot apply
     _fail(e, faults.EXIT_CONFIG)
-  if not opts['verbosity'].present:
-    from absl import logging
-    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+  script_entry.quiet_logging_unless_asked()
   faults.install_signal_handlers()
   try:
-    distributed.initialize(distributed.settings(opts.coordinator_address, opts.num_processes,
-                                                opts.process_id),
-                           opts.distributed_timeout)
-    main_job(opts)
+    d = settings.distributed
+    distributed.initialize(distributed.settings(d.coordinator_address, d.num_processes,
+                                                d.process_id), d.distributed_timeout)
+    main_job(settings)
     done = faults.finished_line()
     if done:  # a signal after the last round: nothing was cut short
       print(done, file=faults.error_stream(), flush=True)
@@ -79,10 +78,10 @@ def main(argv):
   except experiment.DivergenceError as e:
     _fail(e, faults.EXIT_DIVERGED)
   except MemoryError as e:  # an allocation the process's limits refused (ulimit -v, a cgroup)
-    from fedjax_personal.core.population import layout as layout_lib
-    left = layout_lib.host_available_bytes()
+    from fedjax_personal.core.population import placement
+    left = placement.host_available_bytes()
     _fail(ConfigError('num_clients', f'out of host memory ({type(e).__name__}'
-                      + (f'; {left / layout_lib.GB:.1f} GB left to this process' if left else '')
+                      + (f'; {left / placement.GB:.1f} GB left to this process' if left else '')
                       + '): give fewer clients or configurations, a smaller --cohort_size, or '
                       '--client_state=disk; ' + faults.kept()), faults.EXIT_CONFIG)
   except KeyboardInterrupt:
@@ -90,14 +89,15 @@ def main(argv):
     _fail(stop, stop.status)
   except Exception as e:  # a storage or lost-process fault: one line; else the traceback
     if faults.storage_reason(e):
-      name = getattr(e, 'filename', None) or job_output_dir(opts)
+      name = getattr(e, 'filename', None) or settings.output.output_dir or 'the output folder'
       _fail(faults.storage_error(name, e), faults.EXIT_STORAGE)
     reason = faults.lost_process_reason(e) if distributed.active() else None
     if reason:
       time.sleep(4 * distributed.POLL_SECONDS)  # the lost one's heartbeat goes stale
       silent = distributed.silent_processes()
       reason = f'{silent} stopped answering: {reason}' if silent else reason
-      _fail(faults.lost_process(reason, opts.coordinator_address or '(from the environment)'),
+      _fail(faults.lost_process(reason, settings.distributed.coordinator_address
+                                or '(from the environment)'),
             faults.EXIT_LOST_PROCESS)
     if distributed.report_failure(f'{type(e).__name__}: {e}'):
       import traceback
@@ -125,11 +125,6 @@ def _fail(error, status: int):
   sys.exit(status)
 
 
-def job_output_dir(opts: Settings) -> str:
-  """The run's output folder as a message names it."""
-  return opts.output_dir or 'the output folder'
-
-
 def run():
   """Entry point of ``scripts/run_experiment.py``.
 
@@ -137,4 +132,19 @@ def run():
     None.
   """
   from absl import app
-  app.run(main, flags_parser=script_entry.parse_flags)
+  app.run(main, flags_parser=parse_flags)
+
+
+def parse_flags(argv):
+  """The command's flags, those of algorithms and data sets registered since
+  the import included (``command_line.define_flags``), parsed with one-line
+  errors (``script_entry.parse_flags``).
+
+  Args:
+    argv: the command line.
+
+  Returns:
+    What absl leaves of it.
+  """
+  command_line.define_flags()
+  return script_entry.parse_flags(argv)

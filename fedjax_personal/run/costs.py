@@ -46,7 +46,7 @@ def local_step_cost(model, opt, batch_size: int, in_shape, x_dtype='uint8') -> T
     cost = jax.jit(step).lower(params, opt.init(params), x, y).compile().cost_analysis()
   finally:
     layers.TILE_BYTES = tile
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
   return float(cost.get('flops', 0.0)), float(cost.get('bytes accessed', 0.0)), step
 
 

@@ -38,13 +38,13 @@ import socket
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import jax
 import numpy as np
 
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.hparams import hparam
+from fedjax_personal.hparams import Declared, hparam
 from fedjax_personal.run import faults
 
 __all__ = ['active', 'barrier', 'check_same_run', 'describe', 'DistributedSettings', 'hard_exit',
@@ -57,11 +57,11 @@ ENV = {'coordinator_address': 'JAX_COORDINATOR_ADDRESS', 'num_processes': 'JAX_N
        'process_id': 'JAX_PROCESS_ID'}
 CLUSTER_ENV = ('SLURM_JOB_ID', 'OMPI_COMM_WORLD_SIZE')
 
-_STATE = {'initialized': False}
+_STATE: Dict[str, Any] = {'initialized': False}
 
 
 @dataclasses.dataclass(frozen=True)
-class DistributedSettings:
+class DistributedSettings(Declared):
   """The processes of one run, declared once (``hparam``; the command's flags
   are generated from these fields). Not given: the environment's, else one
   process (``settings``)."""
@@ -90,8 +90,8 @@ def settings(coordinator_address: Optional[str], num_processes: Optional[int],
   Returns:
     The launch settings, or None.
   """
-  given = {'coordinator_address': coordinator_address, 'num_processes': num_processes,
-           'process_id': process_id}
+  given: Dict[str, Any] = {'coordinator_address': coordinator_address,
+                           'num_processes': num_processes, 'process_id': process_id}
   for k, var in ENV.items():
     if given[k] is None and os.environ.get(var):
       given[k] = os.environ[var] if k == 'coordinator_address' else _int_env(var)
@@ -188,9 +188,9 @@ def _preflight(address: str, process_id: int, timeout: int) -> None:
   """What JAX would only report by aborting the process: process 0 must be
   able to listen on the coordinator's port, the others must reach it within
   ``timeout`` seconds."""
-  host, _, port = address.rpartition(':')
+  host, _, port_text = address.rpartition(':')
   try:
-    port = int(port)
+    port = int(port_text)
   except ValueError:
     raise ConfigError('coordinator_address', f'expected host:port, got {address!r}') from None
   if process_id == 0:

@@ -15,7 +15,7 @@ seed give the same numbers, whatever the executor, alone or in a sweep.
 import dataclasses
 import math
 import time
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import jax
 import numpy as np
@@ -130,7 +130,7 @@ class SingleRun:
   def evaluate(self, state, t: int) -> LossStats:
     """Per-client LossStats with a leading configuration axis [1, N]."""
     stats = self.runner.evaluate(state, self.eval_round_key(t))
-    return LossStats(*(np.asarray(a)[None] for a in jax.device_get(stats)))
+    return LossStats(*[np.asarray(a)[None] for a in jax.device_get(stats)])
 
 
 def _records(t: int, metrics: dict, seconds: float, labels) -> List[dict]:
@@ -139,7 +139,7 @@ def _records(t: int, metrics: dict, seconds: float, labels) -> List[dict]:
   ran = np.asarray(metrics.pop(PRE_ROUND_RAN, np.zeros(len(labels), bool)))
   records = []
   for s, label in enumerate(labels):
-    record = {'round': t + 1}
+    record: Dict[str, Any] = {'round': t + 1}
     if label is not None:
       record['config'] = label
     record.update({k: float(v[s]) for k, v in metrics.items()})
@@ -204,7 +204,8 @@ def run_many(runs, num_rounds: int, eval_every: int = 5, callbacks: Sequence[Cal
     if all(d is not None for d in diverged):
       loss = records[0].get('train_loss')
       which = 'training' if num == 1 else f'all {num} configurations'
-      raise DivergenceError(f'{which} diverged (round {min(diverged)}: train loss {loss}); '
+      first = min(d for d in diverged if d is not None)
+      raise DivergenceError(f'{which} diverged (round {first}: train loss {loss}); '
                             'lower --client_lr (or --server_lr)', histories)
   for cb in callbacks:
     cb.on_end(histories, state)

@@ -27,7 +27,7 @@ import signal
 import sys
 import tempfile
 import threading
-from typing import Optional
+from typing import Any, Dict, Optional
 
 __all__ = ['captured_stderr', 'claim_report', 'error_stream', 'EXIT_SIGNAL', 'Fault',
            'finished_line', 'install_signal_handlers', 'Interrupted', 'interrupted', 'kept',
@@ -149,7 +149,7 @@ def finished_line(output_dir: Optional[str] = None) -> Optional[str]:
 
 # -- signals ------------------------------------------------------------------
 
-_REQUEST = {'signal': None, 'installed': False, 'agree': None}
+_REQUEST: Dict[str, Any] = {'signal': None, 'installed': False, 'agree': None}
 
 
 def share_stop_requests(agree) -> None:
@@ -192,7 +192,7 @@ def signal_received() -> bool:
   Returns:
     True after SIGINT or SIGTERM.
   """
-  return _REQUEST['installed'] and _REQUEST['signal'] is not None
+  return bool(_REQUEST['installed']) and _REQUEST['signal'] is not None
 
 
 def stop_requested() -> bool:
@@ -240,7 +240,7 @@ STORAGE_ERRNOS = {errno.ENOSPC: 'No space left on device', errno.EROFS: 'Read-on
 _CODE = re.compile(r"os_error_code='(\d+)'")
 
 
-def storage_reason(exc: BaseException) -> Optional[str]:
+def storage_reason(exc: Optional[BaseException]) -> Optional[str]:
   """The storage failure behind ``exc`` (its cause chain; Orbax's and
   TensorStore's errors carry ``os_error_code``), or None.
 
@@ -304,7 +304,7 @@ def lost_process_reason(exc: BaseException) -> Optional[str]:
   return first[:160]
 
 
-def lost_process(reason: str, coordinator: str) -> LostProcess:
+def lost_process(reason: str, coordinator: Optional[str]) -> LostProcess:
   """The ``LostProcess`` fault naming the coordinator and the next commands.
 
   Args:
@@ -318,7 +318,7 @@ def lost_process(reason: str, coordinator: str) -> LostProcess:
                      f'{kept().replace("the same command", "the same commands in every process")}')
 
 
-_ERR = {'stream': None}
+_ERR: Dict[str, Any] = {'stream': None}
 
 
 def error_stream():
@@ -375,7 +375,7 @@ def _restore(saved_fd, saved_py, buf):
     sys.stderr.flush()
 
 
-_REPORTED = {'status': None}
+_REPORTED: Dict[str, Optional[int]] = {'status': None}
 _REPORT_LOCK = threading.Lock()
 
 
@@ -406,7 +406,7 @@ def reported_status() -> Optional[int]:
   return _REPORTED['status']
 
 
-def quiet_exit(status: int) -> None:
+def quiet_exit(status: Optional[int]) -> None:
   """Ends the process now with ``status`` (no interpreter shutdown in which
   background writer threads could still print).
 
@@ -419,4 +419,4 @@ def quiet_exit(status: int) -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   error_stream().flush()
-  os._exit(status)
+  os._exit(1 if status is None else status)

@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Dict, List
+from typing import Any, Callable, Dict, List
 
 import numpy as np
 
@@ -139,7 +139,7 @@ def plot_trials(groups: Dict[str, List[List[dict]]], directory: str) -> str:
   return _save_accuracy_figure(fig, axes, directory, ' (mean ± std over trials)')
 
 
-_KINDS = {'runs': plot_runs, 'trials': plot_trials}
+_KINDS: Dict[str, Callable[..., Any]] = {'runs': plot_runs, 'trials': plot_trials}
 
 
 def _plain(value):
@@ -178,6 +178,7 @@ def draw(kind: str, histories: dict, directory: str, mode: str = 'wait'):
   child = subprocess.Popen([sys.executable, '-c', code], stdin=subprocess.PIPE,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            start_new_session=True)
+  assert child.stdin is not None  # stdin=PIPE
   child.stdin.write(payload.encode())
   child.stdin.close()
   return child

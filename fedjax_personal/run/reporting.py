@@ -1,7 +1,7 @@
 """Callbacks and outputs: metrics.jsonl, summary JSON, PNG plots, progress bar."""
 
 import os
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -226,7 +226,8 @@ def aggregate_trials(summaries: List[dict]) -> dict:
     The aggregate summary.
   """
   ok = [s for s in summaries if not s.get('diverged')]
-  out = {'trials': len(summaries), 'diverged_trials': len(summaries) - len(ok)}
+  out: Dict[str, Any] = {'trials': len(summaries),
+                         'diverged_trials': len(summaries) - len(ok)}
   if not ok:
     return {**out, 'diverged': True,
             'diverged_at_round': min(s.get('diverged_at_round') or 0 for s in summaries)}
@@ -302,7 +303,7 @@ class AffinityRecorder(Callback):
 
   def __init__(self, path: str, get=lambda state: state.affinity, max_panels: int = 6):
     self.path, self.get, self.max_panels = path, get, max_panels
-    self.matrices = {}
+    self.matrices: Dict[int, Any] = {}
 
   def on_round_end(self, round_num, records, state):
     if 'accuracy_mean' in records[0]:

@@ -25,6 +25,7 @@ rest (``--noreuse_trials`` runs every trial again); a trial of any other
 configuration or code is never read.
 """
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -32,143 +33,126 @@ import os
 import shlex
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import ClassVar, Dict, List, Optional, Sequence
 
-from absl import flags
 import numpy as np
 
+from fedjax_personal.hparams import Declared, hparam
+from fedjax_personal.models import INITS
 from fedjax_personal.run import experiment, reporting, run_identity
 
-__all__ = ['cell', 'code_fingerprint', 'define_flags', 'define_model_flags', 'dry_run',
-           'markdown_table', 'output_dir', 'run_trials', 'scaled', 'source_files', 'TrialCache',
-           'trials', 'write_results']
+__all__ = ['cell', 'code_fingerprint', 'markdown_table', 'model_field', 'model_init_field',
+           'ReproduceSettings',
+           'run_trials', 'source_files', 'TrialCache', 'write_results']
 
 
 SCALES = ('cpu', 'paper')
 
 
-def define_flags(default_trials: Optional[Dict[str, int]] = None) -> None:
-  """Defines ``--scale``, ``--trials``, ``--seed``, ``--stat_window`` and
-  ``--output_dir`` (the flags every reproduce script shares).
+def model_field(what: str = 'Model'):
+  """A reproduce script's model setting: None, the scale's model, unless
+  given.
 
   Args:
-    default_trials: ``{scale: trials}``.
+    what: the help's first words.
 
   Returns:
-    None.
+    The ``hparam`` field.
   """
-  trials = default_trials or {'cpu': 3, 'paper': 5}
-  flags.DEFINE_enum('scale', 'cpu', SCALES,
-                    "'cpu': the seed's protocol reduced to ~30 min per table on 2 cores; "
-                    "'paper': the seed's own sizes (TFDS data where the seed used them).")
-  flags.DEFINE_integer('trials', None, f'Trials per cell (default: {trials}); seeds '
-                       'seed..seed+T-1 on the partition of --seed.', lower_bound=1)
-  flags.DEFINE_integer('seed', 0, 'Seed of the partitions and of the first trial.')
-  flags.DEFINE_integer('stat_window', 5, 'Cells average the last this many evaluations.',
-                       lower_bound=1)
-  flags.DEFINE_string('output_dir', None, 'Where results go (default runs/<script name>).')
-  flags.DEFINE_string('data_dir', None, 'Folder searched first for data files (then '
-                      '$FEDJAX_PERSONAL_DATA, the package, the cache); must exist.')
-  flags.DEFINE_bool('dry_run', False, 'Print the sizes this scale resolves to and exit.')
-  flags.DEFINE_bool('reuse_trials', True, 'Reuse the trials a run of the same cell (same '
-                    'settings, data, seed and library source) finished under '
-                    '<output_dir>/trials: a killed or extended table run goes on from them.')
-  flags.register_validator('trials', lambda v: v is None or v >= 1, '--trials must be >= 1')
-  _TRIALS.update(trials)
+  from fedjax_personal.models import MODELS  # noqa: PLC0415  (the registry, when declared)
+  return hparam(None, f"{what} (default: the scale's; see --dry_run).",
+                choices=tuple(sorted(MODELS)))
 
 
-_TRIALS: Dict[str, int] = {}
-
-
-def trials(opts) -> int:
-  """``--trials``, or the scale's default.
-
-  Args:
-    opts: the script's parsed flags (``flags.FLAGS``, read by the script).
+def model_init_field():
+  """A reproduce script's initialisation setting: None, the scale's
+  convention, unless given.
 
   Returns:
-    The number of trials.
+    The ``hparam`` field.
   """
-  return opts.trials if opts.trials is not None else _TRIALS[opts.scale]
+  return hparam(None, "Initialisation convention (default: the scale's: paper, the seed code's "
+                "framework; cpu, flax).", choices=tuple(INITS))
 
 
-def dry_run(opts, sizes: dict) -> bool:
-  """With ``--dry_run``, prints the resolved sizes (one ``name: value`` line
-  each, after the scale and trials) and returns True: the script exits.
+@dataclasses.dataclass(frozen=True)
+class ReproduceSettings(Declared):
+  """What every reproduce script shares (its flags generated from these
+  fields, ``script_entry.define_settings_flags``); a script's own settings
+  class adds its fields to these.
 
-  Args:
-    opts: the script's parsed flags.
-    sizes: what the scale resolved, by name.
-
-  Returns:
-    Whether this is a dry run.
+  Attributes:
+    DEFAULT_TRIALS: ``{scale: trials}`` when ``--trials`` is not given.
   """
-  if not opts.dry_run:
-    return False
-  print(f'scale: {opts.scale}\ntrials: {trials(opts)}')
-  for k, v in sizes.items():
-    print(f'{k}: {v}')
-  return True
+  DEFAULT_TRIALS: ClassVar[Dict[str, int]] = {'cpu': 3, 'paper': 5}
+  scale: str = hparam('cpu', "'cpu': the seed's protocol reduced to ~30 min per table on 2 cores; "
+                      "'paper': the seed's own sizes (TFDS data where the seed used them).",
+                      choices=SCALES)
+  trials: Optional[int] = hparam(None, "Trials per cell (default: the scale's, --dry_run says); "
+                                 'seeds seed..seed+T-1 on the partition of --seed.', minimum=1)
+  seed: int = hparam(0, 'Seed of the partitions and of the first trial.', minimum=0)
+  stat_window: int = hparam(5, 'Cells average the last this many evaluations.', minimum=1)
+  output_dir: Optional[str] = hparam(None, 'Where results go (default runs/<script name>).')
+  data_dir: Optional[str] = hparam(None, 'Folder searched first for data files (then '
+                                   '$FEDJAX_PERSONAL_DATA, the package, the cache); must exist.')
+  dry_run: bool = hparam(False, 'Print the sizes this scale resolves to and exit.')
+  reuse_trials: bool = hparam(True, 'Reuse the trials a run of the same cell (same settings, '
+                              'data, seed and library source) finished under '
+                              '<output_dir>/trials: a killed or extended table run goes on '
+                              'from them.')
 
+  @property
+  def num_trials(self) -> int:
+    """``--trials``, or the scale's default."""
+    return self.trials if self.trials is not None else self.DEFAULT_TRIALS[self.scale]
 
-def output_dir(opts, script: str) -> str:
-  """``--output_dir`` or runs/<script>, created; the trials of this run's
-  cells are kept under it (``run_trials``).
+  def scaled(self, value, cpu, paper):
+    """``value`` when given (not None), else the scale's default.
 
-  Args:
-    opts: the script's parsed flags.
-    script: the script's name.
+    Args:
+      value: the setting's value (None: not given).
+      cpu: the ``cpu`` scale's default.
+      paper: the ``paper`` scale's default.
 
-  Returns:
-    The folder.
-  """
-  d = opts.output_dir or os.path.join('runs', script)
-  global _OUTPUT
-  os.makedirs(d, exist_ok=True)
-  _OUTPUT = d
-  code_fingerprint()  # of the code this process has loaded, not of later edits
-  return d
+    Returns:
+      The value to use.
+    """
+    if value is not None:
+      return value
+    return cpu if self.scale == 'cpu' else paper
 
+  def show_dry_run(self, sizes: dict) -> bool:
+    """With ``--dry_run``, prints the resolved sizes (one ``name: value``
+    line each, after the scale and trials) and returns True: the script
+    exits.
 
-# The folder ``output_dir`` made for this run (None before): where
-# ``run_trials`` keeps finished trials.
-_OUTPUT: Optional[str] = None
+    Args:
+      sizes: what the scale resolved, by name.
 
+    Returns:
+      Whether this is a dry run.
+    """
+    if not self.dry_run:
+      return False
+    print(f'scale: {self.scale}\ntrials: {self.num_trials}')
+    for k, v in sizes.items():
+      print(f'{k}: {v}')
+    return True
 
-def define_model_flags(prefixes=('',)) -> None:
-  """``--<prefix>model`` for each prefix and ``--model_init``: the scale's
-  model and initialisation unless given (``--scale=paper``: the seed's own,
-  as its code builds and initialises it; ``cpu``: the stated reduction).
+  def results_dir(self, script: str) -> str:
+    """``--output_dir`` or runs/<script>, created; the trials of this run's
+    cells are kept under it (``run_trials``).
 
-  Args:
-    prefixes: the model flags' prefixes.
+    Args:
+      script: the script's name.
 
-  Returns:
-    None.
-  """
-  from fedjax_personal.models import INITS, MODELS
-  for prefix in prefixes:
-    flags.DEFINE_enum(f'{prefix}model', None, sorted(MODELS), 'Model (default: the scale\'s; '
-                      'see --dry_run).')
-  flags.DEFINE_enum('model_init', None, list(INITS), "Initialisation convention (default: the "
-                    "scale's: paper, the seed code's framework; cpu, flax).")
-
-
-def scaled(opts, value, cpu, paper):
-  """``value`` when given (not None), else the scale's default.
-
-  Args:
-    opts: the script's parsed flags (``--scale``).
-    value: the flag's value (None: not given).
-    cpu: the ``cpu`` scale's default.
-    paper: the ``paper`` scale's default.
-
-  Returns:
-    The value to use.
-  """
-  if value is not None:
-    return value
-  return cpu if opts.scale == 'cpu' else paper
+    Returns:
+      The folder.
+    """
+    d = self.output_dir or os.path.join('runs', script)
+    os.makedirs(d, exist_ok=True)
+    code_fingerprint()  # of the code this process has loaded, not of later edits
+    return d
 
 
 SOURCE_PACKAGES = ('fedjax_personal.algorithms', 'fedjax_personal.datasets', 'fedjax_personal')
@@ -185,7 +169,7 @@ def source_files() -> List[tuple]:
   import importlib
   seen, out = set(), []
   for package in SOURCE_PACKAGES:
-    root = os.path.dirname(os.path.abspath(importlib.import_module(package).__file__))
+    root = os.path.dirname(os.path.abspath(importlib.import_module(package).__file__ or ''))
     for d, _, files in os.walk(root):
       for name in files:
         path = os.path.realpath(os.path.join(d, name))
@@ -218,7 +202,6 @@ def trial_identity(runner, cell: dict, num_rounds: int, eval_every: int,
   (algorithm name and settings), the data fingerprint, the model's name and
   parameter shapes, the sampler, rounds, evaluation period, the callbacks'
   settings (e.g. the DP delta) and the library's source."""
-  import dataclasses
   import jax
   from fedjax_personal import __version__
   alg = runner.algorithm
@@ -265,27 +248,35 @@ class TrialCache:
 
 
 def run_trials(runner, num_rounds: int, seed: int, num_trials: int, eval_every: int,
-               callbacks: Sequence = (), cell: Optional[dict] = None, reuse: bool = True):
+               callbacks: Sequence = (), cell: Optional[dict] = None, reuse: bool = True,
+               directory: Optional[str] = None):
   """``num_trials`` runs of one runner with seeds seed..seed+T-1 (same data);
   a trial that diverges is kept, marked ``diverged`` from its divergence on.
 
   Args:
+    runner: the ``RoundRunner``.
+    num_rounds: rounds per trial.
+    seed: the first trial's seed.
+    num_trials: trials.
+    eval_every: the evaluation period.
+    callbacks: the loop's callbacks.
     cell: what identifies the runner's configuration beyond what it exposes
-      (the algorithm's registry name and settings): when given, finished
-      trials are kept in the ``output_dir()`` folder's ``trials`` and reused
-      when their identity is equal. Diverged trials are not kept.
+      (the algorithm's registry name and settings): with ``directory``,
+      finished trials are kept in its ``trials`` folder and reused when
+      their identity is equal. Diverged trials are not kept.
     reuse: reuse kept trials (a script's ``--reuse_trials``).
+    directory: the script's results folder (``ReproduceSettings.results_dir``).
 
   Returns:
     (histories, seconds per trial).
   """
   cache = None
-  if cell is not None and _OUTPUT is not None:
-    cache = TrialCache(_OUTPUT, trial_identity(runner, cell, num_rounds, eval_every, callbacks))
+  if cell is not None and directory is not None:
+    cache = TrialCache(directory, trial_identity(runner, cell, num_rounds, eval_every, callbacks))
   histories, seconds = [], []
   for t in range(num_trials):
     saved = cache.load(seed + t) if cache is not None and reuse else None
-    if saved is not None:
+    if cache is not None and saved is not None:
       print(f'trial {t} (seed {seed + t}): reused from {cache.directory}', flush=True)
       histories.append(saved[0])
       seconds.append(saved[1])
@@ -303,7 +294,7 @@ def run_trials(runner, num_rounds: int, seed: int, num_trials: int, eval_every: 
       # A table reports a diverged trial (its summary says so and the cells
       # count it in ``diverged_trials``) instead of losing the other trials.
       print(f'trial {t} (seed {seed + t}) diverged: {e}', flush=True)
-      histories.append(e.histories[0])
+      histories.append(e.histories[0] if e.histories else [])
     seconds.append(time.perf_counter() - start)
   return histories, float(np.mean(seconds))
 
@@ -346,13 +337,13 @@ def command_line() -> str:
   return ' '.join(['python', os.path.relpath(sys.argv[0])] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
-def write_results(opts, directory: str, table: str, title: str, markdown: str,
-                  data: dict) -> List[str]:
-  """Writes ``<table>_<scale>.json`` (the data, the flags, the command) and
+def write_results(settings: ReproduceSettings, directory: str, table: str, title: str,
+                  markdown: str, data: dict) -> List[str]:
+  """Writes ``<table>_<scale>.json`` (the data, the settings, the command) and
   ``<table>_<scale>.md`` (title, command, Markdown table); returns the paths.
 
   Args:
-    opts: the script's parsed absl flags (its own are recorded).
+    settings: the script's settings (recorded whole).
     directory: where the files go.
     table: the tables' name.
     title: the Markdown title.
@@ -362,11 +353,9 @@ def write_results(opts, directory: str, table: str, title: str, markdown: str,
   Returns:
     The two files' paths.
   """
-  f = opts
-  base = os.path.join(directory, f'{table}_{f.scale}')
-  own = [fl for m in ('__main__', __name__) for fl in f.get_flags_for_module(m)]
-  meta = {'command': command_line(), 'scale': f.scale, 'trials': trials(opts),
-          'flags': {fl.name: fl.value for fl in own}}
+  base = os.path.join(directory, f'{table}_{settings.scale}')
+  meta = {'command': command_line(), 'scale': settings.scale, 'trials': settings.num_trials,
+          'flags': dataclasses.asdict(settings)}
   # Strict JSON: a diverged trial's NaN is written as null.
   run_identity.write_json(base + '.json', {'title': title, **meta, 'results': data})
   with open(base + '.md', 'w') as fh:

@@ -35,7 +35,8 @@ import os
 import secrets
 import shutil
 import zlib
-from typing import Dict, List, Optional
+import typing
+from typing import Any, Dict, List, Optional
 
 import jax
 import numpy as np
@@ -100,7 +101,7 @@ def _write_npy(path: str, dtype, shape, blocks) -> str:
   with open(path, 'wb') as f:
     f.write(header.getvalue())
     for block in blocks:
-      data = memoryview(np.ascontiguousarray(block, dtype)).cast('B')
+      data = memoryview(typing.cast(Any, np.ascontiguousarray(block, dtype))).cast('B')
       h.update(data)
       f.write(data)
     f.flush()
@@ -161,8 +162,8 @@ def write_delta(directory: str, step: int, state, chain: List[dict], identity: s
   try:
     for s, st in enumerate(_states(state)):
       leaves = _leaves(st)
-      idx = np.flatnonzero(np.any([a.dirty for a in leaves], axis=0)) if leaves else []
-      idx = np.asarray(idx, np.int64)
+      idx = np.asarray(np.flatnonzero(np.any([a.dirty for a in leaves], axis=0)) if leaves
+                       else [], np.int64)
       digests[f'index-{s}.npy'] = _write_npy(os.path.join(tmp, f'index-{s}.npy'), idx.dtype,
                                              idx.shape, [idx])
       b = _block(leaves)
@@ -317,7 +318,7 @@ def _dtypes(state) -> List[list]:
   return [[np.dtype(a.dtype).str for a in _leaves(st)] for st in _states(state)]
 
 
-def fold(directory: str, manifests: Dict[int, dict], state) -> None:
+def fold(directory: str, manifests: Dict[int, Optional[dict]], state) -> None:
   """After a checkpoint is published: folds into the base the deltas every
   kept step holds (``manifests``: kept step -> manifest, None for a step
   saved whole) and removes the delta folders no kept step needs.

@@ -16,7 +16,7 @@ import math
 import os
 import shutil
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -162,7 +162,7 @@ def read(directory: str) -> Optional[Dict]:
     return json.load(f)
 
 
-_LOCKS = {}
+_LOCKS: Dict[str, Any] = {}
 
 
 def lock(directory: str) -> None:

@@ -1,4 +1,9 @@
-"""How every script starts: absl's ``app.run`` with one-line errors.
+"""How every script starts: its flags generated from its settings classes,
+read once into them, and absl's ``app.run`` with one-line errors.
+
+Every flag of every script is a field of a settings dataclass (``hparam``):
+``define_settings_flags`` makes the flags (the one place absl's flags are
+defined) and ``read_settings`` the typed object the script passes down.
 
 A bad flag, a bad setting (``ConfigError``) or a missing, corrupt or
 undownloadable data file (``DataError``, ``FileNotFoundError``) ends in one
@@ -11,14 +16,82 @@ import signal
 import sys
 import threading
 import time
+from typing import Any, Dict, Optional
 
 from absl import app, flags
 
 from fedjax_personal.errors import ConfigError
+from fedjax_personal.hparams import field_types, flag_fields, flag_name, is_list
 from fedjax_personal.run import faults
 
 
-__all__ = ['parse_flags', 'run_script']
+__all__ = ['define_settings_flags', 'parse_flags', 'quiet_logging_unless_asked', 'read_settings',
+           'run_script']
+
+
+def define_settings_flags(cls, module_name: Optional[str] = None, defaults: Optional[dict] = None,
+                          flag_values: Optional[flags.FlagValues] = None) -> None:
+  """One flag per field of the settings class ``cls`` (``flag_name``:
+  ``<prefix>_<field>`` or its declared ``flag``), typed by the field's
+  annotation (a tuple: a comma list; ``choices``: an enum), help and
+  default from its ``hparam``. A flag already defined (a field another
+  class declares too) is left as it is.
+
+  Args:
+    cls: a settings dataclass.
+    module_name: the ``--helpfull`` group (default: the caller's module).
+    defaults: ``{flag: default}`` replacing the declared ones.
+    flag_values: the absl ``FlagValues`` to define them in (default: absl's
+      global ``FLAGS``).
+
+  Returns:
+    None.
+  """
+  fv = flags.FLAGS if flag_values is None else flag_values
+  types = field_types(cls)
+  for f in flag_fields(cls):
+    name, meta, t = flag_name(cls, f.name), f.metadata, types[f.name]
+    if name in fv:
+      continue
+    default = (defaults or {}).get(name, f.default)
+    kw: Dict[str, Any] = dict(flag_values=fv,
+                              **({'module_name': module_name} if module_name else {}))
+    if is_list(t):
+      flags.DEFINE_list(name, None if default is None else list(default), meta['help'], **kw)
+    elif t is bool:
+      flags.DEFINE_bool(name, default, meta['help'], **kw)
+    elif t is int:
+      flags.DEFINE_integer(name, default, meta['help'], **kw)
+    elif t is float:
+      flags.DEFINE_float(name, default, meta['help'], **kw)
+    elif meta.get('choices'):
+      flags.DEFINE_enum(name, default, list(meta['choices']), meta['help'], **kw)
+    else:
+      flags.DEFINE_string(name, default, meta['help'], **kw)
+
+
+def read_settings(cls, flag_values: Optional[flags.FlagValues] = None, **resolved):
+  """``cls`` made from its fields' parsed flags (comma lists as tuples),
+  checked as it is made (``hparams.Declared``).
+
+  Args:
+    cls: a settings dataclass whose flags were defined.
+    flag_values: the parsed ``FlagValues`` (default: absl's ``FLAGS``).
+    **resolved: fields given a value other than their flag's.
+
+  Returns:
+    The settings.
+
+  Raises:
+    ConfigError naming the flag of a value out of its range.
+  """
+  fv = flags.FLAGS if flag_values is None else flag_values
+  types = field_types(cls)
+  values = {}
+  for f in flag_fields(cls):
+    v = fv[flag_name(cls, f.name)].value
+    values[f.name] = tuple(v) if is_list(types[f.name]) and v is not None else v
+  return cls(**{**values, **resolved})
 
 
 def parse_flags(argv):
@@ -38,14 +111,31 @@ def parse_flags(argv):
     sys.exit(2)
 
 
-def run_script(main, kept: str = 'nothing is kept; run the same command again') -> None:
-  """Runs ``main(argv)`` as a script with one-line errors: exit status 2 for
-  bad input; Ctrl-C (130) or SIGTERM (143) end in one line saying what is
+def quiet_logging_unless_asked() -> None:
+  """absl's logging at WARNING unless ``--verbosity`` was given (Orbax logs
+  every save at INFO).
+
+  Returns:
+    None.
+  """
+  if not flags.FLAGS['verbosity'].present:
+    from absl import logging  # noqa: PLC0415
+    logging.set_verbosity(logging.WARNING)
+
+
+def run_script(main, kept: str = 'nothing is kept; run the same command again',
+               settings=None) -> None:
+  """Runs the script's ``main`` with one-line errors: exit status 2 for bad
+  input; Ctrl-C (130) or SIGTERM (143) end in one line saying what is
   ``kept``.
 
   Args:
-    main: the script's ``main(argv)``.
+    main: the script's ``main(settings)`` (``main(argv)`` without
+      ``settings``).
     kept: what an interruption keeps (in its line).
+    settings: the script's settings class: ``main`` receives it read from
+      the flags (``read_settings``), and arguments that are not flags are
+      refused.
 
   Returns:
     None.
@@ -56,7 +146,12 @@ def run_script(main, kept: str = 'nothing is kept; run the same command again') 
     signal.signal(signal.SIGTERM, _stop)
     sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
     try:
-      return main(argv)
+      if settings is None:
+        return main(argv)
+      if len(argv) > 1:
+        print(f'error: unexpected arguments {argv[1:]}', file=sys.stderr, flush=True)
+        sys.exit(2)
+      return main(read_settings(settings))
     except (ConfigError, FileNotFoundError) as e:
       print(f'error: {e}', file=sys.stderr, flush=True)
       sys.exit(2)
@@ -81,7 +176,7 @@ def _quiet_unraisable(hook):
   return quiet
 
 
-_STOPPED = {}
+_STOPPED: Dict[str, Any] = {}
 #: Seconds after which a signal whose KeyboardInterrupt was swallowed is sent again.
 REDELIVER_SECONDS = 1.0
 

@@ -13,13 +13,16 @@ pre-round diagnostics, divergence per configuration, callbacks).
 """
 
 import collections
+import dataclasses
 import itertools
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Collection, Dict, List, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_personal import numerics
+from fedjax_personal.hparams import flag_name
 from fedjax_personal.core.algorithm import FederatedAlgorithm
 from fedjax_personal.core.data import FederatedData
 from fedjax_personal.core.engine import round_functions
@@ -29,13 +32,31 @@ from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.core.training import LossStats
 
 __all__ = ['Config', 'config_label', 'configs', 'LoopRuns', 'parse_sweep', 'resolve_config_axis',
-           'SweepRunner']
+           'sweepable', 'SweepRunner']
 
 
 Config = Tuple[int, Dict[str, float]]
 
 
-def parse_sweep(spec: str, sweepable: Sequence[str]) -> Dict[str, List[float]]:
+def sweepable() -> Dict[str, tuple]:
+  """{flag name: (config class, field)} of the settings ``--sweep`` accepts
+  (declared ``hparam(..., sweep=True)``: the shared training settings and
+  every registered algorithm's).
+
+  Returns:
+    ``{flag: (class, field)}``.
+  """
+  from fedjax_personal import algorithms as algorithms_lib  # noqa: PLC0415  (the registry)
+  from fedjax_personal.config import TrainingConfig  # noqa: PLC0415
+  out = {}
+  for cls in [TrainingConfig] + algorithms_lib.config_classes():
+    for f in dataclasses.fields(cls):
+      if f.metadata.get('sweep'):
+        out[flag_name(cls, f.name)] = (cls, f.name)
+  return out
+
+
+def parse_sweep(spec: str, sweepable: Collection[str]) -> Dict[str, List[float]]:
   """'client_lr:0.01,0.03;fedprox_mu:0,0.1' -> {'client_lr': [...], 'fedprox_mu': [...]}.
 
   ``sweepable``: the names that may be swept (settings declared with
@@ -166,11 +187,17 @@ class SweepRunner:
       program), ``host`` (the one-configuration round, compiled once, called
       for each configuration), or ``auto`` (per platform,
       ``resolve_config_axis``). Same keys and math either way.
+    matmul_precision: as for RoundRunner.
   """
 
   def __init__(self, build: Callable[[Dict], FederatedAlgorithm], configs: List[Config],
                data: FederatedData, sampler: CohortSampler, executor: Executor,
-               config_axis: str = 'auto'):
+               config_axis: str = 'auto',
+               matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION):
+    precision = numerics.check_precision(matmul_precision)
+    made = build
+    build = lambda hv: made(hv).at_matmul_precision(precision)  # noqa: E731
+    executor = executor.at_matmul_precision(precision)
     if not executor.fused:
       raise ValueError(f'a sweep needs a fused executor (vmap, blocked, sharded), '
                        f'not {executor.name}')
@@ -182,7 +209,7 @@ class SweepRunner:
     keys = jax.vmap(lambda s: jnp.stack(jax.random.split(jax.random.key(s), 3)))(
         jnp.asarray([c[0] for c in configs]))
     self.init_keys, self.train_keys, self.eval_keys = keys[:, 0], keys[:, 1], keys[:, 2]
-    self.trace_counts = collections.Counter()
+    self.trace_counts: collections.Counter = collections.Counter()
     counts = self.trace_counts
     test_counts = np.asarray(data.test.num_examples)
 
@@ -200,12 +227,12 @@ class SweepRunner:
 
     axis = 'loop' if self.config_axis == 'host' else self.config_axis  # init / eval
     over = lambda fn, *axes: _over_configs(fn, axis, axes)
-    self._init = jax.jit(over(one_init, 0, 0))
+    self._init = executor.jit(over(one_init, 0, 0))
     if self.config_axis == 'host':
-      self._round = _host_loop(jax.jit(one_round))
+      self._round = _host_loop(executor.jit(one_round))
     else:
-      self._round = jax.jit(over(one_round, 0, 0, 0, None, None, None), donate_argnums=1)
-    self._eval = jax.jit(over(one_eval, 0, 0, 0, None))
+      self._round = executor.jit(over(one_round, 0, 0, 0, None, None, None), donate_argnums=1)
+    self._eval = executor.jit(over(one_eval, 0, 0, 0, None))
 
   @property
   def num_configs(self) -> int:
@@ -224,8 +251,8 @@ class SweepRunner:
 
   def evaluate(self, state, t: int) -> LossStats:
     keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(self.eval_keys)
-    return LossStats(*(np.asarray(a) for a in jax.device_get(
-        self._eval(self.values, state, keys, self.data))))
+    return LossStats(*[np.asarray(a) for a in jax.device_get(
+        self._eval(self.values, state, keys, self.data))])
 
   def run(self, num_rounds: int, eval_every: int = 5, callbacks=()) -> List[List[dict]]:
     """One history per configuration (``experiment.run_many``)."""
@@ -242,14 +269,15 @@ class LoopRuns:
   seeds), one state per configuration (the state is their list). Same
   keys, same numbers as the single runs.
 
-  In the host layout every runner reads one ``layout.CohortFeed``, so the
+  In the host layout every runner reads one ``placement.CohortFeed``, so the
   configurations of one seed (whose rounds draw the same cohort) share each
   round's gather of its examples; each seed's next cohort is gathered while
   the current round runs.
   """
 
   def __init__(self, build: Callable[[Dict], FederatedAlgorithm], configs: List[Config],
-               data, sampler: CohortSampler, executor: Executor):
+               data, sampler: CohortSampler, executor: Executor,
+               matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION):
     from fedjax_personal.core.engine import RoundRunner
     from fedjax_personal.run.experiment import SingleRun
     self.configs = configs
@@ -260,7 +288,8 @@ class LoopRuns:
     for seed, values in configs:
       k = tuple(sorted(values.items()))
       if k not in runners:
-        runners[k] = RoundRunner(build(dict(values)), data, sampler, executor, feed=feed)
+        runners[k] = RoundRunner(build(dict(values)), data, sampler, executor, feed=feed,
+                                 matmul_precision=matmul_precision)
         feed = getattr(runners[k], 'feed', None)
       self.runs.append(SingleRun(runners[k], seed))
     self.feed = feed
@@ -279,4 +308,4 @@ class LoopRuns:
 
   def evaluate(self, state, t: int) -> LossStats:
     stats = [r.evaluate(s, t) for r, s in zip(self.runs, state)]
-    return LossStats(*(np.concatenate(a) for a in zip(*stats)))
+    return LossStats(*[np.concatenate(a) for a in zip(*stats)])

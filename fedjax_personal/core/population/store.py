@@ -44,10 +44,9 @@ from fedjax_personal.core.population.clients import (FORMAT, SPLITS, Population,
                                              aligned_empty, next_power_of_two, padded_length)
 from fedjax_personal.errors import DataError
 
-__all__ = ['BLOCK_BYTES', 'FORMAT', 'FileArray', 'IDS', 'MANIFEST', 'Population',
-           'PopulationStore', 'SPLITS', 'StoreDamaged', 'StoreWriter', 'aligned_empty',
-           'block_crcs', 'damaged', 'is_store', 'next_power_of_two', 'open_store',
-           'padded_length', 'remove_leftovers', 'store_format', 'store_identity']
+__all__ = ['BLOCK_BYTES', 'block_crcs', 'damaged', 'FileArray', 'IDS', 'is_store', 'MANIFEST',
+           'open_store', 'remove_leftovers', 'store_format', 'store_identity', 'StoreDamaged',
+           'StoreWriter']
 
 MANIFEST = 'manifest.json'
 IDS = 'client_ids.json'

@@ -1,95 +1,57 @@
 """What a job sets for its whole process and reads back from it: the
-matmul precision and the compilation cache (``--matmul_precision``,
-``--compilation_cache``, set afresh by each job so that one process's jobs
-never inherit another's), the convolution a model resolved to, and what
-the run's compiles and wall clock cost (``summary.json``).
+compilation cache (``--compilation_cache``, set afresh by each job so that
+one process's jobs never inherit another's), the convolution a model
+resolved to, what the run's compiles and wall clock cost (``summary.json``),
+and the lines it prints (process 0 only).
 """
 
-import dataclasses
 import os
 import time
-from typing import Optional
 
-from fedjax_personal import compilation, numerics
-from fedjax_personal.core.executors import model_has_conv
+from fedjax_personal import compilation
+from fedjax_personal.core.executor_choice import model_has_conv
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.hparams import hparam
 from fedjax_personal.models import resolve_conv_impl
+from fedjax_personal.run import distributed
 
-__all__ = ['ProcessSettings', 'set_numerics', 'set_compilation_cache', 'conv_impl_of', 'time_to_result',
-           'process_seconds']
-
-
-@dataclasses.dataclass(frozen=True)
-class ProcessSettings:
-  """What a job sets for its whole process, declared once (``hparam``; the
-  command's flags are generated from these fields)."""
-  compilation_cache: Optional[str] = hparam(
-      None, "JAX's persistent compilation cache: a folder, or off (default: "
-      '$FEDJAX_PERSONAL_COMPILATION_CACHE, else <cache>/xla: $FEDJAX_PERSONAL_CACHE or '
-      '~/.cache/fedjax_personal). A second run of the same experiment starts without compiling; '
-      "entries are keyed by JAX's own key, never stale; the folder is bounded (least recently "
-      'used out).')
-  matmul_precision: str = hparam(
-      numerics.DEFAULT_MATMUL_PRECISION, 'Precision of every float32 matmul and convolution of '
-      "the run (JAX's jax_default_matmul_precision): float32 (the default: the same numbers on "
-      "every card), tf32 (TensorFloat-32 products, a GPU's fast default), bf16x3 (three "
-      "bfloat16 passes, near float32), bf16 (one bfloat16 pass, a TPU's default), or JAX's "
-      'default / high / highest. XLA:CPU computes float32 whatever the setting. Recorded in the '
-      'run identity.', choices=tuple(numerics.MATMUL_PRECISIONS))
+__all__ = ['conv_impl_of', 'open_compilation_cache', 'process_seconds', 'say', 'time_to_result']
 
 
 def say(text: str) -> None:
-  """Prints ``text`` on process 0 only."""
-  from fedjax_personal.run import distributed
+  """Prints ``text`` on process 0 only (every process computes the same
+  numbers).
+
+  Args:
+    text: the line.
+
+  Returns:
+    None.
+  """
   if distributed.is_primary():
     print(text)
 
 
-def set_numerics(opts) -> None:
-  """--matmul_precision for every computation of the run (when not given:
-  $JAX_DEFAULT_MATMUL_PRECISION if set, else the package's float32), set
-  afresh by each job so that one process's jobs never inherit another's.
+def open_compilation_cache(choice) -> None:
+  """The run's compilation cache, set afresh by each job (``choice``:
+  ``--compilation_cache``, a folder or ``off``; None: the command's default,
+  ``compilation.command_default``); the header names it.
 
   Args:
-    opts: the run's ``settings.Settings``.
+    choice: the folder, ``off`` or None.
 
   Returns:
     None.
   """
-  name = (opts.matmul_precision if opts['matmul_precision'].present
-          else os.environ.get('JAX_DEFAULT_MATMUL_PRECISION') or numerics.DEFAULT_MATMUL_PRECISION)
-  numerics.set_matmul_precision(name)
-
-
-_IMPORT_CACHE = []
-
-
-def set_compilation_cache(opts) -> None:
-  """--compilation_cache for the run (when not given: the cache the
-  package opened at import), set afresh by each job; the header names it.
-
-  Args:
-    opts: the run's ``settings.Settings``.
-
-  Returns:
-    None.
-  """
-  if not _IMPORT_CACHE:  # what the import chose, restored for jobs that do not say
-    _IMPORT_CACHE.append(compilation.directory())
-  choice = opts.compilation_cache
-  if choice is not None and choice.strip().lower() == 'off':
+  if choice is None:
+    choice = compilation.command_default() or 'off'
+  if choice.strip().lower() == 'off':
     compilation.disable()
-  elif choice:
+  else:
     try:
       compilation.enable(choice)
     except OSError as e:
       raise ConfigError('compilation_cache', f'{choice}: {e.strerror or e}; give a writable '
                         'folder, or off') from None
-  elif _IMPORT_CACHE[0]:
-    compilation.enable(_IMPORT_CACHE[0])
-  else:
-    compilation.disable()
   where = compilation.directory()
   if where:
     entries, nbytes = compilation.size(where)

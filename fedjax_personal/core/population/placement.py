@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_personal.core.data import ClientData, PackedClientData
-from fedjax_personal.core.population.store import SPLITS, PopulationStore, next_power_of_two, padded_length
+from fedjax_personal.core.population.clients import (SPLITS, PopulationStore, next_power_of_two,
+                                                     padded_length)
 from fedjax_personal.errors import ConfigError
 
 __all__ = ['blocks', 'choose', 'CohortFeed', 'DEVICE_DATA_SHARE', 'GB', 'host_available_bytes',

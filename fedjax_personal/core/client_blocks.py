@@ -1,7 +1,7 @@
 """Where each client of a cohort runs: work layouts and the block loops.
 
 A cohort's clients are grouped into blocks by their real local steps
-(``work_layout``): a block steps as long as its longest client, idle cohort
+(``client_blocks``): a block steps as long as its longest client, idle cohort
 slots never run, so a heavy-tailed cohort costs its real work. The
 executors (``core/executors.py``) run client work through these pieces.
 """
@@ -19,7 +19,7 @@ from fedjax_personal.core import tree_util
 
 
 __all__ = ['active_mask', 'block_loop', 'client_fn', 'join_owned', 'join_parts', 'limited_client',
-           'map_stacked', 'scan_blocks', 'traced_work_layout', 'work_layout', 'work_steps']
+           'map_stacked', 'scan_blocks', 'traced_work_layout', 'client_blocks', 'work_steps']
 
 
 def active_mask(active, c, xp=jnp):
@@ -202,7 +202,7 @@ def blocks_by_work(steps, active, bs: int, xp):
   return pos, ok, limit
 
 
-def work_layout(steps, active, bs: int, parts: int = 1):
+def client_blocks(steps, active, bs: int, parts: int = 1):
   """Blocks of clients by work (host ints, ``blocks_by_work``); with
   ``parts`` > 1, the blocks assigned to the parts longest first, each to the
   part with the least work so far (LPT scheduling), so that host threads
@@ -243,7 +243,7 @@ def work_layout(steps, active, bs: int, parts: int = 1):
 
 
 def traced_work_layout(steps, active, bs: int):
-  """``work_layout`` with one part, on traced arrays (inside a compiled
+  """``client_blocks`` with one part, on traced arrays (inside a compiled
   round): (pos [nb, bs], ok, limit [nb], count of blocks holding active
   clients: they come first).
 

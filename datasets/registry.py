@@ -1,0 +1,237 @@
+"""The data sets: the registry of their readers and of their own options.
+
+Natural data sets keep one client per writer (``emnist``), speaking role
+(``shakespeare``), user (``stackoverflow``, ``leaf:<name>``, ``gldv2``) or
+Pachinko-allocation client (``cifar100``), with the files' own train/test
+split. Each is a module with a reader ``read_clients(num_clients=None,
+data_dir=None, download=False, **its options)`` returning a
+``natural_data.NaturalData`` (what the population store is written from)
+and FedJAX's ``load_data`` (``(train, test)`` federated data over that
+store, ``federated``). ``LOADERS`` maps the ``--dataset`` names to the
+readers; ``OPTIONS`` maps a data set to its options class (``options``:
+declared in its module, its flags generated from it); ``register`` adds a
+data set of your own files with its options (BUILD.md, "Add a data set").
+"""
+
+import functools
+import inspect
+from typing import Callable, Dict, List, Optional, Type
+
+from fedjax_personal.datasets import cifar100, emnist, gldv2, leaf, shakespeare, stackoverflow
+from fedjax_personal.datasets.in_memory import SyntheticOptions
+from fedjax_personal.datasets.natural_data import NaturalData
+from fedjax_personal.datasets.options import DataOptions, NoOptions, TextOptions
+from fedjax_personal.errors import ConfigError
+
+__all__ = ['DATASETS', 'HELD_OUT_ONLY', 'is_file_dataset', 'is_known', 'LEAF_PREFIX', 'load',
+           'loader_code', 'LOADERS', 'names', 'option_classes', 'options_class', 'OPTIONS',
+           'reader_options', 'register']
+
+
+#: The built-in --dataset names; ``leaf:<name>`` is accepted too
+#: (``LEAF_PREFIX``), and every name ``register`` adds.
+DATASETS = ('mnist', 'digits', 'cifar10', 'cifar100', 'emnist', 'emnist_digits', 'shakespeare',
+            'stackoverflow', 'gldv2', 'tinyshakespeare', 'synthetic',
+            'tfds:mnist', 'tfds:emnist', 'tfds:cifar10', 'tfds:cifar100', 'tfds:tiny_shakespeare')
+#: Data sets of held-out clients only (read by FedJAX's ``load_data``), none
+#: to train: why the command refuses them.
+HELD_OUT_ONLY = {'stackoverflow_held_out': (
+    'stackoverflow_held_out holds held-out users only, none to train (the held_out value of '
+    'datasets.stackoverflow.load_data); train on --dataset=stackoverflow')}
+
+
+#: --dataset name -> its reader (``read_clients``).
+LOADERS: Dict[str, Callable[..., NaturalData]] = {
+    'emnist': emnist.read_clients,
+    'emnist_digits': functools.partial(emnist.read_clients, only_digits=True),
+    'shakespeare': shakespeare.read_clients,
+    'stackoverflow': stackoverflow.read_clients,
+    'stackoverflow_held_out': stackoverflow.read_held_out,
+    'cifar100': cifar100.read_clients,
+    'gldv2': gldv2.read_clients,
+}
+#: --dataset name -> its options class (``options.DataOptions``); a data set
+#: not listed has none (``NoOptions``).
+OPTIONS: Dict[str, Type[DataOptions]] = {
+    'emnist': emnist.EmnistOptions,
+    'emnist_digits': emnist.EmnistOptions,
+    'shakespeare': shakespeare.ShakespeareOptions,
+    'stackoverflow': stackoverflow.StackOverflowOptions,
+    'stackoverflow_held_out': stackoverflow.StackOverflowOptions,
+    'cifar100': cifar100.Cifar100Options,
+    'gldv2': gldv2.Gldv2Options,
+    'synthetic': SyntheticOptions,
+    'tinyshakespeare': TextOptions,
+    'tfds:tiny_shakespeare': TextOptions,
+}
+LEAF_PREFIX = 'leaf:'
+
+
+def register(name: str, read_clients: Callable[..., NaturalData],
+             options: Optional[Type[DataOptions]] = None) -> None:
+  """Adds a natural data set read from files: ``--dataset=<name>`` then
+  reads it through ``read_clients(num_clients=None, data_dir=None,
+  download=False, ...)`` into the population store, passing the options its
+  signature names: ``options``' fields (a ``DataOptions`` dataclass of
+  ``hparam`` fields, whose flags the command generates) and ``seed``.
+
+  Args:
+    name: the ``--dataset`` name.
+    read_clients: the reader.
+    options: the data set's options class (None: none).
+
+  Returns:
+    None.
+  """
+  if name in LOADERS and LOADERS[name] is not read_clients and (
+      getattr(LOADERS[name], '__module__', None) != getattr(read_clients, '__module__', None)):
+    raise ValueError(f'a data set named {name!r} is registered already')
+  if options is not None and not (isinstance(options, type)
+                                  and issubclass(options, DataOptions)):
+    raise TypeError(f'the options of {name!r} must be a DataOptions dataclass, got {options!r}')
+  LOADERS[name] = read_clients
+  OPTIONS[name] = options or NoOptions
+
+
+def names() -> List[str]:
+  """Every --dataset name: the built-in ones and those registered.
+
+  Returns:
+    The names.
+  """
+  return list(DATASETS) + [n for n in LOADERS if n not in DATASETS and n not in HELD_OUT_ONLY]
+
+
+def is_known(dataset: str) -> bool:
+  """Whether ``dataset`` names a data set (a built-in or registered name,
+  ``leaf:<name>`` or a TFDS name after ``tfds:``).
+
+  Args:
+    dataset: a ``--dataset`` name.
+
+  Returns:
+    True when it names one.
+  """
+  if dataset.startswith('tfds:'):  # TFDS's own names: tfds:emnist is its byclass (62 classes)
+    from fedjax_personal.datasets import tfds_loader  # noqa: PLC0415  (TFDS on demand)
+    return tfds_loader.is_known(dataset[len('tfds:'):])
+  return dataset in DATASETS or is_file_dataset(dataset)
+
+
+def options_class(dataset: str) -> Type[DataOptions]:
+  """The options class of ``dataset`` (``NoOptions`` when it has none).
+
+  Args:
+    dataset: a ``--dataset`` name.
+
+  Returns:
+    The class.
+  """
+  return OPTIONS.get(dataset, NoOptions)
+
+
+def option_classes() -> List[Type[DataOptions]]:
+  """The distinct registered options classes, in registry order.
+
+  Returns:
+    The classes, each once.
+  """
+  out: List[Type[DataOptions]] = []
+  for cls in OPTIONS.values():
+    if cls not in out:
+      out.append(cls)
+  return out
+
+
+def is_file_dataset(dataset: str) -> bool:
+  """Whether ``dataset`` is a natural data set read from its files.
+
+  Args:
+    dataset: a ``--dataset`` name.
+
+  Returns:
+    True for a registered reader's name or ``leaf:<name>``.
+  """
+  return dataset in LOADERS or (dataset.startswith(LEAF_PREFIX) and len(dataset) > len(LEAF_PREFIX))
+
+
+#: The modules every natural data set is read through: a change in one
+#: changes every store's ``loader_code``.
+_SHARED_READERS = ('registry', 'natural_data', 'sqlite_formats', 'tf_example', 'local_files',
+                   'options')
+
+
+def loader_code(dataset: str) -> str:
+  """SHA-256 (16 hex digits) of the source of the code that turns
+  ``dataset``'s files into clients: its reader's module and the
+  shared readers. The population store records it and is rebuilt when it
+  differs, so a store never outlives the code that made it (a changed split
+  share, tokenizer or decoder reaches the next run).
+
+  Args:
+    dataset: a ``--dataset`` name.
+
+  Returns:
+    16 hex digits.
+  """
+  import hashlib
+  import sys
+  if dataset.startswith(LEAF_PREFIX):
+    modules = [leaf]
+  else:
+    fn = LOADERS.get(dataset)
+    fn = getattr(fn, 'func', fn)  # a functools.partial's function
+    modules = [sys.modules.get(getattr(fn, '__module__', ''), None)]
+  modules += [sys.modules.get(f'{__package__}.{m}') for m in _SHARED_READERS]
+  h = hashlib.sha256()
+  for module in modules:
+    try:
+      h.update(inspect.getsource(module).encode())
+    except (TypeError, OSError):  # no module or no source (a frozen build): its name
+      h.update(repr(getattr(module, '__name__', module)).encode())
+  return h.hexdigest()[:16]
+
+
+def load(dataset: str, num_clients=None, data_dir=None, download=False,
+         **options) -> NaturalData:
+  """A natural data set by its --dataset name. ``options`` (its options'
+  fields, ``seed``) go to the reader when its signature names them; None
+  leaves its default.
+
+  Args:
+    dataset: the ``--dataset`` name.
+    num_clients: the first N clients (None: all).
+    data_dir: where the files are.
+    download: fetch missing files.
+    options: reader options by name.
+
+  Returns:
+    The clients as a ``NaturalData``.
+  """
+  if dataset.startswith(LEAF_PREFIX):
+    if download:
+      from fedjax_personal.datasets import sources
+      raise ConfigError('download', sources.manual_instructions(dataset))
+    return leaf.read_clients(dataset[len(LEAF_PREFIX):], num_clients, data_dir)
+  if dataset not in LOADERS:
+    raise ConfigError('dataset', f'{dataset!r} is not a natural data set read from files')
+  return LOADERS[dataset](num_clients=num_clients, data_dir=data_dir, download=download,
+                          **reader_options(dataset, options))
+
+
+def reader_options(dataset: str, options) -> dict:
+  """The ``options`` the reader of ``dataset`` names in its signature (None
+  values left out: the reader's default).
+
+  Args:
+    dataset: a registered ``--dataset`` name (not ``leaf:<name>``).
+    options: candidate options by name (the data set's options, ``seed``).
+
+  Returns:
+    ``{name: value}`` of those its reader takes.
+  """
+  fn = LOADERS.get(dataset)
+  if fn is None:
+    return {}
+  params = inspect.signature(fn).parameters
+  return {k: v for k, v in options.items() if v is not None and k in params}
