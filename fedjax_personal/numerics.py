@@ -6,7 +6,7 @@ backend's default precision: full float32 on a CPU, TF32 (10-bit mantissa
 products) on an NVIDIA GPU since Ampere, a single bfloat16 pass on a TPU.
 The same run then gives other numbers on another card, silently: MAML's
 Hessian-vector products were off by up to 5% relative on an H200 and the
-main job's cells moved by up to 0.35 points (BUILD.md, "On a GPU"). A
+main job's cells moved by up to 0.35 points (benchmarks/speed/README.md, "On a GPU"). A
 research simulator's numbers should not depend on the card, so the engine
 traces every computation of a run at one precision, ``float32`` unless the
 run says otherwise (``--matmul_precision``, ``RoundRunner(...,
@@ -27,7 +27,7 @@ accuracy on bfloat16 units: JAX's ``BF16_BF16_F32_X3`` algorithm), ``bf16``
 **Convolutions** (``models.layers.resolve_conv_impl``): ``auto`` is
 ``tiled`` on a CPU and ``matmul`` on a GPU or TPU, where a convolution
 vmapped over clients would become one grouped convolution (a group per
-client) whose kernels collapse as the cohort grows (BUILD.md).
+client) whose kernels collapse as the cohort grows (benchmarks/speed/README.md).
 """
 
 import contextlib

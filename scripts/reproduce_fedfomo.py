@@ -17,7 +17,7 @@ trained on all of it).
 
 Table 3 (DP): 15 clients in 5 latent distributions (k-means on a centrally
 trained LeNet-5's features, the paper's recipe; --dp_latent_features=pixels
-clusters the pixels, which gives clients with all 10 classes, BUILD.md),
+clusters the pixels, which gives clients with all 10 classes, benchmarks/reproductions/README.md),
 all active, CIFAR-10; FedAvg and FedFomo with DP-SGD local training at noise
 multipliers sigma = 0, 1, 2 (clip norm 1; sigma = 0 is plain SGD, as the
 paper's baselines), epsilon at delta = 1e-5 from the RDP accountant on each
@@ -65,7 +65,7 @@ METHODS = {
     'fedfomo_m5': ('fedfomo', dict(candidates=5)),
     'fedfomo_m10': ('fedfomo', dict(candidates=10)),
     # Not in the paper: exploration kept at eps = 0.3 (no decay), the study of
-    # why few downloads get a positive weight with 10% participation (BUILD.md).
+    # why few downloads get a positive weight with 10% participation (benchmarks/reproductions/README.md).
     'fedfomo_m10_explore': ('fedfomo', dict(candidates=10, eps_decay=0.0)),
 }
 DP_METHODS = ('fedavg', 'fedfomo', 'local')

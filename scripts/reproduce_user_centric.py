@@ -8,7 +8,7 @@ arXiv 2012.08565) for the FedFomo baseline.
 Protocol of the paper, kept at both scales: LeNet-5 (at ``--scale=paper`` the
 authors' Keras LeNet-5 with average pooling and Keras' initialisation,
 ``usercentric_lenet5``; at ``cpu`` the library's, max pooling and Flax's
-initialisation, as the tables of BUILD.md), SGD with momentum 0.9 and
+initialisation, as the tables of benchmarks/reproductions/README.md), SGD with momentum 0.9 and
 each user's optimizer state kept across rounds (``client_opt_state=persistent``,
 as the authors' per-user Keras optimizers), 1 local epoch of batches of 32 per
 round, every user in every round, worst-user and mean test accuracy. Scenarios:
@@ -224,7 +224,7 @@ def load(s, scen):
 
 def model_name(s) -> str:
   """The paper's Keras LeNet-5 (average pooling) at paper scale; the
-  library's LeNet-5 at cpu scale (the tables of BUILD.md)."""
+  library's LeNet-5 at cpu scale (the tables of benchmarks/reproductions/README.md)."""
   return s.scaled(s.model, 'lenet5', 'usercentric_lenet5')
 
 

@@ -107,7 +107,7 @@ def test_float32_precision_gives_float32_products():
 
 def test_auto_convolutions_are_matmuls_on_an_accelerator(monkeypatch):
   """``auto``: tiled on a CPU; matmul on a GPU or TPU (a convolution vmapped
-  over clients is a grouped convolution there: BUILD.md, "On a GPU")."""
+  over clients is a grouped convolution there: benchmarks/speed/README.md, "On a GPU")."""
   assert layers.resolve_conv_impl('auto') == ('tiled' if jax.default_backend() == 'cpu'
                                               else 'matmul')
   for backend in ('gpu', 'tpu'):

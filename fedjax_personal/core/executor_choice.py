@@ -60,7 +60,7 @@ def create_executor(name: str = 'auto', model=None, sample_x=None,
   (``num_threads`` overrides): one client a block for models with
   convolutions, ``cpu_block_size`` clients for the others (unless
   ``block_size`` is given), as measured by benchmarks/peers/run.py and
-  scripts/benchmark.py (BUILD.md). ``blocked`` named explicitly runs on
+  scripts/benchmark.py (benchmarks/speed/README.md). ``blocked`` named explicitly runs on
   ``num_threads`` threads (0 or 1: one fused program).
 
   Args:
@@ -93,8 +93,8 @@ def create_executor(name: str = 'auto', model=None, sample_x=None,
 
 def _auto(model, sample_x, block_size, num_threads) -> Executor:
   """``auto``'s choice (``create_executor``), with its reason (a rule from
-  the platform and the model's cost, measured in BUILD.md "Against FedJAX
-  on the field's populations")."""
+  the platform and the model's cost, measured in benchmarks/speed/README.md,
+  "Against FedJAX on the field's populations")."""
   if jax.process_count() > 1:
     ex = ShardedExecutor(block_size)
     ex.reason = f'auto: {jax.process_count()} processes share the client axis'

@@ -188,7 +188,7 @@ class BlockedExecutor(Executor):
   steps are compiled apart from client work). XLA:CPU runs one small dense
   client step on about one core (its matmuls of a batch of 10 are not split
   across threads), so two such loops side by side use the second core
-  (BUILD.md, "Against the PyTorch loop").
+  (benchmarks/speed/README.md, "Against the PyTorch loop").
   """
   block_size: int = 10
   num_threads: int = 1

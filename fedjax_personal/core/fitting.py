@@ -49,7 +49,7 @@ def fit_memory(executor: Executor, need, free_bytes: Optional[int]) -> Executor:
 #: cohort in blocks by work (``fit_work``). Measured on an H200, FedAvg on
 #: 3,400 EMNIST-shaped writers (mean 175 examples, capped at 256, batch 20),
 #: the McMahan CNN, a cohort of 500: the whole cohort vmapped 0.449-0.460
-#: s/round, blocks of 250 0.394, of 100 0.365, of 50 0.366 (BUILD.md, "On a GPU").
+#: s/round, blocks of 250 0.394, of 100 0.365, of 50 0.366 (benchmarks/speed/README.md, "On a GPU").
 ACCELERATOR_WORK_BLOCK = 100
 #: ``fit_work`` blocks a cohort when the population's mean real local steps
 #: are below this share of its largest (over a fifth of a vmapped cohort's

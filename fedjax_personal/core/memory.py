@@ -106,7 +106,7 @@ def step_bytes(model, sample_x, batch_size: int) -> int:
   planned from one step's temporaries asked for one 53 GB buffer (88 MB per
   client against 136 MB of temporaries) and ran out of memory; the round's
   scan over steps and XLA's GPU scheduling keep more alive than one step
-  does (BUILD.md, "On a GPU").
+  does (benchmarks/speed/README.md, "On a GPU").
 
   Args:
     model: the model.

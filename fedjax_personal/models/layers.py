@@ -48,17 +48,17 @@ _SPATIAL = {'NHWC': (1, 2), 'CNHW': (2, 3)}
 # slices only cost time: LeNet-5's first layer on MNIST, 2.5 MB, ran 0.6 ms
 # untiled against 1.6 ms in 2 MiB chunks), and then into chunks of at most
 # TILE_BYTES (the CIFAR CNN's second layer, 52 MB: 72 ms untiled, 43 ms in
-# 2 MiB chunks, 39 ms in 4-8 MiB chunks, forward and backward; BUILD.md,
+# 2 MiB chunks, 39 ms in 4-8 MiB chunks, forward and backward; benchmarks/speed/README.md,
 # "Against the PyTorch loop").
 TILE_BYTES = 4 << 20
 TILE_MIN_BYTES = 16 << 20
 
 
 def resolve_conv_impl(impl: str) -> str:
-  """``auto`` -> ``tiled`` on a CPU (BUILD.md, "Against the PyTorch loop"),
+  """``auto`` -> ``tiled`` on a CPU (benchmarks/speed/README.md, "Against the PyTorch loop"),
   ``matmul`` on a GPU or TPU: a convolution vmapped over clients becomes one
   grouped convolution there (a group per client), whose kernels collapse as
-  the cohort grows (BUILD.md, "On a GPU": 6.7x slower for LeNet-5 at 1,000
+  the cohort grows (benchmarks/speed/README.md, "On a GPU": 6.7x slower for LeNet-5 at 1,000
   clients, 10.7x for the EMNIST CNN at a cohort of 500); ``tiled``'s chunk
   loop keeps a CPU's caches warm and only serializes a GPU. Other names are
   returned as they are.
@@ -195,7 +195,7 @@ def conv_as_matmul(x, kernel, padding, layout: str = 'NHWC', tile_bytes: int = 0
   along contiguous rows, and XLA:CPU runs it and its gradient (slices, pads,
   matmuls) faster than its own convolution, looped and vmapped alike; inside
   a loop (a client's local steps) XLA:CPU's own convolution runs 10-25x
-  slower than outside it, this one does not (BUILD.md).
+  slower than outside it, this one does not (benchmarks/speed/README.md).
 
   With ``tile_bytes`` the batch is cut into equal chunks whose
   slice matrix fits in that many bytes, and the chunks are computed one after

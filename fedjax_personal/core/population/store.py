@@ -24,7 +24,7 @@ is computed from damaged rows and the next run rebuilds it.
 Why flat arrays rather than ``array_record``/``grain``: a
 client is a contiguous slice, so a cohort is C slices copied into a padded
 block with no decoding; ``benchmarks/probes/store_formats.py`` measured it
-against array_record records of whole clients (BUILD.md, "Population store").
+against array_record records of whole clients (docs/populations.md).
 """
 
 import collections
