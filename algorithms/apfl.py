@@ -66,7 +66,8 @@ def apfl(model: Model, num_clients: int, client_optimizer: optax.GradientTransfo
     batching: local batching (epochs or steps, batch size).
     alpha: the mixing weight of the personal model, in [0, 1].
     server_optimizer: applied to the mean update; default ``optax.sgd(1.0)``.
-    weighting: ``'num_examples'`` (n_i-weighted mean) or ``'uniform'``.
+    weighting: ``'num_examples'`` (n_i-weighted mean), ``'tokens'``
+      (``fedavg.train_tokens``) or ``'uniform'``.
     finetune: optional evaluation fine-tuning (``training.sgd_finetune``).
 
   Returns:

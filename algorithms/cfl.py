@@ -38,6 +38,7 @@ from fedjax_personal.core.batching import Batching
 from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, WEIGHTING,
                                     AlgorithmSpec, Declared,
                                     hparam)
+from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 from fedjax_personal.core.training import plain_objective, sgd_client_work
 from optax import tree_utils as otu
@@ -198,7 +199,25 @@ def build(training, config: CFLConfig, model, data):
              weighting=training.weighting)
 
 
+def check(training, config):
+  """CFL weighs its clusters' members on the server, by examples or
+  uniformly: a client's tokens are counted by the client (``summed_upload``).
+
+  Args:
+    training: the shared settings.
+    config: CFL's own.
+
+  Returns:
+    None.
+  """
+  del config
+  if training.weighting == 'tokens':
+    raise ConfigError('weighting', "cfl weighs its clusters' members by num_examples or uniform, "
+                      'not tokens')
+
+
 # Cluster models are the weighted mean of their members' updates (no server
 # optimizer).
 SPEC = AlgorithmSpec('cfl', CFLConfig, build, CLIENT_OPTIMIZER | BATCHING | WEIGHTING | FINETUNE,
+                     check=check,
                      summary='Clustered FL (Sattler et al. 2020): recursive bipartitions')

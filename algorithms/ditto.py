@@ -51,7 +51,8 @@ def ditto(model: Model, num_clients: int, client_optimizer: optax.GradientTransf
     lam: lambda, the pull of the personal model toward the global one.
     personal_optimizer: the personal model's optimizer (default: the client optimizer).
     server_optimizer: applied to the mean update; default ``optax.sgd(1.0)``.
-    weighting: ``'num_examples'`` (n_i-weighted mean) or ``'uniform'``.
+    weighting: ``'num_examples'`` (n_i-weighted mean), ``'tokens'``
+      (``fedavg.train_tokens``) or ``'uniform'``.
     finetune: optional evaluation fine-tuning (``training.sgd_finetune``).
 
   Returns:

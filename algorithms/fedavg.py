@@ -34,10 +34,15 @@ from fedjax_personal.core.tree_util import tree_bytes, tree_where
 
 __all__ = ['build', 'check', 'client_weights', 'ClientOutput', 'fedavg', 'FEDAVG_SETTINGS',
            'FedAvgConfig', 'FT_SPEC', 'global_model_communication', 'make_client_work',
-           'server_step', 'ServerState', 'SPEC', 'summed_upload']
+           'server_step', 'ServerState', 'SPEC', 'summed_upload', 'train_tokens', 'WEIGHTINGS']
 
 
-WEIGHTINGS = ('num_examples', 'uniform')
+#: How client uploads are weighted in the mean: by the client's training
+#: examples, by its training tokens (``train_tokens``: the publisher's
+#: weighting of the next-word tasks) or uniformly.
+WEIGHTINGS = ('num_examples', 'tokens', 'uniform')
+#: The padding id of the sequence data sets (FedJAX's and TFF's vocabularies).
+PAD_ID = 0
 
 
 @struct.dataclass
@@ -80,10 +85,37 @@ def check_weighting(weighting: str):
 
 
 def client_weight(num_examples, weighting: str):
-  """One client's aggregation weight: n_i, or 1 for 'uniform'."""
+  """One client's aggregation weight from its examples: n_i, or 1 for
+  'uniform' ('tokens' reads the client's data: ``train_tokens``)."""
   check_weighting(weighting)
+  if weighting == 'tokens':
+    raise ValueError("weighting='tokens' counts a client's tokens in its data: "
+                     'summed_upload computes it')
   n = jnp.asarray(num_examples)
   return n.astype(jnp.float32) if weighting == 'num_examples' else jnp.ones_like(n, jnp.float32)
+
+
+def train_tokens(train) -> jax.Array:
+  """A client's training tokens, its weight under ``weighting='tokens'``:
+  the targets of its training examples that are neither padded positions
+  (-1) nor the padding id (``PAD_ID``), as google-research/federated's
+  Shakespeare and Stack Overflow tasks weight clients
+  (``client_weight_fn`` returning ``num_tokens``, counted by
+  ``NumTokensCounter(masked_tokens=[pad])`` over a round's one epoch).
+  For one label per example (images), the client's examples.
+
+  Args:
+    train: the client's training split (``core.data`` rows of one client:
+      ``y`` [n, ...], ``num_examples``).
+
+  Returns:
+    float32 scalar.
+  """
+  y, n = jnp.asarray(train.y), jnp.asarray(train.num_examples)
+  if y.ndim <= 1:
+    return n.astype(jnp.float32)
+  rows = (jnp.arange(y.shape[0]) < n).reshape((-1,) + (1,) * (y.ndim - 1))
+  return jnp.sum(rows & (y >= 0) & (y != PAD_ID)).astype(jnp.float32)
 
 
 def client_weights(cohort, num_examples, weighting: str):
@@ -92,7 +124,8 @@ def client_weights(cohort, num_examples, weighting: str):
   Args:
     cohort: the round's ``Cohort``.
     num_examples: training examples per client [N].
-    weighting: ``'num_examples'`` or ``'uniform'``.
+    weighting: ``'num_examples'`` or ``'uniform'`` (a server-side weight:
+      ``'tokens'`` is counted by each client, ``summed_upload``).
 
   Returns:
     Weights [C].
@@ -112,7 +145,8 @@ def summed_upload(work: ClientWork, weighting: str, field: str = 'delta',
 
   Args:
     work: the client work.
-    weighting: ``'num_examples'`` or ``'uniform'``.
+    weighting: ``'num_examples'``, ``'tokens'`` (``train_tokens``) or
+      ``'uniform'``.
     field: the output's field summed (the delta).
     group_fn: ``ctx -> (group, num_groups)`` for one mean per group, or None.
 
@@ -123,7 +157,9 @@ def summed_upload(work: ClientWork, weighting: str, field: str = 'delta',
 
   def final(ctx, carry):
     out = work.final(ctx, carry)
-    value, w = getattr(out, field), client_weight(out.num_examples, weighting)
+    value = getattr(out, field)
+    w = (train_tokens(ctx.data.train) if weighting == 'tokens'
+         else client_weight(out.num_examples, weighting))
     if group_fn is not None:
       g, num_groups = group_fn(ctx)
       one_hot = jnp.arange(num_groups) == g
@@ -212,7 +248,7 @@ def fedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
     client_optimizer: local optimizer (e.g. ``optax.sgd(lr)``).
     batching: local epochs/steps and batch size.
     server_optimizer: applied to the mean delta; default ``optax.sgd(1.0)``.
-    weighting: 'num_examples' (n_i-weighted mean) or 'uniform'.
+    weighting: 'num_examples' (n_i-weighted mean), 'tokens' (``train_tokens``) or 'uniform'.
     objective_fn: optional local objective builder (see make_client_work).
     finetune: optional evaluation fine-tuning (FedAvg + fine-tuning).
     name: registry name.

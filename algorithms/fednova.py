@@ -85,7 +85,8 @@ def fednova(model: Model, num_clients: int, client_optimizer: optax.GradientTran
     momentum: the client optimizer's momentum rho (0 for plain SGD).
     server_optimizer: applied to tau_eff * sum_i p_i d_i; default
       ``optax.sgd(1.0)``.
-    weighting: p_i proportional to n_i ('num_examples') or uniform.
+    weighting: p_i proportional to n_i ('num_examples'), to the client's tokens
+      ('tokens', ``fedavg.train_tokens``) or uniform.
 
   Returns:
     The ``FederatedAlgorithm``.

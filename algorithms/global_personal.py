@@ -71,7 +71,8 @@ def global_personal_algorithm(name: str, model: Model, num_clients: int, work: C
     num_clients: N: per-client state has N rows.
     work: the client work updating both models.
     server_optimizer: applied to the mean update; default ``optax.sgd(1.0)``.
-    weighting: ``'num_examples'`` (n_i-weighted mean) or ``'uniform'``.
+    weighting: ``'num_examples'`` (n_i-weighted mean), ``'tokens'``
+      (``fedavg.train_tokens``) or ``'uniform'``.
     eval_models: which model each client is evaluated with.
     finetune: optional evaluation fine-tuning (``training.sgd_finetune``).
 

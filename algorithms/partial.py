@@ -143,7 +143,7 @@ def partial_personalization(model: Model, num_clients: int, split: ParamSplit, m
     personal_batching: FedAlt's personal phase (default: same as ``batching``).
     personal_optimizer: the optimizer of v_i (default: client_optimizer).
     server_optimizer: on the mean shared delta (default plain mean).
-    weighting: 'num_examples' or 'uniform'.
+    weighting: 'num_examples', 'tokens' (``fedavg.train_tokens``) or 'uniform'.
     finetune: optional evaluation fine-tuning (see ``personal_finetune``).
 
   Returns:

@@ -59,7 +59,8 @@ def pfedme(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
     personal_lr: the personal model's step.
     inner_steps: steps solving the personal problem.
     server_optimizer: applied to the mean update; default ``optax.sgd(1.0)``.
-    weighting: ``'num_examples'`` (n_i-weighted mean) or ``'uniform'``.
+    weighting: ``'num_examples'`` (n_i-weighted mean), ``'tokens'``
+      (``fedavg.train_tokens``) or ``'uniform'``.
     finetune: optional evaluation fine-tuning (``training.sgd_finetune``).
 
   Returns:

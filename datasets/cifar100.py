@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from fedjax_personal.datasets import sources, sqlite_formats
+from fedjax_personal.datasets import federated, sources, sqlite_formats
 from fedjax_personal.datasets.natural_data import NaturalData, client_id, take
 from fedjax_personal.datasets.options import DataOptions
 from fedjax_personal.errors import ConfigError, DataError
@@ -94,7 +94,7 @@ def read_clients(num_clients=None, data_dir=None, download=False,
       yield cid, images(cid, ex), none
     if held_out:
       for cid, ex in sqlite_formats.read_tff(path, 'test', CIFAR100_FEATURES):
-        yield f'test/{client_id(cid)}', none, images(cid, ex)
+        yield f'{federated.HELD_OUT_PREFIX}{client_id(cid)}', none, images(cid, ex)
   return NaturalData(stream, n + held_out, 100, total, [str(path)],
                      split_by_fraction=not held_out, eval_only=held_out)
 

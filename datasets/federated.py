@@ -23,8 +23,8 @@ from typing import Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ['EXAMPLE_MASK_KEY', 'ClientDataset', 'FederatedData', 'splits', 'load', 'xy',
-           'fedjax_targets']
+__all__ = ['ClientDataset', 'EXAMPLE_MASK_KEY', 'FederatedData', 'fedjax_targets',
+           'HELD_OUT_PREFIX', 'load', 'splits', 'xy']
 
 #: The bool feature ``padded_batch`` adds: True for an example, False for padding.
 EXAMPLE_MASK_KEY = '__mask__'
@@ -234,25 +234,39 @@ class FederatedData:
     features: ``(x, y) -> {feature: array}`` of a client's examples.
     preprocess_client: ``(client_id, examples) -> examples`` functions.
     preprocess_batch: ``examples -> examples`` functions.
+    size_rows: the rows ``client_sizes`` lists, in its order (None: ``rows``).
+    held_out_prefix: the prefix the store gives held-out test clients' ids
+      (``test/<id>``), left out of the ids this view shows: its publisher's.
   """
 
   def __init__(self, store, split: str, rows: Sequence[int],
                features: Callable[[np.ndarray, np.ndarray], Examples],
                preprocess_client: Tuple[Callable, ...] = (),
-               preprocess_batch: Tuple[Callable, ...] = ()):
+               preprocess_batch: Tuple[Callable, ...] = (),
+               size_rows: Optional[Sequence[int]] = None, held_out_prefix: str = ''):
     self._store = store
     self._split = split
     self._rows = np.asarray(rows, np.int64)
+    # client_sizes() in the base's order (FedJAX's SubsetFederatedData)
+    self._size_rows = self._rows if size_rows is None else np.asarray(size_rows, np.int64)
     self._features = features
     self._client_fns = tuple(preprocess_client)
     self._batch_fns = tuple(preprocess_batch)
+    self._prefix = held_out_prefix
     ids = store.client_ids
-    self._ids = [_as_bytes(ids[i]) for i in self._rows]
+    self._ids = [self._shown(ids[i]) for i in self._rows]
     self._row_of = dict(zip(self._ids, self._rows.tolist()))
+
+  def _shown(self, store_id) -> bytes:
+    """A store id as this view shows it (a held-out client's publisher id)."""
+    if self._prefix and str(store_id).startswith(self._prefix):
+      store_id = str(store_id)[len(self._prefix):]
+    return _as_bytes(store_id)
 
   def _with(self, **changes) -> 'FederatedData':
     args = dict(store=self._store, split=self._split, rows=self._rows, features=self._features,
-                preprocess_client=self._client_fns, preprocess_batch=self._batch_fns)
+                preprocess_client=self._client_fns, preprocess_batch=self._batch_fns,
+                size_rows=self._size_rows, held_out_prefix=self._prefix)
     args.update(changes)
     return FederatedData(**args)
 
@@ -272,9 +286,9 @@ class FederatedData:
     return iter(self._ids)
 
   def client_sizes(self) -> Iterator[Tuple[bytes, int]]:
-    """(id, number of examples) of every client."""
-    counts = self._store.counts[self._split]
-    return ((c, int(counts[r])) for c, r in zip(self._ids, self._rows))
+    """(id, number of examples) of every client (a subset's in its base's order, as FedJAX's)."""
+    counts, ids = self._store.counts[self._split], self._store.client_ids
+    return ((self._shown(ids[r]), int(counts[r])) for r in self._size_rows.tolist())
 
   def client_size(self, client_id) -> int:
     """A client's number of examples (KeyError if it is not here)."""
@@ -329,14 +343,35 @@ class FederatedData:
     None: unbounded)."""
     lo = None if start is None else _as_bytes(start)
     hi = None if stop is None else _as_bytes(stop)
-    keep = [i for i, c in enumerate(self._ids)
-            if (lo is None or c >= lo) and (hi is None or c < hi)]
-    return self._with(rows=self._rows[keep])
+    inside = lambda c: (lo is None or c >= lo) and (hi is None or c < hi)
+    ids = self._store.client_ids
+    return self._with(rows=[r for c, r in zip(self._ids, self._rows.tolist()) if inside(c)],
+                      size_rows=[r for r in self._size_rows.tolist()
+                                 if inside(self._shown(ids[r]))])
 
   def subset(self, client_ids: Iterable) -> 'FederatedData':
-    """The clients named ``client_ids`` (FedJAX's ``SubsetFederatedData``),
-    in the order given."""
-    return self._with(rows=[self._row(c) for c in client_ids])
+    """The clients named ``client_ids``, as FedJAX's ``SubsetFederatedData``
+    makes them: each id once, iterated in sorted order (``client_ids``,
+    ``clients``, ``shuffled_clients``), ``client_sizes`` in this view's
+    order; an id not here is a ValueError naming up to 10.
+
+    Args:
+      client_ids: the ids (bytes, or str).
+
+    Returns:
+      The ``FederatedData`` of those clients.
+
+    Raises:
+      ValueError: ids not among this view's clients.
+    """
+    wanted = {_as_bytes(c) for c in client_ids}
+    missing = wanted.difference(self._ids)
+    if missing:
+      raise ValueError('Some client ids are not in the base FederatedData, showing up to 10: '
+                       f'{sorted(missing)[:10]}')
+    return self._with(rows=[self._row_of[c] for c in sorted(wanted)],
+                      size_rows=[r for c, r in zip(self._ids, self._rows.tolist())
+                                 if c in wanted])
 
   def preprocess_client(self, fn: Callable[[bytes, Examples], Examples]) -> 'FederatedData':
     """A view whose clients' examples pass through ``fn(client_id, examples)``."""
@@ -360,11 +395,18 @@ def xy(x: np.ndarray, y: np.ndarray) -> Examples:
   return {'x': x, 'y': y}
 
 
+#: The prefix of a held-out test client's id in the population store
+#: (``cifar100`` and ``stackoverflow`` readers: ``test/<its id>``).
+HELD_OUT_PREFIX = 'test/'
+
+
 def splits(store, features: Callable[[np.ndarray, np.ndarray], Examples] = xy
            ) -> Tuple[FederatedData, FederatedData]:
   """``(train, test)`` of a population store: the clients that train
   (every one but the held-out ``eval_only``), and the clients with test
-  examples (as a publisher's test file lists them).
+  examples (as a publisher's test file lists them; held-out test clients
+  by their publisher's ids, ``test/<id>`` in the store shown as ``<id>``:
+  TFF's CIFAR-100 test clients ``0``..``99``).
 
   Args:
     store: a ``PopulationStore``.
@@ -376,7 +418,7 @@ def splits(store, features: Callable[[np.ndarray, np.ndarray], Examples] = xy
   trained = np.arange(store.num_trained)
   tested = np.flatnonzero(np.asarray(store.counts['test']) > 0)
   return (FederatedData(store, 'train', trained, features),
-          FederatedData(store, 'test', tested, features))
+          FederatedData(store, 'test', tested, features, held_out_prefix=HELD_OUT_PREFIX))
 
 
 def fedjax_targets(x: np.ndarray, y: np.ndarray) -> Examples:

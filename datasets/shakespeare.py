@@ -1,13 +1,16 @@
 """Federated Shakespeare (Caldas et al., LEAF; 715 speaking roles) from
 FedJAX's SQLite files (``shakespeare_{train,test}.sqlite``), in either
-publisher's windows (``WINDOWS``), ids in FedJAX's 86-character table
-(PAD 0, BOS 1, EOS 2, OOV 89; 90 classes):
+publisher's windows (``WINDOWS``) and ids (90 classes each; the same 86
+characters in the same order):
 
-- ``fedjax`` (``fedjax/datasets/shakespeare.py``): a client's snippets
-  joined with BOS/EOS into one character sequence cut into x/y pairs of
+- ``fedjax`` (``fedjax/datasets/shakespeare.py``): FedJAX's ids (PAD 0,
+  BOS 1, EOS 2, character i -> 3 + i, OOV 89); a client's snippets joined
+  with BOS/EOS into one character sequence cut into x/y pairs of
   ``seq_len``; padded targets carry no loss (``IGNORE``).
 - ``tff`` (TFF's and Reddi et al.'s, google-research/federated
-  ``shakespeare_dataset.py``): each snippet alone, ``[BOS] chars [EOS]``,
+  ``shakespeare_dataset.py``): TFF's ids (PAD 0, character i -> 1 + i, OOV
+  87, BOS 88, EOS 89: ``TFF_IDS``), so a TFF/Keras model's weights apply
+  as they are; each snippet alone, ``[BOS] chars [EOS]``,
   padded with PAD to a multiple of ``seq_len + 1``, cut into rows of
   ``seq_len + 1``, x = a row but its last, y = a row but its first: BOS is
   never a target; PAD targets count in the loss (Keras' unmasked
@@ -27,7 +30,8 @@ from fedjax_personal.hparams import hparam
 
 
 __all__ = ['load_data', 'PAD_UNSCORED', 'read_clients', 'SHAKESPEARE_CLASSES', 'SHAKESPEARE_OOV',
-           'shakespeare_sequences', 'SHAKESPEARE_VOCAB', 'ShakespeareOptions', 'tff_sequences']
+           'shakespeare_sequences', 'SHAKESPEARE_VOCAB', 'ShakespeareOptions', 'TFF_IDS',
+           'tff_sequences']
 
 
 # FedJAX's Shakespeare table (fedjax/datasets/shakespeare.py): byte vocab[i]
@@ -66,10 +70,19 @@ def shakespeare_sequences(snippets, seq_len: int):
   return x.reshape(rows, seq_len), y.reshape(rows, seq_len)
 
 
+#: TFF's Shakespeare ids (``shakespeare_dataset.get_special_tokens``): PAD 0,
+#: the vocabulary's character i -> 1 + i, OOV 87, BOS 88, EOS 89.
+TFF_IDS = {'pad': 0, 'oov': len(SHAKESPEARE_VOCAB) + 1, 'bos': len(SHAKESPEARE_VOCAB) + 2,
+           'eos': len(SHAKESPEARE_VOCAB) + 3}
+_TFF_TABLE = np.full(256, TFF_IDS['oov'], np.int32)
+for _i, _c in enumerate(SHAKESPEARE_VOCAB):
+  _TFF_TABLE[_c] = 1 + _i
+
+
 def tff_sequences(snippets, seq_len: int):
-  """TFF's (Reddi et al.'s) preprocessing of one client (module doc): each
-  snippet ``[BOS] chars [EOS]`` padded with PAD to rows of ``seq_len + 1``,
-  x = row[:-1], y = row[1:].
+  """TFF's (Reddi et al.'s) preprocessing of one client (module doc), in
+  TFF's ids (``TFF_IDS``): each snippet ``[BOS] chars [EOS]`` padded with
+  PAD to rows of ``seq_len + 1``, x = row[:-1], y = row[1:].
 
   Args:
     snippets: a client's snippets (bytes or str).
@@ -81,9 +94,9 @@ def tff_sequences(snippets, seq_len: int):
   split = seq_len + 1
   xs, ys = [], []
   for s in snippets:
-    tokens = np.concatenate([[BOS], _SHAKESPEARE_TABLE[np.frombuffer(bytes(s), np.uint8)],
-                             [EOS]]).astype(np.int32)
-    tokens = np.concatenate([tokens, np.full((-len(tokens)) % split, PAD, np.int32)])
+    tokens = np.concatenate([[TFF_IDS['bos']], _TFF_TABLE[np.frombuffer(bytes(s), np.uint8)],
+                             [TFF_IDS['eos']]]).astype(np.int32)
+    tokens = np.concatenate([tokens, np.full((-len(tokens)) % split, TFF_IDS['pad'], np.int32)])
     rows = tokens.reshape(-1, split)
     xs.append(rows[:, :-1])
     ys.append(rows[:, 1:])

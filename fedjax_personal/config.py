@@ -141,9 +141,12 @@ class TrainingConfig(Declared):
   local_epochs: int = hparam(1, 'Local epochs per round (E).', minimum=0)
   local_steps: Optional[int] = hparam(None, 'Local steps per round (K); replaces local_epochs.',
                                       minimum=0)
-  weighting: Optional[str] = hparam(None, "Aggregation weights: 'num_examples' or 'uniform' "
-                                    "(default: the algorithm's paper).",
-                                    choices=('num_examples', 'uniform'))
+  weighting: Optional[str] = hparam(None, "Aggregation weights: 'num_examples', 'tokens' (a "
+                                    "client's non-padding training targets: google-research/"
+                                    "federated's weighting of its next-word tasks; examples for "
+                                    "one label per example) or 'uniform' (default: the "
+                                    "algorithm's paper).",
+                                    choices=('num_examples', 'tokens', 'uniform'))
   server_optimizer: str = hparam('sgd', "Server optimizer on the mean delta: 'sgd' (lr 1: "
                                  "plain averaging; momentum: FedAvgM), or Reddi et al.'s "
                                  "'adagrad', 'yogi', 'adam' (FedAdagrad, FedYogi, FedAdam).",

@@ -24,10 +24,19 @@ parse = parse_flags
 def test_small_comparison_writes_outputs(tmp_path, capsys):
   parse('--algorithm=fedavg,local,fedavg_ft', '--dataset=digits', '--model=mlp',
         '--num_clients=5', '--rounds=3', '--eval_every=2', '--progress=false',
-        '--max_examples=500', '--plots=wait', f'--output_dir={tmp_path}')
+        '--max_examples=500', '--plots=wait', f'--output_dir={tmp_path}',
+        '--paper_metric=weighted')
   summaries = cli.main_job()
   out = capsys.readouterr().out
   assert 'fedavg_ft' in out and 'worst' in out and 'mean' in out
+  # The paper's metric named in the header and carried by summary.json; each
+  # averaging algorithm's client weights named once.
+  assert "the paper's metric: the weighted column, the accuracy pooled" in out
+  assert 'client weights: fedavg num_examples, fedavg_ft num_examples' in out
+  written = json.loads((tmp_path / 'fedavg' / 'summary.json').read_text())
+  assert written['paper_metric'] == {'column': 'weighted', 'key': 'accuracy_weighted',
+                                     'value': written['accuracy_weighted']}
+  assert written['identity']['weighting'] == 'num_examples'
   for alg in ('fedavg', 'local', 'fedavg_ft'):
     lines = (tmp_path / alg / 'metrics.jsonl').read_text().splitlines()
     assert [json.loads(l)['round'] for l in lines] == [2, 3]

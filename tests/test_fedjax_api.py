@@ -58,8 +58,20 @@ def test_clients_by_id_and_the_store_behind_them(emnist_made):
     train.get_client(b'nobody')
   picked = [c for c, _ in train.get_clients([b'f0003_03', b'f0000_00'])]
   assert picked == [b'f0003_03', b'f0000_00']
-  sub = train.subset([b'f0003_03', b'f0001_01'])
-  assert list(sub.client_ids()) == [b'f0003_03', b'f0001_01']
+  # FedJAX's SubsetFederatedData: each id once, sorted; sizes in the base's
+  # order; get_clients in the order given; an unknown id a ValueError.
+  sub = train.subset([b'f0003_03', b'f0001_01', b'f0003_03', 'f0000_00'])
+  assert sub.num_clients() == 3
+  assert list(sub.client_ids()) == [c for c, _ in sub.clients()] == [
+      b'f0000_00', b'f0001_01', b'f0003_03']
+  assert [c for c, _ in sub.client_sizes()] == [c for c in train.client_ids() if c in
+                                                 {b'f0000_00', b'f0001_01', b'f0003_03'}]
+  assert [c for c, _ in sub.get_clients([b'f0003_03', b'f0000_00'])] == [b'f0003_03', b'f0000_00']
+  with pytest.raises(KeyError):
+    sub.get_client(b'f0002_02')
+  with pytest.raises(ValueError, match='not in the base FederatedData'):
+    train.subset([b'f0001_01', b'nobody'])
+  assert list(sub.slice(b'f0001').client_ids()) == [b'f0001_01', b'f0003_03']
   store = train.slice(b'f0001', b'f0003').store
   assert store.client_ids == ['f0001_01', 'f0002_02'] and store.num_clients == 2
   x, y = store.client('f0001_01')['train']

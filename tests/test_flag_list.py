@@ -1,6 +1,7 @@
 """Every script's flags keep their names, defaults and types: the list
-written before the settings were reorganised (``tests/data/flag_list.json``,
-made by ``tests/flag_list.py``) against the scripts' flags now."""
+(``tests/data/flag_list.json``, made by ``tests/flag_list.py``; written
+before the settings were reorganised, a flag or choice added since written
+into it with its change) against the scripts' flags now."""
 
 import json
 import os

@@ -114,16 +114,17 @@ def _tff_shakespeare_reference(snippets, sequence_length=80):
 
 def test_tff_shakespeare_windows_as_tff_cuts_them(tmp_path):
   """--shakespeare_windows=tff equals TFF's own preprocessing on the same
-  snippets, its ids mapped to FedJAX's table (PAD 0, BOS 1, EOS 2, char
-  i -> i + 3, OOV 89): BOS never a target, PAD targets kept."""
+  snippets, in TFF's own ids (PAD 0, char i -> i + 1, OOV 87, BOS 88, EOS
+  89: a TFF/Keras model's weights apply as they are): BOS never a target,
+  PAD targets kept."""
   snippets = [b'To be, or not', b'to be' + bytes([1]), b'x' * 200]
   got_x, got_y = shakespeare.tff_sequences(snippets, 80)
   ref_x, ref_y, (pad, oov, bos, eos) = _tff_shakespeare_reference(snippets)
-  to_fedjax = np.arange(eos + 1) + 2  # chars: TFF's i + 1 -> FedJAX's i + 3
-  to_fedjax[[pad, oov, bos, eos]] = [0, shakespeare.SHAKESPEARE_OOV, 1, 2]
-  np.testing.assert_array_equal(got_x, to_fedjax[ref_x])
-  np.testing.assert_array_equal(got_y, to_fedjax[ref_y])
-  assert got_x.shape == (1 + 1 + 3, 80) and not (got_y == 1).any()  # BOS never a target
+  assert (pad, oov, bos, eos) == (0, 87, 88, 89) == tuple(shakespeare.TFF_IDS.values())
+  np.testing.assert_array_equal(got_x, ref_x)
+  np.testing.assert_array_equal(got_y, ref_y)
+  assert got_x.shape == (1 + 1 + 3, 80) and not (got_y == bos).any()  # BOS never a target
+  assert (got_x == oov).sum() == 1  # the byte 1 is no character of the vocabulary
   made_files.write_fedjax_sqlite(tmp_path / 'shakespeare_train.sqlite',
                                  [(b'ROLE', {'snippets': made_files.bytes_array(snippets)})])
   made_files.write_fedjax_sqlite(tmp_path / 'shakespeare_test.sqlite',
@@ -452,6 +453,11 @@ def test_tff_cifar100_test_clients_are_held_out(tmp_path, made_not_released):
   # 'split' (the default) keeps the train clients alone, their images split.
   d = load_federated(dataclasses.replace(cfg, options=Cifar100Options(), test_fraction=0.25))
   assert d.num_clients == 3 and d.eval_only == 0
+  # FedJAX's load_data: the test clients by TFF's own ids.
+  train, test = cifar100.load_data(cache_dir=str(tmp_path))
+  assert list(train.client_ids()) == [b'0', b'1', b'2']
+  assert list(test.client_ids()) == [b'1000', b'1001'] and test.client_size(b'1001') == 3
+  np.testing.assert_array_equal(test.get_client('1000').all_examples()['x'], truth['test'][0][1])
 
 
 def test_tf_example_reader_on_hand_written_protos():

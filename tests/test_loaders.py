@@ -3,7 +3,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from fedjax_personal.datasets import DataConfig, in_memory, load_federated, local_files
+from fedjax_personal.datasets import (DataConfig, TextOptions, in_memory, load_federated,
+                                      local_files)
 from fedjax_personal.errors import ConfigError
 
 
@@ -53,7 +54,7 @@ def test_tinyshakespeare_by_role():
     assert x.shape[1] == 20 and np.array_equal(x[:, 1:], y[:, :-1])  # next character
     assert x.shape[0] >= 1000 // 21
   d = load_federated(DataConfig(dataset='tinyshakespeare', partition='natural', num_clients=5,
-                                seq_len=20))
+                                options=TextOptions(seq_len=20)))
   assert d.num_classes == len(vocab) and d.train.y.shape[2] == 20
 
 

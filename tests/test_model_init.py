@@ -357,3 +357,62 @@ def test_lstm_lm_is_reddi_et_al_stackoverflow_model(tmp_path):
   model = models.create_model('lstm_lm', vocab, x)
   want = net(torch.tensor(x, dtype=torch.long)).detach().numpy()
   np.testing.assert_allclose(model.apply(weights.load(path, model, x), x), want, atol=1e-5)
+
+
+def _keras_char_lstm_logits(w, x):
+  """Reddi et al.'s Shakespeare network (google-research/federated
+  ``shakespeare_models.create_recurrent_model``: Embedding(8), two
+  LSTM(256, return_sequences=True), Dense(vocab)) in NumPy, from Keras's
+  ``get_weights()`` list and Keras's LSTM equations (gates i, f, c, o;
+  sigmoid and tanh), the weights as Keras holds them."""
+  sigmoid = lambda z: 1 / (1 + np.exp(-z))
+  h = w[0][x]  # embedding
+  for kernel, recurrent, bias in (w[1:4], w[4:7]):
+    units = recurrent.shape[0]
+    hs, c, ht = [], np.zeros((x.shape[0], units)), np.zeros((x.shape[0], units))
+    for t in range(x.shape[1]):
+      z = h[:, t] @ kernel + ht @ recurrent + bias
+      i, f, g, o = (z[:, k * units:(k + 1) * units] for k in range(4))
+      c = sigmoid(f) * c + sigmoid(i) * np.tanh(g)
+      ht = sigmoid(o) * np.tanh(c)
+      hs.append(ht)
+    h = np.stack(hs, 1)
+  return h @ w[7] + w[8]
+
+
+def _keras_weights(tmp_path, vocab=90):
+  rng = np.random.default_rng(0)
+  shapes = [(vocab, 8), (8, 1024), (256, 1024), (1024,), (256, 1024), (256, 1024), (1024,),
+            (256, vocab), (vocab,)]
+  w = [rng.normal(0, 0.1, s).astype(np.float32) for s in shapes]
+  path = tmp_path / 'keras.npz'
+  np.savez(path, *w)
+  x = rng.integers(1, vocab, (2, 6)).astype(np.int32)
+  model = models.create_model('reddi_char_lstm', vocab, x, init='keras')
+  return w, x, model, np.asarray(model.apply(weights.load(str(path), model, x), x))
+
+
+def test_keras_weights_give_keras_outputs(tmp_path):
+  """A TFF/Keras character model's weights (``np.savez(path,
+  *keras_model.get_weights())``, Keras's order and shapes) load onto
+  ``reddi_char_lstm``: its logits equal the Keras network's, written out in
+  NumPy; weights of another model name the first layer that differs."""
+  w, x, model, got = _keras_weights(tmp_path)
+  np.testing.assert_allclose(got, _keras_char_lstm_logits(w, x), rtol=1e-4, atol=1e-5)
+  np.savez(tmp_path / 'short.npz', *w[:-2])
+  with pytest.raises(ConfigError, match='Keras weights: the model.s layer 4, output'):
+    weights.load(str(tmp_path / 'short.npz'), model, x)
+
+
+def test_keras_weights_give_keras_own_outputs(tmp_path):
+  """The same against Keras itself, where TensorFlow installs."""
+  tf = pytest.importorskip('tensorflow')
+  keras = tf.keras
+  w, x, _, got = _keras_weights(tmp_path)
+  net = keras.Sequential([keras.layers.Embedding(w[0].shape[0], 8),
+                          keras.layers.LSTM(256, return_sequences=True),
+                          keras.layers.LSTM(256, return_sequences=True),
+                          keras.layers.Dense(w[0].shape[0])])
+  net(x)
+  net.set_weights(w)
+  np.testing.assert_allclose(got, net(x).numpy(), rtol=1e-4, atol=1e-5)

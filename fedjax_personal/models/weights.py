@@ -1,9 +1,17 @@
 """Initial parameters from a file (``--init_weights``).
 
-Two formats:
+Three formats:
 
 - ``.npz``: one array per parameter, keyed by its Flax path joined with '/'
   (``conv_0/kernel``, ``lstm_0/cell/hi/bias``), as ``save_npz`` writes it.
+- ``.npz`` of a Keras model's weights in Keras's own order and shapes, as
+  ``np.savez(path, *keras_model.get_weights())`` writes them (keys
+  ``arr_0``, ``arr_1``, ...: a TFF / Keras model, e.g. Reddi et al.'s
+  Shakespeare and Stack Overflow LSTMs). Matched to the model's layers in
+  order: ``Embedding`` [V, d] as is; ``Dense`` / ``Conv2D`` kernel (and
+  bias) as is (Keras's [in, out] and HWIO are Flax's); ``LSTM`` kernel
+  [in, 4H], recurrent kernel [H, 4H] and bias [4H], gates i, f, c, o, split
+  into each gate's kernels and bias.
 - ``.pt`` / ``.pth``: a PyTorch ``state_dict`` (or a dict holding one under
   ``state_dict`` / ``model_state_dict``), read with ``torch.load(...,
   weights_only=True)``. Its layers are matched to the model's by order (the
@@ -127,19 +135,26 @@ def load(path: str, model, sample_x) -> dict:
   template, flat_shape = _template(model, sample_x)
   ext = os.path.splitext(path)[1].lower()
   if ext == '.npz':
-    return _from_npz(path, template)
+    got = _read_npz(path)
+    if got and all(re.fullmatch(r'arr_\d+', k) for k in got):
+      return _from_keras(path, [got[f'arr_{i}'] for i in range(len(got))], template)
+    return _from_npz(path, template, got)
   if ext in ('.pt', '.pth'):
     return _from_torch(path, template, flat_shape)
-  _fail(path, f'unknown format {ext!r}: give a .npz (Flax parameter paths as keys) or a '
-        'PyTorch state dict (.pt or .pth)')
+  _fail(path, f'unknown format {ext!r}: give a .npz (Flax parameter paths as keys, or a Keras '
+        "model's get_weights() saved by np.savez) or a PyTorch state dict (.pt or .pth)")
 
 
-def _from_npz(path, template) -> dict:
+def _read_npz(path) -> Dict[str, np.ndarray]:
   try:
     with np.load(path, allow_pickle=False) as f:
-      got = {k: f[k] for k in f.files}
+      return {k: f[k] for k in f.files}
   except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
     _fail(path, f'not a readable .npz ({type(e).__name__}: {e})')
+  return {}
+
+
+def _from_npz(path, template, got) -> dict:
   want = flat_params(template)
   for name, a in want.items():
     if name not in got:
@@ -152,6 +167,54 @@ def _from_npz(path, template) -> dict:
   if extra:
     _fail(path, f'holds {extra[0]} {list(got[extra[0]].shape)}, which the model does not have')
   return _unflatten({k: got[k] for k in want})
+
+
+# -- Keras weights (get_weights order) -------------------------------------------
+
+def _keras_layer(flayer, arrays) -> Tuple[int, Dict[str, np.ndarray]]:
+  """How many of ``arrays`` (Keras's next weights) the Flax layer takes, and
+  them in its layout; (0, {}) when they do not fit."""
+  def fits(a, shape):
+    return a is not None and tuple(np.shape(a)) == tuple(shape)
+  first = arrays[0] if arrays else None
+  if 'ii' in flayer:  # an LSTM cell: kernel [in, 4H], recurrent [H, 4H], bias [4H]
+    h, d_in = flayer['hi']['kernel'].shape[0], flayer['ii']['kernel'].shape[0]
+    if len(arrays) < 3 or not (fits(arrays[0], (d_in, 4 * h)) and fits(arrays[1], (h, 4 * h))
+                               and fits(arrays[2], (4 * h,))):
+      return 0, {}
+    out = {}
+    for g, gate in enumerate(GATES):
+      cols = slice(g * h, (g + 1) * h)
+      out[f'i{gate}/kernel'] = arrays[0][:, cols]
+      out[f'h{gate}/kernel'] = arrays[1][:, cols]
+      out[f'h{gate}/bias'] = arrays[2][cols]
+    return 3, out
+  if 'embedding' in flayer:
+    return (1, {'embedding': first}) if fits(first, flayer['embedding'].shape) else (0, {})
+  if 'kernel' not in flayer or not fits(first, flayer['kernel'].shape):
+    return 0, {}
+  if 'bias' not in flayer:
+    return 1, {'kernel': first}
+  if len(arrays) < 2 or not fits(arrays[1], flayer['bias'].shape):
+    return 0, {}
+  return 2, {'kernel': first, 'bias': arrays[1]}
+
+
+def _from_keras(path, arrays, template) -> dict:
+  flayers = _flax_layers(template)
+  flat, at = {}, 0
+  for i, (fname, flayer) in enumerate(flayers):
+    took, conv = _keras_layer(flayer, arrays[at:])
+    if not took:
+      held = [list(np.shape(a)) for a in arrays[at:at + 3]]
+      _fail(path, f'Keras weights: the model\'s layer {i + 1}, {fname} {_shape(flayer)}, does '
+            f'not fit the file\'s next weights (arr_{at}.. {held})')
+    flat.update({f'{fname}/{k}': v for k, v in conv.items()})
+    at += took
+  if at < len(arrays):
+    _fail(path, f'Keras weights: {len(arrays)} arrays, the model takes {at}: arr_{at} '
+          f'{list(np.shape(arrays[at]))} has no counterpart')
+  return _unflatten({k: flat[k] for k in flat_params(template)})
 
 
 # -- PyTorch state dicts ---------------------------------------------------------

@@ -39,7 +39,7 @@ from fedjax_personal.run.process import say
 from fedjax_personal.run.settings import AlgorithmSettings, RunSettings
 
 
-__all__ = ['Built', 'Job', 'load_data', 'main_job']
+__all__ = ['Built', 'client_weights', 'Job', 'load_data', 'main_job']
 
 
 class Built(NamedTuple):
@@ -120,6 +120,9 @@ def main_job(settings: RunSettings) -> Dict[str, dict]:
   load_data(job)
   build_model_and_executor(job)
   build_algorithms(job)
+  weights = client_weights(settings)
+  if weights:
+    say('client weights: ' + ', '.join(f'{n} {w}' for n, w in weights.items()))
   settle_layout(job)
   choose_output_dir(job)
   if settings.output.dry_run:
@@ -287,13 +290,29 @@ def build_algorithms(job: Job) -> None:
   """Every algorithm, built before any trains (its settings were checked when
   the run's settings were read), with its run identity."""
   s = job.settings
+  weighted = client_weights(s)
   job.algs = [Built(a, algorithms_lib.make(a.spec, a.training, a.config, job.model,
                                            job.population),
-                    run_identity.identity(a.name, a.training, a.config, job.identity))
+                    {**run_identity.identity(a.name, a.training, a.config, job.identity),
+                     **({'weighting': weighted[a.name]} if a.name in weighted else {})})
               for a in s.algorithms]
   if job.population.eval_only:
     for built in job.algs:
       _check_global_evaluation(s, built.alg, job.population.eval_only)
+
+
+def client_weights(s: RunSettings) -> Dict[str, str]:
+  """{algorithm: how it weighs client uploads} for the algorithms that
+  average them (``--weighting``, else the algorithm's paper's).
+
+  Args:
+    s: the run's settings.
+
+  Returns:
+    ``{name: weighting}``.
+  """
+  return {a.name: a.spec.weighting(a.training) for a in s.algorithms
+          if 'weighting' in a.spec.uses}
 
 
 def _check_global_evaluation(s: RunSettings, alg, held_out: int) -> None:
@@ -517,6 +536,9 @@ def train_algorithm(job: Job, built: Built) -> None:
       summary['ignored_settings'] = list(ignored)
     if e.target_accuracy is not None:
       summary['rounds_to_target'] = experiment.rounds_to_target(history, e.target_accuracy)
+    if e.paper_metric is not None:
+      key = reporting.PAPER_METRICS[e.paper_metric][0]
+      summary['paper_metric'] = {'column': e.paper_metric, 'key': key, 'value': summary.get(key)}
     row = e.row_label(alg_name, label)
     job.histories[row], job.summaries[row] = history, summary
     alg_summaries.append(summary)
@@ -567,5 +589,8 @@ def write_comparison(job: Job) -> None:
   say(f'{job.population.name}, {s.model.model}, {e.rounds} rounds: per-client test accuracy at the '
        f'last evaluation and averaged over the last {window} (@last{window}){trials}')
   say(reporting.format_table(table))
+  if e.paper_metric is not None:
+    say(f"the paper's metric: the {e.paper_metric} column, "
+        f'{reporting.PAPER_METRICS[e.paper_metric][1]}')
   if e.trials > 1:
     job.summaries = table

@@ -10,7 +10,7 @@ from fedjax_personal.run.experiment import Callback
 from fedjax_personal.run.plots import plot_runs, plot_trials, trial_curves  # noqa: F401
 
 __all__ = ['AffinityRecorder', 'aggregate_trials', 'final_summary', 'format_table', 'MetricsWriter',
-           'pm', 'PrivacyRecorder', 'Progress', 'table_window', 'trials_summary', 'worst_clients',
+           'PAPER_METRICS', 'pm', 'PrivacyRecorder', 'Progress', 'table_window', 'trials_summary', 'worst_clients',
            'write_summary']
 
 
@@ -159,6 +159,21 @@ def write_summary(directory: str, summary: dict) -> str:
 TABLE_COLUMNS = (('accuracy_mean', 'mean'), ('accuracy_worst', 'worst'),
                  ('accuracy_mean_window', 'mean@last{L}'), ('accuracy_worst_window', 'worst@last{L}'),
                  ('accuracy_q10', 'q10'), ('accuracy_weighted', 'weighted'))
+
+
+#: The table's columns a paper may report (``--paper_metric``): column ->
+#: (summary key, what it is).
+PAPER_METRICS = {
+    'mean': ('accuracy_mean', 'the mean over clients of their test accuracy'),
+    'worst': ('accuracy_worst', "the worst client's test accuracy"),
+    'mean@last': ('accuracy_mean_window', 'the mean over clients, averaged over the last '
+                  'evaluations'),
+    'worst@last': ('accuracy_worst_window', "the worst client's, averaged over the last "
+                   'evaluations'),
+    'q10': ('accuracy_q10', "the clients' 10th percentile"),
+    'weighted': ('accuracy_weighted', 'the accuracy pooled over every scored test target (each '
+                 'client weighted by its scored targets: examples, or tokens of a text task)'),
+}
 
 
 def table_window(rows: Dict[str, dict]) -> int:

@@ -39,7 +39,7 @@ from fedjax_personal.datasets import DataConfig
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.hparams import Declared, hparam
 from fedjax_personal.models import ModelConfig
-from fedjax_personal.run import plots, run_identity
+from fedjax_personal.run import plots, reporting, run_identity
 from fedjax_personal.run.distributed import DistributedSettings
 
 __all__ = ['AlgorithmSettings', 'ExperimentSettings', 'InputSettings', 'OutputSettings',
@@ -69,6 +69,11 @@ class ExperimentSettings(Declared):
   stat_window: int = hparam(5, 'Stable statistics: tables also report the mean over the last '
                             'this many evaluations of the mean and worst-client accuracy.',
                             minimum=1)
+  paper_metric: Optional[str] = hparam(
+      None, "The table's column a reproduced paper reports (a flagfile that reproduces one names "
+      'it): mean, worst, mean@last, worst@last, q10 or weighted (pooled over every scored test '
+      'target). The header names it and summary.json carries it (paper_metric).',
+      choices=tuple(reporting.PAPER_METRICS))
   dp_delta: float = hparam(1e-5, 'delta at which the DP-SGD epsilon is reported (algorithms run '
                            'with DP-SGD, e.g. --fedfomo_dp_clip_norm > 0).', minimum=0,
                            maximum=1, open_min=True, open_max=True)
