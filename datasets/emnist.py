@@ -11,14 +11,15 @@ import dataclasses
 
 import numpy as np
 
-from fedjax_personal.datasets import federated, sources
+from fedjax_personal.datasets import federated, sources, sqlite_federated
 from fedjax_personal.datasets.natural_data import NaturalData, fedjax_splits
 from fedjax_personal.datasets.options import DataOptions
 from fedjax_personal.errors import DataError
 from fedjax_personal.hparams import hparam
 
 
-__all__ = ['domain_id', 'EmnistOptions', 'load_data', 'PIXELS', 'read_clients']
+__all__ = ['domain_id', 'EmnistOptions', 'load_data', 'load_split', 'PIXELS', 'preprocess_batch',
+           'preprocess_batch_tff', 'preprocess_client', 'preprocess_split', 'read_clients', 'SPLITS']
 
 
 PIXELS = {'fedjax': lambda p: 1.0 - p, 'tff': lambda p: p}
@@ -93,31 +94,115 @@ def domain_id(client_id) -> int:
   return 0 if 2100 <= number <= 2599 else 1
 
 
-def _with_domain(client_id, examples):
-  return {**examples, 'domain_id': np.full_like(examples['y'], domain_id(client_id))}
+def preprocess_client(client_id, examples):
+  """FedJAX's: a ``domain_id`` feature (``domain_id`` of the writer) beside
+  ``pixels`` and ``label``.
+
+  Args:
+    client_id: the writer's id.
+    examples: ``{'pixels', 'label'}``.
+
+  Returns:
+    The examples with ``domain_id`` [N] (the label's dtype).
+  """
+  return {**examples, 'domain_id': np.full_like(examples['label'], domain_id(client_id))}
+
+
+def preprocess_batch(examples):
+  """FedJAX's batch: ``x`` = 1 - pixels [N, 28, 28, 1] (ink 1).
+
+  Args:
+    examples: ``{'pixels', 'label', 'domain_id'}``.
+
+  Returns:
+    ``{'x', 'y', 'domain_id'}``.
+  """
+  return {'x': 1 - examples['pixels'][..., np.newaxis], 'y': examples['label'],
+          'domain_id': examples['domain_id']}
+
+
+def preprocess_batch_tff(examples):
+  """TFF's pixels: ``x`` = the file's pixels [N, 28, 28, 1] (ink 0), as
+  TFF's ``emnist.load_data`` and Reddi et al.'s task code feed them.
+
+  Args:
+    examples: ``{'pixels', 'label', 'domain_id'}``.
+
+  Returns:
+    ``{'x', 'y', 'domain_id'}``.
+  """
+  return {'x': examples['pixels'][..., np.newaxis], 'y': examples['label'],
+          'domain_id': examples['domain_id']}
+
+
+BATCH_PREPROCESSING = {'fedjax': preprocess_batch, 'tff': preprocess_batch_tff}
+
+SPLITS = ('train', 'test')
+
+
+def preprocess_split(fd):
+  """FedJAX's ``preprocess_split``: ``preprocess_client`` then ``preprocess_batch``.
+
+  Args:
+    fd: one split of raw writers (``load_split``).
+
+  Returns:
+    The split with FedJAX's features.
+  """
+  return fd.preprocess_client(preprocess_client).preprocess_batch(preprocess_batch)
+
+
+def load_split(split: str, only_digits: bool = False, mode: str = 'sqlite', cache_dir=None, *,
+               num_clients=None, download: bool = True, data_dir=None):
+  """FedJAX's ``emnist.load_split``: one file's writers, raw (``pixels``
+  [N, 28, 28] float32, ``label`` [N] int32), in the file's order.
+
+  Args:
+    split: ``'train'`` or ``'test'``.
+    only_digits: the digits-only files.
+    mode, cache_dir, num_clients, download, data_dir: as ``load_data``
+      (``num_clients``: the file's first N clients).
+
+  Returns:
+    A ``sqlite_federated.SQLiteFederatedData``.
+  """
+  if split not in SPLITS:
+    raise ValueError(f'Invalid split={split!r}')
+  name = 'emnist_digits' if only_digits else 'emnist'
+  cfg = federated.data_config(name, mode, cache_dir, num_clients, download, data_dir)
+  return sqlite_federated.open_split(
+      cfg, f'federated_emnist_{"digitsonly_" if only_digits else ""}{split}.sqlite')
 
 
 def load_data(only_digits: bool = False, mode: str = 'sqlite', cache_dir=None, *,
               num_clients=None, download: bool = True, pixels: str = 'fedjax', data_dir=None):
-  """FedJAX's ``emnist.load_data``: the train and test federated data of
-  FedJAX's files, read from their population store.
+  """FedJAX's ``emnist.load_data``: the train and test files' writers, each
+  in its file's order, with FedJAX's preprocessing.
 
-  Features as FedJAX gives them: ``x`` [N, 28, 28, 1] float32 (``1 -
-  pixels`` with ``pixels='fedjax'``; ``'tff'``: the raw pixels), ``y`` [N]
-  int32, ``domain_id`` [N] int32 (``domain_id``).
+  Features of a batch: ``x`` [N, 28, 28, 1] float32 (``1 - pixels`` with
+  ``pixels='fedjax'``, FedJAX's; ``'tff'``: the raw pixels), ``y`` [N]
+  int32, ``domain_id`` [N] int32 (``domain_id``); a client's
+  ``raw_examples`` are the file's (``pixels``, ``label``) and ``domain_id``.
+  ``.store`` of a view is the population store the command line trains on
+  (``--dataset=emnist --emnist_pixels=PIXELS``), those writers alone.
 
   Args:
     only_digits: the 10-class digits files (3,383 writers).
     mode: ``'sqlite'`` (FedJAX's only mode).
     cache_dir: where the files are (``data_dir`` is the same).
-    num_clients: the first N writers (None: all).
+    num_clients: the first N writers of each file (None: all).
     download: fetch missing files (FedJAX always does).
     pixels: ``PIXELS``.
     data_dir: the same as ``cache_dir``.
 
   Returns:
-    ``(train, test)`` ``federated.FederatedData``, clients by id.
+    ``(train, test)`` ``sqlite_federated.SQLiteFederatedData``, clients by id.
   """
-  train, test = federated.load('emnist_digits' if only_digits else 'emnist', mode, cache_dir,
-                               num_clients, download, data_dir, emnist_pixels=pixels)
-  return train.preprocess_client(_with_domain), test.preprocess_client(_with_domain)
+  if pixels not in BATCH_PREPROCESSING:
+    raise ValueError(f'pixels must be one of {list(BATCH_PREPROCESSING)}, got {pixels!r}')
+  name = 'emnist_digits' if only_digits else 'emnist'
+  cfg = federated.data_config(name, mode, cache_dir, num_clients, download, data_dir,
+                              emnist_pixels=pixels)
+  return tuple(sqlite_federated.open_split(
+      cfg, f'federated_emnist_{"digitsonly_" if only_digits else ""}{split}.sqlite',
+      [preprocess_client], [BATCH_PREPROCESSING[pixels]]) for split in SPLITS)

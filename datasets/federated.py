@@ -1,222 +1,69 @@
-"""FedJAX's federated data API over the population store.
+"""FedJAX's federated data API: ``FederatedData`` over the population
+store, FedJAX's preprocessors, ``SubsetFederatedData`` and the functions
+that batch a whole federated data set.
 
-FedJAX 0.0.17's ``<dataset>.load_data`` returns ``(train, test)``
-``FederatedData``: clients kept by id (bytes), each a ``ClientDataset`` of
-numpy examples (``{'x': ..., 'y': ...}``) batched by ``batch``,
-``padded_batch`` (a ``'__mask__'`` feature, the final batch padded to one
-of ``num_batch_size_buckets`` sizes) and ``shuffle_repeat_batch``. The data
-set modules' ``load_data`` (``emnist``, ``shakespeare``, ``cifar100``)
-return the same objects here, read from the population store the CLI
-trains on (written once from the publisher's files, ``load_store``), so a
-FedJAX user's cell runs with only the import changed, and ``.store`` hands
-the same clients to this project's rounds.
-
-The batching follows FedJAX's documented behaviour
-(``fedjax/core/client_datasets.py``): the same batches, masks and final
-batch sizes, and for a given ``seed`` the same shuffled order
-(``numpy.random.RandomState``), so numbers computed either way agree.
+FedJAX 0.0.17's ``<dataset>.load_data`` returns ``FederatedData``: clients
+kept by id (bytes), each a ``client_datasets.ClientDataset`` of numpy
+examples, preprocessed by one ``ClientPreprocessor`` (per client, with its
+id) and one ``BatchPreprocessor`` (per batch) shared by every client. The
+data sets read from FedJAX's own files (``emnist``, ``shakespeare``,
+``stackoverflow``) give FedJAX's ``SQLiteFederatedData``
+(``sqlite_federated``); the others (``cifar100``, ``gldv2``, ``leaf``)
+give this module's ``FederatedData``, read from the population store the
+command line trains on (written once from the publisher's files,
+``load_store``). Either way a FedJAX user's cell runs with only the import
+changed, and ``.store`` hands the same clients to this project's rounds.
 """
 
-import dataclasses
-import itertools
 from typing import Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ['ClientDataset', 'EXAMPLE_MASK_KEY', 'FederatedData', 'fedjax_targets',
-           'HELD_OUT_PREFIX', 'load', 'splits', 'xy']
+from fedjax_personal.datasets import client_datasets
+from fedjax_personal.datasets.client_datasets import (  # noqa: F401 (FedJAX's names, here too)
+    BatchPreprocessor, ClientDataset, EXAMPLE_MASK_KEY, Examples, NoOpBatchPreprocessor)
 
-#: The bool feature ``padded_batch`` adds: True for an example, False for padding.
-EXAMPLE_MASK_KEY = '__mask__'
+__all__ = ['BatchPreprocessor', 'ClientDataset', 'ClientPreprocessor', 'EXAMPLE_MASK_KEY',
+           'FederatedData', 'fedjax_targets', 'HELD_OUT_PREFIX', 'load', 'NoOpBatchPreprocessor',
+           'NoOpClientPreprocessor', 'padded_batch_federated_data',
+           'shuffle_repeat_batch_federated_data', 'splits', 'SubsetFederatedData', 'xy']
 
-Examples = Dict[str, np.ndarray]
-
-
-def _settings(hparams, kwargs: dict, defaults: dict) -> dict:
-  """FedJAX's two calling forms: an hparams object (any object with the
-  fields, e.g. ``fedjax.PaddedBatchHParams``), overridden by keywords."""
-  got = dict(defaults)
-  if hparams is not None:
-    fields = (dataclasses.asdict(hparams) if dataclasses.is_dataclass(hparams)
-              else dict(vars(hparams)))
-    got.update({k: v for k, v in fields.items() if k in defaults})
-  unknown = set(kwargs) - set(defaults)
-  if unknown:
-    raise TypeError(f'unexpected batching arguments {sorted(unknown)}; expected {sorted(defaults)}')
-  got.update(kwargs)
-  if got.get('batch_size') is None or int(got['batch_size']) < 1:
-    raise ValueError(f'batch_size must be a positive integer, got {got.get("batch_size")!r}')
-  return got
+ClientId = bytes
 
 
-def _size(examples: Examples) -> int:
-  sizes = {len(v) for v in examples.values()}
-  if len(sizes) > 1:
-    raise ValueError(f'examples with different numbers of rows: '
-                     f'{ {k: len(v) for k, v in examples.items()} }')
-  return sizes.pop() if sizes else 0
-
-
-def _rows(examples: Examples, index) -> Examples:
-  return {k: v[index] for k, v in examples.items()}
-
-
-def _final_batch_size(size: int, batch_size: int, buckets: int) -> int:
-  """The padded size of the last batch: ``batch_size`` halved at most
-  ``buckets - 1`` times while the half still holds the remainder."""
-  rest = size % batch_size
-  if rest == 0:
-    return batch_size
-  chosen, halvings = batch_size, 1
-  while chosen // 2 >= rest and halvings < buckets:
-    chosen, halvings = chosen // 2, halvings + 1
-  return chosen
-
-
-class _View:
-  """A re-iterable view: every ``iter`` starts the batches again."""
-
-  def __init__(self, make: Callable[[], Iterator[Examples]]):
-    self._make = make
-
-  def __iter__(self) -> Iterator[Examples]:
-    return self._make()
-
-
-class ClientDataset:
-  """One client's examples in memory (FedJAX's ``ClientDataset``).
+class ClientPreprocessor:
+  """A chain of functions on a client's examples that also take its id
+  (FedJAX's ``ClientPreprocessor``).
 
   Args:
-    raw_examples: ``{feature: array}``, the same number of rows each.
-    preprocessor: applied to every batch (``FederatedData.preprocess_batch``).
+    fns: ``(client_id, examples) -> examples`` functions, applied in order
+      to a copy of the examples.
   """
 
-  def __init__(self, raw_examples: Examples,
-               preprocessor: Callable[[Examples], Examples] = lambda e: e):
-    _size(raw_examples)
-    self.raw_examples = raw_examples
-    self.preprocessor = preprocessor
+  def __init__(self, fns: Iterable[Callable[[ClientId, Examples], Examples]] = ()):
+    self._fns = tuple(fns)
 
-  def __len__(self) -> int:
-    return _size(self.raw_examples)
+  def __call__(self, client_id: ClientId, examples: Examples) -> Examples:
+    if not self._fns:
+      return examples
+    out = dict(examples)
+    for f in self._fns:
+      out = f(client_id, out)
+    client_datasets.assert_consistent_rows(out)
+    return out
 
-  def __getitem__(self, index: slice) -> 'ClientDataset':
-    """The examples of a slice of rows, as a ClientDataset."""
-    if not isinstance(index, slice):
-      raise ValueError(f'Only slicing is supported, got index {index!r}')
-    return ClientDataset(_rows(self.raw_examples, index), self.preprocessor)
+  def append(self, fn: Callable[[ClientId, Examples], Examples]) -> 'ClientPreprocessor':
+    """A new ClientPreprocessor with ``fn`` added to the end."""
+    return ClientPreprocessor(self._fns + (fn,))
 
-  def all_examples(self) -> Examples:
-    """Every example, preprocessed."""
-    return self.preprocessor(self.raw_examples)
+  def __str__(self) -> str:
+    return f'ClientPreprocessor({self._fns})'
 
-  def batch(self, hparams=None, **kwargs) -> Iterable[Examples]:
-    """Batches in order; the last may be smaller (or dropped with
-    ``drop_remainder``).
-
-    Args:
-      hparams: an object with ``batch_size`` / ``drop_remainder``.
-      **kwargs: the same fields, overriding ``hparams``.
-
-    Returns:
-      A re-iterable of preprocessed batches.
-    """
-    s = _settings(hparams, kwargs, {'batch_size': None, 'drop_remainder': False})
-    b, n = int(s['batch_size']), len(self)
-
-    def batches():
-      for start in range(0, n, b):
-        if start + b <= n or not s['drop_remainder']:
-          yield self.preprocessor(_rows(self.raw_examples, slice(start, start + b)))
-    return _View(batches)
-
-  def padded_batch(self, hparams=None, **kwargs) -> Iterable[Examples]:
-    """Batches in order, each with ``EXAMPLE_MASK_KEY``; the last padded
-    (zeros, mask False) to ``batch_size`` halved while the half still holds
-    it, at most ``num_batch_size_buckets - 1`` times.
-
-    Args:
-      hparams: an object with ``batch_size`` / ``num_batch_size_buckets``.
-      **kwargs: the same fields, overriding ``hparams``.
-
-    Returns:
-      A re-iterable of preprocessed, masked batches.
-    """
-    s = _settings(hparams, kwargs, {'batch_size': None, 'num_batch_size_buckets': 1})
-    b, n = int(s['batch_size']), len(self)
-    last = _final_batch_size(n, b, int(s['num_batch_size_buckets']))
-
-    def batches():
-      for start in range(0, n, b):
-        got = self.preprocessor(_rows(self.raw_examples, slice(start, start + b)))
-        rows = min(b, n - start)
-        size = b if start + b <= n else last
-        padded = {k: np.concatenate([v, np.zeros((size - rows,) + v.shape[1:], v.dtype)])
-                  if size > rows else v for k, v in got.items()}
-        padded[EXAMPLE_MASK_KEY] = np.arange(size) < rows
-        yield padded
-    return _View(batches)
-
-  def shuffle_repeat_batch(self, hparams=None, **kwargs) -> Iterable[Examples]:
-    """Batches of exactly ``batch_size`` examples drawn by reshuffling the
-    rows each pass (without replacement within a pass): ``num_epochs``
-    passes (the last batch topped up from the next shuffle, or dropped
-    with ``drop_remainder``), at most ``num_steps`` batches; both None:
-    forever. ``seed`` fixes the order; ``skip_shuffle`` keeps the rows'.
-
-    Args:
-      hparams: an object with ``batch_size``, ``num_epochs``, ``num_steps``,
-        ``drop_remainder``, ``seed``, ``skip_shuffle``.
-      **kwargs: the same fields, overriding ``hparams``.
-
-    Returns:
-      A re-iterable of preprocessed batches.
-    """
-    s = _settings(hparams, kwargs, {'batch_size': None, 'num_epochs': 1, 'num_steps': None,
-                                    'drop_remainder': False, 'seed': None,
-                                    'skip_shuffle': False})
-    b, n = int(s['batch_size']), len(self)
-    steps = s['num_steps']
-    if s['num_epochs'] is not None:
-      total = n * int(s['num_epochs'])
-      by_epochs = total // b if s['drop_remainder'] else -(-total // b)
-      steps = by_epochs if steps is None else min(int(steps), by_epochs)
-
-    def batches():
-      rng = np.random.RandomState(s['seed'])
-      order = np.arange(n, dtype=np.int32)
-      used = n  # a shuffle before the first batch
-      made = 0
-      while steps is None or made < steps:
-        picked = np.zeros(b, np.int32)
-        filled = 0
-        while filled < b:
-          if used == n:
-            if not s['skip_shuffle']:
-              rng.shuffle(order)
-            used = 0
-          take = min(n - used, b - filled)
-          picked[filled:filled + take] = order[used:used + take]
-          used, filled = used + take, filled + take
-        yield self.preprocessor(_rows(self.raw_examples, picked))
-        made += 1
-    if n == 0 and (steps is None or steps > 0):
-      raise ValueError('shuffle_repeat_batch of a client with no examples')
-    return _View(batches)
+  __repr__ = __str__
 
 
-def _buffered_shuffle(items: Iterator, buffer_size: int, rng: np.random.RandomState):
-  """One pass over ``items`` shuffled through a buffer of ``buffer_size``
-  (FedJAX's order for the same generator)."""
-  buf = list(itertools.islice(items, buffer_size))
-  rng.shuffle(buf)
-  for item in items:
-    out, buf[0] = buf[0], item
-    j = rng.randint(buffer_size)
-    if j < buffer_size - 1:
-      buf[j], buf[0] = buf[0], buf[j]
-    yield out
-  yield from buf
+#: The client preprocessor that does nothing.
+NoOpClientPreprocessor = ClientPreprocessor()
 
 
 def _as_bytes(client_id) -> bytes:
@@ -232,8 +79,9 @@ class FederatedData:
     split: ``train``, ``val`` or ``test``.
     rows: the store's rows in this view, in order.
     features: ``(x, y) -> {feature: array}`` of a client's examples.
-    preprocess_client: ``(client_id, examples) -> examples`` functions.
-    preprocess_batch: ``examples -> examples`` functions.
+    preprocess_client: the ``ClientPreprocessor`` of every client.
+    preprocess_batch: the ``BatchPreprocessor`` of every client's batches
+      (one object, shared, as ``padded_batch_client_datasets`` requires).
     size_rows: the rows ``client_sizes`` lists, in its order (None: ``rows``).
     held_out_prefix: the prefix the store gives held-out test clients' ids
       (``test/<id>``), left out of the ids this view shows: its publisher's.
@@ -241,8 +89,8 @@ class FederatedData:
 
   def __init__(self, store, split: str, rows: Sequence[int],
                features: Callable[[np.ndarray, np.ndarray], Examples],
-               preprocess_client: Tuple[Callable, ...] = (),
-               preprocess_batch: Tuple[Callable, ...] = (),
+               preprocess_client: ClientPreprocessor = NoOpClientPreprocessor,
+               preprocess_batch: BatchPreprocessor = NoOpBatchPreprocessor,
                size_rows: Optional[Sequence[int]] = None, held_out_prefix: str = ''):
     self._store = store
     self._split = split
@@ -250,8 +98,8 @@ class FederatedData:
     # client_sizes() in the base's order (FedJAX's SubsetFederatedData)
     self._size_rows = self._rows if size_rows is None else np.asarray(size_rows, np.int64)
     self._features = features
-    self._client_fns = tuple(preprocess_client)
-    self._batch_fns = tuple(preprocess_batch)
+    self._preprocess_client = preprocess_client
+    self._preprocess_batch = preprocess_batch
     self._prefix = held_out_prefix
     ids = store.client_ids
     self._ids = [self._shown(ids[i]) for i in self._rows]
@@ -265,7 +113,8 @@ class FederatedData:
 
   def _with(self, **changes) -> 'FederatedData':
     args = dict(store=self._store, split=self._split, rows=self._rows, features=self._features,
-                preprocess_client=self._client_fns, preprocess_batch=self._batch_fns,
+                preprocess_client=self._preprocess_client,
+                preprocess_batch=self._preprocess_batch,
                 size_rows=self._size_rows, held_out_prefix=self._prefix)
     args.update(changes)
     return FederatedData(**args)
@@ -275,7 +124,19 @@ class FederatedData:
     """The population store of these clients alone (``store.subset``):
     what this project's rounds train on (``store.padded()``,
     ``fedjax_personal.data.to_device``)."""
-    return self._store.subset([self._store.client_ids[i] for i in self._rows], 'of a slice')
+    return self.store_for(self._ids)
+
+  def store_for(self, client_ids):
+    """The population store of some of these clients (``store``).
+
+    Args:
+      client_ids: their ids (as this view shows them).
+
+    Returns:
+      A ``PopulationStore``.
+    """
+    return self._store.subset([self._store.client_ids[self._row(c)] for c in client_ids],
+                              'of a slice')
 
   def num_clients(self) -> int:
     """How many clients."""
@@ -305,15 +166,7 @@ class FederatedData:
     hi = lo + int(self._store.counts[self._split][row])
     x, y, _ = self._store.arrays[self._split]
     examples = self._features(np.asarray(x[lo:hi]), np.asarray(y[lo:hi]))
-    for fn in self._client_fns:
-      examples = fn(client_id, examples)
-    batch_fns = self._batch_fns
-
-    def preprocess(e):
-      for fn in batch_fns:
-        e = fn(e)
-      return e
-    return ClientDataset(examples, preprocess)
+    return ClientDataset(self._preprocess_client(client_id, examples), self._preprocess_batch)
 
   def get_client(self, client_id) -> ClientDataset:
     """One client's examples (KeyError if it is not here)."""
@@ -335,7 +188,8 @@ class FederatedData:
     buffer of ``buffer_size`` clients (``seed`` fixes the order)."""
     rng = np.random.RandomState(seed)
     while True:
-      for c, r in _buffered_shuffle(zip(self._ids, self._rows.tolist()), buffer_size, rng):
+      for c, r in client_datasets.buffered_shuffle(zip(self._ids, self._rows.tolist()),
+                                                   buffer_size, rng):
         yield c, self._client(r, c)
 
   def slice(self, start=None, stop=None) -> 'FederatedData':
@@ -374,12 +228,156 @@ class FederatedData:
                                  if c in wanted])
 
   def preprocess_client(self, fn: Callable[[bytes, Examples], Examples]) -> 'FederatedData':
-    """A view whose clients' examples pass through ``fn(client_id, examples)``."""
-    return self._with(preprocess_client=self._client_fns + (fn,))
+    """A view whose clients' examples pass through ``fn(client_id, examples)`` too."""
+    return self._with(preprocess_client=self._preprocess_client.append(fn))
 
   def preprocess_batch(self, fn: Callable[[Examples], Examples]) -> 'FederatedData':
-    """A view whose batches pass through ``fn(examples)``."""
-    return self._with(preprocess_batch=self._batch_fns + (fn,))
+    """A view whose batches pass through ``fn(examples)`` too."""
+    return self._with(preprocess_batch=self._preprocess_batch.append(fn))
+
+
+class SubsetFederatedData:
+  """Some clients of a federated data set, by id (FedJAX's
+  ``SubsetFederatedData``): each id once, iterated in sorted order;
+  ``client_sizes`` in the base's order.
+
+  Args:
+    base: the federated data set (any with FedJAX's methods).
+    client_ids: the ids, each among ``base``'s.
+    validate: check that they are (a ValueError naming up to 10 otherwise).
+  """
+
+  def __init__(self, base, client_ids: Iterable[ClientId], validate: bool = True):
+    self._base = base
+    ids = client_ids if isinstance(client_ids, set) else set(client_ids)
+    if validate:
+      bad = ids.difference(base.client_ids())
+      if bad:
+        raise ValueError('Some client ids are not in the base FederatedData, showing up to 10: '
+                         f'{sorted(bad)[:10]}')
+    self._client_ids = ids
+
+  @property
+  def store(self):
+    """The population store of these clients (``base.store`` of them)."""
+    return self._base.store_for(sorted(self._client_ids))
+
+  def store_for(self, client_ids):
+    """The population store of some of these clients (``base.store_for``).
+
+    Args:
+      client_ids: their ids.
+
+    Returns:
+      A ``PopulationStore``.
+    """
+    return self._base.store_for(client_ids)
+
+  def slice(self, start=None, stop=None) -> 'SubsetFederatedData':
+    """The ids in ``[start, stop)``."""
+    inside = lambda c: (start is None or start <= c) and (stop is None or c < stop)
+    return SubsetFederatedData(self._base.slice(start, stop),
+                               {c for c in self._client_ids if inside(c)}, validate=False)
+
+  def subset(self, client_ids: Iterable) -> 'SubsetFederatedData':
+    """Some of these clients (each once, sorted)."""
+    return SubsetFederatedData(self, client_ids)
+
+  def num_clients(self) -> int:
+    """How many clients."""
+    return len(self._client_ids)
+
+  def client_ids(self) -> Iterator[ClientId]:
+    """The ids, sorted."""
+    return iter(sorted(self._client_ids))
+
+  def client_sizes(self) -> Iterator[Tuple[ClientId, int]]:
+    """``(id, size)`` of these clients, in the base's order."""
+    for client_id, size in self._base.client_sizes():
+      if client_id in self._client_ids:
+        yield client_id, size
+
+  def client_size(self, client_id) -> int:
+    """A client's size (KeyError if it is not here)."""
+    if client_id not in self._client_ids:
+      raise KeyError(client_id)
+    return self._base.client_size(client_id)
+
+  def clients(self) -> Iterator[Tuple[ClientId, ClientDataset]]:
+    """``(id, ClientDataset)`` of every client, in sorted order."""
+    yield from self.get_clients(sorted(self._client_ids))
+
+  def shuffled_clients(self, buffer_size: int,
+                       seed: Optional[int] = None) -> Iterator[Tuple[ClientId, ClientDataset]]:
+    """Every client, pass after pass forever, each pass shuffled through a
+    buffer of ``buffer_size``."""
+    rng = np.random.RandomState(seed)
+    while True:
+      yield from client_datasets.buffered_shuffle(self.clients(), buffer_size, rng)
+
+  def get_clients(self, client_ids: Iterable) -> Iterator[Tuple[ClientId, ClientDataset]]:
+    """``(id, ClientDataset)`` for each id, in the order given (KeyError
+    for one not here)."""
+    for client_id, dataset in self._base.get_clients(client_ids):
+      if client_id not in self._client_ids:
+        raise KeyError(client_id)
+      yield client_id, dataset
+
+  def get_client(self, client_id) -> ClientDataset:
+    """One client (KeyError if it is not here)."""
+    if client_id not in self._client_ids:
+      raise KeyError(client_id)
+    return self._base.get_client(client_id)
+
+  def preprocess_client(self, fn) -> 'SubsetFederatedData':
+    """A view whose clients pass through ``fn(client_id, examples)`` too."""
+    return SubsetFederatedData(self._base.preprocess_client(fn), self._client_ids, validate=False)
+
+  def preprocess_batch(self, fn) -> 'SubsetFederatedData':
+    """A view whose batches pass through ``fn(examples)`` too."""
+    return SubsetFederatedData(self._base.preprocess_batch(fn), self._client_ids, validate=False)
+
+
+def padded_batch_federated_data(fd, hparams=None, **kwargs) -> Iterator[Examples]:
+  """Every client's examples in padded batches across clients' edges, in
+  ``fd.clients()`` order (FedJAX's ``padded_batch_federated_data``): the
+  whole federated data set evaluated as one.
+
+  Args:
+    fd: a federated data set.
+    hparams: an object with ``batch_size`` / ``num_batch_size_buckets``.
+    **kwargs: the same fields, overriding ``hparams``.
+
+  Yields:
+    Preprocessed batches, each with ``EXAMPLE_MASK_KEY``.
+  """
+  yield from client_datasets.padded_batch_client_datasets(
+      (dataset for _, dataset in fd.clients()), hparams, **kwargs)
+
+
+def shuffle_repeat_batch_federated_data(fd, batch_size: int, client_buffer_size: int,
+                                        example_buffer_size: int,
+                                        seed: Optional[int] = None) -> Iterator[Examples]:
+  """Batches of every client's examples forever, shuffled at two levels
+  (clients through ``client_buffer_size``, then examples through
+  ``example_buffer_size``): FedJAX's ``shuffle_repeat_batch_federated_data``,
+  for a centralized baseline.
+
+  Args:
+    fd: a federated data set.
+    batch_size: examples per batch.
+    client_buffer_size: clients in the first buffer.
+    example_buffer_size: examples in the second.
+    seed: fixes the order (None: unseeded).
+
+  Yields:
+    Preprocessed batches.
+  """
+  rng = np.random.RandomState(seed)
+  datasets = (dataset for _, dataset in fd.shuffled_clients(client_buffer_size,
+                                                            rng.randint(1 << 32)))
+  yield from client_datasets.buffered_shuffle_batch_client_datasets(
+      datasets, batch_size=batch_size, buffer_size=example_buffer_size, rng=rng)
 
 
 def xy(x: np.ndarray, y: np.ndarray) -> Examples:
@@ -436,12 +434,56 @@ def fedjax_targets(x: np.ndarray, y: np.ndarray) -> Examples:
   return {'x': x, 'y': np.where(y == IGNORE, PAD, y)}
 
 
+def data_config(dataset: str, mode: str = 'sqlite', cache_dir=None, num_clients=None,
+                download: bool = True, data_dir=None, **options):
+  """The ``DataConfig`` of a ``load_data`` call (FedJAX's arguments, and
+  this project's options by their flags' names).
+
+  Raises:
+    ValueError: a ``mode`` other than ``'sqlite'``, or two folders.
+  """
+  from fedjax_personal import datasets as datasets_lib
+  cls = datasets_lib.registry.options_class(dataset)
+  fields = datasets_lib.config.option_flags(cls)
+  if mode != 'sqlite':
+    raise ValueError(f'Unsupported mode={mode!r}: the published files are read (mode=\'sqlite\')')
+  if cache_dir is not None and data_dir is not None and cache_dir != data_dir:
+    raise ValueError('give cache_dir or data_dir (the same folder), not both')
+  folder = cache_dir if cache_dir is not None else data_dir
+  return datasets_lib.DataConfig(dataset=dataset, partition='natural', num_clients=num_clients,
+                                 data_dir=folder, download=download,
+                                 options=cls(**{fields[k]: v for k, v in options.items()
+                                                if v is not None}))
+
+
+def store_of(cfg, prefix: str = '') -> Callable[[Sequence], object]:
+  """``client_ids -> PopulationStore`` of those clients of ``cfg``'s store
+  (built once, on the first call: ``load_store``).
+
+  Args:
+    cfg: the ``DataConfig`` of the store.
+    prefix: what the store puts before these ids (``HELD_OUT_PREFIX`` for
+      held-out test clients).
+
+  Returns:
+    The function.
+  """
+  built = []
+
+  def of(client_ids):
+    from fedjax_personal import datasets as datasets_lib
+    if not built:
+      built.append(datasets_lib.load_store(cfg))
+    ids = [prefix + (c.decode('utf-8') if isinstance(c, bytes) else str(c)) for c in client_ids]
+    return built[0].subset(ids, 'of a load_data view')
+  return of
+
+
 def load(dataset: str, mode: str = 'sqlite', cache_dir=None, num_clients=None,
          download: bool = True, data_dir=None, features=xy, **options
          ) -> Tuple[FederatedData, FederatedData]:
-  """``(train, test)`` of a natural data set, as its module's
-  ``load_data`` returns them (``splits``), from its population store
-  (``load_store``: written once from the files, then reused).
+  """``(train, test)`` of a natural data set from its population store
+  (``splits``; ``load_store``: written once from the files, then reused).
 
   Args:
     dataset: the ``--dataset`` name.
@@ -460,15 +502,5 @@ def load(dataset: str, mode: str = 'sqlite', cache_dir=None, num_clients=None,
     The train and test ``FederatedData``.
   """
   from fedjax_personal import datasets as datasets_lib
-  cls = datasets_lib.registry.options_class(dataset)
-  fields = datasets_lib.config.option_flags(cls)
-  if mode != 'sqlite':
-    raise ValueError(f'Unsupported mode={mode!r}: the published files are read (mode=\'sqlite\')')
-  if cache_dir is not None and data_dir is not None and cache_dir != data_dir:
-    raise ValueError('give cache_dir or data_dir (the same folder), not both')
-  folder = cache_dir if cache_dir is not None else data_dir
-  cfg = datasets_lib.DataConfig(dataset=dataset, partition='natural', num_clients=num_clients,
-                                data_dir=folder, download=download,
-                                options=cls(**{fields[k]: v for k, v in options.items()
-                                               if v is not None}))
+  cfg = data_config(dataset, mode, cache_dir, num_clients, download, data_dir, **options)
   return splits(datasets_lib.load_store(cfg), features)

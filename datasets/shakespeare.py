@@ -19,19 +19,20 @@ characters in the same order):
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 
-from fedjax_personal.datasets import federated, sources
+from fedjax_personal.datasets import federated, sources, sqlite_federated
 from fedjax_personal.datasets.natural_data import (BOS, EOS, IGNORE, PAD, NaturalData,
                                                    fedjax_splits)
 from fedjax_personal.datasets.options import TextOptions
 from fedjax_personal.hparams import hparam
 
 
-__all__ = ['load_data', 'PAD_UNSCORED', 'read_clients', 'SHAKESPEARE_CLASSES', 'SHAKESPEARE_OOV',
-           'shakespeare_sequences', 'SHAKESPEARE_VOCAB', 'ShakespeareOptions', 'TFF_IDS',
-           'tff_sequences']
+__all__ = ['load_data', 'load_split', 'OOV', 'PAD_UNSCORED', 'preprocess_client', 'read_clients',
+           'SHAKESPEARE_CLASSES', 'SHAKESPEARE_OOV', 'shakespeare_sequences', 'SHAKESPEARE_VOCAB',
+           'ShakespeareOptions', 'SPLITS', 'TABLE', 'TFF_IDS', 'tff_sequences', 'VOCAB_SIZE']
 
 
 # FedJAX's Shakespeare table (fedjax/datasets/shakespeare.py): byte vocab[i]
@@ -154,26 +155,76 @@ def read_clients(num_clients=None, data_dir=None, download=False, seq_len: int =
   return out
 
 
+#: FedJAX's names for the ids (``fedjax.datasets.shakespeare``).
+TABLE, VOCAB_SIZE, OOV = _SHAKESPEARE_TABLE, SHAKESPEARE_CLASSES, SHAKESPEARE_OOV
+SPLITS = ('train', 'test')
+
+
+def preprocess_client(client_id, examples, sequence_length: int, windows: str = 'fedjax'):
+  """FedJAX's ``preprocess_client``: a client's ``snippets`` as x/y rows of
+  ``sequence_length`` ids (``windows``: FedJAX's by default), padded
+  targets PAD (0), as FedJAX has them.
+
+  Args:
+    client_id: not used.
+    examples: ``{'snippets': [N] bytes}``.
+    sequence_length: ids per row.
+    windows: ``WINDOWS``.
+
+  Returns:
+    ``{'x', 'y'}`` int32 [M, sequence_length].
+  """
+  del client_id
+  x, y = WINDOWS[windows](examples['snippets'], sequence_length)
+  return {'x': x, 'y': np.where(y == IGNORE, PAD, y).astype(np.int32)}
+
+
+def load_split(split: str, mode: str = 'sqlite', cache_dir=None, *, num_clients=None,
+               download: bool = True, data_dir=None):
+  """FedJAX's ``shakespeare.load_split``: one file's speaking roles, raw
+  (``snippets`` [N] bytes), in the file's order.
+
+  Args:
+    split: ``'train'`` or ``'test'``.
+    mode, cache_dir, num_clients, download, data_dir: as ``load_data``
+      (``num_clients``: the file's first N clients).
+
+  Returns:
+    A ``sqlite_federated.SQLiteFederatedData``.
+  """
+  if split not in SPLITS:
+    raise ValueError(f'Invalid split={split!r}')
+  cfg = federated.data_config('shakespeare', mode, cache_dir, num_clients, download, data_dir)
+  return sqlite_federated.open_split(cfg, f'shakespeare_{split}.sqlite')
+
+
 def load_data(sequence_length: int = 80, mode: str = 'sqlite', cache_dir=None, *,
               num_clients=None, download: bool = True, windows: str = 'fedjax', data_dir=None,
               seq_len=None):
-  """FedJAX's ``shakespeare.load_data``: train and test federated data of
-  x/y rows of ``sequence_length`` ids (``windows``; FedJAX's by default),
-  padded targets PAD (0) as FedJAX has them.
+  """FedJAX's ``shakespeare.load_data``: the train and test files' speaking
+  roles, each in its file's order, their snippets as x/y rows of
+  ``sequence_length`` ids (``preprocess_client``). ``client_sizes`` count
+  snippets, as the files (and FedJAX) do; ``.store`` of a view is the
+  population store the command line trains on, those roles alone.
 
   Args:
     sequence_length: ids per row (``seq_len`` is the same).
     mode: ``'sqlite'``.
     cache_dir: where the files are (``data_dir`` is the same).
-    num_clients: the first N speaking roles (None: all 715).
+    num_clients: the first N roles of each file (None: all 715).
     download: fetch missing files (FedJAX always does).
-    windows: ``WINDOWS``.
+    windows: ``WINDOWS`` (FedJAX's by default).
     data_dir: the same as ``cache_dir``.
     seq_len: the same as ``sequence_length``.
 
   Returns:
-    ``(train, test)`` ``federated.FederatedData``.
+    ``(train, test)`` ``sqlite_federated.SQLiteFederatedData``.
   """
-  return federated.load('shakespeare', mode, cache_dir, num_clients, download, data_dir,
-                        federated.fedjax_targets, seq_len=seq_len or sequence_length,
-                        shakespeare_windows=windows)
+  if windows not in WINDOWS:
+    raise ValueError(f'windows must be one of {list(WINDOWS)}, got {windows!r}')
+  length = seq_len or sequence_length
+  cfg = federated.data_config('shakespeare', mode, cache_dir, num_clients, download, data_dir,
+                              seq_len=length, shakespeare_windows=windows)
+  preprocess = functools.partial(preprocess_client, sequence_length=length, windows=windows)
+  return tuple(sqlite_federated.open_split(cfg, f'shakespeare_{split}.sqlite', [preprocess])
+               for split in SPLITS)

@@ -24,8 +24,8 @@ import numpy as np
 from fedjax_personal.datasets import tf_example
 from fedjax_personal.errors import DataError
 
-__all__ = ['fedjax_num_clients', 'fedjax_sizes', 'parse_example', 'read_fedjax', 'read_tff',
-           'tff_num_clients']
+__all__ = ['decode_client', 'fedjax_connection', 'fedjax_num_clients', 'fedjax_sizes',
+           'parse_example', 'read_fedjax', 'read_tff', 'tff_num_clients', 'write_fedjax']
 
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_SCALAR, _EXT_BYTES_NDARRAY = 1, 2, 3, 4
@@ -53,8 +53,56 @@ def _ext_hook(code: int, data: bytes):
 
 
 def decode_client(blob: bytes) -> Dict[str, np.ndarray]:
-  """One client's examples from a FedJAX ``data`` blob (zlib msgpack)."""
+  """One client's examples from a FedJAX ``data`` blob.
+
+  Args:
+    blob: the zlib-compressed msgpack of a dict of arrays (FedJAX's encoding).
+
+  Returns:
+    ``{feature: array}``.
+  """
   return msgpack.unpackb(zlib.decompress(blob), ext_hook=_ext_hook, raw=False)
+
+
+def _pack(x):
+  """FedJAX's msgpack ext types (``serialization.py``): 1 a numeric array,
+  4 an array of bytes, 3 a NumPy scalar."""
+  if isinstance(x, np.ndarray) and x.dtype == object:
+    return msgpack.ExtType(_EXT_BYTES_NDARRAY,
+                           msgpack.packb((x.shape, list(x.flatten())), use_bin_type=True))
+  if isinstance(x, np.ndarray):
+    return msgpack.ExtType(_EXT_NDARRAY, msgpack.packb((x.shape, x.dtype.name, x.tobytes('C')),
+                                                       use_bin_type=True))
+  if isinstance(x, np.generic):
+    a = np.asarray(x)
+    return msgpack.ExtType(_EXT_SCALAR, msgpack.packb((a.shape, a.dtype.name, a.tobytes('C')),
+                                                      use_bin_type=True))
+  raise TypeError(f'FedJAX files hold arrays, not {type(x).__name__}')
+
+
+def write_fedjax(path, clients) -> None:
+  """A FedJAX SQLite file, as FedJAX's ``SQLiteFederatedDataBuilder``
+  writes it: one row per client in the order given, ``data`` the zlib
+  msgpack of its examples, ``num_examples`` their rows.
+
+  Args:
+    path: the file to write (it must not exist).
+    clients: ``(client_id, {feature: array})`` pairs (ids as they are kept:
+      bytes, or str as FedJAX keeps TFF's).
+
+  Returns:
+    None.
+  """
+  conn = sqlite3.connect(str(path))
+  try:
+    conn.execute('CREATE TABLE federated_data (client_id BLOB NOT NULL PRIMARY KEY, '
+                 'data BLOB NOT NULL, num_examples INTEGER NOT NULL);')
+    conn.executemany('INSERT INTO federated_data VALUES (?, ?, ?);', (
+        (cid, zlib.compress(msgpack.packb(dict(ex), default=_pack, strict_types=True)),
+         len(next(iter(ex.values())))) for cid, ex in clients))
+    conn.commit()
+  finally:
+    conn.close()
 
 
 def _connect(path) -> sqlite3.Connection:
@@ -70,6 +118,25 @@ def _tables(conn, path) -> List[str]:
   except sqlite3.Error as e:
     raise DataError(f'{path}: not an SQLite database ({e}); if it was downloaded, delete it and '
                     'download it again (--download)') from None
+
+
+def fedjax_connection(path) -> sqlite3.Connection:
+  """A read-only connection to a FedJAX SQLite file.
+
+  Args:
+    path: the file.
+
+  Returns:
+    The open connection.
+
+  Raises:
+    DataError: not an SQLite file, or without the ``federated_data`` table (naming it).
+  """
+  conn = _connect(path)
+  if 'federated_data' not in _tables(conn, path):
+    conn.close()
+    raise DataError(f'{path}: no federated_data table: not a FedJAX SQLite file')
+  return conn
 
 
 def read_fedjax(path, limit: Optional[int] = None,
@@ -88,10 +155,8 @@ def read_fedjax(path, limit: Optional[int] = None,
   Raises:
     DataError naming the file when it is not in FedJAX's format.
   """
-  conn = _connect(path)
+  conn = fedjax_connection(path)
   try:
-    if 'federated_data' not in _tables(conn, path):
-      raise DataError(f'{path}: no federated_data table: not a FedJAX SQLite file')
     try:
       if client_ids is not None:
         for cid in client_ids:
@@ -123,10 +188,8 @@ def fedjax_num_clients(path) -> int:
   Raises:
     DataError: not a FedJAX SQLite file (naming it).
   """
-  conn = _connect(path)
+  conn = fedjax_connection(path)
   try:
-    if 'federated_data' not in _tables(conn, path):
-      raise DataError(f'{path}: no federated_data table: not a FedJAX SQLite file')
     return int(conn.execute('SELECT COUNT(*) FROM federated_data').fetchone()[0])
   finally:
     conn.close()
@@ -142,10 +205,8 @@ def fedjax_sizes(path) -> np.ndarray:
   Returns:
     int64 [clients].
   """
-  conn = _connect(path)
+  conn = fedjax_connection(path)
   try:
-    if 'federated_data' not in _tables(conn, path):
-      raise DataError(f'{path}: no federated_data table: not a FedJAX SQLite file')
     rows = conn.execute('SELECT num_examples FROM federated_data ORDER BY rowid').fetchall()
     return np.asarray([r[0] for r in rows], np.int64)
   except sqlite3.Error as e:

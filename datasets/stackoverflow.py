@@ -3,7 +3,9 @@
 preprocessed as ``fedjax/datasets/stackoverflow.py``: each sentence
 ``[BOS] words [EOS]`` as ids of the ``vocab_size`` most frequent words, one
 OOV id, x/y truncated or padded to ``seq_len`` (vocab_size + 4 classes); its
-next-word accuracy under each published definition.
+next-word accuracy under each published definition. ``load_data`` gives
+FedJAX's objects (the raw ``tokens`` and ``domain_id``) and
+``StackoverflowTokenizer`` FedJAX's tokenizer, in NumPy.
 """
 
 import dataclasses
@@ -11,7 +13,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from fedjax_personal.datasets import sources, sqlite_formats
+from fedjax_personal.datasets import federated, sources, sqlite_federated, sqlite_formats
 from fedjax_personal.datasets.natural_data import (BOS, EOS, IGNORE, PAD, NaturalData, client_id,
                                                    converted, fedjax_splits, take)
 from fedjax_personal.datasets.options import TextOptions
@@ -19,9 +21,10 @@ from fedjax_personal.errors import ConfigError, DataError
 from fedjax_personal.hparams import hparam
 
 
-__all__ = ['load_data', 'read_clients', 'read_held_out', 'STACKOVERFLOW_ACCURACIES',
+__all__ = ['default_vocab', 'DefaultWordTokenizer', 'load_data', 'load_split', 'preprocess_client',
+           'read_clients', 'read_held_out', 'SPLITS', 'STACKOVERFLOW_ACCURACIES',
            'stackoverflow_accuracy', 'stackoverflow_unscored', 'StackOverflowOptions',
-           'tokenize_sentences', 'VALIDATION_EXAMPLES']
+           'StackoverflowTokenizer', 'tokenize_sentences', 'VALIDATION_EXAMPLES', 'word_ids']
 
 
 def read_word_count(path, vocab_size: int) -> List[str]:
@@ -89,27 +92,44 @@ def stackoverflow_accuracy(name: str, num_classes: int):
                    f'{sorted(STACKOVERFLOW_ACCURACIES)}')
 
 
-def tokenize_sentences(sentences, vocab: Dict[str, int], seq_len: int):
+def word_ids(words) -> Dict[bytes, int]:
+  """The ids of a vocabulary's words (3.. in order), keyed by their UTF-8
+  bytes, as ``tokenize_sentences`` looks them up.
+
+  Args:
+    words: the words (str or bytes), most frequent first.
+
+  Returns:
+    ``{word bytes: id}``.
+  """
+  return {(w.encode('utf-8') if isinstance(w, str) else bytes(w)): i + 3
+          for i, w in enumerate(words)}
+
+
+def tokenize_sentences(sentences, vocab: Dict[bytes, int], seq_len: int,
+                       pad_target: int = IGNORE):
   """FedJAX's Stack Overflow tokenizer with one OOV bucket: ids 0 PAD, 1 BOS,
   2 EOS, 3.. the vocabulary, len(vocab) + 3 OOV; x = ids[:-1], y = ids[1:]
   of ``[BOS] words [EOS]``, truncated or padded to ``seq_len`` (padded
-  targets IGNORE).
+  inputs PAD, padded targets ``pad_target``). Words are split at every
+  single space, as TensorFlow's ``tf.strings.split(sep=' ')`` (two spaces
+  delimit an empty word, OOV), and looked up as bytes.
 
   Args:
-    sentences: a user's posts (bytes or str, words separated by spaces).
-    vocab: word -> id (3..).
+    sentences: a user's posts (bytes or str).
+    vocab: word bytes -> id (3..): ``word_ids``.
     seq_len: tokens per row.
+    pad_target: the id of a padded target (``IGNORE``: no loss; FedJAX: PAD).
 
   Returns:
     ``(x, y)`` int32 [posts, seq_len].
   """
   oov = len(vocab) + 3
   x = np.full((len(sentences), seq_len), PAD, np.int32)
-  y = np.full((len(sentences), seq_len), IGNORE, np.int32)
+  y = np.full((len(sentences), seq_len), pad_target, np.int32)
   for i, s in enumerate(sentences):
-    text = s.decode('utf-8') if isinstance(s, bytes) else str(s)
-    # FedJAX's tf.strings.split(sep=' '): two spaces delimit an empty token (OOV).
-    ids = [BOS] + [vocab.get(w, oov) for w in text.split(' ')] + [EOS]
+    text = s if isinstance(s, bytes) else str(s).encode('utf-8')
+    ids = [BOS] + [vocab.get(w, oov) for w in text.split(b' ')] + [EOS]
     n = min(len(ids) - 1, seq_len)
     x[i, :n], y[i, :n] = ids[:n], ids[1:n + 1]
   return x, y
@@ -191,8 +211,7 @@ def _record_tokenizer(word_count_path, vocab_size: int, seq_len: int):
   Returns:
     ``record -> (x, y)`` (``tokenize_sentences`` of its ``tokens``).
   """
-  words = read_word_count(word_count_path, vocab_size)
-  vocab = {w: i + 3 for i, w in enumerate(words)}
+  vocab = word_ids(read_word_count(word_count_path, vocab_size))
   return lambda ex: tokenize_sentences(ex['tokens'], vocab, seq_len)
 
 
@@ -290,36 +309,160 @@ def read_held_out(num_clients=None, data_dir=None, download=False, vocab_size: i
   return out
 
 
+SPLITS = ('train', 'held_out', 'test')
+
+
+def preprocess_client(client_id, examples):
+  """FedJAX's: ``domain_id`` (0 a question, 1 an answer) and ``tokens``,
+  the other features dropped.
+
+  Args:
+    client_id: not used.
+    examples: a user's raw posts (``type``, ``tokens``, ...).
+
+  Returns:
+    ``{'domain_id': int32 [N], 'tokens': bytes [N]}``.
+  """
+  del client_id
+  return {'domain_id': (examples['type'] == b'answer').astype(np.int32),
+          'tokens': examples['tokens']}
+
+
+def load_split(split: str, mode: str = 'sqlite', cache_dir=None, *, num_clients=None,
+               download: bool = True, data_dir=None):
+  """FedJAX's ``stackoverflow.load_split``: one file's users, raw
+  (``creation_date``, ``title``, ``score``, ``tags``, ``tokens``, ``type``),
+  in the file's order.
+
+  Args:
+    split: one of ``SPLITS``.
+    mode, cache_dir, num_clients, download, data_dir: as ``load_data``
+      (``num_clients``: the file's first N clients).
+
+  Returns:
+    A ``sqlite_federated.SQLiteFederatedData``.
+  """
+  if split not in SPLITS:
+    raise ValueError(f'Invalid split={split!r}')
+  dataset = 'stackoverflow_held_out' if split == 'held_out' else 'stackoverflow'
+  cfg = federated.data_config(dataset, mode, cache_dir, num_clients, download, data_dir)
+  return sqlite_federated.open_split(cfg, f'stackoverflow_{split}.sqlite', source='stackoverflow')
+
+
 def load_data(mode: str = 'sqlite', cache_dir=None, *, num_clients=None, download: bool = True,
-              vocab_size: int = 10000, sequence_length: int = 20, data_dir=None, seq_len=None):
-  """FedJAX's ``stackoverflow.load_data``, over the population store:
-  ``(train, held_out, test)`` as FedJAX returns them. ``train`` and
-  ``test`` are the train users (their posts in ``stackoverflow_train`` and
-  ``stackoverflow_test``), ``held_out`` the users of
-  ``stackoverflow_held_out`` (``read_held_out``), each post tokenized
-  (FedJAX's ids: PAD 0, BOS 1, EOS 2, words 3.., OOV last; x = ids[:-1],
-  y = ids[1:], padded targets PAD) into rows of ``sequence_length``. FedJAX
-  returns the raw posts and tokenizes them in its experiments; here the
-  store holds them tokenized.
+              data_dir=None):
+  """FedJAX's ``stackoverflow.load_data``: ``(train, held_out, test)``, each
+  file's users in its order, with ``domain_id`` and the raw ``tokens``
+  (``preprocess_client``); tokenize them with ``StackoverflowTokenizer``
+  at any length, as FedJAX's recipe::
+
+    train, held_out, test = stackoverflow.load_data(cache_dir=DIR)
+    tokenizer = stackoverflow.StackoverflowTokenizer(cache_dir=DIR)
+    train_for_train = train.preprocess_batch(tokenizer.as_preprocess_batch(20))
+    test = test.preprocess_batch(tokenizer.as_preprocess_batch(30))
+
+  ``.store`` of a view is the population store the command line trains on
+  (``--dataset=stackoverflow``, 10,000 words, 20 tokens), those users alone.
 
   Args:
     mode: ``'sqlite'``.
     cache_dir: where the files are (``data_dir`` is the same).
-    num_clients: the first N users of each file (None: all 342,477 train
-      and 38,758 held-out users).
+    num_clients: the first N users of each file (None: all 342,477 train,
+      38,758 held-out and 204,088 test users).
     download: fetch missing files.
-    vocab_size: the most frequent words kept.
-    sequence_length: tokens per row (``seq_len`` is the same).
     data_dir: the same as ``cache_dir``.
-    seq_len: the same as ``sequence_length``.
 
   Returns:
-    ``(train, held_out, test)`` ``federated.FederatedData``.
+    ``(train, held_out, test)`` ``sqlite_federated.SQLiteFederatedData``.
   """
-  from fedjax_personal.datasets import federated
-  options = dict(vocab_size=vocab_size, seq_len=seq_len or sequence_length)
-  train, test = federated.load('stackoverflow', mode, cache_dir, num_clients, download, data_dir,
-                               federated.fedjax_targets, **options)
-  _, held_out = federated.load('stackoverflow_held_out', mode, cache_dir, num_clients, download,
-                               data_dir, federated.fedjax_targets, **options)
-  return train, held_out, test
+  out = []
+  for split in SPLITS:
+    dataset = 'stackoverflow_held_out' if split == 'held_out' else 'stackoverflow'
+    cfg = federated.data_config(dataset, mode, cache_dir, num_clients, download, data_dir)
+    out.append(sqlite_federated.open_split(cfg, f'stackoverflow_{split}.sqlite',
+                                           [preprocess_client], source='stackoverflow'))
+  return tuple(out)
+
+
+def default_vocab(default_vocab_size: int = 10000, cache_dir=None, download: bool = True
+                  ) -> List[str]:
+  """FedJAX's ``default_vocab``: the ``default_vocab_size`` most frequent
+  words of ``stackoverflow.word_count`` (found in ``cache_dir``, else
+  where the data set's files are looked up; FedJAX reads it from its bucket).
+
+  Args:
+    default_vocab_size: the words kept.
+    cache_dir: where the file is.
+    download: fetch it when found nowhere.
+
+  Returns:
+    The words, most frequent first.
+  """
+  path = sources.fetch('stackoverflow', cache_dir, download,
+                       which=['stackoverflow.word_count'])['stackoverflow.word_count']
+  return read_word_count(path, default_vocab_size)
+
+
+class DefaultWordTokenizer:
+  """FedJAX's ``DefaultWordTokenizer`` in NumPy (FedJAX's needs
+  TensorFlow): ids PAD 0, BOS 1, EOS 2, ``vocab[i]`` 3 + i, OOV
+  ``len(vocab) + 3``; words split at every single space.
+
+  Args:
+    vocab: the words (no special tokens).
+    num_oov_buckets: 1 (TensorFlow's hashing of words into more buckets is
+      not reproduced; another number is a ValueError).
+  """
+  PAD, BOS, EOS = PAD, BOS, EOS
+
+  def __init__(self, vocab: List[str], num_oov_buckets: int = 1):
+    if num_oov_buckets != 1:
+      raise ValueError(f'num_oov_buckets={num_oov_buckets}: only 1 OOV bucket is supported '
+                       "(TensorFlow's hashing of words into buckets is not reproduced)")
+    self._vocab = word_ids(vocab)
+
+  def create_token_to_ids_fn(self, max_length: int):
+    """``tokens [N] bytes -> (x, y)`` int32 [N, max_length], padded and
+    truncated with PAD (FedJAX's ``token_to_ids``)."""
+    return lambda tokens: tokenize_sentences(list(tokens), self._vocab, max_length,
+                                             pad_target=PAD)
+
+  def as_preprocess_batch(self, max_length: int):
+    """A ``preprocess_batch`` function: ``tokens`` -> ``x``, ``y`` (and
+    ``domain_id`` kept), FedJAX's.
+
+    Args:
+      max_length: tokens per row (padded or truncated to it).
+
+    Returns:
+      ``examples -> examples``.
+    """
+    token_to_ids = self.create_token_to_ids_fn(max_length)
+
+    def preprocess_batch(examples):
+      x, y = token_to_ids(examples['tokens'])
+      result = {'x': x, 'y': y}
+      if 'domain_id' in examples:
+        result['domain_id'] = examples['domain_id']
+      return result
+    return preprocess_batch
+
+
+class StackoverflowTokenizer(DefaultWordTokenizer):
+  """FedJAX's ``StackoverflowTokenizer``: ``DefaultWordTokenizer`` of
+  ``vocab``, or of the ``default_vocab_size`` most frequent words
+  (``default_vocab``, read from ``cache_dir``).
+
+  Args:
+    vocab: the words (None: ``default_vocab(default_vocab_size)``).
+    default_vocab_size: the words of the default vocabulary.
+    num_oov_buckets: 1.
+    cache_dir: where ``stackoverflow.word_count`` is (this project's).
+  """
+
+  def __init__(self, vocab: Optional[List[str]] = None,
+               default_vocab_size: Optional[int] = 10000, num_oov_buckets: int = 1, *,
+               cache_dir=None):
+    if vocab is None:
+      vocab = default_vocab(default_vocab_size, cache_dir)
+    super().__init__(vocab, num_oov_buckets)

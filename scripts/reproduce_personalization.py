@@ -259,7 +259,7 @@ def generated_stackoverflow(num_users: int, seed: int, concepts: int = 100, syno
   from fedjax_personal.core.data import ClientData, FederatedData, pad_clients
   rng = np.random.default_rng(seed)
   words = [[f'c{k}'] + [f'c{k}s{j}' for j in range(synonyms)] for k in range(concepts)]
-  vocab = {w: i + 3 for i, w in enumerate(w for group in words for w in group)}
+  vocab = stackoverflow.word_ids(w for group in words for w in group)
   nxt = np.stack([rng.choice(concepts, 4, replace=False) for _ in range(concepts)])
   zipf = 1.0 / np.arange(1, 5)
   zipf /= zipf.sum()

@@ -176,3 +176,16 @@ def host_runner(store, alg_name, training, sampler, rows_folder=None, adapter_di
   executor = fp.create_executor('vmap', model, population.sample_x)
   return RoundRunner(alg, HostData(store, block=5, smallest=4, rows_folder=rows_folder),
                      sampler, executor)
+
+
+def script_module(*relpath):
+  """A script of this repository (e.g. ``benchmarks/peers/keras_reference.py``)
+  loaded by path as a module: the tests use the functions a reference
+  script recorded its arrays with."""
+  import importlib.util
+  import os
+  path = os.path.join(os.path.dirname(__file__), '..', *relpath)
+  spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

@@ -68,6 +68,60 @@ def write_emnist(folder, rng, train_sizes, test_sizes, digits=False):
   return train, test
 
 
+def fedjax_reference_files(folder):
+  """FedJAX's EMNIST, Shakespeare and Stack Overflow files and TFF's
+  CIFAR-100 file, small, in ``folder``: what ``benchmarks/peers/fedjax_api_reference.py`` reads with
+  FedJAX 0.0.17 and ``tests/test_fedjax_api.py`` with this project. Each
+  test file lists its clients in another order than the train file, with a
+  client found only there (and a train client it lacks), as FedJAX's
+  reader must show them. Returns the Stack Overflow vocabulary's words."""
+  rng = np.random.default_rng(0)
+  writers = emnist_clients(rng, [5, 9, 3, 7, 2])
+  tests = emnist_clients(rng, [2, 1, 3, 2, 2])
+  write_fedjax_sqlite(folder / 'federated_emnist_train.sqlite', writers[:4])
+  write_fedjax_sqlite(folder / 'federated_emnist_test.sqlite',
+                      [tests[i] for i in (2, 0, 4, 1)])  # f0004_04 only here, f0003_03 absent
+
+  chars = list(b'abcdefghij ,.\nXYZ~') + [0xC3, 0xA9]  # '~' and bytes of 'e-acute' are OOV
+  roles = [b'THE_TEMPEST_ARIEL', b'HAMLET_OPHELIA', b'KING_LEAR_FOOL', b'MACBETH_WITCH']
+
+  def snippets(k):
+    return bytes_array([rng.choice(chars, int(rng.integers(0, 30))).astype(np.uint8).tobytes()
+                        for _ in range(k)])
+  write_fedjax_sqlite(folder / 'shakespeare_train.sqlite',
+                      [(r, {'snippets': snippets(k)}) for r, k in zip(roles[:3], (4, 1, 6))])
+  write_fedjax_sqlite(folder / 'shakespeare_test.sqlite',
+                      [(roles[i], {'snippets': snippets(k)}) for i, k in ((2, 2), (3, 3), (0, 1))])
+
+  words = ['the', 'is', 'code', 'a', 'to', 'in', 'java', 'error', 'i', 'if', 'class', 'x']
+  (folder / 'stackoverflow.word_count').write_text(
+      ''.join(f'{w} {1000 - 7 * i}\n' for i, w in enumerate(words)))
+  pool = words + ['unknownword', 'zz', '']  # '' : two spaces in a row (an empty word)
+
+  def posts(k):
+    kinds = rng.choice([b'question', b'answer'], k)
+    return {'creation_date': bytes_array([b'2010-0%d-01 10:00:00.1 UTC' % (1 + i % 9)
+                                          for i in range(k)]),
+            'title': bytes_array([b'title %d' % i for i in range(k)]),
+            'score': rng.integers(-3, 20, k).astype(np.int64),
+            'tags': bytes_array([b'java|c' for _ in range(k)]),
+            'tokens': bytes_array([' '.join(rng.choice(pool, int(rng.integers(1, 40))))
+                                   .encode() for _ in range(k)]),
+            'type': bytes_array([bytes(t) for t in kinds])}
+  users = [b'00000017', b'00000042', b'00000101', b'00000555']
+  write_fedjax_sqlite(folder / 'stackoverflow_train.sqlite',
+                      [(u, posts(k)) for u, k in zip(users[:3], (3, 7, 2))])
+  write_fedjax_sqlite(folder / 'stackoverflow_test.sqlite',
+                      [(users[i], posts(k)) for i, k in ((1, 2), (3, 4), (0, 1))])
+  write_fedjax_sqlite(folder / 'stackoverflow_held_out.sqlite',
+                      [(u, posts(k)) for u, k in ((b'00900001', 3), (b'00900002', 5))])
+
+  write_tff_cifar100(folder / 'cifar100.sqlite', rng, [3, 2, 4], [2, 3])  # TFF's file, lzma'd
+  lzma_file(folder / 'cifar100.sqlite', folder / 'cifar100.sqlite.lzma')
+  (folder / 'cifar100.sqlite').unlink()
+  return words
+
+
 def random_writers(folder, seed, num_clients, most_train, most_test):
   """FedJAX EMNIST files in ``folder`` (made) of ``num_clients`` writers with
   3..most_train training and 1..most_test test images drawn from ``seed``."""

@@ -1,17 +1,19 @@
-"""FedJAX's federated data API (``datasets/federated.py``) against FedJAX
-0.0.17 itself: ``tests/data/fedjax_api_reference.npz`` was written by
-FedJAX's own ``emnist.load_data`` on the made files this test makes again
-(``benchmarks/peers/fedjax_api_reference.py``, in FedJAX's venv). Ids,
-sizes, every batch of ``batch`` / ``padded_batch`` / ``shuffle_repeat_batch``
-under several settings, ``shuffled_clients`` and ``slice`` must agree."""
+"""FedJAX's data objects (``datasets/client_datasets.py``, ``federated.py``,
+``sqlite_federated.py``) against FedJAX 0.0.17 itself:
+``tests/data/fedjax_api_reference.npz`` was written by FedJAX's own
+``load_data`` of EMNIST, Shakespeare and Stack Overflow on the made files
+this test makes again (``benchmarks/peers/fedjax_api_reference.py``, in
+FedJAX's venv); every array must agree."""
 
 import os
 
 import numpy as np
 import pytest
 
+import helpers
 import made_files
-from fedjax_personal.datasets import emnist, federated
+from fedjax_personal.datasets import (cifar100, client_datasets, emnist, federated, shakespeare,
+                                     stackoverflow)
 
 REFERENCE = os.path.join(os.path.dirname(__file__), 'data', 'fedjax_api_reference.npz')
 
@@ -24,30 +26,57 @@ def emnist_made(tmp_path_factory):
 
 
 def _reference_module():
-  """benchmarks/peers/fedjax_api_reference.py, whose ``record`` wrote the
+  """benchmarks/peers/fedjax_api_reference.py, whose ``record_all`` wrote the
   reference from FedJAX's objects and records this project's here."""
-  import importlib.util
-  path = os.path.join(os.path.dirname(__file__), '..', 'benchmarks', 'peers',
-                      'fedjax_api_reference.py')
-  spec = importlib.util.spec_from_file_location('fedjax_api_reference', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return helpers.script_module('benchmarks', 'peers', 'fedjax_api_reference.py')
 
 
-def test_emnist_load_data_equals_fedjax_on_the_same_files(emnist_made):
-  train, test = emnist.load_data(only_digits=False, cache_dir=str(emnist_made))
-  ours = _reference_module().record(train, test)
+def test_load_data_equals_fedjax_on_the_same_files(tmp_path, made_not_released):
+  """EMNIST, Shakespeare, Stack Overflow (tokenized by FedJAX's tokenizer
+  at 4 and 30 tokens) and CIFAR-100 (FedJAX's files made of TFF's; its
+  image preprocessing) as FedJAX 0.0.17 gives them, every array equal:
+  each split's clients in its own file's order (a test-only client
+  included), ids of the type FedJAX gives (CIFAR-100's str, TFF's), sizes,
+  examples, batches, the federated batching functions,
+  ``SubsetFederatedData``, ``slice``; and FedJAX's helpers accept this
+  project's clients (one shared preprocessor) and give what this project's
+  give."""
+  ref = _reference_module()
+  words = made_files.fedjax_reference_files(tmp_path)
+  folder = str(tmp_path)
+  ours = ref.record_all(emnist.load_data(only_digits=False, cache_dir=folder),
+                        shakespeare.load_data(sequence_length=5, cache_dir=folder),
+                        stackoverflow.load_data(cache_dir=folder),
+                        stackoverflow.StackoverflowTokenizer(vocab=words[:ref.SO_VOCAB]),
+                        cifar100.load_data(cache_dir=folder), cifar100, federated)
+  ours.update(ref.record_helpers(client_datasets, client_datasets.padded_batch_client_datasets,
+                                 client_datasets.buffered_shuffle_batch_client_datasets))
   theirs = dict(np.load(REFERENCE))
   assert sorted(ours) == sorted(theirs)
   for k, want in theirs.items():
-    got = ours[k]
-    assert got.dtype == want.dtype, k
-    assert got.shape == want.shape, k
+    got = np.asarray(ours[k])
+    assert got.dtype == want.dtype, (k, got.dtype, want.dtype)
+    assert got.shape == want.shape, (k, got.shape, want.shape)
     if got.dtype.kind == 'f':
       np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=k)
     else:
       np.testing.assert_array_equal(got, want, err_msg=k)
+  # the test split: the test file's clients in its order, one found only there
+  assert theirs['emnist/test/ids'].tolist() == [b'f0002_02', b'f0000_00', b'f0004_04',
+                                                b'f0001_01']
+  # load_split: one file, raw, as FedJAX's
+  for module, split, features in ((emnist, 'test', ['label', 'pixels']),
+                                  (shakespeare, 'train', ['snippets']),
+                                  (stackoverflow, 'held_out', ['creation_date', 'score', 'tags',
+                                                               'title', 'tokens', 'type']),
+                                  (cifar100, 'test', ['coarse_label', 'image', 'label'])):
+    fd = module.load_split(split, cache_dir=folder)
+    prefix = {'stackoverflow': 'stackoverflow4'}.get(module.__name__.split('.')[-1],
+                                                    module.__name__.split('.')[-1])
+    key = f'{prefix}/{split}/ids'
+    if key in theirs:
+      assert np.array_equal(np.array(list(fd.client_ids())), theirs[key])
+    assert sorted(next(fd.clients())[1].all_examples()) == features
 
 
 def test_clients_by_id_and_the_store_behind_them(emnist_made):
@@ -82,7 +111,7 @@ def test_clients_by_id_and_the_store_behind_them(emnist_made):
   # preprocessing chains as FedJAX's does
   doubled = train.preprocess_batch(lambda e: {**e, 'y': e['y'] * 2})
   first = next(iter(doubled.get_client(b'f0000_00').batch(batch_size=2)))
-  assert np.array_equal(first['y'], 2 * train.get_client(b'f0000_00').raw_examples['y'][:2])
+  assert np.array_equal(first['y'], 2 * train.get_client(b'f0000_00').raw_examples['label'][:2])
 
 
 def test_batching_by_hand():
@@ -104,27 +133,41 @@ def test_batching_by_hand():
     c.batch(batch_sz=3)
 
 
-def test_stackoverflow_load_data_gives_train_held_out_and_test_as_fedjax(tmp_path):
-  """FedJAX's ``stackoverflow.load_data`` returns (train, held_out, test): the
-  held-out file's users, each with all their posts, tokenized with the train
-  users' vocabulary."""
-  from fedjax_personal.datasets import stackoverflow
+def test_stackoverflow_as_fedjax_documents_it(tmp_path):
+  """FedJAX's ``stackoverflow.load_data`` recipe, only the import changed:
+  ``(train, held_out, test)`` with raw ``tokens`` and ``domain_id``,
+  tokenized by ``StackoverflowTokenizer`` (the 10,000 most frequent words
+  of ``stackoverflow.word_count``) at 20 tokens for training and 30 for
+  evaluation; ``.store`` is the command line's store of those users."""
   words = ['the', 'is', 'code'] + [f'w{i}' for i in range(9997)]
   (tmp_path / 'stackoverflow.word_count').write_text(
       ''.join(f'{w} {10**5 - i}\n' for i, w in enumerate(words)))
-  tok = lambda items: {'tokens': made_files.bytes_array(items)}
+  posts = lambda items, kind=b'question': {'tokens': made_files.bytes_array(items),
+                                           'type': made_files.bytes_array([kind] * len(items))}
   made_files.write_fedjax_sqlite(tmp_path / 'stackoverflow_train.sqlite', [
-      (b'00001', tok([b'the code', b'is'])), (b'00002', tok([b'code is the']))])
+      (b'00001', posts([b'the code', b'is'])), (b'00002', posts([b'code is the'], b'answer'))])
   made_files.write_fedjax_sqlite(tmp_path / 'stackoverflow_test.sqlite', [
-      (b'00002', tok([b'is the']))])
+      (b'00002', posts([b'is the']))])
   made_files.write_fedjax_sqlite(tmp_path / 'stackoverflow_held_out.sqlite', [
-      (b'50000', tok([b'the is', b'nope code'])), (b'60000', tok([b'code']))])
-  train, held_out, test = stackoverflow.load_data(cache_dir=str(tmp_path), sequence_length=4)
+      (b'50000', posts([b'the is', b'nope  code'])), (b'60000', posts([b'code']))])
+  train, held_out, test = stackoverflow.load_data(cache_dir=str(tmp_path))
   assert list(train.client_ids()) == [b'00001', b'00002'] and list(test.client_ids()) == [b'00002']
   assert list(held_out.client_ids()) == [b'50000', b'60000'] and held_out.num_clients() == 2
-  # ids: PAD 0, BOS 1, EOS 2, the 3, is 4, code 5, ..., OOV 10003
+  raw = train.get_client(b'00002').all_examples()
+  assert sorted(raw) == ['domain_id', 'tokens'] and raw['domain_id'].tolist() == [1]
+  tokenizer = stackoverflow.StackoverflowTokenizer(cache_dir=str(tmp_path))
+  train_for_train = train.preprocess_batch(tokenizer.as_preprocess_batch(20))
+  held_out = held_out.preprocess_batch(tokenizer.as_preprocess_batch(30))
+  # ids: PAD 0, BOS 1, EOS 2, the 3, is 4, code 5, ..., OOV 10003 (also the empty word)
   ex = held_out.get_client(b'50000').all_examples()
-  assert ex['x'].tolist() == [[1, 3, 4, 0], [1, 10003, 5, 0]]
-  assert ex['y'].tolist() == [[3, 4, 2, 0], [10003, 5, 2, 0]]
-  assert held_out.get_client(b'60000').all_examples()['x'].tolist() == [[1, 5, 0, 0]]
-  assert train.get_client(b'00002').all_examples()['x'].tolist() == [[1, 5, 4, 3]]
+  assert ex['x'].shape == (2, 30) and ex['domain_id'].tolist() == [0, 0]
+  assert ex['x'][:, :5].tolist() == [[1, 3, 4, 0, 0], [1, 10003, 10003, 5, 0]]
+  assert ex['y'][:, :5].tolist() == [[3, 4, 2, 0, 0], [10003, 10003, 5, 2, 0]]
+  assert train_for_train.get_client(b'00002').all_examples()['x'][0, :4].tolist() == [1, 5, 4, 3]
+  with pytest.raises(ValueError, match='num_oov_buckets=2'):
+    stackoverflow.StackoverflowTokenizer(vocab=['a'], num_oov_buckets=2)
+  assert stackoverflow.default_vocab(3, cache_dir=str(tmp_path)) == ['the', 'is', 'code']
+  # .store: the population store the command line trains on, these users alone
+  store = train.subset([b'00002']).store
+  assert store.client_ids == ['00002'] and store.num_classes == 10004
+  assert store.client('00002')['train'][0].tolist() == [[1, 5, 4, 3] + [0] * 16]

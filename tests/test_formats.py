@@ -453,11 +453,14 @@ def test_tff_cifar100_test_clients_are_held_out(tmp_path, made_not_released):
   # 'split' (the default) keeps the train clients alone, their images split.
   d = load_federated(dataclasses.replace(cfg, options=Cifar100Options(), test_fraction=0.25))
   assert d.num_clients == 3 and d.eval_only == 0
-  # FedJAX's load_data: the test clients by TFF's own ids.
+  # FedJAX's load_data: the test clients by TFF's own ids (str, as FedJAX keeps them);
+  # .store of a view: the store's clients, the test ones held out.
   train, test = cifar100.load_data(cache_dir=str(tmp_path))
-  assert list(train.client_ids()) == [b'0', b'1', b'2']
-  assert list(test.client_ids()) == [b'1000', b'1001'] and test.client_size(b'1001') == 3
+  assert list(train.client_ids()) == ['0', '1', '2']
+  assert list(test.client_ids()) == ['1000', '1001'] and test.client_size('1001') == 3
   np.testing.assert_array_equal(test.get_client('1000').all_examples()['x'], truth['test'][0][1])
+  assert test.subset(['1001']).store.client_ids == ['test/1001']
+  assert train.store.client_ids == ['0', '1', '2']
 
 
 def test_tf_example_reader_on_hand_written_protos():

@@ -4,6 +4,8 @@ initialisers, PyTorch's own layers where torch is installed, and one FedAvg
 round computed by this library and by a plain PyTorch loop from the same
 weights and batches."""
 
+import os
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ from fedjax_personal.core.data import FederatedData, pad_clients, to_device
 from fedjax_personal.datasets import in_memory
 from fedjax_personal.models import initializers, weights
 from fedjax_personal.models.layers import Conv, Dense, LSTMCell
+import helpers
 from helpers import max_diff, run_rounds
 
 FAN_IN, FAN_OUT = 400, 300
@@ -380,15 +383,18 @@ def _keras_char_lstm_logits(w, x):
   return h @ w[7] + w[8]
 
 
-def _keras_weights(tmp_path, vocab=90):
-  rng = np.random.default_rng(0)
-  shapes = [(vocab, 8), (8, 1024), (256, 1024), (1024,), (256, 1024), (256, 1024), (1024,),
-            (256, vocab), (vocab,)]
-  w = [rng.normal(0, 0.1, s).astype(np.float32) for s in shapes]
+def _keras_reference():
+  """benchmarks/peers/keras_reference.py: the weights and inputs Keras's
+  logits were recorded for (``tests/data/keras_char_lstm_logits.npz``)."""
+  return helpers.script_module('benchmarks', 'peers', 'keras_reference.py')
+
+
+def _keras_weights(tmp_path):
+  ref = _keras_reference()
+  w, x = ref.weights(), ref.inputs()
   path = tmp_path / 'keras.npz'
   np.savez(path, *w)
-  x = rng.integers(1, vocab, (2, 6)).astype(np.int32)
-  model = models.create_model('reddi_char_lstm', vocab, x, init='keras')
+  model = models.create_model('reddi_char_lstm', ref.VOCAB, x, init='keras')
   return w, x, model, np.asarray(model.apply(weights.load(str(path), model, x), x))
 
 
@@ -405,14 +411,13 @@ def test_keras_weights_give_keras_outputs(tmp_path):
 
 
 def test_keras_weights_give_keras_own_outputs(tmp_path):
-  """The same against Keras itself, where TensorFlow installs."""
-  tf = pytest.importorskip('tensorflow')
-  keras = tf.keras
+  """The same against Keras itself: its logits recorded by Keras 3 /
+  TensorFlow 2.16 (``benchmarks/peers/keras_reference.py``) for the same
+  weights and inputs."""
   w, x, _, got = _keras_weights(tmp_path)
-  net = keras.Sequential([keras.layers.Embedding(w[0].shape[0], 8),
-                          keras.layers.LSTM(256, return_sequences=True),
-                          keras.layers.LSTM(256, return_sequences=True),
-                          keras.layers.Dense(w[0].shape[0])])
-  net(x)
-  net.set_weights(w)
-  np.testing.assert_allclose(got, net(x).numpy(), rtol=1e-4, atol=1e-5)
+  recorded = np.load(os.path.join(os.path.dirname(__file__), 'data',
+                                  'keras_char_lstm_logits.npz'))
+  np.testing.assert_allclose([v.astype(np.float64).sum() for v in w], recorded['weight_sums'],
+                             rtol=1e-12)  # NumPy drew the same weights
+  np.testing.assert_array_equal(x, recorded['x'])
+  np.testing.assert_allclose(got, recorded['logits'], rtol=1e-4, atol=1e-5)
