@@ -34,7 +34,8 @@ from fedjax_personal.core.tree_util import tree_bytes, tree_where
 
 __all__ = ['build', 'check', 'client_weights', 'ClientOutput', 'fedavg', 'FEDAVG_SETTINGS',
            'FedAvgConfig', 'FT_SPEC', 'global_model_communication', 'make_client_work',
-           'server_step', 'ServerState', 'SPEC', 'summed_upload', 'train_tokens', 'WEIGHTINGS']
+           'server_apply', 'server_step', 'ServerState', 'SPEC', 'summed_upload', 'train_tokens',
+           'variant', 'WEIGHTINGS']
 
 
 #: How client uploads are weighted in the mean: by the client's training
@@ -134,7 +135,8 @@ def client_weights(cohort, num_examples, weighting: str):
 
 
 def summed_upload(work: ClientWork, weighting: str, field: str = 'delta',
-                  group_fn: Optional[Callable] = None) -> ClientWork:
+                  group_fn: Optional[Callable] = None,
+                  weight_fn: Optional[Callable] = None) -> ClientWork:
   """Makes ``work``'s upload a weighted-mean share the engine sums over the
   cohort as clients finish (``aggregation.weighted_upload``), so a round never
   stacks C uploads.
@@ -149,6 +151,8 @@ def summed_upload(work: ClientWork, weighting: str, field: str = 'delta',
       ``'uniform'``.
     field: the output's field summed (the delta).
     group_fn: ``ctx -> (group, num_groups)`` for one mean per group, or None.
+    weight_fn: ``(ctx, out) -> weight`` replacing ``weighting`` (a variant's
+      own weight of a client, ``variant``).
 
   Returns:
     The ``ClientWork`` with a summed upload.
@@ -158,7 +162,8 @@ def summed_upload(work: ClientWork, weighting: str, field: str = 'delta',
   def final(ctx, carry):
     out = work.final(ctx, carry)
     value = getattr(out, field)
-    w = (train_tokens(ctx.data.train) if weighting == 'tokens'
+    w = (weight_fn(ctx, out) if weight_fn is not None
+         else train_tokens(ctx.data.train) if weighting == 'tokens'
          else client_weight(out.num_examples, weighting))
     if group_fn is not None:
       g, num_groups = group_fn(ctx)
@@ -199,6 +204,23 @@ def server_step(params, opt_state, upload: aggregation.Sum, server_optimizer):
     ``(params, opt_state)``.
   """
   pseudo_grad, weight = aggregation.upload_mean(upload)
+  return server_apply(params, opt_state, pseudo_grad, weight, server_optimizer)
+
+
+def server_apply(params, opt_state, pseudo_grad, weight, server_optimizer):
+  """The server optimizer's step on a pseudo-gradient (``server_step``'s,
+  given the mean itself), none when ``weight`` (the cohort's total) is 0.
+
+  Args:
+    params: the global model.
+    opt_state: the server optimizer's state.
+    pseudo_grad: what the optimizer treats as the gradient (the mean delta).
+    weight: the cohort's total weight.
+    server_optimizer: the optax server optimizer.
+
+  Returns:
+    ``(params, opt_state)``.
+  """
   updates, new_opt_state = server_optimizer.update(pseudo_grad, opt_state, params)
   new_params = optax.apply_updates(params, updates)
   any_client = weight > 0
@@ -284,6 +306,71 @@ def fedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
       server_update=server_update,
       client_models=lambda s: ClientModels.global_model(s.params, num_clients),
       communication=global_model_communication, finetune=finetune)
+
+
+def variant(model: Model, data, training, *, weight: Optional[Callable] = None,
+            extra: Optional[Callable] = None, server: Optional[Callable] = None,
+            name: str = 'fedavg_variant') -> FederatedAlgorithm:
+  """FedAvg changed where its variants change it, the rest FedAvg's (init,
+  broadcast, local SGD, client models, evaluation, communication): in the
+  spirit of Flower's ``aggregate_fit``, a builder passes only what differs.
+
+  Each client trains as FedAvg's and returns ``out`` (``ClientOutput``:
+  ``delta`` = theta_server - theta_i, ``num_examples``, ``stats``). The
+  server applies its optimizer to ``server(mean_delta, mean_extra, state)``
+  where the means are weighted by ``weight(ctx, out)`` over the cohort's
+  clients (summed as clients finish; never stacked). Bytes up per client
+  are those of what a client uploads: its delta and its ``extra``.
+
+  Args:
+    model: the model.
+    data: the federated data (its ``num_clients``).
+    training: the shared settings (``TrainingConfig``: client and server
+      optimizers, batching, ``--weighting``).
+    weight: ``(ctx, out) -> scalar`` a client's weight in the means
+      (default: ``training.weighting``'s); ``ctx`` is the client's
+      ``ClientContext`` (``ctx.shared`` the broadcast model, ``ctx.data``
+      its examples).
+    extra: ``(ctx, out) -> pytree`` a second quantity each client uploads,
+      averaged with the same weights (None: none).
+    server: ``(mean_delta, mean_extra, state) -> pseudo-gradient`` for the
+      server optimizer (default: ``mean_delta``).
+    name: the algorithm's name.
+
+  Returns:
+    The ``FederatedAlgorithm``.
+  """
+  weighting = training.weighting or 'num_examples'  # a TrainingConfig not resolved by a spec
+  base = fedavg(model, data.num_clients, training.make_client_optimizer(), training.batching(),
+                training.make_server_optimizer(), weighting, name=name)
+  if weight is None and extra is None and server is None:
+    return base
+  server_optimizer = training.make_server_optimizer()
+  work = make_client_work(model, training.make_client_optimizer(), training.batching())
+  uplink = {}
+
+  def final(ctx, carry):
+    out = work.final(ctx, carry)
+    upload = (out.delta, extra(ctx, out) if extra is not None else ())
+    uplink['bytes'] = tree_bytes(upload)  # traced before the round's accounting
+    return out.replace(delta=upload)
+
+  def server_update(state, cohort, out: ClientOutput, rc):
+    (mean_delta, mean_extra), total = aggregation.upload_mean(out.delta)
+    grad = mean_delta if server is None else server(mean_delta, mean_extra, state)
+    params, opt_state = server_apply(state.params, state.opt_state, grad, total,
+                                     server_optimizer)
+    return (ServerState(params=params, opt_state=opt_state),
+            cohort_train_metrics(out.stats, cohort.mask))
+
+  def communication(state) -> Communication:
+    down = tree_bytes(state.params)
+    return Communication(uplink.get('bytes', down), down, 1)
+
+  return base.replace(
+      client_work=summed_upload(dataclasses.replace(work, final=final), weighting,
+                                weight_fn=weight),
+      server_update=server_update, communication=communication)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,8 +8,8 @@ import dataclasses
 
 import numpy as np
 
-from fedjax_personal.datasets import (federated, local_files, sources, sqlite_federated,
-                                     sqlite_formats)
+from fedjax_personal.datasets import (federated, federated_data, local_files, sources,
+                                     sqlite_federated, sqlite_formats)
 from fedjax_personal.datasets.natural_data import NaturalData, client_id, take
 from fedjax_personal.datasets.options import DataOptions
 from fedjax_personal.errors import ConfigError, DataError
@@ -305,4 +305,4 @@ def load_data(mode: str = 'sqlite', cache_dir=None, *, num_clients=None, downloa
   files = fedjax_files(cfg.data_dir, download)
   return tuple(sqlite_federated.SQLiteFederatedData(
       files[split], limit=num_clients, store_of=_store_of(cfg, split),
-      preprocess_client=federated.ClientPreprocessor([preprocess_client])) for split in SPLITS)
+      preprocess_client=federated_data.ClientPreprocessor([preprocess_client])) for split in SPLITS)

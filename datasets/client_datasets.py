@@ -22,6 +22,7 @@ FedJAX itself):
 import collections
 import dataclasses
 import itertools
+import numbers
 from typing import Any, Callable, Dict, Iterable, Iterator, Mapping
 
 import numpy as np
@@ -192,8 +193,11 @@ def _hparams(hparams, kwargs: dict, defaults: dict) -> dict:
   if unknown:
     raise TypeError(f'unexpected batching arguments {sorted(unknown)}; expected {sorted(defaults)}')
   got.update(kwargs)
-  if got.get('batch_size') is None or int(got['batch_size']) < 1:
-    raise ValueError(f'batch_size must be a positive integer, got {got.get("batch_size")!r}')
+  for name in ('batch_size', 'num_batch_size_buckets', 'num_epochs', 'num_steps'):
+    value = got.get(name)
+    if name in got and (value is not None or name == 'batch_size') and (
+        isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+      raise ValueError(f'{name} must be a positive integer, got {value!r}')
   return got
 
 

@@ -1,6 +1,6 @@
-"""FedJAX's federated data API: ``FederatedData`` over the population
-store, FedJAX's preprocessors, ``SubsetFederatedData`` and the functions
-that batch a whole federated data set.
+"""FedJAX's federated data API over the population store: ``FederatedData``,
+``load``, and the objects of ``client_datasets`` / ``federated_data`` by
+FedJAX's names.
 
 FedJAX 0.0.17's ``<dataset>.load_data`` returns ``FederatedData``: clients
 kept by id (bytes), each a ``client_datasets.ClientDataset`` of numpy
@@ -15,6 +15,7 @@ command line trains on (written once from the publisher's files,
 changed, and ``.store`` hands the same clients to this project's rounds.
 """
 
+import os
 from typing import Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
@@ -22,48 +23,12 @@ import numpy as np
 from fedjax_personal.datasets import client_datasets
 from fedjax_personal.datasets.client_datasets import (  # noqa: F401 (FedJAX's names, here too)
     BatchPreprocessor, ClientDataset, EXAMPLE_MASK_KEY, Examples, NoOpBatchPreprocessor)
+from fedjax_personal.datasets.federated_data import (  # noqa: F401 (FedJAX's names, here too)
+    ClientPreprocessor, InMemoryFederatedData, NoOpClientPreprocessor, SubsetFederatedData,
+    padded_batch_federated_data, shuffle_repeat_batch_federated_data)
 
-__all__ = ['BatchPreprocessor', 'ClientDataset', 'ClientPreprocessor', 'EXAMPLE_MASK_KEY',
-           'FederatedData', 'fedjax_targets', 'HELD_OUT_PREFIX', 'load', 'NoOpBatchPreprocessor',
-           'NoOpClientPreprocessor', 'padded_batch_federated_data',
-           'shuffle_repeat_batch_federated_data', 'splits', 'SubsetFederatedData', 'xy']
-
-ClientId = bytes
-
-
-class ClientPreprocessor:
-  """A chain of functions on a client's examples that also take its id
-  (FedJAX's ``ClientPreprocessor``).
-
-  Args:
-    fns: ``(client_id, examples) -> examples`` functions, applied in order
-      to a copy of the examples.
-  """
-
-  def __init__(self, fns: Iterable[Callable[[ClientId, Examples], Examples]] = ()):
-    self._fns = tuple(fns)
-
-  def __call__(self, client_id: ClientId, examples: Examples) -> Examples:
-    if not self._fns:
-      return examples
-    out = dict(examples)
-    for f in self._fns:
-      out = f(client_id, out)
-    client_datasets.assert_consistent_rows(out)
-    return out
-
-  def append(self, fn: Callable[[ClientId, Examples], Examples]) -> 'ClientPreprocessor':
-    """A new ClientPreprocessor with ``fn`` added to the end."""
-    return ClientPreprocessor(self._fns + (fn,))
-
-  def __str__(self) -> str:
-    return f'ClientPreprocessor({self._fns})'
-
-  __repr__ = __str__
-
-
-#: The client preprocessor that does nothing.
-NoOpClientPreprocessor = ClientPreprocessor()
+__all__ = ['data_config', 'FederatedData', 'fedjax_targets', 'HELD_OUT_PREFIX', 'load', 'splits',
+           'store_of', 'xy']
 
 
 def _as_bytes(client_id) -> bytes:
@@ -236,150 +201,6 @@ class FederatedData:
     return self._with(preprocess_batch=self._preprocess_batch.append(fn))
 
 
-class SubsetFederatedData:
-  """Some clients of a federated data set, by id (FedJAX's
-  ``SubsetFederatedData``): each id once, iterated in sorted order;
-  ``client_sizes`` in the base's order.
-
-  Args:
-    base: the federated data set (any with FedJAX's methods).
-    client_ids: the ids, each among ``base``'s.
-    validate: check that they are (a ValueError naming up to 10 otherwise).
-  """
-
-  def __init__(self, base, client_ids: Iterable[ClientId], validate: bool = True):
-    self._base = base
-    ids = client_ids if isinstance(client_ids, set) else set(client_ids)
-    if validate:
-      bad = ids.difference(base.client_ids())
-      if bad:
-        raise ValueError('Some client ids are not in the base FederatedData, showing up to 10: '
-                         f'{sorted(bad)[:10]}')
-    self._client_ids = ids
-
-  @property
-  def store(self):
-    """The population store of these clients (``base.store`` of them)."""
-    return self._base.store_for(sorted(self._client_ids))
-
-  def store_for(self, client_ids):
-    """The population store of some of these clients (``base.store_for``).
-
-    Args:
-      client_ids: their ids.
-
-    Returns:
-      A ``PopulationStore``.
-    """
-    return self._base.store_for(client_ids)
-
-  def slice(self, start=None, stop=None) -> 'SubsetFederatedData':
-    """The ids in ``[start, stop)``."""
-    inside = lambda c: (start is None or start <= c) and (stop is None or c < stop)
-    return SubsetFederatedData(self._base.slice(start, stop),
-                               {c for c in self._client_ids if inside(c)}, validate=False)
-
-  def subset(self, client_ids: Iterable) -> 'SubsetFederatedData':
-    """Some of these clients (each once, sorted)."""
-    return SubsetFederatedData(self, client_ids)
-
-  def num_clients(self) -> int:
-    """How many clients."""
-    return len(self._client_ids)
-
-  def client_ids(self) -> Iterator[ClientId]:
-    """The ids, sorted."""
-    return iter(sorted(self._client_ids))
-
-  def client_sizes(self) -> Iterator[Tuple[ClientId, int]]:
-    """``(id, size)`` of these clients, in the base's order."""
-    for client_id, size in self._base.client_sizes():
-      if client_id in self._client_ids:
-        yield client_id, size
-
-  def client_size(self, client_id) -> int:
-    """A client's size (KeyError if it is not here)."""
-    if client_id not in self._client_ids:
-      raise KeyError(client_id)
-    return self._base.client_size(client_id)
-
-  def clients(self) -> Iterator[Tuple[ClientId, ClientDataset]]:
-    """``(id, ClientDataset)`` of every client, in sorted order."""
-    yield from self.get_clients(sorted(self._client_ids))
-
-  def shuffled_clients(self, buffer_size: int,
-                       seed: Optional[int] = None) -> Iterator[Tuple[ClientId, ClientDataset]]:
-    """Every client, pass after pass forever, each pass shuffled through a
-    buffer of ``buffer_size``."""
-    rng = np.random.RandomState(seed)
-    while True:
-      yield from client_datasets.buffered_shuffle(self.clients(), buffer_size, rng)
-
-  def get_clients(self, client_ids: Iterable) -> Iterator[Tuple[ClientId, ClientDataset]]:
-    """``(id, ClientDataset)`` for each id, in the order given (KeyError
-    for one not here)."""
-    for client_id, dataset in self._base.get_clients(client_ids):
-      if client_id not in self._client_ids:
-        raise KeyError(client_id)
-      yield client_id, dataset
-
-  def get_client(self, client_id) -> ClientDataset:
-    """One client (KeyError if it is not here)."""
-    if client_id not in self._client_ids:
-      raise KeyError(client_id)
-    return self._base.get_client(client_id)
-
-  def preprocess_client(self, fn) -> 'SubsetFederatedData':
-    """A view whose clients pass through ``fn(client_id, examples)`` too."""
-    return SubsetFederatedData(self._base.preprocess_client(fn), self._client_ids, validate=False)
-
-  def preprocess_batch(self, fn) -> 'SubsetFederatedData':
-    """A view whose batches pass through ``fn(examples)`` too."""
-    return SubsetFederatedData(self._base.preprocess_batch(fn), self._client_ids, validate=False)
-
-
-def padded_batch_federated_data(fd, hparams=None, **kwargs) -> Iterator[Examples]:
-  """Every client's examples in padded batches across clients' edges, in
-  ``fd.clients()`` order (FedJAX's ``padded_batch_federated_data``): the
-  whole federated data set evaluated as one.
-
-  Args:
-    fd: a federated data set.
-    hparams: an object with ``batch_size`` / ``num_batch_size_buckets``.
-    **kwargs: the same fields, overriding ``hparams``.
-
-  Yields:
-    Preprocessed batches, each with ``EXAMPLE_MASK_KEY``.
-  """
-  yield from client_datasets.padded_batch_client_datasets(
-      (dataset for _, dataset in fd.clients()), hparams, **kwargs)
-
-
-def shuffle_repeat_batch_federated_data(fd, batch_size: int, client_buffer_size: int,
-                                        example_buffer_size: int,
-                                        seed: Optional[int] = None) -> Iterator[Examples]:
-  """Batches of every client's examples forever, shuffled at two levels
-  (clients through ``client_buffer_size``, then examples through
-  ``example_buffer_size``): FedJAX's ``shuffle_repeat_batch_federated_data``,
-  for a centralized baseline.
-
-  Args:
-    fd: a federated data set.
-    batch_size: examples per batch.
-    client_buffer_size: clients in the first buffer.
-    example_buffer_size: examples in the second.
-    seed: fixes the order (None: unseeded).
-
-  Yields:
-    Preprocessed batches.
-  """
-  rng = np.random.RandomState(seed)
-  datasets = (dataset for _, dataset in fd.shuffled_clients(client_buffer_size,
-                                                            rng.randint(1 << 32)))
-  yield from client_datasets.buffered_shuffle_batch_client_datasets(
-      datasets, batch_size=batch_size, buffer_size=example_buffer_size, rng=rng)
-
-
 def xy(x: np.ndarray, y: np.ndarray) -> Examples:
   """A client's examples as ``{'x', 'y'}`` (FedJAX's feature names).
 
@@ -439,8 +260,21 @@ def data_config(dataset: str, mode: str = 'sqlite', cache_dir=None, num_clients=
   """The ``DataConfig`` of a ``load_data`` call (FedJAX's arguments, and
   this project's options by their flags' names).
 
+  Args:
+    dataset: the ``--dataset`` name.
+    mode: ``'sqlite'``.
+    cache_dir: where the files are (made when missing and ``download``, as FedJAX's).
+    num_clients: the first N clients (None: all).
+    download: fetch missing files.
+    data_dir: the same as ``cache_dir``.
+    **options: the data set's options by their flags' names.
+
+  Returns:
+    The ``DataConfig``.
+
   Raises:
-    ValueError: a ``mode`` other than ``'sqlite'``, or two folders.
+    ValueError: a ``mode`` other than ``'sqlite'``, two folders, or a
+      missing folder without ``download``.
   """
   from fedjax_personal import datasets as datasets_lib
   cls = datasets_lib.registry.options_class(dataset)
@@ -450,6 +284,13 @@ def data_config(dataset: str, mode: str = 'sqlite', cache_dir=None, num_clients=
   if cache_dir is not None and data_dir is not None and cache_dir != data_dir:
     raise ValueError('give cache_dir or data_dir (the same folder), not both')
   folder = cache_dir if cache_dir is not None else data_dir
+  if folder is not None:
+    folder = os.path.expanduser(str(folder))
+    if not os.path.isdir(folder):
+      if not download:
+        raise ValueError(f'cache_dir={folder!r} is not a folder (give the folder of the files, '
+                         'or download=True to fetch them there)')
+      os.makedirs(folder, exist_ok=True)  # as FedJAX's: the files are downloaded into it
   return datasets_lib.DataConfig(dataset=dataset, partition='natural', num_clients=num_clients,
                                  data_dir=folder, download=download,
                                  options=cls(**{fields[k]: v for k, v in options.items()

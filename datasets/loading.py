@@ -203,9 +203,10 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
   """The population store of ``cfg`` (unpadded clients, see
   ``core.population.store``). A natural data set read from its files is written once,
   client by client, into the cache (``stores/``), keyed by what it holds
-  (the options and the SHA-256 of each source file, ``local_files.content_digest``);
-  any other data set is built in memory (``load_federated``) and stored
-  there.
+  (the options and the SHA-256 of each source file its reader names,
+  ``local_files.content_digest``; a reader that names none, by the SHA-256
+  of what it returns, ``content_digest``); any other data set is built in
+  memory (``load_federated``) and stored there.
 
   A cached store that fails its checks (``core.population.store``: checksums, sizes),
   was written by another version of the format or by other loader code
@@ -234,6 +235,8 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
               'options': cfg.options.store_key(options), 'val_fraction': cfg.val_fraction,
               'seed': cfg.seed if cfg.val_fraction else None,
               'files': [(os.path.basename(f), local_files.content_digest(f)) for f in nat.files]}
+  if not nat.files:  # a reader that names no file: what it returns is the key
+    identity['content'] = content_digest(nat)
   digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
   folder = local_files.cache_dir() / 'stores' / f'{cfg.dataset.replace(":", "_")}-{digest}'
   store_lib.remove_leftovers(folder.parent)  # builds killed midway
@@ -253,8 +256,8 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
         return store_lib.open_store(folder, {**identity, 'loader_code': code}, verify=verify)
       except store_lib.StoreDamaged as e:
         why = e.what
-    print(f'{folder}: {why}; rebuilding it from {", ".join(map(str, nat.files))}',
-          file=sys.stderr, flush=True)
+    source = f'from {", ".join(map(str, nat.files))}' if nat.files else 'from what its reader returns'
+    print(f'{folder}: {why}; rebuilding it {source}', file=sys.stderr, flush=True)
   writer = store_lib.StoreWriter(folder, {**identity, 'loader_code': code})
   try:
     _write_natural(nat, cfg, writer, should_stop)
@@ -262,6 +265,30 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
   except BaseException:
     writer.abort()
     raise
+
+
+def content_digest(nat: NaturalData) -> str:
+  """SHA-256 (16 hex digits) of every client a reader returns: ids, and
+  each split's arrays (dtype, shape, bytes). The key of the store of a
+  reader that names no file (``NaturalData.files`` empty, e.g. arrays it
+  loads itself): read every run, so a changed source always gives a new
+  store, never a stale one.
+
+  Args:
+    nat: the reader's clients.
+
+  Returns:
+    16 hex digits.
+  """
+  h = hashlib.sha256()
+  for cid, *parts in nat.stream():
+    h.update(repr(client_id(cid)).encode())
+    for part in parts:
+      for a in (part if part is not None else ()):
+        a = np.ascontiguousarray(a)
+        h.update(f'{a.dtype.str}{a.shape}'.encode())
+        h.update(a.tobytes())
+  return h.hexdigest()[:16]
 
 
 def _reader_options(cfg: DataConfig) -> dict:

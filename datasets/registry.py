@@ -13,6 +13,7 @@ declared in its module, its flags generated from it); ``register`` adds a
 data set of your own files with its options (BUILD.md, "Add a data set").
 """
 
+import dataclasses
 import functools
 import inspect
 from typing import Callable, Dict, List, Optional, Type
@@ -25,7 +26,7 @@ from fedjax_personal.errors import ConfigError
 
 __all__ = ['DATASETS', 'HELD_OUT_ONLY', 'is_file_dataset', 'is_known', 'LEAF_PREFIX', 'load',
            'loader_code', 'LOADERS', 'names', 'option_classes', 'options_class', 'OPTIONS',
-           'reader_options', 'register']
+           'reader_options', 'register', 'register_arrays', 'SplitByFraction']
 
 
 #: The built-in --dataset names; ``leaf:<name>`` is accepted too
@@ -91,6 +92,73 @@ def register(name: str, read_clients: Callable[..., NaturalData],
     raise TypeError(f'the options of {name!r} must be a DataOptions dataclass, got {options!r}')
   LOADERS[name] = read_clients
   OPTIONS[name] = options or NoOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitByFraction(NoOptions):
+  """A data set of arrays without a test split of its own: each client's
+  examples are split with ``--test_fraction`` (and kept in memory: never a
+  stored copy that could go stale)."""
+
+  def files_split_test(self) -> bool:
+    return False
+
+
+def register_arrays(name: str, clients, test=None, *, num_classes: Optional[int] = None) -> None:
+  """A data set of arrays you have, in one call: ``--dataset=<name>`` then
+  trains on them (``--import`` of the file that calls this, or a script
+  that imports it before ``cli.run()``).
+
+  The clients are FedJAX's ``InMemoryFederatedData`` shape,
+  ``{client_id: {'x': array, 'y': array}}``, each client's rows its
+  examples, or a function returning that (called each time the data set is
+  loaded: arrays read from a file are read again, and a changed file is a
+  new data set). With ``test`` (the same shape: each client's test
+  examples) the clients are written once into a population store keyed by
+  their contents (``loading.content_digest``); without, each client's
+  examples are split with ``--test_fraction`` in memory every run.
+
+  Args:
+    name: the ``--dataset`` name.
+    clients: ``{client_id: {'x', 'y'}}``, or a function returning it.
+    test: the test examples in the same shape, or a function returning it
+      (None: split with ``--test_fraction``).
+    num_classes: the classes (None: the largest label + 1).
+
+  Returns:
+    None.
+  """
+  import numpy as np
+  from fedjax_personal.datasets.natural_data import listed, take
+
+  def as_pairs(got, what):
+    got = got() if callable(got) else got
+    try:
+      return {str(c.decode() if isinstance(c, bytes) else c): (np.asarray(ex['x']),
+                                                               np.asarray(ex['y']))
+              for c, ex in got.items()}
+    except (AttributeError, KeyError, TypeError) as e:
+      raise ConfigError('dataset', f'{name}: its {what} must be {{client_id: {{"x": array, '
+                        f'"y": array}}}} ({type(e).__name__}: {e})') from None
+
+  def read_clients(num_clients=None, data_dir=None, download=False):
+    del data_dir, download
+    train = as_pairs(clients, 'clients')
+    tested = as_pairs(test, 'test clients') if test is not None else None
+    ids = list(train)
+    n = take(len(ids), num_clients, name)
+    ids = ids[:n]
+    if tested is not None and set(tested) - set(train):
+      extra = sorted(set(tested) - set(train))[:3]
+      raise ConfigError('dataset', f'{name}: test clients {extra} have no training examples')
+    empty = lambda c: (train[c][0][:0], train[c][1][:0])
+    test_pairs = [tested.get(c, empty(c)) for c in ids] if tested is not None else None
+    labels = [train[c][1] for c in ids] + [y for _, y in test_pairs or ()]
+    classes = num_classes or int(max((int(y.max()) for y in labels if y.size), default=0)) + 1
+    return NaturalData(listed(ids, [train[c] for c in ids], test_pairs), n, classes, len(train),
+                       split_by_fraction=tested is None)
+  read_clients.__module__ = getattr(clients, '__module__', None) or __name__
+  register(name, read_clients, options=None if test is not None else SplitByFraction)
 
 
 def names() -> List[str]:

@@ -7,7 +7,7 @@ FedJAX's objects to the last detail: the clients of each file in its
 ``rowid`` order (the test file's clients for the test split, including
 clients found only there), ids as the file stores them (bytes), sizes as
 the file's ``num_examples`` (before preprocessing), ``slice`` by id range,
-``subset`` as ``federated.SubsetFederatedData``, and the raw features with
+``subset`` as ``federated_data.SubsetFederatedData``, and the raw features with
 FedJAX's preprocessing chained on (``preprocess_client`` /
 ``preprocess_batch``). ``.store`` hands the same clients to this project's
 rounds (the population store the command line trains on).
@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Iterator, Optional, Tuple
 
 import numpy as np
 
-from fedjax_personal.datasets import client_datasets, federated, sqlite_formats
+from fedjax_personal.datasets import client_datasets, federated, federated_data, sqlite_formats
 from fedjax_personal.errors import DataError
 
 __all__ = ['open_split', 'SQLiteFederatedData']
@@ -44,7 +44,7 @@ class SQLiteFederatedData:
     parse_examples: a client's ``data`` blob -> examples (FedJAX's zlib
       msgpack by default).
     start, stop: the ids in ``[start, stop)`` (None: unbounded).
-    preprocess_client: the ``federated.ClientPreprocessor`` of every client.
+    preprocess_client: the ``federated_data.ClientPreprocessor`` of every client.
     preprocess_batch: the ``client_datasets.BatchPreprocessor`` every
       client's batches pass through (one object, shared).
     limit: the first ``limit`` clients of the file alone (None: all; this
@@ -55,7 +55,7 @@ class SQLiteFederatedData:
 
   def __init__(self, path, parse_examples: Callable[[bytes], client_datasets.Examples] = (
                    sqlite_formats.decode_client), start=None, stop=None,
-               preprocess_client: federated.ClientPreprocessor = federated.NoOpClientPreprocessor,
+               preprocess_client: federated_data.ClientPreprocessor = federated_data.NoOpClientPreprocessor,
                preprocess_batch: client_datasets.BatchPreprocessor = (
                    client_datasets.NoOpBatchPreprocessor),
                limit: Optional[int] = None, store_of: Optional[Callable] = None,
@@ -211,12 +211,12 @@ class SQLiteFederatedData:
       stop = self._stop
     return self._with(start=start, stop=stop)
 
-  def subset(self, client_ids: Iterable) -> 'federated.SubsetFederatedData':
+  def subset(self, client_ids: Iterable) -> 'federated_data.SubsetFederatedData':
     """The clients named ``client_ids`` (bytes or str), as FedJAX's
     ``SubsetFederatedData`` (each once, sorted; an unknown id a ValueError)."""
     stored = set(self.client_ids())
     as_stored = lambda c: c if c in stored or _other_type(c) not in stored else _other_type(c)
-    return federated.SubsetFederatedData(self, [as_stored(c) for c in client_ids])
+    return federated_data.SubsetFederatedData(self, [as_stored(c) for c in client_ids])
 
   def preprocess_client(self, fn) -> 'SQLiteFederatedData':
     """A view whose clients' examples pass through ``fn(client_id, examples)`` too."""
@@ -247,6 +247,6 @@ def open_split(cfg, file_name: str, preprocess_client=(), preprocess_batch=(),
   path = sources.fetch(source or cfg.dataset, cfg.data_dir, cfg.download,
                        which=[file_name])[file_name]
   return SQLiteFederatedData(path, limit=cfg.num_clients,
-                             preprocess_client=federated.ClientPreprocessor(preprocess_client),
+                             preprocess_client=federated_data.ClientPreprocessor(preprocess_client),
                              preprocess_batch=client_datasets.BatchPreprocessor(preprocess_batch),
                              store_of=federated.store_of(cfg))

@@ -5,7 +5,7 @@ exit status 2; ``DataError`` is the data-file case of it.
 """
 
 
-__all__ = ['ConfigError', 'DataError']
+__all__ = ['ConfigError', 'DataError', 'HostLimitError']
 
 
 class ConfigError(ValueError):
@@ -24,3 +24,12 @@ class DataError(ConfigError):
   def __init__(self, message: str):
     ValueError.__init__(self, message)
     self.name = 'data_dir'
+
+
+class HostLimitError(ConfigError):
+  """A limit the host sets on the process (``ulimit -v``) below what a run
+  needs; the message starts with the limit."""
+
+  def __init__(self, limit: str, message: str):
+    ValueError.__init__(self, f'{limit}: {message}')
+    self.name = limit

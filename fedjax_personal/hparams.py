@@ -24,7 +24,8 @@ __all__ = ['Declared', 'field_types', 'flag_fields', 'flag_name', 'hparam', 'is_
 
 def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None, maximum=None,
            open_min: bool = False, open_max: bool = False, sweep: bool = False,
-           flag: Optional[str] = None, refusal: Optional[str] = None, command: bool = True):
+           flag: Optional[str] = None, refusal: Optional[str] = None, command: bool = True,
+           repeatable: bool = False):
   """A documented setting: a dataclass field carrying its flag's metadata.
 
   Args:
@@ -44,6 +45,8 @@ def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None,
       >= 1`` or ``must be in (0, 1]``).
     command: False for a setting of the library alone, with no flag (one the
       command could only ignore).
+    repeatable: a tuple setting whose flag may be given several times, each
+      adding values (``--import=a.py --import=b.py``), not a comma list.
 
   Returns:
     A ``dataclasses.field`` carrying the metadata.
@@ -51,7 +54,7 @@ def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None,
   return dataclasses.field(default=default, metadata=dict(
       help=help, choices=choices, minimum=minimum, maximum=maximum, open_min=open_min,
       open_max=open_max, sweep=sweep, flag=flag, refusal=refusal,
-      command=command))
+      command=command, repeatable=repeatable))
 
 
 @functools.lru_cache(maxsize=None)

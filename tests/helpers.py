@@ -118,14 +118,18 @@ def parse_flags(*args):
 
 #: Runs the main script's ``main`` on several command lines one after another
 #: in one child process (flags reset between them): a Python start and a JAX
-#: import once, not once per command. Prints one JSON line of [exit status,
-#: what went to stderr].
+#: import once, not once per command. A string among them is Python run
+#: between two commands (a file changed, say). Prints one JSON line of
+#: [exit status, what went to stderr] per command.
 _MAIN_DRIVER = r'''
 import contextlib, io, json, sys
 from absl import flags
 from fedjax_personal.run import cli, faults, script_entry
 out = []
 for args in json.loads(sys.argv[1]):
+  if isinstance(args, str):
+    exec(args, {})
+    continue
   flags.FLAGS.unparse_flags()
   faults._REPORTED['status'] = None  # each command line is a process of its own
   err = io.StringIO()
@@ -144,16 +148,17 @@ print('MAIN RUNS ' + json.dumps(out))
 '''
 
 
-def main_in_one_process(command_lines, cwd=None):
+def main_in_one_process(command_lines, cwd=None, env=None):
   """[(exit status, stderr)] of ``scripts/run_experiment.py``'s ``main`` on
-  each command line (a list of arguments), run in one child process."""
+  each command line (a list of arguments; a string: Python run between
+  two), run in one child process (``env``: variables added)."""
   import json
   import os
   import subprocess
   import sys
   r = subprocess.run([sys.executable, '-c', _MAIN_DRIVER, json.dumps(command_lines)], cwd=cwd,
                      capture_output=True, text=True, timeout=900,
-                     env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+                     env={**os.environ, 'JAX_PLATFORMS': 'cpu', **(env or {})})
   line = [l for l in r.stdout.splitlines() if l.startswith('MAIN RUNS ')]
   assert line, r.stderr[-3000:]
   return [tuple(x) for x in json.loads(line[0][len('MAIN RUNS '):])]

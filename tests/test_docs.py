@@ -207,7 +207,7 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
   from fedjax_personal.run import cli
   from helpers import parse_flags
   _, data_module = fenced('BUILD.md', 'python')
-  alg_module, script = fenced('docs/add_an_algorithm.md', 'python')
+  _, alg_module, script = fenced('docs/add_an_algorithm.md', 'python')  # the first: test_plugins
   (tmp_path / 'my_writers.py').write_text(data_module)
   (tmp_path / 'fedavg_dropout.py').write_text(alg_module)
   monkeypatch.syspath_prepend(str(tmp_path))
@@ -273,42 +273,14 @@ def test_nothing_is_named_after_a_work_item():
   assert not bad, bad
 
 
-def test_a_data_set_of_arrays_added_by_the_docs_runs_through_the_cli(tmp_path, monkeypatch,
-                                                                   flags_added_removed):
-  """BUILD.md's data set of arrays in memory with an option of its own,
-  registered by its snippet as printed (one file; nothing in run/), trains
-  through the CLI with the clients' ids and split; its option reaches the
-  reader and keys the store (other labels, another store), and with another
-  data set its flag is refused naming it."""
-  from fedjax_personal.datasets import registry
-  from fedjax_personal.run import cli, command_line
-  from helpers import parse_flags
-  arrays_module, _ = fenced('BUILD.md', 'python')
-  (tmp_path / 'my_arrays.py').write_text(arrays_module)
-  monkeypatch.syspath_prepend(str(tmp_path))
-  monkeypatch.delitem(sys.modules, 'my_arrays', raising=False)
-  monkeypatch.setattr(registry, 'LOADERS', dict(registry.LOADERS))
-  monkeypatch.setattr(registry, 'OPTIONS', dict(registry.OPTIONS))
-  import my_arrays  # noqa: F401  registers --dataset=my_arrays and its option
-  command_line.define_flags()  # as cli.run() does before parsing
-  common = ('--dataset=my_arrays', '--algorithm=fedavg', '--model=logreg', '--rounds=2',
-            '--cohort_size=2', '--progress=false')
-  summaries = []
-  for threshold in ('0', '0.5'):
-    parse_flags(*common, f'--my_arrays_threshold={threshold}',
-                f'--output_dir={tmp_path}/out{threshold}')
-    (summary,) = cli.main_job().values()
-    assert summary['num_eval_clients'] == 4 and 0 <= summary['accuracy_mean'] <= 1
-    assert summary['worst_clients'][0]['client_id'].startswith('client')
-    written = json.load(open(tmp_path / f'out{threshold}' / 'fedavg' / 'summary.json'))
-    assert written['identity']['data']['options'] == {'threshold': float(threshold)}
-    summaries.append(written)
-  fingerprints = [s['identity']['data_fingerprint'] for s in summaries]
-  assert fingerprints[0] != fingerprints[1]  # another store: the option keys it
-  parse_flags('--dataset=digits', '--my_arrays_threshold=0.5', '--dry_run')
-  with pytest.raises(cli.ConfigError, match='--my_arrays_threshold: an option of '
-                     '--dataset=my_arrays, not of --dataset=digits'):
-    cli.main_job()
+def test_the_extension_reference_is_made_from_the_docstrings():
+  """docs/extension_reference.md is what tests/extension_reference.py makes
+  of today's docstrings (regenerate it with the command its header shows)."""
+  import extension_reference
+  with open(os.path.join(ROOT, 'docs', 'extension_reference.md')) as f:
+    assert f.read() == extension_reference.page(), (
+        'docs/extension_reference.md is stale: python tests/extension_reference.py > '
+        'docs/extension_reference.md')
 
 
 def test_the_architecture_map_names_every_module():

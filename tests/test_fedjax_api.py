@@ -131,6 +131,9 @@ def test_batching_by_hand():
   assert len(list(c.shuffle_repeat_batch(batch_size=4, num_epochs=None, num_steps=9))) == 9
   with pytest.raises(TypeError, match='batch_sz'):
     c.batch(batch_sz=3)
+  for wrong in (2.5, '8', True, 0):  # never silently another size
+    with pytest.raises(ValueError, match='batch_size must be a positive integer'):
+      c.padded_batch(batch_size=wrong)
 
 
 def test_stackoverflow_as_fedjax_documents_it(tmp_path):
@@ -164,6 +167,8 @@ def test_stackoverflow_as_fedjax_documents_it(tmp_path):
   assert ex['x'][:, :5].tolist() == [[1, 3, 4, 0, 0], [1, 10003, 10003, 5, 0]]
   assert ex['y'][:, :5].tolist() == [[3, 4, 2, 0, 0], [10003, 10003, 5, 2, 0]]
   assert train_for_train.get_client(b'00002').all_examples()['x'][0, :4].tolist() == [1, 5, 4, 3]
+  with pytest.raises(ValueError, match="cache_dir='.*missing' is not a folder"):
+    stackoverflow.load_data(cache_dir=str(tmp_path / 'missing'), download=False)
   with pytest.raises(ValueError, match='num_oov_buckets=2'):
     stackoverflow.StackoverflowTokenizer(vocab=['a'], num_oov_buckets=2)
   assert stackoverflow.default_vocab(3, cache_dir=str(tmp_path)) == ['the', 'is', 'code']

@@ -319,3 +319,145 @@ def test_a_signal_swallowed_by_a_gc_callback_is_delivered_again(tmp_path):
   assert 'swallowed' in r.stdout
   assert r.returncode == 130, r.stderr[-2000:]
   assert r.stderr.rstrip().endswith('error: interrupted; nothing'), r.stderr[-2000:]
+
+
+# SIGTERM sent by the run to itself when an algorithm's metrics of a round are
+# written (``--rounds`` of it: its last round), or during start-up.
+_SIGNAL_AT = r'''
+import json, os, signal, sys
+from fedjax_personal.run import cli, reporting, main_job
+alg, at = sys.argv[1], int(sys.argv[2])
+if at == 0:  # during start-up: once the data are loaded
+  load = main_job.load_data
+  def load_data(job):
+    load(job)
+    os.kill(os.getpid(), signal.SIGTERM)
+  main_job.load_data = load_data
+else:
+  write = reporting.MetricsWriter.on_round_end
+  def on_round_end(self, round_num, records, state):
+    write(self, round_num, records, state)
+    if round_num == at and os.path.basename(os.path.dirname(self.path)) == alg:
+      os.kill(os.getpid(), signal.SIGTERM)
+  reporting.MetricsWriter.on_round_end = on_round_end
+sys.argv = ['run_experiment.py', *json.loads(sys.argv[3])]
+cli.run()
+'''
+
+
+def _terminated_at(alg, at, args):
+  return subprocess.run([sys.executable, '-c', _SIGNAL_AT, alg, str(at), json.dumps(args)],
+                        capture_output=True, text=True, timeout=300,
+                        env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+
+
+def test_sigterm_at_an_algorithms_last_round_writes_its_results_and_names_the_next_command(
+    tmp_path):
+  """SIGTERM as FedAvg's last round ends, Local still to come: FedAvg's
+  summary and the comparison are written, the line says so and names
+  --resume_if_found (--resume would refuse Local, which has no checkpoint),
+  and that command finishes the run; during start-up the line says nothing
+  was trained."""
+  out = tmp_path / 'run'
+  args = ['--algorithm=fedavg,local', '--dataset=digits', '--model=mlp', '--num_clients=6',
+          '--rounds=2', '--eval_every=1', '--checkpoint_every=1', '--progress=false',
+          f'--output_dir={out}']
+  r = _terminated_at('fedavg', 2, args)
+  assert r.returncode == 143 and 'Traceback' not in r.stderr, r.stderr[-2000:]
+  (line,) = _errors(r.stderr)
+  assert 'terminated after the last round of fedavg, its results written' in line, line
+  assert line.endswith('continue with the same command and --resume_if_found'), line
+  assert (out / 'fedavg' / 'summary.json').exists() and (out / 'comparison.json').exists()
+  assert not (out / 'local' / 'summary.json').exists()
+  r = subprocess.run([sys.executable, SCRIPT, *args, '--resume_if_found'], capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert (out / 'local' / 'summary.json').exists()
+  r = _terminated_at('', 0, [*args[:-1], f'--output_dir={tmp_path}/startup',
+                             '--compilation_cache=off'])
+  assert r.returncode == 143 and 'Traceback' not in r.stderr, r.stderr[-2000:]
+  (line,) = _errors(r.stderr)
+  assert line == ('error: terminated during start-up; nothing was trained yet; run the same '
+                  'command again'), line
+
+
+@pytest.mark.parametrize('every', ['0', pytest.param('1', marks=pytest.mark.slow)])
+def test_sigterm_at_the_runs_last_round_ends_it_with_everything_written(tmp_path, every):
+  """The same signal at the last round of the last algorithm, with and
+  without checkpoints: every result written, one line saying so, exit 0."""
+  out = tmp_path / 'last'
+  args = ['--algorithm=fedavg,local', '--dataset=digits', '--model=mlp', '--num_clients=6',
+          '--rounds=2', '--eval_every=1', f'--checkpoint_every={every}', '--progress=false',
+          f'--output_dir={out}']
+  r = _terminated_at('local', 2, args)
+  assert r.returncode == 0 and 'Traceback' not in r.stderr, r.stderr[-2000:]
+  assert r.stderr.rstrip().splitlines()[-1] == (
+      f'terminated after the last round of local: every algorithm finished and its results '
+      f'are written in {out}; nothing to resume')
+  assert (out / 'local' / 'summary.json').exists() and (out / 'comparison.json').exists()
+
+
+def _under_address_limit(limit_bytes, args):
+  """The command under ``ulimit -v`` (set by a shell, not in this
+  multithreaded process)."""
+  return subprocess.run(['bash', '-c', f'ulimit -v {limit_bytes // 1024} && exec "$0" "$@"',
+                         sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                        timeout=300, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+
+
+def test_a_sweep_under_an_address_space_limit(tmp_path):
+  """``ulimit -v`` of 1.5 GB: a sweep runs (malloc's arenas limited before
+  JAX's threads start: about 0.9 GB reserved, not 1.8); under 1 GB the
+  command is refused in one line before anything starts."""
+  args = ['--algorithm=fedavg', '--dataset=digits', '--model=mlp', '--num_clients=6',
+          '--rounds=2', '--sweep=client_lr:0.1,0.2', '--progress=false']
+  r = _under_address_limit(int(1.5 * 2**30), [*args, f'--output_dir={tmp_path}/a'])
+  assert r.returncode == 0 and 'Traceback' not in r.stderr, r.stderr[-2000:]
+  assert (tmp_path / 'a' / 'sweep.json').exists()
+  r = _under_address_limit(int(0.9 * 2**30), [*args, f'--output_dir={tmp_path}/b'])
+  assert r.returncode == 2, r.stderr[-2000:]
+  (line,) = r.stderr.strip().splitlines()
+  assert line.startswith('error: ulimit -v: the process may use 0.90 GB of address space'), line
+
+
+def test_an_output_dir_on_a_read_only_disk_exits_74_and_a_file_in_the_way_2(tmp_path):
+  """A read-only --output_dir is a storage fault (74, as the README says);
+  a file where the folder should be is a bad flag (2); each one line."""
+  args = [*RUN, '--rounds=1', '--compilation_cache=off']
+  (tmp_path / 'a_file').write_text('')
+  got = [(2, f'{tmp_path}/a_file/run', '--output_dir: cannot write to')]
+  ro = tmp_path / 'ro'
+  if _mount_small(ro, '100k'):
+    subprocess.run(['mount', '-o', 'remount,ro', str(ro)], check=True)
+    got.append((faults.EXIT_STORAGE, f'{ro}/run', 'Read-only file system'))
+  try:
+    for status, out, says in got:
+      r = subprocess.run([sys.executable, SCRIPT, *args, f'--output_dir={out}'],
+                         capture_output=True, text=True, timeout=300)
+      assert r.returncode == status and 'Traceback' not in r.stderr, r.stderr[-2000:]
+      (line,) = _errors(r.stderr)
+      assert says in line, line
+  finally:
+    subprocess.run(['umount', str(ro)], capture_output=True)
+
+
+def test_a_damaged_identity_file_is_refused_naming_it_and_overwrite_starts_again(tmp_path):
+  """identity.json emptied (the folder's) or made garbage (an algorithm's,
+  met when resuming): a ConfigError naming the file and --overwrite (the
+  command's one line, exit 2); --overwrite runs."""
+  from fedjax_personal.errors import ConfigError
+  from fedjax_personal.run import cli
+  from helpers import parse_flags
+  out = tmp_path / 'run'
+  args = [*RUN, '--rounds=2', f'--output_dir={out}']
+  parse_flags(*args)
+  cli.main_job()
+  for path, text, extra in ((out / 'identity.json', '', ()),
+                            (out / 'fedavg' / 'identity.json', '{"algo', ('--resume',))):
+    path.write_text(text)
+    parse_flags(*args, *extra)
+    with pytest.raises(ConfigError, match=f'^--output_dir: {path} is damaged .* --overwrite'):
+      cli.main_job()
+    parse_flags(*args, '--overwrite')
+    cli.main_job()
+  assert json.loads((out / 'fedavg' / 'identity.json').read_text())['algorithm'] == 'fedavg'

@@ -216,3 +216,20 @@ def test_a_store_never_outlives_the_loader_code_that_made_it(tmp_path, capsys, m
   np.testing.assert_array_equal(_arrays(again)[0][0], _arrays(first)[0][0])
   load_store(cfg, rebuild=True)
   assert 'as --rebuild_store asks' in capsys.readouterr().err
+
+
+def test_a_store_damaged_mid_run_names_the_resume_command(tmp_path):
+  """Damage found after a checkpoint was written: the line names --resume
+  (the store is rebuilt on the way), not a fresh start."""
+  from fedjax_personal.core.population import store as store_lib
+  folder = tmp_path / 'store'
+  folder.mkdir()
+  fault = store_lib.damaged(folder, 'train.x.bin: block 3 fails its checksum')
+  assert str(fault).endswith('removed it: run the same command again to rebuild it from its '
+                             'source files') and not folder.exists()
+  resumed = fault.then('run the same command with --resume (the checkpoint of round 4 of fedavg '
+                       'is kept in out/fedavg/checkpoints)')
+  assert isinstance(resumed, store_lib.StoreDamaged) and resumed.what == fault.what
+  assert str(resumed).endswith('removed it: run the same command with --resume (the checkpoint '
+                               'of round 4 of fedavg is kept in out/fedavg/checkpoints) to '
+                               'rebuild it from its source files')

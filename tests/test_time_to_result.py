@@ -1,5 +1,6 @@
 """What an experiment costs besides its rounds: the persistent compilation
-cache (the same numbers with it, without it, and from damaged entries), the
+cache (the same numbers with it, without it, from damaged entries and with an
+unusable folder, each fault one line), the
 host layout's shape plan (never more compiles than it planned), the time
 figures of summary.json."""
 
@@ -43,11 +44,18 @@ def test_cache_gives_the_same_numbers_and_damaged_entries_are_compiled_again(tmp
     middle = len(data) // 2
     data[middle:middle + 32] = bytes(b ^ 0xFF for b in data[middle:middle + 32])
     path.write_bytes(bytes(data))
-  got = main_in_one_process([common + [f'--compilation_cache={cache}',
-                                       f'--output_dir={tmp_path}/damaged']])
-  assert got[0][0] == 0, got
+  (tmp_path / 'a_file').write_text('')
+  got = main_in_one_process([
+      common + [f'--compilation_cache={cache}', f'--output_dir={tmp_path}/damaged'],
+      common + [f'--compilation_cache={tmp_path}/a_file/xla', f'--output_dir={tmp_path}/unusable']])
+  assert [code for code, _ in got] == [0, 0], got
+  # JAX's warning per damaged entry: one line instead
+  (said,) = [l for l in got[0][1].splitlines() if l.strip()]
+  assert said.startswith(f'compilation cache: {cache}: entries cannot be read'), said
+  (said,) = [l for l in got[1][1].splitlines() if l.strip()]
+  assert said.startswith(f'compilation cache: {tmp_path}/a_file/xla cannot be written'), said
   off = _metrics(tmp_path / 'off')
-  for run in ('cold', 'warm', 'damaged'):
+  for run in ('cold', 'warm', 'damaged', 'unusable'):
     assert _metrics(tmp_path / run) == off, run
   summary = json.load(open(tmp_path / 'warm' / 'fedavg' / 'summary.json'))
   for key in ('first_round_seconds', 'compile_seconds', 'wall_seconds', 'process_seconds'):

@@ -71,8 +71,9 @@ class EngineConfig(Declared):
       'float32 (the default: the same numbers on every card), tf32 (TensorFloat-32 products, a '
       "GPU's fast default), bf16x3 (three bfloat16 passes, near float32), bf16 (one bfloat16 "
       "pass, a TPU's default), or JAX's default / high / highest (the command's default when "
-      'not given: $JAX_DEFAULT_MATMUL_PRECISION if set). XLA:CPU computes float32 whatever the '
-      'setting. Recorded in the run identity.', choices=tuple(numerics.MATMUL_PRECISIONS))
+      'not given: $JAX_DEFAULT_MATMUL_PRECISION if set). On a CPU only float32 is accepted: '
+      'XLA:CPU computes float32 whatever the setting, so a reduced one would be recorded but not '
+      'used. Recorded in the run identity.', choices=tuple(numerics.MATMUL_PRECISIONS))
 
 
 def draw_cohort(sampler: CohortSampler, key):

@@ -58,6 +58,7 @@ def main(argv):
     print(f'error: unexpected arguments {argv[1:]}', file=sys.stderr)
     sys.exit(2)
   try:
+    faults.fit_address_space_limit()
     settings = read_flags()
   except ConfigError as e:  # a flag out of its range, or one that cannot apply
     _fail(e, faults.EXIT_CONFIG)
@@ -74,16 +75,26 @@ def main(argv):
   except faults.Fault as e:
     _fail(e, e.status)
   except (ConfigError, FileNotFoundError) as e:
+    from fedjax_personal.core.population.store import StoreDamaged
+    p = faults.PROGRESS
+    if isinstance(e, StoreDamaged) and p.checkpoint_round:  # damaged mid-run: resume after
+      e = e.then(f'run the same command with {"--resume_if_found" if p.later else "--resume"} '
+                 f'(the checkpoint of round {p.checkpoint_round} of {p.algorithm} is kept in '
+                 f'{p.checkpoint_dir})')
     _fail(e, faults.EXIT_CONFIG)
   except experiment.DivergenceError as e:
     _fail(e, faults.EXIT_DIVERGED)
-  except MemoryError as e:  # an allocation the process's limits refused (ulimit -v, a cgroup)
+  except (MemoryError, ImportError, RuntimeError) as e:
+    # An allocation, a library or a thread the process's limits refused (ulimit -v, a cgroup).
+    if not isinstance(e, MemoryError) and not faults.out_of_address_space(e):
+      raise
     from fedjax_personal.core.population import placement
     left = placement.host_available_bytes()
     _fail(ConfigError('num_clients', f'out of host memory ({type(e).__name__}'
                       + (f'; {left / placement.GB:.1f} GB left to this process' if left else '')
                       + '): give fewer clients or configurations, a smaller --cohort_size, or '
-                      '--client_state=disk; ' + faults.kept()), faults.EXIT_CONFIG)
+                      '--client_state=disk (or raise ulimit -v); ' + faults.kept()),
+          faults.EXIT_CONFIG, quiet=True)
   except KeyboardInterrupt:
     stop = faults.interrupted(during_round=True)
     _fail(stop, stop.status)
@@ -106,7 +117,10 @@ def main(argv):
     raise
 
 
-def _fail(error, status: int):
+def _fail(error, status: int, quiet: bool = False):
+  """Prints the fault's one line and exits with ``status`` (``quiet``: at
+  once, no interpreter shutdown: out of memory, exit handlers would fail
+  again and print)."""
   if not faults.claim_report(status):  # a runtime thread already reported this fault
     faults.quiet_exit(faults.reported_status())
   print(f'error: {error}', file=faults.error_stream(), flush=True)
@@ -118,7 +132,7 @@ def _fail(error, status: int):
     # The others learn it from the coordinator; JAX's shutdown at exit would
     # wait for them at a barrier they never reach, and abort.
     distributed.hard_exit(status)
-  if status in (faults.EXIT_STORAGE, 130, 143):
+  if quiet or status in (faults.EXIT_STORAGE, 130, 143):
     # Background writers (Orbax's threads) may still be failing or running:
     # end now, with nothing more printed.
     faults.quiet_exit(status)
@@ -137,8 +151,9 @@ def run():
 
 def parse_flags(argv):
   """The command's flags, those of algorithms and data sets registered since
-  the import included (``command_line.define_flags``), parsed with one-line
-  errors (``script_entry.parse_flags``).
+  the import or by the user's modules of ``--import`` included
+  (``command_line.define_flags``), parsed with one-line errors
+  (``script_entry.parse_flags``).
 
   Args:
     argv: the command line.
@@ -146,5 +161,6 @@ def parse_flags(argv):
   Returns:
     What absl leaves of it.
   """
+  script_entry.import_plugins(argv)
   command_line.define_flags()
   return script_entry.parse_flags(argv)

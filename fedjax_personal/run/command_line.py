@@ -231,9 +231,10 @@ def _sweep(fl: _Flags, spec: str) -> Dict[str, Tuple[float, ...]]:
 
 
 def _given_fields(fl: _Flags, cls, swept=()) -> List[str]:
-  """Fields of ``cls`` whose flag differs from its default (or is swept)."""
+  """Fields of ``cls`` whose flag was given (on the command line or in a
+  flagfile, even at its default), differs from its default, or is swept."""
   return [f.name for f in dataclasses.fields(cls)
-          if flag_name(cls, f.name) in swept
+          if flag_name(cls, f.name) in swept or flag_name(cls, f.name) in fl.given
           or (flag_name(cls, f.name) in fl.values
               and fl.values[flag_name(cls, f.name)] != f.default)]
 

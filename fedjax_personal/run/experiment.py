@@ -197,7 +197,9 @@ def run_many(runs, num_rounds: int, eval_every: int = 5, callbacks: Sequence[Cal
     for cb in callbacks:
       cb.on_round_end(t + 1, records, state)
     faults.PROGRESS.round = t + 1
-    if faults.stop_requested():  # a signal (CLI): stop between rounds, keep this one
+    # A signal (CLI): stop between rounds, keep this one; after the last
+    # round the run ends as usual (its results written) and stops after it.
+    if t + 1 < num_rounds and faults.stop_requested():
       for cb in callbacks:
         cb.on_stop(t + 1, state)
       raise faults.interrupted()

@@ -29,8 +29,10 @@ import tempfile
 import threading
 from typing import Any, Dict, Optional
 
+from fedjax_personal.errors import HostLimitError
+
 __all__ = ['captured_stderr', 'claim_report', 'error_stream', 'EXIT_SIGNAL', 'Fault',
-           'finished_line', 'install_signal_handlers', 'Interrupted', 'interrupted', 'kept',
+           'finished_line', 'fit_address_space_limit', 'out_of_address_space', 'install_signal_handlers', 'Interrupted', 'interrupted', 'kept',
            'lost_process', 'lost_process_reason', 'LostProcess', 'PROGRESS', 'quiet_exit',
            'reported_status', 'share_stop_requests', 'signal_received', 'start_algorithm',
            'stop_requested', 'storage_error', 'storage_reason', 'StorageError', 'where']
@@ -73,13 +75,15 @@ class _Progress:
   checkpointing: bool = False
   rounds: int = 0
   output_dir: str = ''
+  later: int = 0
 
 
 PROGRESS = _Progress()
 
 
 def start_algorithm(name: str, start_round: int, checkpoint_dir: str, checkpointing: bool,
-                    checkpoint_round: Optional[int] = None, rounds: int = 0) -> None:
+                    checkpoint_round: Optional[int] = None, rounds: int = 0,
+                    later: int = 0) -> None:
   """Records where the run is (the algorithm, its rounds and checkpoints) for
   the one-line fault messages.
 
@@ -90,11 +94,14 @@ def start_algorithm(name: str, start_round: int, checkpoint_dir: str, checkpoint
     checkpointing: whether it checkpoints.
     checkpoint_round: the round of its latest checkpoint, if any.
     rounds: its total rounds.
+    later: how many algorithms of the run come after it (they have no
+      checkpoint yet: the next command resumes with --resume_if_found).
 
   Returns:
     None.
   """
   PROGRESS.algorithm, PROGRESS.round, PROGRESS.rounds = name, start_round, rounds
+  PROGRESS.later = later
   PROGRESS.checkpoint_dir, PROGRESS.checkpointing = checkpoint_dir, checkpointing
   PROGRESS.checkpoint_round = checkpoint_round
 
@@ -106,9 +113,13 @@ def kept() -> str:
     The text.
   """
   p = PROGRESS
+  if not p.algorithm:
+    return 'nothing was trained yet; run the same command again'
   if p.checkpoint_round:
+    # Algorithms after this one have no checkpoint: --resume would refuse them.
+    flag = '--resume_if_found' if p.later else '--resume'
     return (f'checkpoint of round {p.checkpoint_round} of {p.algorithm} kept in '
-            f'{p.checkpoint_dir}; continue with the same command and --resume')
+            f'{p.checkpoint_dir}; continue with the same command and {flag}')
   if p.checkpointing:
     return 'no checkpoint written yet; run the same command again'
   return ('no checkpoint (--checkpoint_every=0); run the same command again, with '
@@ -226,10 +237,75 @@ def interrupted(during_round: bool = False) -> Interrupted:
   signum = _REQUEST['signal'] or signal.SIGINT
   name = 'interrupted' if signum == signal.SIGINT else 'terminated'
   p = PROGRESS
-  at = (f'during {where()}' if during_round
-        else f'after the last round of {p.algorithm}, its results written' if p.rounds and p.round >= p.rounds
+  at = ('during start-up' if not p.algorithm
+        else f'during {where()}' if during_round
+        else f'after the last round of {p.algorithm}, its results written'
+        if p.rounds and p.round >= p.rounds
         else f'after round {p.round} of {p.algorithm}')
   return Interrupted(f'{name} {at}; {kept()}', EXIT_SIGNAL[signum])
+
+
+# -- host limits ----------------------------------------------------------------
+
+#: Below this address-space limit (``ulimit -v``) a command refuses to start:
+#: JAX's runtime and its threads' reservations need about 0.9 GB on a
+#: 2-core x86 machine with malloc's arenas limited (``fit_address_space_limit``),
+#: and past that the failures (a thread that cannot start, XLA's abort) are
+#: not all catchable.
+LEAST_ADDRESS_SPACE = 1 << 30
+
+
+def address_space_limit():
+  """The process's address-space limit in bytes (``ulimit -v``), or None."""
+  import resource
+  soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+  return None if soft == resource.RLIM_INFINITY else soft
+
+
+def fit_address_space_limit() -> None:
+  """A command under an address-space limit (``ulimit -v``): malloc's
+  per-thread arenas (64 MB of address space each, glibc) are limited to 2
+  before JAX's runtime starts its threads, which halves what a run
+  reserves (1.8 -> 0.9 GB measured on 2 cores); below
+  ``LEAST_ADDRESS_SPACE`` the command is refused in one line. Without a
+  limit nothing changes.
+
+  Returns:
+    None.
+
+  Raises:
+    HostLimitError: the limit is below ``LEAST_ADDRESS_SPACE``.
+  """
+  limit = address_space_limit()
+  if limit is None:
+    return
+  if limit < LEAST_ADDRESS_SPACE:
+    raise HostLimitError('ulimit -v', f'the process may use {limit / 2**30:.2f} GB of address space; '
+                      f'JAX\'s runtime needs {LEAST_ADDRESS_SPACE / 2**30:.0f} GB at least: raise '
+                      'the limit (ulimit -v), or bound memory with a cgroup instead '
+                      '(systemd-run --scope -p MemoryMax=...)')
+  try:
+    import ctypes
+    ctypes.CDLL(None).mallopt(-8, 2)  # M_ARENA_MAX (glibc); elsewhere a no-op or absent
+  except (OSError, AttributeError):
+    pass
+
+
+def out_of_address_space(exc: BaseException) -> bool:
+  """Whether ``exc`` is the address space running out under ``ulimit -v``
+  (a library that cannot be mapped, a thread that cannot start).
+
+  Args:
+    exc: the error.
+
+  Returns:
+    True for those errors while a limit is set.
+  """
+  text = str(exc)
+  return address_space_limit() is not None and (
+      isinstance(exc, MemoryError)
+      or (isinstance(exc, ImportError) and 'failed to map segment' in text)
+      or (isinstance(exc, RuntimeError) and "can't start new thread" in text))
 
 
 # -- storage --------------------------------------------------------------------

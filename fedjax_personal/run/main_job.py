@@ -509,8 +509,9 @@ def train_algorithm(job: Job, built: Built) -> None:
     say(f'{alg_name}: resuming after round {start}')
   if faults.stop_requested():  # asked while the previous algorithm wrote its results
     raise faults.interrupted()
+  later = len(job.algs) - 1 - [b.settings.name for b in job.algs].index(alg_name)
   faults.start_algorithm(alg_name, start, os.path.join(job.output_dir, alg_name, 'checkpoints'),
-                         bool(s.output.checkpoint_every), start or None, e.rounds)
+                         bool(s.output.checkpoint_every), start or None, e.rounds, later)
   began, compiled = time.perf_counter(), compilation.stats()
   _, hists = experiment.run_many(runs, e.rounds, eval_every=e.eval_every,
                                  callbacks=_callbacks(job, built, hists, start),

@@ -6,6 +6,7 @@ and the lines it prints (process 0 only).
 """
 
 import os
+import sys
 import time
 
 from fedjax_personal import compilation
@@ -48,10 +49,15 @@ def open_compilation_cache(choice) -> None:
     compilation.disable()
   else:
     try:
-      compilation.enable(choice)
+      _check_writable(compilation.enable(choice))
     except OSError as e:
-      raise ConfigError('compilation_cache', f'{choice}: {e.strerror or e}; give a writable '
-                        'folder, or off') from None
+      compilation.disable()
+      if distributed.is_primary():
+        print(f'compilation cache: {choice} cannot be written ({e.strerror or e}); compiling '
+              'without it (the numbers are the same; give a writable folder, or off)',
+              file=sys.stderr, flush=True)
+      return
+    _one_line_for_failed_cache_writes()
   where = compilation.directory()
   if where:
     entries, nbytes = compilation.size(where)
@@ -59,6 +65,51 @@ def open_compilation_cache(choice) -> None:
         f'{compilation.MAX_BYTES / 2**30:.0f} GB)')
   else:
     say('compilation cache: off')
+
+
+def _check_writable(folder: str) -> None:
+  """Raises OSError unless a file can be written in ``folder``."""
+  import tempfile
+  with tempfile.NamedTemporaryFile(dir=folder, prefix='.writable-'):
+    pass
+
+
+#: JAX's warnings of a cache entry it cannot write or read, and what the
+#: command says instead (once each).
+_CACHE_FAILURES = {
+    'Error writing persistent compilation cache entry':
+        'programs cannot be saved ({why}); compiling without saving them',
+    'Error reading persistent compilation cache entry':
+        'entries cannot be read ({why}: written by a run that ran out of disk?); compiling '
+        'those programs again',
+}
+
+
+def _one_line_for_failed_cache_writes() -> None:
+  """JAX warns once per program it cannot save to or read from the cache
+  (a disk filled during the run: dozens of lines); the command says each
+  kind once, in one line, and drops the rest (the programs still run, only
+  uncached; the numbers are the same)."""
+  import warnings
+  shown = warnings.showwarning
+  if getattr(shown, 'collapses_cache_writes', False):
+    return
+  said = set()
+
+  def showwarning(message, category, filename, lineno, file=None, line=None):
+    text = str(message)
+    kind = next((k for k in _CACHE_FAILURES if k in text), None)
+    if kind is None:
+      return shown(message, category, filename, lineno, file, line)
+    if kind not in said:
+      said.add(kind)
+      why = text.split(': ', 1)[-1]
+      print(f'compilation cache: {compilation.directory()}: '
+            f'{_CACHE_FAILURES[kind].format(why=why)} (the numbers are the same)',
+            file=sys.stderr, flush=True)
+    return None
+  showwarning.collapses_cache_writes = True  # type: ignore[attr-defined]
+  warnings.showwarning = showwarning
 
 
 def conv_impl_of(model, sample_x):

@@ -154,12 +154,26 @@ def read(directory: str) -> Optional[Dict]:
 
   Returns:
     The identity, or None.
+
+  Raises:
+    ConfigError('output_dir', ...): the file is empty, damaged or unreadable.
   """
   path = os.path.join(directory, IDENTITY_FILE)
   if not os.path.isfile(path):
     return None
-  with open(path) as f:
-    return json.load(f)
+  try:
+    with open(path, encoding='utf-8') as f:
+      ident = json.load(f)
+  except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    why = getattr(e, 'strerror', None) or ('empty' if not os.path.getsize(path) else
+                                           'not the JSON this library writes')
+    raise ConfigError('output_dir', f'{path} is damaged ({why}), so the run in {directory} '
+                      'cannot be told apart from another: pass --overwrite to start that folder '
+                      'again, or choose another --output_dir') from None
+  if not isinstance(ident, dict):
+    raise ConfigError('output_dir', f'{path} is damaged (not an identity); pass --overwrite to '
+                      'start that folder again, or choose another --output_dir')
+  return ident
 
 
 _LOCKS: Dict[str, Any] = {}
@@ -189,8 +203,7 @@ def lock(directory: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
   except OSError as e:
-    raise ConfigError('output_dir', f'cannot write to {os.path.dirname(path)}: '
-                      f'{e.strerror or e}') from None
+    raise _unwritable(os.path.dirname(path), e) from None
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except OSError:
@@ -228,6 +241,18 @@ def unlock(directory: str) -> None:
     os.close(fd)
 
 
+def _unwritable(directory: str, e: OSError) -> Exception:
+  """The fault of an output folder that cannot be written: a full,
+  read-only or not writable disk is a StorageError (exit 74, as the README
+  says), anything else (a file in the way) a ConfigError of --output_dir."""
+  from fedjax_personal.run import faults
+  if faults.storage_reason(e):
+    return faults.StorageError(f'cannot write to {directory}: {e.strerror}; nothing was trained '
+                               'yet; free space, fix the folder or choose another --output_dir, '
+                               'then run the same command again')
+  return ConfigError('output_dir', f'cannot write to {directory}: {e.strerror or e}')
+
+
 def claim(directory: str, ident: Dict, overwrite: bool, resume: bool) -> None:
   """Makes ``directory`` hold this run's results.
 
@@ -251,7 +276,12 @@ def claim(directory: str, ident: Dict, overwrite: bool, resume: bool) -> None:
     ConfigError('output_dir', ...) naming the differences, or when the
     folder cannot be written.
   """
-  old = read(directory)
+  try:
+    old = read(directory)
+  except ConfigError:
+    if not overwrite:
+      raise
+    old = None  # cleared below
   busy = os.path.isdir(directory) and bool(os.listdir(directory))
   if busy and not overwrite:
     if old is None:
@@ -270,13 +300,7 @@ def claim(directory: str, ident: Dict, overwrite: bool, resume: bool) -> None:
     os.makedirs(directory, exist_ok=True)
     write_json(os.path.join(directory, IDENTITY_FILE), ident)
   except OSError as e:
-    from fedjax_personal.run import faults
-    if faults.storage_reason(e) and e.errno != faults.errno.EACCES:
-      raise faults.StorageError(f'cannot write to {directory}: {e.strerror}; nothing was trained '
-                                'yet; free space (or fix the folder), then run the same command '
-                                'again') from None
-    raise ConfigError('output_dir', f'cannot write to {directory}: '
-                      f'{e.strerror or e}') from None
+    raise _unwritable(directory, e) from None
 
 
 def finite(obj):

@@ -56,7 +56,9 @@ def define_settings_flags(cls, module_name: Optional[str] = None, defaults: Opti
     default = (defaults or {}).get(name, f.default)
     kw: Dict[str, Any] = dict(flag_values=fv,
                               **({'module_name': module_name} if module_name else {}))
-    if is_list(t):
+    if is_list(t) and meta.get('repeatable'):
+      flags.DEFINE_multi_string(name, list(default or ()), meta['help'], **kw)
+    elif is_list(t):
       flags.DEFINE_list(name, None if default is None else list(default), meta['help'], **kw)
     elif t is bool:
       flags.DEFINE_bool(name, default, meta['help'], **kw)
@@ -111,6 +113,24 @@ def parse_flags(argv):
     sys.exit(2)
 
 
+def import_plugins(argv) -> None:
+  """The user's modules of ``--import`` (``plugins.import_all``), imported
+  before the flags are defined; a failure is one line, exit 2.
+
+  Args:
+    argv: the command line.
+
+  Returns:
+    None.
+  """
+  from fedjax_personal.run import plugins
+  try:
+    plugins.import_all(argv)
+  except ConfigError as e:
+    print(f'error: {e}', file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def quiet_logging_unless_asked() -> None:
   """absl's logging at WARNING unless ``--verbosity`` was given (Orbax logs
   every save at INFO).
@@ -146,6 +166,7 @@ def run_script(main, kept: str = 'nothing is kept; run the same command again',
     signal.signal(signal.SIGTERM, _stop)
     sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
     try:
+      faults.fit_address_space_limit()
       if settings is None:
         return main(argv)
       if len(argv) > 1:

@@ -182,6 +182,11 @@ class OutputSettings(Declared):
 @dataclasses.dataclass(frozen=True)
 class ProcessSettings(Declared):
   """What a job sets for its whole process."""
+  imports: Tuple[str, ...] = hparam(
+      (), "A module of your own to import before the flags are read (a .py file's path, or a "
+      'module name importable from here), so that the algorithms and data sets it registers '
+      'get their flags; repeat it for several. Its source is part of the run identity.',
+      flag='import', repeatable=True)
   compilation_cache: Optional[str] = hparam(
       None, "JAX's persistent compilation cache: a folder, or off (default: "
       '$FEDJAX_PERSONAL_COMPILATION_CACHE, else <cache>/xla: $FEDJAX_PERSONAL_CACHE or '
@@ -285,7 +290,9 @@ class RunSettings:
     start = {} if model.model_init == 'flax' else {'model_init': model.model_init}
     if model.init_weights:
       start['init_weights_sha256'] = run_identity.file_sha256(model.init_weights)
-    return {'data': data, 'data_fingerprint': fingerprint, 'model': model.model,
+    from fedjax_personal.run import plugins
+    imports = {'imports': plugins.identity(self.process.imports)} if self.process.imports else {}
+    return {**imports, 'data': data, 'data_fingerprint': fingerprint, 'model': model.model,
             'adapter_dim': model.adapter_dim, 'cohort_size': self.experiment.cohort_size,
             'participation': self.experiment.participation, 'seed': self.experiment.seed,
             **start, **({'num_processes': num_processes} if num_processes > 1 else {})}

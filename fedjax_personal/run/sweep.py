@@ -72,17 +72,19 @@ def parse_sweep(spec: str, sweepable: Collection[str]) -> Dict[str, List[float]]
   out = {}
   for part in filter(None, spec.split(';')):
     if ':' not in part:
-      raise ValueError(f"--sweep: expected name:v1,v2,... got {part!r}")
+      raise ValueError(f"expected name:v1,v2,... got {part!r}")
     name, values = part.split(':', 1)
     name = name.strip()
     if name not in sweepable:
-      raise ValueError(f'--sweep: {name!r} cannot be swept; choose from {sorted(sweepable)}')
+      raise ValueError(f'{name!r} cannot be swept: only settings declared with hparam(..., '
+                       f'sweep=True) can (used only arithmetically by the builders, so one '
+                       f'program runs every value); choose from {sorted(sweepable)}')
     try:
       out[name] = [float(v) for v in values.split(',') if v]
     except ValueError:
-      raise ValueError(f'--sweep: values of {name} must be numbers, got {values!r}') from None
+      raise ValueError(f'values of {name} must be numbers, got {values!r}') from None
     if not out[name]:
-      raise ValueError(f'--sweep: no values for {name}')
+      raise ValueError(f'no values for {name}')
   return out
 
 

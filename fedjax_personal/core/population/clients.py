@@ -336,11 +336,13 @@ class PopulationStore:
 
   @staticmethod
   def from_clients(splits: dict, groups, num_classes: int, name: str, x_spec: tuple,
-                   y_shape: tuple = ()) -> 'PopulationStore':
+                   y_shape: tuple = (), client_ids: Optional[List[str]] = None
+                   ) -> 'PopulationStore':
     """An in-memory store of per-client examples, unpadded: ``splits`` is
     ``{split: ([x_i], [y_i])}`` (``core.data.client_splits``); x is kept in
-    ``x_spec``'s (shape, dtype), y as int32. Its digest is that of
-    ``from_federated`` of the same clients padded."""
+    ``x_spec``'s (shape, dtype), y as int32; ``client_ids`` their ids (None:
+    their indices). Its digest is that of ``from_federated`` of the same
+    clients padded."""
     x_shape, x_dtype = x_spec
     arrays = {}
     h = hashlib.sha256()
@@ -356,7 +358,8 @@ class PopulationStore:
         h.update(np.ascontiguousarray(a).tobytes())
     manifest = {'format': FORMAT, 'name': name, 'num_classes': int(num_classes),
                 'identity': {}, 'digest': h.hexdigest()[:16], 'eval_only': 0}
-    return PopulationStore(arrays, np.asarray(groups, np.int32), manifest)
+    return PopulationStore(arrays, np.asarray(groups, np.int32), manifest,
+                           client_ids=client_ids)
 
   @staticmethod
   def from_federated(data: FederatedData) -> 'PopulationStore':

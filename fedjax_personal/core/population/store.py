@@ -62,6 +62,11 @@ class StoreDamaged(DataError):
     super().__init__(message)
     self.what = what
 
+  def then(self, next_command: str) -> 'StoreDamaged':
+    """The same fault, its line ending with ``next_command`` instead of
+    "run the same command again" (a run with checkpoints resumes)."""
+    return StoreDamaged(str(self).replace('run the same command again', next_command), self.what)
+
 
 class _BlockChecksums:
   """CRC32s of consecutive ``block_bytes`` blocks of a byte stream, fed in

@@ -1,0 +1,152 @@
+"""A user's own modules, imported by the command before its flags are
+defined (``--import=MODULE_OR_PATH``, repeatable, also in a flagfile), so
+that the algorithms and data sets they register get their flags.
+
+A module is a ``.py`` file (by path) or a module name importable from the
+current folder. Its source's SHA-256 enters the run identity
+(``identity``): a run resumed with a changed plugin is refused, and a
+changed plugin gets another default output folder.
+"""
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Dict, List, Sequence
+
+from fedjax_personal.errors import ConfigError
+
+__all__ = ['identity', 'import_all', 'imports_in', 'load']
+
+#: What the command imported, in order: ``{given text: source path}``.
+LOADED: Dict[str, str] = {}
+
+
+def imports_in(argv: Sequence[str]) -> List[str]:
+  """The ``--import`` values of a command line, flagfiles included (read
+  as absl reads them: one flag per line, ``#`` comments), in order.
+
+  Args:
+    argv: the command line (its first item the program).
+
+  Returns:
+    The values, each once.
+  """
+  out: List[str] = []
+
+  def scan(args, depth=0):
+    it = iter(args)
+    for a in it:
+      for flag, into in (('--import', out), ('--flagfile', None)):
+        value = None
+        if a.startswith(flag + '='):
+          value = a[len(flag) + 1:]
+        elif a == flag:
+          value = next(it, None)
+        if value is None:
+          continue
+        if into is not None:
+          into.extend(v for v in value.split(',') if v)
+        elif depth < 10:
+          for path in value.split(','):
+            try:
+              with open(path) as f:
+                lines = [l.strip() for l in f if l.strip() and not l.lstrip().startswith('#')]
+            except OSError:
+              continue  # absl names a missing flagfile itself
+            scan(lines, depth + 1)
+  scan(list(argv[1:]))
+  return list(dict.fromkeys(out))
+
+
+def load(spec: str):
+  """Imports one user module: a ``.py`` file by path, or a module name
+  (the current folder searched first).
+
+  Args:
+    spec: the path or the name.
+
+  Returns:
+    The module.
+
+  Raises:
+    ConfigError('import', ...): not found, or it failed while importing
+    (the line names the file, line and error).
+  """
+  try:
+    if spec.endswith('.py') or os.sep in spec:
+      path = os.path.abspath(os.path.expanduser(spec))
+      if not os.path.isfile(path):
+        raise ConfigError('import', f'{spec}: no such file')
+      name = os.path.splitext(os.path.basename(path))[0]
+      if name in sys.modules and getattr(sys.modules[name], '__file__', None) == path:
+        module = sys.modules[name]
+      else:
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+          raise ConfigError('import', f'{spec}: not a Python module')
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module  # its functions' __module__ resolves (the store's key)
+        try:
+          module_spec.loader.exec_module(module)
+        except BaseException:
+          sys.modules.pop(name, None)
+          raise
+    else:
+      if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+      try:
+        module = importlib.import_module(spec)
+      except ModuleNotFoundError as e:
+        if e.name != spec.split('.')[0] and e.name != spec:
+          raise
+        raise ConfigError('import', f'{spec}: no such module here (give a .py file\'s path, or '
+                          'run from the folder that holds it)') from None
+  except ConfigError:
+    raise
+  except Exception as e:  # the user's module failed: one line naming where
+    import traceback
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if 'importlib' not in f.filename and f.filename != __file__]
+    where = f'{frames[-1].filename}:{frames[-1].lineno}' if frames else spec
+    raise ConfigError('import', f'{spec} failed at {where}: {type(e).__name__}: {e}') from None
+  LOADED[spec] = getattr(module, '__file__', None) or spec
+  return module
+
+
+def import_all(argv: Sequence[str]) -> List[str]:
+  """Imports every ``--import`` of a command line (``imports_in``).
+
+  Args:
+    argv: the command line.
+
+  Returns:
+    The values imported.
+  """
+  specs = imports_in(argv)
+  for spec in specs:
+    load(spec)
+  return specs
+
+
+def identity(specs: Sequence[str]) -> List[List[str]]:
+  """``[[spec, SHA-256 of its source (16 hex digits)]]`` of imported modules:
+  the run identity's ``imports``.
+
+  Args:
+    specs: the ``--import`` values.
+
+  Returns:
+    One pair per module.
+  """
+  out = []
+  for spec in specs:
+    path = LOADED.get(spec) or spec
+    try:
+      with open(path, 'rb') as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError:
+      digest = 'unreadable'
+    out.append([spec, digest])
+  return out
