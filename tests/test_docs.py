@@ -301,7 +301,9 @@ def test_the_architecture_map_names_every_module():
         continue  # one file per algorithm, drawn as such
       missing += [os.path.join(rel, f) for f in files
                   if f.endswith('.py') and f != '__init__.py' and f[:-3] not in words]
-  assert not missing, missing
+  assert not missing, (f'modules BUILD.md\'s map ("Architecture in a page") does not name: '
+                       f'{missing}; add each to its folder\'s line there (or keep a module of '
+                       'your own outside the package: --import=my_file.py)')
   for folder in re.findall(r'^\s*(\w+)/', drawing, flags=re.M):
     assert any(os.path.isdir(os.path.join(ROOT, *p, folder))
                for p in [(), ('fedjax_personal',), ('fedjax_personal', 'core')]), folder

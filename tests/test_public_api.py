@@ -57,7 +57,8 @@ def test_every_module_declares_its_public_names():
     unknown += [f'{name}.{a}' for a in module.__all__ if not hasattr(module, a)]
     foreign += [f'{name}.{a}' for a in module.__all__ if hasattr(module, a)
                 and _foreign(a, getattr(module, a))]
-  assert not missing, f'modules without __all__: {missing}'
+  assert not missing, (f'modules without __all__ (the names users may rely on; the rest are its '
+                       f'helpers): {missing}')
   assert not unknown, f'__all__ names that do not exist: {unknown}'
   assert not foreign, f'__all__ names of other packages (os, np, typing...): {foreign}'
 
@@ -98,8 +99,9 @@ def test_every_public_function_says_its_arguments_and_results():
         if set(named) - set(inspect.signature(obj).parameters):
           wrong.add(f'{name}.{attr}: {sorted(set(named) - set(inspect.signature(obj).parameters))}')
   assert seen > 300
-  assert not bad, sorted(bad)
-  assert not wrong, sorted(wrong)
+  assert not bad, (f'public functions without Google-style Args: / Returns: sections (see any '
+                   f'module of the package): {sorted(bad)}')
+  assert not wrong, f'Args: entries that name no parameter: {sorted(wrong)}'
 
 
 def _public_use(code: str):
