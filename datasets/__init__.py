@@ -11,8 +11,10 @@ Where things are:
 - one module per natural data set (``emnist``, ``shakespeare``,
   ``stackoverflow``, ``cifar100``, ``gldv2``, ``leaf``) with FedJAX's
   ``load_data``; ``in_memory`` and ``cifar`` for the pools, ``partition``
-  for the partitioners, ``federated`` for FedJAX's data objects, and the
-  file formats (``sqlite_formats``, ``tf_example``), sources and local files.
+  for the partitioners; FedJAX's data objects in ``client_datasets``,
+  ``federated_data``, ``federated`` (over the population store) and
+  ``sqlite_federated`` (FedJAX's files); the file formats
+  (``sqlite_formats``, ``tf_example``), sources and local files.
 """
 
 from fedjax_personal.datasets import in_memory

@@ -174,6 +174,13 @@ def test_import_faults_are_one_line(tmp_path):
   assert 'broken.py:3: ZeroDivisionError' in line
 
 
+def test_a_plugin_named_as_another_module_never_replaces_it(tmp_path):
+  (tmp_path / 'json.py').write_text('VALUE = 7\n')
+  module = plugins.load(str(tmp_path / 'json.py'))
+  assert module.VALUE == 7 and json.dumps({}) == '{}' and sys.modules['json'] is json
+  assert plugins.load(str(tmp_path / 'json.py')) is module  # imported once
+
+
 def test_imports_are_found_in_flagfiles_too(tmp_path, monkeypatch):
   (tmp_path / 'a.flags').write_text('# mine\n--import=one.py\n--flagfile=b.flags\n')
   (tmp_path / 'b.flags').write_text('--import=two\n')

@@ -80,6 +80,10 @@ def load(spec: str):
       if not os.path.isfile(path):
         raise ConfigError('import', f'{spec}: no such file')
       name = os.path.splitext(os.path.basename(path))[0]
+      taken = sys.modules.get(name)
+      if taken is not None and getattr(taken, '__file__', None) != path:
+        # another module has the file's name (a user's json.py): never replace it
+        name = f'{name}_{hashlib.sha256(path.encode()).hexdigest()[:8]}'
       if name in sys.modules and getattr(sys.modules[name], '__file__', None) == path:
         module = sys.modules[name]
       else:
