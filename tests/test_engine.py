@@ -175,7 +175,8 @@ def test_round_compiles_once_per_run(digits, executor):
   else:
     # pre, post once; the client context once for each of init / step / final.
     assert counts['pre'] == 1 and counts['post'] == 1 and counts['client'] == 3, counts
-  assert counts['eval_client'] == 1, counts
+  # FedAvg's one model is evaluated on the clients' test rows pooled.
+  assert counts['eval_pooled'] == 1 and 'eval_client' not in counts, counts
   assert len([r for r in history if 'accuracy_mean' in r]) == 3
 
 
@@ -422,6 +423,31 @@ def test_evaluation_in_test_length_groups_matches_plain_loop(executor):
       np.testing.assert_allclose(got.correct[i], want.correct)
       np.testing.assert_allclose(got.count[i], want.count)
       np.testing.assert_allclose(got.loss_sum[i], want.loss_sum, rtol=1e-5)
+
+
+def test_pooled_evaluation_of_the_device_layout_skips_clients_without_test_rows(monkeypatch):
+  """One model on every client's real test rows back to back, in chunks of
+  a few rows: a chunk spanning clients with no test row between its rows
+  (more clients than rows) still gives each client its own statistics."""
+  from fedjax_personal.core import evaluation
+  from fedjax_personal.core.training import evaluate_params
+  data = digits_data(num_clients=8, alpha=0.1, seed=3)
+  n_test = np.asarray(data.test.num_examples).copy()
+  n_test[[1, 2, 3, 5]] = 0
+  n_test[[0, 4]] = 1
+  data = data.replace(test=data.test.replace(num_examples=jnp.asarray(n_test, jnp.int32)))
+  monkeypatch.setattr(evaluation, 'POOLED_CHUNK_BYTES', 1024)  # chunks of 1-2 rows
+  model = small_mlp(data)
+  alg = fedavg(model, 8, optax.sgd(0.1), fp.Batching(16, 1))
+  runner = RoundRunner(alg, data, fp.CohortSampler(8, cohort_size=8), fp.executors.VmapExecutor())
+  state, _ = runner.round(runner.init(jax.random.key(0)), jax.random.key(1))
+  got = runner.evaluate(state, jax.random.key(2))
+  assert runner.trace_counts['eval_pooled'] == 1
+  for i in range(8):
+    want = evaluate_params(model, state.params, data.test.client(i))
+    np.testing.assert_allclose(got.count[i], want.count)
+    np.testing.assert_allclose(got.correct[i], want.correct)
+    np.testing.assert_allclose(got.loss_sum[i], want.loss_sum, rtol=1e-5)
 
 
 @pytest.mark.skipif(jax.default_backend() != 'cpu', reason='the CPU choice of auto')

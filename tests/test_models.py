@@ -1,4 +1,5 @@
-"""Convolution implementations: every one gives lax.conv's numbers.
+"""Convolution implementations: every one gives lax.conv's numbers; the
+sequence LSTM gives nn.RNN's.
 
 ``models.Conv`` computes a convolution either with XLA's op (``xla``) or as
 one matmul over shifted slices (``matmul``, the CPU default), in NHWC or
@@ -241,3 +242,36 @@ def test_pooling_has_forward_and_reverse_derivatives_of_the_strided_form():
     np.testing.assert_array_equal(f(z), g(z))
     np.testing.assert_allclose(jax.grad(f)(z), jax.grad(g)(z), rtol=1e-6)
     np.testing.assert_allclose(jax.vmap(jax.grad(f))(z[None]), jax.grad(g)(z)[None], rtol=1e-6)
+
+
+@pytest.mark.parametrize('convention', ['flax', 'keras'])
+def test_lstm_sequence_equals_nn_rnn_in_values_gradients_and_hessian_products(convention):
+  """``CharLSTM`` applies its cells by ``layers.lstm_sequence`` (the input
+  projection and the weight gradients out of the time loop); its outputs,
+  gradients and Hessian-vector products (forward over reverse, as Per-FedAvg
+  takes them) equal the same parameters run through ``nn.RNN`` of the cell,
+  two layers deep."""
+  net = models.CharLSTM(30, embed_dim=6, hidden=10, num_layers=2, projection=5,
+                        convention=convention)
+
+  class ByCell(models.CharLSTM):  # the cells stepped by nn.RNN, as Flax runs them
+    def features(self, x):
+      h = self.embed(x)
+      for lstm in self.lstms:
+        h = lstm(h)
+      return self.project(h)
+
+  ref = ByCell(30, embed_dim=6, hidden=10, num_layers=2, projection=5, convention=convention)
+  x = jnp.asarray(np.random.default_rng(0).integers(0, 30, (3, 7)))
+  y = jnp.asarray(np.random.default_rng(1).integers(0, 30, (3, 7)))
+  params = net.init(jax.random.key(0), x)
+  assert jax.tree.structure(params) == jax.tree.structure(ref.init(jax.random.key(0), x))
+  np.testing.assert_allclose(net.apply(params, x), ref.apply(params, x), atol=1e-6)
+
+  def loss_of(m):
+    return lambda p: optax.softmax_cross_entropy_with_integer_labels(m.apply(p, x), y).mean()
+  got, want = jax.grad(loss_of(net))(params), jax.grad(loss_of(ref))(params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), got, want)
+  v = jax.tree.map(lambda a: normal(2, a.shape), params)
+  hvp = lambda m: jax.jvp(jax.grad(loss_of(m)), (params,), (v,))[1]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), hvp(net), hvp(ref))

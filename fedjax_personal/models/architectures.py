@@ -18,8 +18,9 @@ from typing import Optional, Sequence
 import flax.linen as nn
 
 from fedjax_personal.models import initializers
-from fedjax_personal.models.layers import (Adapter, Conv, Dense, LSTMCell, as_float, conv_layout,
-                                           from_layout, pool_2x2, to_layout)
+from fedjax_personal.models.layers import (Adapter, Conv, Dense, LSTMCell, as_float, cell_kernels,
+                                           conv_layout, from_layout, lstm_sequence, pool_2x2,
+                                           to_layout)
 
 
 __all__ = ['CharLSTM', 'CNN', 'flatten', 'LeNet5', 'LogisticRegression', 'MLP']
@@ -225,7 +226,10 @@ class CharLSTM(nn.Module):
   def features(self, x):
     h = self.embed(x)
     for i, lstm in enumerate(self.lstms):
-      h = lstm(h)
+      # Initialisation draws the cell's parameters through nn.RNN; applying
+      # runs them over the sequence in large matmuls (layers.lstm_sequence).
+      h = (lstm(h) if self.is_initializing() else
+           lstm_sequence(h, *cell_kernels(lstm.variables['params']['cell'])))
       if self.adapter_dim:
         h = self.adapters[i](h)
     return self.project(h) if self.projection else h
