@@ -71,7 +71,9 @@ def test_device_command_runs_every_section(tmp_path):
 @pytest.mark.parametrize('shape,flags', [
     ('emnist', ['--dataset=emnist', '--model=mlp']),
     pytest.param('stackoverflow', ['--dataset=stackoverflow', '--model=lstm_lm',
-                                   '--vocab_size=100'], marks=pytest.mark.slow)])
+                                   '--vocab_size=100'], marks=pytest.mark.slow),
+    pytest.param('shakespeare', ['--dataset=shakespeare', '--model=reddi_char_lstm'],
+                 marks=pytest.mark.slow)])
 def test_peer_benchmark_files_train_here(tmp_path, shape, flags):
   """The peer benchmark's files (benchmarks/peers/make_files.py, FedJAX's
   schema) are read by this project as the published ones are: a small
@@ -92,3 +94,20 @@ def test_peer_benchmark_files_train_here(tmp_path, shape, flags):
   summary = json.loads((tmp_path / 'out' / 'fedavg' / 'summary.json').read_text())
   assert summary['rounds'] == 2 and 'round_seconds_median' in summary
   assert 'executor: blocked' in run.stdout  # auto on this CPU, with its reason
+
+
+def test_round_bound_counts_every_matmul_of_a_scan_body_per_step():
+  """benchmarks/peers/bounds.py's FLOPs: a matmul in a scan of 5 steps
+  counts 5 times, beside one outside it (hand-computed)."""
+  sys.path.insert(0, os.path.join(ROOT, 'benchmarks', 'peers'))
+  import bounds
+  import jax
+  import jax.numpy as jnp
+
+  def f(a, w, v):
+    h = jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), a, None, length=5)[0]  # [2,3]@[3,3]
+    return h @ v  # [2,3]@[3,4]
+  jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 3)), jnp.ones((3, 3)), jnp.ones((3, 4))).jaxpr
+  found = bounds.matmuls(jaxpr)
+  assert sorted((c, fl) for c, fl, _ in found.values()) == [(1, 2 * 2 * 3 * 4), (5, 5 * 2 * 2 * 3 * 3)]
+  assert all(bounds.op_seconds(e) > 0 for _, _, e in found.values())

@@ -18,6 +18,13 @@ Populations (the field's shapes, learnable so that accuracies compare):
     from a vocabulary of 10,000 made-up words: FedJAX's ``tokens``, ``title``,
     ``tags`` and ``type`` features (bytes), plus ``stackoverflow.word_count``
     (words by frequency) beside them.
+  shakespeare: speaking roles with 1-1,500 lines (log-normal, median ~20;
+    a fifth as many test lines), each line 5-24 words of its role's own
+    300-word stock and shared words, the words made of the 86 characters of
+    FedJAX's Shakespeare vocabulary: FedJAX's ``snippets`` feature (bytes);
+    ``shakespeare_train.windows`` beside them holds each role's number of
+    80-character windows (FedJAX's ``preprocess_client``), the examples a
+    round trains on.
 """
 
 import argparse
@@ -129,9 +136,37 @@ def write_stackoverflow(folder, num_clients, seed, use_fedjax, vocab=10000):
   return sizes
 
 
+def write_shakespeare(folder, num_clients, seed, use_fedjax):
+  rng = np.random.default_rng(seed)
+  letters = np.frombuffer(b'abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ', np.uint8)
+  marks = np.frombuffer(b',.;:!?', np.uint8)
+  words = [bytes(rng.choice(letters, rng.integers(1, 9))) for _ in range(3000)]
+  sizes = np.clip(np.round(rng.lognormal(np.log(20), 1.2, num_clients)), 1, 1500).astype(int)
+  writers = [_Writer(os.path.join(folder, f'shakespeare_{s}.sqlite'), use_fedjax)
+             for s in ('train', 'test')]
+  windows = []
+  for i in range(num_clients):
+    stock = rng.choice(len(words), 300)
+    for w, n in zip(writers, (sizes[i], max(1, sizes[i] // 5))):
+      lines = []
+      for ln in rng.integers(5, 25, n):
+        ids = np.where(rng.random(ln) < 0.7, rng.choice(stock, ln), rng.choice(len(words), ln))
+        text = b' '.join(words[j] for j in ids)
+        lines.append(text + bytes([rng.choice(marks)]))
+      arr = np.empty(n, dtype=object)
+      arr[:] = lines
+      w.add(b'%05d_ROLE' % i, {'snippets': arr})
+      if w is writers[0]:  # FedJAX's windows: the snippets joined with BOS/EOS, cut by 80
+        windows.append(-(-(sum(len(t) + 2 for t in lines) - 1) // 80))
+  for w in writers:
+    w.close()
+  np.savetxt(os.path.join(folder, 'shakespeare_train.windows'), windows, fmt='%d')
+  return sizes
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--shape', choices=['emnist', 'stackoverflow'], required=True)
+  p.add_argument('--shape', choices=['emnist', 'shakespeare', 'stackoverflow'], required=True)
   p.add_argument('--num_clients', type=int, required=True)
   p.add_argument('--folder', required=True)
   p.add_argument('--seed', type=int, default=0)
@@ -142,6 +177,10 @@ def main():
     tr, te = write_emnist(a.folder, a.num_clients, a.seed, a.writer == 'fedjax')
     print(f'emnist: {a.num_clients} writers, train {tr.min()}-{tr.max()} (median '
           f'{int(np.median(tr))}, total {tr.sum():,}), test total {te.sum():,}')
+  elif a.shape == 'shakespeare':
+    s = write_shakespeare(a.folder, a.num_clients, a.seed, a.writer == 'fedjax')
+    print(f'shakespeare: {a.num_clients} roles, {s.min()}-{s.max()} lines '
+          f'(median {int(np.median(s))}, total {s.sum():,})')
   else:
     s = write_stackoverflow(a.folder, a.num_clients, a.seed, a.writer == 'fedjax')
     print(f'stackoverflow: {a.num_clients} users, {s.min()}-{s.max()} sentences '

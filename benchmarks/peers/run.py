@@ -12,8 +12,9 @@ test client; the project: ``accuracy_weighted``, the same pooled figure),
 peak RSS (the child's ``ru_maxrss`` from ``wait4``). The table reports the
 medians over repeats, the speed ratio and the share of this CPU's fp32 peak
 (measured at start: a 2048x2048 matmul) that the round's training FLOPs
-(XLA's cost analysis of one example's forward pass x 3 x the cohort's real
-examples) reach.
+(the matmuls and convolutions of one SGD step, ``bounds.py``, per example x
+the cohort's real examples) reach. A row FedJAX cannot run is reported
+with its error and the project's side alone.
 
 FedJAX's venv (its own, apart from this project's):
   python3 -m venv ~/fedjax-venv && ~/fedjax-venv/bin/pip install jax==0.4.30 \\
@@ -38,18 +39,25 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 # model -> (data set, this project's model, FedJAX's): FedJAX's dense and conv
 # EMNIST models, its Stack Overflow LSTM (Reddi et al.'s: 96 / 670 / 96).
 TASKS = {'mlp': ('emnist', 'mlp'), 'cnn': ('emnist', 'reddi_emnist_cnn'),
-         'lstm': ('stackoverflow', 'lstm_lm')}
-TEST_FILE = {'emnist': 'federated_emnist_test.sqlite', 'stackoverflow': 'stackoverflow_test.sqlite'}
+         'lstm': ('stackoverflow', 'lstm_lm'), 'shakespeare': ('shakespeare', 'reddi_char_lstm')}
+TEST_FILE = {'emnist': 'federated_emnist_test.sqlite', 'stackoverflow': 'stackoverflow_test.sqlite',
+             'shakespeare': 'shakespeare_test.sqlite'}
+TRAIN_FILE = {d: f.replace('test', 'train') for d, f in TEST_FILE.items()}
+
+
+class ChildFailed(Exception):
+  """A side's process failed: its exit status and the end of its stderr."""
 
 
 def run_child(cmd, env=None):
-  """(stdout, seconds) of a command; exits on failure. Each side runs in a
-  wrapper that prints its own peak RSS (``_wrapped``)."""
+  """(stdout, seconds) of a command; raises ``ChildFailed``. Each side runs
+  in a wrapper that prints its own peak RSS (``_wrapped``)."""
   start = time.perf_counter()
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   out, err = proc.communicate()
   if proc.returncode:
-    sys.exit(f'{cmd[0]} failed ({proc.returncode}):\n{err[-3000:]}')
+    last = (err.strip().splitlines() or [''])[-1][-300:]
+    raise ChildFailed(f'{os.path.basename(cmd[0])} exited {proc.returncode}: {last}')
   return out, time.perf_counter() - start
 
 
@@ -123,24 +131,15 @@ def fp32_peak():
   return 2 * 2048 ** 3 / best
 
 
-def train_flops_per_round(model, cohort, mean_examples):
-  """3 x forward FLOPs per example (XLA's cost analysis) x the cohort's
+def train_flops_per_round(model, cohort, mean_examples, batch):
+  """The FLOPs of the matmuls and convolutions of one SGD step at ``batch``
+  (``bounds.py``: a scan's body once per step) per example, x the cohort's
   expected real examples (one epoch)."""
   import jax
-  import jax.numpy as jnp
-  sys.path.insert(0, ROOT)
-  import fedjax_personal as fp
-  if TASKS[model][0] == 'stackoverflow':
-    x = jnp.zeros((64, 20), jnp.int32)
-    m = fp.create_model(TASKS[model][1], 10004, np.zeros((1, 20), np.int32))
-  else:
-    x = jnp.zeros((64, 28, 28, 1), jnp.float32)
-    m = fp.create_model(TASKS[model][1], 62, np.zeros((1, 28, 28, 1), np.float32),
-                        conv_impl='xla')  # XLA counts its own convolutions' FLOPs
-  params = m.init(jax.random.key(0))
-  cost = jax.jit(m.apply).lower(params, x).compile().cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
-  return 3 * cost['flops'] / 64 * cohort * mean_examples
+  import bounds
+  step, params, x, y = bounds.sgd_step(model, batch)
+  found = bounds.matmuls(jax.make_jaxpr(step)(params, x, y).jaxpr)
+  return sum(f for _, f, _ in found.values()) / batch * cohort * mean_examples
 
 
 def main():
@@ -148,7 +147,8 @@ def main():
   p.add_argument('--fedjax_python', required=True, help="FedJAX's venv's python.")
   p.add_argument('--work_dir', required=True, help='Files, cache and runs (kept, reused).')
   p.add_argument('--rows', default='mlp:10,mlp:50,mlp:500,cnn:50',
-                 help='model:cohort pairs (model mlp, cnn: EMNIST; lstm: Stack Overflow).')
+                 help='model:cohort pairs (model mlp, cnn: EMNIST; lstm: Stack Overflow; '
+                 'shakespeare: Shakespeare).')
   p.add_argument('--rounds', type=int, default=31)
   p.add_argument('--repeats', type=int, default=3)
   p.add_argument('--batch_size', type=int, default=20)
@@ -156,6 +156,8 @@ def main():
   p.add_argument('--seed', type=int, default=0)
   p.add_argument('--num_clients', type=int, default=3400, help='EMNIST-shaped writers.')
   p.add_argument('--so_clients', type=int, default=3000, help='Stack Overflow-shaped users.')
+  p.add_argument('--shakespeare_clients', type=int, default=715,
+                 help='Shakespeare-shaped speaking roles.')
   p.add_argument('--project_flags', default='', help='Extra flags of the project runs, '
                  "';'-separated per variant, e.g. '--executor=sequential;--executor=auto'.")
   p.add_argument('--warm_cache', action='store_true', help='The project\'s runs share a '
@@ -181,14 +183,18 @@ def main():
   for dataset in sorted({TASKS[r.split(':')[0]][0] for r in a.rows.split(',')}):
     folder = os.path.join(a.work_dir, dataset)
     if not os.path.exists(os.path.join(folder, TEST_FILE[dataset])):
-      n = a.num_clients if dataset == 'emnist' else a.so_clients
+      n = {'emnist': a.num_clients, 'stackoverflow': a.so_clients,
+           'shakespeare': a.shakespeare_clients}[dataset]
       subprocess.run([a.fedjax_python if has_fedjax else sys.executable,
                       os.path.join(HERE, 'make_files.py'), f'--shape={dataset}',
                       f'--num_clients={n}', f'--folder={folder}',
                       f'--writer={"fedjax" if has_fedjax else "plain"}'], check=True)
     import sqlite3
-    train = 'federated_emnist_train.sqlite' if dataset == 'emnist' else 'stackoverflow_train.sqlite'
-    with sqlite3.connect(os.path.join(folder, train)) as conn:
+    windows = os.path.join(folder, 'shakespeare_train.windows')
+    if dataset == 'shakespeare':  # examples are the snippets' 80-character windows
+      counts[dataset] = np.loadtxt(windows, dtype=np.int64)
+      continue
+    with sqlite3.connect(os.path.join(folder, TRAIN_FILE[dataset])) as conn:
       counts[dataset] = np.array([r[0] for r in
                                   conn.execute('SELECT num_examples FROM federated_data')])
   peak = fp32_peak()
@@ -197,18 +203,26 @@ def main():
   for row in a.rows.split(','):
     model, cohort = row.split(':')
     cohort = int(cohort)
-    flops = train_flops_per_round(model, cohort, counts[TASKS[model][0]].mean())
-    runs = {'fedjax': []}
+    flops = train_flops_per_round(model, cohort, counts[TASKS[model][0]].mean(), a.batch_size)
+    runs, failed = {'fedjax': []}, None
     for rep in range(a.repeats):
-      runs['fedjax'].append(fedjax_run(a, model, cohort))
+      try:
+        if failed is None:
+          runs['fedjax'].append(fedjax_run(a, model, cohort))
+      except ChildFailed as e:  # FedJAX could not run the row: the project's side alone
+        failed = str(e)
+        print(f'{row}: {failed}', flush=True)
       for v in variants:
         runs.setdefault(' '.join(v) or 'default', []).append(project_run(a, model, cohort, v))
       print(f'{row} repeat {rep + 1}: ' + ', '.join(
-          f'{k} {r[-1]["s_per_round"]:.4f} s' for k, r in runs.items()), flush=True)
-    med = lambda rs, k: float(np.median([r[k] for r in rs]))
+          f'{k} {r[-1]["s_per_round"]:.4f} s' for k, r in runs.items() if r), flush=True)
+    med = lambda rs, k: float(np.median([r[k] for r in rs])) if rs else float('nan')
     fj = med(runs['fedjax'], 's_per_round')
-    out = {'model': model, 'cohort': cohort, 'train_gflop_per_round': flops / 1e9, 'runs': runs}
+    out = {'model': model, 'cohort': cohort, 'train_gflop_per_round': flops / 1e9, 'runs': runs,
+           'fedjax_failed': failed}
     for k, rs in runs.items():
+      if not rs:
+        continue
       s = med(rs, 's_per_round')
       out[k] = {'s_per_round': s, 'speedup_vs_fedjax': fj / s,
                 'accuracy': med(rs, 'accuracy'), 'peak_rss_gb': med(rs, 'peak_rss') / 2**30,
@@ -227,7 +241,11 @@ def main():
         '(x FedJAX) | whole process s (x FedJAX) | accuracy | peak RSS GB | % fp32 peak |')
   print('|---|---|---|---|---|---|---|---|---|---|---|')
   for r in rows:
-    for k in runs:
+    if r['fedjax_failed']:
+      print(f"| {r['model']} | {r['cohort']} | fedjax | failed: {r['fedjax_failed']} |")
+    for k in r['runs']:
+      if k not in r:
+        continue
       v = r[k]
       print(f"| {r['model']} | {r['cohort']} | {k} | {v['s_per_round']:.4f} | "
             f"{v['speedup_vs_fedjax']:.2f} | {v['mean_after_first_s'] / v['s_per_round']:.2f} | "
