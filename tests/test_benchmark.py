@@ -110,4 +110,4 @@ def test_round_bound_counts_every_matmul_of_a_scan_body_per_step():
   jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 3)), jnp.ones((3, 3)), jnp.ones((3, 4))).jaxpr
   found = bounds.matmuls(jaxpr)
   assert sorted((c, fl) for c, fl, _ in found.values()) == [(1, 2 * 2 * 3 * 4), (5, 5 * 2 * 2 * 3 * 3)]
-  assert all(bounds.op_seconds(e) > 0 for _, _, e in found.values())
+  assert all(0 <= bounds.op_seconds(e) < 1 for _, _, e in found.values())  # the bare loop taken off

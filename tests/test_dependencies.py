@@ -16,7 +16,8 @@ SCRIPT_DIRS = ('scripts', 'benchmarks')
 # This package, the tests' helpers, and the scripts' own modules that other
 # scripts import by path (scripts/torch_loop.py, benchmarks/populations.py...).
 OWN = {'fedjax_personal', 'helpers', 'made_files'} | {
-    f[:-3] for d in SCRIPT_DIRS for f in os.listdir(os.path.join(ROOT, d)) if f.endswith('.py')}
+    f[:-3] for d in SCRIPT_DIRS for _, _, files in os.walk(os.path.join(ROOT, d)) for f in files
+    if f.endswith('.py')}
 # The peer's code runs in its own environment (benchmarks/peers: FedJAX 0.0.17
 # with its JAX, installed by benchmarks/peers/run.py), never in this package's.
 PEER = {'fedjax'}

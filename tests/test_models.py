@@ -246,7 +246,7 @@ def test_pooling_has_forward_and_reverse_derivatives_of_the_strided_form():
 
 @pytest.mark.parametrize('convention', ['flax', 'keras'])
 def test_lstm_sequence_equals_nn_rnn_in_values_gradients_and_hessian_products(convention):
-  """``CharLSTM`` applies its cells by ``layers.lstm_sequence`` (the input
+  """``CharLSTM`` applies its cells by ``recurrent.lstm_sequence`` (the input
   projection and the weight gradients out of the time loop); its outputs,
   gradients and Hessian-vector products (forward over reverse, as Per-FedAvg
   takes them) equal the same parameters run through ``nn.RNN`` of the cell,

@@ -18,7 +18,7 @@ the bound (the fraction of the bound reached: bound / median).
 
     XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python benchmarks/peers/bounds.py \\
         --work_dir=/tmp/peers --rows=mlp:10,cnn:50,lstm:10,shakespeare:10,transformer:10 \\
-        --peers=peers.json
+        --peers=peers.json --project=transformer_10.json
 
 The rows: ``mlp``, ``cnn`` (EMNIST-shaped writers, batch 20), ``lstm`` (Stack
 Overflow-shaped users, FedJAX's LSTM, 20 tokens), ``shakespeare`` (roles'
@@ -199,7 +199,16 @@ def main():
   p.add_argument('--project', default=None, help='JSON {row: project median s/round} of rows '
                  'without a FedJAX side (the transformer).')
   p.add_argument('--output', default=None)
+  p.add_argument('--dry_run', action='store_true', help='Check the rows and print the plan.')
   a = p.parse_args()
+  for spec in a.rows.split(','):
+    row, _, cohort = spec.partition(':')
+    if row not in ROWS or not cohort.isdigit():
+      p.error(f'--rows: {spec!r} is not row:cohort with row in {sorted(ROWS)}')
+  if a.dry_run:
+    print(f'dry run: rows {a.rows}, batch {a.batch_size}, {a.cores} cores; files in {a.work_dir}; '
+          f'medians from {a.peers or "none"}, {a.project or "none"}')
+    return
   medians = {}
   for path in filter(None, (a.peers or '').split(',')):
     with open(path) as f:

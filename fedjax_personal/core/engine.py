@@ -450,19 +450,8 @@ class RoundRunner:
       per_client = lambda state, key, ft: eval_j(state, self.data, key, ft)
     else:
       per_client = lambda state, key, ft: eval_all(models_j(state), self.data, key, ft)
-    pooled = {}  # made at the first evaluation without fine-tuning (a structural choice)
-
-    def evaluate(state, key, finetune):
-      if not finetune and alg.evaluate_client is None and jax.process_count() == 1:
-        if 'fn' not in pooled:  # one model for every client: its test examples pooled
-          shared = jax.eval_shape(alg.client_models, state).num_models == 1
-          pooled['fn'] = (evaluation.pooled_padded_evaluation(alg, self.data.test,
-                                                                self.trace_counts)
-                          if shared else None)
-        if pooled['fn'] is not None:
-          return pooled['fn'](jax.tree.map(lambda a: a[0], models_j(state).params))
-      return per_client(state, key, finetune)
-    self._evaluate = evaluate
+    self._evaluate = evaluation.pooled_where_one_model(alg, self.data.test, models_j, per_client,
+                                                       self.trace_counts)
 
   def _build_host(self, feed):
     """The host layout's round, evaluation and pre-round phase (``layout``):

@@ -24,7 +24,8 @@ from fedjax_personal.core.sampling import client_keys
 from fedjax_personal.core.training import LossStats, evaluate_params, per_example_stats
 
 __all__ = ['eval_buckets', 'eval_client_function', 'eval_function', 'host_evaluation',
-           'pooled_evaluation', 'pooled_padded_evaluation', 'POOLED_CHUNK_BYTES']
+           'pooled_evaluation', 'pooled_padded_evaluation', 'pooled_where_one_model',
+           'POOLED_CHUNK_BYTES']
 
 
 def eval_buckets(test_counts, max_examples: int, smallest: int = 32,
@@ -291,6 +292,36 @@ def pooled_padded_evaluation(alg: FederatedAlgorithm, test, counts=None):
     c[:r1 - r0], r[:r1 - r0] = client[r0:r1], row[r0:r1]
     return gather(test.x, test.y, c, r)
   return _pooled(alg, counts, test.x.shape[2:], test.x.dtype, read, traces)
+
+
+def pooled_where_one_model(alg: FederatedAlgorithm, test, models_j, per_client, counts=None):
+  """The device layout's ``evaluate(state, key, finetune)``: where every
+  client uses one model (the state's structure says so; a structural
+  choice, made at the first evaluation without fine-tuning) and the
+  algorithm has no evaluation of its own, ``pooled_padded_evaluation`` of
+  that model; otherwise ``per_client``.
+
+  Args:
+    alg: the algorithm.
+    test: the padded test split.
+    models_j: the compiled ``alg.client_models``.
+    per_client: ``per_client(state, key, finetune) -> LossStats [N]``.
+    counts: a Counter of traces.
+
+  Returns:
+    ``evaluate(state, key, finetune) -> LossStats [N]``.
+  """
+  pooled = {}
+
+  def evaluate(state, key, finetune):
+    if not finetune and alg.evaluate_client is None and jax.process_count() == 1:
+      if 'fn' not in pooled:
+        shared = jax.eval_shape(alg.client_models, state).num_models == 1
+        pooled['fn'] = pooled_padded_evaluation(alg, test, counts) if shared else None
+      if pooled['fn'] is not None:
+        return pooled['fn'](jax.tree.map(lambda a: a[0], models_j(state).params))
+    return per_client(state, key, finetune)
+  return evaluate
 
 
 def _pooled(alg: FederatedAlgorithm, counts, x_shape, x_dtype, read, traces=None):

@@ -18,9 +18,9 @@ from typing import Optional, Sequence
 import flax.linen as nn
 
 from fedjax_personal.models import initializers
-from fedjax_personal.models.layers import (Adapter, Conv, Dense, LSTMCell, as_float, cell_kernels,
-                                           conv_layout, from_layout, lstm_sequence, pool_2x2,
-                                           to_layout)
+from fedjax_personal.models.layers import (Adapter, Conv, Dense, LSTMCell, as_float, conv_layout,
+                                           from_layout, pool_2x2, to_layout)
+from fedjax_personal.models.recurrent import cell_kernels, lstm_sequence
 
 
 __all__ = ['CharLSTM', 'CNN', 'flatten', 'LeNet5', 'LogisticRegression', 'MLP']
@@ -227,7 +227,7 @@ class CharLSTM(nn.Module):
     h = self.embed(x)
     for i, lstm in enumerate(self.lstms):
       # Initialisation draws the cell's parameters through nn.RNN; applying
-      # runs them over the sequence in large matmuls (layers.lstm_sequence).
+      # runs them over the sequence in large matmuls (recurrent.lstm_sequence).
       h = (lstm(h) if self.is_initializing() else
            lstm_sequence(h, *cell_kernels(lstm.variables['params']['cell'])))
       if self.adapter_dim:
