@@ -142,6 +142,10 @@ def train_flops_per_round(model, cohort, mean_examples, batch):
   return sum(f for _, f, _ in found.values()) / batch * cohort * mean_examples
 
 
+def _x(ratio):
+  return '-' if ratio is None else f'{ratio:.2f}'
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--fedjax_python', required=True, help="FedJAX's venv's python.")
@@ -216,21 +220,22 @@ def main():
         runs.setdefault(' '.join(v) or 'default', []).append(project_run(a, model, cohort, v))
       print(f'{row} repeat {rep + 1}: ' + ', '.join(
           f'{k} {r[-1]["s_per_round"]:.4f} s' for k, r in runs.items() if r), flush=True)
-    med = lambda rs, k: float(np.median([r[k] for r in rs])) if rs else float('nan')
-    fj = med(runs['fedjax'], 's_per_round')
+    med = lambda rs, k: float(np.median([r[k] for r in rs]))
+    # FedJAX's side over this one (None where FedJAX failed the row: no NaN in the JSON).
+    ratio = lambda k, rs: (med(runs['fedjax'], k) / med(rs, k)) if runs['fedjax'] else None
     out = {'model': model, 'cohort': cohort, 'train_gflop_per_round': flops / 1e9, 'runs': runs,
            'fedjax_failed': failed}
     for k, rs in runs.items():
       if not rs:
         continue
       s = med(rs, 's_per_round')
-      out[k] = {'s_per_round': s, 'speedup_vs_fedjax': fj / s,
+      inverse = lambda k: None if ratio(k, rs) is None else 1 / ratio(k, rs)
+      out[k] = {'s_per_round': s, 'speedup_vs_fedjax': ratio('s_per_round', rs),
                 'accuracy': med(rs, 'accuracy'), 'peak_rss_gb': med(rs, 'peak_rss') / 2**30,
                 'pct_fp32_peak': 100 * flops / s / peak, 'header': rs[-1].get('header'),
                 'process_s': med(rs, 'process_s'), 'train_s': med(rs, 'train_s'),
                 'mean_after_first_s': med(rs, 'mean_after_first_s'),
-                'process_vs_fedjax': med(rs, 'process_s') / med(runs['fedjax'], 'process_s'),
-                'train_vs_fedjax': med(rs, 'train_s') / med(runs['fedjax'], 'train_s')}
+                'process_vs_fedjax': inverse('process_s'), 'train_vs_fedjax': inverse('train_s')}
     rows.append(out)
   shapes = '; '.join(f'{d}-shaped: {len(c)} clients, {c.min()}-{c.max()} examples (median '
                      f'{int(np.median(c))})' for d, c in counts.items())
@@ -248,9 +253,9 @@ def main():
         continue
       v = r[k]
       print(f"| {r['model']} | {r['cohort']} | {k} | {v['s_per_round']:.4f} | "
-            f"{v['speedup_vs_fedjax']:.2f} | {v['mean_after_first_s'] / v['s_per_round']:.2f} | "
-            f"{v['train_s']:.2f} ({v['train_vs_fedjax']:.2f}) | "
-            f"{v['process_s']:.1f} ({v['process_vs_fedjax']:.2f}) | {100 * v['accuracy']:.1f}% | "
+            f"{_x(v['speedup_vs_fedjax'])} | {v['mean_after_first_s'] / v['s_per_round']:.2f} | "
+            f"{v['train_s']:.2f} ({_x(v['train_vs_fedjax'])}) | "
+            f"{v['process_s']:.1f} ({_x(v['process_vs_fedjax'])}) | {100 * v['accuracy']:.1f}% | "
             f"{v['peak_rss_gb']:.2f} | {v['pct_fp32_peak']:.0f}% |")
   if a.output:
     with open(a.output, 'w') as f:
