@@ -279,19 +279,19 @@ def pooled_padded_evaluation(alg: FederatedAlgorithm, test, counts=None):
     ``evaluate(params) -> LossStats [N]``, or None where no client holds a
     test example.
   """
-  traces = counts
-  counts = np.asarray(test.num_examples, np.int64)
-  if counts.sum() == 0:
+  examples = np.asarray(test.num_examples, np.int64)
+  if examples.sum() == 0:
     return None
-  client = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
-  row = (np.arange(len(client)) - np.repeat(np.cumsum(counts) - counts, counts)).astype(np.int32)
+  client = np.repeat(np.arange(len(examples), dtype=np.int32), examples)
+  row = (np.arange(len(client))
+         - np.repeat(np.cumsum(examples) - examples, examples)).astype(np.int32)
   gather = jax.jit(lambda x, y, c, r: (x[c, r], y[c, r]))
 
   def read(r0, r1, rows):
     c, r = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
     c[:r1 - r0], r[:r1 - r0] = client[r0:r1], row[r0:r1]
     return gather(test.x, test.y, c, r)
-  return _pooled(alg, counts, test.x.shape[2:], test.x.dtype, read, traces)
+  return _pooled(alg, examples, test.x.shape[2:], test.x.dtype, read, counts)
 
 
 def pooled_where_one_model(alg: FederatedAlgorithm, test, models_j, per_client, counts=None):
