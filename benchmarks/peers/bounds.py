@@ -52,11 +52,12 @@ ROWS = {'mlp': ('emnist', 'mlp', 62, (28, 28, 1), np.float32),
         'lstm': ('stackoverflow', 'lstm_lm', 10004, (20,), np.int32),
         'shakespeare': ('shakespeare', 'reddi_char_lstm', 90, (80,), np.int32),
         'transformer': ('stackoverflow', 'transformer_lm', 10004, (20,), np.int32)}
-PEER_ROW = {'transformer': None}  # rows without a FedJAX side
 
 
 def client_examples(work_dir, files):
-  """Training examples per client of the row's files."""
+  """Training examples per client of the files in ``work_dir/files``: the
+  Shakespeare roles' 80-character windows (``make_files.py`` lists them),
+  the other files' ``num_examples``."""
   folder = os.path.join(work_dir, files)
   if files == 'shakespeare':
     return np.loadtxt(os.path.join(folder, 'shakespeare_train.windows'), dtype=np.int64)

@@ -42,7 +42,6 @@ TASKS = {'mlp': ('emnist', 'mlp'), 'cnn': ('emnist', 'reddi_emnist_cnn'),
          'lstm': ('stackoverflow', 'lstm_lm'), 'shakespeare': ('shakespeare', 'reddi_char_lstm')}
 TEST_FILE = {'emnist': 'federated_emnist_test.sqlite', 'stackoverflow': 'stackoverflow_test.sqlite',
              'shakespeare': 'shakespeare_test.sqlite'}
-TRAIN_FILE = {d: f.replace('test', 'train') for d, f in TEST_FILE.items()}
 
 
 class ChildFailed(Exception):
@@ -193,14 +192,8 @@ def main():
                       os.path.join(HERE, 'make_files.py'), f'--shape={dataset}',
                       f'--num_clients={n}', f'--folder={folder}',
                       f'--writer={"fedjax" if has_fedjax else "plain"}'], check=True)
-    import sqlite3
-    windows = os.path.join(folder, 'shakespeare_train.windows')
-    if dataset == 'shakespeare':  # examples are the snippets' 80-character windows
-      counts[dataset] = np.loadtxt(windows, dtype=np.int64)
-      continue
-    with sqlite3.connect(os.path.join(folder, TRAIN_FILE[dataset])) as conn:
-      counts[dataset] = np.array([r[0] for r in
-                                  conn.execute('SELECT num_examples FROM federated_data')])
+    import bounds  # the project's JAX: after the dry run
+    counts[dataset] = bounds.client_examples(a.work_dir, dataset)
   peak = fp32_peak()
   variants = [v.split() for v in a.project_flags.split(';')] if a.project_flags else [[]]
   rows = []
