@@ -184,7 +184,7 @@ def bound_row(row, batch, cohort, counts, cores, draws=2000):
     per_round.append(max(s.sum() / cores, s.max()) * (dot_s + floor))
   return {'row': f'{row}:{cohort}', 'batch': batch, 'step_gflop': flops / 1e9,
           'step_matmul_ms': 1e3 * dot_s, 'step_floor_ms': 1e3 * floor,
-          'rate_gflops': flops / dot_s / 1e9, 'matmul_shapes': len(found),
+          'rate_gflops': flops / dot_s / 1e9 if dot_s else None, 'matmul_shapes': len(found),
           'bound_s': float(np.median(per_round)),
           'steps_per_client': float(steps.mean())}
 
@@ -237,7 +237,8 @@ def main():
     out.append(r)
     got = ', '.join(f'{k} {s:.3f} ({100 * r["bound_s"] / s:.0f}%)'
                     for k, s in r['medians'].items()) or '-'
-    print(f"| {spec} | {r['step_gflop']:.3f} | {r['step_matmul_ms']:.2f} ({r['rate_gflops']:.0f}) "
+    rate = '-' if r['rate_gflops'] is None else f"{r['rate_gflops']:.0f}"
+    print(f"| {spec} | {r['step_gflop']:.3f} | {r['step_matmul_ms']:.2f} ({rate}) "
           f"| {r['step_floor_ms']:.3f} | {r['steps_per_client']:.2f} | {r['bound_s']:.3f} | {got} |",
           flush=True)
   if a.output:
