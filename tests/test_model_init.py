@@ -55,6 +55,17 @@ def test_dense_and_conv_follow_each_framework_formula(conv):
   np.testing.assert_allclose(np.asarray(p['kernel']).var(), 1 / FAN_IN, rtol=0.05)  # LeCun
   assert np.abs(p['kernel']).max() <= 2 * 1.1379 / FAN_IN ** 0.5  # truncated at 2 sigma
   assert not np.asarray(p['bias']).any()
+  p = draw(make('haiku'), x)  # TruncatedNormal(1 / sqrt(fan_in)), not rescaled
+  check_haiku_truncated(p['kernel'], 1 / FAN_IN ** 0.5)
+  assert not np.asarray(p['bias']).any()
+
+
+def check_haiku_truncated(a, stddev):
+  """``stddev`` x a standard normal truncated at +-2: variance 0.774 stddev^2."""
+  a = np.asarray(a).ravel()
+  assert np.abs(a).max() <= 2 * stddev * (1 + 1e-6)
+  assert np.abs(a).max() > 1.9 * stddev
+  np.testing.assert_allclose(a.var(), 0.7737 * stddev ** 2, rtol=0.05)
 
 
 def test_flax_convention_is_nn_dense_and_nn_conv_exactly():
@@ -72,7 +83,8 @@ def test_embedding_and_lstm_follow_each_framework_formula():
   for conv, check in [('pytorch', lambda e: np.testing.assert_allclose(e.std(), 1.0, rtol=0.03)),
                       ('keras', lambda e: check_uniform(e, 0.05)),
                       ('flax', lambda e: np.testing.assert_allclose(e.std(), emb ** -0.5,
-                                                                    rtol=0.03))]:
+                                                                    rtol=0.03)),
+                      ('haiku', lambda e: check_haiku_truncated(e, 1.0))]:
     e = draw(nn.Embed(vocab, emb, embedding_init=initializers.embedding_init(conv)), tokens)
     check(np.asarray(e['embedding']))
   x = jnp.zeros((1, 3, 96))
@@ -89,6 +101,13 @@ def test_embedding_and_lstm_follow_each_framework_formula():
   rec = np.concatenate([p[f'h{g}']['kernel'] for g in 'ifgo'], -1)  # [H, 4H]
   np.testing.assert_allclose(rec @ rec.T, np.eye(hidden), atol=1e-5)  # orthonormal rows
   np.testing.assert_array_equal(p['hf']['bias'], 1.0)  # unit_forget_bias
+  for g in 'igo':
+    assert not np.asarray(p[f'h{g}']['bias']).any()
+  p = draw(nn.RNN(LSTMCell(hidden, convention='haiku')), x)['cell']
+  # hk.LSTM: one Linear over [x, h], TruncatedNormal(1 / sqrt(in + H)); sigmoid(f + 1).
+  check_haiku_truncated(np.concatenate([np.concatenate([p[f'i{g}']['kernel'], p[f'h{g}']['kernel']])
+                                        for g in 'ifgo'], -1), (96 + hidden) ** -0.5)
+  np.testing.assert_array_equal(p['hf']['bias'], 1.0)
   for g in 'igo':
     assert not np.asarray(p[f'h{g}']['bias']).any()
 

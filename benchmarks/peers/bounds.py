@@ -49,8 +49,8 @@ from fedjax_personal.models import create_model  # noqa: E402
 # row -> (files, project model, classes, one input's shape and dtype)
 ROWS = {'mlp': ('emnist', 'mlp', 62, (28, 28, 1), np.float32),
         'cnn': ('emnist', 'reddi_emnist_cnn', 62, (28, 28, 1), np.float32),
-        'lstm': ('stackoverflow', 'lstm_lm', 10004, (20,), np.int32),
-        'shakespeare': ('shakespeare', 'reddi_char_lstm', 90, (80,), np.int32),
+        'lstm': ('stackoverflow', 'fedjax_lstm_lm', 10004, (20,), np.int32),
+        'shakespeare': ('shakespeare', 'fedjax_char_lstm', 90, (80,), np.int32),
         'transformer': ('stackoverflow', 'transformer_lm', 10004, (20,), np.int32)}
 
 

@@ -102,6 +102,10 @@ def main():
                     's_per_round': float(np.median(seconds[1:])),
                     'accuracy': float(metrics['accuracy_in_vocab' if a.model in ('lstm', 'shakespeare')
                                               else 'accuracy']),
+                    # The mean loss of a test target (the language models' padded targets
+                    # left out): the project's loss_weighted.
+                    'loss': float(metrics['token_loss' if a.model in ('lstm', 'shakespeare')
+                                          else 'loss']),
                     'peak_rss_bytes': peak_rss_bytes()}))
 
 

@@ -36,10 +36,12 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-# model -> (data set, this project's model, FedJAX's): FedJAX's dense and conv
-# EMNIST models, its Stack Overflow LSTM (Reddi et al.'s: 96 / 670 / 96).
-TASKS = {'mlp': ('emnist', 'mlp'), 'cnn': ('emnist', 'reddi_emnist_cnn'),
-         'lstm': ('stackoverflow', 'lstm_lm'), 'shakespeare': ('shakespeare', 'reddi_char_lstm')}
+# row -> (data set, this project's model, its initialisation): FedJAX's dense
+# and conv EMNIST models; its Stack Overflow LSTM (Reddi et al.'s 96 / 670 / 96
+# with FedJAX's tanh and loss) and Shakespeare LSTM as FedJAX builds them.
+TASKS = {'mlp': ('emnist', 'mlp', 'flax'), 'cnn': ('emnist', 'reddi_emnist_cnn', 'flax'),
+         'lstm': ('stackoverflow', 'fedjax_lstm_lm', 'haiku'),
+         'shakespeare': ('shakespeare', 'fedjax_char_lstm', 'haiku')}
 TEST_FILE = {'emnist': 'federated_emnist_test.sqlite', 'stackoverflow': 'stackoverflow_test.sqlite',
              'shakespeare': 'shakespeare_test.sqlite'}
 
@@ -79,27 +81,29 @@ def peak_of(out):
   return None
 
 
-def fedjax_run(a, model, cohort):
+def fedjax_run(a, model, cohort, seed):
   argv = [os.path.join(HERE, 'fedjax_side.py'), f'--data_dir={a.work_dir}/{TASKS[model][0]}',
           f'--model={model}', f'--cohort_size={cohort}', f'--rounds={a.rounds}',
-          f'--batch_size={a.batch_size}', f'--client_lr={a.client_lr}', f'--seed={a.seed}']
+          f'--batch_size={a.batch_size}', f'--client_lr={a.client_lr}', f'--seed={seed}']
   out, wall = run_child(_wrapped(a.fedjax_python, argv))
   rec = json.loads(next(l for l in out.splitlines() if l.startswith('{')))
-  return {'s_per_round': rec['s_per_round'], 'accuracy': rec['accuracy'], 'peak_rss': peak_of(out),
+  return {'s_per_round': rec['s_per_round'], 'accuracy': rec['accuracy'],
+          'test_loss': rec.get('loss'), 'peak_rss': peak_of(out),
           'process_s': wall, 'train_s': float(sum(rec['seconds'])),
           'mean_after_first_s': float(np.mean(rec['seconds'][1:]))}
 
 
-def project_run(a, model, cohort, extra=()):
+def project_run(a, model, cohort, seed, extra=()):
   out_dir = os.path.join(a.work_dir, 'runs', f'{model}_{cohort}')
-  dataset, name = TASKS[model]
+  dataset, name, init = TASKS[model]
   # Stack Overflow accuracy as FedJAX's side reports it (accuracy_in_vocab).
   task = (['--vocab_size=10000', '--stackoverflow_accuracy=fedjax_in_vocab']
           if dataset == 'stackoverflow' else [])
   argv = [os.path.join(ROOT, 'scripts', 'run_experiment.py'), f'--dataset={dataset}',
-          f'--data_dir={a.work_dir}/{dataset}', f'--model={name}', '--algorithm=fedavg', *task,
+          f'--data_dir={a.work_dir}/{dataset}', f'--model={name}', f'--model_init={init}',
+          '--algorithm=fedavg', *task,
           f'--cohort_size={cohort}', f'--batch_size={a.batch_size}', f'--client_lr={a.client_lr}',
-          f'--rounds={a.rounds}', '--eval_every=0', '--progress=false', f'--seed={a.seed}',
+          f'--rounds={a.rounds}', '--eval_every=0', '--progress=false', f'--seed={seed}',
           f'--compilation_cache={os.path.join(a.work_dir, "xla") if a.warm_cache else "off"}',
           f'--output_dir={out_dir}', '--overwrite', *extra]
   env = dict(os.environ, FEDJAX_PERSONAL_CACHE=os.path.join(a.work_dir, 'cache'))
@@ -109,6 +113,7 @@ def project_run(a, model, cohort, extra=()):
   header = [l for l in out.splitlines() if l.startswith(('layout:', 'executor:', 'shape plan:',
                                                          'compilation cache:'))]
   return {'s_per_round': s['round_seconds_median'], 'accuracy': s['accuracy_weighted'],
+          'test_loss': s.get('loss_weighted'),
           'peak_rss': peak_of(out), 'header': header, 'process_s': wall,
           'train_s': s['train_seconds'], 'first_round_s': s.get('first_round_seconds'),
           'compile_s': s.get('compile_seconds'),
@@ -157,6 +162,9 @@ def main():
   p.add_argument('--batch_size', type=int, default=20)
   p.add_argument('--client_lr', type=float, default=0.1)
   p.add_argument('--seed', type=int, default=0)
+  p.add_argument('--seed_per_repeat', action='store_true', help='Repeat r runs seed --seed + r '
+                 "on both sides (the model's init, the cohorts; FedJAX's shuffles are unseeded "
+                 'in every run, its default): the accuracy\'s mean and std over seeds.')
   p.add_argument('--num_clients', type=int, default=3400, help='EMNIST-shaped writers.')
   p.add_argument('--so_clients', type=int, default=3000, help='Stack Overflow-shaped users.')
   p.add_argument('--shakespeare_clients', type=int, default=715,
@@ -203,14 +211,16 @@ def main():
     flops = train_flops_per_round(model, cohort, counts[TASKS[model][0]].mean(), a.batch_size)
     runs, failed = {'fedjax': []}, None
     for rep in range(a.repeats):
+      seed = a.seed + rep if a.seed_per_repeat else a.seed
       try:
         if failed is None:
-          runs['fedjax'].append(fedjax_run(a, model, cohort))
+          runs['fedjax'].append(fedjax_run(a, model, cohort, seed))
       except ChildFailed as e:  # FedJAX could not run the row: the project's side alone
         failed = str(e)
         print(f'{row}: {failed}', flush=True)
       for v in variants:
-        runs.setdefault(' '.join(v) or 'default', []).append(project_run(a, model, cohort, v))
+        runs.setdefault(' '.join(v) or 'default', []).append(project_run(a, model, cohort, seed,
+                                                                          v))
       print(f'{row} repeat {rep + 1}: ' + ', '.join(
           f'{k} {r[-1]["s_per_round"]:.4f} s' for k, r in runs.items() if r), flush=True)
     med = lambda rs, k: float(np.median([r[k] for r in rs]))
@@ -224,7 +234,9 @@ def main():
       s = med(rs, 's_per_round')
       inverse = lambda k: None if ratio(k, rs) is None else 1 / ratio(k, rs)
       out[k] = {'s_per_round': s, 'speedup_vs_fedjax': ratio('s_per_round', rs),
-                'accuracy': med(rs, 'accuracy'), 'peak_rss_gb': med(rs, 'peak_rss') / 2**30,
+                'accuracy': med(rs, 'accuracy'),
+                'accuracy_mean': float(np.mean([r['accuracy'] for r in rs])),
+                'accuracy_std': float(np.std([r['accuracy'] for r in rs])), 'peak_rss_gb': med(rs, 'peak_rss') / 2**30,
                 'pct_fp32_peak': 100 * flops / s / peak, 'header': rs[-1].get('header'),
                 'process_s': med(rs, 'process_s'), 'train_s': med(rs, 'train_s'),
                 'mean_after_first_s': med(rs, 'mean_after_first_s'),
@@ -236,7 +248,8 @@ def main():
         f'{a.batch_size}, 1 epoch, lr {a.client_lr}, {a.rounds} rounds, {a.repeats} interleaved '
         'repeats (medians)')
   print('| model | cohort | side | s/round | x FedJAX | mean rounds 2..R / median | training s '
-        '(x FedJAX) | whole process s (x FedJAX) | accuracy | peak RSS GB | % fp32 peak |')
+        '(x FedJAX) | whole process s (x FedJAX) | accuracy (mean +- std) | peak RSS GB | '
+        '% fp32 peak |')
   print('|---|---|---|---|---|---|---|---|---|---|---|')
   for r in rows:
     if r['fedjax_failed']:
@@ -248,7 +261,8 @@ def main():
       print(f"| {r['model']} | {r['cohort']} | {k} | {v['s_per_round']:.4f} | "
             f"{_x(v['speedup_vs_fedjax'])} | {v['mean_after_first_s'] / v['s_per_round']:.2f} | "
             f"{v['train_s']:.2f} ({_x(v['train_vs_fedjax'])}) | "
-            f"{v['process_s']:.1f} ({_x(v['process_vs_fedjax'])}) | {100 * v['accuracy']:.1f}% | "
+            f"{v['process_s']:.1f} ({_x(v['process_vs_fedjax'])}) | {100 * v['accuracy']:.1f}% "
+            f"({100 * v['accuracy_mean']:.1f} +- {100 * v['accuracy_std']:.1f}) | "
             f"{v['peak_rss_gb']:.2f} | {v['pct_fp32_peak']:.0f}% |")
   if a.output:
     with open(a.output, 'w') as f:

@@ -17,10 +17,10 @@ from fedjax_personal.models import Model
 from fedjax_personal.core.tree_util import tree_where
 
 __all__ = ['Batch', 'batch_loss', 'client_opt_init', 'ClientContext', 'ClientWork', 'dp_gradient',
-           'evaluate_params', 'get_batch', 'local_sgd', 'LossStats', 'opt_update', 'part',
-           'per_example_stats', 'plain_objective', 'PyTree', 'run_work', 'sgd_client_work',
-           'sgd_finetune', 'SGDCarry', 'unroll_steps', 'work_batch_indices', 'work_init',
-           'work_num_steps', 'work_step', 'zero_stats']
+           'evaluate_params', 'get_batch', 'local_sgd', 'LossStats',
+           'opt_update', 'part', 'per_example_stats', 'plain_objective', 'PyTree', 'run_work',
+           'sgd_client_work', 'sgd_finetune', 'SGDCarry', 'unroll_steps', 'work_batch_indices',
+           'work_init', 'work_num_steps', 'work_step', 'zero_stats']
 
 
 PyTree = Any
@@ -152,7 +152,9 @@ def per_example_stats(logits, y, mask, loss: str = 'cross_entropy',
 
 
 def batch_loss(model: Model, params, batch: Batch):
-  """Mean masked cross-entropy over real examples, and its LossStats.
+  """Masked cross-entropy over real examples, divided by the model's
+  ``loss_denominator`` (the mean over counted targets unless it says
+  otherwise), and its LossStats.
 
   Args:
     model: the model.
@@ -167,7 +169,7 @@ def batch_loss(model: Model, params, batch: Batch):
             else model.apply(params, batch.x))
   stats = per_example_stats(logits, batch.y, batch.mask, model.loss,
                             model.unscored_targets, 0, model.unpredicted)  # no top-k
-  return stats.loss_sum / jnp.maximum(stats.count, 1.0), stats
+  return stats.loss_sum / model.loss_divisor(stats.count, batch.mask, batch.y), stats
 
 
 def plain_objective(model: Model):

@@ -9,6 +9,7 @@ dict.
 """
 
 import dataclasses
+import math
 import os
 from typing import Any, Callable, Optional
 
@@ -34,10 +35,10 @@ from fedjax_personal.models.layers import (CONV_IMPLS, TILE_BYTES, TILE_MIN_BYTE
 __all__ = ['Adapter', 'as_float', 'avg_pool_2x2', 'batch_chunk', 'CharLSTM', 'CNN', 'ConfigError',
            'Conv', 'conv_as_matmul', 'CONV_IMPLS', 'conv_layout', 'create_model', 'Dense',
            'flatten', 'from_flax', 'from_layout', 'initializers', 'INITS', 'LeNet5',
-           'LogisticRegression', 'LSTMCell', 'max_pool', 'max_pool_2x2', 'MLP', 'Model', 'MODELS',
-           'ModelConfig', 'build_model', 'num_params', 'REFERENCE', 'ResNetGN', 'resolve_conv_impl',
-           'tile_budget', 'TILE_BYTES', 'TILE_MIN_BYTES', 'to_layout', 'TRANSFORMER_SIZES',
-           'TransformerLM']
+           'LogisticRegression', 'LOSS_DENOMINATORS', 'LSTMCell', 'max_pool', 'max_pool_2x2', 'MLP',
+           'Model', 'MODELS', 'ModelConfig', 'build_model', 'num_params', 'REFERENCE', 'ResNetGN',
+           'resolve_conv_impl', 'tile_budget', 'TILE_BYTES', 'TILE_MIN_BYTES', 'to_layout',
+           'TRANSFORMER_SIZES', 'TransformerLM']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,14 @@ class Model:
     matmul_precision: the precision ``apply``, ``train_apply`` and
       ``features`` are traced at (``at_matmul_precision``), or None: JAX's
       setting where they are traced.
+    loss_denominator: what a batch's summed training loss is divided by
+      (``LOSS_DENOMINATORS``): 'targets' (its counted targets: the mean loss
+      of a target), 'examples' (its real examples: a sequence's loss summed
+      over its tokens, FedJAX's Stack Overflow ``train_loss``) or
+      'positions' (real examples x sequence length: a sequence's mean over
+      all its positions, padded ones included, FedJAX's Shakespeare
+      ``train_loss``). Evaluations report the mean loss of a target
+      whatever it is.
   """
   name: str
   init: Callable[[jax.Array], Any]
@@ -79,6 +88,31 @@ class Model:
   train_apply: Optional[Callable[[Any, jax.Array, jax.Array], jax.Array]] = None
   inputs: Any = None
   matmul_precision: Optional[str] = None
+  loss_denominator: str = 'targets'
+
+  def loss_divisor(self, counted_targets, mask, y):
+    """What a batch's summed training loss is divided by
+    (``loss_denominator``): its counted targets; its real examples (FedJAX's
+    ``grad``: the mean over real examples of a per-example loss, here a
+    sequence's summed token losses); or its real examples times the
+    positions of one (a sequence's token losses averaged over all its
+    positions, as FedJAX's Shakespeare ``train_loss`` does). At least 1 (a
+    batch of nothing has loss 0).
+
+    Args:
+      counted_targets: the batch's counted targets (``LossStats.count``).
+      mask: [B] its real examples.
+      y: its targets [B, ...].
+
+    Returns:
+      The divisor, a scalar.
+    """
+    if self.loss_denominator == 'targets':
+      return jnp.maximum(counted_targets, 1.0)
+    examples = jnp.sum(mask.astype(jnp.float32))
+    if self.loss_denominator == 'positions':
+      examples = examples * math.prod(y.shape[1:])
+    return jnp.maximum(examples, 1.0)
 
   def features(self, params, x):
     """The penultimate representation (models with a ``features`` method)."""
@@ -181,6 +215,13 @@ MODELS = {
                                            projection=96, adapter_dim=a, convention=i),
     'reddi_char_lstm': lambda c, a, k, i: CharLSTM(c, embed_dim=8, hidden=256, num_layers=2,
                                                    adapter_dim=a, convention=i),
+    # FedJAX's own language models (its create_lstm_model of each data set).
+    'fedjax_lstm_lm': lambda c, a, k, i: CharLSTM(c, embed_dim=96, hidden=670, num_layers=1,
+                                                  projection=96, adapter_dim=a, convention=i,
+                                                  tanh_after_lstm=True),
+    'fedjax_char_lstm': lambda c, a, k, i: CharLSTM(c, embed_dim=8, hidden=256, num_layers=2,
+                                                    adapter_dim=a, convention=i,
+                                                    tanh_after_lstm=True),
     # The seeds' own models, as their code builds them.
     'usercentric_lenet5': lambda c, a, k, i: LeNet5(c, adapter_dim=a, conv_impl=k, convention=i,
                                                     pool='avg'),
@@ -225,6 +266,13 @@ REFERENCE = {
                         '256 (Keras)', 'keras'),
     'lstm_lm': ('Adaptive Federated Optimization (Reddi et al.), its Stack Overflow next-word '
                 'LSTM as TFF builds it: embedding 96, LSTM 670, dense 96, output (Keras)', 'keras'),
+    'fedjax_lstm_lm': ("FedJAX 0.0.17's models.stackoverflow.create_lstm_model: embedding 96, "
+                       'LSTM 670, tanh, dense 96, output; its loss a sentence\'s token losses '
+                       'summed, averaged over sentences (Haiku)', 'haiku'),
+    'fedjax_char_lstm': ("FedJAX 0.0.17's models.shakespeare.create_lstm_model: embedding 8, two "
+                         'LSTMs of 256 each followed by a tanh, output; its loss a sequence\'s '
+                         'token losses averaged over all its positions, padded ones included '
+                         '(Haiku)', 'haiku'),
     'transformer_lm': ('partial personalization (Pillutla et al., arXiv 2204.03809), '
                        'pfl/models/wordlm_transformer.py at --arch_size mini, decoder untied '
                        '(as the code unties it for input/output personal parts): 4 post-norm '
@@ -249,6 +297,11 @@ REFERENCE = {
 }
 
 
+#: What a model's training loss on a batch is divided by (``Model.loss_denominator``),
+#: where not each counted target ('targets').
+LOSS_DENOMINATORS = {'fedjax_lstm_lm': 'examples', 'fedjax_char_lstm': 'positions'}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(Declared):
   """The model of a run, declared once (``hparam``): the command's model
@@ -261,7 +314,9 @@ class ModelConfig(Declared):
   model_init: str = hparam('flax', "Initialisation convention of the model's layers: each "
                            "framework's default initialisers (flax: LeCun normal kernels, zero "
                            'biases; pytorch: U(+-1/sqrt(fan_in)) kernels and biases; keras: '
-                           'Glorot uniform kernels, zero biases; LSTMs and embeddings too).',
+                           'Glorot uniform kernels, zero biases; haiku: truncated normal '
+                           'kernels of scale 1/sqrt(fan_in), zero biases, as FedJAX\'s models; '
+                           'LSTMs and embeddings too).',
                            choices=tuple(INITS))
   init_weights: Optional[str] = hparam(None, 'Start from these initial global parameters: a '
                                        '.npz (Flax parameter paths as keys, or a Keras model\'s '
@@ -320,7 +375,7 @@ def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0,
       pooling: 'auto' (per platform), 'xla', 'matmul' or 'tiled' (``Conv``). Same
       parameters and, up to float reassociation, the same numbers.
     init: the initialisation convention of every layer: 'flax' (Linen's
-      defaults), 'pytorch' or 'keras' (``initializers``).
+      defaults), 'pytorch', 'keras' or 'haiku' (``initializers``).
 
   Returns:
     The ``Model`` (pure ``init`` / ``apply``).
@@ -336,6 +391,7 @@ def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0,
   resolve_conv_impl(conv_impl)  # validates the name
   initializers.check(init)
   model = from_flax(name, MODELS[name](num_classes, adapter_dim, conv_impl, init), sample_x)
+  model = dataclasses.replace(model, loss_denominator=LOSS_DENOMINATORS.get(name, 'targets'))
   x = jnp.asarray(sample_x)[:1]
   try:
     params = jax.eval_shape(model.init, jax.random.key(0))

@@ -201,6 +201,11 @@ class CharLSTM(nn.Module):
   arXiv 2003.00295, as TFF builds it): embedding 96, one LSTM of 670 units, a
   dense projection to 96, the output layer (4,050,748 parameters on its
   10,004 ids: the 10K vocabulary, PAD, BOS, EOS, one OOV).
+  ``fedjax_lstm_lm`` and ``fedjax_char_lstm`` are FedJAX's
+  ``models.stackoverflow.create_lstm_model`` and
+  ``models.shakespeare.create_lstm_model``: the same layers with a tanh on
+  every LSTM layer's output (``tanh_after_lstm``; its ``hk.DeepRNN`` of
+  ``hk.LSTM``, ``jnp.tanh``), Haiku's initialisers.
   """
   num_classes: int  # vocabulary size
   embed_dim: int = 8
@@ -209,6 +214,7 @@ class CharLSTM(nn.Module):
   adapter_dim: int = 0
   convention: str = 'flax'
   projection: int = 0  # width of a linear layer before the output (0: none)
+  tanh_after_lstm: bool = False  # FedJAX's models: tanh(h) of every LSTM layer
 
   def setup(self):
     self.embed = nn.Embed(self.num_classes, self.embed_dim,
@@ -230,6 +236,8 @@ class CharLSTM(nn.Module):
       # runs them over the sequence in large matmuls (recurrent.lstm_sequence).
       h = (lstm(h) if self.is_initializing() else
            lstm_sequence(h, *cell_kernels(lstm.variables['params']['cell'])))
+      if self.tanh_after_lstm:
+        h = nn.tanh(h)
       if self.adapter_dim:
         h = self.adapters[i](h)
     return self.project(h) if self.projection else h

@@ -1,0 +1,135 @@
+"""FedJAX's language models (``fedjax_lstm_lm``, ``fedjax_char_lstm``)
+against FedJAX 0.0.17 itself: ``tests/data/fedjax_model_reference.npz`` holds
+FedJAX's ``create_lstm_model`` of Stack Overflow and of Shakespeare at small
+sizes, their parameters, logits, per-example training losses, the loss its
+``model_grad`` differentiates and the gradient, on one padded and masked
+batch (``benchmarks/peers/fedjax_model_reference.py``, in FedJAX's venv).
+The same module at the same small sizes, given FedJAX's parameters, must
+give the same numbers."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import helpers
+from fedjax_personal import models
+from fedjax_personal.core.training import Batch, batch_loss
+from fedjax_personal.models import initializers
+
+REFERENCE = os.path.join(os.path.dirname(__file__), 'data', 'fedjax_model_reference.npz')
+# Haiku's LSTM kernel columns are the gates i, g, f, o; ours i, f, g, o.
+HAIKU_GATES = 'igfo'
+
+
+def _reference(task):
+  d = np.load(REFERENCE)
+  return {k[len(task) + 1:]: d[k] for k in d if k.startswith(task + '/')}
+
+
+def _module(name, task):
+  """The registry's module of ``name`` at the reference's small sizes."""
+  ref = helpers.script_module('benchmarks', 'peers', 'fedjax_model_reference.py')
+  sizes = ref.SIZES[task][0]
+  vocab = sizes['vocab_size'] + 4  # PAD, BOS, EOS, OOV
+  module = models.MODELS[name](vocab, 0, 'auto', 'haiku')
+  small = dict(embed_dim=sizes['embed_size'], hidden=sizes['lstm_hidden_size'])
+  if module.projection:
+    small['projection'] = sizes['embed_size']  # FedJAX projects back to the embedding's width
+  return dataclasses.replace(module, **small), vocab
+
+
+def _lstm_names(task):
+  return ['lstm'] if task == 'stackoverflow' else ['lstm', 'lstm_1']
+
+
+def to_ours(flat, task):
+  """FedJAX's (Haiku's) parameters in this module's layout."""
+  p = {'embed': {'embedding': flat['param/embed/embeddings']}}
+  for i, name in enumerate(_lstm_names(task)):
+    w, b = flat[f'param/{name}/linear/w'], flat[f'param/{name}/linear/b']
+    hidden = w.shape[1] // 4
+    d_in = w.shape[0] - hidden
+    cell = {}
+    for g in initializers.GATES:
+      cols = slice(HAIKU_GATES.index(g) * hidden, (HAIKU_GATES.index(g) + 1) * hidden)
+      cell[f'i{g}'] = {'kernel': w[:d_in, cols]}
+      # hk.LSTM adds 1 to the forget gate's pre-activation: here its bias.
+      cell[f'h{g}'] = {'kernel': w[d_in:, cols], 'bias': b[cols] + (g == 'f')}
+    p[f'lstm_{i}'] = {'cell': cell}
+  dense = ['linear', 'linear_1'] if task == 'stackoverflow' else ['linear']
+  ours = ['project', 'output'] if task == 'stackoverflow' else ['output']
+  for h, o in zip(dense, ours):
+    p[o] = {'kernel': flat[f'param/{h}/w'], 'bias': flat[f'param/{h}/b']}
+  return jax.tree.map(jnp.asarray, p)
+
+
+def grads_as_haiku(g, task):
+  """Our gradient in FedJAX's layout (the inverse of ``to_ours``'s split)."""
+  out = {'embed/embeddings': g['embed']['embedding']}
+  for i, name in enumerate(_lstm_names(task)):
+    cell = g[f'lstm_{i}']['cell']
+    out[f'{name}/linear/w'] = np.concatenate(
+        [np.concatenate([cell[f'i{c}']['kernel'], cell[f'h{c}']['kernel']], 0)
+         for c in HAIKU_GATES], 1)
+    out[f'{name}/linear/b'] = np.concatenate([cell[f'h{c}']['bias'] for c in HAIKU_GATES])
+  dense = ['linear', 'linear_1'] if task == 'stackoverflow' else ['linear']
+  ours = ['project', 'output'] if task == 'stackoverflow' else ['output']
+  for h, o in zip(dense, ours):
+    out[f'{h}/w'], out[f'{h}/b'] = g[o]['kernel'], g[o]['bias']
+  return out
+
+
+def _check(name, task, denominator):
+  flat = _reference(task)
+  module, vocab = _module(name, task)
+  assert models.LOSS_DENOMINATORS[name] == denominator
+  x = jnp.asarray(flat['x'])
+  model = dataclasses.replace(models.from_flax(name, module, x), loss_denominator=denominator)
+  params = to_ours(flat, task)
+  # The module's own parameter tree has exactly these names and shapes.
+  drawn = jax.eval_shape(model.init, jax.random.key(0))
+  assert (jax.tree.map(lambda a: a.shape, drawn)
+          == jax.tree.map(lambda a: a.shape, params))
+  logits = model.apply(params, x)
+  np.testing.assert_allclose(logits, flat['logits'], rtol=1e-5, atol=1e-5)
+  y = np.where(flat['y'] == 0, -1, flat['y'])  # FedJAX's PAD target: here IGNORE
+  batch = Batch(x, jnp.asarray(y), jnp.asarray(flat['mask']), None)
+  (loss, _), grads = jax.value_and_grad(lambda p: batch_loss(model, p, batch),
+                                        has_aux=True)(params)
+  np.testing.assert_allclose(loss, flat['loss'], rtol=1e-5)
+  for k, g in grads_as_haiku(grads, task).items():
+    np.testing.assert_allclose(g, flat[f'grad/{k}'], rtol=1e-4, atol=1e-6, err_msg=k)
+  return model, params, flat
+
+
+def test_fedjax_lstm_lm_is_fedjax_stackoverflow_create_lstm_model():
+  """Logits, the loss (a sentence's token losses summed, averaged over the
+  real sentences) and every gradient equal FedJAX's."""
+  model, params, flat = _check('fedjax_lstm_lm', 'stackoverflow', 'examples')
+  # FedJAX's per-example loss is the sentence's summed token loss, by hand.
+  logits = np.asarray(model.apply(params, jnp.asarray(flat['x'])), np.float64)
+  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  y = flat['y']
+  tok = -np.take_along_axis(logp, y[..., None], -1)[..., 0] * (y != 0)
+  np.testing.assert_allclose(tok.sum(-1), flat['train_loss'], rtol=1e-5)
+
+
+def test_fedjax_char_lstm_is_fedjax_shakespeare_create_lstm_model():
+  """Logits, the loss (a sequence's token losses over all its positions,
+  padded ones included, averaged over the real sequences) and every
+  gradient equal FedJAX's."""
+  _check('fedjax_char_lstm', 'shakespeare', 'positions')
+
+
+def test_fedjax_models_at_full_size_have_fedjax_parameter_counts():
+  """FedJAX's defaults: Stack Overflow's 10,004 ids, Shakespeare's 90."""
+  for name, vocab, count in [('fedjax_lstm_lm', 10004, 4_050_748),
+                             ('fedjax_char_lstm', 90, 820_522)]:
+    model = models.create_model(name, vocab, jnp.zeros((1, 20), jnp.int32), init='haiku')
+    assert models.num_params(jax.eval_shape(model.init, jax.random.key(0))) == count
+    assert model.loss_denominator == models.LOSS_DENOMINATORS[name]
+  assert models.create_model('lstm_lm', 10004, jnp.zeros((1, 20), jnp.int32)).loss_denominator \
+      == 'targets'
