@@ -174,6 +174,8 @@ def main():
   p.add_argument('--warm_cache', action='store_true', help='The project\'s runs share a '
                  'persistent compilation cache in --work_dir/xla (the first repeat fills it); '
                  'by default each run compiles from nothing (--compilation_cache=off).')
+  p.add_argument('--project_only', action='store_true', help="The project's variants alone "
+                 "(FedJAX's side not run; no ratios): comparing executors or flags.")
   p.add_argument('--output', default=None)
   p.add_argument('--dry_run', action='store_true', help='Check the rows and print the plan.')
   a = p.parse_args()
@@ -213,7 +215,7 @@ def main():
     for rep in range(a.repeats):
       seed = a.seed + rep if a.seed_per_repeat else a.seed
       try:
-        if failed is None:
+        if failed is None and not a.project_only:
           runs['fedjax'].append(fedjax_run(a, model, cohort, seed))
       except ChildFailed as e:  # FedJAX could not run the row: the project's side alone
         failed = str(e)
