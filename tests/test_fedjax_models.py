@@ -13,11 +13,13 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import helpers
 from fedjax_personal import models
 from fedjax_personal.core.training import Batch, batch_loss
-from fedjax_personal.models import initializers
+from fedjax_personal.errors import ConfigError
+from fedjax_personal.models import initializers, weights
 
 REFERENCE = os.path.join(os.path.dirname(__file__), 'data', 'fedjax_model_reference.npz')
 # Haiku's LSTM kernel columns are the gates i, g, f, o; ours i, f, g, o.
@@ -133,3 +135,55 @@ def test_fedjax_models_at_full_size_have_fedjax_parameter_counts():
     assert model.loss_denominator == models.LOSS_DENOMINATORS[name]
   assert models.create_model('lstm_lm', 10004, jnp.zeros((1, 20), jnp.int32)).loss_denominator \
       == 'targets'
+
+
+def _haiku_npz(path, flat):
+  """FedJAX's parameters saved as ``--init_weights`` reads a Haiku dict."""
+  np.savez(path, **{k[len('param/'):]: v for k, v in flat.items() if k.startswith('param/')})
+  return str(path)
+
+
+def test_init_weights_reads_fedjax_parameters(tmp_path):
+  """``--init_weights`` of FedJAX's own parameters (module/name keys) gives
+  what the hand conversion gives, and FedJAX's logits, for both models."""
+  for name, task in [('fedjax_lstm_lm', 'stackoverflow'), ('fedjax_char_lstm', 'shakespeare')]:
+    flat = _reference(task)
+    module, _ = _module(name, task)
+    x = jnp.asarray(flat['x'])
+    model = models.from_flax(name, module, x)
+    got = weights.load(_haiku_npz(tmp_path / f'{task}.npz', flat), model, x)
+    want = to_ours(flat, task)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(model.apply(got, x), flat['logits'], rtol=1e-5, atol=1e-5)
+
+
+def test_init_weights_matches_haiku_layers_by_kind_and_index(tmp_path):
+  """FedJAX's dense EMNIST model's three ``linear`` modules go to the MLP's
+  layers by their index whatever the file's order; a module too many or of
+  another shape is refused naming the flag."""
+  x = jnp.zeros((1, 784))
+  model = models.create_model('mlp', 62, x)
+  rng = np.random.default_rng(0)
+  shapes = [(784, 200), (200, 200), (200, 62)]
+  layers = {('linear' + (f'_{i}' if i else '')): (rng.normal(size=s).astype(np.float32),
+                                                   rng.normal(size=s[1]).astype(np.float32))
+            for i, s in enumerate(shapes)}
+  arrays = {}
+  for m in ['linear_2', 'linear', 'linear_1']:  # not in index order
+    arrays[f'{m}/w'], arrays[f'{m}/b'] = layers[m]
+  np.savez(tmp_path / 'dense.npz', **arrays)
+  got = weights.load(str(tmp_path / 'dense.npz'), model, x)
+  for ours, theirs in [('hidden_0', 'linear'), ('hidden_1', 'linear_1'), ('output', 'linear_2')]:
+    np.testing.assert_array_equal(got[ours]['kernel'], layers[theirs][0])
+    np.testing.assert_array_equal(got[ours]['bias'], layers[theirs][1])
+  arrays['linear_3/w'], arrays['linear_3/b'] = layers['linear_2']
+  np.savez(tmp_path / 'extra.npz', **arrays)
+  with pytest.raises(ConfigError, match='init_weights.*4 dense layer'):
+    weights.load(str(tmp_path / 'extra.npz'), model, x)
+  del arrays['linear_3/w'], arrays['linear_3/b']
+  arrays['linear_1/w'] = arrays['linear_1/w'][:, :10]
+  np.savez(tmp_path / 'shape.npz', **arrays)
+  with pytest.raises(ConfigError, match='init_weights.*linear_1'):
+    weights.load(str(tmp_path / 'shape.npz'), model, x)

@@ -319,9 +319,11 @@ class ModelConfig(Declared):
                            'LSTMs and embeddings too).',
                            choices=tuple(INITS))
   init_weights: Optional[str] = hparam(None, 'Start from these initial global parameters: a '
-                                       '.npz (Flax parameter paths as keys, or a Keras model\'s '
-                                       'get_weights() saved by np.savez) or a PyTorch state dict '
-                                       '(.pt/.pth), matched by layer order and converted.')
+                                       '.npz (Flax parameter paths as keys, a Keras model\'s '
+                                       'get_weights() saved by np.savez, or a Haiku parameter '
+                                       "dict as module/name keys: FedJAX's models) or a PyTorch "
+                                       'state dict (.pt/.pth), matched by layer order and '
+                                       'converted.')
   adapter_dim: int = hparam(0, 'Add residual adapters of this width to the model (for '
                             '--partial_personal_part=adapter).', minimum=0)
   conv_impl: str = hparam('auto', "How convolutional models compute convolutions and pooling: "

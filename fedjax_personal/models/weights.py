@@ -1,6 +1,6 @@
 """Initial parameters from a file (``--init_weights``).
 
-Three formats:
+Four formats:
 
 - ``.npz``: one array per parameter, keyed by its Flax path joined with '/'
   (``conv_0/kernel``, ``lstm_0/cell/hi/bias``), as ``save_npz`` writes it.
@@ -12,6 +12,17 @@ Three formats:
   bias) as is (Keras's [in, out] and HWIO are Flax's); ``LSTM`` kernel
   [in, 4H], recurrent kernel [H, 4H] and bias [4H], gates i, f, c, o, split
   into each gate's kernels and bias.
+- ``.npz`` of a Haiku parameter dict (FedJAX's models' ``params``), each
+  array keyed ``<module>/<name>`` (``embed/embeddings``, ``lstm/linear/w``,
+  ``linear_1/b``, ``conv2_d/w``), as ``np.savez(path, **{f'{m}/{n}': v for m,
+  d in params.items() for n, v in d.items()})`` writes it. Matched by kind
+  and index (``embed``; ``lstm``, ``lstm_1``, ..; ``conv2_d``, ``conv2_d_1``,
+  ..; ``linear``, ``linear_1``, ..) to the model's embedding, LSTM,
+  convolution and dense layers in their order: ``w`` / ``b`` /
+  ``embeddings`` as they are (Haiku's [in, out] and HWIO are Flax's); an
+  ``hk.LSTM``'s one kernel over [x, h] (gates i, g, f, o) split into each
+  gate's input and recurrent kernels, its bias with the forget gate's +1 (which
+  ``hk.LSTM`` adds in its update) added in.
 - ``.pt`` / ``.pth``: a PyTorch ``state_dict`` (or a dict holding one under
   ``state_dict`` / ``model_state_dict``), read with ``torch.load(...,
   weights_only=True)``. Its layers are matched to the model's by order (the
@@ -116,7 +127,8 @@ def _template(model, sample_x) -> Tuple[dict, tuple]:
 
 def load(path: str, model, sample_x) -> dict:
   """Initial parameters for ``model`` (a ``Model`` built by ``create_model``)
-  read from ``path`` (.npz or a PyTorch state dict).
+  read from ``path`` (.npz: Flax paths, Keras's or Haiku's weights; or a
+  PyTorch state dict).
 
   Args:
     path: a ``.npz`` or a PyTorch state dict.
@@ -138,11 +150,14 @@ def load(path: str, model, sample_x) -> dict:
     got = _read_npz(path)
     if got and all(re.fullmatch(r'arr_\d+', k) for k in got):
       return _from_keras(path, [got[f'arr_{i}'] for i in range(len(got))], template)
+    if got and all('/' in k and k.rsplit('/', 1)[1] in _HAIKU_LEAVES for k in got):
+      return _from_haiku(path, got, template)
     return _from_npz(path, template, got)
   if ext in ('.pt', '.pth'):
     return _from_torch(path, template, flat_shape)
-  _fail(path, f'unknown format {ext!r}: give a .npz (Flax parameter paths as keys, or a Keras '
-        "model's get_weights() saved by np.savez) or a PyTorch state dict (.pt or .pth)")
+  _fail(path, f'unknown format {ext!r}: give a .npz (Flax parameter paths as keys, a Keras '
+        "model's get_weights() saved by np.savez, or a Haiku parameter dict as module/name keys) "
+        'or a PyTorch state dict (.pt or .pth)')
 
 
 def _read_npz(path) -> Dict[str, np.ndarray]:
@@ -214,6 +229,79 @@ def _from_keras(path, arrays, template) -> dict:
   if at < len(arrays):
     _fail(path, f'Keras weights: {len(arrays)} arrays, the model takes {at}: arr_{at} '
           f'{list(np.shape(arrays[at]))} has no counterpart')
+  return _unflatten({k: flat[k] for k in flat_params(template)})
+
+
+# -- Haiku parameters (FedJAX's models) ---------------------------------------------
+
+_HAIKU_LEAVES = {'w', 'b', 'embeddings'}
+_HAIKU_MODULE = re.compile(r'^(embed|lstm|conv2_d|linear)(?:_(\d+))?(/linear)?$')
+_HAIKU_KIND = {'embed': 'embedding', 'lstm': 'LSTM', 'conv2_d': 'convolution', 'linear': 'dense'}
+
+
+def _kind(flayer) -> str:
+  """A Flax layer's kind, named as ``_HAIKU_KIND`` names Haiku's."""
+  if 'embedding' in flayer:
+    return 'embedding'
+  if 'ii' in flayer:
+    return 'LSTM'
+  return 'convolution' if np.ndim(flayer.get('kernel')) == 4 else 'dense'
+
+
+def _haiku_layers(path, got) -> Dict[str, List[Tuple[str, Dict[str, np.ndarray]]]]:
+  """The file's modules by kind, each kind's in index order."""
+  modules: Dict[str, Dict[str, np.ndarray]] = {}
+  for key, a in got.items():
+    module, leaf = key.rsplit('/', 1)
+    modules.setdefault(module, {})[leaf] = a
+  by_kind: Dict[str, list] = {}
+  for module, leaves in modules.items():
+    m = _HAIKU_MODULE.fullmatch(module)
+    if m is None or (m.group(3) is not None) != (m.group(1) == 'lstm'):
+      _fail(path, f'Haiku parameters: module {module!r} is none of embed, lstm*/linear, '
+            'conv2_d*, linear*')
+    by_kind.setdefault(_HAIKU_KIND[m.group(1)], []).append((int(m.group(2) or 0), module, leaves))
+  return {k: [(name, leaves) for _, name, leaves in sorted(v)] for k, v in by_kind.items()}
+
+
+def _haiku_layer(flayer, leaves) -> Dict[str, np.ndarray]:
+  """One Haiku module in the layout of the Flax layer (None if it does not fit)."""
+  if 'ii' in flayer:
+    h, d_in = flayer['hi']['kernel'].shape[0], flayer['ii']['kernel'].shape[0]
+    w, b = leaves.get('w'), leaves.get('b')
+    if w is None or b is None or w.shape != (d_in + h, 4 * h) or b.shape != (4 * h,):
+      return None
+    out = {}
+    for gate in GATES:  # Haiku's columns: i, g, f, o
+      cols = slice('igfo'.index(gate) * h, ('igfo'.index(gate) + 1) * h)
+      out[f'i{gate}/kernel'] = w[:d_in, cols]
+      out[f'h{gate}/kernel'] = w[d_in:, cols]
+      out[f'h{gate}/bias'] = b[cols] + (1.0 if gate == 'f' else 0.0)
+    return out
+  names = {'embedding': 'embeddings', 'kernel': 'w', 'bias': 'b'}
+  if set(leaves) != {names[k] for k in flayer}:
+    return None
+  out = {k: leaves[names[k]] for k in flayer}
+  return out if all(np.shape(out[k]) == np.shape(flayer[k]) for k in flayer) else None
+
+
+def _from_haiku(path, got, template) -> dict:
+  theirs = _haiku_layers(path, got)
+  ours: Dict[str, list] = {}
+  for fname, flayer in _flax_layers(template):
+    ours.setdefault(_kind(flayer), []).append((fname, flayer))
+  flat = {}
+  for kind in sorted(set(ours) | set(theirs)):
+    mine, held = ours.get(kind, []), theirs.get(kind, [])
+    if len(mine) != len(held):
+      _fail(path, f'Haiku parameters: {len(held)} {kind} layer(s) in the file '
+            f'({[n for n, _ in held]}), {len(mine)} in the model ({[n for n, _ in mine]})')
+    for (fname, flayer), (hname, leaves) in zip(mine, held):
+      conv = _haiku_layer(flayer, leaves)
+      if conv is None:
+        _fail(path, f'Haiku parameters: {hname} {_shape(leaves)} does not fit the model\'s '
+              f'{fname} {_shape(flayer)}')
+      flat.update({f'{fname}/{k}': np.asarray(v, np.float32) for k, v in conv.items()})
   return _unflatten({k: flat[k] for k in flat_params(template)})
 
 
