@@ -72,6 +72,8 @@ def main():
   p.add_argument('--seed', type=int, default=0)
   p.add_argument('--vocab_size', type=int, default=10000)
   p.add_argument('--max_length', type=int, default=20)
+  p.add_argument('--save_init', default=None, help="Write the model's initial parameters here "
+                 "(a .npz of Haiku's module/name keys: the project's --init_weights reads it).")
   a = p.parse_args()
   if a.model == 'lstm':
     train, test, model = stackoverflow(a)
@@ -85,7 +87,11 @@ def main():
   hp = fedjax.ShuffleRepeatBatchHParams(batch_size=a.batch_size, num_epochs=1)
   alg = fedjax.algorithms.fed_avg.federated_averaging(
       grad_fn, fedjax.optimizers.sgd(a.client_lr), fedjax.optimizers.sgd(1.0), hp)
-  state = alg.init(model.init(jax.random.PRNGKey(a.seed)))
+  params = model.init(jax.random.PRNGKey(a.seed))
+  if a.save_init:
+    np.savez(a.save_init, **{f'{m}/{n}': np.asarray(v) for m, d in params.items()
+                             for n, v in d.items()})
+  state = alg.init(params)
   sampler = fedjax.client_samplers.UniformGetClientSampler(train, a.cohort_size, seed=a.seed)
   seconds = []
   for _ in range(a.rounds):

@@ -81,10 +81,18 @@ def peak_of(out):
   return None
 
 
+def init_file(a, model, seed):
+  """Where ``--same_init`` keeps FedJAX's initial parameters of a row and seed."""
+  os.makedirs(os.path.join(a.work_dir, 'init'), exist_ok=True)
+  return os.path.join(a.work_dir, 'init', f'{model}_{seed}.npz')
+
+
 def fedjax_run(a, model, cohort, seed):
   argv = [os.path.join(HERE, 'fedjax_side.py'), f'--data_dir={a.work_dir}/{TASKS[model][0]}',
           f'--model={model}', f'--cohort_size={cohort}', f'--rounds={a.rounds}',
           f'--batch_size={a.batch_size}', f'--client_lr={a.client_lr}', f'--seed={seed}']
+  if a.same_init:
+    argv.append(f'--save_init={init_file(a, model, seed)}')
   out, wall = run_child(_wrapped(a.fedjax_python, argv))
   rec = json.loads(next(l for l in out.splitlines() if l.startswith('{')))
   return {'s_per_round': rec['s_per_round'], 'accuracy': rec['accuracy'],
@@ -96,11 +104,14 @@ def fedjax_run(a, model, cohort, seed):
 def project_run(a, model, cohort, seed, extra=()):
   out_dir = os.path.join(a.work_dir, 'runs', f'{model}_{cohort}')
   dataset, name, init = TASKS[model]
+  # FedJAX's own first weights (--same_init), else the model's initialisation convention.
+  start = (f'--init_weights={init_file(a, model, seed)}' if a.same_init
+           else f'--model_init={init}')
   # Stack Overflow accuracy as FedJAX's side reports it (accuracy_in_vocab).
   task = (['--vocab_size=10000', '--stackoverflow_accuracy=fedjax_in_vocab']
           if dataset == 'stackoverflow' else [])
   argv = [os.path.join(ROOT, 'scripts', 'run_experiment.py'), f'--dataset={dataset}',
-          f'--data_dir={a.work_dir}/{dataset}', f'--model={name}', f'--model_init={init}',
+          f'--data_dir={a.work_dir}/{dataset}', f'--model={name}', start,
           '--algorithm=fedavg', *task,
           f'--cohort_size={cohort}', f'--batch_size={a.batch_size}', f'--client_lr={a.client_lr}',
           f'--rounds={a.rounds}', '--eval_every=0', '--progress=false', f'--seed={seed}',
@@ -174,12 +185,17 @@ def main():
   p.add_argument('--warm_cache', action='store_true', help='The project\'s runs share a '
                  'persistent compilation cache in --work_dir/xla (the first repeat fills it); '
                  'by default each run compiles from nothing (--compilation_cache=off).')
+  p.add_argument('--same_init', action='store_true', help="Both sides start from FedJAX's "
+                 "initial parameters of the seed (FedJAX's side saves them, the project reads "
+                 'them with --init_weights).')
   p.add_argument('--project_only', action='store_true', help="The project's variants alone "
                  "(FedJAX's side not run; no ratios): comparing executors or flags.")
   p.add_argument('--output', default=None)
   p.add_argument('--dry_run', action='store_true', help='Check the rows and print the plan.')
   a = p.parse_args()
   a.fedjax_python = os.path.expanduser(a.fedjax_python)
+  if a.same_init and a.project_only:
+    p.error('--same_init takes the initial parameters from FedJAX\'s side: drop --project_only')
   for row in a.rows.split(','):
     model, _, cohort = row.partition(':')
     if model not in TASKS or not cohort.isdigit():
