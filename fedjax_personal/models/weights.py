@@ -42,7 +42,7 @@ naming ``--init_weights`` and the first layer that differs.
 import os
 import re
 import zipfile
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -264,7 +264,7 @@ def _haiku_layers(path, got) -> Dict[str, List[Tuple[str, Dict[str, np.ndarray]]
   return {k: [(name, leaves) for _, name, leaves in sorted(v)] for k, v in by_kind.items()}
 
 
-def _haiku_layer(flayer, leaves) -> Dict[str, np.ndarray]:
+def _haiku_layer(flayer, leaves) -> Optional[Dict[str, np.ndarray]]:
   """One Haiku module in the layout of the Flax layer (None if it does not fit)."""
   if 'ii' in flayer:
     h, d_in = flayer['hi']['kernel'].shape[0], flayer['ii']['kernel'].shape[0]
@@ -272,8 +272,9 @@ def _haiku_layer(flayer, leaves) -> Dict[str, np.ndarray]:
     if w is None or b is None or w.shape != (d_in + h, 4 * h) or b.shape != (4 * h,):
       return None
     out = {}
-    for gate in GATES:  # Haiku's columns: i, g, f, o
-      cols = slice('igfo'.index(gate) * h, ('igfo'.index(gate) + 1) * h)
+    for gate in GATES:
+      at = 'igfo'.index(gate)  # Haiku's columns: i, g, f, o
+      cols = slice(at * h, (at + 1) * h)
       out[f'i{gate}/kernel'] = w[:d_in, cols]
       out[f'h{gate}/kernel'] = w[d_in:, cols]
       out[f'h{gate}/bias'] = b[cols] + (1.0 if gate == 'f' else 0.0)
