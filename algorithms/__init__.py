@@ -21,7 +21,7 @@ from fedjax_personal.core.training import sgd_finetune
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 
-__all__ = ['AlgorithmSpec', 'apfl', 'build', 'cfl', 'config_classes', 'ConfigError', 'ditto',
+__all__ = ['AlgorithmSpec', 'apfl', 'build', 'cfl', 'check_model_state', 'config_classes', 'ConfigError', 'ditto',
            'fedavg', 'feddyn', 'FederatedAlgorithm', 'FederatedData', 'fedfomo', 'fednova', 'make',
            'fedprox', 'fedsgd', 'local', 'Model', 'oracle', 'partial', 'perfedavg',
            'persistent_client_optimizer', 'pfeddyn', 'pfedme', 'qffl', 'register', 'REGISTRY',
@@ -48,6 +48,7 @@ REGISTRY: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in [
     partial.FEDREP_SPEC,
     partial.FEDPER_SPEC,
     partial.LG_FEDAVG_SPEC,
+    partial.FEDBN_SPEC,
     pfedme.SPEC,
     ditto.SPEC,
     apfl.SPEC,
@@ -165,6 +166,27 @@ def build_algorithm(spec: AlgorithmSpec, training: TrainingConfig, config, model
   return make(spec, training, config, model, data)
 
 
+def check_model_state(spec: AlgorithmSpec, model: Model) -> None:
+  """Refuses a model with batch statistics (``Model.collections``) for an
+  algorithm that does not carry them (``AlgorithmSpec.model_state``).
+
+  Args:
+    spec: the registry entry.
+    model: the model.
+
+  Returns:
+    None.
+
+  Raises:
+    ConfigError naming --model.
+  """
+  if getattr(model, 'collections', ()) and not spec.model_state:
+    able = sorted(n for n, s in REGISTRY.items() if s.model_state)
+    raise ConfigError('model', f'{model.name} keeps {", ".join(model.collections)} (batch '
+                      f'statistics), which {spec.name} does not carry; algorithms that do: '
+                      f'{", ".join(able)}')
+
+
 def make(spec: AlgorithmSpec, training: TrainingConfig, config, model, data):
   """Builds the algorithm from settings already validated for ``spec``: its
   defaults filled in, evaluation fine-tuning added when asked for and the
@@ -181,6 +203,7 @@ def make(spec: AlgorithmSpec, training: TrainingConfig, config, model, data):
   Returns:
     The algorithm.
   """
+  check_model_state(spec, model)
   training = spec.resolve(training)
   alg = spec.build(training, config, model, data)
   if alg.finetune is None and training.finetune_steps and 'finetune_steps' in spec.uses:

@@ -61,10 +61,10 @@ def ditto(model: Model, num_clients: int, client_optimizer: optax.GradientTransf
 
   def step(ctx, w, v, batch):
     grad = lambda p: jax.value_and_grad(lambda q: batch_loss(model, q, batch), has_aux=True)(p)
-    gw = grad(w)[1]
-    (_, s), gv = grad(v)
+    (_, aux_w), gw = grad(w)
+    (_, aux_v), gv = grad(v)
     gv = jax.tree.map(lambda g, a, w0: g + lam * (a - w0), gv, v, ctx.shared)
-    return gw, gv, s
+    return gw, gv, aux_v, aux_w
 
   work = two_model_work(step, batching, client_optimizer, personal_optimizer or client_optimizer)
   return global_personal_algorithm('ditto', model, num_clients, work, server_optimizer, weighting,
@@ -81,4 +81,5 @@ def build(training, config: DittoConfig, model, data):
 
 
 SPEC = AlgorithmSpec('ditto', DittoConfig, build, FEDAVG_SETTINGS,
+                     model_state=True,
                      summary='Ditto (Li et al. 2021): personal models with a proximal term')

@@ -400,8 +400,10 @@ def check(training, config: FedAvgConfig):
 FEDAVG_SETTINGS = CLIENT_OPTIMIZER | BATCHING | WEIGHTING | SERVER_OPTIMIZER | FINETUNE
 
 SPEC = AlgorithmSpec('fedavg', FedAvgConfig, build, FEDAVG_SETTINGS, check=check,
+                     model_state=True,
                      summary='FedAvg (McMahan et al. 2017), server optimizer optional')
 FT_SPEC = AlgorithmSpec('fedavg_ft', FedAvgConfig,
                         lambda t, c, m, d: build(t, c, m, d, name='fedavg_ft'), FEDAVG_SETTINGS,
                         default_finetune_steps=5, check=check,
+                        model_state=True,
                         summary='FedAvg + local fine-tuning before evaluation (5 steps)')

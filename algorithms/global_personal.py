@@ -19,8 +19,8 @@ from fedjax_personal.core.algorithm import (ClientModels, ClientRows, Communicat
                                             FederatedAlgorithm, cohort_train_metrics)
 from fedjax_personal.algorithms.fedavg import server_step, summed_upload
 from fedjax_personal.models import Model
-from fedjax_personal.core.training import (ClientWork, LossStats, client_opt_init, opt_update,
-                                      zero_stats)
+from fedjax_personal.core.training import (ClientWork, LossStats, client_opt_init,
+                                           keep_model_state, opt_update, zero_stats)
 from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes
 
 
@@ -113,7 +113,11 @@ def two_model_work(step_fn: Callable, batching, opt_w: optax.GradientTransformat
   each with its optimizer.
 
   ``step_fn(ctx, w, v, batch) -> (grad_w, grad_v, LossStats)``: the
-  gradients the two optimizers apply this step.
+  gradients the two optimizers apply this step; with a model that keeps
+  batch statistics, ``(grad_w, grad_v, aux_v, aux_w)``: what the objective
+  returned beside the loss for each model (``training.StatsAndState``), each
+  model then keeping its own forward pass's statistics
+  (``training.keep_model_state``).
 
   Args:
     step_fn: one local step of both models.
@@ -138,11 +142,14 @@ def two_model_work(step_fn: Callable, batching, opt_w: optax.GradientTransformat
   def step(ctx, carry, batch, key):
     del key
     w, v, (sw, sv), stats = carry
-    gw, gv, s = step_fn(ctx, w, v, batch)
+    gw, gv, s, *aux_w = step_fn(ctx, w, v, batch)
     uw, sw = opt_update(opt_w, gw, sw, w, ctx)
     uv, sv = opt_update(opt_v, gv, sv, v, ctx)
-    return (optax.apply_updates(w, uw), optax.apply_updates(v, uv), (sw, sv),
-            jax.tree.map(lambda a, b: a + b, stats, s))
+    w, v = optax.apply_updates(w, uw), optax.apply_updates(v, uv)
+    v, s = keep_model_state(v, s)
+    if aux_w:
+      w, _ = keep_model_state(w, aux_w[0])
+    return w, v, (sw, sv), jax.tree.map(lambda a, b: a + b, stats, s)
 
   def final(ctx, carry):
     w, v, _, stats = carry

@@ -83,4 +83,5 @@ def build(training, config, model, data):
 
 
 SPEC = AlgorithmSpec('local', NoConfig, build, CLIENT_OPTIMIZER | BATCHING | FINETUNE,
+                     model_state=True,
                      summary='Local training: each client alone')

@@ -92,4 +92,5 @@ def build(training, config, model, data):
 
 
 SPEC = AlgorithmSpec('oracle', NoConfig, build, FEDAVG_SETTINGS,
+                     model_state=True,
                      summary='Oracle clusters: one FedAvg per known group')

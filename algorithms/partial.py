@@ -34,14 +34,15 @@ from fedjax_personal.config import AlgorithmSpec, Declared, hparam
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 from fedjax_personal.core.personalization import ParamSplit, make_split
-from fedjax_personal.core.training import (ClientWork, LossStats, client_opt_init, local_sgd,
-                                      opt_update, plain_objective, zero_stats)
+from fedjax_personal.core.training import (ClientWork, LossStats, StatsAndState, client_opt_init,
+                                           keep_model_state, local_sgd, opt_update,
+                                           plain_objective, zero_stats)
 from optax import tree_utils as otu
 from fedjax_personal.core.tree_util import (leading_size, rows, tree_broadcast, tree_bytes,
                                             tree_scatter, tree_where)
 
-__all__ = ['FEDALT_SPEC', 'FEDPER_SPEC', 'FEDREP_SPEC', 'FEDSIM_SPEC', 'LG_FEDAVG_SPEC',
-           'partial_personalization', 'PartialCarry', 'PartialConfig', 'PartialOutput',
+__all__ = ['FEDALT_SPEC', 'FEDBN_SPEC', 'FEDPER_SPEC', 'FEDREP_SPEC', 'FEDSIM_SPEC',
+           'LG_FEDAVG_SPEC', 'partial_personalization', 'parts_with_state', 'PartialCarry', 'PartialConfig', 'PartialOutput',
            'PartialState']
 
 
@@ -54,7 +55,7 @@ class PartialConfig(Declared):
   help, range, sweepable)."""
   prefix: ClassVar[str] = 'partial'
   personal_part: str = hparam('output', "fedalt/fedsim: personal parameters: input, output, "
-                              "adapter, all_but_output, all, block:<i>, or split:<regex>,...")
+                              "adapter, norm, all_but_output, all, block:<i>, or split:<regex>,...")
   personal_lr: Optional[float] = hparam(None, 'Learning rate of the personal parameters '
                                         '(default: --client_lr).', minimum=0, open_min=True,
                                         sweep=True)
@@ -112,6 +113,27 @@ def combined_batching(shared: Batching, personal: Batching) -> Batching:
                   num_steps=shared.num_steps + personal.num_steps)
 
 
+def parts_with_state(split: ParamSplit, shared: dict, personal: dict, aux):
+  """The two parts after a step, each with the batch statistics its
+  forward pass computed (a model with ``collections``: FedBN's personal
+  BatchNorm, FedAvg's shared one), and the step's ``LossStats``.
+
+  Args:
+    split: the ``ParamSplit``.
+    shared: u after the step.
+    personal: v after the step.
+    aux: the objective's ``LossStats`` or ``StatsAndState``.
+
+  Returns:
+    ``(shared, personal, LossStats)``.
+  """
+  if not isinstance(aux, StatsAndState):
+    return shared, personal, aux
+  full, stats = keep_model_state(split.merge(shared, personal), aux)
+  shared, personal = split.split(full)
+  return shared, personal, stats
+
+
 def personal_finetune(model: Model, split: ParamSplit, learning_rate: float, batching: Batching):
   """Evaluation fine-tuning of the personal leaves only (shared leaves frozen),
   on the client's training split, by plain SGD."""
@@ -119,8 +141,15 @@ def personal_finetune(model: Model, split: ParamSplit, learning_rate: float, bat
 
   def finetune(params, local, key):
     shared, personal = split.split(params)
-    personal, _ = local_sgd(personal, lambda v, batch: objective(split.merge(shared, v), batch),
-                            optax.sgd(learning_rate), local.train, key, batching)
+
+    def personal_objective(v, batch):
+      loss, aux = objective(split.merge(shared, v), batch)
+      if isinstance(aux, StatsAndState):  # the personal part's new statistics
+        _, v_new, stats = parts_with_state(split, shared, v, aux)
+        aux = StatsAndState(stats, v_new)
+      return loss, aux
+    personal, _ = local_sgd(personal, personal_objective, optax.sgd(learning_rate), local.train,
+                            key, batching)
     return split.merge(shared, personal)
   return finetune
 
@@ -192,6 +221,7 @@ def partial_personalization(model: Model, num_clients: int, split: ParamSplit, m
       personal_phase = carry.count < carry.personal_steps
       u, new_opt_u = tree_where(personal_phase, (carry.shared, opt_u), (u, new_opt_u))
       v, new_opt_v = tree_where(personal_phase, (v, new_opt_v), (carry.personal, opt_v))
+    u, v, stats = parts_with_state(split, u, v, stats)  # batch statistics of this forward pass
     return carry.replace(shared=u, personal=v, opt_state=(new_opt_u, new_opt_v),
                          count=carry.count + 1, stats=jax.tree.map(jnp.add, carry.stats, stats))
 
@@ -259,20 +289,26 @@ def _build(mode, personal_part=None, head_ratio=1, name=None):
 _PART = frozenset({'personal_part'})
 _EPOCHS = frozenset({'personal_epochs'})
 FEDALT_SPEC = AlgorithmSpec('fedalt', PartialConfig, _build('alt'), FEDAVG_SETTINGS,
+                            model_state=True,
                             summary='FedAlt (Pillutla et al. 2022): alternating partial '
                             'personalization')
 FEDSIM_SPEC = AlgorithmSpec('fedsim', PartialConfig, _build('sim'), FEDAVG_SETTINGS,
+                            model_state=True,
                             ignores=_EPOCHS, summary='FedSim: simultaneous partial '
                             'personalization')
 FEDREP_SPEC = AlgorithmSpec('fedrep', PartialConfig,
                             _build('alt', 'output', head_ratio=5, name='fedrep'),
-                            FEDAVG_SETTINGS, ignores=_PART,
+                            FEDAVG_SETTINGS, ignores=_PART, model_state=True,
                             summary='FedRep (Collins et al. 2021): FedAlt, personal head, 5x '
                             'head phase')
 FEDPER_SPEC = AlgorithmSpec('fedper', PartialConfig, _build('sim', 'output', name='fedper'),
-                            FEDAVG_SETTINGS, ignores=_PART | _EPOCHS,
+                            FEDAVG_SETTINGS, ignores=_PART | _EPOCHS, model_state=True,
                             summary='FedPer (Arivazhagan et al. 2019): FedSim, personal head')
+FEDBN_SPEC = AlgorithmSpec('fedbn', PartialConfig, _build('sim', 'norm', name='fedbn'),
+                           FEDAVG_SETTINGS, ignores=_PART | _EPOCHS, model_state=True,
+                           summary='FedBN (Li et al. 2021): FedAvg with every BatchNorm layer '
+                           '(scale, bias, running statistics) kept on its client')
 LG_FEDAVG_SPEC = AlgorithmSpec('lg_fedavg', PartialConfig,
                                _build('sim', 'all_but_output', name='lg_fedavg'),
-                               FEDAVG_SETTINGS, ignores=_PART | _EPOCHS,
+                               FEDAVG_SETTINGS, ignores=_PART | _EPOCHS, model_state=True,
                                summary='LG-FedAvg (Liang et al. 2020): FedSim, personal body')

@@ -266,6 +266,16 @@ class AlgorithmSpec:
     summary: one line for ``--algorithm``'s help.
     needs_validation: the algorithm needs a per-client validation split
       (the CLI then holds out 0.1 unless ``--val_fraction`` says otherwise).
+    model_state: the algorithm carries a model's mutable collections
+      (batch statistics, ``models.Model.collections``) with its parameters:
+      its client steps keep what each forward pass computed
+      (``training.keep_model_state``); a model with batch statistics is
+      refused by an algorithm without it.
+
+  ``uses`` and ``ignores`` are checked when the spec is made: a name that is
+  no ``TrainingConfig`` field, or no field of ``config``, is refused (a
+  misspelled setting would otherwise be refused as "does nothing" for the
+  algorithm whose file names it).
   """
   name: str
   config: type
@@ -277,6 +287,22 @@ class AlgorithmSpec:
   check: Optional[Callable] = None
   summary: str = ''
   needs_validation: bool = False
+  model_state: bool = False
+
+  def __post_init__(self):
+    training = [f.name for f in dataclasses.fields(TrainingConfig)]
+    bad = sorted(set(self.uses) - set(training))
+    if bad:
+      raise ValueError(f'algorithm {self.name!r}: uses names {bad}, which are not shared '
+                       f'training settings; they are {training}')
+    if not (isinstance(self.config, type) and dataclasses.is_dataclass(self.config)):
+      raise TypeError(f'algorithm {self.name!r}: config must be a dataclass type, got '
+                      f'{self.config!r}')
+    own = [f.name for f in dataclasses.fields(self.config)]
+    bad = sorted(set(self.ignores) - set(own))
+    if bad:
+      raise ValueError(f'algorithm {self.name!r}: ignores names {bad}, which are not fields of '
+                       f'{self.config.__name__}; they are {own}')
 
   def weighting(self, training: TrainingConfig) -> str:
     return training.weighting or self.default_weighting

@@ -13,6 +13,9 @@ Presets:
   * 'adapter': every module whose name contains 'adapter' (residual adapters,
     see ``models``' ``adapter_dim``) and every norm layer named 'norm*' (the
     partial-personalization seed's adapter part keeps the norms personal);
+  * 'norm': every batch-normalization layer, its scale, bias and running
+    statistics (FedBN, Li et al., ICLR 2021, arXiv 2102.07623: BatchNorm
+    stays on the client);
   * 'block:<i>': the module 'block_<i>' (a transformer block, a ResNet stage:
     the seed's 'tr_layer' / 'res_layer' with ``--layers_to_finetune i``);
   * 'all_but_output': everything except the head (LG-FedAvg: local
@@ -23,6 +26,8 @@ Presets:
 
 Parameters are split into two flat dicts {path: array} so that the shared
 part can be uploaded and averaged alone, and merged back for the forward pass.
+A model with batch statistics (``models.Model.collections``) is split by the
+module paths under its ``params``; a module's statistics go with it.
 """
 
 import dataclasses
@@ -34,7 +39,7 @@ from flax import traverse_util
 __all__ = ['flatten', 'make_split', 'ParamSplit', 'unflatten']
 
 
-PRESETS = ('input', 'output', 'adapter', 'all_but_output', 'all', 'block:<i>')
+PRESETS = ('input', 'output', 'adapter', 'norm', 'all_but_output', 'all', 'block:<i>')
 INPUT_LAYERS = ('embed', 'stem', 'conv_0', 'hidden_0', 'dense_0')  # names used by ``models``
 
 
@@ -102,8 +107,18 @@ def make_split(spec: str, params) -> ParamSplit:
   Returns:
     The ``ParamSplit``.
   """
+  variables = _is_variables(params)
+  if variables:  # a model with batch statistics: its 'params' name the modules
+    stats = flatten({c: v for c, v in params.items() if c != 'params'})
+    params = params['params']
   top = list(params.keys())  # (pytree dict keys come sorted: order says nothing)
-  if spec == 'input':
+  if spec == 'norm':
+    normed = {k.split('/', 1)[1].rsplit('/', 1)[0] for k in stats} if variables else set()
+    if not normed:
+      raise ValueError("personal part 'norm': the model has no batch normalization (no "
+                       'batch_stats collection: nn.BatchNorm)')
+    pred = lambda p: p.rsplit('/', 1)[0] in normed
+  elif spec == 'input':
     first = next((n for n in INPUT_LAYERS if n in top), None)
     if first is None:
       raise ValueError(f"personal part 'input': no input layer among {top} "
@@ -138,6 +153,18 @@ def make_split(spec: str, params) -> ParamSplit:
   else:
     raise ValueError(f"unknown personal part {spec!r}; choose one of {list(PRESETS)} "
                      "or 'split:<regex>,...'")
+  if variables:  # a path inside a collection names its module after the collection
+    module_pred = pred
+    pred = lambda p: module_pred(p.split('/', 1)[1])
+    params = {'params': params, **unflatten(stats)}
   s = ParamSplit(spec, pred)
   s.check(params)
   return s
+
+
+def _is_variables(params) -> bool:
+  """Whether ``params`` is a stateful model's variables (``{'params': ...,
+  'batch_stats': ...}``, ``models.Model.collections``), not Flax's
+  ``params`` alone."""
+  return (isinstance(params, dict) and 'params' in params and len(params) > 1
+          and all(isinstance(v, dict) for v in params.values()))

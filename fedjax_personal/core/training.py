@@ -17,9 +17,9 @@ from fedjax_personal.models import Model
 from fedjax_personal.core.tree_util import tree_where
 
 __all__ = ['Batch', 'batch_loss', 'client_opt_init', 'ClientContext', 'ClientWork', 'dp_gradient',
-           'evaluate_params', 'get_batch', 'local_sgd', 'LossStats',
+           'evaluate_params', 'get_batch', 'keep_model_state', 'local_sgd', 'LossStats',
            'opt_update', 'part', 'per_example_stats', 'plain_objective', 'PyTree', 'run_work',
-           'sgd_client_work', 'sgd_finetune', 'SGDCarry', 'unroll_steps', 'work_batch_indices',
+           'sgd_client_work', 'sgd_finetune', 'SGDCarry', 'StatsAndState', 'unroll_steps', 'work_batch_indices',
            'work_init', 'work_num_steps', 'work_step', 'zero_stats']
 
 
@@ -164,12 +164,51 @@ def batch_loss(model: Model, params, batch: Batch):
   Returns:
     ``(loss, LossStats)``.
   """
-  logits = (model.train_apply(params, batch.x, batch.key)
-            if model.train_apply is not None and batch.key is not None
-            else model.apply(params, batch.x))
+  state = None
+  if model.train_state is not None and batch.key is not None:
+    logits, state = model.train_state(params, batch.x, batch.key, batch.mask)
+  elif model.train_apply is not None and batch.key is not None:
+    logits = model.train_apply(params, batch.x, batch.key)
+  else:
+    logits = model.apply(params, batch.x)
   stats = per_example_stats(logits, batch.y, batch.mask, model.loss,
                             model.unscored_targets, 0, model.unpredicted)  # no top-k
-  return stats.loss_sum / model.loss_divisor(stats.count, batch.mask, batch.y), stats
+  loss = stats.loss_sum / model.loss_divisor(stats.count, batch.mask, batch.y)
+  return loss, stats if state is None else StatsAndState(stats, state)
+
+
+class StatsAndState(NamedTuple):
+  """What ``batch_loss`` returns beside the loss for a model with mutable
+  collections (``Model.collections``): the batch's ``LossStats`` and the
+  collections its training forward pass computed (the new batch statistics).
+  A step puts them into its parameters with ``keep_model_state``.
+
+  Attributes:
+    stats: the batch's ``LossStats``.
+    state: ``{collection: values}``.
+  """
+  stats: LossStats
+  state: Any
+
+
+def keep_model_state(params, aux):
+  """The parameters after a step, with the model state its forward pass
+  computed (the optimizer never moves a model's batch statistics: their
+  gradient is 0 and whatever it did is replaced), and the step's
+  ``LossStats``.
+
+  Args:
+    params: the parameters after the optimizer's update (a model with
+      collections: its variables, ``Model.collections``).
+    aux: what the objective returned beside the loss (``LossStats`` or
+      ``StatsAndState``).
+
+  Returns:
+    ``(params, LossStats)``.
+  """
+  if isinstance(aux, StatsAndState):
+    return {**params, **aux.state}, aux.stats
+  return params, aux
 
 
 def plain_objective(model: Model):
@@ -549,7 +588,9 @@ def sgd_client_work(objective_fn: Callable, optimizer: optax.GradientTransformat
     if grad_transform is not None:
       grads = grad_transform(grads, carry.params, ctx)
     updates, opt_state = opt_update(optimizer, grads, carry.opt_state, carry.params, ctx)
-    return SGDCarry(params=optax.apply_updates(carry.params, updates), opt_state=opt_state,
+    # a model's batch statistics: those of its forward pass (``keep_model_state``)
+    params, stats = keep_model_state(optax.apply_updates(carry.params, updates), stats)
+    return SGDCarry(params=params, opt_state=opt_state,
                     stats=jax.tree.map(jnp.add, carry.stats, stats),
                     num_steps=carry.num_steps + 1, grad_sum=grad_sum)
 

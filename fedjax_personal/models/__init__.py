@@ -9,9 +9,11 @@ dict.
 """
 
 import dataclasses
+import inspect
 import math
 import os
-from typing import Any, Callable, Optional
+import traceback
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple, Type, Union
 
 import flax.linen as nn
 import jax
@@ -32,7 +34,9 @@ from fedjax_personal.models.layers import (CONV_IMPLS, TILE_BYTES, TILE_MIN_BYTE
                                            to_layout)
 
 
-__all__ = ['Adapter', 'as_float', 'avg_pool_2x2', 'batch_chunk', 'CharLSTM', 'CNN', 'ConfigError',
+__all__ = ['DROPOUT_RNG', 'ModelBuilder', 'ModelOptions', 'model_names', 'NoModelOptions',
+           'option_classes', 'options_class', 'register', 'REGISTERED', 'RegisteredModel',
+           'takes_train', 'Adapter', 'as_float', 'avg_pool_2x2', 'batch_chunk', 'CharLSTM', 'CNN', 'ConfigError',
            'Conv', 'conv_as_matmul', 'CONV_IMPLS', 'conv_layout', 'create_model', 'Dense',
            'flatten', 'from_flax', 'from_layout', 'initializers', 'INITS', 'LeNet5',
            'LogisticRegression', 'LOSS_DENOMINATORS', 'LSTMCell', 'max_pool', 'max_pool_2x2', 'MLP',
@@ -75,6 +79,19 @@ class Model:
       all its positions, padded ones included, FedJAX's Shakespeare
       ``train_loss``). Evaluations report the mean loss of a target
       whatever it is.
+    collections: the module's mutable collections kept with its parameters
+      (Flax's ``batch_stats``): the parameter pytree is then the variables
+      ``{'params': ..., 'batch_stats': ...}``, averaged and kept per client
+      as the parameters are (the PyTorch libraries' ``state_dict``); () for
+      a stateless model, whose pytree is Flax's ``params`` alone.
+    train_arg: the module's ``__call__`` takes Flax's ``train`` argument
+      (``nn.Dropout(deterministic=not train)``, ``nn.BatchNorm(
+      use_running_average=not train)``): ``apply`` passes ``train=False``,
+      training passes ``train=True`` with a dropout key.
+    train_state: ``(params, x, key, mask) -> (logits, new collections)``:
+      a training forward pass of a stateful model (``collections``), its
+      batch statistics over the real examples (``mask``) only; None for a
+      stateless one.
   """
   name: str
   init: Callable[[jax.Array], Any]
@@ -89,6 +106,38 @@ class Model:
   inputs: Any = None
   matmul_precision: Optional[str] = None
   loss_denominator: str = 'targets'
+  collections: Tuple[str, ...] = ()
+  train_arg: bool = False
+  train_state: Optional[Callable[[Any, jax.Array, jax.Array, jax.Array],
+                                 Tuple[jax.Array, Any]]] = None
+
+  def variables(self, params):
+    """The Flax variables of ``params`` (``{'params': params}``, or
+    ``params`` itself for a model with ``collections``).
+
+    Args:
+      params: the model's parameter pytree.
+
+    Returns:
+      The variables dict ``module.apply`` takes.
+    """
+    return params if self.collections else {'params': params}
+
+  def with_state(self, params, state):
+    """``params`` with its ``collections`` replaced by ``state`` (what a
+    training forward pass returned); ``params`` as it is when ``state`` is
+    None.
+
+    Args:
+      params: the model's parameter pytree.
+      state: ``{collection: values}`` or None.
+
+    Returns:
+      The parameter pytree.
+    """
+    if state is None or not self.collections:
+      return params
+    return {**params, **{c: state[c] for c in self.collections}}
 
   def loss_divisor(self, counted_targets, mask, y):
     """What a batch's summed training loss is divided by
@@ -119,9 +168,9 @@ class Model:
     if self.inputs is not None:
       x = self.inputs.evaluate(x)
     if self.matmul_precision is None:
-      return self.module.apply({'params': params}, x, method='features')
+      return self.module.apply(self.variables(params), x, method='features')
     with numerics.precision(self.matmul_precision):
-      return self.module.apply({'params': params}, x, method='features')
+      return self.module.apply(self.variables(params), x, method='features')
 
   def at_matmul_precision(self, name: str) -> 'Model':
     """This model with ``apply`` and ``train_apply`` traced at matmul
@@ -138,8 +187,11 @@ class Model:
       return self
     train_apply = (None if self.train_apply is None
                    else numerics.scoped(self.train_apply, name))
+    train_state = (None if self.train_state is None
+                   else numerics.scoped(self.train_state, name))
     return dataclasses.replace(self, apply=numerics.scoped(self.apply, name),
-                               train_apply=train_apply, matmul_precision=name)
+                               train_apply=train_apply, train_state=train_state,
+                               matmul_precision=name)
 
   def scoring_only_words(self, ids, top_k: int = 5, unpredicted=(),
                          definition: str = '') -> 'Model':
@@ -168,11 +220,12 @@ class Model:
     if (getattr(module, 'conv_impl', None) != 'auto' or jax.default_backend() != 'cpu'):
       return self
     forward, transform = module.clone(conv_impl='xla'), self.inputs
+    variables, kw = self.variables, ({'train': False} if self.train_arg else {})
 
     def apply(params, x):
       if transform is not None:
         x = transform.evaluate(x)
-      return forward.apply({'params': params}, x)
+      return forward.apply(variables(params), x, **kw)
     if self.matmul_precision is not None:
       apply = numerics.scoped(apply, self.matmul_precision)
     return dataclasses.replace(self, apply=apply, module=forward)
@@ -184,8 +237,52 @@ class Model:
     return dataclasses.replace(self, init=lambda key: params)
 
 
+#: The Flax rng stream ``nn.Dropout`` draws from.
+DROPOUT_RNG = 'dropout'
+#: Collections a module may create that are not model state.
+_NOT_STATE = ('params', 'intermediates', 'losses')
+
+
+def takes_train(module: nn.Module) -> bool:
+  """Whether a Linen module's ``__call__`` takes Flax's ``train`` argument.
+
+  Args:
+    module: a Flax Linen module.
+
+  Returns:
+    True when ``train`` is among its parameters.
+  """
+  try:
+    return 'train' in inspect.signature(type(module).__call__).parameters
+  except (TypeError, ValueError):
+    return False
+
+
+def _batch_norm_mask(mask):
+  """A Flax method interceptor giving every ``nn.BatchNorm`` of a training
+  forward pass the batch's real examples as its ``mask``: a padded row never
+  enters the batch statistics (PyTorch's last, smaller batch)."""
+  def interceptor(next_fun, args, kwargs, context):
+    if (isinstance(context.module, nn.BatchNorm) and context.method_name == '__call__'
+        and kwargs.get('mask') is None and args and jnp.ndim(args[0]) >= 1
+        and jnp.shape(args[0])[0] == mask.shape[0]):
+      x = args[0]
+      kwargs = {**kwargs, 'mask': mask.reshape((-1,) + (1,) * (x.ndim - 1))}
+    return next_fun(*args, **kwargs)
+  return interceptor
+
+
 def from_flax(name: str, module: nn.Module, sample_x) -> Model:
   """Wraps a Linen module into the pure (init, apply) pair.
+
+  A module whose ``__call__`` takes ``train`` (Flax's convention:
+  ``nn.Dropout(rate, deterministic=not train)``, ``nn.BatchNorm(
+  use_running_average=not train)``) is evaluated with ``train=False`` and
+  trained with ``train=True`` and a dropout key (``rngs={'dropout': key}``,
+  the training step's own: ``core.training``). Mutable collections its
+  ``init`` creates (``batch_stats``) are kept with the parameters
+  (``Model.collections``): a training step's forward pass updates them, the
+  batch statistics over the batch's real examples only.
 
   Args:
     name: the model's name.
@@ -196,10 +293,33 @@ def from_flax(name: str, module: nn.Module, sample_x) -> Model:
     The ``Model``.
   """
   sample_x = jnp.asarray(sample_x)[:1]
-  return Model(name=name,
-               init=lambda key: module.init(key, sample_x)['params'],
-               apply=lambda params, x: module.apply({'params': params}, x),
-               module=module)
+  train_arg = takes_train(module)
+  evaluate = {'train': False} if train_arg else {}
+  made = jax.eval_shape(lambda k: module.init(k, sample_x, **evaluate), jax.random.key(0))
+  collections = tuple(sorted(c for c in made if c not in _NOT_STATE))
+  if collections and not train_arg:
+    raise ConfigError('model', f'model {name!r} has mutable collections {list(collections)} but '
+                      "its __call__ takes no train argument: give it one (Flax's convention, "
+                      'nn.BatchNorm(use_running_average=not train))')
+  if collections:
+    keep = ('params',) + collections
+    init = lambda key: {c: v for c, v in module.init(key, sample_x, **evaluate).items()
+                        if c in keep}
+    apply = lambda params, x: module.apply(params, x, train=False)
+  else:
+    init = lambda key: module.init(key, sample_x, **evaluate)['params']
+    apply = lambda params, x: module.apply({'params': params}, x, **evaluate)
+  train_apply, train_state = None, None
+  if train_arg and not collections:
+    train_apply = lambda params, x, key: module.apply({'params': params}, x, train=True,
+                                                      rngs={DROPOUT_RNG: key})
+  if collections:
+    def train_state(params, x, key, mask):
+      with nn.intercept_methods(_batch_norm_mask(mask)):
+        return module.apply(params, x, train=True, rngs={DROPOUT_RNG: key},
+                            mutable=list(collections))
+  return Model(name=name, init=init, apply=apply, module=module, train_apply=train_apply,
+               collections=collections, train_arg=train_arg, train_state=train_state)
 
 
 # name -> (num_classes, adapter_dim, conv_impl, init) -> module.
@@ -303,6 +423,151 @@ LOSS_DENOMINATORS = {'fedjax_lstm_lm': 'examples', 'fedjax_char_lstm': 'position
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelOptions(Declared):
+  """The base of a registered model's own options: a frozen dataclass of
+  ``hparam`` fields (its flags generated like a data set's options; give it
+  a ``prefix`` ClassVar so that they read ``--<prefix>_<field>``). Its
+  fields reach the model's ``build`` by name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NoModelOptions(ModelOptions):
+  """The options of a model that has none."""
+
+
+class ModelBuilder(Protocol):
+  """What ``register`` takes: ``build(num_classes=..., **options)``.
+
+  It is given the data set's number of classes as ``num_classes`` and each
+  field of the model's options class it names, and returns a Flax Linen
+  module (``__call__(self, x, train: bool)`` when it has dropout or batch
+  normalization: Flax's convention) or a ``Model``.
+  """
+
+  def __call__(self, *, num_classes: int, **options: Any) -> Union[nn.Module, 'Model']:
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisteredModel:
+  """A model registered from outside the built-in table.
+
+  Attributes:
+    build: its ``ModelBuilder``.
+    options: its ``ModelOptions`` class (``NoModelOptions`` when none).
+  """
+  build: Callable[..., Any]
+  options: Type[ModelOptions]
+
+
+#: Models registered with ``register`` (the user's own file, ``--import``).
+REGISTERED: Dict[str, RegisteredModel] = {}
+
+
+def _builder_params(name: str, build: Callable, options: Type[ModelOptions]) -> None:
+  """Refuses a builder whose signature names something it would never be
+  given (a misspelled option silently left at its default)."""
+  try:
+    params = inspect.signature(build).parameters
+  except (TypeError, ValueError):
+    raise TypeError(f'model {name!r}: build must be a function of num_classes, got '
+                    f'{build!r}') from None
+  given = ['num_classes'] + [f.name for f in dataclasses.fields(options)]
+  if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    return
+  if 'num_classes' not in params:
+    raise TypeError(f'model {name!r}: build{inspect.signature(build)} must take num_classes '
+                    '(the data set\'s number of classes)')
+  for pname, p in params.items():
+    if p.kind is p.VAR_POSITIONAL:
+      continue
+    if pname not in given:
+      raise TypeError(f'model {name!r}: build takes {pname!r}, which it is never given; it '
+                      f'is given {", ".join(given)}'
+                      + ('' if options is not NoModelOptions else
+                         ' (an option of its own: a field of its options class, '
+                         'register(name, build, options=MyOptions))'))
+
+
+def register(name: str, build: ModelBuilder,
+             options: Optional[Type[ModelOptions]] = None) -> None:
+  """Adds a model of your own: ``--model=<name>`` then builds it as a
+  built-in one (the command, flagfiles, ``--sweep``, ``--trials``, every
+  layout and executor, ``--resume``: the file that registers it is part of
+  the run identity through ``--import``).
+
+  ``build(num_classes=..., **options)`` returns a Flax Linen module (its
+  ``__call__(self, x, train: bool)`` when it has ``nn.Dropout`` or
+  ``nn.BatchNorm``: ``from_flax``) or a ``Model``. Its options are the
+  ``hparam`` fields of ``options`` (a ``ModelOptions`` dataclass), whose
+  flags the command generates; each reaches ``build`` by name.
+
+  Args:
+    name: the ``--model`` name.
+    build: the ``ModelBuilder``.
+    options: its ``ModelOptions`` class (None: none).
+
+  Returns:
+    None.
+
+  Raises:
+    ValueError: a built-in model's name, or a name another module
+      registered.
+    TypeError: options that are not a ``ModelOptions`` dataclass, or a
+      builder taking a parameter it is never given (a misspelled option).
+  """
+  if name in MODELS:
+    raise ValueError(f'{name!r} is a built-in model; register yours under another name')
+  options = options or NoModelOptions
+  if not (isinstance(options, type) and issubclass(options, ModelOptions)
+          and dataclasses.is_dataclass(options)):
+    raise TypeError(f'the options of model {name!r} must be a ModelOptions dataclass, got '
+                    f'{options!r}')
+  _builder_params(name, build, options)
+  old = REGISTERED.get(name)
+  if old is not None and old.build is not build and (
+      getattr(old.build, '__module__', None) != getattr(build, '__module__', None)):
+    raise ValueError(f'a model named {name!r} is registered already '
+                     f'(by {getattr(old.build, "__module__", "?")})')
+  REGISTERED[name] = RegisteredModel(build, options)
+
+
+def model_names() -> list:
+  """Every ``--model`` name: the built-in ones, then those registered.
+
+  Returns:
+    The names.
+  """
+  return sorted(MODELS) + [n for n in REGISTERED if n not in MODELS]
+
+
+def options_class(model: str) -> Type[ModelOptions]:
+  """The options class of ``model`` (``NoModelOptions`` for a built-in one).
+
+  Args:
+    model: a ``--model`` name.
+
+  Returns:
+    The class.
+  """
+  entry = REGISTERED.get(model)
+  return entry.options if entry is not None else NoModelOptions
+
+
+def option_classes() -> list:
+  """The distinct options classes of the registered models, in order.
+
+  Returns:
+    The classes.
+  """
+  out: list = []
+  for entry in REGISTERED.values():
+    if entry.options is not NoModelOptions and entry.options not in out:
+      out.append(entry.options)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig(Declared):
   """The model of a run, declared once (``hparam``): the command's model
   flags are generated from these fields; ``build_model`` builds it
@@ -334,10 +599,28 @@ class ModelConfig(Declared):
                           'float reassociation. Recorded in the run identity.',
                           choices=tuple(CONV_IMPLS))
 
+  options: ModelOptions = hparam(None, "A registered model's own options (its registered "
+                                 'class; None: its defaults); their flags are its fields.',
+                                 command=False)
+
+  def __post_init__(self):
+    cls = options_class(self.model)
+    if self.options is None:
+      object.__setattr__(self, 'options', cls())
+    elif type(self.options) is not cls:
+      raise ConfigError('model', f'{type(self.options).__name__} are not the options of '
+                        f'{self.model} ({cls.__name__})')
+    super().__post_init__()
+
   def check(self) -> None:
     """A known model; a weights file that exists and gives every weight."""
-    if self.model not in MODELS:
-      raise ConfigError('model', f'unknown model {self.model!r}; choose from {sorted(MODELS)}')
+    if self.model not in MODELS and self.model not in REGISTERED:
+      raise ConfigError('model', f'unknown model {self.model!r}; choose from {model_names()}')
+    if self.model in REGISTERED:
+      for flag, what in (('adapter_dim', 0), ('model_init', 'flax')):
+        if getattr(self, flag) != what:
+          raise ConfigError(flag, f'does nothing for --model={self.model} (a registered '
+                            'model builds its own layers)')
     if self.init_weights:
       if self.model_init != 'flax':
         raise ConfigError('model_init', 'does nothing with --init_weights (the file gives every '
@@ -359,7 +642,8 @@ def build_model(cfg: ModelConfig, num_classes: int, sample_x) -> 'Model':
     The ``Model``.
   """
   model = create_model(cfg.model, num_classes, sample_x, cfg.adapter_dim,
-                       conv_impl=cfg.conv_impl, init=cfg.model_init)
+                       conv_impl=cfg.conv_impl, init=cfg.model_init,
+                       options=cfg.options)
   if cfg.init_weights:
     from fedjax_personal.models import weights  # noqa: PLC0415  (torch files on demand)
     model = model.starting_from(weights.load(cfg.init_weights, model, sample_x))
@@ -367,10 +651,14 @@ def build_model(cfg: ModelConfig, num_classes: int, sample_x) -> 'Model':
 
 
 def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0,
-                 conv_impl: str = 'auto', init: str = 'flax') -> Model:
+                 conv_impl: str = 'auto', init: str = 'flax',
+                 options: Optional[ModelOptions] = None) -> Model:
   """Builds a registered model by name.
 
   Args:
+    name: a built-in model (``MODELS``) or one ``register`` added.
+    num_classes: the data set's classes.
+    sample_x: one input batch.
     adapter_dim: when > 0, residual adapters of this width after the hidden
       layers (for adapter-based partial personalization).
     conv_impl: how convolutional models compute their convolutions and
@@ -378,6 +666,7 @@ def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0,
       parameters and, up to float reassociation, the same numbers.
     init: the initialisation convention of every layer: 'flax' (Linen's
       defaults), 'pytorch', 'keras' or 'haiku' (``initializers``).
+    options: a registered model's options (None: its defaults).
 
   Returns:
     The ``Model`` (pure ``init`` / ``apply``).
@@ -386,14 +675,17 @@ def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0,
     ConfigError: unknown name or convention, or a model that does not fit
       the inputs (the message names the flag).
   """
-  if name not in MODELS:
-    raise ConfigError('model', f'unknown model {name!r}; choose one of {sorted(MODELS)}')
+  if name not in MODELS and name not in REGISTERED:
+    raise ConfigError('model', f'unknown model {name!r}; choose one of {model_names()}')
   if name == 'logreg' and adapter_dim:
     raise ConfigError('adapter_dim', 'logreg has no hidden layer for adapters; pick another --model')
   resolve_conv_impl(conv_impl)  # validates the name
   initializers.check(init)
-  model = from_flax(name, MODELS[name](num_classes, adapter_dim, conv_impl, init), sample_x)
-  model = dataclasses.replace(model, loss_denominator=LOSS_DENOMINATORS.get(name, 'targets'))
+  if name in REGISTERED:
+    model = _build_registered(name, num_classes, sample_x, options)
+  else:
+    model = from_flax(name, MODELS[name](num_classes, adapter_dim, conv_impl, init), sample_x)
+    model = dataclasses.replace(model, loss_denominator=LOSS_DENOMINATORS.get(name, 'targets'))
   x = jnp.asarray(sample_x)[:1]
   try:
     params = jax.eval_shape(model.init, jax.random.key(0))
@@ -402,6 +694,36 @@ def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0,
     raise ConfigError('model', f'model {name!r} does not fit inputs of shape {tuple(x.shape[1:])} '
                      f'and dtype {x.dtype} ({type(e).__name__}: {e}); pick another --model') from None
   return model
+
+
+def _build_registered(name: str, num_classes: int, sample_x,
+                      options: Optional[ModelOptions]) -> Model:
+  """A registered model, built by its ``build`` with its options."""
+  entry = REGISTERED[name]
+  options = options if options is not None else entry.options()
+  kwargs = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+  try:
+    built = entry.build(num_classes=num_classes, **kwargs)
+  except ConfigError:
+    raise
+  except Exception as e:  # the user's builder failed: one line naming where
+    raise ConfigError('model', f'{name}: its build failed at {_where(e)}: '
+                      f'{type(e).__name__}: {e}') from None
+  if isinstance(built, Model):
+    return dataclasses.replace(built, name=name)
+  if not isinstance(built, nn.Module):
+    raise ConfigError('model', f'{name}: its build returned {type(built).__name__}, not a Flax '
+                      'Linen module or a Model')
+  return from_flax(name, built, sample_x)
+
+
+def _where(e: BaseException) -> str:
+  """``file:line`` of the innermost frame of ``e`` outside this package."""
+  frames = traceback.extract_tb(e.__traceback__)
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  outside = [f for f in frames if not os.path.abspath(f.filename).startswith(here)]
+  f = (outside or frames or [None])[-1]
+  return f'{f.filename}:{f.lineno}' if f is not None else '?'
 
 
 def num_params(params) -> int:

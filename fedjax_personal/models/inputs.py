@@ -129,6 +129,11 @@ def reddi_cifar100(crop: int = 24) -> InputTransform:
 TRANSFORMS = {'reddi': reddi_cifar100}
 
 
+#: ``fold_in`` tag of the key a stochastic model's training pass draws from
+#: (its dropout), apart from the input transform's draws.
+MODEL_DRAWS = 1
+
+
 def with_inputs(model, transform: InputTransform):
   """``model`` seeing ``transform``'s inputs: ``apply`` (and ``features``)
   through ``transform.evaluate``, ``train_apply(params, x, key)`` through
@@ -143,8 +148,17 @@ def with_inputs(model, transform: InputTransform):
   Returns:
     The wrapped ``Model``.
   """
-  inner = model.apply
+  inner, inner_train, inner_state = model.apply, model.train_apply, model.train_state
+
+  def train_apply(params, x, key):
+    x = transform.train(key, x)
+    if inner_train is None:
+      return inner(params, x)
+    return inner_train(params, x, jax.random.fold_in(key, MODEL_DRAWS))
+
+  def train_state(params, x, key, mask):
+    return inner_state(params, transform.train(key, x), jax.random.fold_in(key, MODEL_DRAWS), mask)
   return dataclasses.replace(
       model, apply=lambda params, x: inner(params, transform.evaluate(x)),
-      train_apply=lambda params, x, key: inner(params, transform.train(key, x)),
+      train_apply=train_apply, train_state=None if inner_state is None else train_state,
       inputs=transform)

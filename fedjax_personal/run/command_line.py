@@ -26,6 +26,7 @@ from fedjax_personal.datasets import (DataConfig, check_given, is_natural, regis
 from fedjax_personal.datasets import config as data_config_lib
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.hparams import field_types, flag_fields, flag_name, is_list, validate
+from fedjax_personal import models as models_lib
 from fedjax_personal.models import ModelConfig
 from fedjax_personal.run import sweep
 from fedjax_personal.run.script_entry import define_settings_flags
@@ -83,6 +84,27 @@ def _options_group(cls) -> str:
   return 'fedjax_personal: options of --dataset=' + ', '.join(users)
 
 
+def _model_options_group(cls) -> str:
+  users = [n for n, e in models_lib.REGISTERED.items() if e.options is cls]
+  return 'fedjax_personal: options of --model=' + ', '.join(users)
+
+
+def _model_config(fl: '_Flags') -> ModelConfig:
+  """The model as the flags give it, with its registered options; an option
+  of another model is refused."""
+  model = fl.values['model']
+  own = models_lib.options_class(model)
+  for cls in models_lib.option_classes():
+    if cls is own:
+      continue
+    for f in flag_fields(cls):
+      flag = flag_name(cls, f.name)
+      if flag in fl.given and flag not in {flag_name(own, g.name) for g in flag_fields(own)}:
+        users = [n for n, e in models_lib.REGISTERED.items() if e.options is cls]
+        raise ConfigError(flag, f'an option of --model={"/".join(users)}, not of --model={model}')
+  return fl.make(ModelConfig, options=fl.make(own))
+
+
 def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
   """The command's flags: the run's settings classes, the shared training
   settings, every registered algorithm's and data set's options (those
@@ -99,6 +121,8 @@ def define_flags(flag_values: Optional[flags.FlagValues] = None) -> None:
     define_settings_flags(cls, group, MAIN_JOB_DEFAULTS, flag_values)
   for options in registry.option_classes():
     define_settings_flags(options, _options_group(options), None, flag_values)
+  for options in models_lib.option_classes():
+    define_settings_flags(options, _model_options_group(options), None, flag_values)
   define_settings_flags(TrainingConfig, SHARED_FLAGS_MODULE, None, flag_values)
   for config in algorithms_lib.config_classes():
     define_settings_flags(config, algorithm_group(config), None, flag_values)
@@ -181,7 +205,7 @@ def read(flag_values: Optional[flags.FlagValues] = None) -> RunSettings:
     raise ConfigError('dp_delta', 'does nothing: no requested algorithm runs DP-SGD '
                       '(--fedfomo_dp_clip_norm > 0)')
   return RunSettings(
-      experiment=experiment, data=data, inputs=inputs, model=fl.make(ModelConfig),
+      experiment=experiment, data=data, inputs=inputs, model=_model_config(fl),
       engine=engine, process=fl.make(ProcessSettings), output=fl.make(OutputSettings),
       distributed=fl.make(DistributedSettings), algorithms=algorithms, sweep=swept,
       flags={name: fl.values[name] for name in fl.own})
