@@ -85,7 +85,8 @@ def activation_bytes(model, sample_x, batch_size: int) -> int:
   if getattr(model, 'module', None) is not None:
     try:
       _, state = jax.eval_shape(lambda p, x: model.module.apply(
-          {'params': p}, x, capture_intermediates=True, mutable=['intermediates']), params, x)
+          model.variables(p), x, capture_intermediates=True, mutable=['intermediates'],
+          **model.evaluate_kwargs), params, x)
       return _nbytes(state)
     except Exception:  # a module that cannot capture: fall back to the output
       pass

@@ -113,14 +113,17 @@ def _template(model, sample_x) -> Tuple[dict, tuple]:
   order = []
 
   def init(x):
-    params = model.module.init(jax.random.key(0), x)['params']
+    variables = model.module.init(jax.random.key(0), x, **model.evaluate_kwargs)
+    params = variables['params'] if not model.collections else {
+        c: variables[c] for c in ('params',) + tuple(model.collections)}
     order.extend(flat_params(params))
     return params
 
   shapes = flat_params(jax.eval_shape(init, x))
   params = _nest({name: shapes[name] for name in order})
   _, state = jax.eval_shape(
-      lambda p, x: model.module.apply({'params': p}, x, mutable=['intermediates']), params, x)
+      lambda p, x: model.module.apply(model.variables(p), x, mutable=['intermediates'],
+                                      **model.evaluate_kwargs), params, x)
   sown = state.get('intermediates', {}).get('flatten_input')
   return params, (tuple(sown[0].shape[1:]) if sown else None)
 
