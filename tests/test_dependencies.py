@@ -20,7 +20,7 @@ OWN = {'fedjax_personal', 'helpers', 'made_files'} | {
     if f.endswith('.py')}
 # The peer's code runs in its own environment (benchmarks/peers: FedJAX 0.0.17
 # with its JAX, installed by benchmarks/peers/run.py), never in this package's.
-PEER = {'fedjax'}
+PEER = {'fedjax', 'haiku'}  # haiku: FedJAX's models' library, in its venv
 # Modules whose distribution may be absent from the test environment (an
 # extra's), by their import name.
 OPTIONAL = {'torch': 'torch', 'tensorflow': 'tensorflow-cpu', 'array_record': 'array-record'}

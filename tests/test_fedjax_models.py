@@ -187,3 +187,22 @@ def test_init_weights_matches_haiku_layers_by_kind_and_index(tmp_path):
   np.savez(tmp_path / 'shape.npz', **arrays)
   with pytest.raises(ConfigError, match='init_weights.*linear_1'):
     weights.load(str(tmp_path / 'shape.npz'), model, x)
+
+
+def test_fedjax_emnist_cnn_gives_fedjax_logits_on_fedjax_weights(tmp_path):
+  """FedJAX's EMNIST CNN (``models.emnist.ConvDropoutModule``, recorded on 8x8
+  images) given its own Haiku parameters through ``--init_weights``: the
+  evaluation logits (dropout off) equal FedJAX's; training draws dropout."""
+  ref = _reference('emnist_cnn')
+  path = tmp_path / 'fedjax_emnist_cnn.npz'
+  np.savez(path, **{k[len('param/'):]: v for k, v in ref.items() if k.startswith('param/')})
+  model = models.build_model(models.ModelConfig(model='fedjax_emnist_cnn',
+                                                init_weights=str(path)), 10, ref['x'])
+  params = model.init(jax.random.key(0))
+  np.testing.assert_allclose(model.apply(params, ref['x']), ref['logits'], rtol=1e-5, atol=1e-6)
+  y = jnp.zeros(ref['x'].shape[0], jnp.int32)
+  mask = jnp.ones(ref['x'].shape[0], bool)
+  evaluated = batch_loss(model, params, Batch(ref['x'], y, mask))[0]
+  trained = [batch_loss(model, params, Batch(ref['x'], y, mask, jax.random.key(k)))[0]
+             for k in (1, 2)]
+  assert float(trained[0]) != float(evaluated) and float(trained[0]) != float(trained[1])

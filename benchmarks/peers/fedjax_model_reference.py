@@ -1,6 +1,7 @@
-"""FedJAX 0.0.17's language models on small sizes: the reference
-``tests/test_fedjax_models.py`` compares ``fedjax_lstm_lm`` and
-``fedjax_char_lstm`` with (runs in FedJAX's venv; writes one ``.npz``).
+"""FedJAX 0.0.17's language models and its EMNIST CNN on small sizes: the
+reference ``tests/test_fedjax_models.py`` compares ``fedjax_lstm_lm``,
+``fedjax_char_lstm`` and ``fedjax_emnist_cnn`` with (runs in FedJAX's venv;
+writes one ``.npz``).
 
   <FedJAX venv>/bin/python benchmarks/peers/fedjax_model_reference.py \
       --out=tests/data/fedjax_model_reference.npz
@@ -12,7 +13,11 @@ PAD after each sequence's end, the last example masked out): its parameters
 (``<task>/param/<module>/<name>``), ``apply_for_eval``'s logits, the
 per-example ``train_loss``, the loss ``fedjax.model_grad``
 differentiates (the mean over the real examples) and its gradient
-(``<task>/grad/...``).
+(``<task>/grad/...``). For the EMNIST CNN (``models.emnist.
+ConvDropoutModule``, the module of ``create_conv_model``, 10 classes), on
+``CNN_INPUT`` images of 8x8 (its flattened features then 256, not 9,216:
+the same layers at a small size): its parameters
+(``emnist_cnn/param/...``) and its evaluation logits (``is_train=False``).
 """
 
 import argparse
@@ -75,6 +80,28 @@ def record(task: str) -> dict:
   return out
 
 
+# The EMNIST CNN's small input: 5 images of 8x8x1.
+CNN_INPUT = (5, 8, 8, 1)
+
+
+def record_cnn() -> dict:
+  """FedJAX's EMNIST CNN module at a small input: parameters and logits."""
+  import fedjax  # noqa: PLC0415  (FedJAX's venv)
+  import haiku as hk  # noqa: PLC0415
+  import jax  # noqa: PLC0415
+
+  forward = hk.transform(
+      lambda x, is_train: fedjax.models.emnist.ConvDropoutModule(10)(x, is_train))
+  x = np.random.default_rng(0).random(CNN_INPUT).astype(np.float32)
+  params = forward.init(jax.random.PRNGKey(0), x, False)
+  logits = forward.apply(params, None, x, False)
+  out = {'emnist_cnn/x': x, 'emnist_cnn/logits': np.asarray(logits)}
+  for module, leaves in params.items():
+    for name, value in leaves.items():
+      out[f'emnist_cnn/param/{module}/{name}'] = np.asarray(value)
+  return out
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   p.add_argument('--out', required=True)
@@ -82,6 +109,7 @@ def main():
   out = {}
   for task in SIZES:
     out.update(record(task))
+  out.update(record_cnn())
   np.savez(a.out, **out)
   print(f'wrote {a.out}: {len(out)} arrays')
 

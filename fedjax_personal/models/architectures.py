@@ -181,14 +181,13 @@ class CNN(nn.Module):
       self.adapters = [Adapter(self.adapter_dim, convention=self.convention, name=f'adapter_{i}')
                        for i in range(len(self.dense))]
     self.output = Dense(self.num_classes, convention=self.convention)
+    self.dropouts = [nn.Dropout(rate, name=f'dropout_{i}') for i, rate in enumerate(self.dropout)]
 
   def _dropout(self, x, i: int, train: bool):
-    rate = self.dropout[i] if i < len(self.dropout) else 0.0
-    if not rate:
+    if i >= len(self.dropout) or not self.dropout[i]:
       return x
-    return nn.Dropout(rate, deterministic=not train, name=f'dropout_{i}')(x)
+    return self.dropouts[i](x, deterministic=not train)
 
-  @nn.compact_name_scope
   def features(self, x, train: bool = False):
     layout = conv_layout(self.conv_impl)
     x = to_layout(as_float(x), layout)

@@ -237,11 +237,14 @@ def takes_train(module: nn.Module) -> bool:
 
 
 def _batch_norm_mask(mask):
-  """A Flax method interceptor giving every ``nn.BatchNorm`` of a training
-  forward pass the batch's real examples as its ``mask``: a padded row never
+  """A Flax method interceptor giving every ``nn.BatchNorm`` (and every
+  module whose class says ``masks_examples``) of a training forward pass the
+  batch's real examples as its ``mask``: a padded row never
   enters the batch statistics (PyTorch's last, smaller batch)."""
   def interceptor(next_fun, args, kwargs, context):
-    if (isinstance(context.module, nn.BatchNorm) and context.method_name == '__call__'
+    if ((isinstance(context.module, nn.BatchNorm)
+         or getattr(type(context.module), 'masks_examples', False))
+        and context.method_name == '__call__'
         and kwargs.get('mask') is None and args and jnp.ndim(args[0]) >= 1
         and jnp.shape(args[0])[0] == mask.shape[0]):
       x = args[0]

@@ -12,6 +12,7 @@ import flax.linen as nn
 from fedjax_personal.hparams import Declared
 from fedjax_personal.models.architectures import CNN, CharLSTM, LeNet5, LogisticRegression, MLP
 from fedjax_personal.models.model import Model
+from fedjax_personal.models.resnet_bn import ResNetBN
 from fedjax_personal.models.seed_models import ResNetGN, TransformerLM
 
 __all__ = ['LOSS_DENOMINATORS', 'model_names', 'ModelBuilder', 'ModelOptions', 'MODELS',
@@ -65,6 +66,8 @@ MODELS = {
                                                adapter_dim=a, conv_impl=k, convention=i,
                                                padding='VALID', kernel=3, pooled=(False, True),
                                                dropout=(0.25, 0.5)),
+    # torchvision's ResNet-18 with BatchNorm (PFLlib's default ResNet; FedBN's model).
+    'resnet18_bn': lambda c, a, k, i: ResNetBN(c, conv_impl=k),
     # FedJAX's own EMNIST CNN (models.emnist.create_conv_model): the same layers.
     'fedjax_emnist_cnn': lambda c, a, k, i: CNN(c, conv_features=(32, 64), dense=(128,),
                                                 adapter_dim=a, conv_impl=k, convention=i,
@@ -85,6 +88,10 @@ REFERENCE = {
                          'EMNIST CNN as TFF builds it: conv 32, 64 @3x3 valid, max pool after the '
                          'second, dense 128, dropout 0.25 after the pooling and 0.5 after the '
                          'dense layer (Keras)', 'keras'),
+    'resnet18_bn': ("torchvision's resnet18 (PFLlib's -m resnet, on 32x32 images as they are): "
+                    '7x7 stride-2 stem, max pool, 4 stages of basic blocks, BatchNorm after '
+                    'every convolution (PyTorch\'s BatchNorm2d: momentum 0.1, unbiased running '
+                    'variance), Kaiming-normal fan-out convolutions (PyTorch)', 'pytorch'),
     'fedjax_emnist_cnn': ("FedJAX 0.0.17's models.emnist.create_conv_model: conv 32, 64 @3x3 "
                           'valid, max pool, dropout 0.25, dense 128, dropout 0.5 (Haiku)',
                           'haiku'),

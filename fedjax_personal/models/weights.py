@@ -14,8 +14,10 @@ Four formats:
   into each gate's kernels and bias.
 - ``.npz`` of a Haiku parameter dict (FedJAX's models' ``params``), each
   array keyed ``<module>/<name>`` (``embed/embeddings``, ``lstm/linear/w``,
-  ``linear_1/b``, ``conv2_d/w``), as ``np.savez(path, **{f'{m}/{n}': v for m,
-  d in params.items() for n, v in d.items()})`` writes it. Matched by kind
+  ``linear_1/b``, ``conv2_d/w``; inside a module of its own, that module's
+  name first: ``conv_dropout_module/conv2_d/w``, FedJAX's EMNIST CNN), as
+  ``np.savez(path, **{f'{m}/{n}': v for m, d in params.items() for n, v in
+  d.items()})`` writes it. Matched by kind
   and index (``embed``; ``lstm``, ``lstm_1``, ..; ``conv2_d``, ``conv2_d_1``,
   ..; ``linear``, ``linear_1``, ..) to the model's embedding, LSTM,
   convolution and dense layers in their order: ``w`` / ``b`` /
@@ -33,7 +35,10 @@ Four formats:
   ``bias_hh_l{k}``, gates i, f, g, o) -> the kernels of each gate and one bias
   b_ih + b_hh. The first dense layer after the convolutions also has its
   input features reordered: PyTorch flattens (C, H, W), these models
-  (H, W, C).
+  (H, W, C). A ``BatchNorm2d`` (``weight``, ``bias``, ``running_mean``,
+  ``running_var``; ``num_batches_tracked`` dropped) gives a batch norm's
+  ``scale`` and ``bias`` and its ``batch_stats`` ``mean`` and ``var``
+  (``resnet18_bn``).
 
 Any mismatch (a missing or extra layer, another shape) is a ``ConfigError``
 naming ``--init_weights`` and the first layer that differs.
@@ -259,7 +264,11 @@ def _haiku_layers(path, got) -> Dict[str, List[Tuple[str, Dict[str, np.ndarray]]
     modules.setdefault(module, {})[leaf] = a
   by_kind: Dict[str, list] = {}
   for module, leaves in modules.items():
-    m = _HAIKU_MODULE.fullmatch(module)
+    inner = module  # inside a module of the user's own (hk.Module subclasses nest their names)
+    m = _HAIKU_MODULE.fullmatch(inner)
+    while m is None and '/' in inner:
+      inner = inner.split('/', 1)[1]
+      m = _HAIKU_MODULE.fullmatch(inner)
     if m is None or (m.group(3) is not None) != (m.group(1) == 'lstm'):
       _fail(path, f'Haiku parameters: module {module!r} is none of embed, lstm*/linear, '
             'conv2_d*, linear*')
@@ -372,6 +381,12 @@ def _convert(flayer, tlayer, flat_shape, after_conv) -> Dict[str, np.ndarray]:
       out[f'h{gate}/kernel'] = w_hh[rows].T
       out[f'h{gate}/bias'] = bias[rows]
     return out
+  if 'mean' in flayer:  # a batch norm: its parameters and running statistics
+    names = {'scale': 'weight', 'bias': 'bias', 'mean': 'running_mean', 'var': 'running_var'}
+    if set(tlayer) - set(names.values()) - {'num_batches_tracked'} or any(
+        np.shape(tlayer.get(t)) != np.shape(flayer[f]) for f, t in names.items()):
+      return None
+    return {f: tlayer[t] for f, t in names.items()}
   if 'embedding' in flayer:
     w = tlayer.get('weight')
     if set(tlayer) != {'weight'} or w.shape != flayer['embedding'].shape:
@@ -425,7 +440,13 @@ def _from_torch(path, template, flat_shape) -> dict:
   if not isinstance(state, dict) or not state:
     _fail(path, 'holds no state dict (a dict of parameter tensors)')
   tlayers = _torch_layers(state)
-  flayers = _flax_layers(template)
+  stats = {}
+  if 'batch_stats' in template and 'params' in template:  # a model with batch statistics
+    stats = dict(_flax_layers(template['batch_stats']))
+    flayers = [(n, {**leaves, **stats.get(n, {})}) for n, leaves in
+               _flax_layers(template['params'])]
+  else:
+    flayers = _flax_layers(template)
   flat = {}
   seen_conv = False
   first_dense_after_conv = True
@@ -444,7 +465,11 @@ def _from_torch(path, template, flat_shape) -> dict:
       seen_conv = True
     elif after_conv:
       first_dense_after_conv = False
-    flat.update({f'{fname}/{k}': v for k, v in conv.items()})
+    if stats:
+      flat.update({f'{"batch_stats" if k in ("mean", "var") else "params"}/{fname}/{k}': v
+                   for k, v in conv.items()})
+    else:
+      flat.update({f'{fname}/{k}': v for k, v in conv.items()})
   if len(tlayers) > len(flayers):
     tname, tlayer = tlayers[len(flayers)]
     _fail(path, f'has {len(tlayers)} layers, the model {len(flayers)}: {tname} '
