@@ -367,9 +367,13 @@ def variant(model: Model, data, training, *, weight: Optional[Callable] = None,
     down = tree_bytes(state.params)
     return Communication(uplink.get('bytes', down), down, 1)
 
+  # ``weight`` sees the client's output as its docstring says: ``out.delta`` the delta
+  # (the upload pairs it with ``extra`` only after).
+  weight_fn = None if weight is None else (
+      lambda ctx, out: weight(ctx, out.replace(delta=out.delta[0])))
   return base.replace(
       client_work=summed_upload(dataclasses.replace(work, final=final), weighting,
-                                weight_fn=weight),
+                                weight_fn=weight_fn),
       server_update=server_update, communication=communication)
 
 

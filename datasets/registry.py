@@ -26,6 +26,7 @@ from fedjax_personal.errors import ConfigError
 
 __all__ = ['DATASETS', 'HELD_OUT_ONLY', 'is_file_dataset', 'is_known', 'LEAF_PREFIX', 'load',
            'loader_code', 'LOADERS', 'names', 'option_classes', 'options_class', 'OPTIONS',
+           'READER_ARGUMENTS',
            'reader_options', 'register', 'register_arrays', 'SplitByFraction']
 
 
@@ -90,8 +91,33 @@ def register(name: str, read_clients: Callable[..., NaturalData],
   if options is not None and not (isinstance(options, type)
                                   and issubclass(options, DataOptions)):
     raise TypeError(f'the options of {name!r} must be a DataOptions dataclass, got {options!r}')
+  _check_reader(name, read_clients, options or NoOptions)
   LOADERS[name] = read_clients
   OPTIONS[name] = options or NoOptions
+
+
+#: What every reader may be given besides its options' fields (``load``).
+READER_ARGUMENTS = ('num_clients', 'data_dir', 'download', 'seed')
+
+
+def _check_reader(name: str, read_clients: Callable, options: Type[DataOptions]) -> None:
+  """Refuses a reader whose signature names something it is never given (a
+  misspelled option would silently keep its default)."""
+  try:
+    params = inspect.signature(read_clients).parameters
+  except (TypeError, ValueError):
+    raise TypeError(f'data set {name!r}: read_clients must be a function, got '
+                    f'{read_clients!r}') from None
+  if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    return
+  given = list(READER_ARGUMENTS) + [f.name for f in dataclasses.fields(options)]
+  for pname, p in params.items():
+    if p.kind is not p.VAR_POSITIONAL and pname not in given:
+      raise TypeError(f'data set {name!r}: read_clients takes {pname!r}, which it is never '
+                      f'given; it is given {", ".join(given)}'
+                      + (' (an option of its own: a field of its DataOptions class, '
+                         'register(name, read_clients, options=MyOptions))'
+                         if options is NoOptions else ''))
 
 
 @dataclasses.dataclass(frozen=True)

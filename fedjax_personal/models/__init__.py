@@ -12,6 +12,7 @@ PyTorch state dict.
 """
 
 import dataclasses
+import inspect
 import os
 import traceback
 from typing import Optional
@@ -180,7 +181,7 @@ def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0,
     if name in REGISTERED:
       raise ConfigError('model', f'model {name!r} does not fit inputs of shape '
                         f'{tuple(x.shape[1:])} and dtype {x.dtype}: {type(e).__name__} at '
-                        f'{_where(e)}: {e}') from None
+                        f'{_where(e, REGISTERED[name].build)}: {e}') from None
     raise ConfigError('model', f'model {name!r} does not fit inputs of shape {tuple(x.shape[1:])} '
                      f'and dtype {x.dtype} ({type(e).__name__}: {e}); pick another --model') from None
   return model
@@ -197,7 +198,7 @@ def _build_registered(name: str, num_classes: int, sample_x,
   except ConfigError:
     raise
   except Exception as e:  # the user's builder failed: one line naming where
-    raise ConfigError('model', f'{name}: its build failed at {_where(e)}: '
+    raise ConfigError('model', f'{name}: its build failed at {_where(e, entry.build)}: '
                       f'{type(e).__name__}: {e}') from None
   if isinstance(built, Model):
     return dataclasses.replace(built, name=name)
@@ -207,12 +208,20 @@ def _build_registered(name: str, num_classes: int, sample_x,
   return from_flax(name, built, sample_x)
 
 
-def _where(e: BaseException) -> str:
-  """``file:line`` of the innermost frame of ``e`` outside this package."""
+def _where(e: BaseException, build) -> str:
+  """``file:line`` of the innermost frame of ``e`` in the file that defined
+  ``build`` (the user's), else outside this package and the installed
+  libraries."""
   frames = traceback.extract_tb(e.__traceback__)
+  try:
+    own = os.path.abspath(inspect.getsourcefile(build) or '')
+  except TypeError:
+    own = ''
   here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  outside = [f for f in frames if not os.path.abspath(f.filename).startswith(here)]
-  f = (outside or frames or [None])[-1]
+  mine = [f for f in frames if own and os.path.abspath(f.filename) == own]
+  outside = [f for f in frames if not os.path.abspath(f.filename).startswith(here)
+             and 'site-packages' not in f.filename and 'dist-packages' not in f.filename]
+  f = (mine or outside or frames or [None])[-1]
   return f'{f.filename}:{f.lineno}' if f is not None else '?'
 
 
