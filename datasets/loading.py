@@ -22,10 +22,10 @@ from fedjax_personal.datasets.config import (POOLED_NATURAL, DataConfig, is_natu
                                              streams_to_store)
 from fedjax_personal.datasets.natural_data import NaturalData, client_id
 from fedjax_personal.datasets.partition import Partition
-from fedjax_personal.errors import ConfigError
+from fedjax_personal.errors import ConfigError, DataError
 
-__all__ = ['load_federated', 'load_pool', 'load_store', 'make_partition', 'pooled_clients',
-           'PooledClients']
+__all__ = ['chosen_clients', 'load_federated', 'load_pool', 'load_store', 'make_partition',
+           'pooled_clients', 'PooledClients']
 
 
 def load_pool(cfg: DataConfig):
@@ -346,3 +346,31 @@ def _split_pool(xs, ys, num_classes, cfg, rng, name) -> PooledClients:
   splits = client_splits(x, y, [np.arange(offs[i], offs[i + 1]) for i in range(len(xs))], rng,
                          cfg.test_fraction, cfg.val_fraction)
   return PooledClients(splits, None, num_classes, name, (x.shape[1:], x.dtype), y.shape[1:])
+
+
+def chosen_clients(store, path: str):
+  """The clients listed in ``path`` (--client_ids: one id per line, blank
+  lines and # comments skipped) as a view of ``store``.
+
+  Args:
+    store: a ``PopulationStore``.
+    path: the file of ids.
+
+  Returns:
+    The view (a ``PopulationStore``).
+
+  Raises:
+    ConfigError naming --client_ids.
+  """
+  try:
+    with open(path, encoding='utf-8-sig') as f:  # a byte order mark is not part of an id
+      ids = [line.strip() for line in f]
+  except (OSError, UnicodeDecodeError) as e:
+    raise ConfigError('client_ids', f'{path}: {getattr(e, "strerror", None) or e}') from None
+  ids = [c for c in ids if c and not c.startswith('#')]
+  if not ids:
+    raise ConfigError('client_ids', f'{path} lists no client id')
+  try:
+    return store.subset(ids, f'from {os.path.basename(path)}')
+  except DataError as e:
+    raise ConfigError('client_ids', f'{path}: {e}') from None

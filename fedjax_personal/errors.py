@@ -1,11 +1,49 @@
 """The error types of bad input, importable from anywhere in the package.
 
 The scripts turn ``ConfigError`` (and only it) into a one-line message and
-exit status 2; ``DataError`` is the data-file case of it.
+exit status 2; ``DataError`` is the data-file case of it. ``user_frame``
+finds where a user's own code (a file of ``--import``, a model's builder)
+raised, for such a line.
 """
 
+import os
+import sys
+import sysconfig
+import traceback
+from typing import Iterable, Optional
 
-__all__ = ['ConfigError', 'DataError', 'HostLimitError']
+__all__ = ['ConfigError', 'DataError', 'HostLimitError', 'user_frame']
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_LIBRARIES = tuple(os.path.abspath(p) for p in {sysconfig.get_paths()[k] for k in
+                                                ('stdlib', 'platstdlib', 'purelib', 'platlib')})
+
+
+def user_frame(e: BaseException, files: Iterable[str] = ()) -> Optional[str]:
+  """``file:line`` of the innermost frame of ``e``'s traceback in one of
+  ``files`` (a user's modules), else in a file that is neither this
+  package's nor an installed library's nor Python's own; None when the
+  error arose in neither (this package's or a library's own failure).
+
+  Args:
+    e: the exception.
+    files: the user's source files, checked first.
+
+  Returns:
+    ``'path:line'`` or None.
+  """
+  own = {os.path.abspath(f) for f in files if f}
+  frames = traceback.extract_tb(e.__traceback__)
+  mine = [f for f in frames if os.path.abspath(f.filename) in own]
+  if not mine:
+    here = os.path.dirname(_PACKAGE)  # the checkout: algorithms/ and datasets/ too
+
+    def theirs(path):
+      path = os.path.abspath(path)
+      return (path.startswith(here + os.sep) or path.startswith(_LIBRARIES)
+              or path.startswith(sys.prefix) or path.startswith('<'))
+    mine = [f for f in frames if not theirs(f.filename)]
+  return f'{mine[-1].filename}:{mine[-1].lineno}' if mine else None
 
 
 class ConfigError(ValueError):

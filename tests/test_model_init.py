@@ -124,11 +124,13 @@ def test_unknown_convention_names_the_flag():
     ('fedfomo_cnn', (32, 32, 3), 122_570),  # the TensorFlow tutorial CNN (FedFomo's default)
     ('pfedme_cnn', (32, 32, 3), 62_006),  # the PyTorch tutorial CNN
     ('reddi_emnist_cnn', (28, 28, 1), 1_206_590),  # TFF's EMNIST CNN, 62 classes
+    ('fedjax_emnist_cnn', (28, 28, 1), 1_206_590),  # FedJAX's, the same layers
+    ('resnet18_bn', (32, 32, 3), 11_181_642),  # torchvision's resnet18 (+ 9,600 statistics)
 ])
 def test_reference_models_have_their_documented_parameter_counts(name, shape, count):
-  model = models.create_model(name, 62 if name == 'reddi_emnist_cnn' else 10,
-                              jnp.zeros((1,) + shape))
-  assert models.num_params(jax.eval_shape(model.init, jax.random.key(0))) == count
+  model = models.create_model(name, 62 if 'emnist' in name else 10, jnp.zeros((1,) + shape))
+  params = jax.eval_shape(model.init, jax.random.key(0))
+  assert models.num_params(params.get('params', params) if model.collections else params) == count
   assert f'{count:,}' in (model.module.__doc__ or '') or f'{count:,}' in (
       type(model.module).__doc__ or '')
 

@@ -8,14 +8,14 @@ never holds all C uploads at once. ``weighted_upload`` / ``upload_mean`` are
 the client and server halves of a weighted mean in that form.
 """
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from flax import struct
 import jax
 import jax.numpy as jnp
 
 __all__ = ['group_means', 'is_sum', 'mix', 'normalize', 'PyTree', 'Sum', 'sum_clients',
-           'upload_mean', 'weighted_mean', 'weighted_upload']
+           'upload_mean', 'weighted_mean', 'weighted_upload', 'WeightedShare']
 
 
 PyTree = Any
@@ -29,8 +29,25 @@ class Sum:
   slots, without a client axis, accumulating block by block; an algorithm's
   ``server_update`` receives that sum. Anything an algorithm only ever sums
   or averages over clients should be uploaded this way.
+
+  Attributes:
+    value: the summed pytree (a ``WeightedShare`` for a weighted mean's
+      share: ``weighted_upload``).
   """
   value: PyTree
+
+
+class WeightedShare(NamedTuple):
+  """A client's share of a weighted mean, ``(weight * upload, weight)``:
+  what it uploads is the upload, its weight being what the server knows of
+  it (its example count).
+
+  Attributes:
+    total: ``weight * upload``.
+    weight: the weight.
+  """
+  total: PyTree
+  weight: Any
 
 
 def is_sum(x) -> bool:
@@ -59,7 +76,8 @@ def weighted_upload(value: PyTree, weight) -> Sum:
     ``Sum((weight * value, weight))``.
   """
   weight = jnp.asarray(weight, jnp.float32)
-  return Sum((jax.tree.map(lambda a: (a * _lead(weight, a)).astype(a.dtype), value), weight))
+  return Sum(WeightedShare(jax.tree.map(lambda a: (a * _lead(weight, a)).astype(a.dtype), value),
+                           weight))
 
 
 def _lead(w, a):

@@ -27,12 +27,14 @@ import jax.numpy as jnp
 
 from fedjax_personal import numerics
 from fedjax_personal.core import tree_util
+from fedjax_personal.core.aggregation import Sum, WeightedShare
 from fedjax_personal.core.data import LocalData
 from fedjax_personal.models import Model
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import ClientWork, LossStats
 
-__all__ = ['ClientModels', 'ClientRows', 'cohort_train_metrics', 'Communication',
+__all__ = ['ClientModels', 'ClientRows', 'cohort_train_metrics', 'Communication', 'NOT_UPLOADED',
+           'upload_communication',
            'FederatedAlgorithm', 'PreRound', 'PyTree', 'RoundContext']
 
 
@@ -71,6 +73,42 @@ class ClientModels:
     if self.num_models == 1:  # static: no per-client copy of a global model
       return jax.tree.map(lambda a: a[0], self.params)
     return jax.tree.map(lambda a: a[self.index[i]], self.params)
+
+
+#: Fields of a client's output that are not its upload: what the server knows
+#: (its example count) and what it reports about its training (its statistics,
+#: its step count).
+NOT_UPLOADED = ('num_examples', 'stats', 'num_steps')
+
+
+def upload_communication(outputs, shared, cohort_size: int) -> 'Communication':
+  """A round's sizes counted from what it moves: the bytes one client
+  uploads (every field of the cohort's ``outputs`` but ``NOT_UPLOADED`` and
+  the rows the engine keeps, set None; a weighted mean's share as its
+  upload; a field stacked [C, ...] as one row) and one broadcast ``shared``
+  down (``FederatedAlgorithm.communication`` None).
+
+  Args:
+    outputs: the cohort's client outputs (summed or stacked [C]).
+    shared: what the server broadcast.
+    cohort_size: C, the outputs' client axis.
+
+  Returns:
+    The ``Communication``.
+  """
+  fields = ([(f.name, getattr(outputs, f.name)) for f in dataclasses.fields(outputs)]
+            if dataclasses.is_dataclass(outputs) else [('', outputs)])
+  up = 0
+  for name, value in fields:
+    if value is None or name in NOT_UPLOADED:
+      continue
+    for leaf in jax.tree.leaves(value, is_leaf=lambda x: isinstance(x, Sum)):
+      if isinstance(leaf, Sum):
+        weighted = isinstance(leaf.value, WeightedShare)
+        up += tree_util.tree_bytes(leaf.value.total if weighted else leaf.value)
+      else:
+        up += tree_util.tree_bytes(leaf) // max(cohort_size, 1)
+  return Communication(up, tree_util.tree_bytes(shared), 1)
 
 
 class Communication(NamedTuple):
@@ -221,7 +259,13 @@ class FederatedAlgorithm:
       final over the client's own batches); the engine runs it for the cohort.
     server_update: ``(state, cohort, outputs, rc) -> (state, metrics)``.
     client_models: ``state -> ClientModels`` used for evaluation.
-    communication: ``state -> Communication`` (static sizes).
+    communication: ``state -> Communication`` (static sizes), or None:
+      counted from what the round moves (``upload_communication``): up,
+      every field of a client's output but ``NOT_UPLOADED`` (what the server
+      knows or a client reports: its examples, statistics and steps) and
+      the rows it keeps (``client_rows``' output), a weighted mean's share
+      as its upload; down, the broadcast (``server_broadcast``'s
+      ``shared``), one model.
     finetune: optional ``(params, local_data, key) -> params`` applied before
       evaluating a client (FedAvg + fine-tuning).
     evaluate_client: optional ``(params, local_data, test, key) -> LossStats``
@@ -241,7 +285,7 @@ class FederatedAlgorithm:
   client_work: ClientWork
   server_update: Callable[[PyTree, Cohort, PyTree, RoundContext], tuple]
   client_models: Callable[[PyTree], ClientModels]
-  communication: Callable[[PyTree], Communication]
+  communication: Optional[Callable[[PyTree], Communication]] = None
   finetune: Optional[FineTune] = None
   evaluate_client: Optional[Callable] = None
   pre_round: Optional[PreRound] = None

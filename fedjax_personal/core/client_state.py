@@ -99,7 +99,8 @@ def persistent_client_optimizer(alg: FederatedAlgorithm, num_clients: int) -> Fe
   return alg.replace(init=init, server_broadcast=server_broadcast, client_work=wrapped,
                      server_update=server_update, client_rows=client_rows,
                      client_models=lambda s: alg.client_models(s.inner),
-                     communication=lambda s: alg.communication(s.inner),
+                     communication=(None if alg.communication is None
+                                    else lambda s: alg.communication(s.inner)),
                      pre_round=pre_round,
                      privacy=None if alg.privacy is None else dataclasses.replace(
                          alg.privacy, steps=lambda s: alg.privacy.steps(s.inner)))

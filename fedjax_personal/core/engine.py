@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_personal.core.algorithm import FederatedAlgorithm, RoundContext
+from fedjax_personal.core.algorithm import (FederatedAlgorithm, RoundContext,
+                                            upload_communication)
 from fedjax_personal.core.data import FederatedData, LocalData, client_row
 from fedjax_personal.core import evaluation
 from fedjax_personal.core import fitting
@@ -82,7 +83,7 @@ def draw_cohort(sampler: CohortSampler, key):
   return sampler(jax.random.split(key)[0])
 
 
-def communication_metrics(alg, state, num_active, num_uploads=None) -> dict:
+def communication_metrics(alg, state, num_active, num_uploads=None, comm=None) -> dict:
   """Bytes of one round from the algorithm's static sizes and the cohort
   (traceable: computed inside the compiled round).
 
@@ -94,12 +95,15 @@ def communication_metrics(alg, state, num_active, num_uploads=None) -> dict:
     num_active: the sampled clients (each received the downlink).
     num_uploads: the clients that sent an upload (None: every sampled one;
       fewer when the algorithm marks some as not participating).
+    comm: the round's ``Communication`` when counted from what it moved
+      (``algorithm.upload_communication``); None: the algorithm's own.
 
   Returns:
     ``{'bytes_up', 'bytes_down_broadcast', 'bytes_down_unicast', ...}`` of
     the round (traced scalars).
   """
-  comm = getattr(alg, 'algorithm', alg).communication(state)
+  if comm is None:
+    comm = getattr(alg, 'algorithm', alg).communication(state)
   num_active = jnp.asarray(num_active, jnp.float32)
   num_uploads = num_active if num_uploads is None else jnp.asarray(num_uploads, jnp.float32)
   distinct = jnp.minimum(jnp.asarray(comm.num_downlink_models, jnp.float32), num_active)
@@ -117,16 +121,17 @@ def communication_metrics(alg, state, num_active, num_uploads=None) -> dict:
 PARTICIPATED = 'participated'
 
 
-def cohort_counts(alg, state, cohort, metrics) -> dict:
+def cohort_counts(alg, state, cohort, metrics, comm=None) -> dict:
   """``num_active`` (the clients that took part) and the round's bytes,
   from the cohort's mask and the server update's ``PARTICIPATED`` (which is
-  replaced by these counts: a round's metrics stay scalars)."""
+  replaced by these counts: a round's metrics stay scalars); ``comm``: the
+  round's sizes when counted from what it moved."""
   sampled = jnp.sum(cohort.mask.astype(jnp.float32))
   if PARTICIPATED not in metrics:
-    return communication_metrics(alg, state, sampled)
+    return communication_metrics(alg, state, sampled, comm=comm)
   took_part = jnp.sum((cohort.mask & metrics.pop(PARTICIPATED)).astype(jnp.int32))
   return {'num_active': took_part, 'num_sampled': sampled.astype(jnp.int32),
-          **communication_metrics(alg, state, sampled, took_part)}
+          **communication_metrics(alg, state, sampled, took_part, comm=comm)}
 
 
 #: Keys of a round's metrics that carry the pre-round phase's diagnostics
@@ -257,13 +262,15 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
     local = LocalData(train=client_row(train, row), val=client_row(val, row))
     return ClientContext(shared=shared, state=client_state, data=local, round=round_num), key
 
-  def post(state, cohort, outputs, rc):
+  def post(state, cohort, outputs, rc, shared):
     counts['post'] += 1
     if alg.client_rows is not None:  # the new rows the engine writes (ClientRows.output)
       state, outputs = alg.client_rows.write(state, cohort.rows, outputs)
+    comm = (None if alg.communication is not None else
+            upload_communication(outputs, shared[0], cohort.mask.shape[0]))
     state, metrics = alg.server_update(state, cohort, outputs, rc)
     metrics = dict(metrics)
-    counted = cohort_counts(alg, state, cohort, metrics)  # takes PARTICIPATED out of metrics
+    counted = cohort_counts(alg, state, cohort, metrics, comm)  # takes PARTICIPATED out
     return state, {**metrics, **counted}
 
   def fused_pre_round(state, key, round_num, train, val):
@@ -295,7 +302,7 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
     else:
       outputs = ex.run_work(alg.client_work, make_ctx, (shared, train, val), per_client,
                             active=cohort.mask)
-    state, metrics = post(state, cohort, outputs, rc)
+    state, metrics = post(state, cohort, outputs, rc, shared)
     return state, {**metrics, **phase}
 
   return pre, make_ctx, post, fused_round
@@ -411,7 +418,7 @@ class RoundRunner:
       rows, mask = jax.device_get((per_client[0], cohort.mask))
       outputs = ex.run_work(alg.client_work, make_ctx, (shared, train, val), per_client,
                             active=mask, num_steps=steps_of(rows, train))
-      return post_j(state, cohort, outputs, rc)
+      return post_j(state, cohort, outputs, rc, shared)
     return work
 
   def _build(self):

@@ -14,14 +14,13 @@ PyTorch state dict.
 import dataclasses
 import inspect
 import os
-import traceback
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from fedjax_personal.errors import ConfigError
+from fedjax_personal.errors import ConfigError, user_frame
 from fedjax_personal.hparams import Declared, hparam
 from fedjax_personal.models import initializers
 from fedjax_personal.models.architectures import (CNN, CharLSTM, LeNet5, LogisticRegression, MLP,
@@ -209,20 +208,12 @@ def _build_registered(name: str, num_classes: int, sample_x,
 
 
 def _where(e: BaseException, build) -> str:
-  """``file:line`` of the innermost frame of ``e`` in the file that defined
-  ``build`` (the user's), else outside this package and the installed
-  libraries."""
-  frames = traceback.extract_tb(e.__traceback__)
+  """``file:line`` where the user's builder (or what it built) raised."""
   try:
-    own = os.path.abspath(inspect.getsourcefile(build) or '')
+    own = [inspect.getsourcefile(build) or '']
   except TypeError:
-    own = ''
-  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  mine = [f for f in frames if own and os.path.abspath(f.filename) == own]
-  outside = [f for f in frames if not os.path.abspath(f.filename).startswith(here)
-             and 'site-packages' not in f.filename and 'dist-packages' not in f.filename]
-  f = (mine or outside or frames or [None])[-1]
-  return f'{f.filename}:{f.lineno}' if f is not None else '?'
+    own = []
+  return user_frame(e, own) or '?'
 
 
 def num_params(params) -> int:

@@ -27,14 +27,13 @@ from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.core.executor_choice import create_executor
 from fedjax_personal.core.population import placement
 from fedjax_personal.core.population.placement import HostData
-from fedjax_personal.core.population.clients import PopulationStore
 from fedjax_personal.core.tree_util import tree_bytes
-from fedjax_personal.datasets import load_store, streams_to_store
-from fedjax_personal.errors import ConfigError, DataError
+from fedjax_personal.datasets import load_store, loading, streams_to_store
+from fedjax_personal.errors import ConfigError, user_frame
 from fedjax_personal.models import build_model
 from fedjax_personal.models import inputs as model_inputs
-from fedjax_personal.run import (checkpointing, distributed, experiment, faults, plots, process,
-                                 reporting, run_identity)
+from fedjax_personal.run import (checkpointing, distributed, experiment, faults, plots, plugins,
+                                 process, reporting, run_identity, user_code)
 from fedjax_personal.run.process import say
 from fedjax_personal.run.settings import AlgorithmSettings, RunSettings
 
@@ -126,17 +125,29 @@ def main_job(settings: RunSettings) -> Dict[str, dict]:
   settle_layout(job)
   choose_output_dir(job)
   if settings.output.dry_run:
-    print(f'dry run: {len(job.algs)} algorithm(s) built; nothing trained or written')
+    for built in job.algs:  # each round traced abstractly: a broken one fails here
+      user_code.trace_round(built.alg, settings.experiment.sampler(job.data), job.data)
+    print(f'dry run: {len(job.algs)} algorithm(s) built and their rounds traced; nothing '
+          'trained or written')
     return {}
+  failed: List[str] = []
   try:
     claim_and_restore(job)
     try:
       for built in job.algs:
-        train_algorithm(job, built)
+        try:
+          train_algorithm(job, built)
+        except Exception as e:  # the user's code raised: one line, the others still run
+          if user_frame(e, list(plugins.LOADED.values())) is None or isinstance(e, ConfigError):
+            raise
+          failed.append(user_code.failure(built.settings.name, e))
+          say(f'{failed[-1]}; the other algorithms go on')
     finally:  # also when a later algorithm fails: the finished ones keep their table
       write_comparison(job)
   finally:
     run_identity.unlock(job.output_dir)
+  if failed:
+    raise ConfigError('algorithm', '; '.join(failed) + ' (the others\' results are written)')
   return job.summaries
 
 
@@ -162,7 +173,7 @@ def load_data(job: Job) -> None:
     store = load_store(cfg)
     fingerprint = run_identity.padded_fingerprint(store)  # as earlier runs': padded arrays'
   if inputs.client_ids:
-    store = chosen_clients(store, inputs.client_ids)
+    store = loading.chosen_clients(store, inputs.client_ids)
     fingerprint = store.digest
   population = store.population(cap)
   train_counts = np.asarray(population.train.num_examples)
@@ -205,23 +216,6 @@ def load_data(job: Job) -> None:
     job.data = to_device(job.population)
   else:
     job.population, job.data = population, HostData(store, cap)
-
-
-def chosen_clients(store: PopulationStore, path: str) -> PopulationStore:
-  """The clients listed in ``path`` (--client_ids: one id per line, blank
-  lines and # comments skipped) as a view of ``store``."""
-  try:
-    with open(path, encoding='utf-8-sig') as f:  # a byte order mark is not part of an id
-      ids = [line.strip() for line in f]
-  except (OSError, UnicodeDecodeError) as e:
-    raise ConfigError('client_ids', f'{path}: {getattr(e, "strerror", None) or e}') from None
-  ids = [c for c in ids if c and not c.startswith('#')]
-  if not ids:
-    raise ConfigError('client_ids', f'{path} lists no client id')
-  try:
-    return store.subset(ids, f'from {os.path.basename(path)}')
-  except DataError as e:
-    raise ConfigError('client_ids', f'{path}: {e}') from None
 
 
 def build_model_and_executor(job: Job) -> None:
