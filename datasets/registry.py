@@ -16,7 +16,7 @@ data set of your own files with its options (BUILD.md, "Add a data set").
 import dataclasses
 import functools
 import inspect
-from typing import Callable, Dict, List, Optional, Type
+from typing import Any, Callable, Dict, List, Optional, Protocol, Type
 
 from fedjax_personal.datasets import cifar100, emnist, gldv2, leaf, shakespeare, stackoverflow
 from fedjax_personal.datasets.in_memory import SyntheticOptions
@@ -26,7 +26,7 @@ from fedjax_personal.errors import ConfigError
 
 __all__ = ['DATASETS', 'HELD_OUT_ONLY', 'is_file_dataset', 'is_known', 'LEAF_PREFIX', 'load',
            'loader_code', 'LOADERS', 'names', 'option_classes', 'options_class', 'OPTIONS',
-           'READER_ARGUMENTS',
+           'READER_ARGUMENTS', 'ReadClients',
            'reader_options', 'register', 'register_arrays', 'SplitByFraction']
 
 
@@ -69,7 +69,23 @@ OPTIONS: Dict[str, Type[DataOptions]] = {
 LEAF_PREFIX = 'leaf:'
 
 
-def register(name: str, read_clients: Callable[..., NaturalData],
+class ReadClients(Protocol):
+  """What ``register`` takes: a data set's reader.
+
+  It is given ``num_clients`` (the first N clients; None: all), ``data_dir``
+  (where its files are; None: the lookup of ``local_files``), ``download``
+  (fetch missing files), and each of ``seed`` and its options class's
+  fields that its signature names (``READER_ARGUMENTS``); it returns a
+  ``natural_data.NaturalData``. A parameter it would never be given (a
+  misspelled option) is refused at registration.
+  """
+
+  def __call__(self, num_clients: Optional[int] = None, data_dir: Optional[str] = None,
+               download: bool = False, **options: Any) -> NaturalData:
+    ...
+
+
+def register(name: str, read_clients: ReadClients,
              options: Optional[Type[DataOptions]] = None) -> None:
   """Adds a natural data set read from files: ``--dataset=<name>`` then
   reads it through ``read_clients(num_clients=None, data_dir=None,

@@ -1,5 +1,5 @@
 """docs/extension_reference.md, made from the docstrings of what an
-extension (an algorithm or a data set of one's own) sees: the test
+extension (an algorithm, a data set or a model of one's own) sees: the test
 ``tests/test_docs.py`` fails when the page and the docstrings differ.
 
   python tests/extension_reference.py > docs/extension_reference.md
@@ -25,9 +25,13 @@ SURFACE = [
       'cohort_train_metrics']),
     ('Settings', 'fedjax_personal.hparams', ['hparam']),
     ('Settings', 'fedjax_personal.config', ['AlgorithmSpec']),
-    ('Data sets', 'fedjax_personal.datasets.registry', ['register_arrays', 'register']),
+    ('Data sets', 'fedjax_personal.datasets.registry', ['register_arrays', 'register',
+                                                         'ReadClients', 'READER_ARGUMENTS']),
     ('Data sets', 'fedjax_personal.datasets.natural_data', ['NaturalData', 'listed', 'take']),
     ('Data sets', 'fedjax_personal.datasets.federated_data', ['InMemoryFederatedData']),
+    ('Models', 'fedjax_personal.models.registry', ['register', 'ModelBuilder', 'ModelOptions']),
+    ('Models', 'fedjax_personal.models.model', ['Model', 'from_flax']),
+    ('Models', 'fedjax_personal.core.losses', ['StatsAndState', 'keep_model_state']),
 ]
 
 
@@ -56,7 +60,7 @@ def page() -> str:
     The text.
   """
   out = ['# Extension reference', '',
-         'What an algorithm or a data set of your own sees, from the docstrings (made by',
+         'What an algorithm, a data set or a model of your own sees, from the docstrings (made by',
          '`python tests/extension_reference.py > docs/extension_reference.md`; the suite checks',
          'it is current). How to use them: [add_an_algorithm.md](add_an_algorithm.md) and',
          "BUILD.md's \"Add a data set or a model\".", '']

@@ -153,3 +153,21 @@ def test_a_complete_algorithms_bytes_are_counted_from_what_its_clients_upload():
   assert metrics['counted'] == metrics['own']
   assert metrics['extra']['bytes_up'] == metrics['own']['bytes_up'] + 4 * 4  # a float32 each
   assert metrics['extra']['bytes_down_broadcast'] == metrics['own']['bytes_down_broadcast']
+
+
+TYPO_SPEC = '''
+from fedjax_personal import algorithms
+from fedjax_personal.algorithms import fedavg
+from fedjax_personal.config import AlgorithmSpec, NoConfig
+
+algorithms.register(AlgorithmSpec('typo', NoConfig, fedavg.build, frozenset({'client_lrr'})))
+'''
+
+
+def test_a_spec_with_a_misspelled_setting_is_refused_when_imported(tmp_path):
+  (tmp_path / 'typo_spec.py').write_text(TYPO_SPEC)
+  [(code, err)] = main_in_one_process([['--import=typo_spec.py', '--algorithm=typo']],
+                                      cwd=str(tmp_path))
+  lines = [l for l in err.splitlines() if l.startswith('error:')]
+  assert code == 2 and len(lines) == 1 and 'Traceback' not in err, err
+  assert "'client_lrr'" in lines[0] and 'client_lr' in lines[0], lines
