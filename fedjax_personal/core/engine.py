@@ -95,8 +95,7 @@ def communication_metrics(alg, state, num_active, num_uploads=None, comm=None) -
     num_active: the sampled clients (each received the downlink).
     num_uploads: the clients that sent an upload (None: every sampled one;
       fewer when the algorithm marks some as not participating).
-    comm: the round's ``Communication`` when counted from what it moved
-      (``algorithm.upload_communication``); None: the algorithm's own.
+    comm: the round's ``Communication`` counted from what it moved; None: the algorithm's.
 
   Returns:
     ``{'bytes_up', 'bytes_down_broadcast', 'bytes_down_unicast', ...}`` of
@@ -124,8 +123,7 @@ PARTICIPATED = 'participated'
 def cohort_counts(alg, state, cohort, metrics, comm=None) -> dict:
   """``num_active`` (the clients that took part) and the round's bytes,
   from the cohort's mask and the server update's ``PARTICIPATED`` (which is
-  replaced by these counts: a round's metrics stay scalars); ``comm``: the
-  round's sizes when counted from what it moved."""
+  replaced by these counts: a round's metrics stay scalars), ``comm`` as there."""
   sampled = jnp.sum(cohort.mask.astype(jnp.float32))
   if PARTICIPATED not in metrics:
     return communication_metrics(alg, state, sampled, comm=comm)

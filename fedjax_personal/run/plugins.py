@@ -13,14 +13,18 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Dict, List, Sequence
+import sysconfig
+from typing import Dict, List, Optional, Sequence
 
 from fedjax_personal.errors import ConfigError
 
-__all__ = ['identity', 'import_all', 'imports_in', 'load']
+__all__ = ['BROUGHT', 'identity', 'import_all', 'imports_in', 'LOADED', 'load']
 
 #: What the command imported, in order: ``{given text: source path}``.
 LOADED: Dict[str, str] = {}
+#: The modules each import brought in from outside the installed packages (a
+#: helper beside the user's file): ``{given text: [source paths]}``.
+BROUGHT: Dict[str, List[str]] = {}
 
 
 def imports_in(argv: Sequence[str]) -> List[str]:
@@ -46,8 +50,8 @@ def imports_in(argv: Sequence[str]) -> List[str]:
           value = next(it, None)
         if value is None:
           continue
-        if into is not None:
-          into.extend(v for v in value.split(',') if v)
+        if into is not None:  # one module a flag: a path may hold a comma
+          into.extend([value] if value else [])
         elif depth < 10:
           for path in value.split(','):
             try:
@@ -74,6 +78,7 @@ def load(spec: str):
     ConfigError('import', ...): not found, or it failed while importing
     (the line names the file, line and error).
   """
+  before = set(sys.modules)
   try:
     if spec.endswith('.py') or os.sep in spec:
       path = os.path.abspath(os.path.expanduser(spec))
@@ -109,6 +114,8 @@ def load(spec: str):
                           'run from the folder that holds it)') from None
   except ConfigError:
     raise
+  except SystemExit as e:  # a module that exits while imported: nothing would run
+    raise ConfigError('import', f'{spec} called sys.exit({e.code!r}) while imported') from None
   except Exception as e:  # the user's module failed: one line naming where
     import traceback
     frames = [f for f in traceback.extract_tb(e.__traceback__)
@@ -116,7 +123,24 @@ def load(spec: str):
     where = f'{frames[-1].filename}:{frames[-1].lineno}' if frames else spec
     raise ConfigError('import', f'{spec} failed at {where}: {type(e).__name__}: {e}') from None
   LOADED[spec] = getattr(module, '__file__', None) or spec
+  BROUGHT[spec] = sorted(p for p in (_user_source(m) for m in set(sys.modules) - before)
+                         if p and p != LOADED[spec])
   return module
+
+
+def _user_source(name: str) -> Optional[str]:
+  """The source file of module ``name`` when it is the user's own (neither
+  an installed package's nor Python's), else None."""
+  path = getattr(sys.modules.get(name), '__file__', None)
+  if not path or not path.endswith('.py'):
+    return None
+  path = os.path.abspath(path)
+  installed = [os.path.abspath(p) for p in {sysconfig.get_paths()[k] for k in
+                                             ('stdlib', 'platstdlib', 'purelib', 'platlib')}]
+  here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  if path.startswith(tuple(installed)) or path.startswith(sys.prefix) or path.startswith(here):
+    return None
+  return path
 
 
 def import_all(argv: Sequence[str]) -> List[str]:
@@ -135,8 +159,11 @@ def import_all(argv: Sequence[str]) -> List[str]:
 
 
 def identity(specs: Sequence[str]) -> List[List[str]]:
-  """``[[spec, SHA-256 of its source (16 hex digits)]]`` of imported modules:
-  the run identity's ``imports``.
+  """``[[name, SHA-256 (16 hex digits)]]`` of imported modules: the run
+  identity's ``imports``. The name is the file's (the same file named by
+  another path is the same plugin); the digest covers its source and that of
+  every module of the user's it brought in (``BROUGHT``: a changed helper
+  beside it is a changed plugin).
 
   Args:
     specs: the ``--import`` values.
@@ -147,10 +174,21 @@ def identity(specs: Sequence[str]) -> List[List[str]]:
   out = []
   for spec in specs:
     path = LOADED.get(spec) or spec
-    try:
-      with open(path, 'rb') as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    except OSError:
-      digest = 'unreadable'
-    out.append([spec, digest])
+    h = hashlib.sha256()
+    for source in [path] + BROUGHT.get(spec, []):
+      try:
+        with open(source, 'rb') as f:
+          h.update(f.read())
+      except OSError:
+        h.update(b'unreadable')
+      h.update(b'\0' if source == path else os.path.basename(source).encode())
+    name = os.path.basename(path) if path.endswith('.py') else spec
+    digest = h.hexdigest()[:16]
+    if not BROUGHT.get(spec):  # a plugin alone: the digest earlier runs recorded
+      try:
+        with open(path, 'rb') as f:
+          digest = hashlib.sha256(f.read()).hexdigest()[:16]
+      except OSError:
+        digest = 'unreadable'
+    out.append([name, digest])
   return out

@@ -59,10 +59,10 @@ def trace_round(alg, sampler, data) -> None:
   _, _, _, fused_round = round_functions(alg, sampler, VmapExecutor())
   train, val = _split_shapes(data, 'train'), _split_shapes(data, 'val')
 
-  def one_round(key):
+  def one_round(key, train, val):
     return fused_round(alg.init(key), key, jnp.int32(0), train, val)
   try:
-    jax.eval_shape(one_round, jax.random.key(0))
+    jax.eval_shape(one_round, jax.random.key(0), train, val)
   except ConfigError:
     raise
   except Exception as e:  # the round cannot be traced: nothing would train
