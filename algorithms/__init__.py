@@ -18,13 +18,14 @@ from fedjax_personal.core.algorithm import FederatedAlgorithm
 from fedjax_personal.core.client_state import persistent_client_optimizer
 from fedjax_personal.core.data import FederatedData
 from fedjax_personal.core.training import sgd_finetune
-from fedjax_personal.errors import ConfigError
+from fedjax_personal.errors import ConfigError, caller_file
 from fedjax_personal.models import Model
 
 __all__ = ['AlgorithmSpec', 'apfl', 'build', 'cfl', 'check_model_state', 'config_classes', 'ConfigError', 'ditto',
            'fedavg', 'feddyn', 'FederatedAlgorithm', 'FederatedData', 'fedfomo', 'fednova', 'make',
            'fedprox', 'fedsgd', 'local', 'Model', 'oracle', 'partial', 'perfedavg',
-           'persistent_client_optimizer', 'pfeddyn', 'pfedme', 'qffl', 'register', 'REGISTRY',
+           'OWNERS', 'persistent_client_optimizer', 'pfeddyn', 'pfedme', 'qffl', 'register',
+           'REGISTRY',
            'scaffold', 'sgd_finetune', 'spec', 'TrainingConfig', 'usercentric']
 
 
@@ -60,6 +61,10 @@ REGISTRY: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in [
 ]}
 
 
+#: Who registered each algorithm added by ``register`` (its file).
+OWNERS: Dict[str, str] = {}
+
+
 def register(new: AlgorithmSpec) -> None:
   """Adds an algorithm defined outside this package to the registry (the
   CLI's ``cli.register`` also defines its flags). Registering the same
@@ -72,12 +77,13 @@ def register(new: AlgorithmSpec) -> None:
   Returns:
     None.
   """
+  owner = caller_file()
   old = REGISTRY.get(new.name)
-  if old is not None and old is not new and (
-      getattr(old.build, '__module__', None) != getattr(new.build, '__module__', None)):
-    raise ValueError(f'an algorithm named {new.name!r} is registered already '
-                     f'({old.summary or old.build.__module__})')
+  if old is not None and old is not new and OWNERS.get(new.name) != owner:
+    raise ValueError(f'an algorithm named {new.name!r} is registered already, by '
+                     f'{OWNERS.get(new.name, "this package")} ({old.summary or new.name})')
   REGISTRY[new.name] = new
+  OWNERS[new.name] = owner
 
 
 def spec(name: str) -> AlgorithmSpec:

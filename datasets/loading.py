@@ -231,6 +231,7 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
   options = _reader_options(cfg)
   nat = registry.load(cfg.dataset, cfg.num_clients, cfg.data_dir, cfg.download, **options)
   identity = {'dataset': cfg.dataset, 'num_clients': nat.num_clients,
+              'num_classes': int(nat.num_classes),
               **({'eval_only': nat.eval_only} if nat.eval_only else {}),
               'options': cfg.options.store_key(options), 'val_fraction': cfg.val_fraction,
               'seed': cfg.seed if cfg.val_fraction else None,

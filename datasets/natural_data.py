@@ -20,7 +20,8 @@ import numpy as np
 from fedjax_personal.datasets import sqlite_formats
 from fedjax_personal.errors import ConfigError, DataError
 
-__all__ = ['client_id', 'converted', 'fedjax_splits', 'IGNORE', 'listed', 'NaturalData', 'take']
+__all__ = ['check_pair', 'checked', 'client_id', 'converted', 'fedjax_splits', 'IGNORE', 'listed',
+           'MAX_CLASSES', 'NaturalData', 'take']
 
 
 IGNORE = -1  # a padded target position
@@ -165,3 +166,98 @@ def converted(convert, examples, path):
   except (KeyError, ValueError, TypeError, IndexError) as e:
     raise DataError(f'{path}: a client record lacks the expected features ({type(e).__name__}: '
                     f'{e})') from None
+
+
+#: The most classes a data set may have: its output layer and every score
+#: over classes are [., num_classes] (GLDv2's 2,028 and Stack Overflow's
+#: 10,004 are far below; a label of 10**9 read as a class is not a data set).
+MAX_CLASSES = 1_000_000
+
+
+def checked(dataset: str, nat: NaturalData) -> NaturalData:
+  """``nat`` with its clients checked as they are read (``check_pair``): a
+  data set that enters the run is what the engine assumes, or one line
+  naming the data set, the client and the first bad value (exit 2), before
+  anything is built or compiled.
+
+  Args:
+    dataset: its ``--dataset`` name.
+    nat: what its reader returned.
+
+  Returns:
+    The ``NaturalData``, its ``stream`` checking each client.
+
+  Raises:
+    ConfigError: a number of classes that is not a positive integer of at
+      most ``MAX_CLASSES``.
+  """
+  classes = nat.num_classes
+  if isinstance(classes, (bool, np.bool_)) or not isinstance(classes, (int, np.integer)):
+    raise ConfigError('dataset', f'{dataset}: its reader gave num_classes={classes!r}, not an '
+                      'integer')
+  if not 1 <= classes <= MAX_CLASSES:
+    raise ConfigError('dataset', f'{dataset}: {int(classes):,} classes, outside [1, '
+                      f'{MAX_CLASSES:,}]')
+  inner = nat.stream
+
+  def stream():
+    spec: dict = {}
+    for item in inner():
+      cid, *parts = item
+      for split, part in zip(('train', 'test', 'validation'), parts):
+        if part is not None:
+          check_pair(dataset, client_id(cid), split, part, int(classes), spec)
+      yield item
+  return dataclasses.replace(nat, stream=stream)
+
+
+def check_pair(dataset: str, cid: str, split: str, part, num_classes: int, spec: dict) -> None:
+  """One client split ``(x, y)``: as many inputs as targets, numeric and
+  finite inputs of the data set's one dtype and shape (``spec`` holds the
+  first client's), integer targets in [0, num_classes) (-1 marks a padded
+  position of a sequence target).
+
+  Args:
+    dataset: the data set's name (for the message).
+    cid: the client's id.
+    split: 'train', 'test' or 'validation'.
+    part: ``(x, y)``.
+    num_classes: the data set's classes.
+    spec: the first client's dtypes and shapes (filled on the first call).
+
+  Returns:
+    None.
+
+  Raises:
+    ConfigError naming the data set, the client and the first bad value.
+  """
+  x, y = (np.asarray(a) for a in part)
+  where = f'{dataset}: client {cid!r} ({split})'
+  if x.ndim == 0 or y.ndim == 0 or len(x) != len(y):
+    raise ConfigError('dataset', f'{where}: {len(x) if x.ndim else "no"} inputs but '
+                      f'{len(y) if y.ndim else "no"} targets')
+  for what, a in (('inputs', x), ('targets', y)):
+    if a.dtype.kind not in 'biuf':
+      raise ConfigError('dataset', f'{where}: its {what} are {a.dtype} ({a.ravel()[:1]!r}...), '
+                        'not numbers')
+  if x.dtype.kind == 'f' and x.size and not np.isfinite(x).all():
+    i = np.unravel_index(np.argmin(np.isfinite(x)), x.shape)
+    raise ConfigError('dataset', f'{where}: input {i[0]} holds {x[i]} (inputs must be finite)')
+  if y.size and y.dtype.kind == 'f' and not (np.isfinite(y).all() and np.all(y == np.round(y))):
+    i = int(np.argmax(~(np.isfinite(y) & (y == np.round(y))).reshape(len(y), -1).any(1)))
+    raise ConfigError('dataset', f'{where}: target {i} is {y[i]}, not a class (targets must be '
+                      'integers)')
+  for what, a in (('inputs', x), ('targets', y)):
+    key = (a.dtype.str, a.shape[1:])
+    if spec.setdefault(what, key) != key:
+      raise ConfigError('dataset', f'{where}: {what} of dtype {a.dtype} and shape '
+                        f'{a.shape[1:]}; the first client\'s are {np.dtype(spec[what][0])} and '
+                        f'{spec[what][1]} (one dtype and shape a data set)')
+  if not y.size:
+    return
+  low = -1 if y.ndim > 1 else 0  # -1: a padded position of a sequence target
+  bad = (y < low) | (y >= num_classes)
+  if bad.any():
+    i = int(np.argmax(bad.reshape(len(y), -1).any(1)))
+    raise ConfigError('dataset', f'{where}: target {i} is {y[i]}, outside [0, {num_classes}) '
+                      f'(the data set\'s {num_classes} classes)')

@@ -18,15 +18,18 @@ import functools
 import inspect
 from typing import Any, Callable, Dict, List, Optional, Protocol, Type
 
+import numpy as np
+
 from fedjax_personal.datasets import cifar100, emnist, gldv2, leaf, shakespeare, stackoverflow
 from fedjax_personal.datasets.in_memory import SyntheticOptions
-from fedjax_personal.datasets.natural_data import NaturalData
+from fedjax_personal.datasets.natural_data import (MAX_CLASSES, NaturalData, checked, listed,
+                                                   take)
 from fedjax_personal.datasets.options import DataOptions, NoOptions, TextOptions
-from fedjax_personal.errors import ConfigError
+from fedjax_personal.errors import ConfigError, caller_file
 
 __all__ = ['DATASETS', 'HELD_OUT_ONLY', 'is_file_dataset', 'is_known', 'LEAF_PREFIX', 'load',
            'loader_code', 'LOADERS', 'names', 'option_classes', 'options_class', 'OPTIONS',
-           'READER_ARGUMENTS', 'ReadClients',
+           'OWNERS', 'READER_ARGUMENTS', 'ReadClients', 'RESERVED_PREFIXES',
            'reader_options', 'register', 'register_arrays', 'SplitByFraction']
 
 
@@ -67,6 +70,10 @@ OPTIONS: Dict[str, Type[DataOptions]] = {
     'tfds:tiny_shakespeare': TextOptions,
 }
 LEAF_PREFIX = 'leaf:'
+#: Names the loaders route by their prefix: never a registered data set's.
+RESERVED_PREFIXES = (LEAF_PREFIX, 'tfds:')
+#: Who registered each data set added by ``register`` (its file).
+OWNERS: Dict[str, str] = {}
 
 
 class ReadClients(Protocol):
@@ -101,15 +108,21 @@ def register(name: str, read_clients: ReadClients,
   Returns:
     None.
   """
-  if name in LOADERS and LOADERS[name] is not read_clients and (
-      getattr(LOADERS[name], '__module__', None) != getattr(read_clients, '__module__', None)):
-    raise ValueError(f'a data set named {name!r} is registered already')
+  owner = caller_file()
+  if name in DATASETS or name in HELD_OUT_ONLY:
+    raise ValueError(f'{name!r} is a built-in data set; register yours under another name')
+  if name.startswith(RESERVED_PREFIXES):
+    raise ValueError(f'{name!r}: names starting {" or ".join(RESERVED_PREFIXES)} are the '
+                     'loaders\' own (LEAF\'s JSON, TFDS); register yours under another name')
+  if name in LOADERS and OWNERS.get(name, owner) != owner:
+    raise ValueError(f'a data set named {name!r} is registered already, by {OWNERS[name]}')
   if options is not None and not (isinstance(options, type)
                                   and issubclass(options, DataOptions)):
     raise TypeError(f'the options of {name!r} must be a DataOptions dataclass, got {options!r}')
   _check_reader(name, read_clients, options or NoOptions)
   LOADERS[name] = read_clients
   OPTIONS[name] = options or NoOptions
+  OWNERS[name] = owner
 
 
 #: What every reader may be given besides its options' fields (``load``).
@@ -170,8 +183,10 @@ def register_arrays(name: str, clients, test=None, *, num_classes: Optional[int]
   Returns:
     None.
   """
-  import numpy as np
-  from fedjax_personal.datasets.natural_data import listed, take
+  if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(
+      num_classes, (int, np.integer)) or not 1 <= num_classes <= MAX_CLASSES):
+    raise ValueError(f'register_arrays({name!r}): num_classes must be an integer in [1, '
+                     f'{MAX_CLASSES:,}] or None, got {num_classes!r}')
 
   def as_pairs(got, what):
     got = got() if callable(got) else got
@@ -195,8 +210,17 @@ def register_arrays(name: str, clients, test=None, *, num_classes: Optional[int]
       raise ConfigError('dataset', f'{name}: test clients {extra} have no training examples')
     empty = lambda c: (train[c][0][:0], train[c][1][:0])
     test_pairs = [tested.get(c, empty(c)) for c in ids] if tested is not None else None
-    labels = [train[c][1] for c in ids] + [y for _, y in test_pairs or ()]
-    classes = num_classes or int(max((int(y.max()) for y in labels if y.size), default=0)) + 1
+    classes = num_classes
+    if classes is None:  # the largest label + 1, its client named if it is absurd
+      owners = [(c, y) for c in ids for y in (train[c][1], *([tested[c][1]] if tested and c
+                                                                in tested else []))]
+      top = max(((float(np.max(y)), c) for c, y in owners if y.size and y.dtype.kind in 'biuf'
+                 and np.isfinite(y).all()), default=(0.0, None))
+      if top[0] + 1 > MAX_CLASSES:
+        raise ConfigError('dataset', f'{name}: client {top[1]!r} has label {top[0]:g}: '
+                          f'{top[0] + 1:,.0f} classes, more than {MAX_CLASSES:,} (labels are '
+                          'class indices 0, 1, ...)')
+      classes = int(top[0]) + 1
     return NaturalData(listed(ids, [train[c] for c in ids], test_pairs), n, classes, len(train),
                        split_by_fraction=tested is None)
   read_clients.__module__ = getattr(clients, '__module__', None) or __name__
@@ -322,11 +346,15 @@ def load(dataset: str, num_clients=None, data_dir=None, download=False,
     if download:
       from fedjax_personal.datasets import sources
       raise ConfigError('download', sources.manual_instructions(dataset))
-    return leaf.read_clients(dataset[len(LEAF_PREFIX):], num_clients, data_dir)
+    return checked(dataset, leaf.read_clients(dataset[len(LEAF_PREFIX):], num_clients, data_dir))
   if dataset not in LOADERS:
     raise ConfigError('dataset', f'{dataset!r} is not a natural data set read from files')
-  return LOADERS[dataset](num_clients=num_clients, data_dir=data_dir, download=download,
-                          **reader_options(dataset, options))
+  nat = LOADERS[dataset](num_clients=num_clients, data_dir=data_dir, download=download,
+                         **reader_options(dataset, options))
+  if not isinstance(nat, NaturalData):
+    raise ConfigError('dataset', f'{dataset}: its reader returned {type(nat).__name__}, not a '
+                      'natural_data.NaturalData')
+  return checked(dataset, nat)
 
 
 def reader_options(dataset: str, options) -> dict:

@@ -12,7 +12,7 @@ import sysconfig
 import traceback
 from typing import Iterable, Optional
 
-__all__ = ['ConfigError', 'DataError', 'HostLimitError', 'user_frame']
+__all__ = ['caller_file', 'ConfigError', 'DataError', 'HostLimitError', 'user_frame']
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARIES = tuple(os.path.abspath(p) for p in {sysconfig.get_paths()[k] for k in
@@ -71,3 +71,21 @@ class HostLimitError(ConfigError):
   def __init__(self, limit: str, message: str):
     ValueError.__init__(self, f'{limit}: {message}')
     self.name = limit
+
+
+def caller_file() -> str:
+  """The file of the innermost frame on the stack outside this package (its
+  ``fedjax_personal``, ``algorithms`` and ``datasets`` folders): who
+  registers something (two files registering one name are refused; one file
+  registering it again, a re-run notebook cell, replaces it).
+
+  Returns:
+    The path.
+  """
+  root = os.path.dirname(_PACKAGE)
+  inside = tuple(os.path.join(d, '') for d in (
+      _PACKAGE, os.path.join(root, 'algorithms'), os.path.join(root, 'datasets')))
+  frame = sys._getframe(1)
+  while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+    frame = frame.f_back
+  return os.path.abspath(frame.f_code.co_filename) if frame is not None else '?'

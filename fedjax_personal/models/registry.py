@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Optional, Protocol, Type, Union
 
 import flax.linen as nn
 
+from fedjax_personal.errors import caller_file
 from fedjax_personal.hparams import Declared
 from fedjax_personal.models.architectures import CNN, CharLSTM, LeNet5, LogisticRegression, MLP
 from fedjax_personal.models.model import Model
@@ -169,9 +170,11 @@ class RegisteredModel:
   Attributes:
     build: its ``ModelBuilder``.
     options: its ``ModelOptions`` class (``NoModelOptions`` when none).
+    owner: the file that registered it.
   """
   build: Callable[..., Any]
   options: Type[ModelOptions]
+  owner: str = ''
 
 
 #: Models registered with ``register`` (the user's own file, ``--import``).
@@ -238,12 +241,11 @@ def register(name: str, build: ModelBuilder,
     raise TypeError(f'the options of model {name!r} must be a ModelOptions dataclass, got '
                     f'{options!r}')
   _builder_params(name, build, options)
+  owner = caller_file()
   old = REGISTERED.get(name)
-  if old is not None and old.build is not build and (
-      getattr(old.build, '__module__', None) != getattr(build, '__module__', None)):
-    raise ValueError(f'a model named {name!r} is registered already '
-                     f'(by {getattr(old.build, "__module__", "?")})')
-  REGISTERED[name] = RegisteredModel(build, options)
+  if old is not None and old.build is not build and old.owner != owner:
+    raise ValueError(f'a model named {name!r} is registered already, by {old.owner}')
+  REGISTERED[name] = RegisteredModel(build, options, owner)
 
 
 def model_names() -> list:

@@ -97,6 +97,8 @@ def load(spec: str):
           raise ConfigError('import', f'{spec}: not a Python module')
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module  # its functions' __module__ resolves (the store's key)
+        if os.path.dirname(path) not in sys.path:  # its helpers beside it import, as a script's
+          sys.path.append(os.path.dirname(path))
         try:
           module_spec.loader.exec_module(module)
         except BaseException:

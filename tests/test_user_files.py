@@ -1,0 +1,141 @@
+"""What a user's files and plugins feed a run is checked where it enters and
+keys what it reuses: never other numbers, never a hang, one line a fault.
+
+Each case was reproduced by a hostile pass (a fresh cache gave other
+numbers, or a traceback, or a hang): labels that are not classes, inputs
+that are not finite numbers, a number of classes that is not one, a store
+reused after its number of classes changed, a built-in name or one name
+from two files, a plugin's helper module changed under ``--resume``, a
+plugin exiting while imported, a path with a comma."""
+
+import json
+
+import pytest
+
+from fedjax_personal.datasets import registry
+from helpers import main_in_one_process
+
+ARRAYS = '''
+import numpy as np
+from fedjax_personal.datasets import registry
+
+rng = np.random.default_rng(0)
+
+
+def clients():
+  out = {{}}
+  for i in range(4):
+    x = rng.normal(size=(12, 5)).astype(np.float32)
+    y = (np.arange(12) % 3).astype(np.int32)
+    out[f'c{{i}}'] = {{'x': x, 'y': y}}
+  {edit}
+  return out
+
+
+registry.register_arrays({name!r}, clients, clients, num_classes={classes})
+'''
+
+RUN = ['--model=logreg', '--num_clients=4', '--rounds=1', '--eval_every=1', '--progress=false',
+       '--algorithm=fedavg']
+
+
+def _plugin(tmp_path, file, name='mine', edit='', classes='None'):
+  (tmp_path / file).write_text(ARRAYS.format(name=name, edit=edit, classes=classes))
+  return [f'--import={file}', f'--dataset={name}']
+
+
+def _one_line(code, err):
+  lines = [l for l in err.splitlines() if l.startswith('error:')]
+  assert code == 2 and 'Traceback' not in err and len(lines) == 1, err
+  return lines[0]
+
+
+BAD = {
+    'float labels': ("out['c1']['y'] = out['c1']['y'] + 0.5", "client 'c1'", 'not a class'),
+    'negative label': ("out['c2']['y'][3] = -1", "client 'c2'", 'outside [0, 3)'),
+    'label past the classes': ("out['c0']['y'][0] = 7", "client 'c0'", 'outside [0, 3)'),
+    'NaN input': ("out['c3']['x'][2, 1] = np.nan", "client 'c3'", 'inputs must be finite'),
+    'rows differ': ("out['c1']['y'] = out['c1']['y'][:5]", "client 'c1'", '12 inputs but 5'),
+    'string inputs': ("out['c0']['x'] = out['c0']['x'].astype(str)", "client 'c0'", 'not numbers'),
+    'shapes differ': ("out['c2']['x'] = out['c2']['x'][:, :4]", "client 'c2'", 'one dtype and shape'),
+    'a label of 10**9': ("out['c1']['y'][0] = 10**9", "client 'c1'", 'more than 1,000,000'),
+}
+
+
+def test_bad_data_is_one_line_naming_the_client_before_anything_is_built(tmp_path):
+  runs = []
+  for i, (case, (edit, _, _)) in enumerate(BAD.items()):
+    classes = '3' if case in ('negative label', 'label past the classes') else 'None'
+    runs.append(_plugin(tmp_path, f'bad{i}.py', f'bad{i}', edit, classes) + RUN
+                + [f'--output_dir={tmp_path}/out{i}'])
+  results = main_in_one_process(runs, cwd=str(tmp_path))
+  for (case, (_, client, why)), (code, err) in zip(BAD.items(), results):
+    line = _one_line(code, err)
+    assert client in line and why in line, (case, line)
+
+
+def test_the_number_of_classes_keys_the_store(tmp_path):
+  """``num_classes`` changed between two runs of one file: a new store and
+  the new number (a stale store reported the old one)."""
+  results = []
+  for i, classes in enumerate(('10', '5')):
+    args = _plugin(tmp_path, 'nc.py', 'classes', classes=classes) + RUN
+    results += main_in_one_process([args + [f'--output_dir={tmp_path}/nc{i}']],
+                                   cwd=str(tmp_path))
+  for code, err in results:
+    assert code == 0, err
+  seen = [json.load(open(tmp_path / f'nc{i}' / 'fedavg' / 'summary.json'))['identity']
+          for i in range(2)]
+  assert json.dumps(seen[0]) != json.dumps(seen[1])
+
+
+def test_names_are_refused_where_they_would_collide(tmp_path, monkeypatch):
+  monkeypatch.setattr(registry, 'LOADERS', dict(registry.LOADERS))
+  monkeypatch.setattr(registry, 'OPTIONS', dict(registry.OPTIONS))
+  for name in ('digits', 'emnist', 'tfds:mine', 'leaf:mine'):
+    with pytest.raises(ValueError, match='built-in|loaders'):
+      registry.register_arrays(name, {'a': {'x': [[0.0]], 'y': [0]}})
+  runs = [_plugin(tmp_path, 'one.py', 'twice') + _plugin(tmp_path, 'two.py', 'twice')[:1] + RUN]
+  [(code, err)] = main_in_one_process(runs, cwd=str(tmp_path))
+  line = _one_line(code, err)
+  assert 'two.py' in line and 'registered already' in line and 'one.py' in line, line
+
+
+HELPER_PLUGIN = '''
+import helper
+from fedjax_personal.datasets import registry
+
+registry.register_arrays('helped', helper.clients, helper.clients)
+'''
+HELPER = '''
+import numpy as np
+
+
+def clients():
+  rng = np.random.default_rng({seed})
+  return {{f'c{{i}}': {{'x': rng.normal(size=(10, 4)).astype(np.float32),
+                      'y': (np.arange(10) % 2).astype(np.int32)}} for i in range(4)}}
+'''
+
+
+def test_a_changed_helper_of_a_plugin_refuses_resume_and_odd_imports_are_one_line(tmp_path):
+  folder = tmp_path / 'with,comma'
+  folder.mkdir()
+  (folder / 'plug.py').write_text(HELPER_PLUGIN)
+  (folder / 'helper.py').write_text(HELPER.format(seed=0))
+  (tmp_path / 'exits.py').write_text('import sys\nsys.exit(0)\n')
+  args = lambda rounds, *more: [f'--import={folder}/plug.py', '--dataset=helped',
+                                '--model=logreg', '--num_clients=4', f'--rounds={rounds}',
+                                '--algorithm=fedavg', '--progress=false', '--checkpoint_every=1',
+                                f'--output_dir={tmp_path}/run', *more]
+  change = f'open({str(folder / "helper.py")!r}, "w").write({HELPER.format(seed=1)!r})'
+  results = main_in_one_process([
+      args(1), change, args(2, '--resume'),
+      ['--import=exits.py', '--dataset=digits', *RUN],
+  ], cwd=str(tmp_path), env={'PYTHONDONTWRITEBYTECODE': '1'})
+  (c0, e0), (c1, e1), (c2, e2) = results
+  assert c0 == 0, e0  # a path with a comma in it imports
+  line = _one_line(c1, e1)
+  assert 'import' in line, line
+  line = _one_line(c2, e2)
+  assert 'exits.py' in line and 'sys.exit' in line, line
