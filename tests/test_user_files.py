@@ -9,6 +9,9 @@ from two files, a plugin's helper module changed under ``--resume``, a
 plugin exiting while imported, a path with a comma."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -139,3 +142,32 @@ def test_a_changed_helper_of_a_plugin_refuses_resume_and_odd_imports_are_one_lin
   assert 'import' in line, line
   line = _one_line(c2, e2)
   assert 'exits.py' in line and 'sys.exit' in line, line
+
+
+def test_a_setting_given_twice_is_refused_and_the_help_exits_0(tmp_path):
+  """--algorithm (or any flag) twice on the command line or in one flagfile,
+  a sweep key twice: refused, not the last one silently kept; a command
+  line changing a flagfile's value is not twice; --help exits 0; the
+  --sweep help's own example runs."""
+  from fedjax_personal.run import settings
+  (tmp_path / 'run.flags').write_text('--algorithm=fedavg\n--rounds=1\n--rounds=2\n')
+  (tmp_path / 'ok.flags').write_text('--algorithm=fedavg\n--rounds=1\n')
+  example = settings.ExperimentSettings.__dataclass_fields__['sweep'].metadata['help']
+  example = example.split("e.g. '")[1].split("'")[0]
+  small = ['--dataset=digits', '--num_clients=6', '--dry_run']
+  results = main_in_one_process([
+      ['--algorithm=fedavg', '--algorithm=local', *small],
+      ['--flagfile=run.flags', *small],
+      ['--algorithm=fedavg', '--sweep=client_lr:0.1;client_lr:0.2', *small],
+      ['--flagfile=ok.flags', '--rounds=3', *small],
+      ['--algorithm=fedprox', f'--sweep={example}', *small],
+  ], cwd=str(tmp_path))
+  for (code, err), why in zip(results[:3], ('--algorithm: given twice', 'in run.flags',
+                                            'client_lr is swept twice')):
+    assert why in _one_line(code, err), err
+  for code, err in results[3:]:
+    assert code == 0, err
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run([sys.executable, 'scripts/run_experiment.py', '--help'], cwd=root,
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0 and '--algorithm' in r.stdout, r.stderr[-2000:]

@@ -25,8 +25,8 @@ from fedjax_personal.hparams import field_types, flag_fields, flag_name, is_list
 from fedjax_personal.run import faults
 
 
-__all__ = ['define_settings_flags', 'parse_flags', 'quiet_logging_unless_asked', 'read_settings',
-           'run_script']
+__all__ = ['define_settings_flags', 'given_twice', 'HELP_FLAGS', 'parse_flags',
+           'quiet_logging_unless_asked', 'read_settings', 'run_script']
 
 
 def define_settings_flags(cls, module_name: Optional[str] = None, defaults: Optional[dict] = None,
@@ -106,11 +106,69 @@ def parse_flags(argv):
   Returns:
     What absl leaves of it.
   """
+  twice = given_twice(argv, flags.FLAGS)
+  if twice:
+    print(f'error: --{twice[0]}: given twice ({twice[1]}); give it once (a flagfile\'s value may '
+          'be changed on the command line after --flagfile)', file=sys.stderr)
+    sys.exit(2)
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
+  except SystemExit as e:  # absl's --help / --helpfull print the help and exit 1: asked for, 0
+    if e.code == 1 and any(a.split('=')[0] in HELP_FLAGS for a in argv[1:]):
+      sys.exit(0)
+    raise
+
+
+#: absl's flags that print the help (and exit).
+HELP_FLAGS = ('--help', '-help', '-h', '-?', '--helpfull', '--helpshort', '--helpxml')
+
+
+def given_twice(argv, fv: flags.FlagValues):
+  """A flag given twice where one value would silently win: on the command
+  line itself, or within one flagfile (``(name, where)``), else None. A
+  repeatable flag (``--import``) and a command line changing a flagfile's
+  value are not twice.
+
+  Args:
+    argv: the command line.
+    fv: the defined flags.
+
+  Returns:
+    ``(name, where)`` or None.
+  """
+  def names(args):
+    out = []
+    for a in args:
+      if a == '--':
+        break
+      if not a.startswith('--') or len(a) == 2:
+        continue
+      name = a[2:].split('=', 1)[0]
+      if name not in fv and name.startswith('no') and name[2:] in fv:
+        name = name[2:]
+      if name in fv and name != 'flagfile' and not isinstance(fv[name], flags.MultiFlag):
+        out.append(name)
+    return out
+  sources = [('on the command line', list(argv[1:]))]
+  for a in argv[1:]:
+    if a.startswith('--flagfile='):
+      for path in a[len('--flagfile='):].split(','):
+        try:
+          with open(path) as f:
+            lines = [l.strip() for l in f if l.strip() and not l.lstrip().startswith('#')]
+        except OSError:
+          continue  # absl names a missing flagfile itself
+        sources.append((f'in {path}', lines))
+  for where, args in sources:
+    seen = set()
+    for name in names(args):
+      if name in seen:
+        return name, where
+      seen.add(name)
+  return None
 
 
 def import_plugins(argv) -> None:

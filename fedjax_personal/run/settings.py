@@ -85,7 +85,8 @@ class ExperimentSettings(Declared):
                        'it, else one after another (the host layout: on shared cohort gathers); '
                        'the table shows mean ± std over trials.', minimum=1)
   sweep: str = hparam('', "Hyperparameters swept in the same program, e.g. "
-                      "'client_lr:0.01,0.03,0.1;prox_mu:0,0.1' (cross product with the seeds).")
+                      "'client_lr:0.01,0.03,0.1;fedprox_mu:0,0.1' (cross product with the "
+                      'seeds).')
 
   def check(self) -> None:
     """Known algorithms; settings that exclude each other."""

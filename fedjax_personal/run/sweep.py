@@ -75,6 +75,8 @@ def parse_sweep(spec: str, sweepable: Collection[str]) -> Dict[str, List[float]]
       raise ValueError(f"expected name:v1,v2,... got {part!r}")
     name, values = part.split(':', 1)
     name = name.strip()
+    if name in out:
+      raise ValueError(f'{name} is swept twice; give its values once ({name}:v1,v2,...)')
     if name not in sweepable:
       raise ValueError(f'{name!r} cannot be swept: only settings declared with hparam(..., '
                        f'sweep=True) can (used only arithmetically by the builders, so one '
