@@ -97,7 +97,8 @@ def run_script(env, words):
     code, err = _main_dry_runs().get(tuple(args), (None, 'not batched'))
     assert code == 0, f'{" ".join(words)}\n{err[-3000:]}'
     return
-  r = subprocess.run([sys.executable, script, *args, '--dry_run'], cwd=ROOT, capture_output=True,
+  dry = ['--dry_run'] * ('--dry_run' not in args)
+  r = subprocess.run([sys.executable, script, *args, *dry], cwd=ROOT, capture_output=True,
                      text=True, timeout=300,
                      env={**os.environ, **env, 'JAX_PLATFORMS': 'cpu'})
   assert r.returncode == 0, f'{" ".join(words)}\n{r.stderr[-3000:]}'
@@ -121,7 +122,8 @@ def _main_dry_runs():
           args = [a for a in args if a != '--download'] + [f'--data_dir={_made_data(args)}']
         batch.append(args)
   from helpers import main_in_one_process
-  results = main_in_one_process([a + ['--dry_run'] for a in batch], cwd=ROOT)
+  results = main_in_one_process([a + ['--dry_run'] * ('--dry_run' not in a) for a in batch],
+                                cwd=ROOT)
   return dict(zip(map(tuple, batch), results))
 
 

@@ -120,7 +120,8 @@ def test_disk_full_while_writing_metrics(tmp_path):
   if not _mount_small(small, '40k'):
     pytest.skip('cannot mount a small tmpfs here (needs root)')
   try:
-    r = subprocess.run([sys.executable, SCRIPT, *RUN, '--checkpoint_every=0', '--rounds=300',
+    run = [a for a in RUN if not a.startswith('--checkpoint_every')]
+    r = subprocess.run([sys.executable, SCRIPT, *run, '--checkpoint_every=0', '--rounds=300',
                         f'--output_dir={small}/run'], capture_output=True, text=True, timeout=300)
     assert r.returncode == faults.EXIT_STORAGE and 'Traceback' not in r.stderr, r.stderr[-2000:]
     (line,) = _errors(r.stderr)

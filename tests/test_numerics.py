@@ -118,9 +118,11 @@ def test_auto_convolutions_are_matmuls_on_an_accelerator(monkeypatch):
 
 
 def _cli(tmp_path, *extra):
-  return ['--algorithm=fedavg', '--model=lenet5', '--num_clients=4', '--rounds=2',
-          '--max_examples=200', '--eval_every=1', '--checkpoint_every=1', '--noprogress',
-          f'--output_dir={tmp_path}/run', *extra]
+  given = {e.split('=')[0] for e in extra}
+  return [a for a in ['--algorithm=fedavg', '--model=lenet5', '--num_clients=4', '--rounds=2',
+                      '--max_examples=200', '--eval_every=1', '--checkpoint_every=1',
+                      '--noprogress', f'--output_dir={tmp_path}/run']
+          if a.split('=')[0] not in given] + list(extra)
 
 
 def test_the_run_records_its_numerics_and_refuses_another_on_resume(tmp_path):

@@ -122,15 +122,15 @@ def test_a_changed_model_file_refuses_resume_and_a_broken_one_is_one_line(user_f
   folder.mkdir()
   source = (user_folder / 'my_cnn.py').read_text()
   (folder / 'my_cnn.py').write_text(source)
-  args = [*RUN, '--algorithm=fedavg', '--rounds=1', '--checkpoint_every=1',
-          f'--output_dir={folder}/run']
+  args = [a for a in RUN if not a.startswith('--algorithm')] + [
+      '--algorithm=fedavg', '--checkpoint_every=1', f'--output_dir={folder}/run']
   edit = (f'open({str(folder / "my_cnn.py")!r}, "w").write('
           f'{source.replace("nn.Dense(64)", "nn.Dense(32)")!r})')
   broken = source.replace('return MyCNN(num_classes, dropout)',
                           'return MyCNN(num_classes, dropout, missing=1)')
   (folder / 'broken.py').write_text(broken.replace("'my_cnn'", "'my_broken_cnn'"))
   results = main_in_one_process([
-      args, edit, [*args[:-1], '--rounds=2', '--resume', f'--output_dir={folder}/run'],
+      [*args, '--rounds=1'], edit, [*args, '--rounds=2', '--resume'],
       ['--import=broken.py', '--model=my_broken_cnn', '--algorithm=fedavg', '--dataset=digits',
        '--rounds=1', f'--output_dir={folder}/broken'],
   ], cwd=str(folder))
