@@ -126,7 +126,7 @@ def test_disk_full_while_writing_metrics(tmp_path):
     assert r.returncode == faults.EXIT_STORAGE and 'Traceback' not in r.stderr, r.stderr[-2000:]
     (line,) = _errors(r.stderr)
     assert line.startswith(f'error: cannot write {small}/run/fedavg/metrics.jsonl (round ')
-    assert 'No space left on device; no checkpoint (--checkpoint_every=0)' in line
+    assert 'No space left on device; no checkpoint written yet' in line
   finally:
     subprocess.run(['umount', str(small)], capture_output=True)
 
@@ -356,9 +356,8 @@ def test_sigterm_at_an_algorithms_last_round_writes_its_results_and_names_the_ne
     tmp_path):
   """SIGTERM as FedAvg's last round ends, Local still to come: FedAvg's
   summary and the comparison are written, the line says so and names
-  --resume_if_found (--resume would refuse Local, which has no checkpoint),
-  and that command finishes the run; during start-up the line says nothing
-  was trained."""
+  --resume (which starts Local, never reached), and that command finishes
+  the run; during start-up the line says nothing was trained."""
   out = tmp_path / 'run'
   args = ['--algorithm=fedavg,local', '--dataset=digits', '--model=mlp', '--num_clients=6',
           '--rounds=2', '--eval_every=1', '--checkpoint_every=1', '--progress=false',
@@ -367,10 +366,10 @@ def test_sigterm_at_an_algorithms_last_round_writes_its_results_and_names_the_ne
   assert r.returncode == 143 and 'Traceback' not in r.stderr, r.stderr[-2000:]
   (line,) = _errors(r.stderr)
   assert 'terminated after the last round of fedavg, its results written' in line, line
-  assert line.endswith('continue with the same command and --resume_if_found'), line
+  assert line.endswith('continue with the same command and --resume'), line
   assert (out / 'fedavg' / 'summary.json').exists() and (out / 'comparison.json').exists()
   assert not (out / 'local' / 'summary.json').exists()
-  r = subprocess.run([sys.executable, SCRIPT, *args, '--resume_if_found'], capture_output=True,
+  r = subprocess.run([sys.executable, SCRIPT, *args, '--resume'], capture_output=True,
                      text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-2000:]
   assert (out / 'local' / 'summary.json').exists()
@@ -462,3 +461,35 @@ def test_a_damaged_identity_file_is_refused_naming_it_and_overwrite_starts_again
     parse_flags(*args, '--overwrite')
     cli.main_job()
   assert json.loads((out / 'fedavg' / 'identity.json').read_text())['algorithm'] == 'fedavg'
+
+
+def test_ctrl_c_of_the_main_jobs_kind_then_the_docs_resume_equals_the_whole_run(tmp_path):
+  """Two algorithms, no --checkpoint_every (as the README's main job runs):
+  Ctrl-C during the first keeps the round in progress, and the README's
+  --resume continues it and runs the second, which it never reached, to
+  the uninterrupted run's numbers; a damaged top-level identity.json is
+  rebuilt from the algorithms' own, not answered with --overwrite."""
+  args = ['--algorithm=fedavg,local', '--dataset=digits', '--model=mlp', '--num_clients=8',
+          '--eval_every=1', '--progress=false']
+  out, rounds = tmp_path / 'run', 200
+  proc = _start([*args, f'--rounds={rounds}', f'--output_dir={out}'])
+  _wait_for_rounds(out / 'fedavg' / 'metrics.jsonl', 3, proc)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130 and 'Traceback' not in err, err[-2000:]
+  (line,) = _errors(err)
+  assert line.endswith('continue with the same command and --resume'), line
+  done = int(line.split('interrupted after round ')[1].split()[0])
+  (out / 'identity.json').write_text('{"damaged')
+  rounds = done + 2
+  r = subprocess.run([sys.executable, SCRIPT, *args, f'--rounds={rounds}', f'--output_dir={out}',
+                      '--resume'], capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert 'rebuilt from its algorithms' in r.stderr
+  whole = tmp_path / 'whole'
+  r = subprocess.run([sys.executable, SCRIPT, *args, f'--rounds={rounds}',
+                      f'--output_dir={whole}'], capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  for alg in ('fedavg', 'local'):
+    got, want = _lines(out / alg / 'metrics.jsonl'), _lines(whole / alg / 'metrics.jsonl')
+    assert got == want, alg

@@ -310,15 +310,18 @@ def _with_inner(template, whole):
 
 
 class Checkpointer(Callback):
-  """Saves every ``every`` rounds and at the end of the run (of a single
-  run or a whole sweep: the stacked state and every configuration's records)."""
+  """Saves every ``every`` rounds, when the run is interrupted, and (with
+  ``final``) at its end (of a single run or a whole sweep: the stacked state
+  and every configuration's records)."""
 
   def __init__(self, directory: str, every: int,
                histories: Optional[List[List[dict]]] = None, max_to_keep: int = 2,
-               identity: Optional[dict] = None, resumed_step: Optional[int] = None):
+               identity: Optional[dict] = None, resumed_step: Optional[int] = None,
+               final: bool = True):
     self.mngr = manager(directory, max_to_keep)
     self.identity = identity
     self.every = every
+    self.final = final
     self.histories = [list(h) for h in histories] if histories else None
     # Client rows in files: the manifest the next checkpoint's delta follows.
     self.rows_manifest = rows_manifest_of(self.mngr, resumed_step) if resumed_step else None
@@ -337,9 +340,11 @@ class Checkpointer(Callback):
 
   def on_end(self, histories, state):
     last = histories[0][-1]['round'] if histories and histories[0] else 0
-    if last and self.mngr.latest_step() != last:
+    if self.final and last and self.mngr.latest_step() != last:
       self._save(last, state, histories)
 
   def on_stop(self, round_num, state):
-    if self.every and self.mngr.latest_step() != round_num:
+    """An interruption (Ctrl-C, SIGTERM): the round just finished is kept
+    whatever ``every`` is, so that ``--resume`` continues from it."""
+    if round_num and self.mngr.latest_step() != round_num:
       self._save(round_num, state, self.histories)

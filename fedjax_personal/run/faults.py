@@ -115,11 +115,9 @@ def kept() -> str:
   p = PROGRESS
   if not p.algorithm:
     return 'nothing was trained yet; run the same command again'
-  if p.checkpoint_round:
-    # Algorithms after this one have no checkpoint: --resume would refuse them.
-    flag = '--resume_if_found' if p.later else '--resume'
+  if p.checkpoint_round:  # (--resume starts the algorithms after it, which have none)
     return (f'checkpoint of round {p.checkpoint_round} of {p.algorithm} kept in '
-            f'{p.checkpoint_dir}; continue with the same command and {flag}')
+            f'{p.checkpoint_dir}; continue with the same command and --resume')
   if p.checkpointing:
     return 'no checkpoint written yet; run the same command again'
   return ('no checkpoint (--checkpoint_every=0); run the same command again, with '

@@ -426,7 +426,9 @@ def claim_and_restore(job: Job) -> None:
   out, rounds = job.settings.output, job.settings.experiment.rounds
   resume = out.resume or out.resume_if_found
   identities = {b.settings.name: b.identity for b in job.algs}
+  started = False  # --resume of a run that began here: algorithms it never reached start
   if resume:
+    started = run_identity.repaired(job.output_dir, {'algorithms': identities})
     _check_process_count(job.output_dir)
   if distributed.is_primary():
     run_identity.lock(job.output_dir)  # held until the job ends (main_job unlocks)
@@ -447,7 +449,7 @@ def claim_and_restore(job: Job) -> None:
       continue
     ckpt_dir = os.path.join(job.output_dir, name, 'checkpoints')
     got = checkpointing.restore_latest(ckpt_dir, runs.init(), built.identity)
-    if got is None and out.resume:
+    if got is None and out.resume and not started:
       raise ConfigError('resume', f'no checkpoint of {name} in {ckpt_dir}; run without '
                         '--resume, or with --resume_if_found to start fresh where there is none')
     if got is None:
@@ -479,11 +481,11 @@ def _callbacks(job: Job, built: Built, hists, start):
     callbacks.append(reporting.PrivacyRecorder(alg.privacy, s.experiment.dp_delta))
   if primary:
     callbacks.append(reporting.MetricsWriter(out_dir, hists))
-  if s.output.checkpoint_every or s.output.resume or s.output.resume_if_found:
-    callbacks.append(checkpointing.Checkpointer(os.path.join(out_dir, 'checkpoints'),
-                                                s.output.checkpoint_every, hists,
-                                                identity=built.identity,
-                                                resumed_step=start or None))
+  # Always: an interruption keeps the round in progress (--resume continues it).
+  callbacks.append(checkpointing.Checkpointer(
+      os.path.join(out_dir, 'checkpoints'), s.output.checkpoint_every, hists,
+      identity=built.identity, resumed_step=start or None,
+      final=bool(s.output.checkpoint_every or s.output.resume or s.output.resume_if_found)))
   if alg_name == 'fedfomo' and job.cfgs is None and primary:
     callbacks.append(reporting.AffinityRecorder(os.path.join(out_dir, 'affinity.png')))
   if s.output.progress and primary:
@@ -505,7 +507,7 @@ def train_algorithm(job: Job, built: Built) -> None:
     raise faults.interrupted()
   later = len(job.algs) - 1 - [b.settings.name for b in job.algs].index(alg_name)
   faults.start_algorithm(alg_name, start, os.path.join(job.output_dir, alg_name, 'checkpoints'),
-                         bool(s.output.checkpoint_every), start or None, e.rounds, later)
+                         True, start or None, e.rounds, later)
   began, compiled = time.perf_counter(), compilation.stats()
   _, hists = experiment.run_many(runs, e.rounds, eval_every=e.eval_every,
                                  callbacks=_callbacks(job, built, hists, start),

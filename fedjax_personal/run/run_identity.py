@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from typing import Any, Dict, List, Optional
 
@@ -174,6 +175,38 @@ def read(directory: str) -> Optional[Dict]:
     raise ConfigError('output_dir', f'{path} is damaged (not an identity); pass --overwrite to '
                       'start that folder again, or choose another --output_dir')
   return ident
+
+
+def repaired(directory: str, ident: Dict) -> bool:
+  """Whether ``directory`` holds a run of ``ident`` (a job's identity,
+  ``{'algorithms': {name: identity}}``) to resume. A damaged top-level
+  ``identity.json`` is rebuilt from the algorithms' own when every one that
+  is there is intact and this run's (one line on stderr says so): nothing
+  finished is lost to ``--overwrite``.
+
+  Args:
+    directory: the job's output folder.
+    ident: its identity.
+
+  Returns:
+    True when the folder holds this run (its top-level identity equal, or
+    rebuilt).
+  """
+  try:
+    return read(directory) == ident
+  except ConfigError:
+    pass
+  subs = ident.get('algorithms', {})
+  try:
+    found = {name: read(os.path.join(directory, name)) for name in subs}
+  except ConfigError:
+    return False
+  if not any(found.values()) or any(v is not None and v != subs[n] for n, v in found.items()):
+    return False
+  write_json(os.path.join(directory, IDENTITY_FILE), ident)
+  print(f'{os.path.join(directory, IDENTITY_FILE)} was damaged; rebuilt from its algorithms\' '
+        'own, which are this run\'s', file=sys.stderr, flush=True)
+  return True
 
 
 _LOCKS: Dict[str, Any] = {}
