@@ -25,6 +25,7 @@ from fedjax_personal.datasets.partition import Partition
 from fedjax_personal.errors import ConfigError, DataError
 
 __all__ = ['chosen_clients', 'load_federated', 'load_pool', 'load_store', 'make_partition',
+           'READS_FILE',
            'pooled_clients', 'PooledClients']
 
 
@@ -229,7 +230,33 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
   if not streams_to_store(cfg):  # built in memory, stored without padding
     return pooled_clients(cfg).store()
   options = _reader_options(cfg)
-  nat = registry.load(cfg.dataset, cfg.num_clients, cfg.data_dir, cfg.download, **options)
+  with local_files.record_reads() as opened:
+    nat = registry.load(cfg.dataset, cfg.num_clients, cfg.data_dir, cfg.download, **options)
+  return _store_of(cfg, nat, options, opened, verify, should_stop, rebuild)
+
+
+#: A store's record of the files its reader read without naming them.
+READS_FILE = 'reads.json'
+
+
+def _unnamed_reads_changed(folder) -> Optional[str]:
+  """The first file a store's reader read unnamed (``READS_FILE``) that
+  changed or went since, or None."""
+  try:
+    with open(folder / READS_FILE) as f:
+      reads = json.load(f)
+  except (OSError, ValueError):
+    return None
+  for path, digest in reads:
+    if not os.path.isfile(path) or local_files.content_digest(path) != digest:
+      return path
+  return None
+
+
+def _store_of(cfg, nat, options, opened, verify, should_stop, rebuild) -> PopulationStore:
+  """``load_store``'s natural data set: its cached store, or one written from
+  ``nat`` (the files its reader opened, ``opened``, named or not, recorded
+  beside it: one that changes rebuilds it)."""
   identity = {'dataset': cfg.dataset, 'num_clients': nat.num_clients,
               'num_classes': int(nat.num_classes),
               **({'eval_only': nat.eval_only} if nat.eval_only else {}),
@@ -237,7 +264,9 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
               'seed': cfg.seed if cfg.val_fraction else None,
               'files': [(os.path.basename(f), local_files.content_digest(f)) for f in nat.files]}
   if not nat.files:  # a reader that names no file: what it returns is the key
-    identity['content'] = content_digest(nat)
+    with local_files.record_reads() as more:
+      identity['content'] = content_digest(nat)
+    opened |= more
   digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
   folder = local_files.cache_dir() / 'stores' / f'{cfg.dataset.replace(":", "_")}-{digest}'
   store_lib.remove_leftovers(folder.parent)  # builds killed midway
@@ -252,6 +281,8 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
     elif made_by != code:
       why = (f'written by other loader code ({made_by or "before loaders were recorded"}, '
              f'this is {code})')
+    elif _unnamed_reads_changed(folder):
+      why = f'its reader also read {_unnamed_reads_changed(folder)}, which changed since'
     else:
       try:
         return store_lib.open_store(folder, {**identity, 'loader_code': code}, verify=verify)
@@ -261,11 +292,19 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
     print(f'{folder}: {why}; rebuilding it {source}', file=sys.stderr, flush=True)
   writer = store_lib.StoreWriter(folder, {**identity, 'loader_code': code})
   try:
-    _write_natural(nat, cfg, writer, should_stop)
-    return writer.close(_natural_name(cfg, nat), nat.num_classes, nat.eval_only)
+    with local_files.record_reads() as more:
+      _write_natural(nat, cfg, writer, should_stop)
+    store = writer.close(_natural_name(cfg, nat), nat.num_classes, nat.eval_only)
   except BaseException:
     writer.abort()
     raise
+  reads = local_files.reads_of(opened | more, nat.files)
+
+  def write(path):
+    with open(path, 'w') as f:
+      json.dump(reads, f)
+  local_files.write_atomically(folder / READS_FILE, write)
+  return store
 
 
 def content_digest(nat: NaturalData) -> str:

@@ -138,9 +138,9 @@ class TrainingConfig(Declared):
                                  "usual convention) or kept per client ('persistent').",
                                  choices=('reset', 'persistent'))
   batch_size: int = hparam(32, 'Local batch size (0: the full local batch).', minimum=0)
-  local_epochs: int = hparam(1, 'Local epochs per round (E).', minimum=0)
+  local_epochs: int = hparam(1, 'Local epochs per round (E).', minimum=1)
   local_steps: Optional[int] = hparam(None, 'Local steps per round (K); replaces local_epochs.',
-                                      minimum=0)
+                                      minimum=1)
   weighting: Optional[str] = hparam(None, "Aggregation weights: 'num_examples', 'tokens' (a "
                                     "client's non-padding training targets: google-research/"
                                     "federated's weighting of its next-word tasks; examples for "

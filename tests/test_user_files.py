@@ -171,3 +171,75 @@ def test_a_setting_given_twice_is_refused_and_the_help_exits_0(tmp_path):
   r = subprocess.run([sys.executable, 'scripts/run_experiment.py', '--help'], cwd=root,
                      capture_output=True, text=True, timeout=120)
   assert r.returncode == 0 and '--algorithm' in r.stdout, r.stderr[-2000:]
+
+
+def test_settings_that_would_collide_or_do_nothing_are_refused(tmp_path):
+  """A plugin's setting named as a shared one (--client_lr) is refused at
+  registration; zero local steps or epochs are refused as a setting; a
+  Keras .npz with a gap in its numbering is one line."""
+  import dataclasses
+  from typing import ClassVar
+
+  import numpy as np
+
+  from fedjax_personal import algorithms, models
+  from fedjax_personal.algorithms import fedavg
+  from fedjax_personal.config import AlgorithmSpec, TrainingConfig, hparam
+  from fedjax_personal.errors import ConfigError
+  from fedjax_personal.models import weights
+
+  @dataclasses.dataclass(frozen=True)
+  class Collides:
+    prefix: ClassVar[str] = 'client'
+    lr: float = hparam(7.0, 'Its own learning rate.')
+  with pytest.raises(ValueError, match='--client_lr is already a shared training setting'):
+    algorithms.register(AlgorithmSpec('collides', Collides, fedavg.build, fedavg.FEDAVG_SETTINGS))
+  assert 'collides' not in algorithms.REGISTRY
+  for field in ('local_steps', 'local_epochs'):
+    with pytest.raises(ConfigError, match=field):
+      TrainingConfig(**{field: 0})
+  x = np.zeros((1, 4), np.float32)
+  model = models.create_model('logreg', 3, x)
+  np.savez(tmp_path / 'gap.npz', arr_0=np.zeros((4, 3)), arr_2=np.zeros(3))
+  with pytest.raises(ConfigError, match='without arr_1'):
+    weights.load(str(tmp_path / 'gap.npz'), model, x)
+
+
+UNNAMED = '''
+import numpy as np
+from fedjax_personal.datasets import registry
+from fedjax_personal.datasets.natural_data import NaturalData, listed
+
+
+def read_clients(num_clients=None, data_dir=None, download=False):
+  x = np.load('inputs.npy')  # named below
+  y = np.load('labels.npy')  # read, never named
+  ids = [f'c{i}' for i in range(4)]
+  parts = [(x[i::4], y[i::4]) for i in range(4)]
+  return NaturalData(listed(ids, parts, parts), 4, 3, 4, files=['inputs.npy'])
+
+
+registry.register('unnamed', read_clients)
+'''
+
+
+def test_a_file_a_reader_reads_without_naming_it_keys_its_store(tmp_path):
+  """A reader names one file and reads another: the other changed, the
+  store is rebuilt (its numbers a fresh cache's), never reused."""
+  import numpy as np
+  rng = np.random.default_rng(0)
+  np.save(tmp_path / 'inputs.npy', rng.normal(size=(40, 5)).astype(np.float32))
+  np.save(tmp_path / 'labels.npy', (np.arange(40) % 3).astype(np.int32))
+  (tmp_path / 'unnamed.py').write_text(UNNAMED)
+  args = lambda out: ['--import=unnamed.py', '--dataset=unnamed', *RUN, f'--output_dir={out}']
+  relabel = f'import numpy as np; np.save({str(tmp_path / "labels.npy")!r}, ' \
+            '(np.arange(40) * 2 % 3).astype(np.int32))'
+  [(c0, e0), (c1, e1)] = main_in_one_process(
+      [args(tmp_path / 'a'), relabel, args(tmp_path / 'b')], cwd=str(tmp_path))
+  assert c0 == 0 and c1 == 0, (e0, e1)
+  assert 'labels.npy, which changed since; rebuilding it' in e1, e1
+  [(c2, e2)] = main_in_one_process([args(tmp_path / 'fresh')], cwd=str(tmp_path),
+                                   env={'FEDJAX_PERSONAL_CACHE': str(tmp_path / 'cache')})
+  assert c2 == 0, e2
+  summary = lambda d: json.load(open(d / 'fedavg' / 'summary.json'))['accuracy_mean']
+  assert summary(tmp_path / 'b') == summary(tmp_path / 'fresh') != summary(tmp_path / 'a')

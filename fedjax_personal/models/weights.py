@@ -157,6 +157,10 @@ def load(path: str, model, sample_x) -> dict:
   if ext == '.npz':
     got = _read_npz(path)
     if got and all(re.fullmatch(r'arr_\d+', k) for k in got):
+      missing = [f'arr_{i}' for i in range(len(got)) if f'arr_{i}' not in got]
+      if missing:
+        _fail(path, f'holds Keras weights {sorted(got, key=lambda k: int(k[4:]))[:4]}... without '
+              f'{missing[0]}: np.savez(path, *model.get_weights()) numbers every weight from 0')
       return _from_keras(path, [got[f'arr_{i}'] for i in range(len(got))], template)
     if got and all('/' in k and k.rsplit('/', 1)[1] in _HAIKU_LEAVES for k in got):
       return _from_haiku(path, got, template)
