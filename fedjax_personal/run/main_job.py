@@ -68,11 +68,20 @@ def _make_runs(job: 'Job', built: Built, data):
     own = {names[k][1]: v for k, v in hv.items() if names[k][0] is a.spec.config}
     return algorithms_lib.make(a.spec, dataclasses.replace(a.training, **shared),
                                dataclasses.replace(a.config, **own), job.model, data)
+  # A swept setting it does not read: one configuration, not copies of it.
+  reads = lambda k: k not in a.ignored and (
+      (names[k][0] is TrainingConfig and names[k][1] in a.spec.uses)
+      or (names[k][0] is a.spec.config and names[k][1] not in a.spec.ignores))
+  cfgs: List[tuple] = []
+  for seed, values in job.cfgs:
+    own = (seed, {k: v for k, v in values.items() if reads(k)})
+    if own not in cfgs:
+      cfgs.append(own)
   # One program over the configurations needs the whole population on the
   # device; the host layout runs them one after another on shared gathers.
   one_program = job.executor.fused and not isinstance(data, HostData)
   runs = sweep.SweepRunner if one_program else sweep.LoopRuns
-  return runs(build, job.cfgs, data, sampler, job.executor, matmul_precision=precision)
+  return runs(build, cfgs, data, sampler, job.executor, matmul_precision=precision)
 
 
 @dataclasses.dataclass
@@ -429,7 +438,7 @@ def claim_and_restore(job: Job) -> None:
   started = False  # --resume of a run that began here: algorithms it never reached start
   if resume:
     started = run_identity.repaired(job.output_dir, {'algorithms': identities})
-    _check_process_count(job.output_dir)
+    run_identity.check_process_count(job.output_dir)
   if distributed.is_primary():
     run_identity.lock(job.output_dir)  # held until the job ends (main_job unlocks)
     run_identity.claim(job.output_dir, {'algorithms': identities}, out.overwrite, resume)
@@ -458,16 +467,6 @@ def claim_and_restore(job: Job) -> None:
       raise ConfigError('rounds', f'the checkpoint of {name} is at round {got[1]}, past '
                         f'--rounds={rounds}')
     job.restored[name] = got
-
-
-def _check_process_count(output_dir: str) -> None:
-  """A run resumes with the number of processes it was made with."""
-  old = (run_identity.read(output_dir) or {}).get('algorithms', {})
-  counts = {ident.get('num_processes', 1) for ident in old.values() if isinstance(ident, dict)}
-  if counts and jax.process_count() not in counts:
-    raise ConfigError('num_processes', f'{output_dir} was run with {min(counts)} process(es), '
-                      f'this is {jax.process_count()}: resume with --num_processes='
-                      f'{min(counts)}')
 
 
 def _callbacks(job: Job, built: Built, hists, start):

@@ -19,12 +19,14 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+import jax
 import numpy as np
 
 from fedjax_personal.errors import ConfigError
 
-__all__ = ['as_json', 'claim', 'data_fingerprint', 'differences', 'dumps', 'file_sha256', 'finite',
-           'identity', 'lock', 'padded_fingerprint', 'read', 'short_hash', 'unlock', 'write_json']
+__all__ = ['as_json', 'check_process_count', 'claim', 'data_fingerprint', 'differences', 'dumps',
+           'file_sha256', 'finite', 'identity', 'lock', 'padded_fingerprint', 'read', 'repaired',
+           'short_hash', 'unlock', 'write_json']
 
 
 IDENTITY_FILE = 'identity.json'
@@ -397,3 +399,23 @@ def write_json(path: str, obj) -> None:
   with open(tmp, 'w') as f:
     f.write(dumps(obj, indent=1, sort_keys=False, default=str))
   os.replace(tmp, path)
+
+
+def check_process_count(output_dir: str) -> None:
+  """A run resumes with the number of processes it was made with.
+
+  Args:
+    output_dir: the job's output folder.
+
+  Returns:
+    None.
+
+  Raises:
+    ConfigError naming --num_processes.
+  """
+  old = (read(output_dir) or {}).get('algorithms', {})
+  counts = {ident.get('num_processes', 1) for ident in old.values() if isinstance(ident, dict)}
+  if counts and jax.process_count() not in counts:
+    raise ConfigError('num_processes', f'{output_dir} was run with {min(counts)} process(es), '
+                      f'this is {jax.process_count()}: resume with --num_processes='
+                      f'{min(counts)}')
