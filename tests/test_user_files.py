@@ -243,3 +243,36 @@ def test_a_file_a_reader_reads_without_naming_it_keys_its_store(tmp_path):
   assert c2 == 0, e2
   summary = lambda d: json.load(open(d / 'fedavg' / 'summary.json'))['accuracy_mean']
   assert summary(tmp_path / 'b') == summary(tmp_path / 'fresh') != summary(tmp_path / 'a')
+
+
+def test_out_of_memory_a_shadowed_module_and_a_checkpoints_file_are_one_line(tmp_path):
+  """XLA's RESOURCE_EXHAUSTED is the memory line (exit 2, no traceback); a
+  plugin importing ``json`` beside a ``json.py`` of its own says which ran;
+  a checkpoints folder replaced by a file refuses --resume in one line."""
+  (tmp_path / 'mine').mkdir()
+  (tmp_path / 'mine' / 'json.py').write_text('MINE = 1\n')
+  (tmp_path / 'mine' / 'plug.py').write_text('import json\n')
+  small = ['--algorithm=fedavg', '--dataset=digits', '--num_clients=4', '--rounds=1',
+           '--progress=false']
+  exhaust = ('import fedjax_personal.run.cli as c\n'
+             'def main_job(settings):\n'
+             '  raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate '
+             '123456789 bytes.")\n'
+             'c.main_job = main_job\n'
+             f'c.main(c.parse_flags(["run_experiment.py", *{small!r}]))')
+  r = subprocess.run([sys.executable, '-c', exhaust], cwd=str(tmp_path), capture_output=True,
+                     text=True, timeout=300, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  assert 'out of memory (XLA: RESOURCE_EXHAUSTED' in _one_line(r.returncode, r.stderr)
+  out = tmp_path / 'run'
+  results = main_in_one_process([
+      ['--import=mine/plug.py', *small, '--dry_run'],
+      [*small, f'--output_dir={out}'],
+      f'import os, shutil; shutil.rmtree({str(out / "fedavg" / "checkpoints")!r}, True); '
+      f'open({str(out / "fedavg" / "checkpoints")!r}, "w").write("x")',
+      [*[a for a in small if a != '--rounds=1'], '--rounds=2', '--resume',
+       f'--output_dir={out}'],
+  ], cwd=str(tmp_path))
+  (c0, e0), (c1, e1), (c2, e2) = results
+  assert c0 == 0 and "plug.py imports json" in e0 and 'json.py beside it' in e0, e0
+  assert c1 == 0, e1
+  assert 'is a file, not a folder of checkpoints' in _one_line(c2, e2)

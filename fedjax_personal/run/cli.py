@@ -78,7 +78,7 @@ def main(argv):
     from fedjax_personal.core.population.store import StoreDamaged
     p = faults.PROGRESS
     if isinstance(e, StoreDamaged) and p.checkpoint_round:  # damaged mid-run: resume after
-      e = e.then(f'run the same command with {"--resume_if_found" if p.later else "--resume"} '
+      e = e.then('run the same command with --resume '
                  f'(the checkpoint of round {p.checkpoint_round} of {p.algorithm} is kept in '
                  f'{p.checkpoint_dir})')
     _fail(e, faults.EXIT_CONFIG)
@@ -86,11 +86,14 @@ def main(argv):
     _fail(e, faults.EXIT_DIVERGED)
   except (MemoryError, ImportError, RuntimeError) as e:
     # An allocation, a library or a thread the process's limits refused (ulimit -v, a cgroup).
-    if not isinstance(e, MemoryError) and not faults.out_of_address_space(e):
+    exhausted = 'RESOURCE_EXHAUSTED' in str(e)  # XLA could not allocate a buffer
+    if not isinstance(e, MemoryError) and not faults.out_of_address_space(e) and not exhausted:
       raise
     from fedjax_personal.core.population import placement
     left = placement.host_available_bytes()
-    _fail(ConfigError('num_clients', f'out of host memory ({type(e).__name__}'
+    what = (f'out of memory (XLA: {str(e).split(chr(10))[0][:160]}' if exhausted
+            else f'out of host memory ({type(e).__name__}')
+    _fail(ConfigError('num_clients', what
                       + (f'; {left / placement.GB:.1f} GB left to this process' if left else '')
                       + '): give fewer clients or configurations, a smaller --cohort_size, or '
                       '--client_state=disk (or raise ulimit -v); ' + faults.kept()),

@@ -147,7 +147,8 @@ def main_job(settings: RunSettings) -> Dict[str, dict]:
         try:
           train_algorithm(job, built)
         except Exception as e:  # the user's code raised: one line, the others still run
-          if user_frame(e, list(plugins.LOADED.values())) is None or isinstance(e, ConfigError):
+          if (user_frame(e, list(plugins.LOADED.values())) is None or isinstance(e, ConfigError)
+              or 'RESOURCE_EXHAUSTED' in str(e)):  # out of memory: the memory line (cli)
             raise
           failed.append(user_code.failure(built.settings.name, e))
           say(f'{failed[-1]}; the other algorithms go on')
@@ -457,6 +458,9 @@ def claim_and_restore(job: Job) -> None:
     if not resume:
       continue
     ckpt_dir = os.path.join(job.output_dir, name, 'checkpoints')
+    if os.path.exists(ckpt_dir) and not os.path.isdir(ckpt_dir):
+      raise ConfigError('resume', f'{ckpt_dir} is a file, not a folder of checkpoints: move it '
+                        'away, then run the same command with --resume')
     got = checkpointing.restore_latest(ckpt_dir, runs.init(), built.identity)
     if got is None and out.resume and not started:
       raise ConfigError('resume', f'no checkpoint of {name} in {ckpt_dir}; run without '

@@ -125,9 +125,27 @@ def load(spec: str):
     where = f'{frames[-1].filename}:{frames[-1].lineno}' if frames else spec
     raise ConfigError('import', f'{spec} failed at {where}: {type(e).__name__}: {e}') from None
   LOADED[spec] = getattr(module, '__file__', None) or spec
+  _note_shadowed(module)
   BROUGHT[spec] = sorted(p for p in (_user_source(m) for m in set(sys.modules) - before)
                          if p and p != LOADED[spec])
   return module
+
+
+def _note_shadowed(module) -> None:
+  """One line when the user's module imports a module that has a file of
+  the same name beside it which Python did not import (a local ``json.py``
+  under the standard ``json``): the user's file is not what runs."""
+  folder = os.path.dirname(os.path.abspath(getattr(module, '__file__', '') or ''))
+  for value in list(vars(module).values()):
+    name = getattr(value, '__name__', None)
+    if not isinstance(value, type(sys)) or not name or value is module:
+      continue
+    beside = os.path.join(folder, name.split('.')[0] + '.py')
+    used = os.path.abspath(getattr(value, '__file__', None) or '')
+    if os.path.isfile(beside) and used != beside:
+      print(f'note: {os.path.basename(module.__file__)} imports {name}, which is '
+            f'{used or "built in"}, not {beside} beside it (Python\'s own comes first: rename '
+            'yours)', file=sys.stderr, flush=True)
 
 
 def _user_source(name: str) -> Optional[str]:
