@@ -13,7 +13,23 @@ accuracy. Examples:
   python scripts/run_experiment.py --helpfull   # every flag, grouped per algorithm
 """
 
-from fedjax_personal.run import cli
+import os
+import signal
+import sys
+
+
+def _during_start_up(signum, frame):
+  """Ctrl-C or SIGTERM while JAX and the user's modules import (before the
+  run's own handlers): one line, nothing was trained."""
+  del frame
+  word = 'interrupted' if signum == signal.SIGINT else 'terminated'
+  print(f'error: {word} during start-up; nothing was trained yet; run the same command again',
+        file=sys.stderr, flush=True)
+  os._exit(128 + signum)
+
 
 if __name__ == '__main__':
+  for _signal in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_signal, _during_start_up)
+  from fedjax_personal.run import cli  # noqa: E402  (JAX imports here: seconds)
   cli.run()

@@ -493,3 +493,17 @@ def test_ctrl_c_of_the_main_jobs_kind_then_the_docs_resume_equals_the_whole_run(
   for alg in ('fedavg', 'local'):
     got, want = _lines(out / alg / 'metrics.jsonl'), _lines(whole / alg / 'metrics.jsonl')
     assert got == want, alg
+
+
+@pytest.mark.parametrize('sig,status,word', [(signal.SIGTERM, 143, 'terminated'),
+                                             (signal.SIGINT, 130, 'interrupted')])
+def test_a_signal_while_jax_imports_is_one_line(tmp_path, sig, status, word):
+  """A signal before the run's own handlers (JAX importing, 0.3 s in): one
+  line, no traceback, nothing written."""
+  proc = _start([*RUN, '--rounds=2', f'--output_dir={tmp_path}/run'])
+  time.sleep(0.3)
+  proc.send_signal(sig)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == status and 'Traceback' not in err, err[-2000:]
+  assert _errors(err) == [f'error: {word} during start-up; nothing was trained yet; run the '
+                          'same command again'], err
