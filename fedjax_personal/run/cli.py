@@ -84,24 +84,23 @@ def main(argv):
     _fail(e, faults.EXIT_CONFIG)
   except experiment.DivergenceError as e:
     _fail(e, faults.EXIT_DIVERGED)
-  except (MemoryError, ImportError, RuntimeError) as e:
-    # An allocation, a library or a thread the process's limits refused (ulimit -v, a cgroup).
-    exhausted = 'RESOURCE_EXHAUSTED' in str(e)  # XLA could not allocate a buffer
-    if not isinstance(e, MemoryError) and not faults.out_of_address_space(e) and not exhausted:
-      raise
-    from fedjax_personal.core.population import placement
-    left = placement.host_available_bytes()
-    what = (f'out of memory (XLA: {str(e).split(chr(10))[0][:160]}' if exhausted
-            else f'out of host memory ({type(e).__name__}')
-    _fail(ConfigError('num_clients', what
-                      + (f'; {left / placement.GB:.1f} GB left to this process' if left else '')
-                      + '): give fewer clients or configurations, a smaller --cohort_size, or '
-                      '--client_state=disk (or raise ulimit -v); ' + faults.kept()),
-          faults.EXIT_CONFIG, quiet=True)
   except KeyboardInterrupt:
     stop = faults.interrupted(during_round=True)
     _fail(stop, stop.status)
-  except Exception as e:  # a storage or lost-process fault: one line; else the traceback
+  except Exception as e:  # memory, storage or a lost process: one line; else the traceback
+    # An allocation, a library or a thread the process's limits refused (ulimit -v, a cgroup),
+    # or a buffer XLA could not allocate.
+    exhausted = isinstance(e, RuntimeError) and 'RESOURCE_EXHAUSTED' in str(e)
+    if isinstance(e, MemoryError) or faults.out_of_address_space(e) or exhausted:
+      from fedjax_personal.core.population import placement
+      left = placement.host_available_bytes()
+      what = (f'out of memory (XLA: {str(e).split(chr(10))[0][:160]}' if exhausted
+              else f'out of host memory ({type(e).__name__}')
+      _fail(ConfigError('num_clients', what
+                        + (f'; {left / placement.GB:.1f} GB left to this process' if left else '')
+                        + '): give fewer clients or configurations, a smaller --cohort_size, or '
+                        '--client_state=disk (or raise ulimit -v); ' + faults.kept()),
+            faults.EXIT_CONFIG, quiet=True)
     if faults.storage_reason(e):
       name = getattr(e, 'filename', None) or settings.output.output_dir or 'the output folder'
       _fail(faults.storage_error(name, e), faults.EXIT_STORAGE)
@@ -125,8 +124,9 @@ def _fail(error, status: int, quiet: bool = False):
   once, no interpreter shutdown: out of memory, exit handlers would fail
   again and print)."""
   if not faults.claim_report(status):  # a runtime thread already reported this fault
-    faults.quiet_exit(faults.reported_status())
+    faults.exit_after_report()
   print(f'error: {error}', file=faults.error_stream(), flush=True)
+  faults.printed_report()
   if status == faults.EXIT_LOST_PROCESS:
     # The others notice the lost process themselves (and the coordinator may
     # be the one gone): end now, before JAX's runtime aborts this process.

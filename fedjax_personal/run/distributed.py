@@ -279,8 +279,10 @@ def _start_watchdog():
       if msg is not None:
         status, _, text = msg.partition(' ')
         status = int(status) if status.isdigit() else 3
-        if faults.claim_report(status):
-          print(f'error: {text}', file=faults.error_stream(), flush=True)
+        if not faults.claim_report(status):
+          faults.exit_after_report()
+        print(f'error: {text}', file=faults.error_stream(), flush=True)
+        faults.printed_report()
         hard_exit(status)
       for pid in range(n):
         if pid == me:
@@ -344,9 +346,10 @@ def silent_processes() -> str:
 
 def _lost(what: str) -> None:
   if not faults.claim_report(faults.EXIT_LOST_PROCESS):
-    faults.quiet_exit(faults.reported_status())
+    faults.exit_after_report()
   line = faults.lost_process(what, _STATE.get('address')).args[0]
   print(f'error: process {jax.process_index()}: {line}', file=faults.error_stream(), flush=True)
+  faults.printed_report()
   faults.quiet_exit(faults.EXIT_LOST_PROCESS)
 #: How long process 0, which hosts the coordinator, outlives the others when
 #: the run stops with an error: its exit takes the coordinator down, and JAX

@@ -31,7 +31,8 @@ from typing import Any, Dict, Optional
 
 from fedjax_personal.errors import HostLimitError
 
-__all__ = ['captured_stderr', 'claim_report', 'error_stream', 'EXIT_SIGNAL', 'Fault',
+__all__ = ['captured_stderr', 'claim_report', 'error_stream', 'exit_after_report', 'EXIT_SIGNAL',
+           'Fault', 'printed_report',
            'finished_line', 'fit_address_space_limit', 'out_of_address_space', 'install_signal_handlers', 'Interrupted', 'interrupted', 'kept',
            'lost_process', 'lost_process_reason', 'LostProcess', 'PROGRESS', 'quiet_exit',
            'reported_status', 'share_stop_requests', 'signal_received', 'start_algorithm',
@@ -469,6 +470,30 @@ def claim_report(status: int) -> bool:
       return False
     _REPORTED['status'] = status
     return True
+
+
+_PRINTED = threading.Event()
+
+
+def printed_report() -> None:
+  """The fault's line is out (the reporter calls it after printing).
+
+  Returns:
+    None.
+  """
+  _PRINTED.set()
+
+
+def exit_after_report() -> None:
+  """Ends a thread's noticing of a fault another one claimed: waits (5 s at
+  most) for its line to be printed, then ends the process with its status,
+  so that the process never exits between the claim and the line.
+
+  Returns:
+    Never returns.
+  """
+  _PRINTED.wait(5.0)
+  quiet_exit(reported_status())
 
 
 def reported_status() -> Optional[int]:

@@ -199,6 +199,12 @@ def quiet_logging_unless_asked() -> None:
   if not flags.FLAGS['verbosity'].present:
     from absl import logging  # noqa: PLC0415
     logging.set_verbosity(logging.WARNING)
+    # A lost process: Orbax's own threads log the collective that failed, with its
+    # traceback, before the run's one line names the process (run/faults.py).
+    logging.get_absl_logger().addFilter(
+        lambda record: not (record.levelno >= logging.ERROR
+                            and 'Gloo' in record.getMessage()
+                            and 'Connection reset' in record.getMessage()))
 
 
 def run_script(main, kept: str = 'nothing is kept; run the same command again',
