@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from fedjax_personal.datasets import registry
@@ -276,3 +277,25 @@ def test_out_of_memory_a_shadowed_module_and_a_checkpoints_file_are_one_line(tmp
   assert c0 == 0 and "plug.py imports json" in e0 and 'json.py beside it' in e0, e0
   assert c1 == 0, e1
   assert 'is a file, not a folder of checkpoints' in _one_line(c2, e2)
+
+
+def test_a_reader_without_a_number_of_classes_and_one_plugin_by_two_paths(tmp_path, monkeypatch):
+  """A reader returning ``num_classes=None`` is one line; the same plugin
+  file named by another path is the same plugin in the run identity (a
+  resume is not refused, nothing advises --overwrite)."""
+  from fedjax_personal.datasets.natural_data import NaturalData, listed
+  from fedjax_personal.errors import ConfigError
+  from fedjax_personal.run import plugins
+  monkeypatch.setattr(registry, 'LOADERS', dict(registry.LOADERS))
+  monkeypatch.setattr(registry, 'OPTIONS', dict(registry.OPTIONS))
+  parts = [(np.zeros((3, 2), np.float32), np.zeros(3, np.int32))]
+  registry.register('no_classes', lambda num_clients=None, data_dir=None, download=False:
+                    NaturalData(listed(['a'], parts, parts), 1, None, 1))
+  with pytest.raises(ConfigError, match='num_classes=None'):
+    registry.load('no_classes')
+  (tmp_path / 'same.py').write_text('X = 1\n')
+  monkeypatch.chdir(tmp_path)
+  a, b = 'same.py', str(tmp_path / '.' / 'same.py')
+  for spec in (a, b):
+    plugins.load(spec)
+  assert plugins.identity([a]) == plugins.identity([b])
