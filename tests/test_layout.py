@@ -128,7 +128,7 @@ def test_layers_import_downwards_only(lower, upper):
 
 def test_no_module_is_over_600_lines():
   """Rooms with one job: a module past ~600 lines holds two (split it by
-  concern, as run/command_flags.py, run/settings.py, run/main_job.py and run/cli.py)."""
+  concern, as run/command_line.py, run/settings.py, run/main_job.py and run/cli.py)."""
   long = {m: n for m, p in modules().items() if (n := len(open(p).read().splitlines())) > 600}
   assert not long, long
 

@@ -242,8 +242,8 @@ def client_splits(x: np.ndarray, y: np.ndarray, client_indices: Sequence[np.ndar
                   rng: np.random.Generator, test_fraction: float = 0.2,
                   val_fraction: float = 0.0, client_transform=None) -> dict:
   """Each client's train / val / test examples of a pool, unpadded:
-  ``{split: ([x_i], [y_i])}`` (see ``build_federated_data`` for the
-  arguments; the population store is made from these without padding).
+  ``{split: ([x_i], [y_i])}`` (the population store is made from these
+  without padding; ``pad_clients`` pads them).
 
   Args:
     x: the pool's examples.
@@ -268,44 +268,6 @@ def client_splits(x: np.ndarray, y: np.ndarray, client_indices: Sequence[np.ndar
       splits[key][0].append(xi[part])
       splits[key][1].append(yi[part])
   return splits
-
-
-def build_federated_data(x: np.ndarray, y: np.ndarray,
-                         client_indices: Sequence[np.ndarray],
-                         num_classes: int,
-                         rng: np.random.Generator,
-                         test_fraction: float = 0.2,
-                         val_fraction: float = 0.0,
-                         groups: Optional[np.ndarray] = None,
-                         client_transform=None,
-                         name: str = '') -> FederatedData:
-  """Builds padded per-client splits from a pool of examples.
-
-  Args:
-    x, y: the pool of examples (numpy, leading axis = example).
-    client_indices: for each client, indices into the pool (each example
-      should appear at most once over all clients).
-    num_classes: output classes of the task.
-    rng: numpy Generator used to split each client's examples.
-    test_fraction, val_fraction: share of each client's examples held out.
-    groups: optional known group per client.
-    client_transform: optional ``f(i, x_i, y_i) -> (x_i, y_i)`` applied to client
-      i's examples (rotations, label permutations, class re-indexing).
-    name: description.
-
-  Returns:
-    FederatedData with numpy leaves (moved to device by ``jax.device_put``).
-  """
-  splits = client_splits(x, y, client_indices, rng, test_fraction, val_fraction,
-                         client_transform)
-  x_shape, y_shape = x.shape[1:], y.shape[1:]
-  out = {k: pad_clients(v[0], v[1], x_shape, x.dtype, y_shape, np.int32)
-         for k, v in splits.items()}
-  if groups is None:
-    groups = -np.ones(len(client_indices), dtype=np.int32)
-  return FederatedData(train=out['train'], val=out['val'], test=out['test'],
-                       groups=np.asarray(groups, dtype=np.int32),
-                       num_classes=num_classes, name=name)
 
 
 def to_device(data: FederatedData) -> FederatedData:

@@ -4,7 +4,7 @@
   (``PopulationStore``, ``Population``: unpadded examples, gathered by index).
 - ``store``: how a population is stored (its files, the writer, the checks,
   opening a store).
-- ``layout``: the device or the host layout, chosen by memory; the host
+- ``placement``: the device or the host layout, chosen by memory; the host
   layout's cohort feed and shape plan.
 - ``rows_in_memory``: per-client state rows (personal models, control
   variates) kept in host memory and gathered per cohort.
