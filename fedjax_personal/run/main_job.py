@@ -33,7 +33,7 @@ from fedjax_personal.errors import ConfigError, user_frame
 from fedjax_personal.models import build_model
 from fedjax_personal.models import inputs as model_inputs
 from fedjax_personal.run import (checkpointing, distributed, experiment, faults, plots, plugins,
-                                 process, reporting, run_identity, user_code)
+                                 process, reporting, run_identity, tensorboard, user_code)
 from fedjax_personal.run.process import say
 from fedjax_personal.run.settings import AlgorithmSettings, RunSettings
 
@@ -484,6 +484,8 @@ def _callbacks(job: Job, built: Built, hists, start):
     callbacks.append(reporting.PrivacyRecorder(alg.privacy, s.experiment.dp_delta))
   if primary:
     callbacks.append(reporting.MetricsWriter(out_dir, hists))
+    callbacks.append(tensorboard.TensorBoardWriter(
+        os.path.join(job.output_dir, 'tensorboard', alg_name), hists))
   # Always: an interruption keeps the round in progress (--resume continues it).
   callbacks.append(checkpointing.Checkpointer(
       os.path.join(out_dir, 'checkpoints'), s.output.checkpoint_every, hists,
