@@ -162,11 +162,12 @@ class OutputSettings(Declared):
   output_dir: Optional[str] = hparam(None, 'Where to write results (default: runs/<data>_<model>_'
                                      '<algorithms>_<hash of the configuration>).')
   checkpoint_every: int = hparam(0, 'Save an Orbax checkpoint of the full state every this many '
-                                 'rounds (0: never) under <output_dir>/<algorithm>/checkpoints.',
-                                 minimum=0)
-  resume: bool = hparam(False, 'Continue each algorithm from its latest checkpoint in '
-                        '--output_dir (refused when there is none, or when the folder holds '
-                        'another configuration; more --rounds are allowed).')
+                                 'rounds (0: only when the run is interrupted) under '
+                                 '<output_dir>/<algorithm>/checkpoints.', minimum=0)
+  resume: bool = hparam(False, 'Continue the run in --output_dir: each algorithm from its latest '
+                        'checkpoint, those it never reached from the start (refused when the '
+                        'folder holds no run, or another configuration; more --rounds are '
+                        'allowed).')
   resume_if_found: bool = hparam(False, 'Like --resume where a checkpoint exists; start fresh '
                                  '(with a note) where there is none.')
   overwrite: bool = hparam(False, 'Clear --output_dir first when it holds results of another '
