@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_accelerator_check_runs_every_section(tmp_path):
   out = tmp_path / 'accelerator.json'
   proc = subprocess.run([sys.executable, os.path.join(ROOT, 'benchmarks', 'accelerator.py'),

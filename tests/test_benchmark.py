@@ -74,6 +74,7 @@ def test_device_command_runs_every_section(tmp_path):
                                    '--vocab_size=100'], marks=pytest.mark.slow),
     pytest.param('shakespeare', ['--dataset=shakespeare', '--model=reddi_char_lstm'],
                  marks=pytest.mark.slow)])
+@pytest.mark.slow_variants('emnist-flags0')
 def test_peer_benchmark_files_train_here(tmp_path, shape, flags):
   """The peer benchmark's files (benchmarks/peers/make_files.py, FedJAX's
   schema) are read by this project as the published ones are: a small

@@ -5,6 +5,7 @@ import json
 import jax
 import numpy as np
 import optax
+import pytest
 
 import fedjax_personal as fp
 from fedjax_personal.run import checkpointing, cli
@@ -49,6 +50,7 @@ def test_resume_equals_uninterrupted(tmp_path):
   assert strip(history) == strip(full_history)
 
 
+@pytest.mark.slow
 def test_cli_resume(tmp_path):
   def job(*args):
     parse_flags('--algorithm=fedavg', '--dataset=digits', '--model=logreg', '--num_clients=4',

@@ -165,6 +165,7 @@ def test_script_exits_2_with_one_line(args, needle):
   assert 'Traceback' not in r.stderr
 
 
+@pytest.mark.slow
 def test_weights_of_another_model_name_the_layer(tmp_path):
   import jax.numpy as jnp
   from fedjax_personal import models
@@ -192,6 +193,7 @@ def test_sweep_flags(tmp_path, capsys):
     cli.main_job()
 
 
+@pytest.mark.slow
 def test_fedfomo_writes_affinity_heat_maps(tmp_path):
   parse('--algorithm=fedfomo', '--dataset=digits', '--model=logreg', '--num_clients=5',
         '--rounds=3', '--eval_every=1', '--val_fraction=0.2', '--fedfomo_candidates=2',
@@ -221,6 +223,7 @@ def test_every_flagfile_is_accepted(flagfile):
 
 
 @pytest.mark.parametrize('alg', ['usercentric', 'cfl'])
+@pytest.mark.slow_variants('usercentric')
 def test_cli_sweep_of_seeds_equals_single_runs_for_pre_round_algorithms(tmp_path, alg):
   """--sweep_seeds=2 of user-centric (W recomputed every round) and CFL
   (split test from round 2) gives each seed the records of its single run
@@ -267,6 +270,7 @@ def test_sweep_marks_a_diverged_configuration_and_exits_3_when_all_diverge(tmp_p
 
 
 @pytest.mark.parametrize('model,executor', [('logreg', 'blocked'), ('mlp', 'sequential')])
+@pytest.mark.slow_variants('mlp-sequential')
 def test_trials_equal_single_runs_and_report_mean_and_std(tmp_path, model, executor):
   """--trials=3: one vmapped program (blocked) or one run after another
   (sequential); each trial equals the single run with its seed on the same

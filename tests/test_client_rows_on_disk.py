@@ -39,6 +39,7 @@ def _run(store, alg_name, training, sampler, rows_folder):
     ('fedalt_adapters', None, False),  # personal parts (residual adapters)
     ('local', None, True),     # persistent client momentum
 ])
+@pytest.mark.ci_variants('ditto-None-False')
 def test_rows_on_disk_equal_rows_in_memory(store, tmp_path, alg_name, participation,
                                            persistent):
   n = store.num_clients
@@ -92,6 +93,7 @@ def test_a_client_never_trained_is_evaluated_with_its_initial_row_and_costs_no_d
     np.asarray(leaves[0])
 
 
+@pytest.mark.slow
 def test_cli_client_state_disk_equals_memory_and_auto_moves_rows_to_files(
     store, tmp_path, capsys, monkeypatch):
   """--client_state=disk: the same summary as memory, rows in the output

@@ -48,6 +48,7 @@ def shift_w():
 
 
 @pytest.mark.parametrize('k', [2, 3, 4])
+@pytest.mark.ci_variants('3')
 def test_kmeans_inertia_no_worse_than_sklearn_on_w(shift_w, k):
   w, _ = shift_w
   ours = float(cl.kmeans(jax.random.key(0), w, k, k, restarts=10).inertia)
@@ -55,6 +56,7 @@ def test_kmeans_inertia_no_worse_than_sklearn_on_w(shift_w, k):
   assert ours <= theirs * (1 + 1e-4), (ours, theirs)
 
 
+@pytest.mark.slow
 def test_kmeans_on_blobs_and_padding():
   x, g = blobs(0)
   r = cl.kmeans(jax.random.key(1), x, 3, 6, restarts=5)
@@ -74,6 +76,7 @@ def test_silhouette_equals_sklearn():
   assert float(cl.silhouette_score(d, jnp.zeros(15, jnp.int32), 5)) == -np.inf
 
 
+@pytest.mark.slow
 def test_silhouette_choice_matches_sklearn_loop():
   """On well-separated groups the search over 2..N-1 picks the k that
   scikit-learn's KMeans + silhouette_score loop picks (the true one)."""

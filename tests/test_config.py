@@ -136,6 +136,9 @@ def _matrix():
 
 
 @pytest.mark.parametrize('name,setting', list(_matrix()))
+@pytest.mark.ci_variants('ditto-client_momentum', 'fedalt-client_momentum',
+    'fedavg-client_momentum', 'feddyn-client_momentum', 'pfedme-client_momentum',
+    'scaffold-client_momentum')
 def test_no_silent_setting(name, setting):
   """The setting changes a 2-round result, or the CLI refuses it naming it."""
   variant = VARIANTS[setting]

@@ -195,6 +195,7 @@ def test_maml_differentiates_through_the_inner_steps():
 
 @pytest.mark.parametrize('head', ['finetune', pytest.param('maml', marks=pytest.mark.slow),
                                   'prototype'])
+@pytest.mark.slow_variants('finetune')
 def test_pfeddyn_heads_run_on_permuted_sparse_classes(head):
   data = to_device(load_federated(DataConfig(dataset='digits', partition='sparse_classes_permuted',
                                              num_clients=5, classes_per_client=3)))

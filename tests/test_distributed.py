@@ -110,6 +110,7 @@ def test_two_processes_equal_one_and_resume(tmp_path):
   assert r.returncode == 2 and len(errors) == 1 and '--num_processes' in errors[0], r.stderr
 
 
+@pytest.mark.slow
 def test_processes_with_other_flags_stop_before_writing(tmp_path):
   out = str(tmp_path / 'run')
   results = finish(launch(['--algorithm=fedavg', '--model=logreg', *SMALL, '--rounds=2',

@@ -62,6 +62,7 @@ def reference_fedavg_round(model, params, data, idx, mask, k_clients, batching, 
 
 @pytest.mark.parametrize('executor', sorted(EXECUTORS))
 @pytest.mark.parametrize('algorithm', ['fedavg', 'fedprox'])
+@pytest.mark.ci_variants('fedavg-vmap', 'fedprox-vmap')
 def test_round_matches_plain_per_client_loop(digits, executor, algorithm):
   model = small_mlp(digits)
   batching = fp.Batching(batch_size=16, num_epochs=1)
@@ -94,6 +95,7 @@ HEAVY_SIZES = (2, 5, 3, 160, 9, 1, 40, 7, 4, 75, 12, 6)
     pytest.param(e, marks=() if e in ('vmap', 'blocked_threads', 'sequential')
                  else (pytest.mark.slow,)) for e in sorted(EXECUTORS)])
 @pytest.mark.parametrize('participation', [pytest.param(None, marks=pytest.mark.slow), 0.5])
+@pytest.mark.slow_variants('0.5-blocked_threads', '0.5-sequential', '0.5-vmap')
 def test_heavy_tailed_cohort_matches_plain_per_client_loop(executor, participation):
   """Clients sorted into blocks by work, each block stepping only as long
   as its longest client (and idle cohort slots never run) still give each
@@ -156,6 +158,7 @@ def test_work_layout_blocks_clients_by_work():
 
 
 @pytest.mark.parametrize('executor', sorted(EXECUTORS))
+@pytest.mark.ci_variants('blocked_threads', 'vmap')
 def test_round_compiles_once_per_run(digits, executor):
   chex.clear_trace_counter()
   # A per-round learning-rate decay: the round number is traced, not static.
@@ -199,6 +202,7 @@ def test_executors_agree_on_a_conv_model(digits):
 
 
 @pytest.mark.parametrize('executor', sorted(EXECUTORS))
+@pytest.mark.ci_variants('sequential', 'vmap')
 def test_padded_client_gets_what_it_gets_alone(executor):
   data, xs, ys = least_squares_data(num_clients=4, sizes=(5, 9, 13, 7))
   model = linear_model(3)
@@ -241,6 +245,7 @@ def test_fedsgd_is_full_batch_gradient_descent():
     np.testing.assert_allclose(state.params['b'], b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_local_trains_each_client_alone(digits):
   model = small_mlp(digits)
   batching = fp.Batching(16, 1)
@@ -264,6 +269,7 @@ def test_local_trains_each_client_alone(digits):
   assert communication_metrics(runner, state, 6.0)['bytes_up'] == 0
 
 
+@pytest.mark.slow
 def test_oracle_is_fedavg_within_each_group():
   data = digits_data(num_clients=8)
   data = data.replace(groups=jnp.array([0, 1, 0, 1, 1, 0, 1, 0], jnp.int32))
@@ -378,6 +384,7 @@ def test_aggregation_contractions():
   np.testing.assert_allclose(g['w'], np.stack([stacked['w'][1], (stacked['w'][0] + stacked['w'][2]) / 2]))
 
 
+@pytest.mark.slow
 def test_finetune_evaluation_uses_training_data(digits):
   model = small_mlp(digits)
   ft = fp.training.sgd_finetune(model, 0.1, fp.Batching(16, num_epochs=None, num_steps=3))
@@ -398,6 +405,7 @@ def test_finetune_evaluation_uses_training_data(digits):
 @pytest.mark.parametrize('executor', [
     pytest.param(e, marks=() if e == 'vmap' else (pytest.mark.slow,))
     for e in sorted(EXECUTORS)])
+@pytest.mark.slow_variants('vmap')
 def test_evaluation_in_test_length_groups_matches_plain_loop(executor):
   # Unequal test splits (Dirichlet 0.1): clients are evaluated in groups of
   # static test length (evaluation.eval_buckets); the result must be each

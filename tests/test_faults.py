@@ -27,6 +27,7 @@ def _strict(text):
   return json.loads(text, parse_constant=bad)
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_configuration(tmp_path):
   out = f'--output_dir={tmp_path}'
   job('--rounds=2', '--checkpoint_every=1', out)
@@ -49,6 +50,7 @@ def test_resume_without_checkpoint_says_so(tmp_path, capsys):
   assert 'starting fresh' in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_output_folder_of_another_configuration_is_refused(tmp_path):
   out = f'--output_dir={tmp_path}'
   job('--rounds=1', out)
@@ -68,6 +70,7 @@ def test_folder_that_is_not_a_library_run_is_refused(tmp_path):
   assert (tmp_path / 'notes.txt').read_text() == 'mine'
 
 
+@pytest.mark.slow
 def test_default_folder_names_algorithm_and_configuration(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   job('--rounds=1')

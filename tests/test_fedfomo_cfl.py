@@ -59,6 +59,7 @@ def test_candidate_choice_follows_the_round_key():
   assert not np.array_equal(candidates(1), candidates(2))
 
 
+@pytest.mark.slow
 def test_fedfomo_in_group_share_of_positive_weight():
   """With known groups (e.g. latent distributions), the round reports the
   share of the positive weight that goes to downloads from the client's own

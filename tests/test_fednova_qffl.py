@@ -66,6 +66,7 @@ def test_fednova_with_momentum_uses_the_momentum_step_count():
   assert max_diff(state.params, want) < 1e-6
 
 
+@pytest.mark.slow
 def test_fednova_with_equal_steps_is_fedavg():
   _, _, nova, clients = one_round('fednova', (6, 6))
   _, _, avg, _ = one_round('fedavg', (6, 6))
@@ -82,6 +83,7 @@ def test_fednova_refuses_adam_and_persistent_optimizer_state():
 
 
 @pytest.mark.parametrize('q', [0.5, 2.0])
+@pytest.mark.ci_variants('2.0')
 def test_qffl_round_by_hand(q):
   model, theta, state, clients = one_round('qffl', (3, 7, 5), q=q)
   lip = 1 / LR

@@ -176,6 +176,7 @@ def test_download_of_the_split_bundle_and_image_shards(tmp_path, cache, monkeypa
     assert len(server.hits) == 2
 
 
+@pytest.mark.slow
 def test_image_size_is_refused_for_other_data_sets():
   r = subprocess.run([sys.executable, os.path.join(ROOT, 'scripts', 'run_experiment.py'),
                       '--dataset=digits', '--image_size=32', '--dry_run'],

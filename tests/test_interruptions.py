@@ -58,6 +58,7 @@ def _uninterrupted(tmp_path, rounds):
 @pytest.mark.parametrize('sig,status,word', [
     (signal.SIGINT, 130, 'interrupted'),
     pytest.param(signal.SIGTERM, 143, 'terminated', marks=pytest.mark.slow)])  # the same path
+@pytest.mark.slow_variants('2-130-interrupted')
 def test_signal_stops_after_the_round_and_resume_equals_uninterrupted(tmp_path, sig, status, word):
   rounds, out = 300, tmp_path / 'run'
   args = [*RUN, f'--rounds={rounds}', f'--output_dir={out}']
@@ -91,6 +92,7 @@ def _mount_small(folder, size):
   return r.returncode == 0
 
 
+@pytest.mark.slow
 def test_disk_full_while_checkpointing_then_resume(tmp_path):
   small = tmp_path / 'small'
   if not _mount_small(small, '300k'):
@@ -220,6 +222,7 @@ def test_a_signal_to_one_process_stops_all_after_the_same_round(tmp_path):
   assert 'interrupted after round' in lines[0][0]
 
 
+@pytest.mark.slow
 def test_two_runs_racing_for_one_folder(tmp_path):
   """The run that comes second says the folder is in use (the lock is the
   operating system's: it goes with the process that holds it)."""

@@ -133,6 +133,7 @@ def test_no_module_is_over_600_lines():
   assert not long, long
 
 
+@pytest.mark.slow
 def test_every_module_imports_alone():
   """Each module imported first in a fresh interpreter (one process for all,
   each import in a clean module table)."""

@@ -61,6 +61,7 @@ def test_ditto_10k_on_16_and_80_gb():
   assert b is None or tenth.total(b) <= memory.HEADROOM * 16 * GB
 
 
+@pytest.mark.slow
 def test_auto_picks_blocks_from_the_free_memory(monkeypatch):
   data = digits_data(num_clients=6)
   model = fp.models.from_flax('mlp', fp.models.MLP(10, hidden=(16,)), data.train.x[0, :1])

@@ -243,6 +243,7 @@ def _mnist_clients(sizes, seed=0):
 
 
 @pytest.mark.parametrize('momentum', [0.0, 0.9])
+@pytest.mark.ci_variants('0.9')
 def test_fedavg_round_equals_a_pytorch_loop_from_the_same_weights(tmp_path, momentum):
   """One (plain SGD) or two (momentum kept per client across rounds) FedAvg
   rounds of LeNet-5: this library, started from a PyTorch state dict, and a
@@ -340,6 +341,7 @@ def _torch_reference_cnn(torch, name):
 
 
 @pytest.mark.parametrize('name', ['feddyn_cnn', 'fedfomo_cnn', 'pfedme_cnn', 'reddi_emnist_cnn'])
+@pytest.mark.ci_variants('feddyn_cnn', 'reddi_emnist_cnn')
 def test_reference_cnns_equal_their_pytorch_code(tmp_path, name):
   torch = pytest.importorskip('torch')
   torch.manual_seed(2)

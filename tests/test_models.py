@@ -36,6 +36,11 @@ def lax_conv(x, k, padding):
 @pytest.mark.parametrize('padding', ['SAME', 'VALID'])
 @pytest.mark.parametrize('shape,kernel', [((3, 9, 9, 1), (5, 5)), ((2, 8, 7, 4), (3, 3)),
                                           ((6, 6, 8, 3), (4, 2))])
+@pytest.mark.ci_variants('shape1-kernel1-SAME-CNHW-0', 'shape1-kernel1-SAME-CNHW-1',
+    'shape1-kernel1-SAME-CNHW-10000', 'shape1-kernel1-SAME-NHWC-0', 'shape1-kernel1-SAME-NHWC-1',
+    'shape1-kernel1-VALID-CNHW-0', 'shape1-kernel1-VALID-CNHW-1',
+    'shape1-kernel1-VALID-CNHW-10000', 'shape1-kernel1-VALID-NHWC-0',
+    'shape1-kernel1-VALID-NHWC-1')
 def test_conv_as_matmul_equals_lax_conv(shape, kernel, padding, layout, tile_bytes):
   # tile_bytes 1: chunks of one example; 10000: chunks of 2 or 3 of 6 (or the batch).
   x, k = normal(0, shape), normal(1, kernel + (shape[-1], 5)) * 0.3
@@ -55,6 +60,7 @@ def test_conv_as_matmul_equals_lax_conv(shape, kernel, padding, layout, tile_byt
 
 
 @pytest.mark.parametrize('layout', ['NHWC', 'CNHW'])
+@pytest.mark.slow_variants('CNHW')
 def test_strided_and_explicitly_padded_convolutions_equal_lax_conv(layout):
   # The ResNets' convolutions: 3x3 and 7x7 with PyTorch's padding k // 2 at
   # stride 2, a 1x1 at stride 2 (the shortcut), SAME at stride 2 (lax's split).
@@ -142,6 +148,7 @@ def test_max_pool_equals_nn_max_pool(hw, layout):
 @pytest.mark.parametrize('name,shape', [
     ('lenet5', (28, 28, 1)), ('cnn_cifar', (32, 32, 3)),
     pytest.param('cnn', (28, 28, 1), marks=pytest.mark.slow)])  # same class as cnn_cifar
+@pytest.mark.slow_variants('cnn_cifar-shape1')
 def test_models_agree_across_conv_implementations(name, shape):
   # A batch of 12: `tiled` cuts the CIFAR CNN's second layer (1.6 MB of
   # slices per image, 19.7 MB for the batch) into chunks of 2; LeNet-5's
@@ -219,6 +226,7 @@ def test_batch_chunk_is_the_largest_divisor_within_the_budget():
   assert models.batch_chunk(7, 10**9, 2 << 20) == 1
 
 
+@pytest.mark.slow
 def test_pooling_has_forward_and_reverse_derivatives_of_the_strided_form():
   # The pooling's value is a reduce_window (computed once, not fused into the
   # next convolution's slices); its derivatives are the strided maxima's, in

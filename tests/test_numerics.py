@@ -125,6 +125,7 @@ def _cli(tmp_path, *extra):
           if a.split('=')[0] not in given] + list(extra)
 
 
+@pytest.mark.slow
 def test_the_run_records_its_numerics_and_refuses_another_on_resume(tmp_path):
   got = main_in_one_process([
       _cli(tmp_path, '--conv_impl=matmul'),

@@ -38,6 +38,7 @@ def test_dirichlet_is_deterministic_for_a_seed():
   assert not all(np.array_equal(x, z) for x, z in zip(a.client_indices, c.client_indices))
 
 
+@pytest.mark.slow
 def test_dirichlet_10000_clients_tiny_alpha_draws_once_per_class():
   """No resampling loop (which can loop for ever at tiny alpha): one
   Dirichlet draw per class, however many clients come out empty. A
@@ -167,6 +168,7 @@ def test_label_skew_by_hand():
   np.testing.assert_allclose(data.label_skew(), 0.75)
 
 
+@pytest.mark.slow
 def test_semantic_features_cluster_by_class_better_than_pixels():
   """FedFomo's latent distributions cluster a trained classifier's features:
   on the digits their k-means clusters match the classes far better than the

@@ -64,6 +64,7 @@ def test_exact_hvp_equals_explicit_hessian_times_vector(digits):
   assert errors[1] < 1e-2 * float(jnp.linalg.norm(expected)) + 1e-3
 
 
+@pytest.mark.slow
 def test_perfedavg_fo_and_hf_differ_and_coincide_at_alpha_zero(digits):
   model = mlp(digits)
   params = model.init(jax.random.key(0))
@@ -96,6 +97,7 @@ def test_perfedavg_rounds_and_evaluates_after_alpha_steps(digits):
   assert float(tuned.correct.sum()) != float(plain.correct.sum())
 
 
+@pytest.mark.slow
 def test_perfedavg_default_is_the_plain_mean_of_returned_models(digits):
   """Algorithm 1: w <- mean over the sampled clients of their w_i (no size
   weighting), each w_i from tau plain-SGD Per-FedAvg steps."""
@@ -140,6 +142,7 @@ def one_round_partial(digits, mode, part='output', adapter_dim=0, executor=EXEC)
 
 
 @pytest.mark.parametrize('mode', ['alt', 'sim'])
+@pytest.mark.ci_variants('sim')
 def test_partial_personal_leaves_change_only_in_own_state(digits, mode):
   model, split, alg, runner, before, after, cohort = one_round_partial(digits, mode)
   for path in after.personal:
@@ -149,6 +152,7 @@ def test_partial_personal_leaves_change_only_in_own_state(digits, mode):
 
 
 @pytest.mark.parametrize('mode', ['alt', 'sim'])
+@pytest.mark.ci_variants('alt')
 def test_partial_shared_is_weighted_average_and_nothing_personal_is_uploaded(digits, mode):
   model, split, alg, runner, before, after, cohort = one_round_partial(digits, mode)
   # Re-run each cohort client's work alone with the same key: the server's new
@@ -177,6 +181,7 @@ def test_partial_shared_is_weighted_average_and_nothing_personal_is_uploaded(dig
   assert tree_bytes(after.shared) < tree_bytes(model.init(jax.random.key(0)))
 
 
+@pytest.mark.slow
 def test_fedalt_and_fedsim_differ_and_match_across_executors(digits):
   _, _, _, _, _, alt, _ = one_round_partial(digits, 'alt')
   _, _, _, _, _, sim, _ = one_round_partial(digits, 'sim')
@@ -187,6 +192,7 @@ def test_fedalt_and_fedsim_differ_and_match_across_executors(digits):
 
 
 @pytest.mark.parametrize('part', ['input', 'adapter', 'split:hidden_0/bias,output/bias'])
+@pytest.mark.ci_variants('adapter')
 def test_partial_presets(digits, part):
   _, split, _, runner, _, after, _ = one_round_partial(digits, 'sim', part, adapter_dim=4)
   if part == 'input':
@@ -207,6 +213,7 @@ def test_bad_personal_part(digits):
     make_split('middle', params)
 
 
+@pytest.mark.slow
 def test_ditto_large_lambda_gives_the_global_model(digits):
   model = mlp(digits)
   batching = fp.Batching(16, num_epochs=1)
@@ -224,6 +231,7 @@ def test_ditto_large_lambda_gives_the_global_model(digits):
   assert max_diff(weak.personal, loc.personal_params) < 1e-5
 
 
+@pytest.mark.slow
 def test_apfl_alpha_zero_is_global_and_one_is_local(digits):
   model = mlp(digits)
   batching = fp.Batching(16, num_epochs=1)

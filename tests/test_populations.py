@@ -158,6 +158,7 @@ def _train(alg_name, data, population, model, sampler, training, executor='vmap'
     pytest.param('fedalt', None, 'reset', marks=pytest.mark.slow),
     pytest.param('feddyn', 0.3, 'reset', marks=pytest.mark.slow),
     pytest.param('apfl', None, 'reset', marks=pytest.mark.slow)])
+@pytest.mark.slow_variants('fedavg-0.3-reset')
 def test_host_layout_equals_device_layout(emnist_store, alg_name, participation, opt_state,
                                           monkeypatch):
   """Several rounds, sampled cohorts, evaluation: the same numbers and the
@@ -299,6 +300,7 @@ def test_client_rows_made_block_by_block_equal_the_whole_init(block_bytes):
   for a, b in zip(jax.tree.leaves(got.whole()), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+@pytest.mark.slow
 def test_cli_host_layout_resumes_to_the_same_numbers(tmp_path):
   data_dir = tmp_path / 'data'
   data_dir.mkdir()
@@ -397,6 +399,7 @@ def test_cli_refuses_up_front_what_host_memory_cannot_hold(tmp_path, monkeypatch
     job('--layout=device', '--sweep=client_lr:0.1,0.2,0.3,0.4')
 
 
+@pytest.mark.slow
 def test_cli_host_layout_sweep_equals_separate_runs(tmp_path, capsys):
   """A sweep of 4 client learning rates on a FedJAX-format EMNIST file of
   heavy-tailed writers, in the host layout: each configuration's numbers
@@ -423,6 +426,7 @@ def test_cli_host_layout_sweep_equals_separate_runs(tmp_path, capsys):
     assert _numbers(swept[f'ditto seed=0 client_lr={lr:g}']) == _numbers(alone['ditto'])
 
 
+@pytest.mark.slow
 def test_cli_host_layout_sweep_of_seeds_equals_a_single_seed(tmp_path):
   """--sweep_seeds=2 in the host layout: row 1 is the run of --seed=1."""
   data_dir = tmp_path / 'data'
@@ -496,6 +500,7 @@ def test_cli_refuses_a_model_that_does_not_fit_the_targets_and_a_test_split_of_n
 
 
 @pytest.mark.parametrize('layout', ['host', 'device'])
+@pytest.mark.slow_variants('device', 'host')
 def test_cli_cifar100_held_out_test_clients(tmp_path, capsys, made_not_released, layout):
   """--cifar100_test=tff_clients: FedAvg trains on the train clients and
   reports the held-out clients' accuracy of the global model (each
@@ -525,6 +530,7 @@ def test_cli_cifar100_held_out_test_clients(tmp_path, capsys, made_not_released,
     cli.main_job()
 
 
+@pytest.mark.slow
 def test_clients_by_id_in_python_and_the_cli(tmp_path, capsys):
   """EMNIST writers by id: the store gives a writer's examples by its id;
   --client_ids limits a run to the listed writers (equal to a run on a file

@@ -31,6 +31,7 @@ def test_epsilon_grows_with_steps_and_shrinks_with_noise():
   assert worst_epsilon(p, [10, 10]) == dp_sgd_epsilon(0.5, 1.0, 10)  # the larger q
 
 
+@pytest.mark.slow
 def test_fedfomo_dp_records_epsilon_every_round(tmp_path):
   parse_flags('--algorithm=fedfomo', '--dataset=digits', '--model=logreg', '--num_clients=4',
               '--rounds=3', '--eval_every=3', '--val_fraction=0.2', '--fedfomo_candidates=2',
@@ -69,6 +70,7 @@ def test_fedavg_dp_records_epsilon_and_refuses_noise_without_clip(tmp_path):
     cli.main_job()
 
 
+@pytest.mark.slow
 def test_fedavg_dp_without_noise_and_a_loose_clip_is_fedavg():
   # Clipping that never binds and sigma = 0: DP-SGD's mean of per-example
   # gradients is the batch gradient, so the round is plain FedAvg's.

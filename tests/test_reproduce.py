@@ -38,6 +38,7 @@ def resolved(name, *args):
   return dict(line.split(': ', 1) for line in r.stdout.strip().splitlines())
 
 
+@pytest.mark.slow
 def test_scales_resolve_to_the_documented_sizes():
   cpu = resolved('reproduce_user_centric.py')
   assert (cpu['scale'], cpu['trials'], cpu['rounds']) == ('cpu', '3', '30')
@@ -87,6 +88,9 @@ def test_scales_resolve_to_the_documented_sizes():
     ('reproduce_fedfomo.py', ['--dp_methods=fedavg,ditto'], '--dp_methods'),
     ('reproduce_fedfomo.py', ['--dp_methods=local', '--dp_sigmas=1'], '--dp_methods'),
     ('reproduce_fedfomo.py', ['--dp_latent_features=vgg'], '--dp_latent_features')])
+@pytest.mark.ci_variants('reproduce_debiasing.py-args4---tables',
+    'reproduce_debiasing.py-args8---personal_methods', 'reproduce_fedfomo.py-args10---settings',
+    'reproduce_fedfomo.py-args12---dp_sigmas', 'reproduce_user_centric.py-args0---methods')
 def test_bad_flags_exit_2_naming_the_flag(tmp_path, name, args, flag):
   r = script(name, f'--output_dir={tmp_path}', *args, timeout=300)
   assert r.returncode == 2, r.stderr[-2000:]
@@ -190,6 +194,7 @@ def test_user_centric_study_runs(tmp_path):
   assert 'oracle' in md and 'b32: sigma B32' in md and 'ARI' in md
 
 
+@pytest.mark.slow
 def test_a_diverged_trial_is_reported_not_fatal():
   """run_trials keeps a diverged trial (marked) and the cell counts it."""
   from fedjax_personal import algorithms
@@ -242,6 +247,7 @@ def test_trial_curves_leave_diverged_trials_out_as_the_tables():
   assert rounds == [1] and count == '2 of 2 trials, 2 diverged'
 
 
+@pytest.mark.slow
 def test_finished_trials_are_reused_only_by_the_same_cell(tmp_path, monkeypatch, capsys):
   """A table run again (killed, or with more trials) reuses the trials of the
   same cell and gives the same histories as a fresh run; another setting,

@@ -93,6 +93,7 @@ def _assert_same(store, state, history, uninterrupted):
 
 @pytest.mark.parametrize('saved,resumed', [('files', 'files'), ('files', 'memory'),
                                            ('memory', 'files')])
+@pytest.mark.ci_variants('files-files')
 def test_resume_equals_uninterrupted_in_either_placement(store, tmp_path, uninterrupted,
                                                          saved, resumed):
   ckpt = _cut_run(store, tmp_path, saved)
@@ -201,6 +202,7 @@ def _cli(args, env=None, patch=''):
                         timeout=300, cwd=ROOT, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_writing_rows_is_one_line_and_resume_loses_nothing(tmp_path):
   data_dir = made_files.random_writers(tmp_path / 'data', 2, 10, 20, 6)
   common = ['--algorithm=ditto', '--dataset=emnist', f'--data_dir={data_dir}', '--model=logreg',
@@ -228,6 +230,7 @@ def test_a_full_disk_while_writing_rows_is_one_line_and_resume_loses_nothing(tmp
   assert lines(out) == lines(tmp_path / 'whole')
 
 
+@pytest.mark.slow
 def test_cli_trials_with_rows_in_files_resume_in_memory_equal_one_whole_run(store, tmp_path):
   """Several configurations (a list of states, each its own rows and delta
   files), checkpointed in files and resumed in memory."""

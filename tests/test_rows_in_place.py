@@ -62,6 +62,7 @@ def rounds(alg, data, executor, num_rounds=3, cohort=5):
 
 
 @pytest.mark.parametrize('name', sorted(BUILDERS))
+@pytest.mark.ci_variants('ditto')
 def test_rows_in_place_equal_rows_written_after(digits, name):
   alg = BUILDERS[name](mlp(digits))
   assert alg.client_rows.output is not None

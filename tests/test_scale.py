@@ -14,6 +14,7 @@ from helpers import digits_data, max_diff
 
 
 @pytest.mark.parametrize('block_size', [1, 4, 7])
+@pytest.mark.slow_variants('4')
 def test_results_do_not_depend_on_block_size(block_size):
   data = digits_data(num_clients=9)
   model = fp.models.from_flax('mlp', fp.models.MLP(10, hidden=(8,)), data.train.x[0, :1])
@@ -116,6 +117,7 @@ def test_donated_round_equals_plain_round():
   assert max_diff(a, b) == 0.0
 
 
+@pytest.mark.slow
 def test_round_memory_is_bounded_by_state_and_one_output():
   """The compiled blocked round of a personalized algorithm (Ditto) needs
   about one cohort's worth of stacked personal outputs besides the state it

@@ -271,6 +271,7 @@ def _seed_resnet(torch, classes, in_ch, adapters, groups, large):
 @pytest.mark.parametrize('name,shape,classes,adapters', [
     ('resnet18_gn', (28, 28, 1), 62, True), ('reddi_resnet18_gn', (32, 32, 3), 100, False),
     ('gldv2_resnet18_gn', (32, 32, 3), 2028, True)])  # the seed's 224 x 224: the same layers
+@pytest.mark.ci_variants('resnet18_gn-shape0-62-True')
 def test_resnet_equals_the_seeds_pytorch_code(tmp_path, name, shape, classes, adapters):
   torch = pytest.importorskip('torch')
   torch.manual_seed(1)

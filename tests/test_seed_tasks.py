@@ -58,6 +58,8 @@ def _job(tmp_path, task, *extra):
 
 
 @pytest.mark.parametrize('task', TASKS)
+@pytest.mark.ci_variants('partial_emnist_resnet', 'reddi_cifar100_resnet',
+    'reddi_shakespeare_lstm', 'reddi_stackoverflow_lstm')
 def test_task_flagfile_builds_on_made_files(tmp_path, task, made_not_released, capsys):
   assert _job(tmp_path, task, '--dry_run') == {}
   assert 'dry run: 1 algorithm(s) built' in capsys.readouterr().out

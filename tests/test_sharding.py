@@ -7,6 +7,7 @@ import pytest
 
 @pytest.mark.parametrize('grid', [
     pytest.param([], id='ci'), pytest.param(['full'], id='full', marks=pytest.mark.slow)])
+@pytest.mark.slow_variants('ci')
 def test_eight_cpu_devices_equal_one_device(grid):
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
              JAX_PLATFORMS='cpu')

@@ -20,6 +20,7 @@ from helpers import digits_data, max_diff
 @pytest.mark.parametrize('config_axis', [  # CPU runs host; vmap / loop are accelerators' forms
     pytest.param('vmap', marks=pytest.mark.slow), pytest.param('loop', marks=pytest.mark.slow),
     'host'])
+@pytest.mark.slow_variants('host')
 def test_sweep_over_seeds_and_learning_rates_equals_separate_runs(config_axis):
   data = digits_data(num_clients=6)
   model = fp.models.from_flax('mlp', fp.models.MLP(10, hidden=(8,)), data.train.x[0, :1])
@@ -78,6 +79,7 @@ CI_SWEEP = ('fedfomo',)
 
 @pytest.mark.parametrize('name', [n if n in CI_SWEEP else pytest.param(n, marks=pytest.mark.slow)
                                   for n in algorithms.REGISTRY])
+@pytest.mark.slow_variants('fedfomo')
 def test_sweep_equals_single_runs_for_every_algorithm(name):
   """The one loop: a sweep of 2 seeds through ``run_many`` gives each seed
   the records of its own single run (same loop, same keys), pre-round

@@ -9,6 +9,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 import fedjax_personal as fp
 from fedjax_personal import algorithms, compilation
@@ -27,6 +28,7 @@ def _metrics(folder):
     return [{k: v for k, v in json.loads(line).items() if 'seconds' not in k} for line in f]
 
 
+@pytest.mark.slow
 def test_cache_gives_the_same_numbers_and_damaged_entries_are_compiled_again(tmp_path):
   cache = tmp_path / 'xla'
   common = ['--algorithm=fedavg', '--model=logreg', '--num_clients=6', '--rounds=2',

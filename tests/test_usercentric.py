@@ -39,6 +39,7 @@ def with_matrix(alg, w):
   return alg.replace(init=init, pre_round=None)
 
 
+@pytest.mark.slow
 def test_identity_mixing_is_local_and_fedavg_rows_are_fedavg(digits):
   model = mlp(digits)
   batching = fp.Batching(16, 1)
@@ -109,6 +110,7 @@ def test_in_group_share_by_hand():
   assert uc.in_group_chance(groups) == pytest.approx(1 / 3)
 
 
+@pytest.mark.slow
 def test_collaboration_round_and_streams_in_a_run(digits):
   model = mlp(digits)
   n = np.asarray(digits.train.num_examples)
@@ -184,6 +186,7 @@ def test_sigma_batches_and_kmeans_follow_the_round_key(digits):
   assert not np.allclose(a.stream_matrix, c.stream_matrix)
 
 
+@pytest.mark.slow
 def test_collaboration_round_is_inside_the_one_compiled_round(digits):
   """W, k-means and the silhouette run inside the round when due (rounds 1
   and 3 here), the round compiling once on the fused executors; the
