@@ -194,3 +194,16 @@ def script_module(*relpath):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def torch_local_steps(torch, client, opt, x, y, idx, mask):
+  """A PyTorch client's local SGD over the engine's batches (``idx``,
+  ``mask``: ``batching.batch_indices``), each step on its real examples."""
+  import numpy as np
+  for s in range(idx.shape[0]):
+    real = np.asarray(idx[s])[np.asarray(mask[s])]
+    if real.size == 0:
+      continue
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(client(x[real]), y[real]).backward()
+    opt.step()

@@ -10,7 +10,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from fedjax_personal import algorithms, models
@@ -282,14 +281,7 @@ def test_fedavg_round_equals_a_pytorch_loop_from_the_same_weights(tmp_path, mome
       if i in opts:
         opt.load_state_dict(opts[i])
       xi = torch.tensor(xs[i].astype(np.float32) / 255.0).permute(0, 3, 1, 2)
-      yi = torch.tensor(ys[i]).long()
-      for s in range(idx.shape[0]):
-        real = np.asarray(idx[s])[np.asarray(mask[s])]
-        if real.size == 0:
-          continue
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(client(xi[real]), yi[real]).backward()
-        opt.step()
+      helpers.torch_local_steps(torch, client, opt, xi, torch.tensor(ys[i]).long(), idx, mask)
       opts[i] = opt.state_dict()
       outs.append({k: v.detach().clone() for k, v in client.state_dict().items()})
     w = np.array(sizes, np.float64) / sum(sizes)

@@ -24,7 +24,7 @@ from fedjax_personal.core.losses import Batch, StatsAndState, batch_loss
 from fedjax_personal.core.personalization import make_split
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import resnet_bn, weights
-from helpers import max_diff, run_rounds
+from helpers import max_diff, run_rounds, torch_local_steps
 
 
 class SmallBN(nn.Module):
@@ -193,14 +193,8 @@ def _fedavg_resnet_check(tmp_path):
     client.load_state_dict(net.state_dict())
     client.train()
     opt = torch.optim.SGD(client.parameters(), lr=lr)
-    xi, yi = torch.tensor(xs[i]).permute(0, 3, 1, 2), torch.tensor(ys[i]).long()
-    for s in range(idx.shape[0]):
-      real = np.asarray(idx[s])[np.asarray(mask[s])]
-      if real.size == 0:
-        continue
-      opt.zero_grad()
-      torch.nn.functional.cross_entropy(client(xi[real]), yi[real]).backward()
-      opt.step()
+    torch_local_steps(torch, client, opt, torch.tensor(xs[i]).permute(0, 3, 1, 2),
+                      torch.tensor(ys[i]).long(), idx, mask)
     outs.append({k: v.detach().clone() for k, v in client.state_dict().items()})
   w = np.array(sizes, np.float64) / sum(sizes)
   avg = {k: (sum(float(wi) * o[k].double() for wi, o in zip(w, outs))).to(outs[0][k].dtype)
