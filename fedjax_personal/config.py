@@ -149,7 +149,10 @@ class TrainingConfig(Declared):
                                     choices=('num_examples', 'tokens', 'uniform'))
   server_optimizer: str = hparam('sgd', "Server optimizer on the mean delta: 'sgd' (lr 1: "
                                  "plain averaging; momentum: FedAvgM), or Reddi et al.'s "
-                                 "'adagrad', 'yogi', 'adam' (FedAdagrad, FedYogi, FedAdam).",
+                                 "'adagrad', 'yogi', 'adam' (FedAdagrad, FedYogi, FedAdam: the "
+                                 "paper's Algorithm 2), or 'keras_adam' (FedAdam as its code "
+                                 "ran: Keras's Adam, bias-corrected, epsilon = --server_tau; "
+                                 'Keras\'s beta2 is 0.999).',
                                  choices=('sgd',) + server_optimizers.KINDS)
   server_lr: float = hparam(1.0, 'Server learning rate.', minimum=0, open_min=True, sweep=True)
   server_momentum: float = hparam(0.0, "Server momentum ('sgd').", minimum=0, maximum=1,
@@ -217,7 +220,8 @@ class TrainingConfig(Declared):
     self._refuse_unread('server_optimizer', {
         'sgd': ('server_momentum',), 'adagrad': ('server_beta1', 'server_tau'),
         'yogi': ('server_beta1', 'server_beta2', 'server_tau'),
-        'adam': ('server_beta1', 'server_beta2', 'server_tau')})
+        'adam': ('server_beta1', 'server_beta2', 'server_tau'),
+        'keras_adam': ('server_beta1', 'server_beta2', 'server_tau')})
 
   def _refuse_unread(self, choice: str, reads: dict) -> None:
     """Refuses a setting given a non-default value that the chosen ``choice``

@@ -31,7 +31,10 @@ def paper_steps(kind, deltas, eta, b1, b2, tau):
   return x
 
 
-@pytest.mark.parametrize('kind', server_optimizers.KINDS)
+PAPER = ('adagrad', 'yogi', 'adam')  # Algorithm 2; 'keras_adam' is the publisher's code's
+
+
+@pytest.mark.parametrize('kind', PAPER)
 def test_updates_follow_algorithm_2(kind):
   rng = np.random.default_rng(0)
   deltas = [rng.normal(0, s, 7).astype(np.float64) for s in (0.1, 0.01, 0.5, 0.03)]
@@ -46,9 +49,38 @@ def test_updates_follow_algorithm_2(kind):
                              atol=1e-7)
 
 
+def keras_steps(deltas, eta, b1, b2, eps):
+  """x_T - x_0 after TensorFlow's ApplyAdam (tf.keras.optimizers.Adam, what
+  google-research/federated ran for FedAdam) on the pseudo-gradients -Delta:
+  m_0 = v_0 = 0, eta_t = eta sqrt(1 - b2^t) / (1 - b1^t), epsilon outside the root."""
+  m, v, x = (np.zeros_like(deltas[0]) for _ in range(3))
+  for t, d in enumerate(deltas, 1):
+    g = -d
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g ** 2
+    x = x - eta * np.sqrt(1 - b2 ** t) / (1 - b1 ** t) * m / (np.sqrt(v) + eps)
+  return x
+
+
+def test_keras_adam_follows_tensorflows_apply_adam_and_differs_from_algorithm_2():
+  rng = np.random.default_rng(1)
+  deltas = [rng.normal(0, s, 5) for s in (0.1, 0.01, 0.5)]
+  eta, b1, b2, eps = 0.01, 0.9, 0.999, 1e-3
+  opt = server_optimizers.adaptive_server('keras_adam', eta, b1, b2, eps)
+  params = {'w': jnp.zeros(5)}
+  state = opt.init(params)
+  for d in deltas:
+    updates, state = opt.update({'w': -jnp.asarray(d, jnp.float32)}, state, params)
+    params = optax.apply_updates(params, updates)
+  want = keras_steps(deltas, eta, b1, b2, eps)
+  np.testing.assert_allclose(params['w'], want, rtol=2e-5, atol=1e-8)
+  assert np.abs(want - paper_steps('adam', deltas, eta, b1, b2, eps)).max() > 1e-4
+  assert TrainingConfig(server_optimizer='keras_adam', server_beta2=0.999).make_server_optimizer()
+
+
 def test_the_three_differ_and_yogi_grows_v_slower_than_adagrad():
   d = [np.full(3, 0.5)] * 3
-  got = {k: paper_steps(k, d, 1.0, 0.9, 0.99, 1e-3)[0] for k in server_optimizers.KINDS}
+  got = {k: paper_steps(k, d, 1.0, 0.9, 0.99, 1e-3)[0] for k in PAPER}
   assert len(set(np.round(list(got.values()), 6))) == 3
   assert got['yogi'] > got['adagrad']  # adagrad's v sums every Delta^2
 

@@ -14,6 +14,16 @@ correction, and the paper's defaults beta1 = 0.9, beta2 = 0.99, tau = 1e-3
 (the adaptivity it tunes over 1e-5 .. 1). The server receives the pseudo-
 gradient g_t = -Delta_t (``algorithms/fedavg.server_step``): m flips sign
 with it, v does not, and the update is -eta m_g / (sqrt(v) + tau).
+
+``keras_adam`` is what google-research/federated's code ran for FedAdam
+(``tf.keras.optimizers.Adam``, its ``shared/optimizer_utils.py``): m_0 =
+v_0 = 0, bias correction in the step size, epsilon outside the root,
+
+    eta_t = eta sqrt(1 - beta2^t) / (1 - beta1^t)
+    x_{t+1} = x_t - eta_t m_t / (sqrt(v_t) + epsilon)
+
+(TensorFlow's ``ApplyAdam``; Keras's defaults beta1 0.9, beta2 0.999, the
+code's epsilon the paper's tau).
 """
 
 from typing import NamedTuple
@@ -22,10 +32,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ['adaptive_server', 'AdaptiveState', 'KINDS']
+__all__ = ['adaptive_server', 'AdaptiveState', 'KerasAdamState', 'KINDS', 'scale_by_keras_adam']
 
 
-KINDS = ('adagrad', 'yogi', 'adam')
+KINDS = ('adagrad', 'yogi', 'adam', 'keras_adam')
 
 
 class AdaptiveState(NamedTuple):
@@ -37,7 +47,7 @@ class AdaptiveState(NamedTuple):
 def scale_by_adaptive_server(kind: str, beta1: float = 0.9, beta2: float = 0.99,
                              tau: float = 1e-3) -> optax.GradientTransformation:
   """``m_t / (sqrt(v_t) + tau)`` of Algorithm 2 for ``kind`` in KINDS."""
-  if kind not in KINDS:
+  if kind not in KINDS[:3]:
     raise ValueError(f'kind must be one of {KINDS}, got {kind!r}')
 
   def init(params):
@@ -62,12 +72,49 @@ def scale_by_adaptive_server(kind: str, beta1: float = 0.9, beta2: float = 0.99,
   return optax.GradientTransformation(init, update)
 
 
+class KerasAdamState(NamedTuple):
+  """Keras's Adam: its step count and moments."""
+  count: jax.Array
+  m: optax.Updates
+  v: optax.Updates
+
+
+def scale_by_keras_adam(beta1: float = 0.9, beta2: float = 0.999,
+                        epsilon: float = 1e-7) -> optax.GradientTransformation:
+  """``sqrt(1 - beta2^t) / (1 - beta1^t) * m_t / (sqrt(v_t) + epsilon)``:
+  TensorFlow's ``ApplyAdam`` (module doc), before the learning rate.
+
+  Args:
+    beta1: the first moment's decay.
+    beta2: the second moment's decay.
+    epsilon: added to the root of the second moment.
+
+  Returns:
+    The optax transformation.
+  """
+  def init(params):
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return KerasAdamState(jnp.zeros((), jnp.int32), zeros, zeros)
+
+  def update(updates, state, params=None):
+    del params
+    t = (state.count + 1).astype(jnp.float32)
+    m = jax.tree.map(lambda m, g: beta1 * m + (1 - beta1) * g, state.m, updates)
+    v = jax.tree.map(lambda v, g: beta2 * v + (1 - beta2) * jnp.square(g), state.v, updates)
+    correction = jnp.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
+    out = jax.tree.map(lambda m, v: correction * m / (jnp.sqrt(v) + epsilon), m, v)
+    return out, KerasAdamState(state.count + 1, m, v)
+
+  return optax.GradientTransformation(init, update)
+
+
 def adaptive_server(kind: str, learning_rate: float, beta1: float = 0.9, beta2: float = 0.99,
                     tau: float = 1e-3) -> optax.GradientTransformation:
   """FedAdagrad / FedYogi / FedAdam with server learning rate eta.
 
   Args:
-    kind: ``'adagrad'``, ``'yogi'`` or ``'adam'``.
+    kind: ``'adagrad'``, ``'yogi'``, ``'adam'`` (Algorithm 2) or
+      ``'keras_adam'`` (the publisher's code).
     learning_rate: eta.
     beta1: the first moment's decay.
     beta2: the second moment's decay.
@@ -76,5 +123,6 @@ def adaptive_server(kind: str, learning_rate: float, beta1: float = 0.9, beta2: 
   Returns:
     An optax transformation applied to the mean delta.
   """
-  return optax.chain(scale_by_adaptive_server(kind, beta1, beta2, tau),
-                     optax.scale(-learning_rate))
+  scale = (scale_by_keras_adam(beta1, beta2, tau) if kind == 'keras_adam'
+           else scale_by_adaptive_server(kind, beta1, beta2, tau))
+  return optax.chain(scale, optax.scale(-learning_rate))
