@@ -22,12 +22,12 @@ from fedjax_personal.errors import ConfigError, caller_file
 from fedjax_personal.hparams import flag_fields, flag_name
 from fedjax_personal.models import Model
 
-__all__ = ['AlgorithmSpec', 'apfl', 'build', 'cfl', 'check_model_state', 'config_classes', 'ConfigError', 'ditto',
-           'fedavg', 'feddyn', 'FederatedAlgorithm', 'FederatedData', 'fedfomo', 'fednova', 'make',
-           'fedprox', 'fedsgd', 'local', 'Model', 'oracle', 'partial', 'perfedavg',
-           'OWNERS', 'persistent_client_optimizer', 'pfeddyn', 'pfedme', 'qffl', 'register',
-           'REGISTRY',
-           'scaffold', 'sgd_finetune', 'spec', 'TrainingConfig', 'usercentric']
+__all__ = ['AlgorithmSpec', 'apfl', 'build', 'cfl', 'check_model_state', 'config_classes',
+           'ConfigError', 'ditto', 'fedavg', 'feddyn', 'FederatedAlgorithm', 'FederatedData',
+           'fedfomo', 'fednova', 'make', 'fedprox', 'fedsgd', 'local', 'Model', 'oracle',
+           'partial', 'perfedavg', 'OWNERS', 'persistent_client_optimizer', 'pfeddyn', 'pfedme',
+           'qffl', 'register', 'REGISTRY', 'scaffold', 'sgd_finetune', 'spec', 'TrainingConfig',
+           'usercentric']
 
 
 REGISTRY: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in [

@@ -42,8 +42,8 @@ from fedjax_personal.core.tree_util import (leading_size, rows, tree_broadcast, 
                                             tree_scatter, tree_where)
 
 __all__ = ['FEDALT_SPEC', 'FEDBN_SPEC', 'FEDPER_SPEC', 'FEDREP_SPEC', 'FEDSIM_SPEC',
-           'LG_FEDAVG_SPEC', 'partial_personalization', 'parts_with_state', 'PartialCarry', 'PartialConfig', 'PartialOutput',
-           'PartialState']
+           'LG_FEDAVG_SPEC', 'partial_personalization', 'parts_with_state', 'PartialCarry',
+           'PartialConfig', 'PartialOutput', 'PartialState']
 
 
 MODES = ('alt', 'sim')

@@ -14,7 +14,7 @@ from fedjax_personal.datasets import local_files, registry
 from fedjax_personal.datasets.options import DataOptions
 from fedjax_personal.datasets.partition import PARTITIONS
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.hparams import Declared, flag_fields, flag_name, hparam
+from fedjax_personal.hparams import Declared, fill_options, flag_fields, flag_name, hparam
 
 __all__ = ['check_given', 'DataConfig', 'has_own_test_split', 'is_natural', 'LATENT_FEATURES',
            'NO_FILES', 'NOT_DOWNLOADED', 'option_flags', 'POOLED_NATURAL', 'streams_to_store']
@@ -81,12 +81,7 @@ class DataConfig(Declared):
                                 'its defaults); their flags are its fields.', command=False)
 
   def __post_init__(self):
-    cls = registry.options_class(self.dataset)
-    if self.options is None:
-      object.__setattr__(self, 'options', cls())
-    elif type(self.options) is not cls:
-      raise ConfigError('dataset', f'{type(self.options).__name__} are not the options of '
-                        f'{self.dataset} ({cls.__name__})')
+    fill_options(self, 'dataset', registry.options_class(self.dataset))
     super().__post_init__()
 
   def check(self) -> None:

@@ -25,8 +25,7 @@ from fedjax_personal.datasets.partition import Partition
 from fedjax_personal.errors import ConfigError, DataError
 
 __all__ = ['chosen_clients', 'load_federated', 'load_pool', 'load_store', 'make_partition',
-           'READS_FILE',
-           'pooled_clients', 'PooledClients']
+           'READS_FILE', 'pooled_clients', 'PooledClients']
 
 
 def load_pool(cfg: DataConfig):
@@ -281,8 +280,8 @@ def _store_of(cfg, nat, options, opened, verify, should_stop, rebuild) -> Popula
     elif made_by != code:
       why = (f'written by other loader code ({made_by or "before loaders were recorded"}, '
              f'this is {code})')
-    elif _unnamed_reads_changed(folder):
-      why = f'its reader also read {_unnamed_reads_changed(folder)}, which changed since'
+    elif (changed := _unnamed_reads_changed(folder)) is not None:
+      why = f'its reader also read {changed}, which changed since'
     else:
       try:
         return store_lib.open_store(folder, {**identity, 'loader_code': code}, verify=verify)

@@ -12,7 +12,8 @@ import sysconfig
 import traceback
 from typing import Iterable, Optional
 
-__all__ = ['caller_file', 'ConfigError', 'DataError', 'HostLimitError', 'user_frame']
+__all__ = ['caller_file', 'ConfigError', 'DataError', 'HostLimitError', 'installed_or_ours',
+           'user_frame']
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARIES = tuple(os.path.abspath(p) for p in {sysconfig.get_paths()[k] for k in
@@ -36,14 +37,25 @@ def user_frame(e: BaseException, files: Iterable[str] = ()) -> Optional[str]:
   frames = traceback.extract_tb(e.__traceback__)
   mine = [f for f in frames if os.path.abspath(f.filename) in own]
   if not mine:
-    here = os.path.dirname(_PACKAGE)  # the checkout: algorithms/ and datasets/ too
-
-    def theirs(path):
-      path = os.path.abspath(path)
-      return (path.startswith(here + os.sep) or path.startswith(_LIBRARIES)
-              or path.startswith(sys.prefix) or path.startswith('<'))
-    mine = [f for f in frames if not theirs(f.filename)]
+    mine = [f for f in frames if not installed_or_ours(f.filename)]
   return f'{mine[-1].filename}:{mine[-1].lineno}' if mine else None
+
+
+def installed_or_ours(path: str) -> bool:
+  """Whether a source file is this checkout's (the package, its
+  ``algorithms`` and ``datasets``, scripts, tests), an installed library's
+  or Python's own, i.e. not a file of the user's.
+
+  Args:
+    path: a source file (``'<string>'`` and the like count as not the user's).
+
+  Returns:
+    True for any of those.
+  """
+  path = os.path.abspath(path)
+  here = os.path.dirname(_PACKAGE)
+  return (path.startswith(here + os.sep) or path.startswith(_LIBRARIES)
+          or path.startswith(sys.prefix) or os.path.basename(path).startswith('<'))
 
 
 class ConfigError(ValueError):

@@ -19,7 +19,8 @@ from typing import Optional, Tuple
 from fedjax_personal.errors import ConfigError
 
 
-__all__ = ['Declared', 'field_types', 'flag_fields', 'flag_name', 'hparam', 'is_list', 'validate']
+__all__ = ['Declared', 'field_types', 'fill_options', 'flag_fields', 'flag_name', 'hparam', 'is_list',
+           'validate']
 
 
 def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None, maximum=None,
@@ -179,3 +180,26 @@ class Declared:
     check = getattr(self, 'check', None)
     if check is not None:
       check()
+
+
+def fill_options(settings, flag: str, cls) -> None:
+  """Sets ``settings.options`` (a frozen settings class holding the own
+  options of what its field ``flag`` names: a data set's, a model's) to
+  ``cls()`` when None; options of another class are refused.
+
+  Args:
+    settings: the settings instance (its ``options`` and ``flag`` fields).
+    flag: the field naming the thing (``dataset``, ``model``).
+    cls: that thing's options class.
+
+  Returns:
+    None.
+
+  Raises:
+    ConfigError naming ``flag``.
+  """
+  if settings.options is None:
+    object.__setattr__(settings, 'options', cls())
+  elif type(settings.options) is not cls:
+    raise ConfigError(flag, f'{type(settings.options).__name__} are not the options of '
+                      f'{getattr(settings, flag)} ({cls.__name__})')

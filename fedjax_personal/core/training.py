@@ -22,8 +22,8 @@ from fedjax_personal.core.tree_util import tree_where
 __all__ = ['Batch', 'batch_loss', 'client_opt_init', 'ClientContext', 'ClientWork', 'dp_gradient',
            'evaluate_params', 'get_batch', 'keep_model_state', 'local_sgd', 'LossStats',
            'opt_update', 'part', 'per_example_stats', 'plain_objective', 'PyTree', 'run_work',
-           'sgd_client_work', 'sgd_finetune', 'SGDCarry', 'StatsAndState', 'unroll_steps', 'work_batch_indices',
-           'work_init', 'work_num_steps', 'work_step', 'zero_stats']
+           'sgd_client_work', 'sgd_finetune', 'SGDCarry', 'StatsAndState', 'unroll_steps',
+           'work_batch_indices', 'work_init', 'work_num_steps', 'work_step', 'zero_stats']
 
 
 PyTree = Any

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from fedjax_personal.errors import ConfigError, user_frame
-from fedjax_personal.hparams import Declared, hparam
+from fedjax_personal.hparams import Declared, fill_options, hparam
 from fedjax_personal.models import initializers
 from fedjax_personal.models.architectures import (CNN, CharLSTM, LeNet5, LogisticRegression, MLP,
                                                   flatten)
@@ -88,12 +88,7 @@ class ModelConfig(Declared):
                                  command=False)
 
   def __post_init__(self):
-    cls = options_class(self.model)
-    if self.options is None:
-      object.__setattr__(self, 'options', cls())
-    elif type(self.options) is not cls:
-      raise ConfigError('model', f'{type(self.options).__name__} are not the options of '
-                        f'{self.model} ({cls.__name__})')
+    fill_options(self, 'model', options_class(self.model))
     super().__post_init__()
 
   def check(self) -> None:

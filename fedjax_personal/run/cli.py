@@ -90,12 +90,11 @@ def main(argv):
   except Exception as e:  # memory, storage or a lost process: one line; else the traceback
     # An allocation, a library or a thread the process's limits refused (ulimit -v, a cgroup),
     # or a buffer XLA could not allocate.
-    exhausted = isinstance(e, RuntimeError) and 'RESOURCE_EXHAUSTED' in str(e)
-    if isinstance(e, MemoryError) or faults.out_of_address_space(e) or exhausted:
+    if faults.out_of_memory(e):
       from fedjax_personal.core.population import placement
       left = placement.host_available_bytes()
-      what = (f'out of memory (XLA: {str(e).split(chr(10))[0][:160]}' if exhausted
-              else f'out of host memory ({type(e).__name__}')
+      what = (f'out of memory (XLA: {str(e).splitlines()[0][:160]}'
+              if 'RESOURCE_EXHAUSTED' in str(e) else f'out of host memory ({type(e).__name__}')
       _fail(ConfigError('num_clients', what
                         + (f'; {left / placement.GB:.1f} GB left to this process' if left else '')
                         + '): give fewer clients or configurations, a smaller --cohort_size, or '

@@ -32,11 +32,12 @@ from typing import Any, Dict, Optional
 from fedjax_personal.errors import HostLimitError
 
 __all__ = ['captured_stderr', 'claim_report', 'error_stream', 'exit_after_report', 'EXIT_SIGNAL',
-           'Fault', 'printed_report',
-           'finished_line', 'fit_address_space_limit', 'out_of_address_space', 'install_signal_handlers', 'Interrupted', 'interrupted', 'kept',
-           'lost_process', 'lost_process_reason', 'LostProcess', 'PROGRESS', 'quiet_exit',
-           'reported_status', 'share_stop_requests', 'signal_received', 'start_algorithm',
-           'stop_requested', 'storage_error', 'storage_reason', 'StorageError', 'where']
+           'Fault', 'printed_report', 'finished_line', 'fit_address_space_limit',
+           'out_of_address_space', 'out_of_memory', 'install_signal_handlers', 'Interrupted',
+           'interrupted', 'kept', 'lost_process', 'lost_process_reason', 'LostProcess', 'PROGRESS',
+           'quiet_exit', 'reported_status', 'share_stop_requests', 'signal_received',
+           'start_algorithm', 'stop_requested', 'storage_error', 'storage_reason', 'StorageError',
+           'where']
 
 
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_LOST_PROCESS, EXIT_STORAGE = 2, 3, 69, 74
@@ -288,6 +289,21 @@ def fit_address_space_limit() -> None:
     ctypes.CDLL(None).mallopt(-8, 2)  # M_ARENA_MAX (glibc); elsewhere a no-op or absent
   except (OSError, AttributeError):
     pass
+
+
+def out_of_memory(exc: BaseException) -> bool:
+  """Whether ``exc`` is memory running out: a ``MemoryError``, the address
+  space under ``ulimit -v`` (``out_of_address_space``), or a buffer XLA
+  could not allocate (``RESOURCE_EXHAUSTED``).
+
+  Args:
+    exc: the error.
+
+  Returns:
+    True for those.
+  """
+  return (isinstance(exc, MemoryError) or out_of_address_space(exc)
+          or (isinstance(exc, RuntimeError) and 'RESOURCE_EXHAUSTED' in str(exc)))
 
 
 def out_of_address_space(exc: BaseException) -> bool:

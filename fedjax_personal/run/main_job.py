@@ -29,10 +29,10 @@ from fedjax_personal.core.population import placement
 from fedjax_personal.core.population.placement import HostData
 from fedjax_personal.core.tree_util import tree_bytes
 from fedjax_personal.datasets import load_store, loading, streams_to_store
-from fedjax_personal.errors import ConfigError, user_frame
+from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import build_model
 from fedjax_personal.models import inputs as model_inputs
-from fedjax_personal.run import (checkpointing, distributed, experiment, faults, plots, plugins,
+from fedjax_personal.run import (checkpointing, distributed, experiment, faults, plots,
                                  process, reporting, run_identity, tensorboard, user_code)
 from fedjax_personal.run.process import say
 from fedjax_personal.run.settings import AlgorithmSettings, RunSettings
@@ -147,11 +147,11 @@ def main_job(settings: RunSettings) -> Dict[str, dict]:
         try:
           train_algorithm(job, built)
         except Exception as e:  # the user's code raised: one line, the others still run
-          if (user_frame(e, list(plugins.LOADED.values())) is None or isinstance(e, ConfigError)
-              or 'RESOURCE_EXHAUSTED' in str(e)):  # out of memory: the memory line (cli)
+          line = user_code.users_failure(built.settings.name, e)
+          if line is None:
             raise
-          failed.append(user_code.failure(built.settings.name, e))
-          say(f'{failed[-1]}; the other algorithms go on')
+          failed.append(line)
+          say(f'{line}; the other algorithms go on')
     finally:  # also when a later algorithm fails: the finished ones keep their table
       write_comparison(job)
   finally:

@@ -13,10 +13,9 @@ import importlib
 import importlib.util
 import os
 import sys
-import sysconfig
 from typing import Dict, List, Optional, Sequence
 
-from fedjax_personal.errors import ConfigError
+from fedjax_personal.errors import ConfigError, installed_or_ours
 
 __all__ = ['BROUGHT', 'identity', 'import_all', 'imports_in', 'LOADED', 'load']
 
@@ -152,15 +151,9 @@ def _user_source(name: str) -> Optional[str]:
   """The source file of module ``name`` when it is the user's own (neither
   an installed package's nor Python's), else None."""
   path = getattr(sys.modules.get(name), '__file__', None)
-  if not path or not path.endswith('.py'):
+  if not path or not path.endswith('.py') or installed_or_ours(path):
     return None
-  path = os.path.abspath(path)
-  installed = [os.path.abspath(p) for p in {sysconfig.get_paths()[k] for k in
-                                             ('stdlib', 'platstdlib', 'purelib', 'platlib')}]
-  here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  if path.startswith(tuple(installed)) or path.startswith(sys.prefix) or path.startswith(here):
-    return None
-  return path
+  return os.path.abspath(path)
 
 
 def import_all(argv: Sequence[str]) -> List[str]:
@@ -194,21 +187,18 @@ def identity(specs: Sequence[str]) -> List[List[str]]:
   out = []
   for spec in specs:
     path = LOADED.get(spec) or spec
-    h = hashlib.sha256()
+    # A plugin alone: its source's digest (as earlier runs recorded it); with
+    # helpers: of its source, each helper's name and source after it.
+    h, readable = hashlib.sha256(), True
     for source in [path] + BROUGHT.get(spec, []):
+      if source != path:
+        h.update(b'\0' + os.path.basename(source).encode())
       try:
         with open(source, 'rb') as f:
           h.update(f.read())
       except OSError:
         h.update(b'unreadable')
-      h.update(b'\0' if source == path else os.path.basename(source).encode())
-    name = os.path.basename(path) if path.endswith('.py') else spec
-    digest = h.hexdigest()[:16]
-    if not BROUGHT.get(spec):  # a plugin alone: the digest earlier runs recorded
-      try:
-        with open(path, 'rb') as f:
-          digest = hashlib.sha256(f.read()).hexdigest()[:16]
-      except OSError:
-        digest = 'unreadable'
-    out.append([name, digest])
+        readable = readable and source != path
+    digest = h.hexdigest()[:16] if readable or BROUGHT.get(spec) else 'unreadable'
+    out.append([os.path.basename(path) if path.endswith('.py') else spec, digest])
   return out

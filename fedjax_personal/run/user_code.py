@@ -10,7 +10,7 @@ a misspelled field, an error of the user's) fails here, in seconds, instead
 of after the algorithms before it trained.
 """
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +20,9 @@ from fedjax_personal.core.engine import round_functions
 from fedjax_personal.core.executors import VmapExecutor
 from fedjax_personal.core.population.placement import HostData
 from fedjax_personal.errors import ConfigError, user_frame
-from fedjax_personal.run import plugins
+from fedjax_personal.run import faults, plugins
 
-__all__ = ['failure', 'trace_round']
+__all__ = ['failure', 'trace_round', 'users_failure']
 
 
 def _split_shapes(data, split: str):
@@ -67,6 +67,25 @@ def trace_round(alg, sampler, data) -> None:
     raise
   except Exception as e:  # the round cannot be traced: nothing would train
     raise ConfigError('algorithm', failure(alg.name, e, 'when its round is traced')) from None
+
+
+def users_failure(name: str, e: BaseException) -> Optional[str]:
+  """``failure``'s line for an algorithm that raised in the user's own code
+  while training, or None for anything else (a setting refused, memory
+  running out, this package's or a library's own failure: the command's
+  line for those, or the traceback).
+
+  Args:
+    name: the algorithm.
+    e: what it raised.
+
+  Returns:
+    The line, or None.
+  """
+  if (isinstance(e, ConfigError) or faults.out_of_memory(e)
+      or user_frame(e, list(plugins.LOADED.values())) is None):
+    return None
+  return failure(name, e)
 
 
 def failure(name: str, e: BaseException, when: str = 'while training',
