@@ -23,7 +23,8 @@ from fedjax_personal.hparams import hparam
 
 __all__ = ['default_vocab', 'DefaultWordTokenizer', 'load_data', 'load_split', 'preprocess_client',
            'read_clients', 'read_held_out', 'SPLITS', 'STACKOVERFLOW_ACCURACIES',
-           'stackoverflow_accuracy', 'stackoverflow_unscored', 'StackOverflowOptions',
+           'stackoverflow_accuracy', 'STACKOVERFLOW_ROWS', 'stackoverflow_unscored',
+           'StackOverflowOptions',
            'StackoverflowTokenizer', 'tokenize_sentences', 'VALIDATION_EXAMPLES', 'word_ids']
 
 
@@ -107,36 +108,57 @@ def word_ids(words) -> Dict[bytes, int]:
 
 
 def tokenize_sentences(sentences, vocab: Dict[bytes, int], seq_len: int,
-                       pad_target: int = IGNORE):
-  """FedJAX's Stack Overflow tokenizer with one OOV bucket: ids 0 PAD, 1 BOS,
-  2 EOS, 3.. the vocabulary, len(vocab) + 3 OOV; x = ids[:-1], y = ids[1:]
-  of ``[BOS] words [EOS]``, truncated or padded to ``seq_len`` (padded
-  inputs PAD, padded targets ``pad_target``). Words are split at every
-  single space, as TensorFlow's ``tf.strings.split(sep=' ')`` (two spaces
-  delimit an empty word, OOV), and looked up as bytes.
+                       pad_target: int = IGNORE, rows: str = 'fedjax'):
+  """Stack Overflow's rows: ids 0 PAD, 1 BOS, 2 EOS, 3.. the vocabulary,
+  len(vocab) + 3 OOV; x = ids[:-1], y = ids[1:] of ``[BOS] words [EOS]``,
+  truncated or padded to ``seq_len``. Words are split at every single
+  space, as TensorFlow's ``tf.strings.split(sep=' ')`` (two spaces delimit
+  an empty word, OOV), and looked up as bytes.
+
+  ``rows='fedjax'`` is FedJAX's tokenizer with one OOV bucket: padded inputs
+  PAD, padded targets ``pad_target``. ``rows='tff'`` is
+  google-research/federated's ``stackoverflow_dataset.build_to_ids_fn`` and
+  ``batch_and_split``: the words truncated to ``seq_len``, EOS appended
+  when fewer, ``[BOS]`` before, padded with PAD to ``seq_len + 1``; so the
+  input after the last word is EOS, and every target past it PAD, in the
+  loss (its ``SparseCategoricalCrossentropy`` on the Keras model's output,
+  whose PAD inputs repeat the last real output: ``mask_pad`` of
+  ``reddi_char_lstm`` and ``lstm_lm``), never in the accuracy or the
+  tokens.
 
   Args:
     sentences: a user's posts (bytes or str).
     vocab: word bytes -> id (3..): ``word_ids``.
     seq_len: tokens per row.
-    pad_target: the id of a padded target (``IGNORE``: no loss; FedJAX: PAD).
+    pad_target: the id of a padded target with ``rows='fedjax'``
+      (``IGNORE``: no loss; FedJAX: PAD).
+    rows: ``'fedjax'`` or ``'tff'`` (``STACKOVERFLOW_ROWS``).
 
   Returns:
     ``(x, y)`` int32 [posts, seq_len].
   """
+  if rows not in STACKOVERFLOW_ROWS:
+    raise ValueError(f'rows must be one of {STACKOVERFLOW_ROWS}, got {rows!r}')
   oov = len(vocab) + 3
   x = np.full((len(sentences), seq_len), PAD, np.int32)
-  y = np.full((len(sentences), seq_len), pad_target, np.int32)
+  y = np.full((len(sentences), seq_len), pad_target if rows == 'fedjax' else PAD, np.int32)
   for i, s in enumerate(sentences):
     text = s if isinstance(s, bytes) else str(s).encode('utf-8')
-    ids = [BOS] + [vocab.get(w, oov) for w in text.split(b' ')] + [EOS]
+    words = [vocab.get(w, oov) for w in text.split(b' ')]
+    if rows == 'tff':
+      ids = [BOS] + words[:seq_len] + ([EOS] if len(words) < seq_len else [])
+      ids += [PAD] * (seq_len + 1 - len(ids))
+    else:
+      ids = [BOS] + words + [EOS]
     n = min(len(ids) - 1, seq_len)
     x[i, :n], y[i, :n] = ids[:n], ids[1:n + 1]
   return x, y
 
 
+#: How posts become rows (``--stackoverflow_rows``).
+STACKOVERFLOW_ROWS = ('fedjax', 'tff')
 #: The test sets of Stack Overflow (``--stackoverflow_test``).
-STACKOVERFLOW_TESTS = ('train_users', 'tff_users')
+STACKOVERFLOW_TESTS = ('train_users', 'tff_users', 'tff_test_file')
 #: Examples of the pooled test users TFF's task takes for validation.
 VALIDATION_EXAMPLES = 10000
 
@@ -154,8 +176,16 @@ class StackOverflowOptions(TextOptions):
                                    "train users' own posts in the test file; tff_users: every "
                                    'user of the test file (204,088) held out, their pooled posts '
                                    'the test set after 10,000 are taken out for validation, as '
-                                   "Reddi et al.'s task (google-research/federated) evaluates.",
+                                   "Reddi et al.'s task (google-research/federated) evaluates "
+                                   'every round; tff_test_file: every post of the test file, '
+                                   "the set its final test_fn reports (validation + test).",
                                    choices=STACKOVERFLOW_TESTS)
+  stackoverflow_rows: str = hparam('fedjax', "stackoverflow: how posts become rows. fedjax: "
+                                   "FedJAX's tokenizer (after the last word PAD, targets past EOS "
+                                   "not in the loss); tff: google-research/federated's (after the "
+                                   'last word EOS, every target past it PAD and in the loss, as '
+                                   "its Keras model's unmasked loss counts them).",
+                                   choices=STACKOVERFLOW_ROWS)
   stackoverflow_accuracy: str = hparam(
       'in_vocab', 'stackoverflow: the next-word accuracy reported. in_vocab: targets PAD, BOS, '
       'EOS and OOV not scored (Reddi et al., the partial-personalization seed); '
@@ -163,15 +193,20 @@ class StackOverflowOptions(TextOptions):
       choices=('in_vocab', 'fedjax_in_vocab'))
 
   def store_key(self, passed):
-    # The seed draws tff_users' validation posts; train_users reads none.
+    # The seed draws tff_users' validation posts; the others read none.
     return {k: v for k, v in passed.items()
             if k != 'seed' or self.stackoverflow_test == 'tff_users'}
 
   def describe(self):
-    return ['test set: ' + ("the train users' own test posts (train_users)"
-                            if self.stackoverflow_test == 'train_users' else
-                            'every test user, held out, pooled, less 10,000 posts for validation '
-                            "(tff_users: Reddi et al.'s task)")]
+    test = {'train_users': "the train users' own test posts (train_users)",
+            'tff_users': 'every test user, held out, pooled, less 10,000 posts for validation '
+                         "(tff_users: Reddi et al.'s task)",
+            'tff_test_file': 'every post of the test file, its users held out (tff_test_file: '
+                             "Reddi et al.'s final test)"}[self.stackoverflow_test]
+    rows = ([] if self.stackoverflow_rows == 'fedjax' else
+            ["rows: google-research/federated's (EOS after the last word, PAD targets past it in "
+             'the loss)'])
+    return ['test set: ' + test] + rows
 
   def scored(self, model, num_classes):
     unscored, unpredicted, definition = stackoverflow_accuracy(self.stackoverflow_accuracy,
@@ -199,7 +234,7 @@ def validation_counts(sizes, seed: int, total: int = VALIDATION_EXAMPLES) -> np.
   return out
 
 
-def _record_tokenizer(word_count_path, vocab_size: int, seq_len: int):
+def _record_tokenizer(word_count_path, vocab_size: int, seq_len: int, rows: str = 'fedjax'):
   """A FedJAX record's posts as token rows, in the vocabulary of the
   ``vocab_size`` most frequent words of ``stackoverflow.word_count``.
 
@@ -207,17 +242,18 @@ def _record_tokenizer(word_count_path, vocab_size: int, seq_len: int):
     word_count_path: the ``stackoverflow.word_count`` file.
     vocab_size: the words kept.
     seq_len: tokens per row.
+    rows: ``STACKOVERFLOW_ROWS``.
 
   Returns:
     ``record -> (x, y)`` (``tokenize_sentences`` of its ``tokens``).
   """
   vocab = word_ids(read_word_count(word_count_path, vocab_size))
-  return lambda ex: tokenize_sentences(ex['tokens'], vocab, seq_len)
+  return lambda ex: tokenize_sentences(ex['tokens'], vocab, seq_len, rows=rows)
 
 
 def read_clients(num_clients=None, data_dir=None, download=False, vocab_size: int = 10000,
                  seq_len: int = 20, stackoverflow_test: str = 'train_users',
-                 seed: int = 0) -> NaturalData:
+                 seed: int = 0, stackoverflow_rows: str = 'fedjax') -> NaturalData:
   """Stack Overflow (342,477 train users), FedJAX's files.
 
   Args:
@@ -232,8 +268,11 @@ def read_clients(num_clients=None, data_dir=None, download=False, vocab_size: in
       of the test file (204,088) follows them as a held-out client
       (``eval_only``, ids ``test/<id>``), their pooled posts the test set
       after ``VALIDATION_EXAMPLES`` of them are taken out for validation (the
-      clients' ``val`` split; ``validation_counts``).
+      clients' ``val`` split; ``validation_counts``); ``'tff_test_file'``:
+      the same users, every post of the test file their test examples (what
+      its final ``test_fn`` reports: validation + test).
     seed: the order the validation examples are taken in (``tff_users``).
+    stackoverflow_rows: ``STACKOVERFLOW_ROWS`` (``tokenize_sentences``).
 
   Returns:
     The users as a ``NaturalData``.
@@ -244,7 +283,8 @@ def read_clients(num_clients=None, data_dir=None, download=False, vocab_size: in
   paths = sources.fetch('stackoverflow', data_dir, download,
                         which=['stackoverflow_train.sqlite', 'stackoverflow_test.sqlite',
                                'stackoverflow.word_count'])
-  tokens = _record_tokenizer(paths['stackoverflow.word_count'], vocab_size, seq_len)
+  tokens = _record_tokenizer(paths['stackoverflow.word_count'], vocab_size, seq_len,
+                            stackoverflow_rows)
   train_path, test_path = paths['stackoverflow_train.sqlite'], paths['stackoverflow_test.sqlite']
   if stackoverflow_test == 'train_users':
     out = fedjax_splits('stackoverflow', train_path, test_path, num_clients, tokens)
@@ -252,11 +292,14 @@ def read_clients(num_clients=None, data_dir=None, download=False, vocab_size: in
     total = sqlite_formats.fedjax_num_clients(train_path)
     n = take(total, num_clients, 'stackoverflow')
     sizes = sqlite_formats.fedjax_sizes(test_path)
-    if int(sizes.sum()) <= VALIDATION_EXAMPLES:
+    if stackoverflow_test == 'tff_test_file':
+      val = np.zeros_like(sizes)
+    elif int(sizes.sum()) <= VALIDATION_EXAMPLES:
       raise ConfigError('stackoverflow_test', f'tff_users takes {VALIDATION_EXAMPLES:,} test posts '
                         f'for validation and tests on the rest; {test_path} holds '
-                        f'{int(sizes.sum()):,}: give --stackoverflow_test=train_users')
-    val = validation_counts(sizes, seed, VALIDATION_EXAMPLES)
+                        f'{int(sizes.sum()):,}: give --stackoverflow_test=tff_test_file')
+    else:
+      val = validation_counts(sizes, seed, VALIDATION_EXAMPLES)
 
     def stream():
       none = (np.zeros((0, seq_len), np.int32), np.zeros((0, seq_len), np.int32))
@@ -275,7 +318,7 @@ def read_clients(num_clients=None, data_dir=None, download=False, vocab_size: in
 
 
 def read_held_out(num_clients=None, data_dir=None, download=False, vocab_size: int = 10000,
-                  seq_len: int = 20) -> NaturalData:
+                  seq_len: int = 20, stackoverflow_rows: str = 'fedjax') -> NaturalData:
   """Stack Overflow's held-out users (``stackoverflow_held_out.sqlite``,
   38,758 users in TFF's and FedJAX's split), tokenized as ``read_clients``
   tokenizes the train users: every user a held-out client (``eval_only``)
@@ -289,13 +332,15 @@ def read_held_out(num_clients=None, data_dir=None, download=False, vocab_size: i
     vocab_size: the most frequent words kept (of the train users'
       ``stackoverflow.word_count``, as FedJAX's vocabulary).
     seq_len: tokens per row.
+    stackoverflow_rows: ``STACKOVERFLOW_ROWS``.
 
   Returns:
     The held-out users as a ``NaturalData`` of eval-only clients.
   """
   paths = sources.fetch('stackoverflow', data_dir, download,
                         which=['stackoverflow_held_out.sqlite', 'stackoverflow.word_count'])
-  tokens = _record_tokenizer(paths['stackoverflow.word_count'], vocab_size, seq_len)
+  tokens = _record_tokenizer(paths['stackoverflow.word_count'], vocab_size, seq_len,
+                             stackoverflow_rows)
   path = paths['stackoverflow_held_out.sqlite']
   total = sqlite_formats.fedjax_num_clients(path)
   n = take(total, num_clients, 'stackoverflow_held_out')

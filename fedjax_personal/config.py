@@ -150,19 +150,24 @@ class TrainingConfig(Declared):
   server_optimizer: str = hparam('sgd', "Server optimizer on the mean delta: 'sgd' (lr 1: "
                                  "plain averaging; momentum: FedAvgM), or Reddi et al.'s "
                                  "'adagrad', 'yogi', 'adam' (FedAdagrad, FedYogi, FedAdam: the "
-                                 "paper's Algorithm 2), or 'keras_adam' (FedAdam as its code "
-                                 "ran: Keras's Adam, bias-corrected, epsilon = --server_tau; "
-                                 'Keras\'s beta2 is 0.999).',
+                                 "paper's Algorithm 2), or 'keras_adagrad', 'keras_yogi', "
+                                 "'keras_adam' (as google-research/federated's code ran them: "
+                                 "Keras's optimizers and its Yogi, from zero moments, Adam and "
+                                 "Yogi bias-corrected, epsilon = --server_tau; Keras's beta2 is "
+                                 '0.999).',
                                  choices=('sgd',) + server_optimizers.KINDS)
   server_lr: float = hparam(1.0, 'Server learning rate.', minimum=0, open_min=True, sweep=True)
   server_momentum: float = hparam(0.0, "Server momentum ('sgd').", minimum=0, maximum=1,
                                   open_max=True)
-  server_beta1: float = hparam(0.9, "First-moment decay of 'adagrad', 'yogi', 'adam' (Reddi et "
-                               'al.).', minimum=0, maximum=1, open_max=True)
-  server_beta2: float = hparam(0.99, "Second-moment decay of 'yogi' and 'adam' (Reddi et al.).",
+  server_beta1: float = hparam(0.9, "First-moment decay of the adaptive server optimizers "
+                               "(Adagrad's in the paper's Algorithm 2; Keras's has none).",
                                minimum=0, maximum=1, open_max=True)
-  server_tau: float = hparam(1e-3, "Adaptivity tau of 'adagrad', 'yogi', 'adam' (Reddi et al.; "
-                             'v starts at tau^2).', minimum=0, open_min=True)
+  server_beta2: float = hparam(0.99, "Second-moment decay of Yogi and Adam (Reddi et al.; "
+                               "Keras's default is 0.999).",
+                               minimum=0, maximum=1, open_max=True)
+  server_tau: float = hparam(1e-3, "Adaptivity tau of the adaptive server optimizers (Reddi "
+                             "et al.; Algorithm 2's v starts at tau^2; Keras's epsilon).",
+                             minimum=0, open_min=True)
   finetune_steps: Optional[int] = hparam(None, 'Evaluation fine-tuning steps on the training '
                                          "split (default: the algorithm's, 0 for most).",
                                          minimum=0)
@@ -221,7 +226,9 @@ class TrainingConfig(Declared):
         'sgd': ('server_momentum',), 'adagrad': ('server_beta1', 'server_tau'),
         'yogi': ('server_beta1', 'server_beta2', 'server_tau'),
         'adam': ('server_beta1', 'server_beta2', 'server_tau'),
-        'keras_adam': ('server_beta1', 'server_beta2', 'server_tau')})
+        'keras_adam': ('server_beta1', 'server_beta2', 'server_tau'),
+        'keras_yogi': ('server_beta1', 'server_beta2', 'server_tau'),
+        'keras_adagrad': ('server_tau',)})
 
   def _refuse_unread(self, choice: str, reads: dict) -> None:
     """Refuses a setting given a non-default value that the chosen ``choice``

@@ -350,7 +350,9 @@ def test_reference_cnns_equal_their_pytorch_code(tmp_path, name):
 
 def test_lstm_lm_is_reddi_et_al_stackoverflow_model(tmp_path):
   """Reddi et al.'s next-word LSTM: 4,050,748 parameters on 10,004 ids, and
-  the outputs of the same network in PyTorch on the same weights."""
+  the outputs of the same network in PyTorch on the same weights (rows
+  without PAD: a PAD input repeats the last real output, as Keras's
+  ``mask_zero``, tests/test_publisher_reference.py)."""
   model = models.create_model('lstm_lm', 10004, jnp.zeros((1, 20), jnp.int32))
   assert models.num_params(jax.eval_shape(model.init, jax.random.key(0))) == 4_050_748
   assert '4,050,748' in type(model.module).__doc__
@@ -371,7 +373,7 @@ def test_lstm_lm_is_reddi_et_al_stackoverflow_model(tmp_path):
   net = Net()
   path = str(tmp_path / 'lstm_lm.pt')
   torch.save(net.state_dict(), path)
-  x = np.random.default_rng(0).integers(0, vocab, (2, 7)).astype(np.int32)
+  x = np.random.default_rng(0).integers(1, vocab, (2, 7)).astype(np.int32)
   model = models.create_model('lstm_lm', vocab, x)
   want = net(torch.tensor(x, dtype=torch.long)).detach().numpy()
   np.testing.assert_allclose(model.apply(weights.load(path, model, x), x), want, atol=1e-5)

@@ -16,6 +16,8 @@ CifarNet, and the user-centric paper's LeNet-5 with average pooling.
 from typing import Optional, Sequence
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 from fedjax_personal.models import initializers
 from fedjax_personal.models.layers import (Adapter, Conv, Dense, LSTMCell, as_float, conv_layout,
@@ -208,6 +210,24 @@ class CNN(nn.Module):
     return self.output(self.features(x, train))
 
 
+def keep_last_real(h, real):
+  """Each position's row of ``h`` replaced by the row at the last real
+  position up to it (zeros where none is): Keras's masked RNN steps
+  (``return_sequences=True``) output the previous step's output.
+
+  Args:
+    h: [B, T, H] the LSTM's outputs.
+    real: bool [B, T], the inputs that are not PAD.
+
+  Returns:
+    [B, T, H].
+  """
+  t = jnp.arange(real.shape[1])
+  last = jax.lax.cummax(jnp.where(real, t, -1), axis=1)
+  kept = jnp.take_along_axis(h, jnp.maximum(last, 0)[..., None], axis=1)
+  return jnp.where((last >= 0)[..., None], kept, jnp.zeros_like(h))
+
+
 class CharLSTM(nn.Module):
   """Next-token LSTM: embedding, LSTM layers, an optional linear projection,
   the output layer. Input: int tokens [B, T]; output: logits [B, T, vocab].
@@ -222,6 +242,13 @@ class CharLSTM(nn.Module):
   ``models.shakespeare.create_lstm_model``: the same layers with a tanh on
   every LSTM layer's output (``tanh_after_lstm``; its ``hk.DeepRNN`` of
   ``hk.LSTM``, ``jnp.tanh``), Haiku's initialisers.
+
+  ``mask_pad`` is Keras's ``Embedding(mask_zero=True)`` of the TFF models
+  (``reddi_char_lstm``, ``lstm_lm``): an LSTM's output at a PAD (0) input is
+  its output at the last input before it that is not PAD (zeros before the
+  first), as Keras's masked RNN steps hand the previous output on
+  (``keep_last_real``). Exact where PAD inputs only trail a row, as in every
+  text data set's rows here; a real position's output never changes.
   """
   num_classes: int  # vocabulary size
   embed_dim: int = 8
@@ -231,6 +258,7 @@ class CharLSTM(nn.Module):
   convention: str = 'flax'
   projection: int = 0  # width of a linear layer before the output (0: none)
   tanh_after_lstm: bool = False  # FedJAX's models: tanh(h) of every LSTM layer
+  mask_pad: bool = False  # Keras's mask_zero=True: PAD inputs repeat the last real output
 
   def setup(self):
     self.embed = nn.Embed(self.num_classes, self.embed_dim,
@@ -247,11 +275,14 @@ class CharLSTM(nn.Module):
 
   def features(self, x):
     h = self.embed(x)
+    real = x != 0
     for i, lstm in enumerate(self.lstms):
       # Initialisation draws the cell's parameters through nn.RNN; applying
       # runs them over the sequence in large matmuls (recurrent.lstm_sequence).
       h = (lstm(h) if self.is_initializing() else
            lstm_sequence(h, *cell_kernels(lstm.variables['params']['cell'])))
+      if self.mask_pad:
+        h = keep_last_real(h, real)
       if self.tanh_after_lstm:
         h = nn.tanh(h)
       if self.adapter_dim:

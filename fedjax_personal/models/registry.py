@@ -31,9 +31,10 @@ MODELS = {
                                         adapter_dim=a, conv_impl=k, convention=i),
     'char_lstm': lambda c, a, k, i: CharLSTM(c, adapter_dim=a, convention=i),
     'lstm_lm': lambda c, a, k, i: CharLSTM(c, embed_dim=96, hidden=670, num_layers=1,
-                                           projection=96, adapter_dim=a, convention=i),
+                                           projection=96, adapter_dim=a, convention=i,
+                                           mask_pad=True),
     'reddi_char_lstm': lambda c, a, k, i: CharLSTM(c, embed_dim=8, hidden=256, num_layers=2,
-                                                   adapter_dim=a, convention=i),
+                                                   adapter_dim=a, convention=i, mask_pad=True),
     # FedJAX's own language models (its create_lstm_model of each data set).
     'fedjax_lstm_lm': lambda c, a, k, i: CharLSTM(c, embed_dim=96, hidden=670, num_layers=1,
                                                   projection=96, adapter_dim=a, convention=i,
