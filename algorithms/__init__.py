@@ -236,7 +236,7 @@ def make(spec: AlgorithmSpec, training: TrainingConfig, config, model, data):
   """
   check_model_state(spec, model)
   training = spec.resolve(training)
-  alg = spec.build(training, config, model, data)
+  alg = spec.build(training, config, model, data).replace(partial_work=spec.partial_work)
   if alg.finetune is None and training.finetune_steps and 'finetune_steps' in spec.uses:
     lr = training.client_lr if training.finetune_lr is None else training.finetune_lr
     alg = alg.replace(finetune=sgd_finetune(model, lr, training.finetune_batching()))

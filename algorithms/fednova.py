@@ -147,5 +147,5 @@ SETTINGS = (frozenset({'client_optimizer', 'client_lr', 'client_momentum', 'clie
                        'client_grad_clip'})
             | CLIENT_LR_SCHEDULE | BATCHING | WEIGHTING | SERVER_OPTIMIZER | FINETUNE)
 
-SPEC = AlgorithmSpec('fednova', NoConfig, build, SETTINGS, check=check,
+SPEC = AlgorithmSpec('fednova', NoConfig, build, SETTINGS, check=check, partial_work='keep',
                      summary='FedNova (Wang et al. 2020): deltas normalized by local steps')

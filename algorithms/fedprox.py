@@ -67,5 +67,5 @@ def build(training, config: FedProxConfig, model, data):
 
 
 SPEC = AlgorithmSpec('fedprox', FedProxConfig, build, FEDAVG_SETTINGS,
-                     model_state=True,
+                     model_state=True, partial_work='keep',
                      summary='FedProx (Li et al. 2020): FedAvg + proximal term')

@@ -282,6 +282,10 @@ class AlgorithmSpec:
       its client steps keep what each forward pass computed
       (``training.keep_model_state``); a model with batch statistics is
       refused by an algorithm without it.
+    partial_work: what the server does with a straggler's partial work
+      (``core.system``): ``'drop'`` it (FedAvg in FedProx's experiment; a
+      dropped client's per-client state stays as it was) or ``'keep'`` it
+      (FedProx, FedNova).
 
   ``uses`` and ``ignores`` are checked when the spec is made: a name that is
   no ``TrainingConfig`` field, or no field of ``config``, is refused (a
@@ -299,6 +303,7 @@ class AlgorithmSpec:
   summary: str = ''
   needs_validation: bool = False
   model_state: bool = False
+  partial_work: str = 'drop'
 
   def __post_init__(self):
     training = [f.name for f in dataclasses.fields(TrainingConfig)]
@@ -314,6 +319,9 @@ class AlgorithmSpec:
     if bad:
       raise ValueError(f'algorithm {self.name!r}: ignores names {bad}, which are not fields of '
                        f'{self.config.__name__}; they are {own}')
+    if self.partial_work not in ('drop', 'keep'):
+      raise ValueError(f"algorithm {self.name!r}: partial_work must be 'drop' or 'keep', got "
+                       f'{self.partial_work!r}')
 
   def weighting(self, training: TrainingConfig) -> str:
     return training.weighting or self.default_weighting

@@ -65,11 +65,13 @@ def _loss_grad(model):
   return _GRADS[model]
 
 
-def reference_sgd(model, params, x, y, n, key, batching, lr, prox_mu=0.0, momentum=None):
+def reference_sgd(model, params, x, y, n, key, batching, lr, prox_mu=0.0, momentum=None,
+                  max_steps=None):
   """Plain local SGD on one client's data with the engine's batches.
 
   Uses only the batch indices of the library; the training loop, the loss
-  and the optimizer step are redone here with explicit Python loops.
+  and the optimizer step are redone here with explicit Python loops. With
+  ``max_steps``, only the first that many steps run (a straggler's).
   """
   k_init, k_batch, k_steps = jax.random.split(key, 3)
   idx, mask = batching_lib.batch_indices(k_batch, jnp.int32(n), x.shape[0], batching)
@@ -79,7 +81,7 @@ def reference_sgd(model, params, x, y, n, key, batching, lr, prox_mu=0.0, moment
   opt = optax.sgd(lr, momentum=momentum)
   opt_state = opt.init(params)
   grad = _loss_grad(model)
-  for s in range(idx.shape[0]):
+  for s in range(idx.shape[0] if max_steps is None else min(max_steps, idx.shape[0])):
     real = idx[s][mask[s]]
     if real.size == 0:
       continue
@@ -165,7 +167,7 @@ def main_in_one_process(command_lines, cwd=None, env=None):
 
 
 def host_runner(store, alg_name, training, sampler, rows_folder=None, adapter_dim=0,
-                **settings):
+                system=None, **settings):
   """A RoundRunner of ``alg_name`` (a small MLP, with residual adapters of
   ``adapter_dim``, vmapped; ``settings`` of the algorithm) on a population
   store in the host layout, clients in blocks of 5, client rows in memory or
@@ -180,7 +182,7 @@ def host_runner(store, alg_name, training, sampler, rows_folder=None, adapter_di
   alg = algorithms.build(alg_name, model, population, training=training, **settings)
   executor = fp.create_executor('vmap', model, population.sample_x)
   return RoundRunner(alg, HostData(store, block=5, smallest=4, rows_folder=rows_folder),
-                     sampler, executor)
+                     sampler, executor, system=system)
 
 
 def script_module(*relpath):

@@ -277,6 +277,9 @@ class FederatedAlgorithm:
       sampling rates, a step counter in the state) for epsilon accounting.
     client_rows: optional ``ClientRows``, the state's per-client rows that
       the host layout keeps on the host (None: all state on the device).
+    partial_work: what the server does with a straggler's partial work
+      (``system``): ``'drop'`` it (the default) or ``'keep'`` it
+      (``AlgorithmSpec.partial_work``).
   """
   name: str
   model: Model
@@ -291,6 +294,7 @@ class FederatedAlgorithm:
   pre_round: Optional[PreRound] = None
   privacy: Optional[Any] = None
   client_rows: Optional[ClientRows] = None
+  partial_work: str = 'drop'
 
   def replace(self, **kw) -> 'FederatedAlgorithm':
     return dataclasses.replace(self, **kw)

@@ -32,6 +32,9 @@ from fedjax_personal.core import tree_util
 from fedjax_personal.core.evaluation_stats import (  # noqa: F401  (the engine's API)
     evaluation_record, per_client_accuracy, summarize)
 from fedjax_personal.core.evaluation import eval_function
+from fedjax_personal.core.round_metrics import (PARTICIPATED, cohort_counts,
+                                                communication_metrics)
+from fedjax_personal.core import system as system_lib
 from fedjax_personal.core.sampling import CohortSampler, client_keys
 from fedjax_personal.core.training import ClientContext, LossStats
 from fedjax_personal import numerics
@@ -81,55 +84,6 @@ def draw_cohort(sampler: CohortSampler, key):
   """The cohort of the round whose key is ``key`` (the round's own draw,
   ``split(key)[0]``; the host layout draws it ahead with this)."""
   return sampler(jax.random.split(key)[0])
-
-
-def communication_metrics(alg, state, num_active, num_uploads=None, comm=None) -> dict:
-  """Bytes of one round from the algorithm's static sizes and the cohort
-  (traceable: computed inside the compiled round).
-
-  ``bytes_down_broadcast`` sends each distinct downlink model once (FedAvg: 1,
-  streams: m_t); ``bytes_down_unicast`` sends one model to every active client.
-
-  Args:
-    alg: the FederatedAlgorithm (or a RoundRunner, for its algorithm).
-    num_active: the sampled clients (each received the downlink).
-    num_uploads: the clients that sent an upload (None: every sampled one;
-      fewer when the algorithm marks some as not participating).
-    comm: the round's ``Communication`` counted from what it moved; None: the algorithm's.
-
-  Returns:
-    ``{'bytes_up', 'bytes_down_broadcast', 'bytes_down_unicast', ...}`` of
-    the round (traced scalars).
-  """
-  if comm is None:
-    comm = getattr(alg, 'algorithm', alg).communication(state)
-  num_active = jnp.asarray(num_active, jnp.float32)
-  num_uploads = num_active if num_uploads is None else jnp.asarray(num_uploads, jnp.float32)
-  distinct = jnp.minimum(jnp.asarray(comm.num_downlink_models, jnp.float32), num_active)
-  has_down = jnp.asarray(comm.num_downlink_models) > 0
-  return {
-      'bytes_up': num_uploads * comm.uplink_bytes_per_client,
-      'bytes_down_broadcast': jnp.where(has_down, distinct, 0.0) * comm.downlink_bytes_per_model,
-      'bytes_down_unicast': jnp.where(has_down, num_active * comm.downlink_bytes_per_model, 0.0),
-  }
-
-
-#: A server update's metric naming the clients that took part: bool [C]; a
-#: sampled client it marks False received the round's model and sent nothing
-#: (a dropout, a straggler). Without it every sampled client took part.
-PARTICIPATED = 'participated'
-
-
-def cohort_counts(alg, state, cohort, metrics, comm=None) -> dict:
-  """``num_active`` (the clients that took part) and the round's bytes,
-  from the cohort's mask and the server update's ``PARTICIPATED`` (which is
-  replaced by these counts: a round's metrics stay scalars), ``comm`` as there."""
-  sampled = jnp.sum(cohort.mask.astype(jnp.float32))
-  if PARTICIPATED not in metrics:
-    return communication_metrics(alg, state, sampled, comm=comm)
-  took_part = jnp.sum((cohort.mask & metrics.pop(PARTICIPATED)).astype(jnp.int32))
-  return {'num_active': took_part, 'num_sampled': sampled.astype(jnp.int32),
-          **communication_metrics(alg, state, sampled, took_part, comm=comm)}
 
 
 #: Keys of a round's metrics that carry the pre-round phase's diagnostics
@@ -182,6 +136,13 @@ def pre_round_functions(alg: FederatedAlgorithm, ex: Executor, counts=None):
   return pr.due, rc_of, run, phase_client
 
 
+def uploading(cohort, shared):
+  """The cohort's slots whose client work reaches the server (``active``
+  for the executor): the sampled clients less the lost uploads the round's
+  system drew (``shared``'s third part, when there is one)."""
+  return cohort.mask if len(shared) < 3 else cohort.mask & ~shared[2].lost
+
+
 #: Where the algorithm's broadcast part sits in the engine's per-client
 #: inputs ``(data_rows, broadcast part, keys)`` (``round_functions``' ``pre``).
 BROADCAST_SLOT = 1
@@ -213,7 +174,8 @@ def rows_in_place(client_rows, state, per_client) -> bool:
   return len(held) == len(read) and all(a is b for a, b in zip(held, read))
 
 
-def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executor, counts=None):
+def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executor, counts=None,
+                    system: Optional[system_lib.SystemConfig] = None):
   """The pieces of one round of ``alg``: (pre, make_ctx, post, fused_round).
 
   ``fused_round(state, key, round_num, train, val[, cohort]) -> (state,
@@ -230,11 +192,17 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
     sampler: the cohort sampler.
     ex: the executor.
     counts: a Counter of traces (None: a new one).
+    system: the clients' devices (``system.SystemConfig``; None or inactive:
+      every sampled client does its full work and uploads). Its draws come
+      from ``fold_in(k_cohort, SYSTEM_DRAWS)``; a client's work limit is the
+      4th of its per-client inputs, the lost uploads the 3rd of ``shared``.
 
   Returns:
     ``(pre, make_ctx, post, fused_round)``.
   """
   counts = collections.Counter() if counts is None else counts
+  system = system if system is not None and system.active else None
+  n_clients = sampler.num_clients
 
   def pre(state, key, round_num, cohort=None):
     """The server's broadcast. A given ``cohort`` (the host layout's, drawn
@@ -251,25 +219,37 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
                       key=jax.random.fold_in(k_cohort, 1))
     shared, per_client = alg.server_broadcast(state, cohort, rc)
     keys = client_keys(k_clients, cohort.idx)
-    return cohort, rc, (shared, rc.round), (data_rows, per_client, keys)
+    if system is None:
+      return cohort, rc, (shared, rc.round), (data_rows, per_client, keys)
+    drawn = system_lib.draw(system, jax.random.fold_in(k_cohort, system_lib.SYSTEM_DRAWS),
+                            cohort.mask, alg.client_work.batching, alg.partial_work)
+    return (cohort, rc, (shared, rc.round, drawn._replace(work_limit=None)),
+            (data_rows, per_client, keys, drawn.work_limit))
 
   def make_ctx(shared_all, c):
     counts['client'] += 1
-    (shared, round_num), train, val = shared_all
-    row, client_state, key = c
+    (shared, round_num, *_), train, val = shared_all
+    row, client_state, key, *limit = c
     local = LocalData(train=client_row(train, row), val=client_row(val, row))
-    return ClientContext(shared=shared, state=client_state, data=local, round=round_num), key
+    return ClientContext(shared=shared, state=client_state, data=local, round=round_num,
+                         work_limit=limit[0] if limit else None), key
 
   def post(state, cohort, outputs, rc, shared):
     counts['post'] += 1
+    sampled = cohort
+    if system is not None:  # a lost upload is a padded slot for the server
+      cohort = system_lib.without(cohort, shared[2].lost, n_clients)
     if alg.client_rows is not None:  # the new rows the engine writes (ClientRows.output)
       state, outputs = alg.client_rows.write(state, cohort.rows, outputs)
     comm = (None if alg.communication is not None else
             upload_communication(outputs, shared[0], cohort.mask.shape[0]))
     state, metrics = alg.server_update(state, cohort, outputs, rc)
-    metrics = dict(metrics)
-    counted = cohort_counts(alg, state, cohort, metrics, comm)  # takes PARTICIPATED out
-    return state, {**metrics, **counted}
+    metrics, drawn = dict(metrics), {}
+    if system is not None:
+      metrics[PARTICIPATED] = metrics.get(PARTICIPATED, True) & ~shared[2].lost
+      drawn = system_lib.system_metrics(shared[2], sampled.mask)
+    counted = cohort_counts(alg, state, sampled, metrics, comm)  # takes PARTICIPATED out
+    return state, {**metrics, **counted, **drawn}
 
   def fused_pre_round(state, key, round_num, train, val):
     if alg.pre_round is None:
@@ -290,7 +270,7 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
     if cohort is None:  # the host layout runs the phase apart (it streams every client)
       state, phase = fused_pre_round(state, key, round_num, train, val)
     cohort, rc, shared, per_client = pre(state, key, round_num, cohort)
-    if ex.writes_rows and rows_in_place(alg.client_rows, state, per_client):
+    if system is None and ex.writes_rows and rows_in_place(alg.client_rows, state, per_client):
       # The client blocks read and write the state's rows (ClientRows.output).
       cr = alg.client_rows
       outputs, new_rows = ex.run_work(alg.client_work, make_ctx, (shared, train, val),
@@ -299,7 +279,7 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
       state = cr.put(state, new_rows)  # the outputs' field is None: post writes nothing
     else:
       outputs = ex.run_work(alg.client_work, make_ctx, (shared, train, val), per_client,
-                            active=cohort.mask)
+                            active=uploading(cohort, shared))
     state, metrics = post(state, cohort, outputs, rc, shared)
     return state, {**metrics, **phase}
 
@@ -326,11 +306,17 @@ class RoundRunner:
     matmul_precision: the precision every computation of the run is traced
       at (``numerics``; ``FederatedAlgorithm.at_matmul_precision``), whatever
       JAX's setting: float32 by default, the same numbers on every card.
+    system: the clients' devices (``system.SystemConfig``: stragglers, lost
+      uploads); None: every sampled client does its work and uploads.
   """
 
   def __init__(self, algorithm: FederatedAlgorithm, data, sampler: CohortSampler,
                executor: Executor, feed: Optional[placement.CohortFeed] = None,
-               matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION):
+               matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION,
+               system: Optional[system_lib.SystemConfig] = None):
+    if system is not None:
+      system.check_work(algorithm.client_work.batching)
+    self.system = system
     self.host = data if isinstance(data, placement.HostData) else None
     population = self.host.population if self.host else data
     if sampler.num_clients != population.num_clients:
@@ -413,7 +399,7 @@ class RoundRunner:
 
     def work(state, key, rnd, train, val, cohort=None):
       cohort, rc, shared, per_client = pre_j(state, key, rnd, cohort)
-      rows, mask = jax.device_get((per_client[0], cohort.mask))
+      rows, mask = jax.device_get((per_client[0], uploading(cohort, shared)))
       outputs = ex.run_work(alg.client_work, make_ctx, (shared, train, val), per_client,
                             active=mask, num_steps=steps_of(rows, train))
       return post_j(state, cohort, outputs, rc, shared)
@@ -421,7 +407,8 @@ class RoundRunner:
 
   def _build(self):
     alg, ex = self.algorithm, self.executor
-    pre, make_ctx, post, fused_round = round_functions(alg, self.sampler, ex, self.trace_counts)
+    pre, make_ctx, post, fused_round = round_functions(alg, self.sampler, ex, self.trace_counts,
+                                                     self.system)
     shapes = jax.eval_shape(alg.init, jax.random.key(0))
     self._state_shardings = ex.state_shardings(shapes, self.data.num_clients)
     train, val = self.data.train, self.data.val
@@ -462,7 +449,8 @@ class RoundRunner:
     """The host layout's round, evaluation and pre-round phase (``layout``):
     the round takes the cohort and its gathered examples."""
     alg, ex, host = self.algorithm, self.executor, self.host
-    pre, make_ctx, post, fused_round = round_functions(alg, self.sampler, ex, self.trace_counts)
+    pre, make_ctx, post, fused_round = round_functions(alg, self.sampler, ex, self.trace_counts,
+                                                     self.system)
     sampler = self.sampler
     self.feed = feed or placement.CohortFeed(
         host, ex.jit(lambda key: draw_cohort(sampler, key)),

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_personal.core import batching as batching_lib
+from fedjax_personal.core import system
 from fedjax_personal.core.data import ClientData, LocalData
 from fedjax_personal.core.losses import (Batch, LossStats, StatsAndState, batch_loss,
                                          evaluate_params, get_batch, keep_model_state, part,
@@ -83,12 +84,16 @@ class ClientContext:
     opt_state: this client's kept optimizer state with
       ``--client_opt_state=persistent`` (``client_state.py``), else None:
       the work initializes a fresh one (``client_opt_init``).
+    work_limit: the epochs (or steps) the client's device does this round
+      (``system.RoundSystem``: a straggler's, 0 for a dropout), or None:
+      all of its work. Steps past it are masked as padding (``work_step``).
   """
   shared: Any
   state: Any
   data: LocalData
   round: Any = 0
   opt_state: Any = None
+  work_limit: Any = None
 
 
 def opt_update(optimizer: optax.GradientTransformation, grads, opt_state, params,
@@ -225,7 +230,16 @@ def work_step(work: ClientWork, ctx: ClientContext, carry, idx, mask, k_steps, s
   batch = get_batch(ctx.data.train, idx[s], mask[s])._replace(
       key=jax.random.fold_in(k_step, INPUT_DRAWS))
   new = work.step(ctx, carry, batch, k_step)
-  return tree_where(step_is_real(mask[s]), new, carry)
+  real = step_is_real(mask[s])
+  if ctx.work_limit is not None:
+    real &= s < limited_steps(work, ctx)
+  return tree_where(real, new, carry)
+
+
+def limited_steps(work: ClientWork, ctx: ClientContext):
+  """The steps the client's device may run (``ctx.work_limit`` in steps)."""
+  train = ctx.data.train
+  return system.step_limit(work.batching, ctx.work_limit, train.num_examples, train.x.shape[0])
 
 
 def work_num_steps(work: ClientWork, ctx: ClientContext, key):
@@ -242,8 +256,10 @@ def work_num_steps(work: ClientWork, ctx: ClientContext, key):
   """
   _, mask = work_batch_indices(work, jax.random.split(key, 3)[1], ctx.data.train.num_examples,
                                ctx.data.train.x.shape[0])
-  return jnp.sum(jax.vmap(step_is_real)(mask)).astype(jnp.int32) if mask.shape[0] else (
-      jnp.zeros((), jnp.int32))
+  if not mask.shape[0]:
+    return jnp.zeros((), jnp.int32)
+  steps = jnp.sum(jax.vmap(step_is_real)(mask)).astype(jnp.int32)
+  return steps if ctx.work_limit is None else jnp.minimum(steps, limited_steps(work, ctx))
 
 
 def run_work(work: ClientWork, ctx: ClientContext, key, limit=None):

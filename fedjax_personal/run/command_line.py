@@ -21,6 +21,7 @@ from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import numerics
 from fedjax_personal.config import TrainingConfig
 from fedjax_personal.core.engine import EngineConfig
+from fedjax_personal.core.system import SystemConfig
 from fedjax_personal.datasets import (DataConfig, check_given, is_natural, registry,
                                       streams_to_store)
 from fedjax_personal.datasets import config as data_config_lib
@@ -49,6 +50,7 @@ RUN_SETTINGS = (
     (InputSettings, 'fedjax_personal: what the run reads of its data'),
     (ModelConfig, 'fedjax_personal: the model (models.ModelConfig)'),
     (EngineConfig, 'fedjax_personal: the engine (core.engine.EngineConfig)'),
+    (SystemConfig, 'fedjax_personal: clients as devices (core.system.SystemConfig)'),
     (ProcessSettings, 'fedjax_personal: the process (compilation cache)'),
     (OutputSettings, 'fedjax_personal: outputs, checkpoints, resuming'),
     (DistributedSettings, 'fedjax_personal: several processes'),
@@ -204,10 +206,17 @@ def read(flag_values: Optional[flags.FlagValues] = None) -> RunSettings:
       hasattr(a.config, 'dp') and a.config.dp() is not None for a in algorithms):
     raise ConfigError('dp_delta', 'does nothing: no requested algorithm runs DP-SGD '
                       '(--fedfomo_dp_clip_norm > 0)')
+  system = fl.make(SystemConfig)
+  for a in algorithms:
+    try:
+      system.check_work(a.training.batching())
+    except ValueError as e:
+      raise ConfigError('stragglers', f'{a.spec.name}: {e}') from None
   return RunSettings(
       experiment=experiment, data=data, inputs=inputs, model=_model_config(fl),
       engine=engine, process=fl.make(ProcessSettings), output=fl.make(OutputSettings),
-      distributed=fl.make(DistributedSettings), algorithms=algorithms, sweep=swept,
+      distributed=fl.make(DistributedSettings), algorithms=algorithms, system=system,
+      sweep=swept,
       flags={name: fl.values[name] for name in fl.own})
 
 

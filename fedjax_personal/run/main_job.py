@@ -57,7 +57,8 @@ def _make_runs(job: 'Job', built: Built, data):
   sampler = s.experiment.sampler(data)
   if job.cfgs is None:
     return experiment.SingleRun(RoundRunner(built.alg, data, sampler, job.executor,
-                                            matmul_precision=precision), s.experiment.seed)
+                                            matmul_precision=precision, system=s.system),
+                                s.experiment.seed)
   from fedjax_personal.run import sweep
   names = sweep.sweepable()
   a = built.settings
@@ -81,7 +82,8 @@ def _make_runs(job: 'Job', built: Built, data):
   # device; the host layout runs them one after another on shared gathers.
   one_program = job.executor.fused and not isinstance(data, HostData)
   runs = sweep.SweepRunner if one_program else sweep.LoopRuns
-  return runs(build, cfgs, data, sampler, job.executor, matmul_precision=precision)
+  return runs(build, cfgs, data, sampler, job.executor, matmul_precision=precision,
+              system=s.system)
 
 
 @dataclasses.dataclass
@@ -128,14 +130,16 @@ def main_job(settings: RunSettings) -> Dict[str, dict]:
   load_data(job)
   build_model_and_executor(job)
   build_algorithms(job)
-  weights = client_weights(settings)
-  if weights:
-    say('client weights: ' + ', '.join(f'{n} {w}' for n, w in weights.items()))
+  weights = ', '.join(f'{n} {w}' for n, w in client_weights(settings).items())
+  for line in ([f'client weights: {weights}'] if weights else []) + settings.system.describe(
+      [a.spec for a in settings.algorithms]):
+    say(line)
   settle_layout(job)
   choose_output_dir(job)
   if settings.output.dry_run:
     for built in job.algs:  # each round traced abstractly: a broken one fails here
-      user_code.trace_round(built.alg, settings.experiment.sampler(job.data), job.data)
+      user_code.trace_round(built.alg, settings.experiment.sampler(job.data), job.data,
+                            settings.system)
     print(f'dry run: {len(job.algs)} algorithm(s) built and their rounds traced; nothing '
           'trained or written')
     return {}
@@ -320,11 +324,9 @@ def client_weights(s: RunSettings) -> Dict[str, str]:
 
 
 def _check_global_evaluation(s: RunSettings, alg, held_out: int) -> None:
-  """Held-out clients (``eval_only``) never train: an algorithm that
-  evaluates personal models, or adapts a model to a client's own training
-  data before evaluating it, would report untrained or unadapted models
-  under its name. Refused in one line, naming the data set's option that
-  chose held-out clients (``DataOptions.held_out_choice``)."""
+  """Held-out clients (``eval_only``) never train: personal or fine-tuned
+  models would be reported untrained. Refused in one line, naming the data
+  set's option that chose them (``DataOptions.held_out_choice``)."""
   models = jax.eval_shape(lambda k: alg.client_models(alg.init(k)), jax.random.key(0))
   num_models = jax.tree.leaves(models.params)[0].shape[0]
   if num_models != 1 or alg.finetune is not None or alg.evaluate_client is not None:

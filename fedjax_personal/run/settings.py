@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal.config import AlgorithmSpec, TrainingConfig
 from fedjax_personal.core.engine import EngineConfig
+from fedjax_personal.core.system import SystemConfig
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.datasets import DataConfig
 from fedjax_personal.errors import ConfigError
@@ -240,6 +241,7 @@ class RunSettings:
     output: outputs, checkpoints, resuming.
     distributed: the processes.
     algorithms: each algorithm with its settings.
+    system: the clients' devices (stragglers, lost uploads).
     sweep: the swept settings' values by flag (empty: none).
     flags: every flag of the command and its value, as ``summary.json``
       records them (written, never read back).
@@ -253,6 +255,7 @@ class RunSettings:
   output: OutputSettings
   distributed: DistributedSettings
   algorithms: Tuple[AlgorithmSettings, ...]
+  system: SystemConfig = dataclasses.field(default_factory=SystemConfig)
   sweep: Mapping[str, Tuple[float, ...]] = dataclasses.field(default_factory=dict)
   flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -297,6 +300,7 @@ class RunSettings:
     return {**imports, 'data': data, 'data_fingerprint': fingerprint, 'model': model.model,
             'adapter_dim': model.adapter_dim, 'cohort_size': self.experiment.cohort_size,
             'participation': self.experiment.participation, 'seed': self.experiment.seed,
+            **({'system': dataclasses.asdict(self.system)} if self.system.active else {}),
             **start, **({'num_processes': num_processes} if num_processes > 1 else {})}
 
   def default_output_dir(self, identities: dict) -> str:

@@ -15,7 +15,7 @@ pre-round diagnostics, divergence per configuration, callbacks).
 import collections
 import dataclasses
 import itertools
-from typing import Callable, Collection, Dict, List, Sequence, Tuple
+from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ from fedjax_personal.core.engine import round_functions
 from fedjax_personal.core.evaluation import eval_function
 from fedjax_personal.core.executors import Executor
 from fedjax_personal.core.sampling import CohortSampler
+from fedjax_personal.core.system import SystemConfig
 from fedjax_personal.core.training import LossStats
 
 __all__ = ['Config', 'config_label', 'configs', 'LoopRuns', 'parse_sweep', 'resolve_config_axis',
@@ -192,12 +193,14 @@ class SweepRunner:
       for each configuration), or ``auto`` (per platform,
       ``resolve_config_axis``). Same keys and math either way.
     matmul_precision: as for RoundRunner.
+    system: as for RoundRunner (the clients' devices).
   """
 
   def __init__(self, build: Callable[[Dict], FederatedAlgorithm], configs: List[Config],
                data: FederatedData, sampler: CohortSampler, executor: Executor,
                config_axis: str = 'auto',
-               matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION):
+               matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION,
+               system: Optional[SystemConfig] = None):
     precision = numerics.check_precision(matmul_precision)
     made = build
     build = lambda hv: made(hv).at_matmul_precision(precision)  # noqa: E731
@@ -221,7 +224,7 @@ class SweepRunner:
       return build(hv).init(key)
 
     def one_round(hv, state, key, round_num, train, val):
-      return round_functions(build(hv), sampler, executor, counts)[3](
+      return round_functions(build(hv), sampler, executor, counts, system)[3](
           state, key, round_num, train, val)
 
     def one_eval(hv, state, key, data):
@@ -281,7 +284,8 @@ class LoopRuns:
 
   def __init__(self, build: Callable[[Dict], FederatedAlgorithm], configs: List[Config],
                data, sampler: CohortSampler, executor: Executor,
-               matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION):
+               matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION,
+               system: Optional[SystemConfig] = None):
     from fedjax_personal.core.engine import RoundRunner
     from fedjax_personal.run.experiment import SingleRun
     self.configs = configs
@@ -293,7 +297,7 @@ class LoopRuns:
       k = tuple(sorted(values.items()))
       if k not in runners:
         runners[k] = RoundRunner(build(dict(values)), data, sampler, executor, feed=feed,
-                                 matmul_precision=matmul_precision)
+                                 matmul_precision=matmul_precision, system=system)
         feed = getattr(runners[k], 'feed', None)
       self.runs.append(SingleRun(runners[k], seed))
     self.feed = feed

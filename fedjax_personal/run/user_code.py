@@ -40,7 +40,7 @@ def _split_shapes(data, split: str):
                     num_examples=shape((n,), jnp.int32))
 
 
-def trace_round(alg, sampler, data) -> None:
+def trace_round(alg, sampler, data, system=None) -> None:
   """Traces one round of ``alg`` (server broadcast, every client's work,
   the server update, its communication) abstractly.
 
@@ -48,6 +48,7 @@ def trace_round(alg, sampler, data) -> None:
     alg: the ``FederatedAlgorithm``.
     sampler: its cohort sampler.
     data: the run's data (device arrays or ``HostData``).
+    system: the clients' devices (``core.system.SystemConfig``), or None.
 
   Returns:
     None.
@@ -56,7 +57,7 @@ def trace_round(alg, sampler, data) -> None:
     ConfigError: the round raised while traced, naming the algorithm and,
       when the error arose in the user's code, its file and line.
   """
-  _, _, _, fused_round = round_functions(alg, sampler, VmapExecutor())
+  _, _, _, fused_round = round_functions(alg, sampler, VmapExecutor(), system=system)
   train, val = _split_shapes(data, 'train'), _split_shapes(data, 'val')
 
   def one_round(key, train, val):

@@ -1,0 +1,205 @@
+"""Clients as devices (``core/system.py``): FedProx's stragglers
+(arXiv 1812.06127, litian96/FedProx's ``fedavg.py`` / ``fedprox.py``) against
+a per-client loop written from its code, on every executor and both layouts;
+lost uploads leave a client's personal state as it was; no system, no
+change."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fedjax_personal as fp
+from fedjax_personal import algorithms
+from fedjax_personal.config import TrainingConfig
+from fedjax_personal.core import system as system_lib
+from fedjax_personal.core.data import to_device
+from fedjax_personal.core.engine import RoundRunner
+from fedjax_personal.core.population.placement import HostData
+from fedjax_personal.core.sampling import CohortSampler
+from fedjax_personal.datasets import DataConfig, load_store
+from fedjax_personal.errors import ConfigError
+from fedjax_personal.run import cli
+from fedjax_personal.run.experiment import run
+from helpers import digits_data, parse_flags, reference_sgd
+import made_files
+
+EXECUTORS = {
+    'vmap': lambda: fp.executors.VmapExecutor(),
+    'blocked': lambda: fp.executors.BlockedExecutor(block_size=3),
+    'blocked_threads': lambda: fp.executors.BlockedExecutor(block_size=1, num_threads=2),
+    'sequential': lambda: fp.executors.SequentialExecutor(num_threads=2),
+}
+EPOCHS = 4
+
+
+@pytest.fixture(scope='module')
+def digits():
+  return digits_data(num_clients=8, max_examples=300)
+
+
+def _mlp(data):
+  return fp.models.from_flax('mlp', fp.models.MLP(data.num_classes, hidden=(16,)),
+                             data.train.x[0, :1])
+
+
+def _drawn(config, sampler, round_key, alg_name):
+  """The engine's draws of a round (``fold_in(k_cohort, SYSTEM_DRAWS)``)."""
+  k_cohort, k_clients = jax.random.split(round_key)
+  cohort = sampler(k_cohort)
+  rule = algorithms.REGISTRY[alg_name].partial_work
+  drawn = system_lib.draw(config, jax.random.fold_in(k_cohort, system_lib.SYSTEM_DRAWS),
+                          cohort.mask, fp.Batching(10, num_epochs=EPOCHS), rule)
+  return cohort, k_clients, jax.device_get(drawn)
+
+
+def fedprox_code_round(model, params, data, cohort, k_clients, drawn, alg_name, lr, mu):
+  """One round as litian96/FedProx's trainers run it: FedAvg trains the
+  active clients for E epochs and drops the stragglers; FedProx trains the
+  stragglers for their drawn 1 .. E - 1 epochs and keeps them; the
+  n_i-weighted mean of what arrives."""
+  batching = fp.Batching(10, num_epochs=EPOCHS)
+  outs, weights = [], []
+  for slot, (i, m) in enumerate(zip(np.asarray(cohort.idx), np.asarray(cohort.mask))):
+    if not m or (drawn.straggler[slot] and alg_name == 'fedavg'):
+      continue
+    n = int(data.train.num_examples[i])
+    epochs = int(drawn.work_limit[slot]) if drawn.straggler[slot] else EPOCHS  # randint(1, E)
+    steps = epochs * -(-n // 10)
+    outs.append(reference_sgd(model, params, data.train.x[i], data.train.y[i], n,
+                              jax.random.fold_in(k_clients, int(i)), batching, lr,
+                              prox_mu=mu, max_steps=steps))
+    weights.append(n)
+  w = np.array(weights, np.float64) / np.sum(weights)
+  return jax.tree.map(lambda *ps: sum(wi * pi for wi, pi in zip(w, ps)), *outs)
+
+
+@pytest.mark.parametrize('executor', sorted(EXECUTORS))
+@pytest.mark.parametrize('alg_name', ['fedavg', 'fedprox'])
+@pytest.mark.ci_variants('fedavg-vmap', 'fedprox-vmap', 'fedprox-sequential',
+                         'fedprox-blocked_threads')
+def test_stragglers_follow_fedprox_code(digits, executor, alg_name):
+  """Half the cohort are stragglers, the same ones for both algorithms:
+  FedAvg drops them, FedProx (mu 1) keeps their partial epochs."""
+  model, lr = _mlp(digits), 0.05
+  mu = 1.0 if alg_name == 'fedprox' else 0.0
+  training = TrainingConfig(client_lr=lr, batch_size=10, local_epochs=EPOCHS)
+  alg = algorithms.build(alg_name, model, digits, training=training,
+                         **({'mu': mu} if alg_name == 'fedprox' else {}))
+  sampler = CohortSampler(8, cohort_size=6)
+  config = system_lib.SystemConfig(stragglers=0.5)
+  runner = RoundRunner(alg, digits, sampler, EXECUTORS[executor](), system=config)
+  state = runner.init(jax.random.key(0))
+  for t in range(2):
+    key = jax.random.key(40 + t)
+    cohort, k_clients, drawn = _drawn(config, sampler, key, alg_name)
+    assert int(drawn.straggler.sum()) == 3
+    assert set(drawn.work_limit[drawn.straggler]) <= (
+        set(range(1, EPOCHS)) if alg_name == 'fedprox' else {0})  # a dropped one does no work
+    want = fedprox_code_round(model, state.params, digits, cohort, k_clients, drawn, alg_name,
+                              lr, mu)
+    state, metrics = runner.round(state, key, t)
+    chex.assert_trees_all_close(state.params, want, atol=2e-5)
+    assert int(metrics['stragglers']) == 3
+    assert int(metrics['num_active']) == (6 if alg_name == 'fedprox' else 3)
+
+
+def test_no_stragglers_no_dropouts_change_nothing(digits):
+  """A system of full, reliable devices is no system: the same state bit for bit."""
+  model = _mlp(digits)
+  training = TrainingConfig(client_lr=0.05, batch_size=10, local_epochs=2)
+  sampler = CohortSampler(8, cohort_size=4)
+  states = []
+  for config in (None, system_lib.SystemConfig()):
+    alg = algorithms.build('ditto', model, digits, training=training)
+    state, _ = run(RoundRunner(alg, digits, sampler, fp.executors.VmapExecutor(), system=config),
+                   2, seed=1, eval_every=2)
+    states.append(state)
+  chex.assert_trees_all_equal(*states)
+
+
+@pytest.mark.parametrize('alg_name', ['ditto', 'fedavg'])
+def test_a_lost_upload_leaves_the_client_as_it_was(digits, alg_name):
+  """Every upload lost: the global model and every personal model stay as
+  they were; the round says so."""
+  model = _mlp(digits)
+  training = TrainingConfig(client_lr=0.05, batch_size=10)
+  alg = algorithms.build(alg_name, model, digits, training=training)
+  runner = RoundRunner(alg, digits, CohortSampler(8, cohort_size=4),
+                       fp.executors.VmapExecutor(),
+                       system=system_lib.SystemConfig(drop_after=0.999999))
+  state = runner.init(jax.random.key(0))
+  after, metrics = runner.round(state, jax.random.key(5), 0)
+  chex.assert_trees_all_close(after, state)
+  assert int(metrics['uploads_lost']) == 4 and int(metrics['num_active']) == 0
+
+
+def test_drops_are_drawn_per_client_and_kept_apart(digits):
+  """Dropouts before training do no work; after, the work is done and
+  lost; a straggler under 'drop' is lost and does no work either."""
+  mask = jnp.ones(1000, bool)
+  config = system_lib.SystemConfig(stragglers=0.3, drop_before=0.2, drop_after=0.1)
+  d = jax.device_get(system_lib.draw(config, jax.random.key(1), mask,
+                                     fp.Batching(10, num_epochs=5), 'keep'))
+  assert d.straggler.sum() == 300
+  assert 0.25 < d.lost.mean() < 0.31  # 1 - 0.8 * 0.9
+  assert set(d.work_limit[d.straggler & ~d.lost]) == {1, 2, 3, 4}
+  d = jax.device_get(system_lib.draw(config, jax.random.key(1), mask,
+                                     fp.Batching(10, num_epochs=5), 'drop'))
+  assert (d.work_limit[d.straggler] == 0).all() and d.lost[d.straggler].all()
+  with pytest.raises(ValueError, match='1 .. E - 1 of E local epochs'):
+    config.check_work(fp.Batching(10, num_epochs=1))
+
+
+@pytest.fixture(scope='module')
+def emnist_store(tmp_path_factory):
+  folder = tmp_path_factory.mktemp('emnist')
+  rng = np.random.default_rng(3)
+  sizes = [int(v) for v in rng.integers(3, 40, 12)]
+  made_files.write_emnist(folder, rng, sizes, [int(v) for v in rng.integers(1, 12, 12)])
+  return load_store(DataConfig(dataset='emnist', partition='natural', num_clients=None,
+                               data_dir=str(folder)))
+
+
+@pytest.mark.parametrize('alg_name', ['fedprox', 'ditto'])
+def test_host_layout_equals_device_layout_with_stragglers_and_dropouts(emnist_store, alg_name):
+  """The same stragglers, partial work and lost uploads when the cohort's
+  examples and rows are gathered from the host."""
+  store = emnist_store
+  population = store.population()
+  model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,)), population.sample_x)
+  training = TrainingConfig(client_lr=0.1, batch_size=8, local_epochs=3)
+  config = system_lib.SystemConfig(stragglers=0.5, drop_after=0.2)
+  sampler = CohortSampler(12, cohort_size=6)
+  out = []
+  for data, pop in ((to_device(store.padded()), None), (HostData(store, block=4, smallest=4),
+                                                         population)):
+    alg = algorithms.build(alg_name, model, pop or data, training=training)
+    runner = RoundRunner(alg, data, sampler, fp.create_executor('vmap', model,
+                                                                population.sample_x),
+                         system=config)
+    state, history = run(runner, 3, seed=2, eval_every=3)
+    out.append((runner.whole_state(state) if pop is not None else state, history))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               out[1][0], out[0][0])
+  for a, b in zip(out[1][1], out[0][1]):
+    for k in ('stragglers', 'uploads_lost', 'num_active', 'train_loss'):
+      if k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, err_msg=k)
+
+
+def test_flags_reach_the_run_and_its_identity():
+  """--stragglers / --drop_before / --drop_after are settings of the run,
+  in its identity when given, refused where they cannot apply (1 local
+  epoch)."""
+  parse_flags('--algorithm=fedprox', '--stragglers=0.5', '--local_epochs=3')
+  s = cli.read_flags()
+  assert s.system == system_lib.SystemConfig(stragglers=0.5)
+  assert s.identity('x')['system']['stragglers'] == 0.5
+  parse_flags('--algorithm=fedprox')
+  assert 'system' not in cli.read_flags().identity('x')
+  parse_flags('--algorithm=fedprox', '--stragglers=0.5')
+  with pytest.raises(ConfigError, match='stragglers'):
+    cli.read_flags()
