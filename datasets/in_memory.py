@@ -209,16 +209,22 @@ class SyntheticOptions(DataOptions):
                                   maximum=1e4, command=False)
   synthetic_beta: float = hparam(1.0, 'synthetic: Synthetic(alpha, beta)\'s data heterogeneity '
                                  'beta.', minimum=0, maximum=1e4)
+  synthetic_max_examples: int = hparam(1000, 'synthetic: a client\'s examples at most (of its '
+                                       'lognormal(4, 2) + 50); 0: no cap, as FedProx\'s '
+                                       'generator.', minimum=0)
 
 
 def synthetic(num_clients: int, alpha: float, beta: float, rng: np.random.Generator,
-              dim: int = 60, num_classes: int = 10, iid: bool = False):
+              dim: int = 60, num_classes: int = 10, iid: bool = False,
+              max_examples: int = 1000):
   """Synthetic(alpha, beta) of Li et al. (FedProx, MLSys 2020).
 
   Client k: u_k ~ N(0, alpha), W_k ~ N(u_k, 1) [C x d], b_k ~ N(u_k, 1);
   B_k ~ N(0, beta), v_k ~ N(B_k, 1) [d]; x ~ N(v_k, Sigma) with
   Sigma_jj = j^-1.2; y = argmax(W_k x + b_k). Sizes n_k = lognormal(4, 2) + 50
-  (capped at 1000 here to bound padding). ``iid`` uses one shared W, b, v.
+  (capped at ``max_examples``, 1,000 by default, to bound padding; 0: no cap,
+  as litian96/FedProx's ``generate_synthetic.py``). ``iid`` uses one shared
+  W, b, v.
 
   Args:
     num_clients: clients.
@@ -228,6 +234,7 @@ def synthetic(num_clients: int, alpha: float, beta: float, rng: np.random.Genera
     dim: d, the features.
     num_classes: C.
     iid: one shared W, b, v.
+    max_examples: the sizes' cap (0: none).
 
   Returns:
     (client_x float32 [n_k, d], client_y int32 [n_k]) lists.
@@ -235,7 +242,8 @@ def synthetic(num_clients: int, alpha: float, beta: float, rng: np.random.Genera
   for name, value in (('synthetic_alpha', alpha), ('synthetic_beta', beta)):
     if value < 0:
       raise ConfigError(name, f'must be >= 0, got {value}')
-  sizes = np.minimum(rng.lognormal(4, 2, num_clients).astype(int) + 50, 1000)
+  sizes = rng.lognormal(4, 2, num_clients).astype(int) + 50
+  sizes = np.minimum(sizes, max_examples) if max_examples else sizes
   sigma = np.diag(np.arange(1, dim + 1, dtype=np.float64) ** -1.2)
   w_glob, b_glob = rng.normal(0, 1, (num_classes, dim)), rng.normal(0, 1, num_classes)
   xs, ys = [], []

@@ -365,7 +365,9 @@ def _pooled_natural(cfg: DataConfig, rng) -> PooledClients:
   examples split with --test_fraction / --val_fraction."""
   n = cfg.num_clients or 20
   if cfg.dataset == 'synthetic':
-    xs, ys = in_memory.synthetic(n, cfg.options.synthetic_alpha, cfg.options.synthetic_beta, rng)
+    o = cfg.options
+    xs, ys = in_memory.synthetic(n, o.synthetic_alpha, o.synthetic_beta, rng,
+                                 max_examples=o.synthetic_max_examples)
     num_classes = 10
   else:
     text = None

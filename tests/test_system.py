@@ -23,7 +23,8 @@ from fedjax_personal.datasets import DataConfig, load_store
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.run import cli
 from fedjax_personal.run.experiment import run
-from helpers import digits_data, parse_flags, reference_sgd
+from helpers import (digits_data, least_squares_data, linear_model, parse_flags,
+                     reference_sgd)
 import made_files
 
 EXECUTORS = {
@@ -45,13 +46,13 @@ def _mlp(data):
                              data.train.x[0, :1])
 
 
-def _drawn(config, sampler, round_key, alg_name):
+def _drawn(config, sampler, round_key, alg_name, epochs=EPOCHS):
   """The engine's draws of a round (``fold_in(k_cohort, SYSTEM_DRAWS)``)."""
   k_cohort, k_clients = jax.random.split(round_key)
   cohort = sampler(k_cohort)
   rule = algorithms.REGISTRY[alg_name].partial_work
   drawn = system_lib.draw(config, jax.random.fold_in(k_cohort, system_lib.SYSTEM_DRAWS),
-                          cohort.mask, fp.Batching(10, num_epochs=EPOCHS), rule)
+                          cohort.mask, fp.Batching(10, num_epochs=epochs), rule)
   return cohort, k_clients, jax.device_get(drawn)
 
 
@@ -149,8 +150,19 @@ def test_drops_are_drawn_per_client_and_kept_apart(digits):
   d = jax.device_get(system_lib.draw(config, jax.random.key(1), mask,
                                      fp.Batching(10, num_epochs=5), 'drop'))
   assert (d.work_limit[d.straggler] == 0).all() and d.lost[d.straggler].all()
-  with pytest.raises(ValueError, match='1 .. E - 1 of E local epochs'):
-    config.check_work(fp.Batching(10, num_epochs=1))
+  assert config.problems(fp.Batching(10, num_epochs=1))[0][0] == 'stragglers'
+  assert not config.problems(fp.Batching(10, num_epochs=2))
+
+
+def test_local_work_varies_as_fednova_draws_it():
+  """local_work_min = 2 with E = 5: every client's epochs uniform in 2 .. 5,
+  none lost, kept by every algorithm."""
+  config = system_lib.SystemConfig(local_work_min=2)
+  d = jax.device_get(system_lib.draw(config, jax.random.key(2), jnp.ones(4000, bool),
+                                     fp.Batching(10, num_epochs=5), 'drop'))
+  assert set(d.work_limit) == {2, 3, 4, 5} and not d.lost.any()
+  assert abs(np.mean(d.work_limit) - 3.5) < 0.1
+  assert config.problems(fp.Batching(10, num_epochs=1))[0][0] == 'local_work_min'
 
 
 @pytest.fixture(scope='module')
@@ -203,3 +215,33 @@ def test_flags_reach_the_run_and_its_identity():
   parse_flags('--algorithm=fedprox', '--stragglers=0.5')
   with pytest.raises(ConfigError, match='stragglers'):
     cli.read_flags()
+
+
+def test_fednova_normalizes_the_epochs_each_client_drew():
+  """local_work_min: each client's drawn epochs are the steps FedNova
+  normalizes by (tau_i = E_i ceil(n_i / B)), by hand as its eq. 6."""
+  data, _, _ = least_squares_data(num_clients=4, sizes=(5, 9, 13, 7))
+  model, lr, b = linear_model(3), 0.02, 2
+  alg = algorithms.build('fednova', model, data, client_lr=lr, batch_size=b, local_epochs=4)
+  sampler = CohortSampler(4, cohort_size=4)
+  config = system_lib.SystemConfig(local_work_min=1)
+  runner = RoundRunner(alg, data, sampler, fp.executors.VmapExecutor(), system=config)
+  state = runner.init(jax.random.key(0))
+  key = jax.random.key(7)
+  cohort, k_clients, drawn = _drawn(config, sampler, key, 'fednova', epochs=4)
+  theta, clients = state.params, []
+  for slot, i in enumerate(np.asarray(cohort.idx)):
+    n = int(data.train.num_examples[i])
+    tau = int(drawn.work_limit[slot]) * -(-n // b)
+    p = reference_sgd(model, theta, data.train.x[i], data.train.y[i], n,
+                      jax.random.fold_in(k_clients, int(i)), fp.Batching(b, num_epochs=4), lr,
+                      max_steps=tau)
+    clients.append((n, tau, p))
+  assert len({c[1] // -(-c[0] // b) for c in clients}) > 1  # the epochs differ
+  w = np.array([c[0] for c in clients], np.float64)
+  w /= w.sum()
+  tau_eff = sum(wi * c[1] for wi, c in zip(w, clients))
+  want = jax.tree.map(lambda t, *ps: t - tau_eff * sum(
+      wi * (t - pi) / c[1] for wi, pi, c in zip(w, ps, clients)), theta, *[c[2] for c in clients])
+  state, _ = runner.round(state, key, 0)
+  chex.assert_trees_all_close(state.params, want, atol=1e-5)

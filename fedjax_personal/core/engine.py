@@ -314,8 +314,8 @@ class RoundRunner:
                executor: Executor, feed: Optional[placement.CohortFeed] = None,
                matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION,
                system: Optional[system_lib.SystemConfig] = None):
-    if system is not None:
-      system.check_work(algorithm.client_work.batching)
+    for _, problem in (system.problems(algorithm.client_work.batching) if system else [])[:1]:
+      raise ValueError(problem)
     self.system = system
     self.host = data if isinstance(data, placement.HostData) else None
     population = self.host.population if self.host else data

@@ -18,6 +18,11 @@ uploads. ``SystemConfig`` makes some of them devices that do not:
   rule (``AlgorithmSpec.partial_work``): ``'drop'`` discards it (FedAvg in
   FedProx's experiment, and every algorithm that does not say otherwise),
   ``'keep'`` aggregates it (FedProx, FedNova).
+- **Varying local work** (``local_work_min``): every sampled client that
+  is not a straggler does a uniform draw of ``local_work_min`` .. E epochs
+  (or steps) each round, FedNova's experiments (Wang et al., "Tackling the
+  Objective Inconsistency Problem in Heterogeneous Federated Optimization",
+  NeurIPS 2020, arXiv 2007.07481: E_i ~ U(2, 5)); every algorithm keeps it.
 - **Lost uploads**: ``drop_before``, the probability that a sampled client
   drops out before it trains (it does no work), and ``drop_after``, that it
   trains and its upload is lost; each client independently.
@@ -61,6 +66,10 @@ class SystemConfig(Declared):
                              "algorithm keeps (fedprox, fednova) or drops (the others) their "
                              'partial work. The same clients for every algorithm of a run.',
                              minimum=0, maximum=1)
+  local_work_min: Optional[int] = hparam(None, 'Each sampled client that is not a straggler '
+                                         'does a uniform draw of this many .. E local epochs '
+                                         '(or .. K --local_steps) each round, FedNova\'s '
+                                         'experiments (2 .. 5). Default: all E.', minimum=1)
   drop_before: float = hparam(0.0, 'Probability that a sampled client drops out before it '
                               'trains: no work, no upload.', minimum=0, maximum=1,
                               open_max=True)
@@ -70,7 +79,8 @@ class SystemConfig(Declared):
   @property
   def active(self) -> bool:
     """Whether any client is other than a full, reliable device."""
-    return bool(self.stragglers or self.drop_before or self.drop_after)
+    return bool(self.stragglers or self.drop_before or self.drop_after
+                or self.local_work_min is not None)
 
   def describe(self, specs) -> list:
     """The header's line (none for full, reliable devices).
@@ -91,26 +101,34 @@ class SystemConfig(Declared):
                        if n)
       parts.append(f'{self.stragglers:.0%} of each cohort stragglers doing 1 .. E - 1 of E '
                    f'local epochs (FedProx\'s draw), their work {rule}')
+    if self.local_work_min is not None:
+      parts.append(f'each other client {self.local_work_min} .. E local epochs (uniform)')
     if self.drop_before:
       parts.append(f'{self.drop_before:.0%} drop out before training')
     if self.drop_after:
       parts.append(f'{self.drop_after:.0%} of uploads lost')
     return ['clients as devices: ' + ', '.join(parts)]
 
-  def check_work(self, batching: Batching) -> None:
-    """Stragglers need full work of at least 2 epochs or steps (FedProx's
-    ``randint(1, E)`` is empty at E = 1).
+  def problems(self, batching: Batching) -> list:
+    """What cannot apply to an algorithm's local work: stragglers need
+    E >= 2 (FedProx's ``randint(1, E)`` is empty at E = 1), a drawn minimum
+    at most E.
 
     Args:
       batching: the algorithm's local work.
 
-    Raises:
-      ValueError naming the values.
+    Returns:
+      ``[(setting, message)]``, empty when every setting applies.
     """
-    if self.stragglers and full_work(batching) < 2:
-      unit = 'steps' if batching.num_steps is not None else 'epochs'
-      raise ValueError(f'stragglers do 1 .. E - 1 of E local {unit}; the algorithm does '
-                       f'{full_work(batching)}: give 2 or more')
+    unit = 'steps' if batching.num_steps is not None else 'epochs'
+    e, out = full_work(batching), []
+    if self.stragglers and e < 2:
+      out.append(('stragglers', f'stragglers do 1 .. E - 1 of E local {unit}; the algorithm '
+                                f'does {e}: give 2 or more'))
+    if self.local_work_min is not None and self.local_work_min > e:
+      out.append(('local_work_min', f'clients draw {self.local_work_min} .. E local {unit}; '
+                                    f'the algorithm does E = {e}: give a minimum of at most E'))
+    return out
 
 
 def full_work(batching: Batching) -> int:
@@ -144,7 +162,7 @@ def draw(config: SystemConfig, key, mask, batching: Batching, partial_work: str)
   Returns:
     The ``RoundSystem``.
   """
-  k_pick, k_work, k_before, k_after = jax.random.split(key, 4)
+  k_pick, k_work, k_before, k_after, k_vary = jax.random.split(key, 5)
   c = mask.shape[0]
   sampled = jnp.sum(mask.astype(jnp.int32))
   # FedProx: np.random.choice(selected, round(K (1 - drop_percent)), replace=False) work fully.
@@ -157,7 +175,10 @@ def draw(config: SystemConfig, key, mask, batching: Batching, partial_work: str)
   before = mask & (jax.random.uniform(k_before, (c,)) < config.drop_before)
   after = mask & (jax.random.uniform(k_after, (c,)) < config.drop_after)
   lost = before | after | (straggler & (partial_work == 'drop'))
-  limit = jnp.where(straggler, partial, _UNLIMITED)
+  full_limit = _UNLIMITED
+  if config.local_work_min is not None:  # FedNova: E_i ~ U(min, E)
+    full_limit = jax.random.randint(k_vary, (c,), config.local_work_min, e + 1)
+  limit = jnp.where(straggler, partial, full_limit)
   # A client whose upload is lost anyway does no work (its result is discarded).
   limit = jnp.where(before | (lost & (partial_work == 'drop')), 0, limit)
   return RoundSystem(straggler, limit.astype(jnp.int32), lost)

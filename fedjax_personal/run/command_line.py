@@ -208,10 +208,8 @@ def read(flag_values: Optional[flags.FlagValues] = None) -> RunSettings:
                       '(--fedfomo_dp_clip_norm > 0)')
   system = fl.make(SystemConfig)
   for a in algorithms:
-    try:
-      system.check_work(a.training.batching())
-    except ValueError as e:
-      raise ConfigError('stragglers', f'{a.spec.name}: {e}') from None
+    for setting, problem in system.problems(a.training.batching())[:1]:
+      raise ConfigError(setting, f'{a.spec.name}: {problem}')
   return RunSettings(
       experiment=experiment, data=data, inputs=inputs, model=_model_config(fl),
       engine=engine, process=fl.make(ProcessSettings), output=fl.make(OutputSettings),
