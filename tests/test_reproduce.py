@@ -24,6 +24,8 @@ SCRIPTS = {
     'reproduce_fedfomo.py': ['--datasets=mnist', '--rounds_15=1', '--rounds_100=2',
                              '--eval_every_100=1', '--local_epochs=1', '--cifar_per_client=60',
                              '--methods=fedavg,perfedavg,fedfomo_m5', '--dp_sigmas=0,1'],
+    'reproduce_fedprox.py': ['--rounds=2', '--eval_every=1', '--num_clients=6',
+                             '--cohort_size=3', '--stragglers=0,0.5'],
 }
 
 
@@ -87,10 +89,13 @@ def test_scales_resolve_to_the_documented_sizes():
     ('reproduce_fedfomo.py', ['--dp_sigmas=-1'], '--dp_sigmas'),
     ('reproduce_fedfomo.py', ['--dp_methods=fedavg,ditto'], '--dp_methods'),
     ('reproduce_fedfomo.py', ['--dp_methods=local', '--dp_sigmas=1'], '--dp_methods'),
-    ('reproduce_fedfomo.py', ['--dp_latent_features=vgg'], '--dp_latent_features')])
+    ('reproduce_fedfomo.py', ['--dp_latent_features=vgg'], '--dp_latent_features'),
+    ('reproduce_fedprox.py', ['--stragglers=1.5'], '--stragglers'),
+    ('reproduce_fedprox.py', ['--cohort_size=40'], '--cohort_size')])
 @pytest.mark.ci_variants('reproduce_debiasing.py-args4---tables',
     'reproduce_debiasing.py-args8---personal_methods', 'reproduce_fedfomo.py-args10---settings',
-    'reproduce_fedfomo.py-args12---dp_sigmas', 'reproduce_user_centric.py-args0---methods')
+    'reproduce_fedfomo.py-args12---dp_sigmas', 'reproduce_user_centric.py-args0---methods',
+    'reproduce_fedprox.py-args17---stragglers')
 def test_bad_flags_exit_2_naming_the_flag(tmp_path, name, args, flag):
   r = script(name, f'--output_dir={tmp_path}', *args, timeout=300)
   assert r.returncode == 2, r.stderr[-2000:]
@@ -334,3 +339,17 @@ def test_code_fingerprint_is_of_the_code_loaded_not_of_later_edits(tmp_path, mon
     assert reproduce.code_fingerprint() != loaded
   finally:
     reproduce.code_fingerprint.cache_clear()
+
+
+def test_fedprox_figure_is_written(tmp_path):
+  """FedProx's Figure 1 at 90% stragglers, two rounds: its three methods'
+  training loss in the table and the figure."""
+  r = script('reproduce_fedprox.py', f'--output_dir={tmp_path}', '--trials=1', '--rounds=2',
+             '--eval_every=1', '--num_clients=6', '--cohort_size=3', '--tables=1',
+             '--stragglers=0.9', cwd=tmp_path, timeout=600)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+  md = open(tmp_path / 'fedprox_cpu.md').read()
+  assert '| 90% stragglers |' in md and md.count('±') >= 3
+  res = json.load(open(tmp_path / 'fedprox_cpu.json'))['results']['figure1']['90% stragglers']
+  assert set(res) == {'fedavg', 'fedprox_mu0', 'fedprox_mu1'}
+  assert os.path.exists(tmp_path / 'figure1_loss.png')

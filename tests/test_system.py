@@ -177,13 +177,14 @@ def emnist_store(tmp_path_factory):
 
 @pytest.mark.parametrize('alg_name', ['fedprox', 'ditto'])
 def test_host_layout_equals_device_layout_with_stragglers_and_dropouts(emnist_store, alg_name):
-  """The same stragglers, partial work and lost uploads when the cohort's
-  examples and rows are gathered from the host."""
+  """The same online clients, stragglers, deadline, partial work and lost
+  uploads when the cohort's examples and rows are gathered from the host."""
   store = emnist_store
   population = store.population()
   model = fp.models.from_flax('mlp', fp.models.MLP(62, hidden=(8,)), population.sample_x)
   training = TrainingConfig(client_lr=0.1, batch_size=8, local_epochs=3)
-  config = system_lib.SystemConfig(stragglers=0.5, drop_after=0.2)
+  config = system_lib.SystemConfig(stragglers=0.5, drop_after=0.2, availability=0.7,
+                                   deadline=12.0)
   sampler = CohortSampler(12, cohort_size=6)
   out = []
   for data, pop in ((to_device(store.padded()), None), (HostData(store, block=4, smallest=4),
@@ -197,7 +198,8 @@ def test_host_layout_equals_device_layout_with_stragglers_and_dropouts(emnist_st
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                out[1][0], out[0][0])
   for a, b in zip(out[1][1], out[0][1]):
-    for k in ('stragglers', 'uploads_lost', 'num_active', 'train_loss'):
+    for k in ('available', 'stragglers', 'uploads_lost', 'num_active', 'compute_time',
+              'train_loss'):
       if k in a:
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, err_msg=k)
 
@@ -245,3 +247,92 @@ def test_fednova_normalizes_the_epochs_each_client_drew():
       wi * (t - pi) / c[1] for wi, pi, c in zip(w, ps, clients)), theta, *[c[2] for c in clients])
   state, _ = runner.round(state, key, 0)
   chex.assert_trees_all_close(state.params, want, atol=1e-5)
+
+
+def test_cohorts_are_drawn_from_the_online_clients(digits, tmp_path):
+  """--availability: each round's cohort holds online clients only, as many
+  as are online at most; --availability_trace: round t reads row t mod T.
+  Reported per round (``available``)."""
+  sampler = CohortSampler(8, cohort_size=4)
+  for t in range(20):
+    online = jax.random.uniform(jax.random.key(t), (8,)) < 0.4
+    cohort = jax.device_get(sampler(jax.random.key(100 + t), available=online))
+    real = cohort.idx[cohort.mask]
+    assert online[real].all() and len(real) == min(4, int(online.sum()))
+  part = CohortSampler(8, participation=0.5)
+  none = jax.device_get(part(jax.random.key(1), available=jnp.zeros(8, bool)))
+  assert not none.mask.any()  # nobody online: an empty cohort, not an endless redraw
+  rows = np.array([[1, 1, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1, 0]])
+  np.savetxt(tmp_path / 'trace.txt', rows, fmt='%d')
+  model = _mlp(digits)
+  alg = algorithms.build('fedavg', model, digits, client_lr=0.05, batch_size=10)
+  config = system_lib.SystemConfig(availability_trace=str(tmp_path / 'trace.txt'))
+  runner = RoundRunner(alg, digits, sampler, fp.executors.VmapExecutor(), system=config)
+  state = runner.init(jax.random.key(0))
+  for t in range(4):
+    state, m = runner.round(state, jax.random.key(t), t)
+    assert int(m['available']) == rows[t % 2].sum() == int(m['num_active'])
+  assert system_lib.file_problems(config, 9)[0][0] == 'availability_trace'
+
+
+def test_a_deadline_makes_slow_clients_stragglers(digits, tmp_path):
+  """--client_speeds and --deadline: client i runs floor(D speed_i) steps;
+  FedProx keeps what the late ones did (a per-client loop with those steps),
+  FedAvg drops them; compute_time is the longest (steps / speed) that
+  arrived."""
+  speeds = np.array([1.0, 0.5, 2.0, 0.25, 1.0, 1.0, 0.1, 3.0])
+  np.savetxt(tmp_path / 'speeds.txt', speeds)
+  model, lr, epochs = _mlp(digits), 0.05, 2
+  sampler = CohortSampler(8, cohort_size=8)
+  config = system_lib.SystemConfig(client_speeds=str(tmp_path / 'speeds.txt'), deadline=30.0)
+  n = np.asarray(digits.train.num_examples)
+  full = epochs * -(-n // 10)
+  cap = np.floor(30.0 * speeds).astype(int)
+  assert (full > cap).any() and (full <= cap).any()
+  batching = fp.Batching(10, num_epochs=epochs)
+  for alg_name, mu in (('fedprox', 1.0), ('fedavg', 0.0)):
+    alg = algorithms.build(alg_name, model, digits, client_lr=lr, batch_size=10,
+                           local_epochs=epochs, **({'mu': mu} if mu else {}))
+    runner = RoundRunner(alg, digits, sampler, fp.executors.VmapExecutor(), system=config)
+    state = runner.init(jax.random.key(0))
+    key = jax.random.key(3)
+    _, k_clients = jax.random.split(key)
+    outs, weights, times = [], [], []
+    for i in range(8):
+      late = full[i] > cap[i]
+      if late and alg_name == 'fedavg':
+        continue
+      steps = min(full[i], cap[i])
+      outs.append(reference_sgd(model, state.params, digits.train.x[i], digits.train.y[i],
+                                int(n[i]), jax.random.fold_in(k_clients, i), batching, lr,
+                                prox_mu=mu, max_steps=int(steps)))
+      weights.append(n[i])
+      times.append(steps / speeds[i])
+    w = np.array(weights, np.float64) / np.sum(weights)
+    want = jax.tree.map(lambda *ps: sum(wi * pi for wi, pi in zip(w, ps)), *outs)
+    state, m = runner.round(state, key, 0)
+    chex.assert_trees_all_close(state.params, want, atol=2e-5)
+    assert int(m['stragglers']) == int((full > cap).sum())
+    np.testing.assert_allclose(float(m['compute_time']), max(times), rtol=1e-6)
+  assert system_lib.file_problems(config, 7)[0][0] == 'client_speeds'
+
+
+def test_the_run_reports_its_devices(tmp_path):
+  """The command: the header's line, each round's counts in metrics.jsonl,
+  devices.png beside accuracy.png."""
+  import json
+  import subprocess
+  import sys
+  import os
+  out = tmp_path / 'out'
+  r = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), '..', 'scripts',
+                                                   'run_experiment.py'),
+                      '--algorithm=fedprox', '--rounds=2', '--eval_every=1', '--num_clients=8',
+                      '--local_epochs=2', '--stragglers=0.5', '--availability=0.9',
+                      '--plots=wait', f'--output_dir={out}'], capture_output=True, text=True,
+                     timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert 'clients as devices: 50% of each cohort stragglers' in r.stdout
+  rows = [json.loads(l) for l in open(out / 'fedprox' / 'metrics.jsonl')]
+  assert all({'stragglers', 'uploads_lost', 'available', 'compute_time'} <= set(x) for x in rows)
+  assert (out / 'devices.png').stat().st_size > 1000

@@ -80,12 +80,6 @@ class EngineConfig(Declared):
       'used. Recorded in the run identity.', choices=tuple(numerics.MATMUL_PRECISIONS))
 
 
-def draw_cohort(sampler: CohortSampler, key):
-  """The cohort of the round whose key is ``key`` (the round's own draw,
-  ``split(key)[0]``; the host layout draws it ahead with this)."""
-  return sampler(jax.random.split(key)[0])
-
-
 #: Keys of a round's metrics that carry the pre-round phase's diagnostics
 #: (``experiment`` merges them into the record when the phase ran).
 PRE_ROUND_RAN, PRE_ROUND = 'pre_round_ran', 'pre_round'
@@ -134,13 +128,6 @@ def pre_round_functions(alg: FederatedAlgorithm, ex: Executor, counts=None):
     return pr.update(state, outputs, rc)
 
   return pr.due, rc_of, run, phase_client
-
-
-def uploading(cohort, shared):
-  """The cohort's slots whose client work reaches the server (``active``
-  for the executor): the sampled clients less the lost uploads the round's
-  system drew (``shared``'s third part, when there is one)."""
-  return cohort.mask if len(shared) < 3 else cohort.mask & ~shared[2].lost
 
 
 #: Where the algorithm's broadcast part sits in the engine's per-client
@@ -201,17 +188,21 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
     ``(pre, make_ctx, post, fused_round)``.
   """
   counts = collections.Counter() if counts is None else counts
-  system = system if system is not None and system.active else None
   n_clients = sampler.num_clients
+  if system is not None:
+    system = system_lib.prepare(system, n_clients)
+    system = system if system.config.active else None
 
-  def pre(state, key, round_num, cohort=None):
+  def pre(state, key, round_num, cohort=None, train=None):
     """The server's broadcast. A given ``cohort`` (the host layout's, drawn
-    by ``draw_cohort`` from the same key) means the round's split arrays hold
-    the cohort's rows in cohort order; without it they hold every client."""
+    by ``system.draw_cohort`` from the same key) means the round's split arrays hold
+    the cohort's rows in cohort order; without it they hold every client.
+    ``train`` (the round's training split) gives the system its clients' work."""
     counts['pre'] += 1
     k_cohort, k_clients = jax.random.split(key)
+    online = system_lib.available(system, k_cohort, round_num, n_clients)
     if cohort is None:
-      cohort = sampler(k_cohort)
+      cohort = sampler(k_cohort, available=online)
       data_rows = cohort.idx
     else:
       data_rows = jnp.arange(cohort.idx.shape[0], dtype=jnp.int32)
@@ -221,10 +212,14 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
     keys = client_keys(k_clients, cohort.idx)
     if system is None:
       return cohort, rc, (shared, rc.round), (data_rows, per_client, keys)
+    sizes = None if train is None else jnp.where(cohort.mask, train.num_examples[jnp.clip(
+        data_rows, 0, train.num_examples.shape[0] - 1)], 0)
     drawn = system_lib.draw(system, jax.random.fold_in(k_cohort, system_lib.SYSTEM_DRAWS),
-                            cohort.mask, alg.client_work.batching, alg.partial_work)
-    return (cohort, rc, (shared, rc.round, drawn._replace(work_limit=None)),
-            (data_rows, per_client, keys, drawn.work_limit))
+                            cohort.mask, alg.client_work.batching, alg.partial_work, sizes,
+                            1 if train is None else train.max_examples, cohort.idx)
+    drawn = drawn._replace(available=None if online is None else jnp.sum(online))
+    return (cohort, rc, (shared, rc.round, drawn._replace(work_limit=None, step_cap=None)),
+            (data_rows, per_client, keys, (drawn.work_limit, drawn.step_cap)))
 
   def make_ctx(shared_all, c):
     counts['client'] += 1
@@ -269,7 +264,7 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
     phase = {}
     if cohort is None:  # the host layout runs the phase apart (it streams every client)
       state, phase = fused_pre_round(state, key, round_num, train, val)
-    cohort, rc, shared, per_client = pre(state, key, round_num, cohort)
+    cohort, rc, shared, per_client = pre(state, key, round_num, cohort, train)
     if system is None and ex.writes_rows and rows_in_place(alg.client_rows, state, per_client):
       # The client blocks read and write the state's rows (ClientRows.output).
       cr = alg.client_rows
@@ -279,7 +274,7 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
       state = cr.put(state, new_rows)  # the outputs' field is None: post writes nothing
     else:
       outputs = ex.run_work(alg.client_work, make_ctx, (shared, train, val), per_client,
-                            active=uploading(cohort, shared))
+                            active=system_lib.uploading(cohort, shared))
     state, metrics = post(state, cohort, outputs, rc, shared)
     return state, {**metrics, **phase}
 
@@ -314,11 +309,12 @@ class RoundRunner:
                executor: Executor, feed: Optional[placement.CohortFeed] = None,
                matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION,
                system: Optional[system_lib.SystemConfig] = None):
-    for _, problem in (system.problems(algorithm.client_work.batching) if system else [])[:1]:
-      raise ValueError(problem)
-    self.system = system
     self.host = data if isinstance(data, placement.HostData) else None
     population = self.host.population if self.host else data
+    self.system = None if system is None else system_lib.prepare(system, population.num_clients)
+    for _, problem in (self.system.config.problems(algorithm.client_work.batching)
+                       if self.system else [])[:1]:
+      raise ValueError(problem)
     if sampler.num_clients != population.num_clients:
       raise ValueError(f'sampler has {sampler.num_clients} clients, data has '
                        f'{population.num_clients}')
@@ -398,10 +394,12 @@ class RoundRunner:
     pre_j, post_j = ex.jit(pre), ex.jit(post)
 
     def work(state, key, rnd, train, val, cohort=None):
-      cohort, rc, shared, per_client = pre_j(state, key, rnd, cohort)
-      rows, mask = jax.device_get((per_client[0], uploading(cohort, shared)))
+      cohort, rc, shared, per_client = pre_j(state, key, rnd, cohort, train)
+      rows, mask = jax.device_get((per_client[0], system_lib.uploading(cohort, shared)))
+      # A system's limits are read off each client's context (steps past them masked).
+      steps = None if self.system is not None else steps_of(rows, train)
       outputs = ex.run_work(alg.client_work, make_ctx, (shared, train, val), per_client,
-                            active=mask, num_steps=steps_of(rows, train))
+                            active=mask, num_steps=steps)
       return post_j(state, cohort, outputs, rc, shared)
     return work
 
@@ -453,7 +451,7 @@ class RoundRunner:
                                                      self.system)
     sampler = self.sampler
     self.feed = feed or placement.CohortFeed(
-        host, ex.jit(lambda key: draw_cohort(sampler, key)),
+        host, ex.jit(lambda key, rnd: system_lib.draw_cohort(sampler, key, rnd, self.system)),
         placement.ShapePlan.for_cohorts(host, sampler.capacity))
     shapes = jax.eval_shape(alg.init, jax.random.key(0))
     # Hosted client rows come to the round as the cohort's: no client axis

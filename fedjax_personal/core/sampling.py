@@ -105,7 +105,20 @@ class CohortSampler:
       return self.cohort_size
     return max(1, _binomial_capacity(self.drawn, self.participation))
 
-  def __call__(self, key: jax.Array) -> Cohort:
+  def __call__(self, key: jax.Array, available: Optional[jax.Array] = None) -> Cohort:
+    """The cohort drawn with ``key``.
+
+    Args:
+      key: the round's cohort key.
+      available: bool [N], the clients online this round (``system.
+        available``), or None: every client. Only online clients are drawn;
+        a cohort of ``cohort_size`` with fewer online has padded slots.
+
+    Returns:
+      The ``Cohort``.
+    """
+    if available is not None:
+      return self._among(key, available)
     n, drawn = self.num_clients, self.drawn
     if self.cohort_size is not None:
       if self.cohort_size == drawn:
@@ -136,6 +149,34 @@ class CohortSampler:
     idx = jnp.where(mask, order, n).astype(jnp.int32)
     # Keep client order ascending for readability (padding N sorts last).
     perm = jnp.argsort(idx)
+    return Cohort(idx=idx[perm], mask=mask[perm])
+
+
+  def _among(self, key, available) -> Cohort:
+    """The cohort drawn from the online clients only: ``cohort_size`` of them
+    uniformly without replacement (as many as are online), or each with
+    probability ``participation`` (an empty cohort when none is online)."""
+    n, cap = self.num_clients, self.capacity
+    online = available & (jnp.arange(n) < self.drawn)
+    k_pick, k_order = jax.random.split(key)
+    if self.participation is not None:
+      def draw(k):
+        return online & (jax.random.uniform(k, (n,)) < self.participation)
+
+      def cond(carry):
+        return ~jnp.any(carry[1]) & jnp.any(online)
+
+      def body(carry):
+        k, _ = carry
+        k, sub = jax.random.split(k)
+        return k, draw(sub)
+      k_pick, sub = jax.random.split(k_pick)
+      _, online = jax.lax.while_loop(cond, body, (k_pick, draw(sub)))
+    priority = jnp.where(online, jax.random.uniform(k_order, (n,)), 2.0)
+    order = jnp.argsort(priority)[:cap]
+    mask = jnp.arange(cap) < jnp.minimum(jnp.sum(online), cap)
+    idx = jnp.where(mask, order, n).astype(jnp.int32)
+    perm = jnp.argsort(idx)  # ascending, padding (N) last
     return Cohort(idx=idx[perm], mask=mask[perm])
 
 

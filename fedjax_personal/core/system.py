@@ -26,6 +26,18 @@ uploads. ``SystemConfig`` makes some of them devices that do not:
 - **Lost uploads**: ``drop_before``, the probability that a sampled client
   drops out before it trains (it does no work), and ``drop_after``, that it
   trains and its upload is lost; each client independently.
+- **Speeds and a deadline** (``client_speeds``, ``deadline``): client i
+  runs ``speed_i`` local steps per time unit (1 without a file); a round's
+  deadline D lets it run ``floor(D speed_i)`` steps. A client whose work
+  would take longer is a straggler that did what its time allowed (PFLlib's
+  time threshold; FedScale's device speeds), kept or dropped by the rule
+  above. Each round reports ``compute_time``: the longest time a client
+  whose upload arrived worked, ``steps / speed``, in these units.
+- **Availability** (``availability``, ``availability_trace``): a client is
+  online in a round with a probability (each client, each round, apart), or
+  as a file of on/off rounds says (FedScale's availability traces, by
+  round); the cohort is drawn from the online clients only, and each round
+  reports ``available``.
 
 A client whose upload the server never gets is a padded slot of the cohort
 for the server's update (``without``): it takes no share of any aggregate
@@ -40,20 +52,33 @@ from typing import ClassVar, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.sampling import Cohort
+from fedjax_personal.errors import ConfigError
 from fedjax_personal.hparams import Declared, hparam
 
-__all__ = ['draw', 'RoundSystem', 'step_limit', 'SYSTEM_DRAWS', 'SystemConfig', 'system_metrics',
-           'without', 'PARTIAL_WORK']
+__all__ = ['available', 'ClientSystem', 'draw', 'draw_cohort', 'file_problems', 'PARTIAL_WORK', 'prepare',
+           'read_values', 'RoundSystem', 'SettingError', 'step_limit', 'SYSTEM_DRAWS',
+           'SystemConfig', 'system_metrics', 'uploading', 'without']
 
 #: What an algorithm does with a straggler's partial work (``AlgorithmSpec.partial_work``).
 PARTIAL_WORK = ('drop', 'keep')
 #: ``fold_in`` tag of the round's system draws (off the cohort's key).
 SYSTEM_DRAWS = 0x5157
+#: ``fold_in`` tag of the round's availability draws (off the cohort's key).
+AVAILABILITY_DRAWS = 0xA7A1
 #: A client's work limit when it is not limited.
 _UNLIMITED = 1 << 30
+
+
+class SettingError(ValueError):
+  """A setting's value (a file) that cannot apply; ``setting`` names it."""
+
+  def __init__(self, setting: str, message: str):
+    super().__init__(message)
+    self.setting = setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,12 +100,28 @@ class SystemConfig(Declared):
                               open_max=True)
   drop_after: float = hparam(0.0, 'Probability that a sampled client trains and its upload is '
                              'lost.', minimum=0, maximum=1, open_max=True)
+  client_speeds: Optional[str] = hparam(None, 'A file of one speed per client, local steps per '
+                                        'time unit (text, one number a line, or .npy; the data '
+                                        "set's client order). Default: 1 for every client.")
+  deadline: Optional[float] = hparam(None, 'Round deadline, in time units: a client whose local '
+                                     'steps would take longer (steps / speed) is a straggler '
+                                     'that did floor(deadline x speed) steps, its work kept or '
+                                     "dropped by the algorithm's rule.", minimum=0,
+                                     open_min=True)
+  availability: float = hparam(1.0, 'Probability that a client is online in a round (each '
+                               'client, each round, apart); cohorts are drawn from the online '
+                               'clients.', minimum=0, maximum=1, open_min=True)
+  availability_trace: Optional[str] = hparam(None, 'A file of on/off rounds: one row per round, '
+                                             'one 0/1 per client (text or .npy); round t reads '
+                                             'row t mod its rows. Cohorts are drawn from the '
+                                             'clients on.')
 
   @property
   def active(self) -> bool:
     """Whether any client is other than a full, reliable device."""
     return bool(self.stragglers or self.drop_before or self.drop_after
-                or self.local_work_min is not None)
+                or self.local_work_min is not None or self.client_speeds or self.deadline
+                or self.availability < 1 or self.availability_trace)
 
   def describe(self, specs) -> list:
     """The header's line (none for full, reliable devices).
@@ -107,7 +148,21 @@ class SystemConfig(Declared):
       parts.append(f'{self.drop_before:.0%} drop out before training')
     if self.drop_after:
       parts.append(f'{self.drop_after:.0%} of uploads lost')
+    if self.client_speeds:
+      parts.append(f'speeds from {self.client_speeds}')
+    if self.deadline:
+      parts.append(f'a deadline of {self.deadline:g} time units')
+    if self.availability < 1:
+      parts.append(f'each client online with probability {self.availability:g}')
+    if self.availability_trace:
+      parts.append(f'online as {self.availability_trace} says')
     return ['clients as devices: ' + ', '.join(parts)]
+
+  def check(self) -> None:
+    """Availability by probability or by trace, not both."""
+    if self.availability < 1 and self.availability_trace:
+      raise ConfigError('availability', 'does nothing with an availability trace (the trace '
+                        'says who is online)')
 
   def problems(self, batching: Batching) -> list:
     """What cannot apply to an algorithm's local work: stragglers need
@@ -136,6 +191,130 @@ def full_work(batching: Batching) -> int:
   return batching.num_steps if batching.num_steps is not None else batching.num_epochs
 
 
+def read_values(path: str, what: str) -> np.ndarray:
+  """The numbers of a ``.npy`` or text file (whitespace or commas apart, one
+  row a line, ``#`` comments skipped), as float64.
+
+  Args:
+    path: the file.
+    what: what it holds, for the error.
+
+  Returns:
+    The array (1-D for one column or one row of a text file as written).
+
+  Raises:
+    ValueError naming the file: unreadable, or not finite numbers.
+  """
+  try:
+    if path.endswith('.npy'):
+      out = np.asarray(np.load(path, allow_pickle=False), np.float64)
+    else:
+      with open(path, encoding='utf-8') as f:
+        rows = [line.split('#')[0].replace(',', ' ').split() for line in f]
+      rows = [r for r in rows if r]
+      out = np.array([[float(v) for v in r] for r in rows], np.float64)
+      out = out[:, 0] if out.ndim == 2 and out.shape[1] == 1 else out
+  except (OSError, ValueError) as e:
+    raise ValueError(f'{path}: cannot read {what} ({e})') from None
+  if not out.size or not np.all(np.isfinite(out)):
+    raise ValueError(f'{path}: {what} must be finite numbers, one or more')
+  return out
+
+
+class ClientSystem(NamedTuple):
+  """A ``SystemConfig`` with its files read, for a population of N clients.
+
+  Attributes:
+    config: the ``SystemConfig``.
+    speeds: float32 [N] local steps per time unit, or None (1 each).
+    trace: bool [T, N] who is online in round t (row t mod T), or None.
+  """
+  config: SystemConfig
+  speeds: Optional[np.ndarray] = None
+  trace: Optional[np.ndarray] = None
+
+
+def prepare(system, num_clients: int) -> ClientSystem:
+  """The ``ClientSystem`` of a config (its files read and checked against
+  the population), or ``system`` itself when already one.
+
+  Args:
+    system: a ``SystemConfig`` or a ``ClientSystem``.
+    num_clients: N, the population's clients.
+
+  Returns:
+    The ``ClientSystem``.
+
+  Raises:
+    SettingError naming the setting whose file does not fit.
+  """
+  if isinstance(system, ClientSystem):
+    return system
+  speeds = trace = None
+  try:
+    if system.client_speeds:
+      speeds = read_values(system.client_speeds, 'client speeds')
+      speeds = speeds.reshape(-1) if speeds.ndim == 2 and speeds.shape[0] == 1 else speeds
+      if speeds.ndim != 1 or speeds.shape[0] != num_clients or (speeds <= 0).any():
+        raise ValueError(f'{system.client_speeds}: {speeds.size} speeds as '
+                         f'{list(speeds.shape)}; the data has {num_clients} clients, and a '
+                         'speed must be positive: one per client, one per line')
+  except ValueError as e:
+    raise SettingError('client_speeds', str(e)) from None
+  try:
+    if system.availability_trace:
+      trace = read_values(system.availability_trace, 'on/off rounds')
+      trace = trace.reshape(1, -1) if trace.ndim == 1 else trace
+      if trace.ndim != 2 or trace.shape[1] != num_clients or not np.isin(trace, (0, 1)).all():
+        raise ValueError(f'{system.availability_trace}: rows of {trace.shape[-1]} values; the '
+                         f'data has {num_clients} clients: one 0/1 per client, one row per round')
+  except ValueError as e:
+    raise SettingError('availability_trace', str(e)) from None
+  return ClientSystem(system, None if speeds is None else speeds.astype(np.float32),
+                      None if trace is None else trace.astype(bool))
+
+
+def file_problems(config: SystemConfig, num_clients: int) -> list:
+  """What ``prepare`` refuses, as ``[(setting, message)]`` (empty: none).
+
+  Args:
+    config: the ``SystemConfig``.
+    num_clients: N.
+
+  Returns:
+    At most one problem.
+  """
+  try:
+    prepare(config, num_clients)
+  except SettingError as e:
+    return [(e.setting, str(e))]
+  return []
+
+
+def available(system: Optional[ClientSystem], key, round_num, num_clients: int):
+  """bool [N], the clients online this round, or None: every client.
+
+  Args:
+    system: the ``ClientSystem`` (None: none).
+    key: the cohort's key (its availability draws are ``fold_in(key,
+      AVAILABILITY_DRAWS)``).
+    round_num: the round (traced int; picks the trace's row).
+    num_clients: N.
+
+  Returns:
+    The mask, or None.
+  """
+  if system is None:
+    return None
+  if system.trace is not None:
+    trace = jnp.asarray(system.trace)
+    return trace[jnp.asarray(round_num, jnp.int32) % trace.shape[0]]
+  if system.config.availability < 1:
+    u = jax.random.uniform(jax.random.fold_in(key, AVAILABILITY_DRAWS), (num_clients,))
+    return u < system.config.availability
+  return None
+
+
 class RoundSystem(NamedTuple):
   """A round's draws, one entry per cohort slot.
 
@@ -143,25 +322,38 @@ class RoundSystem(NamedTuple):
     straggler: bool [C], the sampled clients that are stragglers.
     work_limit: int32 [C], the epochs (or steps) each client may do.
     lost: bool [C], the sampled clients whose upload the server never gets.
+    step_cap: int32 [C], the steps its deadline lets each client run.
+    compute_time: float32, the longest time an uploading client worked.
+    available: int32, the clients online this round (None: every client).
   """
   straggler: jax.Array
   work_limit: jax.Array
   lost: jax.Array
+  step_cap: Optional[jax.Array] = None
+  compute_time: Optional[jax.Array] = None
+  available: Optional[jax.Array] = None
 
 
-def draw(config: SystemConfig, key, mask, batching: Batching, partial_work: str) -> RoundSystem:
-  """The round's stragglers, work limits and lost uploads (module doc).
+def draw(system, key, mask, batching: Batching, partial_work: str, counts=None,
+         max_examples: int = 1, idx=None) -> RoundSystem:
+  """The round's stragglers, work limits, deadline and lost uploads (module doc).
 
   Args:
-    config: the ``SystemConfig``.
+    system: the ``ClientSystem`` (or a ``SystemConfig`` without files).
     key: the round's system key (``fold_in(cohort key, SYSTEM_DRAWS)``).
     mask: bool [C], the cohort's real slots.
     batching: the algorithm's local work (E epochs or K steps).
     partial_work: the algorithm's rule, ``'drop'`` or ``'keep'``.
+    counts: int [C], the cohort's training examples (None: the time and the
+      deadline are not computed).
+    max_examples: the padded length of a client's examples.
+    idx: int [C], the cohort's clients (their speeds; None: speed 1).
 
   Returns:
     The ``RoundSystem``.
   """
+  system = prepare(system, 0) if not isinstance(system, ClientSystem) else system
+  config = system.config
   k_pick, k_work, k_before, k_after, k_vary = jax.random.split(key, 5)
   c = mask.shape[0]
   sampled = jnp.sum(mask.astype(jnp.int32))
@@ -174,14 +366,36 @@ def draw(config: SystemConfig, key, mask, batching: Batching, partial_work: str)
   partial = jax.random.randint(k_work, (c,), 1, max(e, 2))  # np.random.randint(1, E)
   before = mask & (jax.random.uniform(k_before, (c,)) < config.drop_before)
   after = mask & (jax.random.uniform(k_after, (c,)) < config.drop_after)
-  lost = before | after | (straggler & (partial_work == 'drop'))
   full_limit = _UNLIMITED
   if config.local_work_min is not None:  # FedNova: E_i ~ U(min, E)
     full_limit = jax.random.randint(k_vary, (c,), config.local_work_min, e + 1)
   limit = jnp.where(straggler, partial, full_limit)
+  cap, time = None, None
+  if counts is not None:
+    speed = (jnp.ones(c, jnp.float32) if system.speeds is None or idx is None else
+             jnp.asarray(system.speeds)[jnp.clip(idx, 0, system.speeds.shape[0] - 1)])
+    planned = jax.vmap(lambda w, n: step_limit(batching, w, n, max_examples))(limit, counts)
+    planned = jnp.minimum(planned, _full_steps(batching, counts, max_examples))
+    cap = jnp.full(c, _UNLIMITED, jnp.int32)
+    if config.deadline:
+      cap = jnp.floor(config.deadline * speed).astype(jnp.int32)
+      straggler |= mask & (planned > cap)  # late: the steps its time allowed
+    steps = jnp.minimum(planned, cap)
+  lost = before | after | (straggler & (partial_work == 'drop'))
   # A client whose upload is lost anyway does no work (its result is discarded).
   limit = jnp.where(before | (lost & (partial_work == 'drop')), 0, limit)
-  return RoundSystem(straggler, limit.astype(jnp.int32), lost)
+  if counts is not None:
+    worked = jnp.where(mask & ~lost, steps / speed, 0.0)
+    time = jnp.max(worked, initial=0.0)
+  return RoundSystem(straggler, limit.astype(jnp.int32), lost, cap, time)
+
+
+def _full_steps(batching: Batching, counts, max_examples: int):
+  """Each client's full local steps (``Batching.num_steps_for``, traced)."""
+  if batching.num_steps is not None:
+    return jnp.where(counts > 0, batching.num_steps, 0).astype(jnp.int32)
+  b = batching.effective_batch_size(max_examples)
+  return (batching.num_epochs * ((counts + b - 1) // b)).astype(jnp.int32)
 
 
 def step_limit(batching: Batching, work_limit, num_examples, max_examples: int):
@@ -232,7 +446,46 @@ def system_metrics(system: RoundSystem, mask) -> dict:
     mask: bool [C], the cohort's real slots.
 
   Returns:
-    ``{'stragglers', 'uploads_lost'}`` (int32 scalars).
+    ``{'stragglers', 'uploads_lost'}`` (int32 scalars) and, when the round
+    knew its clients' work, ``compute_time``; with availability, ``available``.
   """
-  return {'stragglers': jnp.sum((system.straggler & mask).astype(jnp.int32)),
-          'uploads_lost': jnp.sum((system.lost & mask).astype(jnp.int32))}
+  out = {'stragglers': jnp.sum((system.straggler & mask).astype(jnp.int32)),
+         'uploads_lost': jnp.sum((system.lost & mask).astype(jnp.int32))}
+  if system.compute_time is not None:
+    out['compute_time'] = system.compute_time
+  if system.available is not None:
+    out['available'] = system.available.astype(jnp.int32)
+  return out
+
+
+def draw_cohort(sampler, key, round_num=0, system=None):
+  """The cohort of the round whose key is ``key`` (the round's own draw,
+  ``split(key)[0]``; the host layout draws it ahead with this), from the
+  clients online in round ``round_num`` when ``system`` says who is.
+
+  Args:
+    sampler: the ``CohortSampler``.
+    key: the round's key.
+    round_num: the round (an availability trace's row).
+    system: a prepared ``ClientSystem``, or None.
+
+  Returns:
+    The ``Cohort``.
+  """
+  k = jax.random.split(key)[0]
+  return sampler(k, available=available(system, k, round_num, sampler.num_clients))
+
+
+def uploading(cohort, shared):
+  """The cohort's slots whose client work reaches the server (``active``
+  for the executor): the sampled clients less the lost uploads the round's
+  system drew (``shared``'s third part, when there is one).
+
+  Args:
+    cohort: the sampled ``Cohort``.
+    shared: the round's shared part (``engine.round_functions``' ``pre``).
+
+  Returns:
+    bool [C].
+  """
+  return cohort.mask if len(shared) < 3 else cohort.mask & ~shared[2].lost

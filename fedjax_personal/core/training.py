@@ -84,9 +84,10 @@ class ClientContext:
     opt_state: this client's kept optimizer state with
       ``--client_opt_state=persistent`` (``client_state.py``), else None:
       the work initializes a fresh one (``client_opt_init``).
-    work_limit: the epochs (or steps) the client's device does this round
-      (``system.RoundSystem``: a straggler's, 0 for a dropout), or None:
-      all of its work. Steps past it are masked as padding (``work_step``).
+    work_limit: ``(epochs or steps, step cap)`` the client's device does
+      this round (``system.RoundSystem``: a straggler's, 0 for a dropout;
+      the cap its deadline allows, or None), or None: all of its work. Steps
+      past it are masked as padding (``work_step``).
   """
   shared: Any
   state: Any
@@ -237,9 +238,12 @@ def work_step(work: ClientWork, ctx: ClientContext, carry, idx, mask, k_steps, s
 
 
 def limited_steps(work: ClientWork, ctx: ClientContext):
-  """The steps the client's device may run (``ctx.work_limit`` in steps)."""
+  """The steps the client's device may run: ``ctx.work_limit``'s epochs (or
+  steps) and its deadline's step cap."""
   train = ctx.data.train
-  return system.step_limit(work.batching, ctx.work_limit, train.num_examples, train.x.shape[0])
+  limit, cap = ctx.work_limit
+  steps = system.step_limit(work.batching, limit, train.num_examples, train.x.shape[0])
+  return steps if cap is None else jnp.minimum(steps, cap)
 
 
 def work_num_steps(work: ClientWork, ctx: ClientContext, key):

@@ -22,6 +22,7 @@ from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import compilation, numerics
 from fedjax_personal.config import TrainingConfig
 from fedjax_personal.core import memory
+from fedjax_personal.core import system as system_lib
 from fedjax_personal.core.data import to_device
 from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.core.executor_choice import create_executor
@@ -42,8 +43,7 @@ __all__ = ['Built', 'client_weights', 'Job', 'load_data', 'main_job']
 
 
 class Built(NamedTuple):
-  """One algorithm of the job: its settings, the algorithm built from them
-  and its run identity."""
+  """One algorithm of the job: its settings, the algorithm, its run identity."""
   settings: AlgorithmSettings
   alg: Any
   identity: dict
@@ -88,9 +88,8 @@ def _make_runs(job: 'Job', built: Built, data):
 
 @dataclasses.dataclass
 class Job:
-  """What the main job's steps pass on: the run's settings, the data and its
-  identity, the model and executor, the algorithms with their run
-  identities, the output folder, and the results so far."""
+  """What the main job's steps pass on: the settings, the data and its identity,
+  model, executor, algorithms, the output folder, and the results so far."""
   settings: RunSettings
   cfgs: Any = None
   data: Any = None
@@ -295,9 +294,10 @@ def _check_model_fits_targets(s: RunSettings, model, sample_x, y_shape, num_clas
 
 
 def build_algorithms(job: Job) -> None:
-  """Every algorithm, built before any trains (its settings were checked when
-  the run's settings were read), with its run identity."""
+  """Every algorithm, built before any trains, with its run identity."""
   s = job.settings
+  for setting, problem in system_lib.file_problems(s.system, job.population.num_clients)[:1]:
+    raise ConfigError(setting, problem)
   weighted = client_weights(s)
   job.algs = [Built(a, algorithms_lib.make(a.spec, a.training, a.config, job.model,
                                            job.population),

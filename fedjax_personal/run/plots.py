@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, List
 
 import numpy as np
 
-__all__ = ['PLOT_MODES', 'draw', 'plot_runs', 'plot_trials', 'trial_curves']
+__all__ = ['DEVICE_KEYS', 'draw', 'plot_devices', 'PLOT_MODES', 'plot_runs', 'plot_trials',
+           'trial_curves']
 
 #: ``--plots``: where the plots are drawn.
 PLOT_MODES = ('background', 'wait', 'off')
@@ -45,14 +46,15 @@ def _save_accuracy_figure(fig, axes, directory: str, title_suffix: str = '') -> 
 
 def plot_runs(histories: Dict[str, List[dict]], directory: str) -> List[str]:
   """Writes accuracy.png (mean and worst-client accuracy per round, one line
-  per algorithm) and client_accuracy_hist.png (final per-client accuracy).
+  per algorithm), client_accuracy_hist.png (final per-client accuracy) and,
+  when the clients are devices (``core.system``), devices.png.
 
   Args:
     histories: algorithm -> its records (``experiment.run``'s history).
-    directory: where the two files go (made if missing).
+    directory: where the files go (made if missing).
 
   Returns:
-    The two files' paths.
+    The files' paths.
   """
   plt = _pyplot()
   os.makedirs(directory, exist_ok=True)
@@ -77,7 +79,43 @@ def plot_runs(histories: Dict[str, List[dict]], directory: str) -> List[str]:
   p2 = os.path.join(directory, 'client_accuracy_hist.png')
   fig.savefig(p2, dpi=100)
   plt.close(fig)
-  return [p1, p2]
+  return [p1, p2] + plot_devices(histories, directory)
+
+
+#: The round metrics of ``core.system`` that devices.png draws.
+DEVICE_KEYS = ('available', 'num_active', 'stragglers', 'uploads_lost', 'compute_time')
+
+
+def plot_devices(histories: Dict[str, List[dict]], directory: str) -> List[str]:
+  """devices.png: per round, the clients online, taking part, straggling and
+  lost, and the simulated compute time, one line per algorithm; nothing
+  when no round reports stragglers or lost uploads.
+
+  Args:
+    histories: algorithm -> its records.
+    directory: where the file goes.
+
+  Returns:
+    ``[path]``, or ``[]``.
+  """
+  keys = [k for k in DEVICE_KEYS
+          if any(k in r for h in histories.values() for r in h)]
+  if 'stragglers' not in keys:
+    return []
+  plt = _pyplot()
+  fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3), squeeze=False)
+  for ax, key in zip(axes[0], keys):
+    for name, hist in histories.items():
+      rows = [r for r in hist if key in r]
+      ax.plot([r['round'] for r in rows], [_num(r[key]) for r in rows], label=name)
+    ax.set_title(key)
+    ax.set_xlabel('round')
+  axes[0][0].legend()
+  fig.tight_layout()
+  path = os.path.join(directory, 'devices.png')
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return [path]
 
 
 def _num(value) -> float:

@@ -200,8 +200,9 @@ def trial_identity(runner, cell: dict, num_rounds: int, eval_every: int,
                    callbacks: Sequence = ()) -> dict:
   """What makes a trial's numbers (its seed aside): the caller's ``cell``
   (algorithm name and settings), the data fingerprint, the model's name and
-  parameter shapes, the sampler, rounds, evaluation period, the callbacks'
-  settings (e.g. the DP delta) and the library's source."""
+  parameter shapes, the sampler, the clients' devices (stragglers, lost
+  uploads), rounds, evaluation period, the callbacks' settings (e.g. the DP
+  delta) and the library's source."""
   import jax
   from fedjax_personal import __version__
   alg = runner.algorithm
@@ -213,6 +214,9 @@ def trial_identity(runner, cell: dict, num_rounds: int, eval_every: int,
       'state_shapes': run_identity.short_hash(jax.tree.leaves(shapes)),
       'data_fingerprint': run_identity.data_fingerprint(runner.data),
       'sampler': dataclasses.asdict(runner.sampler), 'rounds': num_rounds,
+      **({'system': dataclasses.asdict(runner.system.config)}
+         if getattr(runner, 'system', None) is not None and runner.system.config.active
+         else {}),
       'eval_every': eval_every,
       'callbacks': [[type(c).__name__, {k: v for k, v in vars(c).items()
                                         if isinstance(v, simple)}] for c in callbacks],

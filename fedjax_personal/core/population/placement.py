@@ -215,11 +215,11 @@ class CohortFeed:
     self.shapes = []
     self.gathers = 0
 
-  def _prepare(self, key):
+  def _prepare(self, key, round_num: int):
     """(cohort, train, val), each split in the plan's shape (without a plan:
     at least as large as the largest before it, rows and window)."""
     self.gathers += 1
-    cohort = self.sample(key)
+    cohort = self.sample(key, np.int32(round_num))
     idx = np.asarray(jax.device_get(cohort.idx))
     out = [cohort]
     for split in ('train', 'val'):
@@ -242,7 +242,7 @@ class CohortFeed:
     k = self._key_id(key, round_num)
     if k not in self._pending and k != self._last[0]:
       self._pending = {p: v for p, v in self._pending.items() if p[0] >= round_num - 1}
-      self._pending[k] = self._pool.submit(self._prepare, key)
+      self._pending[k] = self._pool.submit(self._prepare, key, round_num)
 
   def get(self, key, round_num: int):
     """(cohort, train, val) of round ``round_num``: prepared ahead when it was
@@ -256,7 +256,7 @@ class CohortFeed:
       self._last = (None, None)  # the previous cohort is freed before this one is made
       # Made on the feed's thread, one gather at a time (a shared feed's
       # prefetches run beside the rounds).
-      out = (pending or self._pool.submit(self._prepare, key)).result()
+      out = (pending or self._pool.submit(self._prepare, key, round_num)).result()
       self._last = (k, out)
     shape = (out[1].x.shape[0], out[1].length, out[2].x.shape[0], out[2].length)
     if shape not in self.shapes:
