@@ -193,11 +193,12 @@ def _hparams(hparams, kwargs: dict, defaults: dict) -> dict:
   if unknown:
     raise TypeError(f'unexpected batching arguments {sorted(unknown)}; expected {sorted(defaults)}')
   got.update(kwargs)
-  for name in ('batch_size', 'num_batch_size_buckets', 'num_epochs', 'num_steps'):
+  for name, least in (('batch_size', 1), ('num_batch_size_buckets', 1), ('num_epochs', 0),
+                      ('num_steps', 0)):  # FedJAX: 0 epochs or steps give no batch
     value = got.get(name)
     if name in got and (value is not None or name == 'batch_size') and (
-        isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
-      raise ValueError(f'{name} must be a positive integer, got {value!r}')
+        isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least):
+      raise ValueError(f'{name} must be an integer >= {least}, got {value!r}')
   return got
 
 

@@ -51,6 +51,9 @@ class SQLiteFederatedData:
       project's ``num_clients``, which FedJAX does not have).
     store_of: ``client_ids -> PopulationStore`` of those clients (``.store``).
     connection: an open connection to ``path`` (the views of one file share one).
+    exact_ids: an id finds a client only as the file stores it (FedJAX's
+      lookup: a str id of a bytes-keyed file is a KeyError); by default the
+      other of bytes and str finds it too.
   """
 
   def __init__(self, path, parse_examples: Callable[[bytes], client_datasets.Examples] = (
@@ -59,7 +62,7 @@ class SQLiteFederatedData:
                preprocess_batch: client_datasets.BatchPreprocessor = (
                    client_datasets.NoOpBatchPreprocessor),
                limit: Optional[int] = None, store_of: Optional[Callable] = None,
-               connection: Optional[sqlite3.Connection] = None):
+               connection: Optional[sqlite3.Connection] = None, exact_ids: bool = False):
     self._path = str(path)
     self._connection = connection or sqlite_formats.fedjax_connection(self._path)
     self._parse = parse_examples
@@ -73,12 +76,28 @@ class SQLiteFederatedData:
                          [max(int(limit) - 1, 0)], where=False).fetchone()
       self._last_rowid = (rows[0] if rows and limit > 0 else -1)
     self._store_of = store_of
+    self._exact_ids = exact_ids
+
+  @classmethod
+  def new(cls, path, parse_examples: Callable[[bytes], client_datasets.Examples] = (
+      sqlite_formats.decode_client)) -> 'SQLiteFederatedData':
+    """Every client of the file at ``path`` (FedJAX's ``new``).
+
+    Args:
+      path: a FedJAX SQLite file.
+      parse_examples: a client's ``data`` blob -> examples.
+
+    Returns:
+      The ``SQLiteFederatedData``.
+    """
+    return cls(path, parse_examples)
 
   def _with(self, **changes) -> 'SQLiteFederatedData':
     args = dict(path=self._path, parse_examples=self._parse, start=self._start, stop=self._stop,
                 preprocess_client=self._preprocess_client,
                 preprocess_batch=self._preprocess_batch, limit=self._limit,
-                store_of=self._store_of, connection=self._connection)
+                store_of=self._store_of, connection=self._connection,
+                exact_ids=self._exact_ids)
     args.update(changes)
     return SQLiteFederatedData(**args)
 
@@ -111,7 +130,7 @@ class SQLiteFederatedData:
 
   def _lookup(self, column: str, client_id):
     """``(stored id, column)`` of a client in this view, or None."""
-    for cid in (client_id, _other_type(client_id)):
+    for cid in (client_id,) + (() if self._exact_ids else (_other_type(client_id),)):
       if cid is not None and self._in_range(cid):
         row = self._query(f'SELECT client_id, {column} FROM federated_data WHERE {{where}} AND '
                           'client_id = :cid', {'cid': cid}).fetchone()
@@ -215,8 +234,17 @@ class SQLiteFederatedData:
     """The clients named ``client_ids`` (bytes or str), as FedJAX's
     ``SubsetFederatedData`` (each once, sorted; an unknown id a ValueError)."""
     stored = set(self.client_ids())
-    as_stored = lambda c: c if c in stored or _other_type(c) not in stored else _other_type(c)
+    as_stored = lambda c: c if (self._exact_ids or c in stored or _other_type(c) not in stored
+                                ) else _other_type(c)
     return federated_data.SubsetFederatedData(self, [as_stored(c) for c in client_ids])
+
+  def with_exact_ids(self) -> 'SQLiteFederatedData':
+    """This view with FedJAX's lookup of ids: only as the file stores them.
+
+    Returns:
+      The ``SQLiteFederatedData``.
+    """
+    return self._with(exact_ids=True)
 
   def preprocess_client(self, fn) -> 'SQLiteFederatedData':
     """A view whose clients' examples pass through ``fn(client_id, examples)`` too."""

@@ -24,8 +24,9 @@ import numpy as np
 from fedjax_personal.datasets import tf_example
 from fedjax_personal.errors import DataError
 
-__all__ = ['decode_client', 'fedjax_connection', 'fedjax_num_clients', 'fedjax_sizes',
-           'parse_example', 'read_fedjax', 'read_tff', 'tff_num_clients', 'write_fedjax']
+__all__ = ['decode_client', 'encode_client', 'FEDJAX_TABLE', 'fedjax_connection',
+           'fedjax_num_clients', 'fedjax_sizes', 'parse_example', 'read_fedjax', 'read_tff',
+           'tff_num_clients', 'write_fedjax']
 
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_SCALAR, _EXT_BYTES_NDARRAY = 1, 2, 3, 4
@@ -80,6 +81,24 @@ def _pack(x):
   raise TypeError(f'FedJAX files hold arrays, not {type(x).__name__}')
 
 
+def encode_client(examples) -> bytes:
+  """A client's ``data`` blob as FedJAX writes it: the zlib-compressed
+  msgpack of its examples (``decode_client``'s inverse).
+
+  Args:
+    examples: ``{feature: array}``.
+
+  Returns:
+    The blob.
+  """
+  return zlib.compress(msgpack.packb(dict(examples), default=_pack, strict_types=True))
+
+
+#: FedJAX's table of clients (``SQLiteFederatedDataBuilder``).
+FEDJAX_TABLE = ('CREATE TABLE federated_data (client_id BLOB NOT NULL PRIMARY KEY, '
+                'data BLOB NOT NULL, num_examples INTEGER NOT NULL);')
+
+
 def write_fedjax(path, clients) -> None:
   """A FedJAX SQLite file, as FedJAX's ``SQLiteFederatedDataBuilder``
   writes it: one row per client in the order given, ``data`` the zlib
@@ -95,11 +114,9 @@ def write_fedjax(path, clients) -> None:
   """
   conn = sqlite3.connect(str(path))
   try:
-    conn.execute('CREATE TABLE federated_data (client_id BLOB NOT NULL PRIMARY KEY, '
-                 'data BLOB NOT NULL, num_examples INTEGER NOT NULL);')
+    conn.execute(FEDJAX_TABLE)
     conn.executemany('INSERT INTO federated_data VALUES (?, ?, ?);', (
-        (cid, zlib.compress(msgpack.packb(dict(ex), default=_pack, strict_types=True)),
-         len(next(iter(ex.values())))) for cid, ex in clients))
+        (cid, encode_client(ex), len(next(iter(ex.values())))) for cid, ex in clients))
     conn.commit()
   finally:
     conn.close()

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from fedjax_personal.datasets import federated, sources, sqlite_federated, sqlite_formats
+from fedjax_personal.datasets.fingerprint import fingerprint64
 from fedjax_personal.datasets.natural_data import (BOS, EOS, IGNORE, PAD, NaturalData, client_id,
                                                    converted, fedjax_splits, take)
 from fedjax_personal.datasets.options import TextOptions
@@ -108,7 +109,7 @@ def word_ids(words) -> Dict[bytes, int]:
 
 
 def tokenize_sentences(sentences, vocab: Dict[bytes, int], seq_len: int,
-                       pad_target: int = IGNORE, rows: str = 'fedjax'):
+                       pad_target: int = IGNORE, rows: str = 'fedjax', num_oov_buckets: int = 1):
   """Stack Overflow's rows: ids 0 PAD, 1 BOS, 2 EOS, 3.. the vocabulary,
   len(vocab) + 3 OOV; x = ids[:-1], y = ids[1:] of ``[BOS] words [EOS]``,
   truncated or padded to ``seq_len``. Words are split at every single
@@ -133,6 +134,9 @@ def tokenize_sentences(sentences, vocab: Dict[bytes, int], seq_len: int,
     pad_target: the id of a padded target with ``rows='fedjax'``
       (``IGNORE``: no loss; FedJAX: PAD).
     rows: ``'fedjax'`` or ``'tff'`` (``STACKOVERFLOW_ROWS``).
+    num_oov_buckets: OOV ids after the vocabulary; a word outside it gets
+      ``len(vocab) + 3 + fingerprint64(word) % num_oov_buckets``, as
+      TensorFlow's ``StaticVocabularyTable`` hashes it (FedJAX's tokenizer).
 
   Returns:
     ``(x, y)`` int32 [posts, seq_len].
@@ -144,7 +148,8 @@ def tokenize_sentences(sentences, vocab: Dict[bytes, int], seq_len: int,
   y = np.full((len(sentences), seq_len), pad_target if rows == 'fedjax' else PAD, np.int32)
   for i, s in enumerate(sentences):
     text = s if isinstance(s, bytes) else str(s).encode('utf-8')
-    words = [vocab.get(w, oov) for w in text.split(b' ')]
+    words = [vocab.get(w, oov) if num_oov_buckets == 1 else
+             vocab.get(w, oov + fingerprint64(w) % num_oov_buckets) for w in text.split(b' ')]
     if rows == 'tff':
       ids = [BOS] + words[:seq_len] + ([EOS] if len(words) < seq_len else [])
       ids += [PAD] * (seq_len + 1 - len(ids))
@@ -450,27 +455,27 @@ def default_vocab(default_vocab_size: int = 10000, cache_dir=None, download: boo
 
 class DefaultWordTokenizer:
   """FedJAX's ``DefaultWordTokenizer`` in NumPy (FedJAX's needs
-  TensorFlow): ids PAD 0, BOS 1, EOS 2, ``vocab[i]`` 3 + i, OOV
-  ``len(vocab) + 3``; words split at every single space.
+  TensorFlow): ids PAD 0, BOS 1, EOS 2, ``vocab[i]`` 3 + i, the OOV buckets
+  after them (a word's bucket TensorFlow's hash of it, ``fingerprint64``);
+  words split at every single space.
 
   Args:
     vocab: the words (no special tokens).
-    num_oov_buckets: 1 (TensorFlow's hashing of words into more buckets is
-      not reproduced; another number is a ValueError).
+    num_oov_buckets: OOV ids (at least 1).
   """
   PAD, BOS, EOS = PAD, BOS, EOS
 
   def __init__(self, vocab: List[str], num_oov_buckets: int = 1):
-    if num_oov_buckets != 1:
-      raise ValueError(f'num_oov_buckets={num_oov_buckets}: only 1 OOV bucket is supported '
-                       "(TensorFlow's hashing of words into buckets is not reproduced)")
+    if num_oov_buckets < 1:
+      raise ValueError(f'num_oov_buckets must be >= 1, got {num_oov_buckets}')
     self._vocab = word_ids(vocab)
+    self._buckets = int(num_oov_buckets)
 
   def create_token_to_ids_fn(self, max_length: int):
     """``tokens [N] bytes -> (x, y)`` int32 [N, max_length], padded and
     truncated with PAD (FedJAX's ``token_to_ids``)."""
     return lambda tokens: tokenize_sentences(list(tokens), self._vocab, max_length,
-                                             pad_target=PAD)
+                                             pad_target=PAD, num_oov_buckets=self._buckets)
 
   def as_preprocess_batch(self, max_length: int):
     """A ``preprocess_batch`` function: ``tokens`` -> ``x``, ``y`` (and
@@ -501,7 +506,7 @@ class StackoverflowTokenizer(DefaultWordTokenizer):
   Args:
     vocab: the words (None: ``default_vocab(default_vocab_size)``).
     default_vocab_size: the words of the default vocabulary.
-    num_oov_buckets: 1.
+    num_oov_buckets: OOV ids (TensorFlow's hash of a word picks its bucket).
     cache_dir: where ``stackoverflow.word_count`` is (this project's).
   """
 

@@ -2,7 +2,8 @@
 imports inside functions too), every module importable alone in a fresh
 process, and the layers' direction, bottom up: errors and hparams; models
 (the pure model pair and its layers); core (the engine); config (the
-settings); algorithms and datasets; run (loop, outputs, CLI). A layer
+settings); algorithms and datasets, FedJAX's data API above the data sets;
+run (loop, outputs, CLI). A layer
 imports only the layers below it; no module is over 600 lines."""
 
 import ast
@@ -117,7 +118,10 @@ def test_find_cycle_finds_one():
         'core', 'models', 'config', 'algorithms', 'datasets', 'run', 'numerics', 'compilation',
         'checkout'))),
     ('fedjax_personal.algorithms', ('fedjax_personal.run', 'fedjax_personal.datasets')),
-    ('fedjax_personal.datasets', ('fedjax_personal.run', 'fedjax_personal.algorithms')),
+    ('fedjax_personal.datasets', ('fedjax_personal.run', 'fedjax_personal.algorithms',
+                                  'fedjax_personal.fedjax')),
+    # FedJAX's data API sits above the data sets, beside the algorithms.
+    ('fedjax_personal.fedjax', ('fedjax_personal.run', 'fedjax_personal.algorithms')),
     ('fedjax_personal.errors', ('fedjax_personal.',)),
 ])
 def test_layers_import_downwards_only(lower, upper):
