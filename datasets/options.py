@@ -86,6 +86,16 @@ class DataOptions(Declared):
     """
     return []
 
+  def row_group_start(self) -> Optional[int]:
+    """The input id that starts a group of a client's rows that training
+    shuffles as one, in order (``core.batching.row_groups``: TFF's
+    Shakespeare snippets), or None: rows one by one.
+
+    Returns:
+      The id, or None.
+    """
+    return None
+
   def scored(self, model, num_classes: int):
     """The model scoring the targets as the data set's publisher does
     (next-word accuracies), and one line saying how, or ``(model, None)``.

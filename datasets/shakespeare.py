@@ -15,7 +15,10 @@ characters in the same order):
   ``seq_len + 1``, x = a row but its last, y = a row but its first: BOS is
   never a target; PAD targets count in the loss (Keras' unmasked
   cross-entropy there) and not in the accuracy (its
-  ``MaskedCategoricalAccuracy(masked_tokens=[pad])``: ``PAD_UNSCORED``).
+  ``MaskedCategoricalAccuracy(masked_tokens=[pad])``: ``PAD_UNSCORED``);
+  training shuffles snippets, a snippet's rows together
+  (``ShakespeareOptions.row_group_start``), as its code shuffles snippets
+  before cutting them.
 """
 
 import dataclasses
@@ -118,8 +121,14 @@ class ShakespeareOptions(TextOptions):
                         "client's snippets joined with BOS/EOS and cut into --seq_len (FedJAX's "
                         'load_data); tff: each snippet padded to a multiple of seq_len + 1 and cut '
                         'into 80/80 pairs, BOS never a target, PAD targets in the loss but not in '
-                        'the accuracy (TFF, Reddi et al.).', choices=('fedjax', 'tff'),
+                        'the accuracy, a snippet\'s rows shuffled together (TFF, Reddi et al.).',
+                        choices=('fedjax', 'tff'),
                         flag='shakespeare_windows')
+
+  def row_group_start(self):
+    # TFF shuffles snippets (buffer 50) before cutting them into rows: a
+    # snippet's rows, the first starting with BOS, stay together.
+    return TFF_IDS['bos'] if self.windows == 'tff' else None
 
   def scored(self, model, num_classes):
     if self.windows != 'tff':

@@ -66,15 +66,16 @@ def _loss_grad(model):
 
 
 def reference_sgd(model, params, x, y, n, key, batching, lr, prox_mu=0.0, momentum=None,
-                  max_steps=None):
+                  max_steps=None, groups=None):
   """Plain local SGD on one client's data with the engine's batches.
 
   Uses only the batch indices of the library; the training loop, the loss
   and the optimizer step are redone here with explicit Python loops. With
-  ``max_steps``, only the first that many steps run (a straggler's).
+  ``max_steps``, only the first that many steps run (a straggler's); with
+  ``groups``, the examples are shuffled in groups (``batching.row_groups``).
   """
   k_init, k_batch, k_steps = jax.random.split(key, 3)
-  idx, mask = batching_lib.batch_indices(k_batch, jnp.int32(n), x.shape[0], batching)
+  idx, mask = batching_lib.batch_indices(k_batch, jnp.int32(n), x.shape[0], batching, groups)
   idx, mask = np.asarray(idx), np.asarray(mask)
   x, y = np.asarray(x), np.asarray(y)
   start = params

@@ -51,3 +51,29 @@ def test_bad_batching_is_rejected():
     Batching(4, num_epochs=1, num_steps=2)
   with pytest.raises(ValueError, match='batch_size'):
     Batching(0, num_epochs=1)
+
+
+def test_row_groups_are_shuffled_whole_and_in_order():
+  """TFF's Shakespeare shuffle: snippets (groups of rows, the first starting
+  with BOS) shuffled, a snippet's rows together and in order, every epoch
+  its own order; padding changes nothing."""
+  from fedjax_personal.core.batching import row_groups
+  bos = 88
+  x = np.array([[bos, 1], [5, 6], [bos, 2], [bos, 3], [7, 8], [9, 9], [bos, 4]], np.int32)
+  groups = row_groups(jnp.asarray(x), bos)
+  np.testing.assert_array_equal(groups, [1, 1, 2, 3, 3, 3, 4])
+  b = Batching(batch_size=2, num_epochs=3)
+  orders = set()
+  for seed in range(6):
+    idx, mask = batch_indices(jax.random.key(seed), jnp.int32(7), 7, b, groups)
+    flat = np.asarray(idx)[np.asarray(mask)]
+    for epoch in flat.reshape(3, 7):
+      assert sorted(epoch) == list(range(7))
+      runs = [list(g) for g in np.split(epoch, np.flatnonzero(np.diff(np.asarray(groups)[epoch])) + 1)]
+      assert all(r == list(range(r[0], r[0] + len(r))) for r in runs)  # whole, in order
+      orders.add(tuple(epoch))
+    padded_x = np.concatenate([x, np.zeros((5, 2), np.int32)])
+    idx2, mask2 = batch_indices(jax.random.key(seed), jnp.int32(7), 12, b,
+                                row_groups(jnp.asarray(padded_x), bos))
+    np.testing.assert_array_equal(np.asarray(idx2)[np.asarray(mask2)], flat)
+  assert len(orders) > 3

@@ -336,3 +336,45 @@ def test_the_run_reports_its_devices(tmp_path):
   rows = [json.loads(l) for l in open(out / 'fedprox' / 'metrics.jsonl')]
   assert all({'stragglers', 'uploads_lost', 'available', 'compute_time'} <= set(x) for x in rows)
   assert (out / 'devices.png').stat().st_size > 1000
+
+
+def test_rows_shuffled_in_groups_reach_every_client():
+  """``row_groups`` (TFF's Shakespeare snippets): each client's batches are
+  its rows shuffled in groups, as a per-client loop with the same groups."""
+  from fedjax_personal.core import batching as batching_lib
+  from fedjax_personal.core.data import FederatedData, pad_clients
+  rng = np.random.default_rng(0)
+  start = 7
+  xs = []
+  for n in (9, 5, 12):
+    x = rng.integers(1, 7, (n, 3)).astype(np.int32)
+    x[rng.random(n) < 0.4, 0] = start
+    x[0, 0] = start
+    xs.append(x)
+  ys = [rng.integers(0, 8, x.shape).astype(np.int32) for x in xs]
+  train = pad_clients(xs, ys, (3,), np.int32, (3,), np.int32)
+  empty = pad_clients([x[:0] for x in xs], [y[:0] for y in ys], (3,), np.int32, (3,), np.int32)
+  data = to_device(FederatedData(train=train, val=empty, test=train, groups=-np.ones(3, np.int32),
+                                 num_classes=8, name='rows'))
+  model = fp.models.from_flax('lstm', fp.models.CharLSTM(8, embed_dim=4, hidden=5, num_layers=1),
+                              data.train.x[0, :1])
+  batching = fp.Batching(2, num_epochs=2)
+  alg = algorithms.build('fedavg', model, data, client_lr=0.1, batch_size=2, local_epochs=2)
+  runner = RoundRunner(alg, data, CohortSampler(3, cohort_size=3), fp.executors.VmapExecutor(),
+                       row_groups=start)
+  state = runner.init(jax.random.key(0))
+  key = jax.random.key(4)
+  _, k_clients = jax.random.split(key)
+  outs, w = [], []
+  for i, x in enumerate(xs):
+    groups = batching_lib.row_groups(jnp.asarray(data.train.x[i]), start)
+    outs.append(reference_sgd(model, state.params, data.train.x[i], data.train.y[i], len(x),
+                              jax.random.fold_in(k_clients, i), batching, 0.1, groups=groups))
+    w.append(len(x))
+  w = np.array(w, np.float64) / sum(w)
+  want = jax.tree.map(lambda *ps: sum(wi * pi for wi, pi in zip(w, ps)), *outs)
+  grouped, _ = runner.round(state, key, 0)
+  chex.assert_trees_all_close(grouped.params, want, atol=2e-5)
+  plain = RoundRunner(alg, data, CohortSampler(3, cohort_size=3), fp.executors.VmapExecutor())
+  assert max(float(jnp.abs(a - b).max()) for a, b in zip(
+      jax.tree.leaves(plain.round(state, key, 0)[0].params), jax.tree.leaves(grouped.params))) > 1e-6

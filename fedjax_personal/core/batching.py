@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 
-__all__ = ['batch_indices', 'Batching', 'traced_num_steps']
+__all__ = ['batch_indices', 'Batching', 'row_groups', 'traced_num_steps']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,20 +67,41 @@ class Batching:
     return self.num_epochs * math.ceil(num_examples / b)
 
 
-def _shuffled(key, num_examples, max_examples):
+def _shuffled(key, num_examples, max_examples, groups=None):
   """A random order of the first num_examples positions, padding last.
 
   Position j's sort key depends only on (key, j), not on the padded length,
-  so a client gets the same batches however much it is padded.
+  so a client gets the same batches however much it is padded. With
+  ``groups`` (int [max_examples], a group id per position, ascending), the
+  groups are shuffled and each keeps its positions together, in order:
+  position j's key is its group's (``fold_in(key, group)``).
   """
-  u = jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(key, j)))(
-      jnp.arange(max_examples))
-  u = jnp.where(jnp.arange(max_examples) < num_examples, u, 2.0)
-  return jnp.argsort(u)
+  pos = jnp.arange(max_examples)
+  ids = pos if groups is None else groups
+  u = jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(key, j)))(ids)
+  u = jnp.where(pos < num_examples, u, 2.0)
+  if groups is None:
+    return jnp.argsort(u)
+  return jnp.lexsort((pos, u))  # by the group's key, then in order within it
+
+
+def row_groups(x, start_id: int):
+  """The group of each row of one client's token rows: a row whose first
+  input is ``start_id`` starts a new group (TFF's Shakespeare rows: each
+  snippet's first row starts with BOS).
+
+  Args:
+    x: int [rows, seq_len] a client's (padded) input rows.
+    start_id: the id that starts a group.
+
+  Returns:
+    int32 [rows], ascending group ids.
+  """
+  return jnp.cumsum((x[:, 0] == start_id).astype(jnp.int32))
 
 
 def batch_indices(key: jax.Array, num_examples: jax.Array, max_examples: int,
-                  batching: Batching):
+                  batching: Batching, groups=None):
   """Example indices and masks of every local step of one client.
 
   Args:
@@ -88,6 +109,10 @@ def batch_indices(key: jax.Array, num_examples: jax.Array, max_examples: int,
     num_examples: scalar int, the client's real example count n_i.
     max_examples: static padded length.
     batching: the Batching configuration.
+    groups: int [max_examples] a group per example (``row_groups``): each
+      epoch shuffles the groups, a group's examples staying together in
+      order (TFF's shuffle of Shakespeare snippets before they are cut into
+      rows); None: the examples one by one.
 
   Returns:
     (idx, mask): int32 [S, B] indices into the client's examples and bool
@@ -98,13 +123,13 @@ def batch_indices(key: jax.Array, num_examples: jax.Array, max_examples: int,
   b = batching.effective_batch_size(max_examples)
   if batching.num_steps is not None:
     keys = jax.random.split(key, batching.num_steps)
-    idx = jax.vmap(lambda k: _shuffled(k, num_examples, max_examples)[:b])(keys)
+    idx = jax.vmap(lambda k: _shuffled(k, num_examples, max_examples, groups)[:b])(keys)
     mask = jnp.broadcast_to(jnp.arange(b) < num_examples, idx.shape)
     return idx.astype(jnp.int32), mask
   nb = math.ceil(max_examples / b) if max_examples else 0
   num_steps = batching.num_epochs * nb
   keys = jax.random.split(key, max(batching.num_epochs, 1))
-  perms = jax.vmap(lambda k: _shuffled(k, num_examples, max_examples))(keys)
+  perms = jax.vmap(lambda k: _shuffled(k, num_examples, max_examples, groups))(keys)
   perms = jnp.pad(perms, ((0, 0), (0, nb * b - max_examples)))
   # The client's own batches per epoch, ceil(n_i / B), laid out epoch after
   # epoch so that its real steps are a prefix; the rest is padding.

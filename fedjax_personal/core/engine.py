@@ -162,7 +162,8 @@ def rows_in_place(client_rows, state, per_client) -> bool:
 
 
 def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executor, counts=None,
-                    system: Optional[system_lib.SystemConfig] = None):
+                    system: Optional[system_lib.SystemConfig] = None,
+                    row_groups: Optional[int] = None):
   """The pieces of one round of ``alg``: (pre, make_ctx, post, fused_round).
 
   ``fused_round(state, key, round_num, train, val[, cohort]) -> (state,
@@ -183,6 +184,9 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
       every sampled client does its full work and uploads). Its draws come
       from ``fold_in(k_cohort, SYSTEM_DRAWS)``; a client's work limit is the
       4th of its per-client inputs, the lost uploads the 3rd of ``shared``.
+    row_groups: the input id that starts a group of a client's rows shuffled
+      as one (``batching.row_groups``; the data set's
+      ``DataOptions.row_group_start``), or None.
 
   Returns:
     ``(pre, make_ctx, post, fused_round)``.
@@ -227,7 +231,8 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
     row, client_state, key, *limit = c
     local = LocalData(train=client_row(train, row), val=client_row(val, row))
     return ClientContext(shared=shared, state=client_state, data=local, round=round_num,
-                         work_limit=limit[0] if limit else None), key
+                         work_limit=limit[0] if limit else None,
+                         row_group_start=row_groups), key
 
   def post(state, cohort, outputs, rc, shared):
     counts['post'] += 1
@@ -303,15 +308,18 @@ class RoundRunner:
       JAX's setting: float32 by default, the same numbers on every card.
     system: the clients' devices (``system.SystemConfig``: stragglers, lost
       uploads); None: every sampled client does its work and uploads.
+    row_groups: as for ``round_functions`` (rows shuffled in groups).
   """
 
   def __init__(self, algorithm: FederatedAlgorithm, data, sampler: CohortSampler,
                executor: Executor, feed: Optional[placement.CohortFeed] = None,
                matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION,
-               system: Optional[system_lib.SystemConfig] = None):
+               system: Optional[system_lib.SystemConfig] = None,
+               row_groups: Optional[int] = None):
     self.host = data if isinstance(data, placement.HostData) else None
     population = self.host.population if self.host else data
     self.system = None if system is None else system_lib.prepare(system, population.num_clients)
+    self.row_groups = row_groups
     for _, problem in (self.system.config.problems(algorithm.client_work.batching)
                        if self.system else [])[:1]:
       raise ValueError(problem)
@@ -406,7 +414,7 @@ class RoundRunner:
   def _build(self):
     alg, ex = self.algorithm, self.executor
     pre, make_ctx, post, fused_round = round_functions(alg, self.sampler, ex, self.trace_counts,
-                                                     self.system)
+                                                     self.system, self.row_groups)
     shapes = jax.eval_shape(alg.init, jax.random.key(0))
     self._state_shardings = ex.state_shardings(shapes, self.data.num_clients)
     train, val = self.data.train, self.data.val
@@ -448,7 +456,7 @@ class RoundRunner:
     the round takes the cohort and its gathered examples."""
     alg, ex, host = self.algorithm, self.executor, self.host
     pre, make_ctx, post, fused_round = round_functions(alg, self.sampler, ex, self.trace_counts,
-                                                     self.system)
+                                                     self.system, self.row_groups)
     sampler = self.sampler
     self.feed = feed or placement.CohortFeed(
         host, ex.jit(lambda key, rnd: system_lib.draw_cohort(sampler, key, rnd, self.system)),

@@ -84,6 +84,9 @@ class ClientContext:
     opt_state: this client's kept optimizer state with
       ``--client_opt_state=persistent`` (``client_state.py``), else None:
       the work initializes a fresh one (``client_opt_init``).
+    row_group_start: the input id that starts a group of rows shuffled as
+      one (``batching.row_groups``: TFF's Shakespeare snippets), or None
+      (static).
     work_limit: ``(epochs or steps, step cap)`` the client's device does
       this round (``system.RoundSystem``: a straggler's, 0 for a dropout;
       the cap its deadline allows, or None), or None: all of its work. Steps
@@ -95,6 +98,7 @@ class ClientContext:
   round: Any = 0
   opt_state: Any = None
   work_limit: Any = None
+  row_group_start: Optional[int] = struct.field(pytree_node=False, default=None)
 
 
 def opt_update(optimizer: optax.GradientTransformation, grads, opt_state, params,
@@ -165,7 +169,7 @@ class ClientWork:
   opt_state: Optional[Callable] = None
 
 
-def work_batch_indices(work: ClientWork, key, num_examples, max_examples):
+def work_batch_indices(work: ClientWork, key, num_examples, max_examples, groups=None):
   """Batch indices [S, B] (or [S, k, B]) and masks of one client's work.
 
   Args:
@@ -173,15 +177,16 @@ def work_batch_indices(work: ClientWork, key, num_examples, max_examples):
     key: the client's key.
     num_examples: its examples (traced).
     max_examples: the padded length.
+    groups: its examples' groups (``batching.row_groups``), or None.
 
   Returns:
     ``(indices, masks)``.
   """
   if work.batches_per_step == 1:
-    return batching_lib.batch_indices(key, num_examples, max_examples, work.batching)
+    return batching_lib.batch_indices(key, num_examples, max_examples, work.batching, groups)
   keys = jax.random.split(key, work.batches_per_step)
   idx, mask = jax.vmap(lambda k: batching_lib.batch_indices(
-      k, num_examples, max_examples, work.batching))(keys)
+      k, num_examples, max_examples, work.batching, groups))(keys)
   return jnp.swapaxes(idx, 0, 1), jnp.swapaxes(mask, 0, 1)
 
 
@@ -207,7 +212,9 @@ def work_init(work: ClientWork, ctx: ClientContext, key):
   """
   k_init, k_batch, k_steps = jax.random.split(key, 3)
   train = ctx.data.train
-  idx, mask = work_batch_indices(work, k_batch, train.num_examples, train.x.shape[0])
+  groups = (None if ctx.row_group_start is None
+            else batching_lib.row_groups(train.x, ctx.row_group_start))
+  idx, mask = work_batch_indices(work, k_batch, train.num_examples, train.x.shape[0], groups)
   return work.init(ctx, k_init), idx, mask, k_steps
 
 

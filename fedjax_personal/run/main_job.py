@@ -56,9 +56,9 @@ def _make_runs(job: 'Job', built: Built, data):
   s, precision = job.settings, job.settings.engine.matmul_precision
   sampler = s.experiment.sampler(data)
   if job.cfgs is None:
-    return experiment.SingleRun(RoundRunner(built.alg, data, sampler, job.executor,
-                                            matmul_precision=precision, system=s.system),
-                                s.experiment.seed)
+    return experiment.SingleRun(RoundRunner(
+        built.alg, data, sampler, job.executor, matmul_precision=precision, system=s.system,
+        row_groups=s.data.options.row_group_start()), s.experiment.seed)
   from fedjax_personal.run import sweep
   names = sweep.sweepable()
   a = built.settings
@@ -83,7 +83,7 @@ def _make_runs(job: 'Job', built: Built, data):
   one_program = job.executor.fused and not isinstance(data, HostData)
   runs = sweep.SweepRunner if one_program else sweep.LoopRuns
   return runs(build, cfgs, data, sampler, job.executor, matmul_precision=precision,
-              system=s.system)
+              system=s.system, row_groups=s.data.options.row_group_start())
 
 
 @dataclasses.dataclass

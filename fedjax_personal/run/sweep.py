@@ -194,13 +194,14 @@ class SweepRunner:
       ``resolve_config_axis``). Same keys and math either way.
     matmul_precision: as for RoundRunner.
     system: as for RoundRunner (the clients' devices).
+    row_groups: as for RoundRunner (rows shuffled in groups).
   """
 
   def __init__(self, build: Callable[[Dict], FederatedAlgorithm], configs: List[Config],
                data: FederatedData, sampler: CohortSampler, executor: Executor,
                config_axis: str = 'auto',
                matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION,
-               system: Optional[SystemConfig] = None):
+               system: Optional[SystemConfig] = None, row_groups: Optional[int] = None):
     precision = numerics.check_precision(matmul_precision)
     made = build
     build = lambda hv: made(hv).at_matmul_precision(precision)  # noqa: E731
@@ -224,7 +225,7 @@ class SweepRunner:
       return build(hv).init(key)
 
     def one_round(hv, state, key, round_num, train, val):
-      return round_functions(build(hv), sampler, executor, counts, system)[3](
+      return round_functions(build(hv), sampler, executor, counts, system, row_groups)[3](
           state, key, round_num, train, val)
 
     def one_eval(hv, state, key, data):
@@ -285,7 +286,7 @@ class LoopRuns:
   def __init__(self, build: Callable[[Dict], FederatedAlgorithm], configs: List[Config],
                data, sampler: CohortSampler, executor: Executor,
                matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION,
-               system: Optional[SystemConfig] = None):
+               system: Optional[SystemConfig] = None, row_groups: Optional[int] = None):
     from fedjax_personal.core.engine import RoundRunner
     from fedjax_personal.run.experiment import SingleRun
     self.configs = configs
@@ -297,7 +298,8 @@ class LoopRuns:
       k = tuple(sorted(values.items()))
       if k not in runners:
         runners[k] = RoundRunner(build(dict(values)), data, sampler, executor, feed=feed,
-                                 matmul_precision=matmul_precision, system=system)
+                                 matmul_precision=matmul_precision, system=system,
+                                 row_groups=row_groups)
         feed = getattr(runners[k], 'feed', None)
       self.runs.append(SingleRun(runners[k], seed))
     self.feed = feed
