@@ -40,8 +40,9 @@ class Cifar100Options(DataOptions):
                               '(arXiv 2003.00295) evaluate.', choices=CIFAR100_TESTS)
   cifar100_preprocess: str = hparam(
       'none', 'cifar100: the images the model sees. none: as the file holds them (scaled to '
-      '[0, 1]); reddi: a random 24x24 crop and left-right flip of each training image (drawn '
-      'from the run\'s key for each client, round and step), the central 24x24 of the others, '
+      '[0, 1]); reddi: a random 24x24 crop of each training batch and a left-right flip of '
+      'each image (drawn from the run\'s key for each client, round and step), the central '
+      '24x24 of the others, '
       'each standardized, as Reddi et al.\'s task (google-research/federated) feeds them.',
       choices=('none', 'reddi'))
 

@@ -40,20 +40,28 @@ def test_standardization_and_centre_crop_as_tensorflow_documents_them():
   np.testing.assert_allclose(np.asarray(t.evaluate(jnp.asarray(x))), want, rtol=1e-4, atol=1e-5)
 
 
-def test_random_crops_and_flips_are_windows_drawn_per_image_from_the_key():
-  x = jnp.asarray(np.arange(2 * 32 * 32 * 3, dtype=np.float32).reshape(2, 32, 32, 3))
-  seen = set()
-  for seed in range(60):
+def test_random_crops_are_one_window_per_batch_and_flips_per_image():
+  """As google-research/federated's ``preprocess_cifar_example`` on a batch
+  (``tf.image.random_crop`` of [B, 32, 32, 3] to [B, 24, 24, 3]: one offset
+  per dimension, so one window for the batch; ``random_flip_left_right``:
+  each image on its own): every window and both flips reached, from the key."""
+  x = jnp.asarray(np.arange(3 * 32 * 32 * 3, dtype=np.float32).reshape(3, 32, 32, 3))
+  seen, flips = set(), set()
+  for seed in range(80):
     out = np.asarray(inputs.random_crop_flip(jax.random.key(seed), x, 24, 24))
-    for i in range(2):
+    windows = set()
+    for i in range(3):
       img = np.asarray(x[i])
       match = [(t, l, f) for t in range(9) for l in range(9) for f in (False, True)
                if np.array_equal(out[i], (img[t:t + 24, l:l + 24][:, ::-1] if f
                                           else img[t:t + 24, l:l + 24]))]
       assert len(match) == 1, (seed, i)
-      seen.add(match[0])
-  tops, lefts, flips = ({m[k] for m in seen} for k in range(3))
-  assert tops == set(range(9)) and lefts == set(range(9)) and flips == {False, True}
+      windows.add(match[0][:2])
+      flips.add(match[0][2])
+    assert len(windows) == 1  # one window for the batch
+    seen |= windows
+  assert {t for t, _ in seen} == set(range(9)) and {l for _, l in seen} == set(range(9))
+  assert flips == {False, True}
   a = inputs.random_crop_flip(jax.random.key(1), x, 24, 24)
   b = inputs.random_crop_flip(jax.random.key(1), x, 24, 24)
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the key decides
@@ -88,7 +96,7 @@ def test_cli_records_the_pipeline_and_refuses_it_elsewhere(tmp_path, made_not_re
             '--cifar100_test=tff_clients']
   parse_flags(*common, '--cifar100_preprocess=reddi', f'--output_dir={tmp_path}/reddi')
   (summary,) = cli.main_job().values()
-  assert 'inputs: reddi, random 24x24 crops' in capsys.readouterr().out
+  assert 'inputs: reddi, a random 24x24 crop of each training batch' in capsys.readouterr().out
   assert np.isfinite(summary['loss_weighted'])
   written = json.load(open(os.path.join(tmp_path, 'reddi', 'fedavg', 'summary.json')))
   assert written['identity']['data']['options']['cifar100_preprocess'] == 'reddi'

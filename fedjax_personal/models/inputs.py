@@ -3,8 +3,9 @@
 Reddi et al. ("Adaptive Federated Optimization", arXiv 2003.00295) train
 CIFAR-100 on distorted images: google-research/federated's
 ``utils/datasets/cifar100_dataset.py`` casts each image to float32, takes a
-random 24x24 crop and a random left-right flip of each training image
-(drawn again each time an image is visited: the map follows the repeat),
+random 24x24 crop of each training batch (one window for the batch: its map
+follows ``.batch``) and a random left-right flip of each image (drawn again
+each time: the map follows the repeat),
 the central 24x24 crop of each test image
 (``tf.image.resize_with_crop_or_pad``), then
 ``tf.image.per_image_standardization`` on both. ``InputTransform`` holds the
@@ -81,13 +82,15 @@ def centre_crop(x, height: int, width: int):
 
 
 def random_crop_flip(key, x, height: int, width: int):
-  """``tf.image.random_crop`` then ``tf.image.random_flip_left_right`` of
-  each image of [B, H, W, C]: a window at offsets drawn uniformly in ``[0,
-  H - height]`` x ``[0, W - width]``, mirrored left-right with probability
-  1/2, each image its own draws from ``key``.
+  """``tf.image.random_crop`` then ``tf.image.random_flip_left_right`` of a
+  batch [B, H, W, C], as google-research/federated applies them (to the
+  batch, after ``.batch``): one window for the whole batch, at offsets drawn
+  uniformly in ``[0, H - height]`` x ``[0, W - width]`` (``random_crop`` of
+  a 4-D tensor draws one offset per dimension), then each image mirrored
+  left-right with probability 1/2 on its own.
 
   Args:
-    key: draws each image's crop and flip.
+    key: draws the batch's crop and each image's flip.
     x: images [B, H, W, C].
     height: the crop's height.
     width: the crop's width.
@@ -95,13 +98,12 @@ def random_crop_flip(key, x, height: int, width: int):
   Returns:
     The crops.
   """
-  def one(k, img):
-    k_top, k_left, k_flip = jax.random.split(k, 3)
-    top = jax.random.randint(k_top, (), 0, img.shape[0] - height + 1)
-    left = jax.random.randint(k_left, (), 0, img.shape[1] - width + 1)
-    out = jax.lax.dynamic_slice(img, (top, left, 0), (height, width, img.shape[2]))
-    return jnp.where(jax.random.bernoulli(k_flip), out[:, ::-1], out)
-  return jax.vmap(one)(jax.random.split(key, x.shape[0]), x)
+  k_top, k_left, k_flip = jax.random.split(key, 3)
+  top = jax.random.randint(k_top, (), 0, x.shape[1] - height + 1)
+  left = jax.random.randint(k_left, (), 0, x.shape[2] - width + 1)
+  out = jax.lax.dynamic_slice(x, (0, top, left, 0), (x.shape[0], height, width, x.shape[3]))
+  flip = jax.random.bernoulli(k_flip, shape=(x.shape[0],))
+  return jnp.where(flip[:, None, None, None], out[:, :, ::-1], out)
 
 
 def reddi_cifar100(crop: int = 24) -> InputTransform:
@@ -119,7 +121,8 @@ def reddi_cifar100(crop: int = 24) -> InputTransform:
           random_crop_flip(key, x.astype(jnp.float32), crop, crop)),
       evaluate=lambda x: per_image_standardization(centre_crop(x.astype(jnp.float32), crop,
                                                                crop)),
-      description=f'random {crop}x{crop} crops and left-right flips of training images, the '
+      description=f'a random {crop}x{crop} crop of each training batch and left-right flips of '
+                  f'its images, the '
                   f'central {crop}x{crop} of the others, each standardized '
                   '(tf.image.per_image_standardization): Reddi et al.\'s CIFAR-100 task')
 
