@@ -246,5 +246,6 @@ def plot_figure_1(curves, stragglers, directory) -> str:
 
 
 if __name__ == '__main__':
-  script_entry.run_script(main, kept='the trials finished so far are kept under <output_dir>/trials; '
-                          'the same command continues from them', settings=FedProxFigure)
+  script_entry.run_script(main, kept='the trials finished so far are kept under '
+                          '<output_dir>/trials; the same command continues from them',
+                          settings=FedProxFigure)

@@ -192,3 +192,33 @@ def test_reddi_flagfiles_use_the_publishers_settings(task):
     length = tables['Shakespeare Character Prediction']['Character sequence length']['Value']
     assert shakespeare.ShakespeareOptions().sequence_length == int(length)
     assert 'seq_len' not in flags
+
+
+def test_emnist_and_cifar100_inputs_equal_the_publishers():
+  """EMNIST (``--emnist_pixels=tff``): its test batch, pixels as they are
+  with a channel, and its training batches of 3 over a client of 7 (sizes
+  3, 3, 1, every row once); CIFAR-100 (``--cifar100_preprocess=reddi``): its
+  test batch, the central 24x24 standardized, and training batches of 24x24
+  windows, every image in a batch cropped at one window."""
+  from fedjax_personal.core import batching as batching_lib
+  from fedjax_personal.datasets import emnist
+  from fedjax_personal.models import inputs
+  import jax
+  pixels, labels = PEER.emnist_client()
+  got = emnist.preprocess_batch_tff({'pixels': pixels, 'label': labels, 'domain_id': labels * 0})
+  np.testing.assert_array_equal(got['x'], REF['emnist_test_x'])
+  np.testing.assert_array_equal(got['y'], REF['emnist_test_y'])
+  idx, mask = batching_lib.batch_indices(jax.random.key(0), jnp.int32(7), 7,
+                                         batching_lib.Batching(PEER.EMNIST_BATCH, num_epochs=1))
+  np.testing.assert_array_equal(np.asarray(mask).sum(1), REF['emnist_batches'])
+  rows = np.asarray(idx)[np.asarray(mask)]
+  np.testing.assert_array_equal(np.sort(labels[rows]), REF['emnist_train_labels'])
+  np.testing.assert_allclose(np.sort(pixels[rows].reshape(7, -1).sum(1)),
+                             REF['emnist_train_pixel_sums'], rtol=1e-6)
+  images, image_labels = PEER.cifar100_client()
+  t = inputs.reddi_cifar100()
+  np.testing.assert_allclose(np.asarray(t.evaluate(jnp.asarray(images))), REF['cifar_test_x'],
+                             rtol=1e-5, atol=1e-5)
+  shapes = [np.asarray(t.train(jax.random.key(k), jnp.asarray(images[2 * k:2 * k + 2]))).shape
+            for k in range(2)]
+  np.testing.assert_array_equal(shapes, REF['cifar_train_shapes'])

@@ -218,7 +218,8 @@ path = os.path.join(CACHE, 'built.sqlite')
 with fedjax.SQLiteFederatedDataBuilder(path) as builder:
   builder.add_many([(b'k1', {'x': np.arange(6).reshape(3, 2), 't': np.array([b'a', b'bc', b''],
                                                                           dtype=object)}),
-                    (b'k0', {'x': np.ones((1, 2), np.float32), 't': np.array([b'z'], dtype=object)})])
+                    (b'k0', {'x': np.ones((1, 2), np.float32),
+                             't': np.array([b'z'], dtype=object)})])
 built = fedjax.SQLiteFederatedData.new(path)
 R['built_ids'] = list(built.client_ids())
 R['built_sizes'] = [s for _, s in built.client_sizes()]

@@ -30,6 +30,11 @@ paper's TensorFlow). Recorded:
   the first batch and ``SparseCategoricalCrossentropy(from_logits=True)``
   of them, as this Keras applies the output's mask (``masked``) and as a
   loss that does not (``unmasked``: the logits as a plain tensor).
+- EMNIST (``utils/datasets/emnist_dataset.py``, its task builder given a
+  made client and test set): the training batches' sizes and rows (as a set:
+  its shuffle is unseeded) and the test batch; CIFAR-100
+  (``cifar100_dataset.py``): the test batch (central crop, standardized) and
+  the training batches' sizes and shapes (its crop is drawn unseeded).
 - Server steps: three ``apply_gradients`` of -Delta (TFF's server update)
   by SGD, SGD with momentum 0.9, Adagrad (initial accumulator 0), Adam and
   its Yogi (initial accumulator 0), each at a learning rate and epsilon.
@@ -58,6 +63,23 @@ SERVER = [('sgd', dict(learning_rate=0.5)),
           ('yogi', dict(learning_rate=0.01, initial_accumulator_value=0.0, epsilon=1e-3))]
 
 
+EMNIST_BATCH, CIFAR_BATCH = 3, 2
+
+
+def emnist_client():
+  """Seven 28x28 images (TFF's float pixels, ink 0) and labels."""
+  rng = np.random.default_rng(6)
+  return rng.random((7, 28, 28)).astype(np.float32), rng.integers(0, 62, 7).astype(np.int32)
+
+
+def cifar100_client():
+  """Five 32x32x3 uint8 images (one constant) and labels."""
+  rng = np.random.default_rng(7)
+  images = rng.integers(0, 256, (5, 32, 32, 3)).astype(np.uint8)
+  images[3] = 9
+  return images, rng.integers(0, 100, 5).astype(np.int64)
+
+
 def server_deltas():
   """x_0 and the three mean model changes Delta_t the server steps apply."""
   rng = np.random.default_rng(3)
@@ -78,12 +100,29 @@ def _load(root, relative, name):
   return module
 
 
-def _stand_in_tff():
+class _MadeClientData:
+  """What a task builder gets from ``tff.simulation.datasets.<task>.
+  load_data()``: ``preprocess(fn)`` keeps ``fn`` (applied here to a made
+  client); ``create_tf_dataset_from_all_clients()`` is the made test set."""
+
+  def __init__(self, pooled=None):
+    self.pooled, self.fn = pooled, None
+
+  def preprocess(self, fn):
+    self.fn = fn
+    return self
+
+  def create_tf_dataset_from_all_clients(self):
+    return self.pooled
+
+
+def _stand_in_tff(tasks):
   tff = types.ModuleType('tensorflow_federated')
   tff.tf_computation = lambda *a, **k: (lambda f: f)
   tff.SequenceType = lambda *a, **k: None
-  tff.simulation = types.SimpleNamespace()
+  tff.simulation = types.SimpleNamespace(datasets=types.SimpleNamespace(**tasks))
   sys.modules['tensorflow_federated'] = tff
+  collections.Iterable = collections.abc.Iterable  # its Python's name (gone in 3.10)
 
 
 def _rows(dataset):
@@ -108,8 +147,41 @@ def main():
   p.add_argument('--out', required=True)
   a = p.parse_args()
   import tensorflow as tf  # noqa: PLC0415  (its own venv)
-  _stand_in_tff()
+  pixels, labels = emnist_client()
+  images, image_labels = cifar100_client()
+  emnist_data = (_MadeClientData(), _MadeClientData(tf.data.Dataset.from_tensor_slices(
+      collections.OrderedDict(label=labels, pixels=pixels))))
+  cifar_data = (_MadeClientData(), _MadeClientData(tf.data.Dataset.from_tensor_slices(
+      collections.OrderedDict(coarse_label=image_labels // 5, image=images,
+                              label=image_labels))))
+  _stand_in_tff({
+      'emnist': types.SimpleNamespace(load_data=lambda only_digits=False: emnist_data),
+      'cifar100': types.SimpleNamespace(load_data=lambda: cifar_data)})
   out = {'tensorflow': np.array(tf.__version__)}
+
+  emnist = _load(a.federated, 'utils/datasets/emnist_dataset.py', 'emnist_dataset')
+  train, test = emnist.get_emnist_datasets(client_batch_size=EMNIST_BATCH,
+                                           client_epochs_per_round=1)
+  client = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(label=labels,
+                                                                      pixels=pixels))
+  batches = list(train.fn(client))  # shuffled unseeded: its rows as a set, its batch sizes
+  out['emnist_batches'] = np.array([len(y) for _, y in batches])
+  out['emnist_train_labels'] = np.sort(np.concatenate([y.numpy() for _, y in batches]))
+  out['emnist_train_pixel_sums'] = np.sort(np.concatenate(
+      [x.numpy().reshape(len(x), -1).sum(1) for x, _ in batches]))
+  (x, y), = list(test)
+  out['emnist_test_x'], out['emnist_test_y'] = x.numpy(), y.numpy()
+
+  cifar = _load(a.federated, 'utils/datasets/cifar100_dataset.py', 'cifar100_dataset')
+  train, test = cifar.get_federated_cifar100(client_epochs_per_round=1,
+                                             train_batch_size=CIFAR_BATCH, crop_shape=(24, 24, 3))
+  (x, y), = list(test)
+  out['cifar_test_x'], out['cifar_test_y'] = x.numpy(), y.numpy()
+  client = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+      coarse_label=image_labels // 5, image=images, label=image_labels))
+  batches = list(train.fn(client))
+  out['cifar_batches'] = np.array([len(y) for _, y in batches])  # drop_remainder=True
+  out['cifar_train_shapes'] = np.array([list(x.shape) for x, _ in batches])
 
   so = _load(a.federated, 'utils/datasets/stackoverflow_dataset.py', 'so_dataset')
   posts = collections.OrderedDict(

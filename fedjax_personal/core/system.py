@@ -59,8 +59,8 @@ from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.hparams import Declared, hparam
 
-__all__ = ['available', 'ClientSystem', 'draw', 'draw_cohort', 'file_problems', 'PARTIAL_WORK', 'prepare',
-           'read_values', 'RoundSystem', 'SettingError', 'step_limit', 'SYSTEM_DRAWS',
+__all__ = ['available', 'ClientSystem', 'draw', 'draw_cohort', 'file_problems', 'PARTIAL_WORK',
+           'prepare', 'read_values', 'RoundSystem', 'SettingError', 'step_limit', 'SYSTEM_DRAWS',
            'SystemConfig', 'system_metrics', 'uploading', 'without']
 
 #: What an algorithm does with a straggler's partial work (``AlgorithmSpec.partial_work``).
