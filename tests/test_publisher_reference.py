@@ -177,8 +177,11 @@ def test_reddi_flagfiles_use_the_publishers_settings(task):
   assert int(flags['cohort_size']) == int(defaults['Clients per round'])
   assert int(flags['batch_size']) == int(defaults['Batch size'])
   assert int(flags['rounds']) == int(defaults['Total rounds'])
-  assert int(flags['local_epochs']) == int(tables['Cross-task hyperparameters'][
-      'Number of client epochs']['Value'])
+  cross = tables['Cross-task hyperparameters']
+  assert int(flags['local_epochs']) == int(cross['Number of client epochs']['Value'])
+  assert flags['cohort_sampler'] == 'tff' and 'cohort_seed' not in flags  # its default, 1
+  from fedjax_personal.run.settings import ExperimentSettings
+  assert ExperimentSettings().cohort_seed == int(cross['Client sampling seed']['Value'])
   if task == 'stackoverflow_word':
     so = tables['Stack Overflow NWP']
     assert int(flags['max_client_examples']) == int(so['Max examples per client']['Value'])
@@ -222,3 +225,25 @@ def test_emnist_and_cifar100_inputs_equal_the_publishers():
   shapes = [np.asarray(t.train(jax.random.key(k), jnp.asarray(images[2 * k:2 * k + 2]))).shape
             for k in range(2)]
   np.testing.assert_array_equal(shapes, REF['cifar_train_shapes'])
+
+
+def test_tff_cohorts_are_the_publishers():
+  """--cohort_sampler=tff: round r's cohort is google-research/federated's
+  ``build_sample_fn`` draw (and FedJAX's ``UniformGetClientSampler``'s, the
+  same Lehmer-seeded ``RandomState.choice``), whatever the run's keys."""
+  import jax
+  from fedjax_personal.core.sampling import CohortSampler
+  from fedjax_personal.fedjax.core.client_samplers import get_pseudo_random_state
+  sampler = CohortSampler(20, cohort_size=4, tff_seed=1, rounds=6)
+  for r in range(6):
+    want = get_pseudo_random_state(1, r).choice(np.arange(20), size=4, replace=False)
+    for key in (0, 9):
+      got = sampler(jax.random.key(key), round_num=r)
+      np.testing.assert_array_equal(np.asarray(got.idx), want)
+  # The publisher's code: RandomState(pow(16807, r, M) * start % M).choice(ids, 4, replace=False).
+  start = np.random.RandomState(1).randint(1, 2 ** 31 - 2)
+  ids = np.array([f'c{i:02d}' for i in range(20)])
+  theirs = np.random.RandomState(pow(16807, 3, 2 ** 31 - 1) * start % (2 ** 31 - 1)).choice(
+      ids, size=4, replace=False)
+  np.testing.assert_array_equal(ids[np.asarray(sampler(jax.random.key(0), round_num=3).idx)],
+                                theirs)

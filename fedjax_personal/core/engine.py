@@ -206,7 +206,7 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
     k_cohort, k_clients = jax.random.split(key)
     online = system_lib.available(system, k_cohort, round_num, n_clients)
     if cohort is None:
-      cohort = sampler(k_cohort, available=online)
+      cohort = sampler(k_cohort, available=online, round_num=round_num)
       data_rows = cohort.idx
     else:
       data_rows = jnp.arange(cohort.idx.shape[0], dtype=jnp.int32)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-__all__ = ['client_keys', 'Cohort', 'CohortSampler']
+__all__ = ['tff_schedule', 'client_keys', 'Cohort', 'CohortSampler']
 
 
 @struct.dataclass
@@ -74,11 +74,22 @@ class CohortSampler:
   ``eligible`` restricts the draw to clients ``0 .. eligible - 1`` (the rest
   are evaluated only, e.g. TFF's held-out CIFAR-100 test clients); padded
   slots still hold ``num_clients``.
+
+  ``tff_seed`` draws the cohorts as google-research/federated's code does
+  (``utils/training_utils.build_sample_fn``, Reddi et al.'s runs; FedJAX's
+  ``UniformGetClientSampler`` the same): round r's ``cohort_size`` clients
+  are ``RandomState(16807^r s mod (2^31 - 1)).choice(clients,
+  replace=False)``, ``s`` the first ``randint(1, 2^31 - 2)`` of
+  ``RandomState(tff_seed)``, the clients in the data set's order; the
+  ``rounds`` rounds' cohorts are drawn once (``tff_schedule``) and round r
+  reads row ``r mod rounds``.
   """
   num_clients: int
   cohort_size: Optional[int] = None
   participation: Optional[float] = None
   eligible: Optional[int] = None
+  tff_seed: Optional[int] = None
+  rounds: int = 0
 
   @property
   def drawn(self) -> int:
@@ -98,6 +109,11 @@ class CohortSampler:
                        f'got {self.cohort_size}')
     if self.participation is not None and not 0 < self.participation <= 1:
       raise ValueError(f'participation must be in (0, 1], got {self.participation}')
+    if self.tff_seed is not None:
+      if self.cohort_size is None or self.rounds < 1:
+        raise ValueError('tff_seed draws cohort_size clients for each of rounds >= 1 rounds')
+      object.__setattr__(self, '_schedule', tff_schedule(self.drawn, self.cohort_size,
+                                                         self.tff_seed, self.rounds))
 
   @property
   def capacity(self) -> int:
@@ -105,7 +121,8 @@ class CohortSampler:
       return self.cohort_size
     return max(1, _binomial_capacity(self.drawn, self.participation))
 
-  def __call__(self, key: jax.Array, available: Optional[jax.Array] = None) -> Cohort:
+  def __call__(self, key: jax.Array, available: Optional[jax.Array] = None,
+               round_num=0) -> Cohort:
     """The cohort drawn with ``key``.
 
     Args:
@@ -113,10 +130,15 @@ class CohortSampler:
       available: bool [N], the clients online this round (``system.
         available``), or None: every client. Only online clients are drawn;
         a cohort of ``cohort_size`` with fewer online has padded slots.
+      round_num: the round (traced int; the ``tff_seed`` schedule's row).
 
     Returns:
       The ``Cohort``.
     """
+    if self.tff_seed is not None:
+      table = jnp.asarray(self._schedule)
+      idx = table[jnp.asarray(round_num, jnp.int32) % table.shape[0]]
+      return Cohort(idx=idx, mask=jnp.ones(self.cohort_size, bool))
     if available is not None:
       return self._among(key, available)
     n, drawn = self.num_clients, self.drawn
@@ -178,6 +200,26 @@ class CohortSampler:
     idx = jnp.where(mask, order, n).astype(jnp.int32)
     perm = jnp.argsort(idx)  # ascending, padding (N) last
     return Cohort(idx=idx[perm], mask=mask[perm])
+
+
+def tff_schedule(num_clients: int, cohort_size: int, seed: int, rounds: int) -> np.ndarray:
+  """google-research/federated's cohorts of rounds 0 .. rounds - 1
+  (``build_sample_fn``: a Lehmer generator seeds each round's
+  ``RandomState``, whose ``choice`` draws without replacement).
+
+  Args:
+    num_clients: the clients drawn from (in the data set's order).
+    cohort_size: clients a round.
+    seed: its ``client_datasets_random_seed``.
+    rounds: the rounds.
+
+  Returns:
+    int32 [rounds, cohort_size] client indices.
+  """
+  modulus, multiplier = 2 ** 31 - 1, 16807
+  start = np.random.RandomState(seed).randint(1, modulus - 1)
+  return np.stack([np.random.RandomState(pow(multiplier, r, modulus) * start % modulus).choice(
+      num_clients, size=cohort_size, replace=False) for r in range(rounds)]).astype(np.int32)
 
 
 @jax.jit

@@ -473,7 +473,8 @@ def draw_cohort(sampler, key, round_num=0, system=None):
     The ``Cohort``.
   """
   k = jax.random.split(key)[0]
-  return sampler(k, available=available(system, k, round_num, sampler.num_clients))
+  return sampler(k, available=available(system, k, round_num, sampler.num_clients),
+                 round_num=round_num)
 
 
 def uploading(cohort, shared):

@@ -207,6 +207,9 @@ def read(flag_values: Optional[flags.FlagValues] = None) -> RunSettings:
     raise ConfigError('dp_delta', 'does nothing: no requested algorithm runs DP-SGD '
                       '(--fedfomo_dp_clip_norm > 0)')
   system = fl.make(SystemConfig)
+  if experiment.cohort_sampler == 'tff' and (system.availability < 1 or system.availability_trace):
+    raise ConfigError('availability' if system.availability < 1 else 'availability_trace',
+                      'does nothing with --cohort_sampler=tff (its schedule draws every client)')
   for a in algorithms:
     for setting, problem in system.problems(a.training.batching())[:1]:
       raise ConfigError(setting, f'{a.spec.name}: {problem}')

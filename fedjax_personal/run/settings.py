@@ -62,6 +62,13 @@ class ExperimentSettings(Declared):
   participation: Optional[float] = hparam(None, 'Instead of cohort_size: each client active '
                                           'with this probability per round (FedDyn scheme).',
                                           minimum=0, maximum=1, open_min=True)
+  cohort_sampler: str = hparam('uniform', "How cohorts are drawn. uniform: from the run's keys "
+                               'inside the round; tff: as google-research/federated\'s code '
+                               "draws them (Reddi et al.'s runs; FedJAX's UniformGetClientSampler: "
+                               'a Lehmer-seeded NumPy choice per round, from --cohort_seed), the '
+                               "clients in the data set's order.", choices=('uniform', 'tff'))
+  cohort_seed: int = hparam(1, "--cohort_sampler=tff's seed (the publisher's "
+                            'client_datasets_random_seed, 1 in its runs).', minimum=0)
   eval_every: int = hparam(3, 'Evaluate every this many rounds (0: at the end only).', minimum=0)
   target_accuracy: Optional[float] = hparam(
       None, 'Report the first evaluated round whose mean accuracy reaches this fraction in '
@@ -99,6 +106,11 @@ class ExperimentSettings(Declared):
                           f'{list(algorithms_lib.REGISTRY)}')
     if self.cohort_size is not None and self.participation is not None:
       raise ConfigError('participation', 'give either --cohort_size or --participation, not both')
+    if self.cohort_sampler == 'tff' and self.participation is not None:
+      raise ConfigError('participation', 'does nothing with --cohort_sampler=tff (it draws '
+                        '--cohort_size clients a round)')
+    if self.cohort_sampler != 'tff' and self.cohort_seed != 1:
+      raise ConfigError('cohort_seed', 'seeds --cohort_sampler=tff only')
     if self.trials > 1 and self.sweep_seeds:
       raise ConfigError('trials', 'give --trials (mean ± std rows) or --sweep_seeds (one row per '
                         'seed), not both')
@@ -117,7 +129,9 @@ class ExperimentSettings(Declared):
     eligible = None if trained == n else trained
     if self.participation is not None:
       return CohortSampler(n, participation=self.participation, eligible=eligible)
-    return CohortSampler(n, cohort_size=self.cohort_size or trained, eligible=eligible)
+    tff = ({'tff_seed': self.cohort_seed, 'rounds': self.rounds}
+           if self.cohort_sampler == 'tff' else {})
+    return CohortSampler(n, cohort_size=self.cohort_size or trained, eligible=eligible, **tff)
 
   def row_label(self, name: str, config_label) -> str:
     """A table row's label: the algorithm and its swept values.
@@ -300,6 +314,8 @@ class RunSettings:
     return {**imports, 'data': data, 'data_fingerprint': fingerprint, 'model': model.model,
             'adapter_dim': model.adapter_dim, 'cohort_size': self.experiment.cohort_size,
             'participation': self.experiment.participation, 'seed': self.experiment.seed,
+            **({'cohort_sampler': ['tff', self.experiment.cohort_seed]}
+               if self.experiment.cohort_sampler == 'tff' else {}),
             **({'system': dataclasses.asdict(self.system)} if self.system.active else {}),
             **start, **({'num_processes': num_processes} if num_processes > 1 else {})}
 
