@@ -314,6 +314,8 @@ def test_a_deadline_makes_slow_clients_stragglers(digits, tmp_path):
     chex.assert_trees_all_close(state.params, want, atol=2e-5)
     assert int(m['stragglers']) == int((full > cap).sum())
     np.testing.assert_allclose(float(m['compute_time']), max(times), rtol=1e-6)
+    ran = np.minimum(full, cap) if alg_name == 'fedprox' else np.where(full > cap, 0, full)
+    assert int(m['local_steps']) == int(ran.sum())  # the work done: a dropped late one none
   assert system_lib.file_problems(config, 7)[0][0] == 'client_speeds'
 
 
@@ -334,7 +336,8 @@ def test_the_run_reports_its_devices(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   assert 'clients as devices: 50% of each cohort stragglers' in r.stdout
   rows = [json.loads(l) for l in open(out / 'fedprox' / 'metrics.jsonl')]
-  assert all({'stragglers', 'uploads_lost', 'available', 'compute_time'} <= set(x) for x in rows)
+  assert all({'stragglers', 'uploads_lost', 'available', 'compute_time', 'local_steps'} <= set(x)
+             for x in rows)
   assert (out / 'devices.png').stat().st_size > 1000
 
 

@@ -32,7 +32,8 @@ uploads. ``SystemConfig`` makes some of them devices that do not:
   would take longer is a straggler that did what its time allowed (PFLlib's
   time threshold; FedScale's device speeds), kept or dropped by the rule
   above. Each round reports ``compute_time``: the longest time a client
-  whose upload arrived worked, ``steps / speed``, in these units.
+  whose upload arrived worked, ``steps / speed``, in these units, and
+  ``local_steps``, the steps every sampled device ran.
 - **Availability** (``availability``, ``availability_trace``): a client is
   online in a round with a probability (each client, each round, apart), or
   as a file of on/off rounds says (FedScale's availability traces, by
@@ -325,6 +326,7 @@ class RoundSystem(NamedTuple):
     step_cap: int32 [C], the steps its deadline lets each client run.
     compute_time: float32, the longest time an uploading client worked.
     available: int32, the clients online this round (None: every client).
+    local_steps: int32, the local steps the sampled clients' devices ran.
   """
   straggler: jax.Array
   work_limit: jax.Array
@@ -332,6 +334,7 @@ class RoundSystem(NamedTuple):
   step_cap: Optional[jax.Array] = None
   compute_time: Optional[jax.Array] = None
   available: Optional[jax.Array] = None
+  local_steps: Optional[jax.Array] = None
 
 
 def draw(system, key, mask, batching: Batching, partial_work: str, counts=None,
@@ -384,10 +387,13 @@ def draw(system, key, mask, batching: Batching, partial_work: str, counts=None,
   lost = before | after | (straggler & (partial_work == 'drop'))
   # A client whose upload is lost anyway does no work (its result is discarded).
   limit = jnp.where(before | (lost & (partial_work == 'drop')), 0, limit)
+  work = None
   if counts is not None:
     worked = jnp.where(mask & ~lost, steps / speed, 0.0)
     time = jnp.max(worked, initial=0.0)
-  return RoundSystem(straggler, limit.astype(jnp.int32), lost, cap, time)
+    ran = jnp.where(limit == 0, 0, steps)  # a client that does no work (lost anyway) runs none
+    work = jnp.sum(jnp.where(mask, ran, 0)).astype(jnp.int32)
+  return RoundSystem(straggler, limit.astype(jnp.int32), lost, cap, time, None, work)
 
 
 def _full_steps(batching: Batching, counts, max_examples: int):
@@ -447,7 +453,8 @@ def system_metrics(system: RoundSystem, mask) -> dict:
 
   Returns:
     ``{'stragglers', 'uploads_lost'}`` (int32 scalars) and, when the round
-    knew its clients' work, ``compute_time``; with availability, ``available``.
+    knew its clients' work, ``compute_time`` and ``local_steps``; with
+    availability, ``available``.
   """
   out = {'stragglers': jnp.sum((system.straggler & mask).astype(jnp.int32)),
          'uploads_lost': jnp.sum((system.lost & mask).astype(jnp.int32))}
@@ -455,6 +462,8 @@ def system_metrics(system: RoundSystem, mask) -> dict:
     out['compute_time'] = system.compute_time
   if system.available is not None:
     out['available'] = system.available.astype(jnp.int32)
+  if system.local_steps is not None:
+    out['local_steps'] = system.local_steps
   return out
 
 

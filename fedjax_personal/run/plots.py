@@ -83,7 +83,8 @@ def plot_runs(histories: Dict[str, List[dict]], directory: str) -> List[str]:
 
 
 #: The round metrics of ``core.system`` that devices.png draws.
-DEVICE_KEYS = ('available', 'num_active', 'stragglers', 'uploads_lost', 'compute_time')
+DEVICE_KEYS = ('available', 'num_active', 'stragglers', 'uploads_lost', 'local_steps',
+               'compute_time')
 
 
 def plot_devices(histories: Dict[str, List[dict]], directory: str) -> List[str]:
