@@ -2,7 +2,7 @@
 
 import dataclasses
 import math
-from typing import Optional
+from typing import ClassVar, Optional
 
 from flax import struct
 import jax
@@ -90,6 +90,8 @@ class CohortSampler:
   eligible: Optional[int] = None
   tff_seed: Optional[int] = None
   rounds: int = 0
+  #: The ``tff_seed`` cohorts, [rounds, cohort_size] (set when made; not a field).
+  _schedule: ClassVar[Optional[np.ndarray]] = None
 
   @property
   def drawn(self) -> int:

@@ -189,7 +189,7 @@ class SystemConfig(Declared):
 
 def full_work(batching: Batching) -> int:
   """E, a client's full local work in epochs (or K in steps)."""
-  return batching.num_steps if batching.num_steps is not None else batching.num_epochs
+  return int(batching.num_steps if batching.num_steps is not None else batching.num_epochs or 0)
 
 
 def read_values(path: str, what: str) -> np.ndarray:

@@ -50,7 +50,7 @@ class RepeatableIterator:
     repeatable = isinstance(base, (list, tuple, dict, str, bytes))
     self._first_pass = not repeatable
     self._iter = iter(base)
-    self._buf = base if repeatable else []
+    self._buf: Any = base if repeatable else []
 
   def __iter__(self) -> Iterator[Any]:
     return self
