@@ -175,8 +175,11 @@ def emnist_store(tmp_path_factory):
                                data_dir=str(folder)))
 
 
-@pytest.mark.parametrize('alg_name', ['fedprox', 'ditto'])
-def test_host_layout_equals_device_layout_with_stragglers_and_dropouts(emnist_store, alg_name):
+@pytest.mark.parametrize('alg_name,executor', [('fedprox', 'vmap'), ('ditto', 'vmap'),
+                                               ('fedprox', 'sequential'),
+                                               ('fedprox', 'blocked_threads')])
+def test_host_layout_equals_device_layout_with_stragglers_and_dropouts(emnist_store, alg_name,
+                                                                       executor):
   """The same online clients, stragglers, deadline, partial work and lost
   uploads when the cohort's examples and rows are gathered from the host."""
   store = emnist_store
@@ -190,9 +193,7 @@ def test_host_layout_equals_device_layout_with_stragglers_and_dropouts(emnist_st
   for data, pop in ((to_device(store.padded()), None), (HostData(store, block=4, smallest=4),
                                                          population)):
     alg = algorithms.build(alg_name, model, pop or data, training=training)
-    runner = RoundRunner(alg, data, sampler, fp.create_executor('vmap', model,
-                                                                population.sample_x),
-                         system=config)
+    runner = RoundRunner(alg, data, sampler, EXECUTORS[executor](), system=config)
     state, history = run(runner, 3, seed=2, eval_every=3)
     out.append((runner.whole_state(state) if pop is not None else state, history))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
