@@ -96,7 +96,7 @@ def test_two_processes_equal_one_and_resume(tmp_path):
               if l.strip() and '[Gloo]' not in l and 'peer ranks' not in l]
   # Process 0 alone wrote the run's files; every process took part in the checkpoints.
   assert sorted(os.listdir(two)) == ['accuracy.png', 'client_accuracy_hist.png', 'comparison.json',
-                                     'ditto', 'fedavg', 'identity.json']
+                                     'ditto', 'fedavg', 'identity.json', 'tensorboard']
   # Resumed by two processes: the same records as one process's uninterrupted run.
   results = finish(launch([*args, '--rounds=3', f'--output_dir={two}', '--resume']))
   assert [r[0] for r in results] == [0, 0], results[0][2][-3000:]

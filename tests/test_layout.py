@@ -7,6 +7,7 @@ run (loop, outputs, CLI). A layer
 imports only the layers below it; no module is over 600 lines."""
 
 import ast
+import re
 import os
 import subprocess
 import sys
@@ -239,3 +240,26 @@ def test_flags_are_read_by_the_entry_alone():
   assert set(found) <= {'fedjax_personal.run.script_entry'}, found  # parsing argv
   cli = open(modules()['fedjax_personal.run.cli']).read()
   assert cli.count('read(FLAGS)') == 1
+
+
+def test_no_message_under_core_names_a_flag():
+  """The engine does not know the command line: no string under ``core/``
+  but docstrings and comments names a ``--flag`` (its errors name settings
+  and values; the entry turns a setting into its flag)."""
+  core = os.path.join(ROOT, 'fedjax_personal', 'core')
+  bad = []
+  for base, _, files in os.walk(core):
+    for f in files:
+      if not f.endswith('.py'):
+        continue
+      path = os.path.join(base, f)
+      tree = ast.parse(open(path).read())
+      docs = {id(n.body[0].value) for n in ast.walk(tree)
+              if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+              and n.body and isinstance(n.body[0], ast.Expr)
+              and isinstance(n.body[0].value, ast.Constant)}
+      for n in ast.walk(tree):
+        if (isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+            and re.search(r'(^|[\s(\'"=])--[a-z]', n.value)):
+          bad.append(f'{os.path.relpath(path, ROOT)}:{n.lineno}: {n.value[:60]!r}')
+  assert not bad, bad

@@ -50,7 +50,7 @@ def test_ditto_10k_on_16_and_80_gb():
   # 80 GB: the whole cohort at once.
   assert memory.block_size(full, 80 * GB) is None
   # 16 GB: 16 GB of rows do not fit one device; the message says what would.
-  with pytest.raises(ConfigError, match='shard over 2 devices or more, or lower --cohort_size'):
+  with pytest.raises(ConfigError, match='shard over 2 devices or more, or a smaller cohort_size'):
     memory.block_size(full, 16 * GB)
   # Two 16 GB devices: each holds half the rows, in blocks.
   b = memory.block_size(full, 16 * GB, num_devices=2)

@@ -56,7 +56,7 @@ def test_personal_parts_are_the_seeds():
   assert 'block_2/unit_0/adapter2/conv/kernel' in adapter
   assert not any('down_norm' in k or k.endswith('conv1/kernel') for k in adapter)
   _, plain = _params('transformer_lm_tiny', 50, jnp.zeros((1, 8), jnp.int32))
-  with pytest.raises(ValueError, match='give --adapter_dim'):
+  with pytest.raises(ValueError, match='its adapter_dim is 0'):
     make_split('adapter', plain)
 
 

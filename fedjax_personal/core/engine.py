@@ -65,7 +65,7 @@ class EngineConfig(Declared):
   client_state: str = hparam('auto', 'Host layout: where client rows (personal models, control '
                              'variates, FedDyn gradients, persistent client optimizers) live. '
                              'memory: host memory, all made at the start; disk: files under '
-                             '--output_dir/client_rows, a row written when its client first '
+                             'client_rows/ in the output folder, a row written when its client first '
                              'trains (a client never met costs nothing); auto: memory unless the '
                              'rows take more than half the available memory.',
                              choices=('auto', 'memory', 'disk'))
@@ -327,8 +327,8 @@ class RoundRunner:
       raise ValueError(f'sampler has {sampler.num_clients} clients, data has '
                        f'{population.num_clients}')
     if self.host is not None and jax.process_count() > 1:
-      raise ValueError('the host layout runs on one process; several processes use '
-                       '--layout=device')
+      raise ValueError("the host layout runs on one process; several processes use the layout "
+                       "'device'")
     self.matmul_precision = numerics.check_precision(matmul_precision)
     algorithm = algorithm.at_matmul_precision(self.matmul_precision)
     self.algorithm = algorithm
@@ -555,7 +555,8 @@ class RoundRunner:
     """The fused round (the device layout) lowered for XLA, before it
     compiles: its ``as_text()`` is the StableHLO the engine traced."""
     if self.host is not None:
-      raise ValueError('the host layout compiles one round per cohort shape; use --layout=device')
+      raise ValueError("the host layout compiles one round per cohort shape; use the layout "
+                       "'device'")
     if not self.executor.fused:
       raise ValueError(f'{self.executor.describe()} dispatches client work from Python: '
                        'no single compiled round')

@@ -78,7 +78,7 @@ def create_executor(name: str = 'auto', model=None, sample_x=None,
   if jax.default_backend() == 'cpu':
     host.tune_allocator()
   if jax.process_count() > 1 and name not in ('auto', 'sharded'):
-    raise ValueError(f'--executor={name} runs on one process; with {jax.process_count()} '
+    raise ValueError(f'executor {name!r} runs on one process; with {jax.process_count()} '
                      'processes the client axis is sharded over all of them: use sharded or auto')
   if name == 'auto':
     return _auto(model, sample_x, block_size, num_threads)

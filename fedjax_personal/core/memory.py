@@ -214,7 +214,7 @@ def block_size(need: Need, free_bytes: int, num_devices: int = 1) -> Optional[in
   raise ConfigError('executor', f'a round needs {need.total(1, num_devices) / GB:.1f} GB per '
                     f'device ({need.resident(num_devices) / GB:.1f} GB of state and stacked '
                     f'cohort outputs), the device has {free_bytes / GB:.1f} GB free: shard over '
-                    f'{devices} devices or more, or lower --cohort_size')
+                    f'{devices} devices or more, or a smaller cohort_size')
 
 
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')

@@ -132,7 +132,7 @@ def make_split(spec: str, params) -> ParamSplit:
     pred = lambda p: p.split('/')[0] != head
   elif spec == 'adapter':
     if not any('adapter' in p for p in flatten(params)):
-      raise ValueError("personal part 'adapter': the model has no adapters (give --adapter_dim)")
+      raise ValueError("personal part 'adapter': the model has no adapters (its adapter_dim is 0)")
     pred = lambda p: any('adapter' in part or part.startswith('norm') for part in p.split('/'))
   elif spec.startswith('block:'):
     block = f'block_{spec[len("block:"):]}'

@@ -108,7 +108,7 @@ def check_dp(config: DPConfig):
   """
   if config.dp_noise_multiplier and not config.dp_clip_norm:
     raise ConfigError(f'{config.prefix}_dp_noise_multiplier',
-                      f'needs --{config.prefix}_dp_clip_norm > 0')
+                      f'needs {config.prefix}_dp_clip_norm > 0')
 
 
 def dp_privacy(config: DPConfig, data, batching, steps: Callable) -> Privacy:

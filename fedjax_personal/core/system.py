@@ -88,13 +88,13 @@ class SystemConfig(Declared):
   prefix: ClassVar[Optional[str]] = None
   stragglers: float = hparam(0.0, 'Fraction of each round\'s sampled clients that are '
                              'stragglers, doing 1 .. E - 1 of their E local epochs (or 1 .. K - 1 '
-                             'of their --local_steps), drawn as FedProx\'s code draws them; the '
+                             'of their K local_steps), drawn as FedProx\'s code draws them; the '
                              "algorithm keeps (fedprox, fednova) or drops (the others) their "
                              'partial work. The same clients for every algorithm of a run.',
                              minimum=0, maximum=1)
   local_work_min: Optional[int] = hparam(None, 'Each sampled client that is not a straggler '
                                          'does a uniform draw of this many .. E local epochs '
-                                         '(or .. K --local_steps) each round, FedNova\'s '
+                                         '(or .. K local_steps) each round, FedNova\'s '
                                          'experiments (2 .. 5). Default: all E.', minimum=1)
   drop_before: float = hparam(0.0, 'Probability that a sampled client drops out before it '
                               'trains: no work, no upload.', minimum=0, maximum=1,

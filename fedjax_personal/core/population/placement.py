@@ -400,8 +400,8 @@ def choose(requested: str, padded_bytes: int, free_bytes: Optional[int],
   fits = free_bytes is None or padded_bytes <= DEVICE_DATA_SHARE * free_bytes
   if requested == 'device':
     if free_bytes is not None and padded_bytes > free_bytes:
-      raise ConfigError('layout', f'--layout=device: {need}, {free}; give '
-                        '--max_client_examples=N (TFF caps at 1000) or --layout=host')
+      raise ConfigError('layout', f"'device': {need}, {free}; cap each client's examples "
+                        "(max_client_examples=N; TFF caps at 1000) or take the layout 'host'")
     return 'device', f'asked for; {need}, {free}'
   if requested == 'host':
     return 'host', f'asked for; {need}, {free}'
