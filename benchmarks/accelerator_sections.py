@@ -164,7 +164,7 @@ def models_section(smoke, chosen=None):
       print(f'{model_name:9s} {n:>6,} clients, conv {conv}, {precision}: '
             f'{row["round_s"]:.4f} s/round (first {first:.1f} s), {row["executor"]}', flush=True)
       emit(row)
-      del runner, state, box, data
+      runner = state = box = data = None  # freed before the next row
     except Exception as e:  # out of memory, a kernel the backend lacks: reported
       emit({'section': 'models', 'model': model_name, 'clients': n, 'conv_impl': conv,
             'precision': precision, 'error': f'{type(e).__name__}: {str(e)[:300]}'})
@@ -277,7 +277,7 @@ def populations_section(smoke, work_dir, chosen=None):
       print(f'{label}: {row["round_s"]:.3f} s/round (first {first:.1f} s), '
             f'{row["executor"]}', flush=True)
       emit(row)
-      del runner, box
+      runner = box = None  # freed before the next row
     except Exception as e:
       emit({'section': 'populations', 'label': label, 'error': f'{type(e).__name__}: {str(e)[:300]}'})
 

@@ -16,7 +16,7 @@ changed, and ``.store`` hands the same clients to this project's rounds.
 """
 
 import os
-from typing import Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 

@@ -626,7 +626,7 @@ def usercentric_section(cfg):
       return m
     fedavg_s = _timed(fed_round, 3)
     max_streams = min(clients - 1, 20 if clients > 200 else clients - 1)
-    for label, kw in ((f'k-means k=4', dict(num_streams=4)),
+    for label, kw in (('k-means k=4', dict(num_streams=4)),
                       (f'silhouette 2..{max_streams}', dict(max_streams=max_streams))):
       alg = algorithms.build('usercentric', model, data, sigma_batch_size=10, recompute_every=2,
                              **common, **kw)
@@ -684,7 +684,6 @@ def memory_section(cfg):
   takes on 16 GB and 80 GB accelerators."""
   import types
   import numpy as np
-  import optax
   import fedjax_personal as fp
   from fedjax_personal import algorithms
   from fedjax_personal.core import memory

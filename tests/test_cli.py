@@ -101,7 +101,7 @@ def test_oracle_without_groups():
 #: Command lines the main script refuses: exit status 2, one line naming this.
 EXIT_2 = [
     (['--algorithm=nope'], '--algorithm'),
-    ([f'--dataset=tfds:mnist', f'--data_dir={os.path.join(ROOT, "tests")}'], 'not prepared'),
+    (['--dataset=tfds:mnist', f'--data_dir={os.path.join(ROOT, "tests")}'], 'not prepared'),
     (['--data_dir=/nonexistent/dir'], '/nonexistent/dir: --data_dir is not a folder'),
     (['--seed=-1'], '--seed: must be >= 0'),
     (['--data_seed=-2'], '--data_seed: must be >= 0'),

@@ -262,7 +262,6 @@ def _seed_lr_lambda(kind, rounds, warmup_fraction=0.1, decay_factor=0.5, decay_e
 def test_client_rate_schedules_are_the_seeds(kind, rounds, a, b):
   """Every round's factor equals the seed's ``lr_lambda``, and the client
   optimizer's step in round t is SGD's at client_lr times it."""
-  import optax
   from fedjax_personal import config as config_lib
   fn = (config_lib.linear_schedule(rounds, a) if kind == 'linear'
         else config_lib.cut_schedule(b, a))

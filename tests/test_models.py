@@ -246,7 +246,7 @@ def test_pooling_has_forward_and_reverse_derivatives_of_the_strided_form():
   for layout in ('NHWC', 'CNHW'):
     z = jnp.asarray(np.random.default_rng(2).standard_normal((3, 2, 9, 8)), jnp.float32)
     f = lambda z: (models.max_pool_2x2(z, 'matmul', layout) ** 3).sum()
-    g = lambda z: (models._strided_pool(z, (2, 2, 0, layout)) ** 3).sum()
+    g = lambda z: (models.layers._strided_pool(z, (2, 2, 0, layout)) ** 3).sum()
     np.testing.assert_array_equal(f(z), g(z))
     np.testing.assert_allclose(jax.grad(f)(z), jax.grad(g)(z), rtol=1e-6)
     np.testing.assert_allclose(jax.vmap(jax.grad(f))(z[None]), jax.grad(g)(z)[None], rtol=1e-6)

@@ -8,7 +8,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import fedjax_personal as fp

@@ -24,7 +24,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 CHILD = r'''
 import collections, json, sys, time

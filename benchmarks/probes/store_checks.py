@@ -15,7 +15,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 
 CHILD = r'''
 import json, sys, time

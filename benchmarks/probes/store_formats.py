@@ -16,7 +16,7 @@ try:
 except ImportError:  # declared by the [probes] extra
   sys.exit("error: this probe needs array_record: pip install -e '.[probes]'")
 
-from fedjax_personal.core.population.store import StoreWriter, open_store
+from fedjax_personal.core.population.store import StoreWriter
 
 N, COHORT, CAP, SEQ, REPEAT = 4000, 50, 256, 20, 200
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from fedjax_personal.core.algorithm import (FederatedAlgorithm, RoundContext,
                                             upload_communication)
-from fedjax_personal.core.data import FederatedData, LocalData, client_row
+from fedjax_personal.core.data import LocalData, client_row
 from fedjax_personal.core import evaluation
 from fedjax_personal.core import fitting
 from fedjax_personal.core.population import rows_in_memory

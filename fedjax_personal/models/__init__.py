@@ -28,7 +28,7 @@ from fedjax_personal.models.architectures import (CNN, CharLSTM, LeNet5, Logisti
 from fedjax_personal.models.initializers import INITS
 from fedjax_personal.models.seed_models import TRANSFORMER_SIZES, ResNetGN, TransformerLM
 from fedjax_personal.models.layers import (CONV_IMPLS, TILE_BYTES, TILE_MIN_BYTES, Adapter, Conv,
-                                           Dense, LSTMCell, _strided_pool, as_float, avg_pool_2x2,
+                                           Dense, LSTMCell, as_float, avg_pool_2x2,
                                            batch_chunk, conv_as_matmul, conv_layout, from_layout,
                                            max_pool, max_pool_2x2, resolve_conv_impl, tile_budget,
                                            to_layout)

@@ -11,7 +11,6 @@ import time
 
 from fedjax_personal import compilation
 from fedjax_personal.core.executor_choice import model_has_conv
-from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import resolve_conv_impl
 from fedjax_personal.run import distributed
 

@@ -4,7 +4,7 @@
 device for the whole run (``core.data.FederatedData``); the round indexes
 its cohort inside the compiled function. ``host``: the examples stay in the
 population store (``core.population.store``, read from disk); each round gathers only
-its cohort, padded to a power of two (``store.padded_length``, at most
+its cohort, padded to a power of two (``clients.padded_length``, at most
 ``--max_client_examples``), on a host thread while the device runs the
 previous round, and evaluation and the algorithm's pre-round phase stream
 the population in blocks of clients. Cohorts are drawn by the same sampler

@@ -40,8 +40,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from fedjax_personal.core.population.clients import (FORMAT, SPLITS, Population, PopulationStore,
-                                             aligned_empty, next_power_of_two, padded_length)
+from fedjax_personal.core.population.clients import FORMAT, SPLITS, PopulationStore
 from fedjax_personal.errors import DataError
 
 __all__ = ['BLOCK_BYTES', 'block_crcs', 'damaged', 'FileArray', 'IDS', 'is_store', 'MANIFEST',
