@@ -92,6 +92,24 @@ def reference_sgd(model, params, x, y, n, key, batching, lr, prox_mu=0.0, moment
   return params
 
 
+def reference_fedavg(model, params, data, clients, k_clients, batching, lr, prox_mu=0.0,
+                     steps=None, groups=None):
+  """FedAvg (FedProx with ``prox_mu``) by a plain loop: each of ``clients``
+  (indices) alone (``reference_sgd`` on the engine's batches, its key
+  ``fold_in(k_clients, i)``; ``steps``: client -> the steps it may run;
+  ``groups``: client -> its rows' groups), then the n_i-weighted mean."""
+  outs, weights = [], []
+  for i in clients:
+    n = int(data.train.num_examples[i])
+    outs.append(reference_sgd(model, params, data.train.x[i], data.train.y[i], n,
+                              jax.random.fold_in(k_clients, int(i)), batching, lr,
+                              prox_mu=prox_mu, max_steps=(steps or {}).get(i),
+                              groups=(groups or {}).get(i)))
+    weights.append(n)
+  w = np.array(weights, np.float64) / np.sum(weights)
+  return jax.tree.map(lambda *ps: sum(wi * pi for wi, pi in zip(w, ps)), *outs)
+
+
 def run_rounds(alg, data, rounds=2, sampler=None, executor=None):
   """Runs ``rounds`` rounds (keys 0..rounds-1) from init key 0; all clients
   active unless a sampler is given. Returns (runner, state)."""

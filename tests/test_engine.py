@@ -18,7 +18,8 @@ from fedjax_personal.core.data import to_device
 from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.run.experiment import communication_metrics, run
 from fedjax_personal.core.tree_util import tree_bytes
-from helpers import digits_data, least_squares_data, linear_model, reference_sgd
+from helpers import (digits_data, least_squares_data, linear_model, reference_fedavg,
+                     reference_sgd)
 
 EXECUTORS = {
     'vmap': lambda: fp.executors.VmapExecutor(),
@@ -47,17 +48,8 @@ def cohort_of(sampler, round_key):
 
 def reference_fedavg_round(model, params, data, idx, mask, k_clients, batching, lr, prox_mu=0.0):
   """FedAvg by a plain loop: each cohort client alone, then the n_i-weighted mean."""
-  outs, weights = [], []
-  for i, m in zip(idx, mask):
-    if not m:
-      continue
-    n = int(data.train.num_examples[i])
-    p = reference_sgd(model, params, data.train.x[i], data.train.y[i], n,
-                      jax.random.fold_in(k_clients, int(i)), batching, lr, prox_mu=prox_mu)
-    outs.append(p)
-    weights.append(n)
-  w = np.array(weights, np.float64) / np.sum(weights)
-  return jax.tree.map(lambda *ps: sum(wi * pi for wi, pi in zip(w, ps)), *outs)
+  return reference_fedavg(model, params, data, [i for i, m in zip(idx, mask) if m], k_clients,
+                          batching, lr, prox_mu=prox_mu)
 
 
 @pytest.mark.parametrize('executor', sorted(EXECUTORS))

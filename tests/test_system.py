@@ -23,7 +23,7 @@ from fedjax_personal.errors import ConfigError
 from fedjax_personal.run import cli
 from fedjax_personal.run.experiment import run
 from helpers import (digits_data, least_squares_data, linear_model, parse_flags,
-                     reference_sgd)
+                     reference_fedavg, reference_sgd)
 import made_files
 
 EXECUTORS = {
@@ -60,20 +60,15 @@ def fedprox_code_round(model, params, data, cohort, k_clients, drawn, alg_name, 
   active clients for E epochs and drops the stragglers; FedProx trains the
   stragglers for their drawn 1 .. E - 1 epochs and keeps them; the
   n_i-weighted mean of what arrives."""
-  batching = fp.Batching(10, num_epochs=EPOCHS)
-  outs, weights = [], []
+  clients, steps = [], {}
   for slot, (i, m) in enumerate(zip(np.asarray(cohort.idx), np.asarray(cohort.mask))):
     if not m or (drawn.straggler[slot] and alg_name == 'fedavg'):
       continue
-    n = int(data.train.num_examples[i])
     epochs = int(drawn.work_limit[slot]) if drawn.straggler[slot] else EPOCHS  # randint(1, E)
-    steps = epochs * -(-n // 10)
-    outs.append(reference_sgd(model, params, data.train.x[i], data.train.y[i], n,
-                              jax.random.fold_in(k_clients, int(i)), batching, lr,
-                              prox_mu=mu, max_steps=steps))
-    weights.append(n)
-  w = np.array(weights, np.float64) / np.sum(weights)
-  return jax.tree.map(lambda *ps: sum(wi * pi for wi, pi in zip(w, ps)), *outs)
+    clients.append(i)
+    steps[i] = epochs * -(-int(data.train.num_examples[i]) // 10)
+  return reference_fedavg(model, params, data, clients, k_clients,
+                          fp.Batching(10, num_epochs=EPOCHS), lr, prox_mu=mu, steps=steps)
 
 
 @pytest.mark.parametrize('executor', sorted(EXECUTORS))
@@ -297,19 +292,11 @@ def test_a_deadline_makes_slow_clients_stragglers(digits, tmp_path):
     state = runner.init(jax.random.key(0))
     key = jax.random.key(3)
     _, k_clients = jax.random.split(key)
-    outs, weights, times = [], [], []
-    for i in range(8):
-      late = full[i] > cap[i]
-      if late and alg_name == 'fedavg':
-        continue
-      steps = min(full[i], cap[i])
-      outs.append(reference_sgd(model, state.params, digits.train.x[i], digits.train.y[i],
-                                int(n[i]), jax.random.fold_in(k_clients, i), batching, lr,
-                                prox_mu=mu, max_steps=int(steps)))
-      weights.append(n[i])
-      times.append(steps / speeds[i])
-    w = np.array(weights, np.float64) / np.sum(weights)
-    want = jax.tree.map(lambda *ps: sum(wi * pi for wi, pi in zip(w, ps)), *outs)
+    arrive = [i for i in range(8) if not (full[i] > cap[i] and alg_name == 'fedavg')]
+    steps = {i: int(min(full[i], cap[i])) for i in arrive}
+    times = [steps[i] / speeds[i] for i in arrive]
+    want = reference_fedavg(model, state.params, digits, arrive, k_clients, batching, lr,
+                            prox_mu=mu, steps=steps)
     state, m = runner.round(state, key, 0)
     chex.assert_trees_all_close(state.params, want, atol=2e-5)
     assert int(m['stragglers']) == int((full > cap).sum())
@@ -368,14 +355,9 @@ def test_rows_shuffled_in_groups_reach_every_client():
   state = runner.init(jax.random.key(0))
   key = jax.random.key(4)
   _, k_clients = jax.random.split(key)
-  outs, w = [], []
-  for i, x in enumerate(xs):
-    groups = batching_lib.row_groups(jnp.asarray(data.train.x[i]), start)
-    outs.append(reference_sgd(model, state.params, data.train.x[i], data.train.y[i], len(x),
-                              jax.random.fold_in(k_clients, i), batching, 0.1, groups=groups))
-    w.append(len(x))
-  w = np.array(w, np.float64) / sum(w)
-  want = jax.tree.map(lambda *ps: sum(wi * pi for wi, pi in zip(w, ps)), *outs)
+  groups = {i: batching_lib.row_groups(jnp.asarray(data.train.x[i]), start) for i in range(3)}
+  want = reference_fedavg(model, state.params, data, range(3), k_clients, batching, 0.1,
+                          groups=groups)
   grouped, _ = runner.round(state, key, 0)
   chex.assert_trees_all_close(grouped.params, want, atol=2e-5)
   plain = RoundRunner(alg, data, CohortSampler(3, cohort_size=3), fp.executors.VmapExecutor())

@@ -61,6 +61,28 @@ def emnist_shaped(num_clients: int, seed: int = 0):
                                  name='emnist_shaped'))
 
 
+def compiled(runner):
+  """``[runner, state, times]`` after its first round (the compile), timed by
+  ``time_interleaved``."""
+  state = runner.init(jax.random.key(0))
+  state, m = runner.round(state, jax.random.key(1000))  # compile
+  jax.block_until_ready(m)
+  return [runner, state, []]
+
+
+def time_interleaved(runs: dict, rounds: int) -> None:
+  """``rounds`` rounds of every run in turn (each meets the machine in the
+  same state), each round's seconds appended to its ``times``."""
+  for t in range(rounds):
+    for run in runs.values():
+      runner, state, times = run
+      began = time.perf_counter()
+      state, m = runner.round(state, jax.random.key(t))
+      jax.block_until_ready((state, m))
+      times.append(time.perf_counter() - began)
+      run[1] = state
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   p.add_argument('--rounds', type=int, default=12)
@@ -75,23 +97,12 @@ def main():
     for alg_name in ('fedavg',) + (('fedbn',) if bn else ()):
       alg = algorithms.build(alg_name, model, data, client_lr=0.05, batch_size=20)
       executor = fp.create_executor('auto', model, sample)
-      runner = fp.RoundRunner(alg, data, fp.CohortSampler(a.clients, cohort_size=a.cohort),
-                              executor)
-      state = runner.init(jax.random.key(0))
-      state, m = runner.round(state, jax.random.key(1000))  # compile
-      jax.block_until_ready(m)
-      runs[(name, alg_name)] = [runner, state, []]
+      runs[(name, alg_name)] = compiled(fp.RoundRunner(
+          alg, data, fp.CohortSampler(a.clients, cohort_size=a.cohort), executor))
   print(f'{a.clients} EMNIST-shaped clients (40-160 examples), cohort {a.cohort}, batch 20, '
         f'one epoch; executor {executor.describe()}; {jax.devices()[0].device_kind}; '
         f'{a.rounds} rounds each, interleaved')
-  for t in range(a.rounds):
-    for key, run in runs.items():
-      runner, state, times = run
-      began = time.perf_counter()
-      state, m = runner.round(state, jax.random.key(t))
-      jax.block_until_ready((state, m))
-      times.append(time.perf_counter() - began)
-      run[1] = state
+  time_interleaved(runs, a.rounds)
   plain = statistics.median(runs[('plain', 'fedavg')][2])
   print(f'{"model":<12}{"algorithm":<10}{"median ms":>10}{"min ms":>9}{"max ms":>9}'
         f'{"x plain":>9}')

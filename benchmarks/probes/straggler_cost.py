@@ -15,7 +15,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import jax
 
@@ -24,7 +23,8 @@ from fedjax_personal import algorithms
 from fedjax_personal.core.system import SystemConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
-from model_state_cost import CNN, emnist_shaped  # noqa: E402  (the same cohort)
+from model_state_cost import (CNN, compiled, emnist_shaped,  # noqa: E402  (the same cohort)
+                              time_interleaved)
 
 SYSTEMS = {'none': None, 'stragglers 50%': SystemConfig(stragglers=0.5),
            'stragglers 90%': SystemConfig(stragglers=0.9),
@@ -47,23 +47,12 @@ def main():
     alg = algorithms.build(alg_name, model, data, client_lr=0.05, batch_size=20,
                            local_epochs=a.epochs)
     for name, system in SYSTEMS.items():
-      runner = fp.RoundRunner(alg, data, fp.CohortSampler(a.clients, cohort_size=a.cohort),
-                              executor, system=system)
-      state = runner.init(jax.random.key(0))
-      state, m = runner.round(state, jax.random.key(1000))  # compile
-      jax.block_until_ready(m)
-      runs[(alg_name, name)] = [runner, state, []]
+      runs[(alg_name, name)] = compiled(fp.RoundRunner(
+          alg, data, fp.CohortSampler(a.clients, cohort_size=a.cohort), executor, system=system))
   print(f'{a.clients} EMNIST-shaped clients (40-160 examples), cohort {a.cohort}, batch 20, '
         f'{a.epochs} epochs; executor {executor.describe()}; {jax.devices()[0].device_kind}; '
         f'{a.rounds} rounds each, interleaved')
-  for t in range(a.rounds):
-    for run in runs.values():
-      runner, state, times = run
-      began = time.perf_counter()
-      state, m = runner.round(state, jax.random.key(t))
-      jax.block_until_ready((state, m))
-      times.append(time.perf_counter() - began)
-      run[1] = state
+  time_interleaved(runs, a.rounds)
   print(f'{"algorithm":<10}{"system":<18}{"median ms":>10}{"min ms":>9}{"max ms":>9}'
         f'{"x none":>8}')
   for (alg_name, name), (_, _, times) in runs.items():

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
-__all__ = ['tff_schedule', 'client_keys', 'Cohort', 'CohortSampler']
+__all__ = ['lehmer_random_state', 'tff_schedule', 'client_keys', 'Cohort', 'CohortSampler']
 
 
 @struct.dataclass
@@ -150,58 +150,52 @@ class CohortSampler:
       else:
         idx = jax.random.choice(key, drawn, (self.cohort_size,), replace=False).astype(jnp.int32)
       return Cohort(idx=idx, mask=jnp.ones(self.cohort_size, bool))
-    cap = self.capacity
 
     def draw(k):
       active = jax.random.uniform(k, (n,)) < self.participation
       return active if drawn == n else active & (jnp.arange(n) < drawn)
-
-    def cond(carry):
-      return ~jnp.any(carry[1])
-
-    def body(carry):
-      k, _ = carry
-      k, sub = jax.random.split(k)
-      return k, draw(sub)
-
-    key, sub = jax.random.split(key)
-    key, active = jax.lax.while_loop(cond, body, (key, draw(sub)))
-    priority = jnp.where(active, jax.random.uniform(key, (n,)), 2.0)
-    order = jnp.argsort(priority)[:cap]
-    count = jnp.minimum(jnp.sum(active), cap)
-    mask = jnp.arange(cap) < count
-    idx = jnp.where(mask, order, n).astype(jnp.int32)
-    # Keep client order ascending for readability (padding N sorts last).
-    perm = jnp.argsort(idx)
-    return Cohort(idx=idx[perm], mask=mask[perm])
+    key, active = _redrawn_while_empty(key, draw)
+    return _first_by_priority(key, active, self.capacity)
 
 
   def _among(self, key, available) -> Cohort:
     """The cohort drawn from the online clients only: ``cohort_size`` of them
     uniformly without replacement (as many as are online), or each with
     probability ``participation`` (an empty cohort when none is online)."""
-    n, cap = self.num_clients, self.capacity
+    n = self.num_clients
     online = available & (jnp.arange(n) < self.drawn)
     k_pick, k_order = jax.random.split(key)
     if self.participation is not None:
-      def draw(k):
-        return online & (jax.random.uniform(k, (n,)) < self.participation)
+      reachable = online
+      _, online = _redrawn_while_empty(
+          k_pick, lambda k: reachable & (jax.random.uniform(k, (n,)) < self.participation),
+          jnp.any(reachable))
+    return _first_by_priority(k_order, online, self.capacity)
 
-      def cond(carry):
-        return ~jnp.any(carry[1]) & jnp.any(online)
 
-      def body(carry):
-        k, _ = carry
-        k, sub = jax.random.split(k)
-        return k, draw(sub)
-      k_pick, sub = jax.random.split(k_pick)
-      _, online = jax.lax.while_loop(cond, body, (k_pick, draw(sub)))
-    priority = jnp.where(online, jax.random.uniform(k_order, (n,)), 2.0)
-    order = jnp.argsort(priority)[:cap]
-    mask = jnp.arange(cap) < jnp.minimum(jnp.sum(online), cap)
-    idx = jnp.where(mask, order, n).astype(jnp.int32)
-    perm = jnp.argsort(idx)  # ascending, padding (N) last
-    return Cohort(idx=idx[perm], mask=mask[perm])
+def _redrawn_while_empty(key, draw, possible=True):
+  """``(key, active)``: ``draw(sub)`` of a split of ``key``, drawn again from
+  further splits while nobody is active (and ``possible``: someone can be)."""
+  def cond(carry):
+    return ~jnp.any(carry[1]) & possible
+
+  def body(carry):
+    k, sub = jax.random.split(carry[0])
+    return k, draw(sub)
+  key, sub = jax.random.split(key)
+  return jax.lax.while_loop(cond, body, (key, draw(sub)))
+
+
+def _first_by_priority(key, active, cap: int) -> Cohort:
+  """The cohort of at most ``cap`` active clients, a uniformly random
+  subset when more are active, in ascending order (padding, N, last)."""
+  n = active.shape[0]
+  priority = jnp.where(active, jax.random.uniform(key, (n,)), 2.0)
+  order = jnp.argsort(priority)[:cap]
+  mask = jnp.arange(cap) < jnp.minimum(jnp.sum(active), cap)
+  idx = jnp.where(mask, order, n).astype(jnp.int32)
+  perm = jnp.argsort(idx)
+  return Cohort(idx=idx[perm], mask=mask[perm])
 
 
 def tff_schedule(num_clients: int, cohort_size: int, seed: int, rounds: int) -> np.ndarray:
@@ -218,10 +212,31 @@ def tff_schedule(num_clients: int, cohort_size: int, seed: int, rounds: int) -> 
   Returns:
     int32 [rounds, cohort_size] client indices.
   """
-  modulus, multiplier = 2 ** 31 - 1, 16807
-  start = np.random.RandomState(seed).randint(1, modulus - 1)
-  return np.stack([np.random.RandomState(pow(multiplier, r, modulus) * start % modulus).choice(
-      num_clients, size=cohort_size, replace=False) for r in range(rounds)]).astype(np.int32)
+  return np.stack([lehmer_random_state(seed, r).choice(num_clients, size=cohort_size,
+                                                       replace=False)
+                   for r in range(rounds)]).astype(np.int32)
+
+
+#: The multiplicative congruential (Lehmer, MINSTD) generator seeding each round.
+_LEHMER_MODULUS, _LEHMER_MULTIPLIER = 2 ** 31 - 1, 16807
+
+
+def lehmer_random_state(seed: int, round_num: int) -> np.random.RandomState:
+  """Round ``round_num``'s ``RandomState`` as google-research/federated's
+  ``build_sample_fn`` and FedJAX's ``get_pseudo_random_state`` seed it:
+  ``RandomState(16807^round * s mod (2^31 - 1))``, ``s`` the first
+  ``randint(1, 2^31 - 2)`` of ``RandomState(seed)``.
+
+  Args:
+    seed: the sampler's seed.
+    round_num: the round.
+
+  Returns:
+    The ``numpy.random.RandomState``.
+  """
+  start = np.random.RandomState(seed).randint(1, _LEHMER_MODULUS - 1)
+  return np.random.RandomState(
+      pow(_LEHMER_MULTIPLIER, round_num, _LEHMER_MODULUS) * start % _LEHMER_MODULUS)
 
 
 @jax.jit

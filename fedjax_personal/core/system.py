@@ -355,7 +355,7 @@ def draw(system, key, mask, batching: Batching, partial_work: str, counts=None,
   Returns:
     The ``RoundSystem``.
   """
-  system = prepare(system, 0) if not isinstance(system, ClientSystem) else system
+  system = prepare(system, 0)
   config = system.config
   k_pick, k_work, k_before, k_after, k_vary = jax.random.split(key, 5)
   c = mask.shape[0]

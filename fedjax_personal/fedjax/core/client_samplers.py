@@ -17,11 +17,15 @@ from typing import Iterator, List, Tuple
 import jax
 import numpy as np
 
+from fedjax_personal.core.sampling import lehmer_random_state
+
 __all__ = ['ClientSampler', 'get_pseudo_random_state', 'UniformGetClientSampler',
            'UniformShuffledClientSampler']
 
-#: The congruential generator of ``get_pseudo_random_state`` (Lehmer's MINSTD).
-_MODULUS, _MULTIPLIER = 2 ** 31 - 1, 16807
+#: FedJAX's deterministic state of a round (``RandomState(16807^round * s mod
+#: (2^31 - 1))``, ``s`` the first ``randint(1, 2^31 - 2)`` of ``RandomState(seed)``):
+#: the project's ``core.sampling.lehmer_random_state``, google-research/federated's too.
+get_pseudo_random_state = lehmer_random_state
 
 
 class ClientSampler(abc.ABC):
@@ -37,28 +41,18 @@ class ClientSampler(abc.ABC):
     """Sets the round the next ``sample`` draws (FedJAX's ``set_round_num``)."""
 
 
-def get_pseudo_random_state(seed: int, round_num: int) -> np.random.RandomState:
-  """FedJAX's deterministic state of round ``round_num``: ``RandomState(
-  16807^round * s mod (2^31 - 1))``, ``s`` the first ``randint(1, 2^31 - 2)``
-  of ``RandomState(seed)``.
-
-  Args:
-    seed: the sampler's seed.
-    round_num: the round.
-
-  Returns:
-    The ``numpy.random.RandomState``.
-  """
-  start = np.random.RandomState(seed).randint(1, _MODULUS - 1)
-  return np.random.RandomState(pow(_MULTIPLIER, round_num, _MODULUS) * start % _MODULUS)
-
-
 def _round_keys(round_num: int, num_clients: int):
   """FedJAX's keys of a round, split as the JAX it ran split them (JAX 0.5
   made ``jax_threefry_partitionable`` the default, which splits otherwise;
   set here for this split alone, JAX's setting left as it is)."""
   with jax.threefry_partitionable(False):
     return jax.random.split(jax.random.PRNGKey(round_num), num_clients)
+
+
+def _with_keys(round_num: int, num_clients: int, clients) -> list:
+  """``(id, dataset, key)`` of the round's ``(id, dataset)`` pairs."""
+  keys = _round_keys(round_num, num_clients)
+  return [(client_id, dataset, keys[i]) for i, (client_id, dataset) in enumerate(clients)]
 
 
 class UniformShuffledClientSampler(ClientSampler):
@@ -86,11 +80,8 @@ class UniformShuffledClientSampler(ClientSampler):
     Returns:
       ``num_clients`` triples.
     """
-    keys = _round_keys(self._round_num, self._num_clients)
-    out = []
-    for i in range(self._num_clients):
-      client_id, dataset = next(self._clients)
-      out.append((client_id, dataset, keys[i]))
+    out = _with_keys(self._round_num, self._num_clients,
+                     [next(self._clients) for _ in range(self._num_clients)])
     self._round_num += 1
     return out
 
@@ -138,9 +129,7 @@ class UniformGetClientSampler(ClientSampler):
     state = get_pseudo_random_state(self._seed, self._round_num)
     ids = state.choice(np.array(self._client_ids, dtype=object), size=self._num_clients,
                        replace=False)
-    keys = _round_keys(self._round_num, self._num_clients)
-    out = [(client_id, dataset, keys[i])
-           for i, (client_id, dataset) in enumerate(self._fd.get_clients(ids))]
+    out = _with_keys(self._round_num, self._num_clients, self._fd.get_clients(ids))
     self._round_num += 1
     return out
 

@@ -6,7 +6,8 @@ store-backed splits, ``InMemoryFederatedData``, ``SubsetFederatedData``,
 (``fedjax_personal.datasets.federated_data``)."""
 
 import abc
-from typing import Any, Iterable, Iterator
+import functools
+from typing import Any, Callable, Iterable, Iterator
 
 from fedjax_personal.datasets import federated, sqlite_federated
 from fedjax_personal.datasets.federated_data import (  # noqa: F401  (FedJAX's names)
@@ -15,7 +16,8 @@ from fedjax_personal.datasets.federated_data import (  # noqa: F401  (FedJAX's n
 
 __all__ = ['ClientId', 'ClientPreprocessor', 'FederatedData', 'FederatedDataBuilder',
            'NoOpClientPreprocessor', 'padded_batch_federated_data', 'RepeatableIterator',
-           'shuffle_repeat_batch_federated_data', 'SubsetFederatedData', 'with_exact_ids']
+           'shuffle_repeat_batch_federated_data', 'SubsetFederatedData', 'with_exact_ids',
+           'with_exact_ids_of']
 
 #: A client's id: bytes, as FedJAX's.
 ClientId = bytes
@@ -99,3 +101,19 @@ def with_exact_ids(loaded):
   if isinstance(loaded, tuple):
     return tuple(with_exact_ids(x) for x in loaded)
   return loaded.with_exact_ids() if hasattr(loaded, 'with_exact_ids') else loaded
+
+
+def with_exact_ids_of(load: Callable) -> Callable:
+  """A data set's ``load_data`` / ``load_split`` (``load``) whose result has
+  FedJAX's lookup of ids (``with_exact_ids``), its signature and doc kept.
+
+  Args:
+    load: the project's loader.
+
+  Returns:
+    The FedJAX loader.
+  """
+  @functools.wraps(load)
+  def loaded(*args, **kwargs):
+    return with_exact_ids(load(*args, **kwargs))
+  return loaded

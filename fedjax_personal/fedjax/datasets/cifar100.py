@@ -2,13 +2,11 @@
 FedJAX's files (``fedjax_personal.datasets.cifar100``), ids looked up as FedJAX looks them up
 (as the file stores them: bytes)."""
 
-import functools
-
 from fedjax_personal.datasets import cifar100 as _cifar100
 from fedjax_personal.datasets.cifar100 import (  # noqa: F401  (FedJAX's names)
     CIFAR100_PIXELS_INVERSE_STDDEV, CIFAR100_PIXELS_MEAN, preprocess_batch,
     preprocess_batch_tff, preprocess_client, preprocess_image, preprocess_image_tff, SPLITS)
-from fedjax_personal.fedjax.core.federated_data import with_exact_ids
+from fedjax_personal.fedjax.core.federated_data import with_exact_ids_of
 
 __all__ = ['CIFAR100_PIXELS_INVERSE_STDDEV', 'CIFAR100_PIXELS_MEAN', 'cite', 'load_data',
            'load_split', 'preprocess_batch', 'preprocess_batch_tff', 'preprocess_client',
@@ -31,11 +29,5 @@ def cite() -> str:
   return _CITATION
 
 
-@functools.wraps(_cifar100.load_split)
-def load_split(*args, **kwargs):
-  return with_exact_ids(_cifar100.load_split(*args, **kwargs))
-
-
-@functools.wraps(_cifar100.load_data)
-def load_data(*args, **kwargs):
-  return with_exact_ids(_cifar100.load_data(*args, **kwargs))
+load_split = with_exact_ids_of(_cifar100.load_split)
+load_data = with_exact_ids_of(_cifar100.load_data)

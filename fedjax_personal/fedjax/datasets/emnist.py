@@ -2,12 +2,10 @@
 files (``fedjax_personal.datasets.emnist``), ids looked up as FedJAX looks them up (as the file
 stores them: bytes)."""
 
-import functools
-
 from fedjax_personal.datasets import emnist as _emnist
 from fedjax_personal.datasets.emnist import (  # noqa: F401  (FedJAX's names)
     domain_id, preprocess_batch, preprocess_client, preprocess_split, SPLITS)
-from fedjax_personal.fedjax.core.federated_data import with_exact_ids
+from fedjax_personal.fedjax.core.federated_data import with_exact_ids_of
 
 __all__ = ['cite', 'domain_id', 'load_data', 'load_split', 'preprocess_batch', 'preprocess_client',
            'preprocess_split', 'SPLITS']
@@ -32,11 +30,5 @@ def cite() -> str:
   return _CITATION
 
 
-@functools.wraps(_emnist.load_split)
-def load_split(*args, **kwargs):
-  return with_exact_ids(_emnist.load_split(*args, **kwargs))
-
-
-@functools.wraps(_emnist.load_data)
-def load_data(*args, **kwargs):
-  return with_exact_ids(_emnist.load_data(*args, **kwargs))
+load_split = with_exact_ids_of(_emnist.load_split)
+load_data = with_exact_ids_of(_emnist.load_data)

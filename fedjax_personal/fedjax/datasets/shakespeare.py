@@ -2,13 +2,11 @@
 FedJAX's files (``fedjax_personal.datasets.shakespeare``), ids looked up as FedJAX looks them up
 (as the file stores them: bytes)."""
 
-import functools
-
 from fedjax_personal.datasets import shakespeare as _shakespeare
 from fedjax_personal.datasets.shakespeare import (  # noqa: F401  (FedJAX's names)
     OOV, SPLITS, TABLE, VOCAB_SIZE)
 from fedjax_personal.datasets.natural_data import BOS, EOS, PAD  # noqa: F401
-from fedjax_personal.fedjax.core.federated_data import with_exact_ids
+from fedjax_personal.fedjax.core.federated_data import with_exact_ids_of
 
 __all__ = ['BOS', 'cite', 'EOS', 'load_data', 'load_split', 'OOV', 'PAD', 'preprocess_client',
            'SPLITS', 'TABLE', 'VOCAB_SIZE']
@@ -34,14 +32,8 @@ def cite() -> str:
   return _CITATION
 
 
-@functools.wraps(_shakespeare.load_split)
-def load_split(*args, **kwargs):
-  return with_exact_ids(_shakespeare.load_split(*args, **kwargs))
-
-
-@functools.wraps(_shakespeare.load_data)
-def load_data(*args, **kwargs):
-  return with_exact_ids(_shakespeare.load_data(*args, **kwargs))
+load_split = with_exact_ids_of(_shakespeare.load_split)
+load_data = with_exact_ids_of(_shakespeare.load_data)
 
 
 def preprocess_client(client_id, examples, sequence_length: int):

@@ -2,12 +2,10 @@
 reads FedJAX's files (``fedjax_personal.datasets.stackoverflow``), ids looked up as FedJAX looks
 them up (as the file stores them: bytes)."""
 
-import functools
-
 from fedjax_personal.datasets import stackoverflow as _stackoverflow
 from fedjax_personal.datasets.stackoverflow import (  # noqa: F401  (FedJAX's names)
     DefaultWordTokenizer, default_vocab, preprocess_client, SPLITS, StackoverflowTokenizer)
-from fedjax_personal.fedjax.core.federated_data import with_exact_ids
+from fedjax_personal.fedjax.core.federated_data import with_exact_ids_of
 
 __all__ = ['cite', 'default_vocab', 'DefaultWordTokenizer', 'load_data', 'load_split',
            'preprocess_client', 'SPLITS', 'StackoverflowTokenizer']
@@ -28,11 +26,5 @@ def cite() -> str:
   return _CITATION
 
 
-@functools.wraps(_stackoverflow.load_split)
-def load_split(*args, **kwargs):
-  return with_exact_ids(_stackoverflow.load_split(*args, **kwargs))
-
-
-@functools.wraps(_stackoverflow.load_data)
-def load_data(*args, **kwargs):
-  return with_exact_ids(_stackoverflow.load_data(*args, **kwargs))
+load_split = with_exact_ids_of(_stackoverflow.load_split)
+load_data = with_exact_ids_of(_stackoverflow.load_data)
