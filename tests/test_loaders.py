@@ -78,6 +78,22 @@ def test_synthetic_alpha_beta():
   assert d.num_clients == 8 and d.train.x.shape[2] == 60
 
 
+def test_synthetic_sizes_are_fedprox_lognormal_capped_or_not():
+  """Sizes lognormal(4, 2) + 50, as FedProx's generator draws them: capped at
+  1,000 by default, not at all with max_examples=0; the clients drawn
+  before the first capped one are the same either way."""
+  sizes = np.random.default_rng(5).lognormal(4, 2, 40).astype(int) + 50
+  assert sizes.max() > 1000  # the cap matters for this draw
+  capped, _ = in_memory.synthetic(40, 1.0, 1.0, np.random.default_rng(5))
+  uncapped, _ = in_memory.synthetic(40, 1.0, 1.0, np.random.default_rng(5), max_examples=0)
+  np.testing.assert_array_equal([len(x) for x in capped], np.minimum(sizes, 1000))
+  np.testing.assert_array_equal([len(x) for x in uncapped], sizes)
+  first = int(np.argmax(sizes > 1000))
+  assert first > 0
+  for k in range(first):
+    np.testing.assert_array_equal(capped[k], uncapped[k])
+
+
 def test_synthetic_settings_move_the_data():
   """--synthetic_beta spreads the clients' feature means (v_k ~ N(B_k, 1),
   B_k ~ N(0, beta)). alpha shifts every entry of W_k and b_k by one u_k, every
