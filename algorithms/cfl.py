@@ -27,6 +27,7 @@ from typing import ClassVar
 from flax import struct
 import jax
 import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
 import numpy as np
 import optax
 
@@ -173,7 +174,7 @@ def cfl(model: Model, num_clients: int, num_examples, client_optimizer, batching
   weights = jnp.asarray(n_np if weighting == 'num_examples' else np.ones_like(n_np), jnp.float32)
 
   def split_update(state, outputs, rc):
-    flat = jax.vmap(lambda u: jax.flatten_util.ravel_pytree(u)[0])(state.updates)
+    flat = jax.vmap(lambda u: ravel_pytree(u)[0])(state.updates)
     cluster, k, split = split_decisions(flat, state.cluster, weights, state.num_clusters,
                                         eps1, eps2, ratio)
     return state.replace(cluster=cluster, num_clusters=k), {

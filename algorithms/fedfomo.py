@@ -219,7 +219,7 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
 
   work = ClientWork(work_init, work_step, work_final, batching,
                     init_opt_state=inner.init_opt_state,
-                    opt_state=lambda carry: inner.opt_state(carry[0]))
+                    opt_state=None if inner.opt_state is None else _first(inner.opt_state))
 
   def server_update(state, cohort, out, rc):
     params, cand, w, stats, steps = out
@@ -283,3 +283,8 @@ def check(training, config: FedFomoConfig):
 SPEC = AlgorithmSpec('fedfomo', FedFomoConfig, build, CLIENT_OPTIMIZER | BATCHING | FINETUNE,
                      check=check, needs_validation=True, summary='FedFomo (Zhang et al. 2021): first-order model '
                      'optimization')
+
+
+def _first(opt_state):
+  """``opt_state`` of the first of a carry's parts (the inner work's carry)."""
+  return lambda carry: opt_state(carry[0])

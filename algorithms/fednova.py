@@ -17,7 +17,7 @@ The pseudo-gradient tau_eff * sum_i p_i d_i goes through the server optimizer
 (SGD with learning rate 1 by default: the rule above).
 """
 
-from typing import Optional
+from typing import Any, Optional
 
 from flax import struct
 import jax
@@ -49,7 +49,7 @@ class NovaUpload:
     num_examples: n_i.
     stats: local training LossStats.
   """
-  delta: tuple
+  delta: Any  # a client's (d_i, a_i); the cohort's Sum where the server reads it
   num_examples: jax.Array
   stats: LossStats
 

@@ -12,7 +12,7 @@ from fedjax_personal.core.algorithm import (ClientModels, ClientRows, Communicat
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.config import BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec, NoConfig
 from fedjax_personal.models import Model
-from fedjax_personal.core.training import plain_objective, sgd_client_work
+from fedjax_personal.core.training import LossStats, plain_objective, sgd_client_work
 from fedjax_personal.core.tree_util import rows, tree_broadcast
 
 
@@ -35,7 +35,7 @@ class LocalOutput:
     stats: its training statistics.
   """
   params: optax.Params
-  stats: object
+  stats: LossStats
 
 
 def local(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,

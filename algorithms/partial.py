@@ -19,7 +19,7 @@ LG-FedAvg (Liang et al. 2020) = FedSim with everything but the head personal.
 """
 
 import dataclasses
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 from flax import struct
 import jax
@@ -95,8 +95,8 @@ class PartialOutput:
     num_examples: n_i.
     stats: local training LossStats.
   """
-  shared_delta: dict
-  personal: dict
+  shared_delta: Any  # a client's delta; the cohort's Sum where the server reads it
+  personal: Any
   num_examples: jax.Array
   stats: LossStats
 
@@ -108,9 +108,9 @@ def combined_batching(shared: Batching, personal: Batching) -> Batching:
   if (shared.num_epochs is None) != (personal.num_epochs is None):
     raise ValueError('FedAlt: personal and shared phases must both use epochs or both steps')
   if shared.num_epochs is not None:
-    return Batching(shared.batch_size, num_epochs=shared.num_epochs + personal.num_epochs)
+    return Batching(shared.batch_size, num_epochs=shared.epochs + personal.epochs)
   return Batching(shared.batch_size, num_epochs=None,
-                  num_steps=shared.num_steps + personal.num_steps)
+                  num_steps=shared.steps + personal.steps)
 
 
 def parts_with_state(split: ParamSplit, shared: dict, personal: dict, aux):

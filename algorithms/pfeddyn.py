@@ -45,8 +45,9 @@ HEADS = ('finetune', 'maml', 'prototype')
 class PFedDynConfig(FedDynConfig):
   """FedDyn's settings (defaults as FedDyn's but alpha) plus the MAML head's."""
   prefix: ClassVar[str] = 'pfeddyn'
-  alpha: Optional[float] = hparam(None, 'FedDyn alpha (default 0.01; 0.1 for pfeddyn_proto, '
-                                  'as the authors).', minimum=0, open_min=True, sweep=True)
+  alpha: Optional[float] = hparam(  # type: ignore[assignment]  # None: the head's default
+      None, 'FedDyn alpha (default 0.01; 0.1 for pfeddyn_proto, as the authors).', minimum=0,
+      open_min=True, sweep=True)
   maml_inner_steps: int = hparam(5, 'pfeddyn_maml: inner SGD steps.', minimum=1)
   maml_inner_lr: float = hparam(1e-2, 'pfeddyn_maml: inner learning rate.', minimum=0,
                                 open_min=True)

@@ -39,6 +39,7 @@ from typing import ClassVar, Optional
 from flax import struct
 import jax
 import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
 import numpy as np
 import optax
 
@@ -185,7 +186,8 @@ def streams(key, w, num_streams: Optional[int], max_streams: int, restarts: int 
     r = clustering.silhouette_kmeans(key, w, max_streams, restarts)
   elif num_streams == 1:
     mean = jnp.mean(w, 0, keepdims=True)
-    r = clustering.KMeansResult(mean, jnp.zeros(n, jnp.int32), None, jnp.asarray(1, jnp.int32))
+    r = clustering.KMeansResult(mean, jnp.zeros(n, jnp.int32), jnp.sum((w - mean) ** 2),
+                                jnp.asarray(1, jnp.int32))
   else:
     r = clustering.kmeans(key, w, num_streams, num_streams, restarts)
   rows = stream_rows(n, num_streams, max_streams)
@@ -202,7 +204,7 @@ def gradient_statistics(model: Model, params, data, key, sigma_batches: int,
   """
   max_n = data.x.shape[0]
   n = data.num_examples
-  flat = lambda t: jax.flatten_util.ravel_pytree(t)[0]
+  flat = lambda t: ravel_pytree(t)[0]
   full = Batch(data.x, data.y, jnp.arange(max_n) < n)
   delta = flat(jax.grad(lambda p: batch_loss(model, p, full)[0])(params))
   u = jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(key, j)))(jnp.arange(max_n))

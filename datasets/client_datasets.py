@@ -161,7 +161,7 @@ class BatchPreprocessor:
   def __call__(self, examples: Examples) -> Examples:
     if not self._fns:
       return examples
-    out = dict(examples)
+    out: Examples = dict(examples)
     for f in self._fns:
       out = f(out)
     assert_consistent_rows(out)
@@ -186,7 +186,8 @@ def _hparams(hparams, kwargs: dict, defaults: dict) -> dict:
   fields, e.g. ``fedjax.PaddedBatchHParams``), overridden by keywords."""
   got = dict(defaults)
   if hparams is not None:
-    fields = (dataclasses.asdict(hparams) if dataclasses.is_dataclass(hparams)
+    fields = (dataclasses.asdict(hparams)
+              if dataclasses.is_dataclass(hparams) and not isinstance(hparams, type)
               else dict(vars(hparams)))
     got.update({k: v for k, v in fields.items() if k in defaults})
   unknown = set(kwargs) - set(defaults)
@@ -406,6 +407,7 @@ def padded_batch_client_datasets(datasets: Iterable[ClientDataset], hparams=None
       buf.append(slice_examples(examples, slice(start, size)))
       buf_size += size - start
   if buf:
+    assert preprocessor is not None  # set by the dataset that filled buf
     yield pad_examples(preprocessor(concat_examples(buf)),
                        final_batch_size(buf_size, b, int(s['num_batch_size_buckets'])))
 

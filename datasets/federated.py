@@ -16,7 +16,7 @@ changed, and ``.store`` hands the same clients to this project's rounds.
 """
 
 import os
-from typing import Callable, Iterable, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -52,7 +52,7 @@ class FederatedData:
       (``test/<id>``), left out of the ids this view shows: its publisher's.
   """
 
-  def __init__(self, store, split: str, rows: Sequence[int],
+  def __init__(self, store, split: str, rows: Union[Sequence[int], np.ndarray],
                features: Callable[[np.ndarray, np.ndarray], Examples],
                preprocess_client: ClientPreprocessor = NoOpClientPreprocessor,
                preprocess_batch: BatchPreprocessor = NoOpBatchPreprocessor,
@@ -309,7 +309,7 @@ def store_of(cfg, prefix: str = '') -> Callable[[Sequence], object]:
   Returns:
     The function.
   """
-  built = []
+  built: list = []
 
   def of(client_ids):
     from fedjax_personal import datasets as datasets_lib

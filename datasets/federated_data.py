@@ -6,7 +6,7 @@ that batch a whole federated data set as one (evaluation over every
 client, a centralized baseline's stream).
 """
 
-from typing import Callable, Iterable, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -36,7 +36,7 @@ class ClientPreprocessor:
   def __call__(self, client_id: ClientId, examples: Examples) -> Examples:
     if not self._fns:
       return examples
-    out = dict(examples)
+    out: Examples = dict(examples)
     for f in self._fns:
       out = f(client_id, out)
     client_datasets.assert_consistent_rows(out)
@@ -196,8 +196,8 @@ class InMemoryFederatedData:
                          self._preprocess_batch)
 
   def _with(self, data=None, **changes) -> 'InMemoryFederatedData':
-    args = dict(preprocess_client=self._preprocess_client,
-                preprocess_batch=self._preprocess_batch)
+    args: Dict[str, Any] = dict(preprocess_client=self._preprocess_client,
+                                preprocess_batch=self._preprocess_batch)
     args.update(changes)
     return InMemoryFederatedData(self._data if data is None else data, **args)
 

@@ -96,7 +96,7 @@ def read_image(path, size: int) -> np.ndarray:
   from PIL import Image, UnidentifiedImageError
   try:
     with Image.open(path) as im:
-      return np.asarray(im.convert('RGB').resize((size, size), Image.BILINEAR), np.uint8)
+      return np.asarray(im.convert('RGB').resize((size, size), Image.Resampling.BILINEAR), np.uint8)
   except (OSError, UnidentifiedImageError, ValueError) as e:
     raise DataError(f'{path}: not a readable image ({type(e).__name__}: {e}); delete it and get '
                     'it again') from None

@@ -9,7 +9,7 @@ import dataclasses
 import gzip
 import re
 import zlib
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -24,7 +24,7 @@ __all__ = ['check_labels', 'load_digits', 'load_mnist', 'load_tinyshakespeare', 
            'parse_shakespeare_roles', 'read_idx', 'synthetic', 'SyntheticOptions']
 
 
-_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: '>i2', 0x0C: '>i4', 0x0D: '>f4', 0x0E: '>f8'}
+_IDX_DTYPES: Dict[int, Any] = {0x08: np.uint8, 0x09: np.int8, 0x0B: '>i2', 0x0C: '>i4', 0x0D: '>f4', 0x0E: '>f8'}
 
 
 def read_idx(path) -> np.ndarray:

@@ -82,7 +82,7 @@ def _leaf_convert(name: str, train: Dict[str, dict], test: Dict[str, dict]):
     # LEAF's line_to_indices: words split by [\w']+|[.,!?;], the first 25,
     # unknown words and padding both len(word2id). word2id is LEAF's GloVe
     # vocabulary; here the 10,000 most frequent training words (ids 0..V-1).
-    counts = {}
+    counts: Dict[str, int] = {}
     for d in train.values():
       for row in d['x']:
         for w in leaf_split_line(str(row[4])):

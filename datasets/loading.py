@@ -21,6 +21,7 @@ from fedjax_personal.datasets import in_memory, local_files, partition, registry
 from fedjax_personal.datasets.config import (POOLED_NATURAL, DataConfig, is_natural,
                                              streams_to_store)
 from fedjax_personal.datasets.natural_data import NaturalData, client_id
+from fedjax_personal.datasets.options import TextOptions
 from fedjax_personal.datasets.partition import Partition
 from fedjax_personal.errors import ConfigError, DataError
 
@@ -57,8 +58,8 @@ def load_pool(cfg: DataConfig):
   return x, y, c
 
 
-def make_partition(cfg: DataConfig, x, y, num_classes, rng) -> Partition:
-  """The partition named by ``cfg.partition`` of a pool (x, y).
+def make_partition(cfg: DataConfig, x, y, num_classes, rng, n: int) -> Partition:
+  """The partition named by ``cfg.partition`` of a pool (x, y) into ``n`` clients.
 
   Args:
     cfg: the data set (its partition's settings).
@@ -66,11 +67,11 @@ def make_partition(cfg: DataConfig, x, y, num_classes, rng) -> Partition:
     y: its labels.
     num_classes: its classes.
     rng: the partition's generator.
+    n: the clients (``cfg.num_clients``, given).
 
   Returns:
     The ``Partition``.
   """
-  n = cfg.num_clients
   p = cfg.partition
   if p == 'natural':
     raise ConfigError('partition', "partition 'natural' is only for "
@@ -140,8 +141,8 @@ class PooledClients:
     x_shape, x_dtype = self.x_spec
     out = {k: pad_clients(xs, ys, x_shape, x_dtype, self.y_shape, np.int32)
            for k, (xs, ys) in self.splits.items()}
-    return FederatedData(**out, groups=self._groups(), num_classes=self.num_classes,
-                         name=self.name)
+    return FederatedData(train=out['train'], val=out['val'], test=out['test'],
+                         groups=self._groups(), num_classes=self.num_classes, name=self.name)
 
   def store(self) -> PopulationStore:
     return PopulationStore.from_clients(self.splits, self._groups(), self.num_classes,
@@ -191,7 +192,7 @@ def pooled_clients(cfg: DataConfig) -> PooledClients:
   x, y, num_classes = load_pool(cfg)
   if cfg.num_clients > len(y):
     raise ConfigError('num_clients', f'num_clients={cfg.num_clients} exceeds the {len(y)} examples of {cfg.dataset}')
-  part = make_partition(cfg, x, y, num_classes, rng)
+  part = make_partition(cfg, x, y, num_classes, rng, cfg.num_clients)
   splits = client_splits(x, y, part.client_indices, rng, cfg.test_fraction, cfg.val_fraction,
                          part.client_transform)
   return PooledClients(splits, part.groups, part.num_classes or num_classes,
@@ -364,8 +365,8 @@ def _pooled_natural(cfg: DataConfig, rng) -> PooledClients:
   """Tiny Shakespeare by role and FedProx's synthetic clients: each client's
   examples split with --test_fraction / --val_fraction."""
   n = cfg.num_clients or 20
-  if cfg.dataset == 'synthetic':
-    o = cfg.options
+  o = cfg.options
+  if isinstance(o, in_memory.SyntheticOptions):
     xs, ys = in_memory.synthetic(n, o.synthetic_alpha, o.synthetic_beta, rng,
                                  max_examples=o.synthetic_max_examples)
     num_classes = 10
@@ -374,7 +375,8 @@ def _pooled_natural(cfg: DataConfig, rng) -> PooledClients:
     if cfg.dataset.startswith('tfds:'):
       from fedjax_personal.datasets.tfds_loader import load_tfds
       text = load_tfds('tiny_shakespeare', data_dir=cfg.data_dir)
-    xs, ys, vocab = in_memory.load_tinyshakespeare(n, cfg.options.sequence_length,
+    assert isinstance(o, TextOptions), o  # tinyshakespeare's options
+    xs, ys, vocab = in_memory.load_tinyshakespeare(n, o.sequence_length,
                                                    data_dir=cfg.data_dir,
                                                  text=text, download=cfg.download)
     num_classes = len(vocab)

@@ -196,16 +196,16 @@ def content_digest(path) -> str:
   st = os.stat(path)
   version = (f'{os.path.realpath(path)}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|'
              f'{st.st_ctime_ns}')
-  entry = cache_dir() / 'digests' / hashlib.sha256(version.encode()).hexdigest()[:32]
+  kept_at = cache_dir() / 'digests' / hashlib.sha256(version.encode()).hexdigest()[:32]
   try:
-    kept = entry.read_text().split()
+    kept = kept_at.read_text().split()
     if len(kept) == 2 and kept[1] == version.replace(' ', '%20'):
       return kept[0]
   except OSError:
     pass
   got = sha256_file(path)
   try:
-    write_atomically(entry, lambda tmp: tmp.write_text(f'{got} {version.replace(" ", "%20")}\n'))
+    write_atomically(kept_at, lambda tmp: tmp.write_text(f'{got} {version.replace(" ", "%20")}\n'))
   except OSError:  # a read-only cache: hashed again next time
     pass
   return got
@@ -308,7 +308,7 @@ def record_reads():
     yield _READS[0]
   finally:
     got, _READS[0] = _READS[0], outer
-    if outer is not None:
+    if outer is not None and got is not None:
       outer.update(got)
 
 

@@ -136,7 +136,7 @@ def fedjax_splits(dataset, train_path, test_path, num_clients, convert) -> Natur
   empty = lambda like: tuple(np.zeros((0,) + a.shape[1:], a.dtype) for a in like)
 
   def stream():
-    wanted = collections.deque()
+    wanted: collections.deque = collections.deque()
 
     def ids():
       while True:
@@ -241,8 +241,8 @@ def check_pair(dataset: str, cid: str, split: str, part, num_classes: int, spec:
       raise ConfigError('dataset', f'{where}: its {what} are {a.dtype} ({a.ravel()[:1]!r}...), '
                         'not numbers')
   if x.dtype.kind == 'f' and x.size and not np.isfinite(x).all():
-    i = np.unravel_index(np.argmin(np.isfinite(x)), x.shape)
-    raise ConfigError('dataset', f'{where}: input {i[0]} holds {x[i]} (inputs must be finite)')
+    at = np.unravel_index(np.argmin(np.isfinite(x)), x.shape)
+    raise ConfigError('dataset', f'{where}: input {at[0]} holds {x[at]} (inputs must be finite)')
   if y.size and y.dtype.kind == 'f' and not (np.isfinite(y).all() and np.all(y == np.round(y))):
     i = int(np.argmax(~(np.isfinite(y) & (y == np.round(y))).reshape(len(y), -1).any(1)))
     raise ConfigError('dataset', f'{where}: target {i} is {y[i]}, not a class (targets must be '

@@ -328,7 +328,7 @@ def latent_clusters(features: np.ndarray, num_clients: int, num_groups: int,
   f = features.reshape(len(features), -1).astype(np.float32)
   km = KMeans(n_clusters=num_groups, n_init=3, random_state=int(rng.integers(2**31)))
   assign = km.fit_predict(f)
-  clients: List[np.ndarray] = [None] * num_clients
+  clients = [np.zeros(0, np.int64)] * num_clients  # every client is in a group
   for g in range(num_groups):
     members = np.nonzero(groups == g)[0]
     idx = rng.permutation(np.nonzero(assign == g)[0])

@@ -87,8 +87,9 @@ class ReadClients(Protocol):
   misspelled option) is refused at registration.
   """
 
-  def __call__(self, num_clients: Optional[int] = None, data_dir: Optional[str] = None,
-               download: bool = False, **options: Any) -> NaturalData:
+  def __call__(self, *args: Any, **options: Any) -> NaturalData:
+    """``(num_clients=None, data_dir=None, download=False, [seed], [its
+    options' fields]) -> NaturalData`` (a reader names the options it reads)."""
     ...
 
 
@@ -310,6 +311,7 @@ def loader_code(dataset: str) -> str:
   """
   import hashlib
   import sys
+  modules: List[Any]
   if dataset.startswith(LEAF_PREFIX):
     modules = [leaf]
   else:

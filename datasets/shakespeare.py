@@ -23,6 +23,7 @@ characters in the same order):
 
 import dataclasses
 import functools
+from typing import List
 
 import numpy as np
 
@@ -61,10 +62,10 @@ def shakespeare_sequences(snippets, seq_len: int):
   Returns:
     ``(x, y)`` int32 [rows, seq_len].
   """
-  joined = []
+  ids: List[int] = []
   for s in snippets:
-    joined += [BOS] + _SHAKESPEARE_TABLE[np.frombuffer(bytes(s), np.uint8)].tolist() + [EOS]
-  joined = np.asarray(joined, np.int32)
+    ids += [BOS] + _SHAKESPEARE_TABLE[np.frombuffer(bytes(s), np.uint8)].tolist() + [EOS]
+  joined = np.asarray(ids, np.int32)
   if len(joined) < 2:
     return np.zeros((0, seq_len), np.int32), np.zeros((0, seq_len), np.int32)
   rows = -(-(len(joined) - 1) // seq_len)

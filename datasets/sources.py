@@ -197,6 +197,8 @@ def decompress(path: pathlib.Path, f: RemoteFile) -> pathlib.Path:
   Returns:
     The decompressed file's path.
   """
+  if not f.decompressed:
+    raise ValueError(f'{f.name} has no decompressed copy')
   dest = local_files.derived_dir('decompressed', path) / f.decompressed
   if dest.is_file():
     return dest
@@ -298,8 +300,11 @@ def fetch_gldv2_images(wanted: Set[str], folder: pathlib.Path, progress: bool = 
           image_id = os.path.basename(member.name)[:-len('.jpg')]
           if member.isfile() and member.name.endswith('.jpg') and image_id in missing:
             src = tar.extractfile(member)
+            if src is None:
+              continue
+            data = src.read()
             local_files.write_atomically(folder / f'{image_id}.jpg',
-                                   lambda tmp: tmp.write_bytes(src.read()))
+                                         lambda tmp: tmp.write_bytes(data))
             missing.discard(image_id)
     except (tarfile.TarError, EOFError) as e:
       raise DataError(f'{shard}: not a complete tar archive ({e}); delete it and run --download '

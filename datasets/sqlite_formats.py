@@ -16,7 +16,7 @@
 
 import sqlite3
 import zlib
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import msgpack
 import numpy as np
@@ -235,7 +235,7 @@ def fedjax_sizes(path) -> np.ndarray:
 # -- TFF SQLite and tf.train.Example ------------------------------------------
 
 
-def parse_example(serialized: bytes, shapes: Dict[str, tuple]) -> Dict[str, np.ndarray]:
+def parse_example(serialized: bytes, shapes: Dict[str, tuple]) -> Dict[str, tf_example.Value]:
   """The features named in ``shapes`` of one serialized tf.train.Example.
 
   Args:
@@ -247,7 +247,7 @@ def parse_example(serialized: bytes, shapes: Dict[str, tuple]) -> Dict[str, np.n
     ``{feature: array}``.
   """
   features = tf_example.parse(serialized)
-  out = {}
+  out: Dict[str, Any] = {}
   for name, shape in shapes.items():
     if name not in features:
       raise ValueError(f'feature {name!r} missing')

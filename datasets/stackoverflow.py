@@ -29,10 +29,11 @@ __all__ = ['default_vocab', 'DefaultWordTokenizer', 'load_data', 'load_split', '
            'StackoverflowTokenizer', 'tokenize_sentences', 'VALIDATION_EXAMPLES', 'word_ids']
 
 
-def read_word_count(path, vocab_size: int) -> List[str]:
+def read_word_count(path, vocab_size: Optional[int]) -> List[str]:
   """The ``vocab_size`` most frequent words of ``stackoverflow.word_count``
-  (one ``word count`` per line, most frequent first)."""
-  words = []
+  (one ``word count`` per line, most frequent first; None: every word, as
+  FedJAX's ``itertools.islice(f, None)``)."""
+  words: List[str] = []
   try:
     with open(path, encoding='utf-8') as f:
       for line in f:
@@ -44,7 +45,7 @@ def read_word_count(path, vocab_size: int) -> List[str]:
         words.append(parts[0])
   except UnicodeDecodeError as e:
     raise DataError(f'{path}: not UTF-8 text ({e.reason})') from None
-  if len(words) < vocab_size:
+  if vocab_size is not None and len(words) < vocab_size:
     raise DataError(f'{path}: {len(words)} words, the vocabulary needs {vocab_size}')
   return words
 
@@ -434,14 +435,14 @@ def load_data(mode: str = 'sqlite', cache_dir=None, *, num_clients=None, downloa
   return tuple(out)
 
 
-def default_vocab(default_vocab_size: int = 10000, cache_dir=None, download: bool = True
+def default_vocab(default_vocab_size: Optional[int] = 10000, cache_dir=None, download: bool = True
                   ) -> List[str]:
   """FedJAX's ``default_vocab``: the ``default_vocab_size`` most frequent
   words of ``stackoverflow.word_count`` (found in ``cache_dir``, else
   where the data set's files are looked up; FedJAX reads it from its bucket).
 
   Args:
-    default_vocab_size: the words kept.
+    default_vocab_size: the words kept (None: every word).
     cache_dir: where the file is.
     download: fetch it when found nowhere.
 

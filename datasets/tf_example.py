@@ -20,7 +20,7 @@ are decoded with NumPy in one pass: an image of 3,072 pixels costs
 microseconds, not a Python loop per value.
 """
 
-from typing import Dict, Iterator, List, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -50,7 +50,7 @@ def _varint(buf: memoryview, pos: int) -> Tuple[int, int]:
       raise ValueError('varint longer than 10 bytes')
 
 
-def _fields(buf: memoryview) -> Iterator[Tuple[int, int, Union[int, memoryview]]]:
+def _fields(buf: memoryview) -> Iterator[Tuple[int, int, Any]]:
   """(field number, wire type, value) of each field of a message: an int
   for varints, the bytes for the other wire types. Groups (wire types 3
   and 4, of no field of tf.train.Example) are skipped whole, as protobuf
@@ -156,7 +156,8 @@ def _feature(parts) -> Value:
   are a oneof: the same list given again is merged (values concatenated),
   another list given later replaces it. Each part of each list is parsed
   alone (a malformed part is an error even if the next would complete it)."""
-  kind, values = None, []
+  kind: Optional[int] = None
+  values: list = []
   for part in parts:
     for k, w, lst in _fields(memoryview(part)):
       if k in (1, 2, 3) and w == _LEN:

@@ -146,7 +146,7 @@ def command_default() -> Optional[str]:
   if choice.lower() == 'off':
     return None
   return (choice or os.environ.get('JAX_COMPILATION_CACHE_DIR')
-          or jax.config.jax_compilation_cache_dir or default_dir())
+          or _jax_option('jax_compilation_cache_dir') or default_dir())
 
 
 def directory() -> Optional[str]:
@@ -155,9 +155,15 @@ def directory() -> Optional[str]:
   Returns:
     The folder, or None.
   """
-  if not jax.config.jax_enable_compilation_cache:
+  if not _jax_option('jax_enable_compilation_cache'):
     return None
-  return jax.config.jax_compilation_cache_dir or None
+  return _jax_option('jax_compilation_cache_dir') or None
+
+
+def _jax_option(name: str):
+  """``jax.config``'s option ``name`` (its options are attributes made at
+  import, unknown to a type checker)."""
+  return getattr(jax.config, name)
 
 
 def size(path: Optional[str] = None):
@@ -191,7 +197,7 @@ def stats() -> dict:
     return dict(_counts)
 
 
-_listening = []
+_listening: list = []
 
 
 def _listen() -> None:
@@ -201,13 +207,13 @@ def _listen() -> None:
   _listening.append(True)
   from jax import monitoring
 
-  def on_duration(event, seconds, **_):
+  def on_duration(event: str, duration_secs: float, **_) -> None:
     with _lock:
       if event == '/jax/core/compile/backend_compile_duration':
-        _counts['compile_seconds'] += seconds
+        _counts['compile_seconds'] += duration_secs
         _counts['compiles'] += 1
       elif event == '/jax/core/compile/jaxpr_trace_duration':
-        _counts['trace_seconds'] += seconds
+        _counts['trace_seconds'] += duration_secs
 
   def on_event(event, **_):
     with _lock:

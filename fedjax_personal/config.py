@@ -191,7 +191,9 @@ class TrainingConfig(Declared):
     if self.client_lr_decay != 1.0:
       parts.append(scale_by_round_decay(self.client_lr_decay))
     if self.client_lr_schedule == 'linear':
-      parts.append(scale_by_round(linear_schedule(self.client_lr_horizon, self.client_lr_warmup)))
+      horizon = self.client_lr_horizon
+      assert horizon is not None  # check() refuses 'linear' without it
+      parts.append(scale_by_round(linear_schedule(horizon, self.client_lr_warmup)))
     elif self.client_lr_schedule == 'cut':
       parts.append(scale_by_round(cut_schedule(self.client_lr_cut_every,
                                                self.client_lr_cut_factor)))

@@ -10,6 +10,7 @@ import os
 import sys
 import sysconfig
 import traceback
+import types
 from typing import Iterable, Optional
 
 __all__ = ['caller_file', 'ConfigError', 'DataError', 'HostLimitError', 'installed_or_ours',
@@ -97,7 +98,7 @@ def caller_file() -> str:
   root = os.path.dirname(_PACKAGE)
   inside = tuple(os.path.join(d, '') for d in (
       _PACKAGE, os.path.join(root, 'algorithms'), os.path.join(root, 'datasets')))
-  frame = sys._getframe(1)
+  frame: Optional[types.FrameType] = sys._getframe(1)
   while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
     frame = frame.f_back
   return os.path.abspath(frame.f_code.co_filename) if frame is not None else '?'

@@ -59,7 +59,7 @@ def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None,
 
 
 @functools.lru_cache(maxsize=None)
-def field_types(cls) -> dict:
+def field_types(cls: type) -> dict:
   """{field name: its base type} (``Optional[float]`` -> float).
 
   Args:
@@ -150,7 +150,8 @@ def validate(cfg) -> None:
   Raises:
     ConfigError naming the flag: ``--client_lr: must be > 0, got -1``.
   """
-  types = field_types(type(cfg))
+  cls: type = type(cfg)
+  types = field_types(cls)
   for f in dataclasses.fields(cfg):
     v, meta, name = getattr(cfg, f.name), f.metadata, flag_name(type(cfg), f.name)
     if v is None or _is_traced(v) or is_list(types[f.name]):

@@ -236,11 +236,12 @@ class ClientRows:
     Returns:
       ``(state, outputs)``.
     """
-    new = None if self.output is None else getattr(outputs, self.output)
-    if new is None:
+    field = self.output
+    new = None if field is None else getattr(outputs, field)
+    if field is None or new is None:
       return state, outputs
     state = self.put(state, tree_util.tree_scatter(self.get(state), at, new))
-    return state, outputs.replace(**{self.output: None})
+    return state, dataclasses.replace(outputs, **{field: None})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,12 +50,26 @@ class Batching:
     b = max_examples if self.batch_size is None else min(self.batch_size, max_examples)
     return max(b, 1)
 
+  @property
+  def epochs(self) -> int:
+    """E, where the batching counts epochs (``num_steps`` is None)."""
+    if self.num_epochs is None:
+      raise ValueError('Batching: counts steps (num_steps), not epochs')
+    return self.num_epochs
+
+  @property
+  def steps(self) -> int:
+    """S, where the batching counts steps (``num_epochs`` is None)."""
+    if self.num_steps is None:
+      raise ValueError('Batching: counts epochs (num_epochs), not steps')
+    return self.num_steps
+
   def num_padded_steps(self, max_examples: int) -> int:
     """S, the static number of steps (the largest client's)."""
     b = self.effective_batch_size(max_examples)
     if self.num_steps is not None:
       return self.num_steps
-    return self.num_epochs * math.ceil(max_examples / b) if max_examples else 0
+    return self.epochs * math.ceil(max_examples / b) if max_examples else 0
 
   def num_steps_for(self, num_examples: int, max_examples: int) -> int:
     """The number of real steps of a client with ``num_examples`` examples."""
@@ -64,7 +78,7 @@ class Batching:
     b = self.effective_batch_size(max_examples)
     if self.num_steps is not None:
       return self.num_steps
-    return self.num_epochs * math.ceil(num_examples / b)
+    return self.epochs * math.ceil(num_examples / b)
 
 
 def _shuffled(key, num_examples, max_examples, groups=None):
@@ -127,18 +141,18 @@ def batch_indices(key: jax.Array, num_examples: jax.Array, max_examples: int,
     mask = jnp.broadcast_to(jnp.arange(b) < num_examples, idx.shape)
     return idx.astype(jnp.int32), mask
   nb = math.ceil(max_examples / b) if max_examples else 0
-  num_steps = batching.num_epochs * nb
-  keys = jax.random.split(key, max(batching.num_epochs, 1))
+  num_steps = batching.epochs * nb
+  keys = jax.random.split(key, max(batching.epochs, 1))
   perms = jax.vmap(lambda k: _shuffled(k, num_examples, max_examples, groups))(keys)
   perms = jnp.pad(perms, ((0, 0), (0, nb * b - max_examples)))
   # The client's own batches per epoch, ceil(n_i / B), laid out epoch after
   # epoch so that its real steps are a prefix; the rest is padding.
   nb_i = jnp.maximum((num_examples + b - 1) // b, 1)
   s = jnp.arange(num_steps)
-  epoch = jnp.minimum(s // nb_i, max(batching.num_epochs - 1, 0))
+  epoch = jnp.minimum(s // nb_i, max(batching.epochs - 1, 0))
   pos = (s % nb_i)[:, None] * b + jnp.arange(b)[None, :]
   idx = perms[epoch[:, None], pos]
-  real_step = s < batching.num_epochs * nb_i * (num_examples > 0)
+  real_step = s < batching.epochs * nb_i * (num_examples > 0)
   mask = real_step[:, None] & (pos < num_examples)
   return idx.astype(jnp.int32), mask
 
@@ -157,4 +171,4 @@ def traced_num_steps(batching: Batching, num_examples, max_examples: int):
   if batching.num_steps is not None:
     return jnp.where(num_examples > 0, batching.num_steps, 0)
   b = batching.effective_batch_size(max_examples)
-  return batching.num_epochs * ((num_examples + b - 1) // b)
+  return batching.epochs * ((num_examples + b - 1) // b)

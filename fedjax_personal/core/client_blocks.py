@@ -138,8 +138,9 @@ def scan_blocks(block_fn, positions, valid, rows=None, count=None, sink=None):
     (acc, bufs, held) = jax.lax.fori_loop(
         0, count, lambda i, carry: step(carry, jax.tree.map(lambda a: a[i], xs))[0],
         (init, bufs, held))
-  acc, stacked = iter(acc), iter(stacked if bufs is None else bufs)
-  out = treedef.unflatten([aggregation.Sum(next(acc)) if f else next(stacked) for f in flags])
+  sums, rows = iter(acc), iter(stacked if bufs is None else bufs)
+  out = jax.tree.unflatten(treedef,
+                           [aggregation.Sum(next(sums)) if f else next(rows) for f in flags])
   return (out, held) if sink is not None else out
 
 
@@ -333,7 +334,7 @@ def join_owned(outs, owner):
     if aggregation.is_sum(ns[0]):
       return aggregation.Sum(jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns]))
     return jax.tree.map(pick, *ns)
-  return treedef.unflatten([join(*ns) for ns in zip(*nodes)])
+  return jax.tree.unflatten(treedef, [join(*ns) for ns in zip(*nodes)])
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -348,4 +349,4 @@ def join_parts(outs, c):
       return aggregation.Sum(jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns]))
     return jax.tree.map(lambda *xs: jnp.concatenate(
         [x.reshape((-1,) + x.shape[2:]) for x in xs])[:c], *ns)
-  return treedef.unflatten([join(*ns) for ns in zip(*nodes)])
+  return jax.tree.unflatten(treedef, [join(*ns) for ns in zip(*nodes)])

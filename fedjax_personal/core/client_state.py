@@ -46,14 +46,15 @@ def persistent_client_optimizer(alg: FederatedAlgorithm, num_clients: int) -> Fe
     The algorithm whose client optimizer state persists (``--client_opt_state=persistent``).
   """
   work = alg.client_work
-  if work.init_opt_state is None:
+  init_opt_state, opt_state_of = work.init_opt_state, work.opt_state
+  if init_opt_state is None or opt_state_of is None:
     raise ConfigError('client_opt_state', f'{alg.name} keeps no client optimizer state')
 
   def init(key):
     inner = alg.init(key)
     shapes = jax.eval_shape(alg.model.init, key)
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    return WithClientOptState(inner, tree_broadcast(work.init_opt_state(params), num_clients))
+    return WithClientOptState(inner, tree_broadcast(init_opt_state(params), num_clients))
 
   def server_broadcast(state, cohort, rc):
     shared, per_client = alg.server_broadcast(state.inner, cohort, rc)
@@ -67,7 +68,7 @@ def persistent_client_optimizer(alg: FederatedAlgorithm, num_clients: int) -> Fe
       work,
       init=lambda ctx, key: work.init(unwrap(ctx), key),
       step=lambda ctx, carry, batch, key: work.step(unwrap(ctx), carry, batch, key),
-      final=lambda ctx, carry: (work.final(unwrap(ctx), carry), work.opt_state(carry)))
+      final=lambda ctx, carry: (work.final(unwrap(ctx), carry), opt_state_of(carry)))
 
   inner_rows = alg.client_rows
 
@@ -79,13 +80,13 @@ def persistent_client_optimizer(alg: FederatedAlgorithm, num_clients: int) -> Fe
     inner, metrics = alg.server_update(inner, cohort, out, rc)
     return WithClientOptState(inner, tree_scatter(state.opt_state, cohort.rows, opt_state)), metrics
 
-  pre_round = alg.pre_round
-  if pre_round is not None:
+  pre_round = inner_pre_round = alg.pre_round
+  if inner_pre_round is not None:
     def update(state, outputs, rc):
-      inner, info = alg.pre_round.update(state.inner, outputs, rc)
+      inner, info = inner_pre_round.update(state.inner, outputs, rc)
       return state.replace(inner=inner), info
     pre_round = dataclasses.replace(
-        pre_round, broadcast=lambda state, rc: alg.pre_round.broadcast(state.inner, rc),
+        inner_pre_round, broadcast=lambda state, rc: inner_pre_round.broadcast(state.inner, rc),
         update=update)
 
   # The optimizer states are client rows, with the algorithm's own if it has

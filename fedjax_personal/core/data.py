@@ -5,7 +5,9 @@ with a count, so that a whole population is a handful of arrays with a leading
 client axis. This is what lets one compiled round serve every cohort.
 """
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
+
+import dataclasses
 
 from flax import struct
 import jax
@@ -16,6 +18,10 @@ import numpy as np
 __all__ = ['client_row', 'client_splits', 'ClientData', 'FederatedData', 'LocalData',
            'PackedClientData', 'pad_clients', 'permute_eval_targets', 'split_client_examples',
            'to_device']
+
+
+#: A split's arrays: on the host (numpy, as loaded) or on the device.
+Array = Union[jax.Array, np.ndarray]
 
 
 @struct.dataclass
@@ -32,9 +38,9 @@ class ClientData:
       (``training.get_batch``), so the client's window ``x`` is only made
       when something reads it whole. None otherwise.
   """
-  x: jax.Array
-  y: jax.Array
-  num_examples: jax.Array
+  x: Array
+  y: Array
+  num_examples: Array
   source: Optional[tuple] = None
 
   @property
@@ -70,10 +76,10 @@ class PackedClientData:
     length: static; the window of one client (the ``max_examples`` of a
       padded split).
   """
-  x: jax.Array
-  y: jax.Array
-  num_examples: jax.Array
-  offsets: jax.Array
+  x: Array
+  y: Array
+  num_examples: Array
+  offsets: Array
   length: int = struct.field(pytree_node=False, default=0)
 
   @property
@@ -114,7 +120,7 @@ class FederatedData:
   train: ClientData
   val: ClientData
   test: ClientData
-  groups: jax.Array
+  groups: Array
   num_classes: int = struct.field(pytree_node=False)
   name: str = struct.field(pytree_node=False, default='')
   eval_only: int = struct.field(pytree_node=False, default=0)
@@ -257,7 +263,7 @@ def client_splits(x: np.ndarray, y: np.ndarray, client_indices: Sequence[np.ndar
   Returns:
     ``{split: ([x_i], [y_i])}`` for the splits train, val and test.
   """
-  splits = {'train': ([], []), 'val': ([], []), 'test': ([], [])}
+  splits: dict = {'train': ([], []), 'val': ([], []), 'test': ([], [])}
   for i, idx in enumerate(client_indices):
     idx = np.asarray(idx, dtype=np.int64)
     xi, yi = x[idx], y[idx]
@@ -295,4 +301,4 @@ def permute_eval_targets(data: FederatedData, perm) -> FederatedData:
   """
   perm = np.asarray(perm)
   take = lambda d: jax.tree.map(lambda a: a[perm], d)
-  return data.replace(val=take(data.val), test=take(data.test))
+  return dataclasses.replace(data, val=take(data.val), test=take(data.test))

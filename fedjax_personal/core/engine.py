@@ -103,6 +103,8 @@ def pre_round_functions(alg: FederatedAlgorithm, ex: Executor, counts=None):
   """
   counts = collections.Counter() if counts is None else counts
   pr = alg.pre_round
+  if pr is None:
+    raise ValueError(f'{alg.name} has no pre-round phase')
 
   def rc_of(key, round_num):
     return RoundContext(round=jnp.asarray(round_num, jnp.int32), key=jax.random.fold_in(key, 2))
@@ -114,6 +116,8 @@ def pre_round_functions(alg: FederatedAlgorithm, ex: Executor, counts=None):
     counts['pre_round_client'] += 1
     shared, train, val = shared_all
     pos, key = c
+    if pr.client is None:
+      raise ValueError(f'{alg.name}\'s pre-round phase has no client part')
     return pr.client(shared, LocalData(train=client_row(train, pos), val=client_row(val, pos)),
                      key)
 
@@ -162,7 +166,7 @@ def rows_in_place(client_rows, state, per_client) -> bool:
 
 
 def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executor, counts=None,
-                    system: Optional[system_lib.SystemConfig] = None,
+                    system: Optional[system_lib.SystemConfig | system_lib.ClientSystem] = None,
                     row_groups: Optional[int] = None):
   """The pieces of one round of ``alg``: (pre, make_ctx, post, fused_round).
 
@@ -193,9 +197,8 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
   """
   counts = collections.Counter() if counts is None else counts
   n_clients = sampler.num_clients
-  if system is not None:
-    system = system_lib.prepare(system, n_clients)
-    system = system if system.config.active else None
+  prepared = None if system is None else system_lib.prepare(system, n_clients)
+  devices = prepared if prepared is not None and prepared.config.active else None
 
   def pre(state, key, round_num, cohort=None, train=None):
     """The server's broadcast. A given ``cohort`` (the host layout's, drawn
@@ -204,7 +207,7 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
     ``train`` (the round's training split) gives the system its clients' work."""
     counts['pre'] += 1
     k_cohort, k_clients = jax.random.split(key)
-    online = system_lib.available(system, k_cohort, round_num, n_clients)
+    online = system_lib.available(devices, k_cohort, round_num, n_clients)
     if cohort is None:
       cohort = sampler(k_cohort, available=online, round_num=round_num)
       data_rows = cohort.idx
@@ -214,11 +217,11 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
                       key=jax.random.fold_in(k_cohort, 1))
     shared, per_client = alg.server_broadcast(state, cohort, rc)
     keys = client_keys(k_clients, cohort.idx)
-    if system is None:
+    if devices is None:
       return cohort, rc, (shared, rc.round), (data_rows, per_client, keys)
     sizes = None if train is None else jnp.where(cohort.mask, train.num_examples[jnp.clip(
         data_rows, 0, train.num_examples.shape[0] - 1)], 0)
-    drawn = system_lib.draw(system, jax.random.fold_in(k_cohort, system_lib.SYSTEM_DRAWS),
+    drawn = system_lib.draw(devices, jax.random.fold_in(k_cohort, system_lib.SYSTEM_DRAWS),
                             cohort.mask, alg.client_work.batching, alg.partial_work, sizes,
                             1 if train is None else train.max_examples, cohort.idx)
     drawn = drawn._replace(available=None if online is None else jnp.sum(online))
@@ -237,7 +240,7 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
   def post(state, cohort, outputs, rc, shared):
     counts['post'] += 1
     sampled = cohort
-    if system is not None:  # a lost upload is a padded slot for the server
+    if devices is not None:  # a lost upload is a padded slot for the server
       cohort = system_lib.without(cohort, shared[2].lost, n_clients)
     if alg.client_rows is not None:  # the new rows the engine writes (ClientRows.output)
       state, outputs = alg.client_rows.write(state, cohort.rows, outputs)
@@ -245,7 +248,7 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
             upload_communication(outputs, shared[0], cohort.mask.shape[0]))
     state, metrics = alg.server_update(state, cohort, outputs, rc)
     metrics, drawn = dict(metrics), {}
-    if system is not None:
+    if devices is not None:
       metrics[PARTICIPATED] = metrics.get(PARTICIPATED, True) & ~shared[2].lost
       drawn = system_lib.system_metrics(shared[2], sampled.mask)
     counted = cohort_counts(alg, state, sampled, metrics, comm)  # takes PARTICIPATED out
@@ -270,9 +273,10 @@ def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executo
     if cohort is None:  # the host layout runs the phase apart (it streams every client)
       state, phase = fused_pre_round(state, key, round_num, train, val)
     cohort, rc, shared, per_client = pre(state, key, round_num, cohort, train)
-    if system is None and ex.writes_rows and rows_in_place(alg.client_rows, state, per_client):
+    cr = alg.client_rows
+    if (devices is None and ex.writes_rows and cr is not None
+        and rows_in_place(cr, state, per_client)):
       # The client blocks read and write the state's rows (ClientRows.output).
-      cr = alg.client_rows
       outputs, new_rows = ex.run_work(alg.client_work, make_ctx, (shared, train, val),
                                       per_client, active=cohort.mask,
                                       rows_in_place=(cr.output, BROADCAST_SLOT))
@@ -346,7 +350,7 @@ class RoundRunner:
     self.executor = executor.for_run(jax.eval_shape(algorithm.init, jax.random.key(0)),
                                      population.num_clients).at_matmul_precision(
                                          self.matmul_precision)
-    self.trace_counts = collections.Counter()
+    self.trace_counts: collections.Counter = collections.Counter()
     if self.host is None:
       work = algorithm.client_work
       max_n = int(data.train.max_examples)
@@ -454,7 +458,7 @@ class RoundRunner:
   def _build_host(self, feed):
     """The host layout's round, evaluation and pre-round phase (``layout``):
     the round takes the cohort and its gathered examples."""
-    alg, ex, host = self.algorithm, self.executor, self.host
+    alg, ex, host = self.algorithm, self.executor, self._host_data()
     pre, make_ctx, post, fused_round = round_functions(alg, self.sampler, ex, self.trace_counts,
                                                      self.system, self.row_groups)
     sampler = self.sampler
@@ -491,13 +495,15 @@ class RoundRunner:
       state, metrics = work(state, key, np.int32(rnd), train, val, cohort, donate)
       return state, {**metrics, **ph}
 
-    held = None if not self.hosted_rows else alg.client_rows.get(shapes)
+    client_rows = alg.client_rows
+    held = None if client_rows is None or not self.hosted_rows else client_rows.get(shapes)
     row_bytes = 0 if held is None else tree_util.tree_bytes(held) // tree_util.leading_size(held)
 
     def round_hosted(state, key, rnd, donate, next_key=None):
       """The round of an algorithm whose client rows live on the host: the
       cohort's rows gathered into the state, the new ones scattered back."""
-      cr, rows = alg.client_rows, state.rows
+      cr, rows = client_rows, state.rows
+      assert cr is not None  # hosted_rows: the algorithm has client rows
       inner, ph = phase(state.inner, key, rnd)  # the phase never touches client rows
       cohort, train, val = self.feed.get(key, rnd)
       if next_key is not None:
@@ -518,7 +524,7 @@ class RoundRunner:
 
   def _streamed_phase_outputs(self, phase_client, shared, rc):
     """The pre-round phase's client outputs over the store, in blocks."""
-    ex, host = self.executor, self.host
+    ex, host = self.executor, self._host_data()
     if not hasattr(self, '_phase_block'):
       def block(shared, train, val, rows, keys, valid):
         return ex.map(phase_client, (shared, train, val), (rows, keys), active=valid)
@@ -540,11 +546,18 @@ class RoundRunner:
       return self.executor.jit(self.algorithm.init)(key)
     # Client rows need not fit the accelerator: made on the CPU backend, in
     # host memory or in files (each made when its client first trains).
-    if self.host.rows_folder is not None:
-      os.makedirs(self.host.rows_folder, exist_ok=True)
-      folder = tempfile.mkdtemp(prefix=f'{self.algorithm.name}-', dir=self.host.rows_folder)
+    rows_folder = self._host_data().rows_folder
+    if rows_folder is not None:
+      os.makedirs(rows_folder, exist_ok=True)
+      folder = tempfile.mkdtemp(prefix=f'{self.algorithm.name}-', dir=rows_folder)
       return rows_in_files.init_on_disk(self.algorithm.init, self.algorithm.client_rows, key, folder)
     return rows_in_memory.init_hosted(self.algorithm.init, self.algorithm.client_rows, key)
+
+  def _host_data(self) -> placement.HostData:
+    """The host layout's data (raises on the device layout)."""
+    if self.host is None:
+      raise ValueError("the device layout has no host data")
+    return self.host
 
   def whole_state(self, state):
     """The algorithm's state with every client's rows in it (a
@@ -571,7 +584,7 @@ class RoundRunner:
   def compiled_text(self, state, key, round_num: int = 0) -> str:
     """XLA's compiled HLO of one fused round (with a sharded executor, its
     collectives are the round's communication: ``memory.hlo_collectives``)."""
-    return self.compiled(state, key, round_num).as_text()
+    return str(self.compiled(state, key, round_num).as_text())
 
   def round(self, state, key, round_num=0, donate: bool = False, next_key=None):
     """Round ``round_num`` (rounds done before it; per-round schedules read

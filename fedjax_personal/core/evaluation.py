@@ -92,7 +92,7 @@ def eval_client_function(alg: FederatedAlgorithm, counts, finetune: bool, length
     if length is not None:
       test_i = test_i.replace(x=test_i.x[:length], y=test_i.y[:length])
     k_ft, k_eval = jax.random.split(key)
-    if finetune:
+    if finetune and alg.finetune is not None:
       params = alg.finetune(params, local, k_ft)
     if alg.evaluate_client is not None:
       return alg.evaluate_client(params, local, test_i, k_eval)
@@ -192,7 +192,8 @@ def host_evaluation(alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bo
     # The training and validation splits are read only to fine-tune or
     # for an algorithm's own evaluation; otherwise they are empty rows.
     local_length = None if finetune or alg.evaluate_client is not None else 0
-    by_rows = hosted_rows and alg.client_rows.models_from_rows
+    client_rows = alg.client_rows
+    by_rows = hosted_rows and client_rows is not None and client_rows.models_from_rows
     block = host.block
     if by_rows:
       rows = state.rows
@@ -211,7 +212,8 @@ def host_evaluation(alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bo
         positions = jnp.arange(len(b_ids), dtype=jnp.int32)
         model_of = ids_j
         if by_rows:
-          block_state = alg.client_rows.put(state.inner, rows_in_memory.gather_rows(rows, b_ids))
+          assert client_rows is not None  # by_rows
+          block_state = client_rows.put(state.inner, rows_in_memory.gather_rows(rows, b_ids))
           models = block_state if ex.fused else models_j(block_state)
           model_of = positions
         stats = block_fn(finetune, length)(

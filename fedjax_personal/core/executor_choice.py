@@ -95,6 +95,7 @@ def _auto(model, sample_x, block_size, num_threads) -> Executor:
   """``auto``'s choice (``create_executor``), with its reason (a rule from
   the platform and the model's cost, measured in benchmarks/speed/README.md,
   "Against FedJAX on the field's populations")."""
+  ex: Executor
   if jax.process_count() > 1:
     ex = ShardedExecutor(block_size)
     ex.reason = f'auto: {jax.process_count()} processes share the client axis'

@@ -49,6 +49,12 @@ EXECUTOR_NAMES = ('auto', 'vmap', 'blocked', 'sequential', 'sharded')
 MakeContext = Callable[[Any, Any], tuple]
 
 
+
+def _no_rows_in_place(ex, rows_in_place) -> None:
+  """Refuses ``rows_in_place`` for an executor that does not write client rows."""
+  if rows_in_place is not None:
+    raise ValueError(f'{ex.name} does not write client rows in place')
+
 class Executor(abc.ABC):
   """Maps per-client computations over stacked per-client inputs."""
 
@@ -116,12 +122,15 @@ class Executor(abc.ABC):
     """
 
   def run_work(self, work: training.ClientWork, make_ctx: MakeContext, shared, per_client,
-               active=None, num_steps: Optional[Sequence[int]] = None):
+               active=None, num_steps: Optional[Sequence[int]] = None,
+               rows_in_place=None):
     """Runs ``work`` for every client; returns the stacked ``final`` outputs.
 
     ``num_steps`` (host ints [C]) are the clients' real step counts, used by
-    executors that skip padded steps.
+    executors that skip padded steps. ``rows_in_place`` is for executors that
+    write client rows in place (``writes_rows``) alone.
     """
+    _no_rows_in_place(self, rows_in_place)
     def fn(sh, c):
       ctx, key = make_ctx(sh, c)
       return training.run_work(work, ctx, key)
@@ -161,9 +170,11 @@ class VmapExecutor(Executor):
       out = jax.vmap(client_fn(fn, shared, per_client))(jnp.arange(c))
     return aggregation.sum_clients(out, active_mask(active, c))
 
-  def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None):
+  def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None,
+               rows_in_place=None):
     """The cohort's steps loop as long as its longest active client's work
     (not the padded maximum)."""
+    _no_rows_in_place(self, rows_in_place)
     c = tree_util.cohort_size(per_client)
     steps = work_steps(work, make_ctx, shared, per_client, active)
     client = limited_client(work, make_ctx, shared, per_client)
@@ -357,8 +368,9 @@ class SequentialExecutor(Executor):
     sums = [n.value for n, f in zip(nodes[0], flags) if f]
     for ns in nodes[1:]:
       sums = self._adder(sums, [n.value for n, f in zip(ns, flags) if f])
-    sums = iter(sums)
-    return treedef.unflatten([aggregation.Sum(next(sums)) if f else next(stacked) for f in flags])
+    sum_iter = iter(sums)
+    return jax.tree_util.tree_unflatten(
+        treedef, [aggregation.Sum(next(sum_iter)) if f else next(stacked) for f in flags])
 
   @staticmethod
   @jax.jit
@@ -401,7 +413,9 @@ class SequentialExecutor(Executor):
       self._compiled[key] = (self.jit(init), self.jit(step), self.jit(final))
     return self._compiled[key]
 
-  def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None):
+  def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None,
+               rows_in_place=None):
+    _no_rows_in_place(self, rows_in_place)
     init, step, final = self._work_fns(work, make_ctx)
     c = tree_util.cohort_size(per_client)
 

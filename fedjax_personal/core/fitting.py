@@ -110,6 +110,7 @@ def fit_accelerator(executor: Executor, steps, cohort_size: int, need,
   by_work = fit_work(executor, steps, cohort_size)
   if by_work is executor:
     return by_memory
-  if isinstance(by_memory, BlockedExecutor) and by_memory.block_size <= by_work.block_size:
+  if (isinstance(by_memory, BlockedExecutor) and isinstance(by_work, BlockedExecutor)
+      and by_memory.block_size <= by_work.block_size):
     return by_memory
   return by_work

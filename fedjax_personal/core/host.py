@@ -21,8 +21,8 @@ __all__ = ['return_free_heap', 'tune_allocator']
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _THRESHOLD = 1 << 30
-_done = []
-_trim = []
+_done: list = []
+_trim: list = []
 
 
 def tune_allocator() -> bool:

@@ -36,7 +36,7 @@ class LossStats(NamedTuple):
   computed)."""
   loss_sum: ArrayLike
   correct: ArrayLike
-  count: ArrayLike
+  count: ArrayLike  # type: ignore[assignment]  # the examples (shadows tuple.count)
   scored: Any = None
   correct_top_k: Any = None
 

@@ -24,7 +24,7 @@ temporaries.
 
 import dataclasses
 import re
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -132,7 +132,10 @@ def step_bytes(model, sample_x, batch_size: int) -> int:
       lambda s: jax.ShapeDtypeStruct((PROBE_CLIENTS,) + tuple(s.shape), s.dtype), t)
   try:
     analysis = jax.jit(jax.vmap(grad)).lower(stack(params), stack(x), stack(y)).compile()
-    return int(STEP_COPIES * analysis.memory_analysis().temp_size_in_bytes / PROBE_CLIENTS)
+    stats = analysis.memory_analysis()
+    if stats is None:
+      raise ValueError('no memory analysis')
+    return int(STEP_COPIES * stats.temp_size_in_bytes / PROBE_CLIENTS)
   except Exception:  # no memory analysis on this backend: the outputs' count
     return ACTIVATION_COPIES * activation_bytes(model, sample_x, batch_size)
 
@@ -237,7 +240,7 @@ def hlo_collectives(hlo_text: str) -> dict:
   Returns:
     ``{collective: (count, bytes)}``.
   """
-  out = {}
+  out: Dict[str, Tuple[int, int]] = {}
   for m in _OP.finditer(hlo_text):
     nbytes = 0
     for dtype, dims in _SHAPE.findall(m.group(1)):

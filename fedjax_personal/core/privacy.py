@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from fedjax_personal.hparams import Declared, hparam
+from fedjax_personal.hparams import Declared, flag_name, hparam
 from fedjax_personal.errors import ConfigError
 
 
@@ -107,8 +107,8 @@ def check_dp(config: DPConfig):
     None.
   """
   if config.dp_noise_multiplier and not config.dp_clip_norm:
-    raise ConfigError(f'{config.prefix}_dp_noise_multiplier',
-                      f'needs {config.prefix}_dp_clip_norm > 0')
+    raise ConfigError(flag_name(type(config), 'dp_noise_multiplier'),
+                      f'needs {flag_name(type(config), "dp_clip_norm")} > 0')
 
 
 def dp_privacy(config: DPConfig, data, batching, steps: Callable) -> Privacy:

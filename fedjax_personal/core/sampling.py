@@ -41,7 +41,7 @@ class Cohort:
   def with_gathered_rows(self, num_clients: int) -> 'Cohort':
     """This cohort for a state holding only its rows, in cohort order."""
     c = self.idx.shape[0]
-    return self.replace(row_idx=jnp.where(self.idx < num_clients,
+    return dataclasses.replace(self, row_idx=jnp.where(self.idx < num_clients,
                                           jnp.arange(c, dtype=jnp.int32), c))
 
 
@@ -121,6 +121,7 @@ class CohortSampler:
   def capacity(self) -> int:
     if self.cohort_size is not None:
       return self.cohort_size
+    assert self.participation is not None  # set exactly one (__post_init__)
     return max(1, _binomial_capacity(self.drawn, self.participation))
 
   def __call__(self, key: jax.Array, available: Optional[jax.Array] = None,
@@ -151,8 +152,11 @@ class CohortSampler:
         idx = jax.random.choice(key, drawn, (self.cohort_size,), replace=False).astype(jnp.int32)
       return Cohort(idx=idx, mask=jnp.ones(self.cohort_size, bool))
 
+    participation = self.participation
+    assert participation is not None  # set exactly one (__post_init__)
+
     def draw(k):
-      active = jax.random.uniform(k, (n,)) < self.participation
+      active = jax.random.uniform(k, (n,)) < participation
       return active if drawn == n else active & (jnp.arange(n) < drawn)
     key, active = _redrawn_while_empty(key, draw)
     return _first_by_priority(key, active, self.capacity)

@@ -84,7 +84,7 @@ def scale_by_adaptive_server(kind: str, beta1: float = 0.9, beta2: float = 0.99,
 
 class KerasAdamState(NamedTuple):
   """A Keras optimizer's step count and moments (m unused by Adagrad)."""
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # optax's name (shadows tuple.count)
   m: optax.Updates
   v: optax.Updates
 

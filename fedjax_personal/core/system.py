@@ -329,7 +329,7 @@ class RoundSystem(NamedTuple):
     local_steps: int32, the local steps the sampled clients' devices ran.
   """
   straggler: jax.Array
-  work_limit: jax.Array
+  work_limit: Optional[jax.Array]
   lost: jax.Array
   step_cap: Optional[jax.Array] = None
   compute_time: Optional[jax.Array] = None
@@ -369,7 +369,7 @@ def draw(system, key, mask, batching: Batching, partial_work: str, counts=None,
   partial = jax.random.randint(k_work, (c,), 1, max(e, 2))  # np.random.randint(1, E)
   before = mask & (jax.random.uniform(k_before, (c,)) < config.drop_before)
   after = mask & (jax.random.uniform(k_after, (c,)) < config.drop_after)
-  full_limit = _UNLIMITED
+  full_limit: int | jax.Array = _UNLIMITED
   if config.local_work_min is not None:  # FedNova: E_i ~ U(min, E)
     full_limit = jax.random.randint(k_vary, (c,), config.local_work_min, e + 1)
   limit = jnp.where(straggler, partial, full_limit)
@@ -441,7 +441,7 @@ def without(cohort: Cohort, lost, num_clients: int) -> Cohort:
   idx = jnp.where(lost, num_clients, cohort.idx)
   row_idx = None if cohort.row_idx is None else jnp.where(lost, cohort.idx.shape[0],
                                                           cohort.row_idx)
-  return cohort.replace(idx=idx, mask=cohort.mask & ~lost, row_idx=row_idx)
+  return dataclasses.replace(cohort, idx=idx, mask=cohort.mask & ~lost, row_idx=row_idx)
 
 
 def system_metrics(system: RoundSystem, mask) -> dict:

@@ -13,7 +13,7 @@ FedFomo's default (TensorFlow-tutorial) CNN, pFedMe's (PyTorch-tutorial)
 CifarNet, and the user-centric paper's LeNet-5 with average pooling.
 """
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -274,7 +274,7 @@ class CharLSTM(nn.Module):
     self.output = Dense(self.num_classes, convention=self.convention)
 
   def features(self, x):
-    h = self.embed(x)
+    h: Any = self.embed(x)
     real = x != 0
     for i, lstm in enumerate(self.lstms):
       # Initialisation draws the cell's parameters through nn.RNN; applying

@@ -104,7 +104,7 @@ def _conv_pads(x_shape, kernel_shape, padding, layout: str, strides=(1, 1)):
       raise ValueError(f'padding must be SAME, VALID or explicit pairs, got {padding!r}')
     pads = jax.lax.padtype_to_pads(size, (kh, kw), tuple(strides), padding)
   else:
-    pads = [tuple(int(v) for v in p) for p in padding]
+    pads = [(int(p[0]), int(p[1])) for p in padding]
   out = tuple((n + lo + hi - k) // s + 1 for n, (lo, hi), k, s in zip(size, pads, (kh, kw), strides))
   return tuple(tuple(p) for p in pads), out
 

@@ -5,7 +5,7 @@ module (its ``train`` argument, dropout keys, batch statistics)."""
 import dataclasses
 import inspect
 import math
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -67,7 +67,7 @@ class Model:
   """
   name: str
   init: Callable[[jax.Array], Any]
-  apply: Callable[[Any, jax.Array], jax.Array]
+  apply: Callable[[Any, Any], Any]
   module: Any = None
   loss: str = 'cross_entropy'
   unscored_targets: tuple = ()
@@ -275,7 +275,7 @@ def from_flax(name: str, module: nn.Module, sample_x) -> Model:
   """
   sample_x = jnp.asarray(sample_x)[:1]
   train_arg = takes_train(module)
-  evaluate = {'train': False} if train_arg else {}
+  evaluate: Dict[str, Any] = {'train': False} if train_arg else {}
   made = jax.eval_shape(lambda k: module.init(k, sample_x, **evaluate), jax.random.key(0))
   collections = tuple(sorted(c for c in made if c not in _NOT_STATE))
   if collections and not train_arg:

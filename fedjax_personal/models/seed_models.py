@@ -50,7 +50,7 @@ numbers them).
 """
 
 import math
-from typing import Sequence
+from typing import Any, Dict, Sequence
 
 import flax.linen as nn
 import jax
@@ -77,8 +77,8 @@ class TransformerAdapter(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    init = dict(kernel_init=jax.nn.initializers.normal(0.01),
-                bias_init=jax.nn.initializers.zeros)
+    init: Dict[str, Any] = dict(kernel_init=jax.nn.initializers.normal(0.01),
+                                bias_init=jax.nn.initializers.zeros)
     z = nn.relu(nn.Dense(self.dim, name='down', **init)(x))
     return x + nn.Dense(x.shape[-1], name='up', **init)(z)
 

@@ -47,7 +47,7 @@ naming ``--init_weights`` and the first layer that differs.
 import os
 import re
 import zipfile
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +62,7 @@ __all__ = ['load', 'save_npz']
 FLAG = 'init_weights'
 
 
-def _fail(path, message):
+def _fail(path, message) -> NoReturn:
   raise ConfigError(FLAG, f'{path}: {message}')
 
 
@@ -80,7 +80,7 @@ def flat_params(params, prefix='') -> Dict[str, np.ndarray]:
 
 def _nest(flat: dict) -> dict:
   """{'a/b/kernel': v} -> {'a': {'b': {'kernel': v}}}, in ``flat``'s order."""
-  out = {}
+  out: Dict[str, Any] = {}
   for name, v in flat.items():
     node = out
     *path, leaf = name.split('/')
@@ -104,10 +104,11 @@ def save_npz(path: str, params) -> None:
   Returns:
     None.
   """
-  np.savez(path, **{k: np.asarray(v) for k, v in flat_params(params).items()})
+  arrays: Dict[str, Any] = {k: np.asarray(v) for k, v in flat_params(params).items()}
+  np.savez(path, **arrays)
 
 
-def _template(model, sample_x) -> Tuple[dict, tuple]:
+def _template(model, sample_x) -> Tuple[dict, Optional[tuple]]:
   """The model's parameters (values irrelevant) in creation order, and the
   NHWC shape its convolutional part flattens (None without one)."""
   x = jax.ShapeDtypeStruct((1,) + tuple(np.shape(sample_x))[1:], jnp.asarray(sample_x).dtype)
@@ -115,7 +116,7 @@ def _template(model, sample_x) -> Tuple[dict, tuple]:
   # 11M-parameter ResNet op by op).
   # eval_shape's output dicts are key-sorted; the layers' creation order (which
   # PyTorch state dicts are matched against) is read while tracing.
-  order = []
+  order: List[str] = []
 
   def init(x):
     variables = model.module.init(jax.random.key(0), x, **model.evaluate_kwargs)
@@ -203,7 +204,7 @@ def _keras_layer(flayer, arrays) -> Tuple[int, Dict[str, np.ndarray]]:
   them in its layout; (0, {}) when they do not fit."""
   def fits(a, shape):
     return a is not None and tuple(np.shape(a)) == tuple(shape)
-  first = arrays[0] if arrays else None
+  first: Any = arrays[0] if arrays else None
   if 'ii' in flayer:  # an LSTM cell: kernel [in, 4H], recurrent [H, 4H], bias [4H]
     h, d_in = flayer['hi']['kernel'].shape[0], flayer['ii']['kernel'].shape[0]
     if len(arrays) < 3 or not (fits(arrays[0], (d_in, 4 * h)) and fits(arrays[1], (h, 4 * h))
@@ -368,7 +369,7 @@ def _shape(d):
   return {k: list(np.shape(a)) for k, a in d.items()}
 
 
-def _convert(flayer, tlayer, flat_shape, after_conv) -> Dict[str, np.ndarray]:
+def _convert(flayer, tlayer, flat_shape, after_conv) -> Optional[Dict[str, np.ndarray]]:
   """One torch layer in the Flax layout of ``flayer`` (None if it does not fit)."""
   if 'ii' in flayer:  # an LSTM cell
     if set(tlayer) != {'weight_ih', 'weight_hh', 'bias_ih', 'bias_hh'}:

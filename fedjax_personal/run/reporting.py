@@ -58,7 +58,8 @@ class Progress(Callback):
   """A tqdm progress bar showing the current mean and worst-client accuracy."""
 
   def __init__(self, total: int, desc: str = ''):
-    self.total, self.desc, self.bar = total, desc, None
+    self.total, self.desc = total, desc
+    self.bar: Any = None  # a tqdm bar from on_start
 
   def on_start(self, runner, state):
     from tqdm.auto import tqdm

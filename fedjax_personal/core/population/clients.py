@@ -71,8 +71,15 @@ def padded_length(count: int, cap: Optional[int] = None, smallest: int = 32) -> 
   Returns:
     The length.
   """
-  length = int(max(smallest, next_power_of_two(count)))
+  length = max(smallest, int(next_power_of_two(count)))
   return length if cap is None else int(min(length, max(cap, 1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitCounts:
+  """A split of a population without its examples: the clients' example
+  counts ([N] int32, ``ClientData.num_examples``)."""
+  num_examples: np.ndarray
 
 
 @dataclasses.dataclass
@@ -84,9 +91,9 @@ class Population:
   It stands where builders take a ``FederatedData`` (``data.num_clients``,
   ``data.train.num_examples``, ``data.groups``...).
   """
-  train: ClientData
-  val: ClientData
-  test: ClientData
+  train: 'SplitCounts'
+  val: 'SplitCounts'
+  test: 'SplitCounts'
   groups: np.ndarray
   num_classes: int
   name: str
@@ -134,7 +141,7 @@ class PopulationStore:
     self.counts = {s: np.asarray(arrays[s][2], np.int64) for s in SPLITS}
     self.offsets = {s: np.concatenate([[0], np.cumsum(c)]) for s, c in self.counts.items()}
     self._ids = client_ids
-    self._index = None
+    self._index: Optional[Dict[str, int]] = None
 
   @property
   def num_clients(self) -> int:
@@ -192,11 +199,11 @@ class PopulationStore:
     Raises:
       DataError: an id no client has, or one given twice.
     """
-    rows = [self.client_index(c) for c in client_ids]
-    if len(set(rows)) != len(rows):
+    listed = [self.client_index(c) for c in client_ids]
+    if len(set(listed)) != len(listed):
       twice = next(c for c, k in collections.Counter(map(str, client_ids)).items() if k > 1)
       raise DataError(f'client id {twice!r} is given twice')
-    rows = np.sort(np.asarray(rows, np.int64))
+    rows = np.sort(np.asarray(listed, np.int64))
     h = hashlib.sha256(self.digest.encode())
     h.update(rows.tobytes())
     held_out = int(np.sum(rows >= self.num_clients - self.eval_only))
@@ -237,7 +244,7 @@ class PopulationStore:
 
   def population(self, cap: Optional[int] = None) -> Population:
     """The store's ``Population`` (training counts capped at ``cap``)."""
-    splits = {s: ClientData(x=None, y=None, num_examples=self.counts_capped(s, cap))
+    splits = {s: SplitCounts(num_examples=self.counts_capped(s, cap))
               for s in SPLITS}
     x = self.arrays['train'][0]
     return Population(**splits, groups=self.groups, num_classes=self.num_classes,

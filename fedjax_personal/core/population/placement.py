@@ -26,7 +26,7 @@ mixing) stays on the device.
 import concurrent.futures
 import dataclasses
 import functools
-from typing import Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -150,7 +150,8 @@ class ShapePlan:
   def for_cohorts(cls, host: 'HostData', cohort_size: int, seed: int = 0) -> 'ShapePlan':
     """The plan of cohorts of ``cohort_size`` drawn from ``host``'s
     clients that train."""
-    windows, rows = {}, {}
+    windows: Dict[str, int] = {}
+    rows: Dict[str, Tuple[int, ...]] = {}
     rng = np.random.default_rng(seed)
     trained = max(1, host.num_trained)
     draws = rng.integers(0, trained, (PLAN_DRAWS, max(1, min(cohort_size, trained))))
@@ -209,10 +210,10 @@ class CohortFeed:
   def __init__(self, host: HostData, sample, plan: Optional[ShapePlan] = None):
     self.host, self.sample, self.plan = host, sample, plan
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='cohort-feed')
-    self._pending = {}
-    self._last = (None, None)  # the last cohort handed out, for runs of the same key
-    self._least = {}
-    self.shapes = []
+    self._pending: Dict[Any, concurrent.futures.Future] = {}
+    self._last: tuple = (None, None)  # the last cohort handed out, for runs of the same key
+    self._least: Dict[Any, Any] = {}
+    self.shapes: List[tuple] = []
     self.gathers = 0
 
   def _prepare(self, key, round_num: int):
@@ -302,7 +303,7 @@ def join_blocks(parts):
     if aggregation.is_sum(ns[0]):
       return aggregation.Sum(jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns]))
     return jax.tree.map(lambda *xs: jnp.concatenate([x[k] for x, k in zip(xs, keep)]), *ns)
-  return treedef.unflatten([join(*ns) for ns in zip(*nodes)])
+  return jax.tree.unflatten(treedef, [join(*ns) for ns in zip(*nodes)])
 
 
 def host_available_bytes() -> Optional[int]:

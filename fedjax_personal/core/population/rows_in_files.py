@@ -25,6 +25,7 @@ import os
 from typing import List, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -62,7 +63,7 @@ class RowMaker:
   def rekey(self, key_data: List[int]) -> None:
     """Makes rows from the key whose data is ``key_data`` (a checkpoint's)."""
     data = np.asarray(key_data, np.uint32).reshape(jax.random.key_data(self._key).shape)
-    key = jax.random.wrap_key_data(data, impl=jax.random.key_impl(self._key))
+    key = jax.random.wrap_key_data(jnp.asarray(data), impl=jax.random.key_impl(self._key))
     self._key = jax.device_put(key, self._cpu)
 
   def __call__(self, idx: np.ndarray, leaf: int, out: Optional[np.ndarray] = None) -> np.ndarray:

@@ -6,6 +6,7 @@ receives its cohort's rows gathered by index and its new rows are scattered
 back (``Cohort.rows`` tells the algorithm where they are).
 """
 
+import dataclasses
 import gc
 import mmap
 from typing import Any, Optional
@@ -160,7 +161,7 @@ def hosted(whole, client_rows) -> HostedState:
     The ``HostedState``.
   """
   state = HostedState.split(whole, client_rows)
-  return state.replace(inner=jax.device_put(state.inner, jax.devices()[0]))
+  return dataclasses.replace(state, inner=jax.device_put(state.inner, jax.devices()[0]))
 
 
 def rows_on_cpu(abstract, client_rows):

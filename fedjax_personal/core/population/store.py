@@ -36,7 +36,7 @@ import pathlib
 import secrets
 import shutil
 import zlib
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -72,7 +72,8 @@ class _BlockChecksums:
   pieces of any size."""
 
   def __init__(self, block_bytes: int = BLOCK_BYTES):
-    self.block_bytes, self.crcs, self._crc, self._filled = block_bytes, [], 0, 0
+    self.block_bytes, self._crc, self._filled = block_bytes, 0, 0
+    self.crcs: List[int] = []
 
   def update(self, data: bytes) -> None:
     view = memoryview(data)
@@ -144,15 +145,15 @@ class FileArray:
     self._fd = os.open(self.path, os.O_RDONLY)
     self._crcs = None if crcs is None else np.asarray(crcs, np.int64)
     self._block = block_bytes
-    self._checked = None if crcs is None else np.zeros(len(self._crcs), bool)
+    self._checked = None if crcs is None else np.zeros(len(crcs), np.bool_)
 
   def _check(self, lo: int, hi: int) -> None:
     """Checks the blocks of bytes [lo, hi) not checked before in this
     process (each read once more, with its neighbours' bytes)."""
-    if self._checked is None or hi <= lo:
+    if self._checked is None or self._crcs is None or hi <= lo:
       return
     b0, b1 = lo // self._block, (hi - 1) // self._block + 1
-    todo = np.flatnonzero(~self._checked[b0:b1]) + b0
+    todo = np.flatnonzero(np.logical_not(self._checked[b0:b1])) + b0
     for b in todo:
       data = os.pread(self._fd, self._block, int(b) * self._block)
       if zlib.crc32(data) != self._crcs[b]:
@@ -216,7 +217,7 @@ def remove_leftovers(parent) -> List[str]:
   Returns:
     None.
   """
-  removed = []
+  removed: List[str] = []
   parent = pathlib.Path(parent)
   if not parent.is_dir():
     return removed
@@ -250,11 +251,13 @@ class StoreWriter:
       shutil.rmtree(self.partial)
     self.partial.mkdir(parents=True)
     self.identity = _as_json(identity)
-    self.specs = None
-    self.groups = []
-    self.ids = []
+    self.specs: Optional[Dict[str, Tuple[list, str]]] = None
+    self.groups: List[int] = []
+    self.ids: List[str] = []
     self._files = {}
-    self._buffers, self._buffered, self._crcs = {}, {}, {}
+    self._buffers: Dict[str, Any] = {}
+    self._buffered: Dict[str, Any] = {}
+    self._crcs: Dict[str, Any] = {}
     self._hash = hashlib.sha256()
     for s in SPLITS:
       for f in _files(s):
@@ -487,7 +490,7 @@ def open_store(folder, identity: Optional[dict] = None,
       if len(counts) != n:
         raise ValueError(f'{fc} holds {len(counts)} clients, the manifest {n}')
       total = int(counts.sum())
-      mm = []
+      mm: List[Any] = []
       for f, key in ((fx, 'x'), (fy, 'y')):
         shape, dtype = manifest[key]
         shape = (total,) + tuple(shape)
