@@ -17,10 +17,18 @@ Where things are:
   (``sqlite_formats``, ``tf_example``), sources and local files.
 """
 
+import functools
+
+from fedjax_personal.datasets import cifar100
+from fedjax_personal.datasets import emnist
+from fedjax_personal.datasets import gldv2
 from fedjax_personal.datasets import in_memory
+from fedjax_personal.datasets import leaf
 from fedjax_personal.datasets import local_files
 from fedjax_personal.datasets import partition
 from fedjax_personal.datasets import registry
+from fedjax_personal.datasets import shakespeare
+from fedjax_personal.datasets import stackoverflow
 from fedjax_personal.datasets.config import check_given
 from fedjax_personal.datasets.config import DataConfig
 from fedjax_personal.datasets.config import has_own_test_split
@@ -47,3 +55,20 @@ __all__ = ['check_given', 'client_id', 'DataConfig', 'DataOptions', 'DATASETS',
            'load_federated', 'load_pool', 'load_store', 'local_files', 'NaturalData', 'NoOptions',
            'partition', 'Partition', 'PARTITIONS', 'pooled_clients', 'PooledClients', 'registry',
            'streams_to_store', 'TextOptions']
+
+# The built-in data sets' registry entries: each module holds its reader and
+# options; the pools' options (Synthetic, Tiny Shakespeare) are in_memory's.
+registry.register_builtin('emnist', emnist.read_clients, emnist.EmnistOptions)
+registry.register_builtin('emnist_digits', functools.partial(emnist.read_clients, only_digits=True),
+                          emnist.EmnistOptions)
+registry.register_builtin('shakespeare', shakespeare.read_clients, shakespeare.ShakespeareOptions)
+registry.register_builtin('stackoverflow', stackoverflow.read_clients,
+                          stackoverflow.StackOverflowOptions)
+registry.register_builtin('stackoverflow_held_out', stackoverflow.read_held_out,
+                          stackoverflow.StackOverflowOptions)
+registry.register_builtin('cifar100', cifar100.read_clients, cifar100.Cifar100Options)
+registry.register_builtin('gldv2', gldv2.read_clients, gldv2.Gldv2Options)
+registry.register_builtin('synthetic', options=in_memory.SyntheticOptions)
+registry.register_builtin('tinyshakespeare', options=TextOptions)
+registry.register_builtin('tfds:tiny_shakespeare', options=TextOptions)
+registry.LEAF_READER.append(leaf.read_clients)

@@ -20,6 +20,7 @@ import numpy as np
 
 from fedjax_personal.datasets import local_files, sources
 from fedjax_personal.errors import DataError
+from PIL import Image
 
 __all__ = ['load']
 
@@ -72,7 +73,6 @@ def decode_python_archive(path, which: str) -> dict:
 
 def decode_jpeg_npz(src) -> dict:
   """Decodes the JPEG ``.npz``; DataError naming it when it is not one."""
-  from PIL import Image
   try:
     arc = np.load(src)
     out = {}

@@ -14,6 +14,7 @@ from fedjax_personal.datasets.natural_data import NaturalData, client_id, take
 from fedjax_personal.datasets.options import DataOptions
 from fedjax_personal.errors import ConfigError, DataError
 from fedjax_personal.hparams import hparam
+from fedjax_personal.models import inputs
 
 
 __all__ = ['CIFAR100_PIXELS_INVERSE_STDDEV', 'CIFAR100_PIXELS_MEAN', 'Cifar100Options',
@@ -57,7 +58,6 @@ class Cifar100Options(DataOptions):
   def input_transform(self):
     if self.cifar100_preprocess == 'none':
       return None
-    from fedjax_personal.models import inputs  # noqa: PLC0415  (the model's input pipelines)
     return inputs.TRANSFORMS[self.cifar100_preprocess]()
 
 

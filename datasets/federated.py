@@ -20,9 +20,10 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence, Tuple, Unio
 
 import numpy as np
 
-from fedjax_personal.datasets import client_datasets
+from fedjax_personal.datasets import client_datasets, config, loading, registry
 from fedjax_personal.datasets.client_datasets import (  # noqa: F401 (FedJAX's names, here too)
     BatchPreprocessor, ClientDataset, EXAMPLE_MASK_KEY, Examples, NoOpBatchPreprocessor)
+from fedjax_personal.datasets.natural_data import IGNORE, PAD
 from fedjax_personal.datasets.federated_data import (  # noqa: F401 (FedJAX's names, here too)
     ClientPreprocessor, InMemoryFederatedData, NoOpClientPreprocessor, SubsetFederatedData,
     padded_batch_federated_data, shuffle_repeat_batch_federated_data)
@@ -251,7 +252,6 @@ def fedjax_targets(x: np.ndarray, y: np.ndarray) -> Examples:
   Returns:
     ``{'x': x, 'y': y}`` with padded targets PAD.
   """
-  from fedjax_personal.datasets.natural_data import IGNORE, PAD
   return {'x': x, 'y': np.where(y == IGNORE, PAD, y)}
 
 
@@ -276,9 +276,8 @@ def data_config(dataset: str, mode: str = 'sqlite', cache_dir=None, num_clients=
     ValueError: a ``mode`` other than ``'sqlite'``, two folders, or a
       missing folder without ``download``.
   """
-  from fedjax_personal import datasets as datasets_lib
-  cls = datasets_lib.registry.options_class(dataset)
-  fields = datasets_lib.config.option_flags(cls)
+  cls = registry.options_class(dataset)
+  fields = config.option_flags(cls)
   if mode != 'sqlite':
     raise ValueError(f'Unsupported mode={mode!r}: the published files are read (mode=\'sqlite\')')
   if cache_dir is not None and data_dir is not None and cache_dir != data_dir:
@@ -291,7 +290,7 @@ def data_config(dataset: str, mode: str = 'sqlite', cache_dir=None, num_clients=
         raise ValueError(f'cache_dir={folder!r} is not a folder (give the folder of the files, '
                          'or download=True to fetch them there)')
       os.makedirs(folder, exist_ok=True)  # as FedJAX's: the files are downloaded into it
-  return datasets_lib.DataConfig(dataset=dataset, partition='natural', num_clients=num_clients,
+  return config.DataConfig(dataset=dataset, partition='natural', num_clients=num_clients,
                                  data_dir=folder, download=download,
                                  options=cls(**{fields[k]: v for k, v in options.items()
                                                 if v is not None}))
@@ -312,9 +311,8 @@ def store_of(cfg, prefix: str = '') -> Callable[[Sequence], object]:
   built: list = []
 
   def of(client_ids):
-    from fedjax_personal import datasets as datasets_lib
     if not built:
-      built.append(datasets_lib.load_store(cfg))
+      built.append(loading.load_store(cfg))
     ids = [prefix + (c.decode('utf-8') if isinstance(c, bytes) else str(c)) for c in client_ids]
     return built[0].subset(ids, 'of a load_data view')
   return of
@@ -342,6 +340,5 @@ def load(dataset: str, mode: str = 'sqlite', cache_dir=None, num_clients=None,
   Returns:
     The train and test ``FederatedData``.
   """
-  from fedjax_personal import datasets as datasets_lib
   cfg = data_config(dataset, mode, cache_dir, num_clients, download, data_dir, **options)
-  return splits(datasets_lib.load_store(cfg), features)
+  return splits(loading.load_store(cfg), features)

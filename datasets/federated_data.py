@@ -13,6 +13,7 @@ import numpy as np
 from fedjax_personal.datasets import client_datasets
 from fedjax_personal.datasets.client_datasets import (BatchPreprocessor, ClientDataset, Examples,
                                                       NoOpBatchPreprocessor)
+from fedjax_personal.core.population.clients import PopulationStore
 
 __all__ = ['ClientPreprocessor', 'InMemoryFederatedData', 'NoOpClientPreprocessor',
            'padded_batch_federated_data', 'shuffle_repeat_batch_federated_data',
@@ -216,7 +217,6 @@ class InMemoryFederatedData:
     Returns:
       A ``PopulationStore``.
     """
-    from fedjax_personal.core.population.clients import PopulationStore
     ids = list(client_ids)
     xs = [np.asarray(self._data[c]['x']) for c in ids]
     ys = [np.asarray(self._data[c]['y']) for c in ids]

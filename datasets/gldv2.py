@@ -18,11 +18,12 @@ import numpy as np
 import dataclasses
 from typing import Optional
 
-from fedjax_personal.datasets import local_files, sources
+from fedjax_personal.datasets import federated, local_files, sources
 from fedjax_personal.datasets.natural_data import NaturalData, take
 from fedjax_personal.datasets.options import DataOptions
 from fedjax_personal.errors import DataError
 from fedjax_personal.hparams import hparam
+from PIL import Image, UnidentifiedImageError
 
 
 __all__ = ['gldv2_halves', 'GLDV2_MAX_PER_SPLIT', 'Gldv2Options', 'load_data', 'read_clients']
@@ -93,7 +94,6 @@ def gldv2_halves(user: str, n: int) -> Tuple[np.ndarray, np.ndarray]:
 def read_image(path, size: int) -> np.ndarray:
   """A JPEG as uint8 RGB [size, size, 3], resized bilinearly (the seed's
   ``tf.image.resize`` to a square, aspect ratio not kept)."""
-  from PIL import Image, UnidentifiedImageError
   try:
     with Image.open(path) as im:
       return np.asarray(im.convert('RGB').resize((size, size), Image.Resampling.BILINEAR), np.uint8)
@@ -201,6 +201,5 @@ def load_data(mode: str = 'sqlite', cache_dir=None, *, num_clients=None, downloa
   Returns:
     ``(train, test)`` ``federated.FederatedData``.
   """
-  from fedjax_personal.datasets import federated
   return federated.load('gldv2', mode, cache_dir, num_clients, download, data_dir,
                         image_size=image_size)

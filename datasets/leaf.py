@@ -11,7 +11,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from fedjax_personal.datasets import local_files, sources
+from fedjax_personal.datasets import federated, local_files, sources
 from fedjax_personal.datasets.natural_data import NaturalData, listed, take
 from fedjax_personal.errors import DataError
 
@@ -160,5 +160,4 @@ def load_data(name: str, cache_dir=None, *, num_clients=None, data_dir=None):
   Returns:
     ``(train, test)`` ``federated.FederatedData``.
   """
-  from fedjax_personal.datasets import federated
   return federated.load(f'leaf:{name}', 'sqlite', cache_dir, num_clients, False, data_dir)

@@ -24,6 +24,9 @@ from fedjax_personal.datasets.natural_data import NaturalData, client_id
 from fedjax_personal.datasets.options import TextOptions
 from fedjax_personal.datasets.partition import Partition
 from fedjax_personal.errors import ConfigError, DataError
+from fedjax_personal.datasets import cifar
+from fedjax_personal.datasets.tfds_loader import load_tfds
+from fedjax_personal.datasets import embedding
 
 __all__ = ['chosen_clients', 'load_federated', 'load_pool', 'load_store', 'make_partition',
            'READS_FILE', 'pooled_clients', 'PooledClients']
@@ -43,11 +46,9 @@ def load_pool(cfg: DataConfig):
   elif cfg.dataset == 'digits':
     x, y, c = in_memory.load_digits()
   elif cfg.dataset in ('cifar10', 'cifar100'):
-    from fedjax_personal.datasets import cifar
     which = 'cifar10' if cfg.dataset == 'cifar10' else 'cifar100_python'
     x, y, c = cifar.load(which, cfg.data_dir, download=cfg.download)
   elif cfg.dataset.startswith('tfds:'):
-    from fedjax_personal.datasets.tfds_loader import load_tfds
     x, y, c = load_tfds(cfg.dataset[5:], data_dir=cfg.data_dir, max_examples=cfg.max_examples)
   else:
     raise ConfigError('dataset', f'{cfg.dataset!r} is not a pool to partition; choose one of '
@@ -102,7 +103,6 @@ def make_partition(cfg: DataConfig, x, y, num_classes, rng, n: int) -> Partition
     return partition.sparse_classes(y, n, num_classes, cfg.classes_per_client, rng,
                                     cfg.examples_per_client, permute=p.endswith('permuted'))
   if cfg.latent_features == 'embedding':
-    from fedjax_personal.datasets import embedding
     x = embedding.semantic_features(x, y, num_classes, cfg.seed)
   return partition.latent_clusters(x, n, cfg.num_groups, rng)
 
@@ -373,7 +373,6 @@ def _pooled_natural(cfg: DataConfig, rng) -> PooledClients:
   else:
     text = None
     if cfg.dataset.startswith('tfds:'):
-      from fedjax_personal.datasets.tfds_loader import load_tfds
       text = load_tfds('tiny_shakespeare', data_dir=cfg.data_dir)
     assert isinstance(o, TextOptions), o  # tinyshakespeare's options
     xs, ys, vocab = in_memory.load_tinyshakespeare(n, o.sequence_length,

@@ -14,23 +14,23 @@ data set of your own files with its options (BUILD.md, "Add a data set").
 """
 
 import dataclasses
-import functools
+import hashlib
 import inspect
+import sys
 from typing import Any, Callable, Dict, List, Optional, Protocol, Type
 
 import numpy as np
 
-from fedjax_personal.datasets import cifar100, emnist, gldv2, leaf, shakespeare, stackoverflow
-from fedjax_personal.datasets.in_memory import SyntheticOptions
+from fedjax_personal.datasets import sources, tfds_loader
 from fedjax_personal.datasets.natural_data import (MAX_CLASSES, NaturalData, checked, listed,
                                                    take)
-from fedjax_personal.datasets.options import DataOptions, NoOptions, TextOptions
+from fedjax_personal.datasets.options import DataOptions, NoOptions
 from fedjax_personal.errors import ConfigError, caller_file
 
-__all__ = ['DATASETS', 'HELD_OUT_ONLY', 'is_file_dataset', 'is_known', 'LEAF_PREFIX', 'load',
-           'loader_code', 'LOADERS', 'names', 'option_classes', 'options_class', 'OPTIONS',
+__all__ = ['DATASETS', 'HELD_OUT_ONLY', 'is_file_dataset', 'is_known', 'LEAF_PREFIX',
+           'LEAF_READER', 'load', 'loader_code', 'LOADERS', 'names', 'option_classes', 'options_class', 'OPTIONS',
            'OWNERS', 'READER_ARGUMENTS', 'ReadClients', 'RESERVED_PREFIXES',
-           'reader_options', 'register', 'register_arrays', 'SplitByFraction']
+           'reader_options', 'register', 'register_arrays', 'register_builtin', 'SplitByFraction']
 
 
 #: The built-in --dataset names; ``leaf:<name>`` is accepted too
@@ -45,30 +45,16 @@ HELD_OUT_ONLY = {'stackoverflow_held_out': (
     'datasets.stackoverflow.load_data); train on --dataset=stackoverflow')}
 
 
-#: --dataset name -> its reader (``read_clients``).
-LOADERS: Dict[str, Callable[..., NaturalData]] = {
-    'emnist': emnist.read_clients,
-    'emnist_digits': functools.partial(emnist.read_clients, only_digits=True),
-    'shakespeare': shakespeare.read_clients,
-    'stackoverflow': stackoverflow.read_clients,
-    'stackoverflow_held_out': stackoverflow.read_held_out,
-    'cifar100': cifar100.read_clients,
-    'gldv2': gldv2.read_clients,
-}
+#: --dataset name -> its reader (``read_clients``); the built-in data sets'
+#: are entered by the package (``datasets/__init__.py``: ``register_builtin``),
+#: yours by ``register``.
+LOADERS: Dict[str, Callable[..., NaturalData]] = {}
 #: --dataset name -> its options class (``options.DataOptions``); a data set
 #: not listed has none (``NoOptions``).
-OPTIONS: Dict[str, Type[DataOptions]] = {
-    'emnist': emnist.EmnistOptions,
-    'emnist_digits': emnist.EmnistOptions,
-    'shakespeare': shakespeare.ShakespeareOptions,
-    'stackoverflow': stackoverflow.StackOverflowOptions,
-    'stackoverflow_held_out': stackoverflow.StackOverflowOptions,
-    'cifar100': cifar100.Cifar100Options,
-    'gldv2': gldv2.Gldv2Options,
-    'synthetic': SyntheticOptions,
-    'tinyshakespeare': TextOptions,
-    'tfds:tiny_shakespeare': TextOptions,
-}
+OPTIONS: Dict[str, Type[DataOptions]] = {}
+#: LEAF's reader, ``(name, num_clients, data_dir) -> NaturalData`` of
+#: ``leaf:<name>`` (entered by the package as the built-in readers are).
+LEAF_READER: List[Callable[..., NaturalData]] = []
 LEAF_PREFIX = 'leaf:'
 #: Names the loaders route by their prefix: never a registered data set's.
 RESERVED_PREFIXES = (LEAF_PREFIX, 'tfds:')
@@ -124,6 +110,28 @@ def register(name: str, read_clients: ReadClients,
   LOADERS[name] = read_clients
   OPTIONS[name] = options or NoOptions
   OWNERS[name] = owner
+
+
+def register_builtin(name: str, read_clients: Optional[Callable[..., NaturalData]] = None,
+                     options: Optional[Type[DataOptions]] = None) -> None:
+  """A built-in data set's entry (``DATASETS``, ``HELD_OUT_ONLY``), made
+  by the package as it is imported: its reader (None: built in memory by
+  ``loading``) and its options class (None: none).
+
+  Args:
+    name: a built-in ``--dataset`` name.
+    read_clients: its reader, or None.
+    options: its options class, or None.
+
+  Returns:
+    None.
+  """
+  if name not in DATASETS and name not in HELD_OUT_ONLY:
+    raise ValueError(f'{name!r} is not a built-in data set; add yours with register')
+  if read_clients is not None:
+    LOADERS[name] = read_clients
+  if options is not None:
+    OPTIONS[name] = options
 
 
 #: What every reader may be given besides its options' fields (``load``).
@@ -248,7 +256,6 @@ def is_known(dataset: str) -> bool:
     True when it names one.
   """
   if dataset.startswith('tfds:'):  # TFDS's own names: tfds:emnist is its byclass (62 classes)
-    from fedjax_personal.datasets import tfds_loader  # noqa: PLC0415  (TFDS on demand)
     return tfds_loader.is_known(dataset[len('tfds:'):])
   return dataset in DATASETS or is_file_dataset(dataset)
 
@@ -309,15 +316,9 @@ def loader_code(dataset: str) -> str:
   Returns:
     16 hex digits.
   """
-  import hashlib
-  import sys
-  modules: List[Any]
-  if dataset.startswith(LEAF_PREFIX):
-    modules = [leaf]
-  else:
-    fn = LOADERS.get(dataset)
-    fn = getattr(fn, 'func', fn)  # a functools.partial's function
-    modules = [sys.modules.get(getattr(fn, '__module__', ''), None)]
+  fn: Any = LEAF_READER[0] if dataset.startswith(LEAF_PREFIX) else LOADERS.get(dataset)
+  fn = getattr(fn, 'func', fn)  # a functools.partial's function
+  modules: List[Any] = [sys.modules.get(getattr(fn, '__module__', ''), None)]
   modules += [sys.modules.get(f'{__package__}.{m}') for m in _SHARED_READERS]
   h = hashlib.sha256()
   for module in modules:
@@ -346,9 +347,8 @@ def load(dataset: str, num_clients=None, data_dir=None, download=False,
   """
   if dataset.startswith(LEAF_PREFIX):
     if download:
-      from fedjax_personal.datasets import sources
       raise ConfigError('download', sources.manual_instructions(dataset))
-    return checked(dataset, leaf.read_clients(dataset[len(LEAF_PREFIX):], num_clients, data_dir))
+    return checked(dataset, LEAF_READER[0](dataset[len(LEAF_PREFIX):], num_clients, data_dir))
   if dataset not in LOADERS:
     raise ConfigError('dataset', f'{dataset!r} is not a natural data set read from files')
   nat = LOADERS[dataset](num_clients=num_clients, data_dir=data_dir, download=download,

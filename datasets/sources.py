@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from fedjax_personal.datasets import local_files
 from fedjax_personal.errors import DataError
+from tqdm import tqdm
 
 __all__ = ['decompress', 'download_file', 'DownloadError', 'extract_member', 'fetch',
            'fetch_gldv2_images', 'FILES', 'GLDV2_BUNDLE', 'GLDV2_MD5_URL', 'GLDV2_SHARD_URL',
@@ -410,6 +411,5 @@ def _fetch(remote, tmp: pathlib.Path, progress: bool, timeout: float) -> None:
 
 
 def _bar(total, name, enabled):
-  from tqdm import tqdm
   return tqdm(total=total, unit='B', unit_scale=True, desc=name, disable=not enabled,
               file=sys.stderr, leave=False)

@@ -20,6 +20,7 @@ import numpy as np
 
 from fedjax_personal.datasets import client_datasets, federated, federated_data, sqlite_formats
 from fedjax_personal.errors import DataError
+from fedjax_personal.datasets import sources
 
 __all__ = ['open_split', 'SQLiteFederatedData']
 
@@ -271,7 +272,6 @@ def open_split(cfg, file_name: str, preprocess_client=(), preprocess_batch=(),
   Returns:
     The file's clients (the first ``cfg.num_clients`` when given).
   """
-  from fedjax_personal.datasets import sources
   path = sources.fetch(source or cfg.dataset, cfg.data_dir, cfg.download,
                        which=[file_name])[file_name]
   return SQLiteFederatedData(path, limit=cfg.num_clients,

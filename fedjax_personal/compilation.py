@@ -30,6 +30,8 @@ import time
 from typing import Optional
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as cc
+from jax import monitoring
 
 __all__ = ['command_default', 'default_dir', 'directory', 'disable', 'enable', 'MAX_BYTES',
            'size', 'stats', 'trim']
@@ -127,7 +129,6 @@ def _reset_jax_cache() -> None:
   """JAX opens its cache once per process: a changed setting takes effect
   after this (``compilation_cache.reset_cache``, where JAX has it)."""
   try:
-    from jax.experimental.compilation_cache import compilation_cache as cc
     cc.reset_cache()
   except (ImportError, AttributeError):
     pass
@@ -205,7 +206,6 @@ def _listen() -> None:
   if _listening:
     return
   _listening.append(True)
-  from jax import monitoring
 
   def on_duration(event: str, duration_secs: float, **_) -> None:
     with _lock:

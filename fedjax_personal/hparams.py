@@ -17,6 +17,7 @@ import typing
 from typing import Optional, Tuple
 
 from fedjax_personal.errors import ConfigError
+import jax
 
 
 __all__ = ['Declared', 'field_types', 'fill_options', 'flag_fields', 'flag_name', 'hparam', 'is_list',
@@ -132,7 +133,6 @@ def _interval(meta) -> str:
 def _is_traced(v) -> bool:
   """A value traced by JAX (a hyperparameter swept inside ``jax.vmap``):
   checked before it was swept (the CLI validates sweep values)."""
-  import jax  # noqa: PLC0415  (the declarations import no JAX until a check meets an array)
   return isinstance(v, jax.core.Tracer)
 
 

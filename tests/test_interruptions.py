@@ -334,9 +334,10 @@ from fedjax_personal.run import cli, reporting, main_job
 alg, at = sys.argv[1], int(sys.argv[2])
 if at == 0:  # during start-up: once the data are loaded
   load = main_job.load_data
-  def load_data(job):
-    load(job)
+  def load_data(settings):
+    loaded = load(settings)
     os.kill(os.getpid(), signal.SIGTERM)
+    return loaded
   main_job.load_data = load_data
 else:
   write = reporting.MetricsWriter.on_round_end

@@ -14,7 +14,7 @@ from fedjax_personal.core.population import rows_in_memory
 from fedjax_personal.core.population import placement
 from fedjax_personal.core.population import store as store_lib
 from fedjax_personal.core.population.clients import PopulationStore
-from fedjax_personal.run import main_job as job_lib
+from fedjax_personal.run import job_setup as job_lib
 from fedjax_personal.core.data import pad_clients, to_device
 from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.core.population.placement import HostData

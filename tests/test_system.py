@@ -267,7 +267,9 @@ def test_cohorts_are_drawn_from_the_online_clients(digits, tmp_path):
   for t in range(4):
     state, m = runner.round(state, jax.random.key(t), t)
     assert int(m['available']) == rows[t % 2].sum() == int(m['num_active'])
-  assert system_lib.file_problems(config, 9)[0][0] == 'availability_trace'
+  with pytest.raises(system_lib.SettingError) as e:
+    system_lib.prepare(config, 9)
+  assert e.value.setting == 'availability_trace'
 
 
 def test_a_deadline_makes_slow_clients_stragglers(digits, tmp_path):
@@ -303,7 +305,9 @@ def test_a_deadline_makes_slow_clients_stragglers(digits, tmp_path):
     np.testing.assert_allclose(float(m['compute_time']), max(times), rtol=1e-6)
     ran = np.minimum(full, cap) if alg_name == 'fedprox' else np.where(full > cap, 0, full)
     assert int(m['local_steps']) == int(ran.sum())  # the work done: a dropped late one none
-  assert system_lib.file_problems(config, 7)[0][0] == 'client_speeds'
+  with pytest.raises(system_lib.SettingError) as e:
+    system_lib.prepare(config, 7)
+  assert e.value.setting == 'client_speeds'
 
 
 def test_the_run_reports_its_devices(tmp_path):

@@ -166,7 +166,7 @@ def rows_in_place(client_rows, state, per_client) -> bool:
 
 
 def round_functions(alg: FederatedAlgorithm, sampler: CohortSampler, ex: Executor, counts=None,
-                    system: Optional[system_lib.SystemConfig | system_lib.ClientSystem] = None,
+                    system: Optional[system_lib.Devices] = None,
                     row_groups: Optional[int] = None):
   """The pieces of one round of ``alg``: (pre, make_ctx, post, fused_round).
 
@@ -318,7 +318,7 @@ class RoundRunner:
   def __init__(self, algorithm: FederatedAlgorithm, data, sampler: CohortSampler,
                executor: Executor, feed: Optional[placement.CohortFeed] = None,
                matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION,
-               system: Optional[system_lib.SystemConfig] = None,
+               system: Optional[system_lib.Devices] = None,
                row_groups: Optional[int] = None):
     self.host = data if isinstance(data, placement.HostData) else None
     population = self.host.population if self.host else data

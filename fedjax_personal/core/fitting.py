@@ -10,6 +10,7 @@ import numpy as np
 
 from fedjax_personal.core.executors import (BlockedExecutor, Executor, ShardedExecutor,
                                             VmapExecutor)
+from fedjax_personal.core import memory
 
 __all__ = ['ACCELERATOR_WORK_BLOCK', 'WORK_BLOCKS_BELOW', 'fit_accelerator', 'fit_memory',
            'fit_work']
@@ -32,7 +33,6 @@ def fit_memory(executor: Executor, need, free_bytes: Optional[int]) -> Executor:
   Raises:
     ConfigError: not even one client a block fits.
   """
-  from fedjax_personal.core import memory
   if free_bytes is None or not isinstance(executor, (VmapExecutor, ShardedExecutor)):
     return executor
   devices = executor.mesh.devices.size if isinstance(executor, ShardedExecutor) else 1

@@ -15,8 +15,14 @@ the heap's free pages back when it ends (``return_free_heap``).
 import ctypes
 import ctypes.util
 import os
+from typing import Optional
 
-__all__ = ['return_free_heap', 'tune_allocator']
+try:
+  import resource
+except ImportError:  # not on Windows: no address-space limit to read
+  resource = None  # type: ignore[assignment]
+
+__all__ = ['address_space_limit', 'return_free_heap', 'tune_allocator']
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -68,3 +74,16 @@ def return_free_heap() -> bool:
     return False
   _trim[0](0)
   return True
+
+
+def address_space_limit() -> Optional[int]:
+  """The process's address-space limit in bytes (``ulimit -v``), or None
+  (unlimited, or a platform without one).
+
+  Returns:
+    The limit, or None.
+  """
+  if resource is None:
+    return None
+  soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+  return None if soft == resource.RLIM_INFINITY else soft

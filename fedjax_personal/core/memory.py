@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_personal.errors import ConfigError
+from fedjax_personal.core.training import Batch, batch_loss
 
 __all__ = ['block_size', 'device_free_bytes', 'estimate', 'GB', 'HEADROOM', 'hlo_collectives',
            'MODEL_COPIES', 'Need', 'step_bytes']
@@ -117,7 +118,6 @@ def step_bytes(model, sample_x, batch_size: int) -> int:
   Returns:
     Bytes.
   """
-  from fedjax_personal.core.training import Batch, batch_loss
   x = jax.ShapeDtypeStruct((batch_size,) + tuple(np.shape(sample_x)[1:]),
                            jnp.asarray(sample_x).dtype)
   params = jax.eval_shape(model.init, jax.random.key(0))

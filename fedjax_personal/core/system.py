@@ -49,7 +49,7 @@ round with stragglers costs no more than one without.
 """
 
 import dataclasses
-from typing import ClassVar, NamedTuple, Optional
+from typing import ClassVar, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -60,9 +60,9 @@ from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.hparams import Declared, hparam
 
-__all__ = ['available', 'ClientSystem', 'draw', 'draw_cohort', 'file_problems', 'PARTIAL_WORK',
+__all__ = ['available', 'ClientSystem', 'draw', 'draw_cohort', 'PARTIAL_WORK',
            'prepare', 'read_values', 'RoundSystem', 'SettingError', 'step_limit', 'SYSTEM_DRAWS',
-           'SystemConfig', 'system_metrics', 'uploading', 'without']
+           'SystemConfig', 'system_metrics', 'uploading', 'without', 'Devices']
 
 #: What an algorithm does with a straggler's partial work (``AlgorithmSpec.partial_work``).
 PARTIAL_WORK = ('drop', 'keep')
@@ -235,7 +235,12 @@ class ClientSystem(NamedTuple):
   trace: Optional[np.ndarray] = None
 
 
-def prepare(system, num_clients: int) -> ClientSystem:
+#: What the engine takes for the clients' devices: the settings, or the
+#: ``ClientSystem`` already prepared from them (its files read once).
+Devices = Union[SystemConfig, ClientSystem]
+
+
+def prepare(system: Devices, num_clients: int) -> ClientSystem:
   """The ``ClientSystem`` of a config (its files read and checked against
   the population), or ``system`` itself when already one.
 
@@ -273,23 +278,6 @@ def prepare(system, num_clients: int) -> ClientSystem:
     raise SettingError('availability_trace', str(e)) from None
   return ClientSystem(system, None if speeds is None else speeds.astype(np.float32),
                       None if trace is None else trace.astype(bool))
-
-
-def file_problems(config: SystemConfig, num_clients: int) -> list:
-  """What ``prepare`` refuses, as ``[(setting, message)]`` (empty: none).
-
-  Args:
-    config: the ``SystemConfig``.
-    num_clients: N.
-
-  Returns:
-    At most one problem.
-  """
-  try:
-    prepare(config, num_clients)
-  except SettingError as e:
-    return [(e.setting, str(e))]
-  return []
 
 
 def available(system: Optional[ClientSystem], key, round_num, num_clients: int):

@@ -37,6 +37,7 @@ from fedjax_personal.models.registry import (LOSS_DENOMINATORS, MODELS, REFERENC
                                              ModelBuilder, ModelOptions, NoModelOptions,
                                              RegisteredModel, model_names, option_classes,
                                              options_class, register)
+from fedjax_personal.models import weights
 
 
 __all__ = ['Adapter', 'as_float', 'avg_pool_2x2', 'batch_chunk', 'build_model', 'CharLSTM', 'CNN',
@@ -124,7 +125,6 @@ def build_model(cfg: ModelConfig, num_classes: int, sample_x) -> 'Model':
                        conv_impl=cfg.conv_impl, init=cfg.model_init,
                        options=cfg.options)
   if cfg.init_weights:
-    from fedjax_personal.models import weights  # noqa: PLC0415  (torch files on demand)
     model = model.starting_from(weights.load(cfg.init_weights, model, sample_x))
   return model
 

@@ -31,7 +31,8 @@ __all__ = ['Checkpointer', 'manager', 'restore_latest', 'rows_manifest_of', 'sav
 
 def _ocp():
   """``orbax.checkpoint``, imported when a run first checkpoints or
-  resumes (0.4 s a process spends otherwise at its start)."""
+  resumes: importing it defines absl flags of its own (``--experimental_orbax_*``),
+  which a command that never checkpoints must not offer."""
   import orbax.checkpoint as ocp
   return ocp
 

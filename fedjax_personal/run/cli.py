@@ -14,6 +14,10 @@ from fedjax_personal.run import command_line, distributed, experiment, faults, s
 from fedjax_personal.run import main_job as job_lib
 from fedjax_personal.run.command_line import FLAGS, register  # noqa: F401  (the entry's API)
 from fedjax_personal.run.settings import RunSettings
+from fedjax_personal.core.population.store import StoreDamaged
+from fedjax_personal.core.population import placement
+import traceback
+from absl import app
 
 __all__ = ['main', 'main_job', 'parse_flags', 'read_flags', 'register', 'run']
 
@@ -75,7 +79,6 @@ def main(argv):
   except faults.Fault as e:
     _fail(e, e.status)
   except (ConfigError, FileNotFoundError) as e:
-    from fedjax_personal.core.population.store import StoreDamaged
     p = faults.PROGRESS
     if isinstance(e, StoreDamaged) and p.checkpoint_round:  # damaged mid-run: resume after
       e = e.then('run the same command with --resume '
@@ -91,7 +94,6 @@ def main(argv):
     # An allocation, a library or a thread the process's limits refused (ulimit -v, a cgroup),
     # or a buffer XLA could not allocate.
     if faults.out_of_memory(e):
-      from fedjax_personal.core.population import placement
       left = placement.host_available_bytes()
       what = (f'out of memory (XLA: {str(e).splitlines()[0][:160]}'
               if 'RESOURCE_EXHAUSTED' in str(e) else f'out of host memory ({type(e).__name__}')
@@ -112,7 +114,6 @@ def main(argv):
                                 or '(from the environment)'),
             faults.EXIT_LOST_PROCESS)
     if distributed.report_failure(f'{type(e).__name__}: {e}'):
-      import traceback
       traceback.print_exc()
       distributed.hard_exit(1)
     raise
@@ -147,7 +148,6 @@ def run():
   Returns:
     None.
   """
-  from absl import app
   app.run(main, flags_parser=parse_flags)
 
 

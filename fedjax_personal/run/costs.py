@@ -5,6 +5,13 @@ device's matmul rate and memory bandwidth measured in the same process.
 
 import time
 from typing import Optional, Tuple
+import jax
+import jax.numpy as jnp
+import optax
+from fedjax_personal.core.training import Batch, batch_loss
+from fedjax_personal.models import layers
+import contextlib
+from fedjax_personal import numerics
 
 __all__ = ['local_step_cost', 'matmul_flops_per_second', 'stream_bytes_per_second']
 
@@ -28,11 +35,6 @@ def local_step_cost(model, opt, batch_size: int, in_shape, x_dtype='uint8') -> T
     (FLOPs, bytes read and written, the step function ``(params, opt_state,
     x, y) -> (params, opt_state)``).
   """
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from fedjax_personal.core.training import Batch, batch_loss
-  from fedjax_personal.models import layers
   params = model.init(jax.random.key(0))
 
   def step(p, s, x, y):
@@ -63,10 +65,6 @@ def matmul_flops_per_second(n: int = 2048, reps: int = 10,
   Returns:
     FLOP/s (2 n^3 per product).
   """
-  import contextlib
-  import jax
-  import jax.numpy as jnp
-  from fedjax_personal import numerics
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
   f = jax.jit(lambda a: a @ a)
   scope = (contextlib.nullcontext() if precision is None
@@ -91,8 +89,6 @@ def stream_bytes_per_second(mib: int = 64, reps: int = 10) -> float:
   Returns:
     Bytes per second.
   """
-  import jax
-  import jax.numpy as jnp
   a = jnp.ones((mib << 18,), jnp.float32)
   f = jax.jit(lambda a: a * 1.5)
   f(a).block_until_ready()

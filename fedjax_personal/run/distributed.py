@@ -46,6 +46,8 @@ import numpy as np
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.hparams import Declared, hparam
 from fedjax_personal.run import faults
+from jax._src import distributed as jax_distributed  # its client: no public accessor
+from jax.experimental import multihost_utils
 
 __all__ = ['active', 'barrier', 'check_same_run', 'describe', 'DistributedSettings', 'hard_exit',
            'initialize',
@@ -234,8 +236,7 @@ def is_primary() -> bool:
 
 
 def _client():
-  from jax._src import distributed
-  return distributed.global_state.client
+  return jax_distributed.global_state.client
 
 
 _STOP = threading.Event()
@@ -397,13 +398,11 @@ def report_failure(message: str, status: int = 3) -> bool:
 
 def allgather_ints(values) -> list:
   """Every process's int values, concatenated (a small collective)."""
-  from jax.experimental import multihost_utils
   return np.asarray(multihost_utils.process_allgather(np.asarray(values, np.int32))).reshape(-1).tolist()
 
 
 def _allgather_bytes(data: bytes):
   """Every process's ``data`` (a list indexed by process)."""
-  from jax.experimental import multihost_utils
   n = np.asarray([len(data)], np.int64)
   lengths = np.asarray(multihost_utils.process_allgather(n)).reshape(-1)
   buf = np.zeros(int(lengths.max()), np.uint8)
@@ -452,5 +451,4 @@ def barrier(name: str) -> None:
     None.
   """
   if active():
-    from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices(name)

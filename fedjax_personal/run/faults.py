@@ -29,7 +29,9 @@ import tempfile
 import threading
 from typing import Any, Dict, Optional
 
+from fedjax_personal.core import host
 from fedjax_personal.errors import HostLimitError
+import ctypes
 
 __all__ = ['captured_stderr', 'claim_report', 'error_stream', 'exit_after_report', 'EXIT_SIGNAL',
            'Fault', 'printed_report', 'finished_line', 'fit_address_space_limit',
@@ -255,11 +257,7 @@ def interrupted(during_round: bool = False) -> Interrupted:
 LEAST_ADDRESS_SPACE = 1 << 30
 
 
-def address_space_limit():
-  """The process's address-space limit in bytes (``ulimit -v``), or None."""
-  import resource
-  soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-  return None if soft == resource.RLIM_INFINITY else soft
+address_space_limit = host.address_space_limit
 
 
 def fit_address_space_limit() -> None:
@@ -285,7 +283,6 @@ def fit_address_space_limit() -> None:
                       'the limit (ulimit -v), or bound memory with a cgroup instead '
                       '(systemd-run --scope -p MemoryMax=...)')
   try:
-    import ctypes
     ctypes.CDLL(None).mallopt(-8, 2)  # M_ARENA_MAX (glibc); elsewhere a no-op or absent
   except (OSError, AttributeError):
     pass

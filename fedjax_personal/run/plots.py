@@ -14,14 +14,20 @@ from typing import Any, Callable, Dict, List
 
 import numpy as np
 
-__all__ = ['DEVICE_KEYS', 'draw', 'plot_devices', 'PLOT_MODES', 'plot_runs', 'plot_trials',
+__all__ = ['DEVICE_KEYS', 'draw', 'plot_devices', 'PLOT_MODES', 'plot_runs', 'plot_trials', 'pyplot',
            'trial_curves']
 
 #: ``--plots``: where the plots are drawn.
 PLOT_MODES = ('background', 'wait', 'off')
 
 
-def _pyplot():
+def pyplot():
+  """matplotlib's pyplot drawing to files (the Agg backend), imported on
+  first use (a run without plots never loads matplotlib).
+
+  Returns:
+    ``matplotlib.pyplot``.
+  """
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
@@ -40,7 +46,7 @@ def _save_accuracy_figure(fig, axes, directory: str, title_suffix: str = '') -> 
   fig.tight_layout()
   path = os.path.join(directory, 'accuracy.png')
   fig.savefig(path, dpi=100)
-  _pyplot().close(fig)
+  pyplot().close(fig)
   return path
 
 
@@ -56,7 +62,7 @@ def plot_runs(histories: Dict[str, List[dict]], directory: str) -> List[str]:
   Returns:
     The files' paths.
   """
-  plt = _pyplot()
+  plt = pyplot()
   os.makedirs(directory, exist_ok=True)
   fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
   for name, hist in histories.items():
@@ -103,7 +109,7 @@ def plot_devices(histories: Dict[str, List[dict]], directory: str) -> List[str]:
           if any(k in r for h in histories.values() for r in h)]
   if 'stragglers' not in keys:
     return []
-  plt = _pyplot()
+  plt = pyplot()
   fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3), squeeze=False)
   for ax, key in zip(axes[0], keys):
     for name, hist in histories.items():
@@ -164,7 +170,7 @@ def plot_trials(groups: Dict[str, List[List[dict]]], directory: str) -> str:
   Returns:
     The file's path.
   """
-  plt = _pyplot()
+  plt = pyplot()
   os.makedirs(directory, exist_ok=True)
   fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
   for name, hists in groups.items():

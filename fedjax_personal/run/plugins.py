@@ -16,6 +16,7 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 from fedjax_personal.errors import ConfigError, installed_or_ours
+import traceback
 
 __all__ = ['BROUGHT', 'identity', 'import_all', 'imports_in', 'LOADED', 'load']
 
@@ -118,7 +119,6 @@ def load(spec: str):
   except SystemExit as e:  # a module that exits while imported: nothing would run
     raise ConfigError('import', f'{spec} called sys.exit({e.code!r}) while imported') from None
   except Exception as e:  # the user's module failed: one line naming where
-    import traceback
     frames = [f for f in traceback.extract_tb(e.__traceback__)
               if 'importlib' not in f.filename and f.filename != __file__]
     where = f'{frames[-1].filename}:{frames[-1].lineno}' if frames else spec

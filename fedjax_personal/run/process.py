@@ -13,6 +13,8 @@ from fedjax_personal import compilation
 from fedjax_personal.core.executor_choice import model_has_conv
 from fedjax_personal.models import resolve_conv_impl
 from fedjax_personal.run import distributed
+import tempfile
+import warnings
 
 __all__ = ['conv_impl_of', 'open_compilation_cache', 'process_seconds', 'say', 'time_to_result']
 
@@ -68,7 +70,6 @@ def open_compilation_cache(choice) -> None:
 
 def _check_writable(folder: str) -> None:
   """Raises OSError unless a file can be written in ``folder``."""
-  import tempfile
   with tempfile.NamedTemporaryFile(dir=folder, prefix='.writable-'):
     pass
 
@@ -89,7 +90,6 @@ def _one_line_for_failed_cache_writes() -> None:
   (a disk filled during the run: dozens of lines); the command says each
   kind once, in one line, and drops the rest (the programs still run, only
   uncached; the numbers are the same)."""
-  import warnings
   shown = warnings.showwarning
   if getattr(shown, 'collapses_cache_writes', False):
     return

@@ -5,9 +5,13 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from fedjax_personal.run import faults, run_identity
+from fedjax_personal.run import faults, plots, run_identity
 from fedjax_personal.run.experiment import Callback
 from fedjax_personal.run.plots import plot_runs, plot_trials, trial_curves  # noqa: F401
+from tqdm.auto import tqdm
+import jax
+from fedjax_personal.core.population.rows_in_memory import HostedState
+from fedjax_personal.core.privacy import worst_epsilon
 
 __all__ = ['AffinityRecorder', 'aggregate_trials', 'final_summary', 'format_table', 'MetricsWriter',
            'PAPER_METRICS', 'pm', 'PrivacyRecorder', 'Progress', 'table_window', 'trials_summary', 'worst_clients',
@@ -62,7 +66,6 @@ class Progress(Callback):
     self.bar: Any = None  # a tqdm bar from on_start
 
   def on_start(self, runner, state):
-    from tqdm.auto import tqdm
     self.bar = tqdm(total=self.total, desc=self.desc, leave=False, dynamic_ncols=True)
 
   def on_stop(self, round_num, state):
@@ -297,9 +300,6 @@ class PrivacyRecorder(Callback):
     self.privacy, self.delta = privacy, delta
 
   def on_round_end(self, round_num, records, state):
-    import jax
-    from fedjax_personal.core.population.rows_in_memory import HostedState
-    from fedjax_personal.core.privacy import worst_epsilon
 
     def steps_of(s):  # step counters are not client rows
       return np.asarray(jax.device_get(self.privacy.steps(
@@ -328,9 +328,7 @@ class AffinityRecorder(Callback):
   def on_end(self, histories, state):
     if not self.matrices:
       return
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot()
     rounds = sorted(self.matrices)
     pick = [rounds[int(i)] for i in np.linspace(0, len(rounds) - 1, min(self.max_panels, len(rounds)))]
     fig, axes = plt.subplots(1, len(pick), figsize=(3.2 * len(pick), 3), squeeze=False)

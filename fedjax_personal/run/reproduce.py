@@ -40,6 +40,10 @@ import numpy as np
 from fedjax_personal.hparams import Declared, hparam
 from fedjax_personal.models import INITS
 from fedjax_personal.run import experiment, reporting, run_identity
+from fedjax_personal.models import MODELS
+import importlib
+import jax
+from fedjax_personal import __version__
 
 __all__ = ['cell', 'code_fingerprint', 'markdown_table', 'model_field', 'model_init_field',
            'ReproduceSettings',
@@ -59,7 +63,6 @@ def model_field(what: str = 'Model'):
   Returns:
     The ``hparam`` field.
   """
-  from fedjax_personal.models import MODELS  # noqa: PLC0415  (the registry, when declared)
   return hparam(None, f"{what} (default: the scale's; see --dry_run).",
                 choices=tuple(sorted(MODELS)))
 
@@ -166,7 +169,6 @@ def source_files() -> List[tuple]:
   Returns:
     ``[(name, path)]``.
   """
-  import importlib
   seen, out = set(), []
   for package in SOURCE_PACKAGES:
     root = os.path.dirname(os.path.abspath(importlib.import_module(package).__file__ or ''))
@@ -203,8 +205,6 @@ def trial_identity(runner, cell: dict, num_rounds: int, eval_every: int,
   parameter shapes, the sampler, the clients' devices (stragglers, lost
   uploads), rounds, evaluation period, the callbacks' settings (e.g. the DP
   delta) and the library's source."""
-  import jax
-  from fedjax_personal import __version__
   alg = runner.algorithm
   shapes = jax.tree.map(lambda a: [list(a.shape), str(a.dtype)],
                         jax.eval_shape(alg.init, jax.random.key(0)))

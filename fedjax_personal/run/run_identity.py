@@ -19,10 +19,19 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+try:
+  import fcntl
+except ImportError:  # not on Windows: runs are not locked against each other
+  fcntl = None  # type: ignore[assignment]
+
 import jax
 import numpy as np
 
 from fedjax_personal.errors import ConfigError
+from fedjax_personal.datasets.local_files import sha256_file
+from fedjax_personal import __version__
+import socket
+from fedjax_personal.run import faults
 
 __all__ = ['as_json', 'check_process_count', 'claim', 'data_fingerprint', 'differences', 'dumps',
            'file_sha256', 'finite', 'identity', 'lock', 'padded_fingerprint', 'read', 'repaired',
@@ -94,7 +103,6 @@ def file_sha256(path: str) -> str:
   Returns:
     64 hex digits.
   """
-  from fedjax_personal.datasets.local_files import sha256_file
   return sha256_file(path)
 
 
@@ -111,7 +119,6 @@ def identity(algorithm: str, training, config, job: Dict) -> Dict:
   Returns:
     The identity (a JSON-like dict).
   """
-  from fedjax_personal import __version__
   return {'algorithm': algorithm, 'training': dataclasses.asdict(training),
           'config': dataclasses.asdict(config), **job, 'version': __version__}
 
@@ -228,10 +235,10 @@ def lock(directory: str) -> None:
   Raises:
     ConfigError('output_dir', ...) when another run holds it.
   """
-  import fcntl
-  import socket
   path = os.path.abspath(directory)
   if path in _LOCKS:
+    return
+  if fcntl is None:
     return
   lock_file = os.path.join(os.path.dirname(path), f'.{os.path.basename(path)}.lock')
   try:
@@ -280,7 +287,6 @@ def _unwritable(directory: str, e: OSError) -> Exception:
   """The fault of an output folder that cannot be written: a full,
   read-only or not writable disk is a StorageError (exit 74, as the README
   says), anything else (a file in the way) a ConfigError of --output_dir."""
-  from fedjax_personal.run import faults
   if faults.storage_reason(e):
     return faults.StorageError(f'cannot write to {directory}: {e.strerror}; nothing was trained '
                                'yet; free space, fix the folder or choose another --output_dir, '

@@ -23,6 +23,8 @@ from absl import app, flags
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.hparams import field_types, flag_fields, flag_name, is_list
 from fedjax_personal.run import faults
+from fedjax_personal.run import plugins
+from absl import logging
 
 
 __all__ = ['define_settings_flags', 'given_twice', 'HELP_FLAGS', 'parse_flags',
@@ -181,7 +183,6 @@ def import_plugins(argv) -> None:
   Returns:
     None.
   """
-  from fedjax_personal.run import plugins
   try:
     plugins.import_all(argv)
   except ConfigError as e:
@@ -197,7 +198,6 @@ def quiet_logging_unless_asked() -> None:
     None.
   """
   if not flags.FLAGS['verbosity'].present:
-    from absl import logging  # noqa: PLC0415
     logging.set_verbosity(logging.WARNING)
     # A lost process: Orbax's own threads log the collective that failed, with its
     # traceback, before the run's one line names the process (run/faults.py).

@@ -42,6 +42,8 @@ from fedjax_personal.hparams import Declared, hparam
 from fedjax_personal.models import ModelConfig
 from fedjax_personal.run import plots, reporting, run_identity
 from fedjax_personal.run.distributed import DistributedSettings
+from fedjax_personal.run import sweep
+from fedjax_personal.run import plugins
 
 __all__ = ['AlgorithmSettings', 'ExperimentSettings', 'InputSettings', 'OutputSettings',
            'ProcessSettings', 'RunSettings']
@@ -283,7 +285,6 @@ class RunSettings:
     e = self.experiment
     if not (e.sweep_seeds or self.sweep or e.trials > 1):
       return None
-    from fedjax_personal.run import sweep  # noqa: PLC0415  (sweeps load on demand)
     seeds = list(range(e.seed, e.seed + max(e.sweep_seeds, e.trials, 1)))
     return sweep.configs(seeds, {k: list(v) for k, v in self.sweep.items()})
 
@@ -309,7 +310,6 @@ class RunSettings:
     start = {} if model.model_init == 'flax' else {'model_init': model.model_init}
     if model.init_weights:
       start['init_weights_sha256'] = run_identity.file_sha256(model.init_weights)
-    from fedjax_personal.run import plugins
     imports = {'imports': plugins.identity(self.process.imports)} if self.process.imports else {}
     return {**imports, 'data': data, 'data_fingerprint': fingerprint, 'model': model.model,
             'adapter_dim': model.adapter_dim, 'cohort_size': self.experiment.cohort_size,

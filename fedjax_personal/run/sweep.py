@@ -29,8 +29,13 @@ from fedjax_personal.core.engine import round_functions
 from fedjax_personal.core.evaluation import eval_function
 from fedjax_personal.core.executors import Executor
 from fedjax_personal.core.sampling import CohortSampler
-from fedjax_personal.core.system import SystemConfig
+from fedjax_personal.core.system import Devices
 from fedjax_personal.core.training import LossStats
+from fedjax_personal import algorithms as algorithms_lib
+from fedjax_personal.config import TrainingConfig
+from fedjax_personal.run import experiment
+from fedjax_personal.core.engine import RoundRunner
+from fedjax_personal.run.experiment import SingleRun
 
 __all__ = ['Config', 'config_label', 'configs', 'LoopRuns', 'parse_sweep', 'resolve_config_axis',
            'sweepable', 'SweepRunner']
@@ -47,8 +52,6 @@ def sweepable() -> Dict[str, tuple]:
   Returns:
     ``{flag: (class, field)}``.
   """
-  from fedjax_personal import algorithms as algorithms_lib  # noqa: PLC0415  (the registry)
-  from fedjax_personal.config import TrainingConfig  # noqa: PLC0415
   out = {}
   for cls in [TrainingConfig] + algorithms_lib.config_classes():
     for f in dataclasses.fields(cls):
@@ -201,7 +204,7 @@ class SweepRunner:
                data: FederatedData, sampler: CohortSampler, executor: Executor,
                config_axis: str = 'auto',
                matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION,
-               system: Optional[SystemConfig] = None, row_groups: Optional[int] = None):
+               system: Optional[Devices] = None, row_groups: Optional[int] = None):
     precision = numerics.check_precision(matmul_precision)
     made = build
     build = lambda hv: made(hv).at_matmul_precision(precision)  # noqa: E731
@@ -264,7 +267,6 @@ class SweepRunner:
 
   def run(self, num_rounds: int, eval_every: int = 5, callbacks=()) -> List[List[dict]]:
     """One history per configuration (``experiment.run_many``)."""
-    from fedjax_personal.run import experiment
     self.state, histories = experiment.run_many(self, num_rounds, eval_every, callbacks)
     return histories
 
@@ -286,9 +288,7 @@ class LoopRuns:
   def __init__(self, build: Callable[[Dict], FederatedAlgorithm], configs: List[Config],
                data, sampler: CohortSampler, executor: Executor,
                matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION,
-               system: Optional[SystemConfig] = None, row_groups: Optional[int] = None):
-    from fedjax_personal.core.engine import RoundRunner
-    from fedjax_personal.run.experiment import SingleRun
+               system: Optional[Devices] = None, row_groups: Optional[int] = None):
     self.configs = configs
     self.labels = [config_label(c) for c in configs]
     runners = {}

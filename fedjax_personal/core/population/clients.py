@@ -81,6 +81,11 @@ class SplitCounts:
   counts ([N] int32, ``ClientData.num_examples``)."""
   num_examples: np.ndarray
 
+  @property
+  def max_examples(self) -> int:
+    """The widest client's examples: the padded split's width."""
+    return int(self.num_examples.max(initial=0))
+
 
 @dataclasses.dataclass
 class Population:

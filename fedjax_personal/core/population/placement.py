@@ -36,6 +36,7 @@ from fedjax_personal.core.data import ClientData, PackedClientData
 from fedjax_personal.core.population.clients import (SPLITS, PopulationStore, next_power_of_two,
                                                      padded_length)
 from fedjax_personal.errors import ConfigError
+from fedjax_personal.core import aggregation, host
 
 __all__ = ['blocks', 'choose', 'CohortFeed', 'DEVICE_DATA_SHARE', 'GB', 'host_available_bytes',
            'HostData', 'join_blocks', 'LAYOUTS', 'ShapePlan']
@@ -294,7 +295,6 @@ def join_blocks(parts):
   Returns:
     The joined outputs.
   """
-  from fedjax_personal.core import aggregation
   nodes = [jax.tree.flatten(o, is_leaf=aggregation.is_sum)[0] for _, o in parts]
   treedef = jax.tree.structure(parts[0][1], is_leaf=aggregation.is_sum)
   keep = [np.flatnonzero(v) for v, _ in parts]
@@ -333,9 +333,8 @@ def _meminfo(key: str, path: str = '/proc/meminfo') -> Optional[int]:
 
 
 def _address_space_left() -> Optional[int]:
-  import resource
-  soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-  if soft == resource.RLIM_INFINITY:
+  soft = host.address_space_limit()
+  if soft is None:
     return None
   used = _meminfo('VmSize', '/proc/self/status')
   return None if used is None else soft - used

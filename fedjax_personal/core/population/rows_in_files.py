@@ -27,6 +27,7 @@ from typing import List, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from fedjax_personal.core.population.rows_in_memory import HostedState, cpu_device, state_without_rows
 
 
 __all__ = ['disk_bytes', 'DiskRows', 'init_on_disk', 'RowMaker']
@@ -47,7 +48,6 @@ class RowMaker:
   """
 
   def __init__(self, init, client_rows, key):
-    from fedjax_personal.core.population.rows_in_memory import cpu_device
     self._cpu = cpu_device()
     self._key = jax.device_put(key, self._cpu)
 
@@ -191,7 +191,6 @@ def init_on_disk(init, client_rows, key, folder):
   Returns:
     The ``HostedState``.
   """
-  from fedjax_personal.core.population.rows_in_memory import HostedState, cpu_device, state_without_rows
   os.makedirs(folder, exist_ok=True)
   key = jax.device_put(key, cpu_device())
   shapes = client_rows.get(jax.eval_shape(init, key))
