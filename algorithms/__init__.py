@@ -10,9 +10,26 @@ Adding an algorithm is its module plus one line here.
 import dataclasses
 from typing import Dict, Optional
 
-from fedjax_personal.algorithms import (apfl, cfl, ditto, fedavg, feddyn, fedfomo, fednova,
-                                        fedprox, fedsgd, local, oracle, partial, perfedavg,
-                                        pfeddyn, pfedme, qffl, scaffold, usercentric)
+from fedjax_personal.algorithms import (
+  apfl,
+  cfl,
+  ditto,
+  fedavg,
+  feddyn,
+  fedfomo,
+  fednova,
+  fedprox,
+  fedsgd,
+  local,
+  oracle,
+  partial,
+  perfedavg,
+  pfeddyn,
+  pfedme,
+  qffl,
+  scaffold,
+  usercentric,
+)
 from fedjax_personal.config import AlgorithmSpec, TrainingConfig
 from fedjax_personal.core.algorithm import FederatedAlgorithm
 from fedjax_personal.core.client_state import persistent_client_optimizer
@@ -22,15 +39,47 @@ from fedjax_personal.errors import ConfigError, caller_file
 from fedjax_personal.hparams import flag_fields, flag_name
 from fedjax_personal.models import Model
 
-__all__ = ['AlgorithmSpec', 'apfl', 'build', 'cfl', 'check_model_state', 'config_classes',
-           'ConfigError', 'ditto', 'fedavg', 'feddyn', 'FederatedAlgorithm', 'FederatedData',
-           'fedfomo', 'fednova', 'make', 'fedprox', 'fedsgd', 'local', 'Model', 'oracle',
-           'partial', 'perfedavg', 'OWNERS', 'persistent_client_optimizer', 'pfeddyn', 'pfedme',
-           'qffl', 'register', 'REGISTRY', 'scaffold', 'sgd_finetune', 'spec', 'TrainingConfig',
-           'usercentric']
+__all__ = [
+  'AlgorithmSpec',
+  'apfl',
+  'build',
+  'cfl',
+  'check_model_state',
+  'config_classes',
+  'ConfigError',
+  'ditto',
+  'fedavg',
+  'feddyn',
+  'FederatedAlgorithm',
+  'FederatedData',
+  'fedfomo',
+  'fednova',
+  'make',
+  'fedprox',
+  'fedsgd',
+  'local',
+  'Model',
+  'oracle',
+  'partial',
+  'perfedavg',
+  'OWNERS',
+  'persistent_client_optimizer',
+  'pfeddyn',
+  'pfedme',
+  'qffl',
+  'register',
+  'REGISTRY',
+  'scaffold',
+  'sgd_finetune',
+  'spec',
+  'TrainingConfig',
+  'usercentric',
+]
 
 
-REGISTRY: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in [
+REGISTRY: Dict[str, AlgorithmSpec] = {
+  spec.name: spec
+  for spec in [
     fedavg.SPEC,
     fedavg.FT_SPEC,
     fedsgd.SPEC,
@@ -59,7 +108,8 @@ REGISTRY: Dict[str, AlgorithmSpec] = {spec.name: spec for spec in [
     cfl.SPEC,
     fednova.SPEC,
     qffl.SPEC,
-]}
+  ]
+}
 
 
 #: Who registered each algorithm added by ``register`` (its file).
@@ -82,8 +132,10 @@ def register(new: AlgorithmSpec) -> None:
   _check_flags(new)
   old = REGISTRY.get(new.name)
   if old is not None and old is not new and OWNERS.get(new.name) != owner:
-    raise ValueError(f'an algorithm named {new.name!r} is registered already, by '
-                     f'{OWNERS.get(new.name, "this package")} ({old.summary or new.name})')
+    raise ValueError(
+      f'an algorithm named {new.name!r} is registered already, by '
+      f'{OWNERS.get(new.name, "this package")} ({old.summary or new.name})'
+    )
   REGISTRY[new.name] = new
   OWNERS[new.name] = owner
 
@@ -103,12 +155,19 @@ def _check_flags(new: AlgorithmSpec) -> None:
   taken = {f: 'a shared training setting' for f in _flags_of(TrainingConfig)}
   for other in REGISTRY.values():
     if other.config is not new.config and other.name != new.name:
-      taken.update({f: f'a setting of {other.name}' for f in _flags_of(other.config)
-                    if f not in taken})
+      taken.update(
+        {
+          f: f'a setting of {other.name}'
+          for f in _flags_of(other.config)
+          if f not in taken
+        }
+      )
   for flag in mine:
     if flag in taken:
-      raise ValueError(f'algorithm {new.name!r}: its setting --{flag} is already {taken[flag]}; '
-                       f'give {new.config.__name__} another prefix')
+      raise ValueError(
+        f'algorithm {new.name!r}: its setting --{flag} is already {taken[flag]}; '
+        f'give {new.config.__name__} another prefix'
+      )
 
 
 def spec(name: str) -> AlgorithmSpec:
@@ -124,7 +183,9 @@ def spec(name: str) -> AlgorithmSpec:
     ConfigError: no algorithm has that name.
   """
   if name not in REGISTRY:
-    raise ConfigError('algorithm', f'unknown algorithm {name!r}; choose from {sorted(REGISTRY)}')
+    raise ConfigError(
+      'algorithm', f'unknown algorithm {name!r}; choose from {sorted(REGISTRY)}'
+    )
   return REGISTRY[name]
 
 
@@ -142,9 +203,14 @@ def config_classes():
   return out
 
 
-def build(name: str, model: Model, data: FederatedData,
-          training: Optional[TrainingConfig] = None, config=None,
-          **overrides) -> FederatedAlgorithm:
+def build(
+  name: str,
+  model: Model,
+  data: FederatedData,
+  training: Optional[TrainingConfig] = None,
+  config=None,
+  **overrides,
+) -> FederatedAlgorithm:
   """Builds a registered algorithm.
 
   Args:
@@ -171,15 +237,23 @@ def build(name: str, model: Model, data: FederatedData,
   c_names.update({f'{prefix}_{f}': f for f in list(c_names)} if prefix else {})
   for k in overrides:
     if k not in t_names and k not in c_names:
-      raise ConfigError(k, f'not a setting of {name} (shared: {sorted(t_names)}; own: '
-                        f'{sorted(c_names)})')
-  training = dataclasses.replace(training, **{k: v for k, v in overrides.items() if k in t_names})
-  config = dataclasses.replace(config, **{c_names[k]: v for k, v in overrides.items()
-                                          if k in c_names})
+      raise ConfigError(
+        k,
+        f'not a setting of {name} (shared: {sorted(t_names)}; own: '
+        f'{sorted(c_names)})',
+      )
+  training = dataclasses.replace(
+    training, **{k: v for k, v in overrides.items() if k in t_names}
+  )
+  config = dataclasses.replace(
+    config, **{c_names[k]: v for k, v in overrides.items() if k in c_names}
+  )
   return build_algorithm(s, training, config, model, data)
 
 
-def build_algorithm(spec: AlgorithmSpec, training: TrainingConfig, config, model, data):
+def build_algorithm(
+  spec: AlgorithmSpec, training: TrainingConfig, config, model, data
+):
   """Validates the settings for ``spec`` (``AlgorithmSpec.validate``) and
   builds the algorithm (``make``).
 
@@ -213,9 +287,12 @@ def check_model_state(spec: AlgorithmSpec, model: Model) -> None:
   """
   if getattr(model, 'collections', ()) and not spec.model_state:
     able = sorted(n for n, s in REGISTRY.items() if s.model_state)
-    raise ConfigError('model', f'{model.name} keeps {", ".join(model.collections)} (batch '
-                      f'statistics), which {spec.name} does not carry; algorithms that do: '
-                      f'{", ".join(able)}')
+    raise ConfigError(
+      'model',
+      f'{model.name} keeps {", ".join(model.collections)} (batch '
+      f'statistics), which {spec.name} does not carry; algorithms that do: '
+      f'{", ".join(able)}',
+    )
 
 
 def make(spec: AlgorithmSpec, training: TrainingConfig, config, model, data):
@@ -236,10 +313,22 @@ def make(spec: AlgorithmSpec, training: TrainingConfig, config, model, data):
   """
   check_model_state(spec, model)
   training = spec.resolve(training)
-  alg = spec.build(training, config, model, data).replace(partial_work=spec.partial_work)
-  if alg.finetune is None and training.finetune_steps and 'finetune_steps' in spec.uses:
-    lr = training.client_lr if training.finetune_lr is None else training.finetune_lr
-    alg = alg.replace(finetune=sgd_finetune(model, lr, training.finetune_batching()))
+  alg = spec.build(training, config, model, data).replace(
+    partial_work=spec.partial_work
+  )
+  if (
+    alg.finetune is None
+    and training.finetune_steps
+    and 'finetune_steps' in spec.uses
+  ):
+    lr = (
+      training.client_lr
+      if training.finetune_lr is None
+      else training.finetune_lr
+    )
+    alg = alg.replace(
+      finetune=sgd_finetune(model, lr, training.finetune_batching())
+    )
   if training.client_opt_state == 'persistent':
     alg = persistent_client_optimizer(alg, data.num_clients)
   return alg

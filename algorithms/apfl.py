@@ -15,17 +15,22 @@ from typing import ClassVar, Optional
 import jax
 import optax
 
-from fedjax_personal.core.algorithm import ClientModels
 from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS
-from fedjax_personal.algorithms.global_personal import (global_personal_algorithm,
-                                                        two_model_work)
-from fedjax_personal.core.batching import Batching
+from fedjax_personal.algorithms.global_personal import (
+  global_personal_algorithm,
+  two_model_work,
+)
 from fedjax_personal.config import AlgorithmSpec, Declared, hparam
+from fedjax_personal.core.algorithm import ClientModels
+from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.training import batch_loss
+from fedjax_personal.core.tree_util import (
+  is_concrete,
+  leading_size,
+  tree_broadcast,
+)
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
-from fedjax_personal.core.training import batch_loss
-from fedjax_personal.core.tree_util import is_concrete, leading_size, tree_broadcast
-
 
 __all__ = ['apfl', 'APFLConfig', 'build', 'mixture', 'SPEC']
 
@@ -34,9 +39,15 @@ __all__ = ['apfl', 'APFLConfig', 'build', 'mixture', 'SPEC']
 class APFLConfig(Declared):
   """APFL's own settings, declared once: the ``--apfl_*`` flags (``hparam``: default,
   help, range, sweepable)."""
+
   prefix: ClassVar[str] = 'apfl'
-  alpha: float = hparam(0.25, 'Mixing weight alpha of the personal model.', minimum=0,
-                        maximum=1, sweep=True)
+  alpha: float = hparam(
+    0.25,
+    'Mixing weight alpha of the personal model.',
+    minimum=0,
+    maximum=1,
+    sweep=True,
+  )
 
 
 def mixture(alpha, personal, global_params):
@@ -50,13 +61,21 @@ def mixture(alpha, personal, global_params):
   Returns:
     The mixed model.
   """
-  return jax.tree.map(lambda v, w: alpha * v + (1 - alpha) * w, personal, global_params)
+  return jax.tree.map(
+    lambda v, w: alpha * v + (1 - alpha) * w, personal, global_params
+  )
 
 
-def apfl(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
-         batching: Batching, alpha: float = 0.25,
-         server_optimizer: Optional[optax.GradientTransformation] = None,
-         weighting: str = 'num_examples', finetune=None):
+def apfl(
+  model: Model,
+  num_clients: int,
+  client_optimizer: optax.GradientTransformation,
+  batching: Batching,
+  alpha: float = 0.25,
+  server_optimizer: Optional[optax.GradientTransformation] = None,
+  weighting: str = 'num_examples',
+  finetune=None,
+):
   """Builds APFL with a fixed mixing weight ``alpha`` in [0, 1].
 
   Args:
@@ -78,26 +97,51 @@ def apfl(model: Model, num_clients: int, client_optimizer: optax.GradientTransfo
 
   def step(ctx, w, v, batch):
     gw = jax.grad(lambda q: batch_loss(model, q, batch)[0])(w)
-    (_, s), gv = jax.value_and_grad(lambda vv: batch_loss(model, mixture(alpha, vv, w), batch),
-                                    has_aux=True)(v)
+    (_, s), gv = jax.value_and_grad(
+      lambda vv: batch_loss(model, mixture(alpha, vv, w), batch), has_aux=True
+    )(v)
     return gw, gv, s
 
   def eval_models(state):
     return ClientModels.personal(
-        mixture(alpha, state.personal, tree_broadcast(state.params, leading_size(state.personal))),
-        num_clients)
+      mixture(
+        alpha,
+        state.personal,
+        tree_broadcast(state.params, leading_size(state.personal)),
+      ),
+      num_clients,
+    )
 
   work = two_model_work(step, batching, client_optimizer, client_optimizer)
-  return global_personal_algorithm('apfl', model, num_clients, work, server_optimizer, weighting,
-                                   eval_models=eval_models, finetune=finetune)
+  return global_personal_algorithm(
+    'apfl',
+    model,
+    num_clients,
+    work,
+    server_optimizer,
+    weighting,
+    eval_models=eval_models,
+    finetune=finetune,
+  )
 
 
 def build(training, config: APFLConfig, model, data):
   """APFL, built as ``AlgorithmSpec.build`` says; its settings ``APFLConfig``."""
-  return apfl(model, data.num_clients, training.make_client_optimizer(), training.batching(),
-              alpha=config.alpha, server_optimizer=training.make_server_optimizer(),
-              weighting=training.weighting)
+  return apfl(
+    model,
+    data.num_clients,
+    training.make_client_optimizer(),
+    training.batching(),
+    alpha=config.alpha,
+    server_optimizer=training.make_server_optimizer(),
+    weighting=training.weighting,
+  )
 
 
-SPEC = AlgorithmSpec('apfl', APFLConfig, build, FEDAVG_SETTINGS,
-                     summary='APFL (Deng et al. 2020), fixed mixing weight')
+SPEC = AlgorithmSpec(
+  'apfl',
+  APFLConfig,
+  build,
+  FEDAVG_SETTINGS,
+  summary='APFL (Deng et al. 2020), fixed mixing weight',
+)

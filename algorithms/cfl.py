@@ -24,27 +24,42 @@ replaces the first test by the scale-free || mean || < ratio * max || dtheta_i |
 import dataclasses
 from typing import ClassVar
 
-from flax import struct
 import jax
 import jax.numpy as jnp
-from jax.flatten_util import ravel_pytree
 import numpy as np
 import optax
+from flax import struct
+from jax.flatten_util import ravel_pytree
+from optax import tree_utils as otu
 
-from fedjax_personal.core import aggregation, clustering
-from fedjax_personal.core.algorithm import (ClientModels, Communication, FederatedAlgorithm, PreRound,
-                                       cohort_train_metrics)
 from fedjax_personal.algorithms.fedavg import client_weights
+from fedjax_personal.config import (
+  BATCHING,
+  CLIENT_OPTIMIZER,
+  FINETUNE,
+  WEIGHTING,
+  AlgorithmSpec,
+  Declared,
+  hparam,
+)
+from fedjax_personal.core import aggregation, clustering
+from fedjax_personal.core.algorithm import (
+  ClientModels,
+  Communication,
+  FederatedAlgorithm,
+  PreRound,
+  cohort_train_metrics,
+)
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, WEIGHTING,
-                                    AlgorithmSpec, Declared,
-                                    hparam)
+from fedjax_personal.core.training import plain_objective, sgd_client_work
+from fedjax_personal.core.tree_util import (
+  rows,
+  tree_broadcast,
+  tree_bytes,
+  tree_scatter,
+)
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
-from fedjax_personal.core.training import plain_objective, sgd_client_work
-from optax import tree_utils as otu
-from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter
-
 
 __all__ = ['build', 'cfl', 'CFLConfig', 'CFLState', 'SPEC', 'split_decisions']
 
@@ -53,22 +68,32 @@ __all__ = ['build', 'cfl', 'CFLConfig', 'CFLState', 'SPEC', 'split_decisions']
 class CFLConfig(Declared):
   """Clustered FL's own settings, declared once: the ``--cfl_*`` flags (``hparam``: default,
   help, range, sweepable)."""
+
   prefix: ClassVar[str] = 'cfl'
-  eps1: float = hparam(0.4, 'Split when the mean update norm is below this...', minimum=0)
-  eps2: float = hparam(1.6, '...and the largest client update norm above this.', minimum=0)
+  eps1: float = hparam(
+    0.4, 'Split when the mean update norm is below this...', minimum=0
+  )
+  eps2: float = hparam(
+    1.6, '...and the largest client update norm above this.', minimum=0
+  )
   warmup_rounds: int = hparam(5, 'No split before this round.', minimum=0)
-  ratio: float = hparam(0.0, 'If > 0: split when the mean update norm < ratio * the largest '
-                        '(scale-free; replaces eps1).', minimum=0)
+  ratio: float = hparam(
+    0.0,
+    'If > 0: split when the mean update norm < ratio * the largest '
+    '(scale-free; replaces eps1).',
+    minimum=0,
+  )
 
 
 @struct.dataclass
 class CFLState:
   """Attributes:
-    personal: stacked [N, ...] model of each client's cluster.
-    cluster: int32 [N] cluster of each client.
-    updates: stacked [N, ...] each client's last update dtheta_i.
-    num_clusters: clusters so far.
+  personal: stacked [N, ...] model of each client's cluster.
+  cluster: int32 [N] cluster of each client.
+  updates: stacked [N, ...] each client's last update dtheta_i.
+  num_clusters: clusters so far.
   """
+
   personal: optax.Params
   cluster: jax.Array
   updates: optax.Params
@@ -81,8 +106,15 @@ def cosine_dissimilarity(flat):
   return jnp.clip(1.0 - u @ u.T, 0.0, 2.0)
 
 
-def split_decisions(flat, cluster, weights, num_clusters, eps1: float, eps2: float,
-                    ratio: float = 0.0):
+def split_decisions(
+  flat,
+  cluster,
+  weights,
+  num_clusters,
+  eps1: float,
+  eps2: float,
+  ratio: float = 0.0,
+):
   """The split test of every cluster and the bipartitions (tensor code).
 
   Args:
@@ -105,7 +137,12 @@ def split_decisions(flat, cluster, weights, num_clusters, eps1: float, eps2: flo
   max_norm = jnp.max(jnp.where(one_hot > 0, norms[:, None], 0.0), axis=0)
   size = one_hot.sum(0)
   stationary = mean_norm < ratio * max_norm if ratio > 0 else mean_norm < eps1
-  split = (size >= 2) & stationary & (max_norm > eps2) & (jnp.arange(n) < num_clusters)
+  split = (
+    (size >= 2)
+    & stationary
+    & (max_norm > eps2)
+    & (jnp.arange(n) < num_clusters)
+  )
   dist = cosine_dissimilarity(flat)
 
   def body(c, carry):
@@ -113,15 +150,27 @@ def split_decisions(flat, cluster, weights, num_clusters, eps1: float, eps2: flo
       cluster, nxt = carry
       second = clustering.bipartition(dist, cluster == c)
       return jnp.where(second, nxt, cluster), nxt + 1
+
     return jax.lax.cond(split[c], do, lambda carry: carry, carry)
 
-  cluster, nxt = jax.lax.fori_loop(0, n, body, (cluster, jnp.asarray(num_clusters, jnp.int32)))
+  cluster, nxt = jax.lax.fori_loop(
+    0, n, body, (cluster, jnp.asarray(num_clusters, jnp.int32))
+  )
   return cluster, nxt, split
 
 
-def cfl(model: Model, num_clients: int, num_examples, client_optimizer, batching: Batching,
-        eps1: float = 0.4, eps2: float = 1.6, warmup_rounds: int = 5,
-        ratio: float = 0.0, weighting: str = 'num_examples') -> FederatedAlgorithm:
+def cfl(
+  model: Model,
+  num_clients: int,
+  num_examples,
+  client_optimizer,
+  batching: Batching,
+  eps1: float = 0.4,
+  eps2: float = 1.6,
+  warmup_rounds: int = 5,
+  ratio: float = 0.0,
+  weighting: str = 'num_examples',
+) -> FederatedAlgorithm:
   """Builds clustered FL (eps1, eps2 of the split test, or the scale-free
   ``ratio``; no split before ``warmup_rounds``; cluster means weighted by
   ``weighting``). Meant for full participation (every client trains).
@@ -147,23 +196,38 @@ def cfl(model: Model, num_clients: int, num_examples, client_optimizer, batching
   def init(key):
     params = model.init(key)
     zeros = jax.tree.map(jnp.zeros_like, params)
-    return CFLState(tree_broadcast(params, num_clients), jnp.zeros(num_clients, jnp.int32),
-                    tree_broadcast(zeros, num_clients), jnp.ones((), jnp.int32))
+    return CFLState(
+      tree_broadcast(params, num_clients),
+      jnp.zeros(num_clients, jnp.int32),
+      tree_broadcast(zeros, num_clients),
+      jnp.ones((), jnp.int32),
+    )
 
   def server_broadcast(state, cohort, rc):
     return None, rows(state.personal, cohort.idx)
 
   work = sgd_client_work(
-      lambda ctx: plain, client_optimizer, batching, start_fn=lambda ctx: ctx.state,
-      final=lambda ctx, c: (otu.tree_sub(c.params, ctx.state), ctx.data.train.num_examples,
-                            c.stats))
+    lambda ctx: plain,
+    client_optimizer,
+    batching,
+    start_fn=lambda ctx: ctx.state,
+    final=lambda ctx, c: (
+      otu.tree_sub(c.params, ctx.state),
+      ctx.data.train.num_examples,
+      c.stats,
+    ),
+  )
 
   def server_update(state, cohort, out, rc):
     deltas, n, stats = out
     w = client_weights(cohort, n, weighting)
     members = state.cluster.at[cohort.idx].get(mode='clip')
-    mean_updates = aggregation.group_means(deltas, members, w, num_clients)  # [clusters, ...]
-    personal = jax.tree.map(lambda p, d: p + d[state.cluster], state.personal, mean_updates)
+    mean_updates = aggregation.group_means(
+      deltas, members, w, num_clients
+    )  # [clusters, ...]
+    personal = jax.tree.map(
+      lambda p, d: p + d[state.cluster], state.personal, mean_updates
+    )
     updates = tree_scatter(state.updates, cohort.idx, deltas)
     metrics = cohort_train_metrics(stats, cohort.mask)
     metrics['num_clusters'] = state.num_clusters
@@ -171,33 +235,53 @@ def cfl(model: Model, num_clients: int, num_examples, client_optimizer, batching
 
   # The split test, traced into the compiled round (PreRound) before each
   # round from max(warmup_rounds, 1) on; it needs only the stored updates.
-  weights = jnp.asarray(n_np if weighting == 'num_examples' else np.ones_like(n_np), jnp.float32)
+  weights = jnp.asarray(
+    n_np if weighting == 'num_examples' else np.ones_like(n_np), jnp.float32
+  )
 
   def split_update(state, outputs, rc):
     flat = jax.vmap(lambda u: ravel_pytree(u)[0])(state.updates)
-    cluster, k, split = split_decisions(flat, state.cluster, weights, state.num_clusters,
-                                        eps1, eps2, ratio)
+    cluster, k, split = split_decisions(
+      flat, state.cluster, weights, state.num_clusters, eps1, eps2, ratio
+    )
     return state.replace(cluster=cluster, num_clusters=k), {
-        'cfl_splits': jnp.sum(split.astype(jnp.int32)), 'num_clusters': k}
+      'cfl_splits': jnp.sum(split.astype(jnp.int32)),
+      'num_clusters': k,
+    }
 
   def communication(state):
     b = tree_bytes(jax.tree.map(lambda a: a[0], state.personal))
     return Communication(b, b, state.num_clusters)
 
   return FederatedAlgorithm(
-      name='cfl', model=model, init=init, server_broadcast=server_broadcast, client_work=work,
-      server_update=server_update,
-      client_models=lambda s: ClientModels.personal(s.personal, num_clients),
-      communication=communication,
-      pre_round=PreRound(due=lambda t: t >= max(warmup_rounds, 1), update=split_update))
+    name='cfl',
+    model=model,
+    init=init,
+    server_broadcast=server_broadcast,
+    client_work=work,
+    server_update=server_update,
+    client_models=lambda s: ClientModels.personal(s.personal, num_clients),
+    communication=communication,
+    pre_round=PreRound(
+      due=lambda t: t >= max(warmup_rounds, 1), update=split_update
+    ),
+  )
 
 
 def build(training, config: CFLConfig, model, data):
   """Clustered FL, built as ``AlgorithmSpec.build`` says; its settings ``CFLConfig``."""
-  return cfl(model, data.num_clients, data.train.num_examples, training.make_client_optimizer(),
-             training.batching(), eps1=config.eps1, eps2=config.eps2,
-             warmup_rounds=config.warmup_rounds, ratio=config.ratio,
-             weighting=training.weighting)
+  return cfl(
+    model,
+    data.num_clients,
+    data.train.num_examples,
+    training.make_client_optimizer(),
+    training.batching(),
+    eps1=config.eps1,
+    eps2=config.eps2,
+    warmup_rounds=config.warmup_rounds,
+    ratio=config.ratio,
+    weighting=training.weighting,
+  )
 
 
 def check(training, config):
@@ -213,12 +297,19 @@ def check(training, config):
   """
   del config
   if training.weighting == 'tokens':
-    raise ConfigError('weighting', "cfl weighs its clusters' members by num_examples or uniform, "
-                      'not tokens')
+    raise ConfigError(
+      'weighting',
+      "cfl weighs its clusters' members by num_examples or uniform, not tokens",
+    )
 
 
 # Cluster models are the weighted mean of their members' updates (no server
 # optimizer).
-SPEC = AlgorithmSpec('cfl', CFLConfig, build, CLIENT_OPTIMIZER | BATCHING | WEIGHTING | FINETUNE,
-                     check=check,
-                     summary='Clustered FL (Sattler et al. 2020): recursive bipartitions')
+SPEC = AlgorithmSpec(
+  'cfl',
+  CFLConfig,
+  build,
+  CLIENT_OPTIMIZER | BATCHING | WEIGHTING | FINETUNE,
+  check=check,
+  summary='Clustered FL (Sattler et al. 2020): recursive bipartitions',
+)

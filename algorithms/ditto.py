@@ -14,13 +14,14 @@ import jax
 import optax
 
 from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS
-from fedjax_personal.algorithms.global_personal import (global_personal_algorithm,
-                                                        two_model_work)
-from fedjax_personal.core.batching import Batching
+from fedjax_personal.algorithms.global_personal import (
+  global_personal_algorithm,
+  two_model_work,
+)
 from fedjax_personal.config import AlgorithmSpec, Declared, hparam
-from fedjax_personal.models import Model
+from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.training import batch_loss
-
+from fedjax_personal.models import Model
 
 __all__ = ['build', 'ditto', 'DittoConfig', 'SPEC']
 
@@ -29,18 +30,34 @@ __all__ = ['build', 'ditto', 'DittoConfig', 'SPEC']
 class DittoConfig(Declared):
   """Ditto's own settings, declared once: the ``--ditto_*`` flags (``hparam``: default,
   help, range, sweepable)."""
+
   prefix: ClassVar[str] = 'ditto'
-  lam: float = hparam(0.1, 'Proximal coefficient lambda of the personal objective.', minimum=0,
-                      sweep=True)
-  personal_lr: Optional[float] = hparam(None, 'Learning rate of the personal model (default: '
-                                        '--client_lr).', minimum=0, open_min=True, sweep=True)
+  lam: float = hparam(
+    0.1,
+    'Proximal coefficient lambda of the personal objective.',
+    minimum=0,
+    sweep=True,
+  )
+  personal_lr: Optional[float] = hparam(
+    None,
+    'Learning rate of the personal model (default: --client_lr).',
+    minimum=0,
+    open_min=True,
+    sweep=True,
+  )
 
 
-def ditto(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
-          batching: Batching, lam: float = 0.1,
-          personal_optimizer: Optional[optax.GradientTransformation] = None,
-          server_optimizer: Optional[optax.GradientTransformation] = None,
-          weighting: str = 'num_examples', finetune=None):
+def ditto(
+  model: Model,
+  num_clients: int,
+  client_optimizer: optax.GradientTransformation,
+  batching: Batching,
+  lam: float = 0.1,
+  personal_optimizer: Optional[optax.GradientTransformation] = None,
+  server_optimizer: Optional[optax.GradientTransformation] = None,
+  weighting: str = 'num_examples',
+  finetune=None,
+):
   """Builds Ditto (``personal_optimizer`` default: the client optimizer).
 
   Args:
@@ -60,26 +77,51 @@ def ditto(model: Model, num_clients: int, client_optimizer: optax.GradientTransf
   """
 
   def step(ctx, w, v, batch):
-    grad = lambda p: jax.value_and_grad(lambda q: batch_loss(model, q, batch), has_aux=True)(p)
+    grad = lambda p: jax.value_and_grad(
+      lambda q: batch_loss(model, q, batch), has_aux=True
+    )(p)
     (_, aux_w), gw = grad(w)
     (_, aux_v), gv = grad(v)
     gv = jax.tree.map(lambda g, a, w0: g + lam * (a - w0), gv, v, ctx.shared)
     return gw, gv, aux_v, aux_w
 
-  work = two_model_work(step, batching, client_optimizer, personal_optimizer or client_optimizer)
-  return global_personal_algorithm('ditto', model, num_clients, work, server_optimizer, weighting,
-                                   finetune=finetune)
+  work = two_model_work(
+    step, batching, client_optimizer, personal_optimizer or client_optimizer
+  )
+  return global_personal_algorithm(
+    'ditto',
+    model,
+    num_clients,
+    work,
+    server_optimizer,
+    weighting,
+    finetune=finetune,
+  )
 
 
 def build(training, config: DittoConfig, model, data):
   """Ditto, built as ``AlgorithmSpec.build`` says; its settings ``DittoConfig``."""
-  return ditto(model, data.num_clients, training.make_client_optimizer(), training.batching(),
-               lam=config.lam,
-               personal_optimizer=(None if config.personal_lr is None else
-                                   training.make_client_optimizer(config.personal_lr)),
-               server_optimizer=training.make_server_optimizer(), weighting=training.weighting)
+  return ditto(
+    model,
+    data.num_clients,
+    training.make_client_optimizer(),
+    training.batching(),
+    lam=config.lam,
+    personal_optimizer=(
+      None
+      if config.personal_lr is None
+      else training.make_client_optimizer(config.personal_lr)
+    ),
+    server_optimizer=training.make_server_optimizer(),
+    weighting=training.weighting,
+  )
 
 
-SPEC = AlgorithmSpec('ditto', DittoConfig, build, FEDAVG_SETTINGS,
-                     model_state=True,
-                     summary='Ditto (Li et al. 2021): personal models with a proximal term')
+SPEC = AlgorithmSpec(
+  'ditto',
+  DittoConfig,
+  build,
+  FEDAVG_SETTINGS,
+  model_state=True,
+  summary='Ditto (Li et al. 2021): personal models with a proximal term',
+)

@@ -15,27 +15,58 @@ steps for the privacy accountant (``privacy.py``).
 import dataclasses
 from typing import Any, Callable, ClassVar, Optional
 
-from flax import struct
 import jax
 import jax.numpy as jnp
 import optax
-
-from fedjax_personal.core import aggregation
-from fedjax_personal.core.algorithm import (ClientModels, Communication, FederatedAlgorithm,
-                                       cohort_train_metrics)
-from fedjax_personal.core.batching import Batching
-from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, SERVER_OPTIMIZER,
-                                    WEIGHTING, AlgorithmSpec)
-from fedjax_personal.models import Model
-from fedjax_personal.core.privacy import DPConfig, check_dp, dp_privacy
-from fedjax_personal.core.training import ClientWork, LossStats, plain_objective, sgd_client_work
+from flax import struct
 from optax import tree_utils as otu
-from fedjax_personal.core.tree_util import tree_bytes, tree_where
 
-__all__ = ['build', 'check', 'client_weights', 'ClientOutput', 'fedavg', 'FEDAVG_SETTINGS',
-           'FedAvgConfig', 'FT_SPEC', 'global_model_communication', 'make_client_work',
-           'server_apply', 'server_step', 'ServerState', 'SPEC', 'summed_upload', 'train_tokens',
-           'variant', 'WEIGHTINGS']
+from fedjax_personal.config import (
+  BATCHING,
+  CLIENT_OPTIMIZER,
+  FINETUNE,
+  SERVER_OPTIMIZER,
+  WEIGHTING,
+  AlgorithmSpec,
+)
+from fedjax_personal.core import aggregation
+from fedjax_personal.core.algorithm import (
+  ClientModels,
+  Communication,
+  FederatedAlgorithm,
+  cohort_train_metrics,
+)
+from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.privacy import DPConfig, check_dp, dp_privacy
+from fedjax_personal.core.training import (
+  ClientWork,
+  LossStats,
+  plain_objective,
+  sgd_client_work,
+)
+from fedjax_personal.core.tree_util import tree_bytes, tree_where
+from fedjax_personal.models import Model
+
+__all__ = [
+  'build',
+  'check',
+  'client_weights',
+  'ClientOutput',
+  'fedavg',
+  'FEDAVG_SETTINGS',
+  'FedAvgConfig',
+  'FT_SPEC',
+  'global_model_communication',
+  'make_client_work',
+  'server_apply',
+  'server_step',
+  'ServerState',
+  'SPEC',
+  'summed_upload',
+  'train_tokens',
+  'variant',
+  'WEIGHTINGS',
+]
 
 
 #: How client uploads are weighted in the mean: by the client's training
@@ -49,11 +80,12 @@ PAD_ID = 0
 @struct.dataclass
 class ServerState:
   """Attributes:
-    params: the global model.
-    opt_state: server optimizer state.
-    dp_steps: with DP-SGD, int32 [N] local steps each client has taken so
-      far (for the privacy accountant); else None.
+  params: the global model.
+  opt_state: server optimizer state.
+  dp_steps: with DP-SGD, int32 [N] local steps each client has taken so
+    far (for the privacy accountant); else None.
   """
+
   params: optax.Params
   opt_state: optax.OptState
   dp_steps: Any = None
@@ -62,13 +94,14 @@ class ServerState:
 @struct.dataclass
 class ClientOutput:
   """Attributes:
-    delta: theta_server - theta_i after local training (the upload); after
-      ``summed_upload``, its weighted share of the mean (an
-      ``aggregation.Sum`` the engine reduces over the cohort).
-    num_examples: n_i, the client's training examples.
-    stats: local training LossStats.
-    num_steps: local steps taken (None where an algorithm does not report it).
+  delta: theta_server - theta_i after local training (the upload); after
+    ``summed_upload``, its weighted share of the mean (an
+    ``aggregation.Sum`` the engine reduces over the cohort).
+  num_examples: n_i, the client's training examples.
+  stats: local training LossStats.
+  num_steps: local steps taken (None where an algorithm does not report it).
   """
+
   delta: optax.Params
   num_examples: jax.Array
   stats: LossStats
@@ -82,7 +115,9 @@ def check_weighting(weighting: str):
     ValueError: an unknown weighting.
   """
   if weighting not in WEIGHTINGS:
-    raise ValueError(f'weighting must be one of {WEIGHTINGS}, got {weighting!r}')
+    raise ValueError(
+      f'weighting must be one of {WEIGHTINGS}, got {weighting!r}'
+    )
 
 
 def client_weight(num_examples, weighting: str):
@@ -90,10 +125,16 @@ def client_weight(num_examples, weighting: str):
   'uniform' ('tokens' reads the client's data: ``train_tokens``)."""
   check_weighting(weighting)
   if weighting == 'tokens':
-    raise ValueError("weighting='tokens' counts a client's tokens in its data: "
-                     'summed_upload computes it')
+    raise ValueError(
+      "weighting='tokens' counts a client's tokens in its data: "
+      'summed_upload computes it'
+    )
   n = jnp.asarray(num_examples)
-  return n.astype(jnp.float32) if weighting == 'num_examples' else jnp.ones_like(n, jnp.float32)
+  return (
+    n.astype(jnp.float32)
+    if weighting == 'num_examples'
+    else jnp.ones_like(n, jnp.float32)
+  )
 
 
 def train_tokens(train) -> jax.Array:
@@ -134,9 +175,13 @@ def client_weights(cohort, num_examples, weighting: str):
   return client_weight(num_examples, weighting) * cohort.mask
 
 
-def summed_upload(work: ClientWork, weighting: str, field: str = 'delta',
-                  group_fn: Optional[Callable] = None,
-                  weight_fn: Optional[Callable] = None) -> ClientWork:
+def summed_upload(
+  work: ClientWork,
+  weighting: str,
+  field: str = 'delta',
+  group_fn: Optional[Callable] = None,
+  weight_fn: Optional[Callable] = None,
+) -> ClientWork:
   """Makes ``work``'s upload a weighted-mean share the engine sums over the
   cohort as clients finish (``aggregation.weighted_upload``), so a round never
   stacks C uploads.
@@ -162,15 +207,22 @@ def summed_upload(work: ClientWork, weighting: str, field: str = 'delta',
   def final(ctx, carry):
     out = work.final(ctx, carry)
     value = getattr(out, field)
-    w = (weight_fn(ctx, out) if weight_fn is not None
-         else train_tokens(ctx.data.train) if weighting == 'tokens'
-         else client_weight(out.num_examples, weighting))
+    w = (
+      weight_fn(ctx, out)
+      if weight_fn is not None
+      else train_tokens(ctx.data.train)
+      if weighting == 'tokens'
+      else client_weight(out.num_examples, weighting)
+    )
     if group_fn is not None:
       g, num_groups = group_fn(ctx)
       one_hot = jnp.arange(num_groups) == g
-      value = jax.tree.map(lambda a: jnp.where(one_hot.reshape((-1,) + (1,) * a.ndim), a, 0), value)
+      value = jax.tree.map(
+        lambda a: jnp.where(one_hot.reshape((-1,) + (1,) * a.ndim), a, 0), value
+      )
       w = one_hot * w
     return out.replace(**{field: aggregation.weighted_upload(value, w)})
+
   return dataclasses.replace(work, final=final)
 
 
@@ -221,17 +273,25 @@ def server_apply(params, opt_state, pseudo_grad, weight, server_optimizer):
   Returns:
     ``(params, opt_state)``.
   """
-  updates, new_opt_state = server_optimizer.update(pseudo_grad, opt_state, params)
+  updates, new_opt_state = server_optimizer.update(
+    pseudo_grad, opt_state, params
+  )
   new_params = optax.apply_updates(params, updates)
   any_client = weight > 0
-  return (tree_where(any_client, new_params, params),
-          tree_where(any_client, new_opt_state, opt_state))
+  return (
+    tree_where(any_client, new_params, params),
+    tree_where(any_client, new_opt_state, opt_state),
+  )
 
 
-def make_client_work(model: Model, client_optimizer, batching: Batching,
-                     objective_fn: Optional[Callable] = None,
-                     start_fn: Optional[Callable] = None,
-                     dp: Optional[tuple] = None) -> ClientWork:
+def make_client_work(
+  model: Model,
+  client_optimizer,
+  batching: Batching,
+  objective_fn: Optional[Callable] = None,
+  start_fn: Optional[Callable] = None,
+  dp: Optional[tuple] = None,
+) -> ClientWork:
   """FedAvg's client work: local SGD from the broadcast model, upload the delta.
 
   Args:
@@ -249,19 +309,30 @@ def make_client_work(model: Model, client_optimizer, batching: Batching,
   objective_fn = objective_fn or (lambda ctx: plain)
 
   def final(ctx, carry):
-    return ClientOutput(delta=otu.tree_sub(start_fn(ctx), carry.params),
-                        num_examples=ctx.data.train.num_examples, stats=carry.stats,
-                        num_steps=carry.num_steps)
+    return ClientOutput(
+      delta=otu.tree_sub(start_fn(ctx), carry.params),
+      num_examples=ctx.data.train.num_examples,
+      stats=carry.stats,
+      num_steps=carry.num_steps,
+    )
 
-  return sgd_client_work(objective_fn, client_optimizer, batching, final, start_fn, dp=dp)
+  return sgd_client_work(
+    objective_fn, client_optimizer, batching, final, start_fn, dp=dp
+  )
 
 
-def fedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
-           batching: Batching,
-           server_optimizer: Optional[optax.GradientTransformation] = None,
-           weighting: str = 'num_examples', objective_fn: Optional[Callable] = None,
-           finetune=None, name: str = 'fedavg',
-           dp: Optional[tuple] = None) -> FederatedAlgorithm:
+def fedavg(
+  model: Model,
+  num_clients: int,
+  client_optimizer: optax.GradientTransformation,
+  batching: Batching,
+  server_optimizer: Optional[optax.GradientTransformation] = None,
+  weighting: str = 'num_examples',
+  objective_fn: Optional[Callable] = None,
+  finetune=None,
+  name: str = 'fedavg',
+  dp: Optional[tuple] = None,
+) -> FederatedAlgorithm:
   """Builds FedAvg.
 
   Args:
@@ -284,33 +355,55 @@ def fedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
 
   def init(key):
     params = model.init(key)
-    return ServerState(params=params, opt_state=server_optimizer.init(params),
-                       dp_steps=None if dp is None else jnp.zeros(num_clients, jnp.int32))
+    return ServerState(
+      params=params,
+      opt_state=server_optimizer.init(params),
+      dp_steps=None if dp is None else jnp.zeros(num_clients, jnp.int32),
+    )
 
   def server_broadcast(state, cohort, rc):
     return state.params, cohort.mask
 
   def server_update(state, cohort, out: ClientOutput, rc):
-    params, opt_state = server_step(state.params, state.opt_state, out.delta, server_optimizer)
+    params, opt_state = server_step(
+      state.params, state.opt_state, out.delta, server_optimizer
+    )
     dp_steps = state.dp_steps
     if dp is not None:
       dp_steps = dp_steps.at[cohort.idx].add(
-          jnp.where(cohort.mask, out.num_steps, 0).astype(jnp.int32), mode='drop')
-    return (ServerState(params=params, opt_state=opt_state, dp_steps=dp_steps),
-            cohort_train_metrics(out.stats, cohort.mask))
+        jnp.where(cohort.mask, out.num_steps, 0).astype(jnp.int32), mode='drop'
+      )
+    return (
+      ServerState(params=params, opt_state=opt_state, dp_steps=dp_steps),
+      cohort_train_metrics(out.stats, cohort.mask),
+    )
 
   return FederatedAlgorithm(
-      name=name, model=model, init=init, server_broadcast=server_broadcast,
-      client_work=summed_upload(make_client_work(model, client_optimizer, batching, objective_fn,
-                                                 dp=dp), weighting),
-      server_update=server_update,
-      client_models=lambda s: ClientModels.global_model(s.params, num_clients),
-      communication=global_model_communication, finetune=finetune)
+    name=name,
+    model=model,
+    init=init,
+    server_broadcast=server_broadcast,
+    client_work=summed_upload(
+      make_client_work(model, client_optimizer, batching, objective_fn, dp=dp),
+      weighting,
+    ),
+    server_update=server_update,
+    client_models=lambda s: ClientModels.global_model(s.params, num_clients),
+    communication=global_model_communication,
+    finetune=finetune,
+  )
 
 
-def variant(model: Model, data, training, *, weight: Optional[Callable] = None,
-            extra: Optional[Callable] = None, server: Optional[Callable] = None,
-            name: str = 'fedavg_variant') -> FederatedAlgorithm:
+def variant(
+  model: Model,
+  data,
+  training,
+  *,
+  weight: Optional[Callable] = None,
+  extra: Optional[Callable] = None,
+  server: Optional[Callable] = None,
+  name: str = 'fedavg_variant',
+) -> FederatedAlgorithm:
   """FedAvg changed where its variants change it, the rest FedAvg's (init,
   broadcast, local SGD, client models, evaluation, communication): in the
   spirit of Flower's ``aggregate_fit``, a builder passes only what differs.
@@ -340,13 +433,24 @@ def variant(model: Model, data, training, *, weight: Optional[Callable] = None,
   Returns:
     The ``FederatedAlgorithm``.
   """
-  weighting = training.weighting or 'num_examples'  # a TrainingConfig not resolved by a spec
-  base = fedavg(model, data.num_clients, training.make_client_optimizer(), training.batching(),
-                training.make_server_optimizer(), weighting, name=name)
+  weighting = (
+    training.weighting or 'num_examples'
+  )  # a TrainingConfig not resolved by a spec
+  base = fedavg(
+    model,
+    data.num_clients,
+    training.make_client_optimizer(),
+    training.batching(),
+    training.make_server_optimizer(),
+    weighting,
+    name=name,
+  )
   if weight is None and extra is None and server is None:
     return base
   server_optimizer = training.make_server_optimizer()
-  work = make_client_work(model, training.make_client_optimizer(), training.batching())
+  work = make_client_work(
+    model, training.make_client_optimizer(), training.batching()
+  )
   uplink = {}
 
   def final(ctx, carry):
@@ -357,11 +461,16 @@ def variant(model: Model, data, training, *, weight: Optional[Callable] = None,
 
   def server_update(state, cohort, out: ClientOutput, rc):
     (mean_delta, mean_extra), total = aggregation.upload_mean(out.delta)
-    grad = mean_delta if server is None else server(mean_delta, mean_extra, state)
-    params, opt_state = server_apply(state.params, state.opt_state, grad, total,
-                                     server_optimizer)
-    return (ServerState(params=params, opt_state=opt_state),
-            cohort_train_metrics(out.stats, cohort.mask))
+    grad = (
+      mean_delta if server is None else server(mean_delta, mean_extra, state)
+    )
+    params, opt_state = server_apply(
+      state.params, state.opt_state, grad, total, server_optimizer
+    )
+    return (
+      ServerState(params=params, opt_state=opt_state),
+      cohort_train_metrics(out.stats, cohort.mask),
+    )
 
   def communication(state) -> Communication:
     down = tree_bytes(state.params)
@@ -369,29 +478,45 @@ def variant(model: Model, data, training, *, weight: Optional[Callable] = None,
 
   # ``weight`` sees the client's output as its docstring says: ``out.delta`` the delta
   # (the upload pairs it with ``extra`` only after).
-  weight_fn = None if weight is None else (
-      lambda ctx, out: weight(ctx, out.replace(delta=out.delta[0])))
+  weight_fn = (
+    None
+    if weight is None
+    else (lambda ctx, out: weight(ctx, out.replace(delta=out.delta[0])))
+  )
   return base.replace(
-      client_work=summed_upload(dataclasses.replace(work, final=final), weighting,
-                                weight_fn=weight_fn),
-      server_update=server_update, communication=communication)
+    client_work=summed_upload(
+      dataclasses.replace(work, final=final), weighting, weight_fn=weight_fn
+    ),
+    server_update=server_update,
+    communication=communication,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class FedAvgConfig(DPConfig):
   """FedAvg's own settings: DP-SGD local training (off by default)."""
+
   prefix: ClassVar[str] = 'fedavg'
 
 
 def build(training, config: FedAvgConfig, model, data, name='fedavg'):
   """Registry builder."""
   batching = training.batching()
-  alg = fedavg(model, data.num_clients, training.make_client_optimizer(), batching,
-               server_optimizer=training.make_server_optimizer(),
-               weighting=training.weighting, name=name, dp=config.dp())
+  alg = fedavg(
+    model,
+    data.num_clients,
+    training.make_client_optimizer(),
+    batching,
+    server_optimizer=training.make_server_optimizer(),
+    weighting=training.weighting,
+    name=name,
+    dp=config.dp(),
+  )
   if config.dp() is None:
     return alg
-  return alg.replace(privacy=dp_privacy(config, data, batching, lambda state: state.dp_steps))
+  return alg.replace(
+    privacy=dp_privacy(config, data, batching, lambda state: state.dp_steps)
+  )
 
 
 def check(training, config: FedAvgConfig):
@@ -401,13 +526,26 @@ def check(training, config: FedAvgConfig):
 
 
 #: Settings of an algorithm that trains a global model FedAvg-style.
-FEDAVG_SETTINGS = CLIENT_OPTIMIZER | BATCHING | WEIGHTING | SERVER_OPTIMIZER | FINETUNE
+FEDAVG_SETTINGS = (
+  CLIENT_OPTIMIZER | BATCHING | WEIGHTING | SERVER_OPTIMIZER | FINETUNE
+)
 
-SPEC = AlgorithmSpec('fedavg', FedAvgConfig, build, FEDAVG_SETTINGS, check=check,
-                     model_state=True,
-                     summary='FedAvg (McMahan et al. 2017), server optimizer optional')
-FT_SPEC = AlgorithmSpec('fedavg_ft', FedAvgConfig,
-                        lambda t, c, m, d: build(t, c, m, d, name='fedavg_ft'), FEDAVG_SETTINGS,
-                        default_finetune_steps=5, check=check,
-                        model_state=True,
-                        summary='FedAvg + local fine-tuning before evaluation (5 steps)')
+SPEC = AlgorithmSpec(
+  'fedavg',
+  FedAvgConfig,
+  build,
+  FEDAVG_SETTINGS,
+  check=check,
+  model_state=True,
+  summary='FedAvg (McMahan et al. 2017), server optimizer optional',
+)
+FT_SPEC = AlgorithmSpec(
+  'fedavg_ft',
+  FedAvgConfig,
+  lambda t, c, m, d: build(t, c, m, d, name='fedavg_ft'),
+  FEDAVG_SETTINGS,
+  default_finetune_steps=5,
+  check=check,
+  model_state=True,
+  summary='FedAvg + local fine-tuning before evaluation (5 steps)',
+)

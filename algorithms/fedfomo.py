@@ -26,53 +26,91 @@ among clients).
 import dataclasses
 from typing import ClassVar, Optional
 
-from flax import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import struct
 
-from fedjax_personal.core.algorithm import (ClientModels, Communication, FederatedAlgorithm,
-                                       cohort_train_metrics)
+from fedjax_personal.config import (
+  BATCHING,
+  CLIENT_OPTIMIZER,
+  FINETUNE,
+  AlgorithmSpec,
+  hparam,
+)
+from fedjax_personal.core.algorithm import (
+  ClientModels,
+  Communication,
+  FederatedAlgorithm,
+  cohort_train_metrics,
+)
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.clustering import in_group_chance
-from fedjax_personal.config import BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec, hparam
+from fedjax_personal.core.privacy import DPConfig, check_dp, dp_privacy
+from fedjax_personal.core.training import (
+  ClientWork,
+  evaluate_params,
+  plain_objective,
+  sgd_client_work,
+)
+from fedjax_personal.core.tree_util import (
+  rows,
+  tree_broadcast,
+  tree_bytes,
+  tree_scatter,
+)
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
-from fedjax_personal.core.privacy import DPConfig, check_dp, dp_privacy
-from fedjax_personal.core.training import ClientWork, evaluate_params, plain_objective, sgd_client_work
-from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter
 
-
-__all__ = ['build', 'check', 'choose_candidates', 'fedfomo', 'FedFomoConfig', 'FedFomoState',
-           'fomo_update', 'fomo_weights', 'SPEC']
+__all__ = [
+  'build',
+  'check',
+  'choose_candidates',
+  'fedfomo',
+  'FedFomoConfig',
+  'FedFomoState',
+  'fomo_update',
+  'fomo_weights',
+  'SPEC',
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class FedFomoConfig(DPConfig):
   """FedFomo's own settings, declared once: the ``--fedfomo_*`` flags (``hparam``: default,
   help, range, sweepable)."""
+
   prefix: ClassVar[str] = 'fedfomo'
   candidates: int = hparam(5, 'Models downloaded per round (M).', minimum=1)
-  eps: float = hparam(0.3, 'Initial exploration probability.', minimum=0, maximum=1)
-  eps_decay: float = hparam(0.05, 'Exploration probability decrease per round.', minimum=0)
-  leave_one_out: bool = hparam(False, 'Score candidates through model averages.')
+  eps: float = hparam(
+    0.3, 'Initial exploration probability.', minimum=0, maximum=1
+  )
+  eps_decay: float = hparam(
+    0.05, 'Exploration probability decrease per round.', minimum=0
+  )
+  leave_one_out: bool = hparam(
+    False, 'Score candidates through model averages.'
+  )
 
 
 @struct.dataclass
 class FedFomoState:
   """Attributes:
-    models: stacked [N, ...] latest model of every client (the server's pool).
-    affinity: [N, N] P, P_ij = client i's accumulated weight for client j.
-    dp_steps: int32 [N] local (DP-)SGD steps each client has taken so far
-      (for the privacy accountant).
+  models: stacked [N, ...] latest model of every client (the server's pool).
+  affinity: [N, N] P, P_ij = client i's accumulated weight for client j.
+  dp_steps: int32 [N] local (DP-)SGD steps each client has taken so far
+    (for the privacy accountant).
   """
+
   models: optax.Params
   affinity: jax.Array
   dp_steps: jax.Array
 
 
-def choose_candidates(key, affinity_rows, clients, num_candidates: int, eps, num_clients: int):
+def choose_candidates(
+  key, affinity_rows, clients, num_candidates: int, eps, num_clients: int
+):
   """Candidates per cohort client: top-M of its affinity row (itself
   excluded, ties broken at random), or with probability eps M random ones.
 
@@ -91,15 +129,24 @@ def choose_candidates(key, affinity_rows, clients, num_candidates: int, eps, num
   c = clients.shape[0]
   self_mask = jnp.arange(num_clients)[None, :] == clients[:, None]
   tie = 1e-6 * jax.random.uniform(k_tie, (c, num_clients))
-  greedy = jnp.argsort(-jnp.where(self_mask, -jnp.inf, affinity_rows + tie), axis=1)[:, :num_candidates]
-  rand = jnp.argsort(jnp.where(self_mask, 2.0, jax.random.uniform(k_rand, (c, num_clients))),
-                     axis=1)[:, :num_candidates]
+  greedy = jnp.argsort(
+    -jnp.where(self_mask, -jnp.inf, affinity_rows + tie), axis=1
+  )[:, :num_candidates]
+  rand = jnp.argsort(
+    jnp.where(self_mask, 2.0, jax.random.uniform(k_rand, (c, num_clients))),
+    axis=1,
+  )[:, :num_candidates]
   explore = jax.random.uniform(k_explore, (c,)) < eps
   return jnp.where(explore[:, None], rand, greedy).astype(jnp.int32)
 
 
 def _flat_dist(a, b):
-  return jnp.sqrt(sum(jnp.sum(jnp.square(x - y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+  return jnp.sqrt(
+    sum(
+      jnp.sum(jnp.square(x - y))
+      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
+  )
 
 
 def fomo_weights(val_loss, base, candidates, base_loss, candidate_losses):
@@ -116,7 +163,9 @@ def fomo_weights(val_loss, base, candidates, base_loss, candidate_losses):
     The weights [M].
   """
   dists = jax.vmap(lambda c: _flat_dist(c, base))(candidates)
-  return jnp.where(dists > 0, (base_loss - candidate_losses) / jnp.maximum(dists, 1e-12), 0.0)
+  return jnp.where(
+    dists > 0, (base_loss - candidate_losses) / jnp.maximum(dists, 1e-12), 0.0
+  )
 
 
 def fomo_update(base, candidates, weights):
@@ -134,13 +183,23 @@ def fomo_update(base, candidates, weights):
   pos = jnp.maximum(weights, 0.0)
   total = jnp.sum(pos)
   norm = jnp.where(total > 0, pos / jnp.where(total > 0, total, 1.0), 0.0)
-  return jax.tree.map(lambda b, c: b + jnp.tensordot(norm, c - b[None], axes=1), base, candidates)
+  return jax.tree.map(
+    lambda b, c: b + jnp.tensordot(norm, c - b[None], axes=1), base, candidates
+  )
 
 
-def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching,
-            num_candidates: int = 5, eps0: float = 0.3, eps_decay: float = 0.05,
-            leave_one_out: bool = False, dp: Optional[tuple] = None,
-            groups=None) -> FederatedAlgorithm:
+def fedfomo(
+  model: Model,
+  num_clients: int,
+  client_optimizer,
+  batching: Batching,
+  num_candidates: int = 5,
+  eps0: float = 0.3,
+  eps_decay: float = 0.05,
+  leave_one_out: bool = False,
+  dp: Optional[tuple] = None,
+  groups=None,
+) -> FederatedAlgorithm:
   """Builds FedFomo (M = ``num_candidates``). The candidate choice (exploration
   and ties) draws from the round's server key. ``groups`` (optional known
   group of each client, e.g. the latent distribution) only feeds a diagnostic:
@@ -164,8 +223,10 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
     The ``FederatedAlgorithm``.
   """
   if not 1 <= num_candidates < num_clients:
-    raise ConfigError('fedfomo_candidates',
-                      f'must be in [1, num_clients - 1], got {num_candidates}')
+    raise ConfigError(
+      'fedfomo_candidates',
+      f'must be in [1, num_clients - 1], got {num_candidates}',
+    )
   objective = plain_objective(model)
   groups_np = None if groups is None else np.asarray(groups)
   if groups_np is not None and groups_np.min() < 0:
@@ -177,14 +238,23 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
 
   def init(key):
     params = model.init(key)
-    return FedFomoState(tree_broadcast(params, num_clients), jnp.zeros((num_clients, num_clients)),
-                        jnp.zeros(num_clients, jnp.int32))
+    return FedFomoState(
+      tree_broadcast(params, num_clients),
+      jnp.zeros((num_clients, num_clients)),
+      jnp.zeros(num_clients, jnp.int32),
+    )
 
   def server_broadcast(state, cohort, rc):
     eps = jnp.maximum(eps0 - eps_decay * rc.round.astype(jnp.float32), 0.0)
     affinity = state.affinity.at[cohort.idx].get(mode='clip')
-    cand = choose_candidates(rc.key, affinity, cohort.idx, num_candidates, eps, num_clients)
-    return None, (rows(state.models, cohort.idx), cand, rows(state.models, cand))
+    cand = choose_candidates(
+      rc.key, affinity, cohort.idx, num_candidates, eps, num_clients
+    )
+    return None, (
+      rows(state.models, cohort.idx),
+      cand,
+      rows(state.models, cand),
+    )
 
   def start(ctx):
     base, _, cand_models = ctx.state
@@ -193,18 +263,27 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
     if leave_one_out:
       m = num_candidates
       mean = jax.tree.map(lambda c: c.mean(0), cand_models)
-      loo = jax.tree.map(lambda c, mu: (m * mu[None] - c) / max(m - 1, 1), cand_models, mean)
+      loo = jax.tree.map(
+        lambda c, mu: (m * mu[None] - c) / max(m - 1, 1), cand_models, mean
+      )
       mean_loss = val_loss(mean, val)
       loo_losses = jax.vmap(lambda p: val_loss(p, val))(loo)
       dists = jax.vmap(lambda p: _flat_dist(p, mean))(loo)
-      w = jnp.where(dists > 0, (loo_losses - mean_loss) / jnp.maximum(dists, 1e-12), 0.0)
+      w = jnp.where(
+        dists > 0, (loo_losses - mean_loss) / jnp.maximum(dists, 1e-12), 0.0
+      )
     else:
       losses = jax.vmap(lambda p: val_loss(p, val))(cand_models)
       w = fomo_weights(val_loss, base, cand_models, base_loss, losses)
     return fomo_update(base, cand_models, w), w
 
-  inner = sgd_client_work(lambda ctx: objective, client_optimizer, batching,
-                          final=lambda ctx, c: c, dp=dp)
+  inner = sgd_client_work(
+    lambda ctx: objective,
+    client_optimizer,
+    batching,
+    final=lambda ctx, c: c,
+    dp=dp,
+  )
 
   def work_init(ctx, key):
     params, w = start(ctx)
@@ -217,9 +296,14 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
     c, w = carry
     return c.params, ctx.state[1], w, c.stats, c.num_steps
 
-  work = ClientWork(work_init, work_step, work_final, batching,
-                    init_opt_state=inner.init_opt_state,
-                    opt_state=None if inner.opt_state is None else _first(inner.opt_state))
+  work = ClientWork(
+    work_init,
+    work_step,
+    work_final,
+    batching,
+    init_opt_state=inner.init_opt_state,
+    opt_state=None if inner.opt_state is None else _first(inner.opt_state),
+  )
 
   def server_update(state, cohort, out, rc):
     params, cand, w, stats, steps = out
@@ -227,19 +311,27 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
     i = jnp.broadcast_to(cohort.idx[:, None], cand.shape)
     affinity = state.affinity.at[i, cand].add(rows, mode='drop')  # P_i,n += w_n
     dp_steps = state.dp_steps.at[cohort.idx].add(
-        jnp.where(cohort.mask, steps, 0).astype(jnp.int32), mode='drop')
-    new = FedFomoState(tree_scatter(state.models, cohort.idx, params), affinity, dp_steps)
+      jnp.where(cohort.mask, steps, 0).astype(jnp.int32), mode='drop'
+    )
+    new = FedFomoState(
+      tree_scatter(state.models, cohort.idx, params), affinity, dp_steps
+    )
     # Diagnostic: the share of downloaded candidates with a positive weight
     # (0 means every active client kept its own model, i.e. trained locally).
     active = cohort.mask.astype(jnp.float32)
     positive = jnp.sum((w > 0).astype(jnp.float32) * active[:, None])
     share = positive / jnp.maximum(jnp.sum(active) * w.shape[1], 1.0)
-    info = {**cohort_train_metrics(stats, cohort.mask), 'fomo_positive_share': share}
+    info = {
+      **cohort_train_metrics(stats, cohort.mask),
+      'fomo_positive_share': share,
+    }
     if groups_np is not None:
       g = jnp.asarray(groups_np, jnp.int32)
       same = (g[cand] == g[cohort.idx][:, None]).astype(jnp.float32)
       pos = jnp.maximum(w, 0.0) * active[:, None]
-      info['fomo_in_group_share'] = jnp.sum(pos * same) / jnp.maximum(jnp.sum(pos), 1e-30)
+      info['fomo_in_group_share'] = jnp.sum(pos * same) / jnp.maximum(
+        jnp.sum(pos), 1e-30
+      )
       info['fomo_in_group_chance'] = jnp.float32(in_group_chance(groups_np))
     return new, info
 
@@ -249,27 +341,44 @@ def fedfomo(model: Model, num_clients: int, client_optimizer, batching: Batching
     return Communication(b, b * num_candidates, num_clients)
 
   return FederatedAlgorithm(
-      name='fedfomo', model=model, init=init, server_broadcast=server_broadcast,
-      client_work=work, server_update=server_update,
-      client_models=lambda s: ClientModels.personal(s.models, num_clients),
-      communication=communication)
+    name='fedfomo',
+    model=model,
+    init=init,
+    server_broadcast=server_broadcast,
+    client_work=work,
+    server_update=server_update,
+    client_models=lambda s: ClientModels.personal(s.models, num_clients),
+    communication=communication,
+  )
 
 
 def build(training, config: FedFomoConfig, model, data):
   """FedFomo, built as ``AlgorithmSpec.build`` says; its settings ``FedFomoConfig``; every
   client needs a validation split."""
   if int(np.asarray(data.val.num_examples).min()) == 0:
-    raise ConfigError('val_fraction', 'fedfomo needs a validation split on every client '
-                      '(0.2 in the paper)')
+    raise ConfigError(
+      'val_fraction',
+      'fedfomo needs a validation split on every client (0.2 in the paper)',
+    )
   dp = config.dp()
   batching = training.batching()
-  alg = fedfomo(model, data.num_clients, training.make_client_optimizer(), batching,
-                 num_candidates=min(config.candidates, data.num_clients - 1), eps0=config.eps,
-                 eps_decay=config.eps_decay, leave_one_out=config.leave_one_out, dp=dp,
-                 groups=data.groups)
+  alg = fedfomo(
+    model,
+    data.num_clients,
+    training.make_client_optimizer(),
+    batching,
+    num_candidates=min(config.candidates, data.num_clients - 1),
+    eps0=config.eps,
+    eps_decay=config.eps_decay,
+    leave_one_out=config.leave_one_out,
+    dp=dp,
+    groups=data.groups,
+  )
   if dp is None:
     return alg
-  return alg.replace(privacy=dp_privacy(config, data, batching, lambda state: state.dp_steps))
+  return alg.replace(
+    privacy=dp_privacy(config, data, batching, lambda state: state.dp_steps)
+  )
 
 
 def check(training, config: FedFomoConfig):
@@ -280,9 +389,15 @@ def check(training, config: FedFomoConfig):
 
 # Personalized by its own affinity-weighted combination: no weighting and no
 # server optimizer.
-SPEC = AlgorithmSpec('fedfomo', FedFomoConfig, build, CLIENT_OPTIMIZER | BATCHING | FINETUNE,
-                     check=check, needs_validation=True, summary='FedFomo (Zhang et al. 2021): first-order model '
-                     'optimization')
+SPEC = AlgorithmSpec(
+  'fedfomo',
+  FedFomoConfig,
+  build,
+  CLIENT_OPTIMIZER | BATCHING | FINETUNE,
+  check=check,
+  needs_validation=True,
+  summary='FedFomo (Zhang et al. 2021): first-order model optimization',
+)
 
 
 def _first(opt_state):

@@ -19,37 +19,65 @@ The pseudo-gradient tau_eff * sum_i p_i d_i goes through the server optimizer
 
 from typing import Any, Optional
 
-from flax import struct
 import jax
 import jax.numpy as jnp
 import optax
+from flax import struct
 from optax import tree_utils as otu
 
+from fedjax_personal.algorithms.fedavg import (
+  ServerState,
+  global_model_communication,
+  summed_upload,
+)
+from fedjax_personal.config import (
+  BATCHING,
+  CLIENT_LR_SCHEDULE,
+  FINETUNE,
+  SERVER_OPTIMIZER,
+  WEIGHTING,
+  AlgorithmSpec,
+  NoConfig,
+)
 from fedjax_personal.core import aggregation
-from fedjax_personal.core.algorithm import ClientModels, FederatedAlgorithm, cohort_train_metrics
-from fedjax_personal.algorithms.fedavg import (ServerState, global_model_communication,
-                                              summed_upload)
+from fedjax_personal.core.algorithm import (
+  ClientModels,
+  FederatedAlgorithm,
+  cohort_train_metrics,
+)
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.config import (BATCHING, CLIENT_LR_SCHEDULE, FINETUNE, SERVER_OPTIMIZER,
-                                    WEIGHTING, AlgorithmSpec, NoConfig)
+from fedjax_personal.core.training import (
+  LossStats,
+  plain_objective,
+  sgd_client_work,
+)
+from fedjax_personal.core.tree_util import tree_where
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
-from fedjax_personal.core.training import LossStats, plain_objective, sgd_client_work
-from fedjax_personal.core.tree_util import tree_where
 
-
-__all__ = ['build', 'check', 'effective_steps', 'fednova', 'NovaUpload', 'SETTINGS', 'SPEC']
+__all__ = [
+  'build',
+  'check',
+  'effective_steps',
+  'fednova',
+  'NovaUpload',
+  'SETTINGS',
+  'SPEC',
+]
 
 
 @struct.dataclass
 class NovaUpload:
   """Attributes:
-    delta: (d_i, a_i): the normalized delta and the effective step count,
-      a weighted-mean share (``summed_upload``).
-    num_examples: n_i.
-    stats: local training LossStats.
+  delta: (d_i, a_i): the normalized delta and the effective step count,
+    a weighted-mean share (``summed_upload``).
+  num_examples: n_i.
+  stats: local training LossStats.
   """
-  delta: Any  # a client's (d_i, a_i); the cohort's Sum where the server reads it
+
+  delta: (
+    Any  # a client's (d_i, a_i); the cohort's Sum where the server reads it
+  )
   num_examples: jax.Array
   stats: LossStats
 
@@ -70,13 +98,18 @@ def effective_steps(num_steps, momentum: float = 0.0):
   if not momentum:
     return tau
   rho = momentum
-  return (tau - rho * (1 - rho ** tau) / (1 - rho)) / (1 - rho)
+  return (tau - rho * (1 - rho**tau) / (1 - rho)) / (1 - rho)
 
 
-def fednova(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
-            batching: Batching, momentum: float = 0.0,
-            server_optimizer: Optional[optax.GradientTransformation] = None,
-            weighting: str = 'num_examples') -> FederatedAlgorithm:
+def fednova(
+  model: Model,
+  num_clients: int,
+  client_optimizer: optax.GradientTransformation,
+  batching: Batching,
+  momentum: float = 0.0,
+  server_optimizer: Optional[optax.GradientTransformation] = None,
+  weighting: str = 'num_examples',
+) -> FederatedAlgorithm:
   """Builds FedNova.
 
   Args:
@@ -96,11 +129,18 @@ def fednova(model: Model, num_clients: int, client_optimizer: optax.GradientTran
 
   def final(ctx, carry):
     a = effective_steps(carry.num_steps, momentum)
-    d = jax.tree.map(lambda x: x / jnp.maximum(a, 1e-12), otu.tree_sub(ctx.shared, carry.params))
-    return NovaUpload(delta=(d, a), num_examples=ctx.data.train.num_examples, stats=carry.stats)
+    d = jax.tree.map(
+      lambda x: x / jnp.maximum(a, 1e-12),
+      otu.tree_sub(ctx.shared, carry.params),
+    )
+    return NovaUpload(
+      delta=(d, a), num_examples=ctx.data.train.num_examples, stats=carry.stats
+    )
 
-  work = summed_upload(sgd_client_work(lambda ctx: objective, client_optimizer, batching, final),
-                       weighting)
+  work = summed_upload(
+    sgd_client_work(lambda ctx: objective, client_optimizer, batching, final),
+    weighting,
+  )
 
   def init(key):
     params = model.init(key)
@@ -109,27 +149,42 @@ def fednova(model: Model, num_clients: int, client_optimizer: optax.GradientTran
   def server_update(state, cohort, out: NovaUpload, rc):
     (d_mean, tau_eff), weight = aggregation.upload_mean(out.delta)
     pseudo_grad = jax.tree.map(lambda d: tau_eff * d, d_mean)
-    updates, opt_state = server_optimizer.update(pseudo_grad, state.opt_state, state.params)
+    updates, opt_state = server_optimizer.update(
+      pseudo_grad, state.opt_state, state.params
+    )
     any_client = weight > 0
-    new = ServerState(params=tree_where(any_client, optax.apply_updates(state.params, updates),
-                                        state.params),
-                      opt_state=tree_where(any_client, opt_state, state.opt_state))
+    new = ServerState(
+      params=tree_where(
+        any_client, optax.apply_updates(state.params, updates), state.params
+      ),
+      opt_state=tree_where(any_client, opt_state, state.opt_state),
+    )
     return new, cohort_train_metrics(out.stats, cohort.mask)
 
   return FederatedAlgorithm(
-      name='fednova', model=model, init=init,
-      server_broadcast=lambda state, cohort, rc: (state.params, cohort.mask),
-      client_work=work, server_update=server_update,
-      client_models=lambda s: ClientModels.global_model(s.params, num_clients),
-      communication=global_model_communication)
+    name='fednova',
+    model=model,
+    init=init,
+    server_broadcast=lambda state, cohort, rc: (state.params, cohort.mask),
+    client_work=work,
+    server_update=server_update,
+    client_models=lambda s: ClientModels.global_model(s.params, num_clients),
+    communication=global_model_communication,
+  )
 
 
 def build(training, config, model, data):
   """FedNova, built as ``AlgorithmSpec.build`` says."""
   del config
-  return fednova(model, data.num_clients, training.make_client_optimizer(), training.batching(),
-                 momentum=training.client_momentum,
-                 server_optimizer=training.make_server_optimizer(), weighting=training.weighting)
+  return fednova(
+    model,
+    data.num_clients,
+    training.make_client_optimizer(),
+    training.batching(),
+    momentum=training.client_momentum,
+    server_optimizer=training.make_server_optimizer(),
+    weighting=training.weighting,
+  )
 
 
 def check(training, config):
@@ -137,15 +192,38 @@ def check(training, config):
   settings that cannot apply)."""
   del config
   if training.client_optimizer != 'sgd':
-    raise ConfigError('client_optimizer', 'FedNova normalizes by the steps of local SGD (with '
-                      'momentum); Adam has no such count')
+    raise ConfigError(
+      'client_optimizer',
+      'FedNova normalizes by the steps of local SGD (with '
+      'momentum); Adam has no such count',
+    )
 
 
 #: The client optimizer's settings FedNova can normalize (no persistent
 #: optimizer state: a_i assumes a fresh momentum buffer every round).
-SETTINGS = (frozenset({'client_optimizer', 'client_lr', 'client_momentum', 'client_weight_decay',
-                       'client_grad_clip'})
-            | CLIENT_LR_SCHEDULE | BATCHING | WEIGHTING | SERVER_OPTIMIZER | FINETUNE)
+SETTINGS = (
+  frozenset(
+    {
+      'client_optimizer',
+      'client_lr',
+      'client_momentum',
+      'client_weight_decay',
+      'client_grad_clip',
+    }
+  )
+  | CLIENT_LR_SCHEDULE
+  | BATCHING
+  | WEIGHTING
+  | SERVER_OPTIMIZER
+  | FINETUNE
+)
 
-SPEC = AlgorithmSpec('fednova', NoConfig, build, SETTINGS, check=check, partial_work='keep',
-                     summary='FedNova (Wang et al. 2020): deltas normalized by local steps')
+SPEC = AlgorithmSpec(
+  'fednova',
+  NoConfig,
+  build,
+  SETTINGS,
+  check=check,
+  partial_work='keep',
+  summary='FedNova (Wang et al. 2020): deltas normalized by local steps',
+)

@@ -5,17 +5,28 @@ averages the models, i.e. one large-batch SGD step per round."""
 import optax
 
 from fedjax_personal.algorithms.fedavg import fedavg
+from fedjax_personal.config import (
+  CLIENT_OPTIMIZER,
+  FINETUNE,
+  SERVER_OPTIMIZER,
+  WEIGHTING,
+  AlgorithmSpec,
+  NoConfig,
+)
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.config import (CLIENT_OPTIMIZER, FINETUNE, SERVER_OPTIMIZER, WEIGHTING, AlgorithmSpec, NoConfig)
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
-
 
 __all__ = ['build', 'check', 'fedsgd', 'SPEC']
 
 
-def fedsgd(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
-           batch_size=None, **kw):
+def fedsgd(
+  model: Model,
+  num_clients: int,
+  client_optimizer: optax.GradientTransformation,
+  batch_size=None,
+  **kw,
+):
   """Builds FedSGD (``batch_size=None``: the full local batch); ``kw`` as for
   ``fedavg``.
 
@@ -29,17 +40,27 @@ def fedsgd(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
   Returns:
     The ``FederatedAlgorithm``.
   """
-  return fedavg(model, num_clients, client_optimizer,
-                Batching(batch_size=batch_size, num_epochs=None, num_steps=1),
-                name='fedsgd', **kw)
+  return fedavg(
+    model,
+    num_clients,
+    client_optimizer,
+    Batching(batch_size=batch_size, num_epochs=None, num_steps=1),
+    name='fedsgd',
+    **kw,
+  )
 
 
 def build(training, config, model, data):
   """FedSGD, built as ``AlgorithmSpec.build`` says."""
   del config
-  return fedsgd(model, data.num_clients, training.make_client_optimizer(),
-                batch_size=training.batch_size or None,
-                server_optimizer=training.make_server_optimizer(), weighting=training.weighting)
+  return fedsgd(
+    model,
+    data.num_clients,
+    training.make_client_optimizer(),
+    batch_size=training.batch_size or None,
+    server_optimizer=training.make_server_optimizer(),
+    weighting=training.weighting,
+  )
 
 
 def check(training, config):
@@ -47,13 +68,21 @@ def check(training, config):
   plain SGD (its buffer is the first gradient)."""
   del config
   if training.client_momentum and training.client_opt_state == 'reset':
-    raise ConfigError('client_momentum', 'does nothing for fedsgd (one local step from a fresh '
-                      'momentum buffer); use --server_momentum, or '
-                      '--client_opt_state=persistent')
+    raise ConfigError(
+      'client_momentum',
+      'does nothing for fedsgd (one local step from a fresh '
+      'momentum buffer); use --server_momentum, or '
+      '--client_opt_state=persistent',
+    )
 
 
 # batch_size applies (one minibatch step instead of the full batch); the
 # number of local epochs/steps does not (always one step).
-SPEC = AlgorithmSpec('fedsgd', NoConfig, build,
-                     CLIENT_OPTIMIZER | WEIGHTING | SERVER_OPTIMIZER | FINETUNE | {'batch_size'},
-                     check=check, summary='FedSGD: one local gradient step (full batch default)')
+SPEC = AlgorithmSpec(
+  'fedsgd',
+  NoConfig,
+  build,
+  CLIENT_OPTIMIZER | WEIGHTING | SERVER_OPTIMIZER | FINETUNE | {'batch_size'},
+  check=check,
+  summary='FedSGD: one local gradient step (full batch default)',
+)

@@ -10,31 +10,46 @@ delta is uploaded.
 
 from typing import Callable, Optional
 
-from flax import struct
 import jax
 import optax
+from flax import struct
 from optax import tree_utils as otu
 
-from fedjax_personal.core.algorithm import (ClientModels, ClientRows, Communication,
-                                            FederatedAlgorithm, cohort_train_metrics)
 from fedjax_personal.algorithms.fedavg import server_step, summed_upload
-from fedjax_personal.models import Model
-from fedjax_personal.core.training import (ClientWork, LossStats, client_opt_init,
-                                           keep_model_state, opt_update, zero_stats)
+from fedjax_personal.core.algorithm import (
+  ClientModels,
+  ClientRows,
+  Communication,
+  FederatedAlgorithm,
+  cohort_train_metrics,
+)
+from fedjax_personal.core.training import (
+  ClientWork,
+  LossStats,
+  client_opt_init,
+  keep_model_state,
+  opt_update,
+  zero_stats,
+)
 from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes
+from fedjax_personal.models import Model
 
-
-__all__ = ['global_personal_algorithm', 'GlobalPersonalOutput', 'GlobalPersonalState',
-           'two_model_work']
+__all__ = [
+  'global_personal_algorithm',
+  'GlobalPersonalOutput',
+  'GlobalPersonalState',
+  'two_model_work',
+]
 
 
 @struct.dataclass
 class GlobalPersonalState:
   """Attributes:
-    params: the global model.
-    opt_state: server optimizer state.
-    personal: stacked [N, ...] personal models.
+  params: the global model.
+  opt_state: server optimizer state.
+  personal: stacked [N, ...] personal models.
   """
+
   params: optax.Params
   opt_state: optax.OptState
   personal: optax.Params
@@ -43,22 +58,28 @@ class GlobalPersonalState:
 @struct.dataclass
 class GlobalPersonalOutput:
   """Attributes:
-    delta: global model minus the client's local global model (uploaded).
-    personal: the client's new personal model (kept).
-    num_examples: n_i.
-    stats: local training LossStats.
+  delta: global model minus the client's local global model (uploaded).
+  personal: the client's new personal model (kept).
+  num_examples: n_i.
+  stats: local training LossStats.
   """
+
   delta: optax.Params
   personal: optax.Params
   num_examples: jax.Array
   stats: LossStats
 
 
-def global_personal_algorithm(name: str, model: Model, num_clients: int, work: ClientWork,
-                              server_optimizer: Optional[optax.GradientTransformation] = None,
-                              weighting: str = 'num_examples',
-                              eval_models: Optional[Callable] = None,
-                              finetune=None) -> FederatedAlgorithm:
+def global_personal_algorithm(
+  name: str,
+  model: Model,
+  num_clients: int,
+  work: ClientWork,
+  server_optimizer: Optional[optax.GradientTransformation] = None,
+  weighting: str = 'num_examples',
+  eval_models: Optional[Callable] = None,
+  finetune=None,
+) -> FederatedAlgorithm:
   """Wraps a client work whose ``final`` returns a GlobalPersonalOutput.
 
   In the work, ``ctx.shared`` is the global model and ``ctx.state`` the
@@ -83,31 +104,46 @@ def global_personal_algorithm(name: str, model: Model, num_clients: int, work: C
 
   def init(key):
     params = model.init(key)
-    return GlobalPersonalState(params, server_optimizer.init(params),
-                               tree_broadcast(params, num_clients))
+    return GlobalPersonalState(
+      params, server_optimizer.init(params), tree_broadcast(params, num_clients)
+    )
 
   def server_update(state, cohort, out: GlobalPersonalOutput, rc):
     # The engine wrote the new personal models (client_rows' output).
-    params, opt_state = server_step(state.params, state.opt_state, out.delta, server_optimizer)
-    return (GlobalPersonalState(params, opt_state, state.personal),
-            cohort_train_metrics(out.stats, cohort.mask))
+    params, opt_state = server_step(
+      state.params, state.opt_state, out.delta, server_optimizer
+    )
+    return (
+      GlobalPersonalState(params, opt_state, state.personal),
+      cohort_train_metrics(out.stats, cohort.mask),
+    )
 
   def communication(state):
     b = tree_bytes(state.params)
     return Communication(b, b, 1)
 
   return FederatedAlgorithm(
-      name=name, model=model, init=init,
-      server_broadcast=lambda s, c, rc: (s.params, rows(s.personal, c.rows)),
-      client_work=summed_upload(work, weighting), server_update=server_update,
-      client_models=eval_models or (lambda s: ClientModels.personal(s.personal, num_clients)),
-      communication=communication, finetune=finetune,
-      client_rows=ClientRows.field('personal', output='personal'))
+    name=name,
+    model=model,
+    init=init,
+    server_broadcast=lambda s, c, rc: (s.params, rows(s.personal, c.rows)),
+    client_work=summed_upload(work, weighting),
+    server_update=server_update,
+    client_models=eval_models
+    or (lambda s: ClientModels.personal(s.personal, num_clients)),
+    communication=communication,
+    finetune=finetune,
+    client_rows=ClientRows.field('personal', output='personal'),
+  )
 
 
-def two_model_work(step_fn: Callable, batching, opt_w: optax.GradientTransformation,
-                   opt_v: optax.GradientTransformation,
-                   personal_start: Optional[Callable] = None) -> ClientWork:
+def two_model_work(
+  step_fn: Callable,
+  batching,
+  opt_w: optax.GradientTransformation,
+  opt_v: optax.GradientTransformation,
+  personal_start: Optional[Callable] = None,
+) -> ClientWork:
   """ClientWork training the local global model w (from the broadcast) and
   the personal model v (from the client's row, or ``personal_start(ctx)``),
   each with its optimizer.
@@ -136,8 +172,12 @@ def two_model_work(step_fn: Callable, batching, opt_w: optax.GradientTransformat
 
   def init(ctx, key):
     del key
-    return (ctx.shared, personal_start(ctx), client_opt_init(ctx, init_opt_state, ctx.shared),
-            zero_stats())
+    return (
+      ctx.shared,
+      personal_start(ctx),
+      client_opt_init(ctx, init_opt_state, ctx.shared),
+      zero_stats(),
+    )
 
   def step(ctx, carry, batch, key):
     del key
@@ -153,8 +193,18 @@ def two_model_work(step_fn: Callable, batching, opt_w: optax.GradientTransformat
 
   def final(ctx, carry):
     w, v, _, stats = carry
-    return GlobalPersonalOutput(delta=otu.tree_sub(ctx.shared, w), personal=v,
-                                num_examples=ctx.data.train.num_examples, stats=stats)
+    return GlobalPersonalOutput(
+      delta=otu.tree_sub(ctx.shared, w),
+      personal=v,
+      num_examples=ctx.data.train.num_examples,
+      stats=stats,
+    )
 
-  return ClientWork(init, step, final, batching, init_opt_state=init_opt_state,
-                    opt_state=lambda carry: carry[2])
+  return ClientWork(
+    init,
+    step,
+    final,
+    batching,
+    init_opt_state=init_opt_state,
+    opt_state=lambda carry: carry[2],
+  )

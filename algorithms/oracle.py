@@ -8,22 +8,29 @@ pytree; each client uploads its weighted delta into its group's row of a
 is vmapped over groups.
 """
 
-from flax import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import struct
 
-from fedjax_personal.core.algorithm import (ClientModels, Communication, FederatedAlgorithm,
-                                       cohort_train_metrics)
-from fedjax_personal.algorithms.fedavg import (FEDAVG_SETTINGS, make_client_work, server_step,
-                                               summed_upload)
-from fedjax_personal.core.batching import Batching
+from fedjax_personal.algorithms.fedavg import (
+  FEDAVG_SETTINGS,
+  make_client_work,
+  server_step,
+  summed_upload,
+)
 from fedjax_personal.config import AlgorithmSpec, NoConfig
+from fedjax_personal.core.algorithm import (
+  ClientModels,
+  Communication,
+  FederatedAlgorithm,
+  cohort_train_metrics,
+)
+from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
-from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes
-
 
 __all__ = ['build', 'oracle', 'OracleState', 'SPEC']
 
@@ -31,16 +38,23 @@ __all__ = ['build', 'oracle', 'OracleState', 'SPEC']
 @struct.dataclass
 class OracleState:
   """Attributes:
-    group_params: stacked [G, ...] models, one per group.
-    opt_state: server optimizer state per group (leading axis G).
+  group_params: stacked [G, ...] models, one per group.
+  opt_state: server optimizer state per group (leading axis G).
   """
+
   group_params: optax.Params
   opt_state: optax.OptState
 
 
-def oracle(model: Model, groups, client_optimizer: optax.GradientTransformation,
-           batching: Batching, server_optimizer=None, weighting: str = 'num_examples',
-           finetune=None) -> FederatedAlgorithm:
+def oracle(
+  model: Model,
+  groups,
+  client_optimizer: optax.GradientTransformation,
+  batching: Batching,
+  server_optimizer=None,
+  weighting: str = 'num_examples',
+  finetune=None,
+) -> FederatedAlgorithm:
   """Builds oracle clustered FedAvg.
 
   Args:
@@ -51,8 +65,11 @@ def oracle(model: Model, groups, client_optimizer: optax.GradientTransformation,
   """
   groups_np = np.asarray(groups)
   if groups_np.size == 0 or groups_np.min() < 0:
-    raise ConfigError('algorithm', 'oracle needs a known group for every client; this partition has none '
-                     '(use --partition=rotation, label_permutation, latent_clusters or sparse_classes)')
+    raise ConfigError(
+      'algorithm',
+      'oracle needs a known group for every client; this partition has none '
+      '(use --partition=rotation, label_permutation, latent_clusters or sparse_classes)',
+    )
   num_groups = int(groups_np.max()) + 1
   groups = jnp.asarray(groups_np, jnp.int32)
   server_optimizer = server_optimizer or optax.sgd(1.0)
@@ -67,30 +84,53 @@ def oracle(model: Model, groups, client_optimizer: optax.GradientTransformation,
 
   def server_update(state, cohort, out, rc):
     params, opt_state = jax.vmap(server_step, in_axes=(0, 0, 0, None))(
-        state.group_params, state.opt_state, out.delta, server_optimizer)
-    return OracleState(params, opt_state), cohort_train_metrics(out.stats, cohort.mask)
+      state.group_params, state.opt_state, out.delta, server_optimizer
+    )
+    return OracleState(params, opt_state), cohort_train_metrics(
+      out.stats, cohort.mask
+    )
 
   def communication(state):
     b = tree_bytes(jax.tree.map(lambda a: a[0], state.group_params))
     return Communication(b, b, num_groups)
 
   return FederatedAlgorithm(
-      name='oracle', model=model, init=init, server_broadcast=server_broadcast,
-      client_work=summed_upload(
-          make_client_work(model, client_optimizer, batching, start_fn=lambda ctx: ctx.state[0]),
-          weighting, group_fn=lambda ctx: (ctx.state[1], num_groups)),
-      server_update=server_update,
-      client_models=lambda s: ClientModels(s.group_params, groups),
-      communication=communication, finetune=finetune)
+    name='oracle',
+    model=model,
+    init=init,
+    server_broadcast=server_broadcast,
+    client_work=summed_upload(
+      make_client_work(
+        model, client_optimizer, batching, start_fn=lambda ctx: ctx.state[0]
+      ),
+      weighting,
+      group_fn=lambda ctx: (ctx.state[1], num_groups),
+    ),
+    server_update=server_update,
+    client_models=lambda s: ClientModels(s.group_params, groups),
+    communication=communication,
+    finetune=finetune,
+  )
 
 
 def build(training, config, model, data):
   """Oracle (FedAvg within each true group), built as ``AlgorithmSpec.build`` says."""
   del config
-  return oracle(model, data.groups, training.make_client_optimizer(), training.batching(),
-                server_optimizer=training.make_server_optimizer(), weighting=training.weighting)
+  return oracle(
+    model,
+    data.groups,
+    training.make_client_optimizer(),
+    training.batching(),
+    server_optimizer=training.make_server_optimizer(),
+    weighting=training.weighting,
+  )
 
 
-SPEC = AlgorithmSpec('oracle', NoConfig, build, FEDAVG_SETTINGS,
-                     model_state=True,
-                     summary='Oracle clusters: one FedAvg per known group')
+SPEC = AlgorithmSpec(
+  'oracle',
+  NoConfig,
+  build,
+  FEDAVG_SETTINGS,
+  model_state=True,
+  summary='Oracle clusters: one FedAvg per known group',
+)

@@ -21,29 +21,63 @@ LG-FedAvg (Liang et al. 2020) = FedSim with everything but the head personal.
 import dataclasses
 from typing import Any, ClassVar, Optional
 
-from flax import struct
 import jax
 import jax.numpy as jnp
 import optax
+from flax import struct
+from optax import tree_utils as otu
 
-from fedjax_personal.core.algorithm import (ClientModels, ClientRows, Communication,
-                                            FederatedAlgorithm, cohort_train_metrics)
-from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS, server_step, summed_upload
-from fedjax_personal.core.batching import Batching, traced_num_steps
+from fedjax_personal.algorithms.fedavg import (
+  FEDAVG_SETTINGS,
+  server_step,
+  summed_upload,
+)
 from fedjax_personal.config import AlgorithmSpec, Declared, hparam
+from fedjax_personal.core.algorithm import (
+  ClientModels,
+  ClientRows,
+  Communication,
+  FederatedAlgorithm,
+  cohort_train_metrics,
+)
+from fedjax_personal.core.batching import Batching, traced_num_steps
+from fedjax_personal.core.personalization import ParamSplit, make_split
+from fedjax_personal.core.training import (
+  ClientWork,
+  LossStats,
+  StatsAndState,
+  client_opt_init,
+  keep_model_state,
+  local_sgd,
+  opt_update,
+  plain_objective,
+  zero_stats,
+)
+from fedjax_personal.core.tree_util import (
+  leading_size,
+  rows,
+  tree_broadcast,
+  tree_bytes,
+  tree_scatter,
+  tree_where,
+)
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
-from fedjax_personal.core.personalization import ParamSplit, make_split
-from fedjax_personal.core.training import (ClientWork, LossStats, StatsAndState, client_opt_init,
-                                           keep_model_state, local_sgd, opt_update,
-                                           plain_objective, zero_stats)
-from optax import tree_utils as otu
-from fedjax_personal.core.tree_util import (leading_size, rows, tree_broadcast, tree_bytes,
-                                            tree_scatter, tree_where)
 
-__all__ = ['FEDALT_SPEC', 'FEDBN_SPEC', 'FEDPER_SPEC', 'FEDREP_SPEC', 'FEDSIM_SPEC',
-           'LG_FEDAVG_SPEC', 'partial_personalization', 'parts_with_state', 'PartialCarry',
-           'PartialConfig', 'PartialOutput', 'PartialState']
+__all__ = [
+  'FEDALT_SPEC',
+  'FEDBN_SPEC',
+  'FEDPER_SPEC',
+  'FEDREP_SPEC',
+  'FEDSIM_SPEC',
+  'LG_FEDAVG_SPEC',
+  'partial_personalization',
+  'parts_with_state',
+  'PartialCarry',
+  'PartialConfig',
+  'PartialOutput',
+  'PartialState',
+]
 
 
 MODES = ('alt', 'sim')
@@ -53,24 +87,37 @@ MODES = ('alt', 'sim')
 class PartialConfig(Declared):
   """Partial personalization (FedAlt, FedSim, FedRep, FedPer, LG-FedAvg)'s own settings, declared once: the ``--partial_*`` flags (``hparam``: default,
   help, range, sweepable)."""
+
   prefix: ClassVar[str] = 'partial'
-  personal_part: str = hparam('output', "fedalt/fedsim: personal parameters: input, output, "
-                              "adapter, norm, all_but_output, all, block:<i>, or split:<regex>,...")
-  personal_lr: Optional[float] = hparam(None, 'Learning rate of the personal parameters '
-                                        '(default: --client_lr).', minimum=0, open_min=True,
-                                        sweep=True)
-  personal_epochs: Optional[int] = hparam(None, "FedAlt/FedRep personal phase: epochs (steps "
-                                          "with --local_steps); default: the shared phase's "
-                                          "(FedRep: 5x).", minimum=1)
+  personal_part: str = hparam(
+    'output',
+    'fedalt/fedsim: personal parameters: input, output, '
+    'adapter, norm, all_but_output, all, block:<i>, or split:<regex>,...',
+  )
+  personal_lr: Optional[float] = hparam(
+    None,
+    'Learning rate of the personal parameters (default: --client_lr).',
+    minimum=0,
+    open_min=True,
+    sweep=True,
+  )
+  personal_epochs: Optional[int] = hparam(
+    None,
+    'FedAlt/FedRep personal phase: epochs (steps '
+    "with --local_steps); default: the shared phase's "
+    '(FedRep: 5x).',
+    minimum=1,
+  )
 
 
 @struct.dataclass
 class PartialState:
   """Attributes:
-    shared: u, a flat dict {path: array} of the shared leaves.
-    opt_state: server optimizer state of u.
-    personal: v, a flat dict {path: [N, ...]} of every client's personal leaves.
+  shared: u, a flat dict {path: array} of the shared leaves.
+  opt_state: server optimizer state of u.
+  personal: v, a flat dict {path: [N, ...]} of every client's personal leaves.
   """
+
   shared: dict
   opt_state: optax.OptState
   personal: dict
@@ -79,6 +126,7 @@ class PartialState:
 @struct.dataclass
 class PartialCarry:
   """A client's local state: its shared and its personal parameters."""
+
   shared: dict
   personal: dict
   opt_state: tuple  # (optimizer state of u, of v)
@@ -90,12 +138,15 @@ class PartialCarry:
 @struct.dataclass
 class PartialOutput:
   """Attributes:
-    shared_delta: u - u_i+ (the only thing uploaded).
-    personal: v_i+ (stays on the client).
-    num_examples: n_i.
-    stats: local training LossStats.
+  shared_delta: u - u_i+ (the only thing uploaded).
+  personal: v_i+ (stays on the client).
+  num_examples: n_i.
+  stats: local training LossStats.
   """
-  shared_delta: Any  # a client's delta; the cohort's Sum where the server reads it
+
+  shared_delta: (
+    Any  # a client's delta; the cohort's Sum where the server reads it
+  )
   personal: Any
   num_examples: jax.Array
   stats: LossStats
@@ -104,13 +155,20 @@ class PartialOutput:
 def combined_batching(shared: Batching, personal: Batching) -> Batching:
   """One batch stream for the personal phase followed by the shared phase."""
   if shared.batch_size != personal.batch_size:
-    raise ValueError('FedAlt: personal and shared phases need the same batch size')
+    raise ValueError(
+      'FedAlt: personal and shared phases need the same batch size'
+    )
   if (shared.num_epochs is None) != (personal.num_epochs is None):
-    raise ValueError('FedAlt: personal and shared phases must both use epochs or both steps')
+    raise ValueError(
+      'FedAlt: personal and shared phases must both use epochs or both steps'
+    )
   if shared.num_epochs is not None:
-    return Batching(shared.batch_size, num_epochs=shared.epochs + personal.epochs)
-  return Batching(shared.batch_size, num_epochs=None,
-                  num_steps=shared.steps + personal.steps)
+    return Batching(
+      shared.batch_size, num_epochs=shared.epochs + personal.epochs
+    )
+  return Batching(
+    shared.batch_size, num_epochs=None, num_steps=shared.steps + personal.steps
+  )
 
 
 def parts_with_state(split: ParamSplit, shared: dict, personal: dict, aux):
@@ -134,7 +192,9 @@ def parts_with_state(split: ParamSplit, shared: dict, personal: dict, aux):
   return shared, personal, stats
 
 
-def personal_finetune(model: Model, split: ParamSplit, learning_rate: float, batching: Batching):
+def personal_finetune(
+  model: Model, split: ParamSplit, learning_rate: float, batching: Batching
+):
   """Evaluation fine-tuning of the personal leaves only (shared leaves frozen),
   on the client's training split, by plain SGD."""
   objective = plain_objective(model)
@@ -148,19 +208,34 @@ def personal_finetune(model: Model, split: ParamSplit, learning_rate: float, bat
         _, v_new, stats = parts_with_state(split, shared, v, aux)
         aux = StatsAndState(stats, v_new)
       return loss, aux
-    personal, _ = local_sgd(personal, personal_objective, optax.sgd(learning_rate), local.train,
-                            key, batching)
+
+    personal, _ = local_sgd(
+      personal,
+      personal_objective,
+      optax.sgd(learning_rate),
+      local.train,
+      key,
+      batching,
+    )
     return split.merge(shared, personal)
+
   return finetune
 
 
-def partial_personalization(model: Model, num_clients: int, split: ParamSplit, mode: str,
-                            client_optimizer: optax.GradientTransformation, batching: Batching,
-                            personal_batching: Optional[Batching] = None,
-                            personal_optimizer: Optional[optax.GradientTransformation] = None,
-                            server_optimizer: Optional[optax.GradientTransformation] = None,
-                            weighting: str = 'num_examples', finetune=None,
-                            name: Optional[str] = None) -> FederatedAlgorithm:
+def partial_personalization(
+  model: Model,
+  num_clients: int,
+  split: ParamSplit,
+  mode: str,
+  client_optimizer: optax.GradientTransformation,
+  batching: Batching,
+  personal_batching: Optional[Batching] = None,
+  personal_optimizer: Optional[optax.GradientTransformation] = None,
+  server_optimizer: Optional[optax.GradientTransformation] = None,
+  weighting: str = 'num_examples',
+  finetune=None,
+  name: Optional[str] = None,
+) -> FederatedAlgorithm:
   """Builds FedAlt (mode 'alt') or FedSim (mode 'sim').
 
   Args:
@@ -183,12 +258,20 @@ def partial_personalization(model: Model, num_clients: int, split: ParamSplit, m
   server_optimizer = server_optimizer or optax.sgd(1.0)
   personal_optimizer = personal_optimizer or client_optimizer
   personal_batching = personal_batching or batching
-  total = combined_batching(batching, personal_batching) if mode == 'alt' else batching
+  total = (
+    combined_batching(batching, personal_batching)
+    if mode == 'alt'
+    else batching
+  )
   objective = plain_objective(model)
 
   def init(key):
     shared, personal = split.split(model.init(key))
-    return PartialState(shared, server_optimizer.init(shared), tree_broadcast(personal, num_clients))
+    return PartialState(
+      shared,
+      server_optimizer.init(shared),
+      tree_broadcast(personal, num_clients),
+    )
 
   def server_broadcast(state, cohort, rc):
     return state.shared, rows(state.personal, cohort.rows)
@@ -202,113 +285,226 @@ def partial_personalization(model: Model, num_clients: int, split: ParamSplit, m
   def work_init(ctx, key):
     del key
     train = ctx.data.train
-    p_steps = (traced_num_steps(personal_batching, train.num_examples, train.x.shape[0])
-               if mode == 'alt' else jnp.zeros((), jnp.int32))
-    opt_state = client_opt_init(ctx, lambda uv: init_parts(*uv), (ctx.shared, ctx.state))
-    return PartialCarry(ctx.shared, ctx.state, opt_state, p_steps, jnp.zeros((), jnp.int32),
-                        zero_stats())
+    p_steps = (
+      traced_num_steps(personal_batching, train.num_examples, train.x.shape[0])
+      if mode == 'alt'
+      else jnp.zeros((), jnp.int32)
+    )
+    opt_state = client_opt_init(
+      ctx, lambda uv: init_parts(*uv), (ctx.shared, ctx.state)
+    )
+    return PartialCarry(
+      ctx.shared,
+      ctx.state,
+      opt_state,
+      p_steps,
+      jnp.zeros((), jnp.int32),
+      zero_stats(),
+    )
 
   def work_step(ctx, carry, batch, key):
     del key
-    grad_fn = jax.value_and_grad(lambda s, p: objective(split.merge(s, p), batch), argnums=(0, 1),
-                                 has_aux=True)
+    grad_fn = jax.value_and_grad(
+      lambda s, p: objective(split.merge(s, p), batch),
+      argnums=(0, 1),
+      has_aux=True,
+    )
     (_, stats), (g_shared, g_personal) = grad_fn(carry.shared, carry.personal)
     opt_u, opt_v = carry.opt_state
-    upd_u, new_opt_u = opt_update(client_optimizer, g_shared, opt_u, carry.shared, ctx)
-    upd_v, new_opt_v = opt_update(personal_optimizer, g_personal, opt_v, carry.personal, ctx)
-    u, v = optax.apply_updates(carry.shared, upd_u), optax.apply_updates(carry.personal, upd_v)
+    upd_u, new_opt_u = opt_update(
+      client_optimizer, g_shared, opt_u, carry.shared, ctx
+    )
+    upd_v, new_opt_v = opt_update(
+      personal_optimizer, g_personal, opt_v, carry.personal, ctx
+    )
+    u, v = (
+      optax.apply_updates(carry.shared, upd_u),
+      optax.apply_updates(carry.personal, upd_v),
+    )
     if mode == 'alt':  # personal phase: only v moves; shared phase: only u
       personal_phase = carry.count < carry.personal_steps
-      u, new_opt_u = tree_where(personal_phase, (carry.shared, opt_u), (u, new_opt_u))
-      v, new_opt_v = tree_where(personal_phase, (v, new_opt_v), (carry.personal, opt_v))
-    u, v, stats = parts_with_state(split, u, v, stats)  # batch statistics of this forward pass
-    return carry.replace(shared=u, personal=v, opt_state=(new_opt_u, new_opt_v),
-                         count=carry.count + 1, stats=jax.tree.map(jnp.add, carry.stats, stats))
+      u, new_opt_u = tree_where(
+        personal_phase, (carry.shared, opt_u), (u, new_opt_u)
+      )
+      v, new_opt_v = tree_where(
+        personal_phase, (v, new_opt_v), (carry.personal, opt_v)
+      )
+    u, v, stats = parts_with_state(
+      split, u, v, stats
+    )  # batch statistics of this forward pass
+    return carry.replace(
+      shared=u,
+      personal=v,
+      opt_state=(new_opt_u, new_opt_v),
+      count=carry.count + 1,
+      stats=jax.tree.map(jnp.add, carry.stats, stats),
+    )
 
   def work_final(ctx, carry):
-    return PartialOutput(shared_delta=otu.tree_sub(ctx.shared, carry.shared),
-                         personal=carry.personal,
-                         num_examples=ctx.data.train.num_examples, stats=carry.stats)
+    return PartialOutput(
+      shared_delta=otu.tree_sub(ctx.shared, carry.shared),
+      personal=carry.personal,
+      num_examples=ctx.data.train.num_examples,
+      stats=carry.stats,
+    )
 
-  work = summed_upload(ClientWork(init=work_init, step=work_step, final=work_final,
-                                  batching=total, init_opt_state=init_opt_state,
-                                  opt_state=lambda carry: carry.opt_state),
-                       weighting, field='shared_delta')
+  work = summed_upload(
+    ClientWork(
+      init=work_init,
+      step=work_step,
+      final=work_final,
+      batching=total,
+      init_opt_state=init_opt_state,
+      opt_state=lambda carry: carry.opt_state,
+    ),
+    weighting,
+    field='shared_delta',
+  )
 
   def server_update(state, cohort, out: PartialOutput, rc):
-    shared, opt_state = server_step(state.shared, state.opt_state, out.shared_delta,
-                                    server_optimizer)
-    return (PartialState(shared, opt_state, tree_scatter(state.personal, cohort.rows, out.personal)),
-            cohort_train_metrics(out.stats, cohort.mask))
+    shared, opt_state = server_step(
+      state.shared, state.opt_state, out.shared_delta, server_optimizer
+    )
+    return (
+      PartialState(
+        shared,
+        opt_state,
+        tree_scatter(state.personal, cohort.rows, out.personal),
+      ),
+      cohort_train_metrics(out.stats, cohort.mask),
+    )
 
   def client_models(state):
     shared = tree_broadcast(state.shared, leading_size(state.personal))
-    return ClientModels.personal(jax.vmap(split.merge)(shared, state.personal), num_clients)
+    return ClientModels.personal(
+      jax.vmap(split.merge)(shared, state.personal), num_clients
+    )
 
   def communication(state):
     b = tree_bytes(state.shared)
     return Communication(b, b, 1)
 
   return FederatedAlgorithm(
-      name=name or f'fed{mode}', model=model, init=init, server_broadcast=server_broadcast,
-      client_work=work, server_update=server_update, client_models=client_models,
-      communication=communication, finetune=finetune, client_rows=ClientRows.field('personal'))
+    name=name or f'fed{mode}',
+    model=model,
+    init=init,
+    server_broadcast=server_broadcast,
+    client_work=work,
+    server_update=server_update,
+    client_models=client_models,
+    communication=communication,
+    finetune=finetune,
+    client_rows=ClientRows.field('personal'),
+  )
 
 
 def _build(mode, personal_part=None, head_ratio=1, name=None):
   def build(training, config: PartialConfig, model, data):
     try:
-      split = make_split(personal_part or config.personal_part,
-                         jax.eval_shape(model.init, jax.random.key(0)))
+      split = make_split(
+        personal_part or config.personal_part,
+        jax.eval_shape(model.init, jax.random.key(0)),
+      )
     except ValueError as e:
       raise ConfigError('partial_personal_part', str(e)) from None
     b = training.batching()
     personal_b = None
     if mode == 'alt':
       if b.num_epochs is not None:
-        personal_b = Batching(b.batch_size,
-                              num_epochs=config.personal_epochs or head_ratio * b.num_epochs)
+        personal_b = Batching(
+          b.batch_size,
+          num_epochs=config.personal_epochs or head_ratio * b.num_epochs,
+        )
       else:
-        personal_b = Batching(b.batch_size, num_epochs=None,
-                              num_steps=config.personal_epochs or head_ratio * b.num_steps)
-    personal_lr = training.client_lr if config.personal_lr is None else config.personal_lr
+        personal_b = Batching(
+          b.batch_size,
+          num_epochs=None,
+          num_steps=config.personal_epochs or head_ratio * b.num_steps,
+        )
+    personal_lr = (
+      training.client_lr if config.personal_lr is None else config.personal_lr
+    )
     ft = None
     if training.finetune_steps:
-      ft = personal_finetune(model, split,
-                             personal_lr if training.finetune_lr is None else training.finetune_lr,
-                             training.finetune_batching())
+      ft = personal_finetune(
+        model,
+        split,
+        personal_lr if training.finetune_lr is None else training.finetune_lr,
+        training.finetune_batching(),
+      )
     return partial_personalization(
-        model, data.num_clients, split, mode, training.make_client_optimizer(), b,
-        personal_batching=personal_b,
-        personal_optimizer=training.make_client_optimizer(learning_rate=personal_lr),
-        server_optimizer=training.make_server_optimizer(), weighting=training.weighting,
-        finetune=ft, name=name)
+      model,
+      data.num_clients,
+      split,
+      mode,
+      training.make_client_optimizer(),
+      b,
+      personal_batching=personal_b,
+      personal_optimizer=training.make_client_optimizer(
+        learning_rate=personal_lr
+      ),
+      server_optimizer=training.make_server_optimizer(),
+      weighting=training.weighting,
+      finetune=ft,
+      name=name,
+    )
+
   return build
 
 
 _PART = frozenset({'personal_part'})
 _EPOCHS = frozenset({'personal_epochs'})
-FEDALT_SPEC = AlgorithmSpec('fedalt', PartialConfig, _build('alt'), FEDAVG_SETTINGS,
-                            model_state=True,
-                            summary='FedAlt (Pillutla et al. 2022): alternating partial '
-                            'personalization')
-FEDSIM_SPEC = AlgorithmSpec('fedsim', PartialConfig, _build('sim'), FEDAVG_SETTINGS,
-                            model_state=True,
-                            ignores=_EPOCHS, summary='FedSim: simultaneous partial '
-                            'personalization')
-FEDREP_SPEC = AlgorithmSpec('fedrep', PartialConfig,
-                            _build('alt', 'output', head_ratio=5, name='fedrep'),
-                            FEDAVG_SETTINGS, ignores=_PART, model_state=True,
-                            summary='FedRep (Collins et al. 2021): FedAlt, personal head, 5x '
-                            'head phase')
-FEDPER_SPEC = AlgorithmSpec('fedper', PartialConfig, _build('sim', 'output', name='fedper'),
-                            FEDAVG_SETTINGS, ignores=_PART | _EPOCHS, model_state=True,
-                            summary='FedPer (Arivazhagan et al. 2019): FedSim, personal head')
-FEDBN_SPEC = AlgorithmSpec('fedbn', PartialConfig, _build('sim', 'norm', name='fedbn'),
-                           FEDAVG_SETTINGS, ignores=_PART | _EPOCHS, model_state=True,
-                           summary='FedBN (Li et al. 2021): FedAvg with every BatchNorm layer '
-                           '(scale, bias, running statistics) kept on its client')
-LG_FEDAVG_SPEC = AlgorithmSpec('lg_fedavg', PartialConfig,
-                               _build('sim', 'all_but_output', name='lg_fedavg'),
-                               FEDAVG_SETTINGS, ignores=_PART | _EPOCHS, model_state=True,
-                               summary='LG-FedAvg (Liang et al. 2020): FedSim, personal body')
+FEDALT_SPEC = AlgorithmSpec(
+  'fedalt',
+  PartialConfig,
+  _build('alt'),
+  FEDAVG_SETTINGS,
+  model_state=True,
+  summary='FedAlt (Pillutla et al. 2022): alternating partial personalization',
+)
+FEDSIM_SPEC = AlgorithmSpec(
+  'fedsim',
+  PartialConfig,
+  _build('sim'),
+  FEDAVG_SETTINGS,
+  model_state=True,
+  ignores=_EPOCHS,
+  summary='FedSim: simultaneous partial personalization',
+)
+FEDREP_SPEC = AlgorithmSpec(
+  'fedrep',
+  PartialConfig,
+  _build('alt', 'output', head_ratio=5, name='fedrep'),
+  FEDAVG_SETTINGS,
+  ignores=_PART,
+  model_state=True,
+  summary='FedRep (Collins et al. 2021): FedAlt, personal head, 5x head phase',
+)
+FEDPER_SPEC = AlgorithmSpec(
+  'fedper',
+  PartialConfig,
+  _build('sim', 'output', name='fedper'),
+  FEDAVG_SETTINGS,
+  ignores=_PART | _EPOCHS,
+  model_state=True,
+  summary='FedPer (Arivazhagan et al. 2019): FedSim, personal head',
+)
+FEDBN_SPEC = AlgorithmSpec(
+  'fedbn',
+  PartialConfig,
+  _build('sim', 'norm', name='fedbn'),
+  FEDAVG_SETTINGS,
+  ignores=_PART | _EPOCHS,
+  model_state=True,
+  summary='FedBN (Li et al. 2021): FedAvg with every BatchNorm layer '
+  '(scale, bias, running statistics) kept on its client',
+)
+LG_FEDAVG_SPEC = AlgorithmSpec(
+  'lg_fedavg',
+  PartialConfig,
+  _build('sim', 'all_but_output', name='lg_fedavg'),
+  FEDAVG_SETTINGS,
+  ignores=_PART | _EPOCHS,
+  model_state=True,
+  summary='LG-FedAvg (Liang et al. 2020): FedSim, personal body',
+)

@@ -23,22 +23,49 @@ from typing import ClassVar, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from optax import tree_utils as otu
 
-from fedjax_personal.core.algorithm import (ClientModels, Communication, FederatedAlgorithm,
-                                       cohort_train_metrics)
-from fedjax_personal.algorithms.fedavg import (FEDAVG_SETTINGS, ClientOutput, ServerState,
-                                               server_step, summed_upload)
-from fedjax_personal.core.batching import Batching
+from fedjax_personal.algorithms.fedavg import (
+  FEDAVG_SETTINGS,
+  ClientOutput,
+  ServerState,
+  server_step,
+  summed_upload,
+)
 from fedjax_personal.config import AlgorithmSpec, Declared, hparam
+from fedjax_personal.core.algorithm import (
+  ClientModels,
+  Communication,
+  FederatedAlgorithm,
+  cohort_train_metrics,
+)
+from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.training import (
+  Batch,
+  ClientWork,
+  batch_loss,
+  client_opt_init,
+  opt_update,
+  part,
+  sgd_finetune,
+  zero_stats,
+)
+from fedjax_personal.core.tree_util import tree_bytes
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
-from fedjax_personal.core.training import (Batch, ClientWork, batch_loss, client_opt_init, opt_update,
-                                      part, sgd_finetune, zero_stats)
-from optax import tree_utils as otu
-from fedjax_personal.core.tree_util import tree_bytes
 
-__all__ = ['check', 'FO_SPEC', 'HF_FD_SPEC', 'HF_SPEC', 'hvp_exact', 'hvp_finite_difference',
-           'perfedavg', 'perfedavg_update', 'PerFedAvgConfig', 'VARIANTS']
+__all__ = [
+  'check',
+  'FO_SPEC',
+  'HF_FD_SPEC',
+  'HF_SPEC',
+  'hvp_exact',
+  'hvp_finite_difference',
+  'perfedavg',
+  'perfedavg_update',
+  'PerFedAvgConfig',
+  'VARIANTS',
+]
 
 
 VARIANTS = ('fo', 'hf', 'hf_fd')
@@ -48,11 +75,18 @@ VARIANTS = ('fo', 'hf', 'hf_fd')
 class PerFedAvgConfig(Declared):
   """Per-FedAvg's own settings, declared once: the ``--perfedavg_*`` flags (``hparam``: default,
   help, range, sweepable)."""
+
   prefix: ClassVar[str] = 'perfedavg'
-  alpha: float = hparam(0.01, 'Inner (personalization) step alpha; the outer step beta is '
-                        '--client_lr.', minimum=0, open_min=True, sweep=True)
-  hf_delta: float = hparam(1e-3, 'perfedavg_hf_fd: finite-difference delta.', minimum=0,
-                           open_min=True)
+  alpha: float = hparam(
+    0.01,
+    'Inner (personalization) step alpha; the outer step beta is --client_lr.',
+    minimum=0,
+    open_min=True,
+    sweep=True,
+  )
+  hf_delta: float = hparam(
+    1e-3, 'perfedavg_hf_fd: finite-difference delta.', minimum=0, open_min=True
+  )
 
 
 def hvp_exact(loss_fn, params, v):
@@ -87,29 +121,47 @@ def hvp_finite_difference(loss_fn, params, v, delta: float = 1e-3):
   return jax.tree.map(lambda a, b: (a - b) / (2 * delta), plus, minus)
 
 
-def perfedavg_direction(model: Model, params, batches: Batch, alpha: float, variant: str,
-                        delta: float = 1e-3):
+def perfedavg_direction(
+  model: Model,
+  params,
+  batches: Batch,
+  alpha: float,
+  variant: str,
+  delta: float = 1e-3,
+):
   """The outer gradient of one Per-FedAvg local step on three batches
   ([3, B, ...]): grad f(w_tmp; D'), times (I - alpha H(w; D'')) for HF.
 
   Returns (direction, LossStats of the batch D).
   """
   d, d1, d2 = (part(batches, k) for k in range(3))
-  (_, stats), g = jax.value_and_grad(lambda p: batch_loss(model, p, d), has_aux=True)(params)
+  (_, stats), g = jax.value_and_grad(
+    lambda p: batch_loss(model, p, d), has_aux=True
+  )(params)
   w_tmp = jax.tree.map(lambda p, gg: p - alpha * gg, params, g)
   g1 = jax.grad(lambda p: batch_loss(model, p, d1)[0])(w_tmp)
   if variant == 'fo':
     direction = g1
   else:
     loss2 = lambda p: batch_loss(model, p, d2)[0]
-    hv = (hvp_exact(loss2, params, g1) if variant == 'hf'
-          else hvp_finite_difference(loss2, params, g1, delta))
+    hv = (
+      hvp_exact(loss2, params, g1)
+      if variant == 'hf'
+      else hvp_finite_difference(loss2, params, g1, delta)
+    )
     direction = jax.tree.map(lambda a, h: a - alpha * h, g1, hv)
   return direction, stats
 
 
-def perfedavg_update(model: Model, params, batches: Batch, alpha: float, beta: float,
-                     variant: str, delta: float = 1e-3):
+def perfedavg_update(
+  model: Model,
+  params,
+  batches: Batch,
+  alpha: float,
+  beta: float,
+  variant: str,
+  delta: float = 1e-3,
+):
   """One Per-FedAvg local step with plain SGD: w - beta * direction.
 
   Returns (new params, LossStats of the batch D).
@@ -126,15 +178,25 @@ def perfedavg_update(model: Model, params, batches: Batch, alpha: float, beta: f
   Returns:
     The meta-model's update direction.
   """
-  direction, stats = perfedavg_direction(model, params, batches, alpha, variant, delta)
+  direction, stats = perfedavg_direction(
+    model, params, batches, alpha, variant, delta
+  )
   return jax.tree.map(lambda p, gg: p - beta * gg, params, direction), stats
 
 
-def perfedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
-              batching: Batching, alpha: float, variant: str = 'fo', delta: float = 1e-3,
-              server_optimizer: Optional[optax.GradientTransformation] = None,
-              weighting: str = 'uniform', eval_steps: int = 1,
-              eval_lr: Optional[float] = None) -> FederatedAlgorithm:
+def perfedavg(
+  model: Model,
+  num_clients: int,
+  client_optimizer: optax.GradientTransformation,
+  batching: Batching,
+  alpha: float,
+  variant: str = 'fo',
+  delta: float = 1e-3,
+  server_optimizer: Optional[optax.GradientTransformation] = None,
+  weighting: str = 'uniform',
+  eval_steps: int = 1,
+  eval_lr: Optional[float] = None,
+) -> FederatedAlgorithm:
   """Builds Per-FedAvg.
 
   Args:
@@ -153,7 +215,10 @@ def perfedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTr
     The ``FederatedAlgorithm``.
   """
   if variant not in VARIANTS:
-    raise ConfigError('algorithm', f'Per-FedAvg variant must be one of {VARIANTS}, got {variant!r}')
+    raise ConfigError(
+      'algorithm',
+      f'Per-FedAvg variant must be one of {VARIANTS}, got {variant!r}',
+    )
   server_optimizer = server_optimizer or optax.sgd(1.0)
 
   def init(key):
@@ -161,44 +226,89 @@ def perfedavg(model: Model, num_clients: int, client_optimizer: optax.GradientTr
     return ServerState(params, server_optimizer.init(params))
 
   def work_init(ctx, key):
-    return ctx.shared, client_opt_init(ctx, client_optimizer.init, ctx.shared), zero_stats()
+    return (
+      ctx.shared,
+      client_opt_init(ctx, client_optimizer.init, ctx.shared),
+      zero_stats(),
+    )
 
   def step(ctx, carry, batch, key):
     params, opt_state, stats = carry
-    direction, s = perfedavg_direction(model, params, batch, alpha, variant, delta)
-    updates, opt_state = opt_update(client_optimizer, direction, opt_state, params, ctx)
-    return optax.apply_updates(params, updates), opt_state, jax.tree.map(jnp.add, stats, s)
+    direction, s = perfedavg_direction(
+      model, params, batch, alpha, variant, delta
+    )
+    updates, opt_state = opt_update(
+      client_optimizer, direction, opt_state, params, ctx
+    )
+    return (
+      optax.apply_updates(params, updates),
+      opt_state,
+      jax.tree.map(jnp.add, stats, s),
+    )
 
-  work = summed_upload(ClientWork(
-      init=work_init, step=step,
-      final=lambda ctx, carry: ClientOutput(delta=otu.tree_sub(ctx.shared, carry[0]),
-                                            num_examples=ctx.data.train.num_examples,
-                                            stats=carry[2]),
-      batching=batching, batches_per_step=3, init_opt_state=client_optimizer.init,
-      opt_state=lambda carry: carry[1]), weighting)
+  work = summed_upload(
+    ClientWork(
+      init=work_init,
+      step=step,
+      final=lambda ctx, carry: ClientOutput(
+        delta=otu.tree_sub(ctx.shared, carry[0]),
+        num_examples=ctx.data.train.num_examples,
+        stats=carry[2],
+      ),
+      batching=batching,
+      batches_per_step=3,
+      init_opt_state=client_optimizer.init,
+      opt_state=lambda carry: carry[1],
+    ),
+    weighting,
+  )
 
   def server_update(state, cohort, out, rc):
-    params, opt_state = server_step(state.params, state.opt_state, out.delta, server_optimizer)
-    return ServerState(params, opt_state), cohort_train_metrics(out.stats, cohort.mask)
+    params, opt_state = server_step(
+      state.params, state.opt_state, out.delta, server_optimizer
+    )
+    return ServerState(params, opt_state), cohort_train_metrics(
+      out.stats, cohort.mask
+    )
 
-  eval_batching = Batching(batching.batch_size, num_epochs=None, num_steps=eval_steps)
+  eval_batching = Batching(
+    batching.batch_size, num_epochs=None, num_steps=eval_steps
+  )
   return FederatedAlgorithm(
-      name=f'perfedavg_{variant}', model=model, init=init,
-      server_broadcast=lambda s, c, rc: (s.params, c.mask), client_work=work,
-      server_update=server_update,
-      client_models=lambda s: ClientModels.global_model(s.params, num_clients),
-      communication=lambda s: Communication(tree_bytes(s.params), tree_bytes(s.params), 1),
-      finetune=(sgd_finetune(model, alpha if eval_lr is None else eval_lr, eval_batching)
-                if eval_steps > 0 else None))
+    name=f'perfedavg_{variant}',
+    model=model,
+    init=init,
+    server_broadcast=lambda s, c, rc: (s.params, c.mask),
+    client_work=work,
+    server_update=server_update,
+    client_models=lambda s: ClientModels.global_model(s.params, num_clients),
+    communication=lambda s: Communication(
+      tree_bytes(s.params), tree_bytes(s.params), 1
+    ),
+    finetune=(
+      sgd_finetune(model, alpha if eval_lr is None else eval_lr, eval_batching)
+      if eval_steps > 0
+      else None
+    ),
+  )
 
 
 def _build(variant):
   def build(training, config: PerFedAvgConfig, model, data):
-    return perfedavg(model, data.num_clients, training.make_client_optimizer(),
-                     training.batching(), alpha=config.alpha, variant=variant,
-                     delta=config.hf_delta, server_optimizer=training.make_server_optimizer(),
-                     weighting=training.weighting, eval_steps=training.finetune_steps,
-                     eval_lr=training.finetune_lr)
+    return perfedavg(
+      model,
+      data.num_clients,
+      training.make_client_optimizer(),
+      training.batching(),
+      alpha=config.alpha,
+      variant=variant,
+      delta=config.hf_delta,
+      server_optimizer=training.make_server_optimizer(),
+      weighting=training.weighting,
+      eval_steps=training.finetune_steps,
+      eval_lr=training.finetune_lr,
+    )
+
   return build
 
 
@@ -207,20 +317,44 @@ def check(training, config):
   ConfigError for settings that cannot apply)."""
   del config
   if training.local_steps is None:
-    raise ConfigError('local_steps', 'perfedavg takes local steps (each draws 3 batches), '
-                      'not epochs: set --local_steps')
+    raise ConfigError(
+      'local_steps',
+      'perfedavg takes local steps (each draws 3 batches), '
+      'not epochs: set --local_steps',
+    )
 
 
 # Local steps, not epochs: every step draws three batches.
 _SETTINGS = FEDAVG_SETTINGS - {'local_epochs'}
-FO_SPEC = AlgorithmSpec('perfedavg_fo', PerFedAvgConfig, _build('fo'), _SETTINGS,
-                        ignores=frozenset({'hf_delta'}), default_weighting='uniform',
-                        default_finetune_steps=1, check=check,
-                        summary='Per-FedAvg, first-order (Fallah et al. 2020)')
-HF_SPEC = AlgorithmSpec('perfedavg_hf', PerFedAvgConfig, _build('hf'), _SETTINGS,
-                        ignores=frozenset({'hf_delta'}), default_weighting='uniform',
-                        default_finetune_steps=1, check=check,
-                        summary='Per-FedAvg, exact Hessian-vector products')
-HF_FD_SPEC = AlgorithmSpec('perfedavg_hf_fd', PerFedAvgConfig, _build('hf_fd'), _SETTINGS,
-                           default_weighting='uniform', default_finetune_steps=1, check=check,
-                           summary='Per-FedAvg, finite-difference Hessian-vector products')
+FO_SPEC = AlgorithmSpec(
+  'perfedavg_fo',
+  PerFedAvgConfig,
+  _build('fo'),
+  _SETTINGS,
+  ignores=frozenset({'hf_delta'}),
+  default_weighting='uniform',
+  default_finetune_steps=1,
+  check=check,
+  summary='Per-FedAvg, first-order (Fallah et al. 2020)',
+)
+HF_SPEC = AlgorithmSpec(
+  'perfedavg_hf',
+  PerFedAvgConfig,
+  _build('hf'),
+  _SETTINGS,
+  ignores=frozenset({'hf_delta'}),
+  default_weighting='uniform',
+  default_finetune_steps=1,
+  check=check,
+  summary='Per-FedAvg, exact Hessian-vector products',
+)
+HF_FD_SPEC = AlgorithmSpec(
+  'perfedavg_hf_fd',
+  PerFedAvgConfig,
+  _build('hf_fd'),
+  _SETTINGS,
+  default_weighting='uniform',
+  default_finetune_steps=1,
+  check=check,
+  summary='Per-FedAvg, finite-difference Hessian-vector products',
+)

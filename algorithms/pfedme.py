@@ -20,13 +20,14 @@ import jax
 import optax
 
 from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS
-from fedjax_personal.algorithms.global_personal import (global_personal_algorithm,
-                                                        two_model_work)
-from fedjax_personal.core.batching import Batching
+from fedjax_personal.algorithms.global_personal import (
+  global_personal_algorithm,
+  two_model_work,
+)
 from fedjax_personal.config import AlgorithmSpec, Declared, hparam
-from fedjax_personal.models import Model
+from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.training import batch_loss
-
+from fedjax_personal.models import Model
 
 __all__ = ['build', 'pfedme', 'PFedMeConfig', 'SPEC']
 
@@ -35,18 +36,35 @@ __all__ = ['build', 'pfedme', 'PFedMeConfig', 'SPEC']
 class PFedMeConfig(Declared):
   """pFedMe's own settings, declared once: the ``--pfedme_*`` flags (``hparam``: default,
   help, range, sweepable)."""
+
   prefix: ClassVar[str] = 'pfedme'
-  lam: float = hparam(15.0, 'Moreau envelope coefficient lambda.', minimum=0, open_min=True,
-                      sweep=True)
-  personal_lr: float = hparam(0.01, 'Inner solver learning rate.', minimum=0, open_min=True,
-                              sweep=True)
-  inner_steps: int = hparam(5, 'Inner solver steps K per local step.', minimum=1)
+  lam: float = hparam(
+    15.0,
+    'Moreau envelope coefficient lambda.',
+    minimum=0,
+    open_min=True,
+    sweep=True,
+  )
+  personal_lr: float = hparam(
+    0.01, 'Inner solver learning rate.', minimum=0, open_min=True, sweep=True
+  )
+  inner_steps: int = hparam(
+    5, 'Inner solver steps K per local step.', minimum=1
+  )
 
 
-def pfedme(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
-           batching: Batching, lam: float = 15.0, personal_lr: float = 0.01,
-           inner_steps: int = 5, server_optimizer=None, weighting: str = 'num_examples',
-           finetune=None):
+def pfedme(
+  model: Model,
+  num_clients: int,
+  client_optimizer: optax.GradientTransformation,
+  batching: Batching,
+  lam: float = 15.0,
+  personal_lr: float = 0.01,
+  inner_steps: int = 5,
+  server_optimizer=None,
+  weighting: str = 'num_examples',
+  finetune=None,
+):
   """Builds pFedMe (lambda 15, K 5 and personal lr 0.01 as the authors' MNIST
   setup; ``server_optimizer`` ``optax.sgd(beta)``, default beta = 1).
 
@@ -75,24 +93,50 @@ def pfedme(model: Model, num_clients: int, client_optimizer: optax.GradientTrans
     new = theta
     for _ in range(inner_steps):
       g = jax.grad(lambda t: batch_loss(model, t, batch)[0])(new)
-      new = jax.tree.map(lambda t, gg, ww: t - personal_lr * (gg + lam * (t - ww)), new, g, w)
+      new = jax.tree.map(
+        lambda t, gg, ww: t - personal_lr * (gg + lam * (t - ww)), new, g, w
+      )
     grad_w = jax.tree.map(lambda ww, t: lam * (ww - t), w, new)
     return grad_w, jax.tree.map(lambda a, b: a - b, theta, new), s
 
   # As the authors' code, theta restarts from the received model every round.
-  work = two_model_work(step, batching, client_optimizer, identity_step,
-                        personal_start=lambda ctx: ctx.shared)
-  return global_personal_algorithm('pfedme', model, num_clients, work,
-                                   server_optimizer=server_optimizer, weighting=weighting,
-                                   finetune=finetune)
+  work = two_model_work(
+    step,
+    batching,
+    client_optimizer,
+    identity_step,
+    personal_start=lambda ctx: ctx.shared,
+  )
+  return global_personal_algorithm(
+    'pfedme',
+    model,
+    num_clients,
+    work,
+    server_optimizer=server_optimizer,
+    weighting=weighting,
+    finetune=finetune,
+  )
 
 
 def build(training, config: PFedMeConfig, model, data):
   """pFedMe, built as ``AlgorithmSpec.build`` says; its settings ``PFedMeConfig``."""
-  return pfedme(model, data.num_clients, training.make_client_optimizer(), training.batching(),
-                lam=config.lam, personal_lr=config.personal_lr, inner_steps=config.inner_steps,
-                server_optimizer=training.make_server_optimizer(), weighting=training.weighting)
+  return pfedme(
+    model,
+    data.num_clients,
+    training.make_client_optimizer(),
+    training.batching(),
+    lam=config.lam,
+    personal_lr=config.personal_lr,
+    inner_steps=config.inner_steps,
+    server_optimizer=training.make_server_optimizer(),
+    weighting=training.weighting,
+  )
 
 
-SPEC = AlgorithmSpec('pfedme', PFedMeConfig, build, FEDAVG_SETTINGS,
-                     summary='pFedMe (Dinh et al. 2020): Moreau envelopes; beta = --server_lr')
+SPEC = AlgorithmSpec(
+  'pfedme',
+  PFedMeConfig,
+  build,
+  FEDAVG_SETTINGS,
+  summary='pFedMe (Dinh et al. 2020): Moreau envelopes; beta = --server_lr',
+)

@@ -18,23 +18,36 @@ uniform weights (Delta_k / h_k = theta - theta_k).
 import dataclasses
 from typing import ClassVar, Optional
 
-from flax import struct
 import jax
 import jax.numpy as jnp
 import optax
+from flax import struct
 from optax import tree_utils as otu
 
-from fedjax_personal.core import aggregation
-from fedjax_personal.core.algorithm import ClientModels, FederatedAlgorithm, cohort_train_metrics
 from fedjax_personal.algorithms.fedavg import global_model_communication
+from fedjax_personal.config import (
+  BATCHING,
+  CLIENT_OPTIMIZER,
+  FINETUNE,
+  AlgorithmSpec,
+  Declared,
+  hparam,
+)
+from fedjax_personal.core import aggregation
+from fedjax_personal.core.algorithm import (
+  ClientModels,
+  FederatedAlgorithm,
+  cohort_train_metrics,
+)
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec, Declared,
-                                    hparam)
-from fedjax_personal.models import Model
-from fedjax_personal.core.training import (LossStats, evaluate_params, plain_objective,
-                                      sgd_client_work)
+from fedjax_personal.core.training import (
+  LossStats,
+  evaluate_params,
+  plain_objective,
+  sgd_client_work,
+)
 from fedjax_personal.core.tree_util import tree_where
-
+from fedjax_personal.models import Model
 
 __all__ = ['build', 'qffl', 'QFFLConfig', 'QState', 'QUpload', 'SPEC']
 
@@ -43,19 +56,29 @@ __all__ = ['build', 'qffl', 'QFFLConfig', 'QState', 'QUpload', 'SPEC']
 class QFFLConfig(Declared):
   """q-FFL's own settings, declared once: the ``--qffl_*`` flags (``hparam``: default,
   help, range, sweepable)."""
+
   prefix: ClassVar[str] = 'qffl'
-  q: float = hparam(1.0, 'Fairness exponent q (0: FedAvg with uniform weights).', minimum=0,
-                    sweep=True)
-  lipschitz: Optional[float] = hparam(None, 'Lipschitz estimate L (default: 1 / --client_lr, '
-                                      'the paper\'s).', minimum=0, open_min=True)
+  q: float = hparam(
+    1.0,
+    'Fairness exponent q (0: FedAvg with uniform weights).',
+    minimum=0,
+    sweep=True,
+  )
+  lipschitz: Optional[float] = hparam(
+    None,
+    "Lipschitz estimate L (default: 1 / --client_lr, the paper's).",
+    minimum=0,
+    open_min=True,
+  )
 
 
 @struct.dataclass
 class QUpload:
   """Attributes:
-    terms: Sum of (Delta_k, h_k) over the cohort.
-    stats: local training LossStats.
+  terms: Sum of (Delta_k, h_k) over the cohort.
+  stats: local training LossStats.
   """
+
   terms: aggregation.Sum
   stats: LossStats
 
@@ -63,11 +86,18 @@ class QUpload:
 @struct.dataclass
 class QState:
   """q-FFL's server state: the global parameters."""
+
   params: optax.Params
 
 
-def qffl(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
-         batching: Batching, q: float, lipschitz: float) -> FederatedAlgorithm:
+def qffl(
+  model: Model,
+  num_clients: int,
+  client_optimizer: optax.GradientTransformation,
+  batching: Batching,
+  q: float,
+  lipschitz: float,
+) -> FederatedAlgorithm:
   """Builds q-FedAvg.
 
   Args:
@@ -82,37 +112,65 @@ def qffl(model: Model, num_clients: int, client_optimizer: optax.GradientTransfo
 
   def final(ctx, carry):
     start = evaluate_params(model, ctx.shared, ctx.data.train)
-    f = start.loss_sum / jnp.maximum(start.count, 1.0)  # F_k(theta), the start's mean loss
-    dw = jax.tree.map(lambda a: lipschitz * a, otu.tree_sub(ctx.shared, carry.params))
+    f = start.loss_sum / jnp.maximum(
+      start.count, 1.0
+    )  # F_k(theta), the start's mean loss
+    dw = jax.tree.map(
+      lambda a: lipschitz * a, otu.tree_sub(ctx.shared, carry.params)
+    )
     fq = jnp.power(f, q)
     delta = jax.tree.map(lambda a: fq * a, dw)
     # q F^(q-1), 0 at q = 0 (also when F = 0).
     slope = jnp.where(q > 0, q * jnp.power(jnp.maximum(f, 1e-30), q - 1), 0.0)
     h = slope * otu.tree_norm(dw, squared=True) + lipschitz * fq
-    return QUpload(terms=aggregation.weighted_upload((delta, h), 1.0), stats=carry.stats)
+    return QUpload(
+      terms=aggregation.weighted_upload((delta, h), 1.0), stats=carry.stats
+    )
 
   def server_update(state, cohort, out: QUpload, rc):
     (delta_mean, h_mean), weight = aggregation.upload_mean(out.terms)
     step = jax.tree.map(lambda d: d / jnp.maximum(h_mean, 1e-30), delta_mean)
-    params = tree_where(weight > 0, otu.tree_sub(state.params, step), state.params)
+    params = tree_where(
+      weight > 0, otu.tree_sub(state.params, step), state.params
+    )
     return QState(params), cohort_train_metrics(out.stats, cohort.mask)
 
   return FederatedAlgorithm(
-      name='qffl', model=model, init=lambda key: QState(model.init(key)),
-      server_broadcast=lambda state, cohort, rc: (state.params, cohort.mask),
-      client_work=sgd_client_work(lambda ctx: objective, client_optimizer, batching, final),
-      server_update=server_update,
-      client_models=lambda s: ClientModels.global_model(s.params, num_clients),
-      communication=global_model_communication)
+    name='qffl',
+    model=model,
+    init=lambda key: QState(model.init(key)),
+    server_broadcast=lambda state, cohort, rc: (state.params, cohort.mask),
+    client_work=sgd_client_work(
+      lambda ctx: objective, client_optimizer, batching, final
+    ),
+    server_update=server_update,
+    client_models=lambda s: ClientModels.global_model(s.params, num_clients),
+    communication=global_model_communication,
+  )
 
 
 def build(training, config: QFFLConfig, model, data):
   """q-FFL, built as ``AlgorithmSpec.build`` says; its settings ``QFFLConfig`` (the Lipschitz
   constant defaults to 1 / client_lr)."""
-  lipschitz = config.lipschitz if config.lipschitz is not None else 1.0 / training.client_lr
-  return qffl(model, data.num_clients, training.make_client_optimizer(), training.batching(),
-              q=config.q, lipschitz=lipschitz)
+  lipschitz = (
+    config.lipschitz
+    if config.lipschitz is not None
+    else 1.0 / training.client_lr
+  )
+  return qffl(
+    model,
+    data.num_clients,
+    training.make_client_optimizer(),
+    training.batching(),
+    q=config.q,
+    lipschitz=lipschitz,
+  )
 
 
-SPEC = AlgorithmSpec('qffl', QFFLConfig, build, CLIENT_OPTIMIZER | BATCHING | FINETUNE,
-                     summary='q-FFL / q-FedAvg (Li et al. 2020): fair resource allocation')
+SPEC = AlgorithmSpec(
+  'qffl',
+  QFFLConfig,
+  build,
+  CLIENT_OPTIMIZER | BATCHING | FINETUNE,
+  summary='q-FFL / q-FedAvg (Li et al. 2020): fair resource allocation',
+)

@@ -23,22 +23,39 @@ Uplink and downlink both carry a model and a control variate.
 
 from typing import Optional
 
-from flax import struct
 import jax
 import jax.numpy as jnp
 import optax
-
-from fedjax_personal.core.aggregation import Sum
-from fedjax_personal.core.algorithm import (ClientModels, ClientRows, Communication,
-                                            FederatedAlgorithm, cohort_train_metrics)
-from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS, server_step, summed_upload
-from fedjax_personal.core.batching import Batching
-from fedjax_personal.config import AlgorithmSpec, NoConfig
-from fedjax_personal.models import Model
-from fedjax_personal.core.training import LossStats, plain_objective, sgd_client_work
+from flax import struct
 from optax import tree_utils as otu
-from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes, tree_scatter
 
+from fedjax_personal.algorithms.fedavg import (
+  FEDAVG_SETTINGS,
+  server_step,
+  summed_upload,
+)
+from fedjax_personal.config import AlgorithmSpec, NoConfig
+from fedjax_personal.core.aggregation import Sum
+from fedjax_personal.core.algorithm import (
+  ClientModels,
+  ClientRows,
+  Communication,
+  FederatedAlgorithm,
+  cohort_train_metrics,
+)
+from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.training import (
+  LossStats,
+  plain_objective,
+  sgd_client_work,
+)
+from fedjax_personal.core.tree_util import (
+  rows,
+  tree_broadcast,
+  tree_bytes,
+  tree_scatter,
+)
+from fedjax_personal.models import Model
 
 __all__ = ['build', 'scaffold', 'ScaffoldOutput', 'ScaffoldState', 'SPEC']
 
@@ -46,11 +63,12 @@ __all__ = ['build', 'scaffold', 'ScaffoldOutput', 'ScaffoldState', 'SPEC']
 @struct.dataclass
 class ScaffoldState:
   """Attributes:
-    params: server model theta.
-    opt_state: server optimizer state.
-    control: server control variate c.
-    client_controls: stacked [N, ...] control variates c_i.
+  params: server model theta.
+  opt_state: server optimizer state.
+  control: server control variate c.
+  client_controls: stacked [N, ...] control variates c_i.
   """
+
   params: optax.Params
   opt_state: optax.OptState
   control: optax.Params
@@ -60,12 +78,13 @@ class ScaffoldState:
 @struct.dataclass
 class ScaffoldOutput:
   """Attributes:
-    delta: theta_server - theta_i (a weighted ``Sum`` share after ``summed_upload``).
-    control: c_i+ (kept by the client; its change is uploaded).
-    control_delta: ``Sum(c_i+ - c_i)``, summed over the cohort by the engine.
-    num_examples: n_i.
-    stats: local training LossStats.
+  delta: theta_server - theta_i (a weighted ``Sum`` share after ``summed_upload``).
+  control: c_i+ (kept by the client; its change is uploaded).
+  control_delta: ``Sum(c_i+ - c_i)``, summed over the cohort by the engine.
+  num_examples: n_i.
+  stats: local training LossStats.
   """
+
   delta: optax.Params
   control: optax.Params
   control_delta: optax.Params
@@ -77,13 +96,20 @@ def option_ii_control(client_control, grad_sum, num_steps):
   """c_i+ = (1/K) sum_k g_k over the K real steps (option II, see the module
   docstring); c_i when K = 0."""
   k = jnp.maximum(num_steps, 1).astype(jnp.float32)
-  return jax.tree.map(lambda ci, g: jnp.where(num_steps > 0, g / k, ci), client_control, grad_sum)
+  return jax.tree.map(
+    lambda ci, g: jnp.where(num_steps > 0, g / k, ci), client_control, grad_sum
+  )
 
 
-def scaffold(model: Model, num_clients: int, client_optimizer: optax.GradientTransformation,
-             batching: Batching,
-             server_optimizer: Optional[optax.GradientTransformation] = None,
-             weighting: str = 'uniform', finetune=None) -> FederatedAlgorithm:
+def scaffold(
+  model: Model,
+  num_clients: int,
+  client_optimizer: optax.GradientTransformation,
+  batching: Batching,
+  server_optimizer: Optional[optax.GradientTransformation] = None,
+  weighting: str = 'uniform',
+  finetune=None,
+) -> FederatedAlgorithm:
   """Builds SCAFFOLD.
 
   Args:
@@ -98,11 +124,17 @@ def scaffold(model: Model, num_clients: int, client_optimizer: optax.GradientTra
 
   def init(key):
     params = model.init(key)
-    return ScaffoldState(params, server_optimizer.init(params), otu.tree_zeros_like(params),
-                         tree_broadcast(otu.tree_zeros_like(params), num_clients))
+    return ScaffoldState(
+      params,
+      server_optimizer.init(params),
+      otu.tree_zeros_like(params),
+      tree_broadcast(otu.tree_zeros_like(params), num_clients),
+    )
 
   def server_broadcast(state, cohort, rc):
-    return (state.params, state.control), rows(state.client_controls, cohort.rows)
+    return (state.params, state.control), rows(
+      state.client_controls, cohort.rows
+    )
 
   def corrected(grads, params, ctx):
     _, control = ctx.shared
@@ -111,42 +143,79 @@ def scaffold(model: Model, num_clients: int, client_optimizer: optax.GradientTra
   def final(ctx, carry):
     server_params, control = ctx.shared
     new_control = option_ii_control(ctx.state, carry.grad_sum, carry.num_steps)
-    return ScaffoldOutput(delta=otu.tree_sub(server_params, carry.params), control=new_control,
-                          control_delta=Sum(otu.tree_sub(new_control, ctx.state)),
-                          num_examples=ctx.data.train.num_examples, stats=carry.stats)
+    return ScaffoldOutput(
+      delta=otu.tree_sub(server_params, carry.params),
+      control=new_control,
+      control_delta=Sum(otu.tree_sub(new_control, ctx.state)),
+      num_examples=ctx.data.train.num_examples,
+      stats=carry.stats,
+    )
 
   plain = plain_objective(model)
-  work = summed_upload(sgd_client_work(lambda ctx: plain, client_optimizer, batching, final,
-                                       start_fn=lambda ctx: ctx.shared[0],
-                                       grad_transform=corrected, sum_grads=True), weighting)
+  work = summed_upload(
+    sgd_client_work(
+      lambda ctx: plain,
+      client_optimizer,
+      batching,
+      final,
+      start_fn=lambda ctx: ctx.shared[0],
+      grad_transform=corrected,
+      sum_grads=True,
+    ),
+    weighting,
+  )
 
   def server_update(state, cohort, out: ScaffoldOutput, rc):
-    params, opt_state = server_step(state.params, state.opt_state, out.delta, server_optimizer)
-    control = jax.tree.map(lambda c, d: c + d / num_clients, state.control,
-                           out.control_delta.value)
-    client_controls = tree_scatter(state.client_controls, cohort.rows, out.control)
-    return (ScaffoldState(params, opt_state, control, client_controls),
-            cohort_train_metrics(out.stats, cohort.mask))
+    params, opt_state = server_step(
+      state.params, state.opt_state, out.delta, server_optimizer
+    )
+    control = jax.tree.map(
+      lambda c, d: c + d / num_clients, state.control, out.control_delta.value
+    )
+    client_controls = tree_scatter(
+      state.client_controls, cohort.rows, out.control
+    )
+    return (
+      ScaffoldState(params, opt_state, control, client_controls),
+      cohort_train_metrics(out.stats, cohort.mask),
+    )
 
   def communication(state):
     b = tree_bytes(state.params)
     return Communication(2 * b, 2 * b, 1)
 
   return FederatedAlgorithm(
-      name='scaffold', model=model, init=init, server_broadcast=server_broadcast,
-      client_work=work, server_update=server_update,
-      client_models=lambda s: ClientModels.global_model(s.params, num_clients),
-      communication=communication, finetune=finetune,
-      client_rows=ClientRows.field('client_controls', models_from_rows=False))
+    name='scaffold',
+    model=model,
+    init=init,
+    server_broadcast=server_broadcast,
+    client_work=work,
+    server_update=server_update,
+    client_models=lambda s: ClientModels.global_model(s.params, num_clients),
+    communication=communication,
+    finetune=finetune,
+    client_rows=ClientRows.field('client_controls', models_from_rows=False),
+  )
 
 
 def build(training, config, model, data):
   """SCAFFOLD, built as ``AlgorithmSpec.build`` says."""
   del config
-  return scaffold(model, data.num_clients, training.make_client_optimizer(), training.batching(),
-                  server_optimizer=training.make_server_optimizer(),
-                  weighting=training.weighting)
+  return scaffold(
+    model,
+    data.num_clients,
+    training.make_client_optimizer(),
+    training.batching(),
+    server_optimizer=training.make_server_optimizer(),
+    weighting=training.weighting,
+  )
 
 
-SPEC = AlgorithmSpec('scaffold', NoConfig, build, FEDAVG_SETTINGS, default_weighting='uniform',
-                     summary='SCAFFOLD (Karimireddy et al. 2020), option II control variates')
+SPEC = AlgorithmSpec(
+  'scaffold',
+  NoConfig,
+  build,
+  FEDAVG_SETTINGS,
+  default_weighting='uniform',
+  summary='SCAFFOLD (Karimireddy et al. 2020), option II control variates',
+)

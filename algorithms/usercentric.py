@@ -36,57 +36,105 @@ level).
 import dataclasses
 from typing import ClassVar, Optional
 
-from flax import struct
 import jax
 import jax.numpy as jnp
-from jax.flatten_util import ravel_pytree
 import numpy as np
 import optax
+from flax import struct
+from jax.flatten_util import ravel_pytree
 
+from fedjax_personal.config import (
+  BATCHING,
+  CLIENT_OPTIMIZER,
+  FINETUNE,
+  AlgorithmSpec,
+  Declared,
+  hparam,
+)
 from fedjax_personal.core import aggregation, clustering
-from fedjax_personal.core.clustering import in_group_chance, in_group_share  # noqa: F401 (API)
-from fedjax_personal.core.algorithm import (ClientModels, Communication, FederatedAlgorithm, PreRound,
-                                       cohort_train_metrics)
+from fedjax_personal.core.algorithm import (
+  ClientModels,
+  Communication,
+  FederatedAlgorithm,
+  PreRound,
+  cohort_train_metrics,
+)
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.config import (BATCHING, CLIENT_OPTIMIZER, FINETUNE, AlgorithmSpec, Declared,
-                                    hparam)
+from fedjax_personal.core.clustering import in_group_chance, in_group_share  # noqa: F401 (API)
+from fedjax_personal.core.training import (
+  Batch,
+  batch_loss,
+  plain_objective,
+  sgd_client_work,
+)
+from fedjax_personal.core.tree_util import (
+  rows,
+  tree_broadcast,
+  tree_bytes,
+  tree_gather,
+  tree_scatter,
+)
 from fedjax_personal.models import Model
-from fedjax_personal.core.training import Batch, batch_loss, plain_objective, sgd_client_work
-from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes, tree_gather, tree_scatter
 
-
-__all__ = ['build', 'effective_neighbours', 'fedavg_matrix', 'mixing_matrix', 'SPEC', 'streams',
-           'usercentric', 'UserCentricConfig', 'UserCentricState']
+__all__ = [
+  'build',
+  'effective_neighbours',
+  'fedavg_matrix',
+  'mixing_matrix',
+  'SPEC',
+  'streams',
+  'usercentric',
+  'UserCentricConfig',
+  'UserCentricState',
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class UserCentricConfig(Declared):
   """User-centric FL's own settings, declared once: the ``--usercentric_*`` flags (``hparam``: default,
   help, range, sweepable)."""
+
   prefix: ClassVar[str] = 'usercentric'
-  num_streams: int = hparam(0, 'Downlink streams m_t (0: silhouette choice; >= num_clients: '
-                            'one per client).', minimum=0)
+  num_streams: int = hparam(
+    0,
+    'Downlink streams m_t (0: silhouette choice; >= num_clients: '
+    'one per client).',
+    minimum=0,
+  )
   sigma_batches: int = hparam(2, 'K batches for sigma_i^2 (eq. 7).', minimum=1)
-  sigma_batch_size: int = hparam(0, "Size of those batches (0: K equal parts of the local data, "
-                                 "the authors' reading; ~32 mixes usefully under label shift).",
-                                 minimum=0)
-  warmup_rounds: int = hparam(0, 'FedAvg rounds before W is computed.', minimum=0)
-  recompute_every: int = hparam(0, 'Recompute W every this many rounds (0: once).', minimum=0)
-  max_streams: int = hparam(0, 'Silhouette search over 2..this many streams (0: num_clients - 1, '
-                            'capped at 200).', minimum=0)
-  kmeans_restarts: int = hparam(10, 'k-means++ seedings per k-means (the best inertia is kept).',
-                                minimum=1)
+  sigma_batch_size: int = hparam(
+    0,
+    'Size of those batches (0: K equal parts of the local data, '
+    "the authors' reading; ~32 mixes usefully under label shift).",
+    minimum=0,
+  )
+  warmup_rounds: int = hparam(
+    0, 'FedAvg rounds before W is computed.', minimum=0
+  )
+  recompute_every: int = hparam(
+    0, 'Recompute W every this many rounds (0: once).', minimum=0
+  )
+  max_streams: int = hparam(
+    0,
+    'Silhouette search over 2..this many streams (0: num_clients - 1, '
+    'capped at 200).',
+    minimum=0,
+  )
+  kmeans_restarts: int = hparam(
+    10, 'k-means++ seedings per k-means (the best inertia is kept).', minimum=1
+  )
 
 
 @struct.dataclass
 class UserCentricState:
   """Attributes:
-    personal: stacked [N, ...] models; client i's current (stream) model.
-    stream_matrix: [R, N]; row s < num_streams is stream s's mixing row
-      (a centroid of W's rows, or W's row itself when m_t = N).
-    assignment: int32 [N], the stream serving each client.
-    num_streams: m_t, distinct downlink models.
+  personal: stacked [N, ...] models; client i's current (stream) model.
+  stream_matrix: [R, N]; row s < num_streams is stream s's mixing row
+    (a centroid of W's rows, or W's row itself when m_t = N).
+  assignment: int32 [N], the stream serving each client.
+  num_streams: m_t, distinct downlink models.
   """
+
   personal: optax.Params
   stream_matrix: jax.Array
   assignment: jax.Array
@@ -130,7 +178,9 @@ def mixing_matrix(grads, sigma2, num_examples):
   delta = jnp.maximum(sq[:, None] + sq[None, :] - 2 * g @ g.T, 0.0)
   delta = delta.at[jnp.diag_indices(g.shape[0])].set(0.0)
   s = jnp.sqrt(jnp.maximum(jnp.asarray(sigma2, jnp.float32), 1e-30))
-  logits = jnp.log(jnp.asarray(num_examples, jnp.float32)[None, :]) - delta / (2 * s[:, None] * s[None, :])
+  logits = jnp.log(jnp.asarray(num_examples, jnp.float32)[None, :]) - delta / (
+    2 * s[:, None] * s[None, :]
+  )
   return jax.nn.softmax(logits, axis=1)
 
 
@@ -152,14 +202,18 @@ def default_max_streams(num_clients: int, max_streams: int = 0) -> int:
   return max(1, min(num_clients - 1, max_streams or 200))
 
 
-def stream_rows(num_clients: int, num_streams: Optional[int], max_streams: int) -> int:
+def stream_rows(
+  num_clients: int, num_streams: Optional[int], max_streams: int
+) -> int:
   """R, the static number of rows of the stream matrix (a bound on m_t)."""
   if num_streams is None:
     return max_streams
   return min(num_streams, num_clients)
 
 
-def streams(key, w, num_streams: Optional[int], max_streams: int, restarts: int = 10):
+def streams(
+  key, w, num_streams: Optional[int], max_streams: int, restarts: int = 10
+):
   """Streams from the rows of W (tensor code, traced into the round).
 
   Returns (stream matrix [R, N] with row s < k stream s's mixing row and the
@@ -186,17 +240,31 @@ def streams(key, w, num_streams: Optional[int], max_streams: int, restarts: int 
     r = clustering.silhouette_kmeans(key, w, max_streams, restarts)
   elif num_streams == 1:
     mean = jnp.mean(w, 0, keepdims=True)
-    r = clustering.KMeansResult(mean, jnp.zeros(n, jnp.int32), jnp.sum((w - mean) ** 2),
-                                jnp.asarray(1, jnp.int32))
+    r = clustering.KMeansResult(
+      mean,
+      jnp.zeros(n, jnp.int32),
+      jnp.sum((w - mean) ** 2),
+      jnp.asarray(1, jnp.int32),
+    )
   else:
     r = clustering.kmeans(key, w, num_streams, num_streams, restarts)
   rows = stream_rows(n, num_streams, max_streams)
-  padded = jnp.zeros((rows, n), jnp.float32).at[:r.centroids.shape[0]].set(r.centroids[:rows])
+  padded = (
+    jnp.zeros((rows, n), jnp.float32)
+    .at[: r.centroids.shape[0]]
+    .set(r.centroids[:rows])
+  )
   return padded, r.labels, r.k
 
 
-def gradient_statistics(model: Model, params, data, key, sigma_batches: int,
-                        sigma_batch_size: Optional[int]):
+def gradient_statistics(
+  model: Model,
+  params,
+  data,
+  key,
+  sigma_batches: int,
+  sigma_batch_size: Optional[int],
+):
   """One client's flat full-batch gradient delta_i and sigma_i^2 (eq. 7).
 
   The K batches are disjoint: K equal parts of the shuffled local data when
@@ -207,26 +275,48 @@ def gradient_statistics(model: Model, params, data, key, sigma_batches: int,
   flat = lambda t: ravel_pytree(t)[0]
   full = Batch(data.x, data.y, jnp.arange(max_n) < n)
   delta = flat(jax.grad(lambda p: batch_loss(model, p, full)[0])(params))
-  u = jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(key, j)))(jnp.arange(max_n))
+  u = jax.vmap(lambda j: jax.random.uniform(jax.random.fold_in(key, j)))(
+    jnp.arange(max_n)
+  )
   order = jnp.argsort(jnp.where(jnp.arange(max_n) < n, u, 2.0))
   part = n // sigma_batches
-  size = part if sigma_batch_size is None else jnp.minimum(sigma_batch_size, part)
-  rank = jnp.empty(max_n, jnp.int32).at[order].set(jnp.arange(max_n, dtype=jnp.int32))
+  size = (
+    part if sigma_batch_size is None else jnp.minimum(sigma_batch_size, part)
+  )
+  rank = (
+    jnp.empty(max_n, jnp.int32)
+    .at[order]
+    .set(jnp.arange(max_n, dtype=jnp.int32))
+  )
 
   def batch_var(k):
     mask = (rank >= k * part) & (rank < k * part + size)
-    g = flat(jax.grad(lambda p: batch_loss(model, p, Batch(data.x, data.y, mask))[0])(params))
+    g = flat(
+      jax.grad(lambda p: batch_loss(model, p, Batch(data.x, data.y, mask))[0])(
+        params
+      )
+    )
     return jnp.sum((g - delta) ** 2)
 
   sigma2 = jnp.mean(jax.vmap(batch_var)(jnp.arange(sigma_batches)))
   return delta, sigma2
 
 
-def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
-                batching: Batching, num_streams: Optional[int] = None,
-                sigma_batches: int = 2, sigma_batch_size: Optional[int] = None,
-                warmup_rounds: int = 0, recompute_every: int = 0,
-                groups=None, max_streams: int = 0, kmeans_restarts: int = 10) -> FederatedAlgorithm:
+def usercentric(
+  model: Model,
+  num_clients: int,
+  num_examples,
+  client_optimizer,
+  batching: Batching,
+  num_streams: Optional[int] = None,
+  sigma_batches: int = 2,
+  sigma_batch_size: Optional[int] = None,
+  warmup_rounds: int = 0,
+  recompute_every: int = 0,
+  groups=None,
+  max_streams: int = 0,
+  kmeans_restarts: int = 10,
+) -> FederatedAlgorithm:
   """Builds user-centric FL.
 
   Args:
@@ -258,21 +348,34 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
   def init(key):
     params = model.init(key)
     # FedAvg until W is computed (every row n_j / sum(n); client i on row 0).
-    w = jnp.asarray(fedavg_matrix(n_np)[:stream_rows(num_clients, num_streams, max_k)],
-                    jnp.float32)
-    return UserCentricState(tree_broadcast(params, num_clients), w,
-                            jnp.zeros(num_clients, jnp.int32), jnp.ones((), jnp.int32))
+    w = jnp.asarray(
+      fedavg_matrix(n_np)[: stream_rows(num_clients, num_streams, max_k)],
+      jnp.float32,
+    )
+    return UserCentricState(
+      tree_broadcast(params, num_clients),
+      w,
+      jnp.zeros(num_clients, jnp.int32),
+      jnp.ones((), jnp.int32),
+    )
 
   def server_broadcast(state, cohort, rc):
     return None, rows(state.personal, cohort.idx)
 
-  work = sgd_client_work(lambda ctx: plain, client_optimizer, batching,
-                         final=lambda ctx, c: (c.params, c.stats), start_fn=lambda ctx: ctx.state)
+  work = sgd_client_work(
+    lambda ctx: plain,
+    client_optimizer,
+    batching,
+    final=lambda ctx, c: (c.params, c.stats),
+    start_fn=lambda ctx: ctx.state,
+  )
 
   def server_update(state, cohort, out, rc):
     params, stats = out
     thetas = tree_scatter(state.personal, cohort.idx, params)
-    streams = aggregation.mix(state.stream_matrix, thetas)  # [R (padded streams), ...]
+    streams = aggregation.mix(
+      state.stream_matrix, thetas
+    )  # [R (padded streams), ...]
     personal = tree_gather(streams, state.assignment)
     metrics = cohort_train_metrics(stats, cohort.mask)
     metrics['num_streams'] = state.num_streams
@@ -281,7 +384,11 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
   # The collaboration round, traced into the compiled round (PreRound).
   def due(t):
     after = t - warmup_rounds
-    periodic = (after > 0) & (after % max(recompute_every, 1) == 0) if recompute_every else False
+    periodic = (
+      (after > 0) & (after % max(recompute_every, 1) == 0)
+      if recompute_every
+      else False
+    )
     return (t == warmup_rounds) | periodic
 
   def collaboration_broadcast(state, rc):
@@ -291,54 +398,92 @@ def usercentric(model: Model, num_clients: int, num_examples, client_optimizer,
     return jax.tree.map(lambda a: jnp.tensordot(w_n, a, axes=1), state.personal)
 
   def collaboration_client(theta_hat, local, key):
-    return gradient_statistics(model, theta_hat, local.train, key, sigma_batches, sigma_batch_size)
+    return gradient_statistics(
+      model, theta_hat, local.train, key, sigma_batches, sigma_batch_size
+    )
 
   def collaboration_update(state, outputs, rc):
     grads, sigma2 = outputs
     w = mixing_matrix(grads, sigma2, n_np)
     k_means = jax.random.split(rc.key)[1]
-    stream_matrix, assignment, k = streams(k_means, w, num_streams, max_k, kmeans_restarts)
+    stream_matrix, assignment, k = streams(
+      k_means, w, num_streams, max_k, kmeans_restarts
+    )
     eff = effective_neighbours(w)
-    info = {'w_effective_neighbours_mean': jnp.mean(eff),
-            'w_effective_neighbours_min': jnp.min(eff),
-            'w_diagonal_mean': jnp.mean(jnp.diag(w)), 'num_streams': k}
+    info = {
+      'w_effective_neighbours_mean': jnp.mean(eff),
+      'w_effective_neighbours_min': jnp.min(eff),
+      'w_diagonal_mean': jnp.mean(jnp.diag(w)),
+      'num_streams': k,
+    }
     if groups_np is not None and groups_np.min() >= 0:
       info['streams_ari'] = clustering.adjusted_rand_index(
-          jnp.asarray(groups_np, jnp.int32), assignment, int(groups_np.max()) + 1, num_clients)
+        jnp.asarray(groups_np, jnp.int32),
+        assignment,
+        int(groups_np.max()) + 1,
+        num_clients,
+      )
       info['w_in_group_share'] = in_group_share(w, jnp.asarray(groups_np))
       info['w_in_group_chance'] = jnp.float32(in_group_chance(groups_np))
     # Serve every client its stream model from now on.
-    personal = tree_gather(aggregation.mix(stream_matrix, state.personal), assignment)
-    return state.replace(personal=personal, stream_matrix=stream_matrix, assignment=assignment,
-                         num_streams=k), info
+    personal = tree_gather(
+      aggregation.mix(stream_matrix, state.personal), assignment
+    )
+    return state.replace(
+      personal=personal,
+      stream_matrix=stream_matrix,
+      assignment=assignment,
+      num_streams=k,
+    ), info
 
   def communication(state):
     b = tree_bytes(jax.tree.map(lambda a: a[0], state.personal))
     return Communication(b, b, state.num_streams)
 
   return FederatedAlgorithm(
-      name='usercentric', model=model, init=init, server_broadcast=server_broadcast,
-      client_work=work, server_update=server_update,
-      client_models=lambda s: ClientModels.personal(s.personal, num_clients),
-      communication=communication,
-      pre_round=PreRound(due=due, broadcast=collaboration_broadcast, client=collaboration_client,
-                         update=collaboration_update))
+    name='usercentric',
+    model=model,
+    init=init,
+    server_broadcast=server_broadcast,
+    client_work=work,
+    server_update=server_update,
+    client_models=lambda s: ClientModels.personal(s.personal, num_clients),
+    communication=communication,
+    pre_round=PreRound(
+      due=due,
+      broadcast=collaboration_broadcast,
+      client=collaboration_client,
+      update=collaboration_update,
+    ),
+  )
 
 
 def build(training, config: UserCentricConfig, model, data):
   """User-centric FL, built as ``AlgorithmSpec.build`` says; its settings ``UserCentricConfig``."""
-  return usercentric(model, data.num_clients, data.train.num_examples,
-                     training.make_client_optimizer(), training.batching(),
-                     num_streams=config.num_streams or None, sigma_batches=config.sigma_batches,
-                     sigma_batch_size=config.sigma_batch_size or None,
-                     warmup_rounds=config.warmup_rounds,
-                     recompute_every=config.recompute_every, groups=data.groups,
-                     max_streams=config.max_streams, kmeans_restarts=config.kmeans_restarts)
+  return usercentric(
+    model,
+    data.num_clients,
+    data.train.num_examples,
+    training.make_client_optimizer(),
+    training.batching(),
+    num_streams=config.num_streams or None,
+    sigma_batches=config.sigma_batches,
+    sigma_batch_size=config.sigma_batch_size or None,
+    warmup_rounds=config.warmup_rounds,
+    recompute_every=config.recompute_every,
+    groups=data.groups,
+    max_streams=config.max_streams,
+    kmeans_restarts=config.kmeans_restarts,
+  )
 
 
 # W weighs clients by n_j / n_i itself (eq. 6) and replaces the server
 # optimizer: --weighting and --server_* do not apply.
-SPEC = AlgorithmSpec('usercentric', UserCentricConfig, build,
-                     CLIENT_OPTIMIZER | BATCHING | FINETUNE,
-                     summary='User-centric FL (Mestoukirdi et al. 2023): mixing matrix W, '
-                     'k-means streams')
+SPEC = AlgorithmSpec(
+  'usercentric',
+  UserCentricConfig,
+  build,
+  CLIENT_OPTIMIZER | BATCHING | FINETUNE,
+  summary='User-centric FL (Mestoukirdi et al. 2023): mixing matrix W, '
+  'k-means streams',
+)

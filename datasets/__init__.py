@@ -19,54 +19,89 @@ Where things are:
 
 import functools
 
-from fedjax_personal.datasets import cifar100
-from fedjax_personal.datasets import emnist
-from fedjax_personal.datasets import gldv2
-from fedjax_personal.datasets import in_memory
-from fedjax_personal.datasets import leaf
-from fedjax_personal.datasets import local_files
-from fedjax_personal.datasets import partition
-from fedjax_personal.datasets import registry
-from fedjax_personal.datasets import shakespeare
-from fedjax_personal.datasets import stackoverflow
-from fedjax_personal.datasets.config import check_given
-from fedjax_personal.datasets.config import DataConfig
-from fedjax_personal.datasets.config import has_own_test_split
-from fedjax_personal.datasets.config import is_natural
-from fedjax_personal.datasets.config import LATENT_FEATURES
-from fedjax_personal.datasets.config import streams_to_store
-from fedjax_personal.datasets.loading import load_federated
-from fedjax_personal.datasets.loading import load_pool
-from fedjax_personal.datasets.loading import load_store
-from fedjax_personal.datasets.loading import pooled_clients
-from fedjax_personal.datasets.loading import PooledClients
-from fedjax_personal.datasets.natural_data import client_id
-from fedjax_personal.datasets.natural_data import NaturalData
-from fedjax_personal.datasets.options import DataOptions
-from fedjax_personal.datasets.options import NoOptions
-from fedjax_personal.datasets.options import TextOptions
-from fedjax_personal.datasets.partition import Partition
-from fedjax_personal.datasets.partition import PARTITIONS
-from fedjax_personal.datasets.registry import DATASETS
-from fedjax_personal.datasets.registry import is_known
+from fedjax_personal.datasets import (
+  cifar100,
+  emnist,
+  gldv2,
+  in_memory,
+  leaf,
+  local_files,
+  partition,
+  registry,
+  shakespeare,
+  stackoverflow,
+)
+from fedjax_personal.datasets.config import (
+  LATENT_FEATURES,
+  DataConfig,
+  check_given,
+  has_own_test_split,
+  is_natural,
+  streams_to_store,
+)
+from fedjax_personal.datasets.loading import (
+  PooledClients,
+  load_federated,
+  load_pool,
+  load_store,
+  pooled_clients,
+)
+from fedjax_personal.datasets.natural_data import NaturalData, client_id
+from fedjax_personal.datasets.options import DataOptions, NoOptions, TextOptions
+from fedjax_personal.datasets.partition import PARTITIONS, Partition
+from fedjax_personal.datasets.registry import DATASETS, is_known
 
-__all__ = ['check_given', 'client_id', 'DataConfig', 'DataOptions', 'DATASETS',
-           'has_own_test_split', 'in_memory', 'is_known', 'is_natural', 'LATENT_FEATURES',
-           'load_federated', 'load_pool', 'load_store', 'local_files', 'NaturalData', 'NoOptions',
-           'partition', 'Partition', 'PARTITIONS', 'pooled_clients', 'PooledClients', 'registry',
-           'streams_to_store', 'TextOptions']
+__all__ = [
+  'check_given',
+  'client_id',
+  'DataConfig',
+  'DataOptions',
+  'DATASETS',
+  'has_own_test_split',
+  'in_memory',
+  'is_known',
+  'is_natural',
+  'LATENT_FEATURES',
+  'load_federated',
+  'load_pool',
+  'load_store',
+  'local_files',
+  'NaturalData',
+  'NoOptions',
+  'partition',
+  'Partition',
+  'PARTITIONS',
+  'pooled_clients',
+  'PooledClients',
+  'registry',
+  'streams_to_store',
+  'TextOptions',
+]
 
 # The built-in data sets' registry entries: each module holds its reader and
 # options; the pools' options (Synthetic, Tiny Shakespeare) are in_memory's.
 registry.register_builtin('emnist', emnist.read_clients, emnist.EmnistOptions)
-registry.register_builtin('emnist_digits', functools.partial(emnist.read_clients, only_digits=True),
-                          emnist.EmnistOptions)
-registry.register_builtin('shakespeare', shakespeare.read_clients, shakespeare.ShakespeareOptions)
-registry.register_builtin('stackoverflow', stackoverflow.read_clients,
-                          stackoverflow.StackOverflowOptions)
-registry.register_builtin('stackoverflow_held_out', stackoverflow.read_held_out,
-                          stackoverflow.StackOverflowOptions)
-registry.register_builtin('cifar100', cifar100.read_clients, cifar100.Cifar100Options)
+registry.register_builtin(
+  'emnist_digits',
+  functools.partial(emnist.read_clients, only_digits=True),
+  emnist.EmnistOptions,
+)
+registry.register_builtin(
+  'shakespeare', shakespeare.read_clients, shakespeare.ShakespeareOptions
+)
+registry.register_builtin(
+  'stackoverflow',
+  stackoverflow.read_clients,
+  stackoverflow.StackOverflowOptions,
+)
+registry.register_builtin(
+  'stackoverflow_held_out',
+  stackoverflow.read_held_out,
+  stackoverflow.StackOverflowOptions,
+)
+registry.register_builtin(
+  'cifar100', cifar100.read_clients, cifar100.Cifar100Options
+)
 registry.register_builtin('gldv2', gldv2.read_clients, gldv2.Gldv2Options)
 registry.register_builtin('synthetic', options=in_memory.SyntheticOptions)
 registry.register_builtin('tinyshakespeare', options=TextOptions)

@@ -27,10 +27,22 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Mapping
 
 import numpy as np
 
-__all__ = ['assert_consistent_rows', 'attach_mask', 'BatchPreprocessor', 'buffered_shuffle',
-           'buffered_shuffle_batch_client_datasets', 'ClientDataset', 'concat_examples',
-           'EXAMPLE_MASK_KEY', 'Examples', 'NoOpBatchPreprocessor', 'num_examples',
-           'pad_examples', 'padded_batch_client_datasets', 'slice_examples']
+__all__ = [
+  'assert_consistent_rows',
+  'attach_mask',
+  'BatchPreprocessor',
+  'buffered_shuffle',
+  'buffered_shuffle_batch_client_datasets',
+  'ClientDataset',
+  'concat_examples',
+  'EXAMPLE_MASK_KEY',
+  'Examples',
+  'NoOpBatchPreprocessor',
+  'num_examples',
+  'pad_examples',
+  'padded_batch_client_datasets',
+  'slice_examples',
+]
 
 #: The bool feature ``padded_batch`` adds: True for an example, False for padding.
 EXAMPLE_MASK_KEY = '__mask__'
@@ -56,7 +68,9 @@ def assert_consistent_rows(examples: Examples) -> None:
   (name, size), *rest = sizes.items()
   for k, v in rest:
     if v != size:
-      raise ValueError(f'Feature {name} has {size} rows, but feature {k} has {v} rows')
+      raise ValueError(
+        f'Feature {name} has {size} rows, but feature {k} has {v} rows'
+      )
 
 
 def num_examples(examples: Examples, validate: bool = True) -> int:
@@ -117,7 +131,9 @@ def attach_mask(examples: Examples, mask: np.ndarray) -> Dict[str, np.ndarray]:
     ValueError: the mask is there already.
   """
   if EXAMPLE_MASK_KEY in examples:
-    raise ValueError(f'mask key {EXAMPLE_MASK_KEY!r} is already present in examples {examples}')
+    raise ValueError(
+      f'mask key {EXAMPLE_MASK_KEY!r} is already present in examples {examples}'
+    )
   return {**examples, EXAMPLE_MASK_KEY: mask}
 
 
@@ -135,7 +151,9 @@ def pad_examples(examples: Examples, size: int) -> Dict[str, np.ndarray]:
     ValueError: the mask is there already, or more than ``size`` rows.
   """
   if EXAMPLE_MASK_KEY in examples:
-    raise ValueError(f'mask key {EXAMPLE_MASK_KEY!r} is already present in examples {examples}')
+    raise ValueError(
+      f'mask key {EXAMPLE_MASK_KEY!r} is already present in examples {examples}'
+    )
   current = num_examples(examples)
   if current > size:
     raise ValueError(f'Cannot pad {current} examples to size {size}')
@@ -186,19 +204,34 @@ def _hparams(hparams, kwargs: dict, defaults: dict) -> dict:
   fields, e.g. ``fedjax.PaddedBatchHParams``), overridden by keywords."""
   got = dict(defaults)
   if hparams is not None:
-    fields = (dataclasses.asdict(hparams)
-              if dataclasses.is_dataclass(hparams) and not isinstance(hparams, type)
-              else dict(vars(hparams)))
+    fields = (
+      dataclasses.asdict(hparams)
+      if dataclasses.is_dataclass(hparams) and not isinstance(hparams, type)
+      else dict(vars(hparams))
+    )
     got.update({k: v for k, v in fields.items() if k in defaults})
   unknown = set(kwargs) - set(defaults)
   if unknown:
-    raise TypeError(f'unexpected batching arguments {sorted(unknown)}; expected {sorted(defaults)}')
+    raise TypeError(
+      f'unexpected batching arguments {sorted(unknown)}; expected {sorted(defaults)}'
+    )
   got.update(kwargs)
-  for name, least in (('batch_size', 1), ('num_batch_size_buckets', 1), ('num_epochs', 0),
-                      ('num_steps', 0)):  # FedJAX: 0 epochs or steps give no batch
+  for name, least in (
+    ('batch_size', 1),
+    ('num_batch_size_buckets', 1),
+    ('num_epochs', 0),
+    ('num_steps', 0),
+  ):  # FedJAX: 0 epochs or steps give no batch
     value = got.get(name)
-    if name in got and (value is not None or name == 'batch_size') and (
-        isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least):
+    if (
+      name in got
+      and (value is not None or name == 'batch_size')
+      and (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < least
+      )
+    ):
       raise ValueError(f'{name} must be an integer >= {least}, got {value!r}')
   return got
 
@@ -236,8 +269,11 @@ class ClientDataset:
     preprocessor: the ``BatchPreprocessor`` every batch passes through.
   """
 
-  def __init__(self, raw_examples: Examples,
-               preprocessor: BatchPreprocessor = NoOpBatchPreprocessor):
+  def __init__(
+    self,
+    raw_examples: Examples,
+    preprocessor: BatchPreprocessor = NoOpBatchPreprocessor,
+  ):
     assert_consistent_rows(raw_examples)
     self.raw_examples = raw_examples
     self.preprocessor = preprocessor
@@ -249,7 +285,9 @@ class ClientDataset:
     """The examples of a slice of rows, as a ClientDataset."""
     if not isinstance(index, slice):
       raise ValueError(f'Only slicing is supported, got index {index!r}')
-    return ClientDataset(slice_examples(self.raw_examples, index), self.preprocessor)
+    return ClientDataset(
+      slice_examples(self.raw_examples, index), self.preprocessor
+    )
 
   def all_examples(self) -> Examples:
     """Every example, preprocessed."""
@@ -272,7 +310,10 @@ class ClientDataset:
     def batches():
       for start in range(0, n, b):
         if start + b <= n or not s['drop_remainder']:
-          yield self.preprocessor(slice_examples(self.raw_examples, slice(start, start + b)))
+          yield self.preprocessor(
+            slice_examples(self.raw_examples, slice(start, start + b))
+          )
+
     return _View(batches)
 
   def padded_batch(self, hparams=None, **kwargs) -> Iterable[Examples]:
@@ -293,11 +334,14 @@ class ClientDataset:
 
     def batches():
       for start in range(0, n, b):
-        got = self.preprocessor(slice_examples(self.raw_examples, slice(start, start + b)))
+        got = self.preprocessor(
+          slice_examples(self.raw_examples, slice(start, start + b))
+        )
         if start + b <= n:
           yield {**got, EXAMPLE_MASK_KEY: np.ones(b, np.bool_)}
         else:
           yield pad_examples(got, last)
+
     return _View(batches)
 
   def shuffle_repeat_batch(self, hparams=None, **kwargs) -> Iterable[Examples]:
@@ -315,8 +359,18 @@ class ClientDataset:
     Returns:
       A re-iterable of preprocessed batches.
     """
-    s = _hparams(hparams, kwargs, {'batch_size': None, 'num_epochs': 1, 'num_steps': None,
-                                   'drop_remainder': False, 'seed': None, 'skip_shuffle': False})
+    s = _hparams(
+      hparams,
+      kwargs,
+      {
+        'batch_size': None,
+        'num_epochs': 1,
+        'num_steps': None,
+        'drop_remainder': False,
+        'seed': None,
+        'skip_shuffle': False,
+      },
+    )
     b, n = int(s['batch_size']), len(self)
     steps = s['num_steps']
     if s['num_epochs'] is not None:
@@ -338,10 +392,11 @@ class ClientDataset:
               rng.shuffle(order)
             used = 0
           take = min(n - used, b - filled)
-          picked[filled:filled + take] = order[used:used + take]
+          picked[filled : filled + take] = order[used : used + take]
           used, filled = used + take, filled + take
         yield self.preprocessor(slice_examples(self.raw_examples, picked))
         made += 1
+
     if n == 0 and (steps is None or steps > 0):
       raise ValueError('shuffle_repeat_batch of a client with no examples')
     return _View(batches)
@@ -355,18 +410,23 @@ def _same_preprocessor_and_features(datasets: Iterable[ClientDataset]):
     if preprocessor is None:
       preprocessor = dataset.preprocessor
     elif dataset.preprocessor is not preprocessor:
-      raise ValueError('client_datasets should have the identical Preprocessor object, '
-                       f'got {preprocessor} vs {dataset.preprocessor}')
+      raise ValueError(
+        'client_datasets should have the identical Preprocessor object, '
+        f'got {preprocessor} vs {dataset.preprocessor}'
+      )
     if features is None:
       features = set(dataset.raw_examples)
     elif features != set(dataset.raw_examples):
-      raise ValueError('client_datasets should have identical features, '
-                       f'got {features} vs {list(dataset.raw_examples)}')
+      raise ValueError(
+        'client_datasets should have identical features, '
+        f'got {features} vs {list(dataset.raw_examples)}'
+      )
     yield dataset
 
 
-def padded_batch_client_datasets(datasets: Iterable[ClientDataset], hparams=None,
-                                 **kwargs) -> Iterator[Examples]:
+def padded_batch_client_datasets(
+  datasets: Iterable[ClientDataset], hparams=None, **kwargs
+) -> Iterator[Examples]:
   """Batches of the examples of many clients, joined (FedJAX's
   ``padded_batch_client_datasets``): full batches across clients' edges,
   the last padded as ``ClientDataset.padded_batch`` pads it.
@@ -401,19 +461,24 @@ def padded_batch_client_datasets(datasets: Iterable[ClientDataset], hparams=None
       yield attach_mask(preprocessor(concat_examples(buf)), full)
       buf, buf_size = [], 0
     while start + b < size:
-      yield attach_mask(preprocessor(slice_examples(examples, slice(start, start + b))), full)
+      yield attach_mask(
+        preprocessor(slice_examples(examples, slice(start, start + b))), full
+      )
       start += b
     if start < size:
       buf.append(slice_examples(examples, slice(start, size)))
       buf_size += size - start
   if buf:
     assert preprocessor is not None  # set by the dataset that filled buf
-    yield pad_examples(preprocessor(concat_examples(buf)),
-                       final_batch_size(buf_size, b, int(s['num_batch_size_buckets'])))
+    yield pad_examples(
+      preprocessor(concat_examples(buf)),
+      final_batch_size(buf_size, b, int(s['num_batch_size_buckets'])),
+    )
 
 
-def buffered_shuffle(source: Iterable[Any], buffer_size: int,
-                     rng: np.random.RandomState) -> Iterator[Any]:
+def buffered_shuffle(
+  source: Iterable[Any], buffer_size: int, rng: np.random.RandomState
+) -> Iterator[Any]:
   """One pass over ``source`` shuffled through a buffer of ``buffer_size``
   (FedJAX's order for the same ``rng``).
 
@@ -437,9 +502,12 @@ def buffered_shuffle(source: Iterable[Any], buffer_size: int,
   yield from buf
 
 
-def buffered_shuffle_batch_client_datasets(datasets: Iterable[ClientDataset], batch_size: int,
-                                           buffer_size: int,
-                                           rng: np.random.RandomState) -> Iterator[Examples]:
+def buffered_shuffle_batch_client_datasets(
+  datasets: Iterable[ClientDataset],
+  batch_size: int,
+  buffer_size: int,
+  rng: np.random.RandomState,
+) -> Iterator[Examples]:
   """One pass over the examples of many clients, shuffled through a buffer
   of ``buffer_size`` examples, in batches of ``batch_size`` (the last may
   be smaller): FedJAX's ``buffered_shuffle_batch_client_datasets``.
@@ -466,11 +534,16 @@ def buffered_shuffle_batch_client_datasets(datasets: Iterable[ClientDataset], ba
     for dataset in itertools.chain([first], checked):
       for i in range(len(dataset)):
         yield dataset.raw_examples, i
+
   buf = []
   for item in buffered_shuffle(rows(), buffer_size, rng):
     buf.append(item)
     if len(buf) == batch_size:
-      yield preprocessor(concat_examples([slice_examples(e, slice(i, i + 1)) for e, i in buf]))
+      yield preprocessor(
+        concat_examples([slice_examples(e, slice(i, i + 1)) for e, i in buf])
+      )
       buf = []
   if buf:
-    yield preprocessor(concat_examples([slice_examples(e, slice(i, i + 1)) for e, i in buf]))
+    yield preprocessor(
+      concat_examples([slice_examples(e, slice(i, i + 1)) for e, i in buf])
+    )

@@ -14,10 +14,26 @@ from fedjax_personal.datasets import local_files, registry
 from fedjax_personal.datasets.options import DataOptions
 from fedjax_personal.datasets.partition import PARTITIONS
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.hparams import Declared, fill_options, flag_fields, flag_name, hparam
+from fedjax_personal.hparams import (
+  Declared,
+  fill_options,
+  flag_fields,
+  flag_name,
+  hparam,
+)
 
-__all__ = ['check_given', 'DataConfig', 'has_own_test_split', 'is_natural', 'LATENT_FEATURES',
-           'NO_FILES', 'NOT_DOWNLOADED', 'option_flags', 'POOLED_NATURAL', 'streams_to_store']
+__all__ = [
+  'check_given',
+  'DataConfig',
+  'has_own_test_split',
+  'is_natural',
+  'LATENT_FEATURES',
+  'NO_FILES',
+  'NOT_DOWNLOADED',
+  'option_flags',
+  'POOLED_NATURAL',
+  'streams_to_store',
+]
 
 
 LATENT_FEATURES = ('pixels', 'embedding')
@@ -40,45 +56,97 @@ class DataConfig(Declared):
     options: the data set's own options, an instance of its registered class
       (``registry.options_class``); None: that class's defaults.
   """
-  dataset: str = hparam('mnist', 'Data set: ' + ', '.join(registry.DATASETS) + ', leaf:<name> (LEAF JSON '
-                        'files). Natural data sets (emnist, emnist_digits, shakespeare, '
-                        'stackoverflow, cifar100, gldv2, tinyshakespeare, leaf:*) keep one client '
-                        'per writer / role / user.')
-  partition: str = hparam('dirichlet', 'Partition: ' + ', '.join(PARTITIONS) + ' (the command\'s '
-                          'default: natural for the natural data sets, rotation otherwise)')
-  num_clients: Optional[int] = hparam(20, 'Number of clients N (a natural data set: its first N '
-                                      'clients; all of them when not given).', minimum=1)
-  seed: int = hparam(0, 'Seed of the data partition and the per-client splits (the command\'s '
-                     'default: --seed). A sweep of seeds (--sweep_seeds) shares one partition, '
-                     'that of --data_seed or --seed: configuration s equals the single run '
-                     '--seed=s --data_seed=<that seed>.', minimum=0, flag='data_seed')
-  alpha: float = hparam(0.4, 'Dirichlet concentration (label skew) / quantity-skew beta.',
-                        minimum=0, open_min=True)
-  classes_per_client: int = hparam(2, 'Classes per client (pathological, sparse_classes).',
-                                   minimum=1)
-  num_groups: int = hparam(4, 'Groups (rotation, label_permutation, latent_clusters).', minimum=1)
-  latent_features: str = hparam('pixels', "What latent_clusters clusters: 'pixels' or "
-                                "'embedding' (penultimate layer of a classifier trained centrally "
-                                "on the pool, FedFomo's recipe; datasets/embedding.py).")
-  group_base: str = hparam('iid', "Partition inside groups: 'iid' or 'dirichlet' (uses alpha).")
-  examples_per_client: Optional[int] = hparam(None, 'sparse_classes: examples per device '
-                                              '(default: the most).', minimum=1)
-  test_fraction: float = hparam(0.2, 'Per-client test share.', minimum=0, maximum=1,
-                                open_min=True, open_max=True)
-  val_fraction: float = hparam(0.0, 'Per-client validation share (the command\'s default: 0.1 '
-                               'when a requested algorithm needs a validation split, e.g. '
-                               'fedfomo, else 0).', minimum=0, maximum=1, open_max=True)
-  max_examples: Optional[int] = hparam(None, 'Use at most this many examples of the pool.',
-                                       minimum=1)
-  data_dir: Optional[str] = hparam(None, 'Folder searched first for data files under their '
-                                   'published names (then $FEDJAX_PERSONAL_DATA, the package, '
-                                   'the cache $FEDJAX_PERSONAL_CACHE or '
-                                   '~/.cache/fedjax_personal); must exist.')
-  download: bool = hparam(False, "Download the data set's files found nowhere from their "
-                          'published URL into the cache (progress bar, size and checksum '
-                          'checked).')
-  options: DataOptions = hparam(None, "The data set's own options (its registered class; None: "
-                                'its defaults); their flags are its fields.', command=False)
+
+  dataset: str = hparam(
+    'mnist',
+    'Data set: ' + ', '.join(registry.DATASETS) + ', leaf:<name> (LEAF JSON '
+    'files). Natural data sets (emnist, emnist_digits, shakespeare, '
+    'stackoverflow, cifar100, gldv2, tinyshakespeare, leaf:*) keep one client '
+    'per writer / role / user.',
+  )
+  partition: str = hparam(
+    'dirichlet',
+    'Partition: ' + ', '.join(PARTITIONS) + " (the command's "
+    'default: natural for the natural data sets, rotation otherwise)',
+  )
+  num_clients: Optional[int] = hparam(
+    20,
+    'Number of clients N (a natural data set: its first N '
+    'clients; all of them when not given).',
+    minimum=1,
+  )
+  seed: int = hparam(
+    0,
+    "Seed of the data partition and the per-client splits (the command's "
+    'default: --seed). A sweep of seeds (--sweep_seeds) shares one partition, '
+    'that of --data_seed or --seed: configuration s equals the single run '
+    '--seed=s --data_seed=<that seed>.',
+    minimum=0,
+    flag='data_seed',
+  )
+  alpha: float = hparam(
+    0.4,
+    'Dirichlet concentration (label skew) / quantity-skew beta.',
+    minimum=0,
+    open_min=True,
+  )
+  classes_per_client: int = hparam(
+    2, 'Classes per client (pathological, sparse_classes).', minimum=1
+  )
+  num_groups: int = hparam(
+    4, 'Groups (rotation, label_permutation, latent_clusters).', minimum=1
+  )
+  latent_features: str = hparam(
+    'pixels',
+    "What latent_clusters clusters: 'pixels' or "
+    "'embedding' (penultimate layer of a classifier trained centrally "
+    "on the pool, FedFomo's recipe; datasets/embedding.py).",
+  )
+  group_base: str = hparam(
+    'iid', "Partition inside groups: 'iid' or 'dirichlet' (uses alpha)."
+  )
+  examples_per_client: Optional[int] = hparam(
+    None, 'sparse_classes: examples per device (default: the most).', minimum=1
+  )
+  test_fraction: float = hparam(
+    0.2,
+    'Per-client test share.',
+    minimum=0,
+    maximum=1,
+    open_min=True,
+    open_max=True,
+  )
+  val_fraction: float = hparam(
+    0.0,
+    "Per-client validation share (the command's default: 0.1 "
+    'when a requested algorithm needs a validation split, e.g. '
+    'fedfomo, else 0).',
+    minimum=0,
+    maximum=1,
+    open_max=True,
+  )
+  max_examples: Optional[int] = hparam(
+    None, 'Use at most this many examples of the pool.', minimum=1
+  )
+  data_dir: Optional[str] = hparam(
+    None,
+    'Folder searched first for data files under their '
+    'published names (then $FEDJAX_PERSONAL_DATA, the package, '
+    'the cache $FEDJAX_PERSONAL_CACHE or '
+    '~/.cache/fedjax_personal); must exist.',
+  )
+  download: bool = hparam(
+    False,
+    "Download the data set's files found nowhere from their "
+    'published URL into the cache (progress bar, size and checksum '
+    'checked).',
+  )
+  options: DataOptions = hparam(
+    None,
+    "The data set's own options (its registered class; None: "
+    'its defaults); their flags are its fields.',
+    command=False,
+  )
 
   def __post_init__(self):
     fill_options(self, 'dataset', registry.options_class(self.dataset))
@@ -88,15 +156,25 @@ class DataConfig(Declared):
     """Names a data set, partition and features know; settings that depend
     on each other."""
     if not registry.is_known(self.dataset):
-      raise ConfigError('dataset', f'unknown dataset {self.dataset!r}; choose from '
-                        f'{registry.names()} or {registry.LEAF_PREFIX}<name>')
-    for name, known in (('partition', PARTITIONS), ('latent_features', LATENT_FEATURES),
-                        ('group_base', ('iid', 'dirichlet'))):
+      raise ConfigError(
+        'dataset',
+        f'unknown dataset {self.dataset!r}; choose from '
+        f'{registry.names()} or {registry.LEAF_PREFIX}<name>',
+      )
+    for name, known in (
+      ('partition', PARTITIONS),
+      ('latent_features', LATENT_FEATURES),
+      ('group_base', ('iid', 'dirichlet')),
+    ):
       if getattr(self, name) not in known:
-        raise ConfigError(name, f'unknown {name} {getattr(self, name)!r}; choose from '
-                          f'{list(known)}')
+        raise ConfigError(
+          name,
+          f'unknown {name} {getattr(self, name)!r}; choose from {list(known)}',
+        )
     if self.test_fraction + self.val_fraction >= 1:
-      raise ConfigError('val_fraction', 'test_fraction + val_fraction must be < 1')
+      raise ConfigError(
+        'val_fraction', 'test_fraction + val_fraction must be < 1'
+      )
 
 
 def option_flags(cls) -> dict:
@@ -134,23 +212,43 @@ def check_given(cfg: DataConfig, given: Collection[str]) -> None:
   for cls in registry.option_classes():
     for flag in option_flags(cls):
       if flag in given and flag not in own:
-        users = [n for n, c in registry.OPTIONS.items()
-                 if flag in option_flags(c) and n not in registry.HELD_OUT_ONLY]
-        raise ConfigError(flag, f'an option of --dataset={"/".join(users)}, not of '
-                          f'--dataset={cfg.dataset}')
+        users = [
+          n
+          for n, c in registry.OPTIONS.items()
+          if flag in option_flags(c) and n not in registry.HELD_OUT_ONLY
+        ]
+        raise ConfigError(
+          flag,
+          f'an option of --dataset={"/".join(users)}, not of '
+          f'--dataset={cfg.dataset}',
+        )
   local_files.check_data_dir(cfg.data_dir)
   if cfg.data_dir and cfg.dataset in NO_FILES:
-    raise ConfigError('data_dir', f'does nothing: dataset {cfg.dataset} reads no file')
-  if cfg.download and (cfg.dataset in NOT_DOWNLOADED or cfg.dataset.startswith('tfds:')):
-    raise ConfigError('download', f'does nothing: dataset {cfg.dataset} has no file to download'
-                      + (' (TFDS data sets: load_tfds(name, download=True))'
-                         if cfg.dataset.startswith('tfds:') else ''))
+    raise ConfigError(
+      'data_dir', f'does nothing: dataset {cfg.dataset} reads no file'
+    )
+  if cfg.download and (
+    cfg.dataset in NOT_DOWNLOADED or cfg.dataset.startswith('tfds:')
+  ):
+    raise ConfigError(
+      'download',
+      f'does nothing: dataset {cfg.dataset} has no file to download'
+      + (
+        ' (TFDS data sets: load_tfds(name, download=True))'
+        if cfg.dataset.startswith('tfds:')
+        else ''
+      ),
+    )
   if 'test_fraction' in given and has_own_test_split(cfg):
-    raise ConfigError('test_fraction', f'does nothing: {cfg.dataset} has its own test split in '
-                      'its files')
+    raise ConfigError(
+      'test_fraction',
+      f'does nothing: {cfg.dataset} has its own test split in its files',
+    )
   if 'latent_features' in given and cfg.partition != 'latent_clusters':
-    raise ConfigError('latent_features', 'applies to --partition=latent_clusters, not '
-                      f'{cfg.partition!r}')
+    raise ConfigError(
+      'latent_features',
+      f'applies to --partition=latent_clusters, not {cfg.partition!r}',
+    )
   cfg.options.check_given(cfg, given)
 
 
@@ -185,8 +283,11 @@ def has_own_test_split(cfg: DataConfig) -> bool:
     True when the files give the test split.
   """
   return is_natural(cfg.dataset, cfg.partition) and (
-      cfg.dataset.startswith(registry.LEAF_PREFIX)
-      or (registry.is_file_dataset(cfg.dataset) and cfg.options.files_split_test()))
+    cfg.dataset.startswith(registry.LEAF_PREFIX)
+    or (
+      registry.is_file_dataset(cfg.dataset) and cfg.options.files_split_test()
+    )
+  )
 
 
 def streams_to_store(cfg: DataConfig) -> bool:

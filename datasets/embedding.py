@@ -22,13 +22,18 @@ import optax
 from fedjax_personal import numerics
 from fedjax_personal.models import create_model
 
-
 __all__ = ['semantic_features']
 
 
-def semantic_features(x: np.ndarray, y: np.ndarray, num_classes: int, seed: int,
-                      epochs: int = 10, batch_size: int = 64,
-                      learning_rate: float = 0.01) -> np.ndarray:
+def semantic_features(
+  x: np.ndarray,
+  y: np.ndarray,
+  num_classes: int,
+  seed: int,
+  epochs: int = 10,
+  batch_size: int = 64,
+  learning_rate: float = 0.01,
+) -> np.ndarray:
   """Penultimate features [n, d] of a classifier trained centrally on (x, y).
 
   Args:
@@ -45,8 +50,9 @@ def semantic_features(x: np.ndarray, y: np.ndarray, num_classes: int, seed: int,
   # LeNet-5 needs images of at least 28 x 28 (two 5 x 5 convolutions and pools).
   big_image = x.ndim == 4 and min(x.shape[1:3]) >= 28
   # At the engine's default precision: the partition is the same on every card.
-  model = create_model('lenet5' if big_image else 'mlp', num_classes, x[:1]).at_matmul_precision(
-      numerics.DEFAULT_MATMUL_PRECISION)
+  model = create_model(
+    'lenet5' if big_image else 'mlp', num_classes, x[:1]
+  ).at_matmul_precision(numerics.DEFAULT_MATMUL_PRECISION)
   key_init, key_order = jax.random.split(jax.random.key(seed))
   params = model.init(key_init)
   opt = optax.sgd(learning_rate, momentum=0.9)
@@ -55,17 +61,22 @@ def semantic_features(x: np.ndarray, y: np.ndarray, num_classes: int, seed: int,
   steps = len(y) // batch_size
 
   def loss(p, xb, yb):
-    return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, xb), yb).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(
+      model.apply(p, xb), yb
+    ).mean()
 
   @jax.jit
   def epoch(carry, key):
-    order = jax.random.permutation(key, len(ys))[:steps * batch_size].reshape(steps, batch_size)
+    order = jax.random.permutation(key, len(ys))[: steps * batch_size].reshape(
+      steps, batch_size
+    )
 
     def step(c, idx):
       p, s = c
       g = jax.grad(loss)(p, xs[idx], ys[idx])
       u, s = opt.update(g, s, p)
       return (optax.apply_updates(p, u), s), None
+
     return jax.lax.scan(step, carry, order)[0]
 
   carry = (params, opt.init(params))
@@ -73,6 +84,10 @@ def semantic_features(x: np.ndarray, y: np.ndarray, num_classes: int, seed: int,
     carry = epoch(carry, k)
   params = carry[0]
   features = jax.jit(model.features)
-  f = np.concatenate([np.asarray(features(params, xs[i:i + 1000]))
-                      for i in range(0, len(ys), 1000)]).astype(np.float32)
+  f = np.concatenate(
+    [
+      np.asarray(features(params, xs[i : i + 1000]))
+      for i in range(0, len(ys), 1000)
+    ]
+  ).astype(np.float32)
   return (f - f.mean(0)) / np.maximum(f.std(0), 1e-6)

@@ -17,9 +17,19 @@ from fedjax_personal.datasets.options import DataOptions
 from fedjax_personal.errors import DataError
 from fedjax_personal.hparams import hparam
 
-
-__all__ = ['domain_id', 'EmnistOptions', 'load_data', 'load_split', 'PIXELS', 'preprocess_batch',
-           'preprocess_batch_tff', 'preprocess_client', 'preprocess_split', 'read_clients', 'SPLITS']
+__all__ = [
+  'domain_id',
+  'EmnistOptions',
+  'load_data',
+  'load_split',
+  'PIXELS',
+  'preprocess_batch',
+  'preprocess_batch_tff',
+  'preprocess_client',
+  'preprocess_split',
+  'read_clients',
+  'SPLITS',
+]
 
 
 PIXELS = {'fedjax': lambda p: 1.0 - p, 'tff': lambda p: p}
@@ -28,17 +38,34 @@ PIXELS = {'fedjax': lambda p: 1.0 - p, 'tff': lambda p: p}
 @dataclasses.dataclass(frozen=True)
 class EmnistOptions(DataOptions):
   """EMNIST's options (``--dataset=emnist``, ``emnist_digits``)."""
-  pixels: str = hparam('fedjax', "emnist: the pixel convention. fedjax: 1 - pixels, ink 1 "
-                       "(FedJAX's load_data); tff: the files' raw pixels, ink 0, as TFF and Reddi "
-                       "et al.'s code feed them.", choices=tuple(PIXELS), flag='emnist_pixels')
+
+  pixels: str = hparam(
+    'fedjax',
+    'emnist: the pixel convention. fedjax: 1 - pixels, ink 1 '
+    "(FedJAX's load_data); tff: the files' raw pixels, ink 0, as TFF and Reddi "
+    "et al.'s code feed them.",
+    choices=tuple(PIXELS),
+    flag='emnist_pixels',
+  )
 
   def describe(self):
-    return ['pixels: ' + ("fedjax (1 - x, ink 1: FedJAX's load_data)" if self.pixels == 'fedjax'
-                          else "tff (the raw pixels, ink 0: TFF's, as Reddi et al. feed them)")]
+    return [
+      'pixels: '
+      + (
+        "fedjax (1 - x, ink 1: FedJAX's load_data)"
+        if self.pixels == 'fedjax'
+        else "tff (the raw pixels, ink 0: TFF's, as Reddi et al. feed them)"
+      )
+    ]
 
 
-def read_clients(num_clients=None, data_dir=None, download=False,
-                 only_digits: bool = False, pixels: str = 'fedjax') -> NaturalData:
+def read_clients(
+  num_clients=None,
+  data_dir=None,
+  download=False,
+  only_digits: bool = False,
+  pixels: str = 'fedjax',
+) -> NaturalData:
   """Federated EMNIST (3,400 writers; digits only 3,383), FedJAX's files,
   in the ``pixels`` convention (``PIXELS``), client by client (what the
   population store is written from).
@@ -58,8 +85,10 @@ def read_clients(num_clients=None, data_dir=None, download=False,
   name = 'emnist_digits' if only_digits else 'emnist'
   paths = list(sources.fetch(name, data_dir, download).values())
   convention = PIXELS[pixels]
-  conv = lambda ex: (convention(np.asarray(ex['pixels'], np.float32))[..., None],
-                     np.asarray(ex['label'], np.int32))
+  conv = lambda ex: (
+    convention(np.asarray(ex['pixels'], np.float32))[..., None],
+    np.asarray(ex['label'], np.int32),
+  )
   classes = 10 if only_digits else 62
 
   def checked(ex):
@@ -67,6 +96,7 @@ def read_clients(num_clients=None, data_dir=None, download=False,
     if y.size and (y.min() < 0 or y.max() >= classes):
       raise DataError(f'{paths[0]}: labels outside [0, {classes})')
     return x, y
+
   out = fedjax_splits(name, paths[0], paths[1], num_clients, checked)
   out.num_classes = classes
   return out
@@ -105,7 +135,10 @@ def preprocess_client(client_id, examples):
   Returns:
     The examples with ``domain_id`` [N] (the label's dtype).
   """
-  return {**examples, 'domain_id': np.full_like(examples['label'], domain_id(client_id))}
+  return {
+    **examples,
+    'domain_id': np.full_like(examples['label'], domain_id(client_id)),
+  }
 
 
 def preprocess_batch(examples):
@@ -117,8 +150,11 @@ def preprocess_batch(examples):
   Returns:
     ``{'x', 'y', 'domain_id'}``.
   """
-  return {'x': 1 - examples['pixels'][..., np.newaxis], 'y': examples['label'],
-          'domain_id': examples['domain_id']}
+  return {
+    'x': 1 - examples['pixels'][..., np.newaxis],
+    'y': examples['label'],
+    'domain_id': examples['domain_id'],
+  }
 
 
 def preprocess_batch_tff(examples):
@@ -131,8 +167,11 @@ def preprocess_batch_tff(examples):
   Returns:
     ``{'x', 'y', 'domain_id'}``.
   """
-  return {'x': examples['pixels'][..., np.newaxis], 'y': examples['label'],
-          'domain_id': examples['domain_id']}
+  return {
+    'x': examples['pixels'][..., np.newaxis],
+    'y': examples['label'],
+    'domain_id': examples['domain_id'],
+  }
 
 
 BATCH_PREPROCESSING = {'fedjax': preprocess_batch, 'tff': preprocess_batch_tff}
@@ -149,11 +188,21 @@ def preprocess_split(fd):
   Returns:
     The split with FedJAX's features.
   """
-  return fd.preprocess_client(preprocess_client).preprocess_batch(preprocess_batch)
+  return fd.preprocess_client(preprocess_client).preprocess_batch(
+    preprocess_batch
+  )
 
 
-def load_split(split: str, only_digits: bool = False, mode: str = 'sqlite', cache_dir=None, *,
-               num_clients=None, download: bool = True, data_dir=None):
+def load_split(
+  split: str,
+  only_digits: bool = False,
+  mode: str = 'sqlite',
+  cache_dir=None,
+  *,
+  num_clients=None,
+  download: bool = True,
+  data_dir=None,
+):
   """FedJAX's ``emnist.load_split``: one file's writers, raw (``pixels``
   [N, 28, 28] float32, ``label`` [N] int32), in the file's order.
 
@@ -169,13 +218,25 @@ def load_split(split: str, only_digits: bool = False, mode: str = 'sqlite', cach
   if split not in SPLITS:
     raise ValueError(f'Invalid split={split!r}')
   name = 'emnist_digits' if only_digits else 'emnist'
-  cfg = federated.data_config(name, mode, cache_dir, num_clients, download, data_dir)
+  cfg = federated.data_config(
+    name, mode, cache_dir, num_clients, download, data_dir
+  )
   return sqlite_federated.open_split(
-      cfg, f'federated_emnist_{"digitsonly_" if only_digits else ""}{split}.sqlite')
+    cfg,
+    f'federated_emnist_{"digitsonly_" if only_digits else ""}{split}.sqlite',
+  )
 
 
-def load_data(only_digits: bool = False, mode: str = 'sqlite', cache_dir=None, *,
-              num_clients=None, download: bool = True, pixels: str = 'fedjax', data_dir=None):
+def load_data(
+  only_digits: bool = False,
+  mode: str = 'sqlite',
+  cache_dir=None,
+  *,
+  num_clients=None,
+  download: bool = True,
+  pixels: str = 'fedjax',
+  data_dir=None,
+):
   """FedJAX's ``emnist.load_data``: the train and test files' writers, each
   in its file's order, with FedJAX's preprocessing.
 
@@ -199,10 +260,19 @@ def load_data(only_digits: bool = False, mode: str = 'sqlite', cache_dir=None, *
     ``(train, test)`` ``sqlite_federated.SQLiteFederatedData``, clients by id.
   """
   if pixels not in BATCH_PREPROCESSING:
-    raise ValueError(f'pixels must be one of {list(BATCH_PREPROCESSING)}, got {pixels!r}')
+    raise ValueError(
+      f'pixels must be one of {list(BATCH_PREPROCESSING)}, got {pixels!r}'
+    )
   name = 'emnist_digits' if only_digits else 'emnist'
-  cfg = federated.data_config(name, mode, cache_dir, num_clients, download, data_dir,
-                              emnist_pixels=pixels)
-  return tuple(sqlite_federated.open_split(
-      cfg, f'federated_emnist_{"digitsonly_" if only_digits else ""}{split}.sqlite',
-      [preprocess_client], [BATCH_PREPROCESSING[pixels]]) for split in SPLITS)
+  cfg = federated.data_config(
+    name, mode, cache_dir, num_clients, download, data_dir, emnist_pixels=pixels
+  )
+  return tuple(
+    sqlite_federated.open_split(
+      cfg,
+      f'federated_emnist_{"digitsonly_" if only_digits else ""}{split}.sqlite',
+      [preprocess_client],
+      [BATCH_PREPROCESSING[pixels]],
+    )
+    for split in SPLITS
+  )

@@ -16,24 +16,54 @@ changed, and ``.store`` hands the same clients to this project's rounds.
 """
 
 import os
-from typing import Callable, Iterable, Iterator, Optional, Sequence, Tuple, Union
+from typing import (
+  Callable,
+  Iterable,
+  Iterator,
+  Optional,
+  Sequence,
+  Tuple,
+  Union,
+)
 
 import numpy as np
 
 from fedjax_personal.datasets import client_datasets, config, loading, registry
 from fedjax_personal.datasets.client_datasets import (  # noqa: F401 (FedJAX's names, here too)
-    BatchPreprocessor, ClientDataset, EXAMPLE_MASK_KEY, Examples, NoOpBatchPreprocessor)
-from fedjax_personal.datasets.natural_data import IGNORE, PAD
+  EXAMPLE_MASK_KEY,
+  BatchPreprocessor,
+  ClientDataset,
+  Examples,
+  NoOpBatchPreprocessor,
+)
 from fedjax_personal.datasets.federated_data import (  # noqa: F401 (FedJAX's names, here too)
-    ClientPreprocessor, InMemoryFederatedData, NoOpClientPreprocessor, SubsetFederatedData,
-    padded_batch_federated_data, shuffle_repeat_batch_federated_data)
+  ClientPreprocessor,
+  InMemoryFederatedData,
+  NoOpClientPreprocessor,
+  SubsetFederatedData,
+  padded_batch_federated_data,
+  shuffle_repeat_batch_federated_data,
+)
+from fedjax_personal.datasets.natural_data import IGNORE, PAD
 
-__all__ = ['data_config', 'FederatedData', 'fedjax_targets', 'HELD_OUT_PREFIX', 'load', 'splits',
-           'store_of', 'xy']
+__all__ = [
+  'data_config',
+  'FederatedData',
+  'fedjax_targets',
+  'HELD_OUT_PREFIX',
+  'load',
+  'splits',
+  'store_of',
+  'xy',
+]
 
 
 def _as_bytes(client_id) -> bytes:
-  return client_id if isinstance(client_id, bytes) else str(client_id).encode('utf-8')
+  return (
+    client_id
+    if isinstance(client_id, bytes)
+    else str(client_id).encode('utf-8')
+  )
 
 
 class FederatedData:
@@ -53,16 +83,24 @@ class FederatedData:
       (``test/<id>``), left out of the ids this view shows: its publisher's.
   """
 
-  def __init__(self, store, split: str, rows: Union[Sequence[int], np.ndarray],
-               features: Callable[[np.ndarray, np.ndarray], Examples],
-               preprocess_client: ClientPreprocessor = NoOpClientPreprocessor,
-               preprocess_batch: BatchPreprocessor = NoOpBatchPreprocessor,
-               size_rows: Optional[Sequence[int]] = None, held_out_prefix: str = ''):
+  def __init__(
+    self,
+    store,
+    split: str,
+    rows: Union[Sequence[int], np.ndarray],
+    features: Callable[[np.ndarray, np.ndarray], Examples],
+    preprocess_client: ClientPreprocessor = NoOpClientPreprocessor,
+    preprocess_batch: BatchPreprocessor = NoOpBatchPreprocessor,
+    size_rows: Optional[Sequence[int]] = None,
+    held_out_prefix: str = '',
+  ):
     self._store = store
     self._split = split
     self._rows = np.asarray(rows, np.int64)
     # client_sizes() in the base's order (FedJAX's SubsetFederatedData)
-    self._size_rows = self._rows if size_rows is None else np.asarray(size_rows, np.int64)
+    self._size_rows = (
+      self._rows if size_rows is None else np.asarray(size_rows, np.int64)
+    )
     self._features = features
     self._preprocess_client = preprocess_client
     self._preprocess_batch = preprocess_batch
@@ -74,14 +112,20 @@ class FederatedData:
   def _shown(self, store_id) -> bytes:
     """A store id as this view shows it (a held-out client's publisher id)."""
     if self._prefix and str(store_id).startswith(self._prefix):
-      store_id = str(store_id)[len(self._prefix):]
+      store_id = str(store_id)[len(self._prefix) :]
     return _as_bytes(store_id)
 
   def _with(self, **changes) -> 'FederatedData':
-    args = dict(store=self._store, split=self._split, rows=self._rows, features=self._features,
-                preprocess_client=self._preprocess_client,
-                preprocess_batch=self._preprocess_batch,
-                size_rows=self._size_rows, held_out_prefix=self._prefix)
+    args = dict(
+      store=self._store,
+      split=self._split,
+      rows=self._rows,
+      features=self._features,
+      preprocess_client=self._preprocess_client,
+      preprocess_batch=self._preprocess_batch,
+      size_rows=self._size_rows,
+      held_out_prefix=self._prefix,
+    )
     args.update(changes)
     return FederatedData(**args)
 
@@ -101,8 +145,9 @@ class FederatedData:
     Returns:
       A ``PopulationStore``.
     """
-    return self._store.subset([self._store.client_ids[self._row(c)] for c in client_ids],
-                              'of a slice')
+    return self._store.subset(
+      [self._store.client_ids[self._row(c)] for c in client_ids], 'of a slice'
+    )
 
   def num_clients(self) -> int:
     """How many clients."""
@@ -115,7 +160,9 @@ class FederatedData:
   def client_sizes(self) -> Iterator[Tuple[bytes, int]]:
     """(id, number of examples) of every client (a subset's in its base's order, as FedJAX's)."""
     counts, ids = self._store.counts[self._split], self._store.client_ids
-    return ((self._shown(ids[r]), int(counts[r])) for r in self._size_rows.tolist())
+    return (
+      (self._shown(ids[r]), int(counts[r])) for r in self._size_rows.tolist()
+    )
 
   def client_size(self, client_id) -> int:
     """A client's number of examples (KeyError if it is not here)."""
@@ -132,13 +179,17 @@ class FederatedData:
     hi = lo + int(self._store.counts[self._split][row])
     x, y, _ = self._store.arrays[self._split]
     examples = self._features(np.asarray(x[lo:hi]), np.asarray(y[lo:hi]))
-    return ClientDataset(self._preprocess_client(client_id, examples), self._preprocess_batch)
+    return ClientDataset(
+      self._preprocess_client(client_id, examples), self._preprocess_batch
+    )
 
   def get_client(self, client_id) -> ClientDataset:
     """One client's examples (KeyError if it is not here)."""
     return self._client(self._row(client_id), _as_bytes(client_id))
 
-  def get_clients(self, client_ids: Iterable) -> Iterator[Tuple[bytes, ClientDataset]]:
+  def get_clients(
+    self, client_ids: Iterable
+  ) -> Iterator[Tuple[bytes, ClientDataset]]:
     """(id, ClientDataset) for each id, in the order given (ids as given)."""
     for c in client_ids:
       yield c, self.get_client(c)
@@ -148,14 +199,16 @@ class FederatedData:
     for c, r in zip(self._ids, self._rows.tolist()):
       yield c, self._client(r, c)
 
-  def shuffled_clients(self, buffer_size: int,
-                       seed: Optional[int] = None) -> Iterator[Tuple[bytes, ClientDataset]]:
+  def shuffled_clients(
+    self, buffer_size: int, seed: Optional[int] = None
+  ) -> Iterator[Tuple[bytes, ClientDataset]]:
     """Every client, pass after pass forever, each pass shuffled through a
     buffer of ``buffer_size`` clients (``seed`` fixes the order)."""
     rng = np.random.RandomState(seed)
     while True:
-      for c, r in client_datasets.buffered_shuffle(zip(self._ids, self._rows.tolist()),
-                                                   buffer_size, rng):
+      for c, r in client_datasets.buffered_shuffle(
+        zip(self._ids, self._rows.tolist()), buffer_size, rng
+      ):
         yield c, self._client(r, c)
 
   def slice(self, start=None, stop=None) -> 'FederatedData':
@@ -165,9 +218,12 @@ class FederatedData:
     hi = None if stop is None else _as_bytes(stop)
     inside = lambda c: (lo is None or c >= lo) and (hi is None or c < hi)
     ids = self._store.client_ids
-    return self._with(rows=[r for c, r in zip(self._ids, self._rows.tolist()) if inside(c)],
-                      size_rows=[r for r in self._size_rows.tolist()
-                                 if inside(self._shown(ids[r]))])
+    return self._with(
+      rows=[r for c, r in zip(self._ids, self._rows.tolist()) if inside(c)],
+      size_rows=[
+        r for r in self._size_rows.tolist() if inside(self._shown(ids[r]))
+      ],
+    )
 
   def subset(self, client_ids: Iterable) -> 'FederatedData':
     """The clients named ``client_ids``, as FedJAX's ``SubsetFederatedData``
@@ -187,17 +243,26 @@ class FederatedData:
     wanted = {_as_bytes(c) for c in client_ids}
     missing = wanted.difference(self._ids)
     if missing:
-      raise ValueError('Some client ids are not in the base FederatedData, showing up to 10: '
-                       f'{sorted(missing)[:10]}')
-    return self._with(rows=[self._row_of[c] for c in sorted(wanted)],
-                      size_rows=[r for c, r in zip(self._ids, self._rows.tolist())
-                                 if c in wanted])
+      raise ValueError(
+        'Some client ids are not in the base FederatedData, showing up to 10: '
+        f'{sorted(missing)[:10]}'
+      )
+    return self._with(
+      rows=[self._row_of[c] for c in sorted(wanted)],
+      size_rows=[
+        r for c, r in zip(self._ids, self._rows.tolist()) if c in wanted
+      ],
+    )
 
-  def preprocess_client(self, fn: Callable[[bytes, Examples], Examples]) -> 'FederatedData':
+  def preprocess_client(
+    self, fn: Callable[[bytes, Examples], Examples]
+  ) -> 'FederatedData':
     """A view whose clients' examples pass through ``fn(client_id, examples)`` too."""
     return self._with(preprocess_client=self._preprocess_client.append(fn))
 
-  def preprocess_batch(self, fn: Callable[[Examples], Examples]) -> 'FederatedData':
+  def preprocess_batch(
+    self, fn: Callable[[Examples], Examples]
+  ) -> 'FederatedData':
     """A view whose batches pass through ``fn(examples)`` too."""
     return self._with(preprocess_batch=self._preprocess_batch.append(fn))
 
@@ -220,8 +285,9 @@ def xy(x: np.ndarray, y: np.ndarray) -> Examples:
 HELD_OUT_PREFIX = 'test/'
 
 
-def splits(store, features: Callable[[np.ndarray, np.ndarray], Examples] = xy
-           ) -> Tuple[FederatedData, FederatedData]:
+def splits(
+  store, features: Callable[[np.ndarray, np.ndarray], Examples] = xy
+) -> Tuple[FederatedData, FederatedData]:
   """``(train, test)`` of a population store: the clients that train
   (every one but the held-out ``eval_only``), and the clients with test
   examples (as a publisher's test file lists them; held-out test clients
@@ -237,8 +303,12 @@ def splits(store, features: Callable[[np.ndarray, np.ndarray], Examples] = xy
   """
   trained = np.arange(store.num_trained)
   tested = np.flatnonzero(np.asarray(store.counts['test']) > 0)
-  return (FederatedData(store, 'train', trained, features),
-          FederatedData(store, 'test', tested, features, held_out_prefix=HELD_OUT_PREFIX))
+  return (
+    FederatedData(store, 'train', trained, features),
+    FederatedData(
+      store, 'test', tested, features, held_out_prefix=HELD_OUT_PREFIX
+    ),
+  )
 
 
 def fedjax_targets(x: np.ndarray, y: np.ndarray) -> Examples:
@@ -255,8 +325,15 @@ def fedjax_targets(x: np.ndarray, y: np.ndarray) -> Examples:
   return {'x': x, 'y': np.where(y == IGNORE, PAD, y)}
 
 
-def data_config(dataset: str, mode: str = 'sqlite', cache_dir=None, num_clients=None,
-                download: bool = True, data_dir=None, **options):
+def data_config(
+  dataset: str,
+  mode: str = 'sqlite',
+  cache_dir=None,
+  num_clients=None,
+  download: bool = True,
+  data_dir=None,
+  **options,
+):
   """The ``DataConfig`` of a ``load_data`` call (FedJAX's arguments, and
   this project's options by their flags' names).
 
@@ -279,7 +356,9 @@ def data_config(dataset: str, mode: str = 'sqlite', cache_dir=None, num_clients=
   cls = registry.options_class(dataset)
   fields = config.option_flags(cls)
   if mode != 'sqlite':
-    raise ValueError(f'Unsupported mode={mode!r}: the published files are read (mode=\'sqlite\')')
+    raise ValueError(
+      f"Unsupported mode={mode!r}: the published files are read (mode='sqlite')"
+    )
   if cache_dir is not None and data_dir is not None and cache_dir != data_dir:
     raise ValueError('give cache_dir or data_dir (the same folder), not both')
   folder = cache_dir if cache_dir is not None else data_dir
@@ -287,13 +366,21 @@ def data_config(dataset: str, mode: str = 'sqlite', cache_dir=None, num_clients=
     folder = os.path.expanduser(str(folder))
     if not os.path.isdir(folder):
       if not download:
-        raise ValueError(f'cache_dir={folder!r} is not a folder (give the folder of the files, '
-                         'or download=True to fetch them there)')
-      os.makedirs(folder, exist_ok=True)  # as FedJAX's: the files are downloaded into it
-  return config.DataConfig(dataset=dataset, partition='natural', num_clients=num_clients,
-                                 data_dir=folder, download=download,
-                                 options=cls(**{fields[k]: v for k, v in options.items()
-                                                if v is not None}))
+        raise ValueError(
+          f'cache_dir={folder!r} is not a folder (give the folder of the files, '
+          'or download=True to fetch them there)'
+        )
+      os.makedirs(
+        folder, exist_ok=True
+      )  # as FedJAX's: the files are downloaded into it
+  return config.DataConfig(
+    dataset=dataset,
+    partition='natural',
+    num_clients=num_clients,
+    data_dir=folder,
+    download=download,
+    options=cls(**{fields[k]: v for k, v in options.items() if v is not None}),
+  )
 
 
 def store_of(cfg, prefix: str = '') -> Callable[[Sequence], object]:
@@ -313,14 +400,25 @@ def store_of(cfg, prefix: str = '') -> Callable[[Sequence], object]:
   def of(client_ids):
     if not built:
       built.append(loading.load_store(cfg))
-    ids = [prefix + (c.decode('utf-8') if isinstance(c, bytes) else str(c)) for c in client_ids]
+    ids = [
+      prefix + (c.decode('utf-8') if isinstance(c, bytes) else str(c))
+      for c in client_ids
+    ]
     return built[0].subset(ids, 'of a load_data view')
+
   return of
 
 
-def load(dataset: str, mode: str = 'sqlite', cache_dir=None, num_clients=None,
-         download: bool = True, data_dir=None, features=xy, **options
-         ) -> Tuple[FederatedData, FederatedData]:
+def load(
+  dataset: str,
+  mode: str = 'sqlite',
+  cache_dir=None,
+  num_clients=None,
+  download: bool = True,
+  data_dir=None,
+  features=xy,
+  **options,
+) -> Tuple[FederatedData, FederatedData]:
   """``(train, test)`` of a natural data set from its population store
   (``splits``; ``load_store``: written once from the files, then reused).
 
@@ -340,5 +438,7 @@ def load(dataset: str, mode: str = 'sqlite', cache_dir=None, num_clients=None,
   Returns:
     The train and test ``FederatedData``.
   """
-  cfg = data_config(dataset, mode, cache_dir, num_clients, download, data_dir, **options)
+  cfg = data_config(
+    dataset, mode, cache_dir, num_clients, download, data_dir, **options
+  )
   return splits(loading.load_store(cfg), features)

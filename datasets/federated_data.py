@@ -10,14 +10,23 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 import numpy as np
 
-from fedjax_personal.datasets import client_datasets
-from fedjax_personal.datasets.client_datasets import (BatchPreprocessor, ClientDataset, Examples,
-                                                      NoOpBatchPreprocessor)
 from fedjax_personal.core.population.clients import PopulationStore
+from fedjax_personal.datasets import client_datasets
+from fedjax_personal.datasets.client_datasets import (
+  BatchPreprocessor,
+  ClientDataset,
+  Examples,
+  NoOpBatchPreprocessor,
+)
 
-__all__ = ['ClientPreprocessor', 'InMemoryFederatedData', 'NoOpClientPreprocessor',
-           'padded_batch_federated_data', 'shuffle_repeat_batch_federated_data',
-           'SubsetFederatedData']
+__all__ = [
+  'ClientPreprocessor',
+  'InMemoryFederatedData',
+  'NoOpClientPreprocessor',
+  'padded_batch_federated_data',
+  'shuffle_repeat_batch_federated_data',
+  'SubsetFederatedData',
+]
 
 ClientId = bytes
 
@@ -31,7 +40,9 @@ class ClientPreprocessor:
       to a copy of the examples.
   """
 
-  def __init__(self, fns: Iterable[Callable[[ClientId, Examples], Examples]] = ()):
+  def __init__(
+    self, fns: Iterable[Callable[[ClientId, Examples], Examples]] = ()
+  ):
     self._fns = tuple(fns)
 
   def __call__(self, client_id: ClientId, examples: Examples) -> Examples:
@@ -43,7 +54,9 @@ class ClientPreprocessor:
     client_datasets.assert_consistent_rows(out)
     return out
 
-  def append(self, fn: Callable[[ClientId, Examples], Examples]) -> 'ClientPreprocessor':
+  def append(
+    self, fn: Callable[[ClientId, Examples], Examples]
+  ) -> 'ClientPreprocessor':
     """A new ClientPreprocessor with ``fn`` added to the end."""
     return ClientPreprocessor(self._fns + (fn,))
 
@@ -68,14 +81,18 @@ class SubsetFederatedData:
     validate: check that they are (a ValueError naming up to 10 otherwise).
   """
 
-  def __init__(self, base, client_ids: Iterable[ClientId], validate: bool = True):
+  def __init__(
+    self, base, client_ids: Iterable[ClientId], validate: bool = True
+  ):
     self._base = base
     ids = client_ids if isinstance(client_ids, set) else set(client_ids)
     if validate:
       bad = ids.difference(base.client_ids())
       if bad:
-        raise ValueError('Some client ids are not in the base FederatedData, showing up to 10: '
-                         f'{sorted(bad)[:10]}')
+        raise ValueError(
+          'Some client ids are not in the base FederatedData, showing up to 10: '
+          f'{sorted(bad)[:10]}'
+        )
     self._client_ids = ids
 
   @property
@@ -96,9 +113,14 @@ class SubsetFederatedData:
 
   def slice(self, start=None, stop=None) -> 'SubsetFederatedData':
     """The ids in ``[start, stop)``."""
-    inside = lambda c: (start is None or start <= c) and (stop is None or c < stop)
-    return SubsetFederatedData(self._base.slice(start, stop),
-                               {c for c in self._client_ids if inside(c)}, validate=False)
+    inside = lambda c: (
+      (start is None or start <= c) and (stop is None or c < stop)
+    )
+    return SubsetFederatedData(
+      self._base.slice(start, stop),
+      {c for c in self._client_ids if inside(c)},
+      validate=False,
+    )
 
   def subset(self, client_ids: Iterable) -> 'SubsetFederatedData':
     """Some of these clients (each once, sorted)."""
@@ -128,15 +150,20 @@ class SubsetFederatedData:
     """``(id, ClientDataset)`` of every client, in sorted order."""
     yield from self.get_clients(sorted(self._client_ids))
 
-  def shuffled_clients(self, buffer_size: int,
-                       seed: Optional[int] = None) -> Iterator[Tuple[ClientId, ClientDataset]]:
+  def shuffled_clients(
+    self, buffer_size: int, seed: Optional[int] = None
+  ) -> Iterator[Tuple[ClientId, ClientDataset]]:
     """Every client, pass after pass forever, each pass shuffled through a
     buffer of ``buffer_size``."""
     rng = np.random.RandomState(seed)
     while True:
-      yield from client_datasets.buffered_shuffle(self.clients(), buffer_size, rng)
+      yield from client_datasets.buffered_shuffle(
+        self.clients(), buffer_size, rng
+      )
 
-  def get_clients(self, client_ids: Iterable) -> Iterator[Tuple[ClientId, ClientDataset]]:
+  def get_clients(
+    self, client_ids: Iterable
+  ) -> Iterator[Tuple[ClientId, ClientDataset]]:
     """``(id, ClientDataset)`` for each id, in the order given (KeyError
     for one not here)."""
     for client_id, dataset in self._base.get_clients(client_ids):
@@ -152,11 +179,15 @@ class SubsetFederatedData:
 
   def preprocess_client(self, fn) -> 'SubsetFederatedData':
     """A view whose clients pass through ``fn(client_id, examples)`` too."""
-    return SubsetFederatedData(self._base.preprocess_client(fn), self._client_ids, validate=False)
+    return SubsetFederatedData(
+      self._base.preprocess_client(fn), self._client_ids, validate=False
+    )
 
   def preprocess_batch(self, fn) -> 'SubsetFederatedData':
     """A view whose batches pass through ``fn(examples)`` too."""
-    return SubsetFederatedData(self._base.preprocess_batch(fn), self._client_ids, validate=False)
+    return SubsetFederatedData(
+      self._base.preprocess_batch(fn), self._client_ids, validate=False
+    )
 
 
 class InMemoryFederatedData:
@@ -175,30 +206,45 @@ class InMemoryFederatedData:
     ValueError: clients with other features, or features of unequal rows.
   """
 
-  def __init__(self, client_to_data_mapping, preprocess_client: ClientPreprocessor = (
-                   NoOpClientPreprocessor),
-               preprocess_batch: BatchPreprocessor = NoOpBatchPreprocessor):
+  def __init__(
+    self,
+    client_to_data_mapping,
+    preprocess_client: ClientPreprocessor = (NoOpClientPreprocessor),
+    preprocess_batch: BatchPreprocessor = NoOpBatchPreprocessor,
+  ):
     self._preprocess_client = preprocess_client
     self._preprocess_batch = preprocess_batch
     self._data = client_to_data_mapping
     self._client_ids = sorted(self._data)
-    self._features = list(self._data[self._client_ids[0]]) if self._client_ids else []
+    self._features = (
+      list(self._data[self._client_ids[0]]) if self._client_ids else []
+    )
     for client_id in self._client_ids:
       if list(self._data[client_id]) != self._features:
-        raise ValueError(f'Inconsistent features, got {list(self._data[client_id])} for client '
-                         f'{client_id}, expect {self._features}')
+        raise ValueError(
+          f'Inconsistent features, got {list(self._data[client_id])} for client '
+          f'{client_id}, expect {self._features}'
+        )
       try:
-        client_datasets.assert_consistent_rows(self._client_dataset(client_id).all_examples())
+        client_datasets.assert_consistent_rows(
+          self._client_dataset(client_id).all_examples()
+        )
       except ValueError as exc:
-        raise ValueError(f'Inconsistent examples, for client {client_id}') from exc
+        raise ValueError(
+          f'Inconsistent examples, for client {client_id}'
+        ) from exc
 
   def _client_dataset(self, client_id) -> ClientDataset:
-    return ClientDataset(self._preprocess_client(client_id, self._data[client_id]),
-                         self._preprocess_batch)
+    return ClientDataset(
+      self._preprocess_client(client_id, self._data[client_id]),
+      self._preprocess_batch,
+    )
 
   def _with(self, data=None, **changes) -> 'InMemoryFederatedData':
-    args: Dict[str, Any] = dict(preprocess_client=self._preprocess_client,
-                                preprocess_batch=self._preprocess_batch)
+    args: Dict[str, Any] = dict(
+      preprocess_client=self._preprocess_client,
+      preprocess_batch=self._preprocess_batch,
+    )
     args.update(changes)
     return InMemoryFederatedData(self._data if data is None else data, **args)
 
@@ -223,13 +269,20 @@ class InMemoryFederatedData:
     empty = ([x[:0] for x in xs], [y[:0] for y in ys])
     classes = int(max((int(y.max()) for y in ys if y.size), default=0)) + 1
     return PopulationStore.from_clients(
-        {'train': (xs, ys), 'val': empty, 'test': empty}, np.zeros(len(ids), np.int32), classes,
-        f'{len(ids)} clients in memory', (xs[0].shape[1:], xs[0].dtype), ys[0].shape[1:],
-        client_ids=[c.decode() if isinstance(c, bytes) else str(c) for c in ids])
+      {'train': (xs, ys), 'val': empty, 'test': empty},
+      np.zeros(len(ids), np.int32),
+      classes,
+      f'{len(ids)} clients in memory',
+      (xs[0].shape[1:], xs[0].dtype),
+      ys[0].shape[1:],
+      client_ids=[c.decode() if isinstance(c, bytes) else str(c) for c in ids],
+    )
 
   def slice(self, start=None, stop=None) -> 'InMemoryFederatedData':
     """The clients with ids in ``[start, stop)``."""
-    inside = lambda c: (start is None or c >= start) and (stop is None or c < stop)
+    inside = lambda c: (
+      (start is None or c >= start) and (stop is None or c < stop)
+    )
     return self._with({c: self._data[c] for c in self._client_ids if inside(c)})
 
   def subset(self, client_ids: Iterable) -> SubsetFederatedData:
@@ -251,19 +304,24 @@ class InMemoryFederatedData:
 
   def client_size(self, client_id) -> int:
     """A client's examples (after ``preprocess_client``)."""
-    return client_datasets.num_examples(self._client_dataset(client_id).all_examples(),
-                                        validate=False)
+    return client_datasets.num_examples(
+      self._client_dataset(client_id).all_examples(), validate=False
+    )
 
   def clients(self) -> Iterator[Tuple]:
     """``(id, ClientDataset)`` of every client, sorted by id."""
     yield from self.get_clients(self._client_ids)
 
-  def shuffled_clients(self, buffer_size: int, seed: Optional[int] = None) -> Iterator[Tuple]:
+  def shuffled_clients(
+    self, buffer_size: int, seed: Optional[int] = None
+  ) -> Iterator[Tuple]:
     """Every client, pass after pass forever, each pass shuffled through a
     buffer of ``buffer_size``."""
     rng = np.random.RandomState(seed)
     while True:
-      yield from client_datasets.buffered_shuffle(self.clients(), buffer_size, rng)
+      yield from client_datasets.buffered_shuffle(
+        self.clients(), buffer_size, rng
+      )
 
   def get_clients(self, client_ids: Iterable) -> Iterator[Tuple]:
     """``(id, ClientDataset)`` for each id, in the order given."""
@@ -283,7 +341,9 @@ class InMemoryFederatedData:
     return self._with(preprocess_batch=self._preprocess_batch.append(fn))
 
 
-def padded_batch_federated_data(fd, hparams=None, **kwargs) -> Iterator[Examples]:
+def padded_batch_federated_data(
+  fd, hparams=None, **kwargs
+) -> Iterator[Examples]:
   """Every client's examples in padded batches across clients' edges, in
   ``fd.clients()`` order (FedJAX's ``padded_batch_federated_data``): the
   whole federated data set evaluated as one.
@@ -297,12 +357,17 @@ def padded_batch_federated_data(fd, hparams=None, **kwargs) -> Iterator[Examples
     Preprocessed batches, each with ``EXAMPLE_MASK_KEY``.
   """
   yield from client_datasets.padded_batch_client_datasets(
-      (dataset for _, dataset in fd.clients()), hparams, **kwargs)
+    (dataset for _, dataset in fd.clients()), hparams, **kwargs
+  )
 
 
-def shuffle_repeat_batch_federated_data(fd, batch_size: int, client_buffer_size: int,
-                                        example_buffer_size: int,
-                                        seed: Optional[int] = None) -> Iterator[Examples]:
+def shuffle_repeat_batch_federated_data(
+  fd,
+  batch_size: int,
+  client_buffer_size: int,
+  example_buffer_size: int,
+  seed: Optional[int] = None,
+) -> Iterator[Examples]:
   """Batches of every client's examples forever, shuffled at two levels
   (clients through ``client_buffer_size``, then examples through
   ``example_buffer_size``): FedJAX's ``shuffle_repeat_batch_federated_data``,
@@ -319,7 +384,12 @@ def shuffle_repeat_batch_federated_data(fd, batch_size: int, client_buffer_size:
     Preprocessed batches.
   """
   rng = np.random.RandomState(seed)
-  datasets = (dataset for _, dataset in fd.shuffled_clients(client_buffer_size,
-                                                            rng.randint(1 << 32)))
+  datasets = (
+    dataset
+    for _, dataset in fd.shuffled_clients(
+      client_buffer_size, rng.randint(1 << 32)
+    )
+  )
   yield from client_datasets.buffered_shuffle_batch_client_datasets(
-      datasets, batch_size=batch_size, buffer_size=example_buffer_size, rng=rng)
+    datasets, batch_size=batch_size, buffer_size=example_buffer_size, rng=rng
+  )

@@ -9,15 +9,15 @@ on words of every length branch (tests/test_fedjax_tutorial.py).
 __all__ = ['fingerprint64']
 
 _M = (1 << 64) - 1
-K0, K1, K2 = 0xc3a5c85c97cb3127, 0xb492b66fbe98f273, 0x9ae16a3b2f90404f
+K0, K1, K2 = 0xC3A5C85C97CB3127, 0xB492B66FBE98F273, 0x9AE16A3B2F90404F
 
 
 def _fetch(s, i):
-  return int.from_bytes(s[i:i + 8], 'little')
+  return int.from_bytes(s[i : i + 8], 'little')
 
 
 def _fetch32(s, i):
-  return int.from_bytes(s[i:i + 4], 'little')
+  return int.from_bytes(s[i : i + 4], 'little')
 
 
 def _rot(v, shift):
@@ -50,8 +50,8 @@ def _len0to16(s, n):
     return _hash16((n + (a << 3)) & _M, _fetch32(s, n - 4), mul)
   if n > 0:
     a, b, c = s[0], s[n >> 1], s[n - 1]
-    y = (a + (b << 8)) & 0xffffffff
-    z = (n + (c << 2)) & 0xffffffff
+    y = (a + (b << 8)) & 0xFFFFFFFF
+    z = (n + (c << 2)) & 0xFFFFFFFF
     return (_shift_mix(((y * K2) ^ (z * K0)) & _M) * K2) & _M
   return K2
 
@@ -62,8 +62,11 @@ def _len17to32(s, n):
   b = _fetch(s, 8)
   c = (_fetch(s, n - 8) * mul) & _M
   d = (_fetch(s, n - 16) * K2) & _M
-  return _hash16((_rot((a + b) & _M, 43) + _rot(c, 30) + d) & _M,
-                 (a + _rot((b + K2) & _M, 18) + c) & _M, mul)
+  return _hash16(
+    (_rot((a + b) & _M, 43) + _rot(c, 30) + d) & _M,
+    (a + _rot((b + K2) & _M, 18) + c) & _M,
+    mul,
+  )
 
 
 def _len33to64(s, n):
@@ -78,12 +81,20 @@ def _len33to64(s, n):
   f = _fetch(s, 24)
   g = ((y + _fetch(s, n - 32)) * mul) & _M
   h = ((z + _fetch(s, n - 24)) * mul) & _M
-  return _hash16((_rot((e + f) & _M, 43) + _rot(g, 30) + h) & _M,
-                 (e + _rot((f + a) & _M, 18) + g) & _M, mul)
+  return _hash16(
+    (_rot((e + f) & _M, 43) + _rot(g, 30) + h) & _M,
+    (e + _rot((f + a) & _M, 18) + g) & _M,
+    mul,
+  )
 
 
 def _weak32(s, i, a, b):
-  w, x, y, z = _fetch(s, i), _fetch(s, i + 8), _fetch(s, i + 16), _fetch(s, i + 24)
+  w, x, y, z = (
+    _fetch(s, i),
+    _fetch(s, i + 8),
+    _fetch(s, i + 16),
+    _fetch(s, i + 24),
+  )
   a = (a + w) & _M
   b = _rot((b + a + z) & _M, 21)
   c = a
@@ -129,7 +140,7 @@ def fingerprint64(s: bytes) -> int:
     i += 64
     if i == end:
       break
-  mul = (K1 + ((z & 0xff) << 1)) & _M
+  mul = (K1 + ((z & 0xFF) << 1)) & _M
   i = last64
   w = ((w[0] + ((n - 1) & 63)) & _M, w[1])
   v = ((v[0] + w[0]) & _M, v[1])
@@ -142,5 +153,8 @@ def fingerprint64(s: bytes) -> int:
   v = _weak32(s, i, (v[1] * mul) & _M, (x + w[0]) & _M)
   w = _weak32(s, i + 32, (z + w[1]) & _M, (y + _fetch(s, i + 16)) & _M)
   z, x = x, z
-  return _hash16((_hash16(v[0], w[0], mul) + _shift_mix(y) * K0 + z) & _M,
-                 (_hash16(v[1], w[1], mul) + x) & _M, mul)
+  return _hash16(
+    (_hash16(v[0], w[0], mul) + _shift_mix(y) * K0 + z) & _M,
+    (_hash16(v[1], w[1], mul) + x) & _M,
+    mul,
+  )

@@ -9,32 +9,40 @@ classes.
 
 import collections
 import csv
+import dataclasses
 import os
 import zlib
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
-
-import dataclasses
-from typing import Optional
+from PIL import Image, UnidentifiedImageError
 
 from fedjax_personal.datasets import federated, local_files, sources
 from fedjax_personal.datasets.natural_data import NaturalData, take
 from fedjax_personal.datasets.options import DataOptions
 from fedjax_personal.errors import DataError
 from fedjax_personal.hparams import hparam
-from PIL import Image, UnidentifiedImageError
 
-
-__all__ = ['gldv2_halves', 'GLDV2_MAX_PER_SPLIT', 'Gldv2Options', 'load_data', 'read_clients']
+__all__ = [
+  'gldv2_halves',
+  'GLDV2_MAX_PER_SPLIT',
+  'Gldv2Options',
+  'load_data',
+  'read_clients',
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class Gldv2Options(DataOptions):
   """GLDv2's options."""
-  image_size: Optional[int] = hparam(None, 'gldv2: the side of the square images, in pixels '
-                                     '(resized once, into the population store). Default: 224, '
-                                     'as the partial-personalization seed.', minimum=8)
+
+  image_size: Optional[int] = hparam(
+    None,
+    'gldv2: the side of the square images, in pixels '
+    '(resized once, into the population store). Default: 224, '
+    'as the partial-personalization seed.',
+    minimum=8,
+  )
 
 
 GLDV2_CLASSES = 2028
@@ -43,8 +51,11 @@ GLDV2_MIN_EXAMPLES = 50
 #: The seed's ``max_num_elements_per_client``: the cap of each split.
 GLDV2_MAX_PER_SPLIT = 1000
 GLDV2_IMAGE_SIZE = 224
-GLDV2_SPLIT_NAMES = ('gldv2/federated_train.csv', 'landmarks-user-160k/federated_train.csv',
-                     'federated_train.csv')
+GLDV2_SPLIT_NAMES = (
+  'gldv2/federated_train.csv',
+  'landmarks-user-160k/federated_train.csv',
+  'federated_train.csv',
+)
 GLDV2_IMAGE_DIRS = ('gldv2/images', 'landmarks-user-160k/images')
 
 
@@ -56,21 +67,27 @@ def read_gldv2_split(path) -> Dict[str, List[Tuple[str, int]]]:
       reader = csv.DictReader(f)
       missing = {'user_id', 'image_id', 'class'} - set(reader.fieldnames or ())
       if missing:
-        raise ValueError(f'no column {sorted(missing)[0]!r} (it has {reader.fieldnames})')
+        raise ValueError(
+          f'no column {sorted(missing)[0]!r} (it has {reader.fieldnames})'
+        )
       for row in reader:
         label = int(row['class'])
         if not 0 <= label < GLDV2_CLASSES:
           raise ValueError(f'class {label} outside [0, {GLDV2_CLASSES})')
         users[row['user_id']].append((row['image_id'], label))
   except (OSError, ValueError, UnicodeDecodeError, csv.Error) as e:
-    raise DataError(f'{path}: not GLDv2\'s federated split ({type(e).__name__}: {e})') from None
+    raise DataError(
+      f"{path}: not GLDv2's federated split ({type(e).__name__}: {e})"
+    ) from None
   return dict(users)
 
 
 def gldv2_clients(split: Dict[str, List[Tuple[str, int]]]) -> List[str]:
   """The seed's users (at least GLDV2_MIN_EXAMPLES images), by number."""
   users = [u for u, rows in split.items() if len(rows) >= GLDV2_MIN_EXAMPLES]
-  return sorted(users, key=lambda u: (0, int(u), u) if u.isdigit() else (1, 0, u))
+  return sorted(
+    users, key=lambda u: (0, int(u), u) if u.isdigit() else (1, 0, u)
+  )
 
 
 def gldv2_halves(user: str, n: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -96,10 +113,15 @@ def read_image(path, size: int) -> np.ndarray:
   ``tf.image.resize`` to a square, aspect ratio not kept)."""
   try:
     with Image.open(path) as im:
-      return np.asarray(im.convert('RGB').resize((size, size), Image.Resampling.BILINEAR), np.uint8)
+      return np.asarray(
+        im.convert('RGB').resize((size, size), Image.Resampling.BILINEAR),
+        np.uint8,
+      )
   except (OSError, UnidentifiedImageError, ValueError) as e:
-    raise DataError(f'{path}: not a readable image ({type(e).__name__}: {e}); delete it and get '
-                    'it again') from None
+    raise DataError(
+      f'{path}: not a readable image ({type(e).__name__}: {e}); delete it and get '
+      'it again'
+    ) from None
 
 
 def _gldv2_split_file(data_dir, download) -> str:
@@ -108,13 +130,22 @@ def _gldv2_split_file(data_dir, download) -> str:
   path = local_files.locate(GLDV2_SPLIT_NAMES, data_dir, cache=False)
   if path is not None:
     return str(path)
-  if not download and local_files.locate(sources.GLDV2_BUNDLE, data_dir) is None:
+  if (
+    not download and local_files.locate(sources.GLDV2_BUNDLE, data_dir) is None
+  ):
     raise local_files.not_found(
-        f'{GLDV2_SPLIT_NAMES[0]} (or TFF\'s {sources.GLDV2_BUNDLE} that holds it)', data_dir,
-        sources.how_to_get('gldv2'))
+      f"{GLDV2_SPLIT_NAMES[0]} (or TFF's {sources.GLDV2_BUNDLE} that holds it)",
+      data_dir,
+      sources.how_to_get('gldv2'),
+    )
   bundle = sources.fetch('gldv2', data_dir, download)[sources.GLDV2_BUNDLE]
-  return str(sources.extract_member(bundle, 'federated_train.csv',
-                                    local_files.derived_dir('extracted', bundle) / GLDV2_SPLIT_NAMES[0]))
+  return str(
+    sources.extract_member(
+      bundle,
+      'federated_train.csv',
+      local_files.derived_dir('extracted', bundle) / GLDV2_SPLIT_NAMES[0],
+    )
+  )
 
 
 def _gldv2_image_dir(data_dir, wanted: List[str], download, every_image) -> str:
@@ -130,18 +161,25 @@ def _gldv2_image_dir(data_dir, wanted: List[str], download, every_image) -> str:
           return str(folder)
         if not download:
           raise local_files.MissingDataError(
-              f'{folder / (missing[0] + ".jpg")}: not found ({len(missing):,} of the '
-              f'{len(wanted):,} images of the chosen users are missing); '
-              + sources.manual_instructions('gldv2'))
+            f'{folder / (missing[0] + ".jpg")}: not found ({len(missing):,} of the '
+            f'{len(wanted):,} images of the chosen users are missing); '
+            + sources.manual_instructions('gldv2')
+          )
   if not download:
-    raise local_files.not_found(f'{GLDV2_IMAGE_DIRS[0]}/', data_dir, sources.manual_instructions('gldv2'))
+    raise local_files.not_found(
+      f'{GLDV2_IMAGE_DIRS[0]}/', data_dir, sources.manual_instructions('gldv2')
+    )
   folder = local_files.cache_dir() / GLDV2_IMAGE_DIRS[0]
   sources.fetch_gldv2_images(set(every_image), folder)
   return str(folder)
 
 
-def read_clients(num_clients=None, data_dir=None, download=False,
-              image_size: int = GLDV2_IMAGE_SIZE) -> NaturalData:
+def read_clients(
+  num_clients=None,
+  data_dir=None,
+  download=False,
+  image_size: int = GLDV2_IMAGE_SIZE,
+) -> NaturalData:
   """GLDv2's federated split as the partial-personalization seed uses it
   (``pfl/data/gldv2.py``): its users with at least 50 images, each user's
   images split half and half into train and test.
@@ -167,25 +205,45 @@ def read_clients(num_clients=None, data_dir=None, download=False,
   users = every[:n]
   halves = {u: gldv2_halves(u, len(split[u])) for u in users}
   wanted = [split[u][i][0] for u in users for part in halves[u] for i in part]
-  image_dir = _gldv2_image_dir(data_dir, wanted, download,
-                               [i for u in every for i, _ in split[u]])
+  image_dir = _gldv2_image_dir(
+    data_dir, wanted, download, [i for u in every for i, _ in split[u]]
+  )
 
   def part(u, rows):
-    x = np.stack([read_image(os.path.join(image_dir, f'{split[u][i][0]}.jpg'), image_size)
-                  for i in rows]) if len(rows) else np.zeros((0, image_size, image_size, 3),
-                                                             np.uint8)
+    x = (
+      np.stack(
+        [
+          read_image(
+            os.path.join(image_dir, f'{split[u][i][0]}.jpg'), image_size
+          )
+          for i in rows
+        ]
+      )
+      if len(rows)
+      else np.zeros((0, image_size, image_size, 3), np.uint8)
+    )
     return x, np.asarray([split[u][i][1] for i in rows], np.int32)
 
   def stream():
     for u in users:
       tr, te = halves[u]
       yield u, part(u, tr), part(u, te)
+
   # The image folder's own time stamp changes when images are added or removed.
-  return NaturalData(stream, n, GLDV2_CLASSES, len(every), [split_path, image_dir])
+  return NaturalData(
+    stream, n, GLDV2_CLASSES, len(every), [split_path, image_dir]
+  )
 
 
-def load_data(mode: str = 'sqlite', cache_dir=None, *, num_clients=None, download: bool = True,
-              image_size=None, data_dir=None):
+def load_data(
+  mode: str = 'sqlite',
+  cache_dir=None,
+  *,
+  num_clients=None,
+  download: bool = True,
+  image_size=None,
+  data_dir=None,
+):
   """``(train, test)`` federated data of the seed's GLDv2 users (FedJAX's
   ``load_data`` names, ``federated``): ``x`` [N, image_size, image_size, 3]
   images, ``y`` [N] int32 landmark ids.
@@ -201,5 +259,12 @@ def load_data(mode: str = 'sqlite', cache_dir=None, *, num_clients=None, downloa
   Returns:
     ``(train, test)`` ``federated.FederatedData``.
   """
-  return federated.load('gldv2', mode, cache_dir, num_clients, download, data_dir,
-                        image_size=image_size)
+  return federated.load(
+    'gldv2',
+    mode,
+    cache_dir,
+    num_clients,
+    download,
+    data_dir,
+    image_size=image_size,
+  )

@@ -13,18 +13,33 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from fedjax_personal.errors import ConfigError, DataError
 from fedjax_personal.datasets import local_files, sources
-from fedjax_personal.datasets.options import DataOptions
-from fedjax_personal.hparams import hparam
 from fedjax_personal.datasets.local_files import PACKAGE_DATA, find_file  # noqa: F401 (re-exported)
+from fedjax_personal.datasets.options import DataOptions
+from fedjax_personal.errors import ConfigError, DataError
+from fedjax_personal.hparams import hparam
+
+__all__ = [
+  'check_labels',
+  'load_digits',
+  'load_mnist',
+  'load_tinyshakespeare',
+  'MNIST_MD5',
+  'parse_shakespeare_roles',
+  'read_idx',
+  'synthetic',
+  'SyntheticOptions',
+]
 
 
-__all__ = ['check_labels', 'load_digits', 'load_mnist', 'load_tinyshakespeare', 'MNIST_MD5',
-           'parse_shakespeare_roles', 'read_idx', 'synthetic', 'SyntheticOptions']
-
-
-_IDX_DTYPES: Dict[int, Any] = {0x08: np.uint8, 0x09: np.int8, 0x0B: '>i2', 0x0C: '>i4', 0x0D: '>f4', 0x0E: '>f8'}
+_IDX_DTYPES: Dict[int, Any] = {
+  0x08: np.uint8,
+  0x09: np.int8,
+  0x0B: '>i2',
+  0x0C: '>i4',
+  0x0D: '>f4',
+  0x0E: '>f8',
+}
 
 
 def read_idx(path) -> np.ndarray:
@@ -51,16 +66,22 @@ def read_idx(path) -> np.ndarray:
   ndim = raw[3]
   if len(raw) < 4 + 4 * ndim:
     raise DataError(f'{path}: truncated IDX header')
-  shape = tuple(int.from_bytes(raw[4 + 4 * i:8 + 4 * i], 'big') for i in range(ndim))
+  shape = tuple(
+    int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], 'big') for i in range(ndim)
+  )
   dtype = np.dtype(_IDX_DTYPES[raw[2]])
   expected = int(np.prod(shape)) * dtype.itemsize
   if len(raw) - 4 - 4 * ndim != expected:
-    raise DataError(f'{path}: header says {shape} values, the file holds '
-                    f'{(len(raw) - 4 - 4 * ndim) // dtype.itemsize}')
+    raise DataError(
+      f'{path}: header says {shape} values, the file holds '
+      f'{(len(raw) - 4 - 4 * ndim) // dtype.itemsize}'
+    )
   return np.frombuffer(raw, dtype=dtype, offset=4 + 4 * ndim).reshape(shape)
 
 
-def check_labels(path, labels: np.ndarray, num_images: int, num_classes: int) -> None:
+def check_labels(
+  path, labels: np.ndarray, num_images: int, num_classes: int
+) -> None:
   """One label per image, each in [0, num_classes).
 
   Args:
@@ -75,13 +96,17 @@ def check_labels(path, labels: np.ndarray, num_images: int, num_classes: int) ->
   if len(labels) != num_images:
     raise DataError(f'{path}: {len(labels)} labels for {num_images} images')
   if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
-    raise DataError(f'{path}: labels outside [0, {num_classes}) '
-                    f'(min {labels.min()}, max {labels.max()})')
+    raise DataError(
+      f'{path}: labels outside [0, {num_classes}) '
+      f'(min {labels.min()}, max {labels.max()})'
+    )
 
 
 #: MD5 of the MNIST release's files (LeCun et al.), checked whenever they are read.
-MNIST_MD5 = {'t10k-images-idx3-ubyte.gz': '9fb629c4189551a2d022fa330f9573f3',
-             't10k-labels-idx1-ubyte.gz': 'ec29112dd5afa0611ce80d1b7f02629c'}
+MNIST_MD5 = {
+  't10k-images-idx3-ubyte.gz': '9fb629c4189551a2d022fa330f9573f3',
+  't10k-labels-idx1-ubyte.gz': 'ec29112dd5afa0611ce80d1b7f02629c',
+}
 
 
 def checked_file(relpath, md5: str, data_dir: Optional[str] = None):
@@ -95,7 +120,9 @@ def checked_file(relpath, md5: str, data_dir: Optional[str] = None):
   return path
 
 
-def load_mnist(data_dir: Optional[str] = None) -> Tuple[np.ndarray, np.ndarray, int]:
+def load_mnist(
+  data_dir: Optional[str] = None,
+) -> Tuple[np.ndarray, np.ndarray, int]:
   """MNIST 10k test split (embedded in the package): uint8 [10000, 28, 28, 1].
 
   Args:
@@ -104,10 +131,18 @@ def load_mnist(data_dir: Optional[str] = None) -> Tuple[np.ndarray, np.ndarray, 
   Returns:
     ``(x, y, 10)``.
   """
-  x = read_idx(checked_file('mnist_t10k/t10k-images-idx3-ubyte.gz',
-                            MNIST_MD5['t10k-images-idx3-ubyte.gz'], data_dir))
-  labels = checked_file('mnist_t10k/t10k-labels-idx1-ubyte.gz',
-                        MNIST_MD5['t10k-labels-idx1-ubyte.gz'], data_dir)
+  x = read_idx(
+    checked_file(
+      'mnist_t10k/t10k-images-idx3-ubyte.gz',
+      MNIST_MD5['t10k-images-idx3-ubyte.gz'],
+      data_dir,
+    )
+  )
+  labels = checked_file(
+    'mnist_t10k/t10k-labels-idx1-ubyte.gz',
+    MNIST_MD5['t10k-labels-idx1-ubyte.gz'],
+    data_dir,
+  )
   y = read_idx(labels)
   check_labels(labels, y, len(x), 10)
   return x[..., None], y.astype(np.int32), 10
@@ -120,8 +155,13 @@ def load_digits() -> Tuple[np.ndarray, np.ndarray, int]:
     ``(x, y, 10)``.
   """
   from sklearn.datasets import load_digits as _ld
+
   d = _ld()
-  return (d.images / 16.0).astype(np.float32)[..., None], d.target.astype(np.int32), 10
+  return (
+    (d.images / 16.0).astype(np.float32)[..., None],
+    d.target.astype(np.int32),
+    10,
+  )
 
 
 def parse_shakespeare_roles(text: str) -> Dict[str, str]:
@@ -151,9 +191,15 @@ def shakespeare_vocab(text: str) -> str:
   return ''.join(sorted(set(text)))
 
 
-def load_tinyshakespeare(num_clients: int, seq_len: int = 80, min_chars: int = 1000,
-                         max_sequences: Optional[int] = None, data_dir: Optional[str] = None,
-                         text: Optional[str] = None, download: bool = False):
+def load_tinyshakespeare(
+  num_clients: int,
+  seq_len: int = 80,
+  min_chars: int = 1000,
+  max_sequences: Optional[int] = None,
+  data_dir: Optional[str] = None,
+  text: Optional[str] = None,
+  download: bool = False,
+):
   """Tiny Shakespeare (Karpathy's ``input.txt``) split by speaking role.
 
   Each role with at least ``min_chars`` characters of speech is a client
@@ -173,50 +219,84 @@ def load_tinyshakespeare(num_clients: int, seq_len: int = 80, min_chars: int = 1
     (client_x, client_y, vocab): per-client int32 arrays [n_i, seq_len].
   """
   if text is None:
-    path = sources.fetch('tinyshakespeare', data_dir, download)['input.txt']  # MD5 checked
+    path = sources.fetch('tinyshakespeare', data_dir, download)[
+      'input.txt'
+    ]  # MD5 checked
     try:
       text = path.read_bytes().decode('utf-8')
-    except UnicodeDecodeError as e:  # unreachable after the checksum; kept for other files
-      raise DataError(f'{path}: not UTF-8 text ({e.reason} at byte {e.start})') from None
+    except (
+      UnicodeDecodeError
+    ) as e:  # unreachable after the checksum; kept for other files
+      raise DataError(
+        f'{path}: not UTF-8 text ({e.reason} at byte {e.start})'
+      ) from None
   vocab = shakespeare_vocab(text)
   lookup = {ch: i for i, ch in enumerate(vocab)}
   roles = parse_shakespeare_roles(text)
-  eligible = sorted((r for r, s in roles.items() if len(s) >= min_chars),
-                    key=lambda r: (-len(roles[r]), r))
+  eligible = sorted(
+    (r for r, s in roles.items() if len(s) >= min_chars),
+    key=lambda r: (-len(roles[r]), r),
+  )
   if num_clients > len(eligible):
-    raise ConfigError('num_clients', f'shakespeare has {len(eligible)} roles with >= {min_chars} characters; '
-                     f'num_clients={num_clients} is too many')
+    raise ConfigError(
+      'num_clients',
+      f'shakespeare has {len(eligible)} roles with >= {min_chars} characters; '
+      f'num_clients={num_clients} is too many',
+    )
   xs, ys = [], []
   for r in eligible[:num_clients]:
     ids = np.array([lookup[ch] for ch in roles[r]], np.int32)
     n = (len(ids) - 1) // seq_len
     if max_sequences:
       n = min(n, max_sequences)
-    w = ids[:n * seq_len + 1]
-    xs.append(np.stack([w[k * seq_len:(k + 1) * seq_len] for k in range(n)]))
-    ys.append(np.stack([w[k * seq_len + 1:(k + 1) * seq_len + 1] for k in range(n)]))
+    w = ids[: n * seq_len + 1]
+    xs.append(np.stack([w[k * seq_len : (k + 1) * seq_len] for k in range(n)]))
+    ys.append(
+      np.stack([w[k * seq_len + 1 : (k + 1) * seq_len + 1] for k in range(n)])
+    )
   return xs, ys, vocab
 
 
 @dataclasses.dataclass(frozen=True)
 class SyntheticOptions(DataOptions):
   """Synthetic(alpha, beta)'s options (Li et al., FedProx)."""
-  synthetic_alpha: float = hparam(1.0, 'synthetic: Synthetic(alpha, beta)\'s model '
-                                  'heterogeneity alpha (Li et al., FedProx). As in their '
-                                  'generator, u_k ~ N(0, alpha) shifts every entry of W_k and '
-                                  'b_k alike, hence every class\'s logit alike: no label '
-                                  'changes, so the command has no flag for it.', minimum=0,
-                                  maximum=1e4, command=False)
-  synthetic_beta: float = hparam(1.0, 'synthetic: Synthetic(alpha, beta)\'s data heterogeneity '
-                                 'beta.', minimum=0, maximum=1e4)
-  synthetic_max_examples: int = hparam(1000, 'synthetic: a client\'s examples at most (of its '
-                                       'lognormal(4, 2) + 50); 0: no cap, as FedProx\'s '
-                                       'generator.', minimum=0)
+
+  synthetic_alpha: float = hparam(
+    1.0,
+    "synthetic: Synthetic(alpha, beta)'s model "
+    'heterogeneity alpha (Li et al., FedProx). As in their '
+    'generator, u_k ~ N(0, alpha) shifts every entry of W_k and '
+    "b_k alike, hence every class's logit alike: no label "
+    'changes, so the command has no flag for it.',
+    minimum=0,
+    maximum=1e4,
+    command=False,
+  )
+  synthetic_beta: float = hparam(
+    1.0,
+    "synthetic: Synthetic(alpha, beta)'s data heterogeneity beta.",
+    minimum=0,
+    maximum=1e4,
+  )
+  synthetic_max_examples: int = hparam(
+    1000,
+    "synthetic: a client's examples at most (of its "
+    "lognormal(4, 2) + 50); 0: no cap, as FedProx's "
+    'generator.',
+    minimum=0,
+  )
 
 
-def synthetic(num_clients: int, alpha: float, beta: float, rng: np.random.Generator,
-              dim: int = 60, num_classes: int = 10, iid: bool = False,
-              max_examples: int = 1000):
+def synthetic(
+  num_clients: int,
+  alpha: float,
+  beta: float,
+  rng: np.random.Generator,
+  dim: int = 60,
+  num_classes: int = 10,
+  iid: bool = False,
+  max_examples: int = 1000,
+):
   """Synthetic(alpha, beta) of Li et al. (FedProx, MLSys 2020).
 
   Client k: u_k ~ N(0, alpha), W_k ~ N(u_k, 1) [C x d], b_k ~ N(u_k, 1);
@@ -245,7 +325,10 @@ def synthetic(num_clients: int, alpha: float, beta: float, rng: np.random.Genera
   sizes = rng.lognormal(4, 2, num_clients).astype(int) + 50
   sizes = np.minimum(sizes, max_examples) if max_examples else sizes
   sigma = np.diag(np.arange(1, dim + 1, dtype=np.float64) ** -1.2)
-  w_glob, b_glob = rng.normal(0, 1, (num_classes, dim)), rng.normal(0, 1, num_classes)
+  w_glob, b_glob = (
+    rng.normal(0, 1, (num_classes, dim)),
+    rng.normal(0, 1, num_classes),
+  )
   xs, ys = [], []
   for k in range(num_clients):
     if iid:

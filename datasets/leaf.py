@@ -15,23 +15,29 @@ from fedjax_personal.datasets import federated, local_files, sources
 from fedjax_personal.datasets.natural_data import NaturalData, listed, take
 from fedjax_personal.errors import DataError
 
-
 __all__ = ['LEAF_LETTERS', 'leaf_split_line', 'load_data', 'read_clients']
 
 
 # LEAF's Shakespeare characters (leaf/models/utils/language_utils.py).
-LEAF_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
+LEAF_LETTERS = '\n !"&\'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}'
 LEAF_SENT140_VOCAB = 10000
 LEAF_SENT140_LEN = 25
 
 
 def _leaf_dir(name: str, split: str, data_dir) -> str:
   for d in local_files.search_dirs(data_dir):
-    for rel in (f'leaf/{name}/{split}', f'leaf/{name}/data/{split}', f'{name}/data/{split}'):
+    for rel in (
+      f'leaf/{name}/{split}',
+      f'leaf/{name}/data/{split}',
+      f'{name}/data/{split}',
+    ):
       if glob.glob(os.path.join(d, rel, '*.json')):
         return os.path.join(d, rel)
-  raise local_files.not_found(f'leaf/{name}/{split}/*.json', data_dir,
-                        sources.manual_instructions(f'leaf:{name}'))
+  raise local_files.not_found(
+    f'leaf/{name}/{split}/*.json',
+    data_dir,
+    sources.manual_instructions(f'leaf:{name}'),
+  )
 
 
 def read_leaf(folder: str) -> Dict[str, dict]:
@@ -44,10 +50,14 @@ def read_leaf(folder: str) -> Dict[str, dict]:
       for u, n in zip(doc['users'], doc['num_samples']):
         d = doc['user_data'][u]
         if len(d['x']) != n or len(d['y']) != n:
-          raise ValueError(f'user {u}: num_samples {n}, {len(d["x"])} x and {len(d["y"])} y')
+          raise ValueError(
+            f'user {u}: num_samples {n}, {len(d["x"])} x and {len(d["y"])} y'
+          )
         users[u] = d
     except (OSError, ValueError, KeyError, TypeError) as e:
-      raise DataError(f'{path}: not a LEAF JSON file ({type(e).__name__}: {e})') from None
+      raise DataError(
+        f'{path}: not a LEAF JSON file ({type(e).__name__}: {e})'
+      ) from None
   return users
 
 
@@ -75,9 +85,12 @@ def _leaf_convert(name: str, train: Dict[str, dict], test: Dict[str, dict]):
     table = {c: i for i, c in enumerate(LEAF_LETTERS)}
     last = len(LEAF_LETTERS) - 1
     ids = lambda s: [table.get(c, last) for c in s]
-    return (lambda d: (np.asarray([ids(s) for s in d['x']], np.int32).reshape(len(d['x']), -1),
-                       np.asarray([table.get(s[0], last) for s in d['y']], np.int32))), \
-        len(LEAF_LETTERS)
+    return (
+      lambda d: (
+        np.asarray([ids(s) for s in d['x']], np.int32).reshape(len(d['x']), -1),
+        np.asarray([table.get(s[0], last) for s in d['y']], np.int32),
+      )
+    ), len(LEAF_LETTERS)
   if name == 'sent140':
     # LEAF's line_to_indices: words split by [\w']+|[.,!?;], the first 25,
     # unknown words and padding both len(word2id). word2id is LEAF's GloVe
@@ -94,16 +107,28 @@ def _leaf_convert(name: str, train: Dict[str, dict], test: Dict[str, dict]):
     def conv(d):
       x = np.full((len(d['x']), LEAF_SENT140_LEN), unk, np.int32)
       for i, row in enumerate(d['x']):
-        t = [vocab.get(w, unk) for w in leaf_split_line(str(row[4]))[:LEAF_SENT140_LEN]]
-        x[i, :len(t)] = t
+        t = [
+          vocab.get(w, unk)
+          for w in leaf_split_line(str(row[4]))[:LEAF_SENT140_LEN]
+        ]
+        x[i, : len(t)] = t
       return x, np.asarray(d['y'], np.int32)
+
     return conv, 2
-  labels = [int(v) for d in list(train.values()) + list(test.values()) for v in d['y']]
+  labels = [
+    int(v) for d in list(train.values()) + list(test.values()) for v in d['y']
+  ]
   num_classes = max(labels) + 1 if labels else 1
   if name == 'femnist':
-    return (lambda d: (np.asarray(d['x'], np.float32).reshape(-1, 28, 28, 1),
-                       np.asarray(d['y'], np.int32))), 62
-  return (lambda d: (np.asarray(d['x'], np.float32), np.asarray(d['y'], np.int32))), num_classes
+    return (
+      lambda d: (
+        np.asarray(d['x'], np.float32).reshape(-1, 28, 28, 1),
+        np.asarray(d['y'], np.int32),
+      )
+    ), 62
+  return (
+    lambda d: (np.asarray(d['x'], np.float32), np.asarray(d['y'], np.int32))
+  ), num_classes
 
 
 def read_clients(name: str, num_clients=None, data_dir=None) -> NaturalData:
@@ -124,7 +149,10 @@ def read_clients(name: str, num_clients=None, data_dir=None) -> NaturalData:
   Returns:
     The users as a ``NaturalData``.
   """
-  tr_dir, te_dir = _leaf_dir(name, 'train', data_dir), _leaf_dir(name, 'test', data_dir)
+  tr_dir, te_dir = (
+    _leaf_dir(name, 'train', data_dir),
+    _leaf_dir(name, 'test', data_dir),
+  )
   train, test = read_leaf(tr_dir), read_leaf(te_dir)
   users = sorted(train)
   n = take(len(users), num_clients, f'leaf:{name}')
@@ -133,17 +161,32 @@ def read_clients(name: str, num_clients=None, data_dir=None) -> NaturalData:
     tr = [conv(train[u]) for u in users[:n]]
     te = []
     for u, (x, y) in zip(users[:n], tr):
-      te.append(conv(test[u]) if u in test and test[u]['y'] else
-                (np.zeros((0,) + x.shape[1:], x.dtype), np.zeros((0,) + y.shape[1:], y.dtype)))
+      te.append(
+        conv(test[u])
+        if u in test and test[u]['y']
+        else (
+          np.zeros((0,) + x.shape[1:], x.dtype),
+          np.zeros((0,) + y.shape[1:], y.dtype),
+        )
+      )
   except (ValueError, TypeError, IndexError) as e:
-    raise DataError(f'{tr_dir}: LEAF {name} examples of an unexpected shape ({e})') from None
+    raise DataError(
+      f'{tr_dir}: LEAF {name} examples of an unexpected shape ({e})'
+    ) from None
   for part in (tr, te):
     for _, y in part:
       if y.size and (y.min() < 0 or y.max() >= num_classes):
         raise DataError(f'{tr_dir}: labels outside [0, {num_classes})')
-  return NaturalData(listed(users[:n], tr, te), n, num_classes, len(users),
-                     sorted(glob.glob(os.path.join(tr_dir, '*.json'))
-                            + glob.glob(os.path.join(te_dir, '*.json'))))
+  return NaturalData(
+    listed(users[:n], tr, te),
+    n,
+    num_classes,
+    len(users),
+    sorted(
+      glob.glob(os.path.join(tr_dir, '*.json'))
+      + glob.glob(os.path.join(te_dir, '*.json'))
+    ),
+  )
 
 
 def load_data(name: str, cache_dir=None, *, num_clients=None, data_dir=None):
@@ -160,4 +203,6 @@ def load_data(name: str, cache_dir=None, *, num_clients=None, data_dir=None):
   Returns:
     ``(train, test)`` ``federated.FederatedData``.
   """
-  return federated.load(f'leaf:{name}', 'sqlite', cache_dir, num_clients, False, data_dir)
+  return federated.load(
+    f'leaf:{name}', 'sqlite', cache_dir, num_clients, False, data_dir
+  )

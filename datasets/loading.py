@@ -13,23 +13,44 @@ from typing import Optional
 
 import numpy as np
 
-from fedjax_personal.core.data import (FederatedData, client_splits, pad_clients,
-                                       split_client_examples)
+from fedjax_personal.core.data import (
+  FederatedData,
+  client_splits,
+  pad_clients,
+  split_client_examples,
+)
 from fedjax_personal.core.population import store as store_lib
 from fedjax_personal.core.population.clients import FORMAT, PopulationStore
-from fedjax_personal.datasets import in_memory, local_files, partition, registry
-from fedjax_personal.datasets.config import (POOLED_NATURAL, DataConfig, is_natural,
-                                             streams_to_store)
+from fedjax_personal.datasets import (
+  cifar,
+  embedding,
+  in_memory,
+  local_files,
+  partition,
+  registry,
+)
+from fedjax_personal.datasets.config import (
+  POOLED_NATURAL,
+  DataConfig,
+  is_natural,
+  streams_to_store,
+)
 from fedjax_personal.datasets.natural_data import NaturalData, client_id
 from fedjax_personal.datasets.options import TextOptions
 from fedjax_personal.datasets.partition import Partition
-from fedjax_personal.errors import ConfigError, DataError
-from fedjax_personal.datasets import cifar
 from fedjax_personal.datasets.tfds_loader import load_tfds
-from fedjax_personal.datasets import embedding
+from fedjax_personal.errors import ConfigError, DataError
 
-__all__ = ['chosen_clients', 'load_federated', 'load_pool', 'load_store', 'make_partition',
-           'READS_FILE', 'pooled_clients', 'PooledClients']
+__all__ = [
+  'chosen_clients',
+  'load_federated',
+  'load_pool',
+  'load_store',
+  'make_partition',
+  'READS_FILE',
+  'pooled_clients',
+  'PooledClients',
+]
 
 
 def load_pool(cfg: DataConfig):
@@ -49,17 +70,26 @@ def load_pool(cfg: DataConfig):
     which = 'cifar10' if cfg.dataset == 'cifar10' else 'cifar100_python'
     x, y, c = cifar.load(which, cfg.data_dir, download=cfg.download)
   elif cfg.dataset.startswith('tfds:'):
-    x, y, c = load_tfds(cfg.dataset[5:], data_dir=cfg.data_dir, max_examples=cfg.max_examples)
+    x, y, c = load_tfds(
+      cfg.dataset[5:], data_dir=cfg.data_dir, max_examples=cfg.max_examples
+    )
   else:
-    raise ConfigError('dataset', f'{cfg.dataset!r} is not a pool to partition; choose one of '
-                      "mnist, digits, cifar10, cifar100, tfds:<name>")
+    raise ConfigError(
+      'dataset',
+      f'{cfg.dataset!r} is not a pool to partition; choose one of '
+      'mnist, digits, cifar10, cifar100, tfds:<name>',
+    )
   if cfg.max_examples is not None and cfg.max_examples < len(y):
-    keep = np.random.default_rng(cfg.seed + 7).permutation(len(y))[:cfg.max_examples]
+    keep = np.random.default_rng(cfg.seed + 7).permutation(len(y))[
+      : cfg.max_examples
+    ]
     x, y = x[np.sort(keep)], y[np.sort(keep)]
   return x, y, c
 
 
-def make_partition(cfg: DataConfig, x, y, num_classes, rng, n: int) -> Partition:
+def make_partition(
+  cfg: DataConfig, x, y, num_classes, rng, n: int
+) -> Partition:
   """The partition named by ``cfg.partition`` of a pool (x, y) into ``n`` clients.
 
   Args:
@@ -75,16 +105,24 @@ def make_partition(cfg: DataConfig, x, y, num_classes, rng, n: int) -> Partition
   """
   p = cfg.partition
   if p == 'natural':
-    raise ConfigError('partition', "partition 'natural' is only for "
-                      f"{sorted(registry.LOADERS) + list(POOLED_NATURAL)} and "
-                      f"{registry.LEAF_PREFIX}<name>")
+    raise ConfigError(
+      'partition',
+      "partition 'natural' is only for "
+      f'{sorted(registry.LOADERS) + list(POOLED_NATURAL)} and '
+      f'{registry.LEAF_PREFIX}<name>',
+    )
   if cfg.latent_features != 'pixels' and p != 'latent_clusters':
-    raise ConfigError('latent_features', 'latent_features applies to --partition=latent_clusters, '
-                      f'not {p!r}')
+    raise ConfigError(
+      'latent_features',
+      f'latent_features applies to --partition=latent_clusters, not {p!r}',
+    )
   base = None
   if p in ('rotation', 'label_permutation'):
-    base = (partition.dirichlet(y, n, cfg.alpha, rng) if cfg.group_base == 'dirichlet'
-            else partition.iid(y, n, rng))
+    base = (
+      partition.dirichlet(y, n, cfg.alpha, rng)
+      if cfg.group_base == 'dirichlet'
+      else partition.iid(y, n, rng)
+    )
   if p == 'iid':
     return partition.iid(y, n, rng)
   if p == 'dirichlet':
@@ -95,13 +133,25 @@ def make_partition(cfg: DataConfig, x, y, num_classes, rng, n: int) -> Partition
     return partition.quantity_skew(y, n, cfg.alpha, rng)
   if p == 'rotation':
     if x.ndim != 4 or x.shape[1] != x.shape[2]:
-      raise ConfigError('partition', f'rotation needs square images, dataset {cfg.dataset} has shape {x.shape[1:]}')
+      raise ConfigError(
+        'partition',
+        f'rotation needs square images, dataset {cfg.dataset} has shape {x.shape[1:]}',
+      )
     return partition.rotation_groups(y, n, rng, cfg.num_groups, base)
   if p == 'label_permutation':
-    return partition.label_permutation_groups(y, n, num_classes, rng, cfg.num_groups, base)
+    return partition.label_permutation_groups(
+      y, n, num_classes, rng, cfg.num_groups, base
+    )
   if p in ('sparse_classes', 'sparse_classes_permuted'):
-    return partition.sparse_classes(y, n, num_classes, cfg.classes_per_client, rng,
-                                    cfg.examples_per_client, permute=p.endswith('permuted'))
+    return partition.sparse_classes(
+      y,
+      n,
+      num_classes,
+      cfg.classes_per_client,
+      rng,
+      cfg.examples_per_client,
+      permute=p.endswith('permuted'),
+    )
   if cfg.latent_features == 'embedding':
     x = embedding.semantic_features(x, y, num_classes, cfg.seed)
   return partition.latent_clusters(x, n, cfg.num_groups, rng)
@@ -109,9 +159,15 @@ def make_partition(cfg: DataConfig, x, y, num_classes, rng, n: int) -> Partition
 
 def _check_config(cfg: DataConfig) -> None:
   local_files.check_data_dir(cfg.data_dir)
-  if is_natural(cfg.dataset, cfg.partition) and cfg.partition not in ('natural', 'dirichlet'):
+  if is_natural(cfg.dataset, cfg.partition) and cfg.partition not in (
+    'natural',
+    'dirichlet',
+  ):
     # dirichlet is the flag default
-    raise ConfigError('partition', f"dataset {cfg.dataset} has a natural partition; use --partition=natural")
+    raise ConfigError(
+      'partition',
+      f'dataset {cfg.dataset} has a natural partition; use --partition=natural',
+    )
 
 
 @dataclasses.dataclass
@@ -126,6 +182,7 @@ class PooledClients:
     num_classes, name: as FederatedData's.
     x_spec: (shape, dtype) of one input example; y_shape: of one target.
   """
+
   splits: dict
   groups: Optional[np.ndarray]
   num_classes: int
@@ -135,18 +192,36 @@ class PooledClients:
 
   def _groups(self):
     n = len(self.splits['train'][0])
-    return -np.ones(n, np.int32) if self.groups is None else np.asarray(self.groups, np.int32)
+    return (
+      -np.ones(n, np.int32)
+      if self.groups is None
+      else np.asarray(self.groups, np.int32)
+    )
 
   def padded(self) -> FederatedData:
     x_shape, x_dtype = self.x_spec
-    out = {k: pad_clients(xs, ys, x_shape, x_dtype, self.y_shape, np.int32)
-           for k, (xs, ys) in self.splits.items()}
-    return FederatedData(train=out['train'], val=out['val'], test=out['test'],
-                         groups=self._groups(), num_classes=self.num_classes, name=self.name)
+    out = {
+      k: pad_clients(xs, ys, x_shape, x_dtype, self.y_shape, np.int32)
+      for k, (xs, ys) in self.splits.items()
+    }
+    return FederatedData(
+      train=out['train'],
+      val=out['val'],
+      test=out['test'],
+      groups=self._groups(),
+      num_classes=self.num_classes,
+      name=self.name,
+    )
 
   def store(self) -> PopulationStore:
-    return PopulationStore.from_clients(self.splits, self._groups(), self.num_classes,
-                                                  self.name, self.x_spec, self.y_shape)
+    return PopulationStore.from_clients(
+      self.splits,
+      self._groups(),
+      self.num_classes,
+      self.name,
+      self.x_spec,
+      self.y_shape,
+    )
 
 
 def load_federated(cfg: DataConfig) -> FederatedData:
@@ -183,24 +258,57 @@ def pooled_clients(cfg: DataConfig) -> PooledClients:
   if is_natural(cfg.dataset, cfg.partition):
     if cfg.dataset in ('tinyshakespeare', 'tfds:tiny_shakespeare', 'synthetic'):
       return _pooled_natural(cfg, rng)
-    nat = registry.load(cfg.dataset, cfg.num_clients, cfg.data_dir, cfg.download,
-                        **_reader_options(cfg))
-    return _split_pool([x for x, _ in nat.train], [y for _, y in nat.train], nat.num_classes,
-                       cfg, rng, _natural_name(cfg, nat))
+    nat = registry.load(
+      cfg.dataset,
+      cfg.num_clients,
+      cfg.data_dir,
+      cfg.download,
+      **_reader_options(cfg),
+    )
+    return _split_pool(
+      [x for x, _ in nat.train],
+      [y for _, y in nat.train],
+      nat.num_classes,
+      cfg,
+      rng,
+      _natural_name(cfg, nat),
+    )
   if cfg.num_clients is None:
-    raise ConfigError('num_clients', f'give --num_clients for {cfg.dataset}/{cfg.partition}')
+    raise ConfigError(
+      'num_clients', f'give --num_clients for {cfg.dataset}/{cfg.partition}'
+    )
   x, y, num_classes = load_pool(cfg)
   if cfg.num_clients > len(y):
-    raise ConfigError('num_clients', f'num_clients={cfg.num_clients} exceeds the {len(y)} examples of {cfg.dataset}')
+    raise ConfigError(
+      'num_clients',
+      f'num_clients={cfg.num_clients} exceeds the {len(y)} examples of {cfg.dataset}',
+    )
   part = make_partition(cfg, x, y, num_classes, rng, cfg.num_clients)
-  splits = client_splits(x, y, part.client_indices, rng, cfg.test_fraction, cfg.val_fraction,
-                         part.client_transform)
-  return PooledClients(splits, part.groups, part.num_classes or num_classes,
-                       f'{cfg.dataset}/{cfg.partition}', (x.shape[1:], x.dtype), y.shape[1:])
+  splits = client_splits(
+    x,
+    y,
+    part.client_indices,
+    rng,
+    cfg.test_fraction,
+    cfg.val_fraction,
+    part.client_transform,
+  )
+  return PooledClients(
+    splits,
+    part.groups,
+    part.num_classes or num_classes,
+    f'{cfg.dataset}/{cfg.partition}',
+    (x.shape[1:], x.dtype),
+    y.shape[1:],
+  )
 
 
-def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
-               rebuild: bool = False) -> PopulationStore:
+def load_store(
+  cfg: DataConfig,
+  verify: bool = False,
+  should_stop=lambda: False,
+  rebuild: bool = False,
+) -> PopulationStore:
   """The population store of ``cfg`` (unpadded clients, see
   ``core.population.store``). A natural data set read from its files is written once,
   client by client, into the cache (``stores/``), keyed by what it holds
@@ -231,7 +339,9 @@ def load_store(cfg: DataConfig, verify: bool = False, should_stop=lambda: False,
     return pooled_clients(cfg).store()
   options = _reader_options(cfg)
   with local_files.record_reads() as opened:
-    nat = registry.load(cfg.dataset, cfg.num_clients, cfg.data_dir, cfg.download, **options)
+    nat = registry.load(
+      cfg.dataset, cfg.num_clients, cfg.data_dir, cfg.download, **options
+    )
   return _store_of(cfg, nat, options, opened, verify, should_stop, rebuild)
 
 
@@ -253,22 +363,36 @@ def _unnamed_reads_changed(folder) -> Optional[str]:
   return None
 
 
-def _store_of(cfg, nat, options, opened, verify, should_stop, rebuild) -> PopulationStore:
+def _store_of(
+  cfg, nat, options, opened, verify, should_stop, rebuild
+) -> PopulationStore:
   """``load_store``'s natural data set: its cached store, or one written from
   ``nat`` (the files its reader opened, ``opened``, named or not, recorded
   beside it: one that changes rebuilds it)."""
-  identity = {'dataset': cfg.dataset, 'num_clients': nat.num_clients,
-              'num_classes': int(nat.num_classes),
-              **({'eval_only': nat.eval_only} if nat.eval_only else {}),
-              'options': cfg.options.store_key(options), 'val_fraction': cfg.val_fraction,
-              'seed': cfg.seed if cfg.val_fraction else None,
-              'files': [(os.path.basename(f), local_files.content_digest(f)) for f in nat.files]}
+  identity = {
+    'dataset': cfg.dataset,
+    'num_clients': nat.num_clients,
+    'num_classes': int(nat.num_classes),
+    **({'eval_only': nat.eval_only} if nat.eval_only else {}),
+    'options': cfg.options.store_key(options),
+    'val_fraction': cfg.val_fraction,
+    'seed': cfg.seed if cfg.val_fraction else None,
+    'files': [
+      (os.path.basename(f), local_files.content_digest(f)) for f in nat.files
+    ],
+  }
   if not nat.files:  # a reader that names no file: what it returns is the key
     with local_files.record_reads() as more:
       identity['content'] = content_digest(nat)
     opened |= more
-  digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
-  folder = local_files.cache_dir() / 'stores' / f'{cfg.dataset.replace(":", "_")}-{digest}'
+  digest = hashlib.sha256(
+    json.dumps(identity, sort_keys=True).encode()
+  ).hexdigest()[:8]
+  folder = (
+    local_files.cache_dir()
+    / 'stores'
+    / f'{cfg.dataset.replace(":", "_")}-{digest}'
+  )
   store_lib.remove_leftovers(folder.parent)  # builds killed midway
   code = registry.loader_code(cfg.dataset)
   if store_lib.is_store(folder):
@@ -279,22 +403,34 @@ def _store_of(cfg, nat, options, opened, verify, should_stop, rebuild) -> Popula
     elif written != FORMAT:
       why = f'written in format {written!r}, this version reads {FORMAT!r}'
     elif made_by != code:
-      why = (f'written by other loader code ({made_by or "before loaders were recorded"}, '
-             f'this is {code})')
+      why = (
+        f'written by other loader code ({made_by or "before loaders were recorded"}, '
+        f'this is {code})'
+      )
     elif (changed := _unnamed_reads_changed(folder)) is not None:
       why = f'its reader also read {changed}, which changed since'
     else:
       try:
-        return store_lib.open_store(folder, {**identity, 'loader_code': code}, verify=verify)
+        return store_lib.open_store(
+          folder, {**identity, 'loader_code': code}, verify=verify
+        )
       except store_lib.StoreDamaged as e:
         why = e.what
-    source = f'from {", ".join(map(str, nat.files))}' if nat.files else 'from what its reader returns'
-    print(f'{folder}: {why}; rebuilding it {source}', file=sys.stderr, flush=True)
+    source = (
+      f'from {", ".join(map(str, nat.files))}'
+      if nat.files
+      else 'from what its reader returns'
+    )
+    print(
+      f'{folder}: {why}; rebuilding it {source}', file=sys.stderr, flush=True
+    )
   writer = store_lib.StoreWriter(folder, {**identity, 'loader_code': code})
   try:
     with local_files.record_reads() as more:
       _write_natural(nat, cfg, writer, should_stop)
-    store = writer.close(_natural_name(cfg, nat), nat.num_classes, nat.eval_only)
+    store = writer.close(
+      _natural_name(cfg, nat), nat.num_classes, nat.eval_only
+    )
   except BaseException:
     writer.abort()
     raise
@@ -303,6 +439,7 @@ def _store_of(cfg, nat, options, opened, verify, should_stop, rebuild) -> Popula
   def write(path):
     with open(path, 'w') as f:
       json.dump(reads, f)
+
   local_files.write_atomically(folder / READS_FILE, write)
   return store
 
@@ -324,7 +461,7 @@ def content_digest(nat: NaturalData) -> str:
   for cid, *parts in nat.stream():
     h.update(repr(client_id(cid)).encode())
     for part in parts:
-      for a in (part if part is not None else ()):
+      for a in part if part is not None else ():
         a = np.ascontiguousarray(a)
         h.update(f'{a.dtype.str}{a.shape}'.encode())
         h.update(a.tobytes())
@@ -336,28 +473,46 @@ def _reader_options(cfg: DataConfig) -> dict:
   those its signature names; ``leaf:<name>`` takes none)."""
   if cfg.dataset.startswith(registry.LEAF_PREFIX):
     return {}
-  return registry.reader_options(cfg.dataset, {**cfg.options.reader_kwargs(), 'seed': cfg.seed})
+  return registry.reader_options(
+    cfg.dataset, {**cfg.options.reader_kwargs(), 'seed': cfg.seed}
+  )
 
 
 def _natural_name(cfg: DataConfig, nat: NaturalData) -> str:
   n = nat.num_clients - nat.eval_only
-  return (f'{cfg.dataset}/natural' + (f' (first {n} of {nat.total_clients:,} clients)'
-                                      if n < nat.total_clients else '')
-          + (f' + {nat.eval_only} held-out test clients' if nat.eval_only else ''))
+  return (
+    f'{cfg.dataset}/natural'
+    + (
+      f' (first {n} of {nat.total_clients:,} clients)'
+      if n < nat.total_clients
+      else ''
+    )
+    + (f' + {nat.eval_only} held-out test clients' if nat.eval_only else '')
+  )
 
 
-def _write_natural(nat: NaturalData, cfg: DataConfig, writer,
-                   should_stop=lambda: False) -> None:
+def _write_natural(
+  nat: NaturalData, cfg: DataConfig, writer, should_stop=lambda: False
+) -> None:
   """Writes a natural data set's clients with the files' own test split; a
   validation split (--val_fraction) is drawn from each client's training
   examples (in the file's order within each part)."""
   rng = np.random.default_rng(cfg.seed)
-  for cid, (x, y), test, *given_val in nat.stream():  # a reader may give a client's validation
+  for (
+    cid,
+    (x, y),
+    test,
+    *given_val,
+  ) in nat.stream():  # a reader may give a client's validation
     if should_stop():
       raise KeyboardInterrupt
     tr, va, _ = split_client_examples(len(x), rng, 0.0, cfg.val_fraction)
     tr, va = np.sort(tr), np.sort(va)
-    val = (x[va], y[va]) if not given_val or not len(given_val[0][0]) else given_val[0]
+    val = (
+      (x[va], y[va])
+      if not given_val or not len(given_val[0][0])
+      else given_val[0]
+    )
     writer.add((x[tr], y[tr]), val, test, client_id=client_id(cid))
 
 
@@ -367,17 +522,26 @@ def _pooled_natural(cfg: DataConfig, rng) -> PooledClients:
   n = cfg.num_clients or 20
   o = cfg.options
   if isinstance(o, in_memory.SyntheticOptions):
-    xs, ys = in_memory.synthetic(n, o.synthetic_alpha, o.synthetic_beta, rng,
-                                 max_examples=o.synthetic_max_examples)
+    xs, ys = in_memory.synthetic(
+      n,
+      o.synthetic_alpha,
+      o.synthetic_beta,
+      rng,
+      max_examples=o.synthetic_max_examples,
+    )
     num_classes = 10
   else:
     text = None
     if cfg.dataset.startswith('tfds:'):
       text = load_tfds('tiny_shakespeare', data_dir=cfg.data_dir)
     assert isinstance(o, TextOptions), o  # tinyshakespeare's options
-    xs, ys, vocab = in_memory.load_tinyshakespeare(n, o.sequence_length,
-                                                   data_dir=cfg.data_dir,
-                                                 text=text, download=cfg.download)
+    xs, ys, vocab = in_memory.load_tinyshakespeare(
+      n,
+      o.sequence_length,
+      data_dir=cfg.data_dir,
+      text=text,
+      download=cfg.download,
+    )
     num_classes = len(vocab)
   return _split_pool(xs, ys, num_classes, cfg, rng, f'{cfg.dataset}/natural')
 
@@ -385,9 +549,17 @@ def _pooled_natural(cfg: DataConfig, rng) -> PooledClients:
 def _split_pool(xs, ys, num_classes, cfg, rng, name) -> PooledClients:
   x, y = np.concatenate(xs), np.concatenate(ys)
   offs = np.cumsum([0] + [len(a) for a in xs])
-  splits = client_splits(x, y, [np.arange(offs[i], offs[i + 1]) for i in range(len(xs))], rng,
-                         cfg.test_fraction, cfg.val_fraction)
-  return PooledClients(splits, None, num_classes, name, (x.shape[1:], x.dtype), y.shape[1:])
+  splits = client_splits(
+    x,
+    y,
+    [np.arange(offs[i], offs[i + 1]) for i in range(len(xs))],
+    rng,
+    cfg.test_fraction,
+    cfg.val_fraction,
+  )
+  return PooledClients(
+    splits, None, num_classes, name, (x.shape[1:], x.dtype), y.shape[1:]
+  )
 
 
 def chosen_clients(store, path: str):
@@ -405,10 +577,14 @@ def chosen_clients(store, path: str):
     ConfigError naming --client_ids.
   """
   try:
-    with open(path, encoding='utf-8-sig') as f:  # a byte order mark is not part of an id
+    with open(
+      path, encoding='utf-8-sig'
+    ) as f:  # a byte order mark is not part of an id
       ids = [line.strip() for line in f]
   except (OSError, UnicodeDecodeError) as e:
-    raise ConfigError('client_ids', f'{path}: {getattr(e, "strerror", None) or e}') from None
+    raise ConfigError(
+      'client_ids', f'{path}: {getattr(e, "strerror", None) or e}'
+    ) from None
   ids = [c for c in ids if c and not c.startswith('#')]
   if not ids:
     raise ConfigError('client_ids', f'{path} lists no client id')

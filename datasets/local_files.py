@@ -17,10 +17,24 @@ from typing import List, Optional, Sequence, Union
 
 from fedjax_personal.errors import DataError
 
-__all__ = ['cache_dir', 'check_data_dir', 'check_digest', 'content_digest', 'derived_dir', 'digest',
-           'reads_of', 'record_reads',
-           'find_file', 'locate', 'MissingDataError', 'not_found', 'PACKAGE_DATA', 'search_dirs',
-           'sha256_file', 'write_atomically']
+__all__ = [
+  'cache_dir',
+  'check_data_dir',
+  'check_digest',
+  'content_digest',
+  'derived_dir',
+  'digest',
+  'reads_of',
+  'record_reads',
+  'find_file',
+  'locate',
+  'MissingDataError',
+  'not_found',
+  'PACKAGE_DATA',
+  'search_dirs',
+  'sha256_file',
+  'write_atomically',
+]
 
 
 PACKAGE_DATA = pathlib.Path(__file__).parent / 'data'
@@ -39,13 +53,17 @@ def cache_dir(create: bool = True) -> pathlib.Path:
   Returns:
     The folder.
   """
-  d = pathlib.Path(os.environ.get('FEDJAX_PERSONAL_CACHE') or '~/.cache/fedjax_personal').expanduser()
+  d = pathlib.Path(
+    os.environ.get('FEDJAX_PERSONAL_CACHE') or '~/.cache/fedjax_personal'
+  ).expanduser()
   if create:
     try:
       d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-      raise DataError(f'{d}: cannot create the cache folder ({e.strerror}); set '
-                      'FEDJAX_PERSONAL_CACHE to a writable folder') from None
+      raise DataError(
+        f'{d}: cannot create the cache folder ({e.strerror}); set '
+        'FEDJAX_PERSONAL_CACHE to a writable folder'
+      ) from None
   return d
 
 
@@ -59,7 +77,9 @@ def check_data_dir(data_dir: Optional[str]) -> None:
     None.
   """
   if data_dir and not pathlib.Path(data_dir).expanduser().is_dir():
-    raise DataError(f'{data_dir}: --data_dir is not a folder (no such directory)')
+    raise DataError(
+      f'{data_dir}: --data_dir is not a folder (no such directory)'
+    )
 
 
 def search_dirs(data_dir: Optional[str] = None) -> List[pathlib.Path]:
@@ -80,8 +100,11 @@ def search_dirs(data_dir: Optional[str] = None) -> List[pathlib.Path]:
   return dirs + [PACKAGE_DATA, cache_dir(create=False)]
 
 
-def locate(names: Union[str, Sequence[str]], data_dir: Optional[str] = None,
-           cache: bool = True) -> Optional[pathlib.Path]:
+def locate(
+  names: Union[str, Sequence[str]],
+  data_dir: Optional[str] = None,
+  cache: bool = True,
+) -> Optional[pathlib.Path]:
   """The first of ``names`` (relative paths) found in the search folders
   (the cache last, or not at all with ``cache=False``: a copy the user keeps,
   never one the cache made from a source), or None.
@@ -103,8 +126,11 @@ def locate(names: Union[str, Sequence[str]], data_dir: Optional[str] = None,
   return None
 
 
-def find_file(names: Union[str, Sequence[str]], data_dir: Optional[str] = None,
-              hint: str = 'put it in --data_dir or $FEDJAX_PERSONAL_DATA') -> pathlib.Path:
+def find_file(
+  names: Union[str, Sequence[str]],
+  data_dir: Optional[str] = None,
+  hint: str = 'put it in --data_dir or $FEDJAX_PERSONAL_DATA',
+) -> pathlib.Path:
   """Path of a data file (the first of ``names`` found).
 
   Args:
@@ -125,7 +151,9 @@ def find_file(names: Union[str, Sequence[str]], data_dir: Optional[str] = None,
   raise not_found(names if isinstance(names, str) else names[0], data_dir, hint)
 
 
-def not_found(what: str, data_dir: Optional[str], hint: str) -> MissingDataError:
+def not_found(
+  what: str, data_dir: Optional[str], hint: str
+) -> MissingDataError:
   """The one-line error for ``what`` found in none of the search folders.
 
   Args:
@@ -136,8 +164,11 @@ def not_found(what: str, data_dir: Optional[str], hint: str) -> MissingDataError
   Returns:
     The ``MissingDataError``.
   """
-  return MissingDataError(f'{what}: not found in '
-                          + ', '.join(str(d) for d in search_dirs(data_dir)) + f'; {hint}')
+  return MissingDataError(
+    f'{what}: not found in '
+    + ', '.join(str(d) for d in search_dirs(data_dir))
+    + f'; {hint}'
+  )
 
 
 def digest(path, algorithm: str = 'sha256', chunk: int = 1 << 20) -> str:
@@ -191,12 +222,18 @@ def content_digest(path) -> str:
     h = hashlib.sha256()
     for entry in sorted(os.scandir(path), key=lambda e: e.name):
       st = entry.stat()
-      h.update(f'{entry.name}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}\n'.encode())
+      h.update(
+        f'{entry.name}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}\n'.encode()
+      )
     return h.hexdigest()
   st = os.stat(path)
-  version = (f'{os.path.realpath(path)}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|'
-             f'{st.st_ctime_ns}')
-  kept_at = cache_dir() / 'digests' / hashlib.sha256(version.encode()).hexdigest()[:32]
+  version = (
+    f'{os.path.realpath(path)}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|'
+    f'{st.st_ctime_ns}'
+  )
+  kept_at = (
+    cache_dir() / 'digests' / hashlib.sha256(version.encode()).hexdigest()[:32]
+  )
   try:
     kept = kept_at.read_text().split()
     if len(kept) == 2 and kept[1] == version.replace(' ', '%20'):
@@ -205,7 +242,10 @@ def content_digest(path) -> str:
     pass
   got = sha256_file(path)
   try:
-    write_atomically(kept_at, lambda tmp: tmp.write_text(f'{got} {version.replace(" ", "%20")}\n'))
+    write_atomically(
+      kept_at,
+      lambda tmp: tmp.write_text(f'{got} {version.replace(" ", "%20")}\n'),
+    )
   except OSError:  # a read-only cache: hashed again next time
     pass
   return got
@@ -229,7 +269,9 @@ def derived_dir(kind: str, source) -> pathlib.Path:
   return folder
 
 
-def check_digest(path, md5: Optional[str] = None, sha256: Optional[str] = None) -> None:
+def check_digest(
+  path, md5: Optional[str] = None, sha256: Optional[str] = None
+) -> None:
   """Raises DataError naming the file when its checksum differs from the release's.
 
   Args:
@@ -244,8 +286,10 @@ def check_digest(path, md5: Optional[str] = None, sha256: Optional[str] = None) 
     if want:
       got = digest(path, algorithm)
       if got != want:
-        raise DataError(f"{path}: {algorithm} {got} differs from the release's {want} (corrupted, "
-                        'truncated or not the original file)')
+        raise DataError(
+          f"{path}: {algorithm} {got} differs from the release's {want} (corrupted, "
+          'truncated or not the original file)'
+        )
 
 
 def write_atomically(dest: pathlib.Path, write) -> pathlib.Path:
@@ -325,12 +369,26 @@ def reads_of(paths, named=()) -> List[List[str]]:
     Sorted pairs.
   """
   skip = {os.path.abspath(os.fspath(p)) for p in named}
-  roots = tuple({sys.prefix, sys.base_prefix, os.path.abspath(str(cache_dir(create=False))),
-                 '/proc', '/sys', '/dev', '/etc', '/usr'})
+  roots = tuple(
+    {
+      sys.prefix,
+      sys.base_prefix,
+      os.path.abspath(str(cache_dir(create=False))),
+      '/proc',
+      '/sys',
+      '/dev',
+      '/etc',
+      '/usr',
+    }
+  )
   out = []
   for p in sorted(paths):
-    if (p in skip or p.startswith(roots) or p.endswith(('.py', '.pyc', '.so'))
-        or not os.path.isfile(p)):
+    if (
+      p in skip
+      or p.startswith(roots)
+      or p.endswith(('.py', '.pyc', '.so'))
+      or not os.path.isfile(p)
+    ):
       continue
     out.append([p, content_digest(p)])
   return out

@@ -20,8 +20,18 @@ import numpy as np
 from fedjax_personal.datasets import sqlite_formats
 from fedjax_personal.errors import ConfigError, DataError
 
-__all__ = ['check_pair', 'checked', 'client_id', 'converted', 'fedjax_splits', 'IGNORE', 'listed',
-           'MAX_CLASSES', 'NaturalData', 'take']
+__all__ = [
+  'check_pair',
+  'checked',
+  'client_id',
+  'converted',
+  'fedjax_splits',
+  'IGNORE',
+  'listed',
+  'MAX_CLASSES',
+  'NaturalData',
+  'take',
+]
 
 
 IGNORE = -1  # a padded target position
@@ -46,6 +56,7 @@ class NaturalData:
     eval_only: how many clients at the end of ``stream`` have only test
       examples (held-out clients, evaluated and never trained).
   """
+
   stream: Callable[[], Iterator[tuple]]
   num_clients: int
   num_classes: int
@@ -100,8 +111,11 @@ def take(total: int, num_clients: Optional[int], dataset: str) -> int:
   if num_clients is None:
     return total
   if num_clients > total:
-    raise ConfigError('num_clients', f'{dataset} has {total:,} clients; --num_clients='
-                      f'{num_clients} is too many')
+    raise ConfigError(
+      'num_clients',
+      f'{dataset} has {total:,} clients; --num_clients='
+      f'{num_clients} is too many',
+    )
   return num_clients
 
 
@@ -117,7 +131,9 @@ def client_id(c) -> str:
   return c.decode('utf-8', 'replace') if isinstance(c, bytes) else str(c)
 
 
-def fedjax_splits(dataset, train_path, test_path, num_clients, convert) -> NaturalData:
+def fedjax_splits(
+  dataset, train_path, test_path, num_clients, convert
+) -> NaturalData:
   """Train clients of a FedJAX file (first N) with their test examples,
   streamed: each train client's test record is looked up as it is read.
 
@@ -133,7 +149,9 @@ def fedjax_splits(dataset, train_path, test_path, num_clients, convert) -> Natur
   """
   total = sqlite_formats.fedjax_num_clients(train_path)
   n = take(total, num_clients, dataset)
-  empty = lambda like: tuple(np.zeros((0,) + a.shape[1:], a.dtype) for a in like)
+  empty = lambda like: tuple(
+    np.zeros((0,) + a.shape[1:], a.dtype) for a in like
+  )
 
   def stream():
     wanted: collections.deque = collections.deque()
@@ -141,12 +159,18 @@ def fedjax_splits(dataset, train_path, test_path, num_clients, convert) -> Natur
     def ids():
       while True:
         yield wanted.popleft()
+
     tests = sqlite_formats.read_fedjax(test_path, client_ids=ids())
     for cid, ex in sqlite_formats.read_fedjax(train_path, limit=n):
       train = converted(convert, ex, train_path)
       wanted.append(cid)
       test_ex = next(tests)[1]
-      yield cid, train, (converted(convert, test_ex, test_path) if test_ex else empty(train))
+      yield (
+        cid,
+        train,
+        (converted(convert, test_ex, test_path) if test_ex else empty(train)),
+      )
+
   return NaturalData(stream, n, 0, total, [str(train_path), str(test_path)])
 
 
@@ -164,8 +188,10 @@ def converted(convert, examples, path):
   try:
     return convert(examples)
   except (KeyError, ValueError, TypeError, IndexError) as e:
-    raise DataError(f'{path}: a client record lacks the expected features ({type(e).__name__}: '
-                    f'{e})') from None
+    raise DataError(
+      f'{path}: a client record lacks the expected features ({type(e).__name__}: '
+      f'{e})'
+    ) from None
 
 
 #: The most classes a data set may have: its output layer and every score
@@ -192,12 +218,18 @@ def checked(dataset: str, nat: NaturalData) -> NaturalData:
       most ``MAX_CLASSES``.
   """
   classes = nat.num_classes
-  if isinstance(classes, (bool, np.bool_)) or not isinstance(classes, (int, np.integer)):
-    raise ConfigError('dataset', f'{dataset}: its reader gave num_classes={classes!r}, not an '
-                      'integer')
+  if isinstance(classes, (bool, np.bool_)) or not isinstance(
+    classes, (int, np.integer)
+  ):
+    raise ConfigError(
+      'dataset',
+      f'{dataset}: its reader gave num_classes={classes!r}, not an integer',
+    )
   if not 1 <= classes <= MAX_CLASSES:
-    raise ConfigError('dataset', f'{dataset}: {int(classes):,} classes, outside [1, '
-                      f'{MAX_CLASSES:,}]')
+    raise ConfigError(
+      'dataset',
+      f'{dataset}: {int(classes):,} classes, outside [1, {MAX_CLASSES:,}]',
+    )
   inner = nat.stream
 
   def stream():
@@ -208,10 +240,13 @@ def checked(dataset: str, nat: NaturalData) -> NaturalData:
         if part is not None:
           check_pair(dataset, client_id(cid), split, part, int(classes), spec)
       yield item
+
   return dataclasses.replace(nat, stream=stream)
 
 
-def check_pair(dataset: str, cid: str, split: str, part, num_classes: int, spec: dict) -> None:
+def check_pair(
+  dataset: str, cid: str, split: str, part, num_classes: int, spec: dict
+) -> None:
   """One client split ``(x, y)``: as many inputs as targets, numeric and
   finite inputs of the data set's one dtype and shape (``spec`` holds the
   first client's), integer targets in [0, num_classes) (-1 marks a padded
@@ -234,30 +269,54 @@ def check_pair(dataset: str, cid: str, split: str, part, num_classes: int, spec:
   x, y = (np.asarray(a) for a in part)
   where = f'{dataset}: client {cid!r} ({split})'
   if x.ndim == 0 or y.ndim == 0 or len(x) != len(y):
-    raise ConfigError('dataset', f'{where}: {len(x) if x.ndim else "no"} inputs but '
-                      f'{len(y) if y.ndim else "no"} targets')
+    raise ConfigError(
+      'dataset',
+      f'{where}: {len(x) if x.ndim else "no"} inputs but '
+      f'{len(y) if y.ndim else "no"} targets',
+    )
   for what, a in (('inputs', x), ('targets', y)):
     if a.dtype.kind not in 'biuf':
-      raise ConfigError('dataset', f'{where}: its {what} are {a.dtype} ({a.ravel()[:1]!r}...), '
-                        'not numbers')
+      raise ConfigError(
+        'dataset',
+        f'{where}: its {what} are {a.dtype} ({a.ravel()[:1]!r}...), '
+        'not numbers',
+      )
   if x.dtype.kind == 'f' and x.size and not np.isfinite(x).all():
     at = np.unravel_index(np.argmin(np.isfinite(x)), x.shape)
-    raise ConfigError('dataset', f'{where}: input {at[0]} holds {x[at]} (inputs must be finite)')
-  if y.size and y.dtype.kind == 'f' and not (np.isfinite(y).all() and np.all(y == np.round(y))):
-    i = int(np.argmax(~(np.isfinite(y) & (y == np.round(y))).reshape(len(y), -1).any(1)))
-    raise ConfigError('dataset', f'{where}: target {i} is {y[i]}, not a class (targets must be '
-                      'integers)')
+    raise ConfigError(
+      'dataset', f'{where}: input {at[0]} holds {x[at]} (inputs must be finite)'
+    )
+  if (
+    y.size
+    and y.dtype.kind == 'f'
+    and not (np.isfinite(y).all() and np.all(y == np.round(y)))
+  ):
+    i = int(
+      np.argmax(
+        ~(np.isfinite(y) & (y == np.round(y))).reshape(len(y), -1).any(1)
+      )
+    )
+    raise ConfigError(
+      'dataset',
+      f'{where}: target {i} is {y[i]}, not a class (targets must be integers)',
+    )
   for what, a in (('inputs', x), ('targets', y)):
     key = (a.dtype.str, a.shape[1:])
     if spec.setdefault(what, key) != key:
-      raise ConfigError('dataset', f'{where}: {what} of dtype {a.dtype} and shape '
-                        f'{a.shape[1:]}; the first client\'s are {np.dtype(spec[what][0])} and '
-                        f'{spec[what][1]} (one dtype and shape a data set)')
+      raise ConfigError(
+        'dataset',
+        f'{where}: {what} of dtype {a.dtype} and shape '
+        f"{a.shape[1:]}; the first client's are {np.dtype(spec[what][0])} and "
+        f'{spec[what][1]} (one dtype and shape a data set)',
+      )
   if not y.size:
     return
   low = -1 if y.ndim > 1 else 0  # -1: a padded position of a sequence target
   bad = (y < low) | (y >= num_classes)
   if bad.any():
     i = int(np.argmax(bad.reshape(len(y), -1).any(1)))
-    raise ConfigError('dataset', f'{where}: target {i} is {y[i]}, outside [0, {num_classes}) '
-                      f'(the data set\'s {num_classes} classes)')
+    raise ConfigError(
+      'dataset',
+      f'{where}: target {i} is {y[i]}, outside [0, {num_classes}) '
+      f"(the data set's {num_classes} classes)",
+    )

@@ -33,6 +33,7 @@ class DataOptions(Declared):
       set held-out test clients and the value that does not (a personal
       model cannot be evaluated on clients that never trained), or None.
   """
+
   held_out_choice: ClassVar[Optional[Tuple[str, str]]] = None
 
   def reader_kwargs(self) -> dict:
@@ -128,11 +129,16 @@ class NoOptions(DataOptions):
 @dataclasses.dataclass(frozen=True)
 class TextOptions(DataOptions):
   """A data set whose rows are windows of tokens."""
+
   #: Tokens per row when ``seq_len`` is not given.
   DEFAULT_SEQ_LEN: ClassVar[int] = 80
-  seq_len: Optional[int] = hparam(None, 'Text data sets: the rows\' length in tokens (default: '
-                                  'the data set\'s; 80 characters, 20 words for stackoverflow).',
-                                  minimum=1, maximum=1 << 20)
+  seq_len: Optional[int] = hparam(
+    None,
+    "Text data sets: the rows' length in tokens (default: "
+    "the data set's; 80 characters, 20 words for stackoverflow).",
+    minimum=1,
+    maximum=1 << 20,
+  )
 
   @property
   def sequence_length(self) -> int:

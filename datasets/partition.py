@@ -17,20 +17,30 @@ import numpy as np
 
 from fedjax_personal.errors import ConfigError
 
-
-__all__ = ['dirichlet', 'iid', 'label_permutation_groups', 'latent_clusters', 'Partition',
-           'PARTITIONS', 'pathological', 'quantity_skew', 'rotation_groups', 'sparse_classes']
+__all__ = [
+  'dirichlet',
+  'iid',
+  'label_permutation_groups',
+  'latent_clusters',
+  'Partition',
+  'PARTITIONS',
+  'pathological',
+  'quantity_skew',
+  'rotation_groups',
+  'sparse_classes',
+]
 
 
 @dataclasses.dataclass
 class Partition:
   """Attributes:
-    client_indices: list of N int arrays into the example pool.
-    groups: optional int [N] known group per client.
-    client_transform: optional ``(i, x_i, y_i) -> (x_i, y_i)``.
-    num_classes: optional override of the task's number of classes (sparse
-      classes with per-device re-indexing has c outputs).
+  client_indices: list of N int arrays into the example pool.
+  groups: optional int [N] known group per client.
+  client_transform: optional ``(i, x_i, y_i) -> (x_i, y_i)``.
+  num_classes: optional override of the task's number of classes (sparse
+    classes with per-device re-indexing has c outputs).
   """
+
   client_indices: List[np.ndarray]
   groups: Optional[np.ndarray] = None
   client_transform: Optional[Callable] = None
@@ -46,13 +56,20 @@ class Partition:
 
 def _check(num_examples: int, num_clients: int, min_size: int = 1):
   if num_clients < 1:
-    raise ConfigError('num_clients', f'num_clients must be >= 1, got {num_clients}')
+    raise ConfigError(
+      'num_clients', f'num_clients must be >= 1, got {num_clients}'
+    )
   if num_examples < num_clients * min_size:
-    raise ConfigError('num_clients', f'cannot give {num_clients} clients at least {min_size} example(s) each '
-                     f'from {num_examples} examples; lower num_clients')
+    raise ConfigError(
+      'num_clients',
+      f'cannot give {num_clients} clients at least {min_size} example(s) each '
+      f'from {num_examples} examples; lower num_clients',
+    )
 
 
-def _top_up(client_indices: List[np.ndarray], min_size: int, rng) -> List[np.ndarray]:
+def _top_up(
+  client_indices: List[np.ndarray], min_size: int, rng
+) -> List[np.ndarray]:
   """Moves examples from the largest clients to those below ``min_size``.
 
   Deterministic, terminates in one pass (no resampling loop), and keeps every
@@ -67,12 +84,16 @@ def _top_up(client_indices: List[np.ndarray], min_size: int, rng) -> List[np.nda
     while len(lists[i]) < min_size:
       donor = int(np.argmax([len(l) for l in lists]))
       k = min(min_size - len(lists[i]), len(lists[donor]) - min_size)
-      take = [lists[donor].pop(int(rng.integers(len(lists[donor])))) for _ in range(k)]
+      take = [
+        lists[donor].pop(int(rng.integers(len(lists[donor])))) for _ in range(k)
+      ]
       lists[i].extend(take)
   return [np.asarray(l, dtype=np.int64) for l in lists]
 
 
-def iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> Partition:
+def iid(
+  labels: np.ndarray, num_clients: int, rng: np.random.Generator
+) -> Partition:
   """Shuffled examples dealt into equal shares.
 
   Args:
@@ -84,11 +105,18 @@ def iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> Parti
     The ``Partition``.
   """
   _check(len(labels), num_clients)
-  return Partition(list(np.array_split(rng.permutation(len(labels)), num_clients)))
+  return Partition(
+    list(np.array_split(rng.permutation(len(labels)), num_clients))
+  )
 
 
-def dirichlet(labels: np.ndarray, num_clients: int, alpha: float,
-              rng: np.random.Generator, min_size: int = 1) -> Partition:
+def dirichlet(
+  labels: np.ndarray,
+  num_clients: int,
+  alpha: float,
+  rng: np.random.Generator,
+  min_size: int = 1,
+) -> Partition:
   """Label skew: for every class c, the class's examples are divided among
   clients in proportions q_c ~ Dir(alpha * 1_N) (Hsu et al. 2019).
 
@@ -116,21 +144,29 @@ def dirichlet(labels: np.ndarray, num_clients: int, alpha: float,
     idx = np.nonzero(labels == c)[0]
     idx = idx[rng.permutation(len(idx))]
     q = rng.dirichlet(np.full(num_clients, alpha))
-    if not np.all(np.isfinite(q)) or q.sum() <= 0:  # numerical guard at tiny alpha
+    if (
+      not np.all(np.isfinite(q)) or q.sum() <= 0
+    ):  # numerical guard at tiny alpha
       q = np.zeros(num_clients)
       q[rng.integers(num_clients)] = 1.0
     # Cumulative split points: client j gets idx[cuts[j]:cuts[j+1]].
-    cuts = np.concatenate([[0], np.round(np.cumsum(q) / q.sum() * len(idx)).astype(np.int64)])
+    cuts = np.concatenate(
+      [[0], np.round(np.cumsum(q) / q.sum() * len(idx)).astype(np.int64)]
+    )
     cuts[-1] = len(idx)
     owner[idx] = np.repeat(np.arange(num_clients), np.diff(cuts))
   order = np.argsort(owner, kind='stable')
   bounds = np.searchsorted(owner[order], np.arange(num_clients + 1))
-  clients = [order[bounds[j]:bounds[j + 1]] for j in range(num_clients)]
+  clients = [order[bounds[j] : bounds[j + 1]] for j in range(num_clients)]
   return Partition(_top_up(clients, min_size, rng))
 
 
-def pathological(labels: np.ndarray, num_clients: int, classes_per_client: int,
-                 rng: np.random.Generator) -> Partition:
+def pathological(
+  labels: np.ndarray,
+  num_clients: int,
+  classes_per_client: int,
+  rng: np.random.Generator,
+) -> Partition:
   """McMahan et al.'s shards: sort by label, cut into N * k shards, deal k
   random shards to every client (so each client sees about k classes).
 
@@ -145,8 +181,11 @@ def pathological(labels: np.ndarray, num_clients: int, classes_per_client: int,
   """
   num_classes = len(np.unique(labels))
   if not 1 <= classes_per_client <= num_classes:
-    raise ConfigError('classes_per_client', f'must be in [1, {num_classes}] (the classes of the '
-                      f'data), got {classes_per_client}')
+    raise ConfigError(
+      'classes_per_client',
+      f'must be in [1, {num_classes}] (the classes of the '
+      f'data), got {classes_per_client}',
+    )
   _check(len(labels), num_clients * classes_per_client)
   order = np.lexsort((rng.random(len(labels)), labels))
   shards = np.array_split(order, num_clients * classes_per_client)
@@ -154,8 +193,13 @@ def pathological(labels: np.ndarray, num_clients: int, classes_per_client: int,
   return Partition([np.concatenate([shards[s] for s in row]) for row in deal])
 
 
-def quantity_skew(labels: np.ndarray, num_clients: int, beta: float,
-                  rng: np.random.Generator, min_size: int = 1) -> Partition:
+def quantity_skew(
+  labels: np.ndarray,
+  num_clients: int,
+  beta: float,
+  rng: np.random.Generator,
+  min_size: int = 1,
+) -> Partition:
   """IID labels, client sizes in proportions ~ Dir(beta * 1_N).
 
   Args:
@@ -172,21 +216,34 @@ def quantity_skew(labels: np.ndarray, num_clients: int, beta: float,
     raise ConfigError('alpha', f'quantity skew beta must be > 0, got {beta}')
   _check(len(labels), num_clients, min_size)
   q = rng.dirichlet(np.full(num_clients, beta))
-  cuts = np.concatenate([[0], np.round(np.cumsum(q) * len(labels)).astype(np.int64)])
+  cuts = np.concatenate(
+    [[0], np.round(np.cumsum(q) * len(labels)).astype(np.int64)]
+  )
   cuts[-1] = len(labels)
   perm = rng.permutation(len(labels))
-  return Partition(_top_up([perm[cuts[j]:cuts[j + 1]] for j in range(num_clients)],
-                           min_size, rng))
+  return Partition(
+    _top_up(
+      [perm[cuts[j] : cuts[j + 1]] for j in range(num_clients)], min_size, rng
+    )
+  )
 
 
 def _assign_groups(num_clients: int, num_groups: int) -> np.ndarray:
   if not 1 <= num_groups <= num_clients:
-    raise ConfigError('num_groups', f'num_groups must be in [1, num_clients={num_clients}], got {num_groups}')
+    raise ConfigError(
+      'num_groups',
+      f'num_groups must be in [1, num_clients={num_clients}], got {num_groups}',
+    )
   return (np.arange(num_clients) * num_groups // num_clients).astype(np.int32)
 
 
-def rotation_groups(labels: np.ndarray, num_clients: int, rng: np.random.Generator,
-                    num_groups: int = 4, base: Optional[Partition] = None) -> Partition:
+def rotation_groups(
+  labels: np.ndarray,
+  num_clients: int,
+  rng: np.random.Generator,
+  num_groups: int = 4,
+  base: Optional[Partition] = None,
+) -> Partition:
   """Covariate shift: clients in ``num_groups`` groups, group g's images rotated
   by g * 360 / num_groups degrees (0/90/180/270 with 4 groups, as in the
   user-centric paper). Multiples of 90 degrees are exact (``np.rot90``).
@@ -207,18 +264,27 @@ def rotation_groups(labels: np.ndarray, num_clients: int, rng: np.random.Generat
   base = base or iid(labels, num_clients, rng)
   groups = _assign_groups(num_clients, num_groups)
   if 360 % num_groups or (360 // num_groups) % 90:
-    raise ConfigError('num_groups', f'rotation groups need 360/num_groups to be a multiple of 90; '
-                     f'got num_groups={num_groups}')
+    raise ConfigError(
+      'num_groups',
+      f'rotation groups need 360/num_groups to be a multiple of 90; '
+      f'got num_groups={num_groups}',
+    )
 
   def transform(i, x, y):
     k = int(groups[i]) * (360 // num_groups) // 90
     return np.rot90(x, k=k, axes=(1, 2)).copy(), y
+
   return Partition(base.client_indices, groups, transform)
 
 
-def label_permutation_groups(labels: np.ndarray, num_clients: int, num_classes: int,
-                             rng: np.random.Generator, num_groups: int = 4,
-                             base: Optional[Partition] = None) -> Partition:
+def label_permutation_groups(
+  labels: np.ndarray,
+  num_clients: int,
+  num_classes: int,
+  rng: np.random.Generator,
+  num_groups: int = 4,
+  base: Optional[Partition] = None,
+) -> Partition:
   """Concept shift: group g relabels class c as perm_g[c] (group 0 keeps the
   identity), as in the user-centric paper's CIFAR-10 experiment.
 
@@ -235,17 +301,25 @@ def label_permutation_groups(labels: np.ndarray, num_clients: int, num_classes: 
   """
   base = base or iid(labels, num_clients, rng)
   groups = _assign_groups(num_clients, num_groups)
-  perms = [np.arange(num_classes)] + [rng.permutation(num_classes) for _ in range(num_groups - 1)]
+  perms = [np.arange(num_classes)] + [
+    rng.permutation(num_classes) for _ in range(num_groups - 1)
+  ]
 
   def transform(i, x, y):
     return x, perms[groups[i]][y].astype(y.dtype)
+
   return Partition(base.client_indices, groups, transform)
 
 
-def sparse_classes(labels: np.ndarray, num_clients: int, num_classes: int,
-                   classes_per_client: int, rng: np.random.Generator,
-                   examples_per_client: Optional[int] = None,
-                   permute: bool = False) -> Partition:
+def sparse_classes(
+  labels: np.ndarray,
+  num_clients: int,
+  num_classes: int,
+  classes_per_client: int,
+  rng: np.random.Generator,
+  examples_per_client: Optional[int] = None,
+  permute: bool = False,
+) -> Partition:
   """Acar et al. (ICML 2021): device i holds classes {(i + j) mod C : j < c}.
 
   Each class's examples are shared without replacement among the devices that
@@ -269,29 +343,45 @@ def sparse_classes(labels: np.ndarray, num_clients: int, num_classes: int,
   """
   c = classes_per_client
   if not 1 <= c <= num_classes:
-    raise ConfigError('classes_per_client', f'classes_per_client must be in [1, {num_classes}], got {c}')
+    raise ConfigError(
+      'classes_per_client',
+      f'classes_per_client must be in [1, {num_classes}], got {c}',
+    )
   _check(len(labels), num_clients)
-  holders = [[i for i in range(num_clients) if (cls - i) % num_classes < c]
-             for cls in range(num_classes)]
-  pools = [rng.permutation(np.nonzero(labels == cls)[0]) for cls in range(num_classes)]
-  per_class = min(len(pools[k]) // max(len(holders[k]), 1) for k in range(num_classes)
-                  if holders[k])
+  holders = [
+    [i for i in range(num_clients) if (cls - i) % num_classes < c]
+    for cls in range(num_classes)
+  ]
+  pools = [
+    rng.permutation(np.nonzero(labels == cls)[0]) for cls in range(num_classes)
+  ]
+  per_class = min(
+    len(pools[k]) // max(len(holders[k]), 1)
+    for k in range(num_classes)
+    if holders[k]
+  )
   if examples_per_client is not None:
     want = examples_per_client // c
     if want > per_class:
-      raise ConfigError('examples_per_client', f'examples_per_client={examples_per_client} needs {want} examples per '
-                       f'class per device, the data allows {per_class}')
+      raise ConfigError(
+        'examples_per_client',
+        f'examples_per_client={examples_per_client} needs {want} examples per '
+        f'class per device, the data allows {per_class}',
+      )
     per_class = want
   if per_class < 1:
-    raise ConfigError('num_clients', 'too many clients for sparse_classes: a class has fewer examples '
-                     'than devices holding it')
+    raise ConfigError(
+      'num_clients',
+      'too many clients for sparse_classes: a class has fewer examples '
+      'than devices holding it',
+    )
   taken = [0] * num_classes
   clients = []
   for i in range(num_clients):
     idx = []
     for j in range(c):
       cls = (i + j) % num_classes
-      idx.append(pools[cls][taken[cls]:taken[cls] + per_class])
+      idx.append(pools[cls][taken[cls] : taken[cls] + per_class])
       taken[cls] += per_class
     clients.append(np.concatenate(idx))
   groups = (np.arange(num_clients) % num_classes).astype(np.int32)
@@ -305,12 +395,19 @@ def sparse_classes(labels: np.ndarray, num_clients: int, num_classes: int,
 
   def transform(i, x, y):
     return x, maps[i][y].astype(y.dtype)
+
   # Every device has its own labelling: no two devices share a task.
-  return Partition(clients, np.arange(num_clients, dtype=np.int32), transform, num_classes=c)
+  return Partition(
+    clients, np.arange(num_clients, dtype=np.int32), transform, num_classes=c
+  )
 
 
-def latent_clusters(features: np.ndarray, num_clients: int, num_groups: int,
-                    rng: np.random.Generator) -> Partition:
+def latent_clusters(
+  features: np.ndarray,
+  num_clients: int,
+  num_groups: int,
+  rng: np.random.Generator,
+) -> Partition:
   """Latent groups: k-means (k = num_groups) on the flattened features; the
   examples of cluster g are dealt among the clients of group g.
 
@@ -324,21 +421,36 @@ def latent_clusters(features: np.ndarray, num_clients: int, num_groups: int,
     The ``Partition`` (groups: the clusters).
   """
   from sklearn.cluster import KMeans
+
   groups = _assign_groups(num_clients, num_groups)
   f = features.reshape(len(features), -1).astype(np.float32)
-  km = KMeans(n_clusters=num_groups, n_init=3, random_state=int(rng.integers(2**31)))
+  km = KMeans(
+    n_clusters=num_groups, n_init=3, random_state=int(rng.integers(2**31))
+  )
   assign = km.fit_predict(f)
   clients = [np.zeros(0, np.int64)] * num_clients  # every client is in a group
   for g in range(num_groups):
     members = np.nonzero(groups == g)[0]
     idx = rng.permutation(np.nonzero(assign == g)[0])
     if len(idx) < len(members):
-      raise ConfigError('num_clients', f'latent cluster {g} has {len(idx)} examples for {len(members)} clients')
+      raise ConfigError(
+        'num_clients',
+        f'latent cluster {g} has {len(idx)} examples for {len(members)} clients',
+      )
     for m, part in zip(members, np.array_split(idx, len(members))):
       clients[m] = part
   return Partition(clients, groups)
 
 
-PARTITIONS = ('iid', 'dirichlet', 'pathological', 'quantity_skew', 'rotation',
-              'label_permutation', 'sparse_classes', 'sparse_classes_permuted',
-              'latent_clusters', 'natural')
+PARTITIONS = (
+  'iid',
+  'dirichlet',
+  'pathological',
+  'quantity_skew',
+  'rotation',
+  'label_permutation',
+  'sparse_classes',
+  'sparse_classes_permuted',
+  'latent_clusters',
+  'natural',
+)

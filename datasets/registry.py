@@ -22,27 +22,70 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Type
 import numpy as np
 
 from fedjax_personal.datasets import sources, tfds_loader
-from fedjax_personal.datasets.natural_data import (MAX_CLASSES, NaturalData, checked, listed,
-                                                   take)
+from fedjax_personal.datasets.natural_data import (
+  MAX_CLASSES,
+  NaturalData,
+  checked,
+  listed,
+  take,
+)
 from fedjax_personal.datasets.options import DataOptions, NoOptions
 from fedjax_personal.errors import ConfigError, caller_file
 
-__all__ = ['DATASETS', 'HELD_OUT_ONLY', 'is_file_dataset', 'is_known', 'LEAF_PREFIX',
-           'LEAF_READER', 'load', 'loader_code', 'LOADERS', 'names', 'option_classes', 'options_class', 'OPTIONS',
-           'OWNERS', 'READER_ARGUMENTS', 'ReadClients', 'RESERVED_PREFIXES',
-           'reader_options', 'register', 'register_arrays', 'register_builtin', 'SplitByFraction']
+__all__ = [
+  'DATASETS',
+  'HELD_OUT_ONLY',
+  'is_file_dataset',
+  'is_known',
+  'LEAF_PREFIX',
+  'LEAF_READER',
+  'load',
+  'loader_code',
+  'LOADERS',
+  'names',
+  'option_classes',
+  'options_class',
+  'OPTIONS',
+  'OWNERS',
+  'READER_ARGUMENTS',
+  'ReadClients',
+  'RESERVED_PREFIXES',
+  'reader_options',
+  'register',
+  'register_arrays',
+  'register_builtin',
+  'SplitByFraction',
+]
 
 
 #: The built-in --dataset names; ``leaf:<name>`` is accepted too
 #: (``LEAF_PREFIX``), and every name ``register`` adds.
-DATASETS = ('mnist', 'digits', 'cifar10', 'cifar100', 'emnist', 'emnist_digits', 'shakespeare',
-            'stackoverflow', 'gldv2', 'tinyshakespeare', 'synthetic',
-            'tfds:mnist', 'tfds:emnist', 'tfds:cifar10', 'tfds:cifar100', 'tfds:tiny_shakespeare')
+DATASETS = (
+  'mnist',
+  'digits',
+  'cifar10',
+  'cifar100',
+  'emnist',
+  'emnist_digits',
+  'shakespeare',
+  'stackoverflow',
+  'gldv2',
+  'tinyshakespeare',
+  'synthetic',
+  'tfds:mnist',
+  'tfds:emnist',
+  'tfds:cifar10',
+  'tfds:cifar100',
+  'tfds:tiny_shakespeare',
+)
 #: Data sets of held-out clients only (read by FedJAX's ``load_data``), none
 #: to train: why the command refuses them.
-HELD_OUT_ONLY = {'stackoverflow_held_out': (
+HELD_OUT_ONLY = {
+  'stackoverflow_held_out': (
     'stackoverflow_held_out holds held-out users only, none to train (the held_out value of '
-    'datasets.stackoverflow.load_data); train on --dataset=stackoverflow')}
+    'datasets.stackoverflow.load_data); train on --dataset=stackoverflow'
+  )
+}
 
 
 #: --dataset name -> its reader (``read_clients``); the built-in data sets'
@@ -79,8 +122,11 @@ class ReadClients(Protocol):
     ...
 
 
-def register(name: str, read_clients: ReadClients,
-             options: Optional[Type[DataOptions]] = None) -> None:
+def register(
+  name: str,
+  read_clients: ReadClients,
+  options: Optional[Type[DataOptions]] = None,
+) -> None:
   """Adds a natural data set read from files: ``--dataset=<name>`` then
   reads it through ``read_clients(num_clients=None, data_dir=None,
   download=False, ...)`` into the population store, passing the options its
@@ -97,23 +143,35 @@ def register(name: str, read_clients: ReadClients,
   """
   owner = caller_file()
   if name in DATASETS or name in HELD_OUT_ONLY:
-    raise ValueError(f'{name!r} is a built-in data set; register yours under another name')
+    raise ValueError(
+      f'{name!r} is a built-in data set; register yours under another name'
+    )
   if name.startswith(RESERVED_PREFIXES):
-    raise ValueError(f'{name!r}: names starting {" or ".join(RESERVED_PREFIXES)} are the '
-                     'loaders\' own (LEAF\'s JSON, TFDS); register yours under another name')
+    raise ValueError(
+      f'{name!r}: names starting {" or ".join(RESERVED_PREFIXES)} are the '
+      "loaders' own (LEAF's JSON, TFDS); register yours under another name"
+    )
   if name in LOADERS and OWNERS.get(name, owner) != owner:
-    raise ValueError(f'a data set named {name!r} is registered already, by {OWNERS[name]}')
-  if options is not None and not (isinstance(options, type)
-                                  and issubclass(options, DataOptions)):
-    raise TypeError(f'the options of {name!r} must be a DataOptions dataclass, got {options!r}')
+    raise ValueError(
+      f'a data set named {name!r} is registered already, by {OWNERS[name]}'
+    )
+  if options is not None and not (
+    isinstance(options, type) and issubclass(options, DataOptions)
+  ):
+    raise TypeError(
+      f'the options of {name!r} must be a DataOptions dataclass, got {options!r}'
+    )
   _check_reader(name, read_clients, options or NoOptions)
   LOADERS[name] = read_clients
   OPTIONS[name] = options or NoOptions
   OWNERS[name] = owner
 
 
-def register_builtin(name: str, read_clients: Optional[Callable[..., NaturalData]] = None,
-                     options: Optional[Type[DataOptions]] = None) -> None:
+def register_builtin(
+  name: str,
+  read_clients: Optional[Callable[..., NaturalData]] = None,
+  options: Optional[Type[DataOptions]] = None,
+) -> None:
   """A built-in data set's entry (``DATASETS``, ``HELD_OUT_ONLY``), made
   by the package as it is imported: its reader (None: built in memory by
   ``loading``) and its options class (None: none).
@@ -127,7 +185,9 @@ def register_builtin(name: str, read_clients: Optional[Callable[..., NaturalData
     None.
   """
   if name not in DATASETS and name not in HELD_OUT_ONLY:
-    raise ValueError(f'{name!r} is not a built-in data set; add yours with register')
+    raise ValueError(
+      f'{name!r} is not a built-in data set; add yours with register'
+    )
   if read_clients is not None:
     LOADERS[name] = read_clients
   if options is not None:
@@ -138,24 +198,33 @@ def register_builtin(name: str, read_clients: Optional[Callable[..., NaturalData
 READER_ARGUMENTS = ('num_clients', 'data_dir', 'download', 'seed')
 
 
-def _check_reader(name: str, read_clients: Callable, options: Type[DataOptions]) -> None:
+def _check_reader(
+  name: str, read_clients: Callable, options: Type[DataOptions]
+) -> None:
   """Refuses a reader whose signature names something it is never given (a
   misspelled option would silently keep its default)."""
   try:
     params = inspect.signature(read_clients).parameters
   except (TypeError, ValueError):
-    raise TypeError(f'data set {name!r}: read_clients must be a function, got '
-                    f'{read_clients!r}') from None
+    raise TypeError(
+      f'data set {name!r}: read_clients must be a function, got '
+      f'{read_clients!r}'
+    ) from None
   if any(p.kind is p.VAR_KEYWORD for p in params.values()):
     return
   given = list(READER_ARGUMENTS) + [f.name for f in dataclasses.fields(options)]
   for pname, p in params.items():
     if p.kind is not p.VAR_POSITIONAL and pname not in given:
-      raise TypeError(f'data set {name!r}: read_clients takes {pname!r}, which it is never '
-                      f'given; it is given {", ".join(given)}'
-                      + (' (an option of its own: a field of its DataOptions class, '
-                         'register(name, read_clients, options=MyOptions))'
-                         if options is NoOptions else ''))
+      raise TypeError(
+        f'data set {name!r}: read_clients takes {pname!r}, which it is never '
+        f'given; it is given {", ".join(given)}'
+        + (
+          ' (an option of its own: a field of its DataOptions class, '
+          'register(name, read_clients, options=MyOptions))'
+          if options is NoOptions
+          else ''
+        )
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +237,9 @@ class SplitByFraction(NoOptions):
     return False
 
 
-def register_arrays(name: str, clients, test=None, *, num_classes: Optional[int] = None) -> None:
+def register_arrays(
+  name: str, clients, test=None, *, num_classes: Optional[int] = None
+) -> None:
   """A data set of arrays you have, in one call: ``--dataset=<name>`` then
   trains on them (``--import`` of the file that calls this, or a script
   that imports it before ``cli.run()``).
@@ -192,20 +263,32 @@ def register_arrays(name: str, clients, test=None, *, num_classes: Optional[int]
   Returns:
     None.
   """
-  if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(
-      num_classes, (int, np.integer)) or not 1 <= num_classes <= MAX_CLASSES):
-    raise ValueError(f'register_arrays({name!r}): num_classes must be an integer in [1, '
-                     f'{MAX_CLASSES:,}] or None, got {num_classes!r}')
+  if num_classes is not None and (
+    isinstance(num_classes, bool)
+    or not isinstance(num_classes, (int, np.integer))
+    or not 1 <= num_classes <= MAX_CLASSES
+  ):
+    raise ValueError(
+      f'register_arrays({name!r}): num_classes must be an integer in [1, '
+      f'{MAX_CLASSES:,}] or None, got {num_classes!r}'
+    )
 
   def as_pairs(got, what):
     got = got() if callable(got) else got
     try:
-      return {str(c.decode() if isinstance(c, bytes) else c): (np.asarray(ex['x']),
-                                                               np.asarray(ex['y']))
-              for c, ex in got.items()}
+      return {
+        str(c.decode() if isinstance(c, bytes) else c): (
+          np.asarray(ex['x']),
+          np.asarray(ex['y']),
+        )
+        for c, ex in got.items()
+      }
     except (AttributeError, KeyError, TypeError) as e:
-      raise ConfigError('dataset', f'{name}: its {what} must be {{client_id: {{"x": array, '
-                        f'"y": array}}}} ({type(e).__name__}: {e})') from None
+      raise ConfigError(
+        'dataset',
+        f'{name}: its {what} must be {{client_id: {{"x": array, '
+        f'"y": array}}}} ({type(e).__name__}: {e})',
+      ) from None
 
   def read_clients(num_clients=None, data_dir=None, download=False):
     del data_dir, download
@@ -216,24 +299,53 @@ def register_arrays(name: str, clients, test=None, *, num_classes: Optional[int]
     ids = ids[:n]
     if tested is not None and set(tested) - set(train):
       extra = sorted(set(tested) - set(train))[:3]
-      raise ConfigError('dataset', f'{name}: test clients {extra} have no training examples')
+      raise ConfigError(
+        'dataset', f'{name}: test clients {extra} have no training examples'
+      )
     empty = lambda c: (train[c][0][:0], train[c][1][:0])
-    test_pairs = [tested.get(c, empty(c)) for c in ids] if tested is not None else None
+    test_pairs = (
+      [tested.get(c, empty(c)) for c in ids] if tested is not None else None
+    )
     classes = num_classes
-    if classes is None:  # the largest label + 1, its client named if it is absurd
-      owners = [(c, y) for c in ids for y in (train[c][1], *([tested[c][1]] if tested and c
-                                                                in tested else []))]
-      top = max(((float(np.max(y)), c) for c, y in owners if y.size and y.dtype.kind in 'biuf'
-                 and np.isfinite(y).all()), default=(0.0, None))
+    if (
+      classes is None
+    ):  # the largest label + 1, its client named if it is absurd
+      owners = [
+        (c, y)
+        for c in ids
+        for y in (
+          train[c][1],
+          *([tested[c][1]] if tested and c in tested else []),
+        )
+      ]
+      top = max(
+        (
+          (float(np.max(y)), c)
+          for c, y in owners
+          if y.size and y.dtype.kind in 'biuf' and np.isfinite(y).all()
+        ),
+        default=(0.0, None),
+      )
       if top[0] + 1 > MAX_CLASSES:
-        raise ConfigError('dataset', f'{name}: client {top[1]!r} has label {top[0]:g}: '
-                          f'{top[0] + 1:,.0f} classes, more than {MAX_CLASSES:,} (labels are '
-                          'class indices 0, 1, ...)')
+        raise ConfigError(
+          'dataset',
+          f'{name}: client {top[1]!r} has label {top[0]:g}: '
+          f'{top[0] + 1:,.0f} classes, more than {MAX_CLASSES:,} (labels are '
+          'class indices 0, 1, ...)',
+        )
       classes = int(top[0]) + 1
-    return NaturalData(listed(ids, [train[c] for c in ids], test_pairs), n, classes, len(train),
-                       split_by_fraction=tested is None)
+    return NaturalData(
+      listed(ids, [train[c] for c in ids], test_pairs),
+      n,
+      classes,
+      len(train),
+      split_by_fraction=tested is None,
+    )
+
   read_clients.__module__ = getattr(clients, '__module__', None) or __name__
-  register(name, read_clients, options=None if test is not None else SplitByFraction)
+  register(
+    name, read_clients, options=None if test is not None else SplitByFraction
+  )
 
 
 def names() -> List[str]:
@@ -242,7 +354,9 @@ def names() -> List[str]:
   Returns:
     The names.
   """
-  return list(DATASETS) + [n for n in LOADERS if n not in DATASETS and n not in HELD_OUT_ONLY]
+  return list(DATASETS) + [
+    n for n in LOADERS if n not in DATASETS and n not in HELD_OUT_ONLY
+  ]
 
 
 def is_known(dataset: str) -> bool:
@@ -255,8 +369,10 @@ def is_known(dataset: str) -> bool:
   Returns:
     True when it names one.
   """
-  if dataset.startswith('tfds:'):  # TFDS's own names: tfds:emnist is its byclass (62 classes)
-    return tfds_loader.is_known(dataset[len('tfds:'):])
+  if dataset.startswith(
+    'tfds:'
+  ):  # TFDS's own names: tfds:emnist is its byclass (62 classes)
+    return tfds_loader.is_known(dataset[len('tfds:') :])
   return dataset in DATASETS or is_file_dataset(dataset)
 
 
@@ -294,13 +410,21 @@ def is_file_dataset(dataset: str) -> bool:
   Returns:
     True for a registered reader's name or ``leaf:<name>``.
   """
-  return dataset in LOADERS or (dataset.startswith(LEAF_PREFIX) and len(dataset) > len(LEAF_PREFIX))
+  return dataset in LOADERS or (
+    dataset.startswith(LEAF_PREFIX) and len(dataset) > len(LEAF_PREFIX)
+  )
 
 
 #: The modules every natural data set is read through: a change in one
 #: changes every store's ``loader_code``.
-_SHARED_READERS = ('registry', 'natural_data', 'sqlite_formats', 'tf_example', 'local_files',
-                   'options')
+_SHARED_READERS = (
+  'registry',
+  'natural_data',
+  'sqlite_formats',
+  'tf_example',
+  'local_files',
+  'options',
+)
 
 
 def loader_code(dataset: str) -> str:
@@ -316,7 +440,9 @@ def loader_code(dataset: str) -> str:
   Returns:
     16 hex digits.
   """
-  fn: Any = LEAF_READER[0] if dataset.startswith(LEAF_PREFIX) else LOADERS.get(dataset)
+  fn: Any = (
+    LEAF_READER[0] if dataset.startswith(LEAF_PREFIX) else LOADERS.get(dataset)
+  )
   fn = getattr(fn, 'func', fn)  # a functools.partial's function
   modules: List[Any] = [sys.modules.get(getattr(fn, '__module__', ''), None)]
   modules += [sys.modules.get(f'{__package__}.{m}') for m in _SHARED_READERS]
@@ -324,13 +450,17 @@ def loader_code(dataset: str) -> str:
   for module in modules:
     try:
       h.update(inspect.getsource(module).encode())
-    except (TypeError, OSError):  # no module or no source (a frozen build): its name
+    except (
+      TypeError,
+      OSError,
+    ):  # no module or no source (a frozen build): its name
       h.update(repr(getattr(module, '__name__', module)).encode())
   return h.hexdigest()[:16]
 
 
-def load(dataset: str, num_clients=None, data_dir=None, download=False,
-         **options) -> NaturalData:
+def load(
+  dataset: str, num_clients=None, data_dir=None, download=False, **options
+) -> NaturalData:
   """A natural data set by its --dataset name. ``options`` (its options'
   fields, ``seed``) go to the reader when its signature names them; None
   leaves its default.
@@ -348,14 +478,26 @@ def load(dataset: str, num_clients=None, data_dir=None, download=False,
   if dataset.startswith(LEAF_PREFIX):
     if download:
       raise ConfigError('download', sources.manual_instructions(dataset))
-    return checked(dataset, LEAF_READER[0](dataset[len(LEAF_PREFIX):], num_clients, data_dir))
+    return checked(
+      dataset,
+      LEAF_READER[0](dataset[len(LEAF_PREFIX) :], num_clients, data_dir),
+    )
   if dataset not in LOADERS:
-    raise ConfigError('dataset', f'{dataset!r} is not a natural data set read from files')
-  nat = LOADERS[dataset](num_clients=num_clients, data_dir=data_dir, download=download,
-                         **reader_options(dataset, options))
+    raise ConfigError(
+      'dataset', f'{dataset!r} is not a natural data set read from files'
+    )
+  nat = LOADERS[dataset](
+    num_clients=num_clients,
+    data_dir=data_dir,
+    download=download,
+    **reader_options(dataset, options),
+  )
   if not isinstance(nat, NaturalData):
-    raise ConfigError('dataset', f'{dataset}: its reader returned {type(nat).__name__}, not a '
-                      'natural_data.NaturalData')
+    raise ConfigError(
+      'dataset',
+      f'{dataset}: its reader returned {type(nat).__name__}, not a '
+      'natural_data.NaturalData',
+    )
   return checked(dataset, nat)
 
 

@@ -28,13 +28,28 @@ import urllib.request
 import zipfile
 from typing import Dict, List, Optional, Set, Tuple
 
-from fedjax_personal.datasets import local_files
-from fedjax_personal.errors import DataError
 from tqdm import tqdm
 
-__all__ = ['decompress', 'download_file', 'DownloadError', 'extract_member', 'fetch',
-           'fetch_gldv2_images', 'FILES', 'GLDV2_BUNDLE', 'GLDV2_MD5_URL', 'GLDV2_SHARD_URL',
-           'GLDV2_SHARDS', 'how_to_get', 'log', 'manual_instructions', 'RemoteFile']
+from fedjax_personal.datasets import local_files
+from fedjax_personal.errors import DataError
+
+__all__ = [
+  'decompress',
+  'download_file',
+  'DownloadError',
+  'extract_member',
+  'fetch',
+  'fetch_gldv2_images',
+  'FILES',
+  'GLDV2_BUNDLE',
+  'GLDV2_MD5_URL',
+  'GLDV2_SHARD_URL',
+  'GLDV2_SHARDS',
+  'how_to_get',
+  'log',
+  'manual_instructions',
+  'RemoteFile',
+]
 
 
 _FEDJAX = 'https://storage.googleapis.com/gresearch/fedjax'
@@ -51,6 +66,7 @@ class RemoteFile:
     decompressed: for an ``.lzma`` file, the name of its decompressed copy
       (kept in the cache; a copy saved by hand is used too).
   """
+
   name: str
   url: str
   sha256: Optional[str] = None
@@ -65,37 +81,75 @@ def _fedjax(folder: str, name: str) -> RemoteFile:
 
 #: data set -> its files, in the order they are read.
 FILES: Dict[str, Tuple[RemoteFile, ...]] = {
-    'emnist': tuple(_fedjax('emnist', f'federated_emnist_{s}.sqlite') for s in ('train', 'test')),
-    'emnist_digits': tuple(_fedjax('emnist', f'federated_emnist_digitsonly_{s}.sqlite')
-                           for s in ('train', 'test')),
-    'shakespeare': tuple(_fedjax('shakespeare', f'shakespeare_{s}.sqlite') for s in ('train', 'test')),
-    'stackoverflow': tuple(_fedjax('stackoverflow', f'stackoverflow_{s}.sqlite')
-                           for s in ('train', 'held_out', 'test'))
-                     + (_fedjax('stackoverflow', 'stackoverflow.word_count'),),
-    'cifar100': (RemoteFile('cifar100.sqlite.lzma',
-                            'https://storage.googleapis.com/tff-datasets-public/cifar100.sqlite.lzma',
-                            sha256='23d3916c9caa33395737ee560cc7cb77bbd05fc7b73647ee7be3a7e764172939',
-                            size=153019920, decompressed='cifar100.sqlite'),),
-    'cifar100_python': (RemoteFile('cifar-100-python.tar.gz',
-                                   'https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz',
-                                   md5='eb9058c3a382ffc7106e4002c42a8d85', size=169001437),),
-    'cifar10': (RemoteFile('cifar-10-python.tar.gz',
-                           'https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz',
-                           md5='c58f30108f718f92721af3b95e74349a', size=170498071),),
-    # TFF's federated split of Google Landmarks v2 (the seed's gldv2_utils.py).
-    'gldv2': (RemoteFile('landmarks-user-160k.zip',
-                         'http://storage.googleapis.com/gresearch/federated-vision-datasets/'
-                         'landmarks-user-160k.zip', md5='53c36bd7d5fc12f927af2820b7e4a57c'),),
-    'tinyshakespeare': (RemoteFile(
-        'input.txt', 'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/'
-        'tinyshakespeare/input.txt', md5='6fb458f1232090904fb40fe944165e91', size=1115394),),
+  'emnist': tuple(
+    _fedjax('emnist', f'federated_emnist_{s}.sqlite') for s in ('train', 'test')
+  ),
+  'emnist_digits': tuple(
+    _fedjax('emnist', f'federated_emnist_digitsonly_{s}.sqlite')
+    for s in ('train', 'test')
+  ),
+  'shakespeare': tuple(
+    _fedjax('shakespeare', f'shakespeare_{s}.sqlite') for s in ('train', 'test')
+  ),
+  'stackoverflow': tuple(
+    _fedjax('stackoverflow', f'stackoverflow_{s}.sqlite')
+    for s in ('train', 'held_out', 'test')
+  )
+  + (_fedjax('stackoverflow', 'stackoverflow.word_count'),),
+  'cifar100': (
+    RemoteFile(
+      'cifar100.sqlite.lzma',
+      'https://storage.googleapis.com/tff-datasets-public/cifar100.sqlite.lzma',
+      sha256='23d3916c9caa33395737ee560cc7cb77bbd05fc7b73647ee7be3a7e764172939',
+      size=153019920,
+      decompressed='cifar100.sqlite',
+    ),
+  ),
+  'cifar100_python': (
+    RemoteFile(
+      'cifar-100-python.tar.gz',
+      'https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz',
+      md5='eb9058c3a382ffc7106e4002c42a8d85',
+      size=169001437,
+    ),
+  ),
+  'cifar10': (
+    RemoteFile(
+      'cifar-10-python.tar.gz',
+      'https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz',
+      md5='c58f30108f718f92721af3b95e74349a',
+      size=170498071,
+    ),
+  ),
+  # TFF's federated split of Google Landmarks v2 (the seed's gldv2_utils.py).
+  'gldv2': (
+    RemoteFile(
+      'landmarks-user-160k.zip',
+      'http://storage.googleapis.com/gresearch/federated-vision-datasets/'
+      'landmarks-user-160k.zip',
+      md5='53c36bd7d5fc12f927af2820b7e4a57c',
+    ),
+  ),
+  'tinyshakespeare': (
+    RemoteFile(
+      'input.txt',
+      'https://raw.githubusercontent.com/karpathy/char-rnn/master/data/'
+      'tinyshakespeare/input.txt',
+      md5='6fb458f1232090904fb40fe944165e91',
+      size=1115394,
+    ),
+  ),
 }
 
 GLDV2_BUNDLE = 'landmarks-user-160k.zip'
 #: GLDv2's training images, in shards (TFF's loader reads all of them).
-GLDV2_SHARD_URL = 'https://s3.amazonaws.com/google-landmark/train/images_{:03d}.tar'
+GLDV2_SHARD_URL = (
+  'https://s3.amazonaws.com/google-landmark/train/images_{:03d}.tar'
+)
 #: Each shard's published MD5 (TFF's gldv2.py fetches it and checks the shard).
-GLDV2_MD5_URL = 'https://s3.amazonaws.com/google-landmark/md5sum/train/md5.images_{:03d}.txt'
+GLDV2_MD5_URL = (
+  'https://s3.amazonaws.com/google-landmark/md5sum/train/md5.images_{:03d}.txt'
+)
 GLDV2_SHARDS = 500
 
 #: Other names a file is accepted under (a local copy saved differently).
@@ -117,8 +171,10 @@ def how_to_get(dataset: str) -> str:
     The command.
   """
   if downloadable(dataset):
-    return (f'get it with: python scripts/run_experiment.py --dataset={dataset} --download '
-            '(or save it by hand in --data_dir)')
+    return (
+      f'get it with: python scripts/run_experiment.py --dataset={dataset} --download '
+      '(or save it by hand in --data_dir)'
+    )
   return manual_instructions(dataset)
 
 
@@ -133,15 +189,19 @@ def manual_instructions(dataset: str) -> str:
   """
   if dataset.startswith('leaf:'):
     name = dataset[5:]
-    return (f"LEAF publishes no ready files: build them with LEAF's own scripts "
-            f'(github.com/TalwalkarLab/leaf, data/{name}/preprocess.sh) and put its '
-            f'data/{name}/data/train and test folders under --data_dir as leaf/{name}/train '
-            f'and leaf/{name}/test')
+    return (
+      f"LEAF publishes no ready files: build them with LEAF's own scripts "
+      f'(github.com/TalwalkarLab/leaf, data/{name}/preprocess.sh) and put its '
+      f'data/{name}/data/train and test folders under --data_dir as leaf/{name}/train '
+      f'and leaf/{name}/test'
+    )
   if dataset == 'gldv2':
-    return ('put GLDv2\'s training JPEGs that federated_train.csv lists in one folder, '
-            'gldv2/images/<image_id>.jpg, under --data_dir (from '
-            f'{GLDV2_SHARD_URL.format(0)} ... images_{GLDV2_SHARDS - 1:03d}.tar), or '
-            'fetch them with --download (about 500 GB of shards, read one at a time)')
+    return (
+      "put GLDv2's training JPEGs that federated_train.csv lists in one folder, "
+      'gldv2/images/<image_id>.jpg, under --data_dir (from '
+      f'{GLDV2_SHARD_URL.format(0)} ... images_{GLDV2_SHARDS - 1:03d}.tar), or '
+      'fetch them with --download (about 500 GB of shards, read one at a time)'
+    )
   return 'put it in --data_dir or $FEDJAX_PERSONAL_DATA'
 
 
@@ -149,8 +209,13 @@ def _names(f: RemoteFile) -> List[str]:
   return [f.name] + list(ALIASES.get(f.name, ()))
 
 
-def fetch(dataset: str, data_dir: Optional[str] = None, download: bool = False,
-          which: Optional[List[str]] = None, progress: bool = True) -> Dict[str, pathlib.Path]:
+def fetch(
+  dataset: str,
+  data_dir: Optional[str] = None,
+  download: bool = False,
+  which: Optional[List[str]] = None,
+  progress: bool = True,
+) -> Dict[str, pathlib.Path]:
   """Paths of a data set's files, downloaded into the cache when asked.
 
   Args:
@@ -171,7 +236,9 @@ def fetch(dataset: str, data_dir: Optional[str] = None, download: bool = False,
   for f in FILES[dataset]:
     if which is not None and f.name not in which:
       continue
-    if f.decompressed:  # a decompressed copy kept beside the user's files (not the cache's)
+    if (
+      f.decompressed
+    ):  # a decompressed copy kept beside the user's files (not the cache's)
       done = local_files.locate(f.decompressed, data_dir, cache=False)
       if done is not None:
         out[f.name] = done
@@ -179,8 +246,12 @@ def fetch(dataset: str, data_dir: Optional[str] = None, download: bool = False,
     path = local_files.locate(_names(f), data_dir)
     if path is None:
       if not download:
-        local_files.find_file(f.name, data_dir, how_to_get(dataset))  # raises, naming --download
-      path = download_file(f, local_files.cache_dir(), dataset, progress=progress)
+        local_files.find_file(
+          f.name, data_dir, how_to_get(dataset)
+        )  # raises, naming --download
+      path = download_file(
+        f, local_files.cache_dir(), dataset, progress=progress
+      )
     elif f.md5 or f.sha256:
       local_files.check_digest(path, f.md5, f.sha256)
     out[f.name] = decompress(path, f) if f.decompressed else path
@@ -210,12 +281,18 @@ def decompress(path: pathlib.Path, f: RemoteFile) -> pathlib.Path:
       with lzma.open(path, 'rb') as src, open(tmp, 'wb') as out:
         shutil.copyfileobj(src, out, 1 << 20)
     except (lzma.LZMAError, EOFError) as e:
-      raise DataError(f'{path}: not a complete LZMA file ({e}); delete it and download it '
-                      'again (--download)') from None
+      raise DataError(
+        f'{path}: not a complete LZMA file ({e}); delete it and download it '
+        'again (--download)'
+      ) from None
+
   try:
     return local_files.write_atomically(dest, write)
   except BaseException:
-    for folder in (dest.parent, dest.parent.parent):  # nothing of a failed copy is kept
+    for folder in (
+      dest.parent,
+      dest.parent.parent,
+    ):  # nothing of a failed copy is kept
       try:
         folder.rmdir()
       except OSError:  # not empty: other copies
@@ -223,7 +300,9 @@ def decompress(path: pathlib.Path, f: RemoteFile) -> pathlib.Path:
     raise
 
 
-def extract_member(archive: pathlib.Path, suffix: str, dest: pathlib.Path) -> pathlib.Path:
+def extract_member(
+  archive: pathlib.Path, suffix: str, dest: pathlib.Path
+) -> pathlib.Path:
   """The member of a ZIP archive whose name ends with ``suffix``, copied once
   to ``dest`` (e.g. ``federated_train.csv`` of TFF's GLDv2 bundle).
 
@@ -243,12 +322,17 @@ def extract_member(archive: pathlib.Path, suffix: str, dest: pathlib.Path) -> pa
       with zipfile.ZipFile(archive) as z:
         names = [n for n in z.namelist() if n.endswith(suffix)]
         if not names:
-          raise DataError(f'{archive}: holds no {suffix} (it holds {z.namelist()[:4]})')
+          raise DataError(
+            f'{archive}: holds no {suffix} (it holds {z.namelist()[:4]})'
+          )
         with z.open(names[0]) as src, open(tmp, 'wb') as out:
           shutil.copyfileobj(src, out, 1 << 20)
     except (zipfile.BadZipFile, EOFError, OSError) as e:
-      raise DataError(f'{archive}: not a complete ZIP archive ({e}); delete it and download it '
-                      'again (--download)') from None
+      raise DataError(
+        f'{archive}: not a complete ZIP archive ({e}); delete it and download it '
+        'again (--download)'
+      ) from None
+
   return local_files.write_atomically(dest, write)
 
 
@@ -256,19 +340,31 @@ def _gldv2_md5(shard: int) -> str:
   """Shard ``shard``'s MD5 as GLDv2 publishes it (``md5.images_NNN.txt``:
   the hex digest, then the file name), fetched as TFF's loader does."""
   url = GLDV2_MD5_URL.format(shard)
-  path = download_file(RemoteFile(os.path.basename(url), url), local_files.cache_dir(),
-                            'gldv2', progress=False)
+  path = download_file(
+    RemoteFile(os.path.basename(url), url),
+    local_files.cache_dir(),
+    'gldv2',
+    progress=False,
+  )
   try:
     words = path.read_text(errors='replace').split()
   finally:
     path.unlink(missing_ok=True)
-  if not words or len(words[0]) != 32 or any(c not in '0123456789abcdef' for c in words[0].lower()):
-    raise DataError(f'gldv2: {url} holds no MD5 ({" ".join(words[:2])[:60]!r}); the shard is not '
-                    'fetched unchecked: run --download again later')
+  if (
+    not words
+    or len(words[0]) != 32
+    or any(c not in '0123456789abcdef' for c in words[0].lower())
+  ):
+    raise DataError(
+      f'gldv2: {url} holds no MD5 ({" ".join(words[:2])[:60]!r}); the shard is not '
+      'fetched unchecked: run --download again later'
+    )
   return words[0].lower()
 
 
-def fetch_gldv2_images(wanted: Set[str], folder: pathlib.Path, progress: bool = True) -> None:
+def fetch_gldv2_images(
+  wanted: Set[str], folder: pathlib.Path, progress: bool = True
+) -> None:
   """Downloads GLDv2's training shards one at a time, keeps the JPEGs in
   ``wanted`` (image ids) as ``folder/<id>.jpg`` and deletes each shard; stops
   once every wanted image is there. A shard whose images are kept is noted in
@@ -293,30 +389,43 @@ def fetch_gldv2_images(wanted: Set[str], folder: pathlib.Path, progress: bool = 
     if str(s) in done:
       continue
     url = GLDV2_SHARD_URL.format(s)
-    shard = download_file(RemoteFile(os.path.basename(url), url, md5=_gldv2_md5(s)),
-                               local_files.cache_dir(), 'gldv2', progress=progress)
+    shard = download_file(
+      RemoteFile(os.path.basename(url), url, md5=_gldv2_md5(s)),
+      local_files.cache_dir(),
+      'gldv2',
+      progress=progress,
+    )
     try:
       with tarfile.open(shard) as tar:
         for member in tar:
-          image_id = os.path.basename(member.name)[:-len('.jpg')]
-          if member.isfile() and member.name.endswith('.jpg') and image_id in missing:
+          image_id = os.path.basename(member.name)[: -len('.jpg')]
+          if (
+            member.isfile()
+            and member.name.endswith('.jpg')
+            and image_id in missing
+          ):
             src = tar.extractfile(member)
             if src is None:
               continue
             data = src.read()
-            local_files.write_atomically(folder / f'{image_id}.jpg',
-                                         lambda tmp: tmp.write_bytes(data))
+            local_files.write_atomically(
+              folder / f'{image_id}.jpg', lambda tmp: tmp.write_bytes(data)
+            )
             missing.discard(image_id)
     except (tarfile.TarError, EOFError) as e:
-      raise DataError(f'{shard}: not a complete tar archive ({e}); delete it and run --download '
-                      'again') from None
+      raise DataError(
+        f'{shard}: not a complete tar archive ({e}); delete it and run --download '
+        'again'
+      ) from None
     finally:
       shard.unlink(missing_ok=True)
     with open(done_file, 'a') as f:
       f.write(f'{s}\n')
   if missing:
-    raise DataError(f'gldv2: {len(missing):,} images that federated_train.csv lists are in none '
-                    f'of the {GLDV2_SHARDS} shards (e.g. {sorted(missing)[0]})')
+    raise DataError(
+      f'gldv2: {len(missing):,} images that federated_train.csv lists are in none '
+      f'of the {GLDV2_SHARDS} shards (e.g. {sorted(missing)[0]})'
+    )
 
 
 # -- downloads ------------------------------------------------------------------
@@ -341,8 +450,13 @@ def log(text: str) -> None:
   print(text, file=sys.stderr, flush=True)
 
 
-def download_file(remote, dest_dir: pathlib.Path, dataset: str, progress: bool = True,
-             timeout: float = TIMEOUT) -> pathlib.Path:
+def download_file(
+  remote,
+  dest_dir: pathlib.Path,
+  dataset: str,
+  progress: bool = True,
+  timeout: float = TIMEOUT,
+) -> pathlib.Path:
   """Fetches ``remote`` (a ``RemoteFile``) into ``dest_dir/remote.name``.
 
   Args:
@@ -360,22 +474,31 @@ def download_file(remote, dest_dir: pathlib.Path, dataset: str, progress: bool =
       checksum that differs from the release's.
   """
   dest = pathlib.Path(dest_dir) / remote.name
-  by_hand = (f'without network, save {remote.url} as {remote.name} in --data_dir '
-             f'(or $FEDJAX_PERSONAL_DATA) by hand')
+  by_hand = (
+    f'without network, save {remote.url} as {remote.name} in --data_dir '
+    f'(or $FEDJAX_PERSONAL_DATA) by hand'
+  )
   log(f'downloading {dataset}: {remote.url} -> {dest}')
 
   def write(tmp):
     try:
       _fetch(remote, tmp, progress, timeout)
     except DownloadError as e:
-      raise DownloadError(f'{dataset}: {e}; nothing was kept; {by_hand}') from None
+      raise DownloadError(
+        f'{dataset}: {e}; nothing was kept; {by_hand}'
+      ) from None
     except urllib.error.HTTPError as e:
-      raise DownloadError(f'{dataset}: {remote.url} answered HTTP {e.code} ({e.reason}); nothing '
-                          f'was kept; {by_hand}') from None
+      raise DownloadError(
+        f'{dataset}: {remote.url} answered HTTP {e.code} ({e.reason}); nothing '
+        f'was kept; {by_hand}'
+      ) from None
     except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
       reason = getattr(e, 'reason', None) or e
-      raise DownloadError(f'{dataset}: download of {remote.url} failed ({reason}); nothing was '
-                          f'kept; {by_hand}') from None
+      raise DownloadError(
+        f'{dataset}: download of {remote.url} failed ({reason}); nothing was '
+        f'kept; {by_hand}'
+      ) from None
+
   return local_files.write_atomically(dest, write)
 
 
@@ -401,15 +524,31 @@ def _fetch(remote, tmp: pathlib.Path, progress: bool, timeout: float) -> None:
     finally:
       bar.close()
   if announced and written != int(announced):
-    raise DownloadError(f'{remote.url}: connection cut after {written} of {announced} bytes')
+    raise DownloadError(
+      f'{remote.url}: connection cut after {written} of {announced} bytes'
+    )
   if remote.size and written != remote.size:
-    raise DownloadError(f'{remote.url}: {written} bytes, the release has {remote.size}')
-  for name, want, got in (('md5', remote.md5, md5), ('sha256', remote.sha256, sha)):
+    raise DownloadError(
+      f'{remote.url}: {written} bytes, the release has {remote.size}'
+    )
+  for name, want, got in (
+    ('md5', remote.md5, md5),
+    ('sha256', remote.sha256, sha),
+  ):
     if want and got.hexdigest() != want:
-      raise DownloadError(f"{remote.url}: {name} {got.hexdigest()} differs from the release's "
-                          f'{want}')
+      raise DownloadError(
+        f"{remote.url}: {name} {got.hexdigest()} differs from the release's "
+        f'{want}'
+      )
 
 
 def _bar(total, name, enabled):
-  return tqdm(total=total, unit='B', unit_scale=True, desc=name, disable=not enabled,
-              file=sys.stderr, leave=False)
+  return tqdm(
+    total=total,
+    unit='B',
+    unit_scale=True,
+    desc=name,
+    disable=not enabled,
+    file=sys.stderr,
+    leave=False,
+  )

@@ -18,9 +18,14 @@ from typing import Callable, Iterable, Iterator, Optional, Tuple
 
 import numpy as np
 
-from fedjax_personal.datasets import client_datasets, federated, federated_data, sqlite_formats
+from fedjax_personal.datasets import (
+  client_datasets,
+  federated,
+  federated_data,
+  sources,
+  sqlite_formats,
+)
 from fedjax_personal.errors import DataError
-from fedjax_personal.datasets import sources
 
 __all__ = ['open_split', 'SQLiteFederatedData']
 
@@ -57,15 +62,27 @@ class SQLiteFederatedData:
       other of bytes and str finds it too.
   """
 
-  def __init__(self, path, parse_examples: Callable[[bytes], client_datasets.Examples] = (
-                   sqlite_formats.decode_client), start=None, stop=None,
-               preprocess_client: federated_data.ClientPreprocessor = federated_data.NoOpClientPreprocessor,
-               preprocess_batch: client_datasets.BatchPreprocessor = (
-                   client_datasets.NoOpBatchPreprocessor),
-               limit: Optional[int] = None, store_of: Optional[Callable] = None,
-               connection: Optional[sqlite3.Connection] = None, exact_ids: bool = False):
+  def __init__(
+    self,
+    path,
+    parse_examples: Callable[[bytes], client_datasets.Examples] = (
+      sqlite_formats.decode_client
+    ),
+    start=None,
+    stop=None,
+    preprocess_client: federated_data.ClientPreprocessor = federated_data.NoOpClientPreprocessor,
+    preprocess_batch: client_datasets.BatchPreprocessor = (
+      client_datasets.NoOpBatchPreprocessor
+    ),
+    limit: Optional[int] = None,
+    store_of: Optional[Callable] = None,
+    connection: Optional[sqlite3.Connection] = None,
+    exact_ids: bool = False,
+  ):
     self._path = str(path)
-    self._connection = connection or sqlite_formats.fedjax_connection(self._path)
+    self._connection = connection or sqlite_formats.fedjax_connection(
+      self._path
+    )
     self._parse = parse_examples
     self._start, self._stop = start, stop
     self._preprocess_client = preprocess_client
@@ -73,15 +90,23 @@ class SQLiteFederatedData:
     self._limit = limit
     self._last_rowid = None
     if limit is not None:
-      rows = self._query('SELECT rowid FROM federated_data ORDER BY rowid LIMIT 1 OFFSET ?',
-                         [max(int(limit) - 1, 0)], where=False).fetchone()
-      self._last_rowid = (rows[0] if rows and limit > 0 else -1)
+      rows = self._query(
+        'SELECT rowid FROM federated_data ORDER BY rowid LIMIT 1 OFFSET ?',
+        [max(int(limit) - 1, 0)],
+        where=False,
+      ).fetchone()
+      self._last_rowid = rows[0] if rows and limit > 0 else -1
     self._store_of = store_of
     self._exact_ids = exact_ids
 
   @classmethod
-  def new(cls, path, parse_examples: Callable[[bytes], client_datasets.Examples] = (
-      sqlite_formats.decode_client)) -> 'SQLiteFederatedData':
+  def new(
+    cls,
+    path,
+    parse_examples: Callable[[bytes], client_datasets.Examples] = (
+      sqlite_formats.decode_client
+    ),
+  ) -> 'SQLiteFederatedData':
     """Every client of the file at ``path`` (FedJAX's ``new``).
 
     Args:
@@ -94,11 +119,18 @@ class SQLiteFederatedData:
     return cls(path, parse_examples)
 
   def _with(self, **changes) -> 'SQLiteFederatedData':
-    args = dict(path=self._path, parse_examples=self._parse, start=self._start, stop=self._stop,
-                preprocess_client=self._preprocess_client,
-                preprocess_batch=self._preprocess_batch, limit=self._limit,
-                store_of=self._store_of, connection=self._connection,
-                exact_ids=self._exact_ids)
+    args = dict(
+      path=self._path,
+      parse_examples=self._parse,
+      start=self._start,
+      stop=self._stop,
+      preprocess_client=self._preprocess_client,
+      preprocess_batch=self._preprocess_batch,
+      limit=self._limit,
+      store_of=self._store_of,
+      connection=self._connection,
+      exact_ids=self._exact_ids,
+    )
     args.update(changes)
     return SQLiteFederatedData(**args)
 
@@ -114,39 +146,65 @@ class SQLiteFederatedData:
       if self._last_rowid is not None:
         clauses.append('(rowid <= :last)')
       sql = sql.format(where=' AND '.join(clauses))
-      params = {'start': self._start, 'stop': self._stop, 'last': self._last_rowid,
-                **(params or {})}
+      params = {
+        'start': self._start,
+        'stop': self._stop,
+        'last': self._last_rowid,
+        **(params or {}),
+      }
     try:
       return self._connection.execute(sql, params if params is not None else ())
     except sqlite3.Error as e:
-      raise DataError(f'{self._path}: unreadable as a FedJAX SQLite file ({e})') from None
+      raise DataError(
+        f'{self._path}: unreadable as a FedJAX SQLite file ({e})'
+      ) from None
 
   def _in_range(self, client_id) -> bool:
     try:
-      return ((self._start is None or self._start <= client_id)
-              and (self._stop is None or client_id < self._stop))
-    except TypeError:  # bytes against str: SQLite orders every str before every bytes
-      return ((self._start is None or isinstance(self._start, str) or isinstance(client_id, bytes))
-              and (self._stop is None or isinstance(client_id, str) or isinstance(self._stop, bytes)))
+      return (self._start is None or self._start <= client_id) and (
+        self._stop is None or client_id < self._stop
+      )
+    except (
+      TypeError
+    ):  # bytes against str: SQLite orders every str before every bytes
+      return (
+        self._start is None
+        or isinstance(self._start, str)
+        or isinstance(client_id, bytes)
+      ) and (
+        self._stop is None
+        or isinstance(client_id, str)
+        or isinstance(self._stop, bytes)
+      )
 
   def _lookup(self, column: str, client_id):
     """``(stored id, column)`` of a client in this view, or None."""
-    for cid in (client_id,) + (() if self._exact_ids else (_other_type(client_id),)):
+    for cid in (client_id,) + (
+      () if self._exact_ids else (_other_type(client_id),)
+    ):
       if cid is not None and self._in_range(cid):
-        row = self._query(f'SELECT client_id, {column} FROM federated_data WHERE {{where}} AND '
-                          'client_id = :cid', {'cid': cid}).fetchone()
+        row = self._query(
+          f'SELECT client_id, {column} FROM federated_data WHERE {{where}} AND '
+          'client_id = :cid',
+          {'cid': cid},
+        ).fetchone()
         if row is not None:
           return row
     return None
 
-  def _client_dataset(self, client_id, data: bytes) -> client_datasets.ClientDataset:
+  def _client_dataset(
+    self, client_id, data: bytes
+  ) -> client_datasets.ClientDataset:
     try:
       examples = self._parse(data)
     except Exception as e:  # noqa: BLE001  (zlib, msgpack: a damaged record)
-      raise DataError(f'{self._path}: client {client_id!r}: its record is unreadable '
-                      f'({type(e).__name__}: {e})') from None
-    return client_datasets.ClientDataset(self._preprocess_client(client_id, examples),
-                                         self._preprocess_batch)
+      raise DataError(
+        f'{self._path}: client {client_id!r}: its record is unreadable '
+        f'({type(e).__name__}: {e})'
+      ) from None
+    return client_datasets.ClientDataset(
+      self._preprocess_client(client_id, examples), self._preprocess_batch
+    )
 
   @property
   def store(self):
@@ -166,24 +224,34 @@ class SQLiteFederatedData:
       A ``PopulationStore``.
     """
     if self._store_of is None:
-      raise AttributeError(f'{self._path}: this view has no population store (made by hand; '
-                           "a data set's load_data gives one)")
+      raise AttributeError(
+        f'{self._path}: this view has no population store (made by hand; '
+        "a data set's load_data gives one)"
+      )
     return self._store_of(list(client_ids))
 
   def num_clients(self) -> int:
     """How many clients."""
-    return int(self._query('SELECT COUNT(*) FROM federated_data WHERE {where}').fetchone()[0])
+    return int(
+      self._query(
+        'SELECT COUNT(*) FROM federated_data WHERE {where}'
+      ).fetchone()[0]
+    )
 
   def client_ids(self) -> Iterator[bytes]:
     """The clients' ids, in the file's order."""
-    for (cid,) in self._query('SELECT client_id FROM federated_data WHERE {where} ORDER BY rowid'):
+    for (cid,) in self._query(
+      'SELECT client_id FROM federated_data WHERE {where} ORDER BY rowid'
+    ):
       yield cid
 
   def client_sizes(self) -> Iterator[Tuple[bytes, int]]:
     """``(id, num_examples)`` of every client, in the file's order (the
     file's count, before any preprocessing)."""
-    for cid, n in self._query('SELECT client_id, num_examples FROM federated_data WHERE {where} '
-                              'ORDER BY rowid'):
+    for cid, n in self._query(
+      'SELECT client_id, num_examples FROM federated_data WHERE {where} '
+      'ORDER BY rowid'
+    ):
       yield cid, n
 
   def client_size(self, client_id) -> int:
@@ -194,21 +262,25 @@ class SQLiteFederatedData:
     return row[1]
 
   def _read_clients(self) -> Iterator[Tuple[bytes, bytes]]:
-    yield from self._query('SELECT client_id, data FROM federated_data WHERE {where} '
-                           'ORDER BY rowid')
+    yield from self._query(
+      'SELECT client_id, data FROM federated_data WHERE {where} ORDER BY rowid'
+    )
 
   def clients(self) -> Iterator[Tuple[bytes, client_datasets.ClientDataset]]:
     """``(id, ClientDataset)`` of every client, in the file's order."""
     for cid, data in self._read_clients():
       yield cid, self._client_dataset(cid, data)
 
-  def shuffled_clients(self, buffer_size: int, seed: Optional[int] = None
-                       ) -> Iterator[Tuple[bytes, client_datasets.ClientDataset]]:
+  def shuffled_clients(
+    self, buffer_size: int, seed: Optional[int] = None
+  ) -> Iterator[Tuple[bytes, client_datasets.ClientDataset]]:
     """Every client, pass after pass forever, each pass shuffled through a
     buffer of ``buffer_size`` clients (``numpy.random.RandomState(seed)``)."""
     rng = np.random.RandomState(seed)
     while True:
-      for cid, data in client_datasets.buffered_shuffle(self._read_clients(), buffer_size, rng):
+      for cid, data in client_datasets.buffered_shuffle(
+        self._read_clients(), buffer_size, rng
+      ):
         yield cid, self._client_dataset(cid, data)
 
   def get_client(self, client_id) -> client_datasets.ClientDataset:
@@ -218,7 +290,9 @@ class SQLiteFederatedData:
       raise KeyError(client_id)
     return self._client_dataset(row[0], row[1])
 
-  def get_clients(self, client_ids: Iterable) -> Iterator[Tuple[bytes, client_datasets.ClientDataset]]:
+  def get_clients(
+    self, client_ids: Iterable
+  ) -> Iterator[Tuple[bytes, client_datasets.ClientDataset]]:
     """``(id, ClientDataset)`` for each id, in the order given."""
     for client_id in client_ids:
       yield client_id, self.get_client(client_id)
@@ -231,13 +305,20 @@ class SQLiteFederatedData:
       stop = self._stop
     return self._with(start=start, stop=stop)
 
-  def subset(self, client_ids: Iterable) -> 'federated_data.SubsetFederatedData':
+  def subset(
+    self, client_ids: Iterable
+  ) -> 'federated_data.SubsetFederatedData':
     """The clients named ``client_ids`` (bytes or str), as FedJAX's
     ``SubsetFederatedData`` (each once, sorted; an unknown id a ValueError)."""
     stored = set(self.client_ids())
-    as_stored = lambda c: c if (self._exact_ids or c in stored or _other_type(c) not in stored
-                                ) else _other_type(c)
-    return federated_data.SubsetFederatedData(self, [as_stored(c) for c in client_ids])
+    as_stored = lambda c: (
+      c
+      if (self._exact_ids or c in stored or _other_type(c) not in stored)
+      else _other_type(c)
+    )
+    return federated_data.SubsetFederatedData(
+      self, [as_stored(c) for c in client_ids]
+    )
 
   def with_exact_ids(self) -> 'SQLiteFederatedData':
     """This view with FedJAX's lookup of ids: only as the file stores them.
@@ -256,8 +337,13 @@ class SQLiteFederatedData:
     return self._with(preprocess_batch=self._preprocess_batch.append(fn))
 
 
-def open_split(cfg, file_name: str, preprocess_client=(), preprocess_batch=(),
-               source: Optional[str] = None) -> SQLiteFederatedData:
+def open_split(
+  cfg,
+  file_name: str,
+  preprocess_client=(),
+  preprocess_batch=(),
+  source: Optional[str] = None,
+) -> SQLiteFederatedData:
   """One of a data set's FedJAX files as FedJAX's ``load_split`` opens it,
   its preprocessing chained on, ``.store`` the population store of
   ``cfg`` (``federated.data_config``).
@@ -272,9 +358,13 @@ def open_split(cfg, file_name: str, preprocess_client=(), preprocess_batch=(),
   Returns:
     The file's clients (the first ``cfg.num_clients`` when given).
   """
-  path = sources.fetch(source or cfg.dataset, cfg.data_dir, cfg.download,
-                       which=[file_name])[file_name]
-  return SQLiteFederatedData(path, limit=cfg.num_clients,
-                             preprocess_client=federated_data.ClientPreprocessor(preprocess_client),
-                             preprocess_batch=client_datasets.BatchPreprocessor(preprocess_batch),
-                             store_of=federated.store_of(cfg))
+  path = sources.fetch(
+    source or cfg.dataset, cfg.data_dir, cfg.download, which=[file_name]
+  )[file_name]
+  return SQLiteFederatedData(
+    path,
+    limit=cfg.num_clients,
+    preprocess_client=federated_data.ClientPreprocessor(preprocess_client),
+    preprocess_batch=client_datasets.BatchPreprocessor(preprocess_batch),
+    store_of=federated.store_of(cfg),
+  )

@@ -24,9 +24,19 @@ import numpy as np
 from fedjax_personal.datasets import tf_example
 from fedjax_personal.errors import DataError
 
-__all__ = ['decode_client', 'encode_client', 'FEDJAX_TABLE', 'fedjax_connection',
-           'fedjax_num_clients', 'fedjax_sizes', 'parse_example', 'read_fedjax', 'read_tff',
-           'tff_num_clients', 'write_fedjax']
+__all__ = [
+  'decode_client',
+  'encode_client',
+  'FEDJAX_TABLE',
+  'fedjax_connection',
+  'fedjax_num_clients',
+  'fedjax_sizes',
+  'parse_example',
+  'read_fedjax',
+  'read_tff',
+  'tff_num_clients',
+  'write_fedjax',
+]
 
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_SCALAR, _EXT_BYTES_NDARRAY = 1, 2, 3, 4
@@ -69,15 +79,21 @@ def _pack(x):
   """FedJAX's msgpack ext types (``serialization.py``): 1 a numeric array,
   4 an array of bytes, 3 a NumPy scalar."""
   if isinstance(x, np.ndarray) and x.dtype == object:
-    return msgpack.ExtType(_EXT_BYTES_NDARRAY,
-                           msgpack.packb((x.shape, list(x.flatten())), use_bin_type=True))
+    return msgpack.ExtType(
+      _EXT_BYTES_NDARRAY,
+      msgpack.packb((x.shape, list(x.flatten())), use_bin_type=True),
+    )
   if isinstance(x, np.ndarray):
-    return msgpack.ExtType(_EXT_NDARRAY, msgpack.packb((x.shape, x.dtype.name, x.tobytes('C')),
-                                                       use_bin_type=True))
+    return msgpack.ExtType(
+      _EXT_NDARRAY,
+      msgpack.packb((x.shape, x.dtype.name, x.tobytes('C')), use_bin_type=True),
+    )
   if isinstance(x, np.generic):
     a = np.asarray(x)
-    return msgpack.ExtType(_EXT_SCALAR, msgpack.packb((a.shape, a.dtype.name, a.tobytes('C')),
-                                                      use_bin_type=True))
+    return msgpack.ExtType(
+      _EXT_SCALAR,
+      msgpack.packb((a.shape, a.dtype.name, a.tobytes('C')), use_bin_type=True),
+    )
   raise TypeError(f'FedJAX files hold arrays, not {type(x).__name__}')
 
 
@@ -91,12 +107,16 @@ def encode_client(examples) -> bytes:
   Returns:
     The blob.
   """
-  return zlib.compress(msgpack.packb(dict(examples), default=_pack, strict_types=True))
+  return zlib.compress(
+    msgpack.packb(dict(examples), default=_pack, strict_types=True)
+  )
 
 
 #: FedJAX's table of clients (``SQLiteFederatedDataBuilder``).
-FEDJAX_TABLE = ('CREATE TABLE federated_data (client_id BLOB NOT NULL PRIMARY KEY, '
-                'data BLOB NOT NULL, num_examples INTEGER NOT NULL);')
+FEDJAX_TABLE = (
+  'CREATE TABLE federated_data (client_id BLOB NOT NULL PRIMARY KEY, '
+  'data BLOB NOT NULL, num_examples INTEGER NOT NULL);'
+)
 
 
 def write_fedjax(path, clients) -> None:
@@ -115,8 +135,13 @@ def write_fedjax(path, clients) -> None:
   conn = sqlite3.connect(str(path))
   try:
     conn.execute(FEDJAX_TABLE)
-    conn.executemany('INSERT INTO federated_data VALUES (?, ?, ?);', (
-        (cid, encode_client(ex), len(next(iter(ex.values())))) for cid, ex in clients))
+    conn.executemany(
+      'INSERT INTO federated_data VALUES (?, ?, ?);',
+      (
+        (cid, encode_client(ex), len(next(iter(ex.values()))))
+        for cid, ex in clients
+      ),
+    )
     conn.commit()
   finally:
     conn.close()
@@ -131,10 +156,15 @@ def _connect(path) -> sqlite3.Connection:
 
 def _tables(conn, path) -> List[str]:
   try:
-    return [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+    return [
+      r[0]
+      for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
+    ]
   except sqlite3.Error as e:
-    raise DataError(f'{path}: not an SQLite database ({e}); if it was downloaded, delete it and '
-                    'download it again (--download)') from None
+    raise DataError(
+      f'{path}: not an SQLite database ({e}); if it was downloaded, delete it and '
+      'download it again (--download)'
+    ) from None
 
 
 def fedjax_connection(path) -> sqlite3.Connection:
@@ -152,12 +182,15 @@ def fedjax_connection(path) -> sqlite3.Connection:
   conn = _connect(path)
   if 'federated_data' not in _tables(conn, path):
     conn.close()
-    raise DataError(f'{path}: no federated_data table: not a FedJAX SQLite file')
+    raise DataError(
+      f'{path}: no federated_data table: not a FedJAX SQLite file'
+    )
   return conn
 
 
-def read_fedjax(path, limit: Optional[int] = None,
-                client_ids: Optional[List[bytes]] = None) -> Iterator[Tuple[bytes, Dict[str, np.ndarray]]]:
+def read_fedjax(
+  path, limit: Optional[int] = None, client_ids: Optional[List[bytes]] = None
+) -> Iterator[Tuple[bytes, Dict[str, np.ndarray]]]:
   """Clients of a FedJAX SQLite file: ``(client_id, {feature: array})``.
 
   Args:
@@ -177,18 +210,32 @@ def read_fedjax(path, limit: Optional[int] = None,
     try:
       if client_ids is not None:
         for cid in client_ids:
-          row = conn.execute('SELECT data FROM federated_data WHERE client_id = ?', [cid]).fetchone()
+          row = conn.execute(
+            'SELECT data FROM federated_data WHERE client_id = ?', [cid]
+          ).fetchone()
           yield cid, (decode_client(row[0]) if row else {})
         return
       query = 'SELECT client_id, data FROM federated_data ORDER BY rowid'
       if limit is not None:
         query += f' LIMIT {int(limit)}'
       for cid, blob in conn.execute(query):
-        yield (cid.encode() if isinstance(cid, str) else bytes(cid)), decode_client(blob)
-    except (sqlite3.Error, zlib.error, ValueError, msgpack.ExtraData, msgpack.FormatError,
-            msgpack.StackError, TypeError) as e:
-      raise DataError(f'{path}: a client record is unreadable ({type(e).__name__}: {e}): '
-                      'corrupted or not a FedJAX SQLite file') from None
+        yield (
+          (cid.encode() if isinstance(cid, str) else bytes(cid)),
+          decode_client(blob),
+        )
+    except (
+      sqlite3.Error,
+      zlib.error,
+      ValueError,
+      msgpack.ExtraData,
+      msgpack.FormatError,
+      msgpack.StackError,
+      TypeError,
+    ) as e:
+      raise DataError(
+        f'{path}: a client record is unreadable ({type(e).__name__}: {e}): '
+        'corrupted or not a FedJAX SQLite file'
+      ) from None
   finally:
     conn.close()
 
@@ -207,7 +254,9 @@ def fedjax_num_clients(path) -> int:
   """
   conn = fedjax_connection(path)
   try:
-    return int(conn.execute('SELECT COUNT(*) FROM federated_data').fetchone()[0])
+    return int(
+      conn.execute('SELECT COUNT(*) FROM federated_data').fetchone()[0]
+    )
   finally:
     conn.close()
 
@@ -224,7 +273,9 @@ def fedjax_sizes(path) -> np.ndarray:
   """
   conn = fedjax_connection(path)
   try:
-    rows = conn.execute('SELECT num_examples FROM federated_data ORDER BY rowid').fetchall()
+    rows = conn.execute(
+      'SELECT num_examples FROM federated_data ORDER BY rowid'
+    ).fetchall()
     return np.asarray([r[0] for r in rows], np.int64)
   except sqlite3.Error as e:
     raise DataError(f'{path}: cannot read num_examples ({e})') from None
@@ -235,7 +286,9 @@ def fedjax_sizes(path) -> np.ndarray:
 # -- TFF SQLite and tf.train.Example ------------------------------------------
 
 
-def parse_example(serialized: bytes, shapes: Dict[str, tuple]) -> Dict[str, tf_example.Value]:
+def parse_example(
+  serialized: bytes, shapes: Dict[str, tuple]
+) -> Dict[str, tf_example.Value]:
   """The features named in ``shapes`` of one serialized tf.train.Example.
 
   Args:
@@ -273,15 +326,21 @@ def tff_num_clients(path, split: str) -> int:
   try:
     missing = {'examples', 'client_metadata'} - set(_tables(conn, path))
     if missing:
-      raise DataError(f'{path}: no {" or ".join(sorted(missing))} table: not a TFF SQLite file')
-    return int(conn.execute('SELECT COUNT(*) FROM client_metadata WHERE split_name = ?',
-                            [split]).fetchone()[0])
+      raise DataError(
+        f'{path}: no {" or ".join(sorted(missing))} table: not a TFF SQLite file'
+      )
+    return int(
+      conn.execute(
+        'SELECT COUNT(*) FROM client_metadata WHERE split_name = ?', [split]
+      ).fetchone()[0]
+    )
   finally:
     conn.close()
 
 
-def read_tff(path, split: str, shapes: Dict[str, tuple],
-             limit: Optional[int] = None) -> Iterator[Tuple[str, Dict[str, np.ndarray]]]:
+def read_tff(
+  path, split: str, shapes: Dict[str, tuple], limit: Optional[int] = None
+) -> Iterator[Tuple[str, Dict[str, np.ndarray]]]:
   """Clients of one split of a TFF SQLite file, in client-id order (as
   FedJAX's ``TFFSQLiteClientsIterator``): ``(client_id, {feature: [n, *shape]})``.
 
@@ -301,19 +360,39 @@ def read_tff(path, split: str, shapes: Dict[str, tuple],
   try:
     missing = {'examples', 'client_metadata'} - set(_tables(conn, path))
     if missing:
-      raise DataError(f'{path}: no {" or ".join(sorted(missing))} table: not a TFF SQLite file')
+      raise DataError(
+        f'{path}: no {" or ".join(sorted(missing))} table: not a TFF SQLite file'
+      )
     try:
       query = 'SELECT client_id FROM client_metadata WHERE split_name = ? ORDER BY client_id'
       if limit is not None:
         query += f' LIMIT {int(limit)}'
       for (cid,) in conn.execute(query, [split]).fetchall():
-        rows = conn.execute('SELECT serialized_example_proto FROM examples WHERE split_name = ? '
-                            'AND client_id = ? ORDER BY rowid', [split, cid]).fetchall()
+        rows = conn.execute(
+          'SELECT serialized_example_proto FROM examples WHERE split_name = ? '
+          'AND client_id = ? ORDER BY rowid',
+          [split, cid],
+        ).fetchall()
         parsed = [parse_example(r[0], shapes) for r in rows]
-        yield cid, {k: np.stack([p[k] for p in parsed]) if parsed else np.zeros((0,) + shapes[k])
-                    for k in shapes}
-    except (sqlite3.Error, ValueError, TypeError, IndexError, OverflowError) as e:
-      raise DataError(f'{path}: an example is unreadable ({type(e).__name__}: {e}): corrupted '
-                      'or not a TFF SQLite file of tf.train.Example rows') from None
+        yield (
+          cid,
+          {
+            k: np.stack([p[k] for p in parsed])
+            if parsed
+            else np.zeros((0,) + shapes[k])
+            for k in shapes
+          },
+        )
+    except (
+      sqlite3.Error,
+      ValueError,
+      TypeError,
+      IndexError,
+      OverflowError,
+    ) as e:
+      raise DataError(
+        f'{path}: an example is unreadable ({type(e).__name__}: {e}): corrupted '
+        'or not a TFF SQLite file of tf.train.Example rows'
+      ) from None
   finally:
     conn.close()

@@ -13,20 +13,47 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from fedjax_personal.datasets import federated, sources, sqlite_federated, sqlite_formats
+from fedjax_personal.datasets import (
+  federated,
+  sources,
+  sqlite_federated,
+  sqlite_formats,
+)
 from fedjax_personal.datasets.fingerprint import fingerprint64
-from fedjax_personal.datasets.natural_data import (BOS, EOS, IGNORE, PAD, NaturalData, client_id,
-                                                   converted, fedjax_splits, take)
+from fedjax_personal.datasets.natural_data import (
+  BOS,
+  EOS,
+  IGNORE,
+  PAD,
+  NaturalData,
+  client_id,
+  converted,
+  fedjax_splits,
+  take,
+)
 from fedjax_personal.datasets.options import TextOptions
 from fedjax_personal.errors import ConfigError, DataError
 from fedjax_personal.hparams import hparam
 
-
-__all__ = ['default_vocab', 'DefaultWordTokenizer', 'load_data', 'load_split', 'preprocess_client',
-           'read_clients', 'read_held_out', 'SPLITS', 'STACKOVERFLOW_ACCURACIES',
-           'stackoverflow_accuracy', 'STACKOVERFLOW_ROWS', 'stackoverflow_unscored',
-           'StackOverflowOptions',
-           'StackoverflowTokenizer', 'tokenize_sentences', 'VALIDATION_EXAMPLES', 'word_ids']
+__all__ = [
+  'default_vocab',
+  'DefaultWordTokenizer',
+  'load_data',
+  'load_split',
+  'preprocess_client',
+  'read_clients',
+  'read_held_out',
+  'SPLITS',
+  'STACKOVERFLOW_ACCURACIES',
+  'stackoverflow_accuracy',
+  'STACKOVERFLOW_ROWS',
+  'stackoverflow_unscored',
+  'StackOverflowOptions',
+  'StackoverflowTokenizer',
+  'tokenize_sentences',
+  'VALIDATION_EXAMPLES',
+  'word_ids',
+]
 
 
 def read_word_count(path, vocab_size: Optional[int]) -> List[str]:
@@ -41,12 +68,16 @@ def read_word_count(path, vocab_size: Optional[int]) -> List[str]:
           break
         parts = line.split()
         if len(parts) != 2 or not parts[1].isdigit():
-          raise DataError(f'{path}: line {len(words) + 1} is not "word count": {line.strip()!r}')
+          raise DataError(
+            f'{path}: line {len(words) + 1} is not "word count": {line.strip()!r}'
+          )
         words.append(parts[0])
   except UnicodeDecodeError as e:
     raise DataError(f'{path}: not UTF-8 text ({e.reason})') from None
   if vocab_size is not None and len(words) < vocab_size:
-    raise DataError(f'{path}: {len(words)} words, the vocabulary needs {vocab_size}')
+    raise DataError(
+      f'{path}: {len(words)} words, the vocabulary needs {vocab_size}'
+    )
   return words
 
 
@@ -68,10 +99,10 @@ def stackoverflow_unscored(num_classes: int):
 #: counts, in words; targets not scored; classes never predicted), the ids
 #: given by ``stackoverflow_accuracy``.
 STACKOVERFLOW_ACCURACIES = {
-    'in_vocab': "in-vocabulary next word: targets PAD, BOS, EOS and OOV not scored (Reddi et "
-                "al.; the partial-personalization seed)",
-    'fedjax_in_vocab': "FedJAX's accuracy_in_vocab: targets PAD and EOS not scored; PAD, BOS, "
-                       "EOS and OOV never predicted, so an OOV target is a miss",
+  'in_vocab': 'in-vocabulary next word: targets PAD, BOS, EOS and OOV not scored (Reddi et '
+  'al.; the partial-personalization seed)',
+  'fedjax_in_vocab': "FedJAX's accuracy_in_vocab: targets PAD and EOS not scored; PAD, BOS, "
+  'EOS and OOV never predicted, so an OOV target is a miss',
 }
 
 
@@ -90,9 +121,15 @@ def stackoverflow_accuracy(name: str, num_classes: int):
   if name == 'fedjax_in_vocab':  # fedjax/models/stackoverflow.py's eval_metrics
     return (PAD, EOS), (PAD, BOS, EOS, oov), STACKOVERFLOW_ACCURACIES[name]
   if name == 'in_vocab':
-    return stackoverflow_unscored(num_classes), (), STACKOVERFLOW_ACCURACIES[name]
-  raise ValueError(f'unknown Stack Overflow accuracy {name!r}; choose from '
-                   f'{sorted(STACKOVERFLOW_ACCURACIES)}')
+    return (
+      stackoverflow_unscored(num_classes),
+      (),
+      STACKOVERFLOW_ACCURACIES[name],
+    )
+  raise ValueError(
+    f'unknown Stack Overflow accuracy {name!r}; choose from '
+    f'{sorted(STACKOVERFLOW_ACCURACIES)}'
+  )
 
 
 def word_ids(words) -> Dict[bytes, int]:
@@ -105,12 +142,20 @@ def word_ids(words) -> Dict[bytes, int]:
   Returns:
     ``{word bytes: id}``.
   """
-  return {(w.encode('utf-8') if isinstance(w, str) else bytes(w)): i + 3
-          for i, w in enumerate(words)}
+  return {
+    (w.encode('utf-8') if isinstance(w, str) else bytes(w)): i + 3
+    for i, w in enumerate(words)
+  }
 
 
-def tokenize_sentences(sentences, vocab: Dict[bytes, int], seq_len: int,
-                       pad_target: int = IGNORE, rows: str = 'fedjax', num_oov_buckets: int = 1):
+def tokenize_sentences(
+  sentences,
+  vocab: Dict[bytes, int],
+  seq_len: int,
+  pad_target: int = IGNORE,
+  rows: str = 'fedjax',
+  num_oov_buckets: int = 1,
+):
   """Stack Overflow's rows: ids 0 PAD, 1 BOS, 2 EOS, 3.. the vocabulary,
   len(vocab) + 3 OOV; x = ids[:-1], y = ids[1:] of ``[BOS] words [EOS]``,
   truncated or padded to ``seq_len``. Words are split at every single
@@ -146,18 +191,24 @@ def tokenize_sentences(sentences, vocab: Dict[bytes, int], seq_len: int,
     raise ValueError(f'rows must be one of {STACKOVERFLOW_ROWS}, got {rows!r}')
   oov = len(vocab) + 3
   x = np.full((len(sentences), seq_len), PAD, np.int32)
-  y = np.full((len(sentences), seq_len), pad_target if rows == 'fedjax' else PAD, np.int32)
+  y = np.full(
+    (len(sentences), seq_len), pad_target if rows == 'fedjax' else PAD, np.int32
+  )
   for i, s in enumerate(sentences):
     text = s if isinstance(s, bytes) else str(s).encode('utf-8')
-    words = [vocab.get(w, oov) if num_oov_buckets == 1 else
-             vocab.get(w, oov + fingerprint64(w) % num_oov_buckets) for w in text.split(b' ')]
+    words = [
+      vocab.get(w, oov)
+      if num_oov_buckets == 1
+      else vocab.get(w, oov + fingerprint64(w) % num_oov_buckets)
+      for w in text.split(b' ')
+    ]
     if rows == 'tff':
       ids = [BOS] + words[:seq_len] + ([EOS] if len(words) < seq_len else [])
       ids += [PAD] * (seq_len + 1 - len(ids))
     else:
       ids = [BOS] + words + [EOS]
     n = min(len(ids) - 1, seq_len)
-    x[i, :n], y[i, :n] = ids[:n], ids[1:n + 1]
+    x[i, :n], y[i, :n] = ids[:n], ids[1 : n + 1]
   return x, y
 
 
@@ -172,56 +223,86 @@ VALIDATION_EXAMPLES = 10000
 @dataclasses.dataclass(frozen=True)
 class StackOverflowOptions(TextOptions):
   """Stack Overflow's options: its vocabulary, rows, test set and accuracy."""
+
   DEFAULT_SEQ_LEN = 20
-  held_out_choice = ('stackoverflow_test', "train_users (the train users' own test posts)")
-  vocab_size: Optional[int] = hparam(None, 'stackoverflow: the vocabulary, its most frequent '
-                                     'words (plus PAD, BOS, EOS and one OOV id). Default: 10000, '
-                                     'as Reddi et al. and the partial-personalization seed.',
-                                     minimum=1)
-  stackoverflow_test: str = hparam('train_users', "stackoverflow: the test set. train_users: the "
-                                   "train users' own posts in the test file; tff_users: every "
-                                   'user of the test file (204,088) held out, their pooled posts '
-                                   'the test set after 10,000 are taken out for validation, as '
-                                   "Reddi et al.'s task (google-research/federated) evaluates "
-                                   'every round; tff_test_file: every post of the test file, '
-                                   "the set its final test_fn reports (validation + test).",
-                                   choices=STACKOVERFLOW_TESTS)
-  stackoverflow_rows: str = hparam('fedjax', "stackoverflow: how posts become rows. fedjax: "
-                                   "FedJAX's tokenizer (after the last word PAD, targets past EOS "
-                                   "not in the loss); tff: google-research/federated's (after the "
-                                   'last word EOS, every target past it PAD and in the loss, as '
-                                   "its Keras model's unmasked loss counts them).",
-                                   choices=STACKOVERFLOW_ROWS)
+  held_out_choice = (
+    'stackoverflow_test',
+    "train_users (the train users' own test posts)",
+  )
+  vocab_size: Optional[int] = hparam(
+    None,
+    'stackoverflow: the vocabulary, its most frequent '
+    'words (plus PAD, BOS, EOS and one OOV id). Default: 10000, '
+    'as Reddi et al. and the partial-personalization seed.',
+    minimum=1,
+  )
+  stackoverflow_test: str = hparam(
+    'train_users',
+    'stackoverflow: the test set. train_users: the '
+    "train users' own posts in the test file; tff_users: every "
+    'user of the test file (204,088) held out, their pooled posts '
+    'the test set after 10,000 are taken out for validation, as '
+    "Reddi et al.'s task (google-research/federated) evaluates "
+    'every round; tff_test_file: every post of the test file, '
+    'the set its final test_fn reports (validation + test).',
+    choices=STACKOVERFLOW_TESTS,
+  )
+  stackoverflow_rows: str = hparam(
+    'fedjax',
+    'stackoverflow: how posts become rows. fedjax: '
+    "FedJAX's tokenizer (after the last word PAD, targets past EOS "
+    "not in the loss); tff: google-research/federated's (after the "
+    'last word EOS, every target past it PAD and in the loss, as '
+    "its Keras model's unmasked loss counts them).",
+    choices=STACKOVERFLOW_ROWS,
+  )
   stackoverflow_accuracy: str = hparam(
-      'in_vocab', 'stackoverflow: the next-word accuracy reported. in_vocab: targets PAD, BOS, '
-      'EOS and OOV not scored (Reddi et al., the partial-personalization seed); '
-      "fedjax_in_vocab: FedJAX's accuracy_in_vocab (PAD and EOS not scored, OOV a miss).",
-      choices=('in_vocab', 'fedjax_in_vocab'))
+    'in_vocab',
+    'stackoverflow: the next-word accuracy reported. in_vocab: targets PAD, BOS, '
+    'EOS and OOV not scored (Reddi et al., the partial-personalization seed); '
+    "fedjax_in_vocab: FedJAX's accuracy_in_vocab (PAD and EOS not scored, OOV a miss).",
+    choices=('in_vocab', 'fedjax_in_vocab'),
+  )
 
   def store_key(self, passed):
     # The seed draws tff_users' validation posts; the others read none.
-    return {k: v for k, v in passed.items()
-            if k != 'seed' or self.stackoverflow_test == 'tff_users'}
+    return {
+      k: v
+      for k, v in passed.items()
+      if k != 'seed' or self.stackoverflow_test == 'tff_users'
+    }
 
   def describe(self):
-    test = {'train_users': "the train users' own test posts (train_users)",
-            'tff_users': 'every test user, held out, pooled, less 10,000 posts for validation '
-                         "(tff_users: Reddi et al.'s task)",
-            'tff_test_file': 'every post of the test file, its users held out (tff_test_file: '
-                             "Reddi et al.'s final test)"}[self.stackoverflow_test]
-    rows = ([] if self.stackoverflow_rows == 'fedjax' else
-            ["rows: google-research/federated's (EOS after the last word, PAD targets past it in "
-             'the loss)'])
+    test = {
+      'train_users': "the train users' own test posts (train_users)",
+      'tff_users': 'every test user, held out, pooled, less 10,000 posts for validation '
+      "(tff_users: Reddi et al.'s task)",
+      'tff_test_file': 'every post of the test file, its users held out (tff_test_file: '
+      "Reddi et al.'s final test)",
+    }[self.stackoverflow_test]
+    rows = (
+      []
+      if self.stackoverflow_rows == 'fedjax'
+      else [
+        "rows: google-research/federated's (EOS after the last word, PAD targets past it in "
+        'the loss)'
+      ]
+    )
     return ['test set: ' + test] + rows
 
   def scored(self, model, num_classes):
-    unscored, unpredicted, definition = stackoverflow_accuracy(self.stackoverflow_accuracy,
-                                                               num_classes)
-    model = model.scoring_only_words(unscored, unpredicted=unpredicted, definition=definition)
+    unscored, unpredicted, definition = stackoverflow_accuracy(
+      self.stackoverflow_accuracy, num_classes
+    )
+    model = model.scoring_only_words(
+      unscored, unpredicted=unpredicted, definition=definition
+    )
     return model, f'accuracy: {self.stackoverflow_accuracy}, {definition}'
 
 
-def validation_counts(sizes, seed: int, total: int = VALIDATION_EXAMPLES) -> np.ndarray:
+def validation_counts(
+  sizes, seed: int, total: int = VALIDATION_EXAMPLES
+) -> np.ndarray:
   """How many of each test user's first examples go to validation:
   google-research/federated's ``stackoverflow_word_prediction.
   get_centralized_datasets`` takes the first ``total`` examples of
@@ -240,7 +321,9 @@ def validation_counts(sizes, seed: int, total: int = VALIDATION_EXAMPLES) -> np.
   return out
 
 
-def _record_tokenizer(word_count_path, vocab_size: int, seq_len: int, rows: str = 'fedjax'):
+def _record_tokenizer(
+  word_count_path, vocab_size: int, seq_len: int, rows: str = 'fedjax'
+):
   """A FedJAX record's posts as token rows, in the vocabulary of the
   ``vocab_size`` most frequent words of ``stackoverflow.word_count``.
 
@@ -257,9 +340,16 @@ def _record_tokenizer(word_count_path, vocab_size: int, seq_len: int, rows: str 
   return lambda ex: tokenize_sentences(ex['tokens'], vocab, seq_len, rows=rows)
 
 
-def read_clients(num_clients=None, data_dir=None, download=False, vocab_size: int = 10000,
-                 seq_len: int = 20, stackoverflow_test: str = 'train_users',
-                 seed: int = 0, stackoverflow_rows: str = 'fedjax') -> NaturalData:
+def read_clients(
+  num_clients=None,
+  data_dir=None,
+  download=False,
+  vocab_size: int = 10000,
+  seq_len: int = 20,
+  stackoverflow_test: str = 'train_users',
+  seed: int = 0,
+  stackoverflow_rows: str = 'fedjax',
+) -> NaturalData:
   """Stack Overflow (342,477 train users), FedJAX's files.
 
   Args:
@@ -284,16 +374,32 @@ def read_clients(num_clients=None, data_dir=None, download=False, vocab_size: in
     The users as a ``NaturalData``.
   """
   if stackoverflow_test not in STACKOVERFLOW_TESTS:
-    raise ConfigError('stackoverflow_test', f'unknown {stackoverflow_test!r}; choose one of '
-                      f'{list(STACKOVERFLOW_TESTS)}')
-  paths = sources.fetch('stackoverflow', data_dir, download,
-                        which=['stackoverflow_train.sqlite', 'stackoverflow_test.sqlite',
-                               'stackoverflow.word_count'])
-  tokens = _record_tokenizer(paths['stackoverflow.word_count'], vocab_size, seq_len,
-                            stackoverflow_rows)
-  train_path, test_path = paths['stackoverflow_train.sqlite'], paths['stackoverflow_test.sqlite']
+    raise ConfigError(
+      'stackoverflow_test',
+      f'unknown {stackoverflow_test!r}; choose one of '
+      f'{list(STACKOVERFLOW_TESTS)}',
+    )
+  paths = sources.fetch(
+    'stackoverflow',
+    data_dir,
+    download,
+    which=[
+      'stackoverflow_train.sqlite',
+      'stackoverflow_test.sqlite',
+      'stackoverflow.word_count',
+    ],
+  )
+  tokens = _record_tokenizer(
+    paths['stackoverflow.word_count'], vocab_size, seq_len, stackoverflow_rows
+  )
+  train_path, test_path = (
+    paths['stackoverflow_train.sqlite'],
+    paths['stackoverflow_test.sqlite'],
+  )
   if stackoverflow_test == 'train_users':
-    out = fedjax_splits('stackoverflow', train_path, test_path, num_clients, tokens)
+    out = fedjax_splits(
+      'stackoverflow', train_path, test_path, num_clients, tokens
+    )
   else:
     total = sqlite_formats.fedjax_num_clients(train_path)
     n = take(total, num_clients, 'stackoverflow')
@@ -301,30 +407,49 @@ def read_clients(num_clients=None, data_dir=None, download=False, vocab_size: in
     if stackoverflow_test == 'tff_test_file':
       val = np.zeros_like(sizes)
     elif int(sizes.sum()) <= VALIDATION_EXAMPLES:
-      raise ConfigError('stackoverflow_test', f'tff_users takes {VALIDATION_EXAMPLES:,} test posts '
-                        f'for validation and tests on the rest; {test_path} holds '
-                        f'{int(sizes.sum()):,}: give --stackoverflow_test=tff_test_file')
+      raise ConfigError(
+        'stackoverflow_test',
+        f'tff_users takes {VALIDATION_EXAMPLES:,} test posts '
+        f'for validation and tests on the rest; {test_path} holds '
+        f'{int(sizes.sum()):,}: give --stackoverflow_test=tff_test_file',
+      )
     else:
       val = validation_counts(sizes, seed, VALIDATION_EXAMPLES)
 
     def stream():
-      none = (np.zeros((0, seq_len), np.int32), np.zeros((0, seq_len), np.int32))
+      none = (
+        np.zeros((0, seq_len), np.int32),
+        np.zeros((0, seq_len), np.int32),
+      )
       for cid, ex in sqlite_formats.read_fedjax(train_path, limit=n):
         yield cid, converted(tokens, ex, train_path), none
       for u, (cid, ex) in enumerate(sqlite_formats.read_fedjax(test_path)):
         x, y = converted(tokens, ex, test_path)
         k = int(val[u])
         yield f'test/{client_id(cid)}', none, (x[k:], y[k:]), (x[:k], y[:k])
+
     held_out = len(val)
-    out = NaturalData(stream, n + held_out, 0, total, [str(train_path), str(test_path)],
-                      eval_only=held_out)
+    out = NaturalData(
+      stream,
+      n + held_out,
+      0,
+      total,
+      [str(train_path), str(test_path)],
+      eval_only=held_out,
+    )
   out.num_classes = vocab_size + 4
   out.files.append(str(paths['stackoverflow.word_count']))
   return out
 
 
-def read_held_out(num_clients=None, data_dir=None, download=False, vocab_size: int = 10000,
-                  seq_len: int = 20, stackoverflow_rows: str = 'fedjax') -> NaturalData:
+def read_held_out(
+  num_clients=None,
+  data_dir=None,
+  download=False,
+  vocab_size: int = 10000,
+  seq_len: int = 20,
+  stackoverflow_rows: str = 'fedjax',
+) -> NaturalData:
   """Stack Overflow's held-out users (``stackoverflow_held_out.sqlite``,
   38,758 users in TFF's and FedJAX's split), tokenized as ``read_clients``
   tokenizes the train users: every user a held-out client (``eval_only``)
@@ -343,10 +468,15 @@ def read_held_out(num_clients=None, data_dir=None, download=False, vocab_size: i
   Returns:
     The held-out users as a ``NaturalData`` of eval-only clients.
   """
-  paths = sources.fetch('stackoverflow', data_dir, download,
-                        which=['stackoverflow_held_out.sqlite', 'stackoverflow.word_count'])
-  tokens = _record_tokenizer(paths['stackoverflow.word_count'], vocab_size, seq_len,
-                             stackoverflow_rows)
+  paths = sources.fetch(
+    'stackoverflow',
+    data_dir,
+    download,
+    which=['stackoverflow_held_out.sqlite', 'stackoverflow.word_count'],
+  )
+  tokens = _record_tokenizer(
+    paths['stackoverflow.word_count'], vocab_size, seq_len, stackoverflow_rows
+  )
   path = paths['stackoverflow_held_out.sqlite']
   total = sqlite_formats.fedjax_num_clients(path)
   n = take(total, num_clients, 'stackoverflow_held_out')
@@ -355,8 +485,15 @@ def read_held_out(num_clients=None, data_dir=None, download=False, vocab_size: i
     none = (np.zeros((0, seq_len), np.int32), np.zeros((0, seq_len), np.int32))
     for cid, ex in sqlite_formats.read_fedjax(path, limit=n):
       yield cid, none, converted(tokens, ex, path)
-  out = NaturalData(stream, n, vocab_size + 4, total,
-                    [str(path), str(paths['stackoverflow.word_count'])], eval_only=n)
+
+  out = NaturalData(
+    stream,
+    n,
+    vocab_size + 4,
+    total,
+    [str(path), str(paths['stackoverflow.word_count'])],
+    eval_only=n,
+  )
   return out
 
 
@@ -375,12 +512,21 @@ def preprocess_client(client_id, examples):
     ``{'domain_id': int32 [N], 'tokens': bytes [N]}``.
   """
   del client_id
-  return {'domain_id': (examples['type'] == b'answer').astype(np.int32),
-          'tokens': examples['tokens']}
+  return {
+    'domain_id': (examples['type'] == b'answer').astype(np.int32),
+    'tokens': examples['tokens'],
+  }
 
 
-def load_split(split: str, mode: str = 'sqlite', cache_dir=None, *, num_clients=None,
-               download: bool = True, data_dir=None):
+def load_split(
+  split: str,
+  mode: str = 'sqlite',
+  cache_dir=None,
+  *,
+  num_clients=None,
+  download: bool = True,
+  data_dir=None,
+):
   """FedJAX's ``stackoverflow.load_split``: one file's users, raw
   (``creation_date``, ``title``, ``score``, ``tags``, ``tokens``, ``type``),
   in the file's order.
@@ -396,12 +542,22 @@ def load_split(split: str, mode: str = 'sqlite', cache_dir=None, *, num_clients=
   if split not in SPLITS:
     raise ValueError(f'Invalid split={split!r}')
   dataset = 'stackoverflow_held_out' if split == 'held_out' else 'stackoverflow'
-  cfg = federated.data_config(dataset, mode, cache_dir, num_clients, download, data_dir)
-  return sqlite_federated.open_split(cfg, f'stackoverflow_{split}.sqlite', source='stackoverflow')
+  cfg = federated.data_config(
+    dataset, mode, cache_dir, num_clients, download, data_dir
+  )
+  return sqlite_federated.open_split(
+    cfg, f'stackoverflow_{split}.sqlite', source='stackoverflow'
+  )
 
 
-def load_data(mode: str = 'sqlite', cache_dir=None, *, num_clients=None, download: bool = True,
-              data_dir=None):
+def load_data(
+  mode: str = 'sqlite',
+  cache_dir=None,
+  *,
+  num_clients=None,
+  download: bool = True,
+  data_dir=None,
+):
   """FedJAX's ``stackoverflow.load_data``: ``(train, held_out, test)``, each
   file's users in its order, with ``domain_id`` and the raw ``tokens``
   (``preprocess_client``); tokenize them with ``StackoverflowTokenizer``
@@ -428,15 +584,28 @@ def load_data(mode: str = 'sqlite', cache_dir=None, *, num_clients=None, downloa
   """
   out = []
   for split in SPLITS:
-    dataset = 'stackoverflow_held_out' if split == 'held_out' else 'stackoverflow'
-    cfg = federated.data_config(dataset, mode, cache_dir, num_clients, download, data_dir)
-    out.append(sqlite_federated.open_split(cfg, f'stackoverflow_{split}.sqlite',
-                                           [preprocess_client], source='stackoverflow'))
+    dataset = (
+      'stackoverflow_held_out' if split == 'held_out' else 'stackoverflow'
+    )
+    cfg = federated.data_config(
+      dataset, mode, cache_dir, num_clients, download, data_dir
+    )
+    out.append(
+      sqlite_federated.open_split(
+        cfg,
+        f'stackoverflow_{split}.sqlite',
+        [preprocess_client],
+        source='stackoverflow',
+      )
+    )
   return tuple(out)
 
 
-def default_vocab(default_vocab_size: Optional[int] = 10000, cache_dir=None, download: bool = True
-                  ) -> List[str]:
+def default_vocab(
+  default_vocab_size: Optional[int] = 10000,
+  cache_dir=None,
+  download: bool = True,
+) -> List[str]:
   """FedJAX's ``default_vocab``: the ``default_vocab_size`` most frequent
   words of ``stackoverflow.word_count`` (found in ``cache_dir``, else
   where the data set's files are looked up; FedJAX reads it from its bucket).
@@ -449,8 +618,9 @@ def default_vocab(default_vocab_size: Optional[int] = 10000, cache_dir=None, dow
   Returns:
     The words, most frequent first.
   """
-  path = sources.fetch('stackoverflow', cache_dir, download,
-                       which=['stackoverflow.word_count'])['stackoverflow.word_count']
+  path = sources.fetch(
+    'stackoverflow', cache_dir, download, which=['stackoverflow.word_count']
+  )['stackoverflow.word_count']
   return read_word_count(path, default_vocab_size)
 
 
@@ -464,6 +634,7 @@ class DefaultWordTokenizer:
     vocab: the words (no special tokens).
     num_oov_buckets: OOV ids (at least 1).
   """
+
   PAD, BOS, EOS = PAD, BOS, EOS
 
   def __init__(self, vocab: List[str], num_oov_buckets: int = 1):
@@ -475,8 +646,13 @@ class DefaultWordTokenizer:
   def create_token_to_ids_fn(self, max_length: int):
     """``tokens [N] bytes -> (x, y)`` int32 [N, max_length], padded and
     truncated with PAD (FedJAX's ``token_to_ids``)."""
-    return lambda tokens: tokenize_sentences(list(tokens), self._vocab, max_length,
-                                             pad_target=PAD, num_oov_buckets=self._buckets)
+    return lambda tokens: tokenize_sentences(
+      list(tokens),
+      self._vocab,
+      max_length,
+      pad_target=PAD,
+      num_oov_buckets=self._buckets,
+    )
 
   def as_preprocess_batch(self, max_length: int):
     """A ``preprocess_batch`` function: ``tokens`` -> ``x``, ``y`` (and
@@ -496,6 +672,7 @@ class DefaultWordTokenizer:
       if 'domain_id' in examples:
         result['domain_id'] = examples['domain_id']
       return result
+
     return preprocess_batch
 
 
@@ -511,9 +688,14 @@ class StackoverflowTokenizer(DefaultWordTokenizer):
     cache_dir: where ``stackoverflow.word_count`` is (this project's).
   """
 
-  def __init__(self, vocab: Optional[List[str]] = None,
-               default_vocab_size: Optional[int] = 10000, num_oov_buckets: int = 1, *,
-               cache_dir=None):
+  def __init__(
+    self,
+    vocab: Optional[List[str]] = None,
+    default_vocab_size: Optional[int] = 10000,
+    num_oov_buckets: int = 1,
+    *,
+    cache_dir=None,
+  ):
     if vocab is None:
       vocab = default_vocab(default_vocab_size, cache_dir)
     super().__init__(vocab, num_oov_buckets)

@@ -81,17 +81,22 @@ def _value(buf: memoryview, pos: int, field: int, wire: int):
       n = 8 if wire == _FIXED64 else 4
     if pos + n > len(buf):
       raise ValueError(f'field {field} runs past the end of its message')
-    return buf[pos:pos + n], pos + n
+    return buf[pos : pos + n], pos + n
   if wire == _END_GROUP:
     raise ValueError(f'an end of group (field {field}) that no group opened')
-  raise ValueError(f'field {field} has wire type {wire}, which protobuf does not define')
+  raise ValueError(
+    f'field {field} has wire type {wire}, which protobuf does not define'
+  )
 
 
 def _skip_group(buf: memoryview, pos: int, field: int) -> int:
   """The position after the group of ``field`` that starts at ``pos``."""
   while pos < len(buf):
     key, pos = _varint(buf, pos)
-    inner, wire = key >> 3, key & 7  # inside a skipped group protobuf (upb) checks no number
+    inner, wire = (
+      key >> 3,
+      key & 7,
+    )  # inside a skipped group protobuf (upb) checks no number
     if wire == _END_GROUP:
       if inner != field:
         raise ValueError(f'group {field} ended as group {inner}')
@@ -140,7 +145,9 @@ def _list(buf: memoryview, kind: int) -> Value:
     if kind == 2:
       if w in (_LEN, _FIXED32):
         if len(v) % 4:
-          raise ValueError('a packed float list of a length not a multiple of 4')
+          raise ValueError(
+            'a packed float list of a length not a multiple of 4'
+          )
         chunks.append(np.frombuffer(v, '<f4'))
     elif w == _LEN:
       chunks.append(packed_varints(v))
@@ -202,6 +209,8 @@ def parse(serialized: bytes) -> Dict[str, Value]:
         else:
           unknown = True
       value = _feature(feature)  # parsed (a malformed one is an error)
-      if not unknown:  # protobuf (upb) keeps an entry with unknown fields out of the map
+      if (
+        not unknown
+      ):  # protobuf (upb) keeps an entry with unknown fields out of the map
         out[key] = value
   return out

@@ -20,11 +20,11 @@ __all__ = ['is_known', 'load_tfds']
 # -> (image key or text key, label key). ``emnist`` is TFDS's default config,
 # ``emnist/byclass`` (62 classes), as in TFDS.
 TFDS_DATASETS = {
-    'mnist': ('image', 'label'),
-    'emnist': ('image', 'label'),
-    'cifar10': ('image', 'label'),
-    'cifar100': ('image', 'label'),
-    'tiny_shakespeare': ('text', None),
+  'mnist': ('image', 'label'),
+  'emnist': ('image', 'label'),
+  'cifar10': ('image', 'label'),
+  'cifar100': ('image', 'label'),
+  'tiny_shakespeare': ('text', None),
 }
 
 
@@ -38,11 +38,18 @@ def is_known(name: str) -> bool:
     True when read here.
   """
   base, _, config = name.partition('/')
-  return base in TFDS_DATASETS and (config == '' or config.replace('_', '').isalnum())
+  return base in TFDS_DATASETS and (
+    config == '' or config.replace('_', '').isalnum()
+  )
 
 
-def load_tfds(name: str, split: str = 'train', data_dir: Optional[str] = None,
-              download: bool = False, max_examples: Optional[int] = None):
+def load_tfds(
+  name: str,
+  split: str = 'train',
+  data_dir: Optional[str] = None,
+  download: bool = False,
+  max_examples: Optional[int] = None,
+):
   """Loads a TFDS data set into numpy arrays.
 
   Args:
@@ -57,25 +64,33 @@ def load_tfds(name: str, split: str = 'train', data_dir: Optional[str] = None,
     'tiny_shakespeare', the text of the split as a str.
   """
   import tensorflow_datasets as tfds
+
   if not is_known(name):
-    raise ConfigError('dataset', f'unknown tfds data set {name!r}; choose one of '
-                      f'{sorted(TFDS_DATASETS)} (a builder config may follow: emnist/digits)')
+    raise ConfigError(
+      'dataset',
+      f'unknown tfds data set {name!r}; choose one of '
+      f'{sorted(TFDS_DATASETS)} (a builder config may follow: emnist/digits)',
+    )
   tfds_name = name
   x_key, y_key = TFDS_DATASETS[name.partition('/')[0]]
   if download:
     tfds.builder(tfds_name, data_dir=data_dir).download_and_prepare(
-        file_format='array_record')
+      file_format='array_record'
+    )
   try:
     source = tfds.data_source(tfds_name, split=split, data_dir=data_dir)
   except Exception as e:  # TFDS raises several types for missing data
     raise FileNotFoundError(
-        f'TFDS data set {tfds_name!r} is not prepared in data_dir={data_dir or "~/tensorflow_datasets"} '
-        f'({type(e).__name__}); prepare it once online with '
-        f'load_tfds({name!r}, download=True) (needs the [tfds] extra)') from None
+      f'TFDS data set {tfds_name!r} is not prepared in data_dir={data_dir or "~/tensorflow_datasets"} '
+      f'({type(e).__name__}); prepare it once online with '
+      f'load_tfds({name!r}, download=True) (needs the [tfds] extra)'
+    ) from None
   n = len(source) if max_examples is None else min(len(source), max_examples)
   if y_key is None:
     parts = [source[i][x_key] for i in range(n)]
-    return ''.join(p.decode('utf-8') if isinstance(p, bytes) else str(p) for p in parts)
+    return ''.join(
+      p.decode('utf-8') if isinstance(p, bytes) else str(p) for p in parts
+    )
   xs = np.stack([np.asarray(source[i][x_key]) for i in range(n)])
   ys = np.array([int(source[i][y_key]) for i in range(n)], np.int32)
   info = tfds.builder(tfds_name, data_dir=data_dir).info

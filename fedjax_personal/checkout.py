@@ -39,7 +39,10 @@ class _CheckoutFinder(importlib.abc.MetaPathFinder):
       return None
     folder = os.path.join(self.root, sub)
     return importlib.util.spec_from_file_location(
-        name, os.path.join(folder, '__init__.py'), submodule_search_locations=[folder])
+      name,
+      os.path.join(folder, '__init__.py'),
+      submodule_search_locations=[folder],
+    )
 
 
 def checkout_root(package_dir: str):
@@ -58,8 +61,11 @@ def checkout_root(package_dir: str):
       cfg = f.read()
   except OSError:
     return None
-  if not all(f'fedjax_personal.{m} = {m}' in cfg and
-             os.path.isfile(os.path.join(root, m, '__init__.py')) for m in MAPPED):
+  if not all(
+    f'fedjax_personal.{m} = {m}' in cfg
+    and os.path.isfile(os.path.join(root, m, '__init__.py'))
+    for m in MAPPED
+  ):
     return None
   return root
 
@@ -80,14 +86,22 @@ def use_this_checkout(package_dir: str) -> None:
     return
   for m in MAPPED:
     loaded = sys.modules.get(f'fedjax_personal.{m}')
-    where = os.path.dirname(os.path.abspath(getattr(loaded, '__file__', '') or ''))
+    where = os.path.dirname(
+      os.path.abspath(getattr(loaded, '__file__', '') or '')
+    )
     if loaded is not None and where != os.path.join(root, m):
-      raise ImportError(f'fedjax_personal.{m} was imported from {where}, fedjax_personal from '
-                        f'{os.path.abspath(package_dir)}: two checkouts mixed; run from one '
-                        '(pip install -e . in the one you use)')
-  if all(_found_in(f'fedjax_personal.{m}', os.path.join(root, m)) for m in MAPPED):
+      raise ImportError(
+        f'fedjax_personal.{m} was imported from {where}, fedjax_personal from '
+        f'{os.path.abspath(package_dir)}: two checkouts mixed; run from one '
+        '(pip install -e . in the one you use)'
+      )
+  if all(
+    _found_in(f'fedjax_personal.{m}', os.path.join(root, m)) for m in MAPPED
+  ):
     return  # the install maps this checkout's folders already: no hook
-  if not any(isinstance(f, _CheckoutFinder) and f.root == root for f in sys.meta_path):
+  if not any(
+    isinstance(f, _CheckoutFinder) and f.root == root for f in sys.meta_path
+  ):
     sys.meta_path.insert(0, _CheckoutFinder(root))
 
 

@@ -30,11 +30,20 @@ import time
 from typing import Optional
 
 import jax
-from jax.experimental.compilation_cache import compilation_cache as cc
 from jax import monitoring
+from jax.experimental.compilation_cache import compilation_cache as cc
 
-__all__ = ['command_default', 'default_dir', 'directory', 'disable', 'enable', 'MAX_BYTES',
-           'size', 'stats', 'trim']
+__all__ = [
+  'command_default',
+  'default_dir',
+  'directory',
+  'disable',
+  'enable',
+  'MAX_BYTES',
+  'size',
+  'stats',
+  'trim',
+]
 
 #: The cache's bound on disk (``trim``).
 MAX_BYTES = 2 << 30
@@ -43,8 +52,13 @@ _ENV = 'FEDJAX_PERSONAL_COMPILATION_CACHE'
 #: When the package was imported (``run.process.process_seconds``'s fallback).
 IMPORTED_AT = time.perf_counter()
 _lock = threading.Lock()
-_counts = {'compile_seconds': 0.0, 'trace_seconds': 0.0, 'compiles': 0, 'cache_hits': 0,
-           'cache_misses': 0}
+_counts = {
+  'compile_seconds': 0.0,
+  'trace_seconds': 0.0,
+  'compiles': 0,
+  'cache_hits': 0,
+  'cache_misses': 0,
+}
 
 
 def default_dir() -> str:
@@ -53,7 +67,9 @@ def default_dir() -> str:
   Returns:
     The folder's path.
   """
-  root = os.environ.get('FEDJAX_PERSONAL_CACHE') or os.path.join('~', '.cache', 'fedjax_personal')
+  root = os.environ.get('FEDJAX_PERSONAL_CACHE') or os.path.join(
+    '~', '.cache', 'fedjax_personal'
+  )
   return os.path.join(os.path.expanduser(root), 'xla')
 
 
@@ -96,8 +112,11 @@ def trim(path: str, max_bytes: int = MAX_BYTES) -> int:
     The bytes removed.
   """
   try:
-    entries = [(e.stat().st_atime, e.stat().st_size, e.path) for e in os.scandir(path)
-               if e.is_file()]
+    entries = [
+      (e.stat().st_atime, e.stat().st_size, e.path)
+      for e in os.scandir(path)
+      if e.is_file()
+    ]
   except OSError:
     return 0
   total = sum(size for _, size, _ in entries)
@@ -146,8 +165,12 @@ def command_default() -> Optional[str]:
   choice = os.environ.get(_ENV, '').strip()
   if choice.lower() == 'off':
     return None
-  return (choice or os.environ.get('JAX_COMPILATION_CACHE_DIR')
-          or _jax_option('jax_compilation_cache_dir') or default_dir())
+  return (
+    choice
+    or os.environ.get('JAX_COMPILATION_CACHE_DIR')
+    or _jax_option('jax_compilation_cache_dir')
+    or default_dir()
+  )
 
 
 def directory() -> Optional[str]:
@@ -221,5 +244,6 @@ def _listen() -> None:
         _counts['cache_hits'] += 1
       elif event == '/jax/compilation_cache/cache_misses':
         _counts['cache_misses'] += 1
+
   monitoring.register_event_duration_secs_listener(on_duration)
   monitoring.register_event_listener(on_event)

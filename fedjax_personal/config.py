@@ -24,13 +24,32 @@ from fedjax_personal.core import server_optimizers
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.tree_util import is_concrete
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.hparams import Declared, field_types, flag_name, hparam, validate  # noqa: F401
+from fedjax_personal.hparams import (  # noqa: F401
+  Declared,
+  field_types,
+  flag_name,
+  hparam,
+  validate,
+)
 
-
-__all__ = ['AlgorithmSpec', 'BATCHING', 'CLIENT_LR_SCHEDULE', 'CLIENT_OPTIMIZER', 'cut_schedule',
-           'Declared',
-           'field_types', 'FINETUNE', 'flag_name', 'linear_schedule', 'NoConfig',
-           'scale_by_round_decay', 'SERVER_OPTIMIZER', 'TrainingConfig', 'validate', 'WEIGHTING']
+__all__ = [
+  'AlgorithmSpec',
+  'BATCHING',
+  'CLIENT_LR_SCHEDULE',
+  'CLIENT_OPTIMIZER',
+  'cut_schedule',
+  'Declared',
+  'field_types',
+  'FINETUNE',
+  'flag_name',
+  'linear_schedule',
+  'NoConfig',
+  'scale_by_round_decay',
+  'SERVER_OPTIMIZER',
+  'TrainingConfig',
+  'validate',
+  'WEIGHTING',
+]
 
 
 def scale_by_round(factor: Callable) -> optax.GradientTransformationExtraArgs:
@@ -38,13 +57,17 @@ def scale_by_round(factor: Callable) -> optax.GradientTransformationExtraArgs:
   being an extra argument of ``update`` (the engine passes
   ``round_num=ctx.round``): a per-round learning-rate schedule that composes
   with any optimizer (SGD's and Adam's steps scale with their rate)."""
+
   def update(updates, state, params=None, *, round_num=None, **extra):
     del params, extra
     if round_num is None:
       return updates, state
     scale = factor(jax.numpy.asarray(round_num, jax.numpy.float32))
     return jax.tree.map(lambda u: u * scale, updates), state
-  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+  return optax.GradientTransformationExtraArgs(
+    lambda params: optax.EmptyState(), update
+  )
 
 
 def scale_by_round_decay(decay: float) -> optax.GradientTransformationExtraArgs:
@@ -75,8 +98,11 @@ def linear_schedule(rounds: int, warmup: float) -> Callable:
   """
   w = warmup * rounds
   jnp = jax.numpy
-  return lambda t: jnp.where(t < w, t / max(1.0, w),
-                             jnp.maximum(0.0, (rounds - t) / max(1.0, rounds - w)))
+  return lambda t: jnp.where(
+    t < w,
+    t / max(1.0, w),
+    jnp.maximum(0.0, (rounds - t) / max(1.0, rounds - w)),
+  )
 
 
 def cut_schedule(every: int, factor: float) -> Callable:
@@ -94,88 +120,187 @@ def cut_schedule(every: int, factor: float) -> Callable:
 
 # Names of the shared settings, by what an algorithm does with them.
 #: The per-round client-rate schedule (a uniform scale of a round's steps).
-CLIENT_LR_SCHEDULE = frozenset({'client_lr_decay', 'client_lr_schedule', 'client_lr_warmup',
-                                'client_lr_horizon', 'client_lr_cut_every',
-                                'client_lr_cut_factor'})
-CLIENT_OPTIMIZER = frozenset({'client_optimizer', 'client_lr', 'client_momentum',
-                              'client_weight_decay', 'client_grad_clip',
-                              'client_opt_state'}) | CLIENT_LR_SCHEDULE
+CLIENT_LR_SCHEDULE = frozenset(
+  {
+    'client_lr_decay',
+    'client_lr_schedule',
+    'client_lr_warmup',
+    'client_lr_horizon',
+    'client_lr_cut_every',
+    'client_lr_cut_factor',
+  }
+)
+CLIENT_OPTIMIZER = (
+  frozenset(
+    {
+      'client_optimizer',
+      'client_lr',
+      'client_momentum',
+      'client_weight_decay',
+      'client_grad_clip',
+      'client_opt_state',
+    }
+  )
+  | CLIENT_LR_SCHEDULE
+)
 BATCHING = frozenset({'batch_size', 'local_epochs', 'local_steps'})
 WEIGHTING = frozenset({'weighting'})
-SERVER_OPTIMIZER = frozenset({'server_optimizer', 'server_lr', 'server_momentum', 'server_beta1',
-                              'server_beta2', 'server_tau'})
+SERVER_OPTIMIZER = frozenset(
+  {
+    'server_optimizer',
+    'server_lr',
+    'server_momentum',
+    'server_beta1',
+    'server_beta2',
+    'server_tau',
+  }
+)
 FINETUNE = frozenset({'finetune_steps', 'finetune_lr'})
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainingConfig(Declared):
   """Settings every algorithm may use (flags without a prefix)."""
-  client_optimizer: str = hparam('sgd', "Client optimizer: 'sgd' or 'adam'.",
-                                 choices=('sgd', 'adam'))
-  client_lr: float = hparam(0.05, 'Client learning rate.', minimum=0, open_min=True, sweep=True)
-  client_momentum: float = hparam(0.0, 'Client SGD momentum (heavy ball).', minimum=0,
-                                  maximum=1, open_max=True)
-  client_weight_decay: float = hparam(0.0, 'Client L2 weight decay (added to the gradient).',
-                                      minimum=0, sweep=True)
-  client_grad_clip: float = hparam(0.0, 'Clip each client gradient to this global norm '
-                                   '(0: no clipping).', minimum=0)
-  client_lr_decay: float = hparam(1.0, 'Client learning rate times this every round.',
-                                  minimum=0, maximum=1, open_min=True)
-  client_lr_schedule: str = hparam('const', "Client learning rate per round, as the "
-                                   "partial-personalization seed's --global_scheduler: 'const', "
-                                   "'linear' (up from 0 over client_lr_warmup of the rounds, "
-                                   "then down to 0 at client_lr_horizon) or 'cut' (times "
-                                   'client_lr_cut_factor every client_lr_cut_every rounds).',
-                                   choices=('const', 'linear', 'cut'))
-  client_lr_warmup: float = hparam(0.1, "Share of the rounds the 'linear' schedule warms up "
-                                   'over.', minimum=0, maximum=1)
-  client_lr_horizon: Optional[int] = hparam(None, "Rounds the 'linear' schedule spans (the "
-                                            'CLI: --rounds).', minimum=1)
-  client_lr_cut_every: int = hparam(100, "Rounds between the 'cut' schedule's cuts.", minimum=1)
-  client_lr_cut_factor: float = hparam(0.5, "What each cut of the 'cut' schedule multiplies the "
-                                       'rate by.', minimum=0, maximum=1, open_min=True)
-  client_opt_state: str = hparam('reset', "Client optimizer state: 'reset' every round (the "
-                                 "usual convention) or kept per client ('persistent').",
-                                 choices=('reset', 'persistent'))
-  batch_size: int = hparam(32, 'Local batch size (0: the full local batch).', minimum=0)
-  local_epochs: int = hparam(1, 'Local epochs per round (E).', minimum=1)
-  local_steps: Optional[int] = hparam(None, 'Local steps per round (K); replaces local_epochs.',
-                                      minimum=1)
-  weighting: Optional[str] = hparam(None, "Aggregation weights: 'num_examples', 'tokens' (a "
-                                    "client's non-padding training targets: google-research/"
-                                    "federated's weighting of its next-word tasks; examples for "
-                                    "one label per example) or 'uniform' (default: the "
-                                    "algorithm's paper).",
-                                    choices=('num_examples', 'tokens', 'uniform'))
-  server_optimizer: str = hparam('sgd', "Server optimizer on the mean delta: 'sgd' (lr 1: "
-                                 "plain averaging; momentum: FedAvgM), or Reddi et al.'s "
-                                 "'adagrad', 'yogi', 'adam' (FedAdagrad, FedYogi, FedAdam: the "
-                                 "paper's Algorithm 2), or 'keras_adagrad', 'keras_yogi', "
-                                 "'keras_adam' (as google-research/federated's code ran them: "
-                                 "Keras's optimizers and its Yogi, from zero moments, Adam and "
-                                 "Yogi bias-corrected, epsilon = --server_tau; Keras's beta2 is "
-                                 '0.999).',
-                                 choices=('sgd',) + server_optimizers.KINDS)
-  server_lr: float = hparam(1.0, 'Server learning rate.', minimum=0, open_min=True, sweep=True)
-  server_momentum: float = hparam(0.0, "Server momentum ('sgd').", minimum=0, maximum=1,
-                                  open_max=True)
-  server_beta1: float = hparam(0.9, "First-moment decay of the adaptive server optimizers "
-                               "(Adagrad's in the paper's Algorithm 2; Keras's has none).",
-                               minimum=0, maximum=1, open_max=True)
-  server_beta2: float = hparam(0.99, "Second-moment decay of Yogi and Adam (Reddi et al.; "
-                               "Keras's default is 0.999).",
-                               minimum=0, maximum=1, open_max=True)
-  server_tau: float = hparam(1e-3, "Adaptivity tau of the adaptive server optimizers (Reddi "
-                             "et al.; Algorithm 2's v starts at tau^2; Keras's epsilon).",
-                             minimum=0, open_min=True)
-  finetune_steps: Optional[int] = hparam(None, 'Evaluation fine-tuning steps on the training '
-                                         "split (default: the algorithm's, 0 for most).",
-                                         minimum=0)
-  finetune_lr: Optional[float] = hparam(None, 'Fine-tuning learning rate (default: the '
-                                        "algorithm's, else client_lr).", minimum=0,
-                                        open_min=True, sweep=True)
 
-  def make_client_optimizer(self, learning_rate=None) -> optax.GradientTransformationExtraArgs:
+  client_optimizer: str = hparam(
+    'sgd', "Client optimizer: 'sgd' or 'adam'.", choices=('sgd', 'adam')
+  )
+  client_lr: float = hparam(
+    0.05, 'Client learning rate.', minimum=0, open_min=True, sweep=True
+  )
+  client_momentum: float = hparam(
+    0.0,
+    'Client SGD momentum (heavy ball).',
+    minimum=0,
+    maximum=1,
+    open_max=True,
+  )
+  client_weight_decay: float = hparam(
+    0.0,
+    'Client L2 weight decay (added to the gradient).',
+    minimum=0,
+    sweep=True,
+  )
+  client_grad_clip: float = hparam(
+    0.0,
+    'Clip each client gradient to this global norm (0: no clipping).',
+    minimum=0,
+  )
+  client_lr_decay: float = hparam(
+    1.0,
+    'Client learning rate times this every round.',
+    minimum=0,
+    maximum=1,
+    open_min=True,
+  )
+  client_lr_schedule: str = hparam(
+    'const',
+    'Client learning rate per round, as the '
+    "partial-personalization seed's --global_scheduler: 'const', "
+    "'linear' (up from 0 over client_lr_warmup of the rounds, "
+    "then down to 0 at client_lr_horizon) or 'cut' (times "
+    'client_lr_cut_factor every client_lr_cut_every rounds).',
+    choices=('const', 'linear', 'cut'),
+  )
+  client_lr_warmup: float = hparam(
+    0.1,
+    "Share of the rounds the 'linear' schedule warms up over.",
+    minimum=0,
+    maximum=1,
+  )
+  client_lr_horizon: Optional[int] = hparam(
+    None, "Rounds the 'linear' schedule spans (the CLI: --rounds).", minimum=1
+  )
+  client_lr_cut_every: int = hparam(
+    100, "Rounds between the 'cut' schedule's cuts.", minimum=1
+  )
+  client_lr_cut_factor: float = hparam(
+    0.5,
+    "What each cut of the 'cut' schedule multiplies the rate by.",
+    minimum=0,
+    maximum=1,
+    open_min=True,
+  )
+  client_opt_state: str = hparam(
+    'reset',
+    "Client optimizer state: 'reset' every round (the "
+    "usual convention) or kept per client ('persistent').",
+    choices=('reset', 'persistent'),
+  )
+  batch_size: int = hparam(
+    32, 'Local batch size (0: the full local batch).', minimum=0
+  )
+  local_epochs: int = hparam(1, 'Local epochs per round (E).', minimum=1)
+  local_steps: Optional[int] = hparam(
+    None, 'Local steps per round (K); replaces local_epochs.', minimum=1
+  )
+  weighting: Optional[str] = hparam(
+    None,
+    "Aggregation weights: 'num_examples', 'tokens' (a "
+    "client's non-padding training targets: google-research/"
+    "federated's weighting of its next-word tasks; examples for "
+    "one label per example) or 'uniform' (default: the "
+    "algorithm's paper).",
+    choices=('num_examples', 'tokens', 'uniform'),
+  )
+  server_optimizer: str = hparam(
+    'sgd',
+    "Server optimizer on the mean delta: 'sgd' (lr 1: "
+    "plain averaging; momentum: FedAvgM), or Reddi et al.'s "
+    "'adagrad', 'yogi', 'adam' (FedAdagrad, FedYogi, FedAdam: the "
+    "paper's Algorithm 2), or 'keras_adagrad', 'keras_yogi', "
+    "'keras_adam' (as google-research/federated's code ran them: "
+    "Keras's optimizers and its Yogi, from zero moments, Adam and "
+    "Yogi bias-corrected, epsilon = --server_tau; Keras's beta2 is "
+    '0.999).',
+    choices=('sgd',) + server_optimizers.KINDS,
+  )
+  server_lr: float = hparam(
+    1.0, 'Server learning rate.', minimum=0, open_min=True, sweep=True
+  )
+  server_momentum: float = hparam(
+    0.0, "Server momentum ('sgd').", minimum=0, maximum=1, open_max=True
+  )
+  server_beta1: float = hparam(
+    0.9,
+    'First-moment decay of the adaptive server optimizers '
+    "(Adagrad's in the paper's Algorithm 2; Keras's has none).",
+    minimum=0,
+    maximum=1,
+    open_max=True,
+  )
+  server_beta2: float = hparam(
+    0.99,
+    'Second-moment decay of Yogi and Adam (Reddi et al.; '
+    "Keras's default is 0.999).",
+    minimum=0,
+    maximum=1,
+    open_max=True,
+  )
+  server_tau: float = hparam(
+    1e-3,
+    'Adaptivity tau of the adaptive server optimizers (Reddi '
+    "et al.; Algorithm 2's v starts at tau^2; Keras's epsilon).",
+    minimum=0,
+    open_min=True,
+  )
+  finetune_steps: Optional[int] = hparam(
+    None,
+    'Evaluation fine-tuning steps on the training '
+    "split (default: the algorithm's, 0 for most).",
+    minimum=0,
+  )
+  finetune_lr: Optional[float] = hparam(
+    None,
+    "Fine-tuning learning rate (default: the algorithm's, else client_lr).",
+    minimum=0,
+    open_min=True,
+    sweep=True,
+  )
+
+  def make_client_optimizer(
+    self, learning_rate=None
+  ) -> optax.GradientTransformationExtraArgs:
     """The client optimizer: clipping, weight decay, SGD (momentum) or Adam at
     ``learning_rate`` (default client_lr), then the per-round decay."""
     lr = self.client_lr if learning_rate is None else learning_rate
@@ -193,44 +318,71 @@ class TrainingConfig(Declared):
     if self.client_lr_schedule == 'linear':
       horizon = self.client_lr_horizon
       assert horizon is not None  # check() refuses 'linear' without it
-      parts.append(scale_by_round(linear_schedule(horizon, self.client_lr_warmup)))
+      parts.append(
+        scale_by_round(linear_schedule(horizon, self.client_lr_warmup))
+      )
     elif self.client_lr_schedule == 'cut':
-      parts.append(scale_by_round(cut_schedule(self.client_lr_cut_every,
-                                               self.client_lr_cut_factor)))
+      parts.append(
+        scale_by_round(
+          cut_schedule(self.client_lr_cut_every, self.client_lr_cut_factor)
+        )
+      )
     return optax.chain(*parts)
 
   def make_server_optimizer(self) -> optax.GradientTransformation:
     if self.server_optimizer in server_optimizers.KINDS:
-      return server_optimizers.adaptive_server(self.server_optimizer, self.server_lr,
-                                               self.server_beta1, self.server_beta2,
-                                               self.server_tau)
+      return server_optimizers.adaptive_server(
+        self.server_optimizer,
+        self.server_lr,
+        self.server_beta1,
+        self.server_beta2,
+        self.server_tau,
+      )
     return optax.sgd(self.server_lr, momentum=self.server_momentum or None)
 
   def batching(self) -> Batching:
     if self.local_steps is not None:
-      return Batching(self.batch_size or None, num_epochs=None, num_steps=self.local_steps)
+      return Batching(
+        self.batch_size or None, num_epochs=None, num_steps=self.local_steps
+      )
     return Batching(self.batch_size or None, num_epochs=self.local_epochs)
 
   def finetune_batching(self) -> Batching:
     """Evaluation fine-tuning: ``finetune_steps`` steps of ``batch_size``."""
-    return Batching(self.batch_size or None, num_epochs=None, num_steps=self.finetune_steps)
+    return Batching(
+      self.batch_size or None, num_epochs=None, num_steps=self.finetune_steps
+    )
 
   def check(self) -> None:
     """Consistency of settings that exclude each other."""
     if self.local_steps is not None and self.local_epochs != 1:
-      raise ConfigError('local_epochs', 'does nothing with --local_steps (steps replace epochs)')
-    self._refuse_unread('client_lr_schedule', {
-        'const': (), 'linear': ('client_lr_warmup', 'client_lr_horizon'),
-        'cut': ('client_lr_cut_every', 'client_lr_cut_factor')})
+      raise ConfigError(
+        'local_epochs', 'does nothing with --local_steps (steps replace epochs)'
+      )
+    self._refuse_unread(
+      'client_lr_schedule',
+      {
+        'const': (),
+        'linear': ('client_lr_warmup', 'client_lr_horizon'),
+        'cut': ('client_lr_cut_every', 'client_lr_cut_factor'),
+      },
+    )
     if self.client_lr_schedule == 'linear' and self.client_lr_horizon is None:
-      raise ConfigError('client_lr_horizon', "give the rounds the 'linear' schedule spans")
-    self._refuse_unread('server_optimizer', {
-        'sgd': ('server_momentum',), 'adagrad': ('server_beta1', 'server_tau'),
+      raise ConfigError(
+        'client_lr_horizon', "give the rounds the 'linear' schedule spans"
+      )
+    self._refuse_unread(
+      'server_optimizer',
+      {
+        'sgd': ('server_momentum',),
+        'adagrad': ('server_beta1', 'server_tau'),
         'yogi': ('server_beta1', 'server_beta2', 'server_tau'),
         'adam': ('server_beta1', 'server_beta2', 'server_tau'),
         'keras_adam': ('server_beta1', 'server_beta2', 'server_tau'),
         'keras_yogi': ('server_beta1', 'server_beta2', 'server_tau'),
-        'keras_adagrad': ('server_tau',)})
+        'keras_adagrad': ('server_tau',),
+      },
+    )
 
   def _refuse_unread(self, choice: str, reads: dict) -> None:
     """Refuses a setting given a non-default value that the chosen ``choice``
@@ -238,8 +390,11 @@ class TrainingConfig(Declared):
     value = getattr(self, choice)
     every = set().union(*reads.values())
     for f in dataclasses.fields(self):
-      if (f.name in every and f.name not in reads[value]
-          and _differs(getattr(self, f.name), f.default)):
+      if (
+        f.name in every
+        and f.name not in reads[value]
+        and _differs(getattr(self, f.name), f.default)
+      ):
         raise ConfigError(f.name, f'does nothing with --{choice}={value}')
 
   @property
@@ -251,6 +406,7 @@ class TrainingConfig(Declared):
 @dataclasses.dataclass(frozen=True)
 class NoConfig(Declared):
   """An algorithm without hyperparameters of its own."""
+
   prefix: ClassVar[Optional[str]] = None
 
 
@@ -294,6 +450,7 @@ class AlgorithmSpec:
   misspelled setting would otherwise be refused as "does nothing" for the
   algorithm whose file names it).
   """
+
   name: str
   config: type
   build: Callable
@@ -311,19 +468,29 @@ class AlgorithmSpec:
     training = [f.name for f in dataclasses.fields(TrainingConfig)]
     bad = sorted(set(self.uses) - set(training))
     if bad:
-      raise ValueError(f'algorithm {self.name!r}: uses names {bad}, which are not shared '
-                       f'training settings; they are {training}')
-    if not (isinstance(self.config, type) and dataclasses.is_dataclass(self.config)):
-      raise TypeError(f'algorithm {self.name!r}: config must be a dataclass type, got '
-                      f'{self.config!r}')
+      raise ValueError(
+        f'algorithm {self.name!r}: uses names {bad}, which are not shared '
+        f'training settings; they are {training}'
+      )
+    if not (
+      isinstance(self.config, type) and dataclasses.is_dataclass(self.config)
+    ):
+      raise TypeError(
+        f'algorithm {self.name!r}: config must be a dataclass type, got '
+        f'{self.config!r}'
+      )
     own = [f.name for f in dataclasses.fields(self.config)]
     bad = sorted(set(self.ignores) - set(own))
     if bad:
-      raise ValueError(f'algorithm {self.name!r}: ignores names {bad}, which are not fields of '
-                       f'{self.config.__name__}; they are {own}')
+      raise ValueError(
+        f'algorithm {self.name!r}: ignores names {bad}, which are not fields of '
+        f'{self.config.__name__}; they are {own}'
+      )
     if self.partial_work not in ('drop', 'keep'):
-      raise ValueError(f"algorithm {self.name!r}: partial_work must be 'drop' or 'keep', got "
-                       f'{self.partial_work!r}')
+      raise ValueError(
+        f"algorithm {self.name!r}: partial_work must be 'drop' or 'keep', got "
+        f'{self.partial_work!r}'
+      )
 
   def weighting(self, training: TrainingConfig) -> str:
     return training.weighting or self.default_weighting
@@ -336,22 +503,34 @@ class AlgorithmSpec:
   def inapplicable(self, training: TrainingConfig) -> list:
     """Shared settings given a non-default value that this algorithm does not use."""
     default = TrainingConfig()
-    out = [f.name for f in dataclasses.fields(training)
-           if f.name not in self.uses and _differs(getattr(training, f.name),
-                                                   getattr(default, f.name))]
-    if 'finetune_lr' in self.uses and training.finetune_lr is not None \
-        and self.finetune_steps(training) == 0:
+    out = [
+      f.name
+      for f in dataclasses.fields(training)
+      if f.name not in self.uses
+      and _differs(getattr(training, f.name), getattr(default, f.name))
+    ]
+    if (
+      'finetune_lr' in self.uses
+      and training.finetune_lr is not None
+      and self.finetune_steps(training) == 0
+    ):
       out.append('finetune_lr')
-    if ('client_opt_state' in self.uses and training.client_opt_state == 'persistent'
-        and not training.stateful_client_optimizer):
+    if (
+      'client_opt_state' in self.uses
+      and training.client_opt_state == 'persistent'
+      and not training.stateful_client_optimizer
+    ):
       out.append('client_opt_state')
     return out
 
   def ignored_fields(self, config) -> list:
     """Fields of ``config`` in ``ignores`` given a non-default value."""
     default = type(config)()
-    return [flag_name(type(config), f) for f in sorted(self.ignores)
-            if _differs(getattr(config, f), getattr(default, f))]
+    return [
+      flag_name(type(config), f)
+      for f in sorted(self.ignores)
+      if _differs(getattr(config, f), getattr(default, f))
+    ]
 
   def validate(self, training: TrainingConfig, config) -> None:
     """Inapplicable settings and the algorithm's own check (the settings'
@@ -368,20 +547,29 @@ class AlgorithmSpec:
       ConfigError naming the flag.
     """
     if not isinstance(config, self.config):
-      raise TypeError(f'{self.name} takes a {self.config.__name__}, got {type(config).__name__}')
-    if not isinstance(config, Declared):  # a user's config class of plain fields
+      raise TypeError(
+        f'{self.name} takes a {self.config.__name__}, got {type(config).__name__}'
+      )
+    if not isinstance(
+      config, Declared
+    ):  # a user's config class of plain fields
       validate(config)
     bad = self.inapplicable(training) + self.ignored_fields(config)
     if bad:
-      raise ConfigError(bad[0], f'does nothing for {self.name}' + _reason(bad[0]))
+      raise ConfigError(
+        bad[0], f'does nothing for {self.name}' + _reason(bad[0])
+      )
     if self.check is not None:
       self.check(training, config)
 
   def resolve(self, training: TrainingConfig) -> TrainingConfig:
     """``training`` with the algorithm's defaults filled in (weighting,
     fine-tuning steps)."""
-    return dataclasses.replace(training, weighting=self.weighting(training),
-                               finetune_steps=self.finetune_steps(training))
+    return dataclasses.replace(
+      training,
+      weighting=self.weighting(training),
+      finetune_steps=self.finetune_steps(training),
+    )
 
 
 def _differs(a, b) -> bool:
@@ -392,8 +580,10 @@ def _differs(a, b) -> bool:
 
 def _reason(name: str) -> str:
   if name == 'client_opt_state':
-    return (' (plain SGD keeps no optimizer state; set --client_momentum or '
-            '--client_optimizer=adam)')
+    return (
+      ' (plain SGD keeps no optimizer state; set --client_momentum or '
+      '--client_optimizer=adam)'
+    )
   if name == 'finetune_lr':
     return ' (no evaluation fine-tuning: set --finetune_steps)'
   return ''

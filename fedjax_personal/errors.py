@@ -13,12 +13,23 @@ import traceback
 import types
 from typing import Iterable, Optional
 
-__all__ = ['caller_file', 'ConfigError', 'DataError', 'HostLimitError', 'installed_or_ours',
-           'user_frame']
+__all__ = [
+  'caller_file',
+  'ConfigError',
+  'DataError',
+  'HostLimitError',
+  'installed_or_ours',
+  'user_frame',
+]
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
-_LIBRARIES = tuple(os.path.abspath(p) for p in {sysconfig.get_paths()[k] for k in
-                                                ('stdlib', 'platstdlib', 'purelib', 'platlib')})
+_LIBRARIES = tuple(
+  os.path.abspath(p)
+  for p in {
+    sysconfig.get_paths()[k]
+    for k in ('stdlib', 'platstdlib', 'purelib', 'platlib')
+  }
+)
 
 
 def user_frame(e: BaseException, files: Iterable[str] = ()) -> Optional[str]:
@@ -55,8 +66,12 @@ def installed_or_ours(path: str) -> bool:
   """
   path = os.path.abspath(path)
   here = os.path.dirname(_PACKAGE)
-  return (path.startswith(here + os.sep) or path.startswith(_LIBRARIES)
-          or path.startswith(sys.prefix) or os.path.basename(path).startswith('<'))
+  return (
+    path.startswith(here + os.sep)
+    or path.startswith(_LIBRARIES)
+    or path.startswith(sys.prefix)
+    or os.path.basename(path).startswith('<')
+  )
 
 
 class ConfigError(ValueError):
@@ -96,9 +111,17 @@ def caller_file() -> str:
     The path.
   """
   root = os.path.dirname(_PACKAGE)
-  inside = tuple(os.path.join(d, '') for d in (
-      _PACKAGE, os.path.join(root, 'algorithms'), os.path.join(root, 'datasets')))
+  inside = tuple(
+    os.path.join(d, '')
+    for d in (
+      _PACKAGE,
+      os.path.join(root, 'algorithms'),
+      os.path.join(root, 'datasets'),
+    )
+  )
   frame: Optional[types.FrameType] = sys._getframe(1)
-  while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+  while frame is not None and os.path.abspath(
+    frame.f_code.co_filename
+  ).startswith(inside):
     frame = frame.f_back
   return os.path.abspath(frame.f_code.co_filename) if frame is not None else '?'

@@ -16,18 +16,37 @@ import math
 import typing
 from typing import Optional, Tuple
 
-from fedjax_personal.errors import ConfigError
 import jax
 
+from fedjax_personal.errors import ConfigError
 
-__all__ = ['Declared', 'field_types', 'fill_options', 'flag_fields', 'flag_name', 'hparam', 'is_list',
-           'validate']
+__all__ = [
+  'Declared',
+  'field_types',
+  'fill_options',
+  'flag_fields',
+  'flag_name',
+  'hparam',
+  'is_list',
+  'validate',
+]
 
 
-def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None, maximum=None,
-           open_min: bool = False, open_max: bool = False, sweep: bool = False,
-           flag: Optional[str] = None, refusal: Optional[str] = None, command: bool = True,
-           repeatable: bool = False):
+def hparam(
+  default,
+  help: str,
+  *,
+  choices: Optional[Tuple] = None,
+  minimum=None,
+  maximum=None,
+  open_min: bool = False,
+  open_max: bool = False,
+  sweep: bool = False,
+  flag: Optional[str] = None,
+  refusal: Optional[str] = None,
+  command: bool = True,
+  repeatable: bool = False,
+):
   """A documented setting: a dataclass field carrying its flag's metadata.
 
   Args:
@@ -53,10 +72,22 @@ def hparam(default, help: str, *, choices: Optional[Tuple] = None, minimum=None,
   Returns:
     A ``dataclasses.field`` carrying the metadata.
   """
-  return dataclasses.field(default=default, metadata=dict(
-      help=help, choices=choices, minimum=minimum, maximum=maximum, open_min=open_min,
-      open_max=open_max, sweep=sweep, flag=flag, refusal=refusal,
-      command=command, repeatable=repeatable))
+  return dataclasses.field(
+    default=default,
+    metadata=dict(
+      help=help,
+      choices=choices,
+      minimum=minimum,
+      maximum=maximum,
+      open_min=open_min,
+      open_max=open_max,
+      sweep=sweep,
+      flag=flag,
+      refusal=refusal,
+      command=command,
+      repeatable=repeatable,
+    ),
+  )
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,17 +184,26 @@ def validate(cfg) -> None:
   cls: type = type(cfg)
   types = field_types(cls)
   for f in dataclasses.fields(cfg):
-    v, meta, name = getattr(cfg, f.name), f.metadata, flag_name(type(cfg), f.name)
+    v, meta, name = (
+      getattr(cfg, f.name),
+      f.metadata,
+      flag_name(type(cfg), f.name),
+    )
     if v is None or _is_traced(v) or is_list(types[f.name]):
       continue
     if types[f.name] is float and not math.isfinite(float(v)):
       raise ConfigError(name, f'must be finite, got {v}')
     if meta.get('choices') and v not in meta['choices']:
-      raise ConfigError(name, f'must be one of {list(meta["choices"])}, got {v!r}')
+      raise ConfigError(
+        name, f'must be one of {list(meta["choices"])}, got {v!r}'
+      )
     lo, hi = meta.get('minimum'), meta.get('maximum')
-    if ((lo is not None and (v < lo or (meta['open_min'] and v == lo)))
-        or (hi is not None and (v > hi or (meta['open_max'] and v == hi)))):
-      raise ConfigError(name, f'{meta.get("refusal") or "must be " + _interval(meta)}, got {v}')
+    if (lo is not None and (v < lo or (meta['open_min'] and v == lo))) or (
+      hi is not None and (v > hi or (meta['open_max'] and v == hi))
+    ):
+      raise ConfigError(
+        name, f'{meta.get("refusal") or "must be " + _interval(meta)}, got {v}'
+      )
 
 
 class Declared:
@@ -202,5 +242,8 @@ def fill_options(settings, flag: str, cls) -> None:
   if settings.options is None:
     object.__setattr__(settings, 'options', cls())
   elif type(settings.options) is not cls:
-    raise ConfigError(flag, f'{type(settings.options).__name__} are not the options of '
-                      f'{getattr(settings, flag)} ({cls.__name__})')
+    raise ConfigError(
+      flag,
+      f'{type(settings.options).__name__} are not the options of '
+      f'{getattr(settings, flag)} ({cls.__name__})',
+    )

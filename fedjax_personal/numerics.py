@@ -38,24 +38,39 @@ import jax
 
 from fedjax_personal.errors import ConfigError
 
-__all__ = ['canonical', 'check_precision', 'CPU_PRECISIONS', 'DEFAULT_MATMUL_PRECISION',
-           'effective_matmul', 'MATMUL_PRECISIONS', 'precision', 'record', 'scoped']
+__all__ = [
+  'canonical',
+  'check_precision',
+  'CPU_PRECISIONS',
+  'DEFAULT_MATMUL_PRECISION',
+  'effective_matmul',
+  'MATMUL_PRECISIONS',
+  'precision',
+  'record',
+  'scoped',
+]
 
 
 #: --matmul_precision's names -> JAX's ``jax_default_matmul_precision`` value.
 MATMUL_PRECISIONS = {
-    'float32': 'highest',
-    'tf32': 'tensorfloat32',
-    'bf16x3': 'BF16_BF16_F32_X3',
-    'bf16': 'bfloat16',
-    'default': 'default',
-    'high': 'high',
-    'highest': 'highest',
+  'float32': 'highest',
+  'tf32': 'tensorfloat32',
+  'bf16x3': 'BF16_BF16_F32_X3',
+  'bf16': 'bfloat16',
+  'default': 'default',
+  'high': 'high',
+  'highest': 'highest',
 }
 #: JAX's values back to this package's names (what a run records).
-_NAMES = {'highest': 'float32', 'float32': 'float32', 'tensorfloat32': 'tf32',
-          'BF16_BF16_F32_X3': 'bf16x3', 'bfloat16': 'bf16', 'default': 'default',
-          'high': 'high'}
+_NAMES = {
+  'highest': 'float32',
+  'float32': 'float32',
+  'tensorfloat32': 'tf32',
+  'BF16_BF16_F32_X3': 'bf16x3',
+  'bfloat16': 'bf16',
+  'default': 'default',
+  'high': 'high',
+}
 DEFAULT_MATMUL_PRECISION = 'float32'
 
 
@@ -76,8 +91,10 @@ def canonical(name: str) -> str:
     return _NAMES[MATMUL_PRECISIONS[name]]
   if name in _NAMES:
     return _NAMES[name]
-  raise ConfigError('matmul_precision', f'unknown precision {name!r}; choose one of '
-                    f'{list(MATMUL_PRECISIONS)}')
+  raise ConfigError(
+    'matmul_precision',
+    f'unknown precision {name!r}; choose one of {list(MATMUL_PRECISIONS)}',
+  )
 
 
 #: What a CPU accepts: XLA:CPU computes float32 products whatever the
@@ -101,10 +118,16 @@ def check_precision(name: str, backend: Optional[str] = None) -> str:
     reduced precision on a CPU (``CPU_PRECISIONS``).
   """
   recorded = canonical(name)
-  if recorded not in CPU_PRECISIONS and (backend or jax.default_backend()) == 'cpu':
-    raise ConfigError('matmul_precision', f'{name}: XLA:CPU computes float32 products whatever '
-                      'the setting, so a run would record a precision it did not use; give '
-                      '--matmul_precision=float32 here, or run on a GPU/TPU')
+  if (
+    recorded not in CPU_PRECISIONS
+    and (backend or jax.default_backend()) == 'cpu'
+  ):
+    raise ConfigError(
+      'matmul_precision',
+      f'{name}: XLA:CPU computes float32 products whatever '
+      'the setting, so a run would record a precision it did not use; give '
+      '--matmul_precision=float32 here, or run on a GPU/TPU',
+    )
   return recorded
 
 
@@ -134,10 +157,12 @@ def scoped(fn: Callable, name: str) -> Callable:
   Returns:
     The wrapped function.
   """
+
   @functools.wraps(fn)
   def at_precision(*args, **kwargs):
     with precision(name):
       return fn(*args, **kwargs)
+
   return at_precision
 
 
@@ -156,13 +181,19 @@ def effective_matmul(name: str, backend: Optional[str] = None) -> str:
   if backend == 'cpu':
     return f'{name} (XLA:CPU computes float32 whatever the setting)'
   if name in ('default', 'high'):
-    native = {'gpu': 'TF32 on NVIDIA since Ampere', 'tpu': 'one bfloat16 pass'}.get(backend, '')
-    return f'{name} (the backend\'s own: {native})' if native else name
+    native = {
+      'gpu': 'TF32 on NVIDIA since Ampere',
+      'tpu': 'one bfloat16 pass',
+    }.get(backend, '')
+    return f"{name} (the backend's own: {native})" if native else name
   return name
 
 
-def record(matmul_precision: str, conv_impl: Optional[str],
-           forward_conv_impl: Optional[str] = None) -> dict:
+def record(
+  matmul_precision: str,
+  conv_impl: Optional[str],
+  forward_conv_impl: Optional[str] = None,
+) -> dict:
   """What a run records of its arithmetic (identity, header, summary):
   the matmul precision and, for a convolutional model, the convolution
   implementation it resolved to (None: no convolution), and the one a

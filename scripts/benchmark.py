@@ -28,77 +28,121 @@ import sys
 import time
 from typing import Optional, Tuple
 
-from absl import app
-from absl import flags
+from absl import app, flags
 
 from fedjax_personal.hparams import Declared, hparam
 from fedjax_personal.run import costs, script_entry
 
+
 @dataclasses.dataclass(frozen=True)
 class BenchmarkSettings(Declared):
   """The benchmark's settings (its flags)."""
+
   models: Tuple[str, ...] = hparam(('mlp', 'lenet5'), 'Models to time.')
-  clients: Tuple[str, ...] = hparam(('10', '100', '1000'), 'Populations (all clients in every '
-                                    'round).')
+  clients: Tuple[str, ...] = hparam(
+    ('10', '100', '1000'), 'Populations (all clients in every round).'
+  )
   executors: Tuple[str, ...] = hparam(
-      ('torch', 'baseline', 'sequential', 'blocked', 'vmap', 'auto'),
-      'Executors to time; torch = the PyTorch per-client loop (needs the bench extra; skipped '
-      'with a note without torch); baseline = the same loop in JAX, one client, one jitted step '
-      'at a time.')
-  conv_impl: str = hparam('auto', 'How the JAX models compute convolutions (models.Conv): auto = '
-                          'per platform.', choices=('auto', 'xla', 'matmul', 'tiled'))
+    ('torch', 'baseline', 'sequential', 'blocked', 'vmap', 'auto'),
+    'Executors to time; torch = the PyTorch per-client loop (needs the bench extra; skipped '
+    'with a note without torch); baseline = the same loop in JAX, one client, one jitted step '
+    'at a time.',
+  )
+  conv_impl: str = hparam(
+    'auto',
+    'How the JAX models compute convolutions (models.Conv): auto = '
+    'per platform.',
+    choices=('auto', 'xla', 'matmul', 'tiled'),
+  )
   rounds: int = hparam(3, 'Timed rounds after the compiling one.')
   local_steps: int = hparam(5, 'K local steps per client per round.')
-  timeout: int = hparam(420, 'Seconds per configuration before it is reported as timeout.')
+  timeout: int = hparam(
+    420, 'Seconds per configuration before it is reported as timeout.'
+  )
   interleave: bool = hparam(
-      True, 'Executor table: start the configurations of one model and population as processes '
-      'side by side (each compiled and warm) and time their rounds in turn, one round of each, '
-      'rounds times; the "vs" columns are the medians of the round-by-round ratios, so a '
-      'machine whose speed drifts moves both sides of each ratio. --nointerleave: one '
-      'configuration after another (the --device preset, as an accelerator holds one '
-      'process\'s memory at a time).')
+    True,
+    'Executor table: start the configurations of one model and population as processes '
+    'side by side (each compiled and warm) and time their rounds in turn, one round of each, '
+    'rounds times; the "vs" columns are the medians of the round-by-round ratios, so a '
+    'machine whose speed drifts moves both sides of each ratio. --nointerleave: one '
+    'configuration after another (the --device preset, as an accelerator holds one '
+    "process's memory at a time).",
+  )
   output: Optional[str] = hparam(None, 'Write the results as JSON here.')
-  worker: Optional[str] = hparam(None, 'Internal: run one configuration model:clients:executor.')
-  dry_run: bool = hparam(False, 'Print what would run (sections, sizes) and exit.')
+  worker: Optional[str] = hparam(
+    None, 'Internal: run one configuration model:clients:executor.'
+  )
+  dry_run: bool = hparam(
+    False, 'Print what would run (sections, sizes) and exit.'
+  )
   worker_processes: int = hparam(1, 'Internal: processes of a worker group.')
-  worker_process_id: int = hparam(0, 'Internal: this worker\'s process.')
-  worker_port: int = hparam(0, 'Internal: the worker group\'s coordinator port.')
-  process_counts: Tuple[str, ...] = hparam(('1', '2', '4'), 'Processes of --section=processes '
-                                           '(one CPU device each).')
-  process_clients: Tuple[str, ...] = hparam(('1000', '10000'), 'Populations of '
-                                            '--section=processes.')
-  plan_clients: Tuple[str, ...] = hparam(('10000', '100000', '1000000'), 'Populations of '
-                                         '--section=memory (bytes by estimate, nothing run).')
-  section: str = hparam('executors', 'executors: the executor table; scale: time per round from '
-                        '10 to 10,000 clients for FedAvg and Ditto (auto executor vs the loop); '
-                        'sweep: S configurations in one program vs S separate runs; usercentric: '
-                        'user-centric rounds with and without the W recomputation (k-means, '
-                        'silhouette) vs FedAvg.',
-                        choices=('executors', 'scale', 'sweep', 'usercentric', 'memory',
-                                 'processes', 'all'))
-  usercentric_clients: Tuple[str, ...] = hparam(('100', '1000'), 'Populations of '
-                                                '--section=usercentric.')
-  scale_clients: Tuple[str, ...] = hparam(('10', '100', '1000', '10000'), 'Populations of '
-                                          '--section=scale.')
+  worker_process_id: int = hparam(0, "Internal: this worker's process.")
+  worker_port: int = hparam(0, "Internal: the worker group's coordinator port.")
+  process_counts: Tuple[str, ...] = hparam(
+    ('1', '2', '4'), 'Processes of --section=processes (one CPU device each).'
+  )
+  process_clients: Tuple[str, ...] = hparam(
+    ('1000', '10000'), 'Populations of --section=processes.'
+  )
+  plan_clients: Tuple[str, ...] = hparam(
+    ('10000', '100000', '1000000'),
+    'Populations of --section=memory (bytes by estimate, nothing run).',
+  )
+  section: str = hparam(
+    'executors',
+    'executors: the executor table; scale: time per round from '
+    '10 to 10,000 clients for FedAvg and Ditto (auto executor vs the loop); '
+    'sweep: S configurations in one program vs S separate runs; usercentric: '
+    'user-centric rounds with and without the W recomputation (k-means, '
+    'silhouette) vs FedAvg.',
+    choices=(
+      'executors',
+      'scale',
+      'sweep',
+      'usercentric',
+      'memory',
+      'processes',
+      'all',
+    ),
+  )
+  usercentric_clients: Tuple[str, ...] = hparam(
+    ('100', '1000'), 'Populations of --section=usercentric.'
+  )
+  scale_clients: Tuple[str, ...] = hparam(
+    ('10', '100', '1000', '10000'), 'Populations of --section=scale.'
+  )
   sweep_size: int = hparam(8, 'S of --section=sweep.')
   sweep_clients: str = hparam('100', 'Population of --section=sweep.')
-  device: bool = hparam(False, 'Print the devices the run uses (the benchmark runs unchanged on '
-                        'GPU/TPU: every section times the default backend, where auto picks vmap '
-                        'or sharded).')
+  device: bool = hparam(
+    False,
+    'Print the devices the run uses (the benchmark runs unchanged on '
+    'GPU/TPU: every section times the default backend, where auto picks vmap '
+    'or sharded).',
+  )
 
 
 #: ``--device``: the accelerator run (MLP and LeNet-5 at 100 / 1,000 /
 #: 10,000 clients on every fused executor, the scale, sweep and user-centric
 #: sections); flags given on the command line win.
-DEVICE_PRESET = {'clients': ('100', '1000', '10000'), 'models': ('mlp', 'lenet5'),
-                 'executors': ('torch', 'auto', 'vmap', 'blocked', 'sharded'),
-                 'usercentric_clients': ('100', '1000'), 'timeout': 600, 'interleave': False}
+DEVICE_PRESET = {
+  'clients': ('100', '1000', '10000'),
+  'models': ('mlp', 'lenet5'),
+  'executors': ('torch', 'auto', 'vmap', 'blocked', 'sharded'),
+  'usercentric_clients': ('100', '1000'),
+  'timeout': 600,
+  'interleave': False,
+}
 
 script_entry.define_settings_flags(BenchmarkSettings)
 
 # As in the foundation issue's measurements; the CNNs as LeNet-5.
 BATCH = {'mlp': 10, 'lenet5': 32, 'cnn': 32, 'cnn_cifar': 32}
-EXAMPLES = {'mlp': 50, 'lenet5': 64, 'cnn': 64, 'cnn_cifar': 64}   # examples per client
+EXAMPLES = {
+  'mlp': 50,
+  'lenet5': 64,
+  'cnn': 64,
+  'cnn_cifar': 64,
+}  # examples per client
 
 
 def peak_rss_mb():
@@ -126,22 +170,38 @@ def matmul_gflops(n=2048, reps=10):
 def build(cfg, model_name, num_clients):
   import numpy as np
   import optax
+
   import fedjax_personal as fp
   from fedjax_personal.core.data import FederatedData, pad_clients, to_device
   from fedjax_personal.datasets import in_memory
+
   if model_name == 'cnn_cifar':
     from fedjax_personal.datasets import cifar
+
     x, y, _ = cifar.load('cifar10', None)
   else:
     x, y, _ = in_memory.load_mnist()
   rng = np.random.default_rng(0)
   n = EXAMPLES[model_name]
   idx = [rng.choice(len(y), n, replace=False) for _ in range(num_clients)]
-  train = pad_clients([x[i] for i in idx], [y[i] for i in idx], x.shape[1:], x.dtype)
-  data = to_device(FederatedData(train=train, val=pad_clients([x[:0]] * num_clients, [y[:0]] * num_clients, x.shape[1:], x.dtype),
-                                 test=train, groups=-np.ones(num_clients, np.int32), num_classes=10))
+  train = pad_clients(
+    [x[i] for i in idx], [y[i] for i in idx], x.shape[1:], x.dtype
+  )
+  data = to_device(
+    FederatedData(
+      train=train,
+      val=pad_clients(
+        [x[:0]] * num_clients, [y[:0]] * num_clients, x.shape[1:], x.dtype
+      ),
+      test=train,
+      groups=-np.ones(num_clients, np.int32),
+      num_classes=10,
+    )
+  )
   model = fp.create_model(model_name, 10, x[:1], conv_impl=cfg.conv_impl)
-  batching = fp.Batching(BATCH[model_name], num_epochs=None, num_steps=cfg.local_steps)
+  batching = fp.Batching(
+    BATCH[model_name], num_epochs=None, num_steps=cfg.local_steps
+  )
   return data, model, batching, optax.sgd(0.05)
 
 
@@ -156,14 +216,18 @@ def baseline_runner(model, data, batching, opt):
   import jax
   import jax.numpy as jnp
   import numpy as np
+
   from fedjax_personal.core import batching as batching_lib
+
   _, _, step = step_cost(model, opt, BATCH[model.name], data.train.x.shape[2:])
   step = jax.jit(step)
   add = jax.jit(lambda acc, p, w: jax.tree.map(lambda a, b: a + w * b, acc, p))
   x = np.asarray(data.train.x)
   y = np.asarray(data.train.y)
   n = np.asarray(data.train.num_examples)
-  idx_fn = jax.jit(lambda k, m: batching_lib.batch_indices(k, m, x.shape[1], batching))
+  idx_fn = jax.jit(
+    lambda k, m: batching_lib.batch_indices(k, m, x.shape[1], batching)
+  )
 
   def round_fn(params, key):
     acc = jax.tree.map(jnp.zeros_like, params)
@@ -175,6 +239,7 @@ def baseline_runner(model, data, batching, opt):
         p, s = step(p, s, x[i][sel], y[i][sel])
       acc = add(acc, p, np.float32(n[i] / n.sum()))
     return acc
+
   return round_fn
 
 
@@ -186,10 +251,12 @@ def timed_rounds(cfg, run_round):
   """Seconds of the compiling round, then of the timed ones: ``cfg.rounds``
   in a row, or, under ``--interleave``, one each time the parent writes
   ``round`` on stdin (after ``{"ready": true}`` on stdout; any other line ends)."""
+
   def timed():
     t = time.perf_counter()
     run_round()
     return time.perf_counter() - t
+
   times = [timed()]
   if not cfg.interleave:
     return times + [timed() for _ in range(cfg.rounds)]
@@ -203,39 +270,73 @@ def timed_rounds(cfg, run_round):
 
 
 def worker(cfg, spec):
-  if cfg.worker_processes > 1:  # one of a group of processes (--section=processes)
+  if (
+    cfg.worker_processes > 1
+  ):  # one of a group of processes (--section=processes)
     from fedjax_personal.run import distributed
-    distributed.initialize({'coordinator_address': f'localhost:{cfg.worker_port}',
-                            'num_processes': cfg.worker_processes,
-                            'process_id': cfg.worker_process_id}, timeout=120)
+
+    distributed.initialize(
+      {
+        'coordinator_address': f'localhost:{cfg.worker_port}',
+        'num_processes': cfg.worker_processes,
+        'process_id': cfg.worker_process_id,
+      },
+      timeout=120,
+    )
   import jax
+
   import fedjax_personal as fp
   from fedjax_personal.algorithms.fedavg import fedavg
+
   parts = spec.split(':')
   model_name, num_clients, executor = parts[:3]
   algorithm = parts[3] if len(parts) > 3 else 'fedavg'
   num_clients = int(num_clients)
   data, model, batching, opt = build(cfg, model_name, num_clients)
-  flops, nbytes, _ = step_cost(model, opt, BATCH[model_name], data.train.x.shape[2:])
+  flops, nbytes, _ = step_cost(
+    model, opt, BATCH[model_name], data.train.x.shape[2:]
+  )
   if executor == 'torch':
     import numpy as np
     import torch
     import torch_loop
+
     run_round = torch_loop.round_runner(
-        model_name, np.asarray(data.train.x), np.asarray(data.train.y),
-        np.asarray(data.train.num_examples), BATCH[model_name], cfg.local_steps, 0.05)
+      model_name,
+      np.asarray(data.train.x),
+      np.asarray(data.train.y),
+      np.asarray(data.train.num_examples),
+      BATCH[model_name],
+      cfg.local_steps,
+      0.05,
+    )
     times = timed_rounds(cfg, run_round)
     steady = median(times[1:])
     total_flops = flops * num_clients * cfg.local_steps
-    print(json.dumps({
-        'model': model_name, 'clients': num_clients,
-        'executor': f'torch {torch.__version__} loop (' + (
-            'cuda' if torch_loop.device().type == 'cuda' else
-            f'{torch.get_num_threads()} threads') + ')',
-        'algorithm': 'fedavg', 'round_s': steady, 'compile_s': max(times[0] - steady, 0.0),
-        'round_times': times[1:], 'peak_rss_mb': peak_rss_mb(),
-        'gflops': total_flops / steady / 1e9, 'flops_per_round': total_flops,
-        'step_flops': flops, 'step_bytes': nbytes}))
+    print(
+      json.dumps(
+        {
+          'model': model_name,
+          'clients': num_clients,
+          'executor': f'torch {torch.__version__} loop ('
+          + (
+            'cuda'
+            if torch_loop.device().type == 'cuda'
+            else f'{torch.get_num_threads()} threads'
+          )
+          + ')',
+          'algorithm': 'fedavg',
+          'round_s': steady,
+          'compile_s': max(times[0] - steady, 0.0),
+          'round_times': times[1:],
+          'peak_rss_mb': peak_rss_mb(),
+          'gflops': total_flops / steady / 1e9,
+          'flops_per_round': total_flops,
+          'step_flops': flops,
+          'step_bytes': nbytes,
+        }
+      )
+    )
     return
   ex = None
   if executor == 'baseline':
@@ -246,42 +347,81 @@ def worker(cfg, spec):
     # 'blocked<N>': blocks of N clients (e.g. blocked1: one client at a time in the program);
     # 'blocked<N>t<T>': the same on T host threads. 'sequential<N>': N host threads.
     import re
+
     m = re.fullmatch(r'blocked(\d+)(?:t(\d+))?', executor)
     bs = int(m.group(1)) if m else None
     nt = int(m.group(2) or 1) if m else 0
-    nt = int(executor[10:]) if executor.startswith('sequential') and executor[10:].isdigit() else nt
-    ex = fp.create_executor('blocked' if bs else 'sequential' if nt else executor, model,
-                            data.train.x[0, :1], block_size=bs, num_threads=nt)
+    nt = (
+      int(executor[10:])
+      if executor.startswith('sequential') and executor[10:].isdigit()
+      else nt
+    )
+    ex = fp.create_executor(
+      'blocked' if bs else 'sequential' if nt else executor,
+      model,
+      data.train.x[0, :1],
+      block_size=bs,
+      num_threads=nt,
+    )
     if algorithm == 'ditto':
       from fedjax_personal.algorithms.ditto import ditto
+
       alg = ditto(model, num_clients, opt, batching, lam=0.1)
     else:
       alg = fedavg(model, num_clients, opt, batching)
-    runner = fp.RoundRunner(alg, data, fp.CohortSampler(num_clients, cohort_size=num_clients), ex)
+    runner = fp.RoundRunner(
+      alg, data, fp.CohortSampler(num_clients, cohort_size=num_clients), ex
+    )
     state = runner.init(jax.random.key(0))
     run = lambda s, k: runner.round(s, k, donate=True)[0]
-    executor = f'{executor}->{ex.describe()}' if executor == 'auto' else ex.describe()
+    executor = (
+      f'{executor}->{ex.describe()}' if executor == 'auto' else ex.describe()
+    )
   collectives = {}
-  if getattr(ex, 'name', '') == 'sharded':  # what the compiled round communicates (XLA's)
+  if (
+    getattr(ex, 'name', '') == 'sharded'
+  ):  # what the compiled round communicates (XLA's)
     from fedjax_personal.core import memory
-    collectives = memory.hlo_collectives(runner.compiled_text(state, jax.random.key(0)))
+
+    collectives = memory.hlo_collectives(
+      runner.compiled_text(state, jax.random.key(0))
+    )
   box = {'state': state, 'round': 0}
 
   def run_round():
-    box['state'] = jax.block_until_ready(run(box['state'], jax.random.key(box['round'])))
+    box['state'] = jax.block_until_ready(
+      run(box['state'], jax.random.key(box['round']))
+    )
     box['round'] += 1
+
   times = timed_rounds(cfg, run_round)
   steady = median(times[1:])
-  total_flops = flops * num_clients * cfg.local_steps * (2 if algorithm == 'ditto' else 1)
+  total_flops = (
+    flops * num_clients * cfg.local_steps * (2 if algorithm == 'ditto' else 1)
+  )
   if jax.process_index() != 0:
     return
-  print(json.dumps({
-      'model': model_name, 'clients': num_clients, 'executor': executor, 'algorithm': algorithm,
-      'processes': jax.process_count(), 'devices': jax.device_count(),
-      'collectives': collectives, 'round_s': steady, 'compile_s': max(times[0] - steady, 0.0),
-      'round_times': times[1:], 'peak_rss_mb': peak_rss_mb(),
-      'gflops': total_flops / steady / 1e9, 'flops_per_round': total_flops,
-      'step_flops': flops, 'step_bytes': nbytes}))
+  print(
+    json.dumps(
+      {
+        'model': model_name,
+        'clients': num_clients,
+        'executor': executor,
+        'algorithm': algorithm,
+        'processes': jax.process_count(),
+        'devices': jax.device_count(),
+        'collectives': collectives,
+        'round_s': steady,
+        'compile_s': max(times[0] - steady, 0.0),
+        'round_times': times[1:],
+        'peak_rss_mb': peak_rss_mb(),
+        'gflops': total_flops / steady / 1e9,
+        'flops_per_round': total_flops,
+        'step_flops': flops,
+        'step_bytes': nbytes,
+      }
+    )
+  )
 
 
 def main(argv):
@@ -289,13 +429,27 @@ def main(argv):
   ``DEVICE_PRESET`` where a flag was not given), then the sections."""
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments {argv[1:]}')
-  preset = {k: v for k, v in DEVICE_PRESET.items() if not flags.FLAGS[k].present}
+  preset = {
+    k: v for k, v in DEVICE_PRESET.items() if not flags.FLAGS[k].present
+  }
   cfg = script_entry.read_settings(BenchmarkSettings)
   if cfg.device:
     cfg = dataclasses.replace(cfg, **preset)
   if cfg.dry_run:  # what would run, nothing timed
-    keys = ('section', 'models', 'clients', 'executors', 'rounds', 'local_steps', 'interleave',
-            'scale_clients', 'process_counts', 'process_clients', 'plan_clients', 'output')
+    keys = (
+      'section',
+      'models',
+      'clients',
+      'executors',
+      'rounds',
+      'local_steps',
+      'interleave',
+      'scale_clients',
+      'process_counts',
+      'process_clients',
+      'plan_clients',
+      'output',
+    )
     for k in keys:
       value = getattr(cfg, k)
       print(f'{k}: {list(value) if isinstance(value, tuple) else value}')
@@ -304,20 +458,30 @@ def main(argv):
     worker(cfg, cfg.worker)
     return
   import jax
+
   from fedjax_personal.core import host
+
   if jax.default_backend() == 'cpu':
     host.tune_allocator()  # as the engine does on CPU (fedjax_personal/host.py)
   if cfg.device:
-    print(f'devices: {[d.device_kind for d in jax.devices()]} ({jax.default_backend()})')
+    print(
+      f'devices: {[d.device_kind for d in jax.devices()]} ({jax.default_backend()})'
+    )
   peak = matmul_gflops()
   dram, bandwidth = stream_gbps(256), stream_gbps(16)
-  print(f'backend {jax.default_backend()}, {os.cpu_count()} cores; float32 matmul '
-        f'{peak:.1f} GFLOP/s (2048x2048); a * 1.5 streams {dram:.1f} GB/s over 256 MiB, '
-        f'{bandwidth:.1f} GB/s over 16 MiB (cache-resident); this run')
-  print('% roof: of min(peak, FLOP per byte of one local step (XLA cost analysis) x the '
-        '16 MiB bandwidth)')
-  print(f'FedAvg round, all clients active, K={cfg.local_steps} local steps; '
-        f'batch {BATCH}, examples per client {EXAMPLES}')
+  print(
+    f'backend {jax.default_backend()}, {os.cpu_count()} cores; float32 matmul '
+    f'{peak:.1f} GFLOP/s (2048x2048); a * 1.5 streams {dram:.1f} GB/s over 256 MiB, '
+    f'{bandwidth:.1f} GB/s over 16 MiB (cache-resident); this run'
+  )
+  print(
+    '% roof: of min(peak, FLOP per byte of one local step (XLA cost analysis) x the '
+    '16 MiB bandwidth)'
+  )
+  print(
+    f'FedAvg round, all clients active, K={cfg.local_steps} local steps; '
+    f'batch {BATCH}, examples per client {EXAMPLES}'
+  )
   results = []
   if cfg.section in ('executors', 'all'):
     results += executors_section(cfg, peak, bandwidth)
@@ -338,20 +502,33 @@ def run_config(cfg, spec):
   """One worker process; its JSON, ``{'timeout': True}`` or ``{'failed': ...}``."""
   cmd = _worker_cmd(cfg, spec, False)
   try:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=cfg.timeout)
+    out = subprocess.run(
+      cmd, capture_output=True, text=True, timeout=cfg.timeout
+    )
   except subprocess.TimeoutExpired:
     return {'timeout': True}
   line = [l for l in out.stdout.splitlines() if l.startswith('{')]
-  if not line:  # e.g. killed for memory, or torch missing: report, do not stop the table
-    return {'failed': True, 'returncode': out.returncode,
-            'stderr': out.stderr.strip().splitlines()[-1:] if out.stderr else []}
+  if (
+    not line
+  ):  # e.g. killed for memory, or torch missing: report, do not stop the table
+    return {
+      'failed': True,
+      'returncode': out.returncode,
+      'stderr': out.stderr.strip().splitlines()[-1:] if out.stderr else [],
+    }
   return json.loads(line[-1])
 
 
 def _worker_cmd(cfg, spec, interleave):
-  return [sys.executable, os.path.abspath(__file__), f'--worker={spec}',
-          f'--conv_impl={cfg.conv_impl}', f'--rounds={cfg.rounds}',
-          f'--local_steps={cfg.local_steps}', '--interleave' if interleave else '--nointerleave']
+  return [
+    sys.executable,
+    os.path.abspath(__file__),
+    f'--worker={spec}',
+    f'--conv_impl={cfg.conv_impl}',
+    f'--rounds={cfg.rounds}',
+    f'--local_steps={cfg.local_steps}',
+    '--interleave' if interleave else '--nointerleave',
+  ]
 
 
 class _Worker:
@@ -359,14 +536,21 @@ class _Worker:
 
   def __init__(self, cfg, spec):
     import tempfile
+
     self.err = tempfile.TemporaryFile(mode='w+')
-    self.proc = subprocess.Popen(_worker_cmd(cfg, spec, True), stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=self.err, bufsize=0)
+    self.proc = subprocess.Popen(
+      _worker_cmd(cfg, spec, True),
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      stderr=self.err,
+      bufsize=0,
+    )
     self.buf = b''
 
   def read(self, timeout):
     """The next JSON line; ``{'timeout': True}`` or ``{'failed': ...}``."""
     import select
+
     deadline = time.monotonic() + timeout
     while True:
       while b'\n' in self.buf:
@@ -413,15 +597,21 @@ def run_interleaved(cfg, specs):
       results[spec] = r
   for _ in range(cfg.rounds):
     for spec, w in list(workers.items()):
-      r = w.read(cfg.timeout) if w.send('round') else {'failed': True, 'returncode': None,
-                                                          'stderr': ['worker exited']}
+      r = (
+        w.read(cfg.timeout)
+        if w.send('round')
+        else {'failed': True, 'returncode': None, 'stderr': ['worker exited']}
+      )
       if 't' not in r:
         results[spec] = r
         w.kill()
         del workers[spec]
   for spec, w in workers.items():
-    results[spec] = w.read(cfg.timeout) if w.send('done') else {
-        'failed': True, 'returncode': None, 'stderr': ['worker exited']}
+    results[spec] = (
+      w.read(cfg.timeout)
+      if w.send('done')
+      else {'failed': True, 'returncode': None, 'stderr': ['worker exited']}
+    )
     w.kill()
   return [results[s] for s in specs]
 
@@ -429,8 +619,12 @@ def run_interleaved(cfg, specs):
 def paired_speedup(cfg, base, row):
   """``base``'s round time over ``row``'s: the median of the round-by-round
   ratios when both were timed interleaved, else the ratio of the medians."""
-  if cfg.interleave and len(base.get('round_times', ())) == len(row.get('round_times', ())):
-    return median([b / t for b, t in zip(base['round_times'], row['round_times'])])
+  if cfg.interleave and len(base.get('round_times', ())) == len(
+    row.get('round_times', ())
+  ):
+    return median(
+      [b / t for b, t in zip(base['round_times'], row['round_times'])]
+    )
   return base['round_s'] / row['round_s']
 
 
@@ -439,13 +633,18 @@ def executors_section(cfg, peak, bandwidth):
   PyTorch loop, with each row's share of the matmul peak and of its roofline
   (min(peak, FLOP per byte of a local step x memory bandwidth))."""
   import torch_loop
+
   executors = list(cfg.executors)
   if 'torch' in executors and not torch_loop.available():
-    print('note: torch is not installed (pip install -e ".[bench]"): no PyTorch loop rows, '
-          'no "vs torch" column')
+    print(
+      'note: torch is not installed (pip install -e ".[bench]"): no PyTorch loop rows, '
+      'no "vs torch" column'
+    )
     executors.remove('torch')
-  header = (f"{'model':<9}{'clients':>8}  {'executor':<30}{'round s':>9}{'compile s':>10}"
-            f"{'peak MB':>9}{'GFLOP/s':>9}{'% peak':>7}{'% roof':>7}{'vs loop':>8}{'vs torch':>9}")
+  header = (
+    f'{"model":<9}{"clients":>8}  {"executor":<30}{"round s":>9}{"compile s":>10}'
+    f'{"peak MB":>9}{"GFLOP/s":>9}{"% peak":>7}{"% roof":>7}{"vs loop":>8}{"vs torch":>9}'
+  )
   print(header)
   print('-' * len(header))
   rows = []
@@ -453,40 +652,75 @@ def executors_section(cfg, peak, bandwidth):
     for clients in cfg.clients:
       base = {}
       specs = [f'{model_name}:{clients}:{executor}' for executor in executors]
-      group = run_interleaved(cfg, specs) if cfg.interleave else [run_config(cfg, s) for s in specs]
+      group = (
+        run_interleaved(cfg, specs)
+        if cfg.interleave
+        else [run_config(cfg, s) for s in specs]
+      )
       for executor, r in zip(executors, group):
         if r.get('timeout') or r.get('failed'):
-          why = (f'timeout after {cfg.timeout} s' if r.get('timeout') else
-                 f"failed (exit {r['returncode']}: {' '.join(r['stderr'])[:80]})")
+          why = (
+            f'timeout after {cfg.timeout} s'
+            if r.get('timeout')
+            else f'failed (exit {r["returncode"]}: {" ".join(r["stderr"])[:80]})'
+          )
           print(f'{model_name:<9}{clients:>8}  {executor:<30}{why}', flush=True)
-          rows.append({'model': model_name, 'clients': int(clients), 'executor': executor,
-                       'error': why})
+          rows.append(
+            {
+              'model': model_name,
+              'clients': int(clients),
+              'executor': executor,
+              'error': why,
+            }
+          )
           continue
         if executor in ('baseline', 'torch'):
           base[executor] = r
-        r['speedup_vs_loop'] = paired_speedup(cfg, base['baseline'], r) if 'baseline' in base else None
-        r['speedup_vs_torch'] = paired_speedup(cfg, base['torch'], r) if 'torch' in base else None
+        r['speedup_vs_loop'] = (
+          paired_speedup(cfg, base['baseline'], r)
+          if 'baseline' in base
+          else None
+        )
+        r['speedup_vs_torch'] = (
+          paired_speedup(cfg, base['torch'], r) if 'torch' in base else None
+        )
         r['percent_of_matmul_peak'] = 100 * r['gflops'] / peak
-        roof = min(peak, r['step_flops'] / max(r['step_bytes'], 1.0) * bandwidth)
+        roof = min(
+          peak, r['step_flops'] / max(r['step_bytes'], 1.0) * bandwidth
+        )
         r['roofline_gflops'] = roof
         r['percent_of_roofline'] = 100 * r['gflops'] / roof
         rows.append(r)
         fmt = lambda v: f'{v:.2f}x' if v else '-'
-        print(f"{model_name:<9}{clients:>8}  {r['executor'][:29]:<30}{r['round_s']:>9.3f}"
-              f"{r['compile_s']:>10.2f}{r['peak_rss_mb']:>9.0f}{r['gflops']:>9.2f}"
-              f"{r['percent_of_matmul_peak']:>6.1f}%{r['percent_of_roofline']:>6.1f}%"
-              f"{fmt(r['speedup_vs_loop']):>8}{fmt(r['speedup_vs_torch']):>9}", flush=True)
+        print(
+          f'{model_name:<9}{clients:>8}  {r["executor"][:29]:<30}{r["round_s"]:>9.3f}'
+          f'{r["compile_s"]:>10.2f}{r["peak_rss_mb"]:>9.0f}{r["gflops"]:>9.2f}'
+          f'{r["percent_of_matmul_peak"]:>6.1f}%{r["percent_of_roofline"]:>6.1f}%'
+          f'{fmt(r["speedup_vs_loop"]):>8}{fmt(r["speedup_vs_torch"]):>9}',
+          flush=True,
+        )
   return rows
 
 
 def save(cfg, results, peak, bandwidth):
   import jax
+
   if cfg.output:
-    from fedjax_personal.run import run_identity  # strict JSON: a NaN is written as null
-    run_identity.write_json(cfg.output, {
-        'matmul_gflops': peak, 'memory_gbps': bandwidth, 'backend': jax.default_backend(),
-        'devices': [str(d) for d in jax.devices()], 'cores': os.cpu_count(),
-        'results': results})
+    from fedjax_personal.run import (
+      run_identity,  # strict JSON: a NaN is written as null
+    )
+
+    run_identity.write_json(
+      cfg.output,
+      {
+        'matmul_gflops': peak,
+        'memory_gbps': bandwidth,
+        'backend': jax.default_backend(),
+        'devices': [str(d) for d in jax.devices()],
+        'cores': os.cpu_count(),
+        'results': results,
+      },
+    )
 
 
 def run_worker(cfg, spec):
@@ -497,17 +731,27 @@ def run_worker(cfg, spec):
 
 def scale_section(cfg, peak):
   """Time per round vs population, FedAvg and Ditto (MLP), auto vs the loop."""
-  print('\nScale: MLP, K=5 local steps, all clients active; auto executor vs the loop')
-  print(f"{'algorithm':<8}{'clients':>8}  {'auto executor':<24}{'round s':>9}{'loop s':>9}"
-        f"{'vs loop':>8}{'peak MB':>9}{'GFLOP/s':>9}")
+  print(
+    '\nScale: MLP, K=5 local steps, all clients active; auto executor vs the loop'
+  )
+  print(
+    f'{"algorithm":<8}{"clients":>8}  {"auto executor":<24}{"round s":>9}{"loop s":>9}'
+    f'{"vs loop":>8}{"peak MB":>9}{"GFLOP/s":>9}'
+  )
   rows = []
   for alg in ('fedavg', 'ditto'):
     for clients in cfg.scale_clients:
       r = run_worker(cfg, f'mlp:{clients}:auto:{alg}')
-      base = run_worker(cfg, f'mlp:{clients}:baseline') if alg == 'fedavg' else None
+      base = (
+        run_worker(cfg, f'mlp:{clients}:baseline') if alg == 'fedavg' else None
+      )
       base = None if base is None or base.get('failed') else base
       if r is None or r.get('failed'):
-        why = 'timeout' if r is None else f"failed (exit {r['returncode']}; out of memory?)"
+        why = (
+          'timeout'
+          if r is None
+          else f'failed (exit {r["returncode"]}; out of memory?)'
+        )
         print(f'{alg:<8}{clients:>8}  {why}')
         rows.append({'algorithm': alg, 'clients': int(clients), 'failed': why})
         continue
@@ -516,9 +760,12 @@ def scale_section(cfg, peak):
       r['speedup_vs_loop'] = loop / r['round_s'] if loop else None
       rows.append(r)
       loop_s = f'{loop:.3f}' if loop else '-'
-      ratio = f"{r['speedup_vs_loop']:.2f}x" if loop else '-'
-      print(f"{alg:<8}{clients:>8}  {r['executor']:<24}{r['round_s']:>9.3f}{loop_s:>9}{ratio:>8}"
-            f"{r['peak_rss_mb']:>9.0f}{r['gflops']:>9.2f}", flush=True)
+      ratio = f'{r["speedup_vs_loop"]:.2f}x' if loop else '-'
+      print(
+        f'{alg:<8}{clients:>8}  {r["executor"]:<24}{r["round_s"]:>9.3f}{loop_s:>9}{ratio:>8}'
+        f'{r["peak_rss_mb"]:>9.0f}{r["gflops"]:>9.2f}',
+        flush=True,
+      )
   return rows
 
 
@@ -533,15 +780,19 @@ def sweep_section(cfg):
   seeds): that row, plus the config axes of the same executor's fused form
   (one thread), each against the separate runs of ``auto``."""
   import dataclasses as dc
+
   import jax
+
   import fedjax_personal as fp
   from fedjax_personal import algorithms
-  from fedjax_personal.run import sweep
   from fedjax_personal.core.engine import RoundRunner
+  from fedjax_personal.run import sweep
+
   clients = int(cfg.sweep_clients)
   data, model, batching, _ = build(cfg, 'mlp', clients)
-  mk = lambda hv: algorithms.build('fedavg', model, data, batch_size=10,
-                                   local_steps=cfg.local_steps, **hv)
+  mk = lambda hv: algorithms.build(
+    'fedavg', model, data, batch_size=10, local_steps=cfg.local_steps, **hv
+  )
   cfgs = sweep.configs(list(range(cfg.sweep_size)), {'client_lr': [0.05]})
   sampler = fp.CohortSampler(clients, cohort_size=clients)
   ex = fp.create_executor('auto', model, data.train.x[0, :1])
@@ -553,14 +804,32 @@ def sweep_section(cfg):
     state = jax.block_until_ready(single.round(state, jax.random.key(r), r)[0])
   separate = (time.perf_counter() - t) / cfg.rounds * cfg.sweep_size
   auto = sweep.resolve_config_axis('auto') if ex.fused else 'one after another'
-  print(f'\nSweep: FedAvg, MLP, {clients} clients ({ex.describe()}), S = {cfg.sweep_size} seeds; '
-        f'S separate runs: {separate:.3f} s per round of all S; the CLI runs it: {auto}')
+  print(
+    f'\nSweep: FedAvg, MLP, {clients} clients ({ex.describe()}), S = {cfg.sweep_size} seeds; '
+    f'S separate runs: {separate:.3f} s per round of all S; the CLI runs it: {auto}'
+  )
   fused = ex if ex.fused else dc.replace(ex, num_threads=1)
-  variants = [] if ex.fused else [('one after another', lambda: sweep.LoopRuns(
-      mk, cfgs, data, sampler, ex), ex)]
-  variants += [(axis, lambda axis=axis: sweep.SweepRunner(mk, cfgs, data, sampler, fused,
-                                                          config_axis=axis), fused)
-               for axis in ('host', 'loop', 'vmap')]
+  variants = (
+    []
+    if ex.fused
+    else [
+      (
+        'one after another',
+        lambda: sweep.LoopRuns(mk, cfgs, data, sampler, ex),
+        ex,
+      )
+    ]
+  )
+  variants += [
+    (
+      axis,
+      lambda axis=axis: sweep.SweepRunner(
+        mk, cfgs, data, sampler, fused, config_axis=axis
+      ),
+      fused,
+    )
+    for axis in ('host', 'loop', 'vmap')
+  ]
   rows = []
   for axis, make, used in variants:
     runner = make()
@@ -571,17 +840,30 @@ def sweep_section(cfg):
     for r in range(cfg.rounds):  # rounds only, as the separate runs are timed
       states = jax.block_until_ready(runner.round(states, r + 1)[0])
     together = (time.perf_counter() - t) / cfg.rounds
-    print(f'  {axis:<17} ({used.describe()}) {together:.3f} s per round (first call incl. '
-          f'compile {first:.1f} s): {separate / together:.2f}x of separate runs', flush=True)
-    rows.append({'section': 'sweep', 'S': cfg.sweep_size, 'clients': clients,
-                 'executor': used.describe(), 'config_axis': axis, 'auto': axis == auto,
-                 'one_program_round_s': together, 'separate_round_s': separate,
-                 'speedup': separate / together})
+    print(
+      f'  {axis:<17} ({used.describe()}) {together:.3f} s per round (first call incl. '
+      f'compile {first:.1f} s): {separate / together:.2f}x of separate runs',
+      flush=True,
+    )
+    rows.append(
+      {
+        'section': 'sweep',
+        'S': cfg.sweep_size,
+        'clients': clients,
+        'executor': used.describe(),
+        'config_axis': axis,
+        'auto': axis == auto,
+        'one_program_round_s': together,
+        'separate_round_s': separate,
+        'speedup': separate / together,
+      }
+    )
   return rows
 
 
 def _timed(fn, reps):
   import jax
+
   times = []
   for _ in range(reps):
     t = time.perf_counter()
@@ -599,24 +881,34 @@ def usercentric_section(cfg):
   them one compiled round function."""
   import jax
   import jax.numpy as jnp
+
   import fedjax_personal as fp
   from fedjax_personal import algorithms
   from fedjax_personal.core.algorithm import RoundContext
   from fedjax_personal.core.engine import RoundRunner, pre_round_functions
-  print('\nUser-centric vs FedAvg: MLP, K=5, all clients active, auto executor (its one-program '
-        'form on CPU, so the W step is one compiled function); best of 3 (s)')
-  print(f"{'clients':>8}  {'streams':<22}{'FedAvg':>8}{'UC round':>9}{'UC + W':>8}{'W step':>8}"
-        f"{'traces':>7}")
+
+  print(
+    '\nUser-centric vs FedAvg: MLP, K=5, all clients active, auto executor (its one-program '
+    'form on CPU, so the W step is one compiled function); best of 3 (s)'
+  )
+  print(
+    f'{"clients":>8}  {"streams":<22}{"FedAvg":>8}{"UC round":>9}{"UC + W":>8}{"W step":>8}'
+    f'{"traces":>7}'
+  )
   rows = []
   for clients in map(int, cfg.usercentric_clients):
     data, model, _, _ = build(cfg, 'mlp', clients)
     sample_x = data.train.x[0, :1]
     ex = fp.create_executor('auto', model, sample_x)
-    if not ex.fused:  # CPU: blocked on host threads -> the same blocks in one program
+    if (
+      not ex.fused
+    ):  # CPU: blocked on host threads -> the same blocks in one program
       ex = dataclasses.replace(ex, num_threads=1)
     sampler = fp.CohortSampler(clients, cohort_size=clients)
     common = dict(batch_size=10, local_steps=cfg.local_steps, client_lr=0.05)
-    fed = RoundRunner(algorithms.build('fedavg', model, data, **common), data, sampler, ex)
+    fed = RoundRunner(
+      algorithms.build('fedavg', model, data, **common), data, sampler, ex
+    )
     state = fed.init(jax.random.key(0))
     state, _ = fed.round(state, jax.random.key(0), 0)
     box = [state]
@@ -624,57 +916,102 @@ def usercentric_section(cfg):
     def fed_round():
       box[0], m = fed.round(box[0], jax.random.key(1), 1)
       return m
+
     fedavg_s = _timed(fed_round, 3)
     max_streams = min(clients - 1, 20 if clients > 200 else clients - 1)
-    for label, kw in (('k-means k=4', dict(num_streams=4)),
-                      (f'silhouette 2..{max_streams}', dict(max_streams=max_streams))):
-      alg = algorithms.build('usercentric', model, data, sigma_batch_size=10, recompute_every=2,
-                             **common, **kw)
+    for label, kw in (
+      ('k-means k=4', dict(num_streams=4)),
+      (f'silhouette 2..{max_streams}', dict(max_streams=max_streams)),
+    ):
+      alg = algorithms.build(
+        'usercentric',
+        model,
+        data,
+        sigma_batch_size=10,
+        recompute_every=2,
+        **common,
+        **kw,
+      )
       runner = RoundRunner(alg, data, sampler, ex)
       st = [runner.init(jax.random.key(0))]
-      st[0], _ = runner.round(st[0], jax.random.key(0), 0)  # compiles (both branches)
+      st[0], _ = runner.round(
+        st[0], jax.random.key(0), 0
+      )  # compiles (both branches)
 
       def uc_round(t):
         st[0], m = runner.round(st[0], jax.random.key(t), t)
         return m
-      plain = _timed(lambda: uc_round(1), 3)   # odd rounds: no W
+
+      plain = _timed(lambda: uc_round(1), 3)  # odd rounds: no W
       with_w = _timed(lambda: uc_round(2), 3)  # even rounds: W recomputed
       run = jax.jit(pre_round_functions(alg, ex)[2])
       rc = RoundContext(jnp.asarray(2, jnp.int32), jax.random.key(5))
       w_step = _timed(lambda: run(st[0], rc, data.train, data.val), 3)
       traces = runner.trace_counts['round']
-      print(f'{clients:>8}  {label:<22}{fedavg_s:>8.3f}{plain:>9.3f}{with_w:>8.3f}{w_step:>8.3f}'
-            f'{traces:>7}', flush=True)
-      rows.append({'section': 'usercentric', 'clients': clients, 'streams': label,
-                   'executor': ex.describe(), 'fedavg_round_s': fedavg_s,
-                   'usercentric_round_s': plain, 'usercentric_round_with_w_s': with_w,
-                   'w_step_s': w_step, 'round_traces': traces})
+      print(
+        f'{clients:>8}  {label:<22}{fedavg_s:>8.3f}{plain:>9.3f}{with_w:>8.3f}{w_step:>8.3f}'
+        f'{traces:>7}',
+        flush=True,
+      )
+      rows.append(
+        {
+          'section': 'usercentric',
+          'clients': clients,
+          'streams': label,
+          'executor': ex.describe(),
+          'fedavg_round_s': fedavg_s,
+          'usercentric_round_s': plain,
+          'usercentric_round_with_w_s': with_w,
+          'w_step_s': w_step,
+          'round_traces': traces,
+        }
+      )
     # FedFomo: every client downloads M candidates and weighs them on its
     # validation split (here its training examples; the timing is the same).
     fomo_data = dataclasses.replace(data, val=data.train)
-    fomo = RoundRunner(algorithms.build('fedfomo', model, fomo_data, **common), fomo_data,
-                       sampler, ex)
+    fomo = RoundRunner(
+      algorithms.build('fedfomo', model, fomo_data, **common),
+      fomo_data,
+      sampler,
+      ex,
+    )
     fs = [fomo.init(jax.random.key(0))]
     fs[0], _ = fomo.round(fs[0], jax.random.key(0), 0)
 
     def fomo_round():
       fs[0], m = fomo.round(fs[0], jax.random.key(1), 1)
       return m
-    fomo_s = _timed(fomo_round, 3)
-    print(f'{clients:>8}  FedFomo round {fomo_s:.3f} s (FedAvg {fedavg_s:.3f} s, '
-          f'{fomo_s / fedavg_s:.2f}x), traces {fomo.trace_counts["round"]}', flush=True)
-    rows.append({'section': 'fedfomo', 'clients': clients, 'executor': ex.describe(),
-                 'fedavg_round_s': fedavg_s, 'fedfomo_round_s': fomo_s})
-  return rows
 
+    fomo_s = _timed(fomo_round, 3)
+    print(
+      f'{clients:>8}  FedFomo round {fomo_s:.3f} s (FedAvg {fedavg_s:.3f} s, '
+      f'{fomo_s / fedavg_s:.2f}x), traces {fomo.trace_counts["round"]}',
+      flush=True,
+    )
+    rows.append(
+      {
+        'section': 'fedfomo',
+        'clients': clients,
+        'executor': ex.describe(),
+        'fedavg_round_s': fedavg_s,
+        'fedfomo_round_s': fomo_s,
+      }
+    )
+  return rows
 
 
 # -- several processes and the scale plan ----------------------------------------
 
-PLAN_ALGORITHMS = (('fedavg', {}), ('fedavg', {'client_momentum': 0.9,
-                                                'client_opt_state': 'persistent'}),
-                   ('scaffold', {}), ('feddyn', {}), ('ditto', {}), ('fedalt', {}),
-                   ('fedfomo', {}), ('usercentric', {}))
+PLAN_ALGORITHMS = (
+  ('fedavg', {}),
+  ('fedavg', {'client_momentum': 0.9, 'client_opt_state': 'persistent'}),
+  ('scaffold', {}),
+  ('feddyn', {}),
+  ('ditto', {}),
+  ('fedalt', {}),
+  ('fedfomo', {}),
+  ('usercentric', {}),
+)
 
 
 def memory_section(cfg):
@@ -683,16 +1020,23 @@ def memory_section(cfg):
   10% of the clients needs per device, and the devices (powers of two) it
   takes on 16 GB and 80 GB accelerators."""
   import types
+
   import numpy as np
+
   import fedjax_personal as fp
   from fedjax_personal import algorithms
   from fedjax_personal.core import memory
   from fedjax_personal.errors import ConfigError
+
   model = fp.create_model('mlp', 10, np.zeros((1, 28, 28, 1), np.uint8))
-  print('\nScale plan (estimate): MLP, 10% of the clients per round, batch 10; per N: '
-        'per-client state, GB per device on one device, devices needed on 16 GB / 80 GB')
-  print(f"{'algorithm':<20}" + ''.join(f"{'N=' + format(int(n), ','):>30}"
-                                        for n in cfg.plan_clients))
+  print(
+    '\nScale plan (estimate): MLP, 10% of the clients per round, batch 10; per N: '
+    'per-client state, GB per device on one device, devices needed on 16 GB / 80 GB'
+  )
+  print(
+    f'{"algorithm":<20}'
+    + ''.join(f'{"N=" + format(int(n), ","):>30}' for n in cfg.plan_clients)
+  )
   rows = []
   for name, extra in PLAN_ALGORITHMS:
     label = name + (' +momentum' if extra else '')
@@ -700,14 +1044,26 @@ def memory_section(cfg):
     for n in map(int, cfg.plan_clients):
       x = np.zeros((1, 1, 28, 28, 1), np.uint8)
       zeros = np.zeros(n, np.int32)
-      split = types.SimpleNamespace(max_examples=50, x=x, y=np.zeros((1, 1), np.int32),
-                                    num_examples=zeros + 50)
-      data = types.SimpleNamespace(num_clients=n, train=split, val=split, test=split,
-                                   groups=zeros, num_classes=10)
+      split = types.SimpleNamespace(
+        max_examples=50,
+        x=x,
+        y=np.zeros((1, 1), np.int32),
+        num_examples=zeros + 50,
+      )
+      data = types.SimpleNamespace(
+        num_clients=n,
+        train=split,
+        val=split,
+        test=split,
+        groups=zeros,
+        num_classes=10,
+      )
       try:
         alg = algorithms.build(name, model, data, batch_size=10, **extra)
         need = memory.estimate(alg, data, cohort_size=max(1, n // 10))
-      except MemoryError:  # an N x N matrix built on the host (user-centric's W)
+      except (
+        MemoryError
+      ):  # an N x N matrix built on the host (user-centric's W)
         cells.append(f'{f"N x N: {4 * n * n / 2**30:,.0f} GB":>30}')
         continue
       fit = []
@@ -720,15 +1076,24 @@ def memory_section(cfg):
           except ConfigError:
             d *= 2
         fit.append(d)
-      rows.append({'section': 'memory', 'algorithm': label, 'clients': n,
-                   'client_state_bytes': need.client_state_bytes,
-                   'shared_bytes': need.shared_bytes,
-                   'resident_bytes_one_device': need.resident(1),
-                   'working_bytes_per_client': need.working_bytes,
-                   'devices_16gb': fit[0], 'devices_80gb': fit[1]})
-      cells.append(f'{need.client_state_bytes / 1e6:>9.2f} MB{need.resident(1) / 2**30:>9.1f}'
-                   f'{fit[0]:>5}{fit[1]:>5}')
-    print(f"{label:<20}" + ''.join(cells), flush=True)
+      rows.append(
+        {
+          'section': 'memory',
+          'algorithm': label,
+          'clients': n,
+          'client_state_bytes': need.client_state_bytes,
+          'shared_bytes': need.shared_bytes,
+          'resident_bytes_one_device': need.resident(1),
+          'working_bytes_per_client': need.working_bytes,
+          'devices_16gb': fit[0],
+          'devices_80gb': fit[1],
+        }
+      )
+      cells.append(
+        f'{need.client_state_bytes / 1e6:>9.2f} MB{need.resident(1) / 2**30:>9.1f}'
+        f'{fit[0]:>5}{fit[1]:>5}'
+      )
+    print(f'{label:<20}' + ''.join(cells), flush=True)
   return rows
 
 
@@ -739,10 +1104,15 @@ def processes_section(cfg):
   share its cores: the figures show the cost of the multi-process runtime,
   not a speed-up."""
   import socket
-  print('\nProcesses: FedAvg, MLP, K=5 local steps, all clients active; sharded executor, '
-        '1 CPU device per process')
-  print(f"{'clients':>8}{'processes':>10}{'round s':>9}{'vs 1':>7}  collectives per round "
-        '(count, bytes per device)')
+
+  print(
+    '\nProcesses: FedAvg, MLP, K=5 local steps, all clients active; sharded executor, '
+    '1 CPU device per process'
+  )
+  print(
+    f'{"clients":>8}{"processes":>10}{"round s":>9}{"vs 1":>7}  collectives per round '
+    '(count, bytes per device)'
+  )
   rows = []
   for clients in cfg.process_clients:
     base = None
@@ -751,11 +1121,21 @@ def processes_section(cfg):
         s.bind(('', 0))
         port = s.getsockname()[1]
       env = {**os.environ, 'JAX_NUM_CPU_DEVICES': '1', 'JAX_PLATFORMS': 'cpu'}
-      cmds = [_worker_cmd(cfg, f'mlp:{clients}:sharded', False)
-              + [f'--worker_processes={p}', f'--worker_process_id={i}', f'--worker_port={port}']
-              for i in range(p)]
-      procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env) for c in cmds]
+      cmds = [
+        _worker_cmd(cfg, f'mlp:{clients}:sharded', False)
+        + [
+          f'--worker_processes={p}',
+          f'--worker_process_id={i}',
+          f'--worker_port={port}',
+        ]
+        for i in range(p)
+      ]
+      procs = [
+        subprocess.Popen(
+          c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for c in cmds
+      ]
       try:
         outs = [pr.communicate(timeout=cfg.timeout) for pr in procs]
       except subprocess.TimeoutExpired:
@@ -765,17 +1145,26 @@ def processes_section(cfg):
         continue
       line = [l for l in outs[0][0].splitlines() if l.startswith('{')]
       if not line:
-        print(f'{clients:>8}{p:>10}  failed: {outs[0][1].strip().splitlines()[-1:]}')
+        print(
+          f'{clients:>8}{p:>10}  failed: {outs[0][1].strip().splitlines()[-1:]}'
+        )
         continue
       r = json.loads(line[-1])
       base = base or r['round_s']
       r['vs_one_process'] = base / r['round_s']
       r['section'] = 'processes'
       rows.append(r)
-      coll = ', '.join(f'{k} {c}x {b / 1e6:.2f} MB' for k, (c, b) in
-                       sorted(r['collectives'].items())) or 'none'
-      print(f"{clients:>8}{p:>10}{r['round_s']:>9.3f}{r['vs_one_process']:>6.2f}x  {coll}",
-            flush=True)
+      coll = (
+        ', '.join(
+          f'{k} {c}x {b / 1e6:.2f} MB'
+          for k, (c, b) in sorted(r['collectives'].items())
+        )
+        or 'none'
+      )
+      print(
+        f'{clients:>8}{p:>10}{r["round_s"]:>9.3f}{r["vs_one_process"]:>6.2f}x  {coll}',
+        flush=True,
+      )
   return rows
 
 

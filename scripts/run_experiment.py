@@ -23,8 +23,11 @@ def _during_start_up(signum, frame):
   run's own handlers): one line, nothing was trained."""
   del frame
   word = 'interrupted' if signum == signal.SIGINT else 'terminated'
-  print(f'error: {word} during start-up; nothing was trained yet; run the same command again',
-        file=sys.stderr, flush=True)
+  print(
+    f'error: {word} during start-up; nothing was trained yet; run the same command again',
+    file=sys.stderr,
+    flush=True,
+  )
   os._exit(128 + signum)
 
 
@@ -32,4 +35,5 @@ if __name__ == '__main__':
   for _signal in (signal.SIGINT, signal.SIGTERM):
     signal.signal(_signal, _during_start_up)
   from fedjax_personal.run import cli  # noqa: E402  (JAX imports here: seconds)
+
   cli.run()

@@ -27,25 +27,45 @@ def available() -> bool:
 def device():
   """CUDA when the installed torch has a GPU, else the CPU."""
   import torch
+
   return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 
 
 def make_model(name: str, in_shape, num_classes: int = 10):
   """The PyTorch twin of ``fedjax_personal.models.create_model(name)``."""
   from torch import nn
+
   h, w, c = in_shape
   if name == 'mlp':
-    return nn.Sequential(nn.Flatten(), nn.Linear(h * w * c, 200), nn.ReLU(),
-                         nn.Linear(200, 200), nn.ReLU(), nn.Linear(200, num_classes))
+    return nn.Sequential(
+      nn.Flatten(),
+      nn.Linear(h * w * c, 200),
+      nn.ReLU(),
+      nn.Linear(200, 200),
+      nn.ReLU(),
+      nn.Linear(200, num_classes),
+    )
   if name == 'lenet5':
     # conv 6@5x5 SAME, pool, conv 16@5x5 VALID, pool: 28 -> 14 -> 10 -> 5.
     side = ((h // 2) - 4) // 2
-    return nn.Sequential(nn.Conv2d(c, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-                         nn.Linear(16 * side * side, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(),
-                         nn.Linear(84, num_classes))
+    return nn.Sequential(
+      nn.Conv2d(c, 6, 5, padding=2),
+      nn.ReLU(),
+      nn.MaxPool2d(2),
+      nn.Conv2d(6, 16, 5),
+      nn.ReLU(),
+      nn.MaxPool2d(2),
+      nn.Flatten(),
+      nn.Linear(16 * side * side, 120),
+      nn.ReLU(),
+      nn.Linear(120, 84),
+      nn.ReLU(),
+      nn.Linear(84, num_classes),
+    )
   if name in ('cnn', 'cnn_cifar'):
-    feats, dense = ((32, 64), (512,)) if name == 'cnn' else ((64, 64), (384, 192))
+    feats, dense = (
+      ((32, 64), (512,)) if name == 'cnn' else ((64, 64), (384, 192))
+    )
     layers, cin = [], c
     for f in feats:
       layers += [nn.Conv2d(cin, f, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2)]
@@ -60,7 +80,9 @@ def make_model(name: str, in_shape, num_classes: int = 10):
   raise ValueError(f'no PyTorch twin for model {name!r}')
 
 
-def round_runner(model_name, x, y, num_examples, batch_size, local_steps, lr, seed=0):
+def round_runner(
+  model_name, x, y, num_examples, batch_size, local_steps, lr, seed=0
+):
   """Returns ``run_round() -> None``: one FedAvg round over all clients.
 
   Args:
@@ -68,14 +90,26 @@ def round_runner(model_name, x, y, num_examples, batch_size, local_steps, lr, se
     num_examples: int [N] real examples per client.
   """
   import torch
+
   from fedjax_personal.core import host
+
   host.tune_allocator()  # the same allocator setting as the JAX rows (fair to both)
   torch.manual_seed(seed)
   dev = device()
   n = len(num_examples)
-  xs = [torch.from_numpy(np.ascontiguousarray(
-      x[i, :num_examples[i]].transpose(0, 3, 1, 2))).float().div_(255.0).to(dev) for i in range(n)]
-  ys = [torch.from_numpy(y[i, :num_examples[i]].astype(np.int64)).to(dev) for i in range(n)]
+  xs = [
+    torch.from_numpy(
+      np.ascontiguousarray(x[i, : num_examples[i]].transpose(0, 3, 1, 2))
+    )
+    .float()
+    .div_(255.0)
+    .to(dev)
+    for i in range(n)
+  ]
+  ys = [
+    torch.from_numpy(y[i, : num_examples[i]].astype(np.int64)).to(dev)
+    for i in range(n)
+  ]
   weights = np.asarray(num_examples, np.float64) / np.sum(num_examples)
   model = make_model(model_name, x.shape[2:]).to(dev)
   params = list(model.parameters())
@@ -93,8 +127,12 @@ def round_runner(model_name, x, y, num_examples, batch_size, local_steps, lr, se
         for p, g in zip(params, global_params):
           p.copy_(g)
       for _ in range(local_steps):
-        idx = torch.randint(0, int(num_examples[i]), (min(batch_size, int(num_examples[i])),),
-                            generator=gen).to(dev)
+        idx = torch.randint(
+          0,
+          int(num_examples[i]),
+          (min(batch_size, int(num_examples[i])),),
+          generator=gen,
+        ).to(dev)
         opt.zero_grad(set_to_none=False)
         loss_fn(model(xs[i][idx]), ys[i][idx]).backward()
         opt.step()
@@ -106,6 +144,7 @@ def round_runner(model_name, x, y, num_examples, batch_size, local_steps, lr, se
         g.copy_(a)
     if dev.type == 'cuda':
       torch.cuda.synchronize()
+
   return run_round
 
 

@@ -1,7 +1,7 @@
 import os
 
-from absl import flags
 import pytest
+from absl import flags
 
 # Tests run on whatever CPU there is; keep XLA from grabbing every thread
 # oddly and never touch the network.
@@ -14,7 +14,9 @@ import atexit  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-os.environ['FEDJAX_PERSONAL_CACHE'] = tempfile.mkdtemp(prefix='fedjax_personal_test_cache_')
+os.environ['FEDJAX_PERSONAL_CACHE'] = tempfile.mkdtemp(
+  prefix='fedjax_personal_test_cache_'
+)
 # Removed when the session ends (each run's cache, up to 30 MB, stayed in
 # the temporary folder).
 atexit.register(shutil.rmtree, os.environ['FEDJAX_PERSONAL_CACHE'], True)
@@ -27,12 +29,17 @@ atexit.register(shutil.rmtree, os.environ['FEDJAX_PERSONAL_CACHE'], True)
 # happened to agree: those tests compare to 1e-6, as BUILD.md states. The
 # scripts the tests start inherit it; a user's own XLA_FLAGS win (XLA_FLAGS=
 # runs the suite at XLA's default).
-os.environ.setdefault('XLA_FLAGS', '--xla_backend_optimization_level=0 '
-                                   '--xla_llvm_disable_expensive_passes=true')
+os.environ.setdefault(
+  'XLA_FLAGS',
+  '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true',
+)
 
 # file (or alternatives) -> the data set whose --download gets it
-_DOWNLOAD = {'tinyshakespeare.txt': 'tinyshakespeare', 'input.txt': 'tinyshakespeare',
-             'cifar-10-python.tar.gz': 'cifar10'}
+_DOWNLOAD = {
+  'tinyshakespeare.txt': 'tinyshakespeare',
+  'input.txt': 'tinyshakespeare',
+  'cifar-10-python.tar.gz': 'cifar10',
+}
 
 
 def _slow_in_ci(item) -> bool:
@@ -51,8 +58,15 @@ def _slow_in_ci(item) -> bool:
 # sharding, memory plans, donation, executors' equality with a per-client
 # loop): marked accelerator, the tests benchmarks/accelerator.py runs on a GPU.
 ACCELERATOR_MODULES = {
-    'test_engine.py', 'test_numerics.py', 'test_models.py', 'test_sharding.py', 'test_memory.py',
-    'test_usercentric.py', 'test_personalization.py', 'test_scale.py', 'test_layout.py',
+  'test_engine.py',
+  'test_numerics.py',
+  'test_models.py',
+  'test_sharding.py',
+  'test_memory.py',
+  'test_usercentric.py',
+  'test_personalization.py',
+  'test_scale.py',
+  'test_layout.py',
 }
 
 
@@ -76,12 +90,21 @@ def pytest_collection_modifyitems(config, items):
       names = (want,) if isinstance(want, str) else tuple(want)
       if folder and any(os.path.isfile(os.path.join(folder, n)) for n in names):
         continue
-      get = next((f'python scripts/run_experiment.py --dataset={_DOWNLOAD[n]} --download '
-                  'saves it in ~/.cache/fedjax_personal' for n in names if n in _DOWNLOAD),
-                 'no download: a local copy only')
-      item.add_marker(pytest.mark.skip(
+      get = next(
+        (
+          f'python scripts/run_experiment.py --dataset={_DOWNLOAD[n]} --download '
+          'saves it in ~/.cache/fedjax_personal'
+          for n in names
+          if n in _DOWNLOAD
+        ),
+        'no download: a local copy only',
+      )
+      item.add_marker(
+        pytest.mark.skip(
           reason=f'needs {" or ".join(names)}: set FEDJAX_PERSONAL_DATA to a folder holding it '
-                 f'({get})'))
+          f'({get})'
+        )
+      )
       break
 
 
@@ -91,6 +114,7 @@ def _reset_flags():
   yield
   flags.FLAGS.unparse_flags()
 
+
 # One persistent XLA compilation cache for the whole test session (and the
 # scripts it starts as subprocesses, through the environment): many tests
 # compile the same programs (same model, data shapes and algorithm in new
@@ -98,8 +122,12 @@ def _reset_flags():
 # test_personalization 241 s instead of 296 s on 2 cores).
 import jax  # noqa: E402
 
-if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:  # the session's own, removed at its end
-  os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='fedjax_personal_xla_cache_')
+if (
+  'JAX_COMPILATION_CACHE_DIR' not in os.environ
+):  # the session's own, removed at its end
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(
+    prefix='fedjax_personal_xla_cache_'
+  )
   atexit.register(shutil.rmtree, os.environ['JAX_COMPILATION_CACHE_DIR'], True)
 _CACHE = os.environ['JAX_COMPILATION_CACHE_DIR']
 jax.config.update('jax_compilation_cache_dir', _CACHE)
@@ -116,7 +144,16 @@ def made_not_released(monkeypatch):
   """Made files have the published names, not the releases' bytes: drop the
   releases' checksums and sizes (test_formats checks those on their own)."""
   import dataclasses
+
   from fedjax_personal.datasets import sources
-  monkeypatch.setattr(sources, 'FILES', {
-      k: tuple(dataclasses.replace(f, md5=None, sha256=None, size=None) for f in v)
-      for k, v in sources.FILES.items()})
+
+  monkeypatch.setattr(
+    sources,
+    'FILES',
+    {
+      k: tuple(
+        dataclasses.replace(f, md5=None, sha256=None, size=None) for f in v
+      )
+      for k, v in sources.FILES.items()
+    },
+  )

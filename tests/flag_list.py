@@ -15,10 +15,17 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The scripts whose flags are listed, relative to the checkout.
-SCRIPTS = ('scripts/run_experiment.py', 'scripts/benchmark.py', 'scripts/reproduce_debiasing.py',
-           'scripts/reproduce_fedfomo.py', 'scripts/reproduce_personalization.py',
-           'scripts/reproduce_user_centric.py', 'scripts/torch_reference.py',
-           'benchmarks/populations.py', 'benchmarks/probes/conv_in_a_loop.py')
+SCRIPTS = (
+  'scripts/run_experiment.py',
+  'scripts/benchmark.py',
+  'scripts/reproduce_debiasing.py',
+  'scripts/reproduce_fedfomo.py',
+  'scripts/reproduce_personalization.py',
+  'scripts/reproduce_user_centric.py',
+  'scripts/torch_reference.py',
+  'benchmarks/populations.py',
+  'benchmarks/probes/conv_in_a_loop.py',
+)
 
 
 def _flag(fl) -> dict:
@@ -42,6 +49,7 @@ def flag_list(scripts=SCRIPTS) -> dict:
     The list.
   """
   from absl import flags
+
   out = {}
   base = set(flags.FLAGS)
   for script in scripts:

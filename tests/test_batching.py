@@ -7,14 +7,24 @@ from fedjax_personal.core.batching import Batching, batch_indices
 
 
 @pytest.mark.parametrize('n', [0, 1, 5, 8, 13])
-@pytest.mark.parametrize('batching', [Batching(4, num_epochs=2), Batching(4, num_epochs=1),
-                                      Batching(4, num_epochs=None, num_steps=3),
-                                      Batching(None, num_epochs=None, num_steps=1)])
+@pytest.mark.parametrize(
+  'batching',
+  [
+    Batching(4, num_epochs=2),
+    Batching(4, num_epochs=1),
+    Batching(4, num_epochs=None, num_steps=3),
+    Batching(None, num_epochs=None, num_steps=1),
+  ],
+)
 def test_batches_cover_epochs_and_real_steps_come_first(n, batching):
   max_n = 13
   idx, mask = batch_indices(jax.random.key(0), jnp.int32(n), max_n, batching)
   idx, mask = np.asarray(idx), np.asarray(mask)
-  assert idx.shape == mask.shape == (batching.num_padded_steps(max_n), batching.effective_batch_size(max_n))
+  assert (
+    idx.shape
+    == mask.shape
+    == (batching.num_padded_steps(max_n), batching.effective_batch_size(max_n))
+  )
   real = mask.any(axis=1)
   k = batching.num_steps_for(n, max_n)
   assert real.sum() == k and real[:k].all()  # a prefix
@@ -23,11 +33,17 @@ def test_batches_cover_epochs_and_real_steps_come_first(n, batching):
     # Each epoch visits every real example exactly once.
     per_epoch = k // batching.num_epochs
     for e in range(batching.num_epochs):
-      seen = idx[e * per_epoch:(e + 1) * per_epoch][mask[e * per_epoch:(e + 1) * per_epoch]]
+      seen = idx[e * per_epoch : (e + 1) * per_epoch][
+        mask[e * per_epoch : (e + 1) * per_epoch]
+      ]
       assert sorted(seen) == list(range(n))
   if batching.num_steps is not None and n:
     for s in range(k):  # without replacement within a batch
-      assert len(set(idx[s][mask[s]])) == mask[s].sum() == min(n, batching.effective_batch_size(max_n))
+      assert (
+        len(set(idx[s][mask[s]]))
+        == mask[s].sum()
+        == min(n, batching.effective_batch_size(max_n))
+      )
 
 
 def test_batches_do_not_depend_on_padding():
@@ -35,8 +51,10 @@ def test_batches_do_not_depend_on_padding():
   a_idx, a_mask = batch_indices(jax.random.key(3), jnp.int32(5), 5, b)
   p_idx, p_mask = batch_indices(jax.random.key(3), jnp.int32(5), 40, b)
   k = b.num_steps_for(5, 5)
-  np.testing.assert_array_equal(np.asarray(a_idx)[:k][np.asarray(a_mask)[:k]],
-                                np.asarray(p_idx)[:k][np.asarray(p_mask)[:k]])
+  np.testing.assert_array_equal(
+    np.asarray(a_idx)[:k][np.asarray(a_mask)[:k]],
+    np.asarray(p_idx)[:k][np.asarray(p_mask)[:k]],
+  )
 
 
 def test_epochs_give_each_client_its_own_number_of_steps():
@@ -58,8 +76,11 @@ def test_row_groups_are_shuffled_whole_and_in_order():
   with BOS) shuffled, a snippet's rows together and in order, every epoch
   its own order; padding changes nothing."""
   from fedjax_personal.core.batching import row_groups
+
   bos = 88
-  x = np.array([[bos, 1], [5, 6], [bos, 2], [bos, 3], [7, 8], [9, 9], [bos, 4]], np.int32)
+  x = np.array(
+    [[bos, 1], [5, 6], [bos, 2], [bos, 3], [7, 8], [9, 9], [bos, 4]], np.int32
+  )
   groups = row_groups(jnp.asarray(x), bos)
   np.testing.assert_array_equal(groups, [1, 1, 2, 3, 3, 3, 4])
   b = Batching(batch_size=2, num_epochs=3)
@@ -69,11 +90,23 @@ def test_row_groups_are_shuffled_whole_and_in_order():
     flat = np.asarray(idx)[np.asarray(mask)]
     for epoch in flat.reshape(3, 7):
       assert sorted(epoch) == list(range(7))
-      runs = [list(g) for g in np.split(epoch, np.flatnonzero(np.diff(np.asarray(groups)[epoch])) + 1)]
-      assert all(r == list(range(r[0], r[0] + len(r))) for r in runs)  # whole, in order
+      runs = [
+        list(g)
+        for g in np.split(
+          epoch, np.flatnonzero(np.diff(np.asarray(groups)[epoch])) + 1
+        )
+      ]
+      assert all(
+        r == list(range(r[0], r[0] + len(r))) for r in runs
+      )  # whole, in order
       orders.add(tuple(epoch))
     padded_x = np.concatenate([x, np.zeros((5, 2), np.int32)])
-    idx2, mask2 = batch_indices(jax.random.key(seed), jnp.int32(7), 12, b,
-                                row_groups(jnp.asarray(padded_x), bos))
+    idx2, mask2 = batch_indices(
+      jax.random.key(seed),
+      jnp.int32(7),
+      12,
+      b,
+      row_groups(jnp.asarray(padded_x), bos),
+    )
     np.testing.assert_array_equal(np.asarray(idx2)[np.asarray(mask2)], flat)
   assert len(orders) > 3

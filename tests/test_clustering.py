@@ -12,19 +12,21 @@ from sklearn.cluster import AgglomerativeClustering, KMeans
 from sklearn.metrics import adjusted_rand_score, silhouette_score
 
 import fedjax_personal as fp
-from fedjax_personal.core import clustering as cl
-from fedjax_personal.core.algorithm import RoundContext
 from fedjax_personal.algorithms import cfl as cfl_lib
 from fedjax_personal.algorithms import usercentric as uc
+from fedjax_personal.core import clustering as cl
+from fedjax_personal.core.algorithm import RoundContext
 from fedjax_personal.core.data import to_device
-from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.core.engine import pre_round_functions
+from fedjax_personal.datasets import DataConfig, load_federated
 
 
 def blobs(seed, groups=3, per=8, dim=6, spread=0.2):
   rng = np.random.default_rng(seed)
   centres = rng.normal(size=(groups, dim)) * 3
-  x = np.concatenate([c + spread * rng.normal(size=(per, dim)) for c in centres])
+  x = np.concatenate(
+    [c + spread * rng.normal(size=(per, dim)) for c in centres]
+  )
   return x.astype(np.float32), np.repeat(np.arange(groups), per)
 
 
@@ -32,18 +34,43 @@ def blobs(seed, groups=3, per=8, dim=6, spread=0.2):
 def shift_w():
   """W (eq. 6) of a label-permutation scenario: 12 clients in 3 groups,
   computed by the collaboration round at a model trained 3 rounds."""
-  data = to_device(load_federated(DataConfig(dataset='digits', partition='label_permutation',
-                                             num_groups=3, num_clients=12, max_examples=1200)))
-  model = fp.models.from_flax('logreg', fp.models.LogisticRegression(10), data.train.x[0, :1])
-  alg = uc.usercentric(model, 12, data.train.num_examples, optax.sgd(0.1), fp.Batching(16, 1),
-                       num_streams=12, sigma_batch_size=16)
-  runner = fp.RoundRunner(alg, data, fp.CohortSampler(12, cohort_size=12),
-                          fp.executors.VmapExecutor())
+  data = to_device(
+    load_federated(
+      DataConfig(
+        dataset='digits',
+        partition='label_permutation',
+        num_groups=3,
+        num_clients=12,
+        max_examples=1200,
+      )
+    )
+  )
+  model = fp.models.from_flax(
+    'logreg', fp.models.LogisticRegression(10), data.train.x[0, :1]
+  )
+  alg = uc.usercentric(
+    model,
+    12,
+    data.train.num_examples,
+    optax.sgd(0.1),
+    fp.Batching(16, 1),
+    num_streams=12,
+    sigma_batch_size=16,
+  )
+  runner = fp.RoundRunner(
+    alg, data, fp.CohortSampler(12, cohort_size=12), fp.executors.VmapExecutor()
+  )
   state = runner.init(jax.random.key(0))
-  for t in range(1, 4):  # FedAvg-free warm-up: local rounds from the initial mixing
+  for t in range(
+    1, 4
+  ):  # FedAvg-free warm-up: local rounds from the initial mixing
     state, _ = runner.round(state, jax.random.key(t), t)
   state, _ = jax.jit(pre_round_functions(alg, fp.executors.VmapExecutor())[2])(
-      state, RoundContext(jnp.asarray(0, jnp.int32), jax.random.key(9)), data.train, data.val)
+    state,
+    RoundContext(jnp.asarray(0, jnp.int32), jax.random.key(9)),
+    data.train,
+    data.val,
+  )
   return np.asarray(state.stream_matrix), np.asarray(data.groups)
 
 
@@ -52,7 +79,9 @@ def shift_w():
 def test_kmeans_inertia_no_worse_than_sklearn_on_w(shift_w, k):
   w, _ = shift_w
   ours = float(cl.kmeans(jax.random.key(0), w, k, k, restarts=10).inertia)
-  theirs = KMeans(k, n_init=10, random_state=0).fit(w.astype(np.float64)).inertia_
+  theirs = (
+    KMeans(k, n_init=10, random_state=0).fit(w.astype(np.float64)).inertia_
+  )
   assert ours <= theirs * (1 + 1e-4), (ours, theirs)
 
 
@@ -70,9 +99,17 @@ def test_silhouette_equals_sklearn():
   rng = np.random.default_rng(0)
   x = rng.random((15, 4)).astype(np.float32)
   d = cl.distances(jnp.asarray(x))
-  for labels in (rng.integers(0, 3, 15), np.r_[0, rng.integers(1, 4, 14)], np.repeat([0, 1], [1, 14])):
-    np.testing.assert_allclose(float(cl.silhouette_score(d, jnp.asarray(labels), 5)),
-                               silhouette_score(x, labels), rtol=1e-4, atol=1e-6)
+  for labels in (
+    rng.integers(0, 3, 15),
+    np.r_[0, rng.integers(1, 4, 14)],
+    np.repeat([0, 1], [1, 14]),
+  ):
+    np.testing.assert_allclose(
+      float(cl.silhouette_score(d, jnp.asarray(labels), 5)),
+      silhouette_score(x, labels),
+      rtol=1e-4,
+      atol=1e-6,
+    )
   assert float(cl.silhouette_score(d, jnp.zeros(15, jnp.int32), 5)) == -np.inf
 
 
@@ -83,8 +120,12 @@ def test_silhouette_choice_matches_sklearn_loop():
   for groups in (3, 5):  # 15 points either way: one compiled search
     x, g = blobs(groups, groups=groups, per=15 // groups)
     n = len(x)
-    scores = {k: silhouette_score(x, KMeans(k, n_init=10, random_state=0).fit_predict(x))
-              for k in range(2, n)}
+    scores = {
+      k: silhouette_score(
+        x, KMeans(k, n_init=10, random_state=0).fit_predict(x)
+      )
+      for k in range(2, n)
+    }
     r = cl.silhouette_kmeans(jax.random.key(0), x, n - 1)
     assert int(r.k) == max(scores, key=scores.get) == groups
     assert adjusted_rand_score(g, np.asarray(r.labels)) == 1.0
@@ -98,13 +139,17 @@ def test_streams_on_w_agree_with_sklearn(shift_w):
   _, labels, k = uc.streams(jax.random.key(0), w, None, 11)
   scores = {}
   for kk in range(2, 12):
-    lab = KMeans(kk, n_init=10, random_state=0).fit_predict(w.astype(np.float64))
+    lab = KMeans(kk, n_init=10, random_state=0).fit_predict(
+      w.astype(np.float64)
+    )
     scores[kk] = (silhouette_score(w, lab), lab)
   best = max(scores, key=lambda kk: scores[kk][0])
   ari_ours = adjusted_rand_score(groups, np.asarray(labels))
   ari_sk = adjusted_rand_score(groups, scores[best][1])
-  print(f'label permutation, 12 clients: k = {int(k)} (sklearn {best}); ARI vs groups '
-        f'{ari_ours:.3f} (sklearn {ari_sk:.3f})')
+  print(
+    f'label permutation, 12 clients: k = {int(k)} (sklearn {best}); ARI vs groups '
+    f'{ari_ours:.3f} (sklearn {ari_sk:.3f})'
+  )
   assert int(k) == best
   assert adjusted_rand_score(scores[best][1], np.asarray(labels)) == 1.0
 
@@ -118,8 +163,9 @@ def test_bipartition_equals_complete_linkage():
     member[:2] = True
     second = np.asarray(cl.bipartition(jnp.asarray(d), jnp.asarray(member)))
     assert not second[~member].any() and not second[np.argmax(member)]
-    theirs = AgglomerativeClustering(2, metric='precomputed', linkage='complete').fit_predict(
-        d[member][:, member].astype(np.float64))
+    theirs = AgglomerativeClustering(
+      2, metric='precomputed', linkage='complete'
+    ).fit_predict(d[member][:, member].astype(np.float64))
     assert adjusted_rand_score(theirs, second[member]) == 1.0, trial
 
 
@@ -127,10 +173,19 @@ def test_adjusted_rand_index_equals_sklearn():
   rng = np.random.default_rng(0)
   for _ in range(5):
     a, b = rng.integers(0, 4, 20), rng.integers(0, 6, 20)
-    np.testing.assert_allclose(float(cl.adjusted_rand_index(jnp.asarray(a), jnp.asarray(b), 4, 6)),
-                               adjusted_rand_score(a, b), rtol=1e-5)
-  np.testing.assert_allclose(float(cl.adjusted_rand_index(
-      jnp.zeros(6, jnp.int32), jnp.zeros(6, jnp.int32), 1, 1)), 1.0)
+    np.testing.assert_allclose(
+      float(cl.adjusted_rand_index(jnp.asarray(a), jnp.asarray(b), 4, 6)),
+      adjusted_rand_score(a, b),
+      rtol=1e-5,
+    )
+  np.testing.assert_allclose(
+    float(
+      cl.adjusted_rand_index(
+        jnp.zeros(6, jnp.int32), jnp.zeros(6, jnp.int32), 1, 1
+      )
+    ),
+    1.0,
+  )
 
 
 def host_split_decisions(updates, cluster, weights, eps1, eps2, ratio=0.0):
@@ -149,8 +204,9 @@ def host_split_decisions(updates, cluster, weights, eps1, eps2, ratio=0.0):
     if stationary and max_norm > eps2:
       un = u / np.maximum(np.linalg.norm(u, axis=1, keepdims=True), 1e-12)
       dist = np.clip(1.0 - un @ un.T, 0.0, 2.0)
-      labels = AgglomerativeClustering(n_clusters=2, metric='precomputed',
-                                       linkage='complete').fit_predict(dist)
+      labels = AgglomerativeClustering(
+        n_clusters=2, metric='precomputed', linkage='complete'
+      ).fit_predict(dist)
       cluster[members[labels == 1]] = nxt
       nxt += 1
   return cluster
@@ -167,7 +223,8 @@ def test_cfl_split_decisions_equal_the_host_version():
     cluster = (np.arange(12) >= 7).astype(np.int32)
     w = rng.integers(5, 20, 12).astype(np.float32)
     want = host_split_decisions(u, cluster, w, eps1=100.0, eps2=0.5)
-    got, k, _ = cfl_lib.split_decisions(jnp.asarray(u), jnp.asarray(cluster), jnp.asarray(w),
-                                        2, 100.0, 0.5)
+    got, k, _ = cfl_lib.split_decisions(
+      jnp.asarray(u), jnp.asarray(cluster), jnp.asarray(w), 2, 100.0, 0.5
+    )
     assert adjusted_rand_score(want, np.asarray(got)) == 1.0, trial
     assert int(k) == len(set(want.tolist()))

@@ -4,22 +4,21 @@ refused, and the registry, flags and configs agree."""
 import dataclasses
 import functools
 
-from absl import flags
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl import flags
+from helpers import parse_flags, run_rounds
 
 from fedjax_personal import algorithms
-from fedjax_personal.run import cli
 from fedjax_personal.config import TrainingConfig, validate
-from fedjax_personal.errors import ConfigError
 from fedjax_personal.core.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated
+from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import MLP, from_flax
-
-from helpers import parse_flags, run_rounds
+from fedjax_personal.run import cli
 
 # The base run every variant is compared with: 2 rounds of 2 local steps.
 BASE = {'batch_size': '4', 'local_steps': '2', 'client_lr': '0.05'}
@@ -27,32 +26,45 @@ BASE = {'batch_size': '4', 'local_steps': '2', 'client_lr': '0.05'}
 # One non-default value per shared setting; a tuple gives changes to BASE the
 # variant needs (its baseline shares them; None removes a flag), then the flag.
 VARIANTS = {
-    'client_optimizer': '--client_optimizer=adam',
-    'client_lr': '--client_lr=0.2',
-    'client_momentum': '--client_momentum=0.9',
-    'client_weight_decay': '--client_weight_decay=0.5',
-    'client_grad_clip': '--client_grad_clip=0.01',
-    'client_lr_decay': '--client_lr_decay=0.1',
-    'client_lr_schedule': '--client_lr_schedule=linear',  # round 0 at rate 0
-    'client_lr_warmup': ({'client_lr_schedule': 'linear'}, '--client_lr_warmup=0'),
-    'client_lr_horizon': ({'client_lr_schedule': 'linear', 'client_lr_warmup': '0'},
-                          '--client_lr_horizon=2'),
-    'client_lr_cut_every': ({'client_lr_schedule': 'cut'}, '--client_lr_cut_every=1'),
-    'client_lr_cut_factor': ({'client_lr_schedule': 'cut', 'client_lr_cut_every': '1'},
-                             '--client_lr_cut_factor=0.1'),
-    'client_opt_state': ({'client_optimizer': 'adam'}, '--client_opt_state=persistent'),
-    'batch_size': '--batch_size=8',
-    'local_epochs': ({'local_steps': None}, '--local_epochs=2'),
-    'local_steps': '--local_steps=4',
-    'weighting': None,  # the other value of the algorithm's default
-    'server_optimizer': '--server_optimizer=adam',
-    'server_lr': '--server_lr=0.5',
-    'server_momentum': '--server_momentum=0.9',
-    'server_beta1': ({'server_optimizer': 'yogi'}, '--server_beta1=0.5'),
-    'server_beta2': ({'server_optimizer': 'yogi'}, '--server_beta2=0.5'),
-    'server_tau': ({'server_optimizer': 'yogi'}, '--server_tau=0.1'),
-    'finetune_steps': '--finetune_steps=2',
-    'finetune_lr': '--finetune_lr=0.5',
+  'client_optimizer': '--client_optimizer=adam',
+  'client_lr': '--client_lr=0.2',
+  'client_momentum': '--client_momentum=0.9',
+  'client_weight_decay': '--client_weight_decay=0.5',
+  'client_grad_clip': '--client_grad_clip=0.01',
+  'client_lr_decay': '--client_lr_decay=0.1',
+  'client_lr_schedule': '--client_lr_schedule=linear',  # round 0 at rate 0
+  'client_lr_warmup': (
+    {'client_lr_schedule': 'linear'},
+    '--client_lr_warmup=0',
+  ),
+  'client_lr_horizon': (
+    {'client_lr_schedule': 'linear', 'client_lr_warmup': '0'},
+    '--client_lr_horizon=2',
+  ),
+  'client_lr_cut_every': (
+    {'client_lr_schedule': 'cut'},
+    '--client_lr_cut_every=1',
+  ),
+  'client_lr_cut_factor': (
+    {'client_lr_schedule': 'cut', 'client_lr_cut_every': '1'},
+    '--client_lr_cut_factor=0.1',
+  ),
+  'client_opt_state': (
+    {'client_optimizer': 'adam'},
+    '--client_opt_state=persistent',
+  ),
+  'batch_size': '--batch_size=8',
+  'local_epochs': ({'local_steps': None}, '--local_epochs=2'),
+  'local_steps': '--local_steps=4',
+  'weighting': None,  # the other value of the algorithm's default
+  'server_optimizer': '--server_optimizer=adam',
+  'server_lr': '--server_lr=0.5',
+  'server_momentum': '--server_momentum=0.9',
+  'server_beta1': ({'server_optimizer': 'yogi'}, '--server_beta1=0.5'),
+  'server_beta2': ({'server_optimizer': 'yogi'}, '--server_beta2=0.5'),
+  'server_tau': ({'server_optimizer': 'yogi'}, '--server_tau=0.1'),
+  'finetune_steps': '--finetune_steps=2',
+  'finetune_lr': '--finetune_lr=0.5',
 }
 
 
@@ -64,11 +76,25 @@ def test_variants_cover_every_shared_setting():
 def _data_and_model():
   # Rotation groups (oracle), a validation split (FedFomo), unequal client
   # sizes (weighting) from Dirichlet label skew inside the groups.
-  data = to_device(load_federated(DataConfig(
-      dataset='digits', partition='rotation', num_groups=2, group_base='dirichlet', alpha=0.5,
-      num_clients=4, max_examples=160, val_fraction=0.2, seed=0)))
+  data = to_device(
+    load_federated(
+      DataConfig(
+        dataset='digits',
+        partition='rotation',
+        num_groups=2,
+        group_base='dirichlet',
+        alpha=0.5,
+        num_clients=4,
+        max_examples=160,
+        val_fraction=0.2,
+        seed=0,
+      )
+    )
+  )
   assert len(set(np.asarray(data.train.num_examples).tolist())) > 1
-  model = from_flax('mlp', MLP(data.num_classes, hidden=(8,)), data.train.x[0, :1])
+  model = from_flax(
+    'mlp', MLP(data.num_classes, hidden=(8,)), data.train.x[0, :1]
+  )
   return data, model
 
 
@@ -86,20 +112,36 @@ def _parse(args):
 def _settings(name, base: tuple, args=()):
   """What the CLI would build: (spec, training, config) or ConfigError."""
   uses = algorithms.REGISTRY[name].uses
-  flagged = [f'--{k}={v}' for k, v in {**BASE, **dict(base)}.items()
-             if v is not None and k in uses]
-  _parse([f'--algorithm={name}'] + flagged + list(ALGORITHM_BASE.get(name, ())) + list(args))
+  flagged = [
+    f'--{k}={v}'
+    for k, v in {**BASE, **dict(base)}.items()
+    if v is not None and k in uses
+  ]
+  _parse(
+    [f'--algorithm={name}']
+    + flagged
+    + list(ALGORITHM_BASE.get(name, ()))
+    + list(args)
+  )
   (a,) = cli.read_flags().algorithms
   return a.spec, a.training, a.config
 
 
 # Settings whose effect starts in the second round.
-TWO_ROUNDS = ('client_lr_decay', 'client_opt_state', 'server_momentum', 'client_lr_horizon',
-              'client_lr_cut_every', 'client_lr_cut_factor')
+TWO_ROUNDS = (
+  'client_lr_decay',
+  'client_opt_state',
+  'server_momentum',
+  'client_lr_horizon',
+  'client_lr_cut_every',
+  'client_lr_cut_factor',
+)
 
 
 @functools.lru_cache(maxsize=None)
-def _result(name, base: tuple, args: tuple = (), rounds: int = 1, evaluate: bool = False):
+def _result(
+  name, base: tuple, args: tuple = (), rounds: int = 1, evaluate: bool = False
+):
   """The state after ``rounds`` rounds, and every client's evaluation."""
   data, model = _data_and_model()
   spec, training, config = _settings(name, base, args)
@@ -116,8 +158,14 @@ def _differs(a, b) -> bool:
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
   if len(la) != len(lb):
     return True
-  return any(x.shape != y.shape or np.max(np.abs(np.asarray(x, np.float64) - np.asarray(
-      y, np.float64)), initial=0.0) > 1e-6 for x, y in zip(la, lb))
+  return any(
+    x.shape != y.shape
+    or np.max(
+      np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)), initial=0.0
+    )
+    > 1e-6
+    for x, y in zip(la, lb)
+  )
 
 
 # CI runs client_momentum (silently ignored by 17 algorithms before this check
@@ -136,23 +184,33 @@ def _matrix():
 
 
 @pytest.mark.parametrize('name,setting', list(_matrix()))
-@pytest.mark.ci_variants('ditto-client_momentum', 'fedalt-client_momentum',
-    'fedavg-client_momentum', 'feddyn-client_momentum', 'pfedme-client_momentum',
-    'scaffold-client_momentum')
+@pytest.mark.ci_variants(
+  'ditto-client_momentum',
+  'fedalt-client_momentum',
+  'fedavg-client_momentum',
+  'feddyn-client_momentum',
+  'pfedme-client_momentum',
+  'scaffold-client_momentum',
+)
 def test_no_silent_setting(name, setting):
   """The setting changes a 2-round result, or the CLI refuses it naming it."""
   variant = VARIANTS[setting]
   if variant is None:  # weighting: the value that is not the default
     other = {'num_examples': 'uniform', 'uniform': 'num_examples'}
-    variant = '--weighting=' + other[algorithms.REGISTRY[name].default_weighting]
-  extra, flag = (variant if isinstance(variant, tuple) else ({}, variant))
+    variant = (
+      '--weighting=' + other[algorithms.REGISTRY[name].default_weighting]
+    )
+  extra, flag = variant if isinstance(variant, tuple) else ({}, variant)
   extra = tuple(sorted(extra.items()))
   try:
     _settings(name, extra, [flag])
   except ConfigError as e:
     assert e.name == setting, str(e)
     return
-  kw = dict(rounds=2 if setting in TWO_ROUNDS else 1, evaluate=setting.startswith('finetune'))
+  kw = dict(
+    rounds=2 if setting in TWO_ROUNDS else 1,
+    evaluate=setting.startswith('finetune'),
+  )
   base = _result(name, extra, **kw)
   changed = _result(name, extra, (flag,), **kw)
   assert _differs(base, changed), f'{flag} changed nothing for {name}'
@@ -167,7 +225,7 @@ def test_every_shared_setting_is_used_or_refused(setting):
     if variant is None:
       other = {'num_examples': 'uniform', 'uniform': 'num_examples'}
       variant = '--weighting=' + other[spec.default_weighting]
-    extra, flag = (variant if isinstance(variant, tuple) else ({}, variant))
+    extra, flag = variant if isinstance(variant, tuple) else ({}, variant)
     try:
       _settings(name, tuple(sorted(extra.items())), [flag])
     except ConfigError as e:
@@ -214,9 +272,16 @@ def test_variant_fields_are_refused_where_ignored():
     cli.read_flags()
 
 
-@pytest.mark.parametrize('field,value', [('client_lr', 0.0), ('client_momentum', 1.0),
-                                         ('client_lr_decay', 1.5), ('weighting', 'sizes'),
-                                         ('client_lr', float('nan'))])
+@pytest.mark.parametrize(
+  'field,value',
+  [
+    ('client_lr', 0.0),
+    ('client_momentum', 1.0),
+    ('client_lr_decay', 1.5),
+    ('weighting', 'sizes'),
+    ('client_lr', float('nan')),
+  ],
+)
 def test_ranges_name_the_field(field, value):
   with pytest.raises(ConfigError, match=field):
     validate(dataclasses.replace(TrainingConfig(), **{field: value}))
@@ -234,16 +299,27 @@ def test_library_build_refuses_unknown_and_inapplicable_settings():
 
 def test_persistent_optimizer_state_is_kept_per_client():
   data, model = _data_and_model()
-  alg = algorithms.build('fedavg', model, data, client_momentum=0.9,
-                         client_opt_state='persistent', local_steps=2, local_epochs=1)
+  alg = algorithms.build(
+    'fedavg',
+    model,
+    data,
+    client_momentum=0.9,
+    client_opt_state='persistent',
+    local_steps=2,
+    local_epochs=1,
+  )
   _, state = run_rounds(alg, data, rounds=2)
   trace = jax.tree.leaves(state.opt_state)
   assert trace and all(a.shape[0] == data.num_clients for a in trace)
-  assert all(float(np.abs(np.asarray(a)).max()) > 0 for a in trace if a.dtype != np.int32)
+  assert all(
+    float(np.abs(np.asarray(a)).max()) > 0 for a in trace if a.dtype != np.int32
+  )
   chex.assert_tree_all_finite(state)
 
 
-def _seed_lr_lambda(kind, rounds, warmup_fraction=0.1, decay_factor=0.5, decay_every=100):
+def _seed_lr_lambda(
+  kind, rounds, warmup_fraction=0.1, decay_factor=0.5, decay_every=100
+):
   """``get_fed_global_lr_scheduler`` of the partial-personalization seed's
   pfl/utils.py, as its code has it."""
   if kind == 'linear':
@@ -252,41 +328,78 @@ def _seed_lr_lambda(kind, rounds, warmup_fraction=0.1, decay_factor=0.5, decay_e
     def lr_lambda(current_step):
       if current_step < num_warmup_steps:
         return current_step / max(1.0, num_warmup_steps)
-      return max(0.0, (rounds - current_step) / max(1.0, rounds - num_warmup_steps))
+      return max(
+        0.0, (rounds - current_step) / max(1.0, rounds - num_warmup_steps)
+      )
+
     return lr_lambda
   return lambda current_step: decay_factor ** (current_step // decay_every)
 
 
-@pytest.mark.parametrize('kind,rounds,a,b', [('linear', 500, 0.1, None), ('linear', 7, 0.3, None),
-                                             ('cut', 500, 0.5, 100), ('cut', 9, 0.1, 2)])
+@pytest.mark.parametrize(
+  'kind,rounds,a,b',
+  [
+    ('linear', 500, 0.1, None),
+    ('linear', 7, 0.3, None),
+    ('cut', 500, 0.5, 100),
+    ('cut', 9, 0.1, 2),
+  ],
+)
 def test_client_rate_schedules_are_the_seeds(kind, rounds, a, b):
   """Every round's factor equals the seed's ``lr_lambda``, and the client
   optimizer's step in round t is SGD's at client_lr times it."""
   from fedjax_personal import config as config_lib
-  fn = (config_lib.linear_schedule(rounds, a) if kind == 'linear'
-        else config_lib.cut_schedule(b, a))
-  want = _seed_lr_lambda(kind, rounds, warmup_fraction=a, decay_factor=a, decay_every=b)
+
+  fn = (
+    config_lib.linear_schedule(rounds, a)
+    if kind == 'linear'
+    else config_lib.cut_schedule(b, a)
+  )
+  want = _seed_lr_lambda(
+    kind, rounds, warmup_fraction=a, decay_factor=a, decay_every=b
+  )
   got = np.asarray(jax.vmap(fn)(np.arange(rounds, dtype=np.float32)))
-  np.testing.assert_allclose(got, [want(t) for t in range(rounds)], rtol=1e-6, atol=1e-7)
-  extra = {'client_lr_warmup': a, 'client_lr_horizon': rounds} if kind == 'linear' else {
-      'client_lr_cut_factor': a, 'client_lr_cut_every': b}
+  np.testing.assert_allclose(
+    got, [want(t) for t in range(rounds)], rtol=1e-6, atol=1e-7
+  )
+  extra = (
+    {'client_lr_warmup': a, 'client_lr_horizon': rounds}
+    if kind == 'linear'
+    else {'client_lr_cut_factor': a, 'client_lr_cut_every': b}
+  )
   training = TrainingConfig(client_lr=0.3, client_lr_schedule=kind, **extra)
   training.check()
-  opt, g, p = training.make_client_optimizer(), {'w': jnp.ones(3)}, {'w': jnp.zeros(3)}
+  opt, g, p = (
+    training.make_client_optimizer(),
+    {'w': jnp.ones(3)},
+    {'w': jnp.zeros(3)},
+  )
   for t in (0, 1, rounds // 2, rounds - 1):
     step, _ = opt.update(g, opt.init(p), p, round_num=t)
-    np.testing.assert_allclose(step['w'], -0.3 * want(t) * np.ones(3), rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(
+      step['w'], -0.3 * want(t) * np.ones(3), rtol=1e-6, atol=1e-8
+    )
 
 
 def test_linear_schedule_spans_the_rounds_unless_told():
   _parse(['--algorithm=fedavg', '--client_lr_schedule=linear', '--rounds=7'])
   assert cli.read_flags().algorithms[0].training.client_lr_horizon == 7
-  _parse(['--algorithm=fedavg', '--client_lr_schedule=linear', '--rounds=7',
-          '--client_lr_horizon=20'])
+  _parse(
+    [
+      '--algorithm=fedavg',
+      '--client_lr_schedule=linear',
+      '--rounds=7',
+      '--client_lr_horizon=20',
+    ]
+  )
   assert cli.read_flags().algorithms[0].training.client_lr_horizon == 20
-  for args in (['--client_lr_warmup=0.2'], ['--client_lr_schedule=linear',
-                                            '--client_lr_cut_every=5']):
+  for args in (
+    ['--client_lr_warmup=0.2'],
+    ['--client_lr_schedule=linear', '--client_lr_cut_every=5'],
+  ):
     _parse(['--algorithm=fedavg', *args])
     with pytest.raises(ConfigError) as e:
       cli.read_flags()
-    assert e.value.name == args[-1][2:].split('=')[0] and 'does nothing' in str(e.value)
+    assert e.value.name == args[-1][2:].split('=')[0] and 'does nothing' in str(
+      e.value
+    )

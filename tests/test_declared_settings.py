@@ -6,16 +6,16 @@ import dataclasses
 import os
 from typing import Optional, Tuple
 
-from absl import flags
 import pytest
+from absl import flags
+from helpers import parse_flags
 
 from fedjax_personal import algorithms
 from fedjax_personal.config import TrainingConfig
+from fedjax_personal.datasets import registry
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.hparams import flag_fields, flag_name, hparam, validate
-from fedjax_personal.datasets import registry
 from fedjax_personal.run import cli, command_line, script_entry
-from helpers import parse_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,29 +28,45 @@ def _declared_flags():
 
 def test_every_flag_of_the_command_is_a_declared_field():
   declared = _declared_flags()
-  own = {f.name for module, fl in flags.FLAGS.flags_by_module_dict().items()
-         if module.startswith('fedjax_personal') for f in fl}
+  own = {
+    f.name
+    for module, fl in flags.FLAGS.flags_by_module_dict().items()
+    if module.startswith('fedjax_personal')
+    for f in fl
+  }
   assert own and own <= set(declared), sorted(own - set(declared))
   assert set(command_line.MAIN_JOB_DEFAULTS) <= own  # each names a flag
   for name, (cls, f) in declared.items():
     text = flags.FLAGS[name].help
-    if isinstance(flags.FLAGS[name], flags.MultiFlag):  # absl adds how to repeat it
+    if isinstance(
+      flags.FLAGS[name], flags.MultiFlag
+    ):  # absl adds how to repeat it
       text = text.rsplit(';\n', 1)[0]
     assert text.endswith(f.metadata['help']), name
     default = command_line.MAIN_JOB_DEFAULTS.get(name, f.default)
-    assert flags.FLAGS[name].default == (list(default) if isinstance(default, tuple) else default)
+    assert flags.FLAGS[name].default == (
+      list(default) if isinstance(default, tuple) else default
+    )
 
 
 def test_one_way_to_declare_a_flag_everywhere():
   """Every script's flags come from settings classes through the one
   generator (``script_entry.define_settings_flags``): no ``DEFINE_*`` by
   hand in the package, the scripts or the benchmarks."""
-  for folder in ('fedjax_personal', 'algorithms', 'datasets', 'scripts', 'benchmarks'):
+  for folder in (
+    'fedjax_personal',
+    'algorithms',
+    'datasets',
+    'scripts',
+    'benchmarks',
+  ):
     for d, _, files in os.walk(os.path.join(ROOT, folder)):
       for name in files:
         path = os.path.join(d, name)
         src = open(path).read() if name.endswith('.py') else ''
-        if path.endswith(os.path.join('run', 'script_entry.py')):  # the generator
+        if path.endswith(
+          os.path.join('run', 'script_entry.py')
+        ):  # the generator
           body = src.split('def define_settings_flags', 1)
           src = body[0] + body[1].split('\ndef ', 1)[1]
         assert 'DEFINE_' not in src, path
@@ -62,18 +78,29 @@ class _Made:
   share: float = hparam(0.5, 'A share.', minimum=0, maximum=1, open_min=True)
   count: Optional[int] = hparam(None, 'A count.', minimum=1)
   seed: int = hparam(0, 'A seed.', minimum=0, flag='made_seed')
-  score: float = hparam(0.5, 'A fraction.', minimum=0, maximum=1, open_min=True,
-                        refusal='is a fraction in (0, 1]')
+  score: float = hparam(
+    0.5,
+    'A fraction.',
+    minimum=0,
+    maximum=1,
+    open_min=True,
+    refusal='is a fraction in (0, 1]',
+  )
 
 
-@pytest.mark.parametrize('field,value,message', [
+@pytest.mark.parametrize(
+  'field,value,message',
+  [
     ('share', 0.0, '--share: must be in (0, 1], got 0.0'),
     ('share', float('nan'), '--share: must be finite, got nan'),
     ('count', 0, '--count: must be >= 1, got 0'),
     ('seed', -1, '--made_seed: must be >= 0, got -1'),
     ('score', 2.0, '--score: is a fraction in (0, 1], got 2.0'),
-])
-def test_a_value_out_of_its_declared_range_is_refused_naming_its_flag(field, value, message):
+  ],
+)
+def test_a_value_out_of_its_declared_range_is_refused_naming_its_flag(
+  field, value, message
+):
   validate(_Made())  # the defaults, a None and a list pass
   with pytest.raises(ConfigError) as e:
     validate(_Made(**{field: value}))
@@ -82,7 +109,9 @@ def test_a_value_out_of_its_declared_range_is_refused_naming_its_flag(field, val
 
 def test_flags_are_generated_by_type():
   fv = flags.FlagValues()
-  script_entry.define_settings_flags(_Made, 'made', {'count': 3}, flag_values=fv)
+  script_entry.define_settings_flags(
+    _Made, 'made', {'count': 3}, flag_values=fv
+  )
   fv(['prog', '--names=x,y,z', '--made_seed=4'])
   assert fv.names == ['x', 'y', 'z'] and fv.made_seed == 4 and fv.count == 3
   assert fv.share == 0.5 and fv['share'].help == 'A share.'
@@ -91,14 +120,39 @@ def test_flags_are_generated_by_type():
 def test_the_data_flags_make_the_data_config():
   """The data set's settings reach ``DataConfig`` whole, with the main job's
   resolutions: --data_seed (else --seed), the partition, the validation share."""
-  parse_flags('--dataset=synthetic', '--synthetic_beta=2', '--seed=3', '--algorithm=fedavg')
+  parse_flags(
+    '--dataset=synthetic',
+    '--synthetic_beta=2',
+    '--seed=3',
+    '--algorithm=fedavg',
+  )
   cfg = cli.read_flags().data
-  assert (cfg.options.synthetic_alpha, cfg.options.synthetic_beta, cfg.seed) == (1.0, 2.0, 3)
-  assert 'synthetic_alpha' not in flags.FLAGS  # it changes no label: no flag (declared so)
-  assert (cfg.partition, cfg.num_clients, cfg.val_fraction) == ('natural', 40, 0.0)
-  parse_flags('--dataset=shakespeare', '--seq_len=40', '--data_seed=1', '--algorithm=fedfomo')
+  assert (
+    cfg.options.synthetic_alpha,
+    cfg.options.synthetic_beta,
+    cfg.seed,
+  ) == (1.0, 2.0, 3)
+  assert (
+    'synthetic_alpha' not in flags.FLAGS
+  )  # it changes no label: no flag (declared so)
+  assert (cfg.partition, cfg.num_clients, cfg.val_fraction) == (
+    'natural',
+    40,
+    0.0,
+  )
+  parse_flags(
+    '--dataset=shakespeare',
+    '--seq_len=40',
+    '--data_seed=1',
+    '--algorithm=fedfomo',
+  )
   cfg = cli.read_flags().data
-  assert (cfg.options.seq_len, cfg.seed, cfg.num_clients, cfg.val_fraction) == (40, 1, None, 0.1)
+  assert (cfg.options.seq_len, cfg.seed, cfg.num_clients, cfg.val_fraction) == (
+    40,
+    1,
+    None,
+    0.1,
+  )
 
 
 def test_an_option_of_a_data_set_of_ones_own_reaches_its_reader_and_keys_its_store():
@@ -108,6 +162,7 @@ def test_an_option_of_a_data_set_of_ones_own_reaches_its_reader_and_keys_its_sto
   another data set is refused, naming it; nothing in run/ changes."""
   import subprocess
   import sys
+
   code = r"""
 import dataclasses, sys
 import numpy as np
@@ -138,30 +193,50 @@ sys.argv = ['run_experiment.py', '--dataset=scaled_clients', '--scaled_scale=4',
 cli.run()
 """
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
-  r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env,
-                     timeout=300)
+  r = subprocess.run(
+    [sys.executable, '-c', code],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   assert 'dry run: 1 algorithm(s) built' in r.stdout
-  other = code.replace("'--dataset=scaled_clients', '--scaled_scale=4'",
-                       "'--dataset=digits', '--scaled_scale=4'")
-  r = subprocess.run([sys.executable, '-c', other], capture_output=True, text=True, env=env,
-                     timeout=300)
+  other = code.replace(
+    "'--dataset=scaled_clients', '--scaled_scale=4'",
+    "'--dataset=digits', '--scaled_scale=4'",
+  )
+  r = subprocess.run(
+    [sys.executable, '-c', other],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
   assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr[-3000:]
   assert r.stderr.strip().splitlines()[-1] == (
-      'error: --scaled_scale: an option of --dataset=scaled_clients, not of --dataset=digits')
+    'error: --scaled_scale: an option of --dataset=scaled_clients, not of --dataset=digits'
+  )
 
 
 def test_the_run_holds_no_branch_on_a_data_set_name():
   """A data set owns its options and their checks (``datasets/``): no
   module of ``run/`` names a data set (a string constant equal to one)."""
   import ast
+
   from fedjax_personal.datasets import registry
+
   names = set(registry.names()) | set(registry.LOADERS)
   found = []
   folder = os.path.join(ROOT, 'fedjax_personal', 'run')
   for name in sorted(os.listdir(folder)):
     if name.endswith('.py'):
       tree = ast.parse(open(os.path.join(folder, name)).read())
-      found += [f'{name}:{n.lineno} {n.value!r}' for n in ast.walk(tree)
-                if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in names]
+      found += [
+        f'{name}:{n.lineno} {n.value!r}'
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant)
+        and isinstance(n.value, str)
+        and n.value in names
+      ]
   assert not found, found

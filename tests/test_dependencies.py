@@ -16,14 +16,22 @@ SCRIPT_DIRS = ('scripts', 'benchmarks')
 # This package, the tests' helpers, and the scripts' own modules that other
 # scripts import by path (scripts/torch_loop.py, benchmarks/populations.py...).
 OWN = {'fedjax_personal', 'helpers', 'made_files'} | {
-    f[:-3] for d in SCRIPT_DIRS for _, _, files in os.walk(os.path.join(ROOT, d)) for f in files
-    if f.endswith('.py')}
+  f[:-3]
+  for d in SCRIPT_DIRS
+  for _, _, files in os.walk(os.path.join(ROOT, d))
+  for f in files
+  if f.endswith('.py')
+}
 # The peer's code runs in its own environment (benchmarks/peers: FedJAX 0.0.17
 # with its JAX, installed by benchmarks/peers/run.py), never in this package's.
 PEER = {'fedjax', 'haiku'}  # haiku: FedJAX's models' library, in its venv
 # Modules whose distribution may be absent from the test environment (an
 # extra's), by their import name.
-OPTIONAL = {'torch': 'torch', 'tensorflow': 'tensorflow-cpu', 'array_record': 'array-record'}
+OPTIONAL = {
+  'torch': 'torch',
+  'tensorflow': 'tensorflow-cpu',
+  'array_record': 'array-record',
+}
 
 
 def _norm(name: str) -> str:
@@ -64,7 +72,9 @@ def imports(dirs):
         for node in ast.walk(tree):
           if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
-          elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+          elif (
+            isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+          ):
             names = [node.module]
           else:
             continue
@@ -72,7 +82,9 @@ def imports(dirs):
             mod = n.split('.')[0]
             if mod in sys.stdlib_module_names or mod in OWN or mod in PEER:
               continue
-            found.setdefault(mod, []).append((os.path.relpath(path, ROOT), id(node) in top))
+            found.setdefault(mod, []).append(
+              (os.path.relpath(path, ROOT), id(node) in top)
+            )
   return found
 
 
@@ -89,7 +101,9 @@ def test_every_imported_module_is_declared():
   missing = []
   for mod, where in sorted(imports(PACKAGE_DIRS + SCRIPT_DIRS).items()):
     dists = distributions(mod)
-    in_package_top = any(top and not f.startswith(SCRIPT_DIRS) for f, top in where)
+    in_package_top = any(
+      top and not f.startswith(SCRIPT_DIRS) for f, top in where
+    )
     ok = dists & required if in_package_top else dists & (required | extras)
     if not ok:
       missing.append(f'{mod} ({sorted(dists)}; {where[0][0]})')
@@ -102,7 +116,9 @@ def test_declared_requirements_have_lower_bounds():
   for line in cfg['options']['install_requires'].splitlines():
     line = line.split('#')[0].strip()
     if line:
-      assert '>=' in line, f'{line}: give the oldest release the code works with'
+      assert '>=' in line, (
+        f'{line}: give the oldest release the code works with'
+      )
 
 
 def test_constraints_pin_every_requirement():

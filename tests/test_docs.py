@@ -18,8 +18,13 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ('README.md', 'BUILD.md', 'docs/populations.md', 'benchmarks/speed/README.md',
-        'benchmarks/reproductions/README.md')
+DOCS = (
+  'README.md',
+  'BUILD.md',
+  'docs/populations.md',
+  'benchmarks/speed/README.md',
+  'benchmarks/reproductions/README.md',
+)
 
 
 def fenced(path, lang):
@@ -59,7 +64,7 @@ def _extras():
 
 def check_install(words):
   for w in words:
-    m = re.match(r"\.\[(.*)\]$", w)
+    m = re.match(r'\.\[(.*)\]$', w)
     if m:
       assert set(m.group(1).split(',')) <= _extras(), w
     if w.endswith('.txt'):
@@ -81,30 +86,52 @@ def run_script(env, words):
   """A script's command with --dry_run, in a subprocess."""
   script = words[1]
   assert os.path.isfile(os.path.join(ROOT, script)), script
-  args = [w for w in words[2:] if not w.startswith(('--coordinator_address', '--num_processes',
-                                                     '--process_id'))]
+  args = [
+    w
+    for w in words[2:]
+    if not w.startswith(
+      ('--coordinator_address', '--num_processes', '--process_id')
+    )
+  ]
   launch = [w for w in words[2:] if w not in args]
-  if launch:  # several processes: the launch settings are valid; one process dry-runs
+  if (
+    launch
+  ):  # several processes: the launch settings are valid; one process dry-runs
     from fedjax_personal.run import distributed
+
     flags = dict(w[2:].split('=', 1) for w in launch)
-    got = distributed.settings(flags.get('coordinator_address'),
-                               int(flags['num_processes']) if 'num_processes' in flags else None,
-                               int(flags['process_id']) if 'process_id' in flags else None)
+    got = distributed.settings(
+      flags.get('coordinator_address'),
+      int(flags['num_processes']) if 'num_processes' in flags else None,
+      int(flags['process_id']) if 'process_id' in flags else None,
+    )
     assert got is not None
-  if '--download' in args:  # the suite never downloads: the files, made, in --data_dir
-    args = [a for a in args if a != '--download'] + [f'--data_dir={_made_data(args)}']
-  if script == MAIN_SCRIPT and not env and not launch:  # one process dry-runs them all
+  if (
+    '--download' in args
+  ):  # the suite never downloads: the files, made, in --data_dir
+    args = [a for a in args if a != '--download'] + [
+      f'--data_dir={_made_data(args)}'
+    ]
+  if (
+    script == MAIN_SCRIPT and not env and not launch
+  ):  # one process dry-runs them all
     code, err = _main_dry_runs().get(tuple(args), (None, 'not batched'))
     assert code == 0, f'{" ".join(words)}\n{err[-3000:]}'
     return
   dry = ['--dry_run'] * ('--dry_run' not in args)
-  r = subprocess.run([sys.executable, script, *args, *dry], cwd=ROOT, capture_output=True,
-                     text=True, timeout=300,
-                     env={**os.environ, **env, 'JAX_PLATFORMS': 'cpu'})
+  r = subprocess.run(
+    [sys.executable, script, *args, *dry],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, **env, 'JAX_PLATFORMS': 'cpu'},
+  )
   assert r.returncode == 0, f'{" ".join(words)}\n{r.stderr[-3000:]}'
 
 
 MAIN_SCRIPT = 'scripts/run_experiment.py'
+
 
 @functools.lru_cache(maxsize=None)
 def _main_dry_runs():
@@ -114,16 +141,27 @@ def _main_dry_runs():
   for _, cmd in commands():
     for part in cmd.split('&&'):
       env, words = _parts(part.strip())
-      if (words[:2] == ['python', MAIN_SCRIPT] and not env
-          and not any(w.startswith(('--coordinator_address', '--num_processes', '--process_id'))
-                      for w in words)):
+      if (
+        words[:2] == ['python', MAIN_SCRIPT]
+        and not env
+        and not any(
+          w.startswith(
+            ('--coordinator_address', '--num_processes', '--process_id')
+          )
+          for w in words
+        )
+      ):
         args = words[2:]
         if '--download' in args:
-          args = [a for a in args if a != '--download'] + [f'--data_dir={_made_data(args)}']
+          args = [a for a in args if a != '--download'] + [
+            f'--data_dir={_made_data(args)}'
+          ]
         batch.append(args)
   from helpers import main_in_one_process
-  results = main_in_one_process([a + ['--dry_run'] * ('--dry_run' not in a) for a in batch],
-                                cwd=ROOT)
+
+  results = main_in_one_process(
+    [a + ['--dry_run'] * ('--dry_run' not in a) for a in batch], cwd=ROOT
+  )
   return dict(zip(map(tuple, batch), results))
 
 
@@ -136,49 +174,76 @@ def _made_data_for(args):
   """A folder with made files of the command's --dataset (FedJAX EMNIST:
   as many small writers as --num_clients asks for)."""
   import tempfile
-  import numpy as np
+
   import made_files
-  flags = dict(a[2:].split('=', 1) for a in args if a.startswith('--') and '=' in a)
-  assert flags.get('dataset') == 'emnist', f'teach _made_data the files of {flags.get("dataset")}'
+  import numpy as np
+
+  flags = dict(
+    a[2:].split('=', 1) for a in args if a.startswith('--') and '=' in a
+  )
+  assert flags.get('dataset') == 'emnist', (
+    f'teach _made_data the files of {flags.get("dataset")}'
+  )
   folder = tempfile.mkdtemp(prefix='made_data_')
   n = int(flags.get('num_clients', 3))
   import pathlib
-  made_files.write_emnist(pathlib.Path(folder), np.random.default_rng(0), [4] * n, [2] * n)
+
+  made_files.write_emnist(
+    pathlib.Path(folder), np.random.default_rng(0), [4] * n, [2] * n
+  )
   return folder
 
 
-@pytest.mark.parametrize('doc,cmd', commands(), ids=lambda x: x[:80] if isinstance(x, str) else x)
+@pytest.mark.parametrize(
+  'doc,cmd', commands(), ids=lambda x: x[:80] if isinstance(x, str) else x
+)
 def test_documented_command_runs(doc, cmd):
   for part in cmd.split('&&'):
     env, words = _parts(part.strip())
-    if words[:4] == ['python', '-m', 'pip', 'install'] or words[:2] == ['pip', 'install']:
+    if words[:4] == ['python', '-m', 'pip', 'install'] or words[:2] == [
+      'pip',
+      'install',
+    ]:
       check_install(words)
     elif words[:3] == ['python', '-m', 'pytest']:
       check_pytest(words)
     elif words[:2] == ['bash', '.ci/run']:
       assert os.access(os.path.join(ROOT, '.ci', 'run'), os.X_OK)
-    elif words[0] == 'python' and words[1].startswith(('scripts/', 'benchmarks/')):
+    elif words[0] == 'python' and words[1].startswith(
+      ('scripts/', 'benchmarks/')
+    ):
       run_script(env, words)
     else:
-      pytest.fail(f'{doc}: no check for the command {cmd!r}; teach tests/test_docs.py')
+      pytest.fail(
+        f'{doc}: no check for the command {cmd!r}; teach tests/test_docs.py'
+      )
 
 
 def test_readme_python_example_runs(tmp_path):
   """The README's Python, with EMNIST made in FedJAX's format in place of
   ~/data, an MLP in place of the CNN and 2 rounds in place of 20."""
-  import numpy as np
   import made_files
-  made_files.write_emnist(tmp_path, np.random.default_rng(0), [4, 6, 3, 5], [1, 2, 1, 1])
+  import numpy as np
+
+  made_files.write_emnist(
+    tmp_path, np.random.default_rng(0), [4, 6, 3, 5], [1, 2, 1, 1]
+  )
   (code,) = fenced('README.md', 'python')
   assert "cache_dir='~/data'" in code and "create_model('cnn'" in code
-  code = code.replace('num_rounds=20', 'num_rounds=2').replace('eval_every=5', 'eval_every=2')
-  code = code.replace("cache_dir='~/data'", f"cache_dir={str(tmp_path)!r}")
+  code = code.replace('num_rounds=20', 'num_rounds=2').replace(
+    'eval_every=5', 'eval_every=2'
+  )
+  code = code.replace("cache_dir='~/data'", f'cache_dir={str(tmp_path)!r}')
   code = code.replace("create_model('cnn'", "create_model('mlp'")
   namespace = {}
   exec(compile(code, 'README.md', 'exec'), namespace)
   assert 0 <= namespace['history'][-1]['accuracy_worst'] <= 1
-  assert namespace['store'].num_clients == 4 and namespace['batch']['x'].shape == (20, 28, 28, 1)
-  assert namespace['batch']['__mask__'].sum() == 5  # f0003_03's 5 images, padded to 20
+  assert namespace['store'].num_clients == 4 and namespace['batch'][
+    'x'
+  ].shape == (20, 28, 28, 1)
+  assert (
+    namespace['batch']['__mask__'].sum() == 5
+  )  # f0003_03's 5 images, padded to 20
 
 
 @pytest.fixture
@@ -186,6 +251,7 @@ def flags_added_removed():
   """Flags a test's registrations define are removed after it (the
   registries are restored by monkeypatch): later tests see the command's."""
   from absl import flags
+
   defined = set(flags.FLAGS)
   yield
   flags.FLAGS.unparse_flags()
@@ -194,7 +260,8 @@ def flags_added_removed():
 
 
 def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
-    tmp_path, monkeypatch, flags_added_removed):
+  tmp_path, monkeypatch, flags_added_removed
+):
   """BUILD.md's data set of its own files (FedJAX SQLite, no URL) and
   docs/add_an_algorithm.md's algorithm, registered by their snippets exactly
   as printed, run through the CLI: with rate 0 the algorithm is FedAvg; with
@@ -202,14 +269,18 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
   bytes_up) and every sampled one in num_sampled; summary.json names the
   worst clients by id; a rate of 1, --download and a missing file are one
   line each."""
-  import numpy as np
   import made_files
+  import numpy as np
+  from helpers import parse_flags
+
   from fedjax_personal import algorithms
   from fedjax_personal.datasets import registry
   from fedjax_personal.run import cli
-  from helpers import parse_flags
+
   _, data_module = fenced('BUILD.md', 'python')
-  _, alg_module, script = fenced('docs/add_an_algorithm.md', 'python')  # the first: test_plugins
+  _, alg_module, script = fenced(
+    'docs/add_an_algorithm.md', 'python'
+  )  # the first: test_plugins
   (tmp_path / 'my_writers.py').write_text(data_module)
   (tmp_path / 'fedavg_dropout.py').write_text(alg_module)
   monkeypatch.syspath_prepend(str(tmp_path))
@@ -218,33 +289,70 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
   monkeypatch.setattr(algorithms, 'REGISTRY', dict(algorithms.REGISTRY))
   monkeypatch.setattr(registry, 'LOADERS', dict(registry.LOADERS))
   monkeypatch.setattr(registry, 'OPTIONS', dict(registry.OPTIONS))
-  exec(compile('import my_writers\n' + script, 'docs', 'exec'), {'__name__': 'my_script'})
+  exec(
+    compile('import my_writers\n' + script, 'docs', 'exec'),
+    {'__name__': 'my_script'},
+  )
   data = tmp_path / 'data'
   data.mkdir()
   rng = np.random.default_rng(1)
-  for split, sizes in (('train', [7, 3, 12, 5, 6, 4, 9, 8]), ('test', [2, 2, 3, 1, 2, 2, 1, 3])):
-    made_files.write_fedjax_sqlite(data / f'my_writers_{split}.sqlite',
-                                   made_files.emnist_clients(rng, sizes))
-  common = ('--dataset=my_writers', '--model=logreg', '--rounds=3', '--cohort_size=4',
-            '--eval_every=1', '--progress=false')
-  parse_flags('--algorithm=fedavg,fedavg_dropout', '--dropout_rate=0', *common,
-              f'--data_dir={data}', f'--output_dir={tmp_path}/zero')
+  for split, sizes in (
+    ('train', [7, 3, 12, 5, 6, 4, 9, 8]),
+    ('test', [2, 2, 3, 1, 2, 2, 1, 3]),
+  ):
+    made_files.write_fedjax_sqlite(
+      data / f'my_writers_{split}.sqlite', made_files.emnist_clients(rng, sizes)
+    )
+  common = (
+    '--dataset=my_writers',
+    '--model=logreg',
+    '--rounds=3',
+    '--cohort_size=4',
+    '--eval_every=1',
+    '--progress=false',
+  )
+  parse_flags(
+    '--algorithm=fedavg,fedavg_dropout',
+    '--dropout_rate=0',
+    *common,
+    f'--data_dir={data}',
+    f'--output_dir={tmp_path}/zero',
+  )
   out = cli.main_job()
-  assert out['fedavg_dropout']['accuracy_mean'] == out['fedavg']['accuracy_mean']
-  assert out['fedavg_dropout']['total_bytes_up'] == out['fedavg']['total_bytes_up']
+  assert (
+    out['fedavg_dropout']['accuracy_mean'] == out['fedavg']['accuracy_mean']
+  )
+  assert (
+    out['fedavg_dropout']['total_bytes_up'] == out['fedavg']['total_bytes_up']
+  )
   assert out['fedavg']['num_eval_clients'] == 8
   assert out['fedavg']['worst_clients'][0]['client_id'].startswith('f000')
-  parse_flags('--algorithm=fedavg_dropout', '--dropout_rate=0.5', *common, f'--data_dir={data}',
-              f'--output_dir={tmp_path}/half')
+  parse_flags(
+    '--algorithm=fedavg_dropout',
+    '--dropout_rate=0.5',
+    *common,
+    f'--data_dir={data}',
+    f'--output_dir={tmp_path}/half',
+  )
   cli.main_job()
-  records = [json.loads(l) for l in open(tmp_path / 'half' / 'fedavg_dropout' / 'metrics.jsonl')]
+  records = [
+    json.loads(l)
+    for l in open(tmp_path / 'half' / 'fedavg_dropout' / 'metrics.jsonl')
+  ]
   rounds = [r for r in records if 'num_sampled' in r]
   assert len(rounds) == 3 and all(r['num_sampled'] == 4 for r in rounds)
-  assert sum(r['num_active'] for r in rounds) < 12  # 0.5 ** 12: this seed drops someone
+  assert (
+    sum(r['num_active'] for r in rounds) < 12
+  )  # 0.5 ** 12: this seed drops someone
   per_client = out['fedavg']['total_bytes_up'] / 12
   assert all(r['bytes_up'] == r['num_active'] * per_client for r in rounds)
-  for bad, why in (('--dropout_rate=1', 'dropout_rate'), ('--download', 'my_writers has no URL')):
-    parse_flags('--algorithm=fedavg_dropout', *common, f'--data_dir={data}', bad)
+  for bad, why in (
+    ('--dropout_rate=1', 'dropout_rate'),
+    ('--download', 'my_writers has no URL'),
+  ):
+    parse_flags(
+      '--algorithm=fedavg_dropout', *common, f'--data_dir={data}', bad
+    )
     with pytest.raises(cli.ConfigError, match=why):
       cli.main_job()
   parse_flags('--algorithm=fedavg_dropout', *common, f'--data_dir={tmp_path}')
@@ -257,14 +365,21 @@ def test_docs_are_guides_within_their_size():
   detail belongs in the modules' docstrings and docs/."""
   for doc, most in (('README.md', 200), ('BUILD.md', 600)):
     lines = open(os.path.join(ROOT, doc)).read().splitlines()
-    assert len(lines) < most, f'{doc}: {len(lines)} lines, keep under {most} (move detail to docs/)'
+    assert len(lines) < most, (
+      f'{doc}: {len(lines)} lines, keep under {most} (move detail to docs/)'
+    )
 
 
 def test_nothing_is_named_after_a_work_item():
   bad = []
   for base, dirs, files in os.walk(ROOT):
-    dirs[:] = [d for d in dirs if not d.startswith('.') and d not in ('runs', '__pycache__')
-               and not d.endswith('.egg-info')]
+    dirs[:] = [
+      d
+      for d in dirs
+      if not d.startswith('.')
+      and d not in ('runs', '__pycache__')
+      and not d.endswith('.egg-info')
+    ]
     for name in dirs + files:
       if re.search(r'issue_?\d', name, re.I):
         bad.append(os.path.relpath(os.path.join(base, name), ROOT))
@@ -279,18 +394,22 @@ def test_the_extension_reference_is_made_from_the_docstrings():
   """docs/extension_reference.md is what tests/extension_reference.py makes
   of today's docstrings (regenerate it with the command its header shows)."""
   import extension_reference
+
   with open(os.path.join(ROOT, 'docs', 'extension_reference.md')) as f:
     assert f.read() == extension_reference.page(), (
-        'docs/extension_reference.md is stale: python tests/extension_reference.py > '
-        'docs/extension_reference.md')
+      'docs/extension_reference.md is stale: python tests/extension_reference.py > '
+      'docs/extension_reference.md'
+    )
 
 
 def test_the_architecture_map_names_every_module():
   """BUILD.md's map ("Architecture in a page") names every module of the
   package's folders, and every folder it draws exists."""
   text = open(os.path.join(ROOT, 'BUILD.md')).read()
-  section = text[text.index('## Architecture in a page'):]
-  (drawing,) = re.findall(r'```\n(fedjax_personal/\n.*?)```', section, flags=re.S)[:1]
+  section = text[text.index('## Architecture in a page') :]
+  (drawing,) = re.findall(
+    r'```\n(fedjax_personal/\n.*?)```', section, flags=re.S
+  )[:1]
   words = set(re.findall(r'\w+', drawing))
   missing = []
   for folder in ('fedjax_personal', 'algorithms', 'datasets'):
@@ -301,11 +420,18 @@ def test_the_architecture_map_names_every_module():
         missing.append(rel)
       if folder == 'algorithms':
         continue  # one file per algorithm, drawn as such
-      missing += [os.path.join(rel, f) for f in files
-                  if f.endswith('.py') and f != '__init__.py' and f[:-3] not in words]
-  assert not missing, (f'modules BUILD.md\'s map ("Architecture in a page") does not name: '
-                       f'{missing}; add each to its folder\'s line there (or keep a module of '
-                       'your own outside the package: --import=my_file.py)')
+      missing += [
+        os.path.join(rel, f)
+        for f in files
+        if f.endswith('.py') and f != '__init__.py' and f[:-3] not in words
+      ]
+  assert not missing, (
+    f'modules BUILD.md\'s map ("Architecture in a page") does not name: '
+    f"{missing}; add each to its folder's line there (or keep a module of "
+    'your own outside the package: --import=my_file.py)'
+  )
   for folder in re.findall(r'^\s*(\w+)/', drawing, flags=re.M):
-    assert any(os.path.isdir(os.path.join(ROOT, *p, folder))
-               for p in [(), ('fedjax_personal',), ('fedjax_personal', 'core')]), folder
+    assert any(
+      os.path.isdir(os.path.join(ROOT, *p, folder))
+      for p in [(), ('fedjax_personal',), ('fedjax_personal', 'core')]
+    ), folder

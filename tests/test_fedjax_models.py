@@ -10,36 +10,42 @@ give the same numbers."""
 import dataclasses
 import os
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import helpers
 from fedjax_personal import models
 from fedjax_personal.core.training import Batch, batch_loss
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import initializers, weights
 
-REFERENCE = os.path.join(os.path.dirname(__file__), 'data', 'fedjax_model_reference.npz')
+REFERENCE = os.path.join(
+  os.path.dirname(__file__), 'data', 'fedjax_model_reference.npz'
+)
 # Haiku's LSTM kernel columns are the gates i, g, f, o; ours i, f, g, o.
 HAIKU_GATES = 'igfo'
 
 
 def _reference(task):
   d = np.load(REFERENCE)
-  return {k[len(task) + 1:]: d[k] for k in d if k.startswith(task + '/')}
+  return {k[len(task) + 1 :]: d[k] for k in d if k.startswith(task + '/')}
 
 
 def _module(name, task):
   """The registry's module of ``name`` at the reference's small sizes."""
-  ref = helpers.script_module('benchmarks', 'peers', 'fedjax_model_reference.py')
+  ref = helpers.script_module(
+    'benchmarks', 'peers', 'fedjax_model_reference.py'
+  )
   sizes = ref.SIZES[task][0]
   vocab = sizes['vocab_size'] + 4  # PAD, BOS, EOS, OOV
   module = models.MODELS[name](vocab, 0, 'auto', 'haiku')
   small = dict(embed_dim=sizes['embed_size'], hidden=sizes['lstm_hidden_size'])
   if module.projection:
-    small['projection'] = sizes['embed_size']  # FedJAX projects back to the embedding's width
+    small['projection'] = sizes[
+      'embed_size'
+    ]  # FedJAX projects back to the embedding's width
   return dataclasses.replace(module, **small), vocab
 
 
@@ -56,7 +62,9 @@ def to_ours(flat, task):
     d_in = w.shape[0] - hidden
     cell = {}
     for g in initializers.GATES:
-      cols = slice(HAIKU_GATES.index(g) * hidden, (HAIKU_GATES.index(g) + 1) * hidden)
+      cols = slice(
+        HAIKU_GATES.index(g) * hidden, (HAIKU_GATES.index(g) + 1) * hidden
+      )
       cell[f'i{g}'] = {'kernel': w[:d_in, cols]}
       # hk.LSTM adds 1 to the forget gate's pre-activation: here its bias.
       cell[f'h{g}'] = {'kernel': w[d_in:, cols], 'bias': b[cols] + (g == 'f')}
@@ -74,9 +82,15 @@ def grads_as_haiku(g, task):
   for i, name in enumerate(_lstm_names(task)):
     cell = g[f'lstm_{i}']['cell']
     out[f'{name}/linear/w'] = np.concatenate(
-        [np.concatenate([cell[f'i{c}']['kernel'], cell[f'h{c}']['kernel']], 0)
-         for c in HAIKU_GATES], 1)
-    out[f'{name}/linear/b'] = np.concatenate([cell[f'h{c}']['bias'] for c in HAIKU_GATES])
+      [
+        np.concatenate([cell[f'i{c}']['kernel'], cell[f'h{c}']['kernel']], 0)
+        for c in HAIKU_GATES
+      ],
+      1,
+    )
+    out[f'{name}/linear/b'] = np.concatenate(
+      [cell[f'h{c}']['bias'] for c in HAIKU_GATES]
+    )
   dense = ['linear', 'linear_1'] if task == 'stackoverflow' else ['linear']
   ours = ['project', 'output'] if task == 'stackoverflow' else ['output']
   for h, o in zip(dense, ours):
@@ -89,21 +103,29 @@ def _check(name, task, denominator):
   module, vocab = _module(name, task)
   assert models.LOSS_DENOMINATORS[name] == denominator
   x = jnp.asarray(flat['x'])
-  model = dataclasses.replace(models.from_flax(name, module, x), loss_denominator=denominator)
+  model = dataclasses.replace(
+    models.from_flax(name, module, x), loss_denominator=denominator
+  )
   params = to_ours(flat, task)
   # The module's own parameter tree has exactly these names and shapes.
   drawn = jax.eval_shape(model.init, jax.random.key(0))
-  assert (jax.tree.map(lambda a: a.shape, drawn)
-          == jax.tree.map(lambda a: a.shape, params))
+  assert jax.tree.map(lambda a: a.shape, drawn) == jax.tree.map(
+    lambda a: a.shape, params
+  )
   logits = model.apply(params, x)
   np.testing.assert_allclose(logits, flat['logits'], rtol=1e-5, atol=1e-5)
-  y = np.where(flat['y'] == 0, -1, flat['y'])  # FedJAX's PAD target: here IGNORE
+  y = np.where(
+    flat['y'] == 0, -1, flat['y']
+  )  # FedJAX's PAD target: here IGNORE
   batch = Batch(x, jnp.asarray(y), jnp.asarray(flat['mask']), None)
-  (loss, _), grads = jax.value_and_grad(lambda p: batch_loss(model, p, batch),
-                                        has_aux=True)(params)
+  (loss, _), grads = jax.value_and_grad(
+    lambda p: batch_loss(model, p, batch), has_aux=True
+  )(params)
   np.testing.assert_allclose(loss, flat['loss'], rtol=1e-5)
   for k, g in grads_as_haiku(grads, task).items():
-    np.testing.assert_allclose(g, flat[f'grad/{k}'], rtol=1e-4, atol=1e-6, err_msg=k)
+    np.testing.assert_allclose(
+      g, flat[f'grad/{k}'], rtol=1e-4, atol=1e-6, err_msg=k
+    )
   return model, params, flat
 
 
@@ -128,25 +150,43 @@ def test_fedjax_char_lstm_is_fedjax_shakespeare_create_lstm_model():
 
 def test_fedjax_models_at_full_size_have_fedjax_parameter_counts():
   """FedJAX's defaults: Stack Overflow's 10,004 ids, Shakespeare's 90."""
-  for name, vocab, count in [('fedjax_lstm_lm', 10004, 4_050_748),
-                             ('fedjax_char_lstm', 90, 820_522)]:
-    model = models.create_model(name, vocab, jnp.zeros((1, 20), jnp.int32), init='haiku')
-    assert models.num_params(jax.eval_shape(model.init, jax.random.key(0))) == count
+  for name, vocab, count in [
+    ('fedjax_lstm_lm', 10004, 4_050_748),
+    ('fedjax_char_lstm', 90, 820_522),
+  ]:
+    model = models.create_model(
+      name, vocab, jnp.zeros((1, 20), jnp.int32), init='haiku'
+    )
+    assert (
+      models.num_params(jax.eval_shape(model.init, jax.random.key(0))) == count
+    )
     assert model.loss_denominator == models.LOSS_DENOMINATORS[name]
-  assert models.create_model('lstm_lm', 10004, jnp.zeros((1, 20), jnp.int32)).loss_denominator \
-      == 'targets'
+  assert (
+    models.create_model(
+      'lstm_lm', 10004, jnp.zeros((1, 20), jnp.int32)
+    ).loss_denominator
+    == 'targets'
+  )
 
 
 def _haiku_npz(path, flat):
   """FedJAX's parameters saved as ``--init_weights`` reads a Haiku dict."""
-  np.savez(path, **{k[len('param/'):]: v for k, v in flat.items() if k.startswith('param/')})
+  np.savez(
+    path,
+    **{
+      k[len('param/') :]: v for k, v in flat.items() if k.startswith('param/')
+    },
+  )
   return str(path)
 
 
 def test_init_weights_reads_fedjax_parameters(tmp_path):
   """``--init_weights`` of FedJAX's own parameters (module/name keys) gives
   what the hand conversion gives, and FedJAX's logits, for both models."""
-  for name, task in [('fedjax_lstm_lm', 'stackoverflow'), ('fedjax_char_lstm', 'shakespeare')]:
+  for name, task in [
+    ('fedjax_lstm_lm', 'stackoverflow'),
+    ('fedjax_char_lstm', 'shakespeare'),
+  ]:
     flat = _reference(task)
     module, _ = _module(name, task)
     x = jnp.asarray(flat['x'])
@@ -156,7 +196,9 @@ def test_init_weights_reads_fedjax_parameters(tmp_path):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_array_equal(a, b)
-    np.testing.assert_allclose(model.apply(got, x), flat['logits'], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+      model.apply(got, x), flat['logits'], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_init_weights_matches_haiku_layers_by_kind_and_index(tmp_path):
@@ -167,15 +209,23 @@ def test_init_weights_matches_haiku_layers_by_kind_and_index(tmp_path):
   model = models.create_model('mlp', 62, x)
   rng = np.random.default_rng(0)
   shapes = [(784, 200), (200, 200), (200, 62)]
-  layers = {('linear' + (f'_{i}' if i else '')): (rng.normal(size=s).astype(np.float32),
-                                                   rng.normal(size=s[1]).astype(np.float32))
-            for i, s in enumerate(shapes)}
+  layers = {
+    ('linear' + (f'_{i}' if i else '')): (
+      rng.normal(size=s).astype(np.float32),
+      rng.normal(size=s[1]).astype(np.float32),
+    )
+    for i, s in enumerate(shapes)
+  }
   arrays = {}
   for m in ['linear_2', 'linear', 'linear_1']:  # not in index order
     arrays[f'{m}/w'], arrays[f'{m}/b'] = layers[m]
   np.savez(tmp_path / 'dense.npz', **arrays)
   got = weights.load(str(tmp_path / 'dense.npz'), model, x)
-  for ours, theirs in [('hidden_0', 'linear'), ('hidden_1', 'linear_1'), ('output', 'linear_2')]:
+  for ours, theirs in [
+    ('hidden_0', 'linear'),
+    ('hidden_1', 'linear_1'),
+    ('output', 'linear_2'),
+  ]:
     np.testing.assert_array_equal(got[ours]['kernel'], layers[theirs][0])
     np.testing.assert_array_equal(got[ours]['bias'], layers[theirs][1])
   arrays['linear_3/w'], arrays['linear_3/b'] = layers['linear_2']
@@ -195,14 +245,26 @@ def test_fedjax_emnist_cnn_gives_fedjax_logits_on_fedjax_weights(tmp_path):
   evaluation logits (dropout off) equal FedJAX's; training draws dropout."""
   ref = _reference('emnist_cnn')
   path = tmp_path / 'fedjax_emnist_cnn.npz'
-  np.savez(path, **{k[len('param/'):]: v for k, v in ref.items() if k.startswith('param/')})
-  model = models.build_model(models.ModelConfig(model='fedjax_emnist_cnn',
-                                                init_weights=str(path)), 10, ref['x'])
+  np.savez(
+    path,
+    **{k[len('param/') :]: v for k, v in ref.items() if k.startswith('param/')},
+  )
+  model = models.build_model(
+    models.ModelConfig(model='fedjax_emnist_cnn', init_weights=str(path)),
+    10,
+    ref['x'],
+  )
   params = model.init(jax.random.key(0))
-  np.testing.assert_allclose(model.apply(params, ref['x']), ref['logits'], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    model.apply(params, ref['x']), ref['logits'], rtol=1e-5, atol=1e-6
+  )
   y = jnp.zeros(ref['x'].shape[0], jnp.int32)
   mask = jnp.ones(ref['x'].shape[0], bool)
   evaluated = batch_loss(model, params, Batch(ref['x'], y, mask))[0]
-  trained = [batch_loss(model, params, Batch(ref['x'], y, mask, jax.random.key(k)))[0]
-             for k in (1, 2)]
-  assert float(trained[0]) != float(evaluated) and float(trained[0]) != float(trained[1])
+  trained = [
+    batch_loss(model, params, Batch(ref['x'], y, mask, jax.random.key(k)))[0]
+    for k in (1, 2)
+  ]
+  assert float(trained[0]) != float(evaluated) and float(trained[0]) != float(
+    trained[1]
+  )

@@ -7,21 +7,25 @@ batch counts, sampled clients and their keys, and the same errors."""
 
 import os
 
+import helpers
+import made_files
 import numpy as np
 
 import fedjax_personal.fedjax as fedjax
-import helpers
-import made_files
 
-REFERENCE = os.path.join(os.path.dirname(__file__), 'data', 'fedjax_tutorial_reference.npz')
+REFERENCE = os.path.join(
+  os.path.dirname(__file__), 'data', 'fedjax_tutorial_reference.npz'
+)
 
 
 def test_tutorial_cells_give_fedjaxs_results(tmp_path, made_not_released):
-  ref = helpers.script_module('benchmarks', 'peers', 'fedjax_tutorial_reference.py')
+  ref = helpers.script_module(
+    'benchmarks', 'peers', 'fedjax_tutorial_reference.py'
+  )
   made_files.fedjax_reference_files(tmp_path)
   ours = ref.run_cells(fedjax, str(tmp_path))
   theirs = dict(np.load(REFERENCE))
-  assert sorted(ours) == sorted(theirs), (sorted(set(ours) ^ set(theirs)))
+  assert sorted(ours) == sorted(theirs), sorted(set(ours) ^ set(theirs))
   for k, want in theirs.items():
     got = np.asarray(ours[k])
     assert got.shape == want.shape, (k, got.shape, want.shape)
@@ -37,11 +41,21 @@ def test_fedjax_names_and_module_paths():
   set modules; the project's data objects are FedJAX ``FederatedData``."""
   import fedjax_personal.fedjax.core.client_samplers as samplers  # noqa: F401
   from fedjax_personal.fedjax.core import client_datasets, federated_data
-  from fedjax_personal.fedjax.datasets import emnist, shakespeare, stackoverflow, cifar100
+  from fedjax_personal.fedjax.datasets import (
+    cifar100,
+    emnist,
+    shakespeare,
+    stackoverflow,
+  )
+
   assert fedjax.ClientDataset is client_datasets.ClientDataset
   assert fedjax.RepeatableIterator is federated_data.RepeatableIterator
   for m in (emnist, shakespeare, stackoverflow, cifar100):
-    assert m.cite().startswith('@') and callable(m.load_data) and callable(m.load_split)
+    assert (
+      m.cite().startswith('@')
+      and callable(m.load_data)
+      and callable(m.load_split)
+    )
   fd = fedjax.InMemoryFederatedData({b'a': {'x': np.zeros(2)}})
   assert isinstance(fd, fedjax.FederatedData)
   assert isinstance(fd.subset([b'a']), fedjax.FederatedData)

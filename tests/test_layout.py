@@ -7,8 +7,8 @@ run (loop, outputs, CLI). A layer
 imports only the layers below it."""
 
 import ast
-import re
 import os
+import re
 import subprocess
 import sys
 
@@ -16,8 +16,11 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Source folders and the import name they are installed under (setup.cfg).
-FOLDERS = {'fedjax_personal': 'fedjax_personal', 'algorithms': 'fedjax_personal.algorithms',
-           'datasets': 'fedjax_personal.datasets'}
+FOLDERS = {
+  'fedjax_personal': 'fedjax_personal',
+  'algorithms': 'fedjax_personal.algorithms',
+  'datasets': 'fedjax_personal.datasets',
+}
 
 
 def modules():
@@ -40,7 +43,7 @@ def _source(node, mod, is_pkg):
   """The absolute module an ``ImportFrom`` names (relative ones resolved)."""
   if node.level:
     base = mod.split('.')
-    base = base[:len(base) - node.level + (1 if is_pkg else 0)]
+    base = base[: len(base) - node.level + (1 if is_pkg else 0)]
     return '.'.join(base + ([node.module] if node.module else []))
   return node.module or ''
 
@@ -57,8 +60,9 @@ def reexports(known):
         if isinstance(node, ast.ImportFrom):
           src = _source(node, m, True)
           for a in node.names:
-            names[a.asname or a.name] = (f'{src}.{a.name}' if f'{src}.{a.name}' in known
-                                         else src)
+            names[a.asname or a.name] = (
+              f'{src}.{a.name}' if f'{src}.{a.name}' in known else src
+            )
       out[m] = names
   return out
 
@@ -68,7 +72,11 @@ def resolve(src, name, known, exported):
   ``src.name``, else the module a package re-exports ``name`` from
   (followed through packages), else ``src`` itself."""
   seen = set()
-  while f'{src}.{name}' not in known and name in exported.get(src, {}) and src not in seen:
+  while (
+    f'{src}.{name}' not in known
+    and name in exported.get(src, {})
+    and src not in seen
+  ):
     seen.add(src)
     target = exported[src][name]
     if target == src:
@@ -124,7 +132,7 @@ def find_cycle(g):
     stack.append(m)
     for n in sorted(g[m]):
       if state.get(n) == 1:
-        return stack[stack.index(n):] + [n]
+        return stack[stack.index(n) :] + [n]
       if state.get(n) is None:
         found = visit(n)
         if found:
@@ -157,25 +165,34 @@ def test_a_cycle_through_a_package_init_is_seen(tmp_path):
   (pkg / 'a.py').write_text('import pkg\n')
   (pkg / 'b.py').write_text('from pkg import a\nthing = 1\n')
   (pkg / 'c.py').write_text('from pkg import thing\n')
-  known = {'pkg': str(pkg / '__init__.py'), 'pkg.a': str(pkg / 'a.py'),
-           'pkg.b': str(pkg / 'b.py'), 'pkg.c': str(pkg / 'c.py')}
+  known = {
+    'pkg': str(pkg / '__init__.py'),
+    'pkg.a': str(pkg / 'a.py'),
+    'pkg.b': str(pkg / 'b.py'),
+    'pkg.c': str(pkg / 'c.py'),
+  }
   exported = reexports(known)
   g = {m: imports_of(p, m, known, exported) for m, p in known.items()}
   assert g['pkg.c'] == {'pkg.b'}
-  assert find_cycle(g) in (['pkg', 'pkg.b', 'pkg.a', 'pkg'], ['pkg.a', 'pkg', 'pkg.b', 'pkg.a'])
+  assert find_cycle(g) in (
+    ['pkg', 'pkg.b', 'pkg.a', 'pkg'],
+    ['pkg.a', 'pkg', 'pkg.b', 'pkg.a'],
+  )
 
 
 #: The only imports inside functions: optional or heavy dependencies,
 #: loaded when a run uses them ({module imported: the modules allowed to}).
-LAZY_IMPORTS = {'torch': {'fedjax_personal.models.weights'},
-                'tensorflow_datasets': {'fedjax_personal.datasets.tfds_loader'},
-                'matplotlib': {'fedjax_personal.run.plots'},
-                'matplotlib.pyplot': {'fedjax_personal.run.plots'},
-                'sklearn.cluster': {'fedjax_personal.datasets.partition'},
-                'sklearn.datasets': {'fedjax_personal.datasets.in_memory'},
-                'dp_accounting': {'fedjax_personal.core.privacy'},
-                # defines absl flags of its own when imported: not a command's
-                'orbax.checkpoint': {'fedjax_personal.run.checkpointing'}}
+LAZY_IMPORTS = {
+  'torch': {'fedjax_personal.models.weights'},
+  'tensorflow_datasets': {'fedjax_personal.datasets.tfds_loader'},
+  'matplotlib': {'fedjax_personal.run.plots'},
+  'matplotlib.pyplot': {'fedjax_personal.run.plots'},
+  'sklearn.cluster': {'fedjax_personal.datasets.partition'},
+  'sklearn.datasets': {'fedjax_personal.datasets.in_memory'},
+  'dp_accounting': {'fedjax_personal.core.privacy'},
+  # defines absl flags of its own when imported: not a command's
+  'orbax.checkpoint': {'fedjax_personal.run.checkpointing'},
+}
 
 
 def test_imports_inside_functions_are_optional_heavy_dependencies():
@@ -197,29 +214,82 @@ def test_imports_inside_functions_are_optional_heavy_dependencies():
 
 
 def test_find_cycle_finds_one():
-  assert find_cycle({'a': {'b'}, 'b': {'c'}, 'c': {'a'}}) == ['a', 'b', 'c', 'a']
+  assert find_cycle({'a': {'b'}, 'b': {'c'}, 'c': {'a'}}) == [
+    'a',
+    'b',
+    'c',
+    'a',
+  ]
   assert find_cycle({'a': {'b'}, 'b': set()}) is None
 
 
-@pytest.mark.parametrize('lower,upper', [
-    ('fedjax_personal.core', ('fedjax_personal.run', 'fedjax_personal.algorithms',
-                              'fedjax_personal.datasets', 'fedjax_personal.config')),
-    ('fedjax_personal.models', ('fedjax_personal.run', 'fedjax_personal.algorithms',
-                                'fedjax_personal.core', 'fedjax_personal.datasets',
-                                'fedjax_personal.config')),
-    ('fedjax_personal.hparams', tuple(f'fedjax_personal.{n}' for n in (  # errors alone below
-        'core', 'models', 'config', 'algorithms', 'datasets', 'run', 'numerics', 'compilation',
-        'checkout'))),
-    ('fedjax_personal.algorithms', ('fedjax_personal.run', 'fedjax_personal.datasets')),
-    ('fedjax_personal.datasets', ('fedjax_personal.run', 'fedjax_personal.algorithms',
-                                  'fedjax_personal.fedjax')),
+@pytest.mark.parametrize(
+  'lower,upper',
+  [
+    (
+      'fedjax_personal.core',
+      (
+        'fedjax_personal.run',
+        'fedjax_personal.algorithms',
+        'fedjax_personal.datasets',
+        'fedjax_personal.config',
+      ),
+    ),
+    (
+      'fedjax_personal.models',
+      (
+        'fedjax_personal.run',
+        'fedjax_personal.algorithms',
+        'fedjax_personal.core',
+        'fedjax_personal.datasets',
+        'fedjax_personal.config',
+      ),
+    ),
+    (
+      'fedjax_personal.hparams',
+      tuple(
+        f'fedjax_personal.{n}'
+        for n in (  # errors alone below
+          'core',
+          'models',
+          'config',
+          'algorithms',
+          'datasets',
+          'run',
+          'numerics',
+          'compilation',
+          'checkout',
+        )
+      ),
+    ),
+    (
+      'fedjax_personal.algorithms',
+      ('fedjax_personal.run', 'fedjax_personal.datasets'),
+    ),
+    (
+      'fedjax_personal.datasets',
+      (
+        'fedjax_personal.run',
+        'fedjax_personal.algorithms',
+        'fedjax_personal.fedjax',
+      ),
+    ),
     # FedJAX's data API sits above the data sets, beside the algorithms.
-    ('fedjax_personal.fedjax', ('fedjax_personal.run', 'fedjax_personal.algorithms')),
+    (
+      'fedjax_personal.fedjax',
+      ('fedjax_personal.run', 'fedjax_personal.algorithms'),
+    ),
     ('fedjax_personal.errors', ('fedjax_personal.',)),
-])
+  ],
+)
 def test_layers_import_downwards_only(lower, upper):
-  bad = [(m, n) for m, deps in graph().items() if m == lower or m.startswith(lower + '.')
-         for n in deps if n.startswith(upper)]
+  bad = [
+    (m, n)
+    for m, deps in graph().items()
+    if m == lower or m.startswith(lower + '.')
+    for n in deps
+    if n.startswith(upper)
+  ]
   assert not bad, bad
 
 
@@ -228,24 +298,31 @@ def test_every_module_imports_alone():
   """Each module imported first in a fresh interpreter (one process for all,
   each import in a clean module table)."""
   mods = sorted(m for m in modules() if not m.endswith('__main__'))
-  code = ('import importlib, sys\n'
-          'base = set(sys.modules)\n'
-          'bad = []\n'
-          f'for m in {mods!r}:\n'
-          '  for k in [k for k in sys.modules if k not in base and k.startswith("fedjax_personal")]:\n'
-          '    del sys.modules[k]\n'
-          '  from absl import flags\n'  # the flags a module defines: defined again by its next import
-          '  for f in list(flags.FLAGS):\n'
-          '    if (flags.FLAGS.find_module_defining_flag(f) or "").startswith("fedjax_personal"):\n'
-          '      delattr(flags.FLAGS, f)\n'
-          '  try:\n'
-          '    importlib.import_module(m)\n'
-          '  except Exception as e:\n'
-          '    bad.append(f"{m}: {type(e).__name__}: {e}")\n'
-          'print("\\n".join(bad))\n'
-          'sys.exit(1 if bad else 0)\n')
-  r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300,
-                     env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  code = (
+    'import importlib, sys\n'
+    'base = set(sys.modules)\n'
+    'bad = []\n'
+    f'for m in {mods!r}:\n'
+    '  for k in [k for k in sys.modules if k not in base and k.startswith("fedjax_personal")]:\n'
+    '    del sys.modules[k]\n'
+    '  from absl import flags\n'  # the flags a module defines: defined again by its next import
+    '  for f in list(flags.FLAGS):\n'
+    '    if (flags.FLAGS.find_module_defining_flag(f) or "").startswith("fedjax_personal"):\n'
+    '      delattr(flags.FLAGS, f)\n'
+    '  try:\n'
+    '    importlib.import_module(m)\n'
+    '  except Exception as e:\n'
+    '    bad.append(f"{m}: {type(e).__name__}: {e}")\n'
+    'print("\\n".join(bad))\n'
+    'sys.exit(1 if bad else 0)\n'
+  )
+  r = subprocess.run(
+    [sys.executable, '-c', code],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, 'JAX_PLATFORMS': 'cpu'},
+  )
   assert r.returncode == 0, r.stdout + r.stderr[-2000:]
 
 
@@ -257,44 +334,74 @@ def test_a_second_checkout_never_mixes_with_the_installed_one(tmp_path):
   import shutil
   import subprocess
   import sys
+
   from fedjax_personal import checkout
+
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   second = tmp_path / 'second'
   for folder in ('fedjax_personal', 'algorithms', 'datasets'):
-    shutil.copytree(os.path.join(root, folder), second / folder,
-                    ignore=shutil.ignore_patterns('__pycache__', '*.egg-info', 'data'))
+    shutil.copytree(
+      os.path.join(root, folder),
+      second / folder,
+      ignore=shutil.ignore_patterns('__pycache__', '*.egg-info', 'data'),
+    )
   shutil.copy(os.path.join(root, 'setup.cfg'), second / 'setup.cfg')
-  code = ('import fedjax_personal, fedjax_personal.datasets.registry as n, '
-          'fedjax_personal.algorithms.fedavg as a; print(fedjax_personal.__file__); '
-          'print(n.__file__); print(a.__file__)')
-  r = subprocess.run([sys.executable, '-c', code], cwd=second, capture_output=True, text=True,
-                     timeout=300)
+  code = (
+    'import fedjax_personal, fedjax_personal.datasets.registry as n, '
+    'fedjax_personal.algorithms.fedavg as a; print(fedjax_personal.__file__); '
+    'print(n.__file__); print(a.__file__)'
+  )
+  r = subprocess.run(
+    [sys.executable, '-c', code],
+    cwd=second,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert r.returncode == 0, r.stderr[-2000:]
   files = r.stdout.split()
-  assert len(files) == 3 and all(f.startswith(str(second)) for f in files), files
+  assert len(files) == 3 and all(f.startswith(str(second)) for f in files), (
+    files
+  )
   import fedjax_personal.datasets  # noqa: F401  (from this checkout)
+
   with pytest.raises(ImportError, match='two checkouts mixed'):
     checkout.use_this_checkout(str(second / 'fedjax_personal'))
-  assert checkout.checkout_root(str(tmp_path / 'site-packages' / 'fedjax_personal')) is None
+  assert (
+    checkout.checkout_root(str(tmp_path / 'site-packages' / 'fedjax_personal'))
+    is None
+  )
 
 
-def test_host_memory_honours_the_address_space_and_cgroup_limits(monkeypatch, tmp_path):
+def test_host_memory_honours_the_address_space_and_cgroup_limits(
+  monkeypatch, tmp_path
+):
   """The memory plans read what this process may still allocate: the least
   of MemAvailable, the address space ulimit -v leaves and the cgroup's
   limit less its use."""
   import resource
+
   from fedjax_personal.core.population import placement
+
   free = placement._meminfo('MemAvailable')
   vm = placement._meminfo('VmSize', '/proc/self/status')
-  monkeypatch.setattr(resource, 'getrlimit', lambda which: (vm + (1 << 30), resource.RLIM_INFINITY))
+  monkeypatch.setattr(
+    resource,
+    'getrlimit',
+    lambda which: (vm + (1 << 30), resource.RLIM_INFINITY),
+  )
   left = placement.host_available_bytes()
-  assert left <= (1 << 30) + (64 << 20) and left < free  # about 1 GB of address space left
+  assert (
+    left <= (1 << 30) + (64 << 20) and left < free
+  )  # about 1 GB of address space left
   monkeypatch.undo()
   group = tmp_path / 'cg'
   group.mkdir()
   (group / 'memory.max').write_text('3000000000\n')
   (group / 'memory.current').write_text('1000000000\n')
-  monkeypatch.setattr('builtins.open', _opening({'/proc/self/cgroup': '0::/cg\n'}, open))
+  monkeypatch.setattr(
+    'builtins.open', _opening({'/proc/self/cgroup': '0::/cg\n'}, open)
+  )
   assert placement._cgroup_left(str(tmp_path)) == 2_000_000_000
   (group / 'memory.max').write_text('max\n')
   assert placement._cgroup_left(str(tmp_path)) is None
@@ -307,6 +414,7 @@ def _opening(texts, real_open):
     if path in texts:
       return io.StringIO(texts[path])
     return real_open(path, *args, **kwargs)
+
   return fake
 
 
@@ -315,6 +423,7 @@ def test_flags_are_read_by_the_entry_alone():
   ``read_flags``), into a ``Settings`` passed down: no other library module
   reads an absl flag's value (declaring flags is not reading them)."""
   import re
+
   reads = re.compile(r'\bFLAGS\s*(\.\s*\w|\[)|\bFLAGS\s*\(')
   found = {}
   for name, path in modules().items():
@@ -322,7 +431,9 @@ def test_flags_are_read_by_the_entry_alone():
     hits = [l.strip() for l in code if reads.search(l)]
     if hits:
       found[name] = hits
-  assert set(found) <= {'fedjax_personal.run.script_entry'}, found  # parsing argv
+  assert set(found) <= {'fedjax_personal.run.script_entry'}, (
+    found
+  )  # parsing argv
   cli = open(modules()['fedjax_personal.run.cli']).read()
   assert cli.count('read(FLAGS)') == 1
 
@@ -339,12 +450,24 @@ def test_no_message_under_core_names_a_flag():
         continue
       path = os.path.join(base, f)
       tree = ast.parse(open(path).read())
-      docs = {id(n.body[0].value) for n in ast.walk(tree)
-              if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
-              and n.body and isinstance(n.body[0], ast.Expr)
-              and isinstance(n.body[0].value, ast.Constant)}
+      docs = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(
+          n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)
+        )
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+      }
       for n in ast.walk(tree):
-        if (isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
-            and re.search(r'(^|[\s(\'"=])--[a-z]', n.value)):
-          bad.append(f'{os.path.relpath(path, ROOT)}:{n.lineno}: {n.value[:60]!r}')
+        if (
+          isinstance(n, ast.Constant)
+          and isinstance(n.value, str)
+          and id(n) not in docs
+          and re.search(r'(^|[\s(\'"=])--[a-z]', n.value)
+        ):
+          bad.append(
+            f'{os.path.relpath(path, ROOT)}:{n.lineno}: {n.value[:60]!r}'
+          )
   assert not bad, bad

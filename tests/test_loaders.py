@@ -3,8 +3,13 @@ import hashlib
 import numpy as np
 import pytest
 
-from fedjax_personal.datasets import (DataConfig, TextOptions, in_memory, load_federated,
-                                      local_files)
+from fedjax_personal.datasets import (
+  DataConfig,
+  TextOptions,
+  in_memory,
+  load_federated,
+  local_files,
+)
 from fedjax_personal.errors import ConfigError
 
 
@@ -13,8 +18,13 @@ def test_mnist_embedded_idx():
   assert x.shape == (10000, 28, 28, 1) and x.dtype == np.uint8 and c == 10
   assert np.bincount(y).min() > 800
   path = local_files.find_file('mnist_t10k/t10k-images-idx3-ubyte.gz')
-  assert hashlib.md5(path.read_bytes()).hexdigest() == '9fb629c4189551a2d022fa330f9573f3'
-  assert str(local_files.PACKAGE_DATA) in str(path)  # shipped inside the package
+  assert (
+    hashlib.md5(path.read_bytes()).hexdigest()
+    == '9fb629c4189551a2d022fa330f9573f3'
+  )
+  assert str(local_files.PACKAGE_DATA) in str(
+    path
+  )  # shipped inside the package
 
 
 def test_read_idx_rejects_garbage(tmp_path):
@@ -30,13 +40,16 @@ def test_digits():
 
 
 def test_missing_file_names_file_and_places(tmp_path):
-  with pytest.raises(FileNotFoundError, match='nope.npz: not found in ' + str(tmp_path)):
+  with pytest.raises(
+    FileNotFoundError, match='nope.npz: not found in ' + str(tmp_path)
+  ):
     local_files.find_file('nope.npz', str(tmp_path))
 
 
 @pytest.mark.needs_data('cifar10_jpeg.npz')
 def test_cifar10_jpeg_archive(tmp_path, monkeypatch):
   from fedjax_personal.datasets import cifar
+
   monkeypatch.setenv('FEDJAX_PERSONAL_CACHE', str(tmp_path))
   x, y, c = cifar.load('cifar10', split='test')
   assert x.shape == (10000, 32, 32, 3) and x.dtype == np.uint8 and c == 10
@@ -51,17 +64,28 @@ def test_tinyshakespeare_by_role():
   xs, ys, vocab = in_memory.load_tinyshakespeare(num_clients=10, seq_len=20)
   assert len(xs) == 10
   for x, y in zip(xs, ys):
-    assert x.shape[1] == 20 and np.array_equal(x[:, 1:], y[:, :-1])  # next character
+    assert x.shape[1] == 20 and np.array_equal(
+      x[:, 1:], y[:, :-1]
+    )  # next character
     assert x.shape[0] >= 1000 // 21
-  d = load_federated(DataConfig(dataset='tinyshakespeare', partition='natural', num_clients=5,
-                                options=TextOptions(seq_len=20)))
+  d = load_federated(
+    DataConfig(
+      dataset='tinyshakespeare',
+      partition='natural',
+      num_clients=5,
+      options=TextOptions(seq_len=20),
+    )
+  )
   assert d.num_classes == len(vocab) and d.train.y.shape[2] == 20
 
 
 def test_shakespeare_role_parsing():
   text = 'First Citizen:\nBefore we proceed:\nhear me.\n\nAll:\nSpeak.\n\nFirst Citizen:\nYou are.\n'
   roles = in_memory.parse_shakespeare_roles(text)
-  assert roles == {'First Citizen': 'Before we proceed:\nhear me.\nYou are.', 'All': 'Speak.'}
+  assert roles == {
+    'First Citizen': 'Before we proceed:\nhear me.\nYou are.',
+    'All': 'Speak.',
+  }
   with pytest.raises(ValueError, match='num_clients'):
     in_memory.load_tinyshakespeare(num_clients=3, min_chars=1, text=text)
 
@@ -74,7 +98,9 @@ def test_synthetic_alpha_beta():
   # Heterogeneity: label distributions differ across clients.
   dists = np.array([np.bincount(y, minlength=10) / len(y) for y in ys])
   assert dists.std(axis=0).mean() > 0.05
-  d = load_federated(DataConfig(dataset='synthetic', partition='natural', num_clients=8))
+  d = load_federated(
+    DataConfig(dataset='synthetic', partition='natural', num_clients=8)
+  )
   assert d.num_clients == 8 and d.train.x.shape[2] == 60
 
 
@@ -85,8 +111,12 @@ def test_synthetic_sizes_are_fedprox_lognormal_capped_or_not():
   sizes = np.random.default_rng(5).lognormal(4, 2, 40).astype(int) + 50
   assert sizes.max() > 1000  # the cap matters for this draw
   capped, _ = in_memory.synthetic(40, 1.0, 1.0, np.random.default_rng(5))
-  uncapped, _ = in_memory.synthetic(40, 1.0, 1.0, np.random.default_rng(5), max_examples=0)
-  np.testing.assert_array_equal([len(x) for x in capped], np.minimum(sizes, 1000))
+  uncapped, _ = in_memory.synthetic(
+    40, 1.0, 1.0, np.random.default_rng(5), max_examples=0
+  )
+  np.testing.assert_array_equal(
+    [len(x) for x in capped], np.minimum(sizes, 1000)
+  )
   np.testing.assert_array_equal([len(x) for x in uncapped], sizes)
   first = int(np.argmax(sizes > 1000))
   assert first > 0
@@ -99,11 +129,20 @@ def test_synthetic_settings_move_the_data():
   B_k ~ N(0, beta)). alpha shifts every entry of W_k and b_k by one u_k, every
   class's logit alike, so no label changes (FedProx's generator has it so;
   the command has no flag for it). A negative one is refused naming it."""
+
   def client_means(**kw):
-    d = load_federated(DataConfig(dataset='synthetic', partition='natural', num_clients=16,
-                                  seed=3, options=in_memory.SyntheticOptions(**kw)))
+    d = load_federated(
+      DataConfig(
+        dataset='synthetic',
+        partition='natural',
+        num_clients=16,
+        seed=3,
+        options=in_memory.SyntheticOptions(**kw),
+      )
+    )
     n = np.asarray(d.train.num_examples)
-    return np.array([d.train.x[k, :n[k]].mean() for k in range(16)]), d.train.y
+    return np.array([d.train.x[k, : n[k]].mean() for k in range(16)]), d.train.y
+
   flat, y0 = client_means(synthetic_beta=0.0)
   spread, _ = client_means(synthetic_beta=9.0)
   assert flat.std() < 0.5 < 1.5 < spread.std()  # about 1/sqrt(60) against 3
@@ -113,24 +152,37 @@ def test_synthetic_settings_move_the_data():
     in_memory.synthetic(2, 1.0, -1.0, np.random.default_rng(0))
 
 
-@pytest.mark.parametrize('name,shape,classes', [
-    ('mnist', (28, 28, 1), 10), ('cifar10', (32, 32, 3), 10),
-    ('emnist', (28, 28, 1), 62),  # TFDS's emnist is its byclass config, as --dataset=emnist
-    ('emnist/digits', (28, 28, 1), 10)])
+@pytest.mark.parametrize(
+  'name,shape,classes',
+  [
+    ('mnist', (28, 28, 1), 10),
+    ('cifar10', (32, 32, 3), 10),
+    (
+      'emnist',
+      (28, 28, 1),
+      62,
+    ),  # TFDS's emnist is its byclass config, as --dataset=emnist
+    ('emnist/digits', (28, 28, 1), 10),
+  ],
+)
 def test_tfds_loader_with_mock_data(name, shape, classes):
   """TFDS names mean what TFDS means (a builder config may follow)."""
   tfds = pytest.importorskip('tensorflow_datasets')
   from fedjax_personal.datasets.tfds_loader import load_tfds
+
   with tfds.testing.mock_data(num_examples=30):
     x, y, c = load_tfds(name)
     assert x.shape == (30,) + shape and c == classes and y.max() < classes
-    d = load_federated(DataConfig(dataset=f'tfds:{name}', num_clients=3, alpha=1.0))
+    d = load_federated(
+      DataConfig(dataset=f'tfds:{name}', num_clients=3, alpha=1.0)
+    )
     assert d.num_clients == 3
 
 
 def test_tfds_missing_data_is_a_clear_error(tmp_path):
   pytest.importorskip('tensorflow_datasets')
   from fedjax_personal.datasets.tfds_loader import load_tfds
+
   with pytest.raises(FileNotFoundError, match='not prepared'):
     load_tfds('mnist', data_dir=str(tmp_path))
 
@@ -138,6 +190,7 @@ def test_tfds_missing_data_is_a_clear_error(tmp_path):
 def test_tfds_tiny_shakespeare_text_with_mock_data():
   tfds = pytest.importorskip('tensorflow_datasets')
   from fedjax_personal.datasets.tfds_loader import load_tfds
+
   with tfds.testing.mock_data(num_examples=3):
     text = load_tfds('tiny_shakespeare')
   assert isinstance(text, str) and len(text) > 0

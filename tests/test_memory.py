@@ -8,21 +8,22 @@ import jax
 import numpy as np
 import optax
 import pytest
+from helpers import digits_data, run_rounds
 
 import fedjax_personal as fp
 from fedjax_personal.algorithms.ditto import ditto
 from fedjax_personal.algorithms.fedavg import fedavg
 from fedjax_personal.core import executors, fitting, memory
 from fedjax_personal.errors import ConfigError
-from helpers import digits_data, run_rounds
 
 GB = 1 << 30
 
 
 def stand_in_data(num_clients, max_examples=200, shape=(28, 28, 1)):
   """What the estimate reads of a data set (no 10,000 clients' arrays)."""
-  train = types.SimpleNamespace(max_examples=max_examples,
-                                x=np.zeros((1, 1) + shape, np.uint8))
+  train = types.SimpleNamespace(
+    max_examples=max_examples, x=np.zeros((1, 1) + shape, np.uint8)
+  )
   return types.SimpleNamespace(num_clients=num_clients, train=train)
 
 
@@ -37,11 +38,17 @@ def test_estimate_counts_state_rows_and_working_copies():
   alg = ditto(model, n, optax.sgd(0.1), fp.Batching(32, 1))
   need = memory.estimate(alg, stand_in_data(n), cohort_size=n)
   assert need.client_state_bytes == model_bytes  # one personal model per client
-  assert need.shared_bytes >= model_bytes  # the global model (and its optimizer state)
+  assert (
+    need.shared_bytes >= model_bytes
+  )  # the global model (and its optimizer state)
   assert need.working_bytes > memory.MODEL_COPIES * model_bytes
   # 10,000 personal models (8 GB) plus the cohort's new ones (8 GB) on one device.
-  np.testing.assert_allclose(need.resident(1) / GB, 2 * n * model_bytes / GB, rtol=0.01)
-  np.testing.assert_allclose(need.resident(2), need.shared_bytes + n * model_bytes, rtol=1e-6)
+  np.testing.assert_allclose(
+    need.resident(1) / GB, 2 * n * model_bytes / GB, rtol=0.01
+  )
+  np.testing.assert_allclose(
+    need.resident(2), need.shared_bytes + n * model_bytes, rtol=1e-6
+  )
 
 
 def test_ditto_10k_on_16_and_80_gb():
@@ -50,7 +57,9 @@ def test_ditto_10k_on_16_and_80_gb():
   # 80 GB: the whole cohort at once.
   assert memory.block_size(full, 80 * GB) is None
   # 16 GB: 16 GB of rows do not fit one device; the message says what would.
-  with pytest.raises(ConfigError, match='shard over 2 devices or more, or a smaller cohort_size'):
+  with pytest.raises(
+    ConfigError, match='shard over 2 devices or more, or a smaller cohort_size'
+  ):
     memory.block_size(full, 16 * GB)
   # Two 16 GB devices: each holds half the rows, in blocks.
   b = memory.block_size(full, 16 * GB, num_devices=2)
@@ -64,7 +73,9 @@ def test_ditto_10k_on_16_and_80_gb():
 @pytest.mark.slow
 def test_auto_picks_blocks_from_the_free_memory(monkeypatch):
   data = digits_data(num_clients=6)
-  model = fp.models.from_flax('mlp', fp.models.MLP(10, hidden=(16,)), data.train.x[0, :1])
+  model = fp.models.from_flax(
+    'mlp', fp.models.MLP(10, hidden=(16,)), data.train.x[0, :1]
+  )
   alg = fedavg(model, 6, optax.sgd(0.1), fp.Batching(16, 1))
   need = memory.estimate(alg, data, cohort_size=6)
   # Room for the state and 2 clients' work, not 6.
@@ -78,8 +89,11 @@ def test_auto_picks_blocks_from_the_free_memory(monkeypatch):
   # Same numbers as the vectorized round.
   _, blocked = run_rounds(alg, data, executor=runner.executor)
   _, whole = run_rounds(alg, data)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), blocked.params,
-               whole.params)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
+    blocked.params,
+    whole.params,
+  )
   # Plenty of memory: the whole cohort at once; no statistics (CPU): unchanged.
   assert fitting.fit_memory(auto, need, 100 * GB) is auto
   assert fitting.fit_memory(auto, need, None) is auto
@@ -92,17 +106,32 @@ def test_heavy_tailed_cohorts_run_in_blocks_by_work_on_an_accelerator():
   blocks the memory needs smaller win."""
   vmap = executors.VmapExecutor()
   equal = np.full(3400, 9)
-  tailed = np.minimum(13, np.random.default_rng(0).lognormal(2.0, 0.6, 3400).astype(int) + 1)
+  tailed = np.minimum(
+    13, np.random.default_rng(0).lognormal(2.0, 0.6, 3400).astype(int) + 1
+  )
   assert tailed.mean() / tailed.max() < fitting.WORK_BLOCKS_BELOW
   assert fitting.fit_work(vmap, equal, 500) is vmap
-  assert fitting.fit_work(vmap, tailed, 150) is vmap  # too few clients for two blocks
+  assert (
+    fitting.fit_work(vmap, tailed, 150) is vmap
+  )  # too few clients for two blocks
   blocked = fitting.fit_work(vmap, tailed, 500)
-  assert isinstance(blocked, executors.BlockedExecutor) and blocked.block_size == 100
+  assert (
+    isinstance(blocked, executors.BlockedExecutor) and blocked.block_size == 100
+  )
   assert blocked.num_threads == 1 and 'heavy-tailed' in blocked.reason
-  need = memory.Need(shared_bytes=0, client_state_bytes=0, num_clients=3400, cohort_size=500,
-                     working_bytes=1 << 20)
+  need = memory.Need(
+    shared_bytes=0,
+    client_state_bytes=0,
+    num_clients=3400,
+    cohort_size=500,
+    working_bytes=1 << 20,
+  )
   roomy, tight = 1 << 40, int(60.5 * (1 << 20) / memory.HEADROOM)
   assert fitting.fit_accelerator(vmap, equal, 500, need, roomy) is vmap
-  assert fitting.fit_accelerator(vmap, tailed, 500, need, roomy).block_size == 100
-  assert fitting.fit_accelerator(vmap, tailed, 500, need, tight).block_size == 60
+  assert (
+    fitting.fit_accelerator(vmap, tailed, 500, need, roomy).block_size == 100
+  )
+  assert (
+    fitting.fit_accelerator(vmap, tailed, 500, need, tight).block_size == 60
+  )
   assert fitting.fit_accelerator(vmap, equal, 500, need, tight).block_size == 60

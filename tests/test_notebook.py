@@ -8,8 +8,11 @@ import os
 import matplotlib
 import pytest
 
-NOTEBOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        'notebooks', 'quickstart.ipynb')
+NOTEBOOK = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  'notebooks',
+  'quickstart.ipynb',
+)
 
 
 @pytest.mark.slow
@@ -21,7 +24,9 @@ def test_quickstart_notebook_runs():
     if cell['cell_type'] != 'code':
       continue
     src = ''.join(cell['source'])
-    src = '\n'.join(l for l in src.splitlines() if not l.lstrip().startswith(('!', '%')))
+    src = '\n'.join(
+      l for l in src.splitlines() if not l.lstrip().startswith(('!', '%'))
+    )
     exec(compile(src, 'quickstart.ipynb', 'exec'), namespace)
   summaries = namespace['summaries']
   assert set(summaries) == {'fedavg', 'local', 'fedalt', 'ditto'}

@@ -22,7 +22,9 @@ def test_dirichlet_assigns_every_example_once_and_skews_labels(alpha):
   assert_disjoint_cover(p, len(y))
   assert p.sizes().min() >= 1  # empty clients topped up
   # Label skew grows as alpha shrinks: mean max-class share per client.
-  share = np.mean([np.bincount(y[i], minlength=10).max() / len(i) for i in p.client_indices])
+  share = np.mean(
+    [np.bincount(y[i], minlength=10).max() / len(i) for i in p.client_indices]
+  )
   if alpha == 0.01:
     assert share > 0.8
   if alpha == 100.0:
@@ -34,8 +36,12 @@ def test_dirichlet_is_deterministic_for_a_seed():
   a = partition.dirichlet(y, 10, 0.3, np.random.default_rng(5))
   b = partition.dirichlet(y, 10, 0.3, np.random.default_rng(5))
   c = partition.dirichlet(y, 10, 0.3, np.random.default_rng(6))
-  assert all(np.array_equal(x, z) for x, z in zip(a.client_indices, b.client_indices))
-  assert not all(np.array_equal(x, z) for x, z in zip(a.client_indices, c.client_indices))
+  assert all(
+    np.array_equal(x, z) for x, z in zip(a.client_indices, b.client_indices)
+  )
+  assert not all(
+    np.array_equal(x, z) for x, z in zip(a.client_indices, c.client_indices)
+  )
 
 
 @pytest.mark.slow
@@ -94,7 +100,9 @@ def test_rotation_groups_rotate_images():
   for i in range(8):
     idx = p.client_indices[i]
     xr, yr = p.client_transform(i, x[idx], y[idx])
-    np.testing.assert_array_equal(xr, np.rot90(x[idx], k=p.groups[i], axes=(1, 2)))
+    np.testing.assert_array_equal(
+      xr, np.rot90(x[idx], k=p.groups[i], axes=(1, 2))
+    )
     np.testing.assert_array_equal(yr, y[idx])
   with pytest.raises(ValueError, match='num_groups'):
     partition.rotation_groups(y, 8, np.random.default_rng(0), num_groups=3)
@@ -102,13 +110,17 @@ def test_rotation_groups_rotate_images():
 
 def test_label_permutation_groups():
   y = labels(400)
-  p = partition.label_permutation_groups(y, 8, 10, np.random.default_rng(0), num_groups=2)
+  p = partition.label_permutation_groups(
+    y, 8, 10, np.random.default_rng(0), num_groups=2
+  )
   maps = {}
   for i in range(8):
     idx = p.client_indices[i]
     _, yp = p.client_transform(i, None, y[idx])
     for a, b in zip(y[idx], yp):
-      assert maps.setdefault((p.groups[i], a), b) == b  # one permutation per group
+      assert (
+        maps.setdefault((p.groups[i], a), b) == b
+      )  # one permutation per group
   assert all(maps[(0, c)] == c for c in range(10))  # group 0 keeps the labels
   assert any(maps[(1, c)] != c for c in range(10))
 
@@ -116,37 +128,59 @@ def test_label_permutation_groups():
 @pytest.mark.parametrize('permute', [False, True])
 def test_sparse_classes(permute):
   y = np.repeat(np.arange(10), 100)
-  p = partition.sparse_classes(y, 10, 10, 5, np.random.default_rng(0), examples_per_client=100,
-                               permute=permute)
+  p = partition.sparse_classes(
+    y,
+    10,
+    10,
+    5,
+    np.random.default_rng(0),
+    examples_per_client=100,
+    permute=permute,
+  )
   assert_disjoint_cover(p, len(y), exact=False)
   for i, idx in enumerate(p.client_indices):
     assert set(y[idx]) == {(i + j) % 10 for j in range(5)}
-    assert len(idx) == 100 and np.all(np.bincount(y[idx], minlength=10)[y[idx]] == 20)
+    assert len(idx) == 100 and np.all(
+      np.bincount(y[idx], minlength=10)[y[idx]] == 20
+    )
     if permute:
       _, yp = p.client_transform(i, None, y[idx])
       assert set(yp) == set(range(5))
   if permute:
     assert p.num_classes == 5
     # Different devices map the same class to different indices.
-    maps = [dict(zip(y[p.client_indices[i]], p.client_transform(i, None, y[p.client_indices[i]])[1]))
-            for i in range(10)]
+    maps = [
+      dict(
+        zip(
+          y[p.client_indices[i]],
+          p.client_transform(i, None, y[p.client_indices[i]])[1],
+        )
+      )
+      for i in range(10)
+    ]
     assert len({m[4] for m in maps if 4 in m}) > 1
 
 
 def test_latent_clusters_follow_kmeans():
   rng = np.random.default_rng(0)
   centers = np.array([[0, 0], [10, 10], [-10, 10]], np.float32)
-  x = np.concatenate([c + rng.normal(size=(60, 2)) for c in centers]).astype(np.float32)
+  x = np.concatenate([c + rng.normal(size=(60, 2)) for c in centers]).astype(
+    np.float32
+  )
   p = partition.latent_clusters(x, 6, 3, np.random.default_rng(0))
   assert_disjoint_cover(p, len(x))
   for g in range(3):
     members = np.nonzero(p.groups == g)[0]
     pts = np.concatenate([x[p.client_indices[m]] for m in members])
-    assert np.linalg.norm(pts - pts.mean(0), axis=1).max() < 6  # one tight cluster
+    assert (
+      np.linalg.norm(pts - pts.mean(0), axis=1).max() < 6
+    )  # one tight cluster
 
 
 def test_federated_splits_come_from_the_client_distribution():
-  d = load_federated(DataConfig(dataset='mnist', num_clients=10, alpha=0.1, seed=0))
+  d = load_federated(
+    DataConfig(dataset='mnist', num_clients=10, alpha=0.1, seed=0)
+  )
   for i in range(10):
     ntr, nte = int(d.train.num_examples[i]), int(d.test.num_examples[i])
     assert nte >= 1 and abs(nte - 0.2 * (ntr + nte)) <= 1
@@ -154,16 +188,21 @@ def test_federated_splits_come_from_the_client_distribution():
     te = set(d.test.y[i, :nte].tolist())
     assert te <= tr | te and len(te - tr) <= 1  # same label skew
   assert int(d.train.num_examples.sum() + d.test.num_examples.sum()) == 10000
-  again = load_federated(DataConfig(dataset='mnist', num_clients=10, alpha=0.1, seed=0))
+  again = load_federated(
+    DataConfig(dataset='mnist', num_clients=10, alpha=0.1, seed=0)
+  )
   np.testing.assert_array_equal(d.train.y, again.train.y)
 
 
 def test_label_skew_by_hand():
   """Zhao et al.'s label skew sum_c |p_i(c) - p(c)|, averaged over clients."""
   from fedjax_personal.core.data import FederatedData, pad_clients
+
   ys = [np.array([0, 0, 0, 1]), np.array([1, 1, 2, 2])]  # pooled: 3/8, 3/8, 2/8
   split = pad_clients([np.zeros((4, 2))] * 2, ys, (2,), np.float32)
-  data = FederatedData(train=split, val=split, test=split, groups=np.full(2, -1), num_classes=3)
+  data = FederatedData(
+    train=split, val=split, test=split, groups=np.full(2, -1), num_classes=3
+  )
   # client 0: (3/4, 1/4, 0) -> 3/8 + 1/8 + 2/8; client 1: (0, 1/2, 1/2) -> 3/8 + 1/8 + 2/8
   np.testing.assert_allclose(data.label_skew(), 0.75)
 
@@ -175,23 +214,46 @@ def test_semantic_features_cluster_by_class_better_than_pixels():
   pixels' (adjusted Rand index), and the features follow the seed."""
   from sklearn.cluster import KMeans
   from sklearn.metrics import adjusted_rand_score
+
   from fedjax_personal.datasets import embedding, in_memory
+
   x, y, c = in_memory.load_digits()
   f = embedding.semantic_features(x, y, c, seed=0)
   np.testing.assert_array_equal(f, embedding.semantic_features(x, y, c, seed=0))
-  ari = {name: adjusted_rand_score(y, KMeans(10, n_init=3, random_state=0).fit_predict(v))
-         for name, v in (('pixels', x.reshape(len(x), -1)), ('embedding', f))}
-  assert ari['embedding'] > ari['pixels'] + 0.15, ari  # measured 0.87 against 0.57
+  ari = {
+    name: adjusted_rand_score(
+      y, KMeans(10, n_init=3, random_state=0).fit_predict(v)
+    )
+    for name, v in (('pixels', x.reshape(len(x), -1)), ('embedding', f))
+  }
+  assert ari['embedding'] > ari['pixels'] + 0.15, (
+    ari
+  )  # measured 0.87 against 0.57
 
 
 def test_latent_features_only_for_latent_clusters():
   from fedjax_personal.errors import ConfigError
+
   with pytest.raises(ConfigError, match='latent_features'):
-    load_federated(DataConfig(dataset='digits', partition='iid', latent_features='embedding'))
+    load_federated(
+      DataConfig(dataset='digits', partition='iid', latent_features='embedding')
+    )
   with pytest.raises(ConfigError, match='latent_features'):
-    load_federated(DataConfig(dataset='digits', partition='latent_clusters',
-                              latent_features='vgg'))
-  skew = {f: load_federated(DataConfig(dataset='digits', partition='latent_clusters',
-                                       num_clients=10, num_groups=5, latent_features=f)).label_skew()
-          for f in ('pixels', 'embedding')}
+    load_federated(
+      DataConfig(
+        dataset='digits', partition='latent_clusters', latent_features='vgg'
+      )
+    )
+  skew = {
+    f: load_federated(
+      DataConfig(
+        dataset='digits',
+        partition='latent_clusters',
+        num_clients=10,
+        num_groups=5,
+        latent_features=f,
+      )
+    ).label_skew()
+    for f in ('pixels', 'embedding')
+  }
   assert skew['embedding'] > skew['pixels'], skew

@@ -15,9 +15,15 @@ import fedjax_personal.datasets
 
 def _modules():
   names = set()
-  for pkg in (fedjax_personal, fedjax_personal.algorithms, fedjax_personal.datasets):
+  for pkg in (
+    fedjax_personal,
+    fedjax_personal.algorithms,
+    fedjax_personal.datasets,
+  ):
     names.add(pkg.__name__)
-    names.update(m.name for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'))
+    names.update(
+      m.name for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.')
+    )
   return sorted(names)
 
 
@@ -25,8 +31,11 @@ def _documented(obj) -> bool:
   doc = obj.__dict__.get('__doc__') if inspect.isclass(obj) else obj.__doc__
   if not doc or not doc.strip():
     return False
-  return not (inspect.isclass(obj) and dataclasses.is_dataclass(obj)
-              and doc.startswith(obj.__name__ + '('))
+  return not (
+    inspect.isclass(obj)
+    and dataclasses.is_dataclass(obj)
+    and doc.startswith(obj.__name__ + '(')
+  )
 
 
 def test_every_public_function_and_class_has_a_docstring():
@@ -34,7 +43,9 @@ def test_every_public_function_and_class_has_a_docstring():
   for name in _modules():
     module = importlib.import_module(name)
     for attr, obj in vars(module).items():
-      if attr.startswith('_') or not (inspect.isfunction(obj) or inspect.isclass(obj)):
+      if attr.startswith('_') or not (
+        inspect.isfunction(obj) or inspect.isclass(obj)
+      ):
         continue
       if getattr(obj, '__module__', None) != name:
         continue  # imported from elsewhere: checked where it is defined
@@ -42,7 +53,9 @@ def test_every_public_function_and_class_has_a_docstring():
       if not _documented(obj):
         missing.append(f'{name}.{attr}')
   assert seen > 300
-  assert not missing, f'{len(missing)} public names without a docstring: {missing}'
+  assert not missing, (
+    f'{len(missing)} public names without a docstring: {missing}'
+  )
 
 
 def test_every_module_declares_its_public_names():
@@ -55,18 +68,26 @@ def test_every_module_declares_its_public_names():
       missing.append(name)
       continue
     unknown += [f'{name}.{a}' for a in module.__all__ if not hasattr(module, a)]
-    foreign += [f'{name}.{a}' for a in module.__all__ if hasattr(module, a)
-                and _foreign(a, getattr(module, a))]
-  assert not missing, (f'modules without __all__ (the names users may rely on; the rest are its '
-                       f'helpers): {missing}')
+    foreign += [
+      f'{name}.{a}'
+      for a in module.__all__
+      if hasattr(module, a) and _foreign(a, getattr(module, a))
+    ]
+  assert not missing, (
+    f'modules without __all__ (the names users may rely on; the rest are its '
+    f'helpers): {missing}'
+  )
   assert not unknown, f'__all__ names that do not exist: {unknown}'
-  assert not foreign, f'__all__ names of other packages (os, np, typing...): {foreign}'
+  assert not foreign, (
+    f'__all__ names of other packages (os, np, typing...): {foreign}'
+  )
 
 
 def _foreign(name: str, obj) -> bool:
   """Another package's module or typing name (what a module imports, not what
   it offers; a type alias of its own, ``PyTree = Any``, is its own)."""
   import typing
+
   if inspect.ismodule(obj):
     return not obj.__name__.startswith('fedjax_personal')
   return getattr(typing, name, None) is obj
@@ -79,6 +100,7 @@ def test_every_public_function_says_its_arguments_and_results():
   algorithm's ``build`` and ``check`` follow one contract, written once in
   ``AlgorithmSpec``'s attributes."""
   import re
+
   bad, wrong, seen = set(), set(), 0
   for name in _modules():
     module = importlib.import_module(name)
@@ -86,21 +108,34 @@ def test_every_public_function_says_its_arguments_and_results():
       obj = getattr(module, attr)
       if not inspect.isfunction(obj) or obj.__module__ != name:
         continue  # classes have their docstring test; re-exports are checked where defined
-      if name.startswith('fedjax_personal.algorithms.') and attr in ('build', 'check'):
+      if name.startswith('fedjax_personal.algorithms.') and attr in (
+        'build',
+        'check',
+      ):
         continue
       seen += 1
       doc = obj.__doc__ or ''
-      params = [p for p in inspect.signature(obj).parameters if p not in ('self', 'cls')]
-      if (params and 'Args:' not in doc) or not ('Returns:' in doc or 'Yields:' in doc):
+      params = [
+        p for p in inspect.signature(obj).parameters if p not in ('self', 'cls')
+      ]
+      if (params and 'Args:' not in doc) or not (
+        'Returns:' in doc or 'Yields:' in doc
+      ):
         bad.add(f'{name}.{attr}')
       if 'Args:' in doc:
-        section = re.split(r'\n\s*(?:Returns|Yields|Raises):', doc.split('Args:')[1])[0]
+        section = re.split(
+          r'\n\s*(?:Returns|Yields|Raises):', doc.split('Args:')[1]
+        )[0]
         named = re.findall(r'^ {4}(\w+)(?:, \w+)*:', section, re.M)
         if set(named) - set(inspect.signature(obj).parameters):
-          wrong.add(f'{name}.{attr}: {sorted(set(named) - set(inspect.signature(obj).parameters))}')
+          wrong.add(
+            f'{name}.{attr}: {sorted(set(named) - set(inspect.signature(obj).parameters))}'
+          )
   assert seen > 300
-  assert not bad, (f'public functions without Google-style Args: / Returns: sections (see any '
-                   f'module of the package): {sorted(bad)}')
+  assert not bad, (
+    f'public functions without Google-style Args: / Returns: sections (see any '
+    f'module of the package): {sorted(bad)}'
+  )
   assert not wrong, f'Args: entries that name no parameter: {sorted(wrong)}'
 
 
@@ -108,10 +143,13 @@ def _public_use(code: str):
   """Names ``code`` takes from this package that are not in the ``__all__``
   of the module it takes them from (imports and ``alias.name`` chains)."""
   import re
+
   aliases, bad = {}, []
   for m in re.finditer(r'^import (fedjax_personal[\w.]*) as (\w+)', code, re.M):
     aliases[m.group(2)] = m.group(1)
-  for m in re.finditer(r'^from (fedjax_personal[\w.]*) import ([\w, ]+)', code, re.M):
+  for m in re.finditer(
+    r'^from (fedjax_personal[\w.]*) import ([\w, ]+)', code, re.M
+  ):
     module = importlib.import_module(m.group(1))
     for n in (x.strip() for x in m.group(2).split(',')):
       sub = f'{m.group(1)}.{n}'
@@ -139,12 +177,16 @@ def test_the_readme_and_the_notebook_use_only_public_names():
   import json
   import os
   import re
+
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   readme = open(os.path.join(root, 'README.md')).read()
   code = '\n'.join(re.findall(r'```python\n(.*?)```', readme, flags=re.S))
-  notebook = json.load(open(os.path.join(root, 'notebooks', 'quickstart.ipynb')))
-  code += '\n' + '\n'.join(''.join(c['source']) for c in notebook['cells']
-                           if c['cell_type'] == 'code')
+  notebook = json.load(
+    open(os.path.join(root, 'notebooks', 'quickstart.ipynb'))
+  )
+  code += '\n' + '\n'.join(
+    ''.join(c['source']) for c in notebook['cells'] if c['cell_type'] == 'code'
+  )
   assert 'fedjax_personal' in code
   assert _public_use(code) == []
   assert _public_use('import fedjax_personal as fp\nfp.core.engine._row') != []

@@ -16,8 +16,10 @@ protobuf = pytest.importorskip('google.protobuf')
 def _example_class():
   """tf.train.Example from example.proto and feature.proto's fields."""
   from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-  fd = descriptor_pb2.FileDescriptorProto(name='made_example.proto', package='made',
-                                          syntax='proto3')
+
+  fd = descriptor_pb2.FileDescriptorProto(
+    name='made_example.proto', package='made', syntax='proto3'
+  )
   F = descriptor_pb2.FieldDescriptorProto
 
   def message(name, *fields, options=None):
@@ -29,27 +31,42 @@ def _example_class():
       if oneof is not None:
         f.oneof_index = oneof
     return m
+
   rep, opt = F.LABEL_REPEATED, F.LABEL_OPTIONAL
   message('BytesList', (1, 'value', F.TYPE_BYTES, rep, None, None))
   fl = message('FloatList', (1, 'value', F.TYPE_FLOAT, rep, None, None))
   fl.field[0].options.packed = True
   il = message('Int64List', (1, 'value', F.TYPE_INT64, rep, None, None))
   il.field[0].options.packed = True
-  feature = message('Feature', (1, 'bytes_list', F.TYPE_MESSAGE, opt, '.made.BytesList', 0),
-                    (2, 'float_list', F.TYPE_MESSAGE, opt, '.made.FloatList', 0),
-                    (3, 'int64_list', F.TYPE_MESSAGE, opt, '.made.Int64List', 0))
+  feature = message(
+    'Feature',
+    (1, 'bytes_list', F.TYPE_MESSAGE, opt, '.made.BytesList', 0),
+    (2, 'float_list', F.TYPE_MESSAGE, opt, '.made.FloatList', 0),
+    (3, 'int64_list', F.TYPE_MESSAGE, opt, '.made.Int64List', 0),
+  )
   feature.oneof_decl.add(name='kind')
-  features = message('Features', (1, 'feature', F.TYPE_MESSAGE, rep,
-                                  '.made.Features.FeatureEntry', None))
+  features = message(
+    'Features',
+    (1, 'feature', F.TYPE_MESSAGE, rep, '.made.Features.FeatureEntry', None),
+  )
   entry = features.nested_type.add(name='FeatureEntry')
   entry.field.add(name='key', number=1, type=F.TYPE_STRING, label=opt)
-  entry.field.add(name='value', number=2, type=F.TYPE_MESSAGE, label=opt,
-                  type_name='.made.Feature')
+  entry.field.add(
+    name='value',
+    number=2,
+    type=F.TYPE_MESSAGE,
+    label=opt,
+    type_name='.made.Feature',
+  )
   entry.options.map_entry = True
-  message('Example', (1, 'features', F.TYPE_MESSAGE, opt, '.made.Features', None))
+  message(
+    'Example', (1, 'features', F.TYPE_MESSAGE, opt, '.made.Features', None)
+  )
   pool = descriptor_pool.DescriptorPool()
   pool.Add(fd)
-  return message_factory.GetMessageClass(pool.FindMessageTypeByName('made.Example'))
+  return message_factory.GetMessageClass(
+    pool.FindMessageTypeByName('made.Example')
+  )
 
 
 Example = _example_class()
@@ -58,6 +75,7 @@ Example = _example_class()
 def _theirs(data: bytes):
   """{key: values} as protobuf reads ``data``, or None where it refuses."""
   from google.protobuf.message import DecodeError
+
   e = Example()
   try:
     e.ParseFromString(data)
@@ -106,13 +124,23 @@ def _random_example(rng) -> bytes:
     f = e.features.feature[f'k{i}' if rng.random() < 0.8 else '']
     kind = rng.integers(0, 4)
     if kind == 0:
-      f.bytes_list.value.extend([bytes(rng.integers(0, 256, rng.integers(0, 5)).astype(np.uint8))
-                                 for _ in range(rng.integers(0, 4))])
+      f.bytes_list.value.extend(
+        [
+          bytes(rng.integers(0, 256, rng.integers(0, 5)).astype(np.uint8))
+          for _ in range(rng.integers(0, 4))
+        ]
+      )
     elif kind == 1:
-      f.float_list.value.extend(rng.normal(size=rng.integers(0, 6)).astype(np.float32).tolist())
+      f.float_list.value.extend(
+        rng.normal(size=rng.integers(0, 6)).astype(np.float32).tolist()
+      )
     elif kind == 2:
-      f.int64_list.value.extend(int(v) for v in rng.integers(-2**63, 2**63 - 1, rng.integers(0, 6),
-                                                               dtype=np.int64))
+      f.int64_list.value.extend(
+        int(v)
+        for v in rng.integers(
+          -(2**63), 2**63 - 1, rng.integers(0, 6), dtype=np.int64
+        )
+      )
   return e.SerializeToString()
 
 
@@ -123,7 +151,7 @@ def _mutate(rng, data: bytes) -> bytes:
   if kind == 0:
     return data + _random_example(rng)  # two messages: merged
   if kind == 1 and data:
-    return data[:int(rng.integers(0, len(data)))]
+    return data[: int(rng.integers(0, len(data)))]
   if kind == 2 and data:
     b = bytearray(data)
     b[int(rng.integers(0, len(b)))] = int(rng.integers(0, 256))
@@ -132,7 +160,11 @@ def _mutate(rng, data: bytes) -> bytes:
     field = int(rng.integers(2, 30))
     junk = bytes([field << 3 | 0, 0x96, 0x01])
     if rng.random() < 0.5:
-      junk = bytes([field << 3 | 3]) + bytes([(field + 1) << 3 | 0, 5]) + bytes([field << 3 | 4])
+      junk = (
+        bytes([field << 3 | 3])
+        + bytes([(field + 1) << 3 | 0, 5])
+        + bytes([field << 3 | 4])
+      )
     return junk + data
   return data
 
@@ -151,19 +183,24 @@ def test_random_and_mutated_examples_read_as_protobuf_reads_them():
   assert refused > 50 and checked - refused > 2000  # both kinds well covered
 
 
-@pytest.mark.parametrize('data', [
+@pytest.mark.parametrize(
+  'data',
+  [
     # one Feature whose int64 list comes in two parts: merged [1, 2, 3]
-    bytes.fromhex('0a11' '0a0f' '0a0161' '120a' '1a03 0a0101 1a03 0a020203'.replace(' ', '')),
+    bytes.fromhex(
+      '0a110a0f0a0161120a1a03 0a0101 1a03 0a020203'.replace(' ', '')
+    ),
     # a 10-byte varint (protobuf keeps its low 64 bits) in an unpacked int64 list
-    bytes.fromhex('0a15' '0a13' '0a0161' '120e' '1a0c' '08' 'ffffffffffffffffff01'),
+    bytes.fromhex('0a150a130a0161120e1a0c08ffffffffffffffffff01'),
     # an 11-byte varint: refused by both
-    bytes.fromhex('0a16' '0a14' '0a0161' '120f' '1a0d' '08' 'ffffffffffffffffffff01'),
+    bytes.fromhex('0a160a140a0161120f1a0d08ffffffffffffffffffff01'),
     # an int64 value of wire type fixed32: an unknown field to protobuf, skipped
-    bytes.fromhex('0a0f' '0a0d' '0a0161' '1208' '1a06' '0d' '01000000'),
+    bytes.fromhex('0a0f0a0d0a016112081a060d01000000'),
     # field number 0: refused
     bytes.fromhex('0002'),
     # an end of group nobody opened: refused
     bytes.fromhex('0c'),
-])
+  ],
+)
 def test_edges_read_as_protobuf_reads_them(data):
   assert _same(_theirs(data), _ours(data)), (_theirs(data), _ours(data))

@@ -19,13 +19,18 @@ def _view(tmp_path, changed=None):
   ({path under the package: (old, new)}) copied and edited."""
   view = tmp_path / 'view' / 'fedjax_personal'
   view.mkdir(parents=True)
-  sources = {n: os.path.join(ROOT, 'fedjax_personal', n)
-             for n in os.listdir(os.path.join(ROOT, 'fedjax_personal')) if n != '__pycache__'}
+  sources = {
+    n: os.path.join(ROOT, 'fedjax_personal', n)
+    for n in os.listdir(os.path.join(ROOT, 'fedjax_personal'))
+    if n != '__pycache__'
+  }
   sources.update({n: os.path.join(ROOT, n) for n in ('algorithms', 'datasets')})
   changed = changed or {}
   for name, src in sources.items():
     if any(p.split('/')[0] == name for p in changed):
-      shutil.copytree(src, view / name, ignore=shutil.ignore_patterns('__pycache__'))
+      shutil.copytree(
+        src, view / name, ignore=shutil.ignore_patterns('__pycache__')
+      )
     else:
       os.symlink(src, view / name)
   for path, (old, new) in changed.items():
@@ -38,9 +43,21 @@ def _view(tmp_path, changed=None):
 def _mypy(tmp_path, view):
   pytest.importorskip('mypy')
   return subprocess.run(
-      [sys.executable, '-m', 'mypy', 'fedjax_personal', '--config-file',
-       os.path.join(ROOT, 'setup.cfg'), '--cache-dir', str(tmp_path / 'cache')],
-      cwd=view, capture_output=True, text=True, timeout=600)
+    [
+      sys.executable,
+      '-m',
+      'mypy',
+      'fedjax_personal',
+      '--config-file',
+      os.path.join(ROOT, 'setup.cfg'),
+      '--cache-dir',
+      str(tmp_path / 'cache'),
+    ],
+    cwd=view,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
 
 
 def test_mypy_finds_no_error(tmp_path):
@@ -49,11 +66,21 @@ def test_mypy_finds_no_error(tmp_path):
 
 
 def test_mypy_finds_a_misspelled_attribute(tmp_path):
-  view = _view(tmp_path, {
+  view = _view(
+    tmp_path,
+    {
       'run/cli.py': ('d.num_processes', 'd.num_process'),
-      'algorithms/fedavg.py': ('cohort_train_metrics(out.stats,', 'cohort_train_metrics(out.stat,'),
-  })
+      'algorithms/fedavg.py': (
+        'cohort_train_metrics(out.stats,',
+        'cohort_train_metrics(out.stat,',
+      ),
+    },
+  )
   r = _mypy(tmp_path, view)
   assert r.returncode == 1, r.stdout[-4000:]
-  assert 'run/cli.py' in r.stdout and '"num_process"' in r.stdout, r.stdout[-4000:]
-  assert 'algorithms/fedavg.py' in r.stdout and '"stat"' in r.stdout, r.stdout[-4000:]
+  assert 'run/cli.py' in r.stdout and '"num_process"' in r.stdout, r.stdout[
+    -4000:
+  ]
+  assert 'algorithms/fedavg.py' in r.stdout and '"stat"' in r.stdout, r.stdout[
+    -4000:
+  ]

@@ -47,11 +47,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 from fedjax_personal.models import create_model  # noqa: E402
 
 # row -> (files, project model, classes, one input's shape and dtype)
-ROWS = {'mlp': ('emnist', 'mlp', 62, (28, 28, 1), np.float32),
-        'cnn': ('emnist', 'reddi_emnist_cnn', 62, (28, 28, 1), np.float32),
-        'lstm': ('stackoverflow', 'fedjax_lstm_lm', 10004, (20,), np.int32),
-        'shakespeare': ('shakespeare', 'fedjax_char_lstm', 90, (80,), np.int32),
-        'transformer': ('stackoverflow', 'transformer_lm', 10004, (20,), np.int32)}
+ROWS = {
+  'mlp': ('emnist', 'mlp', 62, (28, 28, 1), np.float32),
+  'cnn': ('emnist', 'reddi_emnist_cnn', 62, (28, 28, 1), np.float32),
+  'lstm': ('stackoverflow', 'fedjax_lstm_lm', 10004, (20,), np.int32),
+  'shakespeare': ('shakespeare', 'fedjax_char_lstm', 90, (80,), np.int32),
+  'transformer': ('stackoverflow', 'transformer_lm', 10004, (20,), np.int32),
+}
 
 
 def client_examples(work_dir, files):
@@ -60,10 +62,18 @@ def client_examples(work_dir, files):
   the other files' ``num_examples``."""
   folder = os.path.join(work_dir, files)
   if files == 'shakespeare':
-    return np.loadtxt(os.path.join(folder, 'shakespeare_train.windows'), dtype=np.int64)
-  name = 'federated_emnist_train.sqlite' if files == 'emnist' else 'stackoverflow_train.sqlite'
+    return np.loadtxt(
+      os.path.join(folder, 'shakespeare_train.windows'), dtype=np.int64
+    )
+  name = (
+    'federated_emnist_train.sqlite'
+    if files == 'emnist'
+    else 'stackoverflow_train.sqlite'
+  )
   with sqlite3.connect(os.path.join(folder, name)) as conn:
-    return np.array([r[0] for r in conn.execute('SELECT num_examples FROM federated_data')])
+    return np.array(
+      [r[0] for r in conn.execute('SELECT num_examples FROM federated_data')]
+    )
 
 
 def sgd_step(row, batch):
@@ -80,14 +90,17 @@ def sgd_step(row, batch):
   params = model.init(jax.random.key(0))
 
   def step(p, xb, yb):
-    loss = lambda q: optax.softmax_cross_entropy_with_integer_labels(model.apply(q, xb), yb).mean()
+    loss = lambda q: optax.softmax_cross_entropy_with_integer_labels(
+      model.apply(q, xb), yb
+    ).mean()
     return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss)(p))
+
   return step, params, jnp.asarray(x), jnp.asarray(y)
 
 
 def _sub_jaxprs(eqn):
   for v in eqn.params.values():
-    for sub in (v if isinstance(v, (list, tuple)) else [v]):
+    for sub in v if isinstance(v, (list, tuple)) else [v]:
       inner = getattr(sub, 'jaxpr', sub)
       if hasattr(inner, 'eqns'):
         yield inner
@@ -100,8 +113,14 @@ def matmuls(jaxpr, times=1, out=None):
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if name in ('dot_general', 'conv_general_dilated'):
-      shapes = tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars)
-      key = (name, shapes, tuple(sorted((k, repr(v)) for k, v in eqn.params.items())))
+      shapes = tuple(
+        (tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars
+      )
+      key = (
+        name,
+        shapes,
+        tuple(sorted((k, repr(v)) for k, v in eqn.params.items())),
+      )
       count, flops, e = out.get(key, (0, 0, eqn))
       out[key] = (count + times, flops + times * _flops(eqn), e)
       continue
@@ -120,7 +139,9 @@ def _flops(eqn):
   spec = eqn.params['dimension_numbers']
   kernel_spatial = [rhs[d] for d in spec.rhs_spec[2:]]
   in_per_group = rhs[spec.rhs_spec[1]]
-  return 2 * int(np.prod(out)) * int(np.prod(kernel_spatial)) * int(in_per_group)
+  return (
+    2 * int(np.prod(out)) * int(np.prod(kernel_spatial)) * int(in_per_group)
+  )
 
 
 def _loop_seconds(body, init, threads=1, reps=5, length=20):
@@ -128,7 +149,11 @@ def _loop_seconds(body, init, threads=1, reps=5, length=20):
   ``threads`` host threads run the scan at once (as the blocked executor's
   threads run their clients: cores that share a physical core, caches or
   memory show it here); the median over ``reps``."""
-  run = jax.jit(lambda c: jax.lax.scan(lambda c, _: (body(c), None), c, None, length=length)[0])
+  run = jax.jit(
+    lambda c: jax.lax.scan(
+      lambda c, _: (body(c), None), c, None, length=length
+    )[0]
+  )
   jax.block_until_ready(run(init))
   times = []
   for _ in range(reps):
@@ -137,6 +162,7 @@ def _loop_seconds(body, init, threads=1, reps=5, length=20):
     def one():
       start.wait()
       jax.block_until_ready(run(init))
+
     pool = [threading.Thread(target=one) for _ in range(threads)]
     for t in pool:
       t.start()
@@ -152,8 +178,10 @@ def op_seconds(eqn, threads=1):
   """One matmul or convolution alone, at its shapes and parameters, on
   each of ``threads`` threads at once."""
   rng = np.random.default_rng(1)
-  args = [jnp.asarray(rng.standard_normal(v.aval.shape).astype(v.aval.dtype) * 0.1)
-          for v in eqn.invars]
+  args = [
+    jnp.asarray(rng.standard_normal(v.aval.shape).astype(v.aval.dtype) * 0.1)
+    for v in eqn.invars
+  ]
 
   def body(c):
     out = eqn.primitive.bind(args[0] + c, *args[1:], **eqn.params)
@@ -161,13 +189,18 @@ def op_seconds(eqn, threads=1):
 
   def bare(c):  # the loop and the dependency alone, taken off
     return c + 0.0 * (args[0] + c).reshape(-1)[0]
+
   zero = jnp.zeros((), args[0].dtype)
-  return max(0.0, _loop_seconds(body, zero, threads) - _loop_seconds(bare, zero, threads))
+  return max(
+    0.0, _loop_seconds(body, zero, threads) - _loop_seconds(bare, zero, threads)
+  )
 
 
 def floor_seconds(params, threads=1):
   """A bare compiled step: every parameter read and written once."""
-  return _loop_seconds(lambda p: jax.tree.map(lambda a: a * 0.999 + 1e-6, p), params, threads)
+  return _loop_seconds(
+    lambda p: jax.tree.map(lambda a: a * 0.999 + 1e-6, p), params, threads
+  )
 
 
 def bound_row(row, batch, cohort, counts, cores, draws=2000):
@@ -182,51 +215,87 @@ def bound_row(row, batch, cohort, counts, cores, draws=2000):
   for _ in range(draws):
     s = steps[rng.choice(len(steps), cohort, replace=False)]
     per_round.append(max(s.sum() / cores, s.max()) * (dot_s + floor))
-  return {'row': f'{row}:{cohort}', 'batch': batch, 'step_gflop': flops / 1e9,
-          'step_matmul_ms': 1e3 * dot_s, 'step_floor_ms': 1e3 * floor,
-          'rate_gflops': flops / dot_s / 1e9 if dot_s else None, 'matmul_shapes': len(found),
-          'bound_s': float(np.median(per_round)),
-          'steps_per_client': float(steps.mean())}
+  return {
+    'row': f'{row}:{cohort}',
+    'batch': batch,
+    'step_gflop': flops / 1e9,
+    'step_matmul_ms': 1e3 * dot_s,
+    'step_floor_ms': 1e3 * floor,
+    'rate_gflops': flops / dot_s / 1e9 if dot_s else None,
+    'matmul_shapes': len(found),
+    'bound_s': float(np.median(per_round)),
+    'steps_per_client': float(steps.mean()),
+  }
 
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--work_dir', required=True, help="run.py's --work_dir (its files).")
-  p.add_argument('--rows', default='mlp:10,cnn:50,lstm:10,lstm:50,shakespeare:10,transformer:10')
+  p.add_argument(
+    '--work_dir', required=True, help="run.py's --work_dir (its files)."
+  )
+  p.add_argument(
+    '--rows',
+    default='mlp:10,cnn:50,lstm:10,lstm:50,shakespeare:10,transformer:10',
+  )
   p.add_argument('--batch_size', type=int, default=20)
   p.add_argument('--cores', type=int, default=os.cpu_count())
-  p.add_argument('--peers', default=None, help="run.py --output JSONs (','-separated): their "
-                 'medians against the bounds.')
-  p.add_argument('--project', default=None, help='JSON {row: project median s/round} of rows '
-                 'without a FedJAX side (the transformer).')
+  p.add_argument(
+    '--peers',
+    default=None,
+    help="run.py --output JSONs (','-separated): their "
+    'medians against the bounds.',
+  )
+  p.add_argument(
+    '--project',
+    default=None,
+    help='JSON {row: project median s/round} of rows '
+    'without a FedJAX side (the transformer).',
+  )
   p.add_argument('--output', default=None)
-  p.add_argument('--dry_run', action='store_true', help='Check the rows and print the plan.')
+  p.add_argument(
+    '--dry_run', action='store_true', help='Check the rows and print the plan.'
+  )
   a = p.parse_args()
   for spec in a.rows.split(','):
     row, _, cohort = spec.partition(':')
     if row not in ROWS or not cohort.isdigit():
       p.error(f'--rows: {spec!r} is not row:cohort with row in {sorted(ROWS)}')
   if a.dry_run:
-    print(f'dry run: rows {a.rows}, batch {a.batch_size}, {a.cores} cores; files in {a.work_dir}; '
-          f'medians from {a.peers or "none"}, {a.project or "none"}')
+    print(
+      f'dry run: rows {a.rows}, batch {a.batch_size}, {a.cores} cores; files in {a.work_dir}; '
+      f'medians from {a.peers or "none"}, {a.project or "none"}'
+    )
     return
   medians = {}
   for path in filter(None, (a.peers or '').split(',')):
     with open(path) as f:
       for r in json.load(f)['rows']:
-        medians[f"{r['model']}:{r['cohort']}"] = {k: v['s_per_round'] for k, v in r.items()
-                                                  if isinstance(v, dict) and 's_per_round' in v}
+        medians[f'{r["model"]}:{r["cohort"]}'] = {
+          k: v['s_per_round']
+          for k, v in r.items()
+          if isinstance(v, dict) and 's_per_round' in v
+        }
   if a.project:
     with open(a.project) as f:
       for k, v in json.load(f).items():
         medians.setdefault(k, {})['default'] = v
-  cpu = next((l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo')
-              if l.startswith('model name')), platform.processor())
-  print(f'# {cpu}, {a.cores} cores, JAX {jax.__version__}, XLA_FLAGS='
-        f'{os.environ.get("XLA_FLAGS", "")!r}; batch {a.batch_size}, one epoch, median over '
-        'drawn cohorts')
-  print('| row | step GFLOP | step matmuls ms (GFLOP/s) | step floor ms | steps a client | bound '
-        's/round | medians s/round (fraction of the bound) |')
+  cpu = next(
+    (
+      l.split(':', 1)[1].strip()
+      for l in open('/proc/cpuinfo')
+      if l.startswith('model name')
+    ),
+    platform.processor(),
+  )
+  print(
+    f'# {cpu}, {a.cores} cores, JAX {jax.__version__}, XLA_FLAGS='
+    f'{os.environ.get("XLA_FLAGS", "")!r}; batch {a.batch_size}, one epoch, median over '
+    'drawn cohorts'
+  )
+  print(
+    '| row | step GFLOP | step matmuls ms (GFLOP/s) | step floor ms | steps a client | bound '
+    's/round | medians s/round (fraction of the bound) |'
+  )
   print('|---|---|---|---|---|---|---|')
   out = []
   for spec in a.rows.split(','):
@@ -235,12 +304,19 @@ def main():
     r = bound_row(row, a.batch_size, int(cohort), counts, a.cores)
     r['medians'] = medians.get(spec, {})
     out.append(r)
-    got = ', '.join(f'{k} {s:.3f} ({100 * r["bound_s"] / s:.0f}%)'
-                    for k, s in r['medians'].items()) or '-'
-    rate = '-' if r['rate_gflops'] is None else f"{r['rate_gflops']:.0f}"
-    print(f"| {spec} | {r['step_gflop']:.3f} | {r['step_matmul_ms']:.2f} ({rate}) "
-          f"| {r['step_floor_ms']:.3f} | {r['steps_per_client']:.2f} | {r['bound_s']:.3f} | {got} |",
-          flush=True)
+    got = (
+      ', '.join(
+        f'{k} {s:.3f} ({100 * r["bound_s"] / s:.0f}%)'
+        for k, s in r['medians'].items()
+      )
+      or '-'
+    )
+    rate = '-' if r['rate_gflops'] is None else f'{r["rate_gflops"]:.0f}'
+    print(
+      f'| {spec} | {r["step_gflop"]:.3f} | {r["step_matmul_ms"]:.2f} ({rate}) '
+      f'| {r["step_floor_ms"]:.3f} | {r["steps_per_client"]:.2f} | {r["bound_s"]:.3f} | {got} |',
+      flush=True,
+    )
   if a.output:
     with open(a.output, 'w') as f:
       json.dump({'cpu': cpu, 'cores': a.cores, 'rows': out}, f, indent=1)

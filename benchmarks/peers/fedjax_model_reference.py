@@ -26,8 +26,16 @@ import numpy as np
 
 # task -> (create_lstm_model's arguments, batch size, sequence length).
 SIZES = {
-    'stackoverflow': (dict(vocab_size=13, embed_size=5, lstm_hidden_size=7), 4, 6),
-    'shakespeare': (dict(vocab_size=11, embed_size=4, lstm_hidden_size=6, lstm_num_layers=2), 4, 6),
+  'stackoverflow': (
+    dict(vocab_size=13, embed_size=5, lstm_hidden_size=7),
+    4,
+    6,
+  ),
+  'shakespeare': (
+    dict(vocab_size=11, embed_size=4, lstm_hidden_size=6, lstm_num_layers=2),
+    4,
+    6,
+  ),
 }
 # Real (unpadded) length of each example's targets; the last example is masked.
 LENGTHS = (6, 3, 1, 4)
@@ -52,7 +60,9 @@ def record(task: str) -> dict:
   import fedjax  # noqa: PLC0415  (FedJAX's venv)
   import jax  # noqa: PLC0415
 
-  jax.numpy.NINF = -jax.numpy.inf  # FedJAX's LSTMs name it; jax 0.4.30 removed it
+  jax.numpy.NINF = (
+    -jax.numpy.inf
+  )  # FedJAX's LSTMs name it; jax 0.4.30 removed it
   kwargs, size, length = SIZES[task]
   create = getattr(fedjax.models, task).create_lstm_model
   model = create(**kwargs)
@@ -68,15 +78,23 @@ def record(task: str) -> dict:
 
   loss, grads = jax.value_and_grad(mean_loss)(params)
   fedjax_grads = fedjax.model_grad(model)(params, b, None)
-  out = {f'{task}/x': b['x'], f'{task}/y': b['y'], f'{task}/mask': b['__mask__'],
-         f'{task}/logits': np.asarray(logits), f'{task}/train_loss': np.asarray(per_example),
-         f'{task}/loss': np.asarray(loss)}
+  out = {
+    f'{task}/x': b['x'],
+    f'{task}/y': b['y'],
+    f'{task}/mask': b['__mask__'],
+    f'{task}/logits': np.asarray(logits),
+    f'{task}/train_loss': np.asarray(per_example),
+    f'{task}/loss': np.asarray(loss),
+  }
   for module, leaves in params.items():
     for name, value in leaves.items():
       out[f'{task}/param/{module}/{name}'] = np.asarray(value)
-      out[f'{task}/grad/{module}/{name}'] = np.asarray(fedjax_grads[module][name])
-      np.testing.assert_allclose(grads[module][name], fedjax_grads[module][name], rtol=1e-5,
-                                 atol=1e-7)  # model_grad differentiates mean_loss
+      out[f'{task}/grad/{module}/{name}'] = np.asarray(
+        fedjax_grads[module][name]
+      )
+      np.testing.assert_allclose(
+        grads[module][name], fedjax_grads[module][name], rtol=1e-5, atol=1e-7
+      )  # model_grad differentiates mean_loss
   return out
 
 
@@ -91,7 +109,8 @@ def record_cnn() -> dict:
   import jax  # noqa: PLC0415
 
   forward = hk.transform(
-      lambda x, is_train: fedjax.models.emnist.ConvDropoutModule(10)(x, is_train))
+    lambda x, is_train: fedjax.models.emnist.ConvDropoutModule(10)(x, is_train)
+  )
   x = np.random.default_rng(0).random(CNN_INPUT).astype(np.float32)
   params = forward.init(jax.random.PRNGKey(0), x, False)
   logits = forward.apply(params, None, x, False)

@@ -26,8 +26,17 @@ def weights(vocab: int = VOCAB):
   """The Keras weights (``get_weights()`` order and shapes) drawn from
   ``default_rng(0)``."""
   rng = np.random.default_rng(0)
-  shapes = [(vocab, 8), (8, 1024), (256, 1024), (1024,), (256, 1024), (256, 1024), (1024,),
-            (256, vocab), (vocab,)]
+  shapes = [
+    (vocab, 8),
+    (8, 1024),
+    (256, 1024),
+    (1024,),
+    (256, 1024),
+    (256, 1024),
+    (1024,),
+    (256, vocab),
+    (vocab,),
+  ]
   return [rng.normal(0, 0.1, s).astype(np.float32) for s in shapes]
 
 
@@ -38,21 +47,33 @@ def inputs(vocab: int = VOCAB):
 
 def main():
   import tensorflow as tf  # noqa: PLC0415  (where it installs)
+
   p = argparse.ArgumentParser()
   p.add_argument('--out', required=True)
   a = p.parse_args()
   keras = tf.keras
   w, x = weights(), inputs()
-  net = keras.Sequential([keras.layers.Embedding(VOCAB, 8),
-                          keras.layers.LSTM(256, return_sequences=True),
-                          keras.layers.LSTM(256, return_sequences=True),
-                          keras.layers.Dense(VOCAB)])
+  net = keras.Sequential(
+    [
+      keras.layers.Embedding(VOCAB, 8),
+      keras.layers.LSTM(256, return_sequences=True),
+      keras.layers.LSTM(256, return_sequences=True),
+      keras.layers.Dense(VOCAB),
+    ]
+  )
   net(x)
   net.set_weights(w)
-  np.savez_compressed(a.out, x=x, logits=net(x).numpy(),
-                      weight_sums=np.array([v.astype(np.float64).sum() for v in w]),
-                      tensorflow=np.array(tf.__version__), keras=np.array(keras.__version__))
-  print(f'wrote {a.out}: Keras {keras.__version__}, TensorFlow {tf.__version__}')
+  np.savez_compressed(
+    a.out,
+    x=x,
+    logits=net(x).numpy(),
+    weight_sums=np.array([v.astype(np.float64).sum() for v in w]),
+    tensorflow=np.array(tf.__version__),
+    keras=np.array(keras.__version__),
+  )
+  print(
+    f'wrote {a.out}: Keras {keras.__version__}, TensorFlow {tf.__version__}'
+  )
 
 
 if __name__ == '__main__':

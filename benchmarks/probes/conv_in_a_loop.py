@@ -25,7 +25,10 @@ from fedjax_personal.run import script_entry
 @dataclasses.dataclass(frozen=True)
 class ProbeSettings(Declared):
   """The probe's settings (its flags)."""
-  model: str = hparam('resnet18_gn', 'Model (a convolutional one of models.MODELS).')
+
+  model: str = hparam(
+    'resnet18_gn', 'Model (a convolutional one of models.MODELS).'
+  )
   batch: int = hparam(10, 'Examples per step.')
   size: int = hparam(28, 'Image height and width.')
   channels: int = hparam(1, 'Image channels.')
@@ -53,7 +56,9 @@ def main(cfg: ProbeSettings):
   peak = 2 * 2048**3 / min(_timed(mm, a)[0] for _ in range(3)) / 1e9
   flops = None
   for impl in ('xla', 'tiled', 'matmul'):
-    model = create_model(cfg.model, 62, np.asarray(xs[0, :1]), 8, conv_impl=impl)
+    model = create_model(
+      cfg.model, 62, np.asarray(xs[0, :1]), 8, conv_impl=impl
+    )
     params = model.init(jax.random.key(0))
 
     def loss(p, x, y):
@@ -71,11 +76,15 @@ def main(cfg: ProbeSettings):
       cost = compiled.cost_analysis()
       flops = (cost[0] if isinstance(cost, list) else cost)['flops']
     looped = _timed(loop, params, xs, ys)[0] / cfg.steps
-    print(f'{cfg.model} conv_impl={impl}: a step alone {alone * 1e3:.0f} ms '
-          f'({flops / alone / 1e9 / peak:.0%} of peak), in a loop {looped * 1e3:.0f} ms/step '
-          f'({flops / looped / 1e9 / peak:.0%} of peak)')
-  print(f'{flops / 1e9:.2f} GFLOP a step; float32 matmul peak {peak:.0f} GFLOP/s; '
-        f'JAX {jax.__version__}, {jax.default_backend()}')
+    print(
+      f'{cfg.model} conv_impl={impl}: a step alone {alone * 1e3:.0f} ms '
+      f'({flops / alone / 1e9 / peak:.0%} of peak), in a loop {looped * 1e3:.0f} ms/step '
+      f'({flops / looped / 1e9 / peak:.0%} of peak)'
+    )
+  print(
+    f'{flops / 1e9:.2f} GFLOP a step; float32 matmul peak {peak:.0f} GFLOP/s; '
+    f'JAX {jax.__version__}, {jax.default_backend()}'
+  )
 
 
 if __name__ == '__main__':

@@ -41,47 +41,85 @@ def in_a_loop(fn):
   def run(xs, k):
     def body(c, x):
       return c + fn(x, k).sum(), None  # every output used: nothing left out
+
     return jax.lax.scan(body, 0.0, xs)[0]
+
   return run
 
 
 def column_chunks(c):
   def f(x, k):
-    return jnp.concatenate([k @ x[:, i * (N // c):(i + 1) * (N // c)] for i in range(c)], axis=1)
+    return jnp.concatenate(
+      [k @ x[:, i * (N // c) : (i + 1) * (N // c)] for i in range(c)], axis=1
+    )
+
   return f
 
 
 def main():
   rng = np.random.RandomState(0)
   r = lambda *s: jnp.asarray(rng.rand(*s).astype(np.float32))
-  dot = lambda a, b, ca, cb: jax.lax.dot_general(a, b, (((ca,), (cb,)), ((), ())))
+  dot = lambda a, b, ca, cb: jax.lax.dot_general(
+    a, b, (((ca,), (cb,)), ((), ()))
+  )
   cases = {
-      'forward, CNHW: W^T[64,288] @ cols[288,N]': (lambda x, k: k @ x, r(STEPS, K, N), r(M, K)),
-      'forward, NHWC: cols[N,288] @ W[288,64]': (lambda x, k: x @ k, r(STEPS, N, K), r(K, M)),
-      'forward, CNHW, per example (batched)': (lambda x, k: jnp.einsum('ok,bkn->obn', k, x),
-                                               r(STEPS, 20, K, 576), r(M, K)),
-      'forward, CNHW, 10 column chunks': (column_chunks(10), r(STEPS, K, N), r(M, K)),
-      'kernel gradient, CNHW: dY[64,N] @ cols^T': (lambda x, k: dot(x, k, 1, 1),
-                                                   r(STEPS, M, N), r(K, N)),
-      'kernel gradient, NHWC: cols^T @ dY[N,64]': (lambda x, k: dot(x, k, 0, 0),
-                                                   r(STEPS, N, K), r(N, M)),
-      'slice gradient, CNHW: W[288,64] @ dY[64,N]': (lambda x, k: dot(k, x, 0, 0),
-                                                     r(STEPS, M, N), r(M, K)),
-      'slice gradient, NHWC: dY[N,64] @ W^T': (lambda x, k: dot(x, k, 1, 1),
-                                               r(STEPS, N, M), r(K, M)),
+    'forward, CNHW: W^T[64,288] @ cols[288,N]': (
+      lambda x, k: k @ x,
+      r(STEPS, K, N),
+      r(M, K),
+    ),
+    'forward, NHWC: cols[N,288] @ W[288,64]': (
+      lambda x, k: x @ k,
+      r(STEPS, N, K),
+      r(K, M),
+    ),
+    'forward, CNHW, per example (batched)': (
+      lambda x, k: jnp.einsum('ok,bkn->obn', k, x),
+      r(STEPS, 20, K, 576),
+      r(M, K),
+    ),
+    'forward, CNHW, 10 column chunks': (
+      column_chunks(10),
+      r(STEPS, K, N),
+      r(M, K),
+    ),
+    'kernel gradient, CNHW: dY[64,N] @ cols^T': (
+      lambda x, k: dot(x, k, 1, 1),
+      r(STEPS, M, N),
+      r(K, N),
+    ),
+    'kernel gradient, NHWC: cols^T @ dY[N,64]': (
+      lambda x, k: dot(x, k, 0, 0),
+      r(STEPS, N, K),
+      r(N, M),
+    ),
+    'slice gradient, CNHW: W[288,64] @ dY[64,N]': (
+      lambda x, k: dot(k, x, 0, 0),
+      r(STEPS, M, N),
+      r(M, K),
+    ),
+    'slice gradient, NHWC: dY[N,64] @ W^T': (
+      lambda x, k: dot(x, k, 1, 1),
+      r(STEPS, N, M),
+      r(K, M),
+    ),
   }
   gflop = 2 * M * K * N / 1e9
   for name, (f, x, k) in cases.items():
     ms = per_call_ms(in_a_loop(f), x, k)
-    print(f'{name:44s} {ms:6.2f} ms  {gflop / ms * 1e3:4.0f} GFLOP/s', flush=True)
+    print(
+      f'{name:44s} {ms:6.2f} ms  {gflop / ms * 1e3:4.0f} GFLOP/s', flush=True
+    )
   a = r(1024, 1024)
   mm = jax.jit(lambda a: a @ a)
   jax.block_until_ready(mm(a))
   t = time.perf_counter()
   for _ in range(10):
     jax.block_until_ready(mm(a))
-  print(f'1024^2 matmul: {2 * 1024 ** 3 / ((time.perf_counter() - t) / 10) / 1e9:.0f} GFLOP/s; '
-        f'JAX {jax.__version__}, {jax.default_backend()}')
+  print(
+    f'1024^2 matmul: {2 * 1024**3 / ((time.perf_counter() - t) / 10) / 1e9:.0f} GFLOP/s; '
+    f'JAX {jax.__version__}, {jax.default_backend()}'
+  )
 
 
 if __name__ == '__main__':

@@ -37,8 +37,10 @@ def main():
       for _ in range(reps):
         f(params, x).block_until_ready()
       per = (time.perf_counter() - start) / reps / rows
-      print(f'{impl:7s} {rows:5d} images: {per * 1e6:7.1f} us an image, {FLOPS / per / 1e9:4.0f} GFLOP/s',
-            flush=True)
+      print(
+        f'{impl:7s} {rows:5d} images: {per * 1e6:7.1f} us an image, {FLOPS / per / 1e9:4.0f} GFLOP/s',
+        flush=True,
+      )
 
 
 if __name__ == '__main__':

@@ -44,13 +44,16 @@ def step_seconds(batch: int, threads: int, reps: int = 7) -> float:
   params = model.init(jax.random.key(0))
 
   def loss(p, xb, yb):
-    return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, xb), yb).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(
+      model.apply(p, xb), yb
+    ).mean()
 
   @jax.jit
   def run(p, xs, ys):
     def body(p, b):
       g = jax.grad(loss)(p, *b)
       return jax.tree.map(lambda a, d: a - 0.1 * d, p, g), None
+
     return jax.lax.scan(body, p, (xs, ys))[0]
 
   jax.block_until_ready(run(params, x, y))
@@ -65,6 +68,7 @@ def step_seconds(batch: int, threads: int, reps: int = 7) -> float:
       jax.block_until_ready(run(params, x, y))
       times.append(time.perf_counter() - t)
     medians[i] = float(np.median(times)) / STEPS
+
   workers = [threading.Thread(target=timed, args=(i,)) for i in range(threads)]
   for w in workers:
     w.start()
@@ -78,7 +82,7 @@ def matmul_gflops(n: int = 1024) -> float:
   f = jax.jit(lambda a: a @ a)
   f(a).block_until_ready()
   best = min(_timed(f, a) for _ in range(5))
-  return 2 * n ** 3 / best / 1e9
+  return 2 * n**3 / best / 1e9
 
 
 def _timed(f, a):
@@ -99,39 +103,67 @@ def round_bounds(steps, cohort: int, cores: int, draws: int, seed: int = 0):
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--train', required=True, help="FedJAX EMNIST train SQLite (peers' files).")
-  p.add_argument('--peers', nargs='*', default=[], help="Peers JSON files (run.py --output).")
+  p.add_argument(
+    '--train', required=True, help="FedJAX EMNIST train SQLite (peers' files)."
+  )
+  p.add_argument(
+    '--peers', nargs='*', default=[], help='Peers JSON files (run.py --output).'
+  )
   p.add_argument('--batch', type=int, default=20)
-  p.add_argument('--cores', type=int, default=2, help='Cores of the machine the peers ran on.')
+  p.add_argument(
+    '--cores',
+    type=int,
+    default=2,
+    help='Cores of the machine the peers ran on.',
+  )
   p.add_argument('--cohorts', default='10,50')
   p.add_argument('--draws', type=int, default=2000)
   a = p.parse_args()
   with sqlite3.connect(a.train) as conn:
-    n = np.array([r[0] for r in conn.execute('SELECT num_examples FROM federated_data')])
-  steps = -(-n // a.batch)  # the project's steps: the last batch padded to a full one
+    n = np.array(
+      [r[0] for r in conn.execute('SELECT num_examples FROM federated_data')]
+    )
+  steps = -(
+    -n // a.batch
+  )  # the project's steps: the last batch padded to a full one
   t_step = step_seconds(a.batch, a.cores)
-  print(f'{len(n)} writers, {n.min()}-{n.max()} examples (mean {n.mean():.1f}); batch {a.batch}: '
-        f'{steps.mean():.2f} steps a writer, {100 * (steps.sum() * a.batch / n.sum() - 1):.1f}% of their '
-        f'examples padding')
-  print(f'one MLP step at batch {a.batch} in a scan, {a.cores} at once: {t_step * 1e3:.3f} ms; 1024^2 matmul '
-        f'{matmul_gflops():.0f} GFLOP/s (this process\'s cores); JAX {jax.__version__}')
+  print(
+    f'{len(n)} writers, {n.min()}-{n.max()} examples (mean {n.mean():.1f}); batch {a.batch}: '
+    f'{steps.mean():.2f} steps a writer, {100 * (steps.sum() * a.batch / n.sum() - 1):.1f}% of their '
+    f'examples padding'
+  )
+  print(
+    f'one MLP step at batch {a.batch} in a scan, {a.cores} at once: {t_step * 1e3:.3f} ms; 1024^2 matmul '
+    f"{matmul_gflops():.0f} GFLOP/s (this process's cores); JAX {jax.__version__}"
+  )
   medians = {}
   for path in a.peers:
     with open(path) as f:
       for row in json.load(f)['rows']:
-        sides = {k: v['s_per_round'] for k, v in row.items() if isinstance(v, dict) and
-                 's_per_round' in v}
-        medians.setdefault(row['cohort'], []).append((path.rsplit('/', 1)[-1], sides))
+        sides = {
+          k: v['s_per_round']
+          for k, v in row.items()
+          if isinstance(v, dict) and 's_per_round' in v
+        }
+        medians.setdefault(row['cohort'], []).append(
+          (path.rsplit('/', 1)[-1], sides)
+        )
   for c in map(int, a.cohorts.split(',')):
     b = round_bounds(steps, c, a.cores, a.draws)
     bound = float(np.median(b)) * t_step
-    print(f'cohort {c}: bound on {a.cores} cores, median over {a.draws} cohorts: '
-          f'{bound * 1e3:.1f} ms ({np.median(b):.0f} steps a core)')
+    print(
+      f'cohort {c}: bound on {a.cores} cores, median over {a.draws} cohorts: '
+      f'{bound * 1e3:.1f} ms ({np.median(b):.0f} steps a core)'
+    )
     for name, sides in medians.get(c, []):
       fj = sides.pop('fedjax')
-      others = ', '.join(f'{k} {v * 1e3:.1f} ms ({bound / v:.0%} of the bound)'
-                         for k, v in sides.items())
-      print(f'  {name}: FedJAX {fj * 1e3:.1f} ms: at most {fj / bound:.2f}x; {others}')
+      others = ', '.join(
+        f'{k} {v * 1e3:.1f} ms ({bound / v:.0%} of the bound)'
+        for k, v in sides.items()
+      )
+      print(
+        f'  {name}: FedJAX {fj * 1e3:.1f} ms: at most {fj / bound:.2f}x; {others}'
+      )
 
 
 if __name__ == '__main__':

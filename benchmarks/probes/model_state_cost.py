@@ -21,13 +21,18 @@ from fedjax_personal import algorithms
 from fedjax_personal.core.data import FederatedData, pad_clients, to_device
 
 # name -> (batch norm, dropout rate)
-VARIANTS = {'plain': (False, 0.0), 'dropout': (False, 0.5), 'batch_norm': (True, 0.0),
-            'both': (True, 0.5)}
+VARIANTS = {
+  'plain': (False, 0.0),
+  'dropout': (False, 0.5),
+  'batch_norm': (True, 0.0),
+  'both': (True, 0.5),
+}
 
 
 class CNN(nn.Module):
   """conv 32 3x3 - [BatchNorm] - relu - pool - conv 64 3x3 - [BatchNorm] - relu - pool -
   dense 128 - [dropout] - output: a user's module in Flax's convention."""
+
   num_classes: int
   batch_norm: bool
   dropout: float
@@ -52,13 +57,32 @@ def emnist_shaped(num_clients: int, seed: int = 0):
   xs = [rng.random((n, 28, 28, 1), np.float32) for n in sizes]
   ys = [rng.integers(0, 62, n).astype(np.int32) for n in sizes]
   train = pad_clients(xs, ys, (28, 28, 1), np.float32, (), np.int32)
-  test = pad_clients([x[:10] for x in xs], [y[:10] for y in ys], (28, 28, 1), np.float32, (),
-                     np.int32)
-  empty = pad_clients([x[:0] for x in xs], [y[:0] for y in ys], (28, 28, 1), np.float32, (),
-                      np.int32)
-  return to_device(FederatedData(train=train, val=empty, test=test,
-                                 groups=-np.ones(num_clients, np.int32), num_classes=62,
-                                 name='emnist_shaped'))
+  test = pad_clients(
+    [x[:10] for x in xs],
+    [y[:10] for y in ys],
+    (28, 28, 1),
+    np.float32,
+    (),
+    np.int32,
+  )
+  empty = pad_clients(
+    [x[:0] for x in xs],
+    [y[:0] for y in ys],
+    (28, 28, 1),
+    np.float32,
+    (),
+    np.int32,
+  )
+  return to_device(
+    FederatedData(
+      train=train,
+      val=empty,
+      test=test,
+      groups=-np.ones(num_clients, np.int32),
+      num_classes=62,
+      name='emnist_shaped',
+    )
+  )
 
 
 def compiled(runner):
@@ -95,21 +119,32 @@ def main():
   for name, (bn, rate) in VARIANTS.items():
     model = fp.models.from_flax(name, CNN(62, bn, rate), sample)
     for alg_name in ('fedavg',) + (('fedbn',) if bn else ()):
-      alg = algorithms.build(alg_name, model, data, client_lr=0.05, batch_size=20)
+      alg = algorithms.build(
+        alg_name, model, data, client_lr=0.05, batch_size=20
+      )
       executor = fp.create_executor('auto', model, sample)
-      runs[(name, alg_name)] = compiled(fp.RoundRunner(
-          alg, data, fp.CohortSampler(a.clients, cohort_size=a.cohort), executor))
-  print(f'{a.clients} EMNIST-shaped clients (40-160 examples), cohort {a.cohort}, batch 20, '
-        f'one epoch; executor {executor.describe()}; {jax.devices()[0].device_kind}; '
-        f'{a.rounds} rounds each, interleaved')
+      runs[(name, alg_name)] = compiled(
+        fp.RoundRunner(
+          alg, data, fp.CohortSampler(a.clients, cohort_size=a.cohort), executor
+        )
+      )
+  print(
+    f'{a.clients} EMNIST-shaped clients (40-160 examples), cohort {a.cohort}, batch 20, '
+    f'one epoch; executor {executor.describe()}; {jax.devices()[0].device_kind}; '
+    f'{a.rounds} rounds each, interleaved'
+  )
   time_interleaved(runs, a.rounds)
   plain = statistics.median(runs[('plain', 'fedavg')][2])
-  print(f'{"model":<12}{"algorithm":<10}{"median ms":>10}{"min ms":>9}{"max ms":>9}'
-        f'{"x plain":>9}')
+  print(
+    f'{"model":<12}{"algorithm":<10}{"median ms":>10}{"min ms":>9}{"max ms":>9}'
+    f'{"x plain":>9}'
+  )
   for (name, alg_name), (_, _, times) in runs.items():
     med = statistics.median(times)
-    print(f'{name:<12}{alg_name:<10}{1e3 * med:>10.1f}{1e3 * min(times):>9.1f}'
-          f'{1e3 * max(times):>9.1f}{med / plain:>9.3f}')
+    print(
+      f'{name:<12}{alg_name:<10}{1e3 * med:>10.1f}{1e3 * min(times):>9.1f}'
+      f'{1e3 * max(times):>9.1f}{med / plain:>9.3f}'
+    )
 
 
 if __name__ == '__main__':

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-CHILD = r'''
+CHILD = r"""
 import collections, json, sys, time
 mode, work = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()
@@ -70,21 +70,25 @@ else:
 seconds = time.perf_counter() - start
 jax.block_until_ready(compiled(*args))
 print(json.dumps({'mode': mode, 'seconds': seconds, **{k: v for k, v in events.items()}}))
-'''
+"""
 
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--repeats', type=int, default=3)
-  p.add_argument('--work_dir', default=None, help='Cache and saved program (default: a new '
-                 'temporary folder).')
+  p.add_argument(
+    '--work_dir',
+    default=None,
+    help='Cache and saved program (default: a new temporary folder).',
+  )
   a = p.parse_args()
   work = a.work_dir or tempfile.mkdtemp(prefix='programs_between_processes_')
   os.makedirs(work, exist_ok=True)
 
   def child(mode):
-    out = subprocess.run([sys.executable, '-c', CHILD, mode, work], capture_output=True,
-                         text=True)
+    out = subprocess.run(
+      [sys.executable, '-c', CHILD, mode, work], capture_output=True, text=True
+    )
     if out.returncode:
       sys.exit(f'{mode}: failed: {out.stderr.strip().splitlines()[-1:]}')
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -96,13 +100,17 @@ def main():
   for _ in range(a.repeats):  # interleaved
     for mode in ('jit', 'export'):
       rows[mode].append(child(mode))
-  print('form     seconds to a compiled program (each repeat)   trace   lower   cache load')
+  print(
+    'form     seconds to a compiled program (each repeat)   trace   lower   cache load'
+  )
   for mode, rs in rows.items():
     mean = lambda k: sum(r.get(k, 0.0) for r in rs) / len(rs)
     each = ', '.join('%.3f' % r['seconds'] for r in rs)
-    print(f"{mode:8s} {each:44s} "
-          f"{mean('jaxpr_trace_duration'):.3f}   {mean('jaxpr_to_mlir_module_duration'):.3f}   "
-          f"{mean('cache_retrieval_time_sec'):.3f}")
+    print(
+      f'{mode:8s} {each:44s} '
+      f'{mean("jaxpr_trace_duration"):.3f}   {mean("jaxpr_to_mlir_module_duration"):.3f}   '
+      f'{mean("cache_retrieval_time_sec"):.3f}'
+    )
 
 
 if __name__ == '__main__':

@@ -16,7 +16,7 @@ import json
 import subprocess
 import sys
 
-CHILD = r'''
+CHILD = r"""
 import json, sys, time
 import numpy as np
 from fedjax_personal.core.population import store as store_lib
@@ -51,12 +51,16 @@ else:
           a.verify()
   out['gather_s'] = gathers()
 print(json.dumps(out))
-'''
+"""
 
 
 def child(store, cohort, rounds, mode):
-  r = subprocess.run([sys.executable, '-c', CHILD, store, str(cohort), str(rounds), mode],
-                     capture_output=True, text=True, check=True)
+  r = subprocess.run(
+    [sys.executable, '-c', CHILD, store, str(cohort), str(rounds), mode],
+    capture_output=True,
+    text=True,
+    check=True,
+  )
   return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -68,17 +72,25 @@ def main():
   p.add_argument('--dry_run', action='store_true', help='Print the plan only.')
   a = p.parse_args()
   if a.dry_run:
-    print(f'would time open, full check and {a.rounds} cohorts of {a.cohort_size} of {a.store}')
+    print(
+      f'would time open, full check and {a.rounds} cohorts of {a.cohort_size} of {a.store}'
+    )
     return
-  verify = child(a.store, a.cohort_size, a.rounds, 'verify')  # also warms the page cache
-  print(f'{verify["clients"]:,} clients, {verify["gb"]:.2f} GB: open {verify["open_s"]:.3f} s, '
-        f'full check {verify["verify_s"]:.2f} s ({verify["gb"] / verify["verify_s"]:.2f} GB/s)')
+  verify = child(
+    a.store, a.cohort_size, a.rounds, 'verify'
+  )  # also warms the page cache
+  print(
+    f'{verify["clients"]:,} clients, {verify["gb"]:.2f} GB: open {verify["open_s"]:.3f} s, '
+    f'full check {verify["verify_s"]:.2f} s ({verify["gb"] / verify["verify_s"]:.2f} GB/s)'
+  )
   cold = child(a.store, a.cohort_size, a.rounds, 'lazy')
   warm = child(a.store, a.cohort_size, a.rounds, 'checked')
   c, w = cold['gather_s'], warm['gather_s']
-  print(f'cohort gathers of {a.cohort_size} (median of {a.rounds}): blocks checked on first '
-        f'touch {1e3 * sorted(c)[len(c) // 2]:.1f} ms, blocks already checked '
-        f'{1e3 * sorted(w)[len(w) // 2]:.1f} ms; first {1e3 * c[0]:.1f} / {1e3 * w[0]:.1f} ms')
+  print(
+    f'cohort gathers of {a.cohort_size} (median of {a.rounds}): blocks checked on first '
+    f'touch {1e3 * sorted(c)[len(c) // 2]:.1f} ms, blocks already checked '
+    f'{1e3 * sorted(w)[len(w) // 2]:.1f} ms; first {1e3 * c[0]:.1f} / {1e3 * w[0]:.1f} ms'
+  )
 
 
 if __name__ == '__main__':

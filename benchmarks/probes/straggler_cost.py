@@ -23,12 +23,14 @@ from fedjax_personal import algorithms
 from fedjax_personal.core.system import SystemConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
-from model_state_cost import (CNN, compiled, emnist_shaped,  # noqa: E402  (the same cohort)
-                              time_interleaved)
+from model_state_cost import CNN, compiled, emnist_shaped, time_interleaved  # noqa: E402  (the same cohort)
 
-SYSTEMS = {'none': None, 'stragglers 50%': SystemConfig(stragglers=0.5),
-           'stragglers 90%': SystemConfig(stragglers=0.9),
-           'uploads lost 50%': SystemConfig(drop_after=0.5)}
+SYSTEMS = {
+  'none': None,
+  'stragglers 50%': SystemConfig(stragglers=0.5),
+  'stragglers 90%': SystemConfig(stragglers=0.9),
+  'uploads lost 50%': SystemConfig(drop_after=0.5),
+}
 
 
 def main():
@@ -44,21 +46,43 @@ def main():
   executor = fp.create_executor('auto', model, sample)
   runs = {}
   for alg_name in ('fedprox', 'fedavg'):
-    alg = algorithms.build(alg_name, model, data, client_lr=0.05, batch_size=20,
-                           local_epochs=a.epochs)
+    alg = algorithms.build(
+      alg_name,
+      model,
+      data,
+      client_lr=0.05,
+      batch_size=20,
+      local_epochs=a.epochs,
+    )
     for name, system in SYSTEMS.items():
-      runs[(alg_name, name)] = compiled(fp.RoundRunner(
-          alg, data, fp.CohortSampler(a.clients, cohort_size=a.cohort), executor, system=system))
-  print(f'{a.clients} EMNIST-shaped clients (40-160 examples), cohort {a.cohort}, batch 20, '
-        f'{a.epochs} epochs; executor {executor.describe()}; {jax.devices()[0].device_kind}; '
-        f'{a.rounds} rounds each, interleaved')
+      runs[(alg_name, name)] = compiled(
+        fp.RoundRunner(
+          alg,
+          data,
+          fp.CohortSampler(a.clients, cohort_size=a.cohort),
+          executor,
+          system=system,
+        )
+      )
+  print(
+    f'{a.clients} EMNIST-shaped clients (40-160 examples), cohort {a.cohort}, batch 20, '
+    f'{a.epochs} epochs; executor {executor.describe()}; {jax.devices()[0].device_kind}; '
+    f'{a.rounds} rounds each, interleaved'
+  )
   time_interleaved(runs, a.rounds)
-  print(f'{"algorithm":<10}{"system":<18}{"median ms":>10}{"min ms":>9}{"max ms":>9}'
-        f'{"x none":>8}')
+  print(
+    f'{"algorithm":<10}{"system":<18}{"median ms":>10}{"min ms":>9}{"max ms":>9}'
+    f'{"x none":>8}'
+  )
   for (alg_name, name), (_, _, times) in runs.items():
-    med, base = statistics.median(times), statistics.median(runs[(alg_name, 'none')][2])
-    print(f'{alg_name:<10}{name:<18}{1e3 * med:>10.1f}{1e3 * min(times):>9.1f}'
-          f'{1e3 * max(times):>9.1f}{med / base:>8.3f}')
+    med, base = (
+      statistics.median(times),
+      statistics.median(runs[(alg_name, 'none')][2]),
+    )
+    print(
+      f'{alg_name:<10}{name:<18}{1e3 * med:>10.1f}{1e3 * min(times):>9.1f}'
+      f'{1e3 * max(times):>9.1f}{med / base:>8.3f}'
+    )
 
 
 if __name__ == '__main__':

@@ -24,7 +24,9 @@ import numpy as np
 
 from fedjax_personal.core import executors
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
 ROUNDS = []  # per round: {'steps': [per thread], 'ms': [per thread], 'round_ms': ...}
 
 
@@ -34,8 +36,11 @@ def _hook():
 
   def client_blocks(steps, active, bs, parts=1):
     pos, ok, limit, count = layout(steps, active, bs, parts)
-    ROUNDS.append({'steps': [int(limit[t][:count[t]].sum()) for t in range(parts)]})
+    ROUNDS.append(
+      {'steps': [int(limit[t][: count[t]].sum()) for t in range(parts)]}
+    )
     return pos, ok, limit, count
+
   executors.client_blocks = client_blocks
   on_threads = executors.BlockedExecutor._on_threads
 
@@ -47,38 +52,53 @@ def _hook():
       out = call(t)
       ms[t] = (time.perf_counter() - start) * 1e3
       return out
+
     start = time.perf_counter()
     out = on_threads(self, timed, parts, signature)
     if ROUNDS and 'ms' not in ROUNDS[-1]:
       ROUNDS[-1].update(ms=ms, round_ms=(time.perf_counter() - start) * 1e3)
     return out
+
   executors.BlockedExecutor._on_threads = timed_on_threads
 
 
 def report(skip: int):
   rounds = [r for r in ROUNDS[skip:] if 'ms' in r and len(r['ms']) > 1]
   if not rounds:
-    sys.exit('no threaded rounds: run a blocked executor with more than one thread')
+    sys.exit(
+      'no threaded rounds: run a blocked executor with more than one thread'
+    )
   for r in rounds:
     per = [f'{m / max(s, 1):.3f}' for m, s in zip(r['ms'], r['steps'])]
-    print(f"steps {r['steps']}, ms {[round(m, 1) for m in r['ms']]}, ms a step {per}")
-  ratio = [max(m / max(s, 1) for m, s in zip(r['ms'], r['steps'])) /
-           min(m / max(s, 1) for m, s in zip(r['ms'], r['steps'])) for r in rounds]
+    print(
+      f'steps {r["steps"]}, ms {[round(m, 1) for m in r["ms"]]}, ms a step {per}'
+    )
+  ratio = [
+    max(m / max(s, 1) for m, s in zip(r['ms'], r['steps']))
+    / min(m / max(s, 1) for m, s in zip(r['ms'], r['steps']))
+    for r in rounds
+  ]
   waited = [1 - np.mean(r['ms']) / max(r['ms']) for r in rounds]
   steps = [max(r['steps']) for r in rounds]
-  print(f'{len(rounds)} rounds (after {skip}): the slower thread\'s ms a step / the faster\'s: '
-        f'median {np.median(ratio):.2f} (max {max(ratio):.2f}); steps of the longer thread / '
-        f'the shorter: median {np.median([max(r["steps"]) / max(min(r["steps"]), 1) for r in rounds]):.2f}; '
-        f'a round\'s threads idle while waiting for the slower one: median {np.median(waited):.0%} '
-        f'of its time; the longer thread\'s ms a step: median '
-        f'{np.median([r["round_ms"] / s for r, s in zip(rounds, steps)]):.3f}; the threaded part of '
-        f'a round: median {np.median([r["round_ms"] for r in rounds]):.1f} ms')
+  print(
+    f"{len(rounds)} rounds (after {skip}): the slower thread's ms a step / the faster's: "
+    f'median {np.median(ratio):.2f} (max {max(ratio):.2f}); steps of the longer thread / '
+    f'the shorter: median {np.median([max(r["steps"]) / max(min(r["steps"]), 1) for r in rounds]):.2f}; '
+    f"a round's threads idle while waiting for the slower one: median {np.median(waited):.0%} "
+    f"of its time; the longer thread's ms a step: median "
+    f'{np.median([r["round_ms"] / s for r, s in zip(rounds, steps)]):.3f}; the threaded part of '
+    f'a round: median {np.median([r["round_ms"] for r in rounds]):.1f} ms'
+  )
 
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  p.add_argument('--skip', type=int, default=5, help='Rounds left out (the first compiles).')
-  p.add_argument('flags', nargs=argparse.REMAINDER, help='-- then run_experiment.py flags.')
+  p.add_argument(
+    '--skip', type=int, default=5, help='Rounds left out (the first compiles).'
+  )
+  p.add_argument(
+    'flags', nargs=argparse.REMAINDER, help='-- then run_experiment.py flags.'
+  )
   a = p.parse_args()
   flags = a.flags[1:] if a.flags[:1] == ['--'] else a.flags
   _hook()

@@ -13,5 +13,4 @@ memory or files) is a room of its own, ``core.population``. Nothing here
 reads flags.
 """
 
-
 __all__ = []

@@ -10,12 +10,23 @@ the client and server halves of a weighted mean in that form.
 
 from typing import Any, NamedTuple
 
-from flax import struct
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-__all__ = ['group_means', 'is_sum', 'mix', 'normalize', 'PyTree', 'Sum', 'sum_clients',
-           'upload_mean', 'weighted_mean', 'weighted_upload', 'WeightedShare']
+__all__ = [
+  'group_means',
+  'is_sum',
+  'mix',
+  'normalize',
+  'PyTree',
+  'Sum',
+  'sum_clients',
+  'upload_mean',
+  'weighted_mean',
+  'weighted_upload',
+  'WeightedShare',
+]
 
 
 PyTree = Any
@@ -34,6 +45,7 @@ class Sum:
     value: the summed pytree (a ``WeightedShare`` for a weighted mean's
       share: ``weighted_upload``).
   """
+
   value: PyTree
 
 
@@ -46,6 +58,7 @@ class WeightedShare(NamedTuple):
     total: ``weight * upload``.
     weight: the weight.
   """
+
   total: PyTree
   weight: Any
 
@@ -76,8 +89,12 @@ def weighted_upload(value: PyTree, weight) -> Sum:
     ``Sum((weight * value, weight))``.
   """
   weight = jnp.asarray(weight, jnp.float32)
-  return Sum(WeightedShare(jax.tree.map(lambda a: (a * _lead(weight, a)).astype(a.dtype), value),
-                           weight))
+  return Sum(
+    WeightedShare(
+      jax.tree.map(lambda a: (a * _lead(weight, a)).astype(a.dtype), value),
+      weight,
+    )
+  )
 
 
 def _lead(w, a):
@@ -98,7 +115,11 @@ def upload_mean(total: Sum):
   weighted, weight = total.value
   safe = jnp.where(weight > 0, weight, 1.0)
   mean = jax.tree.map(
-      lambda a: jnp.where(_lead(weight > 0, a), a / _lead(safe, a), 0.0).astype(a.dtype), weighted)
+    lambda a: jnp.where(_lead(weight > 0, a), a / _lead(safe, a), 0.0).astype(
+      a.dtype
+    ),
+    weighted,
+  )
   return mean, weight
 
 
@@ -119,14 +140,18 @@ def sum_clients(out: PyTree, mask) -> PyTree:
   Returns:
     ``out`` with each ``Sum`` reduced over the masked slots.
   """
+
   def masked_sum(a):
     clean = jnp.where(_lead(mask, a), a, 0)
     if jnp.issubdtype(a.dtype, jnp.floating):
       return jnp.tensordot(mask.astype(a.dtype), clean, axes=1)
     return jnp.sum(clean, axis=0)
 
-  return jax.tree.map(lambda n: Sum(jax.tree.map(masked_sum, n.value)) if is_sum(n) else n,
-                      out, is_leaf=is_sum)
+  return jax.tree.map(
+    lambda n: Sum(jax.tree.map(masked_sum, n.value)) if is_sum(n) else n,
+    out,
+    is_leaf=is_sum,
+  )
 
 
 def normalize(weights):
@@ -152,7 +177,9 @@ def weighted_mean(stacked, weights):
     The weighted mean pytree (zeros when all weights are zero).
   """
   w = normalize(weights.astype(jnp.float32))
-  return jax.tree.map(lambda a: jnp.tensordot(w, a, axes=1).astype(a.dtype), stacked)
+  return jax.tree.map(
+    lambda a: jnp.tensordot(w, a, axes=1).astype(a.dtype), stacked
+  )
 
 
 def mix(mixing_matrix, stacked):
@@ -168,13 +195,17 @@ def mix(mixing_matrix, stacked):
   Returns:
     The mixed models [M, ...].
   """
-  return jax.tree.map(lambda a: jnp.einsum('ij,j...->i...', mixing_matrix, a).astype(a.dtype),
-                      stacked)
+  return jax.tree.map(
+    lambda a: jnp.einsum('ij,j...->i...', mixing_matrix, a).astype(a.dtype),
+    stacked,
+  )
 
 
 def group_matrix(groups, weights, num_groups: int):
   """Row-normalized [G, C] matrix averaging the C clients of each group."""
-  one_hot = (groups[None, :] == jnp.arange(num_groups)[:, None]).astype(jnp.float32)
+  one_hot = (groups[None, :] == jnp.arange(num_groups)[:, None]).astype(
+    jnp.float32
+  )
   m = one_hot * weights[None, :].astype(jnp.float32)
   s = m.sum(axis=1, keepdims=True)
   return jnp.where(s > 0, m / jnp.where(s > 0, s, 1.0), 0.0)

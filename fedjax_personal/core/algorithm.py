@@ -21,21 +21,30 @@ broadcast gathers the cohort's rows, the server update scatters them back.
 import dataclasses
 from typing import Any, Callable, NamedTuple, Optional
 
-from flax import struct
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from fedjax_personal import numerics
 from fedjax_personal.core import tree_util
 from fedjax_personal.core.aggregation import Sum, WeightedShare
 from fedjax_personal.core.data import LocalData
-from fedjax_personal.models import Model
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import ClientWork, LossStats
+from fedjax_personal.models import Model
 
-__all__ = ['ClientModels', 'ClientRows', 'cohort_train_metrics', 'Communication', 'NOT_UPLOADED',
-           'upload_communication',
-           'FederatedAlgorithm', 'PreRound', 'PyTree', 'RoundContext']
+__all__ = [
+  'ClientModels',
+  'ClientRows',
+  'cohort_train_metrics',
+  'Communication',
+  'NOT_UPLOADED',
+  'upload_communication',
+  'FederatedAlgorithm',
+  'PreRound',
+  'PyTree',
+  'RoundContext',
+]
 
 
 PyTree = Any
@@ -53,13 +62,15 @@ class ClientModels:
     params: stacked parameters, leading axis M.
     index: int32 [N].
   """
+
   params: PyTree
   index: jax.Array
 
   @staticmethod
   def global_model(params, num_clients: int) -> 'ClientModels':
-    return ClientModels(jax.tree.map(lambda a: a[None], params),
-                        jnp.zeros(num_clients, jnp.int32))
+    return ClientModels(
+      jax.tree.map(lambda a: a[None], params), jnp.zeros(num_clients, jnp.int32)
+    )
 
   @staticmethod
   def personal(stacked, num_clients: int) -> 'ClientModels':
@@ -96,8 +107,11 @@ def upload_communication(outputs, shared, cohort_size: int) -> 'Communication':
   Returns:
     The ``Communication``.
   """
-  fields = ([(f.name, getattr(outputs, f.name)) for f in dataclasses.fields(outputs)]
-            if dataclasses.is_dataclass(outputs) else [('', outputs)])
+  fields = (
+    [(f.name, getattr(outputs, f.name)) for f in dataclasses.fields(outputs)]
+    if dataclasses.is_dataclass(outputs)
+    else [('', outputs)]
+  )
   up = 0
   for name, value in fields:
     if value is None or name in NOT_UPLOADED:
@@ -121,6 +135,7 @@ class Communication(NamedTuple):
       broadcast, m_t for streams, the cohort size for unicast personal models,
       0 when nothing is sent).
   """
+
   uplink_bytes_per_client: int
   downlink_bytes_per_model: int
   num_downlink_models: int
@@ -135,6 +150,7 @@ class RoundContext:
     key: this round's server-side PRNG key (derived from the round key, so
       from the experiment's seed): every server-side draw uses it.
   """
+
   round: jax.Array
   key: jax.Array
 
@@ -161,6 +177,7 @@ class PreRound:
       diagnostics a dict of scalars recorded in the round's record when the
       phase ran.
   """
+
   due: Callable[[jax.Array], jax.Array]
   update: Callable[[PyTree, Any, RoundContext], tuple]
   broadcast: Callable[[PyTree, RoundContext], Any] = lambda state, rc: None
@@ -209,18 +226,23 @@ class ClientRows:
     output: the client output's field holding the client's new row, which
       the engine writes (None: ``server_update`` writes the rows).
   """
+
   get: Callable[[PyTree], PyTree]
   put: Callable[[PyTree, PyTree], PyTree]
   models_from_rows: bool = True
   output: Optional[str] = None
 
   @staticmethod
-  def field(name: str, models_from_rows: bool = True,
-            output: Optional[str] = None) -> 'ClientRows':
+  def field(
+    name: str, models_from_rows: bool = True, output: Optional[str] = None
+  ) -> 'ClientRows':
     """The rows held in the state's dataclass field ``name``."""
-    return ClientRows(get=lambda s: getattr(s, name),
-                      put=lambda s, r: s.replace(**{name: r}), models_from_rows=models_from_rows,
-                      output=output)
+    return ClientRows(
+      get=lambda s: getattr(s, name),
+      put=lambda s, r: s.replace(**{name: r}),
+      models_from_rows=models_from_rows,
+      output=output,
+    )
 
   def write(self, state: PyTree, at, outputs) -> tuple:
     """``(state, outputs)`` with the cohort's new rows (the outputs' field
@@ -282,6 +304,7 @@ class FederatedAlgorithm:
       (``system``): ``'drop'`` it (the default) or ``'keep'`` it
       (``AlgorithmSpec.partial_work``).
   """
+
   name: str
   model: Model
   init: Callable[[jax.Array], PyTree]
@@ -314,21 +337,39 @@ class FederatedAlgorithm:
     Returns:
       The ``FederatedAlgorithm``.
     """
+
     def at(fn):
       return None if fn is None else numerics.scoped(fn, name)
+
     work = self.client_work
-    work = dataclasses.replace(work, init=at(work.init), step=at(work.step), final=at(work.final),
-                               init_opt_state=at(work.init_opt_state),
-                               opt_state=at(work.opt_state))
+    work = dataclasses.replace(
+      work,
+      init=at(work.init),
+      step=at(work.step),
+      final=at(work.final),
+      init_opt_state=at(work.init_opt_state),
+      opt_state=at(work.opt_state),
+    )
     pre = self.pre_round
     if pre is not None:
-      pre = dataclasses.replace(pre, due=at(pre.due), update=at(pre.update),
-                                broadcast=at(pre.broadcast), client=at(pre.client))
-    return self.replace(model=self.model.at_matmul_precision(name), init=at(self.init),
-                        server_broadcast=at(self.server_broadcast), client_work=work,
-                        server_update=at(self.server_update),
-                        client_models=at(self.client_models), finetune=at(self.finetune),
-                        evaluate_client=at(self.evaluate_client), pre_round=pre)
+      pre = dataclasses.replace(
+        pre,
+        due=at(pre.due),
+        update=at(pre.update),
+        broadcast=at(pre.broadcast),
+        client=at(pre.client),
+      )
+    return self.replace(
+      model=self.model.at_matmul_precision(name),
+      init=at(self.init),
+      server_broadcast=at(self.server_broadcast),
+      client_work=work,
+      server_update=at(self.server_update),
+      client_models=at(self.client_models),
+      finetune=at(self.finetune),
+      evaluate_client=at(self.evaluate_client),
+      pre_round=pre,
+    )
 
 
 def cohort_train_metrics(stats: LossStats, mask) -> dict:
@@ -346,5 +387,8 @@ def cohort_train_metrics(stats: LossStats, mask) -> dict:
   correct = jnp.sum(stats.correct * m)
   count = jnp.maximum(jnp.sum(stats.count * m), 1.0)
   scored = jnp.maximum(jnp.sum(stats.accuracy_denominator * m), 1.0)
-  return {'train_loss': loss / count, 'train_accuracy': correct / scored,
-          'num_active': jnp.sum(mask.astype(jnp.int32))}
+  return {
+    'train_loss': loss / count,
+    'train_accuracy': correct / scored,
+    'num_active': jnp.sum(mask.astype(jnp.int32)),
+  }

@@ -13,7 +13,6 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-
 __all__ = ['batch_indices', 'Batching', 'row_groups', 'traced_num_steps']
 
 
@@ -32,6 +31,7 @@ class Batching:
     num_steps: K steps for every client, each on B examples drawn without
       replacement (all of them when n_i < B).
   """
+
   batch_size: Optional[int] = 32
   num_epochs: Optional[int] = 1
   num_steps: Optional[int] = None
@@ -40,14 +40,24 @@ class Batching:
     if (self.num_epochs is None) == (self.num_steps is None):
       raise ValueError('Batching: set exactly one of num_epochs and num_steps')
     if self.batch_size is not None and self.batch_size <= 0:
-      raise ValueError(f'Batching: batch_size must be positive, got {self.batch_size}')
+      raise ValueError(
+        f'Batching: batch_size must be positive, got {self.batch_size}'
+      )
     if self.num_epochs is not None and self.num_epochs < 0:
-      raise ValueError(f'Batching: num_epochs must be >= 0, got {self.num_epochs}')
+      raise ValueError(
+        f'Batching: num_epochs must be >= 0, got {self.num_epochs}'
+      )
     if self.num_steps is not None and self.num_steps < 0:
-      raise ValueError(f'Batching: num_steps must be >= 0, got {self.num_steps}')
+      raise ValueError(
+        f'Batching: num_steps must be >= 0, got {self.num_steps}'
+      )
 
   def effective_batch_size(self, max_examples: int) -> int:
-    b = max_examples if self.batch_size is None else min(self.batch_size, max_examples)
+    b = (
+      max_examples
+      if self.batch_size is None
+      else min(self.batch_size, max_examples)
+    )
     return max(b, 1)
 
   @property
@@ -114,8 +124,13 @@ def row_groups(x, start_id: int):
   return jnp.cumsum((x[:, 0] == start_id).astype(jnp.int32))
 
 
-def batch_indices(key: jax.Array, num_examples: jax.Array, max_examples: int,
-                  batching: Batching, groups=None):
+def batch_indices(
+  key: jax.Array,
+  num_examples: jax.Array,
+  max_examples: int,
+  batching: Batching,
+  groups=None,
+):
   """Example indices and masks of every local step of one client.
 
   Args:
@@ -137,13 +152,17 @@ def batch_indices(key: jax.Array, num_examples: jax.Array, max_examples: int,
   b = batching.effective_batch_size(max_examples)
   if batching.num_steps is not None:
     keys = jax.random.split(key, batching.num_steps)
-    idx = jax.vmap(lambda k: _shuffled(k, num_examples, max_examples, groups)[:b])(keys)
+    idx = jax.vmap(
+      lambda k: _shuffled(k, num_examples, max_examples, groups)[:b]
+    )(keys)
     mask = jnp.broadcast_to(jnp.arange(b) < num_examples, idx.shape)
     return idx.astype(jnp.int32), mask
   nb = math.ceil(max_examples / b) if max_examples else 0
   num_steps = batching.epochs * nb
   keys = jax.random.split(key, max(batching.epochs, 1))
-  perms = jax.vmap(lambda k: _shuffled(k, num_examples, max_examples, groups))(keys)
+  perms = jax.vmap(lambda k: _shuffled(k, num_examples, max_examples, groups))(
+    keys
+  )
   perms = jnp.pad(perms, ((0, 0), (0, nb * b - max_examples)))
   # The client's own batches per epoch, ceil(n_i / B), laid out epoch after
   # epoch so that its real steps are a prefix; the rest is padding.

@@ -13,13 +13,21 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_personal.core import aggregation
-from fedjax_personal.core import training
-from fedjax_personal.core import tree_util
+from fedjax_personal.core import aggregation, training, tree_util
 
-
-__all__ = ['active_mask', 'block_loop', 'client_fn', 'join_owned', 'join_parts', 'limited_client',
-           'map_stacked', 'scan_blocks', 'traced_work_layout', 'client_blocks', 'work_steps']
+__all__ = [
+  'active_mask',
+  'block_loop',
+  'client_fn',
+  'join_owned',
+  'join_parts',
+  'limited_client',
+  'map_stacked',
+  'scan_blocks',
+  'traced_work_layout',
+  'client_blocks',
+  'work_steps',
+]
 
 
 def active_mask(active, c, xp=jnp):
@@ -61,8 +69,11 @@ def map_stacked(f, out):
   Returns:
     The outputs with ``f`` applied.
   """
-  return jax.tree.map(lambda n: n if aggregation.is_sum(n) else jax.tree.map(f, n), out,
-                      is_leaf=aggregation.is_sum)
+  return jax.tree.map(
+    lambda n: n if aggregation.is_sum(n) else jax.tree.map(f, n),
+    out,
+    is_leaf=aggregation.is_sum,
+  )
 
 
 def scan_blocks(block_fn, positions, valid, rows=None, count=None, sink=None):
@@ -104,31 +115,44 @@ def scan_blocks(block_fn, positions, valid, rows=None, count=None, sink=None):
 
   # Traced once (the jaxpr gives the carry's shapes and is the loop body).
   closed, (shape, _) = jax.make_jaxpr(body, return_shape=True)(
-      jax.tree.map(lambda a: a[0], positions), valid[0], held)
+    jax.tree.map(lambda a: a[0], positions), valid[0], held
+  )
   body_fn = jax.extend.core.jaxpr_as_fun(closed)
   out_tree = jax.tree.structure((shape, held))
   nodes, treedef = jax.tree.flatten(shape, is_leaf=aggregation.is_sum)
   flags = [aggregation.is_sum(n) for n in nodes]
-  init = [jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), n.value)
-          for n, f in zip(nodes, flags) if f]
+  init = [
+    jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), n.value)
+    for n, f in zip(nodes, flags)
+    if f
+  ]
   bufs = None
   if rows is not None:
     c, rows = rows
-    bufs = [jax.tree.map(lambda a: jnp.zeros((c,) + a.shape[1:], a.dtype), n)
-            for n, f in zip(nodes, flags) if not f]
+    bufs = [
+      jax.tree.map(lambda a: jnp.zeros((c,) + a.shape[1:], a.dtype), n)
+      for n, f in zip(nodes, flags)
+      if not f
+    ]
 
   def step(carry, xs):
     acc, bufs, held = carry
     leaves, ok, at_rows, at_held = xs
-    out, new = jax.tree.unflatten(out_tree, body_fn(*leaves, ok, *jax.tree.leaves(held)))
+    out, new = jax.tree.unflatten(
+      out_tree, body_fn(*leaves, ok, *jax.tree.leaves(held))
+    )
     out = jax.tree.flatten(out, is_leaf=aggregation.is_sum)[0]
     sums = [n.value for n, f in zip(out, flags) if f]
     stacked = [n for n, f in zip(out, flags) if not f]
     acc = jax.tree.map(jnp.add, acc, sums)
-    held = jax.tree.map(lambda h, v: h.at[at_held].set(v, mode='drop'), held, new)
+    held = jax.tree.map(
+      lambda h, v: h.at[at_held].set(v, mode='drop'), held, new
+    )
     if bufs is None:
       return (acc, None, held), stacked
-    bufs = jax.tree.map(lambda b, o: b.at[at_rows].set(o, mode='drop'), bufs, stacked)
+    bufs = jax.tree.map(
+      lambda b, o: b.at[at_rows].set(o, mode='drop'), bufs, stacked
+    )
     return (acc, bufs, held), None
 
   xs = (jax.tree.leaves(positions), valid, rows, at)
@@ -136,11 +160,15 @@ def scan_blocks(block_fn, positions, valid, rows=None, count=None, sink=None):
     (acc, bufs, held), stacked = jax.lax.scan(step, (init, bufs, held), xs)
   else:
     (acc, bufs, held) = jax.lax.fori_loop(
-        0, count, lambda i, carry: step(carry, jax.tree.map(lambda a: a[i], xs))[0],
-        (init, bufs, held))
+      0,
+      count,
+      lambda i, carry: step(carry, jax.tree.map(lambda a: a[i], xs))[0],
+      (init, bufs, held),
+    )
   sums, rows = iter(acc), iter(stacked if bufs is None else bufs)
-  out = jax.tree.unflatten(treedef,
-                           [aggregation.Sum(next(sums)) if f else next(rows) for f in flags])
+  out = jax.tree.unflatten(
+    treedef, [aggregation.Sum(next(sums)) if f else next(rows) for f in flags]
+  )
   return (out, held) if sink is not None else out
 
 
@@ -163,6 +191,7 @@ def work_steps(work, make_ctx, shared, per_client, active):
   def one(pos):
     ctx, key = make_ctx(shared, tree_util.client_slice(per_client, pos))
     return training.work_num_steps(work, ctx, key)
+
   return jnp.where(active_mask(active, c), jax.vmap(one)(jnp.arange(c)), 0)
 
 
@@ -179,9 +208,11 @@ def limited_client(work, make_ctx, shared, per_client):
   Returns:
     ``client(pos, limit) -> output``.
   """
+
   def client(pos, limit):
     ctx, key = make_ctx(shared, tree_util.client_slice(per_client, pos))
     return training.run_work(work, ctx, key, limit)
+
   return client
 
 
@@ -194,7 +225,11 @@ def blocks_by_work(steps, active, bs: int, xp):
   bs = min(bs, c)
   nb = -(-c // bs)
   key = -xp.where(active, steps, -1)
-  order = np.argsort(key, kind='stable') if xp is np else jnp.argsort(key, stable=True)
+  order = (
+    np.argsort(key, kind='stable')
+    if xp is np
+    else jnp.argsort(key, stable=True)
+  )
   slots = xp.arange(nb * bs)
   at = order[slots % c]
   pos = at.reshape(nb, bs)
@@ -237,7 +272,11 @@ def client_blocks(steps, active, bs: int, parts: int = 1):
   load = np.zeros(parts)
   for b in np.flatnonzero(b_ok.any(-1)):  # longest first
     t = int(np.argmin(load))
-    pos[t, count[t]], ok[t, count[t]], limit[t, count[t]] = b_pos[b], b_ok[b], b_limit[b]
+    pos[t, count[t]], ok[t, count[t]], limit[t, count[t]] = (
+      b_pos[b],
+      b_ok[b],
+      b_limit[b],
+    )
     count[t] += 1
     load[t] += b_limit[b] + 1  # + 1: a block's fixed cost (init, final)
   return pos, ok, limit, count
@@ -261,8 +300,18 @@ def traced_work_layout(steps, active, bs: int):
   return pos, ok, limit, (jnp.sum(active.astype(jnp.int32)) + bs - 1) // bs
 
 
-def block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c,
-               rows_in_place=None):
+def block_loop(
+  work,
+  make_ctx,
+  shared,
+  per_client,
+  pos,
+  limit,
+  ok,
+  count,
+  c,
+  rows_in_place=None,
+):
   """The first ``count`` blocks (``pos`` [nb, bs], ``limit`` [nb]) of client
   work vectorized within a block, each block ``limit`` steps; stacked
   outputs written at their cohort rows of [c, ...] buffers.
@@ -300,21 +349,34 @@ def block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c,
     source = per_client[slot]
 
     def client(p, lim, held):
-      inputs = tuple(tree_util.Rows(held, source.idx) if i == slot else x
-                     for i, x in enumerate(per_client))
+      inputs = tuple(
+        tree_util.Rows(held, source.idx) if i == slot else x
+        for i, x in enumerate(per_client)
+      )
       ctx, key = make_ctx(shared, tree_util.client_slice(inputs, p))
       out = training.run_work(work, ctx, key, lim)
       return out.replace(**{field: None}), getattr(out, field)
+
     n = jax.tree.leaves(source.source)[0].shape[0]
     sink = (source.source, jnp.where(ok, source.idx[pos], n))
   args = () if sink is None else (None,)
-  if pos.shape[-1] == 1:  # one client a block: its own shapes, no batched matmuls of one
-    block = lambda x, *h: jax.tree.map(lambda a: a[None], client(x[0][0], x[1], *h))
+  if (
+    pos.shape[-1] == 1
+  ):  # one client a block: its own shapes, no batched matmuls of one
+    block = lambda x, *h: jax.tree.map(
+      lambda a: a[None], client(x[0][0], x[1], *h)
+    )
   else:
     block = lambda x, *h: jax.vmap(client, in_axes=(0, None) + args)(*x, *h)
   with training.unroll_steps(False):
-    return scan_blocks(block, (pos, limit), ok, rows=(c, jnp.where(ok, pos, c)), count=count,
-                       sink=sink)
+    return scan_blocks(
+      block,
+      (pos, limit),
+      ok,
+      rows=(c, jnp.where(ok, pos, c)),
+      count=count,
+      sink=sink,
+    )
 
 
 @jax.jit
@@ -332,8 +394,11 @@ def join_owned(outs, owner):
 
   def join(*ns):
     if aggregation.is_sum(ns[0]):
-      return aggregation.Sum(jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns]))
+      return aggregation.Sum(
+        jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns])
+      )
     return jax.tree.map(pick, *ns)
+
   return jax.tree.unflatten(treedef, [join(*ns) for ns in zip(*nodes)])
 
 
@@ -346,7 +411,14 @@ def join_parts(outs, c):
 
   def join(*ns):
     if aggregation.is_sum(ns[0]):
-      return aggregation.Sum(jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns]))
-    return jax.tree.map(lambda *xs: jnp.concatenate(
-        [x.reshape((-1,) + x.shape[2:]) for x in xs])[:c], *ns)
+      return aggregation.Sum(
+        jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns])
+      )
+    return jax.tree.map(
+      lambda *xs: jnp.concatenate([x.reshape((-1,) + x.shape[2:]) for x in xs])[
+        :c
+      ],
+      *ns,
+    )
+
   return jax.tree.unflatten(treedef, [join(*ns) for ns in zip(*nodes)])

@@ -13,14 +13,13 @@ the algorithm itself is unchanged.
 import dataclasses
 from typing import Any
 
-from flax import struct
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from fedjax_personal.core.algorithm import ClientRows, FederatedAlgorithm
-from fedjax_personal.errors import ConfigError
 from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_scatter
-
+from fedjax_personal.errors import ConfigError
 
 __all__ = ['persistent_client_optimizer', 'WithClientOptState']
 
@@ -28,14 +27,17 @@ __all__ = ['persistent_client_optimizer', 'WithClientOptState']
 @struct.dataclass
 class WithClientOptState:
   """Attributes:
-    inner: the algorithm's state.
-    opt_state: stacked [N, ...] client optimizer states.
+  inner: the algorithm's state.
+  opt_state: stacked [N, ...] client optimizer states.
   """
+
   inner: Any
   opt_state: Any
 
 
-def persistent_client_optimizer(alg: FederatedAlgorithm, num_clients: int) -> FederatedAlgorithm:
+def persistent_client_optimizer(
+  alg: FederatedAlgorithm, num_clients: int
+) -> FederatedAlgorithm:
   """``alg`` with each client's optimizer state kept across rounds.
 
   Args:
@@ -48,13 +50,17 @@ def persistent_client_optimizer(alg: FederatedAlgorithm, num_clients: int) -> Fe
   work = alg.client_work
   init_opt_state, opt_state_of = work.init_opt_state, work.opt_state
   if init_opt_state is None or opt_state_of is None:
-    raise ConfigError('client_opt_state', f'{alg.name} keeps no client optimizer state')
+    raise ConfigError(
+      'client_opt_state', f'{alg.name} keeps no client optimizer state'
+    )
 
   def init(key):
     inner = alg.init(key)
     shapes = jax.eval_shape(alg.model.init, key)
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    return WithClientOptState(inner, tree_broadcast(init_opt_state(params), num_clients))
+    return WithClientOptState(
+      inner, tree_broadcast(init_opt_state(params), num_clients)
+    )
 
   def server_broadcast(state, cohort, rc):
     shared, per_client = alg.server_broadcast(state.inner, cohort, rc)
@@ -65,43 +71,73 @@ def persistent_client_optimizer(alg: FederatedAlgorithm, num_clients: int) -> Fe
     return ctx.replace(state=per_client, opt_state=opt_state)
 
   wrapped = dataclasses.replace(
-      work,
-      init=lambda ctx, key: work.init(unwrap(ctx), key),
-      step=lambda ctx, carry, batch, key: work.step(unwrap(ctx), carry, batch, key),
-      final=lambda ctx, carry: (work.final(unwrap(ctx), carry), opt_state_of(carry)))
+    work,
+    init=lambda ctx, key: work.init(unwrap(ctx), key),
+    step=lambda ctx, carry, batch, key: work.step(
+      unwrap(ctx), carry, batch, key
+    ),
+    final=lambda ctx, carry: (
+      work.final(unwrap(ctx), carry),
+      opt_state_of(carry),
+    ),
+  )
 
   inner_rows = alg.client_rows
 
   def server_update(state, cohort, outputs, rc):
     out, opt_state = outputs
     inner = state.inner
-    if inner_rows is not None:  # the rows the engine writes for the algorithm alone
+    if (
+      inner_rows is not None
+    ):  # the rows the engine writes for the algorithm alone
       inner, out = inner_rows.write(inner, cohort.rows, out)
     inner, metrics = alg.server_update(inner, cohort, out, rc)
-    return WithClientOptState(inner, tree_scatter(state.opt_state, cohort.rows, opt_state)), metrics
+    return WithClientOptState(
+      inner, tree_scatter(state.opt_state, cohort.rows, opt_state)
+    ), metrics
 
   pre_round = inner_pre_round = alg.pre_round
   if inner_pre_round is not None:
+
     def update(state, outputs, rc):
       inner, info = inner_pre_round.update(state.inner, outputs, rc)
       return state.replace(inner=inner), info
+
     pre_round = dataclasses.replace(
-        inner_pre_round, broadcast=lambda state, rc: inner_pre_round.broadcast(state.inner, rc),
-        update=update)
+      inner_pre_round,
+      broadcast=lambda state, rc: inner_pre_round.broadcast(state.inner, rc),
+      update=update,
+    )
 
   # The optimizer states are client rows, with the algorithm's own if it has
   # them: (inner rows or None, optimizer states).
   client_rows = ClientRows(
-      get=lambda s: (None if inner_rows is None else inner_rows.get(s.inner), s.opt_state),
-      put=lambda s, r: WithClientOptState(
-          s.inner if inner_rows is None else inner_rows.put(s.inner, r[0]), r[1]),
-      models_from_rows=inner_rows is not None and inner_rows.models_from_rows)
+    get=lambda s: (
+      None if inner_rows is None else inner_rows.get(s.inner),
+      s.opt_state,
+    ),
+    put=lambda s, r: WithClientOptState(
+      s.inner if inner_rows is None else inner_rows.put(s.inner, r[0]), r[1]
+    ),
+    models_from_rows=inner_rows is not None and inner_rows.models_from_rows,
+  )
 
-  return alg.replace(init=init, server_broadcast=server_broadcast, client_work=wrapped,
-                     server_update=server_update, client_rows=client_rows,
-                     client_models=lambda s: alg.client_models(s.inner),
-                     communication=(None if alg.communication is None
-                                    else lambda s: alg.communication(s.inner)),
-                     pre_round=pre_round,
-                     privacy=None if alg.privacy is None else dataclasses.replace(
-                         alg.privacy, steps=lambda s: alg.privacy.steps(s.inner)))
+  return alg.replace(
+    init=init,
+    server_broadcast=server_broadcast,
+    client_work=wrapped,
+    server_update=server_update,
+    client_rows=client_rows,
+    client_models=lambda s: alg.client_models(s.inner),
+    communication=(
+      None
+      if alg.communication is None
+      else lambda s: alg.communication(s.inner)
+    ),
+    pre_round=pre_round,
+    privacy=None
+    if alg.privacy is None
+    else dataclasses.replace(
+      alg.privacy, steps=lambda s: alg.privacy.steps(s.inner)
+    ),
+  )

@@ -19,15 +19,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-__all__ = ['adjusted_rand_index', 'assign', 'bipartition', 'distances', 'in_group_chance',
-           'in_group_share', 'kmeans', 'KMeansResult', 'silhouette_kmeans', 'silhouette_score']
+__all__ = [
+  'adjusted_rand_index',
+  'assign',
+  'bipartition',
+  'distances',
+  'in_group_chance',
+  'in_group_share',
+  'kmeans',
+  'KMeansResult',
+  'silhouette_kmeans',
+  'silhouette_score',
+]
 
 
 def sq_distances(x, c):
   """Squared Euclidean distances [N, K] between rows of x [N, D] and c [K, D]
   (one matmul; clamped at 0 against rounding)."""
-  d = (jnp.sum(x * x, 1)[:, None] - 2 * x @ c.T + jnp.sum(c * c, 1)[None, :])
+  d = jnp.sum(x * x, 1)[:, None] - 2 * x @ c.T + jnp.sum(c * c, 1)[None, :]
   return jnp.maximum(d, 0.0)
 
 
@@ -118,7 +127,9 @@ def lloyd(x, centroids, k, max_iter: int = 300, tol: float = 1e-4):
     new = step(c)
     return i + 1, new, jnp.sum((new - c) ** 2)
 
-  _, centroids, _ = jax.lax.while_loop(cond, body, (0, centroids, jnp.asarray(jnp.inf, x.dtype)))
+  _, centroids, _ = jax.lax.while_loop(
+    cond, body, (0, centroids, jnp.asarray(jnp.inf, x.dtype))
+  )
   labels, d2 = assign(x, centroids, k)
   return centroids, labels, jnp.sum(d2)
 
@@ -132,14 +143,22 @@ class KMeansResult(NamedTuple):
     inertia: the sum of squared distances to the assigned centroids.
     k: int32, the number of clusters asked for.
   """
+
   centroids: jax.Array
   labels: jax.Array
   inertia: jax.Array
   k: jax.Array
 
 
-def kmeans(key, x, k, max_k: int, restarts: int = 10, max_iter: int = 300,
-           tol: float = 1e-4) -> KMeansResult:
+def kmeans(
+  key,
+  x,
+  k,
+  max_k: int,
+  restarts: int = 10,
+  max_iter: int = 300,
+  tol: float = 1e-4,
+) -> KMeansResult:
   """k-means with ``restarts`` k-means++ seedings (vmapped), keeping the
   lowest inertia (scikit-learn's ``KMeans(k, n_init=restarts)``).
 
@@ -163,7 +182,9 @@ def kmeans(key, x, k, max_k: int, restarts: int = 10, max_iter: int = 300,
 
   c, labels, inertia = jax.vmap(one)(jax.random.split(key, restarts))
   best = jnp.argmin(inertia)
-  return KMeansResult(c[best], labels[best], inertia[best], jnp.asarray(k, jnp.int32))
+  return KMeansResult(
+    c[best], labels[best], inertia[best], jnp.asarray(k, jnp.int32)
+  )
 
 
 def silhouette_score(dist, labels, max_k: int):
@@ -190,12 +211,15 @@ def silhouette_score(dist, labels, max_k: int):
   other = jnp.where((count[None, :] > 0) & (one_hot == 0), means, jnp.inf)
   b = jnp.min(other, 1)
   denom = jnp.maximum(a, b)
-  s = jnp.where((own > 1) & (denom > 0), (b - a) / jnp.where(denom > 0, denom, 1.0), 0.0)
+  s = jnp.where(
+    (own > 1) & (denom > 0), (b - a) / jnp.where(denom > 0, denom, 1.0), 0.0
+  )
   return jnp.where(jnp.sum(count > 0) >= 2, jnp.mean(s), -jnp.inf)
 
 
-def silhouette_kmeans(key, x, max_k: int, restarts: int = 10, max_iter: int = 300,
-                      tol: float = 1e-4) -> KMeansResult:
+def silhouette_kmeans(
+  key, x, max_k: int, restarts: int = 10, max_iter: int = 300, tol: float = 1e-4
+) -> KMeansResult:
   """k-means for every k in 2..max_k, keeping the k of the best silhouette
   (the smallest k on ties); k = 1 (the mean) when every row is the same or no
   k gives two non-empty clusters. Centroids are padded to max_k rows (at
@@ -217,8 +241,12 @@ def silhouette_kmeans(key, x, max_k: int, restarts: int = 10, max_iter: int = 30
   n = x.shape[0]
   max_k = max(int(max_k), 1)
   mean = jnp.zeros((max_k, x.shape[1]), x.dtype).at[0].set(jnp.mean(x, 0))
-  single = KMeansResult(mean, jnp.zeros(n, jnp.int32), jnp.sum((x - x.mean(0)) ** 2),
-                        jnp.asarray(1, jnp.int32))
+  single = KMeansResult(
+    mean,
+    jnp.zeros(n, jnp.int32),
+    jnp.sum((x - x.mean(0)) ** 2),
+    jnp.asarray(1, jnp.int32),
+  )
   if max_k < 2:
     return single
   dist = distances(x)
@@ -228,9 +256,13 @@ def silhouette_kmeans(key, x, max_k: int, restarts: int = 10, max_iter: int = 30
     r = kmeans(jax.random.fold_in(key, k), x, k, max_k, restarts, max_iter, tol)
     s = silhouette_score(dist, r.labels, max_k)
     better = s > score
-    return jax.tree.map(lambda a, b: jnp.where(better, a, b), r, best), jnp.maximum(s, score)
+    return jax.tree.map(
+      lambda a, b: jnp.where(better, a, b), r, best
+    ), jnp.maximum(s, score)
 
-  best, score = jax.lax.fori_loop(2, max_k + 1, body, (single, jnp.asarray(-jnp.inf)))
+  best, score = jax.lax.fori_loop(
+    2, max_k + 1, body, (single, jnp.asarray(-jnp.inf))
+  )
   same = jnp.all(jnp.abs(x - x[:1]) <= 1e-8 + 1e-5 * jnp.abs(x[:1]))
   use_single = same | ~jnp.isfinite(score)
   return jax.tree.map(lambda a, b: jnp.where(use_single, a, b), single, best)
@@ -263,10 +295,22 @@ def bipartition(dist, member):
     i, j = flat // n, flat % n
     i, j = jnp.minimum(i, j), jnp.maximum(i, j)
     row = jnp.maximum(d[i], d[j]).at[i].set(jnp.inf).at[j].set(jnp.inf)
-    merged = d.at[i, :].set(row).at[:, i].set(row).at[j, :].set(jnp.inf).at[:, j].set(jnp.inf)
+    merged = (
+      d.at[i, :]
+      .set(row)
+      .at[:, i]
+      .set(row)
+      .at[j, :]
+      .set(jnp.inf)
+      .at[:, j]
+      .set(jnp.inf)
+    )
     go = jnp.sum(active) > 2
-    return (jnp.where(go, merged, d), jnp.where(go, active.at[j].set(False), active),
-            jnp.where(go & (label == j), i, label))
+    return (
+      jnp.where(go, merged, d),
+      jnp.where(go, active.at[j].set(False), active),
+      jnp.where(go & (label == j), i, label),
+    )
 
   _, _, label = jax.lax.fori_loop(0, max(n - 2, 0), body, (d, member, label))
   first = jnp.argmax(member)  # lowest-index member
@@ -291,14 +335,18 @@ def adjusted_rand_index(labels_true, labels_pred, num_true: int, num_pred: int):
   Returns:
     The index (1: the same partition).
   """
-  ct = jax.nn.one_hot(labels_true, num_true).T @ jax.nn.one_hot(labels_pred, num_pred)
+  ct = jax.nn.one_hot(labels_true, num_true).T @ jax.nn.one_hot(
+    labels_pred, num_pred
+  )
   n = labels_true.shape[0]
   index = jnp.sum(_pairs(ct))
   a, b = jnp.sum(_pairs(ct.sum(1))), jnp.sum(_pairs(ct.sum(0)))
   expected = a * b / max(_pairs(n), 1)
   top = (a + b) / 2
   denom = top - expected
-  return jnp.where(denom == 0, 1.0, (index - expected) / jnp.where(denom == 0, 1.0, denom))
+  return jnp.where(
+    denom == 0, 1.0, (index - expected) / jnp.where(denom == 0, 1.0, denom)
+  )
 
 
 def in_group_share(w, groups):
@@ -316,7 +364,9 @@ def in_group_share(w, groups):
   w = jnp.asarray(w, jnp.float32)
   off = 1.0 - jnp.eye(w.shape[0], dtype=w.dtype)
   same = (groups[:, None] == groups[None, :]).astype(w.dtype) * off
-  return jnp.mean(jnp.sum(w * same, 1) / jnp.maximum(jnp.sum(w * off, 1), 1e-30))
+  return jnp.mean(
+    jnp.sum(w * same, 1) / jnp.maximum(jnp.sum(w * off, 1), 1e-30)
+  )
 
 
 def in_group_chance(groups) -> float:

@@ -5,19 +5,26 @@ with a count, so that a whole population is a handful of arrays with a leading
 client axis. This is what lets one compiled round serve every cohort.
 """
 
+import dataclasses
 from typing import Optional, Sequence, Union
 
-import dataclasses
-
-from flax import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-
-__all__ = ['client_row', 'client_splits', 'ClientData', 'FederatedData', 'LocalData',
-           'PackedClientData', 'pad_clients', 'permute_eval_targets', 'split_client_examples',
-           'to_device']
+__all__ = [
+  'client_row',
+  'client_splits',
+  'ClientData',
+  'FederatedData',
+  'LocalData',
+  'PackedClientData',
+  'pad_clients',
+  'permute_eval_targets',
+  'split_client_examples',
+  'to_device',
+]
 
 
 #: A split's arrays: on the host (numpy, as loaded) or on the device.
@@ -38,6 +45,7 @@ class ClientData:
       (``training.get_batch``), so the client's window ``x`` is only made
       when something reads it whole. None otherwise.
   """
+
   x: Array
   y: Array
   num_examples: Array
@@ -76,6 +84,7 @@ class PackedClientData:
     length: static; the window of one client (the ``max_examples`` of a
       padded split).
   """
+
   x: Array
   y: Array
   num_examples: Array
@@ -96,8 +105,12 @@ class PackedClientData:
     i = jnp.clip(i, 0, self.num_clients - 1)
     start = self.offsets[i]
     window = lambda a: jax.lax.dynamic_slice_in_dim(a, start, self.length, 0)
-    return ClientData(x=window(self.x), y=window(self.y), num_examples=self.num_examples[i],
-                      source=(self.x, self.y, start))
+    return ClientData(
+      x=window(self.x),
+      y=window(self.y),
+      num_examples=self.num_examples[i],
+      source=(self.x, self.y, start),
+    )
 
 
 @struct.dataclass
@@ -117,6 +130,7 @@ class FederatedData:
     eval_only: how many clients at the end are evaluated and never trained
       (static; e.g. TFF's held-out CIFAR-100 test clients).
   """
+
   train: ClientData
   val: ClientData
   test: ClientData
@@ -147,23 +161,32 @@ class FederatedData:
     y, n = np.asarray(self.train.y), np.asarray(self.train.num_examples)
     if y.ndim != 2 or not np.issubdtype(y.dtype, np.integer):
       return None
-    counts = np.stack([np.bincount(y[i, :n[i]], minlength=self.num_classes)  # padding at the end
-                       for i in range(len(y))]).astype(np.float64)
+    counts = np.stack(
+      [
+        np.bincount(
+          y[i, : n[i]], minlength=self.num_classes
+        )  # padding at the end
+        for i in range(len(y))
+      ]
+    ).astype(np.float64)
     local = counts / np.maximum(counts.sum(1, keepdims=True), 1)
     pooled = counts.sum(0) / max(counts.sum(), 1)
     return float(np.abs(local - pooled).sum(1)[n > 0].mean())
 
   def describe(self) -> str:
     n = np.asarray(self.train.num_examples)
-    return (f'{self.name}: {self.num_clients} clients, {self.num_classes} classes, '
-            f'train examples per client min {n.min()} median {int(np.median(n))} '
-            f'max {n.max()} (total {n.sum()}), test total '
-            f'{int(np.asarray(self.test.num_examples).sum())}')
+    return (
+      f'{self.name}: {self.num_clients} clients, {self.num_classes} classes, '
+      f'train examples per client min {n.min()} median {int(np.median(n))} '
+      f'max {n.max()} (total {n.sum()}), test total '
+      f'{int(np.asarray(self.test.num_examples).sum())}'
+    )
 
 
 @struct.dataclass
 class LocalData:
   """What a client may train on: its own train and validation splits."""
+
   train: ClientData
   val: ClientData
 
@@ -184,9 +207,15 @@ def client_row(tree, i):
   return jax.tree.map(lambda a: a.at[i].get(mode='clip'), tree)
 
 
-def pad_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray],
-                x_shape, x_dtype, y_shape=(), y_dtype=np.int32,
-                max_examples: Optional[int] = None) -> ClientData:
+def pad_clients(
+  xs: Sequence[np.ndarray],
+  ys: Sequence[np.ndarray],
+  x_shape,
+  x_dtype,
+  y_shape=(),
+  y_dtype=np.int32,
+  max_examples: Optional[int] = None,
+) -> ClientData:
   """Stacks per-client arrays into one padded ClientData (host numpy).
 
   Args:
@@ -207,13 +236,17 @@ def pad_clients(xs: Sequence[np.ndarray], ys: Sequence[np.ndarray],
   xp = np.zeros((len(xs), m) + tuple(x_shape), dtype=x_dtype)
   yp = np.zeros((len(xs), m) + tuple(y_shape), dtype=y_dtype)
   for i, (x, y) in enumerate(zip(xs, ys)):
-    xp[i, :len(x)] = x
-    yp[i, :len(y)] = y
+    xp[i, : len(x)] = x
+    yp[i, : len(y)] = y
   return ClientData(x=xp, y=yp, num_examples=n)
 
 
-def split_client_examples(num_examples: int, rng: np.random.Generator,
-                          test_fraction: float, val_fraction: float):
+def split_client_examples(
+  num_examples: int,
+  rng: np.random.Generator,
+  test_fraction: float,
+  val_fraction: float,
+):
   """Shuffles one client's examples and splits them into train/val/test.
 
   Rounding keeps at least one training example when the client has any, and
@@ -239,14 +272,20 @@ def split_client_examples(num_examples: int, rng: np.random.Generator,
   n_test = min(n_test, max(num_examples - 1, 0))
   n_val = min(n_val, max(num_examples - n_test - 1, 0))
   test = perm[:n_test]
-  val = perm[n_test:n_test + n_val]
-  train = perm[n_test + n_val:]
+  val = perm[n_test : n_test + n_val]
+  train = perm[n_test + n_val :]
   return train, val, test
 
 
-def client_splits(x: np.ndarray, y: np.ndarray, client_indices: Sequence[np.ndarray],
-                  rng: np.random.Generator, test_fraction: float = 0.2,
-                  val_fraction: float = 0.0, client_transform=None) -> dict:
+def client_splits(
+  x: np.ndarray,
+  y: np.ndarray,
+  client_indices: Sequence[np.ndarray],
+  rng: np.random.Generator,
+  test_fraction: float = 0.2,
+  val_fraction: float = 0.0,
+  client_transform=None,
+) -> dict:
   """Each client's train / val / test examples of a pool, unpadded:
   ``{split: ([x_i], [y_i])}`` (the population store is made from these
   without padding; ``pad_clients`` pads them).
@@ -269,7 +308,9 @@ def client_splits(x: np.ndarray, y: np.ndarray, client_indices: Sequence[np.ndar
     xi, yi = x[idx], y[idx]
     if client_transform is not None:
       xi, yi = client_transform(i, xi, yi)
-    tr, va, te = split_client_examples(len(idx), rng, test_fraction, val_fraction)
+    tr, va, te = split_client_examples(
+      len(idx), rng, test_fraction, val_fraction
+    )
     for key, part in (('train', tr), ('val', va), ('test', te)):
       splits[key][0].append(xi[part])
       splits[key][1].append(yi[part])

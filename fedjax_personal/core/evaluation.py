@@ -15,21 +15,35 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_personal.core import memory
-from fedjax_personal.core.population import rows_in_memory
-from fedjax_personal.core.population import placement
 from fedjax_personal.core.algorithm import FederatedAlgorithm
 from fedjax_personal.core.data import LocalData, client_row
 from fedjax_personal.core.executors import Executor
+from fedjax_personal.core.population import placement, rows_in_memory
 from fedjax_personal.core.sampling import client_keys
-from fedjax_personal.core.training import LossStats, evaluate_params, per_example_stats
+from fedjax_personal.core.training import (
+  LossStats,
+  evaluate_params,
+  per_example_stats,
+)
 
-__all__ = ['eval_buckets', 'eval_client_function', 'eval_function', 'host_evaluation',
-           'pooled_evaluation', 'pooled_padded_evaluation', 'pooled_where_one_model',
-           'POOLED_CHUNK_BYTES']
+__all__ = [
+  'eval_buckets',
+  'eval_client_function',
+  'eval_function',
+  'host_evaluation',
+  'pooled_evaluation',
+  'pooled_padded_evaluation',
+  'pooled_where_one_model',
+  'POOLED_CHUNK_BYTES',
+]
 
 
-def eval_buckets(test_counts, max_examples: int, smallest: int = 32,
-                 block: Optional[int] = None):
+def eval_buckets(
+  test_counts,
+  max_examples: int,
+  smallest: int = 32,
+  block: Optional[int] = None,
+):
   """Groups clients by a static test length: ``[(length, client indices)]``.
 
   Each client's test split is evaluated on its leading ``length`` rows, the
@@ -55,11 +69,20 @@ def eval_buckets(test_counts, max_examples: int, smallest: int = 32,
     ``[(length, int32 client indices)]``, shortest first.
   """
   counts = np.asarray(test_counts)
-  sizes = np.minimum(max_examples, np.maximum(
-      smallest, 2 ** np.ceil(np.log2(np.maximum(counts, 1))).astype(np.int64)))
-  groups = [(int(b), np.flatnonzero(sizes == b).astype(np.int32)) for b in np.unique(sizes)]
+  sizes = np.minimum(
+    max_examples,
+    np.maximum(
+      smallest, 2 ** np.ceil(np.log2(np.maximum(counts, 1))).astype(np.int64)
+    ),
+  )
+  groups = [
+    (int(b), np.flatnonzero(sizes == b).astype(np.int32))
+    for b in np.unique(sizes)
+  ]
   if block:
-    for i in range(len(groups) - 2, -1, -1):  # longest first, so that joins chain
+    for i in range(
+      len(groups) - 2, -1, -1
+    ):  # longest first, so that joins chain
       (length, idx), (longer, more) = groups[i], groups[i + 1]
       if len(idx) * (longer - length) <= block * longer:
         groups[i + 1] = (longer, np.sort(np.concatenate([idx, more])))
@@ -67,7 +90,9 @@ def eval_buckets(test_counts, max_examples: int, smallest: int = 32,
   return groups
 
 
-def eval_client_function(alg: FederatedAlgorithm, counts, finetune: bool, length: Optional[int]):
+def eval_client_function(
+  alg: FederatedAlgorithm, counts, finetune: bool, length: Optional[int]
+):
   """``eval_client(shared, (i, row, key)) -> LossStats``: client i's model
   (optionally fine-tuned) on its test split, whose examples are row ``row``
   of the split arrays in ``shared = (models, train, val, test)`` (cut to
@@ -82,6 +107,7 @@ def eval_client_function(alg: FederatedAlgorithm, counts, finetune: bool, length
   Returns:
     ``eval_client(shared, (i, row, key)) -> LossStats``.
   """
+
   def eval_client(shared, c):
     counts['eval_client'] += 1
     models, train, val, test = shared
@@ -97,10 +123,13 @@ def eval_client_function(alg: FederatedAlgorithm, counts, finetune: bool, length
     if alg.evaluate_client is not None:
       return alg.evaluate_client(params, local, test_i, k_eval)
     return evaluate_params(alg.model, params, test_i)
+
   return eval_client
 
 
-def eval_function(alg: FederatedAlgorithm, ex: Executor, counts=None, test_counts=None):
+def eval_function(
+  alg: FederatedAlgorithm, ex: Executor, counts=None, test_counts=None
+):
   """``eval_all(client_models, data, key, finetune) -> LossStats [N]``: every
   client's model (optionally fine-tuned on its training split) on its test split.
 
@@ -124,27 +153,44 @@ def eval_function(alg: FederatedAlgorithm, ex: Executor, counts=None, test_count
     n = data.num_clients
     keys = client_keys(key, jnp.arange(n))
     shared = (models, data.train, data.val, data.test)
-    groups = (None if test_counts is None
-              else eval_buckets(test_counts, data.test.max_examples))
-    if groups is None or len(groups) == 1 and groups[0][0] == data.test.max_examples:
+    groups = (
+      None
+      if test_counts is None
+      else eval_buckets(test_counts, data.test.max_examples)
+    )
+    if (
+      groups is None
+      or len(groups) == 1
+      and groups[0][0] == data.test.max_examples
+    ):
       groups = [(None, np.arange(n, dtype=np.int32))]
     out = None
     for length, idx in groups:
       if (finetune, length) not in eval_clients:
-        eval_clients[(finetune, length)] = eval_client_function(alg, counts, finetune, length)
+        eval_clients[(finetune, length)] = eval_client_function(
+          alg, counts, finetune, length
+        )
       idx_j = jnp.asarray(idx)
       if len(idx) == n:
-        return ex.map(eval_clients[(finetune, length)], shared, (idx_j, idx_j, keys))
-      part = ex.map(eval_clients[(finetune, length)], shared, (idx_j, idx_j, keys[idx]))
+        return ex.map(
+          eval_clients[(finetune, length)], shared, (idx_j, idx_j, keys)
+        )
+      part = ex.map(
+        eval_clients[(finetune, length)], shared, (idx_j, idx_j, keys[idx])
+      )
       if out is None:
-        out = jax.tree.map(lambda a: jnp.zeros((n,) + a.shape[1:], a.dtype), part)
+        out = jax.tree.map(
+          lambda a: jnp.zeros((n,) + a.shape[1:], a.dtype), part
+        )
       out = jax.tree.map(lambda o, a: o.at[idx].set(a), out, part)
     return out
 
   return eval_all
 
 
-def host_evaluation(alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bool, counts):
+def host_evaluation(
+  alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bool, counts
+):
   """``evaluate(state, key, finetune) -> LossStats [N]`` over the store:
   clients grouped by static test length (``eval_buckets``), each group in
   blocks of ``host.block`` clients gathered from the store. With hosted
@@ -163,7 +209,9 @@ def host_evaluation(alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bo
     ``evaluate(state, key, finetune) -> LossStats [N]``.
   """
   test_counts = host.counts('test')
-  groups = eval_buckets(test_counts, int(test_counts.max(initial=0)), block=host.block)
+  groups = eval_buckets(
+    test_counts, int(test_counts.max(initial=0)), block=host.block
+  )
   models_j = ex.jit(alg.client_models)
   fns = {}
 
@@ -172,9 +220,18 @@ def host_evaluation(alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bo
       eval_client = eval_client_function(alg, counts, finetune, length)
 
       def run(state_or_models, train, val, test, ids, rows, keys, valid):
-        models = alg.client_models(state_or_models) if ex.fused else state_or_models
-        return ex.host_readable(ex.map(eval_client, (models, train, val, test),
-                                       (ids, rows, keys), active=valid))
+        models = (
+          alg.client_models(state_or_models) if ex.fused else state_or_models
+        )
+        return ex.host_readable(
+          ex.map(
+            eval_client,
+            (models, train, val, test),
+            (ids, rows, keys),
+            active=valid,
+          )
+        )
+
       fns[(finetune, length)] = ex.jit(run) if ex.fused else run
     return fns[(finetune, length)]
 
@@ -193,14 +250,22 @@ def host_evaluation(alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bo
     # for an algorithm's own evaluation; otherwise they are empty rows.
     local_length = None if finetune or alg.evaluate_client is not None else 0
     client_rows = alg.client_rows
-    by_rows = hosted_rows and client_rows is not None and client_rows.models_from_rows
+    by_rows = (
+      hosted_rows and client_rows is not None and client_rows.models_from_rows
+    )
     block = host.block
     if by_rows:
       rows = state.rows
-      block = rows_in_memory.rows_per_block(rows, host.block)  # the gathered rows bounded
+      block = rows_in_memory.rows_per_block(
+        rows, host.block
+      )  # the gathered rows bounded
     else:  # the models do not read hosted rows: the state without them serves
       state = state.inner if hosted_rows else state
-      if not finetune and alg.evaluate_client is None and pooled_for(state) is not None:
+      if (
+        not finetune
+        and alg.evaluate_client is None
+        and pooled_for(state) is not None
+      ):
         # one model for every client: its test examples pooled
         params = jax.tree.map(lambda a: a[0], models_j(state).params)
         return pooled_for(state)(params)
@@ -213,16 +278,25 @@ def host_evaluation(alg: FederatedAlgorithm, ex: Executor, host, hosted_rows: bo
         model_of = ids_j
         if by_rows:
           assert client_rows is not None  # by_rows
-          block_state = client_rows.put(state.inner, rows_in_memory.gather_rows(rows, b_ids))
+          block_state = client_rows.put(
+            state.inner, rows_in_memory.gather_rows(rows, b_ids)
+          )
           models = block_state if ex.fused else models_j(block_state)
           model_of = positions
         stats = block_fn(finetune, length)(
-            models, host.gather('train', b_ids, local_length),
-            host.gather('val', b_ids, local_length), host.gather('test', b_ids, length),
-            model_of, positions, client_keys(key, ids_j), valid)
+          models,
+          host.gather('train', b_ids, local_length),
+          host.gather('val', b_ids, local_length),
+          host.gather('test', b_ids, length),
+          model_of,
+          positions,
+          client_keys(key, ids_j),
+          valid,
+        )
         for o, a in zip(out, jax.device_get(stats)):
           o[b_ids[valid]] = np.asarray(a)[valid]
     return LossStats(*out)
+
   return evaluate
 
 
@@ -251,8 +325,10 @@ def pooled_evaluation(alg: FederatedAlgorithm, store):
     (a subset of another store's clients) or hold no test example.
   """
   counts = np.asarray(store.counts['test'], np.int64)
-  starts = np.asarray(store.offsets['test'], np.int64)[:len(counts)]
-  if counts.sum() == 0 or not np.array_equal(starts, np.concatenate([[0], np.cumsum(counts)[:-1]])):
+  starts = np.asarray(store.offsets['test'], np.int64)[: len(counts)]
+  if counts.sum() == 0 or not np.array_equal(
+    starts, np.concatenate([[0], np.cumsum(counts)[:-1]])
+  ):
     return None
   x_all, y_all, _ = store.arrays['test']
   ydtype = np.int32 if np.issubdtype(y_all.dtype, np.integer) else y_all.dtype
@@ -260,8 +336,9 @@ def pooled_evaluation(alg: FederatedAlgorithm, store):
   def read(r0, r1, rows):
     x = np.zeros((rows,) + x_all.shape[1:], x_all.dtype)
     y = np.zeros((rows,) + y_all.shape[1:], ydtype)
-    x[:r1 - r0], y[:r1 - r0] = x_all[r0:r1], y_all[r0:r1]
+    x[: r1 - r0], y[: r1 - r0] = x_all[r0:r1], y_all[r0:r1]
     return x, y
+
   return _pooled(alg, counts, x_all.shape[1:], x_all.dtype, read)
 
 
@@ -285,18 +362,22 @@ def pooled_padded_evaluation(alg: FederatedAlgorithm, test, counts=None):
   if examples.sum() == 0:
     return None
   client = np.repeat(np.arange(len(examples), dtype=np.int32), examples)
-  row = (np.arange(len(client))
-         - np.repeat(np.cumsum(examples) - examples, examples)).astype(np.int32)
+  row = (
+    np.arange(len(client)) - np.repeat(np.cumsum(examples) - examples, examples)
+  ).astype(np.int32)
   gather = jax.jit(lambda x, y, c, r: (x[c, r], y[c, r]))
 
   def read(r0, r1, rows):
     c, r = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-    c[:r1 - r0], r[:r1 - r0] = client[r0:r1], row[r0:r1]
+    c[: r1 - r0], r[: r1 - r0] = client[r0:r1], row[r0:r1]
     return gather(test.x, test.y, c, r)
+
   return _pooled(alg, examples, test.x.shape[2:], test.x.dtype, read, counts)
 
 
-def pooled_where_one_model(alg: FederatedAlgorithm, test, models_j, per_client, counts=None):
+def pooled_where_one_model(
+  alg: FederatedAlgorithm, test, models_j, per_client, counts=None
+):
   """The device layout's ``evaluate(state, key, finetune)``: where every
   client uses one model (the state's structure says so; a structural
   choice, made at the first evaluation without fine-tuning) and the
@@ -316,30 +397,50 @@ def pooled_where_one_model(alg: FederatedAlgorithm, test, models_j, per_client, 
   pooled = {}
 
   def evaluate(state, key, finetune):
-    if not finetune and alg.evaluate_client is None and jax.process_count() == 1:
+    if (
+      not finetune and alg.evaluate_client is None and jax.process_count() == 1
+    ):
       if 'fn' not in pooled:
         shared = jax.eval_shape(alg.client_models, state).num_models == 1
-        pooled['fn'] = pooled_padded_evaluation(alg, test, counts) if shared else None
+        pooled['fn'] = (
+          pooled_padded_evaluation(alg, test, counts) if shared else None
+        )
       if pooled['fn'] is not None:
-        return pooled['fn'](jax.tree.map(lambda a: a[0], models_j(state).params))
+        return pooled['fn'](
+          jax.tree.map(lambda a: a[0], models_j(state).params)
+        )
     return per_client(state, key, finetune)
+
   return evaluate
 
 
-def _pooled(alg: FederatedAlgorithm, counts, x_shape, x_dtype, read, traces=None):
+def _pooled(
+  alg: FederatedAlgorithm, counts, x_shape, x_dtype, read, traces=None
+):
   """The pooled evaluation of ``counts[j]`` test rows per client, back to
   back; ``read(r0, r1, rows)`` gives rows r0..r1 padded to ``rows``;
   ``traces`` (a Counter) counts the chunk program's traces."""
   total = int(counts.sum())
-  model = alg.model.forward_only()  # one pass a chunk, no loop: XLA's convolution on a CPU
+  model = (
+    alg.model.forward_only()
+  )  # one pass a chunk, no loop: XLA's convolution on a CPU
   ends = np.cumsum(counts)
-  client_of = lambda r: np.searchsorted(ends, r, side='right')  # the client of row(s) r
+  client_of = lambda r: np.searchsorted(
+    ends, r, side='right'
+  )  # the client of row(s) r
   params = jax.eval_shape(model.init, jax.random.key(0))
   sample = np.zeros((1,) + tuple(x_shape), x_dtype)
-  out = jax.eval_shape(model.apply, params, jax.ShapeDtypeStruct(sample.shape, sample.dtype))
-  per_row = (int(np.prod(x_shape)) * np.dtype(x_dtype).itemsize + int(np.prod(out.shape[1:])) * 4
-             + memory.activation_bytes(model, sample, 1))
-  rows = int(min(4096, 2 ** int(np.log2(max(1, POOLED_CHUNK_BYTES // per_row)))))
+  out = jax.eval_shape(
+    model.apply, params, jax.ShapeDtypeStruct(sample.shape, sample.dtype)
+  )
+  per_row = (
+    int(np.prod(x_shape)) * np.dtype(x_dtype).itemsize
+    + int(np.prod(out.shape[1:])) * 4
+    + memory.activation_bytes(model, sample, 1)
+  )
+  rows = int(
+    min(4096, 2 ** int(np.log2(max(1, POOLED_CHUNK_BYTES // per_row))))
+  )
   rows = min(rows, int(2 ** np.ceil(np.log2(total))))
 
   @jax.jit
@@ -347,11 +448,19 @@ def _pooled(alg: FederatedAlgorithm, counts, x_shape, x_dtype, read, traces=None
     if traces is not None:
       traces['eval_pooled'] += 1
     logits = model.apply(p, x)
-    one = lambda l, t, m: per_example_stats(l[None], t[None], m[None], model.loss,
-                                            model.unscored_targets, model.top_k,
-                                            model.unpredicted)
+    one = lambda l, t, m: per_example_stats(
+      l[None],
+      t[None],
+      m[None],
+      model.loss,
+      model.unscored_targets,
+      model.top_k,
+      model.unpredicted,
+    )
     stats = jax.vmap(one)(logits, y, valid)
-    return LossStats(*(jax.ops.segment_sum(v, seg, num_segments=rows) for v in stats))
+    return LossStats(
+      *(jax.ops.segment_sum(v, seg, num_segments=rows) for v in stats)
+    )
 
   def evaluate(p):
     out = [np.zeros(len(counts), np.float32) for _ in LossStats._fields]
@@ -362,11 +471,14 @@ def _pooled(alg: FederatedAlgorithm, counts, x_shape, x_dtype, read, traces=None
       n = r1 - r0
       x, y = read(r0, r1, rows)
       # The chunk's clients (those without test rows between them skipped).
-      clients, seg_n = np.unique(client_of(np.arange(r0, r1)), return_inverse=True)
+      clients, seg_n = np.unique(
+        client_of(np.arange(r0, r1)), return_inverse=True
+      )
       seg = np.zeros(rows, np.int32)
       seg[:n] = seg_n
       stats = jax.device_get(chunk_stats(p, x, y, seg, np.arange(rows) < n))
       for o, a in zip(out, stats):
-        o[clients] += np.asarray(a)[:len(clients)]
+        o[clients] += np.asarray(a)[: len(clients)]
     return LossStats(*out)
+
   return evaluate

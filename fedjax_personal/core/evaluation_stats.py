@@ -5,7 +5,6 @@ import numpy as np
 
 from fedjax_personal.core.training import LossStats
 
-
 __all__ = ['evaluation_record', 'per_client_accuracy', 'summarize']
 
 
@@ -34,19 +33,21 @@ def summarize(stats: LossStats) -> dict:
     return {'accuracy_mean': float('nan')}
   q = np.quantile(acc, [0.1, 0.25, 0.5, 0.75, 0.9])
   return {
-      'accuracy_mean': float(acc.mean()),
-      'accuracy_weighted': float(correct.sum() / scored.sum()),
-      'accuracy_worst': float(acc.min()),
-      'accuracy_best': float(acc.max()),
-      'accuracy_q10': float(q[0]), 'accuracy_q25': float(q[1]),
-      'accuracy_median': float(q[2]), 'accuracy_q75': float(q[3]),
-      'accuracy_q90': float(q[4]),
-      'loss_weighted': float(loss.sum() / count.sum()),
-      **_top_k_summary(stats, has, scored),
-      'num_eval_clients': int(has.sum()),
-      # Clients without test examples: excluded from every statistic above
-      # (their per-client accuracy is written as null).
-      'num_excluded_clients': int((~has).sum()),
+    'accuracy_mean': float(acc.mean()),
+    'accuracy_weighted': float(correct.sum() / scored.sum()),
+    'accuracy_worst': float(acc.min()),
+    'accuracy_best': float(acc.max()),
+    'accuracy_q10': float(q[0]),
+    'accuracy_q25': float(q[1]),
+    'accuracy_median': float(q[2]),
+    'accuracy_q75': float(q[3]),
+    'accuracy_q90': float(q[4]),
+    'loss_weighted': float(loss.sum() / count.sum()),
+    **_top_k_summary(stats, has, scored),
+    'num_eval_clients': int(has.sum()),
+    # Clients without test examples: excluded from every statistic above
+    # (their per-client accuracy is written as null).
+    'num_excluded_clients': int((~has).sum()),
   }
 
 
@@ -57,8 +58,10 @@ def _top_k_summary(stats: LossStats, has, scored) -> dict:
   top = np.asarray(stats.correct_top_k, np.float64)
   if np.isnan(top).all():  # the model computes no top-k
     return {}
-  return {'accuracy_top_k_mean': float((top[has] / scored[has]).mean()),
-          'accuracy_top_k_weighted': float(top.sum() / scored.sum())}
+  return {
+    'accuracy_top_k_mean': float((top[has] / scored[has]).mean()),
+    'accuracy_top_k_weighted': float(top.sum() / scored.sum()),
+  }
 
 
 def evaluation_record(stats: LossStats) -> dict:
@@ -71,7 +74,10 @@ def evaluation_record(stats: LossStats) -> dict:
   Returns:
     The record's entries.
   """
-  return {**summarize(stats), 'per_client_accuracy': per_client_accuracy(stats).tolist()}
+  return {
+    **summarize(stats),
+    'per_client_accuracy': per_client_accuracy(stats).tolist(),
+  }
 
 
 def per_client_accuracy(stats: LossStats) -> np.ndarray:
@@ -84,4 +90,6 @@ def per_client_accuracy(stats: LossStats) -> np.ndarray:
     Accuracies [N].
   """
   scored = np.asarray(stats.accuracy_denominator, np.float64)
-  return np.where(scored > 0, np.asarray(stats.correct) / np.maximum(scored, 1), np.nan)
+  return np.where(
+    scored > 0, np.asarray(stats.correct) / np.maximum(scored, 1), np.nan
+  )

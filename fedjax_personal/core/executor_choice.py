@@ -11,10 +11,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_personal.core import host
-from fedjax_personal.core.executors import (EXECUTOR_NAMES, BlockedExecutor, Executor,
-                                            SequentialExecutor, ShardedExecutor, VmapExecutor)
+from fedjax_personal.core.executors import (
+  EXECUTOR_NAMES,
+  BlockedExecutor,
+  Executor,
+  SequentialExecutor,
+  ShardedExecutor,
+  VmapExecutor,
+)
 
-__all__ = ['CPU_BLOCK_BYTES', 'cpu_block_size', 'create_executor', 'model_has_conv']
+__all__ = [
+  'CPU_BLOCK_BYTES',
+  'cpu_block_size',
+  'create_executor',
+  'model_has_conv',
+]
 
 
 def _has_conv(jaxpr) -> bool:
@@ -22,7 +33,7 @@ def _has_conv(jaxpr) -> bool:
     if eqn.primitive.name == 'conv_general_dilated':
       return True
     for v in eqn.params.values():
-      for sub in (v if isinstance(v, (list, tuple)) else [v]):
+      for sub in v if isinstance(v, (list, tuple)) else [v]:
         inner = getattr(sub, 'jaxpr', None)
         if inner is not None and _has_conv(getattr(inner, 'jaxpr', inner)):
           return True
@@ -48,8 +59,13 @@ def model_has_conv(model, sample_x) -> bool:
   return _has_conv(closed.jaxpr)
 
 
-def create_executor(name: str = 'auto', model=None, sample_x=None,
-                    block_size: Optional[int] = None, num_threads: int = 0) -> Executor:
+def create_executor(
+  name: str = 'auto',
+  model=None,
+  sample_x=None,
+  block_size: Optional[int] = None,
+  num_threads: int = 0,
+) -> Executor:
   """Builds an executor by name; ``auto`` picks the fastest for the platform.
 
   ``auto``: ``sharded`` over all processes' devices when several processes
@@ -74,12 +90,16 @@ def create_executor(name: str = 'auto', model=None, sample_x=None,
     The ``Executor``; its ``reason`` says why ``auto`` chose it.
   """
   if name not in EXECUTOR_NAMES:
-    raise ValueError(f'unknown executor {name!r}; choose one of {list(EXECUTOR_NAMES)}')
+    raise ValueError(
+      f'unknown executor {name!r}; choose one of {list(EXECUTOR_NAMES)}'
+    )
   if jax.default_backend() == 'cpu':
     host.tune_allocator()
   if jax.process_count() > 1 and name not in ('auto', 'sharded'):
-    raise ValueError(f'executor {name!r} runs on one process; with {jax.process_count()} '
-                     'processes the client axis is sharded over all of them: use sharded or auto')
+    raise ValueError(
+      f'executor {name!r} runs on one process; with {jax.process_count()} '
+      'processes the client axis is sharded over all of them: use sharded or auto'
+    )
   if name == 'auto':
     return _auto(model, sample_x, block_size, num_threads)
   if name == 'vmap':
@@ -87,7 +107,9 @@ def create_executor(name: str = 'auto', model=None, sample_x=None,
   if name == 'sharded':
     return ShardedExecutor(block_size)
   if name == 'blocked':
-    return BlockedExecutor(block_size or cpu_block_size(model), num_threads=max(1, num_threads))
+    return BlockedExecutor(
+      block_size or cpu_block_size(model), num_threads=max(1, num_threads)
+    )
   return SequentialExecutor(num_threads=num_threads)
 
 
@@ -111,17 +133,25 @@ def _auto(model, sample_x, block_size, num_threads) -> Executor:
     ex.reason = 'auto: an accelerator vectorizes the cohort (blocks fitted to its free memory)'
     return ex
   threads = num_threads or os.cpu_count() or 1
-  if model is not None and sample_x is not None and model_has_conv(model, sample_x):
+  if (
+    model is not None
+    and sample_x is not None
+    and model_has_conv(model, sample_x)
+  ):
     ex = BlockedExecutor(block_size or 1, num_threads=threads)
-    ex.reason = (f'auto: convolutions on a CPU, clients in blocks of {ex.block_size} by their '
-                 f'real steps (XLA:CPU runs vectorized convolutions slowly), {threads} host '
-                 'thread(s) sharing the blocks by work')
+    ex.reason = (
+      f'auto: convolutions on a CPU, clients in blocks of {ex.block_size} by their '
+      f'real steps (XLA:CPU runs vectorized convolutions slowly), {threads} host '
+      'thread(s) sharing the blocks by work'
+    )
     return ex
   bs = block_size or cpu_block_size(model)
   ex = BlockedExecutor(bs, num_threads=threads)
-  ex.reason = (f'auto: no convolutions on a CPU, clients in blocks of {bs} by their real '
-               f'steps, {threads} host thread(s) sharing the blocks by work'
-               + ('' if block_size else ' (block size from the parameter bytes)'))
+  ex.reason = (
+    f'auto: no convolutions on a CPU, clients in blocks of {bs} by their real '
+    f'steps, {threads} host thread(s) sharing the blocks by work'
+    + ('' if block_size else ' (block size from the parameter bytes)')
+  )
   return ex
 
 
@@ -148,5 +178,7 @@ def cpu_block_size(model=None) -> int:
   if model is None:
     return 10
   shapes = jax.eval_shape(model.init, jax.random.key(0))
-  nbytes = sum(np.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes))
+  nbytes = sum(
+    np.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes)
+  )
   return int(max(1, min(10, CPU_BLOCK_BYTES // max(int(nbytes), 1))))

@@ -30,16 +30,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_personal import numerics
-from fedjax_personal.core import aggregation
-from fedjax_personal.core import training
-from fedjax_personal.core import tree_util
-from fedjax_personal.core.client_blocks import (active_mask, block_loop, client_fn, join_owned,
-                                              join_parts, limited_client, map_stacked,
-                                              scan_blocks, traced_work_layout, client_blocks,
-                                              work_steps)
+from fedjax_personal.core import aggregation, training, tree_util
+from fedjax_personal.core.client_blocks import (
+  active_mask,
+  block_loop,
+  client_blocks,
+  client_fn,
+  join_owned,
+  join_parts,
+  limited_client,
+  map_stacked,
+  scan_blocks,
+  traced_work_layout,
+  work_steps,
+)
 
-__all__ = ['BlockedExecutor', 'Executor', 'EXECUTOR_NAMES', 'SequentialExecutor',
-           'ShardedExecutor', 'THREADED_STATE_BYTES', 'VmapExecutor']
+__all__ = [
+  'BlockedExecutor',
+  'Executor',
+  'EXECUTOR_NAMES',
+  'SequentialExecutor',
+  'ShardedExecutor',
+  'THREADED_STATE_BYTES',
+  'VmapExecutor',
+]
 
 
 EXECUTOR_NAMES = ('auto', 'vmap', 'blocked', 'sequential', 'sharded')
@@ -49,11 +63,11 @@ EXECUTOR_NAMES = ('auto', 'vmap', 'blocked', 'sequential', 'sharded')
 MakeContext = Callable[[Any, Any], tuple]
 
 
-
 def _no_rows_in_place(ex, rows_in_place) -> None:
   """Refuses ``rows_in_place`` for an executor that does not write client rows."""
   if rows_in_place is not None:
     raise ValueError(f'{ex.name} does not write client rows in place')
+
 
 class Executor(abc.ABC):
   """Maps per-client computations over stacked per-client inputs."""
@@ -89,7 +103,10 @@ class Executor(abc.ABC):
       return self
     out = copy.copy(self)
     out.matmul_precision = name
-    for cache in ('_compiled', '_seen'):  # its own programs, compiled at its precision
+    for cache in (
+      '_compiled',
+      '_seen',
+    ):  # its own programs, compiled at its precision
       if hasattr(out, cache):
         setattr(out, cache, type(getattr(out, cache))())
     return out
@@ -110,8 +127,13 @@ class Executor(abc.ABC):
     return jax.jit(fn, **kwargs)
 
   @abc.abstractmethod
-  def map(self, fn: Callable[[Any, Any], Any], shared, per_client,
-          active: Optional[Sequence[bool]] = None):
+  def map(
+    self,
+    fn: Callable[[Any, Any], Any],
+    shared,
+    per_client,
+    active: Optional[Sequence[bool]] = None,
+  ):
     """``fn(shared, client_i)`` stacked over the leading axis of ``per_client``.
 
     ``per_client`` leaves are stacked [C, ...] arrays or ``tree_util.Rows``
@@ -121,9 +143,16 @@ class Executor(abc.ABC):
     inactive slots, which callers mask.
     """
 
-  def run_work(self, work: training.ClientWork, make_ctx: MakeContext, shared, per_client,
-               active=None, num_steps: Optional[Sequence[int]] = None,
-               rows_in_place=None):
+  def run_work(
+    self,
+    work: training.ClientWork,
+    make_ctx: MakeContext,
+    shared,
+    per_client,
+    active=None,
+    num_steps: Optional[Sequence[int]] = None,
+    rows_in_place=None,
+  ):
     """Runs ``work`` for every client; returns the stacked ``final`` outputs.
 
     ``num_steps`` (host ints [C]) are the clients' real step counts, used by
@@ -131,9 +160,11 @@ class Executor(abc.ABC):
     write client rows in place (``writes_rows``) alone.
     """
     _no_rows_in_place(self, rows_in_place)
+
     def fn(sh, c):
       ctx, key = make_ctx(sh, c)
       return training.run_work(work, ctx, key)
+
     return self.map(fn, shared, per_client, active)
 
   def describe(self) -> str:
@@ -161,6 +192,7 @@ class Executor(abc.ABC):
 @dataclasses.dataclass
 class VmapExecutor(Executor):
   """The whole cohort vectorized with ``jax.vmap``."""
+
   name: str = 'vmap'
   fused: bool = True
 
@@ -170,8 +202,16 @@ class VmapExecutor(Executor):
       out = jax.vmap(client_fn(fn, shared, per_client))(jnp.arange(c))
     return aggregation.sum_clients(out, active_mask(active, c))
 
-  def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None,
-               rows_in_place=None):
+  def run_work(
+    self,
+    work,
+    make_ctx,
+    shared,
+    per_client,
+    active=None,
+    num_steps=None,
+    rows_in_place=None,
+  ):
     """The cohort's steps loop as long as its longest active client's work
     (not the padded maximum)."""
     _no_rows_in_place(self, rows_in_place)
@@ -201,6 +241,7 @@ class BlockedExecutor(Executor):
   across threads), so two such loops side by side use the second core
   (benchmarks/speed/README.md, "Against the PyTorch loop").
   """
+
   block_size: int = 10
   num_threads: int = 1
   name: str = 'blocked'
@@ -229,9 +270,16 @@ class BlockedExecutor(Executor):
     holds one (a Ditto round of 10,000 MLP clients: 8 GB of personal models)."""
     if self.fused:
       return self
-    nbytes = sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(state_shapes)
-                 if len(s.shape) >= 1 and s.shape[0] == num_clients)
-    return dataclasses.replace(self, num_threads=1) if nbytes > THREADED_STATE_BYTES else self
+    nbytes = sum(
+      int(np.prod(s.shape)) * s.dtype.itemsize
+      for s in jax.tree.leaves(state_shapes)
+      if len(s.shape) >= 1 and s.shape[0] == num_clients
+    )
+    return (
+      dataclasses.replace(self, num_threads=1)
+      if nbytes > THREADED_STATE_BYTES
+      else self
+    )
 
   def _layout(self, c, active, parts):
     """Cohort positions (host ints) and validity, [parts, nb, bs]: the cohort
@@ -241,7 +289,9 @@ class BlockedExecutor(Executor):
     nb = -(-blocks // parts)  # blocks per part
     slots = np.arange(parts * nb * bs)
     # Inside a compiled round a traced mask; else host bools (no device dispatch per call).
-    act = active_mask(active, c, jnp if isinstance(active, jax.core.Tracer) else np)
+    act = active_mask(
+      active, c, jnp if isinstance(active, jax.core.Tracer) else np
+    )
     valid = (act[slots % c] & (slots < c)).reshape(parts, nb, bs)
     return (slots % c).reshape(parts, nb, bs), valid
 
@@ -255,8 +305,16 @@ class BlockedExecutor(Executor):
       out = scan_blocks(jax.vmap(client), jnp.asarray(pos[0]), valid[0])
     return map_stacked(lambda o: o.reshape((-1,) + o.shape[2:])[:c], out)
 
-  def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None,
-               rows_in_place=None):
+  def run_work(
+    self,
+    work,
+    make_ctx,
+    shared,
+    per_client,
+    active=None,
+    num_steps=None,
+    rows_in_place=None,
+  ):
     """Client work in blocks of clients of similar work (``client_blocks``):
     each block runs its longest client's steps and only blocks holding
     active clients run, so a heavy-tailed cohort costs about its real
@@ -264,50 +322,93 @@ class BlockedExecutor(Executor):
     ``block_loop``'s) returns ``(outputs, new rows)``."""
     c = tree_util.cohort_size(per_client)
     if not self.fused:
-      return self._threaded_work(work, make_ctx, shared, per_client, active, c, num_steps)
+      return self._threaded_work(
+        work, make_ctx, shared, per_client, active, c, num_steps
+      )
     steps = work_steps(work, make_ctx, shared, per_client, active)
-    pos, ok, limit, count = traced_work_layout(steps, active_mask(active, c), self.block_size)
-    return block_loop(work, make_ctx, shared, per_client, pos, limit, ok, count, c,
-                      rows_in_place=rows_in_place)
+    pos, ok, limit, count = traced_work_layout(
+      steps, active_mask(active, c), self.block_size
+    )
+    return block_loop(
+      work,
+      make_ctx,
+      shared,
+      per_client,
+      pos,
+      limit,
+      ok,
+      count,
+      c,
+      rows_in_place=rows_in_place,
+    )
 
-  def _threaded_work(self, work, make_ctx, shared, per_client, active, c, num_steps=None):
+  def _threaded_work(
+    self, work, make_ctx, shared, per_client, active, c, num_steps=None
+  ):
     """The threaded form of ``run_work``: the step counts (the engine's host
     counts, else one small compiled function) laid out in blocks on the host,
     shared out by work (``client_blocks``), each thread's blocks one compiled call."""
     key = ('work', work, make_ctx)
-    if key not in self._compiled:  # one set of functions per (work, make_ctx): compiled once
+    if (
+      key not in self._compiled
+    ):  # one set of functions per (work, make_ctx): compiled once
       self._compiled[key] = (
-          self.jit(lambda sh, pc, act: work_steps(work, make_ctx, sh, pc, act)),
-          self.jit(lambda sh, pc, p, lim, ok, n: block_loop(
-              work, make_ctx, sh, pc, p, lim, ok, n, tree_util.cohort_size(pc))))
+        self.jit(lambda sh, pc, act: work_steps(work, make_ctx, sh, pc, act)),
+        self.jit(
+          lambda sh, pc, p, lim, ok, n: block_loop(
+            work, make_ctx, sh, pc, p, lim, ok, n, tree_util.cohort_size(pc)
+          )
+        ),
+      )
     steps_fn, loop = self._compiled[key]
-    act = active_mask(active, c, np)  # host bools: no round trip through the device
-    steps = (np.asarray(steps_fn(shared, per_client, act)) if num_steps is None
-             else np.where(act, np.asarray(num_steps, np.int32), 0))
-    parts = max(1, min(self.num_threads, -(-int(act.sum()) // min(self.block_size, c))))
+    act = active_mask(
+      active, c, np
+    )  # host bools: no round trip through the device
+    steps = (
+      np.asarray(steps_fn(shared, per_client, act))
+      if num_steps is None
+      else np.where(act, np.asarray(num_steps, np.int32), 0)
+    )
+    parts = max(
+      1, min(self.num_threads, -(-int(act.sum()) // min(self.block_size, c)))
+    )
     pos, ok, limit, count = client_blocks(steps, act, self.block_size, parts)
     outs = self._on_threads(
-        lambda t: jax.block_until_ready(loop(shared, per_client, pos[t], limit[t], ok[t], count[t])),
-        parts, (key, tree_util.shapes((shared, per_client, pos[0]))))
+      lambda t: jax.block_until_ready(
+        loop(shared, per_client, pos[t], limit[t], ok[t], count[t])
+      ),
+      parts,
+      (key, tree_util.shapes((shared, per_client, pos[0]))),
+    )
     owner = np.zeros(c, np.int32)
     for t in range(parts):
       owner[pos[t][ok[t]]] = t
     return join_owned(outs, owner)
 
   def _threaded_map(self, fn, shared, per_client, active, c):
-    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((shared, per_client))):
-      raise ValueError(f'{self.describe()} runs client work from host threads and cannot be '
-                       'traced inside jax.jit; use num_threads=1 (one fused program)')
+    if any(
+      isinstance(a, jax.core.Tracer)
+      for a in jax.tree.leaves((shared, per_client))
+    ):
+      raise ValueError(
+        f'{self.describe()} runs client work from host threads and cannot be '
+        'traced inside jax.jit; use num_threads=1 (one fused program)'
+      )
     parts = max(1, min(self.num_threads, -(-c // min(self.block_size, c))))
     pos, valid = self._layout(c, active, parts)
     if ('map', fn) not in self._compiled:
+
       def loop(sh, pc, p, v):
         with training.unroll_steps(False):
           return scan_blocks(jax.vmap(client_fn(fn, sh, pc)), p, v)
+
       self._compiled[('map', fn)] = self.jit(loop)
     loop = self._compiled[('map', fn)]
-    outs = self._on_threads(lambda t: loop(shared, per_client, pos[t], valid[t]), parts,
-                            ('map', fn, tree_util.shapes((shared, per_client, pos[0]))))
+    outs = self._on_threads(
+      lambda t: loop(shared, per_client, pos[t], valid[t]),
+      parts,
+      ('map', fn, tree_util.shapes((shared, per_client, pos[0]))),
+    )
     return join_parts(outs, c)
 
   def _on_threads(self, call, parts, signature):
@@ -331,6 +432,7 @@ class SequentialExecutor(Executor):
   spread over ``num_threads`` host threads (XLA:CPU does not fill two cores
   with one small model; two clients at once run ~1.3x faster on 2 cores).
   """
+
   num_threads: int = 0  # 0: os.cpu_count()
   name: str = 'sequential'
   fused: bool = False
@@ -351,7 +453,9 @@ class SequentialExecutor(Executor):
     todo = [i for i in range(c) if act[i]]
     if work is not None:
       todo.sort(key=lambda i: -int(work[i]))
-    outs = list(self._pool.map(fn, todo)) if self._pool else [fn(i) for i in todo]
+    outs = (
+      list(self._pool.map(fn, todo)) if self._pool else [fn(i) for i in todo]
+    )
     return todo, outs
 
   def _stack(self, c, todo, outs):
@@ -370,7 +474,9 @@ class SequentialExecutor(Executor):
       sums = self._adder(sums, [n.value for n, f in zip(ns, flags) if f])
     sum_iter = iter(sums)
     return jax.tree_util.tree_unflatten(
-        treedef, [aggregation.Sum(next(sum_iter)) if f else next(stacked) for f in flags])
+      treedef,
+      [aggregation.Sum(next(sum_iter)) if f else next(stacked) for f in flags],
+    )
 
   @staticmethod
   @jax.jit
@@ -385,19 +491,24 @@ class SequentialExecutor(Executor):
   def map(self, fn, shared, per_client, active=None):
     if ('map', fn) not in self._compiled:
       self._compiled[('map', fn)] = self.jit(
-          lambda sh, pc, i: fn(sh, tree_util.client_slice(pc, i)))
+        lambda sh, pc, i: fn(sh, tree_util.client_slice(pc, i))
+      )
     one = self._compiled[('map', fn)]
     c = tree_util.cohort_size(per_client)
 
     def call(i):
-      with training.unroll_steps(True):  # a step loop inside fn (fine-tuning) runs unrolled
+      with training.unroll_steps(
+        True
+      ):  # a step loop inside fn (fine-tuning) runs unrolled
         return one(shared, per_client, np.int32(i))
+
     todo, outs = self._run(call, c, active)
     return self._stack(c, todo, outs)
 
   def _work_fns(self, work, make_ctx):
     key = ('work', work, make_ctx)
     if key not in self._compiled:
+
       def ctx_of(sh, pc, i):
         return make_ctx(sh, tree_util.client_slice(pc, i))
 
@@ -406,15 +517,26 @@ class SequentialExecutor(Executor):
         return training.work_init(work, ctx, k)
 
       def step(sh, pc, i, carry, idx, mask, k_steps, s):
-        return training.work_step(work, ctx_of(sh, pc, i)[0], carry, idx, mask, k_steps, s)
+        return training.work_step(
+          work, ctx_of(sh, pc, i)[0], carry, idx, mask, k_steps, s
+        )
 
       def final(sh, pc, i, carry):
         return work.final(ctx_of(sh, pc, i)[0], carry)
+
       self._compiled[key] = (self.jit(init), self.jit(step), self.jit(final))
     return self._compiled[key]
 
-  def run_work(self, work, make_ctx, shared, per_client, active=None, num_steps=None,
-               rows_in_place=None):
+  def run_work(
+    self,
+    work,
+    make_ctx,
+    shared,
+    per_client,
+    active=None,
+    num_steps=None,
+    rows_in_place=None,
+  ):
     _no_rows_in_place(self, rows_in_place)
     init, step, final = self._work_fns(work, make_ctx)
     c = tree_util.cohort_size(per_client)
@@ -424,7 +546,9 @@ class SequentialExecutor(Executor):
       carry, idx, mask, k_steps = init(shared, per_client, i32)
       n = idx.shape[0] if num_steps is None else int(num_steps[i])
       for s in range(n):
-        carry = step(shared, per_client, i32, carry, idx, mask, k_steps, np.int32(s))
+        carry = step(
+          shared, per_client, i32, carry, idx, mask, k_steps, np.int32(s)
+        )
       return final(shared, per_client, i32, carry)
 
     todo, outs = self._run(client, c, active, num_steps)
@@ -446,15 +570,19 @@ class ShardedExecutor(Executor):
   ``jax.distributed.initialize()`` first; ``jax.devices()`` then spans all
   hosts and the same mesh shards clients across them.
   """
+
   block_size: Optional[int] = None
   name: str = 'sharded'
   fused: bool = True
 
   def __post_init__(self):
     devices = np.array(jax.devices())
-    self.mesh = jax.sharding.Mesh(devices, ('clients',),
-                                  axis_types=(jax.sharding.AxisType.Auto,))
-    self.spec = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec('clients'))
+    self.mesh = jax.sharding.Mesh(
+      devices, ('clients',), axis_types=(jax.sharding.AxisType.Auto,)
+    )
+    self.spec = jax.sharding.NamedSharding(
+      self.mesh, jax.sharding.PartitionSpec('clients')
+    )
 
   def state_shardings(self, state_shapes, num_clients: int):
     """Per-client state (leading axis N, N a multiple of the device count)
@@ -463,15 +591,29 @@ class ShardedExecutor(Executor):
     state is placed with them, so every round sees the same input layout
     (and the round compiles once)."""
     d = self.mesh.devices.size
-    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-    return jax.tree.map(lambda s: self.spec if (len(s.shape) >= 1 and s.shape[0] == num_clients
-                                                and num_clients % d == 0) else replicated,
-                        state_shapes)
+    replicated = jax.sharding.NamedSharding(
+      self.mesh, jax.sharding.PartitionSpec()
+    )
+    return jax.tree.map(
+      lambda s: (
+        self.spec
+        if (
+          len(s.shape) >= 1
+          and s.shape[0] == num_clients
+          and num_clients % d == 0
+        )
+        else replicated
+      ),
+      state_shapes,
+    )
 
   def describe(self):
-    procs = f', {jax.process_count()} processes' if jax.process_count() > 1 else ''
+    procs = (
+      f', {jax.process_count()} processes' if jax.process_count() > 1 else ''
+    )
     return f'sharded({self.mesh.devices.size} devices{procs}' + (
-        f', block_size={self.block_size})' if self.block_size else ')')
+      f', block_size={self.block_size})' if self.block_size else ')'
+    )
 
   def host_readable(self, tree):
     """Replicated on every device when several processes share the mesh (a
@@ -479,8 +621,12 @@ class ShardedExecutor(Executor):
     function); as it is on one process."""
     if jax.process_count() == 1:
       return tree
-    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, replicated), tree)
+    replicated = jax.sharding.NamedSharding(
+      self.mesh, jax.sharding.PartitionSpec()
+    )
+    return jax.tree.map(
+      lambda a: jax.lax.with_sharding_constraint(a, replicated), tree
+    )
 
   def map(self, fn, shared, per_client, active=None):
     c = tree_util.cohort_size(per_client)
@@ -499,15 +645,32 @@ class ShardedExecutor(Executor):
         nb = -(-per_device // bs)
         # Each device loops over blocks of its own slots: [d, nb, bs].
         local = np.arange(nb * bs) % per_device
-        pos = (np.arange(d)[:, None] * per_device + local[None]).reshape(d, nb, bs)
+        pos = (np.arange(d)[:, None] * per_device + local[None]).reshape(
+          d, nb, bs
+        )
         ok = valid[pos] & (np.arange(nb * bs) < per_device).reshape(1, nb, bs)
-        out = jax.vmap(lambda p, v: scan_blocks(jax.vmap(client), p, v))(jnp.asarray(pos), ok)
-        out = jax.tree.map(lambda n: aggregation.Sum(jax.tree.map(lambda a: a.sum(0), n.value))
-                           if aggregation.is_sum(n) else n, out, is_leaf=aggregation.is_sum)
-        out = map_stacked(lambda o: o.reshape((d, nb * bs) + o.shape[3:])[:, :per_device]
-                           .reshape((padded,) + o.shape[3:]), out)
+        out = jax.vmap(lambda p, v: scan_blocks(jax.vmap(client), p, v))(
+          jnp.asarray(pos), ok
+        )
+        out = jax.tree.map(
+          lambda n: (
+            aggregation.Sum(jax.tree.map(lambda a: a.sum(0), n.value))
+            if aggregation.is_sum(n)
+            else n
+          ),
+          out,
+          is_leaf=aggregation.is_sum,
+        )
+        out = map_stacked(
+          lambda o: o.reshape((d, nb * bs) + o.shape[3:])[
+            :, :per_device
+          ].reshape((padded,) + o.shape[3:]),
+          out,
+        )
       else:
-        out = aggregation.sum_clients(jax.vmap(client)(jnp.arange(padded)), valid)
+        out = aggregation.sum_clients(
+          jax.vmap(client)(jnp.arange(padded)), valid
+        )
     return map_stacked(lambda o: constrain(o)[:c], out)
 
 

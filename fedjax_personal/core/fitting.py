@@ -8,12 +8,21 @@ from typing import Optional
 
 import numpy as np
 
-from fedjax_personal.core.executors import (BlockedExecutor, Executor, ShardedExecutor,
-                                            VmapExecutor)
 from fedjax_personal.core import memory
+from fedjax_personal.core.executors import (
+  BlockedExecutor,
+  Executor,
+  ShardedExecutor,
+  VmapExecutor,
+)
 
-__all__ = ['ACCELERATOR_WORK_BLOCK', 'WORK_BLOCKS_BELOW', 'fit_accelerator', 'fit_memory',
-           'fit_work']
+__all__ = [
+  'ACCELERATOR_WORK_BLOCK',
+  'WORK_BLOCKS_BELOW',
+  'fit_accelerator',
+  'fit_memory',
+  'fit_work',
+]
 
 
 def fit_memory(executor: Executor, need, free_bytes: Optional[int]) -> Executor:
@@ -33,15 +42,21 @@ def fit_memory(executor: Executor, need, free_bytes: Optional[int]) -> Executor:
   Raises:
     ConfigError: not even one client a block fits.
   """
-  if free_bytes is None or not isinstance(executor, (VmapExecutor, ShardedExecutor)):
+  if free_bytes is None or not isinstance(
+    executor, (VmapExecutor, ShardedExecutor)
+  ):
     return executor
-  devices = executor.mesh.devices.size if isinstance(executor, ShardedExecutor) else 1
+  devices = (
+    executor.mesh.devices.size if isinstance(executor, ShardedExecutor) else 1
+  )
   block = memory.block_size(need, free_bytes, devices)
   if block is None:
     return executor
   ex = ShardedExecutor(block) if devices > 1 else BlockedExecutor(block)
-  ex.reason = (f'auto: the whole cohort does not fit the {free_bytes / (1 << 30):.1f} GB free, '
-               f'blocks of {block} clients')
+  ex.reason = (
+    f'auto: the whole cohort does not fit the {free_bytes / (1 << 30):.1f} GB free, '
+    f'blocks of {block} clients'
+  )
   return ex
 
 
@@ -74,21 +89,28 @@ def fit_work(executor: Executor, steps, cohort_size: int) -> Executor:
     ``executor``, or a ``BlockedExecutor`` saying why.
   """
   steps = np.asarray(steps)
-  if (type(executor) is not VmapExecutor or cohort_size < 2 * ACCELERATOR_WORK_BLOCK
-      or steps.size == 0 or steps.max() == 0):
+  if (
+    type(executor) is not VmapExecutor
+    or cohort_size < 2 * ACCELERATOR_WORK_BLOCK
+    or steps.size == 0
+    or steps.max() == 0
+  ):
     return executor
   share = float(steps.mean() / steps.max())
   if share >= WORK_BLOCKS_BELOW:
     return executor
   ex = BlockedExecutor(ACCELERATOR_WORK_BLOCK)
-  ex.reason = (f'auto: a heavy-tailed cohort of {cohort_size} on an accelerator (mean real steps '
-               f'{share:.0%} of the largest), clients in blocks of {ACCELERATOR_WORK_BLOCK} by '
-               'their real steps')
+  ex.reason = (
+    f'auto: a heavy-tailed cohort of {cohort_size} on an accelerator (mean real steps '
+    f'{share:.0%} of the largest), clients in blocks of {ACCELERATOR_WORK_BLOCK} by '
+    'their real steps'
+  )
   return ex
 
 
-def fit_accelerator(executor: Executor, steps, cohort_size: int, need,
-                    free_bytes: Optional[int]) -> Executor:
+def fit_accelerator(
+  executor: Executor, steps, cohort_size: int, need, free_bytes: Optional[int]
+) -> Executor:
   """``auto``'s executor on an accelerator fitted to the run: in blocks by
   work for a heavy-tailed cohort (``fit_work``), in blocks that fit the free
   memory (``fit_memory``), the smaller blocks of the two.
@@ -110,7 +132,10 @@ def fit_accelerator(executor: Executor, steps, cohort_size: int, need,
   by_work = fit_work(executor, steps, cohort_size)
   if by_work is executor:
     return by_memory
-  if (isinstance(by_memory, BlockedExecutor) and isinstance(by_work, BlockedExecutor)
-      and by_memory.block_size <= by_work.block_size):
+  if (
+    isinstance(by_memory, BlockedExecutor)
+    and isinstance(by_work, BlockedExecutor)
+    and by_memory.block_size <= by_work.block_size
+  ):
     return by_memory
   return by_work

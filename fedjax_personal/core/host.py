@@ -47,8 +47,11 @@ def tune_allocator() -> bool:
     try:
       libc = ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6')
       mallopt = getattr(libc, 'mallopt', None)
-      ok = bool(mallopt and mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)
-                and mallopt(_M_TRIM_THRESHOLD, _THRESHOLD))
+      ok = bool(
+        mallopt
+        and mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)
+        and mallopt(_M_TRIM_THRESHOLD, _THRESHOLD)
+      )
     except OSError:
       ok = False
   _done.append(ok)

@@ -6,22 +6,33 @@ one client (``evaluate_params``)."""
 from typing import Any, NamedTuple, Optional
 
 import jax
-from jax.typing import ArrayLike
 import jax.numpy as jnp
 import optax
+from jax.typing import ArrayLike
 
 from fedjax_personal.core.data import ClientData
 from fedjax_personal.models import Model
 
-__all__ = ['Batch', 'batch_loss', 'evaluate_params', 'get_batch', 'keep_model_state',
-           'LossStats', 'part', 'per_example_stats', 'plain_objective', 'StatsAndState',
-           'zero_stats']
+__all__ = [
+  'Batch',
+  'batch_loss',
+  'evaluate_params',
+  'get_batch',
+  'keep_model_state',
+  'LossStats',
+  'part',
+  'per_example_stats',
+  'plain_objective',
+  'StatsAndState',
+  'zero_stats',
+]
 
 
 class Batch(NamedTuple):
   """One local batch: x [B, ...], y [B, ...], mask bool [B]; ``key``: the
   draws of a model's random input transform (a local step's batch; None:
   the transform's evaluation half, ``Model.train_apply``)."""
+
   x: jax.Array
   y: jax.Array
   mask: jax.Array
@@ -34,6 +45,7 @@ class LossStats(NamedTuple):
   the model's ``unscored_targets``; None: all of them) and scored targets
   among the model's ``top_k`` highest logits (NaN when ``top_k`` is 0: not
   computed)."""
+
   loss_sum: ArrayLike
   correct: ArrayLike
   count: ArrayLike  # type: ignore[assignment]  # the examples (shadows tuple.count)
@@ -54,8 +66,15 @@ def zero_stats() -> LossStats:
   return LossStats(*(jnp.zeros(()) for _ in LossStats._fields))
 
 
-def per_example_stats(logits, y, mask, loss: str = 'cross_entropy',
-                      unscored=(), top_k: int = 0, unpredicted=()) -> LossStats:
+def per_example_stats(
+  logits,
+  y,
+  mask,
+  loss: str = 'cross_entropy',
+  unscored=(),
+  top_k: int = 0,
+  unpredicted=(),
+) -> LossStats:
   """Summed loss and correctness with padding masked.
 
   For 'cross_entropy', ``logits`` is [B, ..., C] and ``y`` integer [B, ...]:
@@ -86,9 +105,16 @@ def per_example_stats(logits, y, mask, loss: str = 'cross_entropy',
   if loss == 'squared':
     err = 0.5 * jnp.square(logits - y).reshape(y.shape[0], -1).sum(-1)
     m = mask.astype(jnp.float32)
-    return LossStats(jnp.sum(err * m), jnp.zeros(()), jnp.sum(m), jnp.sum(m),
-                     jnp.full((), jnp.nan))
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(y, 0))
+    return LossStats(
+      jnp.sum(err * m),
+      jnp.zeros(()),
+      jnp.sum(m),
+      jnp.sum(m),
+      jnp.full((), jnp.nan),
+    )
+  ce = optax.softmax_cross_entropy_with_integer_labels(
+    logits, jnp.maximum(y, 0)
+  )
   if unpredicted:
     logits = logits.at[..., jnp.asarray(unpredicted)].set(-jnp.inf)
   correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
@@ -101,7 +127,9 @@ def per_example_stats(logits, y, mask, loss: str = 'cross_entropy',
   if top_k:
     _, best = jax.lax.top_k(logits, top_k)
     top = jnp.sum(jnp.any(best == y[..., None], -1).astype(jnp.float32) * s)
-  return LossStats(jnp.sum(ce * m), jnp.sum(correct * s), jnp.sum(m), jnp.sum(s), top)
+  return LossStats(
+    jnp.sum(ce * m), jnp.sum(correct * s), jnp.sum(m), jnp.sum(s), top
+  )
 
 
 def batch_loss(model: Model, params, batch: Batch):
@@ -124,8 +152,15 @@ def batch_loss(model: Model, params, batch: Batch):
     logits = model.train_apply(params, batch.x, batch.key)
   else:
     logits = model.apply(params, batch.x)
-  stats = per_example_stats(logits, batch.y, batch.mask, model.loss,
-                            model.unscored_targets, 0, model.unpredicted)  # no top-k
+  stats = per_example_stats(
+    logits,
+    batch.y,
+    batch.mask,
+    model.loss,
+    model.unscored_targets,
+    0,
+    model.unpredicted,
+  )  # no top-k
   loss = stats.loss_sum / model.loss_divisor(stats.count, batch.mask, batch.y)
   return loss, stats if state is None else StatsAndState(stats, state)
 
@@ -140,6 +175,7 @@ class StatsAndState(NamedTuple):
     stats: the batch's ``LossStats``.
     state: ``{collection: values}``.
   """
+
   stats: LossStats
   state: Any
 
@@ -221,5 +257,12 @@ def evaluate_params(model: Model, params, data: ClientData) -> LossStats:
     The client's ``LossStats``.
   """
   mask = jnp.arange(data.x.shape[0]) < data.num_examples
-  return per_example_stats(model.apply(params, data.x), data.y, mask, model.loss,
-                           model.unscored_targets, model.top_k, model.unpredicted)
+  return per_example_stats(
+    model.apply(params, data.x),
+    data.y,
+    mask,
+    model.loss,
+    model.unscored_targets,
+    model.top_k,
+    model.unpredicted,
+  )

@@ -30,11 +30,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_personal.errors import ConfigError
 from fedjax_personal.core.training import Batch, batch_loss
+from fedjax_personal.errors import ConfigError
 
-__all__ = ['block_size', 'device_free_bytes', 'estimate', 'GB', 'HEADROOM', 'hlo_collectives',
-           'MODEL_COPIES', 'Need', 'step_bytes']
+__all__ = [
+  'block_size',
+  'device_free_bytes',
+  'estimate',
+  'GB',
+  'HEADROOM',
+  'hlo_collectives',
+  'MODEL_COPIES',
+  'Need',
+  'step_bytes',
+]
 
 
 MODEL_COPIES = 6
@@ -57,6 +66,7 @@ class Need:
     cohort_size: C, clients per round.
     working_bytes: per client of a block (model copies, activations).
   """
+
   shared_bytes: int
   client_state_bytes: int
   num_clients: int
@@ -64,8 +74,9 @@ class Need:
   working_bytes: int
 
   def resident(self, num_devices: int = 1) -> int:
-    rows = self.client_state_bytes * (-(-self.num_clients // num_devices)
-                                      + -(-self.cohort_size // num_devices))
+    rows = self.client_state_bytes * (
+      -(-self.num_clients // num_devices) + -(-self.cohort_size // num_devices)
+    )
     return self.shared_bytes + rows
 
   def total(self, block: int, num_devices: int = 1) -> int:
@@ -73,21 +84,34 @@ class Need:
 
 
 def _nbytes(tree) -> int:
-  return int(sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
-                 for s in jax.tree.leaves(tree)))
+  return int(
+    sum(
+      int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
+      for s in jax.tree.leaves(tree)
+    )
+  )
 
 
 def activation_bytes(model, sample_x, batch_size: int) -> int:
   """Bytes of every intermediate output of one forward pass of a batch (Flax
   modules' ``capture_intermediates``; the logits alone otherwise)."""
-  x = jax.ShapeDtypeStruct((batch_size,) + tuple(np.shape(sample_x)[1:]),
-                           jnp.asarray(sample_x).dtype)
+  x = jax.ShapeDtypeStruct(
+    (batch_size,) + tuple(np.shape(sample_x)[1:]), jnp.asarray(sample_x).dtype
+  )
   params = jax.eval_shape(model.init, jax.random.key(0))
   if getattr(model, 'module', None) is not None:
     try:
-      _, state = jax.eval_shape(lambda p, x: model.module.apply(
-          model.variables(p), x, capture_intermediates=True, mutable=['intermediates'],
-          **model.evaluate_kwargs), params, x)
+      _, state = jax.eval_shape(
+        lambda p, x: model.module.apply(
+          model.variables(p),
+          x,
+          capture_intermediates=True,
+          mutable=['intermediates'],
+          **model.evaluate_kwargs,
+        ),
+        params,
+        x,
+      )
       return _nbytes(state)
     except Exception:  # a module that cannot capture: fall back to the output
       pass
@@ -118,20 +142,29 @@ def step_bytes(model, sample_x, batch_size: int) -> int:
   Returns:
     Bytes.
   """
-  x = jax.ShapeDtypeStruct((batch_size,) + tuple(np.shape(sample_x)[1:]),
-                           jnp.asarray(sample_x).dtype)
+  x = jax.ShapeDtypeStruct(
+    (batch_size,) + tuple(np.shape(sample_x)[1:]), jnp.asarray(sample_x).dtype
+  )
   params = jax.eval_shape(model.init, jax.random.key(0))
   out = jax.eval_shape(model.apply, params, x)
-  y = (jax.ShapeDtypeStruct(out.shape[:-1], jnp.int32) if model.loss == 'cross_entropy'
-       else jax.ShapeDtypeStruct(out.shape, jnp.float32))
+  y = (
+    jax.ShapeDtypeStruct(out.shape[:-1], jnp.int32)
+    if model.loss == 'cross_entropy'
+    else jax.ShapeDtypeStruct(out.shape, jnp.float32)
+  )
 
   def grad(p, xb, yb):
     batch = Batch(xb, yb, jnp.ones(xb.shape[0], bool))
     return jax.grad(lambda q: batch_loss(model, q, batch)[0])(p)
+
   stack = lambda t: jax.tree.map(
-      lambda s: jax.ShapeDtypeStruct((PROBE_CLIENTS,) + tuple(s.shape), s.dtype), t)
+    lambda s: jax.ShapeDtypeStruct((PROBE_CLIENTS,) + tuple(s.shape), s.dtype),
+    t,
+  )
   try:
-    analysis = jax.jit(jax.vmap(grad)).lower(stack(params), stack(x), stack(y)).compile()
+    analysis = (
+      jax.jit(jax.vmap(grad)).lower(stack(params), stack(x), stack(y)).compile()
+    )
     stats = analysis.memory_analysis()
     if stats is None:
       raise ValueError('no memory analysis')
@@ -153,19 +186,34 @@ def estimate(algorithm, data, cohort_size: int) -> Need:
   """
   n = data.num_clients
   shapes = jax.eval_shape(algorithm.init, jax.random.key(0))
-  per_client = [s for s in jax.tree.leaves(shapes) if s.ndim >= 1 and s.shape[0] == n]
-  client_bytes = _nbytes([jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in per_client])
+  per_client = [
+    s for s in jax.tree.leaves(shapes) if s.ndim >= 1 and s.shape[0] == n
+  ]
+  client_bytes = _nbytes(
+    [jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in per_client]
+  )
   shared = _nbytes(shapes) - client_bytes * n
   model_bytes = _nbytes(jax.eval_shape(algorithm.model.init, jax.random.key(0)))
   batching = algorithm.client_work.batching
-  widest = getattr(data.train, 'max_examples', None)  # padded data; a Population has counts
+  widest = getattr(
+    data.train, 'max_examples', None
+  )  # padded data; a Population has counts
   if widest is None:
     widest = int(np.max(data.train.num_examples, initial=0))
   batch = batching.effective_batch_size(int(widest))
   sample_x = getattr(data, 'sample_x', None)
-  act = step_bytes(algorithm.model, data.train.x[0, :1] if sample_x is None else sample_x, batch)
-  return Need(shared_bytes=int(shared), client_state_bytes=int(client_bytes), num_clients=n,
-              cohort_size=int(cohort_size), working_bytes=MODEL_COPIES * model_bytes + act)
+  act = step_bytes(
+    algorithm.model,
+    data.train.x[0, :1] if sample_x is None else sample_x,
+    batch,
+  )
+  return Need(
+    shared_bytes=int(shared),
+    client_state_bytes=int(client_bytes),
+    num_clients=n,
+    cohort_size=int(cohort_size),
+    working_bytes=MODEL_COPIES * model_bytes + act,
+  )
 
 
 def device_free_bytes(device=None) -> Optional[int]:
@@ -188,7 +236,9 @@ def device_free_bytes(device=None) -> Optional[int]:
   return int(stats['bytes_limit']) - int(stats.get('bytes_in_use', 0))
 
 
-def block_size(need: Need, free_bytes: int, num_devices: int = 1) -> Optional[int]:
+def block_size(
+  need: Need, free_bytes: int, num_devices: int = 1
+) -> Optional[int]:
   """Clients per block on each device: None when the device's whole share of
   the cohort fits at once, else the largest block that fits.
 
@@ -214,17 +264,45 @@ def block_size(need: Need, free_bytes: int, num_devices: int = 1) -> Optional[in
   devices = num_devices
   while devices < 4096 and need.total(1, devices) > budget:
     devices *= 2
-  raise ConfigError('executor', f'a round needs {need.total(1, num_devices) / GB:.1f} GB per '
-                    f'device ({need.resident(num_devices) / GB:.1f} GB of state and stacked '
-                    f'cohort outputs), the device has {free_bytes / GB:.1f} GB free: shard over '
-                    f'{devices} devices or more, or a smaller cohort_size')
+  raise ConfigError(
+    'executor',
+    f'a round needs {need.total(1, num_devices) / GB:.1f} GB per '
+    f'device ({need.resident(num_devices) / GB:.1f} GB of state and stacked '
+    f'cohort outputs), the device has {free_bytes / GB:.1f} GB free: shard over '
+    f'{devices} devices or more, or a smaller cohort_size',
+  )
 
 
-COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
-_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4,
-                'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16}
-_OP = re.compile(r'^\s*(?:ROOT\s+)?%[^ ]+\s*=\s*(.*?)\s+(' + '|'.join(COLLECTIVES)
-                 + r')(?:-start)?\(', re.M)
+COLLECTIVES = (
+  'all-reduce',
+  'all-gather',
+  'reduce-scatter',
+  'all-to-all',
+  'collective-permute',
+)
+_DTYPE_BYTES = {
+  'pred': 1,
+  's8': 1,
+  'u8': 1,
+  's16': 2,
+  'u16': 2,
+  'f16': 2,
+  'bf16': 2,
+  's32': 4,
+  'u32': 4,
+  'f32': 4,
+  's64': 8,
+  'u64': 8,
+  'f64': 8,
+  'c64': 8,
+  'c128': 16,
+}
+_OP = re.compile(
+  r'^\s*(?:ROOT\s+)?%[^ ]+\s*=\s*(.*?)\s+('
+  + '|'.join(COLLECTIVES)
+  + r')(?:-start)?\(',
+  re.M,
+)
 _SHAPE = re.compile(r'([a-z]+[0-9]*)\[([0-9,]*)\]')
 
 

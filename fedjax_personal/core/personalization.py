@@ -39,8 +39,22 @@ from flax import traverse_util
 __all__ = ['flatten', 'make_split', 'ParamSplit', 'unflatten']
 
 
-PRESETS = ('input', 'output', 'adapter', 'norm', 'all_but_output', 'all', 'block:<i>')
-INPUT_LAYERS = ('embed', 'stem', 'conv_0', 'hidden_0', 'dense_0')  # names used by ``models``
+PRESETS = (
+  'input',
+  'output',
+  'adapter',
+  'norm',
+  'all_but_output',
+  'all',
+  'block:<i>',
+)
+INPUT_LAYERS = (
+  'embed',
+  'stem',
+  'conv_0',
+  'hidden_0',
+  'dense_0',
+)  # names used by ``models``
 
 
 def flatten(params) -> Dict[str, object]:
@@ -70,9 +84,10 @@ def unflatten(flat: Dict[str, object]):
 @dataclasses.dataclass(frozen=True)
 class ParamSplit:
   """Attributes:
-    name: description (the preset or 'split:...').
-    is_personal: predicate over a leaf's path.
+  name: description (the preset or 'split:...').
+  is_personal: predicate over a leaf's path.
   """
+
   name: str
   is_personal: Callable[[str], bool]
 
@@ -92,9 +107,13 @@ class ParamSplit:
     shared, personal = self.split(params)
     paths = sorted(flatten(params))
     if not personal:
-      raise ValueError(f'personal part {self.name!r} matches no parameter; paths are {paths}')
+      raise ValueError(
+        f'personal part {self.name!r} matches no parameter; paths are {paths}'
+      )
     if not shared and self.name != 'all':
-      raise ValueError(f'personal part {self.name!r} matches every parameter; nothing is shared')
+      raise ValueError(
+        f'personal part {self.name!r} matches every parameter; nothing is shared'
+      )
 
 
 def make_split(spec: str, params) -> ParamSplit:
@@ -111,18 +130,28 @@ def make_split(spec: str, params) -> ParamSplit:
   if variables:  # a model with batch statistics: its 'params' name the modules
     stats = flatten({c: v for c, v in params.items() if c != 'params'})
     params = params['params']
-  top = list(params.keys())  # (pytree dict keys come sorted: order says nothing)
+  top = list(
+    params.keys()
+  )  # (pytree dict keys come sorted: order says nothing)
   if spec == 'norm':
-    normed = {k.split('/', 1)[1].rsplit('/', 1)[0] for k in stats} if variables else set()
+    normed = (
+      {k.split('/', 1)[1].rsplit('/', 1)[0] for k in stats}
+      if variables
+      else set()
+    )
     if not normed:
-      raise ValueError("personal part 'norm': the model has no batch normalization (no "
-                       'batch_stats collection: nn.BatchNorm)')
+      raise ValueError(
+        "personal part 'norm': the model has no batch normalization (no "
+        'batch_stats collection: nn.BatchNorm)'
+      )
     pred = lambda p: p.rsplit('/', 1)[0] in normed
   elif spec == 'input':
     first = next((n for n in INPUT_LAYERS if n in top), None)
     if first is None:
-      raise ValueError(f"personal part 'input': no input layer among {top} "
-                       f"(expected one of {list(INPUT_LAYERS)})")
+      raise ValueError(
+        f"personal part 'input': no input layer among {top} "
+        f'(expected one of {list(INPUT_LAYERS)})'
+      )
     pred = lambda p: p.split('/')[0] == first
   elif spec == 'output':
     head = 'output' if 'output' in top else top[-1]
@@ -132,28 +161,42 @@ def make_split(spec: str, params) -> ParamSplit:
     pred = lambda p: p.split('/')[0] != head
   elif spec == 'adapter':
     if not any('adapter' in p for p in flatten(params)):
-      raise ValueError("personal part 'adapter': the model has no adapters (its adapter_dim is 0)")
-    pred = lambda p: any('adapter' in part or part.startswith('norm') for part in p.split('/'))
+      raise ValueError(
+        "personal part 'adapter': the model has no adapters (its adapter_dim is 0)"
+      )
+    pred = lambda p: any(
+      'adapter' in part or part.startswith('norm') for part in p.split('/')
+    )
   elif spec.startswith('block:'):
-    block = f'block_{spec[len("block:"):]}'
+    block = f'block_{spec[len("block:") :]}'
     if block not in top:
-      raise ValueError(f'personal part {spec!r}: the model has no {block} '
-                       f'(its blocks: {[n for n in top if n.startswith("block_")] or "none"})')
+      raise ValueError(
+        f'personal part {spec!r}: the model has no {block} '
+        f'(its blocks: {[n for n in top if n.startswith("block_")] or "none"})'
+      )
     pred = lambda p: p.split('/')[0] == block
   elif spec == 'all':
     pred = lambda p: True
   elif spec.startswith('split:'):
     try:
-      patterns = [re.compile(r) for r in spec[len('split:'):].split(',') if r]
+      patterns = [re.compile(r) for r in spec[len('split:') :].split(',') if r]
     except re.error as e:
-      raise ValueError(f'personal part {spec!r}: invalid regular expression ({e})') from None
+      raise ValueError(
+        f'personal part {spec!r}: invalid regular expression ({e})'
+      ) from None
     if not patterns:
-      raise ValueError("personal part 'split:' needs at least one regular expression")
+      raise ValueError(
+        "personal part 'split:' needs at least one regular expression"
+      )
     pred = lambda p: any(r.search(p) for r in patterns)
   else:
-    raise ValueError(f"unknown personal part {spec!r}; choose one of {list(PRESETS)} "
-                     "or 'split:<regex>,...'")
-  if variables:  # a path inside a collection names its module after the collection
+    raise ValueError(
+      f'unknown personal part {spec!r}; choose one of {list(PRESETS)} '
+      "or 'split:<regex>,...'"
+    )
+  if (
+    variables
+  ):  # a path inside a collection names its module after the collection
     module_pred = pred
     pred = lambda p: module_pred(p.split('/', 1)[1])
     params = {'params': params, **unflatten(stats)}
@@ -166,5 +209,9 @@ def _is_variables(params) -> bool:
   """Whether ``params`` is a stateful model's variables (``{'params': ...,
   'batch_stats': ...}``, ``models.Model.collections``), not Flax's
   ``params`` alone."""
-  return (isinstance(params, dict) and 'params' in params and len(params) > 1
-          and all(isinstance(v, dict) for v in params.values()))
+  return (
+    isinstance(params, dict)
+    and 'params' in params
+    and len(params) > 1
+    and all(isinstance(v, dict) for v in params.values())
+  )

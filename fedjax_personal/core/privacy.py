@@ -16,17 +16,24 @@ from typing import Callable
 
 import numpy as np
 
-from fedjax_personal.hparams import Declared, flag_name, hparam
 from fedjax_personal.errors import ConfigError
+from fedjax_personal.hparams import Declared, flag_name, hparam
 
-
-__all__ = ['check_dp', 'dp_privacy', 'dp_sgd_epsilon', 'DPConfig', 'epsilon_text', 'Privacy',
-           'worst_epsilon']
+__all__ = [
+  'check_dp',
+  'dp_privacy',
+  'dp_sgd_epsilon',
+  'DPConfig',
+  'epsilon_text',
+  'Privacy',
+  'worst_epsilon',
+]
 
 
 @functools.lru_cache(maxsize=65536)
-def dp_sgd_epsilon(sampling_rate: float, noise_multiplier: float, steps: int,
-                   delta: float = 1e-5) -> float:
+def dp_sgd_epsilon(
+  sampling_rate: float, noise_multiplier: float, steps: int, delta: float = 1e-5
+) -> float:
   """epsilon of ``steps`` compositions of the subsampled Gaussian mechanism
   at ``delta`` (RDP accountant); 0 for no steps, inf without noise."""
   if steps <= 0:
@@ -34,9 +41,12 @@ def dp_sgd_epsilon(sampling_rate: float, noise_multiplier: float, steps: int,
   if noise_multiplier <= 0:
     return float('inf')
   import dp_accounting
+
   accountant = dp_accounting.rdp.RdpAccountant()
-  event = dp_accounting.PoissonSampledDpEvent(min(float(sampling_rate), 1.0),
-                                              dp_accounting.GaussianDpEvent(noise_multiplier))
+  event = dp_accounting.PoissonSampledDpEvent(
+    min(float(sampling_rate), 1.0),
+    dp_accounting.GaussianDpEvent(noise_multiplier),
+  )
   accountant.compose(event, int(steps))
   return float(accountant.get_epsilon(delta))
 
@@ -51,6 +61,7 @@ class Privacy:
     steps: ``state -> [N]`` DP-SGD steps each client has taken so far (a
       counter the algorithm keeps in its state).
   """
+
   noise_multiplier: float
   sampling_rates: np.ndarray
   steps: Callable
@@ -68,8 +79,15 @@ def worst_epsilon(privacy: Privacy, steps, delta: float = 1e-5) -> float:
     The largest epsilon.
   """
   steps = np.asarray(steps)
-  return max((dp_sgd_epsilon(round(float(q), 12), privacy.noise_multiplier, int(s), delta)
-              for q, s in zip(privacy.sampling_rates, steps)), default=0.0)
+  return max(
+    (
+      dp_sgd_epsilon(
+        round(float(q), 12), privacy.noise_multiplier, int(s), delta
+      )
+      for q, s in zip(privacy.sampling_rates, steps)
+    ),
+    default=0.0,
+  )
 
 
 def epsilon_text(epsilon) -> str:
@@ -89,12 +107,21 @@ class DPConfig(Declared):
   """DP-SGD local training settings, shared by the algorithms offering it
   (their config classes inherit these fields and get ``--<prefix>_dp_*``
   flags)."""
-  dp_clip_norm: float = hparam(0.0, 'DP-SGD per-example clip norm (0: no DP).', minimum=0)
-  dp_noise_multiplier: float = hparam(0.0, 'DP-SGD noise multiplier.', minimum=0)
+
+  dp_clip_norm: float = hparam(
+    0.0, 'DP-SGD per-example clip norm (0: no DP).', minimum=0
+  )
+  dp_noise_multiplier: float = hparam(
+    0.0, 'DP-SGD noise multiplier.', minimum=0
+  )
 
   def dp(self):
     """(clip_norm, noise_multiplier) for ``training.sgd_client_work``, or None."""
-    return (self.dp_clip_norm, self.dp_noise_multiplier) if self.dp_clip_norm > 0 else None
+    return (
+      (self.dp_clip_norm, self.dp_noise_multiplier)
+      if self.dp_clip_norm > 0
+      else None
+    )
 
 
 def check_dp(config: DPConfig):
@@ -107,8 +134,10 @@ def check_dp(config: DPConfig):
     None.
   """
   if config.dp_noise_multiplier and not config.dp_clip_norm:
-    raise ConfigError(flag_name(type(config), 'dp_noise_multiplier'),
-                      f'needs {flag_name(type(config), "dp_clip_norm")} > 0')
+    raise ConfigError(
+      flag_name(type(config), 'dp_noise_multiplier'),
+      f'needs {flag_name(type(config), "dp_clip_norm")} > 0',
+    )
 
 
 def dp_privacy(config: DPConfig, data, batching, steps: Callable) -> Privacy:
@@ -126,4 +155,6 @@ def dp_privacy(config: DPConfig, data, batching, steps: Callable) -> Privacy:
   """
   n = np.asarray(data.train.num_examples, np.float64)
   b = batching.effective_batch_size(int(data.train.max_examples))
-  return Privacy(config.dp_noise_multiplier, np.minimum(b / np.maximum(n, 1), 1.0), steps)
+  return Privacy(
+    config.dp_noise_multiplier, np.minimum(b / np.maximum(n, 1), 1.0), steps
+  )

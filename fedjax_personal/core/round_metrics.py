@@ -6,7 +6,9 @@ import jax.numpy as jnp
 __all__ = ['cohort_counts', 'communication_metrics', 'PARTICIPATED']
 
 
-def communication_metrics(alg, state, num_active, num_uploads=None, comm=None) -> dict:
+def communication_metrics(
+  alg, state, num_active, num_uploads=None, comm=None
+) -> dict:
   """Bytes of one round from the algorithm's static sizes and the cohort
   (traceable: computed inside the compiled round).
 
@@ -27,13 +29,20 @@ def communication_metrics(alg, state, num_active, num_uploads=None, comm=None) -
   if comm is None:
     comm = getattr(alg, 'algorithm', alg).communication(state)
   num_active = jnp.asarray(num_active, jnp.float32)
-  num_uploads = num_active if num_uploads is None else jnp.asarray(num_uploads, jnp.float32)
-  distinct = jnp.minimum(jnp.asarray(comm.num_downlink_models, jnp.float32), num_active)
+  num_uploads = (
+    num_active if num_uploads is None else jnp.asarray(num_uploads, jnp.float32)
+  )
+  distinct = jnp.minimum(
+    jnp.asarray(comm.num_downlink_models, jnp.float32), num_active
+  )
   has_down = jnp.asarray(comm.num_downlink_models) > 0
   return {
-      'bytes_up': num_uploads * comm.uplink_bytes_per_client,
-      'bytes_down_broadcast': jnp.where(has_down, distinct, 0.0) * comm.downlink_bytes_per_model,
-      'bytes_down_unicast': jnp.where(has_down, num_active * comm.downlink_bytes_per_model, 0.0),
+    'bytes_up': num_uploads * comm.uplink_bytes_per_client,
+    'bytes_down_broadcast': jnp.where(has_down, distinct, 0.0)
+    * comm.downlink_bytes_per_model,
+    'bytes_down_unicast': jnp.where(
+      has_down, num_active * comm.downlink_bytes_per_model, 0.0
+    ),
   }
 
 
@@ -61,6 +70,11 @@ def cohort_counts(alg, state, cohort, metrics, comm=None) -> dict:
   sampled = jnp.sum(cohort.mask.astype(jnp.float32))
   if PARTICIPATED not in metrics:
     return communication_metrics(alg, state, sampled, comm=comm)
-  took_part = jnp.sum((cohort.mask & metrics.pop(PARTICIPATED)).astype(jnp.int32))
-  return {'num_active': took_part, 'num_sampled': sampled.astype(jnp.int32),
-          **communication_metrics(alg, state, sampled, took_part, comm=comm)}
+  took_part = jnp.sum(
+    (cohort.mask & metrics.pop(PARTICIPATED)).astype(jnp.int32)
+  )
+  return {
+    'num_active': took_part,
+    'num_sampled': sampled.astype(jnp.int32),
+    **communication_metrics(alg, state, sampled, took_part, comm=comm),
+  }

@@ -4,13 +4,18 @@ import dataclasses
 import math
 from typing import ClassVar, Optional
 
-from flax import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-
-__all__ = ['lehmer_random_state', 'tff_schedule', 'client_keys', 'Cohort', 'CohortSampler']
+__all__ = [
+  'lehmer_random_state',
+  'tff_schedule',
+  'client_keys',
+  'Cohort',
+  'CohortSampler',
+]
 
 
 @struct.dataclass
@@ -24,6 +29,7 @@ class Cohort:
     row_idx: where the round's state holds the cohort's client rows (see
       ``rows``); None: at ``idx`` (the whole population's rows).
   """
+
   idx: jax.Array
   mask: jax.Array
   row_idx: Optional[jax.Array] = None
@@ -41,8 +47,12 @@ class Cohort:
   def with_gathered_rows(self, num_clients: int) -> 'Cohort':
     """This cohort for a state holding only its rows, in cohort order."""
     c = self.idx.shape[0]
-    return dataclasses.replace(self, row_idx=jnp.where(self.idx < num_clients,
-                                          jnp.arange(c, dtype=jnp.int32), c))
+    return dataclasses.replace(
+      self,
+      row_idx=jnp.where(
+        self.idx < num_clients, jnp.arange(c, dtype=jnp.int32), c
+      ),
+    )
 
 
 def _binomial_capacity(n: int, p: float, tail: float = 1e-9) -> int:
@@ -50,8 +60,16 @@ def _binomial_capacity(n: int, p: float, tail: float = 1e-9) -> int:
   if p >= 1.0:
     return n
   k = np.arange(n + 1)
-  logpmf = (np.array([math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) for i in k])
-            + k * math.log(p) + (n - k) * math.log1p(-p))
+  logpmf = (
+    np.array(
+      [
+        math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+        for i in k
+      ]
+    )
+    + k * math.log(p)
+    + (n - k) * math.log1p(-p)
+  )
   pmf = np.exp(logpmf - logpmf.max())
   pmf /= pmf.sum()
   tail_mass = np.cumsum(pmf[::-1])[::-1]  # P(X >= k)
@@ -84,6 +102,7 @@ class CohortSampler:
   ``rounds`` rounds' cohorts are drawn once (``tff_schedule``) and round r
   reads row ``r mod rounds``.
   """
+
   num_clients: int
   cohort_size: Optional[int] = None
   participation: Optional[float] = None
@@ -104,18 +123,29 @@ class CohortSampler:
     if (self.cohort_size is None) == (self.participation is None):
       raise ValueError('set exactly one of cohort_size and participation')
     if self.eligible is not None and not 1 <= self.eligible <= self.num_clients:
-      raise ValueError(f'eligible must be in [1, num_clients={self.num_clients}], '
-                       f'got {self.eligible}')
+      raise ValueError(
+        f'eligible must be in [1, num_clients={self.num_clients}], '
+        f'got {self.eligible}'
+      )
     if self.cohort_size is not None and not 1 <= self.cohort_size <= self.drawn:
-      raise ValueError(f'cohort_size must be in [1, {self.drawn} clients that train], '
-                       f'got {self.cohort_size}')
+      raise ValueError(
+        f'cohort_size must be in [1, {self.drawn} clients that train], '
+        f'got {self.cohort_size}'
+      )
     if self.participation is not None and not 0 < self.participation <= 1:
-      raise ValueError(f'participation must be in (0, 1], got {self.participation}')
+      raise ValueError(
+        f'participation must be in (0, 1], got {self.participation}'
+      )
     if self.tff_seed is not None:
       if self.cohort_size is None or self.rounds < 1:
-        raise ValueError('tff_seed draws cohort_size clients for each of rounds >= 1 rounds')
-      object.__setattr__(self, '_schedule', tff_schedule(self.drawn, self.cohort_size,
-                                                         self.tff_seed, self.rounds))
+        raise ValueError(
+          'tff_seed draws cohort_size clients for each of rounds >= 1 rounds'
+        )
+      object.__setattr__(
+        self,
+        '_schedule',
+        tff_schedule(self.drawn, self.cohort_size, self.tff_seed, self.rounds),
+      )
 
   @property
   def capacity(self) -> int:
@@ -124,8 +154,9 @@ class CohortSampler:
     assert self.participation is not None  # set exactly one (__post_init__)
     return max(1, _binomial_capacity(self.drawn, self.participation))
 
-  def __call__(self, key: jax.Array, available: Optional[jax.Array] = None,
-               round_num=0) -> Cohort:
+  def __call__(
+    self, key: jax.Array, available: Optional[jax.Array] = None, round_num=0
+  ) -> Cohort:
     """The cohort drawn with ``key``.
 
     Args:
@@ -149,7 +180,9 @@ class CohortSampler:
       if self.cohort_size == drawn:
         idx = jnp.arange(drawn, dtype=jnp.int32)
       else:
-        idx = jax.random.choice(key, drawn, (self.cohort_size,), replace=False).astype(jnp.int32)
+        idx = jax.random.choice(
+          key, drawn, (self.cohort_size,), replace=False
+        ).astype(jnp.int32)
       return Cohort(idx=idx, mask=jnp.ones(self.cohort_size, bool))
 
     participation = self.participation
@@ -158,9 +191,9 @@ class CohortSampler:
     def draw(k):
       active = jax.random.uniform(k, (n,)) < participation
       return active if drawn == n else active & (jnp.arange(n) < drawn)
+
     key, active = _redrawn_while_empty(key, draw)
     return _first_by_priority(key, active, self.capacity)
-
 
   def _among(self, key, available) -> Cohort:
     """The cohort drawn from the online clients only: ``cohort_size`` of them
@@ -172,20 +205,26 @@ class CohortSampler:
     if self.participation is not None:
       reachable = online
       _, online = _redrawn_while_empty(
-          k_pick, lambda k: reachable & (jax.random.uniform(k, (n,)) < self.participation),
-          jnp.any(reachable))
+        k_pick,
+        lambda k: (
+          reachable & (jax.random.uniform(k, (n,)) < self.participation)
+        ),
+        jnp.any(reachable),
+      )
     return _first_by_priority(k_order, online, self.capacity)
 
 
 def _redrawn_while_empty(key, draw, possible=True):
   """``(key, active)``: ``draw(sub)`` of a split of ``key``, drawn again from
   further splits while nobody is active (and ``possible``: someone can be)."""
+
   def cond(carry):
     return ~jnp.any(carry[1]) & possible
 
   def body(carry):
     k, sub = jax.random.split(carry[0])
     return k, draw(sub)
+
   key, sub = jax.random.split(key)
   return jax.lax.while_loop(cond, body, (key, draw(sub)))
 
@@ -202,7 +241,9 @@ def _first_by_priority(key, active, cap: int) -> Cohort:
   return Cohort(idx=idx[perm], mask=mask[perm])
 
 
-def tff_schedule(num_clients: int, cohort_size: int, seed: int, rounds: int) -> np.ndarray:
+def tff_schedule(
+  num_clients: int, cohort_size: int, seed: int, rounds: int
+) -> np.ndarray:
   """google-research/federated's cohorts of rounds 0 .. rounds - 1
   (``build_sample_fn``: a Lehmer generator seeds each round's
   ``RandomState``, whose ``choice`` draws without replacement).
@@ -216,13 +257,18 @@ def tff_schedule(num_clients: int, cohort_size: int, seed: int, rounds: int) -> 
   Returns:
     int32 [rounds, cohort_size] client indices.
   """
-  return np.stack([lehmer_random_state(seed, r).choice(num_clients, size=cohort_size,
-                                                       replace=False)
-                   for r in range(rounds)]).astype(np.int32)
+  return np.stack(
+    [
+      lehmer_random_state(seed, r).choice(
+        num_clients, size=cohort_size, replace=False
+      )
+      for r in range(rounds)
+    ]
+  ).astype(np.int32)
 
 
 #: The multiplicative congruential (Lehmer, MINSTD) generator seeding each round.
-_LEHMER_MODULUS, _LEHMER_MULTIPLIER = 2 ** 31 - 1, 16807
+_LEHMER_MODULUS, _LEHMER_MULTIPLIER = 2**31 - 1, 16807
 
 
 def lehmer_random_state(seed: int, round_num: int) -> np.random.RandomState:
@@ -240,7 +286,10 @@ def lehmer_random_state(seed: int, round_num: int) -> np.random.RandomState:
   """
   start = np.random.RandomState(seed).randint(1, _LEHMER_MODULUS - 1)
   return np.random.RandomState(
-      pow(_LEHMER_MULTIPLIER, round_num, _LEHMER_MODULUS) * start % _LEHMER_MODULUS)
+    pow(_LEHMER_MULTIPLIER, round_num, _LEHMER_MODULUS)
+    * start
+    % _LEHMER_MODULUS
+  )
 
 
 @jax.jit

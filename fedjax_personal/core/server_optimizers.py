@@ -37,8 +37,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ['adaptive_server', 'AdaptiveState', 'KERAS_KINDS', 'KerasAdamState', 'KINDS',
-           'PAPER_KINDS', 'scale_by_keras']
+__all__ = [
+  'adaptive_server',
+  'AdaptiveState',
+  'KERAS_KINDS',
+  'KerasAdamState',
+  'KINDS',
+  'PAPER_KINDS',
+  'scale_by_keras',
+]
 
 
 #: Reddi et al.'s Algorithm 2.
@@ -50,19 +57,23 @@ KINDS = PAPER_KINDS + KERAS_KINDS
 
 class AdaptiveState(NamedTuple):
   """First and second moments of the pseudo-gradient (m_t, v_t)."""
+
   m: optax.Updates
   v: optax.Updates
 
 
-def scale_by_adaptive_server(kind: str, beta1: float = 0.9, beta2: float = 0.99,
-                             tau: float = 1e-3) -> optax.GradientTransformation:
+def scale_by_adaptive_server(
+  kind: str, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3
+) -> optax.GradientTransformation:
   """``m_t / (sqrt(v_t) + tau)`` of Algorithm 2 for ``kind`` in KINDS."""
   if kind not in PAPER_KINDS:
     raise ValueError(f'kind must be one of {KINDS}, got {kind!r}')
 
   def init(params):
-    return AdaptiveState(m=jax.tree.map(jnp.zeros_like, params),
-                         v=jax.tree.map(lambda p: jnp.full_like(p, tau ** 2), params))
+    return AdaptiveState(
+      m=jax.tree.map(jnp.zeros_like, params),
+      v=jax.tree.map(lambda p: jnp.full_like(p, tau**2), params),
+    )
 
   def second_moment(v, g):
     g2 = jnp.square(g)
@@ -84,13 +95,15 @@ def scale_by_adaptive_server(kind: str, beta1: float = 0.9, beta2: float = 0.99,
 
 class KerasAdamState(NamedTuple):
   """A Keras optimizer's step count and moments (m unused by Adagrad)."""
+
   count: jax.Array  # type: ignore[assignment]  # optax's name (shadows tuple.count)
   m: optax.Updates
   v: optax.Updates
 
 
-def scale_by_keras(kind: str, beta1: float = 0.9, beta2: float = 0.999,
-                   epsilon: float = 1e-7) -> optax.GradientTransformation:
+def scale_by_keras(
+  kind: str, beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-7
+) -> optax.GradientTransformation:
   """The step of a Keras optimizer before the learning rate (module doc),
   from m_0 = v_0 = 0: ``keras_adam`` TensorFlow's ``ApplyAdam``,
   ``keras_yogi`` google-research/federated's ``Yogi``, ``keras_adagrad``
@@ -128,15 +141,22 @@ def scale_by_keras(kind: str, beta1: float = 0.9, beta2: float = 0.999,
       return out, KerasAdamState(state.count + 1, state.m, v)
     t = (state.count + 1).astype(jnp.float32)
     m = jax.tree.map(lambda m, g: beta1 * m + (1 - beta1) * g, state.m, updates)
-    correction = jnp.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
-    out = jax.tree.map(lambda m, v: correction * m / (jnp.sqrt(v) + epsilon), m, v)
+    correction = jnp.sqrt(1 - beta2**t) / (1 - beta1**t)
+    out = jax.tree.map(
+      lambda m, v: correction * m / (jnp.sqrt(v) + epsilon), m, v
+    )
     return out, KerasAdamState(state.count + 1, m, v)
 
   return optax.GradientTransformation(init, update)
 
 
-def adaptive_server(kind: str, learning_rate: float, beta1: float = 0.9, beta2: float = 0.99,
-                    tau: float = 1e-3) -> optax.GradientTransformation:
+def adaptive_server(
+  kind: str,
+  learning_rate: float,
+  beta1: float = 0.9,
+  beta2: float = 0.99,
+  tau: float = 1e-3,
+) -> optax.GradientTransformation:
   """FedAdagrad / FedYogi / FedAdam with server learning rate eta.
 
   Args:
@@ -151,6 +171,9 @@ def adaptive_server(kind: str, learning_rate: float, beta1: float = 0.9, beta2: 
   Returns:
     An optax transformation applied to the mean delta.
   """
-  scale = (scale_by_keras(kind, beta1, beta2, tau) if kind in KERAS_KINDS
-           else scale_by_adaptive_server(kind, beta1, beta2, tau))
+  scale = (
+    scale_by_keras(kind, beta1, beta2, tau)
+    if kind in KERAS_KINDS
+    else scale_by_adaptive_server(kind, beta1, beta2, tau)
+  )
   return optax.chain(scale, optax.scale(-learning_rate))

@@ -60,9 +60,24 @@ from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.hparams import Declared, hparam
 
-__all__ = ['available', 'ClientSystem', 'draw', 'draw_cohort', 'PARTIAL_WORK',
-           'prepare', 'read_values', 'RoundSystem', 'SettingError', 'step_limit', 'SYSTEM_DRAWS',
-           'SystemConfig', 'system_metrics', 'uploading', 'without', 'Devices']
+__all__ = [
+  'available',
+  'ClientSystem',
+  'draw',
+  'draw_cohort',
+  'PARTIAL_WORK',
+  'prepare',
+  'read_values',
+  'RoundSystem',
+  'SettingError',
+  'step_limit',
+  'SYSTEM_DRAWS',
+  'SystemConfig',
+  'system_metrics',
+  'uploading',
+  'without',
+  'Devices',
+]
 
 #: What an algorithm does with a straggler's partial work (``AlgorithmSpec.partial_work``).
 PARTIAL_WORK = ('drop', 'keep')
@@ -85,44 +100,86 @@ class SettingError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class SystemConfig(Declared):
   """The clients' devices: stragglers and lost uploads (module doc)."""
+
   prefix: ClassVar[Optional[str]] = None
-  stragglers: float = hparam(0.0, 'Fraction of each round\'s sampled clients that are '
-                             'stragglers, doing 1 .. E - 1 of their E local epochs (or 1 .. K - 1 '
-                             'of their K local_steps), drawn as FedProx\'s code draws them; the '
-                             "algorithm keeps (fedprox, fednova) or drops (the others) their "
-                             'partial work. The same clients for every algorithm of a run.',
-                             minimum=0, maximum=1)
-  local_work_min: Optional[int] = hparam(None, 'Each sampled client that is not a straggler '
-                                         'does a uniform draw of this many .. E local epochs '
-                                         '(or .. K local_steps) each round, FedNova\'s '
-                                         'experiments (2 .. 5). Default: all E.', minimum=1)
-  drop_before: float = hparam(0.0, 'Probability that a sampled client drops out before it '
-                              'trains: no work, no upload.', minimum=0, maximum=1,
-                              open_max=True)
-  drop_after: float = hparam(0.0, 'Probability that a sampled client trains and its upload is '
-                             'lost.', minimum=0, maximum=1, open_max=True)
-  client_speeds: Optional[str] = hparam(None, 'A file of one speed per client, local steps per '
-                                        'time unit (text, one number a line, or .npy; the data '
-                                        "set's client order). Default: 1 for every client.")
-  deadline: Optional[float] = hparam(None, 'Round deadline, in time units: a client whose local '
-                                     'steps would take longer (steps / speed) is a straggler '
-                                     'that did floor(deadline x speed) steps, its work kept or '
-                                     "dropped by the algorithm's rule.", minimum=0,
-                                     open_min=True)
-  availability: float = hparam(1.0, 'Probability that a client is online in a round (each '
-                               'client, each round, apart); cohorts are drawn from the online '
-                               'clients.', minimum=0, maximum=1, open_min=True)
-  availability_trace: Optional[str] = hparam(None, 'A file of on/off rounds: one row per round, '
-                                             'one 0/1 per client (text or .npy); round t reads '
-                                             'row t mod its rows. Cohorts are drawn from the '
-                                             'clients on.')
+  stragglers: float = hparam(
+    0.0,
+    "Fraction of each round's sampled clients that are "
+    'stragglers, doing 1 .. E - 1 of their E local epochs (or 1 .. K - 1 '
+    "of their K local_steps), drawn as FedProx's code draws them; the "
+    'algorithm keeps (fedprox, fednova) or drops (the others) their '
+    'partial work. The same clients for every algorithm of a run.',
+    minimum=0,
+    maximum=1,
+  )
+  local_work_min: Optional[int] = hparam(
+    None,
+    'Each sampled client that is not a straggler '
+    'does a uniform draw of this many .. E local epochs '
+    "(or .. K local_steps) each round, FedNova's "
+    'experiments (2 .. 5). Default: all E.',
+    minimum=1,
+  )
+  drop_before: float = hparam(
+    0.0,
+    'Probability that a sampled client drops out before it '
+    'trains: no work, no upload.',
+    minimum=0,
+    maximum=1,
+    open_max=True,
+  )
+  drop_after: float = hparam(
+    0.0,
+    'Probability that a sampled client trains and its upload is lost.',
+    minimum=0,
+    maximum=1,
+    open_max=True,
+  )
+  client_speeds: Optional[str] = hparam(
+    None,
+    'A file of one speed per client, local steps per '
+    'time unit (text, one number a line, or .npy; the data '
+    "set's client order). Default: 1 for every client.",
+  )
+  deadline: Optional[float] = hparam(
+    None,
+    'Round deadline, in time units: a client whose local '
+    'steps would take longer (steps / speed) is a straggler '
+    'that did floor(deadline x speed) steps, its work kept or '
+    "dropped by the algorithm's rule.",
+    minimum=0,
+    open_min=True,
+  )
+  availability: float = hparam(
+    1.0,
+    'Probability that a client is online in a round (each '
+    'client, each round, apart); cohorts are drawn from the online '
+    'clients.',
+    minimum=0,
+    maximum=1,
+    open_min=True,
+  )
+  availability_trace: Optional[str] = hparam(
+    None,
+    'A file of on/off rounds: one row per round, '
+    'one 0/1 per client (text or .npy); round t reads '
+    'row t mod its rows. Cohorts are drawn from the '
+    'clients on.',
+  )
 
   @property
   def active(self) -> bool:
     """Whether any client is other than a full, reliable device."""
-    return bool(self.stragglers or self.drop_before or self.drop_after
-                or self.local_work_min is not None or self.client_speeds or self.deadline
-                or self.availability < 1 or self.availability_trace)
+    return bool(
+      self.stragglers
+      or self.drop_before
+      or self.drop_after
+      or self.local_work_min is not None
+      or self.client_speeds
+      or self.deadline
+      or self.availability < 1
+      or self.availability_trace
+    )
 
   def describe(self, specs) -> list:
     """The header's line (none for full, reliable devices).
@@ -139,12 +196,19 @@ class SystemConfig(Declared):
     if self.stragglers:
       keep = sorted(s.name for s in specs if s.partial_work == 'keep')
       drop = sorted(s.name for s in specs if s.partial_work != 'keep')
-      rule = '; '.join(f'{w} by {", ".join(n)}' for w, n in (('kept', keep), ('dropped', drop))
-                       if n)
-      parts.append(f'{self.stragglers:.0%} of each cohort stragglers doing 1 .. E - 1 of E '
-                   f'local epochs (FedProx\'s draw), their work {rule}')
+      rule = '; '.join(
+        f'{w} by {", ".join(n)}'
+        for w, n in (('kept', keep), ('dropped', drop))
+        if n
+      )
+      parts.append(
+        f'{self.stragglers:.0%} of each cohort stragglers doing 1 .. E - 1 of E '
+        f"local epochs (FedProx's draw), their work {rule}"
+      )
     if self.local_work_min is not None:
-      parts.append(f'each other client {self.local_work_min} .. E local epochs (uniform)')
+      parts.append(
+        f'each other client {self.local_work_min} .. E local epochs (uniform)'
+      )
     if self.drop_before:
       parts.append(f'{self.drop_before:.0%} drop out before training')
     if self.drop_after:
@@ -162,8 +226,11 @@ class SystemConfig(Declared):
   def check(self) -> None:
     """Availability by probability or by trace, not both."""
     if self.availability < 1 and self.availability_trace:
-      raise ConfigError('availability', 'does nothing with an availability trace (the trace '
-                        'says who is online)')
+      raise ConfigError(
+        'availability',
+        'does nothing with an availability trace (the trace '
+        'says who is online)',
+      )
 
   def problems(self, batching: Batching) -> list:
     """What cannot apply to an algorithm's local work: stragglers need
@@ -179,17 +246,31 @@ class SystemConfig(Declared):
     unit = 'steps' if batching.num_steps is not None else 'epochs'
     e, out = full_work(batching), []
     if self.stragglers and e < 2:
-      out.append(('stragglers', f'stragglers do 1 .. E - 1 of E local {unit}; the algorithm '
-                                f'does {e}: give 2 or more'))
+      out.append(
+        (
+          'stragglers',
+          f'stragglers do 1 .. E - 1 of E local {unit}; the algorithm '
+          f'does {e}: give 2 or more',
+        )
+      )
     if self.local_work_min is not None and self.local_work_min > e:
-      out.append(('local_work_min', f'clients draw {self.local_work_min} .. E local {unit}; '
-                                    f'the algorithm does E = {e}: give a minimum of at most E'))
+      out.append(
+        (
+          'local_work_min',
+          f'clients draw {self.local_work_min} .. E local {unit}; '
+          f'the algorithm does E = {e}: give a minimum of at most E',
+        )
+      )
     return out
 
 
 def full_work(batching: Batching) -> int:
   """E, a client's full local work in epochs (or K in steps)."""
-  return int(batching.num_steps if batching.num_steps is not None else batching.num_epochs or 0)
+  return int(
+    batching.num_steps
+    if batching.num_steps is not None
+    else batching.num_epochs or 0
+  )
 
 
 def read_values(path: str, what: str) -> np.ndarray:
@@ -230,6 +311,7 @@ class ClientSystem(NamedTuple):
     speeds: float32 [N] local steps per time unit, or None (1 each).
     trace: bool [T, N] who is online in round t (row t mod T), or None.
   """
+
   config: SystemConfig
   speeds: Optional[np.ndarray] = None
   trace: Optional[np.ndarray] = None
@@ -260,24 +342,43 @@ def prepare(system: Devices, num_clients: int) -> ClientSystem:
   try:
     if system.client_speeds:
       speeds = read_values(system.client_speeds, 'client speeds')
-      speeds = speeds.reshape(-1) if speeds.ndim == 2 and speeds.shape[0] == 1 else speeds
-      if speeds.ndim != 1 or speeds.shape[0] != num_clients or (speeds <= 0).any():
-        raise ValueError(f'{system.client_speeds}: {speeds.size} speeds as '
-                         f'{list(speeds.shape)}; the data has {num_clients} clients, and a '
-                         'speed must be positive: one per client, one per line')
+      speeds = (
+        speeds.reshape(-1)
+        if speeds.ndim == 2 and speeds.shape[0] == 1
+        else speeds
+      )
+      if (
+        speeds.ndim != 1
+        or speeds.shape[0] != num_clients
+        or (speeds <= 0).any()
+      ):
+        raise ValueError(
+          f'{system.client_speeds}: {speeds.size} speeds as '
+          f'{list(speeds.shape)}; the data has {num_clients} clients, and a '
+          'speed must be positive: one per client, one per line'
+        )
   except ValueError as e:
     raise SettingError('client_speeds', str(e)) from None
   try:
     if system.availability_trace:
       trace = read_values(system.availability_trace, 'on/off rounds')
       trace = trace.reshape(1, -1) if trace.ndim == 1 else trace
-      if trace.ndim != 2 or trace.shape[1] != num_clients or not np.isin(trace, (0, 1)).all():
-        raise ValueError(f'{system.availability_trace}: rows of {trace.shape[-1]} values; the '
-                         f'data has {num_clients} clients: one 0/1 per client, one row per round')
+      if (
+        trace.ndim != 2
+        or trace.shape[1] != num_clients
+        or not np.isin(trace, (0, 1)).all()
+      ):
+        raise ValueError(
+          f'{system.availability_trace}: rows of {trace.shape[-1]} values; the '
+          f'data has {num_clients} clients: one 0/1 per client, one row per round'
+        )
   except ValueError as e:
     raise SettingError('availability_trace', str(e)) from None
-  return ClientSystem(system, None if speeds is None else speeds.astype(np.float32),
-                      None if trace is None else trace.astype(bool))
+  return ClientSystem(
+    system,
+    None if speeds is None else speeds.astype(np.float32),
+    None if trace is None else trace.astype(bool),
+  )
 
 
 def available(system: Optional[ClientSystem], key, round_num, num_clients: int):
@@ -299,7 +400,9 @@ def available(system: Optional[ClientSystem], key, round_num, num_clients: int):
     trace = jnp.asarray(system.trace)
     return trace[jnp.asarray(round_num, jnp.int32) % trace.shape[0]]
   if system.config.availability < 1:
-    u = jax.random.uniform(jax.random.fold_in(key, AVAILABILITY_DRAWS), (num_clients,))
+    u = jax.random.uniform(
+      jax.random.fold_in(key, AVAILABILITY_DRAWS), (num_clients,)
+    )
     return u < system.config.availability
   return None
 
@@ -316,6 +419,7 @@ class RoundSystem(NamedTuple):
     available: int32, the clients online this round (None: every client).
     local_steps: int32, the local steps the sampled clients' devices ran.
   """
+
   straggler: jax.Array
   work_limit: Optional[jax.Array]
   lost: jax.Array
@@ -325,8 +429,16 @@ class RoundSystem(NamedTuple):
   local_steps: Optional[jax.Array] = None
 
 
-def draw(system, key, mask, batching: Batching, partial_work: str, counts=None,
-         max_examples: int = 1, idx=None) -> RoundSystem:
+def draw(
+  system,
+  key,
+  mask,
+  batching: Batching,
+  partial_work: str,
+  counts=None,
+  max_examples: int = 1,
+  idx=None,
+) -> RoundSystem:
   """The round's stragglers, work limits, deadline and lost uploads (module doc).
 
   Args:
@@ -354,7 +466,9 @@ def draw(system, key, mask, batching: Batching, partial_work: str, counts=None,
   rank = jnp.argsort(jnp.argsort(u))
   straggler = mask & (rank >= full)
   e = full_work(batching)
-  partial = jax.random.randint(k_work, (c,), 1, max(e, 2))  # np.random.randint(1, E)
+  partial = jax.random.randint(
+    k_work, (c,), 1, max(e, 2)
+  )  # np.random.randint(1, E)
   before = mask & (jax.random.uniform(k_before, (c,)) < config.drop_before)
   after = mask & (jax.random.uniform(k_after, (c,)) < config.drop_after)
   full_limit: int | jax.Array = _UNLIMITED
@@ -363,9 +477,16 @@ def draw(system, key, mask, batching: Batching, partial_work: str, counts=None,
   limit = jnp.where(straggler, partial, full_limit)
   cap, time = None, None
   if counts is not None:
-    speed = (jnp.ones(c, jnp.float32) if system.speeds is None or idx is None else
-             jnp.asarray(system.speeds)[jnp.clip(idx, 0, system.speeds.shape[0] - 1)])
-    planned = jax.vmap(lambda w, n: step_limit(batching, w, n, max_examples))(limit, counts)
+    speed = (
+      jnp.ones(c, jnp.float32)
+      if system.speeds is None or idx is None
+      else jnp.asarray(system.speeds)[
+        jnp.clip(idx, 0, system.speeds.shape[0] - 1)
+      ]
+    )
+    planned = jax.vmap(lambda w, n: step_limit(batching, w, n, max_examples))(
+      limit, counts
+    )
     planned = jnp.minimum(planned, _full_steps(batching, counts, max_examples))
     cap = jnp.full(c, _UNLIMITED, jnp.int32)
     if config.deadline:
@@ -379,9 +500,13 @@ def draw(system, key, mask, batching: Batching, partial_work: str, counts=None,
   if counts is not None:
     worked = jnp.where(mask & ~lost, steps / speed, 0.0)
     time = jnp.max(worked, initial=0.0)
-    ran = jnp.where(limit == 0, 0, steps)  # a client that does no work (lost anyway) runs none
+    ran = jnp.where(
+      limit == 0, 0, steps
+    )  # a client that does no work (lost anyway) runs none
     work = jnp.sum(jnp.where(mask, ran, 0)).astype(jnp.int32)
-  return RoundSystem(straggler, limit.astype(jnp.int32), lost, cap, time, None, work)
+  return RoundSystem(
+    straggler, limit.astype(jnp.int32), lost, cap, time, None, work
+  )
 
 
 def _full_steps(batching: Batching, counts, max_examples: int):
@@ -410,8 +535,9 @@ def step_limit(batching: Batching, work_limit, num_examples, max_examples: int):
     return jnp.asarray(work_limit, jnp.int32)
   b = batching.effective_batch_size(max_examples)
   per_epoch = (jnp.asarray(num_examples, jnp.int32) + b - 1) // b
-  return jnp.minimum(jnp.asarray(work_limit, jnp.int32), _UNLIMITED // max(max_examples, 1)) * (
-      per_epoch)
+  return jnp.minimum(
+    jnp.asarray(work_limit, jnp.int32), _UNLIMITED // max(max_examples, 1)
+  ) * (per_epoch)
 
 
 def without(cohort: Cohort, lost, num_clients: int) -> Cohort:
@@ -427,9 +553,14 @@ def without(cohort: Cohort, lost, num_clients: int) -> Cohort:
     The ``Cohort``.
   """
   idx = jnp.where(lost, num_clients, cohort.idx)
-  row_idx = None if cohort.row_idx is None else jnp.where(lost, cohort.idx.shape[0],
-                                                          cohort.row_idx)
-  return dataclasses.replace(cohort, idx=idx, mask=cohort.mask & ~lost, row_idx=row_idx)
+  row_idx = (
+    None
+    if cohort.row_idx is None
+    else jnp.where(lost, cohort.idx.shape[0], cohort.row_idx)
+  )
+  return dataclasses.replace(
+    cohort, idx=idx, mask=cohort.mask & ~lost, row_idx=row_idx
+  )
 
 
 def system_metrics(system: RoundSystem, mask) -> dict:
@@ -444,8 +575,10 @@ def system_metrics(system: RoundSystem, mask) -> dict:
     knew its clients' work, ``compute_time`` and ``local_steps``; with
     availability, ``available``.
   """
-  out = {'stragglers': jnp.sum((system.straggler & mask).astype(jnp.int32)),
-         'uploads_lost': jnp.sum((system.lost & mask).astype(jnp.int32))}
+  out = {
+    'stragglers': jnp.sum((system.straggler & mask).astype(jnp.int32)),
+    'uploads_lost': jnp.sum((system.lost & mask).astype(jnp.int32)),
+  }
   if system.compute_time is not None:
     out['compute_time'] = system.compute_time
   if system.available is not None:
@@ -470,8 +603,11 @@ def draw_cohort(sampler, key, round_num=0, system=None):
     The ``Cohort``.
   """
   k = jax.random.split(key)[0]
-  return sampler(k, available=available(system, k, round_num, sampler.num_clients),
-                 round_num=round_num)
+  return sampler(
+    k,
+    available=available(system, k, round_num, sampler.num_clients),
+    round_num=round_num,
+  )
 
 
 def uploading(cohort, shared):

@@ -6,25 +6,59 @@ import contextvars
 import dataclasses
 from typing import Any, Callable, Optional
 
-from flax import struct
 import jax
 import jax.numpy as jnp
 import optax
+from flax import struct
 
 from fedjax_personal.core import batching as batching_lib
 from fedjax_personal.core import system
 from fedjax_personal.core.data import ClientData, LocalData
-from fedjax_personal.core.losses import (Batch, LossStats, StatsAndState, batch_loss,
-                                         evaluate_params, get_batch, keep_model_state, part,
-                                         per_example_stats, plain_objective, zero_stats)
-from fedjax_personal.models import Model
+from fedjax_personal.core.losses import (
+  Batch,
+  LossStats,
+  StatsAndState,
+  batch_loss,
+  evaluate_params,
+  get_batch,
+  keep_model_state,
+  part,
+  per_example_stats,
+  plain_objective,
+  zero_stats,
+)
 from fedjax_personal.core.tree_util import tree_where
+from fedjax_personal.models import Model
 
-__all__ = ['Batch', 'batch_loss', 'client_opt_init', 'ClientContext', 'ClientWork', 'dp_gradient',
-           'evaluate_params', 'get_batch', 'keep_model_state', 'local_sgd', 'LossStats',
-           'opt_update', 'part', 'per_example_stats', 'plain_objective', 'PyTree', 'run_work',
-           'sgd_client_work', 'sgd_finetune', 'SGDCarry', 'StatsAndState', 'unroll_steps',
-           'work_batch_indices', 'work_init', 'work_num_steps', 'work_step', 'zero_stats']
+__all__ = [
+  'Batch',
+  'batch_loss',
+  'client_opt_init',
+  'ClientContext',
+  'ClientWork',
+  'dp_gradient',
+  'evaluate_params',
+  'get_batch',
+  'keep_model_state',
+  'local_sgd',
+  'LossStats',
+  'opt_update',
+  'part',
+  'per_example_stats',
+  'plain_objective',
+  'PyTree',
+  'run_work',
+  'sgd_client_work',
+  'sgd_finetune',
+  'SGDCarry',
+  'StatsAndState',
+  'unroll_steps',
+  'work_batch_indices',
+  'work_init',
+  'work_num_steps',
+  'work_step',
+  'zero_stats',
+]
 
 
 PyTree = Any
@@ -71,6 +105,7 @@ def scan_steps(f, init, xs):
 
 # -- client work --------------------------------------------------------------
 
+
 @struct.dataclass
 class ClientContext:
   """What a client's work may read, fixed for the whole round.
@@ -92,6 +127,7 @@ class ClientContext:
       the cap its deadline allows, or None), or None: all of its work. Steps
       past it are masked as padding (``work_step``).
   """
+
   shared: Any
   state: Any
   data: LocalData
@@ -101,8 +137,13 @@ class ClientContext:
   row_group_start: Optional[int] = struct.field(pytree_node=False, default=None)
 
 
-def opt_update(optimizer: optax.GradientTransformation, grads, opt_state, params,
-               ctx: ClientContext):
+def opt_update(
+  optimizer: optax.GradientTransformation,
+  grads,
+  opt_state,
+  params,
+  ctx: ClientContext,
+):
   """``optimizer.update`` with the round number as the extra argument
   ``round_num`` (read by ``config.scale_by_round_decay``; ignored by plain
   optax transformations).
@@ -117,8 +158,9 @@ def opt_update(optimizer: optax.GradientTransformation, grads, opt_state, params
   Returns:
     ``(updates, new optimizer state)``.
   """
-  return optax.with_extra_args_support(optimizer).update(grads, opt_state, params,
-                                                         round_num=ctx.round)
+  return optax.with_extra_args_support(optimizer).update(
+    grads, opt_state, params, round_num=ctx.round
+  )
 
 
 def client_opt_init(ctx: ClientContext, init_fn: Callable, params):
@@ -160,6 +202,7 @@ class ClientWork:
       work keeps no optimizer state.
     opt_state: ``carry -> optimizer state`` after the work (kept per client).
   """
+
   init: Callable
   step: Callable
   final: Callable
@@ -169,7 +212,9 @@ class ClientWork:
   opt_state: Optional[Callable] = None
 
 
-def work_batch_indices(work: ClientWork, key, num_examples, max_examples, groups=None):
+def work_batch_indices(
+  work: ClientWork, key, num_examples, max_examples, groups=None
+):
   """Batch indices [S, B] (or [S, k, B]) and masks of one client's work.
 
   Args:
@@ -183,10 +228,15 @@ def work_batch_indices(work: ClientWork, key, num_examples, max_examples, groups
     ``(indices, masks)``.
   """
   if work.batches_per_step == 1:
-    return batching_lib.batch_indices(key, num_examples, max_examples, work.batching, groups)
+    return batching_lib.batch_indices(
+      key, num_examples, max_examples, work.batching, groups
+    )
   keys = jax.random.split(key, work.batches_per_step)
-  idx, mask = jax.vmap(lambda k: batching_lib.batch_indices(
-      k, num_examples, max_examples, work.batching, groups))(keys)
+  idx, mask = jax.vmap(
+    lambda k: batching_lib.batch_indices(
+      k, num_examples, max_examples, work.batching, groups
+    )
+  )(keys)
   return jnp.swapaxes(idx, 0, 1), jnp.swapaxes(mask, 0, 1)
 
 
@@ -212,13 +262,20 @@ def work_init(work: ClientWork, ctx: ClientContext, key):
   """
   k_init, k_batch, k_steps = jax.random.split(key, 3)
   train = ctx.data.train
-  groups = (None if ctx.row_group_start is None
-            else batching_lib.row_groups(train.x, ctx.row_group_start))
-  idx, mask = work_batch_indices(work, k_batch, train.num_examples, train.x.shape[0], groups)
+  groups = (
+    None
+    if ctx.row_group_start is None
+    else batching_lib.row_groups(train.x, ctx.row_group_start)
+  )
+  idx, mask = work_batch_indices(
+    work, k_batch, train.num_examples, train.x.shape[0], groups
+  )
   return work.init(ctx, k_init), idx, mask, k_steps
 
 
-def work_step(work: ClientWork, ctx: ClientContext, carry, idx, mask, k_steps, s):
+def work_step(
+  work: ClientWork, ctx: ClientContext, carry, idx, mask, k_steps, s
+):
   """Engine side of step ``s``: gather its batch, step, and keep the carry
   unchanged when the step is padding.
 
@@ -236,7 +293,8 @@ def work_step(work: ClientWork, ctx: ClientContext, carry, idx, mask, k_steps, s
   """
   k_step = jax.random.fold_in(k_steps, s)
   batch = get_batch(ctx.data.train, idx[s], mask[s])._replace(
-      key=jax.random.fold_in(k_step, INPUT_DRAWS))
+    key=jax.random.fold_in(k_step, INPUT_DRAWS)
+  )
   new = work.step(ctx, carry, batch, k_step)
   real = step_is_real(mask[s])
   if ctx.work_limit is not None:
@@ -249,7 +307,9 @@ def limited_steps(work: ClientWork, ctx: ClientContext):
   steps) and its deadline's step cap."""
   train = ctx.data.train
   limit, cap = ctx.work_limit
-  steps = system.step_limit(work.batching, limit, train.num_examples, train.x.shape[0])
+  steps = system.step_limit(
+    work.batching, limit, train.num_examples, train.x.shape[0]
+  )
   return steps if cap is None else jnp.minimum(steps, cap)
 
 
@@ -265,12 +325,20 @@ def work_num_steps(work: ClientWork, ctx: ClientContext, key):
   Returns:
     The step count.
   """
-  _, mask = work_batch_indices(work, jax.random.split(key, 3)[1], ctx.data.train.num_examples,
-                               ctx.data.train.x.shape[0])
+  _, mask = work_batch_indices(
+    work,
+    jax.random.split(key, 3)[1],
+    ctx.data.train.num_examples,
+    ctx.data.train.x.shape[0],
+  )
   if not mask.shape[0]:
     return jnp.zeros((), jnp.int32)
   steps = jnp.sum(jax.vmap(step_is_real)(mask)).astype(jnp.int32)
-  return steps if ctx.work_limit is None else jnp.minimum(steps, limited_steps(work, ctx))
+  return (
+    steps
+    if ctx.work_limit is None
+    else jnp.minimum(steps, limited_steps(work, ctx))
+  )
 
 
 def run_work(work: ClientWork, ctx: ClientContext, key, limit=None):
@@ -296,12 +364,14 @@ def run_work(work: ClientWork, ctx: ClientContext, key, limit=None):
   carry, idx, mask, k_steps = work_init(work, ctx, key)
 
   if limit is not None:
+
     def cond(c):
       return c[0] < limit
 
     def loop(c):
       s, carry = c
       return s + 1, work_step(work, ctx, carry, idx, mask, k_steps, s)
+
     _, carry = jax.lax.while_loop(cond, loop, (jnp.zeros((), jnp.int32), carry))
     return work.final(ctx, carry)
 
@@ -313,6 +383,7 @@ def run_work(work: ClientWork, ctx: ClientContext, key, limit=None):
 
 
 # -- local SGD ------------------------------------------------------------------
+
 
 @struct.dataclass
 class SGDCarry:
@@ -326,6 +397,7 @@ class SGDCarry:
     grad_sum: sum of the raw objective gradients over real steps (when
       asked for, SCAFFOLD's control variate), else None.
   """
+
   params: Any
   opt_state: Any
   stats: LossStats
@@ -333,7 +405,14 @@ class SGDCarry:
   grad_sum: Any = None
 
 
-def dp_gradient(objective, params, batch: Batch, key, clip_norm: float, noise_multiplier: float):
+def dp_gradient(
+  objective,
+  params,
+  batch: Batch,
+  key,
+  clip_norm: float,
+  noise_multiplier: float,
+):
   """DP-SGD gradient (Abadi et al. 2016): per-example gradients (vmapped over
   the batch) clipped to ``clip_norm``, summed over real examples, plus
   N(0, (noise_multiplier * clip_norm)^2) noise, divided by the real count.
@@ -351,27 +430,45 @@ def dp_gradient(objective, params, batch: Batch, key, clip_norm: float, noise_mu
   Returns:
     ``(noisy mean gradient, LossStats of the batch)``.
   """
+
   def one(x, y):
     ex = Batch(x[None], y[None], jnp.ones((1,), bool))
     return jax.grad(lambda p: objective(p, ex)[0])(params)
 
   grads = jax.vmap(one)(batch.x, batch.y)
-  norms = jnp.sqrt(sum(jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1)
-                       for g in jax.tree.leaves(grads)))
+  norms = jnp.sqrt(
+    sum(
+      jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1)
+      for g in jax.tree.leaves(grads)
+    )
+  )
   scale = jnp.minimum(1.0, clip_norm / jnp.maximum(norms, 1e-12)) * batch.mask
   count = jnp.maximum(jnp.sum(batch.mask), 1.0)
   leaves, treedef = jax.tree.flatten(grads)
   keys = jax.random.split(key, len(leaves))
-  noisy = [(jnp.tensordot(scale, g, axes=1) + noise_multiplier * clip_norm
-            * jax.random.normal(k, g.shape[1:], g.dtype)) / count for g, k in zip(leaves, keys)]
+  noisy = [
+    (
+      jnp.tensordot(scale, g, axes=1)
+      + noise_multiplier
+      * clip_norm
+      * jax.random.normal(k, g.shape[1:], g.dtype)
+    )
+    / count
+    for g, k in zip(leaves, keys)
+  ]
   return jax.tree.unflatten(treedef, noisy), objective(params, batch)[1]
 
 
-def sgd_client_work(objective_fn: Callable, optimizer: optax.GradientTransformation,
-                    batching: batching_lib.Batching, final: Callable,
-                    start_fn: Optional[Callable] = None,
-                    grad_transform: Optional[Callable] = None,
-                    dp: Optional[tuple] = None, sum_grads: bool = False) -> ClientWork:
+def sgd_client_work(
+  objective_fn: Callable,
+  optimizer: optax.GradientTransformation,
+  batching: batching_lib.Batching,
+  final: Callable,
+  start_fn: Optional[Callable] = None,
+  grad_transform: Optional[Callable] = None,
+  dp: Optional[tuple] = None,
+  sum_grads: bool = False,
+) -> ClientWork:
   """ClientWork for local training with an optax optimizer on a local
   objective (FedAvg, FedProx, SCAFFOLD, FedDyn, Local, ...).
 
@@ -398,31 +495,61 @@ def sgd_client_work(objective_fn: Callable, optimizer: optax.GradientTransformat
   def init(ctx, key):
     del key
     p = start_fn(ctx)
-    return SGDCarry(params=p, opt_state=client_opt_init(ctx, optimizer.init, p),
-                    stats=zero_stats(), num_steps=jnp.zeros((), jnp.int32),
-                    grad_sum=jax.tree.map(jnp.zeros_like, p) if sum_grads else None)
+    return SGDCarry(
+      params=p,
+      opt_state=client_opt_init(ctx, optimizer.init, p),
+      stats=zero_stats(),
+      num_steps=jnp.zeros((), jnp.int32),
+      grad_sum=jax.tree.map(jnp.zeros_like, p) if sum_grads else None,
+    )
 
   def step(ctx, carry, batch, key):
     if dp is not None:
-      grads, stats = dp_gradient(objective_fn(ctx), carry.params, batch, key, *dp)
+      grads, stats = dp_gradient(
+        objective_fn(ctx), carry.params, batch, key, *dp
+      )
     else:
-      (_, stats), grads = jax.value_and_grad(objective_fn(ctx), has_aux=True)(carry.params, batch)
-    grad_sum = jax.tree.map(jnp.add, carry.grad_sum, grads) if sum_grads else None
+      (_, stats), grads = jax.value_and_grad(objective_fn(ctx), has_aux=True)(
+        carry.params, batch
+      )
+    grad_sum = (
+      jax.tree.map(jnp.add, carry.grad_sum, grads) if sum_grads else None
+    )
     if grad_transform is not None:
       grads = grad_transform(grads, carry.params, ctx)
-    updates, opt_state = opt_update(optimizer, grads, carry.opt_state, carry.params, ctx)
+    updates, opt_state = opt_update(
+      optimizer, grads, carry.opt_state, carry.params, ctx
+    )
     # a model's batch statistics: those of its forward pass (``keep_model_state``)
-    params, stats = keep_model_state(optax.apply_updates(carry.params, updates), stats)
-    return SGDCarry(params=params, opt_state=opt_state,
-                    stats=jax.tree.map(jnp.add, carry.stats, stats),
-                    num_steps=carry.num_steps + 1, grad_sum=grad_sum)
+    params, stats = keep_model_state(
+      optax.apply_updates(carry.params, updates), stats
+    )
+    return SGDCarry(
+      params=params,
+      opt_state=opt_state,
+      stats=jax.tree.map(jnp.add, carry.stats, stats),
+      num_steps=carry.num_steps + 1,
+      grad_sum=grad_sum,
+    )
 
-  return ClientWork(init=init, step=step, final=final, batching=batching,
-                    init_opt_state=optimizer.init, opt_state=lambda carry: carry.opt_state)
+  return ClientWork(
+    init=init,
+    step=step,
+    final=final,
+    batching=batching,
+    init_opt_state=optimizer.init,
+    opt_state=lambda carry: carry.opt_state,
+  )
 
 
-def local_sgd(params: PyTree, objective, optimizer: optax.GradientTransformation,
-              data: ClientData, key: jax.Array, batching: batching_lib.Batching):
+def local_sgd(
+  params: PyTree,
+  objective,
+  optimizer: optax.GradientTransformation,
+  data: ClientData,
+  key: jax.Array,
+  batching: batching_lib.Batching,
+):
   """Local SGD from ``params`` on one client's data, as one traced function.
 
   Args:
@@ -436,12 +563,20 @@ def local_sgd(params: PyTree, objective, optimizer: optax.GradientTransformation
   Returns:
     (params, LossStats summed over the real steps).
   """
-  work = sgd_client_work(lambda ctx: objective, optimizer, batching,
-                         final=lambda ctx, c: (c.params, c.stats))
-  return run_work(work, ClientContext(params, None, LocalData(train=data, val=data)), key)
+  work = sgd_client_work(
+    lambda ctx: objective,
+    optimizer,
+    batching,
+    final=lambda ctx, c: (c.params, c.stats),
+  )
+  return run_work(
+    work, ClientContext(params, None, LocalData(train=data, val=data)), key
+  )
 
 
-def sgd_finetune(model: Model, learning_rate: float, batching: batching_lib.Batching):
+def sgd_finetune(
+  model: Model, learning_rate: float, batching: batching_lib.Batching
+):
   """Evaluation fine-tuning: local SGD on the client's *training* split
   (never its test split) from the model it would use.
 
@@ -457,5 +592,6 @@ def sgd_finetune(model: Model, learning_rate: float, batching: batching_lib.Batc
   """
   opt = optax.sgd(learning_rate)
   objective = plain_objective(model)
-  return lambda params, local, key: local_sgd(params, objective, opt, local.train, key,
-                                              batching)[0]
+  return lambda params, local, key: local_sgd(
+    params, objective, opt, local.train, key, batching
+  )[0]

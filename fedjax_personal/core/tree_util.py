@@ -5,14 +5,27 @@ tree_norm, ...)."""
 
 from typing import Any
 
-from flax import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-__all__ = ['client_slice', 'cohort_size', 'is_concrete', 'leading_size', 'PyTree', 'Rows', 'rows',
-           'SCATTER_CHUNK', 'shapes', 'tree_broadcast', 'tree_bytes', 'tree_gather', 'tree_scatter',
-           'tree_where']
+__all__ = [
+  'client_slice',
+  'cohort_size',
+  'is_concrete',
+  'leading_size',
+  'PyTree',
+  'Rows',
+  'rows',
+  'SCATTER_CHUNK',
+  'shapes',
+  'tree_broadcast',
+  'tree_bytes',
+  'tree_gather',
+  'tree_scatter',
+  'tree_where',
+]
 
 
 PyTree = Any
@@ -45,18 +58,6 @@ def tree_where(cond, x: PyTree, y: PyTree) -> PyTree:
   return jax.tree.map(lambda a, b: jnp.where(cond, a, b), x, y)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def tree_gather(x: PyTree, idx) -> PyTree:
   """x[idx] on the leading (client) axis of every leaf; out-of-range idx clipped.
 
@@ -81,6 +82,7 @@ class Rows:
   holds a gathered copy of the whole cohort's state. ``idx`` may have
   trailing axes (e.g. [C, K] candidates per client).
   """
+
   source: PyTree
   idx: jax.Array
 
@@ -103,8 +105,6 @@ def rows(x: PyTree, idx) -> Rows:
   return Rows(x, jnp.asarray(idx))
 
 
-
-
 def client_slice(tree: PyTree, pos) -> PyTree:
   """Position(s) ``pos`` of the cohort's per-client inputs: ``a[pos]`` for
   plain stacked leaves, ``source[idx[pos]]`` for ``Rows``.
@@ -117,8 +117,10 @@ def client_slice(tree: PyTree, pos) -> PyTree:
     The inputs at ``pos``.
   """
   return jax.tree.map(
-      lambda n: tree_gather(n.source, n.idx[pos]) if is_rows(n) else n[pos], tree,
-      is_leaf=is_rows)
+    lambda n: tree_gather(n.source, n.idx[pos]) if is_rows(n) else n[pos],
+    tree,
+    is_leaf=is_rows,
+  )
 
 
 def cohort_size(tree: PyTree) -> int:
@@ -155,6 +157,7 @@ def tree_scatter(x: PyTree, idx, values: PyTree) -> PyTree:
   Returns:
     ``x`` with the rows written.
   """
+
   def scatter(x, i, v):
     return jax.tree.map(lambda a, u: a.at[i].set(u, mode='drop'), x, v)
 
@@ -164,13 +167,18 @@ def tree_scatter(x: PyTree, idx, values: PyTree) -> PyTree:
     return scatter(x, idx, values)
 
   def chunk(k, x):
-    take = lambda a: jax.lax.dynamic_slice_in_dim(a, k * SCATTER_CHUNK, SCATTER_CHUNK)
+    take = lambda a: jax.lax.dynamic_slice_in_dim(
+      a, k * SCATTER_CHUNK, SCATTER_CHUNK
+    )
     return scatter(x, take(idx), jax.tree.map(take, values))
+
   x = jax.lax.fori_loop(0, full, chunk, x)
   rest = slice(full * SCATTER_CHUNK, c)
-  return scatter(x, idx[rest], jax.tree.map(lambda a: a[rest], values)) if rest.start < c else x
-
-
+  return (
+    scatter(x, idx[rest], jax.tree.map(lambda a: a[rest], values))
+    if rest.start < c
+    else x
+  )
 
 
 def leading_size(x: PyTree) -> int:
@@ -207,8 +215,12 @@ def tree_bytes(x: PyTree) -> int:
   Returns:
     Its bytes.
   """
-  return int(sum(np.prod(a.shape, dtype=np.int64) * np.dtype(a.dtype).itemsize
-                 for a in jax.tree.leaves(x)))
+  return int(
+    sum(
+      np.prod(a.shape, dtype=np.int64) * np.dtype(a.dtype).itemsize
+      for a in jax.tree.leaves(x)
+    )
+  )
 
 
 def shapes(tree) -> tuple:
@@ -221,5 +233,7 @@ def shapes(tree) -> tuple:
   Returns:
     ``((shape, dtype name), ...)``.
   """
-  return tuple((np.shape(a), str(getattr(a, 'dtype', type(a).__name__)))
-               for a in jax.tree.leaves(tree))
+  return tuple(
+    (np.shape(a), str(getattr(a, 'dtype', type(a).__name__)))
+    for a in jax.tree.leaves(tree)
+  )

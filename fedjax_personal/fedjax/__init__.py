@@ -15,20 +15,54 @@ data set's ``.store`` hands its clients to this project's compiled rounds.
 from fedjax_personal.fedjax import core, datasets
 from fedjax_personal.fedjax.core import client_samplers
 from fedjax_personal.fedjax.core.client_datasets import (
-    BatchHParams, BatchPreprocessor, buffered_shuffle_batch_client_datasets, ClientDataset,
-    EXAMPLE_MASK_KEY, padded_batch_client_datasets, PaddedBatchHParams,
-    ShuffleRepeatBatchHParams)
+  EXAMPLE_MASK_KEY,
+  BatchHParams,
+  BatchPreprocessor,
+  ClientDataset,
+  PaddedBatchHParams,
+  ShuffleRepeatBatchHParams,
+  buffered_shuffle_batch_client_datasets,
+  padded_batch_client_datasets,
+)
 from fedjax_personal.fedjax.core.federated_data import (
-    ClientId, ClientPreprocessor, FederatedData, FederatedDataBuilder, padded_batch_federated_data,
-    RepeatableIterator, shuffle_repeat_batch_federated_data, SubsetFederatedData)
-from fedjax_personal.fedjax.core.in_memory_federated_data import InMemoryFederatedData
-from fedjax_personal.fedjax.core.sqlite_federated_data import (SQLiteFederatedData,
-                                                               SQLiteFederatedDataBuilder)
+  ClientId,
+  ClientPreprocessor,
+  FederatedData,
+  FederatedDataBuilder,
+  RepeatableIterator,
+  SubsetFederatedData,
+  padded_batch_federated_data,
+  shuffle_repeat_batch_federated_data,
+)
+from fedjax_personal.fedjax.core.in_memory_federated_data import (
+  InMemoryFederatedData,
+)
+from fedjax_personal.fedjax.core.sqlite_federated_data import (
+  SQLiteFederatedData,
+  SQLiteFederatedDataBuilder,
+)
 
-__all__ = ['BatchHParams', 'BatchPreprocessor', 'buffered_shuffle_batch_client_datasets',
-           'client_samplers', 'ClientDataset', 'ClientId', 'ClientPreprocessor', 'core',
-           'datasets', 'EXAMPLE_MASK_KEY', 'FederatedData', 'FederatedDataBuilder',
-           'InMemoryFederatedData', 'padded_batch_client_datasets', 'padded_batch_federated_data',
-           'PaddedBatchHParams', 'RepeatableIterator', 'shuffle_repeat_batch_federated_data',
-           'ShuffleRepeatBatchHParams', 'SQLiteFederatedData', 'SQLiteFederatedDataBuilder',
-           'SubsetFederatedData']
+__all__ = [
+  'BatchHParams',
+  'BatchPreprocessor',
+  'buffered_shuffle_batch_client_datasets',
+  'client_samplers',
+  'ClientDataset',
+  'ClientId',
+  'ClientPreprocessor',
+  'core',
+  'datasets',
+  'EXAMPLE_MASK_KEY',
+  'FederatedData',
+  'FederatedDataBuilder',
+  'InMemoryFederatedData',
+  'padded_batch_client_datasets',
+  'padded_batch_federated_data',
+  'PaddedBatchHParams',
+  'RepeatableIterator',
+  'shuffle_repeat_batch_federated_data',
+  'ShuffleRepeatBatchHParams',
+  'SQLiteFederatedData',
+  'SQLiteFederatedDataBuilder',
+  'SubsetFederatedData',
+]

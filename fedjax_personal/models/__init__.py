@@ -16,40 +16,120 @@ import inspect
 import os
 from typing import Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 
 from fedjax_personal.errors import ConfigError, user_frame
 from fedjax_personal.hparams import Declared, fill_options, hparam
-from fedjax_personal.models import initializers
-from fedjax_personal.models.architectures import (CNN, CharLSTM, LeNet5, LogisticRegression, MLP,
-                                                  flatten)
+from fedjax_personal.models import initializers, weights
+from fedjax_personal.models.architectures import (
+  CNN,
+  MLP,
+  CharLSTM,
+  LeNet5,
+  LogisticRegression,
+  flatten,
+)
 from fedjax_personal.models.initializers import INITS
-from fedjax_personal.models.seed_models import TRANSFORMER_SIZES, ResNetGN, TransformerLM
-from fedjax_personal.models.layers import (CONV_IMPLS, TILE_BYTES, TILE_MIN_BYTES, Adapter, Conv,
-                                           Dense, LSTMCell, as_float, avg_pool_2x2,
-                                           batch_chunk, conv_as_matmul, conv_layout, from_layout,
-                                           max_pool, max_pool_2x2, resolve_conv_impl, tile_budget,
-                                           to_layout)
-from fedjax_personal.models.model import DROPOUT_RNG, Model, from_flax, takes_train
-from fedjax_personal.models.registry import (LOSS_DENOMINATORS, MODELS, REFERENCE, REGISTERED,
-                                             ModelBuilder, ModelOptions, NoModelOptions,
-                                             RegisteredModel, model_names, option_classes,
-                                             options_class, register)
-from fedjax_personal.models import weights
+from fedjax_personal.models.layers import (
+  CONV_IMPLS,
+  TILE_BYTES,
+  TILE_MIN_BYTES,
+  Adapter,
+  Conv,
+  Dense,
+  LSTMCell,
+  as_float,
+  avg_pool_2x2,
+  batch_chunk,
+  conv_as_matmul,
+  conv_layout,
+  from_layout,
+  max_pool,
+  max_pool_2x2,
+  resolve_conv_impl,
+  tile_budget,
+  to_layout,
+)
+from fedjax_personal.models.model import (
+  DROPOUT_RNG,
+  Model,
+  from_flax,
+  takes_train,
+)
+from fedjax_personal.models.registry import (
+  LOSS_DENOMINATORS,
+  MODELS,
+  REFERENCE,
+  REGISTERED,
+  ModelBuilder,
+  ModelOptions,
+  NoModelOptions,
+  RegisteredModel,
+  model_names,
+  option_classes,
+  options_class,
+  register,
+)
+from fedjax_personal.models.seed_models import (
+  TRANSFORMER_SIZES,
+  ResNetGN,
+  TransformerLM,
+)
 
-
-__all__ = ['Adapter', 'as_float', 'avg_pool_2x2', 'batch_chunk', 'build_model', 'CharLSTM', 'CNN',
-           'ConfigError', 'Conv', 'conv_as_matmul', 'CONV_IMPLS', 'conv_layout',
-           'create_model', 'Dense', 'DROPOUT_RNG', 'flatten', 'from_flax', 'from_layout',
-           'initializers', 'INITS', 'LeNet5', 'LogisticRegression', 'LOSS_DENOMINATORS',
-           'LSTMCell', 'max_pool', 'max_pool_2x2', 'MLP', 'Model', 'model_names',
-           'ModelBuilder', 'ModelConfig', 'ModelOptions', 'MODELS', 'NoModelOptions',
-           'num_params', 'option_classes', 'options_class', 'REFERENCE', 'register',
-           'REGISTERED', 'RegisteredModel', 'ResNetGN', 'resolve_conv_impl',
-           'takes_train', 'tile_budget', 'TILE_BYTES', 'TILE_MIN_BYTES', 'to_layout',
-           'TRANSFORMER_SIZES', 'TransformerLM']
+__all__ = [
+  'Adapter',
+  'as_float',
+  'avg_pool_2x2',
+  'batch_chunk',
+  'build_model',
+  'CharLSTM',
+  'CNN',
+  'ConfigError',
+  'Conv',
+  'conv_as_matmul',
+  'CONV_IMPLS',
+  'conv_layout',
+  'create_model',
+  'Dense',
+  'DROPOUT_RNG',
+  'flatten',
+  'from_flax',
+  'from_layout',
+  'initializers',
+  'INITS',
+  'LeNet5',
+  'LogisticRegression',
+  'LOSS_DENOMINATORS',
+  'LSTMCell',
+  'max_pool',
+  'max_pool_2x2',
+  'MLP',
+  'Model',
+  'model_names',
+  'ModelBuilder',
+  'ModelConfig',
+  'ModelOptions',
+  'MODELS',
+  'NoModelOptions',
+  'num_params',
+  'option_classes',
+  'options_class',
+  'REFERENCE',
+  'register',
+  'REGISTERED',
+  'RegisteredModel',
+  'ResNetGN',
+  'resolve_conv_impl',
+  'takes_train',
+  'tile_budget',
+  'TILE_BYTES',
+  'TILE_MIN_BYTES',
+  'to_layout',
+  'TRANSFORMER_SIZES',
+  'TransformerLM',
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,34 +139,56 @@ class ModelConfig(Declared):
   (``create_model(model, ..., adapter_dim, conv_impl, init=model_init)``,
   its first weights from ``init_weights``: ``models.weights``).
   """
-  model: str = hparam('mlp', 'Model: ' + ', '.join(sorted(MODELS)) + '; the seeds\' own: '
-                      + '; '.join(f'{k} ({v[0]})' for k, v in REFERENCE.items()))
-  model_init: str = hparam('flax', "Initialisation convention of the model's layers: each "
-                           "framework's default initialisers (flax: LeCun normal kernels, zero "
-                           'biases; pytorch: U(+-1/sqrt(fan_in)) kernels and biases; keras: '
-                           'Glorot uniform kernels, zero biases; haiku: truncated normal '
-                           'kernels of scale 1/sqrt(fan_in), zero biases, as FedJAX\'s models; '
-                           'LSTMs and embeddings too).',
-                           choices=tuple(INITS))
-  init_weights: Optional[str] = hparam(None, 'Start from these initial global parameters: a '
-                                       '.npz (Flax parameter paths as keys, a Keras model\'s '
-                                       'get_weights() saved by np.savez, or a Haiku parameter '
-                                       "dict as module/name keys: FedJAX's models) or a PyTorch "
-                                       'state dict (.pt/.pth), matched by layer order and '
-                                       'converted.')
-  adapter_dim: int = hparam(0, 'Add residual adapters of this width to the model (for '
-                            '--partial_personal_part=adapter).', minimum=0)
-  conv_impl: str = hparam('auto', "How convolutional models compute convolutions and pooling: "
-                          "xla (XLA's convolution op), matmul (one matmul over shifted slices), "
-                          "tiled (matmul over cache-sized batch chunks) or auto (tiled on a CPU, "
-                          'matmul on a GPU/TPU, where a convolution vmapped over clients becomes '
-                          'a slow grouped convolution). Same parameters; the same numbers up to '
-                          'float reassociation. Recorded in the run identity.',
-                          choices=tuple(CONV_IMPLS))
 
-  options: ModelOptions = hparam(None, "A registered model's own options (its registered "
-                                 'class; None: its defaults); their flags are its fields.',
-                                 command=False)
+  model: str = hparam(
+    'mlp',
+    'Model: '
+    + ', '.join(sorted(MODELS))
+    + "; the seeds' own: "
+    + '; '.join(f'{k} ({v[0]})' for k, v in REFERENCE.items()),
+  )
+  model_init: str = hparam(
+    'flax',
+    "Initialisation convention of the model's layers: each "
+    "framework's default initialisers (flax: LeCun normal kernels, zero "
+    'biases; pytorch: U(+-1/sqrt(fan_in)) kernels and biases; keras: '
+    'Glorot uniform kernels, zero biases; haiku: truncated normal '
+    "kernels of scale 1/sqrt(fan_in), zero biases, as FedJAX's models; "
+    'LSTMs and embeddings too).',
+    choices=tuple(INITS),
+  )
+  init_weights: Optional[str] = hparam(
+    None,
+    'Start from these initial global parameters: a '
+    ".npz (Flax parameter paths as keys, a Keras model's "
+    'get_weights() saved by np.savez, or a Haiku parameter '
+    "dict as module/name keys: FedJAX's models) or a PyTorch "
+    'state dict (.pt/.pth), matched by layer order and '
+    'converted.',
+  )
+  adapter_dim: int = hparam(
+    0,
+    'Add residual adapters of this width to the model (for '
+    '--partial_personal_part=adapter).',
+    minimum=0,
+  )
+  conv_impl: str = hparam(
+    'auto',
+    'How convolutional models compute convolutions and pooling: '
+    "xla (XLA's convolution op), matmul (one matmul over shifted slices), "
+    'tiled (matmul over cache-sized batch chunks) or auto (tiled on a CPU, '
+    'matmul on a GPU/TPU, where a convolution vmapped over clients becomes '
+    'a slow grouped convolution). Same parameters; the same numbers up to '
+    'float reassociation. Recorded in the run identity.',
+    choices=tuple(CONV_IMPLS),
+  )
+
+  options: ModelOptions = hparam(
+    None,
+    "A registered model's own options (its registered "
+    'class; None: its defaults); their flags are its fields.',
+    command=False,
+  )
 
   def __post_init__(self):
     fill_options(self, 'model', options_class(self.model))
@@ -95,16 +197,24 @@ class ModelConfig(Declared):
   def check(self) -> None:
     """A known model; a weights file that exists and gives every weight."""
     if self.model not in MODELS and self.model not in REGISTERED:
-      raise ConfigError('model', f'unknown model {self.model!r}; choose from {model_names()}')
+      raise ConfigError(
+        'model', f'unknown model {self.model!r}; choose from {model_names()}'
+      )
     if self.model in REGISTERED:
       for flag, what in (('adapter_dim', 0), ('model_init', 'flax')):
         if getattr(self, flag) != what:
-          raise ConfigError(flag, f'does nothing for --model={self.model} (a registered '
-                            'model builds its own layers)')
+          raise ConfigError(
+            flag,
+            f'does nothing for --model={self.model} (a registered '
+            'model builds its own layers)',
+          )
     if self.init_weights:
       if self.model_init != 'flax':
-        raise ConfigError('model_init', 'does nothing with --init_weights (the file gives every '
-                          'initial weight)')
+        raise ConfigError(
+          'model_init',
+          'does nothing with --init_weights (the file gives every '
+          'initial weight)',
+        )
       if not os.path.isfile(self.init_weights):
         raise ConfigError('init_weights', f'{self.init_weights}: no such file')
 
@@ -121,17 +231,29 @@ def build_model(cfg: ModelConfig, num_classes: int, sample_x) -> 'Model':
   Returns:
     The ``Model``.
   """
-  model = create_model(cfg.model, num_classes, sample_x, cfg.adapter_dim,
-                       conv_impl=cfg.conv_impl, init=cfg.model_init,
-                       options=cfg.options)
+  model = create_model(
+    cfg.model,
+    num_classes,
+    sample_x,
+    cfg.adapter_dim,
+    conv_impl=cfg.conv_impl,
+    init=cfg.model_init,
+    options=cfg.options,
+  )
   if cfg.init_weights:
     model = model.starting_from(weights.load(cfg.init_weights, model, sample_x))
   return model
 
 
-def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0,
-                 conv_impl: str = 'auto', init: str = 'flax',
-                 options: Optional[ModelOptions] = None) -> Model:
+def create_model(
+  name: str,
+  num_classes: int,
+  sample_x,
+  adapter_dim: int = 0,
+  conv_impl: str = 'auto',
+  init: str = 'flax',
+  options: Optional[ModelOptions] = None,
+) -> Model:
   """Builds a registered model by name.
 
   Args:
@@ -155,9 +277,14 @@ def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0,
       the inputs (the message names the flag).
   """
   if name not in MODELS and name not in REGISTERED:
-    raise ConfigError('model', f'unknown model {name!r}; choose one of {model_names()}')
+    raise ConfigError(
+      'model', f'unknown model {name!r}; choose one of {model_names()}'
+    )
   if name == 'logreg' and adapter_dim:
-    raise ConfigError('adapter_dim', 'logreg has no hidden layer for adapters; pick another --model')
+    raise ConfigError(
+      'adapter_dim',
+      'logreg has no hidden layer for adapters; pick another --model',
+    )
   resolve_conv_impl(conv_impl)  # validates the name
   initializers.check(init)
   x = jnp.asarray(sample_x)[:1]
@@ -165,40 +292,59 @@ def create_model(name: str, num_classes: int, sample_x, adapter_dim: int = 0,
     if name in REGISTERED:
       model = _build_registered(name, num_classes, sample_x, options)
     else:
-      model = from_flax(name, MODELS[name](num_classes, adapter_dim, conv_impl, init), sample_x)
-      model = dataclasses.replace(model, loss_denominator=LOSS_DENOMINATORS.get(name, 'targets'))
+      model = from_flax(
+        name, MODELS[name](num_classes, adapter_dim, conv_impl, init), sample_x
+      )
+      model = dataclasses.replace(
+        model, loss_denominator=LOSS_DENOMINATORS.get(name, 'targets')
+      )
     params = jax.eval_shape(model.init, jax.random.key(0))
     jax.eval_shape(model.apply, params, x)
   except ConfigError:
     raise
   except Exception as e:  # shape errors surface deep inside Flax/JAX
     if name in REGISTERED:
-      raise ConfigError('model', f'model {name!r} does not fit inputs of shape '
-                        f'{tuple(x.shape[1:])} and dtype {x.dtype}: {type(e).__name__} at '
-                        f'{_where(e, REGISTERED[name].build)}: {e}') from None
-    raise ConfigError('model', f'model {name!r} does not fit inputs of shape {tuple(x.shape[1:])} '
-                     f'and dtype {x.dtype} ({type(e).__name__}: {e}); pick another --model') from None
+      raise ConfigError(
+        'model',
+        f'model {name!r} does not fit inputs of shape '
+        f'{tuple(x.shape[1:])} and dtype {x.dtype}: {type(e).__name__} at '
+        f'{_where(e, REGISTERED[name].build)}: {e}',
+      ) from None
+    raise ConfigError(
+      'model',
+      f'model {name!r} does not fit inputs of shape {tuple(x.shape[1:])} '
+      f'and dtype {x.dtype} ({type(e).__name__}: {e}); pick another --model',
+    ) from None
   return model
 
 
-def _build_registered(name: str, num_classes: int, sample_x,
-                      options: Optional[ModelOptions]) -> Model:
+def _build_registered(
+  name: str, num_classes: int, sample_x, options: Optional[ModelOptions]
+) -> Model:
   """A registered model, built by its ``build`` with its options."""
   entry = REGISTERED[name]
   options = options if options is not None else entry.options()
-  kwargs = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+  kwargs = {
+    f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+  }
   try:
     built = entry.build(num_classes=num_classes, **kwargs)
   except ConfigError:
     raise
   except Exception as e:  # the user's builder failed: one line naming where
-    raise ConfigError('model', f'{name}: its build failed at {_where(e, entry.build)}: '
-                      f'{type(e).__name__}: {e}') from None
+    raise ConfigError(
+      'model',
+      f'{name}: its build failed at {_where(e, entry.build)}: '
+      f'{type(e).__name__}: {e}',
+    ) from None
   if isinstance(built, Model):
     return dataclasses.replace(built, name=name)
   if not isinstance(built, nn.Module):
-    raise ConfigError('model', f'{name}: its build returned {type(built).__name__}, not a Flax '
-                      'Linen module or a Model')
+    raise ConfigError(
+      'model',
+      f'{name}: its build returned {type(built).__name__}, not a Flax '
+      'Linen module or a Model',
+    )
   return from_flax(name, built, sample_x)
 
 

@@ -20,10 +20,18 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_personal.models import initializers
-from fedjax_personal.models.layers import (Adapter, Conv, Dense, LSTMCell, as_float, conv_layout,
-                                           from_layout, pool_2x2, to_layout)
+from fedjax_personal.models.layers import (
+  Adapter,
+  Conv,
+  Dense,
+  LSTMCell,
+  as_float,
+  conv_layout,
+  from_layout,
+  pool_2x2,
+  to_layout,
+)
 from fedjax_personal.models.recurrent import cell_kernels, lstm_sequence
-
 
 __all__ = ['CharLSTM', 'CNN', 'flatten', 'LeNet5', 'LogisticRegression', 'MLP']
 
@@ -47,6 +55,7 @@ def flatten(module: nn.Module, x):
 
 class LogisticRegression(nn.Module):
   """Multinomial logistic regression on flattened inputs."""
+
   num_classes: int
   convention: str = 'flax'
 
@@ -62,17 +71,24 @@ class LogisticRegression(nn.Module):
 
 class MLP(nn.Module):
   """Fully connected ReLU network (FedAvg's 2NN with hidden=(200, 200))."""
+
   num_classes: int
   hidden: Sequence[int] = (200, 200)
   adapter_dim: int = 0
   convention: str = 'flax'
 
   def setup(self):
-    self.hidden_layers = [Dense(h, convention=self.convention, name=f'hidden_{i}')
-                          for i, h in enumerate(self.hidden)]
+    self.hidden_layers = [
+      Dense(h, convention=self.convention, name=f'hidden_{i}')
+      for i, h in enumerate(self.hidden)
+    ]
     if self.adapter_dim:
-      self.adapters = [Adapter(self.adapter_dim, convention=self.convention, name=f'adapter_{i}')
-                       for i in range(len(self.hidden))]
+      self.adapters = [
+        Adapter(
+          self.adapter_dim, convention=self.convention, name=f'adapter_{i}'
+        )
+        for i in range(len(self.hidden))
+      ]
     self.output = Dense(self.num_classes, convention=self.convention)
 
   def features(self, x):
@@ -97,6 +113,7 @@ class LeNet5(nn.Module):
   LeCun's LeNet-5 and of the Keras LeNet-5 the user-centric paper trains).
   61,706 parameters on 28x28x1 inputs with 10 classes.
   """
+
   num_classes: int
   adapter_dim: int = 0
   conv_impl: str = 'auto'
@@ -105,10 +122,22 @@ class LeNet5(nn.Module):
 
   def setup(self):
     layout = conv_layout(self.conv_impl)
-    self.conv_0 = Conv(6, (5, 5), padding='SAME', impl=self.conv_impl, layout=layout,
-                       convention=self.convention)
-    self.conv_1 = Conv(16, (5, 5), padding='VALID', impl=self.conv_impl, layout=layout,
-                       convention=self.convention)
+    self.conv_0 = Conv(
+      6,
+      (5, 5),
+      padding='SAME',
+      impl=self.conv_impl,
+      layout=layout,
+      convention=self.convention,
+    )
+    self.conv_1 = Conv(
+      16,
+      (5, 5),
+      padding='VALID',
+      impl=self.conv_impl,
+      layout=layout,
+      convention=self.convention,
+    )
     self.dense_0 = Dense(120, convention=self.convention)
     self.dense_1 = Dense(84, convention=self.convention)
     if self.adapter_dim:
@@ -162,6 +191,7 @@ class CNN(nn.Module):
   draws only when ``train`` (Flax's convention: the engine trains with
   ``train=True`` and a dropout key, evaluates with ``train=False``).
   """
+
   num_classes: int
   conv_features: Sequence[int] = (32, 64)
   dense: Sequence[int] = (512,)
@@ -171,19 +201,40 @@ class CNN(nn.Module):
   padding: str = 'SAME'
   pool: str = 'max'
   kernel: int = 5
-  pooled: Optional[Sequence[bool]] = None  # per convolution; default: after every one
+  pooled: Optional[Sequence[bool]] = (
+    None  # per convolution; default: after every one
+  )
   dropout: Sequence[float] = ()
 
   def setup(self):
-    self.convs = [Conv(f, (self.kernel, self.kernel), padding=self.padding, impl=self.conv_impl,
-                       layout=conv_layout(self.conv_impl), convention=self.convention, name=f'conv_{i}')
-                  for i, f in enumerate(self.conv_features)]
-    self.denses = [Dense(d, convention=self.convention, name=f'dense_{i}') for i, d in enumerate(self.dense)]
+    self.convs = [
+      Conv(
+        f,
+        (self.kernel, self.kernel),
+        padding=self.padding,
+        impl=self.conv_impl,
+        layout=conv_layout(self.conv_impl),
+        convention=self.convention,
+        name=f'conv_{i}',
+      )
+      for i, f in enumerate(self.conv_features)
+    ]
+    self.denses = [
+      Dense(d, convention=self.convention, name=f'dense_{i}')
+      for i, d in enumerate(self.dense)
+    ]
     if self.adapter_dim:
-      self.adapters = [Adapter(self.adapter_dim, convention=self.convention, name=f'adapter_{i}')
-                       for i in range(len(self.dense))]
+      self.adapters = [
+        Adapter(
+          self.adapter_dim, convention=self.convention, name=f'adapter_{i}'
+        )
+        for i in range(len(self.dense))
+      ]
     self.output = Dense(self.num_classes, convention=self.convention)
-    self.dropouts = [nn.Dropout(rate, name=f'dropout_{i}') for i, rate in enumerate(self.dropout)]
+    self.dropouts = [
+      nn.Dropout(rate, name=f'dropout_{i}')
+      for i, rate in enumerate(self.dropout)
+    ]
 
   def _dropout(self, x, i: int, train: bool):
     if i >= len(self.dropout) or not self.dropout[i]:
@@ -250,6 +301,7 @@ class CharLSTM(nn.Module):
   (``keep_last_real``). Exact where PAD inputs only trail a row, as in every
   text data set's rows here; a real position's output never changes.
   """
+
   num_classes: int  # vocabulary size
   embed_dim: int = 8
   hidden: int = 128
@@ -258,17 +310,31 @@ class CharLSTM(nn.Module):
   convention: str = 'flax'
   projection: int = 0  # width of a linear layer before the output (0: none)
   tanh_after_lstm: bool = False  # FedJAX's models: tanh(h) of every LSTM layer
-  mask_pad: bool = False  # Keras's mask_zero=True: PAD inputs repeat the last real output
+  mask_pad: bool = (
+    False  # Keras's mask_zero=True: PAD inputs repeat the last real output
+  )
 
   def setup(self):
-    self.embed = nn.Embed(self.num_classes, self.embed_dim,
-                          embedding_init=initializers.embedding_init(self.convention))
-    cell = (lambda: nn.OptimizedLSTMCell(self.hidden)) if self.convention == 'flax' else (
-        lambda: LSTMCell(self.hidden, convention=self.convention))
-    self.lstms = [nn.RNN(cell(), name=f'lstm_{i}') for i in range(self.num_layers)]
+    self.embed = nn.Embed(
+      self.num_classes,
+      self.embed_dim,
+      embedding_init=initializers.embedding_init(self.convention),
+    )
+    cell = (
+      (lambda: nn.OptimizedLSTMCell(self.hidden))
+      if self.convention == 'flax'
+      else (lambda: LSTMCell(self.hidden, convention=self.convention))
+    )
+    self.lstms = [
+      nn.RNN(cell(), name=f'lstm_{i}') for i in range(self.num_layers)
+    ]
     if self.adapter_dim:
-      self.adapters = [Adapter(self.adapter_dim, convention=self.convention, name=f'adapter_{i}')
-                       for i in range(self.num_layers)]
+      self.adapters = [
+        Adapter(
+          self.adapter_dim, convention=self.convention, name=f'adapter_{i}'
+        )
+        for i in range(self.num_layers)
+      ]
     if self.projection:
       self.project = Dense(self.projection, convention=self.convention)
     self.output = Dense(self.num_classes, convention=self.convention)
@@ -279,8 +345,11 @@ class CharLSTM(nn.Module):
     for i, lstm in enumerate(self.lstms):
       # Initialisation draws the cell's parameters through nn.RNN; applying
       # runs them over the sequence in large matmuls (recurrent.lstm_sequence).
-      h = (lstm(h) if self.is_initializing() else
-           lstm_sequence(h, *cell_kernels(lstm.variables['params']['cell'])))
+      h = (
+        lstm(h)
+        if self.is_initializing()
+        else lstm_sequence(h, *cell_kernels(lstm.variables['params']['cell']))
+      )
       if self.mask_pad:
         h = keep_last_real(h, real)
       if self.tanh_after_lstm:

@@ -42,8 +42,16 @@ import jax.numpy as jnp
 
 from fedjax_personal.errors import ConfigError
 
-__all__ = ['bias_init', 'check', 'describe', 'embedding_init', 'GATES', 'INITS', 'kernel_init',
-           'lstm_params']
+__all__ = [
+  'bias_init',
+  'check',
+  'describe',
+  'embedding_init',
+  'GATES',
+  'INITS',
+  'kernel_init',
+  'lstm_params',
+]
 
 
 INITS = ('flax', 'pytorch', 'keras', 'haiku')
@@ -62,13 +70,17 @@ def check(init: str) -> str:
     ``init``.
   """
   if init not in INITS:
-    raise ConfigError('model_init', f'unknown initialisation {init!r}; choose one of {list(INITS)}')
+    raise ConfigError(
+      'model_init',
+      f'unknown initialisation {init!r}; choose one of {list(INITS)}',
+    )
   return init
 
 
 def _uniform(bound):
   def draw(key, shape, dtype=jnp.float32):
     return jax.random.uniform(key, shape, dtype, -bound, bound)
+
   return draw
 
 
@@ -98,8 +110,12 @@ def kernel_init(init: str):
   """
   check(init)
   if init == 'haiku':
+
     def draw(key, shape, dtype=jnp.float32):
-      return _haiku_truncated_normal(key, shape, 1 / fans(shape)[0] ** 0.5, dtype)
+      return _haiku_truncated_normal(
+        key, shape, 1 / fans(shape)[0] ** 0.5, dtype
+      )
+
     return draw
   if init == 'flax':
     return jax.nn.initializers.lecun_normal()
@@ -121,7 +137,7 @@ def bias_init(init: str, fan_in: int):
   """
   check(init)
   if init == 'pytorch':
-    return _uniform(1 / fan_in ** 0.5 if fan_in > 0 else 0.0)
+    return _uniform(1 / fan_in**0.5 if fan_in > 0 else 0.0)
   return jax.nn.initializers.zeros
 
 
@@ -140,11 +156,17 @@ def embedding_init(init: str):
   if init == 'keras':
     return _uniform(KERAS_EMBEDDING_LIMIT)
   if init == 'haiku':
-    return lambda key, shape, dtype=jnp.float32: _haiku_truncated_normal(key, shape, 1.0, dtype)
-  return jax.nn.initializers.variance_scaling(1.0, 'fan_in', 'normal', out_axis=0)
+    return lambda key, shape, dtype=jnp.float32: _haiku_truncated_normal(
+      key, shape, 1.0, dtype
+    )
+  return jax.nn.initializers.variance_scaling(
+    1.0, 'fan_in', 'normal', out_axis=0
+  )
 
 
-def lstm_params(init: str, key: jax.Array, in_features: int, hidden: int) -> Dict[str, dict]:
+def lstm_params(
+  init: str, key: jax.Array, in_features: int, hidden: int
+) -> Dict[str, dict]:
   """One LSTM layer's parameters drawn jointly, in the layout of Flax's
   ``OptimizedLSTMCell``: ``{'ii': {'kernel': [in, H]}, ..., 'hi': {'kernel':
   [H, H], 'bias': [H]}, ...}`` for the gates i, f, g, o.
@@ -167,22 +189,34 @@ def lstm_params(init: str, key: jax.Array, in_features: int, hidden: int) -> Dic
   k_in, k_rec, k_b1, k_b2 = jax.random.split(key, 4)
   h4 = 4 * hidden
   if init == 'pytorch':
-    u = _uniform(1 / hidden ** 0.5)
+    u = _uniform(1 / hidden**0.5)
     w_in, w_rec = u(k_in, (in_features, h4)), u(k_rec, (hidden, h4))
     bias = u(k_b1, (h4,)) + u(k_b2, (h4,))
   elif init == 'keras':
     w_in = jax.nn.initializers.glorot_uniform()(k_in, (in_features, h4))
     w_rec = jax.nn.initializers.orthogonal()(k_rec, (hidden, h4))
-    bias = jnp.zeros(h4).at[hidden:2 * hidden].set(1.0)
+    bias = jnp.zeros(h4).at[hidden : 2 * hidden].set(1.0)
   elif init == 'haiku':
-    w = _haiku_truncated_normal(k_in, (in_features + hidden, h4), 1 / (in_features + hidden) ** 0.5)
+    w = _haiku_truncated_normal(
+      k_in, (in_features + hidden, h4), 1 / (in_features + hidden) ** 0.5
+    )
     w_in, w_rec = w[:in_features], w[in_features:]
-    bias = jnp.zeros(h4).at[hidden:2 * hidden].set(1.0)
+    bias = jnp.zeros(h4).at[hidden : 2 * hidden].set(1.0)
   else:
-    w_in = jnp.concatenate([jax.nn.initializers.lecun_normal()(k, (in_features, hidden))
-                            for k in jax.random.split(k_in, 4)], -1)
-    w_rec = jnp.concatenate([jax.nn.initializers.orthogonal()(k, (hidden, hidden))
-                             for k in jax.random.split(k_rec, 4)], -1)
+    w_in = jnp.concatenate(
+      [
+        jax.nn.initializers.lecun_normal()(k, (in_features, hidden))
+        for k in jax.random.split(k_in, 4)
+      ],
+      -1,
+    )
+    w_rec = jnp.concatenate(
+      [
+        jax.nn.initializers.orthogonal()(k, (hidden, hidden))
+        for k in jax.random.split(k_rec, 4)
+      ],
+      -1,
+    )
     bias = jnp.zeros(h4)
   out = {}
   for g, name in enumerate(GATES):
@@ -195,8 +229,10 @@ def lstm_params(init: str, key: jax.Array, in_features: int, hidden: int) -> Dic
 @functools.lru_cache(maxsize=None)
 def describe(init: str) -> str:
   """One line naming the convention's kernel and bias rule."""
-  return {'flax': 'Flax defaults (LeCun normal kernels, zero biases)',
-          'pytorch': 'PyTorch defaults (U(+-1/sqrt(fan_in)) kernels and biases)',
-          'keras': 'Keras defaults (Glorot uniform kernels, zero biases)',
-          'haiku': 'Haiku defaults (truncated normal kernels of scale 1/sqrt(fan_in), zero '
-                   'biases)'}[check(init)]
+  return {
+    'flax': 'Flax defaults (LeCun normal kernels, zero biases)',
+    'pytorch': 'PyTorch defaults (U(+-1/sqrt(fan_in)) kernels and biases)',
+    'keras': 'Keras defaults (Glorot uniform kernels, zero biases)',
+    'haiku': 'Haiku defaults (truncated normal kernels of scale 1/sqrt(fan_in), zero '
+    'biases)',
+  }[check(init)]

@@ -24,8 +24,15 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ['InputTransform', 'per_image_standardization', 'centre_crop', 'random_crop_flip',
-           'reddi_cifar100', 'TRANSFORMS', 'with_inputs']
+__all__ = [
+  'InputTransform',
+  'per_image_standardization',
+  'centre_crop',
+  'random_crop_flip',
+  'reddi_cifar100',
+  'TRANSFORMS',
+  'with_inputs',
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +45,7 @@ class InputTransform:
     evaluate: ``x [B, ...] -> x'``, every other batch's.
     description: what it does, in words (the header).
   """
+
   name: str
   train: Callable
   evaluate: Callable
@@ -78,7 +86,7 @@ def centre_crop(x, height: int, width: int):
     The crops.
   """
   top, left = (x.shape[1] - height) // 2, (x.shape[2] - width) // 2
-  return x[:, top:top + height, left:left + width]
+  return x[:, top : top + height, left : left + width]
 
 
 def random_crop_flip(key, x, height: int, width: int):
@@ -101,7 +109,9 @@ def random_crop_flip(key, x, height: int, width: int):
   k_top, k_left, k_flip = jax.random.split(key, 3)
   top = jax.random.randint(k_top, (), 0, x.shape[1] - height + 1)
   left = jax.random.randint(k_left, (), 0, x.shape[2] - width + 1)
-  out = jax.lax.dynamic_slice(x, (0, top, left, 0), (x.shape[0], height, width, x.shape[3]))
+  out = jax.lax.dynamic_slice(
+    x, (0, top, left, 0), (x.shape[0], height, width, x.shape[3])
+  )
   flip = jax.random.bernoulli(k_flip, shape=(x.shape[0],))
   return jnp.where(flip[:, None, None, None], out[:, :, ::-1], out)
 
@@ -116,15 +126,18 @@ def reddi_cifar100(crop: int = 24) -> InputTransform:
     The ``InputTransform``.
   """
   return InputTransform(
-      name='reddi',
-      train=lambda key, x: per_image_standardization(
-          random_crop_flip(key, x.astype(jnp.float32), crop, crop)),
-      evaluate=lambda x: per_image_standardization(centre_crop(x.astype(jnp.float32), crop,
-                                                               crop)),
-      description=f'a random {crop}x{crop} crop of each training batch and left-right flips of '
-                  f'its images, the '
-                  f'central {crop}x{crop} of the others, each standardized '
-                  '(tf.image.per_image_standardization): Reddi et al.\'s CIFAR-100 task')
+    name='reddi',
+    train=lambda key, x: per_image_standardization(
+      random_crop_flip(key, x.astype(jnp.float32), crop, crop)
+    ),
+    evaluate=lambda x: per_image_standardization(
+      centre_crop(x.astype(jnp.float32), crop, crop)
+    ),
+    description=f'a random {crop}x{crop} crop of each training batch and left-right flips of '
+    f'its images, the '
+    f'central {crop}x{crop} of the others, each standardized '
+    "(tf.image.per_image_standardization): Reddi et al.'s CIFAR-100 task",
+  )
 
 
 #: ``--cifar100_preprocess`` name -> its transform (``none``: the images as
@@ -151,7 +164,11 @@ def with_inputs(model, transform: InputTransform):
   Returns:
     The wrapped ``Model``.
   """
-  inner, inner_train, inner_state = model.apply, model.train_apply, model.train_state
+  inner, inner_train, inner_state = (
+    model.apply,
+    model.train_apply,
+    model.train_state,
+  )
 
   def train_apply(params, x, key):
     x = transform.train(key, x)
@@ -160,8 +177,17 @@ def with_inputs(model, transform: InputTransform):
     return inner_train(params, x, jax.random.fold_in(key, MODEL_DRAWS))
 
   def train_state(params, x, key, mask):
-    return inner_state(params, transform.train(key, x), jax.random.fold_in(key, MODEL_DRAWS), mask)
+    return inner_state(
+      params,
+      transform.train(key, x),
+      jax.random.fold_in(key, MODEL_DRAWS),
+      mask,
+    )
+
   return dataclasses.replace(
-      model, apply=lambda params, x: inner(params, transform.evaluate(x)),
-      train_apply=train_apply, train_state=None if inner_state is None else train_state,
-      inputs=transform)
+    model,
+    apply=lambda params, x: inner(params, transform.evaluate(x)),
+    train_apply=train_apply,
+    train_state=None if inner_state is None else train_state,
+    inputs=transform,
+  )

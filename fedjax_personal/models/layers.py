@@ -19,11 +19,27 @@ import jax.numpy as jnp
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import initializers
 
-
-__all__ = ['Adapter', 'as_float', 'avg_pool_2x2', 'batch_chunk', 'Conv', 'conv_as_matmul',
-           'CONV_IMPLS', 'conv_layout', 'Dense', 'from_layout', 'LSTMCell', 'max_pool',
-           'max_pool_2x2', 'pool_2x2', 'resolve_conv_impl', 'tile_budget', 'TILE_BYTES',
-           'TILE_MIN_BYTES', 'to_layout']
+__all__ = [
+  'Adapter',
+  'as_float',
+  'avg_pool_2x2',
+  'batch_chunk',
+  'Conv',
+  'conv_as_matmul',
+  'CONV_IMPLS',
+  'conv_layout',
+  'Dense',
+  'from_layout',
+  'LSTMCell',
+  'max_pool',
+  'max_pool_2x2',
+  'pool_2x2',
+  'resolve_conv_impl',
+  'tile_budget',
+  'TILE_BYTES',
+  'TILE_MIN_BYTES',
+  'to_layout',
+]
 
 
 def as_float(x):
@@ -70,8 +86,11 @@ def resolve_conv_impl(impl: str) -> str:
     The concrete implementation.
   """
   if impl not in CONV_IMPLS:
-    raise ConfigError('conv_impl', f'unknown convolution implementation {impl!r}; '
-                      f'choose one of {list(CONV_IMPLS)}')
+    raise ConfigError(
+      'conv_impl',
+      f'unknown convolution implementation {impl!r}; '
+      f'choose one of {list(CONV_IMPLS)}',
+    )
   if impl == 'auto':
     return 'tiled' if jax.default_backend() == 'cpu' else 'matmul'
   return impl
@@ -101,15 +120,22 @@ def _conv_pads(x_shape, kernel_shape, padding, layout: str, strides=(1, 1)):
   size = (x_shape[hx], x_shape[wx])
   if isinstance(padding, str):
     if padding not in ('SAME', 'VALID'):
-      raise ValueError(f'padding must be SAME, VALID or explicit pairs, got {padding!r}')
+      raise ValueError(
+        f'padding must be SAME, VALID or explicit pairs, got {padding!r}'
+      )
     pads = jax.lax.padtype_to_pads(size, (kh, kw), tuple(strides), padding)
   else:
     pads = [(int(p[0]), int(p[1])) for p in padding]
-  out = tuple((n + lo + hi - k) // s + 1 for n, (lo, hi), k, s in zip(size, pads, (kh, kw), strides))
+  out = tuple(
+    (n + lo + hi - k) // s + 1
+    for n, (lo, hi), k, s in zip(size, pads, (kh, kw), strides)
+  )
   return tuple(tuple(p) for p in pads), out
 
 
-def tile_budget(x_shape, kernel_shape, padding, layout: str, strides=(1, 1)) -> int:
+def tile_budget(
+  x_shape, kernel_shape, padding, layout: str, strides=(1, 1)
+) -> int:
   """The ``tile_bytes`` a ``tiled`` convolution of this input and kernel
   uses: 0 (one slice matrix) when the batch's slice matrix is at most
   ``TILE_MIN_BYTES``, else ``TILE_BYTES``. 0 as well when ``TILE_BYTES`` is 0.
@@ -130,7 +156,9 @@ def tile_budget(x_shape, kernel_shape, padding, layout: str, strides=(1, 1)) -> 
   return TILE_BYTES if kh * kw * cin * ho * wo * b * 4 > TILE_MIN_BYTES else 0
 
 
-def batch_chunk(batch: int, bytes_per_example: int, budget: int = TILE_BYTES) -> int:
+def batch_chunk(
+  batch: int, bytes_per_example: int, budget: int = TILE_BYTES
+) -> int:
   """The largest divisor of ``batch`` whose chunk of ``bytes_per_example``
   each fits in ``budget`` bytes (at least 1).
 
@@ -183,8 +211,9 @@ def _pad_spatial(x, pads, layout: str, value=0.0):
   return jnp.pad(x, widths, constant_values=value)
 
 
-def conv_as_matmul(x, kernel, padding, layout: str = 'NHWC', tile_bytes: int = 0,
-                   strides=(1, 1)):
+def conv_as_matmul(
+  x, kernel, padding, layout: str = 'NHWC', tile_bytes: int = 0, strides=(1, 1)
+):
   """A 2-D convolution as one matmul over shifted (strided) slices.
 
   The kh*kw shifted windows of the (padded) input, taken every ``strides``
@@ -233,23 +262,42 @@ def conv_as_matmul(x, kernel, padding, layout: str = 'NHWC', tile_bytes: int = 0
     # gradient then adds 5 + 5 shifted copies instead of 25 in one kernel
     # (the CIFAR CNN's second layer, forward and backward: 37.8 -> 33.9 ms).
     cax = -1 if layout == 'NHWC' else 0
-    cols = jnp.concatenate([jax.lax.slice_in_dim(xc, j, j + (wo - 1) * sw + 1, sw, axis=wx)
-                            for j in range(kw)], axis=cax)
-    cols = jnp.concatenate([jax.lax.slice_in_dim(cols, i, i + (ho - 1) * sh + 1, sh, axis=hx)
-                            for i in range(kh)], axis=cax)
+    cols = jnp.concatenate(
+      [
+        jax.lax.slice_in_dim(xc, j, j + (wo - 1) * sw + 1, sw, axis=wx)
+        for j in range(kw)
+      ],
+      axis=cax,
+    )
+    cols = jnp.concatenate(
+      [
+        jax.lax.slice_in_dim(cols, i, i + (ho - 1) * sh + 1, sh, axis=hx)
+        for i in range(kh)
+      ],
+      axis=cax,
+    )
     if layout == 'NHWC':
       return cols @ k2
     n = xc.shape[1]
-    return (k2.T @ cols.reshape(kh * kw * cin, n * ho * wo)).reshape(cout, n, ho, wo)
+    return (k2.T @ cols.reshape(kh * kw * cin, n * ho * wo)).reshape(
+      cout, n, ho, wo
+    )
 
   b = x.shape[bx]
-  chunk = batch_chunk(b, kh * kw * cin * ho * wo * x.dtype.itemsize, tile_bytes) \
-      if tile_bytes else b
+  chunk = (
+    batch_chunk(b, kh * kw * cin * ho * wo * x.dtype.itemsize, tile_bytes)
+    if tile_bytes
+    else b
+  )
   if chunk == b:
     return chunk_out(x)
-  xs = jnp.moveaxis(x.reshape(x.shape[:bx] + (b // chunk, chunk) + x.shape[bx + 1:]), bx, 0)
-  ys = jnp.moveaxis(jax.lax.map(jax.checkpoint(chunk_out), xs), 0, bx)  # chunks, then chunk
-  return ys.reshape(ys.shape[:bx] + (b,) + ys.shape[bx + 2:])
+  xs = jnp.moveaxis(
+    x.reshape(x.shape[:bx] + (b // chunk, chunk) + x.shape[bx + 1 :]), bx, 0
+  )
+  ys = jnp.moveaxis(
+    jax.lax.map(jax.checkpoint(chunk_out), xs), 0, bx
+  )  # chunks, then chunk
+  return ys.reshape(ys.shape[:bx] + (b,) + ys.shape[bx + 2 :])
 
 
 class Conv(nn.Module):
@@ -265,6 +313,7 @@ class Conv(nn.Module):
   ``kernel_init`` a kernel initialiser of the model's own; ``padding``
   'SAME', 'VALID' or explicit pairs; ``use_bias`` False: no bias parameter
   (``nn.Conv``'s)."""
+
   features: int
   kernel_size: Sequence[int]
   padding: Any = 'SAME'
@@ -279,20 +328,35 @@ class Conv(nn.Module):
   def __call__(self, x):
     kh, kw = self.kernel_size
     cin = x.shape[-1] if self.layout == 'NHWC' else x.shape[0]
-    kernel = self.param('kernel', self.kernel_init or initializers.kernel_init(self.convention),
-                        (kh, kw, cin, self.features))
+    kernel = self.param(
+      'kernel',
+      self.kernel_init or initializers.kernel_init(self.convention),
+      (kh, kw, cin, self.features),
+    )
     impl = resolve_conv_impl(self.impl)
     strides = tuple(self.strides)
     if impl != 'xla':
-      tile = (tile_budget(x.shape, kernel.shape, self.padding, self.layout, strides)
-              if impl == 'tiled' else 0)
+      tile = (
+        tile_budget(x.shape, kernel.shape, self.padding, self.layout, strides)
+        if impl == 'tiled'
+        else 0
+      )
       y = conv_as_matmul(x, kernel, self.padding, self.layout, tile, strides)
     else:
-      y = jax.lax.conv_general_dilated(x, kernel, strides, self.padding,
-                                       dimension_numbers=(self.layout, 'HWIO', self.layout))
+      y = jax.lax.conv_general_dilated(
+        x,
+        kernel,
+        strides,
+        self.padding,
+        dimension_numbers=(self.layout, 'HWIO', self.layout),
+      )
     if not self.use_bias:
       return y
-    bias = self.param('bias', initializers.bias_init(self.convention, kh * kw * cin), (self.features,))
+    bias = self.param(
+      'bias',
+      initializers.bias_init(self.convention, kh * kw * cin),
+      (self.features,),
+    )
     return y + (bias if self.layout == 'NHWC' else bias[:, None, None, None])
 
 
@@ -310,7 +374,14 @@ def max_pool_2x2(x, impl: str = 'auto', layout: str = 'NHWC'):
   return max_pool(x, 2, 2, 0, impl, layout)
 
 
-def max_pool(x, window: int, stride: int, pad: int, impl: str = 'auto', layout: str = 'NHWC'):
+def max_pool(
+  x,
+  window: int,
+  stride: int,
+  pad: int,
+  impl: str = 'auto',
+  layout: str = 'NHWC',
+):
   """Max pooling of ``window`` x ``window`` every ``stride`` pixels (floor),
   the input padded by ``pad`` on every side (PyTorch's ``MaxPool2d(window,
   stride, pad)``; padding never wins). ``xla``: ``nn.max_pool``
@@ -356,7 +427,9 @@ def avg_pool_2x2(x, layout: str = 'NHWC'):
   hx, wx = _SPATIAL[layout]
   window = [1] * 4
   window[hx] = window[wx] = 2
-  return jax.lax.reduce_window(x, 0.0, jax.lax.add, window, window, 'VALID') * 0.25
+  return (
+    jax.lax.reduce_window(x, 0.0, jax.lax.add, window, window, 'VALID') * 0.25
+  )
 
 
 POOLS = ('max', 'avg')
@@ -391,10 +464,20 @@ def _strided_pool(x, spec):
   wo = (x.shape[wx] - window) // stride + 1
   # Rows first (whole contiguous rows), then columns: the order whose
   # gradient XLA:CPU runs fastest (3x faster than the reshape to 2x2 windows).
-  x = functools.reduce(jnp.maximum, [
-      jax.lax.slice_in_dim(x, i, i + (ho - 1) * stride + 1, stride, axis=hx) for i in range(window)])
-  return functools.reduce(jnp.maximum, [
-      jax.lax.slice_in_dim(x, j, j + (wo - 1) * stride + 1, stride, axis=wx) for j in range(window)])
+  x = functools.reduce(
+    jnp.maximum,
+    [
+      jax.lax.slice_in_dim(x, i, i + (ho - 1) * stride + 1, stride, axis=hx)
+      for i in range(window)
+    ],
+  )
+  return functools.reduce(
+    jnp.maximum,
+    [
+      jax.lax.slice_in_dim(x, j, j + (wo - 1) * stride + 1, stride, axis=wx)
+      for j in range(window)
+    ],
+  )
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
@@ -417,7 +500,9 @@ def _strided_max_pool(x, spec):
 @_strided_max_pool.defjvp
 def _strided_max_pool_jvp(spec, primals, tangents):
   (x,), (t,) = primals, tangents
-  return _strided_max_pool(x, spec), jax.jvp(lambda x: _strided_pool(x, spec), (x,), (t,))[1]
+  return _strided_max_pool(x, spec), jax.jvp(
+    lambda x: _strided_pool(x, spec), (x,), (t,)
+  )[1]
 
 
 class Dense(nn.Module):
@@ -427,6 +512,7 @@ class Dense(nn.Module):
   fan-in, which ``nn.Dense``'s ``bias_init`` is not given. ``zero_kernel``
   starts the kernel at 0 whatever the convention (an adapter's up
   projection)."""
+
   features: int
   convention: str = 'flax'
   zero_kernel: bool = False
@@ -434,9 +520,15 @@ class Dense(nn.Module):
   @nn.compact
   def __call__(self, x):
     fan_in = x.shape[-1]
-    k_init = jax.nn.initializers.zeros if self.zero_kernel else initializers.kernel_init(self.convention)
+    k_init = (
+      jax.nn.initializers.zeros
+      if self.zero_kernel
+      else initializers.kernel_init(self.convention)
+    )
     kernel = self.param('kernel', k_init, (fan_in, self.features))
-    bias = self.param('bias', initializers.bias_init(self.convention, fan_in), (self.features,))
+    bias = self.param(
+      'bias', initializers.bias_init(self.convention, fan_in), (self.features,)
+    )
     y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
     return y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
 
@@ -445,19 +537,23 @@ class Adapter(nn.Module):
   """A residual adapter h + W2 relu(W1 h) (Houlsby et al. 2019), W2 zero at
   init in every convention, so that a model with adapters starts as the
   model without them."""
+
   dim: int
   convention: str = 'flax'
 
   @nn.compact
   def __call__(self, h):
     z = nn.relu(Dense(self.dim, convention=self.convention, name='down')(h))
-    return h + Dense(h.shape[-1], convention=self.convention, zero_kernel=True, name='up')(z)
+    return h + Dense(
+      h.shape[-1], convention=self.convention, zero_kernel=True, name='up'
+    )(z)
 
 
 class _Given(nn.Module):
   """Parameters of the given ``shapes`` whose initial values are given
   (drawn jointly by the parent); ``values`` is None outside initialisation
   (Flax still evaluates an initialiser's shape then)."""
+
   shapes: Any
   values: Optional[dict] = None
 
@@ -465,7 +561,10 @@ class _Given(nn.Module):
   def __call__(self):
     def init(key, k):
       del key
-      return self.values[k] if self.values is not None else jnp.zeros(self.shapes[k])
+      return (
+        self.values[k] if self.values is not None else jnp.zeros(self.shapes[k])
+      )
+
     return {k: self.param(k, init, k) for k in self.shapes}
 
 
@@ -475,6 +574,7 @@ class LSTMCell(nn.OptimizedLSTMCell):
   initial parameters drawn by the convention ``convention``
   (``initializers.lstm_params``: one draw of the whole kernels, split by
   gate). With ``convention='flax'`` use ``nn.OptimizedLSTMCell`` itself."""
+
   convention: str = 'flax'
 
   @nn.compact
@@ -482,23 +582,27 @@ class LSTMCell(nn.OptimizedLSTMCell):
     c, h = carry
     drawn = None
     if self.is_initializing():
-      drawn = initializers.lstm_params(self.convention, self.make_rng('params'), inputs.shape[-1],
-                                       h.shape[-1])
+      drawn = initializers.lstm_params(
+        self.convention, self.make_rng('params'), inputs.shape[-1], h.shape[-1]
+      )
     d_in, hidden = inputs.shape[-1], h.shape[-1]
     p = {}
     for g in initializers.GATES:
-      for kind, shapes in (('i', {'kernel': (d_in, hidden)}),
-                           ('h', {'kernel': (hidden, hidden), 'bias': (hidden,)})):
+      for kind, shapes in (
+        ('i', {'kernel': (d_in, hidden)}),
+        ('h', {'kernel': (hidden, hidden), 'bias': (hidden,)}),
+      ):
         name = f'{kind}{g}'
         p[name] = _Given(shapes, drawn[name] if drawn else None, name=name)()
-    w_in = jnp.concatenate([p[f'i{g}']['kernel'] for g in initializers.GATES], -1)
-    w_rec = jnp.concatenate([p[f'h{g}']['kernel'] for g in initializers.GATES], -1)
+    w_in = jnp.concatenate(
+      [p[f'i{g}']['kernel'] for g in initializers.GATES], -1
+    )
+    w_rec = jnp.concatenate(
+      [p[f'h{g}']['kernel'] for g in initializers.GATES], -1
+    )
     bias = jnp.concatenate([p[f'h{g}']['bias'] for g in initializers.GATES], -1)
     z = jnp.dot(inputs, w_in) + jnp.dot(h, w_rec) + bias
     zi, zf, zg, zo = jnp.split(z, 4, axis=-1)
     new_c = self.gate_fn(zf) * c + self.gate_fn(zi) * self.activation_fn(zg)
     new_h = self.gate_fn(zo) * self.activation_fn(new_c)
     return (new_c, new_h), new_h
-
-
-

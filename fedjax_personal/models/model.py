@@ -65,6 +65,7 @@ class Model:
       batch statistics over the real examples (``mask``) only; None for a
       stateless one.
   """
+
   name: str
   init: Callable[[jax.Array], Any]
   apply: Callable[[Any, Any], Any]
@@ -80,8 +81,9 @@ class Model:
   loss_denominator: str = 'targets'
   collections: Tuple[str, ...] = ()
   train_arg: bool = False
-  train_state: Optional[Callable[[Any, jax.Array, jax.Array, jax.Array],
-                                 Tuple[jax.Array, Any]]] = None
+  train_state: Optional[
+    Callable[[Any, jax.Array, jax.Array, jax.Array], Tuple[jax.Array, Any]]
+  ] = None
 
   @property
   def evaluate_kwargs(self) -> dict:
@@ -163,22 +165,37 @@ class Model:
     """
     if self.matmul_precision == name:
       return self
-    train_apply = (None if self.train_apply is None
-                   else numerics.scoped(self.train_apply, name))
-    train_state = (None if self.train_state is None
-                   else numerics.scoped(self.train_state, name))
-    return dataclasses.replace(self, apply=numerics.scoped(self.apply, name),
-                               train_apply=train_apply, train_state=train_state,
-                               matmul_precision=name)
+    train_apply = (
+      None
+      if self.train_apply is None
+      else numerics.scoped(self.train_apply, name)
+    )
+    train_state = (
+      None
+      if self.train_state is None
+      else numerics.scoped(self.train_state, name)
+    )
+    return dataclasses.replace(
+      self,
+      apply=numerics.scoped(self.apply, name),
+      train_apply=train_apply,
+      train_state=train_state,
+      matmul_precision=name,
+    )
 
-  def scoring_only_words(self, ids, top_k: int = 5, unpredicted=(),
-                         definition: str = '') -> 'Model':
+  def scoring_only_words(
+    self, ids, top_k: int = 5, unpredicted=(), definition: str = ''
+  ) -> 'Model':
     """This model with accuracy over the targets not in ``ids``, predictions
     never in ``unpredicted``, and the top-``top_k`` accuracy reported
     (next-word prediction); ``definition`` names it."""
-    return dataclasses.replace(self, unscored_targets=tuple(int(i) for i in ids), top_k=top_k,
-                               unpredicted=tuple(int(i) for i in unpredicted),
-                               accuracy_definition=definition)
+    return dataclasses.replace(
+      self,
+      unscored_targets=tuple(int(i) for i in ids),
+      top_k=top_k,
+      unpredicted=tuple(int(i) for i in unpredicted),
+      accuracy_definition=definition,
+    )
 
   def forward_only(self) -> 'Model':
     """This model for a forward pass alone, outside a loop (a pooled
@@ -195,7 +212,10 @@ class Model:
       The ``Model``.
     """
     module = self.module
-    if (getattr(module, 'conv_impl', None) != 'auto' or jax.default_backend() != 'cpu'):
+    if (
+      getattr(module, 'conv_impl', None) != 'auto'
+      or jax.default_backend() != 'cpu'
+    ):
       return self
     forward, transform = module.clone(conv_impl='xla'), self.inputs
     variables, kw = self.variables, ({'train': False} if self.train_arg else {})
@@ -204,6 +224,7 @@ class Model:
       if transform is not None:
         x = transform.evaluate(x)
       return forward.apply(variables(params), x, **kw)
+
     if self.matmul_precision is not None:
       apply = numerics.scoped(apply, self.matmul_precision)
     return dataclasses.replace(self, apply=apply, module=forward)
@@ -241,15 +262,23 @@ def _batch_norm_mask(mask):
   module whose class says ``masks_examples``) of a training forward pass the
   batch's real examples as its ``mask``: a padded row never
   enters the batch statistics (PyTorch's last, smaller batch)."""
+
   def interceptor(next_fun, args, kwargs, context):
-    if ((isinstance(context.module, nn.BatchNorm)
-         or getattr(type(context.module), 'masks_examples', False))
-        and context.method_name == '__call__'
-        and kwargs.get('mask') is None and args and jnp.ndim(args[0]) >= 1
-        and jnp.shape(args[0])[0] == mask.shape[0]):
+    if (
+      (
+        isinstance(context.module, nn.BatchNorm)
+        or getattr(type(context.module), 'masks_examples', False)
+      )
+      and context.method_name == '__call__'
+      and kwargs.get('mask') is None
+      and args
+      and jnp.ndim(args[0]) >= 1
+      and jnp.shape(args[0])[0] == mask.shape[0]
+    ):
       x = args[0]
       kwargs = {**kwargs, 'mask': mask.reshape((-1,) + (1,) * (x.ndim - 1))}
     return next_fun(*args, **kwargs)
+
   return interceptor
 
 
@@ -276,28 +305,51 @@ def from_flax(name: str, module: nn.Module, sample_x) -> Model:
   sample_x = jnp.asarray(sample_x)[:1]
   train_arg = takes_train(module)
   evaluate: Dict[str, Any] = {'train': False} if train_arg else {}
-  made = jax.eval_shape(lambda k: module.init(k, sample_x, **evaluate), jax.random.key(0))
+  made = jax.eval_shape(
+    lambda k: module.init(k, sample_x, **evaluate), jax.random.key(0)
+  )
   collections = tuple(sorted(c for c in made if c not in _NOT_STATE))
   if collections and not train_arg:
-    raise ConfigError('model', f'model {name!r} has mutable collections {list(collections)} but '
-                      "its __call__ takes no train argument: give it one (Flax's convention, "
-                      'nn.BatchNorm(use_running_average=not train))')
+    raise ConfigError(
+      'model',
+      f'model {name!r} has mutable collections {list(collections)} but '
+      "its __call__ takes no train argument: give it one (Flax's convention, "
+      'nn.BatchNorm(use_running_average=not train))',
+    )
   if collections:
     keep = ('params',) + collections
-    init = lambda key: {c: v for c, v in module.init(key, sample_x, **evaluate).items()
-                        if c in keep}
+    init = lambda key: {
+      c: v
+      for c, v in module.init(key, sample_x, **evaluate).items()
+      if c in keep
+    }
     apply = lambda params, x: module.apply(params, x, train=False)
   else:
     init = lambda key: module.init(key, sample_x, **evaluate)['params']
     apply = lambda params, x: module.apply({'params': params}, x, **evaluate)
+
   def train_apply(params, x, key):
-    return module.apply({'params': params}, x, train=True, rngs={DROPOUT_RNG: key})
+    return module.apply(
+      {'params': params}, x, train=True, rngs={DROPOUT_RNG: key}
+    )
 
   def train_state(params, x, key, mask):
     with nn.intercept_methods(_batch_norm_mask(mask)):
-      return module.apply(params, x, train=True, rngs={DROPOUT_RNG: key},
-                          mutable=list(collections))
-  return Model(name=name, init=init, apply=apply, module=module,
-               train_apply=train_apply if train_arg and not collections else None,
-               collections=collections, train_arg=train_arg,
-               train_state=train_state if collections else None)
+      return module.apply(
+        params,
+        x,
+        train=True,
+        rngs={DROPOUT_RNG: key},
+        mutable=list(collections),
+      )
+
+  return Model(
+    name=name,
+    init=init,
+    apply=apply,
+    module=module,
+    train_apply=train_apply if train_arg and not collections else None,
+    collections=collections,
+    train_arg=train_arg,
+    train_state=train_state if collections else None,
+  )

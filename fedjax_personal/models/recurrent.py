@@ -37,7 +37,12 @@ def _lstm_forward(x, w_in, w_rec, bias):
     new_c = f * c + i * g
     tanh_c = jnp.tanh(new_c)
     new_h = o * tanh_c
-    return (new_c, new_h), (new_h, new_c, jnp.concatenate([i, f, g, o], -1), tanh_c)
+    return (new_c, new_h), (
+      new_h,
+      new_c,
+      jnp.concatenate([i, f, g, o], -1),
+      tanh_c,
+    )
 
   zero = jnp.zeros((batch, hidden), zx.dtype)
   return jax.lax.scan(step, (zero, zero), zx)[1]
@@ -79,7 +84,9 @@ def _lstm_sequence_fwd(x, w_in, w_rec, bias):
 def _lstm_sequence_bwd(res, dh_out):
   x, w_in, w_rec, hs, cs, gates, tanh_cs = res
   steps, batch, hidden = hs.shape
-  before = lambda a: jnp.concatenate([jnp.zeros_like(a[:1]), a[:-1]], 0)  # state at t - 1
+  before = lambda a: jnp.concatenate(
+    [jnp.zeros_like(a[:1]), a[:-1]], 0
+  )  # state at t - 1
 
   def step(carry, inputs):
     dh_next, dc_next = carry
@@ -87,13 +94,24 @@ def _lstm_sequence_bwd(res, dh_out):
     i, f, g, o = jnp.split(gate, 4, axis=-1)
     dh = dh_t + dh_next
     dc = dc_next + dh * o * (1 - tanh_c * tanh_c)
-    dz = jnp.concatenate([dc * g * i * (1 - i), dc * c_prev * f * (1 - f),
-                          dc * i * (1 - g * g), dh * tanh_c * o * (1 - o)], -1)
+    dz = jnp.concatenate(
+      [
+        dc * g * i * (1 - i),
+        dc * c_prev * f * (1 - f),
+        dc * i * (1 - g * g),
+        dh * tanh_c * o * (1 - o),
+      ],
+      -1,
+    )
     return (jnp.dot(dz, w_rec.T), dc * f), dz
 
   zero = jnp.zeros((batch, hidden), hs.dtype)
-  _, dz = jax.lax.scan(step, (zero, zero), (jnp.swapaxes(dh_out, 0, 1), gates, tanh_cs, before(cs)),
-                       reverse=True)
+  _, dz = jax.lax.scan(
+    step,
+    (zero, zero),
+    (jnp.swapaxes(dh_out, 0, 1), gates, tanh_cs, before(cs)),
+    reverse=True,
+  )
   flat = dz.reshape(steps * batch, -1)
   d_rec = jnp.dot(before(hs).reshape(steps * batch, hidden).T, flat)
   dz = jnp.swapaxes(dz, 0, 1)
@@ -114,6 +132,7 @@ def cell_kernels(cell_params) -> tuple:
   Returns:
     The three arrays.
   """
-  cat = lambda kind, leaf: jnp.concatenate([cell_params[f'{kind}{g}'][leaf]
-                                            for g in initializers.GATES], -1)
+  cat = lambda kind, leaf: jnp.concatenate(
+    [cell_params[f'{kind}{g}'][leaf] for g in initializers.GATES], -1
+  )
   return cat('i', 'kernel'), cat('h', 'kernel'), cat('h', 'bias')

@@ -11,131 +11,282 @@ import flax.linen as nn
 
 from fedjax_personal.errors import caller_file
 from fedjax_personal.hparams import Declared
-from fedjax_personal.models.architectures import CNN, CharLSTM, LeNet5, LogisticRegression, MLP
+from fedjax_personal.models.architectures import (
+  CNN,
+  MLP,
+  CharLSTM,
+  LeNet5,
+  LogisticRegression,
+)
 from fedjax_personal.models.model import Model
 from fedjax_personal.models.resnet_bn import ResNetBN
 from fedjax_personal.models.seed_models import ResNetGN, TransformerLM
 
-__all__ = ['LOSS_DENOMINATORS', 'model_names', 'ModelBuilder', 'ModelOptions', 'MODELS',
-           'NoModelOptions', 'option_classes', 'options_class', 'REFERENCE', 'register',
-           'REGISTERED', 'RegisteredModel']
+__all__ = [
+  'LOSS_DENOMINATORS',
+  'model_names',
+  'ModelBuilder',
+  'ModelOptions',
+  'MODELS',
+  'NoModelOptions',
+  'option_classes',
+  'options_class',
+  'REFERENCE',
+  'register',
+  'REGISTERED',
+  'RegisteredModel',
+]
 
 
 # name -> (num_classes, adapter_dim, conv_impl, init) -> module.
 MODELS = {
-    'logreg': lambda c, a, k, i: LogisticRegression(c, convention=i),
-    'mlp': lambda c, a, k, i: MLP(c, adapter_dim=a, convention=i),
-    'lenet5': lambda c, a, k, i: LeNet5(c, adapter_dim=a, conv_impl=k, convention=i),
-    'cnn': lambda c, a, k, i: CNN(c, adapter_dim=a, conv_impl=k, convention=i),
-    'cnn_cifar': lambda c, a, k, i: CNN(c, conv_features=(64, 64), dense=(384, 192),
-                                        adapter_dim=a, conv_impl=k, convention=i),
-    'char_lstm': lambda c, a, k, i: CharLSTM(c, adapter_dim=a, convention=i),
-    'lstm_lm': lambda c, a, k, i: CharLSTM(c, embed_dim=96, hidden=670, num_layers=1,
-                                           projection=96, adapter_dim=a, convention=i,
-                                           mask_pad=True),
-    'reddi_char_lstm': lambda c, a, k, i: CharLSTM(c, embed_dim=8, hidden=256, num_layers=2,
-                                                   adapter_dim=a, convention=i, mask_pad=True),
-    # FedJAX's own language models (its create_lstm_model of each data set).
-    'fedjax_lstm_lm': lambda c, a, k, i: CharLSTM(c, embed_dim=96, hidden=670, num_layers=1,
-                                                  projection=96, adapter_dim=a, convention=i,
-                                                  tanh_after_lstm=True),
-    'fedjax_char_lstm': lambda c, a, k, i: CharLSTM(c, embed_dim=8, hidden=256, num_layers=2,
-                                                    adapter_dim=a, convention=i,
-                                                    tanh_after_lstm=True),
-    # The seeds' own models, as their code builds them.
-    'usercentric_lenet5': lambda c, a, k, i: LeNet5(c, adapter_dim=a, conv_impl=k, convention=i,
-                                                    pool='avg'),
-    'feddyn_cnn': lambda c, a, k, i: CNN(c, conv_features=(64, 64), dense=(384, 192),
-                                         adapter_dim=a, conv_impl=k, convention=i, padding='VALID'),
-    'fedfomo_cnn': lambda c, a, k, i: CNN(c, conv_features=(32, 64, 64), dense=(64,),
-                                          adapter_dim=a, conv_impl=k, convention=i, padding='VALID',
-                                          kernel=3, pooled=(True, True, False)),
-    'pfedme_cnn': lambda c, a, k, i: CNN(c, conv_features=(6, 16), dense=(120, 84),
-                                         adapter_dim=a, conv_impl=k, convention=i, padding='VALID'),
-    # The partial-personalization seed's models (Pillutla et al., arXiv 2204.03809).
-    'transformer_lm': lambda c, a, k, i: TransformerLM(c, 'mini', adapter_dim=a, convention=i),
-    'transformer_lm_tied': lambda c, a, k, i: TransformerLM(c, 'mini', adapter_dim=a, tied=True,
-                                                            convention=i),
-    'transformer_lm_tiny': lambda c, a, k, i: TransformerLM(c, 'tiny', adapter_dim=a,
-                                                            convention=i),
-    'resnet18_gn': lambda c, a, k, i: ResNetGN(c, adapter_dim=a, convention=i, conv_impl=k),
-    'gldv2_resnet18_gn': lambda c, a, k, i: ResNetGN(c, adapter_dim=a, large_stem=True,
-                                                     convention=i, conv_impl=k),
-    'reddi_resnet18_gn': lambda c, a, k, i: ResNetGN(c, adapter_dim=a, groups=2, large_stem=True,
-                                                     convention=i, conv_impl=k),
-    # Reddi et al.'s EMNIST model (the field's standard task).
-    'reddi_emnist_cnn': lambda c, a, k, i: CNN(c, conv_features=(32, 64), dense=(128,),
-                                               adapter_dim=a, conv_impl=k, convention=i,
-                                               padding='VALID', kernel=3, pooled=(False, True),
-                                               dropout=(0.25, 0.5)),
-    # torchvision's ResNet-18 with BatchNorm (PFLlib's default ResNet; FedBN's model).
-    'resnet18_bn': lambda c, a, k, i: ResNetBN(c, conv_impl=k),
-    # FedJAX's own EMNIST CNN (models.emnist.create_conv_model): the same layers.
-    'fedjax_emnist_cnn': lambda c, a, k, i: CNN(c, conv_features=(32, 64), dense=(128,),
-                                                adapter_dim=a, conv_impl=k, convention=i,
-                                                padding='VALID', kernel=3, pooled=(False, True),
-                                                dropout=(0.25, 0.5)),
+  'logreg': lambda c, a, k, i: LogisticRegression(c, convention=i),
+  'mlp': lambda c, a, k, i: MLP(c, adapter_dim=a, convention=i),
+  'lenet5': lambda c, a, k, i: LeNet5(
+    c, adapter_dim=a, conv_impl=k, convention=i
+  ),
+  'cnn': lambda c, a, k, i: CNN(c, adapter_dim=a, conv_impl=k, convention=i),
+  'cnn_cifar': lambda c, a, k, i: CNN(
+    c,
+    conv_features=(64, 64),
+    dense=(384, 192),
+    adapter_dim=a,
+    conv_impl=k,
+    convention=i,
+  ),
+  'char_lstm': lambda c, a, k, i: CharLSTM(c, adapter_dim=a, convention=i),
+  'lstm_lm': lambda c, a, k, i: CharLSTM(
+    c,
+    embed_dim=96,
+    hidden=670,
+    num_layers=1,
+    projection=96,
+    adapter_dim=a,
+    convention=i,
+    mask_pad=True,
+  ),
+  'reddi_char_lstm': lambda c, a, k, i: CharLSTM(
+    c,
+    embed_dim=8,
+    hidden=256,
+    num_layers=2,
+    adapter_dim=a,
+    convention=i,
+    mask_pad=True,
+  ),
+  # FedJAX's own language models (its create_lstm_model of each data set).
+  'fedjax_lstm_lm': lambda c, a, k, i: CharLSTM(
+    c,
+    embed_dim=96,
+    hidden=670,
+    num_layers=1,
+    projection=96,
+    adapter_dim=a,
+    convention=i,
+    tanh_after_lstm=True,
+  ),
+  'fedjax_char_lstm': lambda c, a, k, i: CharLSTM(
+    c,
+    embed_dim=8,
+    hidden=256,
+    num_layers=2,
+    adapter_dim=a,
+    convention=i,
+    tanh_after_lstm=True,
+  ),
+  # The seeds' own models, as their code builds them.
+  'usercentric_lenet5': lambda c, a, k, i: LeNet5(
+    c, adapter_dim=a, conv_impl=k, convention=i, pool='avg'
+  ),
+  'feddyn_cnn': lambda c, a, k, i: CNN(
+    c,
+    conv_features=(64, 64),
+    dense=(384, 192),
+    adapter_dim=a,
+    conv_impl=k,
+    convention=i,
+    padding='VALID',
+  ),
+  'fedfomo_cnn': lambda c, a, k, i: CNN(
+    c,
+    conv_features=(32, 64, 64),
+    dense=(64,),
+    adapter_dim=a,
+    conv_impl=k,
+    convention=i,
+    padding='VALID',
+    kernel=3,
+    pooled=(True, True, False),
+  ),
+  'pfedme_cnn': lambda c, a, k, i: CNN(
+    c,
+    conv_features=(6, 16),
+    dense=(120, 84),
+    adapter_dim=a,
+    conv_impl=k,
+    convention=i,
+    padding='VALID',
+  ),
+  # The partial-personalization seed's models (Pillutla et al., arXiv 2204.03809).
+  'transformer_lm': lambda c, a, k, i: TransformerLM(
+    c, 'mini', adapter_dim=a, convention=i
+  ),
+  'transformer_lm_tied': lambda c, a, k, i: TransformerLM(
+    c, 'mini', adapter_dim=a, tied=True, convention=i
+  ),
+  'transformer_lm_tiny': lambda c, a, k, i: TransformerLM(
+    c, 'tiny', adapter_dim=a, convention=i
+  ),
+  'resnet18_gn': lambda c, a, k, i: ResNetGN(
+    c, adapter_dim=a, convention=i, conv_impl=k
+  ),
+  'gldv2_resnet18_gn': lambda c, a, k, i: ResNetGN(
+    c, adapter_dim=a, large_stem=True, convention=i, conv_impl=k
+  ),
+  'reddi_resnet18_gn': lambda c, a, k, i: ResNetGN(
+    c, adapter_dim=a, groups=2, large_stem=True, convention=i, conv_impl=k
+  ),
+  # Reddi et al.'s EMNIST model (the field's standard task).
+  'reddi_emnist_cnn': lambda c, a, k, i: CNN(
+    c,
+    conv_features=(32, 64),
+    dense=(128,),
+    adapter_dim=a,
+    conv_impl=k,
+    convention=i,
+    padding='VALID',
+    kernel=3,
+    pooled=(False, True),
+    dropout=(0.25, 0.5),
+  ),
+  # torchvision's ResNet-18 with BatchNorm (PFLlib's default ResNet; FedBN's model).
+  'resnet18_bn': lambda c, a, k, i: ResNetBN(c, conv_impl=k),
+  # FedJAX's own EMNIST CNN (models.emnist.create_conv_model): the same layers.
+  'fedjax_emnist_cnn': lambda c, a, k, i: CNN(
+    c,
+    conv_features=(32, 64),
+    dense=(128,),
+    adapter_dim=a,
+    conv_impl=k,
+    convention=i,
+    padding='VALID',
+    kernel=3,
+    pooled=(False, True),
+    dropout=(0.25, 0.5),
+  ),
 }
 
 #: The seeds' reference models: whose code they come from, and the
 #: initialisation that code gets by default.
 REFERENCE = {
-    'usercentric_lenet5': ('user-centric FL (Mestoukirdi et al.): LeNet-5 with average pooling '
-                           '(Keras)', 'keras'),
-    'feddyn_cnn': ("FedDyn (Acar et al.), utils_models.py 'cifar10': conv 64@5x5 valid x2, "
-                   'max pool, dense 384-192 (PyTorch)', 'pytorch'),
-    'fedfomo_cnn': ("FedFomo (Zhang et al.), federated/network.py TFConvNet, the code's default "
-                    "--arch: conv 32, 64, 64 @3x3 valid, dense 64 (PyTorch)", 'pytorch'),
-    'reddi_emnist_cnn': ('Adaptive Federated Optimization (Reddi et al., arXiv 2003.00295), its '
-                         'EMNIST CNN as TFF builds it: conv 32, 64 @3x3 valid, max pool after the '
-                         'second, dense 128, dropout 0.25 after the pooling and 0.5 after the '
-                         'dense layer (Keras)', 'keras'),
-    'resnet18_bn': ("torchvision's resnet18 (PFLlib's -m resnet, on 32x32 images as they are): "
-                    '7x7 stride-2 stem, max pool, 4 stages of basic blocks, BatchNorm after '
-                    'every convolution (PyTorch\'s BatchNorm2d: momentum 0.1, unbiased running '
-                    'variance), Kaiming-normal fan-out convolutions (PyTorch)', 'pytorch'),
-    'fedjax_emnist_cnn': ("FedJAX 0.0.17's models.emnist.create_conv_model: conv 32, 64 @3x3 "
-                          'valid, max pool, dropout 0.25, dense 128, dropout 0.5 (Haiku)',
-                          'haiku'),
-    'reddi_char_lstm': ('Adaptive Federated Optimization (Reddi et al.), its Shakespeare '
-                        'next-character model as TFF builds it: embedding 8, two LSTM layers of '
-                        '256 (Keras)', 'keras'),
-    'lstm_lm': ('Adaptive Federated Optimization (Reddi et al.), its Stack Overflow next-word '
-                'LSTM as TFF builds it: embedding 96, LSTM 670, dense 96, output (Keras)', 'keras'),
-    'fedjax_lstm_lm': ("FedJAX 0.0.17's models.stackoverflow.create_lstm_model: embedding 96, "
-                       'LSTM 670, tanh, dense 96, output; its loss a sentence\'s token losses '
-                       'summed, averaged over sentences (Haiku)', 'haiku'),
-    'fedjax_char_lstm': ("FedJAX 0.0.17's models.shakespeare.create_lstm_model: embedding 8, two "
-                         'LSTMs of 256 each followed by a tanh, output; its loss a sequence\'s '
-                         'token losses averaged over all its positions, padded ones included '
-                         '(Haiku)', 'haiku'),
-    'transformer_lm': ('partial personalization (Pillutla et al., arXiv 2204.03809), '
-                       'pfl/models/wordlm_transformer.py at --arch_size mini, decoder untied '
-                       '(as the code unties it for input/output personal parts): 4 post-norm '
-                       'blocks, 4 heads of 64, d 256, MLP 1,024 (PyTorch; its own N(0, 0.02))',
-                       'pytorch'),
-    'transformer_lm_tied': ('the same transformer with the decoder tied to the word embedding '
-                            '(the code\'s default, about 6M parameters)', 'pytorch'),
-    'transformer_lm_tiny': ('the same transformer at --arch_size tiny: 2 blocks, 2 heads of 64, '
-                            'd 128, MLP 512 (untied)', 'pytorch'),
-    'resnet18_gn': ('partial personalization (Pillutla et al.), pfl/models/resnet_utils.py '
-                    'ResNetGN for 28x28 (EMNIST): ResNet-18, GroupNorm by its table, 3x3 stem '
-                    '(PyTorch; Kaiming-normal convolutions)', 'pytorch'),
-    'gldv2_resnet18_gn': ('partial personalization (Pillutla et al.), pfl/models/gldv2_resnet.py '
-                          'GLDv2ResNetGN: the same ResNetGN for 224x224 RGB (original_size: 7x7 '
-                          'stride-2 stem, max pool; GroupNorm by its table)', 'pytorch'),
-    'reddi_resnet18_gn': ('Adaptive Federated Optimization (Reddi et al.), the CIFAR-100 '
-                          'ResNet-18: ImageNet stem (7x7 stride 2, max pool), GroupNorm of 2 '
-                          'groups', 'pytorch'),
-    'pfedme_cnn': ('pFedMe (Dinh et al.), FLAlgorithms/trainmodel/models.py CifarNet, the '
-                   'PyTorch tutorial CNN (also FedFomo\'s base_cnn): conv 6, 16 @5x5 valid, '
-                   'dense 120-84 (PyTorch)', 'pytorch'),
+  'usercentric_lenet5': (
+    'user-centric FL (Mestoukirdi et al.): LeNet-5 with average pooling '
+    '(Keras)',
+    'keras',
+  ),
+  'feddyn_cnn': (
+    "FedDyn (Acar et al.), utils_models.py 'cifar10': conv 64@5x5 valid x2, "
+    'max pool, dense 384-192 (PyTorch)',
+    'pytorch',
+  ),
+  'fedfomo_cnn': (
+    "FedFomo (Zhang et al.), federated/network.py TFConvNet, the code's default "
+    '--arch: conv 32, 64, 64 @3x3 valid, dense 64 (PyTorch)',
+    'pytorch',
+  ),
+  'reddi_emnist_cnn': (
+    'Adaptive Federated Optimization (Reddi et al., arXiv 2003.00295), its '
+    'EMNIST CNN as TFF builds it: conv 32, 64 @3x3 valid, max pool after the '
+    'second, dense 128, dropout 0.25 after the pooling and 0.5 after the '
+    'dense layer (Keras)',
+    'keras',
+  ),
+  'resnet18_bn': (
+    "torchvision's resnet18 (PFLlib's -m resnet, on 32x32 images as they are): "
+    '7x7 stride-2 stem, max pool, 4 stages of basic blocks, BatchNorm after '
+    "every convolution (PyTorch's BatchNorm2d: momentum 0.1, unbiased running "
+    'variance), Kaiming-normal fan-out convolutions (PyTorch)',
+    'pytorch',
+  ),
+  'fedjax_emnist_cnn': (
+    "FedJAX 0.0.17's models.emnist.create_conv_model: conv 32, 64 @3x3 "
+    'valid, max pool, dropout 0.25, dense 128, dropout 0.5 (Haiku)',
+    'haiku',
+  ),
+  'reddi_char_lstm': (
+    'Adaptive Federated Optimization (Reddi et al.), its Shakespeare '
+    'next-character model as TFF builds it: embedding 8, two LSTM layers of '
+    '256 (Keras)',
+    'keras',
+  ),
+  'lstm_lm': (
+    'Adaptive Federated Optimization (Reddi et al.), its Stack Overflow next-word '
+    'LSTM as TFF builds it: embedding 96, LSTM 670, dense 96, output (Keras)',
+    'keras',
+  ),
+  'fedjax_lstm_lm': (
+    "FedJAX 0.0.17's models.stackoverflow.create_lstm_model: embedding 96, "
+    "LSTM 670, tanh, dense 96, output; its loss a sentence's token losses "
+    'summed, averaged over sentences (Haiku)',
+    'haiku',
+  ),
+  'fedjax_char_lstm': (
+    "FedJAX 0.0.17's models.shakespeare.create_lstm_model: embedding 8, two "
+    "LSTMs of 256 each followed by a tanh, output; its loss a sequence's "
+    'token losses averaged over all its positions, padded ones included '
+    '(Haiku)',
+    'haiku',
+  ),
+  'transformer_lm': (
+    'partial personalization (Pillutla et al., arXiv 2204.03809), '
+    'pfl/models/wordlm_transformer.py at --arch_size mini, decoder untied '
+    '(as the code unties it for input/output personal parts): 4 post-norm '
+    'blocks, 4 heads of 64, d 256, MLP 1,024 (PyTorch; its own N(0, 0.02))',
+    'pytorch',
+  ),
+  'transformer_lm_tied': (
+    'the same transformer with the decoder tied to the word embedding '
+    "(the code's default, about 6M parameters)",
+    'pytorch',
+  ),
+  'transformer_lm_tiny': (
+    'the same transformer at --arch_size tiny: 2 blocks, 2 heads of 64, '
+    'd 128, MLP 512 (untied)',
+    'pytorch',
+  ),
+  'resnet18_gn': (
+    'partial personalization (Pillutla et al.), pfl/models/resnet_utils.py '
+    'ResNetGN for 28x28 (EMNIST): ResNet-18, GroupNorm by its table, 3x3 stem '
+    '(PyTorch; Kaiming-normal convolutions)',
+    'pytorch',
+  ),
+  'gldv2_resnet18_gn': (
+    'partial personalization (Pillutla et al.), pfl/models/gldv2_resnet.py '
+    'GLDv2ResNetGN: the same ResNetGN for 224x224 RGB (original_size: 7x7 '
+    'stride-2 stem, max pool; GroupNorm by its table)',
+    'pytorch',
+  ),
+  'reddi_resnet18_gn': (
+    'Adaptive Federated Optimization (Reddi et al.), the CIFAR-100 '
+    'ResNet-18: ImageNet stem (7x7 stride 2, max pool), GroupNorm of 2 '
+    'groups',
+    'pytorch',
+  ),
+  'pfedme_cnn': (
+    'pFedMe (Dinh et al.), FLAlgorithms/trainmodel/models.py CifarNet, the '
+    "PyTorch tutorial CNN (also FedFomo's base_cnn): conv 6, 16 @5x5 valid, "
+    'dense 120-84 (PyTorch)',
+    'pytorch',
+  ),
 }
 
 
 #: What a model's training loss on a batch is divided by (``Model.loss_denominator``),
 #: where not each counted target ('targets').
-LOSS_DENOMINATORS = {'fedjax_lstm_lm': 'examples', 'fedjax_char_lstm': 'positions'}
+LOSS_DENOMINATORS = {
+  'fedjax_lstm_lm': 'examples',
+  'fedjax_char_lstm': 'positions',
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +311,9 @@ class ModelBuilder(Protocol):
   normalization: Flax's convention) or a ``Model``.
   """
 
-  def __call__(self, *, num_classes: int, **options: Any) -> Union[nn.Module, 'Model']:
-    ...
+  def __call__(
+    self, *, num_classes: int, **options: Any
+  ) -> Union[nn.Module, 'Model']: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +325,7 @@ class RegisteredModel:
     options: its ``ModelOptions`` class (``NoModelOptions`` when none).
     owner: the file that registered it.
   """
+
   build: Callable[..., Any]
   options: Type[ModelOptions]
   owner: str = ''
@@ -182,33 +335,44 @@ class RegisteredModel:
 REGISTERED: Dict[str, RegisteredModel] = {}
 
 
-def _builder_params(name: str, build: Callable, options: Type[ModelOptions]) -> None:
+def _builder_params(
+  name: str, build: Callable, options: Type[ModelOptions]
+) -> None:
   """Refuses a builder whose signature names something it would never be
   given (a misspelled option silently left at its default)."""
   try:
     params = inspect.signature(build).parameters
   except (TypeError, ValueError):
-    raise TypeError(f'model {name!r}: build must be a function of num_classes, got '
-                    f'{build!r}') from None
+    raise TypeError(
+      f'model {name!r}: build must be a function of num_classes, got {build!r}'
+    ) from None
   given = ['num_classes'] + [f.name for f in dataclasses.fields(options)]
   if any(p.kind is p.VAR_KEYWORD for p in params.values()):
     return
   if 'num_classes' not in params:
-    raise TypeError(f'model {name!r}: build{inspect.signature(build)} must take num_classes '
-                    '(the data set\'s number of classes)')
+    raise TypeError(
+      f'model {name!r}: build{inspect.signature(build)} must take num_classes '
+      "(the data set's number of classes)"
+    )
   for pname, p in params.items():
     if p.kind is p.VAR_POSITIONAL:
       continue
     if pname not in given:
-      raise TypeError(f'model {name!r}: build takes {pname!r}, which it is never given; it '
-                      f'is given {", ".join(given)}'
-                      + ('' if options is not NoModelOptions else
-                         ' (an option of its own: a field of its options class, '
-                         'register(name, build, options=MyOptions))'))
+      raise TypeError(
+        f'model {name!r}: build takes {pname!r}, which it is never given; it '
+        f'is given {", ".join(given)}'
+        + (
+          ''
+          if options is not NoModelOptions
+          else ' (an option of its own: a field of its options class, '
+          'register(name, build, options=MyOptions))'
+        )
+      )
 
 
-def register(name: str, build: ModelBuilder,
-             options: Optional[Type[ModelOptions]] = None) -> None:
+def register(
+  name: str, build: ModelBuilder, options: Optional[Type[ModelOptions]] = None
+) -> None:
   """Adds a model of your own: ``--model=<name>`` then builds it as a
   built-in one (the command, flagfiles, ``--sweep``, ``--trials``, every
   layout and executor, ``--resume``: the file that registers it is part of
@@ -235,17 +399,26 @@ def register(name: str, build: ModelBuilder,
       builder taking a parameter it is never given (a misspelled option).
   """
   if name in MODELS:
-    raise ValueError(f'{name!r} is a built-in model; register yours under another name')
+    raise ValueError(
+      f'{name!r} is a built-in model; register yours under another name'
+    )
   options = options or NoModelOptions
-  if not (isinstance(options, type) and issubclass(options, ModelOptions)
-          and dataclasses.is_dataclass(options)):
-    raise TypeError(f'the options of model {name!r} must be a ModelOptions dataclass, got '
-                    f'{options!r}')
+  if not (
+    isinstance(options, type)
+    and issubclass(options, ModelOptions)
+    and dataclasses.is_dataclass(options)
+  ):
+    raise TypeError(
+      f'the options of model {name!r} must be a ModelOptions dataclass, got '
+      f'{options!r}'
+    )
   _builder_params(name, build, options)
   owner = caller_file()
   old = REGISTERED.get(name)
   if old is not None and old.build is not build and old.owner != owner:
-    raise ValueError(f'a model named {name!r} is registered already, by {old.owner}')
+    raise ValueError(
+      f'a model named {name!r} is registered already, by {old.owner}'
+    )
   REGISTERED[name] = RegisteredModel(build, options, owner)
 
 

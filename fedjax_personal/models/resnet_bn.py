@@ -34,32 +34,48 @@ class BatchNorm(nn.Module):
     momentum: PyTorch's: running = (1 - momentum) running + momentum batch.
     epsilon: added to the variance.
   """
+
   momentum: float = 0.1
   epsilon: float = 1e-5
   #: The engine gives it the batch's real examples as ``mask`` (``models.model``).
   masks_examples = True
 
   @nn.compact
-  def __call__(self, x, use_running_average: bool, mask: Optional[jax.Array] = None):
+  def __call__(
+    self, x, use_running_average: bool, mask: Optional[jax.Array] = None
+  ):
     c = x.shape[-1]
     scale = self.param('scale', nn.initializers.ones, (c,))
     bias = self.param('bias', nn.initializers.zeros, (c,))
-    ra_mean = self.variable('batch_stats', 'mean', lambda: jnp.zeros((c,), jnp.float32))
-    ra_var = self.variable('batch_stats', 'var', lambda: jnp.ones((c,), jnp.float32))
+    ra_mean = self.variable(
+      'batch_stats', 'mean', lambda: jnp.zeros((c,), jnp.float32)
+    )
+    ra_var = self.variable(
+      'batch_stats', 'var', lambda: jnp.ones((c,), jnp.float32)
+    )
     if use_running_average:
       mean, var = ra_mean.value, ra_var.value
     else:
       axes = tuple(range(x.ndim - 1))
-      w = jnp.ones(x.shape[:-1] + (1,), x.dtype) if mask is None else jnp.broadcast_to(
-          mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim)), x.shape[:-1] + (1,)
-      ).astype(x.dtype)
+      w = (
+        jnp.ones(x.shape[:-1] + (1,), x.dtype)
+        if mask is None
+        else jnp.broadcast_to(
+          mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim)),
+          x.shape[:-1] + (1,),
+        ).astype(x.dtype)
+      )
       n = jnp.sum(w)
       mean = jnp.sum(x * w, axes) / jnp.maximum(n, 1.0)
       var = jnp.sum(w * jnp.square(x - mean), axes) / jnp.maximum(n, 1.0)
       if not self.is_initializing():
         unbiased = var * n / jnp.maximum(n - 1.0, 1.0)
-        ra_mean.value = (1 - self.momentum) * ra_mean.value + self.momentum * mean
-        ra_var.value = (1 - self.momentum) * ra_var.value + self.momentum * unbiased
+        ra_mean.value = (
+          1 - self.momentum
+        ) * ra_mean.value + self.momentum * mean
+        ra_var.value = (
+          1 - self.momentum
+        ) * ra_var.value + self.momentum * unbiased
     return (x - mean) * jax.lax.rsqrt(var + self.epsilon) * scale + bias
 
 
@@ -67,16 +83,24 @@ def _conv(features: int, kernel: int, stride: int, name: str, impl: str):
   """torchvision's bias-free convolution: padding kernel // 2,
   Kaiming-normal fan-out weights (its ``ResNet.__init__``)."""
   pad = kernel // 2
-  return Conv(features, (kernel, kernel), strides=(stride, stride),
-              padding=((pad, pad), (pad, pad)), use_bias=False, name=name, impl=impl,
-              layout='NHWC',
-              kernel_init=jax.nn.initializers.variance_scaling(2.0, 'fan_out', 'normal'))
+  return Conv(
+    features,
+    (kernel, kernel),
+    strides=(stride, stride),
+    padding=((pad, pad), (pad, pad)),
+    use_bias=False,
+    name=name,
+    impl=impl,
+    layout='NHWC',
+    kernel_init=jax.nn.initializers.variance_scaling(2.0, 'fan_out', 'normal'),
+  )
 
 
 class BasicBlock(nn.Module):
   """torchvision's ``BasicBlock``: conv-bn-relu-conv-bn, plus the input
   (through a strided 1x1 convolution and its norm where the shape changes),
   then ReLU."""
+
   planes: int
   stride: int = 1
   conv_impl: str = 'auto'
@@ -89,8 +113,12 @@ class BasicBlock(nn.Module):
     out = _conv(self.planes, 3, 1, 'conv2', self.conv_impl)(out)
     out = norm('bn2')(out, not train)
     if self.stride != 1 or x.shape[-1] != self.planes:
-      x = norm('downsample_bn')(_conv(self.planes, 1, self.stride, 'downsample_conv',
-                                      self.conv_impl)(x), not train)
+      x = norm('downsample_bn')(
+        _conv(self.planes, 1, self.stride, 'downsample_conv', self.conv_impl)(
+          x
+        ),
+        not train,
+      )
     return nn.relu(out + x)
 
 
@@ -101,6 +129,7 @@ class ResNetBN(nn.Module):
   and 9,600 running statistics at 10 classes). Images [B, H, W, C] ->
   logits; ``train`` as Flax's convention (batch statistics and their
   update, ``models.from_flax``)."""
+
   num_classes: int
   stages: Sequence[int] = (2, 2, 2, 2)
   conv_impl: str = 'auto'
@@ -112,6 +141,12 @@ class ResNetBN(nn.Module):
     x = max_pool(x, 3, 2, 1, self.conv_impl)
     for s, (blocks, planes) in enumerate(zip(self.stages, (64, 128, 256, 512))):
       for b in range(blocks):
-        x = BasicBlock(planes, 2 if s and not b else 1, self.conv_impl,
-                       name=f'layer{s + 1}_{b}')(x, train)
-    return Dense(self.num_classes, convention='pytorch', name='output')(x.mean(axis=(1, 2)))
+        x = BasicBlock(
+          planes,
+          2 if s and not b else 1,
+          self.conv_impl,
+          name=f'layer{s + 1}_{b}',
+        )(x, train)
+    return Dense(self.num_classes, convention='pytorch', name='output')(
+      x.mean(axis=(1, 2))
+    )

@@ -104,14 +104,18 @@ def save_npz(path: str, params) -> None:
   Returns:
     None.
   """
-  arrays: Dict[str, Any] = {k: np.asarray(v) for k, v in flat_params(params).items()}
+  arrays: Dict[str, Any] = {
+    k: np.asarray(v) for k, v in flat_params(params).items()
+  }
   np.savez(path, **arrays)
 
 
 def _template(model, sample_x) -> Tuple[dict, Optional[tuple]]:
   """The model's parameters (values irrelevant) in creation order, and the
   NHWC shape its convolutional part flattens (None without one)."""
-  x = jax.ShapeDtypeStruct((1,) + tuple(np.shape(sample_x))[1:], jnp.asarray(sample_x).dtype)
+  x = jax.ShapeDtypeStruct(
+    (1,) + tuple(np.shape(sample_x))[1:], jnp.asarray(sample_x).dtype
+  )
   # Shapes only (no initialisation or forward pass to run: seconds for an
   # 11M-parameter ResNet op by op).
   # eval_shape's output dicts are key-sorted; the layers' creation order (which
@@ -120,16 +124,23 @@ def _template(model, sample_x) -> Tuple[dict, Optional[tuple]]:
 
   def init(x):
     variables = model.module.init(jax.random.key(0), x, **model.evaluate_kwargs)
-    params = variables['params'] if not model.collections else {
-        c: variables[c] for c in ('params',) + tuple(model.collections)}
+    params = (
+      variables['params']
+      if not model.collections
+      else {c: variables[c] for c in ('params',) + tuple(model.collections)}
+    )
     order.extend(flat_params(params))
     return params
 
   shapes = flat_params(jax.eval_shape(init, x))
   params = _nest({name: shapes[name] for name in order})
   _, state = jax.eval_shape(
-      lambda p, x: model.module.apply(model.variables(p), x, mutable=['intermediates'],
-                                      **model.evaluate_kwargs), params, x)
+    lambda p, x: model.module.apply(
+      model.variables(p), x, mutable=['intermediates'], **model.evaluate_kwargs
+    ),
+    params,
+    x,
+  )
   sown = state.get('intermediates', {}).get('flatten_input')
   return params, (tuple(sown[0].shape[1:]) if sown else None)
 
@@ -160,17 +171,27 @@ def load(path: str, model, sample_x) -> dict:
     if got and all(re.fullmatch(r'arr_\d+', k) for k in got):
       missing = [f'arr_{i}' for i in range(len(got)) if f'arr_{i}' not in got]
       if missing:
-        _fail(path, f'holds Keras weights {sorted(got, key=lambda k: int(k[4:]))[:4]}... without '
-              f'{missing[0]}: np.savez(path, *model.get_weights()) numbers every weight from 0')
-      return _from_keras(path, [got[f'arr_{i}'] for i in range(len(got))], template)
-    if got and all('/' in k and k.rsplit('/', 1)[1] in _HAIKU_LEAVES for k in got):
+        _fail(
+          path,
+          f'holds Keras weights {sorted(got, key=lambda k: int(k[4:]))[:4]}... without '
+          f'{missing[0]}: np.savez(path, *model.get_weights()) numbers every weight from 0',
+        )
+      return _from_keras(
+        path, [got[f'arr_{i}'] for i in range(len(got))], template
+      )
+    if got and all(
+      '/' in k and k.rsplit('/', 1)[1] in _HAIKU_LEAVES for k in got
+    ):
       return _from_haiku(path, got, template)
     return _from_npz(path, template, got)
   if ext in ('.pt', '.pth'):
     return _from_torch(path, template, flat_shape)
-  _fail(path, f'unknown format {ext!r}: give a .npz (Flax parameter paths as keys, a Keras '
-        "model's get_weights() saved by np.savez, or a Haiku parameter dict as module/name keys) "
-        'or a PyTorch state dict (.pt or .pth)')
+  _fail(
+    path,
+    f'unknown format {ext!r}: give a .npz (Flax parameter paths as keys, a Keras '
+    "model's get_weights() saved by np.savez, or a Haiku parameter dict as module/name keys) "
+    'or a PyTorch state dict (.pt or .pth)',
+  )
 
 
 def _read_npz(path) -> Dict[str, np.ndarray]:
@@ -186,29 +207,46 @@ def _from_npz(path, template, got) -> dict:
   want = flat_params(template)
   for name, a in want.items():
     if name not in got:
-      _fail(path, f'has no array for the model\'s layer {name} {list(a.shape)} (it holds '
-            f'{sorted(got)[:6]}{"..." if len(got) > 6 else ""})')
+      _fail(
+        path,
+        f"has no array for the model's layer {name} {list(a.shape)} (it holds "
+        f'{sorted(got)[:6]}{"..." if len(got) > 6 else ""})',
+      )
     if tuple(got[name].shape) != tuple(a.shape):
-      _fail(path, f'layer {name} is {list(got[name].shape)} in the file, {list(a.shape)} in '
-            'the model')
+      _fail(
+        path,
+        f'layer {name} is {list(got[name].shape)} in the file, {list(a.shape)} in '
+        'the model',
+      )
   extra = [k for k in got if k not in want]
   if extra:
-    _fail(path, f'holds {extra[0]} {list(got[extra[0]].shape)}, which the model does not have')
+    _fail(
+      path,
+      f'holds {extra[0]} {list(got[extra[0]].shape)}, which the model does not have',
+    )
   return _unflatten({k: got[k] for k in want})
 
 
 # -- Keras weights (get_weights order) -------------------------------------------
 
+
 def _keras_layer(flayer, arrays) -> Tuple[int, Dict[str, np.ndarray]]:
   """How many of ``arrays`` (Keras's next weights) the Flax layer takes, and
   them in its layout; (0, {}) when they do not fit."""
+
   def fits(a, shape):
     return a is not None and tuple(np.shape(a)) == tuple(shape)
+
   first: Any = arrays[0] if arrays else None
-  if 'ii' in flayer:  # an LSTM cell: kernel [in, 4H], recurrent [H, 4H], bias [4H]
+  if (
+    'ii' in flayer
+  ):  # an LSTM cell: kernel [in, 4H], recurrent [H, 4H], bias [4H]
     h, d_in = flayer['hi']['kernel'].shape[0], flayer['ii']['kernel'].shape[0]
-    if len(arrays) < 3 or not (fits(arrays[0], (d_in, 4 * h)) and fits(arrays[1], (h, 4 * h))
-                               and fits(arrays[2], (4 * h,))):
+    if len(arrays) < 3 or not (
+      fits(arrays[0], (d_in, 4 * h))
+      and fits(arrays[1], (h, 4 * h))
+      and fits(arrays[2], (4 * h,))
+    ):
       return 0, {}
     out = {}
     for g, gate in enumerate(GATES):
@@ -218,7 +256,11 @@ def _keras_layer(flayer, arrays) -> Tuple[int, Dict[str, np.ndarray]]:
       out[f'h{gate}/bias'] = arrays[2][cols]
     return 3, out
   if 'embedding' in flayer:
-    return (1, {'embedding': first}) if fits(first, flayer['embedding'].shape) else (0, {})
+    return (
+      (1, {'embedding': first})
+      if fits(first, flayer['embedding'].shape)
+      else (0, {})
+    )
   if 'kernel' not in flayer or not fits(first, flayer['kernel'].shape):
     return 0, {}
   if 'bias' not in flayer:
@@ -234,22 +276,35 @@ def _from_keras(path, arrays, template) -> dict:
   for i, (fname, flayer) in enumerate(flayers):
     took, conv = _keras_layer(flayer, arrays[at:])
     if not took:
-      held = [list(np.shape(a)) for a in arrays[at:at + 3]]
-      _fail(path, f'Keras weights: the model\'s layer {i + 1}, {fname} {_shape(flayer)}, does '
-            f'not fit the file\'s next weights (arr_{at}.. {held})')
+      held = [list(np.shape(a)) for a in arrays[at : at + 3]]
+      _fail(
+        path,
+        f"Keras weights: the model's layer {i + 1}, {fname} {_shape(flayer)}, does "
+        f"not fit the file's next weights (arr_{at}.. {held})",
+      )
     flat.update({f'{fname}/{k}': v for k, v in conv.items()})
     at += took
   if at < len(arrays):
-    _fail(path, f'Keras weights: {len(arrays)} arrays, the model takes {at}: arr_{at} '
-          f'{list(np.shape(arrays[at]))} has no counterpart')
+    _fail(
+      path,
+      f'Keras weights: {len(arrays)} arrays, the model takes {at}: arr_{at} '
+      f'{list(np.shape(arrays[at]))} has no counterpart',
+    )
   return _unflatten({k: flat[k] for k in flat_params(template)})
 
 
 # -- Haiku parameters (FedJAX's models) ---------------------------------------------
 
 _HAIKU_LEAVES = {'w', 'b', 'embeddings'}
-_HAIKU_MODULE = re.compile(r'^(embed|lstm|conv2_d|linear)(?:_(\d+))?(/linear)?$')
-_HAIKU_KIND = {'embed': 'embedding', 'lstm': 'LSTM', 'conv2_d': 'convolution', 'linear': 'dense'}
+_HAIKU_MODULE = re.compile(
+  r'^(embed|lstm|conv2_d|linear)(?:_(\d+))?(/linear)?$'
+)
+_HAIKU_KIND = {
+  'embed': 'embedding',
+  'lstm': 'LSTM',
+  'conv2_d': 'convolution',
+  'linear': 'dense',
+}
 
 
 def _kind(flayer) -> str:
@@ -261,7 +316,9 @@ def _kind(flayer) -> str:
   return 'convolution' if np.ndim(flayer.get('kernel')) == 4 else 'dense'
 
 
-def _haiku_layers(path, got) -> Dict[str, List[Tuple[str, Dict[str, np.ndarray]]]]:
+def _haiku_layers(
+  path, got
+) -> Dict[str, List[Tuple[str, Dict[str, np.ndarray]]]]:
   """The file's modules by kind, each kind's in index order."""
   modules: Dict[str, Dict[str, np.ndarray]] = {}
   for key, a in got.items():
@@ -275,10 +332,18 @@ def _haiku_layers(path, got) -> Dict[str, List[Tuple[str, Dict[str, np.ndarray]]
       inner = inner.split('/', 1)[1]
       m = _HAIKU_MODULE.fullmatch(inner)
     if m is None or (m.group(3) is not None) != (m.group(1) == 'lstm'):
-      _fail(path, f'Haiku parameters: module {module!r} is none of embed, lstm*/linear, '
-            'conv2_d*, linear*')
-    by_kind.setdefault(_HAIKU_KIND[m.group(1)], []).append((int(m.group(2) or 0), module, leaves))
-  return {k: [(name, leaves) for _, name, leaves in sorted(v)] for k, v in by_kind.items()}
+      _fail(
+        path,
+        f'Haiku parameters: module {module!r} is none of embed, lstm*/linear, '
+        'conv2_d*, linear*',
+      )
+    by_kind.setdefault(_HAIKU_KIND[m.group(1)], []).append(
+      (int(m.group(2) or 0), module, leaves)
+    )
+  return {
+    k: [(name, leaves) for _, name, leaves in sorted(v)]
+    for k, v in by_kind.items()
+  }
 
 
 def _haiku_layer(flayer, leaves) -> Optional[Dict[str, np.ndarray]]:
@@ -286,7 +351,12 @@ def _haiku_layer(flayer, leaves) -> Optional[Dict[str, np.ndarray]]:
   if 'ii' in flayer:
     h, d_in = flayer['hi']['kernel'].shape[0], flayer['ii']['kernel'].shape[0]
     w, b = leaves.get('w'), leaves.get('b')
-    if w is None or b is None or w.shape != (d_in + h, 4 * h) or b.shape != (4 * h,):
+    if (
+      w is None
+      or b is None
+      or w.shape != (d_in + h, 4 * h)
+      or b.shape != (4 * h,)
+    ):
       return None
     out = {}
     for gate in GATES:
@@ -300,7 +370,11 @@ def _haiku_layer(flayer, leaves) -> Optional[Dict[str, np.ndarray]]:
   if set(leaves) != {names[k] for k in flayer}:
     return None
   out = {k: leaves[names[k]] for k in flayer}
-  return out if all(np.shape(out[k]) == np.shape(flayer[k]) for k in flayer) else None
+  return (
+    out
+    if all(np.shape(out[k]) == np.shape(flayer[k]) for k in flayer)
+    else None
+  )
 
 
 def _from_haiku(path, got, template) -> dict:
@@ -312,14 +386,22 @@ def _from_haiku(path, got, template) -> dict:
   for kind in sorted(set(ours) | set(theirs)):
     mine, held = ours.get(kind, []), theirs.get(kind, [])
     if len(mine) != len(held):
-      _fail(path, f'Haiku parameters: {len(held)} {kind} layer(s) in the file '
-            f'({[n for n, _ in held]}), {len(mine)} in the model ({[n for n, _ in mine]})')
+      _fail(
+        path,
+        f'Haiku parameters: {len(held)} {kind} layer(s) in the file '
+        f'({[n for n, _ in held]}), {len(mine)} in the model ({[n for n, _ in mine]})',
+      )
     for (fname, flayer), (hname, leaves) in zip(mine, held):
       conv = _haiku_layer(flayer, leaves)
       if conv is None:
-        _fail(path, f'Haiku parameters: {hname} {_shape(leaves)} does not fit the model\'s '
-              f'{fname} {_shape(flayer)}')
-      flat.update({f'{fname}/{k}': np.asarray(v, np.float32) for k, v in conv.items()})
+        _fail(
+          path,
+          f"Haiku parameters: {hname} {_shape(leaves)} does not fit the model's "
+          f'{fname} {_shape(flayer)}',
+        )
+      flat.update(
+        {f'{fname}/{k}': np.asarray(v, np.float32) for k, v in conv.items()}
+      )
   return _unflatten({k: flat[k] for k in flat_params(template)})
 
 
@@ -334,12 +416,15 @@ def _torch_layers(state) -> List[Tuple[str, Dict[str, np.ndarray]]]:
   'bias_hh'})."""
   layers: Dict[str, Dict[str, np.ndarray]] = {}
   for key, value in state.items():
-    a = np.asarray(value.detach().cpu().numpy() if hasattr(value, 'detach') else value,
-                   np.float32)
+    a = np.asarray(
+      value.detach().cpu().numpy() if hasattr(value, 'detach') else value,
+      np.float32,
+    )
     m = _LSTM_KEY.match(key)
     if m:
       layers.setdefault(f'{m.group(1)} (LSTM layer {m.group(4)})', {})[
-          f'{m.group(2)}_{m.group(3)}'] = a
+        f'{m.group(2)}_{m.group(3)}'
+      ] = a
     elif '.' in key:
       prefix, leaf = key.rsplit('.', 1)
       layers.setdefault(prefix, {})[leaf] = a
@@ -369,14 +454,19 @@ def _shape(d):
   return {k: list(np.shape(a)) for k, a in d.items()}
 
 
-def _convert(flayer, tlayer, flat_shape, after_conv) -> Optional[Dict[str, np.ndarray]]:
+def _convert(
+  flayer, tlayer, flat_shape, after_conv
+) -> Optional[Dict[str, np.ndarray]]:
   """One torch layer in the Flax layout of ``flayer`` (None if it does not fit)."""
   if 'ii' in flayer:  # an LSTM cell
     if set(tlayer) != {'weight_ih', 'weight_hh', 'bias_ih', 'bias_hh'}:
       return None
     h = flayer['hi']['kernel'].shape[0]
     w_ih, w_hh = tlayer['weight_ih'], tlayer['weight_hh']
-    if w_ih.shape != (4 * h, flayer['ii']['kernel'].shape[0]) or w_hh.shape != (4 * h, h):
+    if w_ih.shape != (4 * h, flayer['ii']['kernel'].shape[0]) or w_hh.shape != (
+      4 * h,
+      h,
+    ):
       return None
     bias = tlayer['bias_ih'] + tlayer['bias_hh']
     out = {}
@@ -387,9 +477,15 @@ def _convert(flayer, tlayer, flat_shape, after_conv) -> Optional[Dict[str, np.nd
       out[f'h{gate}/bias'] = bias[rows]
     return out
   if 'mean' in flayer:  # a batch norm: its parameters and running statistics
-    names = {'scale': 'weight', 'bias': 'bias', 'mean': 'running_mean', 'var': 'running_var'}
+    names = {
+      'scale': 'weight',
+      'bias': 'bias',
+      'mean': 'running_mean',
+      'var': 'running_var',
+    }
     if set(tlayer) - set(names.values()) - {'num_batches_tracked'} or any(
-        np.shape(tlayer.get(t)) != np.shape(flayer[f]) for f, t in names.items()):
+      np.shape(tlayer.get(t)) != np.shape(flayer[f]) for f, t in names.items()
+    ):
       return None
     return {f: tlayer[t] for f, t in names.items()}
   if 'embedding' in flayer:
@@ -405,9 +501,17 @@ def _convert(flayer, tlayer, flat_shape, after_conv) -> Optional[Dict[str, np.nd
     k = w.transpose(2, 3, 1, 0)  # OIHW -> HWIO
   elif len(kernel_shape) == 2 and w.ndim == 2:
     k = w.T
-    if after_conv and flat_shape is not None and w.shape[1] == int(np.prod(flat_shape)):
+    if (
+      after_conv
+      and flat_shape is not None
+      and w.shape[1] == int(np.prod(flat_shape))
+    ):
       hh, ww, cc = flat_shape
-      k = w.reshape(w.shape[0], cc, hh, ww).transpose(2, 3, 1, 0).reshape(-1, w.shape[0])
+      k = (
+        w.reshape(w.shape[0], cc, hh, ww)
+        .transpose(2, 3, 1, 0)
+        .reshape(-1, w.shape[0])
+      )
   else:
     return None
   out = {'kernel': k}
@@ -417,7 +521,10 @@ def _convert(flayer, tlayer, flat_shape, after_conv) -> Optional[Dict[str, np.nd
     out['bias'] = tlayer['bias']
   elif 'bias' in tlayer:
     return None
-  if any(tuple(np.shape(v)) != tuple(np.shape(_get(flayer, n))) for n, v in out.items()):
+  if any(
+    tuple(np.shape(v)) != tuple(np.shape(_get(flayer, n)))
+    for n, v in out.items()
+  ):
     return None
   return out
 
@@ -433,8 +540,11 @@ def _from_torch(path, template, flat_shape) -> dict:
   try:
     import torch
   except ImportError:
-    _fail(path, 'reading a PyTorch state dict needs torch (pip install torch), or save the '
-          'weights as .npz')
+    _fail(
+      path,
+      'reading a PyTorch state dict needs torch (pip install torch), or save the '
+      'weights as .npz',
+    )
   try:
     state = torch.load(path, map_location='cpu', weights_only=True)
   except Exception as e:  # torch raises many types for a damaged file
@@ -446,10 +556,14 @@ def _from_torch(path, template, flat_shape) -> dict:
     _fail(path, 'holds no state dict (a dict of parameter tensors)')
   tlayers = _torch_layers(state)
   stats = {}
-  if 'batch_stats' in template and 'params' in template:  # a model with batch statistics
+  if (
+    'batch_stats' in template and 'params' in template
+  ):  # a model with batch statistics
     stats = dict(_flax_layers(template['batch_stats']))
-    flayers = [(n, {**leaves, **stats.get(n, {})}) for n, leaves in
-               _flax_layers(template['params'])]
+    flayers = [
+      (n, {**leaves, **stats.get(n, {})})
+      for n, leaves in _flax_layers(template['params'])
+    ]
   else:
     flayers = _flax_layers(template)
   flat = {}
@@ -457,26 +571,43 @@ def _from_torch(path, template, flat_shape) -> dict:
   first_dense_after_conv = True
   for i, (fname, flayer) in enumerate(flayers):
     if i >= len(tlayers):
-      _fail(path, f'has {len(tlayers)} layers; the model\'s layer {i + 1}, {fname} '
-            f'{_shape(flayer)}, has no counterpart')
+      _fail(
+        path,
+        f"has {len(tlayers)} layers; the model's layer {i + 1}, {fname} "
+        f'{_shape(flayer)}, has no counterpart',
+      )
     tname, tlayer = tlayers[i]
-    after_conv = seen_conv and first_dense_after_conv and 'kernel' in flayer \
-        and np.ndim(flayer['kernel']) == 2
+    after_conv = (
+      seen_conv
+      and first_dense_after_conv
+      and 'kernel' in flayer
+      and np.ndim(flayer['kernel']) == 2
+    )
     conv = _convert(flayer, tlayer, flat_shape, after_conv)
     if conv is None:
-      _fail(path, f'layer {i + 1} differs: {tname} {_shape(tlayer)} in the file, {fname} '
-            f'{_shape(flayer)} in the model')
+      _fail(
+        path,
+        f'layer {i + 1} differs: {tname} {_shape(tlayer)} in the file, {fname} '
+        f'{_shape(flayer)} in the model',
+      )
     if 'kernel' in flayer and np.ndim(flayer['kernel']) == 4:
       seen_conv = True
     elif after_conv:
       first_dense_after_conv = False
     if stats:
-      flat.update({f'{"batch_stats" if k in ("mean", "var") else "params"}/{fname}/{k}': v
-                   for k, v in conv.items()})
+      flat.update(
+        {
+          f'{"batch_stats" if k in ("mean", "var") else "params"}/{fname}/{k}': v
+          for k, v in conv.items()
+        }
+      )
     else:
       flat.update({f'{fname}/{k}': v for k, v in conv.items()})
   if len(tlayers) > len(flayers):
     tname, tlayer = tlayers[len(flayers)]
-    _fail(path, f'has {len(tlayers)} layers, the model {len(flayers)}: {tname} '
-          f'{_shape(tlayer)} has no counterpart')
+    _fail(
+      path,
+      f'has {len(tlayers)} layers, the model {len(flayers)}: {tname} '
+      f'{_shape(tlayer)} has no counterpart',
+    )
   return _unflatten({k: flat[k] for k in flat_params(template)})

@@ -5,5 +5,4 @@ trials (``sweep``), checkpoints (``checkpointing``), run identities
 shared parts (``reproduce``) and the command line (``cli``).
 """
 
-
 __all__ = []

@@ -18,15 +18,21 @@ import numpy as np
 
 from fedjax_personal.core.population import rows_in_memory
 from fedjax_personal.core.population.rows_in_memory import HostedState
-from fedjax_personal.run import faults, row_checkpoints, run_identity
 from fedjax_personal.errors import ConfigError
+from fedjax_personal.run import faults, row_checkpoints, run_identity
 from fedjax_personal.run.experiment import Callback
 
 if TYPE_CHECKING:
   import orbax.checkpoint as ocp
 
 
-__all__ = ['Checkpointer', 'manager', 'restore_latest', 'rows_manifest_of', 'save']
+__all__ = [
+  'Checkpointer',
+  'manager',
+  'restore_latest',
+  'rows_manifest_of',
+  'save',
+]
 
 
 def _ocp():
@@ -34,11 +40,14 @@ def _ocp():
   resumes: importing it defines absl flags of its own (``--experimental_orbax_*``),
   which a command that never checkpoints must not offer."""
   import orbax.checkpoint as ocp
+
   return ocp
 
 
 def _is_key(x) -> bool:
-  return hasattr(x, 'dtype') and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  return hasattr(x, 'dtype') and jax.dtypes.issubdtype(
+    x.dtype, jax.dtypes.prng_key
+  )
 
 
 def to_saveable(state):
@@ -72,12 +81,21 @@ _ONLY_ROWS = 'only_client_rows'
 
 
 def _keys_as_data(state):
-  return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
+  return jax.tree.map(
+    lambda x: jax.random.key_data(x) if _is_key(x) else x, state
+  )
 
 
 def _keys_from_data(saved, template):
-  return jax.tree.map(lambda s, t: jax.random.wrap_key_data(s, impl=jax.random.key_impl(t))
-                      if _is_key(t) else s, saved, template)
+  return jax.tree.map(
+    lambda s, t: (
+      jax.random.wrap_key_data(s, impl=jax.random.key_impl(t))
+      if _is_key(t)
+      else s
+    ),
+    saved,
+    template,
+  )
 
 
 def from_saveable(saved, template):
@@ -86,7 +104,9 @@ def from_saveable(saved, template):
   if isinstance(template, list):
     return [from_saveable(s, t) for s, t in zip(saved, template)]
   if isinstance(template, HostedState):
-    return rows_in_memory.hosted(from_saveable(saved, template.whole()), template.client_rows)
+    return rows_in_memory.hosted(
+      from_saveable(saved, template.whole()), template.client_rows
+    )
   return _keys_from_data(saved, template)
 
 
@@ -95,12 +115,21 @@ def _abstract(template):
   into host memory, not the device."""
   if isinstance(template, list):
     return [_abstract(t) for t in template]
-  if row_checkpoints.has_files(template):  # the whole state (a checkpoint of rows in memory)
+  if row_checkpoints.has_files(
+    template
+  ):  # the whole state (a checkpoint of rows in memory)
     abstract = template.client_rows.put(
-        jax.tree.map(_ocp().utils.to_shape_dtype_struct, _keys_as_data(template.inner)),
-        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), template.rows))
+      jax.tree.map(
+        _ocp().utils.to_shape_dtype_struct, _keys_as_data(template.inner)
+      ),
+      jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), template.rows
+      ),
+    )
   else:
-    abstract = jax.tree.map(_ocp().utils.to_shape_dtype_struct, to_saveable(template))
+    abstract = jax.tree.map(
+      _ocp().utils.to_shape_dtype_struct, to_saveable(template)
+    )
   if isinstance(template, HostedState):
     abstract = rows_in_memory.rows_on_cpu(abstract, template.client_rows)
   return abstract
@@ -111,7 +140,9 @@ def _abstract_without_rows(template):
   leaves but its client rows."""
   if isinstance(template, list):
     return [_abstract_without_rows(t) for t in template]
-  return jax.tree.map(_ocp().utils.to_shape_dtype_struct, _leaves_but_rows(template.inner))
+  return jax.tree.map(
+    _ocp().utils.to_shape_dtype_struct, _leaves_but_rows(template.inner)
+  )
 
 
 def _with_saved_inner(saved, template):
@@ -120,7 +151,9 @@ def _with_saved_inner(saved, template):
   if isinstance(template, list):
     return [_with_saved_inner(s, t) for s, t in zip(saved, template)]
   leaves, treedef = jax.tree.flatten(_keys_as_data(template.inner))
-  leaves = [saved[str(i)] if str(i) in saved else a for i, a in enumerate(leaves)]
+  leaves = [
+    saved[str(i)] if str(i) in saved else a for i, a in enumerate(leaves)
+  ]
   inner = _keys_from_data(jax.tree.unflatten(treedef, leaves), template.inner)
   return template.replace(inner=jax.device_put(inner, jax.devices()[0]))
 
@@ -137,14 +170,21 @@ def manager(directory: str, max_to_keep: int = 2) -> 'ocp.CheckpointManager':
     The manager.
   """
   return _ocp().CheckpointManager(
-      os.path.abspath(directory),
-      options=_ocp().CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                           enable_async_checkpointing=False))
+    os.path.abspath(directory),
+    options=_ocp().CheckpointManagerOptions(
+      max_to_keep=max_to_keep, enable_async_checkpointing=False
+    ),
+  )
 
 
-def save(mngr: 'ocp.CheckpointManager', round_num: int, state, histories: List[List[dict]],
-         identity: Optional[dict] = None, rows_manifest: Optional[dict] = None
-         ) -> Optional[dict]:
+def save(
+  mngr: 'ocp.CheckpointManager',
+  round_num: int,
+  state,
+  histories: List[List[dict]],
+  identity: Optional[dict] = None,
+  rows_manifest: Optional[dict] = None,
+) -> Optional[dict]:
   """Saves the state, every configuration's records so far (strict JSON:
   non-finite values as null) and the run's identity (checked on restore).
 
@@ -176,11 +216,17 @@ def save(mngr: 'ocp.CheckpointManager', round_num: int, state, histories: List[L
     try:
       if row_checkpoints.has_files(state):
         manifest = row_checkpoints.write_delta(
-            directory, round_num, state, (rows_manifest or {}).get('chain', []),
-            _digest(identity))
+          directory,
+          round_num,
+          state,
+          (rows_manifest or {}).get('chain', []),
+          _digest(identity),
+        )
       ocp = _ocp()
-      items = dict(state=ocp.args.StandardSave(to_saveable(state)),
-                   history=ocp.args.JsonSave(clean))
+      items = dict(
+        state=ocp.args.StandardSave(to_saveable(state)),
+        history=ocp.args.JsonSave(clean),
+      )
       if identity is not None:
         items['identity'] = ocp.args.JsonSave(run_identity.as_json(identity))
       if manifest is not None:
@@ -188,31 +234,43 @@ def save(mngr: 'ocp.CheckpointManager', round_num: int, state, histories: List[L
       mngr.save(round_num, args=ocp.args.Composite(**items))
       mngr.wait_until_finished()
     except Exception as e:  # noqa: BLE001 -- Orbax wraps OS errors in several types
-      _discard_partial(directory)  # the last complete checkpoint stays the latest
+      _discard_partial(
+        directory
+      )  # the last complete checkpoint stays the latest
       row_checkpoints.discard(directory, manifest)
       if faults.storage_reason(e) is None:
         raise
-      raise faults.storage_error(f'the checkpoint of round {round_num} to {directory}',
-                                 e) from None
-  if manifest is not None or os.path.isdir(os.path.join(directory, row_checkpoints.FOLDER)):
+      raise faults.storage_error(
+        f'the checkpoint of round {round_num} to {directory}', e
+      ) from None
+  if manifest is not None or os.path.isdir(
+    os.path.join(directory, row_checkpoints.FOLDER)
+  ):
     row_checkpoints.committed(state)
     kept = {step: rows_manifest_of(mngr, step) for step in mngr.all_steps()}
     try:  # (a state saved whole after rows in files: their folder goes with the last step)
       row_checkpoints.fold(directory, kept, state)
-    except OSError as e:  # the step is published; its delta stays until a fold succeeds
+    except (
+      OSError
+    ) as e:  # the step is published; its delta stays until a fold succeeds
       if faults.storage_reason(e) is None:
         raise
-      raise faults.storage_error(f'the checkpoint of round {round_num} to {directory}',
-                                 e) from None
+      raise faults.storage_error(
+        f'the checkpoint of round {round_num} to {directory}', e
+      ) from None
   faults.PROGRESS.checkpoint_round = round_num
   return manifest
 
 
 def _digest(identity: Optional[dict]) -> str:
-  return run_identity.short_hash(run_identity.as_json(identity)) if identity else ''
+  return (
+    run_identity.short_hash(run_identity.as_json(identity)) if identity else ''
+  )
 
 
-def rows_manifest_of(mngr: 'ocp.CheckpointManager', step: int) -> Optional[dict]:
+def rows_manifest_of(
+  mngr: 'ocp.CheckpointManager', step: int
+) -> Optional[dict]:
   """The manifest of a step's client rows in files (None: saved whole).
 
   Args:
@@ -222,10 +280,16 @@ def rows_manifest_of(mngr: 'ocp.CheckpointManager', step: int) -> Optional[dict]
   Returns:
     The manifest, or None.
   """
-  if not os.path.isdir(os.path.join(str(mngr.directory), str(step), row_checkpoints.FOLDER)):
+  if not os.path.isdir(
+    os.path.join(str(mngr.directory), str(step), row_checkpoints.FOLDER)
+  ):
     return None
-  return mngr.restore(step, args=_ocp().args.Composite(
-      **{row_checkpoints.FOLDER: _ocp().args.JsonRestore()}))[row_checkpoints.FOLDER]
+  return mngr.restore(
+    step,
+    args=_ocp().args.Composite(
+      **{row_checkpoints.FOLDER: _ocp().args.JsonRestore()}
+    ),
+  )[row_checkpoints.FOLDER]
 
 
 def _discard_partial(directory) -> None:
@@ -237,7 +301,9 @@ def _discard_partial(directory) -> None:
         shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
-def restore_latest(directory: str, template_state, identity: Optional[dict] = None):
+def restore_latest(
+  directory: str, template_state, identity: Optional[dict] = None
+):
   """(state, round, histories) of the latest checkpoint (one history per
   configuration), or None when there is none.
 
@@ -260,40 +326,73 @@ def restore_latest(directory: str, template_state, identity: Optional[dict] = No
     if identity is not None:
       try:
         ocp = _ocp()
-        saved = mngr.restore(step, args=ocp.args.Composite(identity=ocp.args.JsonRestore()))
+        saved = mngr.restore(
+          step, args=ocp.args.Composite(identity=ocp.args.JsonRestore())
+        )
         saved = saved['identity']
       except Exception as e:  # noqa: BLE001 -- a corrupted step: try the previous one
-        print(f'warning: checkpoint {step} in {directory} is unreadable '
-              f'({type(e).__name__}); trying the previous one', file=sys.stderr)
+        print(
+          f'warning: checkpoint {step} in {directory} is unreadable '
+          f'({type(e).__name__}); trying the previous one',
+          file=sys.stderr,
+        )
         continue
       want = run_identity.as_json(identity)
       if saved != want:
         diff = run_identity.differences(saved or {}, want)
-        raise ConfigError('resume', f'checkpoint {step} in {directory} was saved by another '
-                          f'configuration ({"; ".join(diff[:4])})')
+        raise ConfigError(
+          'resume',
+          f'checkpoint {step} in {directory} was saved by another '
+          f'configuration ({"; ".join(diff[:4])})',
+        )
     try:
       manifest = rows_manifest_of(mngr, step)
-      if manifest is not None and not all(isinstance(t, HostedState) for t in
-                                          (template_state if isinstance(template_state, list)
-                                           else [template_state])):
-        raise ConfigError('layout', f'checkpoint {step} in {directory} keeps its client rows '
-                          'in files: resume with --layout=host')
-      abstract = (_abstract_without_rows(template_state) if manifest is not None
-                  else _abstract(template_state))
+      if manifest is not None and not all(
+        isinstance(t, HostedState)
+        for t in (
+          template_state
+          if isinstance(template_state, list)
+          else [template_state]
+        )
+      ):
+        raise ConfigError(
+          'layout',
+          f'checkpoint {step} in {directory} keeps its client rows '
+          'in files: resume with --layout=host',
+        )
+      abstract = (
+        _abstract_without_rows(template_state)
+        if manifest is not None
+        else _abstract(template_state)
+      )
       ocp = _ocp()
-      out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                       history=ocp.args.JsonRestore()))
+      out = mngr.restore(
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract),
+          history=ocp.args.JsonRestore(),
+        ),
+      )
     except ConfigError:
       raise
-    except Exception as e:  # a corrupted step: fall back to the newest intact one
-      print(f'warning: checkpoint {step} in {directory} is unreadable '
-            f'({type(e).__name__}); trying the previous one', file=sys.stderr)
+    except (
+      Exception
+    ) as e:  # a corrupted step: fall back to the newest intact one
+      print(
+        f'warning: checkpoint {step} in {directory} is unreadable '
+        f'({type(e).__name__}); trying the previous one',
+        file=sys.stderr,
+      )
       continue
     histories = [list(h) for h in out['history']]
-    if manifest is not None:  # the rows of files: the base and the deltas past it
+    if (
+      manifest is not None
+    ):  # the rows of files: the base and the deltas past it
       state = _with_saved_inner(out['state'], template_state)
       row_checkpoints.restore(directory, manifest, state)
-    elif row_checkpoints.has_files(template_state):  # rows saved whole, into files
+    elif row_checkpoints.has_files(
+      template_state
+    ):  # rows saved whole, into files
       whole = from_saveable(out['state'], template_state)
       states = whole if isinstance(whole, list) else [whole]
       row_checkpoints.write_whole_rows([w.rows for w in states], template_state)
@@ -315,21 +414,30 @@ class Checkpointer(Callback):
   ``final``) at its end (of a single run or a whole sweep: the stacked state
   and every configuration's records)."""
 
-  def __init__(self, directory: str, every: int,
-               histories: Optional[List[List[dict]]] = None, max_to_keep: int = 2,
-               identity: Optional[dict] = None, resumed_step: Optional[int] = None,
-               final: bool = True):
+  def __init__(
+    self,
+    directory: str,
+    every: int,
+    histories: Optional[List[List[dict]]] = None,
+    max_to_keep: int = 2,
+    identity: Optional[dict] = None,
+    resumed_step: Optional[int] = None,
+    final: bool = True,
+  ):
     self.mngr = manager(directory, max_to_keep)
     self.identity = identity
     self.every = every
     self.final = final
     self.histories = [list(h) for h in histories] if histories else None
     # Client rows in files: the manifest the next checkpoint's delta follows.
-    self.rows_manifest = rows_manifest_of(self.mngr, resumed_step) if resumed_step else None
+    self.rows_manifest = (
+      rows_manifest_of(self.mngr, resumed_step) if resumed_step else None
+    )
 
   def _save(self, round_num, state, histories):
-    self.rows_manifest = save(self.mngr, round_num, state, histories, self.identity,
-                              self.rows_manifest)
+    self.rows_manifest = save(
+      self.mngr, round_num, state, histories, self.identity, self.rows_manifest
+    )
 
   def on_round_end(self, round_num, records, state):
     if self.histories is None:

@@ -7,17 +7,24 @@ tests can drive it.
 
 import sys
 import time
+import traceback
 from typing import Optional
 
+from absl import app
+
+from fedjax_personal.core.population import placement
+from fedjax_personal.core.population.store import StoreDamaged
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.run import command_line, distributed, experiment, faults, script_entry
+from fedjax_personal.run import (
+  command_line,
+  distributed,
+  experiment,
+  faults,
+  script_entry,
+)
 from fedjax_personal.run import main_job as job_lib
 from fedjax_personal.run.command_line import FLAGS, register  # noqa: F401  (the entry's API)
 from fedjax_personal.run.settings import RunSettings
-from fedjax_personal.core.population.store import StoreDamaged
-from fedjax_personal.core.population import placement
-import traceback
-from absl import app
 
 __all__ = ['main', 'main_job', 'parse_flags', 'read_flags', 'register', 'run']
 
@@ -70,8 +77,12 @@ def main(argv):
   faults.install_signal_handlers()
   try:
     d = settings.distributed
-    distributed.initialize(distributed.settings(d.coordinator_address, d.num_processes,
-                                                d.process_id), d.distributed_timeout)
+    distributed.initialize(
+      distributed.settings(
+        d.coordinator_address, d.num_processes, d.process_id
+      ),
+      d.distributed_timeout,
+    )
     main_job(settings)
     done = faults.finished_line()
     if done:  # a signal after the last round: nothing was cut short
@@ -80,39 +91,68 @@ def main(argv):
     _fail(e, e.status)
   except (ConfigError, FileNotFoundError) as e:
     p = faults.PROGRESS
-    if isinstance(e, StoreDamaged) and p.checkpoint_round:  # damaged mid-run: resume after
-      e = e.then('run the same command with --resume '
-                 f'(the checkpoint of round {p.checkpoint_round} of {p.algorithm} is kept in '
-                 f'{p.checkpoint_dir})')
+    if (
+      isinstance(e, StoreDamaged) and p.checkpoint_round
+    ):  # damaged mid-run: resume after
+      e = e.then(
+        'run the same command with --resume '
+        f'(the checkpoint of round {p.checkpoint_round} of {p.algorithm} is kept in '
+        f'{p.checkpoint_dir})'
+      )
     _fail(e, faults.EXIT_CONFIG)
   except experiment.DivergenceError as e:
     _fail(e, faults.EXIT_DIVERGED)
   except KeyboardInterrupt:
     stop = faults.interrupted(during_round=True)
     _fail(stop, stop.status)
-  except Exception as e:  # memory, storage or a lost process: one line; else the traceback
+  except (
+    Exception
+  ) as e:  # memory, storage or a lost process: one line; else the traceback
     # An allocation, a library or a thread the process's limits refused (ulimit -v, a cgroup),
     # or a buffer XLA could not allocate.
     if faults.out_of_memory(e):
       left = placement.host_available_bytes()
-      what = (f'out of memory (XLA: {str(e).splitlines()[0][:160]}'
-              if 'RESOURCE_EXHAUSTED' in str(e) else f'out of host memory ({type(e).__name__}')
-      _fail(ConfigError('num_clients', what
-                        + (f'; {left / placement.GB:.1f} GB left to this process' if left else '')
-                        + '): give fewer clients or configurations, a smaller --cohort_size, or '
-                        '--client_state=disk (or raise ulimit -v); ' + faults.kept()),
-            faults.EXIT_CONFIG, quiet=True)
+      what = (
+        f'out of memory (XLA: {str(e).splitlines()[0][:160]}'
+        if 'RESOURCE_EXHAUSTED' in str(e)
+        else f'out of host memory ({type(e).__name__}'
+      )
+      _fail(
+        ConfigError(
+          'num_clients',
+          what
+          + (
+            f'; {left / placement.GB:.1f} GB left to this process'
+            if left
+            else ''
+          )
+          + '): give fewer clients or configurations, a smaller --cohort_size, or '
+          '--client_state=disk (or raise ulimit -v); ' + faults.kept(),
+        ),
+        faults.EXIT_CONFIG,
+        quiet=True,
+      )
     if faults.storage_reason(e):
-      name = getattr(e, 'filename', None) or settings.output.output_dir or 'the output folder'
+      name = (
+        getattr(e, 'filename', None)
+        or settings.output.output_dir
+        or 'the output folder'
+      )
       _fail(faults.storage_error(name, e), faults.EXIT_STORAGE)
     reason = faults.lost_process_reason(e) if distributed.active() else None
     if reason:
-      time.sleep(4 * distributed.POLL_SECONDS)  # the lost one's heartbeat goes stale
+      time.sleep(
+        4 * distributed.POLL_SECONDS
+      )  # the lost one's heartbeat goes stale
       silent = distributed.silent_processes()
       reason = f'{silent} stopped answering: {reason}' if silent else reason
-      _fail(faults.lost_process(reason, settings.distributed.coordinator_address
-                                or '(from the environment)'),
-            faults.EXIT_LOST_PROCESS)
+      _fail(
+        faults.lost_process(
+          reason,
+          settings.distributed.coordinator_address or '(from the environment)',
+        ),
+        faults.EXIT_LOST_PROCESS,
+      )
     if distributed.report_failure(f'{type(e).__name__}: {e}'):
       traceback.print_exc()
       distributed.hard_exit(1)
@@ -123,7 +163,9 @@ def _fail(error, status: int, quiet: bool = False):
   """Prints the fault's one line and exits with ``status`` (``quiet``: at
   once, no interpreter shutdown: out of memory, exit handlers would fail
   again and print)."""
-  if not faults.claim_report(status):  # a runtime thread already reported this fault
+  if not faults.claim_report(
+    status
+  ):  # a runtime thread already reported this fault
     faults.exit_after_report()
   print(f'error: {error}', file=faults.error_stream(), flush=True)
   faults.printed_report()

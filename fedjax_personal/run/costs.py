@@ -3,20 +3,28 @@
 device's matmul rate and memory bandwidth measured in the same process.
 """
 
+import contextlib
 import time
 from typing import Optional, Tuple
+
 import jax
 import jax.numpy as jnp
 import optax
+
+from fedjax_personal import numerics
 from fedjax_personal.core.training import Batch, batch_loss
 from fedjax_personal.models import layers
-import contextlib
-from fedjax_personal import numerics
 
-__all__ = ['local_step_cost', 'matmul_flops_per_second', 'stream_bytes_per_second']
+__all__ = [
+  'local_step_cost',
+  'matmul_flops_per_second',
+  'stream_bytes_per_second',
+]
 
 
-def local_step_cost(model, opt, batch_size: int, in_shape, x_dtype='uint8') -> Tuple[float, float, object]:
+def local_step_cost(
+  model, opt, batch_size: int, in_shape, x_dtype='uint8'
+) -> Tuple[float, float, object]:
   """XLA's cost analysis of one local SGD step (forward, backward, update).
 
   The analysis counts a loop's body once, so the step is analysed with
@@ -38,22 +46,35 @@ def local_step_cost(model, opt, batch_size: int, in_shape, x_dtype='uint8') -> T
   params = model.init(jax.random.key(0))
 
   def step(p, s, x, y):
-    g = jax.grad(lambda q: batch_loss(model, q, Batch(x, y, jnp.ones(x.shape[0], bool)))[0])(p)
+    g = jax.grad(
+      lambda q: batch_loss(model, q, Batch(x, y, jnp.ones(x.shape[0], bool)))[0]
+    )(p)
     u, s = opt.update(g, s, p)
     return optax.apply_updates(p, u), s
+
   x = jnp.zeros((batch_size,) + tuple(in_shape), x_dtype)
   y = jnp.zeros((batch_size,), jnp.int32)
   tile, layers.TILE_BYTES = layers.TILE_BYTES, 0
   try:
-    cost = jax.jit(step).lower(params, opt.init(params), x, y).compile().cost_analysis()
+    cost = (
+      jax.jit(step)
+      .lower(params, opt.init(params), x, y)
+      .compile()
+      .cost_analysis()
+    )
   finally:
     layers.TILE_BYTES = tile
   cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-  return float(cost.get('flops', 0.0)), float(cost.get('bytes accessed', 0.0)), step
+  return (
+    float(cost.get('flops', 0.0)),
+    float(cost.get('bytes accessed', 0.0)),
+    step,
+  )
 
 
-def matmul_flops_per_second(n: int = 2048, reps: int = 10,
-                            precision: Optional[str] = None) -> float:
+def matmul_flops_per_second(
+  n: int = 2048, reps: int = 10, precision: Optional[str] = None
+) -> float:
   """The float32 rate of an ``n`` x ``n`` matmul on the default device.
 
   Args:
@@ -67,15 +88,18 @@ def matmul_flops_per_second(n: int = 2048, reps: int = 10,
   """
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
   f = jax.jit(lambda a: a @ a)
-  scope = (contextlib.nullcontext() if precision is None
-           else jax.default_matmul_precision(numerics.MATMUL_PRECISIONS[precision]))
+  scope = (
+    contextlib.nullcontext()
+    if precision is None
+    else jax.default_matmul_precision(numerics.MATMUL_PRECISIONS[precision])
+  )
   with scope:  # part of the jit key: compiled at this precision
     f(a).block_until_ready()
     t = time.perf_counter()
     for _ in range(reps):
       out = f(a)
     out.block_until_ready()
-  return 2 * n ** 3 * reps / (time.perf_counter() - t)
+  return 2 * n**3 * reps / (time.perf_counter() - t)
 
 
 def stream_bytes_per_second(mib: int = 64, reps: int = 10) -> float:

@@ -42,21 +42,37 @@ from typing import Any, Dict, Optional
 
 import jax
 import numpy as np
+from jax._src import (
+  distributed as jax_distributed,  # its client: no public accessor
+)
+from jax.experimental import multihost_utils
 
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.hparams import Declared, hparam
 from fedjax_personal.run import faults
-from jax._src import distributed as jax_distributed  # its client: no public accessor
-from jax.experimental import multihost_utils
 
-__all__ = ['active', 'barrier', 'check_same_run', 'describe', 'DistributedSettings', 'hard_exit',
-           'initialize',
-           'is_primary', 'POLL_SECONDS', 'report_failure', 'settings', 'silent_processes']
+__all__ = [
+  'active',
+  'barrier',
+  'check_same_run',
+  'describe',
+  'DistributedSettings',
+  'hard_exit',
+  'initialize',
+  'is_primary',
+  'POLL_SECONDS',
+  'report_failure',
+  'settings',
+  'silent_processes',
+]
 
 
 ERROR_KEY = 'fedjax_personal/error'
-ENV = {'coordinator_address': 'JAX_COORDINATOR_ADDRESS', 'num_processes': 'JAX_NUM_PROCESSES',
-       'process_id': 'JAX_PROCESS_ID'}
+ENV = {
+  'coordinator_address': 'JAX_COORDINATOR_ADDRESS',
+  'num_processes': 'JAX_NUM_PROCESSES',
+  'process_id': 'JAX_PROCESS_ID',
+}
 CLUSTER_ENV = ('SLURM_JOB_ID', 'OMPI_COMM_WORLD_SIZE')
 
 _STATE: Dict[str, Any] = {'initialized': False}
@@ -67,20 +83,32 @@ class DistributedSettings(Declared):
   """The processes of one run, declared once (``hparam``; the command's flags
   are generated from these fields). Not given: the environment's, else one
   process (``settings``)."""
+
   coordinator_address: Optional[str] = hparam(
-      None, 'Several processes (one per host, or several on one machine): host:port of process '
-      '0 (default: $JAX_COORDINATOR_ADDRESS; on a SLURM / Open MPI allocation JAX finds the '
-      'launch settings itself).')
-  num_processes: Optional[int] = hparam(None, 'Processes of the run (default: '
-                                        '$JAX_NUM_PROCESSES).')
-  process_id: Optional[int] = hparam(None, 'This process, 0 .. num_processes - 1 (default: '
-                                     '$JAX_PROCESS_ID).')
-  distributed_timeout: int = hparam(60, 'Seconds to wait for the other processes to join, and '
-                                    'for a silent one before the others stop.', minimum=1)
+    None,
+    'Several processes (one per host, or several on one machine): host:port of process '
+    '0 (default: $JAX_COORDINATOR_ADDRESS; on a SLURM / Open MPI allocation JAX finds the '
+    'launch settings itself).',
+  )
+  num_processes: Optional[int] = hparam(
+    None, 'Processes of the run (default: $JAX_NUM_PROCESSES).'
+  )
+  process_id: Optional[int] = hparam(
+    None, 'This process, 0 .. num_processes - 1 (default: $JAX_PROCESS_ID).'
+  )
+  distributed_timeout: int = hparam(
+    60,
+    'Seconds to wait for the other processes to join, and '
+    'for a silent one before the others stop.',
+    minimum=1,
+  )
 
 
-def settings(coordinator_address: Optional[str], num_processes: Optional[int],
-             process_id: Optional[int]) -> Optional[dict]:
+def settings(
+  coordinator_address: Optional[str],
+  num_processes: Optional[int],
+  process_id: Optional[int],
+) -> Optional[dict]:
   """The launch settings from the flags, else the environment; None for a
   single process. Raises ConfigError for an incomplete or inconsistent set.
 
@@ -92,11 +120,16 @@ def settings(coordinator_address: Optional[str], num_processes: Optional[int],
   Returns:
     The launch settings, or None.
   """
-  given: Dict[str, Any] = {'coordinator_address': coordinator_address,
-                           'num_processes': num_processes, 'process_id': process_id}
+  given: Dict[str, Any] = {
+    'coordinator_address': coordinator_address,
+    'num_processes': num_processes,
+    'process_id': process_id,
+  }
   for k, var in ENV.items():
     if given[k] is None and os.environ.get(var):
-      given[k] = os.environ[var] if k == 'coordinator_address' else _int_env(var)
+      given[k] = (
+        os.environ[var] if k == 'coordinator_address' else _int_env(var)
+      )
   if all(v is None for v in given.values()):
     if any(os.environ.get(v) for v in CLUSTER_ENV):
       return {}  # JAX detects the cluster's own settings
@@ -105,16 +138,25 @@ def settings(coordinator_address: Optional[str], num_processes: Optional[int],
     return None
   for k, v in given.items():
     if v is None:
-      raise ConfigError(k, 'give --coordinator_address, --num_processes and --process_id '
-                        f'together (or {", ".join(ENV.values())})')
+      raise ConfigError(
+        k,
+        'give --coordinator_address, --num_processes and --process_id '
+        f'together (or {", ".join(ENV.values())})',
+      )
   if given['num_processes'] < 1:
-    raise ConfigError('num_processes', f'must be >= 1, got {given["num_processes"]}')
+    raise ConfigError(
+      'num_processes', f'must be >= 1, got {given["num_processes"]}'
+    )
   if not 0 <= given['process_id'] < given['num_processes']:
-    raise ConfigError('process_id', f'must be in [0, {given["num_processes"]}), got '
-                      f'{given["process_id"]}')
+    raise ConfigError(
+      'process_id',
+      f'must be in [0, {given["num_processes"]}), got {given["process_id"]}',
+    )
   if ':' not in given['coordinator_address']:
-    raise ConfigError('coordinator_address', f'expected host:port, got '
-                      f'{given["coordinator_address"]!r}')
+    raise ConfigError(
+      'coordinator_address',
+      f'expected host:port, got {given["coordinator_address"]!r}',
+    )
   return given
 
 
@@ -122,8 +164,10 @@ def _int_env(var):
   try:
     return int(os.environ[var])
   except ValueError:
-    raise ConfigError(var.lower().replace('jax_', ''), f'${var} is not an integer: '
-                      f'{os.environ[var]!r}') from None
+    raise ConfigError(
+      var.lower().replace('jax_', ''),
+      f'${var} is not an integer: {os.environ[var]!r}',
+    ) from None
 
 
 def initialize(launch: Optional[dict], timeout: int = 60) -> None:
@@ -151,18 +195,30 @@ def initialize(launch: Optional[dict], timeout: int = 60) -> None:
   n, pid = launch.get('num_processes', '?'), launch.get('process_id', '?')
   # JAX aborts the process (C++ check failure) when its initialization times
   # out: this timer says which process waited for what, first.
-  timer = threading.Timer(timeout, _never_joined, (pid, n, _STATE['address'], timeout))
+  timer = threading.Timer(
+    timeout, _never_joined, (pid, n, _STATE['address'], timeout)
+  )
   timer.daemon = True
   timer.start()
   try:
-    jax.distributed.initialize(**launch, initialization_timeout=timeout + JAX_GRACE_SECONDS,
-                               heartbeat_timeout_seconds=2 * timeout + JAX_GRACE_SECONDS)
-  except Exception as e:  # JAX raises several types for an unreachable coordinator
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise ConfigError('coordinator_address', f'could not join the coordinator at '
-                      f'{launch.get("coordinator_address", "(detected)")} within {timeout} s '
-                      f'as process {launch.get("process_id", "?")} of '
-                      f'{launch.get("num_processes", "?")}: {first[:200]}') from None
+    jax.distributed.initialize(
+      **launch,
+      initialization_timeout=timeout + JAX_GRACE_SECONDS,
+      heartbeat_timeout_seconds=2 * timeout + JAX_GRACE_SECONDS,
+    )
+  except (
+    Exception
+  ) as e:  # JAX raises several types for an unreachable coordinator
+    first = (
+      str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    )
+    raise ConfigError(
+      'coordinator_address',
+      f'could not join the coordinator at '
+      f'{launch.get("coordinator_address", "(detected)")} within {timeout} s '
+      f'as process {launch.get("process_id", "?")} of '
+      f'{launch.get("num_processes", "?")}: {first[:200]}',
+    ) from None
   finally:
     timer.cancel()
   _STATE['initialized'] = True
@@ -176,13 +232,20 @@ JAX_GRACE_SECONDS = 15
 
 def _never_joined(pid, n, address, timeout) -> None:
   if pid == 0:
-    what = (f'the other processes of {n} did not all join the coordinator at {address} within '
-            f'{timeout} s; start each with the same command and its --process_id (1..{n - 1 if isinstance(n, int) else "?"})')
+    what = (
+      f'the other processes of {n} did not all join the coordinator at {address} within '
+      f'{timeout} s; start each with the same command and its --process_id (1..{n - 1 if isinstance(n, int) else "?"})'
+    )
   else:
-    what = (f'the run did not start within {timeout} s: not every process of {n} joined the '
-            f'coordinator at {address}; start the missing ones with the same command')
-  print(f'error: process {pid}: {what} (or raise --distributed_timeout)', file=sys.stderr,
-        flush=True)
+    what = (
+      f'the run did not start within {timeout} s: not every process of {n} joined the '
+      f'coordinator at {address}; start the missing ones with the same command'
+    )
+  print(
+    f'error: process {pid}: {what} (or raise --distributed_timeout)',
+    file=sys.stderr,
+    flush=True,
+  )
   faults.quiet_exit(faults.EXIT_LOST_PROCESS)
 
 
@@ -194,15 +257,19 @@ def _preflight(address: str, process_id: int, timeout: int) -> None:
   try:
     port = int(port_text)
   except ValueError:
-    raise ConfigError('coordinator_address', f'expected host:port, got {address!r}') from None
+    raise ConfigError(
+      'coordinator_address', f'expected host:port, got {address!r}'
+    ) from None
   if process_id == 0:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
       s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
       try:
         s.bind(('', port))
       except OSError as e:
-        raise ConfigError('coordinator_address', f'process 0 cannot listen on port {port}: '
-                          f'{e.strerror or e}') from None
+        raise ConfigError(
+          'coordinator_address',
+          f'process 0 cannot listen on port {port}: {e.strerror or e}',
+        ) from None
     return
   deadline = time.monotonic() + timeout
   while True:
@@ -211,9 +278,12 @@ def _preflight(address: str, process_id: int, timeout: int) -> None:
         return
     except OSError:
       if time.monotonic() > deadline:
-        raise ConfigError('coordinator_address', f'process {process_id}: nothing answers at '
-                          f'{address} within {timeout} s: start process 0 there, or fix the '
-                          'address') from None
+        raise ConfigError(
+          'coordinator_address',
+          f'process {process_id}: nothing answers at '
+          f'{address} within {timeout} s: start process 0 there, or fix the '
+          'address',
+        ) from None
       time.sleep(0.25)
 
 
@@ -253,29 +323,42 @@ def _start_watchdog():
 
   def watch():
     client = _client()
-    beats, last_seen, reached = 0, _STATE.setdefault('last_seen', {}), time.monotonic()
+    beats, last_seen, reached = (
+      0,
+      _STATE.setdefault('last_seen', {}),
+      time.monotonic(),
+    )
     who = _STATE.setdefault('who', {})
     try:
-      client.key_value_set(f'{WHO_KEY}/{me}', f'pid {os.getpid()} on {socket.gethostname()}',
-                           allow_overwrite=True)
+      client.key_value_set(
+        f'{WHO_KEY}/{me}',
+        f'pid {os.getpid()} on {socket.gethostname()}',
+        allow_overwrite=True,
+      )
     except Exception:  # the coordinator does not answer: found below
       pass
     while not _STOP.wait(POLL_SECONDS):
       now = time.monotonic()
       beats += 1
       try:
-        client.key_value_set(f'{ALIVE_KEY}/{me}', str(beats), allow_overwrite=True)
+        client.key_value_set(
+          f'{ALIVE_KEY}/{me}', str(beats), allow_overwrite=True
+        )
         reached = now
       except Exception:  # the coordinator does not answer
         if now - reached > timeout and not _STOP.is_set():
-          _lost(f'the coordinator (process 0 at {_STATE.get("address")}) stopped answering '
-                f'{timeout} s ago')
+          _lost(
+            f'the coordinator (process 0 at {_STATE.get("address")}) stopped answering '
+            f'{timeout} s ago'
+          )
         continue
       try:
         msg = client.key_value_try_get(ERROR_KEY)
       except Exception:  # not set yet (NOT_FOUND), or the service is going away
         msg = None
-      if _STOP.is_set():  # this process is already stopping with its own message
+      if (
+        _STOP.is_set()
+      ):  # this process is already stopping with its own message
         return
       if msg is not None:
         status, _, text = msg.partition(' ')
@@ -300,13 +383,19 @@ def _start_watchdog():
             except Exception:  # not posted yet
               pass
         elif pid in last_seen and now - last_seen[pid][1] > timeout:
-          _lost(f'{describe(pid)} has been silent for {timeout} s (killed, or its machine gone)')
-  thread = threading.Thread(target=watch, name='fedjax_personal-watchdog', daemon=True)
+          _lost(
+            f'{describe(pid)} has been silent for {timeout} s (killed, or its machine gone)'
+          )
+
+  thread = threading.Thread(
+    target=watch, name='fedjax_personal-watchdog', daemon=True
+  )
   thread.start()
 
   def stop():
     _STOP.set()
     thread.join()
+
   # atexit runs handlers last-registered first: this one before JAX's shutdown.
   atexit.register(stop)
 
@@ -341,7 +430,9 @@ def silent_processes() -> str:
   if not seen:
     return ''
   now = time.monotonic()
-  stale = sorted((t, i) for i, (_, t) in seen.items() if now - t > 3 * POLL_SECONDS)
+  stale = sorted(
+    (t, i) for i, (_, t) in seen.items() if now - t > 3 * POLL_SECONDS
+  )
   return ', '.join(describe(i) for _, i in stale[:2])
 
 
@@ -349,9 +440,15 @@ def _lost(what: str) -> None:
   if not faults.claim_report(faults.EXIT_LOST_PROCESS):
     faults.exit_after_report()
   line = faults.lost_process(what, _STATE.get('address')).args[0]
-  print(f'error: process {jax.process_index()}: {line}', file=faults.error_stream(), flush=True)
+  print(
+    f'error: process {jax.process_index()}: {line}',
+    file=faults.error_stream(),
+    flush=True,
+  )
   faults.printed_report()
   faults.quiet_exit(faults.EXIT_LOST_PROCESS)
+
+
 #: How long process 0, which hosts the coordinator, outlives the others when
 #: the run stops with an error: its exit takes the coordinator down, and JAX
 #: aborts a process whose coordinator disappears before it could exit itself.
@@ -390,7 +487,9 @@ def report_failure(message: str, status: int = 3) -> bool:
   if not _STATE['initialized']:
     return False
   try:
-    _client().key_value_set(ERROR_KEY, f'{status} process {jax.process_index()}: {message}')
+    _client().key_value_set(
+      ERROR_KEY, f'{status} process {jax.process_index()}: {message}'
+    )
   except Exception:  # the coordinator is gone: the others stop by its heartbeat
     pass
   return True
@@ -398,7 +497,11 @@ def report_failure(message: str, status: int = 3) -> bool:
 
 def allgather_ints(values) -> list:
   """Every process's int values, concatenated (a small collective)."""
-  return np.asarray(multihost_utils.process_allgather(np.asarray(values, np.int32))).reshape(-1).tolist()
+  return (
+    np.asarray(multihost_utils.process_allgather(np.asarray(values, np.int32)))
+    .reshape(-1)
+    .tolist()
+  )
 
 
 def _allgather_bytes(data: bytes):
@@ -406,9 +509,11 @@ def _allgather_bytes(data: bytes):
   n = np.asarray([len(data)], np.int64)
   lengths = np.asarray(multihost_utils.process_allgather(n)).reshape(-1)
   buf = np.zeros(int(lengths.max()), np.uint8)
-  buf[:len(data)] = np.frombuffer(data, np.uint8)
-  got = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(lengths), -1)
-  return [bytes(got[i, :lengths[i]]) for i in range(len(lengths))]
+  buf[: len(data)] = np.frombuffer(data, np.uint8)
+  got = np.asarray(multihost_utils.process_allgather(buf)).reshape(
+    len(lengths), -1
+  )
+  return [bytes(got[i, : lengths[i]]) for i in range(len(lengths))]
 
 
 def check_same_run(identity: dict, differences) -> None:
@@ -436,9 +541,11 @@ def check_same_run(identity: dict, differences) -> None:
   for pid, t in enumerate(texts):
     diff = differences(ref, json.loads(t))
     if diff:
-      raise ConfigError(diff[0].split(':')[0].split('.')[-1],
-                        f'process {pid} runs another configuration than process 0: '
-                        + '; '.join(diff[:3]))
+      raise ConfigError(
+        diff[0].split(':')[0].split('.')[-1],
+        f'process {pid} runs another configuration than process 0: '
+        + '; '.join(diff[:3]),
+      )
 
 
 def barrier(name: str) -> None:

@@ -20,13 +20,26 @@ from typing import Any, Dict, List, Optional, Sequence
 import jax
 import numpy as np
 
-from fedjax_personal.core.engine import (PRE_ROUND, PRE_ROUND_RAN, RoundRunner, communication_metrics,
-                                    evaluation_record)
+from fedjax_personal.core.engine import (
+  PRE_ROUND,
+  PRE_ROUND_RAN,
+  RoundRunner,
+  communication_metrics,
+  evaluation_record,
+)
 from fedjax_personal.core.training import LossStats
 from fedjax_personal.run import faults
 
-__all__ = ['Callback', 'DivergenceError', 'SingleRun', 'communication_metrics', 'run', 'run_many',
-           'rounds_to_target', 'seed_keys']
+__all__ = [
+  'Callback',
+  'DivergenceError',
+  'SingleRun',
+  'communication_metrics',
+  'run',
+  'run_many',
+  'rounds_to_target',
+  'seed_keys',
+]
 
 
 class DivergenceError(RuntimeError):
@@ -37,7 +50,9 @@ class DivergenceError(RuntimeError):
       (the diverged rounds marked), for callers that report diverged runs.
   """
 
-  def __init__(self, message: str, histories: Optional[List[List[dict]]] = None):
+  def __init__(
+    self, message: str, histories: Optional[List[List[dict]]] = None
+  ):
     super().__init__(message)
     self.histories = histories
 
@@ -83,7 +98,8 @@ def _folded(key, first):
   """``fold_in(key, first + i)`` for i < ``ROUND_KEY_CHUNK``, each an output
   of its own (no second program to split them)."""
   keys = jax.vmap(lambda t: jax.random.fold_in(key, t))(
-      first + jax.numpy.arange(ROUND_KEY_CHUNK, dtype=jax.numpy.uint32))
+    first + jax.numpy.arange(ROUND_KEY_CHUNK, dtype=jax.numpy.uint32)
+  )
   return tuple(keys[i] for i in range(ROUND_KEY_CHUNK))
 
 
@@ -111,7 +127,10 @@ class SingleRun:
   def __init__(self, runner: RoundRunner, seed: int = 0):
     self.runner, self.seed = runner, seed
     self.init_key, self.train_key, self.eval_key = seed_keys(seed)
-    self.round_key, self.eval_round_key = RoundKeys(self.train_key), RoundKeys(self.eval_key)
+    self.round_key, self.eval_round_key = (
+      RoundKeys(self.train_key),
+      RoundKeys(self.eval_key),
+    )
     self.labels = [None]
 
   @property
@@ -123,9 +142,12 @@ class SingleRun:
 
   def round(self, state, t: int, donate: bool = True):
     """(state, {name: [1] array}) of round t."""
-    state, metrics = self.runner.round(state, self.round_key(t), t, donate=donate,
-                                       next_key=self.round_key(t + 1))
-    return state, jax.tree.map(lambda v: np.asarray(v)[None], jax.device_get(metrics))
+    state, metrics = self.runner.round(
+      state, self.round_key(t), t, donate=donate, next_key=self.round_key(t + 1)
+    )
+    return state, jax.tree.map(
+      lambda v: np.asarray(v)[None], jax.device_get(metrics)
+    )
 
   def evaluate(self, state, t: int) -> LossStats:
     """Per-client LossStats with a leading configuration axis [1, N]."""
@@ -151,9 +173,15 @@ def _records(t: int, metrics: dict, seconds: float, labels) -> List[dict]:
   return records
 
 
-def run_many(runs, num_rounds: int, eval_every: int = 5, callbacks: Sequence[Callback] = (),
-             state: Any = None, start_round: int = 0,
-             histories: Optional[List[List[dict]]] = None):
+def run_many(
+  runs,
+  num_rounds: int,
+  eval_every: int = 5,
+  callbacks: Sequence[Callback] = (),
+  state: Any = None,
+  start_round: int = 0,
+  histories: Optional[List[List[dict]]] = None,
+):
   """Runs ``num_rounds`` rounds of S configurations, evaluating every
   ``eval_every`` rounds and at the end.
 
@@ -176,18 +204,28 @@ def run_many(runs, num_rounds: int, eval_every: int = 5, callbacks: Sequence[Cal
   num = runs.num_configs
   if state is None:
     state = runs.init()
-  histories = [list(h) for h in histories] if histories else [[] for _ in range(num)]
-  diverged = [next((r['round'] for r in h if r.get('diverged')), None) for h in histories]
+  histories = (
+    [list(h) for h in histories] if histories else [[] for _ in range(num)]
+  )
+  diverged = [
+    next((r['round'] for r in h if r.get('diverged')), None) for h in histories
+  ]
   for cb in callbacks:
     cb.on_start(runs, state)
   for t in range(start_round, num_rounds):
     start = time.perf_counter()
     state, metrics = runs.round(state, t)
-    records = _records(t, dict(metrics), (time.perf_counter() - start) / num, runs.labels)
-    evaluated = (eval_every and (t + 1) % eval_every == 0) or t + 1 == num_rounds
+    records = _records(
+      t, dict(metrics), (time.perf_counter() - start) / num, runs.labels
+    )
+    evaluated = (
+      eval_every and (t + 1) % eval_every == 0
+    ) or t + 1 == num_rounds
     stats = runs.evaluate(state, t) if evaluated else None
     for s, record in enumerate(records):
-      if diverged[s] is None and not math.isfinite(record.get('train_loss', 0.0)):
+      if diverged[s] is None and not math.isfinite(
+        record.get('train_loss', 0.0)
+      ):
         diverged[s] = t + 1
       if diverged[s] is not None:
         record['diverged'], record['diverged_at_round'] = True, diverged[s]
@@ -207,16 +245,26 @@ def run_many(runs, num_rounds: int, eval_every: int = 5, callbacks: Sequence[Cal
       loss = records[0].get('train_loss')
       which = 'training' if num == 1 else f'all {num} configurations'
       first = min(d for d in diverged if d is not None)
-      raise DivergenceError(f'{which} diverged (round {first}: train loss {loss}); '
-                            'lower --client_lr (or --server_lr)', histories)
+      raise DivergenceError(
+        f'{which} diverged (round {first}: train loss {loss}); '
+        'lower --client_lr (or --server_lr)',
+        histories,
+      )
   for cb in callbacks:
     cb.on_end(histories, state)
   return state, histories
 
 
-def run(runner: RoundRunner, num_rounds: int, seed: int = 0, eval_every: int = 5,
-        callbacks: Sequence[Callback] = (), state: Any = None, start_round: int = 0,
-        history: Optional[List[dict]] = None):
+def run(
+  runner: RoundRunner,
+  num_rounds: int,
+  seed: int = 0,
+  eval_every: int = 5,
+  callbacks: Sequence[Callback] = (),
+  state: Any = None,
+  start_round: int = 0,
+  history: Optional[List[dict]] = None,
+):
   """One run (``run_many`` of a ``SingleRun``).
 
   Args:
@@ -237,12 +285,21 @@ def run(runner: RoundRunner, num_rounds: int, seed: int = 0, eval_every: int = 5
   Raises:
     DivergenceError: when a round's training loss is not finite.
   """
-  state, histories = run_many(SingleRun(runner, seed), num_rounds, eval_every, callbacks, state,
-                              start_round, [history] if history else None)
+  state, histories = run_many(
+    SingleRun(runner, seed),
+    num_rounds,
+    eval_every,
+    callbacks,
+    state,
+    start_round,
+    [history] if history else None,
+  )
   return state, histories[0]
 
 
-def rounds_to_target(history: List[dict], target: float, key: str = 'accuracy_mean'):
+def rounds_to_target(
+  history: List[dict], target: float, key: str = 'accuracy_mean'
+):
   """First evaluated round whose ``key`` reaches ``target`` (None if never).
 
   Args:

@@ -19,6 +19,7 @@ kept and the next command.
 """
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import os
@@ -31,15 +32,38 @@ from typing import Any, Dict, Optional
 
 from fedjax_personal.core import host
 from fedjax_personal.errors import HostLimitError
-import ctypes
 
-__all__ = ['captured_stderr', 'claim_report', 'error_stream', 'exit_after_report', 'EXIT_SIGNAL',
-           'Fault', 'printed_report', 'finished_line', 'fit_address_space_limit',
-           'out_of_address_space', 'out_of_memory', 'install_signal_handlers', 'Interrupted',
-           'interrupted', 'kept', 'lost_process', 'lost_process_reason', 'LostProcess', 'PROGRESS',
-           'quiet_exit', 'reported_status', 'share_stop_requests', 'signal_received',
-           'start_algorithm', 'stop_requested', 'storage_error', 'storage_reason', 'StorageError',
-           'where']
+__all__ = [
+  'captured_stderr',
+  'claim_report',
+  'error_stream',
+  'exit_after_report',
+  'EXIT_SIGNAL',
+  'Fault',
+  'printed_report',
+  'finished_line',
+  'fit_address_space_limit',
+  'out_of_address_space',
+  'out_of_memory',
+  'install_signal_handlers',
+  'Interrupted',
+  'interrupted',
+  'kept',
+  'lost_process',
+  'lost_process_reason',
+  'LostProcess',
+  'PROGRESS',
+  'quiet_exit',
+  'reported_status',
+  'share_stop_requests',
+  'signal_received',
+  'start_algorithm',
+  'stop_requested',
+  'storage_error',
+  'storage_reason',
+  'StorageError',
+  'where',
+]
 
 
 EXIT_CONFIG, EXIT_DIVERGED, EXIT_LOST_PROCESS, EXIT_STORAGE = 2, 3, 69, 74
@@ -48,11 +72,13 @@ EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 class Fault(Exception):
   """A fault with its exit status; ``str`` is the whole one-line message."""
+
   status = 1
 
 
 class Interrupted(Fault):
   """Ctrl-C or SIGTERM: the run stopped after a round (exit 130 / 143)."""
+
   def __init__(self, message: str, status: int = 130):
     super().__init__(message)
     self.status = status
@@ -60,11 +86,13 @@ class Interrupted(Fault):
 
 class StorageError(Fault):
   """A full or read-only disk (exit 74)."""
+
   status = EXIT_STORAGE
 
 
 class LostProcess(Fault):
   """A process of a several-process run is gone (exit 69)."""
+
   status = EXIT_LOST_PROCESS
 
 
@@ -72,6 +100,7 @@ class LostProcess(Fault):
 class _Progress:
   """Where the run stands, for the fault line: the algorithm, the last
   finished round, the last durable checkpoint."""
+
   algorithm: str = ''
   round: int = 0
   checkpoint_round: Optional[int] = None
@@ -85,9 +114,15 @@ class _Progress:
 PROGRESS = _Progress()
 
 
-def start_algorithm(name: str, start_round: int, checkpoint_dir: str, checkpointing: bool,
-                    checkpoint_round: Optional[int] = None, rounds: int = 0,
-                    later: int = 0) -> None:
+def start_algorithm(
+  name: str,
+  start_round: int,
+  checkpoint_dir: str,
+  checkpointing: bool,
+  checkpoint_round: Optional[int] = None,
+  rounds: int = 0,
+  later: int = 0,
+) -> None:
   """Records where the run is (the algorithm, its rounds and checkpoints) for
   the one-line fault messages.
 
@@ -104,9 +139,16 @@ def start_algorithm(name: str, start_round: int, checkpoint_dir: str, checkpoint
   Returns:
     None.
   """
-  PROGRESS.algorithm, PROGRESS.round, PROGRESS.rounds = name, start_round, rounds
+  PROGRESS.algorithm, PROGRESS.round, PROGRESS.rounds = (
+    name,
+    start_round,
+    rounds,
+  )
   PROGRESS.later = later
-  PROGRESS.checkpoint_dir, PROGRESS.checkpointing = checkpoint_dir, checkpointing
+  PROGRESS.checkpoint_dir, PROGRESS.checkpointing = (
+    checkpoint_dir,
+    checkpointing,
+  )
   PROGRESS.checkpoint_round = checkpoint_round
 
 
@@ -119,13 +161,19 @@ def kept() -> str:
   p = PROGRESS
   if not p.algorithm:
     return 'nothing was trained yet; run the same command again'
-  if p.checkpoint_round:  # (--resume starts the algorithms after it, which have none)
-    return (f'checkpoint of round {p.checkpoint_round} of {p.algorithm} kept in '
-            f'{p.checkpoint_dir}; continue with the same command and --resume')
+  if (
+    p.checkpoint_round
+  ):  # (--resume starts the algorithms after it, which have none)
+    return (
+      f'checkpoint of round {p.checkpoint_round} of {p.algorithm} kept in '
+      f'{p.checkpoint_dir}; continue with the same command and --resume'
+    )
   if p.checkpointing:
     return 'no checkpoint written yet; run the same command again'
-  return ('no checkpoint (--checkpoint_every=0); run the same command again, with '
-          '--checkpoint_every=N to be able to resume')
+  return (
+    'no checkpoint (--checkpoint_every=0); run the same command again, with '
+    '--checkpoint_every=N to be able to resume'
+  )
 
 
 def where() -> str:
@@ -137,7 +185,9 @@ def where() -> str:
   p = PROGRESS
   if not p.algorithm:
     return 'start-up'
-  if p.rounds and p.round >= p.rounds:  # its rounds are done: evaluating, writing its results
+  if (
+    p.rounds and p.round >= p.rounds
+  ):  # its rounds are done: evaluating, writing its results
     return f'the last round of {p.algorithm} (its results are being written)'
   return f'round {p.round + 1} of {p.algorithm}'
 
@@ -155,9 +205,11 @@ def finished_line(output_dir: Optional[str] = None) -> Optional[str]:
   if not signal_received():
     return None
   name = 'interrupted' if _REQUEST['signal'] == signal.SIGINT else 'terminated'
-  return (f'{name} after the last round of {PROGRESS.algorithm}: every algorithm finished and '
-          f'its results are written in {output_dir or PROGRESS.output_dir or "the output folder"}; '
-          'nothing to resume')
+  return (
+    f'{name} after the last round of {PROGRESS.algorithm}: every algorithm finished and '
+    f'its results are written in {output_dir or PROGRESS.output_dir or "the output folder"}; '
+    'nothing to resume'
+  )
 
 
 # -- signals ------------------------------------------------------------------
@@ -186,13 +238,18 @@ def install_signal_handlers() -> None:
   Returns:
     None.
   """
+
   def handler(signum, frame):
     if _REQUEST['signal'] is not None:
       signal.signal(signal.SIGINT, signal.default_int_handler)
       raise KeyboardInterrupt
     _REQUEST['signal'] = signum
-    print(f'\nstopping after {where()} (press Ctrl-C again to stop at once)', file=sys.stderr,
-          flush=True)
+    print(
+      f'\nstopping after {where()} (press Ctrl-C again to stop at once)',
+      file=sys.stderr,
+      flush=True,
+    )
+
   for s in EXIT_SIGNAL:
     signal.signal(s, handler)
   _REQUEST['installed'] = True
@@ -222,7 +279,9 @@ def stop_requested() -> bool:
     return mine
   codes = _REQUEST['agree'](EXIT_SIGNAL[_REQUEST['signal']] if mine else 0)
   if any(codes) and not mine:
-    _REQUEST['signal'] = next(s for s, c in EXIT_SIGNAL.items() if c == max(codes))
+    _REQUEST['signal'] = next(
+      s for s, c in EXIT_SIGNAL.items() if c == max(codes)
+    )
   return any(codes)
 
 
@@ -239,11 +298,15 @@ def interrupted(during_round: bool = False) -> Interrupted:
   signum = _REQUEST['signal'] or signal.SIGINT
   name = 'interrupted' if signum == signal.SIGINT else 'terminated'
   p = PROGRESS
-  at = ('during start-up' if not p.algorithm
-        else f'during {where()}' if during_round
-        else f'after the last round of {p.algorithm}, its results written'
-        if p.rounds and p.round >= p.rounds
-        else f'after round {p.round} of {p.algorithm}')
+  at = (
+    'during start-up'
+    if not p.algorithm
+    else f'during {where()}'
+    if during_round
+    else f'after the last round of {p.algorithm}, its results written'
+    if p.rounds and p.round >= p.rounds
+    else f'after round {p.round} of {p.algorithm}'
+  )
   return Interrupted(f'{name} {at}; {kept()}', EXIT_SIGNAL[signum])
 
 
@@ -278,12 +341,17 @@ def fit_address_space_limit() -> None:
   if limit is None:
     return
   if limit < LEAST_ADDRESS_SPACE:
-    raise HostLimitError('ulimit -v', f'the process may use {limit / 2**30:.2f} GB of address space; '
-                      f'JAX\'s runtime needs {LEAST_ADDRESS_SPACE / 2**30:.0f} GB at least: raise '
-                      'the limit (ulimit -v), or bound memory with a cgroup instead '
-                      '(systemd-run --scope -p MemoryMax=...)')
+    raise HostLimitError(
+      'ulimit -v',
+      f'the process may use {limit / 2**30:.2f} GB of address space; '
+      f"JAX's runtime needs {LEAST_ADDRESS_SPACE / 2**30:.0f} GB at least: raise "
+      'the limit (ulimit -v), or bound memory with a cgroup instead '
+      '(systemd-run --scope -p MemoryMax=...)',
+    )
   try:
-    ctypes.CDLL(None).mallopt(-8, 2)  # M_ARENA_MAX (glibc); elsewhere a no-op or absent
+    ctypes.CDLL(None).mallopt(
+      -8, 2
+    )  # M_ARENA_MAX (glibc); elsewhere a no-op or absent
   except (OSError, AttributeError):
     pass
 
@@ -299,8 +367,11 @@ def out_of_memory(exc: BaseException) -> bool:
   Returns:
     True for those.
   """
-  return (isinstance(exc, MemoryError) or out_of_address_space(exc)
-          or (isinstance(exc, RuntimeError) and 'RESOURCE_EXHAUSTED' in str(exc)))
+  return (
+    isinstance(exc, MemoryError)
+    or out_of_address_space(exc)
+    or (isinstance(exc, RuntimeError) and 'RESOURCE_EXHAUSTED' in str(exc))
+  )
 
 
 def out_of_address_space(exc: BaseException) -> bool:
@@ -315,16 +386,22 @@ def out_of_address_space(exc: BaseException) -> bool:
   """
   text = str(exc)
   return address_space_limit() is not None and (
-      isinstance(exc, MemoryError)
-      or (isinstance(exc, ImportError) and 'failed to map segment' in text)
-      or (isinstance(exc, RuntimeError) and "can't start new thread" in text))
+    isinstance(exc, MemoryError)
+    or (isinstance(exc, ImportError) and 'failed to map segment' in text)
+    or (isinstance(exc, RuntimeError) and "can't start new thread" in text)
+  )
 
 
 # -- storage --------------------------------------------------------------------
 
-STORAGE_ERRNOS = {errno.ENOSPC: 'No space left on device', errno.EROFS: 'Read-only file system',
-                  errno.EDQUOT: 'Disk quota exceeded', errno.EIO: 'Input/output error',
-                  errno.EACCES: 'Permission denied', errno.EFBIG: 'File too large'}
+STORAGE_ERRNOS = {
+  errno.ENOSPC: 'No space left on device',
+  errno.EROFS: 'Read-only file system',
+  errno.EDQUOT: 'Disk quota exceeded',
+  errno.EIO: 'Input/output error',
+  errno.EACCES: 'Permission denied',
+  errno.EFBIG: 'File too large',
+}
 _CODE = re.compile(r"os_error_code='(\d+)'")
 
 
@@ -363,14 +440,19 @@ def storage_error(what: str, exc: BaseException) -> StorageError:
   Returns:
     The ``StorageError``.
   """
-  return StorageError(f'cannot write {what}: {storage_reason(exc)}; {kept()} (free space or '
-                      'fix the folder first)')
+  return StorageError(
+    f'cannot write {what}: {storage_reason(exc)}; {kept()} (free space or '
+    'fix the folder first)'
+  )
 
 
 # -- lost processes ---------------------------------------------------------------
 
-_LOST = re.compile(r'gloo|connection (reset|closed|refused)|another task|heartbeat|'
-                   r'broken pipe|socket closed|coordination service', re.I)
+_LOST = re.compile(
+  r'gloo|connection (reset|closed|refused)|another task|heartbeat|'
+  r'broken pipe|socket closed|coordination service',
+  re.I,
+)
 
 
 def lost_process_reason(exc: BaseException) -> Optional[str]:
@@ -388,7 +470,9 @@ def lost_process_reason(exc: BaseException) -> Optional[str]:
   text = str(exc)
   if not _LOST.search(text):
     return None
-  first = next((l.strip() for l in text.splitlines() if l.strip()), type(exc).__name__)
+  first = next(
+    (l.strip() for l in text.splitlines() if l.strip()), type(exc).__name__
+  )
   return first[:160]
 
 
@@ -402,8 +486,10 @@ def lost_process(reason: str, coordinator: Optional[str]) -> LostProcess:
   Returns:
     The ``LostProcess`` fault.
   """
-  return LostProcess(f'lost a process of the run ({reason}); coordinator {coordinator}; '
-                     f'{kept().replace("the same command", "the same commands in every process")}')
+  return LostProcess(
+    f'lost a process of the run ({reason}); coordinator {coordinator}; '
+    f'{kept().replace("the same command", "the same commands in every process")}'
+  )
 
 
 _ERR: Dict[str, Any] = {'stream': None}

@@ -35,9 +35,19 @@ from fedjax_personal.run import faults, process, run_identity
 from fedjax_personal.run.process import say
 from fedjax_personal.run.settings import AlgorithmSettings, RunSettings
 
-__all__ = ['Built', 'build_algorithms', 'build_model_and_executor', 'client_weights',
-           'decide_layout', 'identify', 'Layout', 'load_data', 'LoadedData', 'ModelAndExecutor',
-           'place_data']
+__all__ = [
+  'Built',
+  'build_algorithms',
+  'build_model_and_executor',
+  'client_weights',
+  'decide_layout',
+  'identify',
+  'Layout',
+  'load_data',
+  'LoadedData',
+  'ModelAndExecutor',
+  'place_data',
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +60,7 @@ class LoadedData:
       examples): what the algorithms are built from in either layout.
     identity: the data's part of every algorithm's run identity.
   """
+
   store: PopulationStore
   population: Population
   identity: Mapping[str, Any]
@@ -65,6 +76,7 @@ class ModelAndExecutor:
     conv: the convolution implementation the model runs, or None.
     sample_x: one (transformed) input example, the shapes the model reads.
   """
+
   model: Model
   executor: Executor
   conv: Optional[str]
@@ -81,6 +93,7 @@ class Layout:
     reason: why, for the header line.
     rows_on_disk: the host layout's client rows in files.
   """
+
   name: str
   reason: str
   rows_on_disk: bool = False
@@ -95,6 +108,7 @@ class Built:
     alg: the ``FederatedAlgorithm``.
     identity: its run identity (empty until ``identify``).
   """
+
   settings: AlgorithmSettings
   alg: FederatedAlgorithm
   identity: Dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -118,12 +132,18 @@ def load_data(s: RunSettings) -> LoadedData:
   cfg, inputs, cohort_size = s.data, s.inputs, s.experiment.cohort_size
   cap = inputs.max_client_examples
   if streams_to_store(cfg):  # written once into the cache, client by client
-    store = load_store(cfg, verify=inputs.verify_store, rebuild=inputs.rebuild_store,
-                       should_stop=faults.signal_received)
+    store = load_store(
+      cfg,
+      verify=inputs.verify_store,
+      rebuild=inputs.rebuild_store,
+      should_stop=faults.signal_received,
+    )
     fingerprint = store.digest
   else:  # built in memory, unpadded (padded only if the device layout holds it)
     store = load_store(cfg)
-    fingerprint = run_identity.padded_fingerprint(store)  # as earlier runs': padded arrays'
+    fingerprint = run_identity.padded_fingerprint(
+      store
+    )  # as earlier runs': padded arrays'
   if inputs.client_ids:
     store = loading.chosen_clients(store, inputs.client_ids)
     fingerprint = store.digest
@@ -131,24 +151,36 @@ def load_data(s: RunSettings) -> LoadedData:
   if int(np.asarray(population.train.num_examples).sum()) == 0:
     raise ConfigError('num_clients', 'no client has training data')
   if int(np.asarray(population.test.num_examples).sum()) == 0:
-    raise ConfigError('dataset', f'{cfg.dataset}: no training client has a test example (the '
-                      'test file\'s clients match none of the training file\'s): check the '
-                      'test file, or --data_dir')
+    raise ConfigError(
+      'dataset',
+      f'{cfg.dataset}: no training client has a test example (the '
+      "test file's clients match none of the training file's): check the "
+      'test file, or --data_dir',
+    )
   trained = population.num_trained
   if cohort_size is not None and cohort_size > trained:
-    raise ConfigError('cohort_size', f'must be in [1, {trained}] (the clients of {cfg.dataset} '
-                      f'that train), got {cohort_size}')
+    raise ConfigError(
+      'cohort_size',
+      f'must be in [1, {trained}] (the clients of {cfg.dataset} '
+      f'that train), got {cohort_size}',
+    )
   say(population.describe())
   for line in cfg.options.describe():
     say(line)
   identity = s.identity(fingerprint, cap, jax.process_count())
   if s.configurations() is not None:
     e = s.experiment
-    identity['sweep'] = {'sweep': e.sweep, 'sweep_seeds': e.sweep_seeds, 'trials': e.trials}
+    identity['sweep'] = {
+      'sweep': e.sweep,
+      'sweep_seeds': e.sweep_seeds,
+      'trials': e.trials,
+    }
   return LoadedData(store, population, identity)
 
 
-def build_model_and_executor(s: RunSettings, loaded: LoadedData) -> ModelAndExecutor:
+def build_model_and_executor(
+  s: RunSettings, loaded: LoadedData
+) -> ModelAndExecutor:
   """The model (its initialisation convention, or weights from a file; the
   data set's scoring and inputs) and the executor, from the shapes of one
   input example.
@@ -166,27 +198,37 @@ def build_model_and_executor(s: RunSettings, loaded: LoadedData) -> ModelAndExec
   cfg, population = s.model, loaded.population
   raw_x = sample_x = population.sample_x
   transform = s.data.options.input_transform()
-  if transform is not None:  # the model is built on, and sees, transformed inputs
+  if (
+    transform is not None
+  ):  # the model is built on, and sees, transformed inputs
     sample_x = np.asarray(transform.evaluate(jnp.asarray(sample_x)))
     say(f'inputs: {transform.name}, {transform.description}')
   model = build_model(cfg, population.num_classes, sample_x)
   conv = process.conv_impl_of(model, sample_x)
   if conv is None and cfg.conv_impl != 'auto':
-    raise ConfigError('conv_impl', f'does nothing: --model={cfg.model} has no convolution')
+    raise ConfigError(
+      'conv_impl', f'does nothing: --model={cfg.model} has no convolution'
+    )
   model, scoring = s.data.options.scored(model, population.num_classes)
   if scoring:  # next-word accuracy as the data set's publisher defines it
     say(scoring)
   if transform is not None:
     model = model_inputs.with_inputs(model, transform)
-  _check_model_fits_targets(s, model, raw_x, loaded.store.y_spec()[0], population.num_classes)
+  _check_model_fits_targets(
+    s, model, raw_x, loaded.store.y_spec()[0], population.num_classes
+  )
   try:
-    executor = create_executor(s.engine.executor, model, sample_x, s.engine.block_size)
+    executor = create_executor(
+      s.engine.executor, model, sample_x, s.engine.block_size
+    )
   except ValueError as e:
     raise ConfigError('executor', str(e)) from None
   return ModelAndExecutor(model, executor, conv, sample_x)
 
 
-def _check_model_fits_targets(s: RunSettings, model, sample_x, y_shape, num_classes) -> None:
+def _check_model_fits_targets(
+  s: RunSettings, model, sample_x, y_shape, num_classes
+) -> None:
   """Refuses a model whose predictions do not match the data set's targets
   (an image model on token sequences, a sequence model on labels), before
   anything is built: one line naming --model."""
@@ -195,20 +237,33 @@ def _check_model_fits_targets(s: RunSettings, model, sample_x, y_shape, num_clas
   name, dataset = s.model.model, s.data.dataset
   params = jax.eval_shape(model.init, jax.random.key(0))
   try:
-    out = jax.eval_shape(model.apply, params, jnp.asarray(sample_x)[:1]).shape[1:]
+    out = jax.eval_shape(model.apply, params, jnp.asarray(sample_x)[:1]).shape[
+      1:
+    ]
   except Exception as e:  # the model cannot even read these inputs
-    raise ConfigError('model', f'--model={name} cannot read {dataset}\'s inputs '
-                      f'{tuple(np.shape(sample_x)[1:])}: {type(e).__name__}') from None
+    raise ConfigError(
+      'model',
+      f"--model={name} cannot read {dataset}'s inputs "
+      f'{tuple(np.shape(sample_x)[1:])}: {type(e).__name__}',
+    ) from None
   want = tuple(y_shape) + (num_classes,)
   if tuple(out) != want:
     kind = 'a sequence of targets' if len(y_shape) else 'one label'
-    raise ConfigError('model', f'--model={name} predicts {tuple(out)} per example, '
-                      f'{dataset} has {kind} per example ({want} expected): choose a '
-                      + ('sequence model (char_lstm, lstm_lm, transformer_lm)' if len(y_shape)
-                         else 'classifier (mlp, cnn, lenet5, ...)'))
+    raise ConfigError(
+      'model',
+      f'--model={name} predicts {tuple(out)} per example, '
+      f'{dataset} has {kind} per example ({want} expected): choose a '
+      + (
+        'sequence model (char_lstm, lstm_lm, transformer_lm)'
+        if len(y_shape)
+        else 'classifier (mlp, cnn, lenet5, ...)'
+      ),
+    )
 
 
-def build_algorithms(s: RunSettings, model: Model, population: Population) -> Tuple[Built, ...]:
+def build_algorithms(
+  s: RunSettings, model: Model, population: Population
+) -> Tuple[Built, ...]:
   """Every algorithm, built before any trains, from the population's counts
   (the same in either layout): a bad setting fails here.
 
@@ -223,8 +278,12 @@ def build_algorithms(s: RunSettings, model: Model, population: Population) -> Tu
   Raises:
     ConfigError naming the setting.
   """
-  algs = tuple(Built(a, algorithms_lib.make(a.spec, a.training, a.config, model, population))
-               for a in s.algorithms)
+  algs = tuple(
+    Built(
+      a, algorithms_lib.make(a.spec, a.training, a.config, model, population)
+    )
+    for a in s.algorithms
+  )
   if population.eval_only:
     for built in algs:
       _check_global_evaluation(s, built.alg, population.eval_only)
@@ -241,33 +300,57 @@ def client_weights(s: RunSettings) -> Dict[str, str]:
   Returns:
     ``{name: weighting}``.
   """
-  return {a.name: a.spec.weighting(a.training) for a in s.algorithms
-          if 'weighting' in a.spec.uses}
+  return {
+    a.name: a.spec.weighting(a.training)
+    for a in s.algorithms
+    if 'weighting' in a.spec.uses
+  }
 
 
 def _check_global_evaluation(s: RunSettings, alg, held_out: int) -> None:
   """Held-out clients (``eval_only``) never train: personal or fine-tuned
   models would be reported untrained. Refused in one line, naming the data
   set's option that chose them (``DataOptions.held_out_choice``)."""
-  models = jax.eval_shape(lambda k: alg.client_models(alg.init(k)), jax.random.key(0))
+  models = jax.eval_shape(
+    lambda k: alg.client_models(alg.init(k)), jax.random.key(0)
+  )
   num_models = jax.tree.leaves(models.params)[0].shape[0]
-  if num_models != 1 or alg.finetune is not None or alg.evaluate_client is not None:
-    how = ('fine-tunes on' if alg.finetune is not None else 'adapts to'
-           if alg.evaluate_client is not None else 'evaluates personal models trained on')
-    flag, other = s.data.options.held_out_choice or ('dataset', 'another data set')
-    raise ConfigError(flag, f'{alg.name} {how} each client\'s own training data; the '
-                      f'{held_out:,} held-out test clients have none: give --{flag}={other} '
-                      'or a global-model algorithm')
+  if (
+    num_models != 1
+    or alg.finetune is not None
+    or alg.evaluate_client is not None
+  ):
+    how = (
+      'fine-tunes on'
+      if alg.finetune is not None
+      else 'adapts to'
+      if alg.evaluate_client is not None
+      else 'evaluates personal models trained on'
+    )
+    flag, other = s.data.options.held_out_choice or (
+      'dataset',
+      'another data set',
+    )
+    raise ConfigError(
+      flag,
+      f"{alg.name} {how} each client's own training data; the "
+      f'{held_out:,} held-out test clients have none: give --{flag}={other} '
+      'or a global-model algorithm',
+    )
 
 
 def _state_bytes(alg: FederatedAlgorithm) -> Tuple[int, int]:
   """(the whole state's bytes, its client rows' bytes) from shapes alone."""
   shapes = jax.eval_shape(alg.init, jax.random.key(0))
-  rows = 0 if alg.client_rows is None else tree_bytes(alg.client_rows.get(shapes))
+  rows = (
+    0 if alg.client_rows is None else tree_bytes(alg.client_rows.get(shapes))
+  )
   return tree_bytes(shapes), rows
 
 
-def decide_layout(s: RunSettings, loaded: LoadedData, algs: Tuple[Built, ...]) -> Layout:
+def decide_layout(
+  s: RunSettings, loaded: LoadedData, algs: Tuple[Built, ...]
+) -> Layout:
   """The layout, decided once, before any data are placed: ``--layout`` (or
   ``auto``'s choice from the padded population's size, ``placement.choose``),
   then the memory plan from the algorithms' state sizes (``jax.eval_shape``):
@@ -296,8 +379,9 @@ def decide_layout(s: RunSettings, loaded: LoadedData, algs: Tuple[Built, ...]) -
   num = len(cfgs) if cfgs is not None else 1
   times = f' x {num} configurations' if num > 1 else ''
   padded = store.padded_nbytes(cap)
-  free = memory.device_free_bytes() or (placement.host_available_bytes()
-                                        if jax.default_backend() == 'cpu' else None)
+  free = memory.device_free_bytes() or (
+    placement.host_available_bytes() if jax.default_backend() == 'cpu' else None
+  )
   widest = int(np.asarray(loaded.population.train.num_examples).max())
   name, reason = placement.choose(engine.layout, padded, free, widest, cap)
   if name == 'host' and jax.process_count() > 1:
@@ -305,36 +389,56 @@ def decide_layout(s: RunSettings, loaded: LoadedData, algs: Tuple[Built, ...]) -
     # a CPU both copies share the host's memory.
     need = padded * (2 if jax.default_backend() == 'cpu' else 1)
     if free is not None and need > free:
-      raise ConfigError('num_processes', 'several processes run on the device layout, where this '
-                        f'population padded to its widest client needs {need / placement.GB:.1f} '
-                        f'GB, {free / placement.GB:.1f} GB free: run on one process (the host '
-                        'layout), or give --max_client_examples / --num_clients')
+      raise ConfigError(
+        'num_processes',
+        'several processes run on the device layout, where this '
+        f'population padded to its widest client needs {need / placement.GB:.1f} '
+        f'GB, {free / placement.GB:.1f} GB free: run on one process (the host '
+        'layout), or give --max_client_examples / --num_clients',
+      )
     name, reason = 'device', 'several processes run on the device layout'
   sizes = {b.alg.name: _state_bytes(b.alg) for b in algs}
   if name == 'device':
     free, copies = memory.device_free_bytes(), 1
-    if free is None and jax.default_backend() == 'cpu':  # the device is the host
+    if (
+      free is None and jax.default_backend() == 'cpu'
+    ):  # the device is the host
       free, copies = placement.host_available_bytes(), 2
     largest = max(sizes, key=lambda n: sizes[n][0])
     need = copies * padded + num * sizes[largest][0]
     if free is not None and need > free:
-      what = (f'the padded population and {largest}\'s state{times} need '
-              f'{need / placement.GB:.2f} GB, {free / placement.GB:.1f} GB free')
+      what = (
+        f"the padded population and {largest}'s state{times} need "
+        f'{need / placement.GB:.2f} GB, {free / placement.GB:.1f} GB free'
+      )
       if engine.layout == 'device' or jax.process_count() > 1:
-        raise ConfigError('layout', f'--layout=device: {what}; give --layout=host (one '
-                          'process) or fewer clients')
+        raise ConfigError(
+          'layout',
+          f'--layout=device: {what}; give --layout=host (one '
+          'process) or fewer clients',
+        )
       name, reason = 'host', f'auto: {what}; client rows on the host'
   say(f'layout: {name} ({reason})')
   if engine.client_state not in ('memory', 'auto') and name != 'host':
-    raise ConfigError('client_state', 'keeps client rows in files in the host layout; this run '
-                      'is on the device layout (give --layout=host)')
+    raise ConfigError(
+      'client_state',
+      'keeps client rows in files in the host layout; this run '
+      'is on the device layout (give --layout=host)',
+    )
   if name != 'host':
     return Layout(name, reason)
-  return Layout(name, reason, _rows_on_disk(s, {n: num * r for n, (_, r) in sizes.items() if r},
-                                            num, times))
+  return Layout(
+    name,
+    reason,
+    _rows_on_disk(
+      s, {n: num * r for n, (_, r) in sizes.items() if r}, num, times
+    ),
+  )
 
 
-def _rows_on_disk(s: RunSettings, rows: Dict[str, int], num: int, times: str) -> bool:
+def _rows_on_disk(
+  s: RunSettings, rows: Dict[str, int], num: int, times: str
+) -> bool:
   """Whether the host layout's client rows (``rows``: bytes by algorithm,
   all configurations) go to files: asked for, or ``auto`` when the largest
   takes more than half the available memory; else every algorithm's must
@@ -346,32 +450,55 @@ def _rows_on_disk(s: RunSettings, rows: Dict[str, int], num: int, times: str) ->
   on_disk = False
   if engine.client_state == 'disk' and rows:
     on_disk, why = True, 'asked for'
-  elif engine.client_state == 'auto' and available is not None and most > 0.5 * available:
+  elif (
+    engine.client_state == 'auto'
+    and available is not None
+    and most > 0.5 * available
+  ):
     on_disk = True
-    why = (f'auto: {most / placement.GB:.1f} GB of rows, more than half of the '
-           f'{available / placement.GB:.1f} GB available')
+    why = (
+      f'auto: {most / placement.GB:.1f} GB of rows, more than half of the '
+      f'{available / placement.GB:.1f} GB available'
+    )
   if on_disk:
     for name, nbytes in rows.items():
-      say(f'  {name}: client rows{times} ({nbytes / placement.GB:.3f} GB if all made) in files, '
-          f'each written when its client first trains ({why})')
+      say(
+        f'  {name}: client rows{times} ({nbytes / placement.GB:.3f} GB if all made) in files, '
+        f'each written when its client first trains ({why})'
+      )
     return True
   for name, nbytes in rows.items():
     if available is not None and nbytes > 0.9 * available:
       e = s.experiment
-      flag = 'algorithm' if num == 1 else 'sweep' if e.sweep else (
-          'trials' if e.trials > 1 else 'sweep_seeds')
-      raise ConfigError(flag, f'{name} keeps {nbytes / placement.GB:.1f} GB of '
-                        f'client rows{times} in host memory, '
-                        f'{available / placement.GB:.1f} GB available: give fewer '
-                        'clients (--num_clients)' + (', fewer configurations'
-                                                    if num > 1 else '')
-                        + ' or a smaller model, or --client_state=disk')
-    say(f'  {name}: client rows{times} ({nbytes / placement.GB:.3f} GB) on the host')
+      flag = (
+        'algorithm'
+        if num == 1
+        else 'sweep'
+        if e.sweep
+        else ('trials' if e.trials > 1 else 'sweep_seeds')
+      )
+      raise ConfigError(
+        flag,
+        f'{name} keeps {nbytes / placement.GB:.1f} GB of '
+        f'client rows{times} in host memory, '
+        f'{available / placement.GB:.1f} GB available: give fewer '
+        'clients (--num_clients)'
+        + (', fewer configurations' if num > 1 else '')
+        + ' or a smaller model, or --client_state=disk',
+      )
+    say(
+      f'  {name}: client rows{times} ({nbytes / placement.GB:.3f} GB) on the host'
+    )
   return False
 
 
-def identify(s: RunSettings, loaded: LoadedData, mx: ModelAndExecutor, layout: Layout,
-             algs: Tuple[Built, ...]) -> Tuple[Built, ...]:
+def identify(
+  s: RunSettings,
+  loaded: LoadedData,
+  mx: ModelAndExecutor,
+  layout: Layout,
+  algs: Tuple[Built, ...],
+) -> Tuple[Built, ...]:
   """Every algorithm's run identity: the data's, the numerics the layout
   runs (the host layout's pooled evaluation runs a forward pass alone,
   ``Model.forward_only``, whose convolutions may be another implementation),
@@ -388,24 +515,53 @@ def identify(s: RunSettings, loaded: LoadedData, mx: ModelAndExecutor, layout: L
     The algorithms with their identities.
   """
   conv, precision = mx.conv, s.engine.matmul_precision
-  forward = (conv and layout.name == 'host'
-             and process.conv_impl_of(mx.model.forward_only(), mx.sample_x)) or conv
+  forward = (
+    conv
+    and layout.name == 'host'
+    and process.conv_impl_of(mx.model.forward_only(), mx.sample_x)
+  ) or conv
   convolutions = ''
   if conv:
     why = f'auto on {jax.default_backend()}' + (
-        f'; a forward pass alone {forward}' if forward != conv else '')
-    convolutions = f'; convolutions {conv}' + (f' ({why})' if s.model.conv_impl == 'auto' else '')
-  say('numerics: matmul precision ' + numerics.effective_matmul(precision) + convolutions)
-  shared = {**loaded.identity, 'numerics': numerics.record(precision, conv, forward)}
+      f'; a forward pass alone {forward}' if forward != conv else ''
+    )
+    convolutions = f'; convolutions {conv}' + (
+      f' ({why})' if s.model.conv_impl == 'auto' else ''
+    )
+  say(
+    'numerics: matmul precision '
+    + numerics.effective_matmul(precision)
+    + convolutions
+  )
+  shared = {
+    **loaded.identity,
+    'numerics': numerics.record(precision, conv, forward),
+  }
   weighted = client_weights(s)
-  return tuple(dataclasses.replace(b, identity={
-      **run_identity.identity(b.settings.name, b.settings.training, b.settings.config, shared),
-      **({'weighting': weighted[b.settings.name]} if b.settings.name in weighted else {})})
-               for b in algs)
+  return tuple(
+    dataclasses.replace(
+      b,
+      identity={
+        **run_identity.identity(
+          b.settings.name, b.settings.training, b.settings.config, shared
+        ),
+        **(
+          {'weighting': weighted[b.settings.name]}
+          if b.settings.name in weighted
+          else {}
+        ),
+      },
+    )
+    for b in algs
+  )
 
 
-def place_data(loaded: LoadedData, layout: Layout, cap: Optional[int],
-               rows_folder: Optional[str] = None):
+def place_data(
+  loaded: LoadedData,
+  layout: Layout,
+  cap: Optional[int],
+  rows_folder: Optional[str] = None,
+):
   """The data in the layout: the padded population on the device, or the
   store read by each round's cohort (its client rows in ``rows_folder``
   when they go to files).
@@ -424,7 +580,9 @@ def place_data(loaded: LoadedData, layout: Layout, cap: Optional[int],
   return HostData(loaded.store, cap, rows_folder=rows_folder)
 
 
-def prepared_system(s: RunSettings, num_clients: int) -> system_lib.ClientSystem:
+def prepared_system(
+  s: RunSettings, num_clients: int
+) -> system_lib.ClientSystem:
   """The clients' devices with their files read once (speeds, availability).
 
   Args:

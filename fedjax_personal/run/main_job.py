@@ -24,11 +24,30 @@ from fedjax_personal.core.population.clients import Population, PopulationStore
 from fedjax_personal.core.population.placement import HostData
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
-from fedjax_personal.run import (checkpointing, distributed, experiment, faults, plots,
-                                 process, reporting, run_identity, sweep, tensorboard, user_code)
-from fedjax_personal.run.job_setup import (Built, build_algorithms, build_model_and_executor,
-                                           client_weights, decide_layout, identify, load_data,
-                                           place_data, prepared_system)
+from fedjax_personal.run import (
+  checkpointing,
+  distributed,
+  experiment,
+  faults,
+  plots,
+  process,
+  reporting,
+  run_identity,
+  sweep,
+  tensorboard,
+  user_code,
+)
+from fedjax_personal.run.job_setup import (
+  Built,
+  build_algorithms,
+  build_model_and_executor,
+  client_weights,
+  decide_layout,
+  identify,
+  load_data,
+  place_data,
+  prepared_system,
+)
 from fedjax_personal.run.process import say
 from fedjax_personal.run.settings import RunSettings
 
@@ -53,6 +72,7 @@ class Job:
     algs: the algorithms with their run identities.
     output_dir: the run's folder.
   """
+
   settings: RunSettings
   cfgs: Optional[List[Tuple[int, Dict[str, Any]]]]
   store: PopulationStore
@@ -77,6 +97,7 @@ class Results:
     summaries: ``{row label: final summary}``.
     groups: ``{row label: [(history, summary)]}``, trials grouped by their values.
   """
+
   histories: Dict[str, list] = dataclasses.field(default_factory=dict)
   summaries: Dict[str, dict] = dataclasses.field(default_factory=dict)
   groups: Dict[str, list] = dataclasses.field(default_factory=dict)
@@ -99,11 +120,16 @@ def main_job(settings: RunSettings) -> Dict[str, dict]:
   process.open_compilation_cache(settings.process.compilation_cache)
   job = set_up(settings)
   if settings.output.dry_run:
-    for built in job.algs:  # each round traced abstractly: a broken one fails here
-      user_code.trace_round(built.alg, settings.experiment.sampler(job.data), job.data,
-                            job.system)
-    print(f'dry run: {len(job.algs)} algorithm(s) built and their rounds traced; nothing '
-          'trained or written')
+    for (
+      built
+    ) in job.algs:  # each round traced abstractly: a broken one fails here
+      user_code.trace_round(
+        built.alg, settings.experiment.sampler(job.data), job.data, job.system
+      )
+    print(
+      f'dry run: {len(job.algs)} algorithm(s) built and their rounds traced; nothing '
+      'trained or written'
+    )
     return {}
   failed: List[str] = []
   results = Results()
@@ -113,7 +139,9 @@ def main_job(settings: RunSettings) -> Dict[str, dict]:
       for built in job.algs:
         try:
           train_algorithm(job, built, *restored[built.settings.name], results)
-        except Exception as e:  # the user's code raised: one line, the others still run
+        except (
+          Exception
+        ) as e:  # the user's code raised: one line, the others still run
           line = user_code.users_failure(built.settings.name, e)
           if line is None:
             raise
@@ -124,7 +152,9 @@ def main_job(settings: RunSettings) -> Dict[str, dict]:
   finally:
     run_identity.unlock(job.output_dir)
   if failed:
-    raise ConfigError('algorithm', '; '.join(failed) + ' (the others\' results are written)')
+    raise ConfigError(
+      'algorithm', '; '.join(failed) + " (the others' results are written)"
+    )
   return table
 
 
@@ -142,19 +172,37 @@ def set_up(s: RunSettings) -> Job:
   system = prepared_system(s, loaded.population.num_clients)
   algs = build_algorithms(s, mx.model, loaded.population)
   weights = ', '.join(f'{n} {w}' for n, w in client_weights(s).items())
-  for line in ([f'client weights: {weights}'] if weights else []) + s.system.describe(
-      [a.spec for a in s.algorithms]):
+  for line in (
+    [f'client weights: {weights}'] if weights else []
+  ) + s.system.describe([a.spec for a in s.algorithms]):
     say(line)
   layout = decide_layout(s, loaded, algs)
   algs = identify(s, loaded, mx, layout, algs)
   output_dir = s.output.output_dir or s.default_output_dir(
-      {b.settings.name: b.identity for b in algs})
+    {b.settings.name: b.identity for b in algs}
+  )
   faults.PROGRESS.output_dir = output_dir
   cap = s.inputs.max_client_examples
-  data = place_data(loaded, layout, cap, os.path.join(output_dir, 'client_rows')
-                    if layout.rows_on_disk else None)  # the run's client rows in its folder
-  job = Job(s, s.configurations(), loaded.store, loaded.population, data, layout.name,
-            layout.rows_on_disk, mx.model, mx.executor, system, algs, output_dir)
+  data = place_data(
+    loaded,
+    layout,
+    cap,
+    os.path.join(output_dir, 'client_rows') if layout.rows_on_disk else None,
+  )  # the run's client rows in its folder
+  job = Job(
+    s,
+    s.configurations(),
+    loaded.store,
+    loaded.population,
+    data,
+    layout.name,
+    layout.rows_on_disk,
+    mx.model,
+    mx.executor,
+    system,
+    algs,
+    output_dir,
+  )
   _announce(job)
   return job
 
@@ -163,42 +211,83 @@ def _announce(job: Job) -> None:
   """Checks every process runs this configuration; says the executor, the
   outputs' folder and how the configurations run."""
   s = job.settings
-  distributed.check_same_run({'algorithms': {b.settings.name: b.identity for b in job.algs},
-                              'flags': s.shared_flags()}, run_identity.differences)
+  distributed.check_same_run(
+    {
+      'algorithms': {b.settings.name: b.identity for b in job.algs},
+      'flags': s.shared_flags(),
+    },
+    run_identity.differences,
+  )
   why = f' ({job.executor.reason})' if job.executor.reason else ''
-  say(f'executor: {job.executor.describe()} on {jax.default_backend()}{why}; outputs in '
-      f'{job.output_dir}')
+  say(
+    f'executor: {job.executor.describe()} on {jax.default_backend()}{why}; outputs in '
+    f'{job.output_dir}'
+  )
   if job.cfgs is not None:
-    say(f'{len(job.cfgs)} configurations per algorithm, ' + (
+    say(
+      f'{len(job.cfgs)} configurations per algorithm, '
+      + (
         'one after another on the host layout, the configurations of one seed sharing each '
-        "round's cohort gather" if job.layout == 'host' else
-        'each algorithm one compiled program' if job.executor.fused else 'one after another'))
+        "round's cohort gather"
+        if job.layout == 'host'
+        else 'each algorithm one compiled program'
+        if job.executor.fused
+        else 'one after another'
+      )
+    )
 
 
 def _make_runs(job: Job, built: Built):
   """The loop's ``Runs`` of one algorithm: a single run, or its
   configurations (sweep, trials) as one vmapped program when the executor is
   fused, else one after another."""
-  s, data, precision = job.settings, job.data, job.settings.engine.matmul_precision
+  s, data, precision = (
+    job.settings,
+    job.data,
+    job.settings.engine.matmul_precision,
+  )
   sampler = s.experiment.sampler(data)
   row_groups = s.data.options.row_group_start()
   if job.cfgs is None:
-    return experiment.SingleRun(RoundRunner(
-        built.alg, data, sampler, job.executor, matmul_precision=precision, system=job.system,
-        row_groups=row_groups), s.experiment.seed)
+    return experiment.SingleRun(
+      RoundRunner(
+        built.alg,
+        data,
+        sampler,
+        job.executor,
+        matmul_precision=precision,
+        system=job.system,
+        row_groups=row_groups,
+      ),
+      s.experiment.seed,
+    )
   names = sweep.sweepable()
   a = built.settings
 
   def build(hv):
     hv = {k: v for k, v in hv.items() if k not in a.ignored}
-    shared = {names[k][1]: v for k, v in hv.items() if names[k][0] is TrainingConfig}
-    own = {names[k][1]: v for k, v in hv.items() if names[k][0] is a.spec.config}
-    return algorithms_lib.make(a.spec, dataclasses.replace(a.training, **shared),
-                               dataclasses.replace(a.config, **own), job.model, job.population)
+    shared = {
+      names[k][1]: v for k, v in hv.items() if names[k][0] is TrainingConfig
+    }
+    own = {
+      names[k][1]: v for k, v in hv.items() if names[k][0] is a.spec.config
+    }
+    return algorithms_lib.make(
+      a.spec,
+      dataclasses.replace(a.training, **shared),
+      dataclasses.replace(a.config, **own),
+      job.model,
+      job.population,
+    )
+
   # A swept setting it does not read: one configuration, not copies of it.
-  reads = lambda k: k not in a.ignored and (
+  reads = lambda k: (
+    k not in a.ignored
+    and (
       (names[k][0] is TrainingConfig and names[k][1] in a.spec.uses)
-      or (names[k][0] is a.spec.config and names[k][1] not in a.spec.ignores))
+      or (names[k][0] is a.spec.config and names[k][1] not in a.spec.ignores)
+    )
+  )
   cfgs: List[tuple] = []
   for seed, values in job.cfgs:
     own = (seed, {k: v for k, v in values.items() if reads(k)})
@@ -208,8 +297,16 @@ def _make_runs(job: Job, built: Built):
   # device; the host layout runs them one after another on shared gathers.
   one_program = job.executor.fused and not isinstance(data, HostData)
   runs = sweep.SweepRunner if one_program else sweep.LoopRuns
-  return runs(build, cfgs, data, sampler, job.executor, matmul_precision=precision,
-              system=job.system, row_groups=row_groups)
+  return runs(
+    build,
+    cfgs,
+    data,
+    sampler,
+    job.executor,
+    matmul_precision=precision,
+    system=job.system,
+    row_groups=row_groups,
+  )
 
 
 def claim_and_restore(job: Job) -> Mapping[str, Tuple[Any, Optional[tuple]]]:
@@ -231,36 +328,55 @@ def claim_and_restore(job: Job) -> Mapping[str, Tuple[Any, Optional[tuple]]]:
     started = run_identity.repaired(job.output_dir, {'algorithms': identities})
     run_identity.check_process_count(job.output_dir)
   if distributed.is_primary():
-    run_identity.lock(job.output_dir)  # held until the job ends (main_job unlocks)
-    run_identity.claim(job.output_dir, {'algorithms': identities}, out.overwrite, resume)
+    run_identity.lock(
+      job.output_dir
+    )  # held until the job ends (main_job unlocks)
+    run_identity.claim(
+      job.output_dir, {'algorithms': identities}, out.overwrite, resume
+    )
     for name, ident in identities.items():
-      run_identity.claim(os.path.join(job.output_dir, name), ident, out.overwrite, resume)
+      run_identity.claim(
+        os.path.join(job.output_dir, name), ident, out.overwrite, resume
+      )
   distributed.barrier('claimed output folders')
-  if job.rows_on_disk:  # the live client rows, made afresh (a resume rewrites them)
+  if (
+    job.rows_on_disk
+  ):  # the live client rows, made afresh (a resume rewrites them)
     shutil.rmtree(job.data.rows_folder, ignore_errors=True)
   out_runs = {}
   for built in job.algs:
     name = built.settings.name
     runs = _make_runs(job, built)
-    plan = getattr(getattr(getattr(runs, 'runner', None), 'feed', None), 'plan', None)
+    plan = getattr(
+      getattr(getattr(runs, 'runner', None), 'feed', None), 'plan', None
+    )
     if plan is not None and built is job.algs[0]:
       say(f'shape plan: {plan.describe()}, fixed for the run')
     got = None
     if resume:
       ckpt_dir = os.path.join(job.output_dir, name, 'checkpoints')
       if os.path.exists(ckpt_dir) and not os.path.isdir(ckpt_dir):
-        raise ConfigError('resume', f'{ckpt_dir} is a file, not a folder of checkpoints: move '
-                          'it away, then run the same command with --resume')
+        raise ConfigError(
+          'resume',
+          f'{ckpt_dir} is a file, not a folder of checkpoints: move '
+          'it away, then run the same command with --resume',
+        )
       got = checkpointing.restore_latest(ckpt_dir, runs.init(), built.identity)
       if got is None and out.resume and not started:
-        raise ConfigError('resume', f'no checkpoint of {name} in {ckpt_dir}; run without '
-                          '--resume, or with --resume_if_found to start fresh where there is '
-                          'none')
+        raise ConfigError(
+          'resume',
+          f'no checkpoint of {name} in {ckpt_dir}; run without '
+          '--resume, or with --resume_if_found to start fresh where there is '
+          'none',
+        )
       if got is None:
         say(f'{name}: no checkpoint in {ckpt_dir}; starting fresh')
       elif got[1] > rounds:
-        raise ConfigError('rounds', f'the checkpoint of {name} is at round {got[1]}, past '
-                          f'--rounds={rounds}')
+        raise ConfigError(
+          'rounds',
+          f'the checkpoint of {name} is at round {got[1]}, past '
+          f'--rounds={rounds}',
+        )
     out_runs[name] = (runs, got)
   return out_runs
 
@@ -273,25 +389,41 @@ def _callbacks(job: Job, built: Built, hists, start):
   primary = distributed.is_primary()
   callbacks: List[experiment.Callback] = []
   if alg.privacy is not None:
-    callbacks.append(reporting.PrivacyRecorder(alg.privacy, s.experiment.dp_delta))
+    callbacks.append(
+      reporting.PrivacyRecorder(alg.privacy, s.experiment.dp_delta)
+    )
   if primary:
     callbacks.append(reporting.MetricsWriter(out_dir, hists))
-    callbacks.append(tensorboard.TensorBoardWriter(
-        os.path.join(job.output_dir, 'tensorboard', alg_name), hists))
+    callbacks.append(
+      tensorboard.TensorBoardWriter(
+        os.path.join(job.output_dir, 'tensorboard', alg_name), hists
+      )
+    )
   # Always: an interruption keeps the round in progress (--resume continues it).
-  callbacks.append(checkpointing.Checkpointer(
-      os.path.join(out_dir, 'checkpoints'), s.output.checkpoint_every, hists,
-      identity=built.identity, resumed_step=start or None,
-      final=bool(s.output.checkpoint_every or s.output.resume or s.output.resume_if_found)))
+  callbacks.append(
+    checkpointing.Checkpointer(
+      os.path.join(out_dir, 'checkpoints'),
+      s.output.checkpoint_every,
+      hists,
+      identity=built.identity,
+      resumed_step=start or None,
+      final=bool(
+        s.output.checkpoint_every or s.output.resume or s.output.resume_if_found
+      ),
+    )
+  )
   if alg_name == 'fedfomo' and job.cfgs is None and primary:
-    callbacks.append(reporting.AffinityRecorder(os.path.join(out_dir, 'affinity.png')))
+    callbacks.append(
+      reporting.AffinityRecorder(os.path.join(out_dir, 'affinity.png'))
+    )
   if s.output.progress and primary:
     callbacks.append(reporting.Progress(s.experiment.rounds - start, alg_name))
   return callbacks
 
 
-def train_algorithm(job: Job, built: Built, runs, restored: Optional[tuple],
-                    results: Results) -> None:
+def train_algorithm(
+  job: Job, built: Built, runs, restored: Optional[tuple], results: Results
+) -> None:
   """Trains one algorithm's runs to --rounds and records their summaries in
   ``results`` (and its summary.json on process 0).
 
@@ -307,20 +439,41 @@ def train_algorithm(job: Job, built: Built, runs, restored: Optional[tuple],
   """
   s = job.settings
   e = s.experiment
-  alg_name, ignored, ident = built.settings.name, built.settings.ignored, built.identity
+  alg_name, ignored, ident = (
+    built.settings.name,
+    built.settings.ignored,
+    built.identity,
+  )
   state, start, hists = None, 0, None
   if restored is not None:
     state, start, hists = restored
     say(f'{alg_name}: resuming after round {start}')
-  if faults.stop_requested():  # asked while the previous algorithm wrote its results
+  if (
+    faults.stop_requested()
+  ):  # asked while the previous algorithm wrote its results
     raise faults.interrupted()
-  later = len(job.algs) - 1 - [b.settings.name for b in job.algs].index(alg_name)
-  faults.start_algorithm(alg_name, start, os.path.join(job.output_dir, alg_name, 'checkpoints'),
-                         True, start or None, e.rounds, later)
+  later = (
+    len(job.algs) - 1 - [b.settings.name for b in job.algs].index(alg_name)
+  )
+  faults.start_algorithm(
+    alg_name,
+    start,
+    os.path.join(job.output_dir, alg_name, 'checkpoints'),
+    True,
+    start or None,
+    e.rounds,
+    later,
+  )
   began, compiled = time.perf_counter(), compilation.stats()
-  _, hists = experiment.run_many(runs, e.rounds, eval_every=e.eval_every,
-                                 callbacks=_callbacks(job, built, hists, start),
-                                 state=state, start_round=start, histories=hists)
+  _, hists = experiment.run_many(
+    runs,
+    e.rounds,
+    eval_every=e.eval_every,
+    callbacks=_callbacks(job, built, hists, start),
+    state=state,
+    start_round=start,
+    histories=hists,
+  )
   alg_summaries = []
   costs = process.time_to_result(runs, began, compiled)
   programs, hits = costs.pop('_programs'), costs.pop('_hits')
@@ -328,9 +481,12 @@ def train_algorithm(job: Job, built: Built, runs, restored: Optional[tuple],
     summary = reporting.final_summary(history, e.stat_window)
     summary['rounds'] = e.rounds
     summary.update(costs)
-    if 'per_client_accuracy' in summary:  # by id: per_client_accuracy[i] is client_ids[i]'s
-      summary['worst_clients'] = reporting.worst_clients(summary['per_client_accuracy'],
-                                                         job.store.client_ids)
+    if (
+      'per_client_accuracy' in summary
+    ):  # by id: per_client_accuracy[i] is client_ids[i]'s
+      summary['worst_clients'] = reporting.worst_clients(
+        summary['per_client_accuracy'], job.store.client_ids
+      )
       summary['client_ids'] = list(job.store.client_ids)
     if label is not None:
       summary['config'] = label
@@ -341,30 +497,56 @@ def train_algorithm(job: Job, built: Built, runs, restored: Optional[tuple],
     if ignored:
       summary['ignored_settings'] = list(ignored)
     if e.target_accuracy is not None:
-      summary['rounds_to_target'] = experiment.rounds_to_target(history, e.target_accuracy)
+      summary['rounds_to_target'] = experiment.rounds_to_target(
+        history, e.target_accuracy
+      )
     if e.paper_metric is not None:
       key = reporting.PAPER_METRICS[e.paper_metric][0]
-      summary['paper_metric'] = {'column': e.paper_metric, 'key': key, 'value': summary.get(key)}
+      summary['paper_metric'] = {
+        'column': e.paper_metric,
+        'key': key,
+        'value': summary.get(key),
+      }
     row = e.row_label(alg_name, label)
     results.histories[row], results.summaries[row] = history, summary
     alg_summaries.append(summary)
     if e.trials > 1:  # rows of the table: trials grouped by their values
       values = {k: v for k, v in label.items() if k != 'seed'}
-      results.groups.setdefault(e.row_label(alg_name, values or None), []).append(
-          (history, summary))
-    say(f"{row}: " + (f"diverged at round {summary['diverged_at_round']}"
-                      if summary.get('diverged') else
-                      f"mean {summary['accuracy_mean']:.4f} worst {summary['accuracy_worst']:.4f}")
-        + f" ({summary['train_seconds']:.1f} s of rounds, the first "
-        f"{summary.get('first_round_seconds', 0):.1f} s; compiling "
-        f"{summary['compile_seconds']:.1f} s, {programs} programs, {hits} from the cache)"
-        + (f", epsilon {summary['dp_epsilon']:.2f} at delta {e.dp_delta:g}"
-           if 'dp_epsilon' in summary else ''))
+      results.groups.setdefault(
+        e.row_label(alg_name, values or None), []
+      ).append((history, summary))
+    say(
+      f'{row}: '
+      + (
+        f'diverged at round {summary["diverged_at_round"]}'
+        if summary.get('diverged')
+        else f'mean {summary["accuracy_mean"]:.4f} worst {summary["accuracy_worst"]:.4f}'
+      )
+      + f' ({summary["train_seconds"]:.1f} s of rounds, the first '
+      f'{summary.get("first_round_seconds", 0):.1f} s; compiling '
+      f'{summary["compile_seconds"]:.1f} s, {programs} programs, {hits} from the cache)'
+      + (
+        f', epsilon {summary["dp_epsilon"]:.2f} at delta {e.dp_delta:g}'
+        if 'dp_epsilon' in summary
+        else ''
+      )
+    )
   if distributed.is_primary():
-    record = alg_summaries[0] if job.cfgs is None else {'configurations': alg_summaries}
-    reporting.write_summary(os.path.join(job.output_dir, alg_name),
-                            {**record, 'algorithm': alg_name, 'identity': ident,
-                             'numerics': ident.get('numerics'), 'flags': dict(s.flags)})
+    record = (
+      alg_summaries[0]
+      if job.cfgs is None
+      else {'configurations': alg_summaries}
+    )
+    reporting.write_summary(
+      os.path.join(job.output_dir, alg_name),
+      {
+        **record,
+        'algorithm': alg_name,
+        'identity': ident,
+        'numerics': ident.get('numerics'),
+        'flags': dict(s.flags),
+      },
+    )
 
 
 def write_comparison(job: Job, results: Results) -> Dict[str, dict]:
@@ -382,29 +564,48 @@ def write_comparison(job: Job, results: Results) -> Dict[str, dict]:
   e, plot_mode = s.experiment, s.output.plots
   if not results.histories:
     return results.summaries
-  strip = lambda s: {k: v for k, v in s.items() if k not in ('per_client_accuracy', 'client_ids')}
+  strip = lambda s: {
+    k: v for k, v in s.items() if k not in ('per_client_accuracy', 'client_ids')
+  }
   table, primary = results.summaries, distributed.is_primary()
   if e.trials > 1:
-    table = {g: reporting.aggregate_trials([s for _, s in items])
-             for g, items in results.groups.items()}
+    table = {
+      g: reporting.aggregate_trials([s for _, s in items])
+      for g, items in results.groups.items()
+    }
     if primary:
-      plots.draw('trials', {g: [h for h, _ in items] for g, items in results.groups.items()},
-                 job.output_dir, plot_mode)
-      run_identity.write_json(os.path.join(job.output_dir, 'comparison.json'), {
+      plots.draw(
+        'trials',
+        {g: [h for h, _ in items] for g, items in results.groups.items()},
+        job.output_dir,
+        plot_mode,
+      )
+      run_identity.write_json(
+        os.path.join(job.output_dir, 'comparison.json'),
+        {
           g: {**table[g], 'per_trial': [strip(s) for _, s in items]}
-          for g, items in results.groups.items()})
+          for g, items in results.groups.items()
+        },
+      )
   elif primary:
     plots.draw('runs', results.histories, job.output_dir, plot_mode)
-    run_identity.write_json(os.path.join(job.output_dir, 'comparison.json'
-                                         if job.cfgs is None else 'sweep.json'),
-                            {k: strip(s) for k, s in results.summaries.items()})
+    run_identity.write_json(
+      os.path.join(
+        job.output_dir, 'comparison.json' if job.cfgs is None else 'sweep.json'
+      ),
+      {k: strip(s) for k, s in results.summaries.items()},
+    )
   trials = f', mean ± std over {e.trials} trials' if e.trials > 1 else ''
   window = reporting.table_window(table)
   say('')
-  say(f'{job.population.name}, {s.model.model}, {e.rounds} rounds: per-client test accuracy at the '
-      f'last evaluation and averaged over the last {window} (@last{window}){trials}')
+  say(
+    f'{job.population.name}, {s.model.model}, {e.rounds} rounds: per-client test accuracy at the '
+    f'last evaluation and averaged over the last {window} (@last{window}){trials}'
+  )
   say(reporting.format_table(table))
   if e.paper_metric is not None:
-    say(f"the paper's metric: the {e.paper_metric} column, "
-        f'{reporting.PAPER_METRICS[e.paper_metric][1]}')
+    say(
+      f"the paper's metric: the {e.paper_metric} column, "
+      f'{reporting.PAPER_METRICS[e.paper_metric][1]}'
+    )
   return table

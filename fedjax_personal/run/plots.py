@@ -14,8 +14,16 @@ from typing import Any, Callable, Dict, List
 
 import numpy as np
 
-__all__ = ['DEVICE_KEYS', 'draw', 'plot_devices', 'PLOT_MODES', 'plot_runs', 'plot_trials', 'pyplot',
-           'trial_curves']
+__all__ = [
+  'DEVICE_KEYS',
+  'draw',
+  'plot_devices',
+  'PLOT_MODES',
+  'plot_runs',
+  'plot_trials',
+  'pyplot',
+  'trial_curves',
+]
 
 #: ``--plots``: where the plots are drawn.
 PLOT_MODES = ('background', 'wait', 'off')
@@ -29,12 +37,16 @@ def pyplot():
     ``matplotlib.pyplot``.
   """
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   return plt
 
 
-def _save_accuracy_figure(fig, axes, directory: str, title_suffix: str = '') -> str:
+def _save_accuracy_figure(
+  fig, axes, directory: str, title_suffix: str = ''
+) -> str:
   """Titles, labels and legend of the two accuracy panels (mean, worst
   client); saves the figure as ``directory``/accuracy.png and closes it."""
   for ax, title in zip(axes, ('mean client accuracy', 'worst client accuracy')):
@@ -68,15 +80,29 @@ def plot_runs(histories: Dict[str, List[dict]], directory: str) -> List[str]:
   for name, hist in histories.items():
     ev = [r for r in hist if 'accuracy_mean' in r]
     rounds = [r['round'] for r in ev]
-    axes[0].plot(rounds, [_num(r['accuracy_mean']) for r in ev], marker='o', ms=3, label=name)
-    axes[1].plot(rounds, [_num(r['accuracy_worst']) for r in ev], marker='o', ms=3, label=name)
+    axes[0].plot(
+      rounds,
+      [_num(r['accuracy_mean']) for r in ev],
+      marker='o',
+      ms=3,
+      label=name,
+    )
+    axes[1].plot(
+      rounds,
+      [_num(r['accuracy_worst']) for r in ev],
+      marker='o',
+      ms=3,
+      label=name,
+    )
   p1 = _save_accuracy_figure(fig, axes, directory)
   fig, ax = plt.subplots(figsize=(6, 4))
   bins = np.linspace(0, 1, 21)
   for name, hist in histories.items():
     ev = [r for r in hist if 'per_client_accuracy' in r]
     if ev:
-      acc = np.array([_num(a) for a in ev[-1]['per_client_accuracy']], dtype=float)
+      acc = np.array(
+        [_num(a) for a in ev[-1]['per_client_accuracy']], dtype=float
+      )
       ax.hist(acc[np.isfinite(acc)], bins=bins, alpha=0.5, label=name)
   ax.set_xlabel('final test accuracy of a client')
   ax.set_ylabel('clients')
@@ -89,8 +115,14 @@ def plot_runs(histories: Dict[str, List[dict]], directory: str) -> List[str]:
 
 
 #: The round metrics of ``core.system`` that devices.png draws.
-DEVICE_KEYS = ('available', 'num_active', 'stragglers', 'uploads_lost', 'local_steps',
-               'compute_time')
+DEVICE_KEYS = (
+  'available',
+  'num_active',
+  'stragglers',
+  'uploads_lost',
+  'local_steps',
+  'compute_time',
+)
 
 
 def plot_devices(histories: Dict[str, List[dict]], directory: str) -> List[str]:
@@ -105,16 +137,21 @@ def plot_devices(histories: Dict[str, List[dict]], directory: str) -> List[str]:
   Returns:
     ``[path]``, or ``[]``.
   """
-  keys = [k for k in DEVICE_KEYS
-          if any(k in r for h in histories.values() for r in h)]
+  keys = [
+    k for k in DEVICE_KEYS if any(k in r for h in histories.values() for r in h)
+  ]
   if 'stragglers' not in keys:
     return []
   plt = pyplot()
-  fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3), squeeze=False)
+  fig, axes = plt.subplots(
+    1, len(keys), figsize=(3.2 * len(keys), 3), squeeze=False
+  )
   for ax, key in zip(axes[0], keys):
     for name, hist in histories.items():
       rows = [r for r in hist if key in r]
-      ax.plot([r['round'] for r in rows], [_num(r[key]) for r in rows], label=name)
+      ax.plot(
+        [r['round'] for r in rows], [_num(r[key]) for r in rows], label=name
+      )
     ax.set_title(key)
     ax.set_xlabel('round')
   axes[0][0].legend()
@@ -130,7 +167,9 @@ def _num(value) -> float:
   return np.nan if value is None else float(value)
 
 
-def trial_curves(hists: List[List[dict]], keys=('accuracy_mean', 'accuracy_worst')):
+def trial_curves(
+  hists: List[List[dict]], keys=('accuracy_mean', 'accuracy_worst')
+):
   """Evaluated rounds, per-key (mean, sample std) over trials, and the
   trial count as text. As the tables, diverged trials are left out of the
   mean (used only when every trial diverged, up to the first divergence).
@@ -144,9 +183,15 @@ def trial_curves(hists: List[List[dict]], keys=('accuracy_mean', 'accuracy_worst
   """
   ok = [h for h in hists if not any(r.get('diverged') for r in h)]
   used = ok or hists
-  count = (f'{len(hists)} trials' if len(ok) == len(hists) else
-           f'{len(used)} of {len(hists)} trials, {len(hists) - len(ok)} diverged')
-  evs = [[r for r in h if 'accuracy_mean' in r and not r.get('diverged')] for h in used]
+  count = (
+    f'{len(hists)} trials'
+    if len(ok) == len(hists)
+    else f'{len(used)} of {len(hists)} trials, {len(hists) - len(ok)} diverged'
+  )
+  evs = [
+    [r for r in h if 'accuracy_mean' in r and not r.get('diverged')]
+    for h in used
+  ]
   n = min((len(e) for e in evs), default=0)
   rounds = [r['round'] for r in evs[0][:n]] if n else []
   stats = {}
@@ -154,7 +199,9 @@ def trial_curves(hists: List[List[dict]], keys=('accuracy_mean', 'accuracy_worst
     vals = np.array([[_num(r.get(key)) for r in e[:n]] for e in evs])
     # Sample std (ddof = 1), as the tables' (aggregate_trials); 0 for one trial.
     mu = np.nanmean(vals, 0) if n else np.zeros(0)
-    sd = np.nanstd(vals, 0, ddof=1) if len(vals) > 1 and n else np.zeros_like(mu)
+    sd = (
+      np.nanstd(vals, 0, ddof=1) if len(vals) > 1 and n else np.zeros_like(mu)
+    )
     stats[key] = (mu, sd)
   return rounds, stats, count
 
@@ -179,12 +226,19 @@ def plot_trials(groups: Dict[str, List[List[dict]]], directory: str) -> str:
       continue
     for ax, key in zip(axes, ('accuracy_mean', 'accuracy_worst')):
       mu, sd = stats[key]
-      line, = ax.plot(rounds, mu, marker='o', ms=3, label=f'{name} ({count})')
-      ax.fill_between(rounds, mu - sd, mu + sd, color=line.get_color(), alpha=0.2)
-  return _save_accuracy_figure(fig, axes, directory, ' (mean ± std over trials)')
+      (line,) = ax.plot(rounds, mu, marker='o', ms=3, label=f'{name} ({count})')
+      ax.fill_between(
+        rounds, mu - sd, mu + sd, color=line.get_color(), alpha=0.2
+      )
+  return _save_accuracy_figure(
+    fig, axes, directory, ' (mean ± std over trials)'
+  )
 
 
-_KINDS: Dict[str, Callable[..., Any]] = {'runs': plot_runs, 'trials': plot_trials}
+_KINDS: Dict[str, Callable[..., Any]] = {
+  'runs': plot_runs,
+  'trials': plot_trials,
+}
 
 
 def _plain(value):
@@ -213,16 +267,24 @@ def draw(kind: str, histories: dict, directory: str, mode: str = 'wait'):
   if mode == 'wait':
     _KINDS[kind](histories, directory)
     return None
-  payload = json.dumps({'kind': kind, 'histories': histories, 'directory': directory},
-                       default=_plain)
+  payload = json.dumps(
+    {'kind': kind, 'histories': histories, 'directory': directory},
+    default=_plain,
+  )
   # By path, without the script's folder on sys.path (it holds this package's run/ modules).
-  code = ('import runpy, sys; sys.path[:1] = []; '
-          f'runpy.run_path({os.path.abspath(__file__)!r}, run_name="__main__")')
+  code = (
+    'import runpy, sys; sys.path[:1] = []; '
+    f'runpy.run_path({os.path.abspath(__file__)!r}, run_name="__main__")'
+  )
   # Its output goes nowhere: a reader of this process's pipes (a sweep's subprocess.run, tee)
   # must see them close when this process exits; a failure is written to plots_error.txt.
-  child = subprocess.Popen([sys.executable, '-c', code], stdin=subprocess.PIPE,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True)
+  child = subprocess.Popen(
+    [sys.executable, '-c', code],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+    start_new_session=True,
+  )
   assert child.stdin is not None  # stdin=PIPE
   child.stdin.write(payload.encode())
   child.stdin.close()
@@ -234,8 +296,10 @@ def _main() -> int:
   try:
     _KINDS[job['kind']](job['histories'], job['directory'])
   except Exception as e:  # noqa: BLE001 - the run is over: say what was not drawn
-    line = (f"fedjax_personal: the plots of {job['directory']} were not drawn "
-            f'({type(e).__name__}: {e}); the run\'s other outputs are complete')
+    line = (
+      f'fedjax_personal: the plots of {job["directory"]} were not drawn '
+      f"({type(e).__name__}: {e}); the run's other outputs are complete"
+    )
     print(line, file=sys.stderr)
     try:
       with open(os.path.join(job['directory'], 'plots_error.txt'), 'w') as f:

@@ -13,10 +13,10 @@ import importlib
 import importlib.util
 import os
 import sys
+import traceback
 from typing import Dict, List, Optional, Sequence
 
 from fedjax_personal.errors import ConfigError, installed_or_ours
-import traceback
 
 __all__ = ['BROUGHT', 'identity', 'import_all', 'imports_in', 'LOADED', 'load']
 
@@ -45,7 +45,7 @@ def imports_in(argv: Sequence[str]) -> List[str]:
       for flag, into in (('--import', out), ('--flagfile', None)):
         value = None
         if a.startswith(flag + '='):
-          value = a[len(flag) + 1:]
+          value = a[len(flag) + 1 :]
         elif a == flag:
           value = next(it, None)
         if value is None:
@@ -56,10 +56,15 @@ def imports_in(argv: Sequence[str]) -> List[str]:
           for path in value.split(','):
             try:
               with open(path) as f:
-                lines = [l.strip() for l in f if l.strip() and not l.lstrip().startswith('#')]
+                lines = [
+                  l.strip()
+                  for l in f
+                  if l.strip() and not l.lstrip().startswith('#')
+                ]
             except OSError:
               continue  # absl names a missing flagfile itself
             scan(lines, depth + 1)
+
   scan(list(argv[1:]))
   return list(dict.fromkeys(out))
 
@@ -89,15 +94,22 @@ def load(spec: str):
       if taken is not None and getattr(taken, '__file__', None) != path:
         # another module has the file's name (a user's json.py): never replace it
         name = f'{name}_{hashlib.sha256(path.encode()).hexdigest()[:8]}'
-      if name in sys.modules and getattr(sys.modules[name], '__file__', None) == path:
+      if (
+        name in sys.modules
+        and getattr(sys.modules[name], '__file__', None) == path
+      ):
         module = sys.modules[name]
       else:
         module_spec = importlib.util.spec_from_file_location(name, path)
         if module_spec is None or module_spec.loader is None:
           raise ConfigError('import', f'{spec}: not a Python module')
         module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module  # its functions' __module__ resolves (the store's key)
-        if os.path.dirname(path) not in sys.path:  # its helpers beside it import, as a script's
+        sys.modules[name] = (
+          module  # its functions' __module__ resolves (the store's key)
+        )
+        if (
+          os.path.dirname(path) not in sys.path
+        ):  # its helpers beside it import, as a script's
           sys.path.append(os.path.dirname(path))
         try:
           module_spec.loader.exec_module(module)
@@ -112,21 +124,36 @@ def load(spec: str):
       except ModuleNotFoundError as e:
         if e.name != spec.split('.')[0] and e.name != spec:
           raise
-        raise ConfigError('import', f'{spec}: no such module here (give a .py file\'s path, or '
-                          'run from the folder that holds it)') from None
+        raise ConfigError(
+          'import',
+          f"{spec}: no such module here (give a .py file's path, or "
+          'run from the folder that holds it)',
+        ) from None
   except ConfigError:
     raise
-  except SystemExit as e:  # a module that exits while imported: nothing would run
-    raise ConfigError('import', f'{spec} called sys.exit({e.code!r}) while imported') from None
+  except (
+    SystemExit
+  ) as e:  # a module that exits while imported: nothing would run
+    raise ConfigError(
+      'import', f'{spec} called sys.exit({e.code!r}) while imported'
+    ) from None
   except Exception as e:  # the user's module failed: one line naming where
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if 'importlib' not in f.filename and f.filename != __file__]
+    frames = [
+      f
+      for f in traceback.extract_tb(e.__traceback__)
+      if 'importlib' not in f.filename and f.filename != __file__
+    ]
     where = f'{frames[-1].filename}:{frames[-1].lineno}' if frames else spec
-    raise ConfigError('import', f'{spec} failed at {where}: {type(e).__name__}: {e}') from None
+    raise ConfigError(
+      'import', f'{spec} failed at {where}: {type(e).__name__}: {e}'
+    ) from None
   LOADED[spec] = getattr(module, '__file__', None) or spec
   _note_shadowed(module)
-  BROUGHT[spec] = sorted(p for p in (_user_source(m) for m in set(sys.modules) - before)
-                         if p and p != LOADED[spec])
+  BROUGHT[spec] = sorted(
+    p
+    for p in (_user_source(m) for m in set(sys.modules) - before)
+    if p and p != LOADED[spec]
+  )
   return module
 
 
@@ -134,7 +161,9 @@ def _note_shadowed(module) -> None:
   """One line when the user's module imports a module that has a file of
   the same name beside it which Python did not import (a local ``json.py``
   under the standard ``json``): the user's file is not what runs."""
-  folder = os.path.dirname(os.path.abspath(getattr(module, '__file__', '') or ''))
+  folder = os.path.dirname(
+    os.path.abspath(getattr(module, '__file__', '') or '')
+  )
   for value in list(vars(module).values()):
     name = getattr(value, '__name__', None)
     if not isinstance(value, type(sys)) or not name or value is module:
@@ -142,9 +171,13 @@ def _note_shadowed(module) -> None:
     beside = os.path.join(folder, name.split('.')[0] + '.py')
     used = os.path.abspath(getattr(value, '__file__', None) or '')
     if os.path.isfile(beside) and used != beside:
-      print(f'note: {os.path.basename(module.__file__)} imports {name}, which is '
-            f'{used or "built in"}, not {beside} beside it (Python\'s own comes first: rename '
-            'yours)', file=sys.stderr, flush=True)
+      print(
+        f'note: {os.path.basename(module.__file__)} imports {name}, which is '
+        f"{used or 'built in'}, not {beside} beside it (Python's own comes first: rename "
+        'yours)',
+        file=sys.stderr,
+        flush=True,
+      )
 
 
 def _user_source(name: str) -> Optional[str]:
@@ -199,6 +232,10 @@ def identity(specs: Sequence[str]) -> List[List[str]]:
       except OSError:
         h.update(b'unreadable')
         readable = readable and source != path
-    digest = h.hexdigest()[:16] if readable or BROUGHT.get(spec) else 'unreadable'
-    out.append([os.path.basename(path) if path.endswith('.py') else spec, digest])
+    digest = (
+      h.hexdigest()[:16] if readable or BROUGHT.get(spec) else 'unreadable'
+    )
+    out.append(
+      [os.path.basename(path) if path.endswith('.py') else spec, digest]
+    )
   return out

@@ -7,16 +7,22 @@ and the lines it prints (process 0 only).
 
 import os
 import sys
+import tempfile
 import time
+import warnings
 
 from fedjax_personal import compilation
 from fedjax_personal.core.executor_choice import model_has_conv
 from fedjax_personal.models import resolve_conv_impl
 from fedjax_personal.run import distributed
-import tempfile
-import warnings
 
-__all__ = ['conv_impl_of', 'open_compilation_cache', 'process_seconds', 'say', 'time_to_result']
+__all__ = [
+  'conv_impl_of',
+  'open_compilation_cache',
+  'process_seconds',
+  'say',
+  'time_to_result',
+]
 
 
 def say(text: str) -> None:
@@ -54,16 +60,21 @@ def open_compilation_cache(choice) -> None:
     except OSError as e:
       compilation.disable()
       if distributed.is_primary():
-        print(f'compilation cache: {choice} cannot be written ({e.strerror or e}); compiling '
-              'without it (the numbers are the same; give a writable folder, or off)',
-              file=sys.stderr, flush=True)
+        print(
+          f'compilation cache: {choice} cannot be written ({e.strerror or e}); compiling '
+          'without it (the numbers are the same; give a writable folder, or off)',
+          file=sys.stderr,
+          flush=True,
+        )
       return
     _one_line_for_failed_cache_writes()
   where = compilation.directory()
   if where:
     entries, nbytes = compilation.size(where)
-    say(f'compilation cache: {where} ({entries} entries, {nbytes / 2**20:.0f} MB, bounded to '
-        f'{compilation.MAX_BYTES / 2**30:.0f} GB)')
+    say(
+      f'compilation cache: {where} ({entries} entries, {nbytes / 2**20:.0f} MB, bounded to '
+      f'{compilation.MAX_BYTES / 2**30:.0f} GB)'
+    )
   else:
     say('compilation cache: off')
 
@@ -77,11 +88,9 @@ def _check_writable(folder: str) -> None:
 #: JAX's warnings of a cache entry it cannot write or read, and what the
 #: command says instead (once each).
 _CACHE_FAILURES = {
-    'Error writing persistent compilation cache entry':
-        'programs cannot be saved ({why}); compiling without saving them',
-    'Error reading persistent compilation cache entry':
-        'entries cannot be read ({why}: written by a run that ran out of disk?); compiling '
-        'those programs again',
+  'Error writing persistent compilation cache entry': 'programs cannot be saved ({why}); compiling without saving them',
+  'Error reading persistent compilation cache entry': 'entries cannot be read ({why}: written by a run that ran out of disk?); compiling '
+  'those programs again',
 }
 
 
@@ -103,10 +112,14 @@ def _one_line_for_failed_cache_writes() -> None:
     if kind not in said:
       said.add(kind)
       why = text.split(': ', 1)[-1]
-      print(f'compilation cache: {compilation.directory()}: '
-            f'{_CACHE_FAILURES[kind].format(why=why)} (the numbers are the same)',
-            file=sys.stderr, flush=True)
+      print(
+        f'compilation cache: {compilation.directory()}: '
+        f'{_CACHE_FAILURES[kind].format(why=why)} (the numbers are the same)',
+        file=sys.stderr,
+        flush=True,
+      )
     return None
+
   showwarning.collapses_cache_writes = True  # type: ignore[attr-defined]
   warnings.showwarning = showwarning
 
@@ -145,16 +158,25 @@ def time_to_result(runs, began: float, compiled: dict) -> dict:
     The figures.
   """
   now = compilation.stats()
-  runners = [getattr(runs, 'runner', None)] + [getattr(r, 'runner', None)
-                                               for r in getattr(runs, 'runs', [])]
-  feeds = {id(r.feed): r.feed for r in runners if r is not None and r.host is not None}
-  feeds.update({id(runs.feed): runs.feed} if getattr(runs, 'feed', None) is not None else {})
-  return {'wall_seconds': time.perf_counter() - began,
-          'compile_seconds': now['compile_seconds'] - compiled['compile_seconds'],
-          'compiled_shapes': max([len(f.shapes) for f in feeds.values()], default=1),
-          'process_seconds': process_seconds(),
-          '_programs': now['compiles'] - compiled['compiles'],
-          '_hits': now['cache_hits'] - compiled['cache_hits']}
+  runners = [getattr(runs, 'runner', None)] + [
+    getattr(r, 'runner', None) for r in getattr(runs, 'runs', [])
+  ]
+  feeds = {
+    id(r.feed): r.feed for r in runners if r is not None and r.host is not None
+  }
+  feeds.update(
+    {id(runs.feed): runs.feed}
+    if getattr(runs, 'feed', None) is not None
+    else {}
+  )
+  return {
+    'wall_seconds': time.perf_counter() - began,
+    'compile_seconds': now['compile_seconds'] - compiled['compile_seconds'],
+    'compiled_shapes': max([len(f.shapes) for f in feeds.values()], default=1),
+    'process_seconds': process_seconds(),
+    '_programs': now['compiles'] - compiled['compiles'],
+    '_hits': now['cache_hits'] - compiled['cache_hits'],
+  }
 
 
 def process_seconds() -> float:

@@ -3,29 +3,49 @@
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
+import jax
 import numpy as np
+from tqdm.auto import tqdm
 
+from fedjax_personal.core.population.rows_in_memory import HostedState
+from fedjax_personal.core.privacy import worst_epsilon
 from fedjax_personal.run import faults, plots, run_identity
 from fedjax_personal.run.experiment import Callback
 from fedjax_personal.run.plots import plot_runs, plot_trials, trial_curves  # noqa: F401
-from tqdm.auto import tqdm
-import jax
-from fedjax_personal.core.population.rows_in_memory import HostedState
-from fedjax_personal.core.privacy import worst_epsilon
 
-__all__ = ['AffinityRecorder', 'aggregate_trials', 'final_summary', 'format_table', 'MetricsWriter',
-           'PAPER_METRICS', 'pm', 'PrivacyRecorder', 'Progress', 'table_window', 'trials_summary', 'worst_clients',
-           'write_summary']
+__all__ = [
+  'AffinityRecorder',
+  'aggregate_trials',
+  'final_summary',
+  'format_table',
+  'MetricsWriter',
+  'PAPER_METRICS',
+  'pm',
+  'PrivacyRecorder',
+  'Progress',
+  'table_window',
+  'trials_summary',
+  'worst_clients',
+  'write_summary',
+]
 
 
-SUMMARY_KEYS = ('accuracy_mean', 'accuracy_weighted', 'accuracy_worst', 'accuracy_q10',
-                'accuracy_median', 'loss_weighted')
+SUMMARY_KEYS = (
+  'accuracy_mean',
+  'accuracy_weighted',
+  'accuracy_worst',
+  'accuracy_q10',
+  'accuracy_median',
+  'loss_weighted',
+)
 
 
 def _worth_a_line(record: dict) -> bool:
   """Evaluated rounds, and rounds that computed something (pre-round
   diagnostics such as W's statistics or CFL's splits) or diverged."""
-  return any(k in record for k in ('accuracy_mean', 'pre_round_ran', 'diverged'))
+  return any(
+    k in record for k in ('accuracy_mean', 'pre_round_ran', 'diverged')
+  )
 
 
 class MetricsWriter(Callback):
@@ -33,7 +53,9 @@ class MetricsWriter(Callback):
   with pre-round diagnostics) to ``<dir>/metrics.jsonl``; a sweep's lines
   carry their configuration (``config``: seed and swept values)."""
 
-  def __init__(self, directory: str, histories: Optional[List[List[dict]]] = None):
+  def __init__(
+    self, directory: str, histories: Optional[List[List[dict]]] = None
+  ):
     self.directory = directory
     os.makedirs(directory, exist_ok=True)
     self.path = os.path.join(directory, 'metrics.jsonl')
@@ -55,7 +77,9 @@ class MetricsWriter(Callback):
       except OSError as e:
         if faults.storage_reason(e) is None:
           raise
-        raise faults.storage_error(f'{self.path} (round {round_num})', e) from None
+        raise faults.storage_error(
+          f'{self.path} (round {round_num})', e
+        ) from None
 
 
 class Progress(Callback):
@@ -66,7 +90,9 @@ class Progress(Callback):
     self.bar: Any = None  # a tqdm bar from on_start
 
   def on_start(self, runner, state):
-    self.bar = tqdm(total=self.total, desc=self.desc, leave=False, dynamic_ncols=True)
+    self.bar = tqdm(
+      total=self.total, desc=self.desc, leave=False, dynamic_ncols=True
+    )
 
   def on_stop(self, round_num, state):
     self.bar.close()
@@ -74,8 +100,10 @@ class Progress(Callback):
   def on_round_end(self, round_num, records, state):
     ev = [r for r in records if 'accuracy_mean' in r and not r.get('diverged')]
     if ev:
-      self.bar.set_postfix(mean=f"{np.mean([r['accuracy_mean'] for r in ev]):.3f}",
-                           worst=f"{np.mean([r['accuracy_worst'] for r in ev]):.3f}")
+      self.bar.set_postfix(
+        mean=f'{np.mean([r["accuracy_mean"] for r in ev]):.3f}',
+        worst=f'{np.mean([r["accuracy_worst"] for r in ev]):.3f}',
+      )
     self.bar.update(1)
 
   def on_end(self, histories, state):
@@ -102,27 +130,38 @@ def final_summary(history: List[dict], window: int = 5) -> dict:
   """
   evals = [r for r in history if 'accuracy_mean' in r]
   last = dict(evals[-1]) if evals else {}
-  tail = evals[-max(window, 1):]
+  tail = evals[-max(window, 1) :]
   for key in ('accuracy_mean', 'accuracy_worst'):
     vals = [r[key] for r in tail if r.get(key) is not None]
     if vals:
       last[f'{key}_window'] = float(np.mean(vals))
   last['stat_window'] = len(tail)
   div = next((r for r in history if r.get('diverged')), None)
-  if div is not None:  # a diverged run's summary says so (aggregate_trials leaves it out)
-    last['diverged'], last['diverged_at_round'] = True, div.get('diverged_at_round', div['round'])
+  if (
+    div is not None
+  ):  # a diverged run's summary says so (aggregate_trials leaves it out)
+    last['diverged'], last['diverged_at_round'] = (
+      True,
+      div.get('diverged_at_round', div['round']),
+    )
   last['total_bytes_up'] = float(sum(r.get('bytes_up', 0) for r in history))
-  last['total_bytes_down_broadcast'] = float(sum(r.get('bytes_down_broadcast', 0) for r in history))
+  last['total_bytes_down_broadcast'] = float(
+    sum(r.get('bytes_down_broadcast', 0) for r in history)
+  )
   seconds = [r['round_seconds'] for r in history if 'round_seconds' in r]
   last['train_seconds'] = float(sum(seconds))
   if seconds:  # its compiles included
     last['first_round_seconds'] = float(seconds[0])
-  if len(seconds) > 1:  # the first round compiles: the steady cost is the rest's median
+  if (
+    len(seconds) > 1
+  ):  # the first round compiles: the steady cost is the rest's median
     last['round_seconds_median'] = float(np.median(seconds[1:]))
   return last
 
 
-def worst_clients(per_client_accuracy, client_ids: Sequence[str], k: int = 5) -> List[dict]:
+def worst_clients(
+  per_client_accuracy, client_ids: Sequence[str], k: int = 5
+) -> List[dict]:
   """The ``k`` clients of lowest test accuracy at the last evaluation, by
   id (``[{'client_id', 'accuracy'}]``, worst first; ties in client order);
   clients without test data are left out.
@@ -137,10 +176,14 @@ def worst_clients(per_client_accuracy, client_ids: Sequence[str], k: int = 5) ->
   """
   if per_client_accuracy is None:
     return []
-  acc = np.array([np.nan if a is None else a for a in per_client_accuracy], np.float64)
+  acc = np.array(
+    [np.nan if a is None else a for a in per_client_accuracy], np.float64
+  )
   has = np.flatnonzero(~np.isnan(acc))
   order = has[np.argsort(acc[has], kind='stable')][:k]
-  return [{'client_id': client_ids[i], 'accuracy': float(acc[i])} for i in order]
+  return [
+    {'client_id': client_ids[i], 'accuracy': float(acc[i])} for i in order
+  ]
 
 
 def write_summary(directory: str, summary: dict) -> str:
@@ -160,23 +203,35 @@ def write_summary(directory: str, summary: dict) -> str:
 
 
 #: The table's columns: (summary key, header); {L} is the statistics window.
-TABLE_COLUMNS = (('accuracy_mean', 'mean'), ('accuracy_worst', 'worst'),
-                 ('accuracy_mean_window', 'mean@last{L}'), ('accuracy_worst_window', 'worst@last{L}'),
-                 ('accuracy_q10', 'q10'), ('accuracy_weighted', 'weighted'))
+TABLE_COLUMNS = (
+  ('accuracy_mean', 'mean'),
+  ('accuracy_worst', 'worst'),
+  ('accuracy_mean_window', 'mean@last{L}'),
+  ('accuracy_worst_window', 'worst@last{L}'),
+  ('accuracy_q10', 'q10'),
+  ('accuracy_weighted', 'weighted'),
+)
 
 
 #: The table's columns a paper may report (``--paper_metric``): column ->
 #: (summary key, what it is).
 PAPER_METRICS = {
-    'mean': ('accuracy_mean', 'the mean over clients of their test accuracy'),
-    'worst': ('accuracy_worst', "the worst client's test accuracy"),
-    'mean@last': ('accuracy_mean_window', 'the mean over clients, averaged over the last '
-                  'evaluations'),
-    'worst@last': ('accuracy_worst_window', "the worst client's, averaged over the last "
-                   'evaluations'),
-    'q10': ('accuracy_q10', "the clients' 10th percentile"),
-    'weighted': ('accuracy_weighted', 'the accuracy pooled over every scored test target (each '
-                 'client weighted by its scored targets: examples, or tokens of a text task)'),
+  'mean': ('accuracy_mean', 'the mean over clients of their test accuracy'),
+  'worst': ('accuracy_worst', "the worst client's test accuracy"),
+  'mean@last': (
+    'accuracy_mean_window',
+    'the mean over clients, averaged over the last evaluations',
+  ),
+  'worst@last': (
+    'accuracy_worst_window',
+    "the worst client's, averaged over the last evaluations",
+  ),
+  'q10': ('accuracy_q10', "the clients' 10th percentile"),
+  'weighted': (
+    'accuracy_weighted',
+    'the accuracy pooled over every scored test target (each '
+    'client weighted by its scored targets: examples, or tokens of a text task)',
+  ),
 }
 
 
@@ -213,7 +268,7 @@ def format_table(rows: Dict[str, dict], columns=TABLE_COLUMNS) -> str:
   trials = any(any(k.endswith('_std') for k in s) for s in rows.values())
   cw = 15 if trials else 13
   width = max([14] + [len(n) + 2 for n in rows])
-  header = f"{'algorithm':<{width}}" + ''.join(f'{h:>{cw}}' for _, h in cols)
+  header = f'{"algorithm":<{width}}' + ''.join(f'{h:>{cw}}' for _, h in cols)
   lines = [header, '-' * len(header)]
 
   def cell(s, k):
@@ -222,12 +277,16 @@ def format_table(rows: Dict[str, dict], columns=TABLE_COLUMNS) -> str:
       return f'{"-":>{cw}}'
     scale, unit = (1, '') if k == 'dp_epsilon' else (100, '%')
     std = s.get(f'{k}_std')
-    text = f'{scale * v:.2f}' + (f'±{scale * std:.2f}' if std is not None else unit)
+    text = f'{scale * v:.2f}' + (
+      f'±{scale * std:.2f}' if std is not None else unit
+    )
     return f'{text:>{cw}}'
 
   for name, s in rows.items():
     if s.get('diverged'):
-      lines.append(f'{name:<{width}}  diverged at round {s.get("diverged_at_round")}')
+      lines.append(
+        f'{name:<{width}}  diverged at round {s.get("diverged_at_round")}'
+      )
       continue
     lines.append(f'{name:<{width}}' + ''.join(cell(s, k) for k, _ in cols))
   return '\n'.join(lines)
@@ -245,12 +304,23 @@ def aggregate_trials(summaries: List[dict]) -> dict:
     The aggregate summary.
   """
   ok = [s for s in summaries if not s.get('diverged')]
-  out: Dict[str, Any] = {'trials': len(summaries),
-                         'diverged_trials': len(summaries) - len(ok)}
+  out: Dict[str, Any] = {
+    'trials': len(summaries),
+    'diverged_trials': len(summaries) - len(ok),
+  }
   if not ok:
-    return {**out, 'diverged': True,
-            'diverged_at_round': min(s.get('diverged_at_round') or 0 for s in summaries)}
-  keys = [k for k, v in ok[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return {
+      **out,
+      'diverged': True,
+      'diverged_at_round': min(
+        s.get('diverged_at_round') or 0 for s in summaries
+      ),
+    }
+  keys = [
+    k
+    for k, v in ok[0].items()
+    if isinstance(v, (int, float)) and not isinstance(v, bool)
+  ]
   for k in keys:
     vals = np.array([s[k] for s in ok if s.get(k) is not None], np.float64)
     if vals.size:
@@ -287,8 +357,10 @@ def pm(summary: dict, key: str, scale: float = 100.0, digits: int = 1) -> str:
   """
   if summary.get(key) is None:
     return 'diverged' if summary.get('diverged') else '-'
-  return (f'{scale * summary[key]:.{digits}f} ± '
-          f'{scale * summary.get(key + "_std", 0.0):.{digits}f}')
+  return (
+    f'{scale * summary[key]:.{digits}f} ± '
+    f'{scale * summary.get(key + "_std", 0.0):.{digits}f}'
+  )
 
 
 class PrivacyRecorder(Callback):
@@ -302,8 +374,12 @@ class PrivacyRecorder(Callback):
   def on_round_end(self, round_num, records, state):
 
     def steps_of(s):  # step counters are not client rows
-      return np.asarray(jax.device_get(self.privacy.steps(
-          s.inner if isinstance(s, HostedState) else s)))
+      return np.asarray(
+        jax.device_get(
+          self.privacy.steps(s.inner if isinstance(s, HostedState) else s)
+        )
+      )
+
     if isinstance(state, list):  # configurations run one after another
       steps = np.stack([steps_of(s) for s in state])
     else:  # one state, or a sweep's stacked [S, ...] state
@@ -317,7 +393,9 @@ class AffinityRecorder(Callback):
   """Keeps a matrix-valued part of the state (FedFomo's affinity P) at every
   evaluated round and writes heat maps of it over rounds to a PNG."""
 
-  def __init__(self, path: str, get=lambda state: state.affinity, max_panels: int = 6):
+  def __init__(
+    self, path: str, get=lambda state: state.affinity, max_panels: int = 6
+  ):
     self.path, self.get, self.max_panels = path, get, max_panels
     self.matrices: Dict[int, Any] = {}
 
@@ -330,8 +408,15 @@ class AffinityRecorder(Callback):
       return
     plt = plots.pyplot()
     rounds = sorted(self.matrices)
-    pick = [rounds[int(i)] for i in np.linspace(0, len(rounds) - 1, min(self.max_panels, len(rounds)))]
-    fig, axes = plt.subplots(1, len(pick), figsize=(3.2 * len(pick), 3), squeeze=False)
+    pick = [
+      rounds[int(i)]
+      for i in np.linspace(
+        0, len(rounds) - 1, min(self.max_panels, len(rounds))
+      )
+    ]
+    fig, axes = plt.subplots(
+      1, len(pick), figsize=(3.2 * len(pick), 3), squeeze=False
+    )
     vmax = max(np.abs(self.matrices[r]).max() for r in pick) or 1.0
     for ax, r in zip(axes[0], pick):
       im = ax.imshow(self.matrices[r], cmap='RdBu_r', vmin=-vmax, vmax=vmax)

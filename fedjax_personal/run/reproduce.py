@@ -28,6 +28,7 @@ configuration or code is never read.
 import dataclasses
 import functools
 import hashlib
+import importlib
 import json
 import os
 import shlex
@@ -35,19 +36,26 @@ import sys
 import time
 from typing import ClassVar, Dict, List, Optional, Sequence
 
+import jax
 import numpy as np
 
-from fedjax_personal.hparams import Declared, hparam
-from fedjax_personal.models import INITS
-from fedjax_personal.run import experiment, reporting, run_identity
-from fedjax_personal.models import MODELS
-import importlib
-import jax
 from fedjax_personal import __version__
+from fedjax_personal.hparams import Declared, hparam
+from fedjax_personal.models import INITS, MODELS
+from fedjax_personal.run import experiment, reporting, run_identity
 
-__all__ = ['cell', 'code_fingerprint', 'markdown_table', 'model_field', 'model_init_field',
-           'ReproduceSettings',
-           'run_trials', 'source_files', 'TrialCache', 'write_results']
+__all__ = [
+  'cell',
+  'code_fingerprint',
+  'markdown_table',
+  'model_field',
+  'model_init_field',
+  'ReproduceSettings',
+  'run_trials',
+  'source_files',
+  'TrialCache',
+  'write_results',
+]
 
 
 SCALES = ('cpu', 'paper')
@@ -63,8 +71,11 @@ def model_field(what: str = 'Model'):
   Returns:
     The ``hparam`` field.
   """
-  return hparam(None, f"{what} (default: the scale's; see --dry_run).",
-                choices=tuple(sorted(MODELS)))
+  return hparam(
+    None,
+    f"{what} (default: the scale's; see --dry_run).",
+    choices=tuple(sorted(MODELS)),
+  )
 
 
 def model_init_field():
@@ -74,8 +85,12 @@ def model_init_field():
   Returns:
     The ``hparam`` field.
   """
-  return hparam(None, "Initialisation convention (default: the scale's: paper, the seed code's "
-                "framework; cpu, flax).", choices=tuple(INITS))
+  return hparam(
+    None,
+    "Initialisation convention (default: the scale's: paper, the seed code's "
+    'framework; cpu, flax).',
+    choices=tuple(INITS),
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,27 +102,53 @@ class ReproduceSettings(Declared):
   Attributes:
     DEFAULT_TRIALS: ``{scale: trials}`` when ``--trials`` is not given.
   """
+
   DEFAULT_TRIALS: ClassVar[Dict[str, int]] = {'cpu': 3, 'paper': 5}
-  scale: str = hparam('cpu', "'cpu': the seed's protocol reduced to ~30 min per table on 2 cores; "
-                      "'paper': the seed's own sizes (TFDS data where the seed used them).",
-                      choices=SCALES)
-  trials: Optional[int] = hparam(None, "Trials per cell (default: the scale's, --dry_run says); "
-                                 'seeds seed..seed+T-1 on the partition of --seed.', minimum=1)
-  seed: int = hparam(0, 'Seed of the partitions and of the first trial.', minimum=0)
-  stat_window: int = hparam(5, 'Cells average the last this many evaluations.', minimum=1)
-  output_dir: Optional[str] = hparam(None, 'Where results go (default runs/<script name>).')
-  data_dir: Optional[str] = hparam(None, 'Folder searched first for data files (then '
-                                   '$FEDJAX_PERSONAL_DATA, the package, the cache); must exist.')
-  dry_run: bool = hparam(False, 'Print the sizes this scale resolves to and exit.')
-  reuse_trials: bool = hparam(True, 'Reuse the trials a run of the same cell (same settings, '
-                              'data, seed and library source) finished under '
-                              '<output_dir>/trials: a killed or extended table run goes on '
-                              'from them.')
+  scale: str = hparam(
+    'cpu',
+    "'cpu': the seed's protocol reduced to ~30 min per table on 2 cores; "
+    "'paper': the seed's own sizes (TFDS data where the seed used them).",
+    choices=SCALES,
+  )
+  trials: Optional[int] = hparam(
+    None,
+    "Trials per cell (default: the scale's, --dry_run says); "
+    'seeds seed..seed+T-1 on the partition of --seed.',
+    minimum=1,
+  )
+  seed: int = hparam(
+    0, 'Seed of the partitions and of the first trial.', minimum=0
+  )
+  stat_window: int = hparam(
+    5, 'Cells average the last this many evaluations.', minimum=1
+  )
+  output_dir: Optional[str] = hparam(
+    None, 'Where results go (default runs/<script name>).'
+  )
+  data_dir: Optional[str] = hparam(
+    None,
+    'Folder searched first for data files (then '
+    '$FEDJAX_PERSONAL_DATA, the package, the cache); must exist.',
+  )
+  dry_run: bool = hparam(
+    False, 'Print the sizes this scale resolves to and exit.'
+  )
+  reuse_trials: bool = hparam(
+    True,
+    'Reuse the trials a run of the same cell (same settings, '
+    'data, seed and library source) finished under '
+    '<output_dir>/trials: a killed or extended table run goes on '
+    'from them.',
+  )
 
   @property
   def num_trials(self) -> int:
     """``--trials``, or the scale's default."""
-    return self.trials if self.trials is not None else self.DEFAULT_TRIALS[self.scale]
+    return (
+      self.trials
+      if self.trials is not None
+      else self.DEFAULT_TRIALS[self.scale]
+    )
 
   def scaled(self, value, cpu, paper):
     """``value`` when given (not None), else the scale's default.
@@ -158,7 +199,11 @@ class ReproduceSettings(Declared):
     return d
 
 
-SOURCE_PACKAGES = ('fedjax_personal.algorithms', 'fedjax_personal.datasets', 'fedjax_personal')
+SOURCE_PACKAGES = (
+  'fedjax_personal.algorithms',
+  'fedjax_personal.datasets',
+  'fedjax_personal',
+)
 
 
 def source_files() -> List[tuple]:
@@ -171,13 +216,17 @@ def source_files() -> List[tuple]:
   """
   seen, out = set(), []
   for package in SOURCE_PACKAGES:
-    root = os.path.dirname(os.path.abspath(importlib.import_module(package).__file__ or ''))
+    root = os.path.dirname(
+      os.path.abspath(importlib.import_module(package).__file__ or '')
+    )
     for d, _, files in os.walk(root):
       for name in files:
         path = os.path.realpath(os.path.join(d, name))
         if name.endswith('.py') and path not in seen:
           seen.add(path)
-          out.append((f'{package}/{os.path.relpath(os.path.join(d, name), root)}', path))
+          out.append(
+            (f'{package}/{os.path.relpath(os.path.join(d, name), root)}', path)
+          )
   return sorted(out)
 
 
@@ -198,29 +247,47 @@ def code_fingerprint() -> str:
   return h.hexdigest()[:16]
 
 
-def trial_identity(runner, cell: dict, num_rounds: int, eval_every: int,
-                   callbacks: Sequence = ()) -> dict:
+def trial_identity(
+  runner, cell: dict, num_rounds: int, eval_every: int, callbacks: Sequence = ()
+) -> dict:
   """What makes a trial's numbers (its seed aside): the caller's ``cell``
   (algorithm name and settings), the data fingerprint, the model's name and
   parameter shapes, the sampler, the clients' devices (stragglers, lost
   uploads), rounds, evaluation period, the callbacks' settings (e.g. the DP
   delta) and the library's source."""
   alg = runner.algorithm
-  shapes = jax.tree.map(lambda a: [list(a.shape), str(a.dtype)],
-                        jax.eval_shape(alg.init, jax.random.key(0)))
+  shapes = jax.tree.map(
+    lambda a: [list(a.shape), str(a.dtype)],
+    jax.eval_shape(alg.init, jax.random.key(0)),
+  )
   simple = (bool, int, float, str, type(None))
-  return run_identity.as_json({
-      'cell': cell, 'algorithm': alg.name, 'model': alg.model.name,
+  return run_identity.as_json(
+    {
+      'cell': cell,
+      'algorithm': alg.name,
+      'model': alg.model.name,
       'state_shapes': run_identity.short_hash(jax.tree.leaves(shapes)),
       'data_fingerprint': run_identity.data_fingerprint(runner.data),
-      'sampler': dataclasses.asdict(runner.sampler), 'rounds': num_rounds,
-      **({'system': dataclasses.asdict(runner.system.config)}
-         if getattr(runner, 'system', None) is not None and runner.system.config.active
-         else {}),
+      'sampler': dataclasses.asdict(runner.sampler),
+      'rounds': num_rounds,
+      **(
+        {'system': dataclasses.asdict(runner.system.config)}
+        if getattr(runner, 'system', None) is not None
+        and runner.system.config.active
+        else {}
+      ),
       'eval_every': eval_every,
-      'callbacks': [[type(c).__name__, {k: v for k, v in vars(c).items()
-                                        if isinstance(v, simple)}] for c in callbacks],
-      'code': code_fingerprint(), 'version': __version__})
+      'callbacks': [
+        [
+          type(c).__name__,
+          {k: v for k, v in vars(c).items() if isinstance(v, simple)},
+        ]
+        for c in callbacks
+      ],
+      'code': code_fingerprint(),
+      'version': __version__,
+    }
+  )
 
 
 class TrialCache:
@@ -229,7 +296,9 @@ class TrialCache:
 
   def __init__(self, directory: str, identity: dict):
     self.identity = identity
-    self.directory = os.path.join(directory, 'trials', run_identity.short_hash(identity))
+    self.directory = os.path.join(
+      directory, 'trials', run_identity.short_hash(identity)
+    )
 
   def _path(self, seed: int) -> str:
     return os.path.join(self.directory, f'seed_{seed}.json')
@@ -247,13 +316,28 @@ class TrialCache:
 
   def save(self, seed: int, history: List[dict], seconds: float) -> None:
     os.makedirs(self.directory, exist_ok=True)
-    run_identity.write_json(self._path(seed), {'identity': self.identity, 'seed': seed,
-                                               'seconds': seconds, 'history': history})
+    run_identity.write_json(
+      self._path(seed),
+      {
+        'identity': self.identity,
+        'seed': seed,
+        'seconds': seconds,
+        'history': history,
+      },
+    )
 
 
-def run_trials(runner, num_rounds: int, seed: int, num_trials: int, eval_every: int,
-               callbacks: Sequence = (), cell: Optional[dict] = None, reuse: bool = True,
-               directory: Optional[str] = None):
+def run_trials(
+  runner,
+  num_rounds: int,
+  seed: int,
+  num_trials: int,
+  eval_every: int,
+  callbacks: Sequence = (),
+  cell: Optional[dict] = None,
+  reuse: bool = True,
+  directory: Optional[str] = None,
+):
   """``num_trials`` runs of one runner with seeds seed..seed+T-1 (same data);
   a trial that diverges is kept, marked ``diverged`` from its divergence on.
 
@@ -276,19 +360,29 @@ def run_trials(runner, num_rounds: int, seed: int, num_trials: int, eval_every: 
   """
   cache = None
   if cell is not None and directory is not None:
-    cache = TrialCache(directory, trial_identity(runner, cell, num_rounds, eval_every, callbacks))
+    cache = TrialCache(
+      directory, trial_identity(runner, cell, num_rounds, eval_every, callbacks)
+    )
   histories, seconds = [], []
   for t in range(num_trials):
     saved = cache.load(seed + t) if cache is not None and reuse else None
     if cache is not None and saved is not None:
-      print(f'trial {t} (seed {seed + t}): reused from {cache.directory}', flush=True)
+      print(
+        f'trial {t} (seed {seed + t}): reused from {cache.directory}',
+        flush=True,
+      )
       histories.append(saved[0])
       seconds.append(saved[1])
       continue
     start = time.perf_counter()
     try:
-      history = experiment.run(runner, num_rounds, seed=seed + t, eval_every=eval_every,
-                               callbacks=callbacks)[1]
+      history = experiment.run(
+        runner,
+        num_rounds,
+        seed=seed + t,
+        eval_every=eval_every,
+        callbacks=callbacks,
+      )[1]
       if cache is not None:
         # As JSON holds it, so that a fresh and a reused trial give one table.
         history = run_identity.as_json(history)
@@ -333,16 +427,27 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
     The table.
   """
   line = lambda cells: '| ' + ' | '.join(str(c) for c in cells) + ' |'
-  return '\n'.join([line(header), line(['---'] * len(header))] + [line(r) for r in rows])
+  return '\n'.join(
+    [line(header), line(['---'] * len(header))] + [line(r) for r in rows]
+  )
 
 
 def command_line() -> str:
   """This process's command line, quoted for a shell."""
-  return ' '.join(['python', os.path.relpath(sys.argv[0])] + [shlex.quote(a) for a in sys.argv[1:]])
+  return ' '.join(
+    ['python', os.path.relpath(sys.argv[0])]
+    + [shlex.quote(a) for a in sys.argv[1:]]
+  )
 
 
-def write_results(settings: ReproduceSettings, directory: str, table: str, title: str,
-                  markdown: str, data: dict) -> List[str]:
+def write_results(
+  settings: ReproduceSettings,
+  directory: str,
+  table: str,
+  title: str,
+  markdown: str,
+  data: dict,
+) -> List[str]:
   """Writes ``<table>_<scale>.json`` (the data, the settings, the command) and
   ``<table>_<scale>.md`` (title, command, Markdown table); returns the paths.
 
@@ -358,10 +463,16 @@ def write_results(settings: ReproduceSettings, directory: str, table: str, title
     The two files' paths.
   """
   base = os.path.join(directory, f'{table}_{settings.scale}')
-  meta = {'command': command_line(), 'scale': settings.scale, 'trials': settings.num_trials,
-          'flags': dataclasses.asdict(settings)}
+  meta = {
+    'command': command_line(),
+    'scale': settings.scale,
+    'trials': settings.num_trials,
+    'flags': dataclasses.asdict(settings),
+  }
   # Strict JSON: a diverged trial's NaN is written as null.
-  run_identity.write_json(base + '.json', {'title': title, **meta, 'results': data})
+  run_identity.write_json(
+    base + '.json', {'title': title, **meta, 'results': data}
+  )
   with open(base + '.md', 'w') as fh:
     fh.write(f'{title}\n\n`{meta["command"]}`\n\n{markdown}\n')
   return [base + '.json', base + '.md']

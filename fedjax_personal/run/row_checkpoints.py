@@ -34,20 +34,32 @@ import json
 import os
 import secrets
 import shutil
-import zlib
 import typing
+import zlib
 from typing import Any, Dict, List, Optional
 
 import jax
 import numpy as np
 
-from fedjax_personal.core.population.rows_in_memory import HostedState, rows_per_block
 from fedjax_personal.core.population.rows_in_files import DiskRows
+from fedjax_personal.core.population.rows_in_memory import (
+  HostedState,
+  rows_per_block,
+)
 from fedjax_personal.errors import DataError
 from fedjax_personal.run.run_identity import file_sha256
 
-__all__ = ['BLOCK_BYTES', 'committed', 'discard', 'fold', 'FOLDER', 'has_files', 'restore',
-           'write_delta', 'write_whole_rows']
+__all__ = [
+  'BLOCK_BYTES',
+  'committed',
+  'discard',
+  'fold',
+  'FOLDER',
+  'has_files',
+  'restore',
+  'write_delta',
+  'write_whole_rows',
+]
 
 
 FOLDER = 'client_rows'
@@ -64,9 +76,11 @@ def has_files(state) -> bool:
   Returns:
     True with rows in files.
   """
-  return any(isinstance(s, HostedState) and
-             any(isinstance(a, DiskRows) for a in jax.tree.leaves(s.rows))
-             for s in _states(state))
+  return any(
+    isinstance(s, HostedState)
+    and any(isinstance(a, DiskRows) for a in jax.tree.leaves(s.rows))
+    for s in _states(state)
+  )
 
 
 def _states(state) -> List[HostedState]:
@@ -95,13 +109,21 @@ def _write_npy(path: str, dtype, shape, blocks) -> str:
   map, whose pages would count in the process's RSS), synced; returns its
   SHA-256, hashed as it is written (the file is not read back)."""
   header = io.BytesIO()
-  np.lib.format.write_array_header_1_0(header, {'descr': np.lib.format.dtype_to_descr(
-      np.dtype(dtype)), 'fortran_order': False, 'shape': tuple(shape)})
+  np.lib.format.write_array_header_1_0(
+    header,
+    {
+      'descr': np.lib.format.dtype_to_descr(np.dtype(dtype)),
+      'fortran_order': False,
+      'shape': tuple(shape),
+    },
+  )
   h = hashlib.sha256(header.getvalue())
   with open(path, 'wb') as f:
     f.write(header.getvalue())
     for block in blocks:
-      data = memoryview(typing.cast(Any, np.ascontiguousarray(block, dtype))).cast('B')
+      data = memoryview(
+        typing.cast(Any, np.ascontiguousarray(block, dtype))
+      ).cast('B')
       h.update(data)
       f.write(data)
     f.flush()
@@ -115,12 +137,17 @@ class _NpyRows:
   def __init__(self, path: str):
     with open(path, 'rb') as f:
       version = np.lib.format.read_magic(f)
-      read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-              else np.lib.format.read_array_header_2_0)
+      read = (
+        np.lib.format.read_array_header_1_0
+        if version == (1, 0)
+        else np.lib.format.read_array_header_2_0
+      )
       self.shape, _, dtype = read(f)
       self.offset = f.tell()
     self.path, self.dtype = path, np.dtype(dtype)
-    self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+    self.row_bytes = (
+      int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+    )
 
   def __len__(self) -> int:
     return self.shape[0]
@@ -129,14 +156,20 @@ class _NpyRows:
     lo, hi, _ = window.indices(self.shape[0])
     n = max(0, hi - lo)
     with open(self.path, 'rb') as f:
-      data = os.pread(f.fileno(), n * self.row_bytes, self.offset + lo * self.row_bytes)
+      data = os.pread(
+        f.fileno(), n * self.row_bytes, self.offset + lo * self.row_bytes
+      )
     if len(data) != n * self.row_bytes:
-      raise DataError(f'{self.path}: cut short; resume from an earlier run folder or start '
-                      'afresh without --resume')
+      raise DataError(
+        f'{self.path}: cut short; resume from an earlier run folder or start '
+        'afresh without --resume'
+      )
     return np.frombuffer(data, self.dtype).reshape((n,) + tuple(self.shape[1:]))
 
 
-def write_delta(directory: str, step: int, state, chain: List[dict], identity: str) -> dict:
+def write_delta(
+  directory: str, step: int, state, chain: List[dict], identity: str
+) -> dict:
   """Writes the rows changed since the last checkpoint (every state's files'
   ``dirty`` rows) as step ``step``'s delta; returns the manifest to
   publish with the Orbax step (``chain`` plus this delta).
@@ -162,15 +195,23 @@ def write_delta(directory: str, step: int, state, chain: List[dict], identity: s
   try:
     for s, st in enumerate(_states(state)):
       leaves = _leaves(st)
-      idx = np.asarray(np.flatnonzero(np.any([a.dirty for a in leaves], axis=0)) if leaves
-                       else [], np.int64)
-      digests[f'index-{s}.npy'] = _write_npy(os.path.join(tmp, f'index-{s}.npy'), idx.dtype,
-                                             idx.shape, [idx])
+      idx = np.asarray(
+        np.flatnonzero(np.any([a.dirty for a in leaves], axis=0))
+        if leaves
+        else [],
+        np.int64,
+      )
+      digests[f'index-{s}.npy'] = _write_npy(
+        os.path.join(tmp, f'index-{s}.npy'), idx.dtype, idx.shape, [idx]
+      )
       b = _block(leaves)
       for i, a in enumerate(leaves):
         digests[f'leaf-{s}-{i}.npy'] = _write_npy(
-            os.path.join(tmp, f'leaf-{s}-{i}.npy'), a.dtype, (len(idx),) + tuple(a.shape[1:]),
-            (a[idx[lo:lo + b]] for lo in range(0, len(idx), b)))
+          os.path.join(tmp, f'leaf-{s}-{i}.npy'),
+          a.dtype,
+          (len(idx),) + tuple(a.shape[1:]),
+          (a[idx[lo : lo + b]] for lo in range(0, len(idx), b)),
+        )
     _sync_dir(tmp)
     os.rename(tmp, os.path.join(root, name))
     _sync_dir(root)
@@ -180,9 +221,15 @@ def write_delta(directory: str, step: int, state, chain: List[dict], identity: s
       raise OSError(e.errno, e.strerror, tmp) from None
     raise
   shapes = [[list(a.shape) for a in _leaves(st)] for st in _states(state)]
-  return dict(chain=list(chain) + [dict(name=name, step=int(step), sha256=digests)],
-              shapes=shapes, identity=identity, init_keys=[
-                  _leaves(st)[0].maker.key_data if _leaves(st) else [] for st in _states(state)])
+  return dict(
+    chain=list(chain) + [dict(name=name, step=int(step), sha256=digests)],
+    shapes=shapes,
+    identity=identity,
+    init_keys=[
+      _leaves(st)[0].maker.key_data if _leaves(st) else []
+      for st in _states(state)
+    ],
+  )
 
 
 def committed(state) -> None:
@@ -196,7 +243,7 @@ def committed(state) -> None:
     None.
   """
   for st in _states(state):
-    for a in (_leaves(st) if isinstance(st, HostedState) else []):
+    for a in _leaves(st) if isinstance(st, HostedState) else []:
       if isinstance(a, DiskRows):
         a.dirty[:] = False
 
@@ -212,8 +259,10 @@ def discard(directory: str, manifest: Optional[dict]) -> None:
     None.
   """
   if manifest:
-    shutil.rmtree(os.path.join(directory, FOLDER, manifest['chain'][-1]['name']),
-                  ignore_errors=True)
+    shutil.rmtree(
+      os.path.join(directory, FOLDER, manifest['chain'][-1]['name']),
+      ignore_errors=True,
+    )
 
 
 def _load_delta(root: str, entry: dict, num_states: int):
@@ -222,18 +271,23 @@ def _load_delta(root: str, entry: dict, num_states: int):
   out = []
   for s in range(num_states):
     files = [f'index-{s}.npy'] + sorted(
-        (k for k in entry['sha256'] if k.startswith(f'leaf-{s}-')),
-        key=lambda k: int(k[:-4].split('-')[2]))
+      (k for k in entry['sha256'] if k.startswith(f'leaf-{s}-')),
+      key=lambda k: int(k[:-4].split('-')[2]),
+    )
     arrays = []
     for f in files:
       path = os.path.join(folder, f)
       if not os.path.exists(path):
-        raise DataError(f'{path}: missing (the rows of checkpoint step {entry["step"]}); '
-                        'resume from an earlier run folder or start afresh without --resume')
+        raise DataError(
+          f'{path}: missing (the rows of checkpoint step {entry["step"]}); '
+          'resume from an earlier run folder or start afresh without --resume'
+        )
       if file_sha256(path) != entry['sha256'][f]:
-        raise DataError(f'{path}: damaged (its sha256 is not the one checkpoint step '
-                        f'{entry["step"]} recorded); resume from an earlier run folder or start '
-                        'afresh without --resume')
+        raise DataError(
+          f'{path}: damaged (its sha256 is not the one checkpoint step '
+          f'{entry["step"]} recorded); resume from an earlier run folder or start '
+          'afresh without --resume'
+        )
       arrays.append(_NpyRows(path))
     out.append((np.asarray(arrays[0][:], np.int64), arrays[1:]))
   return out
@@ -254,10 +308,15 @@ class _Base:
           info = json.loads(str(meta['info']))
           self.folded, self.identity = info['folded'], info['identity']
           self.made = [meta[f'made-{s}'] for s in range(len(shapes))]
-          self.crc = [[meta[f'crc-{s}-{i}'] for i in range(len(l))] for s, l in enumerate(shapes)]
+          self.crc = [
+            [meta[f'crc-{s}-{i}'] for i in range(len(l))]
+            for s, l in enumerate(shapes)
+          ]
       except Exception as e:  # noqa: BLE001 -- any unreadable meta file is damage
-        raise DataError(f'{self.meta_path}: damaged ({type(e).__name__}); resume from an '
-                        'earlier run folder or start afresh without --resume') from None
+        raise DataError(
+          f'{self.meta_path}: damaged ({type(e).__name__}); resume from an '
+          'earlier run folder or start afresh without --resume'
+        ) from None
     else:
       self.made = [np.zeros(l[0][0] if l else 0, bool) for l in shapes]
       self.crc = [[np.zeros(sh[0], np.uint32) for sh in l] for l in shapes]
@@ -266,7 +325,10 @@ class _Base:
     return os.path.join(self.folder, f'leaf-{s}-{i}.rows')
 
   def row_bytes(self, s: int, i: int) -> int:
-    return int(np.prod(self.shapes[s][i][1:], dtype=np.int64)) * np.dtype(self.dtypes[s][i]).itemsize
+    return (
+      int(np.prod(self.shapes[s][i][1:], dtype=np.int64))
+      * np.dtype(self.dtypes[s][i]).itemsize
+    )
 
   def write(self, s: int, i: int, idx: np.ndarray, rows: np.ndarray) -> None:
     os.makedirs(self.folder, exist_ok=True)
@@ -291,9 +353,11 @@ class _Base:
       for j, r in enumerate(idx):
         data = os.pread(fd, rb, int(r) * rb)
         if len(data) != rb or zlib.crc32(data) != self.crc[s][i][r]:
-          raise DataError(f'{path}: damaged (client row {int(r)} is not the row its checkpoint '
-                          'wrote); resume from an earlier run folder or start afresh without '
-                          '--resume')
+          raise DataError(
+            f'{path}: damaged (client row {int(r)} is not the row its checkpoint '
+            'wrote); resume from an earlier run folder or start afresh without '
+            '--resume'
+          )
         out[j] = np.frombuffer(data, self.dtypes[s][i]).reshape(shape)
     finally:
       os.close(fd)
@@ -302,8 +366,16 @@ class _Base:
   def publish(self, folded: List[str], identity: str) -> None:
     os.makedirs(self.folder, exist_ok=True)
     arrays = {f'made-{s}': m for s, m in enumerate(self.made)}
-    arrays.update({f'crc-{s}-{i}': c for s, l in enumerate(self.crc) for i, c in enumerate(l)})
-    arrays['info'] = np.asarray(json.dumps(dict(folded=folded, identity=identity)))
+    arrays.update(
+      {
+        f'crc-{s}-{i}': c
+        for s, l in enumerate(self.crc)
+        for i, c in enumerate(l)
+      }
+    )
+    arrays['info'] = np.asarray(
+      json.dumps(dict(folded=folded, identity=identity))
+    )
     tmp = self.meta_path + '.tmp'
     with open(tmp, 'wb') as f:
       np.savez(f, **arrays)
@@ -337,19 +409,27 @@ def fold(directory: str, manifests: Dict[int, Optional[dict]], state) -> None:
   if oldest:
     base = _Base(root, oldest['shapes'], _dtypes(state))
     names = [e['name'] for e in oldest['chain']]
-    if base.folded != names[:len(base.folded)] or (base.identity not in (None,
-                                                                         oldest['identity'])):
-      if any([e['name'] for e in c][:len(base.folded)] == base.folded for c in chains):
+    if base.folded != names[: len(base.folded)] or (
+      base.identity not in (None, oldest['identity'])
+    ):
+      if any(
+        [e['name'] for e in c][: len(base.folded)] == base.folded
+        for c in chains
+      ):
         return  # a kept step still needs this base as it is
-      shutil.rmtree(base.folder, ignore_errors=True)  # another line of checkpoints': afresh
+      shutil.rmtree(
+        base.folder, ignore_errors=True
+      )  # another line of checkpoints': afresh
       base = _Base(root, oldest['shapes'], _dtypes(state))
-    todo = oldest['chain'][len(base.folded):]
+    todo = oldest['chain'][len(base.folded) :]
     for entry in todo:
-      for s, (idx, leaves) in enumerate(_load_delta(root, entry, len(oldest['shapes']))):
+      for s, (idx, leaves) in enumerate(
+        _load_delta(root, entry, len(oldest['shapes']))
+      ):
         b = _block(leaves)
         for i, rows in enumerate(leaves):
           for lo in range(0, len(idx), b):
-            base.write(s, i, idx[lo:lo + b], rows[lo:lo + b])
+            base.write(s, i, idx[lo : lo + b], rows[lo : lo + b])
     if todo:
       base.publish(names, oldest['identity'])
     folded = set(names)
@@ -388,34 +468,49 @@ def restore(directory: str, manifest: dict, state) -> None:
   states = _states(state)
   want = [[list(a.shape) for a in _leaves(st)] for st in states]
   if manifest['shapes'] != want:
-    raise DataError(f'{root}: its rows are shaped {manifest["shapes"]}, this run\'s {want}; '
-                    'resume with the flags of the run that wrote it')
+    raise DataError(
+      f"{root}: its rows are shaped {manifest['shapes']}, this run's {want}; "
+      'resume with the flags of the run that wrote it'
+    )
   base = _Base(root, manifest['shapes'], _dtypes(state))
   names = [e['name'] for e in manifest['chain']]
-  if base.folded and (base.folded != names[:len(base.folded)] or
-                      base.identity != manifest['identity']):
-    raise DataError(f'{base.meta_path}: the rows of another run (or of a later line of '
-                    'checkpoints) than the checkpoint being resumed; resume from an earlier run '
-                    'folder or start afresh without --resume')
-  replay = [_load_delta(root, e, len(states)) for e in manifest['chain'][len(base.folded):]]
+  if base.folded and (
+    base.folded != names[: len(base.folded)]
+    or base.identity != manifest['identity']
+  ):
+    raise DataError(
+      f'{base.meta_path}: the rows of another run (or of a later line of '
+      'checkpoints) than the checkpoint being resumed; resume from an earlier run '
+      'folder or start afresh without --resume'
+    )
+  replay = [
+    _load_delta(root, e, len(states))
+    for e in manifest['chain'][len(base.folded) :]
+  ]
   for s, st in enumerate(states):
     leaves = _leaves(st)
-    if leaves and isinstance(leaves[0], DiskRows):  # rows never written: from the run's key
+    if leaves and isinstance(
+      leaves[0], DiskRows
+    ):  # rows never written: from the run's key
       leaves[0].maker.rekey(manifest['init_keys'][s])
     later = np.zeros(len(base.made[s]), bool)
     for delta in replay:
       later[delta[s][0]] = True
-    from_base = np.flatnonzero(base.made[s] & ~later) if base.folded else np.zeros(0, np.int64)
+    from_base = (
+      np.flatnonzero(base.made[s] & ~later)
+      if base.folded
+      else np.zeros(0, np.int64)
+    )
     b = _block(leaves)
     for lo in range(0, len(from_base), b):
-      idx = from_base[lo:lo + b]
+      idx = from_base[lo : lo + b]
       for i, a in enumerate(leaves):
         a[idx] = base.read(s, i, idx)
     for delta in replay:
       idx, rows = delta[s]
       for lo in range(0, len(idx), b):
         for i, a in enumerate(leaves):
-          a[idx[lo:lo + b]] = np.asarray(rows[i][lo:lo + b])
+          a[idx[lo : lo + b]] = np.asarray(rows[i][lo : lo + b])
   committed(state)
 
 
@@ -436,4 +531,4 @@ def write_whole_rows(whole_rows, state) -> None:
     b = _block(leaves)
     for a, src in zip(leaves, jax.tree.leaves(rows)):
       for lo in range(0, a.shape[0], b):
-        a[np.arange(lo, min(lo + b, a.shape[0]))] = np.asarray(src[lo:lo + b])
+        a[np.arange(lo, min(lo + b, a.shape[0]))] = np.asarray(src[lo : lo + b])

@@ -10,11 +10,13 @@ not either (they do not change the numbers of a round).
 """
 
 import dataclasses
+import errno
 import hashlib
 import json
 import math
 import os
 import shutil
+import socket
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -27,15 +29,29 @@ except ImportError:  # not on Windows: runs are not locked against each other
 import jax
 import numpy as np
 
-from fedjax_personal.errors import ConfigError
-from fedjax_personal.datasets.local_files import sha256_file
 from fedjax_personal import __version__
-import socket
+from fedjax_personal.datasets.local_files import sha256_file
+from fedjax_personal.errors import ConfigError
 from fedjax_personal.run import faults
 
-__all__ = ['as_json', 'check_process_count', 'claim', 'data_fingerprint', 'differences', 'dumps',
-           'file_sha256', 'finite', 'identity', 'lock', 'padded_fingerprint', 'read', 'repaired',
-           'short_hash', 'unlock', 'write_json']
+__all__ = [
+  'as_json',
+  'check_process_count',
+  'claim',
+  'data_fingerprint',
+  'differences',
+  'dumps',
+  'file_sha256',
+  'finite',
+  'identity',
+  'lock',
+  'padded_fingerprint',
+  'read',
+  'repaired',
+  'short_hash',
+  'unlock',
+  'write_json',
+]
 
 
 IDENTITY_FILE = 'identity.json'
@@ -85,7 +101,9 @@ def padded_fingerprint(store) -> str:
       zero_row = np.zeros(tail, dtype).tobytes()
       for lo, k in zip(starts[:num], counts):
         lo, k = int(lo), int(k)
-        h.update(np.ascontiguousarray(np.asarray(a[lo:lo + k], dtype)).tobytes())
+        h.update(
+          np.ascontiguousarray(np.asarray(a[lo : lo + k], dtype)).tobytes()
+        )
         h.update(zero_row * (widest - k))
     n = counts.astype(np.int32)
     h.update(str((n.shape, n.dtype.str)).encode())
@@ -119,8 +137,13 @@ def identity(algorithm: str, training, config, job: Dict) -> Dict:
   Returns:
     The identity (a JSON-like dict).
   """
-  return {'algorithm': algorithm, 'training': dataclasses.asdict(training),
-          'config': dataclasses.asdict(config), **job, 'version': __version__}
+  return {
+    'algorithm': algorithm,
+    'training': dataclasses.asdict(training),
+    'config': dataclasses.asdict(config),
+    **job,
+    'version': __version__,
+  }
 
 
 def short_hash(obj) -> str:
@@ -132,7 +155,9 @@ def short_hash(obj) -> str:
   Returns:
     8 hex digits.
   """
-  return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
+  return hashlib.sha256(
+    json.dumps(obj, sort_keys=True, default=str).encode()
+  ).hexdigest()[:8]
 
 
 def differences(old: Dict, new: Dict, prefix: str = '') -> List[str]:
@@ -174,15 +199,27 @@ def read(directory: str) -> Optional[Dict]:
   try:
     with open(path, encoding='utf-8') as f:
       ident = json.load(f)
-  except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-    why = getattr(e, 'strerror', None) or ('empty' if not os.path.getsize(path) else
-                                           'not the JSON this library writes')
-    raise ConfigError('output_dir', f'{path} is damaged ({why}), so the run in {directory} '
-                      'cannot be told apart from another: pass --overwrite to start that folder '
-                      'again, or choose another --output_dir') from None
+  except (
+    OSError,
+    ValueError,
+  ) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    why = getattr(e, 'strerror', None) or (
+      'empty'
+      if not os.path.getsize(path)
+      else 'not the JSON this library writes'
+    )
+    raise ConfigError(
+      'output_dir',
+      f'{path} is damaged ({why}), so the run in {directory} '
+      'cannot be told apart from another: pass --overwrite to start that folder '
+      'again, or choose another --output_dir',
+    ) from None
   if not isinstance(ident, dict):
-    raise ConfigError('output_dir', f'{path} is damaged (not an identity); pass --overwrite to '
-                      'start that folder again, or choose another --output_dir')
+    raise ConfigError(
+      'output_dir',
+      f'{path} is damaged (not an identity); pass --overwrite to '
+      'start that folder again, or choose another --output_dir',
+    )
   return ident
 
 
@@ -210,11 +247,17 @@ def repaired(directory: str, ident: Dict) -> bool:
     found = {name: read(os.path.join(directory, name)) for name in subs}
   except ConfigError:
     return False
-  if not any(found.values()) or any(v is not None and v != subs[n] for n, v in found.items()):
+  if not any(found.values()) or any(
+    v is not None and v != subs[n] for n, v in found.items()
+  ):
     return False
   write_json(os.path.join(directory, IDENTITY_FILE), ident)
-  print(f'{os.path.join(directory, IDENTITY_FILE)} was damaged; rebuilt from its algorithms\' '
-        'own, which are this run\'s', file=sys.stderr, flush=True)
+  print(
+    f"{os.path.join(directory, IDENTITY_FILE)} was damaged; rebuilt from its algorithms' "
+    "own, which are this run's",
+    file=sys.stderr,
+    flush=True,
+  )
   return True
 
 
@@ -240,7 +283,9 @@ def lock(directory: str) -> None:
     return
   if fcntl is None:
     return
-  lock_file = os.path.join(os.path.dirname(path), f'.{os.path.basename(path)}.lock')
+  lock_file = os.path.join(
+    os.path.dirname(path), f'.{os.path.basename(path)}.lock'
+  )
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
@@ -257,8 +302,11 @@ def lock(directory: str) -> None:
       time.sleep(0.05)
     os.close(fd)
     holder = holder or 'another process'
-    raise ConfigError('output_dir', f'{directory} is in use by another run ({holder}); wait for '
-                      'it to finish, or choose another --output_dir') from None
+    raise ConfigError(
+      'output_dir',
+      f'{directory} is in use by another run ({holder}); wait for '
+      'it to finish, or choose another --output_dir',
+    ) from None
   os.ftruncate(fd, 0)
   os.pwrite(fd, f'process {os.getpid()} on {socket.gethostname()}'.encode(), 0)
   _LOCKS[path] = (fd, lock_file)
@@ -288,10 +336,14 @@ def _unwritable(directory: str, e: OSError) -> Exception:
   read-only or not writable disk is a StorageError (exit 74, as the README
   says), anything else (a file in the way) a ConfigError of --output_dir."""
   if faults.storage_reason(e):
-    return faults.StorageError(f'cannot write to {directory}: {e.strerror}; nothing was trained '
-                               'yet; free space, fix the folder or choose another --output_dir, '
-                               'then run the same command again')
-  return ConfigError('output_dir', f'cannot write to {directory}: {e.strerror or e}')
+    return faults.StorageError(
+      f'cannot write to {directory}: {e.strerror}; nothing was trained '
+      'yet; free space, fix the folder or choose another --output_dir, '
+      'then run the same command again'
+    )
+  return ConfigError(
+    'output_dir', f'cannot write to {directory}: {e.strerror or e}'
+  )
 
 
 def claim(directory: str, ident: Dict, overwrite: bool, resume: bool) -> None:
@@ -326,22 +378,42 @@ def claim(directory: str, ident: Dict, overwrite: bool, resume: bool) -> None:
   busy = os.path.isdir(directory) and bool(os.listdir(directory))
   if busy and not overwrite:
     if old is None:
-      raise ConfigError('output_dir', f'{directory} is not empty and holds no run of this '
-                        'library; pass --overwrite to clear it, or choose another --output_dir')
+      raise ConfigError(
+        'output_dir',
+        f'{directory} is not empty and holds no run of this '
+        'library; pass --overwrite to clear it, or choose another --output_dir',
+      )
     if old != ident:
       diff = differences(old, ident)
-      raise ConfigError('output_dir', f'{directory} holds results of another configuration '
-                        f'({"; ".join(diff[:4])}{"; ..." if len(diff) > 4 else ""}); pass '
-                        '--overwrite to replace them, or choose another --output_dir')
+      raise ConfigError(
+        'output_dir',
+        f'{directory} holds results of another configuration '
+        f'({"; ".join(diff[:4])}{"; ..." if len(diff) > 4 else ""}); pass '
+        '--overwrite to replace them, or choose another --output_dir',
+      )
   try:
     if os.path.exists(directory) and not os.path.isdir(directory):
       raise NotADirectoryError(20, 'not a directory')
     if busy and (overwrite or not resume):
-      shutil.rmtree(directory)
+      _remove_tree(directory)
     os.makedirs(directory, exist_ok=True)
     write_json(os.path.join(directory, IDENTITY_FILE), ident)
   except OSError as e:
     raise _unwritable(directory, e) from None
+
+
+def _remove_tree(directory: str, tries: int = 5) -> None:
+  """Removes ``directory``; a file written into it meanwhile (the previous
+  run's plots, drawn by a child process after that run returned) is
+  removed by the next try."""
+  for left in range(tries - 1, -1, -1):
+    try:
+      shutil.rmtree(directory)
+      return
+    except OSError as e:
+      if e.errno != errno.ENOTEMPTY or not left:
+        raise
+      time.sleep(0.2)
 
 
 def finite(obj):
@@ -420,8 +492,15 @@ def check_process_count(output_dir: str) -> None:
     ConfigError naming --num_processes.
   """
   old = (read(output_dir) or {}).get('algorithms', {})
-  counts = {ident.get('num_processes', 1) for ident in old.values() if isinstance(ident, dict)}
+  counts = {
+    ident.get('num_processes', 1)
+    for ident in old.values()
+    if isinstance(ident, dict)
+  }
   if counts and jax.process_count() not in counts:
-    raise ConfigError('num_processes', f'{output_dir} was run with {min(counts)} process(es), '
-                      f'this is {jax.process_count()}: resume with --num_processes='
-                      f'{min(counts)}')
+    raise ConfigError(
+      'num_processes',
+      f'{output_dir} was run with {min(counts)} process(es), '
+      f'this is {jax.process_count()}: resume with --num_processes='
+      f'{min(counts)}',
+    )

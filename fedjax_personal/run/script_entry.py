@@ -18,21 +18,29 @@ import threading
 import time
 from typing import Any, Dict, Optional
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.hparams import field_types, flag_fields, flag_name, is_list
-from fedjax_personal.run import faults
-from fedjax_personal.run import plugins
-from absl import logging
+from fedjax_personal.run import faults, plugins
+
+__all__ = [
+  'define_settings_flags',
+  'given_twice',
+  'HELP_FLAGS',
+  'parse_flags',
+  'quiet_logging_unless_asked',
+  'read_settings',
+  'run_script',
+]
 
 
-__all__ = ['define_settings_flags', 'given_twice', 'HELP_FLAGS', 'parse_flags',
-           'quiet_logging_unless_asked', 'read_settings', 'run_script']
-
-
-def define_settings_flags(cls, module_name: Optional[str] = None, defaults: Optional[dict] = None,
-                          flag_values: Optional[flags.FlagValues] = None) -> None:
+def define_settings_flags(
+  cls,
+  module_name: Optional[str] = None,
+  defaults: Optional[dict] = None,
+  flag_values: Optional[flags.FlagValues] = None,
+) -> None:
   """One flag per field of the settings class ``cls`` (``flag_name``:
   ``<prefix>_<field>`` or its declared ``flag``), typed by the field's
   annotation (a tuple: a comma list; ``choices``: an enum), help and
@@ -56,12 +64,15 @@ def define_settings_flags(cls, module_name: Optional[str] = None, defaults: Opti
     if name in fv:
       continue
     default = (defaults or {}).get(name, f.default)
-    kw: Dict[str, Any] = dict(flag_values=fv,
-                              **({'module_name': module_name} if module_name else {}))
+    kw: Dict[str, Any] = dict(
+      flag_values=fv, **({'module_name': module_name} if module_name else {})
+    )
     if is_list(t) and meta.get('repeatable'):
       flags.DEFINE_multi_string(name, list(default or ()), meta['help'], **kw)
     elif is_list(t):
-      flags.DEFINE_list(name, None if default is None else list(default), meta['help'], **kw)
+      flags.DEFINE_list(
+        name, None if default is None else list(default), meta['help'], **kw
+      )
     elif t is bool:
       flags.DEFINE_bool(name, default, meta['help'], **kw)
     elif t is int:
@@ -69,12 +80,16 @@ def define_settings_flags(cls, module_name: Optional[str] = None, defaults: Opti
     elif t is float:
       flags.DEFINE_float(name, default, meta['help'], **kw)
     elif meta.get('choices'):
-      flags.DEFINE_enum(name, default, list(meta['choices']), meta['help'], **kw)
+      flags.DEFINE_enum(
+        name, default, list(meta['choices']), meta['help'], **kw
+      )
     else:
       flags.DEFINE_string(name, default, meta['help'], **kw)
 
 
-def read_settings(cls, flag_values: Optional[flags.FlagValues] = None, **resolved):
+def read_settings(
+  cls, flag_values: Optional[flags.FlagValues] = None, **resolved
+):
   """``cls`` made from its fields' parsed flags (comma lists as tuples),
   checked as it is made (``hparams.Declared``).
 
@@ -110,22 +125,35 @@ def parse_flags(argv):
   """
   twice = given_twice(argv, flags.FLAGS)
   if twice:
-    print(f'error: --{twice[0]}: given twice ({twice[1]}); give it once (a flagfile\'s value may '
-          'be changed on the command line after --flagfile)', file=sys.stderr)
+    print(
+      f"error: --{twice[0]}: given twice ({twice[1]}); give it once (a flagfile's value may "
+      'be changed on the command line after --flagfile)',
+      file=sys.stderr,
+    )
     sys.exit(2)
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
-  except SystemExit as e:  # absl's --help / --helpfull print the help and exit 1: asked for, 0
+  except (
+    SystemExit
+  ) as e:  # absl's --help / --helpfull print the help and exit 1: asked for, 0
     if e.code == 1 and any(a.split('=')[0] in HELP_FLAGS for a in argv[1:]):
       sys.exit(0)
     raise
 
 
 #: absl's flags that print the help (and exit).
-HELP_FLAGS = ('--help', '-help', '-h', '-?', '--helpfull', '--helpshort', '--helpxml')
+HELP_FLAGS = (
+  '--help',
+  '-help',
+  '-h',
+  '-?',
+  '--helpfull',
+  '--helpshort',
+  '--helpxml',
+)
 
 
 def given_twice(argv, fv: flags.FlagValues):
@@ -141,6 +169,7 @@ def given_twice(argv, fv: flags.FlagValues):
   Returns:
     ``(name, where)`` or None.
   """
+
   def names(args):
     out = []
     for a in args:
@@ -151,16 +180,25 @@ def given_twice(argv, fv: flags.FlagValues):
       name = a[2:].split('=', 1)[0]
       if name not in fv and name.startswith('no') and name[2:] in fv:
         name = name[2:]
-      if name in fv and name != 'flagfile' and not isinstance(fv[name], flags.MultiFlag):
+      if (
+        name in fv
+        and name != 'flagfile'
+        and not isinstance(fv[name], flags.MultiFlag)
+      ):
         out.append(name)
     return out
+
   sources = [('on the command line', list(argv[1:]))]
   for a in argv[1:]:
     if a.startswith('--flagfile='):
-      for path in a[len('--flagfile='):].split(','):
+      for path in a[len('--flagfile=') :].split(','):
         try:
           with open(path) as f:
-            lines = [l.strip() for l in f if l.strip() and not l.lstrip().startswith('#')]
+            lines = [
+              l.strip()
+              for l in f
+              if l.strip() and not l.lstrip().startswith('#')
+            ]
         except OSError:
           continue  # absl names a missing flagfile itself
         sources.append((f'in {path}', lines))
@@ -202,13 +240,19 @@ def quiet_logging_unless_asked() -> None:
     # A lost process: Orbax's own threads log the collective that failed, with its
     # traceback, before the run's one line names the process (run/faults.py).
     logging.get_absl_logger().addFilter(
-        lambda record: not (record.levelno >= logging.ERROR
-                            and 'Gloo' in record.getMessage()
-                            and 'Connection reset' in record.getMessage()))
+      lambda record: (
+        not (
+          record.levelno >= logging.ERROR
+          and 'Gloo' in record.getMessage()
+          and 'Connection reset' in record.getMessage()
+        )
+      )
+    )
 
 
-def run_script(main, kept: str = 'nothing is kept; run the same command again',
-               settings=None) -> None:
+def run_script(
+  main, kept: str = 'nothing is kept; run the same command again', settings=None
+) -> None:
   """Runs the script's ``main`` with one-line errors: exit status 2 for bad
   input; Ctrl-C (130) or SIGTERM (143) end in one line saying what is
   ``kept``.
@@ -224,6 +268,7 @@ def run_script(main, kept: str = 'nothing is kept; run the same command again',
   Returns:
     None.
   """
+
   def guarded(argv):
     _STOPPED['main'] = threading.get_ident()
     signal.signal(signal.SIGINT, _stop)  # also when started ignoring it
@@ -234,7 +279,9 @@ def run_script(main, kept: str = 'nothing is kept; run the same command again',
       if settings is None:
         return main(argv)
       if len(argv) > 1:
-        print(f'error: unexpected arguments {argv[1:]}', file=sys.stderr, flush=True)
+        print(
+          f'error: unexpected arguments {argv[1:]}', file=sys.stderr, flush=True
+        )
         sys.exit(2)
       return main(read_settings(settings))
     except (ConfigError, FileNotFoundError) as e:
@@ -246,6 +293,7 @@ def run_script(main, kept: str = 'nothing is kept; run the same command again',
       print(f'\nerror: {name}; {kept}', file=sys.stderr, flush=True)
       # Interrupted inside JAX: no interpreter shutdown (it can crash there).
       faults.quiet_exit(status)
+
   app.run(guarded, flags_parser=parse_flags)
 
 
@@ -255,9 +303,11 @@ def _quiet_unraisable(hook):
   print "Exception ignored in ..." and its traceback): ``_stop`` sends the
   signal again until the script catches it, and the script's one line
   follows."""
+
   def quiet(unraisable):
     if not isinstance(unraisable.exc_value, KeyboardInterrupt):
       hook(unraisable)
+
   return quiet
 
 
@@ -273,14 +323,18 @@ def _stop(signum, frame):
   would go on as if never interrupted: until the script has caught it, the
   signal is sent again every ``REDELIVER_SECONDS``."""
   del frame
-  _STOPPED.setdefault('by', ('terminated', 143) if signum == signal.SIGTERM
-                      else ('interrupted', 130))
+  _STOPPED.setdefault(
+    'by',
+    ('terminated', 143) if signum == signal.SIGTERM else ('interrupted', 130),
+  )
   if 'timer' not in _STOPPED:
+
     def again():
       while not _STOPPED.get('caught'):
         time.sleep(REDELIVER_SECONDS)
         if not _STOPPED.get('caught'):
           signal.pthread_kill(_STOPPED['main'], signum)
+
     _STOPPED['timer'] = threading.Thread(target=again, daemon=True)
     _STOPPED['timer'].start()
   raise KeyboardInterrupt

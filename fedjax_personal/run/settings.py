@@ -34,69 +34,124 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal.config import AlgorithmSpec, TrainingConfig
 from fedjax_personal.core.engine import EngineConfig
-from fedjax_personal.core.system import SystemConfig
 from fedjax_personal.core.sampling import CohortSampler
+from fedjax_personal.core.system import SystemConfig
 from fedjax_personal.datasets import DataConfig
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.hparams import Declared, hparam
 from fedjax_personal.models import ModelConfig
-from fedjax_personal.run import plots, reporting, run_identity
+from fedjax_personal.run import plots, plugins, reporting, run_identity, sweep
 from fedjax_personal.run.distributed import DistributedSettings
-from fedjax_personal.run import sweep
-from fedjax_personal.run import plugins
 
-__all__ = ['AlgorithmSettings', 'ExperimentSettings', 'InputSettings', 'OutputSettings',
-           'ProcessSettings', 'RunSettings']
+__all__ = [
+  'AlgorithmSettings',
+  'ExperimentSettings',
+  'InputSettings',
+  'OutputSettings',
+  'ProcessSettings',
+  'RunSettings',
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentSettings(Declared):
   """Which algorithms run, for how long, on which clients per round, and what
   the tables report."""
+
   algorithm: Tuple[str, ...] = hparam(
-      ('fedavg', 'local', 'oracle', 'fedfomo', 'fedalt', 'pfeddyn_ft'),
-      'Algorithm(s) to run; several give a comparison table. One of: '
-      + '; '.join(f'{n} ({spec.summary})' for n, spec in algorithms_lib.REGISTRY.items()))
+    ('fedavg', 'local', 'oracle', 'fedfomo', 'fedalt', 'pfeddyn_ft'),
+    'Algorithm(s) to run; several give a comparison table. One of: '
+    + '; '.join(
+      f'{n} ({spec.summary})' for n, spec in algorithms_lib.REGISTRY.items()
+    ),
+  )
   rounds: int = hparam(60, 'Communication rounds.', minimum=1)
-  seed: int = hparam(0, 'Seed of model init and training (and of the data partition unless '
-                     '--data_seed is given).', minimum=0)
-  cohort_size: Optional[int] = hparam(None, 'Clients per round (default: all).', minimum=1)
-  participation: Optional[float] = hparam(None, 'Instead of cohort_size: each client active '
-                                          'with this probability per round (FedDyn scheme).',
-                                          minimum=0, maximum=1, open_min=True)
-  cohort_sampler: str = hparam('uniform', "How cohorts are drawn. uniform: from the run's keys "
-                               'inside the round; tff: as google-research/federated\'s code '
-                               "draws them (Reddi et al.'s runs; FedJAX's UniformGetClientSampler: "
-                               'a Lehmer-seeded NumPy choice per round, from --cohort_seed), the '
-                               "clients in the data set's order.", choices=('uniform', 'tff'))
-  cohort_seed: int = hparam(1, "--cohort_sampler=tff's seed (the publisher's "
-                            'client_datasets_random_seed, 1 in its runs).', minimum=0)
-  eval_every: int = hparam(3, 'Evaluate every this many rounds (0: at the end only).', minimum=0)
+  seed: int = hparam(
+    0,
+    'Seed of model init and training (and of the data partition unless '
+    '--data_seed is given).',
+    minimum=0,
+  )
+  cohort_size: Optional[int] = hparam(
+    None, 'Clients per round (default: all).', minimum=1
+  )
+  participation: Optional[float] = hparam(
+    None,
+    'Instead of cohort_size: each client active '
+    'with this probability per round (FedDyn scheme).',
+    minimum=0,
+    maximum=1,
+    open_min=True,
+  )
+  cohort_sampler: str = hparam(
+    'uniform',
+    "How cohorts are drawn. uniform: from the run's keys "
+    "inside the round; tff: as google-research/federated's code "
+    "draws them (Reddi et al.'s runs; FedJAX's UniformGetClientSampler: "
+    'a Lehmer-seeded NumPy choice per round, from --cohort_seed), the '
+    "clients in the data set's order.",
+    choices=('uniform', 'tff'),
+  )
+  cohort_seed: int = hparam(
+    1,
+    "--cohort_sampler=tff's seed (the publisher's "
+    'client_datasets_random_seed, 1 in its runs).',
+    minimum=0,
+  )
+  eval_every: int = hparam(
+    3, 'Evaluate every this many rounds (0: at the end only).', minimum=0
+  )
   target_accuracy: Optional[float] = hparam(
-      None, 'Report the first evaluated round whose mean accuracy reaches this fraction in '
-      '(0, 1] (use --eval_every=1 for exact rounds).', minimum=0, maximum=1, open_min=True,
-      refusal='is a fraction in (0, 1] (0.8 for 80%)')
-  stat_window: int = hparam(5, 'Stable statistics: tables also report the mean over the last '
-                            'this many evaluations of the mean and worst-client accuracy.',
-                            minimum=1)
+    None,
+    'Report the first evaluated round whose mean accuracy reaches this fraction in '
+    '(0, 1] (use --eval_every=1 for exact rounds).',
+    minimum=0,
+    maximum=1,
+    open_min=True,
+    refusal='is a fraction in (0, 1] (0.8 for 80%)',
+  )
+  stat_window: int = hparam(
+    5,
+    'Stable statistics: tables also report the mean over the last '
+    'this many evaluations of the mean and worst-client accuracy.',
+    minimum=1,
+  )
   paper_metric: Optional[str] = hparam(
-      None, "The table's column a reproduced paper reports (a flagfile that reproduces one names "
-      'it): mean, worst, mean@last, worst@last, q10 or weighted (pooled over every scored test '
-      'target). The header names it and summary.json carries it (paper_metric).',
-      choices=tuple(reporting.PAPER_METRICS))
-  dp_delta: float = hparam(1e-5, 'delta at which the DP-SGD epsilon is reported (algorithms run '
-                           'with DP-SGD, e.g. --fedfomo_dp_clip_norm > 0).', minimum=0,
-                           maximum=1, open_min=True, open_max=True)
-  sweep_seeds: int = hparam(0, 'Run seeds seed..seed+S-1 together (0: off); one table row per '
-                            'seed. Device layout: one program; host layout: one after another.',
-                            minimum=0)
-  trials: int = hparam(1, 'Run T trials (seeds seed..seed+T-1, one shared partition) of each '
-                       'algorithm, as one program in the device layout where the executor allows '
-                       'it, else one after another (the host layout: on shared cohort gathers); '
-                       'the table shows mean ± std over trials.', minimum=1)
-  sweep: str = hparam('', "Hyperparameters swept in the same program, e.g. "
-                      "'client_lr:0.01,0.03,0.1;fedprox_mu:0,0.1' (cross product with the "
-                      'seeds).')
+    None,
+    "The table's column a reproduced paper reports (a flagfile that reproduces one names "
+    'it): mean, worst, mean@last, worst@last, q10 or weighted (pooled over every scored test '
+    'target). The header names it and summary.json carries it (paper_metric).',
+    choices=tuple(reporting.PAPER_METRICS),
+  )
+  dp_delta: float = hparam(
+    1e-5,
+    'delta at which the DP-SGD epsilon is reported (algorithms run '
+    'with DP-SGD, e.g. --fedfomo_dp_clip_norm > 0).',
+    minimum=0,
+    maximum=1,
+    open_min=True,
+    open_max=True,
+  )
+  sweep_seeds: int = hparam(
+    0,
+    'Run seeds seed..seed+S-1 together (0: off); one table row per '
+    'seed. Device layout: one program; host layout: one after another.',
+    minimum=0,
+  )
+  trials: int = hparam(
+    1,
+    'Run T trials (seeds seed..seed+T-1, one shared partition) of each '
+    'algorithm, as one program in the device layout where the executor allows '
+    'it, else one after another (the host layout: on shared cohort gathers); '
+    'the table shows mean ± std over trials.',
+    minimum=1,
+  )
+  sweep: str = hparam(
+    '',
+    'Hyperparameters swept in the same program, e.g. '
+    "'client_lr:0.01,0.03,0.1;fedprox_mu:0,0.1' (cross product with the "
+    'seeds).',
+  )
 
   def check(self) -> None:
     """Known algorithms; settings that exclude each other."""
@@ -104,18 +159,30 @@ class ExperimentSettings(Declared):
       raise ConfigError('algorithm', 'give at least one algorithm')
     for a in self.algorithm:
       if a not in algorithms_lib.REGISTRY:
-        raise ConfigError('algorithm', f'unknown algorithm {a!r}; choose from '
-                          f'{list(algorithms_lib.REGISTRY)}')
+        raise ConfigError(
+          'algorithm',
+          f'unknown algorithm {a!r}; choose from '
+          f'{list(algorithms_lib.REGISTRY)}',
+        )
     if self.cohort_size is not None and self.participation is not None:
-      raise ConfigError('participation', 'give either --cohort_size or --participation, not both')
+      raise ConfigError(
+        'participation',
+        'give either --cohort_size or --participation, not both',
+      )
     if self.cohort_sampler == 'tff' and self.participation is not None:
-      raise ConfigError('participation', 'does nothing with --cohort_sampler=tff (it draws '
-                        '--cohort_size clients a round)')
+      raise ConfigError(
+        'participation',
+        'does nothing with --cohort_sampler=tff (it draws '
+        '--cohort_size clients a round)',
+      )
     if self.cohort_sampler != 'tff' and self.cohort_seed != 1:
       raise ConfigError('cohort_seed', 'seeds --cohort_sampler=tff only')
     if self.trials > 1 and self.sweep_seeds:
-      raise ConfigError('trials', 'give --trials (mean ± std rows) or --sweep_seeds (one row per '
-                        'seed), not both')
+      raise ConfigError(
+        'trials',
+        'give --trials (mean ± std rows) or --sweep_seeds (one row per '
+        'seed), not both',
+      )
 
   def sampler(self, data) -> CohortSampler:
     """The cohort sampler of ``data`` (a FederatedData or HostData): its
@@ -130,10 +197,17 @@ class ExperimentSettings(Declared):
     n, trained = data.num_clients, data.num_trained
     eligible = None if trained == n else trained
     if self.participation is not None:
-      return CohortSampler(n, participation=self.participation, eligible=eligible)
-    tff = ({'tff_seed': self.cohort_seed, 'rounds': self.rounds}
-           if self.cohort_sampler == 'tff' else {})
-    return CohortSampler(n, cohort_size=self.cohort_size or trained, eligible=eligible, **tff)
+      return CohortSampler(
+        n, participation=self.participation, eligible=eligible
+      )
+    tff = (
+      {'tff_seed': self.cohort_seed, 'rounds': self.rounds}
+      if self.cohort_sampler == 'tff'
+      else {}
+    )
+    return CohortSampler(
+      n, cohort_size=self.cohort_size or trained, eligible=eligible, **tff
+    )
 
   def row_label(self, name: str, config_label) -> str:
     """A table row's label: the algorithm and its swept values.
@@ -155,63 +229,107 @@ class ExperimentSettings(Declared):
 class InputSettings(Declared):
   """What the run reads of its data set: which clients, how many examples
   each, how its store is checked."""
-  client_ids: Optional[str] = hparam(None, 'A text file of client ids, one per line (# '
-                                     'comments): the run is limited to these clients (ids as '
-                                     'the data set names them: an EMNIST writer, a Stack '
-                                     'Overflow user; a partitioned pool\'s clients are 0..N-1).')
-  max_client_examples: Optional[int] = hparam(None, 'Train on at most this many examples per '
-                                              'client (its first ones; TFF\'s baselines cap at '
-                                              '1000). Default: all.', minimum=1)
-  verify_store: bool = hparam(False, 'Check every block of the population store of a natural '
-                              'data set before training (else each block is checked the first '
-                              'time a round reads it); a store that fails is rebuilt from its '
-                              'source files.')
-  rebuild_store: bool = hparam(False, 'Rebuild the population store of a natural data set from '
-                               'its source files (a store is otherwise rebuilt by itself when '
-                               'its files, its format or the loader\'s code changed, or it is '
-                               'damaged).')
+
+  client_ids: Optional[str] = hparam(
+    None,
+    'A text file of client ids, one per line (# '
+    'comments): the run is limited to these clients (ids as '
+    'the data set names them: an EMNIST writer, a Stack '
+    "Overflow user; a partitioned pool's clients are 0..N-1).",
+  )
+  max_client_examples: Optional[int] = hparam(
+    None,
+    'Train on at most this many examples per '
+    "client (its first ones; TFF's baselines cap at "
+    '1000). Default: all.',
+    minimum=1,
+  )
+  verify_store: bool = hparam(
+    False,
+    'Check every block of the population store of a natural '
+    'data set before training (else each block is checked the first '
+    'time a round reads it); a store that fails is rebuilt from its '
+    'source files.',
+  )
+  rebuild_store: bool = hparam(
+    False,
+    'Rebuild the population store of a natural data set from '
+    'its source files (a store is otherwise rebuilt by itself when '
+    "its files, its format or the loader's code changed, or it is "
+    'damaged).',
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class OutputSettings(Declared):
   """Where the run's results go, how it checkpoints and resumes, and what it
   shows while it runs."""
-  output_dir: Optional[str] = hparam(None, 'Where to write results (default: runs/<data>_<model>_'
-                                     '<algorithms>_<hash of the configuration>).')
-  checkpoint_every: int = hparam(0, 'Save an Orbax checkpoint of the full state every this many '
-                                 'rounds (0: only when the run is interrupted) under '
-                                 '<output_dir>/<algorithm>/checkpoints.', minimum=0)
-  resume: bool = hparam(False, 'Continue the run in --output_dir: each algorithm from its latest '
-                        'checkpoint, those it never reached from the start (refused when the '
-                        'folder holds no run, or another configuration; more --rounds are '
-                        'allowed).')
-  resume_if_found: bool = hparam(False, 'Like --resume where a checkpoint exists; start fresh '
-                                 '(with a note) where there is none.')
-  overwrite: bool = hparam(False, 'Clear --output_dir first when it holds results of another '
-                           'configuration (refused otherwise).')
-  plots: str = hparam('background', 'Where accuracy.png and client_accuracy_hist.png are drawn: '
-                      'background (a child process that outlives the run, so that matplotlib '
-                      'stays off its exit path: the files appear about a second after it '
-                      'exits), wait (before the run exits) or off.', choices=plots.PLOT_MODES)
+
+  output_dir: Optional[str] = hparam(
+    None,
+    'Where to write results (default: runs/<data>_<model>_'
+    '<algorithms>_<hash of the configuration>).',
+  )
+  checkpoint_every: int = hparam(
+    0,
+    'Save an Orbax checkpoint of the full state every this many '
+    'rounds (0: only when the run is interrupted) under '
+    '<output_dir>/<algorithm>/checkpoints.',
+    minimum=0,
+  )
+  resume: bool = hparam(
+    False,
+    'Continue the run in --output_dir: each algorithm from its latest '
+    'checkpoint, those it never reached from the start (refused when the '
+    'folder holds no run, or another configuration; more --rounds are '
+    'allowed).',
+  )
+  resume_if_found: bool = hparam(
+    False,
+    'Like --resume where a checkpoint exists; start fresh '
+    '(with a note) where there is none.',
+  )
+  overwrite: bool = hparam(
+    False,
+    'Clear --output_dir first when it holds results of another '
+    'configuration (refused otherwise).',
+  )
+  plots: str = hparam(
+    'background',
+    'Where accuracy.png and client_accuracy_hist.png are drawn: '
+    'background (a child process that outlives the run, so that matplotlib '
+    'stays off its exit path: the files appear about a second after it '
+    'exits), wait (before the run exits) or off.',
+    choices=plots.PLOT_MODES,
+  )
   progress: bool = hparam(True, 'Show a progress bar.')
-  dry_run: bool = hparam(False, 'Check every flag, load the data and build the model and '
-                         'algorithms, then stop: nothing is trained or written.')
+  dry_run: bool = hparam(
+    False,
+    'Check every flag, load the data and build the model and '
+    'algorithms, then stop: nothing is trained or written.',
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class ProcessSettings(Declared):
   """What a job sets for its whole process."""
+
   imports: Tuple[str, ...] = hparam(
-      (), "A module of your own to import before the flags are read (a .py file's path, or a "
-      'module name importable from here), so that the algorithms and data sets it registers '
-      'get their flags; repeat it for several. Its source is part of the run identity.',
-      flag='import', repeatable=True)
+    (),
+    "A module of your own to import before the flags are read (a .py file's path, or a "
+    'module name importable from here), so that the algorithms and data sets it registers '
+    'get their flags; repeat it for several. Its source is part of the run identity.',
+    flag='import',
+    repeatable=True,
+  )
   compilation_cache: Optional[str] = hparam(
-      None, "JAX's persistent compilation cache: a folder, or off (default: "
-      '$FEDJAX_PERSONAL_COMPILATION_CACHE, else <cache>/xla: $FEDJAX_PERSONAL_CACHE or '
-      '~/.cache/fedjax_personal). A second run of the same experiment starts without compiling; '
-      "entries are keyed by JAX's own key, never stale; the folder is bounded (least recently "
-      'used out).')
+    None,
+    "JAX's persistent compilation cache: a folder, or off (default: "
+    '$FEDJAX_PERSONAL_COMPILATION_CACHE, else <cache>/xla: $FEDJAX_PERSONAL_CACHE or '
+    '~/.cache/fedjax_personal). A second run of the same experiment starts without compiling; '
+    "entries are keyed by JAX's own key, never stale; the folder is bounded (least recently "
+    'used out).',
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +345,7 @@ class AlgorithmSettings:
     ignored: the flags given for other algorithms of the run that it does
       not use (its summary records them).
   """
+
   spec: AlgorithmSpec
   training: TrainingConfig
   config: Any
@@ -262,6 +381,7 @@ class RunSettings:
     flags: every flag of the command and its value, as ``summary.json``
       records them (written, never read back).
   """
+
   experiment: ExperimentSettings
   data: DataConfig
   inputs: InputSettings
@@ -272,7 +392,9 @@ class RunSettings:
   distributed: DistributedSettings
   algorithms: Tuple[AlgorithmSettings, ...]
   system: SystemConfig = dataclasses.field(default_factory=SystemConfig)
-  sweep: Mapping[str, Tuple[float, ...]] = dataclasses.field(default_factory=dict)
+  sweep: Mapping[str, Tuple[float, ...]] = dataclasses.field(
+    default_factory=dict
+  )
   flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def configurations(self) -> Optional[List[tuple]]:
@@ -288,8 +410,9 @@ class RunSettings:
     seeds = list(range(e.seed, e.seed + max(e.sweep_seeds, e.trials, 1)))
     return sweep.configs(seeds, {k: list(v) for k, v in self.sweep.items()})
 
-  def identity(self, fingerprint: str, cap: Optional[int] = None,
-               num_processes: int = 1) -> Dict[str, Any]:
+  def identity(
+    self, fingerprint: str, cap: Optional[int] = None, num_processes: int = 1
+  ) -> Dict[str, Any]:
     """What every algorithm of the run shares in its run identity.
 
     Args:
@@ -302,22 +425,48 @@ class RunSettings:
       The shared identity entries.
     """
     data = dataclasses.asdict(self.data)
-    for where in ('data_dir', 'download'):  # where the files are does not matter; their content does
+    for where in (
+      'data_dir',
+      'download',
+    ):  # where the files are does not matter; their content does
       data.pop(where)
     if cap is not None:
       data['max_client_examples'] = cap
     model = self.model
-    start = {} if model.model_init == 'flax' else {'model_init': model.model_init}
+    start = (
+      {} if model.model_init == 'flax' else {'model_init': model.model_init}
+    )
     if model.init_weights:
-      start['init_weights_sha256'] = run_identity.file_sha256(model.init_weights)
-    imports = {'imports': plugins.identity(self.process.imports)} if self.process.imports else {}
-    return {**imports, 'data': data, 'data_fingerprint': fingerprint, 'model': model.model,
-            'adapter_dim': model.adapter_dim, 'cohort_size': self.experiment.cohort_size,
-            'participation': self.experiment.participation, 'seed': self.experiment.seed,
-            **({'cohort_sampler': ['tff', self.experiment.cohort_seed]}
-               if self.experiment.cohort_sampler == 'tff' else {}),
-            **({'system': dataclasses.asdict(self.system)} if self.system.active else {}),
-            **start, **({'num_processes': num_processes} if num_processes > 1 else {})}
+      start['init_weights_sha256'] = run_identity.file_sha256(
+        model.init_weights
+      )
+    imports = (
+      {'imports': plugins.identity(self.process.imports)}
+      if self.process.imports
+      else {}
+    )
+    return {
+      **imports,
+      'data': data,
+      'data_fingerprint': fingerprint,
+      'model': model.model,
+      'adapter_dim': model.adapter_dim,
+      'cohort_size': self.experiment.cohort_size,
+      'participation': self.experiment.participation,
+      'seed': self.experiment.seed,
+      **(
+        {'cohort_sampler': ['tff', self.experiment.cohort_seed]}
+        if self.experiment.cohort_sampler == 'tff'
+        else {}
+      ),
+      **(
+        {'system': dataclasses.asdict(self.system)}
+        if self.system.active
+        else {}
+      ),
+      **start,
+      **({'num_processes': num_processes} if num_processes > 1 else {}),
+    }
 
   def default_output_dir(self, identities: dict) -> str:
     """``runs/<data>_<partition>_..._<hash of the configurations>``.
@@ -331,9 +480,12 @@ class RunSettings:
     algs = '+'.join(identities)
     algs = algs if len(algs) <= 60 else f'{len(identities)}algorithms'
     d = self.data
-    return os.path.join('runs', f'{d.dataset.replace(":", "_")}_{d.partition}_'
-                        f'{self.model.model}_n{d.num_clients or "all"}_seed'
-                        f'{self.experiment.seed}_{algs}_{run_identity.short_hash(identities)}')
+    return os.path.join(
+      'runs',
+      f'{d.dataset.replace(":", "_")}_{d.partition}_'
+      f'{self.model.model}_n{d.num_clients or "all"}_seed'
+      f'{self.experiment.seed}_{algs}_{run_identity.short_hash(identities)}',
+    )
 
   def shared_flags(self) -> Dict[str, Any]:
     """The flags every process of one run must share (all but the process's
@@ -342,7 +494,9 @@ class RunSettings:
     Returns:
       ``{flag: value}``.
     """
-    return {k: v for k, v in sorted(self.flags.items()) if k not in PER_PROCESS_FLAGS}
+    return {
+      k: v for k, v in sorted(self.flags.items()) if k not in PER_PROCESS_FLAGS
+    }
 
 
 #: This library's flags that may differ between the processes of one run.

@@ -21,24 +21,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import numerics
-from fedjax_personal.hparams import flag_name
+from fedjax_personal.config import TrainingConfig
 from fedjax_personal.core.algorithm import FederatedAlgorithm
 from fedjax_personal.core.data import FederatedData
-from fedjax_personal.core.engine import round_functions
+from fedjax_personal.core.engine import RoundRunner, round_functions
 from fedjax_personal.core.evaluation import eval_function
 from fedjax_personal.core.executors import Executor
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.core.system import Devices
 from fedjax_personal.core.training import LossStats
-from fedjax_personal import algorithms as algorithms_lib
-from fedjax_personal.config import TrainingConfig
+from fedjax_personal.hparams import flag_name
 from fedjax_personal.run import experiment
-from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.run.experiment import SingleRun
 
-__all__ = ['Config', 'config_label', 'configs', 'LoopRuns', 'parse_sweep', 'resolve_config_axis',
-           'sweepable', 'SweepRunner']
+__all__ = [
+  'Config',
+  'config_label',
+  'configs',
+  'LoopRuns',
+  'parse_sweep',
+  'resolve_config_axis',
+  'sweepable',
+  'SweepRunner',
+]
 
 
 Config = Tuple[int, Dict[str, float]]
@@ -60,7 +67,9 @@ def sweepable() -> Dict[str, tuple]:
   return out
 
 
-def parse_sweep(spec: str, sweepable: Collection[str]) -> Dict[str, List[float]]:
+def parse_sweep(
+  spec: str, sweepable: Collection[str]
+) -> Dict[str, List[float]]:
   """'client_lr:0.01,0.03;fedprox_mu:0,0.1' -> {'client_lr': [...], 'fedprox_mu': [...]}.
 
   ``sweepable``: the names that may be swept (settings declared with
@@ -76,25 +85,33 @@ def parse_sweep(spec: str, sweepable: Collection[str]) -> Dict[str, List[float]]
   out = {}
   for part in filter(None, spec.split(';')):
     if ':' not in part:
-      raise ValueError(f"expected name:v1,v2,... got {part!r}")
+      raise ValueError(f'expected name:v1,v2,... got {part!r}')
     name, values = part.split(':', 1)
     name = name.strip()
     if name in out:
-      raise ValueError(f'{name} is swept twice; give its values once ({name}:v1,v2,...)')
+      raise ValueError(
+        f'{name} is swept twice; give its values once ({name}:v1,v2,...)'
+      )
     if name not in sweepable:
-      raise ValueError(f'{name!r} cannot be swept: only settings declared with hparam(..., '
-                       f'sweep=True) can (used only arithmetically by the builders, so one '
-                       f'program runs every value); choose from {sorted(sweepable)}')
+      raise ValueError(
+        f'{name!r} cannot be swept: only settings declared with hparam(..., '
+        f'sweep=True) can (used only arithmetically by the builders, so one '
+        f'program runs every value); choose from {sorted(sweepable)}'
+      )
     try:
       out[name] = [float(v) for v in values.split(',') if v]
     except ValueError:
-      raise ValueError(f'values of {name} must be numbers, got {values!r}') from None
+      raise ValueError(
+        f'values of {name} must be numbers, got {values!r}'
+      ) from None
     if not out[name]:
       raise ValueError(f'no values for {name}')
   return out
 
 
-def configs(seeds: Sequence[int], values: Dict[str, List[float]]) -> List[Config]:
+def configs(
+  seeds: Sequence[int], values: Dict[str, List[float]]
+) -> List[Config]:
   """The cross product of seeds and swept values.
 
   Args:
@@ -105,8 +122,11 @@ def configs(seeds: Sequence[int], values: Dict[str, List[float]]) -> List[Config
     ``[(seed, {name: value})]``.
   """
   names = sorted(values)
-  return [(s, dict(zip(names, combo)))
-          for s in seeds for combo in itertools.product(*(values[n] for n in names))]
+  return [
+    (s, dict(zip(names, combo)))
+    for s in seeds
+    for combo in itertools.product(*(values[n] for n in names))
+  ]
 
 
 def config_label(config: Config) -> dict:
@@ -139,7 +159,9 @@ def resolve_config_axis(config_axis: str) -> str:
     ``host`` or ``vmap``.
   """
   if config_axis not in CONFIG_AXES:
-    raise ValueError(f'config_axis must be one of {list(CONFIG_AXES)}, got {config_axis!r}')
+    raise ValueError(
+      f'config_axis must be one of {list(CONFIG_AXES)}, got {config_axis!r}'
+    )
   if config_axis == 'auto':
     return 'host' if jax.default_backend() == 'cpu' else 'vmap'
   return config_axis
@@ -158,10 +180,14 @@ def _stack(trees):
 def _host_loop(one):
   """``one`` (jitted, one configuration) run for each configuration from
   the host; inputs sliced and outputs stacked by two small jitted helpers."""
+
   def looped(values, state, keys, *shared):
-    outs = [one(_take(values, s), _take(state, s), keys[s], *shared)
-            for s in range(keys.shape[0])]
+    outs = [
+      one(_take(values, s), _take(state, s), keys[s], *shared)
+      for s in range(keys.shape[0])
+    ]
     return _stack([o[0] for o in outs]), _stack([o[1] for o in outs])
+
   return looped
 
 
@@ -178,7 +204,9 @@ def _over_configs(fn, config_axis: str, in_axes):
     def one(xs):
       it = iter(xs)
       return fn(*(next(it) if ax == 0 else a for a, ax in zip(args, in_axes)))
+
     return jax.lax.map(one, mapped)
+
   return looped
 
 
@@ -200,26 +228,42 @@ class SweepRunner:
     row_groups: as for RoundRunner (rows shuffled in groups).
   """
 
-  def __init__(self, build: Callable[[Dict], FederatedAlgorithm], configs: List[Config],
-               data: FederatedData, sampler: CohortSampler, executor: Executor,
-               config_axis: str = 'auto',
-               matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION,
-               system: Optional[Devices] = None, row_groups: Optional[int] = None):
+  def __init__(
+    self,
+    build: Callable[[Dict], FederatedAlgorithm],
+    configs: List[Config],
+    data: FederatedData,
+    sampler: CohortSampler,
+    executor: Executor,
+    config_axis: str = 'auto',
+    matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION,
+    system: Optional[Devices] = None,
+    row_groups: Optional[int] = None,
+  ):
     precision = numerics.check_precision(matmul_precision)
     made = build
     build = lambda hv: made(hv).at_matmul_precision(precision)  # noqa: E731
     executor = executor.at_matmul_precision(precision)
     if not executor.fused:
-      raise ValueError(f'a sweep needs a fused executor (vmap, blocked, sharded), '
-                       f'not {executor.name}')
+      raise ValueError(
+        f'a sweep needs a fused executor (vmap, blocked, sharded), '
+        f'not {executor.name}'
+      )
     self.config_axis = resolve_config_axis(config_axis)
     self.configs, self.data = configs, data
     self.labels = [config_label(c) for c in configs]
     names = sorted(configs[0][1])
-    self.values = {n: jnp.asarray([c[1][n] for c in configs], jnp.float32) for n in names}
-    keys = jax.vmap(lambda s: jnp.stack(jax.random.split(jax.random.key(s), 3)))(
-        jnp.asarray([c[0] for c in configs]))
-    self.init_keys, self.train_keys, self.eval_keys = keys[:, 0], keys[:, 1], keys[:, 2]
+    self.values = {
+      n: jnp.asarray([c[1][n] for c in configs], jnp.float32) for n in names
+    }
+    keys = jax.vmap(
+      lambda s: jnp.stack(jax.random.split(jax.random.key(s), 3))
+    )(jnp.asarray([c[0] for c in configs]))
+    self.init_keys, self.train_keys, self.eval_keys = (
+      keys[:, 0],
+      keys[:, 1],
+      keys[:, 2],
+    )
     self.trace_counts: collections.Counter = collections.Counter()
     counts = self.trace_counts
     test_counts = np.asarray(data.test.num_examples)
@@ -228,21 +272,27 @@ class SweepRunner:
       return build(hv).init(key)
 
     def one_round(hv, state, key, round_num, train, val):
-      return round_functions(build(hv), sampler, executor, counts, system, row_groups)[3](
-          state, key, round_num, train, val)
+      return round_functions(
+        build(hv), sampler, executor, counts, system, row_groups
+      )[3](state, key, round_num, train, val)
 
     def one_eval(hv, state, key, data):
       alg = build(hv)
       return eval_function(alg, executor, counts, test_counts)(
-          alg.client_models(state), data, key, alg.finetune is not None)
+        alg.client_models(state), data, key, alg.finetune is not None
+      )
 
-    axis = 'loop' if self.config_axis == 'host' else self.config_axis  # init / eval
+    axis = (
+      'loop' if self.config_axis == 'host' else self.config_axis
+    )  # init / eval
     over = lambda fn, *axes: _over_configs(fn, axis, axes)
     self._init = executor.jit(over(one_init, 0, 0))
     if self.config_axis == 'host':
       self._round = _host_loop(executor.jit(one_round))
     else:
-      self._round = executor.jit(over(one_round, 0, 0, 0, None, None, None), donate_argnums=1)
+      self._round = executor.jit(
+        over(one_round, 0, 0, 0, None, None, None), donate_argnums=1
+      )
     self._eval = executor.jit(over(one_eval, 0, 0, 0, None))
 
   @property
@@ -256,18 +306,32 @@ class SweepRunner:
     """(state, {name: [S] array}) of round t (the state is consumed)."""
     del donate  # always donated
     keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(self.train_keys)
-    state, metrics = self._round(self.values, state, keys, jnp.asarray(t, jnp.int32),
-                                 self.data.train, self.data.val)
+    state, metrics = self._round(
+      self.values,
+      state,
+      keys,
+      jnp.asarray(t, jnp.int32),
+      self.data.train,
+      self.data.val,
+    )
     return state, jax.device_get(metrics)
 
   def evaluate(self, state, t: int) -> LossStats:
     keys = jax.vmap(lambda k: jax.random.fold_in(k, t))(self.eval_keys)
-    return LossStats(*[np.asarray(a) for a in jax.device_get(
-        self._eval(self.values, state, keys, self.data))])
+    return LossStats(
+      *[
+        np.asarray(a)
+        for a in jax.device_get(self._eval(self.values, state, keys, self.data))
+      ]
+    )
 
-  def run(self, num_rounds: int, eval_every: int = 5, callbacks=()) -> List[List[dict]]:
+  def run(
+    self, num_rounds: int, eval_every: int = 5, callbacks=()
+  ) -> List[List[dict]]:
     """One history per configuration (``experiment.run_many``)."""
-    self.state, histories = experiment.run_many(self, num_rounds, eval_every, callbacks)
+    self.state, histories = experiment.run_many(
+      self, num_rounds, eval_every, callbacks
+    )
     return histories
 
 
@@ -285,10 +349,17 @@ class LoopRuns:
   the current round runs.
   """
 
-  def __init__(self, build: Callable[[Dict], FederatedAlgorithm], configs: List[Config],
-               data, sampler: CohortSampler, executor: Executor,
-               matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION,
-               system: Optional[Devices] = None, row_groups: Optional[int] = None):
+  def __init__(
+    self,
+    build: Callable[[Dict], FederatedAlgorithm],
+    configs: List[Config],
+    data,
+    sampler: CohortSampler,
+    executor: Executor,
+    matmul_precision: str = numerics.DEFAULT_MATMUL_PRECISION,
+    system: Optional[Devices] = None,
+    row_groups: Optional[int] = None,
+  ):
     self.configs = configs
     self.labels = [config_label(c) for c in configs]
     runners = {}
@@ -297,9 +368,16 @@ class LoopRuns:
     for seed, values in configs:
       k = tuple(sorted(values.items()))
       if k not in runners:
-        runners[k] = RoundRunner(build(dict(values)), data, sampler, executor, feed=feed,
-                                 matmul_precision=matmul_precision, system=system,
-                                 row_groups=row_groups)
+        runners[k] = RoundRunner(
+          build(dict(values)),
+          data,
+          sampler,
+          executor,
+          feed=feed,
+          matmul_precision=matmul_precision,
+          system=system,
+          row_groups=row_groups,
+        )
         feed = getattr(runners[k], 'feed', None)
       self.runs.append(SingleRun(runners[k], seed))
     self.feed = feed

@@ -67,7 +67,9 @@ def _field(number: int, payload: bytes) -> bytes:
   return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
-def scalar_event(step: int, values: Dict[str, float], wall_time: float) -> bytes:
+def scalar_event(
+  step: int, values: Dict[str, float], wall_time: float
+) -> bytes:
   """An ``Event`` holding a ``Summary`` of scalars.
 
   Args:
@@ -79,10 +81,16 @@ def scalar_event(step: int, values: Dict[str, float], wall_time: float) -> bytes
     The serialized ``Event``.
   """
   summary = b''.join(
-      _field(1, _field(1, tag.encode()) + b'\x15' + struct.pack('<f', value))
-      for tag, value in values.items())
-  return (b'\x09' + struct.pack('<d', wall_time) + b'\x10' + _varint(step)
-          + _field(5, summary))
+    _field(1, _field(1, tag.encode()) + b'\x15' + struct.pack('<f', value))
+    for tag, value in values.items()
+  )
+  return (
+    b'\x09'
+    + struct.pack('<d', wall_time)
+    + b'\x10'
+    + _varint(step)
+    + _field(5, summary)
+  )
 
 
 class EventFile:
@@ -90,20 +98,30 @@ class EventFile:
 
   def __init__(self, folder: str):
     os.makedirs(folder, exist_ok=True)
-    self.path = os.path.join(folder, f'events.out.tfevents.{int(time.time())}.'
-                                     f'{socket.gethostname()}.{os.getpid()}')
+    self.path = os.path.join(
+      folder,
+      f'events.out.tfevents.{int(time.time())}.'
+      f'{socket.gethostname()}.{os.getpid()}',
+    )
     self._file = open(self.path, 'wb')
-    version = b'\x09' + struct.pack('<d', time.time()) + _field(3, b'brain.Event:2')
+    version = (
+      b'\x09' + struct.pack('<d', time.time()) + _field(3, b'brain.Event:2')
+    )
     self._record(version)
 
   def _record(self, data: bytes) -> None:
     length = struct.pack('<Q', len(data))
-    self._file.write(length + struct.pack('<I', masked_crc32c(length)) + data
-                     + struct.pack('<I', masked_crc32c(data)))
+    self._file.write(
+      length
+      + struct.pack('<I', masked_crc32c(length))
+      + data
+      + struct.pack('<I', masked_crc32c(data))
+    )
     self._file.flush()
 
-  def scalars(self, step: int, values: Dict[str, float],
-              wall_time: Optional[float] = None) -> None:
+  def scalars(
+    self, step: int, values: Dict[str, float], wall_time: Optional[float] = None
+  ) -> None:
     """Adds one round's scalars.
 
     Args:
@@ -115,7 +133,11 @@ class EventFile:
       None.
     """
     if values:
-      self._record(scalar_event(step, values, time.time() if wall_time is None else wall_time))
+      self._record(
+        scalar_event(
+          step, values, time.time() if wall_time is None else wall_time
+        )
+      )
 
   def close(self) -> None:
     """Closes the file.
@@ -128,17 +150,24 @@ class EventFile:
 
 def _scalars(record: dict) -> Dict[str, float]:
   """The finite numbers of a round's record, by name (lists and labels out)."""
-  return {k: float(v) for k, v in record.items()
-          if k != 'round' and isinstance(v, (int, float)) and not isinstance(v, bool)
-          and math.isfinite(v)}
+  return {
+    k: float(v)
+    for k, v in record.items()
+    if k != 'round'
+    and isinstance(v, (int, float))
+    and not isinstance(v, bool)
+    and math.isfinite(v)
+  }
 
 
 def _config_folder(record: dict) -> str:
   config = record.get('config')
   if not config:
     return ''
-  return '_'.join(f'{k}={v:g}' if isinstance(v, float) else f'{k}={v}'
-                  for k, v in config.items())
+  return '_'.join(
+    f'{k}={v:g}' if isinstance(v, float) else f'{k}={v}'
+    for k, v in config.items()
+  )
 
 
 class TensorBoardWriter(Callback):
@@ -153,16 +182,21 @@ class TensorBoardWriter(Callback):
 
   def _write(self, record: dict) -> None:
     values = _scalars(record)
-    if 'round' not in record or not any(k.startswith('accuracy') for k in values):
+    if 'round' not in record or not any(
+      k.startswith('accuracy') for k in values
+    ):
       return  # not an evaluated round
     sub = _config_folder(record)
     if sub not in self.files:
-      self.files[sub] = EventFile(os.path.join(self.folder, sub) if sub else self.folder)
+      self.files[sub] = EventFile(
+        os.path.join(self.folder, sub) if sub else self.folder
+      )
     self.files[sub].scalars(int(record['round']), values)
 
   def on_start(self, runs, state):
-    for old in glob.glob(os.path.join(self.folder, '**', 'events.out.tfevents.*'),
-                         recursive=True):
+    for old in glob.glob(
+      os.path.join(self.folder, '**', 'events.out.tfevents.*'), recursive=True
+    ):
       os.remove(old)
     for history in self.histories:
       for record in history:

@@ -17,7 +17,6 @@ import dataclasses
 
 import numpy as np
 
-
 __all__ = ['harmonic', 'PAPER_SYSTEMS', 'simulated_times', 'TimeModel']
 
 
@@ -36,10 +35,11 @@ def harmonic(m: int) -> float:
 @dataclasses.dataclass(frozen=True)
 class TimeModel:
   """Attributes:
-    rho: T_ul / T_dl.
-    t_min: minimum computing time (in T_dl units).
-    inv_mu: 1 / mu, the mean extra computing delay (in T_dl units).
+  rho: T_ul / T_dl.
+  t_min: minimum computing time (in T_dl units).
+  inv_mu: 1 / mu, the mean extra computing delay (in T_dl units).
   """
+
   rho: float = 4.0
   t_min: float = 1.0
   inv_mu: float = 1.0
@@ -48,7 +48,9 @@ class TimeModel:
     """E[max of num_active shifted exponentials] = T_min + H_m / mu."""
     return self.t_min + harmonic(int(num_active)) * self.inv_mu
 
-  def round_time(self, num_active: int, num_downlink_models: int, uploads: bool = True) -> float:
+  def round_time(
+    self, num_active: int, num_downlink_models: int, uploads: bool = True
+  ) -> float:
     down = float(num_downlink_models)
     up = self.rho if uploads and num_active > 0 else 0.0
     return down + self.computing_time(num_active) + up
@@ -56,13 +58,15 @@ class TimeModel:
 
 # The paper's Fig. 3 systems.
 PAPER_SYSTEMS = {
-    'wireless_unreliable (rho=4)': TimeModel(rho=4.0, t_min=1.0, inv_mu=1.0),
-    'wireless_reliable (rho=2)': TimeModel(rho=2.0, t_min=1.0, inv_mu=0.0),
-    'wired (rho=1)': TimeModel(rho=1.0, t_min=1.0, inv_mu=0.0),
+  'wireless_unreliable (rho=4)': TimeModel(rho=4.0, t_min=1.0, inv_mu=1.0),
+  'wireless_reliable (rho=2)': TimeModel(rho=2.0, t_min=1.0, inv_mu=0.0),
+  'wired (rho=1)': TimeModel(rho=1.0, t_min=1.0, inv_mu=0.0),
 }
 
 
-def simulated_times(history, model: TimeModel, num_downlink_models) -> np.ndarray:
+def simulated_times(
+  history, model: TimeModel, num_downlink_models
+) -> np.ndarray:
   """Cumulative simulated time after each round of a history.
 
   ``num_downlink_models``: an int, or a function of the round's record
@@ -79,7 +83,13 @@ def simulated_times(history, model: TimeModel, num_downlink_models) -> np.ndarra
   times, t = [], 0.0
   for r in history:
     m = int(r.get('num_active', 0))
-    d = num_downlink_models(r) if callable(num_downlink_models) else num_downlink_models
-    t += model.round_time(m, min(d, m) if d else 0, uploads=r.get('bytes_up', 1) > 0)
+    d = (
+      num_downlink_models(r)
+      if callable(num_downlink_models)
+      else num_downlink_models
+    )
+    t += model.round_time(
+      m, min(d, m) if d else 0, uploads=r.get('bytes_up', 1) > 0
+    )
     times.append(t)
   return np.array(times)

@@ -35,9 +35,11 @@ def _split_shapes(data, split: str):
   x, y, _ = store.arrays[split]
   n, length = store.num_clients, max(int(counts.max(initial=0)), 1)
   shape: Any = jax.ShapeDtypeStruct  # shapes standing for the arrays
-  return ClientData(x=shape((n, length) + x.shape[1:], x.dtype),
-                    y=shape((n, length) + y.shape[1:], y.dtype),
-                    num_examples=shape((n,), jnp.int32))
+  return ClientData(
+    x=shape((n, length) + x.shape[1:], x.dtype),
+    y=shape((n, length) + y.shape[1:], y.dtype),
+    num_examples=shape((n,), jnp.int32),
+  )
 
 
 def trace_round(alg, sampler, data, system=None) -> None:
@@ -57,17 +59,22 @@ def trace_round(alg, sampler, data, system=None) -> None:
     ConfigError: the round raised while traced, naming the algorithm and,
       when the error arose in the user's code, its file and line.
   """
-  _, _, _, fused_round = round_functions(alg, sampler, VmapExecutor(), system=system)
+  _, _, _, fused_round = round_functions(
+    alg, sampler, VmapExecutor(), system=system
+  )
   train, val = _split_shapes(data, 'train'), _split_shapes(data, 'val')
 
   def one_round(key, train, val):
     return fused_round(alg.init(key), key, jnp.int32(0), train, val)
+
   try:
     jax.eval_shape(one_round, jax.random.key(0), train, val)
   except ConfigError:
     raise
   except Exception as e:  # the round cannot be traced: nothing would train
-    raise ConfigError('algorithm', failure(alg.name, e, 'when its round is traced')) from None
+    raise ConfigError(
+      'algorithm', failure(alg.name, e, 'when its round is traced')
+    ) from None
 
 
 def users_failure(name: str, e: BaseException) -> Optional[str]:
@@ -83,14 +90,21 @@ def users_failure(name: str, e: BaseException) -> Optional[str]:
   Returns:
     The line, or None.
   """
-  if (isinstance(e, ConfigError) or faults.out_of_memory(e)
-      or user_frame(e, list(plugins.LOADED.values())) is None):
+  if (
+    isinstance(e, ConfigError)
+    or faults.out_of_memory(e)
+    or user_frame(e, list(plugins.LOADED.values())) is None
+  ):
     return None
   return failure(name, e)
 
 
-def failure(name: str, e: BaseException, when: str = 'while training',
-            files: Iterable[str] = ()) -> str:
+def failure(
+  name: str,
+  e: BaseException,
+  when: str = 'while training',
+  files: Iterable[str] = (),
+) -> str:
   """One line for an algorithm whose code raised: its name, where (the
   user's file and line, else the innermost frame) and the error.
 
@@ -105,5 +119,8 @@ def failure(name: str, e: BaseException, when: str = 'while training',
   """
   where = user_frame(e, list(files) or list(plugins.LOADED.values()))
   first = str(e).strip().splitlines()[0] if str(e).strip() else ''
-  return (f'{name} failed {when}' + (f' at {where}' if where else '')
-          + f': {type(e).__name__}: {first}')
+  return (
+    f'{name} failed {when}'
+    + (f' at {where}' if where else '')
+    + f': {type(e).__name__}: {first}'
+  )

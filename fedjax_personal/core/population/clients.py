@@ -14,11 +14,22 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from fedjax_personal.core.data import ClientData, FederatedData, PackedClientData
+from fedjax_personal.core.data import (
+  ClientData,
+  FederatedData,
+  PackedClientData,
+)
 from fedjax_personal.errors import DataError
 
-__all__ = ['aligned_empty', 'FORMAT', 'next_power_of_two', 'padded_length', 'Population',
-           'PopulationStore', 'SPLITS']
+__all__ = [
+  'aligned_empty',
+  'FORMAT',
+  'next_power_of_two',
+  'padded_length',
+  'Population',
+  'PopulationStore',
+  'SPLITS',
+]
 
 
 FORMAT = 'fedjax_personal.population/3'  # /2: per-block CRC32s; /3: client ids, eval_only
@@ -55,10 +66,12 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
   nbytes = int(np.prod(shape)) * dtype.itemsize
   buf = np.empty(nbytes + align, np.uint8)
   start = (-buf.ctypes.data) % align
-  return buf[start:start + nbytes].view(dtype).reshape(shape)
+  return buf[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def padded_length(count: int, cap: Optional[int] = None, smallest: int = 32) -> int:
+def padded_length(
+  count: int, cap: Optional[int] = None, smallest: int = 32
+) -> int:
   """The static length a cohort whose largest client has ``count`` examples
   is padded to: the next power of two >= count (at least ``smallest``), at
   most ``cap``; powers of two keep the number of compiled shapes to a few.
@@ -79,6 +92,7 @@ def padded_length(count: int, cap: Optional[int] = None, smallest: int = 32) -> 
 class SplitCounts:
   """A split of a population without its examples: the clients' example
   counts ([N] int32, ``ClientData.num_examples``)."""
+
   num_examples: np.ndarray
 
   @property
@@ -96,6 +110,7 @@ class Population:
   It stands where builders take a ``FederatedData`` (``data.num_clients``,
   ``data.train.num_examples``, ``data.groups``...).
   """
+
   train: 'SplitCounts'
   val: 'SplitCounts'
   test: 'SplitCounts'
@@ -116,14 +131,20 @@ class Population:
 
   @property
   def num_groups(self) -> int:
-    return int(self.groups.max()) + 1 if self.groups.size and self.groups.max() >= 0 else 0
+    return (
+      int(self.groups.max()) + 1
+      if self.groups.size and self.groups.max() >= 0
+      else 0
+    )
 
   def describe(self) -> str:
     n = self.train.num_examples
-    return (f'{self.name}: {self.num_clients:,} clients, {self.num_classes} classes, '
-            f'train examples per client min {n.min()} median {int(np.median(n))} '
-            f'max {n.max()} (total {int(n.sum()):,}), test total '
-            f'{int(self.test.num_examples.sum()):,}')
+    return (
+      f'{self.name}: {self.num_clients:,} clients, {self.num_classes} classes, '
+      f'train examples per client min {n.min()} median {int(np.median(n))} '
+      f'max {n.max()} (total {int(n.sum()):,}), test total '
+      f'{int(self.test.num_examples.sum()):,}'
+    )
 
 
 class PopulationStore:
@@ -137,14 +158,22 @@ class PopulationStore:
     client_ids: each client's id (None: its index).
   """
 
-  def __init__(self, arrays: Dict[str, tuple], groups, manifest: dict, folder=None,
-               client_ids: Optional[List[str]] = None):
+  def __init__(
+    self,
+    arrays: Dict[str, tuple],
+    groups,
+    manifest: dict,
+    folder=None,
+    client_ids: Optional[List[str]] = None,
+  ):
     self.arrays = arrays
     self.groups = np.asarray(groups, np.int32)
     self.manifest = manifest
     self.folder = folder
     self.counts = {s: np.asarray(arrays[s][2], np.int64) for s in SPLITS}
-    self.offsets = {s: np.concatenate([[0], np.cumsum(c)]) for s, c in self.counts.items()}
+    self.offsets = {
+      s: np.concatenate([[0], np.cumsum(c)]) for s, c in self.counts.items()
+    }
     self._ids = client_ids
     self._index: Optional[Dict[str, int]] = None
 
@@ -182,8 +211,10 @@ class PopulationStore:
       return self._index[str(client_id)]
     except KeyError:
       where = self.folder or self.name
-      raise DataError(f'{where}: no client has id {client_id!r} ({self.num_clients:,} clients, '
-                      f'e.g. {self.client_ids[0]!r})') from None
+      raise DataError(
+        f'{where}: no client has id {client_id!r} ({self.num_clients:,} clients, '
+        f'e.g. {self.client_ids[0]!r})'
+      ) from None
 
   def client(self, client_id) -> Dict[str, tuple]:
     """One client's examples by id: {split: (x, y)} as numpy arrays."""
@@ -196,7 +227,9 @@ class PopulationStore:
       out[s] = (np.asarray(x[lo:hi]), np.asarray(y[lo:hi]))
     return out
 
-  def subset(self, client_ids: Sequence[str], why: str = 'chosen by id') -> 'PopulationStore':
+  def subset(
+    self, client_ids: Sequence[str], why: str = 'chosen by id'
+  ) -> 'PopulationStore':
     """The clients named ``client_ids`` alone, in the store's order (a
     view: the same files, their counts and offsets selected). Its digest
     and name say which clients it holds.
@@ -206,18 +239,31 @@ class PopulationStore:
     """
     listed = [self.client_index(c) for c in client_ids]
     if len(set(listed)) != len(listed):
-      twice = next(c for c, k in collections.Counter(map(str, client_ids)).items() if k > 1)
+      twice = next(
+        c for c, k in collections.Counter(map(str, client_ids)).items() if k > 1
+      )
       raise DataError(f'client id {twice!r} is given twice')
     rows = np.sort(np.asarray(listed, np.int64))
     h = hashlib.sha256(self.digest.encode())
     h.update(rows.tobytes())
     held_out = int(np.sum(rows >= self.num_clients - self.eval_only))
-    manifest = {**self.manifest, 'digest': h.hexdigest()[:16], 'eval_only': held_out,
-                'name': f'{self.name}, {len(rows):,} clients {why}'}
-    sub = PopulationStore(self.arrays, self.groups[rows], manifest, self.folder,
-                          [self.client_ids[i] for i in rows])
+    manifest = {
+      **self.manifest,
+      'digest': h.hexdigest()[:16],
+      'eval_only': held_out,
+      'name': f'{self.name}, {len(rows):,} clients {why}',
+    }
+    sub = PopulationStore(
+      self.arrays,
+      self.groups[rows],
+      manifest,
+      self.folder,
+      [self.client_ids[i] for i in rows],
+    )
     sub.counts = {s: c[rows] for s, c in self.counts.items()}
-    sub.offsets = {s: o[rows] for s, o in self.offsets.items()}  # starts (ends: + counts)
+    sub.offsets = {
+      s: o[rows] for s, o in self.offsets.items()
+    }  # starts (ends: + counts)
     return sub
 
   @property
@@ -245,26 +291,38 @@ class PopulationStore:
 
   def counts_capped(self, split: str, cap: Optional[int] = None) -> np.ndarray:
     c = self.counts[split]
-    return (c if cap is None or split != 'train' else np.minimum(c, cap)).astype(np.int32)
+    return (
+      c if cap is None or split != 'train' else np.minimum(c, cap)
+    ).astype(np.int32)
 
   def population(self, cap: Optional[int] = None) -> Population:
     """The store's ``Population`` (training counts capped at ``cap``)."""
-    splits = {s: SplitCounts(num_examples=self.counts_capped(s, cap))
-              for s in SPLITS}
+    splits = {
+      s: SplitCounts(num_examples=self.counts_capped(s, cap)) for s in SPLITS
+    }
     x = self.arrays['train'][0]
-    return Population(**splits, groups=self.groups, num_classes=self.num_classes,
-                      name=self.name, sample_x=np.zeros((1,) + x.shape[1:], x.dtype),
-                      eval_only=self.eval_only)
+    return Population(
+      **splits,
+      groups=self.groups,
+      num_classes=self.num_classes,
+      name=self.name,
+      sample_x=np.zeros((1,) + x.shape[1:], x.dtype),
+      eval_only=self.eval_only,
+    )
 
   def check_clients(self, idx) -> None:
     idx = np.asarray(idx)
     bad = idx[(idx < 0) | (idx >= self.num_clients)]
     if bad.size:
       where = self.folder or 'the in-memory store'
-      raise DataError(f'{where}: client {int(bad[0])} is not in the store '
-                      f'({self.num_clients:,} clients, 0..{self.num_clients - 1})')
+      raise DataError(
+        f'{where}: client {int(bad[0])} is not in the store '
+        f'({self.num_clients:,} clients, 0..{self.num_clients - 1})'
+      )
 
-  def _cohort(self, split: str, idx, length: int, cap: Optional[int], clip: bool):
+  def _cohort(
+    self, split: str, idx, length: int, cap: Optional[int], clip: bool
+  ):
     """What ``gather`` and ``gather_packed`` read: the split's arrays, the
     clients' counts (capped at ``cap`` on the training split and at
     ``length``; 0 past the last client with ``clip``), where their examples
@@ -276,15 +334,23 @@ class PopulationStore:
       idx = np.where(empty, 0, idx)
     self.check_clients(idx)
     x, y, _ = self.arrays[split]
-    n = self.counts[split][idx]  # the gathered clients' counts alone (not all N capped)
+    n = self.counts[split][
+      idx
+    ]  # the gathered clients' counts alone (not all N capped)
     if cap is not None and split == 'train':
       n = np.minimum(n, cap)
     n = np.where(empty, 0, np.minimum(n, length)).astype(np.int32)
     ydtype = np.int32 if np.issubdtype(y.dtype, np.integer) else y.dtype
     return x, y, n, self.offsets[split][idx], ydtype
 
-  def gather(self, split: str, idx, length: int, cap: Optional[int] = None,
-             clip: bool = False) -> ClientData:
+  def gather(
+    self,
+    split: str,
+    idx,
+    length: int,
+    cap: Optional[int] = None,
+    clip: bool = False,
+  ) -> ClientData:
     """Clients ``idx``'s ``split`` padded to ``length`` rows (host numpy).
 
     A client keeps its first ``min(n, cap, length)`` examples (``cap``
@@ -297,15 +363,23 @@ class PopulationStore:
     xp = aligned_empty((len(n), length) + x.shape[1:], x.dtype)
     yp = aligned_empty((len(n), length) + y.shape[1:], ydtype)
     for j, (s, k) in enumerate(zip(starts, n)):
-      if k:  # nothing read for an empty client (or a split gathered at length 0)
-        xp[j, :k] = x[s:s + k]
-        yp[j, :k] = y[s:s + k]
+      if (
+        k
+      ):  # nothing read for an empty client (or a split gathered at length 0)
+        xp[j, :k] = x[s : s + k]
+        yp[j, :k] = y[s : s + k]
       xp[j, k:] = 0
       yp[j, k:] = 0
     return ClientData(x=xp, y=yp, num_examples=n)
 
-  def gather_packed(self, split: str, idx, length: int, cap: Optional[int] = None,
-                    smallest: int = 32) -> PackedClientData:
+  def gather_packed(
+    self,
+    split: str,
+    idx,
+    length: int,
+    cap: Optional[int] = None,
+    smallest: int = 32,
+  ) -> PackedClientData:
     """Clients ``idx``'s ``split`` packed back to back (host numpy): as
     ``gather(..., clip=True)`` gives them, without the padding. The
     ``length`` rows after the last client are zeros (the last windows read
@@ -314,15 +388,21 @@ class PopulationStore:
     x, y, n, starts, ydtype = self._cohort(split, idx, length, cap, clip=True)
     offsets = np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int32)
     total = int(n.sum())
-    capacity = int(next_power_of_two(max(smallest, total + length))) if length else 0
+    capacity = (
+      int(next_power_of_two(max(smallest, total + length))) if length else 0
+    )
     xp = aligned_empty((capacity,) + x.shape[1:], x.dtype)
     yp = aligned_empty((capacity,) + y.shape[1:], ydtype)
-    xp[total:total + length] = 0  # what the last windows read past the examples; rows after
-    yp[total:total + length] = 0  # them are never read (left as they are)
+    xp[total : total + length] = (
+      0  # what the last windows read past the examples; rows after
+    )
+    yp[total : total + length] = 0  # them are never read (left as they are)
     for s, o, k in zip(starts, offsets, n):
-      xp[o:o + k] = x[s:s + k]
-      yp[o:o + k] = y[s:s + k]
-    return PackedClientData(x=xp, y=yp, num_examples=n, offsets=offsets, length=int(length))
+      xp[o : o + k] = x[s : s + k]
+      yp[o : o + k] = y[s : s + k]
+    return PackedClientData(
+      x=xp, y=yp, num_examples=n, offsets=offsets, length=int(length)
+    )
 
   def padded(self, cap: Optional[int] = None) -> FederatedData:
     """The whole population padded to its largest client (the device
@@ -332,8 +412,13 @@ class PopulationStore:
     for s in SPLITS:
       length = int(self.counts_capped(s, cap).max(initial=0))
       out[s] = self.gather(s, every, length, cap)
-    return FederatedData(**out, groups=self.groups, num_classes=self.num_classes, name=self.name,
-                         eval_only=self.eval_only)
+    return FederatedData(
+      **out,
+      groups=self.groups,
+      num_classes=self.num_classes,
+      name=self.name,
+      eval_only=self.eval_only,
+    )
 
   def padded_nbytes(self, cap: Optional[int] = None) -> int:
     """Bytes of ``padded(cap)``: what the device layout would hold."""
@@ -341,15 +426,22 @@ class PopulationStore:
     for s in SPLITS:
       x, y, _ = self.arrays[s]
       length = int(self.counts_capped(s, cap).max(initial=0))
-      row = (int(np.prod(x.shape[1:])) * x.dtype.itemsize
-             + int(np.prod(y.shape[1:])) * max(y.dtype.itemsize, 4))
+      row = int(np.prod(x.shape[1:])) * x.dtype.itemsize + int(
+        np.prod(y.shape[1:])
+      ) * max(y.dtype.itemsize, 4)
       total += self.num_clients * length * row
     return total
 
   @staticmethod
-  def from_clients(splits: dict, groups, num_classes: int, name: str, x_spec: tuple,
-                   y_shape: tuple = (), client_ids: Optional[List[str]] = None
-                   ) -> 'PopulationStore':
+  def from_clients(
+    splits: dict,
+    groups,
+    num_classes: int,
+    name: str,
+    x_spec: tuple,
+    y_shape: tuple = (),
+    client_ids: Optional[List[str]] = None,
+  ) -> 'PopulationStore':
     """An in-memory store of per-client examples, unpadded: ``splits`` is
     ``{split: ([x_i], [y_i])}`` (``core.data.client_splits``); x is kept in
     ``x_spec``'s (shape, dtype), y as int32; ``client_ids`` their ids (None:
@@ -361,17 +453,30 @@ class PopulationStore:
     for s in SPLITS:
       xs, ys = splits[s]
       n = np.asarray([len(a) for a in xs], np.int32)
-      xa = (np.concatenate([np.asarray(a, x_dtype) for a in xs]) if n.sum()
-            else np.zeros((0,) + tuple(x_shape), x_dtype))
-      ya = (np.concatenate([np.asarray(a, np.int32) for a in ys]) if n.sum()
-            else np.zeros((0,) + tuple(y_shape), np.int32))
+      xa = (
+        np.concatenate([np.asarray(a, x_dtype) for a in xs])
+        if n.sum()
+        else np.zeros((0,) + tuple(x_shape), x_dtype)
+      )
+      ya = (
+        np.concatenate([np.asarray(a, np.int32) for a in ys])
+        if n.sum()
+        else np.zeros((0,) + tuple(y_shape), np.int32)
+      )
       arrays[s] = (xa, ya, n)
       for a in (xa, ya, n):
         h.update(np.ascontiguousarray(a).tobytes())
-    manifest = {'format': FORMAT, 'name': name, 'num_classes': int(num_classes),
-                'identity': {}, 'digest': h.hexdigest()[:16], 'eval_only': 0}
-    return PopulationStore(arrays, np.asarray(groups, np.int32), manifest,
-                           client_ids=client_ids)
+    manifest = {
+      'format': FORMAT,
+      'name': name,
+      'num_classes': int(num_classes),
+      'identity': {},
+      'digest': h.hexdigest()[:16],
+      'eval_only': 0,
+    }
+    return PopulationStore(
+      arrays, np.asarray(groups, np.int32), manifest, client_ids=client_ids
+    )
 
   @staticmethod
   def from_federated(data: FederatedData) -> 'PopulationStore':
@@ -388,6 +493,12 @@ class PopulationStore:
       arrays[s] = (xs, ys, n)
       for a in (xs, ys, n):
         h.update(np.ascontiguousarray(a).tobytes())
-    manifest = {'format': FORMAT, 'name': data.name, 'num_classes': int(data.num_classes),
-                'identity': {}, 'digest': h.hexdigest()[:16], 'eval_only': int(data.eval_only)}
+    manifest = {
+      'format': FORMAT,
+      'name': data.name,
+      'num_classes': int(data.num_classes),
+      'identity': {},
+      'digest': h.hexdigest()[:16],
+      'eval_only': int(data.eval_only),
+    }
     return PopulationStore(arrays, np.asarray(data.groups), manifest)

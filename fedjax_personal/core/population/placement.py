@@ -32,14 +32,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_personal.core.data import ClientData, PackedClientData
-from fedjax_personal.core.population.clients import (SPLITS, PopulationStore, next_power_of_two,
-                                                     padded_length)
-from fedjax_personal.errors import ConfigError
 from fedjax_personal.core import aggregation, host
+from fedjax_personal.core.data import ClientData, PackedClientData
+from fedjax_personal.core.population.clients import (
+  SPLITS,
+  PopulationStore,
+  next_power_of_two,
+  padded_length,
+)
+from fedjax_personal.errors import ConfigError
 
-__all__ = ['blocks', 'choose', 'CohortFeed', 'DEVICE_DATA_SHARE', 'GB', 'host_available_bytes',
-           'HostData', 'join_blocks', 'LAYOUTS', 'ShapePlan']
+__all__ = [
+  'blocks',
+  'choose',
+  'CohortFeed',
+  'DEVICE_DATA_SHARE',
+  'GB',
+  'host_available_bytes',
+  'HostData',
+  'join_blocks',
+  'LAYOUTS',
+  'ShapePlan',
+]
 
 
 LAYOUTS = ('auto', 'device', 'host')
@@ -61,6 +75,7 @@ class HostData:
     rows_folder: where algorithms keep their client rows in files (each
       state its own folder; ``core/population/rows_in_files.py``); None: in host memory.
   """
+
   store: PopulationStore
   cap: Optional[int] = None
   block: int = 256
@@ -108,15 +123,20 @@ class HostData:
   def gather(self, split: str, idx, length: Optional[int] = None) -> ClientData:
     """Clients ``idx`` (host ints; past the last: empty) padded, on the device."""
     length = self.length(split, idx) if length is None else length
-    return jax.device_put(self.store.gather(split, idx, length, self.cap, clip=True))
+    return jax.device_put(
+      self.store.gather(split, idx, length, self.cap, clip=True)
+    )
 
   def gather_packed(self, split: str, idx, at_least=(0, 0)) -> PackedClientData:
     """Clients ``idx`` packed back to back (``PackedClientData``), on the
     device: a round's cohort, whose real examples alone are copied; at least
     ``at_least = (rows, window)`` (shapes an earlier cohort compiled)."""
     length = max(self.length(split, idx), at_least[1])
-    return jax.device_put(self.store.gather_packed(split, idx, length, self.cap,
-                                                   max(self.smallest, at_least[0])))
+    return jax.device_put(
+      self.store.gather_packed(
+        split, idx, length, self.cap, max(self.smallest, at_least[0])
+      )
+    )
 
 
 #: ``ShapePlan``: the smaller row bucket holds this quantile of the totals
@@ -144,18 +164,23 @@ class ShapePlan:
     windows: {split: window} (0: the split is empty everywhere).
     rows: {split: ascending row buckets}.
   """
+
   windows: dict
   rows: dict
 
   @classmethod
-  def for_cohorts(cls, host: 'HostData', cohort_size: int, seed: int = 0) -> 'ShapePlan':
+  def for_cohorts(
+    cls, host: 'HostData', cohort_size: int, seed: int = 0
+  ) -> 'ShapePlan':
     """The plan of cohorts of ``cohort_size`` drawn from ``host``'s
     clients that train."""
     windows: Dict[str, int] = {}
     rows: Dict[str, Tuple[int, ...]] = {}
     rng = np.random.default_rng(seed)
     trained = max(1, host.num_trained)
-    draws = rng.integers(0, trained, (PLAN_DRAWS, max(1, min(cohort_size, trained))))
+    draws = rng.integers(
+      0, trained, (PLAN_DRAWS, max(1, min(cohort_size, trained)))
+    )
     for split in ('train', 'val'):
       counts = np.asarray(host.counts(split))[:trained]
       window = host.length(split, np.arange(host.num_clients))
@@ -165,7 +190,9 @@ class ShapePlan:
         continue
       top = int(np.sort(counts)[::-1][:cohort_size].sum())
       likely = int(np.quantile(counts[draws].sum(1), PLAN_QUANTILE))
-      bucket = lambda total: int(next_power_of_two(max(host.smallest, total + window)))
+      bucket = lambda total: int(
+        next_power_of_two(max(host.smallest, total + window))
+      )
       rows[split] = tuple(sorted({bucket(min(likely, top)), bucket(top)}))
     return cls(windows, rows)
 
@@ -175,7 +202,9 @@ class ShapePlan:
     window = self.windows[split]
     if window == 0:
       return 0, 0
-    rows = next((r for r in self.rows[split] if r >= total + window), self.rows[split][-1])
+    rows = next(
+      (r for r in self.rows[split] if r >= total + window), self.rows[split][-1]
+    )
     return rows, window
 
   @property
@@ -184,8 +213,11 @@ class ShapePlan:
     return int(np.prod([len(r) for r in self.rows.values()]))
 
   def describe(self) -> str:
-    parts = [f'{s} {"/".join(f"{r:,}" for r in self.rows[s])} rows x window {self.windows[s]:,}'
-             for s in ('train', 'val') if self.windows[s]]
+    parts = [
+      f'{s} {"/".join(f"{r:,}" for r in self.rows[s])} rows x window {self.windows[s]:,}'
+      for s in ('train', 'val')
+      if self.windows[s]
+    ]
     return f'at most {self.count} packed cohort shape(s): ' + '; '.join(parts)
 
 
@@ -210,9 +242,14 @@ class CohortFeed:
 
   def __init__(self, host: HostData, sample, plan: Optional[ShapePlan] = None):
     self.host, self.sample, self.plan = host, sample, plan
-    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='cohort-feed')
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+      1, thread_name_prefix='cohort-feed'
+    )
     self._pending: Dict[Any, concurrent.futures.Future] = {}
-    self._last: tuple = (None, None)  # the last cohort handed out, for runs of the same key
+    self._last: tuple = (
+      None,
+      None,
+    )  # the last cohort handed out, for runs of the same key
     self._least: Dict[Any, Any] = {}
     self.shapes: List[tuple] = []
     self.gathers = 0
@@ -227,7 +264,9 @@ class CohortFeed:
     for split in ('train', 'val'):
       if self.plan is not None:
         real = idx[idx < self.host.num_clients]
-        least = self.plan.at_least(split, int(np.asarray(self.host.counts(split))[real].sum()))
+        least = self.plan.at_least(
+          split, int(np.asarray(self.host.counts(split))[real].sum())
+        )
       else:
         least = self._least.get(split, (0, 0))
       data = self.host.gather_packed(split, idx, least)
@@ -243,7 +282,9 @@ class CohortFeed:
     """Starts preparing round ``round_num`` (its key ``key``)."""
     k = self._key_id(key, round_num)
     if k not in self._pending and k != self._last[0]:
-      self._pending = {p: v for p, v in self._pending.items() if p[0] >= round_num - 1}
+      self._pending = {
+        p: v for p, v in self._pending.items() if p[0] >= round_num - 1
+      }
       self._pending[k] = self._pool.submit(self._prepare, key, round_num)
 
   def get(self, key, round_num: int):
@@ -255,10 +296,15 @@ class CohortFeed:
       out = self._last[1]
     else:
       pending = self._pending.pop(k, None)
-      self._last = (None, None)  # the previous cohort is freed before this one is made
+      self._last = (
+        None,
+        None,
+      )  # the previous cohort is freed before this one is made
       # Made on the feed's thread, one gather at a time (a shared feed's
       # prefetches run beside the rounds).
-      out = (pending or self._pool.submit(self._prepare, key, round_num)).result()
+      out = (
+        pending or self._pool.submit(self._prepare, key, round_num)
+      ).result()
       self._last = (k, out)
     shape = (out[1].x.shape[0], out[1].length, out[2].x.shape[0], out[2].length)
     if shape not in self.shapes:
@@ -280,7 +326,7 @@ def blocks(clients: np.ndarray, block: int):
   """
   size = max(1, min(block, len(clients)))
   for start in range(0, len(clients), size):
-    part = clients[start:start + size]
+    part = clients[start : start + size]
     valid = np.arange(size) < len(part)
     yield np.resize(part, size) if len(part) < size else part, valid
 
@@ -301,8 +347,13 @@ def join_blocks(parts):
 
   def join(*ns):
     if aggregation.is_sum(ns[0]):
-      return aggregation.Sum(jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns]))
-    return jax.tree.map(lambda *xs: jnp.concatenate([x[k] for x, k in zip(xs, keep)]), *ns)
+      return aggregation.Sum(
+        jax.tree.map(lambda *v: sum(v[1:], v[0]), *[n.value for n in ns])
+      )
+    return jax.tree.map(
+      lambda *xs: jnp.concatenate([x[k] for x, k in zip(xs, keep)]), *ns
+    )
+
   return jax.tree.unflatten(treedef, [join(*ns) for ns in zip(*nodes)])
 
 
@@ -316,8 +367,11 @@ def host_available_bytes() -> Optional[int]:
   Returns:
     Bytes, or None where unknown.
   """
-  known = [v for v in (_meminfo('MemAvailable'), _address_space_left(), _cgroup_left())
-           if v is not None]
+  known = [
+    v
+    for v in (_meminfo('MemAvailable'), _address_space_left(), _cgroup_left())
+    if v is not None
+  ]
   return max(0, min(known)) if known else None
 
 
@@ -342,6 +396,7 @@ def _address_space_left() -> Optional[int]:
 
 def _cgroup_left(root: str = '/sys/fs/cgroup') -> Optional[int]:
   """The memory limit of this process's cgroup less its use (None: no limit)."""
+
   def read(path):
     try:
       with open(path) as f:
@@ -349,6 +404,7 @@ def _cgroup_left(root: str = '/sys/fs/cgroup') -> Optional[int]:
     except OSError:
       return None
     return None if text in ('', 'max') or not text.isdigit() else int(text)
+
   try:
     with open('/proc/self/cgroup') as f:
       lines = f.read().splitlines()
@@ -361,7 +417,10 @@ def _cgroup_left(root: str = '/sys/fs/cgroup') -> Optional[int]:
       limit, used = read(base + '/memory.max'), read(base + '/memory.current')
     elif 'memory' in controllers.split(','):  # cgroup v1
       base = root + '/memory' + path.rstrip('/')
-      limit, used = read(base + '/memory.limit_in_bytes'), read(base + '/memory.usage_in_bytes')
+      limit, used = (
+        read(base + '/memory.limit_in_bytes'),
+        read(base + '/memory.usage_in_bytes'),
+      )
       if limit is not None and limit >= 1 << 60:  # v1's "no limit"
         limit = None
     else:
@@ -371,8 +430,13 @@ def _cgroup_left(root: str = '/sys/fs/cgroup') -> Optional[int]:
   return None
 
 
-def choose(requested: str, padded_bytes: int, free_bytes: Optional[int],
-           widest: int, cap: Optional[int]):
+def choose(
+  requested: str,
+  padded_bytes: int,
+  free_bytes: Optional[int],
+  widest: int,
+  cap: Optional[int],
+):
   """(layout, reason) for ``--layout=requested``.
 
   ``auto``: ``device`` when the padded population takes at most
@@ -393,20 +457,33 @@ def choose(requested: str, padded_bytes: int, free_bytes: Optional[int],
       population that cannot fit (naming the widest client and the cap).
   """
   if requested not in LAYOUTS:
-    raise ConfigError('layout', f'unknown layout {requested!r}; choose one of {list(LAYOUTS)}')
-  need = f'padded to its widest client ({widest:,} examples' + (
-      f', capped at {cap:,})' if cap else ')') + f' the population needs {padded_bytes / GB:.2f} GB'
-  free = 'unknown free memory' if free_bytes is None else f'{free_bytes / GB:.1f} GB free'
+    raise ConfigError(
+      'layout', f'unknown layout {requested!r}; choose one of {list(LAYOUTS)}'
+    )
+  need = (
+    f'padded to its widest client ({widest:,} examples'
+    + (f', capped at {cap:,})' if cap else ')')
+    + f' the population needs {padded_bytes / GB:.2f} GB'
+  )
+  free = (
+    'unknown free memory'
+    if free_bytes is None
+    else f'{free_bytes / GB:.1f} GB free'
+  )
   fits = free_bytes is None or padded_bytes <= DEVICE_DATA_SHARE * free_bytes
   if requested == 'device':
     if free_bytes is not None and padded_bytes > free_bytes:
-      raise ConfigError('layout', f"'device': {need}, {free}; cap each client's examples "
-                        "(max_client_examples=N; TFF caps at 1000) or take the layout 'host'")
+      raise ConfigError(
+        'layout',
+        f"'device': {need}, {free}; cap each client's examples "
+        "(max_client_examples=N; TFF caps at 1000) or take the layout 'host'",
+      )
     return 'device', f'asked for; {need}, {free}'
   if requested == 'host':
     return 'host', f'asked for; {need}, {free}'
   if fits:
     return 'device', f'auto: {need}, {free}'
-  return 'host', (f'auto: {need}, more than {DEVICE_DATA_SHARE:.0%} of the {free}; '
-                  'each round gathers its cohort')
-
+  return 'host', (
+    f'auto: {need}, more than {DEVICE_DATA_SHARE:.0%} of the {free}; '
+    'each round gathers its cohort'
+  )

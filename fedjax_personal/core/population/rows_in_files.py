@@ -27,8 +27,12 @@ from typing import List, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from fedjax_personal.core.population.rows_in_memory import HostedState, cpu_device, state_without_rows
 
+from fedjax_personal.core.population.rows_in_memory import (
+  HostedState,
+  cpu_device,
+  state_without_rows,
+)
 
 __all__ = ['disk_bytes', 'DiskRows', 'init_on_disk', 'RowMaker']
 
@@ -53,6 +57,7 @@ class RowMaker:
 
     def rows_at(k, idx, leaf):
       return jax.tree.leaves(client_rows.get(init(k)))[leaf][idx]
+
     self._fn = jax.jit(rows_at, static_argnums=2)
 
   @property
@@ -62,11 +67,17 @@ class RowMaker:
 
   def rekey(self, key_data: List[int]) -> None:
     """Makes rows from the key whose data is ``key_data`` (a checkpoint's)."""
-    data = np.asarray(key_data, np.uint32).reshape(jax.random.key_data(self._key).shape)
-    key = jax.random.wrap_key_data(jnp.asarray(data), impl=jax.random.key_impl(self._key))
+    data = np.asarray(key_data, np.uint32).reshape(
+      jax.random.key_data(self._key).shape
+    )
+    key = jax.random.wrap_key_data(
+      jnp.asarray(data), impl=jax.random.key_impl(self._key)
+    )
     self._key = jax.device_put(key, self._cpu)
 
-  def __call__(self, idx: np.ndarray, leaf: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+  def __call__(
+    self, idx: np.ndarray, leaf: int, out: Optional[np.ndarray] = None
+  ) -> np.ndarray:
     """The initial rows of clients ``idx`` of one leaf (its place in
     ``jax.tree.leaves`` of the client rows), written into ``out`` ([len(idx),
     ...]; None: a new array) ``MADE_PER_CALL`` clients a call (one compiled
@@ -74,15 +85,19 @@ class RowMaker:
     second copy of them; returns ``out``."""
     idx = np.asarray(idx, np.int64)
     if out is None:
-      shape = jax.eval_shape(self._fn, self._key, idx[:1].astype(np.int32), leaf)
+      shape = jax.eval_shape(
+        self._fn, self._key, idx[:1].astype(np.int32), leaf
+      )
       out = np.empty((len(idx),) + shape.shape[1:], shape.dtype)
     for start in range(0, len(idx), MADE_PER_CALL):
-      part = idx[start:start + MADE_PER_CALL]
-      padded = np.concatenate([part, np.repeat(part[:1], MADE_PER_CALL - len(part))])
+      part = idx[start : start + MADE_PER_CALL]
+      padded = np.concatenate(
+        [part, np.repeat(part[:1], MADE_PER_CALL - len(part))]
+      )
       padded = padded.astype(np.int32)
       with jax.default_device(self._cpu):
         made = self._fn(self._key, padded, leaf)
-      out[start:start + len(part)] = np.asarray(made)[:len(part)]
+      out[start : start + len(part)] = np.asarray(made)[: len(part)]
       del made
     return out
 
@@ -100,9 +115,13 @@ class DiskRows:
     self.path, self.shape, self.dtype = str(path), tuple(shape), np.dtype(dtype)
     self.maker, self.leaf = maker, leaf
     self.row_shape = self.shape[1:]
-    self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+    self.row_bytes = (
+      int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+    )
     self.made = np.zeros(self.shape[0], bool)
-    self.dirty = np.zeros(self.shape[0], bool)  # written since the last checkpoint
+    self.dirty = np.zeros(
+      self.shape[0], bool
+    )  # written since the last checkpoint
     self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
       os.ftruncate(self._fd, self.shape[0] * self.row_bytes)
@@ -149,15 +168,18 @@ class DiskRows:
     for j in np.flatnonzero(written):
       data = os.pread(self._fd, self.row_bytes, int(idx[j]) * self.row_bytes)
       if len(data) != self.row_bytes:
-        raise OSError(f'{self.path}: row {int(idx[j])} is cut short ({len(data)} of '
-                      f'{self.row_bytes} bytes)')
+        raise OSError(
+          f'{self.path}: row {int(idx[j])} is cut short ({len(data)} of '
+          f'{self.row_bytes} bytes)'
+        )
       out[j] = np.frombuffer(data, self.dtype).reshape(self.row_shape)
     return out
 
   def __setitem__(self, idx, values) -> None:
     idx = np.asarray(idx, np.int64).reshape(-1)
-    values = np.ascontiguousarray(np.asarray(values, self.dtype).reshape(
-        (len(idx),) + self.row_shape))
+    values = np.ascontiguousarray(
+      np.asarray(values, self.dtype).reshape((len(idx),) + self.row_shape)
+    )
     for j, i in enumerate(idx):
       try:
         os.pwrite(self._fd, values[j].tobytes(), int(i) * self.row_bytes)
@@ -167,8 +189,10 @@ class DiskRows:
     self.dirty[idx] = True
 
   def __array__(self, dtype=None, copy=None):
-    raise TypeError(f'{self.path}: client rows on disk are read by index (rows[idx]), not '
-                    'whole')
+    raise TypeError(
+      f'{self.path}: client rows on disk are read by index (rows[idx]), not '
+      'whole'
+    )
 
   def __del__(self):
     try:
@@ -196,10 +220,18 @@ def init_on_disk(init, client_rows, key, folder):
   shapes = client_rows.get(jax.eval_shape(init, key))
   maker = RowMaker(init, client_rows, key)
   leaves, treedef = jax.tree.flatten(shapes)
-  rows = jax.tree.unflatten(treedef, [
-      DiskRows(os.path.join(folder, f'leaf_{i}.rows'), a.shape, a.dtype, maker, i)
-      for i, a in enumerate(leaves)])
-  return HostedState(state_without_rows(init, client_rows, key), rows, client_rows)
+  rows = jax.tree.unflatten(
+    treedef,
+    [
+      DiskRows(
+        os.path.join(folder, f'leaf_{i}.rows'), a.shape, a.dtype, maker, i
+      )
+      for i, a in enumerate(leaves)
+    ],
+  )
+  return HostedState(
+    state_without_rows(init, client_rows, key), rows, client_rows
+  )
 
 
 def disk_bytes(rows) -> int:
@@ -211,4 +243,6 @@ def disk_bytes(rows) -> int:
   Returns:
     Bytes.
   """
-  return sum(a.disk_bytes() for a in jax.tree.leaves(rows) if isinstance(a, DiskRows))
+  return sum(
+    a.disk_bytes() for a in jax.tree.leaves(rows) if isinstance(a, DiskRows)
+  )

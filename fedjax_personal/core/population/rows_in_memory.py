@@ -11,15 +11,24 @@ import gc
 import mmap
 from typing import Any, Optional
 
-from flax import struct
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-
-__all__ = ['cpu_device', 'empty_rows', 'gather_rows', 'hosted', 'HostedState', 'init_hosted',
-           'ROW_BLOCK_BYTES', 'rows_on_cpu', 'rows_per_block', 'scatter_rows', 'state_without_rows']
+__all__ = [
+  'cpu_device',
+  'empty_rows',
+  'gather_rows',
+  'hosted',
+  'HostedState',
+  'init_hosted',
+  'ROW_BLOCK_BYTES',
+  'rows_on_cpu',
+  'rows_per_block',
+  'scatter_rows',
+  'state_without_rows',
+]
 
 
 @struct.dataclass
@@ -34,6 +43,7 @@ class HostedState:
       passes to a round, as with donation on the device).
     client_rows: the algorithm's ``ClientRows`` (static).
   """
+
   inner: Any
   rows: Any
   client_rows: Any = struct.field(pytree_node=False, default=None)
@@ -56,8 +66,11 @@ class HostedState:
         if isinstance(a, jax.Array):
           a.delete()
       return moved[id(a)]
+
     rows = jax.tree.map(move, client_rows.get(whole))
-    return HostedState(client_rows.put(whole, empty_rows(rows)), rows, client_rows)
+    return HostedState(
+      client_rows.put(whole, empty_rows(rows)), rows, client_rows
+    )
 
 
 def cpu_device():
@@ -87,8 +100,10 @@ def rows_per_block(rows, most: int, block_bytes: Optional[int] = None) -> int:
     Clients per block.
   """
   block_bytes = ROW_BLOCK_BYTES if block_bytes is None else block_bytes
-  per_row = sum(int(np.prod(a.shape[1:])) * np.dtype(a.dtype).itemsize
-                for a in jax.tree.leaves(rows))
+  per_row = sum(
+    int(np.prod(a.shape[1:])) * np.dtype(a.dtype).itemsize
+    for a in jax.tree.leaves(rows)
+  )
   return int(max(1, min(most, block_bytes // max(per_row, 1))))
 
 
@@ -105,15 +120,19 @@ def state_without_rows(init, client_rows, key):
   Returns:
     The state with empty rows.
   """
+
   def without_rows(k):
     state = init(k)
     return client_rows.put(state, empty_rows(client_rows.get(state)))
+
   with jax.default_device(cpu_device()):
     inner = jax.jit(without_rows)(jax.device_put(key, cpu_device()))
   return jax.device_put(inner, jax.devices()[0])
 
 
-def init_hosted(init, client_rows, key, block_bytes: Optional[int] = None) -> HostedState:
+def init_hosted(
+  init, client_rows, key, block_bytes: Optional[int] = None
+) -> HostedState:
   """The state ``init(key)`` makes, as a ``HostedState``: its client rows
   computed on the CPU backend a block of clients at a time (one compiled
   slice of the rows, ``block_bytes`` at most, default ROW_BLOCK_BYTES) and
@@ -137,16 +156,22 @@ def init_hosted(init, client_rows, key, block_bytes: Optional[int] = None) -> Ho
   b = rows_per_block(shapes, n, block_bytes)
 
   def rows_block(k, lo):
-    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, lo, b),
-                        client_rows.get(init(k)))
+    return jax.tree.map(
+      lambda a: jax.lax.dynamic_slice_in_dim(a, lo, b), client_rows.get(init(k))
+    )
+
   with jax.default_device(cpu):
     rows = jax.tree.map(lambda a: np.empty(a.shape, a.dtype), shapes)
     block = jax.jit(rows_block)
     for lo in range(0, n, b):
       lo = min(lo, n - b)  # the last block overlaps the one before: one shape
-      for dst, src in zip(jax.tree.leaves(rows), jax.tree.leaves(block(key, lo))):
-        dst[lo:lo + b] = np.asarray(src)
-  return HostedState(state_without_rows(init, client_rows, key), rows, client_rows)
+      for dst, src in zip(
+        jax.tree.leaves(rows), jax.tree.leaves(block(key, lo))
+      ):
+        dst[lo : lo + b] = np.asarray(src)
+  return HostedState(
+    state_without_rows(init, client_rows, key), rows, client_rows
+  )
 
 
 def hosted(whole, client_rows) -> HostedState:
@@ -161,7 +186,9 @@ def hosted(whole, client_rows) -> HostedState:
     The ``HostedState``.
   """
   state = HostedState.split(whole, client_rows)
-  return dataclasses.replace(state, inner=jax.device_put(state.inner, jax.devices()[0]))
+  return dataclasses.replace(
+    state, inner=jax.device_put(state.inner, jax.devices()[0])
+  )
 
 
 def rows_on_cpu(abstract, client_rows):
@@ -176,8 +203,10 @@ def rows_on_cpu(abstract, client_rows):
     The abstract state, its rows placed on the CPU.
   """
   cpu = jax.sharding.SingleDeviceSharding(cpu_device())
-  rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu),
-                      client_rows.get(abstract))
+  rows = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu),
+    client_rows.get(abstract),
+  )
   return client_rows.put(abstract, rows)
 
 
@@ -190,7 +219,9 @@ def empty_rows(rows):
   Returns:
     Rows of 0 clients.
   """
-  return jax.tree.map(lambda a: jnp.zeros((0,) + tuple(a.shape[1:]), a.dtype), rows)
+  return jax.tree.map(
+    lambda a: jnp.zeros((0,) + tuple(a.shape[1:]), a.dtype), rows
+  )
 
 
 def gather_rows(rows, idx: np.ndarray):
@@ -208,8 +239,13 @@ def gather_rows(rows, idx: np.ndarray):
   safe = np.minimum(np.asarray(idx), n - 1)
   leaves, treedef = jax.tree.flatten(rows)
   shapes = [(len(safe),) + tuple(a.shape[1:]) for a in leaves]
-  most = max([int(np.prod(s)) * np.dtype(a.dtype).itemsize for s, a in zip(shapes, leaves)],
-             default=0)
+  most = max(
+    [
+      int(np.prod(s)) * np.dtype(a.dtype).itemsize
+      for s, a in zip(shapes, leaves)
+    ],
+    default=0,
+  )
   scratch = _scratch(most)
   out = []
   for a, s in zip(leaves, shapes):
@@ -273,7 +309,9 @@ def _owned_copy(host: np.ndarray) -> jax.Array:
   return out.block_until_ready()
 
 
-def scatter_rows(rows, idx: np.ndarray, valid: np.ndarray, new, keep=()) -> None:
+def scatter_rows(
+  rows, idx: np.ndarray, valid: np.ndarray, new, keep=()
+) -> None:
   """``rows[idx[valid]] = new[valid]``, leaf by leaf, in place on the host:
   each new leaf is fetched, written and freed before the next (``new`` is
   consumed, but for the arrays ``keep`` holds: the rest of the state), so

@@ -40,12 +40,28 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from fedjax_personal.core.population.clients import FORMAT, SPLITS, PopulationStore
+from fedjax_personal.core.population.clients import (
+  FORMAT,
+  SPLITS,
+  PopulationStore,
+)
 from fedjax_personal.errors import DataError
 
-__all__ = ['BLOCK_BYTES', 'block_crcs', 'damaged', 'FileArray', 'IDS', 'is_store', 'MANIFEST',
-           'open_store', 'remove_leftovers', 'store_format', 'store_identity', 'StoreDamaged',
-           'StoreWriter']
+__all__ = [
+  'BLOCK_BYTES',
+  'block_crcs',
+  'damaged',
+  'FileArray',
+  'IDS',
+  'is_store',
+  'MANIFEST',
+  'open_store',
+  'remove_leftovers',
+  'store_format',
+  'store_identity',
+  'StoreDamaged',
+  'StoreWriter',
+]
 
 MANIFEST = 'manifest.json'
 IDS = 'client_ids.json'
@@ -64,7 +80,9 @@ class StoreDamaged(DataError):
   def then(self, next_command: str) -> 'StoreDamaged':
     """The same fault, its line ending with ``next_command`` instead of
     "run the same command again" (a run with checkpoints resumes)."""
-    return StoreDamaged(str(self).replace('run the same command again', next_command), self.what)
+    return StoreDamaged(
+      str(self).replace('run the same command again', next_command), self.what
+    )
 
 
 class _BlockChecksums:
@@ -127,7 +145,9 @@ def damaged(folder, what: str) -> StoreDamaged:
     after = 'removed it: run the same command again to rebuild it from its source files'
   except OSError:
     after = 'remove it and run the same command again to rebuild it'
-  return StoreDamaged(f'{folder}: a damaged population store ({what}); {after}', what)
+  return StoreDamaged(
+    f'{folder}: a damaged population store ({what}); {after}', what
+  )
 
 
 class FileArray:
@@ -138,8 +158,14 @@ class FileArray:
   for a cohort of 50 Stack Overflow-shaped clients, measured).
   """
 
-  def __init__(self, path, dtype, shape, crcs: Optional[Sequence[int]] = None,
-               block_bytes: int = BLOCK_BYTES):
+  def __init__(
+    self,
+    path,
+    dtype,
+    shape,
+    crcs: Optional[Sequence[int]] = None,
+    block_bytes: int = BLOCK_BYTES,
+  ):
     self.path, self.dtype, self.shape = str(path), np.dtype(dtype), tuple(shape)
     self._row = int(np.prod(self.shape[1:])) * self.dtype.itemsize
     self._fd = os.open(self.path, os.O_RDONLY)
@@ -157,8 +183,10 @@ class FileArray:
     for b in todo:
       data = os.pread(self._fd, self._block, int(b) * self._block)
       if zlib.crc32(data) != self._crcs[b]:
-        raise damaged(os.path.dirname(self.path),
-                      f'{os.path.basename(self.path)}: block {b} fails its checksum')
+        raise damaged(
+          os.path.dirname(self.path),
+          f'{os.path.basename(self.path)}: block {b} fails its checksum',
+        )
       self._checked[b] = True
 
   def verify(self) -> None:
@@ -180,14 +208,20 @@ class FileArray:
     self._check(start * self._row, (start + n) * self._row)
     buf = os.pread(self._fd, n * self._row, start * self._row) if n else b''
     if len(buf) != n * self._row:
-      raise DataError(f'{self.path}: {len(buf)} bytes read at row {start}, expected '
-                      f'{n * self._row}: the file was truncated')
+      raise DataError(
+        f'{self.path}: {len(buf)} bytes read at row {start}, expected '
+        f'{n * self._row}: the file was truncated'
+      )
     return np.frombuffer(buf, self.dtype).reshape((n,) + self.shape[1:])
 
   def __del__(self):
     try:
       os.close(self._fd)
-    except (OSError, AttributeError, TypeError):  # TypeError: os torn down at exit
+    except (
+      OSError,
+      AttributeError,
+      TypeError,
+    ):  # TypeError: os torn down at exit
       pass
 
 
@@ -224,7 +258,11 @@ def remove_leftovers(parent) -> List[str]:
   for path in parent.iterdir():
     tail = path.name.rpartition('.')[2]
     kind, _, pid = tail.partition('-')
-    if kind in ('partial', 'damaged', 'replaced') and pid.isdigit() and not _alive(int(pid)):
+    if (
+      kind in ('partial', 'damaged', 'replaced')
+      and pid.isdigit()
+      and not _alive(int(pid))
+    ):
       shutil.rmtree(path, ignore_errors=True)
       removed.append(path.name)
   return removed
@@ -245,7 +283,8 @@ class StoreWriter:
     self._before = _inode(self.folder)  # the store this one replaces, if any
     # One per writer, of this process (remove_leftovers reads the pid).
     self.partial = self.folder.with_name(
-        f'{self.folder.name}.{secrets.token_hex(4)}.partial-{os.getpid()}')
+      f'{self.folder.name}.{secrets.token_hex(4)}.partial-{os.getpid()}'
+    )
     remove_leftovers(self.folder.parent)
     if self.partial.exists():
       shutil.rmtree(self.partial)
@@ -277,17 +316,23 @@ class StoreWriter:
   def _flush(self, name: str) -> None:
     try:
       self._files[name].write(b''.join(self._buffers[name]))
-    except OSError as e:  # the cache's disk is full: name the folder that filled
+    except (
+      OSError
+    ) as e:  # the cache's disk is full: name the folder that filled
       raise OSError(e.errno, e.strerror, str(self.partial)) from None
     self._buffers[name], self._buffered[name] = [], 0
 
-  def add(self, train, val=None, test=None, group: int = -1, client_id=None) -> None:
+  def add(
+    self, train, val=None, test=None, group: int = -1, client_id=None
+  ) -> None:
     """Appends one client: (x, y) per split (None: no examples), its id
     (None: its index)."""
     if self.specs is None:
       x, y = train if train is not None and len(train[0]) else test
-      self.specs = {'x': (list(x.shape[1:]), np.dtype(x.dtype).str),
-                    'y': (list(y.shape[1:]), np.dtype(y.dtype).str)}
+      self.specs = {
+        'x': (list(x.shape[1:]), np.dtype(x.dtype).str),
+        'y': (list(y.shape[1:]), np.dtype(y.dtype).str),
+      }
     for s, part in zip(SPLITS, (train, val, test)):
       fx, fy, fc = _files(s)
       if part is None or len(part[0]) == 0:
@@ -297,15 +342,19 @@ class StoreWriter:
       for key, a in (('x', x), ('y', y)):
         shape, dtype = self.specs[key]
         if list(a.shape[1:]) != shape:
-          raise DataError(f'{self.folder}: client {len(self.groups)}: {key} of shape '
-                          f'{a.shape[1:]}, the store holds {tuple(shape)}')
+          raise DataError(
+            f'{self.folder}: client {len(self.groups)}: {key} of shape '
+            f'{a.shape[1:]}, the store holds {tuple(shape)}'
+          )
       self._put(fx, np.asarray(x, self.specs['x'][1]))
       self._put(fy, np.asarray(y, self.specs['y'][1]))
       self._put(fc, np.asarray([len(x)], np.int64))
     self.ids.append(str(len(self.groups) if client_id is None else client_id))
     self.groups.append(int(group))
 
-  def close(self, name: str, num_classes: int, eval_only: int = 0) -> 'PopulationStore':
+  def close(
+    self, name: str, num_classes: int, eval_only: int = 0
+  ) -> 'PopulationStore':
     """Completes the store, publishes the folder and opens it; the last
     ``eval_only`` clients are evaluated and never trained."""
     if self.specs is None:
@@ -330,13 +379,21 @@ class StoreWriter:
     self._hash.update(ids)
     (self.partial / IDS).write_bytes(ids)
     crcs[IDS] = block_crcs(ids)
-    manifest = {'format': FORMAT, 'name': name, 'num_classes': int(num_classes),
-                'num_clients': len(groups), 'eval_only': int(eval_only),
-                'identity': self.identity,
-                'x': self.specs['x'], 'y': self.specs['y'],
-                'digest': self._hash.hexdigest()[:16],
-                'blocks': {'bytes': BLOCK_BYTES, 'crc32': crcs}}
-    (self.partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    manifest = {
+      'format': FORMAT,
+      'name': name,
+      'num_classes': int(num_classes),
+      'num_clients': len(groups),
+      'eval_only': int(eval_only),
+      'identity': self.identity,
+      'x': self.specs['x'],
+      'y': self.specs['y'],
+      'digest': self._hash.hexdigest()[:16],
+      'blocks': {'bytes': BLOCK_BYTES, 'crc32': crcs},
+    }
+    (self.partial / MANIFEST).write_text(
+      json.dumps(manifest, indent=1, sort_keys=True)
+    )
     return self._publish(manifest['digest'])
 
   def _publish(self, digest: str) -> 'PopulationStore':
@@ -354,11 +411,16 @@ class StoreWriter:
           theirs = json.loads((self.folder / MANIFEST).read_text())
         except (OSError, ValueError):
           theirs = {}
-        if (theirs.get('digest') == digest and theirs.get('format') == FORMAT
-            and theirs.get('identity') == self.identity):
+        if (
+          theirs.get('digest') == digest
+          and theirs.get('format') == FORMAT
+          and theirs.get('identity') == self.identity
+        ):
           shutil.rmtree(self.partial, ignore_errors=True)
           return open_store(self.folder, identity=self.identity)
-      aside = self.folder.with_name(f'{self.folder.name}.replaced-{os.getpid()}')
+      aside = self.folder.with_name(
+        f'{self.folder.name}.replaced-{os.getpid()}'
+      )
       try:
         os.replace(self.folder, aside)
       except FileNotFoundError:
@@ -372,8 +434,10 @@ class StoreWriter:
       finally:
         shutil.rmtree(aside, ignore_errors=True)
       return open_store(self.folder, identity=self.identity)
-    raise DataError(f'{self.folder}: other processes keep replacing this store; run one at a '
-                    'time')
+    raise DataError(
+      f'{self.folder}: other processes keep replacing this store; run one at a '
+      'time'
+    )
 
   def abort(self) -> None:
     for f in self._files.values():
@@ -417,7 +481,9 @@ def store_format(folder) -> Optional[str]:
     The format's name, or None.
   """
   try:
-    return json.loads((pathlib.Path(folder) / MANIFEST).read_text()).get('format')
+    return json.loads((pathlib.Path(folder) / MANIFEST).read_text()).get(
+      'format'
+    )
   except (OSError, ValueError, AttributeError):
     return None
 
@@ -432,12 +498,17 @@ def store_identity(folder) -> dict:
     The identity dict.
   """
   try:
-    return dict(json.loads((pathlib.Path(folder) / MANIFEST).read_text()).get('identity') or {})
+    return dict(
+      json.loads((pathlib.Path(folder) / MANIFEST).read_text()).get('identity')
+      or {}
+    )
   except (OSError, ValueError, AttributeError, TypeError):
     return {}
 
 
-def _checked_file(folder: pathlib.Path, name: str, crcs, block_bytes: int) -> bytes:
+def _checked_file(
+  folder: pathlib.Path, name: str, crcs, block_bytes: int
+) -> bytes:
   """A small store file read whole and checked against its CRC32s."""
   data = (folder / name).read_bytes()
   if block_crcs(data, block_bytes) != list(crcs):
@@ -445,8 +516,12 @@ def _checked_file(folder: pathlib.Path, name: str, crcs, block_bytes: int) -> by
   return data
 
 
-def open_store(folder, identity: Optional[dict] = None,
-               compare: Optional[Sequence[str]] = None, verify: bool = False) -> PopulationStore:
+def open_store(
+  folder,
+  identity: Optional[dict] = None,
+  compare: Optional[Sequence[str]] = None,
+  verify: bool = False,
+) -> PopulationStore:
   """Opens a store folder (its arrays read by row slices, each block checked
   the first time it is read).
 
@@ -466,27 +541,38 @@ def open_store(folder, identity: Optional[dict] = None,
   try:
     manifest = json.loads((folder / MANIFEST).read_text())
   except (OSError, ValueError) as e:
-    raise DataError(f'{folder}: not a population store ({MANIFEST}: '
-                    f'{getattr(e, "strerror", None) or e})') from None
+    raise DataError(
+      f'{folder}: not a population store ({MANIFEST}: '
+      f'{getattr(e, "strerror", None) or e})'
+    ) from None
   if manifest.get('format') != FORMAT:
-    raise DataError(f'{folder}: a population store of format {manifest.get("format")!r}, this '
-                    f'version reads {FORMAT!r}; remove the folder to rebuild it')
+    raise DataError(
+      f'{folder}: a population store of format {manifest.get("format")!r}, this '
+      f'version reads {FORMAT!r}; remove the folder to rebuild it'
+    )
   if identity is not None:
     identity = _as_json(identity)
     have = manifest.get('identity', {})
     keys = list(identity) if compare is None else list(compare)
-    diff = [f'{k}: {have.get(k)!r} (wanted {identity.get(k)!r})' for k in keys
-            if have.get(k) != identity.get(k)]
+    diff = [
+      f'{k}: {have.get(k)!r} (wanted {identity.get(k)!r})'
+      for k in keys
+      if have.get(k) != identity.get(k)
+    ]
     if diff:
-      raise DataError(f'{folder}: holds another population ({"; ".join(diff)}); remove it or '
-                      'choose another folder')
+      raise DataError(
+        f'{folder}: holds another population ({"; ".join(diff)}); remove it or '
+        'choose another folder'
+      )
   n = int(manifest['num_clients'])
   arrays = {}
   try:
     block_bytes, crcs = manifest['blocks']['bytes'], manifest['blocks']['crc32']
     for s in SPLITS:
       fx, fy, fc = _files(s)
-      counts = np.frombuffer(_checked_file(folder, fc, crcs[fc], block_bytes), np.int64)
+      counts = np.frombuffer(
+        _checked_file(folder, fc, crcs[fc], block_bytes), np.int64
+      )
       if len(counts) != n:
         raise ValueError(f'{fc} holds {len(counts)} clients, the manifest {n}')
       total = int(counts.sum())
@@ -505,14 +591,20 @@ def open_store(folder, identity: Optional[dict] = None,
         else:
           mm.append(np.zeros(shape, dtype))
       arrays[s] = (mm[0], mm[1], counts)
-    groups = np.frombuffer(_checked_file(folder, 'groups.bin', crcs['groups.bin'], block_bytes),
-                           np.int32)
+    groups = np.frombuffer(
+      _checked_file(folder, 'groups.bin', crcs['groups.bin'], block_bytes),
+      np.int32,
+    )
     ids = json.loads(_checked_file(folder, IDS, crcs[IDS], block_bytes))
     if len(ids) != n or len(groups) != n:
-      raise ValueError(f'{IDS} and groups.bin hold {len(ids)} and {len(groups)} clients, the '
-                       f'manifest {n}')
+      raise ValueError(
+        f'{IDS} and groups.bin hold {len(ids)} and {len(groups)} clients, the '
+        f'manifest {n}'
+      )
   except StoreDamaged:
     raise
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise damaged(folder, str(e)) from None
-  return PopulationStore(arrays, groups, manifest, folder=folder, client_ids=ids)
+  return PopulationStore(
+    arrays, groups, manifest, folder=folder, client_ids=ids
+  )

@@ -7,16 +7,41 @@ import dataclasses
 from typing import Optional
 
 from fedjax_personal.datasets.client_datasets import (  # noqa: F401  (FedJAX's names)
-    assert_consistent_rows, attach_mask, BatchPreprocessor, buffered_shuffle,
-    buffered_shuffle_batch_client_datasets, ClientDataset, concat_examples, EXAMPLE_MASK_KEY,
-    Examples, NoOpBatchPreprocessor, num_examples, pad_examples, padded_batch_client_datasets,
-    slice_examples)
+  EXAMPLE_MASK_KEY,
+  BatchPreprocessor,
+  ClientDataset,
+  Examples,
+  NoOpBatchPreprocessor,
+  assert_consistent_rows,
+  attach_mask,
+  buffered_shuffle,
+  buffered_shuffle_batch_client_datasets,
+  concat_examples,
+  num_examples,
+  pad_examples,
+  padded_batch_client_datasets,
+  slice_examples,
+)
 
-__all__ = ['assert_consistent_rows', 'attach_mask', 'BatchHParams', 'BatchPreprocessor',
-           'buffered_shuffle', 'buffered_shuffle_batch_client_datasets', 'ClientDataset',
-           'concat_examples', 'EXAMPLE_MASK_KEY', 'Examples', 'NoOpBatchPreprocessor',
-           'num_examples', 'pad_examples', 'padded_batch_client_datasets', 'PaddedBatchHParams',
-           'ShuffleRepeatBatchHParams', 'slice_examples']
+__all__ = [
+  'assert_consistent_rows',
+  'attach_mask',
+  'BatchHParams',
+  'BatchPreprocessor',
+  'buffered_shuffle',
+  'buffered_shuffle_batch_client_datasets',
+  'ClientDataset',
+  'concat_examples',
+  'EXAMPLE_MASK_KEY',
+  'Examples',
+  'NoOpBatchPreprocessor',
+  'num_examples',
+  'pad_examples',
+  'padded_batch_client_datasets',
+  'PaddedBatchHParams',
+  'ShuffleRepeatBatchHParams',
+  'slice_examples',
+]
 
 
 @dataclasses.dataclass
@@ -27,6 +52,7 @@ class PaddedBatchHParams:
     batch_size: examples a batch.
     num_batch_size_buckets: sizes the last batch may be padded to.
   """
+
   batch_size: int
   num_batch_size_buckets: int = 1
 
@@ -43,6 +69,7 @@ class ShuffleRepeatBatchHParams:
     seed: the shuffle's seed (None: a fresh one).
     skip_shuffle: keep the rows' order.
   """
+
   batch_size: int
   num_epochs: Optional[int] = 1
   num_steps: Optional[int] = None
@@ -59,5 +86,6 @@ class BatchHParams:
     batch_size: examples a batch.
     drop_remainder: drop a last batch smaller than ``batch_size``.
   """
+
   batch_size: int
   drop_remainder: bool = False

@@ -19,8 +19,12 @@ import numpy as np
 
 from fedjax_personal.core.sampling import lehmer_random_state
 
-__all__ = ['ClientSampler', 'get_pseudo_random_state', 'UniformGetClientSampler',
-           'UniformShuffledClientSampler']
+__all__ = [
+  'ClientSampler',
+  'get_pseudo_random_state',
+  'UniformGetClientSampler',
+  'UniformShuffledClientSampler',
+]
 
 #: FedJAX's deterministic state of a round (``RandomState(16807^round * s mod
 #: (2^31 - 1))``, ``s`` the first ``randint(1, 2^31 - 2)`` of ``RandomState(seed)``):
@@ -52,7 +56,10 @@ def _round_keys(round_num: int, num_clients: int):
 def _with_keys(round_num: int, num_clients: int, clients) -> list:
   """``(id, dataset, key)`` of the round's ``(id, dataset)`` pairs."""
   keys = _round_keys(round_num, num_clients)
-  return [(client_id, dataset, keys[i]) for i, (client_id, dataset) in enumerate(clients)]
+  return [
+    (client_id, dataset, keys[i])
+    for i, (client_id, dataset) in enumerate(clients)
+  ]
 
 
 class UniformShuffledClientSampler(ClientSampler):
@@ -66,8 +73,12 @@ class UniformShuffledClientSampler(ClientSampler):
     start_round_num: the first round.
   """
 
-  def __init__(self, shuffled_clients_iter: Iterator, num_clients: int,
-               start_round_num: int = 0):
+  def __init__(
+    self,
+    shuffled_clients_iter: Iterator,
+    num_clients: int,
+    start_round_num: int = 0,
+  ):
     self._clients = shuffled_clients_iter
     self._num_clients = num_clients
     self._round_num = start_round_num
@@ -80,8 +91,11 @@ class UniformShuffledClientSampler(ClientSampler):
     Returns:
       ``num_clients`` triples.
     """
-    out = _with_keys(self._round_num, self._num_clients,
-                     [next(self._clients) for _ in range(self._num_clients)])
+    out = _with_keys(
+      self._round_num,
+      self._num_clients,
+      [next(self._clients) for _ in range(self._num_clients)],
+    )
     self._round_num += 1
     return out
 
@@ -98,7 +112,8 @@ class UniformShuffledClientSampler(ClientSampler):
       NotImplementedError, FedJAX's message.
     """
     raise NotImplementedError(
-        'Use UniformGetClientSampler instead if set_round_num() is needed.')
+      'Use UniformGetClientSampler instead if set_round_num() is needed.'
+    )
 
 
 class UniformGetClientSampler(ClientSampler):
@@ -127,9 +142,14 @@ class UniformGetClientSampler(ClientSampler):
       ``num_clients`` triples.
     """
     state = get_pseudo_random_state(self._seed, self._round_num)
-    ids = state.choice(np.array(self._client_ids, dtype=object), size=self._num_clients,
-                       replace=False)
-    out = _with_keys(self._round_num, self._num_clients, self._fd.get_clients(ids))
+    ids = state.choice(
+      np.array(self._client_ids, dtype=object),
+      size=self._num_clients,
+      replace=False,
+    )
+    out = _with_keys(
+      self._round_num, self._num_clients, self._fd.get_clients(ids)
+    )
     self._round_num += 1
     return out
 

@@ -11,13 +11,27 @@ from typing import Any, Callable, Iterable, Iterator
 
 from fedjax_personal.datasets import federated, sqlite_federated
 from fedjax_personal.datasets.federated_data import (  # noqa: F401  (FedJAX's names)
-    ClientPreprocessor, InMemoryFederatedData, NoOpClientPreprocessor,
-    padded_batch_federated_data, shuffle_repeat_batch_federated_data, SubsetFederatedData)
+  ClientPreprocessor,
+  InMemoryFederatedData,
+  NoOpClientPreprocessor,
+  SubsetFederatedData,
+  padded_batch_federated_data,
+  shuffle_repeat_batch_federated_data,
+)
 
-__all__ = ['ClientId', 'ClientPreprocessor', 'FederatedData', 'FederatedDataBuilder',
-           'NoOpClientPreprocessor', 'padded_batch_federated_data', 'RepeatableIterator',
-           'shuffle_repeat_batch_federated_data', 'SubsetFederatedData', 'with_exact_ids',
-           'with_exact_ids_of']
+__all__ = [
+  'ClientId',
+  'ClientPreprocessor',
+  'FederatedData',
+  'FederatedDataBuilder',
+  'NoOpClientPreprocessor',
+  'padded_batch_federated_data',
+  'RepeatableIterator',
+  'shuffle_repeat_batch_federated_data',
+  'SubsetFederatedData',
+  'with_exact_ids',
+  'with_exact_ids_of',
+]
 
 #: A client's id: bytes, as FedJAX's.
 ClientId = bytes
@@ -32,8 +46,12 @@ class FederatedData(abc.ABC):
   holds for each."""
 
 
-for _cls in (federated.FederatedData, InMemoryFederatedData, SubsetFederatedData,
-             sqlite_federated.SQLiteFederatedData):
+for _cls in (
+  federated.FederatedData,
+  InMemoryFederatedData,
+  SubsetFederatedData,
+  sqlite_federated.SQLiteFederatedData,
+):
   FederatedData.register(_cls)
 
 
@@ -100,7 +118,9 @@ def with_exact_ids(loaded):
   """
   if isinstance(loaded, tuple):
     return tuple(with_exact_ids(x) for x in loaded)
-  return loaded.with_exact_ids() if hasattr(loaded, 'with_exact_ids') else loaded
+  return (
+    loaded.with_exact_ids() if hasattr(loaded, 'with_exact_ids') else loaded
+  )
 
 
 def with_exact_ids_of(load: Callable) -> Callable:
@@ -113,7 +133,9 @@ def with_exact_ids_of(load: Callable) -> Callable:
   Returns:
     The FedJAX loader.
   """
+
   @functools.wraps(load)
   def loaded(*args, **kwargs):
     return with_exact_ids(load(*args, **kwargs))
+
   return loaded

@@ -34,7 +34,9 @@ class SQLiteFederatedDataBuilder(FederatedDataBuilder):
   def __exit__(self, exc_type, exc_value, exc_traceback) -> None:
     self._connection.close()
 
-  def add_many(self, client_ids_examples: Iterable[Tuple[bytes, Examples]]) -> None:
+  def add_many(
+    self, client_ids_examples: Iterable[Tuple[bytes, Examples]]
+  ) -> None:
     """Adds clients, one row each, in the order given.
 
     Args:
@@ -44,7 +46,11 @@ class SQLiteFederatedDataBuilder(FederatedDataBuilder):
     Returns:
       None.
     """
-    rows = ((cid, sqlite_formats.encode_client(ex), num_examples(ex, validate=True))
-            for cid, ex in client_ids_examples)
-    self._connection.executemany('INSERT INTO federated_data VALUES (?, ?, ?);', rows)
+    rows = (
+      (cid, sqlite_formats.encode_client(ex), num_examples(ex, validate=True))
+      for cid, ex in client_ids_examples
+    )
+    self._connection.executemany(
+      'INSERT INTO federated_data VALUES (?, ?, ?);', rows
+    )
     self._connection.commit()

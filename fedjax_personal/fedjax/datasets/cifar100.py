@@ -4,13 +4,30 @@ FedJAX's files (``fedjax_personal.datasets.cifar100``), ids looked up as FedJAX 
 
 from fedjax_personal.datasets import cifar100 as _cifar100
 from fedjax_personal.datasets.cifar100 import (  # noqa: F401  (FedJAX's names)
-    CIFAR100_PIXELS_INVERSE_STDDEV, CIFAR100_PIXELS_MEAN, preprocess_batch,
-    preprocess_batch_tff, preprocess_client, preprocess_image, preprocess_image_tff, SPLITS)
+  CIFAR100_PIXELS_INVERSE_STDDEV,
+  CIFAR100_PIXELS_MEAN,
+  SPLITS,
+  preprocess_batch,
+  preprocess_batch_tff,
+  preprocess_client,
+  preprocess_image,
+  preprocess_image_tff,
+)
 from fedjax_personal.fedjax.core.federated_data import with_exact_ids_of
 
-__all__ = ['CIFAR100_PIXELS_INVERSE_STDDEV', 'CIFAR100_PIXELS_MEAN', 'cite', 'load_data',
-           'load_split', 'preprocess_batch', 'preprocess_batch_tff', 'preprocess_client',
-           'preprocess_image', 'preprocess_image_tff', 'SPLITS']
+__all__ = [
+  'CIFAR100_PIXELS_INVERSE_STDDEV',
+  'CIFAR100_PIXELS_MEAN',
+  'cite',
+  'load_data',
+  'load_split',
+  'preprocess_batch',
+  'preprocess_batch_tff',
+  'preprocess_client',
+  'preprocess_image',
+  'preprocess_image_tff',
+  'SPLITS',
+]
 
 _CITATION = """@TECHREPORT{Krizhevsky09learningmultiple,
     author = {Alex Krizhevsky},

@@ -4,11 +4,24 @@ stores them: bytes)."""
 
 from fedjax_personal.datasets import emnist as _emnist
 from fedjax_personal.datasets.emnist import (  # noqa: F401  (FedJAX's names)
-    domain_id, preprocess_batch, preprocess_client, preprocess_split, SPLITS)
+  SPLITS,
+  domain_id,
+  preprocess_batch,
+  preprocess_client,
+  preprocess_split,
+)
 from fedjax_personal.fedjax.core.federated_data import with_exact_ids_of
 
-__all__ = ['cite', 'domain_id', 'load_data', 'load_split', 'preprocess_batch', 'preprocess_client',
-           'preprocess_split', 'SPLITS']
+__all__ = [
+  'cite',
+  'domain_id',
+  'load_data',
+  'load_split',
+  'preprocess_batch',
+  'preprocess_client',
+  'preprocess_split',
+  'SPLITS',
+]
 
 _CITATION = """@inproceedings{cohen2017emnist,
   title={EMNIST: Extending MNIST to handwritten letters},

@@ -3,13 +3,23 @@ FedJAX's files (``fedjax_personal.datasets.shakespeare``), ids looked up as FedJ
 (as the file stores them: bytes)."""
 
 from fedjax_personal.datasets import shakespeare as _shakespeare
-from fedjax_personal.datasets.shakespeare import (  # noqa: F401  (FedJAX's names)
-    OOV, SPLITS, TABLE, VOCAB_SIZE)
 from fedjax_personal.datasets.natural_data import BOS, EOS, PAD  # noqa: F401
+from fedjax_personal.datasets.shakespeare import OOV, SPLITS, TABLE, VOCAB_SIZE  # noqa: F401  (FedJAX's names)
 from fedjax_personal.fedjax.core.federated_data import with_exact_ids_of
 
-__all__ = ['BOS', 'cite', 'EOS', 'load_data', 'load_split', 'OOV', 'PAD', 'preprocess_client',
-           'SPLITS', 'TABLE', 'VOCAB_SIZE']
+__all__ = [
+  'BOS',
+  'cite',
+  'EOS',
+  'load_data',
+  'load_split',
+  'OOV',
+  'PAD',
+  'preprocess_client',
+  'SPLITS',
+  'TABLE',
+  'VOCAB_SIZE',
+]
 
 _CITATION = """@inproceedings{mcmahan2017communication,
   title={Communication-efficient learning of deep networks from
@@ -51,5 +61,7 @@ def preprocess_client(client_id, examples, sequence_length: int):
     ``{'x', 'y'}`` int32 [rows, sequence_length].
   """
   if sequence_length == 1 and not len(examples['snippets']):
-    raise ValueError('negative dimensions are not allowed')  # FedJAX's np.full([-1])
+    raise ValueError(
+      'negative dimensions are not allowed'
+    )  # FedJAX's np.full([-1])
   return _shakespeare.preprocess_client(client_id, examples, sequence_length)

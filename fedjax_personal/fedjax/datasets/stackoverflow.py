@@ -4,11 +4,24 @@ them up (as the file stores them: bytes)."""
 
 from fedjax_personal.datasets import stackoverflow as _stackoverflow
 from fedjax_personal.datasets.stackoverflow import (  # noqa: F401  (FedJAX's names)
-    DefaultWordTokenizer, default_vocab, preprocess_client, SPLITS, StackoverflowTokenizer)
+  SPLITS,
+  DefaultWordTokenizer,
+  StackoverflowTokenizer,
+  default_vocab,
+  preprocess_client,
+)
 from fedjax_personal.fedjax.core.federated_data import with_exact_ids_of
 
-__all__ = ['cite', 'default_vocab', 'DefaultWordTokenizer', 'load_data', 'load_split',
-           'preprocess_client', 'SPLITS', 'StackoverflowTokenizer']
+__all__ = [
+  'cite',
+  'default_vocab',
+  'DefaultWordTokenizer',
+  'load_data',
+  'load_split',
+  'preprocess_client',
+  'SPLITS',
+  'StackoverflowTokenizer',
+]
 
 _CITATION = """@misc{stackoverflow2019,
  title={TensorFlow Federated Stack Overflow dataset},
