@@ -18,7 +18,7 @@ personalization, the given m_t, or the silhouette search's bound; rows >= m_t
 unused) with a client-to-stream index, so the compiled round does not depend
 on m_t and forms only R mixtures of the N models.
 
-Options beyond the paper (BUILD.md's algorithm notes say why): the batch
+Options beyond the paper (docs/algorithm_choices.md says why): the batch
 size used for sigma (``sigma_batch_size``; None = K equal parts of the local
 data, the authors' reading), computing W after ``warmup_rounds`` of FedAvg
 instead of at the initial model, recomputing it every ``recompute_every``

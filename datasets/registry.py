@@ -10,7 +10,7 @@ and FedJAX's ``load_data`` (``(train, test)`` federated data over that
 store, ``federated``). ``LOADERS`` maps the ``--dataset`` names to the
 readers; ``OPTIONS`` maps a data set to its options class (``options``:
 declared in its module, its flags generated from it); ``register`` adds a
-data set of your own files with its options (BUILD.md, "Add a data set").
+data set of your own files with its options (docs/add_a_data_set.md).
 """
 
 import dataclasses

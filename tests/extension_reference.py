@@ -119,7 +119,7 @@ def page() -> str:
     'What an algorithm, a data set or a model of your own sees, from the docstrings (made by',
     '`python tests/extension_reference.py > docs/extension_reference.md`; the suite checks',
     'it is current). How to use them: [add_an_algorithm.md](add_an_algorithm.md) and',
-    'BUILD.md\'s "Add a data set or a model".',
+    'docs/add_a_data_set.md.',
     '',
   ]
   section = None

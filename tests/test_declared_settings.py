@@ -156,7 +156,7 @@ def test_the_data_flags_make_the_data_config():
 
 
 def test_an_option_of_a_data_set_of_ones_own_reaches_its_reader_and_keys_its_store():
-  """A data set's own option (BUILD.md, "Add a data set"): the options class
+  """A data set's own option (docs/add_a_data_set.md): the options class
   its module registers reaches its reader, keys its store (a store made
   with another value is not reused), gets a flag, and that flag given with
   another data set is refused, naming it; nothing in run/ changes."""

@@ -22,6 +22,8 @@ DOCS = (
   'README.md',
   'BUILD.md',
   'docs/populations.md',
+  'docs/add_a_data_set.md',
+  'docs/models.md',
   'benchmarks/speed/README.md',
   'benchmarks/reproductions/README.md',
 )
@@ -262,7 +264,7 @@ def flags_added_removed():
 def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
   tmp_path, monkeypatch, flags_added_removed
 ):
-  """BUILD.md's data set of its own files (FedJAX SQLite, no URL) and
+  """docs/add_a_data_set.md's data set of its own files (FedJAX SQLite, no URL) and
   docs/add_an_algorithm.md's algorithm, registered by their snippets exactly
   as printed, run through the CLI: with rate 0 the algorithm is FedAvg; with
   rate 0.5 the rounds count only the clients that uploaded (num_active,
@@ -277,7 +279,7 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
   from fedjax_personal.datasets import registry
   from fedjax_personal.run import cli
 
-  _, data_module = fenced('BUILD.md', 'python')
+  _, data_module = fenced('docs/add_a_data_set.md', 'python')
   _, alg_module, script = fenced(
     'docs/add_an_algorithm.md', 'python'
   )  # the first: test_plugins
@@ -403,10 +405,10 @@ def test_the_extension_reference_is_made_from_the_docstrings():
 
 
 def test_the_architecture_map_names_every_module():
-  """BUILD.md's map ("Architecture in a page") names every module of the
-  package's folders, and every folder it draws exists."""
-  text = open(os.path.join(ROOT, 'BUILD.md')).read()
-  section = text[text.index('## Architecture in a page') :]
+  """docs/architecture.md's map names every module of the package's
+  folders, and every folder it draws exists."""
+  text = open(os.path.join(ROOT, 'docs', 'architecture.md')).read()
+  section = text[text.index('## The map') :]
   (drawing,) = re.findall(
     r'```\n(fedjax_personal/\n.*?)```', section, flags=re.S
   )[:1]
@@ -426,7 +428,7 @@ def test_the_architecture_map_names_every_module():
         if f.endswith('.py') and f != '__init__.py' and f[:-3] not in words
       ]
   assert not missing, (
-    f'modules BUILD.md\'s map ("Architecture in a page") does not name: '
+    f"modules docs/architecture.md's map does not name: "
     f"{missing}; add each to its folder's line there (or keep a module of "
     'your own outside the package: --import=my_file.py)'
   )

@@ -1,5 +1,5 @@
 """Extensions in the user's own files: the docs' two examples (a data set
-from a file of arrays, BUILD.md; FedAvg weighted by gradient norm,
+from a file of arrays, docs/add_a_data_set.md; FedAvg weighted by gradient norm,
 docs/add_an_algorithm.md) saved outside the package and run as printed
 through ``--import`` with ``--sweep``; the algorithm's round against one
 round by hand; a changed data file never served stale; ``--import``'s
@@ -33,7 +33,7 @@ SCRIPT = os.path.join(ROOT, 'scripts', 'run_experiment.py')
 
 def _write_docs_files(folder):
   """The two examples, saved as a user saves them."""
-  data_module = fenced('BUILD.md', 'python')[0]
+  data_module = fenced('docs/add_a_data_set.md', 'python')[0]
   alg_module = fenced('docs/add_an_algorithm.md', 'python')[0]
   (folder / 'my_clients.py').write_text(data_module)
   (folder / 'fedavg_gradnorm.py').write_text(alg_module)
