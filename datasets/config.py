@@ -175,6 +175,11 @@ class DataConfig(Declared):
       raise ConfigError(
         'val_fraction', 'test_fraction + val_fraction must be < 1'
       )
+    if self.latent_features != 'pixels' and self.partition != 'latent_clusters':
+      raise ConfigError(
+        'latent_features',
+        f'applies to --partition=latent_clusters, not {self.partition!r}',
+      )
 
 
 def option_flags(cls) -> dict:
@@ -193,8 +198,7 @@ def check_given(cfg: DataConfig, given: Collection[str]) -> None:
   """Refuses what the command gave that does nothing for ``cfg``'s data set,
   from the declarations: an option of another data set, a folder or a
   download for a data set without files, a test share for one whose files
-  split each client, ``latent_features`` outside ``latent_clusters``; then
-  the data set's own check of its options (``DataOptions.check_given``).
+  split each client; then the data set's own check of its options (``DataOptions.check_given``).
 
   Args:
     cfg: the ``DataConfig``.
@@ -243,11 +247,6 @@ def check_given(cfg: DataConfig, given: Collection[str]) -> None:
     raise ConfigError(
       'test_fraction',
       f'does nothing: {cfg.dataset} has its own test split in its files',
-    )
-  if 'latent_features' in given and cfg.partition != 'latent_clusters':
-    raise ConfigError(
-      'latent_features',
-      f'applies to --partition=latent_clusters, not {cfg.partition!r}',
     )
   cfg.options.check_given(cfg, given)
 

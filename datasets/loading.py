@@ -111,11 +111,6 @@ def make_partition(
       f'{sorted(registry.LOADERS) + list(POOLED_NATURAL)} and '
       f'{registry.LEAF_PREFIX}<name>',
     )
-  if cfg.latent_features != 'pixels' and p != 'latent_clusters':
-    raise ConfigError(
-      'latent_features',
-      f'latent_features applies to --partition=latent_clusters, not {p!r}',
-    )
   base = None
   if p in ('rotation', 'label_permutation'):
     base = (

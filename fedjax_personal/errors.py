@@ -18,6 +18,7 @@ __all__ = [
   'ConfigError',
   'DataError',
   'HostLimitError',
+  'SettingError',
   'installed_or_ours',
   'user_frame',
 ]
@@ -74,13 +75,31 @@ def installed_or_ours(path: str) -> bool:
   )
 
 
-class ConfigError(ValueError):
-  """An invalid or inapplicable setting; ``name`` is the flag (or field) it
-  concerns and the message starts with ``--name:``."""
+class SettingError(ValueError):
+  """A setting's value that cannot apply, named as the library names it: a
+  field of a settings class (``owner``; None: a name of its own). The
+  message starts with ``setting:``; a command's entry says it by its flag
+  (``hparams.as_flag_error``).
+
+  Attributes:
+    setting: the field.
+    message: what is wrong, without the name.
+    owner: the settings class that declares the field, or None.
+  """
+
+  def __init__(self, setting: str, message: str, owner: Optional[type] = None):
+    super().__init__(f'{setting}: {message}')
+    self.setting, self.message, self.owner = setting, message, owner
+
+
+class ConfigError(SettingError):
+  """An invalid or inapplicable setting named by its flag: ``name`` is the
+  flag (or field) it concerns and the message starts with ``--name:``."""
 
   def __init__(self, name: str, message: str):
-    self.name = name
-    super().__init__(f'--{name}: {message}')
+    ValueError.__init__(self, f'--{name}: {message}')
+    self.name = self.setting = name
+    self.message, self.owner = message, None
 
 
 class DataError(ConfigError):
@@ -89,7 +108,8 @@ class DataError(ConfigError):
 
   def __init__(self, message: str):
     ValueError.__init__(self, message)
-    self.name = 'data_dir'
+    self.name = self.setting = 'data_dir'
+    self.message, self.owner = message, None
 
 
 class HostLimitError(ConfigError):
@@ -98,7 +118,8 @@ class HostLimitError(ConfigError):
 
   def __init__(self, limit: str, message: str):
     ValueError.__init__(self, f'{limit}: {message}')
-    self.name = limit
+    self.name = self.setting = limit
+    self.message, self.owner = message, None
 
 
 def caller_file() -> str:

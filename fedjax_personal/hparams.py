@@ -18,9 +18,10 @@ from typing import Optional, Tuple
 
 import jax
 
-from fedjax_personal.errors import ConfigError
+from fedjax_personal.errors import ConfigError, SettingError
 
 __all__ = [
+  'as_flag_error',
   'Declared',
   'field_types',
   'fill_options',
@@ -119,6 +120,29 @@ def is_list(t) -> bool:
     True for a tuple or list type.
   """
   return typing.get_origin(t) in (tuple, list)
+
+
+def as_flag_error(e: SettingError) -> ConfigError:
+  """``e`` said by its flag, as a command's entry says it: a ``ConfigError``
+  as it is; a ``SettingError`` of a settings class's field as that field's
+  flag (``flag_name``), of a name of its own as that name.
+
+  Args:
+    e: the error.
+
+  Returns:
+    The ``ConfigError`` naming the flag.
+  """
+  if isinstance(e, ConfigError):
+    return e
+  name = e.setting
+  if e.owner is not None and name in getattr(
+    e.owner, '__dataclass_fields__', {}
+  ):
+    name = flag_name(e.owner, name)
+  out = ConfigError(name, e.message)
+  out.__cause__ = e
+  return out
 
 
 def flag_name(cls, field: str) -> str:

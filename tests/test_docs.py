@@ -102,11 +102,13 @@ def run_script(env, words):
     from fedjax_personal.run import distributed
 
     flags = dict(w[2:].split('=', 1) for w in launch)
-    got = distributed.settings(
-      flags.get('coordinator_address'),
-      int(flags['num_processes']) if 'num_processes' in flags else None,
-      int(flags['process_id']) if 'process_id' in flags else None,
-    )
+    got = distributed.DistributedSettings(
+      coordinator_address=flags.get('coordinator_address'),
+      num_processes=int(flags['num_processes'])
+      if 'num_processes' in flags
+      else None,
+      process_id=int(flags['process_id']) if 'process_id' in flags else None,
+    ).launch()
     assert got is not None
   if (
     '--download' in args

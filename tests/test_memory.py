@@ -14,7 +14,7 @@ import fedjax_personal as fp
 from fedjax_personal.algorithms.ditto import ditto
 from fedjax_personal.algorithms.fedavg import fedavg
 from fedjax_personal.core import executors, fitting, memory
-from fedjax_personal.errors import ConfigError
+from fedjax_personal.errors import SettingError
 
 GB = 1 << 30
 
@@ -58,7 +58,7 @@ def test_ditto_10k_on_16_and_80_gb():
   assert memory.block_size(full, 80 * GB) is None
   # 16 GB: 16 GB of rows do not fit one device; the message says what would.
   with pytest.raises(
-    ConfigError, match='shard over 2 devices or more, or a smaller cohort_size'
+    SettingError, match='shard over 2 devices or more, or a smaller cohort_size'
   ):
     memory.block_size(full, 16 * GB)
   # Two 16 GB devices: each holds half the rows, in blocks.

@@ -259,6 +259,7 @@ def _torch_lenet5(torch, pool):
   return LeNet5()
 
 
+@pytest.mark.torch
 def test_pytorch_initialisers_match_torch_layers_statistics():
   torch = pytest.importorskip('torch')
   torch.manual_seed(0)
@@ -293,6 +294,7 @@ def test_pytorch_initialisers_match_torch_layers_statistics():
 @pytest.mark.parametrize(
   'name,pool', [('lenet5', 'max'), ('usercentric_lenet5', 'avg')]
 )
+@pytest.mark.torch
 def test_pytorch_state_dict_gives_torch_outputs(tmp_path, name, pool):
   torch = pytest.importorskip('torch')
   torch.manual_seed(0)
@@ -339,6 +341,7 @@ def _mnist_clients(sizes, seed=0):
   )
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize('momentum', [0.0, 0.9])
 @pytest.mark.ci_variants('0.9')
 def test_fedavg_round_equals_a_pytorch_loop_from_the_same_weights(
@@ -457,6 +460,7 @@ def _torch_reference_cnn(torch, name):
 @pytest.mark.parametrize(
   'name', ['feddyn_cnn', 'fedfomo_cnn', 'pfedme_cnn', 'reddi_emnist_cnn']
 )
+@pytest.mark.torch
 @pytest.mark.ci_variants('feddyn_cnn', 'reddi_emnist_cnn')
 def test_reference_cnns_equal_their_pytorch_code(tmp_path, name):
   torch = pytest.importorskip('torch')
@@ -476,6 +480,7 @@ def test_reference_cnns_equal_their_pytorch_code(tmp_path, name):
   )
 
 
+@pytest.mark.torch
 def test_lstm_lm_is_reddi_et_al_stackoverflow_model(tmp_path):
   """Reddi et al.'s next-word LSTM: 4,050,748 parameters on 10,004 ids, and
   the outputs of the same network in PyTorch on the same weights (rows

@@ -151,6 +151,7 @@ def _perturbed_state(torch, net, seed):
   return net
 
 
+@pytest.mark.torch
 def test_resnet18_bn_gives_pytorch_logits_on_a_pytorch_state_dict(tmp_path):
   """torchvision's ResNet-18, running statistics included, loads with
   --init_weights; evaluation (running statistics) equals PyTorch's eval()."""
@@ -171,6 +172,7 @@ def test_resnet18_bn_gives_pytorch_logits_on_a_pytorch_state_dict(tmp_path):
   )
 
 
+@pytest.mark.torch
 def test_fedavg_of_a_batch_norm_resnet_equals_pytorch_training_and_state_dict_averaging(
   tmp_path,
 ):

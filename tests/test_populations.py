@@ -20,7 +20,7 @@ from fedjax_personal.core.population.clients import PopulationStore
 from fedjax_personal.core.population.placement import HostData
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.datasets import DataConfig, load_store
-from fedjax_personal.errors import ConfigError, DataError
+from fedjax_personal.errors import ConfigError, DataError, SettingError
 from fedjax_personal.run import cli
 from fedjax_personal.run import job_setup as job_lib
 from fedjax_personal.run.experiment import run
@@ -133,7 +133,7 @@ def test_layout_choice():
   assert layout == 'host' and 'widest client (5,000 examples)' in reason
   assert placement.choose('host', gb, 8 * gb, 100, None)[0] == 'host'
   with pytest.raises(
-    ConfigError, match="max_client_examples=N.* or take the layout 'host'"
+    SettingError, match="max_client_examples=N.* or take the layout 'host'"
   ):
     placement.choose('device', 9 * gb, 8 * gb, 40_000, None)
 

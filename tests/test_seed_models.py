@@ -266,6 +266,7 @@ def _as_flax(state_dict, rules, norms=('norm',)):
   return out
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize('tied,adapter_dim', [(False, 3), (True, 0)])
 def test_transformer_equals_the_seeds_pytorch_code(tmp_path, tied, adapter_dim):
   torch = pytest.importorskip('torch')
@@ -384,6 +385,7 @@ def _seed_resnet(torch, classes, in_ch, adapters, groups, large):
     ('gldv2_resnet18_gn', (32, 32, 3), 2028, True),
   ],
 )  # the seed's 224 x 224: the same layers
+@pytest.mark.torch
 @pytest.mark.ci_variants('resnet18_gn-shape0-62-True')
 def test_resnet_equals_the_seeds_pytorch_code(
   tmp_path, name, shape, classes, adapters

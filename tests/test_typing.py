@@ -69,7 +69,7 @@ def test_mypy_finds_a_misspelled_attribute(tmp_path):
   view = _view(
     tmp_path,
     {
-      'run/cli.py': ('d.num_processes', 'd.num_process'),
+      'run/cli.py': ('d.distributed_timeout', 'd.distributed_timeouts'),
       'algorithms/fedavg.py': (
         'cohort_train_metrics(out.stats,',
         'cohort_train_metrics(out.stat,',
@@ -78,9 +78,9 @@ def test_mypy_finds_a_misspelled_attribute(tmp_path):
   )
   r = _mypy(tmp_path, view)
   assert r.returncode == 1, r.stdout[-4000:]
-  assert 'run/cli.py' in r.stdout and '"num_process"' in r.stdout, r.stdout[
-    -4000:
-  ]
+  assert 'run/cli.py' in r.stdout and '"distributed_timeouts"' in r.stdout, (
+    r.stdout[-4000:]
+  )
   assert 'algorithms/fedavg.py' in r.stdout and '"stat"' in r.stdout, r.stdout[
     -4000:
   ]

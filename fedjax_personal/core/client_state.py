@@ -19,7 +19,7 @@ from flax import struct
 
 from fedjax_personal.core.algorithm import ClientRows, FederatedAlgorithm
 from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_scatter
-from fedjax_personal.errors import ConfigError
+from fedjax_personal.errors import SettingError
 
 __all__ = ['persistent_client_optimizer', 'WithClientOptState']
 
@@ -50,7 +50,7 @@ def persistent_client_optimizer(
   work = alg.client_work
   init_opt_state, opt_state_of = work.init_opt_state, work.opt_state
   if init_opt_state is None or opt_state_of is None:
-    raise ConfigError(
+    raise SettingError(
       'client_opt_state', f'{alg.name} keeps no client optimizer state'
     )
 

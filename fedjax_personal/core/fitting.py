@@ -40,7 +40,7 @@ def fit_memory(executor: Executor, need, free_bytes: Optional[int]) -> Executor:
     The executor that fits, and why.
 
   Raises:
-    ConfigError: not even one client a block fits.
+    SettingError: not even one client a block fits.
   """
   if free_bytes is None or not isinstance(
     executor, (VmapExecutor, ShardedExecutor)
@@ -126,7 +126,7 @@ def fit_accelerator(
     The executor the run uses.
 
   Raises:
-    ConfigError: not even one client fits (``memory.block_size``).
+    SettingError: not even one client fits (``memory.block_size``).
   """
   by_memory = fit_memory(executor, need, free_bytes)
   by_work = fit_work(executor, steps, cohort_size)

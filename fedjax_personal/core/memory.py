@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_personal.core.training import Batch, batch_loss
-from fedjax_personal.errors import ConfigError
+from fedjax_personal.errors import SettingError
 
 __all__ = [
   'block_size',
@@ -251,7 +251,7 @@ def block_size(
     Clients per block, or None.
 
   Raises:
-    ConfigError: not even one client fits (with what would: more devices or a
+    SettingError: not even one client fits (with what would: more devices or a
       smaller cohort).
   """
   budget = HEADROOM * free_bytes
@@ -264,7 +264,7 @@ def block_size(
   devices = num_devices
   while devices < 4096 and need.total(1, devices) > budget:
     devices *= 2
-  raise ConfigError(
+  raise SettingError(
     'executor',
     f'a round needs {need.total(1, num_devices) / GB:.1f} GB per '
     f'device ({need.resident(num_devices) / GB:.1f} GB of state and stacked '

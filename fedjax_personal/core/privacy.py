@@ -16,8 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from fedjax_personal.errors import ConfigError
-from fedjax_personal.hparams import Declared, flag_name, hparam
+from fedjax_personal.errors import SettingError
+from fedjax_personal.hparams import Declared, hparam
 
 __all__ = [
   'check_dp',
@@ -134,9 +134,11 @@ def check_dp(config: DPConfig):
     None.
   """
   if config.dp_noise_multiplier and not config.dp_clip_norm:
-    raise ConfigError(
-      flag_name(type(config), 'dp_noise_multiplier'),
-      f'needs {flag_name(type(config), "dp_clip_norm")} > 0',
+    raise SettingError(
+      'dp_noise_multiplier',
+      f'{config.dp_noise_multiplier} needs a clip norm (dp_clip_norm) > 0, got '
+      f'{config.dp_clip_norm}',
+      owner=type(config),
     )
 
 

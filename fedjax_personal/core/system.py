@@ -57,7 +57,7 @@ import numpy as np
 
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.sampling import Cohort
-from fedjax_personal.errors import ConfigError
+from fedjax_personal.errors import SettingError
 from fedjax_personal.hparams import Declared, hparam
 
 __all__ = [
@@ -87,14 +87,6 @@ SYSTEM_DRAWS = 0x5157
 AVAILABILITY_DRAWS = 0xA7A1
 #: A client's work limit when it is not limited.
 _UNLIMITED = 1 << 30
-
-
-class SettingError(ValueError):
-  """A setting's value (a file) that cannot apply; ``setting`` names it."""
-
-  def __init__(self, setting: str, message: str):
-    super().__init__(message)
-    self.setting = setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,10 +218,11 @@ class SystemConfig(Declared):
   def check(self) -> None:
     """Availability by probability or by trace, not both."""
     if self.availability < 1 and self.availability_trace:
-      raise ConfigError(
+      raise SettingError(
         'availability',
         'does nothing with an availability trace (the trace '
         'says who is online)',
+        owner=type(self),
       )
 
   def problems(self, batching: Batching) -> list:
@@ -358,7 +351,7 @@ def prepare(system: Devices, num_clients: int) -> ClientSystem:
           'speed must be positive: one per client, one per line'
         )
   except ValueError as e:
-    raise SettingError('client_speeds', str(e)) from None
+    raise SettingError('client_speeds', str(e), owner=SystemConfig) from None
   try:
     if system.availability_trace:
       trace = read_values(system.availability_trace, 'on/off rounds')
@@ -373,7 +366,9 @@ def prepare(system: Devices, num_clients: int) -> ClientSystem:
           f'data has {num_clients} clients: one 0/1 per client, one row per round'
         )
   except ValueError as e:
-    raise SettingError('availability_trace', str(e)) from None
+    raise SettingError(
+      'availability_trace', str(e), owner=SystemConfig
+    ) from None
   return ClientSystem(
     system,
     None if speeds is None else speeds.astype(np.float32),

@@ -14,7 +14,8 @@ from absl import app
 
 from fedjax_personal.core.population import placement
 from fedjax_personal.core.population.store import StoreDamaged
-from fedjax_personal.errors import ConfigError
+from fedjax_personal.errors import ConfigError, SettingError
+from fedjax_personal.hparams import as_flag_error
 from fedjax_personal.run import (
   command_line,
   distributed,
@@ -44,15 +45,22 @@ def read_flags() -> RunSettings:
 
 def main_job(settings: Optional[RunSettings] = None):
   """The main job (``main_job.main_job``) of ``settings``, by default of the
-  parsed flags.
+  parsed flags; a setting that cannot apply is said by its flag, as the
+  command says it.
 
   Args:
     settings: the run's settings (None: ``read_flags()``).
 
   Returns:
     {row label: final summary}, as ``main_job.main_job``.
+
+  Raises:
+    ConfigError naming the flag.
   """
-  return job_lib.main_job(read_flags() if settings is None else settings)
+  try:
+    return job_lib.main_job(read_flags() if settings is None else settings)
+  except SettingError as e:
+    raise as_flag_error(e) from e
 
 
 def main(argv):
@@ -71,25 +79,22 @@ def main(argv):
   try:
     faults.fit_address_space_limit()
     settings = read_flags()
-  except ConfigError as e:  # a flag out of its range, or one that cannot apply
-    _fail(e, faults.EXIT_CONFIG)
+  except SettingError as e:  # a flag out of its range, or one that cannot apply
+    _fail(as_flag_error(e), faults.EXIT_CONFIG)
   script_entry.quiet_logging_unless_asked()
   faults.install_signal_handlers()
   try:
     d = settings.distributed
-    distributed.initialize(
-      distributed.settings(
-        d.coordinator_address, d.num_processes, d.process_id
-      ),
-      d.distributed_timeout,
-    )
+    distributed.initialize(d.launch(), d.distributed_timeout)
     main_job(settings)
     done = faults.finished_line()
     if done:  # a signal after the last round: nothing was cut short
       print(done, file=faults.error_stream(), flush=True)
   except faults.Fault as e:
     _fail(e, e.status)
-  except (ConfigError, FileNotFoundError) as e:
+  except (SettingError, FileNotFoundError) as e:
+    if isinstance(e, SettingError):
+      e = as_flag_error(e)
     p = faults.PROGRESS
     if (
       isinstance(e, StoreDamaged) and p.checkpoint_round

@@ -62,7 +62,6 @@ __all__ = [
   'is_primary',
   'POLL_SECONDS',
   'report_failure',
-  'settings',
   'silent_processes',
 ]
 
@@ -91,10 +90,12 @@ class DistributedSettings(Declared):
     'launch settings itself).',
   )
   num_processes: Optional[int] = hparam(
-    None, 'Processes of the run (default: $JAX_NUM_PROCESSES).'
+    None, 'Processes of the run (default: $JAX_NUM_PROCESSES).', minimum=1
   )
   process_id: Optional[int] = hparam(
-    None, 'This process, 0 .. num_processes - 1 (default: $JAX_PROCESS_ID).'
+    None,
+    'This process, 0 .. num_processes - 1 (default: $JAX_PROCESS_ID).',
+    minimum=0,
   )
   distributed_timeout: int = hparam(
     60,
@@ -103,61 +104,59 @@ class DistributedSettings(Declared):
     minimum=1,
   )
 
-
-def settings(
-  coordinator_address: Optional[str],
-  num_processes: Optional[int],
-  process_id: Optional[int],
-) -> Optional[dict]:
-  """The launch settings from the flags, else the environment; None for a
-  single process. Raises ConfigError for an incomplete or inconsistent set.
-
-  Args:
-    coordinator_address: ``--coordinator_address``.
-    num_processes: ``--num_processes``.
-    process_id: ``--process_id``.
-
-  Returns:
-    The launch settings, or None.
-  """
-  given: Dict[str, Any] = {
-    'coordinator_address': coordinator_address,
-    'num_processes': num_processes,
-    'process_id': process_id,
-  }
-  for k, var in ENV.items():
-    if given[k] is None and os.environ.get(var):
-      given[k] = (
-        os.environ[var] if k == 'coordinator_address' else _int_env(var)
-      )
-  if all(v is None for v in given.values()):
-    if any(os.environ.get(v) for v in CLUSTER_ENV):
-      return {}  # JAX detects the cluster's own settings
-    return None
-  if given['num_processes'] == 1 and given['process_id'] in (None, 0):
-    return None
-  for k, v in given.items():
-    if v is None:
+  def check(self) -> None:
+    """The process below the count; the coordinator as host:port."""
+    n, i = self.num_processes, self.process_id
+    if n is not None and i is not None and i >= n:
+      raise ConfigError('process_id', f'must be in [0, {n}), got {i}')
+    address = self.coordinator_address
+    if address is not None and ':' not in address:
       raise ConfigError(
-        k,
-        'give --coordinator_address, --num_processes and --process_id '
-        f'together (or {", ".join(ENV.values())})',
+        'coordinator_address', f'expected host:port, got {address!r}'
       )
-  if given['num_processes'] < 1:
-    raise ConfigError(
-      'num_processes', f'must be >= 1, got {given["num_processes"]}'
-    )
-  if not 0 <= given['process_id'] < given['num_processes']:
-    raise ConfigError(
-      'process_id',
-      f'must be in [0, {given["num_processes"]}), got {given["process_id"]}',
-    )
-  if ':' not in given['coordinator_address']:
-    raise ConfigError(
-      'coordinator_address',
-      f'expected host:port, got {given["coordinator_address"]!r}',
-    )
-  return given
+
+  def with_environment(self) -> 'DistributedSettings':
+    """These settings, what they leave unset taken from the environment
+    (``ENV``), checked again.
+
+    Returns:
+      The settings.
+    """
+    env: Dict[str, Any] = {}
+    for k, var in ENV.items():
+      if getattr(self, k) is None and os.environ.get(var):
+        env[k] = (
+          os.environ[var] if k == 'coordinator_address' else _int_env(var)
+        )
+    return dataclasses.replace(self, **env)
+
+  def launch(self) -> Optional[dict]:
+    """The launch settings (``jax.distributed.initialize``'s), from these
+    settings, else the environment; ``{}`` where JAX finds a cluster's own;
+    None for a single process.
+
+    Returns:
+      The launch settings, or None.
+
+    Raises:
+      ConfigError: the three settings not given together.
+    """
+    s = self.with_environment()
+    given: Dict[str, Any] = {k: getattr(s, k) for k in ENV}
+    if all(v is None for v in given.values()):
+      if any(os.environ.get(v) for v in CLUSTER_ENV):
+        return {}  # JAX detects the cluster's own settings
+      return None
+    if s.num_processes == 1 and s.process_id in (None, 0):
+      return None
+    for k, v in given.items():
+      if v is None:
+        raise ConfigError(
+          k,
+          'give --coordinator_address, --num_processes and --process_id '
+          f'together (or {", ".join(ENV.values())})',
+        )
+    return given
 
 
 def _int_env(var):

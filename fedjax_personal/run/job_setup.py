@@ -28,7 +28,8 @@ from fedjax_personal.core.population.clients import Population, PopulationStore
 from fedjax_personal.core.population.placement import HostData
 from fedjax_personal.core.tree_util import tree_bytes
 from fedjax_personal.datasets import load_store, loading, streams_to_store
-from fedjax_personal.errors import ConfigError
+from fedjax_personal.errors import ConfigError, SettingError
+from fedjax_personal.hparams import as_flag_error
 from fedjax_personal.models import Model, build_model
 from fedjax_personal.models import inputs as model_inputs
 from fedjax_personal.run import faults, process, run_identity
@@ -597,5 +598,5 @@ def prepared_system(
   """
   try:
     return system_lib.prepare(s.system, num_clients)
-  except system_lib.SettingError as e:
-    raise ConfigError(e.setting, str(e)) from None
+  except SettingError as e:
+    raise as_flag_error(e) from None

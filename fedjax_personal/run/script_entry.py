@@ -20,8 +20,14 @@ from typing import Any, Dict, Optional
 
 from absl import app, flags, logging
 
-from fedjax_personal.errors import ConfigError
-from fedjax_personal.hparams import field_types, flag_fields, flag_name, is_list
+from fedjax_personal.errors import SettingError
+from fedjax_personal.hparams import (
+  as_flag_error,
+  field_types,
+  flag_fields,
+  flag_name,
+  is_list,
+)
 from fedjax_personal.run import faults, plugins
 
 __all__ = [
@@ -223,8 +229,8 @@ def import_plugins(argv) -> None:
   """
   try:
     plugins.import_all(argv)
-  except ConfigError as e:
-    print(f'error: {e}', file=sys.stderr, flush=True)
+  except SettingError as e:
+    print(f'error: {as_flag_error(e)}', file=sys.stderr, flush=True)
     sys.exit(2)
 
 
@@ -284,7 +290,9 @@ def run_script(
         )
         sys.exit(2)
       return main(read_settings(settings))
-    except (ConfigError, FileNotFoundError) as e:
+    except (SettingError, FileNotFoundError) as e:
+      if isinstance(e, SettingError):
+        e = as_flag_error(e)
       print(f'error: {e}', file=sys.stderr, flush=True)
       sys.exit(2)
     except KeyboardInterrupt:

@@ -19,7 +19,7 @@ from fedjax_personal.core.data import ClientData
 from fedjax_personal.core.engine import round_functions
 from fedjax_personal.core.executors import VmapExecutor
 from fedjax_personal.core.population.placement import HostData
-from fedjax_personal.errors import ConfigError, user_frame
+from fedjax_personal.errors import ConfigError, SettingError, user_frame
 from fedjax_personal.run import faults, plugins
 
 __all__ = ['failure', 'trace_round', 'users_failure']
@@ -69,7 +69,7 @@ def trace_round(alg, sampler, data, system=None) -> None:
 
   try:
     jax.eval_shape(one_round, jax.random.key(0), train, val)
-  except ConfigError:
+  except SettingError:
     raise
   except Exception as e:  # the round cannot be traced: nothing would train
     raise ConfigError(
@@ -91,7 +91,7 @@ def users_failure(name: str, e: BaseException) -> Optional[str]:
     The line, or None.
   """
   if (
-    isinstance(e, ConfigError)
+    isinstance(e, SettingError)
     or faults.out_of_memory(e)
     or user_frame(e, list(plugins.LOADED.values())) is None
   ):

@@ -40,7 +40,7 @@ from fedjax_personal.core.population.clients import (
   next_power_of_two,
   padded_length,
 )
-from fedjax_personal.errors import ConfigError
+from fedjax_personal.errors import SettingError
 
 __all__ = [
   'blocks',
@@ -453,11 +453,11 @@ def choose(
     ``(layout, reason)``.
 
   Raises:
-    ConfigError: an unknown layout, or ``device`` asked for a padded
+    SettingError: an unknown layout, or ``device`` asked for a padded
       population that cannot fit (naming the widest client and the cap).
   """
   if requested not in LAYOUTS:
-    raise ConfigError(
+    raise SettingError(
       'layout', f'unknown layout {requested!r}; choose one of {list(LAYOUTS)}'
     )
   need = (
@@ -473,7 +473,7 @@ def choose(
   fits = free_bytes is None or padded_bytes <= DEVICE_DATA_SHARE * free_bytes
   if requested == 'device':
     if free_bytes is not None and padded_bytes > free_bytes:
-      raise ConfigError(
+      raise SettingError(
         'layout',
         f"'device': {need}, {free}; cap each client's examples "
         "(max_client_examples=N; TFF caps at 1000) or take the layout 'host'",
