@@ -8,7 +8,7 @@ that does nothing for the data set chosen, from the declarations alone.
 """
 
 import dataclasses
-from typing import Collection, Optional
+from typing import Collection, List, Optional
 
 from fedjax_personal.datasets import local_files, registry
 from fedjax_personal.datasets.options import DataOptions
@@ -28,19 +28,13 @@ __all__ = [
   'has_own_test_split',
   'is_natural',
   'LATENT_FEATURES',
-  'NO_FILES',
-  'NOT_DOWNLOADED',
   'option_flags',
-  'POOLED_NATURAL',
+  'in_memory_clients',
   'streams_to_store',
 ]
 
 
 LATENT_FEATURES = ('pixels', 'embedding')
-#: Data sets that read no file (--data_dir does nothing for them).
-NO_FILES = ('digits', 'synthetic')
-#: Data sets with no file to download (embedded, generated, or TFDS's).
-NOT_DOWNLOADED = NO_FILES + ('mnist',)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,13 +221,17 @@ def check_given(cfg: DataConfig, given: Collection[str]) -> None:
           f'--dataset={cfg.dataset}',
         )
   local_files.check_data_dir(cfg.data_dir)
-  if cfg.data_dir and cfg.dataset in NO_FILES:
+  pool = (
+    None
+    if is_natural(cfg.dataset, cfg.partition)
+    and registry.is_file_dataset(cfg.dataset)
+    else registry.pool_of(cfg.dataset)
+  )  # a data set read whole: its reader says what applies
+  if cfg.data_dir and pool is not None and not pool.takes('data_dir'):
     raise ConfigError(
       'data_dir', f'does nothing: dataset {cfg.dataset} reads no file'
     )
-  if cfg.download and (
-    cfg.dataset in NOT_DOWNLOADED or cfg.dataset.startswith('tfds:')
-  ):
+  if cfg.download and pool is not None and not pool.takes('download'):
     raise ConfigError(
       'download',
       f'does nothing: dataset {cfg.dataset} has no file to download'
@@ -251,8 +249,14 @@ def check_given(cfg: DataConfig, given: Collection[str]) -> None:
   cfg.options.check_given(cfg, given)
 
 
-#: Natural data sets built in memory (read from files: ``registry.LOADERS``).
-POOLED_NATURAL = ('tinyshakespeare', 'synthetic', 'tfds:tiny_shakespeare')
+def in_memory_clients() -> List[str]:
+  """The data sets whose clients are made in memory by their reader
+  (``registry.Pool``'s ``kind='clients'``), not read from files.
+
+  Returns:
+    The names.
+  """
+  return [n for n, p in registry.POOLS.items() if p.kind == 'clients']
 
 
 def is_natural(dataset: str, partition: str) -> bool:
@@ -266,9 +270,12 @@ def is_natural(dataset: str, partition: str) -> bool:
   Returns:
     True when the clients are the files' own (writers, users).
   """
-  if dataset == 'cifar100':
-    return partition == 'natural'
-  return registry.is_file_dataset(dataset) or dataset in POOLED_NATURAL
+  pool = registry.pool_of(dataset)
+  if registry.is_file_dataset(dataset) and pool is not None:
+    return partition == 'natural'  # its clients, else its pool (CIFAR-100)
+  return registry.is_file_dataset(dataset) or (
+    pool is not None and pool.kind == 'clients'
+  )
 
 
 def has_own_test_split(cfg: DataConfig) -> bool:

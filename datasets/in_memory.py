@@ -341,3 +341,56 @@ def synthetic(
     xs.append(x.astype(np.float32))
     ys.append(np.argmax(x @ w.T + b, axis=1).astype(np.int32))
   return xs, ys
+
+
+def synthetic_clients(num_clients: int, rng: np.random.Generator, options):
+  """FedProx's Synthetic(alpha, beta) clients (``synthetic``) from the data
+  set's options: the ``Pool`` reader of ``--dataset=synthetic``.
+
+  Args:
+    num_clients: the clients.
+    rng: the generator that draws them.
+    options: its ``SyntheticOptions``.
+
+  Returns:
+    ``([x_i], [y_i], 10)``.
+  """
+  xs, ys = synthetic(
+    num_clients,
+    options.synthetic_alpha,
+    options.synthetic_beta,
+    rng,
+    max_examples=options.synthetic_max_examples,
+  )
+  return xs, ys, 10
+
+
+def tinyshakespeare_clients(
+  num_clients: int,
+  options,
+  data_dir: Optional[str] = None,
+  download: bool = False,
+  text: Optional[str] = None,
+):
+  """Tiny Shakespeare's roles as clients (``load_tinyshakespeare``) at the
+  options' sequence length: the ``Pool`` reader of
+  ``--dataset=tinyshakespeare``.
+
+  Args:
+    num_clients: the clients.
+    options: its ``TextOptions``.
+    data_dir: where ``input.txt`` is.
+    download: fetch it when missing.
+    text: the text itself (TFDS's), instead of the file.
+
+  Returns:
+    ``([x_i], [y_i], the vocabulary's size)``.
+  """
+  xs, ys, vocab = load_tinyshakespeare(
+    num_clients,
+    options.sequence_length,
+    data_dir=data_dir,
+    text=text,
+    download=download,
+  )
+  return xs, ys, len(vocab)

@@ -22,23 +22,19 @@ from fedjax_personal.core.data import (
 from fedjax_personal.core.population import store as store_lib
 from fedjax_personal.core.population.clients import FORMAT, PopulationStore
 from fedjax_personal.datasets import (
-  cifar,
   embedding,
-  in_memory,
   local_files,
   partition,
   registry,
 )
 from fedjax_personal.datasets.config import (
-  POOLED_NATURAL,
   DataConfig,
+  in_memory_clients,
   is_natural,
   streams_to_store,
 )
 from fedjax_personal.datasets.natural_data import NaturalData, client_id
-from fedjax_personal.datasets.options import TextOptions
 from fedjax_personal.datasets.partition import Partition
-from fedjax_personal.datasets.tfds_loader import load_tfds
 from fedjax_personal.errors import ConfigError, DataError
 
 __all__ = [
@@ -62,23 +58,21 @@ def load_pool(cfg: DataConfig):
   Returns:
     ``(x, y, num_classes)``.
   """
-  if cfg.dataset == 'mnist':
-    x, y, c = in_memory.load_mnist(cfg.data_dir)
-  elif cfg.dataset == 'digits':
-    x, y, c = in_memory.load_digits()
-  elif cfg.dataset in ('cifar10', 'cifar100'):
-    which = 'cifar10' if cfg.dataset == 'cifar10' else 'cifar100_python'
-    x, y, c = cifar.load(which, cfg.data_dir, download=cfg.download)
-  elif cfg.dataset.startswith('tfds:'):
-    x, y, c = load_tfds(
-      cfg.dataset[5:], data_dir=cfg.data_dir, max_examples=cfg.max_examples
-    )
-  else:
+  pool = registry.pool_of(cfg.dataset)
+  if pool is None or pool.kind != 'pool':
+    pools = [n for n, p in registry.POOLS.items() if p.kind == 'pool']
     raise ConfigError(
       'dataset',
       f'{cfg.dataset!r} is not a pool to partition; choose one of '
-      'mnist, digits, cifar10, cifar100, tfds:<name>',
+      f'{", ".join(pools)}, tfds:<name>',
     )
+  x, y, c = pool(
+    name=cfg.dataset,
+    options=cfg.options,
+    data_dir=cfg.data_dir,
+    download=cfg.download,
+    max_examples=cfg.max_examples,
+  )
   if cfg.max_examples is not None and cfg.max_examples < len(y):
     keep = np.random.default_rng(cfg.seed + 7).permutation(len(y))[
       : cfg.max_examples
@@ -108,7 +102,7 @@ def make_partition(
     raise ConfigError(
       'partition',
       "partition 'natural' is only for "
-      f'{sorted(registry.LOADERS) + list(POOLED_NATURAL)} and '
+      f'{sorted(registry.LOADERS) + in_memory_clients()} and '
       f'{registry.LEAF_PREFIX}<name>',
     )
   base = None
@@ -251,8 +245,9 @@ def pooled_clients(cfg: DataConfig) -> PooledClients:
   _check_config(cfg)
   rng = np.random.default_rng(cfg.seed)
   if is_natural(cfg.dataset, cfg.partition):
-    if cfg.dataset in ('tinyshakespeare', 'tfds:tiny_shakespeare', 'synthetic'):
-      return _pooled_natural(cfg, rng)
+    pool = registry.pool_of(cfg.dataset)
+    if pool is not None and pool.kind == 'clients':
+      return _clients_in_memory(cfg, pool, rng)
     nat = registry.load(
       cfg.dataset,
       cfg.num_clients,
@@ -511,33 +506,19 @@ def _write_natural(
     writer.add((x[tr], y[tr]), val, test, client_id=client_id(cid))
 
 
-def _pooled_natural(cfg: DataConfig, rng) -> PooledClients:
-  """Tiny Shakespeare by role and FedProx's synthetic clients: each client's
-  examples split with --test_fraction / --val_fraction."""
-  n = cfg.num_clients or 20
-  o = cfg.options
-  if isinstance(o, in_memory.SyntheticOptions):
-    xs, ys = in_memory.synthetic(
-      n,
-      o.synthetic_alpha,
-      o.synthetic_beta,
-      rng,
-      max_examples=o.synthetic_max_examples,
-    )
-    num_classes = 10
-  else:
-    text = None
-    if cfg.dataset.startswith('tfds:'):
-      text = load_tfds('tiny_shakespeare', data_dir=cfg.data_dir)
-    assert isinstance(o, TextOptions), o  # tinyshakespeare's options
-    xs, ys, vocab = in_memory.load_tinyshakespeare(
-      n,
-      o.sequence_length,
-      data_dir=cfg.data_dir,
-      text=text,
-      download=cfg.download,
-    )
-    num_classes = len(vocab)
+def _clients_in_memory(cfg: DataConfig, pool, rng) -> PooledClients:
+  """The clients a ``Pool`` of ``kind='clients'`` makes (Tiny Shakespeare by
+  role, FedProx's Synthetic): each client's examples split with
+  --test_fraction / --val_fraction."""
+  xs, ys, num_classes = pool(
+    name=cfg.dataset,
+    options=cfg.options,
+    data_dir=cfg.data_dir,
+    download=cfg.download,
+    max_examples=cfg.max_examples,
+    num_clients=cfg.num_clients or 20,
+    rng=rng,
+  )
   return _split_pool(xs, ys, num_classes, cfg, rng, f'{cfg.dataset}/natural')
 
 

@@ -54,6 +54,12 @@ __all__ = [
   'register',
   'register_arrays',
   'register_builtin',
+  'register_pool',
+  'Pool',
+  'POOL_ARGUMENTS',
+  'pool_of',
+  'POOLS',
+  'TFDS_POOL',
   'SplitByFraction',
 ]
 
@@ -151,7 +157,7 @@ def register(
       f'{name!r}: names starting {" or ".join(RESERVED_PREFIXES)} are the '
       "loaders' own (LEAF's JSON, TFDS); register yours under another name"
     )
-  if name in LOADERS and OWNERS.get(name, owner) != owner:
+  if (name in LOADERS or name in POOLS) and OWNERS.get(name, owner) != owner:
     raise ValueError(
       f'a data set named {name!r} is registered already, by {OWNERS[name]}'
     )
@@ -171,15 +177,18 @@ def register_builtin(
   name: str,
   read_clients: Optional[Callable[..., NaturalData]] = None,
   options: Optional[Type[DataOptions]] = None,
+  pool: Optional['Pool'] = None,
 ) -> None:
   """A built-in data set's entry (``DATASETS``, ``HELD_OUT_ONLY``), made
-  by the package as it is imported: its reader (None: built in memory by
-  ``loading``) and its options class (None: none).
+  by the package as it is imported: its reader of clients from its files,
+  its ``Pool`` (read whole in memory), or both (CIFAR-100: its clients under
+  ``--partition=natural``, else its pool), and its options class.
 
   Args:
     name: a built-in ``--dataset`` name.
-    read_clients: its reader, or None.
+    read_clients: its reader of clients, or None.
     options: its options class, or None.
+    pool: its ``Pool``, or None.
 
   Returns:
     None.
@@ -192,6 +201,137 @@ def register_builtin(
     LOADERS[name] = read_clients
   if options is not None:
     OPTIONS[name] = options
+  if pool is not None:
+    POOLS[name] = pool
+
+
+@dataclasses.dataclass(frozen=True)
+class Pool:
+  """A data set read whole in memory: a pool of examples partitioned into
+  clients by ``--partition`` (``kind='pool'``: ``read(...) -> (x, y,
+  num_classes)``), or clients its reader makes itself, each client's
+  examples then split with ``--test_fraction`` (``kind='clients'``:
+  ``read(...) -> ([x_i], [y_i], num_classes)``: Synthetic, Tiny
+  Shakespeare). ``read`` is given what its signature names of
+  ``POOL_ARGUMENTS``; ``--data_dir`` and ``--download`` apply when it takes
+  them.
+
+  Attributes:
+    read: the reader.
+    kind: ``'pool'`` or ``'clients'``.
+  """
+
+  read: Callable[..., Any]
+  kind: str = 'pool'
+
+  def takes(self, name: str) -> bool:
+    """Whether ``read`` takes ``name`` (e.g. ``data_dir``, ``download``).
+
+    Args:
+      name: one of ``POOL_ARGUMENTS``.
+
+    Returns:
+      True when its signature names it.
+    """
+    return name in inspect.signature(self.read).parameters
+
+  def __call__(self, **given) -> Any:
+    """``read`` given what its signature names of ``given``.
+
+    Args:
+      **given: ``POOL_ARGUMENTS`` by name.
+
+    Returns:
+      What ``read`` returns.
+    """
+    params = inspect.signature(self.read).parameters
+    return self.read(**{k: v for k, v in given.items() if k in params})
+
+
+#: What a pool's reader may be given (``Pool``): the data set's name and
+#: options, where its files are, whether to download them, the examples to
+#: keep (a TFDS pool reads no more), and for ``kind='clients'`` the clients
+#: and the generator that draws them.
+POOL_ARGUMENTS = (
+  'name',
+  'options',
+  'data_dir',
+  'download',
+  'max_examples',
+  'num_clients',
+  'rng',
+)
+#: --dataset name -> its ``Pool`` (the built-in ones entered by the package,
+#: yours by ``register_pool``); ``tfds:<name>`` reads TFDS's ``TFDS_POOL``.
+POOLS: Dict[str, Pool] = {}
+#: The pool of every ``tfds:<name>`` not in ``POOLS`` (entered by the package).
+TFDS_POOL: List[Pool] = []
+
+
+def pool_of(dataset: str) -> Optional[Pool]:
+  """The ``Pool`` of ``dataset``, or None (a data set read client by client).
+
+  Args:
+    dataset: a ``--dataset`` name.
+
+  Returns:
+    The ``Pool``, or None.
+  """
+  if dataset in POOLS:
+    return POOLS[dataset]
+  if dataset.startswith('tfds:') and TFDS_POOL:
+    return TFDS_POOL[0]
+  return None
+
+
+def register_pool(
+  name: str,
+  read: Callable[..., Any],
+  kind: str = 'pool',
+  options: Optional[Type[DataOptions]] = None,
+) -> None:
+  """Adds a data set read whole in memory: ``--dataset=<name>`` then reads
+  it through ``read`` (``Pool``) and partitions it with ``--partition``
+  (``kind='pool'``), or splits the clients ``read`` makes
+  (``kind='clients'``).
+
+  Args:
+    name: the ``--dataset`` name.
+    read: its reader, given what its signature names of ``POOL_ARGUMENTS``.
+    kind: ``'pool'`` or ``'clients'``.
+    options: its options class (None: none).
+
+  Returns:
+    None.
+  """
+  owner = caller_file()
+  if kind not in ('pool', 'clients'):
+    raise ValueError(
+      f"pool {name!r}: kind must be 'pool' or 'clients', got {kind!r}"
+    )
+  if name in DATASETS or name.startswith(RESERVED_PREFIXES):
+    raise ValueError(
+      f'{name!r} is a built-in name; register yours under another name'
+    )
+  if (name in POOLS or name in LOADERS) and OWNERS.get(name, owner) != owner:
+    raise ValueError(
+      f'a data set named {name!r} is registered already, by {OWNERS[name]}'
+    )
+  try:
+    params = inspect.signature(read).parameters
+  except (TypeError, ValueError):
+    raise TypeError(
+      f'pool {name!r}: read must be a function, got {read!r}'
+    ) from None
+  for pname, p in params.items():
+    if p.kind is not p.VAR_KEYWORD and pname not in POOL_ARGUMENTS:
+      raise TypeError(
+        f'pool {name!r}: read takes {pname!r}, which it is never given; it is '
+        f'given {", ".join(POOL_ARGUMENTS)}'
+      )
+  POOLS[name] = Pool(read, kind)
+  OPTIONS[name] = options or NoOptions
+  OWNERS[name] = owner
 
 
 #: What every reader may be given besides its options' fields (``load``).
@@ -354,8 +494,9 @@ def names() -> List[str]:
   Returns:
     The names.
   """
+  registered = list(LOADERS) + [n for n in POOLS if n not in LOADERS]
   return list(DATASETS) + [
-    n for n in LOADERS if n not in DATASETS and n not in HELD_OUT_ONLY
+    n for n in registered if n not in DATASETS and n not in HELD_OUT_ONLY
   ]
 
 
@@ -373,7 +514,7 @@ def is_known(dataset: str) -> bool:
     'tfds:'
   ):  # TFDS's own names: tfds:emnist is its byclass (62 classes)
     return tfds_loader.is_known(dataset[len('tfds:') :])
-  return dataset in DATASETS or is_file_dataset(dataset)
+  return dataset in DATASETS or dataset in POOLS or is_file_dataset(dataset)
 
 
 def options_class(dataset: str) -> Type[DataOptions]:

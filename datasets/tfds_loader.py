@@ -11,6 +11,7 @@ from typing import Optional
 
 import numpy as np
 
+from fedjax_personal.datasets import in_memory
 from fedjax_personal.errors import ConfigError
 
 __all__ = ['is_known', 'load_tfds']
@@ -98,3 +99,42 @@ def load_tfds(
   if xs.ndim == 3:
     xs = xs[..., None]
   return xs.astype(np.uint8), ys, num_classes
+
+
+def tfds_pool(
+  name: str, data_dir: Optional[str] = None, max_examples: Optional[int] = None
+):
+  """The pool of ``--dataset=tfds:<name>`` (``load_tfds``'s train split):
+  the ``Pool`` reader of every TFDS name.
+
+  Args:
+    name: ``tfds:<TFDS name>[/<config>]``.
+    data_dir: TFDS's data folder.
+    max_examples: read at most this many.
+
+  Returns:
+    ``(x, y, num_classes)``.
+  """
+  return load_tfds(
+    name[len('tfds:') :], data_dir=data_dir, max_examples=max_examples
+  )
+
+
+def tiny_shakespeare_clients(
+  num_clients: int, options, data_dir: Optional[str] = None
+):
+  """Tiny Shakespeare's roles as clients from TFDS's text: the ``Pool``
+  reader of ``--dataset=tfds:tiny_shakespeare``.
+
+  Args:
+    num_clients: the clients.
+    options: its ``TextOptions``.
+    data_dir: TFDS's data folder.
+
+  Returns:
+    ``([x_i], [y_i], the vocabulary's size)``.
+  """
+  text = load_tfds('tiny_shakespeare', data_dir=data_dir)
+  return in_memory.tinyshakespeare_clients(
+    num_clients, options, data_dir=data_dir, text=text
+  )

@@ -61,7 +61,15 @@ SURFACE = [
   (
     'Data sets',
     'fedjax_personal.datasets.registry',
-    ['register_arrays', 'register', 'ReadClients', 'READER_ARGUMENTS'],
+    [
+      'register_arrays',
+      'register',
+      'ReadClients',
+      'READER_ARGUMENTS',
+      'register_pool',
+      'Pool',
+      'POOL_ARGUMENTS',
+    ],
   ),
   (
     'Data sets',

@@ -6,6 +6,7 @@ import pytest
 from fedjax_personal.datasets import (
   DataConfig,
   TextOptions,
+  check_given,
   in_memory,
   load_federated,
   local_files,
@@ -194,3 +195,38 @@ def test_tfds_tiny_shakespeare_text_with_mock_data():
   with tfds.testing.mock_data(num_examples=3):
     text = load_tfds('tiny_shakespeare')
   assert isinstance(text, str) and len(text) > 0
+
+
+def test_a_pool_of_ones_own_is_a_registry_entry(tmp_path, monkeypatch):
+  """register_pool: a reader of (x, y, num_classes) is partitioned by
+  --partition as the built-in pools are; --data_dir applies only when the
+  reader takes it; a reader naming what it is never given is refused."""
+  from fedjax_personal.datasets import registry
+
+  for table in ('POOLS', 'OPTIONS', 'OWNERS'):
+    monkeypatch.setattr(registry, table, dict(getattr(registry, table)))
+  x = np.random.default_rng(0).normal(size=(120, 3)).astype(np.float32)
+  y = (np.arange(120) % 4).astype(np.int32)
+
+  registry.register_pool('my_pool', lambda: (x, y, 4))
+  data = load_federated(
+    DataConfig(dataset='my_pool', partition='iid', num_clients=6)
+  )
+  assert data.num_clients == 6 and data.num_classes == 4
+  total = sum(
+    int(np.asarray(s.num_examples).sum())
+    for s in (data.train, data.val, data.test)
+  )
+  assert total == 120  # every example once
+  with pytest.raises(ConfigError, match='data_dir: does nothing'):
+    check_given(
+      DataConfig(dataset='my_pool', data_dir=str(tmp_path)), {'data_dir'}
+    )
+  registry.register_pool('my_files', lambda data_dir=None: (x, y, 4))
+  check_given(
+    DataConfig(dataset='my_files', data_dir=str(tmp_path)), {'data_dir'}
+  )
+  with pytest.raises(TypeError, match="takes 'path'"):
+    registry.register_pool('my_typo', lambda path: (x, y, 4))
+  with pytest.raises(ValueError, match='built-in'):
+    registry.register_pool('mnist', lambda: (x, y, 4))
