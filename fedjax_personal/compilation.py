@@ -27,7 +27,7 @@ it was first called: the header and ``summary.json`` report them.
 import os
 import threading
 import time
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import jax
 from jax import monitoring
@@ -111,14 +111,7 @@ def trim(path: str, max_bytes: int = MAX_BYTES) -> int:
   Returns:
     The bytes removed.
   """
-  try:
-    entries = [
-      (e.stat().st_atime, e.stat().st_size, e.path)
-      for e in os.scandir(path)
-      if e.is_file()
-    ]
-  except OSError:
-    return 0
+  entries = _files(path)
   total = sum(size for _, size, _ in entries)
   if total <= max_bytes:
     return 0
@@ -202,11 +195,29 @@ def size(path: Optional[str] = None):
   path = path or directory()
   entries = total = 0
   if path and os.path.isdir(path):
-    for entry in os.scandir(path):
-      if entry.is_file():
-        entries += 1
-        total += entry.stat().st_size
+    for _, nbytes, _ in _files(path):
+      entries += 1
+      total += nbytes
   return entries, total
+
+
+def _files(path: str) -> List[Tuple[float, int, str]]:
+  """(last access, bytes, path) of each file in the cache folder; a file
+  another process removes meanwhile (its own probe, an entry it evicted) is
+  left out."""
+  out: List[Tuple[float, int, str]] = []
+  try:
+    scanned = list(os.scandir(path))
+  except OSError:
+    return out
+  for e in scanned:
+    try:
+      if e.is_file():
+        st = e.stat()
+        out.append((st.st_atime, st.st_size, e.path))
+    except FileNotFoundError:
+      pass
+  return out
 
 
 def stats() -> dict:
