@@ -10,7 +10,7 @@ import dataclasses
 import os
 import shutil
 import time
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import jax
 
@@ -18,6 +18,7 @@ from fedjax_personal import algorithms as algorithms_lib
 from fedjax_personal import compilation, numerics
 from fedjax_personal.config import TrainingConfig
 from fedjax_personal.core import system as system_lib
+from fedjax_personal.core.data import FederatedData
 from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.core.executors import Executor
 from fedjax_personal.core.population.clients import Population, PopulationStore
@@ -77,7 +78,7 @@ class Job:
   cfgs: Optional[List[Tuple[int, Dict[str, Any]]]]
   store: PopulationStore
   population: Population
-  data: Any
+  data: Union[FederatedData, HostData]
   layout: str
   rows_on_disk: bool
   model: Model
@@ -295,9 +296,18 @@ def _make_runs(job: Job, built: Built):
       cfgs.append(own)
   # One program over the configurations needs the whole population on the
   # device; the host layout runs them one after another on shared gathers.
-  one_program = job.executor.fused and not isinstance(data, HostData)
-  runs = sweep.SweepRunner if one_program else sweep.LoopRuns
-  return runs(
+  if job.executor.fused and isinstance(data, FederatedData):
+    return sweep.SweepRunner(
+      build,
+      cfgs,
+      data,
+      sampler,
+      job.executor,
+      matmul_precision=precision,
+      system=job.system,
+      row_groups=row_groups,
+    )
+  return sweep.LoopRuns(
     build,
     cfgs,
     data,
@@ -339,10 +349,10 @@ def claim_and_restore(job: Job) -> Mapping[str, Tuple[Any, Optional[tuple]]]:
         os.path.join(job.output_dir, name), ident, out.overwrite, resume
       )
   distributed.barrier('claimed output folders')
-  if (
-    job.rows_on_disk
-  ):  # the live client rows, made afresh (a resume rewrites them)
-    shutil.rmtree(job.data.rows_folder, ignore_errors=True)
+  data = job.data
+  if isinstance(data, HostData) and data.rows_folder:
+    # the live client rows, made afresh (a resume rewrites them)
+    shutil.rmtree(data.rows_folder, ignore_errors=True)
   out_runs = {}
   for built in job.algs:
     name = built.settings.name
