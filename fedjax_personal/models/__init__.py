@@ -84,6 +84,7 @@ __all__ = [
   'avg_pool_2x2',
   'batch_chunk',
   'build_model',
+  'check_known',
   'CharLSTM',
   'CNN',
   'ConfigError',
@@ -196,10 +197,7 @@ class ModelConfig(Declared):
 
   def check(self) -> None:
     """A known model; a weights file that exists and gives every weight."""
-    if self.model not in MODELS and self.model not in REGISTERED:
-      raise ConfigError(
-        'model', f'unknown model {self.model!r}; choose from {model_names()}'
-      )
+    check_known(self.model)
     if self.model in REGISTERED:
       for flag, what in (('adapter_dim', 0), ('model_init', 'flax')):
         if getattr(self, flag) != what:
@@ -245,6 +243,24 @@ def build_model(cfg: ModelConfig, num_classes: int, sample_x) -> 'Model':
   return model
 
 
+def check_known(name: str) -> None:
+  """Refuses a name no model has (built-in or registered).
+
+  Args:
+    name: a ``--model`` name.
+
+  Returns:
+    None.
+
+  Raises:
+    ConfigError naming ``--model``.
+  """
+  if name not in MODELS and name not in REGISTERED:
+    raise ConfigError(
+      'model', f'unknown model {name!r}; choose one of {model_names()}'
+    )
+
+
 def create_model(
   name: str,
   num_classes: int,
@@ -276,10 +292,7 @@ def create_model(
     ConfigError: unknown name or convention, or a model that does not fit
       the inputs (the message names the flag).
   """
-  if name not in MODELS and name not in REGISTERED:
-    raise ConfigError(
-      'model', f'unknown model {name!r}; choose one of {model_names()}'
-    )
+  check_known(name)
   if name == 'logreg' and adapter_dim:
     raise ConfigError(
       'adapter_dim',

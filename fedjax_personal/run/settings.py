@@ -158,12 +158,7 @@ class ExperimentSettings(Declared):
     if not self.algorithm:
       raise ConfigError('algorithm', 'give at least one algorithm')
     for a in self.algorithm:
-      if a not in algorithms_lib.REGISTRY:
-        raise ConfigError(
-          'algorithm',
-          f'unknown algorithm {a!r}; choose from '
-          f'{list(algorithms_lib.REGISTRY)}',
-        )
+      algorithms_lib.spec(a)  # refuses an unknown name
     if self.cohort_size is not None and self.participation is not None:
       raise ConfigError(
         'participation',
