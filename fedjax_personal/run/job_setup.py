@@ -380,15 +380,19 @@ def decide_layout(
   num = len(cfgs) if cfgs is not None else 1
   times = f' x {num} configurations' if num > 1 else ''
   padded = store.padded_nbytes(cap)
-  free = memory.device_free_bytes() or (
-    placement.host_available_bytes() if jax.default_backend() == 'cpu' else None
+  cpu = jax.default_backend() == 'cpu'
+  # Measured once: the device's free memory, the host's available.
+  device_free, host_free = (
+    memory.device_free_bytes(),
+    placement.host_available_bytes(),
   )
+  free = device_free or (host_free if cpu else None)
   widest = int(np.asarray(loaded.population.train.num_examples).max())
   name, reason = placement.choose(engine.layout, padded, free, widest, cap)
   if name == 'host' and jax.process_count() > 1:
     # The padded population is made on the host, then put on the device: on
     # a CPU both copies share the host's memory.
-    need = padded * (2 if jax.default_backend() == 'cpu' else 1)
+    need = padded * (2 if cpu else 1)
     if free is not None and need > free:
       raise ConfigError(
         'num_processes',
@@ -400,11 +404,9 @@ def decide_layout(
     name, reason = 'device', 'several processes run on the device layout'
   sizes = {b.alg.name: _state_bytes(b.alg) for b in algs}
   if name == 'device':
-    free, copies = memory.device_free_bytes(), 1
-    if (
-      free is None and jax.default_backend() == 'cpu'
-    ):  # the device is the host
-      free, copies = placement.host_available_bytes(), 2
+    free, copies = device_free, 1
+    if free is None and cpu:  # the device is the host
+      free, copies = host_free, 2
     largest = max(sizes, key=lambda n: sizes[n][0])
     need = copies * padded + num * sizes[largest][0]
     if free is not None and need > free:
@@ -432,20 +434,28 @@ def decide_layout(
     name,
     reason,
     _rows_on_disk(
-      s, {n: num * r for n, (_, r) in sizes.items() if r}, num, times
+      s,
+      {n: num * r for n, (_, r) in sizes.items() if r},
+      num,
+      times,
+      host_free,
     ),
   )
 
 
 def _rows_on_disk(
-  s: RunSettings, rows: Dict[str, int], num: int, times: str
+  s: RunSettings,
+  rows: Dict[str, int],
+  num: int,
+  times: str,
+  available: Optional[int],
 ) -> bool:
   """Whether the host layout's client rows (``rows``: bytes by algorithm,
   all configurations) go to files: asked for, or ``auto`` when the largest
   takes more than half the available memory; else every algorithm's must
-  fit 90% of it. Says where each algorithm's rows are."""
+  fit 90% of it (``available``: the host's available bytes, None:
+  unknown). Says where each algorithm's rows are."""
   engine = s.engine
-  available = placement.host_available_bytes()
   most = max(rows.values(), default=0)
   why = ''
   on_disk = False
