@@ -128,25 +128,10 @@ class ReadClients(Protocol):
     ...
 
 
-def register(
-  name: str,
-  read_clients: ReadClients,
-  options: Optional[Type[DataOptions]] = None,
-) -> None:
-  """Adds a natural data set read from files: ``--dataset=<name>`` then
-  reads it through ``read_clients(num_clients=None, data_dir=None,
-  download=False, ...)`` into the population store, passing the options its
-  signature names: ``options``' fields (a ``DataOptions`` dataclass of
-  ``hparam`` fields, whose flags the command generates) and ``seed``.
-
-  Args:
-    name: the ``--dataset`` name.
-    read_clients: the reader.
-    options: the data set's options class (None: none).
-
-  Returns:
-    None.
-  """
+def _claimed(name: str, options: Optional[Type[DataOptions]]) -> str:
+  """The file registering ``name`` (``caller_file``), once the name is free
+  to it (no built-in or held-out name, no loaders' prefix, no data set
+  another file registered) and ``options`` is a ``DataOptions`` class."""
   owner = caller_file()
   if name in DATASETS or name in HELD_OUT_ONLY:
     raise ValueError(
@@ -167,6 +152,29 @@ def register(
     raise TypeError(
       f'the options of {name!r} must be a DataOptions dataclass, got {options!r}'
     )
+  return owner
+
+
+def register(
+  name: str,
+  read_clients: ReadClients,
+  options: Optional[Type[DataOptions]] = None,
+) -> None:
+  """Adds a natural data set read from files: ``--dataset=<name>`` then
+  reads it through ``read_clients(num_clients=None, data_dir=None,
+  download=False, ...)`` into the population store, passing the options its
+  signature names: ``options``' fields (a ``DataOptions`` dataclass of
+  ``hparam`` fields, whose flags the command generates) and ``seed``.
+
+  Args:
+    name: the ``--dataset`` name.
+    read_clients: the reader.
+    options: the data set's options class (None: none).
+
+  Returns:
+    None.
+  """
+  owner = _claimed(name, options)
   _check_reader(name, read_clients, options or NoOptions)
   LOADERS[name] = read_clients
   OPTIONS[name] = options or NoOptions
@@ -244,8 +252,7 @@ class Pool:
     Returns:
       What ``read`` returns.
     """
-    params = inspect.signature(self.read).parameters
-    return self.read(**{k: v for k, v in given.items() if k in params})
+    return self.read(**_taken_by(self.read, given))
 
 
 #: What a pool's reader may be given (``Pool``): the data set's name and
@@ -304,19 +311,11 @@ def register_pool(
   Returns:
     None.
   """
-  owner = caller_file()
   if kind not in ('pool', 'clients'):
     raise ValueError(
       f"pool {name!r}: kind must be 'pool' or 'clients', got {kind!r}"
     )
-  if name in DATASETS or name.startswith(RESERVED_PREFIXES):
-    raise ValueError(
-      f'{name!r} is a built-in name; register yours under another name'
-    )
-  if (name in POOLS or name in LOADERS) and OWNERS.get(name, owner) != owner:
-    raise ValueError(
-      f'a data set named {name!r} is registered already, by {OWNERS[name]}'
-    )
+  owner = _claimed(name, options)
   try:
     params = inspect.signature(read).parameters
   except (TypeError, ValueError):
@@ -656,5 +655,10 @@ def reader_options(dataset: str, options) -> dict:
   fn = LOADERS.get(dataset)
   if fn is None:
     return {}
+  return _taken_by(fn, {k: v for k, v in options.items() if v is not None})
+
+
+def _taken_by(fn: Callable, given: Dict[str, Any]) -> Dict[str, Any]:
+  """The entries of ``given`` that ``fn``'s signature names."""
   params = inspect.signature(fn).parameters
-  return {k: v for k, v in options.items() if v is not None and k in params}
+  return {k: v for k, v in given.items() if k in params}
