@@ -320,9 +320,6 @@ def interrupted(during_round: bool = False) -> Interrupted:
 LEAST_ADDRESS_SPACE = 1 << 30
 
 
-address_space_limit = host.address_space_limit
-
-
 def fit_address_space_limit() -> None:
   """A command under an address-space limit (``ulimit -v``): malloc's
   per-thread arenas (64 MB of address space each, glibc) are limited to 2
@@ -337,7 +334,7 @@ def fit_address_space_limit() -> None:
   Raises:
     HostLimitError: the limit is below ``LEAST_ADDRESS_SPACE``.
   """
-  limit = address_space_limit()
+  limit = host.address_space_limit()
   if limit is None:
     return
   if limit < LEAST_ADDRESS_SPACE:
@@ -385,7 +382,7 @@ def out_of_address_space(exc: BaseException) -> bool:
     True for those errors while a limit is set.
   """
   text = str(exc)
-  return address_space_limit() is not None and (
+  return host.address_space_limit() is not None and (
     isinstance(exc, MemoryError)
     or (isinstance(exc, ImportError) and 'failed to map segment' in text)
     or (isinstance(exc, RuntimeError) and "can't start new thread" in text)
