@@ -87,8 +87,14 @@ class SettingError(ValueError):
     owner: the settings class that declares the field, or None.
   """
 
-  def __init__(self, setting: str, message: str, owner: Optional[type] = None):
-    super().__init__(f'{setting}: {message}')
+  def __init__(
+    self,
+    setting: str,
+    message: str,
+    owner: Optional[type] = None,
+    text: Optional[str] = None,
+  ):
+    super().__init__(f'{setting}: {message}' if text is None else text)
     self.setting, self.message, self.owner = setting, message, owner
 
 
@@ -96,10 +102,11 @@ class ConfigError(SettingError):
   """An invalid or inapplicable setting named by its flag: ``name`` is the
   flag (or field) it concerns and the message starts with ``--name:``."""
 
-  def __init__(self, name: str, message: str):
-    ValueError.__init__(self, f'--{name}: {message}')
-    self.name = self.setting = name
-    self.message, self.owner = message, None
+  def __init__(self, name: str, message: str, text: Optional[str] = None):
+    super().__init__(
+      name, message, text=f'--{name}: {message}' if text is None else text
+    )
+    self.name = name
 
 
 class DataError(ConfigError):
@@ -107,9 +114,7 @@ class DataError(ConfigError):
   message starts with the file's path."""
 
   def __init__(self, message: str):
-    ValueError.__init__(self, message)
-    self.name = self.setting = 'data_dir'
-    self.message, self.owner = message, None
+    super().__init__('data_dir', message, text=message)
 
 
 class HostLimitError(ConfigError):
@@ -117,9 +122,7 @@ class HostLimitError(ConfigError):
   needs; the message starts with the limit."""
 
   def __init__(self, limit: str, message: str):
-    ValueError.__init__(self, f'{limit}: {message}')
-    self.name = self.setting = limit
-    self.message, self.owner = message, None
+    super().__init__(limit, message, text=f'{limit}: {message}')
 
 
 def caller_file() -> str:
