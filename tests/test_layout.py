@@ -86,9 +86,14 @@ def resolve(src, name, known, exported):
       return src
   if f'{src}.{name}' in known:
     return f'{src}.{name}'
-  while src and src not in known:
-    src = src.rpartition('.')[0]
-  return src
+  return _known_prefix(src, known)
+
+
+def _known_prefix(name, known):
+  """The longest dotted prefix of ``name`` that is a package module ('': none)."""
+  while name and name not in known:
+    name = name.rpartition('.')[0]
+  return name
 
 
 def imports_of(path, mod, known, exported=None):
@@ -102,12 +107,7 @@ def imports_of(path, mod, known, exported=None):
   out = set()
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
-      targets = []
-      for a in node.names:
-        t = a.name
-        while t and t not in known:
-          t = t.rpartition('.')[0]
-        targets.append(t)
+      targets = [_known_prefix(a.name, known) for a in node.names]
     elif isinstance(node, ast.ImportFrom):
       src = _source(node, mod, is_pkg)
       targets = [resolve(src, a.name, known, exported) for a in node.names]
