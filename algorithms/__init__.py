@@ -36,7 +36,7 @@ from fedjax_personal.core.client_state import persistent_client_optimizer
 from fedjax_personal.core.data import FederatedData
 from fedjax_personal.core.training import sgd_finetune
 from fedjax_personal.errors import ConfigError, caller_file
-from fedjax_personal.hparams import flag_fields, flag_name
+from fedjax_personal.hparams import check_name, claim_flags
 from fedjax_personal.models import Model
 
 __all__ = [
@@ -115,6 +115,10 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
 #: Who registered each algorithm added by ``register`` (its file).
 OWNERS: Dict[str, str] = {}
 
+claim_flags(TrainingConfig, 'a shared training setting')
+for _name, _spec in REGISTRY.items():
+  claim_flags(_spec.config, f'a setting of --algorithm={_name}')
+
 
 def register(new: AlgorithmSpec) -> None:
   """Adds an algorithm defined outside this package to the registry (the
@@ -129,45 +133,16 @@ def register(new: AlgorithmSpec) -> None:
     None.
   """
   owner = caller_file()
-  _check_flags(new)
+  check_name('algorithm', new.name)
   old = REGISTRY.get(new.name)
   if old is not None and old is not new and OWNERS.get(new.name) != owner:
     raise ValueError(
       f'an algorithm named {new.name!r} is registered already, by '
       f'{OWNERS.get(new.name, "this package")} ({old.summary or new.name})'
     )
+  claim_flags(new.config, f'a setting of --algorithm={new.name}')
   REGISTRY[new.name] = new
   OWNERS[new.name] = owner
-
-
-def _flags_of(cls) -> Dict[str, str]:
-  """``{flag: field}`` of a settings class's fields that have a flag."""
-  if not dataclasses.is_dataclass(cls):
-    return {}
-  return {flag_name(cls, f.name): f.name for f in flag_fields(cls)}
-
-
-def _check_flags(new: AlgorithmSpec) -> None:
-  """Refuses an algorithm whose settings' flags are those of the shared
-  training settings or of another algorithm's settings class (its value
-  would silently be the other's)."""
-  mine = _flags_of(new.config)
-  taken = {f: 'a shared training setting' for f in _flags_of(TrainingConfig)}
-  for other in REGISTRY.values():
-    if other.config is not new.config and other.name != new.name:
-      taken.update(
-        {
-          f: f'a setting of {other.name}'
-          for f in _flags_of(other.config)
-          if f not in taken
-        }
-      )
-  for flag in mine:
-    if flag in taken:
-      raise ValueError(
-        f'algorithm {new.name!r}: its setting --{flag} is already {taken[flag]}; '
-        f'give {new.config.__name__} another prefix'
-      )
 
 
 def spec(name: str) -> AlgorithmSpec:

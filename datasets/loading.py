@@ -13,6 +13,7 @@ from typing import Optional
 
 import numpy as np
 
+from fedjax_personal import user_reads
 from fedjax_personal.core.data import (
   FederatedData,
   client_splits,
@@ -328,7 +329,7 @@ def load_store(
   if not streams_to_store(cfg):  # built in memory, stored without padding
     return pooled_clients(cfg).store()
   options = _reader_options(cfg)
-  with local_files.record_reads() as opened:
+  with user_reads.recording() as opened:
     nat = registry.load(
       cfg.dataset, cfg.num_clients, cfg.data_dir, cfg.download, **options
     )
@@ -341,15 +342,24 @@ READS_FILE = 'reads.json'
 
 def _unnamed_reads_changed(folder) -> Optional[str]:
   """The first file a store's reader read unnamed (``READS_FILE``) that
-  changed or went since, or None."""
+  changed or went since, or environment variable it read that has another
+  value now, or None."""
   try:
     with open(folder / READS_FILE) as f:
       reads = json.load(f)
   except (OSError, ValueError):
     return None
-  for path, digest in reads:
+  if isinstance(reads, list):  # written before variables were recorded
+    reads = {'files': reads, 'env': []}
+  for path, digest in reads.get('files', []):
     if not os.path.isfile(path) or local_files.content_digest(path) != digest:
       return path
+  now = user_reads.Reads(
+    env={k: os.environ.get(k) for k, _ in reads.get('env', [])}
+  )
+  for (name, was), (_, value) in zip(reads.get('env', []), now.record()['env']):
+    if was != value:
+      return f'${name}'
   return None
 
 
@@ -372,9 +382,9 @@ def _store_of(
     ],
   }
   if not nat.files:  # a reader that names no file: what it returns is the key
-    with local_files.record_reads() as more:
+    with user_reads.recording() as more:
       identity['content'] = content_digest(nat)
-    opened |= more
+    opened.update(more)
   digest = hashlib.sha256(
     json.dumps(identity, sort_keys=True).encode()
   ).hexdigest()[:8]
@@ -416,7 +426,7 @@ def _store_of(
     )
   writer = store_lib.StoreWriter(folder, {**identity, 'loader_code': code})
   try:
-    with local_files.record_reads() as more:
+    with user_reads.recording() as more:
       _write_natural(nat, cfg, writer, should_stop)
     store = writer.close(
       _natural_name(cfg, nat), nat.num_classes, nat.eval_only
@@ -424,7 +434,11 @@ def _store_of(
   except BaseException:
     writer.abort()
     raise
-  reads = local_files.reads_of(opened | more, nat.files)
+  opened.update(more)
+  reads = {
+    'files': local_files.reads_of(opened.files, nat.files),
+    'env': opened.record()['env'],
+  }
 
   def write(path):
     with open(path, 'w') as f:

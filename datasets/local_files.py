@@ -8,7 +8,6 @@ copies are kept. Each published file is found under its published name, so a
 file saved by hand in ``--data_dir`` is used as it is.
 """
 
-import contextlib
 import hashlib
 import os
 import pathlib
@@ -25,7 +24,6 @@ __all__ = [
   'derived_dir',
   'digest',
   'reads_of',
-  'record_reads',
   'find_file',
   'locate',
   'MissingDataError',
@@ -315,54 +313,13 @@ def write_atomically(dest: pathlib.Path, write) -> pathlib.Path:
   return dest
 
 
-#: The files opened for reading while ``record_reads`` is active (None: not
-#: recording); the audit hook that fills it is installed on first use.
-_READS: List[Optional[set]] = [None]
-_HOOKED: List[bool] = [False]
-
-
-def _audit(event: str, args) -> None:
-  reads = _READS[0]
-  if reads is None or event not in ('open', 'sqlite3.connect'):
-    return
-  path, mode = args[0], (args[1] if event == 'open' and len(args) > 1 else 'r')
-  if isinstance(path, (bytes, int)) or path is None:
-    return
-  if isinstance(mode, str) and any(c in mode for c in 'wax+'):
-    return
-  reads.add(os.path.abspath(os.fspath(path)))
-
-
-@contextlib.contextmanager
-def record_reads():
-  """Within the context, every file opened for reading (``open``, NumPy,
-  SQLite) is recorded (Python's audit hooks, ``sys.addaudithook``, installed
-  on the first use: importing the library installs nothing). What a data
-  set's reader read, whether it named the file or not, keys its store
-  (``reads_of``).
-
-  Yields:
-    The set of absolute paths, filled as files are opened.
-  """
-  if not _HOOKED[0]:
-    sys.addaudithook(_audit)
-    _HOOKED[0] = True
-  outer, _READS[0] = _READS[0], set()
-  try:
-    yield _READS[0]
-  finally:
-    got, _READS[0] = _READS[0], outer
-    if outer is not None and got is not None:
-      outer.update(got)
-
-
 def reads_of(paths, named=()) -> List[List[str]]:
   """``[[path, content digest]]`` of the data files among ``paths`` (not
   Python's or a package's sources, not this library's cache, not the
   system's), less those in ``named`` (the reader's own ``files``).
 
   Args:
-    paths: absolute paths (``record_reads``).
+    paths: absolute paths (``user_reads.recording``).
     named: the files the reader named.
 
   Returns:

@@ -18,7 +18,12 @@ from typing import Callable, Iterator, List, Optional
 import numpy as np
 
 from fedjax_personal.datasets import sqlite_formats
-from fedjax_personal.errors import ConfigError, DataError
+from fedjax_personal.errors import (
+  ConfigError,
+  DataError,
+  SettingError,
+  user_frame,
+)
 
 __all__ = [
   'check_pair',
@@ -234,7 +239,18 @@ def checked(dataset: str, nat: NaturalData) -> NaturalData:
 
   def stream():
     spec: dict = {}
-    for item in inner():
+    for i, item in enumerate(_read(dataset, inner)):
+      if not isinstance(item, tuple) or len(item) not in (3, 4):
+        got = (
+          f'a {len(item)}-tuple'
+          if isinstance(item, tuple)
+          else type(item).__name__
+        )
+        raise ConfigError(
+          'dataset',
+          f'{dataset}: its reader yielded {got} for its client #{i}, not '
+          '(client_id, (x, y) train, (x, y) test[, (x, y) validation])',
+        )
       cid, *parts = item
       for split, part in zip(('train', 'test', 'validation'), parts):
         if part is not None:
@@ -242,6 +258,28 @@ def checked(dataset: str, nat: NaturalData) -> NaturalData:
       yield item
 
   return dataclasses.replace(nat, stream=stream)
+
+
+def _read(dataset: str, stream) -> Iterator:
+  """``stream()``'s items; a failure of the reader's own code (a file it
+  cannot read, its own bug) one line naming the data set and where."""
+  it = iter(stream())
+  while True:
+    try:
+      item = next(it)
+    except StopIteration:
+      return
+    except (SettingError, KeyboardInterrupt, MemoryError):
+      raise
+    except Exception as e:  # noqa: BLE001 -- the reader's own failure
+      where = user_frame(e)
+      raise ConfigError(
+        'dataset',
+        f'{dataset}: its reader failed'
+        + (f' at {where}' if where else '')
+        + f': {type(e).__name__}: {e}',
+      ) from None
+    yield item
 
 
 def check_pair(

@@ -16,11 +16,13 @@ data set of your own files with its options (docs/add_a_data_set.md).
 import dataclasses
 import hashlib
 import inspect
+import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Protocol, Type
 
 import numpy as np
 
+from fedjax_personal import user_reads
 from fedjax_personal.datasets import sources, tfds_loader
 from fedjax_personal.datasets.natural_data import (
   MAX_CLASSES,
@@ -31,6 +33,7 @@ from fedjax_personal.datasets.natural_data import (
 )
 from fedjax_personal.datasets.options import DataOptions, NoOptions
 from fedjax_personal.errors import ConfigError, caller_file
+from fedjax_personal.hparams import check_name, claim_flags
 
 __all__ = [
   'DATASETS',
@@ -142,6 +145,7 @@ def _claimed(name: str, options: Optional[Type[DataOptions]]) -> str:
       f'{name!r}: names starting {" or ".join(RESERVED_PREFIXES)} are the '
       "loaders' own (LEAF's JSON, TFDS); register yours under another name"
     )
+  check_name('data set', name)
   if (name in LOADERS or name in POOLS) and OWNERS.get(name, owner) != owner:
     raise ValueError(
       f'a data set named {name!r} is registered already, by {OWNERS[name]}'
@@ -152,6 +156,7 @@ def _claimed(name: str, options: Optional[Type[DataOptions]]) -> str:
     raise TypeError(
       f'the options of {name!r} must be a DataOptions dataclass, got {options!r}'
     )
+  claim_flags(options, f'an option of --dataset={name}')
   return owner
 
 
@@ -208,6 +213,7 @@ def register_builtin(
   if read_clients is not None:
     LOADERS[name] = read_clients
   if options is not None:
+    claim_flags(options, f'an option of --dataset={name}')
     OPTIONS[name] = options
   if pool is not None:
     POOLS[name] = pool
@@ -595,6 +601,10 @@ def loader_code(dataset: str) -> str:
       OSError,
     ):  # no module or no source (a frozen build): its name
       h.update(repr(getattr(module, '__name__', module)).encode())
+  source = getattr(modules[0], '__file__', None)
+  imported = user_reads.AT_IMPORT.get(os.path.abspath(source or ''))
+  if imported and any(imported.values()):  # what its module read when imported
+    h.update(repr(imported).encode())
   return h.hexdigest()[:16]
 
 

@@ -13,8 +13,9 @@ docs (``--helpfull``).
 import dataclasses
 import functools
 import math
+import re
 import typing
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import jax
 
@@ -22,6 +23,10 @@ from fedjax_personal.errors import ConfigError, SettingError
 
 __all__ = [
   'as_flag_error',
+  'check_name',
+  'value_text',
+  'claim_flags',
+  'FLAG_CLASSES',
   'Declared',
   'field_types',
   'fill_options',
@@ -271,3 +276,89 @@ def fill_options(settings, flag: str, cls) -> None:
       f'{type(settings.options).__name__} are not the options of '
       f'{getattr(settings, flag)} ({cls.__name__})',
     )
+
+
+#: The settings classes whose fields are a command's flags, with what each
+#: is (``claim_flags``): the run's, the shared training settings, and every
+#: algorithm's, data set's and model's own options as they are registered.
+FLAG_CLASSES: Dict[type, str] = {}
+
+
+def claim_flags(cls, what: str) -> None:
+  """Claims the flags of settings class ``cls`` for ``what``: a flag that
+  another claimed class declares already is refused (its value would
+  silently be the other's). A field inherited from a claimed class is the
+  same flag, not a second one; ``what`` claiming again (a re-run notebook
+  cell) replaces its earlier class.
+
+  Args:
+    cls: a settings dataclass (or None: nothing to claim).
+    what: what it is, as a refusal names it (``an option of --model=mine``).
+
+  Returns:
+    None.
+
+  Raises:
+    ValueError naming the flag, what holds it already, and the class.
+  """
+  if cls is None or not dataclasses.is_dataclass(cls):
+    return
+  for old in [c for c, w in FLAG_CLASSES.items() if w == what and c is not cls]:
+    del FLAG_CLASSES[old]
+  taken: Dict[str, Tuple[dataclasses.Field, str]] = {}
+  for other, owner in FLAG_CLASSES.items():
+    if other is not cls:
+      for f in flag_fields(other):
+        taken.setdefault(flag_name(other, f.name), (f, owner))
+  for f in flag_fields(cls):
+    flag = flag_name(cls, f.name)
+    got = taken.get(flag)
+    if got is not None and got[0] is not f:
+      raise ValueError(
+        f'{what}: its flag --{flag} is already {got[1]}; give '
+        f'{cls.__name__} another prefix (or rename the field)'
+      )
+  FLAG_CLASSES[cls] = what
+
+
+_NAME = re.compile(r'[A-Za-z_][A-Za-z0-9_]*')
+
+
+def check_name(kind: str, name) -> None:
+  """Refuses a registered name that is not a plain identifier: it becomes
+  a flag's value, a folder of the output and a key of stores, so a ``/``,
+  ``..``, a comma or an empty name would reach other folders or other
+  entries.
+
+  Args:
+    kind: what is registered (``model``, ``data set``, ``algorithm``).
+    name: its name.
+
+  Returns:
+    None.
+
+  Raises:
+    ValueError naming the name.
+  """
+  if not isinstance(name, str) or not _NAME.fullmatch(name):
+    raise ValueError(
+      f'{kind} name {name!r}: must be a plain identifier (letters, digits '
+      'and _, not starting with a digit)'
+    )
+
+
+def value_text(value) -> str:
+  """A setting's value as a label writes it (a sweep's table row, its
+  TensorBoard folder): ``%g`` when that reads back as the value, else the
+  exact ``repr`` (0.1 and 0.1000001 keep distinct labels).
+
+  Args:
+    value: a number (or anything else: ``str``).
+
+  Returns:
+    The text.
+  """
+  if isinstance(value, float):
+    short = f'{value:g}'
+    return short if float(short) == value else repr(value)
+  return str(value)

@@ -724,36 +724,48 @@ def test_an_output_dir_on_a_read_only_disk_exits_74_and_a_file_in_the_way_2(
 
 
 def test_a_damaged_identity_file_is_refused_naming_it_and_overwrite_starts_again(
-  tmp_path,
+  tmp_path, capsys
 ):
-  """identity.json emptied (the folder's) or made garbage (an algorithm's,
-  met when resuming): a ConfigError naming the file and --overwrite (the
-  command's one line, exit 2); --overwrite runs."""
+  """The folder's identity.json emptied: a ConfigError naming the file and
+  --overwrite (the command's one line, exit 2); --overwrite runs. An
+  algorithm's made garbage (met when resuming): that algorithm alone is
+  redone (one line says so), the other algorithm's results kept as they
+  were."""
   from helpers import parse_flags
 
   from fedjax_personal.errors import ConfigError
   from fedjax_personal.run import cli
 
   out = tmp_path / 'run'
-  args = [*RUN, '--rounds=2', f'--output_dir={out}']
+  args = [
+    *(a for a in RUN if not a.startswith('--algorithm')),
+    '--algorithm=fedavg,local',
+    '--rounds=2',
+    f'--output_dir={out}',
+  ]
   parse_flags(*args)
   cli.main_job()
-  for path, text, extra in (
-    (out / 'identity.json', '', ()),
-    (out / 'fedavg' / 'identity.json', '{"algo', ('--resume',)),
+  path = out / 'identity.json'
+  path.write_text('')
+  parse_flags(*args)
+  with pytest.raises(
+    ConfigError, match=f'^--output_dir: {path} is damaged .* --overwrite'
   ):
-    path.write_text(text)
-    parse_flags(*args, *extra)
-    with pytest.raises(
-      ConfigError, match=f'^--output_dir: {path} is damaged .* --overwrite'
-    ):
-      cli.main_job()
-    parse_flags(*args, '--overwrite')
     cli.main_job()
+  parse_flags(*args, '--overwrite')
+  cli.main_job()
+  kept = (out / 'local' / 'metrics.jsonl').read_text()
+  (out / 'fedavg' / 'identity.json').write_text('{"algo')
+  capsys.readouterr()
+  parse_flags(*args, '--resume')
+  cli.main_job()
+  err = capsys.readouterr().err
+  assert 'is damaged' in err and 'fedavg is redone from its start' in err, err
   assert (
     json.loads((out / 'fedavg' / 'identity.json').read_text())['algorithm']
     == 'fedavg'
   )
+  assert (out / 'local' / 'metrics.jsonl').read_text() == kept
 
 
 def test_ctrl_c_of_the_main_jobs_kind_then_the_docs_resume_equals_the_whole_run(

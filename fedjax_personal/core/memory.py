@@ -34,6 +34,7 @@ from fedjax_personal.core.training import Batch, batch_loss
 from fedjax_personal.errors import SettingError
 
 __all__ = [
+  'activation_bytes',
   'block_size',
   'device_free_bytes',
   'estimate',
@@ -94,7 +95,17 @@ def _nbytes(tree) -> int:
 
 def activation_bytes(model, sample_x, batch_size: int) -> int:
   """Bytes of every intermediate output of one forward pass of a batch (Flax
-  modules' ``capture_intermediates``; the logits alone otherwise)."""
+  modules' ``capture_intermediates``; the logits alone otherwise), from
+  shapes alone (nothing compiled or allocated).
+
+  Args:
+    model: the ``Model``.
+    sample_x: one input batch.
+    batch_size: the batch's examples.
+
+  Returns:
+    Bytes.
+  """
   x = jax.ShapeDtypeStruct(
     (batch_size,) + tuple(np.shape(sample_x)[1:]), jnp.asarray(sample_x).dtype
   )

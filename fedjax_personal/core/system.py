@@ -49,6 +49,7 @@ round with stragglers costs no more than one without.
 """
 
 import dataclasses
+import hashlib
 from typing import ClassVar, NamedTuple, Optional, Union
 
 import jax
@@ -173,17 +174,37 @@ class SystemConfig(Declared):
       or self.availability_trace
     )
 
-  def describe(self, specs) -> list:
+  #: The settings that name a file: the identity records its contents.
+  FILES: ClassVar[tuple] = ('client_speeds', 'availability_trace')
+
+  def identity(self) -> dict:
+    """The settings as a run's identity records them: a file a setting
+    names by the SHA-256 of its contents, not its path (an edited file is
+    another run; the same file moved is the same run).
+
+    Returns:
+      A JSON-like dict.
+    """
+    out = dataclasses.asdict(self)
+    for name in self.FILES:
+      if out[name]:
+        out[name] = {'sha256': _file_sha256(out[name])}
+    return out
+
+  def describe(self, specs, steps: bool = False) -> list:
     """The header's line (none for full, reliable devices).
 
     Args:
       specs: the run's algorithms' ``AlgorithmSpec`` (their ``partial_work``).
+      steps: the local work is counted in steps (``local_steps``: K), not
+        epochs (E).
 
     Returns:
       A list of at most one line.
     """
     if not self.active:
       return []
+    n, unit = ('K', 'local steps') if steps else ('E', 'local epochs')
     parts = []
     if self.stragglers:
       keep = sorted(s.name for s in specs if s.partial_work == 'keep')
@@ -194,12 +215,12 @@ class SystemConfig(Declared):
         if n
       )
       parts.append(
-        f'{self.stragglers:.0%} of each cohort stragglers doing 1 .. E - 1 of E '
-        f"local epochs (FedProx's draw), their work {rule}"
+        f'{self.stragglers:.0%} of each cohort stragglers doing 1 .. {n} - 1 '
+        f"of {n} {unit} (FedProx's draw), their work {rule}"
       )
     if self.local_work_min is not None:
       parts.append(
-        f'each other client {self.local_work_min} .. E local epochs (uniform)'
+        f'each other client {self.local_work_min} .. {n} {unit} (uniform)'
       )
     if self.drop_before:
       parts.append(f'{self.drop_before:.0%} drop out before training')
@@ -364,6 +385,11 @@ def prepare(system: Devices, num_clients: int) -> ClientSystem:
         raise ValueError(
           f'{system.availability_trace}: rows of {trace.shape[-1]} values; the '
           f'data has {num_clients} clients: one 0/1 per client, one row per round'
+        )
+      if not trace.any():
+        raise ValueError(
+          f'{system.availability_trace}: no client is ever online (every value '
+          '0): no round would train'
         )
   except ValueError as e:
     raise SettingError(
@@ -618,3 +644,16 @@ def uploading(cohort, shared):
     bool [C].
   """
   return cohort.mask if len(shared) < 3 else cohort.mask & ~shared[2].lost
+
+
+def _file_sha256(path: str) -> str:
+  """The SHA-256 (hex) of a file's bytes; 'unreadable' when it cannot be
+  read (its reader refuses it with the reason)."""
+  h = hashlib.sha256()
+  try:
+    with open(path, 'rb') as f:
+      for chunk in iter(lambda: f.read(1 << 20), b''):
+        h.update(chunk)
+  except OSError:
+    return 'unreadable'
+  return h.hexdigest()

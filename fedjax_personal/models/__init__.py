@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fedjax_personal import user_reads
 from fedjax_personal.errors import ConfigError, user_frame
 from fedjax_personal.hparams import Declared, fill_options, hparam
 from fedjax_personal.models import initializers, weights
@@ -257,7 +258,10 @@ def check_known(name: str) -> None:
   """
   if name not in MODELS and name not in REGISTERED:
     raise ConfigError(
-      'model', f'unknown model {name!r}; choose one of {model_names()}'
+      'model',
+      f'unknown model {name!r}; choose one of {model_names()}, or register '
+      'your own in a file given with --import=FILE.py (models.register: '
+      'docs/add_a_model.md)',
     )
 
 
@@ -340,25 +344,28 @@ def _build_registered(
   kwargs = {
     f.name: getattr(options, f.name) for f in dataclasses.fields(options)
   }
-  try:
-    built = entry.build(num_classes=num_classes, **kwargs)
-  except ConfigError:
-    raise
-  except Exception as e:  # the user's builder failed: one line naming where
-    raise ConfigError(
-      'model',
-      f'{name}: its build failed at {_where(e, entry.build)}: '
-      f'{type(e).__name__}: {e}',
-    ) from None
-  if isinstance(built, Model):
-    return dataclasses.replace(built, name=name)
-  if not isinstance(built, nn.Module):
-    raise ConfigError(
-      'model',
-      f'{name}: its build returned {type(built).__name__}, not a Flax '
-      'Linen module or a Model',
-    )
-  return from_flax(name, built, sample_x)
+  with user_reads.recording() as reads:
+    try:
+      built = entry.build(num_classes=num_classes, **kwargs)
+    except ConfigError:
+      raise
+    except Exception as e:  # the user's builder failed: one line naming where
+      raise ConfigError(
+        'model',
+        f'{name}: its build failed at {_where(e, entry.build)}: '
+        f'{type(e).__name__}: {e}',
+      ) from None
+    if isinstance(built, Model):
+      model = dataclasses.replace(built, name=name)
+    elif not isinstance(built, nn.Module):
+      raise ConfigError(
+        'model',
+        f'{name}: its build returned {type(built).__name__}, not a Flax '
+        'Linen module or a Model',
+      )
+    else:
+      model = from_flax(name, built, sample_x)
+  return dataclasses.replace(model, reads=reads.record())
 
 
 def _where(e: BaseException, build) -> str:

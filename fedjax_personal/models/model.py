@@ -64,6 +64,12 @@ class Model:
       a training forward pass of a stateful model (``collections``), its
       batch statistics over the real examples (``mask``) only; None for a
       stateless one.
+    mode_arg: the argument of ``MODE_ARGUMENTS`` by which its module tells
+      training from evaluation (``train`` or Flax's ``deterministic``, ...),
+      or None.
+    reads: what a user's builder read while building it: files, modules
+      and environment variables (``user_reads.Reads.record``), part of the
+      run identity; None for a built-in model.
   """
 
   name: str
@@ -84,12 +90,16 @@ class Model:
   train_state: Optional[
     Callable[[Any, jax.Array, jax.Array, jax.Array], Tuple[jax.Array, Any]]
   ] = None
+  reads: Optional[dict] = None
+  mode_arg: Optional[str] = None
 
   @property
   def evaluate_kwargs(self) -> dict:
     """What ``module.apply`` takes beside the variables and inputs for an
-    evaluation (``{'train': False}`` for a module with ``train_arg``)."""
-    return {'train': False} if self.train_arg else {}
+    evaluation (``{'train': False}`` for a module with ``train_arg``,
+    ``{'deterministic': True}`` for one written with Flax's
+    ``deterministic``)."""
+    return _mode(self.mode_arg or ('train' if self.train_arg else None), False)
 
   def variables(self, params):
     """The Flax variables of ``params`` (``{'params': params}``, or
@@ -218,7 +228,7 @@ class Model:
     ):
       return self
     forward, transform = module.clone(conv_impl='xla'), self.inputs
-    variables, kw = self.variables, ({'train': False} if self.train_arg else {})
+    variables, kw = self.variables, self.evaluate_kwargs
 
     def apply(params, x):
       if transform is not None:
@@ -242,19 +252,74 @@ DROPOUT_RNG = 'dropout'
 _NOT_STATE = ('params', 'intermediates', 'losses')
 
 
-def takes_train(module: nn.Module) -> bool:
-  """Whether a Linen module's ``__call__`` takes Flax's ``train`` argument.
+#: The arguments by which a Linen module's ``__call__`` tells training from
+#: evaluation, and the value each has in training: Flax's ``train``, its
+#: ``deterministic`` (``not train``), Keras' ``training``, Haiku's
+#: ``is_training``.
+MODE_ARGUMENTS = {
+  'train': True,
+  'training': True,
+  'is_training': True,
+  'deterministic': False,
+}
+
+
+def mode_argument(module: nn.Module) -> Optional[str]:
+  """The argument of ``MODE_ARGUMENTS`` a Linen module's ``__call__``
+  takes, or None.
 
   Args:
     module: a Flax Linen module.
 
   Returns:
-    True when ``train`` is among its parameters.
+    Its name, or None.
   """
   try:
-    return 'train' in inspect.signature(type(module).__call__).parameters
+    params = inspect.signature(type(module).__call__).parameters
   except (TypeError, ValueError):
-    return False
+    return None
+  return next((a for a in MODE_ARGUMENTS if a in params), None)
+
+
+def takes_train(module: nn.Module) -> bool:
+  """Whether a Linen module's ``__call__`` tells training from evaluation
+  (``mode_argument``: ``train``, ``deterministic``, ...).
+
+  Args:
+    module: a Flax Linen module.
+
+  Returns:
+    True when it takes one of ``MODE_ARGUMENTS``.
+  """
+  return mode_argument(module) is not None
+
+
+def _mode(argument: Optional[str], train: bool) -> Dict[str, Any]:
+  """``{argument: its value}`` in training (``train``) or evaluation."""
+  if argument is None:
+    return {}
+  return {argument: train if MODE_ARGUMENTS[argument] else not train}
+
+
+def _dropout_without_mode(module: nn.Module, sample_x) -> bool:
+  """Whether initializing ``module`` calls an ``nn.Dropout`` of a positive
+  rate (a module with dropout that cannot be told it trains)."""
+  seen = []
+
+  def interceptor(next_fun, args, kwargs, context):
+    if isinstance(context.module, nn.Dropout) and context.module.rate > 0:
+      seen.append(context.module.rate)
+    return next_fun(*args, **kwargs)
+
+  try:
+    with nn.intercept_methods(interceptor):
+      jax.eval_shape(
+        lambda k: module.init({'params': k, DROPOUT_RNG: k}, sample_x),
+        jax.random.key(0),
+      )
+  except Exception:  # noqa: BLE001 -- its own failure is reported elsewhere
+    pass
+  return bool(seen)
 
 
 def _batch_norm_mask(mask):
@@ -303,8 +368,17 @@ def from_flax(name: str, module: nn.Module, sample_x) -> Model:
     The ``Model``.
   """
   sample_x = jnp.asarray(sample_x)[:1]
-  train_arg = takes_train(module)
-  evaluate: Dict[str, Any] = {'train': False} if train_arg else {}
+  argument = mode_argument(module)
+  train_arg = argument is not None
+  if not train_arg and _dropout_without_mode(module, sample_x):
+    raise ConfigError(
+      'model',
+      f'model {name!r} has dropout but its __call__ takes no train argument, '
+      "so it could never be told it trains: give it one (Flax's convention, "
+      'nn.Dropout(rate, deterministic=not train))',
+    )
+  evaluate = _mode(argument, False)
+  training = _mode(argument, True)
   made = jax.eval_shape(
     lambda k: module.init(k, sample_x, **evaluate), jax.random.key(0)
   )
@@ -323,14 +397,14 @@ def from_flax(name: str, module: nn.Module, sample_x) -> Model:
       for c, v in module.init(key, sample_x, **evaluate).items()
       if c in keep
     }
-    apply = lambda params, x: module.apply(params, x, train=False)
+    apply = lambda params, x: module.apply(params, x, **evaluate)
   else:
     init = lambda key: module.init(key, sample_x, **evaluate)['params']
     apply = lambda params, x: module.apply({'params': params}, x, **evaluate)
 
   def train_apply(params, x, key):
     return module.apply(
-      {'params': params}, x, train=True, rngs={DROPOUT_RNG: key}
+      {'params': params}, x, rngs={DROPOUT_RNG: key}, **training
     )
 
   def train_state(params, x, key, mask):
@@ -338,9 +412,9 @@ def from_flax(name: str, module: nn.Module, sample_x) -> Model:
       return module.apply(
         params,
         x,
-        train=True,
         rngs={DROPOUT_RNG: key},
         mutable=list(collections),
+        **training,
       )
 
   return Model(
@@ -352,4 +426,5 @@ def from_flax(name: str, module: nn.Module, sample_x) -> Model:
     collections=collections,
     train_arg=train_arg,
     train_state=train_state if collections else None,
+    mode_arg=argument,
   )

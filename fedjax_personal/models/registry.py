@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Optional, Protocol, Type, Union
 import flax.linen as nn
 
 from fedjax_personal.errors import caller_file
-from fedjax_personal.hparams import Declared
+from fedjax_personal.hparams import Declared, check_name, claim_flags
 from fedjax_personal.models.architectures import (
   CNN,
   MLP,
@@ -398,6 +398,7 @@ def register(
     TypeError: options that are not a ``ModelOptions`` dataclass, or a
       builder taking a parameter it is never given (a misspelled option).
   """
+  check_name('model', name)
   if name in MODELS:
     raise ValueError(
       f'{name!r} is a built-in model; register yours under another name'
@@ -419,6 +420,7 @@ def register(
     raise ValueError(
       f'a model named {name!r} is registered already, by {old.owner}'
     )
+  claim_flags(options, f'an option of --model={name}')
   REGISTERED[name] = RegisteredModel(build, options, owner)
 
 

@@ -322,6 +322,7 @@ def restore_latest(
   if not os.path.isdir(directory):
     return None
   mngr = manager(directory)
+  unreadable = []
   for step in sorted(mngr.all_steps(), reverse=True):
     if identity is not None:
       try:
@@ -336,6 +337,7 @@ def restore_latest(
           f'({type(e).__name__}); trying the previous one',
           file=sys.stderr,
         )
+        unreadable.append(f'{step}: {type(e).__name__}')
         continue
       want = run_identity.as_json(identity)
       if saved != want:
@@ -383,6 +385,7 @@ def restore_latest(
         f'({type(e).__name__}); trying the previous one',
         file=sys.stderr,
       )
+      unreadable.append(f'{step}: {type(e).__name__}')
       continue
     histories = [list(h) for h in out['history']]
     if (
@@ -400,6 +403,13 @@ def restore_latest(
     else:
       state = from_saveable(out['state'], template_state)
     return state, int(step), histories
+  if unreadable:  # never a fresh start whose checkpoints would replace these
+    raise ConfigError(
+      'resume',
+      f'no checkpoint in {directory} can be read into this run '
+      f'({", ".join(unreadable)}); they are kept: resume with the command '
+      'that wrote them, or start afresh with --overwrite',
+    )
   return None
 
 

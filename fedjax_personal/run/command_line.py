@@ -33,6 +33,7 @@ from fedjax_personal.datasets import (
 from fedjax_personal.datasets import config as data_config_lib
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.hparams import (
+  claim_flags,
   field_types,
   flag_fields,
   flag_name,
@@ -85,6 +86,12 @@ RUN_SETTINGS = (
   (OutputSettings, 'fedjax_personal: outputs, checkpoints, resuming'),
   (DistributedSettings, 'fedjax_personal: several processes'),
 )
+
+for (
+  _cls,
+  _group,
+) in RUN_SETTINGS:  # every option after them is refused its flags
+  claim_flags(_cls, f'a setting of the run ({_cls.__name__})')
 
 #: The main job's defaults where they are not the library's: the command
 #: shows personalization on 40 rotated clients (``DataConfig()`` is 20
@@ -345,6 +352,11 @@ def _sweep(fl: _Flags, spec: str) -> Dict[str, Tuple[float, ...]]:
   except ValueError as e:
     raise ConfigError('sweep', str(e)) from None
   for name, values in swept.items():
+    if name in fl.given:  # which would the run use? neither silently
+      raise ConfigError(
+        name,
+        f'given beside --sweep of {name}; give its values in --sweep alone',
+      )
     cls, field = names[name]
     for v in values:
       try:

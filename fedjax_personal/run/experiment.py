@@ -227,10 +227,14 @@ def run_many(
         record.get('train_loss', 0.0)
       ):
         diverged[s] = t + 1
-      if diverged[s] is not None:
-        record['diverged'], record['diverged_at_round'] = True, diverged[s]
       if stats is not None:
         record.update(evaluation_record(LossStats(*(a[s] for a in stats))))
+        if diverged[s] is None and not math.isfinite(
+          record.get('loss_weighted', 0.0)
+        ):  # the model's outputs are not finite: its accuracy means nothing
+          diverged[s] = t + 1
+      if diverged[s] is not None:
+        record['diverged'], record['diverged_at_round'] = True, diverged[s]
       histories[s].append(record)
     for cb in callbacks:
       cb.on_round_end(t + 1, records, state)
@@ -245,8 +249,14 @@ def run_many(
       loss = records[0].get('train_loss')
       which = 'training' if num == 1 else f'all {num} configurations'
       first = min(d for d in diverged if d is not None)
+      seen = (
+        f'train loss {loss}'
+        if loss is None or not math.isfinite(loss)
+        else f"test loss {records[0].get('loss_weighted')}: the model's "
+        'outputs are not finite'
+      )
       raise DivergenceError(
-        f'{which} diverged (round {first}: train loss {loss}); '
+        f'{which} diverged (round {first}: {seen}); '
         'lower --client_lr (or --server_lr)',
         histories,
       )

@@ -214,7 +214,13 @@ def finished_line(output_dir: Optional[str] = None) -> Optional[str]:
 
 # -- signals ------------------------------------------------------------------
 
-_REQUEST: Dict[str, Any] = {'signal': None, 'installed': False, 'agree': None}
+_REQUEST: Dict[str, Any] = {
+  'signal': None,
+  'installed': False,
+  'agree': None,
+  'handled': 0,
+  'watcher': None,
+}
 
 
 def share_stop_requests(agree) -> None:
@@ -231,15 +237,27 @@ def share_stop_requests(agree) -> None:
   _REQUEST['agree'] = agree
 
 
+#: Seconds a signal waits for the interpreter to take it (the main thread
+#: may be inside a long computation, a compile or an allocation that returns
+#: to Python late or never): a first one asks to stop after the round in
+#: progress and is given ``FIRST_SIGNAL_GRACE``, a second ``SECOND_SIGNAL_GRACE``;
+#: past them the process ends at once, keeping its last checkpoint.
+FIRST_SIGNAL_GRACE, SECOND_SIGNAL_GRACE = 20.0, 2.0
+
+
 def install_signal_handlers() -> None:
   """SIGINT and SIGTERM ask the loop to stop after the current round; a
-  second one raises KeyboardInterrupt at once.
+  second one raises KeyboardInterrupt at once. A watcher thread ends the
+  process in seconds when the interpreter cannot take a signal (its main
+  thread stuck in a computation or an allocation): one line, the signal's
+  exit status, the last checkpoint kept.
 
   Returns:
     None.
   """
 
   def handler(signum, frame):
+    _REQUEST['handled'] = _REQUEST.get('handled', 0) + 1
     if _REQUEST['signal'] is not None:
       signal.signal(signal.SIGINT, signal.default_int_handler)
       raise KeyboardInterrupt
@@ -253,6 +271,61 @@ def install_signal_handlers() -> None:
   for s in EXIT_SIGNAL:
     signal.signal(s, handler)
   _REQUEST['installed'] = True
+  _watch_signals()
+
+
+def _watch_signals() -> None:
+  """Starts the watcher of ``install_signal_handlers`` (once): the signals'
+  wake-up file descriptor (``signal.set_wakeup_fd``) is written by the C
+  handler, whatever the main thread is doing."""
+  if _REQUEST.get('watcher') is not None:
+    return
+  try:
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+  except (OSError, ValueError):  # not the main thread, or no pipes
+    return
+
+  def watch():
+    received = 0
+    while True:
+      try:
+        got = os.read(read_end, 16)
+      except OSError:
+        return
+      for signum in got:
+        if signum not in EXIT_SIGNAL:
+          continue
+        received += 1
+        grace = FIRST_SIGNAL_GRACE if received == 1 else SECOND_SIGNAL_GRACE
+        threading.Timer(grace, _end_if_untaken, args=(signum, received)).start()
+
+  thread = threading.Thread(target=watch, name='signal-watcher', daemon=True)
+  thread.start()
+  _REQUEST['watcher'] = thread
+
+
+def _end_if_untaken(signum: int, received: int) -> None:
+  """Ends the process when the interpreter has not taken the ``received``-th
+  signal yet (its handler did not run): one line, the signal's status."""
+  if _REQUEST['handled'] >= received:
+    return  # taken: the loop stops after its round, or the entry exits
+  if not claim_report(EXIT_SIGNAL[signum]):
+    return
+  if _REQUEST['signal'] is None:
+    _REQUEST['signal'] = signum
+  stop = interrupted(during_round=True)
+  try:
+    print(
+      f'error: {stop} (stopped at once: the process did not answer the signal '
+      f'within {FIRST_SIGNAL_GRACE if received == 1 else SECOND_SIGNAL_GRACE:g} s)',
+      file=error_stream(),
+      flush=True,
+    )
+  finally:
+    printed_report()
+    quiet_exit(stop.status)
 
 
 def signal_received() -> bool:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_personal import algorithms as algorithms_lib
-from fedjax_personal import numerics
+from fedjax_personal import numerics, user_reads
 from fedjax_personal.core import memory
 from fedjax_personal.core import system as system_lib
 from fedjax_personal.core.algorithm import FederatedAlgorithm
@@ -108,11 +108,14 @@ class Built:
     settings: its ``AlgorithmSettings``.
     alg: the ``FederatedAlgorithm``.
     identity: its run identity (empty until ``identify``).
+    reads: what its builder read (a user's algorithm: files, modules,
+      environment variables; ``user_reads.Reads.record``).
   """
 
   settings: AlgorithmSettings
   alg: FederatedAlgorithm
   identity: Dict[str, Any] = dataclasses.field(default_factory=dict)
+  reads: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def load_data(s: RunSettings) -> LoadedData:
@@ -210,6 +213,15 @@ def build_model_and_executor(
     raise ConfigError(
       'conv_impl', f'does nothing: --model={cfg.model} has no convolution'
     )
+  if (
+    cfg.conv_impl != 'auto' and getattr(model.module, 'conv_impl', None) is None
+  ):  # a user's module convolves as it is written: XLA's op
+    raise ConfigError(
+      'conv_impl',
+      f'does nothing for --model={cfg.model}: its module computes its own '
+      'convolutions (as XLA ops, recorded in the run identity); leave '
+      '--conv_impl at auto',
+    )
   model, scoring = s.data.options.scored(model, population.num_classes)
   if scoring:  # next-word accuracy as the data set's publisher defines it
     say(scoring)
@@ -233,20 +245,30 @@ def _check_model_fits_targets(
   """Refuses a model whose predictions do not match the data set's targets
   (an image model on token sequences, a sequence model on labels), before
   anything is built: one line naming --model."""
-  if model.loss != 'cross_entropy':
-    return
   name, dataset = s.model.model, s.data.dataset
   params = jax.eval_shape(model.init, jax.random.key(0))
-  try:
-    out = jax.eval_shape(model.apply, params, jnp.asarray(sample_x)[:1]).shape[
-      1:
-    ]
-  except Exception as e:  # the model cannot even read these inputs
+  shapes = []
+  for batch in (1, 3):  # one output per example, whatever the batch
+    x = jnp.repeat(jnp.asarray(sample_x)[:1], batch, axis=0)
+    try:
+      shapes.append(jax.eval_shape(model.apply, params, x).shape)
+    except Exception as e:  # the model cannot even read these inputs
+      raise ConfigError(
+        'model',
+        f"--model={name} cannot read {dataset}'s inputs "
+        f'{tuple(np.shape(sample_x)[1:])} in a batch of {batch}: '
+        f'{type(e).__name__}',
+      ) from None
+  if any(len(o) < 1 or o[0] != b for o, b in zip(shapes, (1, 3))):
     raise ConfigError(
       'model',
-      f"--model={name} cannot read {dataset}'s inputs "
-      f'{tuple(np.shape(sample_x)[1:])}: {type(e).__name__}',
-    ) from None
+      f'--model={name} gives outputs of shape {shapes[0]} for a batch of 1 '
+      f'and {shapes[1]} for a batch of 3: its output must have one row per '
+      'example of the batch (it mixes or drops the batch axis)',
+    )
+  if model.loss != 'cross_entropy':
+    return
+  out = shapes[0][1:]
   want = tuple(y_shape) + (num_classes,)
   if tuple(out) != want:
     kind = 'a sequence of targets' if len(y_shape) else 'one label'
@@ -279,12 +301,12 @@ def build_algorithms(
   Raises:
     ConfigError naming the setting.
   """
-  algs = tuple(
-    Built(
-      a, algorithms_lib.make(a.spec, a.training, a.config, model, population)
-    )
-    for a in s.algorithms
-  )
+  made = []
+  for a in s.algorithms:
+    with user_reads.recording() as reads:
+      alg = algorithms_lib.make(a.spec, a.training, a.config, model, population)
+    made.append(Built(a, alg, reads=reads.record()))
+  algs = tuple(made)
   if population.eval_only:
     for built in algs:
       _check_global_evaluation(s, built.alg, population.eval_only)
@@ -349,6 +371,47 @@ def _state_bytes(alg: FederatedAlgorithm) -> Tuple[int, int]:
   return tree_bytes(shapes), rows
 
 
+def _check_one_client_fits(
+  s: RunSettings,
+  loaded: LoadedData,
+  algs: Tuple[Built, ...],
+  sizes: Dict[str, Tuple[int, int]],
+  free: Optional[int],
+) -> None:
+  """Refuses, before anything compiles, a round that cannot fit even with
+  one client at a time: the server's state beside one client's working
+  copies of the model (``memory.MODEL_COPIES``) and the activations of one
+  forward pass of its batch, all from shapes (``jax.eval_shape``), against
+  the memory this process may still use (the accelerator's free memory, or
+  the host's available, ``ulimit -v`` and a cgroup included). XLA would
+  otherwise try to allocate it, and a machine out of memory swaps or
+  stalls rather than fail."""
+  if free is None:
+    return
+  population = loaded.population
+  widest = int(np.asarray(population.train.num_examples).max())
+  for b in algs:
+    model = b.alg.model
+    model_bytes = tree_bytes(jax.eval_shape(model.init, jax.random.key(0)))
+    batch = b.alg.client_work.batching.effective_batch_size(widest)
+    try:
+      act = memory.activation_bytes(model, population.sample_x, batch)
+    except Exception:  # noqa: BLE001 -- its own failure is reported elsewhere
+      act = 0
+    shared = sizes[b.alg.name][0] - sizes[b.alg.name][1]
+    need = shared + memory.MODEL_COPIES * model_bytes + act
+    if need > free:
+      raise ConfigError(
+        'model',
+        f'--model={s.model.model} does not fit: a round of {b.alg.name} '
+        f'needs at least {need / placement.GB:.1f} GB with one client at a '
+        f'time (the model {model_bytes / placement.GB:.2f} GB, x'
+        f'{memory.MODEL_COPIES} working copies, and its state and '
+        f'activations), {free / placement.GB:.1f} GB is free to this process '
+        "(ulimit -v and the machine's memory): a smaller model or batch",
+      )
+
+
 def decide_layout(
   s: RunSettings, loaded: LoadedData, algs: Tuple[Built, ...]
 ) -> Layout:
@@ -403,6 +466,9 @@ def decide_layout(
       )
     name, reason = 'device', 'several processes run on the device layout'
   sizes = {b.alg.name: _state_bytes(b.alg) for b in algs}
+  _check_one_client_fits(
+    s, loaded, algs, sizes, device_free or (host_free if cpu else None)
+  )
   if name == 'device':
     free, copies = device_free, 1
     if free is None and cpu:  # the device is the host
@@ -533,9 +599,11 @@ def identify(
   ) or conv
   convolutions = ''
   if conv:
-    why = f'auto on {jax.default_backend()}' + (
-      f'; a forward pass alone {forward}' if forward != conv else ''
-    )
+    why = (
+      f'auto on {jax.default_backend()}'
+      if getattr(mx.model.module, 'conv_impl', None) is not None
+      else "the module's own"
+    ) + (f'; a forward pass alone {forward}' if forward != conv else '')
     convolutions = f'; convolutions {conv}' + (
       f' ({why})' if s.model.conv_impl == 'auto' else ''
     )
@@ -547,6 +615,7 @@ def identify(
   shared = {
     **loaded.identity,
     'numerics': numerics.record(precision, conv, forward),
+    **_read_by('model_reads', mx.model.reads),
   }
   weighted = client_weights(s)
   return tuple(
@@ -561,10 +630,17 @@ def identify(
           if b.settings.name in weighted
           else {}
         ),
+        **_read_by('algorithm_reads', b.reads),
       },
     )
     for b in algs
   )
+
+
+def _read_by(key: str, reads: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+  """``{key: reads}`` when a user's code read anything (files, variables),
+  else nothing (identities of runs that read nothing stay as they were)."""
+  return {key: reads} if reads and any(reads.values()) else {}
 
 
 def place_data(

@@ -175,7 +175,10 @@ def set_up(s: RunSettings) -> Job:
   weights = ', '.join(f'{n} {w}' for n, w in client_weights(s).items())
   for line in (
     [f'client weights: {weights}'] if weights else []
-  ) + s.system.describe([a.spec for a in s.algorithms]):
+  ) + s.system.describe(
+    [a.spec for a in s.algorithms],
+    steps=all(a.training.local_steps is not None for a in s.algorithms),
+  ):
     say(line)
   layout = decide_layout(s, loaded, algs)
   algs = identify(s, loaded, mx, layout, algs)
@@ -346,7 +349,12 @@ def claim_and_restore(job: Job) -> Mapping[str, Tuple[Any, Optional[tuple]]]:
     )
     for name, ident in identities.items():
       run_identity.claim(
-        os.path.join(job.output_dir, name), ident, out.overwrite, resume
+        os.path.join(job.output_dir, name),
+        ident,
+        out.overwrite,
+        resume,
+        outputs=run_identity.ALGORITHM_OUTPUTS,
+        damaged_redone=True,
       )
   distributed.barrier('claimed output folders')
   data = job.data
@@ -417,9 +425,8 @@ def _callbacks(job: Job, built: Built, hists, start):
       hists,
       identity=built.identity,
       resumed_step=start or None,
-      final=bool(
-        s.output.checkpoint_every or s.output.resume or s.output.resume_if_found
-      ),
+      # the final state always: --resume never re-runs a finished algorithm
+      final=True,
     )
   )
   if alg_name == 'fedfomo' and job.cfgs is None and primary:
@@ -428,7 +435,36 @@ def _callbacks(job: Job, built: Built, hists, start):
     )
   if s.output.progress and primary:
     callbacks.append(reporting.Progress(s.experiment.rounds - start, alg_name))
+  if s.system.active and primary:
+    callbacks.append(reporting.DeviceCounts(s.experiment.rounds, alg_name))
   return callbacks
+
+
+def _refuse_runs_without_clients(s, alg_name: str, hists) -> None:
+  """A run in which no client ever took part is refused: its result would
+  be the untrained model."""
+  if not all(
+    h and reporting.rounds_without_clients(h) == len(h) for h in hists
+  ):
+    return
+  system = s.system
+  flag = (
+    'availability_trace'
+    if system.availability_trace
+    else 'availability'
+    if system.availability < 1
+    else 'drop_before'
+    if system.drop_before
+    else 'drop_after'
+    if system.drop_after
+    else 'participation'
+  )
+  raise ConfigError(
+    flag,
+    f'no client took part in any of the {len(hists[0])} rounds of '
+    f'{alg_name} (its result would be the untrained model): let more '
+    'clients be online or drop out less',
+  )
 
 
 def train_algorithm(
@@ -484,6 +520,7 @@ def train_algorithm(
     start_round=start,
     histories=hists,
   )
+  _refuse_runs_without_clients(s, alg_name, hists)
   alg_summaries = []
   costs = process.time_to_result(runs, began, compiled)
   programs, hits = costs.pop('_programs'), costs.pop('_hits')
@@ -504,6 +541,12 @@ def train_algorithm(
       summary['accuracy_definition'] = job.model.accuracy_definition
     if start:
       summary['resumed_after_round'] = start
+    empty = reporting.rounds_without_clients(history)
+    if empty:
+      summary['rounds_without_clients'] = empty
+      say(
+        f'{alg_name}: no client took part in {empty} of its {len(history)} rounds'
+      )
     if ignored:
       summary['ignored_settings'] = list(ignored)
     if e.target_accuracy is not None:

@@ -16,6 +16,7 @@ import sys
 import traceback
 from typing import Dict, List, Optional, Sequence
 
+from fedjax_personal import user_reads
 from fedjax_personal.errors import ConfigError, installed_or_ours
 
 __all__ = ['BROUGHT', 'identity', 'import_all', 'imports_in', 'LOADED', 'load']
@@ -84,6 +85,24 @@ def load(spec: str):
     (the line names the file, line and error).
   """
   before = set(sys.modules)
+  with user_reads.recording() as reads:
+    module = _imported(spec)
+  LOADED[spec] = getattr(module, '__file__', None) or spec
+  _note_shadowed(module)
+  BROUGHT[spec] = sorted(
+    p
+    for p in (_user_source(m) for m in set(sys.modules) - before)
+    if p and p != LOADED[spec]
+  )
+  # besides its helper modules (BROUGHT): the files and variables it read
+  user_reads.AT_IMPORT[os.path.abspath(LOADED[spec])] = reads.record(
+    skip=[LOADED[spec]] + BROUGHT[spec]
+  )
+  return module
+
+
+def _imported(spec: str):
+  """``load``'s import of one module, its failures as one line."""
   try:
     if spec.endswith('.py') or os.sep in spec:
       path = os.path.abspath(os.path.expanduser(spec))
@@ -137,7 +156,7 @@ def load(spec: str):
     raise ConfigError(
       'import', f'{spec} called sys.exit({e.code!r}) while imported'
     ) from None
-  except Exception as e:  # the user's module failed: one line naming where
+  except (Exception, KeyboardInterrupt) as e:  # the user's module failed
     frames = [
       f
       for f in traceback.extract_tb(e.__traceback__)
@@ -147,13 +166,6 @@ def load(spec: str):
     raise ConfigError(
       'import', f'{spec} failed at {where}: {type(e).__name__}: {e}'
     ) from None
-  LOADED[spec] = getattr(module, '__file__', None) or spec
-  _note_shadowed(module)
-  BROUGHT[spec] = sorted(
-    p
-    for p in (_user_source(m) for m in set(sys.modules) - before)
-    if p and p != LOADED[spec]
-  )
   return module
 
 
@@ -232,6 +244,9 @@ def identity(specs: Sequence[str]) -> List[List[str]]:
       except OSError:
         h.update(b'unreadable')
         readable = readable and source != path
+    reads = user_reads.AT_IMPORT.get(os.path.abspath(path))
+    if reads and any(reads.values()):  # files and variables it read
+      h.update(b'\0reads' + repr(reads).encode())
     digest = (
       h.hexdigest()[:16] if readable or BROUGHT.get(spec) else 'unreadable'
     )

@@ -15,6 +15,7 @@ from fedjax_personal.run.plots import plot_runs, plot_trials, trial_curves  # no
 
 __all__ = [
   'AffinityRecorder',
+  'DeviceCounts',
   'aggregate_trials',
   'final_summary',
   'format_table',
@@ -23,6 +24,7 @@ __all__ = [
   'pm',
   'PrivacyRecorder',
   'Progress',
+  'rounds_without_clients',
   'table_window',
   'trials_summary',
   'worst_clients',
@@ -80,6 +82,47 @@ class MetricsWriter(Callback):
         raise faults.storage_error(
           f'{self.path} (round {round_num})', e
         ) from None
+
+
+class DeviceCounts(Callback):
+  """One console line a round for clients as devices: of the clients
+  sampled, how many took part, were stragglers, lost their upload, and how
+  many were online (``core.system``'s counts of the round)."""
+
+  def __init__(self, rounds: int, name: str):
+    self.rounds, self.name = rounds, name
+
+  def on_round_end(self, round_num, records, state):
+    r = records[0]
+    parts = [
+      f'{int(r["num_active"])} of {int(r["num_sampled"])} sampled took part'
+      if 'num_active' in r and 'num_sampled' in r
+      else ''
+    ]
+    for key, what in (
+      ('stragglers', 'stragglers'),
+      ('uploads_lost', 'uploads lost'),
+      ('available', 'online'),
+    ):
+      if key in r:
+        parts.append(f'{int(r[key])} {what}')
+    tqdm.write(
+      f'{self.name} round {round_num}/{self.rounds}: '
+      + ', '.join(p for p in parts if p)
+    )
+
+
+def rounds_without_clients(history: List[dict]) -> int:
+  """The rounds of a run in which no sampled client took part (none
+  online, every one dropped): its model did not change.
+
+  Args:
+    history: a run's records.
+
+  Returns:
+    The count.
+  """
+  return sum(1 for r in history if r.get('num_active', 1) == 0)
 
 
 class Progress(Callback):

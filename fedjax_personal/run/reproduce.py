@@ -271,7 +271,7 @@ def trial_identity(
       'sampler': dataclasses.asdict(runner.sampler),
       'rounds': num_rounds,
       **(
-        {'system': dataclasses.asdict(runner.system.config)}
+        {'system': runner.system.config.identity()}
         if getattr(runner, 'system', None) is not None
         and runner.system.config.active
         else {}

@@ -19,7 +19,7 @@ import shutil
 import socket
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 try:
   import fcntl
@@ -37,7 +37,9 @@ from fedjax_personal.run import faults
 __all__ = [
   'as_json',
   'check_process_count',
+  'ALGORITHM_OUTPUTS',
   'claim',
+  'JOB_OUTPUTS',
   'data_fingerprint',
   'differences',
   'dumps',
@@ -346,21 +348,60 @@ def _unwritable(directory: str, e: OSError) -> Exception:
   )
 
 
-def claim(directory: str, ident: Dict, overwrite: bool, resume: bool) -> None:
+#: What a run writes into its output folder (besides each algorithm's
+#: folder): ``--overwrite`` removes these and nothing else.
+JOB_OUTPUTS = (
+  IDENTITY_FILE,
+  IDENTITY_FILE + '.tmp',
+  'comparison.json',
+  'accuracy.png',
+  'client_accuracy_hist.png',
+  'devices.png',
+  'tensorboard',
+  'client_rows',
+)
+#: What a run writes into an algorithm's folder.
+ALGORITHM_OUTPUTS = (
+  IDENTITY_FILE,
+  IDENTITY_FILE + '.tmp',
+  'metrics.jsonl',
+  'summary.json',
+  'checkpoints',
+  'accuracy.png',
+  'client_accuracy_hist.png',
+  'devices.png',
+  'affinity.png',
+)
+
+
+def claim(
+  directory: str,
+  ident: Dict,
+  overwrite: bool,
+  resume: bool,
+  outputs: Sequence[str] = (),
+  damaged_redone: bool = False,
+) -> None:
   """Makes ``directory`` hold this run's results.
 
   A missing or empty folder is used. A folder holding another
   configuration's results (or anything that is not a run of this library) is
-  refused unless ``overwrite``, which clears it. Without ``resume`` the
-  folder starts empty (old checkpoints of even the same configuration are
-  never restored into a fresh run); with ``resume`` it must hold this
+  refused unless ``overwrite``, which removes the run outputs in it
+  (``outputs``) and nothing else. Without ``resume`` the folder starts
+  without them (old checkpoints of even the same configuration are never
+  restored into a fresh run); with ``resume`` it must hold this
   configuration.
 
   Args:
     directory: the output folder.
     ident: the run identity.
-    overwrite: clear a folder of another configuration.
+    overwrite: replace the outputs of another configuration.
     resume: the run resumes.
+    outputs: the names of what a run writes in it (the others are never
+      removed); ``JOB_OUTPUTS`` and the algorithm folders by default.
+    damaged_redone: a damaged identity file means this folder's run alone is
+      redone (an algorithm's folder in a job whose identity is intact),
+      rather than a refusal.
 
   Returns:
     None.
@@ -369,21 +410,36 @@ def claim(directory: str, ident: Dict, overwrite: bool, resume: bool) -> None:
     ConfigError('output_dir', ...) naming the differences, or when the
     folder cannot be written.
   """
+  redo = False
   try:
     old = read(directory)
-  except ConfigError:
-    if not overwrite:
+  except ConfigError as e:
+    if not (overwrite or damaged_redone):
       raise
-    old = None  # cleared below
-  busy = os.path.isdir(directory) and bool(os.listdir(directory))
-  if busy and not overwrite:
-    if old is None:
+    redo = damaged_redone and not overwrite
+    if redo:
+      print(
+        f'{e.message.split(" (")[0]}; {os.path.basename(directory)} is '
+        'redone from its start (the other algorithms are kept)',
+        file=sys.stderr,
+        flush=True,
+      )
+      resume = False
+    old = None  # its outputs are removed below
+  names = set(outputs) or set(JOB_OUTPUTS) | set(
+    (old or {}).get('algorithms', {})
+  ) | set(ident.get('algorithms', {}))
+  ours = _present(directory, names)
+  others = _present(directory, None) - ours
+  if (ours or others) and not overwrite:
+    if old is None and not redo:
       raise ConfigError(
         'output_dir',
         f'{directory} is not empty and holds no run of this '
-        'library; pass --overwrite to clear it, or choose another --output_dir',
+        'library; choose another --output_dir (or pass --overwrite to write '
+        'into it: its other files are kept)',
       )
-    if old != ident:
+    if old is not None and old != ident:
       diff = differences(old, ident)
       raise ConfigError(
         'output_dir',
@@ -394,12 +450,30 @@ def claim(directory: str, ident: Dict, overwrite: bool, resume: bool) -> None:
   try:
     if os.path.exists(directory) and not os.path.isdir(directory):
       raise NotADirectoryError(20, 'not a directory')
-    if busy and (overwrite or not resume):
-      _remove_tree(directory)
+    if ours and (overwrite or not resume):
+      for name in sorted(ours):
+        _remove(os.path.join(directory, name))
     os.makedirs(directory, exist_ok=True)
     write_json(os.path.join(directory, IDENTITY_FILE), ident)
   except OSError as e:
     raise _unwritable(directory, e) from None
+
+
+def _present(directory: str, names) -> set:
+  """The entries of ``directory`` among ``names`` (None: all of them)."""
+  try:
+    found = set(os.listdir(directory))
+  except (FileNotFoundError, NotADirectoryError):
+    return set()
+  return found if names is None else found & set(names)
+
+
+def _remove(path: str) -> None:
+  """Removes a file or a folder of a run's outputs."""
+  if os.path.isdir(path) and not os.path.islink(path):
+    _remove_tree(path)
+  elif os.path.lexists(path):
+    os.unlink(path)
 
 
 def _remove_tree(directory: str, tries: int = 5) -> None:

@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from absl import app, flags, logging
 
@@ -31,8 +31,9 @@ from fedjax_personal.hparams import (
 from fedjax_personal.run import faults, plugins
 
 __all__ = [
+  'AMBIGUOUS_WHEN_REPEATED',
   'define_settings_flags',
-  'given_twice',
+  'given_more_than_once',
   'HELP_FLAGS',
   'parse_flags',
   'quiet_logging_unless_asked',
@@ -121,7 +122,11 @@ def read_settings(
 
 def parse_flags(argv):
   """absl's flag parsing, but a bad flag is a one-line error with exit
-  status 2 (absl exits 1).
+  status 2 (absl exits 1). A flag given more than once takes its last value,
+  as absl does (the command line and flagfiles read in the order given), and
+  one line says which value is used; a list flag whose repetition is
+  ambiguous (``AMBIGUOUS_WHEN_REPEATED``: ``--algorithm``, ``--sweep``) is
+  refused.
 
   Args:
     argv: the command line.
@@ -129,16 +134,17 @@ def parse_flags(argv):
   Returns:
     What absl leaves of it.
   """
-  twice = given_twice(argv, flags.FLAGS)
-  if twice:
-    print(
-      f"error: --{twice[0]}: given twice ({twice[1]}); give it once (a flagfile's value may "
-      'be changed on the command line after --flagfile)',
-      file=sys.stderr,
-    )
-    sys.exit(2)
+  twice = given_more_than_once(argv, flags.FLAGS)
+  for name, values in twice.items():
+    if name in AMBIGUOUS_WHEN_REPEATED:
+      print(
+        f'error: --{name}: given {len(values)} times ({", ".join(values)}); '
+        'give it once, with every value in one comma list',
+        file=sys.stderr,
+      )
+      sys.exit(2)
   try:
-    return flags.FLAGS(argv)
+    left = flags.FLAGS(argv)
   except flags.Error as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
@@ -148,7 +154,18 @@ def parse_flags(argv):
     if e.code == 1 and any(a.split('=')[0] in HELP_FLAGS for a in argv[1:]):
       sys.exit(0)
     raise
+  for name, values in twice.items():
+    print(
+      f'note: --{name} given {len(values)} times ({", ".join(values)}): '
+      f'using the last, {values[-1]}',
+      file=sys.stderr,
+      flush=True,
+    )
+  return left
 
+
+#: List flags whose repetition could mean "add" or "replace": refused.
+AMBIGUOUS_WHEN_REPEATED = ('algorithm', 'sweep')
 
 #: absl's flags that print the help (and exit).
 HELP_FLAGS = (
@@ -162,59 +179,50 @@ HELP_FLAGS = (
 )
 
 
-def given_twice(argv, fv: flags.FlagValues):
-  """A flag given twice where one value would silently win: on the command
-  line itself, or within one flagfile (``(name, where)``), else None. A
-  repeatable flag (``--import``) and a command line changing a flagfile's
-  value are not twice.
+def given_more_than_once(argv, fv: flags.FlagValues) -> Dict[str, List[str]]:
+  """The flags given more than once, on the command line and in flagfiles
+  together (a flagfile's lines read where it is given, as absl reads them),
+  with their values in order (the last is the one used). A repeatable flag
+  (``--import``) is not repeated.
 
   Args:
     argv: the command line.
     fv: the defined flags.
 
   Returns:
-    ``(name, where)`` or None.
+    ``{name: [value as given, ...]}`` of each flag given twice or more.
   """
+  seen: Dict[str, List[str]] = {}
 
-  def names(args):
-    out = []
+  def scan(args, depth=0):
     for a in args:
       if a == '--':
-        break
+        return
       if not a.startswith('--') or len(a) == 2:
         continue
-      name = a[2:].split('=', 1)[0]
-      if name not in fv and name.startswith('no') and name[2:] in fv:
-        name = name[2:]
-      if (
-        name in fv
-        and name != 'flagfile'
-        and not isinstance(fv[name], flags.MultiFlag)
-      ):
-        out.append(name)
-    return out
+      name, eq, value = a[2:].partition('=')
+      if name == 'flagfile':
+        for path in value.split(',') if depth < 10 else ():
+          try:
+            with open(path) as f:
+              lines = [
+                l.strip()
+                for l in f
+                if l.strip() and not l.lstrip().startswith('#')
+              ]
+          except OSError:
+            continue  # absl names a missing flagfile itself
+          scan(lines, depth + 1)
+        continue
+      if not eq:
+        value = 'true'
+        if name not in fv and name.startswith('no') and name[2:] in fv:
+          name, value = name[2:], 'false'
+      if name in fv and not isinstance(fv[name], flags.MultiFlag):
+        seen.setdefault(name, []).append(value)
 
-  sources = [('on the command line', list(argv[1:]))]
-  for a in argv[1:]:
-    if a.startswith('--flagfile='):
-      for path in a[len('--flagfile=') :].split(','):
-        try:
-          with open(path) as f:
-            lines = [
-              l.strip()
-              for l in f
-              if l.strip() and not l.lstrip().startswith('#')
-            ]
-        except OSError:
-          continue  # absl names a missing flagfile itself
-        sources.append((f'in {path}', lines))
-  for where, args in sources:
-    seen = set()
-    for name in names(args):
-      if name in seen:
-        return name, where
-      seen.add(name)
-  return None
+  scan(list(argv[1:]))
+  return {k: v for k, v in seen.items() if len(v) > 1}
 
 
 def import_plugins(argv) -> None:

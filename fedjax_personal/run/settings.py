@@ -38,7 +38,7 @@ from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.core.system import SystemConfig
 from fedjax_personal.datasets import DataConfig
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.hparams import Declared, hparam
+from fedjax_personal.hparams import Declared, hparam, value_text
 from fedjax_personal.models import ModelConfig
 from fedjax_personal.run import plots, plugins, reporting, run_identity, sweep
 from fedjax_personal.run.distributed import DistributedSettings
@@ -95,8 +95,10 @@ class ExperimentSettings(Declared):
   cohort_seed: int = hparam(
     1,
     "--cohort_sampler=tff's seed (the publisher's "
-    'client_datasets_random_seed, 1 in its runs).',
+    "client_datasets_random_seed, 1 in its runs; NumPy's RandomState "
+    'seed, below 2**32).',
     minimum=0,
+    maximum=2**32 - 1,
   )
   eval_every: int = hparam(
     3, 'Evaluate every this many rounds (0: at the end only).', minimum=0
@@ -217,7 +219,9 @@ class ExperimentSettings(Declared):
     del self
     if config_label is None:
       return name
-    return f'{name} ' + ' '.join(f'{k}={v:g}' for k, v in config_label.items())
+    return f'{name} ' + ' '.join(
+      f'{k}={value_text(v)}' for k, v in config_label.items()
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +272,8 @@ class OutputSettings(Declared):
   checkpoint_every: int = hparam(
     0,
     'Save an Orbax checkpoint of the full state every this many '
-    'rounds (0: only when the run is interrupted) under '
+    'rounds (0: only when the run is interrupted, and its final '
+    'state, so that --resume never re-runs a finished algorithm) under '
     '<output_dir>/<algorithm>/checkpoints.',
     minimum=0,
   )
@@ -435,6 +440,8 @@ class RunSettings:
       start['init_weights_sha256'] = run_identity.file_sha256(
         model.init_weights
       )
+    if model.options is not None and dataclasses.fields(model.options):
+      start['model_options'] = dataclasses.asdict(model.options)
     imports = (
       {'imports': plugins.identity(self.process.imports)}
       if self.process.imports
@@ -454,11 +461,7 @@ class RunSettings:
         if self.experiment.cohort_sampler == 'tff'
         else {}
       ),
-      **(
-        {'system': dataclasses.asdict(self.system)}
-        if self.system.active
-        else {}
-      ),
+      **({'system': self.system.identity()} if self.system.active else {}),
       **start,
       **({'num_processes': num_processes} if num_processes > 1 else {}),
     }

@@ -19,6 +19,7 @@ import struct
 import time
 from typing import Dict, List, Optional
 
+from fedjax_personal.hparams import value_text
 from fedjax_personal.run.experiment import Callback
 
 __all__ = ['EventFile', 'TensorBoardWriter', 'masked_crc32c', 'scalar_event']
@@ -164,10 +165,7 @@ def _config_folder(record: dict) -> str:
   config = record.get('config')
   if not config:
     return ''
-  return '_'.join(
-    f'{k}={v:g}' if isinstance(v, float) else f'{k}={v}'
-    for k, v in config.items()
-  )
+  return '_'.join(f'{k}={value_text(v)}' for k, v in config.items())
 
 
 class TensorBoardWriter(Callback):
