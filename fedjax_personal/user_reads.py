@@ -19,9 +19,10 @@ import hashlib
 import importlib.util
 import os
 import sys
+import types
 from typing import Dict, Iterator, List, Optional, Set
 
-__all__ = ['AT_IMPORT', 'digest_of', 'Reads', 'recording']
+__all__ = ['AT_IMPORT', 'digest_of', 'Reads', 'recording', 'so_far']
 
 #: What each user module read while it was imported (``--import``), by its
 #: source file: ``Reads.record``. A data set's store key holds its
@@ -82,6 +83,28 @@ class Reads:
     return {'files': files, 'env': env}
 
 
+#: What each user callable read in this process so far (``so_far``).
+_SO_FAR: Dict[tuple, Reads] = {}
+
+
+def so_far(key: tuple, reads: Reads) -> Reads:
+  """``reads`` with what the same callable (``key``) read before in this
+  process: a module it imported once is not read again when it runs again
+  (a notebook's second run), and is still what it runs.
+
+  Args:
+    key: the callable's name (``('model', name)``).
+    reads: what it read this time.
+
+  Returns:
+    Every read of it in this process.
+  """
+  seen = _SO_FAR.setdefault(key, Reads())
+  seen.files |= reads.files
+  seen.env.update(reads.env)  # a variable's value now
+  return seen
+
+
 #: The recordings in progress, innermost last.
 _ACTIVE: List[Reads] = []
 _HOOKED: List[bool] = [False]
@@ -106,7 +129,11 @@ def _audit(event: str, args) -> None:
     reads.files.add(path)
 
 
-class _WatchedEnviron(os._Environ):  # type: ignore[name-defined]
+#: ``os.environ``'s own class, before any recording.
+_PLAIN_ENVIRON = type(os.environ)
+
+
+class _WatchedEnviron(_PLAIN_ENVIRON):  # type: ignore[valid-type,misc]
   """``os.environ`` while a recording is active: each variable read is
   noted (``os.environ[...]``, ``.get``, ``in``, ``os.getenv``)."""
 
@@ -126,7 +153,7 @@ def _note(key, value) -> None:
   reading its own settings (JAX's ``LIBTPU_INIT_ARGS``) is not the user's."""
   if not isinstance(key, str):
     return
-  frame = sys._getframe(2)
+  frame: Optional[types.FrameType] = sys._getframe(2)
   while frame is not None and (
     frame.f_code.co_filename in _MAPPING_FILES
     or frame.f_code.co_filename.startswith('<frozen ')
@@ -159,14 +186,14 @@ def recording() -> Iterator[Reads]:
     _HOOKED[0] = True
   reads = Reads()
   _ACTIVE.append(reads)
-  if type(os.environ) is os._Environ:  # type: ignore[attr-defined]
-    os.environ.__class__ = _WatchedEnviron
+  if type(os.environ) is _PLAIN_ENVIRON:
+    setattr(os.environ, '__class__', _WatchedEnviron)
   try:
     yield reads
   finally:
     _ACTIVE.remove(reads)
     if not _ACTIVE and type(os.environ) is _WatchedEnviron:
-      os.environ.__class__ = os._Environ  # type: ignore[attr-defined]
+      setattr(os.environ, '__class__', _PLAIN_ENVIRON)
 
 
 _LIBRARY_ROOTS = tuple(

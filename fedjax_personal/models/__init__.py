@@ -365,7 +365,9 @@ def _build_registered(
       )
     else:
       model = from_flax(name, built, sample_x)
-  return dataclasses.replace(model, reads=reads.record())
+  return dataclasses.replace(
+    model, reads=user_reads.so_far(('model', name), reads).record()
+  )
 
 
 def _where(e: BaseException, build) -> str:

@@ -214,12 +214,15 @@ def finished_line(output_dir: Optional[str] = None) -> Optional[str]:
 
 # -- signals ------------------------------------------------------------------
 
-_REQUEST: Dict[str, Any] = {
-  'signal': None,
-  'installed': False,
-  'agree': None,
+_REQUEST: Dict[str, Any] = {'signal': None, 'installed': False, 'agree': None}
+#: The signal watcher's own: the signals the interpreter took, its thread,
+#: the handler it watches for.
+_WATCH: Dict[str, Any] = {
   'handled': 0,
-  'watcher': None,
+  'received': 0,
+  'since': 0,
+  'thread': None,
+  'handler': None,
 }
 
 
@@ -257,7 +260,7 @@ def install_signal_handlers() -> None:
   """
 
   def handler(signum, frame):
-    _REQUEST['handled'] = _REQUEST.get('handled', 0) + 1
+    _WATCH['handled'] += 1
     if _REQUEST['signal'] is not None:
       signal.signal(signal.SIGINT, signal.default_int_handler)
       raise KeyboardInterrupt
@@ -271,6 +274,9 @@ def install_signal_handlers() -> None:
   for s in EXIT_SIGNAL:
     signal.signal(s, handler)
   _REQUEST['installed'] = True
+  _WATCH['handler'] = handler
+  # signals before this run were taken (or were another run's)
+  _WATCH['handled'] = _WATCH['since'] = _WATCH['received']
   _watch_signals()
 
 
@@ -278,7 +284,7 @@ def _watch_signals() -> None:
   """Starts the watcher of ``install_signal_handlers`` (once): the signals'
   wake-up file descriptor (``signal.set_wakeup_fd``) is written by the C
   handler, whatever the main thread is doing."""
-  if _REQUEST.get('watcher') is not None:
+  if _WATCH['thread'] is not None:
     return
   try:
     read_end, write_end = os.pipe()
@@ -288,7 +294,6 @@ def _watch_signals() -> None:
     return
 
   def watch():
-    received = 0
     while True:
       try:
         got = os.read(read_end, 16)
@@ -297,21 +302,32 @@ def _watch_signals() -> None:
       for signum in got:
         if signum not in EXIT_SIGNAL:
           continue
-        received += 1
-        grace = FIRST_SIGNAL_GRACE if received == 1 else SECOND_SIGNAL_GRACE
-        threading.Timer(grace, _end_if_untaken, args=(signum, received)).start()
+        _WATCH['received'] += 1
+        received = _WATCH['received']
+        first = received - _WATCH['since'] == 1  # of this run
+        grace = FIRST_SIGNAL_GRACE if first else SECOND_SIGNAL_GRACE
+        timer = threading.Timer(
+          grace, _end_if_untaken, (signum, received, grace)
+        )
+        timer.daemon = True
+        timer.start()
 
   thread = threading.Thread(target=watch, name='signal-watcher', daemon=True)
   thread.start()
-  _REQUEST['watcher'] = thread
+  _WATCH['thread'] = thread
 
 
-def _end_if_untaken(signum: int, received: int) -> None:
+def _end_if_untaken(signum: int, received: int, grace: float) -> None:
   """Ends the process when the interpreter has not taken the ``received``-th
   signal yet (its handler did not run): one line, the signal's status."""
-  if _REQUEST['handled'] >= received:
+  if _WATCH['handled'] >= received:
     return  # taken: the loop stops after its round, or the entry exits
-  if not claim_report(EXIT_SIGNAL[signum]):
+  if signal.getsignal(signum) not in (
+    _WATCH['handler'],
+    signal.default_int_handler,
+  ):  # no longer the run's handler (a library user's own)
+    return
+  if not claim_report(EXIT_SIGNAL[signal.Signals(signum)]):
     return
   if _REQUEST['signal'] is None:
     _REQUEST['signal'] = signum
@@ -319,7 +335,7 @@ def _end_if_untaken(signum: int, received: int) -> None:
   try:
     print(
       f'error: {stop} (stopped at once: the process did not answer the signal '
-      f'within {FIRST_SIGNAL_GRACE if received == 1 else SECOND_SIGNAL_GRACE:g} s)',
+      f'within {grace:g} s)',
       file=error_stream(),
       flush=True,
     )

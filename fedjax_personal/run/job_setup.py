@@ -305,6 +305,7 @@ def build_algorithms(
   for a in s.algorithms:
     with user_reads.recording() as reads:
       alg = algorithms_lib.make(a.spec, a.training, a.config, model, population)
+    reads = user_reads.so_far(('algorithm', a.spec.name), reads)
     made.append(Built(a, alg, reads=reads.record()))
   algs = tuple(made)
   if population.eval_only:
@@ -378,14 +379,14 @@ def _check_one_client_fits(
   sizes: Dict[str, Tuple[int, int]],
   free: Optional[int],
 ) -> None:
-  """Refuses, before anything compiles, a round that cannot fit even with
-  one client at a time: the server's state beside one client's working
-  copies of the model (``memory.MODEL_COPIES``) and the activations of one
-  forward pass of its batch, all from shapes (``jax.eval_shape``), against
-  the memory this process may still use (the accelerator's free memory, or
-  the host's available, ``ulimit -v`` and a cgroup included). XLA would
-  otherwise try to allocate it, and a machine out of memory swaps or
-  stalls rather than fail."""
+  """Refuses, before anything compiles, a round on the host that cannot
+  fit even with one client at a time: the server's state beside one
+  client's working copies of the model (``memory.MODEL_COPIES``) and the
+  activations of one forward pass of its batch, all from shapes
+  (``jax.eval_shape``), against the most the process could ever allocate
+  (``placement.host_limit_bytes``: the machine's memory, ``ulimit -v``, a
+  cgroup). XLA would otherwise try to allocate it, and a machine out of
+  memory swaps or stalls rather than fail."""
   if free is None:
     return
   population = loaded.population
@@ -407,8 +408,8 @@ def _check_one_client_fits(
         f'needs at least {need / placement.GB:.1f} GB with one client at a '
         f'time (the model {model_bytes / placement.GB:.2f} GB, x'
         f'{memory.MODEL_COPIES} working copies, and its state and '
-        f'activations), {free / placement.GB:.1f} GB is free to this process '
-        "(ulimit -v and the machine's memory): a smaller model or batch",
+        f'activations), this process can have {free / placement.GB:.1f} GB at '
+        "most (the machine's memory, ulimit -v): a smaller model or batch",
       )
 
 
@@ -466,9 +467,8 @@ def decide_layout(
       )
     name, reason = 'device', 'several processes run on the device layout'
   sizes = {b.alg.name: _state_bytes(b.alg) for b in algs}
-  _check_one_client_fits(
-    s, loaded, algs, sizes, device_free or (host_free if cpu else None)
-  )
+  if cpu and device_free is None:  # an accelerator plans its own (fitting)
+    _check_one_client_fits(s, loaded, algs, sizes, placement.host_limit_bytes())
   if name == 'device':
     free, copies = device_free, 1
     if free is None and cpu:  # the device is the host

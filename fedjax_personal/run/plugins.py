@@ -89,15 +89,15 @@ def load(spec: str):
     module = _imported(spec)
   LOADED[spec] = getattr(module, '__file__', None) or spec
   _note_shadowed(module)
-  BROUGHT[spec] = sorted(
-    p
-    for p in (_user_source(m) for m in set(sys.modules) - before)
-    if p and p != LOADED[spec]
-  )
-  # besides its helper modules (BROUGHT): the files and variables it read
-  user_reads.AT_IMPORT[os.path.abspath(LOADED[spec])] = reads.record(
-    skip=[LOADED[spec]] + BROUGHT[spec]
-  )
+  path = os.path.abspath(LOADED[spec])
+  if module.__name__ not in before or spec not in BROUGHT:  # it ran now
+    BROUGHT[spec] = sorted(
+      p
+      for p in (_user_source(m) for m in set(sys.modules) - before)
+      if p and p != LOADED[spec]
+    )
+    # besides its helper modules: the files and variables it read
+    user_reads.AT_IMPORT[path] = reads.record(skip=[path] + BROUGHT[spec])
   return module
 
 

@@ -433,7 +433,7 @@ class RunSettings:
     if cap is not None:
       data['max_client_examples'] = cap
     model = self.model
-    start = (
+    start: Dict[str, Any] = (
       {} if model.model_init == 'flax' else {'model_init': model.model_init}
     )
     if model.init_weights:

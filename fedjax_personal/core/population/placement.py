@@ -49,6 +49,7 @@ __all__ = [
   'DEVICE_DATA_SHARE',
   'GB',
   'host_available_bytes',
+  'host_limit_bytes',
   'HostData',
   'join_blocks',
   'LAYOUTS',
@@ -370,6 +371,24 @@ def host_available_bytes() -> Optional[int]:
   known = [
     v
     for v in (_meminfo('MemAvailable'), _address_space_left(), _cgroup_left())
+    if v is not None
+  ]
+  return max(0, min(known)) if known else None
+
+
+def host_limit_bytes() -> Optional[int]:
+  """The most this process could ever allocate on the host: the least of
+  the machine's memory (MemTotal), the address space its limit leaves
+  (``ulimit -v``) and its cgroup's limit less its use. Past it a round is
+  hopeless (the machine swaps or stalls rather than fail), whatever is
+  moved to files. None where none is known.
+
+  Returns:
+    Bytes, or None where unknown.
+  """
+  known = [
+    v
+    for v in (_meminfo('MemTotal'), _address_space_left(), _cgroup_left())
     if v is not None
   ]
   return max(0, min(known)) if known else None
