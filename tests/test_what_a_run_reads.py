@@ -384,6 +384,15 @@ class Deterministic(nn.Module):
     return nn.Dense(self.num_classes)(x)
 
 
+class KerasStyle(nn.Module):
+  num_classes: int
+
+  @nn.compact
+  def __call__(self, x, training: bool):
+    x = nn.Dropout(0.5, deterministic=not training)(nn.Dense(16)(x))
+    return nn.Dense(self.num_classes)(x)
+
+
 class NoTrain(nn.Module):
   num_classes: int
 
@@ -475,6 +484,10 @@ def test_models_the_engine_cannot_drive_are_said_not_run(tmp_path):
     assert model.mode_arg == 'deterministic'
     assert not np.allclose(evaluated, trained)  # dropout applies in training
     np.testing.assert_array_equal(evaluated, model.apply(params, x))
+    keras = from_flax('k', mod.KerasStyle(3), jnp.ones((2, 8)))
+    assert keras.mode_arg == 'training' and keras.evaluate_kwargs == {
+      'training': False
+    }
   finally:
     sys.path.remove(str(tmp_path))
     sys.modules.pop('models', None)
