@@ -23,8 +23,10 @@ from fedjax_personal.algorithms.global_personal import (
 from fedjax_personal.config import AlgorithmSpec, Declared, hparam
 from fedjax_personal.core.algorithm import ClientModels
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.core.training import batch_loss
+from fedjax_personal.core.losses import Batch
+from fedjax_personal.core.training import ClientContext, batch_loss
 from fedjax_personal.core.tree_util import (
+  PyTree,
   is_concrete,
   leading_size,
   tree_broadcast,
@@ -95,7 +97,7 @@ def apfl(
   if is_concrete(alpha) and not 0 <= alpha <= 1:
     raise ConfigError('apfl_alpha', f'must be in [0, 1], got {alpha}')
 
-  def step(ctx, w, v, batch):
+  def step(ctx: ClientContext, w: PyTree, v: PyTree, batch: Batch):
     gw = jax.grad(lambda q: batch_loss(model, q, batch)[0])(w)
     (_, s), gv = jax.value_and_grad(
       lambda vv: batch_loss(model, mixture(alpha, vv, w), batch), has_aux=True

@@ -48,11 +48,14 @@ from fedjax_personal.core.algorithm import (
   Communication,
   FederatedAlgorithm,
   PreRound,
+  RoundContext,
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import plain_objective, sgd_client_work
 from fedjax_personal.core.tree_util import (
+  PyTree,
   rows,
   tree_broadcast,
   tree_bytes,
@@ -193,7 +196,7 @@ def cfl(
   n_np = np.asarray(num_examples, np.float64)
   plain = plain_objective(model)
 
-  def init(key):
+  def init(key: jax.Array) -> CFLState:
     params = model.init(key)
     zeros = jax.tree.map(jnp.zeros_like, params)
     return CFLState(
@@ -203,7 +206,7 @@ def cfl(
       jnp.ones((), jnp.int32),
     )
 
-  def server_broadcast(state, cohort, rc):
+  def server_broadcast(state: CFLState, cohort: Cohort, rc: RoundContext):
     return None, rows(state.personal, cohort.idx)
 
   work = sgd_client_work(
@@ -218,7 +221,7 @@ def cfl(
     ),
   )
 
-  def server_update(state, cohort, out, rc):
+  def server_update(state: CFLState, cohort: Cohort, out, rc: RoundContext):
     deltas, n, stats = out
     w = client_weights(cohort, n, weighting)
     members = state.cluster.at[cohort.idx].get(mode='clip')
@@ -231,7 +234,9 @@ def cfl(
     updates = tree_scatter(state.updates, cohort.idx, deltas)
     metrics = cohort_train_metrics(stats, cohort.mask)
     metrics['num_clusters'] = state.num_clusters
-    return state.replace(personal=personal, updates=updates), metrics
+    return dataclasses.replace(
+      state, personal=personal, updates=updates
+    ), metrics
 
   # The split test, traced into the compiled round (PreRound) before each
   # round from max(warmup_rounds, 1) on; it needs only the stored updates.
@@ -239,17 +244,17 @@ def cfl(
     n_np if weighting == 'num_examples' else np.ones_like(n_np), jnp.float32
   )
 
-  def split_update(state, outputs, rc):
+  def split_update(state: CFLState, outputs: PyTree, rc: RoundContext):
     flat = jax.vmap(lambda u: ravel_pytree(u)[0])(state.updates)
     cluster, k, split = split_decisions(
       flat, state.cluster, weights, state.num_clusters, eps1, eps2, ratio
     )
-    return state.replace(cluster=cluster, num_clusters=k), {
+    return dataclasses.replace(state, cluster=cluster, num_clusters=k), {
       'cfl_splits': jnp.sum(split.astype(jnp.int32)),
       'num_clusters': k,
     }
 
-  def communication(state):
+  def communication(state: CFLState):
     b = tree_bytes(jax.tree.map(lambda a: a[0], state.personal))
     return Communication(b, b, state.num_clusters)
 

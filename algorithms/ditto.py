@@ -20,7 +20,9 @@ from fedjax_personal.algorithms.global_personal import (
 )
 from fedjax_personal.config import AlgorithmSpec, Declared, hparam
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.core.training import batch_loss
+from fedjax_personal.core.losses import Batch
+from fedjax_personal.core.training import ClientContext, batch_loss
+from fedjax_personal.core.tree_util import PyTree
 from fedjax_personal.models import Model
 
 __all__ = ['build', 'ditto', 'DittoConfig', 'SPEC']
@@ -76,7 +78,7 @@ def ditto(
     The ``FederatedAlgorithm``.
   """
 
-  def step(ctx, w, v, batch):
+  def step(ctx: ClientContext, w: PyTree, v: PyTree, batch: Batch):
     grad = lambda p: jax.value_and_grad(
       lambda q: batch_loss(model, q, batch), has_aux=True
     )(p)

@@ -34,17 +34,21 @@ from fedjax_personal.core.algorithm import (
   ClientModels,
   Communication,
   FederatedAlgorithm,
+  RoundContext,
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.data import Array as HostOrDevice
 from fedjax_personal.core.privacy import DPConfig, check_dp, dp_privacy
+from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
+  ClientContext,
   ClientWork,
   LossStats,
   plain_objective,
   sgd_client_work,
 )
-from fedjax_personal.core.tree_util import tree_bytes, tree_where
+from fedjax_personal.core.tree_util import PyTree, tree_bytes, tree_where
 from fedjax_personal.models import Model
 
 __all__ = [
@@ -103,7 +107,7 @@ class ClientOutput:
   """
 
   delta: optax.Params
-  num_examples: jax.Array
+  num_examples: HostOrDevice
   stats: LossStats
   num_steps: Any = None
 
@@ -204,7 +208,7 @@ def summed_upload(
   """
   check_weighting(weighting)  # when the algorithm is built, not traced
 
-  def final(ctx, carry):
+  def final(ctx: ClientContext, carry: PyTree):
     out = work.final(ctx, carry)
     value = getattr(out, field)
     w = (
@@ -308,7 +312,7 @@ def make_client_work(
   plain = plain_objective(model)
   objective_fn = objective_fn or (lambda ctx: plain)
 
-  def final(ctx, carry):
+  def final(ctx: ClientContext, carry: PyTree):
     return ClientOutput(
       delta=otu.tree_sub(start_fn(ctx), carry.params),
       num_examples=ctx.data.train.num_examples,
@@ -353,7 +357,7 @@ def fedavg(
   """
   server_optimizer = server_optimizer or optax.sgd(1.0)
 
-  def init(key):
+  def init(key: jax.Array) -> ServerState:
     params = model.init(key)
     return ServerState(
       params=params,
@@ -361,10 +365,12 @@ def fedavg(
       dp_steps=None if dp is None else jnp.zeros(num_clients, jnp.int32),
     )
 
-  def server_broadcast(state, cohort, rc):
+  def server_broadcast(state: ServerState, cohort: Cohort, rc: RoundContext):
     return state.params, cohort.mask
 
-  def server_update(state, cohort, out: ClientOutput, rc):
+  def server_update(
+    state: ServerState, cohort: Cohort, out: ClientOutput, rc: RoundContext
+  ):
     params, opt_state = server_step(
       state.params, state.opt_state, out.delta, server_optimizer
     )
@@ -453,13 +459,15 @@ def variant(
   )
   uplink = {}
 
-  def final(ctx, carry):
+  def final(ctx: ClientContext, carry: PyTree):
     out = work.final(ctx, carry)
     upload = (out.delta, extra(ctx, out) if extra is not None else ())
     uplink['bytes'] = tree_bytes(upload)  # traced before the round's accounting
     return out.replace(delta=upload)
 
-  def server_update(state, cohort, out: ClientOutput, rc):
+  def server_update(
+    state: ServerState, cohort: Cohort, out: ClientOutput, rc: RoundContext
+  ):
     (mean_delta, mean_extra), total = aggregation.upload_mean(out.delta)
     grad = (
       mean_delta if server is None else server(mean_delta, mean_extra, state)
@@ -472,7 +480,7 @@ def variant(
       cohort_train_metrics(out.stats, cohort.mask),
     )
 
-  def communication(state) -> Communication:
+  def communication(state: ServerState) -> Communication:
     down = tree_bytes(state.params)
     return Communication(uplink.get('bytes', down), down, 1)
 

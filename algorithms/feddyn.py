@@ -46,15 +46,19 @@ from fedjax_personal.core.algorithm import (
   ClientRows,
   Communication,
   FederatedAlgorithm,
+  RoundContext,
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
+  ClientContext,
   LossStats,
   plain_objective,
   sgd_client_work,
 )
 from fedjax_personal.core.tree_util import (
+  PyTree,
   is_concrete,
   rows,
   tree_broadcast,
@@ -220,7 +224,7 @@ def feddyn(
   data_objective = data_objective or plain_objective(model)
   keep_all = eval_model == 'all_clients_mean'
 
-  def init(key):
+  def init(key: jax.Array) -> FedDynState:
     params = model.init(key)
     zeros = otu.tree_zeros_like(params)
     return FedDynState(
@@ -231,7 +235,7 @@ def feddyn(
       client_params=tree_broadcast(params, num_clients) if keep_all else None,
     )
 
-  def server_broadcast(state, cohort, rc):
+  def server_broadcast(state: FedDynState, cohort: Cohort, rc: RoundContext):
     per_client = (
       rows(state.grad_state, cohort.rows),
       alphas.at[cohort.idx].get(mode='clip'),
@@ -240,7 +244,7 @@ def feddyn(
 
   clip = optax.clip_by_global_norm(max_grad_norm) if max_grad_norm else None
 
-  def debiased(grads, params, ctx):
+  def debiased(grads: PyTree, params: PyTree, ctx: ClientContext):
     grad_state, alpha_i = ctx.state
     if clip is not None:
       grads, _ = clip.update(grads, clip.init(grads))
@@ -248,7 +252,7 @@ def feddyn(
       grads, params, ctx.shared, grad_state, alpha_i
     )
 
-  def final(ctx, carry):
+  def final(ctx: ClientContext, carry: PyTree):
     server_params = ctx.shared
     grad_state, alpha_i = ctx.state
     new_g = jax.tree.map(
@@ -272,7 +276,9 @@ def feddyn(
     batches_per_step=batches_per_step,
   )
 
-  def server_update(state, cohort, out: FedDynOutput, rc):
+  def server_update(
+    state: FedDynState, cohort: Cohort, out: FedDynOutput, rc: RoundContext
+  ):
     params, h, active_mean = server_update_h(
       state.params, state.h, out.params, cohort.mask, alpha, num_clients
     )
@@ -290,7 +296,7 @@ def feddyn(
     )
     return new, cohort_train_metrics(out.stats, cohort.mask)
 
-  def client_models(state):
+  def client_models(state: FedDynState):
     if eval_model == 'server':
       p = state.params
     elif eval_model == 'active_mean':
@@ -299,7 +305,7 @@ def feddyn(
       p = jax.tree.map(lambda a: a.mean(axis=0), state.client_params)
     return ClientModels.global_model(p, num_clients)
 
-  def communication(state):
+  def communication(state: FedDynState):
     b = tree_bytes(state.params)
     return Communication(b, b, 1)
 

@@ -43,18 +43,23 @@ from fedjax_personal.core.algorithm import (
   ClientModels,
   Communication,
   FederatedAlgorithm,
+  RoundContext,
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.clustering import in_group_chance
+from fedjax_personal.core.losses import Batch
 from fedjax_personal.core.privacy import DPConfig, check_dp, dp_privacy
+from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
+  ClientContext,
   ClientWork,
   evaluate_params,
   plain_objective,
   sgd_client_work,
 )
 from fedjax_personal.core.tree_util import (
+  PyTree,
   rows,
   tree_broadcast,
   tree_bytes,
@@ -236,7 +241,7 @@ def fedfomo(
     s = evaluate_params(model, params, val)
     return s.loss_sum / jnp.maximum(s.count, 1.0)
 
-  def init(key):
+  def init(key: jax.Array) -> FedFomoState:
     params = model.init(key)
     return FedFomoState(
       tree_broadcast(params, num_clients),
@@ -244,7 +249,7 @@ def fedfomo(
       jnp.zeros(num_clients, jnp.int32),
     )
 
-  def server_broadcast(state, cohort, rc):
+  def server_broadcast(state: FedFomoState, cohort: Cohort, rc: RoundContext):
     eps = jnp.maximum(eps0 - eps_decay * rc.round.astype(jnp.float32), 0.0)
     affinity = state.affinity.at[cohort.idx].get(mode='clip')
     cand = choose_candidates(
@@ -256,7 +261,7 @@ def fedfomo(
       rows(state.models, cand),
     )
 
-  def start(ctx):
+  def start(ctx: ClientContext):
     base, _, cand_models = ctx.state
     val = ctx.data.val
     base_loss = val_loss(base, val)
@@ -285,14 +290,16 @@ def fedfomo(
     dp=dp,
   )
 
-  def work_init(ctx, key):
+  def work_init(ctx: ClientContext, key: jax.Array):
     params, w = start(ctx)
-    return inner.init(ctx.replace(shared=params), key), w
+    return inner.init(dataclasses.replace(ctx, shared=params), key), w
 
-  def work_step(ctx, carry, batch, key):
+  def work_step(
+    ctx: ClientContext, carry: PyTree, batch: Batch, key: jax.Array
+  ):
     return inner.step(ctx, carry[0], batch, key), carry[1]
 
-  def work_final(ctx, carry):
+  def work_final(ctx: ClientContext, carry: PyTree):
     c, w = carry
     return c.params, ctx.state[1], w, c.stats, c.num_steps
 
@@ -305,7 +312,7 @@ def fedfomo(
     opt_state=None if inner.opt_state is None else _first(inner.opt_state),
   )
 
-  def server_update(state, cohort, out, rc):
+  def server_update(state: FedFomoState, cohort: Cohort, out, rc: RoundContext):
     params, cand, w, stats, steps = out
     rows = jnp.where(cohort.mask[:, None], w, 0.0)
     i = jnp.broadcast_to(cohort.idx[:, None], cand.shape)
@@ -335,7 +342,7 @@ def fedfomo(
       info['fomo_in_group_chance'] = jnp.float32(in_group_chance(groups_np))
     return new, info
 
-  def communication(state):
+  def communication(state: FedFomoState):
     # Each active client receives its own bundle of M models (unicast).
     b = tree_bytes(jax.tree.map(lambda a: a[0], state.models))
     return Communication(b, b * num_candidates, num_clients)

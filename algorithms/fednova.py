@@ -43,15 +43,19 @@ from fedjax_personal.core import aggregation
 from fedjax_personal.core.algorithm import (
   ClientModels,
   FederatedAlgorithm,
+  RoundContext,
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.data import Array as HostOrDevice
+from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
+  ClientContext,
   LossStats,
   plain_objective,
   sgd_client_work,
 )
-from fedjax_personal.core.tree_util import tree_where
+from fedjax_personal.core.tree_util import PyTree, tree_where
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 
@@ -78,7 +82,7 @@ class NovaUpload:
   delta: (
     Any  # a client's (d_i, a_i); the cohort's Sum where the server reads it
   )
-  num_examples: jax.Array
+  num_examples: HostOrDevice
   stats: LossStats
 
 
@@ -127,7 +131,7 @@ def fednova(
   server_optimizer = server_optimizer or optax.sgd(1.0)
   objective = plain_objective(model)
 
-  def final(ctx, carry):
+  def final(ctx: ClientContext, carry: PyTree):
     a = effective_steps(carry.num_steps, momentum)
     d = jax.tree.map(
       lambda x: x / jnp.maximum(a, 1e-12),
@@ -142,11 +146,13 @@ def fednova(
     weighting,
   )
 
-  def init(key):
+  def init(key: jax.Array) -> ServerState:
     params = model.init(key)
     return ServerState(params=params, opt_state=server_optimizer.init(params))
 
-  def server_update(state, cohort, out: NovaUpload, rc):
+  def server_update(
+    state: ServerState, cohort: Cohort, out: NovaUpload, rc: RoundContext
+  ):
     (d_mean, tau_eff), weight = aggregation.upload_mean(out.delta)
     pseudo_grad = jax.tree.map(lambda d: tau_eff * d, d_mean)
     updates, opt_state = server_optimizer.update(

@@ -12,7 +12,7 @@ from optax import tree_utils as otu
 from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS, fedavg
 from fedjax_personal.config import AlgorithmSpec, Declared, hparam
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.core.training import batch_loss
+from fedjax_personal.core.training import ClientContext, batch_loss
 from fedjax_personal.core.tree_util import is_concrete
 from fedjax_personal.models import Model
 
@@ -31,7 +31,7 @@ class FedProxConfig(Declared):
 def proximal_objective(model: Model, mu: float):
   """``ctx -> objective`` with FedProx's proximal term around the broadcast."""
 
-  def objective_fn(ctx):
+  def objective_fn(ctx: ClientContext):
     def objective(params, batch):
       loss, stats = batch_loss(model, params, batch)
       return loss + 0.5 * mu * otu.tree_norm(

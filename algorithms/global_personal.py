@@ -21,9 +21,14 @@ from fedjax_personal.core.algorithm import (
   ClientRows,
   Communication,
   FederatedAlgorithm,
+  RoundContext,
   cohort_train_metrics,
 )
+from fedjax_personal.core.data import Array as HostOrDevice
+from fedjax_personal.core.losses import Batch
+from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
+  ClientContext,
   ClientWork,
   LossStats,
   client_opt_init,
@@ -31,7 +36,12 @@ from fedjax_personal.core.training import (
   opt_update,
   zero_stats,
 )
-from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes
+from fedjax_personal.core.tree_util import (
+  PyTree,
+  rows,
+  tree_broadcast,
+  tree_bytes,
+)
 from fedjax_personal.models import Model
 
 __all__ = [
@@ -66,7 +76,7 @@ class GlobalPersonalOutput:
 
   delta: optax.Params
   personal: optax.Params
-  num_examples: jax.Array
+  num_examples: HostOrDevice
   stats: LossStats
 
 
@@ -102,13 +112,18 @@ def global_personal_algorithm(
   """
   server_optimizer = server_optimizer or optax.sgd(1.0)
 
-  def init(key):
+  def init(key: jax.Array) -> GlobalPersonalState:
     params = model.init(key)
     return GlobalPersonalState(
       params, server_optimizer.init(params), tree_broadcast(params, num_clients)
     )
 
-  def server_update(state, cohort, out: GlobalPersonalOutput, rc):
+  def server_update(
+    state: GlobalPersonalState,
+    cohort: Cohort,
+    out: GlobalPersonalOutput,
+    rc: RoundContext,
+  ):
     # The engine wrote the new personal models (client_rows' output).
     params, opt_state = server_step(
       state.params, state.opt_state, out.delta, server_optimizer
@@ -118,7 +133,7 @@ def global_personal_algorithm(
       cohort_train_metrics(out.stats, cohort.mask),
     )
 
-  def communication(state):
+  def communication(state: GlobalPersonalState):
     b = tree_bytes(state.params)
     return Communication(b, b, 1)
 
@@ -170,7 +185,7 @@ def two_model_work(
   def init_opt_state(params):
     return opt_w.init(params), opt_v.init(params)
 
-  def init(ctx, key):
+  def init(ctx: ClientContext, key: jax.Array):
     del key
     return (
       ctx.shared,
@@ -179,7 +194,7 @@ def two_model_work(
       zero_stats(),
     )
 
-  def step(ctx, carry, batch, key):
+  def step(ctx: ClientContext, carry: PyTree, batch: Batch, key: jax.Array):
     del key
     w, v, (sw, sv), stats = carry
     gw, gv, s, *aux_w = step_fn(ctx, w, v, batch)
@@ -191,7 +206,7 @@ def two_model_work(
       w, _ = keep_model_state(w, aux_w[0])
     return w, v, (sw, sv), jax.tree.map(lambda a, b: a + b, stats, s)
 
-  def final(ctx, carry):
+  def final(ctx: ClientContext, carry: PyTree):
     w, v, _, stats = carry
     return GlobalPersonalOutput(
       delta=otu.tree_sub(ctx.shared, w),

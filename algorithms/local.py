@@ -4,6 +4,7 @@ Personal models live in a stacked pytree [N, ...], all starting from the same
 initialization; each round the cohort trains its own rows.
 """
 
+import jax
 import optax
 from flax import struct
 
@@ -19,9 +20,11 @@ from fedjax_personal.core.algorithm import (
   ClientRows,
   Communication,
   FederatedAlgorithm,
+  RoundContext,
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
   LossStats,
   plain_objective,
@@ -75,10 +78,10 @@ def local(
   """
   objective = plain_objective(model)
 
-  def init(key):
+  def init(key: jax.Array) -> LocalState:
     return LocalState(tree_broadcast(model.init(key), num_clients))
 
-  def server_broadcast(state, cohort, rc):
+  def server_broadcast(state: LocalState, cohort: Cohort, rc: RoundContext):
     return None, rows(state.personal_params, cohort.rows)
 
   work = sgd_client_work(
@@ -89,7 +92,9 @@ def local(
     start_fn=lambda ctx: ctx.state,
   )
 
-  def server_update(state, cohort, out: LocalOutput, rc):
+  def server_update(
+    state: LocalState, cohort: Cohort, out: LocalOutput, rc: RoundContext
+  ):
     # The engine wrote the new personal models (client_rows' output).
     return state, cohort_train_metrics(out.stats, cohort.mask)
 

@@ -25,9 +25,11 @@ from fedjax_personal.core.algorithm import (
   ClientModels,
   Communication,
   FederatedAlgorithm,
+  RoundContext,
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
@@ -74,15 +76,15 @@ def oracle(
   groups = jnp.asarray(groups_np, jnp.int32)
   server_optimizer = server_optimizer or optax.sgd(1.0)
 
-  def init(key):
+  def init(key: jax.Array) -> OracleState:
     params = tree_broadcast(model.init(key), num_groups)
     return OracleState(params, jax.vmap(server_optimizer.init)(params))
 
-  def server_broadcast(state, cohort, rc):
+  def server_broadcast(state: OracleState, cohort: Cohort, rc: RoundContext):
     g = groups.at[cohort.idx].get(mode='clip')
     return None, (rows(state.group_params, g), g)
 
-  def server_update(state, cohort, out, rc):
+  def server_update(state: OracleState, cohort: Cohort, out, rc: RoundContext):
     params, opt_state = jax.vmap(server_step, in_axes=(0, 0, 0, None))(
       state.group_params, state.opt_state, out.delta, server_optimizer
     )
@@ -90,7 +92,7 @@ def oracle(
       out.stats, cohort.mask
     )
 
-  def communication(state):
+  def communication(state: OracleState):
     b = tree_bytes(jax.tree.map(lambda a: a[0], state.group_params))
     return Communication(b, b, num_groups)
 

@@ -38,11 +38,16 @@ from fedjax_personal.core.algorithm import (
   ClientRows,
   Communication,
   FederatedAlgorithm,
+  RoundContext,
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching, traced_num_steps
+from fedjax_personal.core.data import Array as HostOrDevice
+from fedjax_personal.core.losses import Batch
 from fedjax_personal.core.personalization import ParamSplit, make_split
+from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
+  ClientContext,
   ClientWork,
   LossStats,
   StatsAndState,
@@ -54,6 +59,7 @@ from fedjax_personal.core.training import (
   zero_stats,
 )
 from fedjax_personal.core.tree_util import (
+  PyTree,
   leading_size,
   rows,
   tree_broadcast,
@@ -148,7 +154,7 @@ class PartialOutput:
     Any  # a client's delta; the cohort's Sum where the server reads it
   )
   personal: Any
-  num_examples: jax.Array
+  num_examples: HostOrDevice
   stats: LossStats
 
 
@@ -265,7 +271,7 @@ def partial_personalization(
   )
   objective = plain_objective(model)
 
-  def init(key):
+  def init(key: jax.Array) -> PartialState:
     shared, personal = split.split(model.init(key))
     return PartialState(
       shared,
@@ -273,7 +279,7 @@ def partial_personalization(
       tree_broadcast(personal, num_clients),
     )
 
-  def server_broadcast(state, cohort, rc):
+  def server_broadcast(state: PartialState, cohort: Cohort, rc: RoundContext):
     return state.shared, rows(state.personal, cohort.rows)
 
   def init_parts(u, v):
@@ -282,7 +288,7 @@ def partial_personalization(
   def init_opt_state(params):
     return init_parts(*split.split(params))
 
-  def work_init(ctx, key):
+  def work_init(ctx: ClientContext, key: jax.Array):
     del key
     train = ctx.data.train
     p_steps = (
@@ -302,7 +308,9 @@ def partial_personalization(
       zero_stats(),
     )
 
-  def work_step(ctx, carry, batch, key):
+  def work_step(
+    ctx: ClientContext, carry: PyTree, batch: Batch, key: jax.Array
+  ):
     del key
     grad_fn = jax.value_and_grad(
       lambda s, p: objective(split.merge(s, p), batch),
@@ -340,7 +348,7 @@ def partial_personalization(
       stats=jax.tree.map(jnp.add, carry.stats, stats),
     )
 
-  def work_final(ctx, carry):
+  def work_final(ctx: ClientContext, carry: PyTree):
     return PartialOutput(
       shared_delta=otu.tree_sub(ctx.shared, carry.shared),
       personal=carry.personal,
@@ -361,7 +369,9 @@ def partial_personalization(
     field='shared_delta',
   )
 
-  def server_update(state, cohort, out: PartialOutput, rc):
+  def server_update(
+    state: PartialState, cohort: Cohort, out: PartialOutput, rc: RoundContext
+  ):
     shared, opt_state = server_step(
       state.shared, state.opt_state, out.shared_delta, server_optimizer
     )
@@ -374,13 +384,13 @@ def partial_personalization(
       cohort_train_metrics(out.stats, cohort.mask),
     )
 
-  def client_models(state):
+  def client_models(state: PartialState):
     shared = tree_broadcast(state.shared, leading_size(state.personal))
     return ClientModels.personal(
       jax.vmap(split.merge)(shared, state.personal), num_clients
     )
 
-  def communication(state):
+  def communication(state: PartialState):
     b = tree_bytes(state.shared)
     return Communication(b, b, 1)
 

@@ -37,11 +37,14 @@ from fedjax_personal.core.algorithm import (
   ClientModels,
   Communication,
   FederatedAlgorithm,
+  RoundContext,
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
   Batch,
+  ClientContext,
   ClientWork,
   batch_loss,
   client_opt_init,
@@ -50,7 +53,7 @@ from fedjax_personal.core.training import (
   sgd_finetune,
   zero_stats,
 )
-from fedjax_personal.core.tree_util import tree_bytes
+from fedjax_personal.core.tree_util import PyTree, tree_bytes
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 
@@ -221,18 +224,18 @@ def perfedavg(
     )
   server_optimizer = server_optimizer or optax.sgd(1.0)
 
-  def init(key):
+  def init(key: jax.Array) -> ServerState:
     params = model.init(key)
     return ServerState(params, server_optimizer.init(params))
 
-  def work_init(ctx, key):
+  def work_init(ctx: ClientContext, key: jax.Array):
     return (
       ctx.shared,
       client_opt_init(ctx, client_optimizer.init, ctx.shared),
       zero_stats(),
     )
 
-  def step(ctx, carry, batch, key):
+  def step(ctx: ClientContext, carry: PyTree, batch: Batch, key: jax.Array):
     params, opt_state, stats = carry
     direction, s = perfedavg_direction(
       model, params, batch, alpha, variant, delta
@@ -263,7 +266,7 @@ def perfedavg(
     weighting,
   )
 
-  def server_update(state, cohort, out, rc):
+  def server_update(state: ServerState, cohort: Cohort, out, rc: RoundContext):
     params, opt_state = server_step(
       state.params, state.opt_state, out.delta, server_optimizer
     )

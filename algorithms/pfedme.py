@@ -26,7 +26,9 @@ from fedjax_personal.algorithms.global_personal import (
 )
 from fedjax_personal.config import AlgorithmSpec, Declared, hparam
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.core.training import batch_loss
+from fedjax_personal.core.losses import Batch
+from fedjax_personal.core.training import ClientContext, batch_loss
+from fedjax_personal.core.tree_util import PyTree
 from fedjax_personal.models import Model
 
 __all__ = ['build', 'pfedme', 'PFedMeConfig', 'SPEC']
@@ -88,7 +90,7 @@ def pfedme(
   # the inner solver's result, applied through a unit-SGD "optimizer".
   identity_step = optax.sgd(1.0)
 
-  def step(ctx, w, theta, batch):
+  def step(ctx: ClientContext, w: PyTree, theta: PyTree, batch: Batch):
     s = batch_loss(model, theta, batch)[1]
     new = theta
     for _ in range(inner_steps):

@@ -37,16 +37,19 @@ from fedjax_personal.core import aggregation
 from fedjax_personal.core.algorithm import (
   ClientModels,
   FederatedAlgorithm,
+  RoundContext,
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
+  ClientContext,
   LossStats,
   evaluate_params,
   plain_objective,
   sgd_client_work,
 )
-from fedjax_personal.core.tree_util import tree_where
+from fedjax_personal.core.tree_util import PyTree, tree_where
 from fedjax_personal.models import Model
 
 __all__ = ['build', 'qffl', 'QFFLConfig', 'QState', 'QUpload', 'SPEC']
@@ -110,7 +113,7 @@ def qffl(
   """
   objective = plain_objective(model)
 
-  def final(ctx, carry):
+  def final(ctx: ClientContext, carry: PyTree):
     start = evaluate_params(model, ctx.shared, ctx.data.train)
     f = start.loss_sum / jnp.maximum(
       start.count, 1.0
@@ -127,7 +130,9 @@ def qffl(
       terms=aggregation.weighted_upload((delta, h), 1.0), stats=carry.stats
     )
 
-  def server_update(state, cohort, out: QUpload, rc):
+  def server_update(
+    state: QState, cohort: Cohort, out: QUpload, rc: RoundContext
+  ):
     (delta_mean, h_mean), weight = aggregation.upload_mean(out.terms)
     step = jax.tree.map(lambda d: d / jnp.maximum(h_mean, 1e-30), delta_mean)
     params = tree_where(

@@ -41,15 +41,20 @@ from fedjax_personal.core.algorithm import (
   ClientRows,
   Communication,
   FederatedAlgorithm,
+  RoundContext,
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.data import Array as HostOrDevice
+from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
+  ClientContext,
   LossStats,
   plain_objective,
   sgd_client_work,
 )
 from fedjax_personal.core.tree_util import (
+  PyTree,
   rows,
   tree_broadcast,
   tree_bytes,
@@ -88,7 +93,7 @@ class ScaffoldOutput:
   delta: optax.Params
   control: optax.Params
   control_delta: optax.Params
-  num_examples: jax.Array
+  num_examples: HostOrDevice
   stats: LossStats
 
 
@@ -122,7 +127,7 @@ def scaffold(
   """
   server_optimizer = server_optimizer or optax.sgd(1.0)
 
-  def init(key):
+  def init(key: jax.Array) -> ScaffoldState:
     params = model.init(key)
     return ScaffoldState(
       params,
@@ -131,16 +136,16 @@ def scaffold(
       tree_broadcast(otu.tree_zeros_like(params), num_clients),
     )
 
-  def server_broadcast(state, cohort, rc):
+  def server_broadcast(state: ScaffoldState, cohort: Cohort, rc: RoundContext):
     return (state.params, state.control), rows(
       state.client_controls, cohort.rows
     )
 
-  def corrected(grads, params, ctx):
+  def corrected(grads: PyTree, params: PyTree, ctx: ClientContext):
     _, control = ctx.shared
     return jax.tree.map(lambda g, c, ci: g + c - ci, grads, control, ctx.state)
 
-  def final(ctx, carry):
+  def final(ctx: ClientContext, carry: PyTree):
     server_params, control = ctx.shared
     new_control = option_ii_control(ctx.state, carry.grad_sum, carry.num_steps)
     return ScaffoldOutput(
@@ -165,7 +170,9 @@ def scaffold(
     weighting,
   )
 
-  def server_update(state, cohort, out: ScaffoldOutput, rc):
+  def server_update(
+    state: ScaffoldState, cohort: Cohort, out: ScaffoldOutput, rc: RoundContext
+  ):
     params, opt_state = server_step(
       state.params, state.opt_state, out.delta, server_optimizer
     )
@@ -180,7 +187,7 @@ def scaffold(
       cohort_train_metrics(out.stats, cohort.mask),
     )
 
-  def communication(state):
+  def communication(state: ScaffoldState):
     b = tree_bytes(state.params)
     return Communication(2 * b, 2 * b, 1)
 

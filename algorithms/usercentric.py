@@ -57,10 +57,12 @@ from fedjax_personal.core.algorithm import (
   Communication,
   FederatedAlgorithm,
   PreRound,
+  RoundContext,
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.clustering import in_group_chance, in_group_share  # noqa: F401 (API)
+from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
   Batch,
   batch_loss,
@@ -68,6 +70,7 @@ from fedjax_personal.core.training import (
   sgd_client_work,
 )
 from fedjax_personal.core.tree_util import (
+  PyTree,
   rows,
   tree_broadcast,
   tree_bytes,
@@ -345,7 +348,7 @@ def usercentric(
   groups_np = None if groups is None else np.asarray(groups)
   plain = plain_objective(model)
 
-  def init(key):
+  def init(key: jax.Array) -> UserCentricState:
     params = model.init(key)
     # FedAvg until W is computed (every row n_j / sum(n); client i on row 0).
     w = jnp.asarray(
@@ -359,7 +362,9 @@ def usercentric(
       jnp.ones((), jnp.int32),
     )
 
-  def server_broadcast(state, cohort, rc):
+  def server_broadcast(
+    state: UserCentricState, cohort: Cohort, rc: RoundContext
+  ):
     return None, rows(state.personal, cohort.idx)
 
   work = sgd_client_work(
@@ -370,7 +375,9 @@ def usercentric(
     start_fn=lambda ctx: ctx.state,
   )
 
-  def server_update(state, cohort, out, rc):
+  def server_update(
+    state: UserCentricState, cohort: Cohort, out, rc: RoundContext
+  ):
     params, stats = out
     thetas = tree_scatter(state.personal, cohort.idx, params)
     streams = aggregation.mix(
@@ -379,7 +386,7 @@ def usercentric(
     personal = tree_gather(streams, state.assignment)
     metrics = cohort_train_metrics(stats, cohort.mask)
     metrics['num_streams'] = state.num_streams
-    return state.replace(personal=personal), metrics
+    return dataclasses.replace(state, personal=personal), metrics
 
   # The collaboration round, traced into the compiled round (PreRound).
   def due(t):
@@ -391,7 +398,7 @@ def usercentric(
     )
     return (t == warmup_rounds) | periodic
 
-  def collaboration_broadcast(state, rc):
+  def collaboration_broadcast(state: UserCentricState, rc: RoundContext):
     # theta_hat: the n-weighted mean of the current models (the FedAvg model
     # during warm-up, the initial model at round 0).
     w_n = jnp.asarray(n_np / n_np.sum(), jnp.float32)
@@ -402,7 +409,9 @@ def usercentric(
       model, theta_hat, local.train, key, sigma_batches, sigma_batch_size
     )
 
-  def collaboration_update(state, outputs, rc):
+  def collaboration_update(
+    state: UserCentricState, outputs: PyTree, rc: RoundContext
+  ):
     grads, sigma2 = outputs
     w = mixing_matrix(grads, sigma2, n_np)
     k_means = jax.random.split(rc.key)[1]
@@ -429,14 +438,15 @@ def usercentric(
     personal = tree_gather(
       aggregation.mix(stream_matrix, state.personal), assignment
     )
-    return state.replace(
+    return dataclasses.replace(
+      state,
       personal=personal,
       stream_matrix=stream_matrix,
       assignment=assignment,
       num_streams=k,
     ), info
 
-  def communication(state):
+  def communication(state: UserCentricState):
     b = tree_bytes(jax.tree.map(lambda a: a[0], state.personal))
     return Communication(b, b, state.num_streams)
 

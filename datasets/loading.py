@@ -9,7 +9,7 @@ import hashlib
 import json
 import os
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -364,7 +364,13 @@ def _unnamed_reads_changed(folder) -> Optional[str]:
 
 
 def _store_of(
-  cfg, nat, options, opened, verify, should_stop, rebuild
+  cfg: DataConfig,
+  nat: NaturalData,
+  options: dict,
+  opened: user_reads.Reads,
+  verify: bool,
+  should_stop: Optional[Callable[[], bool]],
+  rebuild: bool,
 ) -> PopulationStore:
   """``load_store``'s natural data set: its cached store, or one written from
   ``nat`` (the files its reader opened, ``opened``, named or not, recorded

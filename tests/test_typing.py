@@ -84,3 +84,49 @@ def test_mypy_finds_a_misspelled_attribute(tmp_path):
   assert 'algorithms/fedavg.py' in r.stdout and '"stat"' in r.stdout, r.stdout[
     -4000:
   ]
+
+
+#: A misspelled attribute planted in an algorithm's client work, its server
+#: update, its shared work, a data set's loading and the engine: each
+#: ``(file, (old, new), the attribute mypy names)``.
+PLANTED = {
+  'algorithms/ditto.py': ('gv, v, ctx.shared)', 'gv, v, ctx.sharde)', 'sharde'),
+  'algorithms/usercentric.py': (
+    'tree_gather(streams, state.assignment)',
+    'tree_gather(streams, state.asignment)',
+    'asignment',
+  ),
+  'algorithms/global_personal.py': (
+    'delta=otu.tree_sub(ctx.shared, w)',
+    'delta=otu.tree_sub(ctx.shard, w)',
+    'shard',
+  ),
+  'datasets/loading.py': (
+    'if not nat.files:',
+    'if not nat.file:',
+    'file',
+  ),
+  'core/engine.py': (
+    'work = algorithm.client_work',
+    'work = algorithm.client_wrk',
+    'client_wrk',
+  ),
+}
+
+
+def test_mypy_finds_a_misspelling_planted_in_an_algorithm_a_data_set_and_the_engine(
+  tmp_path,
+):
+  """The seams are typed (``ClientContext``, the algorithms' states, the
+  round context, ``ClientWork``'s callbacks): a misspelled attribute in an
+  algorithm's body, a data set's or the engine's is an error."""
+  view = _view(
+    tmp_path, {f: (old, new) for f, (old, new, _) in PLANTED.items()}
+  )
+  r = _mypy(tmp_path, view)
+  assert r.returncode == 1, r.stdout[-4000:]
+  for f, (_, _, attr) in PLANTED.items():
+    lines = [
+      l for l in r.stdout.splitlines() if l.startswith(f'fedjax_personal/{f}:')
+    ]
+    assert any(f'"{attr}"' in l for l in lines), (f, r.stdout[-4000:])

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from fedjax_personal.core.tree_util import PyTree
+
 __all__ = [
   'group_means',
   'is_sum',
@@ -27,9 +29,6 @@ __all__ = [
   'weighted_upload',
   'WeightedShare',
 ]
-
-
-PyTree = Any
 
 
 @struct.dataclass

@@ -19,7 +19,7 @@ broadcast gathers the cohort's rows, the server update scatters them back.
 """
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ from fedjax_personal.core.aggregation import Sum, WeightedShare
 from fedjax_personal.core.data import LocalData
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import ClientWork, LossStats
+from fedjax_personal.core.tree_util import PyTree
 from fedjax_personal.models import Model
 
 __all__ = [
@@ -45,9 +46,6 @@ __all__ = [
   'PyTree',
   'RoundContext',
 ]
-
-
-PyTree = Any
 
 
 @struct.dataclass
@@ -138,7 +136,7 @@ class Communication(NamedTuple):
 
   uplink_bytes_per_client: int
   downlink_bytes_per_model: int
-  num_downlink_models: int
+  num_downlink_models: Union[int, jax.Array]
 
 
 @struct.dataclass

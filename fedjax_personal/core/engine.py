@@ -11,7 +11,7 @@ import collections
 import dataclasses
 import os
 import tempfile
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ from fedjax_personal.core.round_metrics import (
 )
 from fedjax_personal.core.sampling import CohortSampler, client_keys
 from fedjax_personal.core.training import ClientContext, LossStats
+from fedjax_personal.core.tree_util import PyTree
 from fedjax_personal.hparams import Declared, hparam
 
 __all__ = [
@@ -57,9 +58,6 @@ __all__ = [
   'round_functions',
   'RoundRunner',
 ]
-
-
-PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)

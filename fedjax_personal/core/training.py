@@ -27,7 +27,7 @@ from fedjax_personal.core.losses import (
   plain_objective,
   zero_stats,
 )
-from fedjax_personal.core.tree_util import tree_where
+from fedjax_personal.core.tree_util import PyTree, tree_where
 from fedjax_personal.models import Model
 
 __all__ = [
@@ -60,8 +60,6 @@ __all__ = [
   'zero_stats',
 ]
 
-
-PyTree = Any
 
 # Whether step loops traced now are unrolled. Executors set it while they trace
 # client work, so an algorithm never decides how its steps execute.
@@ -203,13 +201,13 @@ class ClientWork:
     opt_state: ``carry -> optimizer state`` after the work (kept per client).
   """
 
-  init: Callable
-  step: Callable
-  final: Callable
+  init: Callable[[ClientContext, jax.Array], PyTree]
+  step: Callable[[ClientContext, PyTree, Batch, jax.Array], PyTree]
+  final: Callable[[ClientContext, PyTree], PyTree]
   batching: batching_lib.Batching
   batches_per_step: int = 1
-  init_opt_state: Optional[Callable] = None
-  opt_state: Optional[Callable] = None
+  init_opt_state: Optional[Callable[[PyTree], PyTree]] = None
+  opt_state: Optional[Callable[[PyTree], PyTree]] = None
 
 
 def work_batch_indices(
