@@ -635,15 +635,27 @@ models.register('big', lambda num_classes: Big(num_classes))
 """
 
 
-def _command(tmp_path, *args, **kw):
+def _command(tmp_path, *args, address_space_kb=None):
+  """The command in a process of its own (under ``ulimit -v`` when given)."""
+  command = [
+    sys.executable,
+    os.path.join(ROOT, 'scripts', 'run_experiment.py'),
+    *args,
+  ]
+  if address_space_kb is not None:
+    command = ['bash', '-c', f'ulimit -v {address_space_kb} && exec "$@"', '-']
+    command += [
+      sys.executable,
+      os.path.join(ROOT, 'scripts', 'run_experiment.py'),
+    ]
+    command += list(args)
   return subprocess.Popen(
-    [sys.executable, os.path.join(ROOT, 'scripts', 'run_experiment.py'), *args],
+    command,
     cwd=str(tmp_path),
     stdout=subprocess.DEVNULL,
     stderr=subprocess.PIPE,
     text=True,
     env={**os.environ, 'JAX_PLATFORMS': 'cpu'},
-    **kw,
   )
 
 
@@ -654,8 +666,6 @@ def test_nothing_hangs_a_signal_ends_a_stuck_process_and_memory_is_planned(
   within seconds of a second SIGTERM, in one line with SIGTERM's status; a
   model too large for ``ulimit -v`` is refused from its shapes before
   anything compiles."""
-  import resource
-
   (tmp_path / 'hang.py').write_text(HANG)
   (tmp_path / 'big.py').write_text(BIG)
   p = _command(tmp_path, '--import=hang.py', '--model=stuck', *SMALL)
@@ -673,18 +683,13 @@ def test_nothing_hangs_a_signal_ends_a_stuck_process_and_memory_is_planned(
     'error: terminated'
   )
 
-  limit = 6 << 30
-
-  def small_address_space():
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
   p = _command(
     tmp_path,
     '--import=big.py',
     '--model=big',
     *(a for a in SMALL if not a.startswith('--dataset')),
     '--dataset=mnist',  # 784 inputs: 3.1 GB of weights in the first layer
-    preexec_fn=small_address_space,
+    address_space_kb=6 << 20,
   )
   _, err = p.communicate(timeout=300)
   line = _one_line(p.returncode, err)
