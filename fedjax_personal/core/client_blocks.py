@@ -316,7 +316,7 @@ def block_loop(
   work vectorized within a block, each block ``limit`` steps; stacked
   outputs written at their cohort rows of [c, ...] buffers.
 
-  With ``rows_in_place = (field, slot)``, ``per_client[slot]`` is a
+  With ``rows_in_place = (field, slot)``, ``per_client``'s field ``slot`` is a
   ``tree_util.Rows`` of the state's client rows and the client output's
   ``field`` is the client's new row (``ClientRows.output``): the loop
   carries those rows, each block reads its clients' rows from them and
@@ -346,13 +346,10 @@ def block_loop(
     client = limited_client(work, make_ctx, shared, per_client)
   else:
     field, slot = rows_in_place
-    source = per_client[slot]
+    source = getattr(per_client, slot)
 
     def client(p, lim, held):
-      inputs = tuple(
-        tree_util.Rows(held, source.idx) if i == slot else x
-        for i, x in enumerate(per_client)
-      )
+      inputs = per_client._replace(**{slot: tree_util.Rows(held, source.idx)})
       ctx, key = make_ctx(shared, tree_util.client_slice(inputs, p))
       out = training.run_work(work, ctx, key, lim)
       return out.replace(**{field: None}), getattr(out, field)

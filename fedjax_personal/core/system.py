@@ -631,19 +631,20 @@ def draw_cohort(sampler, key, round_num=0, system=None):
   )
 
 
-def uploading(cohort, shared):
+def uploading(cohort, devices: Optional['RoundSystem']):
   """The cohort's slots whose client work reaches the server (``active``
   for the executor): the sampled clients less the lost uploads the round's
-  system drew (``shared``'s third part, when there is one).
+  system drew.
 
   Args:
     cohort: the sampled ``Cohort``.
-    shared: the round's shared part (``engine.round_functions``' ``pre``).
+    devices: the round's ``RoundSystem`` (``engine.RoundShared.devices``),
+      or None: every client a full, reliable device.
 
   Returns:
     bool [C].
   """
-  return cohort.mask if len(shared) < 3 else cohort.mask & ~shared[2].lost
+  return cohort.mask if devices is None else cohort.mask & ~devices.lost
 
 
 def _file_sha256(path: str) -> str:

@@ -274,7 +274,7 @@ class SweepRunner:
     def one_round(hv, state, key, round_num, train, val):
       return round_functions(
         build(hv), sampler, executor, counts, system, row_groups
-      )[3](state, key, round_num, train, val)
+      ).fused_round(state, key, round_num, train, val)
 
     def one_eval(hv, state, key, data):
       alg = build(hv)
