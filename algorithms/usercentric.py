@@ -228,12 +228,14 @@ def streams(
   Args:
     key: draws k-means' starts.
     w: the mixing matrix [C, C].
-    num_streams: k (0: chosen by silhouette).
+    num_streams: k (None: chosen by silhouette).
     max_streams: the largest k tried.
     restarts: k-means restarts.
 
   Returns:
-    ``(stream matrix [k, C], client-to-stream index [C], k)``.
+    ``(stream matrix [R, N], client-to-stream index [N], k)``: R =
+    ``stream_rows(...)`` rows, row s < k stream s's mixing row, the others
+    zero.
   """
   w = jnp.asarray(w, jnp.float32)
   n = w.shape[0]
