@@ -404,6 +404,7 @@ SPEC = AlgorithmSpec(
   check=check,
   needs_validation=True,
   summary='FedFomo (Zhang et al. 2021): first-order model optimization',
+  state_heatmap=lambda state: state.affinity,
 )
 
 

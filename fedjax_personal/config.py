@@ -15,7 +15,7 @@ fine-tuning, persistent client optimizer state) is the registry's job
 """
 
 import dataclasses
-from typing import Callable, ClassVar, FrozenSet, Optional
+from typing import Any, Callable, ClassVar, FrozenSet, Optional
 
 import jax
 import optax
@@ -444,6 +444,9 @@ class AlgorithmSpec:
       (``core.system``): ``'drop'`` it (FedAvg in FedProx's experiment; a
       dropped client's per-client state stays as it was) or ``'keep'`` it
       (FedProx, FedNova).
+    state_heatmap: ``state -> matrix``, a matrix-valued part of its state
+      the command draws at every evaluated round (``affinity.png``:
+      FedFomo's affinity P), or None.
 
   ``uses`` and ``ignores`` are checked when the spec is made: a name that is
   no ``TrainingConfig`` field, or no field of ``config``, is refused (a
@@ -463,6 +466,7 @@ class AlgorithmSpec:
   needs_validation: bool = False
   model_state: bool = False
   partial_work: str = 'drop'
+  state_heatmap: Optional[Callable[[Any], Any]] = None
 
   def __post_init__(self):
     training = [f.name for f in dataclasses.fields(TrainingConfig)]

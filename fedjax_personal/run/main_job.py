@@ -429,9 +429,10 @@ def _callbacks(job: Job, built: Built, hists, start):
       final=True,
     )
   )
-  if alg_name == 'fedfomo' and job.cfgs is None and primary:
+  heatmap = built.settings.spec.state_heatmap
+  if heatmap is not None and job.cfgs is None and primary:
     callbacks.append(
-      reporting.AffinityRecorder(os.path.join(out_dir, 'affinity.png'))
+      reporting.AffinityRecorder(os.path.join(out_dir, 'affinity.png'), heatmap)
     )
   if s.output.progress and primary:
     callbacks.append(reporting.Progress(s.experiment.rounds - start, alg_name))
