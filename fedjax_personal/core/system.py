@@ -49,13 +49,13 @@ round with stragglers costs no more than one without.
 """
 
 import dataclasses
-import hashlib
 from typing import ClassVar, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_personal import user_reads
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.errors import SettingError
@@ -188,7 +188,7 @@ class SystemConfig(Declared):
     out = dataclasses.asdict(self)
     for name in self.FILES:
       if out[name]:
-        out[name] = {'sha256': _file_sha256(out[name])}
+        out[name] = {'sha256': user_reads.digest_of(out[name])}
     return out
 
   def describe(self, specs, steps: bool = False) -> list:
@@ -645,16 +645,3 @@ def uploading(cohort, devices: Optional['RoundSystem']):
     bool [C].
   """
   return cohort.mask if devices is None else cohort.mask & ~devices.lost
-
-
-def _file_sha256(path: str) -> str:
-  """The SHA-256 (hex) of a file's bytes; 'unreadable' when it cannot be
-  read (its reader refuses it with the reason)."""
-  h = hashlib.sha256()
-  try:
-    with open(path, 'rb') as f:
-      for chunk in iter(lambda: f.read(1 << 20), b''):
-        h.update(chunk)
-  except OSError:
-    return 'unreadable'
-  return h.hexdigest()

@@ -301,25 +301,17 @@ def _mode(argument: Optional[str], train: bool) -> Dict[str, Any]:
   return {argument: train if MODE_ARGUMENTS[argument] else not train}
 
 
-def _dropout_without_mode(module: nn.Module, sample_x) -> bool:
-  """Whether initializing ``module`` calls an ``nn.Dropout`` of a positive
-  rate (a module with dropout that cannot be told it trains)."""
-  seen = []
+def _dropout_rates(seen: list):
+  """A Flax method interceptor noting the rate of every ``nn.Dropout`` of a
+  positive rate that is called (``from_flax``: a module with dropout that
+  cannot be told it trains)."""
 
   def interceptor(next_fun, args, kwargs, context):
     if isinstance(context.module, nn.Dropout) and context.module.rate > 0:
       seen.append(context.module.rate)
     return next_fun(*args, **kwargs)
 
-  try:
-    with nn.intercept_methods(interceptor):
-      jax.eval_shape(
-        lambda k: module.init({'params': k, DROPOUT_RNG: k}, sample_x),
-        jax.random.key(0),
-      )
-  except Exception:  # noqa: BLE001 -- its own failure is reported elsewhere
-    pass
-  return bool(seen)
+  return interceptor
 
 
 def _batch_norm_mask(mask):
@@ -370,18 +362,23 @@ def from_flax(name: str, module: nn.Module, sample_x) -> Model:
   sample_x = jnp.asarray(sample_x)[:1]
   argument = mode_argument(module)
   train_arg = argument is not None
-  if not train_arg and _dropout_without_mode(module, sample_x):
+  evaluate = _mode(argument, False)
+  training = _mode(argument, True)
+  dropouts: list = []
+  with nn.intercept_methods(_dropout_rates(dropouts)):
+    made = jax.eval_shape(
+      lambda k: module.init(
+        {'params': k, DROPOUT_RNG: k}, sample_x, **evaluate
+      ),
+      jax.random.key(0),
+    )
+  if not train_arg and dropouts:
     raise ConfigError(
       'model',
       f'model {name!r} has dropout but its __call__ takes no train argument, '
       "so it could never be told it trains: give it one (Flax's convention, "
       'nn.Dropout(rate, deterministic=not train))',
     )
-  evaluate = _mode(argument, False)
-  training = _mode(argument, True)
-  made = jax.eval_shape(
-    lambda k: module.init(k, sample_x, **evaluate), jax.random.key(0)
-  )
   collections = tuple(sorted(c for c in made if c not in _NOT_STATE))
   if collections and not train_arg:
     raise ConfigError(

@@ -19,7 +19,15 @@ from typing import Dict, List, Optional, Sequence
 from fedjax_personal import user_reads
 from fedjax_personal.errors import ConfigError, installed_or_ours
 
-__all__ = ['BROUGHT', 'identity', 'import_all', 'imports_in', 'LOADED', 'load']
+__all__ = [
+  'BROUGHT',
+  'flagfile_lines',
+  'identity',
+  'import_all',
+  'imports_in',
+  'LOADED',
+  'load',
+]
 
 #: What the command imported, in order: ``{given text: source path}``.
 LOADED: Dict[str, str] = {}
@@ -55,19 +63,30 @@ def imports_in(argv: Sequence[str]) -> List[str]:
           into.extend([value] if value else [])
         elif depth < 10:
           for path in value.split(','):
-            try:
-              with open(path) as f:
-                lines = [
-                  l.strip()
-                  for l in f
-                  if l.strip() and not l.lstrip().startswith('#')
-                ]
-            except OSError:
-              continue  # absl names a missing flagfile itself
-            scan(lines, depth + 1)
+            scan(flagfile_lines(path), depth + 1)
 
   scan(list(argv[1:]))
   return list(dict.fromkeys(out))
+
+
+def flagfile_lines(path: str) -> List[str]:
+  """A flagfile's flags as absl reads them: one a line, blank lines and
+  ``#`` comments left out; none when it cannot be read (absl names a
+  missing flagfile itself).
+
+  Args:
+    path: the flagfile.
+
+  Returns:
+    Its lines, stripped.
+  """
+  try:
+    with open(path) as f:
+      return [
+        l.strip() for l in f if l.strip() and not l.lstrip().startswith('#')
+      ]
+  except OSError:
+    return []
 
 
 def load(spec: str):

@@ -433,12 +433,11 @@ class PrivacyRecorder(Callback):
 
 
 class AffinityRecorder(Callback):
-  """Keeps a matrix-valued part of the state (FedFomo's affinity P) at every
-  evaluated round and writes heat maps of it over rounds to a PNG."""
+  """Keeps a matrix-valued part of the state, ``get(state)`` (an
+  algorithm's ``AlgorithmSpec.state_heatmap``: FedFomo's affinity P), at
+  every evaluated round and writes heat maps of it over rounds to a PNG."""
 
-  def __init__(
-    self, path: str, get=lambda state: state.affinity, max_panels: int = 6
-  ):
+  def __init__(self, path: str, get, max_panels: int = 6):
     self.path, self.get, self.max_panels = path, get, max_panels
     self.matrices: Dict[int, Any] = {}
 

@@ -203,16 +203,7 @@ def given_more_than_once(argv, fv: flags.FlagValues) -> Dict[str, List[str]]:
       name, eq, value = a[2:].partition('=')
       if name == 'flagfile':
         for path in value.split(',') if depth < 10 else ():
-          try:
-            with open(path) as f:
-              lines = [
-                l.strip()
-                for l in f
-                if l.strip() and not l.lstrip().startswith('#')
-              ]
-          except OSError:
-            continue  # absl names a missing flagfile itself
-          scan(lines, depth + 1)
+          scan(plugins.flagfile_lines(path), depth + 1)
         continue
       if not eq:
         value = 'true'

@@ -368,12 +368,7 @@ def host_available_bytes() -> Optional[int]:
   Returns:
     Bytes, or None where unknown.
   """
-  known = [
-    v
-    for v in (_meminfo('MemAvailable'), _address_space_left(), _cgroup_left())
-    if v is not None
-  ]
-  return max(0, min(known)) if known else None
+  return _least_of_host_limits(_meminfo('MemAvailable'))
 
 
 def host_limit_bytes() -> Optional[int]:
@@ -386,10 +381,15 @@ def host_limit_bytes() -> Optional[int]:
   Returns:
     Bytes, or None where unknown.
   """
+  return _least_of_host_limits(_meminfo('MemTotal'))
+
+
+def _least_of_host_limits(memory: Optional[int]) -> Optional[int]:
+  """The least of ``memory`` (a /proc/meminfo figure), the address space
+  ``ulimit -v`` leaves and the cgroup's room, never below 0; None when none
+  is known."""
   known = [
-    v
-    for v in (_meminfo('MemTotal'), _address_space_left(), _cgroup_left())
-    if v is not None
+    v for v in (memory, _address_space_left(), _cgroup_left()) if v is not None
   ]
   return max(0, min(known)) if known else None
 
