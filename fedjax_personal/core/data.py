@@ -18,6 +18,7 @@ __all__ = [
   'client_splits',
   'ClientData',
   'FederatedData',
+  'label_counts',
   'LocalData',
   'PackedClientData',
   'pad_clients',
@@ -189,6 +190,26 @@ class LocalData:
 
   train: ClientData
   val: ClientData
+
+
+def label_counts(train: ClientData, num_classes: int) -> jax.Array:
+  """One client's examples per class: float32 [num_classes] over its real
+  rows (those below ``num_examples``), for one integer label per example.
+
+  Args:
+    train: one client's split (``y`` [max_examples], ``num_examples``).
+    num_classes: C.
+
+  Returns:
+    The counts.
+  """
+  y = jnp.asarray(train.y)
+  real = jnp.arange(y.shape[0]) < train.num_examples
+  return (
+    jnp.zeros(num_classes, jnp.float32)
+    .at[y]
+    .add(real.astype(jnp.float32), mode='drop')
+  )
 
 
 def client_row(tree, i):

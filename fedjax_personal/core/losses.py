@@ -16,6 +16,9 @@ from fedjax_personal.models import Model
 __all__ = [
   'Batch',
   'batch_loss',
+  'forward',
+  'Forward',
+  'logits_loss',
   'evaluate_params',
   'get_batch',
   'keep_model_state',
@@ -132,6 +135,82 @@ def per_example_stats(
   )
 
 
+class Forward(NamedTuple):
+  """One training forward pass of a batch (``forward``).
+
+  Attributes:
+    logits: [B, ..., C].
+    features: the head's input in the same pass [B, ..., D] (the model's
+      ``head``), or None when not asked for.
+    state: the new batch statistics of a model with ``collections``, or
+      None.
+  """
+
+  logits: jax.Array
+  features: Optional[jax.Array] = None
+  state: Any = None
+
+
+def forward(
+  model: Model, params, batch: Batch, features: bool = False
+) -> Forward:
+  """A batch's training forward pass: dropout keyed by ``batch.key``,
+  batch statistics over its real examples; evaluation mode when the batch
+  has no key. With ``features``, the representation the head reads, from
+  the same pass (``Model.and_features``: body and head split as PFLlib's
+  ``BaseHeadSplit``).
+
+  Args:
+    model: the model.
+    params: its parameters.
+    batch: a ``Batch``.
+    features: whether to return the features too.
+
+  Returns:
+    The ``Forward``.
+  """
+
+  def run():
+    if model.train_state is not None and batch.key is not None:
+      return model.train_state(params, batch.x, batch.key, batch.mask)
+    if model.train_apply is not None and batch.key is not None:
+      return model.train_apply(params, batch.x, batch.key), None
+    return model.apply(params, batch.x), None
+
+  if not features:
+    logits, state = run()
+    return Forward(logits, None, state)
+  (logits, state), feats = model.and_features(run)()
+  return Forward(logits, feats, state)
+
+
+def logits_loss(model: Model, logits, batch: Batch, state=None):
+  """The masked training loss of given logits (``batch_loss`` past the
+  forward pass: an algorithm that changes the logits, FedLC's calibration,
+  FedRoD's balanced softmax, scores them here).
+
+  Args:
+    model: the model (its loss, unscored targets, loss denominator).
+    logits: [B, ..., C].
+    batch: the ``Batch`` (targets and mask).
+    state: new batch statistics to carry (``Forward.state``), or None.
+
+  Returns:
+    ``(loss, LossStats)`` or ``(loss, StatsAndState)`` with ``state``.
+  """
+  stats = per_example_stats(
+    logits,
+    batch.y,
+    batch.mask,
+    model.loss,
+    model.unscored_targets,
+    0,
+    model.unpredicted,
+  )  # no top-k
+  loss = stats.loss_sum / model.loss_divisor(stats.count, batch.mask, batch.y)
+  return loss, stats if state is None else StatsAndState(stats, state)
+
+
 def batch_loss(model: Model, params, batch: Batch):
   """Masked cross-entropy over real examples, divided by the model's
   ``loss_denominator`` (the mean over counted targets unless it says
@@ -145,24 +224,8 @@ def batch_loss(model: Model, params, batch: Batch):
   Returns:
     ``(loss, LossStats)``.
   """
-  state = None
-  if model.train_state is not None and batch.key is not None:
-    logits, state = model.train_state(params, batch.x, batch.key, batch.mask)
-  elif model.train_apply is not None and batch.key is not None:
-    logits = model.train_apply(params, batch.x, batch.key)
-  else:
-    logits = model.apply(params, batch.x)
-  stats = per_example_stats(
-    logits,
-    batch.y,
-    batch.mask,
-    model.loss,
-    model.unscored_targets,
-    0,
-    model.unpredicted,
-  )  # no top-k
-  loss = stats.loss_sum / model.loss_divisor(stats.count, batch.mask, batch.y)
-  return loss, stats if state is None else StatsAndState(stats, state)
+  out = forward(model, params, batch)
+  return logits_loss(model, out.logits, batch, out.state)
 
 
 class StatsAndState(NamedTuple):

@@ -32,6 +32,7 @@ from fedjax_personal.models.architectures import (
   LogisticRegression,
   flatten,
 )
+from fedjax_personal.models.head import HeadSplit
 from fedjax_personal.models.initializers import INITS
 from fedjax_personal.models.layers import (
   CONV_IMPLS,
@@ -68,6 +69,7 @@ from fedjax_personal.models.registry import (
   ModelOptions,
   NoModelOptions,
   RegisteredModel,
+  instantiate,
   model_names,
   option_classes,
   options_class,
@@ -99,6 +101,7 @@ __all__ = [
   'flatten',
   'from_flax',
   'from_layout',
+  'HeadSplit',
   'initializers',
   'INITS',
   'LeNet5',
@@ -309,9 +312,8 @@ def create_model(
     if name in REGISTERED:
       model = _build_registered(name, num_classes, sample_x, options)
     else:
-      model = from_flax(
-        name, MODELS[name](num_classes, adapter_dim, conv_impl, init), sample_x
-      )
+      module = instantiate(name, num_classes, adapter_dim, conv_impl, init)
+      model = from_flax(name, module, sample_x)
       model = dataclasses.replace(
         model, loss_denominator=LOSS_DENOMINATORS.get(name, 'targets')
       )
@@ -364,7 +366,7 @@ def _build_registered(
         'Linen module or a Model',
       )
     else:
-      model = from_flax(name, built, sample_x)
+      model = from_flax(name, built, sample_x, entry.head)
   return dataclasses.replace(
     model, reads=user_reads.so_far(('model', name), reads).record()
   )

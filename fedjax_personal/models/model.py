@@ -13,6 +13,12 @@ import jax.numpy as jnp
 
 from fedjax_personal import numerics
 from fedjax_personal.errors import ConfigError
+from fedjax_personal.models.head import (
+  HeadSplit,
+  capture_features,
+  find_head,
+  module_calls,
+)
 
 __all__ = ['DROPOUT_RNG', 'from_flax', 'Model', 'takes_train']
 
@@ -70,6 +76,9 @@ class Model:
     reads: what a user's builder read while building it: files, modules
       and environment variables (``user_reads.Reads.record``), part of the
       run identity; None for a built-in model.
+    head: where the body ends and the head begins (``head.HeadSplit``: the
+      classifier module), or None for a model without one (a tied decoder,
+      a ``Model`` built by hand).
   """
 
   name: str
@@ -92,6 +101,7 @@ class Model:
   ] = None
   reads: Optional[dict] = None
   mode_arg: Optional[str] = None
+  head: Optional[HeadSplit] = None
 
   @property
   def evaluate_kwargs(self) -> dict:
@@ -153,14 +163,58 @@ class Model:
       examples = examples * math.prod(y.shape[1:])
     return jnp.maximum(examples, 1.0)
 
+  def require_head(self, needs: str) -> HeadSplit:
+    """This model's ``HeadSplit``, or a ``ConfigError`` naming ``--model``
+    and what needs one.
+
+    Args:
+      needs: who needs it, in words (``'--algorithm=fedrod'``).
+
+    Returns:
+      The ``HeadSplit``.
+    """
+    if self.head is None:
+      raise ConfigError(
+        'model',
+        f'{needs} reads a body and a head, and model '
+        f'{self.name!r} has no head (no layer with parameters returns its '
+        'output); pick another --model, or register it with '
+        "head='<module path>' (docs/add_a_model.md)",
+      )
+    return self.head
+
+  def and_features(self, fn: Callable[..., Any]) -> Callable[..., tuple]:
+    """``fn`` (a forward pass of this model: ``apply``, ``train_apply``,
+    ...) returning ``(its result, features)``, the features being the
+    head's input in that same pass (``head.capture_features``): one pass.
+
+    Args:
+      fn: a function that runs this model's module once.
+
+    Returns:
+      The function returning ``(result, features)``.
+    """
+    head = self.require_head('the features of a forward pass')
+
+    def both(*args, **kwargs):
+      with capture_features(head) as seen:
+        out = fn(*args, **kwargs)
+      return out, seen[-1]
+
+    return both
+
   def features(self, params, x):
-    """The penultimate representation (models with a ``features`` method)."""
-    if self.inputs is not None:
-      x = self.inputs.evaluate(x)
-    if self.matmul_precision is None:
-      return self.module.apply(self.variables(params), x, method='features')
-    with numerics.precision(self.matmul_precision):
-      return self.module.apply(self.variables(params), x, method='features')
+    """The representation the head reads (the penultimate layer's output),
+    in evaluation mode.
+
+    Args:
+      params: the model's parameters.
+      x: inputs [B, ...].
+
+    Returns:
+      The features [B, ..., D].
+    """
+    return self.and_features(self.apply)(params, x)[1]
 
   def at_matmul_precision(self, name: str) -> 'Model':
     """This model with ``apply`` and ``train_apply`` traced at matmul
@@ -339,7 +393,9 @@ def _batch_norm_mask(mask):
   return interceptor
 
 
-def from_flax(name: str, module: nn.Module, sample_x) -> Model:
+def from_flax(
+  name: str, module: nn.Module, sample_x, head: Optional[str] = None
+) -> Model:
   """Wraps a Linen module into the pure (init, apply) pair.
 
   A module whose ``__call__`` takes ``train`` (Flax's convention:
@@ -355,6 +411,9 @@ def from_flax(name: str, module: nn.Module, sample_x) -> Model:
     name: the model's name.
     module: a Flax Linen module.
     sample_x: one input batch (shapes the parameters).
+    head: the path of the module that is the model's head ('/'-joined
+      names, ``Model.head``), or None: the last module with parameters of
+      its own whose call returns the model's output (``head.find_head``).
 
   Returns:
     The ``Model``.
@@ -365,13 +424,21 @@ def from_flax(name: str, module: nn.Module, sample_x) -> Model:
   evaluate = _mode(argument, False)
   training = _mode(argument, True)
   dropouts: list = []
+  calls: list = []
   with nn.intercept_methods(_dropout_rates(dropouts)):
-    made = jax.eval_shape(
-      lambda k: module.init(
-        {'params': k, DROPOUT_RNG: k}, sample_x, **evaluate
-      ),
-      jax.random.key(0),
+    with nn.intercept_methods(module_calls(calls)):
+      output, made = jax.eval_shape(
+        lambda k: module.init_with_output(
+          {'params': k, DROPOUT_RNG: k}, sample_x, **evaluate
+        ),
+        jax.random.key(0),
+      )
+  try:
+    split = find_head(
+      calls, made.get('params', {}), getattr(output, 'shape', ()), head
     )
+  except ValueError as e:
+    raise ConfigError('model', f'model {name!r}: {e}') from None
   if not train_arg and dropouts:
     raise ConfigError(
       'model',
@@ -424,4 +491,5 @@ def from_flax(name: str, module: nn.Module, sample_x) -> Model:
     train_arg=train_arg,
     train_state=train_state if collections else None,
     mode_arg=argument,
+    head=split,
   )

@@ -5,6 +5,7 @@ whose flags the command generates)."""
 
 import dataclasses
 import inspect
+from functools import partial
 from typing import Any, Callable, Dict, Optional, Protocol, Type, Union
 
 import flax.linen as nn
@@ -28,6 +29,8 @@ __all__ = [
   'ModelBuilder',
   'ModelOptions',
   'MODELS',
+  'instantiate',
+  'RUN_ARGUMENTS',
   'NoModelOptions',
   'option_classes',
   'options_class',
@@ -38,143 +41,115 @@ __all__ = [
 ]
 
 
-# name -> (num_classes, adapter_dim, conv_impl, init) -> module.
-MODELS = {
-  'logreg': lambda c, a, k, i: LogisticRegression(c, convention=i),
-  'mlp': lambda c, a, k, i: MLP(c, adapter_dim=a, convention=i),
-  'lenet5': lambda c, a, k, i: LeNet5(
-    c, adapter_dim=a, conv_impl=k, convention=i
-  ),
-  'cnn': lambda c, a, k, i: CNN(c, adapter_dim=a, conv_impl=k, convention=i),
-  'cnn_cifar': lambda c, a, k, i: CNN(
-    c,
-    conv_features=(64, 64),
-    dense=(384, 192),
-    adapter_dim=a,
-    conv_impl=k,
-    convention=i,
-  ),
-  'char_lstm': lambda c, a, k, i: CharLSTM(c, adapter_dim=a, convention=i),
-  'lstm_lm': lambda c, a, k, i: CharLSTM(
-    c,
+#: name -> the Linen module class with its own fixed arguments; ``instantiate``
+#: adds the run's by name (``num_classes`` and, where the class takes them,
+#: ``adapter_dim``, ``conv_impl`` and ``convention``).
+MODELS: Dict[str, Callable[..., nn.Module]] = {
+  'logreg': LogisticRegression,
+  'mlp': MLP,
+  'lenet5': LeNet5,
+  'cnn': CNN,
+  'cnn_cifar': partial(CNN, conv_features=(64, 64), dense=(384, 192)),
+  'char_lstm': CharLSTM,
+  'lstm_lm': partial(
+    CharLSTM,
     embed_dim=96,
     hidden=670,
     num_layers=1,
     projection=96,
-    adapter_dim=a,
-    convention=i,
     mask_pad=True,
   ),
-  'reddi_char_lstm': lambda c, a, k, i: CharLSTM(
-    c,
-    embed_dim=8,
-    hidden=256,
-    num_layers=2,
-    adapter_dim=a,
-    convention=i,
-    mask_pad=True,
+  'reddi_char_lstm': partial(
+    CharLSTM, embed_dim=8, hidden=256, num_layers=2, mask_pad=True
   ),
   # FedJAX's own language models (its create_lstm_model of each data set).
-  'fedjax_lstm_lm': lambda c, a, k, i: CharLSTM(
-    c,
+  'fedjax_lstm_lm': partial(
+    CharLSTM,
     embed_dim=96,
     hidden=670,
     num_layers=1,
     projection=96,
-    adapter_dim=a,
-    convention=i,
     tanh_after_lstm=True,
   ),
-  'fedjax_char_lstm': lambda c, a, k, i: CharLSTM(
-    c,
-    embed_dim=8,
-    hidden=256,
-    num_layers=2,
-    adapter_dim=a,
-    convention=i,
-    tanh_after_lstm=True,
+  'fedjax_char_lstm': partial(
+    CharLSTM, embed_dim=8, hidden=256, num_layers=2, tanh_after_lstm=True
   ),
   # The seeds' own models, as their code builds them.
-  'usercentric_lenet5': lambda c, a, k, i: LeNet5(
-    c, adapter_dim=a, conv_impl=k, convention=i, pool='avg'
+  'usercentric_lenet5': partial(LeNet5, pool='avg'),
+  'feddyn_cnn': partial(
+    CNN, conv_features=(64, 64), dense=(384, 192), padding='VALID'
   ),
-  'feddyn_cnn': lambda c, a, k, i: CNN(
-    c,
-    conv_features=(64, 64),
-    dense=(384, 192),
-    adapter_dim=a,
-    conv_impl=k,
-    convention=i,
-    padding='VALID',
-  ),
-  'fedfomo_cnn': lambda c, a, k, i: CNN(
-    c,
+  'fedfomo_cnn': partial(
+    CNN,
     conv_features=(32, 64, 64),
     dense=(64,),
-    adapter_dim=a,
-    conv_impl=k,
-    convention=i,
     padding='VALID',
     kernel=3,
     pooled=(True, True, False),
   ),
-  'pfedme_cnn': lambda c, a, k, i: CNN(
-    c,
-    conv_features=(6, 16),
-    dense=(120, 84),
-    adapter_dim=a,
-    conv_impl=k,
-    convention=i,
-    padding='VALID',
+  'pfedme_cnn': partial(
+    CNN, conv_features=(6, 16), dense=(120, 84), padding='VALID'
   ),
   # The partial-personalization seed's models (Pillutla et al., arXiv 2204.03809).
-  'transformer_lm': lambda c, a, k, i: TransformerLM(
-    c, 'mini', adapter_dim=a, convention=i
-  ),
-  'transformer_lm_tied': lambda c, a, k, i: TransformerLM(
-    c, 'mini', adapter_dim=a, tied=True, convention=i
-  ),
-  'transformer_lm_tiny': lambda c, a, k, i: TransformerLM(
-    c, 'tiny', adapter_dim=a, convention=i
-  ),
-  'resnet18_gn': lambda c, a, k, i: ResNetGN(
-    c, adapter_dim=a, convention=i, conv_impl=k
-  ),
-  'gldv2_resnet18_gn': lambda c, a, k, i: ResNetGN(
-    c, adapter_dim=a, large_stem=True, convention=i, conv_impl=k
-  ),
-  'reddi_resnet18_gn': lambda c, a, k, i: ResNetGN(
-    c, adapter_dim=a, groups=2, large_stem=True, convention=i, conv_impl=k
-  ),
+  'transformer_lm': partial(TransformerLM, size='mini'),
+  'transformer_lm_tied': partial(TransformerLM, size='mini', tied=True),
+  'transformer_lm_tiny': partial(TransformerLM, size='tiny'),
+  'resnet18_gn': ResNetGN,
+  'gldv2_resnet18_gn': partial(ResNetGN, large_stem=True),
+  'reddi_resnet18_gn': partial(ResNetGN, groups=2, large_stem=True),
   # Reddi et al.'s EMNIST model (the field's standard task).
-  'reddi_emnist_cnn': lambda c, a, k, i: CNN(
-    c,
+  'reddi_emnist_cnn': partial(
+    CNN,
     conv_features=(32, 64),
     dense=(128,),
-    adapter_dim=a,
-    conv_impl=k,
-    convention=i,
     padding='VALID',
     kernel=3,
     pooled=(False, True),
     dropout=(0.25, 0.5),
   ),
   # torchvision's ResNet-18 with BatchNorm (PFLlib's default ResNet; FedBN's model).
-  'resnet18_bn': lambda c, a, k, i: ResNetBN(c, conv_impl=k),
+  'resnet18_bn': ResNetBN,
   # FedJAX's own EMNIST CNN (models.emnist.create_conv_model): the same layers.
-  'fedjax_emnist_cnn': lambda c, a, k, i: CNN(
-    c,
+  'fedjax_emnist_cnn': partial(
+    CNN,
     conv_features=(32, 64),
     dense=(128,),
-    adapter_dim=a,
-    conv_impl=k,
-    convention=i,
     padding='VALID',
     kernel=3,
     pooled=(False, True),
     dropout=(0.25, 0.5),
   ),
+  # PFLlib's FedAvgCNN (its default -m CNN): conv 32, 64 @5x5 valid, dense 512.
+  'pfllib_cnn': partial(CNN, padding='VALID'),
 }
+
+#: The arguments ``instantiate`` gives a table entry where its class takes them.
+RUN_ARGUMENTS = ('adapter_dim', 'conv_impl', 'convention')
+
+
+def instantiate(
+  name: str, num_classes: int, adapter_dim: int, conv_impl: str, init: str
+) -> nn.Module:
+  """The built-in model ``name`` as a Linen module: its table entry given
+  the classes and, where its class declares them, the adapter width, the
+  convolution implementation and the initialisation convention.
+
+  Args:
+    name: a ``MODELS`` name.
+    num_classes: the data set's classes.
+    adapter_dim: the adapters' width (0: none).
+    conv_impl: a ``layers.CONV_IMPLS`` name.
+    init: an ``initializers.INITS`` convention.
+
+  Returns:
+    The module.
+  """
+  entry = MODELS[name]
+  cls = entry.func if isinstance(entry, partial) else entry
+  fields = {f.name for f in dataclasses.fields(cls)}
+  given = dict(adapter_dim=adapter_dim, conv_impl=conv_impl, convention=init)
+  return entry(num_classes, **{k: v for k, v in given.items() if k in fields})
+
 
 #: The seeds' reference models: whose code they come from, and the
 #: initialisation that code gets by default.
@@ -324,11 +299,14 @@ class RegisteredModel:
     build: its ``ModelBuilder``.
     options: its ``ModelOptions`` class (``NoModelOptions`` when none).
     owner: the file that registered it.
+    head: the path of its head module ('/'-joined), or None: found
+      (``head.find_head``).
   """
 
   build: Callable[..., Any]
   options: Type[ModelOptions]
   owner: str = ''
+  head: Optional[str] = None
 
 
 #: Models registered with ``register`` (the user's own file, ``--import``).
@@ -371,7 +349,10 @@ def _builder_params(
 
 
 def register(
-  name: str, build: ModelBuilder, options: Optional[Type[ModelOptions]] = None
+  name: str,
+  build: ModelBuilder,
+  options: Optional[Type[ModelOptions]] = None,
+  head: Optional[str] = None,
 ) -> None:
   """Adds a model of your own: ``--model=<name>`` then builds it as a
   built-in one (the command, flagfiles, ``--sweep``, ``--trials``, every
@@ -388,6 +369,10 @@ def register(
     name: the ``--model`` name.
     build: the ``ModelBuilder``.
     options: its ``ModelOptions`` class (None: none).
+    head: the module that is its head, for the algorithms that train a body
+      and a head ('/'-joined module names, e.g. ``'classifier'``); None:
+      the last layer with parameters whose call returns the model's output
+      (PFLlib's split: its last ``fc``).
 
   Returns:
     None.
@@ -421,7 +406,7 @@ def register(
       f'a model named {name!r} is registered already, by {old.owner}'
     )
   claim_flags(options, f'an option of --model={name}')
-  REGISTERED[name] = RegisteredModel(build, options, owner)
+  REGISTERED[name] = RegisteredModel(build, options, owner, head)
 
 
 def model_names() -> list:
