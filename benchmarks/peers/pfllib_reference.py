@@ -1,0 +1,275 @@
+"""What PFLlib's own code computes for the algorithms it shares with this
+project, recorded on a tiny made federation: the reference
+``tests/test_pfllib_reference.py`` compares each algorithm here with.
+
+Runs where PyTorch installs (the bench extra: ``pip install -e '.[bench]'``)
+on PFLlib's ``system/`` folder at the commit below, nothing of it committed
+here::
+
+  git -C PFLlib archive d832e76f6a23b833038949ec1e4fdefe63a4d350 system \\
+      | tar -x -C /tmp/pfllib
+  python benchmarks/peers/pfllib_reference.py --pfllib=/tmp/pfllib/system \\
+      --out=tests/data/pfllib_reference.npz
+
+PFLlib's server and client classes run as its ``main.py`` builds them
+(``BaseHeadSplit`` where its ``main.py`` splits the model), with its
+``FedAvgCNN`` (conv 32, 64 @5x5, dense 512, ``fc`` 10; its ``dim`` set for 16x16
+inputs) from
+``torch.manual_seed(0)``, on 4 clients of 12 made 16x16 images each. What
+is fed, not drawn: every client trains on batches of its 12 examples (one
+batch per epoch, so PyTorch's shuffle changes only the order of a sum), all
+clients join every round, and a round is PFLlib's own sequence: the
+server's ``send_models``, each client's ``train``, ``receive_models``,
+``aggregate_parameters``. Its data reader is replaced by the made arrays;
+``h5py`` and ``matplotlib``, which only its result files and its DLG
+attack use, by stand-ins where they are not installed.
+
+Recorded per algorithm (keys ``<algorithm>/...``): the global model after
+``ROUNDS`` rounds (each leaf projected on fixed random directions,
+``project``) and the personal part a client keeps (in this project's
+layout: Flax names, HWIO kernels), and each client's correct test
+predictions as PFLlib's ``test_metrics`` counts them, after its own last
+step (FedBABU: one more round of local training and ``fine_tune``, as its
+``train`` ends); also the made data and the initial weights.
+"""
+
+import argparse
+import copy
+import os
+import sys
+import tempfile
+import types
+
+import numpy as np
+
+PFLLIB_COMMIT = 'd832e76f6a23b833038949ec1e4fdefe63a4d350'
+NUM_CLIENTS, TRAIN, TEST, NUM_CLASSES = 4, 12, 8, 10
+#: Made images of 16x16 (FedAvgCNN's ``dim``: 64 features after its
+#: convolutions, 90K parameters, not MNIST's 1,024 and 582K).
+SIDE, DIM = 16, 64
+#: Parameters are recorded as projections on PROJECTIONS fixed random unit
+#: directions per leaf (``project``), not whole.
+PROJECTIONS = 16
+ROUNDS, LOCAL_EPOCHS, LR = 2, 2, 0.05
+#: PFLlib's --algorithm name -> (server module, class, own arguments).
+ALGORITHMS = {
+  'fedlc': ('serverlc', 'FedLC', dict(tau=1.0)),
+  'fedntd': ('serverntd', 'FedNTD', dict(beta=1.0, tau=2.0)),
+  'fedbabu': ('serverbabu', 'FedBABU', dict(fine_tuning_epochs=2)),
+  'fedrod': ('serverrod', 'FedROD', {}),
+}
+#: Those PFLlib's main.py gives a BaseHeadSplit model.
+SPLIT = ('fedbabu', 'fedlc', 'fedrod')
+
+
+def made_data(seed=0):
+  """4 clients' train and test images [n, 16, 16, 1] and labels, each
+  client's labels skewed to a few classes (a class-dependent mean, so
+  that training moves the accuracy)."""
+  rng = np.random.default_rng(seed)
+  means = rng.normal(0, 1, (NUM_CLASSES, SIDE, SIDE, 1)).astype(np.float32)
+  out = {}
+  for i in range(NUM_CLIENTS):
+    classes = rng.choice(NUM_CLASSES, 3, replace=False)
+    for split, n in (('train', TRAIN), ('test', TEST)):
+      y = rng.choice(classes, n).astype(np.int32)
+      x = means[y] + rng.normal(0, 1, (n, SIDE, SIDE, 1)).astype(np.float32)
+      out[f'{split}_x_{i}'] = x.astype(np.float32)
+      out[f'{split}_y_{i}'] = y
+  return out
+
+
+def _stand_ins():
+  """Modules PFLlib imports for what this run never does."""
+  for name in ('h5py', 'matplotlib', 'matplotlib.pyplot'):
+    try:
+      __import__(name)
+    except ImportError:
+      sys.modules[name] = types.ModuleType(name)
+
+
+def pfllib_args(torch, model, algorithm, own):
+  """The ``args`` PFLlib's ``main.py`` hands a server (its defaults, the
+  run's sizes), with ``model`` as its ``main.py`` builds it."""
+  args = argparse.Namespace(
+    device='cpu',
+    dataset='made',
+    num_classes=NUM_CLASSES,
+    model=model,
+    batch_size=TRAIN,
+    local_learning_rate=LR,
+    learning_rate_decay=False,
+    learning_rate_decay_gamma=0.99,
+    global_rounds=ROUNDS,
+    top_cnt=100,
+    local_epochs=LOCAL_EPOCHS,
+    algorithm=algorithm,
+    join_ratio=1.0,
+    random_join_ratio=False,
+    num_clients=NUM_CLIENTS,
+    prev=0,
+    times=1,
+    eval_gap=1,
+    save_folder_name=tempfile.mkdtemp(),
+    auto_break=False,
+    dlg_eval=False,
+    dlg_gap=100,
+    batch_num_per_client=2,
+    num_new_clients=0,
+    fine_tuning_epoch_new=0,
+    feature_dim=512,
+    few_shot=0,
+    client_drop_rate=0.0,
+    train_slow_rate=0.0,
+    send_slow_rate=0.0,
+    time_select=False,
+    goal='test',
+    time_threthold=10000,
+    beta=0.0,
+    tau=1.0,
+    fine_tuning_epochs=10,
+  )
+  for k, v in own.items():
+    setattr(args, k, v)
+  if algorithm in SPLIT:  # main.py: head = the model's fc, base the rest
+    args.head = copy.deepcopy(args.model.fc)
+    args.model.fc = torch.nn.Identity()
+    from flcore.trainmodel.models import BaseHeadSplit
+
+    args.model = BaseHeadSplit(args.model, args.head)
+  return args
+
+
+def patch_reader(torch, data):
+  """PFLlib's ``read_client_data`` returning the made client's examples
+  as its own does: a list of (x [1, 28, 28], y) tensor pairs."""
+
+  def read(dataset, idx, is_train=True, few_shot=0):
+    split = 'train' if is_train else 'test'
+    x = torch.tensor(data[f'{split}_x_{idx}']).permute(0, 3, 1, 2)
+    y = torch.tensor(data[f'{split}_y_{idx}']).long()
+    return [(xi, yi) for xi, yi in zip(x, y)]
+
+  import flcore.clients.clientbase as clientbase
+  import flcore.servers.serverbase as serverbase
+
+  clientbase.read_client_data = read
+  serverbase.read_client_data = read
+
+
+def to_flax(torch, state, template_model, sample_x):
+  """A FedAvgCNN state dict in this project's ``pfllib_cnn`` layout."""
+  from fedjax_personal.models import weights
+
+  with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, 'w.pt')
+    torch.save({k: v.detach().clone() for k, v in state.items()}, path)
+    return weights.flat_params(weights.load(path, template_model, sample_x))
+
+
+def project(flat):
+  """Each leaf of a flat parameter dict as its projections on PROJECTIONS
+  fixed random unit directions (seeded by the leaf's size): [PROJECTIONS]."""
+  out = {}
+  for k, v in flat.items():
+    v = np.asarray(v, np.float64).ravel()
+    dirs = np.random.default_rng(v.size).normal(size=(PROJECTIONS, v.size))
+    dirs /= np.linalg.norm(dirs, axis=1, keepdims=True)
+    out[k] = (dirs @ v).astype(np.float64)
+  return out
+
+
+def whole_state(model):
+  """A model's state dict under FedAvgCNN's names (a BaseHeadSplit's
+  ``base.`` / ``head.`` prefixes mapped back)."""
+  out = {}
+  for k, v in model.state_dict().items():
+    if k.startswith('base.'):
+      k = k[len('base.') :]
+    elif k.startswith('head.'):
+      k = 'fc.' + k[len('head.') :]
+    out[k] = v
+  return out
+
+
+def run(torch, name, data, init_state, template, sample_x):
+  """One algorithm's rounds in PFLlib's code; its record."""
+  module, cls, own = ALGORITHMS[name]
+  from flcore.trainmodel.models import FedAvgCNN
+
+  torch.manual_seed(0)
+  model = FedAvgCNN(in_features=1, num_classes=NUM_CLASSES, dim=DIM)
+  model.load_state_dict(init_state)
+  args = pfllib_args(torch, model, name, own)
+  server_cls = getattr(
+    __import__(f'flcore.servers.{module}', fromlist=[cls]), cls
+  )
+  server = server_cls(args, 0)
+  for _ in range(ROUNDS):
+    server.selected_clients = list(server.clients)
+    server.send_models()
+    for client in server.selected_clients:
+      client.train()
+    server.receive_models()
+    server.aggregate_parameters()
+  server.send_models()
+  rec = {}
+  if name == 'fedbabu':  # serverbabu.train's end: train once more, fine-tune
+    for client in server.clients:
+      client.train()
+      client.fine_tune()
+    body = dict(server.global_model.state_dict())
+    body['fc.weight'] = args.head.weight
+    body['fc.bias'] = args.head.bias
+    glob = body
+  else:
+    glob = whole_state(server.global_model)
+  for k, v in project(to_flax(torch, glob, template, sample_x)).items():
+    rec[f'{name}/global/{k}'] = v
+  if name == 'fedrod':
+    for i, client in enumerate(server.clients):
+      rec[f'{name}/head_{i}/kernel'] = client.head.weight.detach().numpy().T
+      rec[f'{name}/head_{i}/bias'] = client.head.bias.detach().numpy()
+  correct = []
+  for client in server.clients:
+    acc, num, _ = client.test_metrics()
+    correct.append(acc)
+  rec[f'{name}/test_correct'] = np.asarray(correct, np.int32)
+  return rec
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--pfllib', required=True, help="PFLlib's system/ folder")
+  parser.add_argument('--out', required=True)
+  a = parser.parse_args()
+  import torch
+
+  sys.path.insert(0, os.path.abspath(a.pfllib))
+  _stand_ins()
+  from flcore.trainmodel.models import FedAvgCNN
+
+  from fedjax_personal import models
+
+  data = made_data()
+  patch_reader(torch, data)
+  sample_x = data['train_x_0'][:1]
+  template = models.create_model(
+    'pfllib_cnn', NUM_CLASSES, sample_x, init='pytorch'
+  )
+  torch.manual_seed(0)
+  init = FedAvgCNN(in_features=1, num_classes=NUM_CLASSES, dim=DIM).state_dict()
+  init = {k: v.clone() for k, v in init.items()}
+  record = dict(data)
+  record['pfllib_commit'] = np.asarray(PFLLIB_COMMIT)
+  for k, v in to_flax(torch, init, template, sample_x).items():
+    record[f'init/{k}'] = v
+  for name in ALGORITHMS:
+    record.update(run(torch, name, data, init, template, sample_x))
+    print(name, record[f'{name}/test_correct'])
+  np.savez_compressed(a.out, **record)
+  print('wrote', a.out)
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,109 @@
+"""Each algorithm shared with PFLlib against what PFLlib's own code computes
+(``tests/data/pfllib_reference.npz``, recorded by
+``benchmarks/peers/pfllib_reference.py`` from PFLlib at the commit it names,
+PyTorch 2.13 on a CPU): the same made federation, initial weights and
+batches, ``ROUNDS`` rounds of every client. Compared: the global model, the
+personal part a client keeps, and each client's correct test predictions
+after its last step. Parameters are compared by their projections on fixed
+random unit directions (the record's ``project``). Tolerance: float
+rounding (PyTorch's and XLA's sums in another order over 2 rounds of 2
+full-batch steps): 1e-4 absolute."""
+
+import os
+
+import helpers
+import jax
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from fedjax_personal import algorithms, models
+from fedjax_personal.config import TrainingConfig
+from fedjax_personal.core.data import (
+  FederatedData,
+  LocalData,
+  pad_clients,
+  to_device,
+)
+from fedjax_personal.core.losses import evaluate_params
+from fedjax_personal.models import weights
+
+PATH = os.path.join(os.path.dirname(__file__), 'data', 'pfllib_reference.npz')
+PEER = helpers.script_module('benchmarks', 'peers', 'pfllib_reference.py')
+ATOL = 1e-4
+
+
+@pytest.fixture(scope='module')
+def reference():
+  with np.load(PATH) as f:
+    return {k: f[k] for k in f.files}
+
+
+def _nested(ref, prefix):
+  flat = {
+    tuple(k[len(prefix) :].split('/')): v
+    for k, v in ref.items()
+    if k.startswith(prefix)
+  }
+  return traverse_util.unflatten_dict(flat)
+
+
+def _data(ref):
+  n = PEER.NUM_CLIENTS
+  x0 = ref['train_x_0']
+  split = lambda s: pad_clients(
+    [ref[f'{s}_x_{i}'] for i in range(n)],
+    [ref[f'{s}_y_{i}'] for i in range(n)],
+    x0.shape[1:],
+    x0.dtype,
+  )
+  return to_device(
+    FederatedData(
+      train=split('train'),
+      val=split('test'),
+      test=split('test'),
+      groups=np.full(n, -1, np.int32),
+      num_classes=PEER.NUM_CLASSES,
+    )
+  )
+
+
+def _model(ref):
+  model = models.create_model(
+    'pfllib_cnn', PEER.NUM_CLASSES, ref['train_x_0'][:1], init='pytorch'
+  )
+  return model.starting_from(_nested(ref, 'init/'))
+
+
+@pytest.mark.parametrize('name', sorted(PEER.ALGORITHMS))
+def test_equal_to_pfllib(reference, name):
+  data, model = _data(reference), _model(reference)
+  own = PEER.ALGORITHMS[name][2]
+  training = TrainingConfig(
+    client_lr=PEER.LR, batch_size=PEER.TRAIN, local_epochs=PEER.LOCAL_EPOCHS
+  )
+  alg = algorithms.build(
+    name, model, data, training, **{f'{name}_{k}': v for k, v in own.items()}
+  )
+  _, state = helpers.run_rounds(alg, data, rounds=PEER.ROUNDS)
+  cm = alg.client_models(state)
+  params = getattr(state, 'params', None)
+  if params is None:
+    params = state.server.params
+  got = PEER.project(weights.flat_params(jax.device_get(params)))
+  for k, v in got.items():
+    np.testing.assert_allclose(v, reference[f'{name}/global/{k}'], atol=ATOL)
+  if name == 'fedrod':
+    heads = _nested(reference, f'{name}/head_')
+    for i in range(PEER.NUM_CLIENTS):
+      got = jax.tree.map(lambda a: a[i], state.heads)
+      assert helpers.max_diff(got, heads[str(i)]) < ATOL
+  correct = []
+  for i in range(PEER.NUM_CLIENTS):
+    p = cm.for_client(i)
+    local = jax.tree.map(lambda a: a[i], data.train)
+    if alg.finetune is not None:
+      p = alg.finetune(p, LocalData(local, local), jax.random.key(i))
+    stats = evaluate_params(model, p, jax.tree.map(lambda a: a[i], data.test))
+    correct.append(int(round(float(stats.correct))))
+  np.testing.assert_array_equal(correct, reference[f'{name}/test_correct'])
