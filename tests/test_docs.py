@@ -282,9 +282,9 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
   from fedjax_personal.run import cli
 
   _, data_module = fenced('docs/add_a_data_set.md', 'python')
-  _, alg_module, script = fenced(
-    'docs/add_an_algorithm.md', 'python'
-  )  # the first: test_plugins
+  _, alg_module, script = fenced('docs/add_an_algorithm.md', 'python')[
+    :3
+  ]  # the first: test_plugins; the fourth: the features' snippet
   (tmp_path / 'my_writers.py').write_text(data_module)
   (tmp_path / 'fedavg_dropout.py').write_text(alg_module)
   monkeypatch.syspath_prepend(str(tmp_path))
@@ -439,3 +439,34 @@ def test_the_architecture_map_names_every_module():
       os.path.isdir(os.path.join(ROOT, *p, folder))
       for p in [(), ('fedjax_personal',), ('fedjax_personal', 'core')]
     ), folder
+
+
+def test_the_features_snippet_of_add_an_algorithm_runs_as_printed():
+  """docs/add_an_algorithm.md's algorithm reading the features and the
+  head, as printed: with weight 0 it is FedAvg; a positive weight changes
+  the round; a model without a head is refused naming --model."""
+  import optax
+  from helpers import digits_data, max_diff, run_rounds
+
+  from fedjax_personal import models
+  from fedjax_personal.algorithms import fedavg
+  from fedjax_personal.core.batching import Batching
+  from fedjax_personal.errors import ConfigError
+
+  code = fenced('docs/add_an_algorithm.md', 'python')[3]
+  scope = {'__name__': 'feature_penalty_doc'}
+  exec(compile(code, 'docs/add_an_algorithm.md', 'exec'), scope)
+  data = digits_data(num_clients=3, max_examples=20)
+  model = models.create_model('mlp', data.num_classes, data.train.x[0, :1])
+  batching = Batching(batch_size=8, num_epochs=1)
+  make = scope['fedavg_feature_penalty']
+  _, zero = run_rounds(make(model, 3, optax.sgd(0.1), batching, 0.0), data, 1)
+  _, plain = run_rounds(
+    fedavg.fedavg(model, 3, optax.sgd(0.1), batching), data, 1
+  )
+  _, some = run_rounds(make(model, 3, optax.sgd(0.1), batching, 0.1), data, 1)
+  assert max_diff(zero.params, plain.params) < 1e-6
+  assert max_diff(some.params, plain.params) > 1e-4
+  headless = models.Model('headless', model.init, model.apply)
+  with pytest.raises(ConfigError, match='--model'):
+    make(headless, 3, optax.sgd(0.1), batching, 0.1)

@@ -247,6 +247,12 @@ REFERENCE = {
     'groups',
     'pytorch',
   ),
+  'pfllib_cnn': (
+    'PFLlib (TsingZ0/PFLlib), system/flcore/trainmodel/models.py FedAvgCNN, '
+    'its default -m CNN: conv 32, 64 @5x5 valid, max pools, dense 512, fc '
+    '(PyTorch)',
+    'pytorch',
+  ),
   'pfedme_cnn': (
     'pFedMe (Dinh et al.), FLAlgorithms/trainmodel/models.py CifarNet, the '
     "PyTorch tutorial CNN (also FedFomo's base_cnn): conv 6, 16 @5x5 valid, "
