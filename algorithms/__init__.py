@@ -16,6 +16,7 @@ from fedjax_personal.algorithms import (
   ditto,
   fedavg,
   fedbabu,
+  feddbe,
   feddyn,
   fedfomo,
   fedlc,
@@ -54,6 +55,7 @@ __all__ = [
   'ditto',
   'fedavg',
   'fedbabu',
+  'feddbe',
   'feddyn',
   'FederatedAlgorithm',
   'FederatedData',
@@ -120,6 +122,7 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     fedntd.SPEC,
     fedbabu.SPEC,
     fedrod.SPEC,
+    feddbe.SPEC,
   ]
 }
 

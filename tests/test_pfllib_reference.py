@@ -98,6 +98,11 @@ def test_equal_to_pfllib(reference, name):
     for i in range(PEER.NUM_CLIENTS):
       got = jax.tree.map(lambda a: a[i], state.heads)
       assert helpers.max_diff(got, heads[str(i)]) < ATOL
+  if name == 'feddbe':
+    for i in range(PEER.NUM_CLIENTS):
+      np.testing.assert_allclose(
+        state.biases[i], reference[f'{name}/bias_{i}'], atol=1e-6
+      )
   correct = []
   for i in range(PEER.NUM_CLIENTS):
     p = cm.for_client(i)

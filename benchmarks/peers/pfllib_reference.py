@@ -57,9 +57,10 @@ ALGORITHMS = {
   'fedntd': ('serverntd', 'FedNTD', dict(beta=1.0, tau=2.0)),
   'fedbabu': ('serverbabu', 'FedBABU', dict(fine_tuning_epochs=2)),
   'fedrod': ('serverrod', 'FedROD', {}),
+  'feddbe': ('serverdbe', 'FedDBE', dict(kl_weight=1.0, momentum=0.1)),
 }
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
-SPLIT = ('fedbabu', 'fedlc', 'fedrod')
+SPLIT = ('fedbabu', 'feddbe', 'fedlc', 'fedrod')
 
 
 def made_data(seed=0):
@@ -128,6 +129,8 @@ def pfllib_args(torch, model, algorithm, own):
     beta=0.0,
     tau=1.0,
     fine_tuning_epochs=10,
+    momentum=0.1,
+    kl_weight=0.0,
   )
   for k, v in own.items():
     setattr(args, k, v)
@@ -230,6 +233,9 @@ def run(torch, name, data, init_state, template, sample_x):
     for i, client in enumerate(server.clients):
       rec[f'{name}/head_{i}/kernel'] = client.head.weight.detach().numpy().T
       rec[f'{name}/head_{i}/bias'] = client.head.bias.detach().numpy()
+  if name == 'feddbe':
+    for i, client in enumerate(server.clients):
+      rec[f'{name}/bias_{i}'] = client.client_mean.detach().numpy()
   correct = []
   for client in server.clients:
     acc, num, _ = client.test_metrics()

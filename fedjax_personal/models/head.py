@@ -35,10 +35,13 @@ class HeadSplit:
       at this path of the model's ``params``.
     module: the head module, unbound: ``module.apply({'params': head}, f)``
       maps features to logits.
+    feature_shape: the shape of one example's features (the head's input
+      without its batch axis), e.g. ``(512,)``.
   """
 
   path: Tuple[str, ...]
   module: nn.Module
+  feature_shape: Tuple[int, ...] = ()
 
   def logits(self, head_params: PyTree, features: jax.Array) -> jax.Array:
     """The head applied to features: ``[B, ..., D] -> [B, ..., C]``.
@@ -116,6 +119,7 @@ class ModuleCall:
   module: nn.Module
   output_shape: Optional[tuple]
   one_input: bool
+  input_shape: tuple = ()
 
 
 def module_calls(calls: List[ModuleCall]):
@@ -132,6 +136,7 @@ def module_calls(calls: List[ModuleCall]):
           module.clone(parent=None),
           getattr(out, 'shape', None),
           len(args) == 1 and not kwargs,
+          tuple(getattr(args[0], 'shape', ())) if args else (),
         )
       )
     return out
@@ -176,11 +181,11 @@ def find_head(
         f'head {named!r} is not a module with parameters of the model '
         f'called on one input (such modules: {owners})'
       )
-    return HeadSplit(path, found[-1].module)
+    return HeadSplit(path, found[-1].module, found[-1].input_shape[1:])
   for call in reversed(calls):
     if _owns(params, call.path):
       if call.one_input and call.output_shape == tuple(output_shape):
-        return HeadSplit(call.path, call.module)
+        return HeadSplit(call.path, call.module, call.input_shape[1:])
       return None
   return None
 
