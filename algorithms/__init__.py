@@ -19,6 +19,7 @@ from fedjax_personal.algorithms import (
   feddbe,
   feddyn,
   fedfomo,
+  fedgh,
   fedlc,
   fednova,
   fedntd,
@@ -60,6 +61,7 @@ __all__ = [
   'FederatedAlgorithm',
   'FederatedData',
   'fedfomo',
+  'fedgh',
   'fedlc',
   'fednova',
   'fedntd',
@@ -123,6 +125,7 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     fedbabu.SPEC,
     fedrod.SPEC,
     feddbe.SPEC,
+    fedgh.SPEC,
   ]
 }
 

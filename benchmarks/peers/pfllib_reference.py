@@ -18,9 +18,10 @@ inputs) from
 ``torch.manual_seed(0)``, on 4 clients of 12 made 16x16 images each. What
 is fed, not drawn: every client trains on batches of its 12 examples (one
 batch per epoch, so PyTorch's shuffle changes only the order of a sum), all
-clients join every round, and a round is PFLlib's own sequence: the
-server's ``send_models``, each client's ``train``, ``receive_models``,
-``aggregate_parameters``. Its data reader is replaced by the made arrays;
+clients join every round, and the rounds are the server's own ``train``
+loop (its ``global_rounds`` + 1 = ``ROUNDS`` passes), its files not
+written; FedBABU's loop is spelled out, to record its global model before
+its last pass. Its data reader is replaced by the made arrays;
 ``h5py`` and ``matplotlib``, which only its result files and its DLG
 attack use, by stand-ins where they are not installed.
 
@@ -58,9 +59,10 @@ ALGORITHMS = {
   'fedbabu': ('serverbabu', 'FedBABU', dict(fine_tuning_epochs=2)),
   'fedrod': ('serverrod', 'FedROD', {}),
   'feddbe': ('serverdbe', 'FedDBE', dict(kl_weight=1.0, momentum=0.1)),
+  'fedgh': ('servergh', 'FedGH', dict(server_learning_rate=0.5)),
 }
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
-SPLIT = ('fedbabu', 'feddbe', 'fedlc', 'fedrod')
+SPLIT = ('fedbabu', 'feddbe', 'fedgh', 'fedlc', 'fedrod')
 
 
 def made_data(seed=0):
@@ -101,7 +103,7 @@ def pfllib_args(torch, model, algorithm, own):
     local_learning_rate=LR,
     learning_rate_decay=False,
     learning_rate_decay_gamma=0.99,
-    global_rounds=ROUNDS,
+    global_rounds=ROUNDS - 1,
     top_cnt=100,
     local_epochs=LOCAL_EPOCHS,
     algorithm=algorithm,
@@ -131,6 +133,7 @@ def pfllib_args(torch, model, algorithm, own):
     fine_tuning_epochs=10,
     momentum=0.1,
     kl_weight=0.0,
+    server_learning_rate=1.0,
   )
   for k, v in own.items():
     setattr(args, k, v)
@@ -208,27 +211,44 @@ def run(torch, name, data, init_state, template, sample_x):
     __import__(f'flcore.servers.{module}', fromlist=[cls]), cls
   )
   server = server_cls(args, 0)
-  for _ in range(ROUNDS):
-    server.selected_clients = list(server.clients)
+  server.save_results = server.save_global_model = lambda: None  # no files
+  if name == 'fedbabu':
+    # serverbabu.train's rounds, recorded after the last aggregation, then
+    # its end: the clients train once more (the loop's last pass) and
+    # fine-tune (``fine_tune``).
+    for _ in range(ROUNDS):
+      server.selected_clients = list(server.clients)
+      server.send_models()
+      for client in server.selected_clients:
+        client.train()
+      server.receive_models()
+      server.aggregate_parameters()
     server.send_models()
-    for client in server.selected_clients:
-      client.train()
-    server.receive_models()
-    server.aggregate_parameters()
-  server.send_models()
-  rec = {}
-  if name == 'fedbabu':  # serverbabu.train's end: train once more, fine-tune
     for client in server.clients:
       client.train()
       client.fine_tune()
+  else:
+    server.train()  # its own loop: global_rounds + 1 = ROUNDS rounds
+    server.send_models()  # the last aggregate, as the next round would
+  rec = {}
+  if name == 'fedbabu':
     body = dict(server.global_model.state_dict())
     body['fc.weight'] = args.head.weight
     body['fc.bias'] = args.head.bias
     glob = body
+  elif name == 'fedgh':  # no global model: the server's head, each body
+    glob = None
+    rec[f'{name}/head/kernel'] = server.head.weight.detach().numpy().T
+    rec[f'{name}/head/bias'] = server.head.bias.detach().numpy()
+    for i, client in enumerate(server.clients):
+      own = to_flax(torch, whole_state(client.model), template, sample_x)
+      for k, v in project(own).items():
+        rec[f'{name}/client_{i}/{k}'] = v
   else:
     glob = whole_state(server.global_model)
-  for k, v in project(to_flax(torch, glob, template, sample_x)).items():
-    rec[f'{name}/global/{k}'] = v
+  if glob is not None:
+    for k, v in project(to_flax(torch, glob, template, sample_x)).items():
+      rec[f'{name}/global/{k}'] = v
   if name == 'fedrod':
     for i, client in enumerate(server.clients):
       rec[f'{name}/head_{i}/kernel'] = client.head.weight.detach().numpy().T
