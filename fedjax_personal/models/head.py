@@ -20,7 +20,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import flax.linen as nn
 import jax
 
-from fedjax_personal.core.tree_util import PyTree
+PyTree = Any  # the models layer sits below core (core.tree_util.PyTree)
 
 __all__ = ['capture_features', 'find_head', 'HeadSplit', 'module_calls']
 
