@@ -250,7 +250,7 @@ def feddbe(
       state.params, state.opt_state, out.delta, server_optimizer
     )
     return (
-      state.replace(params=params, opt_state=opt_state),
+      dataclasses.replace(state, params=params, opt_state=opt_state),
       cohort_train_metrics(out.stats, cohort.mask),
     )
 
@@ -272,7 +272,7 @@ def feddbe(
     means, n = outputs
     w = n.astype(jnp.float32) / jnp.maximum(jnp.sum(n), 1)
     g = jnp.tensordot(w, means, axes=1)
-    return state.replace(global_mean=g), {}
+    return dataclasses.replace(state, global_mean=g), {}
 
   def client_models(state: FedDBEState) -> ClientModels:
     n = leading_size(state.biases)

@@ -283,7 +283,7 @@ def fedgh(
     )
     bodies = tree_scatter(state.bodies, cohort.rows, out.body)
     return (
-      state.replace(head=top, bodies=bodies),
+      dataclasses.replace(state, head=top, bodies=bodies),
       cohort_train_metrics(out.stats, cohort.mask),
     )
 

@@ -157,12 +157,12 @@ def fedlc(
 
   def server_update(state: FedLCState, cohort: Cohort, out, rc: RoundContext):
     server, metrics = base.server_update(state.server, cohort, out, rc)
-    return state.replace(server=server), metrics
+    return dataclasses.replace(state, server=server), metrics
 
   def count_update(state: FedLCState, outputs, rc: RoundContext):
     del rc
     total = jnp.sum(outputs, axis=0)
-    return state.replace(counts=total), {}
+    return dataclasses.replace(state, counts=total), {}
 
   def client_counts(shared, data: LocalData, key):
     del shared, key

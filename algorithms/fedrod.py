@@ -207,7 +207,7 @@ def fedrod(
       state.params, state.opt_state, out.delta, server_optimizer
     )
     return (
-      state.replace(params=params, opt_state=opt_state),
+      dataclasses.replace(state, params=params, opt_state=opt_state),
       cohort_train_metrics(out.stats, cohort.mask),
     )
 

@@ -147,7 +147,7 @@ class Forward(NamedTuple):
   """
 
   logits: jax.Array
-  features: Optional[jax.Array] = None
+  features: Any = None
   state: Any = None
 
 

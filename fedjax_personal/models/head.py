@@ -43,7 +43,7 @@ class HeadSplit:
   module: nn.Module
   feature_shape: Tuple[int, ...] = ()
 
-  def logits(self, head_params: PyTree, features: jax.Array) -> jax.Array:
+  def logits(self, head_params: PyTree, features: jax.Array) -> Any:
     """The head applied to features: ``[B, ..., D] -> [B, ..., C]``.
 
     Args:

@@ -146,7 +146,7 @@ def instantiate(
   """
   entry = MODELS[name]
   cls = entry.func if isinstance(entry, partial) else entry
-  fields = {f.name for f in dataclasses.fields(cls)}
+  fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
   given = dict(adapter_dim=adapter_dim, conv_impl=conv_impl, convention=init)
   return entry(num_classes, **{k: v for k, v in given.items() if k in fields})
 
