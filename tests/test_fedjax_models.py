@@ -40,7 +40,7 @@ def _module(name, task):
   )
   sizes = ref.SIZES[task][0]
   vocab = sizes['vocab_size'] + 4  # PAD, BOS, EOS, OOV
-  module = models.MODELS[name](vocab, 0, 'auto', 'haiku')
+  module = models.instantiate(name, vocab, 0, 'auto', 'haiku')
   small = dict(embed_dim=sizes['embed_size'], hidden=sizes['lstm_hidden_size'])
   if module.projection:
     small['projection'] = sizes[
