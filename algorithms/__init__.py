@@ -32,6 +32,7 @@ from fedjax_personal.algorithms import (
   perfedavg,
   pfeddyn,
   pfedme,
+  pflda,
   qffl,
   scaffold,
   usercentric,
@@ -78,6 +79,7 @@ __all__ = [
   'persistent_client_optimizer',
   'pfeddyn',
   'pfedme',
+  'pflda',
   'qffl',
   'register',
   'REGISTRY',
@@ -126,6 +128,7 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     fedrod.SPEC,
     feddbe.SPEC,
     fedgh.SPEC,
+    pflda.SPEC,
   ]
 }
 

@@ -60,9 +60,10 @@ ALGORITHMS = {
   'fedrod': ('serverrod', 'FedROD', {}),
   'feddbe': ('serverdbe', 'FedDBE', dict(kl_weight=1.0, momentum=0.1)),
   'fedgh': ('servergh', 'FedGH', dict(server_learning_rate=0.5)),
+  'pflda': ('serverda', 'PFL_DA', dict(lamda=1.0)),
 }
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
-SPLIT = ('fedbabu', 'feddbe', 'fedgh', 'fedlc', 'fedrod')
+SPLIT = ('fedbabu', 'feddbe', 'fedgh', 'fedlc', 'fedrod', 'pflda')
 
 
 def made_data(seed=0):
@@ -134,6 +135,7 @@ def pfllib_args(torch, model, algorithm, own):
     momentum=0.1,
     kl_weight=0.0,
     server_learning_rate=1.0,
+    lamda=1.0,
   )
   for k, v in own.items():
     setattr(args, k, v)
@@ -236,10 +238,11 @@ def run(torch, name, data, init_state, template, sample_x):
     body['fc.weight'] = args.head.weight
     body['fc.bias'] = args.head.bias
     glob = body
-  elif name == 'fedgh':  # no global model: the server's head, each body
+  elif name in ('fedgh', 'pflda'):  # the global head, each client's model
     glob = None
-    rec[f'{name}/head/kernel'] = server.head.weight.detach().numpy().T
-    rec[f'{name}/head/bias'] = server.head.bias.detach().numpy()
+    top = server.head if name == 'fedgh' else server.global_model
+    rec[f'{name}/head/kernel'] = top.weight.detach().numpy().T
+    rec[f'{name}/head/bias'] = top.bias.detach().numpy()
     for i, client in enumerate(server.clients):
       own = to_flax(torch, whole_state(client.model), template, sample_x)
       for k, v in project(own).items():
