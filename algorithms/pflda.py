@@ -16,8 +16,7 @@ constant to the loss and nothing to the gradient: the default here, as the
 code runs (``--pflda_distance_gradient=false``); ``true`` lets the
 distance pull the personal head toward the global one (the paper's
 reading). The frozen parts take no step (PyTorch's ``requires_grad =
-False``); the client optimizer is PFLlib's SGD (its learning rate alone is
-a setting).
+False``; with a stateful client optimizer their state sees zero gradients).
 """
 
 import dataclasses
@@ -33,6 +32,7 @@ from fedjax_personal.algorithms.fedavg import server_step, summed_upload
 from fedjax_personal.algorithms.partial import combined_batching
 from fedjax_personal.config import (
   BATCHING,
+  CLIENT_OPTIMIZER,
   SERVER_OPTIMIZER,
   WEIGHTING,
   AlgorithmSpec,
@@ -178,7 +178,7 @@ def pflda(
   Args:
     model: the model (with a head).
     num_clients: N.
-    client_optimizer: the client optimizer (PFLlib's SGD).
+    client_optimizer: the client optimizer (PFLlib's: SGD).
     batching: one phase's batching (E epochs or K steps).
     lamda: the distance's weight.
     distance_gradient: whether the distance has a gradient.
@@ -284,7 +284,7 @@ def build(training, config: PFLDAConfig, model, data):
   return pflda(
     model,
     data.num_clients,
-    optax.sgd(training.client_lr),
+    training.make_client_optimizer(),
     training.batching(),
     config.lamda,
     config.distance_gradient,
@@ -297,7 +297,7 @@ SPEC = AlgorithmSpec(
   'pflda',
   PFLDAConfig,
   build,
-  frozenset({'client_lr'}) | BATCHING | WEIGHTING | SERVER_OPTIMIZER,
+  CLIENT_OPTIMIZER | BATCHING | WEIGHTING | SERVER_OPTIMIZER,
   summary='PFL-DA (Zhang et al. 2023): personal models, a shared head '
   'trained on their features',
 )
