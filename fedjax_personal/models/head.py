@@ -124,7 +124,14 @@ class ModuleCall:
 
 def module_calls(calls: List[ModuleCall]):
   """A Flax method interceptor appending every ``__call__`` of a submodule
-  to ``calls`` in the order they return (``find_head`` reads them)."""
+  to ``calls`` in the order they return (``find_head`` reads them).
+
+  Args:
+    calls: the list the ``ModuleCall`` records are appended to.
+
+  Returns:
+    The interceptor (``nn.intercept_methods``).
+  """
 
   def interceptor(next_fun, args, kwargs, context):
     out = next_fun(*args, **kwargs)
