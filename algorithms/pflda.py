@@ -236,7 +236,8 @@ def pflda(
     body = tree_where(personal_phase, body, new_body)
     p = tree_where(personal_phase, new_p, old_p)
     g = tree_where(personal_phase, both['head'], moved['head'])
-    return carry.replace(
+    return dataclasses.replace(
+      carry,
       model=head.merge(body, p),
       head=g,
       opt_state=opt_state,
