@@ -68,7 +68,8 @@ def ditto(
     client_optimizer: the optax client optimizer.
     batching: local batching (epochs or steps, batch size).
     lam: lambda, the pull of the personal model toward the global one.
-    personal_optimizer: the personal model's optimizer (default: the client optimizer).
+    personal_optimizer: the personal model's optimizer (default: the client
+      optimizer).
     server_optimizer: applied to the mean update; default ``optax.sgd(1.0)``.
     weighting: ``'num_examples'`` (n_i-weighted mean), ``'tokens'``
       (``fedavg.train_tokens``) or ``'uniform'``.

@@ -345,7 +345,8 @@ def fedavg(
     client_optimizer: local optimizer (e.g. ``optax.sgd(lr)``).
     batching: local epochs/steps and batch size.
     server_optimizer: applied to the mean delta; default ``optax.sgd(1.0)``.
-    weighting: 'num_examples' (n_i-weighted mean), 'tokens' (``train_tokens``) or 'uniform'.
+    weighting: 'num_examples' (n_i-weighted mean), 'tokens' (``train_tokens``)
+      or 'uniform'.
     objective_fn: optional local objective builder (see make_client_work).
     finetune: optional evaluation fine-tuning (FedAvg + fine-tuning).
     name: registry name.
@@ -484,8 +485,8 @@ def variant(
     down = tree_bytes(state.params)
     return Communication(uplink.get('bytes', down), down, 1)
 
-  # ``weight`` sees the client's output as its docstring says: ``out.delta`` the delta
-  # (the upload pairs it with ``extra`` only after).
+  # ``weight`` sees the client's output as its docstring says: ``out.delta`` the
+  # delta (the upload pairs it with ``extra`` only after).
   weight_fn = (
     None
     if weight is None

@@ -12,12 +12,13 @@ then updates g_i <- g_i - alpha_i (theta_i - theta_server). The server keeps h
     h <- h - (alpha / N) sum_{i in P_t} (theta_i - theta_server)
     theta_server <- mean_{i in P_t} theta_i - h / alpha.
 
-Options of the authors' code: alpha_i = alpha mean(n) / n_i (``adaptive_alpha``),
-gradient clipping of the data term (``max_grad_norm``, 10 in their code); their
-per-round learning-rate decay and weight decay (1e-3) are the shared client
-optimizer's ``--client_lr_decay`` and ``--client_weight_decay``. The model
-evaluated is a choice (``eval_model``): the server model, the mean of the last
-round's active models, or the mean of all clients' latest models.
+Options of the authors' code: alpha_i = alpha mean(n) / n_i
+(``adaptive_alpha``), gradient clipping of the data term (``max_grad_norm``, 10
+in their code); their per-round learning-rate decay and weight decay (1e-3) are
+the shared client optimizer's ``--client_lr_decay`` and
+``--client_weight_decay``. The model evaluated is a choice (``eval_model``): the
+server model, the mean of the last round's active models, or the mean of all
+clients' latest models.
 
 The data term L_i is pluggable (``data_objective``), which is how personalized
 FedDyn (``pfeddyn.py``) swaps in MAML and prototype objectives.

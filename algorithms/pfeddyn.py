@@ -260,7 +260,8 @@ def pfeddyn(
     inner_steps, inner_lr: MAML inner loop (5 steps at 1e-2).
     finetune_lr, finetune_steps: evaluation fine-tuning of the 'finetune'
       head (full-batch steps on the device's training data).
-    feddyn_kw: further FedDyn options (adaptive_alpha, max_grad_norm, eval_model).
+    feddyn_kw: further FedDyn options (adaptive_alpha, max_grad_norm,
+      eval_model).
 
   Returns:
     The ``FederatedAlgorithm``.

@@ -83,7 +83,8 @@ class ScaffoldState:
 @struct.dataclass
 class ScaffoldOutput:
   """Attributes:
-  delta: theta_server - theta_i (a weighted ``Sum`` share after ``summed_upload``).
+  delta: theta_server - theta_i (a weighted ``Sum`` share after
+    ``summed_upload``).
   control: c_i+ (kept by the client; its change is uploaded).
   control_delta: ``Sum(c_i+ - c_i)``, summed over the cohort by the engine.
   num_examples: n_i.

@@ -7,7 +7,8 @@ client computes its full-batch gradient delta_i and the variance estimate
 sigma_i^2 = (1/K) sum_k ||g_k - delta_i||^2 over K local batches (eq. 7). The
 server forms (eq. 6)
 
-    W_ij = (n_j / n_i) exp(-||delta_i - delta_j||^2 / (2 sigma_i sigma_j)) / Z_i.
+    W_ij = (n_j / n_i) exp(-||delta_i - delta_j||^2 / (2 sigma_i sigma_j)) /
+    Z_i.
 
 Training rounds: each active client trains locally from its own model; the
 server forms theta_i <- sum_j W_ij theta_j, one contraction over the stacked
@@ -25,12 +26,12 @@ instead of at the initial model, recomputing it every ``recompute_every``
 rounds, m_t chosen by the silhouette score over 2..N-1 (bounded by
 ``max_streams``). The whole collaboration round (gradient statistics, W,
 k-means with k-means++ restarts, silhouette) is tensor code inside the
-compiled round (``PreRound``); scikit-learn is only the tests' oracle. W's degeneracy is reported every
-time it is computed: effective neighbours per row 1 / sum_j W_ij^2 (1 means
-Local, N means uniform), and, when the true groups are known, the adjusted
-Rand index of the streams against them and W's in-group share (the share of
-each row's off-diagonal weight on the user's own group, next to its chance
-level).
+compiled round (``PreRound``); scikit-learn is only the tests' oracle. W's
+degeneracy is reported every time it is computed: effective neighbours per row 1
+/ sum_j W_ij^2 (1 means Local, N means uniform), and, when the true groups are
+known, the adjusted Rand index of the streams against them and W's in-group
+share (the share of each row's off-diagonal weight on the user's own group, next
+to its chance level).
 """
 
 import dataclasses
@@ -220,7 +221,8 @@ def streams(
   """Streams from the rows of W (tensor code, traced into the round).
 
   Returns (stream matrix [R, N] with row s < k stream s's mixing row and the
-  other rows zero, R = ``stream_rows(...)``, assignment int32 [N], k). ``num_streams`` (static): None
+  other rows zero, R = ``stream_rows(...)``, assignment int32 [N], k).
+    ``num_streams`` (static): None
   picks k in 2..max_streams by the silhouette score (1 when every row is the
   same); >= N gives W itself; 1 gives the mean row; else k-means with k
   streams, ``restarts`` k-means++ seedings from ``key``.

@@ -99,14 +99,15 @@ def read_clients(
 
   Args:
     num_clients: the first N train clients (None: all 500).
-    cifar100_test: ``'tff_clients'``: the train clients keep all their images and
-      TFF's test clients follow them as held-out clients (``eval_only``,
-      ids ``test/<id>``), as Reddi et al. (arXiv 2003.00295) evaluate;
-      ``'split'``: train clients only, their images split with
+    cifar100_test: ``'tff_clients'``: the train clients keep all their images
+      and TFF's test clients follow them as held-out clients (``eval_only``, ids
+      ``test/<id>``), as Reddi et al. (arXiv 2003.00295) evaluate; ``'split'``:
+      train clients only, their images split with
       --test_fraction (``split_by_fraction``).
 
   Returns:
-    The clients as a ``NaturalData`` (what the population store is written from).
+    The clients as a ``NaturalData`` (what the population store is written
+    from).
   """
   if cifar100_test not in CIFAR100_TESTS:
     raise ConfigError(
@@ -391,12 +392,13 @@ def load_data(
     cache_dir: where TFF's file is (``data_dir`` is the same).
     num_clients: the first N clients of each split (None: all).
     download: fetch a missing file.
-    cifar100_test: ``CIFAR100_TESTS`` (TFF's test clients by default, as FedJAX).
+    cifar100_test: ``CIFAR100_TESTS`` (TFF's test clients by default, as
+      FedJAX).
     data_dir: the same as ``cache_dir``.
 
   Returns:
-    ``(train, test)``: ``sqlite_federated.SQLiteFederatedData`` (``tff_clients``) or
-    ``federated.FederatedData`` (``split``).
+    ``(train, test)``: ``sqlite_federated.SQLiteFederatedData``
+    (``tff_clients``) or ``federated.FederatedData`` (``split``).
   """
   if cifar100_test == 'split':
     return federated.load(

@@ -16,7 +16,8 @@ FedJAX itself):
   ``num_batch_size_buckets - 1`` times) and ``shuffle_repeat_batch``
   (``numpy.random.RandomState(seed)``'s order).
 - Batches over many clients: ``padded_batch_client_datasets`` (evaluation
-  over a whole federated data set) and ``buffered_shuffle_batch_client_datasets``.
+  over a whole federated data set) and
+  ``buffered_shuffle_batch_client_datasets``.
 """
 
 import collections
@@ -216,12 +217,13 @@ def _hparams(hparams, kwargs: dict, defaults: dict) -> dict:
       f'unexpected batching arguments {sorted(unknown)}; expected {sorted(defaults)}'
     )
   got.update(kwargs)
+  # FedJAX: 0 epochs or steps give no batch
   for name, least in (
     ('batch_size', 1),
     ('num_batch_size_buckets', 1),
     ('num_epochs', 0),
     ('num_steps', 0),
-  ):  # FedJAX: 0 epochs or steps give no batch
+  ):
     value = got.get(name)
     if (
       name in got

@@ -192,7 +192,8 @@ def check_given(cfg: DataConfig, given: Collection[str]) -> None:
   """Refuses what the command gave that does nothing for ``cfg``'s data set,
   from the declarations: an option of another data set, a folder or a
   download for a data set without files, a test share for one whose files
-  split each client; then the data set's own check of its options (``DataOptions.check_given``).
+  split each client; then the data set's own check of its options
+  (``DataOptions.check_given``).
 
   Args:
     cfg: the ``DataConfig``.

@@ -5,13 +5,14 @@ by k-means on semantic embeddings: a VGG-11 trained on the data set to at
 least 85% accuracy, the 4,096-d second fully connected layer, PCA to 256
 dimensions. Raw pixels cluster by colour and brightness instead, and their
 clusters hold every class in similar shares (on CIFAR-10, 5 clusters: label
-skew 0.41 against 1.55 for 2 classes per client, benchmarks/reproductions/README.md), the near-IID
-regime where the paper itself expects averaging to be hard to beat.
+skew 0.41 against 1.55 for 2 classes per client,
+benchmarks/reproductions/README.md), the near-IID regime where the paper itself
+expects averaging to be hard to beat.
 
 ``semantic_features`` is the same recipe with a network this machine trains
-in a minute: LeNet-5 (images) or the MLP (small images, other inputs) trained centrally on
-the pool with SGD and momentum, its penultimate layer (84-d for LeNet-5, no
-PCA needed), standardized. Deterministic given the seed.
+in a minute: LeNet-5 (images) or the MLP (small images, other inputs) trained
+centrally on the pool with SGD and momentum, its penultimate layer (84-d for
+LeNet-5, no PCA needed), standardized. Deterministic given the seed.
 """
 
 import jax

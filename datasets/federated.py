@@ -340,7 +340,8 @@ def data_config(
   Args:
     dataset: the ``--dataset`` name.
     mode: ``'sqlite'``.
-    cache_dir: where the files are (made when missing and ``download``, as FedJAX's).
+    cache_dir: where the files are (made when missing and ``download``, as
+      FedJAX's).
     num_clients: the first N clients (None: all).
     download: fetch missing files.
     data_dir: the same as ``cache_dir``.

@@ -142,7 +142,8 @@ def read_clients(name: str, num_clients=None, data_dir=None) -> NaturalData:
   others (synthetic) the feature vector as it is.
 
   Args:
-    name: LEAF's data set name (``femnist``, ``shakespeare``, ``sent140``, ``synthetic``).
+    name: LEAF's data set name (``femnist``, ``shakespeare``, ``sent140``,
+      ``synthetic``).
     num_clients: the first N users (None: all).
     data_dir: the folder holding ``leaf/<name>/{train,test}``.
 

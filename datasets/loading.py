@@ -222,7 +222,8 @@ def load_federated(cfg: DataConfig) -> FederatedData:
     cfg: the data set (``DataConfig``).
 
   Returns:
-    The ``FederatedData`` (host numpy; ``core.data.to_device`` puts it on the device).
+    The ``FederatedData`` (host numpy; ``core.data.to_device`` puts it on the
+    device).
 
   Raises:
     ConfigError / DataError (MissingDataError) naming the flag or file.
@@ -241,7 +242,8 @@ def pooled_clients(cfg: DataConfig) -> PooledClients:
     cfg: the data set (``DataConfig``).
 
   Returns:
-    The ``PooledClients``: ``padded()`` for the device layout, ``store()`` for the host layout.
+    The ``PooledClients``: ``padded()`` for the device layout, ``store()`` for
+      the host layout.
   """
   _check_config(cfg)
   rng = np.random.default_rng(cfg.seed)
@@ -301,14 +303,15 @@ def load_store(
   rebuild: bool = False,
 ) -> PopulationStore:
   """The population store of ``cfg`` (unpadded clients, see
-  ``core.population.store``). A natural data set read from its files is written once,
-  client by client, into the cache (``stores/``), keyed by what it holds
+  ``core.population.store``). A natural data set read from its files is written
+  once, client by client, into the cache (``stores/``), keyed by what it holds
   (the options and the SHA-256 of each source file its reader names,
-  ``local_files.content_digest``; a reader that names none, by the SHA-256
-  of what it returns, ``content_digest``); any other data set is built in
-  memory (``load_federated``) and stored there.
+  ``local_files.content_digest``; a reader that names none, by the SHA-256 of
+  what it returns, ``content_digest``); any other data set is built in memory
+  (``load_federated``) and stored there.
 
-  A cached store that fails its checks (``core.population.store``: checksums, sizes),
+  A cached store that fails its checks (``core.population.store``: checksums,
+    sizes),
   was written by another version of the format or by other loader code
   (``registry.loader_code``), or ``rebuild`` asks, is rebuilt from the source
   files, one line on stderr saying so. Leftovers of builds killed midway are

@@ -50,8 +50,9 @@ class NaturalData:
   Attributes:
     stream: ``stream()`` yields ``(client_id, (x, y) train, (x, y) test)``
       (and a fourth, ``(x, y)`` validation, where the publisher takes one
-      out of the test set) per client in the file's order, reading as it goes (a population
-      larger than memory is written to the population store this way).
+      out of the test set) per client in the file's order, reading as it goes (a
+      population larger than memory is written to the population store this
+      way).
     num_clients: clients it yields.
     num_classes: output classes.
     total_clients: clients in the file (before --num_clients).

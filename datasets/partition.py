@@ -144,9 +144,8 @@ def dirichlet(
     idx = np.nonzero(labels == c)[0]
     idx = idx[rng.permutation(len(idx))]
     q = rng.dirichlet(np.full(num_clients, alpha))
-    if (
-      not np.all(np.isfinite(q)) or q.sum() <= 0
-    ):  # numerical guard at tiny alpha
+    # numerical guard at tiny alpha
+    if not np.all(np.isfinite(q)) or q.sum() <= 0:
       q = np.zeros(num_clients)
       q[rng.integers(num_clients)] = 1.0
     # Cumulative split points: client j gets idx[cuts[j]:cuts[j+1]].

@@ -452,9 +452,8 @@ def register_arrays(
       [tested.get(c, empty(c)) for c in ids] if tested is not None else None
     )
     classes = num_classes
-    if (
-      classes is None
-    ):  # the largest label + 1, its client named if it is absurd
+    # the largest label + 1, its client named if it is absurd
+    if classes is None:
       owners = [
         (c, y)
         for c in ids
@@ -515,9 +514,8 @@ def is_known(dataset: str) -> bool:
   Returns:
     True when it names one.
   """
-  if dataset.startswith(
-    'tfds:'
-  ):  # TFDS's own names: tfds:emnist is its byclass (62 classes)
+  # TFDS's own names: tfds:emnist is its byclass (62 classes)
+  if dataset.startswith('tfds:'):
     return tfds_loader.is_known(dataset[len('tfds:') :])
   return dataset in DATASETS or dataset in POOLS or is_file_dataset(dataset)
 
@@ -596,10 +594,11 @@ def loader_code(dataset: str) -> str:
   for module in modules:
     try:
       h.update(inspect.getsource(module).encode())
+    # no module or no source (a frozen build): its name
     except (
       TypeError,
       OSError,
-    ):  # no module or no source (a frozen build): its name
+    ):
       h.update(repr(getattr(module, '__name__', module)).encode())
   source = getattr(modules[0], '__file__', None)
   imported = user_reads.AT_IMPORT.get(os.path.abspath(source or ''))

@@ -236,9 +236,8 @@ def fetch(
   for f in FILES[dataset]:
     if which is not None and f.name not in which:
       continue
-    if (
-      f.decompressed
-    ):  # a decompressed copy kept beside the user's files (not the cache's)
+    # a decompressed copy kept beside the user's files (not the cache's)
+    if f.decompressed:
       done = local_files.locate(f.decompressed, data_dir, cache=False)
       if done is not None:
         out[f.name] = done
@@ -289,10 +288,11 @@ def decompress(path: pathlib.Path, f: RemoteFile) -> pathlib.Path:
   try:
     return local_files.write_atomically(dest, write)
   except BaseException:
+    # nothing of a failed copy is kept
     for folder in (
       dest.parent,
       dest.parent.parent,
-    ):  # nothing of a failed copy is kept
+    ):
       try:
         folder.rmdir()
       except OSError:  # not empty: other copies

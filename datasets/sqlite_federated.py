@@ -50,13 +50,15 @@ class SQLiteFederatedData:
     parse_examples: a client's ``data`` blob -> examples (FedJAX's zlib
       msgpack by default).
     start, stop: the ids in ``[start, stop)`` (None: unbounded).
-    preprocess_client: the ``federated_data.ClientPreprocessor`` of every client.
+    preprocess_client: the ``federated_data.ClientPreprocessor`` of every
+      client.
     preprocess_batch: the ``client_datasets.BatchPreprocessor`` every
       client's batches pass through (one object, shared).
     limit: the first ``limit`` clients of the file alone (None: all; this
       project's ``num_clients``, which FedJAX does not have).
     store_of: ``client_ids -> PopulationStore`` of those clients (``.store``).
-    connection: an open connection to ``path`` (the views of one file share one).
+    connection: an open connection to ``path`` (the views of one file share
+      one).
     exact_ids: an id finds a client only as the file stores it (FedJAX's
       lookup: a str id of a bytes-keyed file is a KeyError); by default the
       other of bytes and str finds it too.
@@ -164,9 +166,8 @@ class SQLiteFederatedData:
       return (self._start is None or self._start <= client_id) and (
         self._stop is None or client_id < self._stop
       )
-    except (
-      TypeError
-    ):  # bytes against str: SQLite orders every str before every bytes
+    # bytes against str: SQLite orders every str before every bytes
+    except TypeError:
       return (
         self._start is None
         or isinstance(self._start, str)
@@ -353,7 +354,8 @@ def open_split(
     file_name: the file (``sources.FILES[cfg.dataset]``).
     preprocess_client: ``(client_id, examples) -> examples`` functions.
     preprocess_batch: ``examples -> examples`` functions.
-    source: the ``sources.FILES`` entry holding ``file_name`` (None: ``cfg.dataset``'s).
+    source: the ``sources.FILES`` entry holding ``file_name`` (None:
+      ``cfg.dataset``'s).
 
   Returns:
     The file's clients (the first ``cfg.num_clients`` when given).

@@ -177,7 +177,8 @@ def fedjax_connection(path) -> sqlite3.Connection:
     The open connection.
 
   Raises:
-    DataError: not an SQLite file, or without the ``federated_data`` table (naming it).
+    DataError: not an SQLite file, or without the ``federated_data`` table
+      (naming it).
   """
   conn = _connect(path)
   if 'federated_data' not in _tables(conn, path):
@@ -342,7 +343,8 @@ def read_tff(
   path, split: str, shapes: Dict[str, tuple], limit: Optional[int] = None
 ) -> Iterator[Tuple[str, Dict[str, np.ndarray]]]:
   """Clients of one split of a TFF SQLite file, in client-id order (as
-  FedJAX's ``TFFSQLiteClientsIterator``): ``(client_id, {feature: [n, *shape]})``.
+  FedJAX's ``TFFSQLiteClientsIterator``): ``(client_id, {feature: [n,
+    *shape]})``.
 
   Args:
     path: the file.

@@ -209,8 +209,7 @@ def parse(serialized: bytes) -> Dict[str, Value]:
         else:
           unknown = True
       value = _feature(feature)  # parsed (a malformed one is an error)
-      if (
-        not unknown
-      ):  # protobuf (upb) keeps an entry with unknown fields out of the map
+      # protobuf (upb) keeps an entry with unknown fields out of the map
+      if not unknown:
         out[key] = value
   return out

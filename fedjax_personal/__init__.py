@@ -10,7 +10,8 @@ import os as _os
 
 from fedjax_personal import checkout as _checkout
 
-# What a user imports (the subpackages algorithms, datasets and run are imported by name).
+# What a user imports (the subpackages algorithms, datasets and run are imported
+# by name).
 __all__ = [
   'aggregation',
   'batching',

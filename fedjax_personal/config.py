@@ -554,9 +554,8 @@ class AlgorithmSpec:
       raise TypeError(
         f'{self.name} takes a {self.config.__name__}, got {type(config).__name__}'
       )
-    if not isinstance(
-      config, Declared
-    ):  # a user's config class of plain fields
+    # a user's config class of plain fields
+    if not isinstance(config, Declared):
       validate(config)
     bad = self.inapplicable(training) + self.ignored_fields(config)
     if bad:

@@ -6,17 +6,17 @@ backend's default precision: full float32 on a CPU, TF32 (10-bit mantissa
 products) on an NVIDIA GPU since Ampere, a single bfloat16 pass on a TPU.
 The same run then gives other numbers on another card, silently: MAML's
 Hessian-vector products were off by up to 5% relative on an H200 and the
-main job's cells moved by up to 0.35 points (benchmarks/speed/README.md, "On a GPU"). A
-research simulator's numbers should not depend on the card, so the engine
-traces every computation of a run at one precision, ``float32`` unless the
-run says otherwise (``--matmul_precision``, ``RoundRunner(...,
+main job's cells moved by up to 0.35 points (benchmarks/speed/README.md, "On a
+GPU"). A research simulator's numbers should not depend on the card, so the
+engine traces every computation of a run at one precision, ``float32`` unless
+the run says otherwise (``--matmul_precision``, ``RoundRunner(...,
 matmul_precision=)``): ``scoped`` enters JAX's ``default_matmul_precision``
-around what it traces, so the precision is a parameter of each matmul the
-engine compiles. JAX's own configuration is left as the user set it
-(importing the package changes nothing), and a user's own computations keep
-their precision. The precision is named in the header, ``summary.json`` and
-the run identity (a resume with another precision is refused). XLA:CPU
-computes float32 whatever the setting.
+around what it traces, so the precision is a parameter of each matmul the engine
+compiles. JAX's own configuration is left as the user set it (importing the
+package changes nothing), and a user's own computations keep their precision.
+The precision is named in the header, ``summary.json`` and the run identity (a
+resume with another precision is refused). XLA:CPU computes float32 whatever the
+setting.
 
 Names (``MATMUL_PRECISIONS``): ``float32`` (JAX's ``highest``), ``tf32``
 (``tensorfloat32``), ``bf16x3`` (three bfloat16 passes, about float32's

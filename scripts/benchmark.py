@@ -15,8 +15,9 @@ GFLOP/s of the round (XLA's cost analysis of a local step x the number of
 steps / time), and the speed-up over the baseline; the machine's float32
 matmul GFLOP/s is measured in the same run.
 
-  python scripts/benchmark.py                         # the full table (~15 min on 2 cores)
-  python scripts/benchmark.py --models=mlp --clients=10,100 --rounds=2
+  python scripts/benchmark.py                         # the full table (~15 min
+  on 2 cores) python scripts/benchmark.py --models=mlp --clients=10,100
+  --rounds=2
 """
 
 import dataclasses
@@ -270,9 +271,8 @@ def timed_rounds(cfg, run_round):
 
 
 def worker(cfg, spec):
-  if (
-    cfg.worker_processes > 1
-  ):  # one of a group of processes (--section=processes)
+  # one of a group of processes (--section=processes)
+  if cfg.worker_processes > 1:
     from fedjax_personal.run import distributed
 
     distributed.initialize(
@@ -344,8 +344,9 @@ def worker(cfg, spec):
     state = model.init(jax.random.key(0))
     run = lambda s, k: round_fn(s, k)
   else:
-    # 'blocked<N>': blocks of N clients (e.g. blocked1: one client at a time in the program);
-    # 'blocked<N>t<T>': the same on T host threads. 'sequential<N>': N host threads.
+    # 'blocked<N>': blocks of N clients (e.g. blocked1: one client at a time in
+    # the program); 'blocked<N>t<T>': the same on T host threads.
+    # 'sequential<N>': N host threads.
     import re
 
     m = re.fullmatch(r'blocked(\d+)(?:t(\d+))?', executor)
@@ -378,9 +379,8 @@ def worker(cfg, spec):
       f'{executor}->{ex.describe()}' if executor == 'auto' else ex.describe()
     )
   collectives = {}
-  if (
-    getattr(ex, 'name', '') == 'sharded'
-  ):  # what the compiled round communicates (XLA's)
+  # what the compiled round communicates (XLA's)
+  if getattr(ex, 'name', '') == 'sharded':
     from fedjax_personal.core import memory
 
     collectives = memory.hlo_collectives(
@@ -508,9 +508,8 @@ def run_config(cfg, spec):
   except subprocess.TimeoutExpired:
     return {'timeout': True}
   line = [l for l in out.stdout.splitlines() if l.startswith('{')]
-  if (
-    not line
-  ):  # e.g. killed for memory, or torch missing: report, do not stop the table
+  # e.g. killed for memory, or torch missing: report, do not stop the table
+  if not line:
     return {
       'failed': True,
       'returncode': out.returncode,
@@ -900,9 +899,8 @@ def usercentric_section(cfg):
     data, model, _, _ = build(cfg, 'mlp', clients)
     sample_x = data.train.x[0, :1]
     ex = fp.create_executor('auto', model, sample_x)
-    if (
-      not ex.fused
-    ):  # CPU: blocked on host threads -> the same blocks in one program
+    # CPU: blocked on host threads -> the same blocks in one program
+    if not ex.fused:
       ex = dataclasses.replace(ex, num_threads=1)
     sampler = fp.CohortSampler(clients, cohort_size=clients)
     common = dict(batch_size=10, local_steps=cfg.local_steps, client_lr=0.05)
@@ -1061,9 +1059,8 @@ def memory_section(cfg):
       try:
         alg = algorithms.build(name, model, data, batch_size=10, **extra)
         need = memory.estimate(alg, data, cohort_size=max(1, n // 10))
-      except (
-        MemoryError
-      ):  # an N x N matrix built on the host (user-centric's W)
+      # an N x N matrix built on the host (user-centric's W)
+      except MemoryError:
         cells.append(f'{f"N x N: {4 * n * n / 2**30:,.0f} GB":>30}')
         continue
       fit = []

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Reproduces the shape of the meta-learning and partial-personalization tables.
 
-Seeds: "Personalized Federated Learning with Theoretical Guarantees: A Model-Agnostic
-Meta-Learning Approach" (Per-FedAvg, arXiv 2002.07948) and "Federated Learning with Partial
-Model Personalization" (FedAlt/FedSim, arXiv 2204.03809).
+Seeds: "Personalized Federated Learning with Theoretical Guarantees: A
+Model-Agnostic Meta-Learning Approach" (Per-FedAvg, arXiv 2002.07948) and
+"Federated Learning with Partial Model Personalization" (FedAlt/FedSim, arXiv
+2204.03809).
 
 Table A: Per-FedAvg (FO, HF with the exact Hessian-vector product, HF with
 finite differences) vs FedAvg + fine-tuning on real MNIST digits (the embedded
@@ -413,7 +414,8 @@ def generated_stackoverflow(
   personal: float = 0.5,
 ):
   """A Stack Overflow-shaped population with personal language, tokenized
-  as the Stack Overflow loader tokenizes its files (``stackoverflow.tokenize_sentences``).
+  as the Stack Overflow loader tokenizes its files
+  (``stackoverflow.tokenize_sentences``).
 
   A shared grammar: ``concepts`` word classes with a sparse bigram chain
   (each continues to 4 classes, Zipf weights). User u renders a random third

@@ -32,7 +32,8 @@ def test_resume_equals_uninterrupted(tmp_path):
   model = fp.models.from_flax(
     'mlp', fp.models.MLP(10, hidden=(8,)), data.train.x[0, :1]
   )
-  # FedFomo's state holds a typed PRNG key and per-client models: all must survive.
+  # FedFomo's state holds a typed PRNG key and per-client models: all must
+  # survive.
   alg = fedfomo(model, 5, optax.sgd(0.1), fp.Batching(16, 1), num_candidates=2)
   make = lambda: RoundRunner(
     alg, data, fp.CohortSampler(5, cohort_size=3), fp.executors.VmapExecutor()

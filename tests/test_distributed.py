@@ -139,7 +139,8 @@ def test_two_processes_equal_one_and_resume(tmp_path):
     for l in results[1][1].splitlines()
     if l.strip() and '[Gloo]' not in l and 'peer ranks' not in l
   ]
-  # Process 0 alone wrote the run's files; every process took part in the checkpoints.
+  # Process 0 alone wrote the run's files; every process took part in the
+  # checkpoints.
   assert sorted(os.listdir(two)) == [
     'accuracy.png',
     'client_accuracy_hist.png',
@@ -149,7 +150,8 @@ def test_two_processes_equal_one_and_resume(tmp_path):
     'identity.json',
     'tensorboard',
   ]
-  # Resumed by two processes: the same records as one process's uninterrupted run.
+  # Resumed by two processes: the same records as one process's uninterrupted
+  # run.
   results = finish(
     launch([*args, '--rounds=3', f'--output_dir={two}', '--resume'])
   )

@@ -686,7 +686,8 @@ def test_threaded_blocked_runs_fused_when_the_per_client_state_is_large():
     )
     is threaded
   )
-  # Client work from host threads cannot run inside a trace: a clear error, not a tracer leak.
+  # Client work from host threads cannot run inside a trace: a clear error, not
+  # a tracer leak.
   with pytest.raises(ValueError, match='num_threads=1'):
     jax.jit(lambda x: threaded.map(lambda sh, c: c * sh, 2.0, x))(
       jnp.arange(4.0)
@@ -705,6 +706,7 @@ def test_evaluation_groups_join_where_a_program_costs_more_than_their_work():
   joined = eval_buckets(counts, 128, block=256)
   assert [(l, len(i)) for l, i in joined] == [(32, 2961), (128, 439)]
   assert np.array_equal(joined[1][1], np.arange(2961, 3400))
-  # small groups chain into the longest; every client keeps a length >= its count
+  # small groups chain into the longest; every client keeps a length >= its
+  # count
   few = eval_buckets(np.array([3, 20, 50, 100]), 128, smallest=4, block=256)
   assert [(l, i.tolist()) for l, i in few] == [(128, [0, 1, 2, 3])]

@@ -71,7 +71,8 @@ def test_output_folder_of_another_configuration_is_refused(tmp_path):
   job('--rounds=1', '--algorithm=fedavg,local', '--overwrite', out)
   comparison = _strict((tmp_path / 'comparison.json').read_text())
   assert set(comparison) == {'fedavg', 'local'}
-  # The same configuration again replaces its own results (no stale checkpoints).
+  # The same configuration again replaces its own results (no stale
+  # checkpoints).
   job('--rounds=1', '--algorithm=fedavg,local', out)
 
 
@@ -211,7 +212,8 @@ def test_cifar_cache_is_keyed_by_content(tmp_path, monkeypatch):
   assert cifar.load('cifar10', str(tmp_path / 'a'), split='test')[
     1
   ].tolist() == [0, 1, 2]
-  # A zeroed archive is refused (one line naming it), not served from an old cache.
+  # A zeroed archive is refused (one line naming it), not served from an old
+  # cache.
   path = tmp_path / 'a' / 'cifar10_jpeg.npz'
   path.write_bytes(b'\0' * os.path.getsize(path))
   with pytest.raises(DataError, match='not a valid CIFAR-10 JPEG archive'):

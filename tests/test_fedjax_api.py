@@ -237,7 +237,8 @@ def test_stackoverflow_as_fedjax_documents_it(tmp_path):
   tokenizer = stackoverflow.StackoverflowTokenizer(cache_dir=str(tmp_path))
   train_for_train = train.preprocess_batch(tokenizer.as_preprocess_batch(20))
   held_out = held_out.preprocess_batch(tokenizer.as_preprocess_batch(30))
-  # ids: PAD 0, BOS 1, EOS 2, the 3, is 4, code 5, ..., OOV 10003 (also the empty word)
+  # ids: PAD 0, BOS 1, EOS 2, the 3, is 4, code 5, ..., OOV 10003 (also the
+  # empty word)
   ex = held_out.get_client(b'50000').all_examples()
   assert ex['x'].shape == (2, 30) and ex['domain_id'].tolist() == [0, 0]
   assert ex['x'][:, :5].tolist() == [[1, 3, 4, 0, 0], [1, 10003, 10003, 5, 0]]

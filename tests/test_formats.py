@@ -67,7 +67,8 @@ def test_fedjax_emnist_natural_partition(tmp_path):
     xt, yt = _rows(d, 'test', i)  # the file's own test split of the same writer
     np.testing.assert_array_equal(yt, test[i][1]['label'])
     assert x.shape[1:] == (28, 28, 1) and x.dtype == np.float32
-  # TFF's convention (Reddi et al.'s code feeds TFF's pixels as they are): the raw pixels.
+  # TFF's convention (Reddi et al.'s code feeds TFF's pixels as they are): the
+  # raw pixels.
   raw = load_federated(
     DataConfig(
       dataset='emnist',
@@ -139,8 +140,9 @@ def test_fedjax_client_missing_from_test_file_is_left_out_of_test(tmp_path):
 
 
 def test_fedjax_shakespeare_preprocessing_as_fedjax():
-  # FedJAX's docstring example, sequence_length=3: [b'ABCD', b'E'] becomes
-  # x [[BOS, A, B], [C, D, EOS], [BOS, E, PAD]], y [[A, B, C], [D, EOS, BOS], [E, EOS, PAD]].
+  # FedJAX's docstring example, sequence_length=3: [b'ABCD', b'E'] becomes x
+  # [[BOS, A, B], [C, D, EOS], [BOS, E, PAD]], y [[A, B, C], [D, EOS, BOS], [E,
+  # EOS, PAD]].
   t = lambda c: 3 + shakespeare.SHAKESPEARE_VOCAB.index(c)
   x, y = shakespeare.shakespeare_sequences([b'ABCD', b'E'], 3)
   B, E, P, I = (
@@ -395,7 +397,8 @@ def test_stackoverflow_tff_users_pooled_less_validation_as_the_task_takes_them(
     0,
   ]  # train users: every post trains
   assert [len(i[2][0]) for i in items[:2]] == [0, 0]
-  # the reference: pooled in the shuffled user order, the first 4 posts validation
+  # the reference: pooled in the shuffled user order, the first 4 posts
+  # validation
   users = list(posts)
   pooled = [
     (u, k)
@@ -416,7 +419,8 @@ def test_stackoverflow_tff_users_pooled_less_validation_as_the_task_takes_them(
     assert xv[:, :4].tolist() + xt[:, :4].tolist() == [
       f + [0] * (4 - len(f)) for f in firsts
     ]
-  # the store: held-out clients evaluated on the rest, their validation kept apart
+  # the store: held-out clients evaluated on the rest, their validation kept
+  # apart
   store = load_store(
     DataConfig(
       dataset='stackoverflow',
@@ -467,8 +471,9 @@ def test_tff_cifar100_sqlite_lzma(tmp_path, made_not_released):
   assert (
     np.asarray(d.train.num_examples) + np.asarray(d.test.num_examples)
   ).tolist() == [6, 5]
-  # decompressed once, into the cache, in a folder named by the .lzma's content: another
-  # cifar100.sqlite.lzma (other clients) gets its own copy, never this one
+  # decompressed once, into the cache, in a folder named by the .lzma's content:
+  # another cifar100.sqlite.lzma (other clients) gets its own copy, never this
+  # one
   (copy,) = (tmp_path / 'cache' / 'decompressed').glob('*/cifar100.sqlite')
   other = tmp_path / 'other'
   other.mkdir()
@@ -591,7 +596,8 @@ def test_leaf_json(tmp_path):
     == [int(np.argmax(leaf_letter_to_vec('\u00e9')))]
     == [79]
   )
-  # LEAF's line_to_indices: [\w']+|[.,!?;] words, unknown and padding len(vocab).
+  # LEAF's line_to_indices: [\w']+|[.,!?;] words, unknown and padding
+  # len(vocab).
   sent = {
     'u1': {
       'x': [
@@ -615,7 +621,8 @@ def test_leaf_json(tmp_path):
     "don't",
   ]
   nat = leaf.read_clients('sent140', data_dir=str(tmp_path))
-  # good (2x) 0, then by word: ! 1, , 2, bad 3, day 4, don't 5; 6 unknown and padding
+  # good (2x) 0, then by word: ! 1, , 2, bad 3, day 4, don't 5; 6 unknown and
+  # padding
   assert nat.train[0][0][0, :7].tolist() == [0, 4, 2, 0, 5, 6, 6]
   assert nat.train[0][0][1, :3].tolist() == [3, 1, 6]
   assert nat.test[0][0][0, :3].tolist() == [6, 0, 6]
@@ -808,8 +815,8 @@ def test_tff_cifar100_test_clients_are_held_out(tmp_path, made_not_released):
     dataclasses.replace(cfg, options=Cifar100Options(), test_fraction=0.25)
   )
   assert d.num_clients == 3 and d.eval_only == 0
-  # FedJAX's load_data: the test clients by TFF's own ids (str, as FedJAX keeps them);
-  # .store of a view: the store's clients, the test ones held out.
+  # FedJAX's load_data: the test clients by TFF's own ids (str, as FedJAX keeps
+  # them); .store of a view: the store's clients, the test ones held out.
   train, test = cifar100.load_data(cache_dir=str(tmp_path))
   assert list(train.client_ids()) == ['0', '1', '2']
   assert (
@@ -830,7 +837,8 @@ def test_tf_example_reader_on_hand_written_protos():
   bytes refused."""
   from fedjax_personal.datasets import tf_example
 
-  # Example{features{feature{key: 'a' value{int64_list{value: [1, 300]}}}}}, byte by byte.
+  # Example{features{feature{key: 'a' value{int64_list{value: [1, 300]}}}}},
+  # byte by byte.
   by_hand = bytes(
     [
       0x0A,

@@ -233,7 +233,8 @@ def test_download_of_the_split_bundle_and_image_shards(
     assert kept == sorted(i for u, i, _ in rows if u != '1')
     assert (images / '.shards_done').read_text().split() == ['0', '1']
     assert not [p for p in os.listdir(cache) if p.endswith('.tar')]
-    # extracted once, in a folder named by the bundle's content (another bundle: its own)
+    # extracted once, in a folder named by the bundle's content (another bundle:
+    # its own)
     assert (
       len(list((cache / 'extracted').glob('*/gldv2/federated_train.csv'))) == 1
     )

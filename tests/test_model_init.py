@@ -129,7 +129,8 @@ def test_embedding_and_lstm_follow_each_framework_formula():
   for g in 'igo':
     assert not np.asarray(p[f'h{g}']['bias']).any()
   p = draw(nn.RNN(LSTMCell(hidden, convention='haiku')), x)['cell']
-  # hk.LSTM: one Linear over [x, h], TruncatedNormal(1 / sqrt(in + H)); sigmoid(f + 1).
+  # hk.LSTM: one Linear over [x, h], TruncatedNormal(1 / sqrt(in + H));
+  # sigmoid(f + 1).
   check_haiku_truncated(
     np.concatenate(
       [

@@ -58,7 +58,8 @@ def lax_conv(x, k, padding):
 def test_conv_as_matmul_equals_lax_conv(
   shape, kernel, padding, layout, tile_bytes
 ):
-  # tile_bytes 1: chunks of one example; 10000: chunks of 2 or 3 of 6 (or the batch).
+  # tile_bytes 1: chunks of one example; 10000: chunks of 2 or 3 of 6 (or the
+  # batch).
   x, k = normal(0, shape), normal(1, kernel + (shape[-1], 5)) * 0.3
   ref = lax_conv(x, k, padding)
   g = normal(2, ref.shape)

@@ -88,7 +88,8 @@ def test_names_map_to_jax_and_back(name, jax_value, recorded):
   assert numerics.MATMUL_PRECISIONS[name] == jax_value
   assert numerics.canonical(name) == numerics.canonical(jax_value) == recorded
   if recorded not in numerics.CPU_PRECISIONS and jax.default_backend() == 'cpu':
-    # XLA:CPU computes float32 whatever the setting (and rejects bf16x3): refused
+    # XLA:CPU computes float32 whatever the setting (and rejects bf16x3):
+    # refused
     with pytest.raises(
       ConfigError, match='--matmul_precision: .*XLA:CPU computes float32'
     ):
@@ -197,7 +198,8 @@ def test_the_run_records_its_numerics_and_refuses_another_on_resume(tmp_path):
         '--matmul_precision=default',
       ),
       _cli(tmp_path, '--resume', '--rounds=3', '--conv_impl=xla'),
-      # the same process after another precision's job: its own precision, float32 again
+      # the same process after another precision's job: its own precision,
+      # float32 again
       [
         '--algorithm=fedavg',
         '--num_clients=4',

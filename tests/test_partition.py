@@ -203,7 +203,8 @@ def test_label_skew_by_hand():
   data = FederatedData(
     train=split, val=split, test=split, groups=np.full(2, -1), num_classes=3
   )
-  # client 0: (3/4, 1/4, 0) -> 3/8 + 1/8 + 2/8; client 1: (0, 1/2, 1/2) -> 3/8 + 1/8 + 2/8
+  # client 0: (3/4, 1/4, 0) -> 3/8 + 1/8 + 2/8; client 1: (0, 1/2, 1/2) -> 3/8 +
+  # 1/8 + 2/8
   np.testing.assert_allclose(data.label_skew(), 0.75)
 
 

@@ -205,7 +205,8 @@ def test_partial_shared_is_weighted_average_and_nothing_personal_is_uploaded(
       LocalData(digits.train.client(i), digits.val.client(i)),
     )
     out = run_work(alg.client_work, ctx, jax.random.fold_in(k_clients, int(i)))
-    # The upload is the client's share of the n_i-weighted mean: (n_i * delta, n_i).
+    # The upload is the client's share of the n_i-weighted mean: (n_i * delta,
+    # n_i).
     weighted, n_i = out.shared_delta.value
     assert float(n_i) == float(digits.train.num_examples[i])
     delta = jax.tree.map(lambda a: a / n_i, weighted)

@@ -135,7 +135,8 @@ def test_the_docs_extensions_run_from_the_users_files_and_data_is_never_stale(
     'my_clients.py',
     'fedavg_gradnorm.py',
   ]
-  # the changed file: a new store, and the default folder of the second run another one's
+  # the changed file: a new store, and the default folder of the second run
+  # another one's
   assert len(os.listdir(tmp_path / 'cache' / 'stores')) == 2
   (second,) = (tmp_path / 'runs').iterdir()
   assert (

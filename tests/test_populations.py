@@ -872,7 +872,8 @@ def test_cli_cifar100_held_out_test_clients(
   assert s['worst_clients'][0]['client_id'].startswith('test/')
   out = capsys.readouterr().out
   assert 'cifar100/natural + 2 held-out test clients' in out
-  # The header names the window its columns average (2 evaluations of a 2-round run).
+  # The header names the window its columns average (2 evaluations of a 2-round
+  # run).
   assert 'averaged over the last 2 (@last2)' in out and 'mean@last2' in out
   parse_flags('--algorithm=ditto', *common, f'--output_dir={tmp_path}/ditto')
   with pytest.raises(ConfigError, match='held-out test clients have none'):

@@ -57,7 +57,8 @@ def test_fedfomo_dp_records_epsilon_every_round(tmp_path):
   assert s['dp_delta'] == 1e-5 and 0 < s['dp_epsilon'] < math.inf
   lines = [json.loads(l) for l in open(tmp_path / 'fedfomo' / 'metrics.jsonl')]
   assert lines[-1]['dp_epsilon'] == s['dp_epsilon']
-  # By hand: every client trains every round, ceil(n_i / 8) steps of q_i = 8 / n_i.
+  # By hand: every client trains every round, ceil(n_i / 8) steps of q_i = 8 /
+  # n_i.
   from fedjax_personal.datasets import load_federated
 
   n = np.asarray(load_federated(cli.read_flags().data).train.num_examples)

@@ -359,7 +359,8 @@ def test_tff_cohorts_are_the_publishers():
     for key in (0, 9):
       got = sampler(jax.random.key(key), round_num=r)
       np.testing.assert_array_equal(np.asarray(got.idx), want)
-  # The publisher's code: RandomState(pow(16807, r, M) * start % M).choice(ids, 4, replace=False).
+  # The publisher's code: RandomState(pow(16807, r, M) * start % M).choice(ids,
+  # 4, replace=False).
   start = np.random.RandomState(1).randint(1, 2**31 - 2)
   ids = np.array([f'c{i:02d}' for i in range(20)])
   theirs = np.random.RandomState(

@@ -102,7 +102,8 @@ def test_scales_resolve_to_the_documented_sizes():
     == '7'
   )
   deb = resolved('reproduce_debiasing.py', '--scale=paper')
-  # The seeds' own models and initialisation at paper scale; the stated reduction at cpu.
+  # The seeds' own models and initialisation at paper scale; the stated
+  # reduction at cpu.
   assert (
     deb['num_clients'],
     deb['participation'],
@@ -327,7 +328,8 @@ def made_cifar10(folder, train=6000, test=1200):
   ],
 )
 def test_reproduce_script_runs_with_trials(tmp_path, tmp_path_factory, name):
-  # CIFAR-10 made here unless the real data sets are given (FEDJAX_PERSONAL_DATA)
+  # CIFAR-10 made here unless the real data sets are given
+  # (FEDJAX_PERSONAL_DATA)
   data = (
     []
     if os.environ.get('FEDJAX_PERSONAL_DATA')

@@ -28,7 +28,8 @@ def _params(name, classes, x, adapter_dim=0):
     ('transformer_lm_tied', (20,), 10004, 5_731_092),
     ('resnet18_gn', (28, 28, 1), 62, 11_199_486),
     ('reddi_resnet18_gn', (32, 32, 3), 100, 11_227_812),
-    # torchvision's resnet18 (11,689,512 with 1,000 classes) with a 2,028-way head
+    # torchvision's resnet18 (11,689,512 with 1,000 classes) with a 2,028-way
+    # head
     (
       'gldv2_resnet18_gn',
       (224, 224, 3),

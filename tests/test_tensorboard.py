@@ -25,7 +25,8 @@ def _scalars(folder):
 
 
 def test_the_crc_is_tfrecords():
-  # TFRecord's masked CRC-32C of b'' and of 8 zero bytes (a record's empty length).
+  # TFRecord's masked CRC-32C of b'' and of 8 zero bytes (a record's empty
+  # length).
   assert tensorboard.masked_crc32c(b'') == 0xA282EAD8
   assert (
     tensorboard._crc32c(b'123456789') == 0xE3069283

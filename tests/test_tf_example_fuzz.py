@@ -190,7 +190,8 @@ def test_random_and_mutated_examples_read_as_protobuf_reads_them():
     bytes.fromhex(
       '0a110a0f0a0161120a1a03 0a0101 1a03 0a020203'.replace(' ', '')
     ),
-    # a 10-byte varint (protobuf keeps its low 64 bits) in an unpacked int64 list
+    # a 10-byte varint (protobuf keeps its low 64 bits) in an unpacked int64
+    # list
     bytes.fromhex('0a150a130a0161120e1a0c08ffffffffffffffffff01'),
     # an 11-byte varint: refused by both
     bytes.fromhex('0a160a140a0161120f1a0d08ffffffffffffffffffff01'),

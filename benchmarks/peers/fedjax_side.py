@@ -1,13 +1,14 @@
 """FedJAX 0.0.17's FedAvg on the peer benchmark's files (runs in FedJAX's venv).
 
-As FedJAX's own EMNIST (and Stack Overflow, ``--model=lstm``) experiments run it: ``fedjax.datasets.emnist.load_data``
-from ``--data_dir`` (its cache), ``fedjax.models.emnist.create_dense_model`` /
-``create_conv_model``, ``fedjax.algorithms.fed_avg.federated_averaging``
-(``for_each_client`` underneath) with SGD client and server optimizers,
+As FedJAX's own EMNIST (and Stack Overflow, ``--model=lstm``) experiments run
+it: ``fedjax.datasets.emnist.load_data`` from ``--data_dir`` (its cache),
+``fedjax.models.emnist.create_dense_model`` / ``create_conv_model``,
+``fedjax.algorithms.fed_avg.federated_averaging`` (``for_each_client``
+underneath) with SGD client and server optimizers,
 ``ShuffleRepeatBatchHParams(batch_size, num_epochs=1)``, and a
-``UniformGetClientSampler``. Prints one JSON line: seconds per round (each
-round timed to ``block_until_ready`` of the server parameters), pooled test
-accuracy after the rounds, peak RSS (VmHWM).
+``UniformGetClientSampler``. Prints one JSON line: seconds per round (each round
+timed to ``block_until_ready`` of the server parameters), pooled test accuracy
+after the rounds, peak RSS (VmHWM).
 """
 
 import argparse

@@ -75,9 +75,8 @@ class _Writer:
 
   def close(self):
     if self.fedjax is not None:
-      with (
-        self.fedjax as builder
-      ):  # FedJAX's builder closes its connection on exit
+      # FedJAX's builder closes its connection on exit
+      with self.fedjax as builder:
         builder.add_many(self.rows)
       return
     conn = sqlite3.connect(self.path)
@@ -202,9 +201,8 @@ def write_shakespeare(folder, num_clients, seed, use_fedjax):
       arr = np.empty(n, dtype=object)
       arr[:] = lines
       w.add(b'%05d_ROLE' % i, {'snippets': arr})
-      if (
-        w is writers[0]
-      ):  # FedJAX's windows: the snippets joined with BOS/EOS, cut by 80
+      # FedJAX's windows: the snippets joined with BOS/EOS, cut by 80
+      if w is writers[0]:
         windows.append(-(-(sum(len(t) + 2 for t in lines) - 1) // 80))
   for w in writers:
     w.close()

@@ -128,7 +128,8 @@ def fedjax_run(a, model, cohort, seed):
 def project_run(a, model, cohort, seed, extra=()):
   out_dir = os.path.join(a.work_dir, 'runs', f'{model}_{cohort}')
   dataset, name, init = TASKS[model]
-  # FedJAX's own first weights (--same_init), else the model's initialisation convention.
+  # FedJAX's own first weights (--same_init), else the model's initialisation
+  # convention.
   start = (
     f'--init_weights={init_file(a, model, seed)}'
     if a.same_init
@@ -371,7 +372,8 @@ def main():
         flush=True,
       )
     med = lambda rs, k: float(np.median([r[k] for r in rs]))
-    # FedJAX's side over this one (None where FedJAX failed the row: no NaN in the JSON).
+    # FedJAX's side over this one (None where FedJAX failed the row: no NaN in
+    # the JSON).
     ratio = lambda k, rs: (
       (med(runs['fedjax'], k) / med(rs, k)) if runs['fedjax'] else None
     )

@@ -15,7 +15,8 @@ the executable (a second run of the same experiment):
 Needs the ``flatbuffers`` package for ``jax.export`` (not a dependency of
 the project).
 
-  python benchmarks/probes/programs_between_processes.py [--repeats=3] [--work_dir=/tmp/probe]
+  python benchmarks/probes/programs_between_processes.py [--repeats=3]
+  [--work_dir=/tmp/probe]
 """
 
 import argparse

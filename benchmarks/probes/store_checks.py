@@ -8,7 +8,8 @@ processes: opening (the small files checked), the full check, and the
 gather of random cohorts with their blocks checked on first touch against
 the same gathers once every block was checked (page cache warm in both).
 
-  python benchmarks/probes/store_checks.py --store=/tmp/populations/store --cohort_size=50
+  python benchmarks/probes/store_checks.py --store=/tmp/populations/store
+  --cohort_size=50
 """
 
 import argparse

@@ -99,7 +99,8 @@ def scan_blocks(block_fn, positions, valid, rows=None, count=None, sink=None):
       ``(positions, held) -> (outputs, new rows)``).
     positions: [nb, bs] positions (or a pytree of [nb, ...]).
     valid: real slots [nb, bs].
-    rows: ``(c, [nb, bs] cohort rows)``: write stacked outputs in place (None: stack them).
+    rows: ``(c, [nb, bs] cohort rows)``: write stacked outputs in place (None:
+      stack them).
     count: blocks to run (traced; ``rows`` required).
     sink: ``(held, at)``: rows read and written by the blocks in place.
 
@@ -357,9 +358,8 @@ def block_loop(
     n = jax.tree.leaves(source.source)[0].shape[0]
     sink = (source.source, jnp.where(ok, source.idx[pos], n))
   args = () if sink is None else (None,)
-  if (
-    pos.shape[-1] == 1
-  ):  # one client a block: its own shapes, no batched matmuls of one
+  # one client a block: its own shapes, no batched matmuls of one
+  if pos.shape[-1] == 1:
     block = lambda x, *h: jax.tree.map(
       lambda a: a[None], client(x[0][0], x[1], *h)
     )

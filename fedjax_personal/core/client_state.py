@@ -45,7 +45,8 @@ def persistent_client_optimizer(
     num_clients: N: the state gains one optimizer state row per client.
 
   Returns:
-    The algorithm whose client optimizer state persists (``--client_opt_state=persistent``).
+    The algorithm whose client optimizer state persists
+    (``--client_opt_state=persistent``).
   """
   work = alg.client_work
   init_opt_state, opt_state_of = work.init_opt_state, work.opt_state
@@ -87,9 +88,8 @@ def persistent_client_optimizer(
   def server_update(state, cohort, outputs, rc):
     out, opt_state = outputs
     inner = state.inner
-    if (
-      inner_rows is not None
-    ):  # the rows the engine writes for the algorithm alone
+    # the rows the engine writes for the algorithm alone
+    if inner_rows is not None:
       inner, out = inner_rows.write(inner, cohort.rows, out)
     inner, metrics = alg.server_update(inner, cohort, out, rc)
     return WithClientOptState(

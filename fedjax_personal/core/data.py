@@ -318,7 +318,8 @@ def client_splits(
     rng: draws each client's split.
     test_fraction: each client's test share.
     val_fraction: each client's validation share.
-    client_transform: ``(i, x) -> x`` applied to client i's examples (a rotation), or None.
+    client_transform: ``(i, x) -> x`` applied to client i's examples (a
+      rotation), or None.
 
   Returns:
     ``{split: ([x_i], [y_i])}`` for the splits train, val and test.

@@ -190,9 +190,8 @@ class RoundRunner:
     self.data = data
     self.population = population
     self.sampler = sampler
-    if (
-      executor.plan_memory
-    ):  # auto on an accelerator: blocks by work, blocks that fit
+    # auto on an accelerator: blocks by work, blocks that fit
+    if executor.plan_memory:
       counts, batching = (
         np.asarray(population.train.num_examples),
         algorithm.client_work.batching,
@@ -278,7 +277,8 @@ class RoundRunner:
       rows, mask = jax.device_get(
         (per_client.row, system_lib.uploading(cohort, shared.devices))
       )
-      # A system's limits are read off each client's context (steps past them masked).
+      # A system's limits are read off each client's context (steps past them
+      # masked).
       steps = None if self.system is not None else steps_of(rows, train)
       outputs = ex.run_work(
         alg.client_work,
@@ -402,9 +402,8 @@ class RoundRunner:
     def round_host(state, key, rnd, donate, next_key=None):
       state, ph = phase(state, key, rnd)
       cohort, train, val = self.feed.get(key, rnd)
-      if (
-        next_key is not None
-      ):  # gathered on the feed's thread while this round runs
+      # gathered on the feed's thread while this round runs
+      if next_key is not None:
         self.feed.request(next_key, rnd + 1)
       state, metrics = work(
         state, key, np.int32(rnd), train, val, cohort, donate
@@ -486,9 +485,8 @@ class RoundRunner:
   def init(self, key):
     """The algorithm's initial state (placed where the executor keeps it;
     with hosted client rows, a ``rows_in_memory.HostedState``)."""
-    if (
-      self._state_shardings is not None
-    ):  # made where it lives (every process its shards)
+    # made where it lives (every process its shards)
+    if self._state_shardings is not None:
       return self.executor.jit(
         self.algorithm.init, out_shardings=self._state_shardings
       )(key)

@@ -80,9 +80,8 @@ def eval_buckets(
     for b in np.unique(sizes)
   ]
   if block:
-    for i in range(
-      len(groups) - 2, -1, -1
-    ):  # longest first, so that joins chain
+    # longest first, so that joins chain
+    for i in range(len(groups) - 2, -1, -1):
       (length, idx), (longer, more) = groups[i], groups[i + 1]
       if len(idx) * (longer - length) <= block * longer:
         groups[i + 1] = (longer, np.sort(np.concatenate([idx, more])))
@@ -131,7 +130,8 @@ def eval_function(
   alg: FederatedAlgorithm, ex: Executor, counts=None, test_counts=None
 ):
   """``eval_all(client_models, data, key, finetune) -> LossStats [N]``: every
-  client's model (optionally fine-tuned on its training split) on its test split.
+  client's model (optionally fine-tuned on its training split) on its test
+  split.
 
   With ``test_counts`` (host array of test examples per client, fixed for
   the experiment) clients are evaluated in groups of equal static test length

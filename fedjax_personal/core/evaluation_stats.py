@@ -16,7 +16,8 @@ def summarize(stats: LossStats) -> dict:
   10/25/50/75/90, and the weighted mean loss.
 
   Args:
-    stats: per-client ``LossStats`` ([N] arrays of correct predictions, counts, summed losses).
+    stats: per-client ``LossStats`` ([N] arrays of correct predictions, counts,
+      summed losses).
 
   Returns:
     ``{'accuracy_mean', 'accuracy_weighted', 'accuracy_worst',

@@ -76,8 +76,8 @@ def create_executor(
   (``num_threads`` overrides): one client a block for models with
   convolutions, ``cpu_block_size`` clients for the others (unless
   ``block_size`` is given), as measured by benchmarks/peers/run.py and
-  scripts/benchmark.py (benchmarks/speed/README.md). ``blocked`` named explicitly runs on
-  ``num_threads`` threads (0 or 1: one fused program).
+  scripts/benchmark.py (benchmarks/speed/README.md). ``blocked`` named
+  explicitly runs on ``num_threads`` threads (0 or 1: one fused program).
 
   Args:
     name: ``auto``, ``vmap``, ``blocked``, ``sequential`` or ``sharded``.

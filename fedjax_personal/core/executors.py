@@ -103,10 +103,11 @@ class Executor(abc.ABC):
       return self
     out = copy.copy(self)
     out.matmul_precision = name
+    # its own programs, compiled at its precision
     for cache in (
       '_compiled',
       '_seen',
-    ):  # its own programs, compiled at its precision
+    ):
       if hasattr(out, cache):
         setattr(out, cache, type(getattr(out, cache))())
     return out
@@ -288,7 +289,8 @@ class BlockedExecutor(Executor):
     blocks = -(-c // bs)
     nb = -(-blocks // parts)  # blocks per part
     slots = np.arange(parts * nb * bs)
-    # Inside a compiled round a traced mask; else host bools (no device dispatch per call).
+    # Inside a compiled round a traced mask; else host bools (no device dispatch
+    # per call).
     act = active_mask(
       active, c, jnp if isinstance(active, jax.core.Tracer) else np
     )
@@ -349,9 +351,8 @@ class BlockedExecutor(Executor):
     counts, else one small compiled function) laid out in blocks on the host,
     shared out by work (``client_blocks``), each thread's blocks one compiled call."""
     key = ('work', work, make_ctx)
-    if (
-      key not in self._compiled
-    ):  # one set of functions per (work, make_ctx): compiled once
+    # one set of functions per (work, make_ctx): compiled once
+    if key not in self._compiled:
       self._compiled[key] = (
         self.jit(lambda sh, pc, act: work_steps(work, make_ctx, sh, pc, act)),
         self.jit(
@@ -497,9 +498,8 @@ class SequentialExecutor(Executor):
     c = tree_util.cohort_size(per_client)
 
     def call(i):
-      with training.unroll_steps(
-        True
-      ):  # a step loop inside fn (fine-tuning) runs unrolled
+      # a step loop inside fn (fine-tuning) runs unrolled
+      with training.unroll_steps(True):
         return one(shared, per_client, np.int32(i))
 
     todo, outs = self._run(call, c, active)
@@ -564,8 +564,9 @@ class ShardedExecutor(Executor):
 
   The cohort is padded to a multiple of the device count by repeating
   clients (padded outputs dropped, not summed); per-client inputs (``Rows``
-  gathered) and stacked outputs are constrained to ``NamedSharding(mesh, P('clients'))`` and XLA's SPMD
-  partitioner splits the work. With ``block_size``, each device processes its
+  gathered) and stacked outputs are constrained to ``NamedSharding(mesh,
+  P('clients'))`` and XLA's SPMD partitioner splits the work. With
+  ``block_size``, each device processes its
   shard in blocks (bounded memory). Multi-host: call
   ``jax.distributed.initialize()`` first; ``jax.devices()`` then spans all
   hosts and the same mesh shards clients across them.

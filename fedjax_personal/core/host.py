@@ -3,13 +3,13 @@
 glibc's malloc serves blocks above its mmap threshold (at most 32 MiB, and
 128 KiB until a large block is freed) with fresh ``mmap`` pages and returns
 them on ``free``: every XLA:CPU execution then page-faults its temporaries
-and outputs in again. On the 2-core machine of benchmarks/speed/README.md this made a 52 MB
-elementwise op 4x slower (31 ms vs 7.8 ms) and a LeNet-5 round of the
-PyTorch loop 1.2-1.5x slower; keeping freed blocks in the heap removes it.
+and outputs in again. On the 2-core machine of benchmarks/speed/README.md this
+made a 52 MB elementwise op 4x slower (31 ms vs 7.8 ms) and a LeNet-5 round of
+the PyTorch loop 1.2-1.5x slower; keeping freed blocks in the heap removes it.
 The cost: the process keeps its peak heap instead of returning it to the OS.
 Where a round moves large host buffers that XLA does not reuse (a cohort's
-client rows gathered from and scattered back to the host), the round hands
-the heap's free pages back when it ends (``return_free_heap``).
+client rows gathered from and scattered back to the host), the round hands the
+heap's free pages back when it ends (``return_free_heap``).
 """
 
 import ctypes

@@ -194,9 +194,8 @@ def make_split(spec: str, params) -> ParamSplit:
       f'unknown personal part {spec!r}; choose one of {list(PRESETS)} '
       "or 'split:<regex>,...'"
     )
-  if (
-    variables
-  ):  # a path inside a collection names its module after the collection
+  # a path inside a collection names its module after the collection
+  if variables:
     module_pred = pred
     pred = lambda p: module_pred(p.split('/', 1)[1])
     params = {'params': params, **unflatten(stats)}

@@ -20,7 +20,8 @@ def communication_metrics(
     num_active: the sampled clients (each received the downlink).
     num_uploads: the clients that sent an upload (None: every sampled one;
       fewer when the algorithm marks some as not participating).
-    comm: the round's ``Communication`` counted from what it moved; None: the algorithm's.
+    comm: the round's ``Communication`` counted from what it moved; None: the
+      algorithm's.
 
   Returns:
     ``{'bytes_up', 'bytes_down_broadcast', 'bytes_down_unicast', ...}`` of

@@ -230,13 +230,13 @@ def round_functions(
   """The pieces of one round of ``alg`` (``RoundFunctions``).
 
   ``fused_round(state, key, round_num, train, val[, cohort]) -> (state,
-  metrics)`` is the whole round as one traceable function (for fused executors), the
-  algorithm's pre-round phase included (under ``lax.cond`` on its schedule;
+  metrics)`` is the whole round as one traceable function (for fused executors),
+  the algorithm's pre-round phase included (under ``lax.cond`` on its schedule;
   its diagnostics in ``metrics['pre_round']``, ``metrics['pre_round_ran']``
-  saying whether it ran); ``pre`` / ``post`` are the server steps around
-  client work for the sequential executor. The round key splits into the
-  cohort's key and the clients' keys (client i's is ``fold_in(k_clients,
-  i)``); the server's key is ``fold_in(k_cohort, 1)``.
+  saying whether it ran); ``pre`` / ``post`` are the server steps around client
+  work for the sequential executor. The round key splits into the cohort's key
+  and the clients' keys (client i's is ``fold_in(k_clients, i)``); the server's
+  key is ``fold_in(k_cohort, 1)``.
 
   Args:
     alg: the algorithm.
@@ -263,8 +263,8 @@ def round_functions(
 
   def pre(state, key, round_num, cohort=None, train=None):
     """The server's broadcast. A given ``cohort`` (the host layout's, drawn
-    by ``system.draw_cohort`` from the same key) means the round's split arrays hold
-    the cohort's rows in cohort order; without it they hold every client.
+    by ``system.draw_cohort`` from the same key) means the round's split arrays
+    hold the cohort's rows in cohort order; without it they hold every client.
     ``train`` (the round's training split) gives the system its clients' work."""
     counts['pre'] += 1
     k_cohort, k_clients = jax.random.split(key)
@@ -341,13 +341,11 @@ def round_functions(
     counts['post'] += 1
     sampled = cohort
     drawn_devices = shared.devices
-    if (
-      drawn_devices is not None
-    ):  # a lost upload is a padded slot for the server
+    # a lost upload is a padded slot for the server
+    if drawn_devices is not None:
       cohort = system_lib.without(cohort, drawn_devices.lost, n_clients)
-    if (
-      alg.client_rows is not None
-    ):  # the new rows the engine writes (ClientRows.output)
+    # the new rows the engine writes (ClientRows.output)
+    if alg.client_rows is not None:
       state, outputs = alg.client_rows.write(state, cohort.rows, outputs)
     comm = (
       None
@@ -385,9 +383,8 @@ def round_functions(
   def fused_round(state, key, round_num, train, val, cohort=None):
     counts['round'] += 1
     phase = {}
-    if (
-      cohort is None
-    ):  # the host layout runs the phase apart (it streams every client)
+    # the host layout runs the phase apart (it streams every client)
+    if cohort is None:
       state, phase = fused_pre_round(state, key, round_num, train, val)
     cohort, rc, shared, per_client = pre(state, key, round_num, cohort, train)
     cr = alg.client_rows

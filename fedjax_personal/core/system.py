@@ -481,7 +481,8 @@ def draw(
   k_pick, k_work, k_before, k_after, k_vary = jax.random.split(key, 5)
   c = mask.shape[0]
   sampled = jnp.sum(mask.astype(jnp.int32))
-  # FedProx: np.random.choice(selected, round(K (1 - drop_percent)), replace=False) work fully.
+  # FedProx: np.random.choice(selected, round(K (1 - drop_percent)),
+  # replace=False) work fully.
   full = jnp.round(sampled * (1.0 - config.stragglers)).astype(jnp.int32)
   u = jnp.where(mask, jax.random.uniform(k_pick, (c,)), 2.0)
   rank = jnp.argsort(jnp.argsort(u))

@@ -518,7 +518,8 @@ def sgd_client_work(
     updates, opt_state = opt_update(
       optimizer, grads, carry.opt_state, carry.params, ctx
     )
-    # a model's batch statistics: those of its forward pass (``keep_model_state``)
+    # a model's batch statistics: those of its forward pass
+    # (``keep_model_state``)
     params, stats = keep_model_state(
       optax.apply_updates(carry.params, updates), stats
     )

@@ -286,7 +286,8 @@ def create_model(
     adapter_dim: when > 0, residual adapters of this width after the hidden
       layers (for adapter-based partial personalization).
     conv_impl: how convolutional models compute their convolutions and
-      pooling: 'auto' (per platform), 'xla', 'matmul' or 'tiled' (``Conv``). Same
+      pooling: 'auto' (per platform), 'xla', 'matmul' or 'tiled' (``Conv``).
+        Same
       parameters and, up to float reassociation, the same numbers.
     init: the initialisation convention of every layer: 'flax' (Linen's
       defaults), 'pytorch', 'keras' or 'haiku' (``initializers``).

@@ -2,10 +2,10 @@
 
 All image models take float or uint8 images [B, H, W, C] (uint8 is scaled to
 [0, 1] inside the model, so data can be stored compactly) and return logits;
-``features`` is the penultimate representation. Every model takes ``convention``,
-the initialisation convention of its layers (``initializers``: ``flax``,
-``pytorch`` or ``keras``), and the ones with hidden layers ``adapter_dim``
-(residual adapters for adapter-based partial personalization).
+``features`` is the penultimate representation. Every model takes
+``convention``, the initialisation convention of its layers (``initializers``:
+``flax``, ``pytorch`` or ``keras``), and the ones with hidden layers
+``adapter_dim`` (residual adapters for adapter-based partial personalization).
 
 Besides the library's own models, the reference variants of the seeds' code
 (``REFERENCE`` in ``fedjax_personal.models`` names them): FedDyn's CIFAR CNN,

@@ -120,7 +120,8 @@ def kernel_init(init: str):
   if init == 'flax':
     return jax.nn.initializers.lecun_normal()
   if init == 'pytorch':
-    # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / (1 + 5)), bound gain * sqrt(3 / fan_in).
+    # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / (1 + 5)), bound gain * sqrt(3 /
+    # fan_in).
     return jax.nn.initializers.variance_scaling(1 / 3, 'fan_in', 'uniform')
   return jax.nn.initializers.glorot_uniform()
 

@@ -74,10 +74,10 @@ def resolve_conv_impl(impl: str) -> str:
   """``auto`` -> ``tiled`` on a CPU (benchmarks/speed/README.md, "Against the PyTorch loop"),
   ``matmul`` on a GPU or TPU: a convolution vmapped over clients becomes one
   grouped convolution there (a group per client), whose kernels collapse as
-  the cohort grows (benchmarks/speed/README.md, "On a GPU": 6.7x slower for LeNet-5 at 1,000
-  clients, 10.7x for the EMNIST CNN at a cohort of 500); ``tiled``'s chunk
-  loop keeps a CPU's caches warm and only serializes a GPU. Other names are
-  returned as they are.
+  the cohort grows (benchmarks/speed/README.md, "On a GPU": 6.7x slower for
+  LeNet-5 at 1,000 clients, 10.7x for the EMNIST CNN at a cohort of 500);
+  ``tiled``'s chunk loop keeps a CPU's caches warm and only serializes a GPU.
+  Other names are returned as they are.
 
   Args:
     impl: a ``conv_impl`` (``auto`` or a concrete one).
@@ -244,7 +244,8 @@ def conv_as_matmul(
     strides: (rows, columns).
 
   Returns:
-    The convolution, [B, Ho, Wo, Cout] (``NHWC``) or [Cout, B, Ho, Wo] (``CNHW``).
+    The convolution, [B, Ho, Wo, Cout] (``NHWC``) or [Cout, B, Ho, Wo]
+    (``CNHW``).
   """
   kh, kw, cin, cout = kernel.shape
   if layout not in _SPATIAL:

@@ -90,7 +90,8 @@ MODELS: Dict[str, Callable[..., nn.Module]] = {
   'pfedme_cnn': partial(
     CNN, conv_features=(6, 16), dense=(120, 84), padding='VALID'
   ),
-  # The partial-personalization seed's models (Pillutla et al., arXiv 2204.03809).
+  # The partial-personalization seed's models (Pillutla et al., arXiv
+  # 2204.03809).
   'transformer_lm': partial(TransformerLM, size='mini'),
   'transformer_lm_tied': partial(TransformerLM, size='mini', tied=True),
   'transformer_lm_tiny': partial(TransformerLM, size='tiny'),
@@ -107,7 +108,8 @@ MODELS: Dict[str, Callable[..., nn.Module]] = {
     pooled=(False, True),
     dropout=(0.25, 0.5),
   ),
-  # torchvision's ResNet-18 with BatchNorm (PFLlib's default ResNet; FedBN's model).
+  # torchvision's ResNet-18 with BatchNorm (PFLlib's default ResNet; FedBN's
+  # model).
   'resnet18_bn': ResNetBN,
   # FedJAX's own EMNIST CNN (models.emnist.create_conv_model): the same layers.
   'fedjax_emnist_cnn': partial(

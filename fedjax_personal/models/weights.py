@@ -238,9 +238,8 @@ def _keras_layer(flayer, arrays) -> Tuple[int, Dict[str, np.ndarray]]:
     return a is not None and tuple(np.shape(a)) == tuple(shape)
 
   first: Any = arrays[0] if arrays else None
-  if (
-    'ii' in flayer
-  ):  # an LSTM cell: kernel [in, 4H], recurrent [H, 4H], bias [4H]
+  # an LSTM cell: kernel [in, 4H], recurrent [H, 4H], bias [4H]
+  if 'ii' in flayer:
     h, d_in = flayer['hi']['kernel'].shape[0], flayer['ii']['kernel'].shape[0]
     if len(arrays) < 3 or not (
       fits(arrays[0], (d_in, 4 * h))
@@ -556,9 +555,8 @@ def _from_torch(path, template, flat_shape) -> dict:
     _fail(path, 'holds no state dict (a dict of parameter tensors)')
   tlayers = _torch_layers(state)
   stats = {}
-  if (
-    'batch_stats' in template and 'params' in template
-  ):  # a model with batch statistics
+  # a model with batch statistics
+  if 'batch_stats' in template and 'params' in template:
     stats = dict(_flax_layers(template['batch_stats']))
     flayers = [
       (n, {**leaves, **stats.get(n, {})})

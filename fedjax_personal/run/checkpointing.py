@@ -37,7 +37,8 @@ __all__ = [
 
 def _ocp():
   """``orbax.checkpoint``, imported when a run first checkpoints or
-  resumes: importing it defines absl flags of its own (``--experimental_orbax_*``),
+  resumes: importing it defines absl flags of its own
+    (``--experimental_orbax_*``),
   which a command that never checkpoints must not offer."""
   import orbax.checkpoint as ocp
 
@@ -115,9 +116,8 @@ def _abstract(template):
   into host memory, not the device."""
   if isinstance(template, list):
     return [_abstract(t) for t in template]
-  if row_checkpoints.has_files(
-    template
-  ):  # the whole state (a checkpoint of rows in memory)
+  # the whole state (a checkpoint of rows in memory)
+  if row_checkpoints.has_files(template):
     abstract = template.client_rows.put(
       jax.tree.map(
         _ocp().utils.to_shape_dtype_struct, _keys_as_data(template.inner)
@@ -388,14 +388,12 @@ def restore_latest(
       unreadable.append(f'{step}: {type(e).__name__}')
       continue
     histories = [list(h) for h in out['history']]
-    if (
-      manifest is not None
-    ):  # the rows of files: the base and the deltas past it
+    # rows saved whole, into files
+    # the rows of files: the base and the deltas past it
+    if manifest is not None:
       state = _with_saved_inner(out['state'], template_state)
       row_checkpoints.restore(directory, manifest, state)
-    elif row_checkpoints.has_files(
-      template_state
-    ):  # rows saved whole, into files
+    elif row_checkpoints.has_files(template_state):
       whole = from_saveable(out['state'], template_state)
       states = whole if isinstance(whole, list) else [whole]
       row_checkpoints.write_whole_rows([w.rows for w in states], template_state)

@@ -96,9 +96,8 @@ def main(argv):
     if isinstance(e, SettingError):
       e = as_flag_error(e)
     p = faults.PROGRESS
-    if (
-      isinstance(e, StoreDamaged) and p.checkpoint_round
-    ):  # damaged mid-run: resume after
+    # damaged mid-run: resume after
+    if isinstance(e, StoreDamaged) and p.checkpoint_round:
       e = e.then(
         'run the same command with --resume '
         f'(the checkpoint of round {p.checkpoint_round} of {p.algorithm} is kept in '
@@ -113,8 +112,8 @@ def main(argv):
   except (
     Exception
   ) as e:  # memory, storage or a lost process: one line; else the traceback
-    # An allocation, a library or a thread the process's limits refused (ulimit -v, a cgroup),
-    # or a buffer XLA could not allocate.
+    # An allocation, a library or a thread the process's limits refused (ulimit
+    # -v, a cgroup), or a buffer XLA could not allocate.
     if faults.out_of_memory(e):
       left = placement.host_available_bytes()
       what = (
@@ -168,9 +167,8 @@ def _fail(error, status: int, quiet: bool = False):
   """Prints the fault's one line and exits with ``status`` (``quiet``: at
   once, no interpreter shutdown: out of memory, exit handlers would fail
   again and print)."""
-  if not faults.claim_report(
-    status
-  ):  # a runtime thread already reported this fault
+  # a runtime thread already reported this fault
+  if not faults.claim_report(status):
     faults.exit_after_report()
   print(f'error: {error}', file=faults.error_stream(), flush=True)
   faults.printed_report()

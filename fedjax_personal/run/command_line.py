@@ -6,9 +6,9 @@ declared next to what it configures (``hparam``): the run's own
 data set's options), the model's, the engine's, the processes', the shared
 training settings and each algorithm's (``--<prefix>_*``).
 ``script_entry.define_settings_flags`` makes a class's flags (every script
-declares its flags this way); ``read`` turns the parsed flags into one ``RunSettings``,
-resolving the main job's defaults once and checking what depends on several
-classes, and the entry (``run/cli.py``) passes it down.
+declares its flags this way); ``read`` turns the parsed flags into one
+``RunSettings``, resolving the main job's defaults once and checking what
+depends on several classes, and the entry (``run/cli.py``) passes it down.
 """
 
 import dataclasses
@@ -257,9 +257,8 @@ def read(flag_values: Optional[flags.FlagValues] = None) -> RunSettings:
         f'{data.dataset} ({data.partition}) is built in memory every run',
       )
   precision = fl.values['matmul_precision']
-  if (
-    'matmul_precision' not in fl.given
-  ):  # the user's choice for JAX, else the package's
+  # the user's choice for JAX, else the package's
+  if 'matmul_precision' not in fl.given:
     precision = os.environ.get('JAX_DEFAULT_MATMUL_PRECISION') or precision
   engine = fl.make(EngineConfig, matmul_precision=numerics.canonical(precision))
   swept = _sweep(fl, experiment.sweep)

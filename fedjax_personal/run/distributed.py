@@ -355,9 +355,8 @@ def _start_watchdog():
         msg = client.key_value_try_get(ERROR_KEY)
       except Exception:  # not set yet (NOT_FOUND), or the service is going away
         msg = None
-      if (
-        _STOP.is_set()
-      ):  # this process is already stopping with its own message
+      # this process is already stopping with its own message
+      if _STOP.is_set():
         return
       if msg is not None:
         status, _, text = msg.partition(' ')

@@ -229,9 +229,10 @@ def run_many(
         diverged[s] = t + 1
       if stats is not None:
         record.update(evaluation_record(LossStats(*(a[s] for a in stats))))
+        # the model's outputs are not finite: its accuracy means nothing
         if diverged[s] is None and not math.isfinite(
           record.get('loss_weighted', 0.0)
-        ):  # the model's outputs are not finite: its accuracy means nothing
+        ):
           diverged[s] = t + 1
       if diverged[s] is not None:
         record['diverged'], record['diverged_at_round'] = True, diverged[s]

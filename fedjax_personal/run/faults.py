@@ -6,8 +6,8 @@ Exit statuses (documented in the README):
 2     bad input: a flag, a setting, a data file (``ConfigError``, ``DataError``)
 3     training diverged (``experiment.DivergenceError``)
 69    a process of a several-process run was lost, or never joined
-74    a file could not be written: disk full, read-only, quota (``StorageError``)
-130   interrupted (Ctrl-C, SIGINT); 143 terminated (SIGTERM)
+74    a file could not be written: disk full, read-only, quota
+(``StorageError``) 130   interrupted (Ctrl-C, SIGINT); 143 terminated (SIGTERM)
 ====  =====================================================================
 
 A first SIGINT / SIGTERM asks the run to stop after the round in progress:
@@ -161,9 +161,8 @@ def kept() -> str:
   p = PROGRESS
   if not p.algorithm:
     return 'nothing was trained yet; run the same command again'
-  if (
-    p.checkpoint_round
-  ):  # (--resume starts the algorithms after it, which have none)
+  # (--resume starts the algorithms after it, which have none)
+  if p.checkpoint_round:
     return (
       f'checkpoint of round {p.checkpoint_round} of {p.algorithm} kept in '
       f'{p.checkpoint_dir}; continue with the same command and --resume'
@@ -185,9 +184,8 @@ def where() -> str:
   p = PROGRESS
   if not p.algorithm:
     return 'start-up'
-  if (
-    p.rounds and p.round >= p.rounds
-  ):  # its rounds are done: evaluating, writing its results
+  # its rounds are done: evaluating, writing its results
+  if p.rounds and p.round >= p.rounds:
     return f'the last round of {p.algorithm} (its results are being written)'
   return f'round {p.round + 1} of {p.algorithm}'
 
@@ -322,10 +320,11 @@ def _end_if_untaken(signum: int, received: int, grace: float) -> None:
   signal yet (its handler did not run): one line, the signal's status."""
   if _WATCH['handled'] >= received:
     return  # taken: the loop stops after its round, or the entry exits
+  # no longer the run's handler (a library user's own)
   if signal.getsignal(signum) not in (
     _WATCH['handler'],
     signal.default_int_handler,
-  ):  # no longer the run's handler (a library user's own)
+  ):
     return
   if not claim_report(EXIT_SIGNAL[signal.Signals(signum)]):
     return

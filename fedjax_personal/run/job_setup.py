@@ -202,9 +202,8 @@ def build_model_and_executor(
   cfg, population = s.model, loaded.population
   raw_x = sample_x = population.sample_x
   transform = s.data.options.input_transform()
-  if (
-    transform is not None
-  ):  # the model is built on, and sees, transformed inputs
+  # the model is built on, and sees, transformed inputs
+  if transform is not None:
     sample_x = np.asarray(transform.evaluate(jnp.asarray(sample_x)))
     say(f'inputs: {transform.name}, {transform.description}')
   model = build_model(cfg, population.num_classes, sample_x)
@@ -213,9 +212,10 @@ def build_model_and_executor(
     raise ConfigError(
       'conv_impl', f'does nothing: --model={cfg.model} has no convolution'
     )
+  # a user's module convolves as it is written: XLA's op
   if (
     cfg.conv_impl != 'auto' and getattr(model.module, 'conv_impl', None) is None
-  ):  # a user's module convolves as it is written: XLA's op
+  ):
     raise ConfigError(
       'conv_impl',
       f'does nothing for --model={cfg.model}: its module computes its own '

@@ -61,7 +61,8 @@ class Job:
 
   Attributes:
     settings: the run's settings.
-    cfgs: the configurations of a sweep or trials (``RunSettings.configurations``), or None.
+    cfgs: the configurations of a sweep or trials
+      (``RunSettings.configurations``), or None.
     store: the population store.
     population: its clients' counts, classes and name.
     data: the data in its layout (device arrays or ``HostData``).
@@ -96,7 +97,8 @@ class Results:
   Attributes:
     histories: ``{row label: history}``.
     summaries: ``{row label: final summary}``.
-    groups: ``{row label: [(history, summary)]}``, trials grouped by their values.
+    groups: ``{row label: [(history, summary)]}``, trials grouped by their
+      values.
   """
 
   histories: Dict[str, list] = dataclasses.field(default_factory=dict)
@@ -495,9 +497,8 @@ def train_algorithm(
   if restored is not None:
     state, start, hists = restored
     say(f'{alg_name}: resuming after round {start}')
-  if (
-    faults.stop_requested()
-  ):  # asked while the previous algorithm wrote its results
+  # asked while the previous algorithm wrote its results
+  if faults.stop_requested():
     raise faults.interrupted()
   later = (
     len(job.algs) - 1 - [b.settings.name for b in job.algs].index(alg_name)
@@ -529,9 +530,8 @@ def train_algorithm(
     summary = reporting.final_summary(history, e.stat_window)
     summary['rounds'] = e.rounds
     summary.update(costs)
-    if (
-      'per_client_accuracy' in summary
-    ):  # by id: per_client_accuracy[i] is client_ids[i]'s
+    # by id: per_client_accuracy[i] is client_ids[i]'s
+    if 'per_client_accuracy' in summary:
       summary['worst_clients'] = reporting.worst_clients(
         summary['per_client_accuracy'], job.store.client_ids
       )

@@ -271,13 +271,15 @@ def draw(kind: str, histories: dict, directory: str, mode: str = 'wait'):
     {'kind': kind, 'histories': histories, 'directory': directory},
     default=_plain,
   )
-  # By path, without the script's folder on sys.path (it holds this package's run/ modules).
+  # By path, without the script's folder on sys.path (it holds this package's
+  # run/ modules).
   code = (
     'import runpy, sys; sys.path[:1] = []; '
     f'runpy.run_path({os.path.abspath(__file__)!r}, run_name="__main__")'
   )
-  # Its output goes nowhere: a reader of this process's pipes (a sweep's subprocess.run, tee)
-  # must see them close when this process exits; a failure is written to plots_error.txt.
+  # Its output goes nowhere: a reader of this process's pipes (a sweep's
+  # subprocess.run, tee) must see them close when this process exits; a failure
+  # is written to plots_error.txt.
   child = subprocess.Popen(
     [sys.executable, '-c', code],
     stdin=subprocess.PIPE,

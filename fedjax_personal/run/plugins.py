@@ -130,7 +130,8 @@ def _imported(spec: str):
       name = os.path.splitext(os.path.basename(path))[0]
       taken = sys.modules.get(name)
       if taken is not None and getattr(taken, '__file__', None) != path:
-        # another module has the file's name (a user's json.py): never replace it
+        # another module has the file's name (a user's json.py): never replace
+        # it
         name = f'{name}_{hashlib.sha256(path.encode()).hexdigest()[:8]}'
       if (
         name in sys.modules
@@ -145,9 +146,8 @@ def _imported(spec: str):
         sys.modules[name] = (
           module  # its functions' __module__ resolves (the store's key)
         )
-        if (
-          os.path.dirname(path) not in sys.path
-        ):  # its helpers beside it import, as a script's
+        # its helpers beside it import, as a script's
+        if os.path.dirname(path) not in sys.path:
           sys.path.append(os.path.dirname(path))
         try:
           module_spec.loader.exec_module(module)

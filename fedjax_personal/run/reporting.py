@@ -180,9 +180,8 @@ def final_summary(history: List[dict], window: int = 5) -> dict:
       last[f'{key}_window'] = float(np.mean(vals))
   last['stat_window'] = len(tail)
   div = next((r for r in history if r.get('diverged')), None)
-  if (
-    div is not None
-  ):  # a diverged run's summary says so (aggregate_trials leaves it out)
+  # a diverged run's summary says so (aggregate_trials leaves it out)
+  if div is not None:
     last['diverged'], last['diverged_at_round'] = (
       True,
       div.get('diverged_at_round', div['round']),
@@ -195,9 +194,8 @@ def final_summary(history: List[dict], window: int = 5) -> dict:
   last['train_seconds'] = float(sum(seconds))
   if seconds:  # its compiles included
     last['first_round_seconds'] = float(seconds[0])
-  if (
-    len(seconds) > 1
-  ):  # the first round compiles: the steady cost is the rest's median
+  # the first round compiles: the steady cost is the rest's median
+  if len(seconds) > 1:
     last['round_seconds_median'] = float(np.median(seconds[1:]))
   return last
 

@@ -489,9 +489,8 @@ def restore(directory: str, manifest: dict, state) -> None:
   ]
   for s, st in enumerate(states):
     leaves = _leaves(st)
-    if leaves and isinstance(
-      leaves[0], DiskRows
-    ):  # rows never written: from the run's key
+    # rows never written: from the run's key
+    if leaves and isinstance(leaves[0], DiskRows):
       leaves[0].maker.rekey(manifest['init_keys'][s])
     later = np.zeros(len(base.made[s]), bool)
     for delta in replay:

@@ -242,8 +242,9 @@ def quiet_logging_unless_asked() -> None:
   """
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
-    # A lost process: Orbax's own threads log the collective that failed, with its
-    # traceback, before the run's one line names the process (run/faults.py).
+    # A lost process: Orbax's own threads log the collective that failed, with
+    # its traceback, before the run's one line names the process
+    # (run/faults.py).
     logging.get_absl_logger().addFilter(
       lambda record: (
         not (

@@ -425,10 +425,11 @@ class RunSettings:
       The shared identity entries.
     """
     data = dataclasses.asdict(self.data)
+    # where the files are does not matter; their content does
     for where in (
       'data_dir',
       'download',
-    ):  # where the files are does not matter; their content does
+    ):
       data.pop(where)
     if cap is not None:
       data['max_client_examples'] = cap

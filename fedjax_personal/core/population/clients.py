@@ -363,9 +363,8 @@ class PopulationStore:
     xp = aligned_empty((len(n), length) + x.shape[1:], x.dtype)
     yp = aligned_empty((len(n), length) + y.shape[1:], ydtype)
     for j, (s, k) in enumerate(zip(starts, n)):
-      if (
-        k
-      ):  # nothing read for an empty client (or a split gathered at length 0)
+      # nothing read for an empty client (or a split gathered at length 0)
+      if k:
         xp[j, :k] = x[s : s + k]
         yp[j, :k] = y[s : s + k]
       xp[j, k:] = 0

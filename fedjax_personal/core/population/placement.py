@@ -3,24 +3,24 @@
 ``device``: every client padded to the largest (capped) client, on the
 device for the whole run (``core.data.FederatedData``); the round indexes
 its cohort inside the compiled function. ``host``: the examples stay in the
-population store (``core.population.store``, read from disk); each round gathers only
-its cohort, padded to a power of two (``clients.padded_length``, at most
-``--max_client_examples``), on a host thread while the device runs the
-previous round, and evaluation and the algorithm's pre-round phase stream
-the population in blocks of clients. Cohorts are drawn by the same sampler
-from the same key in both layouts, so the numbers agree (to float
-reassociation of padded rows: batches hold the same real examples in the
-same order, ``core.batching``). The algorithm never sees which runs it.
+population store (``core.population.store``, read from disk); each round gathers
+only its cohort, padded to a power of two (``clients.padded_length``, at most
+``--max_client_examples``), on a host thread while the device runs the previous
+round, and evaluation and the algorithm's pre-round phase stream the population
+in blocks of clients. Cohorts are drawn by the same sampler from the same key in
+both layouts, so the numbers agree (to float reassociation of padded rows:
+batches hold the same real examples in the same order, ``core.batching``). The
+algorithm never sees which runs it.
 
 Per-client state: on the device layout, all of it in the state on the
 device. On the host layout, the part an algorithm declares as its client
 rows (``FederatedAlgorithm.client_rows``: personal models, control
 variates, FedDyn's gradients, persistent client optimizer states) lives
-with the population on the host (``core/population/rows_in_memory.py``); a round receives the
-cohort's rows, gathered by index, and its new rows are scattered back
-(``Cohort.rows`` tells the algorithm where they are). State that a round
-reads across the population (FedFomo's candidates, user-centric's N x N
-mixing) stays on the device.
+with the population on the host (``core/population/rows_in_memory.py``); a round
+receives the cohort's rows, gathered by index, and its new rows are scattered
+back (``Cohort.rows`` tells the algorithm where they are). State that a round
+reads across the population (FedFomo's candidates, user-centric's N x N mixing)
+stays on the device.
 """
 
 import concurrent.futures
@@ -74,7 +74,8 @@ class HostData:
     block: clients per block of evaluation and of the pre-round phase.
     smallest: the shortest padded length of a cohort's split.
     rows_folder: where algorithms keep their client rows in files (each
-      state its own folder; ``core/population/rows_in_files.py``); None: in host memory.
+      state its own folder; ``core/population/rows_in_files.py``); None: in host
+      memory.
   """
 
   store: PopulationStore

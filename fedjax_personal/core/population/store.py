@@ -9,9 +9,9 @@ dtypes, digest, ``eval_only``: how many clients at the end are evaluated
 and never trained, e.g. TFF's held-out CIFAR-100 test clients).
 Arrays are read by row slices (``FileArray``), so a round reads only its
 cohort's rows and a population larger than RAM works; a store can also
-live in memory (``from_federated``). Writers (``StoreWriter``) append client after client
-and publish the folder by renaming it when complete, so a reader never sees
-half a store.
+live in memory (``from_federated``). Writers (``StoreWriter``) append client
+after client and publish the folder by renaming it when complete, so a reader
+never sees half a store.
 
 Integrity: the writer records a CRC32 of every ``BLOCK_BYTES`` block of
 every file in the manifest. The small files (counts, groups) are checked
@@ -217,11 +217,12 @@ class FileArray:
   def __del__(self):
     try:
       os.close(self._fd)
+    # TypeError: os torn down at exit
     except (
       OSError,
       AttributeError,
       TypeError,
-    ):  # TypeError: os torn down at exit
+    ):
       pass
 
 

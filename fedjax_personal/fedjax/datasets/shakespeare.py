@@ -1,5 +1,6 @@
 """FedJAX's ``fedjax.datasets.shakespeare`` (0.0.17): Federated Shakespeare as the project reads
-FedJAX's files (``fedjax_personal.datasets.shakespeare``), ids looked up as FedJAX looks them up
+FedJAX's files (``fedjax_personal.datasets.shakespeare``), ids looked up as
+FedJAX looks them up
 (as the file stores them: bytes)."""
 
 from fedjax_personal.datasets import shakespeare as _shakespeare
