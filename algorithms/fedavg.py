@@ -458,12 +458,10 @@ def variant(
   work = make_client_work(
     model, training.make_client_optimizer(), training.batching()
   )
-  uplink = {}
 
   def final(ctx: ClientContext, carry: PyTree):
     out = work.final(ctx, carry)
     upload = (out.delta, extra(ctx, out) if extra is not None else ())
-    uplink['bytes'] = tree_bytes(upload)  # traced before the round's accounting
     return out.replace(delta=upload)
 
   def server_update(
@@ -481,10 +479,6 @@ def variant(
       cohort_train_metrics(out.stats, cohort.mask),
     )
 
-  def communication(state: ServerState) -> Communication:
-    down = tree_bytes(state.params)
-    return Communication(uplink.get('bytes', down), down, 1)
-
   # ``weight`` sees the client's output as its docstring says: ``out.delta`` the
   # delta (the upload pairs it with ``extra`` only after).
   weight_fn = (
@@ -497,7 +491,9 @@ def variant(
       dataclasses.replace(work, final=final), weighting, weight_fn=weight_fn
     ),
     server_update=server_update,
-    communication=communication,
+    # counted from what the round moves: the delta and the extra up
+    # (``upload_communication``), the model down
+    communication=None,
   )
 
 

@@ -157,3 +157,17 @@ def made_not_released(monkeypatch):
       for k, v in sources.FILES.items()
     },
   )
+
+
+@pytest.fixture()
+def algorithm_registry():
+  """The algorithm registry (``algorithms/registry.py``) as it is, restored in
+  place when the test ends: what a test registers is gone after it, and
+  every module that holds the registry sees the same dict."""
+  from fedjax_personal.algorithms import registry
+
+  saved = dict(registry.REGISTRY), dict(registry.OWNERS)
+  yield registry.REGISTRY
+  for held, kept in zip((registry.REGISTRY, registry.OWNERS), saved):
+    held.clear()
+    held.update(kept)

@@ -264,7 +264,7 @@ def flags_added_removed():
 
 
 def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
-  tmp_path, monkeypatch, flags_added_removed
+  tmp_path, monkeypatch, flags_added_removed, algorithm_registry
 ):
   """docs/add_a_data_set.md's data set of its own files (FedJAX SQLite, no URL) and
   docs/add_an_algorithm.md's algorithm, registered by their snippets exactly
@@ -277,7 +277,6 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
   import numpy as np
   from helpers import parse_flags
 
-  from fedjax_personal import algorithms
   from fedjax_personal.datasets import registry
   from fedjax_personal.run import cli
 
@@ -290,7 +289,6 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
   monkeypatch.syspath_prepend(str(tmp_path))
   for m in ('my_writers', 'fedavg_dropout'):
     monkeypatch.delitem(sys.modules, m, raising=False)
-  monkeypatch.setattr(algorithms, 'REGISTRY', dict(algorithms.REGISTRY))
   monkeypatch.setattr(registry, 'LOADERS', dict(registry.LOADERS))
   monkeypatch.setattr(registry, 'OPTIONS', dict(registry.OPTIONS))
   exec(

@@ -154,10 +154,9 @@ def test_the_docs_extensions_run_from_the_users_files_and_data_is_never_stale(
 
 
 @pytest.fixture()
-def gradnorm(tmp_path, monkeypatch):
+def gradnorm(tmp_path, monkeypatch, algorithm_registry):
   """The docs' algorithm file, imported as --import imports it."""
   _write_docs_files(tmp_path)
-  monkeypatch.setattr(algorithms, 'REGISTRY', dict(algorithms.REGISTRY))
   monkeypatch.delitem(sys.modules, 'fedavg_gradnorm', raising=False)
   plugins.load(str(tmp_path / 'fedavg_gradnorm.py'))
   yield
