@@ -90,11 +90,13 @@ class CFLConfig(Declared):
 
 @struct.dataclass
 class CFLState:
-  """Attributes:
-  personal: stacked [N, ...] model of each client's cluster.
-  cluster: int32 [N] cluster of each client.
-  updates: stacked [N, ...] each client's last update dtheta_i.
-  num_clusters: clusters so far.
+  """Clustered FL's state: each client's model and its cluster.
+
+  Attributes:
+    personal: stacked [N, ...] model of each client's cluster.
+    cluster: int32 [N] cluster of each client.
+    updates: stacked [N, ...] each client's last update dtheta_i.
+    num_clusters: clusters so far.
   """
 
   personal: optax.Params

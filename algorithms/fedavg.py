@@ -83,11 +83,13 @@ PAD_ID = 0
 
 @struct.dataclass
 class ServerState:
-  """Attributes:
-  params: the global model.
-  opt_state: server optimizer state.
-  dp_steps: with DP-SGD, int32 [N] local steps each client has taken so
-    far (for the privacy accountant); else None.
+  """FedAvg's server state: the global model and the server optimizer's.
+
+  Attributes:
+    params: the global model.
+    opt_state: server optimizer state.
+    dp_steps: with DP-SGD, int32 [N] local steps each client has taken so
+      far (for the privacy accountant); else None.
   """
 
   params: optax.Params
@@ -97,13 +99,15 @@ class ServerState:
 
 @struct.dataclass
 class ClientOutput:
-  """Attributes:
-  delta: theta_server - theta_i after local training (the upload); after
-    ``summed_upload``, its weighted share of the mean (an
-    ``aggregation.Sum`` the engine reduces over the cohort).
-  num_examples: n_i, the client's training examples.
-  stats: local training LossStats.
-  num_steps: local steps taken (None where an algorithm does not report it).
+  """What one FedAvg client returns.
+
+  Attributes:
+    delta: theta_server - theta_i after local training (the upload); after
+      ``summed_upload``, its weighted share of the mean (an
+      ``aggregation.Sum`` the engine reduces over the cohort).
+    num_examples: n_i, the client's training examples.
+    stats: local training LossStats.
+    num_steps: local steps taken (None where an algorithm does not report it).
   """
 
   delta: optax.Params

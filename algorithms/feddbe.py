@@ -95,11 +95,13 @@ class FedDBEConfig(Declared):
 
 @struct.dataclass
 class FedDBEState:
-  """Attributes:
-  params: the global model.
-  opt_state: the server optimizer's state.
-  biases: every client's representation bias c_i, [N, *features] (rows).
-  global_mean: g, the population's feature mean [*features].
+  """FedDBE's state: the global model and the clients' representation biases.
+
+  Attributes:
+    params: the global model.
+    opt_state: the server optimizer's state.
+    biases: every client's representation bias c_i, [N, *features] (rows).
+    global_mean: g, the population's feature mean [*features].
   """
 
   params: optax.Params
@@ -118,12 +120,14 @@ class FedDBEShared:
 
 @struct.dataclass
 class FedDBEOutput:
-  """Attributes:
-  delta: the global model's delta (its weighted share once summed).
-  bias: the client's new c_i (written by the engine).
-  num_examples: the client's training examples.
-  stats: training statistics.
-  num_steps: local steps taken.
+  """What one FedDBE client returns.
+
+  Attributes:
+    delta: the global model's delta (its weighted share once summed).
+    bias: the client's new c_i (written by the engine).
+    num_examples: the client's training examples.
+    stats: training statistics.
+    num_steps: local steps taken.
   """
 
   delta: PyTree

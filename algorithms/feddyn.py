@@ -86,13 +86,15 @@ EVAL_MODELS = ('server', 'active_mean', 'all_clients_mean')
 
 @struct.dataclass
 class FedDynState:
-  """Attributes:
-  params: the server model theta_server (what clients receive).
-  h: the server state h.
-  active_mean: mean of the last round's active client models.
-  grad_state: stacked [N, ...] client states g_i.
-  client_params: stacked [N, ...] latest model of every client (only kept
-    when ``eval_model='all_clients_mean'``, else None).
+  """FedDyn's state: the server model and the clients' gradient state.
+
+  Attributes:
+    params: the server model theta_server (what clients receive).
+    h: the server state h.
+    active_mean: mean of the last round's active client models.
+    grad_state: stacked [N, ...] client states g_i.
+    client_params: stacked [N, ...] latest model of every client (only kept
+      when ``eval_model='all_clients_mean'``, else None).
   """
 
   params: optax.Params
@@ -134,10 +136,12 @@ class FedDynConfig(Declared):
 
 @struct.dataclass
 class FedDynOutput:
-  """Attributes:
-  params: theta_i after local training (the upload).
-  grad_state: the client's new g_i.
-  stats: local training LossStats.
+  """What one FedDyn client returns.
+
+  Attributes:
+    params: theta_i after local training (the upload).
+    grad_state: the client's new g_i.
+    stats: local training LossStats.
   """
 
   params: optax.Params

@@ -101,11 +101,13 @@ class FedFomoConfig(DPConfig):
 
 @struct.dataclass
 class FedFomoState:
-  """Attributes:
-  models: stacked [N, ...] latest model of every client (the server's pool).
-  affinity: [N, N] P, P_ij = client i's accumulated weight for client j.
-  dp_steps: int32 [N] local (DP-)SGD steps each client has taken so far
-    (for the privacy accountant).
+  """FedFomo's state: the clients' models and their affinities.
+
+  Attributes:
+    models: stacked [N, ...] latest model of every client (the server's pool).
+    affinity: [N, N] P, P_ij = client i's accumulated weight for client j.
+    dp_steps: int32 [N] local (DP-)SGD steps each client has taken so far
+      (for the privacy accountant).
   """
 
   models: optax.Params

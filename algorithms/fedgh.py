@@ -97,9 +97,11 @@ class FedGHConfig(Declared):
 
 @struct.dataclass
 class FedGHState:
-  """Attributes:
-  head: the global head.
-  bodies: every client's body (client rows, leading axis N).
+  """FedGH's state: the global head and the clients' bodies.
+
+  Attributes:
+    head: the global head.
+    bodies: every client's body (client rows, leading axis N).
   """
 
   head: PyTree
@@ -108,15 +110,17 @@ class FedGHState:
 
 @struct.dataclass
 class FedGHOutput:
-  """Attributes:
-  body: the client's new body.
-  prototypes: [C, *features] its per-class feature means (0 where absent).
-  present: bool [C], the classes it has.
-  first_head: the first client's trained head, summed over the cohort
-    (zero from every other client), and how many sent it (0 or 1).
-  num_examples: its training examples.
-  stats: training statistics.
-  num_steps: local steps taken.
+  """What one FedGH client returns.
+
+  Attributes:
+    body: the client's new body.
+    prototypes: [C, *features] its per-class feature means (0 where absent).
+    present: bool [C], the classes it has.
+    first_head: the first client's trained head, summed over the cohort
+      (zero from every other client), and how many sent it (0 or 1).
+    num_examples: its training examples.
+    stats: training statistics.
+    num_steps: local steps taken.
   """
 
   body: PyTree

@@ -72,11 +72,13 @@ __all__ = [
 
 @struct.dataclass
 class NovaUpload:
-  """Attributes:
-  delta: (d_i, a_i): the normalized delta and the effective step count,
-    a weighted-mean share (``summed_upload``).
-  num_examples: n_i.
-  stats: local training LossStats.
+  """What one FedNova client uploads.
+
+  Attributes:
+    delta: (d_i, a_i): the normalized delta and the effective step count,
+      a weighted-mean share (``summed_upload``).
+    num_examples: n_i.
+    stats: local training LossStats.
   """
 
   delta: (

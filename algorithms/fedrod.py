@@ -73,10 +73,12 @@ class FedRoDConfig(Declared):
 
 @struct.dataclass
 class FedRoDState:
-  """Attributes:
-  params: the global model (body and generic head).
-  opt_state: the server optimizer's state.
-  heads: every client's personal head, leading axis N (client rows).
+  """FedRoD's state: the global model and the clients' personal heads.
+
+  Attributes:
+    params: the global model (body and generic head).
+    opt_state: the server optimizer's state.
+    heads: every client's personal head, leading axis N (client rows).
   """
 
   params: optax.Params
@@ -86,12 +88,14 @@ class FedRoDState:
 
 @struct.dataclass
 class FedRoDOutput:
-  """Attributes:
-  delta: the global model's delta (its weighted share once summed).
-  head: the client's new personal head (written by the engine).
-  num_examples: the client's training examples.
-  stats: the personalized prediction's training statistics.
-  num_steps: local steps taken.
+  """What one FedRoD client returns.
+
+  Attributes:
+    delta: the global model's delta (its weighted share once summed).
+    head: the client's new personal head (written by the engine).
+    num_examples: the client's training examples.
+    stats: the personalized prediction's training statistics.
+    num_steps: local steps taken.
   """
 
   delta: PyTree

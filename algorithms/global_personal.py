@@ -54,10 +54,12 @@ __all__ = [
 
 @struct.dataclass
 class GlobalPersonalState:
-  """Attributes:
-  params: the global model.
-  opt_state: server optimizer state.
-  personal: stacked [N, ...] personal models.
+  """The state of an algorithm with a global and a personal model.
+
+  Attributes:
+    params: the global model.
+    opt_state: server optimizer state.
+    personal: stacked [N, ...] personal models.
   """
 
   params: optax.Params
@@ -67,11 +69,13 @@ class GlobalPersonalState:
 
 @struct.dataclass
 class GlobalPersonalOutput:
-  """Attributes:
-  delta: global model minus the client's local global model (uploaded).
-  personal: the client's new personal model (kept).
-  num_examples: n_i.
-  stats: local training LossStats.
+  """What one client of a global-and-personal algorithm returns.
+
+  Attributes:
+    delta: global model minus the client's local global model (uploaded).
+    personal: the client's new personal model (kept).
+    num_examples: n_i.
+    stats: local training LossStats.
   """
 
   delta: optax.Params

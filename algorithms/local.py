@@ -38,8 +38,10 @@ __all__ = ['build', 'local', 'LocalOutput', 'LocalState', 'SPEC']
 
 @struct.dataclass
 class LocalState:
-  """Attributes:
-  personal_params: stacked [N, ...] models, one per client.
+  """Local training's state: each client's own model.
+
+  Attributes:
+    personal_params: stacked [N, ...] models, one per client.
   """
 
   personal_params: optax.Params

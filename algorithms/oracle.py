@@ -39,9 +39,11 @@ __all__ = ['build', 'oracle', 'OracleState', 'SPEC']
 
 @struct.dataclass
 class OracleState:
-  """Attributes:
-  group_params: stacked [G, ...] models, one per group.
-  opt_state: server optimizer state per group (leading axis G).
+  """The oracle's state: one model per known group.
+
+  Attributes:
+    group_params: stacked [G, ...] models, one per group.
+    opt_state: server optimizer state per group (leading axis G).
   """
 
   group_params: optax.Params

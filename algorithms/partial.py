@@ -121,10 +121,12 @@ class PartialConfig(Declared):
 
 @struct.dataclass
 class PartialState:
-  """Attributes:
-  shared: u, a flat dict {path: array} of the shared leaves.
-  opt_state: server optimizer state of u.
-  personal: v, a flat dict {path: [N, ...]} of every client's personal leaves.
+  """Partial personalization's state: the shared part and the personal rows.
+
+  Attributes:
+    shared: u, a flat dict {path: array} of the shared leaves.
+    opt_state: server optimizer state of u.
+    personal: v, a flat dict {path: [N, ...]} of every client's personal leaves.
   """
 
   shared: dict
@@ -146,11 +148,13 @@ class PartialCarry:
 
 @struct.dataclass
 class PartialOutput:
-  """Attributes:
-  shared_delta: u - u_i+ (the only thing uploaded).
-  personal: v_i+ (stays on the client).
-  num_examples: n_i.
-  stats: local training LossStats.
+  """What one client of partial personalization returns.
+
+  Attributes:
+    shared_delta: u - u_i+ (the only thing uploaded).
+    personal: v_i+ (stays on the client).
+    num_examples: n_i.
+    stats: local training LossStats.
   """
 
   shared_delta: (

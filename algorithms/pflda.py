@@ -89,10 +89,12 @@ class PFLDAConfig(Declared):
 
 @struct.dataclass
 class PFLDAState:
-  """Attributes:
-  head: the global head.
-  opt_state: the server optimizer's state.
-  models: every client's own model, body and personal head (client rows).
+  """PFL-DA's state: the global head and the clients' own models.
+
+  Attributes:
+    head: the global head.
+    opt_state: the server optimizer's state.
+    models: every client's own model, body and personal head (client rows).
   """
 
   head: PyTree
@@ -115,11 +117,13 @@ class PFLDACarry:
 
 @struct.dataclass
 class PFLDAOutput:
-  """Attributes:
-  delta: the global head's delta (its weighted share once summed).
-  model: the client's new model (written by the engine).
-  num_examples: its training examples.
-  stats: training statistics.
+  """What one PFL-DA client returns.
+
+  Attributes:
+    delta: the global head's delta (its weighted share once summed).
+    model: the client's new model (written by the engine).
+    num_examples: its training examples.
+    stats: training statistics.
   """
 
   delta: PyTree

@@ -77,9 +77,11 @@ class QFFLConfig(Declared):
 
 @struct.dataclass
 class QUpload:
-  """Attributes:
-  terms: Sum of (Delta_k, h_k) over the cohort.
-  stats: local training LossStats.
+  """What one q-FFL client uploads.
+
+  Attributes:
+    terms: Sum of (Delta_k, h_k) over the cohort.
+    stats: local training LossStats.
   """
 
   terms: aggregation.Sum

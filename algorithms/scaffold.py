@@ -67,11 +67,13 @@ __all__ = ['build', 'scaffold', 'ScaffoldOutput', 'ScaffoldState', 'SPEC']
 
 @struct.dataclass
 class ScaffoldState:
-  """Attributes:
-  params: server model theta.
-  opt_state: server optimizer state.
-  control: server control variate c.
-  client_controls: stacked [N, ...] control variates c_i.
+  """SCAFFOLD's state: the server model and the control variates.
+
+  Attributes:
+    params: server model theta.
+    opt_state: server optimizer state.
+    control: server control variate c.
+    client_controls: stacked [N, ...] control variates c_i.
   """
 
   params: optax.Params
@@ -82,13 +84,15 @@ class ScaffoldState:
 
 @struct.dataclass
 class ScaffoldOutput:
-  """Attributes:
-  delta: theta_server - theta_i (a weighted ``Sum`` share after
-    ``summed_upload``).
-  control: c_i+ (kept by the client; its change is uploaded).
-  control_delta: ``Sum(c_i+ - c_i)``, summed over the cohort by the engine.
-  num_examples: n_i.
-  stats: local training LossStats.
+  """What one SCAFFOLD client returns.
+
+  Attributes:
+    delta: theta_server - theta_i (a weighted ``Sum`` share after
+      ``summed_upload``).
+    control: c_i+ (kept by the client; its change is uploaded).
+    control_delta: ``Sum(c_i+ - c_i)``, summed over the cohort by the engine.
+    num_examples: n_i.
+    stats: local training LossStats.
   """
 
   delta: optax.Params

@@ -131,12 +131,14 @@ class UserCentricConfig(Declared):
 
 @struct.dataclass
 class UserCentricState:
-  """Attributes:
-  personal: stacked [N, ...] models; client i's current (stream) model.
-  stream_matrix: [R, N]; row s < num_streams is stream s's mixing row
-    (a centroid of W's rows, or W's row itself when m_t = N).
-  assignment: int32 [N], the stream serving each client.
-  num_streams: m_t, distinct downlink models.
+  """User-centric aggregation's state: the clients' models, W and the streams.
+
+  Attributes:
+    personal: stacked [N, ...] models; client i's current (stream) model.
+    stream_matrix: [R, N]; row s < num_streams is stream s's mixing row
+      (a centroid of W's rows, or W's row itself when m_t = N).
+    assignment: int32 [N], the stream serving each client.
+    num_streams: m_t, distinct downlink models.
   """
 
   personal: optax.Params

@@ -33,12 +33,14 @@ __all__ = [
 
 @dataclasses.dataclass
 class Partition:
-  """Attributes:
-  client_indices: list of N int arrays into the example pool.
-  groups: optional int [N] known group per client.
-  client_transform: optional ``(i, x_i, y_i) -> (x_i, y_i)``.
-  num_classes: optional override of the task's number of classes (sparse
-    classes with per-device re-indexing has c outputs).
+  """A split of an example pool among clients.
+
+  Attributes:
+    client_indices: list of N int arrays into the example pool.
+    groups: optional int [N] known group per client.
+    client_transform: optional ``(i, x_i, y_i) -> (x_i, y_i)``.
+    num_classes: optional override of the task's number of classes (sparse
+      classes with per-device re-indexing has c outputs).
   """
 
   client_indices: List[np.ndarray]

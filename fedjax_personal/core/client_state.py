@@ -26,9 +26,11 @@ __all__ = ['persistent_client_optimizer', 'WithClientOptState']
 
 @struct.dataclass
 class WithClientOptState:
-  """Attributes:
-  inner: the algorithm's state.
-  opt_state: stacked [N, ...] client optimizer states.
+  """An algorithm's state with each client's optimizer state kept as rows.
+
+  Attributes:
+    inner: the algorithm's state.
+    opt_state: stacked [N, ...] client optimizer states.
   """
 
   inner: Any

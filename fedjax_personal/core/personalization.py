@@ -83,9 +83,11 @@ def unflatten(flat: Dict[str, object]):
 
 @dataclasses.dataclass(frozen=True)
 class ParamSplit:
-  """Attributes:
-  name: description (the preset or 'split:...').
-  is_personal: predicate over a leaf's path.
+  """Which leaves of a model are personal, and how to split and merge them.
+
+  Attributes:
+    name: description (the preset or 'split:...').
+    is_personal: predicate over a leaf's path.
   """
 
   name: str

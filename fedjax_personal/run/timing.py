@@ -34,10 +34,13 @@ def harmonic(m: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class TimeModel:
-  """Attributes:
-  rho: T_ul / T_dl.
-  t_min: minimum computing time (in T_dl units).
-  inv_mu: 1 / mu, the mean extra computing delay (in T_dl units).
+  """The user-centric paper's time model of a round (upload, download and
+  computing times).
+
+  Attributes:
+    rho: T_ul / T_dl.
+    t_min: minimum computing time (in T_dl units).
+    inv_mu: 1 / mu, the mean extra computing delay (in T_dl units).
   """
 
   rho: float = 4.0
