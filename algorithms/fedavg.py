@@ -61,6 +61,7 @@ __all__ = [
   'FedAvgConfig',
   'FT_SPEC',
   'global_model_communication',
+  'global_server_update',
   'make_client_work',
   'server_apply',
   'server_step',
@@ -265,6 +266,33 @@ def server_step(params, opt_state, upload: aggregation.Sum, server_optimizer):
   """
   pseudo_grad, weight = aggregation.upload_mean(upload)
   return server_apply(params, opt_state, pseudo_grad, weight, server_optimizer)
+
+
+def global_server_update(server_optimizer):
+  """The ``server_update`` of an algorithm whose state keeps FedAvg's global
+  model (fields ``params`` and ``opt_state``) beside anything of its own
+  (client rows the engine writes, say) and whose clients upload a summed
+  ``delta`` (``summed_upload``): the server optimizer's step on the mean
+  delta (``server_step``), the rest of the state as it is.
+
+  Args:
+    server_optimizer: the optax server optimizer.
+
+  Returns:
+    ``server_update(state, cohort, outputs, rc) -> (state, metrics)``.
+  """
+
+  def server_update(state, cohort: Cohort, out, rc: RoundContext):
+    del rc
+    params, opt_state = server_step(
+      state.params, state.opt_state, out.delta, server_optimizer
+    )
+    return (
+      dataclasses.replace(state, params=params, opt_state=opt_state),
+      cohort_train_metrics(out.stats, cohort.mask),
+    )
+
+  return server_update
 
 
 def server_apply(params, opt_state, pseudo_grad, weight, server_optimizer):

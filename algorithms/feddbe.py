@@ -33,18 +33,16 @@ from optax import tree_utils as otu
 
 from fedjax_personal.algorithms.fedavg import (
   FEDAVG_SETTINGS,
-  server_step,
+  global_server_update,
   summed_upload,
 )
 from fedjax_personal.config import FINETUNE, AlgorithmSpec, Declared, hparam
 from fedjax_personal.core.algorithm import (
   ClientModels,
   ClientRows,
-  Communication,
   FederatedAlgorithm,
   PreRound,
   RoundContext,
-  cohort_train_metrics,
 )
 from fedjax_personal.core.data import Array as HostOrDevice
 from fedjax_personal.core.data import LocalData
@@ -66,7 +64,6 @@ from fedjax_personal.core.tree_util import (
   leading_size,
   rows,
   tree_broadcast,
-  tree_bytes,
 )
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Dense, HeadSplit, Model
@@ -247,17 +244,6 @@ def feddbe(
     start_fn=lambda ctx: start(ctx.shared.params, ctx.state),
   )
 
-  def server_update(
-    state: FedDBEState, cohort: Cohort, out: FedDBEOutput, rc: RoundContext
-  ):
-    params, opt_state = server_step(
-      state.params, state.opt_state, out.delta, server_optimizer
-    )
-    return (
-      dataclasses.replace(state, params=params, opt_state=opt_state),
-      cohort_train_metrics(out.stats, cohort.mask),
-    )
-
   def initial_mean(params, data: LocalData, key):
     """A client's running mean after local training from the initial
     model, without bias or regularization, and its weight."""
@@ -286,19 +272,14 @@ def feddbe(
       num_clients,
     )
 
-  def communication(state: FedDBEState) -> Communication:
-    b = tree_bytes(state.params)
-    return Communication(b, b, 1)
-
   return FederatedAlgorithm(
     name='feddbe',
     model=model,
     init=init,
     server_broadcast=server_broadcast,
     client_work=summed_upload(work, weighting),
-    server_update=server_update,
+    server_update=global_server_update(server_optimizer),
     client_models=client_models,
-    communication=communication,
     pre_round=PreRound(
       due=lambda t: t == 0,
       update=mean_update,

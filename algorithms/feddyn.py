@@ -34,6 +34,7 @@ import optax
 from flax import struct
 from optax import tree_utils as otu
 
+from fedjax_personal.algorithms.fedavg import global_model_communication
 from fedjax_personal.config import (
   BATCHING,
   CLIENT_OPTIMIZER,
@@ -45,7 +46,6 @@ from fedjax_personal.config import (
 from fedjax_personal.core.algorithm import (
   ClientModels,
   ClientRows,
-  Communication,
   FederatedAlgorithm,
   RoundContext,
   cohort_train_metrics,
@@ -63,7 +63,6 @@ from fedjax_personal.core.tree_util import (
   is_concrete,
   rows,
   tree_broadcast,
-  tree_bytes,
   tree_scatter,
 )
 from fedjax_personal.errors import ConfigError
@@ -310,10 +309,6 @@ def feddyn(
       p = jax.tree.map(lambda a: a.mean(axis=0), state.client_params)
     return ClientModels.global_model(p, num_clients)
 
-  def communication(state: FedDynState):
-    b = tree_bytes(state.params)
-    return Communication(b, b, 1)
-
   return FederatedAlgorithm(
     name=name,
     model=model,
@@ -322,7 +317,7 @@ def feddyn(
     client_work=work,
     server_update=server_update,
     client_models=client_models,
-    communication=communication,
+    communication=global_model_communication,
     finetune=finetune,
     evaluate_client=evaluate_client,
     # client_params (eval_model='all_clients_mean') is averaged over every

@@ -34,17 +34,15 @@ from optax import tree_utils as otu
 
 from fedjax_personal.algorithms.fedavg import (
   FEDAVG_SETTINGS,
-  server_step,
+  global_server_update,
   summed_upload,
 )
 from fedjax_personal.config import FINETUNE, AlgorithmSpec, Declared
 from fedjax_personal.core.algorithm import (
   ClientModels,
   ClientRows,
-  Communication,
   FederatedAlgorithm,
   RoundContext,
-  cohort_train_metrics,
 )
 from fedjax_personal.core.data import Array as HostOrDevice
 from fedjax_personal.core.data import label_counts
@@ -56,7 +54,6 @@ from fedjax_personal.core.tree_util import (
   leading_size,
   rows,
   tree_broadcast,
-  tree_bytes,
 )
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Dense, HeadSplit, Model
@@ -204,17 +201,6 @@ def fedrod(
     start_fn=lambda ctx: {'model': ctx.shared, 'head': ctx.state},
   )
 
-  def server_update(
-    state: FedRoDState, cohort: Cohort, out: FedRoDOutput, rc: RoundContext
-  ):
-    params, opt_state = server_step(
-      state.params, state.opt_state, out.delta, server_optimizer
-    )
-    return (
-      dataclasses.replace(state, params=params, opt_state=opt_state),
-      cohort_train_metrics(out.stats, cohort.mask),
-    )
-
   def client_models(state: FedRoDState) -> ClientModels:
     body, generic = head.split(state.params)
     n = leading_size(state.heads)
@@ -223,19 +209,14 @@ def fedrod(
       jax.vmap(head.merge)(tree_broadcast(body, n), summed), num_clients
     )
 
-  def communication(state: FedRoDState) -> Communication:
-    b = tree_bytes(state.params)
-    return Communication(b, b, 1)
-
   return FederatedAlgorithm(
     name='fedrod',
     model=model,
     init=init,
     server_broadcast=server_broadcast,
     client_work=summed_upload(work, weighting),
-    server_update=server_update,
+    server_update=global_server_update(server_optimizer),
     client_models=client_models,
-    communication=communication,
     client_rows=ClientRows.field('heads', output='head'),
   )
 

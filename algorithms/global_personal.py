@@ -15,11 +15,14 @@ import optax
 from flax import struct
 from optax import tree_utils as otu
 
-from fedjax_personal.algorithms.fedavg import server_step, summed_upload
+from fedjax_personal.algorithms.fedavg import (
+  global_model_communication,
+  server_step,
+  summed_upload,
+)
 from fedjax_personal.core.algorithm import (
   ClientModels,
   ClientRows,
-  Communication,
   FederatedAlgorithm,
   RoundContext,
   cohort_train_metrics,
@@ -40,7 +43,6 @@ from fedjax_personal.core.tree_util import (
   PyTree,
   rows,
   tree_broadcast,
-  tree_bytes,
 )
 from fedjax_personal.models import Model
 
@@ -137,10 +139,6 @@ def global_personal_algorithm(
       cohort_train_metrics(out.stats, cohort.mask),
     )
 
-  def communication(state: GlobalPersonalState):
-    b = tree_bytes(state.params)
-    return Communication(b, b, 1)
-
   return FederatedAlgorithm(
     name=name,
     model=model,
@@ -150,7 +148,7 @@ def global_personal_algorithm(
     server_update=server_update,
     client_models=eval_models
     or (lambda s: ClientModels.personal(s.personal, num_clients)),
-    communication=communication,
+    communication=global_model_communication,
     finetune=finetune,
     client_rows=ClientRows.field('personal', output='personal'),
   )
