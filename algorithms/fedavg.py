@@ -27,6 +27,7 @@ from fedjax_personal.config import (
   FINETUNE,
   SERVER_OPTIMIZER,
   WEIGHTING,
+  WEIGHTINGS,
   AlgorithmSpec,
 )
 from fedjax_personal.core import aggregation
@@ -74,10 +75,6 @@ __all__ = [
 ]
 
 
-#: How client uploads are weighted in the mean: by the client's training
-#: examples, by its training tokens (``train_tokens``: the publisher's
-#: weighting of the next-word tasks) or uniformly.
-WEIGHTINGS = ('num_examples', 'tokens', 'uniform')
 #: The padding id of the sequence data sets (FedJAX's and TFF's vocabularies).
 PAD_ID = 0
 

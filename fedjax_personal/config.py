@@ -49,6 +49,7 @@ __all__ = [
   'TrainingConfig',
   'validate',
   'WEIGHTING',
+  'WEIGHTINGS',
 ]
 
 
@@ -145,6 +146,10 @@ CLIENT_OPTIMIZER = (
 )
 BATCHING = frozenset({'batch_size', 'local_epochs', 'local_steps'})
 WEIGHTING = frozenset({'weighting'})
+#: How client uploads are weighted in a mean (``--weighting``): by the
+#: client's training examples, by its training tokens (google-research/
+#: federated's weighting of its next-word tasks) or uniformly.
+WEIGHTINGS = ('num_examples', 'tokens', 'uniform')
 SERVER_OPTIMIZER = frozenset(
   {
     'server_optimizer',
@@ -241,7 +246,7 @@ class TrainingConfig(Declared):
     "federated's weighting of its next-word tasks; examples for "
     "one label per example) or 'uniform' (default: the "
     "algorithm's paper).",
-    choices=('num_examples', 'tokens', 'uniform'),
+    choices=WEIGHTINGS,
   )
   server_optimizer: str = hparam(
     'sgd',
