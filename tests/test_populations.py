@@ -1019,3 +1019,46 @@ def test_data_built_in_memory_reaches_the_store_unpadded(cfg):
         getattr(getattr(padded, split), field),
       )
   np.testing.assert_array_equal(again.groups, padded.groups)
+
+
+@pytest.mark.parametrize(
+  'alg_name', ['fedrod', 'feddbe', 'fedgh', 'pflda', 'fedlc', 'fedbabu']
+)
+@pytest.mark.ci_variants('feddbe', 'fedgh')
+def test_pfllib_algorithms_run_a_natural_population_in_the_host_layout(
+  emnist_store, alg_name
+):
+  """PFLlib's algorithms on the writers of a made EMNIST store (3 to 150
+  examples each), clients packed on the host: the same state and accuracy
+  as the device layout (their per-client rows, FedDBE's and FedLC's
+  pre-round phase over every client, FedGH's server epoch)."""
+  store = emnist_store
+  model = fp.models.from_flax(
+    'mlp', fp.models.MLP(62, hidden=(8,)), store.population().sample_x
+  )
+  sampler = CohortSampler(16, participation=0.4)
+  training = TrainingConfig(client_lr=0.1, batch_size=8)
+  executor = lambda: fp.executors.BlockedExecutor(block_size=2, num_threads=2)
+  device = to_device(store.padded())
+  _, s_dev, h_dev = _train(
+    alg_name, device, device, model, sampler, training, executor()
+  )
+  runner, s_host, h_host = _train(
+    alg_name,
+    HostData(store, block=6, smallest=4),
+    store.population(),
+    model,
+    sampler,
+    training,
+    executor(),
+  )
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+    runner.whole_state(s_host),
+    s_dev,
+  )
+  np.testing.assert_allclose(
+    h_host[-1]['per_client_accuracy'],
+    h_dev[-1]['per_client_accuracy'],
+    atol=1e-6,
+  )
