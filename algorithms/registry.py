@@ -22,6 +22,7 @@ from fedjax_personal.algorithms import (
   feddbe,
   feddyn,
   fedfomo,
+  fedgc,
   fedgh,
   fedlc,
   fednova,
@@ -100,6 +101,7 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     feddbe.SPEC,
     fedgh.SPEC,
     pflda.SPEC,
+    fedgc.SPEC,
   ]
 }
 

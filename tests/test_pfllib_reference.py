@@ -9,6 +9,7 @@ random unit directions (the record's ``project``). Tolerance: float
 rounding (PyTorch's and XLA's sums in another order over 2 rounds of 2
 full-batch steps): 1e-4 absolute."""
 
+import dataclasses
 import os
 
 import helpers
@@ -25,7 +26,10 @@ from fedjax_personal.core.data import (
   pad_clients,
   to_device,
 )
+from fedjax_personal.core.engine import RoundRunner
+from fedjax_personal.core.executors import VmapExecutor
 from fedjax_personal.core.losses import evaluate_params
+from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.models import weights
 
 PATH = os.path.join(os.path.dirname(__file__), 'data', 'pfllib_reference.npz')
@@ -75,6 +79,27 @@ def _model(ref):
   return model.starting_from(_nested(ref, 'init/'))
 
 
+def _rounds(alg, data, reference, name):
+  """``PEER.ROUNDS`` rounds of every client (keys 0, 1, ...) from init key
+  0; FedGC's classifiers start as PFLlib drew them (its clients' own
+  PyTorch draws)."""
+  runner = RoundRunner(
+    alg,
+    data,
+    CohortSampler(data.num_clients, cohort_size=data.num_clients),
+    VmapExecutor(),
+  )
+  state = runner.init(jax.random.key(0))
+  if name == 'fedgc':
+    drawn = np.stack(
+      [reference[f'{name}/init_head_{i}'] for i in range(PEER.NUM_CLIENTS)]
+    )
+    state = dataclasses.replace(state, heads=jax.numpy.asarray(drawn))
+  for t in range(PEER.ROUNDS):
+    state, _ = runner.round(state, jax.random.key(t), t)
+  return state
+
+
 @pytest.mark.parametrize('name', sorted(PEER.ALGORITHMS))
 def test_equal_to_pfllib(reference, name):
   data, model = _data(reference), _model(reference)
@@ -85,8 +110,16 @@ def test_equal_to_pfllib(reference, name):
   alg = algorithms.build(
     name, model, data, training, **{f'{name}_{k}': v for k, v in own.items()}
   )
-  _, state = helpers.run_rounds(alg, data, rounds=PEER.ROUNDS)
+  state = _rounds(alg, data, reference, name)
   cm = alg.client_models(state)
+  if name == 'fedgc':  # each client's classifier over its classes
+    for i in range(PEER.NUM_CLIENTS):
+      have = np.asarray(state.present[i])
+      np.testing.assert_allclose(
+        np.asarray(state.heads[i])[:, have],
+        reference[f'{name}/head_{i}'][:, have],
+        atol=ATOL,
+      )
   if name in ('fedgh', 'pflda'):  # the global head, each client's model
     head = _nested(reference, f'{name}/head/')
     assert helpers.max_diff(state.head, head) < ATOL
@@ -119,6 +152,12 @@ def test_equal_to_pfllib(reference, name):
     local = jax.tree.map(lambda a: a[i], data.train)
     if alg.finetune is not None:
       p = alg.finetune(p, LocalData(local, local), jax.random.key(i))
-    stats = evaluate_params(model, p, jax.tree.map(lambda a: a[i], data.test))
+    test = jax.tree.map(lambda a: a[i], data.test)
+    if alg.evaluate_client is not None:
+      stats = alg.evaluate_client(
+        p, LocalData(local, local), test, jax.random.key(i)
+      )
+    else:
+      stats = evaluate_params(model, p, test)
     correct.append(int(round(float(stats.correct))))
   np.testing.assert_array_equal(correct, reference[f'{name}/test_correct'])

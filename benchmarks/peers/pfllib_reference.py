@@ -61,9 +61,10 @@ ALGORITHMS = {
   'feddbe': ('serverdbe', 'FedDBE', dict(kl_weight=1.0, momentum=0.1)),
   'fedgh': ('servergh', 'FedGH', dict(server_learning_rate=0.5)),
   'pflda': ('serverda', 'PFL_DA', dict(lamda=1.0)),
+  'fedgc': ('servergc', 'FedGC', dict(lamda=2.0)),
 }
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
-SPLIT = ('fedbabu', 'feddbe', 'fedgh', 'fedlc', 'fedrod', 'pflda')
+SPLIT = ('fedbabu', 'feddbe', 'fedgc', 'fedgh', 'fedlc', 'fedrod', 'pflda')
 
 
 def made_data(seed=0):
@@ -187,6 +188,16 @@ def project(flat):
   return out
 
 
+def wide_head(client):
+  """A FedGC client's classifier (PFLlib's ``Linear(D, classes it has,
+  bias=False)``) as a [D, C] kernel, zero in the columns of the classes it
+  lacks."""
+  w = client.model.head.weight.detach().numpy()
+  out = np.zeros((w.shape[1], NUM_CLASSES), np.float32)
+  out[:, client.classes_index.numpy()] = w.T
+  return out
+
+
 def whole_state(model):
   """A model's state dict under FedAvgCNN's names (a BaseHeadSplit's
   ``base.`` / ``head.`` prefixes mapped back)."""
@@ -214,6 +225,10 @@ def run(torch, name, data, init_state, template, sample_x):
   )
   server = server_cls(args, 0)
   server.save_results = server.save_global_model = lambda: None  # no files
+  rec = {}
+  if name == 'fedgc':  # each client's classifier as drawn, over its classes
+    for i, client in enumerate(server.clients):
+      rec[f'{name}/init_head_{i}'] = wide_head(client)
   if name == 'fedbabu':
     # serverbabu.train's rounds, recorded after the last aggregation, then
     # its end: the clients train once more (the loop's last pass) and
@@ -232,12 +247,17 @@ def run(torch, name, data, init_state, template, sample_x):
   else:
     server.train()  # its own loop: global_rounds + 1 = ROUNDS rounds
     server.send_models()  # the last aggregate, as the next round would
-  rec = {}
   if name == 'fedbabu':
     body = dict(server.global_model.state_dict())
     body['fc.weight'] = args.head.weight
     body['fc.bias'] = args.head.bias
     glob = body
+  elif name == 'fedgc':  # the global body; each client's classifier
+    glob = dict(server.global_model.state_dict())
+    glob['fc.weight'] = torch.zeros(NUM_CLASSES, 512)
+    glob['fc.bias'] = torch.zeros(NUM_CLASSES)
+    for i, client in enumerate(server.clients):
+      rec[f'{name}/head_{i}'] = wide_head(client)
   elif name in ('fedgh', 'pflda'):  # the global head, each client's model
     glob = None
     top = server.head if name == 'fedgh' else server.global_model
