@@ -72,9 +72,9 @@ PLANTED = {
     'distributed_timeouts',
   ),
   'algorithms/fedavg.py': (
-    'cohort_train_metrics(out.stats,',
-    'cohort_train_metrics(out.stat,',
-    'stat',
+    'dp_steps = state.dp_steps',
+    'dp_steps = state.dp_step',
+    'dp_step',
   ),
   'algorithms/ditto.py': ('gv, v, ctx.shared)', 'gv, v, ctx.sharde)', 'sharde'),
   'algorithms/usercentric.py': (
