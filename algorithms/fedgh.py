@@ -37,6 +37,7 @@ import optax
 import optax.losses
 from flax import struct
 
+from fedjax_personal.algorithms import pfeddyn
 from fedjax_personal.config import (
   BATCHING,
   CLIENT_OPTIMIZER,
@@ -147,12 +148,11 @@ def class_prototypes(model: Model, params, train: ClientData, num_classes):
   """
   x, y = jnp.asarray(train.x), jnp.asarray(train.y)
   _, z = model.and_features(model.apply)(params, x)
-  real = (jnp.arange(y.shape[0]) < train.num_examples).astype(z.dtype)
-  onehot = jax.nn.one_hot(y, num_classes, dtype=z.dtype) * real[:, None]
-  counts = jnp.sum(onehot, axis=0)
-  sums = jnp.tensordot(onehot, z, axes=(0, 0))
-  shape = (-1,) + (1,) * (z.ndim - 1)
-  return sums / jnp.maximum(counts, 1).reshape(shape), counts > 0
+  real = jnp.arange(y.shape[0]) < train.num_examples
+  protos, present = pfeddyn.class_prototypes(
+    z.reshape((z.shape[0], -1)), y, real, num_classes
+  )
+  return protos.reshape((num_classes,) + z.shape[1:]), present
 
 
 def train_head(
