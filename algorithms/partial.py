@@ -177,7 +177,9 @@ def combined_batching(shared: Batching, personal: Batching) -> Batching:
     )
   if shared.num_epochs is not None:
     return Batching(
-      shared.batch_size, num_epochs=shared.epochs + personal.epochs
+      shared.batch_size,
+      num_epochs=shared.epochs + personal.epochs,
+      drop_last=shared.drop_last,
     )
   return Batching(
     shared.batch_size, num_epochs=None, num_steps=shared.steps + personal.steps
@@ -431,6 +433,7 @@ def _build(mode, personal_part=None, head_ratio=1, name=None):
         personal_b = Batching(
           b.batch_size,
           num_epochs=config.personal_epochs or head_ratio * b.num_epochs,
+          drop_last=b.drop_last,
         )
       else:
         personal_b = Batching(

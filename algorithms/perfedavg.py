@@ -329,7 +329,7 @@ def check(training, config):
 
 
 # Local steps, not epochs: every step draws three batches.
-_SETTINGS = FEDAVG_SETTINGS - {'local_epochs'}
+_SETTINGS = FEDAVG_SETTINGS - {'local_epochs', 'drop_last'}
 FO_SPEC = AlgorithmSpec(
   'perfedavg_fo',
   PerFedAvgConfig,

@@ -17,8 +17,10 @@ from fedjax_personal.algorithms import (
   apfl,
   cfl,
   ditto,
+  fedas,
   fedavg,
   fedbabu,
+  fedcac,
   feddbe,
   feddyn,
   fedfomo,
@@ -102,6 +104,8 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     fedgh.SPEC,
     pflda.SPEC,
     fedgc.SPEC,
+    fedcac.SPEC,
+    fedas.SPEC,
   ]
 }
 

@@ -144,7 +144,7 @@ CLIENT_OPTIMIZER = (
   )
   | CLIENT_LR_SCHEDULE
 )
-BATCHING = frozenset({'batch_size', 'local_epochs', 'local_steps'})
+BATCHING = frozenset({'batch_size', 'local_epochs', 'local_steps', 'drop_last'})
 WEIGHTING = frozenset({'weighting'})
 #: How client uploads are weighted in a mean (``--weighting``): by the
 #: client's training examples, by its training tokens (google-research/
@@ -238,6 +238,12 @@ class TrainingConfig(Declared):
   local_epochs: int = hparam(1, 'Local epochs per round (E).', minimum=1)
   local_steps: Optional[int] = hparam(
     None, 'Local steps per round (K); replaces local_epochs.', minimum=1
+  )
+  drop_last: bool = hparam(
+    False,
+    "Drop each epoch's last partial batch, as PyTorch's "
+    "DataLoader(drop_last=True) in PFLlib's clients: floor(n / B) steps "
+    'an epoch, none for a client with fewer than B examples.',
   )
   weighting: Optional[str] = hparam(
     None,
@@ -350,7 +356,11 @@ class TrainingConfig(Declared):
       return Batching(
         self.batch_size or None, num_epochs=None, num_steps=self.local_steps
       )
-    return Batching(self.batch_size or None, num_epochs=self.local_epochs)
+    return Batching(
+      self.batch_size or None,
+      num_epochs=self.local_epochs,
+      drop_last=self.drop_last,
+    )
 
   def finetune_batching(self) -> Batching:
     """Evaluation fine-tuning: ``finetune_steps`` steps of ``batch_size``."""
@@ -363,6 +373,12 @@ class TrainingConfig(Declared):
     if self.local_steps is not None and self.local_epochs != 1:
       raise ConfigError(
         'local_epochs', 'does nothing with --local_steps (steps replace epochs)'
+      )
+    if self.drop_last and (self.local_steps is not None or not self.batch_size):
+      raise ConfigError(
+        'drop_last',
+        'drops the partial batch of an epoch; it does nothing with '
+        '--local_steps or --batch_size=0',
       )
     self._refuse_unread(
       'client_lr_schedule',

@@ -35,7 +35,6 @@ rounds: the mean of its ``Budget`` after the first round, as it prints
 import dataclasses
 import os
 import sys
-import tempfile
 from typing import Optional, Tuple
 
 import numpy as np
@@ -52,19 +51,32 @@ from fedjax_personal.hparams import hparam
 from fedjax_personal.models import create_model
 from fedjax_personal.run import reporting, reproduce, script_entry
 
-#: This project's name -> PFLlib's (its -algo and server class module).
-PFLLIB = {
-  'fedavg': ('FedAvg', 'serveravg', 'FedAvg'),
-  'fedlc': ('FedLC', 'serverlc', 'FedLC'),
-  'fedntd': ('FedNTD', 'serverntd', 'FedNTD'),
-  'fedbabu': ('FedBABU', 'serverbabu', 'FedBABU'),
-  'fedrod': ('FedROD', 'serverrod', 'FedROD'),
-  'feddbe': ('FedDBE', 'serverdbe', 'FedDBE'),
-  'fedgh': ('FedGH', 'servergh', 'FedGH'),
-  'pflda': ('PFL-DA', 'serverda', 'PFL_DA'),
+#: PFLlib's own code run beside this project's (its server loops, its
+#: arguments): ``benchmarks/peers/pfllib_reference.py``, loaded by path.
+PEER_FILE = os.path.join(
+  os.path.dirname(os.path.abspath(__file__)),
+  '..',
+  'benchmarks',
+  'peers',
+  'pfllib_reference.py',
+)
+#: The algorithms of the leaderboard, each with the settings PFLlib's code
+#: runs it with here (its argument names): this project's defaults where
+#: PFLlib's would switch the method off or fail (FedNTD's beta 0, FedCAC's
+#: beta 0 and tau 1).
+LEADERBOARD = {
+  'fedavg': {},
+  'fedlc': {},
+  'fedntd': dict(beta=1.0),
+  'fedbabu': {},
+  'fedrod': {},
+  'feddbe': {},
+  'fedgh': {},
+  'pflda': {},
+  'fedgc': {},
+  'fedcac': dict(tau=0.5, beta=100),
+  'fedas': {},
 }
-#: Those PFLlib's main.py gives a BaseHeadSplit model.
-SPLIT = ('fedbabu', 'feddbe', 'fedgh', 'fedlc', 'fedrod', 'pflda')
 NUM_CLIENTS, ALPHA, TRAIN_RATIO, BATCH, LR, SEED = 20, 0.1, 0.75, 10, 0.005, 1
 
 
@@ -73,7 +85,7 @@ class PFLlibLeaderboard(reproduce.ReproduceSettings):
   """The script's settings (its flags)."""
 
   algorithms: Tuple[str, ...] = hparam(
-    tuple(PFLLIB), 'Algorithms to run (this project names them).'
+    tuple(LEADERBOARD), 'Algorithms to run (this project names them).'
   )
   rounds: Optional[int] = hparam(
     None, "Rounds (default: the scale's, 10 or 2,000).", minimum=1
@@ -90,9 +102,9 @@ class PFLlibLeaderboard(reproduce.ReproduceSettings):
 
   def check(self) -> None:
     for name in self.algorithms:
-      if name not in PFLLIB:
+      if name not in LEADERBOARD:
         raise ConfigError(
-          'algorithms', f'{name!r} is not one of {sorted(PFLLIB)}'
+          'algorithms', f'{name!r} is not one of {sorted(LEADERBOARD)}'
         )
     if self.pfllib is not None and not os.path.isdir(
       os.path.join(self.pfllib, 'flcore')
@@ -182,8 +194,11 @@ def federation(data_dir=None):
 def run_ours(cfg, directory, data, name):
   """The trials of one algorithm: (summary, median seconds per round)."""
   model = create_model('pfllib_cnn', 10, data.train.x[0, :1], init='pytorch')
-  training = dict(client_lr=LR, batch_size=BATCH, local_epochs=1)
-  alg = algorithms.build(name, model, data, **training)
+  training = dict(
+    client_lr=LR, batch_size=BATCH, local_epochs=1, drop_last=True
+  )
+  own = {f'{name}_{k}': v for k, v in LEADERBOARD[name].items()}
+  alg = algorithms.build(name, model, data, **training, **own)
   runner = RoundRunner(
     alg,
     data,
@@ -196,7 +211,11 @@ def run_ours(cfg, directory, data, name):
     cfg.seed,
     cfg.num_trials,
     cfg.eval_every,
-    cell={'algorithm': name, 'settings': training, 'data': 'pfllib_mnist'},
+    cell={
+      'algorithm': name,
+      'settings': {**training, **own},
+      'data': 'pfllib_mnist',
+    },
     reuse=cfg.reuse_trials,
     directory=directory,
   )
@@ -224,57 +243,37 @@ def time_pfllib(cfg, clients, name) -> Optional[float]:
     import torch  # noqa: PLC0415
   except ImportError:
     return None
-  import argparse  # noqa: PLC0415
-  import copy  # noqa: PLC0415
-  import types  # noqa: PLC0415
+  import importlib.util  # noqa: PLC0415
 
+  spec = importlib.util.spec_from_file_location('pfllib_reference', PEER_FILE)
+  peer = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(peer)
   sys.path.insert(0, os.path.abspath(cfg.pfllib))
-  for mod in ('h5py', 'matplotlib', 'matplotlib.pyplot'):
-    try:
-      __import__(mod)
-    except ImportError:
-      sys.modules[mod] = types.ModuleType(mod)
-  import flcore.clients.clientbase as clientbase  # noqa: PLC0415
-  import flcore.servers.serverbase as serverbase  # noqa: PLC0415
-  from flcore.trainmodel.models import BaseHeadSplit, FedAvgCNN  # noqa: PLC0415
+  peer.stand_ins()
+  peer.patch_reader(
+    torch,
+    lambda i, is_train: clients[i][:2] if is_train else clients[i][2:],
+  )
+  from flcore.trainmodel.models import FedAvgCNN  # noqa: PLC0415
 
-  def read(dataset, idx, is_train=True, few_shot=0):
-    xs, ys = (
-      (clients[idx][0], clients[idx][1]) if is_train else clients[idx][2:]
-    )
-    xt = torch.tensor(xs).permute(0, 3, 1, 2)
-    return list(zip(xt, torch.tensor(ys).long()))
-
-  clientbase.read_client_data = serverbase.read_client_data = read
-  algo, module, cls = PFLLIB[name]
   torch.manual_seed(0)
   model = FedAvgCNN(in_features=1, num_classes=10, dim=1024)
-  args = argparse.Namespace(
-    device='cpu', dataset='MNIST', num_classes=10, model=model,
-    batch_size=BATCH, local_learning_rate=LR, learning_rate_decay=False,
-    learning_rate_decay_gamma=0.99, global_rounds=cfg.pfllib_rounds,
-    top_cnt=100, local_epochs=1, algorithm=algo, join_ratio=1.0,
-    random_join_ratio=False, num_clients=NUM_CLIENTS, prev=0, times=1,
-    eval_gap=10**9, save_folder_name=tempfile.mkdtemp(), auto_break=False,
-    dlg_eval=False, dlg_gap=100, batch_num_per_client=2, num_new_clients=0,
-    fine_tuning_epoch_new=0, feature_dim=512, few_shot=0,
-    client_drop_rate=0.0, train_slow_rate=0.0, send_slow_rate=0.0,
-    time_select=False, goal='test', time_threthold=10000, beta=1.0, tau=1.0,
-    fine_tuning_epochs=10, momentum=0.1, kl_weight=0.0,
-    server_learning_rate=1.0, lamda=1.0,
-  )  # fmt: skip
-  if name in SPLIT:
-    args.head = copy.deepcopy(args.model.fc)
-    args.model.fc = torch.nn.Identity()
-    args.model = BaseHeadSplit(args.model, args.head)
-  server_cls = getattr(
-    __import__(f'flcore.servers.{module}', fromlist=[cls]), cls
+  server, _ = peer.pfllib_server(
+    torch,
+    name,
+    model,
+    LEADERBOARD[name],
+    dataset='MNIST',
+    num_classes=10,
+    batch_size=BATCH,
+    local_learning_rate=LR,
+    global_rounds=cfg.pfllib_rounds,
+    local_epochs=1,
+    num_clients=NUM_CLIENTS,
+    eval_gap=10**9,
   )
-  server = server_cls(args, 0)
-  server.save_results = server.save_global_model = lambda: None
-  for (
-    client
-  ) in server.clients:  # FedBABU's fine-tuning after the loop: not a round
+  # FedBABU's fine-tuning after the loop: not a round
+  for client in server.clients:
     client.fine_tune = lambda *a, **k: None
   server.train()
   return float(np.mean(server.Budget[1:]))

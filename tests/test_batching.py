@@ -3,7 +3,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_personal.core.batching import Batching, batch_indices
+from fedjax_personal.core.batching import (
+  Batching,
+  batch_indices,
+  traced_num_steps,
+)
 
 
 @pytest.mark.parametrize('n', [0, 1, 5, 8, 13])
@@ -14,6 +18,8 @@ from fedjax_personal.core.batching import Batching, batch_indices
     Batching(4, num_epochs=1),
     Batching(4, num_epochs=None, num_steps=3),
     Batching(None, num_epochs=None, num_steps=1),
+    Batching(4, num_epochs=2, drop_last=True),
+    Batching(16, num_epochs=1, drop_last=True),
   ],
 )
 def test_batches_cover_epochs_and_real_steps_come_first(n, batching):
@@ -29,7 +35,16 @@ def test_batches_cover_epochs_and_real_steps_come_first(n, batching):
   k = batching.num_steps_for(n, max_n)
   assert real.sum() == k and real[:k].all()  # a prefix
   assert np.all(idx[mask] < n)
-  if batching.num_epochs is not None and n:
+  if batching.drop_last and n:
+    # Each epoch visits floor(n / B) * B distinct real examples, in full
+    # batches (PyTorch's DataLoader(drop_last=True)).
+    b = batching.batch_size
+    assert k == batching.num_epochs * (n // b) and mask[:k].all()
+    per_epoch = n // b
+    for e in range(batching.num_epochs):
+      seen = idx[e * per_epoch : (e + 1) * per_epoch].ravel()
+      assert len(set(seen)) == per_epoch * b
+  elif batching.num_epochs is not None and n:
     # Each epoch visits every real example exactly once.
     per_epoch = k // batching.num_epochs
     for e in range(batching.num_epochs):
@@ -62,6 +77,20 @@ def test_epochs_give_each_client_its_own_number_of_steps():
   assert b.num_steps_for(25, 100) == 9 and b.num_steps_for(100, 100) == 30
   assert b.num_steps_for(0, 100) == 0
   assert Batching(10, num_epochs=None, num_steps=7).num_steps_for(3, 100) == 7
+  dropped = Batching(10, num_epochs=3, drop_last=True)
+  assert dropped.num_steps_for(25, 100) == 6
+  assert dropped.num_steps_for(9, 100) == 0  # fewer than B: no step
+
+
+def test_traced_steps_equal_the_static_count():
+  for b in (
+    Batching(4, num_epochs=2),
+    Batching(4, num_epochs=2, drop_last=True),
+  ):
+    counts = jnp.arange(14)
+    got = np.asarray(traced_num_steps(b, counts, 13))
+    want = [b.num_steps_for(int(n), 13) for n in counts]
+    np.testing.assert_array_equal(got, want)
 
 
 def test_bad_batching_is_rejected():
@@ -69,6 +98,8 @@ def test_bad_batching_is_rejected():
     Batching(4, num_epochs=1, num_steps=2)
   with pytest.raises(ValueError, match='batch_size'):
     Batching(0, num_epochs=1)
+  with pytest.raises(ValueError, match='drop_last'):
+    Batching(4, num_epochs=None, num_steps=2, drop_last=True)
 
 
 def test_row_groups_are_shuffled_whole_and_in_order():

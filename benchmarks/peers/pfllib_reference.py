@@ -15,8 +15,8 @@ PFLlib's server and client classes run as its ``main.py`` builds them
 (``BaseHeadSplit`` where its ``main.py`` splits the model), with its
 ``FedAvgCNN`` (conv 32, 64 @5x5, dense 512, ``fc`` 10; its ``dim`` set for 16x16
 inputs) from
-``torch.manual_seed(0)``, on 4 clients of 12 made 16x16 images each. What
-is fed, not drawn: every client trains on batches of its 12 examples (one
+``torch.manual_seed(0)``, on 4 clients of 16 made 16x16 images each. What
+is fed, not drawn: every client trains on batches of its 16 examples (one
 batch per epoch, so PyTorch's shuffle changes only the order of a sum), all
 clients join every round, and the rounds are the server's own ``train``
 loop (its ``global_rounds`` + 1 = ``ROUNDS`` passes), its files not
@@ -44,7 +44,7 @@ import types
 import numpy as np
 
 PFLLIB_COMMIT = 'd832e76f6a23b833038949ec1e4fdefe63a4d350'
-NUM_CLIENTS, TRAIN, TEST, NUM_CLASSES = 4, 12, 8, 10
+NUM_CLIENTS, TRAIN, TEST, NUM_CLASSES = 4, 16, 8, 10
 #: Made images of 16x16 (FedAvgCNN's ``dim``: 64 features after its
 #: convolutions, 90K parameters, not MNIST's 1,024 and 582K).
 SIDE, DIM = 16, 64
@@ -52,19 +52,45 @@ SIDE, DIM = 16, 64
 #: directions per leaf (``project``), not whole.
 PROJECTIONS = 16
 ROUNDS, LOCAL_EPOCHS, LR = 2, 2, 0.05
-#: PFLlib's --algorithm name -> (server module, class, own arguments).
-ALGORITHMS = {
-  'fedlc': ('serverlc', 'FedLC', dict(tau=1.0)),
-  'fedntd': ('serverntd', 'FedNTD', dict(beta=1.0, tau=2.0)),
-  'fedbabu': ('serverbabu', 'FedBABU', dict(fine_tuning_epochs=2)),
-  'fedrod': ('serverrod', 'FedROD', {}),
-  'feddbe': ('serverdbe', 'FedDBE', dict(kl_weight=1.0, momentum=0.1)),
-  'fedgh': ('servergh', 'FedGH', dict(server_learning_rate=0.5)),
-  'pflda': ('serverda', 'PFL_DA', dict(lamda=1.0)),
-  'fedgc': ('servergc', 'FedGC', dict(lamda=2.0)),
+#: This project's name -> PFLlib's: its ``-algo``, server module and class.
+PFLLIB = {
+  'fedavg': ('FedAvg', 'serveravg', 'FedAvg'),
+  'fedlc': ('FedLC', 'serverlc', 'FedLC'),
+  'fedntd': ('FedNTD', 'serverntd', 'FedNTD'),
+  'fedbabu': ('FedBABU', 'serverbabu', 'FedBABU'),
+  'fedrod': ('FedROD', 'serverrod', 'FedROD'),
+  'feddbe': ('FedDBE', 'serverdbe', 'FedDBE'),
+  'fedgh': ('FedGH', 'servergh', 'FedGH'),
+  'pflda': ('PFL-DA', 'serverda', 'PFL_DA'),
+  'fedgc': ('FedGC', 'servergc', 'FedGC'),
+  'fedcac': ('FedCAC', 'servercac', 'FedCAC'),
+  'fedas': ('FedAS', 'serveras', 'FedAS'),
 }
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
-SPLIT = ('fedbabu', 'feddbe', 'fedgc', 'fedgh', 'fedlc', 'fedrod', 'pflda')
+SPLIT = (
+  'fedas',
+  'fedbabu',
+  'feddbe',
+  'fedgc',
+  'fedgh',
+  'fedlc',
+  'fedrod',
+  'pflda',
+)
+#: The algorithms recorded, with their own settings in the record (PFLlib's
+#: argument names; this project's flags are ``--<name>_<argument>``).
+ALGORITHMS = {
+  'fedlc': dict(tau=1.0),
+  'fedntd': dict(beta=1.0, tau=2.0),
+  'fedbabu': dict(fine_tuning_epochs=2),
+  'fedrod': {},
+  'feddbe': dict(kl_weight=1.0, momentum=0.1),
+  'fedgh': dict(server_learning_rate=0.5),
+  'pflda': dict(lamda=1.0),
+  'fedgc': dict(lamda=2.0),
+  'fedcac': dict(tau=0.5, beta=2),
+  'fedas': {},
+}
 
 
 def made_data(seed=0):
@@ -84,7 +110,7 @@ def made_data(seed=0):
   return out
 
 
-def _stand_ins():
+def stand_ins():
   """Modules PFLlib imports for what this run never does."""
   for name in ('h5py', 'matplotlib', 'matplotlib.pyplot'):
     try:
@@ -93,9 +119,12 @@ def _stand_ins():
       sys.modules[name] = types.ModuleType(name)
 
 
-def pfllib_args(torch, model, algorithm, own):
-  """The ``args`` PFLlib's ``main.py`` hands a server (its defaults, the
-  run's sizes), with ``model`` as its ``main.py`` builds it."""
+def pfllib_args(torch, model, name, own, **sizes):
+  """The ``args`` PFLlib's ``main.py`` hands a server: its defaults, the
+  run's ``sizes`` (this record's unless given: ``batch_size``,
+  ``local_learning_rate``, ``global_rounds``, ``num_clients``, ...), the
+  algorithm's ``own`` settings, with ``model`` as its ``main.py`` builds it
+  for ``name`` (this project's name)."""
   args = argparse.Namespace(
     device='cpu',
     dataset='made',
@@ -108,7 +137,7 @@ def pfllib_args(torch, model, algorithm, own):
     global_rounds=ROUNDS - 1,
     top_cnt=100,
     local_epochs=LOCAL_EPOCHS,
-    algorithm=algorithm,
+    algorithm=PFLLIB[name][0],
     join_ratio=1.0,
     random_join_ratio=False,
     num_clients=NUM_CLIENTS,
@@ -138,9 +167,9 @@ def pfllib_args(torch, model, algorithm, own):
     server_learning_rate=1.0,
     lamda=1.0,
   )
-  for k, v in own.items():
+  for k, v in {**sizes, **own}.items():
     setattr(args, k, v)
-  if algorithm in SPLIT:  # main.py: head = the model's fc, base the rest
+  if name in SPLIT:  # main.py: head = the model's fc, base the rest
     args.head = copy.deepcopy(args.model.fc)
     args.model.fc = torch.nn.Identity()
     from flcore.trainmodel.models import BaseHeadSplit
@@ -149,15 +178,31 @@ def pfllib_args(torch, model, algorithm, own):
   return args
 
 
-def patch_reader(torch, data):
-  """PFLlib's ``read_client_data`` returning the made client's examples
-  as its own does: a list of (x [1, 28, 28], y) tensor pairs."""
+def pfllib_server(torch, name, model, own, **sizes):
+  """PFLlib's server object for ``name`` (``pfllib_args``), its result
+  files not written."""
+  _, module, cls = PFLLIB[name]
+  args = pfllib_args(torch, model, name, own, **sizes)
+  server_cls = getattr(
+    __import__(f'flcore.servers.{module}', fromlist=[cls]), cls
+  )
+  server = server_cls(args, 0)
+  server.save_results = server.save_global_model = lambda: None  # no files
+  # serveras.train ends by printing avg_generalization_metrics, which PFLlib
+  # does not define at this commit
+  server.avg_generalization_metrics = lambda: None
+  return server, args
+
+
+def patch_reader(torch, client_arrays):
+  """PFLlib's ``read_client_data`` returning ``client_arrays(idx,
+  is_train) -> (x [n, H, W, C], y [n])`` as its own does: a list of
+  (x [C, H, W], y) tensor pairs."""
 
   def read(dataset, idx, is_train=True, few_shot=0):
-    split = 'train' if is_train else 'test'
-    x = torch.tensor(data[f'{split}_x_{idx}']).permute(0, 3, 1, 2)
-    y = torch.tensor(data[f'{split}_y_{idx}']).long()
-    return [(xi, yi) for xi, yi in zip(x, y)]
+    x, y = client_arrays(idx, is_train)
+    x = torch.tensor(x).permute(0, 3, 1, 2)
+    return list(zip(x, torch.tensor(y).long()))
 
   import flcore.clients.clientbase as clientbase
   import flcore.servers.serverbase as serverbase
@@ -213,18 +258,12 @@ def whole_state(model):
 
 def run(torch, name, data, init_state, template, sample_x):
   """One algorithm's rounds in PFLlib's code; its record."""
-  module, cls, own = ALGORITHMS[name]
   from flcore.trainmodel.models import FedAvgCNN
 
   torch.manual_seed(0)
   model = FedAvgCNN(in_features=1, num_classes=NUM_CLASSES, dim=DIM)
   model.load_state_dict(init_state)
-  args = pfllib_args(torch, model, name, own)
-  server_cls = getattr(
-    __import__(f'flcore.servers.{module}', fromlist=[cls]), cls
-  )
-  server = server_cls(args, 0)
-  server.save_results = server.save_global_model = lambda: None  # no files
+  server, args = pfllib_server(torch, name, model, ALGORITHMS[name])
   rec = {}
   if name == 'fedgc':  # each client's classifier as drawn, over its classes
     for i, client in enumerate(server.clients):
@@ -246,7 +285,8 @@ def run(torch, name, data, init_state, template, sample_x):
       client.fine_tune()
   else:
     server.train()  # its own loop: global_rounds + 1 = ROUNDS rounds
-    server.send_models()  # the last aggregate, as the next round would
+    if name not in ('fedcac', 'fedas'):  # their loops end with it
+      server.send_models()  # the last aggregate, as the next round would
   if name == 'fedbabu':
     body = dict(server.global_model.state_dict())
     body['fc.weight'] = args.head.weight
@@ -263,12 +303,13 @@ def run(torch, name, data, init_state, template, sample_x):
     top = server.head if name == 'fedgh' else server.global_model
     rec[f'{name}/head/kernel'] = top.weight.detach().numpy().T
     rec[f'{name}/head/bias'] = top.bias.detach().numpy()
+  else:
+    glob = whole_state(server.global_model)
+  if name in ('fedgh', 'pflda', 'fedcac', 'fedas'):  # each client's model
     for i, client in enumerate(server.clients):
       own = to_flax(torch, whole_state(client.model), template, sample_x)
       for k, v in project(own).items():
         rec[f'{name}/client_{i}/{k}'] = v
-  else:
-    glob = whole_state(server.global_model)
   if glob is not None:
     for k, v in project(to_flax(torch, glob, template, sample_x)).items():
       rec[f'{name}/global/{k}'] = v
@@ -291,17 +332,26 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--pfllib', required=True, help="PFLlib's system/ folder")
   parser.add_argument('--out', required=True)
+  parser.add_argument(
+    '--only', default='', help='Algorithms to record again (default: all).'
+  )
   a = parser.parse_args()
   import torch
 
   sys.path.insert(0, os.path.abspath(a.pfllib))
-  _stand_ins()
+  stand_ins()
   from flcore.trainmodel.models import FedAvgCNN
 
   from fedjax_personal import models
 
   data = made_data()
-  patch_reader(torch, data)
+  patch_reader(
+    torch,
+    lambda i, is_train: (
+      data[f'{"train" if is_train else "test"}_x_{i}'],
+      data[f'{"train" if is_train else "test"}_y_{i}'],
+    ),
+  )
   sample_x = data['train_x_0'][:1]
   template = models.create_model(
     'pfllib_cnn', NUM_CLASSES, sample_x, init='pytorch'
@@ -313,7 +363,11 @@ def main():
   record['pfllib_commit'] = np.asarray(PFLLIB_COMMIT)
   for k, v in to_flax(torch, init, template, sample_x).items():
     record[f'init/{k}'] = v
-  for name in ALGORITHMS:
+  only = a.only.split(',') if a.only else list(ALGORITHMS)
+  if a.only:  # the other algorithms' records kept as they are
+    with np.load(a.out) as f:
+      record.update({k: f[k] for k in f.files if k.split('/')[0] not in only})
+  for name in only:
     record.update(run(torch, name, data, init, template, sample_x))
     print(name, record[f'{name}/test_correct'])
   np.savez_compressed(a.out, **record)

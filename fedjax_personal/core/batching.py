@@ -30,11 +30,15 @@ class Batching:
       partial), so clients of different sizes get their own number of steps.
     num_steps: K steps for every client, each on B examples drawn without
       replacement (all of them when n_i < B).
+    drop_last: with ``num_epochs``, each epoch's last partial batch is
+      dropped: client i takes E * floor(n_i / B) steps, none when n_i < B
+      (PyTorch's ``DataLoader(drop_last=True)``, PFLlib's training loader).
   """
 
   batch_size: Optional[int] = 32
   num_epochs: Optional[int] = 1
   num_steps: Optional[int] = None
+  drop_last: bool = False
 
   def __post_init__(self):
     if (self.num_epochs is None) == (self.num_steps is None):
@@ -50,6 +54,11 @@ class Batching:
     if self.num_steps is not None and self.num_steps < 0:
       raise ValueError(
         f'Batching: num_steps must be >= 0, got {self.num_steps}'
+      )
+    if self.drop_last and (self.num_steps is not None or not self.batch_size):
+      raise ValueError(
+        "Batching: drop_last drops an epoch's partial batch; it needs "
+        'num_epochs and a batch_size'
       )
 
   def effective_batch_size(self, max_examples: int) -> int:
@@ -79,6 +88,8 @@ class Batching:
     b = self.effective_batch_size(max_examples)
     if self.num_steps is not None:
       return self.num_steps
+    if self.drop_last:
+      return self.epochs * (max_examples // self.batch_size)
     return self.epochs * math.ceil(max_examples / b) if max_examples else 0
 
   def num_steps_for(self, num_examples: int, max_examples: int) -> int:
@@ -88,6 +99,8 @@ class Batching:
     b = self.effective_batch_size(max_examples)
     if self.num_steps is not None:
       return self.num_steps
+    if self.drop_last:
+      return self.epochs * (num_examples // self.batch_size)
     return self.epochs * math.ceil(num_examples / b)
 
 
@@ -158,20 +171,27 @@ def batch_indices(
     mask = jnp.broadcast_to(jnp.arange(b) < num_examples, idx.shape)
     return idx.astype(jnp.int32), mask
   nb = math.ceil(max_examples / b) if max_examples else 0
+  if batching.drop_last:
+    nb = max_examples // b if b == batching.batch_size else 0
   num_steps = batching.epochs * nb
   keys = jax.random.split(key, max(batching.epochs, 1))
   perms = jax.vmap(lambda k: _shuffled(k, num_examples, max_examples, groups))(
     keys
   )
-  perms = jnp.pad(perms, ((0, 0), (0, nb * b - max_examples)))
-  # The client's own batches per epoch, ceil(n_i / B), laid out epoch after
-  # epoch so that its real steps are a prefix; the rest is padding.
-  nb_i = jnp.maximum((num_examples + b - 1) // b, 1)
+  perms = jnp.pad(perms, ((0, 0), (0, max(nb * b - max_examples, 0))))
+  # The client's own batches per epoch, ceil(n_i / B) (floor with
+  # drop_last), laid out epoch after epoch so that its real steps are a
+  # prefix; the rest is padding.
+  if batching.drop_last:
+    full = num_examples // b
+  else:
+    full = (num_examples + b - 1) // b * (num_examples > 0)
+  nb_i = jnp.maximum(full, 1)
   s = jnp.arange(num_steps)
   epoch = jnp.minimum(s // nb_i, max(batching.epochs - 1, 0))
   pos = (s % nb_i)[:, None] * b + jnp.arange(b)[None, :]
   idx = perms[epoch[:, None], pos]
-  real_step = s < batching.epochs * nb_i * (num_examples > 0)
+  real_step = s < batching.epochs * full
   mask = real_step[:, None] & (pos < num_examples)
   return idx.astype(jnp.int32), mask
 
@@ -189,5 +209,7 @@ def traced_num_steps(batching: Batching, num_examples, max_examples: int):
   """
   if batching.num_steps is not None:
     return jnp.where(num_examples > 0, batching.num_steps, 0)
+  if batching.drop_last:
+    return batching.epochs * (num_examples // batching.batch_size)
   b = batching.effective_batch_size(max_examples)
   return batching.epochs * ((num_examples + b - 1) // b)

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_personal import user_reads
-from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.batching import Batching, traced_num_steps
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.errors import SettingError
 from fedjax_personal.hparams import Declared, hparam
@@ -533,10 +533,9 @@ def draw(
 
 def _full_steps(batching: Batching, counts, max_examples: int):
   """Each client's full local steps (``Batching.num_steps_for``, traced)."""
-  if batching.num_steps is not None:
-    return jnp.where(counts > 0, batching.num_steps, 0).astype(jnp.int32)
-  b = batching.effective_batch_size(max_examples)
-  return (batching.num_epochs * ((counts + b - 1) // b)).astype(jnp.int32)
+  return jnp.asarray(
+    traced_num_steps(batching, counts, max_examples), jnp.int32
+  )
 
 
 def step_limit(batching: Batching, work_limit, num_examples, max_examples: int):

@@ -548,6 +548,7 @@ def local_sgd(
   data: ClientData,
   key: jax.Array,
   batching: batching_lib.Batching,
+  own_steps: bool = False,
 ):
   """Local SGD from ``params`` on one client's data, as one traced function.
 
@@ -558,6 +559,10 @@ def local_sgd(
     data: the client's ``ClientData``.
     key: draws the batches.
     batching: the local ``Batching``.
+    own_steps: run the client's own steps only (a ``while_loop``: a client
+      run alone costs its own work, not the padded maximum; not
+      reverse-differentiable), else a scan over every padded step. The
+      numbers are the same.
 
   Returns:
     (params, LossStats summed over the real steps).
@@ -568,8 +573,16 @@ def local_sgd(
     batching,
     final=lambda ctx, c: (c.params, c.stats),
   )
+  limit = (
+    batching_lib.traced_num_steps(batching, data.num_examples, data.y.shape[0])
+    if own_steps
+    else None
+  )
   return run_work(
-    work, ClientContext(params, None, LocalData(train=data, val=data)), key
+    work,
+    ClientContext(params, None, LocalData(train=data, val=data)),
+    key,
+    limit,
   )
 
 
