@@ -56,7 +56,11 @@ from fedjax_personal.core.algorithm import (
   FederatedAlgorithm,
   RoundContext,
 )
-from fedjax_personal.core.batching import Batching, batch_indices
+from fedjax_personal.core.batching import (
+  Batching,
+  batch_indices,
+  epoch_examples,
+)
 from fedjax_personal.core.data import Array as HostOrDevice
 from fedjax_personal.core.data import ClientData
 from fedjax_personal.core.losses import (
@@ -171,9 +175,8 @@ def used_prototypes(
   """The client's class prototypes over the examples of one shuffled epoch
   of full batches (``clientas.py``'s ``set_parameters``), evaluation mode:
   ``(prototypes [C, D], present [C])``."""
-  idx, mask = dropped_batches(key, train, batch_size)
   n_max = train.y.shape[0]
-  used = jnp.zeros(n_max, bool).at[idx.reshape(-1)].max(mask.reshape(-1))
+  used = epoch_examples(key, train.num_examples, n_max, batch_size, True)
   _, z = model.and_features(model.apply)(params, jnp.asarray(train.x))
   z = z.reshape((n_max, -1))
   return pfeddyn.class_prototypes(z, jnp.asarray(train.y), used, num_classes)

@@ -29,6 +29,7 @@ from fedjax_personal.algorithms import (
   fedlc,
   fednova,
   fedntd,
+  fedpac,
   fedprox,
   fedrod,
   fedsgd,
@@ -106,6 +107,7 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     fedgc.SPEC,
     fedcac.SPEC,
     fedas.SPEC,
+    fedpac.SPEC,
   ]
 }
 

@@ -1030,7 +1030,17 @@ def test_data_built_in_memory_reaches_the_store_unpadded(cfg):
 
 @pytest.mark.parametrize(
   'alg_name',
-  ['fedrod', 'feddbe', 'fedgh', 'pflda', 'fedlc', 'fedbabu', 'fedcac', 'fedas'],
+  [
+    'fedrod',
+    'feddbe',
+    'fedgh',
+    'pflda',
+    'fedlc',
+    'fedbabu',
+    'fedcac',
+    'fedas',
+    'fedpac',
+  ],
 )
 @pytest.mark.ci_variants('feddbe', 'fedgh', 'fedcac')
 def test_pfllib_algorithms_run_a_natural_population_in_the_host_layout(
@@ -1040,6 +1050,7 @@ def test_pfllib_algorithms_run_a_natural_population_in_the_host_layout(
   examples each), clients packed on the host: the same state and accuracy
   as the device layout (their per-client rows, FedDBE's and FedLC's
   pre-round phase over every client, FedGH's server epoch, FedCAC's
-  critical masks and customized models, FedAS's alignment)."""
+  critical masks and customized models, FedAS's alignment, FedPAC's
+  combined heads)."""
   executor = lambda: fp.executors.BlockedExecutor(block_size=2, num_threads=2)
   _host_equals_device(emnist_store, alg_name, executor, atol=1e-5)

@@ -65,6 +65,7 @@ PFLLIB = {
   'fedgc': ('FedGC', 'servergc', 'FedGC'),
   'fedcac': ('FedCAC', 'servercac', 'FedCAC'),
   'fedas': ('FedAS', 'serveras', 'FedAS'),
+  'fedpac': ('FedPAC', 'serverpac', 'FedPAC'),
 }
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
 SPLIT = (
@@ -73,6 +74,7 @@ SPLIT = (
   'feddbe',
   'fedgc',
   'fedgh',
+  'fedpac',
   'fedlc',
   'fedrod',
   'pflda',
@@ -90,7 +92,12 @@ ALGORITHMS = {
   'fedgc': dict(lamda=2.0),
   'fedcac': dict(tau=0.5, beta=2),
   'fedas': {},
+  'fedpac': dict(lamda=1.0),
 }
+#: This project's settings that make its run the record's: FedPAC's server
+#: pairs heads with clients through two random orders, fixed to the
+#: identity in the record (``fixed_orders``): its combination in order.
+OURS = {'fedpac': dict(head_assignment='in_order')}
 
 
 def made_data(seed=0):
@@ -194,6 +201,22 @@ def pfllib_server(torch, name, model, own, **sizes):
   return server, args
 
 
+def fixed_orders(server):
+  """A server whose client selection and upload sampling keep the clients
+  in their order (its ``np.random.choice`` and ``random.sample`` draw
+  permutations of every client at join ratio 1)."""
+
+  def select():
+    server.current_num_join_clients = len(server.clients)
+    return list(server.clients)
+
+  server.select_clients = select
+  in_order = types.SimpleNamespace(sample=lambda seq, k: list(seq)[:k])
+  for name in (type(server).__module__, 'flcore.servers.serverbase'):
+    if hasattr(sys.modules[name], 'random'):
+      sys.modules[name].random = in_order
+
+
 def patch_reader(torch, client_arrays):
   """PFLlib's ``read_client_data`` returning ``client_arrays(idx,
   is_train) -> (x [n, H, W, C], y [n])`` as its own does: a list of
@@ -264,6 +287,7 @@ def run(torch, name, data, init_state, template, sample_x):
   model = FedAvgCNN(in_features=1, num_classes=NUM_CLASSES, dim=DIM)
   model.load_state_dict(init_state)
   server, args = pfllib_server(torch, name, model, ALGORITHMS[name])
+  fixed_orders(server)
   rec = {}
   if name == 'fedgc':  # each client's classifier as drawn, over its classes
     for i, client in enumerate(server.clients):
@@ -286,6 +310,7 @@ def run(torch, name, data, init_state, template, sample_x):
   else:
     server.train()  # its own loop: global_rounds + 1 = ROUNDS rounds
     if name not in ('fedcac', 'fedas'):  # their loops end with it
+      # (FedPAC's: every client takes the global body under its own head)
       server.send_models()  # the last aggregate, as the next round would
   if name == 'fedbabu':
     body = dict(server.global_model.state_dict())
@@ -303,9 +328,11 @@ def run(torch, name, data, init_state, template, sample_x):
     top = server.head if name == 'fedgh' else server.global_model
     rec[f'{name}/head/kernel'] = top.weight.detach().numpy().T
     rec[f'{name}/head/bias'] = top.bias.detach().numpy()
+  elif name == 'fedpac':  # its global model is the body alone
+    glob = None
   else:
     glob = whole_state(server.global_model)
-  if name in ('fedgh', 'pflda', 'fedcac', 'fedas'):  # each client's model
+  if name in ('fedgh', 'pflda', 'fedcac', 'fedas', 'fedpac'):  # each model
     for i, client in enumerate(server.clients):
       own = to_flax(torch, whole_state(client.model), template, sample_x)
       for k, v in project(own).items():

@@ -13,7 +13,13 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ['batch_indices', 'Batching', 'row_groups', 'traced_num_steps']
+__all__ = [
+  'batch_indices',
+  'Batching',
+  'epoch_examples',
+  'row_groups',
+  'traced_num_steps',
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,3 +219,30 @@ def traced_num_steps(batching: Batching, num_examples, max_examples: int):
     return batching.epochs * (num_examples // batching.batch_size)
   b = batching.effective_batch_size(max_examples)
   return batching.epochs * ((num_examples + b - 1) // b)
+
+
+def epoch_examples(
+  key, num_examples, max_examples: int, batch_size: int, drop_last: bool
+):
+  """The examples one shuffled epoch in batches of ``batch_size`` visits:
+  every real one, or with ``drop_last`` those of its full batches (a random
+  floor(n / B) * B of them: what PyTorch's shuffled
+  ``DataLoader(drop_last=True)`` yields, PFLlib's ``load_train_data``).
+
+  Args:
+    key: draws the order.
+    num_examples: the client's examples (traced).
+    max_examples: the padded length.
+    batch_size: B.
+    drop_last: whether the partial batch is dropped.
+
+  Returns:
+    bool [max_examples].
+  """
+  idx, mask = batch_indices(
+    key,
+    num_examples,
+    max_examples,
+    Batching(batch_size, num_epochs=1, drop_last=drop_last),
+  )
+  return jnp.zeros(max_examples, bool).at[idx.reshape(-1)].max(mask.reshape(-1))

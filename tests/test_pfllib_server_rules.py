@@ -1,0 +1,106 @@
+"""Server rules of PFLlib's algorithms checked against plain loops and
+solvers: FedPAC's quadratic program and its server's combination of heads
+(in PFLlib's order, written in place), FedCAC's critical masks and
+collaboration matrix."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import optimize
+
+from fedjax_personal.algorithms import fedcac, fedpac
+
+
+@pytest.mark.parametrize('seed', range(4))
+def test_simplex_qp_equals_a_general_solver(seed):
+  rng = np.random.default_rng(seed)
+  c = 6
+  r = rng.normal(size=(c, 3 * c)) * rng.uniform(0.1, 3)
+  p = r @ r.T / (3 * c) + np.diag(rng.uniform(0.001, 0.5, c))
+  support = np.ones(c, bool)
+  support[rng.integers(c)] = False  # an inactive slot takes no weight
+  got = np.asarray(fedpac.simplex_qp(jnp.asarray(p, jnp.float32), support))
+  s = np.flatnonzero(support)
+  res = optimize.minimize(
+    lambda a: a @ p[np.ix_(s, s)] @ a,
+    np.full(len(s), 1 / len(s)),
+    jac=lambda a: 2 * p[np.ix_(s, s)] @ a,
+    bounds=[(0, 1)] * len(s),
+    constraints=[{'type': 'eq', 'fun': lambda a: a.sum() - 1}],
+    method='SLSQP',
+    options={'ftol': 1e-14, 'maxiter': 1000},
+  )
+  want = np.zeros(c)
+  want[s] = res.x
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  assert got[~support].sum() == 0 and abs(got.sum() - 1) < 1e-5
+
+
+def _pfllib_heads(alphas, active, order, heads):
+  """serverpac.py's aggregate_and_send_heads as its loop runs: the i-th
+  upload's client gets the weights of the i-th selected client over the
+  uploaded heads, whose modules it writes into as it goes."""
+  live = [h.copy() for h in heads]
+  selected = [i for i in range(len(active)) if active[i]]
+  uploaded = [int(i) for i in order[: len(selected)]]
+  for idx, cid in enumerate(uploaded):
+    w = alphas[selected[idx]][selected]
+    live[cid] = sum(w[j] * live[uploaded[j]] for j in range(len(selected)))
+  return np.stack(live)
+
+
+@pytest.mark.parametrize('shuffled', [False, True])
+def test_pfllib_head_combination_equals_its_loop(shuffled):
+  rng = np.random.default_rng(1)
+  c = 5
+  active = np.array([True, False, True, True, True])
+  alphas = rng.uniform(size=(c, c)) * active[None, :]
+  alphas /= alphas.sum(axis=1, keepdims=True)
+  alphas[~active] = np.eye(c)[~active]
+  heads = rng.normal(size=(c, 3))
+  key = jax.random.key(3) if shuffled else None
+  order = np.asarray(fedpac.upload_order(jnp.asarray(active), key))
+  if shuffled:
+    assert list(order[:4]) != [0, 2, 3, 4]  # a second order, not the first
+  assert sorted(order[:4]) == [0, 2, 3, 4] and order[4] == 1
+  mixing = fedpac.pfllib_assignment(
+    jnp.asarray(alphas, jnp.float32), jnp.asarray(active), jnp.asarray(order)
+  )
+  got = np.asarray(mixing) @ heads
+  want = _pfllib_heads(alphas, active, order, heads)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_fedcac_masks_and_collaboration_by_hand():
+  before = {'w': jnp.zeros((2, 2)), 'b': jnp.ones(4)}
+  after = {
+    'w': jnp.array([[1.0, 2.0], [3.0, 4.0]]),
+    'b': jnp.array([1.0, 1.0, 3.0, 0.5]),
+  }
+  masks = fedcac.critical_mask(before, after, 0.5)
+  # |g * w|: w -> w^2 = 1, 4, 9, 16: the top 2 are 9 and 16
+  np.testing.assert_array_equal(masks['w'], [[False, False], [True, True]])
+  # b: |(b - 1) b| = 0, 0, 6, 0.25: top 2 are 6 and 0.25
+  np.testing.assert_array_equal(masks['b'], [False, False, True, True])
+  # masks of 4 entries: overlaps 1 - |mi - mj| / (2 |mi|)
+  m = jnp.array([[1, 1, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 1, 1]], bool)
+  active = jnp.ones(4, bool)
+  # round 0, beta 1: the threshold is the largest overlap (1, clients 0, 1)
+  mix = np.asarray(fedcac.customized_mixing({'m': m}, active, 0, 1))
+  want = np.eye(4)
+  want[0, :2] = want[1, :2] = 0.5
+  np.testing.assert_allclose(mix, want)
+  # beta large: the threshold near the mean overlap, 5/12 ((0,1) at 1;
+  # (0,2), (1,2), (2,3) at 0.5; (0,3), (1,3) at 0)
+  mix = np.asarray(fedcac.customized_mixing({'m': m}, active, 0, 10**6))
+  collab = mix > 0
+  np.testing.assert_array_equal(
+    collab,
+    [
+      [True, True, True, False],
+      [True, True, True, False],
+      [True, True, True, True],
+      [False, False, True, True],
+    ],
+  )
