@@ -93,7 +93,7 @@ from fedjax_personal.core.tree_util import (
   tree_scatter,
   tree_where,
 )
-from fedjax_personal.models import HeadSplit, Model
+from fedjax_personal.models import Model
 
 __all__ = [
   'build',
