@@ -21,6 +21,7 @@ from fedjax_personal.algorithms import (
   fedavg,
   fedbabu,
   fedcac,
+  fedcp,
   feddbe,
   feddyn,
   fedfomo,
@@ -108,6 +109,7 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     fedcac.SPEC,
     fedas.SPEC,
     fedpac.SPEC,
+    fedcp.SPEC,
   ]
 }
 

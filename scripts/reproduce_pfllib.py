@@ -77,6 +77,7 @@ LEADERBOARD = {
   'fedcac': dict(tau=0.5, beta=100),
   'fedas': {},
   'fedpac': {},
+  'fedcp': {},
 }
 NUM_CLIENTS, ALPHA, TRAIN_RATIO, BATCH, LR, SEED = 20, 0.1, 0.75, 10, 0.005, 1
 

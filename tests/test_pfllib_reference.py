@@ -95,6 +95,13 @@ def _rounds(alg, data, reference, name):
       [reference[f'{name}/init_head_{i}'] for i in range(PEER.NUM_CLIENTS)]
     )
     state = dataclasses.replace(state, heads=jax.numpy.asarray(drawn))
+  if name == 'fedcp':  # the policy and context as both sides start them
+    policy, context = PEER.fedcp_start()
+    n = PEER.NUM_CLIENTS
+    rows = dict(state.rows)
+    rows['policy'] = jax.tree.map(lambda a: np.stack([a] * n), policy)
+    rows['context'] = np.stack([context] * n)
+    state = dataclasses.replace(state, rows=rows)
   for t in range(PEER.ROUNDS):
     state, _ = runner.round(state, jax.random.key(t), t)
   return state
@@ -125,7 +132,10 @@ def test_equal_to_pfllib(reference, name):
     assert helpers.max_diff(state.head, head) < ATOL
   elif name != 'fedpac':  # (FedPAC's global body is in each client's model)
     params = getattr(state, 'params', None)
-    if params is None:
+    if name == 'fedcp':  # the global body under a zero head, as recorded
+      zero = jax.tree.map(lambda a: np.zeros_like(a[0]), state.rows['head'])
+      params = model.head.merge(state.body, zero)
+    elif params is None:
       params = state.server.params
     got = PEER.project(weights.flat_params(jax.device_get(params)))
     for k, v in got.items():
@@ -137,6 +147,18 @@ def test_equal_to_pfllib(reference, name):
       for k, v in got.items():
         want = reference[f'{name}/client_{i}/{k}']
         np.testing.assert_allclose(v, want, atol=ATOL)
+  if name == 'fedcp':  # each client's heads, policy and context
+    for i in range(PEER.NUM_CLIENTS):
+      row = jax.tree.map(lambda a: a[i], state.rows)
+      for part in ('head', 'head_g'):
+        want = _nested(reference, f'{name}/{part}_{i}/')
+        assert helpers.max_diff(row[part], want) < ATOL
+      for k, v in PEER.project(row['policy']).items():
+        want = reference[f'{name}/policy_{i}/{k}']
+        np.testing.assert_allclose(v, want, atol=ATOL)
+      np.testing.assert_allclose(
+        row['context'], reference[f'{name}/context_{i}'], atol=ATOL
+      )
   if name == 'fedrod':
     heads = _nested(reference, f'{name}/head_')
     for i in range(PEER.NUM_CLIENTS):

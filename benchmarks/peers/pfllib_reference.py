@@ -66,11 +66,13 @@ PFLLIB = {
   'fedcac': ('FedCAC', 'servercac', 'FedCAC'),
   'fedas': ('FedAS', 'serveras', 'FedAS'),
   'fedpac': ('FedPAC', 'serverpac', 'FedPAC'),
+  'fedcp': ('FedCP', 'servercp', 'FedCP'),
 }
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
 SPLIT = (
   'fedas',
   'fedbabu',
+  'fedcp',
   'feddbe',
   'fedgc',
   'fedgh',
@@ -93,11 +95,49 @@ ALGORITHMS = {
   'fedcac': dict(tau=0.5, beta=2),
   'fedas': {},
   'fedpac': dict(lamda=1.0),
+  'fedcp': dict(lamda=1.0),
 }
 #: This project's settings that make its run the record's: FedPAC's server
 #: pairs heads with clients through two random orders, fixed to the
 #: identity in the record (``fixed_orders``): its combination in order.
-OURS = {'fedpac': dict(head_assignment='in_order')}
+OURS = {
+  'fedpac': dict(head_assignment='in_order'),
+  # the Gumbel noise of FedCP's policy turned off on both sides (PFLlib's
+  # ``gumbel_softmax`` replaced by the softmax it draws around)
+  'fedcp': dict(gumbel=False),
+}
+#: FedCP's feature size (FedAvgCNN's ``fc1``).
+FEATURES = 512
+
+
+def fedcp_start():
+  """FedCP's policy and context as both sides start them here (PFLlib
+  draws them from torch): the policy as PyTorch initializes a ``Linear(D,
+  2D)`` and a ``LayerNorm``, from a seeded generator, in this project's
+  layout; the context uniform in [0, 1)."""
+  rng = np.random.default_rng(7)
+  bound = 1 / np.sqrt(FEATURES)
+  draw = lambda *shape: rng.uniform(-bound, bound, shape).astype(np.float32)
+  policy = {
+    'kernel': draw(FEATURES, 2 * FEATURES),
+    'bias': draw(2 * FEATURES),
+    'scale': np.ones(2 * FEATURES, np.float32),
+    'shift': np.zeros(2 * FEATURES, np.float32),
+  }
+  return policy, rng.uniform(0, 1, FEATURES).astype(np.float32)
+
+
+def fedcp_set_start(torch, server):
+  """Every FedCP client's policy and context set to ``fedcp_start``."""
+  policy, context = fedcp_start()
+  for client in server.clients:
+    cs = client.model.gate.cs.fc
+    with torch.no_grad():
+      cs[0].weight.copy_(torch.tensor(policy['kernel'].T))
+      cs[0].bias.copy_(torch.tensor(policy['bias']))
+      cs[1].weight.copy_(torch.tensor(policy['scale']))
+      cs[1].bias.copy_(torch.tensor(policy['shift']))
+    client.context = torch.tensor(context)[None]
 
 
 def made_data(seed=0):
@@ -229,7 +269,10 @@ def patch_reader(torch, client_arrays):
 
   import flcore.clients.clientbase as clientbase
   import flcore.servers.serverbase as serverbase
+  import utils.data_utils as data_utils
 
+  # and in the modules that import it later (servercp.py)
+  data_utils.read_client_data = read
   clientbase.read_client_data = read
   serverbase.read_client_data = read
 
@@ -289,6 +332,12 @@ def run(torch, name, data, init_state, template, sample_x):
   server, args = pfllib_server(torch, name, model, ALGORITHMS[name])
   fixed_orders(server)
   rec = {}
+  gumbel = torch.nn.functional.gumbel_softmax
+  if name == 'fedcp':
+    fedcp_set_start(torch, server)
+    torch.nn.functional.gumbel_softmax = (
+      lambda logits, tau=1, hard=False, dim=-1: torch.softmax(logits / tau, dim)
+    )
   if name == 'fedgc':  # each client's classifier as drawn, over its classes
     for i, client in enumerate(server.clients):
       rec[f'{name}/init_head_{i}'] = wide_head(client)
@@ -330,6 +379,27 @@ def run(torch, name, data, init_state, template, sample_x):
     rec[f'{name}/head/bias'] = top.bias.detach().numpy()
   elif name == 'fedpac':  # its global model is the body alone
     glob = None
+  elif name == 'fedcp':  # the global body; each client's heads and policy
+    glob = dict(server.global_modules.state_dict())
+    glob['fc.weight'] = torch.zeros(NUM_CLASSES, FEATURES)
+    glob['fc.bias'] = torch.zeros(NUM_CLASSES)
+    for i, client in enumerate(server.clients):
+      for part, top in (
+        ('head', client.model.model.head),
+        ('head_g', client.model.head_g),
+      ):
+        rec[f'{name}/{part}_{i}/kernel'] = top.weight.detach().numpy().T
+        rec[f'{name}/{part}_{i}/bias'] = top.bias.detach().numpy()
+      cs = client.model.gate.cs.fc
+      policy = {
+        'kernel': cs[0].weight.detach().numpy().T,
+        'bias': cs[0].bias.detach().numpy(),
+        'scale': cs[1].weight.detach().numpy(),
+        'shift': cs[1].bias.detach().numpy(),
+      }
+      for k, v in project(policy).items():
+        rec[f'{name}/policy_{i}/{k}'] = v
+      rec[f'{name}/context_{i}'] = client.context.detach().numpy().ravel()
   else:
     glob = whole_state(server.global_model)
   if name in ('fedgh', 'pflda', 'fedcac', 'fedas', 'fedpac'):  # each model
@@ -352,6 +422,7 @@ def run(torch, name, data, init_state, template, sample_x):
     acc, num, _ = client.test_metrics()
     correct.append(acc)
   rec[f'{name}/test_correct'] = np.asarray(correct, np.int32)
+  torch.nn.functional.gumbel_softmax = gumbel
   return rec
 
 
