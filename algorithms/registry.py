@@ -34,6 +34,7 @@ from fedjax_personal.algorithms import (
   fedprox,
   fedrod,
   fedsgd,
+  gpfl,
   local,
   oracle,
   partial,
@@ -110,6 +111,7 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     fedas.SPEC,
     fedpac.SPEC,
     fedcp.SPEC,
+    gpfl.SPEC,
   ]
 }
 

@@ -78,6 +78,7 @@ LEADERBOARD = {
   'fedas': {},
   'fedpac': {},
   'fedcp': {},
+  'gpfl': {},
 }
 NUM_CLIENTS, ALPHA, TRAIN_RATIO, BATCH, LR, SEED = 20, 0.1, 0.75, 10, 0.005, 1
 

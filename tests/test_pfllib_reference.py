@@ -102,6 +102,14 @@ def _rounds(alg, data, reference, name):
     rows['policy'] = jax.tree.map(lambda a: np.stack([a] * n), policy)
     rows['context'] = np.stack([context] * n)
     state = dataclasses.replace(state, rows=rows)
+  if name == 'gpfl':  # the embeddings and valve as both sides start them
+    gce, valve = PEER.gpfl_start()
+    state = dataclasses.replace(
+      state,
+      gce=jax.numpy.asarray(gce),
+      prev_gce=jax.numpy.asarray(gce),
+      valve=jax.tree.map(jax.numpy.asarray, valve),
+    )
   for t in range(PEER.ROUNDS):
     state, _ = runner.round(state, jax.random.key(t), t)
   return state
@@ -132,7 +140,7 @@ def test_equal_to_pfllib(reference, name):
     assert helpers.max_diff(state.head, head) < ATOL
   elif name != 'fedpac':  # (FedPAC's global body is in each client's model)
     params = getattr(state, 'params', None)
-    if name == 'fedcp':  # the global body under a zero head, as recorded
+    if name in ('fedcp', 'gpfl'):  # the global body under a zero head
       zero = jax.tree.map(lambda a: np.zeros_like(a[0]), state.rows['head'])
       params = model.head.merge(state.body, zero)
     elif params is None:
@@ -159,6 +167,27 @@ def test_equal_to_pfllib(reference, name):
       np.testing.assert_allclose(
         row['context'], reference[f'{name}/context_{i}'], atol=ATOL
       )
+  if name == 'gpfl':  # the embeddings, the valve; heads and inputs
+    np.testing.assert_allclose(
+      PEER.project({'gce': state.gce})['gce'],
+      reference[f'{name}/gce'],
+      atol=ATOL,
+    )
+    flat = {
+      f'{part}/{k}': v
+      for part, layer in state.valve.items()
+      for k, v in layer.items()
+    }
+    for k, v in PEER.project(flat).items():
+      np.testing.assert_allclose(v, reference[f'{name}/valve/{k}'], atol=ATOL)
+    for i in range(PEER.NUM_CLIENTS):
+      row = jax.tree.map(lambda a: a[i], state.rows)
+      want = _nested(reference, f'{name}/head_{i}/')
+      assert helpers.max_diff(row['head'], want) < ATOL
+      for part in ('personal', 'generic'):
+        np.testing.assert_allclose(
+          row[part], reference[f'{name}/{part}_{i}'], atol=ATOL
+        )
   if name == 'fedrod':
     heads = _nested(reference, f'{name}/head_')
     for i in range(PEER.NUM_CLIENTS):

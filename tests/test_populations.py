@@ -1041,6 +1041,7 @@ def test_data_built_in_memory_reaches_the_store_unpadded(cfg):
     'fedas',
     'fedpac',
     'fedcp',
+    'gpfl',
   ],
 )
 @pytest.mark.ci_variants('feddbe', 'fedgh', 'fedcac')
@@ -1052,6 +1053,6 @@ def test_pfllib_algorithms_run_a_natural_population_in_the_host_layout(
   as the device layout (their per-client rows, FedDBE's and FedLC's
   pre-round phase over every client, FedGH's server epoch, FedCAC's
   critical masks and customized models, FedAS's alignment, FedPAC's
-  combined heads, FedCP's policy)."""
+  combined heads, FedCP's policy, GPFL's inputs)."""
   executor = lambda: fp.executors.BlockedExecutor(block_size=2, num_threads=2)
   _host_equals_device(emnist_store, alg_name, executor, atol=1e-5)

@@ -67,6 +67,7 @@ PFLLIB = {
   'fedas': ('FedAS', 'serveras', 'FedAS'),
   'fedpac': ('FedPAC', 'serverpac', 'FedPAC'),
   'fedcp': ('FedCP', 'servercp', 'FedCP'),
+  'gpfl': ('GPFL', 'servergpfl', 'GPFL'),
 }
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
 SPLIT = (
@@ -76,9 +77,10 @@ SPLIT = (
   'feddbe',
   'fedgc',
   'fedgh',
-  'fedpac',
   'fedlc',
+  'fedpac',
   'fedrod',
+  'gpfl',
   'pflda',
 )
 #: The algorithms recorded, with their own settings in the record (PFLlib's
@@ -96,6 +98,7 @@ ALGORITHMS = {
   'fedas': {},
   'fedpac': dict(lamda=1.0),
   'fedcp': dict(lamda=1.0),
+  'gpfl': dict(lamda=0.5, mu=0.1),
 }
 #: This project's settings that make its run the record's: FedPAC's server
 #: pairs heads with clients through two random orders, fixed to the
@@ -125,6 +128,59 @@ def fedcp_start():
     'shift': np.zeros(2 * FEATURES, np.float32),
   }
   return policy, rng.uniform(0, 1, FEATURES).astype(np.float32)
+
+
+def gpfl_start():
+  """GPFL's class embeddings (PyTorch's ``nn.Embedding``: normal) and
+  conditional valve (each ``Linear(D, D)`` uniform in +-1/sqrt(D), its
+  ``LayerNorm`` 1 and 0) as both sides start them here, from a seeded
+  generator, in this project's layout."""
+  rng = np.random.default_rng(11)
+  bound = 1 / np.sqrt(FEATURES)
+  draw = lambda *shape: rng.uniform(-bound, bound, shape).astype(np.float32)
+  gce = rng.normal(size=(NUM_CLASSES, FEATURES)).astype(np.float32)
+  valve = {
+    part: {
+      'kernel': draw(FEATURES, FEATURES),
+      'bias': draw(FEATURES),
+      'scale': np.ones(FEATURES, np.float32),
+      'shift': np.zeros(FEATURES, np.float32),
+    }
+    for part in ('gamma', 'beta')
+  }
+  return gce, valve
+
+
+def _valve_layers(cov):
+  return {'gamma': cov.Conditional_gamma, 'beta': cov.Conditional_beta}
+
+
+def gpfl_set_start(torch, server):
+  """Every GPFL client's embeddings (and their frozen copy) and valve set to
+  ``gpfl_start``."""
+  gce, valve = gpfl_start()
+  for client in server.clients:
+    with torch.no_grad():
+      for module in (client.GCE, client.GCE_frozen):
+        module.embedding.weight.copy_(torch.tensor(gce))
+      for part, seq in _valve_layers(client.CoV).items():
+        seq[0].weight.copy_(torch.tensor(valve[part]['kernel'].T))
+        seq[0].bias.copy_(torch.tensor(valve[part]['bias']))
+        seq[2].weight.copy_(torch.tensor(valve[part]['scale']))
+        seq[2].bias.copy_(torch.tensor(valve[part]['shift']))
+
+
+def gpfl_valve(cov):
+  """A ``CoV``'s parameters in this project's layout."""
+  return {
+    part: {
+      'kernel': seq[0].weight.detach().numpy().T,
+      'bias': seq[0].bias.detach().numpy(),
+      'scale': seq[2].weight.detach().numpy(),
+      'shift': seq[2].bias.detach().numpy(),
+    }
+    for part, seq in _valve_layers(cov).items()
+  }
 
 
 def fedcp_set_start(torch, server):
@@ -333,6 +389,8 @@ def run(torch, name, data, init_state, template, sample_x):
   fixed_orders(server)
   rec = {}
   gumbel = torch.nn.functional.gumbel_softmax
+  if name == 'gpfl':
+    gpfl_set_start(torch, server)
   if name == 'fedcp':
     fedcp_set_start(torch, server)
     torch.nn.functional.gumbel_softmax = (
@@ -379,10 +437,14 @@ def run(torch, name, data, init_state, template, sample_x):
     rec[f'{name}/head/bias'] = top.bias.detach().numpy()
   elif name == 'fedpac':  # its global model is the body alone
     glob = None
-  elif name == 'fedcp':  # the global body; each client's heads and policy
-    glob = dict(server.global_modules.state_dict())
+  elif name in ('fedcp', 'gpfl'):  # the global body, as a zero head's model
+    base = server.global_modules if name == 'fedcp' else server.global_model
+    glob = dict(base.state_dict())
     glob['fc.weight'] = torch.zeros(NUM_CLASSES, FEATURES)
     glob['fc.bias'] = torch.zeros(NUM_CLASSES)
+  else:
+    glob = whole_state(server.global_model)
+  if name == 'fedcp':  # each client's heads, policy and context
     for i, client in enumerate(server.clients):
       for part, top in (
         ('head', client.model.model.head),
@@ -400,8 +462,26 @@ def run(torch, name, data, init_state, template, sample_x):
       for k, v in project(policy).items():
         rec[f'{name}/policy_{i}/{k}'] = v
       rec[f'{name}/context_{i}'] = client.context.detach().numpy().ravel()
-  else:
-    glob = whole_state(server.global_model)
+  if name == 'gpfl':  # the global embeddings and valve; heads and inputs
+    rec[f'{name}/gce'] = project(
+      {'gce': server.GCE.embedding.weight.detach().numpy()}
+    )['gce']
+    flat = {
+      f'{part}/{k}': v
+      for part, layer in gpfl_valve(server.CoV).items()
+      for k, v in layer.items()
+    }
+    for k, v in project(flat).items():
+      rec[f'{name}/valve/{k}'] = v
+    for i, client in enumerate(server.clients):
+      rec[f'{name}/head_{i}/kernel'] = (
+        client.model.head.weight.detach().numpy().T
+      )
+      rec[f'{name}/head_{i}/bias'] = client.model.head.bias.detach().numpy()
+      rec[f'{name}/personal_{i}'] = (
+        client.personalized_conditional_input.numpy()
+      )
+      rec[f'{name}/generic_{i}'] = client.generic_conditional_input.numpy()
   if name in ('fedgh', 'pflda', 'fedcac', 'fedas', 'fedpac'):  # each model
     for i, client in enumerate(server.clients):
       own = to_flax(torch, whole_state(client.model), template, sample_x)
