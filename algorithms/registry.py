@@ -17,6 +17,7 @@ from fedjax_personal.algorithms import (
   apfl,
   cfl,
   ditto,
+  fd,
   fedas,
   fedavg,
   fedbabu,
@@ -31,11 +32,14 @@ from fedjax_personal.algorithms import (
   fednova,
   fedntd,
   fedpac,
+  fedproto,
   fedprox,
   fedrod,
   fedsgd,
+  fml,
   gpfl,
   local,
+  moon,
   oracle,
   partial,
   perfedavg,
@@ -112,6 +116,10 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     fedpac.SPEC,
     fedcp.SPEC,
     gpfl.SPEC,
+    moon.SPEC,
+    fedproto.SPEC,
+    fd.SPEC,
+    fml.SPEC,
   ]
 }
 

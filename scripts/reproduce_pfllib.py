@@ -79,6 +79,10 @@ LEADERBOARD = {
   'fedpac': {},
   'fedcp': {},
   'gpfl': {},
+  'moon': dict(mu=1.0),
+  'fedproto': {},
+  'fd': {},
+  'fml': {},
 }
 NUM_CLIENTS, ALPHA, TRAIN_RATIO, BATCH, LR, SEED = 20, 0.1, 0.75, 10, 0.005, 1
 

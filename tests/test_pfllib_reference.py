@@ -138,7 +138,7 @@ def test_equal_to_pfllib(reference, name):
   if name in ('fedgh', 'pflda'):  # the global head
     head = _nested(reference, f'{name}/head/')
     assert helpers.max_diff(state.head, head) < ATOL
-  elif name != 'fedpac':  # (FedPAC's global body is in each client's model)
+  elif f'{name}/global/conv_0/kernel' in reference:  # a global model
     params = getattr(state, 'params', None)
     if name in ('fedcp', 'gpfl'):  # the global body under a zero head
       zero = jax.tree.map(lambda a: np.zeros_like(a[0]), state.rows['head'])
@@ -149,9 +149,19 @@ def test_equal_to_pfllib(reference, name):
     for k, v in got.items():
       want = reference[f'{name}/global/{k}']
       np.testing.assert_allclose(v, want, atol=ATOL)
-  if name in ('fedgh', 'pflda', 'fedcac', 'fedas', 'fedpac'):  # each model
+  if name in ('fedproto', 'fd'):  # the global table of class means
+    have = reference[f'{name}/present']
+    np.testing.assert_array_equal(np.asarray(state.present), have)
+    np.testing.assert_allclose(
+      np.asarray(state.protos)[have],
+      reference[f'{name}/table'][have],
+      atol=ATOL,
+    )
+  if name in PEER.OWN_MODELS:  # each client's own model
     for i in range(PEER.NUM_CLIENTS):
-      got = PEER.project(weights.flat_params(jax.device_get(cm.for_client(i))))
+      mine = cm.for_client(i)
+      mine = mine['model'] if name in ('fedproto', 'fd') else mine
+      got = PEER.project(weights.flat_params(jax.device_get(mine)))
       for k, v in got.items():
         want = reference[f'{name}/client_{i}/{k}']
         np.testing.assert_allclose(v, want, atol=ATOL)

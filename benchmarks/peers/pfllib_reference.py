@@ -68,6 +68,10 @@ PFLLIB = {
   'fedpac': ('FedPAC', 'serverpac', 'FedPAC'),
   'fedcp': ('FedCP', 'servercp', 'FedCP'),
   'gpfl': ('GPFL', 'servergpfl', 'GPFL'),
+  'moon': ('MOON', 'servermoon', 'MOON'),
+  'fedproto': ('FedProto', 'serverproto', 'FedProto'),
+  'fd': ('FD', 'serverfd', 'FD'),
+  'fml': ('FML', 'serverfml', 'FML'),
 }
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
 SPLIT = (
@@ -79,8 +83,10 @@ SPLIT = (
   'fedgh',
   'fedlc',
   'fedpac',
+  'fedproto',
   'fedrod',
   'gpfl',
+  'moon',
   'pflda',
 )
 #: The algorithms recorded, with their own settings in the record (PFLlib's
@@ -99,7 +105,25 @@ ALGORITHMS = {
   'fedpac': dict(lamda=1.0),
   'fedcp': dict(lamda=1.0),
   'gpfl': dict(lamda=0.5, mu=0.1),
+  'moon': dict(mu=1.0, tau=0.5),
+  'fedproto': dict(lamda=1.0),
+  'fd': dict(lamda=0.5),
+  'fml': dict(alpha=0.5, beta=0.5),
 }
+#: Those whose clients keep their own models, recorded client by client.
+OWN_MODELS = (
+  'fedgh',
+  'pflda',
+  'fedcac',
+  'fedas',
+  'fedpac',
+  'fedproto',
+  'fd',
+  'fml',
+)
+#: Those whose loop ends with what the next round would send (or whose
+#: ``send_models`` would overwrite the clients' own models).
+ENDS_SENT = ('fedcac', 'fedas', 'fedproto', 'fd', 'fml')
 #: This project's settings that make its run the record's: FedPAC's server
 #: pairs heads with clients through two random orders, fixed to the
 #: identity in the record (``fixed_orders``): its combination in order.
@@ -416,8 +440,7 @@ def run(torch, name, data, init_state, template, sample_x):
       client.fine_tune()
   else:
     server.train()  # its own loop: global_rounds + 1 = ROUNDS rounds
-    if name not in ('fedcac', 'fedas'):  # their loops end with it
-      # (FedPAC's: every client takes the global body under its own head)
+    if name not in ENDS_SENT:  # (FedPAC's: the global body, own heads)
       server.send_models()  # the last aggregate, as the next round would
   if name == 'fedbabu':
     body = dict(server.global_model.state_dict())
@@ -482,7 +505,17 @@ def run(torch, name, data, init_state, template, sample_x):
         client.personalized_conditional_input.numpy()
       )
       rec[f'{name}/generic_{i}'] = client.generic_conditional_input.numpy()
-  if name in ('fedgh', 'pflda', 'fedcac', 'fedas', 'fedpac'):  # each model
+  if name in ('fedproto', 'fd'):  # no global model: the global table
+    glob = None
+    table = server.global_protos if name == 'fedproto' else server.global_logits
+    width = FEATURES if name == 'fedproto' else NUM_CLASSES
+    out = np.zeros((NUM_CLASSES, width), np.float32)
+    present = np.zeros(NUM_CLASSES, bool)
+    for label, value in table.items():
+      if not isinstance(value, list):
+        out[label], present[label] = value.detach().numpy(), True
+    rec[f'{name}/table'], rec[f'{name}/present'] = out, present
+  if name in OWN_MODELS:  # each client's model
     for i, client in enumerate(server.clients):
       own = to_flax(torch, whole_state(client.model), template, sample_x)
       for k, v in project(own).items():
