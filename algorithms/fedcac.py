@@ -65,8 +65,7 @@ from fedjax_personal.core.tree_util import (
   rows,
   tree_broadcast,
   tree_bytes,
-  tree_gather,
-  tree_scatter,
+  tree_scatter_where,
   tree_where,
 )
 from fedjax_personal.models import Model
@@ -299,25 +298,18 @@ def fedcac(
     customized = tree_where(
       rc.round == 0, tree_broadcast(state.params, c), mixed
     )
-    old = tree_gather(state.rows, cohort.rows)
     new = {
       'kept': jax.tree.map(
         lambda m, u: jnp.where(m, u, 0), out.mask, customized
       ),
       'mask': out.mask,
     }
-    active = cohort.mask
-    new = jax.tree.map(
-      lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
-      new,
-      old,
-    )
     return (
       dataclasses.replace(
         state,
         params=params,
         opt_state=opt_state,
-        rows=tree_scatter(state.rows, cohort.rows, new),
+        rows=tree_scatter_where(state.rows, cohort.rows, new, cohort.mask),
       ),
       cohort_train_metrics(out.stats, cohort.mask),
     )

@@ -70,12 +70,11 @@ from fedjax_personal.core.tree_util import (
   rows,
   tree_broadcast,
   tree_bytes,
-  tree_gather,
-  tree_scatter,
+  tree_scatter_where,
   tree_where,
 )
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.models import Dense, HeadSplit, Model
+from fedjax_personal.models import Dense, HeadSplit, Model, functional
 
 __all__ = [
   'build',
@@ -148,18 +147,8 @@ class FedCPOutput:
 
 def init_policy(key, dim: int):
   """The policy's parameters as PyTorch initializes ``ConditionalSelection``
-  (``Linear(D, 2D)``: weights and bias uniform in +-1/sqrt(D); its
-  ``LayerNorm`` scale 1 and bias 0)."""
-  kw, kb = jax.random.split(key)
-  bound = 1 / math.sqrt(dim)
-  return {
-    'kernel': jax.random.uniform(
-      kw, (dim, 2 * dim), jnp.float32, -bound, bound
-    ),
-    'bias': jax.random.uniform(kb, (2 * dim,), jnp.float32, -bound, bound),
-    'scale': jnp.ones(2 * dim, jnp.float32),
-    'shift': jnp.zeros(2 * dim, jnp.float32),
-  }
+  (a ``Linear(D, 2D)`` and its ``LayerNorm``)."""
+  return functional.dense_norm_params(key, dim, 2 * dim)
 
 
 def conditional_policy(policy, gate_in, key, gumbel: bool):
@@ -168,9 +157,7 @@ def conditional_policy(policy, gate_in, key, gumbel: bool):
   the noise drawn by ``key`` when ``gumbel``): ``(s_p, s_g)``, each
   [B, D]."""
   h = gate_in @ policy['kernel'] + policy['bias']
-  mean = jnp.mean(h, axis=-1, keepdims=True)
-  var = jnp.mean((h - mean) ** 2, axis=-1, keepdims=True)
-  h = (h - mean) / jnp.sqrt(var + 1e-5) * policy['scale'] + policy['shift']
+  h = functional.layer_norm(h, policy['scale'], policy['shift'])
   h = jax.nn.relu(h).reshape((h.shape[0], 2, -1))
   if gumbel:
     h = h + jax.random.gumbel(key, h.shape, h.dtype)
@@ -310,7 +297,6 @@ def fedcp(
     mean, weight = aggregation.upload_mean(out.upload)
     some = weight > 0
     body = tree_where(some, mean['body'], state.body)
-    old = tree_gather(state.rows, cohort.rows)
     c = cohort.mask.shape[0]
     new = {
       'head': out.head,
@@ -319,14 +305,11 @@ def fedcp(
       'context': out.context,
     }
     active = cohort.mask & some
-    new = jax.tree.map(
-      lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
-      new,
-      old,
-    )
     return (
       dataclasses.replace(
-        state, body=body, rows=tree_scatter(state.rows, cohort.rows, new)
+        state,
+        body=body,
+        rows=tree_scatter_where(state.rows, cohort.rows, new, active),
       ),
       cohort_train_metrics(out.stats, cohort.mask),
     )

@@ -89,8 +89,7 @@ from fedjax_personal.core.tree_util import (
   rows,
   tree_broadcast,
   tree_bytes,
-  tree_gather,
-  tree_scatter,
+  tree_scatter_where,
   tree_where,
 )
 from fedjax_personal.models import Model
@@ -558,15 +557,8 @@ def fedpac(
     else:
       key = rc.key if head_assignment == 'pfllib' else None
       mixing = pfllib_assignment(alphas, active, upload_order(active, key))
-    # a slot that did not take part keeps its head
     heads = jax.tree.map(
-      lambda a, old: jnp.where(
-        active.reshape((-1,) + (1,) * (a.ndim - 1)),
-        jnp.einsum('ij,j...->i...', mixing, a),
-        old,
-      ),
-      out.head,
-      tree_gather(state.heads, cohort.rows),
+      lambda a: jnp.einsum('ij,j...->i...', mixing, a), out.head
     )
     return (
       dataclasses.replace(
@@ -574,7 +566,8 @@ def fedpac(
         body=body,
         protos=protos,
         present=count > 0,
-        heads=tree_scatter(state.heads, cohort.rows, heads),
+        # a slot that did not take part keeps its head
+        heads=tree_scatter_where(state.heads, cohort.rows, heads, active),
       ),
       cohort_train_metrics(out.stats, cohort.mask),
     )

@@ -72,11 +72,10 @@ from fedjax_personal.core.tree_util import (
   rows,
   tree_broadcast,
   tree_bytes,
-  tree_gather,
-  tree_scatter,
+  tree_scatter_where,
   tree_where,
 )
-from fedjax_personal.models import Model
+from fedjax_personal.models import Model, functional
 
 __all__ = [
   'build',
@@ -162,29 +161,19 @@ class GPFLOutput:
   num_steps: Any = None
 
 
-def _layer(key, dim):
-  kw, kb = jax.random.split(key)
-  bound = 1 / math.sqrt(dim)
-  return {
-    'kernel': jax.random.uniform(kw, (dim, dim), jnp.float32, -bound, bound),
-    'bias': jax.random.uniform(kb, (dim,), jnp.float32, -bound, bound),
-    'scale': jnp.ones(dim, jnp.float32),
-    'shift': jnp.zeros(dim, jnp.float32),
-  }
-
-
 def init_valve(key, dim: int):
-  """The CoV's parameters as PyTorch initializes them (each of its two
-  ``Linear(D, D)`` uniform in +-1/sqrt(D), its ``LayerNorm`` 1 and 0)."""
+  """The CoV's parameters as PyTorch initializes them: its two ``Linear(D,
+  D)`` (then ReLU) and ``LayerNorm``."""
   kg, kb = jax.random.split(key)
-  return {'gamma': _layer(kg, dim), 'beta': _layer(kb, dim)}
+  return {
+    'gamma': functional.dense_norm_params(kg, dim, dim),
+    'beta': functional.dense_norm_params(kb, dim, dim),
+  }
 
 
 def _condition(layer, c):
   h = jax.nn.relu(c @ layer['kernel'] + layer['bias'])
-  mean = jnp.mean(h, axis=-1, keepdims=True)
-  var = jnp.mean((h - mean) ** 2, axis=-1, keepdims=True)
-  return (h - mean) / jnp.sqrt(var + 1e-5) * layer['scale'] + layer['shift']
+  return functional.layer_norm(h, layer['scale'], layer['shift'])
 
 
 def conditional_valve(valve, z, c):
@@ -366,21 +355,15 @@ def gpfl(
     mean, weight = aggregation.upload_mean(out.upload)
     some = weight > 0
     active = cohort.mask & some
-    old = tree_gather(state.rows, cohort.rows)
-    new = jax.tree.map(
-      lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o),
-      out.row,
-      old,
-    )
     return (
       dataclasses.replace(
         state,
         body=tree_where(some, mean['body'], state.body),
         gce=jnp.where(some, mean['gce'], state.gce),
-        prev_gce=state.gce,
+        prev_gce=jnp.where(some, state.gce, state.prev_gce),
         valve=tree_where(some, mean['valve'], state.valve),
         rounds=rc.round + 1,
-        rows=tree_scatter(state.rows, cohort.rows, new),
+        rows=tree_scatter_where(state.rows, cohort.rows, out.row, active),
       ),
       cohort_train_metrics(out.stats, cohort.mask),
     )

@@ -18,6 +18,7 @@ from fedjax_personal.algorithms import (
   cfl,
   ditto,
   fd,
+  fedala,
   fedas,
   fedavg,
   fedbabu,
@@ -120,6 +121,7 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     fedproto.SPEC,
     fd.SPEC,
     fml.SPEC,
+    fedala.SPEC,
   ]
 }
 

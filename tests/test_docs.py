@@ -468,3 +468,39 @@ def test_the_features_snippet_of_add_an_algorithm_runs_as_printed():
   headless = models.Model('headless', model.init, model.apply)
   with pytest.raises(ConfigError, match='--model'):
     make(headless, 3, optax.sgd(0.1), batching, 0.1)
+
+
+def test_the_class_means_snippet_of_add_an_algorithm_runs_as_printed():
+  """docs/add_an_algorithm.md's algorithm uploading per-class mean logits,
+  as printed: the server's table holds the classes the clients trained on,
+  the round moves the table and no model, and the penalty's weight changes
+  the clients' models."""
+  import jax
+  import numpy as np
+  import optax
+  from helpers import digits_data, max_diff, run_rounds
+
+  from fedjax_personal import models
+  from fedjax_personal.core.batching import Batching
+
+  code = fenced('docs/add_an_algorithm.md', 'python')[4]
+  scope = {'__name__': 'class_means_doc'}
+  exec(compile(code, 'docs/add_an_algorithm.md', 'exec'), scope)
+  data = digits_data(num_clients=3, max_examples=20)
+  k = data.num_classes
+  model = models.create_model('mlp', k, data.train.x[0, :1])
+  batching = Batching(batch_size=8, num_epochs=1)
+  make = scope['logit_means']
+  alg = make(model, 3, k, optax.sgd(0.1), batching, 0.5)
+  runner, state = run_rounds(alg, data, 1)
+  state, metrics = runner.round(state, jax.random.key(1), 1)
+  labels = set()
+  for i in range(3):
+    n = int(data.train.num_examples[i])
+    labels |= set(np.asarray(data.train.y[i][:n]).tolist())
+  assert set(np.flatnonzero(np.asarray(state.present))) == labels
+  assert float(metrics['bytes_up']) == 3 * k * (k * 4 + 1)
+  _, none = run_rounds(
+    make(model, 3, k, optax.sgd(0.1), batching, 0.0), data, 2
+  )
+  assert max_diff(state.models, none.models) > 1e-4

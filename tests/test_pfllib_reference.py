@@ -160,7 +160,7 @@ def test_equal_to_pfllib(reference, name):
   if name in PEER.OWN_MODELS:  # each client's own model
     for i in range(PEER.NUM_CLIENTS):
       mine = cm.for_client(i)
-      mine = mine['model'] if name in ('fedproto', 'fd') else mine
+      mine = mine['model'] if name in ('fedproto', 'fd', 'fedala') else mine
       got = PEER.project(weights.flat_params(jax.device_get(mine)))
       for k, v in got.items():
         want = reference[f'{name}/client_{i}/{k}']

@@ -1045,6 +1045,7 @@ def test_data_built_in_memory_reaches_the_store_unpadded(cfg):
     'moon',
     'fedproto',  # (FD's rows are the same code's; its loss diverges here)
     'fml',
+    'fedala',
   ],
 )
 @pytest.mark.ci_variants('feddbe', 'fedgh', 'fedcac')
@@ -1057,6 +1058,7 @@ def test_pfllib_algorithms_run_a_natural_population_in_the_host_layout(
   pre-round phase over every client, FedGH's server epoch, FedCAC's
   critical masks and customized models, FedAS's alignment, FedPAC's
   combined heads, FedCP's policy, GPFL's inputs,
-  MOON's previous models, FedProto's class means, FML's models)."""
+  MOON's previous models, FedProto's class means, FML's models,
+  FedALA's weights)."""
   executor = lambda: fp.executors.BlockedExecutor(block_size=2, num_threads=2)
   _host_equals_device(emnist_store, alg_name, executor, atol=1e-5)

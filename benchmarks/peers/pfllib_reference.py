@@ -72,6 +72,7 @@ PFLLIB = {
   'fedproto': ('FedProto', 'serverproto', 'FedProto'),
   'fd': ('FD', 'serverfd', 'FD'),
   'fml': ('FML', 'serverfml', 'FML'),
+  'fedala': ('FedALA', 'serverala', 'FedALA'),
 }
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
 SPLIT = (
@@ -109,6 +110,8 @@ ALGORITHMS = {
   'fedproto': dict(lamda=1.0),
   'fd': dict(lamda=0.5),
   'fml': dict(alpha=0.5, beta=0.5),
+  # the whole share (its start drawn by Python's random: none to draw)
+  'fedala': dict(eta=1.0, rand_percent=100),
 }
 #: Those whose clients keep their own models, recorded client by client.
 OWN_MODELS = (
@@ -120,6 +123,7 @@ OWN_MODELS = (
   'fedproto',
   'fd',
   'fml',
+  'fedala',
 )
 #: Those whose loop ends with what the next round would send (or whose
 #: ``send_models`` would overwrite the clients' own models).
@@ -293,6 +297,11 @@ def pfllib_args(torch, model, name, own, **sizes):
     kl_weight=0.0,
     server_learning_rate=1.0,
     lamda=1.0,
+    mu=0.0,
+    alpha=1.0,
+    eta=1.0,
+    rand_percent=80,
+    layer_idx=2,
   )
   for k, v in {**sizes, **own}.items():
     setattr(args, k, v)
@@ -440,6 +449,11 @@ def run(torch, name, data, init_state, template, sample_x):
       client.fine_tune()
   else:
     server.train()  # its own loop: global_rounds + 1 = ROUNDS rounds
+    if name == 'fedala':  # each client's trained model, before its next ALA
+      for i, client in enumerate(server.clients):
+        own = to_flax(torch, whole_state(client.model), template, sample_x)
+        for k, v in project(own).items():
+          rec[f'{name}/client_{i}/{k}'] = v
     if name not in ENDS_SENT:  # (FedPAC's: the global body, own heads)
       server.send_models()  # the last aggregate, as the next round would
   if name == 'fedbabu':
@@ -515,7 +529,7 @@ def run(torch, name, data, init_state, template, sample_x):
       if not isinstance(value, list):
         out[label], present[label] = value.detach().numpy(), True
     rec[f'{name}/table'], rec[f'{name}/present'] = out, present
-  if name in OWN_MODELS:  # each client's model
+  if name in OWN_MODELS and name != 'fedala':  # each client's model
     for i, client in enumerate(server.clients):
       own = to_flax(torch, whole_state(client.model), template, sample_x)
       for k, v in project(own).items():

@@ -8,7 +8,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fedjax_personal.core import host
 from fedjax_personal.core.executors import (
@@ -19,6 +18,7 @@ from fedjax_personal.core.executors import (
   ShardedExecutor,
   VmapExecutor,
 )
+from fedjax_personal.core.tree_util import tree_bytes
 
 __all__ = [
   'CPU_BLOCK_BYTES',
@@ -177,8 +177,5 @@ def cpu_block_size(model=None) -> int:
   """
   if model is None:
     return 10
-  shapes = jax.eval_shape(model.init, jax.random.key(0))
-  nbytes = sum(
-    np.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes)
-  )
-  return int(max(1, min(10, CPU_BLOCK_BYTES // max(int(nbytes), 1))))
+  nbytes = tree_bytes(model.param_shapes())
+  return int(max(1, min(10, CPU_BLOCK_BYTES // max(nbytes, 1))))

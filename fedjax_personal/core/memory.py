@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_personal.core.training import Batch, batch_loss
+from fedjax_personal.core.tree_util import tree_bytes
 from fedjax_personal.errors import SettingError
 
 __all__ = [
@@ -84,15 +85,6 @@ class Need:
     return self.resident(num_devices) + block * self.working_bytes
 
 
-def _nbytes(tree) -> int:
-  return int(
-    sum(
-      int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
-      for s in jax.tree.leaves(tree)
-    )
-  )
-
-
 def activation_bytes(model, sample_x, batch_size: int) -> int:
   """Bytes of every intermediate output of one forward pass of a batch (Flax
   modules' ``capture_intermediates``; the logits alone otherwise), from
@@ -123,10 +115,10 @@ def activation_bytes(model, sample_x, batch_size: int) -> int:
         params,
         x,
       )
-      return _nbytes(state)
+      return tree_bytes(state)
     except Exception:  # a module that cannot capture: fall back to the output
       pass
-  return _nbytes(jax.eval_shape(model.apply, params, x))
+  return tree_bytes(jax.eval_shape(model.apply, params, x))
 
 
 def step_bytes(model, sample_x, batch_size: int) -> int:
@@ -200,11 +192,11 @@ def estimate(algorithm, data, cohort_size: int) -> Need:
   per_client = [
     s for s in jax.tree.leaves(shapes) if s.ndim >= 1 and s.shape[0] == n
   ]
-  client_bytes = _nbytes(
+  client_bytes = tree_bytes(
     [jax.ShapeDtypeStruct(s.shape[1:], s.dtype) for s in per_client]
   )
-  shared = _nbytes(shapes) - client_bytes * n
-  model_bytes = _nbytes(jax.eval_shape(algorithm.model.init, jax.random.key(0)))
+  shared = tree_bytes(shapes) - client_bytes * n
+  model_bytes = tree_bytes(algorithm.model.param_shapes())
   batching = algorithm.client_work.batching
   widest = getattr(
     data.train, 'max_examples', None

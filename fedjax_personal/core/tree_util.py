@@ -24,6 +24,7 @@ __all__ = [
   'tree_bytes',
   'tree_gather',
   'tree_scatter',
+  'tree_scatter_where',
   'tree_where',
 ]
 
@@ -179,6 +180,22 @@ def tree_scatter(x: PyTree, idx, values: PyTree) -> PyTree:
     if rest.start < c
     else x
   )
+
+
+def tree_scatter_where(x: PyTree, idx, values: PyTree, keep) -> PyTree:
+  """``tree_scatter`` of the rows whose ``keep`` is true; the others are
+  left as they are (a cohort's slot that did not take part keeps its row).
+
+  Args:
+    x: a stacked pytree [N, ...].
+    idx: row indices (N or more: dropped).
+    values: the rows to write [len(idx), ...].
+    keep: bool [len(idx)].
+
+  Returns:
+    ``x`` with the kept rows written.
+  """
+  return tree_scatter(x, jnp.where(keep, idx, leading_size(x)), values)
 
 
 def leading_size(x: PyTree) -> int:

@@ -111,6 +111,11 @@ class Model:
     ``deterministic``)."""
     return _mode(self.mode_arg or ('train' if self.train_arg else None), False)
 
+  def param_shapes(self):
+    """The parameters' shapes and dtypes (``jax.ShapeDtypeStruct`` leaves),
+    nothing computed."""
+    return jax.eval_shape(self.init, jax.random.key(0))
+
   def variables(self, params):
     """The Flax variables of ``params`` (``{'params': params}``, or
     ``params`` itself for a model with ``collections``).

@@ -393,7 +393,7 @@ def _check_one_client_fits(
   widest = int(np.asarray(population.train.num_examples).max())
   for b in algs:
     model = b.alg.model
-    model_bytes = tree_bytes(jax.eval_shape(model.init, jax.random.key(0)))
+    model_bytes = tree_bytes(model.param_shapes())
     batch = b.alg.client_work.batching.effective_batch_size(widest)
     try:
       act = memory.activation_bytes(model, population.sample_x, batch)
