@@ -57,7 +57,18 @@ def raw_logit_distillation(logits, labels, mask, table, present):
   """PFLlib's FD term: the soft-target cross-entropy -sum_c t_c
   log_softmax(logits)_c averaged over the batch's real examples, t the
   global average logits of the label (raw) or, without one, the example's
-  own logits (fixed)."""
+  own logits (fixed).
+
+  Args:
+    logits: [B, K].
+    labels: int [B] (in range).
+    mask: bool [B], the real examples.
+    table: [K, K] the global average logits per label.
+    present: bool [K], the labels with one.
+
+  Returns:
+    A scalar.
+  """
   own = jax.lax.stop_gradient(logits)
   target = jnp.where(present[labels][:, None], table[labels], own)
   ce = -jnp.sum(target * jax.nn.log_softmax(logits), axis=-1)

@@ -29,7 +29,7 @@ next round draws its own).
 
 import dataclasses
 import math
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -282,6 +282,7 @@ def fedala(
   if layers not in LAYERS:
     raise ValueError(f'layers must be one of {LAYERS}: {layers!r}')
   server_optimizer = server_optimizer or optax.sgd(1.0)
+  split: Tuple[Callable, Callable]
   if layers == 'head':
     head: HeadSplit = model.require_head('--fedala_layers=head')
     split = (head.split, head.merge)
@@ -307,7 +308,7 @@ def fedala(
 
   def init(key: jax.Array) -> FedALAState:
     params = model.init(key)
-    upper = split[0](params)[1]
+    upper: PyTree = split[0](params)[1]
     row = {
       'model': params,
       'weights': jax.tree.map(jnp.ones_like, upper),

@@ -163,7 +163,7 @@ def dropped_batches(key, train: ClientData, batch_size: int):
   n_max = train.y.shape[0]
   return batch_indices(
     key,
-    train.num_examples,
+    jnp.asarray(train.num_examples),
     n_max,
     Batching(batch_size, num_epochs=1, drop_last=True),
   )

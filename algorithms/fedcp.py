@@ -147,15 +147,32 @@ class FedCPOutput:
 
 def init_policy(key, dim: int):
   """The policy's parameters as PyTorch initializes ``ConditionalSelection``
-  (a ``Linear(D, 2D)`` and its ``LayerNorm``)."""
+  (a ``Linear(D, 2D)`` and its ``LayerNorm``).
+
+  Args:
+    key: draws the dense layer.
+    dim: D, the features.
+
+  Returns:
+    ``{'kernel' [D, 2D], 'bias', 'scale', 'shift'}``.
+  """
   return functional.dense_norm_params(key, dim, 2 * dim)
 
 
 def conditional_policy(policy, gate_in, key, gumbel: bool):
   """PFLlib's ``ConditionalSelection``: ReLU(LayerNorm(W x + b)) [B, 2D]
   viewed as [B, 2, D], a soft Gumbel softmax over the pair (temperature 1;
-  the noise drawn by ``key`` when ``gumbel``): ``(s_p, s_g)``, each
-  [B, D]."""
+  the noise drawn by ``key`` when ``gumbel``).
+
+  Args:
+    policy: its parameters (``init_policy``).
+    gate_in: [B, D] the features times the normalized context.
+    key: draws the Gumbel noise.
+    gumbel: whether to draw it.
+
+  Returns:
+    ``(s_p, s_g)``, each [B, D].
+  """
   h = gate_in @ policy['kernel'] + policy['bias']
   h = functional.layer_norm(h, policy['scale'], policy['shift'])
   h = jax.nn.relu(h).reshape((h.shape[0], 2, -1))
@@ -168,7 +185,16 @@ def conditional_policy(policy, gate_in, key, gumbel: bool):
 def mmd_rbf(x, y, mask):
   """PFLlib's ``MMD(x, y, 'rbf')`` over the batch's real rows: the mean of
   K(x, x) + K(y, y) - 2 K(x, y), K the sum of exp(-d / (2 a)) over the
-  bandwidths a, d the squared distances."""
+  bandwidths a, d the squared distances.
+
+  Args:
+    x: [B, D].
+    y: [B, D].
+    mask: bool [B], the real rows.
+
+  Returns:
+    A scalar.
+  """
 
   def sq(a, b):
     return jnp.sum(a * a, 1)[:, None] + jnp.sum(b * b, 1)[None, :] - 2 * a @ b.T

@@ -383,7 +383,15 @@ def pfllib_assignment(alphas, active, order):
 def upload_order(active, key=None):
   """The active slots in a uniformly random order drawn by ``key`` (PFLlib's
   ``random.sample`` of the selected clients), or in cohort order without a
-  key; the inactive slots after them, in slot order."""
+  key; the inactive slots after them, in slot order.
+
+  Args:
+    active: bool [C].
+    key: draws the order, or None.
+
+  Returns:
+    int [C], slots.
+  """
   c = active.shape[0]
   slot = jnp.arange(c)
   rank = slot if key is None else jax.random.uniform(key, (c,))

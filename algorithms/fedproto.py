@@ -139,7 +139,16 @@ class FedProtoOutput:
 
 def server_prototypes(protos, present, active):
   """The per-class mean of the active clients' prototypes over those
-  holding the class, unweighted: ``(protos [K, D], present [K])``."""
+  holding the class, unweighted (PFLlib's ``proto_aggregation``).
+
+  Args:
+    protos: [C, K, D] each client's.
+    present: bool [C, K] the classes each holds.
+    active: bool [C].
+
+  Returns:
+    ``(protos [K, D], present [K])``.
+  """
   holds = (present & active[:, None]).astype(protos.dtype)
   count = jnp.sum(holds, axis=0)
   mean = (
@@ -154,9 +163,17 @@ ABSENT = -1e9
 
 
 def nearest_prototype_logits(features, protos, present):
-  """Minus the mean squared distance of each feature row [n, D] to each
-  present prototype (PyTorch's ``MSELoss``), ``ABSENT`` for a class without
-  one: [n, K]."""
+  """Minus the mean squared distance of each feature row to each present
+  prototype (PyTorch's ``MSELoss``), ``ABSENT`` for a class without one.
+
+  Args:
+    features: [n, D].
+    protos: [K, D].
+    present: bool [K].
+
+  Returns:
+    [n, K].
+  """
   d = jnp.mean((features[:, None, :] - protos[None]) ** 2, axis=-1)
   return jnp.where(present[None, :], -d, ABSENT)
 

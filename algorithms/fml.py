@@ -121,7 +121,16 @@ class FMLOutput:
 def kl_mean(log_input, target_logits, mask):
   """PyTorch's ``KLDivLoss()(log_input, softmax(target_logits))``: the sum
   of t (log t - log_input) over the real examples' entries divided by their
-  number (examples times classes); the target carries its gradient."""
+  number (examples times classes); the target carries its gradient.
+
+  Args:
+    log_input: [B, K] log-probabilities.
+    target_logits: [B, K] the target's logits.
+    mask: bool [B].
+
+  Returns:
+    A scalar.
+  """
   log_t = jax.nn.log_softmax(target_logits)
   t = jnp.exp(log_t)
   per = jnp.sum(t * (log_t - log_input), axis=-1)

@@ -163,7 +163,15 @@ class GPFLOutput:
 
 def init_valve(key, dim: int):
   """The CoV's parameters as PyTorch initializes them: its two ``Linear(D,
-  D)`` (then ReLU) and ``LayerNorm``."""
+  D)`` (then ReLU) and ``LayerNorm``.
+
+  Args:
+    key: draws them.
+    dim: D.
+
+  Returns:
+    ``{'gamma': layer, 'beta': layer}``.
+  """
   kg, kb = jax.random.split(key)
   return {
     'gamma': functional.dense_norm_params(kg, dim, dim),
@@ -177,7 +185,16 @@ def _condition(layer, c):
 
 
 def conditional_valve(valve, z, c):
-  """PFLlib's ``CoV``: ReLU(z * (gamma(c) + 1) + beta(c)), z [B, D], c [D]."""
+  """PFLlib's ``CoV``: ReLU(z * (gamma(c) + 1) + beta(c)).
+
+  Args:
+    valve: its parameters (``init_valve``).
+    z: [B, D] features.
+    c: [D] the conditional input.
+
+  Returns:
+    [B, D].
+  """
   gamma = _condition(valve['gamma'], c)
   beta = _condition(valve['beta'], c)
   return jax.nn.relu(z * (gamma + 1) + beta)

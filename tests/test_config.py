@@ -56,6 +56,7 @@ VARIANTS = {
   'batch_size': '--batch_size=8',
   'local_epochs': ({'local_steps': None}, '--local_epochs=2'),
   'local_steps': '--local_steps=4',
+  'drop_last': ({'local_steps': None, 'batch_size': '3'}, '--drop_last'),
   'weighting': None,  # the other value of the algorithm's default
   'server_optimizer': '--server_optimizer=adam',
   'server_lr': '--server_lr=0.5',

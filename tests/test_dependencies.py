@@ -24,9 +24,10 @@ OWN = {'fedjax_personal', 'helpers', 'made_files'} | {
 }
 # The peer's code runs in its own environment (benchmarks/peers: FedJAX 0.0.17
 # with its JAX, installed by benchmarks/peers/run.py), never in this package's.
-# flcore: PFLlib's system/ folder, which benchmarks/peers/pfllib_reference.py
-# puts on the path (PFLlib is not a distribution).
-PEER = {'fedjax', 'haiku', 'flcore'}  # haiku: FedJAX's models' library
+# flcore, utils: PFLlib's system/ folder, which
+# benchmarks/peers/pfllib_reference.py puts on the path (PFLlib is not a
+# distribution).
+PEER = {'fedjax', 'haiku', 'flcore', 'utils'}  # haiku: FedJAX's models' library
 # Modules whose distribution may be absent from the test environment (an
 # extra's), by their import name.
 OPTIONAL = {

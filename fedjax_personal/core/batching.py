@@ -89,13 +89,20 @@ class Batching:
       raise ValueError('Batching: counts epochs (num_epochs), not steps')
     return self.num_steps
 
+  @property
+  def full_batch(self) -> int:
+    """B of a batching that drops the partial batch (it has a batch size)."""
+    if self.batch_size is None:
+      raise ValueError('Batching: drop_last needs a batch_size')
+    return self.batch_size
+
   def num_padded_steps(self, max_examples: int) -> int:
     """S, the static number of steps (the largest client's)."""
     b = self.effective_batch_size(max_examples)
     if self.num_steps is not None:
       return self.num_steps
     if self.drop_last:
-      return self.epochs * (max_examples // self.batch_size)
+      return self.epochs * (max_examples // self.full_batch)
     return self.epochs * math.ceil(max_examples / b) if max_examples else 0
 
   def num_steps_for(self, num_examples: int, max_examples: int) -> int:
@@ -106,7 +113,7 @@ class Batching:
     if self.num_steps is not None:
       return self.num_steps
     if self.drop_last:
-      return self.epochs * (num_examples // self.batch_size)
+      return self.epochs * (num_examples // self.full_batch)
     return self.epochs * math.ceil(num_examples / b)
 
 
@@ -216,7 +223,7 @@ def traced_num_steps(batching: Batching, num_examples, max_examples: int):
   if batching.num_steps is not None:
     return jnp.where(num_examples > 0, batching.num_steps, 0)
   if batching.drop_last:
-    return batching.epochs * (num_examples // batching.batch_size)
+    return batching.epochs * (num_examples // batching.full_batch)
   b = batching.effective_batch_size(max_examples)
   return batching.epochs * ((num_examples + b - 1) // b)
 
