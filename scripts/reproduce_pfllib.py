@@ -83,6 +83,7 @@ LEADERBOARD = {
   'fedproto': {},
   'fd': {},
   'fml': {},
+  'fedala': {},
 }
 NUM_CLIENTS, ALPHA, TRAIN_RATIO, BATCH, LR, SEED = 20, 0.1, 0.75, 10, 0.005, 1
 
