@@ -366,8 +366,7 @@ def pfllib_assignment(alphas, active, order):
     float32 [C, C], the mixing of the cohort's heads by slot.
   """
   c = active.shape[0]
-  slot = jnp.arange(c)
-  act = jnp.argsort(jnp.where(active, slot, c + slot))
+  act = upload_order(active)  # the active slots in cohort order
   b = alphas[act[:, None], act[None, :]]
   low = jnp.tril(b, -1)
   in_place = jax.scipy.linalg.solve_triangular(
