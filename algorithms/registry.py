@@ -19,6 +19,7 @@ from fedjax_personal.algorithms import (
   ditto,
   fd,
   fedala,
+  fedamp,
   fedas,
   fedavg,
   fedbabu,
@@ -30,6 +31,7 @@ from fedjax_personal.algorithms import (
   fedgc,
   fedgh,
   fedlc,
+  fedmtl,
   fednova,
   fedntd,
   fedpac,
@@ -122,6 +124,8 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     fd.SPEC,
     fml.SPEC,
     fedala.SPEC,
+    fedamp.SPEC,
+    fedmtl.SPEC,
   ]
 }
 

@@ -122,9 +122,9 @@ def test_equal_to_pfllib(reference, name):
   training = TrainingConfig(
     client_lr=PEER.LR, batch_size=PEER.TRAIN, local_epochs=PEER.LOCAL_EPOCHS
   )
-  alg = algorithms.build(
-    name, model, data, training, **{f'{name}_{k}': v for k, v in own.items()}
-  )
+  algo = PEER.RECORDED_AS.get(name, name)
+  flags = {f'{algo}_{PEER.FLAG_NAMES.get(k, k)}': v for k, v in own.items()}
+  alg = algorithms.build(algo, model, data, training, **flags)
   state = _rounds(alg, data, reference, name)
   cm = alg.client_models(state)
   if name == 'fedgc':  # each client's classifier over its classes

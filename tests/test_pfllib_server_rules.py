@@ -1,7 +1,8 @@
 """Server rules of PFLlib's algorithms checked against plain loops and
 solvers: FedPAC's quadratic program and its server's combination of heads
 (in PFLlib's order, written in place), FedCAC's critical masks and
-collaboration matrix."""
+collaboration matrix, FedAMP's cloud models (its ``send_models`` loop),
+FedMTL's regularizer (PFLlib's expression over the whole W)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import optimize
 
-from fedjax_personal.algorithms import fedcac, fedpac
+from fedjax_personal.algorithms import fedamp, fedcac, fedmtl, fedpac
 
 
 @pytest.mark.parametrize('seed', range(4))
@@ -103,4 +104,58 @@ def test_fedcac_masks_and_collaboration_by_hand():
       [True, True, True, True],
       [False, False, True, True],
     ],
+  )
+
+
+def test_fedamp_cloud_models_equal_pfllibs_loop():
+  """u_i as ``serveramp.send_models`` builds it, client by client: the
+  uploads of another round's clients (client 1 among them, client 3 not),
+  a client's own upload weighing 0."""
+  rng = np.random.default_rng(0)
+  own = {'w': rng.normal(size=(3, 4, 2)), 'b': rng.normal(size=(3, 5))}
+  own_ids = np.array([1, 3, 4])
+  uploads = {'w': rng.normal(size=(3, 4, 2)), 'b': rng.normal(size=(3, 5))}
+  uploads = jax.tree.map(lambda u, o: o[[0, 0, 1]] + 0.3 * u, uploads, own)
+  upload_ids = np.array([1, 0, 2])
+  valid = np.array([True, True, False])  # the third slot empty
+  alpha_k, sigma = 0.3, 2.0
+  xi = fedamp.attention_coefficients(
+    own, own_ids, uploads, upload_ids, valid, alpha_k, sigma
+  )
+  got = fedamp.cloud_models(own, uploads, xi)
+  flat = lambda t, i: np.concatenate([t['b'][i].ravel(), t['w'][i].ravel()])
+  for i in range(3):
+    coef = np.zeros(3)
+    for j in range(3):
+      if valid[j] and upload_ids[j] != own_ids[i]:
+        sub = flat(own, i) - flat(uploads, j)
+        coef[j] = alpha_k * np.exp(-(sub @ sub) / sigma) / sigma
+    want = sum(coef[j] * flat(uploads, j) for j in range(3))
+    want = want + (1 - coef.sum()) * flat(own, i)
+    np.testing.assert_allclose(np.asarray(xi[i]), coef, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(flat(jax.device_get(got), i), want, rtol=1e-5)
+
+
+def test_fedmtl_regularizer_gradient_is_pfllibs_expression():
+  """The gradient of PFLlib's ``||W||^2 + sum(sum(W * omega, 1)^2)``, times
+  10^-f, in the own column (live), the other columns fixed."""
+  rng = np.random.default_rng(1)
+  m, p, idx = 4, 7, 2
+  w_all = jnp.asarray(rng.normal(size=(p, m)))
+  omega = 1 - 1 / m  # sqrt of (I - 11^T / m)^2's [0, 0]
+  scale = fedmtl.regularizer_scale(12345)
+  assert scale == 1e-6  # f = int(log10(12345) + 1) + 1 = 6
+
+  def pfllib(col):
+    w = w_all.at[:, idx].set(col)
+    reg = jnp.linalg.norm(w) ** 2 + jnp.sum(jnp.sum(w * omega, 1) ** 2)
+    return reg * scale
+
+  others = {'x': jnp.sum(w_all, 1) - w_all[:, idx]}
+  mine = lambda col: fedmtl.relationship_penalty(
+    {'x': col}, others, omega, scale
+  )
+  col = w_all[:, idx]
+  np.testing.assert_allclose(
+    jax.grad(mine)(col), jax.grad(pfllib)(col), rtol=1e-6
   )

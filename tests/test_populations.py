@@ -1046,6 +1046,8 @@ def test_data_built_in_memory_reaches_the_store_unpadded(cfg):
     'fedproto',  # (FD's rows are the same code's; its loss diverges here)
     'fml',
     'fedala',
+    'fedamp',
+    'fedmtl',
   ],
 )
 @pytest.mark.ci_variants('feddbe', 'fedgh', 'fedcac')
@@ -1059,6 +1061,7 @@ def test_pfllib_algorithms_run_a_natural_population_in_the_host_layout(
   critical masks and customized models, FedAS's alignment, FedPAC's
   combined heads, FedCP's policy, GPFL's inputs,
   MOON's previous models, FedProto's class means, FML's models,
-  FedALA's weights)."""
+  FedALA's weights, FedMTL's models; FedAMP's models stay on the device,
+  read across the population)."""
   executor = lambda: fp.executors.BlockedExecutor(block_size=2, num_threads=2)
   _host_equals_device(emnist_store, alg_name, executor, atol=1e-5)

@@ -73,6 +73,9 @@ PFLLIB = {
   'fd': ('FD', 'serverfd', 'FD'),
   'fml': ('FML', 'serverfml', 'FML'),
   'fedala': ('FedALA', 'serverala', 'FedALA'),
+  'fedamp': ('FedAMP', 'serveramp', 'FedAMP'),
+  'fedamp_pfllib': ('FedAMP', 'serveramp', 'FedAMP'),
+  'fedmtl': ('FedMTL', 'servermtl', 'FedMTL'),
 }
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
 SPLIT = (
@@ -112,7 +115,15 @@ ALGORITHMS = {
   'fml': dict(alpha=0.5, beta=0.5),
   # the whole share (its start drawn by Python's random: none to draw)
   'fedala': dict(eta=1.0, rand_percent=100),
+  # with the proximal term live (``fedamp_live``), and as PFLlib runs it
+  'fedamp': dict(alphaK=0.2, sigma=0.5, lamda=1.0),
+  'fedamp_pfllib': dict(alphaK=0.2, sigma=0.5, lamda=1.0),
+  'fedmtl': {},
 }
+#: Records of an algorithm under another setting: record -> algorithm.
+RECORDED_AS = {'fedamp_pfllib': 'fedamp'}
+#: PFLlib's argument names that this project's flags spell otherwise.
+FLAG_NAMES = {'alphaK': 'alpha_k'}
 #: Those whose clients keep their own models, recorded client by client.
 OWN_MODELS = (
   'fedgh',
@@ -124,10 +135,13 @@ OWN_MODELS = (
   'fd',
   'fml',
   'fedala',
+  'fedamp',
+  'fedamp_pfllib',
+  'fedmtl',
 )
 #: Those whose loop ends with what the next round would send (or whose
 #: ``send_models`` would overwrite the clients' own models).
-ENDS_SENT = ('fedcac', 'fedas', 'fedproto', 'fd', 'fml')
+ENDS_SENT = ('fedcac', 'fedas', 'fedproto', 'fd', 'fml', 'fedmtl')
 #: This project's settings that make its run the record's: FedPAC's server
 #: pairs heads with clients through two random orders, fixed to the
 #: identity in the record (``fixed_orders``): its combination in order.
@@ -136,6 +150,9 @@ OURS = {
   # the Gumbel noise of FedCP's policy turned off on both sides (PFLlib's
   # ``gumbel_softmax`` replaced by the softmax it draws around)
   'fedcp': dict(gumbel=False),
+  # PFLlib's regularizers without a gradient (see the modules' docstrings)
+  'fedamp_pfllib': dict(detached=True),
+  'fedmtl': dict(detached=True),
 }
 #: FedCP's feature size (FedAvgCNN's ``fc1``).
 FEATURES = 512
@@ -224,6 +241,29 @@ def fedcp_set_start(torch, server):
     client.context = torch.tensor(context)[None]
 
 
+def fedamp_live(torch, server):
+  """PFLlib's FedAMP clients with the proximal term live: the paper's
+  lamda / (2 alphaK) ||w - u||^2 (Eq. 7) on the parameters themselves, not
+  ``0.5 * lamda / alphaK * torch.norm`` of their ``.data`` (no gradient);
+  the rest of ``clientAMP.train`` as it is."""
+
+  def train(client):
+    client.model.train()
+    for _ in range(client.local_epochs):
+      for x, y in client.load_train_data():
+        loss = client.loss(client.model(x), y)
+        gm = torch.cat([p.view(-1) for p in client.model.parameters()])
+        pm = torch.cat([p.data.view(-1) for p in client.client_u.parameters()])
+        strength = client.lamda / (2 * client.alphaK)
+        loss = loss + strength * torch.sum((gm - pm) ** 2)
+        client.optimizer.zero_grad()
+        loss.backward()
+        client.optimizer.step()
+
+  for client in server.clients:
+    client.train = types.MethodType(train, client)
+
+
 def made_data(seed=0):
   """4 clients' train and test images [n, 16, 16, 1] and labels, each
   client's labels skewed to a few classes (a class-dependent mean, so
@@ -302,6 +342,9 @@ def pfllib_args(torch, model, name, own, **sizes):
     eta=1.0,
     rand_percent=80,
     layer_idx=2,
+    alphaK=1.0,
+    sigma=1.0,
+    itk=4000,
   )
   for k, v in {**sizes, **own}.items():
     setattr(args, k, v)
@@ -424,6 +467,8 @@ def run(torch, name, data, init_state, template, sample_x):
   gumbel = torch.nn.functional.gumbel_softmax
   if name == 'gpfl':
     gpfl_set_start(torch, server)
+  if name == 'fedamp':
+    fedamp_live(torch, server)
   if name == 'fedcp':
     fedcp_set_start(torch, server)
     torch.nn.functional.gumbel_softmax = (
@@ -472,8 +517,8 @@ def run(torch, name, data, init_state, template, sample_x):
     top = server.head if name == 'fedgh' else server.global_model
     rec[f'{name}/head/kernel'] = top.weight.detach().numpy().T
     rec[f'{name}/head/bias'] = top.bias.detach().numpy()
-  elif name == 'fedpac':  # its global model is the body alone
-    glob = None
+  elif name in ('fedpac', 'fedamp', 'fedamp_pfllib', 'fedmtl'):
+    glob = None  # FedPAC's is the body alone; the others keep none
   elif name in ('fedcp', 'gpfl'):  # the global body, as a zero head's model
     base = server.global_modules if name == 'fedcp' else server.global_model
     glob = dict(base.state_dict())
