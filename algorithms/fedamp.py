@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from optax import tree_utils as otu
 
 from fedjax_personal.config import (
   BATCHING,
@@ -147,10 +148,7 @@ class FedAMPOutput:
 
 def _squared_distance(a: PyTree, b: PyTree) -> jax.Array:
   """||a - b||^2 over every leaf."""
-  return sum(
-    jnp.sum(jnp.square(x - y))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-  )
+  return otu.tree_l2_norm(otu.tree_sub(a, b), squared=True)
 
 
 def attention_coefficients(

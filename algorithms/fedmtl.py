@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from optax import tree_utils as otu
 
 from fedjax_personal.config import (
   BATCHING,
@@ -130,11 +131,8 @@ def relationship_penalty(
   Returns:
     A scalar.
   """
-  own = sum(jnp.sum(jnp.square(a)) for a in jax.tree.leaves(w))
-  total = sum(
-    jnp.sum(jnp.square(a + s))
-    for a, s in zip(jax.tree.leaves(w), jax.tree.leaves(others_sum))
-  )
+  own = otu.tree_l2_norm(w, squared=True)
+  total = otu.tree_l2_norm(otu.tree_add(w, others_sum), squared=True)
   return scale * (own + omega**2 * total)
 
 
