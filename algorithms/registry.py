@@ -35,6 +35,7 @@ from fedjax_personal.algorithms import (
   fednova,
   fedntd,
   fedpac,
+  fedphp,
   fedproto,
   fedprox,
   fedrod,
@@ -126,6 +127,7 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     fedala.SPEC,
     fedamp.SPEC,
     fedmtl.SPEC,
+    fedphp.SPEC,
   ]
 }
 

@@ -15,7 +15,7 @@ import functools
 import math
 import re
 import typing
-from typing import Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
 
@@ -29,6 +29,7 @@ __all__ = [
   'FLAG_CLASSES',
   'Declared',
   'field_types',
+  'fill_from_run',
   'fill_options',
   'flag_fields',
   'flag_name',
@@ -52,6 +53,7 @@ def hparam(
   refusal: Optional[str] = None,
   command: bool = True,
   repeatable: bool = False,
+  of_run: Optional[Callable[[Any], Any]] = None,
 ):
   """A documented setting: a dataclass field carrying its flag's metadata.
 
@@ -74,6 +76,10 @@ def hparam(
       command could only ignore).
     repeatable: a tuple setting whose flag may be given several times, each
       adding values (``--import=a.py --import=b.py``), not a comma list.
+    of_run: for a setting whose default is None: ``experiment -> value``,
+      what the command sets it to from the run's own settings when the flag
+      is not given (FedPHP's schedule spans the run's ``--rounds``;
+      ``fill_from_run``), so the run's record holds the value it used.
 
   Returns:
     A ``dataclasses.field`` carrying the metadata.
@@ -92,8 +98,29 @@ def hparam(
       refusal=refusal,
       command=command,
       repeatable=repeatable,
+      of_run=of_run,
     ),
   )
+
+
+def fill_from_run(settings, run):
+  """``settings`` with each None field that declares ``of_run`` (``hparam``)
+  set to ``of_run(run)``.
+
+  Args:
+    settings: a settings dataclass instance.
+    run: what ``of_run`` reads (the command's ``ExperimentSettings``).
+
+  Returns:
+    The settings, filled.
+  """
+  fills = {
+    f.name: f.metadata['of_run'](run)
+    for f in dataclasses.fields(settings)
+    if f.metadata.get('of_run') is not None
+    and getattr(settings, f.name) is None
+  }
+  return dataclasses.replace(settings, **fills) if fills else settings
 
 
 @functools.lru_cache(maxsize=None)

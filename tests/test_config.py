@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl import flags
-from helpers import parse_flags, run_rounds
+from helpers import digits_data, parse_flags, run_rounds
 
 from fedjax_personal import algorithms
 from fedjax_personal.config import TrainingConfig, validate
@@ -380,6 +380,22 @@ def test_client_rate_schedules_are_the_seeds(kind, rounds, a, b):
     np.testing.assert_allclose(
       step['w'], -0.3 * want(t) * np.ones(3), rtol=1e-6, atol=1e-8
     )
+
+
+def test_a_setting_of_the_run_is_filled_from_it_unless_told():
+  """FedPHP's schedule horizon (``hparam(of_run=...)``): the run's rounds
+  minus one when not given, the value given otherwise; a library build
+  without it is refused naming the flag."""
+  _parse(['--algorithm=fedphp', '--rounds=7'])
+  assert cli.read_flags().algorithms[0].config.horizon == 6
+  _parse(['--algorithm=fedphp', '--rounds=1'])
+  assert cli.read_flags().algorithms[0].config.horizon == 1
+  _parse(['--algorithm=fedphp', '--rounds=7', '--fedphp_horizon=3'])
+  assert cli.read_flags().algorithms[0].config.horizon == 3
+  data = to_device(digits_data(num_clients=2))
+  model = from_flax('mlp', MLP(10, hidden=(8,)), data.train.x[0, :1])
+  with pytest.raises(ConfigError, match='--fedphp_horizon'):
+    algorithms.build('fedphp', model, data)
 
 
 def test_linear_schedule_spans_the_rounds_unless_told():

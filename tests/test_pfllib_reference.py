@@ -165,6 +165,13 @@ def test_equal_to_pfllib(reference, name):
       for k, v in got.items():
         want = reference[f'{name}/client_{i}/{k}']
         np.testing.assert_allclose(v, want, atol=ATOL)
+  if name == 'fedphp':  # each client's inherited private model
+    for i in range(PEER.NUM_CLIENTS):
+      private = jax.tree.map(lambda a: a[i], state.rows['private'])
+      got = PEER.project(weights.flat_params(jax.device_get(private)))
+      for k, v in got.items():
+        want = reference[f'{name}/private_{i}/{k}']
+        np.testing.assert_allclose(v, want, atol=ATOL)
   if name == 'fedcp':  # each client's heads, policy and context
     for i in range(PEER.NUM_CLIENTS):
       row = jax.tree.map(lambda a: a[i], state.rows)

@@ -160,10 +160,16 @@ def emnist_store(tmp_path_factory):
   )
 
 
+#: Settings a library build needs (the command fills them from the run).
+OWN = {'fedphp': dict(fedphp_horizon=2)}
+
+
 def _train(
   alg_name, data, population, model, sampler, training, executor='vmap'
 ):
-  alg = algorithms.build(alg_name, model, population, training=training)
+  alg = algorithms.build(
+    alg_name, model, population, training=training, **OWN.get(alg_name, {})
+  )
   if isinstance(executor, str):
     executor = fp.create_executor(
       executor,
@@ -1048,6 +1054,7 @@ def test_data_built_in_memory_reaches_the_store_unpadded(cfg):
     'fedala',
     'fedamp',
     'fedmtl',
+    'fedphp',
   ],
 )
 @pytest.mark.ci_variants('feddbe', 'fedgh', 'fedcac')
@@ -1061,7 +1068,7 @@ def test_pfllib_algorithms_run_a_natural_population_in_the_host_layout(
   critical masks and customized models, FedAS's alignment, FedPAC's
   combined heads, FedCP's policy, GPFL's inputs,
   MOON's previous models, FedProto's class means, FML's models,
-  FedALA's weights, FedMTL's models; FedAMP's models stay on the device,
+  FedALA's weights, FedMTL's models, FedPHP's private models; FedAMP's models stay on the device,
   read across the population)."""
   executor = lambda: fp.executors.BlockedExecutor(block_size=2, num_threads=2)
   _host_equals_device(emnist_store, alg_name, executor, atol=1e-5)

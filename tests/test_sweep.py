@@ -110,6 +110,7 @@ def _registry_problem():
 EXTRA = {
   'usercentric': {'recompute_every': 1, 'sigma_batch_size': 4},
   'cfl': {'warmup_rounds': 1, 'eps1': 10.0, 'eps2': 0.0},
+  'fedphp': {'horizon': 1},  # the command fills it from --rounds
 }
 
 

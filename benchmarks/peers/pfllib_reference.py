@@ -76,6 +76,7 @@ PFLLIB = {
   'fedamp': ('FedAMP', 'serveramp', 'FedAMP'),
   'fedamp_pfllib': ('FedAMP', 'serveramp', 'FedAMP'),
   'fedmtl': ('FedMTL', 'servermtl', 'FedMTL'),
+  'fedphp': ('FedPHP', 'serverphp', 'FedPHP'),
 }
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
 SPLIT = (
@@ -83,6 +84,7 @@ SPLIT = (
   'fedbabu',
   'fedcp',
   'feddbe',
+  'fedphp',
   'fedgc',
   'fedgh',
   'fedlc',
@@ -119,6 +121,7 @@ ALGORITHMS = {
   'fedamp': dict(alphaK=0.2, sigma=0.5, lamda=1.0),
   'fedamp_pfllib': dict(alphaK=0.2, sigma=0.5, lamda=1.0),
   'fedmtl': {},
+  'fedphp': dict(lamda=0.3, mu=0.6),
 }
 #: Records of an algorithm under another setting: record -> algorithm.
 RECORDED_AS = {'fedamp_pfllib': 'fedamp'}
@@ -138,10 +141,11 @@ OWN_MODELS = (
   'fedamp',
   'fedamp_pfllib',
   'fedmtl',
+  'fedphp',
 )
 #: Those whose loop ends with what the next round would send (or whose
 #: ``send_models`` would overwrite the clients' own models).
-ENDS_SENT = ('fedcac', 'fedas', 'fedproto', 'fd', 'fml', 'fedmtl')
+ENDS_SENT = ('fedcac', 'fedas', 'fedproto', 'fd', 'fml', 'fedmtl', 'fedphp')
 #: This project's settings that make its run the record's: FedPAC's server
 #: pairs heads with clients through two random orders, fixed to the
 #: identity in the record (``fixed_orders``): its combination in order.
@@ -153,6 +157,8 @@ OURS = {
   # PFLlib's regularizers without a gradient (see the modules' docstrings)
   'fedamp_pfllib': dict(detached=True),
   'fedmtl': dict(detached=True),
+  # its schedule's H: PFLlib's -gr (global_rounds), its loop running H + 1
+  'fedphp': dict(horizon=ROUNDS - 1),
 }
 #: FedCP's feature size (FedAvgCNN's ``fc1``).
 FEATURES = 512
@@ -586,6 +592,11 @@ def run(torch, name, data, init_state, template, sample_x):
     for i, client in enumerate(server.clients):
       rec[f'{name}/head_{i}/kernel'] = client.head.weight.detach().numpy().T
       rec[f'{name}/head_{i}/bias'] = client.head.bias.detach().numpy()
+  if name == 'fedphp':  # each client's inherited private model
+    for i, client in enumerate(server.clients):
+      private = to_flax(torch, whole_state(client.model_p), template, sample_x)
+      for k, v in project(private).items():
+        rec[f'{name}/private_{i}/{k}'] = v
   if name == 'feddbe':
     for i, client in enumerate(server.clients):
       rec[f'{name}/bias_{i}'] = client.client_mean.detach().numpy()

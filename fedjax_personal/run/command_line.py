@@ -35,6 +35,7 @@ from fedjax_personal.errors import ConfigError
 from fedjax_personal.hparams import (
   claim_flags,
   field_types,
+  fill_from_run,
   flag_fields,
   flag_name,
   is_list,
@@ -410,7 +411,10 @@ def resolve_algorithms(
       experiment.rounds
     )  # the 'linear' schedule spans --rounds
   training = TrainingConfig(**fields)
-  configs = {cls: fl.make(cls) for cls in algorithms_lib.config_classes()}
+  configs = {
+    cls: fill_from_run(fl.make(cls), experiment)
+    for cls in algorithms_lib.config_classes()
+  }
   specs = [algorithms_lib.spec(n) for n in names]
   ignored: Dict[str, List[str]] = {s.name: [] for s in specs}
   for name in _given_fields(fl, TrainingConfig, swept):
