@@ -25,6 +25,7 @@ from fedjax_personal.algorithms import (
   fedbabu,
   fedcac,
   fedcp,
+  fedcross,
   feddbe,
   feddyn,
   fedfomo,
@@ -128,6 +129,7 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     fedamp.SPEC,
     fedmtl.SPEC,
     fedphp.SPEC,
+    fedcross.SPEC,
   ]
 }
 

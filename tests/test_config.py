@@ -398,6 +398,15 @@ def test_a_setting_of_the_run_is_filled_from_it_unless_told():
     algorithms.build('fedphp', model, data)
 
 
+def test_fedcross_models_are_the_cohort_and_refuse_participation():
+  _parse(['--algorithm=fedcross', '--cohort_size=5'])
+  assert cli.read_flags().algorithms[0].config.num_models == 5
+  _parse(['--algorithm=fedcross', '--participation=0.5'])
+  with pytest.raises(ConfigError, match='give --cohort_size') as e:
+    cli.read_flags()
+  assert e.value.name == 'participation'
+
+
 def test_linear_schedule_spans_the_rounds_unless_told():
   _parse(['--algorithm=fedavg', '--client_lr_schedule=linear', '--rounds=7'])
   assert cli.read_flags().algorithms[0].training.client_lr_horizon == 7

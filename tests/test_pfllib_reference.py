@@ -123,7 +123,11 @@ def test_equal_to_pfllib(reference, name):
     client_lr=PEER.LR, batch_size=PEER.TRAIN, local_epochs=PEER.LOCAL_EPOCHS
   )
   algo = PEER.RECORDED_AS.get(name, name)
-  flags = {f'{algo}_{PEER.FLAG_NAMES.get(k, k)}': v for k, v in own.items()}
+  flags = {
+    f'{algo}_{PEER.FLAG_NAMES.get(k, k)}': v
+    for k, v in own.items()
+    if PEER.FLAG_NAMES.get(k, k) is not None
+  }
   alg = algorithms.build(algo, model, data, training, **flags)
   state = _rounds(alg, data, reference, name)
   cm = alg.client_models(state)
@@ -164,6 +168,13 @@ def test_equal_to_pfllib(reference, name):
       got = PEER.project(weights.flat_params(jax.device_get(mine)))
       for k, v in got.items():
         want = reference[f'{name}/client_{i}/{k}']
+        np.testing.assert_allclose(v, want, atol=ATOL)
+  if algo == 'fedcross':  # the middleware models
+    for m in range(PEER.NUM_CLIENTS):
+      mw = jax.tree.map(lambda a: a[m], state.middleware)
+      got = PEER.project(weights.flat_params(jax.device_get(mw)))
+      for k, v in got.items():
+        want = reference[f'{name}/middleware_{m}/{k}']
         np.testing.assert_allclose(v, want, atol=ATOL)
   if name == 'fedphp':  # each client's inherited private model
     for i in range(PEER.NUM_CLIENTS):

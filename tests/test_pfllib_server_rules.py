@@ -2,7 +2,8 @@
 solvers: FedPAC's quadratic program and its server's combination of heads
 (in PFLlib's order, written in place), FedCAC's critical masks and
 collaboration matrix, FedAMP's cloud models (its ``send_models`` loop),
-FedMTL's regularizer (PFLlib's expression over the whole W)."""
+FedMTL's regularizer (PFLlib's expression over the whole W), FedCross's
+partners (its ``cross_aggregation`` loop, ties included)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import optimize
 
-from fedjax_personal.algorithms import fedamp, fedcac, fedmtl, fedpac
+from fedjax_personal.algorithms import fedamp, fedcac, fedcross, fedmtl, fedpac
 
 
 @pytest.mark.parametrize('seed', range(4))
@@ -159,3 +160,40 @@ def test_fedmtl_regularizer_gradient_is_pfllibs_expression():
   np.testing.assert_allclose(
     jax.grad(mine)(col), jax.grad(pfllib)(col), rtol=1e-6
   )
+
+
+def _pfllib_partners(sim, strategy):
+  """``servercross.cross_aggregation``'s choice, as its loop runs."""
+  m = len(sim)
+  out = []
+  for j in range(m):
+    maxtag, submax, mintag = 0, 1, (j + 1) % m
+    for p in range(m):
+      if sim[j][p] > sim[j][maxtag]:
+        submax, maxtag = maxtag, p
+      elif sim[j][p] > sim[j][submax]:
+        submax = p
+      if sim[j][p] < sim[j][mintag] and p != j:
+        mintag = p
+    out.append({0: (j + 1) % m, 1: mintag, 2: maxtag}[strategy])
+  return out
+
+
+@pytest.mark.parametrize('seed', range(6))
+def test_fedcross_partners_equal_pfllibs_loop(seed):
+  rng = np.random.default_rng(seed)
+  m = 5
+  # few distinct values, so that ties happen; some negative
+  sim = rng.integers(-2, 3, size=(m, m)).astype(np.float32)
+  sim = np.triu(sim, 1) + np.triu(sim, 1).T  # symmetric, 0 diagonal
+  for strategy, name in (
+    (1, 'least_similar'),
+    (2, 'most_similar'),
+    (0, 'in_turn'),
+  ):
+    mix = np.asarray(fedcross.cross_mixing(jnp.asarray(sim), 0.7, name))
+    want = np.full((m, m), 0.0)
+    for j, p in enumerate(_pfllib_partners(sim.tolist(), strategy)):
+      want[j, j] += 0.7
+      want[j, p] += 0.3
+    np.testing.assert_allclose(mix, want, atol=1e-6, err_msg=name)

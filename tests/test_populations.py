@@ -161,7 +161,13 @@ def emnist_store(tmp_path_factory):
 
 
 #: Settings a library build needs (the command fills them from the run).
-OWN = {'fedphp': dict(fedphp_horizon=2)}
+OWN = {
+  'fedphp': dict(fedphp_horizon=2),
+  'fedcross': dict(fedcross_num_models=6),
+}
+#: FedCross hands the i-th client the i-th of its cohort-size models: a
+#: fixed cohort (participation is refused).
+COHORT = {'fedcross': 6}
 
 
 def _train(
@@ -299,14 +305,18 @@ def test_heavy_tailed_host_layout_equals_device_layout_on_every_executor(
 
 
 def _host_equals_device(store, alg_name, make_executor, atol):
-  """An MLP trained 3 rounds on the store's writers (participation 0.4),
+  """An MLP trained 3 rounds on the store's writers (participation 0.4;
+  FedCross a cohort of 6),
   packed on the host and padded on the device, each with a fresh executor
   from ``make_executor``: the same state (rtol 1e-5, ``atol``) and the same
   per-client accuracy (1e-6)."""
   model = fp.models.from_flax(
     'mlp', fp.models.MLP(62, hidden=(8,)), store.population().sample_x
   )
-  sampler = CohortSampler(16, participation=0.4)
+  if alg_name in COHORT:
+    sampler = CohortSampler(16, cohort_size=COHORT[alg_name])
+  else:
+    sampler = CohortSampler(16, participation=0.4)
   training = TrainingConfig(client_lr=0.1, batch_size=8)
   device = to_device(store.padded())
   _, s_dev, h_dev = _train(
@@ -1055,6 +1065,7 @@ def test_data_built_in_memory_reaches_the_store_unpadded(cfg):
     'fedamp',
     'fedmtl',
     'fedphp',
+    'fedcross',
   ],
 )
 @pytest.mark.ci_variants('feddbe', 'fedgh', 'fedcac')
@@ -1068,7 +1079,7 @@ def test_pfllib_algorithms_run_a_natural_population_in_the_host_layout(
   critical masks and customized models, FedAS's alignment, FedPAC's
   combined heads, FedCP's policy, GPFL's inputs,
   MOON's previous models, FedProto's class means, FML's models,
-  FedALA's weights, FedMTL's models, FedPHP's private models; FedAMP's models stay on the device,
+  FedALA's weights, FedMTL's models, FedPHP's private models, FedCross's trained models; FedAMP's models stay on the device,
   read across the population)."""
   executor = lambda: fp.executors.BlockedExecutor(block_size=2, num_threads=2)
   _host_equals_device(emnist_store, alg_name, executor, atol=1e-5)

@@ -77,6 +77,8 @@ PFLLIB = {
   'fedamp_pfllib': ('FedAMP', 'serveramp', 'FedAMP'),
   'fedmtl': ('FedMTL', 'servermtl', 'FedMTL'),
   'fedphp': ('FedPHP', 'serverphp', 'FedPHP'),
+  'fedcross': ('FedCross', 'servercross', 'FedCross'),
+  'fedcross_most_similar': ('FedCross', 'servercross', 'FedCross'),
 }
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
 SPLIT = (
@@ -122,11 +124,23 @@ ALGORITHMS = {
   'fedamp_pfllib': dict(alphaK=0.2, sigma=0.5, lamda=1.0),
   'fedmtl': {},
   'fedphp': dict(lamda=0.3, mu=0.6),
+  'fedcross': dict(fedcross_alpha=0.7, collaberative_model_select_strategy=1),
+  'fedcross_most_similar': dict(
+    fedcross_alpha=0.7, collaberative_model_select_strategy=2
+  ),
 }
 #: Records of an algorithm under another setting: record -> algorithm.
-RECORDED_AS = {'fedamp_pfllib': 'fedamp'}
-#: PFLlib's argument names that this project's flags spell otherwise.
-FLAG_NAMES = {'alphaK': 'alpha_k'}
+RECORDED_AS = {
+  'fedamp_pfllib': 'fedamp',
+  'fedcross_most_similar': 'fedcross',
+}
+#: PFLlib's argument names that this project's flags spell otherwise (None:
+#: a number this project spells as a word, given in ``OURS``).
+FLAG_NAMES = {
+  'alphaK': 'alpha_k',
+  'fedcross_alpha': 'alpha',
+  'collaberative_model_select_strategy': None,
+}
 #: Those whose clients keep their own models, recorded client by client.
 OWN_MODELS = (
   'fedgh',
@@ -142,10 +156,22 @@ OWN_MODELS = (
   'fedamp_pfllib',
   'fedmtl',
   'fedphp',
+  'fedcross',
+  'fedcross_most_similar',
 )
 #: Those whose loop ends with what the next round would send (or whose
 #: ``send_models`` would overwrite the clients' own models).
-ENDS_SENT = ('fedcac', 'fedas', 'fedproto', 'fd', 'fml', 'fedmtl', 'fedphp')
+ENDS_SENT = (
+  'fedcac',
+  'fedas',
+  'fedproto',
+  'fd',
+  'fml',
+  'fedmtl',
+  'fedphp',
+  'fedcross',
+  'fedcross_most_similar',
+)
 #: This project's settings that make its run the record's: FedPAC's server
 #: pairs heads with clients through two random orders, fixed to the
 #: identity in the record (``fixed_orders``): its combination in order.
@@ -159,6 +185,8 @@ OURS = {
   'fedmtl': dict(detached=True),
   # its schedule's H: PFLlib's -gr (global_rounds), its loop running H + 1
   'fedphp': dict(horizon=ROUNDS - 1),
+  'fedcross': dict(partner='least_similar', num_models=NUM_CLIENTS),
+  'fedcross_most_similar': dict(partner='most_similar', num_models=NUM_CLIENTS),
 }
 #: FedCP's feature size (FedAvgCNN's ``fc1``).
 FEATURES = 512
@@ -351,6 +379,9 @@ def pfllib_args(torch, model, name, own, **sizes):
     alphaK=1.0,
     sigma=1.0,
     itk=4000,
+    first_stage_bound=0,
+    fedcross_alpha=0.99,
+    collaberative_model_select_strategy=1,
   )
   for k, v in {**sizes, **own}.items():
     setattr(args, k, v)
@@ -592,6 +623,11 @@ def run(torch, name, data, init_state, template, sample_x):
     for i, client in enumerate(server.clients):
       rec[f'{name}/head_{i}/kernel'] = client.head.weight.detach().numpy().T
       rec[f'{name}/head_{i}/bias'] = client.head.bias.detach().numpy()
+  if name.startswith('fedcross'):  # the middleware models
+    for m, mw in enumerate(server.w_locals):
+      own = to_flax(torch, mw.state_dict(), template, sample_x)
+      for k, v in project(own).items():
+        rec[f'{name}/middleware_{m}/{k}'] = v
   if name == 'fedphp':  # each client's inherited private model
     for i, client in enumerate(server.clients):
       private = to_flax(torch, whole_state(client.model_p), template, sample_x)
