@@ -163,7 +163,7 @@ class FedCrossOutput:
 def _layers(model: Model, stacked: PyTree):
   """[M, P_l] of each layer (its parameter tensors joined), the head's
   last."""
-  body, head = model.head.split(stacked)
+  body, head = model.require_head('--algorithm=fedcross').split(stacked)
 
   def of(tree):
     flat = traverse_util.flatten_dict(tree)

@@ -21,6 +21,7 @@ def strip(history):
   return [{k: v for k, v in r.items() if k != 'round_seconds'} for r in history]
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted(tmp_path):
   data = to_device(
     load_federated(

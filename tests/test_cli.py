@@ -21,6 +21,7 @@ SCRIPT = os.path.join(ROOT, 'scripts', 'run_experiment.py')
 parse = parse_flags
 
 
+@pytest.mark.slow
 def test_small_comparison_writes_outputs(tmp_path, capsys):
   parse(
     '--algorithm=fedavg,local,fedavg_ft',
@@ -424,6 +425,7 @@ def test_cli_sweep_of_seeds_equals_single_runs_for_pre_round_algorithms(
         assert a[k] == pytest.approx(b[k], rel=1e-5), (alg, k)
 
 
+@pytest.mark.slow
 def test_sweep_marks_a_diverged_configuration_and_exits_3_when_all_diverge(
   tmp_path, capsys
 ):

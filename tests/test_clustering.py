@@ -131,6 +131,7 @@ def test_silhouette_choice_matches_sklearn_loop():
     assert adjusted_rand_score(g, np.asarray(r.labels)) == 1.0
 
 
+@pytest.mark.slow
 def test_streams_on_w_agree_with_sklearn(shift_w):
   """The silhouette streams of the scenario's W against scikit-learn's loop
   on the same W: the same k; the ARI of both against the true groups is

@@ -57,6 +57,7 @@ LOCAL = fp.Batching(
 @pytest.mark.parametrize(
   'participation', ['full', pytest.param('partial', marks=pytest.mark.slow)]
 )
+@pytest.mark.slow_variants('full')
 def test_feddyn_and_scaffold_reach_the_minimizer_fedavg_does_not(
   heterogeneous, participation
 ):
@@ -93,6 +94,7 @@ def test_feddyn_and_scaffold_reach_the_minimizer_fedavg_does_not(
   assert distance(sca.params, theta) < 1e-4
 
 
+@pytest.mark.slow
 def test_feddyn_state_update_follows_the_equations():
   """One client loop + server step written from the spec, compared for 3 rounds."""
   data, xs, ys = least_squares_data(num_clients=3, sizes=(5, 7, 9))
@@ -241,6 +243,7 @@ def test_prototype_logits_and_loss_by_hand():
   assert float(stats.correct) == 2.0
 
 
+@pytest.mark.slow
 def test_maml_differentiates_through_the_inner_steps():
   model = fp.create_model('mlp', 3, np.zeros((1, 4), np.float32))
   params = model.init(jax.random.key(0))

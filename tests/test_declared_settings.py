@@ -155,6 +155,7 @@ def test_the_data_flags_make_the_data_config():
   )
 
 
+@pytest.mark.slow
 def test_an_option_of_a_data_set_of_ones_own_reaches_its_reader_and_keys_its_store():
   """A data set's own option (docs/add_a_data_set.md): the options class
   its module registers reaches its reader, keys its store (a store made

@@ -103,6 +103,7 @@ def assert_same_records(a, b):
     )
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
   """The suite's check (the resume and Ditto below, with -m slow)."""
   args = ['--algorithm=fedavg', '--model=logreg', *SMALL, '--rounds=2']

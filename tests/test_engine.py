@@ -602,6 +602,7 @@ def test_evaluation_in_test_length_groups_matches_plain_loop(executor):
       np.testing.assert_allclose(got.loss_sum[i], want.loss_sum, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_pooled_evaluation_of_the_device_layout_skips_clients_without_test_rows(
   monkeypatch,
 ):

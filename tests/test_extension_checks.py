@@ -53,6 +53,7 @@ COMMON = [
 ]
 
 
+@pytest.mark.slow
 def test_variant_uploads_its_loss_and_broken_rounds_are_one_line(tmp_path):
   (tmp_path / 'variants.py').write_text(VARIANTS)
   out = tmp_path / 'out'

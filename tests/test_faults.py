@@ -100,6 +100,7 @@ def test_unwritable_output_fails_before_training(tmp_path):
     job('--rounds=1', f'--output_dir={tmp_path / "file"}')
 
 
+@pytest.mark.slow
 def test_corrupted_latest_checkpoint_falls_back(tmp_path, capsys):
   full = job('--rounds=4', f'--output_dir={tmp_path}/full')['fedavg']
   job('--rounds=3', '--checkpoint_every=1', f'--output_dir={tmp_path}/cut')
@@ -263,6 +264,7 @@ def test_tinyshakespeare_file_is_checked(tmp_path, mangle, needle):
   assert str(tmp_path) in str(e.value) and e.value.name == 'data_dir'
 
 
+@pytest.mark.slow
 def test_checkpoints_carry_the_run_identity(tmp_path):
   """A checkpoint moved into another configuration's folder is refused on
   resume (the identity is stored inside every Orbax checkpoint)."""

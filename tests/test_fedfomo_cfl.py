@@ -122,6 +122,7 @@ def test_fedfomo_in_group_share_of_positive_weight():
   )  # a round with weight inside and outside groups
 
 
+@pytest.mark.slow
 def test_fedfomo_round_updates_affinity_and_models():
   data = to_device(
     load_federated(
@@ -158,6 +159,7 @@ def test_fedfomo_round_updates_affinity_and_models():
   assert 0 <= acc['accuracy_mean'] <= 1
 
 
+@pytest.mark.slow
 def test_dp_gradient_clips_and_adds_noise():
   model = fp.models.from_flax(
     'logreg', fp.models.LogisticRegression(3), jnp.zeros((1, 4))
@@ -229,6 +231,7 @@ def test_cfl_split_rule():
 
 
 @pytest.mark.parametrize('partition', ['label_permutation', 'iid'])
+@pytest.mark.slow_variants('label_permutation')
 def test_cfl_splits_opposed_groups_and_not_a_homogeneous_one(partition):
   data = to_device(
     load_federated(

@@ -129,6 +129,7 @@ def _check(name, task, denominator):
   return model, params, flat
 
 
+@pytest.mark.slow
 def test_fedjax_lstm_lm_is_fedjax_stackoverflow_create_lstm_model():
   """Logits, the loss (a sentence's token losses summed, averaged over the
   real sentences) and every gradient equal FedJAX's."""
@@ -239,6 +240,7 @@ def test_init_weights_matches_haiku_layers_by_kind_and_index(tmp_path):
     weights.load(str(tmp_path / 'shape.npz'), model, x)
 
 
+@pytest.mark.slow
 def test_fedjax_emnist_cnn_gives_fedjax_logits_on_fedjax_weights(tmp_path):
   """FedJAX's EMNIST CNN (``models.emnist.ConvDropoutModule``, recorded on 8x8
   images) given its own Haiku parameters through ``--init_weights``: the

@@ -136,6 +136,7 @@ def test_qffl_round_by_hand(q):
   assert max_diff(state.params, want) < 1e-5
 
 
+@pytest.mark.slow
 def test_qffl_with_q_zero_is_uniform_fedavg():
   _, _, q0, _ = one_round('qffl', (3, 7, 5), q=0.0)
   _, _, avg, _ = one_round('fedavg', (3, 7, 5), weighting='uniform')

@@ -111,6 +111,7 @@ def test_training_batches_see_the_random_half_and_everything_else_the_centre():
   assert np.isclose(drawn, want) and not np.isclose(drawn, plain)
 
 
+@pytest.mark.slow
 def test_cli_records_the_pipeline_and_refuses_it_elsewhere(
   tmp_path, made_not_released, capsys
 ):

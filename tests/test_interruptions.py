@@ -182,6 +182,7 @@ def test_disk_full_while_checkpointing_then_resume(tmp_path):
     subprocess.run(['umount', str(small)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_disk_full_while_writing_metrics(tmp_path):
   small = tmp_path / 'small'
   if not _mount_small(small, '40k'):
@@ -565,6 +566,7 @@ def _terminated_at(alg, at, args):
   )
 
 
+@pytest.mark.slow
 def test_sigterm_at_an_algorithms_last_round_writes_its_results_and_names_the_next_command(
   tmp_path,
 ):
@@ -619,6 +621,7 @@ def test_sigterm_at_an_algorithms_last_round_writes_its_results_and_names_the_ne
 @pytest.mark.parametrize(
   'every', ['0', pytest.param('1', marks=pytest.mark.slow)]
 )
+@pytest.mark.slow_variants('0')
 def test_sigterm_at_the_runs_last_round_ends_it_with_everything_written(
   tmp_path, every
 ):
@@ -666,6 +669,7 @@ def _under_address_limit(limit_bytes, args):
   )
 
 
+@pytest.mark.slow
 def test_a_sweep_under_an_address_space_limit(tmp_path):
   """``ulimit -v`` of 1.5 GB: a sweep runs (malloc's arenas limited before
   JAX's threads start: about 0.9 GB reserved, not 1.8); under 1 GB the
@@ -694,6 +698,7 @@ def test_a_sweep_under_an_address_space_limit(tmp_path):
   ), line
 
 
+@pytest.mark.slow
 def test_an_output_dir_on_a_read_only_disk_exits_74_and_a_file_in_the_way_2(
   tmp_path,
 ):
@@ -723,6 +728,7 @@ def test_an_output_dir_on_a_read_only_disk_exits_74_and_a_file_in_the_way_2(
     subprocess.run(['umount', str(ro)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_a_damaged_identity_file_is_refused_naming_it_and_overwrite_starts_again(
   tmp_path, capsys
 ):
@@ -768,6 +774,7 @@ def test_a_damaged_identity_file_is_refused_naming_it_and_overwrite_starts_again
   assert (out / 'local' / 'metrics.jsonl').read_text() == kept
 
 
+@pytest.mark.slow
 def test_ctrl_c_of_the_main_jobs_kind_then_the_docs_resume_equals_the_whole_run(
   tmp_path,
 ):

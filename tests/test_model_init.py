@@ -207,6 +207,7 @@ def test_average_pooling_averages_windows():
 # -- initial weights from files -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_npz_round_trip_and_mismatches(tmp_path):
   x = jnp.zeros((1, 28, 28, 1))
   model = models.create_model('lenet5', 10, x)

@@ -65,6 +65,7 @@ def _clients(sizes, shape=(6,), classes=3, seed=0):
   return data, xs, ys
 
 
+@pytest.mark.slow
 def test_batch_statistics_are_those_of_the_real_examples_and_evaluation_is_deterministic():
   x = np.random.default_rng(0).normal(size=(5, 6)).astype(np.float32)
   model = models.from_flax('small', SmallBN(3, dropout=0.5), x)
@@ -152,6 +153,7 @@ def _perturbed_state(torch, net, seed):
 
 
 @pytest.mark.torch
+@pytest.mark.slow
 def test_resnet18_bn_gives_pytorch_logits_on_a_pytorch_state_dict(tmp_path):
   """torchvision's ResNet-18, running statistics included, loads with
   --init_weights; evaluation (running statistics) equals PyTorch's eval()."""
@@ -173,6 +175,7 @@ def test_resnet18_bn_gives_pytorch_logits_on_a_pytorch_state_dict(tmp_path):
 
 
 @pytest.mark.torch
+@pytest.mark.slow
 def test_fedavg_of_a_batch_norm_resnet_equals_pytorch_training_and_state_dict_averaging(
   tmp_path,
 ):
@@ -277,6 +280,7 @@ def _fedavg_resnet_check(tmp_path):
     assert err <= 1e-3 * moved + 1e-7, (jax.tree_util.keystr(path), err, moved)
 
 
+@pytest.mark.slow
 def test_fedbn_keeps_batch_norm_on_each_client_as_a_per_client_loop():
   """FedBN's round against a per-client loop: each client trains the model
   made of the global shared part and its own BatchNorm (scale, bias,

@@ -390,6 +390,7 @@ def test_pooling_has_forward_and_reverse_derivatives_of_the_strided_form():
 
 
 @pytest.mark.parametrize('convention', ['flax', 'keras'])
+@pytest.mark.slow_variants('flax', 'keras')
 def test_lstm_sequence_equals_nn_rnn_in_values_gradients_and_hessian_products(
   convention,
 ):

@@ -226,6 +226,7 @@ def test_the_run_records_its_numerics_and_refuses_another_on_resume(tmp_path):
   }  # an MLP: no convolution
 
 
+@pytest.mark.slow
 def test_a_host_layout_run_records_the_convolution_of_its_pooled_forward_passes(
   tmp_path,
 ):

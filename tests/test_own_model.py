@@ -38,6 +38,7 @@ def _summary(folder):
   return json.load(open(folder / 'summary.json'))
 
 
+@pytest.mark.slow
 def test_the_docs_commands_run_as_printed(user_folder):
   (bash,) = _doc_blocks('bash')
   lines = [shlex.split(l) for l in bash.strip().splitlines()]
@@ -113,6 +114,7 @@ def _compare(user_folder, whole, runs):
         assert not diff, (alg, name, diff[:5])
 
 
+@pytest.mark.slow
 def test_resume_vmap_and_its_dropout_option(user_folder, whole):
   """An interrupted run's --resume (the same program: to the bit) and the
   vmap executor (the cohort's convolutions as one grouped convolution, the
@@ -164,6 +166,7 @@ def test_sequential_blocked_and_host_layout(user_folder, whole):
   )
 
 
+@pytest.mark.slow
 def test_a_changed_model_file_refuses_resume_and_a_broken_one_is_one_line(
   user_folder,
 ):

@@ -330,6 +330,7 @@ def test_apfl_alpha_zero_is_global_and_one_is_local(digits):
   assert max_diff(a1.client_models(s1).params, loc.personal_params) < 1e-5
 
 
+@pytest.mark.slow
 def test_pfedme_step_by_hand(digits):
   model = mlp(digits)
   lam, plr, lr, k = 2.0, 0.05, 0.1, 3

@@ -116,6 +116,9 @@ def _rounds(alg, data, reference, name):
 
 
 @pytest.mark.parametrize('name', sorted(PEER.ALGORITHMS))
+# CI: one that splits a body from a head, one that exchanges prototypes, one
+# whose cloud models mix the cohort's (the rest with -m slow)
+@pytest.mark.ci_variants('fedcac', 'fedproto', 'fedamp')
 def test_equal_to_pfllib(reference, name):
   data, model = _data(reference), _model(reference)
   own = {**PEER.ALGORITHMS[name], **PEER.OURS.get(name, {})}

@@ -76,6 +76,7 @@ def _run(folder, *args):
   )
 
 
+@pytest.mark.slow
 def test_the_docs_extensions_run_from_the_users_files_and_data_is_never_stale(
   tmp_path,
 ):
@@ -240,6 +241,7 @@ def test_an_extra_upload_is_averaged_with_the_weights_and_counted(gradnorm):
   assert float(metrics['bytes_up']) == len(sizes) * (param_bytes + 8)
 
 
+@pytest.mark.slow
 def test_import_faults_are_one_line(tmp_path):
   (tmp_path / 'broken.py').write_text('import numpy\n\nx = 1 / 0\n')
   for spec, says in (

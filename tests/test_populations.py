@@ -287,6 +287,7 @@ def test_host_layout_equals_device_layout(
     pytest.param('sequential', marks=pytest.mark.slow),
   ],
 )
+@pytest.mark.slow_variants('blocked_threads')
 def test_heavy_tailed_host_layout_equals_device_layout_on_every_executor(
   emnist_store, executor
 ):
@@ -381,6 +382,7 @@ def test_host_layout_equals_device_layout_with_the_sequential_executor(
   )
 
 
+@pytest.mark.slow
 def test_host_layout_fine_tuned_evaluation_and_cap(emnist_store):
   """Evaluation after fine-tuning (training split streamed with the test
   split) and a cap on training examples agree with the device layout."""
@@ -754,6 +756,7 @@ def _numbers(summary):
   }
 
 
+@pytest.mark.slow
 def test_host_sweep_shares_a_cohort_gather_per_seed_and_round(emnist_store):
   """Configurations of one seed draw the same cohort: one gather serves
   them all; another seed gathers its own."""
@@ -1068,7 +1071,7 @@ def test_data_built_in_memory_reaches_the_store_unpadded(cfg):
     'fedcross',
   ],
 )
-@pytest.mark.ci_variants('feddbe', 'fedgh', 'fedcac')
+@pytest.mark.ci_variants('fedcac')
 def test_pfllib_algorithms_run_a_natural_population_in_the_host_layout(
   emnist_store, alg_name
 ):

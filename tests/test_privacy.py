@@ -81,6 +81,7 @@ def test_fedfomo_dp_records_epsilon_every_round(tmp_path):
     cli.main_job()
 
 
+@pytest.mark.slow
 def test_fedavg_dp_records_epsilon_and_refuses_noise_without_clip(tmp_path):
   # FedAvg's DP-SGD rows of FedFomo's DP table: the same accounting as FedFomo.
   parse_flags(

@@ -150,6 +150,7 @@ def test_stackoverflow_loss_equals_the_publishers(tmp_path):
   )
 
 
+@pytest.mark.slow
 def test_shakespeare_rows_and_loss_equal_the_publishers(tmp_path):
   """``--shakespeare_windows=tff`` rows equal
   ``convert_snippets_to_character_sequence_examples``'s in order (its

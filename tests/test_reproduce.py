@@ -575,6 +575,7 @@ def test_code_fingerprint_is_of_the_code_loaded_not_of_later_edits(
     reproduce.code_fingerprint.cache_clear()
 
 
+@pytest.mark.slow
 def test_fedprox_figure_is_written(tmp_path):
   """FedProx's Figure 1 at 90% stragglers, two rounds: its three methods'
   training loss in the table and the figure."""

@@ -94,6 +94,7 @@ def test_rows_in_place_equal_rows_written_after(digits, name):
   assert trained and len(trained) >= 5
 
 
+@pytest.mark.slow
 def test_fused_round_holds_no_buffer_of_the_cohorts_new_rows(digits):
   model = mlp(digits, hidden=(256, 256))
   alg = BUILDERS['ditto'](model)
@@ -121,6 +122,7 @@ def test_fused_round_holds_no_buffer_of_the_cohorts_new_rows(digits):
   )
 
 
+@pytest.mark.slow
 def test_broadcast_of_other_rows_is_not_written_in_place(digits):
   """Rows the broadcast transforms are no buffer to read in place: the
   engine falls back to writing the outputs after the loop."""

@@ -269,6 +269,7 @@ def _as_flax(state_dict, rules, norms=('norm',)):
 
 @pytest.mark.torch
 @pytest.mark.parametrize('tied,adapter_dim', [(False, 3), (True, 0)])
+@pytest.mark.slow_variants('False-3')
 def test_transformer_equals_the_seeds_pytorch_code(tmp_path, tied, adapter_dim):
   torch = pytest.importorskip('torch')
   torch.manual_seed(0)

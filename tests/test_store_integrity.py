@@ -152,6 +152,7 @@ def test_damage_found_on_open_or_by_verify_rebuilds_with_one_line(
       np.testing.assert_array_equal(y, wy)
 
 
+@pytest.mark.slow
 def test_cli_damaged_store_exits_2_naming_it_then_reruns_to_the_same_numbers(
   tmp_path,
 ):

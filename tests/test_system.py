@@ -140,6 +140,7 @@ def test_stragglers_follow_fedprox_code(digits, executor, alg_name):
     assert int(metrics['num_active']) == (6 if alg_name == 'fedprox' else 3)
 
 
+@pytest.mark.slow
 def test_no_stragglers_no_dropouts_change_nothing(digits):
   """A system of full, reliable devices is no system: the same state bit for bit."""
   model = _mlp(digits)
@@ -252,6 +253,9 @@ def emnist_store(tmp_path_factory):
     ('fedprox', 'blocked_threads'),
   ],
 )
+@pytest.mark.slow_variants(
+  'ditto-vmap', 'fedprox-blocked_threads', 'fedprox-sequential', 'fedprox-vmap'
+)
 def test_host_layout_equals_device_layout_with_stragglers_and_dropouts(
   emnist_store, alg_name, executor
 ):
@@ -313,6 +317,7 @@ def test_flags_reach_the_run_and_its_identity():
     cli.read_flags()
 
 
+@pytest.mark.slow
 def test_fednova_normalizes_the_epochs_each_client_drew():
   """local_work_min: each client's drawn epochs are the steps FedNova
   normalizes by (tau_i = E_i ceil(n_i / B)), by hand as its eq. 6."""
@@ -361,6 +366,7 @@ def test_fednova_normalizes_the_epochs_each_client_drew():
   chex.assert_trees_all_close(state.params, want, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_cohorts_are_drawn_from_the_online_clients(digits, tmp_path):
   """--availability: each round's cohort holds online clients only, as many
   as are online at most; --availability_trace: round t reads row t mod T.
@@ -395,6 +401,7 @@ def test_cohorts_are_drawn_from_the_online_clients(digits, tmp_path):
   assert e.value.setting == 'availability_trace'
 
 
+@pytest.mark.slow
 def test_a_deadline_makes_slow_clients_stragglers(digits, tmp_path):
   """--client_speeds and --deadline: client i runs floor(D speed_i) steps;
   FedProx keeps what the late ones did (a per-client loop with those steps),
@@ -461,6 +468,7 @@ def test_a_deadline_makes_slow_clients_stragglers(digits, tmp_path):
   assert e.value.setting == 'client_speeds'
 
 
+@pytest.mark.slow
 def test_the_run_reports_its_devices(tmp_path):
   """The command: the header's line, each round's counts in metrics.jsonl,
   devices.png beside accuracy.png."""
@@ -501,6 +509,7 @@ def test_the_run_reports_its_devices(tmp_path):
   assert (out / 'devices.png').stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_rows_shuffled_in_groups_reach_every_client():
   """``row_groups`` (TFF's Shakespeare snippets): each client's batches are
   its rows shuffled in groups, as a per-client loop with the same groups."""

@@ -33,6 +33,7 @@ def test_the_crc_is_tfrecords():
   )  # the CRC-32C check value
 
 
+@pytest.mark.slow
 def test_event_files_load_in_tensorboard_with_every_evaluated_round(tmp_path):
   pytest.importorskip('tensorboard')
   out = tmp_path / 'run'

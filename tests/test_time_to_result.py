@@ -128,6 +128,7 @@ def _heavy_tailed_store(folder, n=40, seed=0):
   return writer.close('heavy-tailed', 5), sizes
 
 
+@pytest.mark.slow
 def test_the_shape_plan_compiles_no_more_than_its_count(tmp_path):
   """30 rounds of cohorts of 4 drawn from a heavy tail: the round is
   compiled at most the plan's count of times (once per planned shape met),
@@ -253,6 +254,7 @@ def _assert_pooled_as_client_by_client(store, tests, model, got, params, rtol):
         )
 
 
+@pytest.mark.slow
 def test_a_global_model_is_evaluated_on_the_pooled_test_examples_as_client_by_client(
   tmp_path, monkeypatch
 ):
@@ -299,6 +301,7 @@ def test_a_global_model_is_evaluated_on_the_pooled_test_examples_as_client_by_cl
   )
 
 
+@pytest.mark.slow
 def test_a_convolutional_model_pooled_is_evaluated_as_client_by_client(
   tmp_path,
 ):

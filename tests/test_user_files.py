@@ -121,6 +121,7 @@ def test_bad_data_is_one_line_naming_the_client_before_anything_is_built(
     assert client in line and why in line, (case, line)
 
 
+@pytest.mark.slow
 def test_the_number_of_classes_keys_the_store(tmp_path):
   """``num_classes`` changed between two runs of one file: a new store and
   the new number (a stale store reported the old one)."""
@@ -174,6 +175,7 @@ def clients():
 """
 
 
+@pytest.mark.slow
 def test_a_changed_helper_of_a_plugin_refuses_resume_and_odd_imports_are_one_line(
   tmp_path,
 ):
@@ -215,6 +217,7 @@ def test_a_changed_helper_of_a_plugin_refuses_resume_and_odd_imports_are_one_lin
   assert 'exits.py' in line and 'sys.exit' in line, line
 
 
+@pytest.mark.slow
 def test_a_setting_given_twice_takes_its_last_value_and_the_help_exits_0(
   tmp_path,
 ):
@@ -322,6 +325,7 @@ registry.register('unnamed', read_clients)
 """
 
 
+@pytest.mark.slow
 def test_a_file_a_reader_reads_without_naming_it_keys_its_store(tmp_path):
   """A reader names one file and reads another: the other changed, the
   store is rebuilt (its numbers a fresh cache's), never reused."""
@@ -362,6 +366,7 @@ def test_a_file_a_reader_reads_without_naming_it_keys_its_store(tmp_path):
   )
 
 
+@pytest.mark.slow
 def test_out_of_memory_a_shadowed_module_and_a_checkpoints_file_are_one_line(
   tmp_path,
 ):

@@ -82,6 +82,7 @@ def _one_round(data, weighting):
   return start, state.params
 
 
+@pytest.mark.slow
 def test_tokens_weigh_each_upload_by_its_non_padding_targets():
   xs, ys = _clients()
   tokens = [int(np.sum((y >= 0) & (y != 0))) for y in ys]  # by hand

@@ -17,6 +17,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from helpers import main_in_one_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,6 +79,7 @@ def _write(folder, files):
     (folder / name).write_text(text)
 
 
+@pytest.mark.slow
 def test_a_change_to_anything_a_user_model_reads_refuses_resume_and_moves_the_folder(
   tmp_path,
 ):
@@ -137,6 +139,7 @@ def test_a_change_to_anything_a_user_model_reads_refuses_resume_and_moves_the_fo
   assert len(folders) == 5, folders
 
 
+@pytest.mark.slow
 def test_a_devices_file_is_keyed_by_its_contents(tmp_path):
   """--client_speeds edited between a run and its --resume: refused, naming
   it; the same contents under another path resume."""
@@ -187,6 +190,7 @@ registry.register('shifted', read)
 """
 
 
+@pytest.mark.slow
 def test_a_store_is_rebuilt_when_its_reader_reads_something_else(tmp_path):
   """A reader's labels file loaded when its module is imported and an
   environment variable it reads while reading: either changed, the cached
@@ -302,6 +306,7 @@ def test_plugins_that_would_collide_or_escape_are_one_line(tmp_path):
   assert not os.path.exists(os.path.join(os.path.dirname(tmp_path), 'x'))
 
 
+@pytest.mark.slow
 def test_overwrite_removes_only_the_runs_own_outputs(tmp_path):
   """--overwrite of a folder holding another configuration and a file of the
   user's: the run's outputs are replaced, the user's file and folder kept."""
@@ -439,6 +444,7 @@ for name, cls in [('deterministic', Deterministic), ('no_train', NoTrain),
 """
 
 
+@pytest.mark.slow
 def test_models_the_engine_cannot_drive_are_said_not_run(tmp_path):
   """Flax's ``deterministic`` argument trains with dropout (other numbers
   than evaluation's); a module with dropout and no train argument, one whose
@@ -517,6 +523,7 @@ registry.register('fails', fails)
 """
 
 
+@pytest.mark.slow
 def test_faults_of_inputs_are_one_line(tmp_path):
   """A reader yielding 2-tuples, a reader raising OSError, --cohort_seed
   past NumPy's seeds, an availability trace nobody is ever on in, a run in
@@ -584,6 +591,7 @@ def test_the_console_counts_devices_in_the_work_unit(capsys):
   ), out
 
 
+@pytest.mark.slow
 def test_resume_never_reruns_a_finished_algorithm(tmp_path):
   """Two algorithms without --checkpoint_every, run to the end: --resume
   trains neither again (each resumes after its last round)."""
@@ -659,6 +667,7 @@ def _command(tmp_path, *args, address_space_kb=None):
   )
 
 
+@pytest.mark.slow
 def test_nothing_hangs_a_signal_ends_a_stuck_process_and_memory_is_planned(
   tmp_path,
 ):
