@@ -31,6 +31,7 @@ from fedjax_personal.algorithms import (
   fedfomo,
   fedgc,
   fedgh,
+  fedkd,
   fedlc,
   fedmtl,
   fednova,
@@ -130,6 +131,7 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     fedmtl.SPEC,
     fedphp.SPEC,
     fedcross.SPEC,
+    fedkd.SPEC,
   ]
 }
 

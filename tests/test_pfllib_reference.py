@@ -95,6 +95,13 @@ def _rounds(alg, data, reference, name):
       [reference[f'{name}/init_head_{i}'] for i in range(PEER.NUM_CLIENTS)]
     )
     state = dataclasses.replace(state, heads=jax.numpy.asarray(drawn))
+  if name == 'fedkd':  # each client's feature map as PyTorch drew it
+    drawn = np.stack(
+      [reference[f'{name}/init_w_h_{i}'] for i in range(PEER.NUM_CLIENTS)]
+    )
+    state = dataclasses.replace(
+      state, rows={**state.rows, 'w_h': jax.numpy.asarray(drawn)}
+    )
   if name == 'fedcp':  # the policy and context as both sides start them
     policy, context = PEER.fedcp_start()
     n = PEER.NUM_CLIENTS

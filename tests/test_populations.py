@@ -163,6 +163,7 @@ def emnist_store(tmp_path_factory):
 #: Settings a library build needs (the command fills them from the run).
 OWN = {
   'fedphp': dict(fedphp_horizon=2),
+  'fedkd': dict(fedkd_horizon=2),
   'fedcross': dict(fedcross_num_models=6),
 }
 #: FedCross hands the i-th client the i-th of its cohort-size models: a
@@ -1069,6 +1070,7 @@ def test_data_built_in_memory_reaches_the_store_unpadded(cfg):
     'fedmtl',
     'fedphp',
     'fedcross',
+    'fedkd',
   ],
 )
 @pytest.mark.ci_variants('fedcac')
@@ -1082,7 +1084,7 @@ def test_pfllib_algorithms_run_a_natural_population_in_the_host_layout(
   critical masks and customized models, FedAS's alignment, FedPAC's
   combined heads, FedCP's policy, GPFL's inputs,
   MOON's previous models, FedProto's class means, FML's models,
-  FedALA's weights, FedMTL's models, FedPHP's private models, FedCross's trained models; FedAMP's models stay on the device,
+  FedALA's weights, FedMTL's models, FedPHP's private models, FedCross's trained models, FedKD's mentors and maps; FedAMP's models stay on the device,
   read across the population)."""
   executor = lambda: fp.executors.BlockedExecutor(block_size=2, num_threads=2)
   _host_equals_device(emnist_store, alg_name, executor, atol=1e-5)

@@ -111,6 +111,7 @@ EXTRA = {
   'usercentric': {'recompute_every': 1, 'sigma_batch_size': 4},
   'cfl': {'warmup_rounds': 1, 'eps1': 10.0, 'eps2': 0.0},
   'fedphp': {'horizon': 1},  # the command fills it from --rounds
+  'fedkd': {'horizon': 1},
 }
 
 

@@ -79,6 +79,7 @@ PFLLIB = {
   'fedphp': ('FedPHP', 'serverphp', 'FedPHP'),
   'fedcross': ('FedCross', 'servercross', 'FedCross'),
   'fedcross_most_similar': ('FedCross', 'servercross', 'FedCross'),
+  'fedkd': ('FedKD', 'serverkd', 'FedKD'),
 }
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
 SPLIT = (
@@ -89,6 +90,7 @@ SPLIT = (
   'fedphp',
   'fedgc',
   'fedgh',
+  'fedkd',
   'fedlc',
   'fedpac',
   'fedproto',
@@ -128,6 +130,7 @@ ALGORITHMS = {
   'fedcross_most_similar': dict(
     fedcross_alpha=0.7, collaberative_model_select_strategy=2
   ),
+  'fedkd': dict(mentee_learning_rate=0.03, T_start=0.9, T_end=0.95),
 }
 #: Records of an algorithm under another setting: record -> algorithm.
 RECORDED_AS = {
@@ -140,6 +143,8 @@ FLAG_NAMES = {
   'alphaK': 'alpha_k',
   'fedcross_alpha': 'alpha',
   'collaberative_model_select_strategy': None,
+  'T_start': 't_start',
+  'T_end': 't_end',
 }
 #: Those whose clients keep their own models, recorded client by client.
 OWN_MODELS = (
@@ -158,6 +163,7 @@ OWN_MODELS = (
   'fedphp',
   'fedcross',
   'fedcross_most_similar',
+  'fedkd',
 )
 #: Those whose loop ends with what the next round would send (or whose
 #: ``send_models`` would overwrite the clients' own models).
@@ -187,6 +193,7 @@ OURS = {
   'fedphp': dict(horizon=ROUNDS - 1),
   'fedcross': dict(partner='least_similar', num_models=NUM_CLIENTS),
   'fedcross_most_similar': dict(partner='most_similar', num_models=NUM_CLIENTS),
+  'fedkd': dict(horizon=ROUNDS - 1),
 }
 #: FedCP's feature size (FedAvgCNN's ``fc1``).
 FEATURES = 512
@@ -382,6 +389,9 @@ def pfllib_args(torch, model, name, own, **sizes):
     first_stage_bound=0,
     fedcross_alpha=0.99,
     collaberative_model_select_strategy=1,
+    mentee_learning_rate=0.005,
+    T_start=0.95,
+    T_end=0.98,
   )
   for k, v in {**sizes, **own}.items():
     setattr(args, k, v)
@@ -481,8 +491,13 @@ def wide_head(client):
 def whole_state(model):
   """A model's state dict under FedAvgCNN's names (a BaseHeadSplit's
   ``base.`` / ``head.`` prefixes mapped back)."""
+  return whole_state_of(model.state_dict())
+
+
+def whole_state_of(state):
+  """``whole_state`` of a state dict."""
   out = {}
-  for k, v in model.state_dict().items():
+  for k, v in state.items():
     if k.startswith('base.'):
       k = k[len('base.') :]
     elif k.startswith('head.'):
@@ -511,6 +526,9 @@ def run(torch, name, data, init_state, template, sample_x):
     torch.nn.functional.gumbel_softmax = (
       lambda logits, tau=1, hard=False, dim=-1: torch.softmax(logits / tau, dim)
     )
+  if name == 'fedkd':  # each client's feature map as PyTorch drew it
+    for i, client in enumerate(server.clients):
+      rec[f'{name}/init_w_h_{i}'] = client.W_h.weight.detach().numpy().copy()
   if name == 'fedgc':  # each client's classifier as drawn, over its classes
     for i, client in enumerate(server.clients):
       rec[f'{name}/init_head_{i}'] = wide_head(client)
@@ -554,6 +572,13 @@ def run(torch, name, data, init_state, template, sample_x):
     top = server.head if name == 'fedgh' else server.global_model
     rec[f'{name}/head/kernel'] = top.weight.detach().numpy().T
     rec[f'{name}/head/bias'] = top.bias.detach().numpy()
+  elif name == 'fedkd':  # the compressed global mentee, as clients get it
+    glob = whole_state_of(
+      {
+        k: torch.tensor(np.asarray(v))
+        for k, v in server.compressed_param.items()
+      }
+    )
   elif name in ('fedpac', 'fedamp', 'fedamp_pfllib', 'fedmtl'):
     glob = None  # FedPAC's is the body alone; the others keep none
   elif name in ('fedcp', 'gpfl'):  # the global body, as a zero head's model
