@@ -24,7 +24,8 @@ r singular values, r the smallest index whose preceding squared singular
 values (summed over the whole tensor) exceed the energy times their total;
 none such gives r = 0 (a zero tensor), as PFLlib's loop runs. Clients
 upload their compressed mentee; the server averages the uploads uniformly
-and compresses the mean, which every client receives. The energy climbs
+and compresses the mean, which every client receives (the
+clients' uploads are compressed in the server's part of the round). The energy climbs
 from T_start to T_end: T_start + R / H (T_end - T_start) in round R, H
 PFLlib's ``-gr`` (``--fedkd_horizon``, the command: ``--rounds - 1``).
 Defaults PFLlib's: mentee rate 0.005, T_start 0.95, T_end 0.98.
@@ -39,14 +40,12 @@ from typing import ClassVar, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct, traverse_util
-from optax import tree_utils as otu
 
 from fedjax_personal.algorithms.fedavg import (
   global_model_communication,
-  server_step,
-  summed_upload,
 )
 from fedjax_personal.algorithms.fml import CLIP, kl_mean
 from fedjax_personal.config import (
@@ -124,13 +123,11 @@ class FedKDState:
 
   Attributes:
     params: the compressed global mentee (as every client receives it).
-    opt_state: the server step's state (plain averaging).
     rows: client rows: ``mentor`` (the client's model) and ``w_h`` (its
       feature map, PyTorch's [out, in] layout).
   """
 
   params: optax.Params
-  opt_state: optax.OptState
   rows: PyTree
 
 
@@ -139,15 +136,15 @@ class FedKDOutput:
   """What one FedKD client returns.
 
   Attributes:
-    delta: the global mentee minus its compressed trained mentee (a uniform
-      share).
+    mentee: its trained mentee (compressed by the server, the cohort's
+      uploads at once).
     row: its new rows (written by the engine).
     num_examples: its training examples.
     stats: its mentor's training statistics.
     num_steps: local steps taken.
   """
 
-  delta: PyTree
+  mentee: PyTree
   row: PyTree
   num_examples: HostOrDevice
   stats: LossStats
@@ -171,6 +168,30 @@ def energy_at(round_num, t_start: float, t_end: float, horizon: int):
   return t_start + r / horizon * (t_end - t_start)
 
 
+def _svd(mats: jax.Array):
+  """NumPy's ``svd(mats, full_matrices=False)`` (PFLlib's call), run on
+  the host: XLA's CPU SVD kernel, run by two client programs at once (the
+  blocked executor's threads), was seen to hang jaxlib 0.10.2.
+
+  Args:
+    mats: [..., m, n] float32.
+
+  Returns:
+    ``(u [..., m, k], s [..., k], vt [..., k, n])``, k = min(m, n).
+  """
+  *batch, m, n = mats.shape
+  k = min(m, n)
+  out = (
+    jax.ShapeDtypeStruct((*batch, m, k), mats.dtype),
+    jax.ShapeDtypeStruct((*batch, k), mats.dtype),
+    jax.ShapeDtypeStruct((*batch, k, n), mats.dtype),
+  )
+  host = lambda a: tuple(
+    np.asarray(v, a.dtype) for v in np.linalg.svd(a, full_matrices=False)
+  )
+  return jax.pure_callback(host, out, mats, vmap_method='broadcast_all')
+
+
 def truncated_svd(w: jax.Array, energy) -> jax.Array:
   """PFLlib's ``decomposition`` of one weight, reconstructed: the SVD of
   its matrix (a Flax kernel [in, out] is PyTorch's [out, in] transposed; a
@@ -188,7 +209,7 @@ def truncated_svd(w: jax.Array, energy) -> jax.Array:
     mats = w
   else:  # [kh, kw, in, out] -> [in, out, kh, kw]
     mats = jnp.transpose(w, (2, 3, 0, 1))
-  u, s, vt = jnp.linalg.svd(mats, full_matrices=False)
+  u, s, vt = _svd(mats)
   k = s.shape[-1]
   sq = jnp.sum(jnp.square(s).reshape((-1, k)), axis=0)  # over the batch
   total = jnp.sum(sq)
@@ -257,7 +278,6 @@ def fedkd(
   """
   head = model.require_head('--algorithm=fedkd')
   dim = math.prod(head.feature_shape)
-  server_optimizer = optax.sgd(1.0)
   clipped = lambda opt: optax.chain(optax.clip_by_global_norm(CLIP), opt)
   optimizer = optax.multi_transform(
     {
@@ -276,7 +296,7 @@ def fedkd(
       k_map, (num_clients, dim, dim), minval=-bound, maxval=bound
     )
     rows_ = {'mentor': tree_broadcast(params, num_clients), 'w_h': w_h}
-    return FedKDState(params, server_optimizer.init(params), rows_)
+    return FedKDState(params, rows_)
 
   def server_broadcast(state: FedKDState, cohort: Cohort, rc: RoundContext):
     energy = energy_at(rc.round, t_start, t_end, horizon)
@@ -305,9 +325,8 @@ def fedkd(
     return loss
 
   def final(ctx: ClientContext, carry) -> FedKDOutput:
-    mentee = compress(carry.params['mentee'], ctx.shared['energy'])
     return FedKDOutput(
-      delta=otu.tree_sub(ctx.shared['params'], mentee),
+      mentee=carry.params['mentee'],
       row={'mentor': carry.params['mentor'], 'w_h': carry.params['w_h']},
       num_examples=ctx.data.train.num_examples,
       stats=carry.stats,
@@ -329,12 +348,20 @@ def fedkd(
   def server_update(
     state: FedKDState, cohort: Cohort, out: FedKDOutput, rc: RoundContext
   ):
-    mean, opt_state = server_step(
-      state.params, state.opt_state, out.delta, server_optimizer
+    energy = energy_at(rc.round, t_start, t_end, horizon)
+    uploads = jax.vmap(compress, in_axes=(0, None))(out.mentee, energy)
+    w = cohort.mask.astype(jnp.float32)
+    total = jnp.sum(w)
+    mean = jax.tree.map(
+      lambda a: jnp.tensordot(w / jnp.maximum(total, 1.0), a, axes=1), uploads
     )
-    params = compress(mean, energy_at(rc.round, t_start, t_end, horizon))
+    params = jax.tree.map(
+      lambda new, old: jnp.where(total > 0, new, old),
+      compress(mean, energy),
+      state.params,
+    )
     return (
-      dataclasses.replace(state, params=params, opt_state=opt_state),
+      dataclasses.replace(state, params=params),
       cohort_train_metrics(out.stats, cohort.mask),
     )
 
@@ -343,7 +370,7 @@ def fedkd(
     model=model,
     init=init,
     server_broadcast=server_broadcast,
-    client_work=summed_upload(work, 'uniform'),
+    client_work=work,
     server_update=server_update,
     client_models=lambda s: ClientModels.personal(
       s.rows['mentor'], num_clients

@@ -1084,7 +1084,8 @@ def test_pfllib_algorithms_run_a_natural_population_in_the_host_layout(
   critical masks and customized models, FedAS's alignment, FedPAC's
   combined heads, FedCP's policy, GPFL's inputs,
   MOON's previous models, FedProto's class means, FML's models,
-  FedALA's weights, FedMTL's models, FedPHP's private models, FedCross's trained models, FedKD's mentors and maps; FedAMP's models stay on the device,
-  read across the population)."""
+  FedALA's weights, FedMTL's models, FedPHP's private models, FedCross's
+  trained models, FedKD's mentors and maps; FedAMP's models stay on the
+  device, read across the population)."""
   executor = lambda: fp.executors.BlockedExecutor(block_size=2, num_threads=2)
   _host_equals_device(emnist_store, alg_name, executor, atol=1e-5)
