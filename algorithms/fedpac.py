@@ -50,6 +50,7 @@ import optax
 from flax import struct
 from optax import tree_utils as otu
 
+from fedjax_personal.algorithms import pfeddyn
 from fedjax_personal.algorithms.fedavg import server_step, summed_upload
 from fedjax_personal.algorithms.partial import combined_batching
 from fedjax_personal.config import (
@@ -210,14 +211,12 @@ def features_of(model: Model, params, train: ClientData):
 
 def class_means(z, y, used, num_classes):
   """Per class: the examples counted, the mean feature and the mean squared
-  norm over the ``used`` examples."""
-  one = ((y[:, None] == jnp.arange(num_classes)) & used[:, None]).astype(
-    z.dtype
-  )
-  n = one.sum(axis=0)
-  mean = one.T @ z / jnp.maximum(n, 1)[:, None]
-  sq = one.T @ jnp.sum(z * z, axis=1) / jnp.maximum(n, 1)
-  return n, mean, sq
+  norm over the ``used`` examples (``pfeddyn.class_means``)."""
+  n, mean = pfeddyn.class_means(z, y, used, num_classes)
+  sq = pfeddyn.class_means(
+    jnp.sum(z * z, axis=1, keepdims=True), y, used, num_classes
+  )[1]
+  return n, mean, sq[:, 0]
 
 
 def feature_statistics(

@@ -47,6 +47,7 @@ from fedjax_personal.models import Model
 
 __all__ = [
   'all_examples',
+  'class_means',
   'class_prototypes',
   'FT_SPEC',
   'maml_objective',
@@ -157,6 +158,28 @@ def maml_evaluate(model: Model, inner_steps: int = 5, inner_lr: float = 1e-2):
   return evaluate
 
 
+def class_means(features, labels, mask, num_classes: int):
+  """Per class, the masked examples counted and their features' mean (0
+  where none): the class means every prototype method here takes (FedProto's,
+  FedGH's, FedAS's prototypes, FedPAC's statistics).
+
+  Args:
+    features: embeddings [n, d].
+    labels: labels [n].
+    mask: the examples counted [n].
+    num_classes: K.
+
+  Returns:
+    ``(counts [K], means [K, d])``.
+  """
+  one_hot = (labels[:, None] == jnp.arange(num_classes)[None, :]) & mask[
+    :, None
+  ]
+  one_hot = one_hot.astype(features.dtype)
+  counts = one_hot.sum(axis=0)
+  return counts, one_hot.T @ features / jnp.maximum(counts, 1.0)[:, None]
+
+
 def class_prototypes(features, labels, mask, num_classes: int):
   """Class means of the masked features: ([C, d] prototypes, [C] present).
 
@@ -169,12 +192,7 @@ def class_prototypes(features, labels, mask, num_classes: int):
   Returns:
     ``(prototypes [K, d], present [K])``.
   """
-  one_hot = (labels[:, None] == jnp.arange(num_classes)[None, :]) & mask[
-    :, None
-  ]
-  one_hot = one_hot.astype(features.dtype)
-  counts = one_hot.sum(axis=0)
-  protos = one_hot.T @ features / jnp.maximum(counts, 1.0)[:, None]
+  counts, protos = class_means(features, labels, mask, num_classes)
   return protos, counts > 0
 
 
