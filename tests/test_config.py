@@ -405,6 +405,10 @@ def test_fedcross_models_are_the_cohort_and_refuse_participation():
   with pytest.raises(ConfigError, match='give --cohort_size') as e:
     cli.read_flags()
   assert e.value.name == 'participation'
+  # only the run's algorithms read the run: FedCross's rule refuses nothing
+  # in a run without it
+  _parse(['--algorithm=fedavg', '--participation=0.5'])
+  assert cli.read_flags().algorithms[0].spec.name == 'fedavg'
 
 
 def test_linear_schedule_spans_the_rounds_unless_told():

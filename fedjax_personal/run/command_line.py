@@ -411,11 +411,10 @@ def resolve_algorithms(
       experiment.rounds
     )  # the 'linear' schedule spans --rounds
   training = TrainingConfig(**fields)
-  configs = {
-    cls: fill_from_run(fl.make(cls), experiment)
-    for cls in algorithms_lib.config_classes()
-  }
+  configs = {cls: fl.make(cls) for cls in algorithms_lib.config_classes()}
   specs = [algorithms_lib.spec(n) for n in names]
+  for s in specs:  # what the run's own algorithms take from the run
+    configs[s.config] = fill_from_run(configs[s.config], experiment)
   ignored: Dict[str, List[str]] = {s.name: [] for s in specs}
   for name in _given_fields(fl, TrainingConfig, swept):
     unused = {
