@@ -414,7 +414,8 @@ def resolve_algorithms(
   configs = {cls: fl.make(cls) for cls in algorithms_lib.config_classes()}
   specs = [algorithms_lib.spec(n) for n in names]
   for s in specs:  # what the run's own algorithms take from the run
-    configs[s.config] = fill_from_run(configs[s.config], experiment)
+    if s.config in configs:
+      configs[s.config] = fill_from_run(configs[s.config], experiment)
   ignored: Dict[str, List[str]] = {s.name: [] for s in specs}
   for name in _given_fields(fl, TrainingConfig, swept):
     unused = {
