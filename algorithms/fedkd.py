@@ -68,7 +68,7 @@ from fedjax_personal.core.losses import Batch, LossStats, forward, logits_loss
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import ClientContext, sgd_client_work
 from fedjax_personal.core.tree_util import PyTree, rows, tree_broadcast
-from fedjax_personal.errors import ConfigError
+from fedjax_personal.hparams import require_filled
 from fedjax_personal.models import Model
 
 __all__ = [
@@ -383,12 +383,6 @@ def fedkd(
 def build(training, config: FedKDConfig, model, data):
   """FedKD, built as ``AlgorithmSpec.build`` says; its settings
   ``FedKDConfig`` (its ``horizon`` given: the command fills it)."""
-  if config.horizon is None:
-    raise ConfigError(
-      'fedkd_horizon',
-      'give the rounds its energy schedule spans (the command sets '
-      '--rounds - 1)',
-    )
   return fedkd(
     model,
     data.num_clients,
@@ -397,7 +391,7 @@ def build(training, config: FedKDConfig, model, data):
     config.mentee_learning_rate,
     config.t_start,
     config.t_end,
-    config.horizon,
+    require_filled(config, 'horizon'),
   )
 
 

@@ -53,7 +53,7 @@ from fedjax_personal.core.losses import Batch, LossStats, forward, logits_loss
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import ClientContext, sgd_client_work
 from fedjax_personal.core.tree_util import PyTree, rows, tree_broadcast
-from fedjax_personal.errors import ConfigError
+from fedjax_personal.hparams import require_filled
 from fedjax_personal.models import Model
 
 __all__ = ['build', 'fedphp', 'FedPHPConfig', 'inherit', 'SPEC']
@@ -236,11 +236,6 @@ def fedphp(
 def build(training, config: FedPHPConfig, model, data):
   """FedPHP, built as ``AlgorithmSpec.build`` says; its settings
   ``FedPHPConfig`` (its ``horizon`` given: the command fills it)."""
-  if config.horizon is None:
-    raise ConfigError(
-      'fedphp_horizon',
-      'give the rounds its inheritance spans (the command sets --rounds - 1)',
-    )
   return fedphp(
     model,
     data.num_clients,
@@ -248,7 +243,7 @@ def build(training, config: FedPHPConfig, model, data):
     training.batching(),
     config.lamda,
     config.mu,
-    config.horizon,
+    require_filled(config, 'horizon'),
     training.make_server_optimizer(),
     training.weighting,
   )

@@ -30,6 +30,7 @@ __all__ = [
   'Declared',
   'field_types',
   'fill_from_run',
+  'require_filled',
   'fill_options',
   'flag_fields',
   'flag_name',
@@ -121,6 +122,31 @@ def fill_from_run(settings, run):
     and getattr(settings, f.name) is None
   }
   return dataclasses.replace(settings, **fills) if fills else settings
+
+
+def require_filled(settings, name: str) -> Any:
+  """The field ``name`` of ``settings``, refused naming its flag while None:
+  a setting the command fills from the run (``of_run``) that a caller from
+  Python left out.
+
+  Args:
+    settings: a settings dataclass instance.
+    name: the field that must hold a value.
+
+  Returns:
+    Its value.
+
+  Raises:
+    ConfigError naming the flag.
+  """
+  value = getattr(settings, name)
+  if value is None:
+    field = {f.name: f for f in dataclasses.fields(settings)}[name]
+    raise ConfigError(
+      flag_name(type(settings), name),
+      f'give it (the command sets it from the run): {field.metadata["help"]}',
+    )
+  return value
 
 
 @functools.lru_cache(maxsize=None)
