@@ -315,6 +315,11 @@ def fedcp(
       'head': ctx.state['head'],
       'policy': ctx.state['policy'],
     },
+    trained_like=lambda p: {
+      'body': head.split(p)[0],
+      'head': head.split(p)[1],
+      'policy': init_policy(jax.random.key(0), dim),
+    },
   )
 
   def server_update(

@@ -242,6 +242,7 @@ def feddbe(
     batching,
     final,
     start_fn=lambda ctx: start(ctx.shared.params, ctx.state),
+    trained_like=lambda p: start(p, zeros),
   )
 
   def initial_mean(params, data: LocalData, key):

@@ -255,6 +255,10 @@ def fedgc(
     batching,
     final,
     start_fn=lambda ctx: {'body': ctx.shared, 'head': ctx.state[0]},
+    trained_like=lambda p: {
+      'body': head.split(p)[0],
+      'head': jnp.zeros((*dims, num_classes), jnp.float32),
+    },
   )
 
   def server_update(

@@ -343,6 +343,11 @@ def fedkd(
       'mentee': ctx.shared['params'],
       'w_h': ctx.state['w_h'],
     },
+    trained_like=lambda p: {
+      'mentor': p,
+      'mentee': p,
+      'w_h': jnp.zeros((dim, dim), jnp.float32),
+    },
   )
 
   def server_update(

@@ -83,7 +83,12 @@ from fedjax_personal.core.losses import (
   zero_stats,
 )
 from fedjax_personal.core.sampling import Cohort
-from fedjax_personal.core.training import ClientContext, ClientWork
+from fedjax_personal.core.training import (
+  ClientContext,
+  ClientWork,
+  client_opt_init,
+  opt_update,
+)
 from fedjax_personal.core.tree_util import (
   PyTree,
   leading_size,
@@ -477,7 +482,7 @@ def fedpac(
     )
     return FedPACCarry(
       model=params,
-      opt_state=client_optimizer.init(params),
+      opt_state=client_opt_init(ctx, client_optimizer.init, params),
       head_steps=traced_num_steps(
         head_epoch, train.num_examples, train.x.shape[0]
       ),
@@ -502,8 +507,8 @@ def fedpac(
       return ce + jnp.where(head_phase, 0.0, lamda * align), stats
 
     (_, stats), grads = jax.value_and_grad(loss, has_aux=True)(carry.model)
-    updates, opt_state = client_optimizer.update(
-      grads, carry.opt_state, carry.model
+    updates, opt_state = opt_update(
+      client_optimizer, grads, carry.opt_state, carry.model, ctx
     )
     moved = optax.apply_updates(carry.model, updates)
     body, top = head.split(carry.model)
@@ -542,7 +547,12 @@ def fedpac(
     )
 
   work = ClientWork(
-    init=work_init, step=work_step, final=work_final, batching=total
+    init=work_init,
+    step=work_step,
+    final=work_final,
+    batching=total,
+    init_opt_state=client_optimizer.init,
+    opt_state=lambda carry: carry.opt_state,
   )
 
   def server_update(

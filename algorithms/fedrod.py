@@ -199,6 +199,7 @@ def fedrod(
     batching,
     final,
     start_fn=lambda ctx: {'model': ctx.shared, 'head': ctx.state},
+    trained_like=lambda p: {'model': p, 'head': head.split(p)[1]},
   )
 
   def client_models(state: FedRoDState) -> ClientModels:

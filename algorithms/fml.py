@@ -206,6 +206,7 @@ def fml(
     batching,
     final,
     start_fn=lambda ctx: {'local': ctx.state, 'meme': ctx.shared},
+    trained_like=lambda p: {'local': p, 'meme': p},
   )
 
   return FederatedAlgorithm(

@@ -364,6 +364,12 @@ def gpfl(
       'gce': ctx.shared.gce,
       'valve': ctx.shared.valve,
     },
+    trained_like=lambda p: {
+      'body': head.split(p)[0],
+      'head': head.split(p)[1],
+      'gce': jnp.zeros((num_classes, dim), jnp.float32),
+      'valve': init_valve(jax.random.key(0), dim),
+    },
   )
 
   def server_update(

@@ -56,7 +56,12 @@ from fedjax_personal.core.losses import (
   zero_stats,
 )
 from fedjax_personal.core.sampling import Cohort
-from fedjax_personal.core.training import ClientContext, ClientWork
+from fedjax_personal.core.training import (
+  ClientContext,
+  ClientWork,
+  client_opt_init,
+  opt_update,
+)
 from fedjax_personal.core.tree_util import (
   PyTree,
   rows,
@@ -213,7 +218,7 @@ def pflda(
     return PFLDACarry(
       model=ctx.state,
       head=ctx.shared,
-      opt_state=client_optimizer.init(both),
+      opt_state=client_opt_init(ctx, client_optimizer.init, both),
       personal_steps=traced_num_steps(
         batching, train.num_examples, train.x.shape[0]
       ),
@@ -231,7 +236,9 @@ def pflda(
       ),
       has_aux=True,
     )(both)
-    updates, opt_state = client_optimizer.update(grads, carry.opt_state, both)
+    updates, opt_state = opt_update(
+      client_optimizer, grads, carry.opt_state, both, ctx
+    )
     moved = optax.apply_updates(both, updates)
     body, _ = head.split(both['model'])
     new_body, new_p = head.split(moved['model'])
@@ -258,7 +265,14 @@ def pflda(
     )
 
   work = ClientWork(
-    init=work_init, step=work_step, final=work_final, batching=total
+    init=work_init,
+    step=work_step,
+    final=work_final,
+    batching=total,
+    init_opt_state=lambda params: client_optimizer.init(
+      {'model': params, 'head': head.split(params)[1]}
+    ),
+    opt_state=lambda carry: carry.opt_state,
   )
 
   def server_update(

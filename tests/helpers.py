@@ -4,11 +4,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import linen as nn
 
 from fedjax_personal.core import batching as batching_lib
 from fedjax_personal.core.data import FederatedData, pad_clients, to_device
 from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.models import Model
+
+
+class SmallBN(nn.Module):
+  """A user's module as Flax writes it: BatchNorm and dropout by ``train``."""
+
+  num_classes: int
+  dropout: float = 0.0
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Dense(8)(x.reshape(x.shape[0], -1))
+    x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+    x = nn.Dropout(self.dropout, deterministic=not train)(x)
+    return nn.Dense(self.num_classes)(x)
 
 
 def digits_data(num_clients=6, alpha=0.5, seed=0, max_examples=600):

@@ -10,13 +10,12 @@ import subprocess
 import sys
 
 import chex
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import max_diff, run_rounds, torch_local_steps
+from helpers import SmallBN, max_diff, run_rounds, torch_local_steps
 
 from fedjax_personal import algorithms, models
 from fedjax_personal.core import batching as batching_lib
@@ -25,20 +24,6 @@ from fedjax_personal.core.losses import Batch, StatsAndState, batch_loss
 from fedjax_personal.core.personalization import make_split
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import resnet_bn, weights
-
-
-class SmallBN(nn.Module):
-  """A user's module as Flax writes it: BatchNorm and dropout by ``train``."""
-
-  num_classes: int
-  dropout: float = 0.0
-
-  @nn.compact
-  def __call__(self, x, train: bool):
-    x = nn.Dense(8)(x.reshape(x.shape[0], -1))
-    x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
-    x = nn.Dropout(self.dropout, deterministic=not train)(x)
-    return nn.Dense(self.num_classes)(x)
 
 
 def _clients(sizes, shape=(6,), classes=3, seed=0):

@@ -466,6 +466,7 @@ def sgd_client_work(
   grad_transform: Optional[Callable] = None,
   dp: Optional[tuple] = None,
   sum_grads: bool = False,
+  trained_like: Optional[Callable[[PyTree], PyTree]] = None,
 ) -> ClientWork:
   """ClientWork for local training with an optax optimizer on a local
   objective (FedAvg, FedProx, SCAFFOLD, FedDyn, Local, ...).
@@ -484,11 +485,17 @@ def sgd_client_work(
       optimizer (SCAFFOLD's correction, FedDyn's dynamic regularizer).
     dp: optional (clip_norm, noise_multiplier): DP-SGD local training.
     sum_grads: keep the sum of the raw objective gradients in the carry.
+    trained_like: ``model params -> the tree start_fn returns`` (shapes
+      only: the template of an optimizer state kept per client,
+      ``--client_opt_state=persistent``), for a ``start_fn`` that trains
+      more or other than one model (FedRoD's model and head); default: the
+      model's parameters themselves.
 
   Returns:
     The ``ClientWork``.
   """
   start_fn = start_fn or (lambda ctx: ctx.shared)
+  trained_like = trained_like or (lambda params: params)
 
   def init(ctx, key):
     del key
@@ -536,7 +543,7 @@ def sgd_client_work(
     step=step,
     final=final,
     batching=batching,
-    init_opt_state=optimizer.init,
+    init_opt_state=lambda params: optimizer.init(trained_like(params)),
     opt_state=lambda carry: carry.opt_state,
   )
 
