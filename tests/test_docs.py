@@ -24,6 +24,7 @@ DOCS = (
   'docs/populations.md',
   'docs/add_a_data_set.md',
   'docs/models.md',
+  'docs/from_fedjax.md',
   'benchmarks/speed/README.md',
   'benchmarks/reproductions/README.md',
 )
@@ -504,3 +505,12 @@ def test_the_class_means_snippet_of_add_an_algorithm_runs_as_printed():
     make(model, 3, k, optax.sgd(0.1), batching, 0.0), data, 2
   )
   assert max_diff(state.models, none.models) > 1e-4
+
+
+def test_the_fedjax_script_of_from_fedjax_runs_as_printed(capsys):
+  """docs/from_fedjax.md's FedJAX script, as printed: three rounds of
+  FedJAX's fed_avg under the vmap backend, then FedJAX's evaluation."""
+  (code,) = fenced('docs/from_fedjax.md', 'python')
+  exec(compile(code, 'docs/from_fedjax.md', 'exec'), {'__name__': 'doc'})
+  printed = capsys.readouterr().out
+  assert "'accuracy'" in printed and "'loss'" in printed

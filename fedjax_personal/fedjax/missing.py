@@ -1,0 +1,46 @@
+"""FedJAX 0.0.17's public names this package does not provide yet: asked
+for, each is refused in one line saying so and what to use instead."""
+
+__all__ = ['refuse']
+
+#: qualified FedJAX name -> what this project has instead (None: nothing yet).
+NOT_PROVIDED = {
+  'fedjax.aggregators': None,
+  'fedjax.training': 'scripts/run_experiment.py (absl flags) or '
+  'fedjax_personal.run.experiment.run',
+  'fedjax.algorithms.agnostic_fed_avg': None,
+  'fedjax.algorithms.apfl': '--algorithm=apfl (native)',
+  'fedjax.algorithms.fed_prox': '--algorithm=fedprox (native)',
+  'fedjax.algorithms.hyp_cluster': None,
+  'fedjax.algorithms.mime': None,
+  'fedjax.algorithms.mime_lite': None,
+  'fedjax.models.cifar100': "--model=resnet (the project's CIFAR ResNets)",
+  'fedjax.models.shakespeare': "--model=fedjax_char_lstm (FedJAX's layers, "
+  'in Flax)',
+  'fedjax.models.stackoverflow': "--model=fedjax_lstm_lm (FedJAX's layers, "
+  'in Flax)',
+}
+
+
+def refuse(package: str, name: str):
+  """The one-line error for ``package.name`` (``package`` FedJAX's dotted
+  name): AttributeError naming what is missing and what to use.
+
+  Args:
+    package: 'fedjax', 'fedjax.algorithms' or 'fedjax.models'.
+    name: the attribute asked for.
+
+  Returns:
+    The AttributeError to raise.
+  """
+  qualified = f'{package}.{name}'
+  if qualified in NOT_PROVIDED:
+    instead = NOT_PROVIDED[qualified]
+    return AttributeError(
+      f'{qualified} (FedJAX 0.0.17) is not provided by fedjax_personal.fedjax'
+      ' yet' + (f'; the project has {instead}' if instead else '')
+    )
+  return AttributeError(
+    f'{qualified} is not a FedJAX 0.0.17 name (nor one of '
+    'fedjax_personal.fedjax)'
+  )

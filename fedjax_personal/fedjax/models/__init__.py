@@ -1,0 +1,14 @@
+"""FedJAX's model zoo (``fedjax.models``): each ``create_*_model`` with
+FedJAX's layers, Haiku's initialization, FedJAX's loss and metrics (Haiku
+models need ``pip install 'fedjax_personal[fedjax]'``)."""
+
+from fedjax_personal.fedjax.models import emnist, toy_regression
+
+__all__ = ['emnist', 'toy_regression']
+
+
+def __getattr__(name):
+  # FedJAX's names not provided here, and misspelled ones: one line each
+  from fedjax_personal.fedjax.missing import refuse  # noqa: PLC0415
+
+  raise refuse('fedjax.models', name)

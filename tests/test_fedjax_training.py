@@ -1,0 +1,110 @@
+"""FedJAX's training-side API with ``fedjax`` replaced by
+``fedjax_personal.fedjax`` and nothing else: FedJAX's example code
+(``fed_avg.py`` and its test, ``stateful_fed_avg.py``, ``emnist_fed_avg.py`` at
+a small size), its optimizers, metrics, tree utilities, models, evaluators,
+``for_each_client``, ``algorithms.fed_avg`` and serialization give what
+FedJAX 0.0.17 gave (``tests/data/fedjax_training_reference.npz``, recorded
+in FedJAX's venv by ``benchmarks/peers/fedjax_training_reference.py``),
+under each ``for_each_client`` backend: FedJAX's debug, jit and pmap
+ones and this project's vmap one.
+
+Tolerance: integers, shapes and bytes exact; floats to 2e-5 relative (FedJAX
+ran on JAX 0.4.30's XLA, this on the installed one: the same operations,
+rounded by another compiler; the vmap backend batches them)."""
+
+import os
+
+import helpers
+import jax
+import numpy as np
+import pytest
+
+import fedjax_personal.fedjax as fedjax
+
+REFERENCE = os.path.join(
+  os.path.dirname(__file__), 'data', 'fedjax_training_reference.npz'
+)
+
+
+def _cells():
+  return helpers.script_module(
+    'benchmarks', 'peers', 'fedjax_training_reference.py'
+  )
+
+
+@pytest.mark.parametrize('backend', ['debug', 'jit', 'pmap', 'vmap'])
+@pytest.mark.ci_variants('jit', 'vmap')
+def test_fedjax_code_gives_fedjaxs_values(backend):
+  # FedJAX 0.0.17's JAX drew random bits the non-partitionable way
+  with (
+    jax.threefry_partitionable(False),
+    fedjax.for_each_client_backend(backend),
+  ):
+    ours = _cells().run_cells(fedjax)
+  theirs = dict(np.load(REFERENCE))
+  assert not [k for k in ours if k.endswith('/error')], {
+    k: str(v) for k, v in ours.items() if k.endswith('/error')
+  }
+  assert sorted(ours) == sorted(theirs), sorted(set(ours) ^ set(theirs))
+  for k, want in theirs.items():
+    got = np.asarray(ours[k])
+    assert got.shape == want.shape, (k, got.shape, want.shape)
+    if want.dtype.kind in 'fc':
+      np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6, err_msg=k)
+    else:
+      np.testing.assert_array_equal(got, want, err_msg=k)
+
+
+def test_fed_avg_test_values_as_fedjax_asserts_them():
+  """``examples/fed_avg_test.py``'s own expected values."""
+  want = dict(np.load(REFERENCE))
+  np.testing.assert_allclose(
+    want['fed_avg_example/params'], [0.0, 1.4425802, 2.8851604], rtol=1e-6
+  )
+  np.testing.assert_allclose(want['fed_avg_example/cid0_norm'], 1.7553135)
+  np.testing.assert_allclose(want['fed_avg_example/cid1_norm'], 0.48310122)
+
+
+def test_a_haiku_model_without_haiku_names_the_extra(monkeypatch):
+  import importlib  # noqa: PLC0415
+
+  real = importlib.import_module
+
+  def no_haiku(name, *args):
+    if name == 'haiku':
+      raise ModuleNotFoundError("No module named 'haiku'")
+    return real(name, *args)
+
+  monkeypatch.setattr(importlib, 'import_module', no_haiku)
+  with pytest.raises(ImportError) as e:
+    fedjax.models.emnist.create_conv_model()
+  message = str(e.value)
+  assert '\n' not in message and 'fedjax_personal[fedjax]' in message
+  # stax models need no Haiku
+  assert fedjax.models.emnist.create_stax_dense_model().init is not None
+
+
+def test_for_each_client_backends_by_name_and_a_misspelled_one():
+  with fedjax.for_each_client_backend('vmap'):
+    assert isinstance(
+      fedjax.get_for_each_client_backend(),
+      fedjax.core.for_each_client.ForEachClientVmapBackend,
+    )
+  assert isinstance(
+    fedjax.get_for_each_client_backend(),
+    fedjax.core.for_each_client.ForEachClientJitBackend,
+  )
+  with pytest.raises(ValueError, match="'vmapp'.*known: debug, jit, pmap"):
+    fedjax.set_for_each_client_backend('vmapp')
+
+
+def test_fedjax_names_not_provided_or_misspelled_are_one_line():
+  for ask, says in [
+    (lambda: fedjax.training, 'fedjax.training (FedJAX 0.0.17) is not'),
+    (lambda: fedjax.algorithms.mime, 'fedjax.algorithms.mime (FedJAX'),
+    (lambda: fedjax.models.shakespeare, '--model=fedjax_char_lstm'),
+    (lambda: fedjax.Modle, 'fedjax.Modle is not a FedJAX 0.0.17 name'),
+  ]:
+    with pytest.raises(AttributeError) as e:
+      ask()
+    assert says in str(e.value) and '\n' not in str(e.value)
