@@ -56,13 +56,26 @@ def test_fedjax_code_gives_fedjaxs_values(backend):
 
 
 def test_fed_avg_test_values_as_fedjax_asserts_them():
-  """``examples/fed_avg_test.py``'s own expected values."""
+  """``examples/fed_avg_test.py``'s, ``fed_prox_test.py``'s and
+  ``mime_test.py``'s own expected values."""
   want = dict(np.load(REFERENCE))
   np.testing.assert_allclose(
     want['fed_avg_example/params'], [0.0, 1.4425802, 2.8851604], rtol=1e-6
   )
   np.testing.assert_allclose(want['fed_avg_example/cid0_norm'], 1.7553135)
   np.testing.assert_allclose(want['fed_avg_example/cid1_norm'], 0.48310122)
+  # fedjax/algorithms/fed_prox_test.py's
+  np.testing.assert_allclose(want['fed_prox/w'], -3.77, rtol=1e-6)
+  np.testing.assert_allclose(want['fed_prox/cid0_norm'], 6.95, rtol=1e-6)
+  np.testing.assert_allclose(want['fed_prox/cid1_norm'], 9.0, rtol=1e-6)
+  # fedjax/algorithms/mime_test.py's
+  np.testing.assert_allclose(want['mime/mime/w'], 2.08, rtol=1e-6)
+  np.testing.assert_allclose(
+    want['mime/mime/diagnostics/0/delta_l2_norm'], 12.0, rtol=1e-6
+  )
+  np.testing.assert_allclose(
+    want['mime/mime/diagnostics/1/delta_l2_norm'], 6.0, rtol=1e-6
+  )
 
 
 def test_a_haiku_model_without_haiku_names_the_extra(monkeypatch):
@@ -101,7 +114,8 @@ def test_for_each_client_backends_by_name_and_a_misspelled_one():
 def test_fedjax_names_not_provided_or_misspelled_are_one_line():
   for ask, says in [
     (lambda: fedjax.training, 'fedjax.training (FedJAX 0.0.17) is not'),
-    (lambda: fedjax.algorithms.mime, 'fedjax.algorithms.mime (FedJAX'),
+    (lambda: fedjax.algorithms.hyp_cluster, 'algorithms.hyp_cluster (FedJAX'),
+    (lambda: fedjax.algorithms.apfl, '--algorithm=apfl'),
     (lambda: fedjax.models.shakespeare, '--model=fedjax_char_lstm'),
     (lambda: fedjax.Modle, 'fedjax.Modle is not a FedJAX 0.0.17 name'),
   ]:

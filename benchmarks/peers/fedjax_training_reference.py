@@ -339,6 +339,74 @@ R['params'] = fa_state.params
 """,
   ),
   (
+    'fed_prox',
+    """
+def prox_example_loss(params, batch, rng):
+  del rng
+  return batch['x'] * params['w']
+
+fed_prox = fedjax.algorithms.fed_prox.fed_prox(
+    prox_example_loss, fedjax.optimizers.sgd(learning_rate=1.0),
+    fedjax.optimizers.sgd(learning_rate=1.0),
+    fedjax.ShuffleRepeatBatchHParams(batch_size=2, num_epochs=1, seed=0),
+    proximal_weight=0.01)
+fp_state = fed_prox.init({'w': jnp.array(4.)})
+fp_state, fp_diag = fed_prox.apply(fp_state, [
+    (b'cid0', fedjax.ClientDataset({'x': jnp.array([2., 4., 6.])}),
+     jax.random.PRNGKey(0)),
+    (b'cid1', fedjax.ClientDataset({'x': jnp.array([8., 10.])}),
+     jax.random.PRNGKey(1)),
+])
+R['w'] = fp_state.params['w']
+R['cid0_norm'] = fp_diag[b'cid0']['delta_l2_norm']
+R['cid1_norm'] = fp_diag[b'cid1']['delta_l2_norm']
+fp_state, _ = fedjax.algorithms.fed_prox.fed_prox(
+    fedjax.model_per_example_loss(stax_model), fedjax.optimizers.sgd(0.1),
+    fedjax.optimizers.sgd(1.0), fedjax.ShuffleRepeatBatchHParams(
+        batch_size=3, num_epochs=2, seed=1), proximal_weight=0.5).apply(
+            fed_avg.init(stax_params), fa_clients)
+R['params'] = fp_state.params
+""",
+  ),
+  (
+    'mime',
+    """
+toy_clients = [
+    (b'cid0', fedjax.ClientDataset({'x': jnp.array([2., 4., 6.])}),
+     jax.random.PRNGKey(0)),
+    (b'cid1', fedjax.ClientDataset({'x': jnp.array([8., 10.])}),
+     jax.random.PRNGKey(1)),
+]
+for name, build, extra in [
+    ('mime', fedjax.algorithms.mime.mime, {}),
+    ('mime_lite', fedjax.algorithms.mime_lite.mime_lite, {}),
+    ('mime_lite_clip', fedjax.algorithms.mime_lite.mime_lite,
+     {'client_delta_clip_norm': 5.0}),
+]:
+  algorithm = build(
+      prox_example_loss, fedjax.optimizers.sgd(learning_rate=1.0),
+      fedjax.ShuffleRepeatBatchHParams(batch_size=2, num_epochs=1, seed=0),
+      fedjax.PaddedBatchHParams(batch_size=2), 0.2, **extra)
+  m_state, m_diag = algorithm.apply(algorithm.init({'w': jnp.array(4.)}),
+                                    toy_clients)
+  R[name + '/w'] = m_state.params['w']
+  R[name + '/diagnostics'] = [m_diag[b'cid0'], m_diag[b'cid1']]
+for name, build in [('mime', fedjax.algorithms.mime.mime),
+                    ('mime_lite', fedjax.algorithms.mime_lite.mime_lite)]:
+  algorithm = build(
+      fedjax.model_per_example_loss(stax_model),
+      fedjax.optimizers.sgd(0.1, momentum=0.9),
+      fedjax.ShuffleRepeatBatchHParams(batch_size=3, num_epochs=2, seed=1),
+      fedjax.PaddedBatchHParams(batch_size=4), 1.0,
+      regularizer=fedjax.regularizers.l2_regularizer(0.01))
+  m_state = algorithm.init(stax_params)
+  for _ in range(2):
+    m_state, _ = algorithm.apply(m_state, fa_clients)
+  R[name + '/stax_params'] = m_state.params
+  R[name + '/stax_opt_state'] = m_state.opt_state
+""",
+  ),
+  (
     'for_each_client',
     """
 def fec_init(shared, client_input):

@@ -83,6 +83,7 @@ from fedjax_personal.fedjax.core.typing import (
   SingleExample,
   SinglePrediction,
 )
+from fedjax_personal.fedjax.missing import refuse as _refuse
 
 __all__ = [
   'algorithms',
@@ -145,6 +146,4 @@ __all__ = [
 
 def __getattr__(name):
   # FedJAX's names not provided here, and misspelled ones: one line each
-  from fedjax_personal.fedjax.missing import refuse  # noqa: PLC0415
-
-  raise refuse('fedjax', name)
+  raise _refuse('fedjax', name)

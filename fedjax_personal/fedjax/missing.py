@@ -10,10 +10,7 @@ NOT_PROVIDED = {
   'fedjax_personal.run.experiment.run',
   'fedjax.algorithms.agnostic_fed_avg': None,
   'fedjax.algorithms.apfl': '--algorithm=apfl (native)',
-  'fedjax.algorithms.fed_prox': '--algorithm=fedprox (native)',
   'fedjax.algorithms.hyp_cluster': None,
-  'fedjax.algorithms.mime': None,
-  'fedjax.algorithms.mime_lite': None,
   'fedjax.models.cifar100': "--model=resnet (the project's CIFAR ResNets)",
   'fedjax.models.shakespeare': "--model=fedjax_char_lstm (FedJAX's layers, "
   'in Flax)',

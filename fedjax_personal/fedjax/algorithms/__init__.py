@@ -1,12 +1,11 @@
 """FedJAX's algorithms (``fedjax.algorithms``) as FedJAX builds them."""
 
-from fedjax_personal.fedjax.algorithms import fed_avg
+from fedjax_personal.fedjax.algorithms import fed_avg, fed_prox, mime, mime_lite
+from fedjax_personal.fedjax.missing import refuse as _refuse
 
-__all__ = ['fed_avg']
+__all__ = ['fed_avg', 'fed_prox', 'mime', 'mime_lite']
 
 
 def __getattr__(name):
   # FedJAX's names not provided here, and misspelled ones: one line each
-  from fedjax_personal.fedjax.missing import refuse  # noqa: PLC0415
-
-  raise refuse('fedjax.algorithms', name)
+  raise _refuse('fedjax.algorithms', name)

@@ -28,6 +28,7 @@ from fedjax_personal.fedjax.core.typing import (
 __all__ = [
   'create_train_for_each_client',
   'federated_averaging',
+  'mean_delta_apply',
   'ServerState',
 ]
 
@@ -35,8 +36,17 @@ Grads = Params
 
 
 def create_train_for_each_client(grad_fn, client_optimizer):
-  """``for_each_client`` of a client's SGD: input the client's key, output
-  its delta (server params - client params)."""
+  """``for_each_client`` of a client's SGD from the server's parameters: its
+  delta (server params - client params).
+
+  Args:
+    grad_fn: ``(params, batch, key) -> gradients``.
+    client_optimizer: the client optimizer (state fresh each round).
+
+  Returns:
+    ``(shared input, [(client id, batches, client key)]) -> iterator of
+    (client id, delta)``.
+  """
 
   def client_init(server_params, client_rng):
     return {
@@ -95,6 +105,25 @@ def federated_averaging(
   def init(params: Params) -> ServerState:
     return ServerState(params, server_optimizer.init(params))
 
+  return FederatedAlgorithm(
+    init, mean_delta_apply(train, server_optimizer, client_batch_hparams)
+  )
+
+
+def mean_delta_apply(train, server_optimizer, client_batch_hparams):
+  """FedJAX's round of FedAvg and FedProx: each client's delta from
+  ``train`` (a ``for_each_client`` of (server params, client key)), their
+  mean weighted by client size applied by ``server_optimizer``.
+
+  Args:
+    train: the clients' work, ``(server params, clients) -> (id, delta)``.
+    server_optimizer: the server's optimizer.
+    client_batch_hparams: the clients' batching.
+
+  Returns:
+    ``apply(server_state, clients) -> (server_state, diagnostics)``.
+  """
+
   def apply(
     server_state: ServerState,
     clients: Sequence[Tuple[bytes, ClientDataset, PRNGKey]],
@@ -119,4 +148,4 @@ def federated_averaging(
     )
     return ServerState(params, opt_state), diagnostics
 
-  return FederatedAlgorithm(init, apply)
+  return apply

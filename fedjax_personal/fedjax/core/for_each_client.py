@@ -405,15 +405,26 @@ _NAMED = {
 
 
 def get_for_each_client_backend() -> ForEachClientBackend:
-  """The current thread's backend."""
+  """The current thread's ``for_each_client`` backend.
+
+  Returns:
+    The backend (FedJAX's default: jit).
+  """
   return _CHOICE.get()
 
 
 def set_for_each_client_backend(
   backend: Union[ForEachClientBackend, str, None],
 ):
-  """Sets the current thread's backend: a backend, one of 'debug', 'jit',
-  'pmap', 'vmap', or None (the default, jit)."""
+  """Sets the current thread's backend.
+
+  Args:
+    backend: a ``ForEachClientBackend``, one of 'debug', 'jit', 'pmap',
+      'vmap', or None (the default, jit).
+
+  Returns:
+    None.
+  """
   if backend is None or isinstance(backend, ForEachClientBackend):
     _CHOICE.backend = backend
   elif backend in _NAMED:
@@ -426,7 +437,14 @@ def set_for_each_client_backend(
 
 @contextlib.contextmanager
 def for_each_client_backend(backend: Union[ForEachClientBackend, str, None]):
-  """Within the ``with`` block, the current thread uses ``backend``."""
+  """Within the ``with`` block, the current thread uses ``backend``.
+
+  Args:
+    backend: as ``set_for_each_client_backend``.
+
+  Yields:
+    Nothing; the previous backend is restored on leaving.
+  """
   old = _CHOICE.backend
   try:
     set_for_each_client_backend(backend)

@@ -139,7 +139,16 @@ class Metric(metaclass=abc.ABCMeta):
 
 
 def apply_mask(mask: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
-  """``a`` where ``mask`` (on the leading axis), else ``b``."""
+  """``a`` where ``mask`` (on the leading axis), else ``b``.
+
+  Args:
+    mask: bool [B].
+    a: [B, ...] values kept where true.
+    b: values where false (broadcast).
+
+  Returns:
+    The masked array.
+  """
   rank = max(len(a.shape), len(b.shape))
   return jnp.where(jnp.expand_dims(mask, tuple(range(1, rank))), a, b)
 
@@ -164,8 +173,17 @@ def evaluate_batch(
 def unreduced_cross_entropy_loss(
   targets: jax.Array, preds: jax.Array, is_sparse_targets: bool = True
 ) -> jax.Array:
-  """Cross-entropy of logits ``preds`` against class ids (or, with
-  ``is_sparse_targets=False``, distributions) over the last axis."""
+  """Cross-entropy of logits ``preds`` over the last axis.
+
+  Args:
+    targets: class ids, or distributions when ``is_sparse_targets`` is
+      false.
+    preds: logits [..., classes].
+    is_sparse_targets: whether ``targets`` are class ids.
+
+  Returns:
+    The loss per example [...].
+  """
   log_preds = jax.nn.log_softmax(preds)
   if is_sparse_targets:
     targets = jax.nn.one_hot(targets, preds.shape[-1])

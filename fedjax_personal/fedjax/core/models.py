@@ -188,8 +188,17 @@ def _evaluate_model_step(model: Model, params, batch, stat):
 def evaluate_model(
   model: Model, params: Params, batches: Iterable[BatchExample]
 ) -> Dict[str, jax.Array]:
-  """``model.eval_metrics`` over ``batches`` (examples of ``mask`` false left
-  out): metric name -> value."""
+  """``model.eval_metrics`` over ``batches`` (examples whose mask is false
+  left out).
+
+  Args:
+    model: the model.
+    params: its parameters.
+    batches: the batches (``padded_batch``'s, with their mask).
+
+  Returns:
+    Metric name -> value.
+  """
   stat = {k: metric.zero() for k, metric in model.eval_metrics.items()}
   for batch in batches:
     stat = _evaluate_model_step(model, params, batch, stat)
@@ -230,7 +239,14 @@ class ModelEvaluator:
 
 
 def model_per_example_loss(model: Model) -> PerExampleLoss:
-  """``(params, batch, key) -> model.train_loss`` of the training output."""
+  """The model's training loss per example.
+
+  Args:
+    model: the model.
+
+  Returns:
+    ``(params, batch, key) -> model.train_loss`` of its training output.
+  """
 
   def per_example_loss(params, batch, rng):
     return model.train_loss(batch, model.apply_for_train(params, batch, rng))
@@ -265,8 +281,18 @@ def evaluate_average_loss(
   per_example_loss: PerExampleLoss,
   regularizer: Optional[Regularizer] = None,
 ) -> jax.Array:
-  """The mean per-example loss over ``batches`` (masked examples left out;
-  each batch drawn with the next split of ``rng``), plus ``regularizer``."""
+  """The mean per-example loss over ``batches``, plus ``regularizer``.
+
+  Args:
+    params: the parameters.
+    batches: the batches (masked examples left out).
+    rng: split once per batch.
+    per_example_loss: ``(params, batch, key) -> loss per example``.
+    regularizer: ``params -> penalty``, or None.
+
+  Returns:
+    The average loss.
+  """
   total, count = 0, 0
   for batch in batches:
     rng, total, count = _average_loss_step(
@@ -326,8 +352,16 @@ class AverageLossEvaluator:
 def grad(
   per_example_loss: PerExampleLoss, regularizer: Optional[Regularizer] = None
 ) -> Callable[[Params, BatchExample, PRNGKey], Params]:
-  """The jitted gradient of the mean per-example loss over the batch's
-  unmasked examples (plus ``regularizer``)."""
+  """The jitted gradient of the mean per-example loss (over a batch's
+  unmasked examples) plus ``regularizer``.
+
+  Args:
+    per_example_loss: ``(params, batch, key) -> loss per example``.
+    regularizer: ``params -> penalty``, or None.
+
+  Returns:
+    ``(params, batch, key) -> gradients``.
+  """
 
   def scalar_loss(params, batch, rng):
     loss = per_example_loss(params, batch, rng)
@@ -344,5 +378,13 @@ def grad(
 def model_grad(
   model: Model, regularizer: Optional[Regularizer] = None
 ) -> Callable[[Params, BatchExample, PRNGKey], Params]:
-  """``grad(model_per_example_loss(model), regularizer)``."""
+  """``grad(model_per_example_loss(model), regularizer)``.
+
+  Args:
+    model: the model.
+    regularizer: ``params -> penalty``, or None.
+
+  Returns:
+    ``(params, batch, key) -> gradients``.
+  """
   return grad(model_per_example_loss(model), regularizer)

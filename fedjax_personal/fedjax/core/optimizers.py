@@ -46,7 +46,14 @@ class Optimizer:
 
 
 def create_optimizer_from_optax(opt: optax.GradientTransformation) -> Optimizer:
-  """An ``Optimizer`` applying ``opt``'s updates (its ``apply`` jitted)."""
+  """An ``Optimizer`` applying ``opt``'s updates (its ``apply`` jitted).
+
+  Args:
+    opt: an optax gradient transformation.
+
+  Returns:
+    The ``Optimizer``.
+  """
 
   @jax.jit
   def apply(grads, opt_state, params):
@@ -100,7 +107,16 @@ def adagrad(
   initial_accumulator_value: float = 0.1,
   eps: float = 1e-6,
 ) -> Optimizer:
-  """Adagrad (Duchi et al. 2011): ``optax.adagrad``."""
+  """Adagrad (Duchi et al. 2011): ``optax.adagrad``.
+
+  Args:
+    learning_rate: the step size or schedule.
+    initial_accumulator_value: the accumulator's start.
+    eps: added inside the square root.
+
+  Returns:
+    The ``Optimizer``.
+  """
   return create_optimizer_from_optax(
     optax.adagrad(
       learning_rate=learning_rate,
@@ -117,7 +133,18 @@ def adam(
   eps: float = 1e-8,
   eps_root: float = 0.0,
 ) -> Optimizer:
-  """Adam (Kingma and Ba 2014): ``optax.adam``."""
+  """Adam (Kingma and Ba 2014): ``optax.adam``.
+
+  Args:
+    learning_rate: the step size or schedule.
+    b1: the first moment's decay.
+    b2: the second moment's decay.
+    eps: added outside the square root.
+    eps_root: added inside it.
+
+  Returns:
+    The ``Optimizer``.
+  """
   return create_optimizer_from_optax(
     optax.adam(
       learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root
@@ -134,7 +161,20 @@ def rmsprop(
   momentum: Optional[float] = None,
   nesterov: bool = False,
 ) -> Optimizer:
-  """RMSProp (Tieleman and Hinton 2012): ``optax.rmsprop``."""
+  """RMSProp (Tieleman and Hinton 2012): ``optax.rmsprop``.
+
+  Args:
+    learning_rate: the step size or schedule.
+    decay: the squared gradients' decay.
+    eps: added to the denominator.
+    initial_scale: the accumulator's start.
+    centered: whether the variance (not the second moment) scales.
+    momentum: the momentum's decay, or None.
+    nesterov: whether momentum is Nesterov's.
+
+  Returns:
+    The ``Optimizer``.
+  """
   return create_optimizer_from_optax(
     optax.rmsprop(
       learning_rate=learning_rate,
@@ -153,7 +193,16 @@ def sgd(
   momentum: Optional[float] = None,
   nesterov: bool = False,
 ) -> Optimizer:
-  """SGD, with optional (Nesterov) momentum: ``optax.sgd``."""
+  """SGD with optional (Nesterov) momentum: ``optax.sgd``.
+
+  Args:
+    learning_rate: the step size or schedule.
+    momentum: the momentum's decay, or None.
+    nesterov: whether momentum is Nesterov's.
+
+  Returns:
+    The ``Optimizer``.
+  """
   return create_optimizer_from_optax(
     optax.sgd(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov)
   )
@@ -165,7 +214,17 @@ def yogi(
   b2: float = 0.999,
   eps: float = 1e-3,
 ) -> Optimizer:
-  """Yogi (Zaheer et al. 2018): ``optax.yogi``."""
+  """Yogi (Zaheer et al. 2018): ``optax.yogi``.
+
+  Args:
+    learning_rate: the step size or schedule.
+    b1: the first moment's decay.
+    b2: the second moment's decay.
+    eps: added outside the square root.
+
+  Returns:
+    The ``Optimizer``.
+  """
   return create_optimizer_from_optax(
     optax.yogi(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps)
   )
@@ -185,7 +244,25 @@ def adafactor(
   factored: bool = True,
   weight_decay_mask: Optional[Any] = None,
 ) -> Optimizer:
-  """Adafactor (Shazeer and Stern 2018): ``optax.adafactor``."""
+  """Adafactor (Shazeer and Stern 2018): ``optax.adafactor``.
+
+  Args:
+    learning_rate: the step size or schedule.
+    min_dim_size_to_factor: the smallest dimensions factored.
+    decay_rate: the second moment's decay exponent.
+    decay_offset: the step the decay starts from.
+    multiply_by_parameter_scale: scale by the parameters' norm.
+    clipping_threshold: the update's clipping, or None.
+    momentum: the momentum's decay, or None.
+    dtype_momentum: the momentum's dtype.
+    weight_decay_rate: weight decay, or None.
+    eps: the root mean square's floor.
+    factored: whether second moments are factored.
+    weight_decay_mask: where weight decay applies.
+
+  Returns:
+    The ``Optimizer``.
+  """
   return create_optimizer_from_optax(
     optax.adafactor(
       learning_rate=learning_rate,

@@ -20,13 +20,28 @@ __all__ = [
 
 
 def save_state(state, path) -> None:
-  """Pickles ``state`` (arrays as NumPy arrays) to ``path``."""
+  """Pickles ``state`` to ``path``.
+
+  Args:
+    state: the state (a pytree of arrays).
+    path: a local file path.
+
+  Returns:
+    None.
+  """
   with open(path, 'wb') as f:
     pickle.dump(state, f)
 
 
 def load_state(path):
-  """The state pickled at ``path``."""
+  """The state pickled at ``path``.
+
+  Args:
+    path: a local file path.
+
+  Returns:
+    The state.
+  """
   with open(path, 'rb') as f:
     return pickle.load(f)
 
@@ -90,10 +105,24 @@ def _unpack(code, data):
 
 
 def msgpack_serialize(pytree) -> bytes:
-  """A pytree of dicts, lists and arrays as msgpack bytes (FedJAX's format)."""
+  """A pytree of dicts, lists and arrays as msgpack bytes (FedJAX's format).
+
+  Args:
+    pytree: the tree.
+
+  Returns:
+    The bytes.
+  """
   return msgpack.packb(pytree, default=_pack, strict_types=True)
 
 
 def msgpack_deserialize(encoded_pytree: bytes):
-  """The pytree ``msgpack_serialize`` wrote."""
+  """The pytree ``msgpack_serialize`` wrote.
+
+  Args:
+    encoded_pytree: its bytes.
+
+  Returns:
+    The tree (arrays as NumPy arrays).
+  """
   return msgpack.unpackb(encoded_pytree, ext_hook=_unpack, raw=False)

@@ -29,7 +29,15 @@ def tree_weight(pytree: PyTree, weight: float) -> PyTree:
 
 
 def tree_inverse_weight(pytree: PyTree, weight: float) -> PyTree:
-  """Each leaf times ``1 / weight`` (zero when ``weight`` is not positive)."""
+  """Each leaf times ``1 / weight`` (zero when ``weight`` is not positive).
+
+  Args:
+    pytree: the tree.
+    weight: the divisor.
+
+  Returns:
+    The tree.
+  """
   return tree_weight(pytree, 1.0 / weight if weight > 0.0 else 0.0)
 
 
@@ -46,7 +54,14 @@ def tree_add(left: PyTree, right: PyTree) -> PyTree:
 
 
 def tree_sum(pytrees: Iterable[PyTree]) -> PyTree:
-  """The leafwise sum of trees (None for none)."""
+  """The leafwise sum of trees.
+
+  Args:
+    pytrees: the trees.
+
+  Returns:
+    Their sum (None for none).
+  """
   total = None
   for pytree in pytrees:
     total = (
@@ -58,8 +73,14 @@ def tree_sum(pytrees: Iterable[PyTree]) -> PyTree:
 
 
 def tree_mean(pytrees_and_weights: Iterable[Tuple[PyTree, float]]) -> PyTree:
-  """The weighted mean of trees: sum_i w_i t_i / sum_i w_i (zero when the
-  weights sum to 0), accumulated one tree at a time as FedJAX does."""
+  """The weighted mean of trees, accumulated one tree at a time as FedJAX.
+
+  Args:
+    pytrees_and_weights: ``(tree, weight)`` pairs.
+
+  Returns:
+    sum_i w_i t_i / sum_i w_i (zero when the weights sum to 0).
+  """
   total, weights = None, 0.0
   for pytree, weight in pytrees_and_weights:
     weighted = tree_weight(pytree, weight)

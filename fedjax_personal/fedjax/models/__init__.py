@@ -2,6 +2,7 @@
 FedJAX's layers, Haiku's initialization, FedJAX's loss and metrics (Haiku
 models need ``pip install 'fedjax_personal[fedjax]'``)."""
 
+from fedjax_personal.fedjax.missing import refuse as _refuse
 from fedjax_personal.fedjax.models import emnist, toy_regression
 
 __all__ = ['emnist', 'toy_regression']
@@ -9,6 +10,4 @@ __all__ = ['emnist', 'toy_regression']
 
 def __getattr__(name):
   # FedJAX's names not provided here, and misspelled ones: one line each
-  from fedjax_personal.fedjax.missing import refuse  # noqa: PLC0415
-
-  raise refuse('fedjax.models', name)
+  raise _refuse('fedjax.models', name)

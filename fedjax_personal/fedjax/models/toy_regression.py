@@ -13,7 +13,11 @@ __all__ = ['create_regression_model']
 
 
 def create_regression_model() -> models.Model:
-  """FedJAX's toy regression model (Haiku)."""
+  """FedJAX's toy regression model (Haiku).
+
+  Returns:
+    The ``Model``.
+  """
   hk = haiku()
 
   def forward_pass(batch):
