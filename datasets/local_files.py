@@ -2,7 +2,8 @@
 
 A data file is looked up, in order, in ``--data_dir`` (which must exist), the
 directory named by ``$FEDJAX_PERSONAL_DATA``, the package's embedded data
-(MNIST 10k), and the cache folder (``$FEDJAX_PERSONAL_CACHE``, by default
+(MNIST 10k), FedJAX's own download folder (``~/.cache/fedjax``: a FedJAX
+user's files, read as they are), and the cache folder (``$FEDJAX_PERSONAL_CACHE``, by default
 ``~/.cache/fedjax_personal``) where ``--download`` saves files and decoded
 copies are kept. Each published file is found under its published name, so a
 file saved by hand in ``--data_dir`` is used as it is.
@@ -28,6 +29,7 @@ __all__ = [
   'locate',
   'MissingDataError',
   'not_found',
+  'fedjax_cache_dir',
   'PACKAGE_DATA',
   'search_dirs',
   'sha256_file',
@@ -65,6 +67,18 @@ def cache_dir(create: bool = True) -> pathlib.Path:
   return d
 
 
+def fedjax_cache_dir() -> pathlib.Path:
+  """FedJAX's own download folder (its ``downloads.default_cache_dir``:
+  ``~/.cache/fedjax``, ``/tmp/.cache/fedjax`` on Colab), where a FedJAX
+  user's files already are; searched, never written.
+
+  Returns:
+    The folder.
+  """
+  base = '/tmp' if 'google.colab' in sys.modules else os.path.expanduser('~')
+  return pathlib.Path(base) / '.cache' / 'fedjax'
+
+
 def check_data_dir(data_dir: Optional[str]) -> None:
   """``--data_dir`` must name an existing folder (a typo is never ignored).
 
@@ -95,7 +109,7 @@ def search_dirs(data_dir: Optional[str] = None) -> List[pathlib.Path]:
     dirs.append(pathlib.Path(data_dir).expanduser())
   if os.environ.get('FEDJAX_PERSONAL_DATA'):
     dirs.append(pathlib.Path(os.environ['FEDJAX_PERSONAL_DATA']).expanduser())
-  return dirs + [PACKAGE_DATA, cache_dir(create=False)]
+  return dirs + [PACKAGE_DATA, fedjax_cache_dir(), cache_dir(create=False)]
 
 
 def locate(

@@ -16,6 +16,7 @@ import os
 
 import helpers
 import jax
+import made_files
 import numpy as np
 import pytest
 
@@ -122,3 +123,19 @@ def test_fedjax_names_not_provided_or_misspelled_are_one_line():
     with pytest.raises(AttributeError) as e:
       ask()
     assert says in str(e.value) and '\n' not in str(e.value)
+
+
+def test_load_data_finds_fedjaxs_own_cache_folder(tmp_path, monkeypatch):
+  """Without ``cache_dir``, FedJAX's files where FedJAX keeps them
+  (``~/.cache/fedjax``) are found before anything is downloaded."""
+  import pathlib  # noqa: PLC0415
+
+  home = tmp_path / 'home'
+  folder = home / '.cache' / 'fedjax'
+  folder.mkdir(parents=True)
+  made_files.fedjax_reference_files(pathlib.Path(folder))
+  monkeypatch.setenv('HOME', str(home))
+  monkeypatch.delenv('FEDJAX_PERSONAL_DATA', raising=False)
+  monkeypatch.setenv('FEDJAX_PERSONAL_CACHE', str(tmp_path / 'own_cache'))
+  train, test = fedjax.datasets.emnist.load_data()
+  assert train.num_clients() == 4 and test.num_clients() == 4

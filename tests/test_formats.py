@@ -706,17 +706,29 @@ def test_data_dir_must_exist():
     )
 
 
-def test_environment_folder_then_package_then_cache(tmp_path, monkeypatch):
+def test_environment_folder_then_package_then_fedjax_then_cache(
+  tmp_path, monkeypatch
+):
   from fedjax_personal.datasets import local_files
 
   env, cache = tmp_path / 'env', tmp_path / 'cache'
-  for d in (env, cache):
+  fedjax = tmp_path / 'home' / '.cache' / 'fedjax'
+  monkeypatch.setenv('HOME', str(tmp_path / 'home'))
+  for d in (env, cache, fedjax):
     (d / 'mnist_t10k').mkdir(parents=True)
     (d / 'x.bin').write_bytes(d.name.encode())
   monkeypatch.setenv('FEDJAX_PERSONAL_DATA', str(env))
-  assert local_files.search_dirs() == [env, local_files.PACKAGE_DATA, cache]
+  assert local_files.search_dirs() == [
+    env,
+    local_files.PACKAGE_DATA,
+    fedjax,
+    cache,
+  ]
   assert local_files.find_file('x.bin').read_bytes() == b'env'
   monkeypatch.delenv('FEDJAX_PERSONAL_DATA')
+  # FedJAX's own downloads (a user's files) before this project's cache
+  assert local_files.find_file('x.bin').read_bytes() == b'fedjax'
+  (fedjax / 'x.bin').unlink()
   assert local_files.find_file('x.bin').read_bytes() == b'cache'
   # the embedded MNIST comes before the cache
   assert (
