@@ -57,8 +57,9 @@ def test_fedjax_code_gives_fedjaxs_values(backend):
 
 
 def test_fed_avg_test_values_as_fedjax_asserts_them():
-  """``examples/fed_avg_test.py``'s, ``fed_prox_test.py``'s and
-  ``mime_test.py``'s own expected values."""
+  """``examples/fed_avg_test.py``'s, ``fed_prox_test.py``'s,
+  ``mime_test.py``'s and ``agnostic_fed_avg_test.py``'s own expected
+  values."""
   want = dict(np.load(REFERENCE))
   np.testing.assert_allclose(
     want['fed_avg_example/params'], [0.0, 1.4425802, 2.8851604], rtol=1e-6
@@ -69,6 +70,19 @@ def test_fed_avg_test_values_as_fedjax_asserts_them():
   np.testing.assert_allclose(want['fed_prox/w'], -3.77, rtol=1e-6)
   np.testing.assert_allclose(want['fed_prox/cid0_norm'], 6.95, rtol=1e-6)
   np.testing.assert_allclose(want['fed_prox/cid1_norm'], 9.0, rtol=1e-6)
+  # fedjax/algorithms/agnostic_fed_avg_test.py's
+  np.testing.assert_allclose(want['agnostic_fed_avg/w'], 3.5555556, rtol=1e-6)
+  np.testing.assert_allclose(
+    want['agnostic_fed_avg/domain_weights'],
+    [0.08702461, 0.18604803, 0.2663479, 0.46057943],
+    rtol=1e-6,
+  )
+  np.testing.assert_allclose(
+    want['agnostic_fed_avg/norms/0'], 2.8333335, rtol=1e-6
+  )
+  np.testing.assert_allclose(
+    want['agnostic_fed_avg/norms/1'], 7.666667, rtol=1e-6
+  )
   # fedjax/algorithms/mime_test.py's
   np.testing.assert_allclose(want['mime/mime/w'], 2.08, rtol=1e-6)
   np.testing.assert_allclose(
@@ -139,3 +153,19 @@ def test_load_data_finds_fedjaxs_own_cache_folder(tmp_path, monkeypatch):
   monkeypatch.setenv('FEDJAX_PERSONAL_CACHE', str(tmp_path / 'own_cache'))
   train, test = fedjax.datasets.emnist.load_data()
   assert train.num_clients() == 4 and test.num_clients() == 4
+
+
+def test_agnostic_fed_avg_without_a_window_runs():
+  """FedJAX 0.0.17 fails its own default (``init_domain_window=None``:
+  ``jnp.ones_like`` of a list); here it is ones, as FedJAX means."""
+  afa = fedjax.algorithms.agnostic_fed_avg.agnostic_federated_averaging(
+    lambda p, b, r: b['x'] * p['w'],
+    fedjax.optimizers.sgd(1.0),
+    fedjax.optimizers.sgd(1.0),
+    fedjax.ShuffleRepeatBatchHParams(batch_size=2, seed=0),
+    fedjax.PaddedBatchHParams(batch_size=2),
+    [0.5, 0.5],
+    0.1,
+  )
+  state = afa.init({'w': jax.numpy.array(1.0)})
+  np.testing.assert_array_equal(state.domain_window[0], [1.0, 1.0])

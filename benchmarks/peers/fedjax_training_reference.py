@@ -407,6 +407,49 @@ for name, build in [('mime', fedjax.algorithms.mime.mime),
 """,
   ),
   (
+    'agnostic_fed_avg',
+    """
+afa = fedjax.algorithms.agnostic_fed_avg.agnostic_federated_averaging(
+    per_example_loss=prox_example_loss,
+    client_optimizer=fedjax.optimizers.sgd(learning_rate=1.0),
+    server_optimizer=fedjax.optimizers.sgd(learning_rate=0.1),
+    client_batch_hparams=fedjax.ShuffleRepeatBatchHParams(
+        batch_size=3, num_epochs=1, seed=0),
+    domain_batch_hparams=fedjax.PaddedBatchHParams(batch_size=3),
+    init_domain_weights=[0.1, 0.2, 0.3, 0.4], domain_learning_rate=0.01,
+    domain_algorithm='eg', domain_window_size=2,
+    init_domain_window=[1., 2., 3., 4.])
+a_state, a_diag = afa.apply(afa.init({'w': jnp.array(4.)}), [
+    (b'cid0', fedjax.ClientDataset({
+        'x': jnp.array([1., 2., 4., 3., 6., 1.]),
+        'domain_id': jnp.array([1, 0, 0, 0, 2, 2])}), jax.random.PRNGKey(0)),
+    (b'cid1', fedjax.ClientDataset({
+        'x': jnp.array([8., 10., 5.]), 'domain_id': jnp.array([1, 3, 1])}),
+     jax.random.PRNGKey(1)),
+])
+R['w'] = a_state.params['w']
+R['domain_weights'] = a_state.domain_weights
+R['domain_window'] = a_state.domain_window
+R['norms'] = [a_diag[b'cid0']['delta_l2_norm'], a_diag[b'cid1']['delta_l2_norm']]
+afa = fedjax.algorithms.agnostic_fed_avg.agnostic_federated_averaging(
+    fedjax.model_per_example_loss(stax_model), fedjax.optimizers.sgd(0.1),
+    fedjax.optimizers.adam(0.01),
+    fedjax.ShuffleRepeatBatchHParams(batch_size=3, num_epochs=2, seed=1),
+    fedjax.PaddedBatchHParams(batch_size=4), [0.5, 0.3, 0.2], 0.5,
+    domain_window_size=2, init_domain_window=[1., 1., 1.],
+    regularizer=fedjax.regularizers.l2_regularizer(0.01))
+a_state = afa.init(stax_params)
+domain_clients = [
+    (cid, fedjax.ClientDataset({**{k: v for k, v in cds.all_examples().items()},
+                                'domain_id': np.arange(len(cds)) % 3}), rng)
+    for cid, cds, rng in fa_clients]
+for _ in range(2):
+  a_state, _ = afa.apply(a_state, domain_clients)
+R['stax_params'] = a_state.params
+R['stax_domain_weights'] = a_state.domain_weights
+""",
+  ),
+  (
     'for_each_client',
     """
 def fec_init(shared, client_input):

@@ -1,9 +1,15 @@
 """FedJAX's algorithms (``fedjax.algorithms``) as FedJAX builds them."""
 
-from fedjax_personal.fedjax.algorithms import fed_avg, fed_prox, mime, mime_lite
+from fedjax_personal.fedjax.algorithms import (
+  agnostic_fed_avg,
+  fed_avg,
+  fed_prox,
+  mime,
+  mime_lite,
+)
 from fedjax_personal.fedjax.missing import refuse as _refuse
 
-__all__ = ['fed_avg', 'fed_prox', 'mime', 'mime_lite']
+__all__ = ['agnostic_fed_avg', 'fed_avg', 'fed_prox', 'mime', 'mime_lite']
 
 
 def __getattr__(name):
