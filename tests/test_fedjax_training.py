@@ -130,7 +130,6 @@ def test_fedjax_names_not_provided_or_misspelled_are_one_line():
   for ask, says in [
     (lambda: fedjax.training, 'fedjax.training (FedJAX 0.0.17) is not'),
     (lambda: fedjax.algorithms.hyp_cluster, 'algorithms.hyp_cluster (FedJAX'),
-    (lambda: fedjax.algorithms.apfl, '--algorithm=apfl'),
     (lambda: fedjax.models.shakespeare, '--model=fedjax_char_lstm'),
     (lambda: fedjax.Modle, 'fedjax.Modle is not a FedJAX 0.0.17 name'),
   ]:

@@ -20,6 +20,7 @@ JAX's from the same keys: with JAX >= 0.5 the caller runs the cells under
 """
 
 import argparse
+import importlib
 
 import numpy as np
 
@@ -450,6 +451,28 @@ R['stax_domain_weights'] = a_state.domain_weights
 """,
   ),
   (
+    'apfl',
+    """
+apfl_module = importlib.import_module(fedjax.__name__ + '.algorithms.apfl')
+apfl = apfl_module.adaptive_personalized_federated_learning(
+    fedjax.model_grad(stax_model), fedjax.optimizers.sgd(0.1),
+    fedjax.optimizers.sgd(1.0),
+    fedjax.ShuffleRepeatBatchHParams(batch_size=3, num_epochs=1, seed=2), 0.5)
+p_state = apfl.init(stax_params)
+for clients_now in (fa_clients[:2], fa_clients[1:]):
+  p_state, p_diag = apfl.apply(p_state, clients_now)
+R['params'] = p_state.params
+R['client0'] = p_state.client_states[b'0'].params
+R['alpha2'] = p_state.client_states[b'2'].interpolation_coefficients
+R['norms'] = [p_diag[b'1']['delta_l2_norm'], p_diag[b'2']['delta_l2_norm']]
+evaluate = apfl_module.eval_adaptive_personalized_federated_learning(
+    stax_model, fedjax.PaddedBatchHParams(batch_size=4))
+R['eval'] = {cid.decode(): {k: v.result() for k, v in stats.items()}
+             for cid, stats in evaluate(
+    p_state, [(cid, cds) for cid, cds, _ in fa_clients] + [(b'new', eval_ds)])}
+""",
+  ),
+  (
     'for_each_client',
     """
 def fec_init(shared, client_input):
@@ -521,6 +544,7 @@ def run_cells(fedjax) -> dict:
 
   space = {
     '__name__': 'fedjax_cells',
+    'importlib': importlib,
     'fedjax': fedjax,
     'jax': jax,
     'jnp': jnp,

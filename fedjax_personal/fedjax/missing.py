@@ -8,7 +8,6 @@ NOT_PROVIDED = {
   'fedjax.aggregators': None,
   'fedjax.training': 'scripts/run_experiment.py (absl flags) or '
   'fedjax_personal.run.experiment.run',
-  'fedjax.algorithms.apfl': '--algorithm=apfl (native)',
   'fedjax.algorithms.hyp_cluster': None,
   'fedjax.models.cifar100': "--model=resnet (the project's CIFAR ResNets)",
   'fedjax.models.shakespeare': "--model=fedjax_char_lstm (FedJAX's layers, "

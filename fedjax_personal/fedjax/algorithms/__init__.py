@@ -2,6 +2,7 @@
 
 from fedjax_personal.fedjax.algorithms import (
   agnostic_fed_avg,
+  apfl,
   fed_avg,
   fed_prox,
   mime,
@@ -9,7 +10,14 @@ from fedjax_personal.fedjax.algorithms import (
 )
 from fedjax_personal.fedjax.missing import refuse as _refuse
 
-__all__ = ['agnostic_fed_avg', 'fed_avg', 'fed_prox', 'mime', 'mime_lite']
+__all__ = [
+  'agnostic_fed_avg',
+  'apfl',
+  'fed_avg',
+  'fed_prox',
+  'mime',
+  'mime_lite',
+]
 
 
 def __getattr__(name):

@@ -273,7 +273,8 @@ class ForEachClientVmapBackend(ForEachClientBackend):
   past its last batch is masked: its state stays); then each remaining step
   (a smaller last batch) one vmapped call; then ``client_final`` vmapped. A
   block is the clients given, up to ``block_size`` (a last, shorter block
-  padded with clients of no batches).
+  padded with clients of no batches); clients whose inputs differ in shape
+  run in separate blocks.
 
   Args:
     block_size: the most clients run together (memory: a block's states
@@ -324,7 +325,17 @@ class ForEachClientVmapBackend(ForEachClientBackend):
       return jax.jit(run_chunk, donate_argnums=0)
 
     def run(shared_input, clients):
-      clients = list(clients)
+      # clients whose inputs differ in shape (APFL's fresh and trained
+      # coefficients) cannot stack: each shape runs as its own group
+      groups: dict = {}
+      for client in clients:
+        leaves, tree = jax.tree.flatten(client[2])
+        key = (tree, tuple(np.shape(x) for x in leaves))
+        groups.setdefault(key, []).append(client)
+      for group in groups.values():
+        yield from run_group(shared_input, group)
+
+    def run_group(shared_input, clients):
       size = max(1, min(self._block_size, len(clients)))
       v_init, v_step, v_final = compiled(size)
       for ids, real, batches, inputs in _blocks(clients, size):
