@@ -10,6 +10,7 @@ project is ``--algorithm=fedavg``."""
 from typing import Any, Callable, Mapping, Sequence, Tuple
 
 import jax
+import jax.numpy as jnp
 
 from fedjax_personal.fedjax.core import for_each_client, optimizers, tree_util
 from fedjax_personal.fedjax.core.client_datasets import (
@@ -28,6 +29,7 @@ from fedjax_personal.fedjax.core.typing import (
 __all__ = [
   'create_train_for_each_client',
   'federated_averaging',
+  'mean_delta',
   'mean_delta_apply',
   'ServerState',
 ]
@@ -128,24 +130,50 @@ def mean_delta_apply(train, server_optimizer, client_batch_hparams):
     server_state: ServerState,
     clients: Sequence[Tuple[bytes, ClientDataset, PRNGKey]],
   ) -> Tuple[ServerState, Mapping[bytes, Any]]:
-    sizes = {cid: len(cds) for cid, cds, _ in clients}
-    batches = [
-      (cid, cds.shuffle_repeat_batch(client_batch_hparams), rng)
-      for cid, cds, rng in clients
-    ]
-    diagnostics = {}
-    total = tree_util.tree_zeros_like(server_state.params)
-    weight = 0.0
-    for client_id, delta in train(server_state.params, batches):
-      total = tree_util.tree_add(
-        total, tree_util.tree_weight(delta, sizes[client_id])
-      )
-      weight += sizes[client_id]
-      diagnostics[client_id] = {'delta_l2_norm': tree_util.tree_l2_norm(delta)}
-    mean_delta = tree_util.tree_inverse_weight(total, weight)
+    delta, diagnostics = mean_delta(
+      train, server_state.params, server_state.params, clients,
+      client_batch_hparams,
+    )  # fmt: skip
     opt_state, params = server_optimizer.apply(
-      mean_delta, server_state.opt_state, server_state.params
+      delta, server_state.opt_state, server_state.params
     )
     return ServerState(params, opt_state), diagnostics
 
   return apply
+
+
+def mean_delta(train, shared_input, params, clients, hparams, clip_norm=None):
+  """The clients' deltas (``train``) weighted by size, and each one's
+  diagnostics (``delta_l2_norm``; with ``clip_norm``: each delta clipped to
+  it first, ``clipped_delta_l2_norm`` and ``clipped``): the round of FedAvg,
+  FedProx, Mime and Mime Lite.
+
+  Args:
+    train: the clients' work, ``(shared_input, clients) -> (id, delta)``.
+    shared_input: what ``train`` shares with every client.
+    params: the server's parameters (the deltas' shape).
+    clients: ``(id, dataset, key)`` triples.
+    hparams: the clients' batching.
+    clip_norm: each delta's largest l2 norm, or None.
+
+  Returns:
+    ``(mean delta, {id: diagnostics})``.
+  """
+  sizes = {cid: len(cds) for cid, cds, _ in clients}
+  batches = [
+    (cid, cds.shuffle_repeat_batch(hparams), rng) for cid, cds, rng in clients
+  ]
+  total = tree_util.tree_zeros_like(params)
+  weight, diagnostics = 0.0, {}
+  for cid, delta in train(shared_input, batches):
+    diagnostics[cid] = {'delta_l2_norm': tree_util.tree_l2_norm(delta)}
+    if clip_norm is not None:
+      delta = tree_util.tree_clip_by_global_norm(delta, clip_norm)
+      clipped = tree_util.tree_l2_norm(delta)
+      diagnostics[cid]['clipped_delta_l2_norm'] = clipped
+      diagnostics[cid]['clipped'] = jnp.not_equal(
+        diagnostics[cid]['delta_l2_norm'], clipped
+      )
+    total = tree_util.tree_add(total, tree_util.tree_weight(delta, sizes[cid]))
+    weight += sizes[cid]
+  return tree_util.tree_inverse_weight(total, weight), diagnostics

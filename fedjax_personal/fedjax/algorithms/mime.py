@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
+from fedjax_personal.fedjax.algorithms.fed_avg import mean_delta
 from fedjax_personal.fedjax.core import (
   for_each_client,
   models,
@@ -151,30 +152,6 @@ def server_gradient(grads_for_each_client, params, clients, hparams):
   return tree_util.tree_inverse_weight(total, num)
 
 
-def mean_delta(train, shared_input, clients, hparams, clip_norm=None):
-  """The clients' deltas (``train``) weighted by size, and each one's
-  diagnostics (``delta_l2_norm``; with ``clip_norm``: each delta clipped to
-  it first, ``clipped_delta_l2_norm`` and ``clipped``)."""
-  sizes = {cid: len(cds) for cid, cds, _ in clients}
-  batches = [
-    (cid, cds.shuffle_repeat_batch(hparams), rng) for cid, cds, rng in clients
-  ]
-  total = tree_util.tree_zeros_like(shared_input['params'])
-  weight, diagnostics = 0.0, {}
-  for cid, delta in train(shared_input, batches):
-    diagnostics[cid] = {'delta_l2_norm': tree_util.tree_l2_norm(delta)}
-    if clip_norm is not None:
-      delta = tree_util.tree_clip_by_global_norm(delta, clip_norm)
-      clipped = tree_util.tree_l2_norm(delta)
-      diagnostics[cid]['clipped_delta_l2_norm'] = clipped
-      diagnostics[cid]['clipped'] = jnp.not_equal(
-        diagnostics[cid]['delta_l2_norm'], clipped
-      )
-    total = tree_util.tree_add(total, tree_util.tree_weight(delta, sizes[cid]))
-    weight += sizes[cid]
-  return tree_util.tree_inverse_weight(total, weight), diagnostics
-
-
 def server_update(
   base_optimizer, server_learning_rate, state, server_grads, delta
 ):
@@ -229,7 +206,7 @@ def mime(
       'control_variate': grads,
     }
     delta, diagnostics = mean_delta(
-      train, shared, clients, client_batch_hparams
+      train, shared, state.params, clients, client_batch_hparams
     )
     return server_update(
       base_optimizer, server_learning_rate, state, grads, delta

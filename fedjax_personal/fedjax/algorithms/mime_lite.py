@@ -10,12 +10,12 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 
 import jax
 
+from fedjax_personal.fedjax.algorithms.fed_avg import mean_delta
 from fedjax_personal.fedjax.algorithms.mime import (
   Clients,
   Regularizer,
   ServerState,
   create_grads_for_each_client,
-  mean_delta,
   server_gradient,
   server_update,
 )
@@ -99,7 +99,12 @@ def mime_lite(
   ) -> Tuple[ServerState, Mapping[bytes, Any]]:
     shared = {'params': state.params, 'opt_state': state.opt_state}
     delta, diagnostics = mean_delta(
-      train, shared, clients, client_batch_hparams, client_delta_clip_norm
+      train,
+      shared,
+      state.params,
+      clients,
+      client_batch_hparams,
+      client_delta_clip_norm,
     )
     grads = server_gradient(
       grads_each, state.params, clients, grads_batch_hparams
