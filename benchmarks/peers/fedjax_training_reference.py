@@ -12,9 +12,14 @@ backend) to compare.
 test (``fed_avg_test.py``'s clients and values), ``stateful_fed_avg.py``'s
 client counters, ``emnist_fed_avg.py``'s loop at a small size (in-memory
 EMNIST-shaped clients instead of the download, 3 rounds, evaluation each
-round; its unseeded shuffle seeded), FedJAX's optimizers, metrics, tree utilities, stax and Haiku models
-(initialization, evaluation, gradients, per-client evaluators), its
-``algorithms.fed_avg`` and its msgpack serialization. Random draws are
+round; its unseeded shuffle seeded), FedJAX's optimizers, metrics, tree
+utilities, stax and Haiku models (initialization, evaluation, gradients,
+per-client evaluators), the Shakespeare, Stack Overflow and CIFAR-100 models
+at small sizes, every algorithm (HypCluster with its trainers, k-means
+initialization and evaluator as ``hyp_cluster_test.py`` runs them),
+``training``'s experiment loop (checkpoints, resumption, evaluations) and
+the msgpack serialization. FedJAX 0.0.17's language models read
+``jnp.NINF``, gone from its own JAX: ``main`` restores it for FedJAX's run. Random draws are
 JAX's from the same keys: with JAX >= 0.5 the caller runs the cells under
 ``jax.threefry_partitionable(False)`` (FedJAX 0.0.17's JAX drew that way).
 """
@@ -473,6 +478,168 @@ R['eval'] = {cid.decode(): {k: v.result() for k, v in stats.items()}
 """,
   ),
   (
+    'hyp_cluster',
+    """
+hc = importlib.import_module(fedjax.__name__ + '.algorithms.hyp_cluster')
+
+def hc_grad(params, batch, rng):
+  return 0.5 * params + jnp.mean(batch['x']) + jax.random.uniform(rng, [])
+
+hc_batches = [
+    (b'0000', [{'x': jnp.array([0.125])}, {'x': jnp.array([0.25, 0.75])}],
+     jax.random.PRNGKey(0)),
+    (b'1001', [{'x': jnp.array([0., 1., 2.])}], jax.random.PRNGKey(1))]
+R['delta_global'] = dict(hc.ClientDeltaTrainer(
+    hc_grad, fedjax.optimizers.sgd(1)).train_global_params(
+        jnp.array(1.), hc_batches))
+R['delta_per_client'] = dict(hc.ClientDeltaTrainer(
+    hc_grad, fedjax.optimizers.sgd(1)).train_per_client_params(
+        [(c, b, r, p) for (c, b, r), p in
+         zip(hc_batches, [jnp.array(1.), jnp.array(0.5)])]))
+R['random_init'] = hc.random_init(
+    3, lambda k: jax.random.uniform(k, [2]), jax.random.PRNGKey(0))
+
+def km_apply_for_train(params, batch, rng):
+  return params - batch['x']
+
+km_model = fedjax.Model(
+    init=lambda k: jax.random.uniform(k), apply_for_train=km_apply_for_train,
+    apply_for_eval=None,
+    train_loss=lambda batch, out: jnp.square(out) + batch['bias'],
+    eval_metrics={})
+km_clients = [
+    (b'%d' % i, fedjax.ClientDataset({'x': np.array([x]),
+                                      'bias': np.array([b])}),
+     jax.random.PRNGKey(k))
+    for i, (x, b, k) in enumerate([(1.01, -2., 1), (3.02, -1., 2),
+                                   (3.03, 1., 3), (1.04, 2., 3)])]
+initializer = hc.ModelKMeansInitializer(km_model, fedjax.optimizers.sgd(0.5),
+                                        lambda p: 0)
+for seed in (0, 1):
+  R['kmeans/%d' % seed] = initializer.cluster_params(
+      num_clusters=3, rng=jax.random.PRNGKey(seed), clients=km_clients,
+      train_batch_hparams=fedjax.ShuffleRepeatBatchHParams(
+          batch_size=1, num_epochs=5),
+      eval_batch_hparams=fedjax.PaddedBatchHParams(batch_size=2))
+
+def l1_loss(params, batch, rng):
+  sign = jax.random.bernoulli(rng) * 2 - 1
+  return jnp.abs(params * sign - batch['x'])
+
+mx_clients = [
+    (b'near0', fedjax.ClientDataset({'x': np.array([0.1])}),
+     jax.random.PRNGKey(0)),
+    (b'near-1', fedjax.ClientDataset({'x': np.array([0.9, 1.1, 1.3])}),
+     jax.random.PRNGKey(16)),
+    (b'near2', fedjax.ClientDataset({'x': np.array([1.9, 2.1, -2.1])}),
+     jax.random.PRNGKey(68)),
+    (b'near1', fedjax.ClientDataset({'x': np.array([0.9, 1.1, 1.3])}),
+     jax.random.PRNGKey(106))]
+mx_evaluator = fedjax.AverageLossEvaluator(
+    l1_loss, lambda p: 0.01 * jnp.sum(jnp.abs(p)))
+mx_params = [jnp.array(0.), jnp.array(-1.), jnp.array(2.)]
+R['maximization'] = hc.maximization_step(
+    mx_evaluator, mx_params, mx_clients,
+    fedjax.PaddedBatchHParams(batch_size=2))
+algorithm = hc.hyp_cluster(
+    l1_loss, fedjax.optimizers.sgd(0.5), fedjax.optimizers.sgd(1.0),
+    fedjax.PaddedBatchHParams(batch_size=2),
+    fedjax.ShuffleRepeatBatchHParams(batch_size=1, num_epochs=2, seed=0),
+    regularizer=lambda p: 0.01 * jnp.sum(jnp.abs(p)))
+h_state = algorithm.init(mx_params)
+h_state, h_diag = algorithm.apply(h_state, mx_clients)
+R['toy/params'] = h_state.cluster_params
+R['toy/cluster_ids'] = {c.decode(): d['cluster_id'] for c, d in h_diag.items()}
+algorithm = hc.hyp_cluster(
+    fedjax.model_per_example_loss(stax_model), fedjax.optimizers.sgd(0.1),
+    fedjax.optimizers.sgd(1.0, momentum=0.5),
+    fedjax.PaddedBatchHParams(batch_size=4),
+    fedjax.ShuffleRepeatBatchHParams(batch_size=3, num_epochs=2, seed=1))
+h_state = algorithm.init(hc.random_init(2, stax_model.init,
+                                        jax.random.PRNGKey(5)))
+for _ in range(2):
+  h_state, h_diag = algorithm.apply(h_state, fa_clients)
+R['stax/params'] = h_state.cluster_params
+R['stax/opt_states'] = h_state.opt_states
+R['stax/cluster_ids'] = [h_diag[c]['cluster_id'] for c, _, _ in fa_clients]
+R['eval'] = {c.decode(): m for c, m in hc.HypClusterEvaluator(
+    stax_model).evaluate_clients(
+        h_state.cluster_params, fa_clients,
+        [(c, d) for c, d, _ in fa_clients],
+        fedjax.PaddedBatchHParams(batch_size=4))}
+""",
+  ),
+  (
+    'model_zoo',
+    """
+zoo_tokens = np.array([[1, 5, 9, 3, 0], [7, 2, 4, 0, 0], [3, 3, 8, 6, 2]],
+                      dtype=np.int32)
+zoo_lm = {'x': zoo_tokens, 'y': np.roll(zoo_tokens, -1, axis=1)}
+for name, model in [
+    ('shakespeare', fedjax.models.shakespeare.create_lstm_model(
+        vocab_size=6, embed_size=4, lstm_hidden_size=5, lstm_num_layers=2)),
+    ('stackoverflow', fedjax.models.stackoverflow.create_lstm_model(
+        vocab_size=7, embed_size=4, lstm_hidden_size=6, lstm_num_layers=2,
+        expected_length=3.5)),
+    ('stackoverflow_shared', fedjax.models.stackoverflow.create_lstm_model(
+        vocab_size=7, embed_size=4, lstm_hidden_size=6,
+        share_input_output_embeddings=True))]:
+  z_params = model.init(jax.random.PRNGKey(3))
+  R[name + '/params'] = z_params
+  R[name + '/eval'] = fedjax.evaluate_model(model, z_params, [zoo_lm])
+  R[name + '/grad'] = fedjax.model_grad(model)(z_params, zoo_lm,
+                                               jax.random.PRNGKey(4))
+  R[name + '/loss'] = fedjax.model_per_example_loss(model)(
+      z_params, zoo_lm, jax.random.PRNGKey(4))
+model = fedjax.models.cifar100.create_logistic_model()
+z_params = model.init(jax.random.PRNGKey(3))
+z_batch = {'x': np.linspace(-1, 1, 2 * 24 * 24 * 3, dtype=np.float32).reshape(
+    2, 24, 24, 3), 'y': np.array([3, 97], dtype=np.int32)}
+R['cifar100/params'] = z_params
+R['cifar100/eval'] = fedjax.evaluate_model(model, z_params, [z_batch])
+""",
+  ),
+  (
+    'training',
+    """
+import os
+import tempfile
+tr_fd = fedjax.InMemoryFederatedData({
+    cid: {k: np.asarray(v) for k, v in cds.all_examples().items()}
+    for cid, cds, _ in fa_clients})
+tr_dir = tempfile.mkdtemp()
+tr_config = fedjax.training.FederatedExperimentConfig(
+    root_dir=tr_dir, num_rounds=3, checkpoint_frequency=1,
+    num_checkpoints_to_keep=2, eval_frequency=2)
+tr_eval = fedjax.PaddedBatchHParams(batch_size=4)
+tr_state = fedjax.training.run_federated_experiment(
+    fed_avg, fed_avg.init(stax_params),
+    fedjax.client_samplers.UniformGetClientSampler(tr_fd, 2, seed=0),
+    tr_config,
+    periodic_eval_fn_map={
+        'train': fedjax.training.ModelTrainClientsEvaluationFn(
+            stax_model, tr_eval),
+        'sampled': fedjax.training.ModelSampleClientsEvaluationFn(
+            fedjax.client_samplers.UniformGetClientSampler(tr_fd, 2, seed=1),
+            stax_model, tr_eval)},
+    final_eval_fn_map={'full': fedjax.training.ModelFullEvaluationFn(
+        tr_fd, stax_model, tr_eval)})
+R['params'] = tr_state.params
+R['checkpoints'] = sorted(os.listdir(tr_dir)).count('checkpoint_00000003')
+R['latest_round'] = fedjax.training.load_latest_checkpoint(tr_dir)[1]
+with open(os.path.join(tr_dir, 'full.tsv')) as f:
+  tr_head, tr_row = f.read().split('\\n')
+R['full'] = dict(zip(tr_head.split('\\t'), map(float, tr_row.split('\\t'))))
+tr_config = tr_config._replace(num_rounds=5)
+tr_state = fedjax.training.run_federated_experiment(
+    fed_avg, fed_avg.init(stax_params),
+    fedjax.client_samplers.UniformGetClientSampler(tr_fd, 2, seed=0),
+    tr_config)
+R['resumed_params'] = tr_state.params
+R['tasks'] = list(fedjax.training.ALL_TASKS)
+""",
+  ),
+  (
     'for_each_client',
     """
 def fec_init(shared, client_input):
@@ -565,6 +732,12 @@ def run_cells(fedjax) -> dict:
 
 def main():
   import fedjax  # noqa: PLC0415  (FedJAX's venv only)
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  # FedJAX 0.0.17's language models read ``jnp.NINF``, which its own JAX
+  # (0.4.30) no longer has: restored so that FedJAX's code runs at all
+  if not hasattr(jnp, 'NINF'):
+    jnp.NINF = -jnp.inf
 
   p = argparse.ArgumentParser()
   p.add_argument('--out', required=True)

@@ -4,7 +4,7 @@ its imports and nothing else (``import fedjax_personal.fedjax as fedjax``):
 its data, models (Haiku ones with the ``fedjax`` extra), optimizers,
 metrics, tree utilities, serialization, ``for_each_client`` (with a vmap
 backend beside FedJAX's jit one), ``FederatedAlgorithm`` and
-``algorithms.fed_avg``.
+its algorithms and ``training``.
 
 The objects are the project's (``fedjax_personal.datasets``: the same
 ``ClientDataset``, federated data and ``load_data`` that give FedJAX's
@@ -15,7 +15,13 @@ builder, the ``FederatedData`` interface, and FedJAX's lookup of ids. Every
 data set's ``.store`` hands its clients to this project's compiled rounds.
 """
 
-from fedjax_personal.fedjax import algorithms, core, datasets, models
+from fedjax_personal.fedjax import (
+  algorithms,
+  core,
+  datasets,
+  models,
+  training,
+)
 from fedjax_personal.fedjax.core import (
   client_samplers,
   metrics,
@@ -118,6 +124,7 @@ __all__ = [
   'set_for_each_client_backend',
   'SingleExample',
   'SinglePrediction',
+  'training',
   'tree_util',
   'BatchHParams',
   'BatchPreprocessor',

@@ -6,14 +6,6 @@ __all__ = ['refuse']
 #: qualified FedJAX name -> what this project has instead (None: nothing yet).
 NOT_PROVIDED = {
   'fedjax.aggregators': None,
-  'fedjax.training': 'scripts/run_experiment.py (absl flags) or '
-  'fedjax_personal.run.experiment.run',
-  'fedjax.algorithms.hyp_cluster': None,
-  'fedjax.models.cifar100': "--model=resnet (the project's CIFAR ResNets)",
-  'fedjax.models.shakespeare': "--model=fedjax_char_lstm (FedJAX's layers, "
-  'in Flax)',
-  'fedjax.models.stackoverflow': "--model=fedjax_lstm_lm (FedJAX's layers, "
-  'in Flax)',
 }
 
 

@@ -5,6 +5,7 @@ from fedjax_personal.fedjax.algorithms import (
   apfl,
   fed_avg,
   fed_prox,
+  hyp_cluster,
   mime,
   mime_lite,
 )
@@ -15,6 +16,7 @@ __all__ = [
   'apfl',
   'fed_avg',
   'fed_prox',
+  'hyp_cluster',
   'mime',
   'mime_lite',
 ]
