@@ -14,6 +14,7 @@ import dataclasses
 from typing import Dict, Optional
 
 from fedjax_personal.algorithms import (
+  agnostic_fedavg,
   apfl,
   cfl,
   ditto,
@@ -44,7 +45,9 @@ from fedjax_personal.algorithms import (
   fedsgd,
   fml,
   gpfl,
+  hyp_cluster,
   local,
+  mime_lite,
   moon,
   oracle,
   partial,
@@ -132,6 +135,9 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     fedphp.SPEC,
     fedcross.SPEC,
     fedkd.SPEC,
+    mime_lite.SPEC,
+    hyp_cluster.SPEC,
+    agnostic_fedavg.SPEC,
   ]
 }
 
