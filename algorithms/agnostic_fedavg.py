@@ -48,6 +48,7 @@ from fedjax_personal.core.algorithm import (
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.data import Array as HostOrDevice
 from fedjax_personal.core.losses import (
   Batch,
   LossStats,
@@ -146,7 +147,7 @@ class AFLOutput:
 
   delta: aggregation.Sum
   domain: aggregation.Sum
-  num_examples: jax.Array
+  num_examples: HostOrDevice
   stats: LossStats
 
 

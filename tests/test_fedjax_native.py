@@ -61,6 +61,7 @@ FULL_BATCH = fedjax.ShuffleRepeatBatchHParams(
 
 
 @pytest.mark.parametrize('clip', [None, 2.0])
+@pytest.mark.ci_variants('2.0')
 def test_mime_lite_equals_fedjaxs(clip):
   data, clients = _setup()
   model = helpers.linear_model(3)
@@ -188,6 +189,7 @@ def ce_per_example_loss(params, batch, rng):
 
 
 @pytest.mark.parametrize('domains', ['label', 'group'])
+@pytest.mark.ci_variants('label')
 def test_agnostic_fedavg_equals_fedjaxs(domains):
   groups = [0, 1, 1, 0]
   data, xs, ys = _classification(groups)

@@ -101,7 +101,6 @@ def _job(tmp_path, task, *extra):
 @pytest.mark.parametrize('task', TASKS)
 @pytest.mark.ci_variants(
   'partial_emnist_resnet',
-  'reddi_cifar100_resnet',
   'reddi_shakespeare_lstm',
   'reddi_stackoverflow_lstm',
 )

@@ -15,7 +15,8 @@ EMNIST-shaped clients instead of the download, 3 rounds, evaluation each
 round; its unseeded shuffle seeded), FedJAX's optimizers, metrics, tree
 utilities, stax and Haiku models (initialization, evaluation, gradients,
 per-client evaluators), the Shakespeare, Stack Overflow and CIFAR-100 models
-at small sizes, every algorithm (HypCluster with its trainers, k-means
+at small sizes, the aggregators (the mean and every compressed mean, with
+their bits and keys), every algorithm (HypCluster with its trainers, k-means
 initialization and evaluator as ``hyp_cluster_test.py`` runs them),
 ``training``'s experiment loop (checkpoints, resumption, evaluations) and
 the msgpack serialization. FedJAX 0.0.17's language models read
@@ -637,6 +638,44 @@ tr_state = fedjax.training.run_federated_experiment(
     tr_config)
 R['resumed_params'] = tr_state.params
 R['tasks'] = list(fedjax.training.ALL_TASKS)
+""",
+  ),
+  (
+    'aggregators',
+    """
+agg = fedjax.aggregators
+agg_clients = [
+    (b'a', {'w': jnp.arange(6.).reshape(2, 3) / 7, 'b': jnp.array([0.5, -1.])},
+     2.),
+    (b'b', {'w': jnp.cos(jnp.arange(6.)).reshape(2, 3),
+            'b': jnp.array([2., 0.25])}, 1.),
+    (b'c', {'w': -jnp.arange(6.).reshape(2, 3) / 3, 'b': jnp.array([0., 3.])},
+     3.)]
+mean = agg.mean_aggregator()
+R['mean'] = mean.apply(agg_clients, mean.init())[0]
+for name, aggregator in [
+    ('uniform', agg.uniform_stochastic_quantizer(4, jax.random.PRNGKey(0))),
+    ('arithmetic', agg.uniform_stochastic_quantizer(
+        3, jax.random.PRNGKey(1), 'arithmetic')),
+    ('rotated', agg.compression.rotated_uniform_stochastic_quantizer(
+        4, jax.random.PRNGKey(2))),
+    ('drive', agg.compression.structured_drive_quantizer(
+        jax.random.PRNGKey(3))),
+    ('terngrad', agg.compression.terngrad_quantizer(jax.random.PRNGKey(4)))]:
+  agg_state = aggregator.init()
+  for _ in range(2):
+    agg_out, agg_state = aggregator.apply(agg_clients, agg_state)
+  R[name + '/params'] = agg_out
+  R[name + '/bits'] = agg_state.num_bits
+  R[name + '/rng'] = agg_state.rng
+# integers: every sum exact in float32, whatever the order
+R['walsh_hadamard'] = agg.walsh_hadamard_transform(jnp.arange(256.))
+R['binary'] = agg.binary_stochastic_quantize(
+    jnp.linspace(-1., 1., 9), jax.random.PRNGKey(5))
+R['uniform'] = agg.uniform_stochastic_quantize(
+    jnp.linspace(-1., 1., 9), 5, jax.random.PRNGKey(6), -2., 2.)
+R['arithmetic_bits'] = agg.compression.arithmetic_encoding_num_bits(
+    jnp.array([0., 1., 1., 2., 2., 2.]))
 """,
   ),
   (

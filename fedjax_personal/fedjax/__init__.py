@@ -16,6 +16,7 @@ data set's ``.store`` hands its clients to this project's compiled rounds.
 """
 
 from fedjax_personal.fedjax import (
+  aggregators,
   algorithms,
   core,
   datasets,
@@ -92,6 +93,7 @@ from fedjax_personal.fedjax.core.typing import (
 from fedjax_personal.fedjax.missing import refuse as _refuse
 
 __all__ = [
+  'aggregators',
   'algorithms',
   'AverageLossEvaluator',
   'BatchExample',

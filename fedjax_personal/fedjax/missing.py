@@ -4,9 +4,7 @@ for, each is refused in one line saying so and what to use instead."""
 __all__ = ['refuse']
 
 #: qualified FedJAX name -> what this project has instead (None: nothing yet).
-NOT_PROVIDED = {
-  'fedjax.aggregators': None,
-}
+NOT_PROVIDED: dict = {}
 
 
 def refuse(package: str, name: str):

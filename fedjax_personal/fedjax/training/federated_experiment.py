@@ -6,6 +6,7 @@ local paths instead of TensorFlow's file system."""
 
 import abc
 import os
+import sys
 import time
 from typing import Any, Mapping, NamedTuple, Optional, Sequence, Tuple
 
@@ -30,16 +31,16 @@ __all__ = [
 
 
 def set_tf_cpu_only() -> None:
-  """Hides GPUs and TPUs from TensorFlow when it is installed (FedJAX's
-  data loading used it); nothing otherwise (this package reads data without
-  it).
+  """Hides GPUs and TPUs from TensorFlow when the program has imported it
+  (FedJAX read its data with TensorFlow, which would otherwise take the
+  accelerator's memory); nothing otherwise: this package reads data
+  without TensorFlow and never imports it.
 
   Returns:
     None.
   """
-  try:
-    import tensorflow as tf  # noqa: PLC0415  (optional, never required)
-  except ImportError:
+  tf = sys.modules.get('tensorflow')
+  if tf is None:
     return
   tf.config.experimental.set_visible_devices([], 'GPU')
   tf.config.experimental.set_visible_devices([], 'TPU')
