@@ -18,7 +18,10 @@ takes. The domain weights take an exponentiated-gradient step on the mean
 domain losses, lambda_d <- lambda_d exp(gamma sum_i L_{i,d} / sum_i
 n_{i,d}) normalized ('eg'), or stay ('none'); the round's counts enter the
 window. As FedJAX's, a batch's loss is its domain-weighted *sum* over
-beta_i: with one batch of all a client's examples it is the mean.
+beta_i: with one batch of all a client's examples it is the mean. Where
+FedJAX divides by zero (a domain absent from every round of the window:
+alpha infinite, then NaN), its alpha here is 0, and a client with no
+example of a weighted domain (beta_i = 0) trains on nothing and weighs 0.
 """
 
 import dataclasses
@@ -260,7 +263,12 @@ def agnostic_fedavg(
     )
 
   def server_broadcast(state: AFLState, cohort: Cohort, rc: RoundContext):
-    alpha = state.domain_weights / jnp.mean(state.domain_window, axis=0)
+    # a domain the window never saw weighs 0 (FedJAX divides by 0: inf, and
+    # NaN once a client without it multiplies its 0 count)
+    seen = jnp.mean(state.domain_window, axis=0)
+    alpha = jnp.where(
+      seen > 0, state.domain_weights / jnp.where(seen > 0, seen, 1.0), 0.0
+    )
     # each client's domain (its group) goes to it with the broadcast
     own = (
       cohort.mask
@@ -293,7 +301,9 @@ def agnostic_fedavg(
       stats = per_example_stats(
         out.logits, batch.y, batch.mask, model.loss, model.unscored_targets
       )
-      return jnp.sum(ctx.shared.alpha * loss) / b, stats
+      # a client with no example in a weighted domain trains on nothing
+      scaled = jnp.sum(ctx.shared.alpha * loss) / jnp.where(b > 0, b, 1.0)
+      return jnp.where(b > 0, scaled, 0.0), stats
 
     return objective
 
@@ -363,10 +373,11 @@ def _one_label_per_example(model: Model, data) -> bool:
   [B, C]; a language model's are [B, T, C]), from shapes only."""
   if model.loss != 'cross_entropy':
     return False
+  # a batch of one input: the population's sample, or client 0's first
   sample = getattr(data, 'sample_x', None)
   if sample is None:
-    sample = data.train.x[0]
-  x = jax.ShapeDtypeStruct((1,) + np.shape(sample), np.asarray(sample).dtype)
+    sample = data.train.x[0, :1]
+  x = jax.ShapeDtypeStruct(np.shape(sample), np.asarray(sample).dtype)
   params = jax.eval_shape(model.init, jax.random.key(0))
   return len(jax.eval_shape(model.apply, params, x).shape) == 2
 

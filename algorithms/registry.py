@@ -31,6 +31,7 @@ from fedjax_personal.algorithms import (
   feddyn,
   fedfomo,
   fedgc,
+  fedgen,
   fedgh,
   fedkd,
   fedlc,
@@ -138,6 +139,7 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     mime_lite.SPEC,
     hyp_cluster.SPEC,
     agnostic_fedavg.SPEC,
+    fedgen.SPEC,
   ]
 }
 

@@ -95,6 +95,7 @@ LEADERBOARD = {
   'fedphp': {},
   'fedcross': {},
   'fedkd': {},
+  'fedgen': {},
 }
 NUM_CLIENTS, ALPHA, TRAIN_RATIO, BATCH, LR, SEED = 20, 0.1, 0.75, 10, 0.005, 1
 

@@ -117,17 +117,45 @@ def _rounds(alg, data, reference, name):
       prev_gce=jax.numpy.asarray(gce),
       valve=jax.tree.map(jax.numpy.asarray, valve),
     )
+  if name == 'fedgen':  # the generator as PyTorch drew it
+    drawn = _nested(reference, f'{name}/generator_init/')
+    state = dataclasses.replace(
+      state,
+      generator={**state.generator, 'params': jax.tree.map(np.asarray, drawn)},
+    )
   for t in range(PEER.ROUNDS):
     state, _ = runner.round(state, jax.random.key(t), t)
   return state
+
+
+def fixed_fedgen_draws(monkeypatch):
+  """FedGen's draws as the record fixed them (``PEER.fedgen_labels`` and
+  ``fedgen_noise``): the labels spread over the sorted multiset of the
+  population's labels, computed here from the label counts."""
+  from fedjax_personal.algorithms import fedgen
+
+  def labels(key, counts, n):
+    del key
+    cum = jax.numpy.cumsum(counts.astype(jax.numpy.int32))
+    at = (jax.numpy.arange(n) * cum[-1]) // n
+    return jax.numpy.searchsorted(cum, at, side='right').astype(jax.numpy.int32)
+
+  monkeypatch.setattr(fedgen, 'draw_labels', labels)
+  monkeypatch.setattr(
+    fedgen,
+    'draw_noise',
+    lambda key, n, dim: jax.numpy.asarray(PEER.fedgen_noise(n, dim)),
+  )
 
 
 @pytest.mark.parametrize('name', sorted(PEER.ALGORITHMS))
 # CI: one that splits a body from a head, one that exchanges prototypes, one
 # whose cloud models mix the cohort's (the rest with -m slow)
 @pytest.mark.ci_variants('fedcac', 'fedproto', 'fedamp')
-def test_equal_to_pfllib(reference, name):
+def test_equal_to_pfllib(reference, name, monkeypatch):
   data, model = _data(reference), _model(reference)
+  if name == 'fedgen':
+    fixed_fedgen_draws(monkeypatch)
   own = {**PEER.ALGORITHMS[name], **PEER.OURS.get(name, {})}
   training = TrainingConfig(
     client_lr=PEER.LR, batch_size=PEER.TRAIN, local_epochs=PEER.LOCAL_EPOCHS
@@ -231,6 +259,15 @@ def test_equal_to_pfllib(reference, name):
     for i in range(PEER.NUM_CLIENTS):
       got = jax.tree.map(lambda a: a[i], state.heads)
       assert helpers.max_diff(got, heads[str(i)]) < ATOL
+  if name == 'fedgen':  # the generator the server trained
+    want = _nested(reference, f'{name}/generator/')
+    got = jax.device_get(state.generator['params'])
+    # but the bias before its batch norm: the norm subtracts it again, so
+    # its gradient is rounding (1e-7) that Adam scales to +-lr steps on
+    # either side; it changes no output
+    for part in (want, got):
+      part['Dense_0'] = {'kernel': part['Dense_0']['kernel']}
+    assert helpers.max_diff(got, want) < ATOL
   if name == 'feddbe':
     for i in range(PEER.NUM_CLIENTS):
       np.testing.assert_allclose(

@@ -165,6 +165,11 @@ OWN = {
   'fedphp': dict(fedphp_horizon=2),
   'fedkd': dict(fedkd_horizon=2),
   'fedcross': dict(fedcross_num_models=6),
+  # the made writers have no groups: their labels are the domains
+  'agnostic_fedavg': dict(agnostic_fedavg_domains='label'),
+  'fedgen': dict(
+    fedgen_server_epochs=3, fedgen_noise_dim=4, fedgen_hidden_dim=8
+  ),
 }
 #: FedCross hands the i-th client the i-th of its cohort-size models: a
 #: fixed cohort (participation is refused).
@@ -1071,6 +1076,10 @@ def test_data_built_in_memory_reaches_the_store_unpadded(cfg):
     'fedphp',
     'fedcross',
     'fedkd',
+    'fedgen',
+    'mime_lite',
+    'hyp_cluster',
+    'agnostic_fedavg',
   ],
 )
 @pytest.mark.ci_variants('fedcac')
@@ -1085,7 +1094,9 @@ def test_pfllib_algorithms_run_a_natural_population_in_the_host_layout(
   combined heads, FedCP's policy, GPFL's inputs,
   MOON's previous models, FedProto's class means, FML's models,
   FedALA's weights, FedMTL's models, FedPHP's private models, FedCross's
-  trained models, FedKD's mentors and maps; FedAMP's models stay on the
+  trained models, FedKD's mentors and maps, FedGen's generator, Mime
+  Lite's base state, HypCluster's clusters, Agnostic FedAvg's domain
+  weights; FedAMP's models stay on the
   device, read across the population)."""
   executor = lambda: fp.executors.BlockedExecutor(block_size=2, num_threads=2)
   _host_equals_device(emnist_store, alg_name, executor, atol=1e-5)

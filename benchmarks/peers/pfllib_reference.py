@@ -25,6 +25,11 @@ its last pass. Its data reader is replaced by the made arrays;
 ``h5py`` and ``matplotlib``, which only its result files and its DLG
 attack use, by stand-ins where they are not installed.
 
+FedGen's random draws (its labels by ``np.random.choice`` and its noise by
+``torch.rand``) are replaced by fixed ones, ``fedgen_labels`` and
+``fedgen_noise``, which the test feeds this project's FedGen too; its
+generator's initial and final weights are recorded.
+
 Recorded per algorithm (keys ``<algorithm>/...``): the global model after
 ``ROUNDS`` rounds (each leaf projected on fixed random directions,
 ``project``) and the personal part a client keeps (in this project's
@@ -80,10 +85,12 @@ PFLLIB = {
   'fedcross': ('FedCross', 'servercross', 'FedCross'),
   'fedcross_most_similar': ('FedCross', 'servercross', 'FedCross'),
   'fedkd': ('FedKD', 'serverkd', 'FedKD'),
+  'fedgen': ('FedGen', 'servergen', 'FedGen'),
 }
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
 SPLIT = (
   'fedas',
+  'fedgen',
   'fedbabu',
   'fedcp',
   'feddbe',
@@ -131,6 +138,13 @@ ALGORITHMS = {
     fedcross_alpha=0.7, collaberative_model_select_strategy=2
   ),
   'fedkd': dict(mentee_learning_rate=0.03, T_start=0.9, T_end=0.95),
+  'fedgen': dict(
+    noise_dim=8,
+    hidden_dim=16,
+    generator_learning_rate=0.01,
+    server_epochs=5,
+    localize_feature_extractor=False,
+  ),
 }
 #: Records of an algorithm under another setting: record -> algorithm.
 RECORDED_AS = {
@@ -145,6 +159,8 @@ FLAG_NAMES = {
   'collaberative_model_select_strategy': None,
   'T_start': 't_start',
   'T_end': 't_end',
+  'generator_learning_rate': 'generator_lr',
+  'localize_feature_extractor': None,
 }
 #: Those whose clients keep their own models, recorded client by client.
 OWN_MODELS = (
@@ -305,6 +321,39 @@ def fedamp_live(torch, server):
     client.train = types.MethodType(train, client)
 
 
+def fedgen_labels(qualified, n):
+  """FedGen's label draws made fixed on both sides: ``n`` labels spread
+  over the sorted multiset of the population's labels (PFLlib's
+  ``qualified_labels``) in place of ``np.random.choice`` (the test draws the
+  same from the label counts)."""
+  q = np.sort(np.asarray(qualified))
+  return q[(np.arange(n) * len(q)) // n]
+
+
+def fedgen_noise(n, dim):
+  """FedGen's generator noise made fixed on both sides, in [0, 1): in
+  place of ``torch.rand``."""
+  rows, cols = np.arange(n)[:, None], np.arange(dim)[None, :]
+  return ((rows * 7 + cols * 3) % 10 / 10).astype(np.float32)
+
+
+def generator_state(generative):
+  """PFLlib's ``Generative`` in this project's ``Generator`` layout (Flax
+  names, [in, out] kernels)."""
+  # copies: PyTorch's optimizer steps in place on what .numpy() shares
+  sd = {
+    k: v.detach().numpy().copy() for k, v in generative.state_dict().items()
+  }
+  return {
+    'Dense_0/kernel': sd['fc1.0.weight'].T,
+    'Dense_0/bias': sd['fc1.0.bias'],
+    'BatchNorm_0/scale': sd['fc1.1.weight'],
+    'BatchNorm_0/bias': sd['fc1.1.bias'],
+    'Dense_1/kernel': sd['fc.weight'].T,
+    'Dense_1/bias': sd['fc.bias'],
+  }
+
+
 def made_data(seed=0):
   """4 clients' train and test images [n, 16, 16, 1] and labels, each
   client's labels skewed to a few classes (a class-dependent mean, so
@@ -392,6 +441,11 @@ def pfllib_args(torch, model, name, own, **sizes):
     mentee_learning_rate=0.005,
     T_start=0.95,
     T_end=0.98,
+    noise_dim=512,
+    generator_learning_rate=0.005,
+    hidden_dim=512,
+    server_epochs=1000,
+    localize_feature_extractor=False,
   )
   for k, v in {**sizes, **own}.items():
     setattr(args, k, v)
@@ -532,6 +586,12 @@ def run(torch, name, data, init_state, template, sample_x):
   if name == 'fedgc':  # each client's classifier as drawn, over its classes
     for i, client in enumerate(server.clients):
       rec[f'{name}/init_head_{i}'] = wide_head(client)
+  rand, choice = torch.rand, np.random.choice
+  if name == 'fedgen':  # its draws fixed (both sides), its generator as drawn
+    np.random.choice = lambda a, size: fedgen_labels(a, size)
+    torch.rand = lambda size, device=None: torch.tensor(fedgen_noise(*size))
+    for k, v in generator_state(server.generative_model).items():
+      rec[f'{name}/generator_init/{k}'] = v
   if name == 'fedbabu':
     # serverbabu.train's rounds, recorded after the last aggregation, then
     # its end: the clients train once more (the loop's last pass) and
@@ -661,12 +721,16 @@ def run(torch, name, data, init_state, template, sample_x):
   if name == 'feddbe':
     for i, client in enumerate(server.clients):
       rec[f'{name}/bias_{i}'] = client.client_mean.detach().numpy()
+  if name == 'fedgen':
+    for k, v in generator_state(server.generative_model).items():
+      rec[f'{name}/generator/{k}'] = v
   correct = []
   for client in server.clients:
     acc, num, _ = client.test_metrics()
     correct.append(acc)
   rec[f'{name}/test_correct'] = np.asarray(correct, np.int32)
   torch.nn.functional.gumbel_softmax = gumbel
+  torch.rand, np.random.choice = rand, choice
   return rec
 
 
