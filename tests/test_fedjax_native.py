@@ -124,6 +124,7 @@ def test_hyp_cluster_equals_fedjaxs():
   assert len(chosen) > 1
 
 
+@pytest.mark.slow
 def test_hyp_cluster_evaluates_each_client_with_the_cluster_it_chooses():
   """The cluster FedJAX's maximization step chooses on the client's
   training data (``HypClusterEvaluator``'s choice) is the one its test

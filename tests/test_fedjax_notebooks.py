@@ -34,7 +34,9 @@ REFERENCE = os.path.join(
 
 
 @pytest.mark.parametrize('notebook', ['model', 'algorithms'])
-@pytest.mark.ci_variants('model')
+# slow: FedJAX's code compiled per batch shape, 10-20 s a notebook; the
+# same API's values are checked in CI by tests/test_fedjax_training.py
+@pytest.mark.slow
 def test_notebook_cells_give_fedjaxs_values(
   notebook, tmp_path, made_not_released
 ):
