@@ -142,6 +142,8 @@ def test_fedjax_lstm_lm_is_fedjax_stackoverflow_create_lstm_model():
   np.testing.assert_allclose(tok.sum(-1), flat['train_loss'], rtol=1e-5)
 
 
+# slow: 17 s on CI's 2 cores (two LSTMs compiled)
+@pytest.mark.slow
 def test_fedjax_char_lstm_is_fedjax_shakespeare_create_lstm_model():
   """Logits, the loss (a sequence's token losses over all its positions,
   padded ones included, averaged over the real sequences) and every

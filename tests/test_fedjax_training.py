@@ -45,10 +45,18 @@ BACKEND_FREE = (
 )
 
 
-#: The slowest cells (Mime, AFL, HypCluster, the language models: about half
-#: the time), left out of the CI variant; the native algorithms' tests
-#: compare the first three with FedJAX's there.
-HEAVY = ('mime', 'agnostic_fed_avg', 'hyp_cluster', 'model_zoo')
+#: The slowest cells (EMNIST's example and the Haiku models it builds, Mime,
+#: AFL, HypCluster, the language models: about two thirds of the time), left
+#: out of the CI variant; in CI the native algorithms' tests compare three
+#: of them with FedJAX's, and docs/from_fedjax.md's script runs.
+HEAVY = (
+  'emnist_fed_avg',
+  'haiku_models',
+  'mime',
+  'agnostic_fed_avg',
+  'hyp_cluster',
+  'model_zoo',
+)
 
 
 @pytest.mark.parametrize(
