@@ -147,6 +147,9 @@ def test_broadcast_of_other_rows_is_not_written_in_place(digits):
   )
 
 
+# slow: 17 s on CI's 2 cores; CI keeps tests/test_config.py's
+# test_persistent_optimizer_state_is_kept_per_client
+@pytest.mark.slow
 def test_persistent_client_optimizer_writes_the_inner_rows(digits):
   """Wrapped with persistent client optimizer states (rows of their own),
   Ditto's personal models are written by the wrapper's server update: they

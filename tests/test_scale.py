@@ -14,7 +14,7 @@ from fedjax_personal.core.engine import RoundRunner
 
 
 @pytest.mark.parametrize('block_size', [1, 4, 7])
-@pytest.mark.slow_variants('4')
+@pytest.mark.slow_variants('4', '7')
 def test_results_do_not_depend_on_block_size(block_size):
   data = digits_data(num_clients=9)
   model = fp.models.from_flax(

@@ -102,7 +102,7 @@ def fedprox_code_round(
 
 @pytest.mark.parametrize('executor', sorted(EXECUTORS))
 @pytest.mark.parametrize('alg_name', ['fedavg', 'fedprox'])
-@pytest.mark.ci_variants('fedavg-vmap', 'fedprox-blocked_threads')
+@pytest.mark.ci_variants('fedprox-blocked_threads')
 def test_stragglers_follow_fedprox_code(digits, executor, alg_name):
   """Half the cohort are stragglers, the same ones for both algorithms:
   FedAvg drops them, FedProx (mu 1) keeps their partial epochs."""
