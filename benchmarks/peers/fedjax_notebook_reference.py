@@ -349,17 +349,18 @@ R['logged'] = {
 ]
 
 
-def _flatten(key, value, out):
-  """``R``'s values as arrays: dicts, lists and tuples one key per item."""
-  if isinstance(value, dict) or hasattr(value, 'items'):
-    for k in sorted(value):
-      _flatten(f'{key}/{k}', value[k], out)
-  elif isinstance(value, (list, tuple)):
-    out[f'{key}/len'] = np.array(len(value))
-    for i, v in enumerate(value):
-      _flatten(f'{key}/{i}', v, out)
-  else:
-    out[key] = np.asarray(value)
+def _training_reference():
+  """``fedjax_training_reference.py`` beside this file (its ``_flatten``),
+  loaded by path."""
+  import importlib.util  # noqa: PLC0415
+
+  path = os.path.join(HERE, 'fedjax_training_reference.py')
+  spec = importlib.util.spec_from_file_location(
+    'fedjax_training_reference', path
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def run_cells(fedjax, cache: str) -> dict:
@@ -380,6 +381,7 @@ def run_cells(fedjax, cache: str) -> dict:
     'itertools': itertools,
     'CACHE': cache,
   }
+  flatten = _training_reference()._flatten
   out = {}
   for name, code in CELLS:
     space['R'] = {}
@@ -388,7 +390,7 @@ def run_cells(fedjax, cache: str) -> dict:
     except Exception as e:  # noqa: BLE001  (a cell's error is what it shows)
       out[f'{name}/error'] = np.array(f'{type(e).__name__}: {e}')
     for k in sorted(space['R']):
-      _flatten(f'{name}/{k}', space['R'][k], out)
+      flatten(f'{name}/{k}', space['R'][k], out)
   return out
 
 
