@@ -48,13 +48,12 @@ from fedjax_personal.core.algorithm import (
 )
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.clustering import in_group_chance
-from fedjax_personal.core.losses import Batch
+from fedjax_personal.core.losses import Batch, mean_loss
 from fedjax_personal.core.privacy import DPConfig, check_dp, dp_privacy
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
   ClientContext,
   ClientWork,
-  evaluate_params,
   plain_objective,
   sgd_client_work,
 )
@@ -240,8 +239,7 @@ def fedfomo(
     groups_np = None  # no known group structure
 
   def val_loss(params, val):
-    s = evaluate_params(model, params, val)
-    return s.loss_sum / jnp.maximum(s.count, 1.0)
+    return mean_loss(model, params, val)
 
   def init(key: jax.Array) -> FedFomoState:
     params = model.init(key)

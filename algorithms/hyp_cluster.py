@@ -45,7 +45,7 @@ from fedjax_personal.core.algorithm import (
 )
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.data import ClientData, LocalData
-from fedjax_personal.core.losses import LossStats, evaluate_params
+from fedjax_personal.core.losses import LossStats, evaluate_params, mean_loss
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import ClientContext
 from fedjax_personal.core.tree_util import PyTree, tree_bytes
@@ -97,11 +97,7 @@ def choose_cluster(model: Model, cluster_params: PyTree, train: ClientData):
     ``(k, the model of cluster k)``.
   """
 
-  def mean_loss(params):
-    s = evaluate_params(model, params, train)
-    return s.loss_sum / jnp.maximum(s.count, 1.0)
-
-  k = jnp.argmin(jax.vmap(mean_loss)(cluster_params))
+  k = jnp.argmin(jax.vmap(lambda p: mean_loss(model, p, train))(cluster_params))
   return k, jax.tree.map(lambda a: a[k], cluster_params)
 
 

@@ -45,7 +45,7 @@ from fedjax_personal.core.algorithm import (
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching
-from fedjax_personal.core.losses import evaluate_params
+from fedjax_personal.core.losses import mean_loss
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
   ClientContext,
@@ -139,11 +139,7 @@ def full_batch_gradient(model: Model, params, train) -> PyTree:
     The gradient, shaped as ``params``.
   """
 
-  def mean_loss(p):
-    s = evaluate_params(model, p, train)
-    return s.loss_sum / jnp.maximum(s.count, 1.0)
-
-  return jax.grad(mean_loss)(params)
+  return jax.grad(lambda p: mean_loss(model, p, train))(params)
 
 
 def mime_lite(

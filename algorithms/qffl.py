@@ -41,11 +41,11 @@ from fedjax_personal.core.algorithm import (
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.losses import mean_loss
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
   ClientContext,
   LossStats,
-  evaluate_params,
   plain_objective,
   sgd_client_work,
 )
@@ -116,10 +116,8 @@ def qffl(
   objective = plain_objective(model)
 
   def final(ctx: ClientContext, carry: PyTree):
-    start = evaluate_params(model, ctx.shared, ctx.data.train)
-    f = start.loss_sum / jnp.maximum(
-      start.count, 1.0
-    )  # F_k(theta), the start's mean loss
+    # F_k(theta), the start's mean loss
+    f = mean_loss(model, ctx.shared, ctx.data.train)
     dw = jax.tree.map(
       lambda a: lipschitz * a, otu.tree_sub(ctx.shared, carry.params)
     )

@@ -20,6 +20,7 @@ __all__ = [
   'Forward',
   'logits_loss',
   'evaluate_params',
+  'mean_loss',
   'get_batch',
   'keep_model_state',
   'LossStats',
@@ -329,3 +330,20 @@ def evaluate_params(model: Model, params, data: ClientData) -> LossStats:
     model.top_k,
     model.unpredicted,
   )
+
+
+def mean_loss(model: Model, params, data: ClientData):
+  """The mean loss of ``params`` over one client's real examples (its
+  counted targets; 0 for a client without any): ``evaluate_params``'
+  loss sum over its count.
+
+  Args:
+    model: the model.
+    params: its parameters.
+    data: one client's ``ClientData``.
+
+  Returns:
+    float32 scalar.
+  """
+  s = evaluate_params(model, params, data)
+  return s.loss_sum / jnp.maximum(s.count, 1.0)
