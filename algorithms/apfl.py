@@ -39,7 +39,8 @@ __all__ = ['apfl', 'APFLConfig', 'build', 'mixture', 'SPEC']
 
 @dataclasses.dataclass(frozen=True)
 class APFLConfig(Declared):
-  """APFL's own settings, declared once: the ``--apfl_*`` flags (``hparam``: default,
+  """APFL's own settings, declared once: the ``--apfl_*`` flags (``hparam``:
+  default,
   help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'apfl'
@@ -128,7 +129,8 @@ def apfl(
 
 
 def build(training, config: APFLConfig, model, data):
-  """APFL, built as ``AlgorithmSpec.build`` says; its settings ``APFLConfig``."""
+  """APFL, built as ``AlgorithmSpec.build`` says; its settings
+  ``APFLConfig``."""
   return apfl(
     model,
     data.num_clients,

@@ -69,7 +69,8 @@ __all__ = ['build', 'cfl', 'CFLConfig', 'CFLState', 'SPEC', 'split_decisions']
 
 @dataclasses.dataclass(frozen=True)
 class CFLConfig(Declared):
-  """Clustered FL's own settings, declared once: the ``--cfl_*`` flags (``hparam``: default,
+  """Clustered FL's own settings, declared once: the ``--cfl_*`` flags
+  (``hparam``: default,
   help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'cfl'
@@ -227,9 +228,8 @@ def cfl(
     deltas, n, stats = out
     w = client_weights(cohort, n, weighting)
     members = state.cluster.at[cohort.idx].get(mode='clip')
-    mean_updates = aggregation.group_means(
-      deltas, members, w, num_clients
-    )  # [clusters, ...]
+    # [clusters, ...]
+    mean_updates = aggregation.group_means(deltas, members, w, num_clients)
     personal = jax.tree.map(
       lambda p, d: p + d[state.cluster], state.personal, mean_updates
     )
@@ -276,7 +276,8 @@ def cfl(
 
 
 def build(training, config: CFLConfig, model, data):
-  """Clustered FL, built as ``AlgorithmSpec.build`` says; its settings ``CFLConfig``."""
+  """Clustered FL, built as ``AlgorithmSpec.build`` says; its settings
+  ``CFLConfig``."""
   return cfl(
     model,
     data.num_clients,

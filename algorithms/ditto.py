@@ -1,4 +1,5 @@
-"""Ditto (Li, Hu, Beirami and Smith, ICML 2021): fair and robust personalization.
+"""Ditto (Li, Hu, Beirami and Smith, ICML 2021): fair and robust
+personalization.
 
 Global model: FedAvg (local training from the broadcast w). Personal model v_i
 of each client: local steps on f_i(v) + lambda/2 ||v - w||^2 with w the
@@ -30,7 +31,8 @@ __all__ = ['build', 'ditto', 'DittoConfig', 'SPEC']
 
 @dataclasses.dataclass(frozen=True)
 class DittoConfig(Declared):
-  """Ditto's own settings, declared once: the ``--ditto_*`` flags (``hparam``: default,
+  """Ditto's own settings, declared once: the ``--ditto_*`` flags (``hparam``:
+  default,
   help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'ditto'
@@ -103,7 +105,8 @@ def ditto(
 
 
 def build(training, config: DittoConfig, model, data):
-  """Ditto, built as ``AlgorithmSpec.build`` says; its settings ``DittoConfig``."""
+  """Ditto, built as ``AlgorithmSpec.build`` says; its settings
+  ``DittoConfig``."""
   return ditto(
     model,
     data.num_clients,

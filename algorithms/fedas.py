@@ -389,7 +389,8 @@ def fedas(
 
 
 def build(training, config: FedASConfig, model, data):
-  """FedAS, built as ``AlgorithmSpec.build`` says; its settings ``FedASConfig``."""
+  """FedAS, built as ``AlgorithmSpec.build`` says; its settings
+  ``FedASConfig``."""
   return fedas(
     model,
     data.num_clients,

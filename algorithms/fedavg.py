@@ -167,7 +167,8 @@ def train_tokens(train) -> jax.Array:
 
 
 def client_weights(cohort, num_examples, weighting: str):
-  """Aggregation weights of a cohort: n_i (or 1) on active clients, 0 on padded slots.
+  """Aggregation weights of a cohort: n_i (or 1) on active clients, 0 on padded
+  slots.
 
   Args:
     cohort: the round's ``Cohort``.
@@ -469,9 +470,8 @@ def variant(
   Returns:
     The ``FederatedAlgorithm``.
   """
-  weighting = (
-    training.weighting or 'num_examples'
-  )  # a TrainingConfig not resolved by a spec
+  # a TrainingConfig not resolved by a spec
+  weighting = training.weighting or 'num_examples'
   base = fedavg(
     model,
     data.num_clients,
@@ -554,7 +554,8 @@ def build(training, config: FedAvgConfig, model, data, name='fedavg'):
 
 
 def check(training, config: FedAvgConfig):
-  """``AlgorithmSpec.check`` of FedAvg: its DP settings (a ConfigError if they cannot apply)."""
+  """``AlgorithmSpec.check`` of FedAvg: its DP settings (a ConfigError if they
+  cannot apply)."""
   del training
   check_dp(config)
 

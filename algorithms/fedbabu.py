@@ -118,7 +118,8 @@ def babu_finetune(
 
 
 def build(training, config: FedBABUConfig, model, data):
-  """FedBABU, built as ``AlgorithmSpec.build`` says; its settings ``FedBABUConfig``."""
+  """FedBABU, built as ``AlgorithmSpec.build`` says; its settings
+  ``FedBABUConfig``."""
   head = model.require_head('--algorithm=fedbabu')
   client_optimizer = frozen_head(training.make_client_optimizer(), head)
   batching = training.batching()

@@ -341,7 +341,8 @@ def fedcac(
 
 
 def build(training, config: FedCACConfig, model, data):
-  """FedCAC, built as ``AlgorithmSpec.build`` says; its settings ``FedCACConfig``."""
+  """FedCAC, built as ``AlgorithmSpec.build`` says; its settings
+  ``FedCACConfig``."""
   return fedcac(
     model,
     data.num_clients,

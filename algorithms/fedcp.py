@@ -382,7 +382,8 @@ def fedcp(
 
 
 def build(training, config: FedCPConfig, model, data):
-  """FedCP, built as ``AlgorithmSpec.build`` says; its settings ``FedCPConfig``."""
+  """FedCP, built as ``AlgorithmSpec.build`` says; its settings
+  ``FedCPConfig``."""
   return fedcp(
     model,
     data.num_clients,

@@ -292,7 +292,8 @@ def feddbe(
 
 
 def build(training, config: FedDBEConfig, model, data):
-  """FedDBE, built as ``AlgorithmSpec.build`` says; its settings ``FedDBEConfig``."""
+  """FedDBE, built as ``AlgorithmSpec.build`` says; its settings
+  ``FedDBEConfig``."""
   return feddbe(
     model,
     data.num_clients,

@@ -105,7 +105,8 @@ class FedDynState:
 
 @dataclasses.dataclass(frozen=True)
 class FedDynConfig(Declared):
-  """FedDyn's own settings, declared once: the ``--feddyn_*`` flags (``hparam``: default,
+  """FedDyn's own settings, declared once: the ``--feddyn_*`` flags (``hparam``:
+  default,
   help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'feddyn'
@@ -149,7 +150,8 @@ class FedDynOutput:
 
 
 def dynamic_regularizer_grad(grads, params, server_params, grad_state, alpha_i):
-  """Adds the gradient of -<g_i, theta> + alpha_i/2 ||theta - theta_server||^2."""
+  """Adds the gradient of -<g_i, theta> + alpha_i/2 ||theta -
+  theta_server||^2."""
   return jax.tree.map(
     lambda g, p, s, gi: g - gi + alpha_i * (p - s),
     grads,
@@ -343,7 +345,8 @@ def feddyn_options(config: FedDynConfig) -> dict:
 
 
 def build(training, config: FedDynConfig, model, data):
-  """FedDyn, built as ``AlgorithmSpec.build`` says; its settings ``FedDynConfig``."""
+  """FedDyn, built as ``AlgorithmSpec.build`` says; its settings
+  ``FedDynConfig``."""
   return feddyn(
     model,
     data.num_clients,

@@ -82,7 +82,8 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class FedFomoConfig(DPConfig):
-  """FedFomo's own settings, declared once: the ``--fedfomo_*`` flags (``hparam``: default,
+  """FedFomo's own settings, declared once: the ``--fedfomo_*`` flags
+  (``hparam``: default,
   help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'fedfomo'
@@ -360,7 +361,8 @@ def fedfomo(
 
 
 def build(training, config: FedFomoConfig, model, data):
-  """FedFomo, built as ``AlgorithmSpec.build`` says; its settings ``FedFomoConfig``; every
+  """FedFomo, built as ``AlgorithmSpec.build`` says; its settings
+  ``FedFomoConfig``; every
   client needs a validation split."""
   if int(np.asarray(data.val.num_examples).min()) == 0:
     raise ConfigError(
@@ -389,7 +391,8 @@ def build(training, config: FedFomoConfig, model, data):
 
 
 def check(training, config: FedFomoConfig):
-  """``AlgorithmSpec.check`` of FedFomo: its DP settings (a ConfigError if they cannot apply)."""
+  """``AlgorithmSpec.check`` of FedFomo: its DP settings (a ConfigError if they
+  cannot apply)."""
   del training
   check_dp(config)
 

@@ -152,16 +152,16 @@ def gradient_correction(heads, present):
   """
   w = present.astype(heads.dtype)
   n_c = jnp.sum(w, axis=0)
+  # E_c
   emb = jax.lax.stop_gradient(
     jnp.einsum('ndc,nc->cd', heads, w) / jnp.maximum(n_c, 1.0)[:, None]
-  )  # E_c
+  )
   own = jnp.sum(emb * emb, axis=1)  # E_c . E_c
   # s[c, j, c'] = W_j[c'] . E_c, counted where j lacks c and has c'
   s = jnp.einsum('cd,jdk->cjk', emb, heads)
   counted = (1.0 - w).T[:, :, None] * w[None, :, :] > 0
-  others = jax.nn.logsumexp(
-    jnp.where(counted, s, -jnp.inf), axis=(1, 2)
-  )  # log sum_{j without c} sum_{c' of j} e^{...}
+  # log sum_{j without c} sum_{c' of j} e^{...}
+  others = jax.nn.logsumexp(jnp.where(counted, s, -jnp.inf), axis=(1, 2))
   term = jax.nn.softplus(others - own)  # -log(a / (a + b))
   term = jnp.where(jnp.any(counted, axis=(1, 2)), term, 0.0)
   return jnp.sum(n_c * term)
@@ -327,7 +327,8 @@ def fedgc(
 
 
 def build(training, config: FedGCConfig, model, data):
-  """FedGC, built as ``AlgorithmSpec.build`` says; its settings ``FedGCConfig``."""
+  """FedGC, built as ``AlgorithmSpec.build`` says; its settings
+  ``FedGCConfig``."""
   return fedgc(
     model,
     data.num_clients,

@@ -314,7 +314,8 @@ def fedgh(
 
 
 def build(training, config: FedGHConfig, model, data):
-  """FedGH, built as ``AlgorithmSpec.build`` says; its settings ``FedGHConfig``."""
+  """FedGH, built as ``AlgorithmSpec.build`` says; its settings
+  ``FedGHConfig``."""
   return fedgh(
     model,
     data.num_clients,

@@ -25,7 +25,8 @@ values (summed over the whole tensor) exceed the energy times their total;
 none such gives r = 0 (a zero tensor), as PFLlib's loop runs. Clients
 upload their compressed mentee; the server averages the uploads uniformly
 and compresses the mean, which every client receives (the
-clients' uploads are compressed in the server's part of the round). The energy climbs
+clients' uploads are compressed in the server's part of the round). The energy
+climbs
 from T_start to T_end: T_start + R / H (T_end - T_start) in round R, H
 PFLlib's ``-gr`` (``--fedkd_horizon``, the command: ``--rounds - 1``).
 Defaults PFLlib's: mentee rate 0.005, T_start 0.95, T_end 0.98.

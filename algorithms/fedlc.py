@@ -183,7 +183,8 @@ def fedlc(
 
 
 def build(training, config: FedLCConfig, model, data):
-  """FedLC, built as ``AlgorithmSpec.build`` says; its settings ``FedLCConfig``."""
+  """FedLC, built as ``AlgorithmSpec.build`` says; its settings
+  ``FedLCConfig``."""
   return fedlc(
     model,
     data.num_clients,

@@ -196,7 +196,8 @@ def build(training, config, model, data):
 
 
 def check(training, config):
-  """``AlgorithmSpec.check`` of FedNova, which normalizes local SGD steps (a ConfigError for
+  """``AlgorithmSpec.check`` of FedNova, which normalizes local SGD steps (a
+  ConfigError for
   settings that cannot apply)."""
   del config
   if training.client_optimizer != 'sgd':

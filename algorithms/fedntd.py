@@ -105,7 +105,8 @@ def ntd_objective(model: Model, beta, tau):
 
 
 def build(training, config: FedNTDConfig, model, data):
-  """FedNTD, built as ``AlgorithmSpec.build`` says; its settings ``FedNTDConfig``."""
+  """FedNTD, built as ``AlgorithmSpec.build`` says; its settings
+  ``FedNTDConfig``."""
   return fedavg(
     model,
     data.num_clients,

@@ -618,7 +618,8 @@ def fedpac(
 
 
 def build(training, config: FedPACConfig, model, data):
-  """FedPAC, built as ``AlgorithmSpec.build`` says; its settings ``FedPACConfig``."""
+  """FedPAC, built as ``AlgorithmSpec.build`` says; its settings
+  ``FedPACConfig``."""
   return fedpac(
     model,
     data.num_clients,

@@ -21,7 +21,8 @@ __all__ = ['build', 'fedprox', 'FedProxConfig', 'SPEC']
 
 @dataclasses.dataclass(frozen=True)
 class FedProxConfig(Declared):
-  """FedProx's own settings, declared once: the ``--fedprox_*`` flags (``hparam``: default,
+  """FedProx's own settings, declared once: the ``--fedprox_*`` flags
+  (``hparam``: default,
   help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'fedprox'
@@ -78,7 +79,8 @@ def fedprox(
 
 
 def build(training, config: FedProxConfig, model, data):
-  """FedProx, built as ``AlgorithmSpec.build`` says; its settings ``FedProxConfig``."""
+  """FedProx, built as ``AlgorithmSpec.build`` says; its settings
+  ``FedProxConfig``."""
   return fedprox(
     model,
     data.num_clients,

@@ -223,7 +223,8 @@ def fedrod(
 
 
 def build(training, config: FedRoDConfig, model, data):
-  """FedRoD, built as ``AlgorithmSpec.build`` says; its settings ``FedRoDConfig``."""
+  """FedRoD, built as ``AlgorithmSpec.build`` says; its settings
+  ``FedRoDConfig``."""
   del config
   return fedrod(
     model,

@@ -439,7 +439,8 @@ def gpfl(
 
 
 def build(training, config: GPFLConfig, model, data):
-  """GPFL, built as ``AlgorithmSpec.build`` says; its settings ``GPFLConfig``."""
+  """GPFL, built as ``AlgorithmSpec.build`` says; its settings
+  ``GPFLConfig``."""
   return gpfl(
     model,
     data.num_clients,

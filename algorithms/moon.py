@@ -211,7 +211,8 @@ def moon(
 
 
 def build(training, config: MOONConfig, model, data):
-  """MOON, built as ``AlgorithmSpec.build`` says; its settings ``MOONConfig``."""
+  """MOON, built as ``AlgorithmSpec.build`` says; its settings
+  ``MOONConfig``."""
   return moon(
     model,
     data.num_clients,

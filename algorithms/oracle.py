@@ -72,7 +72,8 @@ def oracle(
     raise ConfigError(
       'algorithm',
       'oracle needs a known group for every client; this partition has none '
-      '(use --partition=rotation, label_permutation, latent_clusters or sparse_classes)',
+      '(use --partition=rotation, label_permutation, latent_clusters or '
+      'sparse_classes)',
     )
   num_groups = int(groups_np.max()) + 1
   groups = jnp.asarray(groups_np, jnp.int32)
@@ -118,7 +119,8 @@ def oracle(
 
 
 def build(training, config, model, data):
-  """Oracle (FedAvg within each true group), built as ``AlgorithmSpec.build`` says."""
+  """Oracle (FedAvg within each true group), built as ``AlgorithmSpec.build``
+  says."""
   del config
   return oracle(
     model,

@@ -1,4 +1,5 @@
-"""Partial model personalization: FedAlt and FedSim (Pillutla et al., ICML 2022).
+"""Partial model personalization: FedAlt and FedSim (Pillutla et al., ICML
+2022).
 
 Model on client i = (u, v_i): u shared, v_i personal
 (``personalization.ParamSplit``). Each round the active clients receive u and
@@ -94,7 +95,8 @@ MODES = ('alt', 'sim')
 
 @dataclasses.dataclass(frozen=True)
 class PartialConfig(Declared):
-  """Partial personalization (FedAlt, FedSim, FedRep, FedPer, LG-FedAvg)'s own settings, declared once: the ``--partial_*`` flags (``hparam``: default,
+  """Partial personalization (FedAlt, FedSim, FedRep, FedPer, LG-FedAvg)'s own
+  settings, declared once: the ``--partial_*`` flags (``hparam``: default,
   help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'partial'
@@ -346,9 +348,8 @@ def partial_personalization(
       v, new_opt_v = tree_where(
         personal_phase, (v, new_opt_v), (carry.personal, opt_v)
       )
-    u, v, stats = parts_with_state(
-      split, u, v, stats
-    )  # batch statistics of this forward pass
+    # batch statistics of this forward pass
+    u, v, stats = parts_with_state(split, u, v, stats)
     return carry.replace(
       shared=u,
       personal=v,

@@ -77,7 +77,8 @@ VARIANTS = ('fo', 'hf', 'hf_fd')
 
 @dataclasses.dataclass(frozen=True)
 class PerFedAvgConfig(Declared):
-  """Per-FedAvg's own settings, declared once: the ``--perfedavg_*`` flags (``hparam``: default,
+  """Per-FedAvg's own settings, declared once: the ``--perfedavg_*`` flags
+  (``hparam``: default,
   help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'perfedavg'
@@ -317,7 +318,8 @@ def _build(variant):
 
 
 def check(training, config):
-  """``AlgorithmSpec.check`` of Per-FedAvg, whose local steps draw three batches (a
+  """``AlgorithmSpec.check`` of Per-FedAvg, whose local steps draw three batches
+  (a
   ConfigError for settings that cannot apply)."""
   del config
   if training.local_steps is None:

@@ -239,7 +239,8 @@ def prototype_objective(model: Model, num_classes: int):
 
 
 def prototype_evaluate(model: Model, num_classes: int):
-  """Prototypes from all the device's training data; test by nearest prototype."""
+  """Prototypes from all the device's training data; test by nearest
+  prototype."""
 
   def evaluate(params, local, test, key) -> LossStats:
     del key

@@ -37,7 +37,8 @@ __all__ = ['build', 'pfedme', 'PFedMeConfig', 'SPEC']
 
 @dataclasses.dataclass(frozen=True)
 class PFedMeConfig(Declared):
-  """pFedMe's own settings, declared once: the ``--pfedme_*`` flags (``hparam``: default,
+  """pFedMe's own settings, declared once: the ``--pfedme_*`` flags (``hparam``:
+  default,
   help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'pfedme'
@@ -122,7 +123,8 @@ def pfedme(
 
 
 def build(training, config: PFedMeConfig, model, data):
-  """pFedMe, built as ``AlgorithmSpec.build`` says; its settings ``PFedMeConfig``."""
+  """pFedMe, built as ``AlgorithmSpec.build`` says; its settings
+  ``PFedMeConfig``."""
   return pfedme(
     model,
     data.num_clients,

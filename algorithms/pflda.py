@@ -299,7 +299,8 @@ def pflda(
 
 
 def build(training, config: PFLDAConfig, model, data):
-  """PFL-DA, built as ``AlgorithmSpec.build`` says; its settings ``PFLDAConfig``."""
+  """PFL-DA, built as ``AlgorithmSpec.build`` says; its settings
+  ``PFLDAConfig``."""
   return pflda(
     model,
     data.num_clients,

@@ -57,7 +57,8 @@ __all__ = ['build', 'qffl', 'QFFLConfig', 'QState', 'QUpload', 'SPEC']
 
 @dataclasses.dataclass(frozen=True)
 class QFFLConfig(Declared):
-  """q-FFL's own settings, declared once: the ``--qffl_*`` flags (``hparam``: default,
+  """q-FFL's own settings, declared once: the ``--qffl_*`` flags (``hparam``:
+  default,
   help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'qffl'
@@ -155,7 +156,8 @@ def qffl(
 
 
 def build(training, config: QFFLConfig, model, data):
-  """q-FFL, built as ``AlgorithmSpec.build`` says; its settings ``QFFLConfig`` (the Lipschitz
+  """q-FFL, built as ``AlgorithmSpec.build`` says; its settings ``QFFLConfig``
+  (the Lipschitz
   constant defaults to 1 / client_lr)."""
   lipschitz = (
     config.lipschitz

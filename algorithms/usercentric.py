@@ -95,7 +95,8 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class UserCentricConfig(Declared):
-  """User-centric FL's own settings, declared once: the ``--usercentric_*`` flags (``hparam``: default,
+  """User-centric FL's own settings, declared once: the ``--usercentric_*``
+  flags (``hparam``: default,
   help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'usercentric'
@@ -386,9 +387,8 @@ def usercentric(
   ):
     params, stats = out
     thetas = tree_scatter(state.personal, cohort.idx, params)
-    streams = aggregation.mix(
-      state.stream_matrix, thetas
-    )  # [R (padded streams), ...]
+    # [R (padded streams), ...]
+    streams = aggregation.mix(state.stream_matrix, thetas)
     personal = tree_gather(streams, state.assignment)
     metrics = cohort_train_metrics(stats, cohort.mask)
     metrics['num_streams'] = state.num_streams
@@ -475,7 +475,8 @@ def usercentric(
 
 
 def build(training, config: UserCentricConfig, model, data):
-  """User-centric FL, built as ``AlgorithmSpec.build`` says; its settings ``UserCentricConfig``."""
+  """User-centric FL, built as ``AlgorithmSpec.build`` says; its settings
+  ``UserCentricConfig``."""
   return usercentric(
     model,
     data.num_clients,

@@ -107,7 +107,8 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
-# -- the orchestrator -----------------------------------------------------------
+# -- the orchestrator
+# -----------------------------------------------------------
 
 
 def run_worker(args):
@@ -211,7 +212,8 @@ def report(rows):
   if dev:
     lines.append(
       f'{dev["devices"]} x {dev["device"]} ({dev["backend"]}); jax '
-      f'{dev["versions"].get("jax")}, torch {dev["versions"].get("torch")}; peaks '
+      f'{dev["versions"].get("jax")}, torch {dev["versions"].get("torch")}; '
+      f'peaks '
       + ', '.join(f'{k} {v / 1e12:.1f}' for k, v in peaks.items())
       + ' TFLOP/s'
     )
@@ -229,7 +231,8 @@ def report(rows):
   for r in rows:
     if r.get('error'):
       lines.append(
-        f'  error      {r["section"]} {r.get("label") or r.get("model") or ""}: '
+        f'  error      {r["section"]} '
+        f'{r.get("label") or r.get("model") or ""}: '
         f'{r["error"][:160]}'
       )
       continue
@@ -254,12 +257,14 @@ def report(rows):
       )
     elif r['section'] == 'torch':
       lines.append(
-        f'  {r["round_s"]:9.4f}  torch loop {r["model"]} {r["clients"]:,} clients '
+        f'  {r["round_s"]:9.4f}  torch loop {r["model"]} {r["clients"]:,} '
+        f'clients '
         f'({r["device"]})'
       )
     elif r['section'] == 'sweep':
       lines.append(
-        f'  {r["one_program_round_s"]:9.4f}  {r["seeds"]} seeds in one program, '
+        f'  {r["one_program_round_s"]:9.4f}  {r["seeds"]} seeds in one '
+        f'program, '
         f'{r["speedup"]:.2f}x {r["seeds"]} separate runs'
       )
     elif r['section'] == 'main_job':
@@ -305,7 +310,8 @@ def main():
   for spec, fields in ((args.population_configs, 7), (args.model_grid, 4)):
     if spec and any(len(x.split(':')) != fields for x in spec.split(';')):
       print(
-        f'error: {spec!r}: each configuration has {fields} fields separated by ":"',
+        f'error: {spec!r}: each configuration has {fields} fields separated by '
+        f'":"',
         file=sys.stderr,
       )
       sys.exit(2)

@@ -88,7 +88,8 @@ def device_section(smoke):
     16 if smoke else 2048, 3 if smoke else 10
   )
   print(
-    f'device: {jax.device_count()} x {d.device_kind} ({jax.default_backend()}), '
+    f'device: {jax.device_count()} x {d.device_kind} '
+    f'({jax.default_backend()}), '
     f'memory limit {stats.get("bytes_limit", 0) / GB:.1f} GB; '
     + ', '.join(f'{k} {v}' for k, v in versions.items())
   )
@@ -251,7 +252,8 @@ def models_section(smoke, chosen=None):
       }
       print(
         f'{model_name:9s} {n:>6,} clients, conv {conv}, {precision}: '
-        f'{row["round_s"]:.4f} s/round (first {first:.1f} s), {row["executor"]}',
+        f'{row["round_s"]:.4f} s/round (first {first:.1f} s), '
+        f'{row["executor"]}',
         flush=True,
       )
       emit(row)
@@ -303,7 +305,8 @@ def torch_section(smoke):
     seconds = time.perf_counter() - t
     where = torch_loop.device().type
     print(
-      f'torch {torch.__version__} loop ({where}) {model_name:9s} {n:,} clients: '
+      f'torch {torch.__version__} loop ({where}) {model_name:9s} {n:,} '
+      f'clients: '
       f'{seconds:.2f} s/round',
       flush=True,
     )
@@ -354,8 +357,10 @@ def populations_section(smoke, work_dir, chosen=None):
   population = store.population(cap)
   mean_examples = float(np.mean(store.counts_capped('train', cap)))
   print(
-    f'{store.name}: {store.num_clients:,} writers, {mean_examples:.0f} training examples '
-    f'each on average (capped at {cap}), ready in {time.perf_counter() - t:.0f} s',
+    f'{store.name}: {store.num_clients:,} writers, {mean_examples:.0f} '
+    f'training examples '
+    f'each on average (capped at {cap}), ready in '
+    f'{time.perf_counter() - t:.0f} s',
     flush=True,
   )
   training = TrainingConfig(client_lr=0.05, batch_size=20)
@@ -372,7 +377,8 @@ def populations_section(smoke, work_dir, chosen=None):
     ('device', big, 'blocked', big // 5, 'float32', 'auto', True),
     ('device', big, 'auto', None, 'float32', 'xla', True),
   ]
-  if smoke:  # the code paths (each layout, blocks, the prefetch off, another precision)
+  # the code paths (each layout, blocks, the prefetch off, another precision)
+  if smoke:
     configs = [
       ('device', small, 'blocked', small, 'float32', 'auto', True),
       ('host', big, 'auto', None, 'float32', 'auto', False),
@@ -426,9 +432,8 @@ def populations_section(smoke, work_dir, chosen=None):
         float(m['train_loss'])  # the round is done
 
       first, times = timed_rounds(step, (1 if conv == 'xla' else rounds))
-      per_round = (
-        flops / 20 * mean_examples * cohort
-      )  # one epoch of each client's examples
+      # one epoch of each client's examples
+      per_round = flops / 20 * mean_examples * cohort
       row = {
         'section': 'populations',
         'layout': layout,
@@ -460,7 +465,8 @@ def populations_section(smoke, work_dir, chosen=None):
       )
 
 
-# -- a sweep of seeds -----------------------------------------------------------
+# -- a sweep of seeds
+# -----------------------------------------------------------
 
 
 def sweep_section(smoke):
@@ -503,7 +509,8 @@ def sweep_section(smoke):
   first, times = timed_rounds(many, 1 if smoke else 3)
   print(
     f'sweep: FedAvg, MLP, {n:,} clients, {seeds} seeds as one program '
-    f'{median(times):.4f} s/round (first {first:.1f} s) vs {seeds} separate runs '
+    f'{median(times):.4f} s/round (first {first:.1f} s) vs {seeds} separate '
+    f'runs '
     f'{separate:.4f} s: {separate / median(times):.2f}x',
     flush=True,
   )

@@ -161,7 +161,8 @@ def identity(cfg):
 
 
 def generate(cfg, folder):
-  """Writes the population client by client (chunks of clients drawn at once)."""
+  """Writes the population client by client (chunks of clients drawn at
+  once)."""
   from fedjax_personal.core.population.store import StoreWriter
 
   ident = identity(cfg)
@@ -204,7 +205,8 @@ def generate(cfg, folder):
     writer.abort()
     raise
   print(
-    f'  store written in {time.perf_counter() - start:.0f} s: {store.nbytes() / GB:.2f} GB',
+    f'  store written in {time.perf_counter() - start:.0f} s: '
+    f'{store.nbytes() / GB:.2f} GB',
     flush=True,
   )
   return store
@@ -348,7 +350,8 @@ def train(cfg, layout):
 
 
 class Checkpoints:
-  """Timed checkpoints of the state into --work_dir/checkpoints_<layout>_<algorithm>
+  """Timed checkpoints of the state into
+  --work_dir/checkpoints_<layout>_<algorithm>
   (client rows in files as deltas of the rows changed): seconds, bytes
   written per save, the folder's size; and the time of a restore."""
 
@@ -407,9 +410,8 @@ def main(cfg: PopulationSettings):
 
   folder = os.path.join(cfg.work_dir, 'store')
   if store_lib.is_store(folder):
-    store_lib.open_store(
-      folder, identity(cfg)
-    )  # another population there: one line, exit 2
+    # another population there: one line, exit 2
+    store_lib.open_store(folder, identity(cfg))
   if cfg.dry_run:
     print(f'dry run: {identity(cfg)} into {folder}')
     return
@@ -422,8 +424,10 @@ def main(cfg: PopulationSettings):
   store = open_or_generate(cfg)
   padded = store.padded_nbytes(cfg.max_client_examples)
   print(
-    f'{store.name}: {store.num_clients:,} clients, store {store.nbytes() / GB:.2f} GB; '
-    f'padded to the widest client: {store.padded_nbytes() / GB:,.1f} GB, capped at '
+    f'{store.name}: {store.num_clients:,} clients, store '
+    f'{store.nbytes() / GB:.2f} GB; '
+    f'padded to the widest client: {store.padded_nbytes() / GB:,.1f} GB, '
+    f'capped at '
     f'{cfg.max_client_examples}: {padded / GB:.2f} GB',
     flush=True,
   )
@@ -437,7 +441,8 @@ def main(cfg: PopulationSettings):
       and padded > DEVICE_DATA_SHARE * avail
     ):
       print(
-        f'device layout skipped: the padded population ({padded / GB:.1f} GB) exceeds '
+        f'device layout skipped: the padded population ({padded / GB:.1f} GB) '
+        f'exceeds '
         f'{DEVICE_DATA_SHARE:.0%} of the available {avail / GB:.1f} GB',
         flush=True,
       )
@@ -448,7 +453,8 @@ def main(cfg: PopulationSettings):
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
       print(
-        f'{layout}: failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}'
+        f'{layout}: failed (exit {out.returncode}): '
+        f'{out.stderr.strip().splitlines()[-1:]}'
       )
       continue
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -459,23 +465,29 @@ def main(cfg: PopulationSettings):
       else ''
     )
     print(
-      f'{layout:6s} {r["algorithm"]} (client rows {r["client_rows_gb"]:.2f} GB{where}) peak RSS '
+      f'{layout:6s} {r["algorithm"]} (client rows {r["client_rows_gb"]:.2f} '
+      f'GB{where}) peak RSS '
       f'{r["peak_rss_gb"]:.2f} GB, device bytes '
-      f'{r["device_bytes_gb"]:.3f} GB, {r["seconds_per_round"]:.2f} s/round, first round '
-      f'done at {r["first_round_s"]:.1f} s, compiled shapes {r["compiled_shapes"]}, '
+      f'{r["device_bytes_gb"]:.3f} GB, {r["seconds_per_round"]:.2f} s/round, '
+      f'first round '
+      f'done at {r["first_round_s"]:.1f} s, compiled shapes '
+      f'{r["compiled_shapes"]}, '
       f'{r["executor"]}',
       flush=True,
     )
     for c in r.get('checkpoints', []):
       print(
         f'       checkpoint after round {c["round"]}: {c["seconds"]:.2f} s, '
-        f'{c["written_gb"]:.3f} GB written, folder {c["folder_gb"]:.3f} GB, peak RSS '
-        f'{c["peak_rss_before_gb"]:.2f} GB before it, {c["peak_rss_after_gb"]:.2f} GB after',
+        f'{c["written_gb"]:.3f} GB written, folder {c["folder_gb"]:.3f} GB, '
+        f'peak RSS '
+        f'{c["peak_rss_before_gb"]:.2f} GB before it, '
+        f'{c["peak_rss_after_gb"]:.2f} GB after',
         flush=True,
       )
     if 'restore_seconds' in r:
       print(
-        f'       restore of round {r["restored_round"]}: {r["restore_seconds"]:.2f} s; peak '
+        f'       restore of round {r["restored_round"]}: '
+        f'{r["restore_seconds"]:.2f} s; peak '
         f'RSS {r["peak_rss_rounds_gb"]:.2f} GB before it',
         flush=True,
       )

@@ -76,7 +76,8 @@ def decode_python_archive(path, which: str) -> dict:
           out[f'{part}_coarse'] = np.concatenate(coarse)
         if len(out[f'{part}_x']) != len(out[f'{part}_y']):
           raise ValueError(
-            f'{part}: {len(out[f"{part}_x"])} images, {len(out[f"{part}_y"])} labels'
+            f'{part}: {len(out[f"{part}_x"])} images, {len(out[f"{part}_y"])} '
+            f'labels'
           )
   except (
     tarfile.TarError,
@@ -128,7 +129,8 @@ def _cache_matches(cache, digest: str) -> bool:
 
 
 def _decoded(src, decode, tag: str):
-  """The decoded arrays of archive ``src``, from the cache when it holds them."""
+  """The decoded arrays of archive ``src``, from the cache when it holds
+  them."""
   digest = local_files.sha256_file(src)
   # Keyed by the archive's content: another archive (even of the same size)
   # never reads this cache, and the cache names the archive it came from.

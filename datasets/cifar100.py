@@ -65,11 +65,15 @@ class Cifar100Options(DataOptions):
   )
   cifar100_preprocess: str = hparam(
     'none',
-    'cifar100: the images the model sees. none: as the file holds them (scaled to '
-    '[0, 1]); reddi: a random 24x24 crop of each training batch and a left-right flip of '
-    "each image (drawn from the run's key for each client, round and step), the central "
+    'cifar100: the images the model sees. none: as the file holds them (scaled '
+    'to '
+    '[0, 1]); reddi: a random 24x24 crop of each training batch and a '
+    'left-right flip of '
+    "each image (drawn from the run's key for each client, round and step), "
+    'the central '
     '24x24 of the others, '
-    "each standardized, as Reddi et al.'s task (google-research/federated) feeds them.",
+    "each standardized, as Reddi et al.'s task (google-research/federated) "
+    'feeds them.',
     choices=('none', 'reddi'),
   )
 
@@ -325,7 +329,8 @@ def preprocess_batch_tff(
 
 
 def _store_of(cfg, split: str):
-  """``.store`` of a split: test clients are held out in the store (``test/<id>``)."""
+  """``.store`` of a split: test clients are held out in the store
+  (``test/<id>``)."""
   return federated.store_of(
     cfg, federated.HELD_OUT_PREFIX if split == 'test' else ''
   )
@@ -412,7 +417,8 @@ def load_data(
     )
   if cifar100_test not in CIFAR100_TESTS:
     raise ValueError(
-      f'cifar100_test must be one of {list(CIFAR100_TESTS)}, got {cifar100_test!r}'
+      f'cifar100_test must be one of {list(CIFAR100_TESTS)}, got '
+      f'{cifar100_test!r}'
     )
   cfg = federated.data_config(
     'cifar100',

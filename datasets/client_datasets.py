@@ -45,7 +45,8 @@ __all__ = [
   'slice_examples',
 ]
 
-#: The bool feature ``padded_batch`` adds: True for an example, False for padding.
+#: The bool feature ``padded_batch`` adds: True for an example, False for
+#: padding.
 EXAMPLE_MASK_KEY = '__mask__'
 
 Examples = Mapping[str, np.ndarray]
@@ -214,7 +215,8 @@ def _hparams(hparams, kwargs: dict, defaults: dict) -> dict:
   unknown = set(kwargs) - set(defaults)
   if unknown:
     raise TypeError(
-      f'unexpected batching arguments {sorted(unknown)}; expected {sorted(defaults)}'
+      f'unexpected batching arguments {sorted(unknown)}; expected '
+      f'{sorted(defaults)}'
     )
   got.update(kwargs)
   # FedJAX: 0 epochs or steps give no batch

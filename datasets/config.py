@@ -222,12 +222,13 @@ def check_given(cfg: DataConfig, given: Collection[str]) -> None:
           f'--dataset={cfg.dataset}',
         )
   local_files.check_data_dir(cfg.data_dir)
+  # a data set read whole: its reader says what applies
   pool = (
     None
     if is_natural(cfg.dataset, cfg.partition)
     and registry.is_file_dataset(cfg.dataset)
     else registry.pool_of(cfg.dataset)
-  )  # a data set read whole: its reader says what applies
+  )
   if cfg.data_dir and pool is not None and not pool.takes('data_dir'):
     raise ConfigError(
       'data_dir', f'does nothing: dataset {cfg.dataset} reads no file'

@@ -180,7 +180,8 @@ SPLITS = ('train', 'test')
 
 
 def preprocess_split(fd):
-  """FedJAX's ``preprocess_split``: ``preprocess_client`` then ``preprocess_batch``.
+  """FedJAX's ``preprocess_split``: ``preprocess_client`` then
+  ``preprocess_batch``.
 
   Args:
     fd: one split of raw writers (``load_split``).

@@ -158,7 +158,8 @@ class FederatedData:
     return iter(self._ids)
 
   def client_sizes(self) -> Iterator[Tuple[bytes, int]]:
-    """(id, number of examples) of every client (a subset's in its base's order, as FedJAX's)."""
+    """(id, number of examples) of every client (a subset's in its base's order,
+    as FedJAX's)."""
     counts, ids = self._store.counts[self._split], self._store.client_ids
     return (
       (self._shown(ids[r]), int(counts[r])) for r in self._size_rows.tolist()
@@ -257,7 +258,8 @@ class FederatedData:
   def preprocess_client(
     self, fn: Callable[[bytes, Examples], Examples]
   ) -> 'FederatedData':
-    """A view whose clients' examples pass through ``fn(client_id, examples)`` too."""
+    """A view whose clients' examples pass through ``fn(client_id, examples)``
+    too."""
     return self._with(preprocess_client=self._preprocess_client.append(fn))
 
   def preprocess_batch(
@@ -368,12 +370,12 @@ def data_config(
     if not os.path.isdir(folder):
       if not download:
         raise ValueError(
-          f'cache_dir={folder!r} is not a folder (give the folder of the files, '
+          f'cache_dir={folder!r} is not a folder (give the folder of the '
+          f'files, '
           'or download=True to fetch them there)'
         )
-      os.makedirs(
-        folder, exist_ok=True
-      )  # as FedJAX's: the files are downloaded into it
+      # as FedJAX's: the files are downloaded into it
+      os.makedirs(folder, exist_ok=True)
   return config.DataConfig(
     dataset=dataset,
     partition='natural',

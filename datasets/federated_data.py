@@ -90,7 +90,8 @@ class SubsetFederatedData:
       bad = ids.difference(base.client_ids())
       if bad:
         raise ValueError(
-          'Some client ids are not in the base FederatedData, showing up to 10: '
+          'Some client ids are not in the base FederatedData, showing up to '
+          '10: '
           f'{sorted(bad)[:10]}'
         )
     self._client_ids = ids
@@ -222,7 +223,8 @@ class InMemoryFederatedData:
     for client_id in self._client_ids:
       if list(self._data[client_id]) != self._features:
         raise ValueError(
-          f'Inconsistent features, got {list(self._data[client_id])} for client '
+          f'Inconsistent features, got {list(self._data[client_id])} for '
+          f'client '
           f'{client_id}, expect {self._features}'
         )
       try:

@@ -119,7 +119,8 @@ def read_image(path, size: int) -> np.ndarray:
       )
   except (OSError, UnidentifiedImageError, ValueError) as e:
     raise DataError(
-      f'{path}: not a readable image ({type(e).__name__}: {e}); delete it and get '
+      f'{path}: not a readable image ({type(e).__name__}: {e}); delete it and '
+      f'get '
       'it again'
     ) from None
 
@@ -161,7 +162,8 @@ def _gldv2_image_dir(data_dir, wanted: List[str], download, every_image) -> str:
           return str(folder)
         if not download:
           raise local_files.MissingDataError(
-            f'{folder / (missing[0] + ".jpg")}: not found ({len(missing):,} of the '
+            f'{folder / (missing[0] + ".jpg")}: not found ({len(missing):,} of '
+            f'the '
             f'{len(wanted):,} images of the chosen users are missing); '
             + sources.manual_instructions('gldv2')
           )

@@ -102,7 +102,8 @@ def check_labels(
     )
 
 
-#: MD5 of the MNIST release's files (LeCun et al.), checked whenever they are read.
+#: MD5 of the MNIST release's files (LeCun et al.), checked whenever they are
+#: read.
 MNIST_MD5 = {
   't10k-images-idx3-ubyte.gz': '9fb629c4189551a2d022fa330f9573f3',
   't10k-labels-idx1-ubyte.gz': 'ec29112dd5afa0611ce80d1b7f02629c',
@@ -219,9 +220,8 @@ def load_tinyshakespeare(
     (client_x, client_y, vocab): per-client int32 arrays [n_i, seq_len].
   """
   if text is None:
-    path = sources.fetch('tinyshakespeare', data_dir, download)[
-      'input.txt'
-    ]  # MD5 checked
+    # MD5 checked
+    path = sources.fetch('tinyshakespeare', data_dir, download)['input.txt']
     try:
       text = path.read_bytes().decode('utf-8')
     except (

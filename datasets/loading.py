@@ -85,7 +85,8 @@ def load_pool(cfg: DataConfig):
 def make_partition(
   cfg: DataConfig, x, y, num_classes, rng, n: int
 ) -> Partition:
-  """The partition named by ``cfg.partition`` of a pool (x, y) into ``n`` clients.
+  """The partition named by ``cfg.partition`` of a pool (x, y) into ``n``
+  clients.
 
   Args:
     cfg: the data set (its partition's settings).
@@ -125,7 +126,8 @@ def make_partition(
     if x.ndim != 4 or x.shape[1] != x.shape[2]:
       raise ConfigError(
         'partition',
-        f'rotation needs square images, dataset {cfg.dataset} has shape {x.shape[1:]}',
+        f'rotation needs square images, dataset {cfg.dataset} has shape '
+        f'{x.shape[1:]}',
       )
     return partition.rotation_groups(y, n, rng, cfg.num_groups, base)
   if p == 'label_permutation':
@@ -274,7 +276,8 @@ def pooled_clients(cfg: DataConfig) -> PooledClients:
   if cfg.num_clients > len(y):
     raise ConfigError(
       'num_clients',
-      f'num_clients={cfg.num_clients} exceeds the {len(y)} examples of {cfg.dataset}',
+      f'num_clients={cfg.num_clients} exceeds the {len(y)} examples of '
+      f'{cfg.dataset}',
     )
   part = make_partition(cfg, x, y, num_classes, rng, cfg.num_clients)
   splits = client_splits(
@@ -413,7 +416,8 @@ def _store_of(
       why = f'written in format {written!r}, this version reads {FORMAT!r}'
     elif made_by != code:
       why = (
-        f'written by other loader code ({made_by or "before loaders were recorded"}, '
+        f'written by other loader code '
+        f'({made_by or "before loaders were recorded"}, '
         f'this is {code})'
       )
     elif (changed := _unnamed_reads_changed(folder)) is not None:

@@ -3,7 +3,8 @@
 A data file is looked up, in order, in ``--data_dir`` (which must exist), the
 directory named by ``$FEDJAX_PERSONAL_DATA``, the package's embedded data
 (MNIST 10k), FedJAX's own download folder (``~/.cache/fedjax``: a FedJAX
-user's files, read as they are), and the cache folder (``$FEDJAX_PERSONAL_CACHE``, by default
+user's files, read as they are), and the cache folder
+(``$FEDJAX_PERSONAL_CACHE``, by default
 ``~/.cache/fedjax_personal``) where ``--download`` saves files and decoded
 copies are kept. Each published file is found under its published name, so a
 file saved by hand in ``--data_dir`` is used as it is.
@@ -45,7 +46,8 @@ class MissingDataError(DataError, FileNotFoundError):
 
 
 def cache_dir(create: bool = True) -> pathlib.Path:
-  """The cache folder: downloads and decoded copies (``$FEDJAX_PERSONAL_CACHE``).
+  """The cache folder: downloads and decoded copies
+  (``$FEDJAX_PERSONAL_CACHE``).
 
   Args:
     create: make the folder when missing.
@@ -284,7 +286,8 @@ def derived_dir(kind: str, source) -> pathlib.Path:
 def check_digest(
   path, md5: Optional[str] = None, sha256: Optional[str] = None
 ) -> None:
-  """Raises DataError naming the file when its checksum differs from the release's.
+  """Raises DataError naming the file when its checksum differs from the
+  release's.
 
   Args:
     path: the file.
@@ -299,7 +302,8 @@ def check_digest(
       got = digest(path, algorithm)
       if got != want:
         raise DataError(
-          f"{path}: {algorithm} {got} differs from the release's {want} (corrupted, "
+          f"{path}: {algorithm} {got} differs from the release's {want} "
+          f'(corrupted, '
           'truncated or not the original file)'
         )
 

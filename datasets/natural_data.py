@@ -195,7 +195,8 @@ def converted(convert, examples, path):
     return convert(examples)
   except (KeyError, ValueError, TypeError, IndexError) as e:
     raise DataError(
-      f'{path}: a client record lacks the expected features ({type(e).__name__}: '
+      f'{path}: a client record lacks the expected features '
+      f'({type(e).__name__}: '
       f'{e})'
     ) from None
 

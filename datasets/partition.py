@@ -436,7 +436,8 @@ def latent_clusters(
     if len(idx) < len(members):
       raise ConfigError(
         'num_clients',
-        f'latent cluster {g} has {len(idx)} examples for {len(members)} clients',
+        f'latent cluster {g} has {len(idx)} examples for {len(members)} '
+        f'clients',
       )
     for m, part in zip(members, np.array_split(idx, len(members))):
       clients[m] = part

@@ -91,7 +91,8 @@ DATASETS = (
 #: to train: why the command refuses them.
 HELD_OUT_ONLY = {
   'stackoverflow_held_out': (
-    'stackoverflow_held_out holds held-out users only, none to train (the held_out value of '
+    'stackoverflow_held_out holds held-out users only, none to train (the '
+    'held_out value of '
     'datasets.stackoverflow.load_data); train on --dataset=stackoverflow'
   )
 }
@@ -154,7 +155,8 @@ def _claimed(name: str, options: Optional[Type[DataOptions]]) -> str:
     isinstance(options, type) and issubclass(options, DataOptions)
   ):
     raise TypeError(
-      f'the options of {name!r} must be a DataOptions dataclass, got {options!r}'
+      f'the options of {name!r} must be a DataOptions dataclass, got '
+      f'{options!r}'
     )
   claim_flags(options, f'an option of --dataset={name}')
   return owner

@@ -62,7 +62,8 @@ __all__ = [
 # FedJAX's Shakespeare table (fedjax/datasets/shakespeare.py): byte vocab[i]
 # has label 3 + i; 0 PAD, 1 BOS, 2 EOS, 89 OOV.
 SHAKESPEARE_VOCAB = (
-  b'dhlptx@DHLPTX $(,048cgkoswCGKOSW[_#\'/37;?bfjnrvzBFJNRVZ"&*.26:\naeimquyAEIMQUY]'
+  b'dhlptx@DHLPTX '
+  b'$(,048cgkoswCGKOSW[_#\'/37;?bfjnrvzBFJNRVZ"&*.26:\naeimquyAEIMQUY]'
   b'!%)-159\r'
 )
 SHAKESPEARE_OOV = 3 + len(SHAKESPEARE_VOCAB)

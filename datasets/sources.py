@@ -172,7 +172,8 @@ def how_to_get(dataset: str) -> str:
   """
   if downloadable(dataset):
     return (
-      f'get it with: python scripts/run_experiment.py --dataset={dataset} --download '
+      f'get it with: python scripts/run_experiment.py --dataset={dataset} '
+      f'--download '
       '(or save it by hand in --data_dir)'
     )
   return manual_instructions(dataset)
@@ -192,12 +193,14 @@ def manual_instructions(dataset: str) -> str:
     return (
       f"LEAF publishes no ready files: build them with LEAF's own scripts "
       f'(github.com/TalwalkarLab/leaf, data/{name}/preprocess.sh) and put its '
-      f'data/{name}/data/train and test folders under --data_dir as leaf/{name}/train '
+      f'data/{name}/data/train and test folders under --data_dir as '
+      f'leaf/{name}/train '
       f'and leaf/{name}/test'
     )
   if dataset == 'gldv2':
     return (
-      "put GLDv2's training JPEGs that federated_train.csv lists in one folder, "
+      "put GLDv2's training JPEGs that federated_train.csv lists in one "
+      'folder, '
       'gldv2/images/<image_id>.jpg, under --data_dir (from '
       f'{GLDV2_SHARD_URL.format(0)} ... images_{GLDV2_SHARDS - 1:03d}.tar), or '
       'fetch them with --download (about 500 GB of shards, read one at a time)'
@@ -245,9 +248,8 @@ def fetch(
     path = local_files.locate(_names(f), data_dir)
     if path is None:
       if not download:
-        local_files.find_file(
-          f.name, data_dir, how_to_get(dataset)
-        )  # raises, naming --download
+        # raises, naming --download
+        local_files.find_file(f.name, data_dir, how_to_get(dataset))
       path = download_file(
         f, local_files.cache_dir(), dataset, progress=progress
       )
@@ -329,7 +331,8 @@ def extract_member(
           shutil.copyfileobj(src, out, 1 << 20)
     except (zipfile.BadZipFile, EOFError, OSError) as e:
       raise DataError(
-        f'{archive}: not a complete ZIP archive ({e}); delete it and download it '
+        f'{archive}: not a complete ZIP archive ({e}); delete it and download '
+        f'it '
         'again (--download)'
       ) from None
 
@@ -356,7 +359,8 @@ def _gldv2_md5(shard: int) -> str:
     or any(c not in '0123456789abcdef' for c in words[0].lower())
   ):
     raise DataError(
-      f'gldv2: {url} holds no MD5 ({" ".join(words[:2])[:60]!r}); the shard is not '
+      f'gldv2: {url} holds no MD5 ({" ".join(words[:2])[:60]!r}); the shard is '
+      f'not '
       'fetched unchecked: run --download again later'
     )
   return words[0].lower()
@@ -414,7 +418,8 @@ def fetch_gldv2_images(
             missing.discard(image_id)
     except (tarfile.TarError, EOFError) as e:
       raise DataError(
-        f'{shard}: not a complete tar archive ({e}); delete it and run --download '
+        f'{shard}: not a complete tar archive ({e}); delete it and run '
+        f'--download '
         'again'
       ) from None
     finally:
@@ -423,12 +428,14 @@ def fetch_gldv2_images(
       f.write(f'{s}\n')
   if missing:
     raise DataError(
-      f'gldv2: {len(missing):,} images that federated_train.csv lists are in none '
+      f'gldv2: {len(missing):,} images that federated_train.csv lists are in '
+      f'none '
       f'of the {GLDV2_SHARDS} shards (e.g. {sorted(missing)[0]})'
     )
 
 
-# -- downloads ------------------------------------------------------------------
+# -- downloads
+# ------------------------------------------------------------------
 
 #: Seconds without a byte before a download is given up.
 TIMEOUT = 60

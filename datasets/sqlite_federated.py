@@ -330,7 +330,8 @@ class SQLiteFederatedData:
     return self._with(exact_ids=True)
 
   def preprocess_client(self, fn) -> 'SQLiteFederatedData':
-    """A view whose clients' examples pass through ``fn(client_id, examples)`` too."""
+    """A view whose clients' examples pass through ``fn(client_id, examples)``
+    too."""
     return self._with(preprocess_client=self._preprocess_client.append(fn))
 
   def preprocess_batch(self, fn) -> 'SQLiteFederatedData':

@@ -162,7 +162,8 @@ def _tables(conn, path) -> List[str]:
     ]
   except sqlite3.Error as e:
     raise DataError(
-      f'{path}: not an SQLite database ({e}); if it was downloaded, delete it and '
+      f'{path}: not an SQLite database ({e}); if it was downloaded, delete it '
+      f'and '
       'download it again (--download)'
     ) from None
 
@@ -328,7 +329,8 @@ def tff_num_clients(path, split: str) -> int:
     missing = {'examples', 'client_metadata'} - set(_tables(conn, path))
     if missing:
       raise DataError(
-        f'{path}: no {" or ".join(sorted(missing))} table: not a TFF SQLite file'
+        f'{path}: no {" or ".join(sorted(missing))} table: not a TFF SQLite '
+        f'file'
       )
     return int(
       conn.execute(
@@ -363,7 +365,8 @@ def read_tff(
     missing = {'examples', 'client_metadata'} - set(_tables(conn, path))
     if missing:
       raise DataError(
-        f'{path}: no {" or ".join(sorted(missing))} table: not a TFF SQLite file'
+        f'{path}: no {" or ".join(sorted(missing))} table: not a TFF SQLite '
+        f'file'
       )
     try:
       query = 'SELECT client_id FROM client_metadata WHERE split_name = ? ORDER BY client_id'
@@ -393,7 +396,8 @@ def read_tff(
       OverflowError,
     ) as e:
       raise DataError(
-        f'{path}: an example is unreadable ({type(e).__name__}: {e}): corrupted '
+        f'{path}: an example is unreadable ({type(e).__name__}: {e}): '
+        f'corrupted '
         'or not a TFF SQLite file of tf.train.Example rows'
       ) from None
   finally:

@@ -69,7 +69,8 @@ def read_word_count(path, vocab_size: Optional[int]) -> List[str]:
         parts = line.split()
         if len(parts) != 2 or not parts[1].isdigit():
           raise DataError(
-            f'{path}: line {len(words) + 1} is not "word count": {line.strip()!r}'
+            f'{path}: line {len(words) + 1} is not "word count": '
+            f'{line.strip()!r}'
           )
         words.append(parts[0])
   except UnicodeDecodeError as e:
@@ -258,9 +259,11 @@ class StackOverflowOptions(TextOptions):
   )
   stackoverflow_accuracy: str = hparam(
     'in_vocab',
-    'stackoverflow: the next-word accuracy reported. in_vocab: targets PAD, BOS, '
+    'stackoverflow: the next-word accuracy reported. in_vocab: targets PAD, '
+    'BOS, '
     'EOS and OOV not scored (Reddi et al., the partial-personalization seed); '
-    "fedjax_in_vocab: FedJAX's accuracy_in_vocab (PAD and EOS not scored, OOV a miss).",
+    "fedjax_in_vocab: FedJAX's accuracy_in_vocab (PAD and EOS not scored, OOV "
+    'a miss).',
     choices=('in_vocab', 'fedjax_in_vocab'),
   )
 
@@ -284,7 +287,8 @@ class StackOverflowOptions(TextOptions):
       []
       if self.stackoverflow_rows == 'fedjax'
       else [
-        "rows: google-research/federated's (EOS after the last word, PAD targets past it in "
+        "rows: google-research/federated's (EOS after the last word, PAD "
+        'targets past it in '
         'the loss)'
       ]
     )

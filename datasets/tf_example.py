@@ -93,10 +93,11 @@ def _skip_group(buf: memoryview, pos: int, field: int) -> int:
   """The position after the group of ``field`` that starts at ``pos``."""
   while pos < len(buf):
     key, pos = _varint(buf, pos)
+    # inside a skipped group protobuf (upb) checks no number
     inner, wire = (
       key >> 3,
       key & 7,
-    )  # inside a skipped group protobuf (upb) checks no number
+    )
     if wire == _END_GROUP:
       if inner != field:
         raise ValueError(f'group {field} ended as group {inner}')

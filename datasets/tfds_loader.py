@@ -82,7 +82,8 @@ def load_tfds(
     source = tfds.data_source(tfds_name, split=split, data_dir=data_dir)
   except Exception as e:  # TFDS raises several types for missing data
     raise FileNotFoundError(
-      f'TFDS data set {tfds_name!r} is not prepared in data_dir={data_dir or "~/tensorflow_datasets"} '
+      f'TFDS data set {tfds_name!r} is not prepared in '
+      f'data_dir={data_dir or "~/tensorflow_datasets"} '
       f'({type(e).__name__}); prepare it once online with '
       f'load_tfds({name!r}, download=True) (needs the [tfds] extra)'
     ) from None

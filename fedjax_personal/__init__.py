@@ -43,9 +43,8 @@ __all__ = [
 ]
 
 
-_checkout.use_this_checkout(
-  _os.path.dirname(__file__)
-)  # its algorithms/ and datasets/, not another's
+# its algorithms/ and datasets/, not another's
+_checkout.use_this_checkout(_os.path.dirname(__file__))
 
 # Importing the package changes no JAX configuration and writes nothing: the
 # engine runs its computations at its own matmul precision (numerics.py), and

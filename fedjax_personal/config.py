@@ -508,7 +508,8 @@ class AlgorithmSpec:
     bad = sorted(set(self.ignores) - set(own))
     if bad:
       raise ValueError(
-        f'algorithm {self.name!r}: ignores names {bad}, which are not fields of '
+        f'algorithm {self.name!r}: ignores names {bad}, which are not fields '
+        f'of '
         f'{self.config.__name__}; they are {own}'
       )
     if self.partial_work not in ('drop', 'keep'):
@@ -526,7 +527,8 @@ class AlgorithmSpec:
     return training.finetune_steps
 
   def inapplicable(self, training: TrainingConfig) -> list:
-    """Shared settings given a non-default value that this algorithm does not use."""
+    """Shared settings given a non-default value that this algorithm does not
+    use."""
     default = TrainingConfig()
     out = [
       f.name
@@ -573,7 +575,8 @@ class AlgorithmSpec:
     """
     if not isinstance(config, self.config):
       raise TypeError(
-        f'{self.name} takes a {self.config.__name__}, got {type(config).__name__}'
+        f'{self.name} takes a {self.config.__name__}, got '
+        f'{type(config).__name__}'
       )
     # a user's config class of plain fields
     if not isinstance(config, Declared):

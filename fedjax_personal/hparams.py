@@ -169,7 +169,8 @@ def field_types(cls: type) -> dict:
 
 
 def is_list(t) -> bool:
-  """Whether a field type is a list of values (``Tuple[str, ...]``: a comma list flag).
+  """Whether a field type is a list of values (``Tuple[str, ...]``: a comma list
+  flag).
 
   Args:
     t: a type from ``field_types``.

@@ -45,8 +45,10 @@ class BenchmarkSettings(Declared):
   )
   executors: Tuple[str, ...] = hparam(
     ('torch', 'baseline', 'sequential', 'blocked', 'vmap', 'auto'),
-    'Executors to time; torch = the PyTorch per-client loop (needs the bench extra; skipped '
-    'with a note without torch); baseline = the same loop in JAX, one client, one jitted step '
+    'Executors to time; torch = the PyTorch per-client loop (needs the bench '
+    'extra; skipped '
+    'with a note without torch); baseline = the same loop in JAX, one client, '
+    'one jitted step '
     'at a time.',
   )
   conv_impl: str = hparam(
@@ -62,11 +64,16 @@ class BenchmarkSettings(Declared):
   )
   interleave: bool = hparam(
     True,
-    'Executor table: start the configurations of one model and population as processes '
-    'side by side (each compiled and warm) and time their rounds in turn, one round of each, '
-    'rounds times; the "vs" columns are the medians of the round-by-round ratios, so a '
-    'machine whose speed drifts moves both sides of each ratio. --nointerleave: one '
-    'configuration after another (the --device preset, as an accelerator holds one '
+    'Executor table: start the configurations of one model and population as '
+    'processes '
+    'side by side (each compiled and warm) and time their rounds in turn, one '
+    'round of each, '
+    'rounds times; the "vs" columns are the medians of the round-by-round '
+    'ratios, so a '
+    'machine whose speed drifts moves both sides of each ratio. '
+    '--nointerleave: one '
+    'configuration after another (the --device preset, as an accelerator holds '
+    'one '
     "process's memory at a time).",
   )
   output: Optional[str] = hparam(None, 'Write the results as JSON here.')
@@ -138,12 +145,13 @@ script_entry.define_settings_flags(BenchmarkSettings)
 
 # As in the foundation issue's measurements; the CNNs as LeNet-5.
 BATCH = {'mlp': 10, 'lenet5': 32, 'cnn': 32, 'cnn_cifar': 32}
+# examples per client
 EXAMPLES = {
   'mlp': 50,
   'lenet5': 64,
   'cnn': 64,
   'cnn_cifar': 64,
-}  # examples per client
+}
 
 
 def peak_rss_mb():
@@ -160,7 +168,8 @@ def peak_rss_mb():
 
 
 def stream_gbps(mib=64, reps=10):
-  """Memory bandwidth as XLA sees it (``costs.stream_bytes_per_second``), GB/s."""
+  """Memory bandwidth as XLA sees it (``costs.stream_bytes_per_second``),
+  GB/s."""
   return costs.stream_bytes_per_second(mib, reps) / 1e9
 
 
@@ -213,7 +222,8 @@ def step_cost(model, opt, batch_size, in_shape=(28, 28, 1)):
 
 
 def baseline_runner(model, data, batching, opt):
-  """The usual loop: per client, per local batch, one jitted step; host batches."""
+  """The usual loop: per client, per local batch, one jitted step; host
+  batches."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -251,7 +261,8 @@ def median(xs):
 def timed_rounds(cfg, run_round):
   """Seconds of the compiling round, then of the timed ones: ``cfg.rounds``
   in a row, or, under ``--interleave``, one each time the parent writes
-  ``round`` on stdin (after ``{"ready": true}`` on stdout; any other line ends)."""
+  ``round`` on stdin (after ``{"ready": true}`` on stdout; any other line
+  ends)."""
 
   def timed():
     t = time.perf_counter()
@@ -465,17 +476,20 @@ def main(argv):
     host.tune_allocator()  # as the engine does on CPU (fedjax_personal/host.py)
   if cfg.device:
     print(
-      f'devices: {[d.device_kind for d in jax.devices()]} ({jax.default_backend()})'
+      f'devices: {[d.device_kind for d in jax.devices()]} '
+      f'({jax.default_backend()})'
     )
   peak = matmul_gflops()
   dram, bandwidth = stream_gbps(256), stream_gbps(16)
   print(
     f'backend {jax.default_backend()}, {os.cpu_count()} cores; float32 matmul '
-    f'{peak:.1f} GFLOP/s (2048x2048); a * 1.5 streams {dram:.1f} GB/s over 256 MiB, '
+    f'{peak:.1f} GFLOP/s (2048x2048); a * 1.5 streams {dram:.1f} GB/s over 256 '
+    f'MiB, '
     f'{bandwidth:.1f} GB/s over 16 MiB (cache-resident); this run'
   )
   print(
-    '% roof: of min(peak, FLOP per byte of one local step (XLA cost analysis) x the '
+    '% roof: of min(peak, FLOP per byte of one local step (XLA cost analysis) '
+    'x the '
     '16 MiB bandwidth)'
   )
   print(
@@ -499,7 +513,8 @@ def main(argv):
 
 
 def run_config(cfg, spec):
-  """One worker process; its JSON, ``{'timeout': True}`` or ``{'failed': ...}``."""
+  """One worker process; its JSON, ``{'timeout': True}`` or ``{'failed':
+  ...}``."""
   cmd = _worker_cmd(cfg, spec, False)
   try:
     out = subprocess.run(
@@ -636,12 +651,14 @@ def executors_section(cfg, peak, bandwidth):
   executors = list(cfg.executors)
   if 'torch' in executors and not torch_loop.available():
     print(
-      'note: torch is not installed (pip install -e ".[bench]"): no PyTorch loop rows, '
+      'note: torch is not installed (pip install -e ".[bench]"): no PyTorch '
+      'loop rows, '
       'no "vs torch" column'
     )
     executors.remove('torch')
   header = (
-    f'{"model":<9}{"clients":>8}  {"executor":<30}{"round s":>9}{"compile s":>10}'
+    f'{"model":<9}{"clients":>8}  '
+    f'{"executor":<30}{"round s":>9}{"compile s":>10}'
     f'{"peak MB":>9}{"GFLOP/s":>9}{"% peak":>7}{"% roof":>7}{"vs loop":>8}{"vs torch":>9}'
   )
   print(header)
@@ -692,7 +709,8 @@ def executors_section(cfg, peak, bandwidth):
         rows.append(r)
         fmt = lambda v: f'{v:.2f}x' if v else '-'
         print(
-          f'{model_name:<9}{clients:>8}  {r["executor"][:29]:<30}{r["round_s"]:>9.3f}'
+          f'{model_name:<9}{clients:>8}  '
+          f'{r["executor"][:29]:<30}{r["round_s"]:>9.3f}'
           f'{r["compile_s"]:>10.2f}{r["peak_rss_mb"]:>9.0f}{r["gflops"]:>9.2f}'
           f'{r["percent_of_matmul_peak"]:>6.1f}%{r["percent_of_roofline"]:>6.1f}%'
           f'{fmt(r["speedup_vs_loop"]):>8}{fmt(r["speedup_vs_torch"]):>9}',
@@ -731,10 +749,12 @@ def run_worker(cfg, spec):
 def scale_section(cfg, peak):
   """Time per round vs population, FedAvg and Ditto (MLP), auto vs the loop."""
   print(
-    '\nScale: MLP, K=5 local steps, all clients active; auto executor vs the loop'
+    '\nScale: MLP, K=5 local steps, all clients active; auto executor vs the '
+    'loop'
   )
   print(
-    f'{"algorithm":<8}{"clients":>8}  {"auto executor":<24}{"round s":>9}{"loop s":>9}'
+    f'{"algorithm":<8}{"clients":>8}  '
+    f'{"auto executor":<24}{"round s":>9}{"loop s":>9}'
     f'{"vs loop":>8}{"peak MB":>9}{"GFLOP/s":>9}'
   )
   rows = []
@@ -761,7 +781,8 @@ def scale_section(cfg, peak):
       loop_s = f'{loop:.3f}' if loop else '-'
       ratio = f'{r["speedup_vs_loop"]:.2f}x' if loop else '-'
       print(
-        f'{alg:<8}{clients:>8}  {r["executor"]:<24}{r["round_s"]:>9.3f}{loop_s:>9}{ratio:>8}'
+        f'{alg:<8}{clients:>8}  '
+        f'{r["executor"]:<24}{r["round_s"]:>9.3f}{loop_s:>9}{ratio:>8}'
         f'{r["peak_rss_mb"]:>9.0f}{r["gflops"]:>9.2f}',
         flush=True,
       )
@@ -804,8 +825,10 @@ def sweep_section(cfg):
   separate = (time.perf_counter() - t) / cfg.rounds * cfg.sweep_size
   auto = sweep.resolve_config_axis('auto') if ex.fused else 'one after another'
   print(
-    f'\nSweep: FedAvg, MLP, {clients} clients ({ex.describe()}), S = {cfg.sweep_size} seeds; '
-    f'S separate runs: {separate:.3f} s per round of all S; the CLI runs it: {auto}'
+    f'\nSweep: FedAvg, MLP, {clients} clients ({ex.describe()}), S = '
+    f'{cfg.sweep_size} seeds; '
+    f'S separate runs: {separate:.3f} s per round of all S; the CLI runs it: '
+    f'{auto}'
   )
   fused = ex if ex.fused else dc.replace(ex, num_threads=1)
   variants = (
@@ -840,7 +863,8 @@ def sweep_section(cfg):
       states = jax.block_until_ready(runner.round(states, r + 1)[0])
     together = (time.perf_counter() - t) / cfg.rounds
     print(
-      f'  {axis:<17} ({used.describe()}) {together:.3f} s per round (first call incl. '
+      f'  {axis:<17} ({used.describe()}) {together:.3f} s per round (first '
+      f'call incl. '
       f'compile {first:.1f} s): {separate / together:.2f}x of separate runs',
       flush=True,
     )
@@ -887,11 +911,13 @@ def usercentric_section(cfg):
   from fedjax_personal.core.engine import RoundRunner, pre_round_functions
 
   print(
-    '\nUser-centric vs FedAvg: MLP, K=5, all clients active, auto executor (its one-program '
+    '\nUser-centric vs FedAvg: MLP, K=5, all clients active, auto executor '
+    '(its one-program '
     'form on CPU, so the W step is one compiled function); best of 3 (s)'
   )
   print(
-    f'{"clients":>8}  {"streams":<22}{"FedAvg":>8}{"UC round":>9}{"UC + W":>8}{"W step":>8}'
+    f'{"clients":>8}  '
+    f'{"streams":<22}{"FedAvg":>8}{"UC round":>9}{"UC + W":>8}{"W step":>8}'
     f'{"traces":>7}'
   )
   rows = []
@@ -932,9 +958,8 @@ def usercentric_section(cfg):
       )
       runner = RoundRunner(alg, data, sampler, ex)
       st = [runner.init(jax.random.key(0))]
-      st[0], _ = runner.round(
-        st[0], jax.random.key(0), 0
-      )  # compiles (both branches)
+      # compiles (both branches)
+      st[0], _ = runner.round(st[0], jax.random.key(0), 0)
 
       def uc_round(t):
         st[0], m = runner.round(st[0], jax.random.key(t), t)
@@ -947,7 +972,8 @@ def usercentric_section(cfg):
       w_step = _timed(lambda: run(st[0], rc, data.train, data.val), 3)
       traces = runner.trace_counts['round']
       print(
-        f'{clients:>8}  {label:<22}{fedavg_s:>8.3f}{plain:>9.3f}{with_w:>8.3f}{w_step:>8.3f}'
+        f'{clients:>8}  '
+        f'{label:<22}{fedavg_s:>8.3f}{plain:>9.3f}{with_w:>8.3f}{w_step:>8.3f}'
         f'{traces:>7}',
         flush=True,
       )
@@ -998,7 +1024,8 @@ def usercentric_section(cfg):
   return rows
 
 
-# -- several processes and the scale plan ----------------------------------------
+# -- several processes and the scale plan
+# ----------------------------------------
 
 PLAN_ALGORITHMS = (
   ('fedavg', {}),
@@ -1028,8 +1055,10 @@ def memory_section(cfg):
 
   model = fp.create_model('mlp', 10, np.zeros((1, 28, 28, 1), np.uint8))
   print(
-    '\nScale plan (estimate): MLP, 10% of the clients per round, batch 10; per N: '
-    'per-client state, GB per device on one device, devices needed on 16 GB / 80 GB'
+    '\nScale plan (estimate): MLP, 10% of the clients per round, batch 10; per '
+    'N: '
+    'per-client state, GB per device on one device, devices needed on 16 GB / '
+    '80 GB'
   )
   print(
     f'{"algorithm":<20}'
@@ -1087,7 +1116,8 @@ def memory_section(cfg):
         }
       )
       cells.append(
-        f'{need.client_state_bytes / 1e6:>9.2f} MB{need.resident(1) / 2**30:>9.1f}'
+        f'{need.client_state_bytes / 1e6:>9.2f} '
+        f'MB{need.resident(1) / 2**30:>9.1f}'
         f'{fit[0]:>5}{fit[1]:>5}'
       )
     print(f'{label:<20}' + ''.join(cells), flush=True)
@@ -1103,11 +1133,13 @@ def processes_section(cfg):
   import socket
 
   print(
-    '\nProcesses: FedAvg, MLP, K=5 local steps, all clients active; sharded executor, '
+    '\nProcesses: FedAvg, MLP, K=5 local steps, all clients active; sharded '
+    'executor, '
     '1 CPU device per process'
   )
   print(
-    f'{"clients":>8}{"processes":>10}{"round s":>9}{"vs 1":>7}  collectives per round '
+    f'{"clients":>8}{"processes":>10}{"round s":>9}{"vs 1":>7}  collectives '
+    f'per round '
     '(count, bytes per device)'
   )
   rows = []
@@ -1159,7 +1191,8 @@ def processes_section(cfg):
         or 'none'
       )
       print(
-        f'{clients:>8}{p:>10}{r["round_s"]:>9.3f}{r["vs_one_process"]:>6.2f}x  {coll}',
+        f'{clients:>8}{p:>10}{r["round_s"]:>9.3f}{r["vs_one_process"]:>6.2f}x  '
+        f'{coll}',
         flush=True,
       )
   return rows

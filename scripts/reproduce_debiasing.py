@@ -126,9 +126,8 @@ class DebiasingTables(reproduce.ReproduceSettings):
           raise ConfigError(
             name, f'unknown value {v!r}; choose from {list(known)}'
           )
-    default = {
-      f.name: f.default for f in dataclasses.fields(self)
-    }  # when not given
+    # when not given
+    default = {f.name: f.default for f in dataclasses.fields(self)}
     for table, names in (
       ('1', ('methods', 'eval_every', 'rounds', 'targets')),
       (
@@ -275,13 +274,15 @@ def curves(histories, keys=('accuracy_mean', 'train_loss')):
 
 
 def fr(r, rounds):
-  """A rounds-to-target cell: the mean over trials, '>R' unless all reached it."""
+  """A rounds-to-target cell: the mean over trials, '>R' unless all reached
+  it."""
   return f'>{rounds}' if r is None else f'{r:.1f}'
 
 
 def table_one(r: TableRun, shared):
   cfg, S, directory = r.cfg, r.sizes, r.directory
-  """Rounds to target accuracy (the slides' table 1); returns (rows, Markdown)."""
+  """Rounds to target accuracy (the slides' table 1); returns (rows,
+  Markdown)."""
   own = {'fedprox': dict(mu=0.01), 'feddyn': dict(alpha=1e-2, **clipping(cfg))}
   data = to_device(
     load_federated(
@@ -325,7 +326,8 @@ def table_one(r: TableRun, shared):
       'curves': curves(histories),
     }
     print(
-      f'{name}: mean@last{cfg.stat_window} {reproduce.cell(agg, "accuracy_mean_window")}, '
+      f'{name}: mean@last{cfg.stat_window} '
+      f'{reproduce.cell(agg, "accuracy_mean_window")}, '
       f'{secs:.0f} s per trial',
       flush=True,
     )
@@ -334,7 +336,8 @@ def table_one(r: TableRun, shared):
     f'Dirichlet {cfg.alpha_dirichlet}, {S.model}: rounds to mean test accuracy'
   )
   print(
-    f'(rounds: mean over {cfg.num_trials} trials; accuracy: mean ± std over trials of '
+    f'(rounds: mean over {cfg.num_trials} trials; accuracy: mean ± std over '
+    f'trials of '
     f'the mean '
     f'over the last {cfg.stat_window} evaluations)'
   )
@@ -377,7 +380,8 @@ def table_one(r: TableRun, shared):
 
 def table_two(r: TableRun, shared):
   cfg, S = r.cfg, r.sizes
-  """Personalized FedDyn on sparse classes (the slides' table 2); returns (rows, Markdown)."""
+  """Personalized FedDyn on sparse classes (the slides' table 2); returns (rows,
+  Markdown)."""
   ptargets = [float(t) for t in cfg.personal_targets]
   rows2 = {}
   for partition in ('sparse_classes', 'sparse_classes_permuted'):
@@ -421,7 +425,8 @@ def table_two(r: TableRun, shared):
         flush=True,
       )
   print(
-    f'\nTable 2: CIFAR-10 sparse classes (5 per device), {S.num_clients} devices, '
+    f'\nTable 2: CIFAR-10 sparse classes (5 per device), {S.num_clients} '
+    f'devices, '
     f'{S.personal_rounds} rounds: average / lowest per-device accuracy'
   )
   print(

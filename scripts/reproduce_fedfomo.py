@@ -74,7 +74,8 @@ METHODS = {
 DP_METHODS = ('fedavg', 'fedfomo', 'local')
 SETTINGS = {'15': '15 clients, 100%', '100': '100 clients, 10%'}
 DATASETS = ('mnist', 'cifar10')
-PAPER = {  # Table 1 of the paper (mean accuracy, %): MNIST 15, 100; CIFAR-10 15, 100
+# Table 1 of the paper (mean accuracy, %): MNIST 15, 100; CIFAR-10 15, 100
+PAPER = {
   'local': (99.62, 94.25, 92.73, 85.42),
   'fedavg': (91.97, 78.83, 57.12, 53.08),
   'fedprox': (90.94, 79.06, 54.60, 52.92),
@@ -172,9 +173,8 @@ class FedFomoTables(reproduce.ReproduceSettings):
       ) from None
     if any(v < 0 for v in sigmas):
       raise ConfigError('dp_sigmas', 'noise multipliers must be >= 0')
-    default = {
-      f.name: f.default for f in dataclasses.fields(self)
-    }  # when not given
+    # when not given
+    default = {f.name: f.default for f in dataclasses.fields(self)}
     for name in (
       'datasets',
       'settings',
@@ -401,7 +401,8 @@ def table_dp(cfg, S, directory):
       else ''
     )
     print(
-      f'  DP {key}: {r["mean"]}, epsilon {eps_txt} ({r["seconds_per_trial"]:.0f} s/trial'
+      f'  DP {key}: {r["mean"]}, epsilon {eps_txt} '
+      f'({r["seconds_per_trial"]:.0f} s/trial'
       f'{diag})',
       flush=True,
     )
@@ -418,18 +419,21 @@ def main(cfg: FedFomoTables):
   if '1' in cfg.tables:
     results['table1'], md = table_one(cfg, S, directory)
     parts.append(
-      f'Table 1 (pathological non-IID, 2 classes per client): mean test accuracy (%), '
+      f'Table 1 (pathological non-IID, 2 classes per client): mean test '
+      f'accuracy (%), '
       f'paper in parentheses\n\n{md}'
     )
   if 'dp' in cfg.tables:
     results['dp'], md = table_dp(cfg, S, directory)
     parts.append(
       f'DP table (CIFAR-10, 15 clients in 5 latent distributions of the '
-      f'{cfg.dp_latent_features}, label skew {results["dp"]["label_skew"]:.2f}, '
+      f'{cfg.dp_latent_features}, label skew '
+      f'{results["dp"]["label_skew"]:.2f}, '
       f'all active)\n\n{md}'
     )
   title = (
-    f'FedFomo, scale {cfg.scale}: E = {cfg.local_epochs}, B = 50, mean ± std over '
+    f'FedFomo, scale {cfg.scale}: E = {cfg.local_epochs}, B = 50, mean ± std '
+    f'over '
     f'{cfg.num_trials} trials of the mean over the last {cfg.stat_window} '
     f'evaluations'
   )

@@ -138,7 +138,8 @@ class GlobalTrainLoss(experiment.Callback):
 
 
 def federation(cfg: FedProxFigure):
-  """Synthetic(1, 1) as FedProx's generator draws it (sizes uncapped, 90% train)."""
+  """Synthetic(1, 1) as FedProx's generator draws it (sizes uncapped, 90%
+  train)."""
   return to_device(
     load_federated(
       DataConfig(
@@ -291,7 +292,8 @@ def main(cfg: FedProxFigure):
     )
     results['fednova'], curves['fednova'] = rows, c
     parts.append(
-      "Table 2: FedNova's random local epochs, training loss of the global model "
+      "Table 2: FedNova's random local epochs, training loss of the global "
+      'model '
       f'after {cfg.rounds} rounds (pooled test accuracy)\n\n'
       + reproduce.markdown_table(
         ['local epochs'] + list(FEDNOVA),
@@ -306,9 +308,11 @@ def main(cfg: FedProxFigure):
       )
     )
   title = (
-    f'FedProx Figure 1 and a FedNova setting on Synthetic(1, 1), scale {cfg.scale}: '
+    f'FedProx Figure 1 and a FedNova setting on Synthetic(1, 1), scale '
+    f'{cfg.scale}: '
     f'{cfg.num_clients} devices, {cfg.cohort_size} a round, batch 10, lr 0.01, '
-    f'{cfg.rounds} rounds; mean ± std over {cfg.num_trials} trials of the training loss '
+    f'{cfg.rounds} rounds; mean ± std over {cfg.num_trials} trials of the '
+    f'training loss '
     'at the last round'
   )
   results['curves'] = curves

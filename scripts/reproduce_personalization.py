@@ -183,7 +183,8 @@ def print_table(r: TableRun, title, rows):
   cfg = r.cfg
   print(f'\n{title}')
   print(
-    f'(mean ± std over {cfg.num_trials} trials; mean@last and worst@last: mean over the last '
+    f'(mean ± std over {cfg.num_trials} trials; mean@last and worst@last: mean '
+    f'over the last '
     f'{cfg.stat_window} evaluations; 10th pct: last evaluation)'
   )
   print(
@@ -241,7 +242,8 @@ def partial_table(
       r, name, data, model, {**settings, **own}, rounds, cohort, eval_every
     )
     print(
-      f'  {name} {part}: mean {rows[(name, part)]["mean"]} worst {rows[(name, part)]["worst"]}',
+      f'  {name} {part}: mean {rows[(name, part)]["mean"]} worst '
+      f'{rows[(name, part)]["worst"]}',
       flush=True,
     )
   return rows
@@ -262,7 +264,8 @@ def main(cfg: PersonalizationTables):
     if name in cfg.tables:
       table(r, results)
   title = (
-    f'Personalization tables {", ".join(cfg.tables)}, scale {cfg.scale}: mean ± std '
+    f'Personalization tables {", ".join(cfg.tables)}, scale {cfg.scale}: mean '
+    f'± std '
     f'over {cfg.num_trials} trials'
   )
   md = '\n\n'.join(f'{t}\n\n{m}' for t, m in r.tables)
@@ -303,13 +306,16 @@ def table_a(r: TableRun, results):
       r, name, mnist, model, {**shared, **own}, S.mnist_rounds, 10, 10
     )
     print(
-      f'  {name}: mean {rows[(name, None)]["mean"]} worst {rows[(name, None)]["worst"]}',
+      f'  {name}: mean {rows[(name, None)]["mean"]} worst '
+      f'{rows[(name, None)]["worst"]}',
       flush=True,
     )
   print_table(
     r,
-    f'Table A: MNIST, {S.mnist_clients} clients with 2 classes each, 10 per round, '
-    f'{S.mnist_rounds} rounds, MLP; tested after one step (lr 0.02) on train data',
+    f'Table A: MNIST, {S.mnist_clients} clients with 2 classes each, 10 per '
+    f'round, '
+    f'{S.mnist_rounds} rounds, MLP; tested after one step (lr 0.02) on train '
+    f'data',
     rows,
   )
   results['mnist_perfedavg'] = {k[0]: v for k, v in rows.items()}
@@ -389,7 +395,8 @@ def table_c(r: TableRun, results):
   )
   print_table(
     r,
-    f'Table C: CIFAR-10, {S.cifar_clients} clients Dirichlet 0.3, half per round, '
+    f'Table C: CIFAR-10, {S.cifar_clients} clients Dirichlet 0.3, half per '
+    f'round, '
     f'{S.cifar_rounds} rounds, LeNet-5',
     rows,
   )
@@ -518,8 +525,10 @@ def table_d(r: TableRun, results):
   )
   print_table(
     r,
-    f'Table D: next-word prediction, {S.nwp_clients} generated Stack Overflow-shaped '
-    f'users (personal synonyms and continuations), a quarter per round, {S.nwp_rounds} '
+    f'Table D: next-word prediction, {S.nwp_clients} generated Stack '
+    f'Overflow-shaped '
+    f'users (personal synonyms and continuations), a quarter per round, '
+    f'{S.nwp_rounds} '
     f"rounds, the seed's transformer at --arch_size tiny"
     + (
       f', client gradients clipped at {cfg.nwp_grad_clip}'

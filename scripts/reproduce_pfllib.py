@@ -347,7 +347,8 @@ def main(cfg: PFLlibLeaderboard):
   pool = 'MNIST (70,000)' if full else "MNIST's 10,000 test images"
   title = (
     f"PFLlib's default scenario, scale {cfg.scale}: {pool} over 20 clients by "
-    "PFLlib's Dir(0.1), its 4-layer CNN, batch 10 (an epoch's partial batch dropped, as "
+    "PFLlib's Dir(0.1), its 4-layer CNN, batch 10 (an epoch's partial batch "
+    'dropped, as '
     "PFLlib's loader), lr 0.005, 1 local epoch, "
     f'every client, {cfg.num_rounds} rounds; mean ± std over {cfg.num_trials} '
     "trials of the test accuracy over all clients (PFLlib's metric) at the "

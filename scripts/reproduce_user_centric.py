@@ -228,9 +228,8 @@ def data_config(s, scen: str) -> DataConfig:
       max_examples=per * n if per else (None if cpu else 100_000),
       **common,
     )
-  per = s.scaled(
-    per, 1000, None
-  )  # 1,000 per user at cpu scale, all (3,000) at paper
+  # 1,000 per user at cpu scale, all (3,000) at paper
+  per = s.scaled(per, 1000, None)
   return DataConfig(
     dataset='cifar10',
     partition='label_permutation',
@@ -328,7 +327,8 @@ def diagnostics(r: dict) -> str:
     parts.append(f'ARI {r["streams_ari"]:.2f}')
   if 'w_in_group_share' in r:
     parts.append(
-      f'in-group {r["w_in_group_share"]:.2f} (chance {r["w_in_group_chance"]:.2f})'
+      f'in-group {r["w_in_group_share"]:.2f} (chance '
+      f'{r["w_in_group_chance"]:.2f})'
     )
   if 'num_clusters' in r:
     parts.append(f'{r["num_clusters"]:.1f} clusters')
@@ -345,7 +345,8 @@ def load(s, scen):
 
 def model_name(s) -> str:
   """The paper's Keras LeNet-5 (average pooling) at paper scale; the
-  library's LeNet-5 at cpu scale (the tables of benchmarks/reproductions/README.md)."""
+  library's LeNet-5 at cpu scale (the tables of
+  benchmarks/reproductions/README.md)."""
   return s.scaled(s.model, 'lenet5', 'usercentric_lenet5')
 
 
@@ -368,7 +369,8 @@ def table_one(s, directory, rounds):
       results[f'{scen}/{m}'] = r
       curves[(scen, m)] = histories[0]
       print(
-        f'  {SCENARIOS[scen]} {m}: worst {r["worst"]} mean {r["mean"]} ({diagnostics(r)}; '
+        f'  {SCENARIOS[scen]} {m}: worst {r["worst"]} mean {r["mean"]} '
+        f'({diagnostics(r)}; '
         f'{r["seconds_per_trial"]:.0f} s/trial)',
         flush=True,
       )
@@ -384,8 +386,10 @@ def table_one(s, directory, rounds):
     for c in s.scenarios
   ]
   title = (
-    f'User-centric Table I, worst-user / mean test accuracy (%), scale {s.scale}: '
-    f'{rounds} rounds, mean over the last {s.stat_window} evaluations, mean ± std over '
+    f'User-centric Table I, worst-user / mean test accuracy (%), scale '
+    f'{s.scale}: '
+    f'{rounds} rounds, mean over the last {s.stat_window} evaluations, mean ± '
+    f'std over '
     f'{s.num_trials} trials'
   )
   md = reproduce.markdown_table(header, rows)
@@ -425,7 +429,8 @@ def study(s, directory, rounds):
       )
       results[f'{scen}/{v}'] = r
       print(
-        f'  {SCENARIOS[scen]} {v}: worst {r["worst"]} mean {r["mean"]} ({diagnostics(r)})',
+        f'  {SCENARIOS[scen]} {v}: worst {r["worst"]} mean {r["mean"]} '
+        f'({diagnostics(r)})',
         flush=True,
       )
   header = ['variant'] + [
@@ -444,9 +449,11 @@ def study(s, directory, rounds):
       )
     rows.append(row)
   title = (
-    f'User-centric settings study (k = 4 unless named), worst-user / mean test accuracy '
+    f'User-centric settings study (k = 4 unless named), worst-user / mean test '
+    f'accuracy '
     f'(%), scale {s.scale}: {rounds} rounds, mean ± std over {s.num_trials} '
-    f'trials; W: effective neighbours per user, ARI of the streams against the groups, '
+    f'trials; W: effective neighbours per user, ARI of the streams against the '
+    f'groups, '
     f"share of W's off-diagonal weight inside the user's group"
   )
   md = reproduce.markdown_table(header, rows)

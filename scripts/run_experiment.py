@@ -26,7 +26,8 @@ def _during_start_up(signum, frame):
   del frame
   word = 'interrupted' if signum == signal.SIGINT else 'terminated'
   print(
-    f'error: {word} during start-up; nothing was trained yet; run the same command again',
+    f'error: {word} during start-up; nothing was trained yet; run the same '
+    f'command again',
     file=sys.stderr,
     flush=True,
   )

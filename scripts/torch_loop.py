@@ -93,7 +93,8 @@ def round_runner(
 
   from fedjax_personal.core import host
 
-  host.tune_allocator()  # the same allocator setting as the JAX rows (fair to both)
+  # the same allocator setting as the JAX rows (fair to both)
+  host.tune_allocator()
   torch.manual_seed(seed)
   dev = device()
   n = len(num_examples)
@@ -149,7 +150,8 @@ def round_runner(
 
 
 def time_rounds(run_round, rounds):
-  """Per-round seconds: the first (warm-up) and the median of ``rounds`` more."""
+  """Per-round seconds: the first (warm-up) and the median of ``rounds``
+  more."""
   times = []
   for _ in range(rounds + 1):
     t = time.perf_counter()

@@ -191,11 +191,13 @@ def main(cfg: TorchReferenceSettings):
     import torch  # noqa: F401
   except ImportError:
     sys.exit(
-      "error: scripts/torch_reference.py needs torch (pip install -e '.[bench]')"
+      'error: scripts/torch_reference.py needs torch (pip install -e '
+      "'.[bench]')"
     )
   out = {}
   print(
-    f'{"algorithm":10s} {"mean":>14s} {"worst":>14s} {"mean@last":>14s} {"worst@last":>14s}'
+    f'{"algorithm":10s} {"mean":>14s} {"worst":>14s} {"mean@last":>14s} '
+    f'{"worst@last":>14s}'
   )
   for alg in cfg.algorithms:
     hists = [run(cfg, alg, data, cfg.seed + t) for t in range(cfg.trials)]

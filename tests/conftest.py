@@ -92,7 +92,8 @@ def pytest_collection_modifyitems(config, items):
         continue
       get = next(
         (
-          f'python scripts/run_experiment.py --dataset={_DOWNLOAD[n]} --download '
+          f'python scripts/run_experiment.py --dataset={_DOWNLOAD[n]} '
+          f'--download '
           'saves it in ~/.cache/fedjax_personal'
           for n in names
           if n in _DOWNLOAD
@@ -122,9 +123,8 @@ def _reset_flags():
 # test_personalization 241 s instead of 296 s on 2 cores).
 import jax  # noqa: E402
 
-if (
-  'JAX_COMPILATION_CACHE_DIR' not in os.environ
-):  # the session's own, removed at its end
+# the session's own, removed at its end
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
   os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(
     prefix='fedjax_personal_xla_cache_'
   )

@@ -124,9 +124,12 @@ def page() -> str:
   out = [
     '# Extension reference',
     '',
-    'What an algorithm, a data set or a model of your own sees, from the docstrings (made by',
-    '`python tests/extension_reference.py > docs/extension_reference.md`; the suite checks',
-    'it is current). How to use them: [add_an_algorithm.md](add_an_algorithm.md) and',
+    'What an algorithm, a data set or a model of your own sees, from the '
+    'docstrings (made by',
+    '`python tests/extension_reference.py > docs/extension_reference.md`; the '
+    'suite checks',
+    'it is current). How to use them: '
+    '[add_an_algorithm.md](add_an_algorithm.md) and',
     'docs/add_a_data_set.md.',
     '',
   ]

@@ -19,7 +19,8 @@ import zlib
 import msgpack
 import numpy as np
 
-# -- FedJAX SQLite --------------------------------------------------------------
+# -- FedJAX SQLite
+# --------------------------------------------------------------
 
 
 def _fedjax_pack(x):
@@ -79,7 +80,8 @@ def write_emnist(folder, rng, train_sizes, test_sizes, digits=False):
 
 def fedjax_reference_files(folder):
   """FedJAX's EMNIST, Shakespeare and Stack Overflow files and TFF's
-  CIFAR-100 file, small, in ``folder``: what ``benchmarks/peers/fedjax_api_reference.py`` reads with
+  CIFAR-100 file, small, in ``folder``: what
+  ``benchmarks/peers/fedjax_api_reference.py`` reads with
   FedJAX 0.0.17 and ``tests/test_fedjax_api.py`` with this project. Each
   test file lists its clients in another order than the train file, with a
   client found only there (and a train client it lacks), as FedJAX's
@@ -88,14 +90,16 @@ def fedjax_reference_files(folder):
   writers = emnist_clients(rng, [5, 9, 3, 7, 2])
   tests = emnist_clients(rng, [2, 1, 3, 2, 2])
   write_fedjax_sqlite(folder / 'federated_emnist_train.sqlite', writers[:4])
+  # f0004_04 only here, f0003_03 absent
   write_fedjax_sqlite(
     folder / 'federated_emnist_test.sqlite', [tests[i] for i in (2, 0, 4, 1)]
-  )  # f0004_04 only here, f0003_03 absent
+  )
 
+  # '~' and bytes of 'e-acute' are OOV
   chars = list(b'abcdefghij ,.\nXYZ~') + [
     0xC3,
     0xA9,
-  ]  # '~' and bytes of 'e-acute' are OOV
+  ]
   roles = [
     b'THE_TEMPEST_ARIEL',
     b'HAMLET_OPHELIA',
@@ -139,11 +143,12 @@ def fedjax_reference_files(folder):
   (folder / 'stackoverflow.word_count').write_text(
     ''.join(f'{w} {1000 - 7 * i}\n' for i, w in enumerate(words))
   )
+  # '' : two spaces in a row (an empty word)
   pool = words + [
     'unknownword',
     'zz',
     '',
-  ]  # '' : two spaces in a row (an empty word)
+  ]
 
   def posts(k):
     kinds = rng.choice([b'question', b'answer'], k)
@@ -177,9 +182,8 @@ def fedjax_reference_files(folder):
     [(u, posts(k)) for u, k in ((b'00900001', 3), (b'00900002', 5))],
   )
 
-  write_tff_cifar100(
-    folder / 'cifar100.sqlite', rng, [3, 2, 4], [2, 3]
-  )  # TFF's file, lzma'd
+  # TFF's file, lzma'd
+  write_tff_cifar100(folder / 'cifar100.sqlite', rng, [3, 2, 4], [2, 3])
   lzma_file(folder / 'cifar100.sqlite', folder / 'cifar100.sqlite.lzma')
   (folder / 'cifar100.sqlite').unlink()
   return words
@@ -205,7 +209,8 @@ def bytes_array(items):
   return a
 
 
-# -- TFF SQLite ------------------------------------------------------------------
+# -- TFF SQLite
+# ------------------------------------------------------------------
 
 
 def _varint(n: int) -> bytes:
@@ -252,14 +257,16 @@ def tf_example(features, packed=True):
 
 
 def write_tff_cifar100(path, rng, train_sizes, test_sizes):
-  """TFF's cifar100.sqlite layout; returns {split: [(client_id, images, labels)]}."""
+  """TFF's cifar100.sqlite layout; returns {split: [(client_id, images,
+  labels)]}."""
   conn = sqlite3.connect(path)
   conn.execute(
     'CREATE TABLE examples (split_name TEXT NOT NULL, client_id TEXT NOT NULL, '
     'serialized_example_proto BLOB NOT NULL);'
   )
   conn.execute(
-    'CREATE TABLE client_metadata (client_id TEXT NOT NULL, split_name TEXT NOT NULL, '
+    'CREATE TABLE client_metadata (client_id TEXT NOT NULL, split_name TEXT '
+    'NOT NULL, '
     'num_examples INTEGER NOT NULL);'
   )
   out = {}
@@ -296,7 +303,8 @@ def lzma_file(src, dest):
     out.write(f.read())
 
 
-# -- CIFAR python archives -------------------------------------------------------
+# -- CIFAR python archives
+# -------------------------------------------------------
 
 
 def write_cifar_archive(path, rng, train_n, test_n, hundred=False):
@@ -381,7 +389,8 @@ def write_cifar10_jpeg_npz(path, labels, test_labels=None, rng=None):
   np.savez(path, **out)
 
 
-# -- LEAF JSON ---------------------------------------------------------------------
+# -- LEAF JSON
+# ---------------------------------------------------------------------
 
 
 def write_leaf(folder, name, users_train, users_test):

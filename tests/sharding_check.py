@@ -1,4 +1,5 @@
-"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/test_sharding.py).
+"""Run under XLA_FLAGS=--xla_force_host_platform_device_count=8
+(tests/test_sharding.py).
 
 With the argument ``full``: every model x algorithm x cohort size, a conv
 model included, and sharded blocks; otherwise (CI) the MLP with a partial
@@ -38,16 +39,16 @@ for model_name, model in models.items():
     for cohort in (10, 5):
       if not FULL and (cohort, alg.name) != (5, 'fedavg'):
         continue
-      if (
-        not FULL and model_name == 'cnn'
-      ):  # CI: the MLP (conv models: ``full``)
+      # CI: the MLP (conv models: ``full``)
+      if not FULL and model_name == 'cnn':
         continue
       results = {}
       executors = [
         ('vmap', fp.executors.VmapExecutor()),
         ('sharded', fp.executors.ShardedExecutor()),
       ]
-      if FULL:  # sharded blocks: the full grid (the blocked executor's own tests in CI)
+      # sharded blocks: the full grid (the blocked executor's own tests in CI)
+      if FULL:
         executors.append(
           ('sharded_blocks', fp.executors.ShardedExecutor(block_size=1))
         )

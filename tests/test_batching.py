@@ -127,9 +127,8 @@ def test_row_groups_are_shuffled_whole_and_in_order():
           epoch, np.flatnonzero(np.diff(np.asarray(groups)[epoch])) + 1
         )
       ]
-      assert all(
-        r == list(range(r[0], r[0] + len(r))) for r in runs
-      )  # whole, in order
+      # whole, in order
+      assert all(r == list(range(r[0], r[0] + len(r))) for r in runs)
       orders.add(tuple(epoch))
     padded_x = np.concatenate([x, np.zeros((5, 2), np.int32)])
     idx2, mask2 = batch_indices(

@@ -95,9 +95,8 @@ def test_device_command_runs_every_section(tmp_path):
   ):
     assert part in text, (part, text)
   rows = report['results']
-  table = [
-    r for r in rows if 'speedup_vs_torch' in r
-  ]  # the executor table's rows
+  # the executor table's rows
+  table = [r for r in rows if 'speedup_vs_torch' in r]
   assert {r['executor'].split('->')[0].split(' ')[0] for r in table} >= {
     'baseline',
     'auto',
@@ -190,9 +189,8 @@ def test_round_bound_counts_every_matmul_of_a_scan_body_per_step():
   import jax.numpy as jnp
 
   def f(a, w, v):
-    h = jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), a, None, length=5)[
-      0
-    ]  # [2,3]@[3,3]
+    # [2,3]@[3,3]
+    h = jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), a, None, length=5)[0]
     return h @ v  # [2,3]@[3,4]
 
   jaxpr = jax.make_jaxpr(f)(
@@ -203,6 +201,5 @@ def test_round_bound_counts_every_matmul_of_a_scan_body_per_step():
     (1, 2 * 2 * 3 * 4),
     (5, 5 * 2 * 2 * 3 * 3),
   ]
-  assert all(
-    0 <= bounds.op_seconds(e) < 1 for _, _, e in found.values()
-  )  # the bare loop taken off
+  # the bare loop taken off
+  assert all(0 <= bounds.op_seconds(e) < 1 for _, _, e in found.values())

@@ -182,10 +182,11 @@ EXIT_2 = [
     ['--init_weights=/nonexistent/w.npz'],
     '--init_weights: /nonexistent/w.npz: no such file',
   ),
+  # not weights
   (
     [f'--init_weights={os.path.join(ROOT, "setup.cfg")}'],
     'unknown format',
-  ),  # not weights
+  ),
   (['--test_fraction=1.5'], '--test_fraction: must be in (0, 1), got 1.5'),
   (['--distributed_timeout=0'], '--distributed_timeout: must be >= 1, got 0'),
   (
@@ -208,7 +209,8 @@ EXIT_2 = [
   ),
   (
     ['--vocab_size=100'],
-    '--vocab_size: an option of --dataset=stackoverflow, not of --dataset=mnist',
+    '--vocab_size: an option of --dataset=stackoverflow, not of '
+    '--dataset=mnist',
   ),
   (
     [
@@ -216,7 +218,8 @@ EXIT_2 = [
       '--dataset=cifar100',
       '--partition=dirichlet',
     ],
-    "--cifar100_test: chooses the natural CIFAR-100's test clients; --partition=dirichlet",
+    "--cifar100_test: chooses the natural CIFAR-100's test clients; "
+    '--partition=dirichlet',
   ),
 ]
 
@@ -407,11 +410,12 @@ def test_cli_sweep_of_seeds_equals_single_runs_for_pre_round_algorithms(
   ref = [
     json.loads(l) for l in open(tmp_path / f's{seed}' / alg / 'metrics.jsonl')
   ]
+  # W every round; CFL's test from 2
   assert (
     [l['round'] for l in mine]
     == [l['round'] for l in ref]
     == ([1, 2, 3] if alg == 'usercentric' else [2, 3])
-  )  # W every round; CFL's test from 2
+  )
   for a, b in zip(mine, ref):
     for k in (
       'w_effective_neighbours_mean',

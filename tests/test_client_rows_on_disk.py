@@ -1,4 +1,5 @@
-"""Client rows on disk (``core/population/rows_in_files.py``): the same numbers as rows in
+"""Client rows on disk (``core/population/rows_in_files.py``): the same numbers
+as rows in
 host memory for every kind of client row, each row written only when its
 client first trains, never-met clients costing no disk, evaluation of a
 client never trained using the value its row would have."""
@@ -32,9 +33,8 @@ def store(tmp_path_factory):
 
 
 def _run(store, alg_name, training, sampler, rows_folder):
-  adapters = (
-    alg_name == 'fedalt_adapters'
-  )  # FedAlt whose personal part is the adapters
+  # FedAlt whose personal part is the adapters
+  adapters = alg_name == 'fedalt_adapters'
   runner = host_runner(
     store,
     'fedalt' if adapters else alg_name,
@@ -90,9 +90,8 @@ def test_rows_on_disk_equal_rows_in_memory(
   disk_leaves = jax.tree.leaves(s_disk.rows)
   assert all(isinstance(a, rows_in_files.DiskRows) for a in disk_leaves)
   for d, m in zip(disk_leaves, jax.tree.leaves(s_mem.rows)):
-    np.testing.assert_allclose(
-      d[every], m, rtol=1e-6, atol=1e-6
-    )  # never-met rows: their init
+    # never-met rows: their init
+    np.testing.assert_allclose(d[every], m, rtol=1e-6, atol=1e-6)
   # Written only for the clients that trained: those whose rows moved from
   # their initial value (the rows' maker gives it, from the run's own key).
   trained = np.zeros(n, bool)
@@ -123,9 +122,8 @@ def test_a_client_never_trained_is_evaluated_with_its_initial_row_and_costs_no_d
   )
   leaves = jax.tree.leaves(state.rows)
   before = leaves[0].made.copy()
-  runner.evaluate(
-    state, jax.random.key(0)
-  )  # every client's personal model evaluated
+  # every client's personal model evaluated
+  runner.evaluate(state, jax.random.key(0))
   assert (leaves[0].made == before).all() and before.sum() <= 8 < n
   never = np.flatnonzero(~before)
   disk_before = rows_in_files.disk_bytes(state.rows)

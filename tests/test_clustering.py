@@ -61,9 +61,8 @@ def shift_w():
     alg, data, fp.CohortSampler(12, cohort_size=12), fp.executors.VmapExecutor()
   )
   state = runner.init(jax.random.key(0))
-  for t in range(
-    1, 4
-  ):  # FedAvg-free warm-up: local rounds from the initial mixing
+  # FedAvg-free warm-up: local rounds from the initial mixing
+  for t in range(1, 4):
     state, _ = runner.round(state, jax.random.key(t), t)
   state, _ = jax.jit(pre_round_functions(alg, fp.executors.VmapExecutor())[2])(
     state,
@@ -148,7 +147,8 @@ def test_streams_on_w_agree_with_sklearn(shift_w):
   ari_ours = adjusted_rand_score(groups, np.asarray(labels))
   ari_sk = adjusted_rand_score(groups, scores[best][1])
   print(
-    f'label permutation, 12 clients: k = {int(k)} (sklearn {best}); ARI vs groups '
+    f'label permutation, 12 clients: k = {int(k)} (sklearn {best}); ARI vs '
+    f'groups '
     f'{ari_ours:.3f} (sklearn {ari_sk:.3f})'
   )
   assert int(k) == best

@@ -25,7 +25,8 @@ from fedjax_personal.datasets import DataConfig, load_federated
 
 
 def true_minimizer(xs, ys):
-  """argmin (1/N) sum_k mean_{i in k} 0.5 (x theta + b - y)^2 (normal equations)."""
+  """argmin (1/N) sum_k mean_{i in k} 0.5 (x theta + b - y)^2 (normal
+  equations)."""
   a, c = 0, 0
   for x, y in zip(xs, ys):
     xt = np.concatenate([x, np.ones((len(x), 1))], 1).astype(np.float64)
@@ -49,9 +50,8 @@ def heterogeneous():
   return data, true_minimizer(xs, ys)
 
 
-LOCAL = fp.Batching(
-  batch_size=None, num_epochs=None, num_steps=20
-)  # full-batch local GD
+# full-batch local GD
+LOCAL = fp.Batching(batch_size=None, num_epochs=None, num_steps=20)
 
 
 @pytest.mark.parametrize(
@@ -87,16 +87,16 @@ def test_feddyn_and_scaffold_reach_the_minimizer_fedavg_does_not(
   _, sca = run_rounds(
     scaffold(model, 4, optax.sgd(lr), LOCAL), data, rounds, sampler_sca
   )
-  assert (
-    distance(avg.params, theta) > 1e-2
-  )  # FedAvg's client drift: a biased fixed point
+  # FedAvg's client drift: a biased fixed point
+  assert distance(avg.params, theta) > 1e-2
   assert distance(dyn.params, theta) < 1e-4
   assert distance(sca.params, theta) < 1e-4
 
 
 @pytest.mark.slow
 def test_feddyn_state_update_follows_the_equations():
-  """One client loop + server step written from the spec, compared for 3 rounds."""
+  """One client loop + server step written from the spec, compared for 3
+  rounds."""
   data, xs, ys = least_squares_data(num_clients=3, sizes=(5, 7, 9))
   model = linear_model(3)
   alpha, lr, k = 0.3, 0.05, 4
@@ -237,9 +237,8 @@ def test_prototype_logits_and_loss_by_hand():
   loss, stats = prototype_objective(model, 3)(params, batch)
   # query 1: d = [1, 10]; query 2 (label 1): d = [1 + 9, 1] -> both correct.
   expect = (np.log1p(np.exp(-9.0)) + np.log1p(np.exp(-9.0))) / 2
-  np.testing.assert_allclose(
-    loss, expect, rtol=1e-3, atol=1e-7
-  )  # float32 log-softmax
+  # float32 log-softmax
+  np.testing.assert_allclose(loss, expect, rtol=1e-3, atol=1e-7)
   assert float(stats.correct) == 2.0
 
 
@@ -316,6 +315,5 @@ def test_pfeddyn_heads_run_on_permuted_sparse_classes(head):
   acc = fp.summarize(runner.evaluate(state, jax.random.key(0)))
   assert 0.0 <= acc['accuracy_worst'] <= acc['accuracy_mean'] <= 1.0
   if head == 'prototype':
-    assert (
-      acc['accuracy_mean'] > 0.5
-    )  # nearest prototype beats chance (1/3) quickly
+    # nearest prototype beats chance (1/3) quickly
+    assert acc['accuracy_mean'] > 0.5

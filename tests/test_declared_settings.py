@@ -38,9 +38,8 @@ def test_every_flag_of_the_command_is_a_declared_field():
   assert set(command_line.MAIN_JOB_DEFAULTS) <= own  # each names a flag
   for name, (cls, f) in declared.items():
     text = flags.FLAGS[name].help
-    if isinstance(
-      flags.FLAGS[name], flags.MultiFlag
-    ):  # absl adds how to repeat it
+    # absl adds how to repeat it
+    if isinstance(flags.FLAGS[name], flags.MultiFlag):
       text = text.rsplit(';\n', 1)[0]
     assert text.endswith(f.metadata['help']), name
     default = command_line.MAIN_JOB_DEFAULTS.get(name, f.default)
@@ -68,9 +67,8 @@ def test_one_way_to_declare_a_flag_everywhere():
       for name in files:
         path = os.path.join(d, name)
         src = open(path).read() if name.endswith('.py') else ''
-        if path.endswith(
-          os.path.join('run', 'script_entry.py')
-        ):  # the generator
+        # the generator
+        if path.endswith(os.path.join('run', 'script_entry.py')):
           body = src.split('def define_settings_flags', 1)
           src = body[0] + body[1].split('\ndef ', 1)[1]
         if path.endswith(fedjax_api):
@@ -125,7 +123,8 @@ def test_flags_are_generated_by_type():
 
 def test_the_data_flags_make_the_data_config():
   """The data set's settings reach ``DataConfig`` whole, with the main job's
-  resolutions: --data_seed (else --seed), the partition, the validation share."""
+  resolutions: --data_seed (else --seed), the partition, the validation
+  share."""
   parse_flags(
     '--dataset=synthetic',
     '--synthetic_beta=2',
@@ -138,9 +137,8 @@ def test_the_data_flags_make_the_data_config():
     cfg.options.synthetic_beta,
     cfg.seed,
   ) == (1.0, 2.0, 3)
-  assert (
-    'synthetic_alpha' not in flags.FLAGS
-  )  # it changes no label: no flag (declared so)
+  # it changes no label: no flag (declared so)
+  assert 'synthetic_alpha' not in flags.FLAGS
   assert (cfg.partition, cfg.num_clients, cfg.val_fraction) == (
     'natural',
     40,
@@ -222,7 +220,8 @@ cli.run()
   )
   assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr[-3000:]
   assert r.stderr.strip().splitlines()[-1] == (
-    'error: --scaled_scale: an option of --dataset=scaled_clients, not of --dataset=digits'
+    'error: --scaled_scale: an option of --dataset=scaled_clients, not of '
+    '--dataset=digits'
   )
 
 

@@ -289,9 +289,8 @@ def test_an_error_in_one_process_stops_the_others(tmp_path):
     )
   )
   assert results[1][0] == 2 and 'missing.npz: no such file' in results[1][2]
-  code, _, err = results[
-    0
-  ]  # the same line and status as the process that failed
+  # the same line and status as the process that failed
+  code, _, err = results[0]
   assert code == 2 and 'error: process 1: --init_weights' in err, err[-2000:]
 
 

@@ -97,9 +97,8 @@ def run_script(env, words):
     )
   ]
   launch = [w for w in words[2:] if w not in args]
-  if (
-    launch
-  ):  # several processes: the launch settings are valid; one process dry-runs
+  # several processes: the launch settings are valid; one process dry-runs
+  if launch:
     from fedjax_personal.run import distributed
 
     flags = dict(w[2:].split('=', 1) for w in launch)
@@ -111,15 +110,13 @@ def run_script(env, words):
       process_id=int(flags['process_id']) if 'process_id' in flags else None,
     ).launch()
     assert got is not None
-  if (
-    '--download' in args
-  ):  # the suite never downloads: the files, made, in --data_dir
+  # the suite never downloads: the files, made, in --data_dir
+  if '--download' in args:
     args = [a for a in args if a != '--download'] + [
       f'--data_dir={_made_data(args)}'
     ]
-  if (
-    script == MAIN_SCRIPT and not env and not launch
-  ):  # one process dry-runs them all
+  # one process dry-runs them all
+  if script == MAIN_SCRIPT and not env and not launch:
     code, err = _main_dry_runs().get(tuple(args), (None, 'not batched'))
     assert code == 0, f'{" ".join(words)}\n{err[-3000:]}'
     return
@@ -246,9 +243,8 @@ def test_readme_python_example_runs(tmp_path):
   assert namespace['store'].num_clients == 4 and namespace['batch'][
     'x'
   ].shape == (20, 28, 28, 1)
-  assert (
-    namespace['batch']['__mask__'].sum() == 5
-  )  # f0003_03's 5 images, padded to 20
+  # f0003_03's 5 images, padded to 20
+  assert namespace['batch']['__mask__'].sum() == 5
 
 
 @pytest.fixture
@@ -267,7 +263,8 @@ def flags_added_removed():
 def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
   tmp_path, monkeypatch, flags_added_removed, algorithm_registry
 ):
-  """docs/add_a_data_set.md's data set of its own files (FedJAX SQLite, no URL) and
+  """docs/add_a_data_set.md's data set of its own files (FedJAX SQLite, no URL)
+  and
   docs/add_an_algorithm.md's algorithm, registered by their snippets exactly
   as printed, run through the CLI: with rate 0 the algorithm is FedAvg; with
   rate 0.5 the rounds count only the clients that uploaded (num_active,
@@ -282,9 +279,8 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
   from fedjax_personal.run import cli
 
   _, data_module = fenced('docs/add_a_data_set.md', 'python')
-  _, alg_module, script = fenced('docs/add_an_algorithm.md', 'python')[
-    :3
-  ]  # the first: test_plugins; the fourth: the features' snippet
+  # the first: test_plugins; the fourth: the features' snippet
+  _, alg_module, script = fenced('docs/add_an_algorithm.md', 'python')[:3]
   (tmp_path / 'my_writers.py').write_text(data_module)
   (tmp_path / 'fedavg_dropout.py').write_text(alg_module)
   monkeypatch.syspath_prepend(str(tmp_path))
@@ -344,9 +340,8 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
   ]
   rounds = [r for r in records if 'num_sampled' in r]
   assert len(rounds) == 3 and all(r['num_sampled'] == 4 for r in rounds)
-  assert (
-    sum(r['num_active'] for r in rounds) < 12
-  )  # 0.5 ** 12: this seed drops someone
+  # 0.5 ** 12: this seed drops someone
+  assert sum(r['num_active'] for r in rounds) < 12
   per_client = out['fedavg']['total_bytes_up'] / 12
   assert all(r['bytes_up'] == r['num_active'] * per_client for r in rounds)
   for bad, why in (
@@ -400,7 +395,8 @@ def test_the_extension_reference_is_made_from_the_docstrings():
 
   with open(os.path.join(ROOT, 'docs', 'extension_reference.md')) as f:
     assert f.read() == extension_reference.page(), (
-      'docs/extension_reference.md is stale: python tests/extension_reference.py > '
+      'docs/extension_reference.md is stale: python '
+      'tests/extension_reference.py > '
       'docs/extension_reference.md'
     )
 

@@ -230,7 +230,8 @@ def test_truncated_lzma_leaves_no_decompressed_copy(
 
 def test_cli_download_and_missing_file_are_one_line(tmp_path):
   """From the command line: a missing file names itself and the --download
-  command; a failed download names the data set and URL; exit 2, no traceback."""
+  command; a failed download names the data set and URL; exit 2, no
+  traceback."""
   env = dict(os.environ, FEDJAX_PERSONAL_CACHE=str(tmp_path / 'cache'))
   env.pop('FEDJAX_PERSONAL_DATA', None)
   cmd = [

@@ -57,7 +57,8 @@ def cohort_of(sampler, round_key):
 def reference_fedavg_round(
   model, params, data, idx, mask, k_clients, batching, lr, prox_mu=0.0
 ):
-  """FedAvg by a plain loop: each cohort client alone, then the n_i-weighted mean."""
+  """FedAvg by a plain loop: each cohort client alone, then the n_i-weighted
+  mean."""
   return reference_fedavg(
     model,
     params,
@@ -198,6 +199,7 @@ def test_work_layout_blocks_clients_by_work():
   active = np.array([1, 1, 1, 1, 1, 1, 0, 1], bool)
   pos, ok, limit, count = fp.executors.client_blocks(steps, active, 2)
   assert count.tolist() == [4]
+  # longest first, inactive 6 left out
   assert pos[0][ok[0]].tolist() == [
     1,
     5,
@@ -206,7 +208,7 @@ def test_work_layout_blocks_clients_by_work():
     0,
     2,
     4,
-  ]  # longest first, inactive 6 left out
+  ]
   assert limit[0][:4].tolist() == [40, 9, 3, 0]
   pos, ok, limit, count = fp.executors.client_blocks(steps, active, 1, parts=2)
   loads = [limit[t][: count[t]].sum() + count[t] for t in range(2)]
@@ -219,10 +221,11 @@ def test_work_layout_blocks_clients_by_work():
     5,
     7,
   ]
+  # 40 alone, against the 6 others: 32 steps + 6 block costs
   assert sorted(loads) == [
     38,
     41,
-  ]  # 40 alone, against the 6 others: 32 steps + 6 block costs
+  ]
 
 
 @pytest.mark.parametrize('executor', sorted(EXECUTORS))
@@ -619,9 +622,8 @@ def test_pooled_evaluation_of_the_device_layout_skips_clients_without_test_rows(
   data = data.replace(
     test=data.test.replace(num_examples=jnp.asarray(n_test, jnp.int32))
   )
-  monkeypatch.setattr(
-    evaluation, 'POOLED_CHUNK_BYTES', 1024
-  )  # chunks of 1-2 rows
+  # chunks of 1-2 rows
+  monkeypatch.setattr(evaluation, 'POOLED_CHUNK_BYTES', 1024)
   model = small_mlp(data)
   alg = fedavg(model, 8, optax.sgd(0.1), fp.Batching(16, 1))
   runner = RoundRunner(
@@ -658,9 +660,8 @@ def test_auto_executor_on_cpu_blocks_clients_by_work_on_threads(digits):
   conv = fp.models.from_flax(
     'cnn', fp.models.CNN(10, conv_features=(4, 8), dense=(16,)), x
   )
-  conv_ex = fp.create_executor(
-    'auto', conv, x
-  )  # one client a block: no vectorized convolutions
+  # one client a block: no vectorized convolutions
+  conv_ex = fp.create_executor('auto', conv, x)
   assert (
     isinstance(conv_ex, fp.executors.BlockedExecutor)
     and conv_ex.block_size == 1
@@ -673,10 +674,11 @@ def test_auto_executor_on_cpu_blocks_clients_by_work_on_threads(digits):
 def test_threaded_blocked_runs_fused_when_the_per_client_state_is_large():
   threaded = fp.executors.BlockedExecutor(3, num_threads=2)
   small = {'w': jax.ShapeDtypeStruct((100, 1000), jnp.float32)}
+  # 1.2 GB
   large = {
     'w': jax.ShapeDtypeStruct((1000, 300_000), jnp.float32),
     'g': small['w'],
-  }  # 1.2 GB
+  }
   assert threaded.for_run(small, 100) is threaded
   fused = threaded.for_run(large, 1000)
   assert fused.fused and fused.block_size == 3 and not threaded.fused

@@ -82,12 +82,10 @@ def test_variant_uploads_its_loss_and_broken_rounds_are_one_line(tmp_path):
   loss = [
     json.loads(l) for l in open(out / 'ok' / 'fedavg_loss' / 'metrics.jsonl')
   ]
-  assert (
-    loss[-1]['accuracy_mean'] == fedavg[-1]['accuracy_mean']
-  )  # its weight is n_i
-  assert (
-    loss[0]['bytes_up'] == fedavg[0]['bytes_up'] + 6 * 4
-  )  # + one float32 a client
+  # its weight is n_i
+  assert loss[-1]['accuracy_mean'] == fedavg[-1]['accuracy_mean']
+  # + one float32 a client
+  assert loss[0]['bytes_up'] == fedavg[0]['bytes_up'] + 6 * 4
   for code, err in ((c1, e1), (c2, e2)):
     lines = [l for l in err.splitlines() if l.startswith('error:')]
     assert code == 2 and 'Traceback' not in err and len(lines) == 1, err
@@ -97,9 +95,8 @@ def test_variant_uploads_its_loss_and_broken_rounds_are_one_line(tmp_path):
     assert "KeyError: 'no_such_layer'" in lines[0], lines
   assert 'when its round is traced' in e1
   assert not (out / 'dry').exists()
-  summary = json.load(
-    open(out / 'run' / 'local' / 'summary.json')
-  )  # the one after it ran
+  # the one after it ran
+  summary = json.load(open(out / 'run' / 'local' / 'summary.json'))
   assert summary['algorithm'] == 'local'
   assert (out / 'run' / 'fedavg' / 'summary.json').exists()
 
@@ -197,9 +194,8 @@ def test_a_complete_algorithms_bytes_are_counted_from_what_its_clients_upload():
     _, m = runner.round(runner.init(jax.random.key(0)), jax.random.key(1))
     metrics[name] = {k: float(v) for k, v in m.items() if k.startswith('bytes')}
   assert metrics['counted'] == metrics['own']
-  assert (
-    metrics['extra']['bytes_up'] == metrics['own']['bytes_up'] + 4 * 4
-  )  # a float32 each
+  # a float32 each
+  assert metrics['extra']['bytes_up'] == metrics['own']['bytes_up'] + 4 * 4
   assert (
     metrics['extra']['bytes_down_broadcast']
     == metrics['own']['bytes_down_broadcast']

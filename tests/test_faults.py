@@ -133,10 +133,11 @@ def test_corrupted_latest_checkpoint_falls_back(tmp_path, capsys):
       ['--partition=latent_clusters', '--latent_features=vgg'],
       'latent_features',
     ),
+    # held-out users only: none trains
     (
       ['--dataset=stackoverflow_held_out'],
       'dataset',
-    ),  # held-out users only: none trains
+    ),
   ],
 )
 def test_bad_values_are_refused_before_training(tmp_path, args, flag):
@@ -225,10 +226,11 @@ def test_cifar_cache_is_keyed_by_content(tmp_path, monkeypatch):
   'content,needle',
   [
     (b'\x00\x00\x42\x01\x00\x00\x00\x02ab', 'bad magic'),  # unknown dtype
+    # fewer values than header
     (
       b'\x00\x00\x08\x01\x00\x00\x00\x05ab',
       'holds 2',
-    ),  # fewer values than header
+    ),
     (b'not gzip at all', 'unreadable'),  # .gz that is not gzip
   ],
 )

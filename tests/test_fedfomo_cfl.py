@@ -18,9 +18,8 @@ from fedjax_personal.run.experiment import run
 
 def test_fomo_weights_and_update_by_hand():
   base = {'w': jnp.array([0.0, 0.0])}
-  cands = {
-    'w': jnp.array([[3.0, 4.0], [0.0, 1.0], [1.0, 0.0]])
-  }  # distances 5, 1, 1
+  # distances 5, 1, 1
+  cands = {'w': jnp.array([[3.0, 4.0], [0.0, 1.0], [1.0, 0.0]])}
   losses = jnp.array([1.0, 2.5, 1.5])
   w = fomo.fomo_weights(None, base, cands, 2.0, losses)
   np.testing.assert_allclose(w, [(2 - 1) / 5, (2 - 2.5) / 1, (2 - 1.5) / 1])
@@ -34,9 +33,8 @@ def test_fomo_weights_and_update_by_hand():
 
 def test_eps_greedy_choice_frequencies():
   n, m = 8, 2
-  aff = jnp.tile(
-    jnp.arange(n, dtype=jnp.float32)[None], (1, 1)
-  )  # client 7 best, then 6
+  # client 7 best, then 6
+  aff = jnp.tile(jnp.arange(n, dtype=jnp.float32)[None], (1, 1))
   clients = jnp.array([0])
   choose = jax.jit(
     lambda k, e: fomo.choose_candidates(k, aff, clients, m, e, n)
@@ -117,9 +115,8 @@ def test_fedfomo_in_group_share_of_positive_weight():
     if pos.sum() > 0 and 0 < want < 1:
       break
     prev = new
-  assert (
-    pos.sum() > 0 and 0 < want < 1
-  )  # a round with weight inside and outside groups
+  # a round with weight inside and outside groups
+  assert pos.sum() > 0 and 0 < want < 1
 
 
 @pytest.mark.slow
@@ -218,9 +215,8 @@ def test_cfl_split_rule():
     and len(set(cluster[4:])) == 1
   )
   assert cluster[0] != cluster[4]
-  same = v + 0.1 * rng.normal(
-    size=(8, 20)
-  )  # one homogeneous group: mean update is large
+  # one homogeneous group: mean update is large
+  same = v + 0.1 * rng.normal(size=(8, 20))
   cluster, splits = split(same, eps1=1.0, eps2=2.0)
   assert not splits and set(cluster) == {0}
   # The scale-free test: same decisions whatever the scale of the updates.

@@ -175,9 +175,8 @@ def test_batching_by_hand():
   order = np.arange(11, dtype=np.int32)
   np.random.RandomState(5).shuffle(order)
   assert epoch.tolist() == order.tolist()
-  assert (
-    len(list(c.shuffle_repeat_batch(batch_size=4, num_epochs=2))) == 6
-  )  # ceil(22 / 4)
+  # ceil(22 / 4)
+  assert len(list(c.shuffle_repeat_batch(batch_size=4, num_epochs=2))) == 6
   assert (
     len(
       list(c.shuffle_repeat_batch(batch_size=4, num_epochs=None, num_steps=9))

@@ -43,9 +43,8 @@ def _module(name, task):
   module = models.instantiate(name, vocab, 0, 'auto', 'haiku')
   small = dict(embed_dim=sizes['embed_size'], hidden=sizes['lstm_hidden_size'])
   if module.projection:
-    small['projection'] = sizes[
-      'embed_size'
-    ]  # FedJAX projects back to the embedding's width
+    # FedJAX projects back to the embedding's width
+    small['projection'] = sizes['embed_size']
   return dataclasses.replace(module, **small), vocab
 
 
@@ -114,9 +113,8 @@ def _check(name, task, denominator):
   )
   logits = model.apply(params, x)
   np.testing.assert_allclose(logits, flat['logits'], rtol=1e-5, atol=1e-5)
-  y = np.where(
-    flat['y'] == 0, -1, flat['y']
-  )  # FedJAX's PAD target: here IGNORE
+  # FedJAX's PAD target: here IGNORE
+  y = np.where(flat['y'] == 0, -1, flat['y'])
   batch = Batch(x, jnp.asarray(y), jnp.asarray(flat['mask']), None)
   (loss, _), grads = jax.value_and_grad(
     lambda p: batch_loss(model, p, batch), has_aux=True

@@ -1,5 +1,6 @@
 """The native ``--algorithm=mime_lite``, ``hyp_cluster`` and
-``agnostic_fedavg`` (each compiled into one round) give what FedJAX's own algorithms give
+``agnostic_fedavg`` (each compiled into one round) give what FedJAX's own
+algorithms give
 (``fedjax_personal.fedjax.algorithms``, equal to FedJAX 0.0.17 on its own
 code: ``tests/test_fedjax_training.py``) on the same clients, model and
 starting point: least squares on four clients, every client in every

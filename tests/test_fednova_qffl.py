@@ -22,7 +22,8 @@ LR = 0.05
 
 
 def one_round(name, sizes, momentum=0.0, batch_size=2, **own):
-  """(initial params, params after one round, per-client (n, tau, theta_i, xs, ys))."""
+  """(initial params, params after one round, per-client (n, tau, theta_i, xs,
+  ys))."""
   data, xs, ys = least_squares_data(num_clients=len(sizes), sizes=sizes)
   model = linear_model(3)
   extra = dict(client_momentum=momentum) if momentum else {}
@@ -125,9 +126,8 @@ def test_qffl_round_by_hand(q):
   deltas, hs = [], []
   for _, _, p, x, y in clients:
     pred = np.asarray(model.apply(theta, jnp.asarray(x)))
-    f = float(
-      np.mean(0.5 * (pred - y) ** 2)
-    )  # F_k(theta) on the client's training data
+    # F_k(theta) on the client's training data
+    f = float(np.mean(0.5 * (pred - y) ** 2))
     dw = jax.tree.map(lambda a, b: lip * (a - b), theta, p)
     norm2 = sum(float(jnp.sum(v**2)) for v in jax.tree.leaves(dw))
     deltas.append(jax.tree.map(lambda v: f**q * v, dw))

@@ -60,9 +60,8 @@ def test_fedjax_emnist_natural_partition(tmp_path):
   assert d.describe().startswith('emnist/natural: 3 clients')
   for i in range(3):
     x, y = _rows(d, 'train', i)
-    np.testing.assert_array_equal(
-      x[..., 0], 1.0 - train[i][1]['pixels']
-    )  # FedJAX: x = 1 - pixels
+    # FedJAX: x = 1 - pixels
+    np.testing.assert_array_equal(x[..., 0], 1.0 - train[i][1]['pixels'])
     np.testing.assert_array_equal(y, train[i][1]['label'])
     xt, yt = _rows(d, 'test', i)  # the file's own test split of the same writer
     np.testing.assert_array_equal(yt, test[i][1]['label'])
@@ -164,9 +163,10 @@ def test_fedjax_shakespeare_preprocessing_as_fedjax():
   assert (
     shakespeare.SHAKESPEARE_CLASSES == 90 and shakespeare.SHAKESPEARE_OOV == 89
   )
+  # OOV
   assert shakespeare.shakespeare_sequences([b'\x01'], 4)[0].tolist() == [
     [B, 89, 0, 0]
-  ]  # OOV
+  ]
 
 
 def _tff_shakespeare_reference(snippets, sequence_length=80):
@@ -177,7 +177,8 @@ def _tff_shakespeare_reference(snippets, sequence_length=80):
   pad_length = (-len) % split_length; reshape [-1, split_length]) and
   _split_target (x = row[:-1], y = row[1:])."""
   char_vocab = list(
-    'dhlptx@DHLPTX $(,048cgkoswCGKOSW[_#\'/37;?bfjnrvzBFJNRVZ"&*.26:\naeimquyAEIMQUY]!%)-159\r'
+    'dhlptx@DHLPTX '
+    '$(,048cgkoswCGKOSW[_#\'/37;?bfjnrvzBFJNRVZ"&*.26:\naeimquyAEIMQUY]!%)-159\r'
   )
   pad, oov, bos, eos = (
     0,
@@ -189,9 +190,8 @@ def _tff_shakespeare_reference(snippets, sequence_length=80):
   lookup = {c.encode(): i for i, c in enumerate(char_vocab)}
   rows = []
   for snippet in snippets:
-    chars = [
-      snippet[i : i + 1] for i in range(len(snippet))
-    ]  # tf.strings.bytes_split
+    # tf.strings.bytes_split
+    chars = [snippet[i : i + 1] for i in range(len(snippet))]
     tokens = [lookup.get(c, len(char_vocab)) + 1 for c in chars]
     tokens = [bos] + tokens + [eos]
     tokens += [0] * ((-len(tokens)) % split_length)
@@ -217,9 +217,8 @@ def test_tff_shakespeare_windows_as_tff_cuts_them(tmp_path):
   )
   np.testing.assert_array_equal(got_x, ref_x)
   np.testing.assert_array_equal(got_y, ref_y)
-  assert (
-    got_x.shape == (1 + 1 + 3, 80) and not (got_y == bos).any()
-  )  # BOS never a target
+  # BOS never a target
+  assert got_x.shape == (1 + 1 + 3, 80) and not (got_y == bos).any()
   assert (
     got_x == oov
   ).sum() == 1  # the byte 1 is no character of the vocabulary
@@ -271,11 +270,12 @@ def test_fedjax_shakespeare_file(tmp_path):
     )
   )
   assert d.num_clients == 3 and d.num_classes == 90 and d.train.x.shape[2] == 80
+  # 202 targets in 80s
   assert np.asarray(d.train.num_examples).tolist() == [
     1,
     1,
     3,
-  ]  # 202 targets in 80s
+  ]
   x, y = _rows(d, 'train', 0)
   want_x, want_y = shakespeare.shakespeare_sequences(list(snippets[0]), 80)
   np.testing.assert_array_equal(x, want_x)
@@ -317,15 +317,15 @@ def test_fedjax_stackoverflow_tokens_and_vocabulary(tmp_path):
   assert y.tolist() == [[3, 5, 4, 2, -1], [6, 4, 6, 2, -1]]
   x, y = nat.train[1]  # truncated to seq_len
   assert x.tolist() == [[1, 5, 5, 5, 5]] and y.tolist() == [[5, 5, 5, 5, 5]]
-  x, y = nat.train[
-    2
-  ]  # two spaces delimit an empty token: OOV, as FedJAX's tf.strings.split
+  # two spaces delimit an empty token: OOV, as FedJAX's tf.strings.split
+  x, y = nat.train[2]
   assert x.tolist() == [[1, 3, 6, 4, 0]] and y.tolist() == [[3, 6, 4, 2, -1]]
+  # only user 00002 posted in the test file
   assert [len(t[1]) for t in nat.test] == [
     0,
     1,
     0,
-  ]  # only user 00002 posted in the test file
+  ]
   assert nat.test[1][1].tolist() == [[4, 3, 5, 2, -1]]
   with pytest.raises(DataError, match='4 words, the vocabulary needs 10'):
     stackoverflow.read_clients(vocab_size=10, data_dir=str(tmp_path))
@@ -340,9 +340,8 @@ def test_fedjax_stackoverflow_tokens_and_vocabulary(tmp_path):
       data_dir=str(tmp_path),
     )
   )
-  assert (
-    d.train.x.shape[2] == 20 and d.num_classes == 10004
-  )  # Reddi et al.'s 10K + 4
+  # Reddi et al.'s 10K + 4
+  assert d.train.x.shape[2] == 20 and d.num_classes == 10004
 
 
 def test_stackoverflow_tff_users_pooled_less_validation_as_the_task_takes_them(
@@ -388,6 +387,7 @@ def test_stackoverflow_tff_users_pooled_less_validation_as_the_task_takes_them(
     'test/80000',
     'test/90000',
   ]
+  # train users: every post trains
   assert [len(i[1][0]) for i in items] == [
     2,
     1,
@@ -395,7 +395,7 @@ def test_stackoverflow_tff_users_pooled_less_validation_as_the_task_takes_them(
     0,
     0,
     0,
-  ]  # train users: every post trains
+  ]
   assert [len(i[2][0]) for i in items[:2]] == [0, 0]
   # the reference: pooled in the shuffled user order, the first 4 posts
   # validation

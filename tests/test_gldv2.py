@@ -153,7 +153,8 @@ def test_no_images_names_the_folder_and_how_to_get_them(tmp_path, cache):
 
 
 def _bundle(rows) -> bytes:
-  """TFF's split bundle: landmarks-user-160k/{federated_train,test}.csv in a ZIP."""
+  """TFF's split bundle: landmarks-user-160k/{federated_train,test}.csv in a
+  ZIP."""
   buf = io.BytesIO()
   with zipfile.ZipFile(buf, 'w') as z:
     z.writestr(
@@ -197,13 +198,14 @@ def test_download_of_the_split_bundle_and_image_shards(
     f'{hashlib.md5(b).hexdigest()}  {name}\n'.encode(),
     None,
   )
+  # wrong at first
   routes = {
     '/bundle.zip': (200, _bundle(rows), None),
     '/images_000.tar': (200, shards[0], None),
     '/images_001.tar': (200, shards[1], None),
     '/md5.images_000.txt': md5(shards[0], 'images_000.tar'),
     '/md5.images_001.txt': md5(shards[1] + b'x', 'images_001.tar'),
-  }  # wrong at first
+  }
   with _Server(routes) as server:
     monkeypatch.setitem(
       sources.FILES,
@@ -220,9 +222,8 @@ def test_download_of_the_split_bundle_and_image_shards(
     with pytest.raises(
       DataError, match=r"images_001.tar: md5 .* differs from the release's"
     ):
-      registry.load(
-        'gldv2', download=True, image_size=8
-      )  # shard 0 kept, shard 1 refused
+      # shard 0 kept, shard 1 refused
+      registry.load('gldv2', download=True, image_size=8)
     routes['/md5.images_001.txt'] = md5(shards[1], 'images_001.tar')
     server.hits.clear()
     nat = registry.load('gldv2', download=True, image_size=8)
@@ -266,6 +267,7 @@ def test_no_split_file_names_it_and_the_download(tmp_path, cache):
   with pytest.raises(local_files.MissingDataError) as e:
     registry.load('gldv2', data_dir=str(tmp_path))
   assert str(e.value).startswith(
-    "gldv2/federated_train.csv (or TFF's landmarks-user-160k.zip that holds it): not found in "
+    "gldv2/federated_train.csv (or TFF's landmarks-user-160k.zip that holds "
+    'it): not found in '
   )
   assert '--dataset=gldv2 --download' in str(e.value)

@@ -35,9 +35,10 @@ def test_standardization_and_centre_crop_as_tensorflow_documents_them():
       got[i], _standardized(x[i]), rtol=1e-4, atol=1e-5
     )
   assert not got[2].any()
+  # (32 - 24) // 2 on each side
   np.testing.assert_array_equal(
     np.asarray(inputs.centre_crop(jnp.asarray(x), 24, 24)), x[:, 4:28, 4:28]
-  )  # (32 - 24) // 2 on each side
+  )
   t = inputs.reddi_cifar100()
   want = np.stack([_standardized(x[i, 4:28, 4:28]) for i in range(3)])
   np.testing.assert_allclose(

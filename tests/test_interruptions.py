@@ -71,13 +71,14 @@ def _uninterrupted(tmp_path, rounds):
   return _lines(out / 'fedavg' / 'metrics.jsonl')
 
 
+# the same path
 @pytest.mark.parametrize(
   'sig,status,word',
   [
     (signal.SIGINT, 130, 'interrupted'),
     pytest.param(signal.SIGTERM, 143, 'terminated', marks=pytest.mark.slow),
   ],
-)  # the same path
+)
 @pytest.mark.slow_variants('2-130-interrupted')
 def test_signal_stops_after_the_round_and_resume_equals_uninterrupted(
   tmp_path, sig, status, word
@@ -95,9 +96,8 @@ def test_signal_stops_after_the_round_and_resume_equals_uninterrupted(
     f'checkpoint of round {done} of fedavg kept' in line and '--resume' in line
   )
   metrics = _lines(out / 'fedavg' / 'metrics.jsonl')
-  assert (
-    metrics[-1]['round'] == done
-  )  # nothing past the checkpoint that resume would redo
+  # nothing past the checkpoint that resume would redo
+  assert metrics[-1]['round'] == done
   if sig == signal.SIGTERM:
     return
   # Resumed a few rounds past the checkpoint (--rounds may grow on resume):
@@ -164,9 +164,8 @@ def test_disk_full_while_checkpointing_then_resume(tmp_path):
       line.split(' of fedavg kept')[0].split('checkpoint of round ')[-1]
     )
     ckpts = os.listdir(small / 'run' / 'fedavg' / 'checkpoints')
-    assert str(kept) in ckpts and not [
-      c for c in ckpts if 'tmp' in c
-    ]  # the partial one is gone
+    # the partial one is gone
+    assert str(kept) in ckpts and not [c for c in ckpts if 'tmp' in c]
     subprocess.run(['mount', '-o', 'remount,size=50m', str(small)], check=True)
     r = subprocess.run(
       [sys.executable, SCRIPT, *args, '--resume'],
@@ -232,7 +231,8 @@ def test_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch):
       os.path.join(str(self.directory), f'{step}.orbax-checkpoint-tmp')
     )
     raise ValueError(
-      'RESOURCE_EXHAUSTED: Failed to write 231 bytes to file 17: No space left on '
+      'RESOURCE_EXHAUSTED: Failed to write 231 bytes to file 17: No space left '
+      'on '
       "device [os_error_code='28']"
     )
 
@@ -287,9 +287,8 @@ def test_a_peer_that_never_comes(tmp_path):
     env={**os.environ, 'JAX_PLATFORMS': 'cpu'},
   )
   assert r.returncode == faults.EXIT_LOST_PROCESS, r.stderr[-2000:]
-  assert (
-    time.monotonic() - start < 5 + 20
-  )  # start-up + the timeout, not JAX's abort later
+  # start-up + the timeout, not JAX's abort later
+  assert time.monotonic() - start < 5 + 20
   assert (
     'Check failure' not in r.stderr and 'Fatal Python error' not in r.stderr
   )
@@ -298,9 +297,8 @@ def test_a_peer_that_never_comes(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-  'devices', [1, 2]
-)  # 2: Gloo's AllGather fails in a checkpoint's sync
+# 2: Gloo's AllGather fails in a checkpoint's sync
+@pytest.mark.parametrize('devices', [1, 2])
 def test_a_killed_process_is_one_line_and_resume_equals_uninterrupted(
   tmp_path, devices
 ):
@@ -377,7 +375,8 @@ def test_two_runs_racing_for_one_folder(tmp_path):
       sys.executable,
       '-c',
       'import sys, time; from fedjax_personal.run import run_identity; '
-      'run_identity.lock(sys.argv[1]); print("locked", flush=True); time.sleep(60)',
+      'run_identity.lock(sys.argv[1]); print("locked", flush=True); '
+      'time.sleep(60)',
       str(tmp_path / 'run'),
     ],
     stdout=subprocess.PIPE,
@@ -417,9 +416,8 @@ def test_two_runs_racing_for_one_folder(tmp_path):
     text=True,
     timeout=120,
   )
-  assert r.returncode == 0, r.stderr[
-    -2000:
-  ]  # a killed holder leaves no stale lock
+  # a killed holder leaves no stale lock
+  assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_a_reproduce_script_interrupted_is_one_line(tmp_path):
@@ -437,9 +435,8 @@ def test_a_reproduce_script_interrupted_is_one_line(tmp_path):
     text=True,
     env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'PYTHONUNBUFFERED': '1'},
   )
-  assert proc.stdout.readline().startswith(
-    'mnist/'
-  )  # the data's line: the trial starts
+  # the data's line: the trial starts
+  assert proc.stdout.readline().startswith('mnist/')
   time.sleep(2)
   assert proc.poll() is None
   proc.send_signal(signal.SIGINT)
@@ -642,7 +639,8 @@ def test_sigterm_at_the_runs_last_round_ends_it_with_everything_written(
   r = _terminated_at('local', 2, args)
   assert r.returncode == 0 and 'Traceback' not in r.stderr, r.stderr[-2000:]
   assert r.stderr.rstrip().splitlines()[-1] == (
-    f'terminated after the last round of local: every algorithm finished and its results '
+    f'terminated after the last round of local: every algorithm finished and '
+    f'its results '
     f'are written in {out}; nothing to resume'
   )
   assert (out / 'local' / 'summary.json').exists() and (

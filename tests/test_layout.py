@@ -90,7 +90,8 @@ def resolve(src, name, known, exported):
 
 
 def _known_prefix(name, known):
-  """The longest dotted prefix of ``name`` that is a package module ('': none)."""
+  """The longest dotted prefix of ``name`` that is a package module ('':
+  none)."""
   while name and name not in known:
     name = name.rpartition('.')[0]
   return name
@@ -303,11 +304,14 @@ def test_every_module_imports_alone():
     'base = set(sys.modules)\n'
     'bad = []\n'
     f'for m in {mods!r}:\n'
-    '  for k in [k for k in sys.modules if k not in base and k.startswith("fedjax_personal")]:\n'
+    '  for k in [k for k in sys.modules if k not in base and '
+    'k.startswith("fedjax_personal")]:\n'
     '    del sys.modules[k]\n'
-    '  from absl import flags\n'  # the flags a module defines: defined again by its next import
+    # the flags a module defines: defined again by its next import
+    '  from absl import flags\n'
     '  for f in list(flags.FLAGS):\n'
-    '    if (flags.FLAGS.find_module_defining_flag(f) or "").startswith("fedjax_personal"):\n'
+    '    if (flags.FLAGS.find_module_defining_flag(f) or '
+    '"").startswith("fedjax_personal"):\n'
     '      delattr(flags.FLAGS, f)\n'
     '  try:\n'
     '    importlib.import_module(m)\n'
@@ -391,9 +395,8 @@ def test_host_memory_honours_the_address_space_and_cgroup_limits(
     lambda which: (vm + (1 << 30), resource.RLIM_INFINITY),
   )
   left = placement.host_available_bytes()
-  assert (
-    left <= (1 << 30) + (64 << 20) and left < free
-  )  # about 1 GB of address space left
+  # about 1 GB of address space left
+  assert left <= (1 << 30) + (64 << 20) and left < free
   monkeypatch.undo()
   group = tmp_path / 'cg'
   group.mkdir()
@@ -431,9 +434,8 @@ def test_flags_are_read_by_the_entry_alone():
     hits = [l.strip() for l in code if reads.search(l)]
     if hits:
       found[name] = hits
-  assert set(found) <= {'fedjax_personal.run.script_entry'}, (
-    found
-  )  # parsing argv
+  # parsing argv
+  assert set(found) <= {'fedjax_personal.run.script_entry'}, found
   cli = open(modules()['fedjax_personal.run.cli']).read()
   assert cli.count('read(FLAGS)') == 1
 

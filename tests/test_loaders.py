@@ -23,9 +23,8 @@ def test_mnist_embedded_idx():
     hashlib.md5(path.read_bytes()).hexdigest()
     == '9fb629c4189551a2d022fa330f9573f3'
   )
-  assert str(local_files.PACKAGE_DATA) in str(
-    path
-  )  # shipped inside the package
+  # shipped inside the package
+  assert str(local_files.PACKAGE_DATA) in str(path)
 
 
 def test_read_idx_rejects_garbage(tmp_path):
@@ -65,9 +64,8 @@ def test_tinyshakespeare_by_role():
   xs, ys, vocab = in_memory.load_tinyshakespeare(num_clients=10, seq_len=20)
   assert len(xs) == 10
   for x, y in zip(xs, ys):
-    assert x.shape[1] == 20 and np.array_equal(
-      x[:, 1:], y[:, :-1]
-    )  # next character
+    # next character
+    assert x.shape[1] == 20 and np.array_equal(x[:, 1:], y[:, :-1])
     assert x.shape[0] >= 1000 // 21
   d = load_federated(
     DataConfig(
@@ -158,11 +156,12 @@ def test_synthetic_settings_move_the_data():
   [
     ('mnist', (28, 28, 1), 10),
     ('cifar10', (32, 32, 3), 10),
+    # TFDS's emnist is its byclass config, as --dataset=emnist
     (
       'emnist',
       (28, 28, 1),
       62,
-    ),  # TFDS's emnist is its byclass config, as --dataset=emnist
+    ),
     ('emnist/digits', (28, 28, 1), 10),
   ],
 )

@@ -38,11 +38,11 @@ def test_estimate_counts_state_rows_and_working_copies():
   alg = ditto(model, n, optax.sgd(0.1), fp.Batching(32, 1))
   need = memory.estimate(alg, stand_in_data(n), cohort_size=n)
   assert need.client_state_bytes == model_bytes  # one personal model per client
-  assert (
-    need.shared_bytes >= model_bytes
-  )  # the global model (and its optimizer state)
+  # the global model (and its optimizer state)
+  assert need.shared_bytes >= model_bytes
   assert need.working_bytes > memory.MODEL_COPIES * model_bytes
-  # 10,000 personal models (8 GB) plus the cohort's new ones (8 GB) on one device.
+  # 10,000 personal models (8 GB) plus the cohort's new ones (8 GB) on one
+  # device.
   np.testing.assert_allclose(
     need.resident(1) / GB, 2 * n * model_bytes / GB, rtol=0.01
   )
@@ -102,7 +102,8 @@ def test_auto_picks_blocks_from_the_free_memory(monkeypatch):
 def test_heavy_tailed_cohorts_run_in_blocks_by_work_on_an_accelerator():
   """``auto`` on an accelerator: a cohort of equal clients stays one vmap; a
   heavy-tailed one (mean real steps under 80% of the largest) runs in blocks
-  of 100 by work (H200: 0.365 s vs 0.449 s at a cohort of 500, benchmarks/speed/README.md);
+  of 100 by work (H200: 0.365 s vs 0.449 s at a cohort of 500,
+  benchmarks/speed/README.md);
   blocks the memory needs smaller win."""
   vmap = executors.VmapExecutor()
   equal = np.full(3400, 9)
@@ -111,9 +112,8 @@ def test_heavy_tailed_cohorts_run_in_blocks_by_work_on_an_accelerator():
   )
   assert tailed.mean() / tailed.max() < fitting.WORK_BLOCKS_BELOW
   assert fitting.fit_work(vmap, equal, 500) is vmap
-  assert (
-    fitting.fit_work(vmap, tailed, 150) is vmap
-  )  # too few clients for two blocks
+  # too few clients for two blocks
+  assert fitting.fit_work(vmap, tailed, 150) is vmap
   blocked = fitting.fit_work(vmap, tailed, 500)
   assert (
     isinstance(blocked, executors.BlockedExecutor) and blocked.block_size == 100

@@ -55,12 +55,12 @@ def test_dense_and_conv_follow_each_framework_formula(conv):
   check_uniform(p['kernel'], (6 / (FAN_IN + FAN_OUT)) ** 0.5)  # glorot_uniform
   assert not np.asarray(p['bias']).any()
   p = draw(make('flax'), x)
+  # LeCun
   np.testing.assert_allclose(
     np.asarray(p['kernel']).var(), 1 / FAN_IN, rtol=0.05
-  )  # LeCun
-  assert (
-    np.abs(p['kernel']).max() <= 2 * 1.1379 / FAN_IN**0.5
-  )  # truncated at 2 sigma
+  )
+  # truncated at 2 sigma
+  assert np.abs(p['kernel']).max() <= 2 * 1.1379 / FAN_IN**0.5
   assert not np.asarray(p['bias']).any()
   p = draw(make('haiku'), x)  # TruncatedNormal(1 / sqrt(fan_in)), not rescaled
   check_haiku_truncated(p['kernel'], 1 / FAN_IN**0.5)
@@ -68,7 +68,8 @@ def test_dense_and_conv_follow_each_framework_formula(conv):
 
 
 def check_haiku_truncated(a, stddev):
-  """``stddev`` x a standard normal truncated at +-2: variance 0.774 stddev^2."""
+  """``stddev`` x a standard normal truncated at +-2: variance 0.774
+  stddev^2."""
   a = np.asarray(a).ravel()
   assert np.abs(a).max() <= 2 * stddev * (1 + 1e-6)
   assert np.abs(a).max() > 1.9 * stddev
@@ -117,14 +118,14 @@ def test_embedding_and_lstm_follow_each_framework_formula():
   assert np.abs(b).max() <= 2 * k  # b_ih + b_hh: a sum of two U(-k, k)
   np.testing.assert_allclose(b.var(), 2 * k**2 / 3, rtol=0.15)
   p = draw(nn.RNN(LSTMCell(hidden, convention='keras')), x)['cell']
+  # Glorot over the whole [in, 4H] kernel
   check_uniform(
     np.concatenate([p[f'i{g}']['kernel'] for g in 'ifgo'], -1),
     (6 / (96 + 4 * hidden)) ** 0.5,
-  )  # Glorot over the whole [in, 4H] kernel
+  )
   rec = np.concatenate([p[f'h{g}']['kernel'] for g in 'ifgo'], -1)  # [H, 4H]
-  np.testing.assert_allclose(
-    rec @ rec.T, np.eye(hidden), atol=1e-5
-  )  # orthonormal rows
+  # orthonormal rows
+  np.testing.assert_allclose(rec @ rec.T, np.eye(hidden), atol=1e-5)
   np.testing.assert_array_equal(p['hf']['bias'], 1.0)  # unit_forget_bias
   for g in 'igo':
     assert not np.asarray(p[f'h{g}']['bias']).any()
@@ -157,23 +158,26 @@ def test_unknown_convention_names_the_flag():
     ('usercentric_lenet5', (28, 28, 1), 61_706),  # LeNet-5, average pooling
     ('lenet5', (28, 28, 1), 61_706),
     ('feddyn_cnn', (32, 32, 3), 797_962),  # FedDyn's utils_models.py, 'cifar10'
+    # the TensorFlow tutorial CNN (FedFomo's default)
     (
       'fedfomo_cnn',
       (32, 32, 3),
       122_570,
-    ),  # the TensorFlow tutorial CNN (FedFomo's default)
+    ),
     ('pfedme_cnn', (32, 32, 3), 62_006),  # the PyTorch tutorial CNN
+    # TFF's EMNIST CNN, 62 classes
     (
       'reddi_emnist_cnn',
       (28, 28, 1),
       1_206_590,
-    ),  # TFF's EMNIST CNN, 62 classes
+    ),
     ('fedjax_emnist_cnn', (28, 28, 1), 1_206_590),  # FedJAX's, the same layers
+    # torchvision's resnet18 (+ 9,600 statistics)
     (
       'resnet18_bn',
       (32, 32, 3),
       11_181_642,
-    ),  # torchvision's resnet18 (+ 9,600 statistics)
+    ),
   ],
 )
 def test_reference_models_have_their_documented_parameter_counts(
@@ -204,7 +208,8 @@ def test_average_pooling_averages_windows():
     np.testing.assert_allclose(got, want)
 
 
-# -- initial weights from files -------------------------------------------------
+# -- initial weights from files
+# -------------------------------------------------
 
 
 @pytest.mark.slow
@@ -436,9 +441,8 @@ def _torch_reference_cnn(torch, name):
         )
         self.fcs = nn.ModuleList([nn.Linear(1024, 64), nn.Linear(64, 10)])
         self.pooled = (True, True, False)
-      elif (
-        name == 'reddi_emnist_cnn'
-      ):  # Reddi et al. / TFF EMNIST CNN (dropout is identity at eval)
+      # Reddi et al. / TFF EMNIST CNN (dropout is identity at eval)
+      elif name == 'reddi_emnist_cnn':
         self.convs = nn.ModuleList([nn.Conv2d(1, 32, 3), nn.Conv2d(32, 64, 3)])
         self.fcs = nn.ModuleList([nn.Linear(9216, 128), nn.Linear(128, 62)])
         self.pooled = (False, True)
@@ -589,8 +593,9 @@ def test_keras_weights_give_keras_own_outputs(tmp_path):
       os.path.dirname(__file__), 'data', 'keras_char_lstm_logits.npz'
     )
   )
+  # NumPy drew the same weights
   np.testing.assert_allclose(
     [v.astype(np.float64).sum() for v in w], recorded['weight_sums'], rtol=1e-12
-  )  # NumPy drew the same weights
+  )
   np.testing.assert_array_equal(x, recorded['x'])
   np.testing.assert_allclose(got, recorded['logits'], rtol=1e-4, atol=1e-5)

@@ -191,7 +191,8 @@ def _fedavg_resnet_check(tmp_path):
   """One FedAvg round of a batch-norm ResNet (torchvision's stem and
   blocks, one a stage, three stages: a norm over the 2 or 4 values a channel
   of a fourth stage's 1x1 is so ill-conditioned that summation order alone
-  moves the gradients by 1e-3) from a PyTorch state dict: each client trains in PyTorch on the
+  moves the gradients by 1e-3) from a PyTorch state dict: each client trains in
+  PyTorch on the
   engine's batches (train mode: batch statistics, running ones updated with
   the unbiased variance), the state dicts are averaged by n_i, buffers
   included; the round's global parameters and statistics equal it."""
@@ -202,11 +203,12 @@ def _fedavg_resnet_check(tmp_path):
   net = _perturbed_state(torch, _torch_resnet(torch, stages, num_classes=3), 3)
   path = str(tmp_path / 'init.pt')
   torch.save(net.state_dict(), path)
+  # batches of 4 and 2 (PyTorch refuses 1 in training)
   sizes, lr, bs = (
     (8, 6),
     0.05,
     4,
-  )  # batches of 4 and 2 (PyTorch refuses 1 in training)
+  )
   data, xs, ys = _clients(sizes, shape=(64, 64, 3), classes=3)
   sample = data.train.x[0, :1]
   model = models.from_flax(
@@ -341,9 +343,8 @@ def test_ditto_keeps_each_clients_statistics_in_its_personal_model():
     means.shape[0] == 3 and float(jnp.abs(means[0] - means[1]).max()) > 1e-3
   )
   moved = state.params['batch_stats']['BatchNorm_0']['mean']
-  assert (
-    float(jnp.abs(moved).max()) > 1e-3
-  )  # the global model's statistics were averaged
+  # the global model's statistics were averaged
+  assert float(jnp.abs(moved).max()) > 1e-3
 
 
 def test_an_algorithm_that_does_not_carry_batch_statistics_refuses_the_model():

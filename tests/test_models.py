@@ -213,6 +213,7 @@ def test_max_pool_equals_nn_max_pool(hw, layout):
     )
 
 
+# same class as cnn_cifar
 @pytest.mark.parametrize(
   'name,shape',
   [
@@ -220,7 +221,7 @@ def test_max_pool_equals_nn_max_pool(hw, layout):
     ('cnn_cifar', (32, 32, 3)),
     pytest.param('cnn', (28, 28, 1), marks=pytest.mark.slow),
   ],
-)  # same class as cnn_cifar
+)
 @pytest.mark.slow_variants('cnn_cifar-shape1')
 def test_models_agree_across_conv_implementations(name, shape):
   # A batch of 12: `tiled` cuts the CIFAR CNN's second layer (1.6 MB of
@@ -321,9 +322,10 @@ def test_tile_budget_cuts_only_slice_matrices_above_the_threshold():
   assert (
     models.tile_budget((100, 16, 16, 64), (5, 5, 64, 8), 'VALID', 'NHWC') > 0
   )
+  # 9.2 MB
   assert (
     models.tile_budget((10, 16, 16, 64), (5, 5, 64, 8), 'VALID', 'NHWC') == 0
-  )  # 9.2 MB
+  )
 
 
 def test_auto_resolves_per_platform_and_bad_names_are_refused():
@@ -408,9 +410,8 @@ def test_lstm_sequence_equals_nn_rnn_in_values_gradients_and_hessian_products(
     convention=convention,
   )
 
-  class ByCell(
-    models.CharLSTM
-  ):  # the cells stepped by nn.RNN, as Flax runs them
+  # the cells stepped by nn.RNN, as Flax runs them
+  class ByCell(models.CharLSTM):
     def features(self, x):
       h = self.embed(x)
       for lstm in self.lstms:

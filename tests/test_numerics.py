@@ -26,16 +26,21 @@ def test_importing_the_package_leaves_jax_alone(tmp_path):
   code = (
     'import sys, jax; p = jax.config.jax_default_matmul_precision; '
     'hooks = list(sys.meta_path); '
-    'import fedjax_personal, fedjax_personal.algorithms, fedjax_personal.datasets; '
+    'import fedjax_personal, fedjax_personal.algorithms, '
+    'fedjax_personal.datasets; '
     'from fedjax_personal.run import cli; '
-    'assert jax.config.jax_default_matmul_precision == p, jax.config.jax_default_matmul_precision; '
+    'assert jax.config.jax_default_matmul_precision == p, '
+    'jax.config.jax_default_matmul_precision; '
     'assert jax.config.jax_compilation_cache_dir is None; '
-    'assert not jax.config.jax_enable_compilation_cache or jax.config.jax_compilation_cache_dir is None; '
-    'assert [h for h in sys.meta_path if h not in hooks and "fedjax" in type(h).__module__] == []'
+    'assert not jax.config.jax_enable_compilation_cache or '
+    'jax.config.jax_compilation_cache_dir is None; '
+    'assert [h for h in sys.meta_path if h not in hooks and "fedjax" in '
+    'type(h).__module__] == []'
   )
   opt_in = (
     '; fedjax_personal.compilation.enable(); '
-    'assert jax.config.jax_compilation_cache_dir == fedjax_personal.compilation.default_dir()'
+    'assert jax.config.jax_compilation_cache_dir == '
+    'fedjax_personal.compilation.default_dir()'
   )
   home = tmp_path / 'home'
   home.mkdir()
@@ -58,9 +63,8 @@ def test_importing_the_package_leaves_jax_alone(tmp_path):
     cwd=tmp_path,
   )
   assert r.returncode == 0, r.stderr[-2000:]
-  assert not (tmp_path / 'cache').exists() and not list(
-    home.iterdir()
-  )  # nothing written
+  # nothing written
+  assert not (tmp_path / 'cache').exists() and not list(home.iterdir())
   r = subprocess.run(
     [sys.executable, '-c', code + opt_in],
     capture_output=True,
@@ -155,7 +159,8 @@ def test_float32_precision_gives_float32_products():
 
 def test_auto_convolutions_are_matmuls_on_an_accelerator(monkeypatch):
   """``auto``: tiled on a CPU; matmul on a GPU or TPU (a convolution vmapped
-  over clients is a grouped convolution there: benchmarks/speed/README.md, "On a GPU")."""
+  over clients is a grouped convolution there: benchmarks/speed/README.md, "On a
+  GPU")."""
   assert layers.resolve_conv_impl('auto') == (
     'tiled' if jax.default_backend() == 'cpu' else 'matmul'
   )
@@ -221,9 +226,8 @@ def test_the_run_records_its_numerics_and_refuses_another_on_resume(tmp_path):
   assert "matmul_precision: 'float32' -> 'default'" in got[1][1]
   assert "conv_impl: 'matmul' -> 'xla'" in got[2][1]
   after = json.load(open(tmp_path / 'after' / 'fedavg' / 'summary.json'))
-  assert after['numerics'] == {
-    'matmul_precision': 'float32'
-  }  # an MLP: no convolution
+  # an MLP: no convolution
+  assert after['numerics'] == {'matmul_precision': 'float32'}
 
 
 @pytest.mark.slow

@@ -68,7 +68,8 @@ SCORES = ('accuracy', 'loss', 'train')
 
 
 def _same(got, want, tol):
-  """Rounds of two runs' records whose scores differ by more than ``tol`` (relative)."""
+  """Rounds of two runs' records whose scores differ by more than ``tol``
+  (relative)."""
   assert len(got) == len(want)
   return [
     (g['round'], k, g.get(k), w.get(k))
@@ -81,7 +82,8 @@ def _same(got, want, tol):
 
 @pytest.fixture(scope='module')
 def whole(user_folder):
-  """The uninterrupted run (the default executor) every other is compared with."""
+  """The uninterrupted run (the default executor) every other is compared
+  with."""
   [(code, err)] = main_in_one_process(
     [
       [
@@ -124,11 +126,12 @@ def test_resume_vmap_and_its_dropout_option(user_folder, whole):
     user_folder,
     whole,
     [
+      # stopped after round 1
       (
         'resumed',
         [*RUN, '--rounds=1', '--checkpoint_every=1'],
         None,
-      ),  # stopped after round 1
+      ),
       (
         'resumed',
         [*RUN, '--rounds=2', '--checkpoint_every=1', '--resume'],

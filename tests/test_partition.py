@@ -118,9 +118,8 @@ def test_label_permutation_groups():
     idx = p.client_indices[i]
     _, yp = p.client_transform(i, None, y[idx])
     for a, b in zip(y[idx], yp):
-      assert (
-        maps.setdefault((p.groups[i], a), b) == b
-      )  # one permutation per group
+      # one permutation per group
+      assert maps.setdefault((p.groups[i], a), b) == b
   assert all(maps[(0, c)] == c for c in range(10))  # group 0 keeps the labels
   assert any(maps[(1, c)] != c for c in range(10))
 
@@ -172,9 +171,8 @@ def test_latent_clusters_follow_kmeans():
   for g in range(3):
     members = np.nonzero(p.groups == g)[0]
     pts = np.concatenate([x[p.client_indices[m]] for m in members])
-    assert (
-      np.linalg.norm(pts - pts.mean(0), axis=1).max() < 6
-    )  # one tight cluster
+    # one tight cluster
+    assert np.linalg.norm(pts - pts.mean(0), axis=1).max() < 6
 
 
 def test_federated_splits_come_from_the_client_distribution():
@@ -227,9 +225,8 @@ def test_semantic_features_cluster_by_class_better_than_pixels():
     )
     for name, v in (('pixels', x.reshape(len(x), -1)), ('embedding', f))
   }
-  assert ari['embedding'] > ari['pixels'] + 0.15, (
-    ari
-  )  # measured 0.87 against 0.57
+  # measured 0.87 against 0.57
+  assert ari['embedding'] > ari['pixels'] + 0.15, ari
 
 
 def test_latent_features_only_for_latent_clusters():

@@ -89,9 +89,8 @@ def test_perfedavg_fo_and_hf_differ_and_coincide_at_alpha_zero(digits):
   fd, _ = perfedavg_update(model, params, b, 0.3, 0.1, 'hf_fd')
   diff = max_diff
   assert diff(fo, hf) > 1e-5
-  assert diff(hf, fd) < 0.1 * diff(
-    fo, hf
-  )  # finite differences track the exact HVP
+  # finite differences track the exact HVP
+  assert diff(hf, fd) < 0.1 * diff(fo, hf)
   fo0, _ = perfedavg_update(model, params, b, 0.0, 0.1, 'fo')
   hf0, _ = perfedavg_update(model, params, b, 0.0, 0.1, 'hf')
   # alpha = 0: both are a plain SGD step with lr beta on the batch D'.
@@ -210,9 +209,8 @@ def test_partial_shared_is_weighted_average_and_nothing_personal_is_uploaded(
     weighted, n_i = out.shared_delta.value
     assert float(n_i) == float(digits.train.num_examples[i])
     delta = jax.tree.map(lambda a: a / n_i, weighted)
-    assert (
-      set(delta) & set(out.personal) == set()
-    )  # uploaded part has no personal leaf
+    # uploaded part has no personal leaf
+    assert set(delta) & set(out.personal) == set()
     assert not any(split.is_personal(p) for p in delta)
     shared_parts.append(jax.tree.map(lambda s, d: s - d, before.shared, delta))
     weights.append(float(digits.train.num_examples[i]))

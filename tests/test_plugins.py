@@ -100,7 +100,8 @@ def test_the_docs_extensions_run_from_the_users_files_and_data_is_never_stale(
   ]
   change_data = (
     f'import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); '
-    f'import test_plugins; test_plugins._write_clients(__import__("pathlib").Path('
+    f'import test_plugins; '
+    f'test_plugins._write_clients(__import__("pathlib").Path('
     f'{str(tmp_path / "my_clients.npz")!r}), seed=1)'
   )
   change_plugin = (
@@ -121,16 +122,14 @@ def test_the_docs_extensions_run_from_the_users_files_and_data_is_never_stale(
   assert [code for code, _ in got] == [0, 0, 2], got
   sweep = json.load(open(first / 'sweep.json'))
   gn0, gn2 = (sweep[f'fedavg_gn seed=0 gn_power={p}'] for p in (0, 2))
-  fedavg = sweep[
-    'fedavg seed=0'
-  ]  # a power FedAvg does not read: one row, not three copies
+  # a power FedAvg does not read: one row, not three copies
+  fedavg = sweep['fedavg seed=0']
   assert not any(k.startswith('fedavg seed=0 gn_power') for k in sweep), sorted(
     sweep
   )
   numbers = lambda r: (r['train_loss'], r['loss_weighted'], r['accuracy_mean'])
-  assert numbers(gn0) == numbers(fedavg) and numbers(gn2) != numbers(
-    fedavg
-  )  # 0: FedAvg
+  # 0: FedAvg
+  assert numbers(gn0) == numbers(fedavg) and numbers(gn2) != numbers(fedavg)
   ident = json.load(open(first / 'fedavg_gn' / 'identity.json'))
   assert [spec for spec, _ in ident['imports']] == [
     'my_clients.py',

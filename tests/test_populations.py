@@ -254,10 +254,11 @@ def test_host_layout_equals_device_layout(
   )
   if runner.hosted_rows:
     assert isinstance(s_host, rows_in_memory.HostedState)
+    # none of the rows stayed on the device
     assert not any(
       a.shape[0]
       for a in jax.tree.leaves(runner.algorithm.client_rows.get(s_host.inner))
-    )  # none of the rows stayed on the device
+    )
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(
       np.asarray(
@@ -434,6 +435,7 @@ def test_host_round_compiles_once_per_cohort_shape(emnist_store):
   run(runner, 8, seed=0, eval_every=0)
   lengths = {s[1] for s in runner.feed.shapes}
   widest = int(store.counts['train'].max())
+  # powers of two, or the widest client
   assert lengths <= {
     4,
     8,
@@ -442,7 +444,7 @@ def test_host_round_compiles_once_per_cohort_shape(emnist_store):
     64,
     128,
     widest,
-  }  # powers of two, or the widest client
+  }
   # A cohort's examples packed back to back, in a power of two of rows: at
   # most twice its examples plus one window, not 3 clients x the window.
   for rows, window, *_ in runner.feed.shapes:
@@ -450,9 +452,8 @@ def test_host_round_compiles_once_per_cohort_shape(emnist_store):
   assert runner.trace_counts['round'] == len(runner.feed.shapes)
 
 
-@pytest.mark.parametrize(
-  'block_bytes', [1 << 28, 3 * 24]
-)  # one block; blocks of 3 of 7 rows
+# one block; blocks of 3 of 7 rows
+@pytest.mark.parametrize('block_bytes', [1 << 28, 3 * 24])
 def test_client_rows_made_block_by_block_equal_the_whole_init(block_bytes):
   """The host layout makes client rows a block of clients at a time (the
   last block overlapping): the same rows and state as the whole init."""
@@ -651,9 +652,8 @@ def test_cli_refuses_up_front_what_host_memory_cannot_hold(
     job('--layout=host', '--client_state=memory')
   assert job('--layout=host') == {}  # auto: the rows go to files instead
   monkeypatch.setattr(placement, 'host_available_bytes', lambda: 3 * rows)
-  job(
-    '--layout=host', '--sweep=client_lr:0.1,0.2', '--client_state=memory'
-  )  # two fit
+  # two fit
+  job('--layout=host', '--sweep=client_lr:0.1,0.2', '--client_state=memory')
   with pytest.raises(
     ConfigError,
     match=r'^--sweep: local keeps .* GB of client rows x 4 '
@@ -792,9 +792,8 @@ def test_host_sweep_shares_a_cohort_gather_per_seed_and_round(emnist_store):
       executor,
     )
     experiment.run_many(runs, 2, eval_every=2)
-    assert (
-      runs.feed.gathers == gathers
-    )  # 2 rounds and the next one's prefetch, per seed
+    # 2 rounds and the next one's prefetch, per seed
+    assert runs.feed.gathers == gathers
 
 
 def test_cli_refuses_a_model_that_does_not_fit_the_targets_and_a_test_split_of_no_client(
@@ -844,9 +843,8 @@ def test_cli_refuses_a_model_that_does_not_fit_the_targets_and_a_test_split_of_n
     cli.main_job()
   other = tmp_path / 'other'
   other.mkdir()
-  made_files.write_emnist(
-    other, rng, [4, 5, 6], []
-  )  # the test file has no client
+  # the test file has no client
+  made_files.write_emnist(other, rng, [4, 5, 6], [])
   parse_flags(
     '--algorithm=fedavg',
     '--dataset=emnist',
@@ -982,11 +980,12 @@ def test_clients_by_id_in_python_and_the_cli(tmp_path, capsys):
   written = json.loads(
     (tmp_path / 'by_id' / 'fedavg' / 'summary.json').read_text()
   )
+  # per_client_accuracy's
   assert written['client_ids'] == [
     'f0001_01',
     'f0003_03',
     'f0004_04',
-  ]  # per_client_accuracy's
+  ]
   worst = written['worst_clients']
   assert sorted(w['client_id'] for w in worst) == [
     'f0001_01',

@@ -1,4 +1,5 @@
-"""DP-SGD accounting with dp-accounting (RDP): a published setting, monotonicity,
+"""DP-SGD accounting with dp-accounting (RDP): a published setting,
+monotonicity,
 and FedFomo's DP runs recording epsilon per round."""
 
 import json
@@ -30,9 +31,8 @@ def test_epsilon_grows_with_steps_and_shrinks_with_noise():
     dp_sgd_epsilon(0.05, 0.0, 1)
   )
   p = Privacy(1.0, np.array([0.5, 0.1]), steps=None)
-  assert worst_epsilon(p, [10, 10]) == dp_sgd_epsilon(
-    0.5, 1.0, 10
-  )  # the larger q
+  # the larger q
+  assert worst_epsilon(p, [10, 10]) == dp_sgd_epsilon(0.5, 1.0, 10)
 
 
 @pytest.mark.slow
@@ -139,9 +139,8 @@ def test_fedavg_dp_without_noise_and_a_loose_clip_is_fedavg():
   out = {}
   for dp in (None, (1e6, 0.0)):
     alg = fedavg(model, 4, optax.sgd(0.1), fp.Batching(16, 1), dp=dp)
-    if (
-      dp is None
-    ):  # nothing to account: the DP table's sigma = 0 rows read epsilon inf
+    # nothing to account: the DP table's sigma = 0 rows read epsilon inf
+    if dp is None:
       assert alg.privacy is None
     runner = RoundRunner(
       alg, data, fp.CohortSampler(4, cohort_size=3), fp.executors.VmapExecutor()

@@ -107,7 +107,9 @@ def test_every_public_function_says_its_arguments_and_results():
     for attr in module.__all__:
       obj = getattr(module, attr)
       if not inspect.isfunction(obj) or obj.__module__ != name:
-        continue  # classes have their docstring test; re-exports are checked where defined
+        # classes have their docstring test; re-exports are checked where
+        # defined
+        continue
       if name.startswith('fedjax_personal.algorithms.') and attr in (
         'build',
         'check',
@@ -129,7 +131,8 @@ def test_every_public_function_says_its_arguments_and_results():
         named = re.findall(r'^ {4}(\w+)(?:, \w+)*:', section, re.M)
         if set(named) - set(inspect.signature(obj).parameters):
           wrong.add(
-            f'{name}.{attr}: {sorted(set(named) - set(inspect.signature(obj).parameters))}'
+            f'{name}.{attr}: '
+            f'{sorted(set(named) - set(inspect.signature(obj).parameters))}'
           )
   assert seen > 300
   assert not bad, (

@@ -120,11 +120,12 @@ def test_stackoverflow_loss_equals_the_publishers(tmp_path):
   w = PEER.keras_weights(
     [(v + 4, 4), (4, 20), (5, 20), (20,), (5, 4), (4,), (4, v + 4), (v + 4,)], 4
   )
+  # its ids -> the project's
   w[0], w[6], w[7] = (
     w[0][table],
     w[6][:, table],
     w[7][table],
-  )  # its ids -> the project's
+  )
   vocab = stackoverflow.word_ids(PEER.SO_VOCAB)
   x, y = stackoverflow.tokenize_sentences(
     PEER.SO_POSTS[: PEER.SO_BATCH], vocab, PEER.SO_SEQ, rows='tff'
@@ -258,9 +259,8 @@ def test_reddi_flagfiles_use_the_publishers_settings(task):
   assert int(flags['local_epochs']) == int(
     cross['Number of client epochs']['Value']
   )
-  assert (
-    flags['cohort_sampler'] == 'tff' and 'cohort_seed' not in flags
-  )  # its default, 1
+  # its default, 1
+  assert flags['cohort_sampler'] == 'tff' and 'cohort_seed' not in flags
   from fedjax_personal.run.settings import ExperimentSettings
 
   assert ExperimentSettings().cohort_seed == int(

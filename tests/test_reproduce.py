@@ -1,7 +1,8 @@
 """The reproduce scripts: their scales resolve to the documented sizes, bad
 flags exit 2 naming the flag, one tiny user-centric table is written as JSON
 and Markdown (CI); every script end to end with trials and the user-centric
-study (slow: a few minutes; python -m pytest -m slow tests/test_reproduce.py)."""
+study (slow: a few minutes; python -m pytest -m slow
+tests/test_reproduce.py)."""
 
 import json
 import os
@@ -80,9 +81,8 @@ def test_scales_resolve_to_the_documented_sizes():
     "dataset='mnist'" in cpu['scenario 2']
     and 'num_clients=20' in cpu['scenario 2']
   )
-  assert (
-    'max_examples=20000' in cpu['scenario 3']
-  )  # 1,000 CIFAR-10 images per user
+  # 1,000 CIFAR-10 images per user
+  assert 'max_examples=20000' in cpu['scenario 3']
   paper = resolved('reproduce_user_centric.py', '--scale=paper')
   assert (paper['trials'], paper['rounds']) == ('5', '50')
   assert "dataset='tfds:emnist/digits'" in paper['scenario 2']
@@ -91,9 +91,8 @@ def test_scales_resolve_to_the_documented_sizes():
     and 'max_examples=100000' in paper['scenario 2']
   )
   assert 'max_examples=10000' in paper['scenario 1']
-  assert (
-    'max_examples=None' in paper['scenario 3']
-  )  # all 60,000: 3,000 per user
+  # all 60,000: 3,000 per user
+  assert 'max_examples=None' in paper['scenario 3']
   # Explicit flags override the scale.
   assert (
     resolved('reproduce_user_centric.py', '--scale=paper', '--rounds=7')[
@@ -245,7 +244,8 @@ def test_results_json_is_strict(tmp_path):
   subprocess: the reproduce flags are the scripts', not the CLI's)."""
   code = (
     'import sys; from fedjax_personal.run import reproduce; '
-    'reproduce.write_results(reproduce.ReproduceSettings(), sys.argv[1], "t", "title", '
+    'reproduce.write_results(reproduce.ReproduceSettings(), sys.argv[1], "t", '
+    '"title", '
     '"|a|", {"curve": [[45, 0.14, float("nan")]]})'
   )
   r = subprocess.run(

@@ -138,9 +138,8 @@ def test_resume_equals_uninterrupted_in_either_placement(
   store, tmp_path, uninterrupted, saved, resumed
 ):
   ckpt = _cut_run(store, tmp_path, saved)
-  checkpointing.manager(ckpt).delete(
-    5
-  )  # killed before the end-of-run save was published
+  # killed before the end-of-run save was published
+  checkpointing.manager(ckpt).delete(5)
   start, state, history = _resume(store, tmp_path, ckpt, resumed)
   assert start == 4
   _assert_same(store, state, history, uninterrupted)
@@ -196,9 +195,8 @@ def test_a_crash_between_delta_and_step_or_inside_a_fold_resumes_to_the_same_num
 ):
   calls = []
 
-  def crash(
-    self, folded, identity
-  ):  # rows written into the base, its index not replaced
+  # rows written into the base, its index not replaced
+  def crash(self, folded, identity):
     calls.append(folded)
     raise RuntimeError('killed while folding')
 

@@ -1,7 +1,8 @@
 """Client rows that an algorithm declares as its clients' output
 (``ClientRows.output``: Ditto's, pFedMe's, APFL's and Local's personal
 models) are written by the engine; the fused blocked loop reads and writes
-them in one buffer. Its rounds equal the same loop writing them after it and the vmap
+them in one buffer. Its rounds equal the same loop writing them after it and the
+vmap
 executor's, every row included, and its compiled round holds no buffer of the
 cohort's new rows. Rows gathered from the host come in buffers of their own,
 which a round's donation writes in place."""
@@ -183,9 +184,8 @@ def test_gathered_rows_are_donated_in_place(tmp_path, where):
   values = np.arange(40 * width, dtype=np.float32).reshape(40, width)
   idx = np.array([7, 39, 50, 0, 7, 3, 12, 8])  # 50: a padded slot, clipped
   if where == 'files':
-    whole = types.SimpleNamespace(
-      get=lambda state: state
-    )  # the state is the rows
+    # the state is the rows
+    whole = types.SimpleNamespace(get=lambda state: state)
     maker = rows_in_files.RowMaker(
       lambda k: {'w': jnp.asarray(values)}, whole, jax.random.PRNGKey(0)
     )

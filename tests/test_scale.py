@@ -75,17 +75,15 @@ def test_ten_thousand_clients_in_one_round():
   assert float(metrics['num_active']) == 10_000
   assert np.isfinite(float(metrics['train_loss']))
   stats = runner.evaluate(state, jax.random.key(0))
-  assert stats.correct.shape == (
-    10_000,
-  )  # its time: scripts/benchmark.py --section=scale
+  # its time: scripts/benchmark.py --section=scale
+  assert stats.correct.shape == (10_000,)
 
 
 EXECUTORS = {
   'vmap': fp.executors.VmapExecutor,
   'blocked': lambda: fp.executors.BlockedExecutor(3),
-  'blocked_threads': lambda: fp.executors.BlockedExecutor(
-    2, num_threads=3
-  ),  # 7 slots: 3 parts
+  # 7 slots: 3 parts
+  'blocked_threads': lambda: fp.executors.BlockedExecutor(2, num_threads=3),
   'sequential': lambda: fp.executors.SequentialExecutor(num_threads=1),
   'sharded': lambda: fp.executors.ShardedExecutor(block_size=2),
 }
@@ -99,9 +97,8 @@ def test_sum_outputs_and_rows_inputs(executor):
     'a': jnp.arange(8.0)[:, None] * jnp.ones((8, 2)),
     'b': jnp.arange(8) * 10,
   }
-  idx = jnp.array(
-    [5, 0, 7, 8, 2, 2, 3]
-  )  # 8 = N: a padded slot, gathered clipped
+  # 8 = N: a padded slot, gathered clipped
+  idx = jnp.array([5, 0, 7, 8, 2, 2, 3])
   active = np.array([True, True, True, False, True, False, True])
   per_client = (fp.tree_util.rows(source, idx), jnp.arange(7.0))
 
@@ -134,9 +131,8 @@ def test_sum_outputs_and_rows_inputs(executor):
 
 def test_tree_scatter_in_chunks_equals_one_scatter():
   x = {'w': jnp.zeros((300, 3))}
-  idx = jnp.asarray(
-    np.random.default_rng(0).permutation(301)[:290]
-  )  # 300 = N is dropped
+  # 300 = N is dropped
+  idx = jnp.asarray(np.random.default_rng(0).permutation(301)[:290])
   values = {'w': jnp.arange(290.0)[:, None] * jnp.ones((290, 3))}
   expect = x['w'].at[idx].set(values['w'], mode='drop')
   assert 290 // fp.tree_util.SCATTER_CHUNK >= 2  # the chunked path

@@ -104,7 +104,8 @@ def test_personal_parts_are_the_seeds():
     make_split('adapter', plain)
 
 
-# -- The seed's PyTorch code (pfl/models/wordlm_transformer.py, resnet_utils.py),
+# -- The seed's PyTorch code (pfl/models/wordlm_transformer.py,
+# resnet_utils.py),
 # -- dropout left out (0 in its runs' evaluation).
 
 
@@ -122,9 +123,8 @@ def _seed_transformer(
       )
       for m in (self.linear1, self.linear2):
         nn.init.normal_(m.weight, 0, 0.01)
-        nn.init.normal_(
-          m.bias, 0, 0.01
-        )  # nonzero here, so that the test sees the biases
+        # nonzero here, so that the test sees the biases
+        nn.init.normal_(m.bias, 0, 0.01)
 
     def forward(self, x):
       return x + self.linear2(relu(self.linear1(x)))
@@ -379,6 +379,7 @@ def _seed_resnet(torch, classes, in_ch, adapters, groups, large):
   return ResNetGN()
 
 
+# the seed's 224 x 224: the same layers
 @pytest.mark.parametrize(
   'name,shape,classes,adapters',
   [
@@ -386,7 +387,7 @@ def _seed_resnet(torch, classes, in_ch, adapters, groups, large):
     ('reddi_resnet18_gn', (32, 32, 3), 100, False),
     ('gldv2_resnet18_gn', (32, 32, 3), 2028, True),
   ],
-)  # the seed's 224 x 224: the same layers
+)
 @pytest.mark.torch
 # slow: ResNet-18 compiled on both sides (25-33 s on CI's 2 cores)
 @pytest.mark.slow
@@ -429,9 +430,8 @@ def test_next_word_accuracy_scores_in_vocabulary_targets_only():
   y = jnp.array([[3, 4, 2, -1], [6, 5, 5, 2]])
   pred = jnp.array([[3, 0, 2, 0], [6, 5, 4, 2]])  # right on 3, EOS, OOV, 5, EOS
   logits = jax.nn.one_hot(pred, v) * 5.0
-  logits = (
-    logits.at[0, 1, 4].set(4.0).at[1, 2, 5].set(3.0)
-  )  # second guesses: 4, then 5
+  # second guesses: 4, then 5
+  logits = logits.at[0, 1, 4].set(4.0).at[1, 2, 5].set(3.0)
   stats = per_example_stats(
     logits,
     y,
@@ -439,9 +439,8 @@ def test_next_word_accuracy_scores_in_vocabulary_targets_only():
     unscored=stackoverflow.stackoverflow_unscored(v),
     top_k=2,
   )
-  assert (
-    float(stats.count) == 7 and float(stats.scored) == 4
-  )  # words 3, 4 / 5, 5
+  # words 3, 4 / 5, 5
+  assert float(stats.count) == 7 and float(stats.scored) == 4
   assert float(stats.correct) == 2  # 3 and the first 5
   assert float(stats.correct_top_k) == 4  # all four in the top 2
   plain = per_example_stats(logits, y, jnp.array([True, True]))

@@ -24,7 +24,8 @@ TASKS = [
 
 
 def write_data(folder, task):
-  """Three or four small clients of the task's data set, in its published format."""
+  """Three or four small clients of the task's data set, in its published
+  format."""
   rng = np.random.default_rng(0)
   if 'gldv2' in task:  # users need 50 images to be the seed's clients
     made_files.write_gldv2(folder, rng, [50, 52, 51])
@@ -92,9 +93,8 @@ def _job(tmp_path, task, *extra):
   with pytest.MonkeyPatch.context() as mp:
     from fedjax_personal.datasets import stackoverflow
 
-    mp.setattr(
-      stackoverflow, 'VALIDATION_EXAMPLES', 2
-    )  # the made test file holds 6 posts
+    # the made test file holds 6 posts
+    mp.setattr(stackoverflow, 'VALIDATION_EXAMPLES', 2)
     return cli.main_job()
 
 
@@ -117,9 +117,8 @@ def test_task_flagfile_builds_on_made_files(
 def test_task_flagfile_trains_on_made_files(
   tmp_path, task, layout, made_not_released
 ):
-  small = (
-    ['--image_size=32'] if 'gldv2' in task else []
-  )  # 224 x 224 trains slowly on a CPU
+  # 224 x 224 trains slowly on a CPU
+  small = ['--image_size=32'] if 'gldv2' in task else []
   out = _job(
     tmp_path, task, '--rounds=2', '--eval_every=1', f'--layout={layout}', *small
   )

@@ -17,7 +17,8 @@ from fedjax_personal.errors import ConfigError
 
 
 def paper_steps(kind, deltas, eta, b1, b2, tau):
-  """x_T - x_0 after Algorithm 2's server updates for mean changes ``deltas``."""
+  """x_T - x_0 after Algorithm 2's server updates for mean changes
+  ``deltas``."""
   m, v, x = (
     np.zeros_like(deltas[0]),
     np.full_like(deltas[0], tau**2),
@@ -35,11 +36,12 @@ def paper_steps(kind, deltas, eta, b1, b2, tau):
   return x
 
 
+# Algorithm 2; 'keras_adam' is the publisher's code's
 PAPER = (
   'adagrad',
   'yogi',
   'adam',
-)  # Algorithm 2; 'keras_adam' is the publisher's code's
+)
 
 
 @pytest.mark.parametrize('kind', PAPER)
@@ -72,7 +74,8 @@ def test_updates_follow_algorithm_2(kind):
 def keras_steps(deltas, eta, b1, b2, eps):
   """x_T - x_0 after TensorFlow's ApplyAdam (tf.keras.optimizers.Adam, what
   google-research/federated ran for FedAdam) on the pseudo-gradients -Delta:
-  m_0 = v_0 = 0, eta_t = eta sqrt(1 - b2^t) / (1 - b1^t), epsilon outside the root."""
+  m_0 = v_0 = 0, eta_t = eta sqrt(1 - b2^t) / (1 - b1^t), epsilon outside the
+  root."""
   m, v, x = (np.zeros_like(deltas[0]) for _ in range(3))
   for t, d in enumerate(deltas, 1):
     g = -d

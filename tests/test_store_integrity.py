@@ -232,15 +232,13 @@ def test_leftovers_of_dead_builds_are_removed_and_an_interrupted_build_keeps_not
   for name in (f'emnist-0.partial-{dead}', f'emnist-1.damaged-{dead}'):
     (stores / name).mkdir()
     (stores / name / 'train.x.bin').write_bytes(b'\0' * 64)
-  mine = (
-    stores / f'emnist-2.partial-{os.getpid()}'
-  )  # a live process's build stays
+  # a live process's build stays
+  mine = stores / f'emnist-2.partial-{os.getpid()}'
   mine.mkdir()
   with pytest.raises(KeyboardInterrupt):
     load_store(cfg, should_stop=lambda: True)
-  assert [p.name for p in stores.iterdir()] == [
-    mine.name
-  ]  # nothing of the interrupted build
+  # nothing of the interrupted build
+  assert [p.name for p in stores.iterdir()] == [mine.name]
 
 
 def test_a_full_disk_while_building_names_the_cache_folder(
@@ -291,9 +289,8 @@ def test_a_store_never_outlives_the_loader_code_that_made_it(
   )
   assert registry.loader_code('emnist') != registry.loader_code('shakespeare')
   capsys.readouterr()
-  assert (
-    load_store(cfg).folder == first.folder and not capsys.readouterr().err
-  )  # reused
+  # reused
+  assert load_store(cfg).folder == first.folder and not capsys.readouterr().err
   dead = subprocess.run(
     [sys.executable, '-c', 'import os; print(os.getpid())'],
     capture_output=True,

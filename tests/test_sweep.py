@@ -166,6 +166,5 @@ def test_sweep_equals_single_runs_for_every_algorithm(name):
     )
   if name == 'cfl':  # the split test from round 2 on; eps2 = 0 makes it split
     assert 'cfl_splits' not in history[0] and history[1]['cfl_splits'] >= 1
-  assert (
-    runner.trace_counts['round'] == 1
-  )  # both seeds, both rounds: one compiled round
+  # both seeds, both rounds: one compiled round
+  assert runner.trace_counts['round'] == 1

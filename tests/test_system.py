@@ -82,9 +82,8 @@ def fedprox_code_round(
   ):
     if not m or (drawn.straggler[slot] and alg_name == 'fedavg'):
       continue
-    epochs = (
-      int(drawn.work_limit[slot]) if drawn.straggler[slot] else EPOCHS
-    )  # randint(1, E)
+    # randint(1, E)
+    epochs = int(drawn.work_limit[slot]) if drawn.straggler[slot] else EPOCHS
     clients.append(i)
     steps[i] = epochs * -(-int(data.train.num_examples[i]) // 10)
   return reference_fedavg(
@@ -126,9 +125,10 @@ def test_stragglers_follow_fedprox_code(digits, executor, alg_name):
     key = jax.random.key(40 + t)
     cohort, k_clients, drawn = _drawn(config, sampler, key, alg_name)
     assert int(drawn.straggler.sum()) == 3
+    # a dropped one does no work
     assert set(drawn.work_limit[drawn.straggler]) <= (
       set(range(1, EPOCHS)) if alg_name == 'fedprox' else {0}
-    )  # a dropped one does no work
+    )
     want = fedprox_code_round(
       model, state.params, digits, cohort, k_clients, drawn, alg_name, lr, mu
     )
@@ -140,7 +140,8 @@ def test_stragglers_follow_fedprox_code(digits, executor, alg_name):
 
 @pytest.mark.slow
 def test_no_stragglers_no_dropouts_change_nothing(digits):
-  """A system of full, reliable devices is no system: the same state bit for bit."""
+  """A system of full, reliable devices is no system: the same state bit for
+  bit."""
   model = _mlp(digits)
   training = TrainingConfig(client_lr=0.05, batch_size=10, local_epochs=2)
   sampler = CohortSampler(8, cohort_size=4)
@@ -377,9 +378,8 @@ def test_cohorts_are_drawn_from_the_online_clients(digits, tmp_path):
     assert online[real].all() and len(real) == min(4, int(online.sum()))
   part = CohortSampler(8, participation=0.5)
   none = jax.device_get(part(jax.random.key(1), available=jnp.zeros(8, bool)))
-  assert (
-    not none.mask.any()
-  )  # nobody online: an empty cohort, not an endless redraw
+  # nobody online: an empty cohort, not an endless redraw
+  assert not none.mask.any()
   rows = np.array([[1, 1, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1, 0]])
   np.savetxt(tmp_path / 'trace.txt', rows, fmt='%d')
   model = _mlp(digits)
@@ -458,9 +458,8 @@ def test_a_deadline_makes_slow_clients_stragglers(digits, tmp_path):
       if alg_name == 'fedprox'
       else np.where(full > cap, 0, full)
     )
-    assert int(m['local_steps']) == int(
-      ran.sum()
-    )  # the work done: a dropped late one none
+    # the work done: a dropped late one none
+    assert int(m['local_steps']) == int(ran.sum())
   with pytest.raises(system_lib.SettingError) as e:
     system_lib.prepare(config, 7)
   assert e.value.setting == 'client_speeds'

@@ -28,9 +28,8 @@ def test_the_crc_is_tfrecords():
   # TFRecord's masked CRC-32C of b'' and of 8 zero bytes (a record's empty
   # length).
   assert tensorboard.masked_crc32c(b'') == 0xA282EAD8
-  assert (
-    tensorboard._crc32c(b'123456789') == 0xE3069283
-  )  # the CRC-32C check value
+  # the CRC-32C check value
+  assert tensorboard._crc32c(b'123456789') == 0xE3069283
 
 
 @pytest.mark.slow
@@ -67,9 +66,10 @@ def test_event_files_load_in_tensorboard_with_every_evaluated_round(tmp_path):
     got = _scalars(out / 'tensorboard' / alg)
     lines = [json.loads(l) for l in open(out / alg / 'metrics.jsonl')]
     evaluated = [r for r in lines if 'accuracy_mean' in r]
+    # each once
     assert [s for s, _ in got['accuracy_mean']] == [
       r['round'] for r in evaluated
-    ]  # each once
+    ]
     for (step, value), r in zip(got['accuracy_mean'], evaluated):
       assert value == pytest.approx(r['accuracy_mean'], rel=1e-6), step
     assert 'loss_weighted' in got and 'per_client_accuracy' not in got

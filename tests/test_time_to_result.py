@@ -106,9 +106,8 @@ def test_the_cache_is_trimmed_to_its_bound_least_recently_used_first(tmp_path):
     path.write_bytes(b'x' * 1000)
     os.utime(path, (1_000_000 + i, 1_000_000 + i))  # entry0 used longest ago
   assert compilation.trim(str(tmp_path), max_bytes=20_000) == 0
-  assert (
-    compilation.trim(str(tmp_path), max_bytes=8_000) == 4_000
-  )  # down to 6,000
+  # down to 6,000
+  assert compilation.trim(str(tmp_path), max_bytes=8_000) == 4_000
   assert sorted(os.listdir(tmp_path)) == [
     f'entry{i}-cache' for i in range(4, 10)
   ]
@@ -273,9 +272,8 @@ def test_a_global_model_is_evaluated_on_the_pooled_test_examples_as_client_by_cl
   alg = algorithms.build(
     'fedavg', model, population, training=TrainingConfig(batch_size=4)
   )
-  monkeypatch.setattr(
-    evaluation, 'POOLED_CHUNK_BYTES', 1300
-  )  # chunks of 8 rows (156 bytes a row)
+  # chunks of 8 rows (156 bytes a row)
+  monkeypatch.setattr(evaluation, 'POOLED_CHUNK_BYTES', 1300)
   params = jax.tree.map(
     lambda a: a[0], alg.client_models(alg.init(jax.random.key(0))).params
   )

@@ -386,7 +386,8 @@ def test_out_of_memory_a_shadowed_module_and_a_checkpoints_file_are_one_line(
   exhaust = (
     'import fedjax_personal.run.cli as c\n'
     'def main_job(settings):\n'
-    '  raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate '
+    '  raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to '
+    'allocate '
     '123456789 bytes.")\n'
     'c.main_job = main_job\n'
     f'c.main(c.parse_flags(["run_experiment.py", *{small!r}]))'
@@ -407,7 +408,8 @@ def test_out_of_memory_a_shadowed_module_and_a_checkpoints_file_are_one_line(
     [
       ['--import=mine/plug.py', *small, '--dry_run'],
       [*small, f'--output_dir={out}'],
-      f'import os, shutil; shutil.rmtree({str(out / "fedavg" / "checkpoints")!r}, True); '
+      f'import os, shutil; '
+      f'shutil.rmtree({str(out / "fedavg" / "checkpoints")!r}, True); '
       f'open({str(out / "fedavg" / "checkpoints")!r}, "w").write("x")',
       [
         *[a for a in small if a != '--rounds=1'],

@@ -110,9 +110,8 @@ def test_streams_m_equal_n_gives_w_and_one_gives_one_model():
   c, a, k = uc.streams(key, w2, None, 3)
   a = np.asarray(a)
   assert int(k) == 2 and a[0] == a[1] != a[2] == a[3]
-  assert c.shape == (3, 4) and np.all(
-    np.asarray(c)[2] == 0
-  )  # padded to the search bound
+  # padded to the search bound
+  assert c.shape == (3, 4) and np.all(np.asarray(c)[2] == 0)
   # Identical rows: one stream.
   _, a, k = uc.streams(key, np.tile(w[:1], (6, 1)), None, 5)
   assert int(k) == 1 and not np.asarray(a).any()
@@ -120,6 +119,7 @@ def test_streams_m_equal_n_gives_w_and_one_gives_one_model():
 
 def test_in_group_share_by_hand():
   groups = np.array([0, 0, 1, 1])
+  # 0.25 / 0.75
   w = np.array(
     [
       [0.5, 0.3, 0.2, 0.0],  # off-diagonal 0.5, in group 0.3 -> 0.6
@@ -128,7 +128,7 @@ def test_in_group_share_by_hand():
       [0.25, 0.25, 0.25, 0.25],
     ],
     np.float32,
-  )  # 0.25 / 0.75
+  )
   want = np.mean([0.6, 0.0, 0.4 / 0.6, 0.25 / 0.75])
   assert float(jax.jit(uc.in_group_share)(w, groups)) == pytest.approx(
     want, rel=1e-6
@@ -213,9 +213,8 @@ def test_mixing_matrix_is_float32_stable_for_large_nearly_equal_gradients():
   expect /= expect.sum(1, keepdims=True)
   w = np.asarray(uc.mixing_matrix(grads, sigma2, n))
   np.testing.assert_allclose(w, expect, atol=1e-5)
-  assert (
-    1.5 < uc.effective_neighbours(expect).mean() < n_clients
-  )  # a real mixing, not I
+  # a real mixing, not I
+  assert 1.5 < uc.effective_neighbours(expect).mean() < n_clients
 
 
 def collaboration(alg, data, state, key):

@@ -34,9 +34,8 @@ def _clients():
   xs, ys = [], []
   for n, lengths in ((2, (5, 3)), (4, (1, 2, 5, 4)), (1, (2,))):
     x = rng.integers(1, VOCAB, (n, T)).astype(np.int32)
-    y = rng.integers(0, VOCAB, (n, T)).astype(
-      np.int32
-    )  # 0: PAD targets, not tokens
+    # 0: PAD targets, not tokens
+    y = rng.integers(0, VOCAB, (n, T)).astype(np.int32)
     for i, l in enumerate(lengths):
       y[i, l:] = -1
     xs.append(x)
@@ -97,9 +96,8 @@ def test_tokens_weigh_each_upload_by_its_non_padding_targets():
   deltas = []
   for x, y in zip(xs, ys):
     s, p = _one_round(_data([x], [y]), 'num_examples')
-    jax.tree.map(
-      np.testing.assert_array_equal, s, start
-    )  # the same initial model
+    # the same initial model
+    jax.tree.map(np.testing.assert_array_equal, s, start)
     deltas.append(
       jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), s, p)
     )

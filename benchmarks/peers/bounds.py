@@ -1,4 +1,5 @@
-"""The least time a peer row's round can take on this machine, and how near the project comes.
+"""The least time a peer row's round can take on this machine, and how near the
+project comes.
 
 For each row (model, batch, cohort) of the peer benchmark (``run.py``), one
 local SGD step of the row's model at the row's batch is traced as the
@@ -18,7 +19,8 @@ bound (the fraction of the bound reached: bound / median).
 
     XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python
     benchmarks/peers/bounds.py \\
-        --work_dir=/tmp/peers --rows=mlp:10,cnn:50,lstm:10,shakespeare:10,transformer:10 \\
+        --work_dir=/tmp/peers
+        --rows=mlp:10,cnn:50,lstm:10,shakespeare:10,transformer:10 \\
         --peers=peers.json --project=transformer_10.json
 
 The rows: ``mlp``, ``cnn`` (EMNIST-shaped writers, batch 20), ``lstm`` (Stack
@@ -263,7 +265,8 @@ def main():
       p.error(f'--rows: {spec!r} is not row:cohort with row in {sorted(ROWS)}')
   if a.dry_run:
     print(
-      f'dry run: rows {a.rows}, batch {a.batch_size}, {a.cores} cores; files in {a.work_dir}; '
+      f'dry run: rows {a.rows}, batch {a.batch_size}, {a.cores} cores; files '
+      f'in {a.work_dir}; '
       f'medians from {a.peers or "none"}, {a.project or "none"}'
     )
     return
@@ -290,11 +293,13 @@ def main():
   )
   print(
     f'# {cpu}, {a.cores} cores, JAX {jax.__version__}, XLA_FLAGS='
-    f'{os.environ.get("XLA_FLAGS", "")!r}; batch {a.batch_size}, one epoch, median over '
+    f'{os.environ.get("XLA_FLAGS", "")!r}; batch {a.batch_size}, one epoch, '
+    f'median over '
     'drawn cohorts'
   )
   print(
-    '| row | step GFLOP | step matmuls ms (GFLOP/s) | step floor ms | steps a client | bound '
+    '| row | step GFLOP | step matmuls ms (GFLOP/s) | step floor ms | steps a '
+    'client | bound '
     's/round | medians s/round (fraction of the bound) |'
   )
   print('|---|---|---|---|---|---|---|')
@@ -315,7 +320,8 @@ def main():
     rate = '-' if r['rate_gflops'] is None else f'{r["rate_gflops"]:.0f}'
     print(
       f'| {spec} | {r["step_gflop"]:.3f} | {r["step_matmul_ms"]:.2f} ({rate}) '
-      f'| {r["step_floor_ms"]:.3f} | {r["steps_per_client"]:.2f} | {r["bound_s"]:.3f} | {got} |',
+      f'| {r["step_floor_ms"]:.3f} | {r["steps_per_client"]:.2f} | '
+      f'{r["bound_s"]:.3f} | {got} |',
       flush=True,
     )
   if a.output:

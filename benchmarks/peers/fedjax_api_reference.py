@@ -64,7 +64,8 @@ BATCHINGS = [
     dict(batch_size=3, num_epochs=1, skip_shuffle=True),
   ),
 ]
-#: Stack Overflow's tokenized lengths recorded (train's 20 is FedJAX's recipe; 4 truncates).
+#: Stack Overflow's tokenized lengths recorded (train's 20 is FedJAX's recipe; 4
+#: truncates).
 SO_LENGTHS = (4, 30)
 #: The vocabulary's words of the made word_count file the tokenizer takes.
 SO_VOCAB = 10
@@ -197,9 +198,8 @@ def record_all(
   for split, fd in zip(('train', 'test'), cifar100):
     out.update(record_split(f'cifar100/{split}', fd, lib))
   batch = next(iter(cifar100[0].clients()))[1].all_examples()
-  np.random.seed(
-    3
-  )  # FedJAX's image preprocessing draws from NumPy's global state
+  # FedJAX's image preprocessing draws from NumPy's global state
+  np.random.seed(3)
   for name, fn in (
     ('train', lambda b: cifar100_module.preprocess_batch(b, is_train=True)),
     ('eval', lambda b: cifar100_module.preprocess_batch(b, is_train=False)),

@@ -60,9 +60,8 @@ def record(task: str) -> dict:
   import fedjax  # noqa: PLC0415  (FedJAX's venv)
   import jax  # noqa: PLC0415
 
-  jax.numpy.NINF = (
-    -jax.numpy.inf
-  )  # FedJAX's LSTMs name it; jax 0.4.30 removed it
+  # FedJAX's LSTMs name it; jax 0.4.30 removed it
+  jax.numpy.NINF = -jax.numpy.inf
   kwargs, size, length = SIZES[task]
   create = getattr(fedjax.models, task).create_lstm_model
   model = create(**kwargs)
@@ -92,9 +91,10 @@ def record(task: str) -> dict:
       out[f'{task}/grad/{module}/{name}'] = np.asarray(
         fedjax_grads[module][name]
       )
+      # model_grad differentiates mean_loss
       np.testing.assert_allclose(
         grads[module][name], fedjax_grads[module][name], rtol=1e-5, atol=1e-7
-      )  # model_grad differentiates mean_loss
+      )
   return out
 
 

@@ -34,9 +34,8 @@ def stackoverflow(a):
   TensorFlow; the same ids (PAD 0, BOS 1, EOS 2, word i of the
   ``stackoverflow.word_count`` vocabulary i + 3, OOV after them; x = ids[:-1],
   y = ids[1:], padded / cut to ``max_length``) are made here in numpy."""
-  jax.numpy.NINF = (
-    -jax.numpy.inf
-  )  # FedJAX's LSTM names it; jax 0.4.30 removed it
+  # FedJAX's LSTM names it; jax 0.4.30 removed it
+  jax.numpy.NINF = -jax.numpy.inf
   with open(f'{a.data_dir}/stackoverflow.word_count') as f:
     vocab = {
       line.split()[0].encode(): i for i, line in zip(range(a.vocab_size), f)
@@ -65,9 +64,8 @@ def stackoverflow(a):
 def shakespeare(a):
   """FedJAX's Shakespeare splits (80-character windows) and LSTM
   (``create_lstm_model``: embedding 8, two LSTMs of 256, 90 outputs)."""
-  jax.numpy.NINF = (
-    -jax.numpy.inf
-  )  # FedJAX's LSTM names it; jax 0.4.30 removed it
+  # FedJAX's LSTM names it; jax 0.4.30 removed it
+  jax.numpy.NINF = -jax.numpy.inf
   train, test = fedjax.datasets.shakespeare.load_data(cache_dir=a.data_dir)
   return train, test, fedjax.models.shakespeare.create_lstm_model()
 
@@ -89,7 +87,8 @@ def main():
     '--save_init',
     default=None,
     help="Write the model's initial parameters here "
-    "(a .npz of Haiku's module/name keys: the project's --init_weights reads it).",
+    "(a .npz of Haiku's module/name keys: the project's --init_weights reads "
+    'it).',
   )
   a = p.parse_args()
   if a.model == 'lstm':

@@ -20,7 +20,8 @@ their bits and keys), every algorithm (HypCluster with its trainers, k-means
 initialization and evaluator as ``hyp_cluster_test.py`` runs them),
 ``training``'s experiment loop (checkpoints, resumption, evaluations) and
 the msgpack serialization. FedJAX 0.0.17's language models read
-``jnp.NINF``, gone from its own JAX: ``main`` restores it for FedJAX's run. Random draws are
+``jnp.NINF``, gone from its own JAX: ``main`` restores it for FedJAX's run.
+Random draws are
 JAX's from the same keys: with JAX >= 0.5 the caller runs the cells under
 ``jax.threefry_partitionable(False)`` (FedJAX 0.0.17's JAX drew that way).
 """

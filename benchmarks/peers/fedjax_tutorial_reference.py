@@ -347,9 +347,8 @@ def main():
   import fedjax  # noqa: PLC0415  (FedJAX's venv only)
   from fedjax.datasets import downloads  # noqa: PLC0415
 
-  downloads.validate_file = lambda *args, **kwargs: (
-    None
-  )  # made files, not the releases
+  # made files, not the releases
+  downloads.validate_file = lambda *args, **kwargs: None
   sys.path.insert(0, os.path.join(HERE, '..', '..', 'tests'))
   import made_files  # noqa: PLC0415
 

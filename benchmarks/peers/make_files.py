@@ -110,9 +110,8 @@ def write_emnist(folder, num_clients, seed, use_fedjax):
     style = rng.normal(0, 0.2, (28, 28)).astype(np.float32)
     for w, n in zip(writers, (train_n[i], test_n[i])):
       y = rng.integers(0, 62, n)
-      shown = np.where(
-        rng.random(n) < 0.2, rng.integers(0, 62, n), y
-      )  # 20% drawn as another
+      # 20% drawn as another
+      shown = np.where(rng.random(n) < 0.2, rng.integers(0, 62, n), y)
       ink = templates[shown] * 0.35 + style + rng.normal(0, 0.6, (n, 28, 28))
       pixels = np.round(np.clip(1.0 - ink, 0, 1) * 255).astype(np.float32) / 255
       w.add(

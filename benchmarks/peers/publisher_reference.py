@@ -105,7 +105,8 @@ def server_deltas():
 
 
 def keras_weights(shapes, seed):
-  """Weights of Keras's ``get_weights()`` shapes drawn from ``default_rng(seed)``."""
+  """Weights of Keras's ``get_weights()`` shapes drawn from
+  ``default_rng(seed)``."""
   rng = np.random.default_rng(seed)
   return [rng.normal(0, 0.3, s).astype(np.float32) for s in shapes]
 
@@ -143,9 +144,8 @@ def _stand_in_tff(tasks):
     datasets=types.SimpleNamespace(**tasks)
   )
   sys.modules['tensorflow_federated'] = tff
-  collections.Iterable = (
-    collections.abc.Iterable
-  )  # its Python's name (gone in 3.10)
+  # its Python's name (gone in 3.10)
+  collections.Iterable = collections.abc.Iterable
 
 
 def _rows(dataset):
@@ -219,9 +219,8 @@ def main():
   client = tf.data.Dataset.from_tensor_slices(
     collections.OrderedDict(label=labels, pixels=pixels)
   )
-  batches = list(
-    train.fn(client)
-  )  # shuffled unseeded: its rows as a set, its batch sizes
+  # shuffled unseeded: its rows as a set, its batch sizes
+  batches = list(train.fn(client))
   out['emnist_batches'] = np.array([len(y) for _, y in batches])
   out['emnist_train_labels'] = np.sort(
     np.concatenate([y.numpy() for _, y in batches])
@@ -248,9 +247,8 @@ def main():
     )
   )
   batches = list(train.fn(client))
-  out['cifar_batches'] = np.array(
-    [len(y) for _, y in batches]
-  )  # drop_remainder=True
+  # drop_remainder=True
+  out['cifar_batches'] = np.array([len(y) for _, y in batches])
   out['cifar_train_shapes'] = np.array([list(x.shape) for x, _ in batches])
 
   so = _load(
@@ -316,9 +314,8 @@ def main():
     tf, net, out['sh_x'][rows], out['sh_y'][rows]
   )
 
-  tf.keras.optimizers.Optimizer = (
-    tf.keras.optimizers.legacy.Optimizer
-  )  # the paper's OptimizerV2
+  # the paper's OptimizerV2
+  tf.keras.optimizers.Optimizer = tf.keras.optimizers.legacy.Optimizer
   yogi = _load(
     a.federated, 'optimization/shared/keras_optimizers/yogi.py', 'yogi'
   )

@@ -22,7 +22,8 @@ FedJAX's venv (its own, apart from this project's):
 
 Usage:
   python benchmarks/peers/run.py --fedjax_python=~/fedjax-venv/bin/python \\
-      --work_dir=/tmp/peers --rows=mlp:10,mlp:50,mlp:500,cnn:50 --output=peers.json
+      --work_dir=/tmp/peers --rows=mlp:10,mlp:50,mlp:500,cnn:50
+      --output=peers.json
 """
 
 import argparse
@@ -78,7 +79,8 @@ def _wrapped(python, argv):
     'import runpy, sys, atexit\n'
     'def _hwm():\n'
     '  for l in open("/proc/self/status"):\n'
-    '    if l.startswith("VmHWM:"): print("PEAK_RSS", int(l.split()[1]) * 1024, flush=True)\n'
+    '    if l.startswith("VmHWM:"): print("PEAK_RSS", int(l.split()[1]) * '
+    '1024, flush=True)\n'
     'atexit.register(_hwm)\n'
     f'sys.argv = {argv!r}\n'
     'runpy.run_path(sys.argv[0], run_name="__main__")\n'
@@ -94,7 +96,8 @@ def peak_of(out):
 
 
 def init_file(a, model, seed):
-  """Where ``--same_init`` keeps FedJAX's initial parameters of a row and seed."""
+  """Where ``--same_init`` keeps FedJAX's initial parameters of a row and
+  seed."""
   os.makedirs(os.path.join(a.work_dir, 'init'), exist_ok=True)
   return os.path.join(a.work_dir, 'init', f'{model}_{seed}.npz')
 
@@ -244,7 +247,8 @@ def main():
     '--seed_per_repeat',
     action='store_true',
     help='Repeat r runs seed --seed + r '
-    "on both sides (the model's init, the cohorts; FedJAX's shuffles are unseeded "
+    "on both sides (the model's init, the cohorts; FedJAX's shuffles are "
+    'unseeded '
     "in every run, its default): the accuracy's mean and std over seeds.",
   )
   p.add_argument(
@@ -269,14 +273,16 @@ def main():
     '--warm_cache',
     action='store_true',
     help="The project's runs share a "
-    'persistent compilation cache in --work_dir/xla (the first repeat fills it); '
+    'persistent compilation cache in --work_dir/xla (the first repeat fills '
+    'it); '
     'by default each run compiles from nothing (--compilation_cache=off).',
   )
   p.add_argument(
     '--same_init',
     action='store_true',
     help="Both sides start from FedJAX's "
-    "initial parameters of the seed (FedJAX's side saves them, the project reads "
+    "initial parameters of the seed (FedJAX's side saves them, the project "
+    'reads '
     'them with --init_weights).',
   )
   p.add_argument(
@@ -293,7 +299,8 @@ def main():
   a.fedjax_python = os.path.expanduser(a.fedjax_python)
   if a.same_init and a.project_only:
     p.error(
-      "--same_init takes the initial parameters from FedJAX's side: drop --project_only"
+      "--same_init takes the initial parameters from FedJAX's side: drop "
+      '--project_only'
     )
   for row in a.rows.split(','):
     model, _, cohort = row.partition(':')
@@ -304,7 +311,8 @@ def main():
   if a.dry_run:
     found = os.path.exists(a.fedjax_python)
     print(
-      f'dry run: rows {a.rows}, {a.rounds} rounds, {a.repeats} repeats, project variants '
+      f'dry run: rows {a.rows}, {a.rounds} rounds, {a.repeats} repeats, '
+      f'project variants '
       f'{a.project_flags or "default"}; FedJAX python {a.fedjax_python} '
       f'({"found" if found else "not found: install FedJAX in its own venv first"})'
     )
@@ -411,20 +419,25 @@ def main():
     for d, c in counts.items()
   )
   print(
-    f'\nfp32 peak (2048^2 matmul): {peak / 1e9:.0f} GFLOP/s; {shapes}; FedAvg, batch '
-    f'{a.batch_size}, 1 epoch, lr {a.client_lr}, {a.rounds} rounds, {a.repeats} interleaved '
+    f'\nfp32 peak (2048^2 matmul): {peak / 1e9:.0f} GFLOP/s; {shapes}; FedAvg, '
+    f'batch '
+    f'{a.batch_size}, 1 epoch, lr {a.client_lr}, {a.rounds} rounds, '
+    f'{a.repeats} interleaved '
     'repeats (medians)'
   )
   print(
-    '| model | cohort | side | s/round | x FedJAX | mean rounds 2..R / median | training s '
-    '(x FedJAX) | whole process s (x FedJAX) | accuracy (mean +- std) | peak RSS GB | '
+    '| model | cohort | side | s/round | x FedJAX | mean rounds 2..R / median '
+    '| training s '
+    '(x FedJAX) | whole process s (x FedJAX) | accuracy (mean +- std) | peak '
+    'RSS GB | '
     '% fp32 peak |'
   )
   print('|---|---|---|---|---|---|---|---|---|---|---|')
   for r in rows:
     if r['fedjax_failed']:
       print(
-        f'| {r["model"]} | {r["cohort"]} | fedjax | failed: {r["fedjax_failed"]} |'
+        f'| {r["model"]} | {r["cohort"]} | fedjax | failed: '
+        f'{r["fedjax_failed"]} |'
       )
     for k in r['runs']:
       if k not in r:
@@ -432,9 +445,11 @@ def main():
       v = r[k]
       print(
         f'| {r["model"]} | {r["cohort"]} | {k} | {v["s_per_round"]:.4f} | '
-        f'{_x(v["speedup_vs_fedjax"])} | {v["mean_after_first_s"] / v["s_per_round"]:.2f} | '
+        f'{_x(v["speedup_vs_fedjax"])} | '
+        f'{v["mean_after_first_s"] / v["s_per_round"]:.2f} | '
         f'{v["train_s"]:.2f} ({_x(v["train_vs_fedjax"])}) | '
-        f'{v["process_s"]:.1f} ({_x(v["process_vs_fedjax"])}) | {100 * v["accuracy"]:.1f}% '
+        f'{v["process_s"]:.1f} ({_x(v["process_vs_fedjax"])}) | '
+        f'{100 * v["accuracy"]:.1f}% '
         f'({100 * v["accuracy_mean"]:.1f} +- {100 * v["accuracy_std"]:.1f}) | '
         f'{v["peak_rss_gb"]:.2f} | {v["pct_fp32_peak"]:.0f}% |'
       )

@@ -78,7 +78,8 @@ def main(cfg: ProbeSettings):
     looped = _timed(loop, params, xs, ys)[0] / cfg.steps
     print(
       f'{cfg.model} conv_impl={impl}: a step alone {alone * 1e3:.0f} ms '
-      f'({flops / alone / 1e9 / peak:.0%} of peak), in a loop {looped * 1e3:.0f} ms/step '
+      f'({flops / alone / 1e9 / peak:.0%} of peak), in a loop '
+      f'{looped * 1e3:.0f} ms/step '
       f'({flops / looped / 1e9 / peak:.0%} of peak)'
     )
   print(

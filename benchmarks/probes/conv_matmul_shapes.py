@@ -117,7 +117,8 @@ def main():
   for _ in range(10):
     jax.block_until_ready(mm(a))
   print(
-    f'1024^2 matmul: {2 * 1024**3 / ((time.perf_counter() - t) / 10) / 1e9:.0f} GFLOP/s; '
+    f'1024^2 matmul: '
+    f'{2 * 1024**3 / ((time.perf_counter() - t) / 10) / 1e9:.0f} GFLOP/s; '
     f'JAX {jax.__version__}, {jax.default_backend()}'
   )
 

@@ -1,4 +1,5 @@
-"""A forward pass alone of the EMNIST CNN on a CPU: each ``conv_impl``, by batch.
+"""A forward pass alone of the EMNIST CNN on a CPU: each ``conv_impl``, by
+batch.
 
 Reddi et al.'s EMNIST CNN ("Adaptive Federated Optimization", arXiv
 2003.00295; ``reddi_emnist_cnn``), one jitted forward pass of ``rows``
@@ -18,7 +19,8 @@ import numpy as np
 
 from fedjax_personal.models import create_model
 
-FLOPS = 24e6  # a forward pass of one 28x28 image, about (88% in the second convolution)
+# a forward pass of one 28x28 image, about (88% in the second convolution)
+FLOPS = 24e6
 
 
 def main():
@@ -38,7 +40,8 @@ def main():
         f(params, x).block_until_ready()
       per = (time.perf_counter() - start) / reps / rows
       print(
-        f'{impl:7s} {rows:5d} images: {per * 1e6:7.1f} us an image, {FLOPS / per / 1e9:4.0f} GFLOP/s',
+        f'{impl:7s} {rows:5d} images: {per * 1e6:7.1f} us an image, '
+        f'{FLOPS / per / 1e9:4.0f} GFLOP/s',
         flush=True,
       )
 

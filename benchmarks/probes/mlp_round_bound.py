@@ -1,4 +1,5 @@
-"""How fast can a cohort's MLP round be on this CPU? The bound beside the peers' medians.
+"""How fast can a cohort's MLP round be on this CPU? The bound beside the peers'
+medians.
 
 The peer benchmark (``benchmarks/peers/run.py``) compares median rounds of
 FedAvg on EMNIST-shaped writers (the 784-200-200-62 MLP, batch 20, one
@@ -124,18 +125,21 @@ def main():
     n = np.array(
       [r[0] for r in conn.execute('SELECT num_examples FROM federated_data')]
     )
-  steps = -(
-    -n // a.batch
-  )  # the project's steps: the last batch padded to a full one
+  # the project's steps: the last batch padded to a full one
+  steps = -(-n // a.batch)
   t_step = step_seconds(a.batch, a.cores)
   print(
-    f'{len(n)} writers, {n.min()}-{n.max()} examples (mean {n.mean():.1f}); batch {a.batch}: '
-    f'{steps.mean():.2f} steps a writer, {100 * (steps.sum() * a.batch / n.sum() - 1):.1f}% of their '
+    f'{len(n)} writers, {n.min()}-{n.max()} examples (mean {n.mean():.1f}); '
+    f'batch {a.batch}: '
+    f'{steps.mean():.2f} steps a writer, '
+    f'{100 * (steps.sum() * a.batch / n.sum() - 1):.1f}% of their '
     f'examples padding'
   )
   print(
-    f'one MLP step at batch {a.batch} in a scan, {a.cores} at once: {t_step * 1e3:.3f} ms; 1024^2 matmul '
-    f"{matmul_gflops():.0f} GFLOP/s (this process's cores); JAX {jax.__version__}"
+    f'one MLP step at batch {a.batch} in a scan, {a.cores} at once: '
+    f'{t_step * 1e3:.3f} ms; 1024^2 matmul '
+    f"{matmul_gflops():.0f} GFLOP/s (this process's cores); JAX "
+    f'{jax.__version__}'
   )
   medians = {}
   for path in a.peers:
@@ -163,7 +167,8 @@ def main():
         for k, v in sides.items()
       )
       print(
-        f'  {name}: FedJAX {fj * 1e3:.1f} ms: at most {fj / bound:.2f}x; {others}'
+        f'  {name}: FedJAX {fj * 1e3:.1f} ms: at most {fj / bound:.2f}x; '
+        f'{others}'
       )
 
 

@@ -31,7 +31,8 @@ VARIANTS = {
 
 
 class CNN(nn.Module):
-  """conv 32 3x3 - [BatchNorm] - relu - pool - conv 64 3x3 - [BatchNorm] - relu - pool -
+  """conv 32 3x3 - [BatchNorm] - relu - pool - conv 64 3x3 - [BatchNorm] - relu
+  - pool -
   dense 128 - [dropout] - output: a user's module in Flax's convention."""
 
   num_classes: int
@@ -52,7 +53,8 @@ class CNN(nn.Module):
 
 
 def emnist_shaped(num_clients: int, seed: int = 0):
-  """Clients of 28x28x1 images, 40-160 examples each (EMNIST writers' middle)."""
+  """Clients of 28x28x1 images, 40-160 examples each (EMNIST writers'
+  middle)."""
   rng = np.random.default_rng(seed)
   sizes = rng.integers(40, 161, num_clients)
   xs = [rng.random((n, 28, 28, 1), np.float32) for n in sizes]
@@ -130,8 +132,10 @@ def main():
         )
       )
   print(
-    f'{a.clients} EMNIST-shaped clients (40-160 examples), cohort {a.cohort}, batch 20, '
-    f'one epoch; executor {executor.describe()}; {jax.devices()[0].device_kind}; '
+    f'{a.clients} EMNIST-shaped clients (40-160 examples), cohort {a.cohort}, '
+    f'batch 20, '
+    f'one epoch; executor {executor.describe()}; '
+    f'{jax.devices()[0].device_kind}; '
     f'{a.rounds} rounds each, interleaved'
   )
   time_interleaved(runs, a.rounds)

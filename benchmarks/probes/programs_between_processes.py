@@ -7,7 +7,8 @@ clients vectorized (``vmap``), each running its SGD steps in a
 fresh Python process with JAX's persistent compilation cache already holding
 the executable (a second run of the same experiment):
 
-* ``jit``: trace, lower, then the cache's executable (``jit(f).lower(...).compile()``);
+* ``jit``: trace, lower, then the cache's executable
+(``jit(f).lower(...).compile()``);
 * ``export``: the program saved by ``jax.export`` in an earlier process,
   deserialized, then ``jit(exported.call).lower(...).compile()``, which the
   cache also serves.
@@ -102,14 +103,16 @@ def main():
     for mode in ('jit', 'export'):
       rows[mode].append(child(mode))
   print(
-    'form     seconds to a compiled program (each repeat)   trace   lower   cache load'
+    'form     seconds to a compiled program (each repeat)   trace   lower   '
+    'cache load'
   )
   for mode, rs in rows.items():
     mean = lambda k: sum(r.get(k, 0.0) for r in rs) / len(rs)
     each = ', '.join('%.3f' % r['seconds'] for r in rs)
     print(
       f'{mode:8s} {each:44s} '
-      f'{mean("jaxpr_trace_duration"):.3f}   {mean("jaxpr_to_mlir_module_duration"):.3f}   '
+      f'{mean("jaxpr_trace_duration"):.3f}   '
+      f'{mean("jaxpr_to_mlir_module_duration"):.3f}   '
       f'{mean("cache_retrieval_time_sec"):.3f}'
     )
 

@@ -1,4 +1,5 @@
-"""What the population store's checks cost (``core.population.store``: a CRC32 per
+"""What the population store's checks cost (``core.population.store``: a CRC32
+per
 1 MiB block of every file, checked the first time a read touches it, or
 all at once with ``--verify_store``).
 
@@ -74,23 +75,27 @@ def main():
   a = p.parse_args()
   if a.dry_run:
     print(
-      f'would time open, full check and {a.rounds} cohorts of {a.cohort_size} of {a.store}'
+      f'would time open, full check and {a.rounds} cohorts of {a.cohort_size} '
+      f'of {a.store}'
     )
     return
-  verify = child(
-    a.store, a.cohort_size, a.rounds, 'verify'
-  )  # also warms the page cache
+  # also warms the page cache
+  verify = child(a.store, a.cohort_size, a.rounds, 'verify')
   print(
-    f'{verify["clients"]:,} clients, {verify["gb"]:.2f} GB: open {verify["open_s"]:.3f} s, '
-    f'full check {verify["verify_s"]:.2f} s ({verify["gb"] / verify["verify_s"]:.2f} GB/s)'
+    f'{verify["clients"]:,} clients, {verify["gb"]:.2f} GB: open '
+    f'{verify["open_s"]:.3f} s, '
+    f'full check {verify["verify_s"]:.2f} s '
+    f'({verify["gb"] / verify["verify_s"]:.2f} GB/s)'
   )
   cold = child(a.store, a.cohort_size, a.rounds, 'lazy')
   warm = child(a.store, a.cohort_size, a.rounds, 'checked')
   c, w = cold['gather_s'], warm['gather_s']
   print(
-    f'cohort gathers of {a.cohort_size} (median of {a.rounds}): blocks checked on first '
+    f'cohort gathers of {a.cohort_size} (median of {a.rounds}): blocks checked '
+    f'on first '
     f'touch {1e3 * sorted(c)[len(c) // 2]:.1f} ms, blocks already checked '
-    f'{1e3 * sorted(w)[len(w) // 2]:.1f} ms; first {1e3 * c[0]:.1f} / {1e3 * w[0]:.1f} ms'
+    f'{1e3 * sorted(w)[len(w) // 2]:.1f} ms; first {1e3 * c[0]:.1f} / '
+    f'{1e3 * w[0]:.1f} ms'
   )
 
 

@@ -75,7 +75,8 @@ def main(work):
       fn(idx)
     ms = (time.perf_counter() - start) / REPEAT * 1e3
     print(
-      f'{name:38s} {ms:7.2f} ms per cohort of {COHORT} (cap {CAP}), RSS +{rss_mb() - before:.0f} MB'
+      f'{name:38s} {ms:7.2f} ms per cohort of {COHORT} (cap {CAP}), RSS '
+      f'+{rss_mb() - before:.0f} MB'
     )
 
 

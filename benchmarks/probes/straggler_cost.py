@@ -66,8 +66,10 @@ def main():
         )
       )
   print(
-    f'{a.clients} EMNIST-shaped clients (40-160 examples), cohort {a.cohort}, batch 20, '
-    f'{a.epochs} epochs; executor {executor.describe()}; {jax.devices()[0].device_kind}; '
+    f'{a.clients} EMNIST-shaped clients (40-160 examples), cohort {a.cohort}, '
+    f'batch 20, '
+    f'{a.epochs} epochs; executor {executor.describe()}; '
+    f'{jax.devices()[0].device_kind}; '
     f'{a.rounds} rounds each, interleaved'
   )
   time_interleaved(runs, a.rounds)

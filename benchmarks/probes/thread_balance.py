@@ -1,4 +1,5 @@
-"""Do the blocked executor's host threads finish together? Each thread's blocks, steps and seconds.
+"""Do the blocked executor's host threads finish together? Each thread's blocks,
+steps and seconds.
 
 The blocked executor on a CPU lays a cohort's clients out in blocks by their
 real steps and gives each host thread the same number of steps (longest
@@ -9,8 +10,10 @@ a step differ, a round waits for the slower one (the cores ran at
 different speeds, or a thread's clients cost more than their steps).
 
     python benchmarks/probes/thread_balance.py --skip=5 -- \\
-      --dataset=emnist --data_dir=/tmp/peers/emnist --model=mlp --cohort_size=10 \\
-      --batch_size=20 --client_lr=0.1 --rounds=40 --eval_every=0 --progress=false \\
+      --dataset=emnist --data_dir=/tmp/peers/emnist --model=mlp --cohort_size=10
+      \\
+      --batch_size=20 --client_lr=0.1 --rounds=40 --eval_every=0
+      --progress=false \\
       --output_dir=/tmp/balance --overwrite --plots=off
 """
 
@@ -27,11 +30,13 @@ from fedjax_personal.core import executors
 ROOT = os.path.dirname(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )
-ROUNDS = []  # per round: {'steps': [per thread], 'ms': [per thread], 'round_ms': ...}
+# per round: {'steps': [per thread], 'ms': [per thread], 'round_ms': ...}
+ROUNDS = []
 
 
 def _hook():
-  """Wraps the layout (each thread's steps) and the threads' calls (their ms)."""
+  """Wraps the layout (each thread's steps) and the threads' calls (their
+  ms)."""
   layout = executors.client_blocks
 
   def client_blocks(steps, active, bs, parts=1):
@@ -71,7 +76,8 @@ def report(skip: int):
   for r in rounds:
     per = [f'{m / max(s, 1):.3f}' for m, s in zip(r['ms'], r['steps'])]
     print(
-      f'steps {r["steps"]}, ms {[round(m, 1) for m in r["ms"]]}, ms a step {per}'
+      f'steps {r["steps"]}, ms {[round(m, 1) for m in r["ms"]]}, ms a step '
+      f'{per}'
     )
   ratio = [
     max(m / max(s, 1) for m, s in zip(r['ms'], r['steps']))
@@ -81,12 +87,17 @@ def report(skip: int):
   waited = [1 - np.mean(r['ms']) / max(r['ms']) for r in rounds]
   steps = [max(r['steps']) for r in rounds]
   print(
-    f"{len(rounds)} rounds (after {skip}): the slower thread's ms a step / the faster's: "
-    f'median {np.median(ratio):.2f} (max {max(ratio):.2f}); steps of the longer thread / '
-    f'the shorter: median {np.median([max(r["steps"]) / max(min(r["steps"]), 1) for r in rounds]):.2f}; '
-    f"a round's threads idle while waiting for the slower one: median {np.median(waited):.0%} "
+    f"{len(rounds)} rounds (after {skip}): the slower thread's ms a step / the "
+    f"faster's: "
+    f'median {np.median(ratio):.2f} (max {max(ratio):.2f}); steps of the '
+    f'longer thread / '
+    f'the shorter: median '
+    f'{np.median([max(r["steps"]) / max(min(r["steps"]), 1) for r in rounds]):.2f}; '
+    f"a round's threads idle while waiting for the slower one: median "
+    f'{np.median(waited):.0%} '
     f"of its time; the longer thread's ms a step: median "
-    f'{np.median([r["round_ms"] / s for r, s in zip(rounds, steps)]):.3f}; the threaded part of '
+    f'{np.median([r["round_ms"] / s for r, s in zip(rounds, steps)]):.3f}; the '
+    f'threaded part of '
     f'a round: median {np.median([r["round_ms"] for r in rounds]):.1f} ms'
   )
 

@@ -63,7 +63,8 @@ class WeightedShare(NamedTuple):
 
 
 def is_sum(x) -> bool:
-  """Whether ``x`` is a ``Sum`` (a quantity summed, not averaged, over the cohort).
+  """Whether ``x`` is a ``Sum`` (a quantity summed, not averaged, over the
+  cohort).
 
   Args:
     x: any pytree node.
@@ -102,7 +103,8 @@ def _lead(w, a):
 
 
 def upload_mean(total: Sum):
-  """``(sum_i w_i value_i / sum_i w_i, sum_i w_i)`` of a summed ``weighted_upload``
+  """``(sum_i w_i value_i / sum_i w_i, sum_i w_i)`` of a summed
+  ``weighted_upload``
   (zeros when no weight is positive).
 
   Args:

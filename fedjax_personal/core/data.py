@@ -164,9 +164,8 @@ class FederatedData:
       return None
     counts = np.stack(
       [
-        np.bincount(
-          y[i, : n[i]], minlength=self.num_classes
-        )  # padding at the end
+        # padding at the end
+        np.bincount(y[i, : n[i]], minlength=self.num_classes)
         for i in range(len(y))
       ]
     ).astype(np.float64)

@@ -109,12 +109,18 @@ class EngineConfig(Declared):
   matmul_precision: str = hparam(
     numerics.DEFAULT_MATMUL_PRECISION,
     'Precision of every float32 matmul and convolution of '
-    "the run, traced into what the engine compiles (JAX's own setting is left alone): "
-    'float32 (the default: the same numbers on every card), tf32 (TensorFloat-32 products, a '
-    "GPU's fast default), bf16x3 (three bfloat16 passes, near float32), bf16 (one bfloat16 "
-    "pass, a TPU's default), or JAX's default / high / highest (the command's default when "
-    'not given: $JAX_DEFAULT_MATMUL_PRECISION if set). On a CPU only float32 is accepted: '
-    'XLA:CPU computes float32 whatever the setting, so a reduced one would be recorded but not '
+    "the run, traced into what the engine compiles (JAX's own setting is left "
+    'alone): '
+    'float32 (the default: the same numbers on every card), tf32 '
+    '(TensorFloat-32 products, a '
+    "GPU's fast default), bf16x3 (three bfloat16 passes, near float32), bf16 "
+    '(one bfloat16 '
+    "pass, a TPU's default), or JAX's default / high / highest (the command's "
+    'default when '
+    'not given: $JAX_DEFAULT_MATMUL_PRECISION if set). On a CPU only float32 '
+    'is accepted: '
+    'XLA:CPU computes float32 whatever the setting, so a reduced one would be '
+    'recorded but not '
     'used. Recorded in the run identity.',
     choices=tuple(numerics.MATMUL_PRECISIONS),
   )
@@ -427,9 +433,8 @@ class RoundRunner:
       cohort's rows gathered into the state, the new ones scattered back."""
       cr, rows = client_rows, state.rows
       assert cr is not None  # hosted_rows: the algorithm has client rows
-      inner, ph = phase(
-        state.inner, key, rnd
-      )  # the phase never touches client rows
+      # the phase never touches client rows
+      inner, ph = phase(state.inner, key, rnd)
       cohort, train, val = self.feed.get(key, rnd)
       if next_key is not None:
         self.feed.request(next_key, rnd + 1)

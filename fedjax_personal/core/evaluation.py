@@ -235,7 +235,8 @@ def host_evaluation(
       fns[(finetune, length)] = ex.jit(run) if ex.fused else run
     return fns[(finetune, length)]
 
-  pooled = {}  # made at the first evaluation without fine-tuning (a structural choice)
+  # made at the first evaluation without fine-tuning (a structural choice)
+  pooled = {}
 
   def pooled_for(state):
     """``pooled_evaluation``'s function when every client of ``state`` uses
@@ -256,9 +257,8 @@ def host_evaluation(
     block = host.block
     if by_rows:
       rows = state.rows
-      block = rows_in_memory.rows_per_block(
-        rows, host.block
-      )  # the gathered rows bounded
+      # the gathered rows bounded
+      block = rows_in_memory.rows_per_block(rows, host.block)
     else:  # the models do not read hosted rows: the state without them serves
       state = state.inner if hosted_rows else state
       if (
@@ -421,13 +421,11 @@ def _pooled(
   back; ``read(r0, r1, rows)`` gives rows r0..r1 padded to ``rows``;
   ``traces`` (a Counter) counts the chunk program's traces."""
   total = int(counts.sum())
-  model = (
-    alg.model.forward_only()
-  )  # one pass a chunk, no loop: XLA's convolution on a CPU
+  # one pass a chunk, no loop: XLA's convolution on a CPU
+  model = alg.model.forward_only()
   ends = np.cumsum(counts)
-  client_of = lambda r: np.searchsorted(
-    ends, r, side='right'
-  )  # the client of row(s) r
+  # the client of row(s) r
+  client_of = lambda r: np.searchsorted(ends, r, side='right')
   params = jax.eval_shape(model.init, jax.random.key(0))
   sample = np.zeros((1,) + tuple(x_shape), x_dtype)
   out = jax.eval_shape(

@@ -98,7 +98,8 @@ def create_executor(
   if jax.process_count() > 1 and name not in ('auto', 'sharded'):
     raise ValueError(
       f'executor {name!r} runs on one process; with {jax.process_count()} '
-      'processes the client axis is sharded over all of them: use sharded or auto'
+      'processes the client axis is sharded over all of them: use sharded or '
+      'auto'
     )
   if name == 'auto':
     return _auto(model, sample_x, block_size, num_threads)
@@ -140,8 +141,10 @@ def _auto(model, sample_x, block_size, num_threads) -> Executor:
   ):
     ex = BlockedExecutor(block_size or 1, num_threads=threads)
     ex.reason = (
-      f'auto: convolutions on a CPU, clients in blocks of {ex.block_size} by their '
-      f'real steps (XLA:CPU runs vectorized convolutions slowly), {threads} host '
+      f'auto: convolutions on a CPU, clients in blocks of {ex.block_size} by '
+      f'their '
+      f'real steps (XLA:CPU runs vectorized convolutions slowly), {threads} '
+      f'host '
       'thread(s) sharing the blocks by work'
     )
     return ex

@@ -64,7 +64,8 @@ MakeContext = Callable[[Any, Any], tuple]
 
 
 def _no_rows_in_place(ex, rows_in_place) -> None:
-  """Refuses ``rows_in_place`` for an executor that does not write client rows."""
+  """Refuses ``rows_in_place`` for an executor that does not write client
+  rows."""
   if rows_in_place is not None:
     raise ValueError(f'{ex.name} does not write client rows in place')
 
@@ -349,7 +350,8 @@ class BlockedExecutor(Executor):
   ):
     """The threaded form of ``run_work``: the step counts (the engine's host
     counts, else one small compiled function) laid out in blocks on the host,
-    shared out by work (``client_blocks``), each thread's blocks one compiled call."""
+    shared out by work (``client_blocks``), each thread's blocks one compiled
+    call."""
     key = ('work', work, make_ctx)
     # one set of functions per (work, make_ctx): compiled once
     if key not in self._compiled:
@@ -362,9 +364,8 @@ class BlockedExecutor(Executor):
         ),
       )
     steps_fn, loop = self._compiled[key]
-    act = active_mask(
-      active, c, np
-    )  # host bools: no round trip through the device
+    # host bools: no round trip through the device
+    act = active_mask(active, c, np)
     steps = (
       np.asarray(steps_fn(shared, per_client, act))
       if num_steps is None

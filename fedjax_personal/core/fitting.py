@@ -54,7 +54,8 @@ def fit_memory(executor: Executor, need, free_bytes: Optional[int]) -> Executor:
     return executor
   ex = ShardedExecutor(block) if devices > 1 else BlockedExecutor(block)
   ex.reason = (
-    f'auto: the whole cohort does not fit the {free_bytes / (1 << 30):.1f} GB free, '
+    f'auto: the whole cohort does not fit the {free_bytes / (1 << 30):.1f} GB '
+    f'free, '
     f'blocks of {block} clients'
   )
   return ex
@@ -64,7 +65,8 @@ def fit_memory(executor: Executor, need, free_bytes: Optional[int]) -> Executor:
 #: cohort in blocks by work (``fit_work``). Measured on an H200, FedAvg on
 #: 3,400 EMNIST-shaped writers (mean 175 examples, capped at 256, batch 20),
 #: the McMahan CNN, a cohort of 500: the whole cohort vmapped 0.449-0.460
-#: s/round, blocks of 250 0.394, of 100 0.365, of 50 0.366 (benchmarks/speed/README.md, "On a GPU").
+#: s/round, blocks of 250 0.394, of 100 0.365, of 50 0.366
+#: (benchmarks/speed/README.md, "On a GPU").
 ACCELERATOR_WORK_BLOCK = 100
 #: ``fit_work`` blocks a cohort when the population's mean real local steps
 #: are below this share of its largest (over a fifth of a vmapped cohort's
@@ -101,8 +103,10 @@ def fit_work(executor: Executor, steps, cohort_size: int) -> Executor:
     return executor
   ex = BlockedExecutor(ACCELERATOR_WORK_BLOCK)
   ex.reason = (
-    f'auto: a heavy-tailed cohort of {cohort_size} on an accelerator (mean real steps '
-    f'{share:.0%} of the largest), clients in blocks of {ACCELERATOR_WORK_BLOCK} by '
+    f'auto: a heavy-tailed cohort of {cohort_size} on an accelerator (mean '
+    f'real steps '
+    f'{share:.0%} of the largest), clients in blocks of '
+    f'{ACCELERATOR_WORK_BLOCK} by '
     'their real steps'
   )
   return ex

@@ -199,6 +199,7 @@ def logits_loss(model: Model, logits, batch: Batch, state=None):
   Returns:
     ``(loss, LossStats)`` or ``(loss, StatsAndState)`` with ``state``.
   """
+  # no top-k
   stats = per_example_stats(
     logits,
     batch.y,
@@ -207,7 +208,7 @@ def logits_loss(model: Model, logits, batch: Batch, state=None):
     model.unscored_targets,
     0,
     model.unpredicted,
-  )  # no top-k
+  )
   loss = stats.loss_sum / model.loss_divisor(stats.count, batch.mask, batch.y)
   return loss, stats if state is None else StatsAndState(stats, state)
 

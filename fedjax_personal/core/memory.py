@@ -198,9 +198,8 @@ def estimate(algorithm, data, cohort_size: int) -> Need:
   shared = tree_bytes(shapes) - client_bytes * n
   model_bytes = tree_bytes(algorithm.model.param_shapes())
   batching = algorithm.client_work.batching
-  widest = getattr(
-    data.train, 'max_examples', None
-  )  # padded data; a Population has counts
+  # padded data; a Population has counts
+  widest = getattr(data.train, 'max_examples', None)
   if widest is None:
     widest = int(np.max(data.train.num_examples, initial=0))
   batch = batching.effective_batch_size(int(widest))
@@ -271,7 +270,8 @@ def block_size(
     'executor',
     f'a round needs {need.total(1, num_devices) / GB:.1f} GB per '
     f'device ({need.resident(num_devices) / GB:.1f} GB of state and stacked '
-    f'cohort outputs), the device has {free_bytes / GB:.1f} GB free: shard over '
+    f'cohort outputs), the device has {free_bytes / GB:.1f} GB free: shard '
+    f'over '
     f'{devices} devices or more, or a smaller cohort_size',
   )
 

@@ -48,13 +48,14 @@ PRESETS = (
   'all',
   'block:<i>',
 )
+# names used by ``models``
 INPUT_LAYERS = (
   'embed',
   'stem',
   'conv_0',
   'hidden_0',
   'dense_0',
-)  # names used by ``models``
+)
 
 
 def flatten(params) -> Dict[str, object]:
@@ -114,7 +115,8 @@ class ParamSplit:
       )
     if not shared and self.name != 'all':
       raise ValueError(
-        f'personal part {self.name!r} matches every parameter; nothing is shared'
+        f'personal part {self.name!r} matches every parameter; nothing is '
+        f'shared'
       )
 
 
@@ -132,9 +134,8 @@ def make_split(spec: str, params) -> ParamSplit:
   if variables:  # a model with batch statistics: its 'params' name the modules
     stats = flatten({c: v for c, v in params.items() if c != 'params'})
     params = params['params']
-  top = list(
-    params.keys()
-  )  # (pytree dict keys come sorted: order says nothing)
+  # (pytree dict keys come sorted: order says nothing)
+  top = list(params.keys())
   if spec == 'norm':
     normed = (
       {k.split('/', 1)[1].rsplit('/', 1)[0] for k in stats}
@@ -164,7 +165,8 @@ def make_split(spec: str, params) -> ParamSplit:
   elif spec == 'adapter':
     if not any('adapter' in p for p in flatten(params)):
       raise ValueError(
-        "personal part 'adapter': the model has no adapters (its adapter_dim is 0)"
+        "personal part 'adapter': the model has no adapters (its adapter_dim "
+        'is 0)'
       )
     pred = lambda p: any(
       'adapter' in part or part.startswith('norm') for part in p.split('/')

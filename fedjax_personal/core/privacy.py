@@ -116,7 +116,8 @@ class DPConfig(Declared):
   )
 
   def dp(self):
-    """(clip_norm, noise_multiplier) for ``training.sgd_client_work``, or None."""
+    """(clip_norm, noise_multiplier) for ``training.sgd_client_work``, or
+    None."""
     return (
       (self.dp_clip_norm, self.dp_noise_multiplier)
       if self.dp_clip_norm > 0

@@ -265,7 +265,8 @@ def round_functions(
     """The server's broadcast. A given ``cohort`` (the host layout's, drawn
     by ``system.draw_cohort`` from the same key) means the round's split arrays
     hold the cohort's rows in cohort order; without it they hold every client.
-    ``train`` (the round's training split) gives the system its clients' work."""
+    ``train`` (the round's training split) gives the system its clients'
+    work."""
     counts['pre'] += 1
     k_cohort, k_clients = jax.random.split(key)
     online = system_lib.available(devices, k_cohort, round_num, n_clients)
@@ -359,9 +360,8 @@ def round_functions(
         metrics.get(PARTICIPATED, True) & ~drawn_devices.lost
       )
       drawn = system_lib.system_metrics(drawn_devices, sampled.mask)
-    counted = cohort_counts(
-      alg, state, sampled, metrics, comm
-    )  # takes PARTICIPATED out
+    # takes PARTICIPATED out
+    counted = cohort_counts(alg, state, sampled, metrics, comm)
     return state, {**metrics, **counted, **drawn}
 
   def fused_pre_round(state, key, round_num, train, val):
@@ -403,9 +403,8 @@ def round_functions(
         active=cohort.mask,
         rows_in_place=(cr.output, 'state'),
       )
-      state = cr.put(
-        state, new_rows
-      )  # the outputs' field is None: post writes nothing
+      # the outputs' field is None: post writes nothing
+      state = cr.put(state, new_rows)
     else:
       outputs = ex.run_work(
         alg.client_work,

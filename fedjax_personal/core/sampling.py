@@ -109,7 +109,8 @@ class CohortSampler:
   eligible: Optional[int] = None
   tff_seed: Optional[int] = None
   rounds: int = 0
-  #: The ``tff_seed`` cohorts, [rounds, cohort_size] (set when made; not a field).
+  #: The ``tff_seed`` cohorts, [rounds, cohort_size] (set when made; not a
+  #: field).
   _schedule: ClassVar[Optional[np.ndarray]] = None
 
   @property
@@ -267,7 +268,8 @@ def tff_schedule(
   ).astype(np.int32)
 
 
-#: The multiplicative congruential (Lehmer, MINSTD) generator seeding each round.
+#: The multiplicative congruential (Lehmer, MINSTD) generator seeding each
+#: round.
 _LEHMER_MODULUS, _LEHMER_MULTIPLIER = 2**31 - 1, 16807
 
 

@@ -80,7 +80,8 @@ __all__ = [
   'Devices',
 ]
 
-#: What an algorithm does with a straggler's partial work (``AlgorithmSpec.partial_work``).
+#: What an algorithm does with a straggler's partial work
+#: (``AlgorithmSpec.partial_work``).
 PARTIAL_WORK = ('drop', 'keep')
 #: ``fold_in`` tag of the round's system draws (off the cohort's key).
 SYSTEM_DRAWS = 0x5157
@@ -384,7 +385,8 @@ def prepare(system: Devices, num_clients: int) -> ClientSystem:
       ):
         raise ValueError(
           f'{system.availability_trace}: rows of {trace.shape[-1]} values; the '
-          f'data has {num_clients} clients: one 0/1 per client, one row per round'
+          f'data has {num_clients} clients: one 0/1 per client, one row per '
+          f'round'
         )
       if not trace.any():
         raise ValueError(
@@ -460,7 +462,8 @@ def draw(
   max_examples: int = 1,
   idx=None,
 ) -> RoundSystem:
-  """The round's stragglers, work limits, deadline and lost uploads (module doc).
+  """The round's stragglers, work limits, deadline and lost uploads (module
+  doc).
 
   Args:
     system: the ``ClientSystem`` (or a ``SystemConfig`` without files).
@@ -488,9 +491,8 @@ def draw(
   rank = jnp.argsort(jnp.argsort(u))
   straggler = mask & (rank >= full)
   e = full_work(batching)
-  partial = jax.random.randint(
-    k_work, (c,), 1, max(e, 2)
-  )  # np.random.randint(1, E)
+  # np.random.randint(1, E)
+  partial = jax.random.randint(k_work, (c,), 1, max(e, 2))
   before = mask & (jax.random.uniform(k_before, (c,)) < config.drop_before)
   after = mask & (jax.random.uniform(k_after, (c,)) < config.drop_after)
   full_limit: int | jax.Array = _UNLIMITED
@@ -522,9 +524,8 @@ def draw(
   if counts is not None:
     worked = jnp.where(mask & ~lost, steps / speed, 0.0)
     time = jnp.max(worked, initial=0.0)
-    ran = jnp.where(
-      limit == 0, 0, steps
-    )  # a client that does no work (lost anyway) runs none
+    # a client that does no work (lost anyway) runs none
+    ran = jnp.where(limit == 0, 0, steps)
     work = jnp.sum(jnp.where(mask, ran, 0)).astype(jnp.int32)
   return RoundSystem(
     straggler, limit.astype(jnp.int32), lost, cap, time, None, work
@@ -585,7 +586,8 @@ def without(cohort: Cohort, lost, num_clients: int) -> Cohort:
 
 
 def system_metrics(system: RoundSystem, mask) -> dict:
-  """The round's ``stragglers`` and ``uploads_lost`` (counts of sampled clients).
+  """The round's ``stragglers`` and ``uploads_lost`` (counts of sampled
+  clients).
 
   Args:
     system: the round's ``RoundSystem``.

@@ -380,7 +380,8 @@ def run_work(work: ClientWork, ctx: ClientContext, key, limit=None):
   return work.final(ctx, carry)
 
 
-# -- local SGD ------------------------------------------------------------------
+# -- local SGD
+# ------------------------------------------------------------------
 
 
 @struct.dataclass

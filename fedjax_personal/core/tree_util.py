@@ -60,7 +60,8 @@ def tree_where(cond, x: PyTree, y: PyTree) -> PyTree:
 
 
 def tree_gather(x: PyTree, idx) -> PyTree:
-  """x[idx] on the leading (client) axis of every leaf; out-of-range idx clipped.
+  """x[idx] on the leading (client) axis of every leaf; out-of-range idx
+  clipped.
 
   Args:
     x: a stacked pytree [N, ...].

@@ -64,14 +64,15 @@ _SPATIAL = {'NHWC': (1, 2), 'CNHW': (2, 3)}
 # slices only cost time: LeNet-5's first layer on MNIST, 2.5 MB, ran 0.6 ms
 # untiled against 1.6 ms in 2 MiB chunks), and then into chunks of at most
 # TILE_BYTES (the CIFAR CNN's second layer, 52 MB: 72 ms untiled, 43 ms in
-# 2 MiB chunks, 39 ms in 4-8 MiB chunks, forward and backward; benchmarks/speed/README.md,
-# "Against the PyTorch loop").
+# 2 MiB chunks, 39 ms in 4-8 MiB chunks, forward and backward;
+# benchmarks/speed/README.md, "Against the PyTorch loop").
 TILE_BYTES = 4 << 20
 TILE_MIN_BYTES = 16 << 20
 
 
 def resolve_conv_impl(impl: str) -> str:
-  """``auto`` -> ``tiled`` on a CPU (benchmarks/speed/README.md, "Against the PyTorch loop"),
+  """``auto`` -> ``tiled`` on a CPU (benchmarks/speed/README.md, "Against the
+  PyTorch loop"),
   ``matmul`` on a GPU or TPU: a convolution vmapped over clients becomes one
   grouped convolution there (a group per client), whose kernels collapse as
   the cohort grows (benchmarks/speed/README.md, "On a GPU": 6.7x slower for
@@ -295,9 +296,8 @@ def conv_as_matmul(
   xs = jnp.moveaxis(
     x.reshape(x.shape[:bx] + (b // chunk, chunk) + x.shape[bx + 1 :]), bx, 0
   )
-  ys = jnp.moveaxis(
-    jax.lax.map(jax.checkpoint(chunk_out), xs), 0, bx
-  )  # chunks, then chunk
+  # chunks, then chunk
+  ys = jnp.moveaxis(jax.lax.map(jax.checkpoint(chunk_out), xs), 0, bx)
   return ys.reshape(ys.shape[:bx] + (b,) + ys.shape[bx + 2 :])
 
 
@@ -507,7 +507,8 @@ def _strided_max_pool_jvp(spec, primals, tangents):
 
 
 class Dense(nn.Module):
-  """``nn.Dense`` (same parameter names and shapes, and for ``convention='flax'``
+  """``nn.Dense`` (same parameter names and shapes, and for
+  ``convention='flax'``
   the same values and outputs) whose kernel and bias follow the
   initialisation convention ``init``: a PyTorch bias needs the layer's
   fan-in, which ``nn.Dense``'s ``bias_init`` is not given. ``zero_kernel``

@@ -84,9 +84,8 @@ def _lstm_sequence_fwd(x, w_in, w_rec, bias):
 def _lstm_sequence_bwd(res, dh_out):
   x, w_in, w_rec, hs, cs, gates, tanh_cs = res
   steps, batch, hidden = hs.shape
-  before = lambda a: jnp.concatenate(
-    [jnp.zeros_like(a[:1]), a[:-1]], 0
-  )  # state at t - 1
+  # state at t - 1
+  before = lambda a: jnp.concatenate([jnp.zeros_like(a[:1]), a[:-1]], 0)
 
   def step(carry, inputs):
     dh_next, dc_next = carry

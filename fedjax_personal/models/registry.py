@@ -167,7 +167,8 @@ REFERENCE = {
     'pytorch',
   ),
   'fedfomo_cnn': (
-    "FedFomo (Zhang et al.), federated/network.py TFConvNet, the code's default "
+    "FedFomo (Zhang et al.), federated/network.py TFConvNet, the code's "
+    'default '
     '--arch: conv 32, 64, 64 @3x3 valid, dense 64 (PyTorch)',
     'pytorch',
   ),
@@ -197,7 +198,8 @@ REFERENCE = {
     'keras',
   ),
   'lstm_lm': (
-    'Adaptive Federated Optimization (Reddi et al.), its Stack Overflow next-word '
+    'Adaptive Federated Optimization (Reddi et al.), its Stack Overflow '
+    'next-word '
     'LSTM as TFF builds it: embedding 96, LSTM 670, dense 96, output (Keras)',
     'keras',
   ),
@@ -264,7 +266,8 @@ REFERENCE = {
 }
 
 
-#: What a model's training loss on a batch is divided by (``Model.loss_denominator``),
+#: What a model's training loss on a batch is divided by
+#: (``Model.loss_denominator``),
 #: where not each counted target ('targets').
 LOSS_DENOMINATORS = {
   'fedjax_lstm_lm': 'examples',

@@ -37,7 +37,8 @@ class BatchNorm(nn.Module):
 
   momentum: float = 0.1
   epsilon: float = 1e-5
-  #: The engine gives it the batch's real examples as ``mask`` (``models.model``).
+  #: The engine gives it the batch's real examples as ``mask``
+  #: (``models.model``).
   masks_examples = True
 
   @nn.compact

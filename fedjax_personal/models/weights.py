@@ -173,8 +173,10 @@ def load(path: str, model, sample_x) -> dict:
       if missing:
         _fail(
           path,
-          f'holds Keras weights {sorted(got, key=lambda k: int(k[4:]))[:4]}... without '
-          f'{missing[0]}: np.savez(path, *model.get_weights()) numbers every weight from 0',
+          f'holds Keras weights {sorted(got, key=lambda k: int(k[4:]))[:4]}... '
+          f'without '
+          f'{missing[0]}: np.savez(path, *model.get_weights()) numbers every '
+          f'weight from 0',
         )
       return _from_keras(
         path, [got[f'arr_{i}'] for i in range(len(got))], template
@@ -188,8 +190,10 @@ def load(path: str, model, sample_x) -> dict:
     return _from_torch(path, template, flat_shape)
   _fail(
     path,
-    f'unknown format {ext!r}: give a .npz (Flax parameter paths as keys, a Keras '
-    "model's get_weights() saved by np.savez, or a Haiku parameter dict as module/name keys) "
+    f'unknown format {ext!r}: give a .npz (Flax parameter paths as keys, a '
+    f'Keras '
+    "model's get_weights() saved by np.savez, or a Haiku parameter dict as "
+    'module/name keys) '
     'or a PyTorch state dict (.pt or .pth)',
   )
 
@@ -215,19 +219,22 @@ def _from_npz(path, template, got) -> dict:
     if tuple(got[name].shape) != tuple(a.shape):
       _fail(
         path,
-        f'layer {name} is {list(got[name].shape)} in the file, {list(a.shape)} in '
+        f'layer {name} is {list(got[name].shape)} in the file, {list(a.shape)} '
+        f'in '
         'the model',
       )
   extra = [k for k in got if k not in want]
   if extra:
     _fail(
       path,
-      f'holds {extra[0]} {list(got[extra[0]].shape)}, which the model does not have',
+      f'holds {extra[0]} {list(got[extra[0]].shape)}, which the model does not '
+      f'have',
     )
   return _unflatten({k: got[k] for k in want})
 
 
-# -- Keras weights (get_weights order) -------------------------------------------
+# -- Keras weights (get_weights order)
+# -------------------------------------------
 
 
 def _keras_layer(flayer, arrays) -> Tuple[int, Dict[str, np.ndarray]]:
@@ -278,7 +285,8 @@ def _from_keras(path, arrays, template) -> dict:
       held = [list(np.shape(a)) for a in arrays[at : at + 3]]
       _fail(
         path,
-        f"Keras weights: the model's layer {i + 1}, {fname} {_shape(flayer)}, does "
+        f"Keras weights: the model's layer {i + 1}, {fname} {_shape(flayer)}, "
+        f'does '
         f"not fit the file's next weights (arr_{at}.. {held})",
       )
     flat.update({f'{fname}/{k}': v for k, v in conv.items()})
@@ -292,7 +300,8 @@ def _from_keras(path, arrays, template) -> dict:
   return _unflatten({k: flat[k] for k in flat_params(template)})
 
 
-# -- Haiku parameters (FedJAX's models) ---------------------------------------------
+# -- Haiku parameters (FedJAX's models)
+# ---------------------------------------------
 
 _HAIKU_LEAVES = {'w', 'b', 'embeddings'}
 _HAIKU_MODULE = re.compile(
@@ -325,7 +334,8 @@ def _haiku_layers(
     modules.setdefault(module, {})[leaf] = a
   by_kind: Dict[str, list] = {}
   for module, leaves in modules.items():
-    inner = module  # inside a module of the user's own (hk.Module subclasses nest their names)
+    # inside a module of the user's own (hk.Module subclasses nest their names)
+    inner = module
     m = _HAIKU_MODULE.fullmatch(inner)
     while m is None and '/' in inner:
       inner = inner.split('/', 1)[1]
@@ -346,7 +356,8 @@ def _haiku_layers(
 
 
 def _haiku_layer(flayer, leaves) -> Optional[Dict[str, np.ndarray]]:
-  """One Haiku module in the layout of the Flax layer (None if it does not fit)."""
+  """One Haiku module in the layout of the Flax layer (None if it does not
+  fit)."""
   if 'ii' in flayer:
     h, d_in = flayer['hi']['kernel'].shape[0], flayer['ii']['kernel'].shape[0]
     w, b = leaves.get('w'), leaves.get('b')
@@ -388,14 +399,16 @@ def _from_haiku(path, got, template) -> dict:
       _fail(
         path,
         f'Haiku parameters: {len(held)} {kind} layer(s) in the file '
-        f'({[n for n, _ in held]}), {len(mine)} in the model ({[n for n, _ in mine]})',
+        f'({[n for n, _ in held]}), {len(mine)} in the model '
+        f'({[n for n, _ in mine]})',
       )
     for (fname, flayer), (hname, leaves) in zip(mine, held):
       conv = _haiku_layer(flayer, leaves)
       if conv is None:
         _fail(
           path,
-          f"Haiku parameters: {hname} {_shape(leaves)} does not fit the model's "
+          f'Haiku parameters: {hname} {_shape(leaves)} does not fit the '
+          f"model's "
           f'{fname} {_shape(flayer)}',
         )
       flat.update(
@@ -404,7 +417,8 @@ def _from_haiku(path, got, template) -> dict:
   return _unflatten({k: flat[k] for k in flat_params(template)})
 
 
-# -- PyTorch state dicts ---------------------------------------------------------
+# -- PyTorch state dicts
+# ---------------------------------------------------------
 
 _LSTM_KEY = re.compile(r'^(.*)\.(weight|bias)_(ih|hh)_l(\d+)$')
 
@@ -456,7 +470,8 @@ def _shape(d):
 def _convert(
   flayer, tlayer, flat_shape, after_conv
 ) -> Optional[Dict[str, np.ndarray]]:
-  """One torch layer in the Flax layout of ``flayer`` (None if it does not fit)."""
+  """One torch layer in the Flax layout of ``flayer`` (None if it does not
+  fit)."""
   if 'ii' in flayer:  # an LSTM cell
     if set(tlayer) != {'weight_ih', 'weight_hh', 'bias_ih', 'bias_hh'}:
       return None
@@ -541,7 +556,8 @@ def _from_torch(path, template, flat_shape) -> dict:
   except ImportError:
     _fail(
       path,
-      'reading a PyTorch state dict needs torch (pip install torch), or save the '
+      'reading a PyTorch state dict needs torch (pip install torch), or save '
+      'the '
       'weights as .npz',
     )
   try:

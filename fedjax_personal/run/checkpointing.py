@@ -234,9 +234,8 @@ def save(
       mngr.save(round_num, args=ocp.args.Composite(**items))
       mngr.wait_until_finished()
     except Exception as e:  # noqa: BLE001 -- Orbax wraps OS errors in several types
-      _discard_partial(
-        directory
-      )  # the last complete checkpoint stays the latest
+      # the last complete checkpoint stays the latest
+      _discard_partial(directory)
       row_checkpoints.discard(directory, manifest)
       if faults.storage_reason(e) is None:
         raise
@@ -248,7 +247,9 @@ def save(
   ):
     row_checkpoints.committed(state)
     kept = {step: rows_manifest_of(mngr, step) for step in mngr.all_steps()}
-    try:  # (a state saved whole after rows in files: their folder goes with the last step)
+    # (a state saved whole after rows in files: their folder goes with the last
+    # step)
+    try:
       row_checkpoints.fold(directory, kept, state)
     except (
       OSError

@@ -100,7 +100,8 @@ def main(argv):
     if isinstance(e, StoreDamaged) and p.checkpoint_round:
       e = e.then(
         'run the same command with --resume '
-        f'(the checkpoint of round {p.checkpoint_round} of {p.algorithm} is kept in '
+        f'(the checkpoint of round {p.checkpoint_round} of {p.algorithm} is '
+        f'kept in '
         f'{p.checkpoint_dir})'
       )
     _fail(e, faults.EXIT_CONFIG)
@@ -145,9 +146,8 @@ def main(argv):
       _fail(faults.storage_error(name, e), faults.EXIT_STORAGE)
     reason = faults.lost_process_reason(e) if distributed.active() else None
     if reason:
-      time.sleep(
-        4 * distributed.POLL_SECONDS
-      )  # the lost one's heartbeat goes stale
+      # the lost one's heartbeat goes stale
+      time.sleep(4 * distributed.POLL_SECONDS)
       silent = distributed.silent_processes()
       reason = f'{silent} stopped answering: {reason}' if silent else reason
       _fail(

@@ -66,9 +66,8 @@ __all__ = [
   'SHARED_FLAGS_MODULE',
 ]
 
-FLAGS = (
-  flags.FLAGS
-)  # where the flags are declared; read by the entry alone (``read``)
+# where the flags are declared; read by the entry alone (``read``)
+FLAGS = flags.FLAGS
 
 #: The run's settings classes and their ``--helpfull`` groups, in the order
 #: the help lists them; every flag of the command but the training,
@@ -104,7 +103,8 @@ MAIN_JOB_DEFAULTS = {
   'data_seed': None,
   'val_fraction': None,
 }
-#: The validation share when an algorithm needs one and --val_fraction is not given.
+#: The validation share when an algorithm needs one and --val_fraction is not
+#: given.
 DEFAULT_VAL_FRACTION = 0.1
 SHARED_FLAGS_MODULE = (
   'fedjax_personal: shared training settings (every algorithm)'
@@ -216,7 +216,8 @@ class _Flags:
     )
 
   def fields(self, cls) -> dict:
-    """{field: value} of ``cls``'s fields that have a flag (comma lists as tuples)."""
+    """{field: value} of ``cls``'s fields that have a flag (comma lists as
+    tuples)."""
     types = field_types(cls)
     out = {}
     for f in flag_fields(cls):
@@ -278,7 +279,8 @@ def read(flag_values: Optional[flags.FlagValues] = None) -> RunSettings:
   ):
     raise ConfigError(
       'availability' if system.availability < 1 else 'availability_trace',
-      'does nothing with --cohort_sampler=tff (its schedule draws every client)',
+      'does nothing with --cohort_sampler=tff (its schedule draws every '
+      'client)',
     )
   for a in algorithms:
     for setting, problem in system.problems(a.training.batching())[:1]:
@@ -407,9 +409,8 @@ def resolve_algorithms(
     fields['client_lr_schedule'] == 'linear'
     and fields['client_lr_horizon'] is None
   ):
-    fields['client_lr_horizon'] = (
-      experiment.rounds
-    )  # the 'linear' schedule spans --rounds
+    # the 'linear' schedule spans --rounds
+    fields['client_lr_horizon'] = experiment.rounds
   training = TrainingConfig(**fields)
   configs = {cls: fl.make(cls) for cls in algorithms_lib.config_classes()}
   specs = [algorithms_lib.spec(n) for n in names]

@@ -85,8 +85,10 @@ class DistributedSettings(Declared):
 
   coordinator_address: Optional[str] = hparam(
     None,
-    'Several processes (one per host, or several on one machine): host:port of process '
-    '0 (default: $JAX_COORDINATOR_ADDRESS; on a SLURM / Open MPI allocation JAX finds the '
+    'Several processes (one per host, or several on one machine): host:port of '
+    'process '
+    '0 (default: $JAX_COORDINATOR_ADDRESS; on a SLURM / Open MPI allocation '
+    'JAX finds the '
     'launch settings itself).',
   )
   num_processes: Optional[int] = hparam(
@@ -225,19 +227,23 @@ def initialize(launch: Optional[dict], timeout: int = 60) -> None:
   _start_watchdog()
 
 
-#: Seconds JAX's own time-outs wait beyond ours (ours report first, in one line).
+#: Seconds JAX's own time-outs wait beyond ours (ours report first, in one
+#: line).
 JAX_GRACE_SECONDS = 15
 
 
 def _never_joined(pid, n, address, timeout) -> None:
   if pid == 0:
     what = (
-      f'the other processes of {n} did not all join the coordinator at {address} within '
-      f'{timeout} s; start each with the same command and its --process_id (1..{n - 1 if isinstance(n, int) else "?"})'
+      f'the other processes of {n} did not all join the coordinator at '
+      f'{address} within '
+      f'{timeout} s; start each with the same command and its --process_id '
+      f'(1..{n - 1 if isinstance(n, int) else "?"})'
     )
   else:
     what = (
-      f'the run did not start within {timeout} s: not every process of {n} joined the '
+      f'the run did not start within {timeout} s: not every process of {n} '
+      f'joined the '
       f'coordinator at {address}; start the missing ones with the same command'
     )
   print(
@@ -347,7 +353,8 @@ def _start_watchdog():
       except Exception:  # the coordinator does not answer
         if now - reached > timeout and not _STOP.is_set():
           _lost(
-            f'the coordinator (process 0 at {_STATE.get("address")}) stopped answering '
+            f'the coordinator (process 0 at {_STATE.get("address")}) stopped '
+            f'answering '
             f'{timeout} s ago'
           )
         continue
@@ -382,7 +389,8 @@ def _start_watchdog():
               pass
         elif pid in last_seen and now - last_seen[pid][1] > timeout:
           _lost(
-            f'{describe(pid)} has been silent for {timeout} s (killed, or its machine gone)'
+            f'{describe(pid)} has been silent for {timeout} s (killed, or its '
+            f'machine gone)'
           )
 
   thread = threading.Thread(

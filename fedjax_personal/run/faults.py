@@ -204,8 +204,10 @@ def finished_line(output_dir: Optional[str] = None) -> Optional[str]:
     return None
   name = 'interrupted' if _REQUEST['signal'] == signal.SIGINT else 'terminated'
   return (
-    f'{name} after the last round of {PROGRESS.algorithm}: every algorithm finished and '
-    f'its results are written in {output_dir or PROGRESS.output_dir or "the output folder"}; '
+    f'{name} after the last round of {PROGRESS.algorithm}: every algorithm '
+    f'finished and '
+    f'its results are written in '
+    f'{output_dir or PROGRESS.output_dir or "the output folder"}; '
     'nothing to resume'
   )
 
@@ -241,7 +243,8 @@ def share_stop_requests(agree) -> None:
 #: Seconds a signal waits for the interpreter to take it (the main thread
 #: may be inside a long computation, a compile or an allocation that returns
 #: to Python late or never): a first one asks to stop after the round in
-#: progress and is given ``FIRST_SIGNAL_GRACE``, a second ``SECOND_SIGNAL_GRACE``;
+#: progress and is given ``FIRST_SIGNAL_GRACE``, a second
+#: ``SECOND_SIGNAL_GRACE``;
 #: past them the process ends at once, keeping its last checkpoint.
 FIRST_SIGNAL_GRACE, SECOND_SIGNAL_GRACE = 20.0, 2.0
 
@@ -398,11 +401,13 @@ def interrupted(during_round: bool = False) -> Interrupted:
   return Interrupted(f'{name} {at}; {kept()}', EXIT_SIGNAL[signum])
 
 
-# -- host limits ----------------------------------------------------------------
+# -- host limits
+# ----------------------------------------------------------------
 
 #: Below this address-space limit (``ulimit -v``) a command refuses to start:
 #: JAX's runtime and its threads' reservations need about 0.9 GB on a
-#: 2-core x86 machine with malloc's arenas limited (``fit_address_space_limit``),
+#: 2-core x86 machine with malloc's arenas limited
+#: (``fit_address_space_limit``),
 #: and past that the failures (a thread that cannot start, XLA's abort) are
 #: not all catchable.
 LEAST_ADDRESS_SPACE = 1 << 30
@@ -429,14 +434,14 @@ def fit_address_space_limit() -> None:
     raise HostLimitError(
       'ulimit -v',
       f'the process may use {limit / 2**30:.2f} GB of address space; '
-      f"JAX's runtime needs {LEAST_ADDRESS_SPACE / 2**30:.0f} GB at least: raise "
+      f"JAX's runtime needs {LEAST_ADDRESS_SPACE / 2**30:.0f} GB at least: "
+      f'raise '
       'the limit (ulimit -v), or bound memory with a cgroup instead '
       '(systemd-run --scope -p MemoryMax=...)',
     )
   try:
-    ctypes.CDLL(None).mallopt(
-      -8, 2
-    )  # M_ARENA_MAX (glibc); elsewhere a no-op or absent
+    # M_ARENA_MAX (glibc); elsewhere a no-op or absent
+    ctypes.CDLL(None).mallopt(-8, 2)
   except (OSError, AttributeError):
     pass
 
@@ -477,7 +482,8 @@ def out_of_address_space(exc: BaseException) -> bool:
   )
 
 
-# -- storage --------------------------------------------------------------------
+# -- storage
+# --------------------------------------------------------------------
 
 STORAGE_ERRNOS = {
   errno.ENOSPC: 'No space left on device',
@@ -531,7 +537,8 @@ def storage_error(what: str, exc: BaseException) -> StorageError:
   )
 
 
-# -- lost processes ---------------------------------------------------------------
+# -- lost processes
+# ---------------------------------------------------------------
 
 _LOST = re.compile(
   r'gloo|connection (reset|closed|refused)|another task|heartbeat|'

@@ -145,9 +145,8 @@ def load_data(s: RunSettings) -> LoadedData:
     fingerprint = store.digest
   else:  # built in memory, unpadded (padded only if the device layout holds it)
     store = load_store(cfg)
-    fingerprint = run_identity.padded_fingerprint(
-      store
-    )  # as earlier runs': padded arrays'
+    # as earlier runs': padded arrays'
+    fingerprint = run_identity.padded_fingerprint(store)
   if inputs.client_ids:
     store = loading.chosen_clients(store, inputs.client_ids)
     fingerprint = store.digest
@@ -461,7 +460,8 @@ def decide_layout(
       raise ConfigError(
         'num_processes',
         'several processes run on the device layout, where this '
-        f'population padded to its widest client needs {need / placement.GB:.1f} '
+        f'population padded to its widest client needs '
+        f'{need / placement.GB:.1f} '
         f'GB, {free / placement.GB:.1f} GB free: run on one process (the host '
         'layout), or give --max_client_examples / --num_clients',
       )
@@ -540,7 +540,8 @@ def _rows_on_disk(
   if on_disk:
     for name, nbytes in rows.items():
       say(
-        f'  {name}: client rows{times} ({nbytes / placement.GB:.3f} GB if all made) in files, '
+        f'  {name}: client rows{times} ({nbytes / placement.GB:.3f} GB if all '
+        f'made) in files, '
         f'each written when its client first trains ({why})'
       )
     return True
@@ -564,7 +565,8 @@ def _rows_on_disk(
         + ' or a smaller model, or --client_state=disk',
       )
     say(
-      f'  {name}: client rows{times} ({nbytes / placement.GB:.3f} GB) on the host'
+      f'  {name}: client rows{times} ({nbytes / placement.GB:.3f} GB) on the '
+      f'host'
     )
   return False
 

@@ -130,7 +130,8 @@ def main_job(settings: RunSettings) -> Dict[str, dict]:
         built.alg, settings.experiment.sampler(job.data), job.data, job.system
       )
     print(
-      f'dry run: {len(job.algs)} algorithm(s) built and their rounds traced; nothing '
+      f'dry run: {len(job.algs)} algorithm(s) built and their rounds traced; '
+      f'nothing '
       'trained or written'
     )
     return {}
@@ -150,7 +151,8 @@ def main_job(settings: RunSettings) -> Dict[str, dict]:
             raise
           failed.append(line)
           say(f'{line}; the other algorithms go on')
-    finally:  # also when a later algorithm fails: the finished ones keep their table
+    # also when a later algorithm fails: the finished ones keep their table
+    finally:
       table = write_comparison(job, results)
   finally:
     run_identity.unlock(job.output_dir)
@@ -189,12 +191,13 @@ def set_up(s: RunSettings) -> Job:
   )
   faults.PROGRESS.output_dir = output_dir
   cap = s.inputs.max_client_examples
+  # the run's client rows in its folder
   data = place_data(
     loaded,
     layout,
     cap,
     os.path.join(output_dir, 'client_rows') if layout.rows_on_disk else None,
-  )  # the run's client rows in its folder
+  )
   job = Job(
     s,
     s.configurations(),
@@ -226,14 +229,16 @@ def _announce(job: Job) -> None:
   )
   why = f' ({job.executor.reason})' if job.executor.reason else ''
   say(
-    f'executor: {job.executor.describe()} on {jax.default_backend()}{why}; outputs in '
+    f'executor: {job.executor.describe()} on {jax.default_backend()}{why}; '
+    f'outputs in '
     f'{job.output_dir}'
   )
   if job.cfgs is not None:
     say(
       f'{len(job.cfgs)} configurations per algorithm, '
       + (
-        'one after another on the host layout, the configurations of one seed sharing each '
+        'one after another on the host layout, the configurations of one seed '
+        'sharing each '
         "round's cohort gather"
         if job.layout == 'host'
         else 'each algorithm one compiled program'
@@ -338,14 +343,14 @@ def claim_and_restore(job: Job) -> Mapping[str, Tuple[Any, Optional[tuple]]]:
   out, rounds = job.settings.output, job.settings.experiment.rounds
   resume = out.resume or out.resume_if_found
   identities = {b.settings.name: b.identity for b in job.algs}
-  started = False  # --resume of a run that began here: algorithms it never reached start
+  # --resume of a run that began here: algorithms it never reached start
+  started = False
   if resume:
     started = run_identity.repaired(job.output_dir, {'algorithms': identities})
     run_identity.check_process_count(job.output_dir)
   if distributed.is_primary():
-    run_identity.lock(
-      job.output_dir
-    )  # held until the job ends (main_job unlocks)
+    # held until the job ends (main_job unlocks)
+    run_identity.lock(job.output_dir)
     run_identity.claim(
       job.output_dir, {'algorithms': identities}, out.overwrite, resume
     )
@@ -546,7 +551,8 @@ def train_algorithm(
     if empty:
       summary['rounds_without_clients'] = empty
       say(
-        f'{alg_name}: no client took part in {empty} of its {len(history)} rounds'
+        f'{alg_name}: no client took part in {empty} of its {len(history)} '
+        f'rounds'
       )
     if ignored:
       summary['ignored_settings'] = list(ignored)
@@ -578,7 +584,8 @@ def train_algorithm(
       )
       + f' ({summary["train_seconds"]:.1f} s of rounds, the first '
       f'{summary.get("first_round_seconds", 0):.1f} s; compiling '
-      f'{summary["compile_seconds"]:.1f} s, {programs} programs, {hits} from the cache)'
+      f'{summary["compile_seconds"]:.1f} s, {programs} programs, {hits} from '
+      f'the cache)'
       + (
         f', epsilon {summary["dp_epsilon"]:.2f} at delta {e.dp_delta:g}'
         if 'dp_epsilon' in summary
@@ -653,8 +660,10 @@ def write_comparison(job: Job, results: Results) -> Dict[str, dict]:
   window = reporting.table_window(table)
   say('')
   say(
-    f'{job.population.name}, {s.model.model}, {e.rounds} rounds: per-client test accuracy at the '
-    f'last evaluation and averaged over the last {window} (@last{window}){trials}'
+    f'{job.population.name}, {s.model.model}, {e.rounds} rounds: per-client '
+    f'test accuracy at the '
+    f'last evaluation and averaged over the last {window} '
+    f'(@last{window}){trials}'
   )
   say(reporting.format_table(table))
   if e.paper_metric is not None:

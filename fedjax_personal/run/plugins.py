@@ -204,7 +204,8 @@ def _note_shadowed(module) -> None:
     if os.path.isfile(beside) and used != beside:
       print(
         f'note: {os.path.basename(module.__file__)} imports {name}, which is '
-        f"{used or 'built in'}, not {beside} beside it (Python's own comes first: rename "
+        f"{used or 'built in'}, not {beside} beside it (Python's own comes "
+        f'first: rename '
         'yours)',
         file=sys.stderr,
         flush=True,

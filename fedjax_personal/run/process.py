@@ -61,8 +61,10 @@ def open_compilation_cache(choice) -> None:
       compilation.disable()
       if distributed.is_primary():
         print(
-          f'compilation cache: {choice} cannot be written ({e.strerror or e}); compiling '
-          'without it (the numbers are the same; give a writable folder, or off)',
+          f'compilation cache: {choice} cannot be written ({e.strerror or e}); '
+          f'compiling '
+          'without it (the numbers are the same; give a writable folder, or '
+          'off)',
           file=sys.stderr,
           flush=True,
         )
@@ -72,7 +74,8 @@ def open_compilation_cache(choice) -> None:
   if where:
     entries, nbytes = compilation.size(where)
     say(
-      f'compilation cache: {where} ({entries} entries, {nbytes / 2**20:.0f} MB, bounded to '
+      f'compilation cache: {where} ({entries} entries, {nbytes / 2**20:.0f} '
+      f'MB, bounded to '
       f'{compilation.MAX_BYTES / 2**30:.0f} GB)'
     )
   else:

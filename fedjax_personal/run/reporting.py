@@ -1,4 +1,5 @@
-"""Callbacks and outputs: metrics.jsonl, summary JSON, PNG plots, progress bar."""
+"""Callbacks and outputs: metrics.jsonl, summary JSON, PNG plots, progress
+bar."""
 
 import os
 from typing import Any, Dict, List, Optional, Sequence
@@ -271,7 +272,8 @@ PAPER_METRICS = {
   'weighted': (
     'accuracy_weighted',
     'the accuracy pooled over every scored test target (each '
-    'client weighted by its scored targets: examples, or tokens of a text task)',
+    'client weighted by its scored targets: examples, or tokens of a text '
+    'task)',
   ),
 }
 

@@ -195,7 +195,8 @@ class ReproduceSettings(Declared):
     """
     d = self.output_dir or os.path.join('runs', script)
     os.makedirs(d, exist_ok=True)
-    code_fingerprint()  # of the code this process has loaded, not of later edits
+    # of the code this process has loaded, not of later edits
+    code_fingerprint()
     return d
 
 

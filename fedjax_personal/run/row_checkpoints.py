@@ -1,4 +1,5 @@
-"""Checkpoints of client rows kept in files (``core/population/rows_in_files.py``) that
+"""Checkpoints of client rows kept in files
+(``core/population/rows_in_files.py``) that
 write only the rows changed since the last checkpoint.
 
 A checkpoint of a state whose client rows are files holds, in its Orbax step,
@@ -285,7 +286,8 @@ def _load_delta(root: str, entry: dict, num_states: int):
       if file_sha256(path) != entry['sha256'][f]:
         raise DataError(
           f'{path}: damaged (its sha256 is not the one checkpoint step '
-          f'{entry["step"]} recorded); resume from an earlier run folder or start '
+          f'{entry["step"]} recorded); resume from an earlier run folder or '
+          f'start '
           'afresh without --resume'
         )
       arrays.append(_NpyRows(path))
@@ -354,7 +356,8 @@ class _Base:
         data = os.pread(fd, rb, int(r) * rb)
         if len(data) != rb or zlib.crc32(data) != self.crc[s][i][r]:
           raise DataError(
-            f'{path}: damaged (client row {int(r)} is not the row its checkpoint '
+            f'{path}: damaged (client row {int(r)} is not the row its '
+            f'checkpoint '
             'wrote); resume from an earlier run folder or start afresh without '
             '--resume'
           )
@@ -417,9 +420,8 @@ def fold(directory: str, manifests: Dict[int, Optional[dict]], state) -> None:
         for c in chains
       ):
         return  # a kept step still needs this base as it is
-      shutil.rmtree(
-        base.folder, ignore_errors=True
-      )  # another line of checkpoints': afresh
+      # another line of checkpoints': afresh
+      shutil.rmtree(base.folder, ignore_errors=True)
       base = _Base(root, oldest['shapes'], _dtypes(state))
     todo = oldest['chain'][len(base.folded) :]
     for entry in todo:
@@ -480,7 +482,8 @@ def restore(directory: str, manifest: dict, state) -> None:
   ):
     raise DataError(
       f'{base.meta_path}: the rows of another run (or of a later line of '
-      'checkpoints) than the checkpoint being resumed; resume from an earlier run '
+      'checkpoints) than the checkpoint being resumed; resume from an earlier '
+      'run '
       'folder or start afresh without --resume'
     )
   replay = [

@@ -213,7 +213,8 @@ def read(directory: str) -> Optional[Dict]:
     raise ConfigError(
       'output_dir',
       f'{path} is damaged ({why}), so the run in {directory} '
-      'cannot be told apart from another: pass --overwrite to start that folder '
+      'cannot be told apart from another: pass --overwrite to start that '
+      'folder '
       'again, or choose another --output_dir',
     ) from None
   if not isinstance(ident, dict):
@@ -255,7 +256,8 @@ def repaired(directory: str, ident: Dict) -> bool:
     return False
   write_json(os.path.join(directory, IDENTITY_FILE), ident)
   print(
-    f"{os.path.join(directory, IDENTITY_FILE)} was damaged; rebuilt from its algorithms' "
+    f'{os.path.join(directory, IDENTITY_FILE)} was damaged; rebuilt from its '
+    f"algorithms' "
     "own, which are this run's",
     file=sys.stderr,
     flush=True,

@@ -320,7 +320,8 @@ def _quiet_unraisable(hook):
 
 
 _STOPPED: Dict[str, Any] = {}
-#: Seconds after which a signal whose KeyboardInterrupt was swallowed is sent again.
+#: Seconds after which a signal whose KeyboardInterrupt was swallowed is sent
+#: again.
 REDELIVER_SECONDS = 1.0
 
 

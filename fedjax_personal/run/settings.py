@@ -105,7 +105,8 @@ class ExperimentSettings(Declared):
   )
   target_accuracy: Optional[float] = hparam(
     None,
-    'Report the first evaluated round whose mean accuracy reaches this fraction in '
+    'Report the first evaluated round whose mean accuracy reaches this '
+    'fraction in '
     '(0, 1] (use --eval_every=1 for exact rounds).',
     minimum=0,
     maximum=1,
@@ -120,8 +121,10 @@ class ExperimentSettings(Declared):
   )
   paper_metric: Optional[str] = hparam(
     None,
-    "The table's column a reproduced paper reports (a flagfile that reproduces one names "
-    'it): mean, worst, mean@last, worst@last, q10 or weighted (pooled over every scored test '
+    "The table's column a reproduced paper reports (a flagfile that reproduces "
+    'one names '
+    'it): mean, worst, mean@last, worst@last, q10 or weighted (pooled over '
+    'every scored test '
     'target). The header names it and summary.json carries it (paper_metric).',
     choices=tuple(reporting.PAPER_METRICS),
   )
@@ -316,18 +319,24 @@ class ProcessSettings(Declared):
 
   imports: Tuple[str, ...] = hparam(
     (),
-    "A module of your own to import before the flags are read (a .py file's path, or a "
-    'module name importable from here), so that the algorithms and data sets it registers '
-    'get their flags; repeat it for several. Its source is part of the run identity.',
+    "A module of your own to import before the flags are read (a .py file's "
+    'path, or a '
+    'module name importable from here), so that the algorithms and data sets '
+    'it registers '
+    'get their flags; repeat it for several. Its source is part of the run '
+    'identity.',
     flag='import',
     repeatable=True,
   )
   compilation_cache: Optional[str] = hparam(
     None,
     "JAX's persistent compilation cache: a folder, or off (default: "
-    '$FEDJAX_PERSONAL_COMPILATION_CACHE, else <cache>/xla: $FEDJAX_PERSONAL_CACHE or '
-    '~/.cache/fedjax_personal). A second run of the same experiment starts without compiling; '
-    "entries are keyed by JAX's own key, never stale; the folder is bounded (least recently "
+    '$FEDJAX_PERSONAL_COMPILATION_CACHE, else <cache>/xla: '
+    '$FEDJAX_PERSONAL_CACHE or '
+    '~/.cache/fedjax_personal). A second run of the same experiment starts '
+    'without compiling; '
+    "entries are keyed by JAX's own key, never stale; the folder is bounded "
+    '(least recently '
     'used out).',
   )
 

@@ -70,7 +70,8 @@ def sweepable() -> Dict[str, tuple]:
 def parse_sweep(
   spec: str, sweepable: Collection[str]
 ) -> Dict[str, List[float]]:
-  """'client_lr:0.01,0.03;fedprox_mu:0,0.1' -> {'client_lr': [...], 'fedprox_mu': [...]}.
+  """'client_lr:0.01,0.03;fedprox_mu:0,0.1' -> {'client_lr': [...],
+  'fedprox_mu': [...]}.
 
   ``sweepable``: the names that may be swept (settings declared with
   ``hparam(..., sweep=True)``, used only arithmetically by the builders).
@@ -146,7 +147,8 @@ CONFIG_AXES = ('auto', 'vmap', 'loop', 'host')
 
 
 def resolve_config_axis(config_axis: str) -> str:
-  """``auto`` -> ``host`` on CPU, ``vmap`` on GPU/TPU (benchmarks/speed/README.md: on 2 CPU
+  """``auto`` -> ``host`` on CPU, ``vmap`` on GPU/TPU
+  (benchmarks/speed/README.md: on 2 CPU
   cores a sweep of 8 ran at 0.50-0.74x of 8 separate runs vmapped and
   0.95x as a ``lax.map`` loop, fusions inside the loop losing XLA:CPU's
   thread partitioning; the host loop over the one compiled round is the
@@ -282,9 +284,8 @@ class SweepRunner:
         alg.client_models(state), data, key, alg.finetune is not None
       )
 
-    axis = (
-      'loop' if self.config_axis == 'host' else self.config_axis
-    )  # init / eval
+    # init / eval
+    axis = 'loop' if self.config_axis == 'host' else self.config_axis
     over = lambda fn, *axes: _over_configs(fn, axis, axes)
     self._init = executor.jit(over(one_init, 0, 0))
     if self.config_axis == 'host':

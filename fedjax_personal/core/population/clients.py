@@ -32,7 +32,8 @@ __all__ = [
 ]
 
 
-FORMAT = 'fedjax_personal.population/3'  # /2: per-block CRC32s; /3: client ids, eval_only
+# /2: per-block CRC32s; /3: client ids, eval_only
+FORMAT = 'fedjax_personal.population/3'
 SPLITS = ('train', 'val', 'test')
 
 
@@ -212,7 +213,8 @@ class PopulationStore:
     except KeyError:
       where = self.folder or self.name
       raise DataError(
-        f'{where}: no client has id {client_id!r} ({self.num_clients:,} clients, '
+        f'{where}: no client has id {client_id!r} ({self.num_clients:,} '
+        f'clients, '
         f'e.g. {self.client_ids[0]!r})'
       ) from None
 
@@ -261,9 +263,8 @@ class PopulationStore:
       [self.client_ids[i] for i in rows],
     )
     sub.counts = {s: c[rows] for s, c in self.counts.items()}
-    sub.offsets = {
-      s: o[rows] for s, o in self.offsets.items()
-    }  # starts (ends: + counts)
+    # starts (ends: + counts)
+    sub.offsets = {s: o[rows] for s, o in self.offsets.items()}
     return sub
 
   @property
@@ -334,9 +335,8 @@ class PopulationStore:
       idx = np.where(empty, 0, idx)
     self.check_clients(idx)
     x, y, _ = self.arrays[split]
-    n = self.counts[split][
-      idx
-    ]  # the gathered clients' counts alone (not all N capped)
+    # the gathered clients' counts alone (not all N capped)
+    n = self.counts[split][idx]
     if cap is not None and split == 'train':
       n = np.minimum(n, cap)
     n = np.where(empty, 0, np.minimum(n, length)).astype(np.int32)

@@ -123,7 +123,8 @@ class HostData:
     return min(padded_length(top, self.cap, self.smallest), widest)
 
   def gather(self, split: str, idx, length: Optional[int] = None) -> ClientData:
-    """Clients ``idx`` (host ints; past the last: empty) padded, on the device."""
+    """Clients ``idx`` (host ints; past the last: empty) padded, on the
+    device."""
     length = self.length(split, idx) if length is None else length
     return jax.device_put(
       self.store.gather(split, idx, length, self.cap, clip=True)
@@ -216,7 +217,8 @@ class ShapePlan:
 
   def describe(self) -> str:
     parts = [
-      f'{s} {"/".join(f"{r:,}" for r in self.rows[s])} rows x window {self.windows[s]:,}'
+      f'{s} {"/".join(f"{r:,}" for r in self.rows[s])} rows x window '
+      f'{self.windows[s]:,}'
       for s in ('train', 'val')
       if self.windows[s]
     ]
@@ -248,10 +250,11 @@ class CohortFeed:
       1, thread_name_prefix='cohort-feed'
     )
     self._pending: Dict[Any, concurrent.futures.Future] = {}
+    # the last cohort handed out, for runs of the same key
     self._last: tuple = (
       None,
       None,
-    )  # the last cohort handed out, for runs of the same key
+    )
     self._least: Dict[Any, Any] = {}
     self.shapes: List[tuple] = []
     self.gathers = 0
@@ -298,10 +301,11 @@ class CohortFeed:
       out = self._last[1]
     else:
       pending = self._pending.pop(k, None)
+      # the previous cohort is freed before this one is made
       self._last = (
         None,
         None,
-      )  # the previous cohort is freed before this one is made
+      )
       # Made on the feed's thread, one gather at a time (a shared feed's
       # prefetches run beside the rounds).
       out = (

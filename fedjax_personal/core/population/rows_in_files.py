@@ -119,9 +119,8 @@ class DiskRows:
       int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
     )
     self.made = np.zeros(self.shape[0], bool)
-    self.dirty = np.zeros(
-      self.shape[0], bool
-    )  # written since the last checkpoint
+    # written since the last checkpoint
+    self.dirty = np.zeros(self.shape[0], bool)
     self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
       os.ftruncate(self._fd, self.shape[0] * self.row_bytes)

@@ -548,7 +548,8 @@ def open_store(
     ) from None
   if manifest.get('format') != FORMAT:
     raise DataError(
-      f'{folder}: a population store of format {manifest.get("format")!r}, this '
+      f'{folder}: a population store of format {manifest.get("format")!r}, '
+      f'this '
       f'version reads {FORMAT!r}; remove the folder to rebuild it'
     )
   if identity is not None:

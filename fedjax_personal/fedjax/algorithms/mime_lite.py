@@ -39,7 +39,8 @@ def create_train_for_each_client(grad_fn, base_optimizer):
     base_optimizer: the client optimizer (its state the server's).
 
   Returns:
-    ``(shared input {params, opt_state}, [(client id, batches, client key)]) -> iterator of
+    ``(shared input {params, opt_state}, [(client id, batches, client key)]) ->
+    iterator of
     (client id, delta)``.
   """
 

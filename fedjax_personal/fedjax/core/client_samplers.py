@@ -27,8 +27,10 @@ __all__ = [
 ]
 
 #: FedJAX's deterministic state of a round (``RandomState(16807^round * s mod
-#: (2^31 - 1))``, ``s`` the first ``randint(1, 2^31 - 2)`` of ``RandomState(seed)``):
-#: the project's ``core.sampling.lehmer_random_state``, google-research/federated's too.
+#: (2^31 - 1))``, ``s`` the first ``randint(1, 2^31 - 2)`` of
+#: ``RandomState(seed)``):
+#: the project's ``core.sampling.lehmer_random_state``,
+#: google-research/federated's too.
 get_pseudo_random_state = lehmer_random_state
 
 

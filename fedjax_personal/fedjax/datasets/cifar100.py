@@ -1,4 +1,5 @@
-"""FedJAX's ``fedjax.datasets.cifar100`` (0.0.17): Federated CIFAR-100 as the project reads
+"""FedJAX's ``fedjax.datasets.cifar100`` (0.0.17): Federated CIFAR-100 as the
+project reads
 FedJAX's files (``fedjax_personal.datasets.cifar100``), ids looked up as FedJAX
 looks them up
 (as the file stores them: bytes)."""

@@ -1,4 +1,5 @@
-"""FedJAX's ``fedjax.datasets.emnist`` (0.0.17): Federated EMNIST as the project reads FedJAX's
+"""FedJAX's ``fedjax.datasets.emnist`` (0.0.17): Federated EMNIST as the project
+reads FedJAX's
 files (``fedjax_personal.datasets.emnist``), ids looked up as FedJAX looks them
 up (as the file
 stores them: bytes)."""

@@ -1,4 +1,5 @@
-"""FedJAX's ``fedjax.datasets.shakespeare`` (0.0.17): Federated Shakespeare as the project reads
+"""FedJAX's ``fedjax.datasets.shakespeare`` (0.0.17): Federated Shakespeare as
+the project reads
 FedJAX's files (``fedjax_personal.datasets.shakespeare``), ids looked up as
 FedJAX looks them up
 (as the file stores them: bytes)."""
@@ -62,7 +63,6 @@ def preprocess_client(client_id, examples, sequence_length: int):
     ``{'x', 'y'}`` int32 [rows, sequence_length].
   """
   if sequence_length == 1 and not len(examples['snippets']):
-    raise ValueError(
-      'negative dimensions are not allowed'
-    )  # FedJAX's np.full([-1])
+    # FedJAX's np.full([-1])
+    raise ValueError('negative dimensions are not allowed')
   return _shakespeare.preprocess_client(client_id, examples, sequence_length)

@@ -1,4 +1,5 @@
-"""FedJAX's ``fedjax.datasets.stackoverflow`` (0.0.17): Federated Stack Overflow as the project
+"""FedJAX's ``fedjax.datasets.stackoverflow`` (0.0.17): Federated Stack Overflow
+as the project
 reads FedJAX's files (``fedjax_personal.datasets.stackoverflow``), ids looked up
 as FedJAX looks
 them up (as the file stores them: bytes)."""
