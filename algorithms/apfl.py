@@ -40,8 +40,7 @@ __all__ = ['apfl', 'APFLConfig', 'build', 'mixture', 'SPEC']
 @dataclasses.dataclass(frozen=True)
 class APFLConfig(Declared):
   """APFL's own settings, declared once: the ``--apfl_*`` flags (``hparam``:
-  default,
-  help, range, sweepable)."""
+  default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'apfl'
   alpha: float = hparam(

@@ -32,8 +32,7 @@ __all__ = ['build', 'ditto', 'DittoConfig', 'SPEC']
 @dataclasses.dataclass(frozen=True)
 class DittoConfig(Declared):
   """Ditto's own settings, declared once: the ``--ditto_*`` flags (``hparam``:
-  default,
-  help, range, sweepable)."""
+  default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'ditto'
   lam: float = hparam(

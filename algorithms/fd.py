@@ -7,14 +7,12 @@ label into its own model.
 
 As PFLlib's ``clientfd.py`` / ``serverfd.py`` (the structure of
 ``fedproto.class_means_exchange``, logits in place of features): the
-distillation term is PyTorch's ``CrossEntropyLoss`` with soft targets whose
-rows are the global average logits of the label, used as they are (not
-passed through a softmax: PFLlib hands the raw logits to the loss as
-probabilities), and the example's own logits, fixed, where the label has no
-global average; weighted by lambda; none before the first table. The averages
-are taken over every step
-of the client's epochs, before each step. A client is evaluated with its
-own model.
+distillation term is PyTorch's ``CrossEntropyLoss`` with soft targets whose rows
+are the global average logits of the label, used as they are (not passed through
+a softmax: PFLlib hands the raw logits to the loss as probabilities), and the
+example's own logits, fixed, where the label has no global average; weighted by
+lambda; none before the first table. The averages are taken over every step of
+the client's epochs, before each step. A client is evaluated with its own model.
 """
 
 import dataclasses

@@ -106,8 +106,7 @@ class FedDynState:
 @dataclasses.dataclass(frozen=True)
 class FedDynConfig(Declared):
   """FedDyn's own settings, declared once: the ``--feddyn_*`` flags (``hparam``:
-  default,
-  help, range, sweepable)."""
+  default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'feddyn'
   alpha: float = hparam(

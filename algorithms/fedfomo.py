@@ -83,8 +83,7 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class FedFomoConfig(DPConfig):
   """FedFomo's own settings, declared once: the ``--fedfomo_*`` flags
-  (``hparam``: default,
-  help, range, sweepable)."""
+  (``hparam``: default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'fedfomo'
   candidates: int = hparam(5, 'Models downloaded per round (M).', minimum=1)
@@ -362,8 +361,7 @@ def fedfomo(
 
 def build(training, config: FedFomoConfig, model, data):
   """FedFomo, built as ``AlgorithmSpec.build`` says; its settings
-  ``FedFomoConfig``; every
-  client needs a validation split."""
+  ``FedFomoConfig``; every client needs a validation split."""
   if int(np.asarray(data.val.num_examples).min()) == 0:
     raise ConfigError(
       'val_fraction',

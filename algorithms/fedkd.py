@@ -17,19 +17,18 @@ gradient of the two losses' sum, each model's (and W_h's) clipped to norm
 10; the mentor and W_h step with the client optimizer, the mentee with SGD
 at ``--fedkd_mentee_learning_rate``.
 
-Compression (``decomposition``): each weight with more than one output and
-two or four dimensions is replaced by its truncated SVD (a 4-d convolution
-kernel per (output, input) pair of its spatial matrix), keeping the first
-r singular values, r the smallest index whose preceding squared singular
-values (summed over the whole tensor) exceed the energy times their total;
-none such gives r = 0 (a zero tensor), as PFLlib's loop runs. Clients
-upload their compressed mentee; the server averages the uploads uniformly
-and compresses the mean, which every client receives (the
-clients' uploads are compressed in the server's part of the round). The energy
-climbs
-from T_start to T_end: T_start + R / H (T_end - T_start) in round R, H
-PFLlib's ``-gr`` (``--fedkd_horizon``, the command: ``--rounds - 1``).
-Defaults PFLlib's: mentee rate 0.005, T_start 0.95, T_end 0.98.
+Compression (``decomposition``): each weight with more than one output and two
+or four dimensions is replaced by its truncated SVD (a 4-d convolution kernel
+per (output, input) pair of its spatial matrix), keeping the first r singular
+values, r the smallest index whose preceding squared singular values (summed
+over the whole tensor) exceed the energy times their total; none such gives r =
+0 (a zero tensor), as PFLlib's loop runs. Clients upload their compressed
+mentee; the server averages the uploads uniformly and compresses the mean, which
+every client receives (the clients' uploads are compressed in the server's part
+of the round). The energy climbs from T_start to T_end: T_start + R / H (T_end -
+T_start) in round R, H PFLlib's ``-gr`` (``--fedkd_horizon``, the command:
+``--rounds - 1``). Defaults PFLlib's: mentee rate 0.005, T_start 0.95, T_end
+0.98.
 
 Bytes moved are counted as the uncompressed model's (an upper bound: the
 kept rank is decided by the data).

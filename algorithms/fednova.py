@@ -197,8 +197,7 @@ def build(training, config, model, data):
 
 def check(training, config):
   """``AlgorithmSpec.check`` of FedNova, which normalizes local SGD steps (a
-  ConfigError for
-  settings that cannot apply)."""
+  ConfigError for settings that cannot apply)."""
   del config
   if training.client_optimizer != 'sgd':
     raise ConfigError(

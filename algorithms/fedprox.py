@@ -22,8 +22,7 @@ __all__ = ['build', 'fedprox', 'FedProxConfig', 'SPEC']
 @dataclasses.dataclass(frozen=True)
 class FedProxConfig(Declared):
   """FedProx's own settings, declared once: the ``--fedprox_*`` flags
-  (``hparam``: default,
-  help, range, sweepable)."""
+  (``hparam``: default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'fedprox'
   mu: float = hparam(0.01, 'Proximal coefficient mu.', minimum=0, sweep=True)

@@ -96,8 +96,8 @@ MODES = ('alt', 'sim')
 @dataclasses.dataclass(frozen=True)
 class PartialConfig(Declared):
   """Partial personalization (FedAlt, FedSim, FedRep, FedPer, LG-FedAvg)'s own
-  settings, declared once: the ``--partial_*`` flags (``hparam``: default,
-  help, range, sweepable)."""
+  settings, declared once: the ``--partial_*`` flags (``hparam``: default, help,
+  range, sweepable)."""
 
   prefix: ClassVar[str] = 'partial'
   personal_part: str = hparam(

@@ -78,8 +78,7 @@ VARIANTS = ('fo', 'hf', 'hf_fd')
 @dataclasses.dataclass(frozen=True)
 class PerFedAvgConfig(Declared):
   """Per-FedAvg's own settings, declared once: the ``--perfedavg_*`` flags
-  (``hparam``: default,
-  help, range, sweepable)."""
+  (``hparam``: default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'perfedavg'
   alpha: float = hparam(
@@ -319,8 +318,7 @@ def _build(variant):
 
 def check(training, config):
   """``AlgorithmSpec.check`` of Per-FedAvg, whose local steps draw three batches
-  (a
-  ConfigError for settings that cannot apply)."""
+  (a ConfigError for settings that cannot apply)."""
   del config
   if training.local_steps is None:
     raise ConfigError(

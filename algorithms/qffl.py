@@ -58,8 +58,7 @@ __all__ = ['build', 'qffl', 'QFFLConfig', 'QState', 'QUpload', 'SPEC']
 @dataclasses.dataclass(frozen=True)
 class QFFLConfig(Declared):
   """q-FFL's own settings, declared once: the ``--qffl_*`` flags (``hparam``:
-  default,
-  help, range, sweepable)."""
+  default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'qffl'
   q: float = hparam(
@@ -157,8 +156,7 @@ def qffl(
 
 def build(training, config: QFFLConfig, model, data):
   """q-FFL, built as ``AlgorithmSpec.build`` says; its settings ``QFFLConfig``
-  (the Lipschitz
-  constant defaults to 1 / client_lr)."""
+  (the Lipschitz constant defaults to 1 / client_lr)."""
   lipschitz = (
     config.lipschitz
     if config.lipschitz is not None

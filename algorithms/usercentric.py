@@ -96,8 +96,7 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class UserCentricConfig(Declared):
   """User-centric FL's own settings, declared once: the ``--usercentric_*``
-  flags (``hparam``: default,
-  help, range, sweepable)."""
+  flags (``hparam``: default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'usercentric'
   num_streams: int = hparam(

@@ -1,10 +1,9 @@
 """Where data files are found, cached and checked.
 
 A data file is looked up, in order, in ``--data_dir`` (which must exist), the
-directory named by ``$FEDJAX_PERSONAL_DATA``, the package's embedded data
-(MNIST 10k), FedJAX's own download folder (``~/.cache/fedjax``: a FedJAX
-user's files, read as they are), and the cache folder
-(``$FEDJAX_PERSONAL_CACHE``, by default
+directory named by ``$FEDJAX_PERSONAL_DATA``, the package's embedded data (MNIST
+10k), FedJAX's own download folder (``~/.cache/fedjax``: a FedJAX user's files,
+read as they are), and the cache folder (``$FEDJAX_PERSONAL_CACHE``, by default
 ``~/.cache/fedjax_personal``) where ``--download`` saves files and decoded
 copies are kept. Each published file is found under its published name, so a
 file saved by hand in ``--data_dir`` is used as it is.

@@ -259,10 +259,9 @@ def median(xs):
 
 
 def timed_rounds(cfg, run_round):
-  """Seconds of the compiling round, then of the timed ones: ``cfg.rounds``
-  in a row, or, under ``--interleave``, one each time the parent writes
-  ``round`` on stdin (after ``{"ready": true}`` on stdout; any other line
-  ends)."""
+  """Seconds of the compiling round, then of the timed ones: ``cfg.rounds`` in a
+  row, or, under ``--interleave``, one each time the parent writes ``round`` on
+  stdin (after ``{"ready": true}`` on stdout; any other line ends)."""
 
   def timed():
     t = time.perf_counter()

@@ -344,9 +344,8 @@ def load(s, scen):
 
 
 def model_name(s) -> str:
-  """The paper's Keras LeNet-5 (average pooling) at paper scale; the
-  library's LeNet-5 at cpu scale (the tables of
-  benchmarks/reproductions/README.md)."""
+  """The paper's Keras LeNet-5 (average pooling) at paper scale; the library's
+  LeNet-5 at cpu scale (the tables of benchmarks/reproductions/README.md)."""
   return s.scaled(s.model, 'lenet5', 'usercentric_lenet5')
 
 

@@ -79,13 +79,12 @@ def write_emnist(folder, rng, train_sizes, test_sizes, digits=False):
 
 
 def fedjax_reference_files(folder):
-  """FedJAX's EMNIST, Shakespeare and Stack Overflow files and TFF's
-  CIFAR-100 file, small, in ``folder``: what
-  ``benchmarks/peers/fedjax_api_reference.py`` reads with
-  FedJAX 0.0.17 and ``tests/test_fedjax_api.py`` with this project. Each
-  test file lists its clients in another order than the train file, with a
-  client found only there (and a train client it lacks), as FedJAX's
-  reader must show them. Returns the Stack Overflow vocabulary's words."""
+  """FedJAX's EMNIST, Shakespeare and Stack Overflow files and TFF's CIFAR-100
+  file, small, in ``folder``: what ``benchmarks/peers/fedjax_api_reference.py``
+  reads with FedJAX 0.0.17 and ``tests/test_fedjax_api.py`` with this project.
+  Each test file lists its clients in another order than the train file, with a
+  client found only there (and a train client it lacks), as FedJAX's reader must
+  show them. Returns the Stack Overflow vocabulary's words."""
   rng = np.random.default_rng(0)
   writers = emnist_clients(rng, [5, 9, 3, 7, 2])
   tests = emnist_clients(rng, [2, 1, 3, 2, 2])

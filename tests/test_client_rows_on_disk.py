@@ -1,7 +1,6 @@
 """Client rows on disk (``core/population/rows_in_files.py``): the same numbers
-as rows in
-host memory for every kind of client row, each row written only when its
-client first trains, never-met clients costing no disk, evaluation of a
+as rows in host memory for every kind of client row, each row written only when
+its client first trains, never-met clients costing no disk, evaluation of a
 client never trained using the value its row would have."""
 
 import jax

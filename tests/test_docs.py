@@ -264,13 +264,12 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
   tmp_path, monkeypatch, flags_added_removed, algorithm_registry
 ):
   """docs/add_a_data_set.md's data set of its own files (FedJAX SQLite, no URL)
-  and
-  docs/add_an_algorithm.md's algorithm, registered by their snippets exactly
+  and docs/add_an_algorithm.md's algorithm, registered by their snippets exactly
   as printed, run through the CLI: with rate 0 the algorithm is FedAvg; with
   rate 0.5 the rounds count only the clients that uploaded (num_active,
-  bytes_up) and every sampled one in num_sampled; summary.json names the
-  worst clients by id; a rate of 1, --download and a missing file are one
-  line each."""
+  bytes_up) and every sampled one in num_sampled; summary.json names the worst
+  clients by id; a rate of 1, --download and a missing file are one line
+  each."""
   import made_files
   import numpy as np
   from helpers import parse_flags

@@ -1,15 +1,13 @@
-"""The native ``--algorithm=mime_lite``, ``hyp_cluster`` and
-``agnostic_fedavg`` (each compiled into one round) give what FedJAX's own
-algorithms give
-(``fedjax_personal.fedjax.algorithms``, equal to FedJAX 0.0.17 on its own
-code: ``tests/test_fedjax_training.py``) on the same clients, model and
-starting point: least squares on four clients, every client in every
-round, one full-batch local step per round, 3 rounds. The clients are of
-one size: FedJAX's ``shuffle_repeat_batch`` fills every batch to
-``batch_size`` with examples drawn again, so a client smaller than the
-batch trains on repeated examples there, on its own examples here; one
-full batch of every client is the same step on both. Tolerance: float
-rounding (rtol 1e-5)."""
+"""The native ``--algorithm=mime_lite``, ``hyp_cluster`` and ``agnostic_fedavg``
+(each compiled into one round) give what FedJAX's own algorithms give
+(``fedjax_personal.fedjax.algorithms``, equal to FedJAX 0.0.17 on its own code:
+``tests/test_fedjax_training.py``) on the same clients, model and starting
+point: least squares on four clients, every client in every round, one
+full-batch local step per round, 3 rounds. The clients are of one size: FedJAX's
+``shuffle_repeat_batch`` fills every batch to ``batch_size`` with examples drawn
+again, so a client smaller than the batch trains on repeated examples there, on
+its own examples here; one full batch of every client is the same step on both.
+Tolerance: float rounding (rtol 1e-5)."""
 
 import helpers
 import jax

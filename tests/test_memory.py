@@ -101,10 +101,9 @@ def test_auto_picks_blocks_from_the_free_memory(monkeypatch):
 
 def test_heavy_tailed_cohorts_run_in_blocks_by_work_on_an_accelerator():
   """``auto`` on an accelerator: a cohort of equal clients stays one vmap; a
-  heavy-tailed one (mean real steps under 80% of the largest) runs in blocks
-  of 100 by work (H200: 0.365 s vs 0.449 s at a cohort of 500,
-  benchmarks/speed/README.md);
-  blocks the memory needs smaller win."""
+  heavy-tailed one (mean real steps under 80% of the largest) runs in blocks of
+  100 by work (H200: 0.365 s vs 0.449 s at a cohort of 500,
+  benchmarks/speed/README.md); blocks the memory needs smaller win."""
   vmap = executors.VmapExecutor()
   equal = np.full(3400, 9)
   tailed = np.minimum(

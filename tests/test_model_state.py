@@ -188,14 +188,13 @@ def test_fedavg_of_a_batch_norm_resnet_equals_pytorch_training_and_state_dict_av
 
 
 def _fedavg_resnet_check(tmp_path):
-  """One FedAvg round of a batch-norm ResNet (torchvision's stem and
-  blocks, one a stage, three stages: a norm over the 2 or 4 values a channel
-  of a fourth stage's 1x1 is so ill-conditioned that summation order alone
-  moves the gradients by 1e-3) from a PyTorch state dict: each client trains in
-  PyTorch on the
-  engine's batches (train mode: batch statistics, running ones updated with
-  the unbiased variance), the state dicts are averaged by n_i, buffers
-  included; the round's global parameters and statistics equal it."""
+  """One FedAvg round of a batch-norm ResNet (torchvision's stem and blocks, one
+  a stage, three stages: a norm over the 2 or 4 values a channel of a fourth
+  stage's 1x1 is so ill-conditioned that summation order alone moves the
+  gradients by 1e-3) from a PyTorch state dict: each client trains in PyTorch on
+  the engine's batches (train mode: batch statistics, running ones updated with
+  the unbiased variance), the state dicts are averaged by n_i, buffers included;
+  the round's global parameters and statistics equal it."""
   import torch  # noqa: PLC0415  (the child process of the test above)
 
   torch.manual_seed(2)

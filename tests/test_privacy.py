@@ -1,6 +1,5 @@
 """DP-SGD accounting with dp-accounting (RDP): a published setting,
-monotonicity,
-and FedFomo's DP runs recording epsilon per round."""
+monotonicity, and FedFomo's DP runs recording epsilon per round."""
 
 import json
 import math

@@ -1,8 +1,7 @@
 """The reproduce scripts: their scales resolve to the documented sizes, bad
-flags exit 2 naming the flag, one tiny user-centric table is written as JSON
-and Markdown (CI); every script end to end with trials and the user-centric
-study (slow: a few minutes; python -m pytest -m slow
-tests/test_reproduce.py)."""
+flags exit 2 naming the flag, one tiny user-centric table is written as JSON and
+Markdown (CI); every script end to end with trials and the user-centric study
+(slow: a few minutes; python -m pytest -m slow tests/test_reproduce.py)."""
 
 import json
 import os

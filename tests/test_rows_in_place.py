@@ -1,8 +1,7 @@
 """Client rows that an algorithm declares as its clients' output
-(``ClientRows.output``: Ditto's, pFedMe's, APFL's and Local's personal
-models) are written by the engine; the fused blocked loop reads and writes
-them in one buffer. Its rounds equal the same loop writing them after it and the
-vmap
+(``ClientRows.output``: Ditto's, pFedMe's, APFL's and Local's personal models)
+are written by the engine; the fused blocked loop reads and writes them in one
+buffer. Its rounds equal the same loop writing them after it and the vmap
 executor's, every row included, and its compiled round holds no buffer of the
 cohort's new rows. Rows gathered from the host come in buffers of their own,
 which a round's donation writes in place."""

@@ -73,8 +73,8 @@ def test_updates_follow_algorithm_2(kind):
 
 def keras_steps(deltas, eta, b1, b2, eps):
   """x_T - x_0 after TensorFlow's ApplyAdam (tf.keras.optimizers.Adam, what
-  google-research/federated ran for FedAdam) on the pseudo-gradients -Delta:
-  m_0 = v_0 = 0, eta_t = eta sqrt(1 - b2^t) / (1 - b1^t), epsilon outside the
+  google-research/federated ran for FedAdam) on the pseudo-gradients -Delta: m_0
+  = v_0 = 0, eta_t = eta sqrt(1 - b2^t) / (1 - b1^t), epsilon outside the
   root."""
   m, v, x = (np.zeros_like(deltas[0]) for _ in range(3))
   for t, d in enumerate(deltas, 1):

@@ -1,7 +1,6 @@
 """What the population store's checks cost (``core.population.store``: a CRC32
-per
-1 MiB block of every file, checked the first time a read touches it, or
-all at once with ``--verify_store``).
+per 1 MiB block of every file, checked the first time a read touches it, or all
+at once with ``--verify_store``).
 
 On a store folder (e.g. the one ``benchmarks/populations.py`` writes into
 ``--work_dir``/store, or a cached ``stores/<data set>-<digest>``), in fresh

@@ -104,8 +104,7 @@ def _lead(w, a):
 
 def upload_mean(total: Sum):
   """``(sum_i w_i value_i / sum_i w_i, sum_i w_i)`` of a summed
-  ``weighted_upload``
-  (zeros when no weight is positive).
+  ``weighted_upload`` (zeros when no weight is positive).
 
   Args:
     total: a summed ``weighted_upload``.

@@ -262,8 +262,8 @@ def round_functions(
   )
 
   def pre(state, key, round_num, cohort=None, train=None):
-    """The server's broadcast. A given ``cohort`` (the host layout's, drawn
-    by ``system.draw_cohort`` from the same key) means the round's split arrays
+    """The server's broadcast. A given ``cohort`` (the host layout's, drawn by
+    ``system.draw_cohort`` from the same key) means the round's split arrays
     hold the cohort's rows in cohort order; without it they hold every client.
     ``train`` (the round's training split) gives the system its clients'
     work."""

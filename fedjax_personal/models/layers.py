@@ -72,13 +72,12 @@ TILE_MIN_BYTES = 16 << 20
 
 def resolve_conv_impl(impl: str) -> str:
   """``auto`` -> ``tiled`` on a CPU (benchmarks/speed/README.md, "Against the
-  PyTorch loop"),
-  ``matmul`` on a GPU or TPU: a convolution vmapped over clients becomes one
-  grouped convolution there (a group per client), whose kernels collapse as
-  the cohort grows (benchmarks/speed/README.md, "On a GPU": 6.7x slower for
-  LeNet-5 at 1,000 clients, 10.7x for the EMNIST CNN at a cohort of 500);
-  ``tiled``'s chunk loop keeps a CPU's caches warm and only serializes a GPU.
-  Other names are returned as they are.
+  PyTorch loop"), ``matmul`` on a GPU or TPU: a convolution vmapped over clients
+  becomes one grouped convolution there (a group per client), whose kernels
+  collapse as the cohort grows (benchmarks/speed/README.md, "On a GPU": 6.7x
+  slower for LeNet-5 at 1,000 clients, 10.7x for the EMNIST CNN at a cohort of
+  500); ``tiled``'s chunk loop keeps a CPU's caches warm and only serializes a
+  GPU. Other names are returned as they are.
 
   Args:
     impl: a ``conv_impl`` (``auto`` or a concrete one).
@@ -508,12 +507,11 @@ def _strided_max_pool_jvp(spec, primals, tangents):
 
 class Dense(nn.Module):
   """``nn.Dense`` (same parameter names and shapes, and for
-  ``convention='flax'``
-  the same values and outputs) whose kernel and bias follow the
-  initialisation convention ``init``: a PyTorch bias needs the layer's
-  fan-in, which ``nn.Dense``'s ``bias_init`` is not given. ``zero_kernel``
-  starts the kernel at 0 whatever the convention (an adapter's up
-  projection)."""
+  ``convention='flax'`` the same values and outputs) whose kernel and bias
+  follow the initialisation convention ``init``: a PyTorch bias needs the
+  layer's fan-in, which ``nn.Dense``'s ``bias_init`` is not given.
+  ``zero_kernel`` starts the kernel at 0 whatever the convention (an adapter's
+  up projection)."""
 
   features: int
   convention: str = 'flax'

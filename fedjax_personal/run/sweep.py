@@ -148,11 +148,10 @@ CONFIG_AXES = ('auto', 'vmap', 'loop', 'host')
 
 def resolve_config_axis(config_axis: str) -> str:
   """``auto`` -> ``host`` on CPU, ``vmap`` on GPU/TPU
-  (benchmarks/speed/README.md: on 2 CPU
-  cores a sweep of 8 ran at 0.50-0.74x of 8 separate runs vmapped and
-  0.95x as a ``lax.map`` loop, fusions inside the loop losing XLA:CPU's
-  thread partitioning; the host loop over the one compiled round is the
-  separate runs' own program).
+  (benchmarks/speed/README.md: on 2 CPU cores a sweep of 8 ran at 0.50-0.74x of
+  8 separate runs vmapped and 0.95x as a ``lax.map`` loop, fusions inside the
+  loop losing XLA:CPU's thread partitioning; the host loop over the one compiled
+  round is the separate runs' own program).
 
   Args:
     config_axis: ``auto``, ``host`` or ``vmap``.

@@ -1,8 +1,6 @@
 """FedJAX's ``fedjax.datasets.cifar100`` (0.0.17): Federated CIFAR-100 as the
-project reads
-FedJAX's files (``fedjax_personal.datasets.cifar100``), ids looked up as FedJAX
-looks them up
-(as the file stores them: bytes)."""
+project reads FedJAX's files (``fedjax_personal.datasets.cifar100``), ids looked
+up as FedJAX looks them up (as the file stores them: bytes)."""
 
 from fedjax_personal.datasets import cifar100 as _cifar100
 from fedjax_personal.datasets.cifar100 import (  # noqa: F401  (FedJAX's names)

@@ -1,8 +1,6 @@
 """FedJAX's ``fedjax.datasets.emnist`` (0.0.17): Federated EMNIST as the project
-reads FedJAX's
-files (``fedjax_personal.datasets.emnist``), ids looked up as FedJAX looks them
-up (as the file
-stores them: bytes)."""
+reads FedJAX's files (``fedjax_personal.datasets.emnist``), ids looked up as
+FedJAX looks them up (as the file stores them: bytes)."""
 
 from fedjax_personal.datasets import emnist as _emnist
 from fedjax_personal.datasets.emnist import (  # noqa: F401  (FedJAX's names)

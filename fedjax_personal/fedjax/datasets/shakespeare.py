@@ -1,8 +1,6 @@
 """FedJAX's ``fedjax.datasets.shakespeare`` (0.0.17): Federated Shakespeare as
-the project reads
-FedJAX's files (``fedjax_personal.datasets.shakespeare``), ids looked up as
-FedJAX looks them up
-(as the file stores them: bytes)."""
+the project reads FedJAX's files (``fedjax_personal.datasets.shakespeare``), ids
+looked up as FedJAX looks them up (as the file stores them: bytes)."""
 
 from fedjax_personal.datasets import shakespeare as _shakespeare
 from fedjax_personal.datasets.natural_data import BOS, EOS, PAD  # noqa: F401

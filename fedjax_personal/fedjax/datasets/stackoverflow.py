@@ -1,8 +1,7 @@
 """FedJAX's ``fedjax.datasets.stackoverflow`` (0.0.17): Federated Stack Overflow
-as the project
-reads FedJAX's files (``fedjax_personal.datasets.stackoverflow``), ids looked up
-as FedJAX looks
-them up (as the file stores them: bytes)."""
+as the project reads FedJAX's files
+(``fedjax_personal.datasets.stackoverflow``), ids looked up as FedJAX looks them
+up (as the file stores them: bytes)."""
 
 from fedjax_personal.datasets import stackoverflow as _stackoverflow
 from fedjax_personal.datasets.stackoverflow import (  # noqa: F401  (FedJAX's names)
