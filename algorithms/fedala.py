@@ -29,7 +29,7 @@ next round draws its own).
 
 import dataclasses
 import math
-from typing import Any, Callable, ClassVar, Tuple
+from typing import Any, Callable, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -68,9 +68,17 @@ from fedjax_personal.core.training import (
   sgd_client_work,
 )
 from fedjax_personal.core.tree_util import PyTree, rows, tree_broadcast
-from fedjax_personal.models import HeadSplit, Model
+from fedjax_personal.models import BodyAndHead, HeadSplit, Model
 
-__all__ = ['adaptive_aggregation', 'build', 'fedala', 'FedALAConfig', 'SPEC']
+__all__ = [
+  'adaptive_aggregation',
+  'Aggregated',
+  'build',
+  'fedala',
+  'FedALAConfig',
+  'LayerCut',
+  'SPEC',
+]
 
 LAYERS = ('head', 'all')
 #: PFLlib's ``ALA`` defaults: losses kept, their standard deviation's bound.
@@ -160,9 +168,32 @@ def _share(key, train: ClientData, percent: int, batch_size: int):
   return idx, mask
 
 
+class LayerCut(NamedTuple):
+  """The layers ALA aggregates into: ``split(params) -> BodyAndHead`` (the
+  lower layers, kept, and the upper ones, aggregated) and ``merge(lower,
+  upper) -> params``."""
+
+  split: Callable[[PyTree], BodyAndHead]
+  merge: Callable[[PyTree, PyTree], PyTree]
+
+
+class Aggregated(NamedTuple):
+  """ALA's result on a client (``adaptive_aggregation``).
+
+  Attributes:
+    model: the client's model after aggregating the global model into it.
+    weights: its new weights W_i.
+    started: whether its start phase is done.
+  """
+
+  model: PyTree
+  weights: PyTree
+  started: jax.Array
+
+
 def adaptive_aggregation(
   model: Model,
-  split,
+  split: LayerCut,
   local,
   global_params,
   weights,
@@ -180,7 +211,7 @@ def adaptive_aggregation(
 
   Args:
     model: the model.
-    split: ``params -> (lower, upper)`` and back (``(split, merge)``).
+    split: the ``LayerCut``.
     local: the client's model.
     global_params: the global model.
     weights: W_i, the upper part's shape.
@@ -193,9 +224,9 @@ def adaptive_aggregation(
     max_passes: the start phase's bound.
 
   Returns:
-    ``(model, weights, started)``.
+    The ``Aggregated`` model, weights and start flag.
   """
-  cut, join = split
+  cut, join = split.split, split.merge
   first = jax.tree.leaves(global_params)[0]
   same = jnp.sum(first - jax.tree.leaves(local)[0]) == 0
   _, upper_l = cut(local)
@@ -247,7 +278,7 @@ def adaptive_aggregation(
   aggregated = join(lower_g, mixed(new_w))
   out = jax.tree.map(lambda a, b: jnp.where(same, a, b), local, aggregated)
   w = jax.tree.map(lambda a, b: jnp.where(same, a, b), weights, new_w)
-  return out, w, started | ~same
+  return Aggregated(out, w, started | ~same)
 
 
 def fedala(
@@ -282,12 +313,12 @@ def fedala(
   if layers not in LAYERS:
     raise ValueError(f'layers must be one of {LAYERS}: {layers!r}')
   server_optimizer = server_optimizer or optax.sgd(1.0)
-  split: Tuple[Callable, Callable]
+  split: LayerCut
   if layers == 'head':
     head: HeadSplit = model.require_head('--fedala_layers=head')
-    split = (head.split, head.merge)
+    split = LayerCut(head.split, head.merge)
   else:
-    split = (lambda p: ({}, p), lambda lower, upper: upper)
+    split = LayerCut(lambda p: BodyAndHead({}, p), lambda lower, upper: upper)
   batch_size = batching.batch_size or 1
 
   def aggregate(row, global_params, train, key):
@@ -308,7 +339,7 @@ def fedala(
 
   def init(key: jax.Array) -> FedALAState:
     params = model.init(key)
-    upper: PyTree = split[0](params)[1]
+    upper: PyTree = split.split(params).head
     row = {
       'model': params,
       'weights': jax.tree.map(jnp.ones_like, upper),

@@ -142,7 +142,7 @@ def build(training, config: FedBABUConfig, model, data):
   )
 
   def communication(state) -> Communication:
-    body = tree_bytes(head.split(state.params)[0])
+    body = tree_bytes(head.split(state.params).body)
     return Communication(body, body, 1)
 
   return alg.replace(communication=communication)

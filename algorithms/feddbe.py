@@ -158,7 +158,7 @@ def dbe_objective(
     if global_mean is None:
       loss, stats = logits_loss(model, out.logits, batch)
       return loss, StatsAndState(stats, {'running': running})
-    top = head.split(parts['model'])[1]
+    top = head.split(parts['model']).head
     loss, stats = logits_loss(model, head.logits(top, z + parts['bias']), batch)
     reg = jnp.mean(0.5 * (running - global_mean) ** 2)
     return loss + kl_weight * reg, StatsAndState(stats, {'running': running})

@@ -205,7 +205,7 @@ def fedgc(
 
   def init(key: jax.Array) -> FedGCState:
     k_model, k_heads = jax.random.split(key)
-    body = head.split(model.init(k_model))[0]
+    body = head.split(model.init(k_model)).body
     bound = 1.0 / jnp.sqrt(fan_in)  # PyTorch's Linear
     heads = jax.random.uniform(
       k_heads, (num_clients, *dims, num_classes), jnp.float32, -bound, bound
@@ -256,7 +256,7 @@ def fedgc(
     final,
     start_fn=lambda ctx: {'body': ctx.shared, 'head': ctx.state[0]},
     trained_like=lambda p: {
-      'body': head.split(p)[0],
+      'body': head.split(p).body,
       'head': jnp.zeros((*dims, num_classes), jnp.float32),
     },
   )

@@ -153,11 +153,11 @@ def phase_loss(
   personal_ce, personal_stats = logits_loss(
     model,
     head.logits(
-      head.split(both['model'])[1], jax.lax.stop_gradient(out.features)
+      head.split(both['model']).head, jax.lax.stop_gradient(out.features)
     ),
     batch,
   )
-  p = head.split(both['model'])[1]
+  p = head.split(both['model']).head
   g = jax.lax.stop_gradient(both['head'])
   if not distance_gradient:
     p = jax.lax.stop_gradient(p)
@@ -203,7 +203,7 @@ def pflda(
 
   def init(key: jax.Array) -> PFLDAState:
     params = model.init(key)
-    top = head.split(params)[1]
+    top = head.split(params).head
     return PFLDAState(
       top, server_optimizer.init(top), tree_broadcast(params, num_clients)
     )
@@ -270,7 +270,7 @@ def pflda(
     final=work_final,
     batching=total,
     init_opt_state=lambda params: client_optimizer.init(
-      {'model': params, 'head': head.split(params)[1]}
+      {'model': params, 'head': head.split(params).head}
     ),
     opt_state=lambda carry: carry.opt_state,
   )

@@ -35,7 +35,7 @@ to its chance level).
 """
 
 import dataclasses
-from typing import ClassVar, Optional
+from typing import ClassVar, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +87,7 @@ __all__ = [
   'mixing_matrix',
   'SPEC',
   'streams',
+  'Streams',
   'usercentric',
   'UserCentricConfig',
   'UserCentricState',
@@ -217,17 +218,29 @@ def stream_rows(
   return min(num_streams, num_clients)
 
 
+class Streams(NamedTuple):
+  """The downlink streams of a round (Sec. 3.2 of the paper).
+
+  Attributes:
+    matrix: [R, N]: row s < k stream s's mixing row, the other rows zero.
+    assignment: int32 [N]: each client's stream.
+    k: int32 scalar: the number of streams in use.
+  """
+
+  matrix: jax.Array
+  assignment: jax.Array
+  k: jax.Array
+
+
 def streams(
   key, w, num_streams: Optional[int], max_streams: int, restarts: int = 10
-):
+) -> Streams:
   """Streams from the rows of W (tensor code, traced into the round).
 
-  Returns (stream matrix [R, N] with row s < k stream s's mixing row and the
-  other rows zero, R = ``stream_rows(...)``, assignment int32 [N], k).
-    ``num_streams`` (static): None
-  picks k in 2..max_streams by the silhouette score (1 when every row is the
-  same); >= N gives W itself; 1 gives the mean row; else k-means with k
-  streams, ``restarts`` k-means++ seedings from ``key``.
+  ``num_streams`` (static) None picks k in 2..max_streams by the silhouette
+  score (1 when every row is the same); >= N gives W itself; 1 gives the mean
+  row; else k-means with k streams, ``restarts`` k-means++ seedings from
+  ``key``.
 
   Args:
     key: draws k-means' starts.
@@ -237,14 +250,13 @@ def streams(
     restarts: k-means restarts.
 
   Returns:
-    ``(stream matrix [R, N], client-to-stream index [N], k)``: R =
-    ``stream_rows(...)`` rows, row s < k stream s's mixing row, the others
-    zero.
+    The ``Streams``: R = ``stream_rows(...)`` rows, row s < k stream s's
+    mixing row, the others zero.
   """
   w = jnp.asarray(w, jnp.float32)
   n = w.shape[0]
   if num_streams is not None and num_streams >= n:
-    return w, jnp.arange(n, dtype=jnp.int32), jnp.asarray(n, jnp.int32)
+    return Streams(w, jnp.arange(n, dtype=jnp.int32), jnp.asarray(n, jnp.int32))
   if num_streams is None:
     r = clustering.silhouette_kmeans(key, w, max_streams, restarts)
   elif num_streams == 1:
@@ -263,7 +275,7 @@ def streams(
     .at[: r.centroids.shape[0]]
     .set(r.centroids[:rows])
   )
-  return padded, r.labels, r.k
+  return Streams(padded, r.labels, r.k)
 
 
 def gradient_statistics(

@@ -27,6 +27,7 @@ __all__ = [
   'upload_mean',
   'weighted_mean',
   'weighted_upload',
+  'WeightedMean',
   'WeightedShare',
 ]
 
@@ -59,6 +60,19 @@ class WeightedShare(NamedTuple):
   """
 
   total: PyTree
+  weight: Any
+
+
+class WeightedMean(NamedTuple):
+  """A cohort's weighted mean (``upload_mean``).
+
+  Attributes:
+    mean: ``sum_i w_i value_i / sum_i w_i`` (zeros when no weight is
+      positive).
+    weight: ``sum_i w_i``.
+  """
+
+  mean: PyTree
   weight: Any
 
 
@@ -102,17 +116,16 @@ def _lead(w, a):
   return w.reshape(w.shape + (1,) * (a.ndim - w.ndim))
 
 
-def upload_mean(total: Sum):
-  """``(sum_i w_i value_i / sum_i w_i, sum_i w_i)`` of a summed
-  ``weighted_upload`` (zeros when no weight is positive).
+def upload_mean(total: Sum) -> WeightedMean:
+  """The weighted mean of a summed ``weighted_upload``.
 
   Args:
     total: a summed ``weighted_upload``.
 
   Returns:
-    ``(weighted mean, total weight)``.
+    The ``WeightedMean``.
   """
-  weighted, weight = total.value
+  weighted, weight = total.value.total, total.value.weight
   safe = jnp.where(weight > 0, weight, 1.0)
   mean = jax.tree.map(
     lambda a: jnp.where(_lead(weight > 0, a), a / _lead(safe, a), 0.0).astype(
@@ -120,7 +133,7 @@ def upload_mean(total: Sum):
     ),
     weighted,
   )
-  return mean, weight
+  return WeightedMean(mean, weight)
 
 
 def sum_clients(out: PyTree, mask) -> PyTree:

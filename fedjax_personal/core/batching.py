@@ -8,7 +8,7 @@ largest one) are all-false rows and are skipped by the training loop.
 
 import dataclasses
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +18,7 @@ __all__ = [
   'Batching',
   'epoch_examples',
   'row_groups',
+  'StepBatches',
   'traced_num_steps',
 ]
 
@@ -150,13 +151,26 @@ def row_groups(x, start_id: int):
   return jnp.cumsum((x[:, 0] == start_id).astype(jnp.int32))
 
 
+class StepBatches(NamedTuple):
+  """Every local step's batch of one client.
+
+  Attributes:
+    idx: int32 [S, B] (or [S, k, B]), indices into the client's examples.
+    mask: bool, the same shape, marking real examples. The client's real
+      steps come first; a padded step's mask row is all false.
+  """
+
+  idx: jax.Array
+  mask: jax.Array
+
+
 def batch_indices(
   key: jax.Array,
   num_examples: jax.Array,
   max_examples: int,
   batching: Batching,
   groups=None,
-):
+) -> StepBatches:
   """Example indices and masks of every local step of one client.
 
   Args:
@@ -170,10 +184,8 @@ def batch_indices(
       rows); None: the examples one by one.
 
   Returns:
-    (idx, mask): int32 [S, B] indices into the client's examples and bool
-    [S, B] marking real examples. The client's real steps
-    (``batching.num_steps_for(n_i)``) come first; a padded step's mask row is
-    all false.
+    The ``StepBatches`` ([S, B]; the client's real steps,
+    ``batching.num_steps_for(n_i)``, first).
   """
   b = batching.effective_batch_size(max_examples)
   if batching.num_steps is not None:
@@ -182,7 +194,7 @@ def batch_indices(
       lambda k: _shuffled(k, num_examples, max_examples, groups)[:b]
     )(keys)
     mask = jnp.broadcast_to(jnp.arange(b) < num_examples, idx.shape)
-    return idx.astype(jnp.int32), mask
+    return StepBatches(idx.astype(jnp.int32), mask)
   nb = math.ceil(max_examples / b) if max_examples else 0
   if batching.drop_last:
     nb = max_examples // b if b == batching.batch_size else 0
@@ -206,7 +218,7 @@ def batch_indices(
   idx = perms[epoch[:, None], pos]
   real_step = s < batching.epochs * full
   mask = real_step[:, None] & (pos < num_examples)
-  return idx.astype(jnp.int32), mask
+  return StepBatches(idx.astype(jnp.int32), mask)
 
 
 def traced_num_steps(batching: Batching, num_examples, max_examples: int):

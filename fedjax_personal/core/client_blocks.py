@@ -7,6 +7,7 @@ executors (``core/executors.py``) run client work through these pieces.
 """
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend
@@ -17,6 +18,8 @@ from fedjax_personal.core import aggregation, training, tree_util
 
 __all__ = [
   'active_mask',
+  'BlockLayout',
+  'WorkBlocks',
   'block_loop',
   'client_fn',
   'join_owned',
@@ -217,11 +220,41 @@ def limited_client(work, make_ctx, shared, per_client):
   return client
 
 
-def blocks_by_work(steps, active, bs: int, xp):
+class WorkBlocks(NamedTuple):
+  """A cohort cut into blocks of clients of similar work.
+
+  Attributes:
+    pos: int [nb, bs], the blocks' cohort positions.
+    ok: bool [nb, bs], real slots (active clients, not padding).
+    limit: int32 [nb], each block's longest client's steps.
+  """
+
+  pos: Any
+  ok: Any
+  limit: Any
+
+
+class BlockLayout(NamedTuple):
+  """Blocks of clients by work, as the executors run them.
+
+  Attributes:
+    pos: int [..., nb, bs], the blocks' cohort positions.
+    ok: bool [..., nb, bs], real slots.
+    limit: int32 [..., nb], the blocks' step counts.
+    count: the number of blocks that hold active clients (they come first),
+      per part where there are parts.
+  """
+
+  pos: Any
+  ok: Any
+  limit: Any
+  count: Any
+
+
+def blocks_by_work(steps, active, bs: int, xp) -> WorkBlocks:
   """The cohort sorted by real step count (longest first; inactive slots
-  last) and cut into blocks of ``bs`` neighbours: (pos [nb, bs] cohort
-  positions, ok [nb, bs] real slots, limit [nb] each block's longest
-  client's steps). ``xp`` is ``np`` (host ints) or ``jnp`` (traced)."""
+  last) and cut into blocks of ``bs`` neighbours. ``xp`` is ``np`` (host
+  ints) or ``jnp`` (traced)."""
   c = steps.shape[0]
   bs = min(bs, c)
   nb = -(-c // bs)
@@ -236,10 +269,10 @@ def blocks_by_work(steps, active, bs: int, xp):
   pos = at.reshape(nb, bs)
   ok = ((slots < c) & active[at]).reshape(nb, bs)
   limit = xp.max(xp.where(ok, steps[pos], 0), axis=-1).astype(xp.int32)
-  return pos, ok, limit
+  return WorkBlocks(pos, ok, limit)
 
 
-def client_blocks(steps, active, bs: int, parts: int = 1):
+def client_blocks(steps, active, bs: int, parts: int = 1) -> BlockLayout:
   """Blocks of clients by work (host ints, ``blocks_by_work``); with
   ``parts`` > 1, the blocks assigned to the parts longest first, each to the
   part with the least work so far (LPT scheduling), so that host threads
@@ -258,10 +291,9 @@ def client_blocks(steps, active, bs: int, parts: int = 1):
     parts: host threads.
 
   Returns:
-    (pos [parts, nb, bs] cohort positions, ok [parts, nb, bs] real slots,
-    limit [parts, nb] block step counts, count [parts] blocks each part
-    runs; its first ``count`` blocks hold its clients). ``nb`` is the
-    cohort's number of blocks (a part may get them all).
+    The ``BlockLayout`` with a leading parts axis (``count`` [parts]: a
+    part's first ``count`` blocks hold its clients); ``nb`` is the cohort's
+    number of blocks (a part may get them all).
   """
   steps, active = np.asarray(steps), np.asarray(active, bool)
   b_pos, b_ok, b_limit = blocks_by_work(steps, active, bs, np)
@@ -280,13 +312,12 @@ def client_blocks(steps, active, bs: int, parts: int = 1):
     )
     count[t] += 1
     load[t] += b_limit[b] + 1  # + 1: a block's fixed cost (init, final)
-  return pos, ok, limit, count
+  return BlockLayout(pos, ok, limit, count)
 
 
-def traced_work_layout(steps, active, bs: int):
+def traced_work_layout(steps, active, bs: int) -> BlockLayout:
   """``client_blocks`` with one part, on traced arrays (inside a compiled
-  round): (pos [nb, bs], ok, limit [nb], count of blocks holding active
-  clients: they come first).
+  round).
 
   Args:
     steps: real steps [c] (traced).
@@ -294,11 +325,12 @@ def traced_work_layout(steps, active, bs: int):
     bs: clients per block.
 
   Returns:
-    ``(pos, ok, limit, count)``.
+    The ``BlockLayout`` (``count``: blocks holding active clients).
   """
   pos, ok, limit = blocks_by_work(steps, active, bs, jnp)
   bs = pos.shape[1]
-  return pos, ok, limit, (jnp.sum(active.astype(jnp.int32)) + bs - 1) // bs
+  count = (jnp.sum(active.astype(jnp.int32)) + bs - 1) // bs
+  return BlockLayout(pos, ok, limit, count)
 
 
 def block_loop(

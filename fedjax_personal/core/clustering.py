@@ -101,12 +101,29 @@ def assign(x, centroids, k):
   return jnp.argmin(d, axis=1).astype(jnp.int32), jnp.min(d, axis=1)
 
 
+class KMeansResult(NamedTuple):
+  """What ``kmeans`` finds.
+
+  Attributes:
+    centroids: [max_k, D]; rows >= k unused.
+    labels: int32 [N], each point's cluster.
+    inertia: the sum of squared distances to the assigned centroids.
+    k: int32, the number of clusters asked for.
+  """
+
+  centroids: jax.Array
+  labels: jax.Array
+  inertia: jax.Array
+  k: jax.Array
+
+
 def lloyd(x, centroids, k, max_iter: int = 300, tol: float = 1e-4):
   """Lloyd iterations from ``centroids`` [max_k, D] (first k used) until the
   total squared centre shift is <= tol * mean feature variance (scikit-learn's
   rule) or ``max_iter``. An empty cluster keeps its centre.
 
-  Returns (centroids, labels [N], inertia).
+  Returns:
+    The ``KMeansResult``.
   """
   max_k = centroids.shape[0]
   threshold = tol * jnp.mean(jnp.var(x, axis=0))
@@ -131,23 +148,7 @@ def lloyd(x, centroids, k, max_iter: int = 300, tol: float = 1e-4):
     cond, body, (0, centroids, jnp.asarray(jnp.inf, x.dtype))
   )
   labels, d2 = assign(x, centroids, k)
-  return centroids, labels, jnp.sum(d2)
-
-
-class KMeansResult(NamedTuple):
-  """What ``kmeans`` finds.
-
-  Attributes:
-    centroids: [max_k, D]; rows >= k unused.
-    labels: int32 [N], each point's cluster.
-    inertia: the sum of squared distances to the assigned centroids.
-    k: int32, the number of clusters asked for.
-  """
-
-  centroids: jax.Array
-  labels: jax.Array
-  inertia: jax.Array
-  k: jax.Array
+  return KMeansResult(centroids, labels, jnp.sum(d2), jnp.asarray(k, jnp.int32))
 
 
 def kmeans(
@@ -172,7 +173,7 @@ def kmeans(
     tol: stop when the inertia improves less.
 
   Returns:
-    ``(labels [N], centroids [max_k, d], inertia)``.
+    The best restart's ``KMeansResult``.
   """
   x = jnp.asarray(x, jnp.float32)
   trials = 2 + int(math.log(max(max_k, 1)))
@@ -180,11 +181,9 @@ def kmeans(
   def one(key):
     return lloyd(x, kmeans_plusplus(key, x, k, max_k, trials), k, max_iter, tol)
 
-  c, labels, inertia = jax.vmap(one)(jax.random.split(key, restarts))
-  best = jnp.argmin(inertia)
-  return KMeansResult(
-    c[best], labels[best], inertia[best], jnp.asarray(k, jnp.int32)
-  )
+  tried = jax.vmap(one)(jax.random.split(key, restarts))
+  best = jnp.argmin(tried.inertia)
+  return jax.tree.map(lambda a: a[best], tried)
 
 
 def silhouette_score(dist, labels, max_k: int):

@@ -6,7 +6,7 @@ client axis. This is what lets one compiled round serve every cohort.
 """
 
 import dataclasses
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -261,12 +261,20 @@ def pad_clients(
   return ClientData(x=xp, y=yp, num_examples=n)
 
 
+class ExampleSplits(NamedTuple):
+  """One client's examples split: index arrays into them."""
+
+  train: np.ndarray
+  val: np.ndarray
+  test: np.ndarray
+
+
 def split_client_examples(
   num_examples: int,
   rng: np.random.Generator,
   test_fraction: float,
   val_fraction: float,
-):
+) -> ExampleSplits:
   """Shuffles one client's examples and splits them into train/val/test.
 
   Rounding keeps at least one training example when the client has any, and
@@ -280,7 +288,7 @@ def split_client_examples(
     val_fraction: the validation share.
 
   Returns:
-    ``(train, val, test)`` index arrays into the client's examples.
+    The ``ExampleSplits``: index arrays into the client's examples.
   """
   perm = rng.permutation(num_examples)
   n_test = int(round(test_fraction * num_examples))
@@ -294,7 +302,7 @@ def split_client_examples(
   test = perm[:n_test]
   val = perm[n_test : n_test + n_val]
   train = perm[n_test + n_val :]
-  return train, val, test
+  return ExampleSplits(train, val, test)
 
 
 def client_splits(

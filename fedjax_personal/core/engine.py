@@ -45,9 +45,11 @@ from fedjax_personal.core.rounds import (  # noqa: F401  (the engine's API)
   PRE_ROUND_RAN,
   Broadcast,
   ClientInputs,
+  PhaseInputs,
   PreRoundFunctions,
   RoundFunctions,
   RoundShared,
+  SharedInputs,
   pre_round_functions,
   round_functions,
   rows_in_place,
@@ -289,7 +291,7 @@ class RoundRunner:
       outputs = ex.run_work(
         alg.client_work,
         make_ctx,
-        (shared, train, val),
+        SharedInputs(shared, train, val),
         per_client,
         active=mask,
         num_steps=steps,
@@ -317,8 +319,10 @@ class RoundRunner:
       phase = self._dispatched_pre_round(
         lambda phase_client, shared, rc: ex.map(
           phase_client,
-          (shared, train, val),
-          (jnp.arange(n, dtype=jnp.int32), client_keys(rc.key, jnp.arange(n))),
+          SharedInputs(shared, train, val),
+          PhaseInputs(
+            jnp.arange(n, dtype=jnp.int32), client_keys(rc.key, jnp.arange(n))
+          ),
         )
       )
       steps = self._host_steps
@@ -470,7 +474,10 @@ class RoundRunner:
 
       def block(shared, train, val, rows, keys, valid):
         return ex.map(
-          phase_client, (shared, train, val), (rows, keys), active=valid
+          phase_client,
+          SharedInputs(shared, train, val),
+          PhaseInputs(rows, keys),
+          active=valid,
         )
 
       self._phase_block = ex.jit(block) if ex.fused else block

@@ -23,7 +23,7 @@ import concurrent.futures
 import copy
 import dataclasses
 import os
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,11 +56,32 @@ __all__ = [
 ]
 
 
+class Slots(NamedTuple):
+  """Where a cohort's clients run in blocks: positions and validity.
+
+  Attributes:
+    pos: host ints, each slot's cohort position.
+    valid: bools, the slots of active clients (not padding).
+  """
+
+  pos: np.ndarray
+  valid: Any
+
+
+class Ran(NamedTuple):
+  """Clients run one at a time: which (cohort positions, in the order run)
+  and their outputs."""
+
+  todo: List[int]
+  outs: List[Any]
+
+
 EXECUTOR_NAMES = ('auto', 'vmap', 'blocked', 'sequential', 'sharded')
 
-# make_ctx(shared_all, client) -> (ClientContext, key): builds one client's
-# context from what is shared by the round and the client's stacked inputs.
-MakeContext = Callable[[Any, Any], tuple]
+# make_ctx(shared_all, client) -> ClientCall (a ClientContext and a key): builds
+# one client's context from what is shared by the round and the client's
+# stacked inputs.
+MakeContext = Callable[[Any, Any], training.ClientCall]
 
 
 def _no_rows_in_place(ex, rows_in_place) -> None:
@@ -283,9 +304,9 @@ class BlockedExecutor(Executor):
       else self
     )
 
-  def _layout(self, c, active, parts):
-    """Cohort positions (host ints) and validity, [parts, nb, bs]: the cohort
-    padded by repeating clients to ``parts`` runs of ``nb`` blocks."""
+  def _layout(self, c, active, parts) -> 'Slots':
+    """The cohort's ``Slots``, [parts, nb, bs]: the cohort padded by
+    repeating clients to ``parts`` runs of ``nb`` blocks."""
     bs = min(self.block_size, c)
     blocks = -(-c // bs)
     nb = -(-blocks // parts)  # blocks per part
@@ -296,7 +317,7 @@ class BlockedExecutor(Executor):
       active, c, jnp if isinstance(active, jax.core.Tracer) else np
     )
     valid = (act[slots % c] & (slots < c)).reshape(parts, nb, bs)
-    return (slots % c).reshape(parts, nb, bs), valid
+    return Slots((slots % c).reshape(parts, nb, bs), valid)
 
   def map(self, fn, shared, per_client, active=None):
     c = tree_util.cohort_size(per_client)
@@ -447,7 +468,7 @@ class SequentialExecutor(Executor):
   def describe(self):
     return f'sequential(threads={self.num_threads or os.cpu_count()})'
 
-  def _run(self, fn, c, active, work=None):
+  def _run(self, fn, c, active, work=None) -> 'Ran':
     """Runs ``fn`` on the active clients; with ``work`` (their step counts),
     the longest first, so that the threads, each taking the next client
     when free, finish together (LPT scheduling)."""
@@ -458,7 +479,7 @@ class SequentialExecutor(Executor):
     outs = (
       list(self._pool.map(fn, todo)) if self._pool else [fn(i) for i in todo]
     )
-    return todo, outs
+    return Ran(todo, outs)
 
   def _stack(self, c, todo, outs):
     """Stacks the active clients' outputs (zeros in skipped slots) and adds
@@ -519,11 +540,11 @@ class SequentialExecutor(Executor):
 
       def step(sh, pc, i, carry, idx, mask, k_steps, s):
         return training.work_step(
-          work, ctx_of(sh, pc, i)[0], carry, idx, mask, k_steps, s
+          work, ctx_of(sh, pc, i).ctx, carry, idx, mask, k_steps, s
         )
 
       def final(sh, pc, i, carry):
-        return work.final(ctx_of(sh, pc, i)[0], carry)
+        return work.final(ctx_of(sh, pc, i).ctx, carry)
 
       self._compiled[key] = (self.jit(init), self.jit(step), self.jit(final))
     return self._compiled[key]

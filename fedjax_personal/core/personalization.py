@@ -32,7 +32,7 @@ module paths under its ``params``; a module's statistics go with it.
 
 import dataclasses
 import re
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, NamedTuple
 
 from flax import traverse_util
 
@@ -82,6 +82,13 @@ def unflatten(flat: Dict[str, object]):
   return traverse_util.unflatten_dict(flat, sep='/')
 
 
+class SharedAndPersonal(NamedTuple):
+  """A model's leaves in two flat dicts (``ParamSplit.split``)."""
+
+  shared: Dict[str, object]
+  personal: Dict[str, object]
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamSplit:
   """Which leaves of a model are personal, and how to split and merge them.
@@ -94,12 +101,12 @@ class ParamSplit:
   name: str
   is_personal: Callable[[str], bool]
 
-  def split(self, params) -> Tuple[Dict[str, object], Dict[str, object]]:
-    """(shared, personal) flat dicts of a parameter tree."""
+  def split(self, params) -> SharedAndPersonal:
+    """The shared and the personal leaves of a parameter tree."""
     flat = flatten(params)
     shared = {k: v for k, v in flat.items() if not self.is_personal(k)}
     personal = {k: v for k, v in flat.items() if self.is_personal(k)}
-    return shared, personal
+    return SharedAndPersonal(shared, personal)
 
   def merge(self, shared, personal):
     """The full parameter tree from the two parts."""

@@ -7,7 +7,7 @@ function (``fused_round``), the algorithm's pre-round phase included
 """
 
 import collections
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ from fedjax_personal.core.round_metrics import (
   cohort_counts,
 )
 from fedjax_personal.core.sampling import Cohort, CohortSampler, client_keys
-from fedjax_personal.core.training import ClientContext
+from fedjax_personal.core.training import ClientCall, ClientContext, WorkLimit
 from fedjax_personal.core.tree_util import PyTree
 
 __all__ = [
@@ -56,7 +56,7 @@ class PreRoundFunctions(NamedTuple):
     due: ``round -> bool``, whether the phase runs this round.
     rc_of: ``(key, round) -> RoundContext`` of the phase.
     run: ``(state, rc, train, val) -> (state, diagnostics)``.
-    phase_client: ``((shared, train, val), (row, key)) -> output`` of one
+    phase_client: ``(SharedInputs, PhaseInputs) -> output`` of one
       client.
   """
 
@@ -127,13 +127,11 @@ def pre_round_functions(
       round=jnp.asarray(round_num, jnp.int32), key=jax.random.fold_in(key, 2)
     )
 
-  def phase_client(shared_all, c):
-    """Client ``c = (row, key)``: its examples are row ``row`` of the
-    split arrays (its index on the device layout, its block position on the
-    host layout)."""
+  def phase_client(shared_all: SharedInputs, c: PhaseInputs):
+    """Client ``c``: its examples are row ``c.row`` of the split arrays."""
     counts['pre_round_client'] += 1
-    shared, train, val = shared_all
-    pos, key = c
+    shared, train, val = shared_all.common, shared_all.train, shared_all.val
+    pos, key = c.row, c.key
     if pr.client is None:
       raise ValueError(f"{alg.name}'s pre-round phase has no client part")
     return pr.client(
@@ -150,12 +148,43 @@ def pre_round_functions(
       n = train.num_examples.shape[0]
       outputs = ex.map(
         phase_client,
-        (shared, train, val),
-        (jnp.arange(n, dtype=jnp.int32), client_keys(rc.key, jnp.arange(n))),
+        SharedInputs(shared, train, val),
+        PhaseInputs(
+          jnp.arange(n, dtype=jnp.int32), client_keys(rc.key, jnp.arange(n))
+        ),
       )
     return pr.update(state, outputs, rc)
 
   return PreRoundFunctions(pr.due, rc_of, run, phase_client)
+
+
+class SharedInputs(NamedTuple):
+  """What every client of a phase reads: the server's part and the split
+  arrays its rows index.
+
+  Attributes:
+    common: the round's ``RoundShared`` (a round's clients) or the pre-round
+      phase's broadcast (its clients).
+    train: the training split's arrays (``ClientData``), or None.
+    val: the validation split's arrays, or None.
+  """
+
+  common: PyTree
+  train: PyTree
+  val: PyTree
+
+
+class PhaseInputs(NamedTuple):
+  """A pre-round phase's per-client inputs, stacked over its clients.
+
+  Attributes:
+    row: each client's row of the split arrays (its index on the device
+      layout, its block position on the host layout).
+    key: each client's key.
+  """
+
+  row: jax.Array
+  key: jax.Array
 
 
 class RoundShared(NamedTuple):
@@ -183,14 +212,14 @@ class ClientInputs(NamedTuple):
     state: each client's part of the broadcast (``server_broadcast``'s
       per-client part: its rows of the state).
     key: each client's key.
-    limit: ``(epochs or steps, step cap)`` each client's device does
+    limit: the ``WorkLimit`` each client's device does
       (``ClientContext.work_limit``), or None: all of its work.
   """
 
   row: jax.Array
   state: PyTree
   key: jax.Array
-  limit: Optional[Tuple[Optional[jax.Array], Optional[jax.Array]]] = None
+  limit: Optional[WorkLimit] = None
 
 
 def rows_in_place(client_rows, state, per_client) -> bool:
@@ -319,24 +348,29 @@ def round_functions(
         shared, rc.round, drawn._replace(work_limit=None, step_cap=None)
       ),
       ClientInputs(
-        data_rows, per_client, keys, (drawn.work_limit, drawn.step_cap)
+        data_rows, per_client, keys, WorkLimit(drawn.work_limit, drawn.step_cap)
       ),
     )
 
-  def make_ctx(shared_all, c: ClientInputs):
+  def make_ctx(shared_all: SharedInputs, c: ClientInputs) -> ClientCall:
     counts['client'] += 1
-    round_shared, train, val = shared_all
+    round_shared, train, val = (
+      shared_all.common,
+      shared_all.train,
+      shared_all.val,
+    )
     local = LocalData(
       train=client_row(train, c.row), val=client_row(val, c.row)
     )
-    return ClientContext(
+    ctx = ClientContext(
       shared=round_shared.broadcast,
       state=c.state,
       data=local,
       round=round_shared.round,
       work_limit=c.limit,
       row_group_start=row_groups,
-    ), c.key
+    )
+    return ClientCall(ctx, c.key)
 
   def post(state, cohort, outputs, rc, shared: RoundShared):
     counts['post'] += 1
@@ -398,7 +432,7 @@ def round_functions(
       outputs, new_rows = ex.run_work(
         alg.client_work,
         make_ctx,
-        (shared, train, val),
+        SharedInputs(shared, train, val),
         per_client,
         active=cohort.mask,
         rows_in_place=(cr.output, 'state'),
@@ -409,7 +443,7 @@ def round_functions(
       outputs = ex.run_work(
         alg.client_work,
         make_ctx,
-        (shared, train, val),
+        SharedInputs(shared, train, val),
         per_client,
         active=system_lib.uploading(cohort, shared.devices),
       )

@@ -4,7 +4,7 @@ SGD; the losses it trains on are ``losses``' (re-exported here)."""
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +104,19 @@ def scan_steps(f, init, xs):
 # -- client work --------------------------------------------------------------
 
 
+class WorkLimit(NamedTuple):
+  """The work a client's device does this round (``system.RoundSystem``).
+
+  Attributes:
+    work: int32, the epochs (or steps) it may do: a straggler's share, 0 for a
+      dropout.
+    step_cap: int32, the steps its deadline allows, or None: no deadline.
+  """
+
+  work: Any
+  step_cap: Any = None
+
+
 @struct.dataclass
 class ClientContext:
   """What a client's work may read, fixed for the whole round.
@@ -120,10 +133,9 @@ class ClientContext:
     row_group_start: the input id that starts a group of rows shuffled as
       one (``batching.row_groups``: TFF's Shakespeare snippets), or None
       (static).
-    work_limit: ``(epochs or steps, step cap)`` the client's device does
-      this round (``system.RoundSystem``: a straggler's, 0 for a dropout;
-      the cap its deadline allows, or None), or None: all of its work. Steps
-      past it are masked as padding (``work_step``).
+    work_limit: the ``WorkLimit`` the client's device does this round, or
+      None: all of its work. Steps past it are masked as padding
+      (``work_step``).
   """
 
   shared: Any
@@ -131,7 +143,7 @@ class ClientContext:
   data: LocalData
   round: Any = 0
   opt_state: Any = None
-  work_limit: Any = None
+  work_limit: Optional[WorkLimit] = None
   row_group_start: Optional[int] = struct.field(pytree_node=False, default=None)
 
 
@@ -212,7 +224,7 @@ class ClientWork:
 
 def work_batch_indices(
   work: ClientWork, key, num_examples, max_examples, groups=None
-):
+) -> batching_lib.StepBatches:
   """Batch indices [S, B] (or [S, k, B]) and masks of one client's work.
 
   Args:
@@ -223,7 +235,7 @@ def work_batch_indices(
     groups: its examples' groups (``batching.row_groups``), or None.
 
   Returns:
-    ``(indices, masks)``.
+    The ``batching.StepBatches``.
   """
   if work.batches_per_step == 1:
     return batching_lib.batch_indices(
@@ -235,7 +247,9 @@ def work_batch_indices(
       k, num_examples, max_examples, work.batching, groups
     )
   )(keys)
-  return jnp.swapaxes(idx, 0, 1), jnp.swapaxes(mask, 0, 1)
+  return batching_lib.StepBatches(
+    jnp.swapaxes(idx, 0, 1), jnp.swapaxes(mask, 0, 1)
+  )
 
 
 def step_is_real(mask_s):
@@ -247,7 +261,30 @@ def step_is_real(mask_s):
 INPUT_DRAWS = 0x1B7
 
 
-def work_init(work: ClientWork, ctx: ClientContext, key):
+class WorkStart(NamedTuple):
+  """A client's work before its first step (``work_init``).
+
+  Attributes:
+    carry: the algorithm's carry (``ClientWork.init``'s).
+    idx: int32 [S, ...], each step's example indices.
+    mask: bool [S, ...], each step's real examples.
+    step_keys: the key the steps' keys are folded from.
+  """
+
+  carry: Any
+  idx: jax.Array
+  mask: jax.Array
+  step_keys: jax.Array
+
+
+class ClientCall(NamedTuple):
+  """What one client's work is called with: its context and its key."""
+
+  ctx: ClientContext
+  key: jax.Array
+
+
+def work_init(work: ClientWork, ctx: ClientContext, key) -> WorkStart:
   """Engine side of init: the algorithm's carry plus the client's batches.
 
   Args:
@@ -256,7 +293,7 @@ def work_init(work: ClientWork, ctx: ClientContext, key):
     key: the client's key.
 
   Returns:
-    ``(carry, batch indices, masks, step keys)``.
+    The ``WorkStart``.
   """
   k_init, k_batch, k_steps = jax.random.split(key, 3)
   train = ctx.data.train
@@ -268,7 +305,7 @@ def work_init(work: ClientWork, ctx: ClientContext, key):
   idx, mask = work_batch_indices(
     work, k_batch, train.num_examples, train.x.shape[0], groups
   )
-  return work.init(ctx, k_init), idx, mask, k_steps
+  return WorkStart(work.init(ctx, k_init), idx, mask, k_steps)
 
 
 def work_step(
@@ -304,11 +341,12 @@ def limited_steps(work: ClientWork, ctx: ClientContext):
   """The steps the client's device may run: ``ctx.work_limit``'s epochs (or
   steps) and its deadline's step cap."""
   train = ctx.data.train
-  limit, cap = ctx.work_limit
+  limit = ctx.work_limit
+  assert limit is not None
   steps = system.step_limit(
-    work.batching, limit, train.num_examples, train.x.shape[0]
+    work.batching, limit.work, train.num_examples, train.x.shape[0]
   )
-  return steps if cap is None else jnp.minimum(steps, cap)
+  return steps if limit.step_cap is None else jnp.minimum(steps, limit.step_cap)
 
 
 def work_num_steps(work: ClientWork, ctx: ClientContext, key):

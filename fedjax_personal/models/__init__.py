@@ -30,7 +30,7 @@ from fedjax_personal.models.building import (
   create_model,
   num_params,
 )
-from fedjax_personal.models.head import HeadSplit
+from fedjax_personal.models.head import BodyAndHead, HeadSplit
 from fedjax_personal.models.initializers import INITS
 from fedjax_personal.models.layers import (
   CONV_IMPLS,
@@ -84,6 +84,7 @@ __all__ = [
   'as_float',
   'avg_pool_2x2',
   'batch_chunk',
+  'BodyAndHead',
   'build_model',
   'check_known',
   'CharLSTM',
@@ -99,6 +100,7 @@ __all__ = [
   'flatten',
   'from_flax',
   'from_layout',
+  'BodyAndHead',
   'HeadSplit',
   'instantiate',
   'initializers',

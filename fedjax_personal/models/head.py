@@ -15,14 +15,32 @@ not the second one a ``features`` method would cost.
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, NamedTuple, Optional, Tuple
 
 import flax.linen as nn
 import jax
 
 PyTree = Any  # the models layer sits below core (core.tree_util.PyTree)
 
-__all__ = ['capture_features', 'find_head', 'HeadSplit', 'module_calls']
+__all__ = [
+  'BodyAndHead',
+  'capture_features',
+  'find_head',
+  'HeadSplit',
+  'module_calls',
+]
+
+
+class BodyAndHead(NamedTuple):
+  """A model's parameters in two parts (``HeadSplit.split``).
+
+  Attributes:
+    body: everything but the head (with the batch statistics, if any).
+    head: the head's parameters.
+  """
+
+  body: PyTree
+  head: PyTree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +73,7 @@ class HeadSplit:
     """
     return self.module.apply({'params': head_params}, features)
 
-  def split(self, params: PyTree) -> Tuple[PyTree, PyTree]:
+  def split(self, params: PyTree) -> 'BodyAndHead':
     """``(body, head)`` of a model's parameters: the head's subtree, and
     the rest (a model with batch statistics keeps them in the body).
 
@@ -63,14 +81,14 @@ class HeadSplit:
       params: the model's parameters (or its variables, with collections).
 
     Returns:
-      ``(body, head)``; ``merge(body, head)`` gives ``params`` back.
+      The ``BodyAndHead``; ``merge(body, head)`` gives ``params`` back.
     """
     tree = params['params'] if _has_collections(params) else params
     head = _get(tree, self.path)
     body_tree = _without(tree, self.path)
     if _has_collections(params):
-      return {**params, 'params': body_tree}, head
-    return body_tree, head
+      return BodyAndHead({**params, 'params': body_tree}, head)
+    return BodyAndHead(body_tree, head)
 
   def merge(self, body: PyTree, head: PyTree) -> PyTree:
     """The model's parameters from ``split``'s two parts.

@@ -10,7 +10,7 @@ builders and the engine may know without the examples (``Population``).
 import collections
 import dataclasses
 import hashlib
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -146,6 +146,25 @@ class Population:
       f'max {n.max()} (total {int(n.sum()):,}), test total '
       f'{int(self.test.num_examples.sum()):,}'
     )
+
+
+class CohortRead(NamedTuple):
+  """What a gather of clients reads from a split's arrays.
+
+  Attributes:
+    x: the split's inputs, every client's back to back.
+    y: its targets.
+    counts: int32, the clients' counts (capped at ``cap`` on the training
+      split and at ``length``; 0 past the last client with ``clip``).
+    starts: where each client's examples start in ``x`` and ``y``.
+    ydtype: the targets' dtype as gathered (integers as int32).
+  """
+
+  x: Any
+  y: Any
+  counts: np.ndarray
+  starts: np.ndarray
+  ydtype: Any
 
 
 class PopulationStore:
@@ -323,11 +342,8 @@ class PopulationStore:
 
   def _cohort(
     self, split: str, idx, length: int, cap: Optional[int], clip: bool
-  ):
-    """What ``gather`` and ``gather_packed`` read: the split's arrays, the
-    clients' counts (capped at ``cap`` on the training split and at
-    ``length``; 0 past the last client with ``clip``), where their examples
-    start, and the targets' dtype as gathered (integers as int32)."""
+  ) -> 'CohortRead':
+    """What ``gather`` and ``gather_packed`` read (``CohortRead``)."""
     idx = np.asarray(idx, np.int64)
     empty = np.zeros(len(idx), bool)
     if clip:
@@ -341,7 +357,7 @@ class PopulationStore:
       n = np.minimum(n, cap)
     n = np.where(empty, 0, np.minimum(n, length)).astype(np.int32)
     ydtype = np.int32 if np.issubdtype(y.dtype, np.integer) else y.dtype
-    return x, y, n, self.offsets[split][idx], ydtype
+    return CohortRead(x, y, n, self.offsets[split][idx], ydtype)
 
   def gather(
     self,

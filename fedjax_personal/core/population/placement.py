@@ -26,7 +26,7 @@ stays on the device.
 import concurrent.futures
 import dataclasses
 import functools
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,10 @@ __all__ = [
   'blocks',
   'choose',
   'CohortFeed',
+  'CohortShape',
+  'FedCohort',
+  'LayoutChoice',
+  'PackedSize',
   'DEVICE_DATA_SHARE',
   'GB',
   'host_available_bytes',
@@ -199,16 +203,16 @@ class ShapePlan:
       rows[split] = tuple(sorted({bucket(min(likely, top)), bucket(top)}))
     return cls(windows, rows)
 
-  def at_least(self, split: str, total: int):
-    """(rows, window) of a cohort whose ``split`` holds ``total`` examples:
-    the smallest bucket that holds them and a window."""
+  def at_least(self, split: str, total: int) -> 'PackedSize':
+    """The ``PackedSize`` of a cohort whose ``split`` holds ``total``
+    examples: the smallest bucket that holds them and a window."""
     window = self.windows[split]
     if window == 0:
-      return 0, 0
+      return PackedSize(0, 0)
     rows = next(
       (r for r in self.rows[split] if r >= total + window), self.rows[split][-1]
     )
-    return rows, window
+    return PackedSize(rows, window)
 
   @property
   def count(self) -> int:
@@ -223,6 +227,48 @@ class ShapePlan:
       if self.windows[s]
     ]
     return f'at most {self.count} packed cohort shape(s): ' + '; '.join(parts)
+
+
+class PackedSize(NamedTuple):
+  """A packed split's shape: its rows and the window a client reads."""
+
+  rows: int
+  window: int
+
+
+class LayoutChoice(NamedTuple):
+  """Where a population's examples live (``choose``) and why.
+
+  Attributes:
+    layout: ``device`` or ``host``.
+    reason: the one line the run prints.
+  """
+
+  layout: str
+  reason: str
+
+
+class FedCohort(NamedTuple):
+  """A round's cohort and its clients' examples, on the device.
+
+  Attributes:
+    cohort: the sampled ``sampling.Cohort``.
+    train: the cohort's training examples, packed (``PackedClientData``).
+    val: its validation examples, packed.
+  """
+
+  cohort: Any
+  train: PackedClientData
+  val: PackedClientData
+
+
+class CohortShape(NamedTuple):
+  """The shapes a packed cohort compiles for (one compiled round each)."""
+
+  train_rows: int
+  train_window: int
+  val_rows: int
+  val_window: int
 
 
 class CohortFeed:
@@ -250,22 +296,21 @@ class CohortFeed:
       1, thread_name_prefix='cohort-feed'
     )
     self._pending: Dict[Any, concurrent.futures.Future] = {}
-    # the last cohort handed out, for runs of the same key
-    self._last: tuple = (
-      None,
-      None,
-    )
+    # the last cohort handed out (its key id and the cohort), for runs of the
+    # same key
+    self._last_id: Any = None
+    self._last: Optional[FedCohort] = None
     self._least: Dict[Any, Any] = {}
-    self.shapes: List[tuple] = []
+    self.shapes: List[CohortShape] = []
     self.gathers = 0
 
-  def _prepare(self, key, round_num: int):
-    """(cohort, train, val), each split in the plan's shape (without a plan:
-    at least as large as the largest before it, rows and window)."""
+  def _prepare(self, key, round_num: int) -> 'FedCohort':
+    """The round's ``FedCohort``, each split in the plan's shape (without a
+    plan: at least as large as the largest before it, rows and window)."""
     self.gathers += 1
     cohort = self.sample(key, np.int32(round_num))
     idx = np.asarray(jax.device_get(cohort.idx))
-    out = [cohort]
+    out = {}
     for split in ('train', 'val'):
       if self.plan is not None:
         real = idx[idx < self.host.num_clients]
@@ -276,8 +321,8 @@ class CohortFeed:
         least = self._least.get(split, (0, 0))
       data = self.host.gather_packed(split, idx, least)
       self._least[split] = (data.x.shape[0], data.length)
-      out.append(data)
-    return tuple(out)
+      out[split] = data
+    return FedCohort(cohort, out['train'], out['val'])
 
   @staticmethod
   def _key_id(key, round_num: int):
@@ -286,33 +331,32 @@ class CohortFeed:
   def request(self, key, round_num: int) -> None:
     """Starts preparing round ``round_num`` (its key ``key``)."""
     k = self._key_id(key, round_num)
-    if k not in self._pending and k != self._last[0]:
+    if k not in self._pending and k != self._last_id:
       self._pending = {
         p: v for p, v in self._pending.items() if p[0] >= round_num - 1
       }
       self._pending[k] = self._pool.submit(self._prepare, key, round_num)
 
-  def get(self, key, round_num: int):
-    """(cohort, train, val) of round ``round_num``: prepared ahead when it was
+  def get(self, key, round_num: int) -> 'FedCohort':
+    """The ``FedCohort`` of round ``round_num``: prepared ahead when it was
     requested with the same key, handed out already to a run of the same
     key, else made now."""
     k = self._key_id(key, round_num)
-    if k == self._last[0]:
-      out = self._last[1]
+    if k == self._last_id and self._last is not None:
+      out = self._last
     else:
       pending = self._pending.pop(k, None)
       # the previous cohort is freed before this one is made
-      self._last = (
-        None,
-        None,
-      )
+      self._last_id, self._last = None, None
       # Made on the feed's thread, one gather at a time (a shared feed's
       # prefetches run beside the rounds).
       out = (
         pending or self._pool.submit(self._prepare, key, round_num)
       ).result()
-      self._last = (k, out)
-    shape = (out[1].x.shape[0], out[1].length, out[2].x.shape[0], out[2].length)
+      self._last_id, self._last = k, out
+    shape = CohortShape(
+      out.train.x.shape[0], out.train.length, out.val.x.shape[0], out.val.length
+    )
     if shape not in self.shapes:
       self.shapes.append(shape)
     return out
@@ -460,8 +504,8 @@ def choose(
   free_bytes: Optional[int],
   widest: int,
   cap: Optional[int],
-):
-  """(layout, reason) for ``--layout=requested``.
+) -> 'LayoutChoice':
+  """The ``LayoutChoice`` for ``--layout=requested``.
 
   ``auto``: ``device`` when the padded population takes at most
   ``DEVICE_DATA_SHARE`` of ``free_bytes`` (unknown: device), else ``host``.
@@ -474,7 +518,7 @@ def choose(
     cap: ``--max_client_examples``.
 
   Returns:
-    ``(layout, reason)``.
+    The ``LayoutChoice``.
 
   Raises:
     SettingError: an unknown layout, or ``device`` asked for a padded
@@ -502,12 +546,13 @@ def choose(
         f"'device': {need}, {free}; cap each client's examples "
         "(max_client_examples=N; TFF caps at 1000) or take the layout 'host'",
       )
-    return 'device', f'asked for; {need}, {free}'
+    return LayoutChoice('device', f'asked for; {need}, {free}')
   if requested == 'host':
-    return 'host', f'asked for; {need}, {free}'
+    return LayoutChoice('host', f'asked for; {need}, {free}')
   if fits:
-    return 'device', f'auto: {need}, {free}'
-  return 'host', (
+    return LayoutChoice('device', f'auto: {need}, {free}')
+  return LayoutChoice(
+    'host',
     f'auto: {need}, more than {DEVICE_DATA_SHARE:.0%} of the {free}; '
-    'each round gathers its cohort'
+    'each round gathers its cohort',
   )

@@ -36,7 +36,7 @@ import pathlib
 import secrets
 import shutil
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -226,8 +226,16 @@ class FileArray:
       pass
 
 
-def _files(split: str):
-  return f'{split}.x.bin', f'{split}.y.bin', f'{split}.counts.bin'
+class SplitFiles(NamedTuple):
+  """A split's three files in a store: inputs, targets, client counts."""
+
+  x: str
+  y: str
+  counts: str
+
+
+def _files(split: str) -> SplitFiles:
+  return SplitFiles(f'{split}.x.bin', f'{split}.y.bin', f'{split}.counts.bin')
 
 
 def _alive(pid: int) -> bool:
