@@ -258,9 +258,8 @@ def models_section(smoke, chosen=None):
       )
       emit(row)
       runner = state = box = data = None  # freed before the next row
-    except (
-      Exception
-    ) as e:  # out of memory, a kernel the backend lacks: reported
+    except Exception as e:
+      # out of memory, a kernel the backend lacks: reported
       emit(
         {
           'section': 'models',

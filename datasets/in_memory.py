@@ -224,9 +224,8 @@ def load_tinyshakespeare(
     path = sources.fetch('tinyshakespeare', data_dir, download)['input.txt']
     try:
       text = path.read_bytes().decode('utf-8')
-    except (
-      UnicodeDecodeError
-    ) as e:  # unreachable after the checksum; kept for other files
+    except UnicodeDecodeError as e:
+      # unreachable after the checksum; kept for other files
       raise DataError(
         f'{path}: not UTF-8 text ({e.reason} at byte {e.start})'
       ) from None

@@ -520,7 +520,8 @@ def _write_natural(
     (x, y),
     test,
     *given_val,
-  ) in nat.stream():  # a reader may give a client's validation
+  ) in nat.stream():
+    # a reader may give a client's validation
     if should_stop():
       raise KeyboardInterrupt
     tr, va, _ = split_client_examples(len(x), rng, 0.0, cfg.val_fraction)
@@ -580,9 +581,8 @@ def chosen_clients(store, path: str):
     ConfigError naming --client_ids.
   """
   try:
-    with open(
-      path, encoding='utf-8-sig'
-    ) as f:  # a byte order mark is not part of an id
+    with open(path, encoding='utf-8-sig') as f:
+      # a byte order mark is not part of an id
       ids = [line.strip() for line in f]
   except (OSError, UnicodeDecodeError) as e:
     raise ConfigError(

@@ -126,9 +126,8 @@ def test_a_client_never_trained_is_evaluated_with_its_initial_row_and_costs_no_d
   assert (leaves[0].made == before).all() and before.sum() <= 8 < n
   never = np.flatnonzero(~before)
   disk_before = rows_in_files.disk_bytes(state.rows)
-  for (
-    d
-  ) in leaves:  # a never-met client's row: its initial value, nothing written
+  for d in leaves:
+    # a never-met client's row: its initial value, nothing written
     np.testing.assert_array_equal(d[never], d.maker(never, d.leaf))
   assert rows_in_files.disk_bytes(state.rows) == disk_before
   with pytest.raises(TypeError, match='read by index'):

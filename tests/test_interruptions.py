@@ -222,9 +222,12 @@ def test_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch):
 
   from fedjax_personal.run import checkpointing
 
-  mngr = checkpointing.manager(str(tmp_path))
-  faults.start_algorithm('fedavg', 0, str(tmp_path), True)
-  checkpointing.save(mngr, 2, {'w': jnp.ones(3)}, [[{'round': 2}]])
+  progress = faults.RunProgress()
+  progress.start_algorithm('fedavg', 0, str(tmp_path), True)
+  saver = checkpointing.Checkpointer(str(tmp_path), 2, progress=progress)
+  with faults.tracking(progress):
+    saver.on_round_end(2, [{'round': 2}], {'w': jnp.ones(3)})
+  assert progress.checkpoint_round == 2
 
   def full(self, step, *a, **k):
     os.makedirs(
@@ -237,8 +240,8 @@ def test_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     )
 
   monkeypatch.setattr(ocp.CheckpointManager, 'save', full)
-  with pytest.raises(faults.StorageError) as e:
-    checkpointing.save(mngr, 4, {'w': jnp.ones(3)}, [[{'round': 4}]])
+  with faults.tracking(progress), pytest.raises(faults.StorageError) as e:
+    saver.on_round_end(4, [{'round': 4}], {'w': jnp.ones(3)})
   assert str(e.value).startswith(
     f'cannot write the checkpoint of round 4 to {tmp_path}: No space'
   )
@@ -461,10 +464,13 @@ def test_a_signal_after_the_last_round_says_the_run_finished(capsys):
   saved = dict(faults._REQUEST)
   try:
     faults.install_signal_handlers()
-    faults.start_algorithm(
+    progress = faults.RunProgress()
+    progress.start_algorithm(
       'fedavg', 0, '/tmp/x/checkpoints', False, None, rounds=2
     )
-    faults.PROGRESS.round, faults.PROGRESS.output_dir = 2, 'runs/x'
+    progress.round, progress.output_dir = 2, 'runs/x'
+    tracked = faults.tracking(progress)
+    tracked.__enter__()
     os.kill(os.getpid(), signal.SIGTERM)
     err = capsys.readouterr().err
     assert (
@@ -482,6 +488,10 @@ def test_a_signal_after_the_last_round_says_the_run_finished(capsys):
       'terminated after the last round of fedavg, its results written'
     )
     assert stop.status == 143
+    tracked.__exit__(None, None, None)
+    assert (
+      faults.kept() == 'nothing was trained yet; run the same command again'
+    )
   finally:
     faults._REQUEST.update(saved)
     for s, h in old.items():

@@ -363,9 +363,8 @@ def main():
       try:
         if failed is None and not a.project_only:
           runs['fedjax'].append(fedjax_run(a, model, cohort, seed))
-      except (
-        ChildFailed
-      ) as e:  # FedJAX could not run the row: the project's side alone
+      except ChildFailed as e:
+        # FedJAX could not run the row: the project's side alone
         failed = str(e)
         print(f'{row}: {failed}', flush=True)
       for v in variants:

@@ -251,15 +251,13 @@ def save(
     # step)
     try:
       row_checkpoints.fold(directory, kept, state)
-    except (
-      OSError
-    ) as e:  # the step is published; its delta stays until a fold succeeds
+    except OSError as e:
+      # the step is published; its delta stays until a fold succeeds
       if faults.storage_reason(e) is None:
         raise
       raise faults.storage_error(
         f'the checkpoint of round {round_num} to {directory}', e
       ) from None
-  faults.PROGRESS.checkpoint_round = round_num
   return manifest
 
 
@@ -378,9 +376,8 @@ def restore_latest(
       )
     except ConfigError:
       raise
-    except (
-      Exception
-    ) as e:  # a corrupted step: fall back to the newest intact one
+    except Exception as e:
+      # a corrupted step: fall back to the newest intact one
       print(
         f'warning: checkpoint {step} in {directory} is unreadable '
         f'({type(e).__name__}); trying the previous one',
@@ -421,7 +418,8 @@ def _with_inner(template, whole):
 class Checkpointer(Callback):
   """Saves every ``every`` rounds, when the run is interrupted, and (with
   ``final``) at its end (of a single run or a whole sweep: the stacked state
-  and every configuration's records)."""
+  and every configuration's records). Each durable checkpoint's round is
+  recorded in ``progress`` (the run's fault lines name it), when given."""
 
   def __init__(
     self,
@@ -432,8 +430,10 @@ class Checkpointer(Callback):
     identity: Optional[dict] = None,
     resumed_step: Optional[int] = None,
     final: bool = True,
+    progress: Optional[faults.RunProgress] = None,
   ):
     self.mngr = manager(directory, max_to_keep)
+    self.progress = progress
     self.identity = identity
     self.every = every
     self.final = final
@@ -447,6 +447,8 @@ class Checkpointer(Callback):
     self.rows_manifest = save(
       self.mngr, round_num, state, histories, self.identity, self.rows_manifest
     )
+    if self.progress is not None:
+      self.progress.checkpoint_round = round_num
 
   def on_round_end(self, round_num, records, state):
     if self.histories is None:

@@ -43,13 +43,18 @@ def read_flags() -> RunSettings:
   return command_line.read(FLAGS)
 
 
-def main_job(settings: Optional[RunSettings] = None):
+def main_job(
+  settings: Optional[RunSettings] = None,
+  progress: Optional[faults.RunProgress] = None,
+):
   """The main job (``main_job.main_job``) of ``settings``, by default of the
   parsed flags; a setting that cannot apply is said by its flag, as the
   command says it.
 
   Args:
     settings: the run's settings (None: ``read_flags()``).
+    progress: where the run's fault lines read its progress (None: a new
+      ``faults.RunProgress``).
 
   Returns:
     {row label: final summary}, as ``main_job.main_job``.
@@ -58,7 +63,9 @@ def main_job(settings: Optional[RunSettings] = None):
     ConfigError naming the flag.
   """
   try:
-    return job_lib.main_job(read_flags() if settings is None else settings)
+    return job_lib.main_job(
+      read_flags() if settings is None else settings, progress
+    )
   except SettingError as e:
     raise as_flag_error(e) from e
 
@@ -83,84 +90,87 @@ def main(argv):
     _fail(as_flag_error(e), faults.EXIT_CONFIG)
   script_entry.quiet_logging_unless_asked()
   faults.install_signal_handlers()
-  try:
-    d = settings.distributed
-    distributed.initialize(d.launch(), d.distributed_timeout)
-    main_job(settings)
-    done = faults.finished_line()
-    if done:  # a signal after the last round: nothing was cut short
-      print(done, file=faults.error_stream(), flush=True)
-  except faults.Fault as e:
-    _fail(e, e.status)
-  except (SettingError, FileNotFoundError) as e:
-    if isinstance(e, SettingError):
-      e = as_flag_error(e)
-    p = faults.PROGRESS
-    # damaged mid-run: resume after
-    if isinstance(e, StoreDamaged) and p.checkpoint_round:
-      e = e.then(
-        'run the same command with --resume '
-        f'(the checkpoint of round {p.checkpoint_round} of {p.algorithm} is '
-        f'kept in '
-        f'{p.checkpoint_dir})'
-      )
-    _fail(e, faults.EXIT_CONFIG)
-  except experiment.DivergenceError as e:
-    _fail(e, faults.EXIT_DIVERGED)
-  except KeyboardInterrupt:
-    stop = faults.interrupted(during_round=True)
-    _fail(stop, stop.status)
-  except (
-    Exception
-  ) as e:  # memory, storage or a lost process: one line; else the traceback
-    # An allocation, a library or a thread the process's limits refused (ulimit
-    # -v, a cgroup), or a buffer XLA could not allocate.
-    if faults.out_of_memory(e):
-      left = placement.host_available_bytes()
-      what = (
-        f'out of memory (XLA: {str(e).splitlines()[0][:160]}'
-        if 'RESOURCE_EXHAUSTED' in str(e)
-        else f'out of host memory ({type(e).__name__}'
-      )
-      _fail(
-        ConfigError(
-          'num_clients',
-          what
-          + (
-            f'; {left / placement.GB:.1f} GB left to this process'
-            if left
-            else ''
-          )
-          + '): give fewer clients or configurations, a smaller --cohort_size, or '
-          '--client_state=disk (or raise ulimit -v); ' + faults.kept(),
-        ),
-        faults.EXIT_CONFIG,
-        quiet=True,
-      )
-    if faults.storage_reason(e):
-      name = (
-        getattr(e, 'filename', None)
-        or settings.output.output_dir
-        or 'the output folder'
-      )
-      _fail(faults.storage_error(name, e), faults.EXIT_STORAGE)
-    reason = faults.lost_process_reason(e) if distributed.active() else None
-    if reason:
-      # the lost one's heartbeat goes stale
-      time.sleep(4 * distributed.POLL_SECONDS)
-      silent = distributed.silent_processes()
-      reason = f'{silent} stopped answering: {reason}' if silent else reason
-      _fail(
-        faults.lost_process(
-          reason,
-          settings.distributed.coordinator_address or '(from the environment)',
-        ),
-        faults.EXIT_LOST_PROCESS,
-      )
-    if distributed.report_failure(f'{type(e).__name__}: {e}'):
-      traceback.print_exc()
-      distributed.hard_exit(1)
-    raise
+  progress = faults.RunProgress()
+  # every fault line below reads this run's progress
+  with faults.tracking(progress):
+    try:
+      d = settings.distributed
+      distributed.initialize(d.launch(), d.distributed_timeout)
+      main_job(settings, progress)
+      done = faults.finished_line()
+      if done:  # a signal after the last round: nothing was cut short
+        print(done, file=faults.error_stream(), flush=True)
+    except faults.Fault as e:
+      _fail(e, e.status)
+    except (SettingError, FileNotFoundError) as e:
+      if isinstance(e, SettingError):
+        e = as_flag_error(e)
+      p = progress
+      # damaged mid-run: resume after
+      if isinstance(e, StoreDamaged) and p.checkpoint_round:
+        e = e.then(
+          'run the same command with --resume '
+          f'(the checkpoint of round {p.checkpoint_round} of {p.algorithm} is '
+          f'kept in '
+          f'{p.checkpoint_dir})'
+        )
+      _fail(e, faults.EXIT_CONFIG)
+    except experiment.DivergenceError as e:
+      _fail(e, faults.EXIT_DIVERGED)
+    except KeyboardInterrupt:
+      stop = faults.interrupted(during_round=True)
+      _fail(stop, stop.status)
+    except Exception as e:
+      # memory, storage or a lost process: one line; else the traceback
+      # An allocation, a library or a thread the process's limits refused (ulimit
+      # -v, a cgroup), or a buffer XLA could not allocate.
+      if faults.out_of_memory(e):
+        left = placement.host_available_bytes()
+        what = (
+          f'out of memory (XLA: {str(e).splitlines()[0][:160]}'
+          if 'RESOURCE_EXHAUSTED' in str(e)
+          else f'out of host memory ({type(e).__name__}'
+        )
+        _fail(
+          ConfigError(
+            'num_clients',
+            what
+            + (
+              f'; {left / placement.GB:.1f} GB left to this process'
+              if left
+              else ''
+            )
+            + '): give fewer clients or configurations, a smaller --cohort_size, or '
+            '--client_state=disk (or raise ulimit -v); ' + progress.kept(),
+          ),
+          faults.EXIT_CONFIG,
+          quiet=True,
+        )
+      if faults.storage_reason(e):
+        name = (
+          getattr(e, 'filename', None)
+          or settings.output.output_dir
+          or 'the output folder'
+        )
+        _fail(faults.storage_error(name, e), faults.EXIT_STORAGE)
+      reason = faults.lost_process_reason(e) if distributed.active() else None
+      if reason:
+        # the lost one's heartbeat goes stale
+        time.sleep(4 * distributed.POLL_SECONDS)
+        silent = distributed.silent_processes()
+        reason = f'{silent} stopped answering: {reason}' if silent else reason
+        _fail(
+          faults.lost_process(
+            reason,
+            settings.distributed.coordinator_address
+            or '(from the environment)',
+          ),
+          faults.EXIT_LOST_PROCESS,
+        )
+      if distributed.report_failure(f'{type(e).__name__}: {e}'):
+        traceback.print_exc()
+        distributed.hard_exit(1)
+      raise
 
 
 def _fail(error, status: int, quiet: bool = False):

@@ -90,7 +90,8 @@ RUN_SETTINGS = (
 for (
   _cls,
   _group,
-) in RUN_SETTINGS:  # every option after them is refused its flags
+) in RUN_SETTINGS:
+  # every option after them is refused its flags
   claim_flags(_cls, f'a setting of the run ({_cls.__name__})')
 
 #: The main job's defaults where they are not the library's: the command

@@ -207,9 +207,8 @@ def initialize(launch: Optional[dict], timeout: int = 60) -> None:
       initialization_timeout=timeout + JAX_GRACE_SECONDS,
       heartbeat_timeout_seconds=2 * timeout + JAX_GRACE_SECONDS,
     )
-  except (
-    Exception
-  ) as e:  # JAX raises several types for an unreachable coordinator
+  except Exception as e:
+    # JAX raises several types for an unreachable coordinator
     first = (
       str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     )

@@ -33,6 +33,7 @@ from fedjax_personal.run import faults
 __all__ = [
   'Callback',
   'DivergenceError',
+  'ProgressRecorder',
   'SingleRun',
   'communication_metrics',
   'run',
@@ -75,6 +76,17 @@ class Callback:
     """The run stops after ``round_num`` (a signal asked it to): keep what
     can be kept (a checkpoint of this round)."""
     pass
+
+
+class ProgressRecorder(Callback):
+  """Records each finished round in the run's ``faults.RunProgress`` (its
+  fault lines say after which round a run stopped)."""
+
+  def __init__(self, progress: faults.RunProgress):
+    self.progress = progress
+
+  def on_round_end(self, round_num: int, records: List[dict], state) -> None:
+    self.progress.round = round_num
 
 
 def seed_keys(seed: int):
@@ -239,7 +251,6 @@ def run_many(
       histories[s].append(record)
     for cb in callbacks:
       cb.on_round_end(t + 1, records, state)
-    faults.PROGRESS.round = t + 1
     # A signal (CLI): stop between rounds, keep this one; after the last
     # round the run ends as usual (its results written) and stops after it.
     if t + 1 < num_rounds and faults.stop_requested():

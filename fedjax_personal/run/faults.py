@@ -2,13 +2,16 @@
 
 Exit statuses (documented in the README):
 
-====  =====================================================================
-2     bad input: a flag, a setting, a data file (``ConfigError``, ``DataError``)
+====  ================================================================
+2     bad input: a flag, a setting, a data file (``ConfigError``,
+      ``DataError``)
 3     training diverged (``experiment.DivergenceError``)
 69    a process of a several-process run was lost, or never joined
 74    a file could not be written: disk full, read-only, quota
-(``StorageError``) 130   interrupted (Ctrl-C, SIGINT); 143 terminated (SIGTERM)
-====  =====================================================================
+      (``StorageError``)
+130   interrupted (Ctrl-C, SIGINT)
+143   terminated (SIGTERM)
+====  ================================================================
 
 A first SIGINT / SIGTERM asks the run to stop after the round in progress:
 the loop saves a checkpoint there (when the run checkpoints) and stops with
@@ -19,6 +22,7 @@ kept and the next command.
 """
 
 import contextlib
+import contextvars
 import ctypes
 import dataclasses
 import errno
@@ -35,6 +39,7 @@ from fedjax_personal.errors import HostLimitError
 
 __all__ = [
   'captured_stderr',
+  'current',
   'claim_report',
   'error_stream',
   'exit_after_report',
@@ -49,19 +54,19 @@ __all__ = [
   'Interrupted',
   'interrupted',
   'kept',
+  'RunProgress',
   'lost_process',
   'lost_process_reason',
   'LostProcess',
-  'PROGRESS',
   'quiet_exit',
   'reported_status',
   'share_stop_requests',
   'signal_received',
-  'start_algorithm',
   'stop_requested',
   'storage_error',
   'storage_reason',
   'StorageError',
+  'tracking',
   'where',
 ]
 
@@ -97,9 +102,25 @@ class LostProcess(Fault):
 
 
 @dataclasses.dataclass
-class _Progress:
-  """Where the run stands, for the fault line: the algorithm, the last
-  finished round, the last durable checkpoint."""
+class RunProgress:
+  """Where a run stands, for its fault lines: the algorithm, the last finished
+  round, the last durable checkpoint.
+
+  The entry makes one per run and hands it to the main job, which records
+  into it (``start_algorithm``, ``experiment.ProgressRecorder``, the
+  ``checkpointing.Checkpointer``); the fault lines read the run's own
+  (``tracking``), never a module-wide one.
+
+  Attributes:
+    algorithm: the algorithm running ('' at start-up).
+    round: its last finished round.
+    checkpoint_round: the round of its latest durable checkpoint, if any.
+    checkpoint_dir: where its checkpoints go.
+    checkpointing: whether it checkpoints.
+    rounds: its total rounds.
+    output_dir: the run's folder.
+    later: how many algorithms of the run come after it.
+  """
 
   algorithm: str = ''
   round: int = 0
@@ -110,84 +131,108 @@ class _Progress:
   output_dir: str = ''
   later: int = 0
 
+  def start_algorithm(
+    self,
+    name: str,
+    start_round: int,
+    checkpoint_dir: str,
+    checkpointing: bool,
+    checkpoint_round: Optional[int] = None,
+    rounds: int = 0,
+    later: int = 0,
+  ) -> None:
+    """Records the algorithm that starts, its rounds and checkpoints.
 
-PROGRESS = _Progress()
+    Args:
+      name: the algorithm.
+      start_round: rounds already done.
+      checkpoint_dir: where its checkpoints go.
+      checkpointing: whether it checkpoints.
+      checkpoint_round: the round of its latest checkpoint, if any.
+      rounds: its total rounds.
+      later: how many algorithms of the run come after it (they have no
+        checkpoint yet: the next command resumes with --resume_if_found).
+    """
+    self.algorithm, self.round, self.rounds = name, start_round, rounds
+    self.later = later
+    self.checkpoint_dir, self.checkpointing = checkpoint_dir, checkpointing
+    self.checkpoint_round = checkpoint_round
+
+  def kept(self) -> str:
+    """What a resumed run would start from, and the next command."""
+    if not self.algorithm:
+      return 'nothing was trained yet; run the same command again'
+    # (--resume starts the algorithms after it, which have none)
+    if self.checkpoint_round:
+      return (
+        f'checkpoint of round {self.checkpoint_round} of {self.algorithm} '
+        f'kept in {self.checkpoint_dir}; continue with the same command and '
+        '--resume'
+      )
+    if self.checkpointing:
+      return 'no checkpoint written yet; run the same command again'
+    return (
+      'no checkpoint (--checkpoint_every=0); run the same command again, '
+      'with --checkpoint_every=N to be able to resume'
+    )
+
+  def where(self) -> str:
+    """Where the run is, in words (an algorithm and round, or start-up)."""
+    if not self.algorithm:
+      return 'start-up'
+    # its rounds are done: evaluating, writing its results
+    if self.rounds and self.round >= self.rounds:
+      return (
+        f'the last round of {self.algorithm} (its results are being written)'
+      )
+    return f'round {self.round + 1} of {self.algorithm}'
 
 
-def start_algorithm(
-  name: str,
-  start_round: int,
-  checkpoint_dir: str,
-  checkpointing: bool,
-  checkpoint_round: Optional[int] = None,
-  rounds: int = 0,
-  later: int = 0,
-) -> None:
-  """Records where the run is (the algorithm, its rounds and checkpoints) for
-  the one-line fault messages.
+#: The progress of the run this context executes (``tracking``); unset
+#: outside a run: its fault lines then say nothing was trained.
+_RUN: contextvars.ContextVar[RunProgress] = contextvars.ContextVar('run')
+
+
+@contextlib.contextmanager
+def tracking(progress: RunProgress):
+  """The fault lines raised inside read ``progress`` (the entry's run).
 
   Args:
-    name: the algorithm.
-    start_round: rounds already done.
-    checkpoint_dir: where its checkpoints go.
-    checkpointing: whether it checkpoints.
-    checkpoint_round: the round of its latest checkpoint, if any.
-    rounds: its total rounds.
-    later: how many algorithms of the run come after it (they have no
-      checkpoint yet: the next command resumes with --resume_if_found).
+    progress: the run's ``RunProgress``.
 
-  Returns:
-    None.
+  Yields:
+    ``progress``.
   """
-  PROGRESS.algorithm, PROGRESS.round, PROGRESS.rounds = (
-    name,
-    start_round,
-    rounds,
-  )
-  PROGRESS.later = later
-  PROGRESS.checkpoint_dir, PROGRESS.checkpointing = (
-    checkpoint_dir,
-    checkpointing,
-  )
-  PROGRESS.checkpoint_round = checkpoint_round
+  token, watched = _RUN.set(progress), _WATCH['progress']
+  _WATCH['progress'] = progress
+  try:
+    yield progress
+  finally:
+    _RUN.reset(token)
+    _WATCH['progress'] = watched
+
+
+def current() -> RunProgress:
+  """The progress of the run being executed (a blank one outside a run)."""
+  return _RUN.get(None) or _WATCH['progress'] or RunProgress()
 
 
 def kept() -> str:
   """What a resumed run would start from, and the next command.
 
   Returns:
-    The text.
+    The text (``RunProgress.kept`` of the current run).
   """
-  p = PROGRESS
-  if not p.algorithm:
-    return 'nothing was trained yet; run the same command again'
-  # (--resume starts the algorithms after it, which have none)
-  if p.checkpoint_round:
-    return (
-      f'checkpoint of round {p.checkpoint_round} of {p.algorithm} kept in '
-      f'{p.checkpoint_dir}; continue with the same command and --resume'
-    )
-  if p.checkpointing:
-    return 'no checkpoint written yet; run the same command again'
-  return (
-    'no checkpoint (--checkpoint_every=0); run the same command again, with '
-    '--checkpoint_every=N to be able to resume'
-  )
+  return current().kept()
 
 
 def where() -> str:
   """Where the run is, in words (an algorithm and round, or start-up).
 
   Returns:
-    The text.
+    The text (``RunProgress.where`` of the current run).
   """
-  p = PROGRESS
-  if not p.algorithm:
-    return 'start-up'
-  # its rounds are done: evaluating, writing its results
-  if p.rounds and p.round >= p.rounds:
-    return f'the last round of {p.algorithm} (its results are being written)'
-  return f'round {p.round + 1} of {p.algorithm}'
+  return current().where()
 
 
 def finished_line(output_dir: Optional[str] = None) -> Optional[str]:
@@ -204,10 +249,9 @@ def finished_line(output_dir: Optional[str] = None) -> Optional[str]:
     return None
   name = 'interrupted' if _REQUEST['signal'] == signal.SIGINT else 'terminated'
   return (
-    f'{name} after the last round of {PROGRESS.algorithm}: every algorithm '
-    f'finished and '
-    f'its results are written in '
-    f'{output_dir or PROGRESS.output_dir or "the output folder"}; '
+    f'{name} after the last round of {current().algorithm}: every algorithm '
+    'finished and its results are written in '
+    f'{output_dir or current().output_dir or "the output folder"}; '
     'nothing to resume'
   )
 
@@ -223,6 +267,9 @@ _WATCH: Dict[str, Any] = {
   'since': 0,
   'thread': None,
   'handler': None,
+  # the tracked run's progress, for the watcher's timers (threads that do not
+  # share the run's context)
+  'progress': None,
 }
 
 
@@ -388,7 +435,7 @@ def interrupted(during_round: bool = False) -> Interrupted:
   """
   signum = _REQUEST['signal'] or signal.SIGINT
   name = 'interrupted' if signum == signal.SIGINT else 'terminated'
-  p = PROGRESS
+  p = current()
   at = (
     'during start-up'
     if not p.algorithm

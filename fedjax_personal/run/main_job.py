@@ -73,6 +73,7 @@ class Job:
     system: the clients' devices, their files read.
     algs: the algorithms with their run identities.
     output_dir: the run's folder.
+    progress: where the run stands, for its fault lines.
   """
 
   settings: RunSettings
@@ -87,6 +88,7 @@ class Job:
   system: system_lib.ClientSystem
   algs: Tuple[Built, ...]
   output_dir: str
+  progress: faults.RunProgress
 
 
 @dataclasses.dataclass
@@ -106,7 +108,9 @@ class Results:
   groups: Dict[str, list] = dataclasses.field(default_factory=dict)
 
 
-def main_job(settings: RunSettings) -> Dict[str, dict]:
+def main_job(
+  settings: RunSettings, progress: Optional[faults.RunProgress] = None
+) -> Dict[str, dict]:
   """Runs every algorithm of --algorithm on the same data (each a single run,
   or with --sweep/--sweep_seeds/--trials its configurations through the same
   loop); writes outputs and prints the comparison table. Returns {row label:
@@ -115,17 +119,27 @@ def main_job(settings: RunSettings) -> Dict[str, dict]:
 
   Args:
     settings: the run's ``RunSettings``.
+    progress: where the run records its progress for its fault lines (None:
+      a new ``faults.RunProgress``).
 
   Returns:
     ``{row label: final summary}``.
   """
+  progress = progress or faults.RunProgress()
+  with faults.tracking(progress):
+    return _main_job(settings, progress)
+
+
+def _main_job(
+  settings: RunSettings, progress: faults.RunProgress
+) -> Dict[str, dict]:
+  """``main_job`` inside its progress's tracking."""
   numerics.check_precision(settings.engine.matmul_precision)  # on this backend
   process.open_compilation_cache(settings.process.compilation_cache)
-  job = set_up(settings)
+  job = set_up(settings, progress)
   if settings.output.dry_run:
-    for (
-      built
-    ) in job.algs:  # each round traced abstractly: a broken one fails here
+    for built in job.algs:
+      # each round traced abstractly: a broken one fails here
       user_code.trace_round(
         built.alg, settings.experiment.sampler(job.data), job.data, job.system
       )
@@ -143,9 +157,8 @@ def main_job(settings: RunSettings) -> Dict[str, dict]:
       for built in job.algs:
         try:
           train_algorithm(job, built, *restored[built.settings.name], results)
-        except (
-          Exception
-        ) as e:  # the user's code raised: one line, the others still run
+        except Exception as e:
+          # the user's code raised: one line, the others still run
           line = user_code.users_failure(built.settings.name, e)
           if line is None:
             raise
@@ -163,11 +176,12 @@ def main_job(settings: RunSettings) -> Dict[str, dict]:
   return table
 
 
-def set_up(s: RunSettings) -> Job:
+def set_up(s: RunSettings, progress: faults.RunProgress) -> Job:
   """The set-up steps in order (``run/job_setup.py``), then the output folder.
 
   Args:
     s: the run's settings.
+    progress: where the run records its progress.
 
   Returns:
     The ``Job``.
@@ -189,7 +203,7 @@ def set_up(s: RunSettings) -> Job:
   output_dir = s.output.output_dir or s.default_output_dir(
     {b.settings.name: b.identity for b in algs}
   )
-  faults.PROGRESS.output_dir = output_dir
+  progress.output_dir = output_dir
   cap = s.inputs.max_client_examples
   # the run's client rows in its folder
   data = place_data(
@@ -211,6 +225,7 @@ def set_up(s: RunSettings) -> Job:
     system,
     algs,
     output_dir,
+    progress,
   )
   _announce(job)
   return job
@@ -434,6 +449,7 @@ def _callbacks(job: Job, built: Built, hists, start):
       resumed_step=start or None,
       # the final state always: --resume never re-runs a finished algorithm
       final=True,
+      progress=job.progress,
     )
   )
   heatmap = built.settings.spec.state_heatmap
@@ -445,6 +461,8 @@ def _callbacks(job: Job, built: Built, hists, start):
     callbacks.append(reporting.Progress(s.experiment.rounds - start, alg_name))
   if s.system.active and primary:
     callbacks.append(reporting.DeviceCounts(s.experiment.rounds, alg_name))
+  # last: a fault line raised by the others still names the previous round
+  callbacks.append(experiment.ProgressRecorder(job.progress))
   return callbacks
 
 
@@ -508,7 +526,7 @@ def train_algorithm(
   later = (
     len(job.algs) - 1 - [b.settings.name for b in job.algs].index(alg_name)
   )
-  faults.start_algorithm(
+  job.progress.start_algorithm(
     alg_name,
     start,
     os.path.join(job.output_dir, alg_name, 'checkpoints'),

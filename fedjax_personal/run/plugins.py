@@ -169,9 +169,8 @@ def _imported(spec: str):
         ) from None
   except ConfigError:
     raise
-  except (
-    SystemExit
-  ) as e:  # a module that exits while imported: nothing would run
+  except SystemExit as e:
+    # a module that exits while imported: nothing would run
     raise ConfigError(
       'import', f'{spec} called sys.exit({e.code!r}) while imported'
     ) from None

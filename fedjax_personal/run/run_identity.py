@@ -204,7 +204,8 @@ def read(directory: str) -> Optional[Dict]:
   except (
     OSError,
     ValueError,
-  ) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+  ) as e:
+    # JSONDecodeError and UnicodeDecodeError are ValueErrors
     why = getattr(e, 'strerror', None) or (
       'empty'
       if not os.path.getsize(path)

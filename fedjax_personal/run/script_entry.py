@@ -148,9 +148,8 @@ def parse_flags(argv):
   except flags.Error as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
-  except (
-    SystemExit
-  ) as e:  # absl's --help / --helpfull print the help and exit 1: asked for, 0
+  except SystemExit as e:
+    # absl's --help / --helpfull print the help and exit 1: asked for, 0
     if e.code == 1 and any(a.split('=')[0] in HELP_FLAGS for a in argv[1:]):
       sys.exit(0)
     raise

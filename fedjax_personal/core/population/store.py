@@ -325,9 +325,8 @@ class StoreWriter:
   def _flush(self, name: str) -> None:
     try:
       self._files[name].write(b''.join(self._buffers[name]))
-    except (
-      OSError
-    ) as e:  # the cache's disk is full: name the folder that filled
+    except OSError as e:
+      # the cache's disk is full: name the folder that filled
       raise OSError(e.errno, e.strerror, str(self.partial)) from None
     self._buffers[name], self._buffered[name] = [], 0
 
