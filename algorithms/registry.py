@@ -154,7 +154,7 @@ for _name, _spec in REGISTRY.items():
 
 def register(new: AlgorithmSpec) -> None:
   """Adds an algorithm defined outside this package to the registry (the
-  CLI's ``cli.register`` also defines its flags). Registering the same
+  CLI's ``experiment_entry.register`` also defines its flags). Registering the same
   name again replaces it when it comes from the same module (a re-run
   notebook cell); another algorithm's name is refused.
 

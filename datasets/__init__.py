@@ -12,8 +12,8 @@ Where things are:
   ``stackoverflow``, ``cifar100``, ``gldv2``, ``leaf``) with FedJAX's
   ``load_data``; ``in_memory`` and ``cifar`` for the pools, ``partition``
   for the partitioners; FedJAX's data objects in ``client_datasets``,
-  ``federated_data``, ``federated`` (over the population store) and
-  ``sqlite_federated`` (FedJAX's files); the file formats
+  ``federated_data``, ``store_federated_data`` (over the population store) and
+  ``sqlite_federated_data`` (FedJAX's files); the file formats
   (``sqlite_formats``, ``tf_example``), sources and local files.
 """
 

@@ -9,12 +9,12 @@ import dataclasses
 import numpy as np
 
 from fedjax_personal.datasets import (
-  federated,
   federated_data,
   local_files,
   sources,
-  sqlite_federated,
+  sqlite_federated_data,
   sqlite_formats,
+  store_federated_data,
 )
 from fedjax_personal.datasets.natural_data import NaturalData, client_id, take
 from fedjax_personal.datasets.options import DataOptions
@@ -146,7 +146,7 @@ def read_clients(
     if held_out:
       for cid, ex in sqlite_formats.read_tff(path, 'test', CIFAR100_FEATURES):
         yield (
-          f'{federated.HELD_OUT_PREFIX}{client_id(cid)}',
+          f'{store_federated_data.HELD_OUT_PREFIX}{client_id(cid)}',
           none,
           images(cid, ex),
         )
@@ -331,8 +331,8 @@ def preprocess_batch_tff(
 def _store_of(cfg, split: str):
   """``.store`` of a split: test clients are held out in the store
   (``test/<id>``)."""
-  return federated.store_of(
-    cfg, federated.HELD_OUT_PREFIX if split == 'test' else ''
+  return store_federated_data.store_of(
+    cfg, store_federated_data.HELD_OUT_PREFIX if split == 'test' else ''
   )
 
 
@@ -355,11 +355,11 @@ def load_split(
       (``num_clients``: the file's first N clients).
 
   Returns:
-    A ``sqlite_federated.SQLiteFederatedData``.
+    A ``sqlite_federated_data.SQLiteFederatedData``.
   """
   if split not in SPLITS:
     raise ValueError(f'Invalid split={split!r}')
-  cfg = federated.data_config(
+  cfg = store_federated_data.data_config(
     'cifar100',
     mode,
     cache_dir,
@@ -368,7 +368,7 @@ def load_split(
     data_dir,
     cifar100_test='tff_clients',
   )
-  return sqlite_federated.SQLiteFederatedData(
+  return sqlite_federated_data.SQLiteFederatedData(
     fedjax_files(cfg.data_dir, download)[split],
     limit=num_clients,
     store_of=_store_of(cfg, split),
@@ -402,11 +402,11 @@ def load_data(
     data_dir: the same as ``cache_dir``.
 
   Returns:
-    ``(train, test)``: ``sqlite_federated.SQLiteFederatedData``
-    (``tff_clients``) or ``federated.FederatedData`` (``split``).
+    ``(train, test)``: ``sqlite_federated_data.SQLiteFederatedData``
+    (``tff_clients``) or ``store_federated_data.FederatedData`` (``split``).
   """
   if cifar100_test == 'split':
-    return federated.load(
+    return store_federated_data.load(
       'cifar100',
       mode,
       cache_dir,
@@ -420,7 +420,7 @@ def load_data(
       f'cifar100_test must be one of {list(CIFAR100_TESTS)}, got '
       f'{cifar100_test!r}'
     )
-  cfg = federated.data_config(
+  cfg = store_federated_data.data_config(
     'cifar100',
     mode,
     cache_dir,
@@ -431,7 +431,7 @@ def load_data(
   )
   files = fedjax_files(cfg.data_dir, download)
   return tuple(
-    sqlite_federated.SQLiteFederatedData(
+    sqlite_federated_data.SQLiteFederatedData(
       files[split],
       limit=num_clients,
       store_of=_store_of(cfg, split),

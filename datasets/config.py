@@ -43,7 +43,7 @@ class DataConfig(Declared):
   natural data set's own clients. Each field is declared once with its help
   and range (``hparam``); the command's data flags are generated from them
   (``--dataset``, ``--partition``, ..., the seed as ``--data_seed``), with the
-  main job's own defaults where they differ (``run/command_line.py``), and
+  main job's own defaults where they differ (``run/experiment_flags.py``), and
   from the fields of each data set's options class.
 
   Attributes:

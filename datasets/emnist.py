@@ -11,7 +11,11 @@ import dataclasses
 
 import numpy as np
 
-from fedjax_personal.datasets import federated, sources, sqlite_federated
+from fedjax_personal.datasets import (
+  sources,
+  sqlite_federated_data,
+  store_federated_data,
+)
 from fedjax_personal.datasets.natural_data import NaturalData, fedjax_splits
 from fedjax_personal.datasets.options import DataOptions
 from fedjax_personal.errors import DataError
@@ -214,15 +218,15 @@ def load_split(
       (``num_clients``: the file's first N clients).
 
   Returns:
-    A ``sqlite_federated.SQLiteFederatedData``.
+    A ``sqlite_federated_data.SQLiteFederatedData``.
   """
   if split not in SPLITS:
     raise ValueError(f'Invalid split={split!r}')
   name = 'emnist_digits' if only_digits else 'emnist'
-  cfg = federated.data_config(
+  cfg = store_federated_data.data_config(
     name, mode, cache_dir, num_clients, download, data_dir
   )
-  return sqlite_federated.open_split(
+  return sqlite_federated_data.open_split(
     cfg,
     f'federated_emnist_{"digitsonly_" if only_digits else ""}{split}.sqlite',
   )
@@ -258,18 +262,18 @@ def load_data(
     data_dir: the same as ``cache_dir``.
 
   Returns:
-    ``(train, test)`` ``sqlite_federated.SQLiteFederatedData``, clients by id.
+    ``(train, test)`` ``sqlite_federated_data.SQLiteFederatedData``, clients by id.
   """
   if pixels not in BATCH_PREPROCESSING:
     raise ValueError(
       f'pixels must be one of {list(BATCH_PREPROCESSING)}, got {pixels!r}'
     )
   name = 'emnist_digits' if only_digits else 'emnist'
-  cfg = federated.data_config(
+  cfg = store_federated_data.data_config(
     name, mode, cache_dir, num_clients, download, data_dir, emnist_pixels=pixels
   )
   return tuple(
-    sqlite_federated.open_split(
+    sqlite_federated_data.open_split(
       cfg,
       f'federated_emnist_{"digitsonly_" if only_digits else ""}{split}.sqlite',
       [preprocess_client],

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from fedjax_personal.datasets import federated, local_files, sources
+from fedjax_personal.datasets import local_files, sources, store_federated_data
 from fedjax_personal.datasets.natural_data import NaturalData, take
 from fedjax_personal.datasets.options import DataOptions
 from fedjax_personal.errors import DataError
@@ -259,9 +259,9 @@ def load_data(
     data_dir: the same as ``cache_dir``.
 
   Returns:
-    ``(train, test)`` ``federated.FederatedData``.
+    ``(train, test)`` ``store_federated_data.FederatedData``.
   """
-  return federated.load(
+  return store_federated_data.load(
     'gldv2',
     mode,
     cache_dir,

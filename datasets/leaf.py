@@ -11,7 +11,7 @@ from typing import Dict, List
 
 import numpy as np
 
-from fedjax_personal.datasets import federated, local_files, sources
+from fedjax_personal.datasets import local_files, sources, store_federated_data
 from fedjax_personal.datasets.natural_data import NaturalData, listed, take
 from fedjax_personal.errors import DataError
 
@@ -202,8 +202,8 @@ def load_data(name: str, cache_dir=None, *, num_clients=None, data_dir=None):
     data_dir: the same as ``cache_dir``.
 
   Returns:
-    ``(train, test)`` ``federated.FederatedData``.
+    ``(train, test)`` ``store_federated_data.FederatedData``.
   """
-  return federated.load(
+  return store_federated_data.load(
     f'leaf:{name}', 'sqlite', cache_dir, num_clients, False, data_dir
   )

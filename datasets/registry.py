@@ -389,7 +389,7 @@ def register_arrays(
 ) -> None:
   """A data set of arrays you have, in one call: ``--dataset=<name>`` then
   trains on them (``--import`` of the file that calls this, or a script
-  that imports it before ``cli.run()``).
+  that imports it before ``experiment_entry.run()``).
 
   The clients are FedJAX's ``InMemoryFederatedData`` shape,
   ``{client_id: {'x': array, 'y': array}}``, each client's rows its

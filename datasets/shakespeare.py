@@ -27,7 +27,11 @@ from typing import List
 
 import numpy as np
 
-from fedjax_personal.datasets import federated, sources, sqlite_federated
+from fedjax_personal.datasets import (
+  sources,
+  sqlite_federated_data,
+  store_federated_data,
+)
 from fedjax_personal.datasets.natural_data import (
   BOS,
   EOS,
@@ -267,14 +271,14 @@ def load_split(
       (``num_clients``: the file's first N clients).
 
   Returns:
-    A ``sqlite_federated.SQLiteFederatedData``.
+    A ``sqlite_federated_data.SQLiteFederatedData``.
   """
   if split not in SPLITS:
     raise ValueError(f'Invalid split={split!r}')
-  cfg = federated.data_config(
+  cfg = store_federated_data.data_config(
     'shakespeare', mode, cache_dir, num_clients, download, data_dir
   )
-  return sqlite_federated.open_split(cfg, f'shakespeare_{split}.sqlite')
+  return sqlite_federated_data.open_split(cfg, f'shakespeare_{split}.sqlite')
 
 
 def load_data(
@@ -305,12 +309,12 @@ def load_data(
     seq_len: the same as ``sequence_length``.
 
   Returns:
-    ``(train, test)`` ``sqlite_federated.SQLiteFederatedData``.
+    ``(train, test)`` ``sqlite_federated_data.SQLiteFederatedData``.
   """
   if windows not in WINDOWS:
     raise ValueError(f'windows must be one of {list(WINDOWS)}, got {windows!r}')
   length = seq_len or sequence_length
-  cfg = federated.data_config(
+  cfg = store_federated_data.data_config(
     'shakespeare',
     mode,
     cache_dir,
@@ -324,7 +328,7 @@ def load_data(
     preprocess_client, sequence_length=length, windows=windows
   )
   return tuple(
-    sqlite_federated.open_split(
+    sqlite_federated_data.open_split(
       cfg, f'shakespeare_{split}.sqlite', [preprocess]
     )
     for split in SPLITS

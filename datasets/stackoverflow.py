@@ -14,10 +14,10 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from fedjax_personal.datasets import (
-  federated,
   sources,
-  sqlite_federated,
+  sqlite_federated_data,
   sqlite_formats,
+  store_federated_data,
 )
 from fedjax_personal.datasets.fingerprint import fingerprint64
 from fedjax_personal.datasets.natural_data import (
@@ -541,15 +541,15 @@ def load_split(
       (``num_clients``: the file's first N clients).
 
   Returns:
-    A ``sqlite_federated.SQLiteFederatedData``.
+    A ``sqlite_federated_data.SQLiteFederatedData``.
   """
   if split not in SPLITS:
     raise ValueError(f'Invalid split={split!r}')
   dataset = 'stackoverflow_held_out' if split == 'held_out' else 'stackoverflow'
-  cfg = federated.data_config(
+  cfg = store_federated_data.data_config(
     dataset, mode, cache_dir, num_clients, download, data_dir
   )
-  return sqlite_federated.open_split(
+  return sqlite_federated_data.open_split(
     cfg, f'stackoverflow_{split}.sqlite', source='stackoverflow'
   )
 
@@ -584,18 +584,18 @@ def load_data(
     data_dir: the same as ``cache_dir``.
 
   Returns:
-    ``(train, held_out, test)`` ``sqlite_federated.SQLiteFederatedData``.
+    ``(train, held_out, test)`` ``sqlite_federated_data.SQLiteFederatedData``.
   """
   out = []
   for split in SPLITS:
     dataset = (
       'stackoverflow_held_out' if split == 'held_out' else 'stackoverflow'
     )
-    cfg = federated.data_config(
+    cfg = store_federated_data.data_config(
       dataset, mode, cache_dir, num_clients, download, data_dir
     )
     out.append(
-      sqlite_federated.open_split(
+      sqlite_federated_data.open_split(
         cfg,
         f'stackoverflow_{split}.sqlite',
         [preprocess_client],

@@ -3,7 +3,7 @@ help line and valid range. Below every other layer but ``errors``: the
 algorithms' and training settings (``config``), the data set's
 (``datasets.DataConfig``), the model's, the engine's, the process's and the
 run's settings are all declared with it, and the command's flags are
-generated from the declarations (``run/command_line.py``).
+generated from the declarations (``run/experiment_flags.py``).
 
 One declaration serves three readers: the flag (its name, type, default and
 help), the range check (``validate``, whose refusal names the flag), and the

@@ -37,6 +37,6 @@ def _during_start_up(signum, frame):
 if __name__ == '__main__':
   for _signal in (signal.SIGINT, signal.SIGTERM):
     signal.signal(_signal, _during_start_up)
-  from fedjax_personal.run import cli  # noqa: E402  (JAX imports here: seconds)
+  from fedjax_personal.run import experiment_entry  # noqa: E402  (JAX imports here: seconds)
 
-  cli.run()
+  experiment_entry.run()

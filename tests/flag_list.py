@@ -54,7 +54,7 @@ def flag_list(scripts=SCRIPTS) -> dict:
   base = set(flags.FLAGS)
   for script in scripts:
     if script.endswith('run_experiment.py'):  # its flags are the entry's
-      from fedjax_personal.run import cli  # noqa: F401
+      from fedjax_personal.run import experiment_entry  # noqa: F401
     runpy.run_path(os.path.join(ROOT, script), run_name='__flag_list__')
     names = sorted(set(flags.FLAGS) - base)
     out[script] = {n: _flag(flags.FLAGS[n]) for n in names}

@@ -231,7 +231,7 @@ def parse_flags(*args):
 _MAIN_DRIVER = r"""
 import contextlib, io, json, sys
 from absl import flags
-from fedjax_personal.run import cli, faults, script_entry
+from fedjax_personal.run import experiment_entry, faults, script_entry
 out = []
 for args in json.loads(sys.argv[1]):
   if isinstance(args, str):
@@ -243,7 +243,7 @@ for args in json.loads(sys.argv[1]):
   code = 0
   with contextlib.redirect_stderr(err):
     try:
-      cli.main(cli.parse_flags(['run_experiment.py', *args]))
+      experiment_entry.main(experiment_entry.parse_flags(['run_experiment.py', *args]))
     except SystemExit as e:
       code = e.code if isinstance(e.code, int) else 1
     except BaseException as e:

@@ -13,7 +13,7 @@ from fedjax_personal.algorithms.fedfomo import fedfomo
 from fedjax_personal.core.data import to_device
 from fedjax_personal.core.engine import RoundRunner
 from fedjax_personal.datasets import DataConfig, load_federated
-from fedjax_personal.run import checkpointing, cli
+from fedjax_personal.run import checkpointing, experiment_entry
 from fedjax_personal.run.experiment import run
 
 
@@ -97,7 +97,7 @@ def test_cli_resume(tmp_path):
       '--eval_every=1',
       *args,
     )
-    return cli.main_job()
+    return experiment_entry.main_job()
 
   full = job('--rounds=4', f'--output_dir={tmp_path}/full')
   job('--rounds=2', '--checkpoint_every=1', f'--output_dir={tmp_path}/cut')

@@ -145,7 +145,7 @@ def test_cli_client_state_disk_equals_memory_and_auto_moves_rows_to_files(
 
   from fedjax_personal.core.population import placement
   from fedjax_personal.errors import ConfigError
-  from fedjax_personal.run import cli
+  from fedjax_personal.run import experiment_entry
 
   data_dir = made_files.random_writers(tmp_path / 'data', 2, 10, 20, 6)
   common = (
@@ -164,7 +164,7 @@ def test_cli_client_state_disk_equals_memory_and_auto_moves_rows_to_files(
     parse_flags(
       *common, f'--client_state={state}', f'--output_dir={tmp_path}/{state}'
     )
-    summaries[state] = cli.main_job()['ditto']
+    summaries[state] = experiment_entry.main_job()['ditto']
   out = capsys.readouterr().out
   assert (
     'in files, each written when its client first trains (asked for)' in out
@@ -175,7 +175,9 @@ def test_cli_client_state_disk_equals_memory_and_auto_moves_rows_to_files(
   assert not (tmp_path / 'memory' / 'client_rows').exists()
   monkeypatch.setattr(placement, 'host_available_bytes', lambda: 1000)
   parse_flags(*common, f'--output_dir={tmp_path}/auto')
-  assert strip(cli.main_job()['ditto']) == strip(summaries['memory'])
+  assert strip(experiment_entry.main_job()['ditto']) == strip(
+    summaries['memory']
+  )
   assert 'more than half of the 0.0 GB available' in capsys.readouterr().out
   monkeypatch.undo()
   parse_flags(
@@ -185,4 +187,4 @@ def test_cli_client_state_disk_equals_memory_and_auto_moves_rows_to_files(
     f'--output_dir={tmp_path}/bad',
   )
   with pytest.raises(ConfigError, match='client_state'):
-    cli.main_job()
+    experiment_entry.main_job()

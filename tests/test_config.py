@@ -18,7 +18,7 @@ from fedjax_personal.core.data import to_device
 from fedjax_personal.datasets import DataConfig, load_federated
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import MLP, from_flax
-from fedjax_personal.run import cli
+from fedjax_personal.run import experiment_entry
 
 # The base run every variant is compared with: 2 rounds of 2 local steps.
 BASE = {'batch_size': '4', 'local_steps': '2', 'client_lr': '0.05'}
@@ -134,7 +134,7 @@ def _settings(name, base: tuple, args=()):
     + list(ALGORITHM_BASE.get(name, ()))
     + list(args)
   )
-  (a,) = cli.read_flags().algorithms
+  (a,) = experiment_entry.read_flags().algorithms
   return a.spec, a.training, a.config
 
 
@@ -268,12 +268,12 @@ def test_flags_are_derived_from_the_declarations():
 def test_setting_for_an_algorithm_not_run_is_refused():
   _parse(['--algorithm=fedavg', '--fedprox_mu=0.5'])
   with pytest.raises(ConfigError, match='fedprox_mu.*applies to fedprox'):
-    cli.read_flags()
+    experiment_entry.read_flags()
 
 
 def test_setting_used_by_some_algorithms_is_noted(capsys):
   _parse(['--algorithm=fedavg,feddyn', '--server_lr=0.5'])
-  out = cli.read_flags().algorithms
+  out = experiment_entry.read_flags().algorithms
   assert out[0].training.server_lr == 0.5 and out[0].ignored == ()
   assert out[1].training.server_lr == 1.0 and out[1].ignored == ('server_lr',)
   assert 'feddyn does not use --server_lr' in capsys.readouterr().out
@@ -282,7 +282,7 @@ def test_setting_used_by_some_algorithms_is_noted(capsys):
 def test_variant_fields_are_refused_where_ignored():
   _parse(['--algorithm=fedrep', '--partial_personal_part=input'])
   with pytest.raises(ConfigError, match='partial_personal_part'):
-    cli.read_flags()
+    experiment_entry.read_flags()
 
 
 @pytest.mark.parametrize(
@@ -399,11 +399,11 @@ def test_a_setting_of_the_run_is_filled_from_it_unless_told():
   minus one when not given, the value given otherwise; a library build
   without it is refused naming the flag."""
   _parse(['--algorithm=fedphp', '--rounds=7'])
-  assert cli.read_flags().algorithms[0].config.horizon == 6
+  assert experiment_entry.read_flags().algorithms[0].config.horizon == 6
   _parse(['--algorithm=fedphp', '--rounds=1'])
-  assert cli.read_flags().algorithms[0].config.horizon == 1
+  assert experiment_entry.read_flags().algorithms[0].config.horizon == 1
   _parse(['--algorithm=fedphp', '--rounds=7', '--fedphp_horizon=3'])
-  assert cli.read_flags().algorithms[0].config.horizon == 3
+  assert experiment_entry.read_flags().algorithms[0].config.horizon == 3
   data = to_device(digits_data(num_clients=2))
   model = from_flax('mlp', MLP(10, hidden=(8,)), data.train.x[0, :1])
   with pytest.raises(ConfigError, match='--fedphp_horizon'):
@@ -412,20 +412,22 @@ def test_a_setting_of_the_run_is_filled_from_it_unless_told():
 
 def test_fedcross_models_are_the_cohort_and_refuse_participation():
   _parse(['--algorithm=fedcross', '--cohort_size=5'])
-  assert cli.read_flags().algorithms[0].config.num_models == 5
+  assert experiment_entry.read_flags().algorithms[0].config.num_models == 5
   _parse(['--algorithm=fedcross', '--participation=0.5'])
   with pytest.raises(ConfigError, match='give --cohort_size') as e:
-    cli.read_flags()
+    experiment_entry.read_flags()
   assert e.value.name == 'participation'
   # only the run's algorithms read the run: FedCross's rule refuses nothing
   # in a run without it
   _parse(['--algorithm=fedavg', '--participation=0.5'])
-  assert cli.read_flags().algorithms[0].spec.name == 'fedavg'
+  assert experiment_entry.read_flags().algorithms[0].spec.name == 'fedavg'
 
 
 def test_linear_schedule_spans_the_rounds_unless_told():
   _parse(['--algorithm=fedavg', '--client_lr_schedule=linear', '--rounds=7'])
-  assert cli.read_flags().algorithms[0].training.client_lr_horizon == 7
+  assert (
+    experiment_entry.read_flags().algorithms[0].training.client_lr_horizon == 7
+  )
   _parse(
     [
       '--algorithm=fedavg',
@@ -434,14 +436,16 @@ def test_linear_schedule_spans_the_rounds_unless_told():
       '--client_lr_horizon=20',
     ]
   )
-  assert cli.read_flags().algorithms[0].training.client_lr_horizon == 20
+  assert (
+    experiment_entry.read_flags().algorithms[0].training.client_lr_horizon == 20
+  )
   for args in (
     ['--client_lr_warmup=0.2'],
     ['--client_lr_schedule=linear', '--client_lr_cut_every=5'],
   ):
     _parse(['--algorithm=fedavg', *args])
     with pytest.raises(ConfigError) as e:
-      cli.read_flags()
+      experiment_entry.read_flags()
     assert e.value.name == args[-1][2:].split('=')[0] and 'does nothing' in str(
       e.value
     )

@@ -15,13 +15,13 @@ from fedjax_personal.config import TrainingConfig
 from fedjax_personal.datasets import registry
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.hparams import flag_fields, flag_name, hparam, validate
-from fedjax_personal.run import cli, command_line, script_entry
+from fedjax_personal.run import experiment_entry, experiment_flags, script_entry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _declared_flags():
-  classes = [c for c, _ in command_line.RUN_SETTINGS] + [TrainingConfig]
+  classes = [c for c, _ in experiment_flags.RUN_SETTINGS] + [TrainingConfig]
   classes += algorithms.config_classes() + registry.option_classes()
   return {flag_name(c, f.name): (c, f) for c in classes for f in flag_fields(c)}
 
@@ -35,14 +35,14 @@ def test_every_flag_of_the_command_is_a_declared_field():
     for f in fl
   }
   assert own and own <= set(declared), sorted(own - set(declared))
-  assert set(command_line.MAIN_JOB_DEFAULTS) <= own  # each names a flag
+  assert set(experiment_flags.MAIN_JOB_DEFAULTS) <= own  # each names a flag
   for name, (cls, f) in declared.items():
     text = flags.FLAGS[name].help
     # absl adds how to repeat it
     if isinstance(flags.FLAGS[name], flags.MultiFlag):
       text = text.rsplit(';\n', 1)[0]
     assert text.endswith(f.metadata['help']), name
-    default = command_line.MAIN_JOB_DEFAULTS.get(name, f.default)
+    default = experiment_flags.MAIN_JOB_DEFAULTS.get(name, f.default)
     assert flags.FLAGS[name].default == (
       list(default) if isinstance(default, tuple) else default
     )
@@ -131,7 +131,7 @@ def test_the_data_flags_make_the_data_config():
     '--seed=3',
     '--algorithm=fedavg',
   )
-  cfg = cli.read_flags().data
+  cfg = experiment_entry.read_flags().data
   assert (
     cfg.options.synthetic_alpha,
     cfg.options.synthetic_beta,
@@ -150,7 +150,7 @@ def test_the_data_flags_make_the_data_config():
     '--data_seed=1',
     '--algorithm=fedfomo',
   )
-  cfg = cli.read_flags().data
+  cfg = experiment_entry.read_flags().data
   assert (cfg.options.seq_len, cfg.seed, cfg.num_clients, cfg.val_fraction) == (
     40,
     1,
@@ -192,10 +192,10 @@ stores = [load_store(cfg(s)) for s in (2.0, 3.0, 2.0)]
 assert seen == [2.0, 3.0, 2.0], seen
 assert [s.client('a')['train'][0].max() for s in stores] == [2.0, 3.0, 2.0]
 assert stores[0].folder == stores[2].folder != stores[1].folder
-from fedjax_personal.run import cli
+from fedjax_personal.run import experiment_entry
 sys.argv = ['run_experiment.py', '--dataset=scaled_clients', '--scaled_scale=4', '--model=logreg',
             '--algorithm=fedavg', '--rounds=1', '--noprogress', '--dry_run']
-cli.run()
+experiment_entry.run()
 """
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
   r = subprocess.run(

@@ -275,7 +275,7 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
   from helpers import parse_flags
 
   from fedjax_personal.datasets import registry
-  from fedjax_personal.run import cli
+  from fedjax_personal.run import experiment_entry
 
   _, data_module = fenced('docs/add_a_data_set.md', 'python')
   # the first: test_plugins; the fourth: the features' snippet
@@ -316,7 +316,7 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
     f'--data_dir={data}',
     f'--output_dir={tmp_path}/zero',
   )
-  out = cli.main_job()
+  out = experiment_entry.main_job()
   assert (
     out['fedavg_dropout']['accuracy_mean'] == out['fedavg']['accuracy_mean']
   )
@@ -332,7 +332,7 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
     f'--data_dir={data}',
     f'--output_dir={tmp_path}/half',
   )
-  cli.main_job()
+  experiment_entry.main_job()
   records = [
     json.loads(l)
     for l in open(tmp_path / 'half' / 'fedavg_dropout' / 'metrics.jsonl')
@@ -350,11 +350,11 @@ def test_a_data_set_and_an_algorithm_added_by_the_docs_run_through_the_cli(
     parse_flags(
       '--algorithm=fedavg_dropout', *common, f'--data_dir={data}', bad
     )
-    with pytest.raises(cli.ConfigError, match=why):
-      cli.main_job()
+    with pytest.raises(experiment_entry.ConfigError, match=why):
+      experiment_entry.main_job()
   parse_flags('--algorithm=fedavg_dropout', *common, f'--data_dir={tmp_path}')
   with pytest.raises(Exception, match='my_writers_train.sqlite: not found'):
-    cli.main_job()
+    experiment_entry.main_job()
 
 
 def test_docs_are_guides_within_their_size():

@@ -9,7 +9,7 @@ import pytest
 from helpers import parse_flags
 
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.run import cli
+from fedjax_personal.run import experiment_entry
 from fedjax_personal.run.run_identity import dumps
 
 SMALL = [
@@ -25,7 +25,7 @@ SMALL = [
 
 def job(*args):
   parse_flags(*SMALL, *args)
-  return cli.main_job()
+  return experiment_entry.main_job()
 
 
 def _strict(text):

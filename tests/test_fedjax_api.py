@@ -1,5 +1,5 @@
-"""FedJAX's data objects (``datasets/client_datasets.py``, ``federated.py``,
-``sqlite_federated.py``) against FedJAX 0.0.17 itself:
+"""FedJAX's data objects (``datasets/client_datasets.py``, ``store_federated_data.py``,
+``sqlite_federated_data.py``) against FedJAX 0.0.17 itself:
 ``tests/data/fedjax_api_reference.npz`` was written by FedJAX's own
 ``load_data`` of EMNIST, Shakespeare and Stack Overflow on the made files
 this test makes again (``benchmarks/peers/fedjax_api_reference.py``, in
@@ -16,9 +16,9 @@ from fedjax_personal.datasets import (
   cifar100,
   client_datasets,
   emnist,
-  federated,
   shakespeare,
   stackoverflow,
+  store_federated_data,
 )
 
 REFERENCE = os.path.join(
@@ -61,7 +61,7 @@ def test_load_data_equals_fedjax_on_the_same_files(tmp_path, made_not_released):
     stackoverflow.StackoverflowTokenizer(vocab=words[: ref.SO_VOCAB]),
     cifar100.load_data(cache_dir=folder),
     cifar100,
-    federated,
+    store_federated_data,
   )
   ours.update(
     ref.record_helpers(
@@ -159,7 +159,9 @@ def test_clients_by_id_and_the_store_behind_them(emnist_made):
 
 
 def test_batching_by_hand():
-  c = federated.ClientDataset({'x': np.arange(11), 'y': np.arange(11) * 10})
+  c = store_federated_data.ClientDataset(
+    {'x': np.arange(11), 'y': np.arange(11) * 10}
+  )
   sizes = [
     len(b['x']) for b in c.padded_batch(batch_size=8, num_batch_size_buckets=3)
   ]

@@ -116,7 +116,7 @@ def test_training_batches_see_the_random_half_and_everything_else_the_centre():
 def test_cli_records_the_pipeline_and_refuses_it_elsewhere(
   tmp_path, made_not_released, capsys
 ):
-  from fedjax_personal.run import cli
+  from fedjax_personal.run import experiment_entry
 
   rng = np.random.default_rng(2)
   made_files.write_tff_cifar100(tmp_path / 'raw.sqlite', rng, [5, 4, 6], [3])
@@ -137,7 +137,7 @@ def test_cli_records_the_pipeline_and_refuses_it_elsewhere(
   parse_flags(
     *common, '--cifar100_preprocess=reddi', f'--output_dir={tmp_path}/reddi'
   )
-  (summary,) = cli.main_job().values()
+  (summary,) = experiment_entry.main_job().values()
   assert (
     'inputs: reddi, a random 24x24 crop of each training batch'
     in capsys.readouterr().out
@@ -150,12 +150,12 @@ def test_cli_records_the_pipeline_and_refuses_it_elsewhere(
     written['identity']['data']['options']['cifar100_preprocess'] == 'reddi'
   )
   parse_flags(*common, f'--output_dir={tmp_path}/plain')
-  (plain,) = cli.main_job().values()
+  (plain,) = experiment_entry.main_job().values()
   assert plain['loss_weighted'] != summary['loss_weighted']
   written = json.load(
     open(os.path.join(tmp_path, 'plain', 'fedavg', 'summary.json'))
   )
   assert written['identity']['data']['options']['cifar100_preprocess'] == 'none'
   parse_flags('--dataset=digits', '--cifar100_preprocess=reddi', '--dry_run')
-  with pytest.raises(cli.ConfigError, match='cifar100_preprocess'):
-    cli.main_job()
+  with pytest.raises(experiment_entry.ConfigError, match='cifar100_preprocess'):
+    experiment_entry.main_job()

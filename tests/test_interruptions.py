@@ -542,7 +542,7 @@ def test_a_signal_swallowed_by_a_gc_callback_is_delivered_again(tmp_path):
 # written (``--rounds`` of it: its last round), or during start-up.
 _SIGNAL_AT = r"""
 import json, os, signal, sys
-from fedjax_personal.run import cli, reporting, main_job
+from fedjax_personal.run import experiment_entry, reporting, main_job
 alg, at = sys.argv[1], int(sys.argv[2])
 if at == 0:  # during start-up: once the data are loaded
   load = main_job.load_data
@@ -559,7 +559,7 @@ else:
       os.kill(os.getpid(), signal.SIGTERM)
   reporting.MetricsWriter.on_round_end = on_round_end
 sys.argv = ['run_experiment.py', *json.loads(sys.argv[3])]
-cli.run()
+experiment_entry.run()
 """
 
 
@@ -748,7 +748,7 @@ def test_a_damaged_identity_file_is_refused_naming_it_and_overwrite_starts_again
   from helpers import parse_flags
 
   from fedjax_personal.errors import ConfigError
-  from fedjax_personal.run import cli
+  from fedjax_personal.run import experiment_entry
 
   out = tmp_path / 'run'
   args = [
@@ -758,21 +758,21 @@ def test_a_damaged_identity_file_is_refused_naming_it_and_overwrite_starts_again
     f'--output_dir={out}',
   ]
   parse_flags(*args)
-  cli.main_job()
+  experiment_entry.main_job()
   path = out / 'identity.json'
   path.write_text('')
   parse_flags(*args)
   with pytest.raises(
     ConfigError, match=f'^--output_dir: {path} is damaged .* --overwrite'
   ):
-    cli.main_job()
+    experiment_entry.main_job()
   parse_flags(*args, '--overwrite')
-  cli.main_job()
+  experiment_entry.main_job()
   kept = (out / 'local' / 'metrics.jsonl').read_text()
   (out / 'fedavg' / 'identity.json').write_text('{"algo')
   capsys.readouterr()
   parse_flags(*args, '--resume')
-  cli.main_job()
+  experiment_entry.main_job()
   err = capsys.readouterr().err
   assert 'is damaged' in err and 'fedavg is redone from its start' in err, err
   assert (

@@ -422,7 +422,7 @@ def _opening(texts, real_open):
 
 
 def test_flags_are_read_by_the_entry_alone():
-  """The command's settings are read once, by the entry (``run/cli.py``'s
+  """The command's settings are read once, by the entry (``run/experiment_entry.py``'s
   ``read_flags``), into a ``Settings`` passed down: no other library module
   reads an absl flag's value (declaring flags is not reading them)."""
   import re
@@ -436,8 +436,8 @@ def test_flags_are_read_by_the_entry_alone():
       found[name] = hits
   # parsing argv
   assert set(found) <= {'fedjax_personal.run.script_entry'}, found
-  cli = open(modules()['fedjax_personal.run.cli']).read()
-  assert cli.count('read(FLAGS)') == 1
+  entry = open(modules()['fedjax_personal.run.experiment_entry']).read()
+  assert entry.count('read(FLAGS)') == 1
 
 
 def test_no_message_under_core_names_a_flag():

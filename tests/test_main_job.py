@@ -56,7 +56,7 @@ def test_main_flagfile_spells_out_the_defaults():
   flag's default."""
   from absl import flags
 
-  from fedjax_personal.run import cli  # noqa: F401  defines the flags
+  from fedjax_personal.run import experiment_entry  # noqa: F401  defines the flags
 
   for line in open(os.path.join(ROOT, 'scripts', 'configs', 'main.flags')):
     line = line.strip()

@@ -28,7 +28,7 @@ def test_importing_the_package_leaves_jax_alone(tmp_path):
     'hooks = list(sys.meta_path); '
     'import fedjax_personal, fedjax_personal.algorithms, '
     'fedjax_personal.datasets; '
-    'from fedjax_personal.run import cli; '
+    'from fedjax_personal.run import experiment_entry; '
     'assert jax.config.jax_default_matmul_precision == p, '
     'jax.config.jax_default_matmul_precision; '
     'assert jax.config.jax_compilation_cache_dir is None; '

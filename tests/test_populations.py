@@ -21,7 +21,7 @@ from fedjax_personal.core.population.placement import HostData
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.datasets import DataConfig, load_store
 from fedjax_personal.errors import ConfigError, DataError, SettingError
-from fedjax_personal.run import cli
+from fedjax_personal.run import experiment_entry
 from fedjax_personal.run import job_setup as job_lib
 from fedjax_personal.run.experiment import run
 
@@ -504,7 +504,7 @@ def test_cli_host_layout_resumes_to_the_same_numbers(tmp_path):
       '--eval_every=1',
       *args,
     )
-    return cli.main_job()
+    return experiment_entry.main_job()
 
   full = job('--rounds=4', '--layout=host', f'--output_dir={tmp_path}/full')
   dev = job('--rounds=4', '--layout=device', f'--output_dir={tmp_path}/dev')
@@ -567,7 +567,7 @@ def test_cli_device_layout_refuses_what_cannot_fit(tmp_path, monkeypatch):
     match=r'widest client \(90 examples\).* \('
     r'max_client_examples=N',
   ):
-    cli.main_job()
+    experiment_entry.main_job()
 
 
 def test_cli_auto_layout_moves_client_rows_that_cannot_fit_to_the_host(
@@ -594,7 +594,7 @@ def test_cli_auto_layout_moves_client_rows_that_cannot_fit_to_the_host(
       '--dry_run',
       f'--output_dir={tmp_path}/o',
     )
-    return cli.main_job()
+    return experiment_entry.main_job()
 
   padded = 4 * 9 * (28 * 28 + 1) * 4 * 3  # about the padded population's bytes
   state = 4 * (28 * 28 * 62 + 62) * 4  # Local's four logistic regressions
@@ -641,7 +641,7 @@ def test_cli_refuses_up_front_what_host_memory_cannot_hold(
       f'--output_dir={tmp_path}/o',
       *args,
     )
-    return cli.main_job()
+    return experiment_entry.main_job()
 
   monkeypatch.setattr(placement, 'host_available_bytes', lambda: rows // 2)
   with pytest.raises(
@@ -699,7 +699,7 @@ def test_cli_host_layout_sweep_equals_separate_runs(tmp_path, capsys):
       '--layout=host',
       *args,
     )
-    return cli.main_job()
+    return experiment_entry.main_job()
 
   swept = job(
     '--sweep=client_lr:' + ','.join(map(str, lrs)),
@@ -746,7 +746,7 @@ def test_cli_host_layout_sweep_of_seeds_equals_a_single_seed(tmp_path):
       '--layout=host',
       *args,
     )
-    return cli.main_job()
+    return experiment_entry.main_job()
 
   seeds = job('--sweep_seeds=2', f'--output_dir={tmp_path}/seeds')
   seed1 = job('--seed=1', '--data_seed=0', f'--output_dir={tmp_path}/seed1')
@@ -840,7 +840,7 @@ def test_cli_refuses_a_model_that_does_not_fit_the_targets_and_a_test_split_of_n
     match=r'--model=mlp predicts \(90,\) per example, '
     r'shakespeare has a sequence of targets per example',
   ):
-    cli.main_job()
+    experiment_entry.main_job()
   other = tmp_path / 'other'
   other.mkdir()
   # the test file has no client
@@ -858,7 +858,7 @@ def test_cli_refuses_a_model_that_does_not_fit_the_targets_and_a_test_split_of_n
   with pytest.raises(
     ConfigError, match='no training client has a test example'
   ):
-    cli.main_job()
+    experiment_entry.main_job()
 
 
 @pytest.mark.parametrize('layout', ['host', 'device'])
@@ -892,7 +892,7 @@ def test_cli_cifar100_held_out_test_clients(
     '--cohort_size=4',
     f'--output_dir={tmp_path}/run',
   )
-  s = cli.main_job()['fedavg']
+  s = experiment_entry.main_job()['fedavg']
   # The 2 held-out clients are evaluated, none of the 4 train clients.
   assert s['num_eval_clients'] == 2 and s['num_excluded_clients'] == 4
   assert (
@@ -907,7 +907,7 @@ def test_cli_cifar100_held_out_test_clients(
   assert 'averaged over the last 2 (@last2)' in out and 'mean@last2' in out
   parse_flags('--algorithm=ditto', *common, f'--output_dir={tmp_path}/ditto')
   with pytest.raises(ConfigError, match='held-out test clients have none'):
-    cli.main_job()
+    experiment_entry.main_job()
   parse_flags(
     '--algorithm=fedavg',
     *common,
@@ -915,7 +915,7 @@ def test_cli_cifar100_held_out_test_clients(
     f'--output_dir={tmp_path}/big',
   )
   with pytest.raises(ConfigError, match=r'cohort_size.*\[1, 4\]'):
-    cli.main_job()
+    experiment_entry.main_job()
 
 
 @pytest.mark.slow
@@ -971,12 +971,12 @@ def test_clients_by_id_in_python_and_the_cli(tmp_path, capsys):
     f'--client_ids={tmp_path}/ids.txt',
     f'--output_dir={tmp_path}/by_id',
   )
-  by_id = cli.main_job()['fedavg']
+  by_id = experiment_entry.main_job()['fedavg']
   assert 'emnist/natural, 3 clients from ids.txt' in capsys.readouterr().out
   parse_flags(
     *common, f'--data_dir={alone_dir}', f'--output_dir={tmp_path}/file'
   )
-  assert _numbers(by_id) == _numbers(cli.main_job()['fedavg'])
+  assert _numbers(by_id) == _numbers(experiment_entry.main_job()['fedavg'])
   written = json.loads(
     (tmp_path / 'by_id' / 'fedavg' / 'summary.json').read_text()
   )
@@ -1007,7 +1007,7 @@ def test_clients_by_id_in_python_and_the_cli(tmp_path, capsys):
       f'--output_dir={tmp_path}/bad',
     )
     with pytest.raises(ConfigError, match=why):
-      cli.main_job()
+      experiment_entry.main_job()
 
 
 @pytest.mark.parametrize(

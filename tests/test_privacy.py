@@ -9,7 +9,7 @@ import pytest
 from helpers import parse_flags
 
 from fedjax_personal.core.privacy import Privacy, dp_sgd_epsilon, worst_epsilon
-from fedjax_personal.run import cli
+from fedjax_personal.run import experiment_entry
 
 
 def test_published_setting_of_abadi_et_al():
@@ -52,7 +52,7 @@ def test_fedfomo_dp_records_epsilon_every_round(tmp_path):
     '--max_examples=200',
     f'--output_dir={tmp_path}',
   )
-  s = cli.main_job()['fedfomo']
+  s = experiment_entry.main_job()['fedfomo']
   assert s['dp_delta'] == 1e-5 and 0 < s['dp_epsilon'] < math.inf
   lines = [json.loads(l) for l in open(tmp_path / 'fedfomo' / 'metrics.jsonl')]
   assert lines[-1]['dp_epsilon'] == s['dp_epsilon']
@@ -60,7 +60,9 @@ def test_fedfomo_dp_records_epsilon_every_round(tmp_path):
   # n_i.
   from fedjax_personal.datasets import load_federated
 
-  n = np.asarray(load_federated(cli.read_flags().data).train.num_examples)
+  n = np.asarray(
+    load_federated(experiment_entry.read_flags().data).train.num_examples
+  )
   want = max(
     dp_sgd_epsilon(round(min(8 / k, 1.0), 12), 1.1, 3 * math.ceil(k / 8))
     for k in n
@@ -76,8 +78,8 @@ def test_fedfomo_dp_records_epsilon_every_round(tmp_path):
     '--progress=false',
     f'--output_dir={tmp_path}/x',
   )
-  with pytest.raises(cli.ConfigError, match='dp_delta'):
-    cli.main_job()
+  with pytest.raises(experiment_entry.ConfigError, match='dp_delta'):
+    experiment_entry.main_job()
 
 
 @pytest.mark.slow
@@ -97,10 +99,12 @@ def test_fedavg_dp_records_epsilon_and_refuses_noise_without_clip(tmp_path):
     '--max_examples=200',
     f'--output_dir={tmp_path}',
   )
-  s = cli.main_job()['fedavg']
+  s = experiment_entry.main_job()['fedavg']
   from fedjax_personal.datasets import load_federated
 
-  n = np.asarray(load_federated(cli.read_flags().data).train.num_examples)
+  n = np.asarray(
+    load_federated(experiment_entry.read_flags().data).train.num_examples
+  )
   want = max(
     dp_sgd_epsilon(round(min(8 / k, 1.0), 12), 1.1, 3 * math.ceil(k / 8))
     for k in n
@@ -115,8 +119,10 @@ def test_fedavg_dp_records_epsilon_and_refuses_noise_without_clip(tmp_path):
     '--progress=false',
     f'--output_dir={tmp_path}/y',
   )
-  with pytest.raises(cli.ConfigError, match='fedavg_dp_noise_multiplier'):
-    cli.main_job()
+  with pytest.raises(
+    experiment_entry.ConfigError, match='fedavg_dp_noise_multiplier'
+  ):
+    experiment_entry.main_job()
 
 
 @pytest.mark.slow

@@ -267,7 +267,9 @@ def test_damaged_rows_and_another_runs_rows_are_one_line_naming_the_file(
 
 def _cli(args, env=None, patch=''):
   code = (
-    'import sys\n' + patch + 'from fedjax_personal.run import cli\n'
+    'import sys\n'
+    + patch
+    + 'from fedjax_personal.run import experiment_entry\n'
     f'sys.argv = ["run_experiment.py"] + {list(args)!r}\ncli.run()\n'
   )
   return subprocess.run(
@@ -335,7 +337,7 @@ def test_cli_trials_with_rows_in_files_resume_in_memory_equal_one_whole_run(
   files), checkpointed in files and resumed in memory."""
   from helpers import parse_flags
 
-  from fedjax_personal.run import cli
+  from fedjax_personal.run import experiment_entry
 
   data_dir = made_files.random_writers(tmp_path / 'data', 2, 10, 20, 6)
   common = (
@@ -355,7 +357,7 @@ def test_cli_trials_with_rows_in_files_resume_in_memory_equal_one_whole_run(
     '--client_state=memory',
     f'--output_dir={tmp_path}/whole',
   )
-  whole = cli.main_job()
+  whole = experiment_entry.main_job()
   parse_flags(
     *common,
     '--rounds=2',
@@ -363,7 +365,7 @@ def test_cli_trials_with_rows_in_files_resume_in_memory_equal_one_whole_run(
     '--checkpoint_every=1',
     f'--output_dir={tmp_path}/cut',
   )
-  cli.main_job()
+  experiment_entry.main_job()
   manifest = checkpointing.rows_manifest_of(
     checkpointing.manager(f'{tmp_path}/cut/ditto/checkpoints'), 2
   )
@@ -379,7 +381,7 @@ def test_cli_trials_with_rows_in_files_resume_in_memory_equal_one_whole_run(
     ConfigError,
     match='keeps its client rows in files: resume with --layout=host',
   ):
-    cli.main_job()
+    experiment_entry.main_job()
   parse_flags(
     *common,
     '--rounds=4',
@@ -387,7 +389,7 @@ def test_cli_trials_with_rows_in_files_resume_in_memory_equal_one_whole_run(
     '--resume',
     f'--output_dir={tmp_path}/cut',
   )
-  resumed = cli.main_job()
+  resumed = experiment_entry.main_job()
   strip = lambda s: {
     k: v
     for k, v in s.items()

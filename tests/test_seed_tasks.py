@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers import parse_flags
 
-from fedjax_personal.run import cli
+from fedjax_personal.run import experiment_entry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = [
@@ -95,7 +95,7 @@ def _job(tmp_path, task, *extra):
 
     # the made test file holds 6 posts
     mp.setattr(stackoverflow, 'VALIDATION_EXAMPLES', 2)
-    return cli.main_job()
+    return experiment_entry.main_job()
 
 
 @pytest.mark.parametrize('task', TASKS)

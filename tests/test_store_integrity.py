@@ -18,7 +18,7 @@ from fedjax_personal.core.population import store as store_lib
 from fedjax_personal.core.population.clients import FORMAT
 from fedjax_personal.datasets import DataConfig, load_store, local_files
 from fedjax_personal.errors import DataError
-from fedjax_personal.run import cli
+from fedjax_personal.run import experiment_entry
 
 
 @pytest.fixture(autouse=True)
@@ -174,7 +174,7 @@ def test_cli_damaged_store_exits_2_naming_it_then_reruns_to_the_same_numbers(
       f'--output_dir={tmp_path}/out',
       '--overwrite',
     )
-    return cli.main_job()
+    return experiment_entry.main_job()
 
   first = job()['fedavg']
   folder = load_store(cfg).folder

@@ -116,7 +116,7 @@ EXTRA = {
 
 
 # CI runs FedFomo (per-client state and candidates); the pre-round
-# algorithms are checked through the CLI in CI (test_cli.py), the rest of the
+# algorithms are checked through the CLI in CI (test_experiment_entry.py), the rest of the
 # registry (FedAlt's partial models included) with -m slow.
 CI_SWEEP = ('fedfomo',)
 

@@ -29,7 +29,7 @@ from fedjax_personal.core.population.placement import HostData
 from fedjax_personal.core.sampling import CohortSampler
 from fedjax_personal.datasets import DataConfig, load_store
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.run import cli
+from fedjax_personal.run import experiment_entry
 from fedjax_personal.run.experiment import run
 
 EXECUTORS = {
@@ -306,14 +306,14 @@ def test_flags_reach_the_run_and_its_identity():
   in its identity when given, refused where they cannot apply (1 local
   epoch)."""
   parse_flags('--algorithm=fedprox', '--stragglers=0.5', '--local_epochs=3')
-  s = cli.read_flags()
+  s = experiment_entry.read_flags()
   assert s.system == system_lib.SystemConfig(stragglers=0.5)
   assert s.identity('x')['system']['stragglers'] == 0.5
   parse_flags('--algorithm=fedprox')
-  assert 'system' not in cli.read_flags().identity('x')
+  assert 'system' not in experiment_entry.read_flags().identity('x')
   parse_flags('--algorithm=fedprox', '--stragglers=0.5')
   with pytest.raises(ConfigError, match='stragglers'):
-    cli.read_flags()
+    experiment_entry.read_flags()
 
 
 @pytest.mark.slow

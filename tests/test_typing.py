@@ -2,7 +2,7 @@
 annotated or not) finds no error in the package, ``algorithms/`` and
 ``datasets/`` laid out as a wheel installs them, and it does find a
 misspelled attribute where the project reads typed settings and outputs
-(``run/cli.py``'s distributed settings, an algorithm's client output)."""
+(``run/experiment_entry.py``'s distributed settings, an algorithm's client output)."""
 
 import os
 import shutil
@@ -66,7 +66,7 @@ def _mypy(cache, view):
 #: loading and the engine: each ``(file, (old, new), the attribute mypy
 #: names)``.
 PLANTED = {
-  'run/cli.py': (
+  'run/experiment_entry.py': (
     'd.distributed_timeout',
     'd.distributed_timeouts',
     'distributed_timeouts',

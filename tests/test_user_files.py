@@ -384,7 +384,7 @@ def test_out_of_memory_a_shadowed_module_and_a_checkpoints_file_are_one_line(
     '--progress=false',
   ]
   exhaust = (
-    'import fedjax_personal.run.cli as c\n'
+    'import fedjax_personal.run.experiment_entry as c\n'
     'def main_job(settings):\n'
     '  raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to '
     'allocate '

@@ -112,7 +112,7 @@ def record_split(name: str, fd, lib) -> dict:
     fd: the split (FedJAX's FederatedData API).
     lib: the module with ``padded_batch_federated_data`` and
       ``shuffle_repeat_batch_federated_data`` (``fedjax`` or this project's
-      ``datasets.federated``), also with ``SubsetFederatedData``.
+      ``datasets.store_federated_data``), also with ``SubsetFederatedData``.
 
   Returns:
     ``{key: array}``.

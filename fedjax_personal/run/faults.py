@@ -213,7 +213,11 @@ def tracking(progress: RunProgress):
 
 
 def current() -> RunProgress:
-  """The progress of the run being executed (a blank one outside a run)."""
+  """The progress of the run being executed.
+
+  Returns:
+    The tracked run's ``RunProgress`` (a blank one outside a run).
+  """
   return _RUN.get(None) or _WATCH['progress'] or RunProgress()
 
 

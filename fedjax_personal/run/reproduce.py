@@ -433,7 +433,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
   )
 
 
-def command_line() -> str:
+def experiment_flags() -> str:
   """This process's command line, quoted for a shell."""
   return ' '.join(
     ['python', os.path.relpath(sys.argv[0])]
@@ -465,7 +465,7 @@ def write_results(
   """
   base = os.path.join(directory, f'{table}_{settings.scale}')
   meta = {
-    'command': command_line(),
+    'command': experiment_flags(),
     'scale': settings.scale,
     'trials': settings.num_trials,
     'flags': dataclasses.asdict(settings),

@@ -14,7 +14,7 @@ options), the model (``models.ModelConfig``), the engine
 Names: a ``*Config`` configures one object the library builds (a data set,
 a model, the engine, training, an algorithm) and is what its builder takes;
 a ``*Settings`` is what the command adds to run them, and ``RunSettings``
-holds them all. ``run/command_line.py`` generates the command's flags from
+holds them all. ``run/experiment_flags.py`` generates the command's flags from
 the declarations and reads them once into a ``RunSettings``, which the main
 job (``run/main_job.py``) passes down: each step reads the typed fields it
 needs, never a setting by name.
@@ -373,7 +373,7 @@ class AlgorithmSettings:
 class RunSettings:
   """Every setting of one run of the command, resolved (the main job's
   defaults, --data_seed from --seed, the validation share from the
-  algorithms) and checked, as ``command_line.read`` makes it.
+  algorithms) and checked, as ``experiment_flags.read`` makes it.
 
   Attributes:
     experiment: the algorithms, rounds, cohorts and tables.

@@ -9,7 +9,7 @@ import abc
 import functools
 from typing import Any, Callable, Iterable, Iterator
 
-from fedjax_personal.datasets import federated, sqlite_federated
+from fedjax_personal.datasets import sqlite_federated_data, store_federated_data
 from fedjax_personal.datasets.federated_data import (  # noqa: F401  (FedJAX's names)
   ClientPreprocessor,
   InMemoryFederatedData,
@@ -47,10 +47,10 @@ class FederatedData(abc.ABC):
 
 
 for _cls in (
-  federated.FederatedData,
+  store_federated_data.FederatedData,
   InMemoryFederatedData,
   SubsetFederatedData,
-  sqlite_federated.SQLiteFederatedData,
+  sqlite_federated_data.SQLiteFederatedData,
 ):
   FederatedData.register(_cls)
 

@@ -7,7 +7,7 @@ from typing import Iterable, Tuple
 
 from fedjax_personal.datasets import sqlite_formats
 from fedjax_personal.datasets.client_datasets import Examples, num_examples
-from fedjax_personal.datasets.sqlite_federated import SQLiteFederatedData  # noqa: F401
+from fedjax_personal.datasets.sqlite_federated_data import SQLiteFederatedData  # noqa: F401
 from fedjax_personal.fedjax.core.federated_data import FederatedDataBuilder
 
 __all__ = ['SQLiteFederatedData', 'SQLiteFederatedDataBuilder']

@@ -8,7 +8,7 @@ examples, preprocessed by one ``ClientPreprocessor`` (per client, with its
 id) and one ``BatchPreprocessor`` (per batch) shared by every client. The
 data sets read from FedJAX's own files (``emnist``, ``shakespeare``,
 ``stackoverflow``) give FedJAX's ``SQLiteFederatedData``
-(``sqlite_federated``); the others (``cifar100``, ``gldv2``, ``leaf``)
+(``sqlite_federated_data``); the others (``cifar100``, ``gldv2``, ``leaf``)
 give this module's ``FederatedData``, read from the population store the
 command line trains on (written once from the publisher's files,
 ``load_store``). Either way a FedJAX user's cell runs with only the import

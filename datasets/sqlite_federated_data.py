@@ -20,10 +20,10 @@ import numpy as np
 
 from fedjax_personal.datasets import (
   client_datasets,
-  federated,
   federated_data,
   sources,
   sqlite_formats,
+  store_federated_data,
 )
 from fedjax_personal.errors import DataError
 
@@ -348,7 +348,7 @@ def open_split(
 ) -> SQLiteFederatedData:
   """One of a data set's FedJAX files as FedJAX's ``load_split`` opens it,
   its preprocessing chained on, ``.store`` the population store of
-  ``cfg`` (``federated.data_config``).
+  ``cfg`` (``store_federated_data.data_config``).
 
   Args:
     cfg: the ``DataConfig`` of the ``load_data`` call.
@@ -369,5 +369,5 @@ def open_split(
     limit=cfg.num_clients,
     preprocess_client=federated_data.ClientPreprocessor(preprocess_client),
     preprocess_batch=client_datasets.BatchPreprocessor(preprocess_batch),
-    store_of=federated.store_of(cfg),
+    store_of=store_federated_data.store_of(cfg),
   )

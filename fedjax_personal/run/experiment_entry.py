@@ -1,5 +1,5 @@
 """The entry of ``scripts/run_experiment.py``: parse the flags (and
-flagfiles), read them once into a ``RunSettings`` (``command_line.read``),
+flagfiles), read them once into a ``RunSettings`` (``experiment_flags.read``),
 run the main job (``run/main_job.py``) and turn every fault into one line
 and its exit status. Kept in the package so that scripts stay thin and
 tests can drive it.
@@ -17,14 +17,14 @@ from fedjax_personal.core.population.store import StoreDamaged
 from fedjax_personal.errors import ConfigError, SettingError
 from fedjax_personal.hparams import as_flag_error
 from fedjax_personal.run import (
-  command_line,
   distributed,
   experiment,
+  experiment_flags,
   faults,
   script_entry,
 )
 from fedjax_personal.run import main_job as job_lib
-from fedjax_personal.run.command_line import FLAGS, register  # noqa: F401  (the entry's API)
+from fedjax_personal.run.experiment_flags import FLAGS, register  # noqa: F401  (the entry's API)
 from fedjax_personal.run.settings import RunSettings
 
 __all__ = ['main', 'main_job', 'parse_flags', 'read_flags', 'register', 'run']
@@ -40,7 +40,7 @@ def read_flags() -> RunSettings:
   Returns:
     The settings of ``flags.FLAGS`` as parsed now.
   """
-  return command_line.read(FLAGS)
+  return experiment_flags.read(FLAGS)
 
 
 def main_job(
@@ -209,7 +209,7 @@ def run():
 def parse_flags(argv):
   """The command's flags, those of algorithms and data sets registered since
   the import or by the user's modules of ``--import`` included
-  (``command_line.define_flags``), parsed with one-line errors
+  (``experiment_flags.define_flags``), parsed with one-line errors
   (``script_entry.parse_flags``).
 
   Args:
@@ -219,5 +219,5 @@ def parse_flags(argv):
     What absl leaves of it.
   """
   script_entry.import_plugins(argv)
-  command_line.define_flags()
+  experiment_flags.define_flags()
   return script_entry.parse_flags(argv)

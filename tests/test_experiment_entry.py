@@ -12,7 +12,7 @@ import pytest
 from absl import flags
 from helpers import main_in_one_process, parse_flags
 
-from fedjax_personal.run import cli, command_line
+from fedjax_personal.run import experiment_entry, experiment_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, 'scripts', 'run_experiment.py')
@@ -36,7 +36,7 @@ def test_small_comparison_writes_outputs(tmp_path, capsys):
     f'--output_dir={tmp_path}',
     '--paper_metric=weighted',
   )
-  summaries = cli.main_job()
+  summaries = experiment_entry.main_job()
   out = capsys.readouterr().out
   assert 'fedavg_ft' in out and 'worst' in out and 'mean' in out
   # The paper's metric named in the header and carried by summary.json; each
@@ -77,9 +77,9 @@ def test_same_flags_and_seed_give_same_numbers(tmp_path):
     '--cohort_size=2',
   ]
   parse(*args, f'--output_dir={tmp_path}/a')
-  a = cli.main_job()
+  a = experiment_entry.main_job()
   parse(*args, f'--output_dir={tmp_path}/b')
-  b = cli.main_job()
+  b = experiment_entry.main_job()
   assert (
     a['fedavg']['per_client_accuracy'] == b['fedavg']['per_client_accuracy']
   )
@@ -104,20 +104,20 @@ def test_same_flags_and_seed_give_same_numbers(tmp_path):
 )
 def test_bad_flags_name_the_flag(args, flag):
   parse(*args, '--progress=false')
-  with pytest.raises(cli.UsageError, match=flag):
-    cli.main_job()
+  with pytest.raises(experiment_entry.UsageError, match=flag):
+    experiment_entry.main_job()
 
 
 def test_more_clients_than_examples():
   parse('--dataset=digits', '--num_clients=5000', '--progress=false')
   with pytest.raises(ValueError, match='num_clients'):
-    cli.main_job()
+    experiment_entry.main_job()
 
 
 def test_model_that_does_not_fit_the_data():
   parse('--model=lenet5', '--dataset=digits', '--progress=false')
   with pytest.raises(ValueError, match='model'):
-    cli.main_job()
+    experiment_entry.main_job()
 
 
 def test_oracle_without_groups():
@@ -129,7 +129,7 @@ def test_oracle_without_groups():
     '--progress=false',
   )
   with pytest.raises(ValueError, match='partition'):
-    cli.main_job()
+    experiment_entry.main_job()
 
 
 #: Command lines the main script refuses: exit status 2, one line naming this.
@@ -305,12 +305,12 @@ def test_sweep_flags(tmp_path, capsys):
     '--sweep=client_lr:0.05,0.1',
     f'--output_dir={tmp_path}',
   )
-  results = cli.main_job()
+  results = experiment_entry.main_job()
   assert len(results) == 4 and 'fedavg seed=1 client_lr=0.1' in results
   assert (tmp_path / 'sweep.json').exists()
   parse('--sweep=batch_size:1,2', '--progress=false')
-  with pytest.raises(cli.UsageError, match='--sweep'):
-    cli.main_job()
+  with pytest.raises(experiment_entry.UsageError, match='--sweep'):
+    experiment_entry.main_job()
 
 
 @pytest.mark.slow
@@ -328,7 +328,7 @@ def test_fedfomo_writes_affinity_heat_maps(tmp_path):
     '--max_examples=300',
     f'--output_dir={tmp_path}',
   )
-  cli.main_job()
+  experiment_entry.main_job()
   assert (tmp_path / 'fedfomo' / 'affinity.png').stat().st_size > 1000
 
 
@@ -336,11 +336,11 @@ def test_fedfomo_needs_a_validation_split():
   """A validation split is held out by default only when an algorithm needs
   one; an explicit --val_fraction=0 with FedFomo is refused."""
   parse('--algorithm=fedavg', '--dataset=digits')
-  assert cli.read_flags().data.val_fraction == 0.0
+  assert experiment_entry.read_flags().data.val_fraction == 0.0
   parse('--algorithm=fedavg,fedfomo', '--dataset=digits')
   assert (
-    cli.read_flags().data.val_fraction
-    == command_line.DEFAULT_VAL_FRACTION
+    experiment_entry.read_flags().data.val_fraction
+    == experiment_flags.DEFAULT_VAL_FRACTION
     == 0.1
   )
   parse(
@@ -351,7 +351,7 @@ def test_fedfomo_needs_a_validation_split():
     '--val_fraction=0',
   )
   with pytest.raises(ValueError, match='val_fraction'):
-    cli.main_job()
+    experiment_entry.main_job()
 
 
 @pytest.mark.parametrize(
@@ -359,7 +359,7 @@ def test_fedfomo_needs_a_validation_split():
 )
 def test_every_flagfile_is_accepted(flagfile):
   parse(f'--flagfile={os.path.join(ROOT, "scripts", "configs", flagfile)}')
-  settings = cli.read_flags()
+  settings = experiment_entry.read_flags()
   assert [a.name for a in settings.algorithms] == flags.FLAGS.algorithm
 
 
@@ -391,10 +391,10 @@ def test_cli_sweep_of_seeds_equals_single_runs_for_pre_round_algorithms(
     '--data_seed=0',
   ) + own
   parse(*common, '--sweep_seeds=2', f'--output_dir={tmp_path}/sweep')
-  swept = cli.main_job()
+  swept = experiment_entry.main_job()
   seed = 1  # the non-default seed (seed 0 is also the sweep's partition seed)
   parse(*common, f'--seed={seed}', f'--output_dir={tmp_path}/s{seed}')
-  single = cli.main_job()
+  single = experiment_entry.main_job()
   got, want = swept[f'{alg} seed={seed}'], single[alg]
   for k in (
     'accuracy_mean',
@@ -444,7 +444,7 @@ def test_sweep_marks_a_diverged_configuration_and_exits_3_when_all_diverge(
     '--eval_every=1',
   )
   parse(*common, '--sweep=client_lr:0.05,1e38', f'--output_dir={tmp_path}/a')
-  results = cli.main_job()
+  results = experiment_entry.main_job()
   ok, bad = (
     results['fedavg seed=0 client_lr=0.05'],
     results['fedavg seed=0 client_lr=1e+38'],
@@ -461,9 +461,10 @@ def test_sweep_marks_a_diverged_configuration_and_exits_3_when_all_diverge(
   ] == pytest.approx([1e38] * 2)
   parse(*common, '--sweep=client_lr:1e38,2e38', f'--output_dir={tmp_path}/b')
   with pytest.raises(
-    cli.experiment.DivergenceError, match='all 2 configurations diverged'
+    experiment_entry.experiment.DivergenceError,
+    match='all 2 configurations diverged',
   ):
-    cli.main_job()
+    experiment_entry.main_job()
 
 
 @pytest.mark.parametrize(
@@ -492,11 +493,11 @@ def test_trials_equal_single_runs_and_report_mean_and_std(
     '--stat_window=2',
   )
   parse(*common, '--trials=3', f'--output_dir={tmp_path}/t')
-  row = cli.main_job()['fedavg']
+  row = experiment_entry.main_job()['fedavg']
   singles = []
   for seed in range(3):
     parse(*common, f'--seed={seed}', f'--output_dir={tmp_path}/s{seed}')
-    singles.append(cli.main_job()['fedavg'])
+    singles.append(experiment_entry.main_job()['fedavg'])
   assert row['trials'] == 3
   for k in ('accuracy_mean', 'accuracy_worst', 'accuracy_mean_window'):
     vals = [s[k] for s in singles]

@@ -8,7 +8,7 @@ training settings and each algorithm's (``--<prefix>_*``).
 ``script_entry.define_settings_flags`` makes a class's flags (every script
 declares its flags this way); ``read`` turns the parsed flags into one
 ``RunSettings``, resolving the main job's defaults once and checking what
-depends on several classes, and the entry (``run/cli.py``) passes it down.
+depends on several classes, and the entry (``run/experiment_entry.py``) passes it down.
 """
 
 import dataclasses
