@@ -17,8 +17,8 @@ fixed maximum of N clusters, traced into the compiled round (``PreRound``);
 scikit-learn's ``AgglomerativeClustering`` is the tests' oracle.
 
 The absolute thresholds depend on the model's update scale. ``ratio`` > 0
-replaces the first test by the scale-free || mean || < ratio * max || dtheta_i
-|| (an option of this library, not of the paper).
+replaces the first test by the scale-free || mean || < ratio * max || dtheta_i ||
+(an option of this library, not of the paper).
 """
 
 import dataclasses

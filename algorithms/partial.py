@@ -1,14 +1,10 @@
-"""Partial model personalization: FedAlt and FedSim (Pillutla et al., ICML
-2022).
+"""Partial model personalization: FedAlt and FedSim (Pillutla et al., ICML 2022).
 
-Model on client i = (u, v_i): u shared, v_i personal
-(``personalization.ParamSplit``). Each round the active clients receive u and
-run local SGD:
+Model on client i = (u, v_i): u shared, v_i personal (``personalization.ParamSplit``).
+Each round the active clients receive u and run local SGD:
 
-  FedAlt (alternating):  v_i+ = v_i - gamma_v grad_v F_i(u, v_i)     (personal
-    phase)
-                         u_i+ = u - gamma_u grad_u F_i(u, v_i+)      (shared
-                         phase)
+  FedAlt (alternating):  v_i+ = v_i - gamma_v grad_v F_i(u, v_i)     (personal phase)
+                         u_i+ = u - gamma_u grad_u F_i(u, v_i+)      (shared phase)
   FedSim (simultaneous): (u_i+, v_i+) = (u, v_i) - gamma grad F_i(u, v_i)
 
 (each line is a phase of local SGD steps on the client's own batches). The

@@ -12,8 +12,7 @@ materialized; variant 'hf') or the finite-difference estimate
 delta 1e-3, what other libraries ship). The outer step is the client
 optimizer applied to the direction (plain SGD at beta = ``--client_lr`` is the
 paper's). The server takes the plain mean of the returned models (Algorithm
-1; ``--weighting=num_examples`` weighs by client size). Evaluation: each client
-takes one (or a few) alpha-steps on its
+1; ``--weighting=num_examples`` weighs by client size). Evaluation: each client takes one (or a few) alpha-steps on its
 *training* data, then is tested (the authors' code stepped on test batches,
 which leaks).
 """

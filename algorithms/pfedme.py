@@ -1,8 +1,7 @@
 """pFedMe (Dinh, Tran and Nguyen, NeurIPS 2020): personalization with Moreau
 envelopes,
 
-    min_w (1/N) sum_i F_i(w),  F_i(w) = min_theta f_i(theta) + lambda/2 ||theta
-    - w||^2.
+    min_w (1/N) sum_i F_i(w),  F_i(w) = min_theta f_i(theta) + lambda/2 ||theta - w||^2.
 
 Each local step on a batch D: the personal model theta approximately solves the
 inner problem by K steps theta <- theta - personal_lr (grad f(theta; D) +

@@ -3,8 +3,7 @@
 
 On whatever device JAX finds, section by section, each in a process of its
 own (a section that fails or runs out of time is reported and the next one
-runs; every process shares the GPU with
-``XLA_PYTHON_CLIENT_PREALLOCATE=false``):
+runs; every process shares the GPU with ``XLA_PYTHON_CLIENT_PREALLOCATE=false``):
 
   device       the device, the versions (jax, jaxlib, flax, optax, torch), the
                float32 / TF32 / bfloat16 matmul rates and the memory
@@ -31,10 +30,9 @@ its GPU or TPU plugin), flax, optax, chex, orbax and, for the PyTorch rows,
 torch; not tensorflow-datasets or dp-accounting. ``--smoke`` runs every
 section at toy sizes (on a CPU, in the test suite: the check cannot rot).
 
-  python benchmarks/accelerator.py --output=accelerator.json        # ~8 min on
-  an H100/H200 python benchmarks/accelerator.py --smoke
-  # ~1 min on 2 CPU cores python benchmarks/accelerator.py
-  --sections=device,populations    # some sections
+  python benchmarks/accelerator.py --output=accelerator.json        # ~8 min on an H100/H200
+  python benchmarks/accelerator.py --smoke                          # ~1 min on 2 CPU cores
+  python benchmarks/accelerator.py --sections=device,populations    # some sections
 """
 
 import argparse

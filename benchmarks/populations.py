@@ -2,12 +2,11 @@
 
 Generates once, into --work_dir, a population with a published data set's
 statistics, written through the population store's writer as the loaders of
-the field's files write it (``core.population.store.StoreWriter``), then trains
-FedAvg on it for a few rounds in a fresh process per layout and prints, per
-layout: peak host RSS (VmHWM of the training process), device bytes after the
-rounds (live JAX arrays), seconds per round (rounds after the first), time to
-the end of the first round, compiled round shapes, and what the padded (device)
-layout would need.
+the field's files write it (``core.population.store.StoreWriter``), then trains FedAvg
+on it for a few rounds in a fresh process per layout and prints, per layout:
+peak host RSS (VmHWM of the training process), device bytes after the rounds (live JAX arrays), seconds per
+round (rounds after the first), time to the end of the first round,
+compiled round shapes, and what the padded (device) layout would need.
 
 Shapes:
   stackoverflow: Stack Overflow next-word prediction (Reddi et al., "Adaptive

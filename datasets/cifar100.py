@@ -103,15 +103,14 @@ def read_clients(
 
   Args:
     num_clients: the first N train clients (None: all 500).
-    cifar100_test: ``'tff_clients'``: the train clients keep all their images
-      and TFF's test clients follow them as held-out clients (``eval_only``, ids
-      ``test/<id>``), as Reddi et al. (arXiv 2003.00295) evaluate; ``'split'``:
-      train clients only, their images split with
+    cifar100_test: ``'tff_clients'``: the train clients keep all their images and
+      TFF's test clients follow them as held-out clients (``eval_only``,
+      ids ``test/<id>``), as Reddi et al. (arXiv 2003.00295) evaluate;
+      ``'split'``: train clients only, their images split with
       --test_fraction (``split_by_fraction``).
 
   Returns:
-    The clients as a ``NaturalData`` (what the population store is written
-    from).
+    The clients as a ``NaturalData`` (what the population store is written from).
   """
   if cifar100_test not in CIFAR100_TESTS:
     raise ConfigError(

@@ -16,8 +16,7 @@ FedJAX itself):
   ``num_batch_size_buckets - 1`` times) and ``shuffle_repeat_batch``
   (``numpy.random.RandomState(seed)``'s order).
 - Batches over many clients: ``padded_batch_client_datasets`` (evaluation
-  over a whole federated data set) and
-  ``buffered_shuffle_batch_client_datasets``.
+  over a whole federated data set) and ``buffered_shuffle_batch_client_datasets``.
 """
 
 import collections

@@ -15,9 +15,8 @@ GFLOP/s of the round (XLA's cost analysis of a local step x the number of
 steps / time), and the speed-up over the baseline; the machine's float32
 matmul GFLOP/s is measured in the same run.
 
-  python scripts/benchmark.py                         # the full table (~15 min
-  on 2 cores) python scripts/benchmark.py --models=mlp --clients=10,100
-  --rounds=2
+  python scripts/benchmark.py                         # the full table (~15 min on 2 cores)
+  python scripts/benchmark.py --models=mlp --clients=10,100 --rounds=2
 """
 
 import dataclasses

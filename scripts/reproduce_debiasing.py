@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Reproduces the shape of the debiasing slides' tables on CIFAR-10 (scaled).
 
-Seed: the slides "Customizing Federated Learning to the Edge" (Saligrama, MLSys
-workshop 2021), on FedDyn ("Federated Learning Based on Dynamic Regularization",
-arXiv 2111.04263) and its personalized variants.
+Seed: the slides "Customizing Federated Learning to the Edge" (Saligrama, MLSys workshop
+2021), on FedDyn ("Federated Learning Based on Dynamic Regularization", arXiv 2111.04263)
+and its personalized variants.
 
 Table 1 ("communication rounds" to a target accuracy): FedDyn, SCAFFOLD, FedAvg
 and FedProx, non-IID (Dirichlet) devices sampled independently with
@@ -19,13 +19,12 @@ and lowest per-device accuracy (APL / LPL) and rounds to a target.
 on 2 cores with untiled convolutions, most of it the evaluation after every
 round; 150 rounds evaluated every 3 now take 50-74 s): 20 devices of
 500 train / 100 test CIFAR-10 images, p = 0.25, LeNet-5 on 32x32x3 inputs,
-B = 50; table 1: E = 1 local epoch, 60 rounds, evaluated every round
-(``--eval_every``); table 2: K = 5 local steps, 40 rounds, evaluated every 4
-rounds (so its rounds-to-target are multiples of 4). ``--scale=paper`` (the
-slides): 100 devices (600 images each, all of CIFAR-10), p = 0.1 active,
-FedDyn's own CNN with PyTorch's initialisation (``feddyn_cnn``), 1,000 rounds
-for table 1 and 500 for table 2, 5 trials. Size flags override either. Results:
-``<output_dir>/tables_<scale>.{json,md}``.
+B = 50; table 1: E = 1 local epoch, 60 rounds, evaluated every round (``--eval_every``); table 2:
+K = 5 local steps, 40 rounds, evaluated every 4 rounds (so its rounds-to-target
+are multiples of 4). ``--scale=paper`` (the slides): 100 devices (600 images
+each, all of CIFAR-10), p = 0.1 active, FedDyn's own CNN with PyTorch's initialisation (``feddyn_cnn``), 1,000
+rounds for table 1 and 500 for table 2, 5 trials. Size flags override either.
+Results: ``<output_dir>/tables_<scale>.{json,md}``.
 
   python scripts/reproduce_debiasing.py
   python scripts/reproduce_debiasing.py --scale=paper

@@ -1,8 +1,7 @@
 #!/usr/bin/env python
 """FedFomo's Table 1 (pathological non-IID) and its DP-SGD table (Table 3).
 
-Seed: "Personalized Federated Learning with First Order Model Optimization"
-(FedFomo), arXiv 2012.08565.
+Seed: "Personalized Federated Learning with First Order Model Optimization" (FedFomo), arXiv 2012.08565.
 
 Table 1: every client holds 2 of the 10 classes (McMahan et al.'s shards);
 two federations, 15 clients all active for 20 rounds and 100 clients with 10%
@@ -18,24 +17,23 @@ trained on all of it).
 
 Table 3 (DP): 15 clients in 5 latent distributions (k-means on a centrally
 trained LeNet-5's features, the paper's recipe; --dp_latent_features=pixels
-clusters the pixels, which gives clients with all 10 classes,
-benchmarks/reproductions/README.md), all active, CIFAR-10; FedAvg and FedFomo
-with DP-SGD local training at noise multipliers sigma = 0, 1, 2 (clip norm 1;
-sigma = 0 is plain SGD, as the paper's baselines), epsilon at delta = 1e-5 from
-the RDP accountant on each client's steps (the worst client's).
+clusters the pixels, which gives clients with all 10 classes, benchmarks/reproductions/README.md),
+all active, CIFAR-10; FedAvg and FedFomo with DP-SGD local training at noise
+multipliers sigma = 0, 1, 2 (clip norm 1; sigma = 0 is plain SGD, as the
+paper's baselines), epsilon at delta = 1e-5 from the RDP accountant on each
+client's steps (the worst client's).
 
 ``--scale=cpu`` (3 trials): the embedded MNIST 10k with the MLP (200, 200) and
 CIFAR-10 reduced to 600 images per client (15 clients) and 100 (100 clients)
-with LeNet-5; the DP table with 600 CIFAR-10 images per client.
-``--scale=paper`` (5 trials; the paper: 3): all of MNIST through TFDS and all of
-CIFAR-10 with the model of FedFomo's code (its default ``--arch``, the
-TensorFlow tutorial CNN: ``fedfomo_cnn``) and PyTorch's initialisation (the
-paper's text names McMahan et al.'s CNN; its code trains this one). Rounds,
-epochs and learning rates are the paper's at both scales.
+with LeNet-5; the DP table with 600 CIFAR-10 images per client. ``--scale=paper``
+(5 trials; the paper: 3): all of MNIST through TFDS and all of CIFAR-10
+with the model of FedFomo's code (its default ``--arch``, the TensorFlow
+tutorial CNN: ``fedfomo_cnn``) and PyTorch's initialisation (the paper's
+text names McMahan et al.'s CNN; its code trains this one). Rounds, epochs
+and learning rates are the paper's at both scales.
 
-  python scripts/reproduce_fedfomo.py                      # Table 1 and the DP
-  table python scripts/reproduce_fedfomo.py --tables=1 --datasets=mnist
-  --settings=15
+  python scripts/reproduce_fedfomo.py                      # Table 1 and the DP table
+  python scripts/reproduce_fedfomo.py --tables=1 --datasets=mnist --settings=15
 """
 
 import dataclasses

@@ -1,10 +1,9 @@
 #!/usr/bin/env python
 """Reproduces the shape of the meta-learning and partial-personalization tables.
 
-Seeds: "Personalized Federated Learning with Theoretical Guarantees: A
-Model-Agnostic Meta-Learning Approach" (Per-FedAvg, arXiv 2002.07948) and
-"Federated Learning with Partial Model Personalization" (FedAlt/FedSim, arXiv
-2204.03809).
+Seeds: "Personalized Federated Learning with Theoretical Guarantees: A Model-Agnostic
+Meta-Learning Approach" (Per-FedAvg, arXiv 2002.07948) and "Federated Learning with Partial
+Model Personalization" (FedAlt/FedSim, arXiv 2204.03809).
 
 Table A: Per-FedAvg (FO, HF with the exact Hessian-vector product, HF with
 finite differences) vs FedAvg + fine-tuning on real MNIST digits (the embedded

@@ -1,18 +1,17 @@
 #!/usr/bin/env python
 """The user-centric FL paper's Table I and Fig. 3, and a study of its settings.
 
-Seeds: "User-Centric Federated Learning" (Mestoukirdi et al., arXiv 2110.09869),
-and FedFomo's ("Personalized Federated Learning with First Order Model
-Optimization", arXiv 2012.08565) for the FedFomo baseline.
+Seeds: "User-Centric Federated Learning" (Mestoukirdi et al., arXiv 2110.09869), and
+FedFomo's ("Personalized Federated Learning with First Order Model Optimization",
+arXiv 2012.08565) for the FedFomo baseline.
 
 Protocol of the paper, kept at both scales: LeNet-5 (at ``--scale=paper`` the
 authors' Keras LeNet-5 with average pooling and Keras' initialisation,
 ``usercentric_lenet5``; at ``cpu`` the library's, max pooling and Flax's
-initialisation, as the tables of benchmarks/reproductions/README.md), SGD with
-momentum 0.9 and each user's optimizer state kept across rounds
-(``client_opt_state=persistent``, as the authors' per-user Keras optimizers), 1
-local epoch of batches of 32 per round, every user in every round, worst-user
-and mean test accuracy. Scenarios:
+initialisation, as the tables of benchmarks/reproductions/README.md), SGD with momentum 0.9 and
+each user's optimizer state kept across rounds (``client_opt_state=persistent``,
+as the authors' per-user Keras optimizers), 1 local epoch of batches of 32 per
+round, every user in every round, worst-user and mean test accuracy. Scenarios:
 
   1. label shift: 20 users, Dirichlet 0.4 over the labels of 10k digits;
   2. label + covariate shift: users in 4 groups rotated 0/90/180/270 degrees,
@@ -31,12 +30,12 @@ streams.
 CIFAR one on 2 cores): the embedded MNIST 10k instead of EMNIST in scenarios 1
 and 2, 20 users in scenario 2 (the paper: 100 users, 100k EMNIST points),
 1,000 CIFAR-10 images per user (one round over 2,350 train images per user
-takes 18 s here), 30 rounds, 3 trials. ``--scale=paper``: TFDS EMNIST digits
-(10k points / 20 users; 100k points / 100 users), 50 rounds (the paper does not
-state its rounds), 5 trials. Both: SGD learning rate 0.05 on digits and 0.01 on
-CIFAR-10 (the paper: 0.1 everywhere; a reference run of scenario 3 at lr 0.1
-does not train), evaluation every 2 rounds, cells are mean ± std over trials of
-the mean over the last ``--stat_window`` evaluations.
+takes 18 s here), 30 rounds, 3 trials. ``--scale=paper``: TFDS EMNIST digits (10k points / 20 users;
+100k points / 100 users), 50 rounds (the paper does not state its rounds), 5
+trials. Both: SGD learning rate 0.05 on digits and 0.01 on CIFAR-10 (the
+paper: 0.1 everywhere; a reference run of scenario 3 at lr 0.1 does not train),
+evaluation every 2 rounds, cells are mean ± std over trials of the mean over
+the last ``--stat_window`` evaluations.
 
 User-centric's own settings (sigma batch size, warm-up rounds of FedAvg before
 W, W recomputation period, k) default to the flagfiles of
@@ -45,10 +44,9 @@ a table of user-centric variants (per scenario) next to Oracle and FedAvg,
 with W's diagnostics (effective neighbours per user, adjusted Rand index of
 the streams against the true groups).
 
-  python scripts/reproduce_user_centric.py                       # Table I, 3
-  trials python scripts/reproduce_user_centric.py --scenarios=3
-  --methods=fedavg,oracle python scripts/reproduce_user_centric.py --study
-  --trials=1    # the settings study
+  python scripts/reproduce_user_centric.py                       # Table I, 3 trials
+  python scripts/reproduce_user_centric.py --scenarios=3 --methods=fedavg,oracle
+  python scripts/reproduce_user_centric.py --study --trials=1    # the settings study
 """
 
 import dataclasses

@@ -8,11 +8,9 @@ personalized FedDyn + fine-tuning; prints the table of mean and worst-client
 accuracy. Examples:
 
   python scripts/run_experiment.py
-  python scripts/run_experiment.py
-  --flagfile=scripts/configs/digits_fedavgm.flags python
-  scripts/run_experiment.py --algorithm=fedavg,fedprox --fedprox_mu=0.1
-  --model=mlp python scripts/run_experiment.py --helpfull   # every flag,
-  grouped per algorithm
+  python scripts/run_experiment.py --flagfile=scripts/configs/digits_fedavgm.flags
+  python scripts/run_experiment.py --algorithm=fedavg,fedprox --fedprox_mu=0.1 --model=mlp
+  python scripts/run_experiment.py --helpfull   # every flag, grouped per algorithm
 """
 
 import os

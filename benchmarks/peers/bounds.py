@@ -1,5 +1,4 @@
-"""The least time a peer row's round can take on this machine, and how near the
-project comes.
+"""The least time a peer row's round can take on this machine, and how near the project comes.
 
 For each row (model, batch, cohort) of the peer benchmark (``run.py``), one
 local SGD step of the row's model at the row's batch is traced as the
@@ -10,17 +9,15 @@ compiled loop on each core at once: the blocked executor's threads each run
 a client on one core, and two cores that share one physical core, its
 caches or its memory show it), and summed with the step's floor (a bare
 compiled step that reads and writes every parameter once: the update's
-memory traffic and the loop's overhead). The round's bound, over cohorts drawn
-uniformly from the row's files, is ``max(the cohort's steps / cores, its longest
-client's steps) x (the step's matmul time + its floor)``: the cores always busy
-on nothing but the step's matmuls at the rate this machine shows for them. With
-``--peers`` (``run.py --output``'s JSON) each row's medians are set against the
-bound (the fraction of the bound reached: bound / median).
+memory traffic and the loop's overhead). The round's bound, over cohorts drawn uniformly from the
+row's files, is ``max(the cohort's steps / cores, its longest client's
+steps) x (the step's matmul time + its floor)``: the cores always busy on
+nothing but the step's matmuls at the rate this machine shows for them. With
+``--peers`` (``run.py --output``'s JSON) each row's medians are set against
+the bound (the fraction of the bound reached: bound / median).
 
-    XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python
-    benchmarks/peers/bounds.py \\
-        --work_dir=/tmp/peers
-        --rows=mlp:10,cnn:50,lstm:10,shakespeare:10,transformer:10 \\
+    XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python benchmarks/peers/bounds.py \\
+        --work_dir=/tmp/peers --rows=mlp:10,cnn:50,lstm:10,shakespeare:10,transformer:10 \\
         --peers=peers.json --project=transformer_10.json
 
 The rows: ``mlp``, ``cnn`` (EMNIST-shaped writers, batch 20), ``lstm`` (Stack

@@ -3,8 +3,7 @@ script under FedJAX 0.0.17 (its venv) and under this project with the import
 changed (``--fedjax=fedjax_personal.fedjax``), on the same made
 EMNIST-shaped clients, one command per side.
 
-  <FedJAX venv>/bin/python benchmarks/peers/fedjax_emnist_fed_avg.py
-  --fedjax=fedjax
+  <FedJAX venv>/bin/python benchmarks/peers/fedjax_emnist_fed_avg.py --fedjax=fedjax
   python benchmarks/peers/fedjax_emnist_fed_avg.py \\
       --fedjax=fedjax_personal.fedjax --backend=vmap
 

@@ -7,17 +7,17 @@ by ``fedjax_personal.fedjax`` to compare.
   <FedJAX venv>/bin/python benchmarks/peers/fedjax_notebook_reference.py \\
       --out=tests/data/fedjax_notebook_reference.npz
 
-Each cell is the notebook's, changed only where it must be: ``load_data`` reads
-the made files (``cache_dir=CACHE``: ``tests/made_files.
-fedjax_reference_files``, 4 EMNIST writers); the training loops run 10 steps
-instead of 5000 and 1000, and the evaluations 2 batches instead of 16 (a
-CPU-sized reduction); unseeded draws are seeded (``np.random.seed``,
-``shuffled_clients(seed=0)``, the clients' batches ``seed=0``);
-``jax.tree_util.tree_multimap``, gone from JAX since 0.3.16 (FedJAX's own
-notebook fails there under its JAX 0.4.30), is ``jax.tree_util.tree_map``;
-``fedjax.training.set_tf_cpu_only()`` is kept. What a cell prints is recorded in
-``R``. Random draws are JAX's from the same keys: with JAX >= 0.5 the caller
-runs the cells under ``jax.threefry_partitionable(False)``.
+Each cell is the notebook's, changed only where it must be: ``load_data``
+reads the made files (``cache_dir=CACHE``: ``tests/made_files.
+fedjax_reference_files``, 4 EMNIST writers); the training loops run 10
+steps instead of 5000 and 1000, and the evaluations 2 batches instead of
+16 (a CPU-sized reduction); unseeded draws are seeded (``np.random.seed``,
+``shuffled_clients(seed=0)``, the clients' batches ``seed=0``); ``jax.tree_util.tree_multimap``, gone from
+JAX since 0.3.16 (FedJAX's own notebook fails there under its JAX 0.4.30),
+is ``jax.tree_util.tree_map``; ``fedjax.training.set_tf_cpu_only()`` is
+kept. What a cell prints is recorded in ``R``. Random draws are JAX's from
+the same keys: with JAX >= 0.5 the caller runs the cells under
+``jax.threefry_partitionable(False)``.
 """
 
 import argparse

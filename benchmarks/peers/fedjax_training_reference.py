@@ -8,21 +8,21 @@ backend) to compare.
   <FedJAX venv>/bin/python benchmarks/peers/fedjax_training_reference.py \\
       --out=tests/data/fedjax_training_reference.npz
 
-``CELLS`` run in one namespace, in order: ``examples/fed_avg.py`` and its test
-(``fed_avg_test.py``'s clients and values), ``stateful_fed_avg.py``'s client
-counters, ``emnist_fed_avg.py``'s loop at a small size (in-memory EMNIST-shaped
-clients instead of the download, 3 rounds, evaluation each round; its unseeded
-shuffle seeded), FedJAX's optimizers, metrics, tree utilities, stax and Haiku
-models (initialization, evaluation, gradients, per-client evaluators), the
-Shakespeare, Stack Overflow and CIFAR-100 models at small sizes, the aggregators
-(the mean and every compressed mean, with their bits and keys), every algorithm
-(HypCluster with its trainers, k-means initialization and evaluator as
-``hyp_cluster_test.py`` runs them), ``training``'s experiment loop (checkpoints,
-resumption, evaluations) and the msgpack serialization. FedJAX 0.0.17's language
-models read ``jnp.NINF``, gone from its own JAX: ``main`` restores it for
-FedJAX's run. Random draws are JAX's from the same keys: with JAX >= 0.5 the
-caller runs the cells under ``jax.threefry_partitionable(False)`` (FedJAX
-0.0.17's JAX drew that way).
+``CELLS`` run in one namespace, in order: ``examples/fed_avg.py`` and its
+test (``fed_avg_test.py``'s clients and values), ``stateful_fed_avg.py``'s
+client counters, ``emnist_fed_avg.py``'s loop at a small size (in-memory
+EMNIST-shaped clients instead of the download, 3 rounds, evaluation each
+round; its unseeded shuffle seeded), FedJAX's optimizers, metrics, tree
+utilities, stax and Haiku models (initialization, evaluation, gradients,
+per-client evaluators), the Shakespeare, Stack Overflow and CIFAR-100 models
+at small sizes, the aggregators (the mean and every compressed mean, with
+their bits and keys), every algorithm (HypCluster with its trainers, k-means
+initialization and evaluator as ``hyp_cluster_test.py`` runs them),
+``training``'s experiment loop (checkpoints, resumption, evaluations) and
+the msgpack serialization. FedJAX 0.0.17's language models read
+``jnp.NINF``, gone from its own JAX: ``main`` restores it for FedJAX's run. Random draws are
+JAX's from the same keys: with JAX >= 0.5 the caller runs the cells under
+``jax.threefry_partitionable(False)`` (FedJAX 0.0.17's JAX drew that way).
 """
 
 import argparse

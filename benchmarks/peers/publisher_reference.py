@@ -7,9 +7,8 @@ Runs where TensorFlow installs (a venv of its own with ``tensorflow-cpu``
 and ``attrs``), on a checkout of google-research/federated at the paper's
 commit (0b7d004, 2020-09-28)::
 
-  git -C federated archive 0b7d004 utils optimization/shared | tar -x -C
-  /tmp/fed <venv with TensorFlow>/bin/python
-  benchmarks/peers/publisher_reference.py \\
+  git -C federated archive 0b7d004 utils optimization/shared | tar -x -C /tmp/fed
+  <venv with TensorFlow>/bin/python benchmarks/peers/publisher_reference.py \\
       --federated=/tmp/fed --out=tests/data/publisher_reference.npz
 
 Its modules are imported as they are, with a stand-in for

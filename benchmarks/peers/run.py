@@ -22,8 +22,7 @@ FedJAX's venv (its own, apart from this project's):
 
 Usage:
   python benchmarks/peers/run.py --fedjax_python=~/fedjax-venv/bin/python \\
-      --work_dir=/tmp/peers --rows=mlp:10,mlp:50,mlp:500,cnn:50
-      --output=peers.json
+      --work_dir=/tmp/peers --rows=mlp:10,mlp:50,mlp:500,cnn:50 --output=peers.json
 """
 
 import argparse

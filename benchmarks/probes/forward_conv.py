@@ -1,5 +1,4 @@
-"""A forward pass alone of the EMNIST CNN on a CPU: each ``conv_impl``, by
-batch.
+"""A forward pass alone of the EMNIST CNN on a CPU: each ``conv_impl``, by batch.
 
 Reddi et al.'s EMNIST CNN ("Adaptive Federated Optimization", arXiv
 2003.00295; ``reddi_emnist_cnn``), one jitted forward pass of ``rows``

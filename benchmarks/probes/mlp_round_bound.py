@@ -1,20 +1,18 @@
-"""How fast can a cohort's MLP round be on this CPU? The bound beside the peers'
-medians.
+"""How fast can a cohort's MLP round be on this CPU? The bound beside the peers' medians.
 
 The peer benchmark (``benchmarks/peers/run.py``) compares median rounds of
 FedAvg on EMNIST-shaped writers (the 784-200-200-62 MLP, batch 20, one
 epoch). This probe times the round's unit of work, one local SGD step of
 that MLP at batch 20, in a scan of steps on one core, on every core at
 once (as the blocked executor's threads run their clients, each on one core:
-``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false``), and from the store's example
-counts draws cohorts uniformly without replacement: a cohort's round cannot take
-less than ``max(its steps / cores, its longest client's steps) x the step's
-time`` (the cores in perfect use, no server step, nothing else). The median of
-that bound over drawn cohorts, against the median rounds of a peers JSON, is the
-largest speed-up over FedJAX that this step allows.
+``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false``), and from the store's example counts draws cohorts
+uniformly without replacement: a cohort's round cannot take less than
+``max(its steps / cores, its longest client's steps) x the step's time``
+(the cores in perfect use, no server step, nothing else). The median of
+that bound over drawn cohorts, against the median rounds of a peers JSON,
+is the largest speed-up over FedJAX that this step allows.
 
-    XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python
-    benchmarks/probes/mlp_round_bound.py \\
+    XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python benchmarks/probes/mlp_round_bound.py \\
       --train=/tmp/peers/emnist/federated_emnist_train.sqlite \\
       --peers=benchmarks/speed/peers/mlp_10_50.json
 """

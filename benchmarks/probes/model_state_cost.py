@@ -5,8 +5,7 @@ executor ``auto`` picks, rounds interleaved so that every variant meets the
 machine in the same state; the median round of each, and its ratio to the
 plain CNN's, measured in one run.
 
-    python benchmarks/probes/model_state_cost.py --rounds=12 >
-    benchmarks/probes/model_state_cost.txt
+    python benchmarks/probes/model_state_cost.py --rounds=12 > benchmarks/probes/model_state_cost.txt
 """
 
 import argparse

@@ -7,8 +7,7 @@ clients vectorized (``vmap``), each running its SGD steps in a
 fresh Python process with JAX's persistent compilation cache already holding
 the executable (a second run of the same experiment):
 
-* ``jit``: trace, lower, then the cache's executable
-(``jit(f).lower(...).compile()``);
+* ``jit``: trace, lower, then the cache's executable (``jit(f).lower(...).compile()``);
 * ``export``: the program saved by ``jax.export`` in an earlier process,
   deserialized, then ``jit(exported.call).lower(...).compile()``, which the
   cache also serves.
@@ -16,8 +15,7 @@ the executable (a second run of the same experiment):
 Needs the ``flatbuffers`` package for ``jax.export`` (not a dependency of
 the project).
 
-  python benchmarks/probes/programs_between_processes.py [--repeats=3]
-  [--work_dir=/tmp/probe]
+  python benchmarks/probes/programs_between_processes.py [--repeats=3] [--work_dir=/tmp/probe]
 """
 
 import argparse

@@ -1,6 +1,6 @@
-"""What the population store's checks cost (``core.population.store``: a CRC32
-per 1 MiB block of every file, checked the first time a read touches it, or all
-at once with ``--verify_store``).
+"""What the population store's checks cost (``core.population.store``: a CRC32 per
+1 MiB block of every file, checked the first time a read touches it, or
+all at once with ``--verify_store``).
 
 On a store folder (e.g. the one ``benchmarks/populations.py`` writes into
 ``--work_dir``/store, or a cached ``stores/<data set>-<digest>``), in fresh
@@ -8,8 +8,7 @@ processes: opening (the small files checked), the full check, and the
 gather of random cohorts with their blocks checked on first touch against
 the same gathers once every block was checked (page cache warm in both).
 
-  python benchmarks/probes/store_checks.py --store=/tmp/populations/store
-  --cohort_size=50
+  python benchmarks/probes/store_checks.py --store=/tmp/populations/store --cohort_size=50
 """
 
 import argparse

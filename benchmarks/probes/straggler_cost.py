@@ -8,8 +8,7 @@ same algorithm without a system, measured in one run. A straggler runs only
 the epochs it drew (its steps past them are masked, and the executor groups
 clients by the work they do); a client whose upload is lost anyway does none.
 
-    python benchmarks/probes/straggler_cost.py --rounds=12 >
-    benchmarks/probes/straggler_cost.txt
+    python benchmarks/probes/straggler_cost.py --rounds=12 > benchmarks/probes/straggler_cost.txt
 """
 
 import argparse

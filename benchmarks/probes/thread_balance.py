@@ -1,5 +1,4 @@
-"""Do the blocked executor's host threads finish together? Each thread's blocks,
-steps and seconds.
+"""Do the blocked executor's host threads finish together? Each thread's blocks, steps and seconds.
 
 The blocked executor on a CPU lays a cohort's clients out in blocks by their
 real steps and gives each host thread the same number of steps (longest
@@ -10,10 +9,8 @@ a step differ, a round waits for the slower one (the cores ran at
 different speeds, or a thread's clients cost more than their steps).
 
     python benchmarks/probes/thread_balance.py --skip=5 -- \\
-      --dataset=emnist --data_dir=/tmp/peers/emnist --model=mlp --cohort_size=10
-      \\
-      --batch_size=20 --client_lr=0.1 --rounds=40 --eval_every=0
-      --progress=false \\
+      --dataset=emnist --data_dir=/tmp/peers/emnist --model=mlp --cohort_size=10 \\
+      --batch_size=20 --client_lr=0.1 --rounds=40 --eval_every=0 --progress=false \\
       --output_dir=/tmp/balance --overwrite --plots=off
 """
 

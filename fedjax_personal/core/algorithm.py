@@ -4,15 +4,13 @@ Following fedjax's ``FederatedAlgorithm`` (``init`` / ``apply``), but split so
 that the engine owns execution: an algorithm is three pure functions around
 the client update, and the engine composes them into one round
 
-    if pre_round and pre_round.due(rc.round):                  # algorithm's
-      schedule state = pre_round.update(state, [pre_round.client(...)    #
-      engine: every client
+    if pre_round and pre_round.due(rc.round):                  # algorithm's schedule
+      state = pre_round.update(state, [pre_round.client(...)    # engine: every client
                                        for every client], rc)
     cohort = sampler(key)                                      # engine
-    shared, per_client = server_broadcast(state, cohort, rc)   # algorithm,
-    server outputs = executor.run_work(client_work, ...)              # engine:
-    vmap/blocks/loop state, metrics = server_update(state, cohort, outputs, rc)
-    # algorithm, server
+    shared, per_client = server_broadcast(state, cohort, rc)   # algorithm, server
+    outputs = executor.run_work(client_work, ...)              # engine: vmap/blocks/loop
+    state, metrics = server_update(state, cohort, outputs, rc)  # algorithm, server
 
 With a fused executor the whole round is one jit-compiled function, the
 pre-round phase included (under ``lax.cond``). Per-client

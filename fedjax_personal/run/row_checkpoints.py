@@ -1,6 +1,5 @@
-"""Checkpoints of client rows kept in files
-(``core/population/rows_in_files.py``) that write only the rows changed since
-the last checkpoint.
+"""Checkpoints of client rows kept in files (``core/population/rows_in_files.py``) that
+write only the rows changed since the last checkpoint.
 
 A checkpoint of a state whose client rows are files holds, in its Orbax step,
 the state without the rows and a manifest (``client_rows``): the chain of
