@@ -138,7 +138,9 @@ class AFLBroadcast:
 
 @struct.dataclass
 class AFLOutput:
-  """A client's upload: its delta weighted by beta_i, and its domain loss
+  """A client's upload to Agnostic FedAvg.
+
+  A client's upload: its delta weighted by beta_i, and its domain loss
   sums and counts (summed over the cohort).
 
   Attributes:

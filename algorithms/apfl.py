@@ -39,8 +39,9 @@ __all__ = ['apfl', 'APFLConfig', 'build', 'mixture', 'SPEC']
 
 @dataclasses.dataclass(frozen=True)
 class APFLConfig(Declared):
-  """APFL's own settings, declared once: the ``--apfl_*`` flags (``hparam``:
-  default, help, range, sweepable)."""
+  """APFL's settings: the ``--apfl_*`` flags.
+
+  Declared once (``hparam``: default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'apfl'
   alpha: float = hparam(

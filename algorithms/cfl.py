@@ -69,8 +69,9 @@ __all__ = ['build', 'cfl', 'CFLConfig', 'CFLState', 'SPEC', 'split_decisions']
 
 @dataclasses.dataclass(frozen=True)
 class CFLConfig(Declared):
-  """Clustered FL's own settings, declared once: the ``--cfl_*`` flags
-  (``hparam``: default, help, range, sweepable)."""
+  """Clustered FL's settings: the ``--cfl_*`` flags.
+
+  Declared once (``hparam``: default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'cfl'
   eps1: float = hparam(

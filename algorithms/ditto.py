@@ -31,8 +31,9 @@ __all__ = ['build', 'ditto', 'DittoConfig', 'SPEC']
 
 @dataclasses.dataclass(frozen=True)
 class DittoConfig(Declared):
-  """Ditto's own settings, declared once: the ``--ditto_*`` flags (``hparam``:
-  default, help, range, sweepable)."""
+  """Ditto's settings: the ``--ditto_*`` flags.
+
+  Declared once (``hparam``: default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'ditto'
   lam: float = hparam(

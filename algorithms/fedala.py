@@ -169,7 +169,9 @@ def _share(key, train: ClientData, percent: int, batch_size: int):
 
 
 class LayerCut(NamedTuple):
-  """The layers ALA aggregates into: ``split(params) -> BodyAndHead`` (the
+  """The layers ALA aggregates into, and how to put them back.
+
+  The layers ALA aggregates into: ``split(params) -> BodyAndHead`` (the
   lower layers, kept, and the upper ones, aggregated) and ``merge(lower,
   upper) -> params``."""
 
@@ -365,6 +367,8 @@ def fedala(
 
   @struct.dataclass
   class Carry:
+    """A client's work in FedALA: its model trained from the aggregated one."""
+
     sgd: SGDCarry
     weights: PyTree
     started: jax.Array

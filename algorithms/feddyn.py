@@ -105,8 +105,9 @@ class FedDynState:
 
 @dataclasses.dataclass(frozen=True)
 class FedDynConfig(Declared):
-  """FedDyn's own settings, declared once: the ``--feddyn_*`` flags (``hparam``:
-  default, help, range, sweepable)."""
+  """FedDyn's settings: the ``--feddyn_*`` flags.
+
+  Declared once (``hparam``: default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'feddyn'
   alpha: float = hparam(

@@ -82,8 +82,9 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class FedFomoConfig(DPConfig):
-  """FedFomo's own settings, declared once: the ``--fedfomo_*`` flags
-  (``hparam``: default, help, range, sweepable)."""
+  """FedFomo's settings: the ``--fedfomo_*`` flags.
+
+  Declared once (``hparam``: default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'fedfomo'
   candidates: int = hparam(5, 'Models downloaded per round (M).', minimum=1)

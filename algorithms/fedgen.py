@@ -95,7 +95,9 @@ class FedGenConfig(Declared):
 
 
 class Generator(nn.Module):
-  """PFLlib's ``Generative``: [noise, one-hot label] -> Dense(hidden),
+  """FedGen's generator: features from noise and a label.
+
+  PFLlib's ``Generative``: [noise, one-hot label] -> Dense(hidden),
   BatchNorm (batch statistics), ReLU -> Dense(features); PyTorch's
   ``Linear`` initialization."""
 

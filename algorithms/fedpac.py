@@ -168,7 +168,9 @@ class FedPACShared:
 
 @struct.dataclass
 class FedPACCarry:
-  """A client's work: its model, the optimizer's state, the head phase's
+  """A FedPAC client's work in progress.
+
+  A client's work: its model, the optimizer's state, the head phase's
   steps, steps taken, statistics, its feature statistics (taken at the
   start) and the key of its prototypes' pass."""
 

@@ -77,7 +77,9 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class FedProtoConfig(Declared):
-  """FedProto's own settings: the ``--fedproto_*`` flags (PFLlib's
+  """FedProto's settings: the ``--fedproto_*`` flags.
+
+  FedProto's own settings: the ``--fedproto_*`` flags (PFLlib's
   defaults)."""
 
   prefix: ClassVar[str] = 'fedproto'

@@ -21,8 +21,9 @@ __all__ = ['build', 'fedprox', 'FedProxConfig', 'SPEC']
 
 @dataclasses.dataclass(frozen=True)
 class FedProxConfig(Declared):
-  """FedProx's own settings, declared once: the ``--fedprox_*`` flags
-  (``hparam``: default, help, range, sweepable)."""
+  """FedProx's settings: the ``--fedprox_*`` flags.
+
+  Declared once (``hparam``: default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'fedprox'
   mu: float = hparam(0.01, 'Proximal coefficient mu.', minimum=0, sweep=True)

@@ -49,7 +49,9 @@ class LocalState:
 
 @struct.dataclass
 class LocalOutput:
-  """A client's output. Attributes:
+  """A local-training client's output.
+
+  A client's output. Attributes:
   params: its new personal model (written to its row by the engine:
     ``ClientRows.output``, so that the blocked loop writes it in place).
   stats: its training statistics.

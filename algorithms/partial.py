@@ -91,7 +91,9 @@ MODES = ('alt', 'sim')
 
 @dataclasses.dataclass(frozen=True)
 class PartialConfig(Declared):
-  """Partial personalization (FedAlt, FedSim, FedRep, FedPer, LG-FedAvg)'s own
+  """Partial personalization's settings: the ``--partial_*`` flags.
+
+  Partial personalization (FedAlt, FedSim, FedRep, FedPer, LG-FedAvg)'s own
   settings, declared once: the ``--partial_*`` flags (``hparam``: default, help,
   range, sweepable)."""
 

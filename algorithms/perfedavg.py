@@ -76,8 +76,9 @@ VARIANTS = ('fo', 'hf', 'hf_fd')
 
 @dataclasses.dataclass(frozen=True)
 class PerFedAvgConfig(Declared):
-  """Per-FedAvg's own settings, declared once: the ``--perfedavg_*`` flags
-  (``hparam``: default, help, range, sweepable)."""
+  """Per-FedAvg's settings: the ``--perfedavg_*`` flags.
+
+  Declared once (``hparam``: default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'perfedavg'
   alpha: float = hparam(

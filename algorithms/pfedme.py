@@ -36,8 +36,9 @@ __all__ = ['build', 'pfedme', 'PFedMeConfig', 'SPEC']
 
 @dataclasses.dataclass(frozen=True)
 class PFedMeConfig(Declared):
-  """pFedMe's own settings, declared once: the ``--pfedme_*`` flags (``hparam``:
-  default, help, range, sweepable)."""
+  """pFedMe's settings: the ``--pfedme_*`` flags.
+
+  Declared once (``hparam``: default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'pfedme'
   lam: float = hparam(

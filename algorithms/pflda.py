@@ -109,7 +109,9 @@ class PFLDAState:
 
 @struct.dataclass
 class PFLDACarry:
-  """A client's work: its model, its copy of the global head, the
+  """A PFL-DA client's work in progress.
+
+  A client's work: its model, its copy of the global head, the
   optimizer's state, the personal phase's steps, steps taken, statistics."""
 
   model: PyTree

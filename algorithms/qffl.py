@@ -57,8 +57,9 @@ __all__ = ['build', 'qffl', 'QFFLConfig', 'QState', 'QUpload', 'SPEC']
 
 @dataclasses.dataclass(frozen=True)
 class QFFLConfig(Declared):
-  """q-FFL's own settings, declared once: the ``--qffl_*`` flags (``hparam``:
-  default, help, range, sweepable)."""
+  """q-FFL's settings: the ``--qffl_*`` flags.
+
+  Declared once (``hparam``: default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'qffl'
   q: float = hparam(

@@ -96,7 +96,9 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class UserCentricConfig(Declared):
-  """User-centric FL's own settings, declared once: the ``--usercentric_*``
+  """User-centric FL's settings: the ``--usercentric_*`` flags.
+
+  User-centric FL's own settings, declared once: the ``--usercentric_*``
   flags (``hparam``: default, help, range, sweepable)."""
 
   prefix: ClassVar[str] = 'usercentric'

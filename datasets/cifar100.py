@@ -47,7 +47,9 @@ CIFAR100_TESTS = ('split', 'tff_clients')
 
 @dataclasses.dataclass(frozen=True)
 class Cifar100Options(DataOptions):
-  """CIFAR-100's options: the natural partition's test clients and the
+  """CIFAR-100's options.
+
+  CIFAR-100's options: the natural partition's test clients and the
   images the model sees."""
 
   held_out_choice = (

@@ -32,7 +32,9 @@ ClientId = bytes
 
 
 class ClientPreprocessor:
-  """A chain of functions on a client's examples that also take its id
+  """A chain of functions on a client's examples and its id.
+
+  A chain of functions on a client's examples that also take its id
   (FedJAX's ``ClientPreprocessor``).
 
   Args:
@@ -71,7 +73,9 @@ NoOpClientPreprocessor = ClientPreprocessor()
 
 
 class SubsetFederatedData:
-  """Some clients of a federated data set, by id (FedJAX's
+  """Some clients of a federated data set, by id.
+
+  Some clients of a federated data set, by id (FedJAX's
   ``SubsetFederatedData``): each id once, iterated in sorted order;
   ``client_sizes`` in the base's order.
 
@@ -192,7 +196,9 @@ class SubsetFederatedData:
 
 
 class InMemoryFederatedData:
-  """Clients already in memory (FedJAX's ``InMemoryFederatedData``):
+  """A federated data set whose clients are already in memory.
+
+  Clients already in memory (FedJAX's ``InMemoryFederatedData``):
   ``{client_id: {feature: array}}``, ids iterated sorted; ``.store`` the
   population store of their ``x`` / ``y`` (integer labels) for this
   project's rounds.

@@ -164,7 +164,9 @@ def _check_config(cfg: DataConfig) -> None:
 
 @dataclasses.dataclass
 class PooledClients:
-  """A data set built in memory (a partitioned pool, Tiny Shakespeare,
+  """A data set built in memory, client by client.
+
+  A data set built in memory (a partitioned pool, Tiny Shakespeare,
   Synthetic, CIFAR-100 split per client), client by client and unpadded:
   ``padded()`` for the device layout, ``store()`` for the host layout.
 

@@ -223,7 +223,9 @@ def register_builtin(
 
 @dataclasses.dataclass(frozen=True)
 class Pool:
-  """A data set read whole in memory: a pool of examples partitioned into
+  """A registered data set read whole in memory.
+
+  A data set read whole in memory: a pool of examples partitioned into
   clients by ``--partition`` (``kind='pool'``: ``read(...) -> (x, y,
   num_classes)``), or clients its reader makes itself, each client's
   examples then split with ``--test_fraction`` (``kind='clients'``:
@@ -376,7 +378,9 @@ def _check_reader(
 
 @dataclasses.dataclass(frozen=True)
 class SplitByFraction(NoOptions):
-  """A data set of arrays without a test split of its own: each client's
+  """A registered data set of arrays split per client by fraction.
+
+  A data set of arrays without a test split of its own: each client's
   examples are split with ``--test_fraction`` (and kept in memory: never a
   stored copy that could go stale)."""
 

@@ -629,7 +629,9 @@ def default_vocab(
 
 
 class DefaultWordTokenizer:
-  """FedJAX's ``DefaultWordTokenizer`` in NumPy (FedJAX's needs
+  """FedJAX's word tokenizer, in NumPy.
+
+  FedJAX's ``DefaultWordTokenizer`` in NumPy (FedJAX's needs
   TensorFlow): ids PAD 0, BOS 1, EOS 2, ``vocab[i]`` 3 + i, the OOV buckets
   after them (a word's bucket TensorFlow's hash of it, ``fingerprint64``);
   words split at every single space.
@@ -681,7 +683,9 @@ class DefaultWordTokenizer:
 
 
 class StackoverflowTokenizer(DefaultWordTokenizer):
-  """FedJAX's ``StackoverflowTokenizer``: ``DefaultWordTokenizer`` of
+  """FedJAX's Stack Overflow tokenizer.
+
+  FedJAX's ``StackoverflowTokenizer``: ``DefaultWordTokenizer`` of
   ``vocab``, or of the ``default_vocab_size`` most frequent words
   (``default_vocab``, read from ``cache_dir``).
 

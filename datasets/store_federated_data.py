@@ -67,7 +67,9 @@ def _as_bytes(client_id) -> bytes:
 
 
 class FederatedData:
-  """One split of a population store's clients, by id (FedJAX's
+  """One split of a population store's clients, by id.
+
+  One split of a population store's clients, by id (FedJAX's
   ``FederatedData``; ids are bytes as there, str accepted).
 
   Args:

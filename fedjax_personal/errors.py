@@ -76,7 +76,9 @@ def installed_or_ours(path: str) -> bool:
 
 
 class SettingError(ValueError):
-  """A setting's value that cannot apply, named as the library names it: a
+  """A setting's value that cannot apply.
+
+  A setting's value that cannot apply, named as the library names it: a
   field of a settings class (``owner``; None: a name of its own). The
   message starts with ``setting:``; a command's entry says it by its flag
   (``hparams.as_flag_error``).
@@ -99,7 +101,9 @@ class SettingError(ValueError):
 
 
 class ConfigError(SettingError):
-  """An invalid or inapplicable setting named by its flag: ``name`` is the
+  """An invalid or inapplicable setting, named by its flag.
+
+  An invalid or inapplicable setting named by its flag: ``name`` is the
   flag (or field) it concerns and the message starts with ``--name:``."""
 
   def __init__(self, name: str, message: str, text: Optional[str] = None):
@@ -110,7 +114,9 @@ class ConfigError(SettingError):
 
 
 class DataError(ConfigError):
-  """A data file that is missing, corrupted or not what it claims to be; the
+  """A data file that is missing, corrupted or not what it claims to be.
+
+  A data file that is missing, corrupted or not what it claims to be; the
   message starts with the file's path."""
 
   def __init__(self, message: str):
@@ -118,7 +124,9 @@ class DataError(ConfigError):
 
 
 class HostLimitError(ConfigError):
-  """A limit the host sets on the process (``ulimit -v``) below what a run
+  """A host limit on the process below what a run needs.
+
+  A limit the host sets on the process (``ulimit -v``) below what a run
   needs; the message starts with the limit."""
 
   def __init__(self, limit: str, message: str):

@@ -32,7 +32,9 @@ AT_IMPORT: Dict[str, Dict[str, list]] = {}
 
 @dataclasses.dataclass
 class Reads:
-  """The files opened for reading and the environment variables read
+  """The files and environment variables read while recording.
+
+  The files opened for reading and the environment variables read
   within ``recording()``.
 
   Attributes:
@@ -134,7 +136,9 @@ _PLAIN_ENVIRON = type(os.environ)
 
 
 class _WatchedEnviron(_PLAIN_ENVIRON):  # type: ignore[valid-type,misc]
-  """``os.environ`` while a recording is active: each variable read is
+  """``os.environ`` that notes each variable read.
+
+  ``os.environ`` while a recording is active: each variable read is
   noted (``os.environ[...]``, ``.get``, ``in``, ``os.getenv``)."""
 
   def __getitem__(self, key):

@@ -58,6 +58,37 @@ def test_every_public_function_and_class_has_a_docstring():
   )
 
 
+def test_every_class_docstring_opens_with_a_summary_line():
+  """Every class of the package, ``algorithms/`` and ``datasets/`` (private
+  and nested ones too) opens its docstring with a one-line summary ending in
+  a period, then a blank line before anything more (Google's style)."""
+  import ast
+  import os
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  bad, seen = [], 0
+  for top in ('fedjax_personal', 'algorithms', 'datasets'):
+    for folder, _, files in os.walk(os.path.join(root, top)):
+      for f in files:
+        if not f.endswith('.py'):
+          continue
+        path = os.path.join(folder, f)
+        with open(path) as fh:
+          tree = ast.parse(fh.read())
+        for node in ast.walk(tree):
+          if not isinstance(node, ast.ClassDef):
+            continue
+          seen += 1
+          doc = ast.get_docstring(node, clean=False) or ''
+          lines = doc.split('\n')
+          if not lines[0].strip().endswith('.') or (
+            len(lines) > 1 and lines[1].strip()
+          ):
+            bad.append(f'{os.path.relpath(path, root)}:{node.name}')
+  assert seen > 300
+  assert not bad, f'classes without a one-line summary: {bad}'
+
+
 def test_every_module_declares_its_public_names():
   """``__all__`` in every module: the names a user may rely on (the others
   are the module's own helpers), each of them there."""

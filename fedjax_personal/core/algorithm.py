@@ -158,7 +158,9 @@ FineTune = Callable[[PyTree, LocalData, jax.Array], PyTree]
 
 @dataclasses.dataclass(frozen=True)
 class PreRound:
-  """Server work that precedes some rounds' training (user-centric's
+  """Server work that precedes some rounds' training.
+
+  Server work that precedes some rounds' training (user-centric's
   collaboration round computing W and the streams, clustered FL's split
   test), traced into the same compiled round and run when ``due`` says so.
 
@@ -184,7 +186,9 @@ class PreRound:
 
 @dataclasses.dataclass(frozen=True)
 class ClientRows:
-  """The part of an algorithm's state made of client rows (personal models,
+  """The part of an algorithm's state made of client rows.
+
+  The part of an algorithm's state made of client rows (personal models,
   control variates, FedDyn's gradients): stacked leaves with the client
   axis first, which a round reads and writes only at the cohort's rows.
 

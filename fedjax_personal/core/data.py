@@ -67,7 +67,9 @@ class ClientData:
 
 @struct.dataclass
 class PackedClientData:
-  """One split of a cohort, its clients' examples back to back (the host
+  """One split of a cohort, its clients' examples back to back.
+
+  One split of a cohort, its clients' examples back to back (the host
   layout's cohorts): a round moves and holds the cohort's real examples,
   not every client padded to the largest.
 

@@ -77,7 +77,9 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig(Declared):
-  """How the engine runs client work, where clients live and at what matmul
+  """How the engine runs client work.
+
+  How the engine runs client work, where clients live and at what matmul
   precision it computes, declared once (``hparam``; the command's flags are
   generated from these fields). The executor and layout change speed and
   memory, never the numbers (up to float reassociation); the precision is

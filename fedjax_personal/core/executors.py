@@ -69,7 +69,9 @@ class Slots(NamedTuple):
 
 
 class Ran(NamedTuple):
-  """Clients run one at a time: which (cohort positions, in the order run)
+  """Clients run one at a time and their outputs.
+
+  Clients run one at a time: which (cohort positions, in the order run)
   and their outputs."""
 
   todo: List[int]
@@ -579,7 +581,9 @@ class SequentialExecutor(Executor):
 
 @dataclasses.dataclass
 class ShardedExecutor(Executor):
-  """The cohort's client axis sharded over all local devices (GPUs, TPU
+  """An executor that shards the cohort over the local devices.
+
+  The cohort's client axis sharded over all local devices (GPUs, TPU
   cores, or CPU devices forced with
   ``XLA_FLAGS=--xla_force_host_platform_device_count=8``), vectorized on
   each device, inside the one compiled round.

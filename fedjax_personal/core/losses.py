@@ -33,7 +33,9 @@ __all__ = [
 
 
 class Batch(NamedTuple):
-  """One local batch: x [B, ...], y [B, ...], mask bool [B]; ``key``: the
+  """One local batch of examples.
+
+  One local batch: x [B, ...], y [B, ...], mask bool [B]; ``key``: the
   draws of a model's random input transform (a local step's batch; None:
   the transform's evaluation half, ``Model.train_apply``)."""
 
@@ -44,7 +46,9 @@ class Batch(NamedTuple):
 
 
 class LossStats(NamedTuple):
-  """Sums over a batch: loss, correct predictions, counted targets (the
+  """Sums over a batch: loss, correct predictions and counts.
+
+  Sums over a batch: loss, correct predictions, counted targets (the
   loss's denominator), scored targets (accuracy's: the counted targets less
   the model's ``unscored_targets``; None: all of them) and scored targets
   among the model's ``top_k`` highest logits (NaN when ``top_k`` is 0: not
@@ -231,7 +235,9 @@ def batch_loss(model: Model, params, batch: Batch):
 
 
 class StatsAndState(NamedTuple):
-  """What ``batch_loss`` returns beside the loss for a model with mutable
+  """A batch's statistics and a model's updated collections.
+
+  What ``batch_loss`` returns beside the loss for a model with mutable
   collections (``Model.collections``): the batch's ``LossStats`` and the
   collections its training forward pass computed (the new batch statistics).
   A step puts them into its parameters with ``keep_model_state``.

@@ -104,7 +104,9 @@ def epsilon_text(epsilon) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class DPConfig(Declared):
-  """DP-SGD local training settings, shared by the algorithms offering it
+  """DP-SGD local training settings.
+
+  DP-SGD local training settings, shared by the algorithms offering it
   (their config classes inherit these fields and get ``--<prefix>_dp_*``
   flags)."""
 

@@ -49,7 +49,9 @@ PRE_ROUND_RAN, PRE_ROUND = 'pre_round_ran', 'pre_round'
 
 
 class PreRoundFunctions(NamedTuple):
-  """The functions of an algorithm's ``PreRound`` phase
+  """The functions of an algorithm's pre-round phase.
+
+  The functions of an algorithm's ``PreRound`` phase
   (``pre_round_functions``).
 
   Attributes:
@@ -159,7 +161,9 @@ def pre_round_functions(
 
 
 class SharedInputs(NamedTuple):
-  """What every client of a phase reads: the server's part and the split
+  """What every client of a phase reads.
+
+  What every client of a phase reads: the server's part and the split
   arrays its rows index.
 
   Attributes:

@@ -190,7 +190,9 @@ def client_opt_init(ctx: ClientContext, init_fn: Callable, params):
 
 @dataclasses.dataclass(frozen=True)
 class ClientWork:
-  """A client update split into init / step / final (as fedjax's
+  """A client update split into init, step and final.
+
+  A client update split into init / step / final (as fedjax's
   for_each_client), so that the engine owns the step loop.
 
   The update is ``final(ctx, step(...step(init(ctx, key))...))`` over the

@@ -75,7 +75,9 @@ def tree_gather(x: PyTree, idx) -> PyTree:
 
 @struct.dataclass
 class Rows:
-  """The rows ``idx`` of the stacked per-client pytree ``source``, gathered
+  """Rows of a stacked per-client pytree, gathered where the client runs.
+
+  The rows ``idx`` of the stacked per-client pytree ``source``, gathered
   where the client runs.
 
   An algorithm's ``server_broadcast`` returns ``rows(state.personal,

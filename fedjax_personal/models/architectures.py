@@ -164,7 +164,9 @@ class LeNet5(nn.Module):
 
 
 class CNN(nn.Module):
-  """Convolutions (each followed by ReLU and, where ``pooled`` says so, 2x2
+  """A convolutional network with dense layers after it.
+
+  Convolutions (each followed by ReLU and, where ``pooled`` says so, 2x2
   pooling), then dense ReLU layers and the output layer.
 
   FedAvg's MNIST CNN (McMahan et al.; ``cnn``) is conv_features=(32, 64) of
@@ -280,7 +282,9 @@ def keep_last_real(h, real):
 
 
 class CharLSTM(nn.Module):
-  """Next-token LSTM: embedding, LSTM layers, an optional linear projection,
+  """A next-token LSTM.
+
+  Next-token LSTM: embedding, LSTM layers, an optional linear projection,
   the output layer. Input: int tokens [B, T]; output: logits [B, T, vocab].
 
   ``char_lstm`` is LEAF's Shakespeare model, smaller; ``lstm_lm`` is Reddi et

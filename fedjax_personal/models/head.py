@@ -129,7 +129,9 @@ def _with(tree, path, value):
 
 @dataclasses.dataclass(frozen=True)
 class ModuleCall:
-  """One module call seen in a trace: its path, the unbound module, the
+  """One module call seen in a trace.
+
+  One module call seen in a trace: its path, the unbound module, the
   shape of its output, and whether it took one input alone (a head maps
   features to logits; a tied decoder also takes the embedding)."""
 

@@ -301,7 +301,9 @@ def conv_as_matmul(
 
 
 class Conv(nn.Module):
-  """2-D convolution with ``nn.Conv``'s parameters (same names, shapes and
+  """A 2-D convolution with ``nn.Conv``'s parameters.
+
+  2-D convolution with ``nn.Conv``'s parameters (same names, shapes and
   initializers, so the same key gives the same weights) and a choice of
   implementation: ``xla`` (``lax.conv_general_dilated``, as ``nn.Conv``),
   ``matmul`` (``conv_as_matmul``), ``tiled`` (``conv_as_matmul``, over batch
@@ -506,7 +508,9 @@ def _strided_max_pool_jvp(spec, primals, tangents):
 
 
 class Dense(nn.Module):
-  """``nn.Dense`` (same parameter names and shapes, and for
+  """A dense layer with ``nn.Dense``'s parameters.
+
+  ``nn.Dense`` (same parameter names and shapes, and for
   ``convention='flax'`` the same values and outputs) whose kernel and bias
   follow the initialisation convention ``init``: a PyTorch bias needs the
   layer's fan-in, which ``nn.Dense``'s ``bias_init`` is not given.
@@ -534,7 +538,9 @@ class Dense(nn.Module):
 
 
 class Adapter(nn.Module):
-  """A residual adapter h + W2 relu(W1 h) (Houlsby et al. 2019), W2 zero at
+  """A residual adapter (Houlsby et al. 2019).
+
+  A residual adapter h + W2 relu(W1 h) (Houlsby et al. 2019), W2 zero at
   init in every convention, so that a model with adapters starts as the
   model without them."""
 
@@ -550,7 +556,9 @@ class Adapter(nn.Module):
 
 
 class _Given(nn.Module):
-  """Parameters of the given ``shapes`` whose initial values are given
+  """Parameters whose initial values are given.
+
+  Parameters of the given ``shapes`` whose initial values are given
   (drawn jointly by the parent); ``values`` is None outside initialisation
   (Flax still evaluates an initialiser's shape then)."""
 
@@ -569,7 +577,9 @@ class _Given(nn.Module):
 
 
 class LSTMCell(nn.OptimizedLSTMCell):
-  """``nn.OptimizedLSTMCell`` (same parameters: kernels ``ii``.. ``io``,
+  """An LSTM cell with ``nn.OptimizedLSTMCell``'s parameters.
+
+  ``nn.OptimizedLSTMCell`` (same parameters: kernels ``ii``.. ``io``,
   recurrent kernels and biases ``hi``.. ``ho``, and the same update) with its
   initial parameters drawn by the convention ``convention``
   (``initializers.lstm_params``: one draw of the whole kernels, split by

@@ -277,7 +277,9 @@ LOSS_DENOMINATORS = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelOptions(Declared):
-  """The base of a registered model's own options: a frozen dataclass of
+  """The base of a registered model's own options.
+
+  The base of a registered model's own options: a frozen dataclass of
   ``hparam`` fields (its flags generated like a data set's options; give it
   a ``prefix`` ClassVar so that they read ``--<prefix>_<field>``). Its
   fields reach the model's ``build`` by name."""

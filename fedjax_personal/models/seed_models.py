@@ -138,7 +138,9 @@ class TransformerBlock(nn.Module):
 
 
 class LMEmbedding(nn.Module):
-  """Word embedding (scaled by sqrt(d)) plus learned positions, through a
+  """Word and position embeddings of the seed's language model.
+
+  Word embedding (scaled by sqrt(d)) plus learned positions, through a
   ReLU (``word`` and ``position``: the seed's 'inp_layer')."""
 
   vocab: int
@@ -156,7 +158,9 @@ class LMEmbedding(nn.Module):
 
 
 class LMOutput(nn.Module):
-  """The decoder (tied: the word embedding, given) and the seed's output
+  """The output layer of the seed's language model.
+
+  The decoder (tied: the word embedding, given) and the seed's output
   bias, a parameter of its own (the seed's 'out_layer')."""
 
   vocab: int
@@ -251,7 +255,9 @@ def _conv(features, kernel, stride, name, impl, init=None):
 
 
 class ConvAdapter(nn.Module):
-  """The seed's residual-block ``AdapterBlock``: x + conv1x1(GroupNorm(x)),
+  """The seed's residual convolutional adapter.
+
+  The seed's residual-block ``AdapterBlock``: x + conv1x1(GroupNorm(x)),
   the convolution from N(0, 1e-4), bias-free."""
 
   groups: int = 0

@@ -416,7 +416,9 @@ def _with_inner(template, whole):
 
 
 class Checkpointer(Callback):
-  """Saves every ``every`` rounds, when the run is interrupted, and (with
+  """Saves checkpoints of a run.
+
+  Saves every ``every`` rounds, when the run is interrupted, and (with
   ``final``) at its end (of a single run or a whole sweep: the stacked state
   and every configuration's records). Each durable checkpoint's round is
   recorded in ``progress`` (the run's fault lines name it), when given."""

@@ -79,7 +79,9 @@ _STATE: Dict[str, Any] = {'initialized': False}
 
 @dataclasses.dataclass(frozen=True)
 class DistributedSettings(Declared):
-  """The processes of one run, declared once (``hparam``; the command's flags
+  """The processes of one run.
+
+  The processes of one run, declared once (``hparam``; the command's flags
   are generated from these fields). Not given: the environment's, else one
   process (``settings``)."""
 

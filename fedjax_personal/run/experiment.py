@@ -60,7 +60,9 @@ class DivergenceError(RuntimeError):
 
 @dataclasses.dataclass
 class Callback:
-  """Hooks around the loop. ``records`` has one dict per configuration (one
+  """Hooks around the loop.
+
+  Hooks around the loop. ``records`` has one dict per configuration (one
   for a single run); ``histories`` one list of records per configuration."""
 
   def on_start(self, runs, state) -> None:
@@ -79,7 +81,9 @@ class Callback:
 
 
 class ProgressRecorder(Callback):
-  """Records each finished round in the run's ``faults.RunProgress`` (its
+  """Records each finished round in the run's progress.
+
+  Records each finished round in the run's ``faults.RunProgress`` (its
   fault lines say after which round a run stopped)."""
 
   def __init__(self, progress: faults.RunProgress):
@@ -116,7 +120,9 @@ def _folded(key, first):
 
 
 class RoundKeys:
-  """Round t's key, ``fold_in(key, t)``, the same bits as that call's, drawn
+  """Round keys, drawn many rounds at a time.
+
+  Round t's key, ``fold_in(key, t)``, the same bits as that call's, drawn
   ``ROUND_KEY_CHUNK`` rounds at a time by one compiled call: an eager
   ``fold_in`` costs a dispatch (0.3-0.65 ms measured on a 2-core CPU, two a
   round: this round's key and the next's), a few percent of a small

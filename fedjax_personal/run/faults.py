@@ -103,7 +103,9 @@ class LostProcess(Fault):
 
 @dataclasses.dataclass
 class RunProgress:
-  """Where a run stands, for its fault lines: the algorithm, the last finished
+  """Where a run stands, for its fault lines.
+
+  Where a run stands, for its fault lines: the algorithm, the last finished
   round, the last durable checkpoint.
 
   The entry makes one per run and hands it to the main job, which records

@@ -93,7 +93,9 @@ class Job:
 
 @dataclasses.dataclass
 class Results:
-  """The finished algorithms' rows, filled as each finishes (the table is
+  """The finished algorithms' rows.
+
+  The finished algorithms' rows, filled as each finishes (the table is
   written for those that did when a later one fails).
 
   Attributes:

@@ -52,7 +52,9 @@ def _worth_a_line(record: dict) -> bool:
 
 
 class MetricsWriter(Callback):
-  """Appends one JSON line per configuration and evaluated round (or round
+  """Appends a run's records to ``metrics.jsonl``.
+
+  Appends one JSON line per configuration and evaluated round (or round
   with pre-round diagnostics) to ``<dir>/metrics.jsonl``; a sweep's lines
   carry their configuration (``config``: seed and swept values)."""
 
@@ -86,7 +88,9 @@ class MetricsWriter(Callback):
 
 
 class DeviceCounts(Callback):
-  """One console line a round for clients as devices: of the clients
+  """One console line a round for clients as devices.
+
+  One console line a round for clients as devices: of the clients
   sampled, how many took part, were stragglers, lost their upload, and how
   many were online (``core.system``'s counts of the round)."""
 
@@ -407,7 +411,9 @@ def pm(summary: dict, key: str, scale: float = 100.0, digits: int = 1) -> str:
 
 
 class PrivacyRecorder(Callback):
-  """Adds the DP-SGD epsilon of the worst client so far at ``delta``
+  """Adds the DP-SGD epsilon to every record.
+
+  Adds the DP-SGD epsilon of the worst client so far at ``delta``
   (``dp_epsilon``, ``dp_delta``) to every record; list it before the
   MetricsWriter."""
 
@@ -433,7 +439,9 @@ class PrivacyRecorder(Callback):
 
 
 class AffinityRecorder(Callback):
-  """Keeps a matrix-valued part of the state, ``get(state)`` (an
+  """Keeps and draws a matrix-valued part of the state.
+
+  Keeps a matrix-valued part of the state, ``get(state)`` (an
   algorithm's ``AlgorithmSpec.state_heatmap``: FedFomo's affinity P), at
   every evaluated round and writes heat maps of it over rounds to a PNG."""
 

@@ -55,7 +55,9 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentSettings(Declared):
-  """Which algorithms run, for how long, on which clients per round, and what
+  """Which algorithms run, for how long and on which clients.
+
+  Which algorithms run, for how long, on which clients per round, and what
   the tables report."""
 
   algorithm: Tuple[str, ...] = hparam(
@@ -229,7 +231,9 @@ class ExperimentSettings(Declared):
 
 @dataclasses.dataclass(frozen=True)
 class InputSettings(Declared):
-  """What the run reads of its data set: which clients, how many examples
+  """What the run reads of its data set.
+
+  What the run reads of its data set: which clients, how many examples
   each, how its store is checked."""
 
   client_ids: Optional[str] = hparam(
@@ -264,7 +268,9 @@ class InputSettings(Declared):
 
 @dataclasses.dataclass(frozen=True)
 class OutputSettings(Declared):
-  """Where the run's results go, how it checkpoints and resumes, and what it
+  """Where the run's results go and how it checkpoints.
+
+  Where the run's results go, how it checkpoints and resumes, and what it
   shows while it runs."""
 
   output_dir: Optional[str] = hparam(
@@ -343,7 +349,9 @@ class ProcessSettings(Declared):
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSettings:
-  """One algorithm of a run with the settings it runs with, checked once when
+  """One algorithm of a run with its settings.
+
+  One algorithm of a run with the settings it runs with, checked once when
   made (``AlgorithmSpec.validate``).
 
   Attributes:
@@ -371,7 +379,9 @@ class AlgorithmSettings:
 
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
-  """Every setting of one run of the command, resolved (the main job's
+  """Every setting of one run of the command.
+
+  Every setting of one run of the command, resolved (the main job's
   defaults, --data_seed from --seed, the validation share from the
   algorithms) and checked, as ``experiment_flags.read`` makes it.
 

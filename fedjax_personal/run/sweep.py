@@ -212,7 +212,9 @@ def _over_configs(fn, config_axis: str, in_axes):
 
 
 class SweepRunner:
-  """S configurations of one algorithm as one compiled program: the ``Runs``
+  """A sweep's configurations as one compiled program.
+
+  S configurations of one algorithm as one compiled program: the ``Runs``
   of ``experiment.run_many`` (the loop of single runs).
 
   Args:
@@ -336,7 +338,9 @@ class SweepRunner:
 
 
 class LoopRuns:
-  """S configurations run one after another within each round (the
+  """A sweep's configurations run one after another.
+
+  S configurations run one after another within each round (the
   ``Runs`` of ``experiment.run_many`` for executors that cannot be traced
   into a vmapped program, e.g. ``sequential``, and for the host layout):
   one RoundRunner per distinct set of values (compiled once, shared by the

@@ -169,7 +169,9 @@ def _config_folder(record: dict) -> str:
 
 
 class TensorBoardWriter(Callback):
-  """Writes every evaluated round's scalars of one algorithm (each
+  """Writes a run's scalars as TensorBoard events.
+
+  Writes every evaluated round's scalars of one algorithm (each
   configuration of a sweep in a folder of its own); a resumed run's earlier
   rounds are written again into fresh files, never twice."""
 

@@ -34,7 +34,9 @@ def harmonic(m: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class TimeModel:
-  """The user-centric paper's time model of a round (upload, download and
+  """The user-centric paper's time model of a round.
+
+  The user-centric paper's time model of a round (upload, download and
   computing times).
 
   Attributes:

@@ -91,7 +91,9 @@ def padded_length(
 
 @dataclasses.dataclass(frozen=True)
 class SplitCounts:
-  """A split of a population without its examples: the clients' example
+  """A split of a population without its examples.
+
+  A split of a population without its examples: the clients' example
   counts ([N] int32, ``ClientData.num_examples``)."""
 
   num_examples: np.ndarray
@@ -104,7 +106,9 @@ class SplitCounts:
 
 @dataclasses.dataclass
 class Population:
-  """What builders and the engine may know of a population without its
+  """What may be known of a population without its examples.
+
+  What builders and the engine may know of a population without its
   examples: per split the example counts ([N] int32, after the cap), the
   groups, the classes, one input example (model shapes).
 

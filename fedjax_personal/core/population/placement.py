@@ -154,7 +154,9 @@ PLAN_DRAWS = 4096
 
 @dataclasses.dataclass(frozen=True)
 class ShapePlan:
-  """The packed cohort shapes a host-layout run compiles, fixed before its
+  """The packed cohort shapes a host-layout run compiles.
+
+  The packed cohort shapes a host-layout run compiles, fixed before its
   first round from the population's example counts and the cohort size.
 
   Per split: one window, the widest client's examples (``HostData.length``
@@ -272,7 +274,9 @@ class CohortShape(NamedTuple):
 
 
 class CohortFeed:
-  """Prepares rounds' cohorts: draws the cohort (``sample(key)``), gathers
+  """Prepares rounds' cohorts ahead on a host thread.
+
+  Prepares rounds' cohorts: draws the cohort (``sample(key)``), gathers
   its training and validation examples and puts them on the device, on one
   host thread, so that round t + 1's data is ready when round t ends.
 

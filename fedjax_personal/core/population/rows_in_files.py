@@ -43,7 +43,9 @@ MADE_PER_CALL = 8
 
 
 class RowMaker:
-  """The initial rows of any clients: ``init(key)``'s client rows at the
+  """Makes the initial client rows of any clients.
+
+  The initial rows of any clients: ``init(key)``'s client rows at the
   given indices, one leaf at a time, on the CPU backend (one compiled
   program per leaf, ``MADE_PER_CALL`` clients a call; XLA reads a
   broadcast's rows without making the rest, and computes only the leaf

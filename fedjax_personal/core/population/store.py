@@ -70,7 +70,9 @@ _BUFFER_BYTES = 64 << 20
 
 
 class StoreDamaged(DataError):
-  """A store whose bytes are not those its writer checked (the message
+  """A store whose bytes are not those its writer checked.
+
+  A store whose bytes are not those its writer checked (the message
   names the store, the file and the next command; ``what`` is the damage)."""
 
   def __init__(self, message: str, what: str = ''):
@@ -86,7 +88,9 @@ class StoreDamaged(DataError):
 
 
 class _BlockChecksums:
-  """CRC32s of consecutive ``block_bytes`` blocks of a byte stream, fed in
+  """CRC32s of consecutive blocks of a byte stream.
+
+  CRC32s of consecutive ``block_bytes`` blocks of a byte stream, fed in
   pieces of any size."""
 
   def __init__(self, block_bytes: int = BLOCK_BYTES):
@@ -151,7 +155,9 @@ def damaged(folder, what: str) -> StoreDamaged:
 
 
 class FileArray:
-  """A read-only [total, ...] array in a flat binary file, read by slices
+  """A read-only array in a flat binary file, read by slices.
+
+  A read-only [total, ...] array in a flat binary file, read by slices
   with ``os.pread``: a cohort's rows are copied into process memory and
   nothing else of the file is mapped (a memory map would count the page
   cache's large folios around every client in the process's RSS: 200 MB

@@ -140,7 +140,9 @@ def hyp_cluster(
 
 
 class _BaseClientTrainer:
-  """Trains each client from shared parameters or its own, with
+  """Trains each client of HypCluster with ``for_each_client``.
+
+  Trains each client from shared parameters or its own, with
   ``for_each_client``; yields its delta (initial - final) or its final
   parameters."""
 
@@ -310,7 +312,9 @@ def random_init(
 
 
 class ModelKMeansInitializer:
-  """``kmeans_init`` from a ``Model``: the clients train from one shared
+  """FedJAX's ``kmeans_init`` from a ``Model``.
+
+  ``kmeans_init`` from a ``Model``: the clients train from one shared
   initialization (``model.init`` of the first split of ``rng``)."""
 
   def __init__(

@@ -35,7 +35,9 @@ get_pseudo_random_state = lehmer_random_state
 
 
 class ClientSampler(abc.ABC):
-  """What a sampler does: ``sample()`` gives a round's ``(client id, client
+  """The interface of FedJAX's client samplers.
+
+  What a sampler does: ``sample()`` gives a round's ``(client id, client
   dataset, key)`` triples; ``set_round_num`` says which round comes next."""
 
   @abc.abstractmethod
@@ -65,7 +67,9 @@ def _with_keys(round_num: int, num_clients: int, clients) -> list:
 
 
 class UniformShuffledClientSampler(ClientSampler):
-  """The next ``num_clients`` of a ``shuffled_clients`` stream each round
+  """FedJAX's sampler of a shuffled stream of clients.
+
+  The next ``num_clients`` of a ``shuffled_clients`` stream each round
   (FedJAX's ``UniformShuffledClientSampler``); ``start_round_num`` skips
   that many rounds' clients.
 
@@ -119,7 +123,9 @@ class UniformShuffledClientSampler(ClientSampler):
 
 
 class UniformGetClientSampler(ClientSampler):
-  """``num_clients`` ids without replacement each round, by
+  """FedJAX's sampler of clients drawn without replacement.
+
+  ``num_clients`` ids without replacement each round, by
   ``get_pseudo_random_state(seed, round)`` (FedJAX's
   ``UniformGetClientSampler``), read with ``fd.get_clients``.
 

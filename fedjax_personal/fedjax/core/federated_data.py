@@ -38,7 +38,9 @@ ClientId = bytes
 
 
 class FederatedData(abc.ABC):
-  """FedJAX's ``FederatedData``: ``num_clients``, ``client_ids``,
+  """FedJAX's ``FederatedData`` interface.
+
+  FedJAX's ``FederatedData``: ``num_clients``, ``client_ids``,
   ``client_sizes``, ``client_size``, ``clients``, ``shuffled_clients``,
   ``get_clients``, ``get_client``, ``slice``, ``preprocess_client``,
   ``preprocess_batch``. The project's federated data classes are
@@ -56,7 +58,9 @@ for _cls in (
 
 
 class RepeatableIterator:
-  """An iterator that starts over after each pass (FedJAX's): values of
+  """An iterator that starts over after each pass.
+
+  An iterator that starts over after each pass (FedJAX's): values of
   the first pass are kept (a list, tuple, dict, str or bytes is iterated
   again as it is), and when a pass ends (``StopIteration``) the next
   ``next()`` starts the next pass. Stateful: finish one pass before
@@ -88,7 +92,9 @@ class RepeatableIterator:
 
 
 class FederatedDataBuilder(abc.ABC):
-  """A context manager that writes ``(client id, examples)`` pairs to a file
+  """FedJAX's interface of a federated data file writer.
+
+  A context manager that writes ``(client id, examples)`` pairs to a file
   format (FedJAX's interface; ``SQLiteFederatedDataBuilder`` writes
   FedJAX's SQLite files)."""
 

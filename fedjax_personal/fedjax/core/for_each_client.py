@@ -105,7 +105,9 @@ class ForEachClientJitBackend(ForEachClientBackend):
 
 
 class ForEachClientError(Exception):
-  """An error inside a client's work (debug backend): the stage and, in
+  """An error inside a client's work (debug backend).
+
+  An error inside a client's work (debug backend): the stage and, in
   ``context``, the client and its inputs.
 
   Attributes:
@@ -201,7 +203,9 @@ def _blocks(clients: Clients, block_size: int):
 
 
 class ForEachClientPmapBackend(ForEachClientBackend):
-  """Clients in blocks of the local devices, one client per device
+  """FedJAX's ``for_each_client`` over the local devices.
+
+  Clients in blocks of the local devices, one client per device
   (``jax.pmap``); a device whose client has no batch left is masked."""
 
   def __init__(self, devices: Optional[Sequence[Any]] = None):

@@ -283,7 +283,9 @@ class SequenceTokenCrossEntropyLoss(Metric):
 
 @dataclass
 class SequenceCrossEntropyLoss(Metric):
-  """A sequence's total cross-entropy over its unmasked tokens, per
+  """A sequence's total cross-entropy over its unmasked tokens.
+
+  A sequence's total cross-entropy over its unmasked tokens, per
   sequence with any."""
 
   target_key: str = 'y'
@@ -308,7 +310,9 @@ def _masked_logits(pred, logits_mask):
 
 @dataclass
 class SequenceTokenAccuracy(Metric):
-  """The share of unmasked tokens predicted (arg-max after adding
+  """The share of unmasked tokens predicted.
+
+  The share of unmasked tokens predicted (arg-max after adding
   ``logits_mask``)."""
 
   target_key: str = 'y'
@@ -450,7 +454,9 @@ class SequenceLength(Metric):
 
 @dataclass
 class PerDomainMetric(Metric):
-  """``base`` kept per domain (``example[domain_id_key]``): statistics with a
+  """A metric kept per domain.
+
+  ``base`` kept per domain (``example[domain_id_key]``): statistics with a
   leading [num_domains] axis."""
 
   base: Metric

@@ -33,7 +33,9 @@ ScalarOrSchedule = Union[float, optax.Schedule]
 
 @dataclass
 class Optimizer:
-  """An optimizer as FedJAX's: ``init(params) -> opt_state`` and
+  """An optimizer as FedJAX's.
+
+  An optimizer as FedJAX's: ``init(params) -> opt_state`` and
   ``apply(grads, opt_state, params) -> (opt_state, params)``.
 
   Attributes:

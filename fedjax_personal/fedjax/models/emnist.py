@@ -53,7 +53,9 @@ def _modules():
       return x
 
   class ConvDropoutModule(hk.Module):
-    """Conv 32 and 64 (3x3, valid), max pool 2, dropout 0.25, dense 128,
+    """FedJAX's EMNIST CNN with dropout.
+
+    Conv 32 and 64 (3x3, valid), max pool 2, dropout 0.25, dense 128,
     dropout 0.5, dense to the classes."""
 
     def __init__(self, num_classes):

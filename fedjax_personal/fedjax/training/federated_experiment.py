@@ -55,7 +55,9 @@ class EvaluationFn(metaclass=abc.ABCMeta):
 
 
 class ModelSampleClientsEvaluationFn(EvaluationFn):
-  """The state's ``params`` evaluated on the clients a sampler draws for
+  """Evaluates the state's model on the clients a sampler draws.
+
+  The state's ``params`` evaluated on the clients a sampler draws for
   the round."""
 
   def __init__(

@@ -14,7 +14,9 @@ __all__ = ['Logger']
 
 
 class Logger:
-  """Logs ``(writer, metric, value, round)``: absl INFO, and a TSV file per
+  """Logs metrics to absl and to TSV files.
+
+  Logs ``(writer, metric, value, round)``: absl INFO, and a TSV file per
   writer under ``root_dir`` when one is given."""
 
   def __init__(self, root_dir: Optional[str] = None):

@@ -24,7 +24,9 @@ FLAGS = flags.FLAGS
 
 
 class NamedFlags:
-  """Flags named ``<name>_<flag>`` (``<flag>`` without a name), their help
+  """Flags named after a prefix.
+
+  Flags named ``<name>_<flag>`` (``<flag>`` without a name), their help
   ending ``for <name>``, shown by the script's ``--help``."""
 
   def __init__(self, name: Optional[str]):
@@ -64,7 +66,9 @@ class NamedFlags:
 
 
 class OptimizerFlags(NamedFlags):
-  """An ``Optimizer`` from ``--optimizer``, ``--learning_rate`` and each
+  """An ``Optimizer`` from flags.
+
+  An ``Optimizer`` from ``--optimizer``, ``--learning_rate`` and each
   optimizer's own flags (FedJAX's defaults)."""
 
   SUPPORTED = ('sgd', 'momentum', 'adam', 'rmsprop', 'adagrad', 'yogi')
@@ -119,7 +123,9 @@ class OptimizerFlags(NamedFlags):
 
 
 class ShuffleRepeatBatchHParamsFlags(NamedFlags):
-  """``ShuffleRepeatBatchHParams`` from ``--batch_size``, ``--num_epochs``,
+  """``ShuffleRepeatBatchHParams`` from flags.
+
+  ``ShuffleRepeatBatchHParams`` from ``--batch_size``, ``--num_epochs``,
   ``--num_steps``."""
 
   def __init__(self, name: Optional[str] = None, default_batch_size: int = 128):
@@ -165,7 +171,9 @@ class BatchHParamsFlags(NamedFlags):
 
 
 class FederatedExperimentConfigFlags(NamedFlags):
-  """``FederatedExperimentConfig`` from ``--root_dir``, ``--num_rounds``,
+  """``FederatedExperimentConfig`` from flags.
+
+  ``FederatedExperimentConfig`` from ``--root_dir``, ``--num_rounds``,
   ``--checkpoint_frequency``, ``--num_checkpoints_to_keep``,
   ``--eval_frequency``."""
 
