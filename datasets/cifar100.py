@@ -49,8 +49,7 @@ CIFAR100_TESTS = ('split', 'tff_clients')
 class Cifar100Options(DataOptions):
   """CIFAR-100's options.
 
-  CIFAR-100's options: the natural partition's test clients and the
-  images the model sees."""
+  The natural partition's test clients and the images the model sees."""
 
   held_out_choice = (
     'cifar100_test',

@@ -41,7 +41,7 @@ LATENT_FEATURES = ('pixels', 'embedding')
 class DataConfig(Declared):
   """How to build a federated data set.
 
-  How to build a federated data set: a pool partitioned into clients, or a
+  A pool partitioned into clients, or a
   natural data set's own clients. Each field is declared once with its help
   and range (``hparam``); the command's data flags are generated from them
   (``--dataset``, ``--partition``, ..., the seed as ``--data_seed``), with the

@@ -78,10 +78,9 @@ def installed_or_ours(path: str) -> bool:
 class SettingError(ValueError):
   """A setting's value that cannot apply.
 
-  A setting's value that cannot apply, named as the library names it: a
-  field of a settings class (``owner``; None: a name of its own). The
-  message starts with ``setting:``; a command's entry says it by its flag
-  (``hparams.as_flag_error``).
+  Named as the library names it: a field of a settings class (``owner``; None: a
+  name of its own). The message starts with ``setting:``; a command's entry says
+  it by its flag (``hparams.as_flag_error``).
 
   Attributes:
     setting: the field.
@@ -116,8 +115,7 @@ class ConfigError(SettingError):
 class DataError(ConfigError):
   """A data file that is missing, corrupted or not what it claims to be.
 
-  A data file that is missing, corrupted or not what it claims to be; the
-  message starts with the file's path."""
+  The message starts with the file's path."""
 
   def __init__(self, message: str):
     super().__init__('data_dir', message, text=message)

@@ -292,7 +292,7 @@ def validate(cfg) -> None:
 class Declared:
   """The base of a settings dataclass.
 
-  The base of a settings dataclass: its fields are checked against their
+  Its fields are checked against their
   declarations when an instance is made (``validate``), so a setting is
   checked once, where it is declared. A class whose fields depend on each
   other adds a ``check()`` (called after ``validate``).

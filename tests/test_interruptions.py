@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from fedjax_personal.run import faults
+from fedjax_personal.run import faults, run_progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, 'scripts', 'run_experiment.py')
@@ -222,10 +222,10 @@ def test_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch):
 
   from fedjax_personal.run import checkpointing
 
-  progress = faults.RunProgress()
+  progress = run_progress.RunProgress()
   progress.start_algorithm('fedavg', 0, str(tmp_path), True)
   saver = checkpointing.Checkpointer(str(tmp_path), 2, progress=progress)
-  with faults.tracking(progress):
+  with run_progress.tracking(progress):
     saver.on_round_end(2, [{'round': 2}], {'w': jnp.ones(3)})
   assert progress.checkpoint_round == 2
 
@@ -240,7 +240,7 @@ def test_failed_save_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     )
 
   monkeypatch.setattr(ocp.CheckpointManager, 'save', full)
-  with faults.tracking(progress), pytest.raises(faults.StorageError) as e:
+  with run_progress.tracking(progress), pytest.raises(faults.StorageError) as e:
     saver.on_round_end(4, [{'round': 4}], {'w': jnp.ones(3)})
   assert str(e.value).startswith(
     f'cannot write the checkpoint of round 4 to {tmp_path}: No space'
@@ -464,12 +464,12 @@ def test_a_signal_after_the_last_round_says_the_run_finished(capsys):
   saved = dict(faults._REQUEST)
   try:
     faults.install_signal_handlers()
-    progress = faults.RunProgress()
+    progress = run_progress.RunProgress()
     progress.start_algorithm(
       'fedavg', 0, '/tmp/x/checkpoints', False, None, rounds=2
     )
     progress.round, progress.output_dir = 2, 'runs/x'
-    tracked = faults.tracking(progress)
+    tracked = run_progress.tracking(progress)
     tracked.__enter__()
     os.kill(os.getpid(), signal.SIGTERM)
     err = capsys.readouterr().err

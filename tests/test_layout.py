@@ -473,3 +473,41 @@ def test_no_message_under_core_names_a_flag():
             f'{os.path.relpath(path, ROOT)}:{n.lineno}: {n.value[:60]!r}'
           )
   assert not bad, bad
+
+
+def code_lines(source: str) -> int:
+  """Lines that hold code: not blank, not only a comment, not only closing
+  brackets (a docstring counts as its lines)."""
+  import io
+  import tokenize
+
+  held = set()
+  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    if tok.type in (
+      tokenize.COMMENT,
+      tokenize.NL,
+      tokenize.NEWLINE,
+      tokenize.INDENT,
+      tokenize.DEDENT,
+      tokenize.ENDMARKER,
+    ):
+      continue
+    if tok.type == tokenize.OP and tok.string in ')]}':
+      continue
+    held.update(range(tok.start[0], tok.end[0] + 1))
+  return len(held)
+
+
+def test_no_module_holds_more_than_600_lines_of_code():
+  assert code_lines('x = f(\n  1,  # one\n)\n\n# c\n') == 2
+  big = {}
+  for top in ('fedjax_personal', 'algorithms', 'datasets', 'scripts'):
+    for folder, _, files in os.walk(os.path.join(ROOT, top)):
+      for f in files:
+        if f.endswith('.py'):
+          path = os.path.join(folder, f)
+          with open(path) as fh:
+            n = code_lines(fh.read())
+          if n > 600:
+            big[os.path.relpath(path, ROOT)] = n
+  assert not big, f'modules over 600 lines of code (split them by job): {big}'

@@ -52,9 +52,8 @@ class Sum:
 class WeightedShare(NamedTuple):
   """A client's share of a weighted mean.
 
-  A client's share of a weighted mean, ``(weight * upload, weight)``:
-  what it uploads is the upload, its weight being what the server knows of
-  it (its example count).
+  ``(weight * upload, weight)``: what it uploads is the upload, its weight being
+  what the server knows of it (its example count).
 
   Attributes:
     total: ``weight * upload``.

@@ -160,7 +160,7 @@ FineTune = Callable[[PyTree, LocalData, jax.Array], PyTree]
 class PreRound:
   """Server work that precedes some rounds' training.
 
-  Server work that precedes some rounds' training (user-centric's
+  (user-centric's
   collaboration round computing W and the streams, clustered FL's split
   test), traced into the same compiled round and run when ``due`` says so.
 
@@ -188,7 +188,7 @@ class PreRound:
 class ClientRows:
   """The part of an algorithm's state made of client rows.
 
-  The part of an algorithm's state made of client rows (personal models,
+  (personal models,
   control variates, FedDyn's gradients): stacked leaves with the client
   axis first, which a round reads and writes only at the cohort's rows.
 

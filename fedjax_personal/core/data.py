@@ -69,9 +69,8 @@ class ClientData:
 class PackedClientData:
   """One split of a cohort, its clients' examples back to back.
 
-  One split of a cohort, its clients' examples back to back (the host
-  layout's cohorts): a round moves and holds the cohort's real examples,
-  not every client padded to the largest.
+  (the host layout's cohorts): a round moves and holds the cohort's real
+  examples, not every client padded to the largest.
 
   Client j's examples are rows ``offsets[j] .. offsets[j] + num_examples[j]``
   of ``x`` / ``y``; the ``length`` rows from ``offsets[j]`` always exist

@@ -79,11 +79,10 @@ __all__ = [
 class EngineConfig(Declared):
   """How the engine runs client work.
 
-  How the engine runs client work, where clients live and at what matmul
-  precision it computes, declared once (``hparam``; the command's flags are
-  generated from these fields). The executor and layout change speed and
-  memory, never the numbers (up to float reassociation); the precision is
-  recorded with the run."""
+  Where clients live and at what matmul precision it computes, declared once
+  (``hparam``; the command's flags are generated from these fields). The
+  executor and layout change speed and memory, never the numbers (up to float
+  reassociation); the precision is recorded with the run."""
 
   executor: str = hparam(
     'auto', 'How client work runs.', choices=EXECUTOR_NAMES

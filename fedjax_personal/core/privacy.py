@@ -106,9 +106,8 @@ def epsilon_text(epsilon) -> str:
 class DPConfig(Declared):
   """DP-SGD local training settings.
 
-  DP-SGD local training settings, shared by the algorithms offering it
-  (their config classes inherit these fields and get ``--<prefix>_dp_*``
-  flags)."""
+  Shared by the algorithms offering it (their config classes inherit these
+  fields and get ``--<prefix>_dp_*`` flags)."""
 
   dp_clip_norm: float = hparam(
     0.0, 'DP-SGD per-example clip norm (0: no DP).', minimum=0

@@ -51,8 +51,7 @@ PRE_ROUND_RAN, PRE_ROUND = 'pre_round_ran', 'pre_round'
 class PreRoundFunctions(NamedTuple):
   """The functions of an algorithm's pre-round phase.
 
-  The functions of an algorithm's ``PreRound`` phase
-  (``pre_round_functions``).
+  The functions of an algorithm's ``PreRound`` phase (``pre_round_functions``).
 
   Attributes:
     due: ``round -> bool``, whether the phase runs this round.
@@ -163,8 +162,7 @@ def pre_round_functions(
 class SharedInputs(NamedTuple):
   """What every client of a phase reads.
 
-  What every client of a phase reads: the server's part and the split
-  arrays its rows index.
+  The server's part and the split arrays its rows index.
 
   Attributes:
     common: the round's ``RoundShared`` (a round's clients) or the pre-round

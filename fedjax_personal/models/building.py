@@ -43,11 +43,10 @@ __all__ = [
 class ModelConfig(Declared):
   """The model of a run.
 
-  The model of a run, declared once (``hparam``): the command's model
-  flags are generated from these fields; ``build_model`` builds it
-  (``create_model(model, ..., adapter_dim, conv_impl, init=model_init)``,
-  its first weights from ``init_weights``: ``models.weights``).
-  """
+  Declared once (``hparam``): the command's model flags are generated from these
+  fields; ``build_model`` builds it (``create_model(model, ..., adapter_dim,
+  conv_impl, init=model_init)``, its first weights from ``init_weights``:
+  ``models.weights``)."""
 
   model: str = hparam(
     'mlp',

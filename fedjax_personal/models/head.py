@@ -131,7 +131,7 @@ def _with(tree, path, value):
 class ModuleCall:
   """One module call seen in a trace.
 
-  One module call seen in a trace: its path, the unbound module, the
+  Its path, the unbound module, the
   shape of its output, and whether it took one input alone (a head maps
   features to logits; a tied decoder also takes the embedding)."""
 

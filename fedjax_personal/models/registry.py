@@ -279,10 +279,9 @@ LOSS_DENOMINATORS = {
 class ModelOptions(Declared):
   """The base of a registered model's own options.
 
-  The base of a registered model's own options: a frozen dataclass of
-  ``hparam`` fields (its flags generated like a data set's options; give it
-  a ``prefix`` ClassVar so that they read ``--<prefix>_<field>``). Its
-  fields reach the model's ``build`` by name."""
+  A frozen dataclass of ``hparam`` fields (its flags generated like a data set's
+  options; give it a ``prefix`` ClassVar so that they read
+  ``--<prefix>_<field>``). Its fields reach the model's ``build`` by name."""
 
 
 @dataclasses.dataclass(frozen=True)

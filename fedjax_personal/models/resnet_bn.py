@@ -100,9 +100,8 @@ def _conv(features: int, kernel: int, stride: int, name: str, impl: str):
 class BasicBlock(nn.Module):
   """torchvision's ``BasicBlock``.
 
-  torchvision's ``BasicBlock``: conv-bn-relu-conv-bn, plus the input
-  (through a strided 1x1 convolution and its norm where the shape changes),
-  then ReLU."""
+  Conv-bn-relu-conv-bn, plus the input (through a strided 1x1 convolution and
+  its norm where the shape changes), then ReLU."""
 
   planes: int
   stride: int = 1
@@ -128,12 +127,11 @@ class BasicBlock(nn.Module):
 class ResNetBN(nn.Module):
   """torchvision's ``resnet18``.
 
-  torchvision's ``resnet18``: a 7x7 stride-2 stem, its norm, ReLU, a 3x3
-  stride-2 max pool, four stages of two ``BasicBlock`` s (64, 128, 256, 512
-  planes), global average pooling, the output layer (11,181,642 parameters
-  and 9,600 running statistics at 10 classes). Images [B, H, W, C] ->
-  logits; ``train`` as Flax's convention (batch statistics and their
-  update, ``models.from_flax``)."""
+  A 7x7 stride-2 stem, its norm, ReLU, a 3x3 stride-2 max pool, four stages of
+  two ``BasicBlock`` s (64, 128, 256, 512 planes), global average pooling, the
+  output layer (11,181,642 parameters and 9,600 running statistics at 10
+  classes). Images [B, H, W, C] -> logits; ``train`` as Flax's convention (batch
+  statistics and their update, ``models.from_flax``)."""
 
   num_classes: int
   stages: Sequence[int] = (2, 2, 2, 2)

@@ -19,7 +19,12 @@ import numpy as np
 from fedjax_personal.core.population import rows_in_memory
 from fedjax_personal.core.population.rows_in_memory import HostedState
 from fedjax_personal.errors import ConfigError
-from fedjax_personal.run import faults, row_checkpoints, run_identity
+from fedjax_personal.run import (
+  faults,
+  row_checkpoints,
+  run_identity,
+  run_progress,
+)
 from fedjax_personal.run.experiment import Callback
 
 if TYPE_CHECKING:
@@ -432,7 +437,7 @@ class Checkpointer(Callback):
     identity: Optional[dict] = None,
     resumed_step: Optional[int] = None,
     final: bool = True,
-    progress: Optional[faults.RunProgress] = None,
+    progress: Optional[run_progress.RunProgress] = None,
   ):
     self.mngr = manager(directory, max_to_keep)
     self.progress = progress

@@ -81,9 +81,8 @@ _STATE: Dict[str, Any] = {'initialized': False}
 class DistributedSettings(Declared):
   """The processes of one run.
 
-  The processes of one run, declared once (``hparam``; the command's flags
-  are generated from these fields). Not given: the environment's, else one
-  process (``settings``)."""
+  Declared once (``hparam``; the command's flags are generated from these
+  fields). Not given: the environment's, else one process (``settings``)."""
 
   coordinator_address: Optional[str] = hparam(
     None,

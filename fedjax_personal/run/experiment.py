@@ -28,7 +28,7 @@ from fedjax_personal.core.engine import (
   evaluation_record,
 )
 from fedjax_personal.core.training import LossStats
-from fedjax_personal.run import faults
+from fedjax_personal.run import faults, run_progress
 
 __all__ = [
   'Callback',
@@ -62,7 +62,7 @@ class DivergenceError(RuntimeError):
 class Callback:
   """Hooks around the loop.
 
-  Hooks around the loop. ``records`` has one dict per configuration (one
+  . ``records`` has one dict per configuration (one
   for a single run); ``histories`` one list of records per configuration."""
 
   def on_start(self, runs, state) -> None:
@@ -83,10 +83,10 @@ class Callback:
 class ProgressRecorder(Callback):
   """Records each finished round in the run's progress.
 
-  Records each finished round in the run's ``faults.RunProgress`` (its
+  Records each finished round in the run's ``run_progress.RunProgress`` (its
   fault lines say after which round a run stopped)."""
 
-  def __init__(self, progress: faults.RunProgress):
+  def __init__(self, progress: run_progress.RunProgress):
     self.progress = progress
 
   def on_round_end(self, round_num: int, records: List[dict], state) -> None:

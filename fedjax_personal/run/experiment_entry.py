@@ -21,6 +21,7 @@ from fedjax_personal.run import (
   experiment,
   experiment_flags,
   faults,
+  run_progress,
   script_entry,
 )
 from fedjax_personal.run import main_job as job_lib
@@ -45,7 +46,7 @@ def read_flags() -> RunSettings:
 
 def main_job(
   settings: Optional[RunSettings] = None,
-  progress: Optional[faults.RunProgress] = None,
+  progress: Optional[run_progress.RunProgress] = None,
 ):
   """The main job (``main_job.main_job``) of ``settings``, by default of the
   parsed flags; a setting that cannot apply is said by its flag, as the
@@ -54,7 +55,7 @@ def main_job(
   Args:
     settings: the run's settings (None: ``read_flags()``).
     progress: where the run's fault lines read its progress (None: a new
-      ``faults.RunProgress``).
+      ``run_progress.RunProgress``).
 
   Returns:
     {row label: final summary}, as ``main_job.main_job``.
@@ -90,9 +91,9 @@ def main(argv):
     _fail(as_flag_error(e), faults.EXIT_CONFIG)
   script_entry.quiet_logging_unless_asked()
   faults.install_signal_handlers()
-  progress = faults.RunProgress()
+  progress = run_progress.RunProgress()
   # every fault line below reads this run's progress
-  with faults.tracking(progress):
+  with run_progress.tracking(progress):
     try:
       d = settings.distributed
       distributed.initialize(d.launch(), d.distributed_timeout)

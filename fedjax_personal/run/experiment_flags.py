@@ -203,7 +203,7 @@ def register(spec) -> None:
 class _Flags:
   """The parsed flags while ``read`` makes the settings.
 
-  The parsed flags while ``read`` makes the settings: each class made
+  Each class made
   from its fields' flags (checked when made), and which flags were given."""
 
   def __init__(self, flag_values: flags.FlagValues):

@@ -22,9 +22,7 @@ kept and the next command.
 """
 
 import contextlib
-import contextvars
 import ctypes
-import dataclasses
 import errno
 import os
 import re
@@ -36,10 +34,10 @@ from typing import Any, Dict, Optional
 
 from fedjax_personal.core import host
 from fedjax_personal.errors import HostLimitError
+from fedjax_personal.run.run_progress import current
 
 __all__ = [
   'captured_stderr',
-  'current',
   'claim_report',
   'error_stream',
   'exit_after_report',
@@ -54,7 +52,6 @@ __all__ = [
   'Interrupted',
   'interrupted',
   'kept',
-  'RunProgress',
   'lost_process',
   'lost_process_reason',
   'LostProcess',
@@ -66,7 +63,6 @@ __all__ = [
   'storage_error',
   'storage_reason',
   'StorageError',
-  'tracking',
   'where',
 ]
 
@@ -99,128 +95,6 @@ class LostProcess(Fault):
   """A process of a several-process run is gone (exit 69)."""
 
   status = EXIT_LOST_PROCESS
-
-
-@dataclasses.dataclass
-class RunProgress:
-  """Where a run stands, for its fault lines.
-
-  Where a run stands, for its fault lines: the algorithm, the last finished
-  round, the last durable checkpoint.
-
-  The entry makes one per run and hands it to the main job, which records
-  into it (``start_algorithm``, ``experiment.ProgressRecorder``, the
-  ``checkpointing.Checkpointer``); the fault lines read the run's own
-  (``tracking``), never a module-wide one.
-
-  Attributes:
-    algorithm: the algorithm running ('' at start-up).
-    round: its last finished round.
-    checkpoint_round: the round of its latest durable checkpoint, if any.
-    checkpoint_dir: where its checkpoints go.
-    checkpointing: whether it checkpoints.
-    rounds: its total rounds.
-    output_dir: the run's folder.
-    later: how many algorithms of the run come after it.
-  """
-
-  algorithm: str = ''
-  round: int = 0
-  checkpoint_round: Optional[int] = None
-  checkpoint_dir: str = ''
-  checkpointing: bool = False
-  rounds: int = 0
-  output_dir: str = ''
-  later: int = 0
-
-  def start_algorithm(
-    self,
-    name: str,
-    start_round: int,
-    checkpoint_dir: str,
-    checkpointing: bool,
-    checkpoint_round: Optional[int] = None,
-    rounds: int = 0,
-    later: int = 0,
-  ) -> None:
-    """Records the algorithm that starts, its rounds and checkpoints.
-
-    Args:
-      name: the algorithm.
-      start_round: rounds already done.
-      checkpoint_dir: where its checkpoints go.
-      checkpointing: whether it checkpoints.
-      checkpoint_round: the round of its latest checkpoint, if any.
-      rounds: its total rounds.
-      later: how many algorithms of the run come after it (they have no
-        checkpoint yet: the next command resumes with --resume_if_found).
-    """
-    self.algorithm, self.round, self.rounds = name, start_round, rounds
-    self.later = later
-    self.checkpoint_dir, self.checkpointing = checkpoint_dir, checkpointing
-    self.checkpoint_round = checkpoint_round
-
-  def kept(self) -> str:
-    """What a resumed run would start from, and the next command."""
-    if not self.algorithm:
-      return 'nothing was trained yet; run the same command again'
-    # (--resume starts the algorithms after it, which have none)
-    if self.checkpoint_round:
-      return (
-        f'checkpoint of round {self.checkpoint_round} of {self.algorithm} '
-        f'kept in {self.checkpoint_dir}; continue with the same command and '
-        '--resume'
-      )
-    if self.checkpointing:
-      return 'no checkpoint written yet; run the same command again'
-    return (
-      'no checkpoint (--checkpoint_every=0); run the same command again, '
-      'with --checkpoint_every=N to be able to resume'
-    )
-
-  def where(self) -> str:
-    """Where the run is, in words (an algorithm and round, or start-up)."""
-    if not self.algorithm:
-      return 'start-up'
-    # its rounds are done: evaluating, writing its results
-    if self.rounds and self.round >= self.rounds:
-      return (
-        f'the last round of {self.algorithm} (its results are being written)'
-      )
-    return f'round {self.round + 1} of {self.algorithm}'
-
-
-#: The progress of the run this context executes (``tracking``); unset
-#: outside a run: its fault lines then say nothing was trained.
-_RUN: contextvars.ContextVar[RunProgress] = contextvars.ContextVar('run')
-
-
-@contextlib.contextmanager
-def tracking(progress: RunProgress):
-  """The fault lines raised inside read ``progress`` (the entry's run).
-
-  Args:
-    progress: the run's ``RunProgress``.
-
-  Yields:
-    ``progress``.
-  """
-  token, watched = _RUN.set(progress), _WATCH['progress']
-  _WATCH['progress'] = progress
-  try:
-    yield progress
-  finally:
-    _RUN.reset(token)
-    _WATCH['progress'] = watched
-
-
-def current() -> RunProgress:
-  """The progress of the run being executed.
-
-  Returns:
-    The tracked run's ``RunProgress`` (a blank one outside a run).
-  """
-  return _RUN.get(None) or _WATCH['progress'] or RunProgress()
 
 
 def kept() -> str:
@@ -273,9 +147,6 @@ _WATCH: Dict[str, Any] = {
   'since': 0,
   'thread': None,
   'handler': None,
-  # the tracked run's progress, for the watcher's timers (threads that do not
-  # share the run's context)
-  'progress': None,
 }
 
 

@@ -40,7 +40,6 @@ __all__ = [
   'Built',
   'build_algorithms',
   'build_model_and_executor',
-  'client_weights',
   'decide_layout',
   'identify',
   'Layout',
@@ -311,23 +310,6 @@ def build_algorithms(
     for built in algs:
       _check_global_evaluation(s, built.alg, population.eval_only)
   return algs
-
-
-def client_weights(s: RunSettings) -> Dict[str, str]:
-  """{algorithm: how it weighs client uploads} for the algorithms that
-  average them (``--weighting``, else the algorithm's paper's).
-
-  Args:
-    s: the run's settings.
-
-  Returns:
-    ``{name: weighting}``.
-  """
-  return {
-    a.name: a.spec.weighting(a.training)
-    for a in s.algorithms
-    if 'weighting' in a.spec.uses
-  }
 
 
 def _check_global_evaluation(s: RunSettings, alg, held_out: int) -> None:
@@ -619,7 +601,7 @@ def identify(
     'numerics': numerics.record(precision, conv, forward),
     **_read_by('model_reads', mx.model.reads),
   }
-  weighted = client_weights(s)
+  weighted = s.client_weights()
   return tuple(
     dataclasses.replace(
       b,

@@ -34,6 +34,7 @@ from fedjax_personal.run import (
   process,
   reporting,
   run_identity,
+  run_progress,
   sweep,
   tensorboard,
   user_code,
@@ -42,7 +43,6 @@ from fedjax_personal.run.job_setup import (
   Built,
   build_algorithms,
   build_model_and_executor,
-  client_weights,
   decide_layout,
   identify,
   load_data,
@@ -88,14 +88,14 @@ class Job:
   system: system_lib.ClientSystem
   algs: Tuple[Built, ...]
   output_dir: str
-  progress: faults.RunProgress
+  progress: run_progress.RunProgress
 
 
 @dataclasses.dataclass
 class Results:
   """The finished algorithms' rows.
 
-  The finished algorithms' rows, filled as each finishes (the table is
+  Filled as each finishes (the table is
   written for those that did when a later one fails).
 
   Attributes:
@@ -111,7 +111,7 @@ class Results:
 
 
 def main_job(
-  settings: RunSettings, progress: Optional[faults.RunProgress] = None
+  settings: RunSettings, progress: Optional[run_progress.RunProgress] = None
 ) -> Dict[str, dict]:
   """Runs every algorithm of --algorithm on the same data (each a single run,
   or with --sweep/--sweep_seeds/--trials its configurations through the same
@@ -122,18 +122,18 @@ def main_job(
   Args:
     settings: the run's ``RunSettings``.
     progress: where the run records its progress for its fault lines (None:
-      a new ``faults.RunProgress``).
+      a new ``run_progress.RunProgress``).
 
   Returns:
     ``{row label: final summary}``.
   """
-  progress = progress or faults.RunProgress()
-  with faults.tracking(progress):
+  progress = progress or run_progress.RunProgress()
+  with run_progress.tracking(progress):
     return _main_job(settings, progress)
 
 
 def _main_job(
-  settings: RunSettings, progress: faults.RunProgress
+  settings: RunSettings, progress: run_progress.RunProgress
 ) -> Dict[str, dict]:
   """``main_job`` inside its progress's tracking."""
   numerics.check_precision(settings.engine.matmul_precision)  # on this backend
@@ -178,7 +178,7 @@ def _main_job(
   return table
 
 
-def set_up(s: RunSettings, progress: faults.RunProgress) -> Job:
+def set_up(s: RunSettings, progress: run_progress.RunProgress) -> Job:
   """The set-up steps in order (``run/job_setup.py``), then the output folder.
 
   Args:
@@ -192,7 +192,7 @@ def set_up(s: RunSettings, progress: faults.RunProgress) -> Job:
   mx = build_model_and_executor(s, loaded)
   system = prepared_system(s, loaded.population.num_clients)
   algs = build_algorithms(s, mx.model, loaded.population)
-  weights = ', '.join(f'{n} {w}' for n, w in client_weights(s).items())
+  weights = ', '.join(f'{n} {w}' for n, w in s.client_weights().items())
   for line in (
     [f'client weights: {weights}'] if weights else []
   ) + s.system.describe(

@@ -90,9 +90,8 @@ class MetricsWriter(Callback):
 class DeviceCounts(Callback):
   """One console line a round for clients as devices.
 
-  One console line a round for clients as devices: of the clients
-  sampled, how many took part, were stragglers, lost their upload, and how
-  many were online (``core.system``'s counts of the round)."""
+  Of the clients sampled, how many took part, were stragglers, lost their
+  upload, and how many were online (``core.system``'s counts of the round)."""
 
   def __init__(self, rounds: int, name: str):
     self.rounds, self.name = rounds, name

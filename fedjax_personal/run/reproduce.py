@@ -97,7 +97,7 @@ def model_init_field():
 class ReproduceSettings(Declared):
   """What every reproduce script shares.
 
-  What every reproduce script shares (its flags generated from these
+  (its flags generated from these
   fields, ``script_entry.define_settings_flags``); a script's own settings
   class adds its fields to these.
 
@@ -296,7 +296,7 @@ def trial_identity(
 class TrialCache:
   """Finished trials of one cell.
 
-  Finished trials of one cell: ``<directory>/trials/<hash>/seed_<s>.json``
+  ``<directory>/trials/<hash>/seed_<s>.json``
   holding the identity, the history and the seconds it took."""
 
   def __init__(self, directory: str, identity: dict):

@@ -233,8 +233,7 @@ class ExperimentSettings(Declared):
 class InputSettings(Declared):
   """What the run reads of its data set.
 
-  What the run reads of its data set: which clients, how many examples
-  each, how its store is checked."""
+  Which clients, how many examples each, how its store is checked."""
 
   client_ids: Optional[str] = hparam(
     None,
@@ -381,9 +380,8 @@ class AlgorithmSettings:
 class RunSettings:
   """Every setting of one run of the command.
 
-  Every setting of one run of the command, resolved (the main job's
-  defaults, --data_seed from --seed, the validation share from the
-  algorithms) and checked, as ``experiment_flags.read`` makes it.
+  Resolved (the main job's defaults, --data_seed from --seed, the validation
+  share from the algorithms) and checked, as ``experiment_flags.read`` makes it.
 
   Attributes:
     experiment: the algorithms, rounds, cohorts and tables.
@@ -415,6 +413,18 @@ class RunSettings:
     default_factory=dict
   )
   flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def client_weights(self) -> Dict[str, str]:
+    """How each algorithm that averages client uploads weighs them.
+
+    Returns:
+      ``{name: weighting}``: ``--weighting``, else the algorithm's paper's.
+    """
+    return {
+      a.name: a.spec.weighting(a.training)
+      for a in self.algorithms
+      if 'weighting' in a.spec.uses
+    }
 
   def configurations(self) -> Optional[List[tuple]]:
     """The (seed, {name: value}) configurations of a sweep or of trials, or

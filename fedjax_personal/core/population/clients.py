@@ -93,8 +93,7 @@ def padded_length(
 class SplitCounts:
   """A split of a population without its examples.
 
-  A split of a population without its examples: the clients' example
-  counts ([N] int32, ``ClientData.num_examples``)."""
+  The clients' example counts ([N] int32, ``ClientData.num_examples``)."""
 
   num_examples: np.ndarray
 

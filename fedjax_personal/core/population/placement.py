@@ -156,7 +156,7 @@ PLAN_DRAWS = 4096
 class ShapePlan:
   """The packed cohort shapes a host-layout run compiles.
 
-  The packed cohort shapes a host-layout run compiles, fixed before its
+  Fixed before its
   first round from the population's example counts and the cohort size.
 
   Per split: one window, the widest client's examples (``HostData.length``

@@ -107,8 +107,7 @@ class ForEachClientJitBackend(ForEachClientBackend):
 class ForEachClientError(Exception):
   """An error inside a client's work (debug backend).
 
-  An error inside a client's work (debug backend): the stage and, in
-  ``context``, the client and its inputs.
+  The stage and, in ``context``, the client and its inputs.
 
   Attributes:
     base: the error raised.

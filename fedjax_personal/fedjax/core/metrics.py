@@ -285,8 +285,7 @@ class SequenceTokenCrossEntropyLoss(Metric):
 class SequenceCrossEntropyLoss(Metric):
   """A sequence's total cross-entropy over its unmasked tokens.
 
-  A sequence's total cross-entropy over its unmasked tokens, per
-  sequence with any."""
+  Per sequence with any."""
 
   target_key: str = 'y'
   pred_key: Optional[str] = None
@@ -312,8 +311,7 @@ def _masked_logits(pred, logits_mask):
 class SequenceTokenAccuracy(Metric):
   """The share of unmasked tokens predicted.
 
-  The share of unmasked tokens predicted (arg-max after adding
-  ``logits_mask``)."""
+  (arg-max after adding ``logits_mask``)."""
 
   target_key: str = 'y'
   pred_key: Optional[str] = None

@@ -35,7 +35,7 @@ ScalarOrSchedule = Union[float, optax.Schedule]
 class Optimizer:
   """An optimizer as FedJAX's.
 
-  An optimizer as FedJAX's: ``init(params) -> opt_state`` and
+  ``init(params) -> opt_state`` and
   ``apply(grads, opt_state, params) -> (opt_state, params)``.
 
   Attributes:

@@ -16,10 +16,9 @@ __all__ = ['SQLiteFederatedData', 'SQLiteFederatedDataBuilder']
 class SQLiteFederatedDataBuilder(FederatedDataBuilder):
   """Writes a FedJAX SQLite file.
 
-  Writes a FedJAX SQLite file (FedJAX's builder): the table
-  ``federated_data(client_id, data, num_examples)`` made when the builder
-  is, each added client one row (``data`` its zlib msgpack examples), the
-  file closed when the ``with`` block ends.
+  (FedJAX's builder): the table ``federated_data(client_id, data,
+  num_examples)`` made when the builder is, each added client one row (``data``
+  its zlib msgpack examples), the file closed when the ``with`` block ends.
 
   Args:
     path: the file (created; FedJAX's builder fails on an existing table).
