@@ -99,7 +99,7 @@ HELD_OUT_ONLY = {
 
 
 #: --dataset name -> its reader (``read_clients``); the built-in data sets'
-#: are entered by the package (``datasets/__init__.py``: ``register_builtin``),
+#: are entered by the package (``datasets/builtin.py``: ``register_builtin``),
 #: yours by ``register``.
 LOADERS: Dict[str, Callable[..., NaturalData]] = {}
 #: --dataset name -> its options class (``options.DataOptions``); a data set
