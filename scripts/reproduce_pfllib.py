@@ -96,6 +96,7 @@ LEADERBOARD = {
   'fedcross': {},
   'fedkd': {},
   'fedgen': {},
+  'fedpcl': {},
 }
 NUM_CLIENTS, ALPHA, TRAIN_RATIO, BATCH, LR, SEED = 20, 0.1, 0.75, 10, 0.005, 1
 

@@ -147,6 +147,9 @@ TWO_ROUNDS = (
   'client_lr_cut_every',
   'client_lr_cut_factor',
 )
+#: Algorithms whose clients first train in the second round (FedPCL's
+#: clients only compute prototypes in their first).
+TRAIN_FROM_SECOND_ROUND = ('fedpcl',)
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,7 +224,7 @@ def test_no_silent_setting(name, setting):
     assert e.name == setting, str(e)
     return
   kw = dict(
-    rounds=2 if setting in TWO_ROUNDS else 1,
+    rounds=2 if setting in TWO_ROUNDS or name in TRAIN_FROM_SECOND_ROUND else 1,
     evaluate=setting.startswith('finetune'),
   )
   base = _result(name, extra, **kw)

@@ -1,4 +1,5 @@
-"""The native ``--algorithm=mime_lite``, ``hyp_cluster`` and ``agnostic_fedavg``
+"""The native ``--algorithm=mime``, ``mime_lite``, ``hyp_cluster`` and
+``agnostic_fedavg``
 (each compiled into one round) give what FedJAX's own algorithms give
 (``fedjax_personal.fedjax.algorithms``, equal to FedJAX 0.0.17 on its own code:
 ``tests/test_fedjax_training.py``) on the same clients, model and starting
@@ -20,6 +21,7 @@ import fedjax_personal as fp
 import fedjax_personal.fedjax as fedjax
 from fedjax_personal.algorithms.agnostic_fedavg import agnostic_fedavg
 from fedjax_personal.algorithms.hyp_cluster import hyp_cluster
+from fedjax_personal.algorithms.mime import mime
 from fedjax_personal.algorithms.mime_lite import mime_lite
 from fedjax_personal.core.data import FederatedData, pad_clients, to_device
 from fedjax_personal.core.engine import RoundRunner
@@ -81,6 +83,37 @@ def test_mime_lite_equals_fedjaxs(clip):
     fedjax.PaddedBatchHParams(batch_size=4),
     server_lr,
     client_delta_clip_norm=clip,
+  )
+  their_state = theirs.init(state.params)
+  for t in range(ROUNDS):
+    state, _ = runner.round(state, jax.random.key(t))
+    their_state, _ = theirs.apply(their_state, clients)
+    jax.tree.map(_close, state.params, their_state.params)
+    jax.tree.map(_close, state.base_opt_state, their_state.opt_state)
+
+
+def test_mime_equals_fedjaxs():
+  """Two full-batch steps a round (the second one's corrected gradient
+  g(y) - g(x) + c differs from c), a momentum base optimizer."""
+  data, clients = _setup()
+  model = helpers.linear_model(3)
+  lr, momentum, server_lr = 0.05, 0.9, 0.7
+  alg = mime(
+    model,
+    data.num_clients,
+    optax.sgd(lr, momentum=momentum),
+    fp.Batching(batch_size=max(SIZES), num_epochs=2),
+    server_optimizer=optax.sgd(server_lr),
+  )
+  runner, state = _runner(alg, data)
+  theirs = fedjax.algorithms.mime.mime(
+    per_example_loss,
+    fedjax.optimizers.sgd(lr, momentum=momentum),
+    fedjax.ShuffleRepeatBatchHParams(
+      batch_size=max(SIZES), num_epochs=2, seed=0
+    ),
+    fedjax.PaddedBatchHParams(batch_size=4),
+    server_lr,
   )
   their_state = theirs.init(state.params)
   for t in range(ROUNDS):

@@ -52,7 +52,7 @@ def _nested(ref, prefix):
   return traverse_util.unflatten_dict(flat)
 
 
-def _data(ref):
+def _data(ref, num_classes=None):
   n = PEER.NUM_CLIENTS
   x0 = ref['train_x_0']
   split = lambda s: pad_clients(
@@ -67,7 +67,7 @@ def _data(ref):
       val=split('test'),
       test=split('test'),
       groups=np.full(n, -1, np.int32),
-      num_classes=PEER.NUM_CLASSES,
+      num_classes=num_classes or PEER.NUM_CLASSES,
     )
   )
 
@@ -156,6 +156,18 @@ def test_equal_to_pfllib(reference, name, monkeypatch):
   data, model = _data(reference), _model(reference)
   if name == 'fedgen':
     fixed_fedgen_draws(monkeypatch)
+  if name == 'fedpcl':  # its labels renumbered; its passes in the data's order
+    from fedjax_personal.algorithms import fedpcl
+
+    labels = {
+      k[len('fedpcl/') :]: v
+      for k, v in reference.items()
+      if k.startswith('fedpcl/') and '_y_' in k
+    }
+    data = _data({**reference, **labels}, int(reference['fedpcl/num_classes']))
+    monkeypatch.setattr(
+      fedpcl, 'collect_order', lambda key, n, m: jax.numpy.arange(m)
+    )
   own = {**PEER.ALGORITHMS[name], **PEER.OURS.get(name, {})}
   training = TrainingConfig(
     client_lr=PEER.LR, batch_size=PEER.TRAIN, local_epochs=PEER.LOCAL_EPOCHS
@@ -199,10 +211,28 @@ def test_equal_to_pfllib(reference, name, monkeypatch):
       reference[f'{name}/table'][have],
       atol=ATOL,
     )
+  if name == 'fedpcl':  # the global prototypes in their keys' order; each
+    # client's own, padded
+    glob = reference[f'{name}/global']
+    k = len(reference[f'{name}/global_labels'])
+    np.testing.assert_allclose(state.global_protos[:k], glob, atol=ATOL)
+    for i in range(PEER.NUM_CLIENTS):
+      p = cm.for_client(i)
+      have = reference[f'{name}/present_{i}']
+      np.testing.assert_array_equal(np.asarray(p['valid']), have)
+      np.testing.assert_allclose(
+        np.asarray(p['table'])[have],
+        reference[f'{name}/protos_{i}'][have],
+        atol=ATOL,
+      )
   if name in PEER.OWN_MODELS:  # each client's own model
     for i in range(PEER.NUM_CLIENTS):
       mine = cm.for_client(i)
-      mine = mine['model'] if name in ('fedproto', 'fd', 'fedala') else mine
+      if name in ('fedproto', 'fd', 'fedala', 'fedpcl'):
+        mine = mine['model']
+      if name in PEER.IDENTITY_HEAD:  # its body, under a zero head
+        body, top = model.head.split(mine)
+        mine = model.head.merge(body, jax.tree.map(np.zeros_like, top))
       got = PEER.project(weights.flat_params(jax.device_get(mine)))
       for k, v in got.items():
         want = reference[f'{name}/client_{i}/{k}']

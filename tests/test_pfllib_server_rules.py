@@ -197,3 +197,110 @@ def test_fedcross_partners_equal_pfllibs_loop(seed):
       want[j, j] += 0.7
       want[j, p] += 0.3
     np.testing.assert_allclose(mix, want, atol=1e-6, err_msg=name)
+
+
+def _pfllib_pcl_server(rounds, num_clients, num_classes):
+  """PFLlib's ``serverpcl`` rounds on dicts, as its code runs them
+  (``receive_protos``, ``proto_aggregation``, ``prototype_padding``): each
+  round's uploads are ``[(client, {label: proto})]`` in upload order (the
+  dicts' keys in first-seen order). Returns the global dict and every
+  client's set (``client_protos_set``) and own dict (``client.protos``)."""
+  from collections import defaultdict
+
+  client_sets = [None] * num_clients
+  own = [None] * num_clients
+  glob = None
+  for uploads in rounds:
+    for cid, protos in uploads:
+      d = defaultdict(list, protos)
+      own[cid] = d
+      client_sets[cid] = d
+    agg = defaultdict(list)
+    for _, protos in uploads:
+      for label, p in own[_].items():
+        agg[label].append(p)
+    glob = defaultdict(
+      list, {label: sum(ps) / len(ps) for label, ps in agg.items()}
+    )
+    for cid in range(num_clients):
+      if client_sets[cid] is None:
+        client_sets[cid] = glob
+      else:
+        for k in range(num_classes):
+          if isinstance(client_sets[cid][k], list):
+            client_sets[cid][k] = glob[k]
+  return glob, client_sets, own
+
+
+def test_fedpcl_server_equals_pfllibs_dicts():
+  """Two rounds of partial cohorts: the global prototypes in their keys'
+  first-seen order over the uploads, each uploader's set padded with the
+  global prototypes of the classes it lacks (appended in ascending order),
+  a client that never uploaded holding the global set of the round it was
+  first padded in."""
+  import dataclasses
+
+  import optax
+
+  from fedjax_personal import models
+  from fedjax_personal.algorithms import fedpcl
+  from fedjax_personal.core.algorithm import RoundContext
+  from fedjax_personal.core.batching import Batching
+  from fedjax_personal.core.losses import zero_stats
+  from fedjax_personal.core.sampling import Cohort
+
+  n, k = 5, 4
+  rng = np.random.default_rng(0)
+  model = models.create_model('mlp', k, np.zeros((1, 3), np.float32))
+  alg = fedpcl.fedpcl(
+    model, n, k, optax.sgd(0.1), Batching(2, num_epochs=1, num_steps=None)
+  )
+  dim = model.head.feature_shape[-1]
+  state = alg.init(jax.random.key(0))
+  # round 0: clients 3 and 1 upload (in that order); round 1: 1, 0, 4
+  cohorts = [[3, 1], [1, 0, 4]]
+  classes = {0: [2, 0], 1: [1, 3, 0], 3: [3, 2, 1], 4: [0, 2, 3, 1]}
+  history = []
+  for r, members in enumerate(cohorts):
+    c = 4  # cohort slots, the last ones padded
+    idx = np.full(c, n, np.int32)
+    idx[: len(members)] = members
+    protos = np.zeros((c, k, dim), np.float32)
+    present = np.zeros((c, k), bool)
+    order = np.tile(np.arange(k, dtype=np.int32), (c, 1))
+    uploads = []
+    for s, cid in enumerate(members):
+      seen = classes[cid] if r == 0 else list(reversed(classes[cid]))
+      d = {}
+      for label in seen:
+        v = rng.normal(size=dim).astype(np.float32)
+        d[label] = v
+        protos[s, label], present[s, label] = v, True
+      lacking = [j for j in range(k) if j not in seen]
+      order[s] = seen + lacking
+      uploads.append((cid, d))
+    history.append(uploads)
+    out = fedpcl.FedPCLOutput(
+      protos=jnp.asarray(protos),
+      present=jnp.asarray(present),
+      order=jnp.asarray(order),
+      model=None,
+      num_examples=jnp.ones(c, jnp.int32),
+      stats=jax.tree.map(lambda a: jnp.zeros(c), zero_stats()),
+    )
+    cohort = Cohort(jnp.asarray(idx), jnp.asarray(idx < n))
+    rc = RoundContext(round=jnp.asarray(r), key=jax.random.key(r))
+    state, _ = alg.server_update(state, cohort, out, rc)
+    glob, sets, own = _pfllib_pcl_server(history, n, k)
+    want = np.stack(list(glob.values()))
+    np.testing.assert_allclose(
+      np.asarray(state.global_protos)[: len(want)], want, atol=1e-6
+    )
+    for cid in range(n):
+      rows = np.stack(list(sets[cid].values()))
+      np.testing.assert_array_equal(
+        np.asarray(state.set_labels[cid]), list(sets[cid].keys())
+      )
+      np.testing.assert_allclose(np.asarray(state.sets[cid]), rows, atol=1e-6)
+      assert bool(state.has_own[cid]) == (own[cid] is not None)
+  del dataclasses

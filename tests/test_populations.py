@@ -1068,6 +1068,7 @@ def test_data_built_in_memory_reaches_the_store_unpadded(cfg):
     'gpfl',
     'moon',
     'fedproto',  # (FD's rows are the same code's; its loss diverges here)
+    'fedpcl',
     'fml',
     'fedala',
     'fedamp',
@@ -1076,6 +1077,7 @@ def test_data_built_in_memory_reaches_the_store_unpadded(cfg):
     'fedcross',
     'fedkd',
     'fedgen',
+    'mime',
     'mime_lite',
     'hyp_cluster',
     'agnostic_fedavg',
@@ -1093,10 +1095,11 @@ def test_pfllib_algorithms_run_a_natural_population_in_the_host_layout(
   pre-round phase over every client, FedGH's server epoch, FedCAC's
   critical masks and customized models, FedAS's alignment, FedPAC's
   combined heads, FedCP's policy, GPFL's inputs,
-  MOON's previous models, FedProto's class means, FML's models,
+  MOON's previous models, FedProto's class means, FedPCL's prototype
+  sets, FML's models,
   FedALA's weights, FedMTL's models, FedPHP's private models, FedCross's
-  trained models, FedKD's mentors and maps, FedGen's generator, Mime
-  Lite's base state, HypCluster's clusters, Agnostic FedAvg's domain
+  trained models, FedKD's mentors and maps, FedGen's generator, Mime's
+  and Mime Lite's base state, HypCluster's clusters, Agnostic FedAvg's domain
   weights; FedAMP's models stay on the
   device, read across the population)."""
   executor = lambda: fp.executors.BlockedExecutor(block_size=2, num_threads=2)

@@ -86,7 +86,11 @@ PFLLIB = {
   'fedcross_most_similar': ('FedCross', 'servercross', 'FedCross'),
   'fedkd': ('FedKD', 'serverkd', 'FedKD'),
   'fedgen': ('FedGen', 'servergen', 'FedGen'),
+  'fedpcl': ('FedPCL', 'serverpcl', 'FedPCL'),
 }
+#: Those PFLlib's main.py gives its model with ``fc`` the identity (the
+#: features are its output).
+IDENTITY_HEAD = ('fedpcl',)
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
 SPLIT = (
   'fedas',
@@ -145,6 +149,7 @@ ALGORITHMS = {
     server_epochs=5,
     localize_feature_extractor=False,
   ),
+  'fedpcl': dict(tau=0.5),
 }
 #: Records of an algorithm under another setting: record -> algorithm.
 RECORDED_AS = {
@@ -180,6 +185,7 @@ OWN_MODELS = (
   'fedcross',
   'fedcross_most_similar',
   'fedkd',
+  'fedpcl',
 )
 #: Those whose loop ends with what the next round would send (or whose
 #: ``send_models`` would overwrite the clients' own models).
@@ -193,6 +199,7 @@ ENDS_SENT = (
   'fedphp',
   'fedcross',
   'fedcross_most_similar',
+  'fedpcl',
 )
 #: This project's settings that make its run the record's: FedPAC's server
 #: pairs heads with clients through two random orders, fixed to the
@@ -371,6 +378,37 @@ def made_data(seed=0):
   return out
 
 
+def pcl_labels(data):
+  """FedPCL's labels: the federation's classes numbered 0.. in order (PFLlib
+  stops when a class is missing from a round's uploads while a client lacks
+  it, as every class absent from this federation would be), and their
+  number."""
+  held = np.unique(
+    np.concatenate([data[f'train_y_{i}'] for i in range(NUM_CLIENTS)])
+  )
+  renumber = np.full(NUM_CLASSES, -1, np.int32)
+  renumber[held] = np.arange(len(held))
+  out = {
+    f'{split}_y_{i}': renumber[data[f'{split}_y_{i}']]
+    for split in ('train', 'test')
+    for i in range(NUM_CLIENTS)
+  }
+  return out, len(held)
+
+
+def pcl_table(protos, num_classes):
+  """A PFLlib prototype dict as (its rows in its keys' order, their
+  classes, a class-indexed table, its classes)."""
+  keyed = [(k, v) for k, v in protos.items() if not isinstance(v, list)]
+  rows = np.stack([v.detach().numpy() for _, v in keyed])
+  labels = np.asarray([k for k, _ in keyed], np.int32)
+  table = np.zeros((num_classes, rows.shape[1]), np.float32)
+  table[labels] = rows
+  present = np.zeros(num_classes, bool)
+  present[labels] = True
+  return rows, labels, table, present
+
+
 def stand_ins():
   """Modules PFLlib imports for what this run never does."""
   for name in ('h5py', 'matplotlib', 'matplotlib.pyplot'):
@@ -449,6 +487,8 @@ def pfllib_args(torch, model, name, own, **sizes):
   )
   for k, v in {**sizes, **own}.items():
     setattr(args, k, v)
+  if name in IDENTITY_HEAD:
+    args.model.fc = torch.nn.Identity()
   if name in SPLIT:  # main.py: head = the model's fc, base the rest
     args.head = copy.deepcopy(args.model.fc)
     args.model.fc = torch.nn.Identity()
@@ -560,6 +600,12 @@ def whole_state_of(state):
   return out
 
 
+def _arrays(data, labels, i, is_train):
+  """Client ``i``'s images from ``data`` and its labels from ``labels``."""
+  split = 'train' if is_train else 'test'
+  return data[f'{split}_x_{i}'], labels[f'{split}_y_{i}']
+
+
 def run(torch, name, data, init_state, template, sample_x):
   """One algorithm's rounds in PFLlib's code; its record."""
   from flcore.trainmodel.models import FedAvgCNN
@@ -567,9 +613,14 @@ def run(torch, name, data, init_state, template, sample_x):
   torch.manual_seed(0)
   model = FedAvgCNN(in_features=1, num_classes=NUM_CLASSES, dim=DIM)
   model.load_state_dict(init_state)
-  server, args = pfllib_server(torch, name, model, ALGORITHMS[name])
+  rec, sizes = {}, {}
+  if name == 'fedpcl':  # its labels renumbered over the classes held
+    labels, sizes['num_classes'] = pcl_labels(data)
+    rec.update({f'{name}/{k}': v for k, v in labels.items()})
+    rec[f'{name}/num_classes'] = np.asarray(sizes['num_classes'])
+    patch_reader(torch, lambda i, train: _arrays(data, labels, i, train))
+  server, args = pfllib_server(torch, name, model, ALGORITHMS[name], **sizes)
   fixed_orders(server)
-  rec = {}
   gumbel = torch.nn.functional.gumbel_softmax
   if name == 'gpfl':
     gpfl_set_start(torch, server)
@@ -592,6 +643,14 @@ def run(torch, name, data, init_state, template, sample_x):
     torch.rand = lambda size, device=None: torch.tensor(fedgen_noise(*size))
     for k, v in generator_state(server.generative_model).items():
       rec[f'{name}/generator_init/{k}'] = v
+  loader = None
+  if name == 'fedpcl':  # the loaders in the examples' order (both sides)
+    import flcore.clients.clientbase as clientbase
+
+    loader = clientbase.DataLoader
+    clientbase.DataLoader = lambda *a, **k: loader(
+      *a, **{**k, 'shuffle': False}
+    )
   if name == 'fedbabu':
     # serverbabu.train's rounds, recorded after the last aggregation, then
     # its end: the clients train once more (the loop's last pass) and
@@ -639,7 +698,7 @@ def run(torch, name, data, init_state, template, sample_x):
         for k, v in server.compressed_param.items()
       }
     )
-  elif name in ('fedpac', 'fedamp', 'fedamp_pfllib', 'fedmtl'):
+  elif name in ('fedpac', 'fedamp', 'fedamp_pfllib', 'fedmtl', 'fedpcl'):
     glob = None  # FedPAC's is the body alone; the others keep none
   elif name in ('fedcp', 'gpfl'):  # the global body, as a zero head's model
     base = server.global_modules if name == 'fedcp' else server.global_model
@@ -698,7 +757,11 @@ def run(torch, name, data, init_state, template, sample_x):
     rec[f'{name}/table'], rec[f'{name}/present'] = out, present
   if name in OWN_MODELS and name != 'fedala':  # each client's model
     for i, client in enumerate(server.clients):
-      own = to_flax(torch, whole_state(client.model), template, sample_x)
+      state = whole_state(client.model)
+      if name in IDENTITY_HEAD:  # its body, under a zero fc
+        state['fc.weight'] = torch.zeros(NUM_CLASSES, FEATURES)
+        state['fc.bias'] = torch.zeros(NUM_CLASSES)
+      own = to_flax(torch, state, template, sample_x)
       for k, v in project(own).items():
         rec[f'{name}/client_{i}/{k}'] = v
   if glob is not None:
@@ -724,11 +787,21 @@ def run(torch, name, data, init_state, template, sample_x):
   if name == 'fedgen':
     for k, v in generator_state(server.generative_model).items():
       rec[f'{name}/generator/{k}'] = v
+  if name == 'fedpcl':  # the global prototypes and each client's (padded)
+    k = server.num_classes
+    rows, keys, _, _ = pcl_table(server.global_protos, k)
+    rec[f'{name}/global'], rec[f'{name}/global_labels'] = rows, keys
+    for i, client in enumerate(server.clients):
+      _, _, table, present = pcl_table(client.protos, k)
+      rec[f'{name}/protos_{i}'], rec[f'{name}/present_{i}'] = table, present
+    clientbase.DataLoader = loader
   correct = []
   for client in server.clients:
     acc, num, _ = client.test_metrics()
     correct.append(acc)
   rec[f'{name}/test_correct'] = np.asarray(correct, np.int32)
+  if name == 'fedpcl':
+    patch_reader(torch, lambda i, train: _arrays(data, data, i, train))
   torch.nn.functional.gumbel_softmax = gumbel
   torch.rand, np.random.choice = rand, choice
   return rec
@@ -751,13 +824,7 @@ def main():
   from fedjax_personal import models
 
   data = made_data()
-  patch_reader(
-    torch,
-    lambda i, is_train: (
-      data[f'{"train" if is_train else "test"}_x_{i}'],
-      data[f'{"train" if is_train else "test"}_y_{i}'],
-    ),
-  )
+  patch_reader(torch, lambda i, train: _arrays(data, data, i, train))
   sample_x = data['train_x_0'][:1]
   template = models.create_model(
     'pfllib_cnn', NUM_CLASSES, sample_x, init='pytorch'

@@ -38,10 +38,13 @@ __all__ = [
   'ClientModels',
   'ClientRows',
   'cohort_train_metrics',
+  'CohortPhase',
   'Communication',
   'NOT_UPLOADED',
   'upload_communication',
   'FederatedAlgorithm',
+  'PhasedOutputs',
+  'PhaseResult',
   'PreRound',
   'PyTree',
   'RoundContext',
@@ -160,9 +163,9 @@ FineTune = Callable[[PyTree, LocalData, jax.Array], PyTree]
 class PreRound:
   """Server work that precedes some rounds' training.
 
-  (user-centric's
-  collaboration round computing W and the streams, clustered FL's split
-  test), traced into the same compiled round and run when ``due`` says so.
+  User-centric's collaboration round computing W and the streams, clustered
+  FL's split test: traced into the same compiled round and run when ``due``
+  says so.
 
   The engine computes ``client`` on every client (not only the round's
   cohort), through the executor, and hands the stacked outputs to
@@ -184,13 +187,58 @@ class PreRound:
   client: Optional[Callable[[Any, LocalData, jax.Array], Any]] = None
 
 
+class PhaseResult(NamedTuple):
+  """What the server makes of a cohort phase's outputs (``CohortPhase``).
+
+  Attributes:
+    broadcast: the round's broadcast the cohort then trains with.
+    server: what the round's ``server_update`` reads of the phase (it gets
+      ``PhasedOutputs``), or None.
+  """
+
+  broadcast: PyTree
+  server: PyTree = None
+
+
+class PhasedOutputs(NamedTuple):
+  """``server_update``'s outputs for an algorithm with a cohort phase.
+
+  Attributes:
+    phase: ``PhaseResult.server`` of the round's cohort phase.
+    clients: the cohort's outputs of its training (``client_work``).
+  """
+
+  phase: PyTree
+  clients: PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class CohortPhase:
+  """Client work on the round's cohort before it trains.
+
+  Mime's full-batch gradients at the server model, whose mean is the
+  control variate the cohort trains with: the engine computes ``client``
+  on each client of the cohort (through the executor, in the same compiled
+  round), hands the stacked outputs to ``fold``, and the cohort then trains
+  with the broadcast ``fold`` returns.
+
+  Attributes:
+    client: pure ``(broadcast, LocalData, key) -> output``.
+    fold: ``(broadcast, cohort, outputs [C, ...], rc) -> PhaseResult``;
+      outputs of inactive slots are to be masked (``cohort.mask``).
+  """
+
+  client: Callable[[Any, LocalData, jax.Array], Any]
+  fold: Callable[[Any, Cohort, Any, RoundContext], PhaseResult]
+
+
 @dataclasses.dataclass(frozen=True)
 class ClientRows:
   """The part of an algorithm's state made of client rows.
 
-  (personal models,
-  control variates, FedDyn's gradients): stacked leaves with the client
-  axis first, which a round reads and writes only at the cohort's rows.
+  Personal models, control variates, FedDyn's gradients: stacked leaves with
+  the client axis first, which a round reads and writes only at the
+  cohort's rows.
 
   Declaring it lets the host layout keep these rows with the population on
   the host and hand each round only the cohort's (``Cohort.rows`` then
@@ -299,6 +347,8 @@ class FederatedAlgorithm:
       from the client's training data).
     pre_round: optional ``PreRound`` run at the start of the rounds it is
       due (phases that are not a training round), inside the compiled round.
+    cohort_phase: optional ``CohortPhase``: client work on the cohort before
+      it trains (``server_update`` then gets ``PhasedOutputs``).
     privacy: optional ``privacy.Privacy`` when clients run DP-SGD (noise,
       sampling rates, a step counter in the state) for epsilon accounting.
     client_rows: optional ``ClientRows``, the state's per-client rows that
@@ -319,6 +369,7 @@ class FederatedAlgorithm:
   finetune: Optional[FineTune] = None
   evaluate_client: Optional[Callable] = None
   pre_round: Optional[PreRound] = None
+  cohort_phase: Optional[CohortPhase] = None
   privacy: Optional[Any] = None
   client_rows: Optional[ClientRows] = None
   partial_work: str = 'drop'

@@ -273,16 +273,19 @@ class RoundRunner:
 
     return phase
 
-  def _dispatched_work(self, pre, make_ctx, post, steps_of):
+  def _dispatched_work(self, pre, make_ctx, post, steps_of, phase):
     """``work(state, key, rnd, train, val, cohort=None) -> (state, metrics)``:
     the round's server steps compiled apart and client work dispatched by a
     non-fused executor; ``steps_of(rows, train)`` gives the real step counts
-    of the clients at ``rows`` of the split arrays (padded steps skipped)."""
+    of the clients at ``rows`` of the split arrays (padded steps skipped);
+    ``phase`` runs the algorithm's cohort phase (``RoundFunctions``)."""
     alg, ex = self.algorithm, self.executor
     pre_j, post_j = ex.jit(pre), ex.jit(post)
 
     def work(state, key, rnd, train, val, cohort=None):
       cohort, rc, shared, per_client = pre_j(state, key, rnd, cohort, train)
+      if alg.cohort_phase is not None:
+        shared = phase(shared, cohort, per_client, rc, train, val)
       rows, mask = jax.device_get(
         (per_client.row, system_lib.uploading(cohort, shared.devices))
       )
@@ -303,7 +306,7 @@ class RoundRunner:
 
   def _build(self):
     alg, ex = self.algorithm, self.executor
-    pre, make_ctx, post, fused_round = round_functions(
+    pre, make_ctx, post, fused_round, phase_fn = round_functions(
       alg, self.sampler, ex, self.trace_counts, self.system, self.row_groups
     )
     shapes = jax.eval_shape(alg.init, jax.random.key(0))
@@ -332,6 +335,7 @@ class RoundRunner:
         make_ctx,
         post,
         lambda rows, _: steps[np.minimum(rows, len(steps) - 1)],
+        phase_fn,
       )
 
       def round_py(state, key, rnd, donate, next_key=None):
@@ -369,7 +373,7 @@ class RoundRunner:
     """The host layout's round, evaluation and pre-round phase (``layout``):
     the round takes the cohort and its gathered examples."""
     alg, ex, host = self.algorithm, self.executor, self._host_data()
-    pre, make_ctx, post, fused_round = round_functions(
+    pre, make_ctx, post, fused_round, phase_fn = round_functions(
       alg, self.sampler, ex, self.trace_counts, self.system, self.row_groups
     )
     sampler = self.sampler
@@ -404,6 +408,7 @@ class RoundRunner:
             for n in np.asarray(train.num_examples)[rows]
           ]
         ),
+        phase_fn,
       )
 
       def work(state, key, rnd, train, val, cohort, donate):

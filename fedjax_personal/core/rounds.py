@@ -16,6 +16,7 @@ from fedjax_personal.core import system as system_lib
 from fedjax_personal.core import tree_util
 from fedjax_personal.core.algorithm import (
   FederatedAlgorithm,
+  PhasedOutputs,
   RoundContext,
   upload_communication,
 )
@@ -46,6 +47,8 @@ __all__ = [
 #: Keys of a round's metrics that carry the pre-round phase's diagnostics
 #: (``experiment`` merges them into the record when the phase ran).
 PRE_ROUND_RAN, PRE_ROUND = 'pre_round_ran', 'pre_round'
+#: ``fold_in`` tag of a client's key for its cohort phase's draws.
+COHORT_PHASE_DRAWS = 0xC0
 
 
 class PreRoundFunctions(NamedTuple):
@@ -72,16 +75,19 @@ class RoundFunctions(NamedTuple):
 
   Attributes:
     pre: ``(state, key, round, cohort=None, train=None) -> Broadcast``.
-    make_ctx: ``((RoundShared, train, val), ClientInputs) -> (ctx, key)``.
+    make_ctx: ``(SharedInputs, ClientInputs) -> ClientCall``.
     post: ``(state, cohort, outputs, rc, RoundShared) -> (state, metrics)``.
     fused_round: ``(state, key, round, train, val) -> (state, metrics)``:
       the whole round as one traced function.
+    cohort_phase: ``(RoundShared, cohort, ClientInputs, rc, train, val) ->
+      RoundShared``: the algorithm's ``CohortPhase`` run on the cohort.
   """
 
   pre: Callable
   make_ctx: Callable
   post: Callable
   fused_round: Callable
+  cohort_phase: Callable
 
 
 class Broadcast(NamedTuple):
@@ -198,11 +204,14 @@ class RoundShared(NamedTuple):
     devices: the round's draws of the clients' devices
       (``system.RoundSystem``: lost uploads, ...), or None when every
       client is a full, reliable device.
+    phase: what ``server_update`` reads of the round's cohort phase
+      (``PhaseResult.server``), or None.
   """
 
   broadcast: PyTree
   round: jax.Array
   devices: Optional[system_lib.RoundSystem] = None
+  phase: PyTree = None
 
 
 class ClientInputs(NamedTuple):
@@ -374,6 +383,32 @@ def round_functions(
     )
     return ClientCall(ctx, c.key)
 
+  def cohort_phase(shared: RoundShared, cohort, per_client, rc, train, val):
+    """The algorithm's ``CohortPhase``: its client part on the cohort,
+    folded by the server into the broadcast the cohort trains with."""
+    cp = alg.cohort_phase
+    assert cp is not None
+
+    def phase_client(shared_all: SharedInputs, c: PhaseInputs):
+      counts['cohort_phase_client'] += 1
+      local = LocalData(
+        train=client_row(shared_all.train, c.row),
+        val=client_row(shared_all.val, c.row),
+      )
+      return cp.client(shared_all.common, local, c.key)
+
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, COHORT_PHASE_DRAWS))(
+      per_client.key
+    )
+    outputs = ex.map(
+      phase_client,
+      SharedInputs(shared.broadcast, train, val),
+      PhaseInputs(per_client.row, keys),
+      active=system_lib.uploading(cohort, shared.devices),
+    )
+    result = cp.fold(shared.broadcast, cohort, outputs, rc)
+    return shared._replace(broadcast=result.broadcast, phase=result.server)
+
   def post(state, cohort, outputs, rc, shared: RoundShared):
     counts['post'] += 1
     sampled = cohort
@@ -389,6 +424,8 @@ def round_functions(
       if alg.communication is not None
       else upload_communication(outputs, shared.broadcast, cohort.mask.shape[0])
     )
+    if alg.cohort_phase is not None:
+      outputs = PhasedOutputs(shared.phase, outputs)
     state, metrics = alg.server_update(state, cohort, outputs, rc)
     metrics, drawn = dict(metrics), {}
     if drawn_devices is not None:
@@ -423,6 +460,8 @@ def round_functions(
     if cohort is None:
       state, phase = fused_pre_round(state, key, round_num, train, val)
     cohort, rc, shared, per_client = pre(state, key, round_num, cohort, train)
+    if alg.cohort_phase is not None:
+      shared = cohort_phase(shared, cohort, per_client, rc, train, val)
     cr = alg.client_rows
     if (
       devices is None
@@ -452,4 +491,4 @@ def round_functions(
     state, metrics = post(state, cohort, outputs, rc, shared)
     return state, {**metrics, **phase}
 
-  return RoundFunctions(pre, make_ctx, post, fused_round)
+  return RoundFunctions(pre, make_ctx, post, fused_round, cohort_phase)

@@ -59,9 +59,9 @@ def trace_round(alg, sampler, data, system=None) -> None:
     ConfigError: the round raised while traced, naming the algorithm and,
       when the error arose in the user's code, its file and line.
   """
-  _, _, _, fused_round = round_functions(
+  fused_round = round_functions(
     alg, sampler, VmapExecutor(), system=system
-  )
+  ).fused_round
   train, val = _split_shapes(data, 'train'), _split_shapes(data, 'val')
 
   def one_round(key, train, val):
