@@ -63,8 +63,8 @@ from fedjax_personal.core.losses import (
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
   ClientContext,
-  ClientWork,
   SGDCarry,
+  extended_sgd_work,
   sgd_client_work,
 )
 from fedjax_personal.core.tree_util import PyTree, rows, tree_broadcast
@@ -381,9 +381,6 @@ def fedala(
     begun = dataclasses.replace(ctx, state={'model': start})
     return Carry(base.init(begun, key), w, started)
 
-  def work_step(ctx: ClientContext, carry, batch, key):
-    return dataclasses.replace(carry, sgd=base.step(ctx, carry.sgd, batch, key))
-
   def work_final(ctx: ClientContext, carry) -> FedALAOutput:
     params = carry.sgd.params
     return FedALAOutput(
@@ -394,14 +391,7 @@ def fedala(
       num_steps=carry.sgd.num_steps,
     )
 
-  work = ClientWork(
-    init=work_init,
-    step=work_step,
-    final=work_final,
-    batching=batching,
-    init_opt_state=base.init_opt_state,
-    opt_state=lambda carry: carry.sgd.opt_state,
-  )
+  work = extended_sgd_work(base, work_init, work_final)
 
   def client_models(state: FedALAState) -> ClientModels:
     n = jax.tree.leaves(state.rows)[0].shape[0]

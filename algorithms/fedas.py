@@ -74,8 +74,8 @@ from fedjax_personal.core.losses import (
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
   ClientContext,
-  ClientWork,
   SGDCarry,
+  extended_sgd_work,
   local_sgd,
   sgd_client_work,
 )
@@ -348,9 +348,6 @@ def fedas(
     started = dataclasses.replace(ctx, state=start(ctx, k_start))
     return FedASCarry(base.init(started, key), k_fisher)
 
-  def work_step(ctx: ClientContext, carry: FedASCarry, batch, key):
-    return FedASCarry(base.step(ctx, carry.sgd, batch, key), carry.key)
-
   def work_final(ctx: ClientContext, carry: FedASCarry) -> FedASOutput:
     params = carry.sgd.params
     train = ctx.data.train
@@ -363,14 +360,7 @@ def fedas(
       num_steps=carry.sgd.num_steps,
     )
 
-  work = ClientWork(
-    init=work_init,
-    step=work_step,
-    final=work_final,
-    batching=batching,
-    init_opt_state=base.init_opt_state,
-    opt_state=lambda carry: carry.sgd.opt_state,
-  )
+  work = extended_sgd_work(base, work_init, work_final)
 
   return FederatedAlgorithm(
     name='fedas',

@@ -80,8 +80,8 @@ from fedjax_personal.core.losses import (
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import (
   ClientContext,
-  ClientWork,
   SGDCarry,
+  extended_sgd_work,
   sgd_client_work,
 )
 from fedjax_personal.core.tree_util import PyTree, rows, tree_broadcast
@@ -379,9 +379,6 @@ def fedpcl(
   def work_init(ctx: ClientContext, key: jax.Array) -> FedPCLCarry:
     return FedPCLCarry(base.init(ctx, key), jax.random.fold_in(key, 3))
 
-  def work_step(ctx: ClientContext, carry: FedPCLCarry, batch, key):
-    return dataclasses.replace(carry, sgd=base.step(ctx, carry.sgd, batch, key))
-
   def work_final(ctx: ClientContext, carry: FedPCLCarry) -> FedPCLOutput:
     start = ctx.state['model']
     params = jax.tree.map(
@@ -418,14 +415,7 @@ def fedpcl(
       num_steps=carry.sgd.num_steps,
     )
 
-  work = ClientWork(
-    init=work_init,
-    step=work_step,
-    final=work_final,
-    batching=batching,
-    init_opt_state=base.init_opt_state,
-    opt_state=lambda carry: carry.sgd.opt_state,
-  )
+  work = extended_sgd_work(base, work_init, work_final)
 
   def server_update(
     state: FedPCLState, cohort: Cohort, out: FedPCLOutput, rc: RoundContext

@@ -24,12 +24,13 @@ from optax import tree_utils as otu
 
 from fedjax_personal.algorithms.fedavg import (
   ClientOutput,
-  server_apply,
   summed_upload,
 )
 from fedjax_personal.algorithms.mime_lite import (
+  from_server_base_state,
   full_batch_gradient,
   held_state,
+  server_step,
 )
 from fedjax_personal.config import (
   BATCHING,
@@ -58,7 +59,7 @@ from fedjax_personal.core.training import (
   SGDCarry,
   sgd_client_work,
 )
-from fedjax_personal.core.tree_util import PyTree, tree_where
+from fedjax_personal.core.tree_util import PyTree
 from fedjax_personal.models import Model
 
 __all__ = ['build', 'mime', 'MimeConfig', 'MimeState', 'SPEC']
@@ -184,33 +185,18 @@ def mime(
     final,
     start_fn=lambda ctx: ctx.shared.params,
   )
-  start = work.init
   # the server's base state, not a fresh one
-  work = dataclasses.replace(
-    work,
-    init=lambda ctx, key: start(ctx, key).replace(
-      opt_state=ctx.shared.base_opt_state
-    ),
-  )
+  work = from_server_base_state(work)
 
   def server_update(
     state: MimeState, cohort: Cohort, out: PhasedOutputs, rc: RoundContext
   ):
     clients: ClientOutput = out.clients
     mean_delta, weight = aggregation.upload_mean(clients.delta)
-    params, opt_state = server_apply(
-      state.params, state.opt_state, mean_delta, weight, server_optimizer
+    new = server_step(
+      state, mean_delta, weight, out.phase, rc.round, server_optimizer, base
     )
-    _, base_opt_state = base.update(
-      out.phase, state.base_opt_state, state.params, round_num=rc.round
-    )
-    base_opt_state = tree_where(
-      weight > 0, base_opt_state, state.base_opt_state
-    )
-    return (
-      MimeState(params, base_opt_state, opt_state),
-      cohort_train_metrics(clients.stats, cohort.mask),
-    )
+    return new, cohort_train_metrics(clients.stats, cohort.mask)
 
   return FederatedAlgorithm(
     name='mime',

@@ -58,11 +58,13 @@ from fedjax_personal.models import Model
 
 __all__ = [
   'build',
+  'from_server_base_state',
   'full_batch_gradient',
   'held_state',
   'mime_lite',
   'MimeLiteConfig',
   'MimeLiteState',
+  'server_step',
   'SPEC',
 ]
 
@@ -123,6 +125,62 @@ def held_state(
     return inner.update(updates, state, params, **extra_args)[0], state
 
   return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+def from_server_base_state(work):
+  """``work`` (local SGD) starting from the round's base optimizer state
+  (``ctx.shared.base_opt_state``) instead of a fresh one.
+
+  Args:
+    work: an ``sgd_client_work``.
+
+  Returns:
+    The ``ClientWork``.
+  """
+  start = work.init
+  return dataclasses.replace(
+    work,
+    init=lambda ctx, key: start(ctx, key).replace(
+      opt_state=ctx.shared.base_opt_state
+    ),
+  )
+
+
+def server_step(
+  state,
+  mean_delta: PyTree,
+  weight,
+  grad: PyTree,
+  round_num,
+  server_optimizer: optax.GradientTransformation,
+  base: optax.GradientTransformationExtraArgs,
+):
+  """Both Mimes' server step: x moved by the server optimizer on the mean
+  delta, the base optimizer's state updated with the mean full-batch
+  gradient at the old x (kept when no client uploaded).
+
+  Args:
+    state: a state with ``params``, ``base_opt_state`` and ``opt_state``.
+    mean_delta: the cohort's mean delta.
+    weight: its total weight.
+    grad: the mean full-batch gradient at x.
+    round_num: the round (the base optimizer's schedules).
+    server_optimizer: moves x.
+    base: the base optimizer.
+
+  Returns:
+    The new state.
+  """
+  params, opt_state = server_apply(
+    state.params, state.opt_state, mean_delta, weight, server_optimizer
+  )
+  _, base_opt_state = base.update(
+    grad, state.base_opt_state, state.params, round_num=round_num
+  )
+  base_opt_state = tree_where(weight > 0, base_opt_state, state.base_opt_state)
+  return dataclasses.replace(
+    state, params=params, base_opt_state=base_opt_state, opt_state=opt_state
+  )
 
 
 def full_batch_gradient(model: Model, params, train) -> PyTree:
@@ -197,14 +255,8 @@ def mime_lite(
     final,
     start_fn=lambda ctx: ctx.shared.params,
   )
-  start = work.init
   # the server's base state, not a fresh one
-  work = dataclasses.replace(
-    work,
-    init=lambda ctx, key: start(ctx, key).replace(
-      opt_state=ctx.shared.base_opt_state
-    ),
-  )
+  work = from_server_base_state(work)
 
   def server_broadcast(state: MimeLiteState, cohort: Cohort, rc: RoundContext):
     return Broadcast(state.params, state.base_opt_state), cohort.mask
@@ -213,19 +265,10 @@ def mime_lite(
     state: MimeLiteState, cohort: Cohort, out: ClientOutput, rc: RoundContext
   ):
     (mean_delta, grad), weight = aggregation.upload_mean(out.delta)
-    params, opt_state = server_apply(
-      state.params, state.opt_state, mean_delta, weight, server_optimizer
+    new = server_step(
+      state, mean_delta, weight, grad, rc.round, server_optimizer, base
     )
-    _, base_opt_state = base.update(
-      grad, state.base_opt_state, state.params, round_num=rc.round
-    )
-    base_opt_state = tree_where(
-      weight > 0, base_opt_state, state.base_opt_state
-    )
-    return (
-      MimeLiteState(params, base_opt_state, opt_state),
-      cohort_train_metrics(out.stats, cohort.mask),
-    )
+    return new, cohort_train_metrics(out.stats, cohort.mask)
 
   return FederatedAlgorithm(
     name='mime_lite',

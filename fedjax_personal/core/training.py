@@ -50,6 +50,7 @@ __all__ = [
   'run_work',
   'sgd_client_work',
   'sgd_finetune',
+  'extended_sgd_work',
   'SGDCarry',
   'StatsAndState',
   'unroll_steps',
@@ -586,6 +587,33 @@ def sgd_client_work(
     batching=batching,
     init_opt_state=lambda params: optimizer.init(trained_like(params)),
     opt_state=lambda carry: carry.opt_state,
+  )
+
+
+def extended_sgd_work(base: ClientWork, init: Callable, final: Callable):
+  """Local SGD whose carry holds more than SGD's (FedAS's key, FedALA's
+  weights, FedPCL's pass key): ``init(ctx, key)`` returns a carry holding
+  ``base``'s ``SGDCarry`` in its field ``sgd``, each step runs ``base``'s step
+  on it and keeps the rest, ``final(ctx, carry)`` gives the output.
+
+  Args:
+    base: an ``sgd_client_work``.
+    init: ``(ctx, key) -> carry``.
+    final: ``(ctx, carry) -> output``.
+
+  Returns:
+    The ``ClientWork``.
+  """
+
+  def step(ctx: ClientContext, carry, batch, key):
+    return dataclasses.replace(carry, sgd=base.step(ctx, carry.sgd, batch, key))
+
+  return dataclasses.replace(
+    base,
+    init=init,
+    step=step,
+    final=final,
+    opt_state=lambda carry: carry.sgd.opt_state,
   )
 
 
