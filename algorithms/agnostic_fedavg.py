@@ -40,7 +40,9 @@ from fedjax_personal.config import (
   CLIENT_OPTIMIZER,
   SERVER_OPTIMIZER,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core import aggregation
@@ -384,7 +386,12 @@ def _one_label_per_example(model: Model, data) -> bool:
   return len(jax.eval_shape(model.apply, params, x).shape) == 2
 
 
-def build(training, config: AgnosticFedAvgConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: AgnosticFedAvgConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """Agnostic FedAvg, built as ``AlgorithmSpec.build`` says: the domains
   are the data's known groups or its labels.
 

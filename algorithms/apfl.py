@@ -20,8 +20,14 @@ from fedjax_personal.algorithms.global_personal import (
   global_personal_algorithm,
   two_model_work,
 )
-from fedjax_personal.config import AlgorithmSpec, Declared, hparam
-from fedjax_personal.core.algorithm import ClientModels
+from fedjax_personal.config import (
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  TrainingConfig,
+  hparam,
+)
+from fedjax_personal.core.algorithm import ClientModels, FederatedAlgorithm
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.losses import Batch
 from fedjax_personal.core.training import ClientContext, batch_loss
@@ -128,7 +134,12 @@ def apfl(
   )
 
 
-def build(training, config: APFLConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: APFLConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """APFL, built as ``AlgorithmSpec.build`` says; its settings
   ``APFLConfig``."""
   return apfl(
@@ -138,7 +149,7 @@ def build(training, config: APFLConfig, model, data):
     training.batching(),
     alpha=config.alpha,
     server_optimizer=training.make_server_optimizer(),
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
   )
 
 

@@ -39,7 +39,9 @@ from fedjax_personal.config import (
   FINETUNE,
   WEIGHTING,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core import aggregation, clustering
@@ -275,7 +277,12 @@ def cfl(
   )
 
 
-def build(training, config: CFLConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: CFLConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """Clustered FL, built as ``AlgorithmSpec.build`` says; its settings
   ``CFLConfig``."""
   return cfl(
@@ -288,7 +295,7 @@ def build(training, config: CFLConfig, model, data):
     eps2=config.eps2,
     warmup_rounds=config.warmup_rounds,
     ratio=config.ratio,
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
   )
 
 

@@ -19,7 +19,14 @@ from fedjax_personal.algorithms.global_personal import (
   global_personal_algorithm,
   two_model_work,
 )
-from fedjax_personal.config import AlgorithmSpec, Declared, hparam
+from fedjax_personal.config import (
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  TrainingConfig,
+  hparam,
+)
+from fedjax_personal.core.algorithm import FederatedAlgorithm
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.losses import Batch
 from fedjax_personal.core.training import ClientContext, batch_loss
@@ -104,7 +111,12 @@ def ditto(
   )
 
 
-def build(training, config: DittoConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: DittoConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """Ditto, built as ``AlgorithmSpec.build`` says; its settings
   ``DittoConfig``."""
   return ditto(
@@ -119,7 +131,7 @@ def build(training, config: DittoConfig, model, data):
       else training.make_client_optimizer(config.personal_lr)
     ),
     server_optimizer=training.make_server_optimizer(),
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
   )
 
 

@@ -27,7 +27,9 @@ from fedjax_personal.config import (
   BATCHING,
   CLIENT_OPTIMIZER,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core.algorithm import FederatedAlgorithm
@@ -126,7 +128,12 @@ def fd(
   )
 
 
-def build(training, config: FDConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FDConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FD, built as ``AlgorithmSpec.build`` says; its settings ``FDConfig``."""
   return fd(
     model,

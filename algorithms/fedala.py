@@ -43,7 +43,14 @@ from fedjax_personal.algorithms.fedavg import (
   global_server_update,
   summed_upload,
 )
-from fedjax_personal.config import FINETUNE, AlgorithmSpec, Declared, hparam
+from fedjax_personal.config import (
+  FINETUNE,
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  TrainingConfig,
+  hparam,
+)
 from fedjax_personal.core.algorithm import (
   ClientModels,
   ClientRows,
@@ -423,7 +430,12 @@ def fedala(
   )
 
 
-def build(training, config: FedALAConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedALAConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedALA, built as ``AlgorithmSpec.build`` says; its settings
   ``FedALAConfig``."""
   return fedala(
@@ -436,7 +448,7 @@ def build(training, config: FedALAConfig, model, data):
     config.layers,
     config.max_passes,
     training.make_server_optimizer(),
-    training.weighting,
+    training.filled_weighting(),
   )
 
 

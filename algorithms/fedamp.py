@@ -48,7 +48,9 @@ from fedjax_personal.config import (
   BATCHING,
   CLIENT_OPTIMIZER,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core.algorithm import (
@@ -312,7 +314,12 @@ def fedamp(
   )
 
 
-def build(training, config: FedAMPConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedAMPConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedAMP, built as ``AlgorithmSpec.build`` says; its settings
   ``FedAMPConfig``."""
   return fedamp(

@@ -47,7 +47,9 @@ from fedjax_personal.config import (
   FINETUNE,
   WEIGHTING,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core.algorithm import (
@@ -378,7 +380,12 @@ def fedas(
   )
 
 
-def build(training, config: FedASConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedASConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedAS, built as ``AlgorithmSpec.build`` says; its settings
   ``FedASConfig``."""
   return fedas(

@@ -29,6 +29,8 @@ from fedjax_personal.config import (
   WEIGHTING,
   WEIGHTINGS,
   AlgorithmSpec,
+  BuildData,
+  TrainingConfig,
 )
 from fedjax_personal.core import aggregation
 from fedjax_personal.core.algorithm import (
@@ -533,7 +535,13 @@ class FedAvgConfig(DPConfig):
   prefix: ClassVar[str] = 'fedavg'
 
 
-def build(training, config: FedAvgConfig, model, data, name='fedavg'):
+def build(
+  training: TrainingConfig,
+  config: FedAvgConfig,
+  model: Model,
+  data: BuildData,
+  name: str = 'fedavg',
+) -> FederatedAlgorithm:
   """Registry builder."""
   batching = training.batching()
   alg = fedavg(
@@ -542,7 +550,7 @@ def build(training, config: FedAvgConfig, model, data, name='fedavg'):
     training.make_client_optimizer(),
     batching,
     server_optimizer=training.make_server_optimizer(),
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
     name=name,
     dp=config.dp(),
   )

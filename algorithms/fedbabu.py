@@ -29,10 +29,12 @@ from fedjax_personal.config import (
   SERVER_OPTIMIZER,
   WEIGHTING,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
-from fedjax_personal.core.algorithm import Communication
+from fedjax_personal.core.algorithm import Communication, FederatedAlgorithm
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.losses import plain_objective
 from fedjax_personal.core.training import local_sgd
@@ -117,7 +119,12 @@ def babu_finetune(
   return finetune
 
 
-def build(training, config: FedBABUConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedBABUConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedBABU, built as ``AlgorithmSpec.build`` says; its settings
   ``FedBABUConfig``."""
   head = model.require_head('--algorithm=fedbabu')
@@ -129,7 +136,7 @@ def build(training, config: FedBABUConfig, model, data):
     client_optimizer,
     batching,
     server_optimizer=training.make_server_optimizer(),
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
     name='fedbabu',
     finetune=babu_finetune(
       model,

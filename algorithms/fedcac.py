@@ -46,7 +46,14 @@ from fedjax_personal.algorithms.fedavg import (
   server_apply,
   train_tokens,
 )
-from fedjax_personal.config import FINETUNE, AlgorithmSpec, Declared, hparam
+from fedjax_personal.config import (
+  FINETUNE,
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  TrainingConfig,
+  hparam,
+)
 from fedjax_personal.core.algorithm import (
   ClientModels,
   ClientRows,
@@ -340,7 +347,12 @@ def fedcac(
   )
 
 
-def build(training, config: FedCACConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedCACConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedCAC, built as ``AlgorithmSpec.build`` says; its settings
   ``FedCACConfig``."""
   return fedcac(
@@ -351,7 +363,7 @@ def build(training, config: FedCACConfig, model, data):
     config.tau,
     config.beta,
     training.make_server_optimizer(),
-    training.weighting,
+    training.filled_weighting(),
   )
 
 

@@ -40,7 +40,9 @@ from fedjax_personal.config import (
   BATCHING,
   CLIENT_OPTIMIZER,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core import aggregation
@@ -381,7 +383,12 @@ def fedcp(
   )
 
 
-def build(training, config: FedCPConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedCPConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedCP, built as ``AlgorithmSpec.build`` says; its settings
   ``FedCPConfig``."""
   return fedcp(

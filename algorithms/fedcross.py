@@ -46,7 +46,14 @@ from fedjax_personal.algorithms.fedavg import (
   global_server_update,
   summed_upload,
 )
-from fedjax_personal.config import FINETUNE, AlgorithmSpec, Declared, hparam
+from fedjax_personal.config import (
+  FINETUNE,
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  TrainingConfig,
+  hparam,
+)
 from fedjax_personal.core.algorithm import (
   ClientModels,
   ClientRows,
@@ -337,7 +344,12 @@ def fedcross(
   )
 
 
-def build(training, config: FedCrossConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedCrossConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedCross, built as ``AlgorithmSpec.build`` says; its settings
   ``FedCrossConfig`` (M every client unless given)."""
   return fedcross(
@@ -350,7 +362,7 @@ def build(training, config: FedCrossConfig, model, data):
     config.partner,
     config.first_stage_bound,
     training.make_server_optimizer(),
-    training.weighting,
+    training.filled_weighting(),
   )
 
 

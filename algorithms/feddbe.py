@@ -36,7 +36,14 @@ from fedjax_personal.algorithms.fedavg import (
   global_server_update,
   summed_upload,
 )
-from fedjax_personal.config import FINETUNE, AlgorithmSpec, Declared, hparam
+from fedjax_personal.config import (
+  FINETUNE,
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  TrainingConfig,
+  hparam,
+)
 from fedjax_personal.core.algorithm import (
   ClientModels,
   ClientRows,
@@ -291,7 +298,12 @@ def feddbe(
   )
 
 
-def build(training, config: FedDBEConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedDBEConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedDBE, built as ``AlgorithmSpec.build`` says; its settings
   ``FedDBEConfig``."""
   return feddbe(
@@ -302,7 +314,7 @@ def build(training, config: FedDBEConfig, model, data):
     config.momentum,
     config.kl_weight,
     training.make_server_optimizer(),
-    training.weighting,
+    training.filled_weighting(),
   )
 
 

@@ -40,7 +40,9 @@ from fedjax_personal.config import (
   CLIENT_OPTIMIZER,
   FINETUNE,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core.algorithm import (
@@ -344,7 +346,12 @@ def feddyn_options(config: FedDynConfig) -> dict:
   )
 
 
-def build(training, config: FedDynConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedDynConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedDyn, built as ``AlgorithmSpec.build`` says; its settings
   ``FedDynConfig``."""
   return feddyn(

@@ -37,6 +37,8 @@ from fedjax_personal.config import (
   CLIENT_OPTIMIZER,
   FINETUNE,
   AlgorithmSpec,
+  BuildData,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core.algorithm import (
@@ -360,7 +362,12 @@ def fedfomo(
   )
 
 
-def build(training, config: FedFomoConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedFomoConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedFomo, built as ``AlgorithmSpec.build`` says; its settings
   ``FedFomoConfig``; every client needs a validation split."""
   if int(np.asarray(data.val.num_examples).min()) == 0:

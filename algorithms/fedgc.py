@@ -47,7 +47,9 @@ from fedjax_personal.config import (
   SERVER_OPTIMIZER,
   WEIGHTING,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core.algorithm import (
@@ -326,7 +328,12 @@ def fedgc(
   )
 
 
-def build(training, config: FedGCConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedGCConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedGC, built as ``AlgorithmSpec.build`` says; its settings
   ``FedGCConfig``."""
   return fedgc(
@@ -338,7 +345,7 @@ def build(training, config: FedGCConfig, model, data):
     training.client_lr * config.lamda,
     config.absent_labels,
     training.make_server_optimizer(),
-    training.weighting,
+    training.filled_weighting(),
   )
 
 

@@ -40,7 +40,13 @@ from fedjax_personal.algorithms.fedavg import (
   server_apply,
   summed_upload,
 )
-from fedjax_personal.config import AlgorithmSpec, Declared, hparam
+from fedjax_personal.config import (
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  TrainingConfig,
+  hparam,
+)
 from fedjax_personal.core import aggregation
 from fedjax_personal.core.algorithm import (
   ClientModels,
@@ -396,7 +402,12 @@ def fedgen(
   )
 
 
-def build(training, config: FedGenConfig, model, data) -> FederatedAlgorithm:
+def build(
+  training: TrainingConfig,
+  config: FedGenConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedGen, built as ``AlgorithmSpec.build`` says; its settings
   ``FedGenConfig``.
 
@@ -421,7 +432,7 @@ def build(training, config: FedGenConfig, model, data) -> FederatedAlgorithm:
     generator_lr=config.generator_lr,
     server_epochs=config.server_epochs,
     server_optimizer=training.make_server_optimizer(),
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
   )
 
 

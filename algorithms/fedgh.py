@@ -42,7 +42,9 @@ from fedjax_personal.config import (
   BATCHING,
   CLIENT_OPTIMIZER,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core.aggregation import Sum
@@ -313,7 +315,12 @@ def fedgh(
   )
 
 
-def build(training, config: FedGHConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedGHConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedGH, built as ``AlgorithmSpec.build`` says; its settings
   ``FedGHConfig``."""
   return fedgh(

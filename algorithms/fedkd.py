@@ -52,7 +52,9 @@ from fedjax_personal.config import (
   BATCHING,
   CLIENT_OPTIMIZER,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core.algorithm import (
@@ -385,7 +387,12 @@ def fedkd(
   )
 
 
-def build(training, config: FedKDConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedKDConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedKD, built as ``AlgorithmSpec.build`` says; its settings
   ``FedKDConfig`` (its ``horizon`` given: the command fills it)."""
   return fedkd(

@@ -32,8 +32,18 @@ from fedjax_personal.algorithms.fedavg import (
   fedavg,
   global_model_communication,
 )
-from fedjax_personal.config import AlgorithmSpec, Declared, hparam
-from fedjax_personal.core.algorithm import PreRound, RoundContext
+from fedjax_personal.config import (
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  TrainingConfig,
+  hparam,
+)
+from fedjax_personal.core.algorithm import (
+  FederatedAlgorithm,
+  PreRound,
+  RoundContext,
+)
 from fedjax_personal.core.data import LocalData, label_counts
 from fedjax_personal.core.losses import Batch, forward, logits_loss
 from fedjax_personal.core.sampling import Cohort
@@ -182,7 +192,12 @@ def fedlc(
   )
 
 
-def build(training, config: FedLCConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedLCConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedLC, built as ``AlgorithmSpec.build`` says; its settings
   ``FedLCConfig``."""
   return fedlc(
@@ -194,7 +209,7 @@ def build(training, config: FedLCConfig, model, data):
     config.tau,
     config.counts,
     server_optimizer=training.make_server_optimizer(),
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
   )
 
 

@@ -34,7 +34,9 @@ from fedjax_personal.config import (
   BATCHING,
   CLIENT_OPTIMIZER,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core.algorithm import (
@@ -217,7 +219,12 @@ def fedmtl(
   )
 
 
-def build(training, config: FedMTLConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedMTLConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedMTL, built as ``AlgorithmSpec.build`` says; its settings
   ``FedMTLConfig``."""
   return fedmtl(

@@ -37,7 +37,10 @@ from fedjax_personal.config import (
   SERVER_OPTIMIZER,
   WEIGHTING,
   AlgorithmSpec,
+  BuildData,
+  Declared,
   NoConfig,
+  TrainingConfig,
 )
 from fedjax_personal.core import aggregation
 from fedjax_personal.core.algorithm import (
@@ -181,7 +184,12 @@ def fednova(
   )
 
 
-def build(training, config, model, data):
+def build(
+  training: TrainingConfig,
+  config: Declared,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedNova, built as ``AlgorithmSpec.build`` says."""
   del config
   return fednova(
@@ -191,7 +199,7 @@ def build(training, config, model, data):
     training.batching(),
     momentum=training.client_momentum,
     server_optimizer=training.make_server_optimizer(),
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
   )
 
 

@@ -23,7 +23,14 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS, fedavg
-from fedjax_personal.config import AlgorithmSpec, Declared, hparam
+from fedjax_personal.config import (
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  TrainingConfig,
+  hparam,
+)
+from fedjax_personal.core.algorithm import FederatedAlgorithm
 from fedjax_personal.core.losses import Batch, forward, logits_loss
 from fedjax_personal.core.training import ClientContext
 from fedjax_personal.models import Model
@@ -104,7 +111,12 @@ def ntd_objective(model: Model, beta, tau):
   return objective_fn
 
 
-def build(training, config: FedNTDConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedNTDConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedNTD, built as ``AlgorithmSpec.build`` says; its settings
   ``FedNTDConfig``."""
   return fedavg(
@@ -113,7 +125,7 @@ def build(training, config: FedNTDConfig, model, data):
     training.make_client_optimizer(),
     training.batching(),
     server_optimizer=training.make_server_optimizer(),
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
     objective_fn=ntd_objective(model, config.beta, config.tau),
     name='fedntd',
   )

@@ -57,7 +57,9 @@ from fedjax_personal.config import (
   BATCHING,
   CLIENT_OPTIMIZER,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core.algorithm import (
@@ -619,7 +621,12 @@ def fedpac(
   )
 
 
-def build(training, config: FedPACConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedPACConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedPAC, built as ``AlgorithmSpec.build`` says; its settings
   ``FedPACConfig``."""
   return fedpac(

@@ -56,7 +56,9 @@ from fedjax_personal.config import (
   BATCHING,
   CLIENT_OPTIMIZER,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core.algorithm import (
@@ -516,7 +518,12 @@ def fedpcl(
   )
 
 
-def build(training, config: FedPCLConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedPCLConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedPCL, built as ``AlgorithmSpec.build`` says; its settings
   ``FedPCLConfig``."""
   return fedpcl(

@@ -40,7 +40,14 @@ from fedjax_personal.algorithms.fedavg import (
   summed_upload,
 )
 from fedjax_personal.algorithms.fedcp import mmd_rbf
-from fedjax_personal.config import FINETUNE, AlgorithmSpec, Declared, hparam
+from fedjax_personal.config import (
+  FINETUNE,
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  TrainingConfig,
+  hparam,
+)
 from fedjax_personal.core.algorithm import (
   ClientModels,
   ClientRows,
@@ -233,7 +240,12 @@ def fedphp(
   )
 
 
-def build(training, config: FedPHPConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedPHPConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedPHP, built as ``AlgorithmSpec.build`` says; its settings
   ``FedPHPConfig`` (its ``horizon`` given: the command fills it)."""
   return fedphp(
@@ -245,7 +257,7 @@ def build(training, config: FedPHPConfig, model, data):
     config.mu,
     require_filled(config, 'horizon'),
     training.make_server_optimizer(),
-    training.weighting,
+    training.filled_weighting(),
   )
 
 

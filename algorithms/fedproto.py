@@ -32,7 +32,9 @@ from fedjax_personal.config import (
   BATCHING,
   CLIENT_OPTIMIZER,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core.algorithm import (
@@ -386,7 +388,12 @@ def fedproto(
   )
 
 
-def build(training, config: FedProtoConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedProtoConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedProto, built as ``AlgorithmSpec.build`` says; its settings
   ``FedProtoConfig``."""
   return fedproto(

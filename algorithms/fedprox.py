@@ -10,7 +10,14 @@ import optax
 from optax import tree_utils as otu
 
 from fedjax_personal.algorithms.fedavg import FEDAVG_SETTINGS, fedavg
-from fedjax_personal.config import AlgorithmSpec, Declared, hparam
+from fedjax_personal.config import (
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  TrainingConfig,
+  hparam,
+)
+from fedjax_personal.core.algorithm import FederatedAlgorithm
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.training import ClientContext, batch_loss
 from fedjax_personal.core.tree_util import is_concrete
@@ -78,7 +85,12 @@ def fedprox(
   )
 
 
-def build(training, config: FedProxConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedProxConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedProx, built as ``AlgorithmSpec.build`` says; its settings
   ``FedProxConfig``."""
   return fedprox(
@@ -88,7 +100,7 @@ def build(training, config: FedProxConfig, model, data):
     training.batching(),
     config.mu,
     server_optimizer=training.make_server_optimizer(),
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
   )
 
 

@@ -37,7 +37,13 @@ from fedjax_personal.algorithms.fedavg import (
   global_server_update,
   summed_upload,
 )
-from fedjax_personal.config import FINETUNE, AlgorithmSpec, Declared
+from fedjax_personal.config import (
+  FINETUNE,
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  TrainingConfig,
+)
 from fedjax_personal.core.algorithm import (
   ClientModels,
   ClientRows,
@@ -222,7 +228,12 @@ def fedrod(
   )
 
 
-def build(training, config: FedRoDConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FedRoDConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedRoD, built as ``AlgorithmSpec.build`` says; its settings
   ``FedRoDConfig``."""
   del config
@@ -233,7 +244,7 @@ def build(training, config: FedRoDConfig, model, data):
     training.make_client_optimizer(),
     training.batching(),
     training.make_server_optimizer(),
-    training.weighting,
+    training.filled_weighting(),
   )
 
 

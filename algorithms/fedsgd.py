@@ -11,8 +11,12 @@ from fedjax_personal.config import (
   SERVER_OPTIMIZER,
   WEIGHTING,
   AlgorithmSpec,
+  BuildData,
+  Declared,
   NoConfig,
+  TrainingConfig,
 )
+from fedjax_personal.core.algorithm import FederatedAlgorithm
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
@@ -50,7 +54,12 @@ def fedsgd(
   )
 
 
-def build(training, config, model, data):
+def build(
+  training: TrainingConfig,
+  config: Declared,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FedSGD, built as ``AlgorithmSpec.build`` says."""
   del config
   return fedsgd(
@@ -59,7 +68,7 @@ def build(training, config, model, data):
     training.make_client_optimizer(),
     batch_size=training.batch_size or None,
     server_optimizer=training.make_server_optimizer(),
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
   )
 
 

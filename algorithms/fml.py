@@ -38,7 +38,9 @@ from fedjax_personal.config import (
   BATCHING,
   CLIENT_OPTIMIZER,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core.algorithm import (
@@ -222,7 +224,12 @@ def fml(
   )
 
 
-def build(training, config: FMLConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: FMLConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """FML, built as ``AlgorithmSpec.build`` says; its settings ``FMLConfig``."""
   return fml(
     model,

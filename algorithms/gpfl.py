@@ -42,7 +42,9 @@ from fedjax_personal.config import (
   BATCHING,
   CLIENT_OPTIMIZER,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core import aggregation
@@ -438,7 +440,12 @@ def gpfl(
   )
 
 
-def build(training, config: GPFLConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: GPFLConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """GPFL, built as ``AlgorithmSpec.build`` says; its settings
   ``GPFLConfig``."""
   return gpfl(

@@ -33,7 +33,9 @@ from fedjax_personal.config import (
   SERVER_OPTIMIZER,
   WEIGHTING,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core.algorithm import (
@@ -184,7 +186,12 @@ def hyp_cluster(
   )
 
 
-def build(training, config: HypClusterConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: HypClusterConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """HypCluster, built as ``AlgorithmSpec.build`` says."""
   return hyp_cluster(
     model,
@@ -193,7 +200,7 @@ def build(training, config: HypClusterConfig, model, data):
     training.make_client_optimizer(),
     training.batching(),
     server_optimizer=training.make_server_optimizer(),
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
   )
 
 

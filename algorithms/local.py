@@ -13,7 +13,10 @@ from fedjax_personal.config import (
   CLIENT_OPTIMIZER,
   FINETUNE,
   AlgorithmSpec,
+  BuildData,
+  Declared,
   NoConfig,
+  TrainingConfig,
 )
 from fedjax_personal.core.algorithm import (
   ClientModels,
@@ -118,7 +121,12 @@ def local(
   )
 
 
-def build(training, config, model, data):
+def build(
+  training: TrainingConfig,
+  config: Declared,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """Local (each client alone), built as ``AlgorithmSpec.build`` says."""
   del config
   return local(

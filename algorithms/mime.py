@@ -38,7 +38,9 @@ from fedjax_personal.config import (
   SERVER_OPTIMIZER,
   WEIGHTING,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
 )
 from fedjax_personal.core import aggregation
 from fedjax_personal.core.algorithm import (
@@ -212,7 +214,12 @@ def mime(
   )
 
 
-def build(training, config: MimeConfig, model, data) -> FederatedAlgorithm:
+def build(
+  training: TrainingConfig,
+  config: MimeConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """Mime, built as ``AlgorithmSpec.build`` says; the base optimizer is the
   client optimizer (``--client_*``)."""
   del config
@@ -222,7 +229,7 @@ def build(training, config: MimeConfig, model, data) -> FederatedAlgorithm:
     training.make_client_optimizer(),
     training.batching(),
     server_optimizer=training.make_server_optimizer(),
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
   )
 
 

@@ -34,7 +34,9 @@ from fedjax_personal.config import (
   SERVER_OPTIMIZER,
   WEIGHTING,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core import aggregation
@@ -284,7 +286,12 @@ def mime_lite(
   )
 
 
-def build(training, config: MimeLiteConfig, model, data) -> FederatedAlgorithm:
+def build(
+  training: TrainingConfig,
+  config: MimeLiteConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """Mime Lite, built as ``AlgorithmSpec.build`` says; the base optimizer
   is the client optimizer (``--client_*``)."""
   return mime_lite(
@@ -293,7 +300,7 @@ def build(training, config: MimeLiteConfig, model, data) -> FederatedAlgorithm:
     training.make_client_optimizer(),
     training.batching(),
     server_optimizer=training.make_server_optimizer(),
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
     delta_clip_norm=config.delta_clip_norm,
   )
 

@@ -31,7 +31,14 @@ from fedjax_personal.algorithms.fedavg import (
   global_server_update,
   summed_upload,
 )
-from fedjax_personal.config import FINETUNE, AlgorithmSpec, Declared, hparam
+from fedjax_personal.config import (
+  FINETUNE,
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  TrainingConfig,
+  hparam,
+)
 from fedjax_personal.core.algorithm import (
   ClientModels,
   ClientRows,
@@ -210,7 +217,12 @@ def moon(
   )
 
 
-def build(training, config: MOONConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: MOONConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """MOON, built as ``AlgorithmSpec.build`` says; its settings
   ``MOONConfig``."""
   return moon(
@@ -221,7 +233,7 @@ def build(training, config: MOONConfig, model, data):
     config.mu,
     config.tau,
     training.make_server_optimizer(),
-    training.weighting,
+    training.filled_weighting(),
   )
 
 

@@ -20,7 +20,13 @@ from fedjax_personal.algorithms.fedavg import (
   server_step,
   summed_upload,
 )
-from fedjax_personal.config import AlgorithmSpec, NoConfig
+from fedjax_personal.config import (
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  NoConfig,
+  TrainingConfig,
+)
 from fedjax_personal.core.algorithm import (
   ClientModels,
   Communication,
@@ -118,7 +124,12 @@ def oracle(
   )
 
 
-def build(training, config, model, data):
+def build(
+  training: TrainingConfig,
+  config: Declared,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """Oracle (FedAvg within each true group), built as ``AlgorithmSpec.build``
   says."""
   del config
@@ -128,7 +139,7 @@ def build(training, config, model, data):
     training.make_client_optimizer(),
     training.batching(),
     server_optimizer=training.make_server_optimizer(),
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
   )
 
 

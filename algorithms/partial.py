@@ -32,7 +32,13 @@ from fedjax_personal.algorithms.fedavg import (
   server_step,
   summed_upload,
 )
-from fedjax_personal.config import AlgorithmSpec, Declared, hparam
+from fedjax_personal.config import (
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  TrainingConfig,
+  hparam,
+)
 from fedjax_personal.core.algorithm import (
   ClientModels,
   ClientRows,
@@ -417,7 +423,12 @@ def partial_personalization(
 
 
 def _build(mode, personal_part=None, head_ratio=1, name=None):
-  def build(training, config: PartialConfig, model, data):
+  def build(
+    training: TrainingConfig,
+    config: PartialConfig,
+    model: Model,
+    data: BuildData,
+  ) -> FederatedAlgorithm:
     try:
       split = make_split(
         personal_part or config.personal_part,
@@ -463,7 +474,7 @@ def _build(mode, personal_part=None, head_ratio=1, name=None):
         learning_rate=personal_lr
       ),
       server_optimizer=training.make_server_optimizer(),
-      weighting=training.weighting,
+      weighting=training.filled_weighting(),
       finetune=ft,
       name=name,
     )

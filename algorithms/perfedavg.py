@@ -32,7 +32,13 @@ from fedjax_personal.algorithms.fedavg import (
   server_step,
   summed_upload,
 )
-from fedjax_personal.config import AlgorithmSpec, Declared, hparam
+from fedjax_personal.config import (
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  TrainingConfig,
+  hparam,
+)
 from fedjax_personal.core.algorithm import (
   ClientModels,
   Communication,
@@ -55,6 +61,7 @@ from fedjax_personal.core.training import (
 )
 from fedjax_personal.core.tree_util import PyTree, tree_bytes
 from fedjax_personal.errors import ConfigError
+from fedjax_personal.hparams import require_filled
 from fedjax_personal.models import Model
 
 __all__ = [
@@ -298,7 +305,12 @@ def perfedavg(
 
 
 def _build(variant):
-  def build(training, config: PerFedAvgConfig, model, data):
+  def build(
+    training: TrainingConfig,
+    config: PerFedAvgConfig,
+    model: Model,
+    data: BuildData,
+  ) -> FederatedAlgorithm:
     return perfedavg(
       model,
       data.num_clients,
@@ -308,8 +320,8 @@ def _build(variant):
       variant=variant,
       delta=config.hf_delta,
       server_optimizer=training.make_server_optimizer(),
-      weighting=training.weighting,
-      eval_steps=training.finetune_steps,
+      weighting=training.filled_weighting(),
+      eval_steps=require_filled(training, 'finetune_steps'),
       eval_lr=training.finetune_lr,
     )
 

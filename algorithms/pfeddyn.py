@@ -31,7 +31,14 @@ from fedjax_personal.algorithms.feddyn import (
   feddyn,
   feddyn_options,
 )
-from fedjax_personal.config import FINETUNE, AlgorithmSpec, hparam
+from fedjax_personal.config import (
+  FINETUNE,
+  AlgorithmSpec,
+  BuildData,
+  TrainingConfig,
+  hparam,
+)
+from fedjax_personal.core.algorithm import FederatedAlgorithm
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.training import (
   Batch,
@@ -43,6 +50,7 @@ from fedjax_personal.core.training import (
   sgd_finetune,
 )
 from fedjax_personal.errors import ConfigError
+from fedjax_personal.hparams import require_filled
 from fedjax_personal.models import Model
 
 __all__ = [
@@ -329,7 +337,12 @@ def pfeddyn(
 
 
 def _build(head):
-  def build(training, config: PFedDynConfig, model, data):
+  def build(
+    training: TrainingConfig,
+    config: PFedDynConfig,
+    model: Model,
+    data: BuildData,
+  ) -> FederatedAlgorithm:
     return pfeddyn(
       model,
       data.num_clients,
@@ -342,7 +355,7 @@ def _build(head):
       inner_steps=config.maml_inner_steps,
       inner_lr=config.maml_inner_lr,
       finetune_lr=0.1 if training.finetune_lr is None else training.finetune_lr,
-      finetune_steps=training.finetune_steps,
+      finetune_steps=require_filled(training, 'finetune_steps'),
       **feddyn_options(config),
     )
 

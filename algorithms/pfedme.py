@@ -24,7 +24,14 @@ from fedjax_personal.algorithms.global_personal import (
   global_personal_algorithm,
   two_model_work,
 )
-from fedjax_personal.config import AlgorithmSpec, Declared, hparam
+from fedjax_personal.config import (
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  TrainingConfig,
+  hparam,
+)
+from fedjax_personal.core.algorithm import FederatedAlgorithm
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.losses import Batch
 from fedjax_personal.core.training import ClientContext, batch_loss
@@ -121,7 +128,12 @@ def pfedme(
   )
 
 
-def build(training, config: PFedMeConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: PFedMeConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """pFedMe, built as ``AlgorithmSpec.build`` says; its settings
   ``PFedMeConfig``."""
   return pfedme(
@@ -133,7 +145,7 @@ def build(training, config: PFedMeConfig, model, data):
     personal_lr=config.personal_lr,
     inner_steps=config.inner_steps,
     server_optimizer=training.make_server_optimizer(),
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
   )
 
 

@@ -36,7 +36,9 @@ from fedjax_personal.config import (
   SERVER_OPTIMIZER,
   WEIGHTING,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core.algorithm import (
@@ -300,7 +302,12 @@ def pflda(
   )
 
 
-def build(training, config: PFLDAConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: PFLDAConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """PFL-DA, built as ``AlgorithmSpec.build`` says; its settings
   ``PFLDAConfig``."""
   return pflda(
@@ -311,7 +318,7 @@ def build(training, config: PFLDAConfig, model, data):
     config.lamda,
     config.distance_gradient,
     training.make_server_optimizer(),
-    training.weighting,
+    training.filled_weighting(),
   )
 
 

@@ -30,7 +30,9 @@ from fedjax_personal.config import (
   CLIENT_OPTIMIZER,
   FINETUNE,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core import aggregation
@@ -155,7 +157,12 @@ def qffl(
   )
 
 
-def build(training, config: QFFLConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: QFFLConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """q-FFL, built as ``AlgorithmSpec.build`` says; its settings ``QFFLConfig``
   (the Lipschitz constant defaults to 1 / client_lr)."""
   lipschitz = (

@@ -34,7 +34,13 @@ from fedjax_personal.algorithms.fedavg import (
   server_step,
   summed_upload,
 )
-from fedjax_personal.config import AlgorithmSpec, NoConfig
+from fedjax_personal.config import (
+  AlgorithmSpec,
+  BuildData,
+  Declared,
+  NoConfig,
+  TrainingConfig,
+)
 from fedjax_personal.core.aggregation import Sum
 from fedjax_personal.core.algorithm import (
   ClientModels,
@@ -210,7 +216,12 @@ def scaffold(
   )
 
 
-def build(training, config, model, data):
+def build(
+  training: TrainingConfig,
+  config: Declared,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """SCAFFOLD, built as ``AlgorithmSpec.build`` says."""
   del config
   return scaffold(
@@ -219,7 +230,7 @@ def build(training, config, model, data):
     training.make_client_optimizer(),
     training.batching(),
     server_optimizer=training.make_server_optimizer(),
-    weighting=training.weighting,
+    weighting=training.filled_weighting(),
   )
 
 

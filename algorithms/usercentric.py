@@ -49,7 +49,9 @@ from fedjax_personal.config import (
   CLIENT_OPTIMIZER,
   FINETUNE,
   AlgorithmSpec,
+  BuildData,
   Declared,
+  TrainingConfig,
   hparam,
 )
 from fedjax_personal.core import aggregation, clustering
@@ -487,7 +489,12 @@ def usercentric(
   )
 
 
-def build(training, config: UserCentricConfig, model, data):
+def build(
+  training: TrainingConfig,
+  config: UserCentricConfig,
+  model: Model,
+  data: BuildData,
+) -> FederatedAlgorithm:
   """User-centric FL, built as ``AlgorithmSpec.build`` says; its settings
   ``UserCentricConfig``."""
   return usercentric(

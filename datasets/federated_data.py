@@ -75,7 +75,7 @@ NoOpClientPreprocessor = ClientPreprocessor()
 class SubsetFederatedData:
   """Some clients of a federated data set, by id.
 
-  (FedJAX's ``SubsetFederatedData``): each id once, iterated in sorted order;
+  FedJAX's ``SubsetFederatedData``: each id once, iterated in sorted order;
   ``client_sizes`` in the base's order.
 
   Args:

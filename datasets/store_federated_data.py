@@ -69,7 +69,7 @@ def _as_bytes(client_id) -> bytes:
 class FederatedData:
   """One split of a population store's clients, by id.
 
-  (FedJAX's ``FederatedData``; ids are bytes as there, str accepted).
+  FedJAX's ``FederatedData``; ids are bytes as there, str accepted.
 
   Args:
     store: a ``core.population.store.PopulationStore``.

@@ -15,7 +15,7 @@ fine-tuning, persistent client optimizer state) is the registry's job
 """
 
 import dataclasses
-from typing import Any, Callable, ClassVar, FrozenSet, Optional
+from typing import Any, Callable, ClassVar, FrozenSet, Optional, Protocol
 
 import jax
 import optax
@@ -29,12 +29,14 @@ from fedjax_personal.hparams import (  # noqa: F401
   field_types,
   flag_name,
   hparam,
+  require_filled,
   validate,
 )
 
 __all__ = [
   'AlgorithmSpec',
   'BATCHING',
+  'BuildData',
   'CLIENT_LR_SCHEDULE',
   'CLIENT_OPTIMIZER',
   'cut_schedule',
@@ -351,6 +353,16 @@ class TrainingConfig(Declared):
       )
     return optax.sgd(self.server_lr, momentum=self.server_momentum or None)
 
+  def filled_weighting(self) -> str:
+    """``weighting`` as an algorithm's builder reads it: filled by
+    ``AlgorithmSpec.resolve`` (``--weighting``, else the algorithm's
+    default); refused naming its flag when a caller left it None.
+
+    Returns:
+      The weighting.
+    """
+    return require_filled(self, 'weighting')
+
   def batching(self) -> Batching:
     if self.local_steps is not None:
       return Batching(
@@ -429,6 +441,31 @@ class NoConfig(Declared):
   """An algorithm without hyperparameters of its own."""
 
   prefix: ClassVar[Optional[str]] = None
+
+
+class BuildData(Protocol):
+  """What an algorithm's builder reads of its population.
+
+  A ``FederatedData`` (the device layout, a library caller's data) or a
+  ``Population`` (the host layout: counts without the examples): its
+  clients, classes and groups, and each split's example counts
+  (``train.num_examples``).
+  """
+
+  @property
+  def num_clients(self) -> int: ...
+
+  @property
+  def num_classes(self) -> int: ...
+
+  @property
+  def groups(self) -> Any: ...
+
+  @property
+  def train(self) -> Any: ...
+
+  @property
+  def val(self) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,6 +97,12 @@ PLANTED = {
     'work = algorithm.client_wrk',
     'client_wrk',
   ),
+  # an algorithm's builder (its data typed ``config.BuildData``)
+  'algorithms/fedpcl.py': (
+    '    data.num_clients,',
+    '    data.num_client,',
+    'num_client',
+  ),
 }
 
 

@@ -69,7 +69,7 @@ class ClientData:
 class PackedClientData:
   """One split of a cohort, its clients' examples back to back.
 
-  (the host layout's cohorts): a round moves and holds the cohort's real
+  The host layout's cohorts: a round moves and holds the cohort's real
   examples, not every client padded to the largest.
 
   Client j's examples are rows ``offsets[j] .. offsets[j] + num_examples[j]``

@@ -97,8 +97,8 @@ def model_init_field():
 class ReproduceSettings(Declared):
   """What every reproduce script shares.
 
-  (its flags generated from these
-  fields, ``script_entry.define_settings_flags``); a script's own settings
+  Its flags generated from these
+  fields, ``script_entry.define_settings_flags``. ; a script's own settings
   class adds its fields to these.
 
   Attributes:

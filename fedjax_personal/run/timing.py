@@ -36,7 +36,7 @@ def harmonic(m: int) -> float:
 class TimeModel:
   """The user-centric paper's time model of a round.
 
-  (upload, download and computing times).
+  Upload, download and computing times.
 
   Attributes:
     rho: T_ul / T_dl.

@@ -72,8 +72,8 @@ _BUFFER_BYTES = 64 << 20
 class StoreDamaged(DataError):
   """A store whose bytes are not those its writer checked.
 
-  (the message
-  names the store, the file and the next command; ``what`` is the damage)."""
+  The message
+  names the store, the file and the next command; ``what`` is the damage."""
 
   def __init__(self, message: str, what: str = ''):
     super().__init__(message)

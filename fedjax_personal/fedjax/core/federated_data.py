@@ -60,7 +60,7 @@ for _cls in (
 class RepeatableIterator:
   """An iterator that starts over after each pass.
 
-  (FedJAX's): values of the first pass are kept (a list, tuple, dict, str or
+  FedJAX's: values of the first pass are kept (a list, tuple, dict, str or
   bytes is iterated again as it is), and when a pass ends (``StopIteration``)
   the next ``next()`` starts the next pass. Stateful: finish one pass before
   another reader starts one.

@@ -311,7 +311,7 @@ def _masked_logits(pred, logits_mask):
 class SequenceTokenAccuracy(Metric):
   """The share of unmasked tokens predicted.
 
-  (arg-max after adding ``logits_mask``)."""
+  Arg-max after adding ``logits_mask``."""
 
   target_key: str = 'y'
   pred_key: Optional[str] = None

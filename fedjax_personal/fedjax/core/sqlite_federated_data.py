@@ -16,7 +16,7 @@ __all__ = ['SQLiteFederatedData', 'SQLiteFederatedDataBuilder']
 class SQLiteFederatedDataBuilder(FederatedDataBuilder):
   """Writes a FedJAX SQLite file.
 
-  (FedJAX's builder): the table ``federated_data(client_id, data,
+  FedJAX's builder: the table ``federated_data(client_id, data,
   num_examples)`` made when the builder is, each added client one row (``data``
   its zlib msgpack examples), the file closed when the ``with`` block ends.
 
