@@ -178,9 +178,8 @@ def _share(key, train: ClientData, percent: int, batch_size: int):
 class LayerCut(NamedTuple):
   """The layers ALA aggregates into, and how to put them back.
 
-  The layers ALA aggregates into: ``split(params) -> BodyAndHead`` (the
-  lower layers, kept, and the upper ones, aggregated) and ``merge(lower,
-  upper) -> params``."""
+  ``split(params) -> BodyAndHead`` (the lower layers, kept, and the upper
+  ones, aggregated) and ``merge(lower, upper) -> params``."""
 
   split: Callable[[PyTree], BodyAndHead]
   merge: Callable[[PyTree, PyTree], PyTree]

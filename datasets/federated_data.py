@@ -34,8 +34,7 @@ ClientId = bytes
 class ClientPreprocessor:
   """A chain of functions on a client's examples and its id.
 
-  A chain of functions on a client's examples that also take its id
-  (FedJAX's ``ClientPreprocessor``).
+  FedJAX's ``ClientPreprocessor``.
 
   Args:
     fns: ``(client_id, examples) -> examples`` functions, applied in order

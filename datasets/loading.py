@@ -166,9 +166,9 @@ def _check_config(cfg: DataConfig) -> None:
 class PooledClients:
   """A data set built in memory, client by client.
 
-  A data set built in memory (a partitioned pool, Tiny Shakespeare,
-  Synthetic, CIFAR-100 split per client), client by client and unpadded:
-  ``padded()`` for the device layout, ``store()`` for the host layout.
+  A partitioned pool, Tiny Shakespeare, Synthetic, CIFAR-100 split per
+  client; unpadded: ``padded()`` for the device layout, ``store()`` for the
+  host layout.
 
   Attributes:
     splits: ``{split: ([x_i], [y_i])}`` (``core.data.client_splits``).

@@ -102,8 +102,8 @@ class SettingError(ValueError):
 class ConfigError(SettingError):
   """An invalid or inapplicable setting, named by its flag.
 
-  An invalid or inapplicable setting named by its flag: ``name`` is the
-  flag (or field) it concerns and the message starts with ``--name:``."""
+  ``name`` is the flag (or field) it concerns and the message starts with
+  ``--name:``."""
 
   def __init__(self, name: str, message: str, text: Optional[str] = None):
     super().__init__(

@@ -71,8 +71,10 @@ class Slots(NamedTuple):
 class Ran(NamedTuple):
   """Clients run one at a time and their outputs.
 
-  Clients run one at a time: which (cohort positions, in the order run)
-  and their outputs."""
+  Attributes:
+    todo: their cohort positions, in the order run.
+    outs: their outputs, in that order.
+  """
 
   todo: List[int]
   outs: List[Any]

@@ -48,11 +48,10 @@ class Batch(NamedTuple):
 class LossStats(NamedTuple):
   """Sums over a batch: loss, correct predictions and counts.
 
-  Sums over a batch: loss, correct predictions, counted targets (the
-  loss's denominator), scored targets (accuracy's: the counted targets less
-  the model's ``unscored_targets``; None: all of them) and scored targets
-  among the model's ``top_k`` highest logits (NaN when ``top_k`` is 0: not
-  computed)."""
+  The counts: counted targets (the loss's denominator), scored targets
+  (accuracy's: the counted targets less the model's ``unscored_targets``;
+  None: all of them) and scored targets among the model's ``top_k`` highest
+  logits (NaN when ``top_k`` is 0: not computed)."""
 
   loss_sum: ArrayLike
   correct: ArrayLike

@@ -54,7 +54,7 @@ COHORT_PHASE_DRAWS = 0xC0
 class PreRoundFunctions(NamedTuple):
   """The functions of an algorithm's pre-round phase.
 
-  The functions of an algorithm's ``PreRound`` phase (``pre_round_functions``).
+  Its ``PreRound``, as ``pre_round_functions`` makes them.
 
   Attributes:
     due: ``round -> bool``, whether the phase runs this round.

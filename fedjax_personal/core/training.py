@@ -193,8 +193,8 @@ def client_opt_init(ctx: ClientContext, init_fn: Callable, params):
 class ClientWork:
   """A client update split into init, step and final.
 
-  A client update split into init / step / final (as fedjax's
-  for_each_client), so that the engine owns the step loop.
+  As FedJAX's ``for_each_client`` splits it, so that the engine owns the
+  step loop.
 
   The update is ``final(ctx, step(...step(init(ctx, key))...))`` over the
   client's own batches: a pure function of (broadcast model, client state,

@@ -540,9 +540,8 @@ class Dense(nn.Module):
 class Adapter(nn.Module):
   """A residual adapter (Houlsby et al. 2019).
 
-  A residual adapter h + W2 relu(W1 h) (Houlsby et al. 2019), W2 zero at
-  init in every convention, so that a model with adapters starts as the
-  model without them."""
+  h + W2 relu(W1 h), W2 zero at init in every convention, so that a model
+  with adapters starts as the model without them."""
 
   dim: int
   convention: str = 'flax'

@@ -83,8 +83,8 @@ class Callback:
 class ProgressRecorder(Callback):
   """Records each finished round in the run's progress.
 
-  Records each finished round in the run's ``run_progress.RunProgress`` (its
-  fault lines say after which round a run stopped)."""
+  The run's ``run_progress.RunProgress``: its fault lines say after which
+  round a run stopped."""
 
   def __init__(self, progress: run_progress.RunProgress):
     self.progress = progress

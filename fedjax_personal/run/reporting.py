@@ -412,9 +412,8 @@ def pm(summary: dict, key: str, scale: float = 100.0, digits: int = 1) -> str:
 class PrivacyRecorder(Callback):
   """Adds the DP-SGD epsilon to every record.
 
-  Adds the DP-SGD epsilon of the worst client so far at ``delta``
-  (``dp_epsilon``, ``dp_delta``) to every record; list it before the
-  MetricsWriter."""
+  The epsilon of the worst client so far at ``delta`` (``dp_epsilon``,
+  ``dp_delta``); list it before the MetricsWriter."""
 
   def __init__(self, privacy, delta: float):
     self.privacy, self.delta = privacy, delta

@@ -297,8 +297,8 @@ def _load_delta(root: str, entry: dict, num_states: int):
 class _Base:
   """The folded rows of client-row checkpoints.
 
-  The folded rows (``base/``): sparse row files, which rows are made,
-  their CRC32s, the folded deltas' names and the run's identity."""
+  ``base/``: sparse row files, which rows are made, their CRC32s, the
+  folded deltas' names and the run's identity."""
 
   def __init__(self, root: str, shapes: List[List[list]], dtypes: List[list]):
     self.folder = os.path.join(root, 'base')

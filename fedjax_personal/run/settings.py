@@ -57,8 +57,8 @@ __all__ = [
 class ExperimentSettings(Declared):
   """Which algorithms run, for how long and on which clients.
 
-  Which algorithms run, for how long, on which clients per round, and what
-  the tables report."""
+  The algorithms, the rounds, the clients of each round, and what the tables
+  report."""
 
   algorithm: Tuple[str, ...] = hparam(
     ('fedavg', 'local', 'oracle', 'fedfomo', 'fedalt', 'pfeddyn_ft'),
@@ -269,8 +269,8 @@ class InputSettings(Declared):
 class OutputSettings(Declared):
   """Where the run's results go and how it checkpoints.
 
-  Where the run's results go, how it checkpoints and resumes, and what it
-  shows while it runs."""
+  Its output folder, checkpoints and resumption, and what it shows while it
+  runs."""
 
   output_dir: Optional[str] = hparam(
     None,
@@ -350,8 +350,7 @@ class ProcessSettings(Declared):
 class AlgorithmSettings:
   """One algorithm of a run with its settings.
 
-  One algorithm of a run with the settings it runs with, checked once when
-  made (``AlgorithmSpec.validate``).
+  Checked once when made (``AlgorithmSpec.validate``).
 
   Attributes:
     spec: its registry entry.

@@ -90,8 +90,7 @@ class StoreDamaged(DataError):
 class _BlockChecksums:
   """CRC32s of consecutive blocks of a byte stream.
 
-  CRC32s of consecutive ``block_bytes`` blocks of a byte stream, fed in
-  pieces of any size."""
+  Blocks of ``block_bytes``; the stream is fed in pieces of any size."""
 
   def __init__(self, block_bytes: int = BLOCK_BYTES):
     self.block_bytes, self._crc, self._filled = block_bytes, 0, 0

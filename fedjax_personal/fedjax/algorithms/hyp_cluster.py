@@ -142,9 +142,8 @@ def hyp_cluster(
 class _BaseClientTrainer:
   """Trains each client of HypCluster with ``for_each_client``.
 
-  Trains each client from shared parameters or its own, with
-  ``for_each_client``; yields its delta (initial - final) or its final
-  parameters."""
+  From shared parameters or its own; yields its delta (initial - final) or
+  its final parameters."""
 
   def __init__(self, grad_fn, client_optimizer, return_delta: bool):
     def client_init(shared_input, client_input):

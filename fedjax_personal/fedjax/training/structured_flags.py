@@ -68,8 +68,8 @@ class NamedFlags:
 class OptimizerFlags(NamedFlags):
   """An ``Optimizer`` from flags.
 
-  An ``Optimizer`` from ``--optimizer``, ``--learning_rate`` and each
-  optimizer's own flags (FedJAX's defaults)."""
+  ``--optimizer``, ``--learning_rate`` and each optimizer's own flags
+  (FedJAX's defaults)."""
 
   SUPPORTED = ('sgd', 'momentum', 'adam', 'rmsprop', 'adagrad', 'yogi')
 
