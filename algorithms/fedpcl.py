@@ -86,7 +86,12 @@ from fedjax_personal.core.training import (
   extended_sgd_work,
   sgd_client_work,
 )
-from fedjax_personal.core.tree_util import PyTree, rows, tree_broadcast
+from fedjax_personal.core.tree_util import (
+  PyTree,
+  rows,
+  tree_broadcast,
+  tree_where,
+)
 from fedjax_personal.models import Model
 
 __all__ = [
@@ -452,8 +457,7 @@ def fedpcl(
     sets = jnp.where(fresh[:, None, None], global_protos[None], sets)
     labels = jnp.where(fresh[:, None], g_order[None], labels)
     set_valid = jnp.where(fresh[:, None], g_present[g_order][None], set_valid)
-    new = dataclasses.replace(
-      state,
+    new = dict(
       global_protos=global_protos,
       sets=sets,
       set_labels=labels,
@@ -461,11 +465,11 @@ def fedpcl(
       has_set=jnp.ones_like(has_set),
       has_own=has_own,
     )
+    # a round without uploads changes nothing (the models are client rows)
     some = jnp.any(active)
-    kept = jax.tree.map(
-      lambda a, b: jnp.where(some, a, b),
-      dataclasses.replace(new, models=state.models),
-      dataclasses.replace(state, models=state.models),
+    kept = dataclasses.replace(
+      state,
+      **{n: tree_where(some, v, getattr(state, n)) for n, v in new.items()},
     )
     return kept, cohort_train_metrics(out.stats, active)
 

@@ -38,6 +38,7 @@ import optax
 from flax import struct
 
 from fedjax_personal.algorithms.fedavg import summed_upload
+from fedjax_personal.algorithms.fedpcl import normalize
 from fedjax_personal.config import (
   BATCHING,
   CLIENT_OPTIMIZER,
@@ -202,14 +203,10 @@ def conditional_valve(valve, z, c):
   return jax.nn.relu(z * (gamma + 1) + beta)
 
 
-def _normalize(x):
-  return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-
-
 def gce_loss(features, embeddings, labels, mask):
   """PFLlib's ``GCE`` loss: the mean cross-entropy of the cosine similarities
   between the features and the class embeddings."""
-  cosine = _normalize(features) @ _normalize(embeddings).T
+  cosine = normalize(features) @ normalize(embeddings).T
   nll = -jnp.take_along_axis(
     jax.nn.log_softmax(cosine), labels[:, None], axis=1
   )[:, 0]

@@ -150,10 +150,8 @@ def mime(
     """c: the cohort's full-batch gradients weighted by their examples
     (FedJAX's ``grads_sum_total / num_sum_total``)."""
     grads, n = outputs
-    w = jax.numpy.where(cohort.mask, n, 0).astype(jax.numpy.float32)
-    total = jax.numpy.maximum(w.sum(), 1.0)
-    control = jax.tree.map(
-      lambda g: jax.numpy.tensordot(w, g, axes=1) / total, grads
+    control = aggregation.weighted_mean(
+      grads, jax.numpy.where(cohort.mask, n, 0)
     )
     return PhaseResult(
       dataclasses.replace(shared, control=control), server=control
