@@ -77,7 +77,7 @@ class WeightedMean(NamedTuple):
   weight: Any
 
 
-def is_sum(x) -> bool:
+def is_sum(x: Any) -> bool:
   """Whether ``x`` is a ``Sum`` (a quantity summed, not averaged, over the
   cohort).
 
@@ -90,7 +90,7 @@ def is_sum(x) -> bool:
   return isinstance(x, Sum)
 
 
-def weighted_upload(value: PyTree, weight) -> Sum:
+def weighted_upload(value: PyTree, weight: Any) -> Sum:
   """One client's share of a weighted mean: ``Sum((weight * value, weight))``.
 
   ``weight`` is a scalar, or has leading axes of ``value`` (e.g. [G] weights
@@ -112,7 +112,7 @@ def weighted_upload(value: PyTree, weight) -> Sum:
   )
 
 
-def _lead(w, a):
+def _lead(w: jax.Array, a: jax.Array) -> jax.Array:
   """``w`` reshaped to broadcast over the leading axes of ``a``."""
   return w.reshape(w.shape + (1,) * (a.ndim - w.ndim))
 
@@ -137,7 +137,7 @@ def upload_mean(total: Sum) -> WeightedMean:
   return WeightedMean(mean, weight)
 
 
-def sum_clients(out: PyTree, mask) -> PyTree:
+def sum_clients(out: PyTree, mask: jax.Array) -> PyTree:
   """Reduces the ``Sum`` nodes of stacked outputs ([C, ...] values) over the
   slots where ``mask`` [C] holds; other leaves are returned unchanged.
 
@@ -168,7 +168,7 @@ def sum_clients(out: PyTree, mask) -> PyTree:
   )
 
 
-def normalize(weights):
+def normalize(weights: jax.Array) -> jax.Array:
   """weights / sum(weights), or zeros when the sum is zero.
 
   Args:
@@ -181,7 +181,7 @@ def normalize(weights):
   return jnp.where(s > 0, weights / jnp.where(s > 0, s, 1.0), 0.0)
 
 
-def weighted_mean(stacked, weights):
+def weighted_mean(stacked: PyTree, weights: jax.Array) -> PyTree:
   """sum_i w_i theta_i / sum_i w_i over the leading axis (FedAvg).
 
   Args:
@@ -196,7 +196,7 @@ def weighted_mean(stacked, weights):
   )
 
 
-def mix(mixing_matrix, stacked):
+def mix(mixing_matrix: jax.Array, stacked: PyTree) -> PyTree:
   """Personalized aggregation theta_i <- sum_j W_ij theta_j.
 
   ``einsum('ij,j...->i...')``; W is [M, C] for C stacked models, so it also
@@ -215,7 +215,9 @@ def mix(mixing_matrix, stacked):
   )
 
 
-def group_matrix(groups, weights, num_groups: int):
+def group_matrix(
+  groups: jax.Array, weights: jax.Array, num_groups: int
+) -> jax.Array:
   """Row-normalized [G, C] matrix averaging the C clients of each group."""
   one_hot = (groups[None, :] == jnp.arange(num_groups)[:, None]).astype(
     jnp.float32
@@ -225,7 +227,9 @@ def group_matrix(groups, weights, num_groups: int):
   return jnp.where(s > 0, m / jnp.where(s > 0, s, 1.0), 0.0)
 
 
-def group_means(stacked, groups, weights, num_groups: int):
+def group_means(
+  stacked: PyTree, groups: jax.Array, weights: jax.Array, num_groups: int
+) -> PyTree:
   """Weighted mean of the clients of each group: [G, ...] (oracle clusters).
 
   Args:

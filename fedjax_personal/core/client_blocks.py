@@ -7,7 +7,7 @@ executors (``core/executors.py``) run client work through these pieces.
 """
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.extend
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_personal.core import aggregation, training, tree_util
+from fedjax_personal.core.tree_util import PyTree
 
 __all__ = [
   'active_mask',
@@ -33,7 +34,7 @@ __all__ = [
 ]
 
 
-def active_mask(active, c, xp=jnp):
+def active_mask(active: Any, c: int, xp: Any = jnp) -> Any:
   """``active`` as a bool mask of ``c`` clients (None: all active).
 
   Args:
@@ -48,7 +49,9 @@ def active_mask(active, c, xp=jnp):
   return xp.ones(c, bool) if active is None else xp.asarray(active, bool)
 
 
-def client_fn(fn, shared, per_client):
+def client_fn(
+  fn: Callable[[Any, Any], Any], shared: PyTree, per_client: PyTree
+) -> Callable[[Any], Any]:
   """``pos -> fn(shared, client inputs at cohort position pos)``.
 
   Args:
@@ -62,7 +65,7 @@ def client_fn(fn, shared, per_client):
   return lambda pos: fn(shared, tree_util.client_slice(per_client, pos))
 
 
-def map_stacked(f, out):
+def map_stacked(f: Callable[[Any], Any], out: PyTree) -> PyTree:
   """Applies ``f`` to the stacked (non-``Sum``) leaves of executor outputs.
 
   Args:
@@ -79,7 +82,14 @@ def map_stacked(f, out):
   )
 
 
-def scan_blocks(block_fn, positions, valid, rows=None, count=None, sink=None):
+def scan_blocks(
+  block_fn: Callable,
+  positions: PyTree,
+  valid: jax.Array,
+  rows: Optional[tuple] = None,
+  count: Optional[jax.Array] = None,
+  sink: Optional[tuple] = None,
+) -> Any:
   """Runs ``block_fn`` over blocks of cohort positions ([nb, bs], or a
   pytree of [nb, ...] arrays: what each block receives) in a loop: ``Sum``
   outputs are reduced over each block's valid slots and accumulated in the
@@ -169,14 +179,20 @@ def scan_blocks(block_fn, positions, valid, rows=None, count=None, sink=None):
       lambda i, carry: step(carry, jax.tree.map(lambda a: a[i], xs))[0],
       (init, bufs, held),
     )
-  sums, rows = iter(acc), iter(stacked if bufs is None else bufs)
+  sums, kept = iter(acc), iter(stacked if bufs is None else bufs)
   out = jax.tree.unflatten(
-    treedef, [aggregation.Sum(next(sums)) if f else next(rows) for f in flags]
+    treedef, [aggregation.Sum(next(sums)) if f else next(kept) for f in flags]
   )
   return (out, held) if sink is not None else out
 
 
-def work_steps(work, make_ctx, shared, per_client, active):
+def work_steps(
+  work: training.ClientWork,
+  make_ctx: Callable,
+  shared: PyTree,
+  per_client: PyTree,
+  active: Any,
+) -> jax.Array:
   """Each cohort client's real local step count (traced int32 [C]; 0 for an
   inactive slot), read off its own batches (``training.work_num_steps``).
 
@@ -199,7 +215,12 @@ def work_steps(work, make_ctx, shared, per_client, active):
   return jnp.where(active_mask(active, c), jax.vmap(one)(jnp.arange(c)), 0)
 
 
-def limited_client(work, make_ctx, shared, per_client):
+def limited_client(
+  work: training.ClientWork,
+  make_ctx: Callable,
+  shared: PyTree,
+  per_client: PyTree,
+) -> Callable[[Any, Any], PyTree]:
   """``(pos, limit) -> output``: the client at cohort position ``pos`` runs
   its first ``limit`` steps (``training.run_work``).
 
@@ -251,7 +272,7 @@ class BlockLayout(NamedTuple):
   count: Any
 
 
-def blocks_by_work(steps, active, bs: int, xp) -> WorkBlocks:
+def blocks_by_work(steps: Any, active: Any, bs: int, xp: Any) -> WorkBlocks:
   """The cohort sorted by real step count (longest first; inactive slots
   last) and cut into blocks of ``bs`` neighbours. ``xp`` is ``np`` (host
   ints) or ``jnp`` (traced)."""
@@ -272,7 +293,9 @@ def blocks_by_work(steps, active, bs: int, xp) -> WorkBlocks:
   return WorkBlocks(pos, ok, limit)
 
 
-def client_blocks(steps, active, bs: int, parts: int = 1) -> BlockLayout:
+def client_blocks(
+  steps: Any, active: Any, bs: int, parts: int = 1
+) -> BlockLayout:
   """Blocks of clients by work (host ints, ``blocks_by_work``); with
   ``parts`` > 1, the blocks assigned to the parts longest first, each to the
   part with the least work so far (LPT scheduling), so that host threads
@@ -315,7 +338,9 @@ def client_blocks(steps, active, bs: int, parts: int = 1) -> BlockLayout:
   return BlockLayout(pos, ok, limit, count)
 
 
-def traced_work_layout(steps, active, bs: int) -> BlockLayout:
+def traced_work_layout(
+  steps: jax.Array, active: jax.Array, bs: int
+) -> BlockLayout:
   """``client_blocks`` with one part, on traced arrays (inside a compiled
   round).
 
@@ -334,17 +359,17 @@ def traced_work_layout(steps, active, bs: int) -> BlockLayout:
 
 
 def block_loop(
-  work,
-  make_ctx,
-  shared,
-  per_client,
-  pos,
-  limit,
-  ok,
-  count,
-  c,
-  rows_in_place=None,
-):
+  work: training.ClientWork,
+  make_ctx: Callable,
+  shared: PyTree,
+  per_client: PyTree,
+  pos: jax.Array,
+  limit: jax.Array,
+  ok: jax.Array,
+  count: jax.Array,
+  c: int,
+  rows_in_place: Optional[tuple] = None,
+) -> Any:
   """The first ``count`` blocks (``pos`` [nb, bs], ``limit`` [nb]) of client
   work vectorized within a block, each block ``limit`` steps; stacked
   outputs written at their cohort rows of [c, ...] buffers.
@@ -375,6 +400,7 @@ def block_loop(
     ``rows_in_place``, ``(outputs with field None, the rows written)``.
   """
   sink = None
+  client: Callable
   if rows_in_place is None:
     client = limited_client(work, make_ctx, shared, per_client)
   else:
@@ -409,7 +435,7 @@ def block_loop(
 
 
 @jax.jit
-def join_owned(outs, owner):
+def join_owned(outs: Sequence[PyTree], owner: jax.Array) -> PyTree:
   """Threaded outputs in cohort order: ``Sum`` values added over the parts,
   row i of stacked outputs from part ``owner[i]`` (the part that ran it)."""
   nodes = [jax.tree.flatten(o, is_leaf=aggregation.is_sum)[0] for o in outs]
@@ -432,7 +458,7 @@ def join_owned(outs, owner):
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def join_parts(outs, c):
+def join_parts(outs: Sequence[PyTree], c: int) -> PyTree:
   """Threaded blocked outputs: ``Sum`` values added over the parts, stacked
   outputs ([nb, bs, ...] per part) concatenated in slot order, first ``c``."""
   nodes = [jax.tree.flatten(o, is_leaf=aggregation.is_sum)[0] for o in outs]

@@ -13,7 +13,7 @@ partition and ``adjusted_rand_index`` its ARI.
 """
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,14 +33,14 @@ __all__ = [
 ]
 
 
-def sq_distances(x, c):
+def sq_distances(x: jax.Array, c: jax.Array) -> jax.Array:
   """Squared Euclidean distances [N, K] between rows of x [N, D] and c [K, D]
   (one matmul; clamped at 0 against rounding)."""
   d = jnp.sum(x * x, 1)[:, None] - 2 * x @ c.T + jnp.sum(c * c, 1)[None, :]
   return jnp.maximum(d, 0.0)
 
 
-def distances(x):
+def distances(x: jax.Array) -> jax.Array:
   """Euclidean distances [N, N] between the rows of x (zero diagonal).
 
   Args:
@@ -53,7 +53,9 @@ def distances(x):
   return d * (1 - jnp.eye(x.shape[0], dtype=d.dtype))
 
 
-def kmeans_plusplus(key, x, k, max_k: int, trials: int):
+def kmeans_plusplus(
+  key: jax.Array, x: jax.Array, k: Any, max_k: int, trials: int
+) -> jax.Array:
   """Greedy k-means++ seeding (Arthur and Vassilvitskii 2007; scikit-learn's
   variant: at each step ``trials`` candidates drawn with probability
   proportional to D(x)^2, keep the one that most lowers the potential).
@@ -85,7 +87,7 @@ def kmeans_plusplus(key, x, k, max_k: int, trials: int):
   return centroids
 
 
-def assign(x, centroids, k):
+def assign(x: jax.Array, centroids: jax.Array, k: Any) -> Any:
   """(labels [N], squared distance to the nearest of the first k centroids).
 
   Args:
@@ -117,7 +119,13 @@ class KMeansResult(NamedTuple):
   k: jax.Array
 
 
-def lloyd(x, centroids, k, max_iter: int = 300, tol: float = 1e-4):
+def lloyd(
+  x: jax.Array,
+  centroids: jax.Array,
+  k: Any,
+  max_iter: int = 300,
+  tol: float = 1e-4,
+) -> 'KMeansResult':
   """Lloyd iterations from ``centroids`` [max_k, D] (first k used) until the
   total squared centre shift is <= tol * mean feature variance (scikit-learn's
   rule) or ``max_iter``. An empty cluster keeps its centre.
@@ -152,9 +160,9 @@ def lloyd(x, centroids, k, max_iter: int = 300, tol: float = 1e-4):
 
 
 def kmeans(
-  key,
-  x,
-  k,
+  key: jax.Array,
+  x: jax.Array,
+  k: Any,
   max_k: int,
   restarts: int = 10,
   max_iter: int = 300,
@@ -186,7 +194,9 @@ def kmeans(
   return jax.tree.map(lambda a: a[best], tried)
 
 
-def silhouette_score(dist, labels, max_k: int):
+def silhouette_score(
+  dist: jax.Array, labels: jax.Array, max_k: int
+) -> jax.Array:
   """Mean silhouette coefficient (Rousseeuw 1987) from distances [N, N] and
   labels in [0, max_k): a_i the mean distance to the other members of i's
   cluster, b_i the smallest mean distance to another non-empty cluster,
@@ -217,7 +227,12 @@ def silhouette_score(dist, labels, max_k: int):
 
 
 def silhouette_kmeans(
-  key, x, max_k: int, restarts: int = 10, max_iter: int = 300, tol: float = 1e-4
+  key: jax.Array,
+  x: jax.Array,
+  max_k: int,
+  restarts: int = 10,
+  max_iter: int = 300,
+  tol: float = 1e-4,
 ) -> KMeansResult:
   """k-means for every k in 2..max_k, keeping the k of the best silhouette
   (the smallest k on ties); k = 1 (the mean) when every row is the same or no
@@ -267,7 +282,7 @@ def silhouette_kmeans(
   return jax.tree.map(lambda a, b: jnp.where(use_single, a, b), single, best)
 
 
-def bipartition(dist, member):
+def bipartition(dist: jax.Array, member: jax.Array) -> Any:
   """Complete-linkage agglomerative clustering of the ``member`` rows into
   two clusters (Sattler et al.'s optimal bipartition of the cosine
   similarity structure, computed as scikit-learn's
@@ -316,11 +331,13 @@ def bipartition(dist, member):
   return member & (label != label[first])
 
 
-def _pairs(x):
+def _pairs(x: Any) -> Any:
   return x * (x - 1) / 2
 
 
-def adjusted_rand_index(labels_true, labels_pred, num_true: int, num_pred: int):
+def adjusted_rand_index(
+  labels_true: jax.Array, labels_pred: jax.Array, num_true: int, num_pred: int
+) -> jax.Array:
   """Adjusted Rand index (Hubert and Arabie 1985) of two labelings of N points
   (labels in [0, num_true) and [0, num_pred)), from their contingency table;
   1 when both are trivial in the same way (scikit-learn's convention).
@@ -348,7 +365,7 @@ def adjusted_rand_index(labels_true, labels_pred, num_true: int, num_pred: int):
   )
 
 
-def in_group_share(w, groups):
+def in_group_share(w: jax.Array, groups: jax.Array) -> jax.Array:
   """Mean over clients i of the share of row i's off-diagonal weight that
   goes to clients of i's own known group: 1 when W mixes only inside groups,
   about (|G_i| - 1) / (N - 1) (``in_group_chance``) when W ignores them.
@@ -368,7 +385,7 @@ def in_group_share(w, groups):
   )
 
 
-def in_group_chance(groups) -> float:
+def in_group_chance(groups: Any) -> float:
   """Mean over clients of (|G_i| - 1) / (N - 1): ``in_group_share`` of a W
   that spreads weight uniformly over the other clients.
 

@@ -4,7 +4,7 @@ with the reason the header prints.
 """
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,7 @@ from fedjax_personal.core.executors import (
   VmapExecutor,
 )
 from fedjax_personal.core.tree_util import tree_bytes
+from fedjax_personal.models import Model
 
 __all__ = [
   'CPU_BLOCK_BYTES',
@@ -28,7 +29,7 @@ __all__ = [
 ]
 
 
-def _has_conv(jaxpr) -> bool:
+def _has_conv(jaxpr: Any) -> bool:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == 'conv_general_dilated':
       return True
@@ -40,7 +41,7 @@ def _has_conv(jaxpr) -> bool:
   return False
 
 
-def model_has_conv(model, sample_x) -> bool:
+def model_has_conv(model: Model, sample_x: Any) -> bool:
   """Whether the model is convolutional: its forward pass contains an XLA
   convolution, or it is one of the project's convolutional modules (they
   carry ``conv_impl``; with ``matmul`` they contain no convolution op).
@@ -61,8 +62,8 @@ def model_has_conv(model, sample_x) -> bool:
 
 def create_executor(
   name: str = 'auto',
-  model=None,
-  sample_x=None,
+  model: Optional[Model] = None,
+  sample_x: Any = None,
   block_size: Optional[int] = None,
   num_threads: int = 0,
 ) -> Executor:
@@ -114,7 +115,12 @@ def create_executor(
   return SequentialExecutor(num_threads=num_threads)
 
 
-def _auto(model, sample_x, block_size, num_threads) -> Executor:
+def _auto(
+  model: Optional[Model],
+  sample_x: Any,
+  block_size: Optional[int],
+  num_threads: int,
+) -> Executor:
   """``auto``'s choice (``create_executor``), with its reason (a rule from
   the platform and the model's cost, measured in benchmarks/speed/README.md,
   "Against FedJAX on the field's populations")."""
@@ -162,7 +168,7 @@ def _auto(model, sample_x, block_size, num_threads) -> Executor:
 CPU_BLOCK_BYTES = 1 << 20
 
 
-def cpu_block_size(model=None) -> int:
+def cpu_block_size(model: Optional[Model] = None) -> int:
   """Clients per block on CPU: as many as keep the block's parameters within
   ``CPU_BLOCK_BYTES``, between 1 and 10. Local SGD on small batches reads and
   writes every parameter each step, so a block that spills the caches runs

@@ -18,9 +18,7 @@ float reassociation (tested). The choice belongs to the engine
 model, and says why), never to an algorithm.
 """
 
-import abc
 import concurrent.futures
-import copy
 import dataclasses
 import os
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
@@ -29,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_personal import numerics
 from fedjax_personal.core import aggregation, training, tree_util
 from fedjax_personal.core.client_blocks import (
   active_mask,
@@ -44,6 +41,15 @@ from fedjax_personal.core.client_blocks import (
   traced_work_layout,
   work_steps,
 )
+from fedjax_personal.core.executor_base import (
+  EXECUTOR_NAMES,
+  Active,
+  ClientFn,
+  Executor,
+  MakeContext,
+  no_rows_in_place,
+)
+from fedjax_personal.core.tree_util import PyTree
 
 __all__ = [
   'BlockedExecutor',
@@ -80,142 +86,6 @@ class Ran(NamedTuple):
   outs: List[Any]
 
 
-EXECUTOR_NAMES = ('auto', 'vmap', 'blocked', 'sequential', 'sharded')
-
-# make_ctx(shared_all, client) -> ClientCall (a ClientContext and a key): builds
-# one client's context from what is shared by the round and the client's
-# stacked inputs.
-MakeContext = Callable[[Any, Any], training.ClientCall]
-
-
-def _no_rows_in_place(ex, rows_in_place) -> None:
-  """Refuses ``rows_in_place`` for an executor that does not write client
-  rows."""
-  if rows_in_place is not None:
-    raise ValueError(f'{ex.name} does not write client rows in place')
-
-
-class Executor(abc.ABC):
-  """Maps per-client computations over stacked per-client inputs."""
-
-  name: str = ''
-  #: True when calls may be traced inside an outer ``jax.jit`` (then a round is
-  #: one compiled function); False when the executor dispatches from Python.
-  fused: bool = True
-  #: ``run_work`` takes ``rows_in_place`` (``client_blocks.block_loop``).
-  writes_rows: bool = False
-  #: Chosen by ``auto`` on an accelerator: the round runner fits its blocks to
-  #: the device's free memory and the cohort's work (``fitting``).
-  plan_memory: bool = False
-  #: Why ``auto`` chose this executor ('' when it was named); the CLI's
-  #: header prints it.
-  reason: str = ''
-  #: The matmul precision its compiled functions are traced at
-  #: (``at_matmul_precision``; the round runner sets its own), or None:
-  #: JAX's setting where they are traced.
-  matmul_precision: Optional[str] = None
-
-  def at_matmul_precision(self, name: str) -> 'Executor':
-    """This executor with every function it compiles traced at matmul
-    precision ``name`` (``numerics.scoped``: in whichever thread compiles it).
-
-    Args:
-      name: one of ``numerics.MATMUL_PRECISIONS``.
-
-    Returns:
-      The executor (a copy; ``self`` when it has that precision already).
-    """
-    if self.matmul_precision == name:
-      return self
-    out = copy.copy(self)
-    out.matmul_precision = name
-    # its own programs, compiled at its precision
-    for cache in (
-      '_compiled',
-      '_seen',
-    ):
-      if hasattr(out, cache):
-        setattr(out, cache, type(getattr(out, cache))())
-    return out
-
-  def jit(self, fn: Callable, **kwargs) -> Callable:
-    """``jax.jit(fn, **kwargs)``, ``fn`` traced at the executor's matmul
-    precision (the engine compiles through this).
-
-    Args:
-      fn: the function.
-      **kwargs: ``jax.jit``'s.
-
-    Returns:
-      The jitted function.
-    """
-    if self.matmul_precision is not None:
-      fn = numerics.scoped(fn, self.matmul_precision)
-    return jax.jit(fn, **kwargs)
-
-  @abc.abstractmethod
-  def map(
-    self,
-    fn: Callable[[Any, Any], Any],
-    shared,
-    per_client,
-    active: Optional[Sequence[bool]] = None,
-  ):
-    """``fn(shared, client_i)`` stacked over the leading axis of ``per_client``.
-
-    ``per_client`` leaves are stacked [C, ...] arrays or ``tree_util.Rows``
-    (gathered where the client runs). ``active`` (bool [C]) marks the real
-    cohort slots: ``aggregation.Sum`` outputs are summed over them (without a
-    client axis); other outputs are stacked [C, ...], zeros or junk in
-    inactive slots, which callers mask.
-    """
-
-  def run_work(
-    self,
-    work: training.ClientWork,
-    make_ctx: MakeContext,
-    shared,
-    per_client,
-    active=None,
-    num_steps: Optional[Sequence[int]] = None,
-    rows_in_place=None,
-  ):
-    """Runs ``work`` for every client; returns the stacked ``final`` outputs.
-
-    ``num_steps`` (host ints [C]) are the clients' real step counts, used by
-    executors that skip padded steps. ``rows_in_place`` is for executors that
-    write client rows in place (``writes_rows``) alone.
-    """
-    _no_rows_in_place(self, rows_in_place)
-
-    def fn(sh, c):
-      ctx, key = make_ctx(sh, c)
-      return training.run_work(work, ctx, key)
-
-    return self.map(fn, shared, per_client, active)
-
-  def describe(self) -> str:
-    return self.name
-
-  def for_run(self, state_shapes, num_clients: int) -> 'Executor':
-    """The executor a run of this state uses (``RoundRunner`` asks once):
-    ``self``, unless the state makes another form the better choice."""
-    del state_shapes, num_clients
-    return self
-
-  def state_shardings(self, state_shapes, num_clients: int):
-    """Where the algorithm's state lives between rounds (a pytree of
-    shardings), or None to leave it to XLA (one device)."""
-    del state_shapes, num_clients
-    return None
-
-  def host_readable(self, tree):
-    """``tree`` (traced, inside a compiled function) placed where every
-    process can read it: what a round or an evaluation returns to the host
-    (metrics, per-client statistics). The identity on one process."""
-    return tree
-
-
 @dataclasses.dataclass
 class VmapExecutor(Executor):
   """The whole cohort vectorized with ``jax.vmap``."""
@@ -223,7 +93,13 @@ class VmapExecutor(Executor):
   name: str = 'vmap'
   fused: bool = True
 
-  def map(self, fn, shared, per_client, active=None):
+  def map(
+    self,
+    fn: ClientFn,
+    shared: PyTree,
+    per_client: PyTree,
+    active: Active = None,
+  ) -> PyTree:
     c = tree_util.cohort_size(per_client)
     with training.unroll_steps(False):
       out = jax.vmap(client_fn(fn, shared, per_client))(jnp.arange(c))
@@ -231,17 +107,17 @@ class VmapExecutor(Executor):
 
   def run_work(
     self,
-    work,
-    make_ctx,
-    shared,
-    per_client,
-    active=None,
-    num_steps=None,
-    rows_in_place=None,
-  ):
+    work: training.ClientWork,
+    make_ctx: MakeContext,
+    shared: PyTree,
+    per_client: PyTree,
+    active: Active = None,
+    num_steps: Optional[Sequence[int]] = None,
+    rows_in_place: Optional[tuple] = None,
+  ) -> PyTree:
     """The cohort's steps loop as long as its longest active client's work
     (not the padded maximum)."""
-    _no_rows_in_place(self, rows_in_place)
+    no_rows_in_place(self, rows_in_place)
     c = tree_util.cohort_size(per_client)
     steps = work_steps(work, make_ctx, shared, per_client, active)
     client = limited_client(work, make_ctx, shared, per_client)
@@ -285,11 +161,11 @@ class BlockedExecutor(Executor):
       self._pool = concurrent.futures.ThreadPoolExecutor(self.num_threads)
       self._compiled, self._seen = {}, set()
 
-  def describe(self):
+  def describe(self) -> str:
     threads = f', threads={self.num_threads}' if self.num_threads > 1 else ''
     return f'blocked(block_size={self.block_size}{threads})'
 
-  def for_run(self, state_shapes, num_clients):
+  def for_run(self, state_shapes: PyTree, num_clients: int) -> 'Executor':
     """The fused form (one thread) when the per-client state exceeds
     ``THREADED_STATE_BYTES``: the threaded form joins the parts' stacked
     outputs in a new array and updates the state without donation, so it can
@@ -308,7 +184,7 @@ class BlockedExecutor(Executor):
       else self
     )
 
-  def _layout(self, c, active, parts) -> 'Slots':
+  def _layout(self, c: int, active: Active, parts: int) -> 'Slots':
     """The cohort's ``Slots``, [parts, nb, bs]: the cohort padded by
     repeating clients to ``parts`` runs of ``nb`` blocks."""
     bs = min(self.block_size, c)
@@ -323,7 +199,13 @@ class BlockedExecutor(Executor):
     valid = (act[slots % c] & (slots < c)).reshape(parts, nb, bs)
     return Slots((slots % c).reshape(parts, nb, bs), valid)
 
-  def map(self, fn, shared, per_client, active=None):
+  def map(
+    self,
+    fn: ClientFn,
+    shared: PyTree,
+    per_client: PyTree,
+    active: Active = None,
+  ) -> PyTree:
     c = tree_util.cohort_size(per_client)
     if not self.fused:
       return self._threaded_map(fn, shared, per_client, active, c)
@@ -335,14 +217,14 @@ class BlockedExecutor(Executor):
 
   def run_work(
     self,
-    work,
-    make_ctx,
-    shared,
-    per_client,
-    active=None,
-    num_steps=None,
-    rows_in_place=None,
-  ):
+    work: training.ClientWork,
+    make_ctx: MakeContext,
+    shared: PyTree,
+    per_client: PyTree,
+    active: Active = None,
+    num_steps: Optional[Sequence[int]] = None,
+    rows_in_place: Optional[tuple] = None,
+  ) -> PyTree:
     """Client work in blocks of clients of similar work (``client_blocks``):
     each block runs its longest client's steps and only blocks holding
     active clients run, so a heavy-tailed cohort costs about its real
@@ -371,8 +253,15 @@ class BlockedExecutor(Executor):
     )
 
   def _threaded_work(
-    self, work, make_ctx, shared, per_client, active, c, num_steps=None
-  ):
+    self,
+    work: training.ClientWork,
+    make_ctx: MakeContext,
+    shared: PyTree,
+    per_client: PyTree,
+    active: Active,
+    c: int,
+    num_steps: Optional[Sequence[int]] = None,
+  ) -> PyTree:
     """The threaded form of ``run_work``: the step counts (the engine's host
     counts, else one small compiled function) laid out in blocks on the host,
     shared out by work (``client_blocks``), each thread's blocks one compiled
@@ -412,7 +301,14 @@ class BlockedExecutor(Executor):
       owner[pos[t][ok[t]]] = t
     return join_owned(outs, owner)
 
-  def _threaded_map(self, fn, shared, per_client, active, c):
+  def _threaded_map(
+    self,
+    fn: ClientFn,
+    shared: PyTree,
+    per_client: PyTree,
+    active: Active,
+    c: int,
+  ) -> PyTree:
     if any(
       isinstance(a, jax.core.Tracer)
       for a in jax.tree.leaves((shared, per_client))
@@ -438,7 +334,7 @@ class BlockedExecutor(Executor):
     )
     return join_parts(outs, c)
 
-  def _on_threads(self, call, parts, signature):
+  def _on_threads(self, call: Callable, parts: int, signature: Any) -> list:
     """``[call(t) for t in range(parts)]`` on the host threads; the first
     call of a new ``signature`` (a compiled function and its argument
     shapes) runs alone first, so that one thread traces and compiles it while
@@ -469,10 +365,16 @@ class SequentialExecutor(Executor):
     n = self.num_threads or os.cpu_count() or 1
     self._pool = concurrent.futures.ThreadPoolExecutor(n) if n > 1 else None
 
-  def describe(self):
+  def describe(self) -> str:
     return f'sequential(threads={self.num_threads or os.cpu_count()})'
 
-  def _run(self, fn, c, active, work=None) -> 'Ran':
+  def _run(
+    self,
+    fn: Callable[[int], Any],
+    c: int,
+    active: Active,
+    work: Optional[Sequence[int]] = None,
+  ) -> 'Ran':
     """Runs ``fn`` on the active clients; with ``work`` (their step counts),
     the longest first, so that the threads, each taking the next client
     when free, finish together (LPT scheduling)."""
@@ -485,7 +387,7 @@ class SequentialExecutor(Executor):
     )
     return Ran(todo, outs)
 
-  def _stack(self, c, todo, outs):
+  def _stack(self, c: int, todo: List[int], outs: List[PyTree]) -> PyTree:
     """Stacks the active clients' outputs (zeros in skipped slots) and adds
     up their ``Sum`` outputs one client at a time (never stacked)."""
     nodes = [jax.tree.flatten(o, is_leaf=aggregation.is_sum)[0] for o in outs]
@@ -507,15 +409,21 @@ class SequentialExecutor(Executor):
 
   @staticmethod
   @jax.jit
-  def _stacker(outs):
+  def _stacker(outs: List[PyTree]) -> PyTree:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
 
   @staticmethod
   @jax.jit
-  def _adder(a, b):
+  def _adder(a: List[jax.Array], b: List[jax.Array]) -> List[jax.Array]:
     return jax.tree.map(jnp.add, a, b)
 
-  def map(self, fn, shared, per_client, active=None):
+  def map(
+    self,
+    fn: ClientFn,
+    shared: PyTree,
+    per_client: PyTree,
+    active: Active = None,
+  ) -> PyTree:
     if ('map', fn) not in self._compiled:
       self._compiled[('map', fn)] = self.jit(
         lambda sh, pc, i: fn(sh, tree_util.client_slice(pc, i))
@@ -531,7 +439,9 @@ class SequentialExecutor(Executor):
     todo, outs = self._run(call, c, active)
     return self._stack(c, todo, outs)
 
-  def _work_fns(self, work, make_ctx):
+  def _work_fns(
+    self, work: training.ClientWork, make_ctx: MakeContext
+  ) -> tuple:
     key = ('work', work, make_ctx)
     if key not in self._compiled:
 
@@ -555,15 +465,15 @@ class SequentialExecutor(Executor):
 
   def run_work(
     self,
-    work,
-    make_ctx,
-    shared,
-    per_client,
-    active=None,
-    num_steps=None,
-    rows_in_place=None,
-  ):
-    _no_rows_in_place(self, rows_in_place)
+    work: training.ClientWork,
+    make_ctx: MakeContext,
+    shared: PyTree,
+    per_client: PyTree,
+    active: Active = None,
+    num_steps: Optional[Sequence[int]] = None,
+    rows_in_place: Optional[tuple] = None,
+  ) -> PyTree:
+    no_rows_in_place(self, rows_in_place)
     init, step, final = self._work_fns(work, make_ctx)
     c = tree_util.cohort_size(per_client)
 
@@ -613,7 +523,7 @@ class ShardedExecutor(Executor):
       self.mesh, jax.sharding.PartitionSpec('clients')
     )
 
-  def state_shardings(self, state_shapes, num_clients: int):
+  def state_shardings(self, state_shapes: PyTree, num_clients: int) -> Any:
     """Per-client state (leading axis N, N a multiple of the device count)
     sharded over the devices on its client axis, the rest replicated. The
     round constrains its output state to these shardings and the initial
@@ -636,7 +546,7 @@ class ShardedExecutor(Executor):
       state_shapes,
     )
 
-  def describe(self):
+  def describe(self) -> str:
     procs = (
       f', {jax.process_count()} processes' if jax.process_count() > 1 else ''
     )
@@ -644,7 +554,7 @@ class ShardedExecutor(Executor):
       f', block_size={self.block_size})' if self.block_size else ')'
     )
 
-  def host_readable(self, tree):
+  def host_readable(self, tree: PyTree) -> PyTree:
     """Replicated on every device when several processes share the mesh (a
     client-sharded [N] statistic is then gathered once, inside the compiled
     function); as it is on one process."""
@@ -657,7 +567,13 @@ class ShardedExecutor(Executor):
       lambda a: jax.lax.with_sharding_constraint(a, replicated), tree
     )
 
-  def map(self, fn, shared, per_client, active=None):
+  def map(
+    self,
+    fn: ClientFn,
+    shared: PyTree,
+    per_client: PyTree,
+    active: Active = None,
+  ) -> PyTree:
     c = tree_util.cohort_size(per_client)
     d = self.mesh.devices.size
     padded = -(-c // d) * d

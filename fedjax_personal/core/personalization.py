@@ -32,7 +32,9 @@ module paths under its ``params``; a module's statistics go with it.
 
 import dataclasses
 import re
-from typing import Callable, Dict, NamedTuple
+from typing import Any, Callable, Dict, NamedTuple
+
+PyTree = Any
 
 from flax import traverse_util
 
@@ -58,7 +60,7 @@ INPUT_LAYERS = (
 )
 
 
-def flatten(params) -> Dict[str, object]:
+def flatten(params: PyTree) -> Dict[str, object]:
   """A parameter tree as ``{'a/b/c': leaf}`` (Flax's ``flatten_dict``).
 
   Args:
@@ -101,18 +103,18 @@ class ParamSplit:
   name: str
   is_personal: Callable[[str], bool]
 
-  def split(self, params) -> SharedAndPersonal:
+  def split(self, params: PyTree) -> SharedAndPersonal:
     """The shared and the personal leaves of a parameter tree."""
     flat = flatten(params)
     shared = {k: v for k, v in flat.items() if not self.is_personal(k)}
     personal = {k: v for k, v in flat.items() if self.is_personal(k)}
     return SharedAndPersonal(shared, personal)
 
-  def merge(self, shared, personal):
+  def merge(self, shared: PyTree, personal: PyTree) -> PyTree:
     """The full parameter tree from the two parts."""
     return unflatten({**shared, **personal})
 
-  def check(self, params):
+  def check(self, params: PyTree) -> None:
     """Raises if the split leaves nothing personal or nothing shared."""
     shared, personal = self.split(params)
     paths = sorted(flatten(params))
@@ -127,7 +129,7 @@ class ParamSplit:
       )
 
 
-def make_split(spec: str, params) -> ParamSplit:
+def make_split(spec: str, params: PyTree) -> ParamSplit:
   """Builds a ParamSplit from a preset name or 'split:<regex>,...'.
 
   Args:
@@ -215,7 +217,7 @@ def make_split(spec: str, params) -> ParamSplit:
   return s
 
 
-def _is_variables(params) -> bool:
+def _is_variables(params: PyTree) -> bool:
   """Whether ``params`` is a stateful model's variables (``{'params': ...,
   'batch_stats': ...}``, ``models.Model.collections``), not Flax's
   ``params`` alone."""

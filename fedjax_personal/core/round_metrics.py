@@ -1,13 +1,23 @@
 """A round's counts: the clients that took part and the bytes moved
 (traceable: computed inside the compiled round)."""
 
+from typing import TYPE_CHECKING, Any, Optional
+
 import jax.numpy as jnp
+
+if TYPE_CHECKING:  # annotations only: algorithm imports this module's users
+  from fedjax_personal.core.algorithm import Communication
+  from fedjax_personal.core.sampling import Cohort
 
 __all__ = ['cohort_counts', 'communication_metrics', 'PARTICIPATED']
 
 
 def communication_metrics(
-  alg, state, num_active, num_uploads=None, comm=None
+  alg: Any,
+  state: Any,
+  num_active: Any,
+  num_uploads: Any = None,
+  comm: Optional['Communication'] = None,
 ) -> dict:
   """Bytes of one round from the algorithm's static sizes and the cohort
   (traceable: computed inside the compiled round).
@@ -53,7 +63,13 @@ def communication_metrics(
 PARTICIPATED = 'participated'
 
 
-def cohort_counts(alg, state, cohort, metrics, comm=None) -> dict:
+def cohort_counts(
+  alg: Any,
+  state: Any,
+  cohort: 'Cohort',
+  metrics: dict,
+  comm: Optional['Communication'] = None,
+) -> dict:
   """``num_active`` (the clients that took part) and the round's bytes,
   from the cohort's mask and the server update's ``PARTICIPATED`` (which is
   replaced by these counts: a round's metrics stay scalars).

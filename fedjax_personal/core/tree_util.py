@@ -32,7 +32,7 @@ __all__ = [
 PyTree = Any
 
 
-def is_concrete(x) -> bool:
+def is_concrete(x: Any) -> bool:
   """False for a traced value (a hyperparameter swept inside ``jax.vmap``):
   argument checks skip those; the CLI validates sweep values beforehand.
 
@@ -45,7 +45,7 @@ def is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
-def tree_where(cond, x: PyTree, y: PyTree) -> PyTree:
+def tree_where(cond: Any, x: PyTree, y: PyTree) -> PyTree:
   """Selects `x` where the scalar `cond` holds, else `y`, leaf by leaf.
 
   Args:
@@ -59,7 +59,7 @@ def tree_where(cond, x: PyTree, y: PyTree) -> PyTree:
   return jax.tree.map(lambda a, b: jnp.where(cond, a, b), x, y)
 
 
-def tree_gather(x: PyTree, idx) -> PyTree:
+def tree_gather(x: PyTree, idx: Any) -> PyTree:
   """x[idx] on the leading (client) axis of every leaf; out-of-range idx
   clipped.
 
@@ -91,12 +91,12 @@ class Rows:
   idx: jax.Array
 
 
-def is_rows(x) -> bool:
+def is_rows(x: Any) -> bool:
   """Whether ``x`` is a ``Rows`` leaf (one row per client)."""
   return isinstance(x, Rows)
 
 
-def rows(x: PyTree, idx) -> Rows:
+def rows(x: PyTree, idx: Any) -> Rows:
   """Lazy ``tree_gather(x, idx)`` for a broadcast (see ``Rows``).
 
   Args:
@@ -109,7 +109,7 @@ def rows(x: PyTree, idx) -> Rows:
   return Rows(x, jnp.asarray(idx))
 
 
-def client_slice(tree: PyTree, pos) -> PyTree:
+def client_slice(tree: PyTree, pos: Any) -> PyTree:
   """Position(s) ``pos`` of the cohort's per-client inputs: ``a[pos]`` for
   plain stacked leaves, ``source[idx[pos]]`` for ``Rows``.
 
@@ -144,7 +144,7 @@ def cohort_size(tree: PyTree) -> int:
 SCATTER_CHUNK = 64
 
 
-def tree_scatter(x: PyTree, idx, values: PyTree) -> PyTree:
+def tree_scatter(x: PyTree, idx: Any, values: PyTree) -> PyTree:
   """x.at[idx].set(values) on the leading axis; out-of-range idx are dropped.
 
   The engine pads cohorts with the index N (one past the last client), so
@@ -185,7 +185,9 @@ def tree_scatter(x: PyTree, idx, values: PyTree) -> PyTree:
   )
 
 
-def tree_scatter_where(x: PyTree, idx, values: PyTree, keep) -> PyTree:
+def tree_scatter_where(
+  x: PyTree, idx: Any, values: PyTree, keep: Any
+) -> PyTree:
   """``tree_scatter`` of the rows whose ``keep`` is true; the others are
   left as they are (a cohort's slot that did not take part keeps its row).
 
@@ -243,7 +245,7 @@ def tree_bytes(x: PyTree) -> int:
   )
 
 
-def shapes(tree) -> tuple:
+def shapes(tree: PyTree) -> tuple:
   """The shapes and dtypes of a pytree's leaves, hashable (a compiled
   function's signature).
 
