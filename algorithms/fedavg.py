@@ -196,15 +196,17 @@ def summed_upload(
   stacks C uploads.
 
   ``work.final`` must return a dataclass with ``field`` (the delta) and
-  ``num_examples``. With ``group_fn(ctx) -> (group, num_groups)`` the share is
-  placed in its group's row of a [G, ...] sum (one FedAvg per group).
+  ``num_examples``. With ``group_fn(ctx, out) -> (group, num_groups)`` the
+  share is placed in its group's row of a [G, ...] sum (one FedAvg per
+  group).
 
   Args:
     work: the client work.
     weighting: ``'num_examples'``, ``'tokens'`` (``train_tokens``) or
       ``'uniform'``.
     field: the output's field summed (the delta).
-    group_fn: ``ctx -> (group, num_groups)`` for one mean per group, or None.
+    group_fn: ``(ctx, out) -> (group, num_groups)`` for one mean per group,
+      or None.
     weight_fn: ``(ctx, out) -> weight`` replacing ``weighting`` (a variant's
       own weight of a client, ``variant``).
 
@@ -224,7 +226,7 @@ def summed_upload(
       else client_weight(out.num_examples, weighting)
     )
     if group_fn is not None:
-      g, num_groups = group_fn(ctx)
+      g, num_groups = group_fn(ctx, out)
       one_hot = jnp.arange(num_groups) == g
       value = jax.tree.map(
         lambda a: jnp.where(one_hot.reshape((-1,) + (1,) * a.ndim), a, 0), value

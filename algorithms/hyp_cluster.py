@@ -15,15 +15,16 @@ Downlink: the K models to every client; uplink: one delta.
 """
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from optax import tree_utils as otu
 
 from fedjax_personal.algorithms.fedavg import (
-  make_client_work,
+  ClientOutput,
   server_step,
   summed_upload,
 )
@@ -47,9 +48,19 @@ from fedjax_personal.core.algorithm import (
 )
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.data import ClientData, LocalData
-from fedjax_personal.core.losses import LossStats, evaluate_params, mean_loss
+from fedjax_personal.core.losses import (
+  LossStats,
+  evaluate_params,
+  mean_loss,
+  plain_objective,
+)
 from fedjax_personal.core.sampling import Cohort
-from fedjax_personal.core.training import ClientContext
+from fedjax_personal.core.training import (
+  ClientContext,
+  SGDCarry,
+  extended_sgd_work,
+  sgd_client_work,
+)
 from fedjax_personal.core.tree_util import PyTree, tree_bytes
 from fedjax_personal.models import Model
 
@@ -84,6 +95,28 @@ class HypClusterState:
 
   cluster_params: optax.Params
   opt_state: optax.OptState
+
+
+@struct.dataclass
+class ChosenCarry:
+  """A HypCluster client's work: local SGD from the cluster it chose.
+
+  Attributes:
+    sgd: the local SGD's carry.
+    cluster: int32 scalar, the cluster chosen (once, before the first step).
+  """
+
+  sgd: SGDCarry
+  cluster: jax.Array
+
+
+@struct.dataclass
+class HypClusterOutput(ClientOutput):
+  """A HypCluster client's upload: FedAvg's and the cluster it trained.
+
+  The cluster is its delta's row of the [K, ...] sum."""
+
+  cluster: Any = None
 
 
 def choose_cluster(model: Model, cluster_params: PyTree, train: ClientData):
@@ -136,11 +169,28 @@ def hyp_cluster(
   def server_broadcast(state: HypClusterState, cohort: Cohort, rc):
     return state.cluster_params, cohort.mask
 
-  def start(ctx: ClientContext):
-    return choose_cluster(model, ctx.shared, ctx.data.train)[1]
+  sgd = sgd_client_work(
+    lambda ctx: plain_objective(model),
+    client_optimizer,
+    batching,
+    final=lambda ctx, carry: carry,
+  )
 
-  def group(ctx: ClientContext):
-    return choose_cluster(model, ctx.shared, ctx.data.train)[0], num_clusters
+  def work_init(ctx: ClientContext, key) -> ChosenCarry:
+    # the maximization step, once a client: a pass over its examples with
+    # each of the K models
+    k, start = choose_cluster(model, ctx.shared, ctx.data.train)
+    return ChosenCarry(sgd.init(dataclasses.replace(ctx, shared=start), key), k)
+
+  def final(ctx: ClientContext, carry: ChosenCarry) -> HypClusterOutput:
+    start = jax.tree.map(lambda a: a[carry.cluster], ctx.shared)
+    return HypClusterOutput(
+      delta=otu.tree_sub(start, carry.sgd.params),
+      num_examples=ctx.data.train.num_examples,
+      stats=carry.sgd.stats,
+      num_steps=carry.sgd.num_steps,
+      cluster=carry.cluster,
+    )
 
   def server_update(
     state: HypClusterState, cohort: Cohort, out, rc: RoundContext
@@ -170,9 +220,9 @@ def hyp_cluster(
     init=init,
     server_broadcast=server_broadcast,
     client_work=summed_upload(
-      make_client_work(model, client_optimizer, batching, start_fn=start),
+      extended_sgd_work(sgd, work_init, final),
       weighting,
-      group_fn=group,
+      group_fn=lambda ctx, out: (out.cluster, num_clusters),
     ),
     server_update=server_update,
     # every client holds the K models (one entry); ``evaluate_client``

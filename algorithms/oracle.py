@@ -115,7 +115,7 @@ def oracle(
         model, client_optimizer, batching, start_fn=lambda ctx: ctx.state[0]
       ),
       weighting,
-      group_fn=lambda ctx: (ctx.state[1], num_groups),
+      group_fn=lambda ctx, out: (ctx.state[1], num_groups),
     ),
     server_update=server_update,
     client_models=lambda s: ClientModels(s.group_params, groups),
