@@ -65,6 +65,7 @@ from fedjax_personal.core.algorithm import (
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.clipping import torch_clip
 from fedjax_personal.core.data import Array as HostOrDevice
 from fedjax_personal.core.losses import Batch, LossStats, forward, logits_loss
 from fedjax_personal.core.sampling import Cohort
@@ -280,7 +281,7 @@ def fedkd(
   """
   head = model.require_head('--algorithm=fedkd')
   dim = math.prod(head.feature_shape)
-  clipped = lambda opt: optax.chain(optax.clip_by_global_norm(CLIP), opt)
+  clipped = lambda opt: optax.chain(torch_clip(CLIP), opt)
   optimizer = optax.multi_transform(
     {
       'mentor': clipped(client_optimizer),

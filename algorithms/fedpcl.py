@@ -70,6 +70,7 @@ from fedjax_personal.core.algorithm import (
   cohort_train_metrics,
 )
 from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.clipping import clip_grad_norm
 from fedjax_personal.core.data import Array as HostOrDevice
 from fedjax_personal.core.data import LocalData
 from fedjax_personal.core.losses import (
@@ -96,7 +97,6 @@ from fedjax_personal.models import Model
 
 __all__ = [
   'build',
-  'clip_grad_norm',
   'collect_order',
   'contrastive_loss',
   'fedpcl',
@@ -236,22 +236,6 @@ def first_seen_order(ranks: jax.Array, present: jax.Array) -> jax.Array:
   big = jnp.iinfo(jnp.int32).max // 2
   key = jnp.where(present, ranks, big + jnp.arange(k))
   return jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
-
-
-def clip_grad_norm(grads: PyTree, max_norm: float) -> PyTree:
-  """PyTorch's ``clip_grad_norm_``: scaled by ``min(1, max_norm / (norm +
-  1e-6))``, the norm over every leaf.
-
-  Args:
-    grads: the gradients.
-    max_norm: the bound.
-
-  Returns:
-    The clipped gradients.
-  """
-  norm = optax.global_norm(grads)
-  scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))
-  return jax.tree.map(lambda g: g * scale, grads)
 
 
 def _keyed_ce(rep, table, y, mask, tau):

@@ -50,6 +50,7 @@ from fedjax_personal.core.algorithm import (
   RoundContext,
 )
 from fedjax_personal.core.batching import Batching
+from fedjax_personal.core.clipping import torch_clip
 from fedjax_personal.core.data import Array as HostOrDevice
 from fedjax_personal.core.losses import Batch, LossStats, forward, logits_loss
 from fedjax_personal.core.sampling import Cohort
@@ -162,7 +163,7 @@ def fml(
     The ``FederatedAlgorithm``.
   """
   server_optimizer = optax.sgd(1.0)
-  each = optax.chain(optax.clip_by_global_norm(CLIP), client_optimizer)
+  each = optax.chain(torch_clip(CLIP), client_optimizer)
   optimizer = optax.multi_transform(
     {'local': each, 'meme': each},
     lambda params: {k: jax.tree.map(lambda _: k, v) for k, v in params.items()},

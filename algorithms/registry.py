@@ -16,6 +16,7 @@ from typing import Dict, Optional
 from fedjax_personal.algorithms import (
   agnostic_fedavg,
   apfl,
+  apple,
   cfl,
   ditto,
   fd,
@@ -133,6 +134,7 @@ REGISTRY: Dict[str, AlgorithmSpec] = {
     fedproto.SPEC,
     fd.SPEC,
     fml.SPEC,
+    apple.SPEC,
     fedala.SPEC,
     fedamp.SPEC,
     fedmtl.SPEC,

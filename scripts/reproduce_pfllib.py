@@ -97,6 +97,7 @@ LEADERBOARD = {
   'fedkd': {},
   'fedgen': {},
   'fedpcl': {},
+  'apple': {},
 }
 NUM_CLIENTS, ALPHA, TRAIN_RATIO, BATCH, LR, SEED = 20, 0.1, 0.75, 10, 0.005, 1
 

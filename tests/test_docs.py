@@ -502,6 +502,44 @@ def test_the_class_means_snippet_of_add_an_algorithm_runs_as_printed():
   assert max_diff(state.models, none.models) > 1e-4
 
 
+def test_the_cyclic_training_snippet_of_add_an_algorithm_runs_as_printed():
+  """docs/add_an_algorithm.md's chained algorithm, as printed: the round's
+  clients train one model in turn, each from the model the client before
+  it trained (a plain loop of full-batch steps over the cohort in order)."""
+  import jax
+  import optax
+  from helpers import digits_data, max_diff
+
+  from fedjax_personal import models
+  from fedjax_personal.core.batching import Batching
+  from fedjax_personal.core.engine import RoundRunner
+  from fedjax_personal.core.executors import VmapExecutor
+  from fedjax_personal.core.losses import Batch, batch_loss
+  from fedjax_personal.core.sampling import CohortSampler
+
+  code = fenced('docs/add_an_algorithm.md', 'python')[5]
+  scope = {'__name__': 'cyclic_doc'}
+  exec(compile(code, 'docs/add_an_algorithm.md', 'exec'), scope)
+  data = digits_data(num_clients=3, max_examples=20)
+  model = models.create_model('mlp', data.num_classes, data.train.x[0, :1])
+  alg = scope['cyclic_training'](model, 3, optax.sgd(0.1), Batching(64, 2))
+  sampler = CohortSampler(3, cohort_size=3)
+  runner = RoundRunner(alg, data, sampler, VmapExecutor())
+  state = runner.init(jax.random.key(0))
+  want = state
+  state, metrics = runner.round(state, jax.random.key(1), 0)
+  grad = jax.grad(lambda p, b: batch_loss(model, p, b)[0])
+  for i in range(3):  # the cohort of every client, in id order
+    n = int(data.train.num_examples[i])
+    batch = Batch(
+      data.train.x[i, :n], data.train.y[i, :n], jax.numpy.ones(n, bool)
+    )
+    for _ in range(2):
+      want = jax.tree.map(lambda p, g: p - 0.1 * g, want, grad(want, batch))
+  assert max_diff(state, want) < 1e-5
+  assert float(metrics['num_active']) == 3
+
+
 def test_the_fedjax_script_of_from_fedjax_runs_as_printed(capsys):
   """docs/from_fedjax.md's FedJAX script, as printed: three rounds of
   FedJAX's fed_avg under the vmap backend, then FedJAX's evaluation."""

@@ -298,6 +298,11 @@ def test_equal_to_pfllib(reference, name, monkeypatch):
     for part in (want, got):
       part['Dense_0'] = {'kernel': part['Dense_0']['kernel']}
     assert helpers.max_diff(got, want) < ATOL
+  if name == 'apple':  # each client's directed relationship vector
+    for i in range(PEER.NUM_CLIENTS):
+      np.testing.assert_allclose(
+        state.ps[i], reference[f'{name}/ps_{i}'], atol=1e-6
+      )
   if name == 'feddbe':
     for i in range(PEER.NUM_CLIENTS):
       np.testing.assert_allclose(

@@ -164,6 +164,7 @@ def emnist_store(tmp_path_factory):
 OWN = {
   'fedphp': dict(fedphp_horizon=2),
   'fedkd': dict(fedkd_horizon=2),
+  'apple': dict(apple_horizon=2),
   'fedcross': dict(fedcross_num_models=6),
   # the made writers have no groups: their labels are the domains
   'agnostic_fedavg': dict(agnostic_fedavg_domains='label'),
@@ -1081,6 +1082,7 @@ def test_data_built_in_memory_reaches_the_store_unpadded(cfg):
     'mime_lite',
     'hyp_cluster',
     'agnostic_fedavg',
+    'apple',
   ],
 )
 # slow: 18 s a variant on CI's 2 cores; CI keeps the host layout's
@@ -1100,7 +1102,7 @@ def test_pfllib_algorithms_run_a_natural_population_in_the_host_layout(
   FedALA's weights, FedMTL's models, FedPHP's private models, FedCross's
   trained models, FedKD's mentors and maps, FedGen's generator, Mime's
   and Mime Lite's base state, HypCluster's clusters, Agnostic FedAvg's domain
-  weights; FedAMP's models stay on the
-  device, read across the population)."""
+  weights, APPLE's relationship vectors; FedAMP's models and APPLE's cores
+  stay on the device, read across the population)."""
   executor = lambda: fp.executors.BlockedExecutor(block_size=2, num_threads=2)
   _host_equals_device(emnist_store, alg_name, executor, atol=1e-5)

@@ -112,6 +112,7 @@ EXTRA = {
   'cfl': {'warmup_rounds': 1, 'eps1': 10.0, 'eps2': 0.0},
   'fedphp': {'horizon': 1},  # the command fills it from --rounds
   'fedkd': {'horizon': 1},
+  'apple': {'horizon': 1},
 }
 
 

@@ -87,6 +87,7 @@ PFLLIB = {
   'fedkd': ('FedKD', 'serverkd', 'FedKD'),
   'fedgen': ('FedGen', 'servergen', 'FedGen'),
   'fedpcl': ('FedPCL', 'serverpcl', 'FedPCL'),
+  'apple': ('APPLE', 'serverapple', 'APPLE'),
 }
 #: Those PFLlib's main.py gives its model with ``fc`` the identity (the
 #: features are its output).
@@ -150,6 +151,8 @@ ALGORITHMS = {
     localize_feature_extractor=False,
   ),
   'fedpcl': dict(tau=0.5),
+  # the relationship vectors learned (PFLlib's -dlr 0 keeps them uniform)
+  'apple': dict(dr_learning_rate=1.0, mu=0.5, L=1.0),
 }
 #: Records of an algorithm under another setting: record -> algorithm.
 RECORDED_AS = {
@@ -166,6 +169,8 @@ FLAG_NAMES = {
   'T_end': 't_end',
   'generator_learning_rate': 'generator_lr',
   'localize_feature_extractor': None,
+  'dr_learning_rate': 'dr_lr',
+  'L': 'decay_share',
 }
 #: Those whose clients keep their own models, recorded client by client.
 OWN_MODELS = (
@@ -186,6 +191,7 @@ OWN_MODELS = (
   'fedcross_most_similar',
   'fedkd',
   'fedpcl',
+  'apple',
 )
 #: Those whose loop ends with what the next round would send (or whose
 #: ``send_models`` would overwrite the clients' own models).
@@ -217,6 +223,7 @@ OURS = {
   'fedcross': dict(partner='least_similar', num_models=NUM_CLIENTS),
   'fedcross_most_similar': dict(partner='most_similar', num_models=NUM_CLIENTS),
   'fedkd': dict(horizon=ROUNDS - 1),
+  'apple': dict(horizon=ROUNDS - 1),
 }
 #: FedCP's feature size (FedAvgCNN's ``fc1``).
 FEATURES = 512
@@ -484,6 +491,8 @@ def pfllib_args(torch, model, name, own, **sizes):
     hidden_dim=512,
     server_epochs=1000,
     localize_feature_extractor=False,
+    dr_learning_rate=0.0,
+    L=1.0,
   )
   for k, v in {**sizes, **own}.items():
     setattr(args, k, v)
@@ -698,7 +707,14 @@ def run(torch, name, data, init_state, template, sample_x):
         for k, v in server.compressed_param.items()
       }
     )
-  elif name in ('fedpac', 'fedamp', 'fedamp_pfllib', 'fedmtl', 'fedpcl'):
+  elif name in (
+    'fedpac',
+    'fedamp',
+    'fedamp_pfllib',
+    'fedmtl',
+    'fedpcl',
+    'apple',
+  ):
     glob = None  # FedPAC's is the body alone; the others keep none
   elif name in ('fedcp', 'gpfl'):  # the global body, as a zero head's model
     base = server.global_modules if name == 'fedcp' else server.global_model
@@ -781,6 +797,9 @@ def run(torch, name, data, init_state, template, sample_x):
       private = to_flax(torch, whole_state(client.model_p), template, sample_x)
       for k, v in project(private).items():
         rec[f'{name}/private_{i}/{k}'] = v
+  if name == 'apple':  # each client's directed relationship vector
+    for i, client in enumerate(server.clients):
+      rec[f'{name}/ps_{i}'] = np.asarray(client.ps, np.float64)
   if name == 'feddbe':
     for i, client in enumerate(server.clients):
       rec[f'{name}/bias_{i}'] = client.client_mean.detach().numpy()

@@ -35,8 +35,10 @@ from fedjax_personal.core.tree_util import PyTree
 from fedjax_personal.models import Model
 
 __all__ = [
+  'ChainedOutputs',
   'ClientModels',
   'ClientRows',
+  'CohortChain',
   'cohort_train_metrics',
   'CohortPhase',
   'Communication',
@@ -233,6 +235,42 @@ class CohortPhase:
 
 
 @dataclasses.dataclass(frozen=True)
+class CohortChain:
+  """A round's clients run one after another, each reading the chain.
+
+  What the clients before a client wrote: APPLE's core models: PFLlib trains a round's clients in order, each
+  client's steps moving its own core model in the list every later client
+  of the round reads. The engine runs such a cohort in its slots' order (a
+  scan over the clients, each running its own steps), the ``carry``
+  threaded through: a client reads it as ``ClientContext.chain`` (fixed
+  for its whole work) and ``write`` makes the next client's from its
+  output. A slot that is padding or whose upload is lost writes nothing.
+
+  Attributes:
+    start: ``(state, cohort, rc) -> carry``, the chain before the round's
+      first client.
+    write: ``(carry, client_id, output) -> carry``: the carry after client
+      ``client_id`` (int32 scalar, its id in the population) returned
+      ``output`` (its ``client_work``'s).
+  """
+
+  start: Callable[[PyTree, Cohort, 'RoundContext'], PyTree]
+  write: Callable[[PyTree, jax.Array, PyTree], PyTree]
+
+
+class ChainedOutputs(NamedTuple):
+  """``server_update``'s outputs for an algorithm with a cohort chain.
+
+  Attributes:
+    chain: the chain's carry after the round's last client.
+    clients: the cohort's outputs of its training (``client_work``).
+  """
+
+  chain: PyTree
+  clients: PyTree
+
+
+@dataclasses.dataclass(frozen=True)
 class ClientRows:
   """The part of an algorithm's state made of client rows.
 
@@ -349,6 +387,9 @@ class FederatedAlgorithm:
       due (phases that are not a training round), inside the compiled round.
     cohort_phase: optional ``CohortPhase``: client work on the cohort before
       it trains (``server_update`` then gets ``PhasedOutputs``).
+    cohort_chain: optional ``CohortChain``: the cohort's clients run one
+      after another, each reading the chain the ones before it wrote
+      (``server_update`` then gets ``ChainedOutputs``).
     privacy: optional ``privacy.Privacy`` when clients run DP-SGD (noise,
       sampling rates, a step counter in the state) for epsilon accounting.
     client_rows: optional ``ClientRows``, the state's per-client rows that
@@ -370,9 +411,16 @@ class FederatedAlgorithm:
   evaluate_client: Optional[Callable] = None
   pre_round: Optional[PreRound] = None
   cohort_phase: Optional[CohortPhase] = None
+  cohort_chain: Optional[CohortChain] = None
   privacy: Optional[Any] = None
   client_rows: Optional[ClientRows] = None
   partial_work: str = 'drop'
+
+  def __post_init__(self):
+    if self.cohort_phase is not None and self.cohort_chain is not None:
+      raise ValueError(
+        f'{self.name}: a cohort phase and a cohort chain cannot be combined'
+      )
 
   def replace(self, **kw) -> 'FederatedAlgorithm':
     return dataclasses.replace(self, **kw)
@@ -413,8 +461,16 @@ class FederatedAlgorithm:
         broadcast=at(pre.broadcast),
         client=at(pre.client),
       )
+    phase = self.cohort_phase
+    if phase is not None:
+      phase = CohortPhase(at(phase.client), at(phase.fold))
+    chain = self.cohort_chain
+    if chain is not None:
+      chain = CohortChain(at(chain.start), at(chain.write))
     return self.replace(
       model=self.model.at_matmul_precision(name),
+      cohort_phase=phase,
+      cohort_chain=chain,
       init=at(self.init),
       server_broadcast=at(self.server_broadcast),
       client_work=work,

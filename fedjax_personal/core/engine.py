@@ -11,7 +11,7 @@ import collections
 import dataclasses
 import os
 import tempfile
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -157,7 +157,7 @@ class RoundRunner:
   def __init__(
     self,
     algorithm: FederatedAlgorithm,
-    data,
+    data: Any,
     sampler: CohortSampler,
     executor: Executor,
     feed: Optional[placement.CohortFeed] = None,
@@ -229,7 +229,7 @@ class RoundRunner:
     else:
       self._build_host(feed)
 
-  def _jit_round(self, fused_round):
+  def _jit_round(self, fused_round: Callable) -> dict:
     """The fused round, compiled in its two forms: {donate: jitted}. The
     donating form lets XLA update the state in place (scatters into
     per-client state included), so a round holds one copy of the state."""
@@ -243,7 +243,7 @@ class RoundRunner:
 
     return {False: ex.jit(finished), True: ex.jit(finished, donate_argnums=0)}
 
-  def _dispatched_pre_round(self, client_outputs):
+  def _dispatched_pre_round(self, client_outputs: Callable) -> Callable:
     """``phase(state, key, round) -> (state, diagnostics)``: the algorithm's
     pre-round phase dispatched from Python (the same functions as the fused
     round's); ``client_outputs(phase_client, shared, rc)`` runs its client
@@ -273,17 +273,25 @@ class RoundRunner:
 
     return phase
 
-  def _dispatched_work(self, pre, make_ctx, post, steps_of, phase):
+  def _dispatched_work(
+    self, fns: RoundFunctions, steps_of: Callable
+  ) -> Callable:
     """``work(state, key, rnd, train, val, cohort=None) -> (state, metrics)``:
     the round's server steps compiled apart and client work dispatched by a
     non-fused executor; ``steps_of(rows, train)`` gives the real step counts
-    of the clients at ``rows`` of the split arrays (padded steps skipped);
-    ``phase`` runs the algorithm's cohort phase (``RoundFunctions``)."""
+    of the clients at ``rows`` of the split arrays (padded steps skipped).
+    The clients of an algorithm with a ``CohortChain`` run in order as one
+    compiled function of their own (``RoundFunctions.chained``)."""
     alg, ex = self.algorithm, self.executor
-    pre_j, post_j = ex.jit(pre), ex.jit(post)
+    make_ctx, phase = fns.make_ctx, fns.cohort_phase
+    pre_j, post_j = ex.jit(fns.pre), ex.jit(fns.post)
+    chained_j = ex.jit(fns.chained)
 
     def work(state, key, rnd, train, val, cohort=None):
       cohort, rc, shared, per_client = pre_j(state, key, rnd, cohort, train)
+      if alg.cohort_chain is not None:
+        outputs = chained_j(state, cohort, rc, shared, per_client, train, val)
+        return post_j(state, cohort, outputs, rc, shared)
       if alg.cohort_phase is not None:
         shared = phase(shared, cohort, per_client, rc, train, val)
       rows, mask = jax.device_get(
@@ -306,9 +314,10 @@ class RoundRunner:
 
   def _build(self):
     alg, ex = self.algorithm, self.executor
-    pre, make_ctx, post, fused_round, phase_fn = round_functions(
+    fns = round_functions(
       alg, self.sampler, ex, self.trace_counts, self.system, self.row_groups
     )
+    fused_round = fns.fused_round
     shapes = jax.eval_shape(alg.init, jax.random.key(0))
     self._state_shardings = ex.state_shardings(shapes, self.data.num_clients)
     train, val = self.data.train, self.data.val
@@ -331,11 +340,7 @@ class RoundRunner:
       )
       steps = self._host_steps
       work = self._dispatched_work(
-        pre,
-        make_ctx,
-        post,
-        lambda rows, _: steps[np.minimum(rows, len(steps) - 1)],
-        phase_fn,
+        fns, lambda rows, _: steps[np.minimum(rows, len(steps) - 1)]
       )
 
       def round_py(state, key, rnd, donate, next_key=None):
@@ -369,13 +374,14 @@ class RoundRunner:
       alg, self.data.test, models_j, per_client, self.trace_counts
     )
 
-  def _build_host(self, feed):
+  def _build_host(self, feed: Optional[placement.CohortFeed]) -> None:
     """The host layout's round, evaluation and pre-round phase (``layout``):
     the round takes the cohort and its gathered examples."""
     alg, ex, host = self.algorithm, self.executor, self._host_data()
-    pre, make_ctx, post, fused_round, phase_fn = round_functions(
+    fns = round_functions(
       alg, self.sampler, ex, self.trace_counts, self.system, self.row_groups
     )
+    fused_round = fns.fused_round
     sampler = self.sampler
     self.feed = feed or placement.CohortFeed(
       host,
@@ -399,16 +405,13 @@ class RoundRunner:
     else:
       batching = alg.client_work.batching
       dispatched = self._dispatched_work(
-        pre,
-        make_ctx,
-        post,
+        fns,
         lambda rows, train: np.array(
           [
             batching.num_steps_for(int(n), train.max_examples)
             for n in np.asarray(train.num_examples)[rows]
           ]
         ),
-        phase_fn,
       )
 
       def work(state, key, rnd, train, val, cohort, donate):
@@ -473,7 +476,9 @@ class RoundRunner:
       alg, ex, host, self.hosted_rows, self.trace_counts
     )
 
-  def _streamed_phase_outputs(self, phase_client, shared, rc):
+  def _streamed_phase_outputs(
+    self, phase_client: Callable, shared: PyTree, rc: Any
+  ) -> PyTree:
     """The pre-round phase's client outputs over the store, in blocks."""
     ex, host = self.executor, self._host_data()
     if not hasattr(self, '_phase_block'):
@@ -500,7 +505,7 @@ class RoundRunner:
       parts.append((valid, out))
     return placement.join_blocks(parts)
 
-  def init(self, key):
+  def init(self, key: jax.Array) -> PyTree:
     """The algorithm's initial state (placed where the executor keeps it;
     with hosted client rows, a ``rows_in_memory.HostedState``)."""
     # made where it lives (every process its shards)
@@ -531,14 +536,16 @@ class RoundRunner:
       raise ValueError('the device layout has no host data')
     return self.host
 
-  def whole_state(self, state):
+  def whole_state(self, state: PyTree) -> PyTree:
     """The algorithm's state with every client's rows in it (a
     ``HostedState`` joined; any other state as it is)."""
     return (
       state.whole() if isinstance(state, rows_in_memory.HostedState) else state
     )
 
-  def lowered(self, state, key, round_num: int = 0) -> jax.stages.Lowered:
+  def lowered(
+    self, state: PyTree, key: jax.Array, round_num: int = 0
+  ) -> jax.stages.Lowered:
     """The fused round (the device layout) lowered for XLA, before it
     compiles: its ``as_text()`` is the StableHLO the engine traced."""
     if self.host is not None:
@@ -559,17 +566,28 @@ class RoundRunner:
       self.data.val,
     )
 
-  def compiled(self, state, key, round_num: int = 0) -> jax.stages.Compiled:
+  def compiled(
+    self, state: PyTree, key: jax.Array, round_num: int = 0
+  ) -> jax.stages.Compiled:
     """XLA's compiled fused round (the device layout): its ``as_text()``,
     ``memory_analysis()``, ``cost_analysis()``."""
     return self.lowered(state, key, round_num).compile()
 
-  def compiled_text(self, state, key, round_num: int = 0) -> str:
+  def compiled_text(
+    self, state: PyTree, key: jax.Array, round_num: int = 0
+  ) -> str:
     """XLA's compiled HLO of one fused round (with a sharded executor, its
     collectives are the round's communication: ``memory.hlo_collectives``)."""
     return str(self.compiled(state, key, round_num).as_text())
 
-  def round(self, state, key, round_num=0, donate: bool = False, next_key=None):
+  def round(
+    self,
+    state: PyTree,
+    key: jax.Array,
+    round_num: Any = 0,
+    donate: bool = False,
+    next_key: Optional[jax.Array] = None,
+  ) -> tuple:
     """Round ``round_num`` (rounds done before it; per-round schedules read
     it): returns (new state, metrics dict of device scalars).
 
@@ -581,7 +599,9 @@ class RoundRunner:
     """
     return self._round(state, key, round_num, donate, next_key)
 
-  def evaluate(self, state, key, finetune: Optional[bool] = None) -> LossStats:
+  def evaluate(
+    self, state: PyTree, key: jax.Array, finetune: Optional[bool] = None
+  ) -> LossStats:
     """Per-client LossStats ([N] arrays) of the model each client uses, on its
     own test split; after the algorithm's fine-tuning when it has one (or when
     ``finetune`` is True)."""

@@ -12,9 +12,10 @@ from typing import Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from fedjax_personal.core import chained_work, tree_util
 from fedjax_personal.core import system as system_lib
-from fedjax_personal.core import tree_util
 from fedjax_personal.core.algorithm import (
+  ChainedOutputs,
   FederatedAlgorithm,
   PhasedOutputs,
   RoundContext,
@@ -81,6 +82,9 @@ class RoundFunctions(NamedTuple):
       the whole round as one traced function.
     cohort_phase: ``(RoundShared, cohort, ClientInputs, rc, train, val) ->
       RoundShared``: the algorithm's ``CohortPhase`` run on the cohort.
+    chained: ``(state, cohort, rc, RoundShared, ClientInputs, train, val)
+      -> ChainedOutputs``: the cohort's work of an algorithm with a
+      ``CohortChain``, its clients in order.
   """
 
   pre: Callable
@@ -88,6 +92,7 @@ class RoundFunctions(NamedTuple):
   post: Callable
   fused_round: Callable
   cohort_phase: Callable
+  chained: Callable
 
 
 class Broadcast(NamedTuple):
@@ -409,8 +414,28 @@ def round_functions(
     result = cp.fold(shared.broadcast, cohort, outputs, rc)
     return shared._replace(broadcast=result.broadcast, phase=result.server)
 
+  def chained(state, cohort, rc, shared: RoundShared, per_client, train, val):
+    """The algorithm's ``CohortChain``: the cohort's clients in order
+    (``chained_work.run_chain``), as ``ChainedOutputs``."""
+    chain = alg.cohort_chain
+    assert chain is not None
+    ran = chained_work.run_chain(
+      alg.client_work,
+      make_ctx,
+      SharedInputs(shared, train, val),
+      per_client,
+      cohort.idx,
+      system_lib.uploading(cohort, shared.devices),
+      chain,
+      chain.start(state, cohort, rc),
+    )
+    return ChainedOutputs(ran.carry, ran.outputs)
+
   def post(state, cohort, outputs, rc, shared: RoundShared):
     counts['post'] += 1
+    chain_end = None
+    if isinstance(outputs, ChainedOutputs):
+      chain_end, outputs = outputs
     sampled = cohort
     drawn_devices = shared.devices
     # a lost upload is a padded slot for the server
@@ -426,6 +451,8 @@ def round_functions(
     )
     if alg.cohort_phase is not None:
       outputs = PhasedOutputs(shared.phase, outputs)
+    if alg.cohort_chain is not None:
+      outputs = ChainedOutputs(chain_end, outputs)
     state, metrics = alg.server_update(state, cohort, outputs, rc)
     metrics, drawn = dict(metrics), {}
     if drawn_devices is not None:
@@ -463,7 +490,9 @@ def round_functions(
     if alg.cohort_phase is not None:
       shared = cohort_phase(shared, cohort, per_client, rc, train, val)
     cr = alg.client_rows
-    if (
+    if alg.cohort_chain is not None:
+      outputs = chained(state, cohort, rc, shared, per_client, train, val)
+    elif (
       devices is None
       and ex.writes_rows
       and cr is not None
@@ -491,4 +520,4 @@ def round_functions(
     state, metrics = post(state, cohort, outputs, rc, shared)
     return state, {**metrics, **phase}
 
-  return RoundFunctions(pre, make_ctx, post, fused_round, cohort_phase)
+  return RoundFunctions(pre, make_ctx, post, fused_round, cohort_phase, chained)

@@ -13,6 +13,7 @@ from flax import struct
 
 from fedjax_personal.core import batching as batching_lib
 from fedjax_personal.core import system
+from fedjax_personal.core.clipping import dp_gradient
 from fedjax_personal.core.data import ClientData, LocalData
 from fedjax_personal.core.losses import (
   Batch,
@@ -137,6 +138,8 @@ class ClientContext:
     work_limit: the ``WorkLimit`` the client's device does this round, or
       None: all of its work. Steps past it are masked as padding
       (``work_step``).
+    chain: what the clients before this one wrote in a round whose clients
+      run in order (``algorithm.CohortChain``), or None.
   """
 
   shared: Any
@@ -145,6 +148,7 @@ class ClientContext:
   round: Any = 0
   opt_state: Any = None
   work_limit: Optional[WorkLimit] = None
+  chain: Any = None
   row_group_start: Optional[int] = struct.field(pytree_node=False, default=None)
 
 
@@ -443,60 +447,6 @@ class SGDCarry:
   stats: LossStats
   num_steps: jax.Array
   grad_sum: Any = None
-
-
-def dp_gradient(
-  objective,
-  params,
-  batch: Batch,
-  key,
-  clip_norm: float,
-  noise_multiplier: float,
-):
-  """DP-SGD gradient (Abadi et al. 2016): per-example gradients (vmapped over
-  the batch) clipped to ``clip_norm``, summed over real examples, plus
-  N(0, (noise_multiplier * clip_norm)^2) noise, divided by the real count.
-
-  Returns (noisy mean gradient, LossStats of the batch).
-
-  Args:
-    objective: ``(params, batch) -> (loss, stats)``.
-    params: the parameters.
-    batch: the ``Batch``.
-    key: draws the noise.
-    clip_norm: per-example clipping norm C.
-    noise_multiplier: sigma (noise std = sigma * C).
-
-  Returns:
-    ``(noisy mean gradient, LossStats of the batch)``.
-  """
-
-  def one(x, y):
-    ex = Batch(x[None], y[None], jnp.ones((1,), bool))
-    return jax.grad(lambda p: objective(p, ex)[0])(params)
-
-  grads = jax.vmap(one)(batch.x, batch.y)
-  norms = jnp.sqrt(
-    sum(
-      jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1)
-      for g in jax.tree.leaves(grads)
-    )
-  )
-  scale = jnp.minimum(1.0, clip_norm / jnp.maximum(norms, 1e-12)) * batch.mask
-  count = jnp.maximum(jnp.sum(batch.mask), 1.0)
-  leaves, treedef = jax.tree.flatten(grads)
-  keys = jax.random.split(key, len(leaves))
-  noisy = [
-    (
-      jnp.tensordot(scale, g, axes=1)
-      + noise_multiplier
-      * clip_norm
-      * jax.random.normal(k, g.shape[1:], g.dtype)
-    )
-    / count
-    for g, k in zip(leaves, keys)
-  ]
-  return jax.tree.unflatten(treedef, noisy), objective(params, batch)[1]
 
 
 def sgd_client_work(
