@@ -69,6 +69,7 @@ from fedjax_personal.core.losses import (
   Batch,
   LossStats,
   batch_loss,
+  features_of_real,
   get_batch,
   plain_objective,
   zero_stats,
@@ -179,7 +180,7 @@ def used_prototypes(
   ``(prototypes [C, D], present [C])``."""
   n_max = train.y.shape[0]
   used = epoch_examples(key, train.num_examples, n_max, batch_size, True)
-  _, z = model.and_features(model.apply)(params, jnp.asarray(train.x))
+  z = features_of_real(model, params, train.x, train.num_examples)
   z = z.reshape((n_max, -1))
   return pfeddyn.class_prototypes(z, jnp.asarray(train.y), used, num_classes)
 

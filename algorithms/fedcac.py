@@ -80,6 +80,7 @@ from fedjax_personal.models import Model
 __all__ = [
   'build',
   'critical_mask',
+  'kth_largest',
   'customized_mixing',
   'fedcac',
   'FedCACConfig',
@@ -147,6 +148,30 @@ class FedCACOutput:
   num_steps: Any = None
 
 
+def kth_largest(values: jax.Array, k: int) -> jax.Array:
+  """The k-th largest of non-negative float32 ``values`` (1-based), exactly
+  ``jnp.sort(values)[values.size - k]``, by a radix select on their bit
+  patterns (ordered as the values are, for values >= 0): 31 counting passes
+  instead of a sort (a FedCAC client's critical parameters, 582K of them in
+  PFLlib's CNN: 250 ms sorted on a CPU).
+
+  Args:
+    values: float32 [n], every entry >= 0 (or NaN, ordered last as by a sort).
+    k: which, in 1..n.
+
+  Returns:
+    float32 scalar.
+  """
+  bits = jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32)
+
+  def bit(b, found):
+    candidate = found | jnp.left_shift(jnp.int32(1), 30 - b)
+    return jnp.where(jnp.sum(bits >= candidate) >= k, candidate, found)
+
+  found = jax.lax.fori_loop(0, 31, bit, jnp.int32(0))
+  return jax.lax.bitcast_convert_type(found, jnp.float32)
+
+
 def critical_mask(before, after, tau: float):
   """The critical parameters of a client's training (Eq. 1-2, PFLlib's
   ``evaluate_critical_parameter``): per tensor, c = |(after - before) *
@@ -169,7 +194,7 @@ def critical_mask(before, after, tau: float):
     nz = int(tau * flat.size)
     if nz == 0:
       return jnp.zeros(c.shape, bool)
-    thresh = jnp.sort(flat)[flat.size - nz]
+    thresh = kth_largest(flat, nz)
     nonzero = flat > 1e-20
     smallest = jnp.min(jnp.where(nonzero, flat, jnp.inf))
     thresh = jnp.where((thresh <= 1e-10) & jnp.any(nonzero), smallest, thresh)

@@ -59,7 +59,11 @@ from fedjax_personal.core.algorithm import (
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.data import Array as HostOrDevice
 from fedjax_personal.core.data import ClientData
-from fedjax_personal.core.losses import LossStats, plain_objective
+from fedjax_personal.core.losses import (
+  LossStats,
+  features_of_real,
+  plain_objective,
+)
 from fedjax_personal.core.sampling import Cohort
 from fedjax_personal.core.training import ClientContext, sgd_client_work
 from fedjax_personal.core.tree_util import (
@@ -148,8 +152,8 @@ def class_prototypes(model: Model, params, train: ClientData, num_classes):
   Returns:
     ``(prototypes [C, *features], present bool [C])``.
   """
-  x, y = jnp.asarray(train.x), jnp.asarray(train.y)
-  _, z = model.and_features(model.apply)(params, x)
+  y = jnp.asarray(train.y)
+  z = features_of_real(model, params, train.x, train.num_examples)
   real = jnp.arange(y.shape[0]) < train.num_examples
   protos, present = pfeddyn.class_prototypes(
     z.reshape((z.shape[0], -1)), y, real, num_classes

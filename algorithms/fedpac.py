@@ -80,6 +80,7 @@ from fedjax_personal.core.data import ClientData
 from fedjax_personal.core.losses import (
   Batch,
   LossStats,
+  features_of_real,
   forward,
   logits_loss,
   zero_stats,
@@ -214,7 +215,7 @@ class FedPACOutput:
 
 def features_of(model: Model, params, train: ClientData):
   """Every (padded) training example's features [n, D], evaluation mode."""
-  _, z = model.and_features(model.apply)(params, jnp.asarray(train.x))
+  z = features_of_real(model, params, train.x, train.num_examples)
   return z.reshape((z.shape[0], -1))
 
 
@@ -502,13 +503,24 @@ def fedpac(
     head_phase = carry.count < carry.head_steps
     shared = ctx.shared
 
-    def loss(params):
+    def head_loss(params):
+      # the body frozen: the gradient stops at its features (no pass back
+      # through it, as PyTorch's frozen body takes none)
+      out = forward(model, params, batch, features=True)
+      top = head.split(params).head
+      z = jax.lax.stop_gradient(out.features)
+      return logits_loss(model, head.logits(top, z), batch)
+
+    def body_loss(params):
       out = forward(model, params, batch, features=True)
       ce, stats = logits_loss(model, out.logits, batch)
       align = alignment_loss(
         out.features, batch.y, batch.mask, shared.protos, shared.present
       )
-      return ce + jnp.where(head_phase, 0.0, lamda * align), stats
+      return ce + lamda * align, stats
+
+    def loss(params):
+      return jax.lax.cond(head_phase, head_loss, body_loss, params)
 
     (_, stats), grads = jax.value_and_grad(loss, has_aux=True)(carry.model)
     updates, opt_state = opt_update(

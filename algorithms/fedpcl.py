@@ -76,6 +76,7 @@ from fedjax_personal.core.data import LocalData
 from fedjax_personal.core.losses import (
   Batch,
   LossStats,
+  features_of_real,
   forward,
   per_example_stats,
   zero_stats,
@@ -386,7 +387,10 @@ def fedpcl(
       b = batching.batch_size
       seen = train.num_examples // b * b
     included = jnp.arange(m) < seen
-    _, feats = model.and_features(model.apply)(params, train.x[order])
+    # real examples first in the order: the pass stops after them
+    feats = features_of_real(
+      model, params, jnp.asarray(train.x)[order], train.num_examples
+    )
     rep = normalize(flat(feats))
     y = train.y[order]
     one_hot = ((y[:, None] == jnp.arange(k)) & included[:, None]).astype(

@@ -71,7 +71,6 @@ from fedjax_personal.core.tree_util import (
   tree_broadcast,
   tree_bytes,
   tree_scatter,
-  tree_where,
 )
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
@@ -327,30 +326,49 @@ def partial_personalization(
     ctx: ClientContext, carry: PyTree, batch: Batch, key: jax.Array
   ):
     del key
-    grad_fn = jax.value_and_grad(
-      lambda s, p: objective(split.merge(s, p), batch),
-      argnums=(0, 1),
-      has_aux=True,
-    )
-    (_, stats), (g_shared, g_personal) = grad_fn(carry.shared, carry.personal)
     opt_u, opt_v = carry.opt_state
-    upd_u, new_opt_u = opt_update(
-      client_optimizer, g_shared, opt_u, carry.shared, ctx
-    )
-    upd_v, new_opt_v = opt_update(
-      personal_optimizer, g_personal, opt_v, carry.personal, ctx
-    )
-    u, v = (
-      optax.apply_updates(carry.shared, upd_u),
-      optax.apply_updates(carry.personal, upd_v),
-    )
-    if mode == 'alt':  # personal phase: only v moves; shared phase: only u
-      personal_phase = carry.count < carry.personal_steps
-      u, new_opt_u = tree_where(
-        personal_phase, (carry.shared, opt_u), (u, new_opt_u)
+
+    def loss(s, p):
+      return objective(split.merge(s, p), batch)
+
+    def shared_step(_):
+      (_, stats), g = jax.value_and_grad(loss, has_aux=True)(
+        carry.shared, carry.personal
       )
-      v, new_opt_v = tree_where(
-        personal_phase, (v, new_opt_v), (carry.personal, opt_v)
+      upd, new_opt = opt_update(client_optimizer, g, opt_u, carry.shared, ctx)
+      u = optax.apply_updates(carry.shared, upd)
+      return (u, new_opt), (carry.personal, opt_v), stats
+
+    def personal_step(_):
+      (_, stats), g = jax.value_and_grad(loss, argnums=1, has_aux=True)(
+        carry.shared, carry.personal
+      )
+      upd, new_opt = opt_update(
+        personal_optimizer, g, opt_v, carry.personal, ctx
+      )
+      v = optax.apply_updates(carry.personal, upd)
+      return (carry.shared, opt_u), (v, new_opt), stats
+
+    if mode == 'alt':
+      # personal phase: only v moves; shared phase: only u. A branch each,
+      # so a step computes its own part's gradient alone (a personal head's
+      # phase passes back through the head only)
+      personal_phase = carry.count < carry.personal_steps
+      (u, new_opt_u), (v, new_opt_v), stats = jax.lax.cond(
+        personal_phase, personal_step, shared_step, None
+      )
+    else:
+      grad_fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+      (_, stats), (g_shared, g_personal) = grad_fn(carry.shared, carry.personal)
+      upd_u, new_opt_u = opt_update(
+        client_optimizer, g_shared, opt_u, carry.shared, ctx
+      )
+      upd_v, new_opt_v = opt_update(
+        personal_optimizer, g_personal, opt_v, carry.personal, ctx
+      )
+      u, v = (
+        optax.apply_updates(carry.shared, upd_u),
+        optax.apply_updates(carry.personal, upd_v),
       )
     # batch statistics of this forward pass
     u, v, stats = parts_with_state(split, u, v, stats)

@@ -152,28 +152,28 @@ def phase_loss(
 ):
   """The step's loss: in the personal phase, CE(p(z)) with z fixed plus
   lambda ||g - p|| (fixed unless ``distance_gradient``); else CE(g(z)).
-  One forward pass of the body serves both."""
-  out = forward(model, both['model'], batch, features=True)
-  personal_ce, personal_stats = logits_loss(
-    model,
-    head.logits(
-      head.split(both['model']).head, jax.lax.stop_gradient(out.features)
-    ),
-    batch,
-  )
-  p = head.split(both['model']).head
-  g = jax.lax.stop_gradient(both['head'])
-  if not distance_gradient:
-    p = jax.lax.stop_gradient(p)
-  distance = otu.tree_norm(otu.tree_sub(g, p))
-  global_ce, global_stats = logits_loss(
-    model, head.logits(both['head'], out.features), batch
-  )
-  loss = jnp.where(personal_phase, personal_ce + lamda * distance, global_ce)
-  stats = jax.tree.map(
-    lambda a, b: jnp.where(personal_phase, a, b), personal_stats, global_stats
-  )
-  return loss, stats
+
+  The phases are the branches of a ``lax.cond``, so a client's step (run
+  alone, as the CPU's executors run one) computes one of them: the personal
+  phase's gradient stops at the features (no pass back through the body,
+  as PyTorch's frozen body takes none)."""
+
+  def personal(both):
+    out = forward(model, both['model'], batch, features=True)
+    p = head.split(both['model']).head
+    ce, stats = logits_loss(
+      model, head.logits(p, jax.lax.stop_gradient(out.features)), batch
+    )
+    g = jax.lax.stop_gradient(both['head'])
+    if not distance_gradient:
+      p = jax.lax.stop_gradient(p)
+    return ce + lamda * otu.tree_norm(otu.tree_sub(g, p)), stats
+
+  def global_(both):
+    out = forward(model, both['model'], batch, features=True)
+    return logits_loss(model, head.logits(both['head'], out.features), batch)
+
+  return jax.lax.cond(personal_phase, personal, global_, both)
 
 
 def pflda(

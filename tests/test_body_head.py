@@ -80,3 +80,23 @@ def test_an_algorithm_that_needs_a_head_refuses_a_model_without_one(name):
     algorithms.build(name, headless, data)
   assert e.value.name == 'model'
   assert f'--algorithm={name}' in str(e.value) and "'mine'" in str(e.value)
+
+
+@pytest.mark.parametrize('count', [0, 1, 63, 64, 65, 100])
+def test_a_feature_pass_over_a_clients_real_rows_is_the_whole_pass(count):
+  """``features_of_real``: the features of the client's rows, chunk by
+  chunk while they hold its examples (64 rows a chunk), equal to one pass
+  over them; zeros past its count."""
+  from fedjax_personal.core.losses import features_of_real
+
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(100, 28, 28, 1)).astype(np.float32)
+  model = models.create_model('lenet5', 10, x[:1])
+  params = model.init(jax.random.key(0))
+  got = np.asarray(
+    jax.jit(features_of_real, static_argnums=0)(model, params, x, count)
+  )
+  whole = np.asarray(model.features(params, jnp.asarray(x)))
+  assert got.shape == whole.shape
+  np.testing.assert_allclose(got[:count], whole[:count], atol=1e-5)
+  assert not np.any(got[count:])

@@ -74,6 +74,24 @@ def test_pfllib_head_combination_equals_its_loop(shuffled):
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_fedcac_kth_largest_is_the_sorts():
+  """The radix select of a critical threshold equals the sort's entry: ties,
+  zeros, tiny and huge values, NaN (last, as sorted)."""
+  rng = np.random.default_rng(0)
+  values = np.abs(rng.normal(size=1000)).astype(np.float32) ** 3
+  values[:50] = 0.0
+  values[50:100] = values[100]  # ties
+  values[200] = np.float32(1e-30)
+  values[201] = np.float32(3e38)
+  values[202] = np.inf
+  for case in (values, np.where(np.arange(1000) == 7, np.nan, values)):
+    ordered = np.sort(case)
+    for k in (1, 2, 3, 10, 500, 899, 950, 951, 999, 1000):
+      got = float(fedcac.kth_largest(jnp.asarray(case), k))
+      want = float(ordered[case.size - k])
+      assert got == want or (np.isnan(got) and np.isnan(want)), (k, got, want)
+
+
 def test_fedcac_masks_and_collaboration_by_hand():
   before = {'w': jnp.zeros((2, 2)), 'b': jnp.ones(4)}
   after = {

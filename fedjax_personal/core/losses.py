@@ -20,6 +20,7 @@ __all__ = [
   'Forward',
   'logits_loss',
   'evaluate_params',
+  'features_of_real',
   'mean_loss',
   'get_batch',
   'keep_model_state',
@@ -353,3 +354,52 @@ def mean_loss(model: Model, params, data: ClientData):
   """
   s = evaluate_params(model, params, data)
   return s.loss_sum / jnp.maximum(s.count, 1.0)
+
+
+#: Rows a client's feature pass computes at once (``features_of_real``).
+FEATURE_CHUNK = 64
+
+
+def features_of_real(
+  model: Model, params, x, num_examples, chunk: int = FEATURE_CHUNK
+) -> jax.Array:
+  """The features of a client's first ``num_examples`` rows of ``x``, in
+  evaluation mode: [n, ...] for ``x`` [n, ...], zeros past its count. The pass runs in chunks of ``chunk`` rows while they hold the
+  client's examples, so it costs the client's own examples, not the padded
+  length (PFLlib's CNN over MNIST's writers: 771 rows padded, 48 real for the
+  smallest). Each row's features are those of the whole pass (a model's
+  evaluation is row by row).
+
+  Args:
+    model: the model (with a head).
+    params: its parameters.
+    x: the client's padded inputs [n, ...], its real rows first.
+    num_examples: its real rows (traced int).
+    chunk: rows a chunk.
+
+  Returns:
+    float [n, ...] (the features' own shape).
+  """
+  x = jnp.asarray(x)
+  n = x.shape[0]
+  chunks = max(-(-n // chunk), 1)
+  padded = jnp.pad(x, [(0, chunks * chunk - n)] + [(0, 0)] * (x.ndim - 1))
+
+  def of(rows):
+    return model.and_features(model.apply)(params, rows)[1]
+
+  shape = jax.eval_shape(of, padded[:chunk])
+
+  def body(i, out):
+    rows = jax.lax.dynamic_slice_in_dim(padded, i * chunk, chunk)
+    return jax.lax.dynamic_update_slice_in_dim(out, of(rows), i * chunk, 0)
+
+  todo = (jnp.asarray(num_examples, jnp.int32) + chunk - 1) // chunk
+  out = jax.lax.fori_loop(
+    0,
+    jnp.minimum(todo, chunks),
+    body,
+    jnp.zeros((chunks * chunk,) + shape.shape[1:], shape.dtype),
+  )
+  real = jnp.arange(n) < num_examples
+  return jnp.where(real.reshape((n,) + (1,) * (out.ndim - 1)), out[:n], 0)
