@@ -86,7 +86,6 @@ from fedjax_personal.core.tree_util import (
   PyTree,
   rows,
   tree_broadcast,
-  tree_bytes,
   tree_gather,
   tree_scatter_where,
 )
@@ -387,8 +386,7 @@ def apple(
 
   def communication(state: APPLEState) -> Communication:
     # up: its core; down: every client's core
-    b = tree_bytes(tree_gather(state.cores, 0))
-    return Communication(b, b, num_clients)
+    return Communication.one_of(state.cores, num_clients)
 
   return FederatedAlgorithm(
     name='apple',

@@ -60,7 +60,6 @@ from fedjax_personal.core.tree_util import (
   PyTree,
   rows,
   tree_broadcast,
-  tree_bytes,
   tree_scatter,
 )
 from fedjax_personal.errors import ConfigError
@@ -259,8 +258,7 @@ def cfl(
     }
 
   def communication(state: CFLState):
-    b = tree_bytes(jax.tree.map(lambda a: a[0], state.personal))
-    return Communication(b, b, state.num_clusters)
+    return Communication.one_of(state.personal, state.num_clusters)
 
   return FederatedAlgorithm(
     name='cfl',

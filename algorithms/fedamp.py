@@ -69,7 +69,6 @@ from fedjax_personal.core.tree_util import (
   PyTree,
   rows,
   tree_broadcast,
-  tree_bytes,
   tree_gather,
   tree_scatter_where,
 )
@@ -299,8 +298,7 @@ def fedamp(
     )
 
   def communication(state: FedAMPState) -> Communication:
-    b = tree_bytes(tree_gather(state.models, 0))
-    return Communication(b, b, num_clients)
+    return Communication.one_of(state.models, num_clients)
 
   return FederatedAlgorithm(
     name='fedamp',

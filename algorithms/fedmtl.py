@@ -55,7 +55,6 @@ from fedjax_personal.core.tree_util import (
   PyTree,
   rows,
   tree_broadcast,
-  tree_bytes,
   tree_gather,
 )
 from fedjax_personal.models import Model
@@ -202,9 +201,8 @@ def fedmtl(
     return state, cohort_train_metrics(out.stats, cohort.mask)
 
   def communication(state: FedMTLState) -> Communication:
-    b = tree_bytes(tree_gather(state.models, 0))
     # up: its model; down: the round's sum, the same for every client
-    return Communication(b, b, 1)
+    return Communication.one_of(state.models, 1)
 
   return FederatedAlgorithm(
     name='fedmtl',

@@ -61,7 +61,7 @@ from fedjax_personal.core.training import (
   extended_sgd_work,
   sgd_client_work,
 )
-from fedjax_personal.core.tree_util import PyTree, tree_bytes
+from fedjax_personal.core.tree_util import PyTree
 from fedjax_personal.models import Model
 
 __all__ = [
@@ -211,8 +211,7 @@ def hyp_cluster(
     )
 
   def communication(state: HypClusterState) -> Communication:
-    b = tree_bytes(jax.tree.map(lambda a: a[0], state.cluster_params))
-    return Communication(b, b, num_clusters)
+    return Communication.one_of(state.cluster_params, num_clusters)
 
   return FederatedAlgorithm(
     name='hyp_cluster',

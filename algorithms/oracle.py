@@ -36,7 +36,7 @@ from fedjax_personal.core.algorithm import (
 )
 from fedjax_personal.core.batching import Batching
 from fedjax_personal.core.sampling import Cohort
-from fedjax_personal.core.tree_util import rows, tree_broadcast, tree_bytes
+from fedjax_personal.core.tree_util import rows, tree_broadcast
 from fedjax_personal.errors import ConfigError
 from fedjax_personal.models import Model
 
@@ -102,8 +102,7 @@ def oracle(
     )
 
   def communication(state: OracleState):
-    b = tree_bytes(jax.tree.map(lambda a: a[0], state.group_params))
-    return Communication(b, b, num_groups)
+    return Communication.one_of(state.group_params, num_groups)
 
   return FederatedAlgorithm(
     name='oracle',

@@ -76,7 +76,6 @@ from fedjax_personal.core.tree_util import (
   PyTree,
   rows,
   tree_broadcast,
-  tree_bytes,
   tree_gather,
   tree_scatter,
 )
@@ -468,8 +467,7 @@ def usercentric(
     ), info
 
   def communication(state: UserCentricState):
-    b = tree_bytes(jax.tree.map(lambda a: a[0], state.personal))
-    return Communication(b, b, state.num_streams)
+    return Communication.one_of(state.personal, state.num_streams)
 
   return FederatedAlgorithm(
     name='usercentric',

@@ -143,6 +143,23 @@ class Communication(NamedTuple):
   downlink_bytes_per_model: int
   num_downlink_models: Union[int, jax.Array]
 
+  @staticmethod
+  def one_of(
+    stacked: PyTree, num_downlink_models: Union[int, jax.Array]
+  ) -> 'Communication':
+    """One model of ``stacked`` (models [M, ...]) up from each active client
+    and down to it, ``num_downlink_models`` distinct ones sent down.
+
+    Args:
+      stacked: the stacked models.
+      num_downlink_models: as the field.
+
+    Returns:
+      The ``Communication``.
+    """
+    b = tree_util.tree_bytes(jax.tree.map(lambda a: a[0], stacked))
+    return Communication(b, b, num_downlink_models)
+
 
 @struct.dataclass
 class RoundContext:
