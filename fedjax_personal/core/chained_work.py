@@ -10,7 +10,7 @@ compiles it as one function of its own between the server's steps.
 """
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +37,9 @@ class ChainRan(NamedTuple):
 
 def run_chain(
   work: training.ClientWork,
-  make_ctx,
-  shared,
-  per_client,
+  make_ctx: Callable[[Any, Any], training.ClientCall],
+  shared: PyTree,
+  per_client: PyTree,
   ids: jax.Array,
   active: jax.Array,
   chain: CohortChain,
