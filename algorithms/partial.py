@@ -331,23 +331,23 @@ def partial_personalization(
     def loss(s, p):
       return objective(split.merge(s, p), batch)
 
+    def move(optimizer, grads, opt, params):
+      upd, new_opt = opt_update(optimizer, grads, opt, params, ctx)
+      return optax.apply_updates(params, upd), new_opt
+
     def shared_step(_):
       (_, stats), g = jax.value_and_grad(loss, has_aux=True)(
         carry.shared, carry.personal
       )
-      upd, new_opt = opt_update(client_optimizer, g, opt_u, carry.shared, ctx)
-      u = optax.apply_updates(carry.shared, upd)
-      return (u, new_opt), (carry.personal, opt_v), stats
+      moved = move(client_optimizer, g, opt_u, carry.shared)
+      return moved, (carry.personal, opt_v), stats
 
     def personal_step(_):
       (_, stats), g = jax.value_and_grad(loss, argnums=1, has_aux=True)(
         carry.shared, carry.personal
       )
-      upd, new_opt = opt_update(
-        personal_optimizer, g, opt_v, carry.personal, ctx
-      )
-      v = optax.apply_updates(carry.personal, upd)
-      return (carry.shared, opt_u), (v, new_opt), stats
+      moved = move(personal_optimizer, g, opt_v, carry.personal)
+      return (carry.shared, opt_u), moved, stats
 
     if mode == 'alt':
       # personal phase: only v moves; shared phase: only u. A branch each,
@@ -360,16 +360,8 @@ def partial_personalization(
     else:
       grad_fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
       (_, stats), (g_shared, g_personal) = grad_fn(carry.shared, carry.personal)
-      upd_u, new_opt_u = opt_update(
-        client_optimizer, g_shared, opt_u, carry.shared, ctx
-      )
-      upd_v, new_opt_v = opt_update(
-        personal_optimizer, g_personal, opt_v, carry.personal, ctx
-      )
-      u, v = (
-        optax.apply_updates(carry.shared, upd_u),
-        optax.apply_updates(carry.personal, upd_v),
-      )
+      u, new_opt_u = move(client_optimizer, g_shared, opt_u, carry.shared)
+      v, new_opt_v = move(personal_optimizer, g_personal, opt_v, carry.personal)
     # batch statistics of this forward pass
     u, v, stats = parts_with_state(split, u, v, stats)
     return carry.replace(

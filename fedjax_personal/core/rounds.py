@@ -434,7 +434,7 @@ def round_functions(
   def post(state, cohort, outputs, rc, shared: RoundShared):
     counts['post'] += 1
     chain_end = None
-    if isinstance(outputs, ChainedOutputs):
+    if alg.cohort_chain is not None:  # ``chained``'s outputs
       chain_end, outputs = outputs
     sampled = cohort
     drawn_devices = shared.devices
