@@ -7,7 +7,7 @@ zoo), evaluators, ``for_each_client``, every algorithm, the aggregators,
 FedJAX 0.0.17 gave (``tests/data/fedjax_training_reference.npz``, recorded
 in FedJAX's venv by ``benchmarks/peers/fedjax_training_reference.py``),
 under each ``for_each_client`` backend: FedJAX's debug, jit and pmap
-ones and this project's vmap one.
+ones and this project's vmap and threads ones.
 
 Tolerance: integers, shapes and bytes exact; floats to 2e-5 relative (FedJAX
 ran on JAX 0.4.30's XLA, this on the installed one: the same operations,
@@ -17,6 +17,7 @@ import os
 
 import helpers
 import jax
+import jax.numpy as jnp
 import made_files
 import numpy as np
 import pytest
@@ -67,6 +68,7 @@ HEAVY = (
     ('debug', 'all'),
     ('pmap', 'all'),
     ('vmap', 'all'),
+    ('threads', 'all'),
   ],
 )
 @pytest.mark.ci_variants('jit-light')
@@ -166,8 +168,68 @@ def test_for_each_client_backends_by_name_and_a_misspelled_one():
     fedjax.get_for_each_client_backend(),
     fedjax.core.for_each_client.ForEachClientJitBackend,
   )
-  with pytest.raises(ValueError, match="'vmapp'.*known: debug, jit, pmap"):
+  with pytest.raises(
+    ValueError, match="'vmapp'.*known: debug, jit, pmap, threads, vmap"
+  ):
     fedjax.set_for_each_client_backend('vmapp')
+
+
+def test_threads_backend_gives_the_jit_backends_values_in_order():
+  """Clients of 0 to 5 batches (a smaller last one), run on 2 threads: the
+  jit backend's outputs and step results bit for bit, in the clients'
+  order, under the reading thread's JAX settings; a round read only in
+  part leaves no client running."""
+
+  def init(shared, client_input):
+    return {'w': shared['w'] * client_input['scale'], 'n': 0.0}
+
+  def step(state, batch):
+    g = batch['x'].T @ (batch['x'] @ state['w'] - batch['y'])
+    new = {'w': state['w'] - 0.1 * g / batch['y'].shape[0], 'n': state['n']}
+    new['n'] = new['n'] + batch['y'].shape[0]
+    return new, {'loss': jnp.mean(batch['y'] ** 2)}
+
+  def final(shared, state):
+    return jax.tree.map(lambda a, b: a - b, shared, {'w': state['w']})
+
+  rng = np.random.RandomState(0)
+  clients = []
+  for i, n in enumerate([13, 0, 4, 40, 7, 25, 1, 18]):
+    x = rng.normal(size=(n, 3)).astype(np.float32)
+    y = rng.normal(size=n).astype(np.float32)
+    batches = [{'x': x[s : s + 8], 'y': y[s : s + 8]} for s in range(0, n, 8)]
+    clients.append((f'c{i}', batches, {'scale': np.float32(1 + i / 10)}))
+  shared = {'w': np.ones(3, np.float32)}
+  runs = {}
+  for name in ('jit', 'threads'):
+    with fedjax.for_each_client_backend(
+      fedjax.core.for_each_client.ForEachClientThreadsBackend(threads=2)
+      if name == 'threads'
+      else name
+    ):
+      func = fedjax.for_each_client(init, step, final, with_step_result=True)
+      runs[name] = jax.device_get(list(func(shared, clients)))
+  assert [r[0] for r in runs['threads']] == [c[0] for c in clients]
+  for a, b in zip(runs['jit'], runs['threads']):
+    for x, y in zip(jax.tree.leaves(a[1:]), jax.tree.leaves(b[1:])):
+      np.testing.assert_array_equal(x, y)
+  with fedjax.for_each_client_backend('threads'):
+    func = fedjax.for_each_client(init, step, final, with_step_result=True)
+    partial = func(shared, clients)
+    first = next(partial)
+    partial.close()
+  assert first[0] == 'c0'
+  # the reading thread's JAX settings hold in the clients' threads (read
+  # while tracing: the setting becomes the step result)
+  setting = lambda s, b: (s, jnp.asarray(jax.threefry_partitionable.value))
+  for value in (False, True):
+    with (
+      jax.threefry_partitionable(value),
+      fedjax.for_each_client_backend('threads'),
+    ):
+      func = fedjax.for_each_client(init, setting, final, True)
+      seen = [r for _, _, rs in func(shared, clients) for r in rs]
+    assert seen and all(bool(r) == value for r in seen)
 
 
 def test_fedjax_names_not_provided_or_misspelled_are_one_line():

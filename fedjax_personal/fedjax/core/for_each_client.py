@@ -3,21 +3,26 @@
 
 Backends: ``'jit'`` (FedJAX's default: one client after another, each step a
 jitted call), ``'debug'`` (no jit, errors naming the stage and client),
-``'pmap'`` (clients in blocks over the local devices), and ``'vmap'``, this
-project's: the clients in blocks of up to ``block_size`` (default 32)
+``'pmap'`` (clients in blocks over the local devices), ``'threads'``, this
+project's (clients on the host's cores at once, each as ``'jit'`` runs it:
+the same values, in order), and ``'vmap'``, this project's: the clients in blocks of up to ``block_size`` (default 32)
 stacked on a leading axis, a block's batches run as one ``lax.scan`` of the
 vmapped step (a client without a batch at a step is masked: its state does
 not change), so a block costs one dispatch rather than one per client and
 batch; a smaller last batch takes one more vmapped call. The outputs are
 FedJAX's (float rounding apart: the same operations, batched). It pays where
 dispatch, not arithmetic, bounds a step (small models, accelerators); a
-convolution-bound step on a CPU runs at the arithmetic's speed either way
+convolution-bound step on a CPU runs at the arithmetic's speed either way,
+and faster with ``'threads'`` where one client does not fill the cores
 (``benchmarks/peers/fedjax_emnist_fed_avg_cpu.md``).
 """
 
 import abc
+import collections
+import concurrent.futures
 import contextlib
 import functools
+import os
 import threading
 from typing import (
   Any,
@@ -43,6 +48,7 @@ __all__ = [
   'ForEachClientError',
   'ForEachClientJitBackend',
   'ForEachClientPmapBackend',
+  'ForEachClientThreadsBackend',
   'ForEachClientVmapBackend',
   'for_each_client',
   'for_each_client_backend',
@@ -251,6 +257,87 @@ class ForEachClientPmapBackend(ForEachClientBackend):
     return run
 
 
+#: JAX's settings a ``with`` block sets for its own thread only (each a
+#: public ``jax.<name>`` context manager: ``jax.threefry_partitionable``,
+#: ``jax.default_matmul_precision``, ``jax.enable_x64``, ...).
+_THREAD_SETTINGS = tuple(
+  name
+  for name, value in sorted(vars(jax).items())
+  if isinstance(value, type(jax.threefry_partitionable))
+)
+
+
+def _in_callers_settings(fn: Callable) -> Callable:
+  """``fn``, run in another thread under the JAX settings of the thread that
+  calls this: a ``with jax.threefry_partitionable(False):`` (or a matmul
+  precision, ``jax.disable_jit()``, ...) around a round holds for its
+  clients' threads too, so they draw and compute what one thread would."""
+  wanted = {name: getattr(jax, name).value for name in _THREAD_SETTINGS}
+  no_jit = jax.config.jax_disable_jit
+
+  def run(*args):
+    with contextlib.ExitStack() as stack:
+      for name, value in wanted.items():
+        state = getattr(jax, name)
+        if state.value != value:
+          stack.enter_context(state(value))
+      if no_jit and not jax.config.jax_disable_jit:
+        stack.enter_context(jax.disable_jit())
+      return fn(*args)
+
+  return run
+
+
+class ForEachClientThreadsBackend(ForEachClientBackend):
+  """Clients on ``threads`` host threads at once, each as the jit backend
+  runs one (init, each step and final jitted), the outputs in the clients'
+  order.
+
+  A jitted call releases Python's lock while it runs, so the threads' steps
+  run side by side: on a CPU whose cores one step does not fill (a small
+  batch's convolutions), several clients' steps use them. At most
+  ``2 * threads`` clients are taken ahead of the one being yielded, so a
+  round's clients and their states are not all held at once. The outputs
+  are the jit backend's, bit for bit (each client's calls are the same):
+  the clients' threads run under the JAX settings (``with
+  jax.threefry_partitionable(False):``, a matmul precision, ...) of the
+  thread that reads the outputs, as it reads the first.
+
+  Args:
+    threads: the clients run at once; default the host's processors.
+  """
+
+  def __init__(self, threads: Optional[int] = None):
+    threads = threads or os.cpu_count() or 1
+    if threads < 1:
+      raise ValueError(f'threads must be at least 1, got {threads}')
+    self._threads = threads
+
+  def __call__(self, client_init, client_step, client_final):
+    one_by_one = ForEachClientJitBackend()(
+      client_init, client_step, client_final
+    )
+
+    def one(shared_input, client):
+      return next(one_by_one(shared_input, [client]))
+
+    def run(shared_input, clients):
+      pool = concurrent.futures.ThreadPoolExecutor(self._threads)
+      pending: collections.deque = collections.deque()
+      work = _in_callers_settings(one)
+      try:
+        for client in clients:
+          pending.append(pool.submit(work, shared_input, client))
+          if len(pending) > 2 * self._threads:
+            yield pending.popleft().result()
+        while pending:
+          yield pending.popleft().result()
+      finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+    return run
+
+
 def _stack(trees):
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
@@ -414,6 +501,7 @@ _NAMED = {
   'debug': ForEachClientDebugBackend,
   'jit': ForEachClientJitBackend,
   'pmap': ForEachClientPmapBackend,
+  'threads': ForEachClientThreadsBackend,
   'vmap': ForEachClientVmapBackend,
 }
 
@@ -434,7 +522,7 @@ def set_for_each_client_backend(
 
   Args:
     backend: a ``ForEachClientBackend``, one of 'debug', 'jit', 'pmap',
-      'vmap', or None (the default, jit).
+      'threads', 'vmap', or None (the default, jit).
 
   Returns:
     None.
