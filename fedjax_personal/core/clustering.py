@@ -22,6 +22,7 @@ import numpy as np
 __all__ = [
   'adjusted_rand_index',
   'assign',
+  'Assignment',
   'bipartition',
   'distances',
   'in_group_chance',
@@ -87,8 +88,20 @@ def kmeans_plusplus(
   return centroids
 
 
-def assign(x: jax.Array, centroids: jax.Array, k: Any) -> Any:
-  """(labels [N], squared distance to the nearest of the first k centroids).
+class Assignment(NamedTuple):
+  """Each point's nearest centroid.
+
+  Attributes:
+    labels: int32 [N], the nearest of the centroids in use.
+    distances: [N], the squared distance to it.
+  """
+
+  labels: jax.Array
+  distances: jax.Array
+
+
+def assign(x: jax.Array, centroids: jax.Array, k: Any) -> Assignment:
+  """Each point's nearest of the first k centroids.
 
   Args:
     x: points [N, d].
@@ -96,11 +109,11 @@ def assign(x: jax.Array, centroids: jax.Array, k: Any) -> Any:
     k: the centroids in use (traced).
 
   Returns:
-    ``(labels [N], squared distances [N])``.
+    The ``Assignment`` (labels and squared distances, [N] each).
   """
   d = sq_distances(x, centroids)
   d = jnp.where(jnp.arange(centroids.shape[0])[None, :] < k, d, jnp.inf)
-  return jnp.argmin(d, axis=1).astype(jnp.int32), jnp.min(d, axis=1)
+  return Assignment(jnp.argmin(d, axis=1).astype(jnp.int32), jnp.min(d, axis=1))
 
 
 class KMeansResult(NamedTuple):
@@ -137,7 +150,7 @@ def lloyd(
   threshold = tol * jnp.mean(jnp.var(x, axis=0))
 
   def step(c):
-    labels, _ = assign(x, c, k)
+    labels = assign(x, c, k).labels
     one_hot = jax.nn.one_hot(labels, max_k, dtype=x.dtype)  # [N, K]
     count = one_hot.sum(0)
     new = (one_hot.T @ x) / jnp.maximum(count, 1)[:, None]
@@ -155,8 +168,13 @@ def lloyd(
   _, centroids, _ = jax.lax.while_loop(
     cond, body, (0, centroids, jnp.asarray(jnp.inf, x.dtype))
   )
-  labels, d2 = assign(x, centroids, k)
-  return KMeansResult(centroids, labels, jnp.sum(d2), jnp.asarray(k, jnp.int32))
+  nearest = assign(x, centroids, k)
+  return KMeansResult(
+    centroids,
+    nearest.labels,
+    jnp.sum(nearest.distances),
+    jnp.asarray(k, jnp.int32),
+  )
 
 
 def kmeans(

@@ -289,11 +289,10 @@ def _in_callers_settings(fn: Callable) -> Callable:
 
 
 class ForEachClientThreadsBackend(ForEachClientBackend):
-  """Clients on ``threads`` host threads at once, each as the jit backend
-  runs one (init, each step and final jitted), the outputs in the clients'
-  order.
+  """Clients on several host threads at once, outputs in the clients' order.
 
-  A jitted call releases Python's lock while it runs, so the threads' steps
+  ``threads`` clients run at once, each as the jit backend runs one (init,
+  each step and final jitted). A jitted call releases Python's lock while it runs, so the threads' steps
   run side by side: on a CPU whose cores one step does not fill (a small
   batch's convolutions), several clients' steps use them. At most
   ``2 * threads`` clients are taken ahead of the one being yielded, so a
