@@ -267,13 +267,18 @@ _THREAD_SETTINGS = tuple(
 )
 
 
+def _jit_disabled() -> bool:
+  """Whether this thread runs under ``jax.disable_jit()``."""
+  return bool(getattr(jax.config, 'jax_disable_jit'))
+
+
 def _in_callers_settings(fn: Callable) -> Callable:
   """``fn``, run in another thread under the JAX settings of the thread that
   calls this: a ``with jax.threefry_partitionable(False):`` (or a matmul
   precision, ``jax.disable_jit()``, ...) around a round holds for its
   clients' threads too, so they draw and compute what one thread would."""
   wanted = {name: getattr(jax, name).value for name in _THREAD_SETTINGS}
-  no_jit = jax.config.jax_disable_jit
+  no_jit = _jit_disabled()
 
   def run(*args):
     with contextlib.ExitStack() as stack:
@@ -281,7 +286,7 @@ def _in_callers_settings(fn: Callable) -> Callable:
         state = getattr(jax, name)
         if state.value != value:
           stack.enter_context(state(value))
-      if no_jit and not jax.config.jax_disable_jit:
+      if no_jit and not _jit_disabled():
         stack.enter_context(jax.disable_jit())
       return fn(*args)
 
