@@ -1,16 +1,18 @@
-"""PFLlib's own FD (``clientfd.py`` / ``serverfd.py``) on the PFLlib
-leaderboard's scenario, evaluated every round: does PFLlib's code diverge
-where this project's FD does?
+"""PFLlib's own code for one algorithm on the PFLlib leaderboard's
+scenario, evaluated after every round: what PFLlib's accuracy is at the
+leaderboard's rounds, and whether PFLlib's code diverges where this
+project's does.
 
-FD hands the raw global average logits of an example's label to PyTorch's
-``CrossEntropyLoss`` as target probabilities; a negative target makes that
-loss unbounded below. This runs PFLlib's server and clients (the
-leaderboard's clients, model, batch, rate and FD settings:
+This runs PFLlib's server and clients (``--algorithm``: the leaderboard's
+clients, model, batch, rate and the algorithm's settings,
 ``scripts/reproduce_pfllib.py``) for ``--rounds`` rounds with PFLlib's
 evaluation after each, and prints what PFLlib prints (its averaged train
-loss and test accuracy) until it stops.
+loss and test accuracy) until it stops. FD, for one, hands the raw global
+average logits of an example's label to PyTorch's ``CrossEntropyLoss`` as
+target probabilities; a negative target makes that loss unbounded below.
 
-  python benchmarks/probes/pfllib_fd_divergence.py --pfllib=<PFLlib>/system
+  python benchmarks/probes/pfllib_by_round.py --pfllib=<PFLlib>/system \
+      --algorithm=fd --rounds=3
 """
 
 import argparse
@@ -32,6 +34,7 @@ def _module(name, path):
 def main():
   p = argparse.ArgumentParser()
   p.add_argument('--pfllib', required=True, help="PFLlib's system/ folder")
+  p.add_argument('--algorithm', default='fd')
   p.add_argument('--rounds', type=int, default=3)
   a = p.parse_args()
   import torch  # noqa: PLC0415  (the bench extra)
@@ -52,9 +55,9 @@ def main():
   torch.manual_seed(0)
   server, _ = peer.pfllib_server(
     torch,
-    'fd',
+    a.algorithm,
     FedAvgCNN(in_features=1, num_classes=10, dim=1024),
-    board.LEADERBOARD['fd'],
+    board.LEADERBOARD[a.algorithm],
     dataset='MNIST',
     num_classes=10,
     batch_size=board.BATCH,
