@@ -13,7 +13,11 @@ the batch's examples (here its real ones).
 
 Defaults: tau = 1 (PFLlib's ``-tau``) and beta = 1 (the paper's and FedNTD's
 own code; PFLlib's shared ``-bt`` defaults to 0, which turns the
-distillation off: give ``--fedntd_beta=0`` for that).
+distillation off: give ``--fedntd_beta=0`` for that). The server's mean is
+uniform over the clients (PFLlib's ``serverntd.py`` overrides
+``add_parameters`` to add each upload divided by the number of clients
+joined, ignoring their example counts); ``--weighting=num_examples`` gives
+FedAvg's example-weighted mean.
 """
 
 import dataclasses
@@ -137,5 +141,6 @@ SPEC = AlgorithmSpec(
   build,
   FEDAVG_SETTINGS,
   model_state=True,
+  default_weighting='uniform',
   summary='FedNTD (Lee et al. 2022): FedAvg + not-true distillation',
 )

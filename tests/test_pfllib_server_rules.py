@@ -3,14 +3,17 @@ solvers: FedPAC's quadratic program and its server's combination of heads
 (in PFLlib's order, written in place), FedCAC's critical masks and
 collaboration matrix, FedAMP's cloud models (its ``send_models`` loop),
 FedMTL's regularizer (PFLlib's expression over the whole W), FedCross's
-partners (its ``cross_aggregation`` loop, ties included)."""
+partners (its ``cross_aggregation`` loop, ties included), FedNTD's uniform
+mean (its ``add_parameters``)."""
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import optimize
 
+from fedjax_personal import algorithms
 from fedjax_personal.algorithms import fedamp, fedcac, fedcross, fedmtl, fedpac
 
 
@@ -322,3 +325,24 @@ def test_fedpcl_server_equals_pfllibs_dicts():
       np.testing.assert_allclose(np.asarray(state.sets[cid]), rows, atol=1e-6)
       assert bool(state.has_own[cid]) == (own[cid] is not None)
   del dataclasses
+
+
+def test_fedntd_averages_uploads_uniformly_as_pfllibs_server():
+  """PFLlib's ``serverntd.py`` adds each upload divided by the clients
+  joined, whatever their example counts: with the distillation off, FedNTD's
+  round is FedAvg's with ``weighting='uniform'`` on clients of unequal
+  sizes, and not its example-weighted one."""
+  data = helpers.digits_data(num_clients=4, max_examples=120)
+  assert len(set(np.asarray(data.train.num_examples).tolist())) > 1
+  model = helpers.linear_model(64, loss='cross_entropy', out=10)
+  common = dict(client_lr=0.05, batch_size=16)
+
+  def after_one_round(name, **own):
+    alg = algorithms.build(name, model, data, **common, **own)
+    return helpers.run_rounds(alg, data, rounds=1)[1].params
+
+  ntd = after_one_round('fedntd', fedntd_beta=0.0)
+  uniform = after_one_round('fedavg', weighting='uniform')
+  weighted = after_one_round('fedavg')
+  assert helpers.max_diff(ntd, uniform) < 1e-6
+  assert helpers.max_diff(ntd, weighted) > 1e-4

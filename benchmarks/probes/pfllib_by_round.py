@@ -36,6 +36,8 @@ def main():
   p.add_argument('--pfllib', required=True, help="PFLlib's system/ folder")
   p.add_argument('--algorithm', default='fd')
   p.add_argument('--rounds', type=int, default=3)
+  # torch's seed: the initial weights and PFLlib's shuffles
+  p.add_argument('--seed', type=int, default=0)
   a = p.parse_args()
   import torch  # noqa: PLC0415  (the bench extra)
 
@@ -52,7 +54,7 @@ def main():
   )
   from flcore.trainmodel.models import FedAvgCNN  # noqa: PLC0415
 
-  torch.manual_seed(0)
+  torch.manual_seed(a.seed)
   server, _ = peer.pfllib_server(
     torch,
     a.algorithm,
