@@ -5,11 +5,12 @@ Backends: ``'jit'`` (FedJAX's default: one client after another, each step a
 jitted call), ``'debug'`` (no jit, errors naming the stage and client),
 ``'pmap'`` (clients in blocks over the local devices), ``'threads'``, this
 project's (clients on the host's cores at once, each as ``'jit'`` runs it:
-the same values, in order), and ``'vmap'``, this project's: the clients in blocks of up to ``block_size`` (default 32)
-stacked on a leading axis, a block's batches run as one ``lax.scan`` of the
-vmapped step (a client without a batch at a step is masked: its state does
-not change), so a block costs one dispatch rather than one per client and
-batch; a smaller last batch takes one more vmapped call. The outputs are
+the same values, in order), and ``'vmap'``, this project's: the clients in
+blocks of up to ``block_size`` (default 32) stacked on a leading axis, a
+block's batches run as one ``lax.scan`` of the vmapped step (a client
+without a batch at a step is masked: its state does not change), so a block
+costs one dispatch rather than one per client and batch; a smaller last
+batch takes one more vmapped call. The outputs are
 FedJAX's (float rounding apart: the same operations, batched). It pays where
 dispatch, not arithmetic, bounds a step (small models, accelerators); a
 convolution-bound step on a CPU runs at the arithmetic's speed either way,
@@ -297,9 +298,10 @@ class ForEachClientThreadsBackend(ForEachClientBackend):
   """Clients on several host threads at once, outputs in the clients' order.
 
   ``threads`` clients run at once, each as the jit backend runs one (init,
-  each step and final jitted). A jitted call releases Python's lock while it runs, so the threads' steps
-  run side by side: on a CPU whose cores one step does not fill (a small
-  batch's convolutions), several clients' steps use them. At most
+  each step and final jitted). A jitted call releases Python's lock while
+  it runs, so the threads' steps run side by side: on a CPU whose cores one
+  step does not fill (a small batch's convolutions), several clients' steps
+  use them. At most
   ``2 * threads`` clients are taken ahead of the one being yielded, so a
   round's clients and their states are not all held at once. The outputs
   are the jit backend's, bit for bit (each client's calls are the same):
