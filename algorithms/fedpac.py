@@ -214,7 +214,8 @@ class FedPACOutput:
 
 
 def features_of(model: Model, params, train: ClientData):
-  """Every (padded) training example's features [n, D], evaluation mode."""
+  """The client's training examples' features [n, D] (its padded rows
+  zeros), evaluation mode."""
   z = features_of_real(model, params, train.x, train.num_examples)
   return z.reshape((z.shape[0], -1))
 

@@ -364,9 +364,10 @@ def features_of_real(
   model: Model, params, x, num_examples, chunk: int = FEATURE_CHUNK
 ) -> jax.Array:
   """The features of a client's first ``num_examples`` rows of ``x``, in
-  evaluation mode: [n, ...] for ``x`` [n, ...], zeros past its count. The pass runs in chunks of ``chunk`` rows while they hold the
-  client's examples, so it costs the client's own examples, not the padded
-  length (PFLlib's CNN over MNIST's writers: 771 rows padded, 48 real for the
+  evaluation mode: [n, ...] for ``x`` [n, ...], zeros past its count. The
+  pass runs in chunks of ``chunk`` rows while they hold the client's
+  examples, so it costs the client's own examples, not the padded length
+  (PFLlib's CNN over MNIST's writers: 771 rows padded, 48 real for the
   smallest). Each row's features are those of the whole pass (a model's
   evaluation is row by row).
 
