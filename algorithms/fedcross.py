@@ -2,9 +2,13 @@
 Federated Learning via Multi-Model Cross-Aggregation", ICDE 2024, arXiv
 2210.08285), as PFLlib's ``servercross.py`` runs it: the server keeps M
 middleware models, one per client of a round. The i-th client of the round
-trains the i-th middleware model; the global model is the examples-weighted
-mean of the trained models; then each middleware model j is crossed with a
-partner p(j) chosen by similarity:
+trains the i-th middleware model, the round's clients in an order drawn
+every round (PFLlib's ``select_clients``, a draw without replacement also
+when every client joins), so a client trains a middleware model drawn
+anew each round (``--fedcross_shuffle``; false: the cohort's slot order,
+each client the same model every round with a full cohort); the global
+model is the examples-weighted mean of the trained models; then each
+middleware model j is crossed with a partner p(j) chosen by similarity:
 
   v_j <- alpha v_j + (1 - alpha) v_p(j)   (a [M, M] mixing matrix),
 
@@ -78,6 +82,7 @@ __all__ = [
   'cross_mixing',
   'fedcross',
   'FedCrossConfig',
+  'middleware_order',
   'model_similarity',
   'PARTNERS',
   'SPEC',
@@ -128,6 +133,12 @@ class FedCrossConfig(Declared):
     'every client without it).',
     minimum=1,
     of_run=_cohort_of,
+  )
+  shuffle: bool = hparam(
+    True,
+    'Whether the cohort\'s clients take the middleware models in an order '
+    "drawn every round (PFLlib's select_clients); false: slot i trains "
+    'model i.',
   )
 
 
@@ -232,6 +243,27 @@ def cross_mixing(sim: jax.Array, alpha: float, partner: str) -> jax.Array:
   return alpha * jnp.eye(m) + (1 - alpha) * jax.nn.one_hot(chosen, m)
 
 
+def middleware_order(key: jax.Array, num_models: int, shuffle: bool):
+  """Which middleware model each slot of the round trains.
+
+  PFLlib's ``select_clients`` draws the round's clients without
+  replacement, and its i-th drawn client trains middleware model i: each
+  client's model is a uniform draw, one-to-one, every round.
+
+  Args:
+    key: the round's server key (the same in the broadcast and the update).
+    num_models: M.
+    shuffle: False: the identity (slot i trains model i).
+
+  Returns:
+    int32 [M], a permutation.
+  """
+  if not shuffle:
+    return jnp.arange(num_models, dtype=jnp.int32)
+  key = jax.random.fold_in(key, 0x6372)  # its own stream of the server key
+  return jax.random.permutation(key, num_models).astype(jnp.int32)
+
+
 def fedcross(
   model: Model,
   num_clients: int,
@@ -243,6 +275,7 @@ def fedcross(
   first_stage_bound: int = 0,
   server_optimizer=None,
   weighting: str = 'num_examples',
+  shuffle: bool = True,
 ) -> FederatedAlgorithm:
   """Builds FedCross.
 
@@ -258,6 +291,9 @@ def fedcross(
       global model.
     server_optimizer: applied to the mean delta (default ``optax.sgd(1.0)``).
     weighting: the mean's weighting (``fedavg.WEIGHTINGS``).
+    shuffle: whether slot i trains middleware model ``order[i]``, a
+      permutation drawn from the round's key (``middleware_order``), or
+      model i.
 
   Returns:
     The ``FederatedAlgorithm``.
@@ -284,7 +320,8 @@ def fedcross(
         f'{cohort.mask.shape[0]}: give --fedcross_num_models='
         f'{cohort.mask.shape[0]}',
       )
-    return state.params, state.middleware
+    order = middleware_order(rc.key, num_models, shuffle)
+    return state.params, jax.tree.map(lambda a: a[order], state.middleware)
 
   def final(ctx: ClientContext, carry) -> FedCrossOutput:
     return FedCrossOutput(
@@ -310,9 +347,12 @@ def fedcross(
     state, metrics = update(state, cohort, out, rc)
     active = cohort.mask
     trained = tree_scatter_where(state.trained, cohort.rows, out.model, active)
+    order = middleware_order(rc.key, num_models, shuffle)
     kept = jax.tree.map(
-      lambda new, old: jnp.where(
-        active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old
+      lambda new, old: old.at[order].set(
+        jnp.where(
+          active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old[order]
+        )
       ),
       out.model,
       state.middleware,
@@ -363,6 +403,7 @@ def build(
     config.first_stage_bound,
     training.make_server_optimizer(),
     training.filled_weighting(),
+    config.shuffle,
   )
 
 

@@ -346,3 +346,83 @@ def test_fedntd_averages_uploads_uniformly_as_pfllibs_server():
   weighted = after_one_round('fedavg')
   assert helpers.max_diff(ntd, uniform) < 1e-6
   assert helpers.max_diff(ntd, weighted) > 1e-4
+
+
+def _fedcross_by_a_loop(model, data, batching, lr, alpha, rounds, shuffle):
+  """FedCross as PFLlib's ``servercross.train`` runs it, client by client:
+  the round's i-th client trains middleware model ``order[i]`` (PFLlib:
+  the i-th of its drawn clients trains model i), its trained model goes
+  back to that model's place, then the models are crossed (``cross_mixing``
+  over ``model_similarity``, checked above against PFLlib's loops). Each
+  client's SGD is ``helpers.reference_sgd`` on its key ``fold_in(k_clients,
+  i)``; the order is drawn from the round's server key as the engine's
+  (``fold_in(k_cohort, 1)``). Returns the middleware models, the clients'
+  last trained models and each round's order."""
+  m = data.num_clients
+  init = model.init(jax.random.key(0))
+  mw = [init] * m
+  trained = [init] * m
+  orders = []
+  for t in range(rounds):
+    k_cohort, k_clients = jax.random.split(jax.random.key(t))
+    order = np.asarray(
+      fedcross.middleware_order(jax.random.fold_in(k_cohort, 1), m, shuffle)
+    )
+    orders.append(order)
+    new = list(mw)
+    for s in range(m):
+      trained[s] = helpers.reference_sgd(
+        model,
+        mw[order[s]],
+        data.train.x[s],
+        data.train.y[s],
+        int(data.train.num_examples[s]),
+        jax.random.fold_in(k_clients, s),
+        batching,
+        lr,
+      )
+      new[order[s]] = trained[s]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *new)
+    mix = fedcross.cross_mixing(
+      fedcross.model_similarity(model, stacked), alpha, 'least_similar'
+    )
+    crossed = jax.tree.map(lambda a: jnp.einsum('ij,j...->i...', mix, a), stacked)
+    mw = [jax.tree.map(lambda a: a[j], crossed) for j in range(m)]
+  return mw, trained, orders
+
+
+@pytest.mark.parametrize('shuffle', [True, False])
+def test_fedcross_clients_take_middleware_models_in_a_drawn_order(shuffle):
+  """PFLlib's ``select_clients`` draws the round's clients without
+  replacement also when every client joins, and its i-th drawn client
+  trains middleware model i: with ``shuffle`` each client trains a model
+  drawn anew every round (a permutation), the trained model returning to
+  that model's place; without, client i trains model i (the PFLlib
+  record's fixed order). Three rounds against a plain loop; fails when the
+  broadcast's gather and the update's scatter disagree or are dropped."""
+  from fedjax_personal import models
+
+  data = helpers.digits_data(num_clients=5, max_examples=60)
+  model = models.create_model('mlp', 10, np.asarray(data.train.x[0][:1]))
+  lr, alpha, rounds = 0.1, 0.8, 3
+  alg = algorithms.build(
+    'fedcross',
+    model,
+    data,
+    client_lr=lr,
+    batch_size=16,
+    fedcross_alpha=alpha,
+    fedcross_num_models=5,
+    fedcross_shuffle=shuffle,
+  )
+  runner, state = helpers.run_rounds(alg, data, rounds=rounds)
+  mw, trained, orders = _fedcross_by_a_loop(
+    model, data, alg.client_work.batching, lr, alpha, rounds, shuffle
+  )
+  identity = [bool((o == np.arange(5)).all()) for o in orders]
+  assert not any(identity) if shuffle else all(identity)
+  for j in range(5):
+    got = jax.tree.map(lambda a: a[j], state.middleware)
+    assert helpers.max_diff(got, mw[j]) < 1e-5, j
+    got = jax.tree.map(lambda a: a[j], state.trained)
+    assert helpers.max_diff(got, trained[j]) < 1e-5, j

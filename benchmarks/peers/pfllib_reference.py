@@ -220,8 +220,14 @@ OURS = {
   'fedmtl': dict(detached=True),
   # its schedule's H: PFLlib's -gr (global_rounds), its loop running H + 1
   'fedphp': dict(horizon=ROUNDS - 1),
-  'fedcross': dict(partner='least_similar', num_models=NUM_CLIENTS),
-  'fedcross_most_similar': dict(partner='most_similar', num_models=NUM_CLIENTS),
+  # the record fixes PFLlib's order of clients (``fixed_orders``): slot i
+  # trains middleware model i on both sides
+  'fedcross': dict(
+    partner='least_similar', num_models=NUM_CLIENTS, shuffle=False
+  ),
+  'fedcross_most_similar': dict(
+    partner='most_similar', num_models=NUM_CLIENTS, shuffle=False
+  ),
   'fedkd': dict(horizon=ROUNDS - 1),
   'apple': dict(horizon=ROUNDS - 1),
 }
