@@ -136,7 +136,7 @@ class FedCrossConfig(Declared):
   )
   shuffle: bool = hparam(
     True,
-    'Whether the cohort\'s clients take the middleware models in an order '
+    "Whether the cohort's clients take the middleware models in an order "
     "drawn every round (PFLlib's select_clients); false: slot i trains "
     'model i.',
   )

@@ -67,7 +67,7 @@ PEER_FILE = os.path.join(
 #: The algorithms of the leaderboard, each with the settings PFLlib's code
 #: runs it with here (its argument names): this project's defaults where
 #: PFLlib's would switch the method off or fail (FedNTD's beta 0, FedCAC's
-#: beta 0 and tau 1).
+#: beta 0 and tau 1, FedPHP's lamda 1: its labels' weight 1 - lamda is 0).
 LEADERBOARD = {
   'fedavg': {},
   'fedlc': {},
@@ -91,8 +91,12 @@ LEADERBOARD = {
   # PFLlib's FedAMP as it runs (its term without a gradient: Local); the
   # live term at its defaults extrapolates over 20 clients (docs)
   'fedamp': dict(detached=True),
-  'fedmtl': {},
-  'fedphp': {},
+  # PFLlib's FedMTL as it runs (its regularizer reads the flattened
+  # state_dict, without a gradient)
+  'fedmtl': dict(detached=True),
+  # this project's defaults (the authors' FedRepo range): PFLlib's -lam 1
+  # -mu 0 train on the MMD alone, never on the labels
+  'fedphp': dict(lamda=0.1, mu=0.9),
   'fedcross': {},
   'fedkd': {},
   'fedgen': {},

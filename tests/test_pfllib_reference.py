@@ -323,3 +323,34 @@ def test_equal_to_pfllib(reference, name, monkeypatch):
       stats = evaluate_params(model, p, test)
     correct.append(int(round(float(stats.correct))))
   np.testing.assert_array_equal(correct, reference[f'{name}/test_correct'])
+
+
+def test_the_leaderboard_gives_both_sides_the_same_settings():
+  """``scripts/reproduce_pfllib.py`` hands an algorithm's ``LEADERBOARD``
+  settings to both sides and leaves the rest at each side's defaults, so
+  every setting of this project's that PFLlib's ``main.py`` also takes (its
+  name, or ``FLAG_NAMES``'s) must default to PFLlib's value
+  (``METHOD_DEFAULTS``), be given in ``LEADERBOARD``, or be set from the run
+  (None). FedPHP's ``lamda`` was once 0.1 here and PFLlib's 1 there (its
+  labels' weight 1 - lamda = 0 in PFLlib's run)."""
+  board = helpers.script_module('scripts', 'reproduce_pfllib.py')
+  checked = 0
+  for name, given in board.LEADERBOARD.items():
+    config = algorithms.spec(name).config
+    ours = {f.name: f.default for f in dataclasses.fields(config)}
+    # PFLlib's argument of each setting, one named after the algorithm first
+    # (fedcross_alpha is FedCross's alpha; alpha FML's)
+    keys = {}
+    for key in sorted(PEER.METHOD_DEFAULTS, key=lambda k: k.startswith(name)):
+      owner = key.split('_')[0]
+      if owner not in board.LEADERBOARD or owner == name:
+        keys[PEER.FLAG_NAMES.get(key, key)] = key
+    for field, key in keys.items():
+      theirs = PEER.METHOD_DEFAULTS[key]
+      if field not in ours or key in given or field in given:
+        continue
+      if ours[field] is None:  # set from the run (horizons, batch sizes)
+        continue
+      assert ours[field] == theirs, (name, field, ours[field], key, theirs)
+      checked += 1
+  assert checked >= 20

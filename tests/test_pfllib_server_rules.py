@@ -386,7 +386,9 @@ def _fedcross_by_a_loop(model, data, batching, lr, alpha, rounds, shuffle):
     mix = fedcross.cross_mixing(
       fedcross.model_similarity(model, stacked), alpha, 'least_similar'
     )
-    crossed = jax.tree.map(lambda a: jnp.einsum('ij,j...->i...', mix, a), stacked)
+    crossed = jax.tree.map(
+      lambda a: jnp.einsum('ij,j...->i...', mix, a), stacked
+    )
     mw = [jax.tree.map(lambda a: a[j], crossed) for j in range(m)]
   return mw, trained, orders
 

@@ -431,6 +431,40 @@ def stand_ins():
       sys.modules[name] = types.ModuleType(name)
 
 
+#: The methods' arguments of PFLlib's ``main.py`` at its defaults (its
+#: names): what a PFLlib run not given them computes with.
+METHOD_DEFAULTS = dict(
+  beta=0.0,
+  tau=1.0,
+  fine_tuning_epochs=10,
+  momentum=0.1,
+  kl_weight=0.0,
+  server_learning_rate=1.0,
+  lamda=1.0,
+  mu=0.0,
+  alpha=1.0,
+  eta=1.0,
+  rand_percent=80,
+  layer_idx=2,
+  alphaK=1.0,
+  sigma=1.0,
+  itk=4000,
+  first_stage_bound=0,
+  fedcross_alpha=0.99,
+  collaberative_model_select_strategy=1,
+  mentee_learning_rate=0.005,
+  T_start=0.95,
+  T_end=0.98,
+  noise_dim=512,
+  generator_learning_rate=0.005,
+  hidden_dim=512,
+  server_epochs=1000,
+  localize_feature_extractor=False,
+  dr_learning_rate=0.0,
+  L=1.0,
+)
+
+
 def pfllib_args(torch, model, name, own, **sizes):
   """The ``args`` PFLlib's ``main.py`` hands a server: its defaults, the
   run's ``sizes`` (this record's unless given: ``batch_size``,
@@ -471,34 +505,7 @@ def pfllib_args(torch, model, name, own, **sizes):
     time_select=False,
     goal='test',
     time_threthold=10000,
-    beta=0.0,
-    tau=1.0,
-    fine_tuning_epochs=10,
-    momentum=0.1,
-    kl_weight=0.0,
-    server_learning_rate=1.0,
-    lamda=1.0,
-    mu=0.0,
-    alpha=1.0,
-    eta=1.0,
-    rand_percent=80,
-    layer_idx=2,
-    alphaK=1.0,
-    sigma=1.0,
-    itk=4000,
-    first_stage_bound=0,
-    fedcross_alpha=0.99,
-    collaberative_model_select_strategy=1,
-    mentee_learning_rate=0.005,
-    T_start=0.95,
-    T_end=0.98,
-    noise_dim=512,
-    generator_learning_rate=0.005,
-    hidden_dim=512,
-    server_epochs=1000,
-    localize_feature_extractor=False,
-    dr_learning_rate=0.0,
-    L=1.0,
+    **METHOD_DEFAULTS,
   )
   for k, v in {**sizes, **own}.items():
     setattr(args, k, v)
