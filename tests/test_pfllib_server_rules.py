@@ -14,7 +14,14 @@ import pytest
 from scipy import optimize
 
 from fedjax_personal import algorithms
-from fedjax_personal.algorithms import fedamp, fedcac, fedcross, fedmtl, fedpac
+from fedjax_personal.algorithms import (
+  fedamp,
+  fedcac,
+  fedcross,
+  fedkd,
+  fedmtl,
+  fedpac,
+)
 
 
 @pytest.mark.parametrize('seed', range(4))
@@ -428,3 +435,64 @@ def test_fedcross_clients_take_middleware_models_in_a_drawn_order(shuffle):
     assert helpers.max_diff(got, mw[j]) < 1e-5, j
     got = jax.tree.map(lambda a: a[j], state.trained)
     assert helpers.max_diff(got, trained[j]) < 1e-5, j
+
+
+def _pfllib_decomposition(param, energy):
+  """clientkd.py's ``decomposition`` of one PyTorch-layout weight as its
+  loop runs (NumPy's SVD, the rank from its loop over the whole tensor's
+  singular values), reconstructed as its ``recover`` multiplies back."""
+  u, sigma, v = np.linalg.svd(param, full_matrices=False)
+  if np.sum(np.square(sigma)) == 0:
+    return param
+  if u.ndim == 4:
+    u = np.transpose(u, (2, 3, 0, 1))
+    sigma = np.transpose(sigma, (2, 0, 1))
+    v = np.transpose(v, (2, 3, 0, 1))
+  threshold = 0
+  for n in range(len(sigma)):
+    if np.sum(np.square(sigma[:n])) > energy * np.sum(np.square(sigma)):
+      threshold = n
+      break
+  u, sigma, v = u[:, :threshold], sigma[:threshold], v[:threshold, :]
+  if u.ndim == 4:
+    u = np.transpose(u, (2, 3, 0, 1))
+    sigma = np.transpose(sigma, (1, 2, 0))
+    v = np.transpose(v, (2, 3, 0, 1))
+  return np.einsum('...ik,...k,...kj->...ij', u, sigma, v)
+
+
+@pytest.mark.parametrize('energy', [0.5, 0.95, 0.98, 1.0])
+def test_fedkd_truncation_equals_pfllibs_svd_loop(energy):
+  """FedKD's truncation (the Gram matrix's eigendecomposition in float64 on
+  the host) against PFLlib's ``decomposition`` on NumPy's SVD: weights of
+  FedAvgCNN's shapes in PyTorch's layout, tall and wide, a 4-d
+  convolution, low-rank ones (a rank cut on its gap), a zero one; energy 1
+  keeps no index (PFLlib's zero tensor). Under ``vmap`` each upload keeps
+  its own rank."""
+  rng = np.random.default_rng(0)
+  low = rng.normal(size=(40, 3)) @ rng.normal(size=(3, 24))
+  weights = {
+    'fc1': rng.normal(size=(64, 256)) / 16,  # PyTorch [out, in]
+    'fc': rng.normal(size=(10, 64)),
+    'tall': rng.normal(size=(48, 20)),
+    'low_rank': low + 1e-3 * rng.normal(size=low.shape),
+    'conv': rng.normal(size=(16, 8, 5, 5)),  # [out, in, kh, kw]
+    'zero': np.zeros((12, 7)),
+  }
+  for name, w in weights.items():
+    w = w.astype(np.float32)
+    want = _pfllib_decomposition(w, energy)
+    flax = w.T if w.ndim == 2 else np.transpose(w, (2, 3, 1, 0))
+    got = np.asarray(fedkd.truncated_svd(jnp.asarray(flax), energy))
+    got = got.T if w.ndim == 2 else np.transpose(got, (3, 2, 0, 1))
+    np.testing.assert_allclose(got, want, atol=2e-5, err_msg=name)
+  # each upload its own rank: a stack of a low-rank and a full-rank weight
+  stack = jnp.asarray(
+    np.stack([weights['low_rank'], rng.normal(size=(40, 24))]).astype(
+      np.float32
+    )
+  )
+  got = jax.vmap(fedkd.truncated_svd, in_axes=(0, None))(stack, energy)
+  for i in range(2):
+    want = _pfllib_decomposition(np.asarray(stack[i]).T, energy).T
+    np.testing.assert_allclose(np.asarray(got[i]), want, atol=2e-5)
