@@ -102,6 +102,10 @@ LEADERBOARD = {
   'fedgen': {},
   'fedpcl': {},
   'apple': {},
+  # two of the seeds' baselines PFLlib also has; FedProx at this project's mu
+  # (PFLlib's -mu 0 is FedAvg)
+  'local': {},
+  'fedprox': dict(mu=0.01),
 }
 NUM_CLIENTS, ALPHA, TRAIN_RATIO, BATCH, LR, SEED = 20, 0.1, 0.75, 10, 0.005, 1
 

@@ -88,6 +88,8 @@ PFLLIB = {
   'fedgen': ('FedGen', 'servergen', 'FedGen'),
   'fedpcl': ('FedPCL', 'serverpcl', 'FedPCL'),
   'apple': ('APPLE', 'serverapple', 'APPLE'),
+  'local': ('Local', 'serverlocal', 'Local'),
+  'fedprox': ('FedProx', 'serverprox', 'FedProx'),
 }
 #: Those PFLlib's main.py gives its model with ``fc`` the identity (the
 #: features are its output).
@@ -153,6 +155,10 @@ ALGORITHMS = {
   'fedpcl': dict(tau=0.5),
   # the relationship vectors learned (PFLlib's -dlr 0 keeps them uniform)
   'apple': dict(dr_learning_rate=1.0, mu=0.5, L=1.0),
+  # two of the seeds' baselines PFLlib also has
+  'local': {},
+  # mu large enough that its pull shows in two steps of lr 0.05
+  'fedprox': dict(mu=5.0),
 }
 #: Records of an algorithm under another setting: record -> algorithm.
 RECORDED_AS = {
@@ -174,6 +180,7 @@ FLAG_NAMES = {
 }
 #: Those whose clients keep their own models, recorded client by client.
 OWN_MODELS = (
+  'local',
   'fedgh',
   'pflda',
   'fedcac',
@@ -196,6 +203,7 @@ OWN_MODELS = (
 #: Those whose loop ends with what the next round would send (or whose
 #: ``send_models`` would overwrite the clients' own models).
 ENDS_SENT = (
+  'local',  # its clients keep their own models (no send)
   'fedcac',
   'fedas',
   'fedproto',
@@ -727,6 +735,7 @@ def run(torch, name, data, init_state, template, sample_x):
     'fedmtl',
     'fedpcl',
     'apple',
+    'local',
   ):
     glob = None  # FedPAC's is the body alone; the others keep none
   elif name in ('fedcp', 'gpfl'):  # the global body, as a zero head's model
