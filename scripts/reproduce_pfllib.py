@@ -106,7 +106,14 @@ LEADERBOARD = {
   # (PFLlib's -mu 0 is FedAvg)
   'local': {},
   'fedprox': dict(mu=0.01),
+  'fedper': {},
+  'fedrep': {},
+  'lg_fedavg': {},
 }
+#: This project's settings, by their flag names, where PFLlib's default is an
+#: argument this project spells otherwise: FedRep's head epochs (PFLlib's
+#: -pls 1; this project's preset: 5 x the shared phase's).
+OWN_FLAGS = {'fedrep': dict(partial_personal_epochs=1)}
 NUM_CLIENTS, ALPHA, TRAIN_RATIO, BATCH, LR, SEED = 20, 0.1, 0.75, 10, 0.005, 1
 
 
@@ -228,6 +235,7 @@ def run_ours(cfg, directory, data, name):
     client_lr=LR, batch_size=BATCH, local_epochs=1, drop_last=True
   )
   own = {f'{name}_{k}': v for k, v in LEADERBOARD[name].items()}
+  own.update(OWN_FLAGS.get(name, {}))
   # what the command sets from the run (FedPHP's and FedKD's horizons,
   # FedCross's models): this run's rounds, every client a round
   run = types.SimpleNamespace(

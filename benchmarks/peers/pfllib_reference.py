@@ -90,12 +90,18 @@ PFLLIB = {
   'apple': ('APPLE', 'serverapple', 'APPLE'),
   'local': ('Local', 'serverlocal', 'Local'),
   'fedprox': ('FedProx', 'serverprox', 'FedProx'),
+  'fedper': ('FedPer', 'serverper', 'FedPer'),
+  'fedrep': ('FedRep', 'serverrep', 'FedRep'),
+  'lg_fedavg': ('LG-FedAvg', 'serverlg', 'LG_FedAvg'),
 }
 #: Those PFLlib's main.py gives its model with ``fc`` the identity (the
 #: features are its output).
 IDENTITY_HEAD = ('fedpcl',)
 #: Those PFLlib's main.py gives a BaseHeadSplit model.
 SPLIT = (
+  'fedper',
+  'fedrep',
+  'lg_fedavg',
   'fedas',
   'fedgen',
   'fedbabu',
@@ -159,6 +165,11 @@ ALGORITHMS = {
   'local': {},
   # mu large enough that its pull shows in two steps of lr 0.05
   'fedprox': dict(mu=5.0),
+  'fedper': {},
+  # its head epochs as this project's FedRep preset's (5 x the shared
+  # phase's; PFLlib's -pls is 1, this project's --partial_personal_epochs)
+  'fedrep': dict(plocal_epochs=5 * LOCAL_EPOCHS),
+  'lg_fedavg': {},
 }
 #: Records of an algorithm under another setting: record -> algorithm.
 RECORDED_AS = {
@@ -177,10 +188,14 @@ FLAG_NAMES = {
   'localize_feature_extractor': None,
   'dr_learning_rate': 'dr_lr',
   'L': 'decay_share',
+  'plocal_epochs': None,
 }
 #: Those whose clients keep their own models, recorded client by client.
 OWN_MODELS = (
   'local',
+  'fedper',
+  'fedrep',
+  'lg_fedavg',
   'fedgh',
   'pflda',
   'fedcac',
@@ -470,6 +485,7 @@ METHOD_DEFAULTS = dict(
   localize_feature_extractor=False,
   dr_learning_rate=0.0,
   L=1.0,
+  plocal_epochs=1,
 )
 
 
@@ -736,6 +752,9 @@ def run(torch, name, data, init_state, template, sample_x):
     'fedpcl',
     'apple',
     'local',
+    'fedper',
+    'fedrep',
+    'lg_fedavg',
   ):
     glob = None  # FedPAC's is the body alone; the others keep none
   elif name in ('fedcp', 'gpfl'):  # the global body, as a zero head's model
