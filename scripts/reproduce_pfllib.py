@@ -35,6 +35,7 @@ rounds: the mean of its ``Budget`` after the first round, as it prints
 """
 
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -109,6 +110,8 @@ LEADERBOARD = {
   'fedper': {},
   'fedrep': {},
   'lg_fedavg': {},
+  # this project's lambda (PFLlib's -mu 0 trains the personal models alone)
+  'ditto': dict(mu=0.1),
 }
 #: This project's settings, by their flag names, where PFLlib's default is an
 #: argument this project spells otherwise: FedRep's head epochs (PFLlib's
@@ -228,14 +231,36 @@ def federation(data_dir=None):
   return to_device(data), clients, full
 
 
+@functools.lru_cache(maxsize=None)
+def _peer():
+  """``benchmarks/peers/pfllib_reference.py`` (PFLlib's arguments and this
+  project's names for them; PyTorch only when PFLlib's code runs)."""
+  import importlib.util  # noqa: PLC0415
+
+  spec = importlib.util.spec_from_file_location('pfllib_reference', PEER_FILE)
+  peer = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(peer)
+  return peer
+
+
+def own_flags(name):
+  """This project's flags for ``name`` on the leaderboard: its
+  ``LEADERBOARD`` settings under this project's names (PFLlib's ``-mu`` is
+  Ditto's ``--ditto_lam``), and ``OWN_FLAGS``."""
+  own = {
+    f'{name}_{_peer().flag_name(name, k)}': v
+    for k, v in LEADERBOARD[name].items()
+  }
+  return {**own, **OWN_FLAGS.get(name, {})}
+
+
 def run_ours(cfg, directory, data, name):
   """The trials of one algorithm: (summary, median seconds per round)."""
   model = create_model('pfllib_cnn', 10, data.train.x[0, :1], init='pytorch')
   training = dict(
     client_lr=LR, batch_size=BATCH, local_epochs=1, drop_last=True
   )
-  own = {f'{name}_{k}': v for k, v in LEADERBOARD[name].items()}
-  own.update(OWN_FLAGS.get(name, {}))
+  own = own_flags(name)
   # what the command sets from the run (FedPHP's and FedKD's horizons,
   # FedCross's models): this run's rounds, every client a round
   run = types.SimpleNamespace(
@@ -293,11 +318,7 @@ def time_pfllib(cfg, clients, name) -> Optional[float]:
     import torch  # noqa: PLC0415
   except ImportError:
     return None
-  import importlib.util  # noqa: PLC0415
-
-  spec = importlib.util.spec_from_file_location('pfllib_reference', PEER_FILE)
-  peer = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(peer)
+  peer = _peer()
   sys.path.insert(0, os.path.abspath(cfg.pfllib))
   peer.stand_ins()
   peer.patch_reader(

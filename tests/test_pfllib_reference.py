@@ -150,7 +150,7 @@ def fixed_fedgen_draws(monkeypatch):
 
 @pytest.mark.parametrize('name', sorted(PEER.ALGORITHMS))
 # CI: one that splits a body from a head and exchanges prototypes (the rest,
-# 32 records, with -m slow)
+# 33 records, with -m slow)
 @pytest.mark.ci_variants('fedproto')
 def test_equal_to_pfllib(reference, name, monkeypatch):
   data, model = _data(reference), _model(reference)
@@ -174,9 +174,9 @@ def test_equal_to_pfllib(reference, name, monkeypatch):
   )
   algo = PEER.RECORDED_AS.get(name, name)
   flags = {
-    f'{algo}_{PEER.FLAG_NAMES.get(k, k)}': v
+    f'{algo}_{PEER.flag_name(algo, k)}': v
     for k, v in own.items()
-    if PEER.FLAG_NAMES.get(k, k) is not None
+    if PEER.flag_name(algo, k) is not None
   }
   alg = algorithms.build(algo, model, data, training, **flags)
   state = _rounds(alg, data, reference, name)
@@ -344,7 +344,7 @@ def test_the_leaderboard_gives_both_sides_the_same_settings():
     for key in sorted(PEER.METHOD_DEFAULTS, key=lambda k: k.startswith(name)):
       owner = key.split('_')[0]
       if owner not in board.LEADERBOARD or owner == name:
-        keys[PEER.FLAG_NAMES.get(key, key)] = key
+        keys[PEER.flag_name(name, key)] = key
     for field, key in keys.items():
       theirs = PEER.METHOD_DEFAULTS[key]
       if field not in ours or key in given or field in given:

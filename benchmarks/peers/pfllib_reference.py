@@ -93,6 +93,7 @@ PFLLIB = {
   'fedper': ('FedPer', 'serverper', 'FedPer'),
   'fedrep': ('FedRep', 'serverrep', 'FedRep'),
   'lg_fedavg': ('LG-FedAvg', 'serverlg', 'LG_FedAvg'),
+  'ditto': ('Ditto', 'serverditto', 'Ditto'),
 }
 #: Those PFLlib's main.py gives its model with ``fc`` the identity (the
 #: features are its output).
@@ -170,6 +171,9 @@ ALGORITHMS = {
   # phase's; PFLlib's -pls is 1, this project's --partial_personal_epochs)
   'fedrep': dict(plocal_epochs=5 * LOCAL_EPOCHS),
   'lg_fedavg': {},
+  # its personal epochs as this project's (the same batches: the local
+  # epochs); -mu is this project's --ditto_lam
+  'ditto': dict(mu=1.0, plocal_epochs=LOCAL_EPOCHS),
 }
 #: Records of an algorithm under another setting: record -> algorithm.
 RECORDED_AS = {
@@ -190,9 +194,21 @@ FLAG_NAMES = {
   'L': 'decay_share',
   'plocal_epochs': None,
 }
+#: ``FLAG_NAMES`` of one algorithm, where it spells an argument otherwise.
+ALGORITHM_FLAG_NAMES = {'ditto': {'mu': 'lam'}}
+
+
+def flag_name(algorithm, argument):
+  """This project's setting (under the algorithm's prefix) for PFLlib's
+  ``argument`` of ``algorithm``, or None (given otherwise)."""
+  names = {**FLAG_NAMES, **ALGORITHM_FLAG_NAMES.get(algorithm, {})}
+  return names.get(argument, argument)
+
+
 #: Those whose clients keep their own models, recorded client by client.
 OWN_MODELS = (
   'local',
+  'ditto',
   'fedper',
   'fedrep',
   'lg_fedavg',
@@ -814,7 +830,8 @@ def run(torch, name, data, init_state, template, sample_x):
     rec[f'{name}/table'], rec[f'{name}/present'] = out, present
   if name in OWN_MODELS and name != 'fedala':  # each client's model
     for i, client in enumerate(server.clients):
-      state = whole_state(client.model)
+      mine = client.model_per if name == 'ditto' else client.model
+      state = whole_state(mine)
       if name in IDENTITY_HEAD:  # its body, under a zero fc
         state['fc.weight'] = torch.zeros(NUM_CLASSES, FEATURES)
         state['fc.bias'] = torch.zeros(NUM_CLASSES)
@@ -857,7 +874,10 @@ def run(torch, name, data, init_state, template, sample_x):
     clientbase.DataLoader = loader
   correct = []
   for client in server.clients:
-    acc, num, _ = client.test_metrics()
+    if name == 'ditto':  # its clients are tested on their personal models
+      acc, num, _ = client.test_metrics_personalized()
+    else:
+      acc, num, _ = client.test_metrics()
     correct.append(acc)
   rec[f'{name}/test_correct'] = np.asarray(correct, np.int32)
   if name == 'fedpcl':
