@@ -112,6 +112,7 @@ LEADERBOARD = {
   'lg_fedavg': {},
   # this project's lambda (PFLlib's -mu 0 trains the personal models alone)
   'ditto': dict(mu=0.1),
+  'scaffold': {},
 }
 #: This project's settings, by their flag names, where PFLlib's default is an
 #: argument this project spells otherwise: FedRep's head epochs (PFLlib's

@@ -150,7 +150,7 @@ def fixed_fedgen_draws(monkeypatch):
 
 @pytest.mark.parametrize('name', sorted(PEER.ALGORITHMS))
 # CI: one that splits a body from a head and exchanges prototypes (the rest,
-# 33 records, with -m slow)
+# 34 records, with -m slow)
 @pytest.mark.ci_variants('fedproto')
 def test_equal_to_pfllib(reference, name, monkeypatch):
   data, model = _data(reference), _model(reference)

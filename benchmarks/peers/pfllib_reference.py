@@ -94,6 +94,7 @@ PFLLIB = {
   'fedrep': ('FedRep', 'serverrep', 'FedRep'),
   'lg_fedavg': ('LG-FedAvg', 'serverlg', 'LG_FedAvg'),
   'ditto': ('Ditto', 'serverditto', 'Ditto'),
+  'scaffold': ('SCAFFOLD', 'serverscaffold', 'SCAFFOLD'),
 }
 #: Those PFLlib's main.py gives its model with ``fc`` the identity (the
 #: features are its output).
@@ -174,6 +175,7 @@ ALGORITHMS = {
   # its personal epochs as this project's (the same batches: the local
   # epochs); -mu is this project's --ditto_lam
   'ditto': dict(mu=1.0, plocal_epochs=LOCAL_EPOCHS),
+  'scaffold': {},
 }
 #: Records of an algorithm under another setting: record -> algorithm.
 RECORDED_AS = {
