@@ -10,7 +10,8 @@ then w_local takes a client-optimizer step on the envelope's gradient
 lambda (w_local - theta) (plain SGD at --client_lr is the paper's). The
 server takes w <- (1 - beta) w + beta mean_i w_local: the server optimizer
 (SGD) at beta = --server_lr on the mean delta. Clients are evaluated with
-their personal theta_i.
+their personal theta_i. ``--pfedme_weight_decay`` adds mu theta to the inner
+step's gradient, as PFLlib's ``pFedMeOptimizer`` does (mu 0.001 there).
 """
 
 import dataclasses
@@ -61,6 +62,12 @@ class PFedMeConfig(Declared):
   inner_steps: int = hparam(
     5, 'Inner solver steps K per local step.', minimum=1
   )
+  weight_decay: float = hparam(
+    0.0,
+    "The inner solver's weight decay mu on theta (PFLlib's pFedMeOptimizer: "
+    "0.001); 0: the paper's step.",
+    minimum=0,
+  )
 
 
 def pfedme(
@@ -74,6 +81,7 @@ def pfedme(
   server_optimizer=None,
   weighting: str = 'num_examples',
   finetune=None,
+  weight_decay: float = 0.0,
 ):
   """Builds pFedMe (lambda 15, K 5 and personal lr 0.01 as the authors' MNIST
   setup; ``server_optimizer`` ``optax.sgd(beta)``, default beta = 1).
@@ -90,6 +98,8 @@ def pfedme(
     weighting: ``'num_examples'`` (n_i-weighted mean), ``'tokens'``
       (``fedavg.train_tokens``) or ``'uniform'``.
     finetune: optional evaluation fine-tuning (``training.sgd_finetune``).
+    weight_decay: mu, the inner step's weight decay on theta (PFLlib's
+      ``pFedMeOptimizer`` adds ``mu * theta``, mu 0.001; 0: the paper's).
 
   Returns:
     The ``FederatedAlgorithm``.
@@ -104,7 +114,12 @@ def pfedme(
     for _ in range(inner_steps):
       g = jax.grad(lambda t: batch_loss(model, t, batch)[0])(new)
       new = jax.tree.map(
-        lambda t, gg, ww: t - personal_lr * (gg + lam * (t - ww)), new, g, w
+        lambda t, gg, ww: (
+          t - personal_lr * (gg + lam * (t - ww) + weight_decay * t)
+        ),
+        new,
+        g,
+        w,
       )
     grad_w = jax.tree.map(lambda ww, t: lam * (ww - t), w, new)
     return grad_w, jax.tree.map(lambda a, b: a - b, theta, new), s
@@ -146,6 +161,7 @@ def build(
     inner_steps=config.inner_steps,
     server_optimizer=training.make_server_optimizer(),
     weighting=training.filled_weighting(),
+    weight_decay=config.weight_decay,
   )
 
 

@@ -113,11 +113,18 @@ LEADERBOARD = {
   # this project's lambda (PFLlib's -mu 0 trains the personal models alone)
   'ditto': dict(mu=0.1),
   'scaffold': {},
+  # this project's lambda on both sides; PFLlib's -bt 0 keeps the global
+  # model at its initialization (beta 1: the mean, this project's server)
+  'pfedme': dict(lamda=15.0, beta=1.0),
 }
 #: This project's settings, by their flag names, where PFLlib's default is an
-#: argument this project spells otherwise: FedRep's head epochs (PFLlib's
-#: -pls 1; this project's preset: 5 x the shared phase's).
-OWN_FLAGS = {'fedrep': dict(partial_personal_epochs=1)}
+#: argument this project spells otherwise (FedRep's head epochs: PFLlib's
+#: -pls 1; this project's preset: 5 x the shared phase's) or not an argument.
+OWN_FLAGS = {
+  'fedrep': dict(partial_personal_epochs=1),
+  # PFLlib's pFedMeOptimizer decays theta by 0.001 (not an argument)
+  'pfedme': dict(pfedme_weight_decay=0.001),
+}
 NUM_CLIENTS, ALPHA, TRAIN_RATIO, BATCH, LR, SEED = 20, 0.1, 0.75, 10, 0.005, 1
 
 
@@ -251,6 +258,7 @@ def own_flags(name):
   own = {
     f'{name}_{_peer().flag_name(name, k)}': v
     for k, v in LEADERBOARD[name].items()
+    if _peer().flag_name(name, k) is not None
   }
   return {**own, **OWN_FLAGS.get(name, {})}
 

@@ -329,12 +329,21 @@ def test_apfl_alpha_zero_is_global_and_one_is_local(digits):
 
 
 @pytest.mark.slow
-def test_pfedme_step_by_hand(digits):
+# wd: PFLlib's pFedMeOptimizer's weight decay on theta (--pfedme_weight_decay)
+@pytest.mark.parametrize('wd', [0.0, 0.3])
+def test_pfedme_step_by_hand(digits, wd):
   model = mlp(digits)
   lam, plr, lr, k = 2.0, 0.05, 0.1, 3
   batching = fp.Batching(16, num_epochs=None, num_steps=1)
   alg = pfedme(
-    model, 6, optax.sgd(lr), batching, lam=lam, personal_lr=plr, inner_steps=k
+    model,
+    6,
+    optax.sgd(lr),
+    batching,
+    lam=lam,
+    personal_lr=plr,
+    inner_steps=k,
+    weight_decay=wd,
   )
   runner = RoundRunner(alg, digits, fp.CohortSampler(6, cohort_size=6), EXEC())
   state = runner.init(jax.random.key(0))
@@ -352,7 +361,7 @@ def test_pfedme_step_by_hand(digits):
     for _ in range(k):
       g = jax.grad(lambda t: batch_loss(model, t, b)[0])(theta)
       theta = jax.tree.map(
-        lambda t, gg, ww: t - plr * (gg + lam * (t - ww)), theta, g, w0
+        lambda t, gg, ww: t - plr * (gg + lam * (t - ww) + wd * t), theta, g, w0
       )
     ws.append(jax.tree.map(lambda ww, t: ww - lr * lam * (ww - t), w0, theta))
     weights.append(float(digits.train.num_examples[i]))

@@ -95,6 +95,7 @@ PFLLIB = {
   'lg_fedavg': ('LG-FedAvg', 'serverlg', 'LG_FedAvg'),
   'ditto': ('Ditto', 'serverditto', 'Ditto'),
   'scaffold': ('SCAFFOLD', 'serverscaffold', 'SCAFFOLD'),
+  'pfedme': ('pFedMe', 'serverpFedMe', 'pFedMe'),
 }
 #: Those PFLlib's main.py gives its model with ``fc`` the identity (the
 #: features are its output).
@@ -176,6 +177,9 @@ ALGORITHMS = {
   # epochs); -mu is this project's --ditto_lam
   'ditto': dict(mu=1.0, plocal_epochs=LOCAL_EPOCHS),
   'scaffold': {},
+  # this project's lambda; beta 1: the server's mean (PFLlib's -bt 0 keeps
+  # the global model at its initialization)
+  'pfedme': dict(lamda=15.0, beta=1.0),
 }
 #: Records of an algorithm under another setting: record -> algorithm.
 RECORDED_AS = {
@@ -197,7 +201,15 @@ FLAG_NAMES = {
   'plocal_epochs': None,
 }
 #: ``FLAG_NAMES`` of one algorithm, where it spells an argument otherwise.
-ALGORITHM_FLAG_NAMES = {'ditto': {'mu': 'lam'}}
+ALGORITHM_FLAG_NAMES = {
+  'ditto': {'mu': 'lam'},
+  'pfedme': {
+    'lamda': 'lam',
+    'p_learning_rate': 'personal_lr',
+    'K': 'inner_steps',
+    'beta': None,  # this project's server takes the mean (beta 1)
+  },
+}
 
 
 def flag_name(algorithm, argument):
@@ -233,6 +245,11 @@ OWN_MODELS = (
   'fedpcl',
   'apple',
 )
+#: Those compared by their global model alone: pFedMe's clients'
+#: ``personalized_params`` are their model's own parameter tensors, which
+#: ``train`` ends by overwriting with the local weights w (so PFLlib tests
+#: w as the personal model, where the paper and this project test theta).
+GLOBAL_ONLY = ('pfedme',)
 #: Those whose loop ends with what the next round would send (or whose
 #: ``send_models`` would overwrite the clients' own models).
 ENDS_SENT = (
@@ -252,6 +269,8 @@ ENDS_SENT = (
 #: pairs heads with clients through two random orders, fixed to the
 #: identity in the record (``fixed_orders``): its combination in order.
 OURS = {
+  # PFLlib's pFedMeOptimizer decays theta by mu = 0.001 (not an argument)
+  'pfedme': dict(weight_decay=0.001),
   'fedpac': dict(head_assignment='in_order'),
   # the Gumbel noise of FedCP's policy turned off on both sides (PFLlib's
   # ``gumbel_softmax`` replaced by the softmax it draws around)
@@ -504,6 +523,8 @@ METHOD_DEFAULTS = dict(
   dr_learning_rate=0.0,
   L=1.0,
   plocal_epochs=1,
+  K=5,
+  p_learning_rate=0.01,
 )
 
 
@@ -876,8 +897,8 @@ def run(torch, name, data, init_state, template, sample_x):
     clientbase.DataLoader = loader
   correct = []
   for client in server.clients:
-    if name == 'ditto':  # its clients are tested on their personal models
-      acc, num, _ = client.test_metrics_personalized()
+    if name == 'ditto':  # tested on their personal models
+      acc, num = client.test_metrics_personalized()[:2]
     else:
       acc, num, _ = client.test_metrics()
     correct.append(acc)
