@@ -103,7 +103,7 @@ LEADERBOARD = {
   'fedgen': {},
   'fedpcl': {},
   'apple': {},
-  # two of the seeds' baselines PFLlib also has; FedProx at this project's mu
+  # the seeds' baselines PFLlib also has; FedProx at this project's mu
   # (PFLlib's -mu 0 is FedAvg)
   'local': {},
   'fedprox': dict(mu=0.01),

@@ -164,7 +164,8 @@ ALGORITHMS = {
   'fedpcl': dict(tau=0.5),
   # the relationship vectors learned (PFLlib's -dlr 0 keeps them uniform)
   'apple': dict(dr_learning_rate=1.0, mu=0.5, L=1.0),
-  # two of the seeds' baselines PFLlib also has
+  # the seeds' baselines PFLlib also has (its versions, where they differ, in
+  # OURS and the docs)
   'local': {},
   # mu large enough that its pull shows in two steps of lr 0.05
   'fedprox': dict(mu=5.0),
