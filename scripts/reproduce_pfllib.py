@@ -255,12 +255,10 @@ def own_flags(name):
   """This project's flags for ``name`` on the leaderboard: its
   ``LEADERBOARD`` settings under this project's names (PFLlib's ``-mu`` is
   Ditto's ``--ditto_lam``), and ``OWN_FLAGS``."""
-  own = {
-    f'{name}_{_peer().flag_name(name, k)}': v
-    for k, v in LEADERBOARD[name].items()
-    if _peer().flag_name(name, k) is not None
+  return {
+    **_peer().our_flags(name, LEADERBOARD[name]),
+    **OWN_FLAGS.get(name, {}),
   }
-  return {**own, **OWN_FLAGS.get(name, {})}
 
 
 def run_ours(cfg, directory, data, name):

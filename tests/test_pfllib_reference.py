@@ -173,11 +173,7 @@ def test_equal_to_pfllib(reference, name, monkeypatch):
     client_lr=PEER.LR, batch_size=PEER.TRAIN, local_epochs=PEER.LOCAL_EPOCHS
   )
   algo = PEER.RECORDED_AS.get(name, name)
-  flags = {
-    f'{algo}_{PEER.flag_name(algo, k)}': v
-    for k, v in own.items()
-    if PEER.flag_name(algo, k) is not None
-  }
+  flags = PEER.our_flags(algo, own)
   alg = algorithms.build(algo, model, data, training, **flags)
   state = _rounds(alg, data, reference, name)
   cm = alg.client_models(state)
@@ -343,7 +339,9 @@ def test_the_leaderboard_gives_both_sides_the_same_settings():
     # PFLlib's argument of each setting, one named after the algorithm first
     # (fedcross_alpha is FedCross's alpha; alpha FML's)
     keys = {}
-    for key in sorted(PEER.METHOD_DEFAULTS, key=lambda k: k.startswith(name)):
+    for key in sorted(
+      PEER.METHOD_DEFAULTS, key=lambda k: k.startswith(name + '_')
+    ):
       owner = key.split('_')[0]
       if owner not in board.LEADERBOARD or owner == name:
         keys[PEER.flag_name(name, key)] = key

@@ -220,6 +220,18 @@ def flag_name(algorithm, argument):
   return names.get(argument, argument)
 
 
+def our_flags(algorithm, arguments):
+  """This project's flags (``--<algorithm>_<setting>``) for PFLlib's
+  ``arguments`` of ``algorithm`` (``flag_name``'s; those it names None
+  left out)."""
+  flags = {}
+  for argument, value in arguments.items():
+    name = flag_name(algorithm, argument)
+    if name is not None:
+      flags[f'{algorithm}_{name}'] = value
+  return flags
+
+
 #: Those whose clients keep their own models, recorded client by client.
 OWN_MODELS = (
   'local',
@@ -270,9 +282,9 @@ ENDS_SENT = (
 #: pairs heads with clients through two random orders, fixed to the
 #: identity in the record (``fixed_orders``): its combination in order.
 OURS = {
+  'fedpac': dict(head_assignment='in_order'),
   # PFLlib's pFedMeOptimizer decays theta by mu = 0.001 (not an argument)
   'pfedme': dict(weight_decay=0.001),
-  'fedpac': dict(head_assignment='in_order'),
   # the Gumbel noise of FedCP's policy turned off on both sides (PFLlib's
   # ``gumbel_softmax`` replaced by the softmax it draws around)
   'fedcp': dict(gumbel=False),
