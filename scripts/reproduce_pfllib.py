@@ -261,6 +261,24 @@ def own_flags(name):
   }
 
 
+def trial_final(history):
+  """One trial's row: PFLlib's metric at the last evaluation
+  (``accuracy``) and at the best (``best``); a diverged trial says so
+  (``reporting.final_summary``'s ``diverged``, ``diverged_at_round``), so
+  ``aggregate_trials`` leaves it out and counts it, whether or not an
+  evaluation came before."""
+  final = reporting.final_summary(history)
+  if final.get('diverged'):
+    return {k: final[k] for k in ('diverged', 'diverged_at_round')}
+  evals = [r for r in history if 'accuracy_weighted' in r]
+  if not evals:
+    return {}
+  return {
+    'accuracy': evals[-1]['accuracy_weighted'],
+    'best': max(r['accuracy_weighted'] for r in evals),
+  }
+
+
 def run_ours(cfg, directory, data, name):
   """The trials of one algorithm: (summary, median seconds per round)."""
   model = create_model('pfllib_cnn', 10, data.train.x[0, :1], init='pytorch')
@@ -298,18 +316,7 @@ def run_ours(cfg, directory, data, name):
     reuse=cfg.reuse_trials,
     directory=directory,
   )
-  finals = []
-  for h in histories:
-    evals = [r for r in h if 'accuracy_weighted' in r]
-    if not evals:  # the trial diverged before its first evaluation
-      finals.append({'accuracy': float('nan'), 'best': float('nan')})
-      continue
-    finals.append(
-      {
-        'accuracy': evals[-1]['accuracy_weighted'],
-        'best': max(r['accuracy_weighted'] for r in evals),
-      }
-    )
+  finals = [trial_final(h) for h in histories]
   seconds = [
     r['round_seconds'] for h in histories for r in h[1:] if 'round_seconds' in r
   ]

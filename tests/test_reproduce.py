@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import helpers
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -429,6 +430,35 @@ def test_a_diverged_trial_is_reported_not_fatal():
   assert reproduce.cell(mixed, 'accuracy_mean_window').endswith(
     '(1/3 diverged)'
   )
+
+
+def test_pfllib_leaderboard_counts_a_diverged_trial():
+  """The PFLlib leaderboard's row of a trial (``trial_final``): a trial that
+  diverged is counted as diverged and left out of the mean, also when an
+  evaluation came before its divergence (that evaluation is not its
+  final accuracy); a trial without one is counted too (FD's, at round 2)."""
+  from fedjax_personal.run import reporting, reproduce
+
+  board = helpers.script_module('scripts', 'reproduce_pfllib.py')
+  ok = [
+    {'round': 1, 'accuracy_weighted': 0.5},
+    {'round': 2, 'accuracy_weighted': 0.7},
+    {'round': 3, 'accuracy_weighted': 0.6},
+  ]
+  late = [
+    {'round': 1, 'accuracy_weighted': 0.9},
+    {'round': 2, 'diverged': True, 'train_loss': float('nan')},
+  ]
+  early = [{'round': 1}, {'round': 2, 'diverged': True}]
+  assert board.trial_final(ok) == {'accuracy': 0.6, 'best': 0.7}
+  assert board.trial_final(late) == {'diverged': True, 'diverged_at_round': 2}
+  summary = reporting.aggregate_trials(
+    [board.trial_final(h) for h in (ok, late, early)]
+  )
+  assert summary['diverged_trials'] == 2 and summary['accuracy'] == 0.6
+  assert reproduce.cell(summary, 'accuracy') == '60.0 ± 0.0 (2/3 diverged)'
+  every = reporting.aggregate_trials([board.trial_final(early)] * 3)
+  assert reproduce.cell(every, 'accuracy') == 'diverged'
 
 
 def test_trial_curves_leave_diverged_trials_out_as_the_tables():
